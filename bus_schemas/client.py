@@ -1,0 +1,398 @@
+"""The NATS-native tokenbus client.
+
+One wildcard inbox subscription per client carries the frames of every request; each
+request is an async iterator of chunks. Closing the iterator early cancels the request
+on the replica serving it.
+
+    async with await Client.connect("nats://127.0.0.1:4222") as tb:
+        async for chunk in tb.chat("sim-small", [{"role": "user", "content": "hi"}]):
+            print(chunk.text, end="")
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any
+
+import nats
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+
+from bus_schemas import codec, frames, subjects
+from bus_schemas import errors as E
+from bus_schemas import headers as H
+
+DEFAULT_TIMEOUT_S = 600.0
+_TOMBSTONE_TTL_S = 120.0
+_TOMBSTONES_MAX = 10_000
+
+
+@dataclass(slots=True)
+class Chunk:
+    """Generated text from one stream frame (one or more tokens)."""
+
+    text: str
+    tokens: int
+    index: int
+
+
+@dataclass(slots=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+@dataclass(slots=True)
+class Completion:
+    """A whole (non-streamed) result."""
+
+    request_id: str
+    model: str
+    text: str
+    finish_reason: str
+    usage: Usage
+    replica: str | None
+    timings: dict[str, int] = field(default_factory=dict)
+
+
+class Stream:
+    """One request's frames as an async iterator of :class:`Chunk`.
+
+    After iteration ends, ``finish_reason``, ``usage`` and ``timings`` are set. Closing
+    it (``aclose()``, leaving ``async with``, breaking out of ``async for`` in a task that is
+    then cancelled) before the end cancels the request.
+    """
+
+    def __init__(
+        self,
+        client: Client,
+        kind: str,
+        body: dict[str, Any],
+        *,
+        timeout: float,
+        api_key: str | None,
+        request_id: str | None,
+        extra_headers: dict[str, str] | None,
+    ) -> None:
+        self._client = client
+        self.kind = kind
+        self.model = str(body.get("model", ""))
+        self._body = body
+        self.request_id = request_id or uuid.uuid4().hex
+        self._timeout = timeout
+        self._api_key = api_key
+        self._extra_headers = extra_headers
+        self._queue: asyncio.Queue[tuple[dict[str, str] | None, bytes]] = asyncio.Queue()
+        self._started = False
+        self._done = False
+        self._deadline = 0.0
+        self.replica: str | None = None
+        self.finish_reason: str | None = None
+        self.usage: Usage | None = None
+        self.timings: dict[str, int] = {}
+        self.t_sent_ns = 0
+        self.t_first_ns = 0
+
+    # -- async iterator protocol ------------------------------------------------------------
+    def __aiter__(self) -> Stream:
+        return self
+
+    async def __aenter__(self) -> Stream:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()
+
+    async def start(self) -> None:
+        """Publish the request (done by the first iteration if not called)."""
+        if self._started:
+            return
+        self._started = True
+        now = time.time()
+        self._deadline = time.monotonic() + self._timeout
+        hdrs = {
+            H.REQUEST_ID: self.request_id,
+            H.DEADLINE: str(int((now + self._timeout) * 1000)),
+        }
+        if self._api_key:
+            hdrs[H.API_KEY] = self._api_key
+        if self._extra_headers:
+            hdrs.update(self._extra_headers)
+        self._client._register(self)
+        self.t_sent_ns = time.time_ns()
+        hdrs[H.T0] = str(self.t_sent_ns)
+        try:
+            await self._client.nc.publish(
+                subjects.request(self.kind),
+                codec.encode(self._body),
+                reply=self._client.inbox_for(self.request_id),
+                headers=hdrs,
+            )
+        except Exception as exc:
+            self._finish()
+            raise E.ServiceUnavailable(f"could not publish the request to NATS: {exc}") from None
+
+    def pending(self) -> int:
+        """Frames already received and not yet consumed (a consumer behind may coalesce)."""
+        return self._queue.qsize()
+
+    async def __anext__(self) -> Chunk:
+        if not self._started:
+            await self.start()
+        while True:
+            if self._done and self._queue.empty():
+                raise StopAsyncIteration
+            if self._queue.empty():
+                remaining = self._deadline - time.monotonic()
+                try:
+                    async with asyncio.timeout(max(remaining, 0.0)):
+                        hdrs, data = await self._queue.get()
+                except TimeoutError:
+                    await self.aclose()
+                    raise E.Timeout(
+                        f"no answer within the request timeout of {self._timeout:g}s"
+                    ) from None
+            else:
+                hdrs, data = self._queue.get_nowait()
+            if not data and hdrs and hdrs.get(H.NATS_STATUS) == "503":
+                self._finish()
+                raise E.ServiceUnavailable(
+                    "no tokenbus ingress is listening on this NATS server; start the stack "
+                    "(`tokenbus up`) or the ingress service"
+                )
+            frame = frames.decode(data)
+            t = frame.get("t")
+            if t == frames.CHUNK:
+                if not self.t_first_ns:
+                    self.t_first_ns = time.time_ns()
+                return Chunk(frame["d"], int(frame.get("n", 1)), int(frame.get("i", 0)))
+            if t == frames.ACCEPT:
+                self.replica = frame.get("replica")
+                continue
+            if t == frames.FINAL:
+                self.finish_reason = frame.get("finish_reason")
+                u = frame.get("usage") or {}
+                self.usage = Usage(
+                    int(u.get("prompt_tokens", 0)),
+                    int(u.get("completion_tokens", 0)),
+                    int(u.get("total_tokens", 0)),
+                )
+                self.timings = dict(frame.get("timings") or {})
+                self._finish()
+                raise StopAsyncIteration
+            if t == frames.ERROR:
+                self._finish()
+                raise E.TokenbusError.from_dict(frame.get("error") or {})
+            # Unknown frame types from newer senders are skipped.
+
+    def _finish(self) -> None:
+        if not self._done:
+            self._done = True
+            self._client._unregister(self)
+
+    @property
+    def done(self) -> bool:
+        return self._done
+
+    async def aclose(self) -> None:
+        """Stop the request; if a replica is generating for it, tell it to abort."""
+        if not self._started or self._done:
+            self._done = True
+            return
+        self._finish()
+        if self.replica:
+            await self._client._send_cancel(self.replica, self.request_id)
+        else:
+            self._client._tombstone(self.request_id)
+
+    async def collect(self) -> Completion:
+        """Read the stream to its end and return the whole completion."""
+        parts: list[str] = []
+        try:
+            async for c in self:
+                parts.append(c.text)
+        finally:
+            await self.aclose()
+        return Completion(
+            request_id=self.request_id,
+            model=self.model,
+            text="".join(parts),
+            finish_reason=self.finish_reason or "stop",
+            usage=self.usage or Usage(0, 0, 0),
+            replica=self.replica,
+            timings=self.timings,
+        )
+
+
+class Client:
+    """tokenbus over NATS: publish requests to ingress, read frames from a private inbox."""
+
+    def __init__(self, nc: NATS, *, owner: str | None = None, own_connection: bool = False):
+        self.nc = nc
+        self._own = own_connection
+        self._prefix = subjects.inbox_prefix(owner or uuid.uuid4().hex)
+        self._streams: dict[str, Stream] = {}
+        self._tombstones: OrderedDict[str, float] = OrderedDict()
+        self._sub: Any = None
+
+    @classmethod
+    async def connect(cls, url: str = "nats://127.0.0.1:4222", **options: Any) -> Client:
+        """Connect to NATS and start a client that owns the connection."""
+        options.setdefault("name", "tokenbus-client")
+        options.setdefault("max_reconnect_attempts", -1)
+        nc = await nats.connect(url, **options)
+        client = cls(nc, own_connection=True)
+        await client.start()
+        return client
+
+    async def start(self) -> None:
+        """Subscribe the inbox; call once (``connect`` does it)."""
+        if self._sub is None:
+            self._sub = await self.nc.subscribe(
+                f"{self._prefix}.*",
+                cb=self._on_frame,
+                pending_msgs_limit=1_000_000,
+                pending_bytes_limit=512 * 1024 * 1024,
+            )
+
+    async def close(self) -> None:
+        """Cancel open streams, unsubscribe, and close the connection if this client owns it."""
+        for s in list(self._streams.values()):
+            await s.aclose()
+        if self._sub is not None:
+            try:
+                await self._sub.unsubscribe()
+            except Exception:  # noqa: S110 - connection already closed: nothing to undo
+                pass
+            self._sub = None
+        if self._own:
+            await self.nc.drain()
+
+    async def __aenter__(self) -> Client:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def inbox_for(self, request_id: str) -> str:
+        return f"{self._prefix}.{request_id}"
+
+    def _register(self, s: Stream) -> None:
+        self._streams[s.request_id] = s
+
+    def _unregister(self, s: Stream) -> None:
+        self._streams.pop(s.request_id, None)
+
+    def _tombstone(self, request_id: str) -> None:
+        # A request closed before a replica accepted it: remember it so that the accept frame,
+        # if it still comes, is answered with a cancel instead of a wasted generation.
+        now = time.monotonic()
+        self._tombstones[request_id] = now + _TOMBSTONE_TTL_S
+        while self._tombstones and (
+            len(self._tombstones) > _TOMBSTONES_MAX or next(iter(self._tombstones.values())) < now
+        ):
+            self._tombstones.popitem(last=False)
+
+    async def _send_cancel(self, replica: str, request_id: str) -> None:
+        try:
+            await self.nc.publish(
+                subjects.worker_cancel(replica), codec.encode({"type": "cancel", "request_id": request_id})
+            )
+        except Exception:  # noqa: S110 - best effort: the worker also notices the deadline
+            pass
+
+    async def _on_frame(self, msg: Msg) -> None:
+        rid = msg.subject.rpartition(".")[2]
+        s = self._streams.get(rid)
+        if s is not None:
+            s._queue.put_nowait((msg.headers, msg.data))
+            return
+        if rid in self._tombstones and msg.data:
+            try:
+                frame = frames.decode(msg.data)
+            except E.TokenbusError:
+                return
+            if frame.get("t") == frames.ACCEPT and frame.get("replica"):
+                del self._tombstones[rid]
+                await self._send_cancel(str(frame["replica"]), rid)
+
+    # -- public API -------------------------------------------------------------------------
+    def submit(
+        self,
+        kind: str,
+        body: dict[str, Any],
+        *,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        api_key: str | None = None,
+        request_id: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> Stream:
+        """A request of ``kind`` (``chat`` or ``completions``) with an OpenAI-shaped body."""
+        return Stream(
+            self,
+            kind,
+            body,
+            timeout=timeout,
+            api_key=api_key,
+            request_id=request_id,
+            extra_headers=headers,
+        )
+
+    def chat(
+        self,
+        model: str,
+        messages: Sequence[dict[str, Any]],
+        *,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        api_key: str | None = None,
+        request_id: str | None = None,
+        **params: Any,
+    ) -> Stream:
+        """Stream a chat completion; ``params`` are OpenAI's (max_tokens, temperature, ...)."""
+        body = {"model": model, "messages": list(messages), **params}
+        return self.submit(
+            subjects.KIND_CHAT, body, timeout=timeout, api_key=api_key, request_id=request_id
+        )
+
+    def completions(
+        self,
+        model: str,
+        prompt: str,
+        *,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        api_key: str | None = None,
+        request_id: str | None = None,
+        **params: Any,
+    ) -> Stream:
+        """Stream a text completion."""
+        body = {"model": model, "prompt": prompt, **params}
+        return self.submit(
+            subjects.KIND_COMPLETIONS, body, timeout=timeout, api_key=api_key, request_id=request_id
+        )
+
+    async def chat_completion(
+        self, model: str, messages: Sequence[dict[str, Any]], **kwargs: Any
+    ) -> Completion:
+        """A whole chat completion (non-streaming)."""
+        return await self.chat(model, messages, **kwargs).collect()
+
+    async def completion(self, model: str, prompt: str, **kwargs: Any) -> Completion:
+        """A whole text completion (non-streaming)."""
+        return await self.completions(model, prompt, **kwargs).collect()
+
+
+async def stream_text(stream: Stream) -> AsyncIterator[str]:
+    """Convenience: the text pieces of a stream."""
+    async for c in stream:
+        yield c.text

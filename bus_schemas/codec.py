@@ -1,0 +1,32 @@
+"""msgpack on the wire; never pickle."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgpack
+
+from bus_schemas import errors
+
+_packer_opts: dict[str, Any] = {"use_bin_type": True}
+
+
+def encode(obj: Any) -> bytes:
+    """Encode plain data (dicts, lists, str, int, float, bytes, None) as msgpack."""
+    return msgpack.packb(obj, **_packer_opts)
+
+
+def decode(data: bytes) -> Any:
+    """Decode msgpack; malformed input raises :class:`errors.InvalidRequest`."""
+    try:
+        return msgpack.unpackb(data, raw=False, strict_map_key=False)
+    except (ValueError, msgpack.UnpackException, TypeError) as exc:
+        raise errors.InvalidRequest(f"body is not valid msgpack: {exc}") from None
+
+
+def decode_map(data: bytes) -> dict[str, Any]:
+    """Decode a msgpack map, refusing anything else."""
+    obj = decode(data)
+    if not isinstance(obj, dict):
+        raise errors.InvalidRequest("body must be a msgpack map")
+    return obj

@@ -1,0 +1,210 @@
+"""The typed error tree: each error has a code, an HTTP status, a retryable flag and a message.
+
+Errors cross the bus as error frames (see :mod:`bus_schemas.frames`) and are mapped to
+OpenAI-shaped HTTP errors by the bridge. A client never sees a traceback.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+
+class TokenbusError(Exception):
+    """Base of every error tokenbus reports to a caller."""
+
+    code: ClassVar[str] = "internal_error"
+    status: ClassVar[int] = 500
+    retryable: ClassVar[bool] = False
+    type: ClassVar[str] = "server_error"
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+    def to_dict(self) -> dict[str, Any]:
+        """The wire form used inside error frames."""
+        return {
+            "code": self.code,
+            "status": self.status,
+            "message": self.message,
+            "retryable": self.retryable,
+            "param": self.param,
+        }
+
+    def openai_body(self) -> dict[str, Any]:
+        """OpenAI's error JSON shape."""
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TokenbusError:
+        """Rebuild a typed error from its wire form (unknown codes keep their status)."""
+        code = str(data.get("code", "internal_error"))
+        klass = ERRORS_BY_CODE.get(code)
+        msg = str(data.get("message", "error"))
+        param = data.get("param")
+        if klass is not None:
+            return klass(msg, param=param)
+        err = RemoteError(msg, param=param)
+        err.remote_code = code
+        err.remote_status = int(data.get("status", 500))
+        err.remote_retryable = bool(data.get("retryable", False))
+        return err
+
+
+class RemoteError(TokenbusError):
+    """An error whose code this version does not know; keeps what the sender said."""
+
+    remote_code: str = "internal_error"
+    remote_status: int = 500
+    remote_retryable: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        d = super().to_dict()
+        d.update(code=self.remote_code, status=self.remote_status, retryable=self.remote_retryable)
+        return d
+
+    def openai_body(self) -> dict[str, Any]:
+        body = super().openai_body()
+        body["error"]["code"] = self.remote_code
+        return body
+
+    @property
+    def http_status(self) -> int:
+        return self.remote_status
+
+
+class InvalidRequest(TokenbusError):
+    """The request is malformed or has a wrong value; fix it and send again."""
+
+    code = "invalid_request"
+    status = 400
+    type = "invalid_request_error"
+
+
+class InvalidJSON(InvalidRequest):
+    code = "invalid_json"
+
+
+class PayloadTooLarge(InvalidRequest):
+    code = "payload_too_large"
+    status = 413
+
+
+class Unauthorized(TokenbusError):
+    code = "invalid_api_key"
+    status = 401
+    type = "authentication_error"
+
+
+class Forbidden(TokenbusError):
+    code = "model_not_allowed"
+    status = 403
+    type = "permission_error"
+
+
+class ModelNotFound(TokenbusError):
+    code = "model_not_found"
+    status = 404
+    type = "invalid_request_error"
+
+
+class NotFound(TokenbusError):
+    code = "not_found"
+    status = 404
+    type = "invalid_request_error"
+
+
+class RateLimited(TokenbusError):
+    code = "rate_limit_exceeded"
+    status = 429
+    retryable = True
+    type = "rate_limit_error"
+
+
+class NoReplica(TokenbusError):
+    """No live replica serves the model right now."""
+
+    code = "no_replica"
+    status = 503
+    retryable = True
+
+
+class ServiceUnavailable(TokenbusError):
+    """A pipeline stage is not running or not reachable."""
+
+    code = "service_unavailable"
+    status = 503
+    retryable = True
+
+
+class ReplicaDraining(TokenbusError):
+    code = "replica_draining"
+    status = 503
+    retryable = True
+
+
+class ReplicaLost(TokenbusError):
+    """The replica serving the stream went away before it finished."""
+
+    code = "replica_lost"
+    status = 503
+    retryable = True
+
+
+class Timeout(TokenbusError):
+    code = "timeout"
+    status = 504
+    retryable = True
+
+
+class Cancelled(TokenbusError):
+    code = "cancelled"
+    status = 499
+    type = "invalid_request_error"
+
+
+class EngineError(TokenbusError):
+    code = "engine_error"
+    status = 502
+    retryable = True
+
+
+class InternalError(TokenbusError):
+    code = "internal_error"
+    status = 500
+
+
+ERRORS_BY_CODE: dict[str, type[TokenbusError]] = {
+    k.code: k
+    for k in (
+        InvalidRequest,
+        InvalidJSON,
+        PayloadTooLarge,
+        Unauthorized,
+        Forbidden,
+        ModelNotFound,
+        NotFound,
+        RateLimited,
+        NoReplica,
+        ServiceUnavailable,
+        ReplicaDraining,
+        ReplicaLost,
+        Timeout,
+        Cancelled,
+        EngineError,
+        InternalError,
+    )
+}
+
+
+def http_status(err: TokenbusError) -> int:
+    """The HTTP status for an error, honouring statuses of codes this version does not know."""
+    return err.http_status if isinstance(err, RemoteError) else err.status

@@ -1,0 +1,49 @@
+"""Stream frames on the hot path, built as plain dicts (schemas in :mod:`bus_schemas.messages`).
+
+A stream is one accept frame, chunk frames, then exactly one final or error frame.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from bus_schemas import codec
+from bus_schemas.errors import TokenbusError
+
+ACCEPT = "a"
+CHUNK = "c"
+FINAL = "f"
+ERROR = "e"
+
+
+def accept(replica: str, request_id: str) -> bytes:
+    return codec.encode({"t": ACCEPT, "replica": replica, "request_id": request_id})
+
+
+def chunk(text: str, ntokens: int, index: int) -> bytes:
+    return codec.encode({"t": CHUNK, "d": text, "n": ntokens, "i": index})
+
+
+def final(
+    finish_reason: str, prompt_tokens: int, completion_tokens: int, timings: dict[str, int]
+) -> bytes:
+    return codec.encode(
+        {
+            "t": FINAL,
+            "finish_reason": finish_reason,
+            "usage": {
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens,
+            },
+            "timings": timings,
+        }
+    )
+
+
+def error(err: TokenbusError) -> bytes:
+    return codec.encode({"t": ERROR, "error": err.to_dict()})
+
+
+def decode(data: bytes) -> dict[str, Any]:
+    return codec.decode_map(data)

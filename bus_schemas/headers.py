@@ -1,0 +1,21 @@
+"""Header names carried on bus messages; every stage reads these without decoding the body."""
+
+REQUEST_ID = "Tb-Request-Id"
+# Absolute deadline, Unix epoch milliseconds. Work past it is dropped with a timeout error.
+DEADLINE = "Tb-Deadline"
+# Client send time (t0), Unix epoch nanoseconds.
+T0 = "Tb-T0"
+# Comma separated ``stage=epoch_ns`` marks appended by each stage as the request passes.
+TIMINGS = "Tb-Timings"
+# Remaining pipeline stages (the routing slip), comma separated; each stage pops itself.
+ROUTE = "Tb-Route"
+MODEL = "Tb-Model"
+KIND = "Tb-Kind"
+# The caller's reply inbox when the message itself is sent as a request (router -> worker).
+REPLY_TO = "Tb-Reply-To"
+# API key as sent by the caller; auth strips it and sets PRINCIPAL.
+API_KEY = "Tb-Api-Key"
+PRINCIPAL = "Tb-Principal"
+ATTEMPT = "Tb-Attempt"
+# NATS' own status header (503 = no responders).
+NATS_STATUS = "Status"

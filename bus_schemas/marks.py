@@ -1,0 +1,52 @@
+"""Stage timestamps carried in the ``Tb-Timings`` header (epoch nanoseconds)."""
+
+from __future__ import annotations
+
+import time
+
+from bus_schemas import headers as H
+
+
+def now_ns() -> int:
+    return time.time_ns()
+
+
+def now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+def append(hdrs: dict[str, str], stage: str, ts_ns: int | None = None) -> None:
+    """Record that ``stage`` saw the request now (or at ``ts_ns``)."""
+    mark = f"{stage}={now_ns() if ts_ns is None else ts_ns}"
+    prev = hdrs.get(H.TIMINGS)
+    hdrs[H.TIMINGS] = f"{prev},{mark}" if prev else mark
+
+
+def parse(hdrs: dict[str, str] | None) -> dict[str, int]:
+    """All marks of a message, with the client's t0 as ``t0``; malformed marks are skipped."""
+    out: dict[str, int] = {}
+    if not hdrs:
+        return out
+    t0 = hdrs.get(H.T0)
+    if t0 and t0.isdigit():
+        out["t0"] = int(t0)
+    for part in hdrs.get(H.TIMINGS, "").split(","):
+        name, _, val = part.partition("=")
+        if name and val.isdigit():
+            out[name] = int(val)
+    return out
+
+
+def expired(hdrs: dict[str, str] | None) -> bool:
+    """True when the message carries a deadline that has passed."""
+    if not hdrs:
+        return False
+    d = hdrs.get(H.DEADLINE)
+    return bool(d and d.isdigit() and int(d) <= now_ms())
+
+
+def deadline_ms(hdrs: dict[str, str] | None) -> int | None:
+    if not hdrs:
+        return None
+    d = hdrs.get(H.DEADLINE)
+    return int(d) if d and d.isdigit() else None

@@ -1,0 +1,108 @@
+"""Every NATS subject, queue group and inbox prefix tokenbus uses, built in one place.
+
+No other module writes a ``tb.`` subject literal; they call these functions.
+"""
+
+from __future__ import annotations
+
+import re
+
+PREFIX = "tb.v1"
+
+# Stage names double as queue group names and as entries of the routing slip.
+STAGE_INGRESS = "ingress"
+STAGE_AUTH = "auth"
+STAGE_RATELIMIT = "ratelimit"
+STAGE_FILTER = "filter"
+STAGE_ROUTE = "route"
+STAGES = (STAGE_AUTH, STAGE_RATELIMIT, STAGE_FILTER, STAGE_ROUTE)
+
+QUEUE_INGRESS = "ingress"
+QUEUE_TELEMETRY = "telemetry"
+
+KIND_CHAT = "chat"
+KIND_COMPLETIONS = "completions"
+KINDS = (KIND_CHAT, KIND_COMPLETIONS)
+
+_SAFE = re.compile(r"[A-Za-z0-9_\-]")
+
+
+def token(name: str) -> str:
+    """Escape an arbitrary name (a model id such as ``org/model-7b.v2``) into one subject token.
+
+    Characters other than letters, digits, ``_`` and ``-`` become ``~XX`` (hex), so the
+    mapping is reversible and two different names never share a token.
+    """
+    if not name:
+        raise ValueError("subject token must not be empty")
+    return "".join(c if _SAFE.match(c) else "".join(f"~{b:02X}" for b in c.encode()) for c in name)
+
+
+def untoken(tok: str) -> str:
+    """Reverse :func:`token`."""
+    out = bytearray()
+    i = 0
+    while i < len(tok):
+        if tok[i] == "~":
+            out.append(int(tok[i + 1 : i + 3], 16))
+            i += 3
+        else:
+            out.extend(tok[i].encode())
+            i += 1
+    return out.decode()
+
+
+def request(kind: str) -> str:
+    """Where clients publish requests (ingress listens here)."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown request kind {kind!r}")
+    return f"{PREFIX}.req.{kind}"
+
+
+def requests_wildcard() -> str:
+    """Every request subject, for the ingress subscription."""
+    return f"{PREFIX}.req.*"
+
+
+def stage(name: str) -> str:
+    """The subject a pipeline stage (auth, ratelimit, filter, route) listens on."""
+    return f"{PREFIX}.stage.{name}"
+
+
+def engine_generate(model: str, replica: str) -> str:
+    """One replica's generate subject (no queue group: the router picks the replica)."""
+    return f"{PREFIX}.engine.{token(model)}.{token(replica)}.generate"
+
+
+def worker_cancel(replica: str) -> str:
+    """Where a caller asks a replica to abort a request."""
+    return f"{PREFIX}.worker.{token(replica)}.cancel"
+
+
+def heartbeat(model: str, replica: str) -> str:
+    """Where a replica announces itself and its load."""
+    return f"{PREFIX}.heartbeat.{token(model)}.{token(replica)}"
+
+
+def heartbeat_wildcard() -> str:
+    """Every replica's heartbeats (routers, bridges, ``tokenbus status``)."""
+    return f"{PREFIX}.heartbeat.*.*"
+
+
+def telemetry(kind: str) -> str:
+    """Telemetry events (fire and forget)."""
+    return f"{PREFIX}.telemetry.{kind}"
+
+
+def telemetry_wildcard() -> str:
+    return f"{PREFIX}.telemetry.>"
+
+
+def admin(service: str, action: str) -> str:
+    """Administrative calls handled by one service."""
+    return f"{PREFIX}.admin.{service}.{action}"
+
+
+def inbox_prefix(owner: str) -> str:
+    """A per-process inbox prefix; replies for every request of that process land under it."""
+    return f"_INBOX.tb.{token(owner)}"

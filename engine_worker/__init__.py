@@ -1,0 +1,1 @@
+"""The engine worker actor and its backends (sim, openai, vllm)."""

@@ -1,0 +1,273 @@
+"""A calibrated performance model of a continuous-batching engine; no GPU, deterministic text.
+
+The model: at most ``max_running`` sequences run at once, the rest wait in a FIFO queue. An
+admitted sequence's first token comes after its prefill, ``prefill_ms + prefill_ms_per_token
+* prompt_tokens``. Running sequences advance together in decode steps of ``decode_ms +
+decode_ms_per_seq * batch``, one token each. Tensor parallelism divides both by ``1 + (tp - 1)
+* tp_efficiency`` and adds ``tp_comm_ms`` per step. One event-loop timer drives the whole
+engine, so 1000 sequences cost 1/step_time wake-ups a second, not 1000 of them.
+
+The text is a pure function of the prompt and seed: :func:`expected_text` tells tests what a
+request will produce.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import zlib
+from collections import deque
+from collections.abc import AsyncIterator
+from typing import Any
+
+from bus_schemas import errors as E
+from engine_worker.backends.base import Delta, GenerationRequest
+from services.config import SimSettings, WorkerSettings
+
+VOCAB = (
+    "the quick brown fox jumps over a lazy dog while tokens stream through "
+    "nats subjects to many concurrent users and every replica reports its load "
+    "so routers choose well under pressure with low latency and high throughput "
+    "engines batch sequences prefill decode cache memory model serving gateway"
+).split()
+
+
+def count_tokens(text: str) -> int:
+    """The simulator's tokenizer: about four characters a token."""
+    return max(1, (len(text) + 3) // 4)
+
+
+def _start(prompt: str, seed: int | None) -> int:
+    return zlib.crc32(f"{seed}|{prompt}".encode())
+
+
+def token_text(start: int, i: int) -> str:
+    """The ``i``-th output token (0-based) for a prompt whose hash is ``start``."""
+    word = VOCAB[(start + i * 7919) % len(VOCAB)]
+    return word if i == 0 else " " + word
+
+
+def expected_text(prompt: str, max_tokens: int, seed: int | None = None,
+                  stop: list[str] | None = None) -> tuple[str, str]:
+    """(text, finish_reason) the simulator produces for ``prompt`` (as rendered by
+    :meth:`GenerationRequest.prompt_text`)."""
+    start = _start(prompt, seed)
+    text = ""
+    for i in range(max_tokens):
+        text += token_text(start, i)
+        hit = _find_stop(text, stop or [])
+        if hit is not None:
+            return text[:hit], "stop"
+    return text, "length"
+
+
+def _find_stop(text: str, stops: list[str]) -> int | None:
+    best: int | None = None
+    for s in stops:
+        k = text.find(s)
+        if k >= 0 and (best is None or k < best):
+            best = k
+    return best
+
+
+class _Seq:
+    __slots__ = ("buf", "cancelled", "done", "emitted", "max_tokens", "prompt_tokens",
+                 "ready_at", "start", "waiter")
+
+    def __init__(self, start: int, prompt_tokens: int, max_tokens: int) -> None:
+        self.start = start
+        self.prompt_tokens = prompt_tokens
+        self.max_tokens = max_tokens
+        self.emitted = 0
+        self.buf: list[str] = []
+        self.waiter: asyncio.Future[None] | None = None
+        self.ready_at = 0.0
+        self.done = False
+        self.cancelled = False
+
+    def push(self, text: str) -> None:
+        self.buf.append(text)
+        w = self.waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+
+class SimEngine:
+    """The batching model itself (usable without NATS, e.g. by the direct HTTP server)."""
+
+    def __init__(self, cfg: SimSettings, tp: int = 1) -> None:
+        self.cfg = cfg
+        self.tp = tp
+        self.speedup = 1.0 + (tp - 1) * cfg.tp_efficiency
+        self.comm_s = (cfg.tp_comm_ms / 1000.0) if tp > 1 else 0.0
+        self.waiting: deque[_Seq] = deque()
+        self.prefilling: list[_Seq] = []
+        self.running: list[_Seq] = []
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = 0.0
+        self._next_decode = 0.0
+        self.steps = 0
+
+    # -- cost model -------------------------------------------------------------------------
+    def prefill_s(self, prompt_tokens: int) -> float:
+        ms = self.cfg.prefill_ms + self.cfg.prefill_ms_per_token * prompt_tokens
+        return ms / 1000.0 / self.speedup + self.comm_s
+
+    def step_s(self, batch: int) -> float:
+        ms = self.cfg.decode_ms + self.cfg.decode_ms_per_seq * batch
+        return ms / 1000.0 / self.speedup + self.comm_s
+
+    # -- scheduling -------------------------------------------------------------------------
+    def submit(self, seq: _Seq) -> None:
+        self.waiting.append(seq)
+        self._admit(time.monotonic())
+        self._schedule()
+
+    def _admit(self, now: float) -> None:
+        while self.waiting and len(self.running) + len(self.prefilling) < self.cfg.max_running:
+            s = self.waiting.popleft()
+            if s.cancelled:
+                continue
+            s.ready_at = now + self.prefill_s(s.prompt_tokens)
+            self.prefilling.append(s)
+
+    def _schedule(self) -> None:
+        at = float("inf")
+        if self.running:
+            at = self._next_decode
+        for s in self.prefilling:
+            at = min(at, s.ready_at)
+        if at == float("inf"):
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+            return
+        if self._timer is not None:
+            if self._timer_at <= at:
+                return
+            self._timer.cancel()
+        loop = asyncio.get_running_loop()
+        # loop.time() and time.monotonic() share a clock on CPython's event loops and uvloop.
+        self._timer = loop.call_at(at, self._tick)
+        self._timer_at = at
+
+    def _emit(self, s: _Seq) -> None:
+        if s.cancelled:
+            s.done = True
+            return
+        s.push(token_text(s.start, s.emitted))
+        s.emitted += 1
+        if s.emitted >= s.max_tokens:
+            s.done = True
+
+    def _tick(self) -> None:
+        self._timer = None
+        now = time.monotonic()
+        if self.running and now >= self._next_decode - 1e-4:
+            for s in self.running:
+                self._emit(s)
+            self.steps += 1
+            self.running = [s for s in self.running if not s.done]
+            self._next_decode = now + self.step_s(len(self.running))
+        if self.prefilling:
+            still: list[_Seq] = []
+            joined = False
+            for s in self.prefilling:
+                if s.ready_at <= now + 1e-4:
+                    self._emit(s)
+                    if not s.done:
+                        if not self.running and not joined:
+                            self._next_decode = now + self.step_s(1)
+                        self.running.append(s)
+                        joined = True
+                else:
+                    still.append(s)
+            self.prefilling = still
+        self._admit(now)
+        self._schedule()
+
+    def cancel(self, s: _Seq) -> None:
+        s.cancelled = True
+        s.done = True
+        if s in self.prefilling:
+            self.prefilling.remove(s)
+        elif s in self.running:
+            self.running.remove(s)
+        self._admit(time.monotonic())
+        self._schedule()
+
+    def stats(self) -> dict[str, Any]:
+        active = len(self.running) + len(self.prefilling)
+        return {
+            "running": active,
+            "waiting": len(self.waiting),
+            "kv_usage": active / self.cfg.max_running,
+        }
+
+    async def generate(self, req: GenerationRequest) -> AsyncIterator[Delta]:
+        """Stream deltas; tokens produced while the consumer was busy are coalesced."""
+        prompt = req.prompt_text()
+        ptoks = count_tokens(prompt)
+        seq = _Seq(_start(prompt, req.seed), ptoks, req.max_tokens)
+        loop = asyncio.get_running_loop()
+        self.submit(seq)
+        text = ""
+        sent = 0
+        produced = 0
+        # Text that could still be the start of a stop sequence is held back.
+        hold = max((len(s) for s in req.stop), default=1) - 1
+        try:
+            while True:
+                if not seq.buf:
+                    if seq.done:
+                        break
+                    seq.waiter = loop.create_future()
+                    await seq.waiter
+                    seq.waiter = None
+                    continue
+                pieces, seq.buf = seq.buf, []
+                produced += len(pieces)
+                text += "".join(pieces)
+                if req.stop:
+                    hit = _find_stop(text, req.stop)
+                    if hit is not None:
+                        if hit > sent:
+                            yield Delta(text[sent:hit], len(pieces))
+                        self.cancel(seq)
+                        yield Delta("", 0, "stop", ptoks, produced)
+                        return
+                    safe = max(sent, len(text) - hold) if not seq.done else len(text)
+                else:
+                    safe = len(text)
+                if safe > sent:
+                    yield Delta(text[sent:safe], len(pieces))
+                    sent = safe
+            if sent < len(text):
+                yield Delta(text[sent:], 0)
+            yield Delta("", 0, "length", ptoks, produced)
+        finally:
+            if not seq.done:
+                self.cancel(seq)
+
+
+class SimBackend:
+    """The ``sim`` backend for the worker."""
+
+    name = "sim"
+
+    def __init__(self, cfg: WorkerSettings) -> None:
+        self.engine = SimEngine(cfg.sim, cfg.tp)
+
+    async def start(self) -> None:
+        return None
+
+    async def stop(self) -> None:
+        return None
+
+    def stats(self) -> dict[str, Any]:
+        return self.engine.stats()
+
+    def generate(self, req: GenerationRequest) -> AsyncIterator[Delta]:
+        if req.max_tokens < 1:
+            raise E.InvalidRequest("max_tokens must be at least 1", param="max_tokens")
+        return self.engine.generate(req)

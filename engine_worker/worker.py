@@ -1,0 +1,223 @@
+"""The engine worker actor: one replica of one model on the bus.
+
+It listens on its replica-specific generate subject (no queue group: the router chooses),
+acknowledges the router's dispatch, streams frames straight to the caller's inbox, aborts
+on cancel, and announces its load in heartbeats. On SIGTERM it stops taking work, tells the
+routers it is draining, and finishes what it has.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from typing import Any
+
+from nats.aio.msg import Msg
+
+from bus_schemas import codec, frames, marks, subjects
+from bus_schemas import errors as E
+from bus_schemas import headers as H
+from engine_worker import backends
+from engine_worker.backends.base import Backend, GenerationRequest
+from services.runtime import Service, reply_subject
+
+
+class Worker(Service):
+    """One replica: generate requests, cancel, heartbeats."""
+
+    name = "worker"
+    check_deadline = False  # checked in handle() so the router hears it in the ack
+
+    def __init__(self, settings: Any, *, backend: Backend | None = None, **kw: Any) -> None:
+        super().__init__(settings, **kw)
+        cfg = settings.worker
+        self.cfg = cfg
+        self.replica = cfg.replica or f"{cfg.backend}-{uuid.uuid4().hex[:8]}"
+        self.model = cfg.model
+        self.backend: Backend = backend or backends.create(cfg)
+        self.draining = False
+        self._active: dict[str, asyncio.Task[Any]] = {}
+        self._caller_cancelled: set[str] = set()
+        self._seq = 0
+        self.log = self.log.bind(replica=self.replica, model=self.model)
+        self.discovery.metadata.update(replica=self.replica, model=self.model)
+
+    async def setup(self) -> None:
+        await self.backend.start()
+        await self.add_endpoint(
+            "generate", subjects.engine_generate(self.model, self.replica), self.handle
+        )
+        self._cancel_sub = await self.nc.subscribe(
+            subjects.worker_cancel(self.replica), cb=self._on_cancel
+        )
+        await self.heartbeat()
+        self._hb_task = asyncio.get_running_loop().create_task(self._heartbeat_loop())
+
+    # -- heartbeats -------------------------------------------------------------------------
+    def heartbeat_body(self) -> dict[str, Any]:
+        self._seq += 1
+        st = self.backend.stats()
+        return {
+            "type": "heartbeat",
+            "replica": self.replica,
+            "model": self.model,
+            "backend": self.backend.name,
+            "in_flight": len(self._active),
+            "running": int(st.get("running", 0)),
+            "waiting": int(st.get("waiting", 0)),
+            "kv_usage": float(st.get("kv_usage", 0.0)),
+            "max_concurrency": self.cfg.max_concurrency,
+            "tp": self.cfg.tp,
+            "pool": self.cfg.pool,
+            "draining": self.draining,
+            "interval_s": self.cfg.heartbeat_interval_s,
+            "seq": self._seq,
+            "ts_ms": marks.now_ms(),
+        }
+
+    async def heartbeat(self) -> None:
+        with contextlib.suppress(Exception):
+            await self.nc.publish(
+                subjects.heartbeat(self.model, self.replica), codec.encode(self.heartbeat_body())
+            )
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.heartbeat_interval_s)
+            await self.heartbeat()
+
+    # -- lifecycle --------------------------------------------------------------------------
+    async def stop_taking_work(self) -> None:
+        self.draining = True
+        await super().stop_taking_work()
+        await self.heartbeat()
+        with contextlib.suppress(Exception):
+            await self.nc.flush(timeout=2)
+
+    async def on_stop(self) -> None:
+        self._hb_task.cancel()
+        await self.heartbeat()
+        with contextlib.suppress(Exception):
+            await self._cancel_sub.unsubscribe()
+        await self.backend.stop()
+
+    # -- requests ---------------------------------------------------------------------------
+    async def _on_cancel(self, msg: Msg) -> None:
+        try:
+            rid = str(codec.decode_map(msg.data).get("request_id", ""))
+        except E.TokenbusError:
+            return
+        task = self._active.get(rid)
+        if task is not None and not task.done():
+            self._caller_cancelled.add(rid)
+            task.cancel()
+
+    async def handle(self, msg: Msg) -> None:
+        reply = reply_subject(msg)
+        if self.draining:
+            await self._ack(msg, E.ReplicaDraining(f"replica {self.replica} is draining"))
+            return
+        if marks.expired(msg.headers):
+            await self._ack(msg, E.Timeout("the request's deadline passed before it was served"))
+            return
+        try:
+            env = codec.decode_map(msg.data)
+            req = GenerationRequest.from_envelope(env)
+        except (E.TokenbusError, KeyError, TypeError, ValueError) as exc:
+            err = exc if isinstance(exc, E.TokenbusError) else E.InvalidRequest(
+                f"malformed envelope: {exc}"
+            )
+            await self._ack(msg, err)
+            return
+        rid = req.request_id
+        task = asyncio.current_task()
+        assert task is not None
+        self._active[rid] = task
+        await self._ack(msg, None)
+        if not reply:
+            self._active.pop(rid, None)
+            return
+        t_start = marks.now_ns()
+        hdrs = msg.headers or {}
+        outcome = "ok"
+        first_ns = 0
+        completion = 0
+        try:
+            await self.nc.publish(reply, frames.accept(self.replica, rid))
+            deadline = marks.deadline_ms(hdrs)
+            timeout = None if deadline is None else max(0.0, deadline / 1000.0 - time.time())
+            index = 0
+            async with asyncio.timeout(timeout):
+                async for d in self.backend.generate(req):
+                    if d.text or d.tokens:
+                        if not first_ns:
+                            first_ns = marks.now_ns()
+                        await self.nc.publish(reply, frames.chunk(d.text, d.tokens, index))
+                        index += 1
+                        completion += d.tokens
+                    if d.finish_reason is not None:
+                        timings = marks.parse(hdrs)
+                        timings["engine_start"] = t_start
+                        timings["first_token"] = first_ns or marks.now_ns()
+                        timings["engine_end"] = marks.now_ns()
+                        completion = d.completion_tokens or completion
+                        await self.nc.publish(
+                            reply,
+                            frames.final(d.finish_reason, d.prompt_tokens, completion, timings),
+                        )
+                        outcome = d.finish_reason
+                        break
+                else:
+                    raise E.EngineError("the engine ended the stream without a finish reason")
+        except TimeoutError:
+            outcome = "timeout"
+            await self.nc.publish(reply, frames.error(E.Timeout("the request's deadline passed")))
+        except asyncio.CancelledError:
+            if rid in self._caller_cancelled:
+                outcome = "cancelled"
+                t = asyncio.current_task()
+                if t is not None:
+                    t.uncancel()
+            else:
+                outcome = "interrupted"  # shutdown: the runtime sends interrupted_error()
+                raise
+        except E.TokenbusError as exc:
+            outcome = exc.code
+            await self.nc.publish(reply, frames.error(exc))
+        except Exception as exc:
+            outcome = "engine_error"
+            self.log.exception("generation_failed", request_id=rid)
+            await self.nc.publish(
+                reply, frames.error(E.EngineError(f"the engine failed: {type(exc).__name__}"))
+            )
+        finally:
+            self._active.pop(rid, None)
+            self._caller_cancelled.discard(rid)
+            end = marks.now_ns()
+            self.log.info(
+                "request",
+                request_id=rid,
+                outcome=outcome,
+                completion_tokens=completion,
+                ttft_ms=round((first_ns - t_start) / 1e6, 3) if first_ns else None,
+                duration_ms=round((end - t_start) / 1e6, 3),
+            )
+
+    def interrupted_error(self) -> E.TokenbusError:
+        return E.ReplicaLost(f"replica {self.replica} stopped before finishing; retry")
+
+    async def _ack(self, msg: Msg, err: E.TokenbusError | None) -> None:
+        if not msg.reply:
+            return
+        body: dict[str, Any] = {
+            "type": "ack",
+            "ok": err is None,
+            "replica": self.replica,
+            "in_flight": len(self._active),
+        }
+        if err is not None:
+            body["error"] = err.to_dict()
+        with contextlib.suppress(Exception):
+            await self.nc.publish(msg.reply, codec.encode(body))

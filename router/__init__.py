@@ -1,0 +1,1 @@
+"""Replica registry from heartbeats, routing policies, dispatch with failover."""

@@ -1,0 +1,122 @@
+"""Replicas known from heartbeats, with expiry after missed beats and draining honoured."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from bus_schemas import subjects
+
+
+@dataclass(slots=True)
+class Replica:
+    """What a router knows of one replica."""
+
+    replica: str
+    model: str
+    subject: str
+    backend: str = ""
+    reported_in_flight: int = 0
+    # Requests this router sent that the replica has not acknowledged yet.
+    unacked: int = 0
+    max_concurrency: int = 1
+    running: int = 0
+    waiting: int = 0
+    tp: int = 1
+    pool: str = "default"
+    draining: bool = False
+    interval_s: float = 1.0
+    last_seen: float = 0.0
+    seq: int = 0
+
+    @property
+    def load(self) -> int:
+        """Outstanding requests as this router estimates them."""
+        return self.reported_in_flight + self.unacked
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "replica": self.replica,
+            "model": self.model,
+            "backend": self.backend,
+            "in_flight": self.reported_in_flight,
+            "running": self.running,
+            "waiting": self.waiting,
+            "max_concurrency": self.max_concurrency,
+            "tp": self.tp,
+            "pool": self.pool,
+            "draining": self.draining,
+        }
+
+
+class Registry:
+    """Live replicas per model from heartbeats."""
+
+    def __init__(self, missed_heartbeats: int = 3) -> None:
+        self.missed = missed_heartbeats
+        self._replicas: dict[str, Replica] = {}
+        self._ever_seen: set[str] = set()
+
+    def update(self, hb: dict[str, Any]) -> Replica | None:
+        """Apply one heartbeat; returns the replica, or None when the heartbeat is malformed."""
+        try:
+            rid = str(hb["replica"])
+            model = str(hb["model"])
+            r = self._replicas.get(rid)
+            if r is None or r.model != model:
+                r = Replica(replica=rid, model=model, subject=subjects.engine_generate(model, rid))
+                self._replicas[rid] = r
+            seq = int(hb.get("seq", 0))
+            if seq and seq < r.seq:
+                return r  # an older beat overtaken by a newer one
+            r.seq = seq
+            r.backend = str(hb.get("backend", ""))
+            r.reported_in_flight = int(hb.get("in_flight", 0))
+            r.max_concurrency = max(1, int(hb.get("max_concurrency", 1)))
+            r.running = int(hb.get("running", 0))
+            r.waiting = int(hb.get("waiting", 0))
+            r.tp = int(hb.get("tp", 1))
+            r.pool = str(hb.get("pool", "default"))
+            r.draining = bool(hb.get("draining", False))
+            r.interval_s = float(hb.get("interval_s", 1.0))
+            r.last_seen = time.monotonic()
+        except (KeyError, TypeError, ValueError):
+            return None
+        self._ever_seen.add(model)
+        return r
+
+    def _alive(self, r: Replica, now: float) -> bool:
+        return now - r.last_seen <= r.interval_s * self.missed
+
+    def prune(self) -> None:
+        """Forget replicas whose heartbeats stopped."""
+        now = time.monotonic()
+        for rid in [k for k, r in self._replicas.items() if not self._alive(r, now)]:
+            del self._replicas[rid]
+
+    def remove(self, replica: str) -> None:
+        self._replicas.pop(replica, None)
+
+    def get(self, replica: str) -> Replica | None:
+        return self._replicas.get(replica)
+
+    def live(self, model: str) -> list[Replica]:
+        """Replicas of ``model`` that are alive and not draining."""
+        now = time.monotonic()
+        return [
+            r
+            for r in self._replicas.values()
+            if r.model == model and not r.draining and self._alive(r, now)
+        ]
+
+    def all_live(self) -> list[Replica]:
+        now = time.monotonic()
+        return [r for r in self._replicas.values() if self._alive(r, now)]
+
+    def models(self) -> list[str]:
+        """Models with at least one live, non-draining replica."""
+        return sorted({r.model for r in self.all_live() if not r.draining})
+
+    def ever_seen(self, model: str) -> bool:
+        return model in self._ever_seen

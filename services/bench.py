@@ -1,0 +1,379 @@
+"""``tokenbus bench``: a closed-loop concurrency sweep over HTTP (any OpenAI-compatible
+endpoint) or NATS, with TTFT, TBT, end-to-end latency, tokens/s and errors, as JSON.
+
+``--spawn`` starts its own stack (embedded nats-server, ingress, router, one sim worker, the
+bridge) and the same sim engine behind a plain HTTP server, then measures both in one run,
+level by level, so the gateway's cost is a ratio measured side by side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from services.config import DEFAULT_MODEL, Settings
+
+
+@dataclass
+class Result:
+    ok: bool
+    ttft_s: float = 0.0
+    e2e_s: float = 0.0
+    tbt_s: float | None = None
+    tokens: int = 0
+    error: str = ""
+
+
+@dataclass
+class Target:
+    """One thing to measure: an HTTP base URL or the NATS client."""
+
+    name: str
+    mode: str  # http | nats
+    url: str
+    pids: dict[str, int] = field(default_factory=dict)
+
+
+def add_parser(sub: Any) -> None:
+    b = sub.add_parser("bench", help="concurrency sweep: TTFT, TBT, e2e, tokens/s, errors (JSON)")
+    b.add_argument("--url", default="http://127.0.0.1:8000/v1",
+                   help="OpenAI-compatible base URL (mode http)")
+    b.add_argument("--mode", choices=["http", "nats"], default="http")
+    b.add_argument("--baseline-url", help="a second base URL measured level by level beside it")
+    b.add_argument("--spawn", action="store_true",
+                   help="start a private stack and a direct sim server and compare them")
+    b.add_argument("--model", default=DEFAULT_MODEL)
+    b.add_argument("--concurrency", default="1,2,4,8,16,32,64,128,256",
+                   help="comma separated levels")
+    b.add_argument("--requests-per-client", type=int, default=20,
+                   help="requests per level = this x concurrency (ScaleLLM uses 20)")
+    b.add_argument("--max-tokens", type=int, default=64)
+    b.add_argument("--prompt", default="Explain how a continuous batching engine schedules "
+                                        "sequences.")
+    b.add_argument("--timeout", type=float, default=300.0, help="per request, seconds")
+    b.add_argument("--out", help="JSON file (default bench-results/bench-<time>.json)")
+    b.add_argument("--no-progress", action="store_true")
+    g = b.add_argument_group("--spawn: the simulated engine")
+    g.add_argument("--sim-prefill-ms", type=float, default=20.0)
+    g.add_argument("--sim-decode-ms", type=float, default=10.0)
+    g.add_argument("--sim-max-running", type=int, default=1024)
+    g.add_argument("--bridge-processes", type=int, default=1)
+    g.add_argument("--nats-too", action="store_true", help="--spawn: also measure over NATS")
+
+
+# -- one request ------------------------------------------------------------------------------
+async def http_request(session: Any, url: str, body: dict[str, Any], timeout: float) -> Result:
+    t0 = time.perf_counter()
+    first = last = 0.0
+    tokens = 0
+    chunks = 0
+    try:
+        async with asyncio.timeout(timeout):
+            async with session.post(f"{url}/chat/completions", json=body) as resp:
+                if resp.status != 200:
+                    text = await resp.text()
+                    return Result(False, error=f"http_{resp.status}:{text[:120]}")
+                async for raw in resp.content:
+                    if not raw.startswith(b"data: "):
+                        continue
+                    payload = raw[6:].strip()
+                    if payload == b"[DONE]":
+                        break
+                    obj = json.loads(payload)
+                    if "error" in obj:
+                        return Result(False, error=str(obj["error"].get("code")))
+                    usage = obj.get("usage")
+                    if usage:
+                        tokens = int(usage.get("completion_tokens", 0))
+                    for ch in obj.get("choices") or ():
+                        if (ch.get("delta") or {}).get("content"):
+                            now = time.perf_counter()
+                            if not first:
+                                first = now
+                            last = now
+                            chunks += 1
+    except TimeoutError:
+        return Result(False, error="timeout")
+    except Exception as exc:
+        return Result(False, error=type(exc).__name__)
+    end = time.perf_counter()
+    if not first:
+        return Result(False, error="no_tokens")
+    tokens = tokens or chunks
+    tbt = (last - first) / (tokens - 1) if tokens > 1 else None
+    return Result(True, first - t0, end - t0, tbt, tokens)
+
+
+async def nats_request(client: Any, body: dict[str, Any], timeout: float) -> Result:
+    from bus_schemas.errors import TokenbusError
+
+    t0 = time.perf_counter()
+    first = last = 0.0
+    stream = client.submit("chat", body, timeout=timeout)
+    try:
+        async for _ in stream:
+            now = time.perf_counter()
+            if not first:
+                first = now
+            last = now
+    except TokenbusError as exc:
+        return Result(False, error=exc.code)
+    finally:
+        await stream.aclose()
+    end = time.perf_counter()
+    if not first:
+        return Result(False, error="no_tokens")
+    tokens = stream.usage.completion_tokens if stream.usage else 0
+    tbt = (last - first) / (tokens - 1) if tokens > 1 else None
+    return Result(True, first - t0, end - t0, tbt, tokens)
+
+
+# -- a level ----------------------------------------------------------------------------------
+def _pct(values: list[float], p: float) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    k = min(len(s) - 1, max(0, round(p / 100 * (len(s) - 1))))
+    return s[k]
+
+
+def _summary_ms(values: list[float]) -> dict[str, float]:
+    ms = [v * 1000 for v in values]
+    if not ms:
+        return {}
+    return {"mean": round(statistics.fmean(ms), 3), "p50": round(_pct(ms, 50), 3),
+            "p90": round(_pct(ms, 90), 3), "p99": round(_pct(ms, 99), 3),
+            "max": round(max(ms), 3)}
+
+
+def _rss_mb(pid: int) -> float | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None
+
+
+async def run_level(target: Target, conc: int, total: int, a: argparse.Namespace,
+                    progress: bool) -> dict[str, Any]:
+    import aiohttp
+
+    body = {"model": a.model, "messages": [{"role": "user", "content": a.prompt}],
+            "max_tokens": a.max_tokens, "stream": True,
+            "stream_options": {"include_usage": True}}
+    results: list[Result] = []
+    remaining = total
+    peak: dict[str, float] = {}
+    session = client = None
+    if target.mode == "http":
+        session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, force_close=False),
+            timeout=aiohttp.ClientTimeout(total=None))
+    else:
+        from bus_schemas.client import Client
+
+        client = await Client.connect(target.url)
+
+    async def one_client() -> None:
+        nonlocal remaining
+        while remaining > 0:
+            remaining -= 1
+            if session is not None:
+                results.append(await http_request(session, target.url, body, a.timeout))
+            else:
+                results.append(await nats_request(client, body, a.timeout))
+
+    async def sample() -> None:
+        while True:
+            for name, pid in target.pids.items():
+                v = _rss_mb(pid)
+                if v is not None:
+                    peak[name] = max(peak.get(name, 0.0), v)
+            if progress:
+                done = len(results)
+                bar = int(30 * done / total)
+                errs = sum(1 for r in results if not r.ok)
+                sys.stderr.write(f"\r  {target.name:<15} c={conc:<5} [{'#' * bar}{'.' * (30 - bar)}]"
+                                 f" {done}/{total} errors={errs}   ")
+                sys.stderr.flush()
+            await asyncio.sleep(0.25)
+
+    sampler = asyncio.get_running_loop().create_task(sample())
+    t0 = time.perf_counter()
+    try:
+        await asyncio.gather(*(one_client() for _ in range(conc)))
+    finally:
+        wall = time.perf_counter() - t0
+        sampler.cancel()
+        if session is not None:
+            await session.close()
+        if client is not None:
+            await client.close()
+    if progress:
+        sys.stderr.write("\n")
+    ok = [r for r in results if r.ok]
+    errors: dict[str, int] = {}
+    for r in results:
+        if not r.ok:
+            errors[r.error] = errors.get(r.error, 0) + 1
+    tokens = sum(r.tokens for r in ok)
+    return {
+        "target": target.name, "mode": target.mode, "concurrency": conc,
+        "requests": len(results), "errors": len(results) - len(ok), "error_kinds": errors,
+        "duration_s": round(wall, 3),
+        "output_tokens": tokens,
+        "output_tokens_per_s": round(tokens / wall, 1) if wall else 0.0,
+        "requests_per_s": round(len(ok) / wall, 2) if wall else 0.0,
+        "ttft_ms": _summary_ms([r.ttft_s for r in ok]),
+        "tbt_ms": _summary_ms([r.tbt_s for r in ok if r.tbt_s is not None]),
+        "e2e_ms": _summary_ms([r.e2e_s for r in ok]),
+        "peak_rss_mb": {k: round(v, 1) for k, v in peak.items()},
+    }
+
+
+# -- spawned stack ----------------------------------------------------------------------------
+async def _wait_http(url: str, timeout: float = 30.0) -> None:
+    from services.launcher import wait_ready
+
+    if not await wait_ready(url, timeout):
+        raise RuntimeError(f"{url} did not become ready")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def spawn_stack(a: argparse.Namespace, sup: Any) -> tuple[list[Target], Any]:
+    from services.launcher import Child, cli_argv, nats_server_binary, port_open
+
+    nats_port, bridge_port, direct_port = _free_port(), _free_port(), _free_port()
+    tmp = tempfile.mkdtemp(prefix="tokenbus-bench-")
+    nats = await asyncio.create_subprocess_exec(
+        nats_server_binary(), "-a", "127.0.0.1", "-p", str(nats_port), "-js", "-sd", tmp,
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
+    for _ in range(100):
+        if port_open("127.0.0.1", nats_port):
+            break
+        await asyncio.sleep(0.05)
+    url = f"nats://127.0.0.1:{nats_port}"
+    env = {"TOKENBUS_NATS_URL": url, "TOKENBUS_LOG_LEVEL": "warning"}
+    sim = ["--model", a.model, "--sim-prefill-ms", str(a.sim_prefill_ms), "--sim-decode-ms",
+           str(a.sim_decode_ms), "--sim-max-running", str(a.sim_max_running),
+           "--max-concurrency", str(a.sim_max_running)]
+    await sup.add(Child("ingress", cli_argv("serve", "ingress"), env))
+    await sup.add(Child("router", cli_argv("serve", "router"), env))
+    await sup.add(Child("worker", cli_argv("serve", "worker", "--replica", "bench-0", *sim), env))
+    reuse = ["--reuse-port"] if a.bridge_processes > 1 else []
+    for i in range(a.bridge_processes):
+        await sup.add(Child(f"bridge-{i}", cli_argv("serve", "bridge", "--port", str(bridge_port),
+                                                    "--processes", "1", *reuse), env))
+    await sup.add(Child("direct", cli_argv("serve", "openai-http", "--port", str(direct_port),
+                                           *sim), env))
+    await _wait_http(f"http://127.0.0.1:{bridge_port}/ready")
+    await _wait_http(f"http://127.0.0.1:{direct_port}/ready")
+    pids = {c.name: c.proc.pid for c in sup.children if c.proc is not None}
+    stack_pids = {k: v for k, v in pids.items() if k != "direct"}
+    targets = [Target("tokenbus-http", "http", f"http://127.0.0.1:{bridge_port}/v1", stack_pids)]
+    if a.nats_too:
+        targets.append(Target("tokenbus-nats", "nats", url, stack_pids))
+    targets.append(Target("direct", "http", f"http://127.0.0.1:{direct_port}/v1",
+                          {"direct": pids["direct"]}))
+    return targets, nats
+
+
+def compare(levels: list[dict[str, Any]], name: str, base: str) -> list[dict[str, Any]]:
+    """Per concurrency: added TTFT (p50, p99) and the tokens/s ratio of ``name`` vs ``base``."""
+    out = []
+    by = {(lv["target"], lv["concurrency"]): lv for lv in levels}
+    for (t, c), lv in sorted(by.items(), key=lambda kv: kv[0][1]):
+        if t != name or (base, c) not in by:
+            continue
+        b = by[(base, c)]
+        row: dict[str, Any] = {"concurrency": c, "target": name, "baseline": base,
+                               "errors": lv["errors"], "baseline_errors": b["errors"]}
+        if lv["ttft_ms"] and b["ttft_ms"]:
+            row["added_ttft_p50_ms"] = round(lv["ttft_ms"]["p50"] - b["ttft_ms"]["p50"], 3)
+            row["added_ttft_p99_ms"] = round(lv["ttft_ms"]["p99"] - b["ttft_ms"]["p99"], 3)
+        if b["output_tokens_per_s"]:
+            row["tokens_per_s_ratio"] = round(
+                lv["output_tokens_per_s"] / b["output_tokens_per_s"], 3)
+        out.append(row)
+    return out
+
+
+def print_table(levels: list[dict[str, Any]]) -> None:
+    print(f"{'target':<15}{'conc':>6}{'reqs':>7}{'errs':>6}{'ttft p50':>10}{'ttft p99':>10}"
+          f"{'tbt p50':>9}{'e2e p50':>9}{'tok/s':>10}")
+    for lv in levels:
+        t, tb, e = lv["ttft_ms"], lv["tbt_ms"], lv["e2e_ms"]
+        print(f"{lv['target']:<15}{lv['concurrency']:>6}{lv['requests']:>7}{lv['errors']:>6}"
+              f"{t.get('p50', float('nan')):>10.2f}{t.get('p99', float('nan')):>10.2f}"
+              f"{tb.get('p50', float('nan')):>9.2f}{e.get('p50', float('nan')):>9.1f}"
+              f"{lv['output_tokens_per_s']:>10.0f}")
+
+
+async def main(a: argparse.Namespace, s: Settings) -> int:
+    levels_c = [int(x) for x in a.concurrency.split(",") if x.strip()]
+    progress = not a.no_progress and sys.stderr.isatty()
+    sup = nats = None
+    if a.spawn:
+        from services.launcher import Supervisor
+
+        sup = Supervisor(Path(tempfile.mkdtemp(prefix="tokenbus-bench-logs-")), echo=False)
+        targets, nats = await spawn_stack(a, sup)
+    elif a.mode == "nats":
+        targets = [Target("tokenbus-nats", "nats", s.url())]
+    else:
+        targets = [Target("target", "http", a.url.rstrip("/"))]
+    if a.baseline_url and not a.spawn:
+        targets.append(Target("baseline", "http", a.baseline_url.rstrip("/")))
+    levels: list[dict[str, Any]] = []
+    try:
+        for c in levels_c:
+            for t in targets:
+                levels.append(await run_level(t, c, c * a.requests_per_client, a, progress))
+    finally:
+        if sup is not None:
+            await sup.stop(10)
+        if nats is not None and nats.returncode is None:
+            nats.terminate()
+            with contextlib.suppress(Exception):
+                await nats.wait()
+    report: dict[str, Any] = {
+        "tool": "tokenbus bench",
+        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
+                    "platform": platform.platform()},
+        "config": {k: v for k, v in vars(a).items() if k not in ("cmd",)},
+        "levels": levels,
+    }
+    base = "direct" if a.spawn else ("baseline" if a.baseline_url else None)
+    if base:
+        report["comparison"] = [row for t in targets if t.name != base
+                                for row in compare(levels, t.name, base)]
+    out = Path(a.out or f"bench-results/bench-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    print_table(levels)
+    for row in report.get("comparison", []):
+        print(f"  c={row['concurrency']}: {row['target']} vs {row['baseline']}: added TTFT p50 "
+              f"{row.get('added_ttft_p50_ms')} ms, tokens/s ratio {row.get('tokens_per_s_ratio')}")
+    print(f"results: {out}")
+    return 0 if all(lv["errors"] == 0 for lv in levels) else 1

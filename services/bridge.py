@@ -1,0 +1,98 @@
+"""The HTTP bridge: OpenAI-compatible HTTP + SSE in front of the bus.
+
+Each bridge process holds one NATS connection with one inbox subscription for all of its
+requests, a replica registry from heartbeats (for ``/v1/models`` and ``/ready``), and an
+aiohttp server. Several processes share the port with SO_REUSEPORT.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+from aiohttp import web
+from nats.aio.msg import Msg
+from prometheus_client import CONTENT_TYPE_LATEST, Counter, Histogram, generate_latest
+
+from bus_schemas import codec, subjects
+from bus_schemas import errors as E
+from bus_schemas.client import Client, Stream
+from router.registry import Registry
+from services.openai_http import OpenAIApp, serve
+from services.runtime import Service
+
+REQUESTS = Counter("tokenbus_bridge_requests_total", "HTTP generation requests", ["kind", "status"])
+DURATION = Histogram(
+    "tokenbus_bridge_request_seconds", "HTTP generation request duration", ["kind"],
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
+)
+
+
+class BusSource:
+    """Streams from the bus through the NATS-native client."""
+
+    def __init__(self, client: Client, registry: Registry) -> None:
+        self.client = client
+        self.registry = registry
+
+    def open(self, kind: str, body: dict[str, Any], *, request_id: str, timeout: float,
+             headers: dict[str, str]) -> Stream:
+        return self.client.submit(kind, body, timeout=timeout, request_id=request_id,
+                                  headers=headers or None)
+
+    def models(self) -> list[str]:
+        return self.registry.models()
+
+    def healthy(self) -> bool:
+        return bool(self.client.nc.is_connected)
+
+    def ready(self) -> bool:
+        return self.healthy() and bool(self.registry.models())
+
+
+class Bridge(Service):
+    """OpenAI-compatible HTTP bridge."""
+
+    name = "bridge"
+
+    def __init__(self, settings: Any, *, reuse_port: bool = False, **kw: Any) -> None:
+        super().__init__(settings, **kw)
+        self.reuse_port = reuse_port
+        self.runner: web.AppRunner | None = None
+
+    async def setup(self) -> None:
+        cfg = self.settings.bridge
+        self.client = Client(self.nc, owner=f"bridge-{self.id}")
+        await self.client.start()
+        self.registry = Registry(self.settings.router.missed_heartbeats)
+        self._hb_sub = await self.nc.subscribe(subjects.heartbeat_wildcard(), cb=self._on_hb)
+        api = OpenAIApp(BusSource(self.client, self.registry), max_body_bytes=cfg.max_body_bytes,
+                        request_timeout_s=cfg.request_timeout_s, on_request=self._observe)
+        api.app.router.add_get("/metrics", self.metrics)
+        self.runner = await serve(api.app, cfg.host, cfg.port, reuse_port=self.reuse_port,
+                                  shutdown_timeout=self.settings.drain_timeout_s)
+        self.log.info("bridge_listening", url=f"http://{cfg.host}:{cfg.port}/v1")
+
+    async def _on_hb(self, msg: Msg) -> None:
+        with contextlib.suppress(E.TokenbusError):
+            self.registry.update(codec.decode_map(msg.data))
+
+    @staticmethod
+    def _observe(rec: dict[str, Any]) -> None:
+        REQUESTS.labels(rec["kind"], str(rec["status"])).inc()
+        DURATION.labels(rec["kind"]).observe(rec["duration_ms"] / 1000.0)
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def stop_taking_work(self) -> None:
+        # Stop listening, let open HTTP requests finish (up to the drain timeout), then close.
+        await super().stop_taking_work()
+        if self.runner is not None:
+            await self.runner.cleanup()
+            self.runner = None
+
+    async def on_stop(self) -> None:
+        with contextlib.suppress(Exception):
+            await self._hb_sub.unsubscribe()
+        await self.client.close()

@@ -1,0 +1,235 @@
+"""The ``tokenbus`` command line: up, serve, status, bench."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from typing import Any
+
+from services import config as cfgmod
+from telemetry import logging as tlog
+
+SERVICES = ("bridge", "ingress", "router", "worker", "openai-http")
+
+
+def _worker_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("worker")
+    g.add_argument("--backend", choices=["sim", "openai", "vllm"])
+    g.add_argument("--model", help="model name served (default tokenbus-sim)")
+    g.add_argument("--replica", help="replica id (default: generated)")
+    g.add_argument("--max-concurrency", type=int)
+    g.add_argument("--tp", type=int, help="tensor parallel degree (sim: models the speed-up)")
+    g.add_argument("--pool", help="pool tag for tiered routing")
+    g.add_argument("--upstream-url", help="openai backend: upstream base URL, e.g. http://h:8000/v1")
+    g.add_argument("--upstream-model", help="openai backend: model name upstream")
+    g.add_argument("--upstream-api-key", help="openai backend: bearer token for the upstream")
+    g.add_argument("--gpus", help="vllm backend: CUDA_VISIBLE_DEVICES, e.g. 0,1")
+    g.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
+                   help="vllm backend: AsyncEngineArgs field (repeatable), value parsed as JSON "
+                        "when it can be")
+    g.add_argument("--sim-prefill-ms", type=float)
+    g.add_argument("--sim-decode-ms", type=float)
+    g.add_argument("--sim-decode-ms-per-seq", type=float)
+    g.add_argument("--sim-max-running", type=int)
+
+
+def _engine_args(pairs: list[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        k, sep, v = pair.partition("=")
+        if not sep or not k:
+            raise SystemExit(f"--engine-arg wants KEY=VALUE, got {pair!r}")
+        try:
+            out[k.replace("-", "_")] = json.loads(v)
+        except ValueError:
+            out[k.replace("-", "_")] = v
+    return out
+
+
+def _worker_overrides(a: argparse.Namespace) -> dict[str, Any]:
+    w: dict[str, Any] = {
+        "backend": a.backend, "model": a.model, "replica": a.replica,
+        "max_concurrency": a.max_concurrency, "tp": a.tp, "pool": a.pool,
+        "sim": {"prefill_ms": a.sim_prefill_ms, "decode_ms": a.sim_decode_ms,
+                "decode_ms_per_seq": a.sim_decode_ms_per_seq, "max_running": a.sim_max_running},
+        "openai": {"upstream_url": a.upstream_url, "upstream_model": a.upstream_model,
+                   "api_key": a.upstream_api_key},
+        "vllm": {"gpus": a.gpus},
+    }
+    if a.engine_arg:
+        w["vllm"]["engine_args"] = _engine_args(a.engine_arg)
+    return w
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tokenbus", description="LLM serving on NATS")
+    p.add_argument("--config", help="TOML config file (default ./tokenbus.toml if present)")
+    p.add_argument("--nats-url", help="NATS server URL (env TOKENBUS_NATS_URL)")
+    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    up = sub.add_parser("up", help="run the whole stack locally (embedded NATS, sim workers)")
+    up.add_argument("--workers", type=int, help="sim workers to start (default 2)")
+    up.add_argument("--host", help="bridge address (default 127.0.0.1)")
+    up.add_argument("--port", type=int, help="bridge port (default 8000)")
+    up.add_argument("--bridge-processes", type=int, help="bridge processes (default 1)")
+    up.add_argument("--nats-port", type=int, help="embedded nats-server port (default 4222)")
+    up.add_argument("--data-dir", help="JetStream data and logs (default .tokenbus)")
+    _worker_flags(up)
+
+    sv = sub.add_parser("serve", help="run one service (for containers and scaling out)")
+    sv.add_argument("service", choices=SERVICES)
+    sv.add_argument("--host", help="bridge / openai-http: address")
+    sv.add_argument("--port", type=int, help="bridge / openai-http: port")
+    sv.add_argument("--processes", type=int, help="bridge: processes sharing the port")
+    sv.add_argument("--reuse-port", action="store_true", help="bridge: bind with SO_REUSEPORT")
+    _worker_flags(sv)
+
+    st = sub.add_parser("status", help="replicas on the bus and their load")
+    st.add_argument("--json", action="store_true")
+    st.add_argument("--wait", type=float, default=1.5, help="seconds to listen for heartbeats")
+
+    from services import bench
+
+    bench.add_parser(sub)
+    return p
+
+
+def _settings(a: argparse.Namespace) -> cfgmod.Settings:
+    over: dict[str, Any] = {"nats_url": a.nats_url, "log_level": a.log_level}
+    if a.cmd in ("up", "serve"):
+        over["worker"] = _worker_overrides(a)
+        over["bridge"] = {"host": a.host, "port": a.port}
+    if a.cmd == "up":
+        over["bridge"]["processes"] = a.bridge_processes
+        over["up"] = {"workers": a.workers, "nats_port": a.nats_port, "data_dir": a.data_dir}
+    if a.cmd == "serve":
+        over["bridge"]["processes"] = a.processes
+    return cfgmod.load(a.config, **over)
+
+
+async def _serve(a: argparse.Namespace, s: cfgmod.Settings) -> int:
+    from services.runtime import Service, serve_until_signalled
+
+    svc: Service
+    if a.service == "bridge" and s.bridge.processes > 1:
+        return await _serve_bridge_processes(a, s)
+    if a.service == "openai-http":
+        from services.direct import run_direct
+
+        port = a.port if a.port is not None else 8001
+        await run_direct(s, a.host or "127.0.0.1", port)
+        return 0
+    if a.service == "bridge":
+        from services.bridge import Bridge
+
+        svc = Bridge(s, reuse_port=a.reuse_port)
+    elif a.service == "ingress":
+        from services.ingress import Ingress
+
+        svc = Ingress(s)
+    elif a.service == "router":
+        from router.service import Router
+
+        svc = Router(s)
+    else:
+        from engine_worker.worker import Worker
+
+        svc = Worker(s)
+    await serve_until_signalled(svc)
+    return 0
+
+
+async def _serve_bridge_processes(a: argparse.Namespace, s: cfgmod.Settings) -> int:
+    import signal
+    from pathlib import Path
+
+    from services.launcher import Child, Supervisor, cli_argv
+
+    sup = Supervisor(Path(s.up.data_dir) / "logs", echo=True)
+    env = {"TOKENBUS_NATS_URL": s.url()}
+    for i in range(s.bridge.processes):
+        await sup.add(Child(f"bridge-{i}", cli_argv("serve", "bridge", "--processes", "1",
+                                                    "--reuse-port", "--host", s.bridge.host,
+                                                    "--port", str(s.bridge.port)), env))
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    watcher = loop.create_task(sup.watch())
+    await stop.wait()
+    watcher.cancel()
+    await sup.stop(s.drain_timeout_s)
+    return 0
+
+
+async def _status(a: argparse.Namespace, s: cfgmod.Settings) -> int:
+    import nats
+
+    from bus_schemas import codec, subjects
+    from router.registry import Registry
+
+    try:
+        nc = await nats.connect(s.url(), connect_timeout=3, max_reconnect_attempts=0)
+    except Exception as exc:
+        print(f"error: cannot reach NATS at {s.url()}: {exc}", file=sys.stderr)
+        return 1
+    reg = Registry()
+
+    async def cb(msg: Any) -> None:
+        reg.update(codec.decode_map(msg.data))
+
+    await nc.subscribe(subjects.heartbeat_wildcard(), cb=cb)
+    await asyncio.sleep(a.wait)
+    await nc.drain()
+    rows = [r.to_dict() for r in sorted(reg.all_live(), key=lambda r: (r.model, r.replica))]
+    if a.json:
+        print(json.dumps({"replicas": rows}, indent=2))
+        return 0
+    if not rows:
+        print("no replicas on the bus")
+        return 0
+    cols = ["model", "replica", "backend", "in_flight", "running", "waiting", "max_concurrency",
+            "tp", "pool", "draining"]
+    widths = {c: max(len(c), *(len(str(r[c])) for r in rows)) for c in cols}
+    print("  ".join(c.upper().ljust(widths[c]) for c in cols))
+    for r in rows:
+        print("  ".join(str(r[c]).ljust(widths[c]) for c in cols))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of the ``tokenbus`` command."""
+    a = build_parser().parse_args(argv)
+    try:
+        s = _settings(a)
+    except FileNotFoundError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    tlog.setup(s.log_level, json=a.cmd == "serve")
+    from services.runtime import run
+
+    rc = 0
+
+    async def go() -> None:
+        nonlocal rc
+        if a.cmd == "up":
+            from services.launcher import up
+
+            rc = await up(s, config_file=a.config)
+        elif a.cmd == "serve":
+            rc = await _serve(a, s)
+        elif a.cmd == "status":
+            rc = await _status(a, s)
+        elif a.cmd == "bench":
+            from services import bench
+
+            rc = await bench.main(a, s)
+
+    run(go())
+    sys.exit(rc)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,172 @@
+"""One settings model for the whole stack: defaults < ``tokenbus.toml`` < env vars < CLI flags.
+
+Env vars: ``TOKENBUS_NATS_URL``, ``TOKENBUS_LOG_LEVEL``, and per section with ``__``:
+``TOKENBUS_BRIDGE__PORT=8001``, ``TOKENBUS_WORKER__SIM__DECODE_MS=5``. The file is
+``./tokenbus.toml`` or the path in ``TOKENBUS_CONFIG`` / ``--config``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
+
+from bus_schemas.subjects import STAGE_ROUTE
+
+DEFAULT_MODEL = "tokenbus-sim"
+
+
+class BridgeSettings(BaseModel):
+    """The OpenAI-compatible HTTP bridge."""
+
+    host: str = Field(default="127.0.0.1", description="Address to listen on.")
+    port: int = Field(default=8000, description="Port to listen on.")
+    processes: int = Field(default=1, ge=1, description="Bridge processes sharing the port.")
+    max_body_bytes: int = Field(default=1 << 20, description="Larger bodies get 413.")
+    request_timeout_s: float = Field(default=600.0, description="Per-request deadline.")
+
+
+class IngressSettings(BaseModel):
+    """Validates requests and starts them down the pipeline."""
+
+    pipeline: list[str] = Field(
+        default_factory=lambda: [STAGE_ROUTE],
+        description="Stages a request passes after ingress; the router is always last.",
+    )
+    default_max_tokens: int = Field(default=512, ge=1)
+    max_prompt_chars: int = Field(default=1_000_000, description="Longer prompts get 413.")
+
+
+class RouterSettings(BaseModel):
+    """Replica registry and routing."""
+
+    policy: Literal["least_outstanding"] = "least_outstanding"
+    missed_heartbeats: int = Field(default=3, ge=1, description="Beats missed before expiry.")
+    dispatch_timeout_s: float = Field(default=2.0, description="Wait for a worker's ack.")
+    max_attempts: int = Field(default=3, ge=1, description="Replicas tried per request.")
+
+
+class SimSettings(BaseModel):
+    """The simulated continuous-batching engine (see engine_worker/backends/sim.py)."""
+
+    prefill_ms: float = Field(default=20.0, description="Base prefill (first token) time.")
+    prefill_ms_per_token: float = Field(default=0.0, description="Extra prefill per prompt token.")
+    decode_ms: float = Field(default=10.0, description="Decode step time at batch size 1.")
+    decode_ms_per_seq: float = Field(default=0.0, description="Extra step time per running seq.")
+    max_running: int = Field(default=256, ge=1, description="Max sequences in the batch.")
+    tp_comm_ms: float = Field(default=0.0, description="All-reduce cost per step when tp>1.")
+    tp_efficiency: float = Field(default=0.9, gt=0, le=1, description="Scaling per extra GPU.")
+
+
+class OpenAIUpstreamSettings(BaseModel):
+    """An OpenAI-compatible upstream joined to the bus."""
+
+    upstream_url: str = Field(default="", description="Base URL, e.g. http://host:8000/v1.")
+    upstream_model: str = Field(default="", description="Model name upstream (default: model).")
+    api_key: str = Field(default="", description="Bearer token for the upstream, if any.")
+    timeout_s: float = 600.0
+
+
+class VLLMSettings(BaseModel):
+    """vLLM AsyncLLM in-process."""
+
+    gpus: str = Field(default="", description="CUDA_VISIBLE_DEVICES for this worker, e.g. 0,1.")
+    engine_args: dict[str, Any] = Field(
+        default_factory=dict, description="Passed to AsyncEngineArgs (model, tensor_parallel_size...)."
+    )
+
+
+class WorkerSettings(BaseModel):
+    """One engine worker (one replica)."""
+
+    backend: Literal["sim", "openai", "vllm"] = "sim"
+    model: str = DEFAULT_MODEL
+    replica: str = Field(default="", description="Replica id; generated when empty.")
+    max_concurrency: int = Field(default=256, ge=1)
+    heartbeat_interval_s: float = Field(default=1.0, gt=0)
+    tp: int = Field(default=1, ge=1)
+    pool: str = "default"
+    sim: SimSettings = Field(default_factory=SimSettings)
+    openai: OpenAIUpstreamSettings = Field(default_factory=OpenAIUpstreamSettings)
+    vllm: VLLMSettings = Field(default_factory=VLLMSettings)
+
+
+class UpSettings(BaseModel):
+    """The local launcher (``tokenbus up``)."""
+
+    workers: int = Field(default=2, ge=0, description="Sim workers to start.")
+    nats_port: int = Field(default=4222, description="Port of the embedded nats-server.")
+    data_dir: str = Field(default=".tokenbus", description="JetStream data, logs, pid files.")
+    restart_backoff_s: float = 1.0
+
+
+class Settings(BaseSettings):
+    """The whole stack's configuration."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="TOKENBUS_", env_nested_delimiter="__", extra="ignore"
+    )
+
+    nats_url: str | None = Field(
+        default=None, description="Existing NATS server; unset means the embedded one."
+    )
+    log_level: str = "info"
+    drain_timeout_s: float = Field(default=30.0, description="How long in-flight work may finish.")
+    bridge: BridgeSettings = Field(default_factory=BridgeSettings)
+    ingress: IngressSettings = Field(default_factory=IngressSettings)
+    router: RouterSettings = Field(default_factory=RouterSettings)
+    worker: WorkerSettings = Field(default_factory=WorkerSettings)
+    up: UpSettings = Field(default_factory=UpSettings)
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        path = os.environ.get("TOKENBUS_CONFIG", "tokenbus.toml")
+        return (
+            init_settings,
+            env_settings,
+            TomlConfigSettingsSource(settings_cls, toml_file=Path(path)),
+        )
+
+    def url(self) -> str:
+        """The NATS URL services connect to."""
+        return self.nats_url or f"nats://127.0.0.1:{self.up.nats_port}"
+
+
+def load(config_file: str | None = None, **overrides: Any) -> Settings:
+    """Settings from file and env, with ``overrides`` (nested dicts) applied on top."""
+    if config_file:
+        if not Path(config_file).is_file():
+            raise FileNotFoundError(f"config file not found: {config_file}")
+        os.environ["TOKENBUS_CONFIG"] = config_file
+    base = Settings()
+    if not overrides:
+        return base
+    merged = _deep_merge(base.model_dump(), overrides)
+    return Settings.model_validate(merged)
+
+
+def _deep_merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    out = dict(a)
+    for k, v in b.items():
+        if v is None:
+            continue
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = _deep_merge(out[k], v)
+        else:
+            out[k] = v
+    return out

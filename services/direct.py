@@ -1,0 +1,104 @@
+"""An engine backend served as a plain OpenAI-compatible HTTP server, no bus in between.
+
+``tokenbus serve openai-http`` runs the same HTTP code as the bridge over an in-process
+engine, so "through tokenbus" and "straight to the engine" differ only by the bus path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from bus_schemas.client import Chunk, Usage
+from engine_worker import backends
+from engine_worker.backends.base import Backend, Delta, GenerationRequest
+from services import validation
+from services.config import Settings
+from services.openai_http import OpenAIApp, serve
+from telemetry import logging as tlog
+
+
+class DirectStream:
+    """A backend generation shaped like :class:`bus_schemas.client.Stream`."""
+
+    def __init__(self, gen: AsyncIterator[Delta], request_id: str) -> None:
+        self._gen = gen
+        self.request_id = request_id
+        self.finish_reason: str | None = None
+        self.usage: Usage | None = None
+
+    def __aiter__(self) -> DirectStream:
+        return self
+
+    async def __anext__(self) -> Chunk:
+        async for d in self._gen:
+            if d.finish_reason is not None:
+                self.finish_reason = d.finish_reason
+                self.usage = Usage(d.prompt_tokens, d.completion_tokens,
+                                   d.prompt_tokens + d.completion_tokens)
+                if not d.text:
+                    break
+            if d.text:
+                return Chunk(d.text, d.tokens, 0)
+        raise StopAsyncIteration
+
+    def pending(self) -> int:
+        return 0
+
+    async def aclose(self) -> None:
+        await self._gen.aclose()  # type: ignore[attr-defined]
+
+
+class DirectSource:
+    """Generations from one in-process backend."""
+
+    def __init__(self, backend: Backend, model: str, default_max_tokens: int) -> None:
+        self.backend = backend
+        self.model = model
+        self.default_max_tokens = default_max_tokens
+
+    def open(self, kind: str, body: dict[str, Any], *, request_id: str, timeout: float,
+             headers: dict[str, str]) -> DirectStream:
+        req = validation.parse(kind, body)
+        if req.model != self.model:
+            from bus_schemas import errors as E
+
+            raise E.ModelNotFound(f"the model {req.model!r} does not exist (serving {self.model})",
+                                  param="model")
+        env = validation.envelope(kind, req, request_id,
+                                  default_max_tokens=self.default_max_tokens, deadline_ms=None)
+        return DirectStream(self.backend.generate(GenerationRequest.from_envelope(env)), request_id)
+
+    def models(self) -> list[str]:
+        return [self.model]
+
+    def healthy(self) -> bool:
+        return True
+
+    def ready(self) -> bool:
+        return True
+
+
+async def run_direct(settings: Settings, host: str, port: int) -> None:
+    """Serve the configured worker backend over HTTP until cancelled or signalled."""
+    import asyncio
+    import signal
+
+    log = tlog.get("openai-http")
+    backend = backends.create(settings.worker)
+    await backend.start()
+    api = OpenAIApp(DirectSource(backend, settings.worker.model,
+                                 settings.ingress.default_max_tokens),
+                    max_body_bytes=settings.bridge.max_body_bytes,
+                    request_timeout_s=settings.bridge.request_timeout_s)
+    runner = await serve(api.app, host, port, reuse_port=False, shutdown_timeout=5)
+    log.info("openai_http_listening", url=f"http://{host}:{port}/v1", model=settings.worker.model)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+        await backend.stop()

@@ -1,0 +1,235 @@
+"""The shared service runtime: connect, queue-group endpoints, one task per request,
+deadlines, ``$SRV`` discovery, a canonical log line per request, graceful drain.
+
+A service is one object used as an async context manager::
+
+    async with Ingress(settings) as svc:
+        await stop_event.wait()
+    # leaving the block drains: stop taking work, finish in-flight, drain the connection
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from types import TracebackType
+from typing import Any
+
+import nats
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+
+from bus_schemas import errors as E
+from bus_schemas import frames, marks
+from bus_schemas import headers as H
+from services.config import Settings
+from services.discovery import Discovery, EndpointStats
+from telemetry import logging as tlog
+
+Handler = Callable[[Msg], Awaitable[None]]
+
+VERSION = "0.1.0"
+
+
+def reply_subject(msg: Msg) -> str | None:
+    """Where a request's frames go: the caller's inbox, carried in a header when the message
+    itself was sent as a request (router -> worker)."""
+    hdrs = msg.headers
+    if hdrs:
+        r = hdrs.get(H.REPLY_TO)
+        if r:
+            return r
+    return msg.reply or None
+
+
+async def connect(url: str, name: str, **kw: Any) -> NATS:
+    """Connect with endless reconnects and logged connection events."""
+    log = tlog.get(name)
+
+    async def on_disconnect() -> None:
+        log.warning("nats_disconnected")
+
+    async def on_reconnect() -> None:
+        log.info("nats_reconnected")
+
+    async def on_error(exc: Exception) -> None:
+        log.warning("nats_error", error=str(exc))
+
+    return await nats.connect(
+        url,
+        name=name,
+        max_reconnect_attempts=-1,
+        reconnect_time_wait=0.5,
+        connect_timeout=5,
+        disconnected_cb=on_disconnect,
+        reconnected_cb=on_reconnect,
+        error_cb=on_error,
+        pending_size=64 * 1024 * 1024,
+        **kw,
+    )
+
+
+class Service:
+    """Base of every bus service; subclasses implement :meth:`setup` to add endpoints."""
+
+    name = "service"
+    description = ""
+    # Whether the runtime drops expired messages before the handler sees them.
+    check_deadline = True
+
+    def __init__(self, settings: Settings, *, nc: NATS | None = None) -> None:
+        self.settings = settings
+        self.id = uuid.uuid4().hex[:12]
+        self.nc: NATS = nc  # type: ignore[assignment]
+        self._own_nc = nc is None
+        self.log = tlog.get(self.name).bind(instance=self.id)
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._subs: list[Any] = []
+        self._accepting = False
+        self.stopped = asyncio.Event()
+        self.discovery = Discovery(
+            name=f"tokenbus-{self.name}",
+            id=self.id,
+            version=VERSION,
+            description=self.description or (self.__doc__ or "").strip().split("\n")[0],
+            metadata={"pid": str(os.getpid())},
+        )
+
+    # -- lifecycle ------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Connect (unless given a connection), add endpoints, answer discovery."""
+        if self.nc is None:
+            self.nc = await connect(self.settings.url(), f"tokenbus-{self.name}-{self.id}")
+        self._accepting = True
+        await self.setup()
+        await self.discovery.start(self.nc)
+        self.log.info("service_started", nats=self.settings.url())
+
+    async def setup(self) -> None:
+        """Add endpoints and start background tasks (subclasses)."""
+
+    async def on_stop(self) -> None:
+        """Called after in-flight work has finished or timed out (subclasses)."""
+
+    async def stop_taking_work(self) -> None:
+        """Unsubscribe every endpoint so queue-group peers get new requests."""
+        self._accepting = False
+        for sub in self._subs:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+        self._subs.clear()
+
+    async def drain(self, timeout: float | None = None) -> None:
+        """Stop taking work, let in-flight requests finish up to ``timeout``, then drain."""
+        timeout = self.settings.drain_timeout_s if timeout is None else timeout
+        await self.stop_taking_work()
+        if self._tasks:
+            self.log.info("draining", in_flight=len(self._tasks), timeout_s=timeout)
+            _, pending = await asyncio.wait(set(self._tasks), timeout=timeout)
+            for t in pending:
+                t.cancel()
+            if pending:
+                await asyncio.wait(pending, timeout=2.0)
+        await self.on_stop()
+        await self.discovery.stop()
+        if self._own_nc and self.nc is not None and not self.nc.is_closed:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.nc.drain(), timeout=5.0)
+        self.stopped.set()
+        self.log.info("service_stopped")
+
+    async def __aenter__(self) -> Service:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.drain()
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._tasks)
+
+    # -- endpoints ------------------------------------------------------------------------
+    async def add_endpoint(
+        self, name: str, subject: str, handler: Handler, *, queue: str | None = None
+    ) -> None:
+        """Subscribe ``handler``; every message runs in its own task."""
+        stats = EndpointStats(name=name, subject=subject, queue_group=queue)
+        self.discovery.endpoints.append(stats)
+
+        async def cb(msg: Msg) -> None:
+            if not self._accepting:
+                return
+            task = asyncio.get_running_loop().create_task(self._run(handler, msg, stats))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+        sub = await self.nc.subscribe(
+            subject,
+            queue=queue or "",
+            cb=cb,
+            pending_msgs_limit=1_000_000,
+            pending_bytes_limit=512 * 1024 * 1024,
+        )
+        self._subs.append(sub)
+
+    async def _run(self, handler: Handler, msg: Msg, stats: EndpointStats) -> None:
+        t = time.perf_counter_ns()
+        err: str | None = None
+        try:
+            if self.check_deadline and marks.expired(msg.headers):
+                raise E.Timeout("the request's deadline passed before it could be served")
+            await handler(msg)
+        except E.TokenbusError as exc:
+            err = exc.code
+            await self.reply_error(msg, exc)
+        except asyncio.CancelledError:
+            err = "cancelled"
+            await self.reply_error(msg, self.interrupted_error())
+            raise
+        except Exception as exc:
+            err = "internal_error"
+            self.log.exception("handler_failed", error=str(exc))
+            await self.reply_error(msg, E.InternalError(f"{self.name} failed to handle the request"))
+        finally:
+            stats.record(time.perf_counter_ns() - t, err)
+
+    def interrupted_error(self) -> E.TokenbusError:
+        """What a caller is told when a request is cut off by shutdown."""
+        return E.ServiceUnavailable(f"the {self.name} instance stopped; retry")
+
+    async def reply_error(self, msg: Msg, err: E.TokenbusError) -> None:
+        """Send an error frame to the caller; never raises."""
+        reply = reply_subject(msg)
+        if not reply:
+            return
+        with contextlib.suppress(Exception):
+            await self.nc.publish(reply, frames.error(err))
+
+
+async def serve_until_signalled(service: Service) -> None:
+    """Run ``service`` until SIGTERM/SIGINT, then drain it."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    async with service:
+        await stop.wait()
+        service.log.info("signal_received")
+
+
+def run(coro: Awaitable[None]) -> None:
+    """Run under uvloop when available."""
+    try:
+        import uvloop
+
+        uvloop.run(coro)  # type: ignore[arg-type]
+    except ImportError:
+        asyncio.run(coro)  # type: ignore[arg-type]

@@ -1,0 +1,1 @@
+"""Structured logging, metrics and (later) per-request records."""

@@ -1,0 +1,33 @@
+"""structlog configured once per process: JSON lines, contextvars merged, level filtered."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import structlog
+
+_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
+           "error": logging.ERROR}
+
+
+def setup(level: str = "info", *, json: bool = True) -> None:
+    """Configure structlog for this process (safe to call more than once)."""
+    renderer: structlog.typing.Processor = (
+        structlog.processors.JSONRenderer() if json else structlog.dev.ConsoleRenderer()
+    )
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            renderer,
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(_LEVELS.get(level.lower(), logging.INFO)),
+        logger_factory=structlog.WriteLoggerFactory(file=sys.stderr),
+        cache_logger_on_first_use=True,
+    )
+
+
+def get(name: str) -> structlog.typing.FilteringBoundLogger:
+    return structlog.get_logger(service=name)
