@@ -15,7 +15,7 @@ import asyncio
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
@@ -31,6 +31,11 @@ from bus_schemas import headers as H
 DEFAULT_TIMEOUT_S = 600.0
 _TOMBSTONE_TTL_S = 120.0
 _TOMBSTONES_MAX = 10_000
+
+
+# Sends an encoded envelope with its headers and reply inbox in-process (instead of a
+# publish); returns the replica that took it. The bridge's fused router is one.
+Sender = Callable[[bytes, dict[str, str], str], Awaitable[str]]
 
 
 @dataclass(slots=True)
@@ -76,6 +81,8 @@ class Stream:
         kind: str,
         body: dict[str, Any],
         *,
+        subject: str | None = None,
+        sender: Sender | None = None,
         timeout: float,
         api_key: str | None,
         request_id: str | None,
@@ -85,6 +92,8 @@ class Stream:
         self.kind = kind
         self.model = str(body.get("model", ""))
         self._body = body
+        self._subject = subject or subjects.request(kind)
+        self._sender = sender
         self.request_id = request_id or uuid.uuid4().hex
         self._timeout = timeout
         self._api_key = api_key
@@ -131,11 +140,19 @@ class Stream:
         self._client._register(self)
         self.t_sent_ns = time.time_ns()
         hdrs[H.T0] = str(self.t_sent_ns)
+        reply = self._client.inbox_for(self.request_id)
+        if self._sender is not None:
+            try:
+                self.replica = await self._sender(codec.encode(self._body), hdrs, reply)
+            except BaseException:
+                self._finish()
+                raise
+            return
         try:
             await self._client.nc.publish(
-                subjects.request(self.kind),
+                self._subject,
                 codec.encode(self._body),
-                reply=self._client.inbox_for(self.request_id),
+                reply=reply,
                 headers=hdrs,
             )
         except Exception as exc:
@@ -272,7 +289,7 @@ class Client:
         if self._sub is not None:
             try:
                 await self._sub.unsubscribe()
-            except Exception:  # noqa: S110 - connection already closed: nothing to undo
+            except Exception:
                 pass
             self._sub = None
         if self._own:
@@ -309,7 +326,7 @@ class Client:
             await self.nc.publish(
                 subjects.worker_cancel(replica), codec.encode({"type": "cancel", "request_id": request_id})
             )
-        except Exception:  # noqa: S110 - best effort: the worker also notices the deadline
+        except Exception:
             pass
 
     async def _on_frame(self, msg: Msg) -> None:
@@ -337,12 +354,20 @@ class Client:
         api_key: str | None = None,
         request_id: str | None = None,
         headers: dict[str, str] | None = None,
+        subject: str | None = None,
+        sender: Sender | None = None,
     ) -> Stream:
-        """A request of ``kind`` (``chat`` or ``completions``) with an OpenAI-shaped body."""
+        """A request of ``kind`` (``chat`` or ``completions``) with an OpenAI-shaped body.
+
+        ``subject`` sends an already-admitted envelope straight to a pipeline stage instead
+        (the HTTP bridge does ingress' work itself and saves that hop).
+        """
         return Stream(
             self,
             kind,
             body,
+            subject=subject,
+            sender=sender,
             timeout=timeout,
             api_key=api_key,
             request_id=request_id,

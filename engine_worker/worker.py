@@ -18,7 +18,6 @@ from nats.aio.msg import Msg
 
 from bus_schemas import codec, frames, marks, subjects
 from bus_schemas import errors as E
-from bus_schemas import headers as H
 from engine_worker import backends
 from engine_worker.backends.base import Backend, GenerationRequest
 from services.runtime import Service, reply_subject
@@ -134,23 +133,26 @@ class Worker(Service):
         rid = req.request_id
         task = asyncio.current_task()
         assert task is not None
-        self._active[rid] = task
-        await self._ack(msg, None)
         if not reply:
-            self._active.pop(rid, None)
+            await self._ack(msg, E.InvalidRequest("the request carries no reply subject"))
             return
+        self._active[rid] = task
         t_start = marks.now_ns()
         hdrs = msg.headers or {}
         outcome = "ok"
         first_ns = 0
         completion = 0
+        # The engine starts first (its clock is the user's TTFT); the ack and the accept
+        # frame go out while it prefills.
+        stream = self.backend.generate(req)
         try:
+            await self._ack(msg, None)
             await self.nc.publish(reply, frames.accept(self.replica, rid))
             deadline = marks.deadline_ms(hdrs)
             timeout = None if deadline is None else max(0.0, deadline / 1000.0 - time.time())
             index = 0
-            async with asyncio.timeout(timeout):
-                async for d in self.backend.generate(req):
+            async with asyncio.timeout(timeout), contextlib.aclosing(stream) as gen:
+                async for d in gen:
                     if d.text or d.tokens:
                         if not first_ns:
                             first_ns = marks.now_ns()

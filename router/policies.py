@@ -18,7 +18,7 @@ def least_outstanding(candidates: Sequence[Replica]) -> Replica:
             best, best_load = [r], load
         elif load == best_load:
             best.append(r)
-    return best[0] if len(best) == 1 else random.choice(best)  # noqa: S311 - load spreading
+    return best[0] if len(best) == 1 else random.choice(best)
 
 
 POLICIES = {"least_outstanding": least_outstanding}

@@ -7,17 +7,19 @@ aiohttp server. Several processes share the port with SO_REUSEPORT.
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 from aiohttp import web
-from nats.aio.msg import Msg
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, Histogram, generate_latest
 
-from bus_schemas import codec, subjects
-from bus_schemas import errors as E
+from bus_schemas import headers as H
+from bus_schemas import marks, subjects
 from bus_schemas.client import Client, Stream
+from router.dispatch import Dispatcher
 from router.registry import Registry
+from router.service import HeartbeatTracker
+from services import validation
+from services.ingress import Admission
 from services.openai_http import OpenAIApp, serve
 from services.runtime import Service
 
@@ -31,14 +33,31 @@ DURATION = Histogram(
 class BusSource:
     """Streams from the bus through the NATS-native client."""
 
-    def __init__(self, client: Client, registry: Registry) -> None:
+    def __init__(self, client: Client, registry: Registry, admission: Admission,
+                 dispatcher: Dispatcher | None) -> None:
         self.client = client
         self.registry = registry
+        self.admission = admission
+        self.dispatcher = dispatcher
 
-    def open(self, kind: str, body: dict[str, Any], *, request_id: str, timeout: float,
-             headers: dict[str, str]) -> Stream:
-        return self.client.submit(kind, body, timeout=timeout, request_id=request_id,
-                                  headers=headers or None)
+    def open(self, kind: str, req: validation.Request, body: dict[str, Any], *,
+             request_id: str, timeout: float, headers: dict[str, str]) -> Stream:
+        # The bridge is the ingress of HTTP clients: it admits the request itself and sends
+        # the envelope to the first stage, one hop fewer than a NATS client's request.
+        t1 = marks.now_ns()
+        hdrs = {**headers, H.REQUEST_ID: request_id,
+                H.DEADLINE: str(marks.now_ms() + int(timeout * 1000))}
+        env = self.admission.admit(kind, req, hdrs, t1)
+        sender = None
+        if self.dispatcher is not None:
+            dispatch = self.dispatcher.dispatch
+            model = req.model
+
+            async def sender(data: bytes, h: dict[str, str], reply: str) -> str:
+                return await dispatch(model, data, h, reply)
+
+        return self.client.submit(kind, env, timeout=timeout, request_id=request_id,
+                                  headers=hdrs, subject=self.admission.first, sender=sender)
 
     def models(self) -> list[str]:
         return self.registry.models()
@@ -65,17 +84,18 @@ class Bridge(Service):
         self.client = Client(self.nc, owner=f"bridge-{self.id}")
         await self.client.start()
         self.registry = Registry(self.settings.router.missed_heartbeats)
-        self._hb_sub = await self.nc.subscribe(subjects.heartbeat_wildcard(), cb=self._on_hb)
-        api = OpenAIApp(BusSource(self.client, self.registry), max_body_bytes=cfg.max_body_bytes,
+        self._tracker = HeartbeatTracker(self.registry, self.log)
+        await self._tracker.start(self.nc)
+        admission = Admission(self.settings)
+        dispatcher = None
+        if cfg.fuse_router and admission.first == subjects.stage(subjects.STAGE_ROUTE):
+            dispatcher = Dispatcher(self.nc, self.registry, self.settings.router)
+        api = OpenAIApp(BusSource(self.client, self.registry, admission, dispatcher), max_body_bytes=cfg.max_body_bytes,
                         request_timeout_s=cfg.request_timeout_s, on_request=self._observe)
         api.app.router.add_get("/metrics", self.metrics)
         self.runner = await serve(api.app, cfg.host, cfg.port, reuse_port=self.reuse_port,
                                   shutdown_timeout=self.settings.drain_timeout_s)
         self.log.info("bridge_listening", url=f"http://{cfg.host}:{cfg.port}/v1")
-
-    async def _on_hb(self, msg: Msg) -> None:
-        with contextlib.suppress(E.TokenbusError):
-            self.registry.update(codec.decode_map(msg.data))
 
     @staticmethod
     def _observe(rec: dict[str, Any]) -> None:
@@ -93,6 +113,5 @@ class Bridge(Service):
             self.runner = None
 
     async def on_stop(self) -> None:
-        with contextlib.suppress(Exception):
-            await self._hb_sub.unsubscribe()
+        await self._tracker.stop()
         await self.client.close()

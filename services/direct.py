@@ -57,9 +57,8 @@ class DirectSource:
         self.model = model
         self.default_max_tokens = default_max_tokens
 
-    def open(self, kind: str, body: dict[str, Any], *, request_id: str, timeout: float,
-             headers: dict[str, str]) -> DirectStream:
-        req = validation.parse(kind, body)
+    def open(self, kind: str, req: validation.Request, body: dict[str, Any], *,
+             request_id: str, timeout: float, headers: dict[str, str]) -> DirectStream:
         if req.model != self.model:
             from bus_schemas import errors as E
 

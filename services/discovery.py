@@ -108,7 +108,7 @@ class Discovery:
         for s in self._subs:
             try:
                 await s.unsubscribe()
-            except Exception:  # noqa: S110 - connection closing: nothing left to undo
+            except Exception:
                 pass
         self._subs.clear()
 

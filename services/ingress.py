@@ -11,7 +11,46 @@ from bus_schemas import codec, marks, subjects
 from bus_schemas import errors as E
 from bus_schemas import headers as H
 from services import validation
+from services.config import Settings
 from services.runtime import Service
+
+
+class Admission:
+    """Ingress' work on one request: validate, build the envelope and the stage headers.
+
+    Used by the ingress service for NATS clients and in-process by the HTTP bridge, which
+    has parsed the request already and so skips a hop.
+    """
+
+    def __init__(self, settings: Settings) -> None:
+        cfg = settings.ingress
+        pipeline = list(cfg.pipeline)
+        if not pipeline or pipeline[-1] != subjects.STAGE_ROUTE:
+            pipeline = [s for s in pipeline if s != subjects.STAGE_ROUTE] + [subjects.STAGE_ROUTE]
+        self.first = subjects.stage(pipeline[0])
+        self.rest = ",".join(pipeline[1:])
+        self.default_max_tokens = cfg.default_max_tokens
+        self.max_prompt_chars = cfg.max_prompt_chars
+
+    def admit(self, kind: str, req: validation.Request, hdrs: dict[str, str],
+              t1: int) -> dict[str, object]:
+        """The envelope for ``req``; fills ``hdrs`` (request id, model, route, marks)."""
+        if validation.prompt_chars(req) > self.max_prompt_chars:
+            raise E.PayloadTooLarge(
+                f"the prompt is longer than {self.max_prompt_chars} characters"
+            )
+        rid = hdrs.get(H.REQUEST_ID) or uuid.uuid4().hex
+        hdrs[H.REQUEST_ID] = rid
+        env = validation.envelope(kind, req, rid, default_max_tokens=self.default_max_tokens,
+                                  deadline_ms=marks.deadline_ms(hdrs))
+        hdrs[H.MODEL] = req.model
+        hdrs[H.KIND] = kind
+        if self.rest:
+            hdrs[H.ROUTE] = self.rest
+        else:
+            hdrs.pop(H.ROUTE, None)
+        marks.append(hdrs, "ingress", t1)
+        return env
 
 
 class Ingress(Service):
@@ -20,11 +59,7 @@ class Ingress(Service):
     name = subjects.STAGE_INGRESS
 
     async def setup(self) -> None:
-        pipeline = list(self.settings.ingress.pipeline)
-        if not pipeline or pipeline[-1] != subjects.STAGE_ROUTE:
-            pipeline = [s for s in pipeline if s != subjects.STAGE_ROUTE] + [subjects.STAGE_ROUTE]
-        self._first = subjects.stage(pipeline[0])
-        self._rest = ",".join(pipeline[1:])
+        self.admission = Admission(self.settings)
         await self.add_endpoint(
             "requests", subjects.requests_wildcard(), self.handle, queue=subjects.QUEUE_INGRESS
         )
@@ -38,23 +73,7 @@ class Ingress(Service):
         if kind not in subjects.KINDS:
             raise E.NotFound(f"unknown request kind {kind!r}")
         req = validation.parse(kind, codec.decode(msg.data))
-        if validation.prompt_chars(req) > self.settings.ingress.max_prompt_chars:
-            raise E.PayloadTooLarge(
-                f"the prompt is longer than {self.settings.ingress.max_prompt_chars} characters"
-            )
         hdrs = dict(msg.headers or {})
-        rid = hdrs.get(H.REQUEST_ID) or uuid.uuid4().hex
-        hdrs[H.REQUEST_ID] = rid
-        env = validation.envelope(
-            kind, req, rid,
-            default_max_tokens=self.settings.ingress.default_max_tokens,
-            deadline_ms=marks.deadline_ms(hdrs),
-        )
-        hdrs[H.MODEL] = req.model
-        hdrs[H.KIND] = kind
-        if self._rest:
-            hdrs[H.ROUTE] = self._rest
-        else:
-            hdrs.pop(H.ROUTE, None)
-        marks.append(hdrs, "ingress", t1)
-        await self.nc.publish(self._first, codec.encode(env), reply=msg.reply, headers=hdrs)
+        env = self.admission.admit(kind, req, hdrs, t1)
+        await self.nc.publish(self.admission.first, codec.encode(env), reply=msg.reply,
+                              headers=hdrs)

@@ -181,7 +181,7 @@ async def up(settings: Settings, *, config_file: str | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     watcher = loop.create_task(sup.watch())
-    host = "127.0.0.1" if b.host in ("0.0.0.0", "::") else b.host  # noqa: S104
+    host = "127.0.0.1" if b.host in ("0.0.0.0", "::") else b.host
     base = f"http://{host}:{b.port}"
     ready = await wait_ready(f"{base}/ready", 30)
     if ready:

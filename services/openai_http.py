@@ -42,8 +42,8 @@ class StreamLike(Protocol):
 class Source(Protocol):
     """Where generations come from."""
 
-    def open(self, kind: str, body: dict[str, Any], *, request_id: str, timeout: float,
-             headers: dict[str, str]) -> StreamLike: ...
+    def open(self, kind: str, req: validation.Request, body: dict[str, Any], *,
+             request_id: str, timeout: float, headers: dict[str, str]) -> StreamLike: ...
 
     def models(self) -> list[str]: ...
 
@@ -144,7 +144,8 @@ class OpenAIApp:
         try:
             body = await self._read_json(request)
             req = validation.parse(kind, body)
-            stream = self.source.open(kind, body, request_id=rid, timeout=self.timeout, headers={})
+            stream = self.source.open(kind, req, body, request_id=rid, timeout=self.timeout,
+                                      headers={})
             if req.stream:
                 return await self._stream(request, kind, req, stream, rid)
             return await self._whole(kind, req, stream, rid)

@@ -17,19 +17,13 @@ import asyncio
 import time
 import zlib
 from collections import deque
-from collections.abc import AsyncIterator
 from typing import Any
 
 from bus_schemas import errors as E
 from engine_worker.backends.base import Delta, GenerationRequest
 from services.config import SimSettings, WorkerSettings
 
-VOCAB = (
-    "the quick brown fox jumps over a lazy dog while tokens stream through "
-    "nats subjects to many concurrent users and every replica reports its load "
-    "so routers choose well under pressure with low latency and high throughput "
-    "engines batch sequences prefill decode cache memory model serving gateway"
-).split()
+VOCAB = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "tokens", "stream", "through", "nats", "subjects", "to", "many", "concurrent", "users", "and", "every", "replica", "reports", "its", "load", "so", "routers", "choose", "well", "under", "pressure", "with", "low", "latency", "and", "high", "throughput", "engines", "batch", "sequences", "prefill", "decode", "cache", "memory", "model", "serving", "gateway"]
 
 
 def count_tokens(text: str) -> int:
@@ -204,50 +198,72 @@ class SimEngine:
             "kv_usage": active / self.cfg.max_running,
         }
 
-    async def generate(self, req: GenerationRequest) -> AsyncIterator[Delta]:
-        """Stream deltas; tokens produced while the consumer was busy are coalesced."""
+    def generate(self, req: GenerationRequest) -> SimStream:
+        """Submit now (prefill starts at once) and return the stream of deltas."""
+        return SimStream(self, req)
+
+
+class SimStream:
+    """Deltas of one sequence; tokens produced while the consumer was busy are coalesced.
+
+    Text that could still be the start of a stop sequence is held back until it cannot.
+    Closing the stream early cancels the sequence in the engine.
+    """
+
+    def __init__(self, engine: SimEngine, req: GenerationRequest) -> None:
         prompt = req.prompt_text()
-        ptoks = count_tokens(prompt)
-        seq = _Seq(_start(prompt, req.seed), ptoks, req.max_tokens)
-        loop = asyncio.get_running_loop()
-        self.submit(seq)
-        text = ""
-        sent = 0
-        produced = 0
-        # Text that could still be the start of a stop sequence is held back.
-        hold = max((len(s) for s in req.stop), default=1) - 1
-        try:
-            while True:
-                if not seq.buf:
-                    if seq.done:
-                        break
-                    seq.waiter = loop.create_future()
+        self.engine = engine
+        self.stop = req.stop
+        self.ptoks = count_tokens(prompt)
+        self.seq = _Seq(_start(prompt, req.seed), self.ptoks, req.max_tokens)
+        self.hold = max((len(s) for s in req.stop), default=1) - 1
+        self.text = ""
+        self.sent = 0
+        self.produced = 0
+        self.finished = False
+        engine.submit(self.seq)
+
+    def __aiter__(self) -> SimStream:
+        return self
+
+    async def __anext__(self) -> Delta:
+        seq = self.seq
+        while not self.finished:
+            if not seq.buf:
+                if seq.done:
+                    self.finished = True
+                    if self.sent < len(self.text):
+                        tail, self.sent = self.text[self.sent:], len(self.text)
+                        return Delta(tail, 0, "length", self.ptoks, self.produced)
+                    return Delta("", 0, "length", self.ptoks, self.produced)
+                seq.waiter = asyncio.get_running_loop().create_future()
+                try:
                     await seq.waiter
+                finally:
                     seq.waiter = None
-                    continue
-                pieces, seq.buf = seq.buf, []
-                produced += len(pieces)
-                text += "".join(pieces)
-                if req.stop:
-                    hit = _find_stop(text, req.stop)
-                    if hit is not None:
-                        if hit > sent:
-                            yield Delta(text[sent:hit], len(pieces))
-                        self.cancel(seq)
-                        yield Delta("", 0, "stop", ptoks, produced)
-                        return
-                    safe = max(sent, len(text) - hold) if not seq.done else len(text)
-                else:
-                    safe = len(text)
-                if safe > sent:
-                    yield Delta(text[sent:safe], len(pieces))
-                    sent = safe
-            if sent < len(text):
-                yield Delta(text[sent:], 0)
-            yield Delta("", 0, "length", ptoks, produced)
-        finally:
-            if not seq.done:
-                self.cancel(seq)
+                continue
+            pieces, seq.buf = seq.buf, []
+            self.produced += len(pieces)
+            self.text += "".join(pieces)
+            safe = len(self.text)
+            if self.stop:
+                hit = _find_stop(self.text, self.stop)
+                if hit is not None:
+                    self.finished = True
+                    self.engine.cancel(seq)
+                    out, self.sent = self.text[self.sent:hit], hit
+                    return Delta(out, len(pieces), "stop", self.ptoks, self.produced)
+                if not seq.done:
+                    safe = max(self.sent, len(self.text) - self.hold)
+            if safe > self.sent:
+                out, self.sent = self.text[self.sent:safe], safe
+                return Delta(out, len(pieces))
+        raise StopAsyncIteration
+
+    async def aclose(self) -> None:
+        self.finished = True
+        if not self.seq.done:
+            self.engine.cancel(self.seq)
 
 
 class SimBackend:
@@ -267,7 +283,7 @@ class SimBackend:
     def stats(self) -> dict[str, Any]:
         return self.engine.stats()
 
-    def generate(self, req: GenerationRequest) -> AsyncIterator[Delta]:
+    def generate(self, req: GenerationRequest) -> SimStream:
         if req.max_tokens < 1:
             raise E.InvalidRequest("max_tokens must be at least 1", param="max_tokens")
         return self.engine.generate(req)

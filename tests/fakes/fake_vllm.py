@@ -35,9 +35,33 @@ from enum import Enum
 from typing import Any
 
 WORDS = (
-    "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike "
-    "november oscar papa quebec romeo sierra tango uniform victor whiskey xray yankee zulu"
-).split()
+    "alpha",
+    "bravo",
+    "charlie",
+    "delta",
+    "echo",
+    "foxtrot",
+    "golf",
+    "hotel",
+    "india",
+    "juliet",
+    "kilo",
+    "lima",
+    "mike",
+    "november",
+    "oscar",
+    "papa",
+    "quebec",
+    "romeo",
+    "sierra",
+    "tango",
+    "uniform",
+    "victor",
+    "whiskey",
+    "xray",
+    "yankee",
+    "zulu",
+)
 
 BOS_ID = 1
 
@@ -161,8 +185,11 @@ class FakeTokenizer:
             # transformers raises ValueError when there is no template.
             raise ValueError("tokenizer.chat_template is not set")
         self.template_calls.append(
-            {"conversation": conversation, "tokenize": tokenize,
-             "add_generation_prompt": add_generation_prompt}
+            {
+                "conversation": conversation,
+                "tokenize": tokenize,
+                "add_generation_prompt": add_generation_prompt,
+            }
         )
         text = self.bos_token + "".join(
             f"[{m['role']}] {m.get('content') or ''}\n" for m in conversation
@@ -206,6 +233,7 @@ class FakeAsyncLLM:
 
     def get_tokenizer(self) -> Any:
         if self.async_get_tokenizer:
+
             async def _tok() -> FakeTokenizer:
                 return self.tokenizer
 
@@ -255,8 +283,18 @@ class FakeAsyncLLM:
                 await asyncio.sleep(self.token_delay)
                 if request_id not in self.running:
                     # Aborted by someone else: the request ends with finish_reason "abort".
-                    yield self._output(request_id, text_prompt, prompt_ids, text[sent_chars:],
-                                       ids[sent_ids:], "abort", None, kind, text, ids)
+                    yield self._output(
+                        request_id,
+                        text_prompt,
+                        prompt_ids,
+                        text[sent_chars:],
+                        ids[sent_ids:],
+                        "abort",
+                        None,
+                        kind,
+                        text,
+                        ids,
+                    )
                     return
                 if self.fail_after is not None and i >= self.fail_after:
                     raise self.error or EngineGenerateError()
@@ -283,8 +321,18 @@ class FakeAsyncLLM:
                 else:
                     out_text, out_ids = text[:upto], list(ids)
                 sent_chars, sent_ids = upto, len(ids)
-                yield self._output(request_id, text_prompt, prompt_ids, out_text, out_ids,
-                                   reason, stop_reason, kind, text, ids)
+                yield self._output(
+                    request_id,
+                    text_prompt,
+                    prompt_ids,
+                    out_text,
+                    out_ids,
+                    reason,
+                    stop_reason,
+                    kind,
+                    text,
+                    ids,
+                )
                 if finished:
                     return
         except (asyncio.CancelledError, GeneratorExit):
@@ -295,9 +343,18 @@ class FakeAsyncLLM:
             self.running.discard(request_id)
 
     @staticmethod
-    def _output(request_id: str, prompt: str | None, prompt_ids: list[int], text: str,
-                ids: list[int], reason: str | None, stop_reason: str | None,
-                kind: RequestOutputKind, full_text: str, full_ids: list[int]) -> RequestOutput:
+    def _output(
+        request_id: str,
+        prompt: str | None,
+        prompt_ids: list[int],
+        text: str,
+        ids: list[int],
+        reason: str | None,
+        stop_reason: str | None,
+        kind: RequestOutputKind,
+        full_text: str,
+        full_ids: list[int],
+    ) -> RequestOutput:
         if kind is RequestOutputKind.FINAL_ONLY:
             text, ids = full_text, list(full_ids)
         return RequestOutput(
@@ -305,7 +362,10 @@ class FakeAsyncLLM:
             prompt=prompt,
             prompt_token_ids=prompt_ids,
             prompt_logprobs=None,
-            outputs=[CompletionOutput(index=0, text=text, token_ids=ids,
-                                      finish_reason=reason, stop_reason=stop_reason)],
+            outputs=[
+                CompletionOutput(
+                    index=0, text=text, token_ids=ids, finish_reason=reason, stop_reason=stop_reason
+                )
+            ],
             finished=reason is not None,
         )
