@@ -14,6 +14,7 @@ ACCEPT = "a"
 CHUNK = "c"
 FINAL = "f"
 ERROR = "e"
+BATCH = "b"
 
 
 def accept(replica: str, request_id: str) -> bytes:
@@ -47,3 +48,8 @@ def error(err: TokenbusError) -> bytes:
 
 def decode(data: bytes) -> dict[str, Any]:
     return codec.decode_map(data)
+
+
+def batch(items: list[tuple[str, bytes]]) -> bytes:
+    """Frames for several streams of one client: ``[(stream token, frame), ...]`` in order."""
+    return codec.encode({"t": BATCH, "f": items})

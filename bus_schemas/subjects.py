@@ -103,6 +103,24 @@ def admin(service: str, action: str) -> str:
     return f"{PREFIX}.admin.{service}.{action}"
 
 
+# The last token of a batch message under a client's inbox prefix. Stream tokens are hex
+# ids, so this one can never name a stream.
+INBOX_BATCH_TOKEN = "_batch"
+
+
+def inbox_batch(prefix: str) -> str:
+    """Where a worker sends several frames for several streams of one client in one message."""
+    return f"{prefix}.{INBOX_BATCH_TOKEN}"
+
+
+def split_inbox(reply: str) -> tuple[str, str] | None:
+    """(prefix, stream token) of a tokenbus client inbox, or None for any other subject."""
+    if not reply.startswith("_INBOX.tb."):
+        return None
+    prefix, _, tok = reply.rpartition(".")
+    return prefix, tok
+
+
 def inbox_prefix(owner: str) -> str:
     """A per-process inbox prefix; replies for every request of that process land under it."""
     return f"_INBOX.tb.{token(owner)}"

@@ -20,6 +20,7 @@ from bus_schemas import codec, frames, marks, subjects
 from bus_schemas import errors as E
 from engine_worker import backends
 from engine_worker.backends.base import Backend, GenerationRequest
+from engine_worker.outbox import Outbox
 from services.runtime import Service, reply_subject
 
 
@@ -44,6 +45,7 @@ class Worker(Service):
         self.discovery.metadata.update(replica=self.replica, model=self.model)
 
     async def setup(self) -> None:
+        self.outbox = Outbox(self.nc)
         await self.backend.start()
         await self.add_endpoint(
             "generate", subjects.engine_generate(self.model, self.replica), self.handle
@@ -95,7 +97,14 @@ class Worker(Service):
         with contextlib.suppress(Exception):
             await self.nc.flush(timeout=2)
 
+    async def reply_error(self, msg: Msg, err: E.TokenbusError) -> None:
+        # Through the outbox, so the error frame stays behind the chunks already queued.
+        reply = reply_subject(msg)
+        if reply:
+            self.outbox.send(reply, frames.error(err))
+
     async def on_stop(self) -> None:
+        await self.outbox.flush()
         self._hb_task.cancel()
         await self.heartbeat()
         with contextlib.suppress(Exception):
@@ -145,9 +154,10 @@ class Worker(Service):
         # The engine starts first (its clock is the user's TTFT); the ack and the accept
         # frame go out while it prefills.
         stream = self.backend.generate(req)
+        send = self.outbox.send
         try:
             await self._ack(msg, None)
-            await self.nc.publish(reply, frames.accept(self.replica, rid))
+            send(reply, frames.accept(self.replica, rid))
             deadline = marks.deadline_ms(hdrs)
             timeout = None if deadline is None else max(0.0, deadline / 1000.0 - time.time())
             index = 0
@@ -156,7 +166,7 @@ class Worker(Service):
                     if d.text or d.tokens:
                         if not first_ns:
                             first_ns = marks.now_ns()
-                        await self.nc.publish(reply, frames.chunk(d.text, d.tokens, index))
+                        send(reply, frames.chunk(d.text, d.tokens, index))
                         index += 1
                         completion += d.tokens
                     if d.finish_reason is not None:
@@ -165,17 +175,15 @@ class Worker(Service):
                         timings["first_token"] = first_ns or marks.now_ns()
                         timings["engine_end"] = marks.now_ns()
                         completion = d.completion_tokens or completion
-                        await self.nc.publish(
-                            reply,
-                            frames.final(d.finish_reason, d.prompt_tokens, completion, timings),
-                        )
+                        send(reply,
+                             frames.final(d.finish_reason, d.prompt_tokens, completion, timings))
                         outcome = d.finish_reason
                         break
                 else:
                     raise E.EngineError("the engine ended the stream without a finish reason")
         except TimeoutError:
             outcome = "timeout"
-            await self.nc.publish(reply, frames.error(E.Timeout("the request's deadline passed")))
+            send(reply, frames.error(E.Timeout("the request's deadline passed")))
         except asyncio.CancelledError:
             if rid in self._caller_cancelled:
                 outcome = "cancelled"
@@ -187,13 +195,11 @@ class Worker(Service):
                 raise
         except E.TokenbusError as exc:
             outcome = exc.code
-            await self.nc.publish(reply, frames.error(exc))
+            send(reply, frames.error(exc))
         except Exception as exc:
             outcome = "engine_error"
             self.log.exception("generation_failed", request_id=rid)
-            await self.nc.publish(
-                reply, frames.error(E.EngineError(f"the engine failed: {type(exc).__name__}"))
-            )
+            send(reply, frames.error(E.EngineError(f"the engine failed: {type(exc).__name__}")))
         finally:
             self._active.pop(rid, None)
             self._caller_cancelled.discard(rid)

@@ -157,6 +157,15 @@ def _summary_ms(values: list[float]) -> dict[str, float]:
             "max": round(max(ms), 3)}
 
 
+def _cpu_s(pid: int) -> float | None:
+    """User + system CPU seconds of a process so far."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def _rss_mb(pid: int) -> float | None:
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -212,12 +221,19 @@ async def run_level(target: Target, conc: int, total: int, a: argparse.Namespace
             await asyncio.sleep(0.25)
 
     sampler = asyncio.get_running_loop().create_task(sample())
+    cpu0 = {n: _cpu_s(p) for n, p in target.pids.items()}
+    cpu0["bench-client"] = _cpu_s(os.getpid())
     t0 = time.perf_counter()
     try:
         await asyncio.gather(*(one_client() for _ in range(conc)))
     finally:
         wall = time.perf_counter() - t0
         sampler.cancel()
+        cpu: dict[str, float] = {}
+        for n, p in [*target.pids.items(), ("bench-client", os.getpid())]:
+            before, after = cpu0.get(n), _cpu_s(p)
+            if before is not None and after is not None and wall:
+                cpu[n] = round(100 * (after - before) / wall, 1)
         if session is not None:
             await session.close()
         if client is not None:
@@ -241,6 +257,7 @@ async def run_level(target: Target, conc: int, total: int, a: argparse.Namespace
         "tbt_ms": _summary_ms([r.tbt_s for r in ok if r.tbt_s is not None]),
         "e2e_ms": _summary_ms([r.e2e_s for r in ok]),
         "peak_rss_mb": {k: round(v, 1) for k, v in peak.items()},
+        "cpu_percent": cpu,
     }
 
 
