@@ -75,5 +75,4 @@ class Ingress(Service):
         req = validation.parse(kind, codec.decode(msg.data))
         hdrs = dict(msg.headers or {})
         env = self.admission.admit(kind, req, hdrs, t1)
-        await self.nc.publish(self.admission.first, codec.encode(env), reply=msg.reply,
-                              headers=hdrs)
+        await self.forward(self.admission.first, codec.encode(env), hdrs, msg.reply)

@@ -16,6 +16,7 @@ import os
 import signal
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from types import TracebackType
 from typing import Any
@@ -25,13 +26,16 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from bus_schemas import errors as E
-from bus_schemas import frames, marks
+from bus_schemas import frames, marks, subjects
 from bus_schemas import headers as H
 from services.config import Settings
 from services.discovery import Discovery, EndpointStats
 from telemetry import logging as tlog
 
 Handler = Callable[[Msg], Awaitable[None]]
+
+# How long a forwarded request's caller is remembered for a "no responders" bounce.
+_BOUNCE_TTL_S = 10.0
 
 VERSION = "0.1.0"
 
@@ -92,6 +96,7 @@ class Service:
         self._subs: list[Any] = []
         self._accepting = False
         self.stopped = asyncio.Event()
+        self._bounces: OrderedDict[str, tuple[float, str, str]] = OrderedDict()
         self.discovery = Discovery(
             name=f"tokenbus-{self.name}",
             id=self.id,
@@ -106,6 +111,8 @@ class Service:
         if self.nc is None:
             self.nc = await connect(self.settings.url(), f"tokenbus-{self.name}-{self.id}")
         self._accepting = True
+        self._bounce_prefix = subjects.inbox_prefix(f"{self.name}-{self.id}")
+        self._bounce_sub = await self.nc.subscribe(f"{self._bounce_prefix}.*", cb=self._on_bounce)
         await self.setup()
         await self.discovery.start(self.nc)
         self.log.info("service_started", nats=self.settings.url())
@@ -115,6 +122,33 @@ class Service:
 
     async def on_stop(self) -> None:
         """Called after in-flight work has finished or timed out (subclasses)."""
+
+    # -- forwarding -----------------------------------------------------------------------
+    async def forward(self, subject: str, data: bytes, hdrs: dict[str, str], reply: str) -> None:
+        """Hand a request to the next stage, keeping the caller's inbox.
+
+        The caller's inbox travels in ``Tb-Reply-To``; the message's own reply subject is
+        this instance's bounce inbox, so when no instance of the next stage is subscribed,
+        NATS answers "no responders" here and the caller gets a clear 503 instead of silence.
+        """
+        token = uuid.uuid4().hex
+        now = time.monotonic()
+        self._bounces[token] = (now + _BOUNCE_TTL_S, reply, subject)
+        while self._bounces and next(iter(self._bounces.values()))[0] < now:
+            self._bounces.popitem(last=False)
+        hdrs[H.REPLY_TO] = reply
+        await self.nc.publish(subject, data, reply=f"{self._bounce_prefix}.{token}", headers=hdrs)
+
+    async def _on_bounce(self, msg: Msg) -> None:
+        entry = self._bounces.pop(msg.subject.rpartition(".")[2], None)
+        if entry is None or not msg.headers or msg.headers.get(H.NATS_STATUS) != "503":
+            return
+        _, reply, subject = entry
+        stage = subject.rpartition(".")[2]
+        with contextlib.suppress(Exception):
+            await self.nc.publish(reply, frames.error(E.ServiceUnavailable(
+                f"no {stage} service is running on the bus; start one (`tokenbus serve "
+                f"{'router' if stage == subjects.STAGE_ROUTE else stage}`) and retry")))
 
     async def stop_taking_work(self) -> None:
         """Unsubscribe every endpoint so queue-group peers get new requests."""
@@ -137,6 +171,8 @@ class Service:
                 await asyncio.wait(pending, timeout=2.0)
         await self.on_stop()
         await self.discovery.stop()
+        with contextlib.suppress(Exception):
+            await self._bounce_sub.unsubscribe()
         if self._own_nc and self.nc is not None and not self.nc.is_closed:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self.nc.drain(), timeout=5.0)

@@ -1,0 +1,232 @@
+"""The NATS path on a real nats-server: client, ingress, router, workers (in-process)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import nats
+import pytest
+
+from bus_schemas import codec, subjects
+from bus_schemas import errors as E
+from bus_schemas.client import Client
+from engine_worker.backends.sim import expected_text
+from tests.conftest import NatsServer, stack, wait_for
+
+MSG = [{"role": "user", "content": "hello there"}]
+PROMPT = "<|user|>hello there\n"
+
+
+async def test_streaming_and_whole_chat_over_nats(nats_server: NatsServer, model: str) -> None:
+    async with stack(nats_server.url, model), await Client.connect(nats_server.url) as c:
+        stream = c.chat(model, MSG, max_tokens=10, seed=3)
+        chunks = [ch async for ch in stream]
+        text = "".join(ch.text for ch in chunks)
+        assert text == expected_text(PROMPT, 10, seed=3)[0]
+        assert stream.finish_reason == "length"
+        assert stream.usage is not None and stream.usage.completion_tokens == 10
+        assert stream.replica and stream.replica.startswith(model)
+        assert [ch.index for ch in chunks] == sorted(ch.index for ch in chunks)
+        for mark in ("t0", "ingress", "route", "engine_start", "first_token", "engine_end"):
+            assert mark in stream.timings
+        assert stream.timings["t0"] <= stream.timings["ingress"] <= stream.timings["route"]
+        assert stream.timings["route"] <= stream.timings["engine_start"]
+
+        whole = await c.chat_completion(model, MSG, max_tokens=10, seed=3)
+        assert whole.text == text and whole.finish_reason == "length"
+
+        comp = await c.completion(model, "abc", max_tokens=4)
+        assert comp.text == expected_text("abc", 4)[0]
+
+
+async def test_stop_sequences_over_the_bus(nats_server: NatsServer, model: str) -> None:
+    full = expected_text(PROMPT, 30)[0]
+    stop = " " + full.split(" ")[4]
+    async with stack(nats_server.url, model, workers=1), await Client.connect(nats_server.url) as c:
+        out = await c.chat_completion(model, MSG, max_tokens=30, stop=[stop])
+    assert out.finish_reason == "stop"
+    assert out.text == full[: full.find(stop)]
+
+
+@pytest.mark.parametrize(
+    ("body", "code", "status"),
+    [
+        ({"messages": MSG}, "invalid_request", 400),
+        ({"model": "{model}", "messages": []}, "invalid_request", 400),
+        ({"model": "{model}", "messages": "hi"}, "invalid_request", 400),
+        ({"model": "{model}", "messages": MSG, "max_tokens": "many"}, "invalid_request", 400),
+        ({"model": "{model}", "messages": MSG, "n": 3}, "invalid_request", 400),
+        ({"model": "no-such-model", "messages": MSG}, "model_not_found", 404),
+    ],
+)
+async def test_bad_requests_get_typed_errors_and_services_keep_serving(
+    nats_server: NatsServer, model: str, body: dict[str, Any], code: str, status: int
+) -> None:
+    body = json.loads(json.dumps(body).replace("{model}", model))
+    async with stack(nats_server.url, model, workers=1), await Client.connect(nats_server.url) as c:
+        with pytest.raises(E.TokenbusError) as ei:
+            await c.submit("chat", body).collect()
+        assert (ei.value.code, E.http_status(ei.value)) == (code, status)
+        assert ei.value.message
+        ok = await c.chat_completion(model, MSG, max_tokens=2)
+        assert ok.usage.completion_tokens == 2
+
+
+async def test_malformed_msgpack_is_refused(nats_server: NatsServer, model: str) -> None:
+    async with stack(nats_server.url, model, workers=1):
+        nc = await nats.connect(nats_server.url)
+        try:
+            reply = await nc.request(subjects.request("chat"), b"\xc1\xc1", timeout=5)
+            frame = codec.decode_map(reply.data)
+            assert frame["t"] == "e" and frame["error"]["code"] == "invalid_request"
+            assert frame["error"]["status"] == 400
+        finally:
+            await nc.drain()
+
+
+async def test_oversized_prompt_is_413(nats_server: NatsServer, model: str) -> None:
+    async with stack(nats_server.url, model, workers=1,
+                     ingress={"max_prompt_chars": 100}), await Client.connect(nats_server.url) as c:
+        with pytest.raises(E.PayloadTooLarge):
+            await c.chat_completion(model, [{"role": "user", "content": "x" * 101}])
+
+
+async def test_several_workers_share_the_load(nats_server: NatsServer, model: str) -> None:
+    async with stack(nats_server.url, model, workers=3), await Client.connect(nats_server.url) as c:
+        outs = await asyncio.gather(*(c.chat_completion(model, MSG, max_tokens=20)
+                                      for _ in range(30)))
+    served = [o.replica for o in outs]
+    assert len(set(served)) == 3
+    assert max(served.count(r) for r in set(served)) <= 15
+
+
+async def test_no_replica_is_503_and_unknown_model_404(private_nats: NatsServer,
+                                                      model: str) -> None:
+    url = private_nats.url
+    async with stack(url, model, workers=1) as svcs, await Client.connect(url) as c:
+        w = svcs["workers"][0]
+        await w.drain(timeout=2)
+        await wait_for(lambda: not svcs["router"].registry.live(model))
+        with pytest.raises(E.NoReplica) as ei:
+            await c.chat_completion(model, MSG)
+        assert ei.value.retryable and ei.value.status == 503
+        with pytest.raises(E.ModelNotFound):
+            await c.chat_completion("never-served", MSG)
+
+
+async def test_no_ingress_is_a_clear_503(private_nats: NatsServer) -> None:
+    async with await Client.connect(private_nats.url) as c:
+        with pytest.raises(E.ServiceUnavailable) as ei:
+            await c.chat_completion("m", MSG, timeout=5)
+    assert "ingress" in ei.value.message
+
+
+async def test_no_router_is_a_clear_503(private_nats: NatsServer, model: str) -> None:
+    async with stack(private_nats.url, model, workers=0, with_router=False), \
+            await Client.connect(private_nats.url) as c:
+        with pytest.raises(E.ServiceUnavailable):
+            await c.chat_completion(model, MSG, timeout=5)
+
+
+async def test_dead_replica_before_accept_is_routed_around(nats_server: NatsServer,
+                                                          model: str) -> None:
+    async with stack(nats_server.url, model, workers=2) as svcs, \
+            await Client.connect(nats_server.url) as c:
+        dead = svcs["workers"][0]
+        # The replica stops answering but the router still believes in it (heartbeats not
+        # yet expired): exactly a process killed between two heartbeats.
+        for sub in dead._subs:
+            await sub.unsubscribe()
+        dead._subs.clear()
+        dead._hb_task.cancel()
+        outs = await asyncio.gather(*(c.chat_completion(model, MSG, max_tokens=3)
+                                      for _ in range(10)))
+        assert {o.replica for o in outs} == {svcs["workers"][1].replica}
+
+
+async def test_closing_the_stream_cancels_generation_on_the_worker(nats_server: NatsServer,
+                                                                  model: str) -> None:
+    async with stack(nats_server.url, model, workers=1) as svcs, \
+            await Client.connect(nats_server.url) as c:
+        w = svcs["workers"][0]
+        stream = c.chat(model, MSG, max_tokens=100_000)
+        async for _ in stream:
+            break
+        assert w.in_flight == 1
+        await stream.aclose()
+        await wait_for(lambda: w.in_flight == 0 and w.backend.stats()["running"] == 0)
+
+
+async def test_cancel_before_accept_still_reaches_the_worker(nats_server: NatsServer,
+                                                            model: str) -> None:
+    async with stack(nats_server.url, model, workers=1) as svcs, \
+            await Client.connect(nats_server.url) as c:
+        w = svcs["workers"][0]
+        stream = c.chat(model, MSG, max_tokens=100_000)
+        await stream.start()
+        await stream.aclose()  # before any frame arrived
+        await asyncio.sleep(0.3)
+        await wait_for(lambda: w.in_flight == 0 and w.backend.stats()["running"] == 0)
+
+
+async def test_request_timeout_is_a_typed_error(nats_server: NatsServer, model: str) -> None:
+    async with stack(nats_server.url, model, workers=1) as svcs, \
+            await Client.connect(nats_server.url) as c:
+        with pytest.raises(E.Timeout):
+            await c.chat_completion(model, MSG, max_tokens=100_000, timeout=0.3)
+        await wait_for(lambda: svcs["workers"][0].in_flight == 0)
+
+
+async def test_expired_requests_are_dropped_not_served(nats_server: NatsServer,
+                                                       model: str) -> None:
+    async with stack(nats_server.url, model, workers=1) as svcs:
+        nc = await nats.connect(nats_server.url)
+        try:
+            reply = await nc.request(
+                subjects.request("chat"), codec.encode({"model": model, "messages": MSG}),
+                headers={"Tb-Deadline": "1000"}, timeout=5)
+            frame = codec.decode_map(reply.data)
+            assert frame["error"]["code"] == "timeout"
+            assert svcs["workers"][0].discovery.endpoints[0].num_requests == 0
+        finally:
+            await nc.drain()
+
+
+async def test_drain_finishes_in_flight_streams(nats_server: NatsServer, model: str) -> None:
+    async with stack(nats_server.url, model, workers=2) as svcs, \
+            await Client.connect(nats_server.url) as c:
+        stream = c.chat(model, MSG, max_tokens=60)
+        first = await stream.__anext__()
+        serving = next(w for w in svcs["workers"] if w.replica == stream.replica)
+        other = next(w for w in svcs["workers"] if w is not serving)
+        drain = asyncio.create_task(serving.drain(timeout=10))
+        rest = [ch async for ch in stream]
+        await drain
+        assert stream.finish_reason == "length"
+        assert sum(ch.tokens for ch in [first, *rest]) == 60
+        out = await c.chat_completion(model, MSG, max_tokens=2)
+        assert out.replica == other.replica
+
+
+async def test_services_answer_nats_micro_discovery(nats_server: NatsServer, model: str) -> None:
+    async with stack(nats_server.url, model, workers=1):
+        nc = await nats.connect(nats_server.url)
+        inbox = nc.new_inbox()
+        got: list[dict[str, Any]] = []
+
+        async def cb(msg: Any) -> None:
+            got.append(json.loads(msg.data))
+
+        await nc.subscribe(inbox, cb=cb)
+        await nc.publish("$SRV.INFO", b"", reply=inbox)
+        await asyncio.sleep(0.3)
+        names = {g["name"] for g in got}
+        assert {"tokenbus-ingress", "tokenbus-router", "tokenbus-worker"} <= names
+        got.clear()
+        await nc.publish("$SRV.STATS.tokenbus-worker", b"", reply=inbox)
+        await asyncio.sleep(0.3)
+        assert got and all(g["type"] == "io.nats.micro.v1.stats_response" for g in got)
+        assert all("num_requests" in e for g in got for e in g["endpoints"])
+        await nc.drain()

@@ -1,0 +1,130 @@
+"""The bus contract: subjects, codec, errors, frames, exported schemas."""
+
+from __future__ import annotations
+
+import pytest
+
+from bus_schemas import codec, frames, subjects
+from bus_schemas import errors as E
+from bus_schemas.export import SCHEMA_DIR, render, schemas
+from bus_schemas.messages import ChatCompletionRequest, CompletionRequest, Heartbeat
+
+
+def test_exported_schemas_match_the_models() -> None:
+    current = schemas()
+    on_disk = {p.stem for p in SCHEMA_DIR.glob("*.json")}
+    assert on_disk == set(current), "run `python -m bus_schemas.export`"
+    for name, schema in current.items():
+        assert (SCHEMA_DIR / f"{name}.json").read_text() == render(schema), (
+            f"{name}.json is stale: run `python -m bus_schemas.export`"
+        )
+
+
+def test_every_exported_model_has_described_fields() -> None:
+    for name, schema in schemas().items():
+        assert schema.get("description"), f"{name} has no docstring"
+
+
+@pytest.mark.parametrize("name", ["llama-3.1-8b", "org/model.v2", "a b*c>", "ünï", "x~y"])
+def test_subject_tokens_are_safe_and_reversible(name: str) -> None:
+    tok = subjects.token(name)
+    assert all(c.isalnum() or c in "_-~" for c in tok)
+    assert "." not in tok and "*" not in tok and ">" not in tok and " " not in tok
+    assert subjects.untoken(tok) == name
+
+
+def test_distinct_names_never_share_a_token() -> None:
+    assert subjects.token("a.b") != subjects.token("a_b")
+    assert subjects.token("a/b") != subjects.token("a~2Fb")
+
+
+def test_subjects_are_versioned_and_built_in_one_place() -> None:
+    assert subjects.request("chat") == "tb.v1.req.chat"
+    assert subjects.engine_generate("m.x", "r1") == "tb.v1.engine.m~2Ex.r1.generate"
+    assert subjects.heartbeat("m", "r") == "tb.v1.heartbeat.m.r"
+    with pytest.raises(ValueError):
+        subjects.request("embeddings")
+    with pytest.raises(ValueError):
+        subjects.token("")
+
+
+def test_inbox_split_only_for_tokenbus_inboxes() -> None:
+    prefix = subjects.inbox_prefix("bridge-1")
+    assert subjects.split_inbox(f"{prefix}.abc") == (prefix, "abc")
+    assert subjects.split_inbox("_INBOX.xyz.1") is None
+
+
+def test_codec_round_trip_and_rejects_garbage() -> None:
+    obj = {"a": [1, 2.5, "x", None, b"\x00"], "b": {"c": True}}
+    assert codec.decode(codec.encode(obj)) == obj
+    with pytest.raises(E.InvalidRequest):
+        codec.decode(b"\xc1")
+    with pytest.raises(E.InvalidRequest):
+        codec.decode_map(codec.encode([1, 2]))
+
+
+def test_typed_errors_cross_the_wire_with_status_and_retryable() -> None:
+    for klass in E.ERRORS_BY_CODE.values():
+        err = klass("msg", param="p")
+        frame = frames.decode(frames.error(err))
+        assert frame["t"] == frames.ERROR
+        back = E.TokenbusError.from_dict(frame["error"])
+        assert type(back) is klass
+        assert (back.code, back.status, back.retryable, back.param) == (
+            err.code, err.status, err.retryable, "p")
+    body = E.NoReplica("none").openai_body()
+    assert body == {"error": {"message": "none", "type": "server_error", "param": None,
+                              "code": "no_replica"}}
+
+
+def test_unknown_error_codes_keep_the_senders_status() -> None:
+    err = E.TokenbusError.from_dict({"code": "brand_new", "status": 418, "message": "teapot",
+                                     "retryable": True})
+    assert E.http_status(err) == 418
+    assert err.to_dict()["code"] == "brand_new"
+    assert err.to_dict()["retryable"] is True
+
+
+def test_stream_frames() -> None:
+    assert frames.decode(frames.accept("r1", "q"))["replica"] == "r1"
+    c = frames.decode(frames.chunk("hi", 2, 7))
+    assert (c["t"], c["d"], c["n"], c["i"]) == ("c", "hi", 2, 7)
+    f = frames.decode(frames.final("length", 3, 4, {"t0": 1}))
+    assert f["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+    b = frames.decode(frames.batch([("a", b"x"), ("b", b"y")]))
+    assert b["t"] == frames.BATCH and [tuple(i) for i in b["f"]] == [("a", b"x"), ("b", b"y")]
+
+
+def test_openai_requests_validate_like_openai() -> None:
+    req = ChatCompletionRequest.model_validate(
+        {"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
+                                                                 {"type": "text", "text": "b"}]}],
+         "stop": "x", "max_completion_tokens": 5, "unknown_field": 1})
+    assert req.messages[0].text() == "ab"
+    assert req.stop == ["x"]
+    assert req.sampling(100).max_tokens == 5
+    assert ChatCompletionRequest.model_validate(
+        {"model": "m", "messages": [{"role": "user", "content": "a"}]}).sampling(100).max_tokens == 100
+    for bad in ({"model": "m", "messages": []},
+                {"model": "m", "messages": [{"role": "robot", "content": "a"}]},
+                {"model": "m", "messages": "hi"},
+                {"model": "m", "messages": [{"role": "user", "content": "a"}], "n": 2},
+                {"model": "m", "messages": [{"role": "user", "content": "a"}], "temperature": 3},
+                {"model": "m", "messages": [{"role": "user", "content": "a"}], "max_tokens": 0},
+                {"model": "m", "messages": [{"role": "user", "content": "a"}],
+                 "stop": ["a", "b", "c", "d", "e"]},
+                {"messages": [{"role": "user", "content": "a"}]}):
+        with pytest.raises(ValueError):
+            ChatCompletionRequest.model_validate(bad)
+    assert CompletionRequest.model_validate({"model": "m", "prompt": ["p"]}).prompt_text == "p"
+    with pytest.raises(ValueError):
+        CompletionRequest.model_validate({"model": "m", "prompt": ["p", "q"]})
+
+
+def test_heartbeat_model_accepts_what_workers_send() -> None:
+    from services.config import Settings
+
+    from engine_worker.worker import Worker
+
+    w = Worker(Settings(nats_url="nats://127.0.0.1:1"))
+    Heartbeat.model_validate(w.heartbeat_body())

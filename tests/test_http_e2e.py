@@ -1,0 +1,248 @@
+"""End to end over HTTP: real processes (ingress, router, two workers, the bridge) on a real
+nats-server, driven by the official openai SDK and httpx."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from engine_worker.backends.sim import expected_text
+from tests.conftest import (
+    NatsServer,
+    Procs,
+    free_port,
+    live_replicas,
+    wait_http,
+    wait_replicas,
+)
+
+MSG = [{"role": "user", "content": "hello there"}]
+PROMPT = "<|user|>hello there\n"
+
+
+class HttpStack:
+    def __init__(self, procs: Procs, model: str, base: str) -> None:
+        self.procs = procs
+        self.model = model
+        self.base = base
+
+    def client(self) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=f"{self.base}/v1", api_key="unused", max_retries=0)
+
+    def all_alive(self) -> bool:
+        return all(p.alive() for p in self.procs.procs)
+
+
+@pytest.fixture(scope="module")
+def http_stack(nats_server: NatsServer, tmp_path_factory: pytest.TempPathFactory
+               ) -> Iterator[HttpStack]:
+    model = f"m-{uuid.uuid4().hex[:8]}"
+    port = free_port()
+    ps = Procs(nats_server.url, tmp_path_factory.mktemp("http-stack"))
+    ps.start("ingress", "serve", "ingress")
+    ps.start("router", "serve", "router")
+    for i in range(2):
+        ps.start(f"worker-{i}", "serve", "worker", "--model", model, "--replica", f"{model}-{i}",
+                 "--sim-prefill-ms", "5", "--sim-decode-ms", "2")
+    ps.start("bridge", "serve", "bridge", "--port", str(port),
+             env={"TOKENBUS_BRIDGE__MAX_BODY_BYTES": "65536"})
+    base = f"http://127.0.0.1:{port}"
+    asyncio.run(_ready(nats_server.url, model, base))
+    yield HttpStack(ps, model, base)
+    ps.stop_all()
+
+
+async def _ready(url: str, model: str, base: str) -> None:
+    await wait_replicas(url, model, 2)
+    await wait_http(f"{base}/ready")
+
+
+@pytest.fixture
+async def oai(http_stack: HttpStack) -> AsyncIterator[openai.AsyncOpenAI]:
+    c = http_stack.client()
+    yield c
+    await c.close()
+
+
+async def test_chat_streaming_with_the_openai_sdk(http_stack: HttpStack,
+                                                 oai: openai.AsyncOpenAI) -> None:
+    stream = await oai.chat.completions.create(
+        model=http_stack.model, messages=MSG, max_tokens=12, seed=5, stream=True,
+        stream_options={"include_usage": True})
+    text, finish, usage, roles = "", None, None, []
+    async for chunk in stream:
+        if chunk.usage:
+            usage = chunk.usage
+        for ch in chunk.choices:
+            if ch.delta.role:
+                roles.append(ch.delta.role)
+            text += ch.delta.content or ""
+            finish = ch.finish_reason or finish
+    assert text == expected_text(PROMPT, 12, seed=5)[0]
+    assert finish == "length"
+    assert roles == ["assistant"]
+    assert usage is not None and usage.completion_tokens == 12
+    assert usage.total_tokens == usage.prompt_tokens + 12
+
+
+async def test_chat_whole_with_the_openai_sdk(http_stack: HttpStack,
+                                             oai: openai.AsyncOpenAI) -> None:
+    full = expected_text(PROMPT, 30)[0]
+    stop = " " + full.split(" ")[3]
+    out = await oai.chat.completions.create(model=http_stack.model, messages=MSG,
+                                            max_completion_tokens=30, stop=stop,
+                                            temperature=0.2, top_p=0.9)
+    assert out.choices[0].message.content == full[: full.find(stop)]
+    assert out.choices[0].finish_reason == "stop"
+    assert out.usage is not None and out.usage.completion_tokens >= 3
+    assert out.object == "chat.completion" and out.model == http_stack.model
+
+
+async def test_text_completions_streaming_and_not(http_stack: HttpStack,
+                                                 oai: openai.AsyncOpenAI) -> None:
+    out = await oai.completions.create(model=http_stack.model, prompt="abc", max_tokens=6)
+    assert out.choices[0].text == expected_text("abc", 6)[0]
+    assert out.usage is not None and out.usage.completion_tokens == 6
+    stream = await oai.completions.create(model=http_stack.model, prompt="abc", max_tokens=6,
+                                          stream=True)
+    text = "".join([c.choices[0].text async for c in stream if c.choices])
+    assert text == expected_text("abc", 6)[0]
+
+
+async def test_models_health_ready(http_stack: HttpStack, oai: openai.AsyncOpenAI) -> None:
+    models = [m.id async for m in oai.models.list()]
+    assert http_stack.model in models
+    async with httpx.AsyncClient(base_url=http_stack.base) as h:
+        assert (await h.get("/health")).json() == {"status": "ok"}
+        ready = (await h.get("/ready")).json()
+        assert ready["status"] == "ready" and http_stack.model in ready["models"]
+        metrics = (await h.get("/metrics")).text
+        assert "tokenbus_bridge_requests_total" in metrics
+        assert "process_resident_memory_bytes" in metrics
+
+
+def _bad_cases(model: str) -> list[tuple[str, bytes | None, Any, int, str]]:
+    ok = {"model": model, "messages": MSG}
+    return [
+        ("malformed json", b'{"model": "x", "messages": [', None, 400, "invalid_json"),
+        ("not an object", b"[1, 2]", None, 400, "invalid_request"),
+        ("wrong type", None, {**ok, "max_tokens": "lots"}, 400, "invalid_request"),
+        ("wrong type messages", None, {"model": model, "messages": 5}, 400, "invalid_request"),
+        ("empty messages", None, {"model": model, "messages": []}, 400, "invalid_request"),
+        ("missing model", None, {"messages": MSG}, 400, "invalid_request"),
+        ("n=2", None, {**ok, "n": 2}, 400, "invalid_request"),
+        ("temperature", None, {**ok, "temperature": 9}, 400, "invalid_request"),
+        ("unknown model", None, {**ok, "model": "no-such-model"}, 404, "model_not_found"),
+        ("unknown model streaming", None, {**ok, "model": "nope", "stream": True}, 404,
+         "model_not_found"),
+        ("oversized", b'{"model": "x", "messages": [{"role": "user", "content": "'
+         + b"x" * 70_000 + b'"}]}', None, 413, "payload_too_large"),
+    ]
+
+
+async def test_bad_input_gets_openai_shaped_errors_and_everything_keeps_serving(
+        http_stack: HttpStack) -> None:
+    async with httpx.AsyncClient(base_url=http_stack.base, timeout=30) as h:
+        for name, raw, body, status, code in _bad_cases(http_stack.model):
+            if raw is not None:
+                r = await h.post("/v1/chat/completions", content=raw,
+                                 headers={"Content-Type": "application/json"})
+            else:
+                r = await h.post("/v1/chat/completions", json=body)
+            assert r.status_code == status, (name, r.text)
+            err = r.json()["error"]
+            assert err["code"] == code, name
+            assert err["message"] and "Traceback" not in err["message"], name
+            assert set(err) == {"message", "type", "param", "code"}, name
+        r = await h.post("/v1/chat/completions", json={"model": http_stack.model,
+                                                      "messages": MSG, "max_tokens": 2})
+        assert r.status_code == 200
+        r = await h.get("/v1/nowhere")
+        assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+    assert http_stack.all_alive()
+
+
+async def test_the_sdk_raises_its_own_typed_errors(http_stack: HttpStack,
+                                                   oai: openai.AsyncOpenAI) -> None:
+    with pytest.raises(openai.NotFoundError):
+        await oai.chat.completions.create(model="no-such-model", messages=MSG)
+    with pytest.raises(openai.BadRequestError):
+        await oai.chat.completions.create(model=http_stack.model, messages=[])
+
+
+async def test_client_disconnect_cancels_generation_on_the_worker(
+        http_stack: HttpStack, nats_server: NatsServer) -> None:
+    async with httpx.AsyncClient(base_url=http_stack.base, timeout=30) as h:
+        body = {"model": http_stack.model, "messages": MSG, "max_tokens": 50_000,
+                "stream": True}
+        async with h.stream("POST", "/v1/chat/completions", json=body) as r:
+            assert r.status_code == 200
+            lines = r.aiter_lines()  # kept open: the connection stays up
+            async for line in lines:
+                if line.startswith("data: ") and '"content":"' in line and '""' not in line:
+                    break
+            busy = await live_replicas(nats_server.url, http_stack.model)
+            assert sum(hb["in_flight"] for hb in busy.values()) == 1
+    # 50k tokens at 2 ms each would take 100 s; the abort frees the replica at once.
+    for _ in range(50):
+        live = await live_replicas(nats_server.url, http_stack.model, 0.3)
+        if live and sum(hb["in_flight"] + hb["running"] for hb in live.values()) == 0:
+            break
+    else:
+        raise AssertionError("the worker kept generating after the client left")
+
+
+async def test_concurrent_streams_spread_over_both_workers(http_stack: HttpStack,
+                                                           oai: openai.AsyncOpenAI) -> None:
+    async def one() -> str:
+        out = await oai.chat.completions.create(model=http_stack.model, messages=MSG,
+                                                max_tokens=20)
+        return out.choices[0].message.content or ""
+
+    outs = await asyncio.gather(*(one() for _ in range(40)))
+    assert all(o == expected_text(PROMPT, 20)[0] for o in outs)
+    log = "".join(p.output() for p in http_stack.procs.procs if p.name.startswith("worker"))
+    served = {p.name: p.output().count('"event": "request"') for p in http_stack.procs.procs
+              if p.name.startswith("worker")}
+    assert all(n > 0 for n in served.values()), served
+    assert '"outcome": "length"' in log
+
+
+def test_sse_wire_format_is_openais(http_stack: HttpStack) -> None:
+    body = {"model": http_stack.model, "messages": MSG, "max_tokens": 3, "stream": True,
+            "stream_options": {"include_usage": True}}
+    with httpx.Client(base_url=http_stack.base) as h:
+        r = h.post("/v1/chat/completions", json=body)
+    assert r.headers["content-type"].startswith("text/event-stream")
+    events = [ln[6:] for ln in r.text.split("\n") if ln.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    objs = [json.loads(e) for e in events[:-1]]
+    assert all(o["object"] == "chat.completion.chunk" for o in objs)
+    assert len({o["id"] for o in objs}) == 1
+    assert objs[-1]["choices"] == [] and objs[-1]["usage"]["completion_tokens"] == 3
+    assert objs[-2]["choices"][0]["finish_reason"] == "length"
+
+
+def test_logs_have_one_canonical_line_per_request_and_no_tracebacks(
+        http_stack: HttpStack) -> None:
+    for p in http_stack.procs.procs:
+        out = p.output()
+        assert "Traceback" not in out, p.name
+    lines = [json.loads(ln) for p in http_stack.procs.procs if p.name.startswith("worker")
+             for ln in p.output().splitlines() if ln.startswith("{")]
+    reqs = [ln for ln in lines if ln.get("event") == "request"]
+    assert reqs and all({"request_id", "outcome", "duration_ms", "replica", "model"} <= set(r)
+                        for r in reqs)
+    assert len({r["request_id"] for r in reqs}) == len(reqs)
+
+
+def test_log_files_exist(http_stack: HttpStack) -> None:
+    assert all(Path(p.log).exists() for p in http_stack.procs.procs)
