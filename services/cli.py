@@ -165,6 +165,10 @@ async def _serve_bridge_processes(a: argparse.Namespace, s: cfgmod.Settings) -> 
     return 0
 
 
+async def _quiet(exc: Exception) -> None:
+    """nats-py prints connection errors itself unless given a callback."""
+
+
 async def _status(a: argparse.Namespace, s: cfgmod.Settings) -> int:
     import nats
 
@@ -172,7 +176,9 @@ async def _status(a: argparse.Namespace, s: cfgmod.Settings) -> int:
     from router.registry import Registry
 
     try:
-        nc = await nats.connect(s.url(), connect_timeout=3, max_reconnect_attempts=0)
+        nc = await asyncio.wait_for(
+            nats.connect(s.url(), connect_timeout=3, allow_reconnect=False,
+                         error_cb=_quiet), 5)
     except Exception as exc:
         print(f"error: cannot reach NATS at {s.url()}: {exc}", file=sys.stderr)
         return 1

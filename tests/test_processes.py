@@ -1,0 +1,193 @@
+"""Real processes under failure: kill -9, SIGTERM drain, an OpenAI upstream joined to the bus,
+several bridge processes on one port, ``tokenbus status``."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import subprocess
+import sys
+import uuid
+from typing import Any
+
+import nats
+import openai
+import pytest
+
+from engine_worker.backends.sim import expected_text
+from tests.conftest import ROOT, NatsServer, Procs, free_port, wait_http, wait_replicas
+
+MSG = [{"role": "user", "content": "hello there"}]
+PROMPT = "<|user|>hello there\n"
+
+
+def sdk(port: int) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+
+
+async def start_stack(procs: Procs, model: str, workers: int = 2, *worker_args: str
+                      ) -> tuple[int, list[Any]]:
+    port = free_port()
+    ws = [procs.start(f"worker-{i}", "serve", "worker", "--model", model, "--replica",
+                      f"{model}-{i}", *worker_args) for i in range(workers)]
+    procs.start("bridge", "serve", "bridge", "--port", str(port))
+    await wait_replicas(procs.url, model, workers)
+    await wait_http(f"http://127.0.0.1:{port}/ready")
+    return port, ws
+
+
+async def test_worker_killed_before_accepting_requests_go_to_another(procs: Procs,
+                                                                   model: str) -> None:
+    port, ws = await start_stack(procs, model, 2, "--sim-prefill-ms", "2", "--sim-decode-ms", "1")
+    ws[0].signal(signal.SIGKILL)
+    ws[0].proc.wait(5)
+    # Heartbeats have not expired yet: the router still lists the dead replica.
+    async with sdk(port) as c:
+        outs = await asyncio.gather(*(c.chat.completions.create(
+            model=model, messages=MSG, max_tokens=5) for _ in range(20)))
+    assert all(o.choices[0].message.content == expected_text(PROMPT, 5)[0] for o in outs)
+    assert f'"replica": "{model}-1"' in ws[1].output()
+
+
+async def test_sigterm_drains_a_worker_and_finishes_its_streams(procs: Procs,
+                                                               model: str) -> None:
+    port, ws = await start_stack(procs, model, 2, "--sim-prefill-ms", "2",
+                                 "--sim-decode-ms", "20")
+    async with sdk(port) as c:
+        streams = [await c.chat.completions.create(model=model, messages=MSG, max_tokens=50,
+                                                   stream=True) for _ in range(6)]
+        firsts = [await s.__anext__() for s in streams]
+        assert all(f.choices for f in firsts)
+        ws[0].signal(signal.SIGTERM)
+        texts = []
+        for s, f in zip(streams, firsts, strict=True):
+            text = f.choices[0].delta.content or ""
+            finish = None
+            async for ch in s:
+                for choice in ch.choices:
+                    text += choice.delta.content or ""
+                    finish = choice.finish_reason or finish
+            assert finish == "length"
+            texts.append(text)
+        assert all(t == expected_text(PROMPT, 50)[0] for t in texts)
+        assert ws[0].proc.wait(20) == 0
+        out = await c.chat.completions.create(model=model, messages=MSG, max_tokens=3)
+        assert out.choices[0].finish_reason == "length"
+    log = ws[0].output()
+    assert "draining" in log and "service_stopped" in log
+
+
+async def test_sigterm_on_the_bridge_finishes_open_streams(procs: Procs, model: str) -> None:
+    port, ws = await start_stack(procs, model, 1, "--sim-prefill-ms", "2",
+                                 "--sim-decode-ms", "20")
+    bridge = procs.procs[-1]
+    async with sdk(port) as c:
+        s = await c.chat.completions.create(model=model, messages=MSG, max_tokens=40,
+                                            stream=True)
+        text = ""
+        async for ch in s:
+            if not text:
+                bridge.signal(signal.SIGTERM)
+            for choice in ch.choices:
+                text += choice.delta.content or ""
+        assert text == expected_text(PROMPT, 40)[0]
+    assert bridge.proc.wait(20) == 0
+
+
+async def test_openai_upstream_joins_the_bus_as_a_replica(procs: Procs, model: str) -> None:
+    upstream_port = free_port()
+    procs.start("upstream", "serve", "openai-http", "--port", str(upstream_port), "--model",
+                "upstream-model", "--sim-prefill-ms", "2", "--sim-decode-ms", "1")
+    await wait_http(f"http://127.0.0.1:{upstream_port}/ready")
+    port = free_port()
+    procs.start("worker", "serve", "worker", "--backend", "openai", "--model", model,
+                "--upstream-url", f"http://127.0.0.1:{upstream_port}/v1",
+                "--upstream-model", "upstream-model")
+    procs.start("worker-bad", "serve", "worker", "--backend", "openai", "--model", f"{model}-bad",
+                "--upstream-url", f"http://127.0.0.1:{upstream_port}/v1",
+                "--upstream-model", "not-served-upstream")
+    procs.start("bridge", "serve", "bridge", "--port", str(port))
+    await wait_replicas(procs.url, model, 1)
+    await wait_replicas(procs.url, f"{model}-bad", 1)
+    await wait_http(f"http://127.0.0.1:{port}/ready")
+    async with sdk(port) as c:
+        out = await c.chat.completions.create(model=model, messages=MSG, max_tokens=7)
+        assert out.choices[0].message.content == expected_text(PROMPT, 7)[0]
+        assert out.usage is not None and out.usage.completion_tokens == 7
+        comp = await c.completions.create(model=model, prompt="abc", max_tokens=4)
+        assert comp.choices[0].text == expected_text("abc", 4)[0]
+        with pytest.raises(openai.BadRequestError) as ei:
+            # The upstream refuses what it cannot serve; the error keeps its meaning.
+            await c.chat.completions.create(model=f"{model}-bad", messages=MSG, max_tokens=7)
+        assert "upstream refused" in ei.value.message
+
+
+async def test_several_bridge_processes_share_one_port(procs: Procs, model: str) -> None:
+    port = free_port()
+    procs.start("worker", "serve", "worker", "--model", model, "--sim-prefill-ms", "2",
+                "--sim-decode-ms", "1")
+    procs.start("bridges", "serve", "bridge", "--processes", "2", "--port", str(port))
+    await wait_replicas(procs.url, model, 1)
+    await wait_http(f"http://127.0.0.1:{port}/ready")
+    nc = await nats.connect(procs.url)
+    try:
+        for _ in range(100):
+            inbox = nc.new_inbox()
+            got: list[Any] = []
+
+            async def cb(m: Any, got: list[Any] = got) -> None:
+                got.append(json.loads(m.data))
+
+            sub = await nc.subscribe(inbox, cb=cb)
+            await nc.publish("$SRV.PING.tokenbus-bridge", b"", reply=inbox)
+            await asyncio.sleep(0.2)
+            await sub.unsubscribe()
+            if len({g["id"] for g in got}) >= 2:
+                break
+        assert len({g["id"] for g in got}) == 2
+        assert len({g["metadata"]["pid"] for g in got}) == 2
+    finally:
+        await nc.drain()
+    async with sdk(port) as c:
+        outs = await asyncio.gather(*(c.chat.completions.create(
+            model=model, messages=MSG, max_tokens=3) for _ in range(20)))
+    assert len(outs) == 20
+
+
+async def test_status_lists_replicas_and_load(procs: Procs, model: str) -> None:
+    procs.start("worker", "serve", "worker", "--model", model, "--replica", f"{model}-a",
+                "--max-concurrency", "7", "--tp", "2", "--pool", "big")
+    await wait_replicas(procs.url, model, 1)
+    out = subprocess.run([sys.executable, "-m", "services.cli", "--nats-url", procs.url,
+                          "status", "--json"], capture_output=True, text=True, cwd=ROOT,
+                         timeout=30, check=True).stdout
+    rows = [r for r in json.loads(out)["replicas"] if r["model"] == model]
+    assert rows == [{"replica": f"{model}-a", "model": model, "backend": "sim", "in_flight": 0,
+                     "running": 0, "waiting": 0, "max_concurrency": 7, "tp": 2, "pool": "big",
+                     "draining": False}]
+    table = subprocess.run([sys.executable, "-m", "services.cli", "--nats-url", procs.url,
+                            "status"], capture_output=True, text=True, cwd=ROOT, timeout=30,
+                           check=True).stdout
+    assert "REPLICA" in table and f"{model}-a" in table
+
+
+def test_status_without_nats_is_a_clear_error(tmp_path: Any) -> None:
+    r = subprocess.run([sys.executable, "-m", "services.cli", "--nats-url",
+                        f"nats://127.0.0.1:{free_port()}", "status"], capture_output=True,
+                       text=True, cwd=ROOT, timeout=30)
+    assert r.returncode == 1 and "cannot reach NATS" in r.stderr
+
+
+async def test_a_slow_worker_never_hangs_a_request(nats_server: NatsServer, procs: Procs) -> None:
+    model = f"m-{uuid.uuid4().hex[:8]}"
+    port, ws = await start_stack(procs, model, 1)
+    ws[0].signal(signal.SIGSTOP)  # alive for the kernel, silent on the bus
+    try:
+        async with sdk(port) as c:
+            with pytest.raises(openai.APIStatusError) as ei:
+                await c.chat.completions.create(model=model, messages=MSG, max_tokens=3)
+        assert ei.value.status_code == 503
+        assert ei.value.response.headers.get("retry-after") == "1"
+    finally:
+        ws[0].signal(signal.SIGCONT)
