@@ -2,14 +2,13 @@
 
 Each bridge process holds one NATS connection with one inbox subscription for all of its
 requests, a replica registry from heartbeats (for ``/v1/models`` and ``/ready``), and an
-aiohttp server. Several processes share the port with SO_REUSEPORT.
+HTTP server (uvicorn). Several processes share the port with SO_REUSEPORT.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, Histogram, generate_latest
 
 from bus_schemas import headers as H
@@ -20,7 +19,7 @@ from router.registry import Registry
 from router.service import HeartbeatTracker
 from services import validation
 from services.ingress import Admission
-from services.openai_http import OpenAIApp, serve
+from services.openai_http import HTTPServer, OpenAIApp, Receive, Scope, Send, serve
 from services.runtime import Service
 
 REQUESTS = Counter("tokenbus_bridge_requests_total", "HTTP generation requests", ["kind", "status"])
@@ -77,7 +76,7 @@ class Bridge(Service):
     def __init__(self, settings: Any, *, reuse_port: bool = False, **kw: Any) -> None:
         super().__init__(settings, **kw)
         self.reuse_port = reuse_port
-        self.runner: web.AppRunner | None = None
+        self.http: HTTPServer | None = None
 
     async def setup(self) -> None:
         cfg = self.settings.bridge
@@ -92,8 +91,8 @@ class Bridge(Service):
             dispatcher = Dispatcher(self.nc, self.registry, self.settings.router)
         api = OpenAIApp(BusSource(self.client, self.registry, admission, dispatcher), max_body_bytes=cfg.max_body_bytes,
                         request_timeout_s=cfg.request_timeout_s, on_request=self._observe)
-        api.app.router.add_get("/metrics", self.metrics)
-        self.runner = await serve(api.app, cfg.host, cfg.port, reuse_port=self.reuse_port,
+        api.add_route("GET", "/metrics", self.metrics)
+        self.http = await serve(api, cfg.host, cfg.port, reuse_port=self.reuse_port,
                                   shutdown_timeout=self.settings.drain_timeout_s)
         self.log.info("bridge_listening", url=f"http://{cfg.host}:{cfg.port}/v1")
 
@@ -102,15 +101,18 @@ class Bridge(Service):
         REQUESTS.labels(rec["kind"], str(rec["status"])).inc()
         DURATION.labels(rec["kind"]).observe(rec["duration_ms"] / 1000.0)
 
-    async def metrics(self, request: web.Request) -> web.Response:
-        return web.Response(body=generate_latest(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+    async def metrics(self, scope: Scope, receive: Receive, send: Send) -> None:
+        body = generate_latest()
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", CONTENT_TYPE_LATEST.encode())]})
+        await send({"type": "http.response.body", "body": body})
 
     async def stop_taking_work(self) -> None:
         # Stop listening, let open HTTP requests finish (up to the drain timeout), then close.
         await super().stop_taking_work()
-        if self.runner is not None:
-            await self.runner.cleanup()
-            self.runner = None
+        if self.http is not None:
+            await self.http.stop()
+            self.http = None
 
     async def on_stop(self) -> None:
         await self._tracker.stop()

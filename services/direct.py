@@ -90,7 +90,7 @@ async def run_direct(settings: Settings, host: str, port: int) -> None:
                                  settings.ingress.default_max_tokens),
                     max_body_bytes=settings.bridge.max_body_bytes,
                     request_timeout_s=settings.bridge.request_timeout_s)
-    runner = await serve(api.app, host, port, reuse_port=False, shutdown_timeout=5)
+    http = await serve(api, host, port, reuse_port=False, shutdown_timeout=5)
     log.info("openai_http_listening", url=f"http://{host}:{port}/v1", model=settings.worker.model)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -99,5 +99,5 @@ async def run_direct(settings: Settings, host: str, port: int) -> None:
     try:
         await stop.wait()
     finally:
-        await runner.cleanup()
+        await http.stop()
         await backend.stop()

@@ -1,8 +1,11 @@
-"""The OpenAI-compatible HTTP surface (aiohttp), shared by the bridge and the direct server.
+"""The OpenAI-compatible HTTP surface: a raw ASGI app served by uvicorn (httptools).
 
-Both serve exactly this code; only the :class:`Source` of streams differs (the bus for the
-bridge, an engine in-process for ``tokenbus serve openai-http``), so a benchmark of one
-against the other measures the bus path and nothing else.
+The bridge and the direct server both serve exactly this code; only the :class:`Source` of
+streams differs (the bus for the bridge, an engine in-process for ``tokenbus serve
+openai-http``), so a benchmark of one against the other measures the bus path and nothing
+else. Raw ASGI rather than a framework: on the hot path (one SSE event per token) every
+layer costs CPU that a 2-core machine would otherwise give to the engine or the client;
+see docs/benchmarks.md for the measurement that chose it.
 """
 
 from __future__ import annotations
@@ -12,10 +15,12 @@ import contextlib
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from typing import Any, Protocol
 
-from aiohttp import web
+import socket
+
+import uvicorn
 
 from bus_schemas import errors as E
 from bus_schemas.client import Chunk, Usage
@@ -54,19 +59,45 @@ class Source(Protocol):
 
 _END = object()
 
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+Route = Callable[[Scope, Receive, Send], Awaitable[None]]
 
-def error_response(err: E.TokenbusError, request_id: str | None = None) -> web.Response:
+_JSON = [(b"content-type", b"application/json")]
+_SSE = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
+
+
+async def send_json(send: Send, status: int, obj: Any,
+                    headers: list[tuple[bytes, bytes]] | None = None) -> None:
+    """A whole JSON response."""
+    body = json.dumps(obj).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [*_JSON, (b"content-length", str(len(body)).encode()),
+                            *(headers or [])]})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def send_error(send: Send, err: E.TokenbusError, request_id: str | None = None) -> None:
     """An OpenAI-shaped error with the right status (and Retry-After when retrying helps)."""
-    hdrs: dict[str, str] = {}
+    hdrs: list[tuple[bytes, bytes]] = []
     if err.retryable:
-        hdrs["Retry-After"] = "1"
+        hdrs.append((b"retry-after", b"1"))
     if request_id:
-        hdrs["x-request-id"] = request_id
-    return web.json_response(err.openai_body(), status=E.http_status(err), headers=hdrs)
+        hdrs.append((b"x-request-id", request_id.encode()))
+    await send_json(send, E.http_status(err), err.openai_body(), hdrs)
+
+
+def header(scope: Scope, name: bytes) -> str | None:
+    for k, v in scope.get("headers") or ():
+        if k == name:
+            return v.decode("latin-1")
+    return None
 
 
 class OpenAIApp:
-    """Routes and handlers of the OpenAI-compatible API over one :class:`Source`."""
+    """Routes and handlers of the OpenAI-compatible API over one :class:`Source` (ASGI)."""
 
     def __init__(self, source: Source, *, max_body_bytes: int, request_timeout_s: float,
                  on_request: Callable[[dict[str, Any]], None] | None = None) -> None:
@@ -74,89 +105,117 @@ class OpenAIApp:
         self.max_body = max_body_bytes
         self.timeout = request_timeout_s
         self.on_request = on_request
-        self.app = web.Application(client_max_size=max_body_bytes)
-        self.app.router.add_post("/v1/chat/completions", self.chat)
-        self.app.router.add_post("/v1/completions", self.completions)
-        self.app.router.add_get("/v1/models", self.list_models)
-        self.app.router.add_get("/health", self.health)
-        self.app.router.add_get("/ready", self.ready)
-        self.app.middlewares.append(self._errors)
+        self.routes: dict[tuple[str, str], Route] = {
+            ("POST", "/v1/chat/completions"): self.chat,
+            ("POST", "/v1/completions"): self.completions,
+            ("GET", "/v1/models"): self.list_models,
+            ("GET", "/health"): self.health,
+            ("GET", "/ready"): self.ready,
+        }
 
-    @web.middleware
-    async def _errors(self, request: web.Request, handler: Any) -> web.StreamResponse:
-        try:
-            return await handler(request)
-        except web.HTTPException as exc:
-            if exc.status == 404:
-                err: E.TokenbusError = E.NotFound(f"no route for {request.method} {request.path}")
-            elif exc.status == 405:
-                err = E.InvalidRequest(f"method {request.method} not allowed on {request.path}")
-                return web.json_response(err.openai_body(), status=405)
-            elif exc.status == 413:
-                err = E.PayloadTooLarge(f"the request body is larger than {self.max_body} bytes")
-            else:
-                raise
-            return error_response(err)
+    def add_route(self, method: str, path: str, handler: Route) -> None:
+        self.routes[(method, path)] = handler
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            while True:
+                msg = await receive()
+                if msg["type"] == "lifespan.startup":
+                    await send({"type": "lifespan.startup.complete"})
+                elif msg["type"] == "lifespan.shutdown":
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+        if scope["type"] != "http":
+            return
+        path = scope["path"].rstrip("/") or "/"
+        handler = self.routes.get((scope["method"], path))
+        if handler is not None:
+            await handler(scope, receive, send)
+            return
+        if any(p == path for _, p in self.routes):
+            await send_json(send, 405, E.InvalidRequest(
+                f"method {scope['method']} not allowed on {path}").openai_body())
+            return
+        await send_error(send, E.NotFound(f"no route for {scope['method']} {path}"))
 
     # -- plain endpoints --------------------------------------------------------------------
-    async def list_models(self, request: web.Request) -> web.Response:
+    async def list_models(self, scope: Scope, receive: Receive, send: Send) -> None:
         now = int(time.time())
         data = [{"id": m, "object": "model", "created": now, "owned_by": "tokenbus"}
                 for m in self.source.models()]
-        return web.json_response({"object": "list", "data": data})
+        await send_json(send, 200, {"object": "list", "data": data})
 
-    async def health(self, request: web.Request) -> web.Response:
+    async def health(self, scope: Scope, receive: Receive, send: Send) -> None:
         ok = self.source.healthy()
-        return web.json_response({"status": "ok" if ok else "unhealthy"}, status=200 if ok else 503)
+        await send_json(send, 200 if ok else 503, {"status": "ok" if ok else "unhealthy"})
 
-    async def ready(self, request: web.Request) -> web.Response:
+    async def ready(self, scope: Scope, receive: Receive, send: Send) -> None:
         ok = self.source.ready()
-        return web.json_response(
-            {"status": "ready" if ok else "not ready", "models": self.source.models()},
-            status=200 if ok else 503,
-        )
+        await send_json(send, 200 if ok else 503,
+                        {"status": "ready" if ok else "not ready", "models": self.source.models()})
 
     # -- generation -------------------------------------------------------------------------
-    async def chat(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, KIND_CHAT)
+    async def chat(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self._generate(scope, receive, send, KIND_CHAT)
 
-    async def completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, KIND_COMPLETIONS)
+    async def completions(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self._generate(scope, receive, send, KIND_COMPLETIONS)
 
-    async def _read_json(self, request: web.Request) -> Any:
-        if request.content_length is not None and request.content_length > self.max_body:
-            raise E.PayloadTooLarge(f"the request body is larger than {self.max_body} bytes")
+    async def _read_json(self, scope: Scope, receive: Receive) -> Any:
+        too_large = E.PayloadTooLarge(f"the request body is larger than {self.max_body} bytes")
+        length = header(scope, b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_body:
+            raise too_large
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                raise asyncio.CancelledError
+            chunk = msg.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body:
+                raise too_large
+            chunks.append(chunk)
+            if not msg.get("more_body"):
+                break
         try:
-            raw = await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            raise E.PayloadTooLarge(f"the request body is larger than {self.max_body} bytes") from None
-        try:
-            return json.loads(raw)
+            return json.loads(b"".join(chunks))
         except (ValueError, UnicodeDecodeError) as exc:
             raise E.InvalidJSON(f"the request body is not valid JSON: {exc}") from None
 
-    async def _generate(self, request: web.Request, kind: str) -> web.StreamResponse:
-        rid = request.headers.get("x-request-id") or uuid.uuid4().hex
+    async def _generate(self, scope: Scope, receive: Receive, send: Send, kind: str) -> None:
+        rid = header(scope, b"x-request-id") or uuid.uuid4().hex
         t_start = time.perf_counter_ns()
         status = 200
         outcome = "ok"
         stream: StreamLike | None = None
+        watcher: asyncio.Task[None] | None = None
+        state = {"finished": False}
         try:
-            body = await self._read_json(request)
+            body = await self._read_json(scope, receive)
             req = validation.parse(kind, body)
+            # The body is read: from here on the only message left is the disconnect, and a
+            # client that leaves cancels this handler, which cancels the generation.
+            watcher = asyncio.get_running_loop().create_task(
+                _watch_disconnect(receive, asyncio.current_task(), state))
             stream = self.source.open(kind, req, body, request_id=rid, timeout=self.timeout,
                                       headers={})
             if req.stream:
-                return await self._stream(request, kind, req, stream, rid)
-            return await self._whole(kind, req, stream, rid)
+                await self._stream(send, kind, req, stream, rid, state)
+            else:
+                await self._whole(send, kind, req, stream, rid, state)
         except E.TokenbusError as exc:
             status = E.http_status(exc)
             outcome = exc.code
-            return error_response(exc, rid)
+            state["finished"] = True
+            await send_error(send, exc, rid)
         except asyncio.CancelledError:
             outcome = "client_disconnected"
-            raise
         finally:
+            state["finished"] = True
+            if watcher is not None:
+                watcher.cancel()
             if stream is not None:
                 await stream.aclose()
             if self.on_request is not None:
@@ -164,8 +223,8 @@ class OpenAIApp:
                                  "outcome": outcome,
                                  "duration_ms": (time.perf_counter_ns() - t_start) / 1e6})
 
-    async def _whole(self, kind: str, req: validation.Request, stream: StreamLike,
-                     rid: str) -> web.Response:
+    async def _whole(self, send: Send, kind: str, req: validation.Request, stream: StreamLike,
+                     rid: str, state: dict[str, bool]) -> None:
         parts = [c.text async for c in stream]
         text = "".join(parts)
         u = stream.usage or Usage(0, 0, 0)
@@ -188,10 +247,11 @@ class OpenAIApp:
                 "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
                 "usage": usage,
             }
-        return web.json_response(out, headers={"x-request-id": rid})
+        state["finished"] = True
+        await send_json(send, 200, out, [(b"x-request-id", rid.encode())])
 
-    async def _stream(self, request: web.Request, kind: str, req: validation.Request,
-                      stream: StreamLike, rid: str) -> web.StreamResponse:
+    async def _stream(self, send: Send, kind: str, req: validation.Request, stream: StreamLike,
+                      rid: str, state: dict[str, bool]) -> None:
         # Wait for the first frame before sending headers, so errors that happen before
         # generation (unknown model, no replica) still get their own HTTP status.
         first: Any
@@ -218,18 +278,15 @@ class OpenAIApp:
             closing = head + '"text":"","logprobs":null,"finish_reason":%s}]}\n\n'
             usage_line = (f'data: {{"id":"cmpl-{rid}","object":"text_completion",'
                           f'"created":{created},"model":{model},"choices":[],"usage":%s}}\n\n')
-        resp = web.StreamResponse(headers={
-            "Content-Type": "text/event-stream",
-            "Cache-Control": "no-cache",
-            "x-request-id": rid,
-        })
-        await resp.prepare(request)
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [*_SSE, (b"x-request-id", rid.encode())]})
         buf: list[str] = [opening] if opening else []
         dumps = json.dumps
+        body = "http.response.body"
         try:
             if first is not _END:
                 buf.append(piece % dumps(first.text))
-                await resp.write("".join(buf).encode())
+                await send({"type": body, "body": "".join(buf).encode(), "more_body": True})
                 buf.clear()
                 async for c in stream:
                     buf.append(piece % dumps(c.text))
@@ -241,7 +298,7 @@ class OpenAIApp:
                         except StopAsyncIteration:
                             break
                         buf.append(piece % dumps(c.text))
-                    await resp.write("".join(buf).encode())
+                    await send({"type": body, "body": "".join(buf).encode(), "more_body": True})
                     buf.clear()
             buf.append(closing % dumps(stream.finish_reason or "stop"))
             if req.include_usage:
@@ -249,24 +306,69 @@ class OpenAIApp:
                 buf.append(usage_line % dumps({"prompt_tokens": u.prompt_tokens,
                                                "completion_tokens": u.completion_tokens,
                                                "total_tokens": u.total_tokens}))
-            buf.append("data: [DONE]\n\n")
-            await resp.write("".join(buf).encode())
         except E.TokenbusError as exc:
             # Headers are gone: the error travels as an SSE event, as OpenAI's API does.
-            with contextlib.suppress(ConnectionError, RuntimeError):
-                await resp.write(("".join(buf) + f"data: {dumps(exc.openai_body())}\n\n"
-                                  "data: [DONE]\n\n").encode())
-        except (ConnectionError, RuntimeError):
-            pass  # the client went away; the caller's finally cancels the generation
-        return resp
+            buf.append(f"data: {dumps(exc.openai_body())}\n\n")
+        buf.append("data: [DONE]\n\n")
+        state["finished"] = True
+        await send({"type": body, "body": "".join(buf).encode(), "more_body": False})
 
 
-async def serve(app: web.Application, host: str, port: int, *, reuse_port: bool,
-                shutdown_timeout: float) -> web.AppRunner:
-    """Start ``app`` (handlers are cancelled when their client disconnects)."""
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
-                           shutdown_timeout=shutdown_timeout)
-    await runner.setup()
-    site = web.TCPSite(runner, host, port, reuse_port=reuse_port, backlog=4096)
-    await site.start()
-    return runner
+async def _watch_disconnect(receive: Receive, task: asyncio.Task[Any] | None,
+                            state: dict[str, bool]) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    # uvicorn also reports a disconnect once the response is complete: that one is not a
+    # client leaving.
+    if task is not None and not state["finished"]:
+        task.cancel()
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its own signal handling: the tokenbus service owns the signals."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Any:
+        yield
+
+
+class HTTPServer:
+    """A running uvicorn server for an ASGI app, on a socket we bind (SO_REUSEPORT-able)."""
+
+    def __init__(self, app: Any, host: str, port: int, *, reuse_port: bool,
+                 shutdown_timeout: float) -> None:
+        fam = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self.sock = socket.socket(fam, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        self.sock.bind((host, port))
+        self.sock.listen(4096)
+        self.sock.setblocking(False)
+        cfg = uvicorn.Config(app, lifespan="off", access_log=False, log_level="warning",
+                             http="httptools", loop="none", backlog=4096,
+                             timeout_graceful_shutdown=int(max(1, shutdown_timeout)),
+                             timeout_keep_alive=30)
+        self.server = _Server(cfg)
+        self.task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        self.task = asyncio.get_running_loop().create_task(self.server.serve([self.sock]))
+        while not self.server.started:
+            if self.task.done():
+                self.task.result()
+            await asyncio.sleep(0.01)
+
+    async def stop(self) -> None:
+        """Stop listening, let open requests finish (up to the shutdown timeout)."""
+        self.server.should_exit = True
+        if self.task is not None:
+            await self.task
+
+
+async def serve(app: Any, host: str, port: int, *, reuse_port: bool,
+                shutdown_timeout: float) -> HTTPServer:
+    """Start serving ``app``; returns the server, whose ``stop()`` drains it."""
+    srv = HTTPServer(app, host, port, reuse_port=reuse_port, shutdown_timeout=shutdown_timeout)
+    await srv.start()
+    return srv

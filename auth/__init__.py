@@ -1,0 +1,1 @@
+"""API keys, principals and the key store (the safety module; see the issue tracker)."""

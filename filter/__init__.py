@@ -1,0 +1,1 @@
+"""Content scanning for input and output streams (the safety module; see the issue tracker)."""
