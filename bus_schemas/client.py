@@ -12,6 +12,7 @@ on the replica serving it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 from collections import OrderedDict, deque
@@ -308,10 +309,8 @@ class Client:
         for s in list(self._streams.values()):
             await s.aclose()
         if self._sub is not None:
-            try:
+            with contextlib.suppress(Exception):
                 await self._sub.unsubscribe()
-            except Exception:
-                pass
             self._sub = None
         if self._own:
             await self.nc.drain()
@@ -344,12 +343,11 @@ class Client:
             self._tombstones.popitem(last=False)
 
     async def _send_cancel(self, replica: str, request_id: str) -> None:
-        try:
+        with contextlib.suppress(Exception):
             await self.nc.publish(
-                subjects.worker_cancel(replica), codec.encode({"type": "cancel", "request_id": request_id})
+                subjects.worker_cancel(replica),
+                codec.encode({"type": "cancel", "request_id": request_id}),
             )
-        except Exception:
-            pass
 
     async def _on_frame(self, msg: Msg) -> None:
         tok = msg.subject.rpartition(".")[2]

@@ -134,8 +134,10 @@ class Worker(Service):
             env = codec.decode_map(msg.data)
             req = GenerationRequest.from_envelope(env)
         except (E.TokenbusError, KeyError, TypeError, ValueError) as exc:
-            err = exc if isinstance(exc, E.TokenbusError) else E.InvalidRequest(
-                f"malformed envelope: {exc}"
+            err = (
+                exc
+                if isinstance(exc, E.TokenbusError)
+                else E.InvalidRequest(f"malformed envelope: {exc}")
             )
             await self._ack(msg, err)
             return
@@ -175,8 +177,10 @@ class Worker(Service):
                         timings["first_token"] = first_ns or marks.now_ns()
                         timings["engine_end"] = marks.now_ns()
                         completion = d.completion_tokens or completion
-                        send(reply,
-                             frames.final(d.finish_reason, d.prompt_tokens, completion, timings))
+                        send(
+                            reply,
+                            frames.final(d.finish_reason, d.prompt_tokens, completion, timings),
+                        )
                         outcome = d.finish_reason
                         break
                 else:

@@ -47,20 +47,30 @@ class Target:
 
 def add_parser(sub: Any) -> None:
     b = sub.add_parser("bench", help="concurrency sweep: TTFT, TBT, e2e, tokens/s, errors (JSON)")
-    b.add_argument("--url", default="http://127.0.0.1:8000/v1",
-                   help="OpenAI-compatible base URL (mode http)")
+    b.add_argument(
+        "--url", default="http://127.0.0.1:8000/v1", help="OpenAI-compatible base URL (mode http)"
+    )
     b.add_argument("--mode", choices=["http", "nats"], default="http")
     b.add_argument("--baseline-url", help="a second base URL measured level by level beside it")
-    b.add_argument("--spawn", action="store_true",
-                   help="start a private stack and a direct sim server and compare them")
+    b.add_argument(
+        "--spawn",
+        action="store_true",
+        help="start a private stack and a direct sim server and compare them",
+    )
     b.add_argument("--model", default=DEFAULT_MODEL)
-    b.add_argument("--concurrency", default="1,2,4,8,16,32,64,128,256",
-                   help="comma separated levels")
-    b.add_argument("--requests-per-client", type=int, default=20,
-                   help="requests per level = this x concurrency (ScaleLLM uses 20)")
+    b.add_argument(
+        "--concurrency", default="1,2,4,8,16,32,64,128,256", help="comma separated levels"
+    )
+    b.add_argument(
+        "--requests-per-client",
+        type=int,
+        default=20,
+        help="requests per level = this x concurrency (ScaleLLM uses 20)",
+    )
     b.add_argument("--max-tokens", type=int, default=64)
-    b.add_argument("--prompt", default="Explain how a continuous batching engine schedules "
-                                        "sequences.")
+    b.add_argument(
+        "--prompt", default="Explain how a continuous batching engine schedules sequences."
+    )
     b.add_argument("--timeout", type=float, default=300.0, help="per request, seconds")
     b.add_argument("--out", help="JSON file (default bench-results/bench-<time>.json)")
     b.add_argument("--no-progress", action="store_true")
@@ -152,9 +162,13 @@ def _summary_ms(values: list[float]) -> dict[str, float]:
     ms = [v * 1000 for v in values]
     if not ms:
         return {}
-    return {"mean": round(statistics.fmean(ms), 3), "p50": round(_pct(ms, 50), 3),
-            "p90": round(_pct(ms, 90), 3), "p99": round(_pct(ms, 99), 3),
-            "max": round(max(ms), 3)}
+    return {
+        "mean": round(statistics.fmean(ms), 3),
+        "p50": round(_pct(ms, 50), 3),
+        "p90": round(_pct(ms, 90), 3),
+        "p99": round(_pct(ms, 99), 3),
+        "max": round(max(ms), 3),
+    }
 
 
 def _cpu_s(pid: int) -> float | None:
@@ -176,13 +190,18 @@ def _rss_mb(pid: int) -> float | None:
     return None
 
 
-async def run_level(target: Target, conc: int, total: int, a: argparse.Namespace,
-                    progress: bool) -> dict[str, Any]:
+async def run_level(
+    target: Target, conc: int, total: int, a: argparse.Namespace, progress: bool
+) -> dict[str, Any]:
     import aiohttp
 
-    body = {"model": a.model, "messages": [{"role": "user", "content": a.prompt}],
-            "max_tokens": a.max_tokens, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "model": a.model,
+        "messages": [{"role": "user", "content": a.prompt}],
+        "max_tokens": a.max_tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     results: list[Result] = []
     remaining = total
     peak: dict[str, float] = {}
@@ -190,7 +209,8 @@ async def run_level(target: Target, conc: int, total: int, a: argparse.Namespace
     if target.mode == "http":
         session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, force_close=False),
-            timeout=aiohttp.ClientTimeout(total=None))
+            timeout=aiohttp.ClientTimeout(total=None),
+        )
     else:
         from bus_schemas.client import Client
 
@@ -215,8 +235,10 @@ async def run_level(target: Target, conc: int, total: int, a: argparse.Namespace
                 done = len(results)
                 bar = int(30 * done / total)
                 errs = sum(1 for r in results if not r.ok)
-                sys.stderr.write(f"\r  {target.name:<15} c={conc:<5} [{'#' * bar}{'.' * (30 - bar)}]"
-                                 f" {done}/{total} errors={errs}   ")
+                sys.stderr.write(
+                    f"\r  {target.name:<15} c={conc:<5} [{'#' * bar}{'.' * (30 - bar)}]"
+                    f" {done}/{total} errors={errs}   "
+                )
                 sys.stderr.flush()
             await asyncio.sleep(0.25)
 
@@ -247,8 +269,12 @@ async def run_level(target: Target, conc: int, total: int, a: argparse.Namespace
             errors[r.error] = errors.get(r.error, 0) + 1
     tokens = sum(r.tokens for r in ok)
     return {
-        "target": target.name, "mode": target.mode, "concurrency": conc,
-        "requests": len(results), "errors": len(results) - len(ok), "error_kinds": errors,
+        "target": target.name,
+        "mode": target.mode,
+        "concurrency": conc,
+        "requests": len(results),
+        "errors": len(results) - len(ok),
+        "error_kinds": errors,
         "duration_s": round(wall, 3),
         "output_tokens": tokens,
         "output_tokens_per_s": round(tokens / wall, 1) if wall else 0.0,
@@ -283,26 +309,50 @@ async def spawn_stack(a: argparse.Namespace, sup: Any) -> tuple[list[Target], An
     nats_port, bridge_port, direct_port = _free_port(), _free_port(), _free_port()
     tmp = tempfile.mkdtemp(prefix="tokenbus-bench-")
     nats = await asyncio.create_subprocess_exec(
-        nats_server_binary(), "-a", "127.0.0.1", "-p", str(nats_port), "-js", "-sd", tmp,
-        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
+        nats_server_binary(),
+        "-a",
+        "127.0.0.1",
+        "-p",
+        str(nats_port),
+        "-js",
+        "-sd",
+        tmp,
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.DEVNULL,
+    )
     for _ in range(100):
         if port_open("127.0.0.1", nats_port):
             break
         await asyncio.sleep(0.05)
     url = f"nats://127.0.0.1:{nats_port}"
     env = {"TOKENBUS_NATS_URL": url, "TOKENBUS_LOG_LEVEL": "warning"}
-    sim = ["--model", a.model, "--sim-prefill-ms", str(a.sim_prefill_ms), "--sim-decode-ms",
-           str(a.sim_decode_ms), "--sim-max-running", str(a.sim_max_running),
-           "--max-concurrency", str(a.sim_max_running)]
+    sim = [
+        "--model",
+        a.model,
+        "--sim-prefill-ms",
+        str(a.sim_prefill_ms),
+        "--sim-decode-ms",
+        str(a.sim_decode_ms),
+        "--sim-max-running",
+        str(a.sim_max_running),
+        "--max-concurrency",
+        str(a.sim_max_running),
+    ]
     await sup.add(Child("ingress", cli_argv("serve", "ingress"), env))
     await sup.add(Child("router", cli_argv("serve", "router"), env))
     await sup.add(Child("worker", cli_argv("serve", "worker", "--replica", "bench-0", *sim), env))
     reuse = ["--reuse-port"] if a.bridge_processes > 1 else []
     for i in range(a.bridge_processes):
-        await sup.add(Child(f"bridge-{i}", cli_argv("serve", "bridge", "--port", str(bridge_port),
-                                                    "--processes", "1", *reuse), env))
-    await sup.add(Child("direct", cli_argv("serve", "openai-http", "--port", str(direct_port),
-                                           *sim), env))
+        await sup.add(
+            Child(
+                f"bridge-{i}",
+                cli_argv("serve", "bridge", "--port", str(bridge_port), "--processes", "1", *reuse),
+                env,
+            )
+        )
+    await sup.add(
+        Child("direct", cli_argv("serve", "openai-http", "--port", str(direct_port), *sim), env)
+    )
     await _wait_http(f"http://127.0.0.1:{bridge_port}/ready")
     await _wait_http(f"http://127.0.0.1:{direct_port}/ready")
     pids = {c.name: c.proc.pid for c in sup.children if c.proc is not None}
@@ -310,8 +360,9 @@ async def spawn_stack(a: argparse.Namespace, sup: Any) -> tuple[list[Target], An
     targets = [Target("tokenbus-http", "http", f"http://127.0.0.1:{bridge_port}/v1", stack_pids)]
     if a.nats_too:
         targets.append(Target("tokenbus-nats", "nats", url, stack_pids))
-    targets.append(Target("direct", "http", f"http://127.0.0.1:{direct_port}/v1",
-                          {"direct": pids["direct"]}))
+    targets.append(
+        Target("direct", "http", f"http://127.0.0.1:{direct_port}/v1", {"direct": pids["direct"]})
+    )
     return targets, nats
 
 
@@ -323,27 +374,37 @@ def compare(levels: list[dict[str, Any]], name: str, base: str) -> list[dict[str
         if t != name or (base, c) not in by:
             continue
         b = by[(base, c)]
-        row: dict[str, Any] = {"concurrency": c, "target": name, "baseline": base,
-                               "errors": lv["errors"], "baseline_errors": b["errors"]}
+        row: dict[str, Any] = {
+            "concurrency": c,
+            "target": name,
+            "baseline": base,
+            "errors": lv["errors"],
+            "baseline_errors": b["errors"],
+        }
         if lv["ttft_ms"] and b["ttft_ms"]:
             row["added_ttft_p50_ms"] = round(lv["ttft_ms"]["p50"] - b["ttft_ms"]["p50"], 3)
             row["added_ttft_p99_ms"] = round(lv["ttft_ms"]["p99"] - b["ttft_ms"]["p99"], 3)
         if b["output_tokens_per_s"]:
             row["tokens_per_s_ratio"] = round(
-                lv["output_tokens_per_s"] / b["output_tokens_per_s"], 3)
+                lv["output_tokens_per_s"] / b["output_tokens_per_s"], 3
+            )
         out.append(row)
     return out
 
 
 def print_table(levels: list[dict[str, Any]]) -> None:
-    print(f"{'target':<15}{'conc':>6}{'reqs':>7}{'errs':>6}{'ttft p50':>10}{'ttft p99':>10}"
-          f"{'tbt p50':>9}{'e2e p50':>9}{'tok/s':>10}")
+    print(
+        f"{'target':<15}{'conc':>6}{'reqs':>7}{'errs':>6}{'ttft p50':>10}{'ttft p99':>10}"
+        f"{'tbt p50':>9}{'e2e p50':>9}{'tok/s':>10}"
+    )
     for lv in levels:
         t, tb, e = lv["ttft_ms"], lv["tbt_ms"], lv["e2e_ms"]
-        print(f"{lv['target']:<15}{lv['concurrency']:>6}{lv['requests']:>7}{lv['errors']:>6}"
-              f"{t.get('p50', float('nan')):>10.2f}{t.get('p99', float('nan')):>10.2f}"
-              f"{tb.get('p50', float('nan')):>9.2f}{e.get('p50', float('nan')):>9.1f}"
-              f"{lv['output_tokens_per_s']:>10.0f}")
+        print(
+            f"{lv['target']:<15}{lv['concurrency']:>6}{lv['requests']:>7}{lv['errors']:>6}"
+            f"{t.get('p50', float('nan')):>10.2f}{t.get('p99', float('nan')):>10.2f}"
+            f"{tb.get('p50', float('nan')):>9.2f}{e.get('p50', float('nan')):>9.1f}"
+            f"{lv['output_tokens_per_s']:>10.0f}"
+        )
 
 
 async def main(a: argparse.Namespace, s: Settings) -> int:
@@ -376,21 +437,27 @@ async def main(a: argparse.Namespace, s: Settings) -> int:
     report: dict[str, Any] = {
         "tool": "tokenbus bench",
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
-                    "platform": platform.platform()},
+        "machine": {
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+        },
         "config": {k: v for k, v in vars(a).items() if k not in ("cmd",)},
         "levels": levels,
     }
     base = "direct" if a.spawn else ("baseline" if a.baseline_url else None)
     if base:
-        report["comparison"] = [row for t in targets if t.name != base
-                                for row in compare(levels, t.name, base)]
+        report["comparison"] = [
+            row for t in targets if t.name != base for row in compare(levels, t.name, base)
+        ]
     out = Path(a.out or f"bench-results/bench-{time.strftime('%Y%m%d-%H%M%S')}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))
     print_table(levels)
     for row in report.get("comparison", []):
-        print(f"  c={row['concurrency']}: {row['target']} vs {row['baseline']}: added TTFT p50 "
-              f"{row.get('added_ttft_p50_ms')} ms, tokens/s ratio {row.get('tokens_per_s_ratio')}")
+        print(
+            f"  c={row['concurrency']}: {row['target']} vs {row['baseline']}: added TTFT p50 "
+            f"{row.get('added_ttft_p50_ms')} ms, tokens/s ratio {row.get('tokens_per_s_ratio')}"
+        )
     print(f"results: {out}")
     return 0 if all(lv["errors"] == 0 for lv in levels) else 1

@@ -24,7 +24,9 @@ from services.runtime import Service
 
 REQUESTS = Counter("tokenbus_bridge_requests_total", "HTTP generation requests", ["kind", "status"])
 DURATION = Histogram(
-    "tokenbus_bridge_request_seconds", "HTTP generation request duration", ["kind"],
+    "tokenbus_bridge_request_seconds",
+    "HTTP generation request duration",
+    ["kind"],
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
 )
 
@@ -32,20 +34,36 @@ DURATION = Histogram(
 class BusSource:
     """Streams from the bus through the NATS-native client."""
 
-    def __init__(self, client: Client, registry: Registry, admission: Admission,
-                 dispatcher: Dispatcher | None) -> None:
+    def __init__(
+        self,
+        client: Client,
+        registry: Registry,
+        admission: Admission,
+        dispatcher: Dispatcher | None,
+    ) -> None:
         self.client = client
         self.registry = registry
         self.admission = admission
         self.dispatcher = dispatcher
 
-    def open(self, kind: str, req: validation.Request, body: dict[str, Any], *,
-             request_id: str, timeout: float, headers: dict[str, str]) -> Stream:
+    def open(
+        self,
+        kind: str,
+        req: validation.Request,
+        body: dict[str, Any],
+        *,
+        request_id: str,
+        timeout: float,
+        headers: dict[str, str],
+    ) -> Stream:
         # The bridge is the ingress of HTTP clients: it admits the request itself and sends
         # the envelope to the first stage, one hop fewer than a NATS client's request.
         t1 = marks.now_ns()
-        hdrs = {**headers, H.REQUEST_ID: request_id,
-                H.DEADLINE: str(marks.now_ms() + int(timeout * 1000))}
+        hdrs = {
+            **headers,
+            H.REQUEST_ID: request_id,
+            H.DEADLINE: str(marks.now_ms() + int(timeout * 1000)),
+        }
         env = self.admission.admit(kind, req, hdrs, t1)
         sender = None
         if self.dispatcher is not None:
@@ -55,8 +73,15 @@ class BusSource:
             async def sender(data: bytes, h: dict[str, str], reply: str) -> str:
                 return await dispatch(model, data, h, reply)
 
-        return self.client.submit(kind, env, timeout=timeout, request_id=request_id,
-                                  headers=hdrs, subject=self.admission.first, sender=sender)
+        return self.client.submit(
+            kind,
+            env,
+            timeout=timeout,
+            request_id=request_id,
+            headers=hdrs,
+            subject=self.admission.first,
+            sender=sender,
+        )
 
     def models(self) -> list[str]:
         return self.registry.models()
@@ -89,11 +114,20 @@ class Bridge(Service):
         dispatcher = None
         if cfg.fuse_router and admission.first == subjects.stage(subjects.STAGE_ROUTE):
             dispatcher = Dispatcher(self.nc, self.registry, self.settings.router)
-        api = OpenAIApp(BusSource(self.client, self.registry, admission, dispatcher), max_body_bytes=cfg.max_body_bytes,
-                        request_timeout_s=cfg.request_timeout_s, on_request=self._observe)
+        api = OpenAIApp(
+            BusSource(self.client, self.registry, admission, dispatcher),
+            max_body_bytes=cfg.max_body_bytes,
+            request_timeout_s=cfg.request_timeout_s,
+            on_request=self._observe,
+        )
         api.add_route("GET", "/metrics", self.metrics)
-        self.http = await serve(api, cfg.host, cfg.port, reuse_port=self.reuse_port,
-                                  shutdown_timeout=self.settings.drain_timeout_s)
+        self.http = await serve(
+            api,
+            cfg.host,
+            cfg.port,
+            reuse_port=self.reuse_port,
+            shutdown_timeout=self.settings.drain_timeout_s,
+        )
         self.log.info("bridge_listening", url=f"http://{cfg.host}:{cfg.port}/v1")
 
     @staticmethod
@@ -103,8 +137,13 @@ class Bridge(Service):
 
     async def metrics(self, scope: Scope, receive: Receive, send: Send) -> None:
         body = generate_latest()
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", CONTENT_TYPE_LATEST.encode())]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-type", CONTENT_TYPE_LATEST.encode())],
+            }
+        )
         await send({"type": "http.response.body", "body": body})
 
     async def stop_taking_work(self) -> None:

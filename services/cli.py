@@ -22,13 +22,20 @@ def _worker_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-concurrency", type=int)
     g.add_argument("--tp", type=int, help="tensor parallel degree (sim: models the speed-up)")
     g.add_argument("--pool", help="pool tag for tiered routing")
-    g.add_argument("--upstream-url", help="openai backend: upstream base URL, e.g. http://h:8000/v1")
+    g.add_argument(
+        "--upstream-url", help="openai backend: upstream base URL, e.g. http://h:8000/v1"
+    )
     g.add_argument("--upstream-model", help="openai backend: model name upstream")
     g.add_argument("--upstream-api-key", help="openai backend: bearer token for the upstream")
     g.add_argument("--gpus", help="vllm backend: CUDA_VISIBLE_DEVICES, e.g. 0,1")
-    g.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
-                   help="vllm backend: AsyncEngineArgs field (repeatable), value parsed as JSON "
-                        "when it can be")
+    g.add_argument(
+        "--engine-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="vllm backend: AsyncEngineArgs field (repeatable), value parsed as JSON "
+        "when it can be",
+    )
     g.add_argument("--sim-prefill-ms", type=float)
     g.add_argument("--sim-decode-ms", type=float)
     g.add_argument("--sim-decode-ms-per-seq", type=float)
@@ -50,12 +57,23 @@ def _engine_args(pairs: list[str]) -> dict[str, Any]:
 
 def _worker_overrides(a: argparse.Namespace) -> dict[str, Any]:
     w: dict[str, Any] = {
-        "backend": a.backend, "model": a.model, "replica": a.replica,
-        "max_concurrency": a.max_concurrency, "tp": a.tp, "pool": a.pool,
-        "sim": {"prefill_ms": a.sim_prefill_ms, "decode_ms": a.sim_decode_ms,
-                "decode_ms_per_seq": a.sim_decode_ms_per_seq, "max_running": a.sim_max_running},
-        "openai": {"upstream_url": a.upstream_url, "upstream_model": a.upstream_model,
-                   "api_key": a.upstream_api_key},
+        "backend": a.backend,
+        "model": a.model,
+        "replica": a.replica,
+        "max_concurrency": a.max_concurrency,
+        "tp": a.tp,
+        "pool": a.pool,
+        "sim": {
+            "prefill_ms": a.sim_prefill_ms,
+            "decode_ms": a.sim_decode_ms,
+            "decode_ms_per_seq": a.sim_decode_ms_per_seq,
+            "max_running": a.sim_max_running,
+        },
+        "openai": {
+            "upstream_url": a.upstream_url,
+            "upstream_model": a.upstream_model,
+            "api_key": a.upstream_api_key,
+        },
         "vllm": {"gpus": a.gpus},
     }
     if a.engine_arg:
@@ -151,9 +169,23 @@ async def _serve_bridge_processes(a: argparse.Namespace, s: cfgmod.Settings) -> 
     sup = Supervisor(Path(s.up.data_dir) / "logs", echo=True)
     env = {"TOKENBUS_NATS_URL": s.url()}
     for i in range(s.bridge.processes):
-        await sup.add(Child(f"bridge-{i}", cli_argv("serve", "bridge", "--processes", "1",
-                                                    "--reuse-port", "--host", s.bridge.host,
-                                                    "--port", str(s.bridge.port)), env))
+        await sup.add(
+            Child(
+                f"bridge-{i}",
+                cli_argv(
+                    "serve",
+                    "bridge",
+                    "--processes",
+                    "1",
+                    "--reuse-port",
+                    "--host",
+                    s.bridge.host,
+                    "--port",
+                    str(s.bridge.port),
+                ),
+                env,
+            )
+        )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -177,8 +209,8 @@ async def _status(a: argparse.Namespace, s: cfgmod.Settings) -> int:
 
     try:
         nc = await asyncio.wait_for(
-            nats.connect(s.url(), connect_timeout=3, allow_reconnect=False,
-                         error_cb=_quiet), 5)
+            nats.connect(s.url(), connect_timeout=3, allow_reconnect=False, error_cb=_quiet), 5
+        )
     except Exception as exc:
         print(f"error: cannot reach NATS at {s.url()}: {exc}", file=sys.stderr)
         return 1
@@ -197,8 +229,18 @@ async def _status(a: argparse.Namespace, s: cfgmod.Settings) -> int:
     if not rows:
         print("no replicas on the bus")
         return 0
-    cols = ["model", "replica", "backend", "in_flight", "running", "waiting", "max_concurrency",
-            "tp", "pool", "draining"]
+    cols = [
+        "model",
+        "replica",
+        "backend",
+        "in_flight",
+        "running",
+        "waiting",
+        "max_concurrency",
+        "tp",
+        "pool",
+        "draining",
+    ]
     widths = {c: max(len(c), *(len(str(r[c])) for r in rows)) for c in cols}
     print("  ".join(c.upper().ljust(widths[c]) for c in cols))
     for r in rows:

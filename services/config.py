@@ -85,7 +85,8 @@ class VLLMSettings(BaseModel):
 
     gpus: str = Field(default="", description="CUDA_VISIBLE_DEVICES for this worker, e.g. 0,1.")
     engine_args: dict[str, Any] = Field(
-        default_factory=dict, description="Passed to AsyncEngineArgs (model, tensor_parallel_size...)."
+        default_factory=dict,
+        description="Passed to AsyncEngineArgs (model, tensor_parallel_size...).",
     )
 
 

@@ -34,8 +34,9 @@ class DirectStream:
         async for d in self._gen:
             if d.finish_reason is not None:
                 self.finish_reason = d.finish_reason
-                self.usage = Usage(d.prompt_tokens, d.completion_tokens,
-                                   d.prompt_tokens + d.completion_tokens)
+                self.usage = Usage(
+                    d.prompt_tokens, d.completion_tokens, d.prompt_tokens + d.completion_tokens
+                )
                 if not d.text:
                     break
             if d.text:
@@ -57,15 +58,25 @@ class DirectSource:
         self.model = model
         self.default_max_tokens = default_max_tokens
 
-    def open(self, kind: str, req: validation.Request, body: dict[str, Any], *,
-             request_id: str, timeout: float, headers: dict[str, str]) -> DirectStream:
+    def open(
+        self,
+        kind: str,
+        req: validation.Request,
+        body: dict[str, Any],
+        *,
+        request_id: str,
+        timeout: float,
+        headers: dict[str, str],
+    ) -> DirectStream:
         if req.model != self.model:
             from bus_schemas import errors as E
 
-            raise E.ModelNotFound(f"the model {req.model!r} does not exist (serving {self.model})",
-                                  param="model")
-        env = validation.envelope(kind, req, request_id,
-                                  default_max_tokens=self.default_max_tokens, deadline_ms=None)
+            raise E.ModelNotFound(
+                f"the model {req.model!r} does not exist (serving {self.model})", param="model"
+            )
+        env = validation.envelope(
+            kind, req, request_id, default_max_tokens=self.default_max_tokens, deadline_ms=None
+        )
         return DirectStream(self.backend.generate(GenerationRequest.from_envelope(env)), request_id)
 
     def models(self) -> list[str]:
@@ -86,10 +97,11 @@ async def run_direct(settings: Settings, host: str, port: int) -> None:
     log = tlog.get("openai-http")
     backend = backends.create(settings.worker)
     await backend.start()
-    api = OpenAIApp(DirectSource(backend, settings.worker.model,
-                                 settings.ingress.default_max_tokens),
-                    max_body_bytes=settings.bridge.max_body_bytes,
-                    request_timeout_s=settings.bridge.request_timeout_s)
+    api = OpenAIApp(
+        DirectSource(backend, settings.worker.model, settings.ingress.default_max_tokens),
+        max_body_bytes=settings.bridge.max_body_bytes,
+        request_timeout_s=settings.bridge.request_timeout_s,
+    )
     http = await serve(api, host, port, reuse_port=False, shutdown_timeout=5)
     log.info("openai_http_listening", url=f"http://{host}:{port}/v1", model=settings.worker.model)
     stop = asyncio.Event()

@@ -5,6 +5,7 @@ Answers as ``nats micro ls/info/stats`` expect, with tokenbus' own per-endpoint 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from dataclasses import dataclass, field
@@ -106,10 +107,8 @@ class Discovery:
 
     async def stop(self) -> None:
         for s in self._subs:
-            try:
+            with contextlib.suppress(Exception):
                 await s.unsubscribe()
-            except Exception:
-                pass
         self._subs.clear()
 
     @staticmethod

@@ -32,17 +32,21 @@ class Admission:
         self.default_max_tokens = cfg.default_max_tokens
         self.max_prompt_chars = cfg.max_prompt_chars
 
-    def admit(self, kind: str, req: validation.Request, hdrs: dict[str, str],
-              t1: int) -> dict[str, object]:
+    def admit(
+        self, kind: str, req: validation.Request, hdrs: dict[str, str], t1: int
+    ) -> dict[str, object]:
         """The envelope for ``req``; fills ``hdrs`` (request id, model, route, marks)."""
         if validation.prompt_chars(req) > self.max_prompt_chars:
-            raise E.PayloadTooLarge(
-                f"the prompt is longer than {self.max_prompt_chars} characters"
-            )
+            raise E.PayloadTooLarge(f"the prompt is longer than {self.max_prompt_chars} characters")
         rid = hdrs.get(H.REQUEST_ID) or uuid.uuid4().hex
         hdrs[H.REQUEST_ID] = rid
-        env = validation.envelope(kind, req, rid, default_max_tokens=self.default_max_tokens,
-                                  deadline_ms=marks.deadline_ms(hdrs))
+        env = validation.envelope(
+            kind,
+            req,
+            rid,
+            default_max_tokens=self.default_max_tokens,
+            deadline_ms=marks.deadline_ms(hdrs),
+        )
         hdrs[H.MODEL] = req.model
         hdrs[H.KIND] = kind
         if self.rest:

@@ -86,9 +86,13 @@ class Supervisor:
                 if c.proc is not None and c.proc.returncode is not None:
                     rc = c.proc.returncode
                     c.restarts += 1
-                    self.say(f"  {c.name} exited (code {rc}); restarting "
-                             f"(logs: {self.log_dir / (c.name + '.log')})")
-                    await asyncio.sleep(self.backoff_s if time.monotonic() - c.started_at < 5 else 0)
+                    self.say(
+                        f"  {c.name} exited (code {rc}); restarting "
+                        f"(logs: {self.log_dir / (c.name + '.log')})"
+                    )
+                    await asyncio.sleep(
+                        self.backoff_s if time.monotonic() - c.started_at < 5 else 0
+                    )
                     if not self.stopping:
                         await self.spawn(c)
 
@@ -145,22 +149,38 @@ async def up(settings: Settings, *, config_file: str | None = None) -> int:
     if settings.nats_url is None:
         port = settings.up.nats_port
         if port_open("127.0.0.1", port):
-            print(f"error: port {port} is taken. Stop what runs there, pick another port with "
-                  f"--nats-port, or point TOKENBUS_NATS_URL at that server.", file=sys.stderr)
+            print(
+                f"error: port {port} is taken. Stop what runs there, pick another port with "
+                f"--nats-port, or point TOKENBUS_NATS_URL at that server.",
+                file=sys.stderr,
+            )
             return 2
         (data / "nats").mkdir(parents=True, exist_ok=True)
         log = open(data / "logs" / "nats-server.log", "ab")  # noqa: SIM115
         nats_proc = await asyncio.create_subprocess_exec(
-            nats_server_binary(), "-a", "127.0.0.1", "-p", str(port), "-js", "-sd",
-            str(data / "nats"), stdout=log, stderr=log, start_new_session=True)
+            nats_server_binary(),
+            "-a",
+            "127.0.0.1",
+            "-p",
+            str(port),
+            "-js",
+            "-sd",
+            str(data / "nats"),
+            stdout=log,
+            stderr=log,
+            start_new_session=True,
+        )
         log.close()
         for _ in range(100):
             if port_open("127.0.0.1", port):
                 break
             await asyncio.sleep(0.05)
         else:
-            print("error: the embedded nats-server did not start; see "
-                  f"{data / 'logs' / 'nats-server.log'}", file=sys.stderr)
+            print(
+                "error: the embedded nats-server did not start; see "
+                f"{data / 'logs' / 'nats-server.log'}",
+                file=sys.stderr,
+            )
             return 1
         print(f"  nats-server (embedded, JetStream in {data / 'nats'}) on nats://127.0.0.1:{port}")
     env["TOKENBUS_NATS_URL"] = settings.url()
@@ -169,13 +189,32 @@ async def up(settings: Settings, *, config_file: str | None = None) -> int:
     await sup.add(Child("ingress", cli_argv("serve", "ingress"), env))
     await sup.add(Child("router", cli_argv("serve", "router"), env))
     for i in range(settings.up.workers):
-        await sup.add(Child(f"worker-{i}", cli_argv("serve", "worker", "--replica",
-                                                    f"{settings.worker.backend}-{i}"), env))
+        await sup.add(
+            Child(
+                f"worker-{i}",
+                cli_argv("serve", "worker", "--replica", f"{settings.worker.backend}-{i}"),
+                env,
+            )
+        )
     reuse = ["--reuse-port"] if b.processes > 1 else []
     for i in range(b.processes):
-        await sup.add(Child(f"bridge-{i}", cli_argv("serve", "bridge", "--processes", "1",
-                                                    "--host", b.host, "--port", str(b.port),
-                                                    *reuse), env))
+        await sup.add(
+            Child(
+                f"bridge-{i}",
+                cli_argv(
+                    "serve",
+                    "bridge",
+                    "--processes",
+                    "1",
+                    "--host",
+                    b.host,
+                    "--port",
+                    str(b.port),
+                    *reuse,
+                ),
+                env,
+            )
+        )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -185,15 +224,20 @@ async def up(settings: Settings, *, config_file: str | None = None) -> int:
     base = f"http://{host}:{b.port}"
     ready = await wait_ready(f"{base}/ready", 30)
     if ready:
-        print(f"tokenbus is up: {base}/v1  (model: {settings.worker.model}, "
-              f"{settings.up.workers} worker(s), logs in {sup.log_dir})")
-        print("  try: curl -s " + base + "/v1/chat/completions -H 'Content-Type: application/json'"
-              " -d '{\"model\":\"" + settings.worker.model + "\",\"messages\":[{\"role\":\"user\","
-              "\"content\":\"hello\"}]}'")
+        print(
+            f"tokenbus is up: {base}/v1  (model: {settings.worker.model}, "
+            f"{settings.up.workers} worker(s), logs in {sup.log_dir})"
+        )
+        print(
+            "  try: curl -s " + base + "/v1/chat/completions -H 'Content-Type: application/json'"
+            ' -d \'{"model":"' + settings.worker.model + '","messages":[{"role":"user",'
+            '"content":"hello"}]}\''
+        )
         print("  Ctrl-C stops everything.", flush=True)
     else:
-        print(f"warning: {base}/ready did not answer 200 within 30 s; see {sup.log_dir}",
-              flush=True)
+        print(
+            f"warning: {base}/ready did not answer 200 within 30 s; see {sup.log_dir}", flush=True
+        )
     await stop.wait()
     print("stopping tokenbus ...", flush=True)
     watcher.cancel()

@@ -13,12 +13,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import socket
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from typing import Any, Protocol
-
-import socket
 
 import uvicorn
 
@@ -47,8 +46,16 @@ class StreamLike(Protocol):
 class Source(Protocol):
     """Where generations come from."""
 
-    def open(self, kind: str, req: validation.Request, body: dict[str, Any], *,
-             request_id: str, timeout: float, headers: dict[str, str]) -> StreamLike: ...
+    def open(
+        self,
+        kind: str,
+        req: validation.Request,
+        body: dict[str, Any],
+        *,
+        request_id: str,
+        timeout: float,
+        headers: dict[str, str],
+    ) -> StreamLike: ...
 
     def models(self) -> list[str]: ...
 
@@ -69,13 +76,18 @@ _JSON = [(b"content-type", b"application/json")]
 _SSE = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
 
 
-async def send_json(send: Send, status: int, obj: Any,
-                    headers: list[tuple[bytes, bytes]] | None = None) -> None:
+async def send_json(
+    send: Send, status: int, obj: Any, headers: list[tuple[bytes, bytes]] | None = None
+) -> None:
     """A whole JSON response."""
     body = json.dumps(obj).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [*_JSON, (b"content-length", str(len(body)).encode()),
-                            *(headers or [])]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [*_JSON, (b"content-length", str(len(body)).encode()), *(headers or [])],
+        }
+    )
     await send({"type": "http.response.body", "body": body})
 
 
@@ -99,8 +111,14 @@ def header(scope: Scope, name: bytes) -> str | None:
 class OpenAIApp:
     """Routes and handlers of the OpenAI-compatible API over one :class:`Source` (ASGI)."""
 
-    def __init__(self, source: Source, *, max_body_bytes: int, request_timeout_s: float,
-                 on_request: Callable[[dict[str, Any]], None] | None = None) -> None:
+    def __init__(
+        self,
+        source: Source,
+        *,
+        max_body_bytes: int,
+        request_timeout_s: float,
+        on_request: Callable[[dict[str, Any]], None] | None = None,
+    ) -> None:
         self.source = source
         self.max_body = max_body_bytes
         self.timeout = request_timeout_s
@@ -133,16 +151,21 @@ class OpenAIApp:
             await handler(scope, receive, send)
             return
         if any(p == path for _, p in self.routes):
-            await send_json(send, 405, E.InvalidRequest(
-                f"method {scope['method']} not allowed on {path}").openai_body())
+            await send_json(
+                send,
+                405,
+                E.InvalidRequest(f"method {scope['method']} not allowed on {path}").openai_body(),
+            )
             return
         await send_error(send, E.NotFound(f"no route for {scope['method']} {path}"))
 
     # -- plain endpoints --------------------------------------------------------------------
     async def list_models(self, scope: Scope, receive: Receive, send: Send) -> None:
         now = int(time.time())
-        data = [{"id": m, "object": "model", "created": now, "owned_by": "tokenbus"}
-                for m in self.source.models()]
+        data = [
+            {"id": m, "object": "model", "created": now, "owned_by": "tokenbus"}
+            for m in self.source.models()
+        ]
         await send_json(send, 200, {"object": "list", "data": data})
 
     async def health(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -151,8 +174,11 @@ class OpenAIApp:
 
     async def ready(self, scope: Scope, receive: Receive, send: Send) -> None:
         ok = self.source.ready()
-        await send_json(send, 200 if ok else 503,
-                        {"status": "ready" if ok else "not ready", "models": self.source.models()})
+        await send_json(
+            send,
+            200 if ok else 503,
+            {"status": "ready" if ok else "not ready", "models": self.source.models()},
+        )
 
     # -- generation -------------------------------------------------------------------------
     async def chat(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -198,9 +224,11 @@ class OpenAIApp:
             # The body is read: from here on the only message left is the disconnect, and a
             # client that leaves cancels this handler, which cancels the generation.
             watcher = asyncio.get_running_loop().create_task(
-                _watch_disconnect(receive, asyncio.current_task(), state))
-            stream = self.source.open(kind, req, body, request_id=rid, timeout=self.timeout,
-                                      headers={})
+                _watch_disconnect(receive, asyncio.current_task(), state)
+            )
+            stream = self.source.open(
+                kind, req, body, request_id=rid, timeout=self.timeout, headers={}
+            )
             if req.stream:
                 await self._stream(send, kind, req, stream, rid, state)
             else:
@@ -219,30 +247,56 @@ class OpenAIApp:
             if stream is not None:
                 await stream.aclose()
             if self.on_request is not None:
-                self.on_request({"request_id": rid, "kind": kind, "status": status,
-                                 "outcome": outcome,
-                                 "duration_ms": (time.perf_counter_ns() - t_start) / 1e6})
+                self.on_request(
+                    {
+                        "request_id": rid,
+                        "kind": kind,
+                        "status": status,
+                        "outcome": outcome,
+                        "duration_ms": (time.perf_counter_ns() - t_start) / 1e6,
+                    }
+                )
 
-    async def _whole(self, send: Send, kind: str, req: validation.Request, stream: StreamLike,
-                     rid: str, state: dict[str, bool]) -> None:
+    async def _whole(
+        self,
+        send: Send,
+        kind: str,
+        req: validation.Request,
+        stream: StreamLike,
+        rid: str,
+        state: dict[str, bool],
+    ) -> None:
         parts = [c.text async for c in stream]
         text = "".join(parts)
         u = stream.usage or Usage(0, 0, 0)
-        usage = {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
-                 "total_tokens": u.total_tokens}
+        usage = {
+            "prompt_tokens": u.prompt_tokens,
+            "completion_tokens": u.completion_tokens,
+            "total_tokens": u.total_tokens,
+        }
         finish = stream.finish_reason or "stop"
         created = int(time.time())
         if kind == KIND_CHAT:
             out: dict[str, Any] = {
-                "id": f"chatcmpl-{rid}", "object": "chat.completion", "created": created,
+                "id": f"chatcmpl-{rid}",
+                "object": "chat.completion",
+                "created": created,
                 "model": req.model,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                             "logprobs": None, "finish_reason": finish}],
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": {"role": "assistant", "content": text},
+                        "logprobs": None,
+                        "finish_reason": finish,
+                    }
+                ],
                 "usage": usage,
             }
         else:
             out = {
-                "id": f"cmpl-{rid}", "object": "text_completion", "created": created,
+                "id": f"cmpl-{rid}",
+                "object": "text_completion",
+                "created": created,
                 "model": req.model,
                 "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
                 "usage": usage,
@@ -250,8 +304,15 @@ class OpenAIApp:
         state["finished"] = True
         await send_json(send, 200, out, [(b"x-request-id", rid.encode())])
 
-    async def _stream(self, send: Send, kind: str, req: validation.Request, stream: StreamLike,
-                      rid: str, state: dict[str, bool]) -> None:
+    async def _stream(
+        self,
+        send: Send,
+        kind: str,
+        req: validation.Request,
+        stream: StreamLike,
+        rid: str,
+        state: dict[str, bool],
+    ) -> None:
         # Wait for the first frame before sending headers, so errors that happen before
         # generation (unknown model, no replica) still get their own HTTP status.
         first: Any
@@ -262,24 +323,39 @@ class OpenAIApp:
         created = int(time.time())
         model = json.dumps(req.model)
         if kind == KIND_CHAT:
-            head = (f'data: {{"id":"chatcmpl-{rid}","object":"chat.completion.chunk",'
-                    f'"created":{created},"model":{model},"choices":[{{"index":0,')
+            head = (
+                f'data: {{"id":"chatcmpl-{rid}","object":"chat.completion.chunk",'
+                f'"created":{created},"model":{model},"choices":[{{"index":0,'
+            )
             piece = head + '"delta":{"content":%s},"logprobs":null,"finish_reason":null}]}\n\n'
-            opening = head + ('"delta":{"role":"assistant","content":""},"logprobs":null,'
-                              '"finish_reason":null}]}\n\n')
+            opening = head + (
+                '"delta":{"role":"assistant","content":""},"logprobs":null,'
+                '"finish_reason":null}]}\n\n'
+            )
             closing = head + '"delta":{},"logprobs":null,"finish_reason":%s}]}\n\n'
-            usage_line = (f'data: {{"id":"chatcmpl-{rid}","object":"chat.completion.chunk",'
-                          f'"created":{created},"model":{model},"choices":[],"usage":%s}}\n\n')
+            usage_line = (
+                f'data: {{"id":"chatcmpl-{rid}","object":"chat.completion.chunk",'
+                f'"created":{created},"model":{model},"choices":[],"usage":%s}}\n\n'
+            )
         else:
-            head = (f'data: {{"id":"cmpl-{rid}","object":"text_completion",'
-                    f'"created":{created},"model":{model},"choices":[{{"index":0,')
+            head = (
+                f'data: {{"id":"cmpl-{rid}","object":"text_completion",'
+                f'"created":{created},"model":{model},"choices":[{{"index":0,'
+            )
             piece = head + '"text":%s,"logprobs":null,"finish_reason":null}]}\n\n'
             opening = ""
             closing = head + '"text":"","logprobs":null,"finish_reason":%s}]}\n\n'
-            usage_line = (f'data: {{"id":"cmpl-{rid}","object":"text_completion",'
-                          f'"created":{created},"model":{model},"choices":[],"usage":%s}}\n\n')
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [*_SSE, (b"x-request-id", rid.encode())]})
+            usage_line = (
+                f'data: {{"id":"cmpl-{rid}","object":"text_completion",'
+                f'"created":{created},"model":{model},"choices":[],"usage":%s}}\n\n'
+            )
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [*_SSE, (b"x-request-id", rid.encode())],
+            }
+        )
         buf: list[str] = [opening] if opening else []
         dumps = json.dumps
         body = "http.response.body"
@@ -303,9 +379,16 @@ class OpenAIApp:
             buf.append(closing % dumps(stream.finish_reason or "stop"))
             if req.include_usage:
                 u = stream.usage or Usage(0, 0, 0)
-                buf.append(usage_line % dumps({"prompt_tokens": u.prompt_tokens,
-                                               "completion_tokens": u.completion_tokens,
-                                               "total_tokens": u.total_tokens}))
+                buf.append(
+                    usage_line
+                    % dumps(
+                        {
+                            "prompt_tokens": u.prompt_tokens,
+                            "completion_tokens": u.completion_tokens,
+                            "total_tokens": u.total_tokens,
+                        }
+                    )
+                )
         except E.TokenbusError as exc:
             # Headers are gone: the error travels as an SSE event, as OpenAI's API does.
             buf.append(f"data: {dumps(exc.openai_body())}\n\n")
@@ -314,8 +397,9 @@ class OpenAIApp:
         await send({"type": body, "body": "".join(buf).encode(), "more_body": False})
 
 
-async def _watch_disconnect(receive: Receive, task: asyncio.Task[Any] | None,
-                            state: dict[str, bool]) -> None:
+async def _watch_disconnect(
+    receive: Receive, task: asyncio.Task[Any] | None, state: dict[str, bool]
+) -> None:
     while (await receive())["type"] != "http.disconnect":
         pass
     # uvicorn also reports a disconnect once the response is complete: that one is not a
@@ -335,8 +419,9 @@ class _Server(uvicorn.Server):
 class HTTPServer:
     """A running uvicorn server for an ASGI app, on a socket we bind (SO_REUSEPORT-able)."""
 
-    def __init__(self, app: Any, host: str, port: int, *, reuse_port: bool,
-                 shutdown_timeout: float) -> None:
+    def __init__(
+        self, app: Any, host: str, port: int, *, reuse_port: bool, shutdown_timeout: float
+    ) -> None:
         fam = socket.AF_INET6 if ":" in host else socket.AF_INET
         self.sock = socket.socket(fam, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -345,10 +430,17 @@ class HTTPServer:
         self.sock.bind((host, port))
         self.sock.listen(4096)
         self.sock.setblocking(False)
-        cfg = uvicorn.Config(app, lifespan="off", access_log=False, log_level="warning",
-                             http="httptools", loop="none", backlog=4096,
-                             timeout_graceful_shutdown=int(max(1, shutdown_timeout)),
-                             timeout_keep_alive=30)
+        cfg = uvicorn.Config(
+            app,
+            lifespan="off",
+            access_log=False,
+            log_level="warning",
+            http="httptools",
+            loop="none",
+            backlog=4096,
+            timeout_graceful_shutdown=int(max(1, shutdown_timeout)),
+            timeout_keep_alive=30,
+        )
         self.server = _Server(cfg)
         self.task: asyncio.Task[None] | None = None
 
@@ -366,8 +458,9 @@ class HTTPServer:
             await self.task
 
 
-async def serve(app: Any, host: str, port: int, *, reuse_port: bool,
-                shutdown_timeout: float) -> HTTPServer:
+async def serve(
+    app: Any, host: str, port: int, *, reuse_port: bool, shutdown_timeout: float
+) -> HTTPServer:
     """Start serving ``app``; returns the server, whose ``stop()`` drains it."""
     srv = HTTPServer(app, host, port, reuse_port=reuse_port, shutdown_timeout=shutdown_timeout)
     await srv.start()

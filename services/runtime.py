@@ -146,9 +146,15 @@ class Service:
         _, reply, subject = entry
         stage = subject.rpartition(".")[2]
         with contextlib.suppress(Exception):
-            await self.nc.publish(reply, frames.error(E.ServiceUnavailable(
-                f"no {stage} service is running on the bus; start one (`tokenbus serve "
-                f"{'router' if stage == subjects.STAGE_ROUTE else stage}`) and retry")))
+            await self.nc.publish(
+                reply,
+                frames.error(
+                    E.ServiceUnavailable(
+                        f"no {stage} service is running on the bus; start one (`tokenbus serve "
+                        f"{'router' if stage == subjects.STAGE_ROUTE else stage}`) and retry"
+                    )
+                ),
+            )
 
     async def stop_taking_work(self) -> None:
         """Unsubscribe every endpoint so queue-group peers get new requests."""
@@ -233,7 +239,9 @@ class Service:
         except Exception as exc:
             err = "internal_error"
             self.log.exception("handler_failed", error=str(exc))
-            await self.reply_error(msg, E.InternalError(f"{self.name} failed to handle the request"))
+            await self.reply_error(
+                msg, E.InternalError(f"{self.name} failed to handle the request")
+            )
         finally:
             stats.record(time.perf_counter_ns() - t, err)
 

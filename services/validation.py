@@ -35,8 +35,9 @@ def prompt_chars(req: Request) -> int:
     return len(req.prompt_text)
 
 
-def envelope(kind: str, req: Request, request_id: str, *, default_max_tokens: int,
-             deadline_ms: int | None) -> dict[str, Any]:
+def envelope(
+    kind: str, req: Request, request_id: str, *, default_max_tokens: int, deadline_ms: int | None
+) -> dict[str, Any]:
     """The bus envelope (see :class:`bus_schemas.messages.Envelope`) for a validated request."""
     env: dict[str, Any] = {
         "type": "envelope",

@@ -48,9 +48,18 @@ class NatsServer:
 
     def start(self) -> NatsServer:
         self.proc = subprocess.Popen(
-            [nats_server_binary(), "-a", "127.0.0.1", "-p", str(self.port), "-js", "-sd",
-             str(self.data_dir)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            [
+                nats_server_binary(),
+                "-a",
+                "127.0.0.1",
+                "-p",
+                str(self.port),
+                "-js",
+                "-sd",
+                str(self.data_dir),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
         )
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
@@ -94,9 +103,16 @@ def settings(url: str, **over: Any) -> config.Settings:
 
 
 @contextlib.asynccontextmanager
-async def stack(url: str, model: str, *, workers: int = 2, with_ingress: bool = True,
-                with_router: bool = True, worker: dict[str, Any] | None = None,
-                **over: Any) -> AsyncIterator[dict[str, Any]]:
+async def stack(
+    url: str,
+    model: str,
+    *,
+    workers: int = 2,
+    with_ingress: bool = True,
+    with_router: bool = True,
+    worker: dict[str, Any] | None = None,
+    **over: Any,
+) -> AsyncIterator[dict[str, Any]]:
     """Ingress, router and sim workers in this process (the integration tests' bus)."""
     from engine_worker.worker import Worker
     from router.service import Router
@@ -135,7 +151,10 @@ class Proc:
         self._fh = open(self.log, "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "services.cli", *args],
-            stdout=self._fh, stderr=subprocess.STDOUT, env={**os.environ, **env}, cwd=ROOT,
+            stdout=self._fh,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **env},
+            cwd=ROOT,
         )
 
     @property
@@ -170,8 +189,12 @@ class Procs:
     def __init__(self, url: str, log_dir: Path) -> None:
         self.url = url
         self.log_dir = log_dir
-        self.env = {"TOKENBUS_NATS_URL": url, "TOKENBUS_LOG_LEVEL": "info",
-                    "TOKENBUS_DRAIN_TIMEOUT_S": "15", "TOKENBUS_WORKER__HEARTBEAT_INTERVAL_S": "0.2"}
+        self.env = {
+            "TOKENBUS_NATS_URL": url,
+            "TOKENBUS_LOG_LEVEL": "info",
+            "TOKENBUS_DRAIN_TIMEOUT_S": "15",
+            "TOKENBUS_WORKER__HEARTBEAT_INTERVAL_S": "0.2",
+        }
         self.procs: list[Proc] = []
 
     def start(self, name: str, *args: str, env: dict[str, str] | None = None) -> Proc:

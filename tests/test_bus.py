@@ -87,23 +87,27 @@ async def test_malformed_msgpack_is_refused(nats_server: NatsServer, model: str)
 
 
 async def test_oversized_prompt_is_413(nats_server: NatsServer, model: str) -> None:
-    async with stack(nats_server.url, model, workers=1,
-                     ingress={"max_prompt_chars": 100}), await Client.connect(nats_server.url) as c:
+    async with (
+        stack(nats_server.url, model, workers=1, ingress={"max_prompt_chars": 100}),
+        await Client.connect(nats_server.url) as c,
+    ):
         with pytest.raises(E.PayloadTooLarge):
             await c.chat_completion(model, [{"role": "user", "content": "x" * 101}])
 
 
 async def test_several_workers_share_the_load(nats_server: NatsServer, model: str) -> None:
     async with stack(nats_server.url, model, workers=3), await Client.connect(nats_server.url) as c:
-        outs = await asyncio.gather(*(c.chat_completion(model, MSG, max_tokens=20)
-                                      for _ in range(30)))
+        outs = await asyncio.gather(
+            *(c.chat_completion(model, MSG, max_tokens=20) for _ in range(30))
+        )
     served = [o.replica for o in outs]
     assert len(set(served)) == 3
     assert max(served.count(r) for r in set(served)) <= 15
 
 
-async def test_no_replica_is_503_and_unknown_model_404(private_nats: NatsServer,
-                                                      model: str) -> None:
+async def test_no_replica_is_503_and_unknown_model_404(
+    private_nats: NatsServer, model: str
+) -> None:
     url = private_nats.url
     async with stack(url, model, workers=1) as svcs, await Client.connect(url) as c:
         w = svcs["workers"][0]
@@ -124,16 +128,21 @@ async def test_no_ingress_is_a_clear_503(private_nats: NatsServer) -> None:
 
 
 async def test_no_router_is_a_clear_503(private_nats: NatsServer, model: str) -> None:
-    async with stack(private_nats.url, model, workers=0, with_router=False), \
-            await Client.connect(private_nats.url) as c:
+    async with (
+        stack(private_nats.url, model, workers=0, with_router=False),
+        await Client.connect(private_nats.url) as c,
+    ):
         with pytest.raises(E.ServiceUnavailable):
             await c.chat_completion(model, MSG, timeout=5)
 
 
-async def test_dead_replica_before_accept_is_routed_around(nats_server: NatsServer,
-                                                          model: str) -> None:
-    async with stack(nats_server.url, model, workers=2) as svcs, \
-            await Client.connect(nats_server.url) as c:
+async def test_dead_replica_before_accept_is_routed_around(
+    nats_server: NatsServer, model: str
+) -> None:
+    async with (
+        stack(nats_server.url, model, workers=2) as svcs,
+        await Client.connect(nats_server.url) as c,
+    ):
         dead = svcs["workers"][0]
         # The replica stops answering but the router still believes in it (heartbeats not
         # yet expired): exactly a process killed between two heartbeats.
@@ -141,15 +150,19 @@ async def test_dead_replica_before_accept_is_routed_around(nats_server: NatsServ
             await sub.unsubscribe()
         dead._subs.clear()
         dead._hb_task.cancel()
-        outs = await asyncio.gather(*(c.chat_completion(model, MSG, max_tokens=3)
-                                      for _ in range(10)))
+        outs = await asyncio.gather(
+            *(c.chat_completion(model, MSG, max_tokens=3) for _ in range(10))
+        )
         assert {o.replica for o in outs} == {svcs["workers"][1].replica}
 
 
-async def test_closing_the_stream_cancels_generation_on_the_worker(nats_server: NatsServer,
-                                                                  model: str) -> None:
-    async with stack(nats_server.url, model, workers=1) as svcs, \
-            await Client.connect(nats_server.url) as c:
+async def test_closing_the_stream_cancels_generation_on_the_worker(
+    nats_server: NatsServer, model: str
+) -> None:
+    async with (
+        stack(nats_server.url, model, workers=1) as svcs,
+        await Client.connect(nats_server.url) as c,
+    ):
         w = svcs["workers"][0]
         stream = c.chat(model, MSG, max_tokens=100_000)
         async for _ in stream:
@@ -159,10 +172,13 @@ async def test_closing_the_stream_cancels_generation_on_the_worker(nats_server: 
         await wait_for(lambda: w.in_flight == 0 and w.backend.stats()["running"] == 0)
 
 
-async def test_cancel_before_accept_still_reaches_the_worker(nats_server: NatsServer,
-                                                            model: str) -> None:
-    async with stack(nats_server.url, model, workers=1) as svcs, \
-            await Client.connect(nats_server.url) as c:
+async def test_cancel_before_accept_still_reaches_the_worker(
+    nats_server: NatsServer, model: str
+) -> None:
+    async with (
+        stack(nats_server.url, model, workers=1) as svcs,
+        await Client.connect(nats_server.url) as c,
+    ):
         w = svcs["workers"][0]
         stream = c.chat(model, MSG, max_tokens=100_000)
         await stream.start()
@@ -172,21 +188,25 @@ async def test_cancel_before_accept_still_reaches_the_worker(nats_server: NatsSe
 
 
 async def test_request_timeout_is_a_typed_error(nats_server: NatsServer, model: str) -> None:
-    async with stack(nats_server.url, model, workers=1) as svcs, \
-            await Client.connect(nats_server.url) as c:
+    async with (
+        stack(nats_server.url, model, workers=1) as svcs,
+        await Client.connect(nats_server.url) as c,
+    ):
         with pytest.raises(E.Timeout):
             await c.chat_completion(model, MSG, max_tokens=100_000, timeout=0.3)
         await wait_for(lambda: svcs["workers"][0].in_flight == 0)
 
 
-async def test_expired_requests_are_dropped_not_served(nats_server: NatsServer,
-                                                       model: str) -> None:
+async def test_expired_requests_are_dropped_not_served(nats_server: NatsServer, model: str) -> None:
     async with stack(nats_server.url, model, workers=1) as svcs:
         nc = await nats.connect(nats_server.url)
         try:
             reply = await nc.request(
-                subjects.request("chat"), codec.encode({"model": model, "messages": MSG}),
-                headers={"Tb-Deadline": "1000"}, timeout=5)
+                subjects.request("chat"),
+                codec.encode({"model": model, "messages": MSG}),
+                headers={"Tb-Deadline": "1000"},
+                timeout=5,
+            )
             frame = codec.decode_map(reply.data)
             assert frame["error"]["code"] == "timeout"
             assert svcs["workers"][0].discovery.endpoints[0].num_requests == 0
@@ -195,8 +215,10 @@ async def test_expired_requests_are_dropped_not_served(nats_server: NatsServer,
 
 
 async def test_drain_finishes_in_flight_streams(nats_server: NatsServer, model: str) -> None:
-    async with stack(nats_server.url, model, workers=2) as svcs, \
-            await Client.connect(nats_server.url) as c:
+    async with (
+        stack(nats_server.url, model, workers=2) as svcs,
+        await Client.connect(nats_server.url) as c,
+    ):
         stream = c.chat(model, MSG, max_tokens=60)
         first = await stream.__anext__()
         serving = next(w for w in svcs["workers"] if w.replica == stream.replica)

@@ -22,8 +22,9 @@ def _env(**extra: str) -> dict[str, str]:
     return {**env, **extra}
 
 
-def _wait_line(proc: subprocess.Popen[str], needle: str, lines: list[str],
-               timeout: float = 40) -> str:
+def _wait_line(
+    proc: subprocess.Popen[str], needle: str, lines: list[str], timeout: float = 40
+) -> str:
     deadline = time.monotonic() + timeout
     assert proc.stdout is not None
     while time.monotonic() < deadline:
@@ -41,48 +42,68 @@ def _wait_line(proc: subprocess.Popen[str], needle: str, lines: list[str],
 def test_up_serves_restarts_crashed_children_and_stops_cleanly(tmp_path: Path) -> None:
     port, nats_port = free_port(), free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "up", "--port", str(port), "--nats-port",
-         str(nats_port), "--workers", "2", "--data-dir", str(tmp_path / "data"),
-         "--sim-prefill-ms", "2", "--sim-decode-ms", "1"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=_env(),
+        [
+            sys.executable,
+            "-m",
+            "services.cli",
+            "up",
+            "--port",
+            str(port),
+            "--nats-port",
+            str(nats_port),
+            "--workers",
+            "2",
+            "--data-dir",
+            str(tmp_path / "data"),
+            "--sim-prefill-ms",
+            "2",
+            "--sim-decode-ms",
+            "1",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=ROOT,
+        env=_env(),
     )
     lines: list[str] = []
     try:
         banner = _wait_line(proc, "tokenbus is up", lines)
         assert f"http://127.0.0.1:{port}/v1" in banner
         assert any("nats-server (embedded" in ln for ln in lines)
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x",
-                               max_retries=0)
-        out = client.chat.completions.create(model="tokenbus-sim",
-                                             messages=[{"role": "user", "content": "hi"}],
-                                             max_tokens=4)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+        out = client.chat.completions.create(
+            model="tokenbus-sim", messages=[{"role": "user", "content": "hi"}], max_tokens=4
+        )
         assert out.usage is not None and out.usage.completion_tokens == 4
         assert (tmp_path / "data" / "nats" / "jetstream").is_dir()
 
         # A child that dies is started again.
-        pids = subprocess.run(["pgrep", "-f", "serve worker --replica sim-0"],
-                              capture_output=True, text=True).stdout.split()
+        pids = subprocess.run(
+            ["pgrep", "-f", "serve worker --replica sim-0"], capture_output=True, text=True
+        ).stdout.split()
         assert pids
         os.kill(int(pids[0]), signal.SIGKILL)
         _wait_line(proc, "worker-0 exited", lines)
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
-            again = subprocess.run(["pgrep", "-f", "serve worker --replica sim-0"],
-                                   capture_output=True, text=True).stdout.split()
+            again = subprocess.run(
+                ["pgrep", "-f", "serve worker --replica sim-0"], capture_output=True, text=True
+            ).stdout.split()
             if again and again != pids:
                 break
             time.sleep(0.2)
         else:
             raise AssertionError("worker-0 was not restarted")
         for _ in range(5):
-            client.chat.completions.create(model="tokenbus-sim",
-                                           messages=[{"role": "user", "content": "hi"}],
-                                           max_tokens=2)
+            client.chat.completions.create(
+                model="tokenbus-sim", messages=[{"role": "user", "content": "hi"}], max_tokens=2
+            )
     finally:
         proc.send_signal(signal.SIGINT)
         rc = proc.wait(60)
     rest = proc.stdout.read() if proc.stdout else ""
-    assert rc == 0, lines + [rest]
+    assert rc == 0, [*lines, rest]
     assert "stopped." in rest
     left = subprocess.run(["pgrep", "-f", f"--port {port}"], capture_output=True, text=True)
     assert left.stdout.strip() == ""
@@ -97,9 +118,23 @@ def test_up_refuses_a_taken_nats_port(tmp_path: Path) -> None:
         s.bind(("127.0.0.1", 0))
         s.listen()
         taken = s.getsockname()[1]
-        r = subprocess.run([sys.executable, "-m", "services.cli", "up", "--nats-port", str(taken),
-                            "--data-dir", str(tmp_path)], capture_output=True, text=True,
-                           cwd=ROOT, env=_env(), timeout=60)
+        r = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "services.cli",
+                "up",
+                "--nats-port",
+                str(taken),
+                "--data-dir",
+                str(tmp_path),
+            ],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            env=_env(),
+            timeout=60,
+        )
     assert r.returncode == 2
     assert f"port {taken} is taken" in r.stderr
 
@@ -107,16 +142,36 @@ def test_up_refuses_a_taken_nats_port(tmp_path: Path) -> None:
 def test_bench_spawn_writes_json_with_both_paths(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     r = subprocess.run(
-        [sys.executable, "-m", "services.cli", "bench", "--spawn", "--nats-too", "--concurrency",
-         "1,4", "--requests-per-client", "2", "--max-tokens", "8", "--sim-prefill-ms", "2",
-         "--sim-decode-ms", "1", "--out", str(out)],
-        capture_output=True, text=True, cwd=ROOT, env=_env(), timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "services.cli",
+            "bench",
+            "--spawn",
+            "--nats-too",
+            "--concurrency",
+            "1,4",
+            "--requests-per-client",
+            "2",
+            "--max-tokens",
+            "8",
+            "--sim-prefill-ms",
+            "2",
+            "--sim-decode-ms",
+            "1",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=_env(),
+        timeout=300,
     )
     assert r.returncode == 0, r.stdout + r.stderr
     report = json.loads(out.read_text())
     targets = {(lv["target"], lv["concurrency"]) for lv in report["levels"]}
-    assert targets == {(t, c) for t in ("tokenbus-http", "tokenbus-nats", "direct")
-                       for c in (1, 4)}
+    assert targets == {(t, c) for t in ("tokenbus-http", "tokenbus-nats", "direct") for c in (1, 4)}
     for lv in report["levels"]:
         assert lv["errors"] == 0 and lv["requests"] == 2 * lv["concurrency"]
         assert lv["output_tokens"] == 8 * lv["requests"]
@@ -126,7 +181,8 @@ def test_bench_spawn_writes_json_with_both_paths(tmp_path: Path) -> None:
     assert "bridge-0" in http1["peak_rss_mb"]
     cmp_ = report["comparison"]
     assert {(c["target"], c["concurrency"]) for c in cmp_} == {
-        (t, c) for t in ("tokenbus-http", "tokenbus-nats") for c in (1, 4)}
+        (t, c) for t in ("tokenbus-http", "tokenbus-nats") for c in (1, 4)
+    }
     assert all("added_ttft_p50_ms" in c and "tokens_per_s_ratio" in c for c in cmp_)
     assert "results:" in r.stdout
 
@@ -134,10 +190,26 @@ def test_bench_spawn_writes_json_with_both_paths(tmp_path: Path) -> None:
 def test_bench_against_nothing_reports_errors_not_a_crash(tmp_path: Path) -> None:
     out = tmp_path / "b.json"
     r = subprocess.run(
-        [sys.executable, "-m", "services.cli", "bench", "--url",
-         f"http://127.0.0.1:{free_port()}/v1", "--concurrency", "2", "--requests-per-client",
-         "1", "--out", str(out)], capture_output=True, text=True, cwd=ROOT, env=_env(),
-        timeout=120)
+        [
+            sys.executable,
+            "-m",
+            "services.cli",
+            "bench",
+            "--url",
+            f"http://127.0.0.1:{free_port()}/v1",
+            "--concurrency",
+            "2",
+            "--requests-per-client",
+            "1",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=_env(),
+        timeout=120,
+    )
     assert r.returncode == 1
     lv = json.loads(out.read_text())["levels"][0]
     assert lv["errors"] == 2 and lv["error_kinds"]

@@ -71,15 +71,21 @@ def test_typed_errors_cross_the_wire_with_status_and_retryable() -> None:
         back = E.TokenbusError.from_dict(frame["error"])
         assert type(back) is klass
         assert (back.code, back.status, back.retryable, back.param) == (
-            err.code, err.status, err.retryable, "p")
+            err.code,
+            err.status,
+            err.retryable,
+            "p",
+        )
     body = E.NoReplica("none").openai_body()
-    assert body == {"error": {"message": "none", "type": "server_error", "param": None,
-                              "code": "no_replica"}}
+    assert body == {
+        "error": {"message": "none", "type": "server_error", "param": None, "code": "no_replica"}
+    }
 
 
 def test_unknown_error_codes_keep_the_senders_status() -> None:
-    err = E.TokenbusError.from_dict({"code": "brand_new", "status": 418, "message": "teapot",
-                                     "retryable": True})
+    err = E.TokenbusError.from_dict(
+        {"code": "brand_new", "status": 418, "message": "teapot", "retryable": True}
+    )
     assert E.http_status(err) == 418
     assert err.to_dict()["code"] == "brand_new"
     assert err.to_dict()["retryable"] is True
@@ -97,23 +103,44 @@ def test_stream_frames() -> None:
 
 def test_openai_requests_validate_like_openai() -> None:
     req = ChatCompletionRequest.model_validate(
-        {"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
-                                                                 {"type": "text", "text": "b"}]}],
-         "stop": "x", "max_completion_tokens": 5, "unknown_field": 1})
+        {
+            "model": "m",
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+                }
+            ],
+            "stop": "x",
+            "max_completion_tokens": 5,
+            "unknown_field": 1,
+        }
+    )
     assert req.messages[0].text() == "ab"
     assert req.stop == ["x"]
     assert req.sampling(100).max_tokens == 5
-    assert ChatCompletionRequest.model_validate(
-        {"model": "m", "messages": [{"role": "user", "content": "a"}]}).sampling(100).max_tokens == 100
-    for bad in ({"model": "m", "messages": []},
-                {"model": "m", "messages": [{"role": "robot", "content": "a"}]},
-                {"model": "m", "messages": "hi"},
-                {"model": "m", "messages": [{"role": "user", "content": "a"}], "n": 2},
-                {"model": "m", "messages": [{"role": "user", "content": "a"}], "temperature": 3},
-                {"model": "m", "messages": [{"role": "user", "content": "a"}], "max_tokens": 0},
-                {"model": "m", "messages": [{"role": "user", "content": "a"}],
-                 "stop": ["a", "b", "c", "d", "e"]},
-                {"messages": [{"role": "user", "content": "a"}]}):
+    assert (
+        ChatCompletionRequest.model_validate(
+            {"model": "m", "messages": [{"role": "user", "content": "a"}]}
+        )
+        .sampling(100)
+        .max_tokens
+        == 100
+    )
+    for bad in (
+        {"model": "m", "messages": []},
+        {"model": "m", "messages": [{"role": "robot", "content": "a"}]},
+        {"model": "m", "messages": "hi"},
+        {"model": "m", "messages": [{"role": "user", "content": "a"}], "n": 2},
+        {"model": "m", "messages": [{"role": "user", "content": "a"}], "temperature": 3},
+        {"model": "m", "messages": [{"role": "user", "content": "a"}], "max_tokens": 0},
+        {
+            "model": "m",
+            "messages": [{"role": "user", "content": "a"}],
+            "stop": ["a", "b", "c", "d", "e"],
+        },
+        {"messages": [{"role": "user", "content": "a"}]},
+    ):
         with pytest.raises(ValueError):
             ChatCompletionRequest.model_validate(bad)
     assert CompletionRequest.model_validate({"model": "m", "prompt": ["p"]}).prompt_text == "p"
@@ -122,9 +149,8 @@ def test_openai_requests_validate_like_openai() -> None:
 
 
 def test_heartbeat_model_accepts_what_workers_send() -> None:
-    from services.config import Settings
-
     from engine_worker.worker import Worker
+    from services.config import Settings
 
     w = Worker(Settings(nats_url="nats://127.0.0.1:1"))
     Heartbeat.model_validate(w.heartbeat_body())

@@ -42,18 +42,36 @@ class HttpStack:
 
 
 @pytest.fixture(scope="module")
-def http_stack(nats_server: NatsServer, tmp_path_factory: pytest.TempPathFactory
-               ) -> Iterator[HttpStack]:
+def http_stack(
+    nats_server: NatsServer, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[HttpStack]:
     model = f"m-{uuid.uuid4().hex[:8]}"
     port = free_port()
     ps = Procs(nats_server.url, tmp_path_factory.mktemp("http-stack"))
     ps.start("ingress", "serve", "ingress")
     ps.start("router", "serve", "router")
     for i in range(2):
-        ps.start(f"worker-{i}", "serve", "worker", "--model", model, "--replica", f"{model}-{i}",
-                 "--sim-prefill-ms", "5", "--sim-decode-ms", "2")
-    ps.start("bridge", "serve", "bridge", "--port", str(port),
-             env={"TOKENBUS_BRIDGE__MAX_BODY_BYTES": "65536"})
+        ps.start(
+            f"worker-{i}",
+            "serve",
+            "worker",
+            "--model",
+            model,
+            "--replica",
+            f"{model}-{i}",
+            "--sim-prefill-ms",
+            "5",
+            "--sim-decode-ms",
+            "2",
+        )
+    ps.start(
+        "bridge",
+        "serve",
+        "bridge",
+        "--port",
+        str(port),
+        env={"TOKENBUS_BRIDGE__MAX_BODY_BYTES": "65536"},
+    )
     base = f"http://127.0.0.1:{port}"
     asyncio.run(_ready(nats_server.url, model, base))
     yield HttpStack(ps, model, base)
@@ -72,11 +90,17 @@ async def oai(http_stack: HttpStack) -> AsyncIterator[openai.AsyncOpenAI]:
     await c.close()
 
 
-async def test_chat_streaming_with_the_openai_sdk(http_stack: HttpStack,
-                                                 oai: openai.AsyncOpenAI) -> None:
+async def test_chat_streaming_with_the_openai_sdk(
+    http_stack: HttpStack, oai: openai.AsyncOpenAI
+) -> None:
     stream = await oai.chat.completions.create(
-        model=http_stack.model, messages=MSG, max_tokens=12, seed=5, stream=True,
-        stream_options={"include_usage": True})
+        model=http_stack.model,
+        messages=MSG,
+        max_tokens=12,
+        seed=5,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     text, finish, usage, roles = "", None, None, []
     async for chunk in stream:
         if chunk.usage:
@@ -93,26 +117,34 @@ async def test_chat_streaming_with_the_openai_sdk(http_stack: HttpStack,
     assert usage.total_tokens == usage.prompt_tokens + 12
 
 
-async def test_chat_whole_with_the_openai_sdk(http_stack: HttpStack,
-                                             oai: openai.AsyncOpenAI) -> None:
+async def test_chat_whole_with_the_openai_sdk(
+    http_stack: HttpStack, oai: openai.AsyncOpenAI
+) -> None:
     full = expected_text(PROMPT, 30)[0]
     stop = " " + full.split(" ")[3]
-    out = await oai.chat.completions.create(model=http_stack.model, messages=MSG,
-                                            max_completion_tokens=30, stop=stop,
-                                            temperature=0.2, top_p=0.9)
+    out = await oai.chat.completions.create(
+        model=http_stack.model,
+        messages=MSG,
+        max_completion_tokens=30,
+        stop=stop,
+        temperature=0.2,
+        top_p=0.9,
+    )
     assert out.choices[0].message.content == full[: full.find(stop)]
     assert out.choices[0].finish_reason == "stop"
     assert out.usage is not None and out.usage.completion_tokens >= 3
     assert out.object == "chat.completion" and out.model == http_stack.model
 
 
-async def test_text_completions_streaming_and_not(http_stack: HttpStack,
-                                                 oai: openai.AsyncOpenAI) -> None:
+async def test_text_completions_streaming_and_not(
+    http_stack: HttpStack, oai: openai.AsyncOpenAI
+) -> None:
     out = await oai.completions.create(model=http_stack.model, prompt="abc", max_tokens=6)
     assert out.choices[0].text == expected_text("abc", 6)[0]
     assert out.usage is not None and out.usage.completion_tokens == 6
-    stream = await oai.completions.create(model=http_stack.model, prompt="abc", max_tokens=6,
-                                          stream=True)
+    stream = await oai.completions.create(
+        model=http_stack.model, prompt="abc", max_tokens=6, stream=True
+    )
     text = "".join([c.choices[0].text async for c in stream if c.choices])
     assert text == expected_text("abc", 6)[0]
 
@@ -141,20 +173,34 @@ def _bad_cases(model: str) -> list[tuple[str, bytes | None, Any, int, str]]:
         ("n=2", None, {**ok, "n": 2}, 400, "invalid_request"),
         ("temperature", None, {**ok, "temperature": 9}, 400, "invalid_request"),
         ("unknown model", None, {**ok, "model": "no-such-model"}, 404, "model_not_found"),
-        ("unknown model streaming", None, {**ok, "model": "nope", "stream": True}, 404,
-         "model_not_found"),
-        ("oversized", b'{"model": "x", "messages": [{"role": "user", "content": "'
-         + b"x" * 70_000 + b'"}]}', None, 413, "payload_too_large"),
+        (
+            "unknown model streaming",
+            None,
+            {**ok, "model": "nope", "stream": True},
+            404,
+            "model_not_found",
+        ),
+        (
+            "oversized",
+            b'{"model": "x", "messages": [{"role": "user", "content": "' + b"x" * 70_000 + b'"}]}',
+            None,
+            413,
+            "payload_too_large",
+        ),
     ]
 
 
 async def test_bad_input_gets_openai_shaped_errors_and_everything_keeps_serving(
-        http_stack: HttpStack) -> None:
+    http_stack: HttpStack,
+) -> None:
     async with httpx.AsyncClient(base_url=http_stack.base, timeout=30) as h:
         for name, raw, body, status, code in _bad_cases(http_stack.model):
             if raw is not None:
-                r = await h.post("/v1/chat/completions", content=raw,
-                                 headers={"Content-Type": "application/json"})
+                r = await h.post(
+                    "/v1/chat/completions",
+                    content=raw,
+                    headers={"Content-Type": "application/json"},
+                )
             else:
                 r = await h.post("/v1/chat/completions", json=body)
             assert r.status_code == status, (name, r.text)
@@ -162,16 +208,19 @@ async def test_bad_input_gets_openai_shaped_errors_and_everything_keeps_serving(
             assert err["code"] == code, name
             assert err["message"] and "Traceback" not in err["message"], name
             assert set(err) == {"message", "type", "param", "code"}, name
-        r = await h.post("/v1/chat/completions", json={"model": http_stack.model,
-                                                      "messages": MSG, "max_tokens": 2})
+        r = await h.post(
+            "/v1/chat/completions",
+            json={"model": http_stack.model, "messages": MSG, "max_tokens": 2},
+        )
         assert r.status_code == 200
         r = await h.get("/v1/nowhere")
         assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
     assert http_stack.all_alive()
 
 
-async def test_the_sdk_raises_its_own_typed_errors(http_stack: HttpStack,
-                                                   oai: openai.AsyncOpenAI) -> None:
+async def test_the_sdk_raises_its_own_typed_errors(
+    http_stack: HttpStack, oai: openai.AsyncOpenAI
+) -> None:
     with pytest.raises(openai.NotFoundError):
         await oai.chat.completions.create(model="no-such-model", messages=MSG)
     with pytest.raises(openai.BadRequestError):
@@ -179,10 +228,10 @@ async def test_the_sdk_raises_its_own_typed_errors(http_stack: HttpStack,
 
 
 async def test_client_disconnect_cancels_generation_on_the_worker(
-        http_stack: HttpStack, nats_server: NatsServer) -> None:
+    http_stack: HttpStack, nats_server: NatsServer
+) -> None:
     async with httpx.AsyncClient(base_url=http_stack.base, timeout=30) as h:
-        body = {"model": http_stack.model, "messages": MSG, "max_tokens": 50_000,
-                "stream": True}
+        body = {"model": http_stack.model, "messages": MSG, "max_tokens": 50_000, "stream": True}
         async with h.stream("POST", "/v1/chat/completions", json=body) as r:
             assert r.status_code == 200
             lines = r.aiter_lines()  # kept open: the connection stays up
@@ -200,25 +249,33 @@ async def test_client_disconnect_cancels_generation_on_the_worker(
         raise AssertionError("the worker kept generating after the client left")
 
 
-async def test_concurrent_streams_spread_over_both_workers(http_stack: HttpStack,
-                                                           oai: openai.AsyncOpenAI) -> None:
+async def test_concurrent_streams_spread_over_both_workers(
+    http_stack: HttpStack, oai: openai.AsyncOpenAI
+) -> None:
     async def one() -> str:
-        out = await oai.chat.completions.create(model=http_stack.model, messages=MSG,
-                                                max_tokens=20)
+        out = await oai.chat.completions.create(model=http_stack.model, messages=MSG, max_tokens=20)
         return out.choices[0].message.content or ""
 
     outs = await asyncio.gather(*(one() for _ in range(40)))
     assert all(o == expected_text(PROMPT, 20)[0] for o in outs)
     log = "".join(p.output() for p in http_stack.procs.procs if p.name.startswith("worker"))
-    served = {p.name: p.output().count('"event": "request"') for p in http_stack.procs.procs
-              if p.name.startswith("worker")}
+    served = {
+        p.name: p.output().count('"event": "request"')
+        for p in http_stack.procs.procs
+        if p.name.startswith("worker")
+    }
     assert all(n > 0 for n in served.values()), served
     assert '"outcome": "length"' in log
 
 
 def test_sse_wire_format_is_openais(http_stack: HttpStack) -> None:
-    body = {"model": http_stack.model, "messages": MSG, "max_tokens": 3, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "model": http_stack.model,
+        "messages": MSG,
+        "max_tokens": 3,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     with httpx.Client(base_url=http_stack.base) as h:
         r = h.post("/v1/chat/completions", json=body)
     assert r.headers["content-type"].startswith("text/event-stream")
@@ -231,16 +288,21 @@ def test_sse_wire_format_is_openais(http_stack: HttpStack) -> None:
     assert objs[-2]["choices"][0]["finish_reason"] == "length"
 
 
-def test_logs_have_one_canonical_line_per_request_and_no_tracebacks(
-        http_stack: HttpStack) -> None:
+def test_logs_have_one_canonical_line_per_request_and_no_tracebacks(http_stack: HttpStack) -> None:
     for p in http_stack.procs.procs:
         out = p.output()
         assert "Traceback" not in out, p.name
-    lines = [json.loads(ln) for p in http_stack.procs.procs if p.name.startswith("worker")
-             for ln in p.output().splitlines() if ln.startswith("{")]
+    lines = [
+        json.loads(ln)
+        for p in http_stack.procs.procs
+        if p.name.startswith("worker")
+        for ln in p.output().splitlines()
+        if ln.startswith("{")
+    ]
     reqs = [ln for ln in lines if ln.get("event") == "request"]
-    assert reqs and all({"request_id", "outcome", "duration_ms", "replica", "model"} <= set(r)
-                        for r in reqs)
+    assert reqs and all(
+        {"request_id", "outcome", "duration_ms", "replica", "model"} <= set(r) for r in reqs
+    )
     assert len({r["request_id"] for r in reqs}) == len(reqs)
 
 

@@ -34,11 +34,23 @@ def sdk(port: int) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
 
 
-async def start_stack(procs: Procs, model: str, workers: int = 2, *worker_args: str
-                      ) -> tuple[int, list[Any]]:
+async def start_stack(
+    procs: Procs, model: str, workers: int = 2, *worker_args: str
+) -> tuple[int, list[Any]]:
     port = free_port()
-    ws = [procs.start(f"worker-{i}", "serve", "worker", "--model", model, "--replica",
-                      f"{model}-{i}", *worker_args) for i in range(workers)]
+    ws = [
+        procs.start(
+            f"worker-{i}",
+            "serve",
+            "worker",
+            "--model",
+            model,
+            "--replica",
+            f"{model}-{i}",
+            *worker_args,
+        )
+        for i in range(workers)
+    ]
     procs.start("bridge", "serve", "bridge", "--port", str(port))
     await wait_replicas(procs.url, model, workers)
     await wait_http(f"http://127.0.0.1:{port}/ready")
@@ -47,26 +59,28 @@ async def start_stack(procs: Procs, model: str, workers: int = 2, *worker_args: 
     return port, ws
 
 
-async def test_worker_killed_before_accepting_requests_go_to_another(procs: Procs,
-                                                                   model: str) -> None:
+async def test_worker_killed_before_accepting_requests_go_to_another(
+    procs: Procs, model: str
+) -> None:
     port, ws = await start_stack(procs, model, 2, "--sim-prefill-ms", "2", "--sim-decode-ms", "1")
     ws[0].signal(signal.SIGKILL)
     ws[0].proc.wait(5)
     # Heartbeats have not expired yet: the router still lists the dead replica.
     async with sdk(port) as c:
-        outs = await asyncio.gather(*(c.chat.completions.create(
-            model=model, messages=MSG, max_tokens=5) for _ in range(20)))
+        outs = await asyncio.gather(
+            *(c.chat.completions.create(model=model, messages=MSG, max_tokens=5) for _ in range(20))
+        )
     assert all(o.choices[0].message.content == expected_text(PROMPT, 5)[0] for o in outs)
     assert ws[1].output().count('"event": "request"') == 20, ws[1].output()
 
 
-async def test_sigterm_drains_a_worker_and_finishes_its_streams(procs: Procs,
-                                                               model: str) -> None:
-    port, ws = await start_stack(procs, model, 2, "--sim-prefill-ms", "2",
-                                 "--sim-decode-ms", "20")
+async def test_sigterm_drains_a_worker_and_finishes_its_streams(procs: Procs, model: str) -> None:
+    port, ws = await start_stack(procs, model, 2, "--sim-prefill-ms", "2", "--sim-decode-ms", "20")
     async with sdk(port) as c:
-        streams = [await c.chat.completions.create(model=model, messages=MSG, max_tokens=50,
-                                                   stream=True) for _ in range(6)]
+        streams = [
+            await c.chat.completions.create(model=model, messages=MSG, max_tokens=50, stream=True)
+            for _ in range(6)
+        ]
         firsts = [await s.__anext__() for s in streams]
         assert all(f.choices for f in firsts)
         load = await live_replicas(procs.url, model)
@@ -95,12 +109,10 @@ async def test_sigterm_drains_a_worker_and_finishes_its_streams(procs: Procs,
 
 
 async def test_sigterm_on_the_bridge_finishes_open_streams(procs: Procs, model: str) -> None:
-    port, ws = await start_stack(procs, model, 1, "--sim-prefill-ms", "2",
-                                 "--sim-decode-ms", "20")
+    port, _ws = await start_stack(procs, model, 1, "--sim-prefill-ms", "2", "--sim-decode-ms", "20")
     bridge = procs.procs[-1]
     async with sdk(port) as c:
-        s = await c.chat.completions.create(model=model, messages=MSG, max_tokens=40,
-                                            stream=True)
+        s = await c.chat.completions.create(model=model, messages=MSG, max_tokens=40, stream=True)
         text = ""
         async for ch in s:
             if not text:
@@ -113,16 +125,47 @@ async def test_sigterm_on_the_bridge_finishes_open_streams(procs: Procs, model: 
 
 async def test_openai_upstream_joins_the_bus_as_a_replica(procs: Procs, model: str) -> None:
     upstream_port = free_port()
-    procs.start("upstream", "serve", "openai-http", "--port", str(upstream_port), "--model",
-                "upstream-model", "--sim-prefill-ms", "2", "--sim-decode-ms", "1")
+    procs.start(
+        "upstream",
+        "serve",
+        "openai-http",
+        "--port",
+        str(upstream_port),
+        "--model",
+        "upstream-model",
+        "--sim-prefill-ms",
+        "2",
+        "--sim-decode-ms",
+        "1",
+    )
     await wait_http(f"http://127.0.0.1:{upstream_port}/ready")
     port = free_port()
-    procs.start("worker", "serve", "worker", "--backend", "openai", "--model", model,
-                "--upstream-url", f"http://127.0.0.1:{upstream_port}/v1",
-                "--upstream-model", "upstream-model")
-    procs.start("worker-bad", "serve", "worker", "--backend", "openai", "--model", f"{model}-bad",
-                "--upstream-url", f"http://127.0.0.1:{upstream_port}/v1",
-                "--upstream-model", "not-served-upstream")
+    procs.start(
+        "worker",
+        "serve",
+        "worker",
+        "--backend",
+        "openai",
+        "--model",
+        model,
+        "--upstream-url",
+        f"http://127.0.0.1:{upstream_port}/v1",
+        "--upstream-model",
+        "upstream-model",
+    )
+    procs.start(
+        "worker-bad",
+        "serve",
+        "worker",
+        "--backend",
+        "openai",
+        "--model",
+        f"{model}-bad",
+        "--upstream-url",
+        f"http://127.0.0.1:{upstream_port}/v1",
+        "--upstream-model",
+        "not-served-upstream",
+    )
     procs.start("bridge", "serve", "bridge", "--port", str(port))
     await wait_replicas(procs.url, model, 1)
     await wait_replicas(procs.url, f"{model}-bad", 1)
@@ -141,8 +184,17 @@ async def test_openai_upstream_joins_the_bus_as_a_replica(procs: Procs, model: s
 
 async def test_several_bridge_processes_share_one_port(procs: Procs, model: str) -> None:
     port = free_port()
-    procs.start("worker", "serve", "worker", "--model", model, "--sim-prefill-ms", "2",
-                "--sim-decode-ms", "1")
+    procs.start(
+        "worker",
+        "serve",
+        "worker",
+        "--model",
+        model,
+        "--sim-prefill-ms",
+        "2",
+        "--sim-decode-ms",
+        "1",
+    )
     procs.start("bridges", "serve", "bridge", "--processes", "2", "--port", str(port))
     await wait_replicas(procs.url, model, 1)
     await wait_http(f"http://127.0.0.1:{port}/ready")
@@ -166,32 +218,78 @@ async def test_several_bridge_processes_share_one_port(procs: Procs, model: str)
     finally:
         await nc.drain()
     async with sdk(port) as c:
-        outs = await asyncio.gather(*(c.chat.completions.create(
-            model=model, messages=MSG, max_tokens=3) for _ in range(20)))
+        outs = await asyncio.gather(
+            *(c.chat.completions.create(model=model, messages=MSG, max_tokens=3) for _ in range(20))
+        )
     assert len(outs) == 20
 
 
 async def test_status_lists_replicas_and_load(procs: Procs, model: str) -> None:
-    procs.start("worker", "serve", "worker", "--model", model, "--replica", f"{model}-a",
-                "--max-concurrency", "7", "--tp", "2", "--pool", "big")
+    procs.start(
+        "worker",
+        "serve",
+        "worker",
+        "--model",
+        model,
+        "--replica",
+        f"{model}-a",
+        "--max-concurrency",
+        "7",
+        "--tp",
+        "2",
+        "--pool",
+        "big",
+    )
     await wait_replicas(procs.url, model, 1)
-    out = subprocess.run([sys.executable, "-m", "services.cli", "--nats-url", procs.url,
-                          "status", "--json"], capture_output=True, text=True, cwd=ROOT,
-                         timeout=30, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "services.cli", "--nats-url", procs.url, "status", "--json"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=30,
+        check=True,
+    ).stdout
     rows = [r for r in json.loads(out)["replicas"] if r["model"] == model]
-    assert rows == [{"replica": f"{model}-a", "model": model, "backend": "sim", "in_flight": 0,
-                     "running": 0, "waiting": 0, "max_concurrency": 7, "tp": 2, "pool": "big",
-                     "draining": False}]
-    table = subprocess.run([sys.executable, "-m", "services.cli", "--nats-url", procs.url,
-                            "status"], capture_output=True, text=True, cwd=ROOT, timeout=30,
-                           check=True).stdout
+    assert rows == [
+        {
+            "replica": f"{model}-a",
+            "model": model,
+            "backend": "sim",
+            "in_flight": 0,
+            "running": 0,
+            "waiting": 0,
+            "max_concurrency": 7,
+            "tp": 2,
+            "pool": "big",
+            "draining": False,
+        }
+    ]
+    table = subprocess.run(
+        [sys.executable, "-m", "services.cli", "--nats-url", procs.url, "status"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=30,
+        check=True,
+    ).stdout
     assert "REPLICA" in table and f"{model}-a" in table
 
 
 def test_status_without_nats_is_a_clear_error(tmp_path: Any) -> None:
-    r = subprocess.run([sys.executable, "-m", "services.cli", "--nats-url",
-                        f"nats://127.0.0.1:{free_port()}", "status"], capture_output=True,
-                       text=True, cwd=ROOT, timeout=30)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "services.cli",
+            "--nats-url",
+            f"nats://127.0.0.1:{free_port()}",
+            "status",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=30,
+    )
     assert r.returncode == 1 and "cannot reach NATS" in r.stderr
 
 

@@ -13,8 +13,9 @@ from services.config import SimSettings
 
 
 def req(prompt: str = "hello", max_tokens: int = 8, **kw: object) -> GenerationRequest:
-    return GenerationRequest(request_id="r", kind="completions", model="m",
-                             max_tokens=max_tokens, prompt=prompt, **kw)  # type: ignore[arg-type]
+    return GenerationRequest(
+        request_id="r", kind="completions", model="m", max_tokens=max_tokens, prompt=prompt, **kw
+    )  # type: ignore[arg-type]
 
 
 async def collect(engine: SimEngine, r: GenerationRequest) -> tuple[str, str, int, int]:

@@ -79,7 +79,8 @@ def free_port() -> int:
 
 
 def cpu_s(pid: int) -> float:
-    f = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    with open(f"/proc/{pid}/stat") as fh:
+        f = fh.read().rsplit(")", 1)[1].split()
     return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
 
 
@@ -89,6 +90,7 @@ async def load(port: int) -> tuple[float, int]:
     remaining = REQUESTS
     events = 0
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+
         async def worker() -> None:
             nonlocal remaining, events
             while remaining > 0:
@@ -97,6 +99,7 @@ async def load(port: int) -> tuple[float, int]:
                     async for line in r.content:
                         if line.startswith(b"data: {"):
                             events += 1
+
         t = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(CONCURRENCY)))
         return time.perf_counter() - t, events
@@ -117,11 +120,21 @@ def measure(name: str, code: str) -> dict[str, float]:
     finally:
         p.terminate()
         p.wait()
-    return {"server": name, "events_per_s": round(events / wall),
-            "server_cpu_ms_per_1000_events": round((c1 - c0) / events * 1e6, 1),
-            "events": events}
+    return {
+        "server": name,
+        "events_per_s": round(events / wall),
+        "server_cpu_ms_per_1000_events": round((c1 - c0) / events * 1e6, 1),
+        "events": events,
+    }
 
 
 if __name__ == "__main__":
-    print(json.dumps([measure("aiohttp", AIOHTTP_SERVER),
-                      measure("uvicorn+httptools (raw ASGI)", UVICORN_SERVER)], indent=2))
+    print(
+        json.dumps(
+            [
+                measure("aiohttp", AIOHTTP_SERVER),
+                measure("uvicorn+httptools (raw ASGI)", UVICORN_SERVER),
+            ],
+            indent=2,
+        )
+    )

@@ -23,7 +23,55 @@ from bus_schemas import errors as E
 from engine_worker.backends.base import Delta, GenerationRequest
 from services.config import SimSettings, WorkerSettings
 
-VOCAB = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "tokens", "stream", "through", "nats", "subjects", "to", "many", "concurrent", "users", "and", "every", "replica", "reports", "its", "load", "so", "routers", "choose", "well", "under", "pressure", "with", "low", "latency", "and", "high", "throughput", "engines", "batch", "sequences", "prefill", "decode", "cache", "memory", "model", "serving", "gateway"]
+VOCAB = (
+    "the",
+    "quick",
+    "brown",
+    "fox",
+    "jumps",
+    "over",
+    "a",
+    "lazy",
+    "dog",
+    "while",
+    "tokens",
+    "stream",
+    "through",
+    "nats",
+    "subjects",
+    "to",
+    "many",
+    "concurrent",
+    "users",
+    "and",
+    "every",
+    "replica",
+    "reports",
+    "its",
+    "load",
+    "so",
+    "routers",
+    "choose",
+    "well",
+    "under",
+    "pressure",
+    "with",
+    "low",
+    "latency",
+    "and",
+    "high",
+    "throughput",
+    "engines",
+    "batch",
+    "sequences",
+    "prefill",
+    "decode",
+    "cache",
+    "memory",
+    "model",
+    "serving",
+    "gateway",
+)
 
 
 def count_tokens(text: str) -> int:
@@ -41,8 +89,9 @@ def token_text(start: int, i: int) -> str:
     return word if i == 0 else " " + word
 
 
-def expected_text(prompt: str, max_tokens: int, seed: int | None = None,
-                  stop: list[str] | None = None) -> tuple[str, str]:
+def expected_text(
+    prompt: str, max_tokens: int, seed: int | None = None, stop: list[str] | None = None
+) -> tuple[str, str]:
     """(text, finish_reason) the simulator produces for ``prompt`` (as rendered by
     :meth:`GenerationRequest.prompt_text`)."""
     start = _start(prompt, seed)
@@ -65,8 +114,17 @@ def _find_stop(text: str, stops: list[str]) -> int | None:
 
 
 class _Seq:
-    __slots__ = ("buf", "cancelled", "done", "emitted", "max_tokens", "prompt_tokens",
-                 "ready_at", "start", "waiter")
+    __slots__ = (
+        "buf",
+        "cancelled",
+        "done",
+        "emitted",
+        "max_tokens",
+        "prompt_tokens",
+        "ready_at",
+        "start",
+        "waiter",
+    )
 
     def __init__(self, start: int, prompt_tokens: int, max_tokens: int) -> None:
         self.start = start
@@ -233,7 +291,7 @@ class SimStream:
                 if seq.done:
                     self.finished = True
                     if self.sent < len(self.text):
-                        tail, self.sent = self.text[self.sent:], len(self.text)
+                        tail, self.sent = self.text[self.sent :], len(self.text)
                         return Delta(tail, 0, "length", self.ptoks, self.produced)
                     return Delta("", 0, "length", self.ptoks, self.produced)
                 seq.waiter = asyncio.get_running_loop().create_future()
@@ -251,12 +309,12 @@ class SimStream:
                 if hit is not None:
                     self.finished = True
                     self.engine.cancel(seq)
-                    out, self.sent = self.text[self.sent:hit], hit
+                    out, self.sent = self.text[self.sent : hit], hit
                     return Delta(out, len(pieces), "stop", self.ptoks, self.produced)
                 if not seq.done:
                     safe = max(self.sent, len(self.text) - self.hold)
             if safe > self.sent:
-                out, self.sent = self.text[self.sent:safe], safe
+                out, self.sent = self.text[self.sent : safe], safe
                 return Delta(out, len(pieces))
         raise StopAsyncIteration
 
