@@ -23,13 +23,14 @@ $(STAMP): pyproject.toml | $(BIN)/python
 up: $(RUNSTAMP)
 	$(BIN)/tokenbus up
 
-## Create/update .venv with the dev extras and run the whole test suite.
-test: $(STAMP)
+## Create/update .venv with the dev extras and run the whole suite: lint, types, tests.
+test: lint
 	$(BIN)/python -m pytest -q
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
-	$(BIN)/mypy bus_schemas services router engine_worker telemetry tokenbus
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
 
 ## The foundation benchmark: through tokenbus vs straight to the same sim engine.
 bench: $(RUNSTAMP)

@@ -13,7 +13,8 @@ _packer_opts: dict[str, Any] = {"use_bin_type": True}
 
 def encode(obj: Any) -> bytes:
     """Encode plain data (dicts, lists, str, int, float, bytes, None) as msgpack."""
-    return msgpack.packb(obj, **_packer_opts)
+    data: bytes = msgpack.packb(obj, **_packer_opts)
+    return data
 
 
 def decode(data: bytes) -> Any:

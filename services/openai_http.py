@@ -104,7 +104,7 @@ async def send_error(send: Send, err: E.TokenbusError, request_id: str | None = 
 def header(scope: Scope, name: bytes) -> str | None:
     for k, v in scope.get("headers") or ():
         if k == name:
-            return v.decode("latin-1")
+            return bytes(v).decode("latin-1")
     return None
 
 

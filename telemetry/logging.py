@@ -36,4 +36,5 @@ def setup(level: str = "info", *, json: bool = True) -> None:
 
 
 def get(name: str) -> structlog.typing.FilteringBoundLogger:
-    return structlog.get_logger(service=name)
+    log: structlog.typing.FilteringBoundLogger = structlog.get_logger(service=name)
+    return log

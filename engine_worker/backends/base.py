@@ -56,6 +56,16 @@ class Delta:
     completion_tokens: int = 0
 
 
+class DeltaStream(Protocol):
+    """What ``generate`` returns: an async iterator of deltas that aborts when closed."""
+
+    def __aiter__(self) -> AsyncIterator[Delta]: ...
+
+    async def __anext__(self) -> Delta: ...
+
+    async def aclose(self) -> None: ...
+
+
 class Backend(Protocol):
     """An engine. ``generate`` aborts the request when its consumer closes it."""
 
@@ -69,4 +79,6 @@ class Backend(Protocol):
         """Load for heartbeats: running, waiting, kv_usage."""
         ...
 
-    def generate(self, req: GenerationRequest) -> AsyncIterator[Delta]: ...
+    def generate(self, req: GenerationRequest) -> DeltaStream:
+        """Start generating now; the stream aborts the request when closed early."""
+        ...

@@ -216,7 +216,7 @@ class VLLMBackend:
             return None
         sink = self.observe_scheduler_stats
 
-        class _SchedulerStatsSink(StatLoggerBase):  # type: ignore[misc, valid-type]
+        class _SchedulerStatsSink(StatLoggerBase):  # type: ignore[misc]
             def __init__(
                 self, vllm_config: Any = None, engine_index: int = 0, *a: Any, **kw: Any
             ) -> None:
