@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from services.config import DEFAULT_MODEL, Settings
+from services.config import DEFAULT_MODEL, BridgeSettings, Settings
 
 
 @dataclass
@@ -304,7 +304,13 @@ def _free_port() -> int:
 
 
 async def spawn_stack(a: argparse.Namespace, sup: Any) -> tuple[list[Target], Any]:
-    from services.launcher import Child, cli_argv, nats_server_binary, port_open
+    from services.launcher import (
+        Child,
+        bridge_children,
+        cli_argv,
+        nats_server_binary,
+        port_open,
+    )
 
     nats_port, bridge_port, direct_port = _free_port(), _free_port(), _free_port()
     tmp = tempfile.mkdtemp(prefix="tokenbus-bench-")
@@ -341,15 +347,9 @@ async def spawn_stack(a: argparse.Namespace, sup: Any) -> tuple[list[Target], An
     await sup.add(Child("ingress", cli_argv("serve", "ingress"), env))
     await sup.add(Child("router", cli_argv("serve", "router"), env))
     await sup.add(Child("worker", cli_argv("serve", "worker", "--replica", "bench-0", *sim), env))
-    reuse = ["--reuse-port"] if a.bridge_processes > 1 else []
-    for i in range(a.bridge_processes):
-        await sup.add(
-            Child(
-                f"bridge-{i}",
-                cli_argv("serve", "bridge", "--port", str(bridge_port), "--processes", "1", *reuse),
-                env,
-            )
-        )
+    bridges = BridgeSettings(port=bridge_port, processes=a.bridge_processes)
+    for child in bridge_children(bridges, env):
+        await sup.add(child)
     await sup.add(
         Child("direct", cli_argv("serve", "openai-http", "--port", str(direct_port), *sim), env)
     )

@@ -161,39 +161,14 @@ async def _serve(a: argparse.Namespace, s: cfgmod.Settings) -> int:
 
 
 async def _serve_bridge_processes(a: argparse.Namespace, s: cfgmod.Settings) -> int:
-    import signal
     from pathlib import Path
 
-    from services.launcher import Child, Supervisor, cli_argv
+    from services.launcher import Supervisor, bridge_children, supervise_until_signalled
 
     sup = Supervisor(Path(s.up.data_dir) / "logs", echo=True)
-    env = {"TOKENBUS_NATS_URL": s.url()}
-    for i in range(s.bridge.processes):
-        await sup.add(
-            Child(
-                f"bridge-{i}",
-                cli_argv(
-                    "serve",
-                    "bridge",
-                    "--processes",
-                    "1",
-                    "--reuse-port",
-                    "--host",
-                    s.bridge.host,
-                    "--port",
-                    str(s.bridge.port),
-                ),
-                env,
-            )
-        )
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    watcher = loop.create_task(sup.watch())
-    await stop.wait()
-    watcher.cancel()
-    await sup.stop(s.drain_timeout_s)
+    for child in bridge_children(s.bridge, {"TOKENBUS_NATS_URL": s.url()}):
+        await sup.add(child)
+    await supervise_until_signalled(sup, s.drain_timeout_s)
     return 0
 
 

@@ -15,6 +15,7 @@ from engine_worker.backends.base import Backend, Delta, GenerationRequest
 from services import validation
 from services.config import Settings
 from services.openai_http import OpenAIApp, serve
+from services.runtime import stop_event
 from telemetry import logging as tlog
 
 
@@ -91,9 +92,6 @@ class DirectSource:
 
 async def run_direct(settings: Settings, host: str, port: int) -> None:
     """Serve the configured worker backend over HTTP until cancelled or signalled."""
-    import asyncio
-    import signal
-
     log = tlog.get("openai-http")
     backend = backends.create(settings.worker)
     await backend.start()
@@ -104,10 +102,7 @@ async def run_direct(settings: Settings, host: str, port: int) -> None:
     )
     http = await serve(api, host, port, reuse_port=False, shutdown_timeout=5)
     log.info("openai_http_listening", url=f"http://{host}:{port}/v1", model=settings.worker.model)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    stop = stop_event()
     try:
         await stop.wait()
     finally:

@@ -14,7 +14,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from services.config import Settings
+from services.config import BridgeSettings, Settings
+from services.runtime import stop_event
 
 
 def nats_server_binary() -> str:
@@ -124,6 +125,24 @@ def cli_argv(*args: str) -> list[str]:
     return [sys.executable, "-m", "services.cli", *args]
 
 
+def bridge_children(b: BridgeSettings, env: dict[str, str]) -> list[Child]:
+    """``b.processes`` bridge processes, sharing the port with SO_REUSEPORT when several."""
+    reuse = ["--reuse-port"] if b.processes > 1 else []
+    args = ["--processes", "1", "--host", b.host, "--port", str(b.port), *reuse]
+    return [
+        Child(f"bridge-{i}", cli_argv("serve", "bridge", *args), env) for i in range(b.processes)
+    ]
+
+
+async def supervise_until_signalled(sup: Supervisor, timeout: float) -> None:
+    """Restart crashed children until SIGTERM/SIGINT, then stop them all."""
+    stop = stop_event()
+    watcher = asyncio.get_running_loop().create_task(sup.watch())
+    await stop.wait()
+    watcher.cancel()
+    await sup.stop(timeout)
+
+
 async def wait_ready(url: str, timeout: float) -> bool:
     import aiohttp
 
@@ -196,30 +215,10 @@ async def up(settings: Settings, *, config_file: str | None = None) -> int:
                 env,
             )
         )
-    reuse = ["--reuse-port"] if b.processes > 1 else []
-    for i in range(b.processes):
-        await sup.add(
-            Child(
-                f"bridge-{i}",
-                cli_argv(
-                    "serve",
-                    "bridge",
-                    "--processes",
-                    "1",
-                    "--host",
-                    b.host,
-                    "--port",
-                    str(b.port),
-                    *reuse,
-                ),
-                env,
-            )
-        )
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    watcher = loop.create_task(sup.watch())
+    for child in bridge_children(b, env):
+        await sup.add(child)
+    stop = stop_event()
+    watcher = asyncio.get_running_loop().create_task(sup.watch())
     host = "127.0.0.1" if b.host in ("0.0.0.0", "::") else b.host
     base = f"http://{host}:{b.port}"
     ready = await wait_ready(f"{base}/ready", 30)

@@ -258,12 +258,18 @@ class Service:
             await self.nc.publish(reply, frames.error(err))
 
 
-async def serve_until_signalled(service: Service) -> None:
-    """Run ``service`` until SIGTERM/SIGINT, then drain it."""
+def stop_event() -> asyncio.Event:
+    """An event set by SIGTERM or SIGINT (Ctrl-C)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    return stop
+
+
+async def serve_until_signalled(service: Service) -> None:
+    """Run ``service`` until SIGTERM/SIGINT, then drain it."""
+    stop = stop_event()
     async with service:
         await stop.wait()
         service.log.info("signal_received")
