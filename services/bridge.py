@@ -130,10 +130,11 @@ class Bridge(Service):
         )
         self.log.info("bridge_listening", url=f"http://{cfg.host}:{cfg.port}/v1")
 
-    @staticmethod
-    def _observe(rec: dict[str, Any]) -> None:
+    def _observe(self, rec: dict[str, Any]) -> None:
+        """Metrics and the bridge's canonical log line for one HTTP request."""
         REQUESTS.labels(rec["kind"], str(rec["status"])).inc()
         DURATION.labels(rec["kind"]).observe(rec["duration_ms"] / 1000.0)
+        self.log.info("request", **{**rec, "duration_ms": round(rec["duration_ms"], 3)})
 
     async def metrics(self, scope: Scope, receive: Receive, send: Send) -> None:
         body = generate_latest()

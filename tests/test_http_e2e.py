@@ -304,6 +304,16 @@ def test_logs_have_one_canonical_line_per_request_and_no_tracebacks(http_stack: 
         {"request_id", "outcome", "duration_ms", "replica", "model"} <= set(r) for r in reqs
     )
     assert len({r["request_id"] for r in reqs}) == len(reqs)
+    bridge = [
+        json.loads(ln)
+        for p in http_stack.procs.procs
+        if p.name == "bridge"
+        for ln in p.output().splitlines()
+        if ln.startswith("{")
+    ]
+    http_reqs = [ln for ln in bridge if ln.get("event") == "request"]
+    assert {r["status"] for r in http_reqs} >= {200, 400, 404, 413}
+    assert all({"request_id", "kind", "outcome", "duration_ms"} <= set(r) for r in http_reqs)
 
 
 def test_log_files_exist(http_stack: HttpStack) -> None:
