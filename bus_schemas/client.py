@@ -30,6 +30,9 @@ from bus_schemas import errors as E
 from bus_schemas import headers as H
 
 DEFAULT_TIMEOUT_S = 600.0
+# A stream's replica is presumed dead after this many missed heartbeats.
+MISSED_BEATS = 3
+WATCHDOG_INTERVAL_S = 0.5
 _TOMBSTONE_TTL_S = 120.0
 _TOMBSTONES_MAX = 10_000
 
@@ -110,6 +113,8 @@ class Stream:
         self._started = False
         self._done = False
         self.replica: str | None = None
+        self._accepted_at = 0.0
+        self._heartbeat_s = 1.0
         self.finish_reason: str | None = None
         self.usage: Usage | None = None
         self.timings: dict[str, int] = {}
@@ -151,6 +156,7 @@ class Stream:
         if self._sender is not None:
             try:
                 self.replica = await self._sender(codec.encode(self._body), hdrs, reply)
+                self._accepted_at = time.monotonic()
             except BaseException:
                 self._finish()
                 raise
@@ -214,6 +220,8 @@ class Stream:
                 return Chunk(frame["d"], int(frame.get("n", 1)), int(frame.get("i", 0)))
             if t == frames.ACCEPT:
                 self.replica = frame.get("replica")
+                self._accepted_at = time.monotonic()
+                self._heartbeat_s = float(frame.get("heartbeat_s") or 1.0)
                 continue
             if t == frames.FINAL:
                 self.finish_reason = frame.get("finish_reason")
@@ -283,6 +291,10 @@ class Client:
         self._streams: dict[str, Stream] = {}
         self._tombstones: OrderedDict[str, tuple[float, str]] = OrderedDict()
         self._sub: Any = None
+        self._hb_sub: Any = None
+        self._watchdog: asyncio.Task[None] | None = None
+        # replica -> (monotonic time of its last heartbeat, its heartbeat interval)
+        self._beats: dict[str, tuple[float, float]] = {}
 
     @classmethod
     async def connect(cls, url: str = "nats://127.0.0.1:4222", **options: Any) -> Client:
@@ -295,7 +307,7 @@ class Client:
         return client
 
     async def start(self) -> None:
-        """Subscribe the inbox; call once (``connect`` does it)."""
+        """Subscribe the inbox and the heartbeats; call once (``connect`` does it)."""
         if self._sub is None:
             self._sub = await self.nc.subscribe(
                 f"{self._prefix}.*",
@@ -303,15 +315,54 @@ class Client:
                 pending_msgs_limit=1_000_000,
                 pending_bytes_limit=512 * 1024 * 1024,
             )
+            self._hb_sub = await self.nc.subscribe(
+                subjects.heartbeat_wildcard(), cb=self._on_heartbeat
+            )
+            self._watchdog = asyncio.get_running_loop().create_task(self._watch_replicas())
+
+    async def _on_heartbeat(self, msg: Msg) -> None:
+        try:
+            hb = codec.decode_map(msg.data)
+            self._beats[str(hb["replica"])] = (time.monotonic(), float(hb["interval_s"]))
+        except (E.TokenbusError, KeyError, TypeError, ValueError):
+            return
+
+    async def _watch_replicas(self) -> None:
+        """Fail streams whose replica stopped beating (killed, partitioned) instead of letting
+        them wait for the request deadline: a retryable error within a few heartbeats."""
+        while True:
+            await asyncio.sleep(WATCHDOG_INTERVAL_S)
+            now = time.monotonic()
+            for s in list(self._streams.values()):
+                if s.replica is None or s._accepted_at == 0.0:
+                    continue
+                # Not heard from it yet: count from the accept, at the interval it announced.
+                last, interval = self._beats.get(s.replica, (s._accepted_at, s._heartbeat_s))
+                if now - last > interval * MISSED_BEATS:
+                    s._push(
+                        None,
+                        frames.error(
+                            E.ReplicaLost(
+                                f"replica {s.replica} stopped answering mid-stream; retry"
+                            )
+                        ),
+                    )
+            for rid, (last, interval) in list(self._beats.items()):
+                if now - last > max(60.0, interval * MISSED_BEATS * 10):
+                    del self._beats[rid]
 
     async def close(self) -> None:
         """Cancel open streams, unsubscribe, and close the connection if this client owns it."""
         for s in list(self._streams.values()):
             await s.aclose()
-        if self._sub is not None:
-            with contextlib.suppress(Exception):
-                await self._sub.unsubscribe()
-            self._sub = None
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            self._watchdog = None
+        for sub in (self._sub, self._hb_sub):
+            if sub is not None:
+                with contextlib.suppress(Exception):
+                    await sub.unsubscribe()
+        self._sub = self._hb_sub = None
         if self._own:
             await self.nc.drain()
 

@@ -17,8 +17,10 @@ ERROR = "e"
 BATCH = "b"
 
 
-def accept(replica: str, request_id: str) -> bytes:
-    return codec.encode({"t": ACCEPT, "replica": replica, "request_id": request_id})
+def accept(replica: str, request_id: str, heartbeat_s: float) -> bytes:
+    return codec.encode(
+        {"t": ACCEPT, "replica": replica, "request_id": request_id, "heartbeat_s": heartbeat_s}
+    )
 
 
 def chunk(text: str, ntokens: int, index: int) -> bytes:

@@ -202,6 +202,11 @@ class AcceptFrame(_Wire):
     t: Literal["a"] = Field(default="a", description="Frame type tag: accept.")
     replica: str = Field(description="Replica id.")
     request_id: str
+    heartbeat_s: float = Field(
+        default=1.0,
+        description="The replica's heartbeat interval: a caller that hears no heartbeat for "
+        "a few intervals may give the stream up as lost.",
+    )
 
 
 class ChunkFrame(_Wire):

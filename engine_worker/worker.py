@@ -159,7 +159,7 @@ class Worker(Service):
         send = self.outbox.send
         try:
             await self._ack(msg, None)
-            send(reply, frames.accept(self.replica, rid))
+            send(reply, frames.accept(self.replica, rid, self.cfg.heartbeat_interval_s))
             deadline = marks.deadline_ms(hdrs)
             timeout = None if deadline is None else max(0.0, deadline / 1000.0 - time.time())
             index = 0

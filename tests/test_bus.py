@@ -116,6 +116,8 @@ async def test_no_replica_is_503_and_unknown_model_404(
         with pytest.raises(E.NoReplica) as ei:
             await c.chat_completion(model, MSG)
         assert ei.value.retryable and ei.value.status == 503
+        for task in list(w._active.values()):
+            task.cancel()  # the "dead" replica's generation, so teardown does not wait on it
         with pytest.raises(E.ModelNotFound):
             await c.chat_completion("never-served", MSG)
 
@@ -252,3 +254,24 @@ async def test_services_answer_nats_micro_discovery(nats_server: NatsServer, mod
         assert got and all(g["type"] == "io.nats.micro.v1.stats_response" for g in got)
         assert all("num_requests" in e for g in got for e in g["endpoints"])
         await nc.drain()
+
+
+async def test_replica_dying_mid_stream_ends_in_a_retryable_error(
+    nats_server: NatsServer, model: str
+) -> None:
+    async with (
+        stack(nats_server.url, model, workers=1) as svcs,
+        await Client.connect(nats_server.url) as c,
+    ):
+        w = svcs["workers"][0]
+        stream = c.chat(model, MSG, max_tokens=100_000)
+        await stream.__anext__()
+        # What a kill -9 looks like from the bus: no more frames, no more heartbeats.
+        w._hb_task.cancel()
+        w.outbox.send = lambda reply, frame: None  # type: ignore[method-assign]
+        with pytest.raises(E.ReplicaLost) as ei:
+            async for _ in stream:
+                pass
+        assert ei.value.retryable and ei.value.status == 503
+        for task in list(w._active.values()):
+            task.cancel()  # the "dead" replica's generation, so teardown does not wait on it

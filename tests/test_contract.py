@@ -92,7 +92,8 @@ def test_unknown_error_codes_keep_the_senders_status() -> None:
 
 
 def test_stream_frames() -> None:
-    assert frames.decode(frames.accept("r1", "q"))["replica"] == "r1"
+    a = frames.decode(frames.accept("r1", "q", 0.5))
+    assert (a["replica"], a["request_id"], a["heartbeat_s"]) == ("r1", "q", 0.5)
     c = frames.decode(frames.chunk("hi", 2, 7))
     assert (c["t"], c["d"], c["n"], c["i"]) == ("c", "hi", 2, 7)
     f = frames.decode(frames.final("length", 3, 4, {"t0": 1}))
