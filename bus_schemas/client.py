@@ -115,6 +115,7 @@ class Stream:
         self.replica: str | None = None
         self._accepted_at = 0.0
         self._heartbeat_s = 1.0
+        self._lost = False
         self.finish_reason: str | None = None
         self.usage: Usage | None = None
         self.timings: dict[str, int] = {}
@@ -153,21 +154,26 @@ class Stream:
         self.t_sent_ns = time.time_ns()
         hdrs[H.T0] = str(self.t_sent_ns)
         reply = self._client.inbox_for(self.token)
+        data = codec.encode(self._body)
+        # NATS refuses (and drops the connection of) a message over its max_payload.
+        room = self._client.nc.max_payload - sum(len(k) + len(v) + 4 for k, v in hdrs.items())
+        if len(data) > room - 1024:
+            self._finish()
+            raise E.PayloadTooLarge(
+                f"the request is {len(data)} bytes on the bus; this bus takes at most {room - 1024}"
+            )
         if self._sender is not None:
             try:
-                self.replica = await self._sender(codec.encode(self._body), hdrs, reply)
+                self.replica = await self._sender(data, hdrs, reply)
                 self._accepted_at = time.monotonic()
             except BaseException:
+                # Possibly accepted by a replica after all: its accept frame gets a cancel.
+                self._client._tombstone(self.token, self.request_id)
                 self._finish()
                 raise
             return
         try:
-            await self._client.nc.publish(
-                self._subject,
-                codec.encode(self._body),
-                reply=reply,
-                headers=hdrs,
-            )
+            await self._client.nc.publish(self._subject, data, reply=reply, headers=hdrs)
         except Exception as exc:
             self._finish()
             raise E.ServiceUnavailable(f"could not publish the request to NATS: {exc}") from None
@@ -219,7 +225,12 @@ class Stream:
                     self.t_first_ns = time.time_ns()
                 return Chunk(frame["d"], int(frame.get("n", 1)), int(frame.get("i", 0)))
             if t == frames.ACCEPT:
-                self.replica = frame.get("replica")
+                other = frame.get("replica")
+                if self.replica and other != self.replica and self._accepted_at:
+                    # A replica that was given up on (ack timeout) started anyway: stop it.
+                    await self._client._send_cancel(str(other), self.token, self.request_id)
+                    continue
+                self.replica = other
                 self._accepted_at = time.monotonic()
                 self._heartbeat_s = float(frame.get("heartbeat_s") or 1.0)
                 continue
@@ -258,7 +269,7 @@ class Stream:
             return
         self._finish()
         if self.replica:
-            await self._client._send_cancel(self.replica, self.request_id)
+            await self._client._send_cancel(self.replica, self.token, self.request_id)
         else:
             self._client._tombstone(self.token, self.request_id)
 
@@ -338,15 +349,11 @@ class Client:
                     continue
                 # Not heard from it yet: count from the accept, at the interval it announced.
                 last, interval = self._beats.get(s.replica, (s._accepted_at, s._heartbeat_s))
-                if now - last > interval * MISSED_BEATS:
-                    s._push(
-                        None,
-                        frames.error(
-                            E.ReplicaLost(
-                                f"replica {s.replica} stopped answering mid-stream; retry"
-                            )
-                        ),
-                    )
+                if now - last > interval * MISSED_BEATS and not s._lost:
+                    s._lost = True
+                    lost = E.ReplicaLost(f"replica {s.replica} stopped answering mid-stream; retry")
+                    s._push(None, frames.error(lost))
+                    await self._send_cancel(s.replica, s.token, s.request_id)
             for rid, (last, interval) in list(self._beats.items()):
                 if now - last > max(60.0, interval * MISSED_BEATS * 10):
                     del self._beats[rid]
@@ -393,12 +400,10 @@ class Client:
         ):
             self._tombstones.popitem(last=False)
 
-    async def _send_cancel(self, replica: str, request_id: str) -> None:
+    async def _send_cancel(self, replica: str, token: str, request_id: str) -> None:
+        body = {"type": "cancel", "request_id": request_id, "reply": self.inbox_for(token)}
         with contextlib.suppress(Exception):
-            await self.nc.publish(
-                subjects.worker_cancel(replica),
-                codec.encode({"type": "cancel", "request_id": request_id}),
-            )
+            await self.nc.publish(subjects.worker_cancel(replica), codec.encode(body))
 
     async def _on_frame(self, msg: Msg) -> None:
         tok = msg.subject.rpartition(".")[2]
@@ -425,7 +430,7 @@ class Client:
                 return
             if frame.get("t") == frames.ACCEPT and frame.get("replica"):
                 del self._tombstones[tok]
-                await self._send_cancel(str(frame["replica"]), tomb[1])
+                await self._send_cancel(str(frame["replica"]), tok, tomb[1])
 
     # -- public API -------------------------------------------------------------------------
     def submit(

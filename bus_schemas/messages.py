@@ -193,6 +193,7 @@ class Heartbeat(_Wire):
     draining: bool = Field(default=False, description="Takes no new requests.")
     interval_s: float = Field(description="Seconds until the next heartbeat.")
     seq: int = Field(description="Increments with every heartbeat.")
+    boot: str = Field(default="", description="Changes when the replica process restarts.")
     ts_ms: int = Field(description="Send time, epoch ms.")
 
 
@@ -264,7 +265,8 @@ class CancelRequest(_Wire):
     """Abort a request on the replica serving it."""
 
     type: Literal["cancel"] = "cancel"
-    request_id: str
+    request_id: str = Field(description="The request, for logs.")
+    reply: str = Field(description="The caller's inbox of the stream: what names it.")
 
 
 EXPORTED: dict[str, type[BaseModel]] = {

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import time
 import uuid
+from collections import OrderedDict
 from typing import Any
 
 from nats.aio.msg import Msg
@@ -22,6 +23,9 @@ from engine_worker import backends
 from engine_worker.backends.base import Backend, GenerationRequest
 from engine_worker.outbox import Outbox
 from services.runtime import Service, reply_subject
+
+# How long a cancel that arrived before its request is remembered.
+EARLY_CANCEL_TTL_S = 30.0
 
 
 class Worker(Service):
@@ -40,6 +44,8 @@ class Worker(Service):
         self.draining = False
         self._active: dict[str, asyncio.Task[Any]] = {}
         self._caller_cancelled: set[str] = set()
+        self._early_cancels: OrderedDict[str, float] = OrderedDict()
+        self.boot = uuid.uuid4().hex[:12]
         self._seq = 0
         self.log = self.log.bind(replica=self.replica, model=self.model)
         self.discovery.metadata.update(replica=self.replica, model=self.model)
@@ -75,6 +81,7 @@ class Worker(Service):
             "draining": self.draining,
             "interval_s": self.cfg.heartbeat_interval_s,
             "seq": self._seq,
+            "boot": self.boot,
             "ts_ms": marks.now_ms(),
         }
 
@@ -113,14 +120,24 @@ class Worker(Service):
 
     # -- requests ---------------------------------------------------------------------------
     async def _on_cancel(self, msg: Msg) -> None:
+        # A cancel names the stream by the caller's inbox: unique per stream and known only
+        # to the caller (and the stages that carried it), unlike a request id.
         try:
-            rid = str(codec.decode_map(msg.data).get("request_id", ""))
+            key = str(codec.decode_map(msg.data).get("reply", ""))
         except E.TokenbusError:
             return
-        task = self._active.get(rid)
+        if not key:
+            return
+        task = self._active.get(key)
         if task is not None and not task.done():
-            self._caller_cancelled.add(rid)
+            self._caller_cancelled.add(key)
             task.cancel()
+        elif task is None:
+            # The generate message may still be queued behind this cancel: refuse it later.
+            now = time.monotonic()
+            self._early_cancels[key] = now + EARLY_CANCEL_TTL_S
+            while self._early_cancels and next(iter(self._early_cancels.values())) < now:
+                self._early_cancels.popitem(last=False)
 
     async def handle(self, msg: Msg) -> None:
         reply = reply_subject(msg)
@@ -147,7 +164,9 @@ class Worker(Service):
         if not reply:
             await self._ack(msg, E.InvalidRequest("the request carries no reply subject"))
             return
-        self._active[rid] = task
+        if self._early_cancels.pop(reply, None) is not None:
+            await self._ack(msg, E.Cancelled("the caller cancelled this request"))
+            return
         t_start = marks.now_ns()
         hdrs = msg.headers or {}
         outcome = "ok"
@@ -155,7 +174,16 @@ class Worker(Service):
         completion = 0
         # The engine starts first (its clock is the user's TTFT); the ack and the accept
         # frame go out while it prefills.
-        stream = self.backend.generate(req)
+        try:
+            stream = self.backend.generate(req)
+        except E.TokenbusError as exc:
+            await self._ack(msg, exc)
+            return
+        except Exception as exc:
+            self.log.exception("generate_failed", request_id=rid)
+            await self._ack(msg, E.EngineError(f"the engine failed: {type(exc).__name__}"))
+            return
+        self._active[reply] = task
         send = self.outbox.send
         try:
             await self._ack(msg, None)
@@ -189,7 +217,7 @@ class Worker(Service):
             outcome = "timeout"
             send(reply, frames.error(E.Timeout("the request's deadline passed")))
         except asyncio.CancelledError:
-            if rid in self._caller_cancelled:
+            if reply in self._caller_cancelled:
                 outcome = "cancelled"
                 t = asyncio.current_task()
                 if t is not None:
@@ -205,8 +233,8 @@ class Worker(Service):
             self.log.exception("generation_failed", request_id=rid)
             send(reply, frames.error(E.EngineError(f"the engine failed: {type(exc).__name__}")))
         finally:
-            self._active.pop(rid, None)
-            self._caller_cancelled.discard(rid)
+            self._active.pop(reply, None)
+            self._caller_cancelled.discard(reply)
             end = marks.now_ns()
             self.log.info(
                 "request",

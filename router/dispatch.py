@@ -63,7 +63,9 @@ class Dispatcher:
                 # Slow or stuck: make sure it does not also generate, then try another.
                 await self.nc.publish(
                     subjects.worker_cancel(r.replica),
-                    codec.encode({"type": "cancel", "request_id": hdrs.get(H.REQUEST_ID, "")}),
+                    codec.encode(
+                        {"type": "cancel", "request_id": hdrs.get(H.REQUEST_ID, ""), "reply": reply}
+                    ),
                 )
                 last_err = E.Timeout(f"replica {r.replica} did not acknowledge in time")
                 continue

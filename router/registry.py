@@ -29,6 +29,7 @@ class Replica:
     interval_s: float = 1.0
     last_seen: float = 0.0
     seq: int = 0
+    boot: str = ""
 
     @property
     def load(self) -> int:
@@ -68,9 +69,11 @@ class Registry:
                 r = Replica(replica=rid, model=model, subject=subjects.engine_generate(model, rid))
                 self._replicas[rid] = r
             seq = int(hb.get("seq", 0))
-            if seq and seq < r.seq:
-                return r  # an older beat overtaken by a newer one
+            boot = str(hb.get("boot", ""))
+            if boot == r.boot and seq and seq < r.seq:
+                return r  # an older beat overtaken by a newer one (same process)
             r.seq = seq
+            r.boot = boot
             r.backend = str(hb.get("backend", ""))
             r.reported_in_flight = int(hb.get("in_flight", 0))
             r.max_concurrency = max(1, int(hb.get("max_concurrency", 1)))

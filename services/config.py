@@ -30,7 +30,11 @@ class BridgeSettings(BaseModel):
     host: str = Field(default="127.0.0.1", description="Address to listen on.")
     port: int = Field(default=8000, description="Port to listen on.")
     processes: int = Field(default=1, ge=1, description="Bridge processes sharing the port.")
-    max_body_bytes: int = Field(default=1 << 20, description="Larger bodies get 413.")
+    max_body_bytes: int = Field(
+        default=1_000_000,
+        description="Larger bodies get 413. Keep it under the NATS server's max_payload "
+        "(1 MiB by default): a larger envelope is refused with 413 as well.",
+    )
     request_timeout_s: float = Field(default=600.0, description="Per-request deadline.")
     fuse_router: bool = Field(
         default=True,

@@ -3,6 +3,7 @@ starts it down the pipeline (a routing slip in the ``Tb-Route`` header)."""
 
 from __future__ import annotations
 
+import re
 import uuid
 
 from nats.aio.msg import Msg
@@ -13,6 +14,17 @@ from bus_schemas import headers as H
 from services import validation
 from services.config import Settings
 from services.runtime import Service
+
+CLIENT_HEADERS = (H.REQUEST_ID, H.DEADLINE, H.T0, H.API_KEY)
+MAX_REQUEST_ID = 128
+_SAFE_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
+
+
+def clean_request_id(value: str | None) -> str:
+    """The caller's request id when it is a short, plain token; a fresh one otherwise."""
+    if value and _SAFE_ID.fullmatch(value):
+        return value
+    return uuid.uuid4().hex
 
 
 class Admission:
@@ -38,7 +50,7 @@ class Admission:
         """The envelope for ``req``; fills ``hdrs`` (request id, model, route, marks)."""
         if validation.prompt_chars(req) > self.max_prompt_chars:
             raise E.PayloadTooLarge(f"the prompt is longer than {self.max_prompt_chars} characters")
-        rid = hdrs.get(H.REQUEST_ID) or uuid.uuid4().hex
+        rid = clean_request_id(hdrs.get(H.REQUEST_ID))
         hdrs[H.REQUEST_ID] = rid
         env = validation.envelope(
             kind,
@@ -61,6 +73,7 @@ class Ingress(Service):
     """Validates requests and forwards them to the first pipeline stage."""
 
     name = subjects.STAGE_INGRESS
+    trust_reply_header = False
 
     async def setup(self) -> None:
         self.admission = Admission(self.settings)
@@ -77,6 +90,8 @@ class Ingress(Service):
         if kind not in subjects.KINDS:
             raise E.NotFound(f"unknown request kind {kind!r}")
         req = validation.parse(kind, codec.decode(msg.data))
-        hdrs = dict(msg.headers or {})
+        # Only what a client may say travels on; stage headers are the stages' own.
+        given = msg.headers or {}
+        hdrs = {h: given[h] for h in CLIENT_HEADERS if h in given}
         env = self.admission.admit(kind, req, hdrs, t1)
         await self.forward(self.admission.first, codec.encode(env), hdrs, msg.reply)

@@ -15,7 +15,6 @@ import contextlib
 import json
 import socket
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from typing import Any, Protocol
 
@@ -25,6 +24,7 @@ from bus_schemas import errors as E
 from bus_schemas.client import Chunk, Usage
 from bus_schemas.subjects import KIND_CHAT, KIND_COMPLETIONS
 from services import validation
+from services.ingress import clean_request_id
 
 
 class StreamLike(Protocol):
@@ -211,7 +211,7 @@ class OpenAIApp:
             raise E.InvalidJSON(f"the request body is not valid JSON: {exc}") from None
 
     async def _generate(self, scope: Scope, receive: Receive, send: Send, kind: str) -> None:
-        rid = header(scope, b"x-request-id") or uuid.uuid4().hex
+        rid = clean_request_id(header(scope, b"x-request-id"))
         t_start = time.perf_counter_ns()
         status = 200
         outcome = "ok"
@@ -240,6 +240,11 @@ class OpenAIApp:
             await send_error(send, exc, rid)
         except asyncio.CancelledError:
             outcome = "client_disconnected"
+        except Exception:
+            status, outcome = 500, "internal_error"
+            if not state.get("started"):
+                state["finished"] = True
+                await send_error(send, E.InternalError("the gateway failed; retry"), rid)
         finally:
             state["finished"] = True
             if watcher is not None:
@@ -349,6 +354,7 @@ class OpenAIApp:
                 f'data: {{"id":"cmpl-{rid}","object":"text_completion",'
                 f'"created":{created},"model":{model},"choices":[],"usage":%s}}\n\n'
             )
+        state["started"] = True
         await send(
             {
                 "type": "http.response.start",

@@ -40,11 +40,12 @@ _BOUNCE_TTL_S = 10.0
 VERSION = "0.1.0"
 
 
-def reply_subject(msg: Msg) -> str | None:
+def reply_subject(msg: Msg, *, trust_header: bool = True) -> str | None:
     """Where a request's frames go: the caller's inbox, carried in a header when the message
-    itself was sent as a request (router -> worker)."""
+    itself was sent as a request (router -> worker). Ingress, which faces clients, does not
+    trust that header."""
     hdrs = msg.headers
-    if hdrs:
+    if hdrs and trust_header:
         r = hdrs.get(H.REPLY_TO)
         if r:
             return r
@@ -85,6 +86,8 @@ class Service:
     description = ""
     # Whether the runtime drops expired messages before the handler sees them.
     check_deadline = True
+    # Whether Tb-Reply-To may name the caller (false where clients publish directly).
+    trust_reply_header = True
 
     def __init__(self, settings: Settings, *, nc: NATS | None = None) -> None:
         self.settings = settings
@@ -157,12 +160,13 @@ class Service:
             )
 
     async def stop_taking_work(self) -> None:
-        """Unsubscribe every endpoint so queue-group peers get new requests."""
-        self._accepting = False
+        """Stop interest in every endpoint so queue-group peers get new requests; messages
+        already delivered to this instance are still handled, never dropped."""
         for sub in self._subs:
             with contextlib.suppress(Exception):
-                await sub.unsubscribe()
+                await asyncio.wait_for(sub.drain(), 5.0)
         self._subs.clear()
+        self._accepting = False
 
     async def drain(self, timeout: float | None = None) -> None:
         """Stop taking work, let in-flight requests finish up to ``timeout``, then drain."""
@@ -208,6 +212,7 @@ class Service:
 
         async def cb(msg: Msg) -> None:
             if not self._accepting:
+                await self.reply_error(msg, self.interrupted_error())
                 return
             task = asyncio.get_running_loop().create_task(self._run(handler, msg, stats))
             self._tasks.add(task)
@@ -251,7 +256,7 @@ class Service:
 
     async def reply_error(self, msg: Msg, err: E.TokenbusError) -> None:
         """Send an error frame to the caller; never raises."""
-        reply = reply_subject(msg)
+        reply = reply_subject(msg, trust_header=self.trust_reply_header)
         if not reply:
             return
         with contextlib.suppress(Exception):

@@ -275,3 +275,72 @@ async def test_replica_dying_mid_stream_ends_in_a_retryable_error(
         assert ei.value.retryable and ei.value.status == 503
         for task in list(w._active.values()):
             task.cancel()  # the "dead" replica's generation, so teardown does not wait on it
+
+
+async def test_draining_ingress_answers_what_it_already_received(
+    nats_server: NatsServer, model: str
+) -> None:
+    async with (
+        stack(nats_server.url, model, workers=1) as svcs,
+        await Client.connect(nats_server.url) as c,
+    ):
+        streams = [c.chat(model, MSG, max_tokens=3) for _ in range(40)]
+        for s in streams:
+            await s.start()
+        await svcs["ingress"].drain(timeout=10)
+        outs = [await s.collect() for s in streams]
+    assert all(o.usage.completion_tokens == 3 for o in outs)
+
+
+async def test_same_request_id_twice_does_not_cross_streams(
+    nats_server: NatsServer, model: str
+) -> None:
+    async with (
+        stack(nats_server.url, model, workers=1) as svcs,
+        await Client.connect(nats_server.url) as c,
+    ):
+        a = c.chat(model, MSG, max_tokens=40, request_id="same-id")
+        b = c.chat(model, MSG, max_tokens=40, request_id="same-id")
+        await a.__anext__()
+        await b.__anext__()
+        await a.aclose()
+        rest = [ch async for ch in b]
+        assert b.finish_reason == "length" and rest
+        await wait_for(lambda: svcs["workers"][0].in_flight == 0)
+
+
+async def test_a_request_too_large_for_the_bus_is_413_and_the_client_survives(
+    nats_server: NatsServer, model: str
+) -> None:
+    async with stack(nats_server.url, model, workers=1), await Client.connect(nats_server.url) as c:
+        huge = [{"role": "user", "content": "x" * (c.nc.max_payload + 10)}]
+        with pytest.raises(E.PayloadTooLarge):
+            await c.chat_completion(model, huge)
+        ok = await c.chat_completion(model, MSG, max_tokens=2)
+        assert ok.usage.completion_tokens == 2
+
+
+async def test_ingress_ignores_stage_headers_from_clients(
+    nats_server: NatsServer, model: str
+) -> None:
+    async with stack(nats_server.url, model, workers=1):
+        nc = await nats.connect(nats_server.url)
+        try:
+            spy = nc.new_inbox()
+            got: list[Any] = []
+
+            async def cb(msg: Any) -> None:
+                got.append(msg)
+
+            await nc.subscribe(spy, cb=cb)
+            reply = await nc.request(
+                subjects.request("chat"),
+                codec.encode({"model": "", "messages": MSG}),
+                headers={"Tb-Reply-To": spy, "Tb-Principal": "admin"},
+                timeout=5,
+            )
+            assert codec.decode_map(reply.data)["error"]["code"] == "invalid_request"
+            await asyncio.sleep(0.2)
+            assert got == []  # errors go to the real reply subject, nowhere else
+        finally:
+            await nc.drain()

@@ -318,3 +318,18 @@ def test_logs_have_one_canonical_line_per_request_and_no_tracebacks(http_stack: 
 
 def test_log_files_exist(http_stack: HttpStack) -> None:
     assert all(Path(p.log).exists() for p in http_stack.procs.procs)
+
+
+async def test_request_ids_from_clients_are_kept_only_when_plain(http_stack: HttpStack) -> None:
+    body = {"model": http_stack.model, "messages": MSG, "max_tokens": 2}
+    async with httpx.AsyncClient(base_url=http_stack.base) as h:
+        ok = await h.post("/v1/chat/completions", json=body, headers={"x-request-id": "abc-1.2"})
+        assert ok.headers["x-request-id"] == "abc-1.2"
+        odd = await h.post(
+            "/v1/chat/completions",
+            json=body,
+            headers={"x-request-id": "no spaces allowed " + "x" * 200},
+        )
+        assert odd.status_code == 200
+        assert odd.headers["x-request-id"] != "no spaces allowed " + "x" * 200
+        assert len(odd.headers["x-request-id"]) == 32

@@ -1,0 +1,55 @@
+"""The replica registry and the least-outstanding policy (no bus needed)."""
+
+from __future__ import annotations
+
+from router.policies import least_outstanding
+from router.registry import Registry
+
+
+def hb(replica: str, **kw: object) -> dict[str, object]:
+    return {
+        "replica": replica,
+        "model": "m",
+        "in_flight": 0,
+        "max_concurrency": 10,
+        "interval_s": 1.0,
+        "seq": 1,
+        "boot": "a",
+        **kw,
+    }
+
+
+def test_older_beats_are_ignored_but_a_restart_is_not() -> None:
+    reg = Registry()
+    reg.update(hb("r", seq=5, in_flight=3))
+    reg.update(hb("r", seq=4, in_flight=9))
+    assert reg.get("r") is not None and reg.get("r").reported_in_flight == 3  # type: ignore[union-attr]
+    reg.update(hb("r", seq=1, boot="b", in_flight=0, draining=False))
+    assert reg.get("r").reported_in_flight == 0  # type: ignore[union-attr]
+
+
+def test_draining_and_expired_replicas_are_not_live() -> None:
+    reg = Registry(missed_heartbeats=3)
+    reg.update(hb("a"))
+    reg.update(hb("b", draining=True))
+    assert [r.replica for r in reg.live("m")] == ["a"]
+    reg.get("a").last_seen -= 10  # type: ignore[union-attr]
+    assert reg.live("m") == []
+    reg.prune()
+    assert reg.get("a") is None
+    assert reg.ever_seen("m") and not reg.ever_seen("x")
+
+
+def test_malformed_heartbeats_are_refused() -> None:
+    reg = Registry()
+    assert reg.update({"model": "m"}) is None
+    assert reg.update(hb("r", in_flight="lots")) is None
+
+
+def test_least_outstanding_counts_unacked_dispatches_and_capacity() -> None:
+    reg = Registry()
+    reg.update(hb("a", in_flight=2, max_concurrency=10))
+    reg.update(hb("b", in_flight=2, max_concurrency=40))
+    assert least_outstanding(reg.live("m")).replica == "b"
+    reg.get("b").unacked = 20  # type: ignore[union-attr]
+    assert least_outstanding(reg.live("m")).replica == "a"
