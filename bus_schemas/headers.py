@@ -19,3 +19,7 @@ PRINCIPAL = "Tb-Principal"
 ATTEMPT = "Tb-Attempt"
 # NATS' own status header (503 = no responders).
 NATS_STATUS = "Status"
+# Limits of the principal as ``rpm,tpm,concurrent`` (empty field = unlimited), set by auth.
+LIMITS = "Tb-Limits"
+# Name of the content filter policy of the principal, set by auth.
+FILTER_POLICY = "Tb-Filter-Policy"

@@ -11,7 +11,7 @@ from typing import Any
 from services import config as cfgmod
 from telemetry import logging as tlog
 
-SERVICES = ("bridge", "ingress", "router", "worker", "openai-http")
+SERVICES = ("bridge", "ingress", "auth", "router", "worker", "openai-http")
 
 
 def _worker_flags(p: argparse.ArgumentParser) -> None:
@@ -112,6 +112,10 @@ def build_parser() -> argparse.ArgumentParser:
     from services import bench
 
     bench.add_parser(sub)
+
+    from auth import cli as keys_cli
+
+    keys_cli.add_parser(sub)
     return p
 
 
@@ -148,6 +152,10 @@ async def _serve(a: argparse.Namespace, s: cfgmod.Settings) -> int:
         from services.ingress import Ingress
 
         svc = Ingress(s)
+    elif a.service == "auth":
+        from auth.service import Auth
+
+        svc = Auth(s)
     elif a.service == "router":
         from router.service import Router
 
@@ -245,6 +253,10 @@ def main(argv: list[str] | None = None) -> None:
             rc = await _serve(a, s)
         elif a.cmd == "status":
             rc = await _status(a, s)
+        elif a.cmd == "keys":
+            from auth import cli as keys_cli
+
+            rc = await keys_cli.main(a, s.url())
         elif a.cmd == "bench":
             from services import bench
 

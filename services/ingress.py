@@ -40,6 +40,7 @@ class Admission:
         if not pipeline or pipeline[-1] != subjects.STAGE_ROUTE:
             pipeline = [s for s in pipeline if s != subjects.STAGE_ROUTE] + [subjects.STAGE_ROUTE]
         self.first = subjects.stage(pipeline[0])
+        self.has_auth = subjects.STAGE_AUTH in pipeline
         self.rest = ",".join(pipeline[1:])
         self.default_max_tokens = cfg.default_max_tokens
         self.max_prompt_chars = cfg.max_prompt_chars
@@ -50,6 +51,8 @@ class Admission:
         """The envelope for ``req``; fills ``hdrs`` (request id, model, route, marks)."""
         if validation.prompt_chars(req) > self.max_prompt_chars:
             raise E.PayloadTooLarge(f"the prompt is longer than {self.max_prompt_chars} characters")
+        if not self.has_auth:
+            hdrs.pop(H.API_KEY, None)  # nobody checks it: it must not travel on
         rid = clean_request_id(hdrs.get(H.REQUEST_ID))
         hdrs[H.REQUEST_ID] = rid
         env = validation.envelope(

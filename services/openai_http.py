@@ -21,6 +21,7 @@ from typing import Any, Protocol
 import uvicorn
 
 from bus_schemas import errors as E
+from bus_schemas import headers as H
 from bus_schemas.client import Chunk, Usage
 from bus_schemas.subjects import KIND_CHAT, KIND_COMPLETIONS
 from services import validation
@@ -99,6 +100,14 @@ async def send_error(send: Send, err: E.TokenbusError, request_id: str | None = 
     if request_id:
         hdrs.append((b"x-request-id", request_id.encode()))
     await send_json(send, E.http_status(err), err.openai_body(), hdrs)
+
+
+def api_key(scope: Scope) -> dict[str, str]:
+    """The caller's API key (``Authorization: Bearer``, or Azure-style ``api-key``) as the
+    bus header auth reads; empty when none was sent."""
+    auth = header(scope, b"authorization") or ""
+    key = auth[7:].strip() if auth[:7].lower() == "bearer " else header(scope, b"api-key")
+    return {H.API_KEY: key} if key else {}
 
 
 def header(scope: Scope, name: bytes) -> str | None:
@@ -227,7 +236,7 @@ class OpenAIApp:
                 _watch_disconnect(receive, asyncio.current_task(), state)
             )
             stream = self.source.open(
-                kind, req, body, request_id=rid, timeout=self.timeout, headers={}
+                kind, req, body, request_id=rid, timeout=self.timeout, headers=api_key(scope)
             )
             if req.stream:
                 await self._stream(send, kind, req, stream, rid, state)

@@ -142,6 +142,20 @@ class Service:
         hdrs[H.REPLY_TO] = reply
         await self.nc.publish(subject, data, reply=f"{self._bounce_prefix}.{token}", headers=hdrs)
 
+    async def forward_next(self, msg: Msg, hdrs: dict[str, str], data: bytes) -> None:
+        """Pass a request to the next stage of its routing slip (the router when none left)."""
+        reply = reply_subject(msg, trust_header=self.trust_reply_header)
+        if not reply:
+            return
+        route = [s for s in hdrs.get(H.ROUTE, "").split(",") if s]
+        nxt = route.pop(0) if route else subjects.STAGE_ROUTE
+        if route:
+            hdrs[H.ROUTE] = ",".join(route)
+        else:
+            hdrs.pop(H.ROUTE, None)
+        marks.append(hdrs, self.name)
+        await self.forward(subjects.stage(nxt), data, hdrs, reply)
+
     async def _on_bounce(self, msg: Msg) -> None:
         entry = self._bounces.pop(msg.subject.rpartition(".")[2], None)
         if entry is None or not msg.headers or msg.headers.get(H.NATS_STATUS) != "503":

@@ -110,17 +110,24 @@ async def stack(
     workers: int = 2,
     with_ingress: bool = True,
     with_router: bool = True,
+    auths: int = 0,
     worker: dict[str, Any] | None = None,
     **over: Any,
 ) -> AsyncIterator[dict[str, Any]]:
-    """Ingress, router and sim workers in this process (the integration tests' bus)."""
+    """Ingress, router and sim workers (and ``auths`` auth stages, which then sit in the
+    pipeline) in this process: the integration tests' bus."""
+    from auth.service import Auth
     from engine_worker.worker import Worker
     from router.service import Router
     from services.ingress import Ingress
 
     w = {"model": model, "heartbeat_interval_s": 0.2, **(worker or {})}
-    svcs: dict[str, Any] = {"workers": []}
+    svcs: dict[str, Any] = {"workers": [], "auth": []}
+    if auths:
+        over.setdefault("ingress", {"pipeline": ["auth", "route"]})
     async with contextlib.AsyncExitStack() as es:
+        for _ in range(auths):
+            svcs["auth"].append(await es.enter_async_context(Auth(settings(url, **over))))
         if with_ingress:
             svcs["ingress"] = await es.enter_async_context(Ingress(settings(url, **over)))
         if with_router:

@@ -1,0 +1,121 @@
+"""``tokenbus keys create|list|show|revoke|update``: operator access to the key store.
+
+It talks to JetStream KV directly (whoever may reach the bus as admin may manage keys);
+``create`` prints the new key alone on its last line so scripts can capture it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any
+
+import nats
+
+from auth.keys import KeyRecord, parse_duration
+from auth.store import KeyStore
+from bus_schemas import errors as E
+
+
+def _csv(text: str | None) -> list[str] | None:
+    return None if text is None else [t.strip() for t in text.split(",") if t.strip()]
+
+
+def add_parser(sub: Any) -> None:
+    k = sub.add_parser("keys", help="manage API keys (JetStream KV)")
+    ks = k.add_subparsers(dest="keys_cmd", required=True)
+
+    def fields(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--owner")
+        p.add_argument("--models", help="comma separated allowed models (default: all)")
+        p.add_argument("--rpm", type=int, help="requests per minute")
+        p.add_argument("--tpm", type=int, help="tokens per minute")
+        p.add_argument("--max-concurrent", type=int, help="requests at once")
+        p.add_argument("--filter-policy", help="content filter policy name")
+        p.add_argument("--expires-in", help="e.g. 30d, 12h, 15m")
+        p.add_argument("--json", action="store_true")
+
+    c = ks.add_parser("create", help="create a key; the key is printed once, on the last line")
+    c.add_argument("--name", required=True)
+    c.add_argument("--admin", action="store_true", help="the key may manage keys")
+    fields(c)
+    ls = ks.add_parser("list", help="every key (never the key itself)")
+    ls.add_argument("--json", action="store_true")
+    for name in ("show", "revoke"):
+        p = ks.add_parser(name, help=f"{name} one key")
+        p.add_argument("key_id")
+        p.add_argument("--json", action="store_true")
+    u = ks.add_parser("update", help="change a key's limits, models, expiry or name")
+    u.add_argument("key_id")
+    u.add_argument("--name")
+    u.add_argument("--enable", action="store_true")
+    fields(u)
+
+
+def _fields(a: argparse.Namespace) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "owner": a.owner,
+        "models": _csv(a.models),
+        "rpm": a.rpm,
+        "tpm": a.tpm,
+        "max_concurrent": a.max_concurrent,
+        "filter_policy": a.filter_policy,
+    }
+    if a.expires_in:
+        out["expires_at"] = time.time() + parse_duration(a.expires_in)
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def _show(rec: KeyRecord, as_json: bool) -> None:
+    d = rec.public()
+    if as_json:
+        print(json.dumps(d))
+        return
+    for k, v in d.items():
+        print(f"{k:>15}: {v}")
+
+
+async def main(a: argparse.Namespace, url: str) -> int:
+    try:
+        nc = await nats.connect(url, connect_timeout=3, allow_reconnect=False)
+    except Exception as exc:
+        print(f"error: cannot reach NATS at {url}: {exc}")
+        return 1
+    store = await KeyStore(nc).open(watch=False)
+    try:
+        if a.keys_cmd == "create":
+            key, rec = await store.create(a.name, admin=a.admin, **_fields(a))
+            if a.json:
+                print(json.dumps(rec.public()))
+            else:
+                print(f"created key {rec.id} ({rec.name}); it is shown once, keep it now:")
+            print(key)
+        elif a.keys_cmd == "list":
+            recs = await store.list()
+            if a.json:
+                print(json.dumps([r.public() for r in recs]))
+            else:
+                for r in recs:
+                    state = "enabled" if r.enabled and not r.expired() else "disabled"
+                    print(
+                        f"{r.id}  {r.name:<20} {state:<9} models={','.join(r.models) or '*'}"
+                        f" rpm={r.rpm} tpm={r.tpm} concurrent={r.max_concurrent}"
+                    )
+        elif a.keys_cmd == "show":
+            _show(await store.get(a.key_id), a.json)
+        elif a.keys_cmd == "revoke":
+            _show(await store.revoke(a.key_id), a.json)
+        elif a.keys_cmd == "update":
+            f = _fields(a)
+            if a.name:
+                f["name"] = a.name
+            if a.enable:
+                f["enabled"] = True
+            _show(await store.update(a.key_id, **f), a.json)
+    except E.TokenbusError as exc:
+        print(f"error: {exc.message}")
+        return 1
+    finally:
+        await nc.drain()
+    return 0

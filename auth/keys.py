@@ -1,0 +1,75 @@
+"""API keys: random, recognisable, shown once, stored only as a hash, compared in constant time.
+
+A key looks like ``tb-<id>_<secret>``: ``id`` is 12 hex characters that name the key in the
+store and in logs (never secret); ``secret`` is 32 random bytes (256 bits) in URL-safe
+base64. The store keeps SHA-256 of the whole key: with 256 bits of entropy a slow password
+hash buys nothing, and a fast one keeps auth off the latency budget.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import re
+import secrets
+import time
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+PREFIX = "tb-"
+_KEY = re.compile(r"tb-([0-9a-f]{12})_([A-Za-z0-9_\-]{43})")
+
+
+class KeyRecord(BaseModel):
+    """What the store keeps about one key (never the key itself)."""
+
+    id: str = Field(description="Public key id (the 12 hex characters after tb-).")
+    name: str = Field(description="Human name of the key.")
+    owner: str = Field(default="", description="Who the key belongs to.")
+    hash: str = Field(description="SHA-256 of the whole key, hex.")
+    models: list[str] = Field(default_factory=list, description="Allowed models; empty = all.")
+    rpm: int | None = Field(default=None, description="Requests per minute; none = unlimited.")
+    tpm: int | None = Field(default=None, description="Tokens per minute; none = unlimited.")
+    max_concurrent: int | None = Field(default=None, description="Requests at once.")
+    filter_policy: str = Field(default="default", description="Content filter policy name.")
+    expires_at: float | None = Field(default=None, description="Unix time; none = never.")
+    enabled: bool = Field(default=True, description="False once revoked.")
+    admin: bool = Field(default=False, description="May manage keys.")
+    created_at: float = Field(default_factory=time.time)
+
+    def public(self) -> dict[str, Any]:
+        """Everything but the hash, for listings."""
+        return self.model_dump(exclude={"hash"})
+
+    def expired(self, now: float | None = None) -> bool:
+        return self.expires_at is not None and (now or time.time()) >= self.expires_at
+
+
+def hash_key(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def new_key() -> tuple[str, str]:
+    """A fresh ``(key, key_id)``."""
+    key_id = secrets.token_hex(6)
+    return f"{PREFIX}{key_id}_{secrets.token_urlsafe(32)}", key_id
+
+
+def key_id_of(key: str) -> str | None:
+    """The id inside a well-formed key, or None."""
+    m = _KEY.fullmatch(key.strip())
+    return m.group(1) if m else None
+
+
+def matches(key: str, record: KeyRecord) -> bool:
+    """Constant-time comparison of a presented key with a stored hash."""
+    return hmac.compare_digest(hash_key(key.strip()), record.hash)
+
+
+def parse_duration(text: str) -> float:
+    """``90s``, ``15m``, ``12h``, ``30d`` -> seconds."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhd])\s*", text)
+    if not m:
+        raise ValueError(f"not a duration: {text!r} (use e.g. 90s, 15m, 12h, 30d)")
+    return float(m.group(1)) * {"s": 1, "m": 60, "h": 3600, "d": 86400}[m.group(2)]

@@ -1,0 +1,43 @@
+"""The auth stage: API key in, principal out.
+
+It looks the key up in the watched key store, refuses missing, unknown, revoked and
+expired keys (401) and models the key may not use (403), strips the key from the headers
+so no later stage ever sees it, and adds the principal, its limits and its filter policy.
+"""
+
+from __future__ import annotations
+
+from nats.aio.msg import Msg
+
+from auth.store import KeyStore
+from bus_schemas import headers as H
+from bus_schemas import subjects
+from services.runtime import Service
+
+
+def limits_header(rpm: int | None, tpm: int | None, concurrent: int | None) -> str:
+    return ",".join("" if v is None else str(v) for v in (rpm, tpm, concurrent))
+
+
+class Auth(Service):
+    """Authenticates requests and forwards them with a principal instead of a key."""
+
+    name = subjects.STAGE_AUTH
+
+    async def setup(self) -> None:
+        self.keys = await KeyStore(self.nc).open()
+        await self.add_endpoint(
+            "auth", subjects.stage(subjects.STAGE_AUTH), self.handle, queue=subjects.STAGE_AUTH
+        )
+
+    async def on_stop(self) -> None:
+        await self.keys.close()
+
+    async def handle(self, msg: Msg) -> None:
+        hdrs = dict(msg.headers or {})
+        rec = self.keys.lookup(hdrs.pop(H.API_KEY, None))
+        self.keys.authorize(rec, hdrs.get(H.MODEL, ""))
+        hdrs[H.PRINCIPAL] = rec.id
+        hdrs[H.LIMITS] = limits_header(rec.rpm, rec.tpm, rec.max_concurrent)
+        hdrs[H.FILTER_POLICY] = rec.filter_policy
+        await self.forward_next(msg, hdrs, msg.data)

@@ -1,0 +1,214 @@
+"""API keys: format, the KV store, the auth stage across instances, the CLI, HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+from typing import Any
+
+import nats
+import openai
+import pytest
+
+from auth.keys import hash_key, key_id_of, matches, new_key, parse_duration
+from auth.store import KeyStore
+from bus_schemas import errors as E
+from bus_schemas import subjects
+from bus_schemas.client import Client
+from tests.conftest import ROOT, NatsServer, Procs, free_port, stack, wait_http, wait_replicas
+
+MSG = [{"role": "user", "content": "hi"}]
+
+
+def test_keys_are_random_recognisable_and_hashed() -> None:
+    key, key_id = new_key()
+    assert key.startswith(f"tb-{key_id}_") and key_id_of(key) == key_id
+    assert len(key.split("_", 1)[1]) == 43  # 256 bits in URL-safe base64
+    assert new_key()[0] != key
+    from auth.keys import KeyRecord
+
+    rec = KeyRecord(id=key_id, name="n", hash=hash_key(key))
+    assert matches(key, rec) and not matches(key[:-1] + "A", rec)
+    assert key not in rec.model_dump_json() and "hash" not in rec.public()
+    assert key_id_of("sk-not-ours") is None and key_id_of(key + "x") is None
+    assert parse_duration("30d") == 30 * 86400 and parse_duration("90s") == 90
+    with pytest.raises(ValueError):
+        parse_duration("soon")
+
+
+async def _store(url: str) -> tuple[Any, KeyStore]:
+    nc = await nats.connect(url)
+    return nc, await KeyStore(nc).open()
+
+
+async def test_keys_work_across_two_auth_instances_and_revocation_is_quick(
+    nats_server: NatsServer, model: str
+) -> None:
+    nc, store = await _store(nats_server.url)
+    key, rec = await store.create("tester", models=[model])
+    other, _ = await store.create("other-model", models=["elsewhere"])
+    try:
+        async with (
+            stack(nats_server.url, model, workers=1, auths=2) as svcs,
+            await Client.connect(nats_server.url) as c,
+        ):
+            await wait_for_key(svcs, rec.id)
+            outs = await asyncio.gather(
+                *(c.chat_completion(model, MSG, max_tokens=2, api_key=key) for _ in range(10))
+            )
+            assert all(o.usage.completion_tokens == 2 for o in outs)
+            served = [a.discovery.endpoints[0].num_requests for a in svcs["auth"]]
+            assert all(n > 0 for n in served), served  # both instances took requests
+            with pytest.raises(E.Unauthorized):
+                await c.chat_completion(model, MSG)
+            with pytest.raises(E.Unauthorized):
+                await c.chat_completion(model, MSG, api_key=key[:-2] + "xx")
+            with pytest.raises(E.Forbidden) as ei:
+                await c.chat_completion(model, MSG, api_key=other)
+            assert ei.value.status == 403
+            await store.revoke(rec.id)
+            await wait_for_revoked(svcs, rec.id)
+            for _ in range(6):
+                with pytest.raises(E.Unauthorized) as ei2:
+                    await c.chat_completion(model, MSG, api_key=key)
+                assert "revoked" in ei2.value.message
+    finally:
+        await store.close()
+        await nc.drain()
+
+
+async def wait_for_key(svcs: dict[str, Any], key_id: str) -> None:
+    for _ in range(200):
+        if all(key_id in a.keys._cache for a in svcs["auth"]):
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("the key never reached every auth instance")
+
+
+async def wait_for_revoked(svcs: dict[str, Any], key_id: str) -> None:
+    for _ in range(1000):
+        if all(not a.keys._cache[key_id].enabled for a in svcs["auth"]):
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError("revocation did not reach every auth instance")
+
+
+async def test_expired_keys_are_refused(nats_server: NatsServer, model: str) -> None:
+    nc, store = await _store(nats_server.url)
+    key, rec = await store.create("short", expires_at=time.time() + 0.5)
+    try:
+        async with (
+            stack(nats_server.url, model, workers=1, auths=1) as svcs,
+            await Client.connect(nats_server.url) as c,
+        ):
+            await wait_for_key(svcs, rec.id)
+            await asyncio.sleep(0.6)
+            with pytest.raises(E.Unauthorized) as ei:
+                await c.chat_completion(model, MSG, api_key=key)
+            assert "expired" in ei.value.message
+    finally:
+        await store.close()
+        await nc.drain()
+
+
+async def test_the_key_never_reaches_later_stages(nats_server: NatsServer, model: str) -> None:
+    nc, store = await _store(nats_server.url)
+    key, rec = await store.create("spy-test")
+    seen: list[dict[str, str]] = []
+
+    async def spy(msg: Any) -> None:
+        seen.append(dict(msg.headers or {}))
+
+    await nc.subscribe(subjects.engine_generate(model, f"{model}-w0"), cb=spy)
+    try:
+        async with (
+            stack(nats_server.url, model, workers=1, auths=1) as svcs,
+            await Client.connect(nats_server.url) as c,
+        ):
+            await wait_for_key(svcs, rec.id)
+            await c.chat_completion(model, MSG, max_tokens=2, api_key=key)
+        assert seen and all("Tb-Api-Key" not in h for h in seen)
+        assert all(key not in json.dumps(h) for h in seen)
+        assert seen[0]["Tb-Principal"] == rec.id
+    finally:
+        await store.close()
+        await nc.drain()
+
+
+def _keys(url: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "services.cli", "--nats-url", url, "keys", *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+    )
+
+
+def test_keys_cli(nats_server: NatsServer) -> None:
+    r = _keys(
+        nats_server.url,
+        "create",
+        "--name",
+        "cli-key",
+        "--rpm",
+        "5",
+        "--models",
+        "a,b",
+        "--expires-in",
+        "1d",
+    )
+    assert r.returncode == 0, r.stderr
+    key = r.stdout.strip().splitlines()[-1]
+    key_id = key_id_of(key)
+    assert key_id
+    shown = json.loads(_keys(nats_server.url, "show", key_id, "--json").stdout)
+    assert shown["rpm"] == 5 and shown["models"] == ["a", "b"] and "hash" not in shown
+    listed = json.loads(_keys(nats_server.url, "list", "--json").stdout)
+    assert key_id in {k["id"] for k in listed}
+    assert key not in _keys(nats_server.url, "list").stdout
+    upd = json.loads(_keys(nats_server.url, "update", key_id, "--tpm", "1000", "--json").stdout)
+    assert upd["tpm"] == 1000 and upd["rpm"] == 5
+    assert json.loads(_keys(nats_server.url, "revoke", key_id, "--json").stdout)["enabled"] is False
+    missing = _keys(nats_server.url, "show", "000000000000")
+    assert missing.returncode == 1 and "no key" in missing.stdout
+
+
+async def test_http_clients_authenticate_with_bearer_or_api_key(procs: Procs, model: str) -> None:
+    nc, store = await _store(procs.url)
+    key, _ = await store.create("http", models=[model])
+    await store.close()
+    await nc.drain()
+    env = {"TOKENBUS_INGRESS__PIPELINE": '["auth", "route"]'}
+    port = free_port()
+    procs.start("auth", "serve", "auth", env=env)
+    procs.start("router", "serve", "router", env=env)
+    procs.start("worker", "serve", "worker", "--model", model, env=env)
+    procs.start("bridge", "serve", "bridge", "--port", str(port), env=env)
+    await wait_replicas(procs.url, model, 1)
+    await wait_http(f"http://127.0.0.1:{port}/ready")
+    base = f"http://127.0.0.1:{port}/v1"
+    async with openai.AsyncOpenAI(base_url=base, api_key=key, max_retries=0) as c:
+        out = await c.chat.completions.create(model=model, messages=MSG, max_tokens=3)
+        assert out.usage is not None and out.usage.completion_tokens == 3
+    async with openai.AsyncOpenAI(
+        base_url=base, api_key="tb-000000000000_" + "A" * 43, max_retries=0
+    ) as c:
+        with pytest.raises(openai.AuthenticationError):
+            await c.chat.completions.create(model=model, messages=MSG)
+    import httpx
+
+    async with httpx.AsyncClient(base_url=base) as h:
+        r = await h.post(
+            "/chat/completions",
+            json={"model": model, "messages": MSG, "max_tokens": 2},
+            headers={"api-key": key},
+        )
+        assert r.status_code == 200
+        r = await h.post("/chat/completions", json={"model": model, "messages": MSG})
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    for p in procs.procs:
+        assert key not in p.output(), p.name
