@@ -116,6 +116,7 @@ class Stream:
         self._accepted_at = 0.0
         self._heartbeat_s = 1.0
         self._lost = False
+        self.rate_limits: dict[str, str] = {}
         self.finish_reason: str | None = None
         self.usage: Usage | None = None
         self.timings: dict[str, int] = {}
@@ -231,6 +232,12 @@ class Stream:
                     await self._client._send_cancel(str(other), self.token, self.request_id)
                     continue
                 self.replica = other
+                if frame.get("rl"):
+                    self.rate_limits = {
+                        k: v
+                        for k, _, v in (p.partition("=") for p in str(frame["rl"]).split(";"))
+                        if k and v
+                    }
                 self._accepted_at = time.monotonic()
                 self._heartbeat_s = float(frame.get("heartbeat_s") or 1.0)
                 continue

@@ -17,10 +17,14 @@ class TokenbusError(Exception):
     retryable: ClassVar[bool] = False
     type: ClassVar[str] = "server_error"
 
-    def __init__(self, message: str, *, param: str | None = None) -> None:
+    def __init__(
+        self, message: str, *, param: str | None = None, headers: dict[str, str] | None = None
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
+        # HTTP response headers that belong with this error (Retry-After, x-ratelimit-*).
+        self.headers = dict(headers or {})
 
     def to_dict(self) -> dict[str, Any]:
         """The wire form used inside error frames."""
@@ -30,6 +34,7 @@ class TokenbusError(Exception):
             "message": self.message,
             "retryable": self.retryable,
             "param": self.param,
+            **({"headers": self.headers} if self.headers else {}),
         }
 
     def openai_body(self) -> dict[str, Any]:
@@ -51,8 +56,8 @@ class TokenbusError(Exception):
         msg = str(data.get("message", "error"))
         param = data.get("param")
         if klass is not None:
-            return klass(msg, param=param)
-        err = RemoteError(msg, param=param)
+            return klass(msg, param=param, headers=data.get("headers"))
+        err = RemoteError(msg, param=param, headers=data.get("headers"))
         err.remote_code = code
         err.remote_status = int(data.get("status", 500))
         err.remote_retryable = bool(data.get("retryable", False))

@@ -17,10 +17,18 @@ ERROR = "e"
 BATCH = "b"
 
 
-def accept(replica: str, request_id: str, heartbeat_s: float) -> bytes:
-    return codec.encode(
-        {"t": ACCEPT, "replica": replica, "request_id": request_id, "heartbeat_s": heartbeat_s}
-    )
+def accept(
+    replica: str, request_id: str, heartbeat_s: float, ratelimit_info: str | None = None
+) -> bytes:
+    frame: dict[str, Any] = {
+        "t": ACCEPT,
+        "replica": replica,
+        "request_id": request_id,
+        "heartbeat_s": heartbeat_s,
+    }
+    if ratelimit_info:
+        frame["rl"] = ratelimit_info
+    return codec.encode(frame)
 
 
 def chunk(text: str, ntokens: int, index: int) -> bytes:

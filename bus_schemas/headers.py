@@ -21,5 +21,9 @@ ATTEMPT = "Tb-Attempt"
 NATS_STATUS = "Status"
 # Limits of the principal as ``rpm,tpm,concurrent`` (empty field = unlimited), set by auth.
 LIMITS = "Tb-Limits"
+# Rate-limit admission ``window,reserved_tokens`` (for reconciliation by the worker's usage).
+RATELIMIT = "Tb-Ratelimit"
+# The x-ratelimit-* values for the response, ``name=value`` pairs joined by ``;``.
+RATELIMIT_INFO = "Tb-Ratelimit-Info"
 # Name of the content filter policy of the principal, set by auth.
 FILTER_POLICY = "Tb-Filter-Policy"

@@ -208,6 +208,10 @@ class AcceptFrame(_Wire):
         description="The replica's heartbeat interval: a caller that hears no heartbeat for "
         "a few intervals may give the stream up as lost.",
     )
+    rl: str | None = Field(
+        default=None,
+        description="x-ratelimit-* values for the response, name=value pairs joined by ';'.",
+    )
 
 
 class ChunkFrame(_Wire):
@@ -242,6 +246,9 @@ class ErrorBody(_Wire):
     message: str
     retryable: bool
     param: str | None = None
+    headers: dict[str, str] | None = Field(
+        default=None, description="HTTP headers for this error (Retry-After, x-ratelimit-*)."
+    )
 
 
 class ErrorFrame(_Wire):

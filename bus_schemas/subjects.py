@@ -98,6 +98,11 @@ def telemetry_wildcard() -> str:
     return f"{PREFIX}.telemetry.>"
 
 
+def usage() -> str:
+    """Where a worker reports what a finished request really used (rate-limit reconciliation)."""
+    return f"{PREFIX}.usage"
+
+
 def admin(service: str, action: str) -> str:
     """Administrative calls handled by one service."""
     return f"{PREFIX}.admin.{service}.{action}"

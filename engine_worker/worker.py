@@ -19,6 +19,7 @@ from nats.aio.msg import Msg
 
 from bus_schemas import codec, frames, marks, subjects
 from bus_schemas import errors as E
+from bus_schemas import headers as H
 from engine_worker import backends
 from engine_worker.backends.base import Backend, GenerationRequest
 from engine_worker.outbox import Outbox
@@ -172,6 +173,7 @@ class Worker(Service):
         outcome = "ok"
         first_ns = 0
         completion = 0
+        prompt_tokens = -1
         # The engine starts first (its clock is the user's TTFT); the ack and the accept
         # frame go out while it prefills.
         try:
@@ -187,7 +189,12 @@ class Worker(Service):
         send = self.outbox.send
         try:
             await self._ack(msg, None)
-            send(reply, frames.accept(self.replica, rid, self.cfg.heartbeat_interval_s))
+            send(
+                reply,
+                frames.accept(
+                    self.replica, rid, self.cfg.heartbeat_interval_s, hdrs.get(H.RATELIMIT_INFO)
+                ),
+            )
             deadline = marks.deadline_ms(hdrs)
             timeout = None if deadline is None else max(0.0, deadline / 1000.0 - time.time())
             index = 0
@@ -205,6 +212,7 @@ class Worker(Service):
                         timings["first_token"] = first_ns or marks.now_ns()
                         timings["engine_end"] = marks.now_ns()
                         completion = d.completion_tokens or completion
+                        prompt_tokens = d.prompt_tokens
                         send(
                             reply,
                             frames.final(d.finish_reason, d.prompt_tokens, completion, timings),
@@ -235,6 +243,8 @@ class Worker(Service):
         finally:
             self._active.pop(reply, None)
             self._caller_cancelled.discard(reply)
+            if H.RATELIMIT in hdrs:
+                await self._report_usage(hdrs, rid, req.max_tokens, prompt_tokens, completion)
             end = marks.now_ns()
             self.log.info(
                 "request",
@@ -244,6 +254,27 @@ class Worker(Service):
                 ttft_ms=round((first_ns - t_start) / 1e6, 3) if first_ns else None,
                 duration_ms=round((end - t_start) / 1e6, 3),
             )
+
+    async def _report_usage(
+        self, hdrs: dict[str, str], rid: str, max_tokens: int, prompt_tokens: int, completion: int
+    ) -> None:
+        """Tell the rate limiters what the request really used (fire and forget)."""
+        try:
+            window, reserved, flags = hdrs[H.RATELIMIT].split(",")
+            if prompt_tokens < 0:  # ended early: keep the admission's prompt estimate
+                prompt_tokens = max(0, int(reserved) - max_tokens)
+            body = {
+                "principal": hdrs.get(H.PRINCIPAL, ""),
+                "request_id": rid,
+                "window": int(window),
+                "reserved": int(reserved),
+                "used": prompt_tokens + completion,
+                "flags": flags,
+            }
+        except (KeyError, ValueError):
+            return
+        with contextlib.suppress(Exception):
+            await self.nc.publish(subjects.usage(), codec.encode(body))
 
     def interrupted_error(self) -> E.TokenbusError:
         return E.ReplicaLost(f"replica {self.replica} stopped before finishing; retry")

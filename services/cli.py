@@ -11,7 +11,7 @@ from typing import Any
 from services import config as cfgmod
 from telemetry import logging as tlog
 
-SERVICES = ("bridge", "ingress", "auth", "router", "worker", "openai-http")
+SERVICES = ("bridge", "ingress", "auth", "ratelimit", "router", "worker", "openai-http")
 
 
 def _worker_flags(p: argparse.ArgumentParser) -> None:
@@ -156,6 +156,10 @@ async def _serve(a: argparse.Namespace, s: cfgmod.Settings) -> int:
         from auth.service import Auth
 
         svc = Auth(s)
+    elif a.service == "ratelimit":
+        from auth.ratelimit import RateLimit
+
+        svc = RateLimit(s)
     elif a.service == "router":
         from router.service import Router
 

@@ -63,6 +63,16 @@ class RouterSettings(BaseModel):
     max_attempts: int = Field(default=3, ge=1, description="Replicas tried per request.")
 
 
+class RateLimitSettings(BaseModel):
+    """The ratelimit stage."""
+
+    fail_open: bool = Field(
+        default=False,
+        description="When the limiter's store is unreachable: admit (true) or refuse with a "
+        "retryable 503 (false).",
+    )
+
+
 class SimSettings(BaseModel):
     """The simulated continuous-batching engine (see engine_worker/backends/sim.py)."""
 
@@ -133,6 +143,7 @@ class Settings(BaseSettings):
     bridge: BridgeSettings = Field(default_factory=BridgeSettings)
     ingress: IngressSettings = Field(default_factory=IngressSettings)
     router: RouterSettings = Field(default_factory=RouterSettings)
+    ratelimit: RateLimitSettings = Field(default_factory=RateLimitSettings)
     worker: WorkerSettings = Field(default_factory=WorkerSettings)
     up: UpSettings = Field(default_factory=UpSettings)
 

@@ -27,6 +27,7 @@ class DirectStream:
         self.request_id = request_id
         self.finish_reason: str | None = None
         self.usage: Usage | None = None
+        self.rate_limits: dict[str, str] = {}
 
     def __aiter__(self) -> DirectStream:
         return self

@@ -34,6 +34,7 @@ class StreamLike(Protocol):
     request_id: str
     finish_reason: str | None
     usage: Usage | None
+    rate_limits: dict[str, str]
 
     def __aiter__(self) -> AsyncIterator[Chunk]: ...
 
@@ -94,8 +95,8 @@ async def send_json(
 
 async def send_error(send: Send, err: E.TokenbusError, request_id: str | None = None) -> None:
     """An OpenAI-shaped error with the right status (and Retry-After when retrying helps)."""
-    hdrs: list[tuple[bytes, bytes]] = []
-    if err.retryable:
+    hdrs = [(k.lower().encode(), str(v).encode()) for k, v in err.headers.items()]
+    if err.retryable and "retry-after" not in {k.lower() for k in err.headers}:
         hdrs.append((b"retry-after", b"1"))
     if request_id:
         hdrs.append((b"x-request-id", request_id.encode()))
@@ -316,7 +317,7 @@ class OpenAIApp:
                 "usage": usage,
             }
         state["finished"] = True
-        await send_json(send, 200, out, [(b"x-request-id", rid.encode())])
+        await send_json(send, 200, out, [(b"x-request-id", rid.encode()), *_limit_headers(stream)])
 
     async def _stream(
         self,
@@ -368,7 +369,7 @@ class OpenAIApp:
             {
                 "type": "http.response.start",
                 "status": 200,
-                "headers": [*_SSE, (b"x-request-id", rid.encode())],
+                "headers": [*_SSE, (b"x-request-id", rid.encode()), *_limit_headers(stream)],
             }
         )
         buf: list[str] = [opening] if opening else []
@@ -410,6 +411,10 @@ class OpenAIApp:
         buf.append("data: [DONE]\n\n")
         state["finished"] = True
         await send({"type": body, "body": "".join(buf).encode(), "more_body": False})
+
+
+def _limit_headers(stream: StreamLike) -> list[tuple[bytes, bytes]]:
+    return [(k.encode(), v.encode()) for k, v in stream.rate_limits.items()]
 
 
 async def _watch_disconnect(

@@ -111,6 +111,7 @@ async def stack(
     with_ingress: bool = True,
     with_router: bool = True,
     auths: int = 0,
+    ratelimits: int = 0,
     worker: dict[str, Any] | None = None,
     **over: Any,
 ) -> AsyncIterator[dict[str, Any]]:
@@ -122,12 +123,17 @@ async def stack(
     from services.ingress import Ingress
 
     w = {"model": model, "heartbeat_interval_s": 0.2, **(worker or {})}
-    svcs: dict[str, Any] = {"workers": [], "auth": []}
-    if auths:
-        over.setdefault("ingress", {"pipeline": ["auth", "route"]})
+    from auth.ratelimit import RateLimit
+
+    svcs: dict[str, Any] = {"workers": [], "auth": [], "ratelimit": []}
+    if auths or ratelimits:
+        stages = ["auth"] * bool(auths) + ["ratelimit"] * bool(ratelimits) + ["route"]
+        over.setdefault("ingress", {"pipeline": stages})
     async with contextlib.AsyncExitStack() as es:
         for _ in range(auths):
             svcs["auth"].append(await es.enter_async_context(Auth(settings(url, **over))))
+        for _ in range(ratelimits):
+            svcs["ratelimit"].append(await es.enter_async_context(RateLimit(settings(url, **over))))
         if with_ingress:
             svcs["ingress"] = await es.enter_async_context(Ingress(settings(url, **over)))
         if with_router:
