@@ -76,9 +76,9 @@ def _show(rec: KeyRecord, as_json: bool) -> None:
         print(f"{k:>15}: {v}")
 
 
-async def main(a: argparse.Namespace, url: str) -> int:
+async def main(a: argparse.Namespace, url: str, auth: dict[str, str] | None = None) -> int:
     try:
-        nc = await nats.connect(url, connect_timeout=3, allow_reconnect=False)
+        nc = await nats.connect(url, connect_timeout=3, allow_reconnect=False, **(auth or {}))
     except Exception as exc:
         print(f"error: cannot reach NATS at {url}: {exc}")
         return 1

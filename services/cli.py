@@ -116,6 +116,11 @@ def build_parser() -> argparse.ArgumentParser:
     from auth import cli as keys_cli
 
     keys_cli.add_parser(sub)
+
+    nc_ = sub.add_parser("nats-config", help="write a locked-down nats-server config")
+    nc_.add_argument("--out", default=".tokenbus/nats-locked", help="folder for the files")
+    nc_.add_argument("--host", default="127.0.0.1")
+    nc_.add_argument("--port", type=int, default=4222)
     return p
 
 
@@ -196,7 +201,10 @@ async def _status(a: argparse.Namespace, s: cfgmod.Settings) -> int:
 
     try:
         nc = await asyncio.wait_for(
-            nats.connect(s.url(), connect_timeout=3, allow_reconnect=False, error_cb=_quiet), 5
+            nats.connect(
+                s.url(), connect_timeout=3, allow_reconnect=False, error_cb=_quiet, **s.nats_auth()
+            ),
+            5,
         )
     except Exception as exc:
         print(f"error: cannot reach NATS at {s.url()}: {exc}", file=sys.stderr)
@@ -257,10 +265,19 @@ def main(argv: list[str] | None = None) -> None:
             rc = await _serve(a, s)
         elif a.cmd == "status":
             rc = await _status(a, s)
+        elif a.cmd == "nats-config":
+            from pathlib import Path
+
+            from services.natsconf import generate
+
+            conf, users = generate(Path(a.out), host=a.host, port=a.port)
+            print(f"wrote {conf} and {users} (mode 0600: one password per role)")
+            print(f"start it with: nats-server -c {conf}")
+            print("services log in with TOKENBUS_NATS_USER=<role> TOKENBUS_NATS_PASSWORD=...")
         elif a.cmd == "keys":
             from auth import cli as keys_cli
 
-            rc = await keys_cli.main(a, s.url())
+            rc = await keys_cli.main(a, s.url(), s.nats_auth())
         elif a.cmd == "bench":
             from services import bench
 

@@ -138,6 +138,8 @@ class Settings(BaseSettings):
     nats_url: str | None = Field(
         default=None, description="Existing NATS server; unset means the embedded one."
     )
+    nats_user: str | None = Field(default=None, description="NATS user (locked bus).")
+    nats_password: str | None = Field(default=None, description="NATS password (locked bus).")
     log_level: str = "info"
     drain_timeout_s: float = Field(default=30.0, description="How long in-flight work may finish.")
     bridge: BridgeSettings = Field(default_factory=BridgeSettings)
@@ -166,6 +168,12 @@ class Settings(BaseSettings):
     def url(self) -> str:
         """The NATS URL services connect to."""
         return self.nats_url or f"nats://127.0.0.1:{self.up.nats_port}"
+
+    def nats_auth(self) -> dict[str, str]:
+        """Connect options for a locked bus (empty when no user is configured)."""
+        if self.nats_user:
+            return {"user": self.nats_user, "password": self.nats_password or ""}
+        return {}
 
 
 def load(config_file: str | None = None, **overrides: Any) -> Settings:

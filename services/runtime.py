@@ -112,7 +112,11 @@ class Service:
     async def start(self) -> None:
         """Connect (unless given a connection), add endpoints, answer discovery."""
         if self.nc is None:
-            self.nc = await connect(self.settings.url(), f"tokenbus-{self.name}-{self.id}")
+            self.nc = await connect(
+                self.settings.url(),
+                f"tokenbus-{self.name}-{self.id}",
+                **self.settings.nats_auth(),
+            )
         self._accepting = True
         self._bounce_prefix = subjects.inbox_prefix(f"{self.name}-{self.id}")
         self._bounce_sub = await self.nc.subscribe(f"{self._bounce_prefix}.*", cb=self._on_bounce)

@@ -1,0 +1,143 @@
+"""The locked bus: a generated nats-server config with a user per role and subject permissions."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import nats
+import openai
+import pytest
+
+from bus_schemas import codec, subjects
+from bus_schemas.client import Client
+from services.launcher import nats_server_binary
+from services.natsconf import ROLES, generate, role_env
+from tests.conftest import Procs, free_port, wait_http
+
+MSG = [{"role": "user", "content": "hi"}]
+
+
+class Locked:
+    def __init__(self, tmp: Path) -> None:
+        self.port = free_port()
+        self.conf, self.users = generate(tmp / "locked", port=self.port)
+        self.proc = subprocess.Popen(
+            [nats_server_binary(), "-c", str(self.conf)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        self.url = f"nats://127.0.0.1:{self.port}"
+
+    def env(self, role: str) -> dict[str, str]:
+        return role_env(self.users, role)
+
+    async def connect(self, role: str, **kw: Any) -> nats.aio.client.Client:
+        e = self.env(role)
+        return await nats.connect(
+            self.url, user=e["TOKENBUS_NATS_USER"], password=e["TOKENBUS_NATS_PASSWORD"], **kw
+        )
+
+
+@pytest.fixture
+def locked(tmp_path: Path) -> Iterator[Locked]:
+    lk = Locked(tmp_path)
+    deadline = time.monotonic() + 10
+    import socket
+
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", lk.port)) == 0:
+                break
+        time.sleep(0.05)
+    yield lk
+    lk.proc.terminate()
+    lk.proc.wait(10)
+
+
+def test_secrets_file_is_private_and_passwords_are_kept(tmp_path: Path) -> None:
+    conf, users = generate(tmp_path / "x")
+    assert users.stat().st_mode & 0o777 == 0o600
+    first = users.read_text()
+    generate(tmp_path / "x")
+    assert users.read_text() == first
+    text = conf.read_text()
+    assert all(f'user: "{r}"' in text for r in ROLES)
+
+
+async def test_a_client_cannot_reach_workers_or_stages_directly(locked: Locked) -> None:
+    errors: list[str] = []
+
+    async def on_error(exc: Exception) -> None:
+        errors.append(str(exc))
+
+    nc = await locked.connect("client", error_cb=on_error)
+    try:
+        await nc.publish(subjects.engine_generate("m", "r"), b"x")
+        await nc.publish(subjects.stage(subjects.STAGE_ROUTE), b"x")
+        await nc.subscribe(subjects.engine_generate("m", "r"), cb=_noop)
+        await nc.flush()
+        await asyncio.sleep(0.3)
+        assert sum("permissions violation" in e.lower() for e in errors) >= 3, errors
+    finally:
+        await nc.close()
+    with pytest.raises(Exception):  # noqa: B017 - any refusal of a wrong password will do
+        await nats.connect(
+            locked.url,
+            user="client",
+            password="wrong",
+            allow_reconnect=False,
+            max_reconnect_attempts=0,
+            connect_timeout=2,
+        )
+
+
+async def _noop(msg: Any) -> None:
+    return None
+
+
+async def test_every_service_works_on_the_locked_bus(locked: Locked, tmp_path: Path) -> None:
+    procs = Procs(locked.url, tmp_path)
+    model = "locked-model"
+    port = free_port()
+    try:
+        for name in ("ingress", "router"):
+            procs.start(name, "serve", name, env=locked.env(name))
+        procs.start("worker", "serve", "worker", "--model", model, env=locked.env("worker"))
+        procs.start(
+            "bridge",
+            "serve",
+            "bridge",
+            "--port",
+            str(port),
+            env={**locked.env("bridge"), "TOKENBUS_BRIDGE__FUSE_ROUTER": "false"},
+        )
+        await wait_http(f"http://127.0.0.1:{port}/ready")
+        async with openai.AsyncOpenAI(
+            base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0
+        ) as oai:
+            out = await oai.chat.completions.create(model=model, messages=MSG, max_tokens=3)
+            assert out.usage is not None and out.usage.completion_tokens == 3
+        e = locked.env("client")
+        async with await Client.connect(
+            locked.url, user=e["TOKENBUS_NATS_USER"], password=e["TOKENBUS_NATS_PASSWORD"]
+        ) as c:
+            whole = await c.chat_completion(model, MSG, max_tokens=4)
+            assert whole.usage.completion_tokens == 4
+            s = c.chat(model, MSG, max_tokens=10_000)
+            await s.__anext__()
+            await s.aclose()  # the cancel is allowed for clients
+        nc = await locked.connect("worker")
+        hb = await nc.subscribe(subjects.engine_generate(model, "x"))
+        await nc.publish(subjects.heartbeat(model, "spy"), codec.encode({}))
+        await hb.unsubscribe()
+        await nc.close()
+        for p in procs.procs:
+            assert p.alive(), p.name
+            assert "Permissions Violation" not in p.output(), p.name
+    finally:
+        procs.stop_all()
