@@ -11,6 +11,8 @@ from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, Histogram, generate_latest
 
+from auth.admin_http import PREFIX as ADMIN_PREFIX
+from auth.admin_http import AdminAPI
 from bus_schemas import headers as H
 from bus_schemas import marks, subjects
 from bus_schemas.client import Client, Stream
@@ -121,6 +123,8 @@ class Bridge(Service):
             on_request=self._observe,
         )
         api.add_route("GET", "/metrics", self.metrics)
+        self.admin = AdminAPI(self.nc)
+        api.add_prefix(ADMIN_PREFIX, self.admin)
         self.http = await serve(
             api,
             cfg.host,
@@ -156,4 +160,5 @@ class Bridge(Service):
 
     async def on_stop(self) -> None:
         await self._tracker.stop()
+        await self.admin.close()
         await self.client.close()

@@ -133,6 +133,7 @@ class OpenAIApp:
         self.max_body = max_body_bytes
         self.timeout = request_timeout_s
         self.on_request = on_request
+        self.prefixes: list[tuple[str, Route]] = []
         self.routes: dict[tuple[str, str], Route] = {
             ("POST", "/v1/chat/completions"): self.chat,
             ("POST", "/v1/completions"): self.completions,
@@ -143,6 +144,10 @@ class OpenAIApp:
 
     def add_route(self, method: str, path: str, handler: Route) -> None:
         self.routes[(method, path)] = handler
+
+    def add_prefix(self, prefix: str, handler: Route) -> None:
+        """Every method on ``prefix`` and below goes to ``handler``."""
+        self.prefixes.append((prefix, handler))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -160,6 +165,10 @@ class OpenAIApp:
         if handler is not None:
             await handler(scope, receive, send)
             return
+        for prefix, h in self.prefixes:
+            if path == prefix or path.startswith(prefix + "/"):
+                await h(scope, receive, send)
+                return
         if any(p == path for _, p in self.routes):
             await send_json(
                 send,

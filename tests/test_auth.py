@@ -212,3 +212,58 @@ async def test_http_clients_authenticate_with_bearer_or_api_key(procs: Procs, mo
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
     for p in procs.procs:
         assert key not in p.output(), p.name
+
+
+async def test_admin_api_on_the_bridge(procs: Procs, model: str) -> None:
+    nc, store = await _store(procs.url)
+    admin, _ = await store.create("admin", admin=True)
+    plain, _ = await store.create("plain")
+    await store.close()
+    await nc.drain()
+    env = {"TOKENBUS_INGRESS__PIPELINE": '["auth", "route"]'}
+    port = free_port()
+    for name in ("auth", "router"):
+        procs.start(name, "serve", name, env=env)
+    procs.start("worker", "serve", "worker", "--model", model, env=env)
+    procs.start("bridge", "serve", "bridge", "--port", str(port), env=env)
+    await wait_replicas(procs.url, model, 1)
+    await wait_http(f"http://127.0.0.1:{port}/ready")
+    import httpx
+
+    base = f"http://127.0.0.1:{port}/v1"
+    adm = {"Authorization": f"Bearer {admin}"}
+    async with httpx.AsyncClient(base_url=base) as h:
+        assert (await h.get("/admin/keys")).status_code == 401
+        r = await h.get("/admin/keys", headers={"Authorization": f"Bearer {plain}"})
+        assert r.status_code == 403
+        r = await h.post(
+            "/admin/keys", headers=adm, json={"name": "made", "rpm": 7, "models": [model]}
+        )
+        assert r.status_code == 201, r.text
+        made = r.json()
+        new_key = made.pop("key")
+        assert key_id_of(new_key) == made["id"] and made["rpm"] == 7 and "hash" not in made
+        listed = (await h.get("/admin/keys", headers=adm)).json()["data"]
+        assert made["id"] in {k["id"] for k in listed}
+        assert all("key" not in k and "hash" not in k for k in listed)
+        r = await h.patch(f"/admin/keys/{made['id']}", headers=adm, json={"rpm": 9})
+        assert r.json()["rpm"] == 9
+        for bad in ({"rpm": -1}, {"nope": 1}, {}):
+            r = await h.post("/admin/keys", headers=adm, json=bad)
+            assert r.status_code == 400, (bad, r.text)
+        assert (await h.get("/admin/keys/000000000000", headers=adm)).status_code == 404
+        body = {"model": model, "messages": MSG, "max_tokens": 2}
+        r = await h.post(
+            "/chat/completions", json=body, headers={"Authorization": f"Bearer {new_key}"}
+        )
+        assert r.status_code == 200
+        r = await h.delete(f"/admin/keys/{made['id']}", headers=adm)
+        assert r.json()["enabled"] is False
+        for _ in range(50):
+            r = await h.post(
+                "/chat/completions", json=body, headers={"Authorization": f"Bearer {new_key}"}
+            )
+            if r.status_code == 401:
+                break
+            await asyncio.sleep(0.02)
+        assert r.status_code == 401

@@ -1,0 +1,139 @@
+"""The keys admin API on the bridge (``/v1/admin/keys``), for holders of an admin key.
+
+GET    /v1/admin/keys            list (never the keys themselves)
+POST   /v1/admin/keys            create: {"name", "models", "rpm", "tpm", "max_concurrent",
+                                  "filter_policy", "expires_in", "admin"}; the key is in
+                                  the answer once
+GET    /v1/admin/keys/{id}       show
+PATCH  /v1/admin/keys/{id}       update the same fields, or {"enabled": true}
+DELETE /v1/admin/keys/{id}       revoke
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any
+
+from nats.aio.client import Client as NATS
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from auth.keys import parse_duration
+from auth.store import KeyStore
+from bus_schemas import errors as E
+from bus_schemas import headers as H
+from services.openai_http import Receive, Scope, Send, api_key, send_error, send_json
+
+PREFIX = "/v1/admin/keys"
+
+
+class KeyFields(BaseModel):
+    """Fields an admin may set on a key."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str | None = Field(default=None, min_length=1, max_length=200)
+    owner: str | None = None
+    models: list[str] | None = None
+    rpm: int | None = Field(default=None, ge=1)
+    tpm: int | None = Field(default=None, ge=1)
+    max_concurrent: int | None = Field(default=None, ge=1)
+    filter_policy: str | None = None
+    expires_in: str | None = Field(default=None, description="e.g. 30d, 12h")
+    admin: bool | None = None
+    enabled: bool | None = None
+
+    def updates(self) -> dict[str, Any]:
+        d = self.model_dump(exclude_none=True, exclude={"expires_in"})
+        if self.expires_in:
+            d["expires_at"] = time.time() + parse_duration(self.expires_in)
+        return d
+
+
+class AdminAPI:
+    """ASGI handler for ``/v1/admin/keys`` (the key store opens on first use)."""
+
+    def __init__(self, nc: NATS, max_body: int = 65536) -> None:
+        self.nc = nc
+        self.max_body = max_body
+        self._store: KeyStore | None = None
+        self._lock = asyncio.Lock()
+
+    async def store(self) -> KeyStore:
+        async with self._lock:
+            if self._store is None:
+                try:
+                    self._store = await KeyStore(self.nc).open()
+                except Exception:
+                    raise E.ServiceUnavailable(
+                        "the key store (JetStream KV) is not reachable; retry"
+                    ) from None
+            return self._store
+
+    async def close(self) -> None:
+        if self._store is not None:
+            await self._store.close()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await self._handle(scope, receive, send)
+        except E.TokenbusError as exc:
+            await send_error(send, exc)
+        except ValueError as exc:
+            await send_error(send, E.InvalidRequest(str(exc)))
+
+    async def _body(self, receive: Receive) -> KeyFields:
+        chunks, size = [], 0
+        while True:
+            msg = await receive()
+            size += len(msg.get("body", b""))
+            if size > self.max_body:
+                raise E.PayloadTooLarge("the admin request body is too large")
+            chunks.append(msg.get("body", b""))
+            if not msg.get("more_body"):
+                break
+        try:
+            return KeyFields.model_validate(json.loads(b"".join(chunks) or b"{}"))
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            loc = ".".join(str(p) for p in first.get("loc", ()))
+            raise E.InvalidRequest(f"{loc}: {first.get('msg')}", param=loc or None) from None
+        except json.JSONDecodeError as exc:
+            raise E.InvalidJSON(f"the request body is not valid JSON: {exc}") from None
+
+    async def _handle(self, scope: Scope, receive: Receive, send: Send) -> None:
+        store = await self.store()
+        caller = store.lookup(api_key(scope).get(H.API_KEY))
+        if not caller.admin:
+            raise E.Forbidden(f"the API key {caller.id} is not an admin key")
+        method = scope["method"]
+        rest = scope["path"].rstrip("/")[len(PREFIX) :].strip("/")
+        if not rest:
+            if method == "GET":
+                await send_json(
+                    send, 200, {"object": "list", "data": [r.public() for r in await store.list()]}
+                )
+                return
+            if method == "POST":
+                f = await self._body(receive)
+                if not f.name:
+                    raise E.InvalidRequest("name: a new key needs a name", param="name")
+                upd = f.updates()
+                name = upd.pop("name")
+                upd.pop("enabled", None)
+                key, rec = await store.create(name, **upd)
+                await send_json(send, 201, {**rec.public(), "key": key})
+                return
+        elif "/" not in rest:
+            if method == "GET":
+                await send_json(send, 200, (await store.get(rest)).public())
+                return
+            if method == "PATCH":
+                rec = await store.update(rest, **(await self._body(receive)).updates())
+                await send_json(send, 200, rec.public())
+                return
+            if method == "DELETE":
+                await send_json(send, 200, (await store.revoke(rest)).public())
+                return
+        raise E.NotFound(f"no route for {method} {scope['path']}")
