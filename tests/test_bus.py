@@ -287,6 +287,7 @@ async def test_draining_ingress_answers_what_it_already_received(
         streams = [c.chat(model, MSG, max_tokens=3) for _ in range(40)]
         for s in streams:
             await s.start()
+        await c.nc.flush()  # the server has handed all 40 to the ingress
         await svcs["ingress"].drain(timeout=10)
         outs = [await s.collect() for s in streams]
     assert all(o.usage.completion_tokens == 3 for o in outs)
