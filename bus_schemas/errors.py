@@ -52,7 +52,9 @@ class TokenbusError(Exception):
     def from_dict(cls, data: dict[str, Any]) -> TokenbusError:
         """Rebuild a typed error from its wire form (unknown codes keep their status)."""
         code = str(data.get("code", "internal_error"))
-        klass = ERRORS_BY_CODE.get(code)
+        klass = ERRORS_BY_CODE.get(
+            code.split(".", 1)[0] if code.startswith(ContentBlocked.code + ".") else code
+        )
         msg = str(data.get("message", "error"))
         param = data.get("param")
         if klass is not None:
@@ -96,6 +98,28 @@ class InvalidRequest(TokenbusError):
 
 class InvalidJSON(InvalidRequest):
     code = "invalid_json"
+
+
+class ContentBlocked(InvalidRequest):
+    """The content filter refused the input (or ended the output) for a named detector."""
+
+    code = "content_blocked"
+
+    def __init__(
+        self, message: str, *, param: str | None = None, headers: dict[str, str] | None = None
+    ) -> None:
+        super().__init__(message, param=param, headers=headers)
+        self.detector = param or "unknown"
+
+    def to_dict(self) -> dict[str, Any]:
+        d = super().to_dict()
+        d["code"] = f"content_blocked.{self.detector}"
+        return d
+
+    def openai_body(self) -> dict[str, Any]:
+        body = super().openai_body()
+        body["error"]["code"] = f"content_blocked.{self.detector}"
+        return body
 
 
 class PayloadTooLarge(InvalidRequest):
@@ -192,6 +216,7 @@ ERRORS_BY_CODE: dict[str, type[TokenbusError]] = {
     for k in (
         InvalidRequest,
         InvalidJSON,
+        ContentBlocked,
         PayloadTooLarge,
         Unauthorized,
         Forbidden,

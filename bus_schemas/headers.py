@@ -25,5 +25,7 @@ LIMITS = "Tb-Limits"
 RATELIMIT = "Tb-Ratelimit"
 # The x-ratelimit-* values for the response, ``name=value`` pairs joined by ``;``.
 RATELIMIT_INFO = "Tb-Ratelimit-Info"
+# Detectors the filter flagged on the input, comma separated.
+FILTER_FLAGS = "Tb-Filter-Flags"
 # Name of the content filter policy of the principal, set by auth.
 FILTER_POLICY = "Tb-Filter-Policy"

@@ -174,6 +174,11 @@ class Envelope(_Wire):
     params: SamplingParams = Field(description="Generation parameters.")
     deadline_ms: int | None = Field(default=None, description="Absolute deadline, epoch ms.")
     principal: str | None = Field(default=None, description="Authenticated principal id.")
+    filter_policy: dict[str, Any] | None = Field(
+        default=None,
+        description="Content filter policy the worker applies to the output stream "
+        "(set by the filter stage; absent means no output scanning).",
+    )
 
 
 class Heartbeat(_Wire):

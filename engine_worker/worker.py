@@ -23,10 +23,19 @@ from bus_schemas import headers as H
 from engine_worker import backends
 from engine_worker.backends.base import Backend, GenerationRequest
 from engine_worker.outbox import Outbox
+from filter.policy import FilterPolicy
+from filter.scanner import StreamOutput, StreamScanner
 from services.runtime import Service, reply_subject
 
 # How long a cancel that arrived before its request is remembered.
 EARLY_CANCEL_TTL_S = 30.0
+
+
+def output_scanner(policy: dict[str, Any] | None, window: int | None) -> StreamScanner | None:
+    """A stream scanner for the policy the filter stage put in the envelope, if any."""
+    if not policy:
+        return None
+    return StreamScanner(FilterPolicy.from_dict(policy), window=window)
 
 
 class Worker(Service):
@@ -198,26 +207,50 @@ class Worker(Service):
             deadline = marks.deadline_ms(hdrs)
             timeout = None if deadline is None else max(0.0, deadline / 1000.0 - time.time())
             index = 0
+            scan = output_scanner(env.get("filter_policy"), self.settings.filter.window)
+            held_tokens = 0
             async with asyncio.timeout(timeout), contextlib.aclosing(stream) as gen:
                 async for d in gen:
-                    if d.text or d.tokens:
-                        if not first_ns:
-                            first_ns = marks.now_ns()
-                        send(reply, frames.chunk(d.text, d.tokens, index))
-                        index += 1
+                    text = d.text
+                    finish = d.finish_reason
+                    if scan is not None:
+                        # The output filter holds back what could still become a match.
+                        out = scan.feed(text) if text else None
+                        if finish is not None and (out is None or out.blocked_by is None):
+                            tail = scan.finish()
+                            out = StreamOutput(
+                                (out.text_to_emit if out else "") + tail.text_to_emit,
+                                tail.blocked_by,
+                            )
+                        text = out.text_to_emit if out else ""
+                        if out is not None and out.blocked_by is not None:
+                            finish = "content_filter"
+                    if text or d.tokens:
+                        held_tokens += d.tokens
+                        if text:
+                            if not first_ns:
+                                first_ns = marks.now_ns()
+                            send(reply, frames.chunk(text, held_tokens, index))
+                            index += 1
+                            held_tokens = 0
                         completion += d.tokens
-                    if d.finish_reason is not None:
+                    if finish is not None:
                         timings = marks.parse(hdrs)
                         timings["engine_start"] = t_start
                         timings["first_token"] = first_ns or marks.now_ns()
                         timings["engine_end"] = marks.now_ns()
                         completion = d.completion_tokens or completion
-                        prompt_tokens = d.prompt_tokens
+                        prompt_tokens = d.prompt_tokens if d.finish_reason else -1
+                        if finish == "content_filter":
+                            self.log.info(
+                                "output_blocked",
+                                request_id=rid,
+                                detector=scan.blocked_by if scan else None,
+                            )
                         send(
-                            reply,
-                            frames.final(d.finish_reason, d.prompt_tokens, completion, timings),
+                            reply, frames.final(finish, max(0, prompt_tokens), completion, timings)
                         )
-                        outcome = d.finish_reason
+                        outcome = finish
                         break
                 else:
                     raise E.EngineError("the engine ended the stream without a finish reason")

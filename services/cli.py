@@ -11,7 +11,16 @@ from typing import Any
 from services import config as cfgmod
 from telemetry import logging as tlog
 
-SERVICES = ("bridge", "ingress", "auth", "ratelimit", "router", "worker", "openai-http")
+SERVICES = (
+    "bridge",
+    "ingress",
+    "auth",
+    "ratelimit",
+    "filter",
+    "router",
+    "worker",
+    "openai-http",
+)
 
 
 def _worker_flags(p: argparse.ArgumentParser) -> None:
@@ -165,6 +174,10 @@ async def _serve(a: argparse.Namespace, s: cfgmod.Settings) -> int:
         from auth.ratelimit import RateLimit
 
         svc = RateLimit(s)
+    elif a.service == "filter":
+        from filter.service import Filter
+
+        svc = Filter(s)
     elif a.service == "router":
         from router.service import Router
 

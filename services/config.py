@@ -73,6 +73,24 @@ class RateLimitSettings(BaseModel):
     )
 
 
+class FilterSettings(BaseModel):
+    """The content filter stage and output scanning."""
+
+    default_policy: str = Field(
+        default="default", description="Policy for requests whose key names none."
+    )
+    policies: dict[str, dict[str, Any]] = Field(
+        default_factory=dict,
+        description="Named policies (FilterPolicy fields) besides the built-in 'default', "
+        "'strict' and 'off'.",
+    )
+    window: int | None = Field(
+        default=None,
+        description="Output hold-back in characters (default: what the "
+        "policy's longest pattern needs).",
+    )
+
+
 class SimSettings(BaseModel):
     """The simulated continuous-batching engine (see engine_worker/backends/sim.py)."""
 
@@ -146,6 +164,7 @@ class Settings(BaseSettings):
     ingress: IngressSettings = Field(default_factory=IngressSettings)
     router: RouterSettings = Field(default_factory=RouterSettings)
     ratelimit: RateLimitSettings = Field(default_factory=RateLimitSettings)
+    filter: FilterSettings = Field(default_factory=FilterSettings)
     worker: WorkerSettings = Field(default_factory=WorkerSettings)
     up: UpSettings = Field(default_factory=UpSettings)
 

@@ -112,6 +112,7 @@ async def stack(
     with_router: bool = True,
     auths: int = 0,
     ratelimits: int = 0,
+    filters: int = 0,
     worker: dict[str, Any] | None = None,
     **over: Any,
 ) -> AsyncIterator[dict[str, Any]]:
@@ -125,13 +126,22 @@ async def stack(
     w = {"model": model, "heartbeat_interval_s": 0.2, **(worker or {})}
     from auth.ratelimit import RateLimit
 
-    svcs: dict[str, Any] = {"workers": [], "auth": [], "ratelimit": []}
-    if auths or ratelimits:
-        stages = ["auth"] * bool(auths) + ["ratelimit"] * bool(ratelimits) + ["route"]
+    svcs: dict[str, Any] = {"workers": [], "auth": [], "ratelimit": [], "filter": []}
+    from filter.service import Filter
+
+    if auths or ratelimits or filters:
+        stages = (
+            ["auth"] * bool(auths)
+            + ["ratelimit"] * bool(ratelimits)
+            + ["filter"] * bool(filters)
+            + ["route"]
+        )
         over.setdefault("ingress", {"pipeline": stages})
     async with contextlib.AsyncExitStack() as es:
         for _ in range(auths):
             svcs["auth"].append(await es.enter_async_context(Auth(settings(url, **over))))
+        for _ in range(filters):
+            svcs["filter"].append(await es.enter_async_context(Filter(settings(url, **over))))
         for _ in range(ratelimits):
             svcs["ratelimit"].append(await es.enter_async_context(RateLimit(settings(url, **over))))
         if with_ingress:

@@ -1,0 +1,106 @@
+"""The filter stage: scans a request's messages with the principal's policy.
+
+Block → 400 ``content_blocked.<detector>`` (the sensitive text is never echoed); redact →
+the messages go on with the matches replaced; flag → the detectors are noted in a header
+and the log. The resolved policy travels in the envelope, so the worker scans the output
+stream with the same engine.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from nats.aio.msg import Msg
+
+from bus_schemas import codec, subjects
+from bus_schemas import errors as E
+from bus_schemas import headers as H
+from filter.policy import FilterPolicy
+from filter.scanner import Scanner
+from services.config import FilterSettings
+from services.runtime import Service
+
+OFF = "off"
+
+
+class Policies:
+    """Named policies: the built-in presets, ``off``, and those configured."""
+
+    def __init__(self, cfg: FilterSettings) -> None:
+        self.default = cfg.default_policy
+        self._named: dict[str, FilterPolicy | None] = {
+            "default": FilterPolicy(),
+            "strict": FilterPolicy.strict(),
+            OFF: None,
+        }
+        for name, fields in cfg.policies.items():
+            self._named[name] = FilterPolicy.from_dict(fields)
+        self._scanners: dict[str, Scanner] = {}
+
+    def get(self, name: str | None) -> tuple[str, FilterPolicy | None]:
+        key = name if name in self._named else self.default
+        return key, self._named.get(key, FilterPolicy())
+
+    def scanner(self, name: str, policy: FilterPolicy) -> Scanner:
+        sc = self._scanners.get(name)
+        if sc is None:
+            sc = self._scanners[name] = Scanner(policy)
+        return sc
+
+
+def scan_envelope(env: dict[str, Any], scanner: Scanner) -> tuple[bool, list[str]]:
+    """Scan (and redact in place) the envelope's text; returns (changed, flagged ids)."""
+    changed = False
+    flagged: list[str] = []
+    texts: list[tuple[dict[str, Any], str]] = []
+    for m in env.get("messages") or ():
+        texts.append((m, "content"))
+    if env.get("prompt") is not None:
+        texts.append((env, "prompt"))
+    for holder, field in texts:
+        text = holder.get(field)
+        if not isinstance(text, str) or not text:
+            continue
+        res = scanner.scan(text)
+        if res.blocked:
+            raise E.ContentBlocked(
+                f"the request was blocked by the content filter ({res.blocked}); remove "
+                "that content and send it again",
+                param=res.blocked,
+            )
+        if res.redacted:
+            holder[field] = res.redacted_text
+            changed = True
+        flagged.extend(res.flagged)
+    return changed, flagged
+
+
+class Filter(Service):
+    """Scans input messages; hands the policy on for output scanning."""
+
+    name = subjects.STAGE_FILTER
+
+    async def setup(self) -> None:
+        self.policies = Policies(self.settings.filter)
+        await self.add_endpoint(
+            "filter",
+            subjects.stage(subjects.STAGE_FILTER),
+            self.handle,
+            queue=subjects.STAGE_FILTER,
+        )
+
+    async def handle(self, msg: Msg) -> None:
+        hdrs = dict(msg.headers or {})
+        name, policy = self.policies.get(hdrs.get(H.FILTER_POLICY))
+        if policy is None:
+            await self.forward_next(msg, hdrs, msg.data)
+            return
+        env = codec.decode_map(msg.data)
+        _, flagged = scan_envelope(env, self.policies.scanner(name, policy))
+        if flagged:
+            hdrs[H.FILTER_FLAGS] = ",".join(sorted(set(flagged)))
+            self.log.info(
+                "content_flagged", request_id=hdrs.get(H.REQUEST_ID), detectors=sorted(set(flagged))
+            )
+        env["filter_policy"] = policy.to_dict()
+        await self.forward_next(msg, hdrs, codec.encode(env))
