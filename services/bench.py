@@ -43,6 +43,8 @@ class Target:
     mode: str  # http | nats
     url: str
     pids: dict[str, int] = field(default_factory=dict)
+    api_key: str | None = None
+    login: dict[str, str] = field(default_factory=dict)
 
 
 def add_parser(sub: Any) -> None:
@@ -80,6 +82,13 @@ def add_parser(sub: Any) -> None:
     g.add_argument("--sim-max-running", type=int, default=1024)
     g.add_argument("--bridge-processes", type=int, default=1)
     g.add_argument("--nats-too", action="store_true", help="--spawn: also measure over NATS")
+    g.add_argument(
+        "--pipeline",
+        default="route",
+        help="--spawn: stages before the router, e.g. auth,ratelimit,filter,route "
+        "(a key with generous limits is created for the run)",
+    )
+    b.add_argument("--api-key", help="API key sent with every request")
 
 
 # -- one request ------------------------------------------------------------------------------
@@ -125,12 +134,14 @@ async def http_request(session: Any, url: str, body: dict[str, Any], timeout: fl
     return Result(True, first - t0, end - t0, tbt, tokens)
 
 
-async def nats_request(client: Any, body: dict[str, Any], timeout: float) -> Result:
+async def nats_request(
+    client: Any, body: dict[str, Any], timeout: float, api_key: str | None = None
+) -> Result:
     from bus_schemas.errors import TokenbusError
 
     t0 = time.perf_counter()
     first = last = 0.0
-    stream = client.submit("chat", body, timeout=timeout)
+    stream = client.submit("chat", body, timeout=timeout, api_key=api_key)
     try:
         async for _ in stream:
             now = time.perf_counter()
@@ -210,11 +221,12 @@ async def run_level(
         session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, force_close=False),
             timeout=aiohttp.ClientTimeout(total=None),
+            headers={"Authorization": f"Bearer {target.api_key}"} if target.api_key else None,
         )
     else:
         from bus_schemas.client import Client
 
-        client = await Client.connect(target.url)
+        client = await Client.connect(target.url, **target.login)
 
     async def one_client() -> None:
         nonlocal remaining
@@ -223,7 +235,7 @@ async def run_level(
             if session is not None:
                 results.append(await http_request(session, target.url, body, a.timeout))
             else:
-                results.append(await nats_request(client, body, a.timeout))
+                results.append(await nats_request(client, body, a.timeout, target.api_key))
 
     async def sample() -> None:
         while True:
@@ -303,6 +315,21 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+async def _bench_key(url: str) -> str:
+    """A key whose limits are far above what a run can use, so every stage does its work."""
+    import nats
+
+    from auth.store import KeyStore
+
+    nc = await nats.connect(url)
+    try:
+        store = await KeyStore(nc).open(watch=False)
+        key, _ = await store.create("bench", rpm=10**9, tpm=10**12, max_concurrent=10**6)
+    finally:
+        await nc.drain()
+    return key
+
+
 async def spawn_stack(a: argparse.Namespace, sup: Any) -> tuple[list[Target], Any]:
     from services.launcher import (
         Child,
@@ -331,7 +358,11 @@ async def spawn_stack(a: argparse.Namespace, sup: Any) -> tuple[list[Target], An
             break
         await asyncio.sleep(0.05)
     url = f"nats://127.0.0.1:{nats_port}"
-    env = {"TOKENBUS_NATS_URL": url, "TOKENBUS_LOG_LEVEL": "warning"}
+    env = {
+        "TOKENBUS_NATS_URL": url,
+        "TOKENBUS_LOG_LEVEL": "warning",
+        "TOKENBUS_INGRESS__PIPELINE": json.dumps(a.pipeline.split(",")),
+    }
     sim = [
         "--model",
         a.model,
@@ -344,8 +375,10 @@ async def spawn_stack(a: argparse.Namespace, sup: Any) -> tuple[list[Target], An
         "--max-concurrency",
         str(a.sim_max_running),
     ]
-    await sup.add(Child("ingress", cli_argv("serve", "ingress"), env))
-    await sup.add(Child("router", cli_argv("serve", "router"), env))
+    stages = [s for s in a.pipeline.split(",") if s and s != "route"]
+    for name in ["ingress", *stages, "router"]:
+        await sup.add(Child(name, cli_argv("serve", name), env))
+    key = await _bench_key(url) if "auth" in stages else None
     await sup.add(Child("worker", cli_argv("serve", "worker", "--replica", "bench-0", *sim), env))
     bridges = BridgeSettings(port=bridge_port, processes=a.bridge_processes)
     for child in bridge_children(bridges, env):
@@ -357,9 +390,13 @@ async def spawn_stack(a: argparse.Namespace, sup: Any) -> tuple[list[Target], An
     await _wait_http(f"http://127.0.0.1:{direct_port}/ready")
     pids = {c.name: c.proc.pid for c in sup.children if c.proc is not None}
     stack_pids = {k: v for k, v in pids.items() if k != "direct"}
-    targets = [Target("tokenbus-http", "http", f"http://127.0.0.1:{bridge_port}/v1", stack_pids)]
+    targets = [
+        Target(
+            "tokenbus-http", "http", f"http://127.0.0.1:{bridge_port}/v1", stack_pids, api_key=key
+        )
+    ]
     if a.nats_too:
-        targets.append(Target("tokenbus-nats", "nats", url, stack_pids))
+        targets.append(Target("tokenbus-nats", "nats", url, stack_pids, api_key=key))
     targets.append(
         Target("direct", "http", f"http://127.0.0.1:{direct_port}/v1", {"direct": pids["direct"]})
     )
@@ -417,9 +454,9 @@ async def main(a: argparse.Namespace, s: Settings) -> int:
         sup = Supervisor(Path(tempfile.mkdtemp(prefix="tokenbus-bench-logs-")), echo=False)
         targets, nats = await spawn_stack(a, sup)
     elif a.mode == "nats":
-        targets = [Target("tokenbus-nats", "nats", s.url())]
+        targets = [Target("tokenbus-nats", "nats", s.url(), api_key=a.api_key, login=s.nats_auth())]
     else:
-        targets = [Target("target", "http", a.url.rstrip("/"))]
+        targets = [Target("target", "http", a.url.rstrip("/"), api_key=a.api_key)]
     if a.baseline_url and not a.spawn:
         targets.append(Target("baseline", "http", a.baseline_url.rstrip("/")))
     levels: list[dict[str, Any]] = []

@@ -143,7 +143,16 @@ def _settings(a: argparse.Namespace) -> cfgmod.Settings:
         over["up"] = {"workers": a.workers, "nats_port": a.nats_port, "data_dir": a.data_dir}
     if a.cmd == "serve":
         over["bridge"]["processes"] = a.processes
-    return cfgmod.load(a.config, **over)
+    s = cfgmod.load(a.config, **over)
+    if a.cmd in ("status", "keys", "bench") and not s.nats_user:
+        # Operator commands next to a `tokenbus up` log in as its admin on the locked bus.
+        from pathlib import Path
+
+        users = Path(s.up.data_dir) / "nats-locked" / "nats-users.json"
+        if users.exists():
+            admin = json.loads(users.read_text())["admin"]
+            s = s.model_copy(update={"nats_user": "admin", "nats_password": admin})
+    return s
 
 
 async def _serve(a: argparse.Namespace, s: cfgmod.Settings) -> int:

@@ -19,7 +19,7 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
-from bus_schemas.subjects import STAGE_ROUTE
+from bus_schemas.subjects import STAGE_AUTH, STAGE_FILTER, STAGE_RATELIMIT, STAGE_ROUTE
 
 DEFAULT_MODEL = "tokenbus-sim"
 
@@ -47,8 +47,9 @@ class IngressSettings(BaseModel):
     """Validates requests and starts them down the pipeline."""
 
     pipeline: list[str] = Field(
-        default_factory=lambda: [STAGE_ROUTE],
-        description="Stages a request passes after ingress; the router is always last.",
+        default_factory=lambda: [STAGE_AUTH, STAGE_RATELIMIT, STAGE_FILTER, STAGE_ROUTE],
+        description="Stages a request passes after ingress; the router is always last. "
+        '["route"] alone runs without keys, limits or filtering.',
     )
     default_max_tokens: int = Field(default=512, ge=1)
     max_prompt_chars: int = Field(default=1_000_000, description="Longer prompts get 413.")
@@ -144,6 +145,10 @@ class UpSettings(BaseModel):
     nats_port: int = Field(default=4222, description="Port of the embedded nats-server.")
     data_dir: str = Field(default=".tokenbus", description="JetStream data, logs, pid files.")
     restart_backoff_s: float = 1.0
+    locked: bool = Field(
+        default=True,
+        description="Start the embedded nats-server with the generated per-role config.",
+    )
 
 
 class Settings(BaseSettings):

@@ -14,7 +14,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bus_schemas import subjects
 from services.config import BridgeSettings, Settings
+from services.natsconf import generate, role_env
 from services.runtime import stop_event
 
 
@@ -121,6 +123,31 @@ class Supervisor:
                     await c.proc.wait()  # type: ignore[union-attr]
 
 
+async def ensure_dev_key(url: str, path: Path, auth: dict[str, str]) -> str:
+    """The development API key: created on first start, then read from ``path`` (0600)."""
+    if path.exists():
+        return path.read_text().strip()
+    import nats
+
+    from auth.store import KeyStore
+
+    login = (
+        {"user": auth["TOKENBUS_NATS_USER"], "password": auth["TOKENBUS_NATS_PASSWORD"]}
+        if auth
+        else {}
+    )
+    nc = await nats.connect(url, **login)
+    try:
+        store = await KeyStore(nc).open(watch=False)
+        key, _ = await store.create("dev", owner="tokenbus up", admin=True)
+    finally:
+        await nc.drain()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(key + "\n")
+    return key
+
+
 def cli_argv(*args: str) -> list[str]:
     return [sys.executable, "-m", "services.cli", *args]
 
@@ -165,6 +192,7 @@ async def up(settings: Settings, *, config_file: str | None = None) -> int:
     if config_file:
         env["TOKENBUS_CONFIG"] = str(Path(config_file).resolve())
     nats_proc: asyncio.subprocess.Process | None = None
+    users: Path | None = None
     if settings.nats_url is None:
         port = settings.up.nats_port
         if port_open("127.0.0.1", port):
@@ -176,18 +204,13 @@ async def up(settings: Settings, *, config_file: str | None = None) -> int:
             return 2
         (data / "nats").mkdir(parents=True, exist_ok=True)
         log = open(data / "logs" / "nats-server.log", "ab")  # noqa: SIM115
+        if settings.up.locked:
+            conf, users = generate(data / "nats-locked", port=port, store_dir=str(data / "nats"))
+            args = ["-c", str(conf)]
+        else:
+            args = ["-a", "127.0.0.1", "-p", str(port), "-js", "-sd", str(data / "nats")]
         nats_proc = await asyncio.create_subprocess_exec(
-            nats_server_binary(),
-            "-a",
-            "127.0.0.1",
-            "-p",
-            str(port),
-            "-js",
-            "-sd",
-            str(data / "nats"),
-            stdout=log,
-            stderr=log,
-            start_new_session=True,
+            nats_server_binary(), *args, stdout=log, stderr=log, start_new_session=True
         )
         log.close()
         for _ in range(100):
@@ -201,21 +224,36 @@ async def up(settings: Settings, *, config_file: str | None = None) -> int:
                 file=sys.stderr,
             )
             return 1
-        print(f"  nats-server (embedded, JetStream in {data / 'nats'}) on nats://127.0.0.1:{port}")
+        locked = " (locked: a user per role, see " + str(users) + ")" if users else ""
+        print(
+            f"  nats-server (embedded, JetStream in {data / 'nats'}) on "
+            f"nats://127.0.0.1:{port}{locked}"
+        )
     env["TOKENBUS_NATS_URL"] = settings.url()
 
+    def as_role(role: str) -> dict[str, str]:
+        return {**env, **role_env(users, role)} if users else env
+
+    dev_key = None
+    if subjects.STAGE_AUTH in settings.ingress.pipeline:
+        dev_key = await ensure_dev_key(
+            settings.url(), data / "dev-key", role_env(users, "admin") if users else {}
+        )
     b = settings.bridge
-    await sup.add(Child("ingress", cli_argv("serve", "ingress"), env))
-    await sup.add(Child("router", cli_argv("serve", "router"), env))
+    for stage in ["ingress", *[s for s in settings.ingress.pipeline if s != "route"], "router"]:
+        await sup.add(Child(stage, cli_argv("serve", stage), as_role(stage)))
     for i in range(settings.up.workers):
         await sup.add(
             Child(
                 f"worker-{i}",
                 cli_argv("serve", "worker", "--replica", f"{settings.worker.backend}-{i}"),
-                env,
+                as_role("worker"),
             )
         )
-    for child in bridge_children(b, env):
+    bridge_env = as_role("bridge")
+    if users:
+        bridge_env = {**bridge_env, "TOKENBUS_BRIDGE__FUSE_ROUTER": "false"}
+    for child in bridge_children(b, bridge_env):
         await sup.add(child)
     stop = stop_event()
     watcher = asyncio.get_running_loop().create_task(sup.watch())
@@ -227,9 +265,18 @@ async def up(settings: Settings, *, config_file: str | None = None) -> int:
             f"tokenbus is up: {base}/v1  (model: {settings.worker.model}, "
             f"{settings.up.workers} worker(s), logs in {sup.log_dir})"
         )
+        auth = f" -H 'Authorization: Bearer {dev_key}'" if dev_key else ""
+        if dev_key:
+            print(f"  dev API key (admin; kept in {data / 'dev-key'}):")
+            print(f"  {dev_key}")
         print(
-            "  try: curl -s " + base + "/v1/chat/completions -H 'Content-Type: application/json'"
-            ' -d \'{"model":"' + settings.worker.model + '","messages":[{"role":"user",'
+            "  try: curl -s "
+            + base
+            + "/v1/chat/completions -H 'Content-Type: application/json'"
+            + auth
+            + ' -d \'{"model":"'
+            + settings.worker.model
+            + '","messages":[{"role":"user",'
             '"content":"hello"}]}\''
         )
         print("  Ctrl-C stops everything.", flush=True)
@@ -240,7 +287,10 @@ async def up(settings: Settings, *, config_file: str | None = None) -> int:
     await stop.wait()
     print("stopping tokenbus ...", flush=True)
     watcher.cancel()
-    await sup.stop(settings.drain_timeout_s, order=["bridge", "ingress", "router", "worker"])
+    await sup.stop(
+        settings.drain_timeout_s,
+        order=["bridge", "ingress", "auth", "ratelimit", "filter", "router", "worker"],
+    )
     if nats_proc is not None and nats_proc.returncode is None:
         nats_proc.send_signal(signal.SIGTERM)
         try:

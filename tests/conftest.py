@@ -98,6 +98,7 @@ def model() -> str:
 
 def settings(url: str, **over: Any) -> config.Settings:
     over.setdefault("log_level", "warning")
+    over.setdefault("ingress", {"pipeline": ["route"]})
     over.setdefault("drain_timeout_s", 10.0)
     return config.load(nats_url=url, **over)
 
@@ -217,6 +218,8 @@ class Procs:
             "TOKENBUS_LOG_LEVEL": "info",
             "TOKENBUS_DRAIN_TIMEOUT_S": "15",
             "TOKENBUS_WORKER__HEARTBEAT_INTERVAL_S": "0.2",
+            # The safety stages are tested where a test starts them.
+            "TOKENBUS_INGRESS__PIPELINE": '["route"]',
         }
         self.procs: list[Proc] = []
 

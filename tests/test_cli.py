@@ -70,8 +70,19 @@ def test_up_serves_restarts_crashed_children_and_stops_cleanly(tmp_path: Path) -
     try:
         banner = _wait_line(proc, "tokenbus is up", lines)
         assert f"http://127.0.0.1:{port}/v1" in banner
-        assert any("nats-server (embedded" in ln for ln in lines)
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+        assert any("nats-server (embedded" in ln and "locked" in ln for ln in lines)
+        key = _wait_line(proc, "  tb-", lines).strip()
+        assert any("dev API key" in ln for ln in lines)
+        assert key.startswith("tb-")
+        assert (tmp_path / "data" / "dev-key").read_text().strip() == key
+        assert (tmp_path / "data" / "dev-key").stat().st_mode & 0o777 == 0o600
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(
+                base_url=f"http://127.0.0.1:{port}/v1", api_key="wrong", max_retries=0
+            ).chat.completions.create(
+                model="tokenbus-sim", messages=[{"role": "user", "content": "hi"}]
+            )
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, max_retries=0)
         out = client.chat.completions.create(
             model="tokenbus-sim", messages=[{"role": "user", "content": "hi"}], max_tokens=4
         )
@@ -99,6 +110,25 @@ def test_up_serves_restarts_crashed_children_and_stops_cleanly(tmp_path: Path) -
             client.chat.completions.create(
                 model="tokenbus-sim", messages=[{"role": "user", "content": "hi"}], max_tokens=2
             )
+        # Operator commands find the locked bus' admin login on their own.
+        st = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "services.cli",
+                "--nats-url",
+                f"nats://127.0.0.1:{nats_port}",
+                "status",
+                "--json",
+            ],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            timeout=60,
+            env={**_env(), "TOKENBUS_UP__DATA_DIR": str(tmp_path / "data")},
+        )
+        assert st.returncode == 0, st.stdout + st.stderr
+        assert len(json.loads(st.stdout)["replicas"]) == 2
     finally:
         proc.send_signal(signal.SIGINT)
         rc = proc.wait(60)
