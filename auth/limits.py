@@ -20,6 +20,7 @@ logs) or closed (503), per ``ratelimit.fail_open``.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import time
@@ -33,6 +34,8 @@ from nats.js.errors import BucketNotFoundError, KeyNotFoundError, KeyWrongLastSe
 from nats.js.kv import KeyValue
 
 from bus_schemas import errors as E
+
+Change = Callable[[dict[str, Any]], dict[str, Any]]
 
 BUCKET = "tokenbus_ratelimit"
 WINDOW_S = 60
@@ -68,6 +71,8 @@ class Limiter:
         self.nc = nc
         self.bucket = bucket
         self.kv: KeyValue | None = None
+        self._queues: dict[str, list[tuple[Change, asyncio.Future[Any]]]] = {}
+        self._busy: set[str] = set()
 
     async def open(self) -> Limiter:
         js = self.nc.jetstream()
@@ -87,25 +92,63 @@ class Limiter:
     async def _cas(
         self, key: str, change: Callable[[dict[str, Any]], dict[str, Any]]
     ) -> dict[str, Any]:
-        """Apply ``change`` to the entry at ``key`` atomically; ``change`` may raise."""
+        """Apply ``change`` to the entry at ``key`` atomically; ``change`` may raise.
+
+        Changes to one key from this instance are batched: while one compare-and-set is in
+        flight, later ones queue and go together in the next, applied in arrival order. A
+        hot key then costs one KV round trip per batch, and at most one writer per limiter
+        instance races on it, instead of one per request.
+        """
+        fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        queue = self._queues.setdefault(key, [])
+        queue.append((change, fut))
+        if key not in self._busy:
+            self._busy.add(key)
+            try:
+                while self._queues.get(key):
+                    batch = self._queues.pop(key)
+                    try:
+                        await self._cas_batch(key, batch)
+                    except Exception as exc:
+                        for _, f in batch:
+                            if not f.done():
+                                f.set_exception(exc)
+            finally:
+                self._busy.discard(key)
+        return await fut
+
+    async def _cas_batch(self, key: str, batch: list[tuple[Change, asyncio.Future[Any]]]) -> None:
         kv = self._kv()
         for _ in range(_MAX_CAS_TRIES):
             try:
                 entry = await kv.get(key)
-                cur = json.loads(entry.value) if entry.value else {}
+                state = json.loads(entry.value) if entry.value else {}
                 rev: int | None = entry.revision
             except KeyNotFoundError:
-                cur, rev = {}, None
-            new = change(dict(cur))
-            data = json.dumps(new, separators=(",", ":")).encode()
+                state, rev = {}, None
+            outcomes: list[dict[str, Any] | Exception] = []
+            for change, _ in batch:
+                try:
+                    state = change(dict(state))
+                    outcomes.append(state)
+                except E.TokenbusError as exc:  # refused: the state stays as it was
+                    outcomes.append(exc)
+            data = json.dumps(state, separators=(",", ":")).encode()
             try:
                 if rev is None:
                     await kv.create(key, data)
                 else:
                     await kv.update(key, data, last=rev)
-                return new
             except KeyWrongLastSequenceError:
-                continue  # another instance won this round: read again
+                continue  # another instance won this round: read again, redo the batch
+            for (_, fut), out in zip(batch, outcomes, strict=True):
+                if fut.done():
+                    continue
+                if isinstance(out, Exception):
+                    fut.set_exception(out)
+                else:
+                    fut.set_result(out)
+            return
         raise E.ServiceUnavailable("rate limiter contention: retry")
 
     async def admit(

@@ -76,6 +76,8 @@ def add_parser(sub: Any) -> None:
     b.add_argument("--timeout", type=float, default=300.0, help="per request, seconds")
     b.add_argument("--out", help="JSON file (default bench-results/bench-<time>.json)")
     b.add_argument("--no-progress", action="store_true")
+    b.add_argument("--filter-cost", action="store_true",
+                   help="measure the content filter alone: us per KB and per streamed token")
     g = b.add_argument_group("--spawn: the simulated engine")
     g.add_argument("--sim-prefill-ms", type=float, default=20.0)
     g.add_argument("--sim-decode-ms", type=float, default=10.0)
@@ -445,6 +447,15 @@ def print_table(levels: list[dict[str, Any]]) -> None:
 
 
 async def main(a: argparse.Namespace, s: Settings) -> int:
+    if a.filter_cost:
+        from filter.bench import measure
+
+        cost = {"tool": "tokenbus bench --filter-cost", **measure()}
+        path = Path(a.out or f"bench-results/filter-{time.strftime('%Y%m%d-%H%M%S')}.json")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(cost, indent=2))
+        print(json.dumps(cost, indent=2))
+        return 0
     levels_c = [int(x) for x in a.concurrency.split(",") if x.strip()]
     progress = not a.no_progress and sys.stderr.isatty()
     sup = nats = None

@@ -1,0 +1,159 @@
+"""Fuzz the bridge with bad keys and bad bodies (hypothesis): never a 5xx, every error in
+OpenAI's shape, and every service still serving afterwards."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import nats
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from auth.store import KeyStore
+from tests.conftest import NatsServer, Procs, free_port, wait_http, wait_replicas
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner, max_size=4)
+    ),
+    max_leaves=12,
+)
+fields = {
+    "model": st.one_of(st.text(max_size=30), json_values),
+    "messages": st.one_of(
+        st.lists(
+            st.fixed_dictionaries(
+                {
+                    "role": st.sampled_from(["user", "system", "robot"]),
+                    "content": st.one_of(st.text(max_size=50), json_values),
+                }
+            ),
+            max_size=3,
+        ),
+        json_values,
+    ),
+    "max_tokens": st.one_of(st.integers(-5, 100), json_values),
+    "temperature": st.one_of(st.floats(allow_nan=False), json_values),
+    "stop": st.one_of(st.lists(st.text(max_size=5), max_size=6), json_values),
+    "n": st.integers(-1, 3),
+    "stream": st.booleans(),
+    "stream_options": json_values,
+}
+bodies = st.one_of(
+    st.fixed_dictionaries({}, optional=fields),
+    json_values,
+    st.binary(max_size=200),
+)
+latin1 = st.text(st.characters(min_codepoint=32, max_codepoint=126), max_size=80)
+keys = st.one_of(
+    st.none(),
+    latin1,
+    st.builds(lambda s: f"tb-{s}", latin1),
+    st.just("tb-000000000000_" + "A" * 43),
+)
+
+
+class FuzzStack:
+    def __init__(self, base: str, key: str, model: str, procs: Procs) -> None:
+        self.base, self.key, self.model, self.procs = base, key, model, procs
+
+
+@pytest.fixture(scope="module")
+def fuzz_stack(
+    nats_server: NatsServer, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[FuzzStack]:
+    model = f"m-{uuid.uuid4().hex[:8]}"
+    procs = Procs(nats_server.url, tmp_path_factory.mktemp("fuzz"))
+    env = {
+        "TOKENBUS_INGRESS__PIPELINE": '["auth", "ratelimit", "filter", "route"]',
+        "TOKENBUS_BRIDGE__MAX_BODY_BYTES": "4096",
+    }
+    port = free_port()
+    for name in ("ingress", "auth", "ratelimit", "filter", "router"):
+        procs.start(name, "serve", name, env=env)
+    procs.start(
+        "worker",
+        "serve",
+        "worker",
+        "--model",
+        model,
+        "--sim-prefill-ms",
+        "1",
+        "--sim-decode-ms",
+        "1",
+        env=env,
+    )
+    procs.start("bridge", "serve", "bridge", "--port", str(port), env=env)
+    key = asyncio.run(_setup(nats_server.url, model, f"http://127.0.0.1:{port}"))
+    yield FuzzStack(f"http://127.0.0.1:{port}", key, model, procs)
+    procs.stop_all()
+
+
+async def _setup(url: str, model: str, base: str) -> str:
+    nc = await nats.connect(url)
+    store = await KeyStore(nc).open(watch=False)
+    key, _ = await store.create("fuzz", rpm=100_000, tpm=10**9, max_concurrent=1000)
+    await nc.drain()
+    await wait_replicas(url, model, 1)
+    await wait_http(f"{base}/ready")
+    await asyncio.sleep(0.5)
+    return key
+
+
+def _check(r: httpx.Response) -> None:
+    assert r.status_code < 500, r.text
+    if r.status_code >= 400:
+        err = r.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"}
+        assert "Traceback" not in err["message"]
+
+
+@settings(
+    max_examples=150,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(
+    body=bodies,
+    key=keys,
+    use_real_key=st.booleans(),
+    path=st.sampled_from(["/v1/chat/completions", "/v1/completions"]),
+)
+def test_bad_keys_and_bodies_never_5xx(
+    fuzz_stack: FuzzStack, body: Any, key: str | None, use_real_key: bool, path: str
+) -> None:
+    headers = {"Content-Type": "application/json"}
+    k = fuzz_stack.key if use_real_key else key
+    if k is not None:
+        headers["Authorization"] = f"Bearer {k}"
+    if isinstance(body, dict) and use_real_key and "model" not in body:
+        body = {**body, "model": fuzz_stack.model}
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    with httpx.Client(base_url=fuzz_stack.base, timeout=30) as h:
+        r = h.post(path, content=content, headers=headers)
+    _check(r)
+
+
+def test_everything_still_serves_after_the_fuzzing(fuzz_stack: FuzzStack) -> None:
+    assert all(p.alive() for p in fuzz_stack.procs.procs)
+    with httpx.Client(base_url=fuzz_stack.base, timeout=30) as h:
+        r = h.post(
+            "/v1/chat/completions",
+            json={
+                "model": fuzz_stack.model,
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 2,
+            },
+            headers={"Authorization": f"Bearer {fuzz_stack.key}"},
+        )
+    assert r.status_code == 200
+    for p in fuzz_stack.procs.procs:
+        assert "Traceback" not in p.output(), p.name
+        assert fuzz_stack.key not in p.output(), p.name
