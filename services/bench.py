@@ -76,8 +76,11 @@ def add_parser(sub: Any) -> None:
     b.add_argument("--timeout", type=float, default=300.0, help="per request, seconds")
     b.add_argument("--out", help="JSON file (default bench-results/bench-<time>.json)")
     b.add_argument("--no-progress", action="store_true")
-    b.add_argument("--filter-cost", action="store_true",
-                   help="measure the content filter alone: us per KB and per streamed token")
+    b.add_argument(
+        "--filter-cost",
+        action="store_true",
+        help="measure the content filter alone: us per KB and per streamed token",
+    )
     g = b.add_argument_group("--spawn: the simulated engine")
     g.add_argument("--sim-prefill-ms", type=float, default=20.0)
     g.add_argument("--sim-decode-ms", type=float, default=10.0)
