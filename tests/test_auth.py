@@ -57,7 +57,7 @@ async def test_keys_work_across_two_auth_instances_and_revocation_is_quick(
         ):
             await wait_for_key(svcs, rec.id)
             outs = await asyncio.gather(
-                *(c.chat_completion(model, MSG, max_tokens=2, api_key=key) for _ in range(10))
+                *(c.chat_completion(model, MSG, max_tokens=2, api_key=key) for _ in range(24))
             )
             assert all(o.usage.completion_tokens == 2 for o in outs)
             served = [a.discovery.endpoints[0].num_requests for a in svcs["auth"]]
