@@ -122,6 +122,9 @@ class Service:
         self._bounce_sub = await self.nc.subscribe(f"{self._bounce_prefix}.*", cb=self._on_bounce)
         await self.setup()
         await self.discovery.start(self.nc)
+        # Subscriptions are only in effect once the server has them: until this round trip
+        # a request could find "no responders" though the service says it has started.
+        await self.nc.flush(timeout=5)
         self.log.info("service_started", nats=self.settings.url())
 
     async def setup(self) -> None:
