@@ -16,7 +16,7 @@ import contextlib
 import time
 import uuid
 from collections import OrderedDict, deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
@@ -510,9 +510,3 @@ class Client:
     async def completion(self, model: str, prompt: str, **kwargs: Any) -> Completion:
         """A whole text completion (non-streaming)."""
         return await self.completions(model, prompt, **kwargs).collect()
-
-
-async def stream_text(stream: Stream) -> AsyncIterator[str]:
-    """Convenience: the text pieces of a stream."""
-    async for c in stream:
-        yield c.text

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -118,7 +117,3 @@ class Discovery:
                 await nc.publish(msg.reply, json.dumps(fn()).encode())
 
         return cb
-
-
-def monotonic_ns() -> int:
-    return time.perf_counter_ns()

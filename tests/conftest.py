@@ -28,6 +28,21 @@ tlog.setup("warning")
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def run_cli(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 60, check: bool = False
+) -> subprocess.CompletedProcess[str]:
+    """Run ``tokenbus <args>`` (as ``python -m services.cli``) the way a user would."""
+    return subprocess.run(
+        [sys.executable, "-m", "services.cli", *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=timeout,
+        check=check,
+    )
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import subprocess
-import sys
 import time
 from typing import Any
 
@@ -18,7 +17,15 @@ from auth.store import KeyStore
 from bus_schemas import errors as E
 from bus_schemas import subjects
 from bus_schemas.client import Client
-from tests.conftest import ROOT, NatsServer, Procs, free_port, stack, wait_http, wait_replicas
+from tests.conftest import (
+    NatsServer,
+    Procs,
+    free_port,
+    run_cli,
+    stack,
+    wait_http,
+    wait_replicas,
+)
 
 MSG = [{"role": "user", "content": "hi"}]
 
@@ -139,13 +146,7 @@ async def test_the_key_never_reaches_later_stages(nats_server: NatsServer, model
 
 
 def _keys(url: str, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "services.cli", "--nats-url", url, "keys", *args],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=60,
-    )
+    return run_cli("--nats-url", url, "keys", *args, timeout=60)
 
 
 def test_keys_cli(nats_server: NatsServer) -> None:

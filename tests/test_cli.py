@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import ROOT, free_port
+from tests.conftest import ROOT, free_port, run_cli
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -111,19 +111,11 @@ def test_up_serves_restarts_crashed_children_and_stops_cleanly(tmp_path: Path) -
                 model="tokenbus-sim", messages=[{"role": "user", "content": "hi"}], max_tokens=2
             )
         # Operator commands find the locked bus' admin login on their own.
-        st = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "services.cli",
-                "--nats-url",
-                f"nats://127.0.0.1:{nats_port}",
-                "status",
-                "--json",
-            ],
-            capture_output=True,
-            text=True,
-            cwd=ROOT,
+        st = run_cli(
+            "--nats-url",
+            f"nats://127.0.0.1:{nats_port}",
+            "status",
+            "--json",
             timeout=60,
             env={**_env(), "TOKENBUS_UP__DATA_DIR": str(tmp_path / "data")},
         )
@@ -148,20 +140,12 @@ def test_up_refuses_a_taken_nats_port(tmp_path: Path) -> None:
         s.bind(("127.0.0.1", 0))
         s.listen()
         taken = s.getsockname()[1]
-        r = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "services.cli",
-                "up",
-                "--nats-port",
-                str(taken),
-                "--data-dir",
-                str(tmp_path),
-            ],
-            capture_output=True,
-            text=True,
-            cwd=ROOT,
+        r = run_cli(
+            "up",
+            "--nats-port",
+            str(taken),
+            "--data-dir",
+            str(tmp_path),
             env=_env(),
             timeout=60,
         )
@@ -171,30 +155,22 @@ def test_up_refuses_a_taken_nats_port(tmp_path: Path) -> None:
 
 def test_bench_spawn_writes_json_with_both_paths(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "services.cli",
-            "bench",
-            "--spawn",
-            "--nats-too",
-            "--concurrency",
-            "1,4",
-            "--requests-per-client",
-            "2",
-            "--max-tokens",
-            "8",
-            "--sim-prefill-ms",
-            "2",
-            "--sim-decode-ms",
-            "1",
-            "--out",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
+    r = run_cli(
+        "bench",
+        "--spawn",
+        "--nats-too",
+        "--concurrency",
+        "1,4",
+        "--requests-per-client",
+        "2",
+        "--max-tokens",
+        "8",
+        "--sim-prefill-ms",
+        "2",
+        "--sim-decode-ms",
+        "1",
+        "--out",
+        str(out),
         env=_env(),
         timeout=300,
     )
@@ -219,24 +195,16 @@ def test_bench_spawn_writes_json_with_both_paths(tmp_path: Path) -> None:
 
 def test_bench_against_nothing_reports_errors_not_a_crash(tmp_path: Path) -> None:
     out = tmp_path / "b.json"
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "services.cli",
-            "bench",
-            "--url",
-            f"http://127.0.0.1:{free_port()}/v1",
-            "--concurrency",
-            "2",
-            "--requests-per-client",
-            "1",
-            "--out",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
+    r = run_cli(
+        "bench",
+        "--url",
+        f"http://127.0.0.1:{free_port()}/v1",
+        "--concurrency",
+        "2",
+        "--requests-per-client",
+        "1",
+        "--out",
+        str(out),
         env=_env(),
         timeout=120,
     )

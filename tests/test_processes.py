@@ -6,8 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
-import subprocess
-import sys
 import uuid
 from typing import Any
 
@@ -17,11 +15,11 @@ import pytest
 
 from engine_worker.backends.sim import expected_text
 from tests.conftest import (
-    ROOT,
     NatsServer,
     Procs,
     free_port,
     live_replicas,
+    run_cli,
     wait_http,
     wait_replicas,
 )
@@ -241,14 +239,7 @@ async def test_status_lists_replicas_and_load(procs: Procs, model: str) -> None:
         "big",
     )
     await wait_replicas(procs.url, model, 1)
-    out = subprocess.run(
-        [sys.executable, "-m", "services.cli", "--nats-url", procs.url, "status", "--json"],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=30,
-        check=True,
-    ).stdout
+    out = run_cli("--nats-url", procs.url, "status", "--json", timeout=30, check=True).stdout
     rows = [r for r in json.loads(out)["replicas"] if r["model"] == model]
     assert rows == [
         {
@@ -264,32 +255,12 @@ async def test_status_lists_replicas_and_load(procs: Procs, model: str) -> None:
             "draining": False,
         }
     ]
-    table = subprocess.run(
-        [sys.executable, "-m", "services.cli", "--nats-url", procs.url, "status"],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=30,
-        check=True,
-    ).stdout
+    table = run_cli("--nats-url", procs.url, "status", timeout=30, check=True).stdout
     assert "REPLICA" in table and f"{model}-a" in table
 
 
 def test_status_without_nats_is_a_clear_error(tmp_path: Any) -> None:
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "services.cli",
-            "--nats-url",
-            f"nats://127.0.0.1:{free_port()}",
-            "status",
-        ],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=30,
-    )
+    r = run_cli("--nats-url", f"nats://127.0.0.1:{free_port()}", "status", timeout=30)
     assert r.returncode == 1 and "cannot reach NATS" in r.stderr
 
 
