@@ -8,6 +8,9 @@ caller never notices. Used by the router service and, fused in-process, by the H
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 from nats.aio.client import Client as NATS
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
@@ -31,6 +34,16 @@ class Dispatcher:
         self.registry = registry
         self.cfg = cfg
         self.policy = POLICIES[cfg.policy]
+        self.started = time.monotonic()
+
+    async def _warm_up(self, model: str) -> None:
+        """Just after start the registry has not heard every replica's heartbeat yet: wait
+        for a model it has never seen, for at most the warm-up, instead of calling it unknown."""
+        while (  # noqa: ASYNC110 - polls the heartbeat-fed registry, only during warm-up
+            not self.registry.ever_seen(model)
+            and time.monotonic() - self.started < self.cfg.warmup_s
+        ):
+            await asyncio.sleep(0.05)
 
     async def dispatch(self, model: str, data: bytes, hdrs: dict[str, str], reply: str) -> str:
         """Send the envelope ``data`` to a replica of ``model``; returns the replica id.
@@ -42,6 +55,7 @@ class Dispatcher:
         hdrs.pop(H.ROUTE, None)
         tried: set[str] = set()
         last_err: E.TokenbusError | None = None
+        await self._warm_up(model)
         for attempt in range(self.cfg.max_attempts):
             candidates = [r for r in self.registry.live(model) if r.replica not in tried]
             if not candidates:

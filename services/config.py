@@ -62,6 +62,12 @@ class RouterSettings(BaseModel):
     missed_heartbeats: int = Field(default=3, ge=1, description="Beats missed before expiry.")
     dispatch_timeout_s: float = Field(default=2.0, description="Wait for a worker's ack.")
     max_attempts: int = Field(default=3, ge=1, description="Replicas tried per request.")
+    warmup_s: float = Field(
+        default=2.0,
+        ge=0,
+        description="After start, wait this long for a not-yet-heard model's heartbeats "
+        "before answering 404.",
+    )
 
 
 class RateLimitSettings(BaseModel):
