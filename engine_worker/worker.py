@@ -24,7 +24,7 @@ from engine_worker import backends
 from engine_worker.backends.base import Backend, GenerationRequest
 from engine_worker.outbox import Outbox
 from filter.policy import FilterPolicy
-from filter.scanner import StreamOutput, StreamScanner
+from filter.scanner import Scanner, StreamOutput, StreamScanner
 from services.runtime import Service, reply_subject
 
 # How long a cancel that arrived before its request is remembered.
@@ -32,10 +32,24 @@ EARLY_CANCEL_TTL_S = 30.0
 
 
 def output_scanner(policy: dict[str, Any] | None, window: int | None) -> StreamScanner | None:
-    """A stream scanner for the policy the filter stage put in the envelope, if any."""
+    """A stream scanner for the policy the filter stage put in the envelope, if any.
+
+    It runs only the detectors that change the text (block, redact) and holds back only what
+    could still grow into one of their matches, so the first token is not delayed for a
+    detector that would merely flag; flags are found by one whole-text scan at the end
+    (:func:`output_flags`).
+    """
     if not policy:
         return None
-    return StreamScanner(FilterPolicy.from_dict(policy), window=window)
+    return StreamScanner(FilterPolicy.from_dict(policy), window=window, changes_only=True)
+
+
+def output_flags(scan: StreamScanner, text: str) -> list[str]:
+    """Ids of the detectors the policy flags (not blocks or redacts) that ``text`` triggers."""
+    if not text:
+        return []
+    found = Scanner(scan.policy).scan(text).findings
+    return sorted({f.detector for f in found if f.action == "flag"})
 
 
 class Worker(Service):
@@ -208,6 +222,7 @@ class Worker(Service):
             timeout = None if deadline is None else max(0.0, deadline / 1000.0 - time.time())
             index = 0
             scan = output_scanner(env.get("filter_policy"), self.settings.filter.window)
+            raw: list[str] = []  # the engine's text, for the flag scan at the end
             held_tokens = 0
             async with asyncio.timeout(timeout), contextlib.aclosing(stream) as gen:
                 async for d in gen:
@@ -215,6 +230,7 @@ class Worker(Service):
                     finish = d.finish_reason
                     if scan is not None:
                         # The output filter holds back what could still become a match.
+                        raw.append(text)
                         out = scan.feed(text) if text else None
                         if finish is not None and (out is None or out.blocked_by is None):
                             tail = scan.finish()
@@ -251,6 +267,10 @@ class Worker(Service):
                             reply, frames.final(finish, max(0, prompt_tokens), completion, timings)
                         )
                         outcome = finish
+                        if scan is not None:  # after the final frame: off the caller's clock
+                            flags = output_flags(scan, "".join(raw))
+                            if flags:
+                                self.log.info("output_flagged", request_id=rid, detectors=flags)
                         break
                 else:
                     raise E.EngineError("the engine ended the stream without a finish reason")

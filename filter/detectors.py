@@ -78,10 +78,27 @@ class Detector:
     terminator_inclusive: bool = False
     # How far back a resumed terminator search must start (a footer split across chunks).
     terminator_overlap: int = 0
+    # A regex for a suffix of a stream that could still grow into a match of this detector
+    # (anchored at the end by the scanner); ``None``: any word or spaced number in progress.
+    # Streams that only need to hold for text-changing detectors use it (see
+    # ``StreamScanner(changes_only=True)``), so ordinary words are released at once.
+    stream_tail: str | None = None
 
     @property
     def category(self) -> str:
         return self.id.partition(".")[0]
+
+
+def literal_tail(literals: Iterable[str], *, before: str | None, then: str = r"\S*") -> str:
+    """A stream tail for matches that begin with one of ``literals``: a proper prefix of one,
+    or the whole literal followed by ``then``. ``before`` is the character class that may not
+    precede the match (as in the detector's own lookbehind), ``None`` for any."""
+    lits = set(literals)
+    prefixes = {lit[:k] for lit in lits for k in range(1, len(lit))} - lits
+    alts = [re.escape(lit) + then for lit in sorted(lits, key=lambda w: (-len(w), w))]
+    alts += [re.escape(p) for p in sorted(prefixes, key=lambda w: (-len(w), w))]
+    guard = "" if before is None else f"(?<!{before})"
+    return rf"{guard}(?:{'|'.join(alts)})"
 
 
 # --- validators -----------------------------------------------------------------------------
@@ -304,6 +321,7 @@ BUILTIN: tuple[Detector, ...] = (
         terminator=_PEM_FOOTER,
         terminator_inclusive=True,
         terminator_overlap=72,
+        stream_tail=literal_tail(["-----BEGIN "], before=None, then=r"[^\n]*"),
     ),
     Detector(
         "secret.aws_access_key",
@@ -311,6 +329,7 @@ BUILTIN: tuple[Detector, ...] = (
         reach=21,
         description="AWS access key id",
         gate=SECRET_GATE,
+        stream_tail=r"(?<![A-Za-z0-9])A[A-Z0-9]{0,19}",
     ),
     Detector(
         "secret.github_token",
@@ -320,6 +339,9 @@ BUILTIN: tuple[Detector, ...] = (
         reach=112,
         description="GitHub token (ghp_, gho_, ghu_, ghs_, ghr_, github_pat_)",
         gate=SECRET_GATE,
+        stream_tail=literal_tail(
+            [f"gh{c}_" for c in "pousr"] + ["github_pat_"], before="[A-Za-z0-9_]"
+        ),
         terminator=_TOKEN_END,
     ),
     Detector(
@@ -332,6 +354,7 @@ BUILTIN: tuple[Detector, ...] = (
         description="OpenAI-style secret key (sk-, sk-proj-, sk-ant-...)",
         check=_check_random_body(_OPENAI_PREFIX),
         gate=SECRET_GATE,
+        stream_tail=literal_tail(["sk-"], before=r"[A-Za-z0-9_\-]"),
         terminator=_TOKEN_END,
     ),
     Detector(
@@ -340,6 +363,9 @@ BUILTIN: tuple[Detector, ...] = (
         reach=110,
         description="Stripe secret or restricted key",
         gate=SECRET_GATE,
+        stream_tail=literal_tail(
+            [f"{a}k_{b}_" for a in "sr" for b in ("live", "test")], before=r"[A-Za-z0-9_\-]"
+        ),
         terminator=_TOKEN_END,
     ),
     Detector(
@@ -349,6 +375,7 @@ BUILTIN: tuple[Detector, ...] = (
         description="Slack token (xoxb-, xoxp-, ...)",
         check=_check_has_digit,
         gate=SECRET_GATE,
+        stream_tail=literal_tail([f"xox{c}-" for c in "abposr"], before=r"[A-Za-z0-9\-]"),
         terminator=_TOKEN_END,
     ),
     Detector(
@@ -357,6 +384,7 @@ BUILTIN: tuple[Detector, ...] = (
         reach=114,
         description="Slack incoming-webhook URL",
         gate=SECRET_GATE,
+        stream_tail=literal_tail(["https://hooks.slack.com/services/"], before=None),
         terminator=re.compile(r"[^A-Za-z0-9_/]"),
     ),
     Detector(
@@ -365,6 +393,7 @@ BUILTIN: tuple[Detector, ...] = (
         reach=40,
         description="Google API key",
         gate=SECRET_GATE,
+        stream_tail=literal_tail(["AIza"], before=r"[A-Za-z0-9_\-]"),
     ),
     Detector(
         "secret.tokenbus_key",
@@ -373,6 +402,7 @@ BUILTIN: tuple[Detector, ...] = (
         description="tokenbus API key (tb- followed by random url-safe characters)",
         check=_check_random_body(_TB_PREFIX),
         gate=SECRET_GATE,
+        stream_tail=literal_tail(["tb-"], before=r"[A-Za-z0-9_\-]"),
         terminator=_TOKEN_END,
     ),
     Detector(
@@ -390,6 +420,7 @@ BUILTIN: tuple[Detector, ...] = (
         description="payment card number (13-19 digits, Luhn-checked)",
         check=_check_card,
         gate=DIGIT_GATE,
+        stream_tail=r"[0-9][0-9 \-]*",
     ),
     Detector(
         "pii.ssn",
@@ -793,9 +824,16 @@ _TOKEN_TAIL = r"\S+"
 _SPACED_TAIL = r"[+(\-0-9][0-9A-Z +\-().]*|[A-Z]{1,2}(?: ?[0-9][0-9A-Z ]*| )?"
 
 
-def tail_pattern(first_words: Iterable[str], vocabulary: Iterable[str]) -> re.Pattern[str]:
-    """The regex whose leftmost match (anchored at the end) is where the stream must hold."""
-    alts = [_TOKEN_TAIL, _SPACED_TAIL]
+DEFAULT_TAILS = (_TOKEN_TAIL, _SPACED_TAIL)
+
+
+def tail_pattern(
+    first_words: Iterable[str], vocabulary: Iterable[str], tails: Iterable[str] = DEFAULT_TAILS
+) -> re.Pattern[str]:
+    """The regex whose leftmost match (anchored at the end) is where the stream must hold:
+    any of ``tails``, or a chain of words that starts like a phrase (``first_words`` followed
+    by words of ``vocabulary``)."""
+    alts = list(dict.fromkeys(tails))
     first = sorted(set(first_words), key=lambda w: (-len(w), w))
     vocab = sorted(set(vocabulary), key=lambda w: (-len(w), w))
     if first:
@@ -806,6 +844,8 @@ def tail_pattern(first_words: Iterable[str], vocabulary: Iterable[str]) -> re.Pa
             if vocab
             else rf"(?<!\w)(?i:{f})(?:{PHRASE_SEP}\S*)?"
         )
+    if not alts:
+        return re.compile(r"(?!)")  # nothing can still change: release everything
     return re.compile(rf"(?:{'|'.join(alts)})\Z")
 
 

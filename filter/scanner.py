@@ -168,16 +168,23 @@ def _enabled(action: Action) -> FindingAction | None:
     return None if action == "off" else action
 
 
-def _build_plan(policy: FilterPolicy) -> _Plan:
+def _build_plan(policy: FilterPolicy, changes_only: bool = False) -> _Plan:
+    """The detectors the policy enables; with ``changes_only``, just those whose action changes
+    the text (block, redact), and a hold-back tail made of their own stream tails."""
+
+    def wanted(action: Action) -> FindingAction | None:
+        a = _enabled(action)
+        return None if changes_only and a == "flag" else a
+
     active: list[_Active] = []
     first: set[str] = set()
     vocab: set[str] = set()
     for det in D.BUILTIN:
-        action = _enabled(policy.action_for(det.id))
+        action = wanted(policy.action_for(det.id))
         if action is not None:
             active.append(_Active(det, action))
     terms = D.blocklist_terms(policy.blocklist)
-    action = _enabled(policy.action_for("blocklist"))
+    action = wanted(policy.action_for("blocklist"))
     if terms and action is not None:
         pattern, lower = D.blocklist_pattern(terms)
         det = D.Detector(
@@ -187,6 +194,7 @@ def _build_plan(policy: FilterPolicy) -> _Plan:
             description="policy blocklist term",
             lower=lower,
             anchor=D.word_anchor(t.split(" ")[0] for t in terms) if lower else None,
+            stream_tail="(?!)",  # a phrase: the phrase tail below holds it
         )
         active.append(_Active(det, action))
         f, v = D.phrase_words(terms)
@@ -197,6 +205,9 @@ def _build_plan(policy: FilterPolicy) -> _Plan:
         rule_action = _enabled(policy.action_for(rule.id))
         if rule_action is not None:
             rules[rule.name] = (rule, rule_action)
+    # Rules share one score, so they stay together: all of them when any changes the text.
+    if changes_only and all(a == "flag" for _, a in rules.values()):
+        rules = {}
     if rules:
         enabled = [r for r, _ in rules.values()]
         det = D.Detector(
@@ -206,6 +217,7 @@ def _build_plan(policy: FilterPolicy) -> _Plan:
             description="prompt-injection phrase",
             lower=True,
             anchor=D.word_anchor(w.split(" ")[0] for r in enabled for w in r.slots[0].words),
+            stream_tail="(?!)",
         )
         table = {name: (r.id, a, r.weight) for name, (r, a) in rules.items()}
         active.append(_Active(det, "flag", table))
@@ -219,10 +231,17 @@ def _build_plan(policy: FilterPolicy) -> _Plan:
     groups: dict[int, tuple[D.Gate | None, list[int]]] = {}
     for i, a in enumerate(active):
         groups.setdefault(id(a.det.gate), (a.det.gate, []))[1].append(i)
+    if changes_only:
+        tails: list[str] = []
+        for a in active:
+            tails.extend(D.DEFAULT_TAILS if a.det.stream_tail is None else [a.det.stream_tail])
+        tails = [t for t in tails if t != "(?!)"]
+    else:
+        tails = list(D.DEFAULT_TAILS)
     return _Plan(
         groups=tuple(_Group(g, tuple(m), _lowest(tuple(m))) for g, m in groups.values()),
         active=tuple(active),
-        tail=D.tail_pattern(first, vocab),
+        tail=D.tail_pattern(first, vocab, tails),
         reach=max((a.det.reach for a in active), default=0),
         threshold=policy.injection_threshold,
         lower=any(a.det.lower for a in active),
@@ -230,15 +249,15 @@ def _build_plan(policy: FilterPolicy) -> _Plan:
 
 
 @functools.lru_cache(maxsize=64)
-def _plan_from_json(key: str) -> _Plan:
-    return _build_plan(FilterPolicy.model_validate_json(key))
+def _plan_from_json(key: str, changes_only: bool) -> _Plan:
+    return _build_plan(FilterPolicy.model_validate_json(key), changes_only)
 
 
-def _plan_for(policy: FilterPolicy | None) -> _Plan:
+def _plan_for(policy: FilterPolicy | None, changes_only: bool = False) -> _Plan:
     # Compiling a policy costs milliseconds (blocklist and tail regexes); streams are created
     # per request, so plans are cached by the policy's canonical JSON.
     p = policy if policy is not None else FilterPolicy()
-    return _plan_from_json(json.dumps(p.to_dict(), sort_keys=True))
+    return _plan_from_json(json.dumps(p.to_dict(), sort_keys=True), changes_only)
 
 
 # --- the engine ------------------------------------------------------------------------------
@@ -617,11 +636,24 @@ class StreamScanner:
     the text before the blocked match is released and every later call returns nothing but
     ``blocked_by``. Concatenated output equals :meth:`Scanner.scan`'s ``redacted_text`` for
     the same text (up to the blocked match when blocked).
+
+    ``changes_only=True`` runs only the detectors whose action changes the text (block,
+    redact) and holds back only what could still grow into one of *their* matches (a prefix
+    of ``sk-``, a run of digits, ...), so an ordinary word is released as soon as it arrives;
+    flagged detectors are then not run (scan the whole text afterwards for them). The
+    engine's output stays equal to the whole-text redaction by the same detectors. This is
+    what the worker uses for output: the first token is not held for a flag.
     """
 
-    def __init__(self, policy: FilterPolicy | None = None, *, window: int | None = None) -> None:
+    def __init__(
+        self,
+        policy: FilterPolicy | None = None,
+        *,
+        window: int | None = None,
+        changes_only: bool = False,
+    ) -> None:
         self.policy = policy if policy is not None else FilterPolicy()
-        plan = _plan_for(self.policy)
+        plan = _plan_for(self.policy, changes_only)
         if window is None:
             window = max(DEFAULT_WINDOW, plan.reach)
         elif window < plan.reach:

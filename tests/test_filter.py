@@ -82,10 +82,14 @@ def found(text: str, policy: FilterPolicy = ALL_FLAG) -> list[tuple[str, str]]:
 
 
 def stream(
-    text: str, policy: FilterPolicy | None = None, cuts: list[int] | None = None
+    text: str,
+    policy: FilterPolicy | None = None,
+    cuts: list[int] | None = None,
+    *,
+    changes_only: bool = False,
 ) -> tuple[str, str | None, StreamScanner]:
     """Feed text split at ``cuts`` (or in 4-character tokens); concatenated output."""
-    s = StreamScanner(policy)
+    s = StreamScanner(policy, changes_only=changes_only)
     bounds = [0, *(cuts if cuts is not None else range(4, len(text), 4)), len(text)]
     out = []
     for a, b in itertools.pairwise(bounds):
@@ -540,6 +544,43 @@ def test_every_single_cut_position_gives_the_same_redaction() -> None:
         assert stream(text, REDACT_ALL, [cut])[0] == expected, cut
 
 
+@pytest.mark.parametrize("policy", [REDACT_ALL, FilterPolicy(), FilterPolicy.strict()])
+def test_every_cut_position_gives_the_same_redaction_when_holding_only_for_changes(
+    policy: FilterPolicy,
+) -> None:
+    text = f"Mail {EMAIL}, card {CARD}, key {OPENAI} and\n{PEM}\nbye {TOKENBUS} gh ghp_x"
+    whole = Scanner(policy).scan(text)
+    for cut in range(1, len(text)):
+        out, blocked, _ = stream(text, policy, [cut], changes_only=True)
+        assert blocked == whole.blocked, cut
+        if blocked is None:
+            assert out == whole.redacted_text, cut
+        else:
+            assert whole.redacted_text.startswith(out), cut
+
+
+def test_holding_only_for_changes_releases_ordinary_words_at_once() -> None:
+    # The default policy only flags e-mails, entropy and injection phrases in output, so the
+    # first word of a stream goes out immediately instead of waiting for the next token.
+    s = StreamScanner(FilterPolicy(), changes_only=True)
+    assert s.feed("Hello").text_to_emit == "Hello"
+    assert s.feed(" world").text_to_emit == " world"
+    # What could still become a redacted secret or card is held, and only that.
+    assert s.feed(" s").text_to_emit == " "
+    assert s.feed("k").text_to_emit == ""
+    assert s.feed("ill").text_to_emit == "skill"
+    assert s.feed(" 4111").text_to_emit == " "
+    assert s.feed(" 1111 1111 1111").text_to_emit == ""
+    assert s.feed(" ok").text_to_emit == "[REDACTED:pii.card] ok"
+    assert s.finish().text_to_emit == ""
+    # Without changes_only a word in progress is always held (it could become an e-mail).
+    full = StreamScanner(FilterPolicy())
+    assert full.feed("Hello").text_to_emit == ""
+    # A strict policy redacts e-mails, so its words are held even with changes_only.
+    strict = StreamScanner(FilterPolicy.strict(), changes_only=True)
+    assert strict.feed("Hello").text_to_emit == ""
+
+
 def test_stream_blocks_without_emitting_the_blocked_text() -> None:
     text = f"The key is {AWS_KEY} and more text follows."
     policy = FilterPolicy.strict()
@@ -682,9 +723,10 @@ _POLICIES = [
 ]
 
 
-def test_streaming_equals_whole_text_scanning_for_random_chunkings() -> None:
+@pytest.mark.parametrize("changes_only", [False, True])
+def test_streaming_equals_whole_text_scanning_for_random_chunkings(changes_only: bool) -> None:
     rng = random.Random(20240611)
-    for _ in range(250):
+    for _ in range(400):
         text = "".join(rng.choice(_FRAGMENTS) for _ in range(rng.randint(1, 10)))
         policy = rng.choice(_POLICIES)
         whole = Scanner(policy).scan(text)
@@ -694,10 +736,14 @@ def test_streaming_equals_whole_text_scanning_for_random_chunkings() -> None:
             if i >= len(text):
                 break
             cuts.append(i)
-        out, blocked, s = stream(text, policy, cuts)
+        out, blocked, s = stream(text, policy, cuts, changes_only=changes_only)
         if blocked is None:
             assert out == whole.redacted_text
-            assert s.findings == whole.findings
+            if changes_only:  # the text-changing findings (and injection's, which score)
+                changed = [f for f in whole.findings if f.action != "flag"]
+                assert [f for f in s.findings if f.action != "flag"] == changed
+            else:
+                assert s.findings == whole.findings
             assert whole.blocked is None
         else:
             assert blocked == whole.blocked

@@ -9,6 +9,7 @@ import pytest
 from bus_schemas import errors as E
 from bus_schemas.client import Client
 from engine_worker.backends.sim import expected_text
+from engine_worker.worker import output_flags, output_scanner
 from filter.policy import FilterPolicy
 from filter.scanner import Scanner
 from tests.conftest import NatsServer, stack
@@ -102,3 +103,29 @@ async def test_blocked_output_ends_the_stream_with_content_filter(
         assert word not in text.split(" ")
         assert expected_text(prompt, 40)[0].startswith(text.rstrip())
         assert svcs["workers"][0].in_flight == 0
+
+
+async def test_output_filter_does_not_hold_the_first_word_for_a_flag(
+    nats_server: NatsServer, model: str
+) -> None:
+    # The default policy only flags ordinary-looking words (e-mails, entropy, injection), so
+    # the worker releases each token as it comes: the first chunk is the first token alone,
+    # not held until the next one shows the word has ended.
+    prompt = "<|user|>tell me\n"
+    first = expected_text(prompt, 1)[0]
+    async with (
+        stack(nats_server.url, model, workers=1, filters=1, **_filter("default")),
+        await Client.connect(nats_server.url) as c,
+    ):
+        s = c.chat(model, [{"role": "user", "content": "tell me"}], max_tokens=6)
+        chunks = [ch.text async for ch in s]
+    assert chunks[0] == first
+    assert "".join(chunks) == expected_text(prompt, 6)[0]
+
+
+def test_output_flags_names_flagged_detectors_only() -> None:
+    scan = output_scanner({"actions": {"pii.email": "flag", "pii.card": "redact"}}, None)
+    assert scan is not None
+    assert output_flags(scan, "mail jane.roe@example.org card 4111 1111 1111 1111") == ["pii.email"]
+    assert output_flags(scan, "") == []
+    assert output_scanner(None, None) is None
