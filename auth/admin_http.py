@@ -54,10 +54,11 @@ class KeyFields(BaseModel):
 class AdminAPI:
     """ASGI handler for ``/v1/admin/keys`` (the key store opens on first use)."""
 
-    def __init__(self, nc: NATS, max_body: int = 65536) -> None:
+    def __init__(self, nc: NATS, max_body: int = 65536, store: KeyStore | None = None) -> None:
         self.nc = nc
         self.max_body = max_body
-        self._store: KeyStore | None = None
+        self._store: KeyStore | None = store
+        self._owns_store = store is None
         self._lock = asyncio.Lock()
 
     async def store(self) -> KeyStore:
@@ -72,7 +73,7 @@ class AdminAPI:
             return self._store
 
     async def close(self) -> None:
-        if self._store is not None:
+        if self._store is not None and self._owns_store:
             await self._store.close()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

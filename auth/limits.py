@@ -1,18 +1,31 @@
 """Distributed rate limits: requests/minute, tokens/minute and concurrent requests per key,
 held exactly across any number of limiter instances.
 
-The mechanism: counters in a JetStream KV bucket (memory storage, entries expire after a
-few minutes), changed only by compare-and-set on the entry's revision. Two instances that
+The shared state: counters in a JetStream KV bucket (memory storage, entries expire after
+a few minutes), changed only by compare-and-set on the entry's revision. Two instances that
 race on one key both read revision n; one writes n+1, the other's write is refused and it
-retries on the new value. So the limit holds for the key across all instances (not
-limit times instances), and a limiter restart loses nothing: the state lives in the NATS server.
+retries on the new value. So the limit holds for the key across all instances (not limit
+times instances), and a limiter restart loses nothing: the state lives in the NATS server.
 
-* RPM and TPM use fixed one-minute windows (``rl.<key>.<minute>``): never more than the
-  limit is admitted in a window.
+The request path mostly does not touch the store: an instance *leases* part of a key's
+allowance (requests and tokens of the current window, concurrency slots) with one
+compare-and-set and admits locally from the lease until it runs out. Everything admitted
+was leased from the shared counter first, so the limit is never exceeded. Beyond what the
+request needs, a lease takes at most a sixteenth of what is left (so near a limit it is
+exactly what one request needs, and the limit is reached exactly), and it grows while a
+key is busy (1, 2, 4, ... requests) so a hot key costs one store round trip per many
+requests instead of one per request; a busy key far from its limit is leased ahead, in
+the background, before the lease runs out.
+
+* RPM and TPM use fixed one-minute windows (``rl.<key>.<minute>``: what has been leased).
+  Never more than the limit is admitted in a window; what an instance leased and did not
+  use when the window ends is lost (at most a sixteenth of what was left, per instance).
 * TPM is reserved at admission (prompt estimate + max_tokens) and reconciled with the real
-  usage the worker reports when the request ends.
-* Concurrency is a set of (request, expiry) leases (``cc.<key>``): a request that never
-  reports back (its worker died) frees its slot at its deadline.
+  usage the worker reports when the request ends: unused tokens go back to the window.
+* Concurrency slots (``cc.<key>``: slots held per limiter instance, each with an expiry the
+  instance renews while it holds them). A request's slot is freed when its usage report
+  comes back (to the instance that admitted it) or at its deadline; slots an instance no
+  longer needs go back at once; a limiter that dies loses its slots after ``LEASE_TTL_S``.
 
 Failure behaviour: when the KV store cannot be reached the limiter fails open (admits and
 logs) or closed (503), per ``ratelimit.fail_open``.
@@ -21,11 +34,13 @@ logs) or closed (503), per ``ratelimit.fail_open``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import time
+import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from nats.aio.client import Client as NATS
@@ -40,6 +55,9 @@ Change = Callable[[dict[str, Any]], dict[str, Any]]
 BUCKET = "tokenbus_ratelimit"
 WINDOW_S = 60
 _MAX_CAS_TRIES = 100
+_MAX_CHUNK = 1024  # requests one lease may cover
+_SHARE = 16  # a lease takes at most this fraction of what is left beyond its own need
+LEASE_TTL_S = 10.0  # concurrency slots of an instance that stops renewing them expire
 
 
 @dataclass
@@ -64,15 +82,54 @@ def parse_info(value: str | None) -> dict[str, str]:
     return out
 
 
-class Limiter:
-    """RPM, TPM and concurrency per principal over a shared KV bucket."""
+@dataclass
+class _Window:
+    """This instance's lease on one key's current window."""
 
-    def __init__(self, nc: NATS, bucket: str = BUCKET) -> None:
+    window: int
+    r_left: int = 0  # leased and not yet used
+    t_left: int = 0
+    r_seen: int = 0  # the shared counters after this instance's last lease
+    t_seen: int = 0
+    chunk: int = 1  # requests the next lease asks for beyond what is needed
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    prefetching: bool = False
+
+
+@dataclass
+class _Slots:
+    """Concurrency slots this instance holds for one key."""
+
+    held: int = 0
+    in_use: dict[str, float] = field(default_factory=dict)  # request id -> deadline (s)
+    keep: int = 0  # spare slots worth keeping (0 near the limit)
+    chunk: int = 1
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+class Limiter:
+    """RPM, TPM and concurrency per principal over a shared KV bucket, leased per instance."""
+
+    def __init__(
+        self,
+        nc: NATS,
+        bucket: str = BUCKET,
+        owner: str | None = None,
+        lease_ttl_s: float = LEASE_TTL_S,
+    ) -> None:
         self.nc = nc
+        self.lease_ttl_s = lease_ttl_s
         self.bucket = bucket
+        # Names this instance in the store and in usage reports (``subjects.usage(owner)``).
+        self.owner = owner or uuid.uuid4().hex[:12]
         self.kv: KeyValue | None = None
         self._queues: dict[str, list[tuple[Change, asyncio.Future[Any]]]] = {}
         self._busy: set[str] = set()
+        self._windows: dict[str, _Window] = {}
+        self._slots: dict[str, _Slots] = {}
+        self._limits: dict[str, int] = {}  # principal -> its concurrency limit, for renewals
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._renewer: asyncio.Task[None] | None = None
 
     async def open(self) -> Limiter:
         js = self.nc.jetstream()
@@ -82,12 +139,31 @@ class Limiter:
             self.kv = await js.create_key_value(
                 bucket=self.bucket, history=1, ttl=3 * WINDOW_S, storage=StorageType.MEMORY
             )
+        self._renewer = asyncio.create_task(self._renew_forever())
         return self
+
+    async def close(self) -> None:
+        """Give back the concurrency slots this instance holds (best effort)."""
+        if self._renewer is not None:
+            self._renewer.cancel()
+            self._renewer = None
+        for task in list(self._tasks):
+            task.cancel()
+        for principal, slots in list(self._slots.items()):
+            if slots.held:
+                slots.in_use.clear()
+                with contextlib.suppress(Exception):
+                    await self._set_slots(principal, slots, 0)
 
     def _kv(self) -> KeyValue:
         if self.kv is None:
             raise RuntimeError("Limiter.open() first")
         return self.kv
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def _cas(
         self, key: str, change: Callable[[dict[str, Any]], dict[str, Any]]
@@ -151,6 +227,8 @@ class Limiter:
             return
         raise E.ServiceUnavailable("rate limiter contention: retry")
 
+    # --- requests and tokens per window ----------------------------------------------------
+
     async def admit(
         self,
         principal: str,
@@ -167,52 +245,199 @@ class Limiter:
         window = int(now // WINDOW_S)
         reset = (window + 1) * WINDOW_S - now
         info: dict[str, str] = {}
+        need_t = tokens if tpm is not None else 0
         if rpm is not None or tpm is not None:
-
-            def count(cur: dict[str, Any]) -> dict[str, Any]:
-                r, t = int(cur.get("r", 0)), int(cur.get("t", 0))
-                if rpm is not None and r + 1 > rpm:
-                    raise self._limited("requests", rpm, 0, reset, tpm, t)
-                if tpm is not None and t + tokens > tpm:
-                    raise self._limited(
-                        "tokens", tpm, max(0, tpm - t), reset, tpm, t, rpm=rpm, used_r=r
-                    )
-                return {"r": r + 1, "t": t + tokens}
-
-            new = await self._cas(f"rl.{principal}.{window}", count)
+            w = self._windows.get(principal)
+            if w is None or w.window != window:
+                w = self._windows[principal] = _Window(window)
+            if w.r_left < 1 or w.t_left < need_t:
+                async with w.lock:  # one lease at a time per key; the others wait and reuse it
+                    if w.r_left < 1 or w.t_left < need_t:
+                        await self._lease(principal, w, rpm, tpm, need_t, reset)
+            w.r_left -= 1
+            w.t_left -= need_t
             if rpm is not None:
-                info.update(self._trio("requests", rpm, rpm - new["r"], reset))
+                info.update(self._trio("requests", rpm, rpm - (w.r_seen - w.r_left), reset))
             if tpm is not None:
-                info.update(self._trio("tokens", tpm, tpm - new["t"], reset))
+                info.update(self._trio("tokens", tpm, tpm - (w.t_seen - w.t_left), reset))
+            if self._worth_prefetching(w, rpm, tpm, need_t):
+                w.prefetching = True
+                self._spawn(self._prefetch(principal, w, rpm, tpm, need_t, reset))
         if concurrent is not None:
-
-            def take(cur: dict[str, Any]) -> dict[str, Any]:
-                live = {k: v for k, v in cur.items() if float(v) > now}
-                if len(live) + 1 > concurrent:
-                    raise E.RateLimited(
-                        f"too many concurrent requests for this key (limit {concurrent}); "
-                        "retry when one finishes",
-                        headers={"Retry-After": "1", **info},
-                    )
-                live[request_id] = deadline_s
-                return live
-
             try:
-                await self._cas(f"cc.{principal}", take)
+                await self._take_slot(principal, request_id, concurrent, deadline_s, info)
             except E.RateLimited:
-                if rpm is not None or tpm is not None:
-                    await self._undo(principal, window, tokens)
+                self._refund(principal, window, 1, need_t)
                 raise
         return Admission(window, tokens, info)
 
-    async def _undo(self, principal: str, window: int, tokens: int) -> None:
-        def back(cur: dict[str, Any]) -> dict[str, Any]:
-            return {
-                "r": max(0, int(cur.get("r", 0)) - 1),
-                "t": max(0, int(cur.get("t", 0)) - tokens),
-            }
+    async def _lease(
+        self,
+        principal: str,
+        w: _Window,
+        rpm: int | None,
+        tpm: int | None,
+        need_t: int,
+        reset: float,
+        *,
+        need_r: int = 1,
+    ) -> None:
+        chunk = w.chunk
+        grant: list[int] = [0, 0]
 
-        await self._cas(f"rl.{principal}.{window}", back)
+        def take(cur: dict[str, Any]) -> dict[str, Any]:
+            r, t = int(cur.get("r", 0)), int(cur.get("t", 0))
+            if rpm is not None and r + need_r > rpm:
+                raise self._limited("requests", rpm, 0, reset, tpm, t)
+            if tpm is not None and t + need_t > tpm:
+                raise self._limited(
+                    "tokens", tpm, max(0, tpm - t), reset, tpm, t, rpm=rpm, used_r=r
+                )
+            # Beyond what is needed: the chunk, at most a sixteenth of what is left.
+            extra = chunk - 1 if need_r else chunk
+            if rpm is not None:
+                extra = min(extra, (rpm - r - need_r) // _SHARE)
+            extra_t = need_t * extra if need_r else need_t * chunk
+            if tpm is not None:
+                extra_t = min(extra_t, (tpm - t - need_t) // _SHARE)
+                if need_t:  # tokens for each extra request, or no extra requests
+                    extra = min(extra, extra_t // need_t)
+            grant[0], grant[1] = need_r + extra, need_t + max(0, extra_t)
+            return {"r": r + grant[0], "t": t + grant[1]}
+
+        new = await self._cas(f"rl.{principal}.{w.window}", take)
+        w.r_left += grant[0]
+        w.t_left += grant[1]
+        w.r_seen, w.t_seen = int(new["r"]), int(new["t"])
+        w.chunk = min(chunk * 2, _MAX_CHUNK)
+
+    def _worth_prefetching(self, w: _Window, rpm: int | None, tpm: int | None, need_t: int) -> bool:
+        """Lease ahead only for a busy key far from its limits (nothing is stranded then)."""
+        if w.prefetching or w.chunk <= 2 or w.r_left > w.chunk // 4:
+            return False
+        far_r = rpm is None or rpm - w.r_seen >= 16 * w.chunk
+        far_t = tpm is None or tpm - w.t_seen >= 16 * w.chunk * max(1, need_t)
+        return far_r and far_t
+
+    async def _prefetch(
+        self,
+        principal: str,
+        w: _Window,
+        rpm: int | None,
+        tpm: int | None,
+        need_t: int,
+        reset: float,
+    ) -> None:
+        try:
+            # A failed lease ahead is simply retried on the request path later.
+            with contextlib.suppress(Exception):
+                async with w.lock:
+                    if w.window == int(time.time() // WINDOW_S):
+                        await self._lease(principal, w, rpm, tpm, need_t, reset, need_r=0)
+        finally:
+            w.prefetching = False
+
+    def _refund(self, principal: str, window: int, requests: int, tokens: int) -> None:
+        """Give an admitted-then-refused request's allowance back to the local lease."""
+        w = self._windows.get(principal)
+        if w is not None and w.window == window:
+            w.r_left += requests
+            w.t_left += tokens
+
+    # --- concurrency ---------------------------------------------------------------------
+
+    async def _take_slot(
+        self,
+        principal: str,
+        request_id: str,
+        limit: int,
+        deadline_s: float,
+        info: dict[str, str],
+    ) -> None:
+        slots = self._slots.setdefault(principal, _Slots())
+        self._limits[principal] = limit
+        if len(slots.in_use) >= slots.held:
+            async with slots.lock:
+                if len(slots.in_use) >= slots.held:
+                    await self._grow_slots(principal, slots, limit, info)
+        slots.in_use[request_id] = deadline_s
+
+    async def _grow_slots(
+        self, principal: str, slots: _Slots, limit: int, info: dict[str, str]
+    ) -> None:
+        now = time.time()
+        me = self.owner
+        chunk = slots.chunk
+        got: list[int] = [0, 0]
+
+        def take(cur: dict[str, Any]) -> dict[str, Any]:
+            live = {k: v for k, v in cur.items() if float(v[1]) > now}
+            others = sum(int(v[0]) for k, v in live.items() if k != me)
+            mine = len(slots.in_use) + 1
+            if others + mine > limit:
+                raise E.RateLimited(
+                    f"too many concurrent requests for this key (limit {limit}); "
+                    "retry when one finishes",
+                    headers={"Retry-After": "1", **info},
+                )
+            spare = min(chunk - 1, (limit - others - mine) // _SHARE)
+            live[me] = [mine + spare, now + self.lease_ttl_s]
+            got[0], got[1] = mine + spare, spare
+            return live
+
+        await self._cas(f"cc.{principal}", take)
+        slots.held, slots.keep = got
+        slots.chunk = min(chunk * 2, _MAX_CHUNK)
+
+    async def _set_slots(self, principal: str, slots: _Slots, held: int) -> None:
+        now = time.time()
+        me = self.owner
+
+        def put(cur: dict[str, Any]) -> dict[str, Any]:
+            live = {k: v for k, v in cur.items() if float(v[1]) > now}
+            if held > 0:
+                live[me] = [held, now + self.lease_ttl_s]
+            else:
+                live.pop(me, None)
+            return live
+
+        await self._cas(f"cc.{principal}", put)
+        slots.held = held
+
+    async def _release_slot(self, principal: str, request_id: str) -> None:
+        slots = self._slots.get(principal)
+        if slots is None or slots.in_use.pop(request_id, None) is None:
+            return
+        if slots.held - len(slots.in_use) > slots.keep:
+            # More spare slots than are worth keeping (all of them, near the limit): give
+            # them back now so other instances can use them.
+            async with slots.lock:
+                target = len(slots.in_use) + slots.keep
+                if slots.held > target:
+                    await self._set_slots(principal, slots, target)
+
+    async def _renew_forever(self) -> None:
+        """Keep held slots alive; drop requests past their deadline (their worker died)."""
+        while True:
+            await asyncio.sleep(self.lease_ttl_s / 3)
+            now = time.time()
+            for principal, slots in list(self._slots.items()):
+                for rid, deadline in list(slots.in_use.items()):
+                    if deadline < now:
+                        slots.in_use.pop(rid, None)
+                if not slots.held:
+                    if not slots.in_use:
+                        self._slots.pop(principal, None)
+                    continue
+                held = len(slots.in_use) + (slots.keep if slots.in_use else 0)
+                with contextlib.suppress(Exception):  # retried at the next renewal
+                    async with slots.lock:
+                        await self._set_slots(principal, slots, held)
+            for principal, w in list(self._windows.items()):
+                if w.window < int(now // WINDOW_S):
+                    self._windows.pop(principal, None)
+
+    # --- after the request -----------------------------------------------------------------
 
     async def settle(
         self,
@@ -226,6 +451,8 @@ class Limiter:
         windowed: bool = True,
     ) -> None:
         """Reconcile the reservation with real usage and free the concurrency slot."""
+        if concurrent:
+            await self._release_slot(principal, request_id)
         if windowed and used != reserved:
 
             def adjust(cur: dict[str, Any]) -> dict[str, Any]:
@@ -234,14 +461,10 @@ class Limiter:
                     "t": max(0, int(cur.get("t", 0)) + used - reserved),
                 }
 
+            w = self._windows.get(principal)
             await self._cas(f"rl.{principal}.{window}", adjust)
-        if concurrent:
-
-            def release(cur: dict[str, Any]) -> dict[str, Any]:
-                cur.pop(request_id, None)
-                return cur
-
-            await self._cas(f"cc.{principal}", release)
+            if w is not None and w.window == window:
+                w.t_seen = max(0, w.t_seen + used - reserved)
 
     @staticmethod
     def _trio(kind: str, limit: int, remaining: int, reset: float) -> dict[str, str]:

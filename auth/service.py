@@ -19,6 +19,16 @@ def limits_header(rpm: int | None, tpm: int | None, concurrent: int | None) -> s
     return ",".join("" if v is None else str(v) for v in (rpm, tpm, concurrent))
 
 
+def authenticate(keys: KeyStore, hdrs: dict[str, str]) -> None:
+    """The auth stage's work on a request's headers (in place): the key out, the principal,
+    its limits and its filter policy in; raises 401/403 errors."""
+    rec = keys.lookup(hdrs.pop(H.API_KEY, None))
+    keys.authorize(rec, hdrs.get(H.MODEL, ""))
+    hdrs[H.PRINCIPAL] = rec.id
+    hdrs[H.LIMITS] = limits_header(rec.rpm, rec.tpm, rec.max_concurrent)
+    hdrs[H.FILTER_POLICY] = rec.filter_policy
+
+
 class Auth(Service):
     """Authenticates requests and forwards them with a principal instead of a key."""
 
@@ -35,9 +45,5 @@ class Auth(Service):
 
     async def handle(self, msg: Msg) -> None:
         hdrs = dict(msg.headers or {})
-        rec = self.keys.lookup(hdrs.pop(H.API_KEY, None))
-        self.keys.authorize(rec, hdrs.get(H.MODEL, ""))
-        hdrs[H.PRINCIPAL] = rec.id
-        hdrs[H.LIMITS] = limits_header(rec.rpm, rec.tpm, rec.max_concurrent)
-        hdrs[H.FILTER_POLICY] = rec.filter_policy
+        authenticate(self.keys, hdrs)
         await self.forward_next(msg, hdrs, msg.data)

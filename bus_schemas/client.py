@@ -38,8 +38,9 @@ _TOMBSTONES_MAX = 10_000
 
 
 # Sends an encoded envelope with its headers and reply inbox in-process (instead of a
-# publish); returns the replica that took it. The bridge's fused router is one.
-Sender = Callable[[bytes, dict[str, str], str], Awaitable[str]]
+# publish); returns the replica that took it, or None when the accept frame will name it
+# (sent on to the router). The bridge's fused stages and router are one.
+Sender = Callable[[bytes, dict[str, str], str], Awaitable[str | None]]
 
 
 @dataclass(slots=True)
@@ -165,8 +166,10 @@ class Stream:
             )
         if self._sender is not None:
             try:
-                self.replica = await self._sender(data, hdrs, reply)
-                self._accepted_at = time.monotonic()
+                replica = await self._sender(data, hdrs, reply)
+                if replica:  # else the accept frame names it
+                    self.replica = replica
+                    self._accepted_at = time.monotonic()
             except BaseException:
                 # Possibly accepted by a replica after all: its accept frame gets a cancel.
                 self._client._tombstone(self.token, self.request_id)

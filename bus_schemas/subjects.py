@@ -98,9 +98,10 @@ def telemetry_wildcard() -> str:
     return f"{PREFIX}.telemetry.>"
 
 
-def usage() -> str:
-    """Where a worker reports what a finished request really used (rate-limit reconciliation)."""
-    return f"{PREFIX}.usage"
+def usage(owner: str | None = None) -> str:
+    """Where a worker reports what a finished request really used (rate-limit
+    reconciliation): to the limiter instance ``owner`` that admitted it."""
+    return f"{PREFIX}.usage" if owner is None else f"{PREFIX}.usage.{token(owner)}"
 
 
 def admin(service: str, action: str) -> str:

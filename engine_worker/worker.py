@@ -313,7 +313,7 @@ class Worker(Service):
     ) -> None:
         """Tell the rate limiters what the request really used (fire and forget)."""
         try:
-            window, reserved, flags = hdrs[H.RATELIMIT].split(",")
+            window, reserved, flags, owner = [*hdrs[H.RATELIMIT].split(","), ""][:4]
             if prompt_tokens < 0:  # ended early: keep the admission's prompt estimate
                 prompt_tokens = max(0, int(reserved) - max_tokens)
             body = {
@@ -327,7 +327,8 @@ class Worker(Service):
         except (KeyError, ValueError):
             return
         with contextlib.suppress(Exception):
-            await self.nc.publish(subjects.usage(), codec.encode(body))
+            # To the limiter instance that admitted the request: it holds the request's slot.
+            await self.nc.publish(subjects.usage(owner or None), codec.encode(body))
 
     def interrupted_error(self) -> E.TokenbusError:
         return E.ReplicaLost(f"replica {self.replica} stopped before finishing; retry")

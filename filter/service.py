@@ -75,6 +75,22 @@ def scan_envelope(env: dict[str, Any], scanner: Scanner) -> tuple[bool, list[str
     return changed, flagged
 
 
+def filter_request(policies: Policies, hdrs: dict[str, str], env: dict[str, Any], log: Any) -> bool:
+    """The filter stage's work on one request (headers and envelope changed in place);
+    returns whether the envelope changed. Raises ContentBlocked."""
+    name, policy = policies.get(hdrs.get(H.FILTER_POLICY))
+    if policy is None:
+        return False
+    _, flagged = scan_envelope(env, policies.scanner(name, policy))
+    if flagged:
+        hdrs[H.FILTER_FLAGS] = ",".join(sorted(set(flagged)))
+        log.info(
+            "content_flagged", request_id=hdrs.get(H.REQUEST_ID), detectors=sorted(set(flagged))
+        )
+    env["filter_policy"] = policy.to_dict()
+    return True
+
+
 class Filter(Service):
     """Scans input messages; hands the policy on for output scanning."""
 
@@ -91,16 +107,9 @@ class Filter(Service):
 
     async def handle(self, msg: Msg) -> None:
         hdrs = dict(msg.headers or {})
-        name, policy = self.policies.get(hdrs.get(H.FILTER_POLICY))
-        if policy is None:
+        if self.policies.get(hdrs.get(H.FILTER_POLICY))[1] is None:
             await self.forward_next(msg, hdrs, msg.data)
             return
         env = codec.decode_map(msg.data)
-        _, flagged = scan_envelope(env, self.policies.scanner(name, policy))
-        if flagged:
-            hdrs[H.FILTER_FLAGS] = ",".join(sorted(set(flagged)))
-            self.log.info(
-                "content_flagged", request_id=hdrs.get(H.REQUEST_ID), detectors=sorted(set(flagged))
-            )
-        env["filter_policy"] = policy.to_dict()
+        filter_request(self.policies, hdrs, env, self.log)
         await self.forward_next(msg, hdrs, codec.encode(env))

@@ -13,8 +13,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, Counter, Histogram, generate_
 
 from auth.admin_http import PREFIX as ADMIN_PREFIX
 from auth.admin_http import AdminAPI
+from bus_schemas import codec, marks, subjects
 from bus_schemas import headers as H
-from bus_schemas import marks, subjects
 from bus_schemas.client import Client, Stream
 from router.dispatch import Dispatcher
 from router.registry import Registry
@@ -23,6 +23,7 @@ from services import validation
 from services.ingress import Admission
 from services.openai_http import HTTPServer, OpenAIApp, Receive, Scope, Send, serve
 from services.runtime import Service
+from services.stages import LocalStages, stages_before_route
 
 REQUESTS = Counter("tokenbus_bridge_requests_total", "HTTP generation requests", ["kind", "status"])
 DURATION = Histogram(
@@ -42,11 +43,13 @@ class BusSource:
         registry: Registry,
         admission: Admission,
         dispatcher: Dispatcher | None,
+        stages: LocalStages | None = None,
     ) -> None:
         self.client = client
         self.registry = registry
         self.admission = admission
         self.dispatcher = dispatcher
+        self.stages = stages
 
     def open(
         self,
@@ -68,12 +71,19 @@ class BusSource:
         }
         env = self.admission.admit(kind, req, hdrs, t1)
         sender = None
-        if self.dispatcher is not None:
-            dispatch = self.dispatcher.dispatch
+        stages, dispatcher = self.stages, self.dispatcher
+        if stages is not None or dispatcher is not None:
             model = req.model
+            nc = self.client.nc
+            route = subjects.stage(subjects.STAGE_ROUTE)
 
-            async def sender(data: bytes, h: dict[str, str], reply: str) -> str:
-                return await dispatch(model, data, h, reply)
+            async def sender(data: bytes, h: dict[str, str], reply: str) -> str | None:
+                if stages is not None and await stages.run(h, env):
+                    data = codec.encode(env)
+                if dispatcher is not None:
+                    return await dispatcher.dispatch(model, data, h, reply)
+                await nc.publish(route, data, reply=reply, headers=h)
+                return None
 
         return self.client.submit(
             kind,
@@ -113,17 +123,23 @@ class Bridge(Service):
         self._tracker = HeartbeatTracker(self.registry, self.log)
         await self._tracker.start(self.nc)
         admission = Admission(self.settings)
+        before = stages_before_route(list(self.settings.ingress.pipeline))
+        self.stages: LocalStages | None = None
+        if before and cfg.fuse_stages and LocalStages.can_run(before):
+            self.stages = await LocalStages(before, self.log).open(
+                self.nc, self.settings, owner=f"bridge-{self.id}"
+            )
         dispatcher = None
-        if cfg.fuse_router and admission.first == subjects.stage(subjects.STAGE_ROUTE):
+        if cfg.fuse_router and (not before or self.stages is not None):
             dispatcher = Dispatcher(self.nc, self.registry, self.settings.router)
         api = OpenAIApp(
-            BusSource(self.client, self.registry, admission, dispatcher),
+            BusSource(self.client, self.registry, admission, dispatcher, self.stages),
             max_body_bytes=cfg.max_body_bytes,
             request_timeout_s=cfg.request_timeout_s,
             on_request=self._observe,
         )
         api.add_route("GET", "/metrics", self.metrics)
-        self.admin = AdminAPI(self.nc)
+        self.admin = AdminAPI(self.nc, store=self.stages.keys if self.stages else None)
         api.add_prefix(ADMIN_PREFIX, self.admin)
         self.http = await serve(
             api,
@@ -161,4 +177,6 @@ class Bridge(Service):
     async def on_stop(self) -> None:
         await self._tracker.stop()
         await self.admin.close()
+        if self.stages is not None:
+            await self.stages.close()
         await self.client.close()

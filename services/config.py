@@ -41,6 +41,13 @@ class BridgeSettings(BaseModel):
         description="When the pipeline has no stage before the router, route in the bridge "
         "process instead of through a router service: two process hops fewer per request.",
     )
+    fuse_stages: bool = Field(
+        default=True,
+        description="Run the pipeline's auth, ratelimit and filter stages in the bridge "
+        "process (same code, same shared state as the stage services) instead of sending "
+        "each HTTP request through them: a process hop fewer per stage. NATS clients still "
+        "go through the stage services.",
+    )
 
 
 class IngressSettings(BaseModel):

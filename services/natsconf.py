@@ -26,21 +26,25 @@ STAGES = f"{PREFIX}.stage.>"
 ENGINE = f"{PREFIX}.engine.>"
 CANCEL = f"{PREFIX}.worker.*.cancel"
 HEARTBEAT = f"{PREFIX}.heartbeat.>"
-USAGE = f"{PREFIX}.usage"
+USAGE = [f"{PREFIX}.usage", f"{PREFIX}.usage.>"]
 TELEMETRY = f"{PREFIX}.telemetry.>"
 ADMIN = f"{PREFIX}.admin.>"
 
 # role -> (may publish, may subscribe)
 ROLES: dict[str, tuple[list[str], list[str]]] = {
     "client": ([REQ, CANCEL], [INBOX, HEARTBEAT]),
-    "bridge": ([REQ, STAGES, CANCEL, INBOX, *JS_API], [INBOX, HEARTBEAT, DISCOVERY]),
+    # The bridge may run auth, ratelimit and filter in-process (``bridge.fuse_stages``).
+    "bridge": ([REQ, STAGES, CANCEL, INBOX, *JS_API], [INBOX, HEARTBEAT, DISCOVERY, *USAGE]),
     "ingress": ([STAGES, INBOX], [REQ, INBOX, DISCOVERY]),
     "auth": ([STAGES, INBOX, *JS_API], [f"{PREFIX}.stage.auth", INBOX, DISCOVERY, ADMIN]),
-    "ratelimit": ([STAGES, INBOX, *JS_API], [f"{PREFIX}.stage.ratelimit", USAGE, INBOX, DISCOVERY]),
+    "ratelimit": (
+        [STAGES, INBOX, *JS_API],
+        [f"{PREFIX}.stage.ratelimit", *USAGE, INBOX, DISCOVERY],
+    ),
     "filter": ([STAGES, INBOX], [f"{PREFIX}.stage.filter", INBOX, DISCOVERY]),
     "router": ([ENGINE, CANCEL, INBOX], [f"{PREFIX}.stage.route", HEARTBEAT, INBOX, DISCOVERY]),
-    "worker": ([HEARTBEAT, USAGE, TELEMETRY, INBOX], [ENGINE, CANCEL, DISCOVERY]),
-    "telemetry": ([INBOX], [TELEMETRY, HEARTBEAT, USAGE, DISCOVERY]),
+    "worker": ([HEARTBEAT, *USAGE, TELEMETRY, INBOX], [ENGINE, CANCEL, DISCOVERY]),
+    "telemetry": ([INBOX], [TELEMETRY, HEARTBEAT, *USAGE, DISCOVERY]),
     "admin": ([">"], [">"]),
 }
 

@@ -11,7 +11,7 @@ import httpx
 import nats
 import pytest
 
-from auth.limits import BUCKET, WINDOW_S
+from auth.limits import BUCKET, WINDOW_S, Admission, Limiter
 from auth.ratelimit import estimate_tokens, parse_limits
 from auth.store import KeyStore
 from bus_schemas import errors as E
@@ -182,3 +182,87 @@ async def test_http_responses_carry_openai_rate_limit_headers(procs: Procs, mode
         assert r.json()["error"]["code"] == "rate_limit_exceeded"
         assert int(r.headers["retry-after"]) >= 1
         assert r.headers["x-ratelimit-remaining-requests"] == "0"
+
+
+# --- the limiter's leases, on a real bus --------------------------------------------------
+
+
+async def _admit(lim: Limiter, principal: str, rid: str, **limits: Any) -> Any:
+    args: dict[str, Any] = {"rpm": None, "tpm": None, "concurrent": None, **limits}
+    try:
+        return await lim.admit(principal, rid, tokens=10, deadline_s=time.time() + 60, **args)
+    except E.RateLimited as exc:
+        return exc
+
+
+async def test_a_busy_key_far_from_its_limit_rarely_touches_the_store(
+    nats_server: NatsServer,
+) -> None:
+    nc = await nats.connect(nats_server.url)
+    bucket = "test_busy_key"  # its own bucket: revisions count this key's writes only
+    lim = await Limiter(nc, bucket=bucket).open()
+    try:
+        await fresh_window()
+        for i in range(200):
+            adm = await _admit(lim, "busy", f"r{i}", rpm=1_000_000, tpm=100_000_000)
+            assert isinstance(adm, Admission)
+        kv = await nc.jetstream().key_value(bucket)
+        entry = await kv.get(f"rl.busy.{int(time.time() // WINDOW_S)}")
+        # Leases of 1, 2, 4, ... requests: a handful of writes, not one per request.
+        assert entry.revision is not None and entry.revision < 20, entry.revision
+        state = json.loads(entry.value or b"{}")
+        assert state["r"] >= 200 and state["t"] >= 200 * 10
+        assert adm.info["x-ratelimit-remaining-requests"] == str(1_000_000 - 200)
+    finally:
+        await lim.close()
+        await nc.drain()
+
+
+async def test_leases_never_admit_more_than_the_limit_across_instances(
+    nats_server: NatsServer,
+) -> None:
+    nc = await nats.connect(nats_server.url)
+    lims = [await Limiter(nc).open() for _ in range(3)]
+    try:
+        await fresh_window()
+        outs = await asyncio.gather(
+            *(_admit(lims[i % 3], "shared", f"r{i}", rpm=200) for i in range(300))
+        )
+        admitted = sum(isinstance(o, Admission) for o in outs)
+        # Never above the limit; below it only by what an instance leased and did not use.
+        assert 180 <= admitted <= 200, admitted
+        assert all(isinstance(o, (Admission, E.RateLimited)) for o in outs)
+    finally:
+        for lim in lims:
+            await lim.close()
+        await nc.drain()
+
+
+async def test_concurrency_slots_move_between_instances_and_expire_with_a_dead_one(
+    nats_server: NatsServer,
+) -> None:
+    nc = await nats.connect(nats_server.url)
+    a = await Limiter(nc, owner="a", lease_ttl_s=1.5).open()
+    b = await Limiter(nc, owner="b", lease_ttl_s=1.5).open()
+    try:
+        got = [await _admit(a, "k", f"a{i}", concurrent=4) for i in range(3)]
+        assert all(isinstance(g, Admission) for g in got)
+        assert isinstance(await _admit(b, "k", "b0", concurrent=4), Admission)
+        refused = await _admit(b, "k", "b1", concurrent=4)
+        assert isinstance(refused, E.RateLimited) and "concurrent" in refused.message
+        # A request ends on a: its slot goes back to the store and b can take it.
+        await a.settle("k", "a0", 0, 10, 10, windowed=False)
+        assert isinstance(await _admit(b, "k", "b1", concurrent=4), Admission)
+        # a dies without giving its two slots back: they expire with its lease.
+        assert a._renewer is not None
+        a._renewer.cancel()
+        assert isinstance(await _admit(b, "k", "b2", concurrent=4), E.RateLimited)
+        for _ in range(60):
+            if isinstance(await _admit(b, "k", "b2", concurrent=4), Admission):
+                break
+            await asyncio.sleep(0.1)
+        else:
+            pytest.fail("the dead instance's slots never expired")
+    finally:
+        await b.close()
+        await nc.drain()
