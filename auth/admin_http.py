@@ -14,12 +14,13 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from nats.aio.client import Client as NATS
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from auth.keys import parse_duration
+from auth.keys import KeyRecord, parse_duration
 from auth.store import KeyStore
 from bus_schemas import errors as E
 from bus_schemas import headers as H
@@ -51,6 +52,44 @@ class KeyFields(BaseModel):
         return d
 
 
+async def read_json(receive: Receive, max_body: int) -> Any:
+    """The request body as JSON (``{}`` when empty); 413 / 400 otherwise."""
+    chunks, size = [], 0
+    while True:
+        msg = await receive()
+        size += len(msg.get("body", b""))
+        if size > max_body:
+            raise E.PayloadTooLarge("the admin request body is too large")
+        chunks.append(msg.get("body", b""))
+        if not msg.get("more_body"):
+            break
+    try:
+        return json.loads(b"".join(chunks) or b"{}")
+    except json.JSONDecodeError as exc:
+        raise E.InvalidJSON(f"the request body is not valid JSON: {exc}") from None
+
+
+async def answer_errors(
+    handler: Callable[[Scope, Receive, Send], Awaitable[None]],
+    scope: Scope,
+    receive: Receive,
+    send: Send,
+) -> None:
+    """Run an admin handler; its errors become OpenAI-shaped error responses."""
+    try:
+        await handler(scope, receive, send)
+    except E.TokenbusError as exc:
+        await send_error(send, exc)
+    except ValueError as exc:
+        await send_error(send, E.InvalidRequest(str(exc)))
+
+
+def invalid(exc: ValidationError) -> E.InvalidRequest:
+    first = exc.errors()[0]
+    loc = ".".join(str(p) for p in first.get("loc", ()))
+    return E.InvalidRequest(f"{loc}: {first.get('msg')}", param=loc or None)
+
+
 class AdminAPI:
     """ASGI handler for ``/v1/admin/keys`` (the key store opens on first use)."""
 
@@ -77,37 +116,26 @@ class AdminAPI:
             await self._store.close()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await self._handle(scope, receive, send)
-        except E.TokenbusError as exc:
-            await send_error(send, exc)
-        except ValueError as exc:
-            await send_error(send, E.InvalidRequest(str(exc)))
+        await answer_errors(self._handle, scope, receive, send)
 
     async def _body(self, receive: Receive) -> KeyFields:
-        chunks, size = [], 0
-        while True:
-            msg = await receive()
-            size += len(msg.get("body", b""))
-            if size > self.max_body:
-                raise E.PayloadTooLarge("the admin request body is too large")
-            chunks.append(msg.get("body", b""))
-            if not msg.get("more_body"):
-                break
+        data = await read_json(receive, self.max_body)
         try:
-            return KeyFields.model_validate(json.loads(b"".join(chunks) or b"{}"))
+            return KeyFields.model_validate(data)
         except ValidationError as exc:
-            first = exc.errors()[0]
-            loc = ".".join(str(p) for p in first.get("loc", ()))
-            raise E.InvalidRequest(f"{loc}: {first.get('msg')}", param=loc or None) from None
-        except json.JSONDecodeError as exc:
-            raise E.InvalidJSON(f"the request body is not valid JSON: {exc}") from None
+            raise invalid(exc) from None
 
-    async def _handle(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def authorize(self, scope: Scope) -> KeyRecord:
+        """The caller's key record, if it is an admin key; 401/403 otherwise."""
         store = await self.store()
         caller = store.lookup(api_key(scope).get(H.API_KEY))
         if not caller.admin:
             raise E.Forbidden(f"the API key {caller.id} is not an admin key")
+        return caller
+
+    async def _handle(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self.authorize(scope)
+        store = await self.store()
         method = scope["method"]
         rest = scope["path"].rstrip("/")[len(PREFIX) :].strip("/")
         if not rest:

@@ -480,12 +480,19 @@ class Client:
         timeout: float = DEFAULT_TIMEOUT_S,
         api_key: str | None = None,
         request_id: str | None = None,
+        session: str | None = None,
         **params: Any,
     ) -> Stream:
-        """Stream a chat completion; ``params`` are OpenAI's (max_tokens, temperature, ...)."""
+        """Stream a chat completion; ``params`` are OpenAI's (max_tokens, temperature, ...).
+        ``session`` keys session-affinity routing (requests of one session, one replica)."""
         body = {"model": model, "messages": list(messages), **params}
         return self.submit(
-            subjects.KIND_CHAT, body, timeout=timeout, api_key=api_key, request_id=request_id
+            subjects.KIND_CHAT,
+            body,
+            timeout=timeout,
+            api_key=api_key,
+            request_id=request_id,
+            headers={H.SESSION: session} if session else None,
         )
 
     def completions(
@@ -496,12 +503,18 @@ class Client:
         timeout: float = DEFAULT_TIMEOUT_S,
         api_key: str | None = None,
         request_id: str | None = None,
+        session: str | None = None,
         **params: Any,
     ) -> Stream:
         """Stream a text completion."""
         body = {"model": model, "prompt": prompt, **params}
         return self.submit(
-            subjects.KIND_COMPLETIONS, body, timeout=timeout, api_key=api_key, request_id=request_id
+            subjects.KIND_COMPLETIONS,
+            body,
+            timeout=timeout,
+            api_key=api_key,
+            request_id=request_id,
+            headers={H.SESSION: session} if session else None,
         )
 
     async def chat_completion(

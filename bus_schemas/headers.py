@@ -29,3 +29,5 @@ RATELIMIT_INFO = "Tb-Ratelimit-Info"
 FILTER_FLAGS = "Tb-Filter-Flags"
 # Name of the content filter policy of the principal, set by auth.
 FILTER_POLICY = "Tb-Filter-Policy"
+# A session or user key for session-affinity routing (HTTP: ``X-Session-Id``).
+SESSION = "Tb-Session"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 from nats.aio.client import Client as NATS
 from nats.errors import NoRespondersError
@@ -18,8 +19,9 @@ from nats.errors import TimeoutError as NatsTimeout
 from bus_schemas import codec, marks, subjects
 from bus_schemas import errors as E
 from bus_schemas import headers as H
-from router.policies import POLICIES
+from router.policies import RouteRequest, prompt_text
 from router.registry import Registry
+from router.routing import RoutingTable
 from services.config import RouterSettings
 
 # Refusals that say "this replica, not the request": another replica may take it.
@@ -29,11 +31,17 @@ _TRY_ELSEWHERE = frozenset({E.ReplicaDraining.code, E.ReplicaLost.code, E.Engine
 class Dispatcher:
     """Routes one request at a time over a shared :class:`Registry`."""
 
-    def __init__(self, nc: NATS, registry: Registry, cfg: RouterSettings) -> None:
+    def __init__(
+        self,
+        nc: NATS,
+        registry: Registry,
+        cfg: RouterSettings,
+        routing: RoutingTable | None = None,
+    ) -> None:
         self.nc = nc
         self.registry = registry
         self.cfg = cfg
-        self.policy = POLICIES[cfg.policy]
+        self.routing = routing if routing is not None else RoutingTable(cfg)
         self.started = time.monotonic()
 
     async def _warm_up(self, model: str) -> None:
@@ -45,22 +53,36 @@ class Dispatcher:
         ):
             await asyncio.sleep(0.05)
 
-    async def dispatch(self, model: str, data: bytes, hdrs: dict[str, str], reply: str) -> str:
+    async def dispatch(
+        self,
+        model: str,
+        data: bytes,
+        hdrs: dict[str, str],
+        reply: str,
+        env: dict[str, Any] | None = None,
+    ) -> str:
         """Send the envelope ``data`` to a replica of ``model``; returns the replica id.
 
-        ``hdrs`` are updated in place (route mark, reply subject, attempt).
+        ``hdrs`` are updated in place (route mark, reply subject, attempt). ``env`` is the
+        decoded envelope when the caller has it (policies that read the prompt need it).
         """
         marks.append(hdrs, "route")
         hdrs[H.REPLY_TO] = reply
         hdrs.pop(H.ROUTE, None)
         tried: set[str] = set()
         last_err: E.TokenbusError | None = None
+        route = self.routing.route(model)
+        req = RouteRequest(model, hdrs.get(H.SESSION) or None)
+        if route.needs_prompt:
+            req.prompt = prompt_text(env if env is not None else codec.decode_map(data))
+        model, pool = route.target(req)
         await self._warm_up(model)
         for attempt in range(self.cfg.max_attempts):
-            candidates = [r for r in self.registry.live(model) if r.replica not in tried]
+            live = self.registry.live(model)
+            candidates = [r for r in live if r.replica not in tried]
             if not candidates:
                 break
-            r = self.policy(candidates)
+            r = route.pick(candidates, live, req, pool)
             tried.add(r.replica)
             hdrs[H.ATTEMPT] = str(attempt)
             r.unacked += 1

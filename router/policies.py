@@ -1,19 +1,78 @@
-"""Routing policies: choose one replica among candidates."""
+"""Routing policies.
+
+Two kinds compose per model (``router.models.<model>`` in the configuration, or the admin
+API at run time):
+
+* a *pool selector* narrows the live replicas to a pool (``concurrency_tiered``: ScaleLLM's
+  high-TP pool when the model's traffic is light, the many-replica pool when heavy;
+  ``expert``: Expert Router's prompt classifier, see :mod:`router.expert`);
+* a *load policy* picks one replica among them: ``least_outstanding``, ``round_robin``,
+  ``power_of_two``, ``session_affinity`` (consistent hashing with bounded load) or
+  ``prefix_aware`` (the replica that served the same prompt prefix recently, within a load
+  bound: cache-aware routing).
+
+Load is what this router knows: each replica's in-flight count from its heartbeats plus the
+requests this router sent since (``Replica.load``), relative to the replica's capacity.
+"""
 
 from __future__ import annotations
 
+import bisect
+import hashlib
+import itertools
+import math
 import random
+import time
+from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from router.registry import Replica
 
 
-def least_outstanding(candidates: Sequence[Replica]) -> Replica:
+@dataclass(slots=True)
+class RouteRequest:
+    """What policies may look at: the model, a session key and the prompt text."""
+
+    model: str
+    session: str | None = None
+    prompt: str = ""
+
+
+def prompt_text(env: dict[str, Any]) -> str:
+    """The envelope's prompt as one string (chat messages in order), for prefix hashing and
+    classification."""
+    if env.get("prompt") is not None:
+        return str(env["prompt"])
+    parts = []
+    for m in env.get("messages") or ():
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, str):
+            parts.append(f"{m.get('role', '')}:{content}\n")
+    return "".join(parts)
+
+
+def utilisation(r: Replica) -> float:
+    return r.load / r.max_concurrency
+
+
+class LoadPolicy(Protocol):
+    def choose(self, candidates: Sequence[Replica], req: RouteRequest) -> Replica: ...
+
+
+class LeastOutstanding:
     """The replica with the fewest outstanding requests relative to its capacity; ties random."""
+
+    def choose(self, candidates: Sequence[Replica], req: RouteRequest) -> Replica:
+        return least_outstanding(candidates)
+
+
+def least_outstanding(candidates: Sequence[Replica]) -> Replica:
     best: list[Replica] = []
-    best_load = float("inf")
+    best_load = math.inf
     for r in candidates:
-        load = r.load / r.max_concurrency
+        load = utilisation(r)
         if load < best_load:
             best, best_load = [r], load
         elif load == best_load:
@@ -21,4 +80,201 @@ def least_outstanding(candidates: Sequence[Replica]) -> Replica:
     return best[0] if len(best) == 1 else random.choice(best)
 
 
-POLICIES = {"least_outstanding": least_outstanding}
+class RoundRobin:
+    """Each replica in turn (by replica id), whatever its load."""
+
+    def __init__(self) -> None:
+        self._next = itertools.count()
+
+    def choose(self, candidates: Sequence[Replica], req: RouteRequest) -> Replica:
+        ordered = sorted(candidates, key=lambda r: r.replica)
+        return ordered[next(self._next) % len(ordered)]
+
+
+class PowerOfTwo:
+    """Two replicas at random, the less loaded of them (Mitzenmacher's power of two
+    choices: nearly least-loaded quality without looking at every replica)."""
+
+    def choose(self, candidates: Sequence[Replica], req: RouteRequest) -> Replica:
+        if len(candidates) == 1:
+            return candidates[0]
+        a, b = random.sample(list(candidates), 2)
+        return a if utilisation(a) <= utilisation(b) else b
+
+
+def _hash64(text: str) -> int:
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
+
+
+def within_bound(r: Replica, candidates: Sequence[Replica], bound: float) -> bool:
+    """Whether ``r`` may take one more request under a bound of ``bound`` times the average
+    load (the request counted, each replica's share in proportion to its capacity, rounded
+    up: Mirrokni et al.'s ``ceil(c * (m + 1) / n)``). A replica under a sixteenth of its
+    capacity (at least 2 requests) is never too loaded: at light load the bound would
+    otherwise move sessions on every stale heartbeat."""
+    if r.load < max(2, r.max_concurrency // 16):
+        return True
+    total = sum(c.load for c in candidates) + 1
+    capacity = sum(c.max_concurrency for c in candidates)
+    return r.load + 1 <= math.ceil(bound * total * r.max_concurrency / capacity)
+
+
+class SessionAffinity:
+    """Consistent hashing with bounded load (Mirrokni, Thorup, Zadimoghaddam): a session
+    goes to the first replica clockwise from its hash on a ring of virtual nodes whose load
+    is within ``bound`` times the average; requests without a session go to the least loaded.
+    A replica joining or leaving moves only the sessions of its ring segments."""
+
+    VNODES = 64
+
+    def __init__(self, bound: float = 1.25) -> None:
+        self.bound = bound
+        self._ring: tuple[frozenset[str], list[int], list[str]] = (frozenset(), [], [])
+
+    def _ring_for(self, names: frozenset[str]) -> tuple[list[int], list[str]]:
+        if self._ring[0] != names:
+            points = sorted(
+                (_hash64(f"{name}#{i}"), name) for name in names for i in range(self.VNODES)
+            )
+            self._ring = (names, [p for p, _ in points], [n for _, n in points])
+        return self._ring[1], self._ring[2]
+
+    def choose(self, candidates: Sequence[Replica], req: RouteRequest) -> Replica:
+        if not req.session or len(candidates) == 1:
+            return least_outstanding(candidates)
+        by_name = {r.replica: r for r in candidates}
+        hashes, names = self._ring_for(frozenset(by_name))
+        start = bisect.bisect(hashes, _hash64(req.session))
+        seen: set[str] = set()
+        for i in range(len(names)):
+            name = names[(start + i) % len(names)]
+            if name in seen:
+                continue
+            seen.add(name)
+            r = by_name[name]
+            if within_bound(r, candidates, self.bound):
+                return r
+            if len(seen) == len(by_name):
+                break
+        return least_outstanding(candidates)
+
+
+@dataclass
+class _PrefixTable:
+    """Which replica recently served which prompt-prefix block (an LRU of chained block
+    hashes), bounded in size and age."""
+
+    max_entries: int = 100_000
+    ttl_s: float = 600.0
+    entries: OrderedDict[int, tuple[str, float]] = field(default_factory=OrderedDict)
+
+    def lookup(self, blocks: list[int], now: float) -> dict[str, int]:
+        """Replica -> how many leading blocks of this prompt it served (block hashes are
+        chained, so a hit on block i means the whole prefix up to i was served there)."""
+        depth: dict[str, int] = {}
+        for i, h in enumerate(blocks):
+            hit = self.entries.get(h)
+            if hit is None or now - hit[1] > self.ttl_s:
+                break
+            depth[hit[0]] = i + 1
+        return depth
+
+    def record(self, blocks: list[int], replica: str, now: float) -> None:
+        for h in blocks:
+            self.entries[h] = (replica, now)
+            self.entries.move_to_end(h)
+        while len(self.entries) > self.max_entries:
+            self.entries.popitem(last=False)
+
+
+class PrefixAware:
+    """Cache-aware routing: the prompt is cut into blocks of ``block_chars`` characters,
+    each hashed together with everything before it; the replica that most recently served
+    the longest run of the same leading blocks gets the request (its KV cache likely still
+    holds that prefix), unless it is loaded beyond ``bound`` times the average; otherwise
+    the least loaded replica gets it and the blocks are remembered for it."""
+
+    def __init__(self, bound: float = 1.25, block_chars: int = 256) -> None:
+        self.bound = bound
+        self.block_chars = block_chars
+        self.table = _PrefixTable()
+
+    def blocks(self, text: str) -> list[int]:
+        out: list[int] = []
+        h = hashlib.blake2b(digest_size=8)
+        n = len(text) // self.block_chars
+        for i in range(n):
+            h.update(text[i * self.block_chars : (i + 1) * self.block_chars].encode())
+            out.append(int.from_bytes(h.copy().digest(), "big"))
+        return out
+
+    def choose(self, candidates: Sequence[Replica], req: RouteRequest) -> Replica:
+        blocks = self.blocks(req.prompt)
+        now = time.monotonic()
+        chosen: Replica | None = None
+        if blocks and len(candidates) > 1:
+            depth = self.table.lookup(blocks, now)
+            for r in sorted(candidates, key=lambda r: -depth.get(r.replica, 0)):
+                if depth.get(r.replica, 0) == 0:
+                    break
+                if within_bound(r, candidates, self.bound):
+                    chosen = r
+                    break
+        if chosen is None:
+            chosen = least_outstanding(candidates)
+        if blocks:
+            self.table.record(blocks, chosen.replica, now)
+        return chosen
+
+
+LOAD_POLICIES: dict[str, type[Any]] = {
+    "least_outstanding": LeastOutstanding,
+    "round_robin": RoundRobin,
+    "power_of_two": PowerOfTwo,
+    "session_affinity": SessionAffinity,
+    "prefix_aware": PrefixAware,
+}
+
+
+def make_load_policy(name: str, *, bound: float, block_chars: int) -> LoadPolicy:
+    if name == "session_affinity":
+        return SessionAffinity(bound)
+    if name == "prefix_aware":
+        return PrefixAware(bound, block_chars)
+    try:
+        policy: LoadPolicy = LOAD_POLICIES[name]()
+    except KeyError:
+        raise ValueError(f"unknown load policy {name!r}") from None
+    return policy
+
+
+class ConcurrencyTiered:
+    """ScaleLLM's dynamic inference load balancing: while the model's in-flight requests
+    are below ``threshold`` its requests go to ``high_pool`` (few replicas with a high TP
+    degree: the lowest latency per request); at or above it, to ``wide_pool`` (many smaller
+    replicas: the most throughput). It goes back once in-flight falls below
+    ``threshold - hysteresis``, so it does not flap at the boundary. When the chosen pool
+    has no live replica the other pools are used."""
+
+    def __init__(self, threshold: int, hysteresis: int, high_pool: str, wide_pool: str) -> None:
+        self.threshold = threshold
+        self.hysteresis = hysteresis
+        self.high_pool = high_pool
+        self.wide_pool = wide_pool
+        self.wide: dict[str, bool] = {}
+
+    def pool_for(self, model: str, in_flight: int) -> str:
+        wide = self.wide.get(model, False)
+        if not wide and in_flight >= self.threshold:
+            wide = True
+        elif wide and in_flight < self.threshold - self.hysteresis:
+            wide = False
+        self.wide[model] = wide
+        return self.wide_pool if wide else self.high_pool
+
+    def select(
+        self, candidates: list[Replica], all_live: Sequence[Replica], req: RouteRequest
+    ) -> list[Replica]:
+        pool = self.pool_for(req.model, sum(r.load for r in all_live))
+        chosen = [r for r in candidates if r.pool == pool]
+        return chosen or candidates

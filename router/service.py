@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from typing import Any
 
+from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from bus_schemas import codec, subjects
@@ -12,6 +14,8 @@ from bus_schemas import errors as E
 from bus_schemas import headers as H
 from router.dispatch import Dispatcher
 from router.registry import Registry
+from router.routing import RoutingTable
+from services.config import RouterSettings
 from services.runtime import Service, reply_subject
 
 
@@ -22,7 +26,8 @@ class Router(Service):
 
     async def setup(self) -> None:
         self.registry = Registry(self.settings.router.missed_heartbeats)
-        self.dispatcher = Dispatcher(self.nc, self.registry, self.settings.router)
+        self.routing = await watch_routing(self.nc, self.settings.router, self.log)
+        self.dispatcher = Dispatcher(self.nc, self.registry, self.settings.router, self.routing)
         self._tracker = HeartbeatTracker(self.registry, self.log)
         await self._tracker.start(self.nc)
         await self.add_endpoint(
@@ -31,6 +36,7 @@ class Router(Service):
 
     async def on_stop(self) -> None:
         await self._tracker.stop()
+        await self.routing.close()
 
     async def handle(self, msg: Msg) -> None:
         reply = reply_subject(msg)
@@ -39,6 +45,17 @@ class Router(Service):
         hdrs = dict(msg.headers or {})
         model = hdrs.get(H.MODEL) or str(codec.decode_map(msg.data).get("model", ""))
         await self.dispatcher.dispatch(model, msg.data, hdrs, reply)
+
+
+async def watch_routing(nc: NATS, cfg: RouterSettings, log: Any) -> RoutingTable:
+    """A routing table following the run-time overrides in KV; configuration only (and a
+    warning) when the bus has no JetStream."""
+    table = RoutingTable(cfg, log)
+    try:
+        await table.watch(nc)
+    except Exception as exc:
+        log.warning("routing_overrides_unavailable", error=str(exc))
+    return table
 
 
 class HeartbeatTracker:

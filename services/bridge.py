@@ -16,9 +16,12 @@ from auth.admin_http import AdminAPI
 from bus_schemas import codec, marks, subjects
 from bus_schemas import headers as H
 from bus_schemas.client import Client, Stream
+from router.admin_http import PREFIX as ROUTING_PREFIX
+from router.admin_http import RoutingAdmin
 from router.dispatch import Dispatcher
 from router.registry import Registry
-from router.service import HeartbeatTracker
+from router.routing import RoutingTable
+from router.service import HeartbeatTracker, watch_routing
 from services import validation
 from services.ingress import Admission
 from services.openai_http import HTTPServer, OpenAIApp, Receive, Scope, Send, serve
@@ -81,7 +84,7 @@ class BusSource:
                 if stages is not None and await stages.run(h, env):
                     data = codec.encode(env)
                 if dispatcher is not None:
-                    return await dispatcher.dispatch(model, data, h, reply)
+                    return await dispatcher.dispatch(model, data, h, reply, env)
                 await nc.publish(route, data, reply=reply, headers=h)
                 return None
 
@@ -130,8 +133,10 @@ class Bridge(Service):
                 self.nc, self.settings, owner=f"bridge-{self.id}"
             )
         dispatcher = None
+        self.routing: RoutingTable | None = None
         if cfg.fuse_router and (not before or self.stages is not None):
-            dispatcher = Dispatcher(self.nc, self.registry, self.settings.router)
+            self.routing = await watch_routing(self.nc, self.settings.router, self.log)
+            dispatcher = Dispatcher(self.nc, self.registry, self.settings.router, self.routing)
         api = OpenAIApp(
             BusSource(self.client, self.registry, admission, dispatcher, self.stages),
             max_body_bytes=cfg.max_body_bytes,
@@ -141,6 +146,7 @@ class Bridge(Service):
         api.add_route("GET", "/metrics", self.metrics)
         self.admin = AdminAPI(self.nc, store=self.stages.keys if self.stages else None)
         api.add_prefix(ADMIN_PREFIX, self.admin)
+        api.add_prefix(ROUTING_PREFIX, RoutingAdmin(self.nc, self.settings.router, self.admin))
         self.http = await serve(
             api,
             cfg.host,
@@ -179,4 +185,6 @@ class Bridge(Service):
         await self.admin.close()
         if self.stages is not None:
             await self.stages.close()
+        if self.routing is not None:
+            await self.routing.close()
         await self.client.close()

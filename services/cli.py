@@ -126,6 +126,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     keys_cli.add_parser(sub)
 
+    from router import cli as router_cli
+
+    router_cli.add_parser(sub)
+
     nc_ = sub.add_parser("nats-config", help="write a locked-down nats-server config")
     nc_.add_argument("--out", default=".tokenbus/nats-locked", help="folder for the files")
     nc_.add_argument("--host", default="127.0.0.1")
@@ -304,6 +308,10 @@ def main(argv: list[str] | None = None) -> None:
             from services import bench
 
             rc = await bench.main(a, s)
+        elif a.cmd == "router":
+            from router import cli as router_cli
+
+            rc = await router_cli.main(a, s)
 
     run(go())
     sys.exit(rc)

@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -62,10 +62,67 @@ class IngressSettings(BaseModel):
     max_prompt_chars: int = Field(default=1_000_000, description="Longer prompts get 413.")
 
 
-class RouterSettings(BaseModel):
-    """Replica registry and routing."""
+LoadPolicyName = Literal[
+    "least_outstanding", "round_robin", "power_of_two", "session_affinity", "prefix_aware"
+]
+PoolPolicyName = Literal["none", "concurrency_tiered", "expert"]
 
-    policy: Literal["least_outstanding"] = "least_outstanding"
+
+class TieredSettings(BaseModel):
+    """ScaleLLM's concurrency-tiered pool choice."""
+
+    threshold: int = Field(
+        default=64, ge=1, description="The model's in-flight requests at which to go wide."
+    )
+    hysteresis: int = Field(
+        default=8, ge=0, description="Go back to the high-TP pool below threshold - this."
+    )
+    high_pool: str = Field(default="high_tp", description="Pool tag of the high-TP replicas.")
+    wide_pool: str = Field(default="wide", description="Pool tag of the many small replicas.")
+
+
+class ExpertSettings(BaseModel):
+    """Expert Router's prompt classification (``tokenbus router train``)."""
+
+    model_dir: str = Field(default="", description="Directory written by `router train`.")
+    targets: dict[str, str] = Field(
+        default_factory=dict,
+        description="Cluster index or majority label -> `pool:<tag>` (a pool of the "
+        "requested model) or a model name (that model's replicas).",
+    )
+
+
+class ModelRouting(BaseModel):
+    """How one model's requests are routed: a pool choice, then a load policy inside it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    policy: LoadPolicyName = Field(
+        default="least_outstanding", description="Chooses the replica inside the pool."
+    )
+    pool_policy: PoolPolicyName = Field(default="none", description="Chooses the pool first.")
+    load_bound: float = Field(
+        default=1.25,
+        ge=1.0,
+        description="session_affinity / prefix_aware: a replica above this times the "
+        "average load is passed over.",
+    )
+    prefix_block_chars: int = Field(
+        default=256, ge=16, description="prefix_aware: characters per hashed prompt block."
+    )
+    tiered: TieredSettings = Field(default_factory=TieredSettings)
+    expert: ExpertSettings = Field(default_factory=ExpertSettings)
+
+
+class RouterSettings(ModelRouting):
+    """Replica registry and routing. The routing fields are the default for every model;
+    ``models`` overrides them per model (and the admin API changes them at run time)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    models: dict[str, ModelRouting] = Field(
+        default_factory=dict, description="Per-model routing, e.g. [router.models.big]."
+    )
     missed_heartbeats: int = Field(default=3, ge=1, description="Beats missed before expiry.")
     dispatch_timeout_s: float = Field(default=2.0, description="Wait for a worker's ack.")
     max_attempts: int = Field(default=3, ge=1, description="Replicas tried per request.")
@@ -75,6 +132,16 @@ class RouterSettings(BaseModel):
         description="After start, wait this long for a not-yet-heard model's heartbeats "
         "before answering 404.",
     )
+
+    def routing_for(self, model: str, override: dict[str, Any] | None = None) -> ModelRouting:
+        """The defaults, then ``models[model]``'s fields, then ``override`` (run-time)."""
+        base = self.model_dump(include=set(ModelRouting.model_fields))
+        found = self.models.get(model)
+        if found is not None:
+            base = _deep_merge(base, found.model_dump(exclude_unset=True))
+        if override:
+            base = _deep_merge(base, override)
+        return ModelRouting.model_validate(base)
 
 
 class RateLimitSettings(BaseModel):

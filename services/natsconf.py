@@ -42,7 +42,11 @@ ROLES: dict[str, tuple[list[str], list[str]]] = {
         [f"{PREFIX}.stage.ratelimit", *USAGE, INBOX, DISCOVERY],
     ),
     "filter": ([STAGES, INBOX], [f"{PREFIX}.stage.filter", INBOX, DISCOVERY]),
-    "router": ([ENGINE, CANCEL, INBOX], [f"{PREFIX}.stage.route", HEARTBEAT, INBOX, DISCOVERY]),
+    # KV: the router follows run-time routing changes (bucket tokenbus_routing).
+    "router": (
+        [ENGINE, CANCEL, INBOX, *JS_API],
+        [f"{PREFIX}.stage.route", HEARTBEAT, INBOX, DISCOVERY],
+    ),
     "worker": ([HEARTBEAT, *USAGE, TELEMETRY, INBOX], [ENGINE, CANCEL, DISCOVERY]),
     "telemetry": ([INBOX], [TELEMETRY, HEARTBEAT, *USAGE, DISCOVERY]),
     "admin": ([">"], [">"]),

@@ -111,6 +111,16 @@ def api_key(scope: Scope) -> dict[str, str]:
     return {H.API_KEY: key} if key else {}
 
 
+def bus_headers(scope: Scope) -> dict[str, str]:
+    """What of the HTTP request travels as bus headers: the API key and the session key
+    (``X-Session-Id``, for session-affinity routing)."""
+    out = api_key(scope)
+    session = header(scope, b"x-session-id")
+    if session:
+        out[H.SESSION] = session[:256]
+    return out
+
+
 def header(scope: Scope, name: bytes) -> str | None:
     for k, v in scope.get("headers") or ():
         if k == name:
@@ -246,7 +256,7 @@ class OpenAIApp:
                 _watch_disconnect(receive, asyncio.current_task(), state)
             )
             stream = self.source.open(
-                kind, req, body, request_id=rid, timeout=self.timeout, headers=api_key(scope)
+                kind, req, body, request_id=rid, timeout=self.timeout, headers=bus_headers(scope)
             )
             if req.stream:
                 await self._stream(send, kind, req, stream, rid, state)
@@ -423,7 +433,12 @@ class OpenAIApp:
 
 
 def _limit_headers(stream: StreamLike) -> list[tuple[bytes, bytes]]:
-    return [(k.encode(), v.encode()) for k, v in stream.rate_limits.items()]
+    """Rate-limit headers, and which replica served (``x-tokenbus-replica``)."""
+    out = [(k.encode(), v.encode()) for k, v in stream.rate_limits.items()]
+    replica = getattr(stream, "replica", None)
+    if replica:
+        out.append((b"x-tokenbus-replica", str(replica).encode()))
+    return out
 
 
 async def _watch_disconnect(

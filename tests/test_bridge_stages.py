@@ -66,9 +66,13 @@ async def test_bridge_stages_share_limits_keys_and_policies_with_the_services(
         # The key's strict policy blocks a secret in the prompt, naming the detector only.
         await store.update(rec.id, rpm=1000)
         await asyncio.sleep(0.5)
-        async with httpx.AsyncClient(base_url=base) as h:
+        async with httpx.AsyncClient(base_url=base, timeout=30) as h:
             hdr = {"Authorization": f"Bearer {key}"}
-            body = {"model": model, "messages": [{"role": "user", "content": f"key {AWS}"}]}
+            body = {
+                "model": model,
+                "messages": [{"role": "user", "content": f"key {AWS}"}],
+                "max_tokens": 2,
+            }
             r = await h.post("/chat/completions", json=body, headers=hdr)
             assert r.status_code == 400, r.text
             assert r.json()["error"]["code"] == "content_blocked.secret.aws_access_key"

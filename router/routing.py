@@ -1,0 +1,210 @@
+"""Per-model routing: the configuration, changed at run time through a watched KV bucket.
+
+Every router (and every bridge that routes in-process) builds a :class:`ModelRoute` per model
+from ``[router]`` / ``[router.models.<model>]`` and from the model's entry in the JetStream KV
+bucket ``tokenbus_routing`` (set by ``tokenbus router set`` or ``PUT /v1/admin/routing/<model>``).
+All instances watch the bucket, so a change reaches every one of them within milliseconds and
+survives restarts; deleting the entry goes back to the configuration.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from nats.aio.client import Client as NATS
+from nats.js.errors import BucketNotFoundError, KeyNotFoundError
+from nats.js.kv import KeyValue
+from pydantic import ValidationError
+
+from bus_schemas import subjects
+from router.policies import (
+    ConcurrencyTiered,
+    LoadPolicy,
+    RouteRequest,
+    make_load_policy,
+)
+from router.registry import Replica
+from services.config import ModelRouting, RouterSettings
+
+BUCKET = "tokenbus_routing"
+
+
+def kv_key(model: str) -> str:
+    """A model name as a KV key (KV keys allow ``=`` but not the ``~`` of subject tokens)."""
+    return subjects.token(model).replace("~", "=")
+
+
+def model_of(key: str) -> str:
+    return subjects.untoken(key.replace("=", "~"))
+
+
+class ExpertSelector:
+    """Sends each prompt to the pool or model its Expert Router cluster maps to."""
+
+    def __init__(self, model_dir: str, targets: dict[str, str]) -> None:
+        from router.expert import ExpertModel  # numpy: only where the expert policy runs
+
+        self.model = ExpertModel.load(model_dir)
+        labels = self.model.labels()
+        self.targets: dict[int, str] = {}
+        for c in range(self.model.clusters):
+            target = targets.get(str(c)) or targets.get(labels.get(c, ""))
+            if target:
+                self.targets[c] = target
+
+    def target(self, prompt: str) -> tuple[int, str | None]:
+        cluster = self.model.classify(prompt)
+        return cluster, self.targets.get(cluster)
+
+
+class ModelRoute:
+    """One model's routing, built from its :class:`ModelRouting`."""
+
+    def __init__(self, spec: ModelRouting) -> None:
+        self.spec = spec
+        self.policy: LoadPolicy = make_load_policy(
+            spec.policy, bound=spec.load_bound, block_chars=spec.prefix_block_chars
+        )
+        self.tiered: ConcurrencyTiered | None = None
+        self.expert: ExpertSelector | None = None
+        if spec.pool_policy == "concurrency_tiered":
+            t = spec.tiered
+            self.tiered = ConcurrencyTiered(t.threshold, t.hysteresis, t.high_pool, t.wide_pool)
+        elif spec.pool_policy == "expert":
+            if not spec.expert.model_dir:
+                raise ValueError("the expert pool policy needs expert.model_dir")
+            self.expert = ExpertSelector(spec.expert.model_dir, spec.expert.targets)
+        self.needs_prompt = self.expert is not None or spec.policy == "prefix_aware"
+
+    def target(self, req: RouteRequest) -> tuple[str, str | None]:
+        """(model whose replicas serve it, pool tag to prefer or None)."""
+        if self.expert is None:
+            return req.model, None
+        _, target = self.expert.target(req.prompt)
+        if target is None:
+            return req.model, None
+        if target.startswith("pool:"):
+            return req.model, target[5:]
+        return target, None
+
+    def pick(
+        self,
+        candidates: list[Replica],
+        live: Sequence[Replica],
+        req: RouteRequest,
+        pool: str | None,
+    ) -> Replica:
+        """A pool first (tiered, or the expert's), then a replica by the load policy."""
+        if self.tiered is not None:
+            candidates = self.tiered.select(candidates, live, req)
+        elif pool is not None:
+            candidates = [r for r in candidates if r.pool == pool] or candidates
+        return self.policy.choose(candidates, req)
+
+
+class RoutingTable:
+    """Routes per model: configuration defaults plus run-time overrides from KV."""
+
+    def __init__(self, cfg: RouterSettings, log: Any = None) -> None:
+        self.cfg = cfg
+        self.log = log
+        self.overrides: dict[str, dict[str, Any]] = {}
+        self._routes: dict[str, ModelRoute] = {}
+        self._watcher: Any = None
+        self._task: asyncio.Task[None] | None = None
+        self.synced = asyncio.Event()
+
+    def route(self, model: str) -> ModelRoute:
+        r = self._routes.get(model)
+        if r is None:
+            try:
+                r = ModelRoute(self.cfg.routing_for(model, self.overrides.get(model)))
+            except (ValueError, OSError) as exc:
+                # A bad run-time override must not stop the model being served.
+                if self.log is not None:
+                    self.log.error("routing_invalid", model=model, error=str(exc))
+                r = ModelRoute(self.cfg.routing_for(model))
+            self._routes[model] = r
+        return r
+
+    async def watch(self, nc: NATS) -> None:
+        """Follow the routing bucket (created if missing)."""
+        kv = await open_bucket(nc)
+        self._watcher = await kv.watchall()
+        self._task = asyncio.get_running_loop().create_task(self._follow())
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.synced.wait(), 10)
+
+    async def _follow(self) -> None:
+        async for entry in self._watcher:
+            if entry is None:
+                self.synced.set()
+                continue
+            model = model_of(entry.key)
+            if entry.operation in ("DEL", "PURGE") or not entry.value:
+                self.overrides.pop(model, None)
+            else:
+                try:
+                    self.overrides[model] = json.loads(entry.value)
+                except ValueError:
+                    continue
+            self._routes.pop(model, None)
+            if self.log is not None:
+                self.log.info("routing_changed", model=model, routing=self.overrides.get(model))
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        if self._watcher is not None:
+            with contextlib.suppress(Exception):
+                await self._watcher.stop()
+
+
+async def open_bucket(nc: NATS) -> KeyValue:
+    js = nc.jetstream()
+    try:
+        return await js.key_value(BUCKET)
+    except BucketNotFoundError:
+        return await js.create_key_value(bucket=BUCKET, history=1)
+
+
+def validate_override(cfg: RouterSettings, model: str, override: dict[str, Any]) -> ModelRouting:
+    """The routing ``override`` would give ``model``, or ValueError with the reason."""
+    try:
+        spec = cfg.routing_for(model, override)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        loc = ".".join(str(p) for p in first.get("loc", ()))
+        raise ValueError(f"{loc}: {first.get('msg')}") from None
+    ModelRoute(spec)  # builds the policies: a missing expert model fails here
+    return spec
+
+
+async def set_override(nc: NATS, model: str, override: dict[str, Any]) -> None:
+    kv = await open_bucket(nc)
+    await kv.put(kv_key(model), json.dumps(override).encode())
+
+
+async def clear_override(nc: NATS, model: str) -> None:
+    kv = await open_bucket(nc)
+    with contextlib.suppress(KeyNotFoundError):
+        await kv.delete(kv_key(model))
+
+
+async def list_overrides(nc: NATS) -> dict[str, dict[str, Any]]:
+    kv = await open_bucket(nc)
+    out: dict[str, dict[str, Any]] = {}
+    try:
+        keys = await kv.keys()
+    except Exception:  # nats-py raises NoKeysError on an empty bucket
+        return out
+    for k in keys:
+        with contextlib.suppress(KeyNotFoundError, ValueError):
+            entry = await kv.get(k)
+            if entry.value:
+                out[model_of(k)] = json.loads(entry.value)
+    return out
