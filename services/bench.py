@@ -93,6 +93,22 @@ def add_parser(sub: Any) -> None:
         help="--spawn: stages before the router, e.g. auth,ratelimit,filter,route "
         "(a key with generous limits is created for the run)",
     )
+    g.add_argument(
+        "--replica",
+        action="append",
+        default=[],
+        metavar="N:KEY=VALUE,...",
+        help="--spawn: N sim workers with these settings (repeatable), e.g. "
+        "1:tp=8,pool=high_tp,tp_efficiency=0.5,tp_comm_ms=1.5 ; keys: tp, pool, max_running, "
+        "decode_ms_per_seq, tp_efficiency, tp_comm_ms (default: one worker)",
+    )
+    g.add_argument(
+        "--routing",
+        help='--spawn: router settings as JSON, e.g. \'{"pool_policy": "concurrency_tiered"}\'',
+    )
+    g.add_argument(
+        "--no-direct", action="store_true", help="--spawn: skip the direct-engine baseline"
+    )
     b.add_argument("--api-key", help="API key sent with every request")
 
 
@@ -380,19 +396,30 @@ async def spawn_stack(a: argparse.Namespace, sup: Any) -> tuple[list[Target], An
         "--max-concurrency",
         str(a.sim_max_running),
     ]
+    if a.routing:
+        env["TOKENBUS_ROUTER"] = a.routing
     stages = [s for s in a.pipeline.split(",") if s and s != "route"]
     for name in ["ingress", *stages, "router"]:
         await sup.add(Child(name, cli_argv("serve", name), env))
     key = await _bench_key(url) if "auth" in stages else None
-    await sup.add(Child("worker", cli_argv("serve", "worker", "--replica", "bench-0", *sim), env))
+    for i, (extra_args, extra_env) in enumerate(replica_specs(a.replica)):
+        await sup.add(
+            Child(
+                f"worker-{i}",
+                cli_argv("serve", "worker", "--replica", f"bench-{i}", *sim, *extra_args),
+                {**env, **extra_env},
+            )
+        )
     bridges = BridgeSettings(port=bridge_port, processes=a.bridge_processes)
     for child in bridge_children(bridges, env):
         await sup.add(child)
-    await sup.add(
-        Child("direct", cli_argv("serve", "openai-http", "--port", str(direct_port), *sim), env)
-    )
+    if not a.no_direct:
+        await sup.add(
+            Child("direct", cli_argv("serve", "openai-http", "--port", str(direct_port), *sim), env)
+        )
     await _wait_http(f"http://127.0.0.1:{bridge_port}/ready")
-    await _wait_http(f"http://127.0.0.1:{direct_port}/ready")
+    if not a.no_direct:
+        await _wait_http(f"http://127.0.0.1:{direct_port}/ready")
     pids = {c.name: c.proc.pid for c in sup.children if c.proc is not None}
     stack_pids = {k: v for k, v in pids.items() if k != "direct"}
     targets = [
@@ -402,10 +429,42 @@ async def spawn_stack(a: argparse.Namespace, sup: Any) -> tuple[list[Target], An
     ]
     if a.nats_too:
         targets.append(Target("tokenbus-nats", "nats", url, stack_pids, api_key=key))
-    targets.append(
-        Target("direct", "http", f"http://127.0.0.1:{direct_port}/v1", {"direct": pids["direct"]})
-    )
+    if not a.no_direct:
+        targets.append(
+            Target(
+                "direct", "http", f"http://127.0.0.1:{direct_port}/v1", {"direct": pids["direct"]}
+            )
+        )
     return targets, nats
+
+
+_REPLICA_FLAGS = {"tp": "--tp", "pool": "--pool", "max_running": "--sim-max-running"}
+_REPLICA_SIM = ("decode_ms_per_seq", "tp_efficiency", "tp_comm_ms")
+
+
+def replica_specs(specs: list[str]) -> list[tuple[list[str], dict[str, str]]]:
+    """``N:key=value,...`` -> per worker (extra flags, extra env); one plain worker if none."""
+    if not specs:
+        return [([], {})]
+    out: list[tuple[list[str], dict[str, str]]] = []
+    for spec in specs:
+        count, _, rest = spec.partition(":")
+        if not count.strip().isdigit() or int(count) < 1:
+            raise SystemExit(f"--replica wants N:KEY=VALUE,..., got {spec!r}")
+        flags: list[str] = []
+        env: dict[str, str] = {}
+        for pair in filter(None, (p.strip() for p in rest.split(","))):
+            k, sep, v = pair.partition("=")
+            if not sep:
+                raise SystemExit(f"--replica: {pair!r} is not KEY=VALUE")
+            if k in _REPLICA_FLAGS:
+                flags += [_REPLICA_FLAGS[k], v]
+            elif k in _REPLICA_SIM:
+                env[f"TOKENBUS_WORKER__SIM__{k.upper()}"] = v
+            else:
+                raise SystemExit(f"--replica: unknown key {k!r}")
+        out += [(flags, env)] * int(count)
+    return out
 
 
 def compare(levels: list[dict[str, Any]], name: str, base: str) -> list[dict[str, Any]]:
@@ -496,7 +555,7 @@ async def main(a: argparse.Namespace, s: Settings) -> int:
         "config": {k: v for k, v in vars(a).items() if k not in ("cmd",)},
         "levels": levels,
     }
-    base = "direct" if a.spawn else ("baseline" if a.baseline_url else None)
+    base = "direct" if a.spawn and not a.no_direct else ("baseline" if a.baseline_url else None)
     if base:
         report["comparison"] = [
             row for t in targets if t.name != base for row in compare(levels, t.name, base)
