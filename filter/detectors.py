@@ -828,7 +828,9 @@ DEFAULT_TAILS = (_TOKEN_TAIL, _SPACED_TAIL)
 
 
 def tail_pattern(
-    first_words: Iterable[str], vocabulary: Iterable[str], tails: Iterable[str] = DEFAULT_TAILS
+    first_words: Iterable[str],
+    vocabulary: Iterable[str],
+    tails: Iterable[str] = DEFAULT_TAILS,
 ) -> re.Pattern[str]:
     """The regex whose leftmost match (anchored at the end) is where the stream must hold:
     any of ``tails``, or a chain of words that starts like a phrase (``first_words`` followed

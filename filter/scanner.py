@@ -156,6 +156,9 @@ def _lowest(members: tuple[int, ...]) -> Callable[[list[int]], int]:
 class _Plan:
     active: tuple[_Active, ...]
     tail: re.Pattern[str]
+    # When every enabled detector has a gate: all the gates in one regex. A chunk with no
+    # hit and nothing to hold may skip the engine (see _Engine.skip).
+    any_gate: re.Pattern[str] | None
     reach: int
     threshold: float
     lower: bool  # some detector reads the ASCII-lower-cased copy of the text
@@ -236,16 +239,26 @@ def _build_plan(policy: FilterPolicy, changes_only: bool = False) -> _Plan:
         for a in active:
             tails.extend(D.DEFAULT_TAILS if a.det.stream_tail is None else [a.det.stream_tail])
         tails = [t for t in tails if t != "(?!)"]
+        if first:  # a phrase's first word still arriving ("ign" of "ignore all ...")
+            tails.append("(?i:" + D.literal_tail(first, before=r"\w", then="") + ")")
     else:
         tails = list(D.DEFAULT_TAILS)
     return _Plan(
         groups=tuple(_Group(g, tuple(m), _lowest(tuple(m))) for g, m in groups.values()),
         active=tuple(active),
         tail=D.tail_pattern(first, vocab, tails),
+        any_gate=_any_gate(active),
         reach=max((a.det.reach for a in active), default=0),
         threshold=policy.injection_threshold,
         lower=any(a.det.lower for a in active),
     )
+
+
+def _any_gate(active: list[_Active]) -> re.Pattern[str] | None:
+    gates = {id(a.det.gate): a.det.gate for a in active}
+    if not active or any(g is None for g in gates.values()):
+        return None
+    return re.compile("|".join(f"(?:{g.pattern.pattern})" for g in gates.values() if g))
 
 
 @functools.lru_cache(maxsize=64)
@@ -322,6 +335,39 @@ class _Engine:
         if self.stream:
             self._trim()
         return text
+
+    def skip(self, delta: str) -> bool:
+        """Fast path for a stream: when everything so far is decided and released, no gate
+        of an enabled detector hits in ``delta`` (so no match can begin in it) and nothing at
+        its end must be held, take ``delta`` as decided at once. Same result as :meth:`feed`
+        without the per-detector work. (A hold cannot begin before ``delta``: its start
+        would already have been held, and nothing was.)"""
+        plan = self.plan
+        gate = plan.any_gate
+        end = self.origin + len(self.buf)
+        if (
+            gate is None
+            or self.open is not None
+            or self.blocked is not None
+            or self.pos != end
+            or self.done_to != end
+            or self.cache.count(None) != len(self.cache)
+        ):
+            return False
+        ctx = self.buf[-_MARGIN:]
+        text, at = ctx + delta, len(ctx)
+        if gate.search(text, at) is not None or plan.tail.search(text, at) is not None:
+            return False
+        self.buf += delta
+        if plan.lower:
+            self.low += D.ascii_lower(delta)
+        new_end = end + len(delta)
+        self.pos = self.final = self.done_to = new_end
+        # Clean means every detector has searched up to ``end`` (nothing lies beyond it).
+        self.resume = [new_end] * len(self.resume)
+        if len(self.buf) > 2048:
+            self._trim()
+        return True
 
     def _run(self, end: int, eof: bool) -> int | None:
         """Decide what can be decided; return the position raw text may be emitted up to."""
@@ -694,6 +740,8 @@ class StreamScanner:
         engine = self._engine
         if engine.blocked is not None:
             return StreamOutput("", self.blocked_by)
+        if delta and not eof and engine.skip(delta):
+            return StreamOutput(delta, None)
         seen = len(engine.findings)
         text = engine.feed(delta, eof=eof)
         return StreamOutput(text, self.blocked_by, tuple(engine.findings[seen:]))

@@ -720,6 +720,12 @@ _POLICIES = [
     ),
     FilterPolicy(actions={"pii": "redact", "injection": "block"}),
     FilterPolicy(actions={"pii.email": "block", "secret.high_entropy": "redact"}),
+    # Only phrases change the text: the output stream holds only their first words.
+    FilterPolicy(
+        blocklist=["forbidden thing", "forbidden"],
+        actions={"blocklist": "block", "pii": "flag", "secret": "flag"},
+    ),
+    FilterPolicy(actions={"injection": "redact", "pii": "flag", "secret": "flag"}),
 ]
 
 

@@ -11,7 +11,7 @@ Runs ``tokenbus bench --spawn`` four times over the same concurrency sweep (1 ..
 * ``both_least_outstanding``: both pools, no tiering (a reference: the same replicas,
   spread by load only).
 
-Every step also costs 0.2 ms per running sequence (divided by the TP speed-up), so a big
+Every step also costs 0.5 ms per running sequence (divided by the TP speed-up), so a big
 batch slows a replica down. Writes ``tiered-<config>.json`` per run, ``tiered.json`` (the
 table) and ``tiered.png`` (needs matplotlib).
 """
@@ -25,8 +25,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-HIGH = "1:tp=8,pool=high_tp,tp_efficiency=0.5,tp_comm_ms=1.5,decode_ms_per_seq=0.2"
-WIDE = "4:tp=2,pool=wide,tp_efficiency=0.9,tp_comm_ms=0.5,decode_ms_per_seq=0.2"
+HIGH = "1:tp=8,pool=high_tp,tp_efficiency=0.5,tp_comm_ms=1.5,decode_ms_per_seq=0.5"
+WIDE = "4:tp=2,pool=wide,tp_efficiency=0.9,tp_comm_ms=0.5,decode_ms_per_seq=0.5"
 CONFIGS: dict[str, tuple[list[str], dict[str, Any] | None]] = {
     "high_tp": ([HIGH], None),
     "wide": ([WIDE], None),
