@@ -32,7 +32,18 @@ from bus_schemas import headers as H
 DEFAULT_TIMEOUT_S = 600.0
 # A stream's replica is presumed dead after this many missed heartbeats.
 MISSED_BEATS = 3
-WATCHDOG_INTERVAL_S = 0.5
+WATCHDOG_INTERVAL_S = 0.25
+# A stream whose replica fails (killed, stopped, its engine failed) is re-issued to another
+# replica with the prompt and the text already received, at most this many times.
+MAX_MIGRATIONS = 3
+# A request not accepted by any replica within this long is sent again (the stage or
+# router holding it may have died); late accepts of the first attempt are cancelled.
+ACCEPT_TIMEOUT_S = 5.0
+# A frame only the client's own watchdog pushes: the current attempt was never accepted.
+_RETRY = "_retry"
+_RETRY_FRAME = codec.encode({"t": _RETRY})
+# Errors that are about the replica, not the request: another replica can continue.
+MIGRATABLE = frozenset({E.ReplicaLost.code, E.ReplicaDraining.code, E.EngineError.code})
 _TOMBSTONE_TTL_S = 120.0
 _TOMBSTONES_MAX = 10_000
 
@@ -117,6 +128,13 @@ class Stream:
         self._accepted_at = 0.0
         self._heartbeat_s = 1.0
         self._lost = False
+        self._deadline = 0.0  # absolute (time.time()), fixed at the first start
+        self._started_at = 0.0  # monotonic, of the current attempt
+        self.migrations = 0
+        self._got: list[str] = []  # text received so far (the resume point)
+        self._got_tokens = 0
+        self._resumed_tokens = 0  # tokens delivered before the current attempt
+        self._cancelled = False
         self.rate_limits: dict[str, str] = {}
         self.finish_reason: str | None = None
         self.usage: Usage | None = None
@@ -143,11 +161,16 @@ class Stream:
             return
         self._started = True
         now = time.time()
-        self._timer = asyncio.get_running_loop().call_later(self._timeout, self._on_deadline)
+        if not self._deadline:
+            self._deadline = now + self._timeout
+            self._timer = asyncio.get_running_loop().call_later(self._timeout, self._on_deadline)
+        self._started_at = time.monotonic()
         hdrs = {
             H.REQUEST_ID: self.request_id,
-            H.DEADLINE: str(int((now + self._timeout) * 1000)),
+            H.DEADLINE: str(int(self._deadline * 1000)),
         }
+        if self.migrations:
+            hdrs[H.MIGRATION] = str(self.migrations)
         if self._api_key:
             hdrs[H.API_KEY] = self._api_key
         if self._extra_headers:
@@ -227,7 +250,10 @@ class Stream:
             if t == frames.CHUNK:
                 if not self.t_first_ns:
                     self.t_first_ns = time.time_ns()
-                return Chunk(frame["d"], int(frame.get("n", 1)), int(frame.get("i", 0)))
+                text, n = frame["d"], int(frame.get("n", 1))
+                self._got.append(text)
+                self._got_tokens += n
+                return Chunk(text, n, int(frame.get("i", 0)))
             if t == frames.ACCEPT:
                 other = frame.get("replica")
                 if self.replica and other != self.replica and self._accepted_at:
@@ -247,17 +273,26 @@ class Stream:
             if t == frames.FINAL:
                 self.finish_reason = frame.get("finish_reason")
                 u = frame.get("usage") or {}
-                self.usage = Usage(
-                    int(u.get("prompt_tokens", 0)),
-                    int(u.get("completion_tokens", 0)),
-                    int(u.get("total_tokens", 0)),
-                )
+                prompt = int(u.get("prompt_tokens", 0))
+                # After a migration, the tokens of the earlier attempts count too.
+                completion = int(u.get("completion_tokens", 0)) + self._resumed_tokens
+                self.usage = Usage(prompt, completion, prompt + completion)
                 self.timings = dict(frame.get("timings") or {})
                 self._finish()
                 raise StopAsyncIteration
             if t == frames.ERROR:
+                err = E.TokenbusError.from_dict(frame.get("error") or {})
+                if err.code in MIGRATABLE and await self._migrate(err):
+                    continue
                 self._finish()
-                raise E.TokenbusError.from_dict(frame.get("error") or {})
+                raise err
+            if t == _RETRY:
+                if await self._migrate(E.ServiceUnavailable("no replica accepted the request")):
+                    continue
+                self._finish()
+                raise E.ServiceUnavailable(
+                    "no replica accepted the request in time (the bus or a stage is failing); retry"
+                )
             # Unknown frame types from newer senders are skipped.
 
     def _finish(self) -> None:
@@ -272,8 +307,48 @@ class Stream:
     def done(self) -> bool:
         return self._done
 
+    async def _migrate(self, err: E.TokenbusError) -> bool:
+        """Re-issue the request to another replica, resuming after the text received so far
+        (request migration); False when it may not (limit reached, deadline passed)."""
+        if (
+            self._cancelled
+            or self.migrations >= MAX_MIGRATIONS
+            or time.time() >= self._deadline - 0.05
+        ):
+            return False
+        self.migrations += 1
+        old_token, old_replica = self.token, self.replica
+        self._client._unregister(self)
+        if old_replica:  # if it is alive after all, it must stop
+            await self._client._send_cancel(old_replica, old_token, self.request_id)
+        self._client._tombstone(old_token, self.request_id)
+        self.token = uuid.uuid4().hex
+        self.replica = None
+        self._accepted_at = 0.0
+        self._lost = False
+        self._resumed_tokens = self._got_tokens
+        # In place: an in-process sender (the bridge) holds this very envelope.
+        self._body["resume"] = {"text": "".join(self._got), "tokens": self._got_tokens}
+        self._started = False
+        self._client.log_migration(self, err)
+        try:
+            await self.start()
+        except E.TokenbusError:
+            return False
+        return True
+
+    def _accept_overdue(self, now: float) -> bool:
+        return (
+            self._started
+            and not self._done
+            and self._accepted_at == 0.0
+            and self._started_at > 0
+            and now - self._started_at > ACCEPT_TIMEOUT_S
+        )
+
     async def aclose(self) -> None:
         """Stop the request; if a replica is generating for it, tell it to abort."""
+        self._cancelled = True
         if not self._started or self._done:
             self._done = True
             return
@@ -316,6 +391,7 @@ class Client:
         self._watchdog: asyncio.Task[None] | None = None
         # replica -> (monotonic time of its last heartbeat, its heartbeat interval)
         self._beats: dict[str, tuple[float, float]] = {}
+        self.on_migration: Callable[[Stream, E.TokenbusError], None] | None = None
 
     @classmethod
     async def connect(cls, url: str = "nats://127.0.0.1:4222", **options: Any) -> Client:
@@ -355,6 +431,10 @@ class Client:
             await asyncio.sleep(WATCHDOG_INTERVAL_S)
             now = time.monotonic()
             for s in list(self._streams.values()):
+                if s._accept_overdue(now):
+                    s._started_at = now + 3600  # one retry marker per attempt
+                    s._push(None, _RETRY_FRAME)
+                    continue
                 if s.replica is None or s._accepted_at == 0.0:
                     continue
                 # Not heard from it yet: count from the accept, at the interval it announced.
@@ -392,6 +472,11 @@ class Client:
 
     def inbox_for(self, token: str) -> str:
         return f"{self._prefix}.{token}"
+
+    def log_migration(self, s: Stream, err: E.TokenbusError) -> None:
+        """Called when a stream is re-issued (the bridge logs it); no-op here."""
+        if self.on_migration is not None:
+            self.on_migration(s, err)
 
     def _register(self, s: Stream) -> None:
         self._streams[s.token] = s

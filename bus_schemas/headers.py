@@ -17,6 +17,8 @@ REPLY_TO = "Tb-Reply-To"
 API_KEY = "Tb-Api-Key"
 PRINCIPAL = "Tb-Principal"
 ATTEMPT = "Tb-Attempt"
+# How many times the caller re-issued this request after its replica failed (migration).
+MIGRATION = "Tb-Migration"
 # NATS' own status header (503 = no responders).
 NATS_STATUS = "Status"
 # Limits of the principal as ``rpm,tpm,concurrent`` (empty field = unlimited), set by auth.

@@ -79,6 +79,13 @@ def _normalise_stop(v: Any) -> Any:
     return v
 
 
+class Resume(_Edge):
+    """Where a response that was cut off continues (request migration)."""
+
+    text: str = Field(description="The response text already delivered to the caller.")
+    tokens: int = Field(ge=0, description="How many tokens that text was.")
+
+
 class _GenerationRequest(_Edge):
     """Fields shared by chat and text completion requests."""
 
@@ -92,6 +99,11 @@ class _GenerationRequest(_Edge):
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     seed: int | None = Field(default=None)
+    resume: Resume | None = Field(
+        default=None,
+        description="tokenbus extension: continue a response cut off after `text` "
+        "(clients set it when they move a request from a failed replica to another).",
+    )
     stop: list[str] | None = Field(default=None, description="Stop sequence or sequences.")
     n: int = Field(default=1, description="Number of choices; only 1 is served.")
     stream: bool = Field(default=False, description="Stream chunks as server-sent events.")
@@ -178,6 +190,11 @@ class Envelope(_Wire):
         default=None,
         description="Content filter policy the worker applies to the output stream "
         "(set by the filter stage; absent means no output scanning).",
+    )
+    resume: dict[str, Any] | None = Field(
+        default=None,
+        description="Continue after {text, tokens} already delivered (request migration): "
+        "the engine generates what follows, max_tokens counting the tokens already sent.",
     )
 
 

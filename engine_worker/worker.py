@@ -224,6 +224,10 @@ class Worker(Service):
             scan = output_scanner(env.get("filter_policy"), self.settings.filter.window)
             raw: list[str] = []  # the engine's text, for the flag scan at the end
             held_tokens = 0
+            already = 0  # output the caller already has (a migrated request), not resent
+            if scan is not None and req.resume_text:
+                # The scanner needs what came before; what it holds of it was sent already.
+                already = len(req.resume_text) - len(scan.feed(req.resume_text).text_to_emit)
             async with asyncio.timeout(timeout), contextlib.aclosing(stream) as gen:
                 async for d in gen:
                     text = d.text
@@ -239,6 +243,9 @@ class Worker(Service):
                                 tail.blocked_by,
                             )
                         text = out.text_to_emit if out else ""
+                        if already and text:
+                            cut = min(already, len(text))
+                            text, already = text[cut:], already - cut
                         if out is not None and out.blocked_by is not None:
                             finish = "content_filter"
                     if text or d.tokens:

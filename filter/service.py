@@ -57,6 +57,8 @@ def scan_envelope(env: dict[str, Any], scanner: Scanner) -> tuple[bool, list[str
         texts.append((m, "content"))
     if env.get("prompt") is not None:
         texts.append((env, "prompt"))
+    if isinstance(env.get("resume"), dict):  # a migrated request's text so far
+        texts.append((env["resume"], "text"))
     for holder, field in texts:
         text = holder.get(field)
         if not isinstance(text, str) or not text:

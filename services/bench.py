@@ -328,6 +328,31 @@ async def _wait_http(url: str, timeout: float = 30.0) -> None:
         raise RuntimeError(f"{url} did not become ready")
 
 
+async def _wait_replicas(url: str, n: int, timeout: float = 30.0) -> None:
+    """Until ``n`` replicas have sent heartbeats (and the routers heard them: two beats)."""
+    import nats as nats_mod
+
+    from bus_schemas import codec, subjects
+
+    seen: dict[str, int] = {}
+    nc = await nats_mod.connect(url)
+    try:
+
+        async def on_beat(msg: Any) -> None:
+            rid = str(codec.decode_map(msg.data).get("replica", ""))
+            seen[rid] = seen.get(rid, 0) + 1
+
+        await nc.subscribe(subjects.heartbeat_wildcard(), cb=on_beat)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if len(seen) >= n and all(v >= 2 for v in seen.values()):
+                return
+            await asyncio.sleep(0.05)
+        raise RuntimeError(f"only {len(seen)} of {n} replicas came up")
+    finally:
+        await nc.drain()
+
+
 def _free_port() -> int:
     import socket
 
@@ -418,6 +443,7 @@ async def spawn_stack(a: argparse.Namespace, sup: Any) -> tuple[list[Target], An
             Child("direct", cli_argv("serve", "openai-http", "--port", str(direct_port), *sim), env)
         )
     await _wait_http(f"http://127.0.0.1:{bridge_port}/ready")
+    await _wait_replicas(url, len(replica_specs(a.replica)))
     if not a.no_direct:
         await _wait_http(f"http://127.0.0.1:{direct_port}/ready")
     pids = {c.name: c.proc.pid for c in sup.children if c.proc is not None}

@@ -121,6 +121,9 @@ class Bridge(Service):
     async def setup(self) -> None:
         cfg = self.settings.bridge
         self.client = Client(self.nc, owner=f"bridge-{self.id}")
+        self.client.on_migration = lambda s, err: self.log.info(
+            "request_migrated", request_id=s.request_id, migration=s.migrations, reason=err.code
+        )
         await self.client.start()
         self.registry = Registry(self.settings.router.missed_heartbeats)
         self._tracker = HeartbeatTracker(self.registry, self.log)

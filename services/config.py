@@ -210,7 +210,7 @@ class WorkerSettings(BaseModel):
     model: str = DEFAULT_MODEL
     replica: str = Field(default="", description="Replica id; generated when empty.")
     max_concurrency: int = Field(default=256, ge=1)
-    heartbeat_interval_s: float = Field(default=1.0, gt=0)
+    heartbeat_interval_s: float = Field(default=0.5, gt=0)
     tp: int = Field(default=1, ge=1)
     pool: str = "default"
     sim: SimSettings = Field(default_factory=SimSettings)

@@ -30,9 +30,10 @@ def parse(kind: str, body: Any) -> Request:
 
 def prompt_chars(req: Request) -> int:
     """Size of the request's text, for the oversized-prompt check."""
+    extra = len(req.resume.text) if req.resume is not None else 0
     if isinstance(req, ChatCompletionRequest):
-        return sum(len(m.text()) for m in req.messages)
-    return len(req.prompt_text)
+        return sum(len(m.text()) for m in req.messages) + extra
+    return len(req.prompt_text) + extra
 
 
 def envelope(
@@ -52,4 +53,6 @@ def envelope(
         env["messages"] = [{"role": m.role, "content": m.text()} for m in req.messages]
     else:
         env["prompt"] = req.prompt_text
+    if req.resume is not None:
+        env["resume"] = req.resume.model_dump(exclude={"type"})
     return env

@@ -21,6 +21,14 @@ class GenerationRequest:
     stop: list[str] = field(default_factory=list)
     messages: list[dict[str, Any]] | None = None
     prompt: str | None = None
+    # Request migration: the response so far (already delivered); generate what follows,
+    # at most ``max_tokens - resume_tokens`` more.
+    resume_text: str = ""
+    resume_tokens: int = 0
+
+    @property
+    def remaining_tokens(self) -> int:
+        return max(0, self.max_tokens - self.resume_tokens)
 
     @classmethod
     def from_envelope(cls, env: dict[str, Any]) -> GenerationRequest:
@@ -36,6 +44,8 @@ class GenerationRequest:
             stop=list(p.get("stop") or []),
             messages=env.get("messages"),
             prompt=env.get("prompt"),
+            resume_text=str((env.get("resume") or {}).get("text", "")),
+            resume_tokens=max(0, int((env.get("resume") or {}).get("tokens", 0))),
         )
 
     def prompt_text(self) -> str:

@@ -52,7 +52,7 @@ class OpenAIUpstreamBackend:
     def _body(self, req: GenerationRequest) -> tuple[str, dict[str, Any]]:
         body: dict[str, Any] = {
             "model": self.model,
-            "max_tokens": req.max_tokens,
+            "max_tokens": max(1, req.remaining_tokens),
             "temperature": req.temperature,
             "top_p": req.top_p,
             "stream": True,
@@ -64,8 +64,16 @@ class OpenAIUpstreamBackend:
             body["stop"] = req.stop
         if req.messages is not None:
             body["messages"] = req.messages
+            if req.resume_text:
+                # Migration: continue the assistant's reply (vLLM's and others' extension).
+                body["messages"] = [
+                    *req.messages,
+                    {"role": "assistant", "content": req.resume_text},
+                ]
+                body["continue_final_message"] = True
+                body["add_generation_prompt"] = False
             return "/chat/completions", body
-        body["prompt"] = req.prompt or ""
+        body["prompt"] = (req.prompt or "") + req.resume_text
         return "/completions", body
 
     def generate(self, req: GenerationRequest) -> AsyncGenerator[Delta, None]:

@@ -104,6 +104,31 @@ def expected_text(
     return text, "length"
 
 
+def resume_point(start: int, req: GenerationRequest) -> tuple[int, str]:
+    """Where a migrated request continues: (whole tokens already delivered, their text).
+
+    The text the caller received is the authority: the tokens it holds in full are counted
+    from it, so a token delivered only in part (held back by an output filter) is produced
+    again and its missing end sent. Text that is not the sequence's own (redacted by an
+    output filter) falls back to the token count the caller reports."""
+    if not req.resume_text and not req.resume_tokens:
+        return 0, ""
+    text, n = "", 0
+    while n < req.max_tokens:
+        nxt = token_text(start, n)
+        if not req.resume_text.startswith(nxt, len(text)):
+            break
+        text += nxt
+        n += 1
+    if len(text) < len(req.resume_text) and not (
+        n < req.max_tokens and token_text(start, n).startswith(req.resume_text[len(text) :])
+    ):
+        # Not our text (redacted): trust the count.
+        n = min(req.resume_tokens, req.max_tokens)
+        return n, req.resume_text
+    return n, text
+
+
 def _find_stop(text: str, stops: list[str]) -> int | None:
     best: int | None = None
     for s in stops:
@@ -273,13 +298,22 @@ class SimStream:
         self.engine = engine
         self.stop = req.stop
         self.ptoks = count_tokens(prompt)
-        self.seq = _Seq(_start(prompt, req.seed), self.ptoks, req.max_tokens)
+        start = _start(prompt, req.seed)
+        # A migrated request prefills its prompt and the text already sent, then goes on
+        # with the very tokens the first replica would have produced next.
+        done, text = resume_point(start, req)
+        self.seq = _Seq(start, self.ptoks + done, req.max_tokens)
+        self.seq.emitted = done
         self.hold = max((len(s) for s in req.stop), default=1) - 1
-        self.text = ""
-        self.sent = 0
+        self.text = text
+        # What the caller already has is not sent again (a token may have been cut).
+        self.sent = max(len(text), len(req.resume_text)) if req.resume_text else 0
         self.produced = 0
         self.finished = False
-        engine.submit(self.seq)
+        if done >= req.max_tokens:  # everything was sent; only the end was lost
+            self.seq.done = True
+        else:
+            engine.submit(self.seq)
 
     def __aiter__(self) -> SimStream:
         return self

@@ -303,7 +303,8 @@ class VLLMBackend:
         """vLLM's prompt for ``req`` and its token count when known here (else 0)."""
         tok = self.tokenizer
         if req.messages is None or tok is None or not getattr(tok, "chat_template", None):
-            return req.prompt_text(), 0
+            # A migrated request continues after the text already sent.
+            return req.prompt_text() + req.resume_text, 0
         messages = [{**m, "content": _message_text(m.get("content"))} for m in req.messages]
         try:
             text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
@@ -315,6 +316,7 @@ class VLLMBackend:
             raise E.InvalidRequest(
                 f"the model's chat template rejected the messages: {exc}", param="messages"
             ) from exc
+        text += req.resume_text  # the assistant's reply so far (migration), continued
         encode = getattr(tok, "encode", None)
         if encode is None:
             return text, 0
@@ -328,7 +330,7 @@ class VLLMBackend:
         """vLLM SamplingParams for ``req`` and whether outputs will be deltas."""
         assert self._sp_cls is not None
         kwargs: dict[str, Any] = {
-            "max_tokens": req.max_tokens,
+            "max_tokens": max(1, req.remaining_tokens),
             "temperature": req.temperature,
             "top_p": req.top_p,
             "seed": req.seed,

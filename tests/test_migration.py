@@ -1,0 +1,201 @@
+"""Request migration: a stream whose replica dies goes on on another replica, without a
+duplicate or a gap; real processes, a real bus, kill -9."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from typing import Any
+
+import openai
+import pytest
+
+from bus_schemas import errors as E
+from bus_schemas.client import Client
+from engine_worker.backends.base import GenerationRequest
+from engine_worker.backends.sim import _start, expected_text, resume_point, token_text
+from tests.conftest import Procs, free_port, wait_http, wait_replicas
+
+MSG = [{"role": "user", "content": "tell me a long story"}]
+PROMPT = "<|user|>tell me a long story\n"
+SLOW = ("--sim-prefill-ms", "5", "--sim-decode-ms", "20")
+
+
+def _req(text: str, tokens: int, max_tokens: int = 50) -> GenerationRequest:
+    return GenerationRequest(
+        "r", "chat", "m", max_tokens, messages=MSG, resume_text=text, resume_tokens=tokens
+    )
+
+
+def test_resume_point_counts_whole_tokens_from_the_text() -> None:
+    start = _start(PROMPT, None)
+    full = "".join(token_text(start, i) for i in range(10))
+    five = "".join(token_text(start, i) for i in range(5))
+    assert resume_point(start, _req("", 0)) == (0, "")
+    assert resume_point(start, _req(five, 5)) == (5, five)
+    # The count says 6 (a held-back token was counted) but the text holds 5 and a bit:
+    # the text wins, the cut token is produced again.
+    partial = five + token_text(start, 5)[:2]
+    assert resume_point(start, _req(partial, 6)) == (5, five)
+    assert full.startswith(partial)
+    # Text that is not the sequence's (redacted by a filter): the count is trusted.
+    assert resume_point(start, _req("[REDACTED:pii.card] and", 4)) == (
+        4,
+        "[REDACTED:pii.card] and",
+    )
+
+
+async def _stack(procs: Procs, model: str, workers: int, *extra: str) -> tuple[int, list[Any]]:
+    env = {"TOKENBUS_WORKER__HEARTBEAT_INTERVAL_S": "0.25"}
+    ws = [
+        procs.start(
+            f"w{i}",
+            "serve",
+            "worker",
+            "--model",
+            model,
+            "--replica",
+            f"{model}-{i}",
+            *SLOW,
+            *extra,
+            env=env,
+        )
+        for i in range(workers)
+    ]
+    port = free_port()
+    for name in ("ingress", "router"):
+        procs.start(name, "serve", name)
+    procs.start("bridge", "serve", "bridge", "--port", str(port))
+    await wait_replicas(procs.url, model, workers)
+    await wait_http(f"http://127.0.0.1:{port}/ready")
+    await asyncio.sleep(0.6)
+    return port, ws
+
+
+def _victim(ws: list[Any], replica: str | None) -> Any:
+    """The worker process serving ``replica`` (``<model>-<i>`` runs as ``w<i>``)."""
+    assert replica is not None
+    return ws[int(replica.rsplit("-", 1)[1])]
+
+
+async def test_a_worker_killed_mid_stream_is_migrated_over_nats(procs: Procs, model: str) -> None:
+    _, ws = await _stack(procs, model, 2)
+    async with await Client.connect(procs.url) as c:
+        s = c.chat(model, MSG, max_tokens=120)
+        text = ""
+        async for ch in s:
+            text += ch.text
+            if len(text.split(" ")) >= 15:
+                break
+        first = s.replica
+        victim = _victim(ws, first)
+        victim.signal(signal.SIGKILL)
+        t_kill = time.monotonic()
+        gap = 0.0
+        async for ch in s:
+            if not gap:
+                gap = time.monotonic() - t_kill
+            text += ch.text
+    expected = expected_text(PROMPT, 120)[0]
+    assert text == expected  # no duplicate, no gap
+    assert s.migrations == 1 and s.replica != first
+    assert s.finish_reason == "length"
+    assert s.usage is not None and s.usage.completion_tokens == 120
+    assert gap < 3.0, gap  # detected within a couple of heartbeats, then re-issued
+
+
+async def test_a_worker_killed_mid_stream_is_migrated_over_http(procs: Procs, model: str) -> None:
+    port, ws = await _stack(procs, model, 3)
+    async with openai.AsyncOpenAI(
+        base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0
+    ) as api:
+        streams = [
+            await api.chat.completions.create(
+                model=model, messages=MSG, max_tokens=100, stream=True
+            )  # type: ignore[call-overload]
+            for _ in range(6)
+        ]
+        texts = ["" for _ in streams]
+        for i, s in enumerate(streams):
+            for _ in range(5):
+                ch = await s.__anext__()
+                if ch.choices:
+                    texts[i] += ch.choices[0].delta.content or ""
+        ws[0].signal(signal.SIGKILL)
+        for i, s in enumerate(streams):
+            async for ch in s:
+                if ch.choices:
+                    texts[i] += ch.choices[0].delta.content or ""
+    expected = expected_text(PROMPT, 100)[0]
+    assert texts == [expected] * 6
+    assert "request_migrated" in procs.procs[-1].output()
+
+
+async def test_a_draining_worker_past_its_timeout_hands_streams_over(
+    procs: Procs, model: str
+) -> None:
+    env = {"TOKENBUS_DRAIN_TIMEOUT_S": "0.5"}
+    ws = [
+        procs.start(
+            f"w{i}",
+            "serve",
+            "worker",
+            "--model",
+            model,
+            "--replica",
+            f"{model}-{i}",
+            *SLOW,
+            env=env,
+        )
+        for i in range(2)
+    ]
+    for name in ("ingress", "router"):
+        procs.start(name, "serve", name)
+    await wait_replicas(procs.url, model, 2)
+    await asyncio.sleep(0.6)
+    async with await Client.connect(procs.url) as c:
+        streams = [c.chat(model, MSG, max_tokens=80) for _ in range(4)]
+        texts = [(await s.__anext__()).text for s in streams]
+        victim = _victim(ws, streams[0].replica)
+        victim.signal(signal.SIGTERM)
+        for i, s in enumerate(streams):
+            async for ch in s:
+                texts[i] += ch.text
+        assert victim.proc.wait(10) == 0
+    assert texts == [expected_text(PROMPT, 80)[0]] * 4
+    assert any(s.migrations == 1 for s in streams)
+
+
+async def test_when_no_replica_is_left_the_stream_ends_with_one_retryable_error(
+    procs: Procs, model: str
+) -> None:
+    _, ws = await _stack(procs, model, 1)
+    async with await Client.connect(procs.url) as c:
+        s = c.chat(model, MSG, max_tokens=200)
+        await s.__anext__()
+        ws[0].signal(signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(E.TokenbusError) as ei:
+            async for _ in s:
+                pass
+        assert ei.value.retryable and ei.value.status == 503
+        assert time.monotonic() - t0 < 10  # an answer, not a hang
+
+
+async def test_a_request_held_by_a_stopped_router_is_sent_again(procs: Procs, model: str) -> None:
+    for i in range(2):
+        procs.start(f"w{i}", "serve", "worker", "--model", model, "--replica", f"{model}-{i}")
+    procs.start("ingress", "serve", "ingress")
+    routers = [procs.start(f"router{i}", "serve", "router") for i in range(2)]
+    await wait_replicas(procs.url, model, 2)
+    await asyncio.sleep(0.6)
+    routers[0].signal(signal.SIGSTOP)  # holds what it is given, answers nothing
+    try:
+        async with await Client.connect(procs.url) as c:
+            outs = await asyncio.gather(
+                *(c.chat_completion(model, MSG, max_tokens=3) for _ in range(8))
+            )
+        assert all(o.text == expected_text(PROMPT, 3)[0] for o in outs)
+    finally:
+        routers[0].signal(signal.SIGCONT)
