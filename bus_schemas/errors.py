@@ -166,6 +166,23 @@ class NoReplica(TokenbusError):
     retryable = True
 
 
+class Overloaded(TokenbusError):
+    """Every replica of the model is at capacity and the router's queue is full or waited
+    too long: back off and retry."""
+
+    code = "overloaded"
+    status = 503
+    retryable = True
+
+
+class ReplicaBusy(TokenbusError):
+    """This replica is at its concurrency limit (another one may take the request)."""
+
+    code = "replica_busy"
+    status = 503
+    retryable = True
+
+
 class ServiceUnavailable(TokenbusError):
     """A pipeline stage is not running or not reachable."""
 
@@ -224,6 +241,8 @@ ERRORS_BY_CODE: dict[str, type[TokenbusError]] = {
         NotFound,
         RateLimited,
         NoReplica,
+        Overloaded,
+        ReplicaBusy,
         ServiceUnavailable,
         ReplicaDraining,
         ReplicaLost,

@@ -171,6 +171,13 @@ class Worker(Service):
         if marks.expired(msg.headers):
             await self._ack(msg, E.Timeout("the request's deadline passed before it was served"))
             return
+        if len(self._active) >= self.cfg.max_concurrency:
+            # At capacity (its engine queue included): the router tries another replica or
+            # holds the request in its bounded queue.
+            await self._ack(
+                msg, E.ReplicaBusy(f"replica {self.replica} is at its limit of requests")
+            )
+            return
         try:
             env = codec.decode_map(msg.data)
             req = GenerationRequest.from_envelope(env)

@@ -24,6 +24,8 @@ from router.registry import Registry
 from router.routing import RoutingTable
 from services.config import RouterSettings
 
+_QUEUE_POLL_S = 0.02  # how often a queued request looks for a replica with room
+
 # Refusals that say "this replica, not the request": another replica may take it.
 _TRY_ELSEWHERE = frozenset({E.ReplicaDraining.code, E.ReplicaLost.code, E.EngineError.code})
 
@@ -43,6 +45,13 @@ class Dispatcher:
         self.cfg = cfg
         self.routing = routing if routing is not None else RoutingTable(cfg)
         self.started = time.monotonic()
+        self.queued: dict[str, int] = {}  # model -> requests waiting for capacity
+
+    def _overloaded(self, model: str, why: str) -> E.Overloaded:
+        return E.Overloaded(
+            f"every replica of model {model!r} is at capacity and {why}; retry shortly",
+            headers={"Retry-After": "1"},
+        )
 
     async def _warm_up(self, model: str) -> None:
         """Just after start the registry has not heard every replica's heartbeat yet: wait
@@ -77,46 +86,84 @@ class Dispatcher:
             req.prompt = prompt_text(env if env is not None else codec.decode_map(data))
         model, pool = route.target(req)
         await self._warm_up(model)
-        for attempt in range(self.cfg.max_attempts):
-            live = self.registry.live(model)
-            candidates = [r for r in live if r.replica not in tried]
-            if not candidates:
-                break
-            r = route.pick(candidates, live, req, pool)
-            tried.add(r.replica)
-            hdrs[H.ATTEMPT] = str(attempt)
-            r.unacked += 1
-            try:
-                ack_msg = await self.nc.request(
-                    r.subject, data, timeout=self.cfg.dispatch_timeout_s, headers=hdrs
-                )
-            except NoRespondersError:
-                # The replica is gone (crashed or unsubscribed); forget it until it beats again.
-                self.registry.remove(r.replica)
-                last_err = E.ReplicaLost(f"replica {r.replica} did not answer")
-                continue
-            except NatsTimeout:
-                # Slow or stuck: make sure it does not also generate, then try another.
-                await self.nc.publish(
-                    subjects.worker_cancel(r.replica),
-                    codec.encode(
-                        {"type": "cancel", "request_id": hdrs.get(H.REQUEST_ID, ""), "reply": reply}
-                    ),
-                )
-                last_err = E.Timeout(f"replica {r.replica} did not acknowledge in time")
-                continue
-            finally:
-                r.unacked = max(0, r.unacked - 1)
-            ack = codec.decode_map(ack_msg.data)
-            if ack.get("ok"):
-                r.reported_in_flight = int(ack.get("in_flight", r.reported_in_flight))
-                return r.replica
-            err = E.TokenbusError.from_dict(ack.get("error") or {})
-            if err.code == E.ReplicaDraining.code:
-                r.draining = True
-            if err.code not in _TRY_ELSEWHERE:
-                raise err
-            last_err = err
+        attempt = 0
+        busy: set[str] = set()  # refused as at capacity: retried once there is room
+        queued_until = 0.0
+        try:
+            while attempt < self.cfg.max_attempts:
+                live = self.registry.live(model)
+                open_ = [r for r in live if r.replica not in tried]
+                candidates = [
+                    r for r in open_ if r.replica not in busy and r.load < r.max_concurrency
+                ]
+                if not candidates:
+                    if not open_:
+                        break
+                    # Every replica is at capacity: wait in this router's bounded queue.
+                    now = time.monotonic()
+                    if not queued_until:
+                        if self.queued.get(model, 0) >= self.cfg.max_queued:
+                            raise self._overloaded(model, "its queue is full")
+                        self.queued[model] = self.queued.get(model, 0) + 1
+                        queued_until = now + self.cfg.queue_timeout_s
+                    if now >= queued_until or marks.expired(hdrs):
+                        raise self._overloaded(model, "no replica freed up in time")
+                    await asyncio.sleep(_QUEUE_POLL_S)
+                    busy.clear()
+                    continue
+                r = route.pick(candidates, live, req, pool)
+                hdrs[H.ATTEMPT] = str(attempt)
+                r.unacked += 1
+                try:
+                    ack_msg = await self.nc.request(
+                        r.subject, data, timeout=self.cfg.dispatch_timeout_s, headers=hdrs
+                    )
+                except NoRespondersError:
+                    # The replica is gone (crashed or unsubscribed); forget it until it
+                    # beats again.
+                    self.registry.remove(r.replica)
+                    tried.add(r.replica)
+                    attempt += 1
+                    last_err = E.ReplicaLost(f"replica {r.replica} did not answer")
+                    continue
+                except NatsTimeout:
+                    # Slow or stuck: make sure it does not also generate, then try another.
+                    await self.nc.publish(
+                        subjects.worker_cancel(r.replica),
+                        codec.encode(
+                            {
+                                "type": "cancel",
+                                "request_id": hdrs.get(H.REQUEST_ID, ""),
+                                "reply": reply,
+                            }
+                        ),
+                    )
+                    tried.add(r.replica)
+                    attempt += 1
+                    last_err = E.Timeout(f"replica {r.replica} did not acknowledge in time")
+                    continue
+                finally:
+                    r.unacked = max(0, r.unacked - 1)
+                ack = codec.decode_map(ack_msg.data)
+                if ack.get("ok"):
+                    r.reported_in_flight = int(ack.get("in_flight", r.reported_in_flight))
+                    return r.replica
+                err = E.TokenbusError.from_dict(ack.get("error") or {})
+                if err.code == E.ReplicaBusy.code:
+                    # Full until its next heartbeat says otherwise.
+                    r.reported_in_flight = max(r.reported_in_flight, r.max_concurrency)
+                    busy.add(r.replica)
+                    continue
+                if err.code == E.ReplicaDraining.code:
+                    r.draining = True
+                if err.code not in _TRY_ELSEWHERE:
+                    raise err
+                tried.add(r.replica)
+                attempt += 1
+                last_err = err
+        finally:
+            if queued_until:
+                self.queued[model] -= 1
         if tried:
             raise E.NoReplica(
                 f"no replica of model {model!r} could take the request"

@@ -124,6 +124,18 @@ class RouterSettings(ModelRouting):
         default_factory=dict, description="Per-model routing, e.g. [router.models.big]."
     )
     missed_heartbeats: int = Field(default=3, ge=1, description="Beats missed before expiry.")
+    queue_timeout_s: float = Field(
+        default=5.0,
+        ge=0,
+        description="When every replica of a model is at capacity, hold a request this long "
+        "for one to free up before answering 503 overloaded.",
+    )
+    max_queued: int = Field(
+        default=1024,
+        ge=0,
+        description="Requests one router holds per model while every replica is at "
+        "capacity; more are refused at once with 503 overloaded (Retry-After).",
+    )
     dispatch_timeout_s: float = Field(default=2.0, description="Wait for a worker's ack.")
     max_attempts: int = Field(default=3, ge=1, description="Replicas tried per request.")
     warmup_s: float = Field(

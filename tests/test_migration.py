@@ -199,3 +199,33 @@ async def test_a_request_held_by_a_stopped_router_is_sent_again(procs: Procs, mo
         assert all(o.text == expected_text(PROMPT, 3)[0] for o in outs)
     finally:
         routers[0].signal(signal.SIGCONT)
+
+
+async def test_overload_queues_up_to_a_bound_then_answers_503(nats_server: Any, model: str) -> None:
+    from tests.conftest import stack
+
+    over = {"router": {"queue_timeout_s": 3.0, "max_queued": 1}}
+    async with (
+        stack(nats_server.url, model, workers=1, worker={"max_concurrency": 2}, **over),
+        await Client.connect(nats_server.url) as c,
+    ):
+        a = c.chat(model, MSG, max_tokens=100_000)
+        b = c.chat(model, MSG, max_tokens=100_000)
+        await a.__anext__()
+        await b.__anext__()
+        # Both slots taken: the next request waits in the router's queue ...
+        queued = asyncio.create_task(c.chat_completion(model, MSG, max_tokens=2))
+        await asyncio.sleep(0.3)
+        assert not queued.done()
+        # ... which holds one: another is refused at once, retryable, with Retry-After.
+        t0 = time.monotonic()
+        with pytest.raises(E.Overloaded) as ei:
+            await c.chat_completion(model, MSG, max_tokens=2)
+        assert time.monotonic() - t0 < 1.0
+        assert ei.value.status == 503 and ei.value.retryable
+        assert ei.value.headers["Retry-After"] == "1"
+        # A slot frees up: the queued request is served.
+        await a.aclose()
+        out = await asyncio.wait_for(queued, 5)
+        assert out.usage.completion_tokens == 2
+        await b.aclose()
