@@ -36,6 +36,9 @@ WATCHDOG_INTERVAL_S = 0.25
 # A stream whose replica fails (killed, stopped, its engine failed) is re-issued to another
 # replica with the prompt and the text already received, at most this many times.
 MAX_MIGRATIONS = 3
+# "No responders" for a request (no ingress listening): sent again this many times, after
+# 0.1, 0.2, 0.4, 0.8 s; nothing was done with it, so it is safe.
+NO_RESPONDERS_RETRIES = 4
 # A request not accepted by any replica within this long is sent again (the stage or
 # router holding it may have died); late accepts of the first attempt are cancelled.
 ACCEPT_TIMEOUT_S = 5.0
@@ -135,6 +138,8 @@ class Stream:
         self._got_tokens = 0
         self._resumed_tokens = 0  # tokens delivered before the current attempt
         self._cancelled = False
+        self._no_responders = 0
+        self._next_index = 0  # chunk index expected next (per attempt)
         self.rate_limits: dict[str, str] = {}
         self.finish_reason: str | None = None
         self.usage: Usage | None = None
@@ -240,6 +245,10 @@ class Stream:
                 continue
             hdrs, data = frames_.popleft()
             if not data and hdrs and hdrs.get(H.NATS_STATUS) == "503":
+                # Nobody listens (yet): nothing was done with the request, so it is safe to
+                # send again, a few times with backoff (an ingress reconnecting, restarting).
+                if await self._resend_after_no_responders():
+                    continue
                 self._finish()
                 raise E.ServiceUnavailable(
                     "no tokenbus ingress is listening on this NATS server; start the stack "
@@ -250,10 +259,20 @@ class Stream:
             if t == frames.CHUNK:
                 if not self.t_first_ns:
                     self.t_first_ns = time.time_ns()
-                text, n = frame["d"], int(frame.get("n", 1))
+                text, n, i = frame["d"], int(frame.get("n", 1)), int(frame.get("i", 0))
+                if i != self._next_index:
+                    if i < self._next_index:
+                        continue  # a duplicate
+                    # Frames were lost on the way: continue after what did arrive.
+                    lost = E.ReplicaLost(f"frames of replica {self.replica} were lost")
+                    if await self._migrate(lost):
+                        continue
+                    self._finish()
+                    raise lost
+                self._next_index = i + 1
                 self._got.append(text)
                 self._got_tokens += n
-                return Chunk(text, n, int(frame.get("i", 0)))
+                return Chunk(text, n, i)
             if t == frames.ACCEPT:
                 other = frame.get("replica")
                 if self.replica and other != self.replica and self._accepted_at:
@@ -326,11 +345,29 @@ class Stream:
         self.replica = None
         self._accepted_at = 0.0
         self._lost = False
+        self._next_index = 0
+        # Frames of the old attempt still queued here are dropped.
+        self._frames.clear()
         self._resumed_tokens = self._got_tokens
         # In place: an in-process sender (the bridge) holds this very envelope.
         self._body["resume"] = {"text": "".join(self._got), "tokens": self._got_tokens}
         self._started = False
         self._client.log_migration(self, err)
+        try:
+            await self.start()
+        except E.TokenbusError:
+            return False
+        return True
+
+    async def _resend_after_no_responders(self) -> bool:
+        if self._cancelled or self._no_responders >= NO_RESPONDERS_RETRIES:
+            return False
+        wait = 0.1 * 2**self._no_responders
+        if time.time() + wait >= self._deadline:
+            return False
+        self._no_responders += 1
+        await asyncio.sleep(wait)
+        self._started = False
         try:
             await self.start()
         except E.TokenbusError:
@@ -392,14 +429,25 @@ class Client:
         # replica -> (monotonic time of its last heartbeat, its heartbeat interval)
         self._beats: dict[str, tuple[float, float]] = {}
         self.on_migration: Callable[[Stream, E.TokenbusError], None] | None = None
+        self._epochs: dict[str, tuple[str, int]] = {}  # replica -> (boot, reconnects)
 
     @classmethod
     async def connect(cls, url: str = "nats://127.0.0.1:4222", **options: Any) -> Client:
         """Connect to NATS and start a client that owns the connection."""
         options.setdefault("name", "tokenbus-client")
         options.setdefault("max_reconnect_attempts", -1)
-        nc = await nats.connect(url, **options)
+        options.setdefault("dont_randomize", True)  # several URLs: the first is preferred
+        holder: list[Client] = []
+
+        async def reconnected() -> None:
+            if holder:
+                holder[0].connection_broke()
+
+        options.setdefault("reconnected_cb", reconnected)
+        # Several URLs separated by commas: the nodes of a cluster.
+        nc = await nats.connect([u.strip() for u in url.split(",") if u.strip()], **options)
         client = cls(nc, own_connection=True)
+        holder.append(client)
         await client.start()
         return client
 
@@ -420,9 +468,27 @@ class Client:
     async def _on_heartbeat(self, msg: Msg) -> None:
         try:
             hb = codec.decode_map(msg.data)
-            self._beats[str(hb["replica"])] = (time.monotonic(), float(hb["interval_s"]))
+            rid = str(hb["replica"])
+            self._beats[rid] = (time.monotonic(), float(hb["interval_s"]))
+            epoch = (str(hb.get("boot", "")), int(hb.get("epoch", 0)))
         except (E.TokenbusError, KeyError, TypeError, ValueError):
             return
+        if self._epochs.get(rid, epoch) != epoch:
+            # The replica's connection broke and came back (or it restarted): frames of its
+            # streams may be lost. Move them on, resuming after what arrived.
+            for s in list(self._streams.values()):
+                if s.replica == rid and s._accepted_at and not s._lost:
+                    s._lost = True
+                    s._push(None, frames.error(E.ReplicaLost(f"replica {rid} reconnected")))
+        self._epochs[rid] = epoch
+
+    def connection_broke(self) -> None:
+        """This client's connection came back after a break: frames sent to it meanwhile
+        may be lost, so every accepted stream moves on (resuming), the others are resent."""
+        for s in list(self._streams.values()):
+            if not s._lost:
+                s._lost = True
+                s._push(None, frames.error(E.ReplicaLost("the connection to NATS broke")))
 
     async def _watch_replicas(self) -> None:
         """Fail streams whose replica stopped beating (killed, partitioned) instead of letting

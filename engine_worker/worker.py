@@ -106,6 +106,9 @@ class Worker(Service):
             "interval_s": self.cfg.heartbeat_interval_s,
             "seq": self._seq,
             "boot": self.boot,
+            # Bumped when the connection came back: frames sent just before may be lost, so
+            # callers move their streams on (see the client's watchdog).
+            "epoch": self.reconnects,
             "ts_ms": marks.now_ms(),
         }
 

@@ -118,6 +118,13 @@ class Bridge(Service):
         self.reuse_port = reuse_port
         self.http: HTTPServer | None = None
 
+    def on_reconnected(self) -> None:
+        super().on_reconnected()
+        # Frames to this bridge may have been lost in the break: move its streams on.
+        client = getattr(self, "client", None)
+        if client is not None:
+            client.connection_broke()
+
     async def setup(self) -> None:
         cfg = self.settings.bridge
         self.client = Client(self.nc, owner=f"bridge-{self.id}")

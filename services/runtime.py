@@ -52,7 +52,16 @@ def reply_subject(msg: Msg, *, trust_header: bool = True) -> str | None:
     return msg.reply or None
 
 
-async def connect(url: str, name: str, **kw: Any) -> NATS:
+def servers(url: str) -> list[str]:
+    """A NATS URL, or several separated by commas (a cluster's nodes, the preferred first),
+    as nats-py takes them. Connected to one node, a client also learns the cluster's other
+    nodes and fails over to them."""
+    return [u.strip() for u in url.split(",") if u.strip()]
+
+
+async def connect(
+    url: str, name: str, on_reconnected: Callable[[], None] | None = None, **kw: Any
+) -> NATS:
     """Connect with endless reconnects and logged connection events."""
     log = tlog.get(name)
 
@@ -61,15 +70,18 @@ async def connect(url: str, name: str, **kw: Any) -> NATS:
 
     async def on_reconnect() -> None:
         log.info("nats_reconnected")
+        if on_reconnected is not None:
+            on_reconnected()
 
     async def on_error(exc: Exception) -> None:
         log.warning("nats_error", error=str(exc))
 
     return await nats.connect(
-        url,
+        servers(url),
         name=name,
         max_reconnect_attempts=-1,
         reconnect_time_wait=0.5,
+        dont_randomize=True,  # the first URL is the preferred node; the rest are fallbacks
         connect_timeout=5,
         disconnected_cb=on_disconnect,
         reconnected_cb=on_reconnect,
@@ -92,6 +104,7 @@ class Service:
     def __init__(self, settings: Settings, *, nc: NATS | None = None) -> None:
         self.settings = settings
         self.id = uuid.uuid4().hex[:12]
+        self.reconnects = 0  # times the NATS connection came back after a break
         self.nc: NATS = nc  # type: ignore[assignment]
         self._own_nc = nc is None
         self.log = tlog.get(self.name).bind(instance=self.id)
@@ -115,6 +128,7 @@ class Service:
             self.nc = await connect(
                 self.settings.url(),
                 f"tokenbus-{self.name}-{self.id}",
+                on_reconnected=self.on_reconnected,
                 **self.settings.nats_auth(),
             )
         self._accepting = True
@@ -274,6 +288,11 @@ class Service:
     def interrupted_error(self) -> E.TokenbusError:
         """What a caller is told when a request is cut off by shutdown."""
         return E.ServiceUnavailable(f"the {self.name} instance stopped; retry")
+
+    def on_reconnected(self) -> None:
+        """The connection came back (possibly to another node): what was published just
+        before the break may be lost. Counted; services that stream react."""
+        self.reconnects += 1
 
     async def reply_error(self, msg: Msg, err: E.TokenbusError) -> None:
         """Send an error frame to the caller; never raises."""

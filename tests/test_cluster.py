@@ -1,0 +1,149 @@
+"""A 3-node NATS cluster on loopback: services and workers on different nodes, one node
+killed under load, requests keep being served."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import nats
+import pytest
+
+from bus_schemas.client import Client
+from services.launcher import nats_server_binary
+from tests.conftest import Procs, free_port, wait_replicas
+from tests.test_chaos import EXPECTED, MAX_TOKENS, MSG, Tally, steady_load
+
+
+class Cluster:
+    def __init__(self, n: int = 3) -> None:
+        self.ports = [free_port() for _ in range(n)]
+        self.cports = [free_port() for _ in range(n)]
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def url(self, i: int) -> str:
+        return f"nats://127.0.0.1:{self.ports[i]}"
+
+    def urls(self, first: int) -> str:
+        """Node ``first``, then the others (for failover), comma separated."""
+        order = [first] + [i for i in range(len(self.ports)) if i != first]
+        return ",".join(self.url(i) for i in order)
+
+    def start(self) -> Cluster:
+        routes = ",".join(f"nats://127.0.0.1:{p}" for p in self.cports)
+        for i, (port, cport) in enumerate(zip(self.ports, self.cports, strict=True)):
+            self.procs.append(
+                subprocess.Popen(
+                    [
+                        nats_server_binary(),
+                        "-a",
+                        "127.0.0.1",
+                        "-p",
+                        str(port),
+                        "-n",
+                        f"node{i}",
+                        "--cluster_name",
+                        "tokenbus",
+                        "--cluster",
+                        f"nats://127.0.0.1:{cport}",
+                        "--routes",
+                        routes,
+                    ],
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                )
+            )
+        for port in self.ports:
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                with socket.socket() as s:
+                    if s.connect_ex(("127.0.0.1", port)) == 0:
+                        break
+                time.sleep(0.02)
+        return self
+
+    def kill(self, i: int) -> None:
+        self.procs[i].send_signal(signal.SIGKILL)
+        self.procs[i].wait(5)
+
+    def stop(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.terminate()
+                p.wait(10)
+
+
+@pytest.fixture
+def cluster() -> Iterator[Cluster]:
+    c = Cluster().start()
+    yield c
+    c.stop()
+
+
+async def _routed(cluster: Cluster) -> None:
+    """Until a message published on node 0 reaches a subscriber on each other node."""
+    for i in (1, 2):
+        sub_nc = await nats.connect(cluster.url(i))
+        pub_nc = await nats.connect(cluster.url(0))
+        try:
+            sub = await sub_nc.subscribe("tb.test.mesh")
+            await sub_nc.flush()
+            for _ in range(100):
+                await pub_nc.publish("tb.test.mesh", b"x")
+                try:
+                    await sub.next_msg(timeout=0.1)
+                    break
+                except nats.errors.TimeoutError:
+                    continue
+            else:
+                raise AssertionError(f"node {i} never joined the cluster")
+        finally:
+            await sub_nc.close()
+            await pub_nc.close()
+
+
+async def test_a_node_killed_under_load_does_not_stop_the_service(
+    cluster: Cluster, model: str, tmp_path: Path
+) -> None:
+    await _routed(cluster)
+    procs = Procs(cluster.urls(0), tmp_path)
+    env = {"TOKENBUS_WORKER__HEARTBEAT_INTERVAL_S": "0.25"}
+    fast = ("--sim-prefill-ms", "5", "--sim-decode-ms", "8")
+    try:
+        # Ingress and router on node 0, one worker on each node.
+        for name in ("ingress", "router"):
+            procs.start(name, "serve", name, env={**env, "TOKENBUS_NATS_URL": cluster.urls(0)})
+        for i in range(3):
+            procs.start(
+                f"w{i}",
+                "serve",
+                "worker",
+                "--model",
+                model,
+                "--replica",
+                f"{model}-{i}",
+                *fast,
+                env={**env, "TOKENBUS_NATS_URL": cluster.urls(i)},
+            )
+        await wait_replicas(cluster.url(0), model, 3)
+        await asyncio.sleep(0.6)
+        tally = Tally()
+        async with await Client.connect(cluster.urls(0)) as c:
+            out = await c.chat_completion(model, MSG, max_tokens=MAX_TOKENS)
+            assert out.text == EXPECTED
+            load = asyncio.create_task(steady_load(c, model, 4.0, tally))
+            await asyncio.sleep(1.5)
+            cluster.kill(2)  # node 2 and the connection of the worker on it
+            await load
+        assert tally.outcomes["ok"] > 200, tally.outcomes
+        assert tally.failed() == 0, (tally.outcomes, tally.errors[:5])
+        # The worker that lost its node reconnected to another and still serves.
+        assert all(p.alive() for p in procs.procs)
+        assert "nats_reconnected" in procs.procs[-1].output()
+    finally:
+        procs.stop_all()
