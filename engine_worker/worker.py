@@ -313,6 +313,9 @@ class Worker(Service):
         finally:
             self._active.pop(reply, None)
             self._caller_cancelled.discard(reply)
+            if len(self._active) == self.cfg.max_concurrency - 1:
+                # It was full: say at once that there is room (routers hold requests for it).
+                await self.heartbeat()
             if H.RATELIMIT in hdrs:
                 await self._report_usage(hdrs, rid, req.max_tokens, prompt_tokens, completion)
             end = marks.now_ns()

@@ -100,7 +100,7 @@ def add_parser(sub: Any) -> None:
         metavar="N:KEY=VALUE,...",
         help="--spawn: N sim workers with these settings (repeatable), e.g. "
         "1:tp=8,pool=high_tp,tp_efficiency=0.5,tp_comm_ms=1.5 ; keys: tp, pool, max_running, "
-        "decode_ms_per_seq, tp_efficiency, tp_comm_ms (default: one worker)",
+        "max_concurrency, decode_ms_per_seq, tp_efficiency, tp_comm_ms (default: one worker)",
     )
     g.add_argument(
         "--routing",
@@ -464,7 +464,12 @@ async def spawn_stack(a: argparse.Namespace, sup: Any) -> tuple[list[Target], An
     return targets, nats
 
 
-_REPLICA_FLAGS = {"tp": "--tp", "pool": "--pool", "max_running": "--sim-max-running"}
+_REPLICA_FLAGS = {
+    "tp": "--tp",
+    "pool": "--pool",
+    "max_running": "--sim-max-running",
+    "max_concurrency": "--max-concurrency",
+}
 _REPLICA_SIM = ("decode_ms_per_seq", "tp_efficiency", "tp_comm_ms")
 
 

@@ -41,6 +41,11 @@ class Tally:
     def failed(self) -> int:
         return sum(v for k, v in self.outcomes.items() if k != "ok")
 
+    def report(self, what: str) -> None:
+        """One line for the record (shown with ``pytest -s``; docs/fault-tolerance.md)."""
+        rec = f", first success {self.first_ok_after:.2f} s after" if self.first_ok_after else ""
+        print(f"\nchaos {what}: {dict(sorted(self.outcomes.items()))}{rec}")
+
 
 async def steady_load(
     c: Client,
@@ -123,6 +128,7 @@ async def test_kill_9_under_load_loses_no_request(procs: Procs, model: str, vict
         await asyncio.sleep(1.5)
         stack[victim][0].signal(signal.SIGKILL)
         await load
+    tally.report(f"kill -9 {victim}")
     assert tally.outcomes["ok"] > 200, tally.outcomes
     assert tally.failed() == 0, (tally.outcomes, tally.errors[:5])
     for name, ps in stack.items():
@@ -141,6 +147,7 @@ async def test_draining_a_worker_under_load_loses_no_request(procs: Procs, model
         stack["worker"][0].signal(signal.SIGTERM)
         await load
         assert stack["worker"][0].proc.wait(20) == 0
+    tally.report("SIGTERM worker")
     assert tally.outcomes["ok"] > 150 and tally.failed() == 0, tally.outcomes
 
 
@@ -164,6 +171,7 @@ async def test_nats_server_restart_under_load(
             await load
         finally:
             await c.close()
+        tally.report("nats-server restart (down 1 s)")
         # In-flight requests end with a retryable error (none hangs, none is wrong); new
         # ones succeed as soon as the server is back and the services have reconnected.
         assert tally.outcomes["hung"] == 0 and tally.outcomes["wrong_text"] == 0, tally.outcomes

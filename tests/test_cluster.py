@@ -140,6 +140,7 @@ async def test_a_node_killed_under_load_does_not_stop_the_service(
             await asyncio.sleep(1.5)
             cluster.kill(2)  # node 2 and the connection of the worker on it
             await load
+        tally.report("kill -9 of a cluster node")
         assert tally.outcomes["ok"] > 200, tally.outcomes
         assert tally.failed() == 0, (tally.outcomes, tally.errors[:5])
         # The worker that lost its node reconnected to another and still serves.
