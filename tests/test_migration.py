@@ -229,3 +229,44 @@ async def test_overload_queues_up_to_a_bound_then_answers_503(nats_server: Any, 
         out = await asyncio.wait_for(queued, 5)
         assert out.usage.completion_tokens == 2
         await b.aclose()
+
+
+async def test_three_routers_never_overload_a_replica(procs: Procs, model: str) -> None:
+    from tests.conftest import live_replicas
+
+    env = {"TOKENBUS_WORKER__HEARTBEAT_INTERVAL_S": "0.25"}
+    for i in range(2):
+        procs.start(
+            f"w{i}",
+            "serve",
+            "worker",
+            "--model",
+            model,
+            "--replica",
+            f"{model}-{i}",
+            "--max-concurrency",
+            "6",
+            *SLOW,
+            env=env,
+        )
+    procs.start("ingress", "serve", "ingress")
+    for i in range(3):
+        procs.start(f"router{i}", "serve", "router")
+    await wait_replicas(procs.url, model, 2)
+    await asyncio.sleep(0.6)
+    async with await Client.connect(procs.url) as c:
+        # Twelve long streams at once, spread by three routers that each see only their own
+        # dispatches and the heartbeats: exactly the capacity of the two replicas.
+        streams = [c.chat(model, MSG, max_tokens=10_000) for _ in range(12)]
+        await asyncio.gather(*(s.__anext__() for s in streams))
+        load = await live_replicas(procs.url, model)
+        assert sorted(hb["in_flight"] for hb in load.values()) == [6, 6], load
+        # One more waits for room instead of overloading a replica, and gets it.
+        extra = asyncio.create_task(c.chat_completion(model, MSG, max_tokens=2))
+        await asyncio.sleep(0.5)
+        assert not extra.done()
+        await streams[0].aclose()
+        out = await asyncio.wait_for(extra, 5)
+        assert out.usage.completion_tokens == 2
+        for s in streams[1:]:
+            await s.aclose()
