@@ -42,6 +42,7 @@ NO_RESPONDERS_RETRIES = 4
 # A request not accepted by any replica within this long is sent again (the stage or
 # router holding it may have died); late accepts of the first attempt are cancelled.
 ACCEPT_TIMEOUT_S = 5.0
+MAX_RESENDS = 8
 # A frame only the client's own watchdog pushes: the current attempt was never accepted.
 _RETRY = "_retry"
 _RETRY_FRAME = codec.encode({"t": _RETRY})
@@ -139,6 +140,7 @@ class Stream:
         self._resumed_tokens = 0  # tokens delivered before the current attempt
         self._cancelled = False
         self._no_responders = 0
+        self._resends = 0
         self._next_index = 0  # chunk index expected next (per attempt)
         self.rate_limits: dict[str, str] = {}
         self.finish_reason: str | None = None
@@ -306,7 +308,12 @@ class Stream:
                 self._finish()
                 raise err
             if t == _RETRY:
-                if await self._migrate(E.ServiceUnavailable("no replica accepted the request")):
+                # Not accepted: sent again (a stage or router holding it may be gone; queue
+                # groups pick at random, so a frozen one may be picked more than once).
+                if self._resends < MAX_RESENDS and await self._migrate(
+                    E.ServiceUnavailable("no replica accepted the request"), count=False
+                ):
+                    self._resends += 1
                     continue
                 self._finish()
                 raise E.ServiceUnavailable(
@@ -326,16 +333,18 @@ class Stream:
     def done(self) -> bool:
         return self._done
 
-    async def _migrate(self, err: E.TokenbusError) -> bool:
+    async def _migrate(self, err: E.TokenbusError, *, count: bool = True) -> bool:
         """Re-issue the request to another replica, resuming after the text received so far
-        (request migration); False when it may not (limit reached, deadline passed)."""
+        (request migration); False when it may not (limit reached, deadline passed).
+        ``count=False``: a resend of a request nobody accepted, not a migration."""
         if (
             self._cancelled
-            or self.migrations >= MAX_MIGRATIONS
+            or (count and self.migrations >= MAX_MIGRATIONS)
             or time.time() >= self._deadline - 0.05
         ):
             return False
-        self.migrations += 1
+        if count:
+            self.migrations += 1
         old_token, old_replica = self.token, self.replica
         self._client._unregister(self)
         if old_replica:  # if it is alive after all, it must stop

@@ -26,6 +26,7 @@ from engine_worker.outbox import Outbox
 from filter.policy import FilterPolicy
 from filter.scanner import Scanner, StreamOutput, StreamScanner
 from services.runtime import Service, reply_subject
+from telemetry import records
 
 # How long a cancel that arrived before its request is remembered.
 EARLY_CANCEL_TTL_S = 30.0
@@ -327,6 +328,24 @@ class Worker(Service):
                 ttft_ms=round((first_ns - t_start) / 1e6, 3) if first_ns else None,
                 duration_ms=round((end - t_start) / 1e6, 3),
             )
+            if self.settings.telemetry.enabled:
+                timings = {**marks.parse(hdrs), "engine_start": t_start, "engine_end": end}
+                if first_ns:
+                    timings["first_token"] = first_ns
+                rec = records.build(
+                    request_id=rid,
+                    source="worker",
+                    model=self.model,
+                    timings=timings,
+                    outcome=outcome,
+                    replica=self.replica,
+                    principal=hdrs.get(H.PRINCIPAL),
+                    kind=req.kind,
+                    prompt_tokens=max(0, prompt_tokens),
+                    completion_tokens=completion,
+                    migrations=int(hdrs.get(H.MIGRATION, "0") or 0),
+                )
+                await records.publish(self.nc, rec)
 
     async def _report_usage(
         self, hdrs: dict[str, str], rid: str, max_tokens: int, prompt_tokens: int, completion: int

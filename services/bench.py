@@ -109,6 +109,12 @@ def add_parser(sub: Any) -> None:
     g.add_argument(
         "--no-direct", action="store_true", help="--spawn: skip the direct-engine baseline"
     )
+    g.add_argument(
+        "--telemetry",
+        choices=["on", "off"],
+        default="on",
+        help="--spawn: per-request records and the telemetry service (default on)",
+    )
     b.add_argument("--api-key", help="API key sent with every request")
 
 
@@ -423,6 +429,14 @@ async def spawn_stack(a: argparse.Namespace, sup: Any) -> tuple[list[Target], An
     ]
     if a.routing:
         env["TOKENBUS_ROUTER"] = a.routing
+    env["TOKENBUS_TELEMETRY__ENABLED"] = "true" if a.telemetry == "on" else "false"
+    if a.telemetry == "on":
+        tel_env = {
+            **env,
+            "TOKENBUS_TELEMETRY__DB_PATH": str(Path(tmp) / "telemetry.db"),
+            "TOKENBUS_TELEMETRY__METRICS_PORT": "0",
+        }
+        await sup.add(Child("telemetry", cli_argv("serve", "telemetry"), tel_env))
     stages = [s for s in a.pipeline.split(",") if s and s != "route"]
     for name in ["ingress", *stages, "router"]:
         await sup.add(Child(name, cli_argv("serve", name), env))

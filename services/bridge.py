@@ -7,6 +7,7 @@ HTTP server (uvicorn). Several processes share the port with SO_REUSEPORT.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, Histogram, generate_latest
@@ -27,6 +28,7 @@ from services.ingress import Admission
 from services.openai_http import HTTPServer, OpenAIApp, Receive, Scope, Send, serve
 from services.runtime import Service
 from services.stages import LocalStages, stages_before_route
+from telemetry import records
 
 REQUESTS = Counter("tokenbus_bridge_requests_total", "HTTP generation requests", ["kind", "status"])
 DURATION = Histogram(
@@ -117,6 +119,7 @@ class Bridge(Service):
         super().__init__(settings, **kw)
         self.reuse_port = reuse_port
         self.http: HTTPServer | None = None
+        self._pending: set[asyncio.Task[None]] = set()
 
     def on_reconnected(self) -> None:
         super().on_reconnected()
@@ -167,10 +170,43 @@ class Bridge(Service):
         self.log.info("bridge_listening", url=f"http://{cfg.host}:{cfg.port}/v1")
 
     def _observe(self, rec: dict[str, Any]) -> None:
-        """Metrics and the bridge's canonical log line for one HTTP request."""
+        """Metrics, the bridge's canonical log line and the telemetry record of one HTTP
+        request."""
+        stream = rec.pop("stream", None)
+        t1, t5, t6 = rec.pop("t1_ns"), rec.pop("t5_ns"), rec.pop("t6_ns")
         REQUESTS.labels(rec["kind"], str(rec["status"])).inc()
         DURATION.labels(rec["kind"]).observe(rec["duration_ms"] / 1000.0)
+        record = None
+        if isinstance(stream, Stream):
+            usage = stream.usage
+            record = records.build(
+                request_id=stream.request_id,
+                source="http",
+                model=stream.model,
+                timings=dict(stream.timings),
+                outcome=rec["outcome"],
+                replica=stream.replica,
+                kind=rec["kind"],
+                status=rec["status"],
+                prompt_tokens=usage.prompt_tokens if usage else 0,
+                completion_tokens=usage.completion_tokens if usage else 0,
+                migrations=stream.migrations,
+                t1=t1,
+                t4=stream.t_first_ns or None,
+                t5=t5,
+                t6=t6,
+            )
+            rec.update(
+                replica=stream.replica,
+                ttft_ms=record["ttft_ms"],
+                gateway_ms=record["gateway_ms"],
+                engine_ms=record["engine_ms"],
+            )
         self.log.info("request", **{**rec, "duration_ms": round(rec["duration_ms"], 3)})
+        if record is not None and self.settings.telemetry.enabled:
+            task = asyncio.get_running_loop().create_task(records.publish(self.nc, record))
+            self._pending.add(task)
+            task.add_done_callback(self._pending.discard)
 
     async def metrics(self, scope: Scope, receive: Receive, send: Send) -> None:
         body = generate_latest()

@@ -19,6 +19,7 @@ SERVICES = (
     "filter",
     "router",
     "worker",
+    "telemetry",
     "openai-http",
 )
 
@@ -130,6 +131,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     router_cli.add_parser(sub)
 
+    rp = sub.add_parser("report", help="summary table and plots from the telemetry store")
+    rp.add_argument("--db", help="SQLite store (default: telemetry.db_path)")
+    rp.add_argument("--out", default="tokenbus-report", help="folder for the files")
+    rp.add_argument("--since", type=float, default=0, help="only the last N seconds")
+    rp.add_argument("--bucket", type=float, default=10.0, help="seconds per time bucket")
+
     nc_ = sub.add_parser("nats-config", help="write a locked-down nats-server config")
     nc_.add_argument("--out", default=".tokenbus/nats-locked", help="folder for the files")
     nc_.add_argument("--host", default="127.0.0.1")
@@ -195,6 +202,10 @@ async def _serve(a: argparse.Namespace, s: cfgmod.Settings) -> int:
         from router.service import Router
 
         svc = Router(s)
+    elif a.service == "telemetry":
+        from telemetry.service import Telemetry
+
+        svc = Telemetry(s)
     else:
         from engine_worker.worker import Worker
 
@@ -312,6 +323,19 @@ def main(argv: list[str] | None = None) -> None:
             from router import cli as router_cli
 
             rc = await router_cli.main(a, s)
+        elif a.cmd == "report":
+            from telemetry.report import markdown, report
+
+            try:
+                summary = report(
+                    a.db or s.telemetry.db_path, a.out, since_s=a.since, bucket_s=a.bucket
+                )
+            except FileNotFoundError as exc:
+                print(f"error: {exc}")
+                rc = 1
+            else:
+                print(markdown(summary))
+                print("\n".join(summary["files"]))
 
     run(go())
     sys.exit(rc)

@@ -230,6 +230,30 @@ class WorkerSettings(BaseModel):
     vllm: VLLMSettings = Field(default_factory=VLLMSettings)
 
 
+class TelemetrySettings(BaseModel):
+    """Per-request records, metrics and the telemetry service (docs/telemetry.md)."""
+
+    enabled: bool = Field(
+        default=True,
+        description="Workers and bridges publish a record per request (fire and forget).",
+    )
+    db_path: str = Field(
+        default=".tokenbus/telemetry.db", description="The telemetry service's SQLite store."
+    )
+    max_rows: int = Field(
+        default=1_000_000, ge=100, description="Records kept; the oldest go first."
+    )
+    metrics_port: int = Field(
+        default=9464, description="The telemetry service's Prometheus endpoint (0: none)."
+    )
+    flush_interval_s: float = Field(
+        default=0.5, gt=0, description="How often buffered records are written."
+    )
+    max_buffer: int = Field(
+        default=50_000, ge=1, description="Records buffered at most; beyond, new ones drop."
+    )
+
+
 class UpSettings(BaseModel):
     """The local launcher (``tokenbus up``)."""
 
@@ -264,6 +288,7 @@ class Settings(BaseSettings):
     filter: FilterSettings = Field(default_factory=FilterSettings)
     worker: WorkerSettings = Field(default_factory=WorkerSettings)
     up: UpSettings = Field(default_factory=UpSettings)
+    telemetry: TelemetrySettings = Field(default_factory=TelemetrySettings)
 
     @classmethod
     def settings_customise_sources(

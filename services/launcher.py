@@ -242,6 +242,11 @@ async def up(settings: Settings, *, config_file: str | None = None) -> int:
     b = settings.bridge
     for stage in ["ingress", *[s for s in settings.ingress.pipeline if s != "route"], "router"]:
         await sup.add(Child(stage, cli_argv("serve", stage), as_role(stage)))
+    if settings.telemetry.enabled:
+        tel_env = {"TOKENBUS_TELEMETRY__DB_PATH": str(data / "telemetry.db")}
+        await sup.add(
+            Child("telemetry", cli_argv("serve", "telemetry"), {**as_role("telemetry"), **tel_env})
+        )
     for i in range(settings.up.workers):
         await sup.add(
             Child(
@@ -289,7 +294,7 @@ async def up(settings: Settings, *, config_file: str | None = None) -> int:
     watcher.cancel()
     await sup.stop(
         settings.drain_timeout_s,
-        order=["bridge", "ingress", "auth", "ratelimit", "filter", "router", "worker"],
+        order=["bridge", "ingress", "auth", "ratelimit", "filter", "router", "worker", "telemetry"],
     )
     if nats_proc is not None and nats_proc.returncode is None:
         nats_proc.send_signal(signal.SIGTERM)

@@ -34,7 +34,10 @@ ADMIN = f"{PREFIX}.admin.>"
 ROLES: dict[str, tuple[list[str], list[str]]] = {
     "client": ([REQ, CANCEL], [INBOX, HEARTBEAT]),
     # The bridge may run auth, ratelimit and filter in-process (``bridge.fuse_stages``).
-    "bridge": ([REQ, STAGES, CANCEL, INBOX, *JS_API], [INBOX, HEARTBEAT, DISCOVERY, *USAGE]),
+    "bridge": (
+        [REQ, STAGES, CANCEL, INBOX, TELEMETRY, *JS_API],
+        [INBOX, HEARTBEAT, DISCOVERY, *USAGE],
+    ),
     "ingress": ([STAGES, INBOX], [REQ, INBOX, DISCOVERY]),
     "auth": ([STAGES, INBOX, *JS_API], [f"{PREFIX}.stage.auth", INBOX, DISCOVERY, ADMIN]),
     "ratelimit": (
@@ -61,6 +64,7 @@ SERVICE_ROLE = {
     "filter": "filter",
     "router": "router",
     "worker": "worker",
+    "telemetry": "telemetry",
 }
 
 

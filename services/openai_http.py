@@ -242,11 +242,12 @@ class OpenAIApp:
     async def _generate(self, scope: Scope, receive: Receive, send: Send, kind: str) -> None:
         rid = clean_request_id(header(scope, b"x-request-id"))
         t_start = time.perf_counter_ns()
+        t1_ns = time.time_ns()
         status = 200
         outcome = "ok"
         stream: StreamLike | None = None
         watcher: asyncio.Task[None] | None = None
-        state = {"finished": False}
+        state: dict[str, Any] = {"finished": False, "t1_ns": t1_ns}
         try:
             body = await self._read_json(scope, receive)
             req = validation.parse(kind, body)
@@ -288,6 +289,10 @@ class OpenAIApp:
                         "status": status,
                         "outcome": outcome,
                         "duration_ms": (time.perf_counter_ns() - t_start) / 1e6,
+                        "t1_ns": t1_ns,
+                        "t5_ns": state.get("t5_ns"),
+                        "t6_ns": time.time_ns(),
+                        "stream": stream,
                     }
                 )
 
@@ -298,7 +303,7 @@ class OpenAIApp:
         req: validation.Request,
         stream: StreamLike,
         rid: str,
-        state: dict[str, bool],
+        state: dict[str, Any],
     ) -> None:
         parts = [c.text async for c in stream]
         text = "".join(parts)
@@ -336,7 +341,17 @@ class OpenAIApp:
                 "usage": usage,
             }
         state["finished"] = True
-        await send_json(send, 200, out, [(b"x-request-id", rid.encode()), *_limit_headers(stream)])
+        state["t5_ns"] = time.time_ns()
+        await send_json(
+            send,
+            200,
+            out,
+            [
+                (b"x-request-id", rid.encode()),
+                *_limit_headers(stream),
+                *_latency_headers(stream, state["t1_ns"]),
+            ],
+        )
 
     async def _stream(
         self,
@@ -345,7 +360,7 @@ class OpenAIApp:
         req: validation.Request,
         stream: StreamLike,
         rid: str,
-        state: dict[str, bool],
+        state: dict[str, Any],
     ) -> None:
         # Wait for the first frame before sending headers, so errors that happen before
         # generation (unknown model, no replica) still get their own HTTP status.
@@ -398,6 +413,7 @@ class OpenAIApp:
             if first is not _END:
                 buf.append(piece % dumps(first.text))
                 await send({"type": body, "body": "".join(buf).encode(), "more_body": True})
+                state["t5_ns"] = time.time_ns()
                 buf.clear()
                 async for c in stream:
                     buf.append(piece % dumps(c.text))
@@ -430,6 +446,22 @@ class OpenAIApp:
         buf.append("data: [DONE]\n\n")
         state["finished"] = True
         await send({"type": body, "body": "".join(buf).encode(), "more_body": False})
+
+
+def _latency_headers(stream: StreamLike, t1_ns: int) -> list[tuple[bytes, bytes]]:
+    """Where the time to the first token went (like LiteLLM's overhead header): the gateway's
+    share, (engine start - received) + (first token at the gateway - first token in the
+    engine), and the engine's, from the stage timestamps of the final frame."""
+    t = getattr(stream, "timings", None) or {}
+    t2, t3 = t.get("engine_start"), t.get("first_token")
+    t4 = getattr(stream, "t_first_ns", 0) or 0
+    if not (t2 and t3 and t4):
+        return []
+    gateway = ((t2 - t1_ns) + (t4 - t3)) / 1e6
+    return [
+        (b"x-tokenbus-gateway-ms", f"{max(0.0, gateway):.3f}".encode()),
+        (b"x-tokenbus-engine-ms", f"{(t3 - t2) / 1e6:.3f}".encode()),
+    ]
 
 
 def _limit_headers(stream: StreamLike) -> list[tuple[bytes, bytes]]:

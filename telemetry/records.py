@@ -1,0 +1,113 @@
+"""Per-request records: every stage's timestamps turned into the latency breakdown.
+
+The DESIGN.md definitions: t0 the client sends, t1 the gateway receives, t2 the engine
+starts, t3 the engine has the first token, t4 the gateway gets it, t5 the client gets it,
+t6 the client gets the last. Gateway latency = (t2 - t0) + (t5 - t3); engine latency =
+t3 - t2.
+
+A worker publishes a record for every request it served (``source: worker``: what the
+engine saw, for NATS and HTTP callers alike); the HTTP bridge publishes the complete one
+for its requests (``source: http``: t1, t5, t6 and the status too). Both go to
+``tb.v1.telemetry.request``, fire and forget: a telemetry service that is down or slow never
+slows or fails a request. The telemetry service merges them by request id.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+from nats.aio.client import Client as NATS
+
+from bus_schemas import codec, subjects
+
+# Marks a request collects on its way, in path order (Tb-Timings; see bus_schemas.marks).
+PATH = ("t0", "ingress", "auth", "ratelimit", "filter", "route", "engine_start")
+STAGES = ("ingress", "auth", "ratelimit", "filter", "route")
+
+
+def subject() -> str:
+    return f"{subjects.PREFIX}.telemetry.request"
+
+
+def _ms(a: int | None, b: int | None) -> float | None:
+    return None if a is None or b is None else round((b - a) / 1e6, 3)
+
+
+def stage_ms(timings: dict[str, int]) -> dict[str, float]:
+    """Time spent in each stage: from the previous mark on the path to the stage's own."""
+    out: dict[str, float] = {}
+    prev: int | None = None
+    for name in PATH:
+        ts = timings.get(name)
+        if ts is None:
+            continue
+        if prev is not None and name in STAGES:
+            out[name] = round(max(0, ts - prev) / 1e6, 3)
+        prev = ts
+    return out
+
+
+def build(
+    *,
+    request_id: str,
+    source: str,
+    model: str,
+    timings: dict[str, int],
+    outcome: str,
+    replica: str | None = None,
+    principal: str | None = None,
+    kind: str | None = None,
+    status: int | None = None,
+    prompt_tokens: int = 0,
+    completion_tokens: int = 0,
+    migrations: int = 0,
+    t1: int | None = None,
+    t4: int | None = None,
+    t5: int | None = None,
+    t6: int | None = None,
+) -> dict[str, Any]:
+    """One request's record (times in ms, timestamps in epoch ns)."""
+    t0 = timings.get("t0") or t1
+    t2, t3 = timings.get("engine_start"), timings.get("first_token")
+    end = t6 or timings.get("engine_end")
+    first = t5 or t3
+    gateway = None
+    if t0 is not None and t2 is not None and first is not None and t3 is not None:
+        gateway = round(((t2 - t0) + (first - t3)) / 1e6, 3)
+    tbt = None
+    if first is not None and end is not None and completion_tokens > 1:
+        tbt = round((end - first) / 1e6 / (completion_tokens - 1), 3)
+    stages = stage_ms(timings)
+    return {
+        "request_id": request_id,
+        "source": source,
+        "ts_ns": t0 or t1 or 0,
+        "model": model,
+        "replica": replica,
+        "principal": principal,
+        "kind": kind,
+        "outcome": outcome,
+        "status": status,
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "migrations": migrations,
+        "ttft_ms": _ms(t0, first),
+        "tbt_ms": tbt,
+        "e2e_ms": _ms(t0, end),
+        "gateway_ms": gateway,
+        "engine_ms": _ms(t2, t3),
+        "prefill_ms": _ms(t2, t3),
+        "decode_ms": _ms(t3, timings.get("engine_end")),
+        "relay_ms": _ms(t3, first) if t5 else None,
+        "stages": stages,
+        "t": {k: v for k, v in {**timings, "t1": t1, "t4": t4, "t5": t5, "t6": t6}.items() if v},
+    }
+
+
+async def publish(nc: NATS | None, record: dict[str, Any]) -> None:
+    """Fire and forget: never raises, never waits for the telemetry service."""
+    if nc is None:
+        return
+    with contextlib.suppress(Exception):
+        await nc.publish(subject(), codec.encode(record))

@@ -1,0 +1,127 @@
+"""Per-request records on local disk: one SQLite file, bounded, queryable, kept across
+restarts.
+
+SQLite because it is in the standard library, a single file an operator can query with any
+SQL tool (``sqlite3 .tokenbus/telemetry.db "select model, avg(ttft_ms) ..."``), safe for one
+writer with readers alongside (WAL), and fast enough for batched inserts of thousands of
+rows a second; Parquet would need pyarrow and is awkward to append to row by row.
+
+Records of one request from several sources (the worker's, the bridge's) merge into one row:
+a later record fills the columns it knows. The table keeps at most ``max_rows`` rows, the
+oldest deleted first.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+COLUMNS = (
+    "request_id",
+    "ts_ns",
+    "source",
+    "model",
+    "replica",
+    "principal",
+    "kind",
+    "outcome",
+    "status",
+    "prompt_tokens",
+    "completion_tokens",
+    "migrations",
+    "ttft_ms",
+    "tbt_ms",
+    "e2e_ms",
+    "gateway_ms",
+    "engine_ms",
+    "prefill_ms",
+    "decode_ms",
+    "relay_ms",
+    "stages",
+    "t",
+)
+_JSON = {"stages", "t"}
+_SCHEMA = f"""
+CREATE TABLE IF NOT EXISTS requests (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    {", ".join(c + (" TEXT UNIQUE" if c == "request_id" else "") for c in COLUMNS)}
+);
+CREATE INDEX IF NOT EXISTS requests_ts ON requests(ts_ns);
+"""
+
+
+class RecordStore:
+    """The SQLite store (one writer: the telemetry service; readers: ``tokenbus report``)."""
+
+    def __init__(self, path: str | Path, max_rows: int = 1_000_000) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.max_rows = max_rows
+        self.db = sqlite3.connect(self.path, check_same_thread=False)
+        self.db.execute("PRAGMA journal_mode=WAL")
+        self.db.execute("PRAGMA synchronous=NORMAL")
+        self.db.executescript(_SCHEMA)
+        self.db.commit()
+
+    def close(self) -> None:
+        self.db.close()
+
+    def write(self, recs: Iterable[dict[str, Any]]) -> int:
+        """Insert or merge records (by request id); trims the oldest beyond ``max_rows``."""
+        rows = []
+        for r in recs:
+            if not r.get("request_id"):
+                continue
+            rows.append(
+                tuple(
+                    json.dumps(r.get(c)) if c in _JSON and r.get(c) is not None else r.get(c)
+                    for c in COLUMNS
+                )
+            )
+        if not rows:
+            return 0
+        cols = ", ".join(COLUMNS)
+        marks = ", ".join("?" for _ in COLUMNS)
+        # A record from the HTTP side is the fuller one: its values win; otherwise a value
+        # fills only what is still empty.
+        merge = ", ".join(
+            f"{c} = CASE WHEN excluded.source = 'http' THEN COALESCE(excluded.{c}, {c}) "
+            f"ELSE COALESCE({c}, excluded.{c}) END"
+            for c in COLUMNS
+            if c != "request_id"
+        )
+        with self.db:
+            self.db.executemany(
+                f"INSERT INTO requests ({cols}) VALUES ({marks}) "
+                f"ON CONFLICT(request_id) DO UPDATE SET {merge}",
+                rows,
+            )
+            self._trim()
+        return len(rows)
+
+    def _trim(self) -> None:
+        (n,) = self.db.execute("SELECT COUNT(*) FROM requests").fetchone()
+        if n > self.max_rows:
+            self.db.execute(
+                "DELETE FROM requests WHERE seq IN (SELECT seq FROM requests ORDER BY seq LIMIT ?)",
+                (n - self.max_rows,),
+            )
+
+    def count(self) -> int:
+        (n,) = self.db.execute("SELECT COUNT(*) FROM requests").fetchone()
+        return int(n)
+
+    def rows(self, since_ns: int = 0) -> Iterator[dict[str, Any]]:
+        cur = self.db.execute(
+            f"SELECT {', '.join(COLUMNS)} FROM requests WHERE ts_ns >= ? ORDER BY ts_ns",
+            (since_ns,),
+        )
+        for row in cur:
+            rec = dict(zip(COLUMNS, row, strict=True))
+            for c in _JSON:
+                if rec[c]:
+                    rec[c] = json.loads(rec[c])
+            yield rec

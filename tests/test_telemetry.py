@@ -1,0 +1,198 @@
+"""Telemetry: per-request records (worker and bridge, merged), the SQLite store, the metrics
+endpoint and ``tokenbus report``; on a real bus with real processes."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from bus_schemas import errors as E
+from bus_schemas.client import Client
+from telemetry import records
+from telemetry.report import report
+from telemetry.service import Telemetry
+from telemetry.store import RecordStore
+from tests.conftest import (
+    NatsServer,
+    Procs,
+    free_port,
+    run_cli,
+    settings,
+    stack,
+    wait_for,
+    wait_http,
+    wait_replicas,
+)
+
+MSG = [{"role": "user", "content": "hi"}]
+PATH = ("t0", "ingress", "route", "engine_start", "first_token", "engine_end")
+
+
+def test_record_breaks_the_latency_down() -> None:
+    ms = 1_000_000
+    t = {"t0": 0, "ingress": 1 * ms, "auth": 3 * ms, "route": 4 * ms, "engine_start": 5 * ms,
+         "first_token": 25 * ms, "engine_end": 95 * ms}  # fmt: skip
+    r = records.build(
+        request_id="r", source="http", model="m", timings=t, outcome="length",
+        completion_tokens=8, t1=0, t4=26 * ms, t5=27 * ms, t6=97 * ms,
+    )  # fmt: skip
+    assert r["stages"] == {"ingress": 1.0, "auth": 2.0, "route": 1.0}
+    assert r["engine_ms"] == 20.0 and r["ttft_ms"] == 27.0 and r["e2e_ms"] == 97.0
+    assert r["gateway_ms"] == 5.0 + 2.0  # (t2 - t0) + (t5 - t3)
+    assert r["tbt_ms"] == 10.0  # (t6 - t5) / 7
+    assert r["relay_ms"] == 2.0
+
+
+def test_store_merges_by_request_and_keeps_at_most_max_rows(tmp_path: Path) -> None:
+    store = RecordStore(tmp_path / "t.db", max_rows=100)
+    store.write([{"request_id": "a", "source": "worker", "model": "m", "ts_ns": 1, "engine_ms": 5}])
+    store.write([{"request_id": "a", "source": "http", "model": "m", "ts_ns": 1, "status": 200}])
+    (row,) = list(store.rows())
+    assert row["source"] == "http" and row["engine_ms"] == 5 and row["status"] == 200
+    store.write({"request_id": f"r{i}", "ts_ns": 10 + i, "model": "m"} for i in range(250))
+    assert store.count() == 100
+    ids = [r["request_id"] for r in store.rows()]
+    assert ids[0] == "r150" and ids[-1] == "r249"  # the oldest went first
+    store.close()
+    # It survives a restart: the file is the store.
+    again = RecordStore(tmp_path / "t.db", max_rows=100)
+    assert again.count() == 100
+    again.close()
+
+
+@contextlib.asynccontextmanager
+async def telemetry(url: str, tmp_path: Path, **tel: Any) -> Any:
+    cfg = {"db_path": str(tmp_path / "telemetry.db"), "metrics_port": 0,
+           "flush_interval_s": 0.1, **tel}  # fmt: skip
+    async with Telemetry(settings(url, telemetry=cfg)) as svc:
+        yield svc
+
+
+async def test_records_for_success_error_and_cancel_over_nats(
+    nats_server: NatsServer, model: str, tmp_path: Path
+) -> None:
+    async with (
+        telemetry(nats_server.url, tmp_path) as tel,
+        stack(nats_server.url, model, workers=1),
+        await Client.connect(nats_server.url) as c,
+    ):
+        ok = await c.chat_completion(model, MSG, max_tokens=5)
+        s = c.chat(model, MSG, max_tokens=10_000)
+        await s.__anext__()
+        await s.aclose()
+        late = c.chat(model, MSG, max_tokens=10_000, timeout=0.3)
+        with pytest.raises(E.Timeout):
+            await late.collect()
+        want = {ok.request_id, s.request_id, late.request_id}
+
+        def stored() -> bool:
+            return want <= {r["request_id"] for r in tel.store.rows()}
+
+        await wait_for(stored, timeout=10)
+        rows = {r["request_id"]: r for r in tel.store.rows()}
+    done = rows[ok.request_id]
+    assert done["outcome"] == "length" and done["completion_tokens"] == 5
+    assert done["source"] == "worker" and done["replica"] == f"{model}-w0"
+    ts = [done["t"][k] for k in PATH]
+    assert ts == sorted(ts), done["t"]  # monotonic along the path
+    assert done["ttft_ms"] > 0 and done["e2e_ms"] >= done["ttft_ms"]
+    assert set(done["stages"]) == {"ingress", "route"}
+    assert rows[s.request_id]["outcome"] == "cancelled"
+    assert rows[late.request_id]["outcome"] == "timeout"
+
+
+async def test_telemetry_buffer_is_bounded_and_drops_rather_than_blocks(
+    nats_server: NatsServer, model: str, tmp_path: Path
+) -> None:
+    async with (
+        telemetry(nats_server.url, tmp_path, max_buffer=3, flush_interval_s=60) as tel,
+        stack(nats_server.url, model, workers=1),
+        await Client.connect(nats_server.url) as c,
+    ):
+        outs = await asyncio.gather(
+            *(c.chat_completion(model, MSG, max_tokens=2) for _ in range(8))
+        )
+        assert all(o.usage.completion_tokens == 2 for o in outs)
+        await wait_for(lambda: tel.metrics.dropped._value.get() >= 5, timeout=10)
+        assert len(tel.buffer) == 3
+
+
+async def test_http_records_metrics_and_report(procs: Procs, model: str, tmp_path: Path) -> None:
+    db = tmp_path / "telemetry.db"
+    mport, port = free_port(), free_port()
+    env = {
+        "TOKENBUS_TELEMETRY__DB_PATH": str(db),
+        "TOKENBUS_TELEMETRY__METRICS_PORT": str(mport),
+        "TOKENBUS_TELEMETRY__FLUSH_INTERVAL_S": "0.1",
+    }
+    procs.start("telemetry", "serve", "telemetry", env=env)
+    procs.start("worker", "serve", "worker", "--model", model)
+    procs.start("bridge", "serve", "bridge", "--port", str(port))
+    await wait_replicas(procs.url, model, 1)
+    await wait_http(f"http://127.0.0.1:{port}/ready")
+    await asyncio.sleep(0.3)
+    async with openai.AsyncOpenAI(
+        base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0
+    ) as api:
+        raw = await api.chat.completions.with_raw_response.create(
+            model=model, messages=MSG, max_tokens=4
+        )  # type: ignore[call-overload]
+        # The gateway's share of the time to first token, like LiteLLM's overhead header.
+        assert float(raw.headers["x-tokenbus-gateway-ms"]) >= 0
+        assert float(raw.headers["x-tokenbus-engine-ms"]) > 0
+        stream = await api.chat.completions.create(
+            model=model, messages=MSG, max_tokens=6, stream=True
+        )  # type: ignore[call-overload]
+        async for _ in stream:
+            pass
+        with pytest.raises(openai.NotFoundError):
+            await api.chat.completions.create(model="no-such-model", messages=MSG)  # type: ignore[call-overload]
+    await asyncio.sleep(1.0)
+    async with httpx.AsyncClient() as h:
+        text = (await h.get(f"http://127.0.0.1:{mport}/metrics")).text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    assert "tokenbus_ttft_seconds" in families and "tokenbus_gateway_latency_seconds" in families
+    reqs = {
+        (s.labels["source"], s.labels["outcome"]): s.value
+        for s in families["tokenbus_requests"].samples
+        if s.name == "tokenbus_requests_total"
+    }
+    assert reqs[("http", "ok")] == 2 and reqs[("worker", "length")] == 2
+    assert reqs[("http", "model_not_found")] == 1
+    inflight = families["tokenbus_replica_in_flight"].samples
+    assert any(s.labels["model"] == model for s in inflight)
+    # The merged rows: one per request, the HTTP side's times, the worker's replica.
+    store = RecordStore(db)
+    rows = [r for r in store.rows() if r["model"] == model]
+    store.close()
+    assert len(rows) == 2 and all(r["source"] == "http" and r["status"] == 200 for r in rows)
+    for r in rows:
+        t = r["t"]
+        ts = [t["t1"], t["engine_start"], t["first_token"], t["t4"], t["t5"], t["t6"]]
+        assert ts == sorted(ts), t
+        assert r["replica"] and r["gateway_ms"] > 0 and r["engine_ms"] > 0
+    # The report: a table and four plots.
+    out = tmp_path / "report"
+    res = run_cli("report", "--db", str(db), "--out", str(out))
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "| model | requests |" in res.stdout
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["models"][model]["requests"] == 2
+    for png in ("latency_breakdown", "latency_over_time", "throughput", "replica_load"):
+        assert (out / f"{png}.png").stat().st_size > 1000
+    missing = run_cli("report", "--db", str(tmp_path / "none.db"))
+    assert missing.returncode == 1 and "no telemetry store" in missing.stdout
+
+
+def test_report_on_an_empty_store(tmp_path: Path) -> None:
+    RecordStore(tmp_path / "e.db").close()
+    summary = report(tmp_path / "e.db", tmp_path / "out")
+    assert summary["requests"] == 0 and (tmp_path / "out" / "summary.md").exists()
