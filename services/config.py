@@ -246,6 +246,7 @@ class TelemetrySettings(BaseModel):
     metrics_port: int = Field(
         default=9464, description="The telemetry service's Prometheus endpoint (0: none)."
     )
+    metrics_host: str = Field(default="127.0.0.1", description="Address of that endpoint.")
     flush_interval_s: float = Field(
         default=0.5, gt=0, description="How often buffered records are written."
     )

@@ -140,7 +140,7 @@ class Telemetry(Service):
         self.http: Any = None
         if cfg.metrics_port:
             self.http = start_http_server(
-                cfg.metrics_port, addr="127.0.0.1", registry=self.metrics.registry
+                cfg.metrics_port, addr=cfg.metrics_host, registry=self.metrics.registry
             )
         self.log.info("telemetry_ready", db=str(self.store.path), metrics_port=cfg.metrics_port)
 
