@@ -149,6 +149,13 @@ class Stream:
         self.t_sent_ns = 0
         self.t_first_ns = 0
 
+    @property
+    def trace_id(self) -> str | None:
+        """The W3C trace id this request carries, if any."""
+        tp = (self._extra_headers or {}).get(H.TRACEPARENT, "")
+        parts = tp.split("-")
+        return parts[1] if len(parts) == 4 else None
+
     # -- async iterator protocol ------------------------------------------------------------
     def __aiter__(self) -> Stream:
         return self

@@ -33,3 +33,5 @@ FILTER_FLAGS = "Tb-Filter-Flags"
 FILTER_POLICY = "Tb-Filter-Policy"
 # A session or user key for session-affinity routing (HTTP: ``X-Session-Id``).
 SESSION = "Tb-Session"
+# W3C trace context, carried from HTTP callers (or NATS clients) through every stage.
+TRACEPARENT = "traceparent"

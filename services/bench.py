@@ -71,8 +71,25 @@ def add_parser(sub: Any) -> None:
     )
     b.add_argument("--max-tokens", type=int, default=64)
     b.add_argument(
+        "--max-tokens-std",
+        type=float,
+        default=0.0,
+        help="sample each request's output length from a normal distribution around "
+        "--max-tokens with this standard deviation (0: fixed)",
+    )
+    b.add_argument(
         "--prompt", default="Explain how a continuous batching engine schedules sequences."
     )
+    b.add_argument(
+        "--prompts",
+        help='prompts from a file: JSONL ({"prompt": ...} or {"messages": [...]}) or one '
+        "prompt per line; used in turn",
+    )
+    b.add_argument(
+        "--prompt-words",
+        help="generated prompts of MEAN[:STD] words (a normal distribution), instead of --prompt",
+    )
+    b.add_argument("--seed", type=int, default=0, help="for sampled lengths and prompts")
     b.add_argument("--timeout", type=float, default=300.0, help="per request, seconds")
     b.add_argument("--out", help="JSON file (default bench-results/bench-<time>.json)")
     b.add_argument("--no-progress", action="store_true")
@@ -228,18 +245,83 @@ def _rss_mb(pid: int) -> float | None:
     return None
 
 
+_WORDS = [
+    "engine", "batch", "token", "latency", "request", "replica", "router", "stream", "queue",
+    "cache", "prefix", "model", "gateway", "throughput", "schedule", "sequence", "decode",
+    "prefill", "tensor", "parallel", "memory",
+]  # fmt: skip
+
+
+class RequestMaker:
+    """Request bodies for a run: a fixed prompt, prompts from a file in turn, or generated
+    prompts of a sampled length; output length fixed or sampled."""
+
+    def __init__(self, a: argparse.Namespace) -> None:
+        import random
+
+        self.a = a
+        self.rng = random.Random(getattr(a, "seed", 0))
+        self.items: list[dict[str, Any]] = []
+        if getattr(a, "prompts", None):
+            self.items = load_prompts(a.prompts)
+        self.i = 0
+
+    def _messages(self) -> list[dict[str, Any]]:
+        a = self.a
+        if self.items:
+            item = self.items[self.i % len(self.items)]
+            self.i += 1
+            if "messages" in item:
+                return list(item["messages"])
+            return [{"role": "user", "content": str(item["prompt"])}]
+        if getattr(a, "prompt_words", None):
+            mean, _, std = str(a.prompt_words).partition(":")
+            n = max(1, round(self.rng.gauss(float(mean), float(std or 0))))
+            words = " ".join(self.rng.choice(_WORDS) for _ in range(n))
+            return [{"role": "user", "content": words}]
+        return [{"role": "user", "content": a.prompt}]
+
+    def next(self) -> dict[str, Any]:
+        a = self.a
+        max_tokens = a.max_tokens
+        if getattr(a, "max_tokens_std", 0):
+            max_tokens = max(1, round(self.rng.gauss(a.max_tokens, a.max_tokens_std)))
+        return {
+            "model": a.model,
+            "messages": self._messages(),
+            "max_tokens": max_tokens,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+
+
+def load_prompts(path: str) -> list[dict[str, Any]]:
+    items: list[dict[str, Any]] = []
+    for n, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
+        line = line.strip()
+        if not line:
+            continue
+        if line.startswith("{"):
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise SystemExit(f"{path}:{n}: not JSON: {exc.msg}") from None
+            if not isinstance(row.get("messages"), list) and not isinstance(row.get("prompt"), str):
+                raise SystemExit(f'{path}:{n}: needs "prompt" or "messages"')
+            items.append(row)
+        else:
+            items.append({"prompt": line})
+    if not items:
+        raise SystemExit(f"{path}: no prompts")
+    return items
+
+
 async def run_level(
     target: Target, conc: int, total: int, a: argparse.Namespace, progress: bool
 ) -> dict[str, Any]:
     import aiohttp
 
-    body = {
-        "model": a.model,
-        "messages": [{"role": "user", "content": a.prompt}],
-        "max_tokens": a.max_tokens,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
+    bodies = RequestMaker(a)
     results: list[Result] = []
     remaining = total
     peak: dict[str, float] = {}
@@ -259,6 +341,7 @@ async def run_level(
         nonlocal remaining
         while remaining > 0:
             remaining -= 1
+            body = bodies.next()
             if session is not None:
                 results.append(await http_request(session, target.url, body, a.timeout))
             else:
@@ -285,6 +368,7 @@ async def run_level(
     cpu0 = {n: _cpu_s(p) for n, p in target.pids.items()}
     cpu0["bench-client"] = _cpu_s(os.getpid())
     t0 = time.perf_counter()
+    t0_ns = time.time_ns()
     try:
         await asyncio.gather(*(one_client() for _ in range(conc)))
     finally:
@@ -323,7 +407,88 @@ async def run_level(
         "e2e_ms": _summary_ms([r.e2e_s for r in ok]),
         "peak_rss_mb": {k: round(v, 1) for k, v in peak.items()},
         "cpu_percent": cpu,
+        "window_ns": [t0_ns, time.time_ns()],
     }
+
+
+# -- the latency split and the run folder ------------------------------------------------------
+def add_latency_split(levels: list[dict[str, Any]], db: str) -> None:
+    """Per level of a spawned stack: the gateway's and the engine's share of the time to
+    first token, from the telemetry records of the level's requests."""
+    from telemetry.store import RecordStore
+
+    if not Path(db).exists():
+        return
+    store = RecordStore(db)
+    try:
+        rows = list(store.rows())
+    finally:
+        store.close()
+    for lv in levels:
+        if lv["target"] == "direct":
+            continue
+        lo, hi = lv["window_ns"]
+        src = "http" if lv["mode"] == "http" else "worker"
+        mine = [r for r in rows if lo <= int(r["ts_ns"] or 0) <= hi and r["source"] == src]
+        for key in ("gateway_ms", "engine_ms"):
+            vals = [float(r[key]) for r in mine if isinstance(r.get(key), int | float)]
+            lv[key] = _summary_ms([v / 1000 for v in vals]) if vals else {}
+
+
+def write_run_files(levels: list[dict[str, Any]], run_dir: Path) -> None:
+    """The run as a table like ScaleLLM's Table 1 (``table.md``) and, with matplotlib,
+    latency and throughput against concurrency (``latency.png``, ``throughput.png``)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+
+    def g(lv: dict[str, Any], key: str, p: str = "p50") -> str:
+        v = (lv.get(key) or {}).get(p)
+        return "" if v is None else f"{v:.1f}"
+
+    lines = [
+        "| target | c | requests | errors | TTFT p50 | TTFT p99 | TBT p50 | e2e p50 | e2e p99 "
+        "| tok/s | gateway p50 | engine p50 |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for lv in levels:
+        lines.append(
+            f"| {lv['target']} | {lv['concurrency']} | {lv['requests']} | {lv['errors']} | "
+            f"{g(lv, 'ttft_ms')} | {g(lv, 'ttft_ms', 'p99')} | {g(lv, 'tbt_ms')} | "
+            f"{g(lv, 'e2e_ms')} | {g(lv, 'e2e_ms', 'p99')} | {lv['output_tokens_per_s']:.0f} | "
+            f"{g(lv, 'gateway_ms')} | {g(lv, 'engine_ms')} |"
+        )
+    (run_dir / "table.md").write_text("\n".join(lines) + "\n\n(times in ms)\n")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    names = list(dict.fromkeys(lv["target"] for lv in levels))
+    for fname, key, label in (
+        ("latency.png", "e2e_ms", "end-to-end p50 (ms)"),
+        ("throughput.png", "output_tokens_per_s", "output tokens/s"),
+    ):
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for n in names:
+            pts = sorted((lv["concurrency"], lv) for lv in levels if lv["target"] == n)
+            ys: list[float] = [
+                float(
+                    lv[key]
+                    if key == "output_tokens_per_s"
+                    else (lv[key] or {}).get("p50", float("nan"))
+                )
+                for _, lv in pts
+            ]
+            ax.plot([c for c, _ in pts], ys, marker="o", label=n)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrency")
+        ax.set_ylabel(label)
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(run_dir / fname, dpi=100)
+        plt.close(fig)
 
 
 # -- spawned stack ----------------------------------------------------------------------------
@@ -431,9 +596,10 @@ async def spawn_stack(a: argparse.Namespace, sup: Any) -> tuple[list[Target], An
         env["TOKENBUS_ROUTER"] = a.routing
     env["TOKENBUS_TELEMETRY__ENABLED"] = "true" if a.telemetry == "on" else "false"
     if a.telemetry == "on":
+        a.telemetry_db = str(Path(tmp) / "telemetry.db")
         tel_env = {
             **env,
-            "TOKENBUS_TELEMETRY__DB_PATH": str(Path(tmp) / "telemetry.db"),
+            "TOKENBUS_TELEMETRY__DB_PATH": a.telemetry_db,
             "TOKENBUS_TELEMETRY__METRICS_PORT": "0",
         }
         await sup.add(Child("telemetry", cli_argv("serve", "telemetry"), tel_env))
@@ -582,6 +748,9 @@ async def main(a: argparse.Namespace, s: Settings) -> int:
         for c in levels_c:
             for t in targets:
                 levels.append(await run_level(t, c, c * a.requests_per_client, a, progress))
+        if getattr(a, "telemetry_db", None):
+            await asyncio.sleep(1.5)  # the telemetry service flushes its buffer
+            add_latency_split(levels, a.telemetry_db)
     finally:
         if sup is not None:
             await sup.stop(10)
@@ -608,6 +777,7 @@ async def main(a: argparse.Namespace, s: Settings) -> int:
     out = Path(a.out or f"bench-results/bench-{time.strftime('%Y%m%d-%H%M%S')}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))
+    write_run_files(levels, out.with_suffix(""))
     print_table(levels)
     for row in report.get("comparison", []):
         print(

@@ -191,12 +191,14 @@ class Bridge(Service):
                 prompt_tokens=usage.prompt_tokens if usage else 0,
                 completion_tokens=usage.completion_tokens if usage else 0,
                 migrations=stream.migrations,
+                trace_id=stream.trace_id,
                 t1=t1,
                 t4=stream.t_first_ns or None,
                 t5=t5,
                 t6=t6,
             )
             rec.update(
+                trace_id=stream.trace_id,
                 replica=stream.replica,
                 ttft_ms=record["ttft_ms"],
                 gateway_ms=record["gateway_ms"],

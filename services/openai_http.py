@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
@@ -111,14 +112,27 @@ def api_key(scope: Scope) -> dict[str, str]:
     return {H.API_KEY: key} if key else {}
 
 
+_TRACEPARENT = re.compile(r"[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}")
+
+
 def bus_headers(scope: Scope) -> dict[str, str]:
-    """What of the HTTP request travels as bus headers: the API key and the session key
-    (``X-Session-Id``, for session-affinity routing)."""
+    """What of the HTTP request travels as bus headers: the API key, the session key
+    (``X-Session-Id``, for session-affinity routing) and a W3C ``traceparent``."""
     out = api_key(scope)
     session = header(scope, b"x-session-id")
     if session:
         out[H.SESSION] = session[:256]
+    trace = (header(scope, b"traceparent") or "").strip().lower()
+    if _TRACEPARENT.fullmatch(trace):
+        out[H.TRACEPARENT] = trace
     return out
+
+
+def trace_id(traceparent: str | None) -> str | None:
+    """The trace id of a W3C traceparent (``00-<trace id>-<span id>-<flags>``)."""
+    if traceparent and _TRACEPARENT.fullmatch(traceparent):
+        return traceparent.split("-")[1]
+    return None
 
 
 def header(scope: Scope, name: bytes) -> str | None:

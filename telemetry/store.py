@@ -32,6 +32,7 @@ COLUMNS = (
     "prompt_tokens",
     "completion_tokens",
     "migrations",
+    "trace_id",
     "ttft_ms",
     "tbt_ms",
     "e2e_ms",
@@ -64,6 +65,11 @@ class RecordStore:
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=NORMAL")
         self.db.executescript(_SCHEMA)
+        # A store written by an older version: add the columns it lacks.
+        have = {row[1] for row in self.db.execute("PRAGMA table_info(requests)")}
+        for c in COLUMNS:
+            if c not in have:
+                self.db.execute(f"ALTER TABLE requests ADD COLUMN {c}")
         self.db.commit()
 
     def close(self) -> None:

@@ -33,6 +33,7 @@ from tests.conftest import (
 )
 
 MSG = [{"role": "user", "content": "hi"}]
+TRACE = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 PATH = ("t0", "ingress", "route", "engine_start", "first_token", "engine_end")
 
 
@@ -143,7 +144,7 @@ async def test_http_records_metrics_and_report(procs: Procs, model: str, tmp_pat
         base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0
     ) as api:
         raw = await api.chat.completions.with_raw_response.create(
-            model=model, messages=MSG, max_tokens=4
+            model=model, messages=MSG, max_tokens=4, extra_headers={"traceparent": TRACE}
         )  # type: ignore[call-overload]
         # The gateway's share of the time to first token, like LiteLLM's overhead header.
         assert float(raw.headers["x-tokenbus-gateway-ms"]) >= 0
@@ -174,6 +175,10 @@ async def test_http_records_metrics_and_report(procs: Procs, model: str, tmp_pat
     rows = [r for r in store.rows() if r["model"] == model]
     store.close()
     assert len(rows) == 2 and all(r["source"] == "http" and r["status"] == 200 for r in rows)
+    # W3C trace context from the HTTP caller reached the worker and the record.
+    assert sorted(str(r["trace_id"]) for r in rows) == ["4bf92f3577b34da6a3ce929d0e0e4736", "None"]
+    worker_log = procs.procs[1].output()
+    assert "4bf92f3577b34da6a3ce929d0e0e4736" in worker_log
     for r in rows:
         t = r["t"]
         ts = [t["t1"], t["engine_start"], t["first_token"], t["t4"], t["t5"], t["t6"]]
