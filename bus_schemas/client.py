@@ -148,6 +148,7 @@ class Stream:
         self.timings: dict[str, int] = {}
         self.t_sent_ns = 0
         self.t_first_ns = 0
+        self.meta: dict[str, str | None] = {}  # what the caller wants to remember with it
 
     @property
     def trace_id(self) -> str | None:

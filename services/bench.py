@@ -33,6 +33,8 @@ class Result:
     tbt_s: float | None = None
     tokens: int = 0
     error: str = ""
+    text: str = ""  # the answer (kept for multi-turn sessions only)
+    t_end: float = 0.0  # time.time() when it ended
 
 
 @dataclass
@@ -90,6 +92,16 @@ def add_parser(sub: Any) -> None:
         help="generated prompts of MEAN[:STD] words (a normal distribution), instead of --prompt",
     )
     b.add_argument("--seed", type=int, default=0, help="for sampled lengths and prompts")
+    se = b.add_argument_group("Expert Router's methodology: multi-turn sessions")
+    se.add_argument(
+        "--sessions",
+        type=int,
+        default=0,
+        help="instead of the sweep: this many simulated users, each sending a base prompt "
+        "then continuations with the conversation so far",
+    )
+    se.add_argument("--turns", type=int, default=3, help="requests per session")
+    se.add_argument("--bucket", type=float, default=60.0, help="seconds per throughput bucket")
     b.add_argument("--timeout", type=float, default=300.0, help="per request, seconds")
     b.add_argument("--out", help="JSON file (default bench-results/bench-<time>.json)")
     b.add_argument("--no-progress", action="store_true")
@@ -136,11 +148,14 @@ def add_parser(sub: Any) -> None:
 
 
 # -- one request ------------------------------------------------------------------------------
-async def http_request(session: Any, url: str, body: dict[str, Any], timeout: float) -> Result:
+async def http_request(
+    session: Any, url: str, body: dict[str, Any], timeout: float, keep_text: bool = False
+) -> Result:
     t0 = time.perf_counter()
     first = last = 0.0
     tokens = 0
     chunks = 0
+    parts: list[str] = []
     try:
         async with asyncio.timeout(timeout):
             async with session.post(f"{url}/chat/completions", json=body) as resp:
@@ -160,7 +175,9 @@ async def http_request(session: Any, url: str, body: dict[str, Any], timeout: fl
                     if usage:
                         tokens = int(usage.get("completion_tokens", 0))
                     for ch in obj.get("choices") or ():
-                        if (ch.get("delta") or {}).get("content"):
+                        if content := (ch.get("delta") or {}).get("content"):
+                            if keep_text:
+                                parts.append(content)
                             now = time.perf_counter()
                             if not first:
                                 first = now
@@ -175,19 +192,26 @@ async def http_request(session: Any, url: str, body: dict[str, Any], timeout: fl
         return Result(False, error="no_tokens")
     tokens = tokens or chunks
     tbt = (last - first) / (tokens - 1) if tokens > 1 else None
-    return Result(True, first - t0, end - t0, tbt, tokens)
+    return Result(True, first - t0, end - t0, tbt, tokens, text="".join(parts), t_end=time.time())
 
 
 async def nats_request(
-    client: Any, body: dict[str, Any], timeout: float, api_key: str | None = None
+    client: Any,
+    body: dict[str, Any],
+    timeout: float,
+    api_key: str | None = None,
+    keep_text: bool = False,
 ) -> Result:
     from bus_schemas.errors import TokenbusError
 
     t0 = time.perf_counter()
     first = last = 0.0
+    parts: list[str] = []
     stream = client.submit("chat", body, timeout=timeout, api_key=api_key)
     try:
-        async for _ in stream:
+        async for ch in stream:
+            if keep_text:
+                parts.append(ch.text)
             now = time.perf_counter()
             if not first:
                 first = now
@@ -201,7 +225,7 @@ async def nats_request(
         return Result(False, error="no_tokens")
     tokens = stream.usage.completion_tokens if stream.usage else 0
     tbt = (last - first) / (tokens - 1) if tokens > 1 else None
-    return Result(True, first - t0, end - t0, tbt, tokens)
+    return Result(True, first - t0, end - t0, tbt, tokens, text="".join(parts), t_end=time.time())
 
 
 # -- a level ----------------------------------------------------------------------------------
@@ -408,6 +432,79 @@ async def run_level(
         "peak_rss_mb": {k: round(v, 1) for k, v in peak.items()},
         "cpu_percent": cpu,
         "window_ns": [t0_ns, time.time_ns()],
+    }
+
+
+# -- Expert Router's methodology: sessions ----------------------------------------------------
+async def run_sessions(target: Target, a: argparse.Namespace) -> dict[str, Any]:
+    """``a.sessions`` users at once, each a conversation of ``a.turns`` requests: a base
+    prompt, then "continue" with the history. Reports the p99 response time, sessions per
+    second and output tokens per time bucket."""
+    import aiohttp
+
+    maker = RequestMaker(a)
+    results: list[Result] = []
+    sessions_done = 0
+    session = client = None
+    if target.mode == "http":
+        session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0),
+            timeout=aiohttp.ClientTimeout(total=None),
+            headers={"Authorization": f"Bearer {target.api_key}"} if target.api_key else None,
+        )
+    else:
+        from bus_schemas.client import Client
+
+        client = await Client.connect(target.url, **target.login)
+
+    async def user(i: int) -> None:
+        nonlocal sessions_done
+        body = maker.next()
+        for turn in range(a.turns):
+            if session is not None:
+                r = await http_request(session, target.url, body, a.timeout, keep_text=True)
+            else:
+                r = await nats_request(client, body, a.timeout, target.api_key, keep_text=True)
+            results.append(r)
+            if not r.ok:
+                return
+            body = {
+                **body,
+                "messages": [
+                    *body["messages"],
+                    {"role": "assistant", "content": r.text},
+                    {"role": "user", "content": f"Continue ({turn + 2})."},
+                ],
+            }
+        sessions_done += 1
+
+    t0, wall0 = time.perf_counter(), time.time()
+    try:
+        await asyncio.gather(*(user(i) for i in range(a.sessions)))
+    finally:
+        wall = time.perf_counter() - t0
+        if session is not None:
+            await session.close()
+        if client is not None:
+            await client.close()
+    ok = [r for r in results if r.ok]
+    buckets: dict[int, int] = {}
+    for r in ok:
+        k = int((r.t_end - wall0) // a.bucket)
+        buckets[k] = buckets.get(k, 0) + r.tokens
+    return {
+        "target": target.name,
+        "sessions": a.sessions,
+        "turns": a.turns,
+        "sessions_completed": sessions_done,
+        "requests": len(results),
+        "errors": len(results) - len(ok),
+        "duration_s": round(wall, 3),
+        "response_ms": _summary_ms([r.e2e_s for r in ok]),
+        "ttft_ms": _summary_ms([r.ttft_s for r in ok]),
+        "sessions_per_s": round(sessions_done / wall, 3) if wall else 0.0,
+        "bucket_s": a.bucket,
+        "tokens_per_bucket": [buckets.get(k, 0) for k in range(max(buckets, default=-1) + 1)],
     }
 
 
@@ -744,7 +841,12 @@ async def main(a: argparse.Namespace, s: Settings) -> int:
     if a.baseline_url and not a.spawn:
         targets.append(Target("baseline", "http", a.baseline_url.rstrip("/")))
     levels: list[dict[str, Any]] = []
+    session_runs: list[dict[str, Any]] = []
     try:
+        if a.sessions:
+            levels_c = []
+            for t in targets:
+                session_runs.append(await run_sessions(t, a))
         for c in levels_c:
             for t in targets:
                 levels.append(await run_level(t, c, c * a.requests_per_client, a, progress))
@@ -769,6 +871,8 @@ async def main(a: argparse.Namespace, s: Settings) -> int:
         "config": {k: v for k, v in vars(a).items() if k not in ("cmd",)},
         "levels": levels,
     }
+    if session_runs:
+        report["sessions"] = session_runs
     base = "direct" if a.spawn and not a.no_direct else ("baseline" if a.baseline_url else None)
     if base:
         report["comparison"] = [
@@ -777,12 +881,22 @@ async def main(a: argparse.Namespace, s: Settings) -> int:
     out = Path(a.out or f"bench-results/bench-{time.strftime('%Y%m%d-%H%M%S')}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))
-    write_run_files(levels, out.with_suffix(""))
+    if levels:
+        write_run_files(levels, out.with_suffix(""))
     print_table(levels)
     for row in report.get("comparison", []):
         print(
             f"  c={row['concurrency']}: {row['target']} vs {row['baseline']}: added TTFT p50 "
             f"{row.get('added_ttft_p50_ms')} ms, tokens/s ratio {row.get('tokens_per_s_ratio')}"
         )
+    for sr in session_runs:
+        rt = sr["response_ms"]
+        print(
+            f"  {sr['target']}: {sr['sessions_completed']}/{sr['sessions']} sessions of "
+            f"{sr['turns']} turns, response p50 {rt.get('p50')} ms p99 {rt.get('p99')} ms, "
+            f"{sr['sessions_per_s']} sessions/s, tokens per {sr['bucket_s']:g} s bucket "
+            f"{sr['tokens_per_bucket']}, errors {sr['errors']}"
+        )
     print(f"results: {out}")
-    return 0 if all(lv["errors"] == 0 for lv in levels) else 1
+    runs = [*levels, *session_runs]
+    return 0 if all(r["errors"] == 0 for r in runs) else 1

@@ -75,6 +75,7 @@ class BusSource:
             H.DEADLINE: str(marks.now_ms() + int(timeout * 1000)),
         }
         env = self.admission.admit(kind, req, hdrs, t1)
+        meta: dict[str, str | None] = {}  # what the stages learn (the key id), for the log
         sender = None
         stages, dispatcher = self.stages, self.dispatcher
         if stages is not None or dispatcher is not None:
@@ -85,12 +86,13 @@ class BusSource:
             async def sender(data: bytes, h: dict[str, str], reply: str) -> str | None:
                 if stages is not None and await stages.run(h, env):
                     data = codec.encode(env)
+                meta["principal"] = h.get(H.PRINCIPAL)
                 if dispatcher is not None:
                     return await dispatcher.dispatch(model, data, h, reply, env)
                 await nc.publish(route, data, reply=reply, headers=h)
                 return None
 
-        return self.client.submit(
+        stream = self.client.submit(
             kind,
             env,
             timeout=timeout,
@@ -99,6 +101,8 @@ class BusSource:
             subject=self.admission.first,
             sender=sender,
         )
+        stream.meta = meta
+        return stream
 
     def models(self) -> list[str]:
         return self.registry.models()
@@ -179,6 +183,7 @@ class Bridge(Service):
         record = None
         if isinstance(stream, Stream):
             usage = stream.usage
+            principal = stream.meta.get("principal")
             record = records.build(
                 request_id=stream.request_id,
                 source="http",
@@ -186,6 +191,7 @@ class Bridge(Service):
                 timings=dict(stream.timings),
                 outcome=rec["outcome"],
                 replica=stream.replica,
+                principal=principal,
                 kind=rec["kind"],
                 status=rec["status"],
                 prompt_tokens=usage.prompt_tokens if usage else 0,
@@ -198,6 +204,8 @@ class Bridge(Service):
                 t6=t6,
             )
             rec.update(
+                key_id=principal,
+                model=stream.model,
                 trace_id=stream.trace_id,
                 replica=stream.replica,
                 ttft_ms=record["ttft_ms"],

@@ -282,6 +282,11 @@ class Settings(BaseSettings):
     nats_password: str | None = Field(default=None, description="NATS password (locked bus).")
     log_level: str = "info"
     drain_timeout_s: float = Field(default=30.0, description="How long in-flight work may finish.")
+    metrics_port: int = Field(
+        default=0,
+        description="Serve this process's own Prometheus metrics on 127.0.0.1:<port>/metrics "
+        "(0: off; the bridge always has /metrics on its HTTP port).",
+    )
     bridge: BridgeSettings = Field(default_factory=BridgeSettings)
     ingress: IngressSettings = Field(default_factory=IngressSettings)
     router: RouterSettings = Field(default_factory=RouterSettings)

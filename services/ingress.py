@@ -15,7 +15,15 @@ from services import validation
 from services.config import Settings
 from services.runtime import Service
 
-CLIENT_HEADERS = (H.REQUEST_ID, H.DEADLINE, H.T0, H.API_KEY, H.SESSION, H.TRACEPARENT)
+CLIENT_HEADERS = (
+    H.REQUEST_ID,
+    H.DEADLINE,
+    H.T0,
+    H.API_KEY,
+    H.SESSION,
+    H.TRACEPARENT,
+    H.MIGRATION,
+)
 MAX_REQUEST_ID = 128
 _SAFE_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 

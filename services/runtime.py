@@ -136,6 +136,12 @@ class Service:
         self._bounce_sub = await self.nc.subscribe(f"{self._bounce_prefix}.*", cb=self._on_bounce)
         await self.setup()
         await self.discovery.start(self.nc)
+        if self.settings.metrics_port:
+            # This process's own scrape endpoint (the default registry: process and
+            # service metrics); the telemetry service serves the aggregate.
+            from prometheus_client import start_http_server
+
+            self._metrics_http = start_http_server(self.settings.metrics_port, addr="127.0.0.1")
         # Subscriptions are only in effect once the server has them: until this round trip
         # a request could find "no responders" though the service says it has started.
         await self.nc.flush(timeout=5)

@@ -91,10 +91,15 @@ class RecordStore:
             return 0
         cols = ", ".join(COLUMNS)
         marks = ", ".join("?" for _ in COLUMNS)
-        # A record from the HTTP side is the fuller one: its values win; otherwise a value
-        # fills only what is still empty.
+        # A record from the HTTP side is the fuller one, and a later attempt of a migrated
+        # request is the one that finished it: their values win; otherwise a value fills
+        # only what is still empty.
+        wins = (
+            "excluded.source = 'http' OR "
+            "(source <> 'http' AND COALESCE(excluded.migrations, 0) > COALESCE(migrations, 0))"
+        )
         merge = ", ".join(
-            f"{c} = CASE WHEN excluded.source = 'http' THEN COALESCE(excluded.{c}, {c}) "
+            f"{c} = CASE WHEN {wins} THEN COALESCE(excluded.{c}, {c}) "
             f"ELSE COALESCE({c}, excluded.{c}) END"
             for c in COLUMNS
             if c != "request_id"

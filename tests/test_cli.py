@@ -230,3 +230,58 @@ def test_config_file_and_env_vars(tmp_path: Path) -> None:
     finally:
         os.environ.clear()
         os.environ.update(env)
+
+
+def test_bench_prompts_from_a_file_sampled_lengths_split_and_run_folder(tmp_path: Path) -> None:
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(
+        '{"prompt": "first"}\n{"messages": [{"role": "user", "content": "second"}]}\nthird\n'
+    )
+    out = tmp_path / "run.json"
+    args = ["bench", "--spawn", "--no-direct", "--sim-prefill-ms", "2", "--sim-decode-ms", "1"]
+    r = run_cli(
+        *args,
+        "--concurrency", "1,3",
+        "--requests-per-client", "3",
+        "--prompts", str(prompts),
+        "--max-tokens", "8",
+        "--max-tokens-std", "3",
+        "--out", str(out),
+        env=_env(),
+        timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    levels = json.loads(out.read_text())["levels"]
+    assert [lv["target"] for lv in levels] == ["tokenbus-http"] * 2
+    # Sampled output lengths: not every request asked for 8 tokens.
+    assert any(lv["output_tokens"] != 8 * lv["requests"] for lv in levels)
+    # The gateway / engine split of each level, from the telemetry records.
+    assert all(lv["gateway_ms"].get("p50") is not None for lv in levels)
+    assert all(lv["engine_ms"]["p50"] > 0 for lv in levels)
+    run = tmp_path / "run"
+    assert "| tokenbus-http | 3 | 9 | 0 |" in (run / "table.md").read_text()
+    assert (run / "latency.png").exists() and (run / "throughput.png").exists()
+    # Expert Router's methodology: multi-turn sessions with history.
+    out2 = tmp_path / "sessions.json"
+    r = run_cli(
+        *args,
+        "--sessions", "4", "--turns", "3", "--bucket", "1", "--max-tokens", "6",
+        "--prompt-words", "20:5", "--out", str(out2),
+        env=_env(),
+        timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    (sess,) = json.loads(out2.read_text())["sessions"]
+    assert sess["sessions_completed"] == 4 and sess["requests"] == 12 and sess["errors"] == 0
+    assert sess["response_ms"]["p99"] >= sess["response_ms"]["p50"] > 0
+    assert sum(sess["tokens_per_bucket"]) == 12 * 6 and sess["sessions_per_s"] > 0
+
+
+def test_bench_rejects_a_bad_prompts_file(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": 1}\n')
+    r = run_cli(
+        "bench", "--url", "http://127.0.0.1:1/v1", "--prompts", str(bad),
+        "--concurrency", "1", "--requests-per-client", "1", env=_env(), timeout=60,
+    )  # fmt: skip
+    assert r.returncode != 0 and "needs" in (r.stdout + r.stderr)

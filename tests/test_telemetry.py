@@ -201,3 +201,33 @@ def test_report_on_an_empty_store(tmp_path: Path) -> None:
     RecordStore(tmp_path / "e.db").close()
     summary = report(tmp_path / "e.db", tmp_path / "out")
     assert summary["requests"] == 0 and (tmp_path / "out" / "summary.md").exists()
+
+
+async def test_a_migrated_request_is_recorded_with_its_migration(
+    nats_server: NatsServer, model: str, tmp_path: Path
+) -> None:
+    async with (
+        telemetry(nats_server.url, tmp_path) as tel,
+        stack(nats_server.url, model, workers=2) as svcs,
+        await Client.connect(nats_server.url) as c,
+    ):
+        s = c.chat(model, MSG, max_tokens=400)
+        await s.__anext__()
+        dead = next(w for w in svcs["workers"] if w.replica == s.replica)
+        # A kill -9 as the bus sees it: no more frames, no more heartbeats.
+        dead._hb_task.cancel()
+        dead.outbox.send = lambda reply, frame: None  # type: ignore[method-assign]
+        async for _ in s:
+            pass
+        assert s.migrations == 1
+        for task in list(dead._active.values()):
+            task.cancel()
+
+        def stored() -> bool:
+            return any(
+                r["request_id"] == s.request_id and r["migrations"] == 1 for r in tel.store.rows()
+            )
+
+        await wait_for(stored, timeout=10)
+        row = next(r for r in tel.store.rows() if r["request_id"] == s.request_id)
+    assert row["outcome"] == "length" and row["replica"] != dead.replica
