@@ -178,6 +178,7 @@ class Bridge(Service):
         request."""
         stream = rec.pop("stream", None)
         t1, t5, t6 = rec.pop("t1_ns"), rec.pop("t5_ns"), rec.pop("t6_ns")
+        streamed = rec.pop("streamed", True)
         REQUESTS.labels(rec["kind"], str(rec["status"])).inc()
         DURATION.labels(rec["kind"]).observe(rec["duration_ms"] / 1000.0)
         record = None
@@ -198,6 +199,7 @@ class Bridge(Service):
                 completion_tokens=usage.completion_tokens if usage else 0,
                 migrations=stream.migrations,
                 trace_id=stream.trace_id,
+                streamed=streamed,
                 t1=t1,
                 t4=stream.t_first_ns or None,
                 t5=t5,

@@ -305,6 +305,7 @@ class OpenAIApp:
                         "duration_ms": (time.perf_counter_ns() - t_start) / 1e6,
                         "t1_ns": t1_ns,
                         "t5_ns": state.get("t5_ns"),
+                        "streamed": bool(state.get("streamed")),
                         "t6_ns": time.time_ns(),
                         "stream": stream,
                     }
@@ -428,6 +429,7 @@ class OpenAIApp:
                 buf.append(piece % dumps(first.text))
                 await send({"type": body, "body": "".join(buf).encode(), "more_body": True})
                 state["t5_ns"] = time.time_ns()
+                state["streamed"] = True
                 buf.clear()
                 async for c in stream:
                     buf.append(piece % dumps(c.text))

@@ -63,6 +63,7 @@ def build(
     completion_tokens: int = 0,
     migrations: int = 0,
     trace_id: str | None = None,
+    streamed: bool = True,
     t1: int | None = None,
     t4: int | None = None,
     t5: int | None = None,
@@ -77,7 +78,9 @@ def build(
     if t0 is not None and t2 is not None and first is not None and t3 is not None:
         gateway = round(((t2 - t0) + (first - t3)) / 1e6, 3)
     tbt = None
-    if first is not None and end is not None and completion_tokens > 1:
+    # A whole (non-streamed) answer reaches the client at once: t5 is its arrival, and there
+    # is no time between tokens to speak of.
+    if streamed and first is not None and end is not None and completion_tokens > 1:
         tbt = round((end - first) / 1e6 / (completion_tokens - 1), 3)
     stages = stage_ms(timings)
     return {
@@ -101,7 +104,8 @@ def build(
         "engine_ms": _ms(t2, t3),
         "prefill_ms": _ms(t2, t3),
         "decode_ms": _ms(t3, timings.get("engine_end")),
-        "relay_ms": _ms(t3, first) if t5 else None,
+        "relay_ms": _ms(t3, first) if t5 and streamed else None,
+        "streamed": streamed,
         "stages": stages,
         "t": {k: v for k, v in {**timings, "t1": t1, "t4": t4, "t5": t5, "t6": t6}.items() if v},
     }
