@@ -248,6 +248,27 @@ class Procs:
             p.stop()
 
 
+def start_workers(
+    procs: Procs, model: str, n: int, *args: str, env: dict[str, str] | None = None
+) -> list[Proc]:
+    """``n`` sim worker processes ``w0..w<n-1>`` serving ``model`` as replicas
+    ``<model>-0..``."""
+    return [
+        procs.start(
+            f"w{i}",
+            "serve",
+            "worker",
+            "--model",
+            model,
+            "--replica",
+            f"{model}-{i}",
+            *args,
+            env=env,
+        )
+        for i in range(n)
+    ]
+
+
 @pytest.fixture
 def procs(nats_server: NatsServer, tmp_path: Path) -> Iterator[Procs]:
     ps = Procs(nats_server.url, tmp_path)

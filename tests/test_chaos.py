@@ -20,7 +20,7 @@ from auth.store import KeyStore
 from bus_schemas import errors as E
 from bus_schemas.client import Client
 from engine_worker.backends.sim import expected_text
-from tests.conftest import NatsServer, Proc, Procs, wait_replicas
+from tests.conftest import NatsServer, Proc, Procs, start_workers, wait_replicas
 
 CLIENTS = 64
 MAX_TOKENS = 24
@@ -97,20 +97,7 @@ def _start_stack(procs: Procs, model: str, pipeline: str) -> dict[str, list[Proc
     out: dict[str, list[Proc]] = {}
     for name in ("ingress", "router", *stages):
         out[name] = [procs.start(f"{name}{i}", "serve", name, env=env) for i in range(2)]
-    out["worker"] = [
-        procs.start(
-            f"w{i}",
-            "serve",
-            "worker",
-            "--model",
-            model,
-            "--replica",
-            f"{model}-{i}",
-            *FAST,
-            env=env,
-        )
-        for i in range(3)
-    ]
+    out["worker"] = start_workers(procs, model, 3, *FAST, env=env)
     return out
 
 

@@ -15,7 +15,7 @@ from bus_schemas import errors as E
 from bus_schemas.client import Client
 from engine_worker.backends.base import GenerationRequest
 from engine_worker.backends.sim import _start, expected_text, resume_point, token_text
-from tests.conftest import Procs, free_port, wait_http, wait_replicas
+from tests.conftest import Procs, free_port, start_workers, wait_http, wait_replicas
 
 MSG = [{"role": "user", "content": "tell me a long story"}]
 PROMPT = "<|user|>tell me a long story\n"
@@ -48,21 +48,7 @@ def test_resume_point_counts_whole_tokens_from_the_text() -> None:
 
 async def _stack(procs: Procs, model: str, workers: int, *extra: str) -> tuple[int, list[Any]]:
     env = {"TOKENBUS_WORKER__HEARTBEAT_INTERVAL_S": "0.25"}
-    ws = [
-        procs.start(
-            f"w{i}",
-            "serve",
-            "worker",
-            "--model",
-            model,
-            "--replica",
-            f"{model}-{i}",
-            *SLOW,
-            *extra,
-            env=env,
-        )
-        for i in range(workers)
-    ]
+    ws = start_workers(procs, model, workers, *SLOW, *extra, env=env)
     port = free_port()
     for name in ("ingress", "router"):
         procs.start(name, "serve", name)
@@ -136,20 +122,7 @@ async def test_a_draining_worker_past_its_timeout_hands_streams_over(
     procs: Procs, model: str
 ) -> None:
     env = {"TOKENBUS_DRAIN_TIMEOUT_S": "0.5"}
-    ws = [
-        procs.start(
-            f"w{i}",
-            "serve",
-            "worker",
-            "--model",
-            model,
-            "--replica",
-            f"{model}-{i}",
-            *SLOW,
-            env=env,
-        )
-        for i in range(2)
-    ]
+    ws = start_workers(procs, model, 2, *SLOW, env=env)
     for name in ("ingress", "router"):
         procs.start(name, "serve", name)
     await wait_replicas(procs.url, model, 2)
@@ -235,20 +208,7 @@ async def test_three_routers_never_overload_a_replica(procs: Procs, model: str) 
     from tests.conftest import live_replicas
 
     env = {"TOKENBUS_WORKER__HEARTBEAT_INTERVAL_S": "0.25"}
-    for i in range(2):
-        procs.start(
-            f"w{i}",
-            "serve",
-            "worker",
-            "--model",
-            model,
-            "--replica",
-            f"{model}-{i}",
-            "--max-concurrency",
-            "6",
-            *SLOW,
-            env=env,
-        )
+    start_workers(procs, model, 2, "--max-concurrency", "6", *SLOW, env=env)
     procs.start("ingress", "serve", "ingress")
     for i in range(3):
         procs.start(f"router{i}", "serve", "router")
