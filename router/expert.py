@@ -27,6 +27,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from services.datafiles import read_lines
+
 F = npt.NDArray[np.float64]
 
 NUM = "<num>"
@@ -65,22 +67,15 @@ class Example:
 def read_examples(path: str | Path) -> list[Example]:
     """JSONL lines ``{"prompt": ..., "label": ...}`` (label optional), or plain text lines."""
     out: list[Example] = []
-    for n, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
-        line = line.strip()
-        if not line:
+    for n, row in read_lines(path):
+        if isinstance(row, str):
+            out.append(Example(row))
             continue
-        if line.startswith("{"):
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{n}: not JSON: {exc.msg}") from None
-            prompt = row.get("prompt") or row.get("text")
-            if not isinstance(prompt, str):
-                raise ValueError(f'{path}:{n}: needs a "prompt" string')
-            label = row.get("label")
-            out.append(Example(prompt, str(label) if label is not None else None))
-        else:
-            out.append(Example(line))
+        prompt = row.get("prompt") or row.get("text")
+        if not isinstance(prompt, str):
+            raise ValueError(f'{path}:{n}: needs a "prompt" string')
+        label = row.get("label")
+        out.append(Example(prompt, str(label) if label is not None else None))
     return out
 
 

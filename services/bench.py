@@ -320,21 +320,19 @@ class RequestMaker:
 
 
 def load_prompts(path: str) -> list[dict[str, Any]]:
+    from services.datafiles import read_lines
+
     items: list[dict[str, Any]] = []
-    for n, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
-        line = line.strip()
-        if not line:
-            continue
-        if line.startswith("{"):
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise SystemExit(f"{path}:{n}: not JSON: {exc.msg}") from None
-            if not isinstance(row.get("messages"), list) and not isinstance(row.get("prompt"), str):
+    try:
+        for n, row in read_lines(path):
+            if isinstance(row, str):
+                items.append({"prompt": row})
+            elif isinstance(row.get("messages"), list) or isinstance(row.get("prompt"), str):
+                items.append(row)
+            else:
                 raise SystemExit(f'{path}:{n}: needs "prompt" or "messages"')
-            items.append(row)
-        else:
-            items.append({"prompt": line})
+    except (OSError, ValueError) as exc:
+        raise SystemExit(str(exc)) from None
     if not items:
         raise SystemExit(f"{path}: no prompts")
     return items
