@@ -25,7 +25,7 @@ import nats
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from bus_schemas import codec, frames, subjects
+from bus_schemas import codec, frames, marks, subjects
 from bus_schemas import errors as E
 from bus_schemas import headers as H
 
@@ -153,9 +153,7 @@ class Stream:
     @property
     def trace_id(self) -> str | None:
         """The W3C trace id this request carries, if any."""
-        tp = (self._extra_headers or {}).get(H.TRACEPARENT, "")
-        parts = tp.split("-")
-        return parts[1] if len(parts) == 4 else None
+        return marks.trace_id(self._extra_headers)
 
     # -- async iterator protocol ------------------------------------------------------------
     def __aiter__(self) -> Stream:

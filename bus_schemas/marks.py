@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 
 from bus_schemas import headers as H
@@ -50,3 +51,19 @@ def deadline_ms(hdrs: dict[str, str] | None) -> int | None:
         return None
     d = hdrs.get(H.DEADLINE)
     return int(d) if d and d.isdigit() else None
+
+
+_TRACEPARENT = re.compile(r"[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}")
+
+
+def traceparent(value: str | None) -> str | None:
+    """A W3C ``traceparent`` (``00-<trace id>-<span id>-<flags>``), normalised, or None
+    when it is not one."""
+    tp = (value or "").strip().lower()
+    return tp if _TRACEPARENT.fullmatch(tp) else None
+
+
+def trace_id(hdrs: dict[str, str] | None) -> str | None:
+    """The trace id of the message's traceparent, if it carries a valid one."""
+    tp = traceparent((hdrs or {}).get(H.TRACEPARENT))
+    return tp.split("-")[1] if tp else None

@@ -320,11 +320,11 @@ class Worker(Service):
             if H.RATELIMIT in hdrs:
                 await self._report_usage(hdrs, rid, req.max_tokens, prompt_tokens, completion)
             end = marks.now_ns()
-            trace = hdrs.get(H.TRACEPARENT)
+            trace = marks.trace_id(hdrs)
             self.log.info(
                 "request",
                 request_id=rid,
-                trace_id=trace.split("-")[1] if trace and trace.count("-") == 3 else None,
+                trace_id=trace,
                 outcome=outcome,
                 completion_tokens=completion,
                 ttft_ms=round((first_ns - t_start) / 1e6, 3) if first_ns else None,
@@ -346,7 +346,7 @@ class Worker(Service):
                     prompt_tokens=max(0, prompt_tokens),
                     completion_tokens=completion,
                     migrations=int(hdrs.get(H.MIGRATION, "0") or 0),
-                    trace_id=trace.split("-")[1] if trace and trace.count("-") == 3 else None,
+                    trace_id=trace,
                 )
                 await records.publish(self.nc, rec)
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import re
 import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
@@ -23,6 +22,7 @@ import uvicorn
 
 from bus_schemas import errors as E
 from bus_schemas import headers as H
+from bus_schemas import marks
 from bus_schemas.client import Chunk, Usage
 from bus_schemas.subjects import KIND_CHAT, KIND_COMPLETIONS
 from services import validation
@@ -112,9 +112,6 @@ def api_key(scope: Scope) -> dict[str, str]:
     return {H.API_KEY: key} if key else {}
 
 
-_TRACEPARENT = re.compile(r"[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}")
-
-
 def bus_headers(scope: Scope) -> dict[str, str]:
     """What of the HTTP request travels as bus headers: the API key, the session key
     (``X-Session-Id``, for session-affinity routing) and a W3C ``traceparent``."""
@@ -122,17 +119,10 @@ def bus_headers(scope: Scope) -> dict[str, str]:
     session = header(scope, b"x-session-id")
     if session:
         out[H.SESSION] = session[:256]
-    trace = (header(scope, b"traceparent") or "").strip().lower()
-    if _TRACEPARENT.fullmatch(trace):
+    trace = marks.traceparent(header(scope, b"traceparent"))
+    if trace:
         out[H.TRACEPARENT] = trace
     return out
-
-
-def trace_id(traceparent: str | None) -> str | None:
-    """The trace id of a W3C traceparent (``00-<trace id>-<span id>-<flags>``)."""
-    if traceparent and _TRACEPARENT.fullmatch(traceparent):
-        return traceparent.split("-")[1]
-    return None
 
 
 def header(scope: Scope, name: bytes) -> str | None:

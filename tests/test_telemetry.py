@@ -231,3 +231,14 @@ async def test_a_migrated_request_is_recorded_with_its_migration(
         await wait_for(stored, timeout=10)
         row = next(r for r in tel.store.rows() if r["request_id"] == s.request_id)
     assert row["outcome"] == "length" and row["replica"] != dead.replica
+
+
+def test_traceparent_is_validated_and_its_trace_id_read() -> None:
+    from bus_schemas import headers as H
+    from bus_schemas import marks
+
+    assert marks.traceparent(" " + TRACE.upper() + " ") == TRACE
+    assert marks.trace_id({H.TRACEPARENT: TRACE}) == "4bf92f3577b34da6a3ce929d0e0e4736"
+    for bad in ("", "00-xyz-00f067aa0ba902b7-01", "a-b-c-d", None):
+        assert marks.traceparent(bad) is None
+    assert marks.trace_id({H.TRACEPARENT: "a-b-c-d"}) is None and marks.trace_id(None) is None
