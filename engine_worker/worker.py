@@ -25,7 +25,7 @@ from engine_worker.backends.base import Backend, GenerationRequest
 from engine_worker.outbox import Outbox
 from filter.policy import FilterPolicy
 from filter.scanner import Scanner, StreamOutput, StreamScanner
-from services.runtime import Service, reply_subject
+from services.kit.runtime import Service, reply_subject
 from telemetry import records
 
 # How long a cancel that arrived before its request is remembered.

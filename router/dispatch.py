@@ -22,7 +22,7 @@ from bus_schemas import headers as H
 from router.policies import RouteRequest, prompt_text
 from router.registry import Registry
 from router.routing import RoutingTable
-from services.config import RouterSettings
+from services.kit.config import RouterSettings
 
 _QUEUE_POLL_S = 0.02  # how often a queued request looks for a replica with room
 

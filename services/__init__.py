@@ -1,1 +1,2 @@
-"""Process entry points, the shared service runtime, the HTTP bridge, ingress and the CLI."""
+"""The services and the kit they share: :mod:`services.kit` (the runtime every actor
+uses) and :mod:`services.gateway` (ingress and the HTTP bridge)."""

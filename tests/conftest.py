@@ -19,9 +19,9 @@ import nats
 import pytest
 
 from bus_schemas import codec, subjects
-from services import config
-from services.launcher import nats_server_binary
-from telemetry import logging as tlog
+from services.kit import config
+from services.kit import logging as tlog
+from tokenbus.launcher import nats_server_binary
 
 tlog.setup("warning")
 
@@ -31,9 +31,9 @@ ROOT = Path(__file__).resolve().parent.parent
 def run_cli(
     *args: str, env: dict[str, str] | None = None, timeout: float = 60, check: bool = False
 ) -> subprocess.CompletedProcess[str]:
-    """Run ``tokenbus <args>`` (as ``python -m services.cli``) the way a user would."""
+    """Run ``tokenbus <args>`` (as ``python -m tokenbus.cli``) the way a user would."""
     return subprocess.run(
-        [sys.executable, "-m", "services.cli", *args],
+        [sys.executable, "-m", "tokenbus.cli", *args],
         capture_output=True,
         text=True,
         cwd=ROOT,
@@ -137,7 +137,7 @@ async def stack(
     from auth.service import Auth
     from engine_worker.worker import Worker
     from router.service import Router
-    from services.ingress import Ingress
+    from services.gateway.ingress import Ingress
 
     w = {"model": model, "heartbeat_interval_s": 0.2, **(worker or {})}
     from auth.ratelimit import RateLimit
@@ -182,14 +182,14 @@ async def wait_for(cond: Any, timeout: float = 10.0, interval: float = 0.02) -> 
 
 
 class Proc:
-    """A real tokenbus process (``python -m services.cli ...``) with its output in a file."""
+    """A real tokenbus process (``python -m tokenbus.cli ...``) with its output in a file."""
 
     def __init__(self, name: str, args: list[str], env: dict[str, str], log_dir: Path) -> None:
         self.name = name
         self.log = log_dir / f"{name}.log"
         self._fh = open(self.log, "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "services.cli", *args],
+            [sys.executable, "-m", "tokenbus.cli", *args],
             stdout=self._fh,
             stderr=subprocess.STDOUT,
             env={**os.environ, **env},

@@ -16,7 +16,6 @@ from auth.keys import hash_key, key_id_of, matches, new_key, parse_duration
 from auth.store import KeyStore
 from bus_schemas import errors as E
 from bus_schemas import subjects
-from bus_schemas.client import Client
 from tests.conftest import (
     NatsServer,
     Procs,
@@ -26,6 +25,7 @@ from tests.conftest import (
     wait_http,
     wait_replicas,
 )
+from tokenbus import Client
 
 MSG = [{"role": "user", "content": "hi"}]
 

@@ -12,9 +12,9 @@ import pytest
 
 from auth.store import KeyStore
 from bus_schemas import errors as E
-from bus_schemas.client import Client
 from tests.conftest import Procs, free_port, wait_http, wait_replicas
 from tests.test_ratelimit import fresh_window
+from tokenbus import Client
 
 MSG = [{"role": "user", "content": "hi"}]
 AWS = "AKIA" + "IOSFODNN7EXAMPLE"

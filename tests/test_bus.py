@@ -11,9 +11,9 @@ import pytest
 
 from bus_schemas import codec, subjects
 from bus_schemas import errors as E
-from bus_schemas.client import Client
 from engine_worker.backends.sim import expected_text
 from tests.conftest import NatsServer, stack, wait_for
+from tokenbus import Client
 
 MSG = [{"role": "user", "content": "hello there"}]
 PROMPT = "<|user|>hello there\n"

@@ -18,9 +18,9 @@ import pytest
 
 from auth.store import KeyStore
 from bus_schemas import errors as E
-from bus_schemas.client import Client
 from engine_worker.backends.sim import expected_text
 from tests.conftest import NatsServer, Proc, Procs, start_workers, wait_replicas
+from tokenbus import Client
 
 CLIENTS = 64
 MAX_TOKENS = 24

@@ -14,10 +14,10 @@ from pathlib import Path
 import nats
 import pytest
 
-from bus_schemas.client import Client
-from services.launcher import nats_server_binary
 from tests.conftest import Procs, free_port, wait_replicas
 from tests.test_chaos import EXPECTED, MAX_TOKENS, MSG, Tally, steady_load
+from tokenbus import Client
+from tokenbus.launcher import nats_server_binary
 
 
 class Cluster:

@@ -21,7 +21,7 @@ from filter import (
     luhn_ok,
     redaction_label,
 )
-from filter.bench import CODE, PROSE, SAMPLES, measure
+from tokenbus.evaluation.filter_cost import CODE, PROSE, SAMPLES, measure
 
 # Everything reported, nothing rewritten: shows what each detector matched.
 ALL_FLAG = FilterPolicy(actions={"secret": "flag", "pii": "flag", "injection": "flag"})

@@ -7,12 +7,12 @@ from typing import Any
 import pytest
 
 from bus_schemas import errors as E
-from bus_schemas.client import Client
 from engine_worker.backends.sim import expected_text
 from engine_worker.worker import output_flags, output_scanner
 from filter.policy import FilterPolicy
 from filter.scanner import Scanner
 from tests.conftest import NatsServer, stack
+from tokenbus import Client
 
 AWS = "AKIA" + "IOSFODNN7EXAMPLE"
 

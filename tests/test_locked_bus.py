@@ -14,10 +14,10 @@ import openai
 import pytest
 
 from bus_schemas import codec, subjects
-from bus_schemas.client import Client
-from services.launcher import nats_server_binary
-from services.natsconf import ROLES, generate, role_env
+from services.kit.natsconf import ROLES, generate, role_env
 from tests.conftest import Procs, free_port, wait_http
+from tokenbus import Client
+from tokenbus.launcher import nats_server_binary
 
 MSG = [{"role": "user", "content": "hi"}]
 

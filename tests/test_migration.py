@@ -12,10 +12,10 @@ import openai
 import pytest
 
 from bus_schemas import errors as E
-from bus_schemas.client import Client
 from engine_worker.backends.base import GenerationRequest
 from engine_worker.backends.sim import _start, expected_text, resume_point, token_text
 from tests.conftest import Procs, free_port, start_workers, wait_http, wait_replicas
+from tokenbus import Client
 
 MSG = [{"role": "user", "content": "tell me a long story"}]
 PROMPT = "<|user|>tell me a long story\n"

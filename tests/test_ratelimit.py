@@ -15,9 +15,9 @@ from auth.limits import BUCKET, WINDOW_S, Admission, Limiter
 from auth.ratelimit import estimate_tokens, parse_limits
 from auth.store import KeyStore
 from bus_schemas import errors as E
-from bus_schemas.client import Client
 from tests.conftest import NatsServer, Procs, free_port, stack, wait_http, wait_replicas
 from tests.test_auth import wait_for_key
+from tokenbus import Client
 
 MSG = [{"role": "user", "content": "hi"}]
 

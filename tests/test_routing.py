@@ -17,7 +17,6 @@ import numpy as np
 import pytest
 
 from auth.store import KeyStore
-from bus_schemas.client import Client
 from engine_worker.worker import Worker
 from router.expert import ExpertModel, fit, purity, read_examples, split, tokens, train
 from router.policies import (
@@ -31,7 +30,7 @@ from router.policies import (
 )
 from router.registry import Replica
 from router.routing import ModelRoute, RoutingTable, set_override, validate_override
-from services.config import ModelRouting, RouterSettings, load
+from services.kit.config import ModelRouting, RouterSettings, load
 from tests.conftest import (
     ROOT,
     NatsServer,
@@ -44,6 +43,7 @@ from tests.conftest import (
     wait_http,
     wait_replicas,
 )
+from tokenbus import Client
 
 PROMPTS = ROOT / "router" / "data" / "prompts.jsonl"
 MSG = [{"role": "user", "content": "hi"}]

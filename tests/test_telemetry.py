@@ -15,9 +15,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from bus_schemas import errors as E
-from bus_schemas.client import Client
 from telemetry import records
-from telemetry.report import report
 from telemetry.service import Telemetry
 from telemetry.store import RecordStore
 from tests.conftest import (
@@ -31,6 +29,8 @@ from tests.conftest import (
     wait_http,
     wait_replicas,
 )
+from tokenbus import Client
+from tokenbus.evaluation.report import report
 
 MSG = [{"role": "user", "content": "hi"}]
 TRACE = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"

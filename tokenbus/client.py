@@ -1,5 +1,106 @@
-"""``tokenbus.client``: the NATS-native client (defined in :mod:`bus_schemas.client`)."""
+"""The NATS-native tokenbus client: ``from tokenbus import Client``.
 
-from bus_schemas.client import Chunk, Client, Completion, Stream, Usage
+One wildcard inbox subscription per client carries the frames of every request; each
+request is an async iterator of chunks. Closing the iterator early cancels the request
+on the replica serving it.
+
+    async with await Client.connect("nats://127.0.0.1:4222") as tb:
+        async for chunk in tb.chat("sim-small", [{"role": "user", "content": "hi"}]):
+            print(chunk.text, end="")
+
+The stream machinery (heartbeat watchdog, resends, migration, cancel) is the kit's
+:class:`services.kit.caller.Caller`, which the HTTP bridge uses too; this class adds the
+connection and the calls users make.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import nats
+
+from bus_schemas import headers as H
+from bus_schemas import subjects
+from services.kit.caller import DEFAULT_TIMEOUT_S, Caller, Chunk, Completion, Stream, Usage
 
 __all__ = ["Chunk", "Client", "Completion", "Stream", "Usage"]
+
+
+class Client(Caller):
+    """tokenbus over NATS: publish requests to ingress, read frames from a private inbox."""
+
+    @classmethod
+    async def connect(cls, url: str = "nats://127.0.0.1:4222", **options: Any) -> Client:
+        """Connect to NATS and start a client that owns the connection."""
+        options.setdefault("name", "tokenbus-client")
+        options.setdefault("max_reconnect_attempts", -1)
+        options.setdefault("dont_randomize", True)  # several URLs: the first is preferred
+        holder: list[Client] = []
+
+        async def reconnected() -> None:
+            if holder:
+                holder[0].connection_broke()
+
+        options.setdefault("reconnected_cb", reconnected)
+        # Several URLs separated by commas: the nodes of a cluster.
+        nc = await nats.connect([u.strip() for u in url.split(",") if u.strip()], **options)
+        client = cls(nc, own_connection=True)
+        holder.append(client)
+        await client.start()
+        return client
+
+    def chat(
+        self,
+        model: str,
+        messages: Sequence[dict[str, Any]],
+        *,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        api_key: str | None = None,
+        request_id: str | None = None,
+        session: str | None = None,
+        **params: Any,
+    ) -> Stream:
+        """Stream a chat completion; ``params`` are OpenAI's (max_tokens, temperature, ...).
+        ``session`` keys session-affinity routing (requests of one session, one replica)."""
+        body = {"model": model, "messages": list(messages), **params}
+        return self.submit(
+            subjects.KIND_CHAT,
+            body,
+            timeout=timeout,
+            api_key=api_key,
+            request_id=request_id,
+            headers={H.SESSION: session} if session else None,
+        )
+
+    def completions(
+        self,
+        model: str,
+        prompt: str,
+        *,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        api_key: str | None = None,
+        request_id: str | None = None,
+        session: str | None = None,
+        **params: Any,
+    ) -> Stream:
+        """Stream a text completion."""
+        body = {"model": model, "prompt": prompt, **params}
+        return self.submit(
+            subjects.KIND_COMPLETIONS,
+            body,
+            timeout=timeout,
+            api_key=api_key,
+            request_id=request_id,
+            headers={H.SESSION: session} if session else None,
+        )
+
+    async def chat_completion(
+        self, model: str, messages: Sequence[dict[str, Any]], **kwargs: Any
+    ) -> Completion:
+        """A whole chat completion (non-streaming)."""
+        return await self.chat(model, messages, **kwargs).collect()
+
+    async def completion(self, model: str, prompt: str, **kwargs: Any) -> Completion:
+        """A whole text completion (non-streaming)."""
+        return await self.completions(model, prompt, **kwargs).collect()

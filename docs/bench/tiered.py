@@ -41,7 +41,7 @@ def run(name: str, levels: str, rpc: int, out: Path) -> dict[str, Any]:
     cmd = [
         sys.executable,
         "-m",
-        "services.cli",
+        "tokenbus.cli",
         "bench",
         "--spawn",
         "--no-direct",

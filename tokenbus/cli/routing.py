@@ -8,7 +8,7 @@ from typing import Any
 
 import nats
 
-from services.config import Settings
+from services.kit.config import Settings
 
 
 def add_parser(sub: Any) -> None:

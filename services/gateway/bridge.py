@@ -12,22 +12,22 @@ from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, Histogram, generate_latest
 
-from auth.admin_http import PREFIX as ADMIN_PREFIX
-from auth.admin_http import AdminAPI
 from bus_schemas import codec, marks, subjects
 from bus_schemas import headers as H
-from bus_schemas.client import Client, Stream
-from router.admin_http import PREFIX as ROUTING_PREFIX
-from router.admin_http import RoutingAdmin
 from router.dispatch import Dispatcher
 from router.registry import Registry
 from router.routing import RoutingTable
 from router.service import HeartbeatTracker, watch_routing
-from services import validation
-from services.ingress import Admission
-from services.openai_http import HTTPServer, OpenAIApp, Receive, Scope, Send, serve
-from services.runtime import Service
-from services.stages import LocalStages, stages_before_route
+from services.gateway import validation
+from services.gateway.admin_keys import PREFIX as ADMIN_PREFIX
+from services.gateway.admin_keys import AdminAPI
+from services.gateway.admin_routing import PREFIX as ROUTING_PREFIX
+from services.gateway.admin_routing import RoutingAdmin
+from services.gateway.ingress import Admission
+from services.gateway.openai_http import HTTPServer, OpenAIApp, Receive, Scope, Send, serve
+from services.gateway.stages import LocalStages, stages_before_route
+from services.kit.caller import Caller, Stream
+from services.kit.runtime import Service
 from telemetry import records
 
 REQUESTS = Counter("tokenbus_bridge_requests_total", "HTTP generation requests", ["kind", "status"])
@@ -44,7 +44,7 @@ class BusSource:
 
     def __init__(
         self,
-        client: Client,
+        client: Caller,
         registry: Registry,
         admission: Admission,
         dispatcher: Dispatcher | None,
@@ -134,7 +134,7 @@ class Bridge(Service):
 
     async def setup(self) -> None:
         cfg = self.settings.bridge
-        self.client = Client(self.nc, owner=f"bridge-{self.id}")
+        self.client = Caller(self.nc, owner=f"bridge-{self.id}")
         self.client.on_migration = lambda s, err: self.log.info(
             "request_migrated", request_id=s.request_id, migration=s.migrations, reason=err.code
         )

@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bus_schemas import subjects
-from services.config import BridgeSettings, Settings
-from services.natsconf import generate, role_env
-from services.runtime import stop_event
+from services.kit.config import BridgeSettings, Settings
+from services.kit.natsconf import generate, role_env
+from services.kit.runtime import stop_event
 
 
 def nats_server_binary() -> str:
@@ -149,7 +149,7 @@ async def ensure_dev_key(url: str, path: Path, auth: dict[str, str]) -> str:
 
 
 def cli_argv(*args: str) -> list[str]:
-    return [sys.executable, "-m", "services.cli", *args]
+    return [sys.executable, "-m", "tokenbus.cli", *args]
 
 
 def bridge_children(b: BridgeSettings, env: dict[str, str]) -> list[Child]:

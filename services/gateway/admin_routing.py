@@ -18,11 +18,11 @@ from urllib.parse import unquote
 
 from nats.aio.client import Client as NATS
 
-from auth.admin_http import AdminAPI, answer_errors, read_json
 from bus_schemas import errors as E
 from router.routing import clear_override, list_overrides, set_override, validate_override
-from services.config import RouterSettings
-from services.openai_http import Receive, Scope, Send, send_json
+from services.gateway.admin_keys import AdminAPI, answer_errors, read_json
+from services.gateway.openai_http import Receive, Scope, Send, send_json
+from services.kit.config import RouterSettings
 
 PREFIX = "/v1/admin/routing"
 

@@ -23,14 +23,14 @@ import uvicorn
 from bus_schemas import errors as E
 from bus_schemas import headers as H
 from bus_schemas import marks
-from bus_schemas.client import Chunk, Usage
 from bus_schemas.subjects import KIND_CHAT, KIND_COMPLETIONS
-from services import validation
-from services.ingress import clean_request_id
+from services.gateway import validation
+from services.gateway.ingress import clean_request_id
+from services.kit.caller import Chunk, Usage
 
 
 class StreamLike(Protocol):
-    """What a source hands back for one request (:class:`bus_schemas.client.Stream` is one)."""
+    """What a source hands back for one request (:class:`services.kit.caller.Stream` is one)."""
 
     request_id: str
     finish_reason: str | None

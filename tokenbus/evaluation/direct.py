@@ -9,18 +9,18 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
-from bus_schemas.client import Chunk, Usage
 from engine_worker import backends
 from engine_worker.backends.base import Backend, Delta, GenerationRequest
-from services import validation
-from services.config import Settings
-from services.openai_http import OpenAIApp, serve
-from services.runtime import stop_event
-from telemetry import logging as tlog
+from services.gateway import validation
+from services.gateway.openai_http import OpenAIApp, serve
+from services.kit import logging as tlog
+from services.kit.caller import Chunk, Usage
+from services.kit.config import Settings
+from services.kit.runtime import stop_event
 
 
 class DirectStream:
-    """A backend generation shaped like :class:`bus_schemas.client.Stream`."""
+    """A backend generation shaped like :class:`services.kit.caller.Stream`."""
 
     def __init__(self, gen: AsyncIterator[Delta], request_id: str) -> None:
         self._gen = gen

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from services.config import DEFAULT_MODEL, BridgeSettings, Settings
+from services.kit.config import DEFAULT_MODEL, BridgeSettings, Settings
 
 
 @dataclass
@@ -320,7 +320,7 @@ class RequestMaker:
 
 
 def load_prompts(path: str) -> list[dict[str, Any]]:
-    from services.datafiles import read_lines
+    from services.kit.datafiles import read_lines
 
     items: list[dict[str, Any]] = []
     try:
@@ -355,7 +355,7 @@ async def run_level(
             headers={"Authorization": f"Bearer {target.api_key}"} if target.api_key else None,
         )
     else:
-        from bus_schemas.client import Client
+        from tokenbus import Client
 
         client = await Client.connect(target.url, **target.login)
 
@@ -451,7 +451,7 @@ async def run_sessions(target: Target, a: argparse.Namespace) -> dict[str, Any]:
             headers={"Authorization": f"Bearer {target.api_key}"} if target.api_key else None,
         )
     else:
-        from bus_schemas.client import Client
+        from tokenbus import Client
 
         client = await Client.connect(target.url, **target.login)
 
@@ -588,7 +588,7 @@ def write_run_files(levels: list[dict[str, Any]], run_dir: Path) -> None:
 
 # -- spawned stack ----------------------------------------------------------------------------
 async def _wait_http(url: str, timeout: float = 30.0) -> None:
-    from services.launcher import wait_ready
+    from tokenbus.launcher import wait_ready
 
     if not await wait_ready(url, timeout):
         raise RuntimeError(f"{url} did not become ready")
@@ -643,7 +643,7 @@ async def _bench_key(url: str) -> str:
 
 
 async def spawn_stack(a: argparse.Namespace, sup: Any) -> tuple[list[Target], Any]:
-    from services.launcher import (
+    from tokenbus.launcher import (
         Child,
         bridge_children,
         cli_argv,
@@ -816,7 +816,7 @@ def print_table(levels: list[dict[str, Any]]) -> None:
 
 async def main(a: argparse.Namespace, s: Settings) -> int:
     if a.filter_cost:
-        from filter.bench import measure
+        from tokenbus.evaluation.filter_cost import measure
 
         cost = {"tool": "tokenbus bench --filter-cost", **measure()}
         path = Path(a.out or f"bench-results/filter-{time.strftime('%Y%m%d-%H%M%S')}.json")
@@ -828,7 +828,7 @@ async def main(a: argparse.Namespace, s: Settings) -> int:
     progress = not a.no_progress and sys.stderr.isatty()
     sup = nats = None
     if a.spawn:
-        from services.launcher import Supervisor
+        from tokenbus.launcher import Supervisor
 
         sup = Supervisor(Path(tempfile.mkdtemp(prefix="tokenbus-bench-logs-")), echo=False)
         targets, nats = await spawn_stack(a, sup)

@@ -8,8 +8,8 @@ import json
 import sys
 from typing import Any
 
-from services import config as cfgmod
-from telemetry import logging as tlog
+from services.kit import config as cfgmod
+from services.kit import logging as tlog
 
 SERVICES = (
     "bridge",
@@ -119,15 +119,15 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--json", action="store_true")
     st.add_argument("--wait", type=float, default=1.5, help="seconds to listen for heartbeats")
 
-    from services import bench
+    from tokenbus.evaluation import bench
 
     bench.add_parser(sub)
 
-    from auth import cli as keys_cli
+    from tokenbus.cli import keys as keys_cli
 
     keys_cli.add_parser(sub)
 
-    from router import cli as router_cli
+    from tokenbus.cli import routing as router_cli
 
     router_cli.add_parser(sub)
 
@@ -167,23 +167,23 @@ def _settings(a: argparse.Namespace) -> cfgmod.Settings:
 
 
 async def _serve(a: argparse.Namespace, s: cfgmod.Settings) -> int:
-    from services.runtime import Service, serve_until_signalled
+    from services.kit.runtime import Service, serve_until_signalled
 
     svc: Service
     if a.service == "bridge" and s.bridge.processes > 1:
         return await _serve_bridge_processes(a, s)
     if a.service == "openai-http":
-        from services.direct import run_direct
+        from tokenbus.evaluation.direct import run_direct
 
         port = a.port if a.port is not None else 8001
         await run_direct(s, a.host or "127.0.0.1", port)
         return 0
     if a.service == "bridge":
-        from services.bridge import Bridge
+        from services.gateway.bridge import Bridge
 
         svc = Bridge(s, reuse_port=a.reuse_port)
     elif a.service == "ingress":
-        from services.ingress import Ingress
+        from services.gateway.ingress import Ingress
 
         svc = Ingress(s)
     elif a.service == "auth":
@@ -217,7 +217,7 @@ async def _serve(a: argparse.Namespace, s: cfgmod.Settings) -> int:
 async def _serve_bridge_processes(a: argparse.Namespace, s: cfgmod.Settings) -> int:
     from pathlib import Path
 
-    from services.launcher import Supervisor, bridge_children, supervise_until_signalled
+    from tokenbus.launcher import Supervisor, bridge_children, supervise_until_signalled
 
     sup = Supervisor(Path(s.up.data_dir) / "logs", echo=True)
     for child in bridge_children(s.bridge, {"TOKENBUS_NATS_URL": s.url()}):
@@ -288,14 +288,14 @@ def main(argv: list[str] | None = None) -> None:
     except FileNotFoundError as exc:
         raise SystemExit(f"error: {exc}") from None
     tlog.setup(s.log_level, json=a.cmd == "serve")
-    from services.runtime import run
+    from services.kit.runtime import run
 
     rc = 0
 
     async def go() -> None:
         nonlocal rc
         if a.cmd == "up":
-            from services.launcher import up
+            from tokenbus.launcher import up
 
             rc = await up(s, config_file=a.config)
         elif a.cmd == "serve":
@@ -305,26 +305,26 @@ def main(argv: list[str] | None = None) -> None:
         elif a.cmd == "nats-config":
             from pathlib import Path
 
-            from services.natsconf import generate
+            from services.kit.natsconf import generate
 
             conf, users = generate(Path(a.out), host=a.host, port=a.port)
             print(f"wrote {conf} and {users} (mode 0600: one password per role)")
             print(f"start it with: nats-server -c {conf}")
             print("services log in with TOKENBUS_NATS_USER=<role> TOKENBUS_NATS_PASSWORD=...")
         elif a.cmd == "keys":
-            from auth import cli as keys_cli
+            from tokenbus.cli import keys as keys_cli
 
             rc = await keys_cli.main(a, s.url(), s.nats_auth())
         elif a.cmd == "bench":
-            from services import bench
+            from tokenbus.evaluation import bench
 
             rc = await bench.main(a, s)
         elif a.cmd == "router":
-            from router import cli as router_cli
+            from tokenbus.cli import routing as router_cli
 
             rc = await router_cli.main(a, s)
         elif a.cmd == "report":
-            from telemetry.report import markdown, report
+            from tokenbus.evaluation.report import markdown, report
 
             try:
                 summary = report(
@@ -339,7 +339,3 @@ def main(argv: list[str] | None = None) -> None:
 
     run(go())
     sys.exit(rc)
-
-
-if __name__ == "__main__":
-    main()

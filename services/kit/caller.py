@@ -1,12 +1,11 @@
-"""The NATS-native tokenbus client.
+"""The caller's half of the stream protocol: requests out, frames back on a private inbox.
 
-One wildcard inbox subscription per client carries the frames of every request; each
-request is an async iterator of chunks. Closing the iterator early cancels the request
-on the replica serving it.
-
-    async with await Client.connect("nats://127.0.0.1:4222") as tb:
-        async for chunk in tb.chat("sim-small", [{"role": "user", "content": "hi"}]):
-            print(chunk.text, end="")
+One wildcard inbox subscription per caller carries the frames of every request; each
+request is a :class:`Stream` (an async iterator of chunks) that watches its replica's
+heartbeats, resends what nobody accepted, moves on to another replica when its replica
+fails (resuming after the text already delivered) and cancels on close. The HTTP bridge
+and the public client (:class:`tokenbus.Client`, which adds ``connect`` and the
+``chat``/``completions`` calls) are both :class:`Caller` s.
 """
 
 from __future__ import annotations
@@ -16,12 +15,11 @@ import contextlib
 import time
 import uuid
 from collections import OrderedDict, deque
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
 
-import nats
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
@@ -97,7 +95,7 @@ class Stream:
 
     def __init__(
         self,
-        client: Client,
+        client: Caller,
         kind: str,
         body: dict[str, Any],
         *,
@@ -429,8 +427,8 @@ class Stream:
         )
 
 
-class Client:
-    """tokenbus over NATS: publish requests to ingress, read frames from a private inbox."""
+class Caller:
+    """Sends requests on the bus and reads their frames from a private inbox."""
 
     def __init__(self, nc: NATS, *, owner: str | None = None, own_connection: bool = False):
         self.nc = nc
@@ -445,26 +443,6 @@ class Client:
         self._beats: dict[str, tuple[float, float]] = {}
         self.on_migration: Callable[[Stream, E.TokenbusError], None] | None = None
         self._epochs: dict[str, tuple[str, int]] = {}  # replica -> (boot, reconnects)
-
-    @classmethod
-    async def connect(cls, url: str = "nats://127.0.0.1:4222", **options: Any) -> Client:
-        """Connect to NATS and start a client that owns the connection."""
-        options.setdefault("name", "tokenbus-client")
-        options.setdefault("max_reconnect_attempts", -1)
-        options.setdefault("dont_randomize", True)  # several URLs: the first is preferred
-        holder: list[Client] = []
-
-        async def reconnected() -> None:
-            if holder:
-                holder[0].connection_broke()
-
-        options.setdefault("reconnected_cb", reconnected)
-        # Several URLs separated by commas: the nodes of a cluster.
-        nc = await nats.connect([u.strip() for u in url.split(",") if u.strip()], **options)
-        client = cls(nc, own_connection=True)
-        holder.append(client)
-        await client.start()
-        return client
 
     async def start(self) -> None:
         """Subscribe the inbox and the heartbeats; call once (``connect`` does it)."""
@@ -544,7 +522,7 @@ class Client:
         if self._own:
             await self.nc.drain()
 
-    async def __aenter__(self) -> Client:
+    async def __aenter__(self) -> Caller:
         await self.start()
         return self
 
@@ -608,7 +586,6 @@ class Client:
                 del self._tombstones[tok]
                 await self._send_cancel(str(frame["replica"]), tok, tomb[1])
 
-    # -- public API -------------------------------------------------------------------------
     def submit(
         self,
         kind: str,
@@ -637,58 +614,3 @@ class Client:
             request_id=request_id,
             extra_headers=headers,
         )
-
-    def chat(
-        self,
-        model: str,
-        messages: Sequence[dict[str, Any]],
-        *,
-        timeout: float = DEFAULT_TIMEOUT_S,
-        api_key: str | None = None,
-        request_id: str | None = None,
-        session: str | None = None,
-        **params: Any,
-    ) -> Stream:
-        """Stream a chat completion; ``params`` are OpenAI's (max_tokens, temperature, ...).
-        ``session`` keys session-affinity routing (requests of one session, one replica)."""
-        body = {"model": model, "messages": list(messages), **params}
-        return self.submit(
-            subjects.KIND_CHAT,
-            body,
-            timeout=timeout,
-            api_key=api_key,
-            request_id=request_id,
-            headers={H.SESSION: session} if session else None,
-        )
-
-    def completions(
-        self,
-        model: str,
-        prompt: str,
-        *,
-        timeout: float = DEFAULT_TIMEOUT_S,
-        api_key: str | None = None,
-        request_id: str | None = None,
-        session: str | None = None,
-        **params: Any,
-    ) -> Stream:
-        """Stream a text completion."""
-        body = {"model": model, "prompt": prompt, **params}
-        return self.submit(
-            subjects.KIND_COMPLETIONS,
-            body,
-            timeout=timeout,
-            api_key=api_key,
-            request_id=request_id,
-            headers={H.SESSION: session} if session else None,
-        )
-
-    async def chat_completion(
-        self, model: str, messages: Sequence[dict[str, Any]], **kwargs: Any
-    ) -> Completion:
-        """A whole chat completion (non-streaming)."""
-        return await self.chat(model, messages, **kwargs).collect()
-
-    async def completion(self, model: str, prompt: str, **kwargs: Any) -> Completion:
-        """A whole text completion (non-streaming)."""
-        return await self.completions(model, prompt, **kwargs).collect()
