@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 from nats.aio.client import Client as NATS
@@ -20,14 +21,39 @@ from bus_schemas import codec, marks, subjects
 from bus_schemas import errors as E
 from bus_schemas import headers as H
 from router.policies import RouteRequest, prompt_text
-from router.registry import Registry
-from router.routing import RoutingTable
+from router.registry import Registry, Replica
+from router.routing import ModelRoute, RoutingTable
 from services.kit.config import RouterSettings
 
 _QUEUE_POLL_S = 0.02  # how often a queued request looks for a replica with room
 
 # Refusals that say "this replica, not the request": another replica may take it.
 _TRY_ELSEWHERE = frozenset({E.ReplicaDraining.code, E.ReplicaLost.code, E.EngineError.code})
+
+
+@dataclass
+class _Placement:
+    """One request on its way to a replica: where it may go and how far it got."""
+
+    route: ModelRoute
+    req: RouteRequest
+    model: str  # whose replicas serve it: an expert route may name another model
+    pool: str | None
+    data: bytes
+    hdrs: dict[str, str]
+    reply: str
+    tried: set[str] = field(default_factory=set)
+    # Refused as at capacity: retried once there is room.
+    busy: set[str] = field(default_factory=set)
+    attempt: int = 0
+    last_err: E.TokenbusError | None = None
+    queued_until: float = 0.0  # end of its wait in the queue; 0 while it has no place there
+
+    def failed(self, replica: str, err: E.TokenbusError) -> None:
+        """``replica`` cannot take the request: count the attempt, try another."""
+        self.tried.add(replica)
+        self.attempt += 1
+        self.last_err = err
 
 
 class Dispatcher:
@@ -78,102 +104,143 @@ class Dispatcher:
         marks.append(hdrs, "route")
         hdrs[H.REPLY_TO] = reply
         hdrs.pop(H.ROUTE, None)
-        tried: set[str] = set()
-        last_err: E.TokenbusError | None = None
         route = self.routing.route(model)
+        req = self._route_request(route, model, data, hdrs, env)
+        target, pool = route.target(req)
+        await self._warm_up(target)
+        p = _Placement(route, req, target, pool, data, hdrs, reply)
+        try:
+            replica = await self._place(p)
+        finally:
+            self._leave_queue(p)
+        if replica is None:
+            raise self._give_up(p)
+        return replica
+
+    def _route_request(
+        self,
+        route: ModelRoute,
+        model: str,
+        data: bytes,
+        hdrs: dict[str, str],
+        env: dict[str, Any] | None,
+    ) -> RouteRequest:
+        """What the routing policy reads: model, session, and the prompt when it needs one."""
         req = RouteRequest(model, hdrs.get(H.SESSION) or None)
         if route.needs_prompt:
             req.prompt = prompt_text(env if env is not None else codec.decode_map(data))
-        model, pool = route.target(req)
-        await self._warm_up(model)
-        attempt = 0
-        busy: set[str] = set()  # refused as at capacity: retried once there is room
-        queued_until = 0.0
+        return req
+
+    async def _place(self, p: _Placement) -> str | None:
+        """Offer the request to replicas until one takes it; None when none is left to try."""
+        while p.attempt < self.cfg.max_attempts:
+            live = self.registry.live(p.model)
+            open_ = [r for r in live if r.replica not in p.tried]
+            candidates = [
+                r for r in open_ if r.replica not in p.busy and r.load < r.max_concurrency
+            ]
+            if not candidates:
+                if not open_:
+                    return None
+                # Every replica is at capacity: wait in this router's bounded queue.
+                await self._wait_for_room(p)
+                continue
+            r = p.route.pick(candidates, live, p.req, p.pool)
+            ack = await self._send(r, p)
+            if ack is None:
+                continue
+            if ack.get("ok"):
+                r.reported_in_flight = int(ack.get("in_flight", r.reported_in_flight))
+                return r.replica
+            self._refused(r, E.TokenbusError.from_dict(ack.get("error") or {}), p)
+        return None
+
+    async def _send(self, r: Replica, p: _Placement) -> dict[str, Any] | None:
+        """Send the request to ``r`` and return its ack; None when it did not answer in time."""
+        p.hdrs[H.ATTEMPT] = str(p.attempt)
+        r.unacked += 1
         try:
-            while attempt < self.cfg.max_attempts:
-                live = self.registry.live(model)
-                open_ = [r for r in live if r.replica not in tried]
-                candidates = [
-                    r for r in open_ if r.replica not in busy and r.load < r.max_concurrency
-                ]
-                if not candidates:
-                    if not open_:
-                        break
-                    # Every replica is at capacity: wait in this router's bounded queue.
-                    now = time.monotonic()
-                    if not queued_until:
-                        if self.queued.get(model, 0) >= self.cfg.max_queued:
-                            raise self._overloaded(model, "its queue is full")
-                        self.queued[model] = self.queued.get(model, 0) + 1
-                        queued_until = now + self.cfg.queue_timeout_s
-                    if now >= queued_until or marks.expired(hdrs):
-                        raise self._overloaded(model, "no replica freed up in time")
-                    await asyncio.sleep(_QUEUE_POLL_S)
-                    busy.clear()
-                    continue
-                r = route.pick(candidates, live, req, pool)
-                hdrs[H.ATTEMPT] = str(attempt)
-                r.unacked += 1
-                try:
-                    ack_msg = await self.nc.request(
-                        r.subject, data, timeout=self.cfg.dispatch_timeout_s, headers=hdrs
-                    )
-                except NoRespondersError:
-                    # The replica is gone (crashed or unsubscribed); forget it until it
-                    # beats again.
-                    self.registry.remove(r.replica)
-                    tried.add(r.replica)
-                    attempt += 1
-                    last_err = E.ReplicaLost(f"replica {r.replica} did not answer")
-                    continue
-                except NatsTimeout:
-                    # Slow or stuck: make sure it does not also generate, then try another.
-                    await self.nc.publish(
-                        subjects.worker_cancel(r.replica),
-                        codec.encode(
-                            {
-                                "type": "cancel",
-                                "request_id": hdrs.get(H.REQUEST_ID, ""),
-                                "reply": reply,
-                            }
-                        ),
-                    )
-                    tried.add(r.replica)
-                    attempt += 1
-                    last_err = E.Timeout(f"replica {r.replica} did not acknowledge in time")
-                    continue
-                finally:
-                    r.unacked = max(0, r.unacked - 1)
-                ack = codec.decode_map(ack_msg.data)
-                if ack.get("ok"):
-                    r.reported_in_flight = int(ack.get("in_flight", r.reported_in_flight))
-                    return r.replica
-                err = E.TokenbusError.from_dict(ack.get("error") or {})
-                if err.code == E.ReplicaBusy.code:
-                    # Full until its next heartbeat says otherwise.
-                    r.reported_in_flight = max(r.reported_in_flight, r.max_concurrency)
-                    busy.add(r.replica)
-                    continue
-                if err.code == E.ReplicaDraining.code:
-                    r.draining = True
-                if err.code not in _TRY_ELSEWHERE:
-                    raise err
-                tried.add(r.replica)
-                attempt += 1
-                last_err = err
+            ack_msg = await self.nc.request(
+                r.subject, p.data, timeout=self.cfg.dispatch_timeout_s, headers=p.hdrs
+            )
+        except NoRespondersError:
+            # The replica is gone (crashed or unsubscribed); forget it until it
+            # beats again.
+            self.registry.remove(r.replica)
+            p.failed(r.replica, E.ReplicaLost(f"replica {r.replica} did not answer"))
+            return None
+        except NatsTimeout:
+            # Slow or stuck: make sure it does not also generate, then try another.
+            await self._cancel(r, p)
+            p.failed(r.replica, E.Timeout(f"replica {r.replica} did not acknowledge in time"))
+            return None
         finally:
-            if queued_until:
-                self.queued[model] -= 1
-        if tried:
-            raise E.NoReplica(
-                f"no replica of model {model!r} could take the request"
-                + (f" ({last_err.message})" if last_err else "")
+            r.unacked = max(0, r.unacked - 1)
+        return codec.decode_map(ack_msg.data)
+
+    async def _cancel(self, r: Replica, p: _Placement) -> None:
+        """Tell ``r`` to drop the request it did not acknowledge."""
+        await self.nc.publish(
+            subjects.worker_cancel(r.replica),
+            codec.encode(
+                {
+                    "type": "cancel",
+                    "request_id": p.hdrs.get(H.REQUEST_ID, ""),
+                    "reply": p.reply,
+                }
+            ),
+        )
+
+    def _refused(self, r: Replica, err: E.TokenbusError, p: _Placement) -> None:
+        """``r`` refused the request: wait for room when busy, move on when the refusal
+        names the replica, raise ``err`` when it names the request."""
+        if err.code == E.ReplicaBusy.code:
+            # Full until its next heartbeat says otherwise.
+            r.reported_in_flight = max(r.reported_in_flight, r.max_concurrency)
+            p.busy.add(r.replica)
+            return
+        if err.code == E.ReplicaDraining.code:
+            r.draining = True
+        if err.code not in _TRY_ELSEWHERE:
+            raise err
+        p.failed(r.replica, err)
+
+    async def _wait_for_room(self, p: _Placement) -> None:
+        """Wait one poll in the queue, taking a place on the first wait; raises
+        :class:`E.Overloaded` when the queue is full or the wait is over."""
+        now = time.monotonic()
+        if not p.queued_until:
+            self._join_queue(p, now)
+        if now >= p.queued_until or marks.expired(p.hdrs):
+            raise self._overloaded(p.model, "no replica freed up in time")
+        await asyncio.sleep(_QUEUE_POLL_S)
+        p.busy.clear()
+
+    def _join_queue(self, p: _Placement, now: float) -> None:
+        """Take a place in the model's queue until the queue timeout, unless it is full."""
+        if self.queued.get(p.model, 0) >= self.cfg.max_queued:
+            raise self._overloaded(p.model, "its queue is full")
+        self.queued[p.model] = self.queued.get(p.model, 0) + 1
+        p.queued_until = now + self.cfg.queue_timeout_s
+
+    def _leave_queue(self, p: _Placement) -> None:
+        """Give back the request's place in the queue, if it took one."""
+        if p.queued_until:
+            self.queued[p.model] -= 1
+
+    def _give_up(self, p: _Placement) -> E.TokenbusError:
+        """Why no replica took the request: each one tried failed, none is live, or the
+        model does not exist."""
+        if p.tried:
+            return E.NoReplica(
+                f"no replica of model {p.model!r} could take the request"
+                + (f" ({p.last_err.message})" if p.last_err else "")
                 + "; retry shortly"
             )
-        if self.registry.ever_seen(model):
-            raise E.NoReplica(f"no live replica serves model {model!r} right now; retry shortly")
+        if self.registry.ever_seen(p.model):
+            return E.NoReplica(f"no live replica serves model {p.model!r} right now; retry shortly")
         available = ", ".join(self.registry.models()) or "none"
-        raise E.ModelNotFound(
-            f"the model {model!r} does not exist on this tokenbus (available: {available})",
+        return E.ModelNotFound(
+            f"the model {p.model!r} does not exist on this tokenbus (available: {available})",
             param="model",
         )

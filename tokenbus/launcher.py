@@ -184,123 +184,201 @@ async def wait_ready(url: str, timeout: float) -> bool:
     return False
 
 
+# Front to back: a stage stops only after the stages that send it work, and telemetry
+# last, to record what the others report while they stop.
+_STOP_ORDER = ["bridge", "ingress", "auth", "ratelimit", "filter", "router", "worker", "telemetry"]
+
+
+class _StartFailed(Exception):
+    """``tokenbus up`` cannot go on: the message is for the user, ``code`` the exit status."""
+
+    def __init__(self, message: str, code: int) -> None:
+        super().__init__(message)
+        self.code = code
+
+
 async def up(settings: Settings, *, config_file: str | None = None) -> int:
     """Run the whole stack until Ctrl-C or SIGTERM."""
     data = Path(settings.up.data_dir).resolve()
     sup = Supervisor(data / "logs", backoff_s=settings.up.restart_backoff_s)
-    env: dict[str, str] = {"TOKENBUS_LOG_LEVEL": settings.log_level}
-    if config_file:
-        env["TOKENBUS_CONFIG"] = str(Path(config_file).resolve())
+    env = _base_env(settings, config_file)
     nats_proc: asyncio.subprocess.Process | None = None
     users: Path | None = None
     if settings.nats_url is None:
-        port = settings.up.nats_port
-        if port_open("127.0.0.1", port):
-            print(
-                f"error: port {port} is taken. Stop what runs there, pick another port with "
-                f"--nats-port, or point TOKENBUS_NATS_URL at that server.",
-                file=sys.stderr,
-            )
-            return 2
-        (data / "nats").mkdir(parents=True, exist_ok=True)
-        log = open(data / "logs" / "nats-server.log", "ab")  # noqa: SIM115
-        if settings.up.locked:
-            conf, users = generate(data / "nats-locked", port=port, store_dir=str(data / "nats"))
-            args = ["-c", str(conf)]
-        else:
-            args = ["-a", "127.0.0.1", "-p", str(port), "-js", "-sd", str(data / "nats")]
-        nats_proc = await asyncio.create_subprocess_exec(
-            nats_server_binary(), *args, stdout=log, stderr=log, start_new_session=True
-        )
-        log.close()
-        for _ in range(100):
-            if port_open("127.0.0.1", port):
-                break
-            await asyncio.sleep(0.05)
-        else:
-            print(
-                "error: the embedded nats-server did not start; see "
-                f"{data / 'logs' / 'nats-server.log'}",
-                file=sys.stderr,
-            )
-            return 1
-        locked = " (locked: a user per role, see " + str(users) + ")" if users else ""
-        print(
-            f"  nats-server (embedded, JetStream in {data / 'nats'}) on "
-            f"nats://127.0.0.1:{port}{locked}"
-        )
+        try:
+            nats_proc, users = await _start_embedded_nats(settings, data)
+        except _StartFailed as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return exc.code
     env["TOKENBUS_NATS_URL"] = settings.url()
+    dev_key = await _dev_key_if_needed(settings, data, users)
+    await _start_services(sup, settings, data, env, users)
+    stop = stop_event()
+    watcher = asyncio.get_running_loop().create_task(sup.watch())
+    await _announce_when_ready(settings, data, sup.log_dir, dev_key)
+    await stop.wait()
+    await _stop_stack(sup, watcher, nats_proc, settings.drain_timeout_s)
+    return 0
 
-    def as_role(role: str) -> dict[str, str]:
-        return {**env, **role_env(users, role)} if users else env
 
-    dev_key = None
-    if subjects.STAGE_AUTH in settings.ingress.pipeline:
-        dev_key = await ensure_dev_key(
-            settings.url(), data / "dev-key", role_env(users, "admin") if users else {}
+def _base_env(settings: Settings, config_file: str | None) -> dict[str, str]:
+    """Environment every child gets: log level and, when given, the config file."""
+    env: dict[str, str] = {"TOKENBUS_LOG_LEVEL": settings.log_level}
+    if config_file:
+        env["TOKENBUS_CONFIG"] = str(Path(config_file).resolve())
+    return env
+
+
+async def _start_embedded_nats(
+    settings: Settings, data: Path
+) -> tuple[asyncio.subprocess.Process, Path | None]:
+    """Start nats-server with JetStream under ``data``; returns it and, when the bus is
+    locked, the file of per-role users."""
+    port = settings.up.nats_port
+    if port_open("127.0.0.1", port):
+        raise _StartFailed(
+            f"port {port} is taken. Stop what runs there, pick another port with "
+            f"--nats-port, or point TOKENBUS_NATS_URL at that server.",
+            2,
         )
-    b = settings.bridge
+    (data / "nats").mkdir(parents=True, exist_ok=True)
+    log = open(data / "logs" / "nats-server.log", "ab")  # noqa: SIM115
+    args, users = _nats_server_args(settings, data, port)
+    proc = await asyncio.create_subprocess_exec(
+        nats_server_binary(), *args, stdout=log, stderr=log, start_new_session=True
+    )
+    log.close()
+    if not await _wait_port_open(port):
+        raise _StartFailed(
+            f"the embedded nats-server did not start; see {data / 'logs' / 'nats-server.log'}",
+            1,
+        )
+    locked = " (locked: a user per role, see " + str(users) + ")" if users else ""
+    print(
+        f"  nats-server (embedded, JetStream in {data / 'nats'}) on nats://127.0.0.1:{port}{locked}"
+    )
+    return proc, users
+
+
+def _nats_server_args(settings: Settings, data: Path, port: int) -> tuple[list[str], Path | None]:
+    """nats-server's arguments: a generated config with a user per role when locked, else
+    flags for an open server on localhost; and the users file when locked."""
+    if settings.up.locked:
+        conf, users = generate(data / "nats-locked", port=port, store_dir=str(data / "nats"))
+        return ["-c", str(conf)], users
+    return ["-a", "127.0.0.1", "-p", str(port), "-js", "-sd", str(data / "nats")], None
+
+
+async def _wait_port_open(port: int) -> bool:
+    """Whether something listens on ``port`` on localhost within about five seconds."""
+    for _ in range(100):
+        if port_open("127.0.0.1", port):
+            return True
+        await asyncio.sleep(0.05)
+    return False
+
+
+def _as_role(env: dict[str, str], users: Path | None, role: str) -> dict[str, str]:
+    """``env`` plus the NATS login of ``role`` when the bus is locked."""
+    return {**env, **role_env(users, role)} if users else env
+
+
+async def _dev_key_if_needed(settings: Settings, data: Path, users: Path | None) -> str | None:
+    """The development API key when the pipeline checks keys, else None."""
+    if subjects.STAGE_AUTH not in settings.ingress.pipeline:
+        return None
+    return await ensure_dev_key(
+        settings.url(), data / "dev-key", role_env(users, "admin") if users else {}
+    )
+
+
+async def _start_services(
+    sup: Supervisor, settings: Settings, data: Path, env: dict[str, str], users: Path | None
+) -> None:
+    """Start the pipeline's stages, telemetry when enabled, the workers, then the bridges."""
     for stage in ["ingress", *[s for s in settings.ingress.pipeline if s != "route"], "router"]:
-        await sup.add(Child(stage, cli_argv("serve", stage), as_role(stage)))
+        await sup.add(Child(stage, cli_argv("serve", stage), _as_role(env, users, stage)))
     if settings.telemetry.enabled:
         tel_env = {"TOKENBUS_TELEMETRY__DB_PATH": str(data / "telemetry.db")}
         await sup.add(
-            Child("telemetry", cli_argv("serve", "telemetry"), {**as_role("telemetry"), **tel_env})
+            Child(
+                "telemetry",
+                cli_argv("serve", "telemetry"),
+                {**_as_role(env, users, "telemetry"), **tel_env},
+            )
         )
     for i in range(settings.up.workers):
         await sup.add(
             Child(
                 f"worker-{i}",
                 cli_argv("serve", "worker", "--replica", f"{settings.worker.backend}-{i}"),
-                as_role("worker"),
+                _as_role(env, users, "worker"),
             )
         )
-    bridge_env = as_role("bridge")
+    bridge_env = _as_role(env, users, "bridge")
     if users:
         bridge_env = {**bridge_env, "TOKENBUS_BRIDGE__FUSE_ROUTER": "false"}
-    for child in bridge_children(b, bridge_env):
+    for child in bridge_children(settings.bridge, bridge_env):
         await sup.add(child)
-    stop = stop_event()
-    watcher = asyncio.get_running_loop().create_task(sup.watch())
+
+
+async def _announce_when_ready(
+    settings: Settings, data: Path, log_dir: Path, dev_key: str | None
+) -> None:
+    """Wait up to 30 s for the bridge to be ready, then say how to use it (or warn)."""
+    b = settings.bridge
     host = "127.0.0.1" if b.host in ("0.0.0.0", "::") else b.host
     base = f"http://{host}:{b.port}"
-    ready = await wait_ready(f"{base}/ready", 30)
-    if ready:
-        print(
-            f"tokenbus is up: {base}/v1  (model: {settings.worker.model}, "
-            f"{settings.up.workers} worker(s), logs in {sup.log_dir})"
-        )
-        auth = f" -H 'Authorization: Bearer {dev_key}'" if dev_key else ""
-        if dev_key:
-            print(f"  dev API key (admin; kept in {data / 'dev-key'}):")
-            print(f"  {dev_key}")
-        print(
-            "  try: curl -s "
-            + base
-            + "/v1/chat/completions -H 'Content-Type: application/json'"
-            + auth
-            + ' -d \'{"model":"'
-            + settings.worker.model
-            + '","messages":[{"role":"user",'
-            '"content":"hello"}]}\''
-        )
-        print("  Ctrl-C stops everything.", flush=True)
+    if await wait_ready(f"{base}/ready", 30):
+        _print_welcome(settings, data, log_dir, base, dev_key)
     else:
-        print(
-            f"warning: {base}/ready did not answer 200 within 30 s; see {sup.log_dir}", flush=True
-        )
-    await stop.wait()
+        print(f"warning: {base}/ready did not answer 200 within 30 s; see {log_dir}", flush=True)
+
+
+def _print_welcome(
+    settings: Settings, data: Path, log_dir: Path, base: str, dev_key: str | None
+) -> None:
+    """Where the stack listens, the dev key, and a curl command to try it."""
+    print(
+        f"tokenbus is up: {base}/v1  (model: {settings.worker.model}, "
+        f"{settings.up.workers} worker(s), logs in {log_dir})"
+    )
+    auth = f" -H 'Authorization: Bearer {dev_key}'" if dev_key else ""
+    if dev_key:
+        print(f"  dev API key (admin; kept in {data / 'dev-key'}):")
+        print(f"  {dev_key}")
+    print(
+        "  try: curl -s "
+        + base
+        + "/v1/chat/completions -H 'Content-Type: application/json'"
+        + auth
+        + ' -d \'{"model":"'
+        + settings.worker.model
+        + '","messages":[{"role":"user",'
+        '"content":"hello"}]}\''
+    )
+    print("  Ctrl-C stops everything.", flush=True)
+
+
+async def _stop_stack(
+    sup: Supervisor,
+    watcher: asyncio.Task[None],
+    nats_proc: asyncio.subprocess.Process | None,
+    timeout: float,
+) -> None:
+    """Stop restarting children, stop them in order, then the embedded nats-server."""
     print("stopping tokenbus ...", flush=True)
     watcher.cancel()
-    await sup.stop(
-        settings.drain_timeout_s,
-        order=["bridge", "ingress", "auth", "ratelimit", "filter", "router", "worker", "telemetry"],
-    )
+    await sup.stop(timeout, order=_STOP_ORDER)
     if nats_proc is not None and nats_proc.returncode is None:
-        nats_proc.send_signal(signal.SIGTERM)
-        try:
-            await asyncio.wait_for(nats_proc.wait(), 10)
-        except TimeoutError:
-            nats_proc.kill()
+        await _stop_nats_server(nats_proc)
     print("stopped.", flush=True)
-    return 0
+
+
+async def _stop_nats_server(proc: asyncio.subprocess.Process) -> None:
+    """SIGTERM the nats-server; SIGKILL it when it takes over 10 s."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        await asyncio.wait_for(proc.wait(), 10)
+    except TimeoutError:
+        proc.kill()

@@ -125,27 +125,40 @@ class Service:
     async def start(self) -> None:
         """Connect (unless given a connection), add endpoints, answer discovery."""
         if self.nc is None:
-            self.nc = await connect(
-                self.settings.url(),
-                f"tokenbus-{self.name}-{self.id}",
-                on_reconnected=self.on_reconnected,
-                **self.settings.nats_auth(),
-            )
+            self.nc = await self._connect()
         self._accepting = True
-        self._bounce_prefix = subjects.inbox_prefix(f"{self.name}-{self.id}")
-        self._bounce_sub = await self.nc.subscribe(f"{self._bounce_prefix}.*", cb=self._on_bounce)
+        await self._open_bounce_inbox()
         await self.setup()
         await self.discovery.start(self.nc)
-        if self.settings.metrics_port:
-            # This process's own scrape endpoint (the default registry: process and
-            # service metrics); the telemetry service serves the aggregate.
-            from prometheus_client import start_http_server
-
-            self._metrics_http = start_http_server(self.settings.metrics_port, addr="127.0.0.1")
+        self._serve_metrics()
         # Subscriptions are only in effect once the server has them: until this round trip
         # a request could find "no responders" though the service says it has started.
         await self.nc.flush(timeout=5)
         self.log.info("service_started", nats=self.settings.url())
+
+    async def _connect(self) -> NATS:
+        """This service's own connection, named after the instance."""
+        return await connect(
+            self.settings.url(),
+            f"tokenbus-{self.name}-{self.id}",
+            on_reconnected=self.on_reconnected,
+            **self.settings.nats_auth(),
+        )
+
+    async def _open_bounce_inbox(self) -> None:
+        """Subscribe the inbox where "no responders" answers to :meth:`forward` arrive."""
+        self._bounce_prefix = subjects.inbox_prefix(f"{self.name}-{self.id}")
+        self._bounce_sub = await self.nc.subscribe(f"{self._bounce_prefix}.*", cb=self._on_bounce)
+
+    def _serve_metrics(self) -> None:
+        """Serve a scrape endpoint on the configured metrics port, if any."""
+        if not self.settings.metrics_port:
+            return
+        # This process's own scrape endpoint (the default registry: process and
+        # service metrics); the telemetry service serves the aggregate.
+        from prometheus_client import start_http_server
+
+        self._metrics_http = start_http_server(self.settings.metrics_port, addr="127.0.0.1")
 
     async def setup(self) -> None:
         """Add endpoints and start background tasks (subclasses)."""
@@ -161,25 +174,26 @@ class Service:
         this instance's bounce inbox, so when no instance of the next stage is subscribed,
         NATS answers "no responders" here and the caller gets a clear 503 instead of silence.
         """
+        token = self._remember_caller(reply, subject)
+        hdrs[H.REPLY_TO] = reply
+        await self.nc.publish(subject, data, reply=f"{self._bounce_prefix}.{token}", headers=hdrs)
+
+    def _remember_caller(self, reply: str, subject: str) -> str:
+        """Keep ``reply`` for a bounce from ``subject`` under a new token, which is returned;
+        forget entries past their time."""
         token = uuid.uuid4().hex
         now = time.monotonic()
         self._bounces[token] = (now + _BOUNCE_TTL_S, reply, subject)
         while self._bounces and next(iter(self._bounces.values()))[0] < now:
             self._bounces.popitem(last=False)
-        hdrs[H.REPLY_TO] = reply
-        await self.nc.publish(subject, data, reply=f"{self._bounce_prefix}.{token}", headers=hdrs)
+        return token
 
     async def forward_next(self, msg: Msg, hdrs: dict[str, str], data: bytes) -> None:
         """Pass a request to the next stage of its routing slip (the router when none left)."""
         reply = reply_subject(msg, trust_header=self.trust_reply_header)
         if not reply:
             return
-        route = [s for s in hdrs.get(H.ROUTE, "").split(",") if s]
-        nxt = route.pop(0) if route else subjects.STAGE_ROUTE
-        if route:
-            hdrs[H.ROUTE] = ",".join(route)
-        else:
-            hdrs.pop(H.ROUTE, None)
+        nxt = _pop_next_stage(hdrs)
         marks.append(hdrs, self.name)
         await self.forward(subjects.stage(nxt), data, hdrs, reply)
 
@@ -213,22 +227,32 @@ class Service:
         """Stop taking work, let in-flight requests finish up to ``timeout``, then drain."""
         timeout = self.settings.drain_timeout_s if timeout is None else timeout
         await self.stop_taking_work()
-        if self._tasks:
-            self.log.info("draining", in_flight=len(self._tasks), timeout_s=timeout)
-            _, pending = await asyncio.wait(set(self._tasks), timeout=timeout)
-            for t in pending:
-                t.cancel()
-            if pending:
-                await asyncio.wait(pending, timeout=2.0)
+        await self._finish_in_flight(timeout)
         await self.on_stop()
         await self.discovery.stop()
+        await self._close_bus()
+        self.stopped.set()
+        self.log.info("service_stopped")
+
+    async def _finish_in_flight(self, timeout: float) -> None:
+        """Wait up to ``timeout`` for running requests, then cancel the rest."""
+        if not self._tasks:
+            return
+        self.log.info("draining", in_flight=len(self._tasks), timeout_s=timeout)
+        _, pending = await asyncio.wait(set(self._tasks), timeout=timeout)
+        for t in pending:
+            t.cancel()
+        if pending:
+            # A cancelled request still tells its caller to retry (see _run): give it time to.
+            await asyncio.wait(pending, timeout=2.0)
+
+    async def _close_bus(self) -> None:
+        """Close the bounce inbox, then drain the connection if this service opened it."""
         with contextlib.suppress(Exception):
             await self._bounce_sub.unsubscribe()
         if self._own_nc and self.nc is not None and not self.nc.is_closed:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self.nc.drain(), timeout=5.0)
-        self.stopped.set()
-        self.log.info("service_stopped")
 
     async def __aenter__(self) -> Service:
         await self.start()
@@ -269,11 +293,11 @@ class Service:
         self._subs.append(sub)
 
     async def _run(self, handler: Handler, msg: Msg, stats: EndpointStats) -> None:
+        """Handle one request: failures go back to the caller, the outcome into ``stats``."""
         t = time.perf_counter_ns()
         err: str | None = None
         try:
-            if self.check_deadline and marks.expired(msg.headers):
-                raise E.Timeout("the request's deadline passed before it could be served")
+            self._refuse_if_expired(msg)
             await handler(msg)
         except E.TokenbusError as exc:
             err = exc.code
@@ -291,6 +315,11 @@ class Service:
         finally:
             stats.record(time.perf_counter_ns() - t, err)
 
+    def _refuse_if_expired(self, msg: Msg) -> None:
+        """Raise :class:`E.Timeout` when ``msg``'s deadline passed (and this service checks)."""
+        if self.check_deadline and marks.expired(msg.headers):
+            raise E.Timeout("the request's deadline passed before it could be served")
+
     def interrupted_error(self) -> E.TokenbusError:
         """What a caller is told when a request is cut off by shutdown."""
         return E.ServiceUnavailable(f"the {self.name} instance stopped; retry")
@@ -307,6 +336,17 @@ class Service:
             return
         with contextlib.suppress(Exception):
             await self.nc.publish(reply, frames.error(err))
+
+
+def _pop_next_stage(hdrs: dict[str, str]) -> str:
+    """Take the next stage off the routing slip in ``hdrs`` (the router when it is empty)."""
+    route = [s for s in hdrs.get(H.ROUTE, "").split(",") if s]
+    nxt = route.pop(0) if route else subjects.STAGE_ROUTE
+    if route:
+        hdrs[H.ROUTE] = ",".join(route)
+    else:
+        hdrs.pop(H.ROUTE, None)
+    return nxt
 
 
 def stop_event() -> asyncio.Event:
