@@ -23,8 +23,9 @@ from services.gateway.admin_keys import PREFIX as ADMIN_PREFIX
 from services.gateway.admin_keys import AdminAPI
 from services.gateway.admin_routing import PREFIX as ROUTING_PREFIX
 from services.gateway.admin_routing import RoutingAdmin
+from services.gateway.asgi import HTTPServer, Receive, Scope, Send, serve
 from services.gateway.ingress import Admission
-from services.gateway.openai_http import HTTPServer, OpenAIApp, Receive, Scope, Send, serve
+from services.gateway.openai_api import OpenAIApp
 from services.gateway.stages import LocalStages, stages_before_route
 from services.kit.caller import Caller, Stream
 from services.kit.runtime import Service

@@ -12,7 +12,8 @@ from typing import Any
 from engine_worker import backends
 from engine_worker.backends.base import Backend, Delta, GenerationRequest
 from services.gateway import validation
-from services.gateway.openai_http import OpenAIApp, serve
+from services.gateway.asgi import serve
+from services.gateway.openai_api import OpenAIApp
 from services.kit import logging as tlog
 from services.kit.caller import Chunk, Usage
 from services.kit.config import Settings

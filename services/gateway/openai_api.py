@@ -1,0 +1,493 @@
+"""The OpenAI-compatible API: the handlers the route table of :mod:`services.gateway.asgi`
+serves.
+
+:class:`OpenAIApp` is that route table with ``/v1/chat/completions``, ``/v1/completions``,
+``/v1/models``, ``/health`` and ``/ready`` mounted. A generation goes: read and validate the
+body (:func:`read_body`, :mod:`services.gateway.validation`), open a stream from the
+:class:`Source`, then write it either whole (:func:`write_whole`) or as server-sent events
+(:func:`write_sse`), while :func:`watch_disconnect` cancels it when the client leaves.
+
+The bridge and the direct server both serve exactly this code; only the :class:`Source` of
+streams differs (the bus for the bridge, an engine in-process for ``tokenbus serve
+openai-http``), so a benchmark of one against the other measures the bus path and nothing
+else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Protocol
+
+from bus_schemas import errors as E
+from bus_schemas.subjects import KIND_CHAT, KIND_COMPLETIONS
+from services.gateway import validation
+from services.gateway.asgi import (
+    Headers,
+    Receive,
+    RouteTable,
+    Scope,
+    Send,
+    bus_headers,
+    header,
+    send_error,
+    send_json,
+)
+from services.gateway.ingress import clean_request_id
+from services.kit.caller import Chunk, Usage
+
+
+class StreamLike(Protocol):
+    """What a source hands back for one request (:class:`services.kit.caller.Stream` is one)."""
+
+    request_id: str
+    finish_reason: str | None
+    usage: Usage | None
+    rate_limits: dict[str, str]
+
+    def __aiter__(self) -> AsyncIterator[Chunk]: ...
+
+    async def __anext__(self) -> Chunk: ...
+
+    def pending(self) -> int: ...
+
+    async def aclose(self) -> None: ...
+
+
+class Source(Protocol):
+    """Where generations come from."""
+
+    def open(
+        self,
+        kind: str,
+        req: validation.Request,
+        body: dict[str, Any],
+        *,
+        request_id: str,
+        timeout: float,
+        headers: dict[str, str],
+    ) -> StreamLike: ...
+
+    def models(self) -> list[str]: ...
+
+    def healthy(self) -> bool: ...
+
+    def ready(self) -> bool: ...
+
+
+@dataclass(slots=True)
+class Progress:
+    """How far one generation request has got; shared with its disconnect watcher."""
+
+    t1_ns: int  # when the request arrived (wall clock, comparable with the engine's marks)
+    started: bool = False  # the SSE response headers are sent
+    finished: bool = False  # the last byte is handed to the server (or the request failed)
+    streamed: bool = False  # the first token went out as an SSE event
+    t5_ns: int | None = None  # when the first token (or the whole answer) went out
+
+
+SSE_HEADERS: Headers = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
+DONE = "data: [DONE]\n\n"
+
+
+class OpenAIApp(RouteTable):
+    """The OpenAI-compatible API over one :class:`Source`: a route table with its handlers
+    mounted; more routes (metrics, admin) may be added to it."""
+
+    def __init__(
+        self,
+        source: Source,
+        *,
+        max_body_bytes: int,
+        request_timeout_s: float,
+        on_request: Callable[[dict[str, Any]], None] | None = None,
+    ) -> None:
+        super().__init__(
+            {
+                ("POST", "/v1/chat/completions"): self.chat,
+                ("POST", "/v1/completions"): self.completions,
+                ("GET", "/v1/models"): self.list_models,
+                ("GET", "/health"): self.health,
+                ("GET", "/ready"): self.ready,
+            }
+        )
+        self.source = source
+        self.max_body = max_body_bytes
+        self.timeout = request_timeout_s
+        self.on_request = on_request
+
+    # -- plain endpoints --------------------------------------------------------------------
+    async def list_models(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """``GET /v1/models``: the models the source serves now."""
+        now = int(time.time())
+        data = [
+            {"id": m, "object": "model", "created": now, "owned_by": "tokenbus"}
+            for m in self.source.models()
+        ]
+        await send_json(send, 200, {"object": "list", "data": data})
+
+    async def health(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """``GET /health``: 200 while the source is healthy, else 503."""
+        ok = self.source.healthy()
+        await send_json(send, 200 if ok else 503, {"status": "ok" if ok else "unhealthy"})
+
+    async def ready(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """``GET /ready``: 200 while the source can serve, else 503; with its models."""
+        ok = self.source.ready()
+        await send_json(
+            send,
+            200 if ok else 503,
+            {"status": "ready" if ok else "not ready", "models": self.source.models()},
+        )
+
+    # -- generation -------------------------------------------------------------------------
+    async def chat(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """``POST /v1/chat/completions``."""
+        await self.generate(scope, receive, send, KIND_CHAT)
+
+    async def completions(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """``POST /v1/completions``."""
+        await self.generate(scope, receive, send, KIND_COMPLETIONS)
+
+    async def generate(self, scope: Scope, receive: Receive, send: Send, kind: str) -> None:
+        """One generation request from body to last byte; its failures become OpenAI errors
+        and its outcome goes to ``on_request``."""
+        rid = clean_request_id(header(scope, b"x-request-id"))
+        t_start = time.perf_counter_ns()
+        progress = Progress(time.time_ns())
+        status = 200
+        outcome = "ok"
+        stream: StreamLike | None = None
+        watcher: asyncio.Task[None] | None = None
+        try:
+            body = await read_body(scope, receive, self.max_body)
+            req = validation.parse(kind, body)
+            # The body is read: from here on the only message left is the disconnect, and a
+            # client that leaves cancels this handler, which cancels the generation.
+            watcher = watch_disconnect(receive, progress)
+            stream = self.source.open(
+                kind, req, body, request_id=rid, timeout=self.timeout, headers=bus_headers(scope)
+            )
+            if req.stream:
+                await write_sse(send, kind, req, stream, rid, progress)
+            else:
+                await write_whole(send, kind, req, stream, rid, progress)
+        except E.TokenbusError as exc:
+            status = E.http_status(exc)
+            outcome = exc.code
+            progress.finished = True
+            await send_error(send, exc, rid)
+        except asyncio.CancelledError:
+            outcome = "client_disconnected"
+        except Exception:
+            status, outcome = 500, "internal_error"
+            # Once the SSE headers are out there is no status left to send.
+            if not progress.started:
+                progress.finished = True
+                await send_error(send, E.InternalError("the gateway failed; retry"), rid)
+        finally:
+            progress.finished = True
+            if watcher is not None:
+                watcher.cancel()
+            if stream is not None:
+                await stream.aclose()
+            if self.on_request is not None:
+                self.on_request(_record(rid, kind, status, outcome, t_start, progress, stream))
+
+
+def _record(
+    rid: str,
+    kind: str,
+    status: int,
+    outcome: str,
+    t_start: int,
+    progress: Progress,
+    stream: StreamLike | None,
+) -> dict[str, Any]:
+    """What ``on_request`` gets about one finished generation request (the bridge's metrics,
+    log line and telemetry record are made from it)."""
+    return {
+        "request_id": rid,
+        "kind": kind,
+        "status": status,
+        "outcome": outcome,
+        "duration_ms": (time.perf_counter_ns() - t_start) / 1e6,
+        "t1_ns": progress.t1_ns,
+        "t5_ns": progress.t5_ns,
+        "streamed": progress.streamed,
+        "t6_ns": time.time_ns(),
+        "stream": stream,
+    }
+
+
+# -- the request body -----------------------------------------------------------------------
+async def read_body(scope: Scope, receive: Receive, max_body: int) -> Any:
+    """The request body as JSON: 413 past ``max_body`` bytes (by Content-Length or as read),
+    400 when not JSON; a client leaving meanwhile raises ``CancelledError``."""
+    too_large = E.PayloadTooLarge(f"the request body is larger than {max_body} bytes")
+    length = header(scope, b"content-length")
+    if length is not None and length.isdigit() and int(length) > max_body:
+        raise too_large
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            raise asyncio.CancelledError
+        chunk = msg.get("body", b"")
+        size += len(chunk)
+        if size > max_body:
+            raise too_large
+        chunks.append(chunk)
+        if not msg.get("more_body"):
+            break
+    try:
+        return json.loads(b"".join(chunks))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise E.InvalidJSON(f"the request body is not valid JSON: {exc}") from None
+
+
+# -- disconnects ----------------------------------------------------------------------------
+def watch_disconnect(receive: Receive, progress: Progress) -> asyncio.Task[None]:
+    """A task that cancels the calling task (the handler, and so the generation) when the
+    client disconnects before ``progress.finished``; cancel it when the request is done."""
+    return asyncio.get_running_loop().create_task(
+        _cancel_on_disconnect(receive, asyncio.current_task(), progress)
+    )
+
+
+async def _cancel_on_disconnect(
+    receive: Receive, task: asyncio.Task[Any] | None, progress: Progress
+) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    # uvicorn also reports a disconnect once the response is complete: that one is not a
+    # client leaving.
+    if task is not None and not progress.finished:
+        task.cancel()
+
+
+# -- the whole answer -----------------------------------------------------------------------
+async def write_whole(
+    send: Send,
+    kind: str,
+    req: validation.Request,
+    stream: StreamLike,
+    rid: str,
+    progress: Progress,
+) -> None:
+    """The answer as one JSON response, once the stream has ended."""
+    text = "".join([c.text async for c in stream])
+    out = whole_answer(kind, rid, req.model, text, stream)
+    progress.finished = True
+    progress.t5_ns = time.time_ns()
+    await send_json(
+        send,
+        200,
+        out,
+        [
+            (b"x-request-id", rid.encode()),
+            *_limit_headers(stream),
+            *_latency_headers(stream, progress.t1_ns),
+        ],
+    )
+
+
+def whole_answer(kind: str, rid: str, model: str, text: str, stream: StreamLike) -> dict[str, Any]:
+    """The JSON body of a whole answer: a ``chat.completion`` or a ``text_completion``."""
+    usage = _usage(stream)
+    finish = stream.finish_reason or "stop"
+    created = int(time.time())
+    if kind == KIND_CHAT:
+        return {
+            "id": f"chatcmpl-{rid}",
+            "object": "chat.completion",
+            "created": created,
+            "model": model,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": text},
+                    "logprobs": None,
+                    "finish_reason": finish,
+                }
+            ],
+            "usage": usage,
+        }
+    return {
+        "id": f"cmpl-{rid}",
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
+        "usage": usage,
+    }
+
+
+# -- server-sent events ---------------------------------------------------------------------
+class SSEFrames(NamedTuple):
+    """The SSE events of one streamed answer as ``%`` templates: all but the token text, the
+    finish reason and the usage is fixed per request, so a token costs one ``%`` and one
+    ``json.dumps`` of its text."""
+
+    opening: str  # chat's first event (the assistant role); "" for completions
+    piece: str  # one token: % its text as JSON
+    closing: str  # the last event: % the finish reason as JSON
+    usage: str  # the usage event (``stream_options.include_usage``): % the usage as JSON
+
+
+def sse_frames(kind: str, rid: str, model: str, created: int) -> SSEFrames:
+    """The SSE templates of a ``chat.completion.chunk`` or ``text_completion`` stream."""
+    model_json = json.dumps(model)
+    if kind == KIND_CHAT:
+        head = (
+            f'data: {{"id":"chatcmpl-{rid}","object":"chat.completion.chunk",'
+            f'"created":{created},"model":{model_json},"choices":[{{"index":0,'
+        )
+        return SSEFrames(
+            opening=head
+            + (
+                '"delta":{"role":"assistant","content":""},"logprobs":null,'
+                '"finish_reason":null}]}\n\n'
+            ),
+            piece=head + '"delta":{"content":%s},"logprobs":null,"finish_reason":null}]}\n\n',
+            closing=head + '"delta":{},"logprobs":null,"finish_reason":%s}]}\n\n',
+            usage=(
+                f'data: {{"id":"chatcmpl-{rid}","object":"chat.completion.chunk",'
+                f'"created":{created},"model":{model_json},"choices":[],"usage":%s}}\n\n'
+            ),
+        )
+    head = (
+        f'data: {{"id":"cmpl-{rid}","object":"text_completion",'
+        f'"created":{created},"model":{model_json},"choices":[{{"index":0,'
+    )
+    return SSEFrames(
+        opening="",
+        piece=head + '"text":%s,"logprobs":null,"finish_reason":null}]}\n\n',
+        closing=head + '"text":"","logprobs":null,"finish_reason":%s}]}\n\n',
+        usage=(
+            f'data: {{"id":"cmpl-{rid}","object":"text_completion",'
+            f'"created":{created},"model":{model_json},"choices":[],"usage":%s}}\n\n'
+        ),
+    )
+
+
+async def write_sse(
+    send: Send,
+    kind: str,
+    req: validation.Request,
+    stream: StreamLike,
+    rid: str,
+    progress: Progress,
+) -> None:
+    """The answer as server-sent events: headers once the first token (or the end) is
+    here, the tokens, the closing event, the usage event when asked for, then ``[DONE]``."""
+    # Wait for the first frame before sending headers, so errors that happen before
+    # generation (unknown model, no replica) still get their own HTTP status.
+    first = await _first_chunk(stream)
+    frames = sse_frames(kind, rid, req.model, int(time.time()))
+    progress.started = True
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 200,
+            "headers": [*SSE_HEADERS, (b"x-request-id", rid.encode()), *_limit_headers(stream)],
+        }
+    )
+    buf: list[str] = [frames.opening] if frames.opening else []
+    try:
+        if first is not None:
+            await _send_tokens(send, stream, first, frames.piece, buf, progress)
+        buf.append(frames.closing % json.dumps(stream.finish_reason or "stop"))
+        if req.include_usage:
+            buf.append(frames.usage % json.dumps(_usage(stream)))
+    except E.TokenbusError as exc:
+        # Headers are gone: the error travels as an SSE event, as OpenAI's API does.
+        buf.append(sse_error(exc))
+    buf.append(DONE)
+    progress.finished = True
+    await send({"type": "http.response.body", "body": "".join(buf).encode(), "more_body": False})
+
+
+def sse_error(exc: E.TokenbusError) -> str:
+    """An error as an SSE event: OpenAI's error body, after which only ``[DONE]`` follows."""
+    return f"data: {json.dumps(exc.openai_body())}\n\n"
+
+
+async def _first_chunk(stream: StreamLike) -> Chunk | None:
+    """The stream's first chunk, None when it ended without one."""
+    try:
+        return await stream.__anext__()
+    except StopAsyncIteration:
+        return None
+
+
+async def _send_tokens(
+    send: Send,
+    stream: StreamLike,
+    first: Chunk,
+    piece: str,
+    buf: list[str],
+    progress: Progress,
+) -> None:
+    """Every token as an SSE event: the first at once (after what ``buf`` holds), the rest
+    as they come. Leaves ``buf`` holding what is not sent yet (nothing, unless the stream
+    failed mid-way)."""
+    dumps = json.dumps
+    body = "http.response.body"
+    buf.append(piece % dumps(first.text))
+    await send({"type": body, "body": "".join(buf).encode(), "more_body": True})
+    progress.t5_ns = time.time_ns()
+    progress.streamed = True
+    buf.clear()
+    async for c in stream:
+        buf.append(piece % dumps(c.text))
+        # The consumer (this writer) is behind: coalesce what is already here into one
+        # write instead of one syscall per token.
+        while stream.pending():
+            try:
+                c = await stream.__anext__()
+            except StopAsyncIteration:
+                break
+            buf.append(piece % dumps(c.text))
+        await send({"type": body, "body": "".join(buf).encode(), "more_body": True})
+        buf.clear()
+
+
+# -- response headers and usage -------------------------------------------------------------
+def _usage(stream: StreamLike) -> dict[str, int]:
+    """The stream's token counts as OpenAI's ``usage`` object (zeros when unknown)."""
+    u = stream.usage or Usage(0, 0, 0)
+    return {
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.completion_tokens,
+        "total_tokens": u.total_tokens,
+    }
+
+
+def _latency_headers(stream: StreamLike, t1_ns: int) -> Headers:
+    """Where the time to the first token went (like LiteLLM's overhead header): the gateway's
+    share, (engine start - received) + (first token at the gateway - first token in the
+    engine), and the engine's, from the stage timestamps of the final frame."""
+    t = getattr(stream, "timings", None) or {}
+    t2, t3 = t.get("engine_start"), t.get("first_token")
+    t4 = getattr(stream, "t_first_ns", 0) or 0
+    if not (t2 and t3 and t4):
+        return []
+    gateway = ((t2 - t1_ns) + (t4 - t3)) / 1e6
+    return [
+        (b"x-tokenbus-gateway-ms", f"{max(0.0, gateway):.3f}".encode()),
+        (b"x-tokenbus-engine-ms", f"{(t3 - t2) / 1e6:.3f}".encode()),
+    ]
+
+
+def _limit_headers(stream: StreamLike) -> Headers:
+    """Rate-limit headers, and which replica served (``x-tokenbus-replica``)."""
+    out = [(k.encode(), v.encode()) for k, v in stream.rate_limits.items()]
+    replica = getattr(stream, "replica", None)
+    if replica:
+        out.append((b"x-tokenbus-replica", str(replica).encode()))
+    return out
