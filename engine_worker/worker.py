@@ -13,6 +13,7 @@ import contextlib
 import time
 import uuid
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any
 
 from nats.aio.msg import Msg
@@ -21,7 +22,7 @@ from bus_schemas import codec, frames, marks, subjects
 from bus_schemas import errors as E
 from bus_schemas import headers as H
 from engine_worker import backends
-from engine_worker.backends.base import Backend, GenerationRequest
+from engine_worker.backends.base import Backend, Delta, DeltaStream, GenerationRequest
 from engine_worker.outbox import Outbox
 from filter.policy import FilterPolicy
 from filter.scanner import Scanner, StreamOutput, StreamScanner
@@ -53,11 +54,91 @@ def output_flags(scan: StreamScanner, text: str) -> list[str]:
     return sorted({f.detector for f in found if f.action == "flag"})
 
 
+class OutputGate:
+    """The output filter on one stream: what of the engine's text the caller may see, when.
+
+    It holds back what could still grow into a block or redact match, stops at a block, and
+    on a migrated request cuts what the caller already has.
+    """
+
+    __slots__ = ("_already", "_raw", "blocked", "scan")
+
+    def __init__(self, scan: StreamScanner, resume_text: str) -> None:
+        self.scan = scan
+        self.blocked = False
+        self._raw: list[str] = []  # the engine's text, for the flag scan at the end
+        self._already = 0  # output the caller already has (a migrated request), not resent
+        if resume_text:
+            # The scanner needs what came before; what it holds of it was sent already.
+            self._already = len(resume_text) - len(scan.feed(resume_text).text_to_emit)
+
+    @classmethod
+    def for_policy(
+        cls, policy: dict[str, Any] | None, window: int | None, resume_text: str
+    ) -> OutputGate | None:
+        """A gate for the policy the filter stage put in the envelope, if any."""
+        scan = output_scanner(policy, window)
+        return None if scan is None else cls(scan, resume_text)
+
+    def release(self, text: str, finish: str | None) -> str:
+        """What may go to the caller now of the engine's next ``text`` (the held tail too when
+        ``finish`` ends the stream); sets ``blocked`` when the policy stops the stream."""
+        self._raw.append(text)
+        scan = self.scan
+        out = scan.feed(text) if text else None
+        if finish is not None and (out is None or out.blocked_by is None):
+            tail = scan.finish()
+            out = StreamOutput(
+                (out.text_to_emit if out else "") + tail.text_to_emit, tail.blocked_by
+            )
+        if out is None:
+            return ""
+        text = out.text_to_emit
+        if self._already and text:
+            cut = min(self._already, len(text))
+            text = text[cut:]
+            self._already -= cut
+        if out.blocked_by is not None:
+            self.blocked = True
+        return text
+
+    def flags(self) -> list[str]:
+        """Ids of the detectors the policy flags that the whole output triggers."""
+        return output_flags(self.scan, "".join(self._raw))
+
+
+@dataclass(slots=True)
+class _Generation:
+    """One generate request while it is served: what its phases share."""
+
+    reply: str
+    headers: dict[str, str]
+    env: dict[str, Any]
+    req: GenerationRequest
+    task: asyncio.Task[Any]  # the request's own task: the one a caller's cancel hits
+    t_start: int = 0
+    first_ns: int = 0
+    completion: int = 0
+    prompt_tokens: int = -1  # unknown until the final delta; -1 keeps the admission estimate
+    outcome: str = "ok"
+
+    @property
+    def rid(self) -> str:
+        """The request id."""
+        return self.req.request_id
+
+
+def _seconds_left(hdrs: dict[str, str]) -> float | None:
+    """Time left before the request's deadline, or None when it carries none."""
+    deadline = marks.deadline_ms(hdrs)
+    return None if deadline is None else max(0.0, deadline / 1000.0 - time.time())
+
+
 class Worker(Service):
     """One replica: generate requests, cancel, heartbeats."""
 
     name = "worker"
-    check_deadline = False  # checked in handle() so the router hears it in the ack
+    check_deadline = False  # checked in _screen() so the router hears it in the ack
 
     def __init__(self, settings: Any, *, backend: Backend | None = None, **kw: Any) -> None:
         super().__init__(settings, **kw)
@@ -168,187 +249,207 @@ class Worker(Service):
                 self._early_cancels.popitem(last=False)
 
     async def handle(self, msg: Msg) -> None:
+        """Serve one generate request: admit it, start the engine, relay its output, account."""
+        gen = await self._admit(msg)
+        if gen is None:
+            return
+        stream = await self._start_engine(msg, gen)
+        if stream is None:
+            return
+        try:
+            await self._accept(msg, gen)
+            await self._relay(gen, stream)
+        except TimeoutError:
+            gen.outcome = "timeout"
+            self.outbox.send(gen.reply, frames.error(E.Timeout("the request's deadline passed")))
+        except asyncio.CancelledError:
+            if gen.reply in self._caller_cancelled:
+                gen.outcome = "cancelled"
+                gen.task.uncancel()
+            else:
+                gen.outcome = "interrupted"  # shutdown: the runtime sends interrupted_error()
+                raise
+        except E.TokenbusError as exc:
+            gen.outcome = exc.code
+            self.outbox.send(gen.reply, frames.error(exc))
+        except Exception as exc:
+            gen.outcome = "engine_error"
+            self.log.exception("generation_failed", request_id=gen.rid)
+            err = E.EngineError(f"the engine failed: {type(exc).__name__}")
+            self.outbox.send(gen.reply, frames.error(err))
+        finally:
+            await self._finish(gen)
+
+    async def _admit(self, msg: Msg) -> _Generation | None:
+        """The request to serve, or None once its refusal went back in the ack."""
+        try:
+            return self._screen(msg)
+        except E.TokenbusError as err:
+            await self._ack(msg, err)
+            return None
+
+    def _screen(self, msg: Msg) -> _Generation:
+        """Decode the request if this replica can take it; raise the typed refusal if not."""
         reply = reply_subject(msg)
         if self.draining:
-            await self._ack(msg, E.ReplicaDraining(f"replica {self.replica} is draining"))
-            return
+            raise E.ReplicaDraining(f"replica {self.replica} is draining")
         if marks.expired(msg.headers):
-            await self._ack(msg, E.Timeout("the request's deadline passed before it was served"))
-            return
+            raise E.Timeout("the request's deadline passed before it was served")
         if len(self._active) >= self.cfg.max_concurrency:
             # At capacity (its engine queue included): the router tries another replica or
             # holds the request in its bounded queue.
-            await self._ack(
-                msg, E.ReplicaBusy(f"replica {self.replica} is at its limit of requests")
-            )
-            return
+            raise E.ReplicaBusy(f"replica {self.replica} is at its limit of requests")
         try:
             env = codec.decode_map(msg.data)
             req = GenerationRequest.from_envelope(env)
-        except (E.TokenbusError, KeyError, TypeError, ValueError) as exc:
-            err = (
-                exc
-                if isinstance(exc, E.TokenbusError)
-                else E.InvalidRequest(f"malformed envelope: {exc}")
-            )
-            await self._ack(msg, err)
-            return
-        rid = req.request_id
+        except (KeyError, TypeError, ValueError) as exc:
+            raise E.InvalidRequest(f"malformed envelope: {exc}") from exc
         task = asyncio.current_task()
         assert task is not None
         if not reply:
-            await self._ack(msg, E.InvalidRequest("the request carries no reply subject"))
-            return
+            raise E.InvalidRequest("the request carries no reply subject")
         if self._early_cancels.pop(reply, None) is not None:
-            await self._ack(msg, E.Cancelled("the caller cancelled this request"))
-            return
-        t_start = marks.now_ns()
-        hdrs = msg.headers or {}
-        outcome = "ok"
-        first_ns = 0
-        completion = 0
-        prompt_tokens = -1
+            raise E.Cancelled("the caller cancelled this request")
+        return _Generation(reply, msg.headers or {}, env, req, task)
+
+    async def _start_engine(self, msg: Msg, gen: _Generation) -> DeltaStream | None:
+        """Start generating and take a slot; None once a failure to start went back in the ack."""
+        gen.t_start = marks.now_ns()
         # The engine starts first (its clock is the user's TTFT); the ack and the accept
         # frame go out while it prefills.
         try:
-            stream = self.backend.generate(req)
+            stream = self.backend.generate(gen.req)
         except E.TokenbusError as exc:
             await self._ack(msg, exc)
-            return
+            return None
         except Exception as exc:
-            self.log.exception("generate_failed", request_id=rid)
+            self.log.exception("generate_failed", request_id=gen.rid)
             await self._ack(msg, E.EngineError(f"the engine failed: {type(exc).__name__}"))
-            return
-        self._active[reply] = task
+            return None
+        self._active[gen.reply] = gen.task
+        return stream
+
+    async def _accept(self, msg: Msg, gen: _Generation) -> None:
+        """Ack the router's dispatch and tell the caller which replica serves it."""
+        await self._ack(msg, None)
+        info = gen.headers.get(H.RATELIMIT_INFO)
+        self.outbox.send(
+            gen.reply, frames.accept(self.replica, gen.rid, self.cfg.heartbeat_interval_s, info)
+        )
+
+    async def _relay(self, gen: _Generation, stream: DeltaStream) -> None:
+        """Send the engine's deltas as chunk frames until it finishes, then the final frame."""
+        timeout = _seconds_left(gen.headers)
+        gate = OutputGate.for_policy(
+            gen.env.get("filter_policy"), self.settings.filter.window, gen.req.resume_text
+        )
         send = self.outbox.send
-        try:
-            await self._ack(msg, None)
-            send(
-                reply,
-                frames.accept(
-                    self.replica, rid, self.cfg.heartbeat_interval_s, hdrs.get(H.RATELIMIT_INFO)
-                ),
-            )
-            deadline = marks.deadline_ms(hdrs)
-            timeout = None if deadline is None else max(0.0, deadline / 1000.0 - time.time())
-            index = 0
-            scan = output_scanner(env.get("filter_policy"), self.settings.filter.window)
-            raw: list[str] = []  # the engine's text, for the flag scan at the end
-            held_tokens = 0
-            already = 0  # output the caller already has (a migrated request), not resent
-            if scan is not None and req.resume_text:
-                # The scanner needs what came before; what it holds of it was sent already.
-                already = len(req.resume_text) - len(scan.feed(req.resume_text).text_to_emit)
-            async with asyncio.timeout(timeout), contextlib.aclosing(stream) as gen:
-                async for d in gen:
-                    text = d.text
-                    finish = d.finish_reason
-                    if scan is not None:
-                        # The output filter holds back what could still become a match.
-                        raw.append(text)
-                        out = scan.feed(text) if text else None
-                        if finish is not None and (out is None or out.blocked_by is None):
-                            tail = scan.finish()
-                            out = StreamOutput(
-                                (out.text_to_emit if out else "") + tail.text_to_emit,
-                                tail.blocked_by,
-                            )
-                        text = out.text_to_emit if out else ""
-                        if already and text:
-                            cut = min(already, len(text))
-                            text, already = text[cut:], already - cut
-                        if out is not None and out.blocked_by is not None:
-                            finish = "content_filter"
-                    if text or d.tokens:
-                        held_tokens += d.tokens
-                        if text:
-                            if not first_ns:
-                                first_ns = marks.now_ns()
-                            send(reply, frames.chunk(text, held_tokens, index))
-                            index += 1
-                            held_tokens = 0
-                        completion += d.tokens
-                    if finish is not None:
-                        timings = marks.parse(hdrs)
-                        timings["engine_start"] = t_start
-                        timings["first_token"] = first_ns or marks.now_ns()
-                        timings["engine_end"] = marks.now_ns()
-                        completion = d.completion_tokens or completion
-                        prompt_tokens = d.prompt_tokens if d.finish_reason else -1
-                        if finish == "content_filter":
-                            self.log.info(
-                                "output_blocked",
-                                request_id=rid,
-                                detector=scan.blocked_by if scan else None,
-                            )
-                        send(
-                            reply, frames.final(finish, max(0, prompt_tokens), completion, timings)
-                        )
-                        outcome = finish
-                        if scan is not None:  # after the final frame: off the caller's clock
-                            flags = output_flags(scan, "".join(raw))
-                            if flags:
-                                self.log.info("output_flagged", request_id=rid, detectors=flags)
-                        break
-                else:
-                    raise E.EngineError("the engine ended the stream without a finish reason")
-        except TimeoutError:
-            outcome = "timeout"
-            send(reply, frames.error(E.Timeout("the request's deadline passed")))
-        except asyncio.CancelledError:
-            if reply in self._caller_cancelled:
-                outcome = "cancelled"
-                t = asyncio.current_task()
-                if t is not None:
-                    t.uncancel()
-            else:
-                outcome = "interrupted"  # shutdown: the runtime sends interrupted_error()
-                raise
-        except E.TokenbusError as exc:
-            outcome = exc.code
-            send(reply, frames.error(exc))
-        except Exception as exc:
-            outcome = "engine_error"
-            self.log.exception("generation_failed", request_id=rid)
-            send(reply, frames.error(E.EngineError(f"the engine failed: {type(exc).__name__}")))
-        finally:
-            self._active.pop(reply, None)
-            self._caller_cancelled.discard(reply)
-            if len(self._active) == self.cfg.max_concurrency - 1:
-                # It was full: say at once that there is room (routers hold requests for it).
-                await self.heartbeat()
-            if H.RATELIMIT in hdrs:
-                await self._report_usage(hdrs, rid, req.max_tokens, prompt_tokens, completion)
-            end = marks.now_ns()
-            trace = marks.trace_id(hdrs)
+        reply = gen.reply
+        # Chunk numbering and tokens not yet sent matter only inside this loop: locals.
+        index = 0
+        held_tokens = 0
+        async with asyncio.timeout(timeout), contextlib.aclosing(stream) as deltas:
+            async for d in deltas:
+                text = d.text
+                finish = d.finish_reason
+                if gate is not None:
+                    text = gate.release(text, finish)
+                    if gate.blocked:
+                        finish = "content_filter"
+                if text or d.tokens:
+                    held_tokens += d.tokens
+                    if text:
+                        if not gen.first_ns:
+                            gen.first_ns = marks.now_ns()
+                        send(reply, frames.chunk(text, held_tokens, index))
+                        index += 1
+                        held_tokens = 0
+                    gen.completion += d.tokens
+                if finish is not None:
+                    self._final_frame(gen, d, finish, gate)
+                    if gate is not None:  # after the final frame: off the caller's clock
+                        self._log_flags(gen, gate)
+                    return
+            raise E.EngineError("the engine ended the stream without a finish reason")
+
+    def _final_frame(
+        self, gen: _Generation, last: Delta, finish: str, gate: OutputGate | None
+    ) -> None:
+        """Send the final frame (finish reason, token counts, timings); the outcome is set."""
+        timings = marks.parse(gen.headers)
+        timings["engine_start"] = gen.t_start
+        timings["first_token"] = gen.first_ns or marks.now_ns()
+        timings["engine_end"] = marks.now_ns()
+        gen.completion = last.completion_tokens or gen.completion
+        gen.prompt_tokens = last.prompt_tokens if last.finish_reason else -1
+        if finish == "content_filter":
             self.log.info(
-                "request",
-                request_id=rid,
-                trace_id=trace,
-                outcome=outcome,
-                completion_tokens=completion,
-                ttft_ms=round((first_ns - t_start) / 1e6, 3) if first_ns else None,
-                duration_ms=round((end - t_start) / 1e6, 3),
+                "output_blocked",
+                request_id=gen.rid,
+                detector=gate.scan.blocked_by if gate else None,
             )
-            if self.settings.telemetry.enabled:
-                timings = {**marks.parse(hdrs), "engine_start": t_start, "engine_end": end}
-                if first_ns:
-                    timings["first_token"] = first_ns
-                rec = records.build(
-                    request_id=rid,
-                    source="worker",
-                    model=self.model,
-                    timings=timings,
-                    outcome=outcome,
-                    replica=self.replica,
-                    principal=hdrs.get(H.PRINCIPAL),
-                    kind=req.kind,
-                    prompt_tokens=max(0, prompt_tokens),
-                    completion_tokens=completion,
-                    migrations=int(hdrs.get(H.MIGRATION, "0") or 0),
-                    trace_id=trace,
-                )
-                await records.publish(self.nc, rec)
+        self.outbox.send(
+            gen.reply,
+            frames.final(finish, max(0, gen.prompt_tokens), gen.completion, timings),
+        )
+        gen.outcome = finish
+
+    def _log_flags(self, gen: _Generation, gate: OutputGate) -> None:
+        """Log the detectors the policy flags that the whole output triggered, if any."""
+        flags = gate.flags()
+        if flags:
+            self.log.info("output_flagged", request_id=gen.rid, detectors=flags)
+
+    async def _finish(self, gen: _Generation) -> None:
+        """Free the request's slot, report its usage, write its log line and telemetry record."""
+        await self._free_slot(gen.reply)
+        hdrs = gen.headers
+        if H.RATELIMIT in hdrs:
+            await self._report_usage(
+                hdrs, gen.rid, gen.req.max_tokens, gen.prompt_tokens, gen.completion
+            )
+        end = marks.now_ns()
+        trace = marks.trace_id(hdrs)
+        self.log.info(
+            "request",
+            request_id=gen.rid,
+            trace_id=trace,
+            outcome=gen.outcome,
+            completion_tokens=gen.completion,
+            ttft_ms=round((gen.first_ns - gen.t_start) / 1e6, 3) if gen.first_ns else None,
+            duration_ms=round((end - gen.t_start) / 1e6, 3),
+        )
+        if self.settings.telemetry.enabled:
+            await records.publish(self.nc, self._telemetry_record(gen, end, trace))
+
+    async def _free_slot(self, reply: str) -> None:
+        """Forget the request as active; heartbeat at once if that made room."""
+        self._active.pop(reply, None)
+        self._caller_cancelled.discard(reply)
+        if len(self._active) == self.cfg.max_concurrency - 1:
+            # It was full: say at once that there is room (routers hold requests for it).
+            await self.heartbeat()
+
+    def _telemetry_record(self, gen: _Generation, end: int, trace: str | None) -> dict[str, Any]:
+        """The worker's telemetry record of the request."""
+        hdrs = gen.headers
+        timings = {**marks.parse(hdrs), "engine_start": gen.t_start, "engine_end": end}
+        if gen.first_ns:
+            timings["first_token"] = gen.first_ns
+        return records.build(
+            request_id=gen.rid,
+            source="worker",
+            model=self.model,
+            timings=timings,
+            outcome=gen.outcome,
+            replica=self.replica,
+            principal=hdrs.get(H.PRINCIPAL),
+            kind=gen.req.kind,
+            prompt_tokens=max(0, gen.prompt_tokens),
+            completion_tokens=gen.completion,
+            migrations=int(hdrs.get(H.MIGRATION, "0") or 0),
+            trace_id=trace,
+        )
 
     async def _report_usage(
         self, hdrs: dict[str, str], rid: str, max_tokens: int, prompt_tokens: int, completion: int
