@@ -11,16 +11,23 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import httpx
 import nats
+import openai
 import pytest
+from nats.aio.client import Client as NATS
 
+from auth.limits import WINDOW_S
+from auth.store import KeyStore
 from bus_schemas import codec, subjects
 from services.kit import config
 from services.kit import logging as tlog
+from services.kit.runtime import servers
+from tokenbus import Client
 from tokenbus.launcher import nats_server_binary
 
 tlog.setup("warning")
@@ -49,6 +56,26 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def wait_port(port: int, timeout: float = 10) -> None:
+    """Until something listens on ``port`` (a server just started)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.02)
+    raise RuntimeError(f"nothing listens on port {port}")
+
+
+def spawn_nats(port: int, *args: str) -> subprocess.Popen[bytes]:
+    """A nats-server process with ``args``, once it listens on ``port``."""
+    proc = subprocess.Popen(
+        [nats_server_binary(), *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    wait_port(port)
+    return proc
+
+
 class NatsServer:
     """A real nats-server process with JetStream, on a free port."""
 
@@ -62,27 +89,9 @@ class NatsServer:
         return f"nats://127.0.0.1:{self.port}"
 
     def start(self) -> NatsServer:
-        self.proc = subprocess.Popen(
-            [
-                nats_server_binary(),
-                "-a",
-                "127.0.0.1",
-                "-p",
-                str(self.port),
-                "-js",
-                "-sd",
-                str(self.data_dir),
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            with socket.socket() as s:
-                if s.connect_ex(("127.0.0.1", self.port)) == 0:
-                    return self
-            time.sleep(0.02)
-        raise RuntimeError("nats-server did not start")
+        args = ("-a", "127.0.0.1", "-p", str(self.port), "-js", "-sd", str(self.data_dir))
+        self.proc = spawn_nats(self.port, *args)
+        return self
 
     def stop(self) -> None:
         if self.proc and self.proc.poll() is None:
@@ -105,10 +114,52 @@ def private_nats(tmp_path: Path) -> Iterator[NatsServer]:
     srv.stop()
 
 
+def new_model() -> str:
+    """A model name of its own, so tests sharing a bus do not see each other."""
+    return f"m-{uuid.uuid4().hex[:8]}"
+
+
 @pytest.fixture
 def model() -> str:
-    """A model name of this test's own, so tests sharing a bus do not see each other."""
-    return f"m-{uuid.uuid4().hex[:8]}"
+    """A model name of this test's own."""
+    return new_model()
+
+
+@pytest.fixture
+async def client(nats_server: NatsServer) -> AsyncIterator[Client]:
+    """A tokenbus client connected to the shared bus (closed after the test)."""
+    c = await Client.connect(nats_server.url)
+    async with c:
+        yield c
+
+
+@pytest.fixture
+async def nc(nats_server: NatsServer) -> AsyncIterator[NATS]:
+    """A bare NATS connection to the shared bus, for what the client never sends."""
+    conn = await nats.connect(nats_server.url)
+    yield conn
+    await conn.drain()
+
+
+@contextlib.asynccontextmanager
+async def key_store(url: str, *, watch: bool = True) -> AsyncIterator[KeyStore]:
+    """The API-key store on the bus at ``url``, on a connection of its own, for the block."""
+    conn = await nats.connect(url)
+    try:
+        store = await KeyStore(conn).open(watch=watch)
+        try:
+            yield store
+        finally:
+            await store.close()
+    finally:
+        await conn.drain()
+
+
+@pytest.fixture
+async def keys(nats_server: NatsServer) -> AsyncIterator[KeyStore]:
+    """The API-key store on the shared bus (its connection is ``keys.nc``)."""
+    async with key_store(nats_server.url) as store:
+        yield store
 
 
 def settings(url: str, **over: Any) -> config.Settings:
@@ -172,13 +223,33 @@ async def stack(
         yield svcs
 
 
-async def wait_for(cond: Any, timeout: float = 10.0, interval: float = 0.02) -> None:
+async def wait_for(
+    cond: Any, timeout: float = 10.0, interval: float = 0.02, what: str = "condition not met"
+) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if cond():
             return
         await asyncio.sleep(interval)
-    raise AssertionError("condition not met in time")
+    raise AssertionError(f"{what} in time")
+
+
+async def wait_for_key(svcs: dict[str, Any], key_id: str) -> None:
+    """Until every in-process auth stage of ``svcs`` has the key in its cache."""
+    await wait_for(
+        lambda: all(key_id in a.keys._cache for a in svcs["auth"]),
+        timeout=2,
+        interval=0.01,
+        what="the key never reached every auth instance",
+    )
+
+
+async def fresh_window(margin: float = 8.0) -> None:
+    """Start a test well inside a one-minute rate-limit window, so all its requests count
+    in one."""
+    left = WINDOW_S - time.time() % WINDOW_S
+    if left < margin:
+        await asyncio.sleep(left + 0.1)
 
 
 class Proc:
@@ -223,7 +294,7 @@ class Proc:
 
 
 class Procs:
-    """Starts and always stops the processes of one test."""
+    """Starts and always stops the processes of one test (``with Procs(...) as procs``)."""
 
     def __init__(self, url: str, log_dir: Path) -> None:
         self.url = url
@@ -247,38 +318,122 @@ class Procs:
         for p in reversed(self.procs):
             p.stop()
 
+    def all_alive(self) -> bool:
+        return all(p.alive() for p in self.procs)
+
+    def __enter__(self) -> Procs:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop_all()
+
+
+def start_worker(
+    procs: Procs, model: str, i: int | str, *args: str, env: dict[str, str] | None = None
+) -> Proc:
+    """A worker process ``worker-<i>`` serving ``model`` as replica ``<model>-<i>``."""
+    cmd = ("serve", "worker", "--model", model, "--replica", f"{model}-{i}", *args)
+    return procs.start(f"worker-{i}", *cmd, env=env)
+
 
 def start_workers(
     procs: Procs, model: str, n: int, *args: str, env: dict[str, str] | None = None
 ) -> list[Proc]:
-    """``n`` sim worker processes ``w0..w<n-1>`` serving ``model`` as replicas
-    ``<model>-0..``."""
-    return [
-        procs.start(
-            f"w{i}",
-            "serve",
-            "worker",
-            "--model",
-            model,
-            "--replica",
-            f"{model}-{i}",
-            *args,
-            env=env,
-        )
-        for i in range(n)
+    """``n`` workers ``worker-0..`` serving ``model`` as replicas ``<model>-0..``."""
+    return [start_worker(procs, model, i, *args, env=env) for i in range(n)]
+
+
+class ProcStack:
+    """The processes :func:`start_stack` started, by role, and the bridge's address."""
+
+    def __init__(
+        self, procs: Procs, model: str, roles: dict[str, list[Proc]], port: int | None
+    ) -> None:
+        self.procs = procs
+        self.model = model
+        self.roles = roles
+        self.port = port
+
+    @property
+    def workers(self) -> list[Proc]:
+        return self.roles.get("worker", [])
+
+    @property
+    def bridge(self) -> Proc:
+        return self.roles["bridge"][0]
+
+    @property
+    def base(self) -> str:
+        """The bridge's HTTP root."""
+        return f"http://127.0.0.1:{self.port}"
+
+    def openai(self, api_key: str = "unused") -> openai.AsyncOpenAI:
+        """The openai SDK pointed at the bridge, without retries (they would hide errors)."""
+        return openai.AsyncOpenAI(base_url=f"{self.base}/v1", api_key=api_key, max_retries=0)
+
+    def http(self, path: str = "", **kw: Any) -> httpx.AsyncClient:
+        """An httpx client for the bridge, rooted at ``path`` (``"/v1"``: the OpenAI API)."""
+        return httpx.AsyncClient(base_url=self.base + path, **kw)
+
+    def all_alive(self) -> bool:
+        return self.procs.all_alive()
+
+
+async def start_stack(
+    procs: Procs,
+    model: str,
+    *services: str,
+    workers: int = 1,
+    worker_args: Sequence[str] = (),
+    bridge: bool = True,
+    bridge_args: Sequence[str] = (),
+    env: dict[str, str] | None = None,
+    env_for: Callable[[str, int], dict[str, str]] | None = None,
+    heartbeats: bool = True,
+    settle: float = 0.0,
+) -> ProcStack:
+    """Real processes: ``services`` (``"ingress"``, ``"router"``, a stage; a name given twice
+    runs twice), ``workers`` workers of ``model`` (:func:`start_worker`, ``worker_args``
+    added), then the HTTP bridge on a free port. Each gets ``env`` and, over it,
+    ``env_for(role, index)``. Returns once every replica heartbeats on the bus (unless
+    ``heartbeats`` is off: the test cannot listen there), the bridge is ready, and
+    ``settle`` seconds more have passed (for what the test's services learn next)."""
+
+    def env_of(role: str, i: int) -> dict[str, str]:
+        return {**(env or {}), **(env_for(role, i) if env_for else {})}
+
+    roles: dict[str, list[Proc]] = {}
+    for role in services:
+        i = len(roles.setdefault(role, []))
+        name = f"{role}-{i}" if services.count(role) > 1 else role
+        roles[role].append(procs.start(name, "serve", role, env=env_of(role, i)))
+    roles["worker"] = [
+        start_worker(procs, model, i, *worker_args, env=env_of("worker", i)) for i in range(workers)
     ]
+    port = None
+    if bridge:
+        port = free_port()
+        cmd = ("serve", "bridge", "--port", str(port), *bridge_args)
+        roles["bridge"] = [procs.start("bridge", *cmd, env=env_of("bridge", 0))]
+    stack = ProcStack(procs, model, roles, port)
+    if heartbeats and workers:
+        await wait_replicas(procs.url, model, workers)
+    if bridge:
+        await wait_http(f"{stack.base}/ready")
+    await asyncio.sleep(settle)
+    return stack
 
 
 @pytest.fixture
 def procs(nats_server: NatsServer, tmp_path: Path) -> Iterator[Procs]:
-    ps = Procs(nats_server.url, tmp_path)
-    yield ps
-    ps.stop_all()
+    with Procs(nats_server.url, tmp_path) as ps:
+        yield ps
 
 
 async def live_replicas(url: str, model: str, wait: float = 0.6) -> dict[str, dict[str, Any]]:
-    """Replicas of ``model`` heard on the bus within ``wait`` seconds (latest heartbeat each)."""
-    nc = await nats.connect(url)
+    """Replicas of ``model`` heard on the bus within ``wait`` seconds (latest heartbeat each);
+    ``url`` may name several nodes of a cluster, the first preferred."""
+    nc = await nats.connect(servers(url), dont_randomize=True)
     seen: dict[str, dict[str, Any]] = {}
 
     async def cb(msg: Any) -> None:
@@ -302,8 +457,6 @@ async def wait_replicas(url: str, model: str, n: int, timeout: float = 20) -> No
 
 
 async def wait_http(url: str, timeout: float = 20) -> None:
-    import httpx
-
     deadline = time.monotonic() + timeout
     async with httpx.AsyncClient() as c:
         while time.monotonic() < deadline:

@@ -8,7 +8,6 @@ import subprocess
 import time
 from typing import Any
 
-import nats
 import openai
 import pytest
 
@@ -19,11 +18,12 @@ from bus_schemas import subjects
 from tests.conftest import (
     NatsServer,
     Procs,
-    free_port,
+    key_store,
     run_cli,
     stack,
-    wait_http,
-    wait_replicas,
+    start_stack,
+    wait_for,
+    wait_for_key,
 )
 from tokenbus import Client
 
@@ -47,103 +47,71 @@ def test_keys_are_random_recognisable_and_hashed() -> None:
         parse_duration("soon")
 
 
-async def _store(url: str) -> tuple[Any, KeyStore]:
-    nc = await nats.connect(url)
-    return nc, await KeyStore(nc).open()
-
-
 async def test_keys_work_across_two_auth_instances_and_revocation_is_quick(
-    nats_server: NatsServer, model: str
+    nats_server: NatsServer, model: str, keys: KeyStore, client: Client
 ) -> None:
-    nc, store = await _store(nats_server.url)
-    key, rec = await store.create("tester", models=[model])
-    other, _ = await store.create("other-model", models=["elsewhere"])
-    try:
-        async with (
-            stack(nats_server.url, model, workers=1, auths=2) as svcs,
-            await Client.connect(nats_server.url) as c,
-        ):
-            await wait_for_key(svcs, rec.id)
-            outs = await asyncio.gather(
-                *(c.chat_completion(model, MSG, max_tokens=2, api_key=key) for _ in range(24))
-            )
-            assert all(o.usage.completion_tokens == 2 for o in outs)
-            served = [a.discovery.endpoints[0].num_requests for a in svcs["auth"]]
-            assert all(n > 0 for n in served), served  # both instances took requests
-            with pytest.raises(E.Unauthorized):
-                await c.chat_completion(model, MSG)
-            with pytest.raises(E.Unauthorized):
-                await c.chat_completion(model, MSG, api_key=key[:-2] + "xx")
-            with pytest.raises(E.Forbidden) as ei:
-                await c.chat_completion(model, MSG, api_key=other)
-            assert ei.value.status == 403
-            await store.revoke(rec.id)
-            await wait_for_revoked(svcs, rec.id)
-            for _ in range(6):
-                with pytest.raises(E.Unauthorized) as ei2:
-                    await c.chat_completion(model, MSG, api_key=key)
-                assert "revoked" in ei2.value.message
-    finally:
-        await store.close()
-        await nc.drain()
-
-
-async def wait_for_key(svcs: dict[str, Any], key_id: str) -> None:
-    for _ in range(200):
-        if all(key_id in a.keys._cache for a in svcs["auth"]):
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("the key never reached every auth instance")
+    key, rec = await keys.create("tester", models=[model])
+    other, _ = await keys.create("other-model", models=["elsewhere"])
+    async with stack(nats_server.url, model, workers=1, auths=2) as svcs:
+        await wait_for_key(svcs, rec.id)
+        outs = await asyncio.gather(
+            *(client.chat_completion(model, MSG, max_tokens=2, api_key=key) for _ in range(24))
+        )
+        assert all(o.usage.completion_tokens == 2 for o in outs)
+        served = [a.discovery.endpoints[0].num_requests for a in svcs["auth"]]
+        assert all(n > 0 for n in served), served  # both instances took requests
+        with pytest.raises(E.Unauthorized):
+            await client.chat_completion(model, MSG)
+        with pytest.raises(E.Unauthorized):
+            await client.chat_completion(model, MSG, api_key=key[:-2] + "xx")
+        with pytest.raises(E.Forbidden) as ei:
+            await client.chat_completion(model, MSG, api_key=other)
+        assert ei.value.status == 403
+        await keys.revoke(rec.id)
+        await wait_for_revoked(svcs, rec.id)
+        for _ in range(6):
+            with pytest.raises(E.Unauthorized) as ei2:
+                await client.chat_completion(model, MSG, api_key=key)
+            assert "revoked" in ei2.value.message
 
 
 async def wait_for_revoked(svcs: dict[str, Any], key_id: str) -> None:
-    for _ in range(1000):
-        if all(not a.keys._cache[key_id].enabled for a in svcs["auth"]):
-            return
-        await asyncio.sleep(0.005)
-    raise AssertionError("revocation did not reach every auth instance")
+    await wait_for(
+        lambda: all(not a.keys._cache[key_id].enabled for a in svcs["auth"]),
+        timeout=5,
+        interval=0.005,
+        what="revocation did not reach every auth instance",
+    )
 
 
-async def test_expired_keys_are_refused(nats_server: NatsServer, model: str) -> None:
-    nc, store = await _store(nats_server.url)
-    key, rec = await store.create("short", expires_at=time.time() + 0.5)
-    try:
-        async with (
-            stack(nats_server.url, model, workers=1, auths=1) as svcs,
-            await Client.connect(nats_server.url) as c,
-        ):
-            await wait_for_key(svcs, rec.id)
-            await asyncio.sleep(0.6)
-            with pytest.raises(E.Unauthorized) as ei:
-                await c.chat_completion(model, MSG, api_key=key)
-            assert "expired" in ei.value.message
-    finally:
-        await store.close()
-        await nc.drain()
+async def test_expired_keys_are_refused(
+    nats_server: NatsServer, model: str, keys: KeyStore, client: Client
+) -> None:
+    key, rec = await keys.create("short", expires_at=time.time() + 0.5)
+    async with stack(nats_server.url, model, workers=1, auths=1) as svcs:
+        await wait_for_key(svcs, rec.id)
+        await asyncio.sleep(0.6)
+        with pytest.raises(E.Unauthorized) as ei:
+            await client.chat_completion(model, MSG, api_key=key)
+        assert "expired" in ei.value.message
 
 
-async def test_the_key_never_reaches_later_stages(nats_server: NatsServer, model: str) -> None:
-    nc, store = await _store(nats_server.url)
-    key, rec = await store.create("spy-test")
+async def test_the_key_never_reaches_later_stages(
+    nats_server: NatsServer, model: str, keys: KeyStore, client: Client
+) -> None:
+    key, rec = await keys.create("spy-test")
     seen: list[dict[str, str]] = []
 
     async def spy(msg: Any) -> None:
         seen.append(dict(msg.headers or {}))
 
-    await nc.subscribe(subjects.engine_generate(model, f"{model}-w0"), cb=spy)
-    try:
-        async with (
-            stack(nats_server.url, model, workers=1, auths=1) as svcs,
-            await Client.connect(nats_server.url) as c,
-        ):
-            await wait_for_key(svcs, rec.id)
-            await c.chat_completion(model, MSG, max_tokens=2, api_key=key)
-        assert seen and all("Tb-Api-Key" not in h for h in seen)
-        assert all(key not in json.dumps(h) for h in seen)
-        assert seen[0]["Tb-Principal"] == rec.id
-    finally:
-        await store.close()
-        await nc.drain()
+    await keys.nc.subscribe(subjects.engine_generate(model, f"{model}-w0"), cb=spy)
+    async with stack(nats_server.url, model, workers=1, auths=1) as svcs:
+        await wait_for_key(svcs, rec.id)
+        await client.chat_completion(model, MSG, max_tokens=2, api_key=key)
+    assert seen and all("Tb-Api-Key" not in h for h in seen)
+    assert all(key not in json.dumps(h) for h in seen)
+    assert seen[0]["Tb-Principal"] == rec.id
 
 
 def _keys(url: str, *args: str) -> subprocess.CompletedProcess[str]:
@@ -179,31 +147,20 @@ def test_keys_cli(nats_server: NatsServer) -> None:
     assert missing.returncode == 1 and "no key" in missing.stdout
 
 
+PIPELINE = {"TOKENBUS_INGRESS__PIPELINE": '["auth", "route"]'}
+
+
 async def test_http_clients_authenticate_with_bearer_or_api_key(procs: Procs, model: str) -> None:
-    nc, store = await _store(procs.url)
-    key, _ = await store.create("http", models=[model])
-    await store.close()
-    await nc.drain()
-    env = {"TOKENBUS_INGRESS__PIPELINE": '["auth", "route"]'}
-    port = free_port()
-    procs.start("auth", "serve", "auth", env=env)
-    procs.start("router", "serve", "router", env=env)
-    procs.start("worker", "serve", "worker", "--model", model, env=env)
-    procs.start("bridge", "serve", "bridge", "--port", str(port), env=env)
-    await wait_replicas(procs.url, model, 1)
-    await wait_http(f"http://127.0.0.1:{port}/ready")
-    base = f"http://127.0.0.1:{port}/v1"
-    async with openai.AsyncOpenAI(base_url=base, api_key=key, max_retries=0) as c:
+    async with key_store(procs.url) as keys:
+        key, _ = await keys.create("http", models=[model])
+    stack = await start_stack(procs, model, "auth", "router", env=PIPELINE)
+    async with stack.openai(key) as c:
         out = await c.chat.completions.create(model=model, messages=MSG, max_tokens=3)
         assert out.usage is not None and out.usage.completion_tokens == 3
-    async with openai.AsyncOpenAI(
-        base_url=base, api_key="tb-000000000000_" + "A" * 43, max_retries=0
-    ) as c:
+    async with stack.openai("tb-000000000000_" + "A" * 43) as c:
         with pytest.raises(openai.AuthenticationError):
             await c.chat.completions.create(model=model, messages=MSG)
-    import httpx
-
-    async with httpx.AsyncClient(base_url=base) as h:
+    async with stack.http("/v1") as h:
         r = await h.post(
             "/chat/completions",
             json={"model": model, "messages": MSG, "max_tokens": 2},
@@ -217,24 +174,12 @@ async def test_http_clients_authenticate_with_bearer_or_api_key(procs: Procs, mo
 
 
 async def test_admin_api_on_the_bridge(procs: Procs, model: str) -> None:
-    nc, store = await _store(procs.url)
-    admin, _ = await store.create("admin", admin=True)
-    plain, _ = await store.create("plain")
-    await store.close()
-    await nc.drain()
-    env = {"TOKENBUS_INGRESS__PIPELINE": '["auth", "route"]'}
-    port = free_port()
-    for name in ("auth", "router"):
-        procs.start(name, "serve", name, env=env)
-    procs.start("worker", "serve", "worker", "--model", model, env=env)
-    procs.start("bridge", "serve", "bridge", "--port", str(port), env=env)
-    await wait_replicas(procs.url, model, 1)
-    await wait_http(f"http://127.0.0.1:{port}/ready")
-    import httpx
-
-    base = f"http://127.0.0.1:{port}/v1"
+    async with key_store(procs.url) as keys:
+        admin, _ = await keys.create("admin", admin=True)
+        plain, _ = await keys.create("plain")
+    stack = await start_stack(procs, model, "auth", "router", env=PIPELINE)
     adm = {"Authorization": f"Bearer {admin}"}
-    async with httpx.AsyncClient(base_url=base) as h:
+    async with stack.http("/v1") as h:
         assert (await h.get("/admin/keys")).status_code == 401
         r = await h.get("/admin/keys", headers={"Authorization": f"Bearer {plain}"})
         assert r.status_code == 403

@@ -5,88 +5,68 @@ from __future__ import annotations
 
 import asyncio
 
-import httpx
-import nats
 import openai
 import pytest
 
 from auth.store import KeyStore
 from bus_schemas import errors as E
-from tests.conftest import Procs, free_port, wait_http, wait_replicas
-from tests.test_ratelimit import fresh_window
+from tests.conftest import Procs, fresh_window, start_stack
 from tokenbus import Client
 
 MSG = [{"role": "user", "content": "hi"}]
 AWS = "AKIA" + "IOSFODNN7EXAMPLE"
 PIPELINE = '["auth", "ratelimit", "filter", "route"]'
+STAGES = ("ingress", "auth", "ratelimit", "filter", "router")
 
 
-async def _start(procs: Procs, model: str, *, fuse: bool) -> str:
+@pytest.mark.parametrize("fuse", [True, False])
+async def test_bridge_stages_share_limits_keys_and_policies_with_the_services(
+    procs: Procs, model: str, fuse: bool, keys: KeyStore, client: Client
+) -> None:
+    key, rec = await keys.create("shared", rpm=4, filter_policy="strict")
     env = {
         "TOKENBUS_INGRESS__PIPELINE": PIPELINE,
         "TOKENBUS_FILTER__DEFAULT_POLICY": "strict",
         "TOKENBUS_BRIDGE__FUSE_STAGES": "true" if fuse else "false",
     }
-    port = free_port()
-    for name in ("ingress", "auth", "ratelimit", "filter", "router"):
-        procs.start(name, "serve", name, env=env)
-    procs.start("worker", "serve", "worker", "--model", model, env=env)
-    procs.start("bridge", "serve", "bridge", "--port", str(port), env=env)
-    await wait_replicas(procs.url, model, 1)
-    await wait_http(f"http://127.0.0.1:{port}/ready")
-    return f"http://127.0.0.1:{port}/v1"
-
-
-@pytest.mark.parametrize("fuse", [True, False])
-async def test_bridge_stages_share_limits_keys_and_policies_with_the_services(
-    procs: Procs, model: str, fuse: bool
-) -> None:
-    nc = await nats.connect(procs.url)
-    store = await KeyStore(nc).open()
-    key, rec = await store.create("shared", rpm=4, filter_policy="strict")
-    try:
-        base = await _start(procs, model, fuse=fuse)
-        await asyncio.sleep(0.5)  # every key cache has loaded the key
-        await fresh_window()
-        api = openai.AsyncOpenAI(base_url=base, api_key=key, max_retries=0)
-        # Two requests over HTTP (the bridge's limiter), two over NATS (the stage service's).
-        for _ in range(2):
-            r = await api.chat.completions.create(model=model, messages=MSG, max_tokens=2)
-            assert r.usage is not None and r.usage.completion_tokens == 2
-        async with await Client.connect(procs.url) as c:
-            for _ in range(2):
-                await c.chat_completion(model, MSG, max_tokens=2, api_key=key)
-            with pytest.raises(E.RateLimited):
-                await c.chat_completion(model, MSG, max_tokens=2, api_key=key)
-        # The fifth over HTTP is refused too: the limit is the key's, not each instance's.
-        with pytest.raises(openai.RateLimitError) as rl:
-            await api.chat.completions.create(model=model, messages=MSG, max_tokens=2)
-        assert rl.value.response.headers["x-ratelimit-remaining-requests"] == "0"
-        assert int(rl.value.response.headers["retry-after"]) >= 1
-        # The key's strict policy blocks a secret in the prompt, naming the detector only.
-        await store.update(rec.id, rpm=1000)
-        await asyncio.sleep(0.5)
-        async with httpx.AsyncClient(base_url=base, timeout=30) as h:
-            hdr = {"Authorization": f"Bearer {key}"}
-            body = {
-                "model": model,
-                "messages": [{"role": "user", "content": f"key {AWS}"}],
-                "max_tokens": 2,
-            }
-            r = await h.post("/chat/completions", json=body, headers=hdr)
-            assert r.status_code == 400, r.text
-            assert r.json()["error"]["code"] == "content_blocked.secret.aws_access_key"
-            assert AWS not in r.text
-            # Revoked: refused everywhere within moments.
-            await store.revoke(rec.id)
-            for _ in range(40):
-                r = await h.post("/chat/completions", json={**body, "messages": MSG}, headers=hdr)
-                if r.status_code == 401:
-                    break
-                await asyncio.sleep(0.05)
-            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
-            assert key not in r.text
-        assert all(p.alive() for p in procs.procs), "a process died"
-    finally:
-        await store.close()
-        await nc.drain()
+    # settle: every key cache has loaded the key
+    stack = await start_stack(procs, model, *STAGES, env=env, settle=0.5)
+    await fresh_window()
+    api = stack.openai(key)
+    # Two requests over HTTP (the bridge's limiter), two over NATS (the stage service's).
+    for _ in range(2):
+        r = await api.chat.completions.create(model=model, messages=MSG, max_tokens=2)
+        assert r.usage is not None and r.usage.completion_tokens == 2
+    for _ in range(2):
+        await client.chat_completion(model, MSG, max_tokens=2, api_key=key)
+    with pytest.raises(E.RateLimited):
+        await client.chat_completion(model, MSG, max_tokens=2, api_key=key)
+    # The fifth over HTTP is refused too: the limit is the key's, not each instance's.
+    with pytest.raises(openai.RateLimitError) as rl:
+        await api.chat.completions.create(model=model, messages=MSG, max_tokens=2)
+    assert rl.value.response.headers["x-ratelimit-remaining-requests"] == "0"
+    assert int(rl.value.response.headers["retry-after"]) >= 1
+    # The key's strict policy blocks a secret in the prompt, naming the detector only.
+    await keys.update(rec.id, rpm=1000)
+    await asyncio.sleep(0.5)
+    async with stack.http("/v1", timeout=30) as h:
+        hdr = {"Authorization": f"Bearer {key}"}
+        body = {
+            "model": model,
+            "messages": [{"role": "user", "content": f"key {AWS}"}],
+            "max_tokens": 2,
+        }
+        r = await h.post("/chat/completions", json=body, headers=hdr)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["code"] == "content_blocked.secret.aws_access_key"
+        assert AWS not in r.text
+        # Revoked: refused everywhere within moments.
+        await keys.revoke(rec.id)
+        for _ in range(40):
+            r = await h.post("/chat/completions", json={**body, "messages": MSG}, headers=hdr)
+            if r.status_code == 401:
+                break
+            await asyncio.sleep(0.05)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        assert key not in r.text
+    assert stack.all_alive(), "a process died"

@@ -6,8 +6,8 @@ import asyncio
 import json
 from typing import Any
 
-import nats
 import pytest
+from nats.aio.client import Client as NATS
 
 from bus_schemas import codec, subjects
 from bus_schemas import errors as E
@@ -19,9 +19,11 @@ MSG = [{"role": "user", "content": "hello there"}]
 PROMPT = "<|user|>hello there\n"
 
 
-async def test_streaming_and_whole_chat_over_nats(nats_server: NatsServer, model: str) -> None:
-    async with stack(nats_server.url, model), await Client.connect(nats_server.url) as c:
-        stream = c.chat(model, MSG, max_tokens=10, seed=3)
+async def test_streaming_and_whole_chat_over_nats(
+    nats_server: NatsServer, model: str, client: Client
+) -> None:
+    async with stack(nats_server.url, model):
+        stream = client.chat(model, MSG, max_tokens=10, seed=3)
         chunks = [ch async for ch in stream]
         text = "".join(ch.text for ch in chunks)
         assert text == expected_text(PROMPT, 10, seed=3)[0]
@@ -34,18 +36,20 @@ async def test_streaming_and_whole_chat_over_nats(nats_server: NatsServer, model
         assert stream.timings["t0"] <= stream.timings["ingress"] <= stream.timings["route"]
         assert stream.timings["route"] <= stream.timings["engine_start"]
 
-        whole = await c.chat_completion(model, MSG, max_tokens=10, seed=3)
+        whole = await client.chat_completion(model, MSG, max_tokens=10, seed=3)
         assert whole.text == text and whole.finish_reason == "length"
 
-        comp = await c.completion(model, "abc", max_tokens=4)
+        comp = await client.completion(model, "abc", max_tokens=4)
         assert comp.text == expected_text("abc", 4)[0]
 
 
-async def test_stop_sequences_over_the_bus(nats_server: NatsServer, model: str) -> None:
+async def test_stop_sequences_over_the_bus(
+    nats_server: NatsServer, model: str, client: Client
+) -> None:
     full = expected_text(PROMPT, 30)[0]
     stop = " " + full.split(" ")[4]
-    async with stack(nats_server.url, model, workers=1), await Client.connect(nats_server.url) as c:
-        out = await c.chat_completion(model, MSG, max_tokens=30, stop=[stop])
+    async with stack(nats_server.url, model, workers=1):
+        out = await client.chat_completion(model, MSG, max_tokens=30, stop=[stop])
     assert out.finish_reason == "stop"
     assert out.text == full[: full.find(stop)]
 
@@ -62,43 +66,43 @@ async def test_stop_sequences_over_the_bus(nats_server: NatsServer, model: str) 
     ],
 )
 async def test_bad_requests_get_typed_errors_and_services_keep_serving(
-    nats_server: NatsServer, model: str, body: dict[str, Any], code: str, status: int
+    nats_server: NatsServer,
+    model: str,
+    body: dict[str, Any],
+    code: str,
+    status: int,
+    client: Client,
 ) -> None:
     body = json.loads(json.dumps(body).replace("{model}", model))
-    async with stack(nats_server.url, model, workers=1), await Client.connect(nats_server.url) as c:
+    async with stack(nats_server.url, model, workers=1):
         with pytest.raises(E.TokenbusError) as ei:
-            await c.submit("chat", body).collect()
+            await client.submit("chat", body).collect()
         assert (ei.value.code, E.http_status(ei.value)) == (code, status)
         assert ei.value.message
-        ok = await c.chat_completion(model, MSG, max_tokens=2)
+        ok = await client.chat_completion(model, MSG, max_tokens=2)
         assert ok.usage.completion_tokens == 2
 
 
-async def test_malformed_msgpack_is_refused(nats_server: NatsServer, model: str) -> None:
+async def test_malformed_msgpack_is_refused(nats_server: NatsServer, model: str, nc: NATS) -> None:
     async with stack(nats_server.url, model, workers=1):
-        nc = await nats.connect(nats_server.url)
-        try:
-            reply = await nc.request(subjects.request("chat"), b"\xc1\xc1", timeout=5)
-            frame = codec.decode_map(reply.data)
-            assert frame["t"] == "e" and frame["error"]["code"] == "invalid_request"
-            assert frame["error"]["status"] == 400
-        finally:
-            await nc.drain()
+        reply = await nc.request(subjects.request("chat"), b"\xc1\xc1", timeout=5)
+        frame = codec.decode_map(reply.data)
+        assert frame["t"] == "e" and frame["error"]["code"] == "invalid_request"
+        assert frame["error"]["status"] == 400
 
 
-async def test_oversized_prompt_is_413(nats_server: NatsServer, model: str) -> None:
-    async with (
-        stack(nats_server.url, model, workers=1, ingress={"max_prompt_chars": 100}),
-        await Client.connect(nats_server.url) as c,
-    ):
+async def test_oversized_prompt_is_413(nats_server: NatsServer, model: str, client: Client) -> None:
+    async with stack(nats_server.url, model, workers=1, ingress={"max_prompt_chars": 100}):
         with pytest.raises(E.PayloadTooLarge):
-            await c.chat_completion(model, [{"role": "user", "content": "x" * 101}])
+            await client.chat_completion(model, [{"role": "user", "content": "x" * 101}])
 
 
-async def test_several_workers_share_the_load(nats_server: NatsServer, model: str) -> None:
-    async with stack(nats_server.url, model, workers=3), await Client.connect(nats_server.url) as c:
+async def test_several_workers_share_the_load(
+    nats_server: NatsServer, model: str, client: Client
+) -> None:
+    async with stack(nats_server.url, model, workers=3):
         outs = await asyncio.gather(
-            *(c.chat_completion(model, MSG, max_tokens=20) for _ in range(30))
+            *(client.chat_completion(model, MSG, max_tokens=20) for _ in range(30))
         )
     served = [o.replica for o in outs]
     assert len(set(served)) == 3
@@ -139,12 +143,9 @@ async def test_no_router_is_a_clear_503(private_nats: NatsServer, model: str) ->
 
 
 async def test_dead_replica_before_accept_is_routed_around(
-    nats_server: NatsServer, model: str
+    nats_server: NatsServer, model: str, client: Client
 ) -> None:
-    async with (
-        stack(nats_server.url, model, workers=2) as svcs,
-        await Client.connect(nats_server.url) as c,
-    ):
+    async with stack(nats_server.url, model, workers=2) as svcs:
         dead = svcs["workers"][0]
         # The replica stops answering but the router still believes in it (heartbeats not
         # yet expired): exactly a process killed between two heartbeats.
@@ -153,20 +154,17 @@ async def test_dead_replica_before_accept_is_routed_around(
         dead._subs.clear()
         dead._hb_task.cancel()
         outs = await asyncio.gather(
-            *(c.chat_completion(model, MSG, max_tokens=3) for _ in range(10))
+            *(client.chat_completion(model, MSG, max_tokens=3) for _ in range(10))
         )
         assert {o.replica for o in outs} == {svcs["workers"][1].replica}
 
 
 async def test_closing_the_stream_cancels_generation_on_the_worker(
-    nats_server: NatsServer, model: str
+    nats_server: NatsServer, model: str, client: Client
 ) -> None:
-    async with (
-        stack(nats_server.url, model, workers=1) as svcs,
-        await Client.connect(nats_server.url) as c,
-    ):
+    async with stack(nats_server.url, model, workers=1) as svcs:
         w = svcs["workers"][0]
-        stream = c.chat(model, MSG, max_tokens=100_000)
+        stream = client.chat(model, MSG, max_tokens=100_000)
         async for _ in stream:
             break
         assert w.in_flight == 1
@@ -175,53 +173,46 @@ async def test_closing_the_stream_cancels_generation_on_the_worker(
 
 
 async def test_cancel_before_accept_still_reaches_the_worker(
-    nats_server: NatsServer, model: str
+    nats_server: NatsServer, model: str, client: Client
 ) -> None:
-    async with (
-        stack(nats_server.url, model, workers=1) as svcs,
-        await Client.connect(nats_server.url) as c,
-    ):
+    async with stack(nats_server.url, model, workers=1) as svcs:
         w = svcs["workers"][0]
-        stream = c.chat(model, MSG, max_tokens=100_000)
+        stream = client.chat(model, MSG, max_tokens=100_000)
         await stream.start()
         await stream.aclose()  # before any frame arrived
         await asyncio.sleep(0.3)
         await wait_for(lambda: w.in_flight == 0 and w.backend.stats()["running"] == 0)
 
 
-async def test_request_timeout_is_a_typed_error(nats_server: NatsServer, model: str) -> None:
-    async with (
-        stack(nats_server.url, model, workers=1) as svcs,
-        await Client.connect(nats_server.url) as c,
-    ):
+async def test_request_timeout_is_a_typed_error(
+    nats_server: NatsServer, model: str, client: Client
+) -> None:
+    async with stack(nats_server.url, model, workers=1) as svcs:
         with pytest.raises(E.Timeout):
-            await c.chat_completion(model, MSG, max_tokens=100_000, timeout=0.3)
+            await client.chat_completion(model, MSG, max_tokens=100_000, timeout=0.3)
         await wait_for(lambda: svcs["workers"][0].in_flight == 0)
 
 
-async def test_expired_requests_are_dropped_not_served(nats_server: NatsServer, model: str) -> None:
+async def test_expired_requests_are_dropped_not_served(
+    nats_server: NatsServer, model: str, nc: NATS
+) -> None:
     async with stack(nats_server.url, model, workers=1) as svcs:
-        nc = await nats.connect(nats_server.url)
-        try:
-            reply = await nc.request(
-                subjects.request("chat"),
-                codec.encode({"model": model, "messages": MSG}),
-                headers={"Tb-Deadline": "1000"},
-                timeout=5,
-            )
-            frame = codec.decode_map(reply.data)
-            assert frame["error"]["code"] == "timeout"
-            assert svcs["workers"][0].discovery.endpoints[0].num_requests == 0
-        finally:
-            await nc.drain()
+        reply = await nc.request(
+            subjects.request("chat"),
+            codec.encode({"model": model, "messages": MSG}),
+            headers={"Tb-Deadline": "1000"},
+            timeout=5,
+        )
+        frame = codec.decode_map(reply.data)
+        assert frame["error"]["code"] == "timeout"
+        assert svcs["workers"][0].discovery.endpoints[0].num_requests == 0
 
 
-async def test_drain_finishes_in_flight_streams(nats_server: NatsServer, model: str) -> None:
-    async with (
-        stack(nats_server.url, model, workers=2) as svcs,
-        await Client.connect(nats_server.url) as c,
-    ):
-        stream = c.chat(model, MSG, max_tokens=60)
+async def test_drain_finishes_in_flight_streams(
+    nats_server: NatsServer, model: str, client: Client
+) -> None:
+    async with stack(nats_server.url, model, workers=2) as svcs:
+        stream = client.chat(model, MSG, max_tokens=60)
         first = await stream.__anext__()
         serving = next(w for w in svcs["workers"] if w.replica == stream.replica)
         other = next(w for w in svcs["workers"] if w is not serving)
@@ -230,13 +221,14 @@ async def test_drain_finishes_in_flight_streams(nats_server: NatsServer, model: 
         await drain
         assert stream.finish_reason == "length"
         assert sum(ch.tokens for ch in [first, *rest]) == 60
-        out = await c.chat_completion(model, MSG, max_tokens=2)
+        out = await client.chat_completion(model, MSG, max_tokens=2)
         assert out.replica == other.replica
 
 
-async def test_services_answer_nats_micro_discovery(nats_server: NatsServer, model: str) -> None:
+async def test_services_answer_nats_micro_discovery(
+    nats_server: NatsServer, model: str, nc: NATS
+) -> None:
     async with stack(nats_server.url, model, workers=1):
-        nc = await nats.connect(nats_server.url)
         inbox = nc.new_inbox()
         got: list[dict[str, Any]] = []
 
@@ -253,18 +245,14 @@ async def test_services_answer_nats_micro_discovery(nats_server: NatsServer, mod
         await asyncio.sleep(0.3)
         assert got and all(g["type"] == "io.nats.micro.v1.stats_response" for g in got)
         assert all("num_requests" in e for g in got for e in g["endpoints"])
-        await nc.drain()
 
 
 async def test_replica_dying_mid_stream_ends_in_a_retryable_error(
-    nats_server: NatsServer, model: str
+    nats_server: NatsServer, model: str, client: Client
 ) -> None:
-    async with (
-        stack(nats_server.url, model, workers=1) as svcs,
-        await Client.connect(nats_server.url) as c,
-    ):
+    async with stack(nats_server.url, model, workers=1) as svcs:
         w = svcs["workers"][0]
-        stream = c.chat(model, MSG, max_tokens=100_000)
+        stream = client.chat(model, MSG, max_tokens=100_000)
         await stream.__anext__()
         # What a kill -9 looks like from the bus: no more frames, no more heartbeats.
         w._hb_task.cancel()
@@ -285,17 +273,14 @@ async def test_replica_dying_mid_stream_ends_in_a_retryable_error(
     "see the closing note of issue 2"
 )
 async def test_draining_ingress_answers_what_it_already_received(
-    nats_server: NatsServer, model: str
+    nats_server: NatsServer, model: str, client: Client
 ) -> None:
-    async with (
-        stack(nats_server.url, model, workers=1) as svcs,
-        await Client.connect(nats_server.url) as c,
-    ):
-        await c.chat_completion(model, MSG, max_tokens=1)  # the path is live end to end
-        streams = [c.chat(model, MSG, max_tokens=3, timeout=20) for _ in range(40)]
+    async with stack(nats_server.url, model, workers=1) as svcs:
+        await client.chat_completion(model, MSG, max_tokens=1)  # the path is live end to end
+        streams = [client.chat(model, MSG, max_tokens=3, timeout=20) for _ in range(40)]
         for s in streams:
             await s.start()
-        await c.nc.flush()
+        await client.nc.flush()
         ingress = svcs["ingress"]
         await ingress.drain(timeout=10)
         ok = unavailable = 0
@@ -315,14 +300,11 @@ async def test_draining_ingress_answers_what_it_already_received(
 
 
 async def test_same_request_id_twice_does_not_cross_streams(
-    nats_server: NatsServer, model: str
+    nats_server: NatsServer, model: str, client: Client
 ) -> None:
-    async with (
-        stack(nats_server.url, model, workers=1) as svcs,
-        await Client.connect(nats_server.url) as c,
-    ):
-        a = c.chat(model, MSG, max_tokens=40, request_id="same-id")
-        b = c.chat(model, MSG, max_tokens=40, request_id="same-id")
+    async with stack(nats_server.url, model, workers=1) as svcs:
+        a = client.chat(model, MSG, max_tokens=40, request_id="same-id")
+        b = client.chat(model, MSG, max_tokens=40, request_id="same-id")
         await a.__anext__()
         await b.__anext__()
         await a.aclose()
@@ -332,37 +314,33 @@ async def test_same_request_id_twice_does_not_cross_streams(
 
 
 async def test_a_request_too_large_for_the_bus_is_413_and_the_client_survives(
-    nats_server: NatsServer, model: str
+    nats_server: NatsServer, model: str, client: Client
 ) -> None:
-    async with stack(nats_server.url, model, workers=1), await Client.connect(nats_server.url) as c:
-        huge = [{"role": "user", "content": "x" * (c.nc.max_payload + 10)}]
+    async with stack(nats_server.url, model, workers=1):
+        huge = [{"role": "user", "content": "x" * (client.nc.max_payload + 10)}]
         with pytest.raises(E.PayloadTooLarge):
-            await c.chat_completion(model, huge)
-        ok = await c.chat_completion(model, MSG, max_tokens=2)
+            await client.chat_completion(model, huge)
+        ok = await client.chat_completion(model, MSG, max_tokens=2)
         assert ok.usage.completion_tokens == 2
 
 
 async def test_ingress_ignores_stage_headers_from_clients(
-    nats_server: NatsServer, model: str
+    nats_server: NatsServer, model: str, nc: NATS
 ) -> None:
     async with stack(nats_server.url, model, workers=1):
-        nc = await nats.connect(nats_server.url)
-        try:
-            spy = nc.new_inbox()
-            got: list[Any] = []
+        spy = nc.new_inbox()
+        got: list[Any] = []
 
-            async def cb(msg: Any) -> None:
-                got.append(msg)
+        async def cb(msg: Any) -> None:
+            got.append(msg)
 
-            await nc.subscribe(spy, cb=cb)
-            reply = await nc.request(
-                subjects.request("chat"),
-                codec.encode({"model": "", "messages": MSG}),
-                headers={"Tb-Reply-To": spy, "Tb-Principal": "admin"},
-                timeout=5,
-            )
-            assert codec.decode_map(reply.data)["error"]["code"] == "invalid_request"
-            await asyncio.sleep(0.2)
-            assert got == []  # errors go to the real reply subject, nowhere else
-        finally:
-            await nc.drain()
+        await nc.subscribe(spy, cb=cb)
+        reply = await nc.request(
+            subjects.request("chat"),
+            codec.encode({"model": "", "messages": MSG}),
+            headers={"Tb-Reply-To": spy, "Tb-Principal": "admin"},
+            timeout=5,
+        )
+        assert codec.decode_map(reply.data)["error"]["code"] == "invalid_request"
+        await asyncio.sleep(0.2)
+        assert got == []  # errors go to the real reply subject, nowhere else

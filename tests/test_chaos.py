@@ -13,13 +13,11 @@ import time
 from collections import Counter
 from pathlib import Path
 
-import nats
 import pytest
 
-from auth.store import KeyStore
 from bus_schemas import errors as E
 from engine_worker.backends.sim import expected_text
-from tests.conftest import NatsServer, Proc, Procs, start_workers, wait_replicas
+from tests.conftest import NatsServer, Procs, ProcStack, key_store, start_stack
 from tokenbus import Client
 
 CLIENTS = 64
@@ -83,57 +81,49 @@ async def steady_load(
     await asyncio.gather(*(one_client() for _ in range(CLIENTS)))
 
 
-async def _key(url: str) -> str:
-    nc = await nats.connect(url)
-    store = await KeyStore(nc).open(watch=False)
-    key, _ = await store.create("chaos", rpm=10**9, tpm=10**12, max_concurrent=10**6)
-    await nc.drain()
-    return key
-
-
-def _start_stack(procs: Procs, model: str, pipeline: str) -> dict[str, list[Proc]]:
-    env = {"TOKENBUS_INGRESS__PIPELINE": pipeline, **HB}
+async def _start_stack(procs: Procs, model: str, pipeline: str, settle: float) -> ProcStack:
+    """Two of each service in ``pipeline``, three fast workers, no bridge."""
     stages = [s for s in ("auth", "ratelimit", "filter") if s in pipeline]
-    out: dict[str, list[Proc]] = {}
-    for name in ("ingress", "router", *stages):
-        out[name] = [procs.start(f"{name}{i}", "serve", name, env=env) for i in range(2)]
-    out["worker"] = start_workers(procs, model, 3, *FAST, env=env)
-    return out
+    services = [name for name in ("ingress", "router", *stages) for _ in range(2)]
+    env = {"TOKENBUS_INGRESS__PIPELINE": pipeline, **HB}
+    return await start_stack(
+        procs, model, *services, workers=3, worker_args=FAST, bridge=False, env=env, settle=settle
+    )
 
 
 @pytest.mark.parametrize("victim", ["worker", "ingress", "router", "auth", "ratelimit", "filter"])
-async def test_kill_9_under_load_loses_no_request(procs: Procs, model: str, victim: str) -> None:
+async def test_kill_9_under_load_loses_no_request(
+    procs: Procs, model: str, victim: str, client: Client
+) -> None:
     pipeline = '["auth", "ratelimit", "filter", "route"]'
-    key = await _key(procs.url)
-    stack = _start_stack(procs, model, pipeline)
-    await wait_replicas(procs.url, model, 3)
-    await asyncio.sleep(1.0)  # every stage has its key cache and its subscriptions
+    async with key_store(procs.url, watch=False) as keys:
+        key, _ = await keys.create("chaos", rpm=10**9, tpm=10**12, max_concurrent=10**6)
+    # settle: every stage has its key cache and its subscriptions
+    stack = await _start_stack(procs, model, pipeline, settle=1.0)
     tally = Tally()
-    async with await Client.connect(procs.url) as c:
-        await c.chat_completion(model, MSG, max_tokens=1, api_key=key)
-        load = asyncio.create_task(steady_load(c, model, 4.0, tally, api_key=key))
-        await asyncio.sleep(1.5)
-        stack[victim][0].signal(signal.SIGKILL)
-        await load
+    await client.chat_completion(model, MSG, max_tokens=1, api_key=key)
+    load = asyncio.create_task(steady_load(client, model, 4.0, tally, api_key=key))
+    await asyncio.sleep(1.5)
+    stack.roles[victim][0].signal(signal.SIGKILL)
+    await load
     tally.report(f"kill -9 {victim}")
     assert tally.outcomes["ok"] > 200, tally.outcomes
     assert tally.failed() == 0, (tally.outcomes, tally.errors[:5])
-    for name, ps in stack.items():
+    for name, ps in stack.roles.items():
         for p in ps[1:] if name == victim else ps:
             assert p.alive(), f"{p.name} died"
 
 
-async def test_draining_a_worker_under_load_loses_no_request(procs: Procs, model: str) -> None:
-    stack = _start_stack(procs, model, '["route"]')
-    await wait_replicas(procs.url, model, 3)
-    await asyncio.sleep(0.6)
+async def test_draining_a_worker_under_load_loses_no_request(
+    procs: Procs, model: str, client: Client
+) -> None:
+    stack = await _start_stack(procs, model, '["route"]', settle=0.6)
     tally = Tally()
-    async with await Client.connect(procs.url) as c:
-        load = asyncio.create_task(steady_load(c, model, 3.0, tally))
-        await asyncio.sleep(1.0)
-        stack["worker"][0].signal(signal.SIGTERM)
-        await load
-        assert stack["worker"][0].proc.wait(20) == 0
+    load = asyncio.create_task(steady_load(client, model, 3.0, tally))
+    await asyncio.sleep(1.0)
+    stack.workers[0].signal(signal.SIGTERM)
+    await load
+    assert stack.workers[0].proc.wait(20) == 0
     tally.report("SIGTERM worker")
     assert tally.outcomes["ok"] > 150 and tally.failed() == 0, tally.outcomes
 
@@ -141,11 +131,8 @@ async def test_draining_a_worker_under_load_loses_no_request(procs: Procs, model
 async def test_nats_server_restart_under_load(
     private_nats: NatsServer, model: str, tmp_path: Path
 ) -> None:
-    procs = Procs(private_nats.url, tmp_path)
-    try:
-        _start_stack(procs, model, '["route"]')
-        await wait_replicas(private_nats.url, model, 3)
-        await asyncio.sleep(0.6)
+    with Procs(private_nats.url, tmp_path) as procs:
+        await _start_stack(procs, model, '["route"]', settle=0.6)
         tally = Tally()
         c = await Client.connect(private_nats.url, reconnect_time_wait=0.2)
         try:
@@ -167,6 +154,4 @@ async def test_nats_server_restart_under_load(
             E.ERRORS_BY_CODE.get(k) is not None and E.ERRORS_BY_CODE[k].retryable for k in failed
         ), (failed, tally.errors[:5])
         assert tally.first_ok_after is not None and tally.first_ok_after < 4.0, tally.first_ok_after
-        assert all(p.alive() for p in procs.procs)
-    finally:
-        procs.stop_all()
+        assert procs.all_alive()

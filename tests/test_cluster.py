@@ -5,19 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import socket
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import nats
 import pytest
 
-from tests.conftest import Procs, free_port, wait_replicas
-from tests.test_chaos import EXPECTED, MAX_TOKENS, MSG, Tally, steady_load
+from tests.conftest import Procs, free_port, spawn_nats, start_stack
+from tests.test_chaos import EXPECTED, FAST, HB, MAX_TOKENS, MSG, Tally, steady_load
 from tokenbus import Client
-from tokenbus.launcher import nats_server_binary
 
 
 class Cluster:
@@ -37,34 +34,9 @@ class Cluster:
     def start(self) -> Cluster:
         routes = ",".join(f"nats://127.0.0.1:{p}" for p in self.cports)
         for i, (port, cport) in enumerate(zip(self.ports, self.cports, strict=True)):
-            self.procs.append(
-                subprocess.Popen(
-                    [
-                        nats_server_binary(),
-                        "-a",
-                        "127.0.0.1",
-                        "-p",
-                        str(port),
-                        "-n",
-                        f"node{i}",
-                        "--cluster_name",
-                        "tokenbus",
-                        "--cluster",
-                        f"nats://127.0.0.1:{cport}",
-                        "--routes",
-                        routes,
-                    ],
-                    stdout=subprocess.DEVNULL,
-                    stderr=subprocess.DEVNULL,
-                )
-            )
-        for port in self.ports:
-            deadline = time.monotonic() + 10
-            while time.monotonic() < deadline:
-                with socket.socket() as s:
-                    if s.connect_ex(("127.0.0.1", port)) == 0:
-                        break
-                time.sleep(0.02)
+            node = ("-a", "127.0.0.1", "-p", str(port), "-n", f"node{i}")
+            cluster = ("--cluster_name", "tokenbus", "--cluster", f"nats://127.0.0.1:{cport}")
+            self.procs.append(spawn_nats(port, *node, *cluster, "--routes", routes))
         return self
 
     def kill(self, i: int) -> None:
@@ -111,27 +83,22 @@ async def test_a_node_killed_under_load_does_not_stop_the_service(
     cluster: Cluster, model: str, tmp_path: Path
 ) -> None:
     await _routed(cluster)
-    procs = Procs(cluster.urls(0), tmp_path)
-    env = {"TOKENBUS_WORKER__HEARTBEAT_INTERVAL_S": "0.25"}
-    fast = ("--sim-prefill-ms", "5", "--sim-decode-ms", "8")
-    try:
+    with Procs(cluster.urls(0), tmp_path) as procs:
         # Ingress and router on node 0, one worker on each node.
-        for name in ("ingress", "router"):
-            procs.start(name, "serve", name, env={**env, "TOKENBUS_NATS_URL": cluster.urls(0)})
-        for i in range(3):
-            procs.start(
-                f"w{i}",
-                "serve",
-                "worker",
-                "--model",
-                model,
-                "--replica",
-                f"{model}-{i}",
-                *fast,
-                env={**env, "TOKENBUS_NATS_URL": cluster.urls(i)},
-            )
-        await wait_replicas(cluster.url(0), model, 3)
-        await asyncio.sleep(0.6)
+        stack = await start_stack(
+            procs,
+            model,
+            "ingress",
+            "router",
+            workers=3,
+            worker_args=FAST,
+            bridge=False,
+            env=HB,
+            env_for=lambda role, i: {
+                "TOKENBUS_NATS_URL": cluster.urls(i if role == "worker" else 0)
+            },
+            settle=0.6,
+        )
         tally = Tally()
         async with await Client.connect(cluster.urls(0)) as c:
             out = await c.chat_completion(model, MSG, max_tokens=MAX_TOKENS)
@@ -144,7 +111,5 @@ async def test_a_node_killed_under_load_does_not_stop_the_service(
         assert tally.outcomes["ok"] > 200, tally.outcomes
         assert tally.failed() == 0, (tally.outcomes, tally.errors[:5])
         # The worker that lost its node reconnected to another and still serves.
-        assert all(p.alive() for p in procs.procs)
-        assert "nats_reconnected" in procs.procs[-1].output()
-    finally:
-        procs.stop_all()
+        assert procs.all_alive()
+        assert "nats_reconnected" in stack.workers[2].output()

@@ -22,31 +22,27 @@ def _filter(policy: str, **policies: dict[str, Any]) -> dict[str, Any]:
 
 
 async def test_blocked_input_is_400_naming_the_detector_not_the_text(
-    nats_server: NatsServer, model: str
+    nats_server: NatsServer, model: str, client: Client
 ) -> None:
-    async with (
-        stack(nats_server.url, model, workers=1, filters=2, **_filter("strict")),
-        await Client.connect(nats_server.url) as c,
-    ):
+    async with stack(nats_server.url, model, workers=1, filters=2, **_filter("strict")):
         with pytest.raises(E.ContentBlocked) as ei:
-            await c.chat_completion(model, [{"role": "user", "content": f"my key {AWS}"}])
+            await client.chat_completion(model, [{"role": "user", "content": f"my key {AWS}"}])
         err = ei.value
         assert err.status == 400
         assert err.to_dict()["code"] == "content_blocked.secret.aws_access_key"
         assert AWS not in err.message and AWS not in str(err.to_dict())
-        ok = await c.chat_completion(model, [{"role": "user", "content": "hello"}], max_tokens=2)
+        ok = await client.chat_completion(
+            model, [{"role": "user", "content": "hello"}], max_tokens=2
+        )
         assert ok.usage.completion_tokens == 2
 
 
 async def test_redacted_input_reaches_the_engine_redacted(
-    nats_server: NatsServer, model: str
+    nats_server: NatsServer, model: str, client: Client
 ) -> None:
     text = "write to jane.roe@example.org please"
-    async with (
-        stack(nats_server.url, model, workers=1, filters=1, **_filter("strict")),
-        await Client.connect(nats_server.url) as c,
-    ):
-        out = await c.chat_completion(model, [{"role": "user", "content": text}], max_tokens=8)
+    async with stack(nats_server.url, model, workers=1, filters=1, **_filter("strict")):
+        out = await client.chat_completion(model, [{"role": "user", "content": text}], max_tokens=8)
     redacted = Scanner(FilterPolicy.strict()).scan(text).redacted_text
     assert "jane.roe" not in redacted
     # The sim's text is a function of the prompt it saw: it saw the redacted one.
@@ -54,12 +50,11 @@ async def test_redacted_input_reaches_the_engine_redacted(
     assert out.text != expected_text(f"<|user|>{text}\n", 8)[0]
 
 
-async def test_off_policy_passes_everything(nats_server: NatsServer, model: str) -> None:
-    async with (
-        stack(nats_server.url, model, workers=1, filters=1, **_filter("off")),
-        await Client.connect(nats_server.url) as c,
-    ):
-        out = await c.chat_completion(
+async def test_off_policy_passes_everything(
+    nats_server: NatsServer, model: str, client: Client
+) -> None:
+    async with stack(nats_server.url, model, workers=1, filters=1, **_filter("off")):
+        out = await client.chat_completion(
             model, [{"role": "user", "content": f"k {AWS}"}], max_tokens=3
         )
     assert out.text == expected_text(f"<|user|>k {AWS}\n", 3)[0]
@@ -69,15 +64,14 @@ def _word_in_output(prompt: str, n: int) -> str:
     return expected_text(prompt, n)[0].split(" ")[6]
 
 
-async def test_output_is_redacted_as_it_streams(nats_server: NatsServer, model: str) -> None:
+async def test_output_is_redacted_as_it_streams(
+    nats_server: NatsServer, model: str, client: Client
+) -> None:
     prompt = "<|user|>tell me\n"
     word = _word_in_output(prompt, 30)
     policy = {"blocklist": [word], "actions": {"blocklist": "redact"}}
-    async with (
-        stack(nats_server.url, model, workers=1, filters=1, **_filter("t", t=policy)),
-        await Client.connect(nats_server.url) as c,
-    ):
-        s = c.chat(model, [{"role": "user", "content": "tell me"}], max_tokens=30)
+    async with stack(nats_server.url, model, workers=1, filters=1, **_filter("t", t=policy)):
+        s = client.chat(model, [{"role": "user", "content": "tell me"}], max_tokens=30)
         chunks = [ch async for ch in s]
     text = "".join(ch.text for ch in chunks)
     full = expected_text(prompt, 30)[0]
@@ -88,16 +82,15 @@ async def test_output_is_redacted_as_it_streams(nats_server: NatsServer, model: 
 
 
 async def test_blocked_output_ends_the_stream_with_content_filter(
-    nats_server: NatsServer, model: str
+    nats_server: NatsServer, model: str, client: Client
 ) -> None:
     prompt = "<|user|>tell me\n"
     word = _word_in_output(prompt, 40)
     policy = {"blocklist": [word], "actions": {"blocklist": "block"}}
-    async with (
-        stack(nats_server.url, model, workers=1, filters=1, **_filter("t", t=policy)) as svcs,
-        await Client.connect(nats_server.url) as c,
-    ):
-        s = c.chat(model, [{"role": "user", "content": "tell me"}], max_tokens=40)
+    async with stack(
+        nats_server.url, model, workers=1, filters=1, **_filter("t", t=policy)
+    ) as svcs:
+        s = client.chat(model, [{"role": "user", "content": "tell me"}], max_tokens=40)
         text = "".join([ch.text async for ch in s])
         assert s.finish_reason == "content_filter"
         assert word not in text.split(" ")
@@ -106,18 +99,15 @@ async def test_blocked_output_ends_the_stream_with_content_filter(
 
 
 async def test_output_filter_does_not_hold_the_first_word_for_a_flag(
-    nats_server: NatsServer, model: str
+    nats_server: NatsServer, model: str, client: Client
 ) -> None:
     # The default policy only flags ordinary-looking words (e-mails, entropy, injection), so
     # the worker releases each token as it comes: the first chunk is the first token alone,
     # not held until the next one shows the word has ended.
     prompt = "<|user|>tell me\n"
     first = expected_text(prompt, 1)[0]
-    async with (
-        stack(nats_server.url, model, workers=1, filters=1, **_filter("default")),
-        await Client.connect(nats_server.url) as c,
-    ):
-        s = c.chat(model, [{"role": "user", "content": "tell me"}], max_tokens=6)
+    async with stack(nats_server.url, model, workers=1, filters=1, **_filter("default")):
+        s = client.chat(model, [{"role": "user", "content": "tell me"}], max_tokens=6)
         chunks = [ch.text async for ch in s]
     assert chunks[0] == first
     assert "".join(chunks) == expected_text(prompt, 6)[0]

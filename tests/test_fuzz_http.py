@@ -3,20 +3,16 @@ OpenAI's shape, and every service still serving afterwards."""
 
 from __future__ import annotations
 
-import asyncio
 import json
-import uuid
-from collections.abc import Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
-import nats
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from auth.store import KeyStore
-from tests.conftest import NatsServer, Procs, free_port, wait_http, wait_replicas
+from tests.conftest import NatsServer, Procs, ProcStack, key_store, new_model, start_stack
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
@@ -61,50 +57,30 @@ keys = st.one_of(
 
 
 class FuzzStack:
-    def __init__(self, base: str, key: str, model: str, procs: Procs) -> None:
-        self.base, self.key, self.model, self.procs = base, key, model, procs
+    def __init__(self, stack: ProcStack, key: str) -> None:
+        self.base, self.key, self.model, self.procs = stack.base, key, stack.model, stack.procs
 
 
 @pytest.fixture(scope="module")
-def fuzz_stack(
+async def fuzz_stack(
     nats_server: NatsServer, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[FuzzStack]:
-    model = f"m-{uuid.uuid4().hex[:8]}"
-    procs = Procs(nats_server.url, tmp_path_factory.mktemp("fuzz"))
+) -> AsyncIterator[FuzzStack]:
     env = {
         "TOKENBUS_INGRESS__PIPELINE": '["auth", "ratelimit", "filter", "route"]',
         "TOKENBUS_BRIDGE__MAX_BODY_BYTES": "4096",
     }
-    port = free_port()
-    for name in ("ingress", "auth", "ratelimit", "filter", "router"):
-        procs.start(name, "serve", name, env=env)
-    procs.start(
-        "worker",
-        "serve",
-        "worker",
-        "--model",
-        model,
-        "--sim-prefill-ms",
-        "1",
-        "--sim-decode-ms",
-        "1",
-        env=env,
-    )
-    procs.start("bridge", "serve", "bridge", "--port", str(port), env=env)
-    key = asyncio.run(_setup(nats_server.url, model, f"http://127.0.0.1:{port}"))
-    yield FuzzStack(f"http://127.0.0.1:{port}", key, model, procs)
-    procs.stop_all()
-
-
-async def _setup(url: str, model: str, base: str) -> str:
-    nc = await nats.connect(url)
-    store = await KeyStore(nc).open(watch=False)
-    key, _ = await store.create("fuzz", rpm=100_000, tpm=10**9, max_concurrent=1000)
-    await nc.drain()
-    await wait_replicas(url, model, 1)
-    await wait_http(f"{base}/ready")
-    await asyncio.sleep(0.5)
-    return key
+    async with key_store(nats_server.url, watch=False) as keys:
+        key, _ = await keys.create("fuzz", rpm=100_000, tpm=10**9, max_concurrent=1000)
+    with Procs(nats_server.url, tmp_path_factory.mktemp("fuzz")) as procs:
+        stack = await start_stack(
+            procs,
+            new_model(),
+            *("ingress", "auth", "ratelimit", "filter", "router"),
+            worker_args=("--sim-prefill-ms", "1", "--sim-decode-ms", "1"),
+            env=env,
+            settle=0.5,
+        )
+        yield FuzzStack(stack, key)
 
 
 def _check(r: httpx.Response) -> None:

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -15,83 +14,37 @@ import openai
 import pytest
 
 from engine_worker.backends.sim import expected_text
-from tests.conftest import (
-    NatsServer,
-    Procs,
-    free_port,
-    live_replicas,
-    wait_http,
-    wait_replicas,
-)
+from tests.conftest import NatsServer, Procs, ProcStack, live_replicas, new_model, start_stack
 
 MSG = [{"role": "user", "content": "hello there"}]
 PROMPT = "<|user|>hello there\n"
 
 
-class HttpStack:
-    def __init__(self, procs: Procs, model: str, base: str) -> None:
-        self.procs = procs
-        self.model = model
-        self.base = base
-
-    def client(self) -> openai.AsyncOpenAI:
-        return openai.AsyncOpenAI(base_url=f"{self.base}/v1", api_key="unused", max_retries=0)
-
-    def all_alive(self) -> bool:
-        return all(p.alive() for p in self.procs.procs)
-
-
 @pytest.fixture(scope="module")
-def http_stack(
+async def http_stack(
     nats_server: NatsServer, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[HttpStack]:
-    model = f"m-{uuid.uuid4().hex[:8]}"
-    port = free_port()
-    ps = Procs(nats_server.url, tmp_path_factory.mktemp("http-stack"))
-    ps.start("ingress", "serve", "ingress")
-    ps.start("router", "serve", "router")
-    for i in range(2):
-        ps.start(
-            f"worker-{i}",
-            "serve",
-            "worker",
-            "--model",
-            model,
-            "--replica",
-            f"{model}-{i}",
-            "--sim-prefill-ms",
-            "5",
-            "--sim-decode-ms",
-            "2",
+) -> AsyncIterator[ProcStack]:
+    """One stack for the whole module: ingress, router, two workers, the bridge."""
+    with Procs(nats_server.url, tmp_path_factory.mktemp("http-stack")) as ps:
+        yield await start_stack(
+            ps,
+            new_model(),
+            "ingress",
+            "router",
+            workers=2,
+            worker_args=("--sim-prefill-ms", "5", "--sim-decode-ms", "2"),
+            env={"TOKENBUS_BRIDGE__MAX_BODY_BYTES": "65536"},
         )
-    ps.start(
-        "bridge",
-        "serve",
-        "bridge",
-        "--port",
-        str(port),
-        env={"TOKENBUS_BRIDGE__MAX_BODY_BYTES": "65536"},
-    )
-    base = f"http://127.0.0.1:{port}"
-    asyncio.run(_ready(nats_server.url, model, base))
-    yield HttpStack(ps, model, base)
-    ps.stop_all()
-
-
-async def _ready(url: str, model: str, base: str) -> None:
-    await wait_replicas(url, model, 2)
-    await wait_http(f"{base}/ready")
 
 
 @pytest.fixture
-async def oai(http_stack: HttpStack) -> AsyncIterator[openai.AsyncOpenAI]:
-    c = http_stack.client()
-    yield c
-    await c.close()
+async def oai(http_stack: ProcStack) -> AsyncIterator[openai.AsyncOpenAI]:
+    async with http_stack.openai() as c:
+        yield c
 
 
 async def test_chat_streaming_with_the_openai_sdk(
-    http_stack: HttpStack, oai: openai.AsyncOpenAI
+    http_stack: ProcStack, oai: openai.AsyncOpenAI
 ) -> None:
     stream = await oai.chat.completions.create(
         model=http_stack.model,
@@ -118,7 +71,7 @@ async def test_chat_streaming_with_the_openai_sdk(
 
 
 async def test_chat_whole_with_the_openai_sdk(
-    http_stack: HttpStack, oai: openai.AsyncOpenAI
+    http_stack: ProcStack, oai: openai.AsyncOpenAI
 ) -> None:
     full = expected_text(PROMPT, 30)[0]
     stop = " " + full.split(" ")[3]
@@ -137,7 +90,7 @@ async def test_chat_whole_with_the_openai_sdk(
 
 
 async def test_text_completions_streaming_and_not(
-    http_stack: HttpStack, oai: openai.AsyncOpenAI
+    http_stack: ProcStack, oai: openai.AsyncOpenAI
 ) -> None:
     out = await oai.completions.create(model=http_stack.model, prompt="abc", max_tokens=6)
     assert out.choices[0].text == expected_text("abc", 6)[0]
@@ -149,10 +102,10 @@ async def test_text_completions_streaming_and_not(
     assert text == expected_text("abc", 6)[0]
 
 
-async def test_models_health_ready(http_stack: HttpStack, oai: openai.AsyncOpenAI) -> None:
+async def test_models_health_ready(http_stack: ProcStack, oai: openai.AsyncOpenAI) -> None:
     models = [m.id async for m in oai.models.list()]
     assert http_stack.model in models
-    async with httpx.AsyncClient(base_url=http_stack.base) as h:
+    async with http_stack.http() as h:
         assert (await h.get("/health")).json() == {"status": "ok"}
         ready = (await h.get("/ready")).json()
         assert ready["status"] == "ready" and http_stack.model in ready["models"]
@@ -191,9 +144,9 @@ def _bad_cases(model: str) -> list[tuple[str, bytes | None, Any, int, str]]:
 
 
 async def test_bad_input_gets_openai_shaped_errors_and_everything_keeps_serving(
-    http_stack: HttpStack,
+    http_stack: ProcStack,
 ) -> None:
-    async with httpx.AsyncClient(base_url=http_stack.base, timeout=30) as h:
+    async with http_stack.http(timeout=30) as h:
         for name, raw, body, status, code in _bad_cases(http_stack.model):
             if raw is not None:
                 r = await h.post(
@@ -219,7 +172,7 @@ async def test_bad_input_gets_openai_shaped_errors_and_everything_keeps_serving(
 
 
 async def test_the_sdk_raises_its_own_typed_errors(
-    http_stack: HttpStack, oai: openai.AsyncOpenAI
+    http_stack: ProcStack, oai: openai.AsyncOpenAI
 ) -> None:
     with pytest.raises(openai.NotFoundError):
         await oai.chat.completions.create(model="no-such-model", messages=MSG)
@@ -228,9 +181,9 @@ async def test_the_sdk_raises_its_own_typed_errors(
 
 
 async def test_client_disconnect_cancels_generation_on_the_worker(
-    http_stack: HttpStack, nats_server: NatsServer
+    http_stack: ProcStack, nats_server: NatsServer
 ) -> None:
-    async with httpx.AsyncClient(base_url=http_stack.base, timeout=30) as h:
+    async with http_stack.http(timeout=30) as h:
         body = {"model": http_stack.model, "messages": MSG, "max_tokens": 50_000, "stream": True}
         async with h.stream("POST", "/v1/chat/completions", json=body) as r:
             assert r.status_code == 200
@@ -250,7 +203,7 @@ async def test_client_disconnect_cancels_generation_on_the_worker(
 
 
 async def test_concurrent_streams_spread_over_both_workers(
-    http_stack: HttpStack, oai: openai.AsyncOpenAI
+    http_stack: ProcStack, oai: openai.AsyncOpenAI
 ) -> None:
     async def one() -> str:
         out = await oai.chat.completions.create(model=http_stack.model, messages=MSG, max_tokens=20)
@@ -258,17 +211,13 @@ async def test_concurrent_streams_spread_over_both_workers(
 
     outs = await asyncio.gather(*(one() for _ in range(40)))
     assert all(o == expected_text(PROMPT, 20)[0] for o in outs)
-    log = "".join(p.output() for p in http_stack.procs.procs if p.name.startswith("worker"))
-    served = {
-        p.name: p.output().count('"event": "request"')
-        for p in http_stack.procs.procs
-        if p.name.startswith("worker")
-    }
+    log = "".join(p.output() for p in http_stack.workers)
+    served = {p.name: p.output().count('"event": "request"') for p in http_stack.workers}
     assert all(n > 0 for n in served.values()), served
     assert '"outcome": "length"' in log
 
 
-def test_sse_wire_format_is_openais(http_stack: HttpStack) -> None:
+def test_sse_wire_format_is_openais(http_stack: ProcStack) -> None:
     body = {
         "model": http_stack.model,
         "messages": MSG,
@@ -288,14 +237,13 @@ def test_sse_wire_format_is_openais(http_stack: HttpStack) -> None:
     assert objs[-2]["choices"][0]["finish_reason"] == "length"
 
 
-def test_logs_have_one_canonical_line_per_request_and_no_tracebacks(http_stack: HttpStack) -> None:
+def test_logs_have_one_canonical_line_per_request_and_no_tracebacks(http_stack: ProcStack) -> None:
     for p in http_stack.procs.procs:
         out = p.output()
         assert "Traceback" not in out, p.name
     lines = [
         json.loads(ln)
-        for p in http_stack.procs.procs
-        if p.name.startswith("worker")
+        for p in http_stack.workers
         for ln in p.output().splitlines()
         if ln.startswith("{")
     ]
@@ -305,24 +253,20 @@ def test_logs_have_one_canonical_line_per_request_and_no_tracebacks(http_stack: 
     )
     assert len({r["request_id"] for r in reqs}) == len(reqs)
     bridge = [
-        json.loads(ln)
-        for p in http_stack.procs.procs
-        if p.name == "bridge"
-        for ln in p.output().splitlines()
-        if ln.startswith("{")
+        json.loads(ln) for ln in http_stack.bridge.output().splitlines() if ln.startswith("{")
     ]
     http_reqs = [ln for ln in bridge if ln.get("event") == "request"]
     assert {r["status"] for r in http_reqs} >= {200, 400, 404, 413}
     assert all({"request_id", "kind", "outcome", "duration_ms"} <= set(r) for r in http_reqs)
 
 
-def test_log_files_exist(http_stack: HttpStack) -> None:
+def test_log_files_exist(http_stack: ProcStack) -> None:
     assert all(Path(p.log).exists() for p in http_stack.procs.procs)
 
 
-async def test_request_ids_from_clients_are_kept_only_when_plain(http_stack: HttpStack) -> None:
+async def test_request_ids_from_clients_are_kept_only_when_plain(http_stack: ProcStack) -> None:
     body = {"model": http_stack.model, "messages": MSG, "max_tokens": 2}
-    async with httpx.AsyncClient(base_url=http_stack.base) as h:
+    async with http_stack.http() as h:
         ok = await h.post("/v1/chat/completions", json=body, headers={"x-request-id": "abc-1.2"})
         assert ok.headers["x-request-id"] == "abc-1.2"
         odd = await h.post(

@@ -3,21 +3,17 @@
 from __future__ import annotations
 
 import asyncio
-import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import nats
-import openai
 import pytest
 
 from bus_schemas import codec, subjects
 from services.kit.natsconf import ROLES, generate, role_env
-from tests.conftest import Procs, free_port, wait_http
+from tests.conftest import Procs, free_port, spawn_nats, start_stack
 from tokenbus import Client
-from tokenbus.launcher import nats_server_binary
 
 MSG = [{"role": "user", "content": "hi"}]
 
@@ -26,11 +22,7 @@ class Locked:
     def __init__(self, tmp: Path) -> None:
         self.port = free_port()
         self.conf, self.users = generate(tmp / "locked", port=self.port)
-        self.proc = subprocess.Popen(
-            [nats_server_binary(), "-c", str(self.conf)],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
+        self.proc = spawn_nats(self.port, "-c", str(self.conf))
         self.url = f"nats://127.0.0.1:{self.port}"
 
     def env(self, role: str) -> dict[str, str]:
@@ -46,14 +38,6 @@ class Locked:
 @pytest.fixture
 def locked(tmp_path: Path) -> Iterator[Locked]:
     lk = Locked(tmp_path)
-    deadline = time.monotonic() + 10
-    import socket
-
-    while time.monotonic() < deadline:
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", lk.port)) == 0:
-                break
-        time.sleep(0.05)
     yield lk
     lk.proc.terminate()
     lk.proc.wait(10)
@@ -101,25 +85,19 @@ async def _noop(msg: Any) -> None:
 
 
 async def test_every_service_works_on_the_locked_bus(locked: Locked, tmp_path: Path) -> None:
-    procs = Procs(locked.url, tmp_path)
     model = "locked-model"
-    port = free_port()
-    try:
-        for name in ("ingress", "router"):
-            procs.start(name, "serve", name, env=locked.env(name))
-        procs.start("worker", "serve", "worker", "--model", model, env=locked.env("worker"))
-        procs.start(
-            "bridge",
-            "serve",
-            "bridge",
-            "--port",
-            str(port),
-            env={**locked.env("bridge"), "TOKENBUS_BRIDGE__FUSE_ROUTER": "false"},
+    with Procs(locked.url, tmp_path) as procs:
+        # Each process logs in as its own role; the test cannot listen for heartbeats.
+        stack = await start_stack(
+            procs,
+            model,
+            "ingress",
+            "router",
+            env={"TOKENBUS_BRIDGE__FUSE_ROUTER": "false"},
+            env_for=lambda role, _: locked.env(role),
+            heartbeats=False,
         )
-        await wait_http(f"http://127.0.0.1:{port}/ready")
-        async with openai.AsyncOpenAI(
-            base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0
-        ) as oai:
+        async with stack.openai() as oai:
             out = await oai.chat.completions.create(model=model, messages=MSG, max_tokens=3)
             assert out.usage is not None and out.usage.completion_tokens == 3
         e = locked.env("client")
@@ -139,5 +117,3 @@ async def test_every_service_works_on_the_locked_bus(locked: Locked, tmp_path: P
         for p in procs.procs:
             assert p.alive(), p.name
             assert "Permissions Violation" not in p.output(), p.name
-    finally:
-        procs.stop_all()

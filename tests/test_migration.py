@@ -8,18 +8,18 @@ import signal
 import time
 from typing import Any
 
-import openai
 import pytest
 
 from bus_schemas import errors as E
 from engine_worker.backends.base import GenerationRequest
 from engine_worker.backends.sim import _start, expected_text, resume_point, token_text
-from tests.conftest import Procs, free_port, start_workers, wait_http, wait_replicas
+from tests.conftest import NatsServer, Procs, live_replicas, stack, start_stack
 from tokenbus import Client
 
 MSG = [{"role": "user", "content": "tell me a long story"}]
 PROMPT = "<|user|>tell me a long story\n"
 SLOW = ("--sim-prefill-ms", "5", "--sim-decode-ms", "20")
+HB = {"TOKENBUS_WORKER__HEARTBEAT_INTERVAL_S": "0.25"}
 
 
 def _req(text: str, tokens: int, max_tokens: int = 50) -> GenerationRequest:
@@ -46,43 +46,33 @@ def test_resume_point_counts_whole_tokens_from_the_text() -> None:
     )
 
 
-async def _stack(procs: Procs, model: str, workers: int, *extra: str) -> tuple[int, list[Any]]:
-    env = {"TOKENBUS_WORKER__HEARTBEAT_INTERVAL_S": "0.25"}
-    ws = start_workers(procs, model, workers, *SLOW, *extra, env=env)
-    port = free_port()
-    for name in ("ingress", "router"):
-        procs.start(name, "serve", name)
-    procs.start("bridge", "serve", "bridge", "--port", str(port))
-    await wait_replicas(procs.url, model, workers)
-    await wait_http(f"http://127.0.0.1:{port}/ready")
-    await asyncio.sleep(0.6)
-    return port, ws
-
-
 def _victim(ws: list[Any], replica: str | None) -> Any:
-    """The worker process serving ``replica`` (``<model>-<i>`` runs as ``w<i>``)."""
+    """The worker process serving ``replica`` (``<model>-<i>`` runs as ``worker-<i>``)."""
     assert replica is not None
     return ws[int(replica.rsplit("-", 1)[1])]
 
 
-async def test_a_worker_killed_mid_stream_is_migrated_over_nats(procs: Procs, model: str) -> None:
-    _, ws = await _stack(procs, model, 2)
-    async with await Client.connect(procs.url) as c:
-        s = c.chat(model, MSG, max_tokens=120)
-        text = ""
-        async for ch in s:
-            text += ch.text
-            if len(text.split(" ")) >= 15:
-                break
-        first = s.replica
-        victim = _victim(ws, first)
-        victim.signal(signal.SIGKILL)
-        t_kill = time.monotonic()
-        gap = 0.0
-        async for ch in s:
-            if not gap:
-                gap = time.monotonic() - t_kill
-            text += ch.text
+async def test_a_worker_killed_mid_stream_is_migrated_over_nats(
+    procs: Procs, model: str, client: Client
+) -> None:
+    stack = await start_stack(
+        procs, model, "ingress", "router", workers=2, worker_args=SLOW, env=HB, settle=0.6
+    )
+    s = client.chat(model, MSG, max_tokens=120)
+    text = ""
+    async for ch in s:
+        text += ch.text
+        if len(text.split(" ")) >= 15:
+            break
+    first = s.replica
+    victim = _victim(stack.workers, first)
+    victim.signal(signal.SIGKILL)
+    t_kill = time.monotonic()
+    gap = 0.0
+    async for ch in s:
+        if not gap:
+            gap = time.monotonic() - t_kill
+        text += ch.text
     expected = expected_text(PROMPT, 120)[0]
     assert text == expected  # no duplicate, no gap
     assert s.migrations == 1 and s.replica != first
@@ -92,10 +82,10 @@ async def test_a_worker_killed_mid_stream_is_migrated_over_nats(procs: Procs, mo
 
 
 async def test_a_worker_killed_mid_stream_is_migrated_over_http(procs: Procs, model: str) -> None:
-    port, ws = await _stack(procs, model, 3)
-    async with openai.AsyncOpenAI(
-        base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0
-    ) as api:
+    stack = await start_stack(
+        procs, model, "ingress", "router", workers=3, worker_args=SLOW, env=HB, settle=0.6
+    )
+    async with stack.openai() as api:
         streams = [
             await api.chat.completions.create(
                 model=model, messages=MSG, max_tokens=100, stream=True
@@ -108,92 +98,93 @@ async def test_a_worker_killed_mid_stream_is_migrated_over_http(procs: Procs, mo
                 ch = await s.__anext__()
                 if ch.choices:
                     texts[i] += ch.choices[0].delta.content or ""
-        ws[0].signal(signal.SIGKILL)
+        stack.workers[0].signal(signal.SIGKILL)
         for i, s in enumerate(streams):
             async for ch in s:
                 if ch.choices:
                     texts[i] += ch.choices[0].delta.content or ""
     expected = expected_text(PROMPT, 100)[0]
     assert texts == [expected] * 6
-    assert "request_migrated" in procs.procs[-1].output()
+    assert "request_migrated" in stack.bridge.output()
 
 
 async def test_a_draining_worker_past_its_timeout_hands_streams_over(
-    procs: Procs, model: str
+    procs: Procs, model: str, client: Client
 ) -> None:
-    env = {"TOKENBUS_DRAIN_TIMEOUT_S": "0.5"}
-    ws = start_workers(procs, model, 2, *SLOW, env=env)
-    for name in ("ingress", "router"):
-        procs.start(name, "serve", name)
-    await wait_replicas(procs.url, model, 2)
-    await asyncio.sleep(0.6)
-    async with await Client.connect(procs.url) as c:
-        streams = [c.chat(model, MSG, max_tokens=80) for _ in range(4)]
-        texts = [(await s.__anext__()).text for s in streams]
-        victim = _victim(ws, streams[0].replica)
-        victim.signal(signal.SIGTERM)
-        for i, s in enumerate(streams):
-            async for ch in s:
-                texts[i] += ch.text
-        assert victim.proc.wait(10) == 0
+    stack = await start_stack(
+        procs,
+        model,
+        "ingress",
+        "router",
+        workers=2,
+        worker_args=SLOW,
+        bridge=False,
+        env_for=lambda role, _: {"TOKENBUS_DRAIN_TIMEOUT_S": "0.5"} if role == "worker" else {},
+        settle=0.6,
+    )
+    streams = [client.chat(model, MSG, max_tokens=80) for _ in range(4)]
+    texts = [(await s.__anext__()).text for s in streams]
+    victim = _victim(stack.workers, streams[0].replica)
+    victim.signal(signal.SIGTERM)
+    for i, s in enumerate(streams):
+        async for ch in s:
+            texts[i] += ch.text
+    assert victim.proc.wait(10) == 0
     assert texts == [expected_text(PROMPT, 80)[0]] * 4
     assert any(s.migrations == 1 for s in streams)
 
 
 async def test_when_no_replica_is_left_the_stream_ends_with_one_retryable_error(
-    procs: Procs, model: str
+    procs: Procs, model: str, client: Client
 ) -> None:
-    _, ws = await _stack(procs, model, 1)
-    async with await Client.connect(procs.url) as c:
-        s = c.chat(model, MSG, max_tokens=200)
-        await s.__anext__()
-        ws[0].signal(signal.SIGKILL)
-        t0 = time.monotonic()
-        with pytest.raises(E.TokenbusError) as ei:
-            async for _ in s:
-                pass
-        assert ei.value.retryable and ei.value.status == 503
-        assert time.monotonic() - t0 < 10  # an answer, not a hang
+    stack = await start_stack(
+        procs, model, "ingress", "router", worker_args=SLOW, env=HB, settle=0.6
+    )
+    s = client.chat(model, MSG, max_tokens=200)
+    await s.__anext__()
+    stack.workers[0].signal(signal.SIGKILL)
+    t0 = time.monotonic()
+    with pytest.raises(E.TokenbusError) as ei:
+        async for _ in s:
+            pass
+    assert ei.value.retryable and ei.value.status == 503
+    assert time.monotonic() - t0 < 10  # an answer, not a hang
 
 
-async def test_a_request_held_by_a_stopped_router_is_sent_again(procs: Procs, model: str) -> None:
-    for i in range(2):
-        procs.start(f"w{i}", "serve", "worker", "--model", model, "--replica", f"{model}-{i}")
-    procs.start("ingress", "serve", "ingress")
-    routers = [procs.start(f"router{i}", "serve", "router") for i in range(2)]
-    await wait_replicas(procs.url, model, 2)
-    await asyncio.sleep(0.6)
-    routers[0].signal(signal.SIGSTOP)  # holds what it is given, answers nothing
+async def test_a_request_held_by_a_stopped_router_is_sent_again(
+    procs: Procs, model: str, client: Client
+) -> None:
+    stack = await start_stack(
+        procs, model, "ingress", "router", "router", workers=2, bridge=False, settle=0.6
+    )
+    stopped = stack.roles["router"][0]
+    stopped.signal(signal.SIGSTOP)  # holds what it is given, answers nothing
     try:
-        async with await Client.connect(procs.url) as c:
-            outs = await asyncio.gather(
-                *(c.chat_completion(model, MSG, max_tokens=3) for _ in range(8))
-            )
+        outs = await asyncio.gather(
+            *(client.chat_completion(model, MSG, max_tokens=3) for _ in range(8))
+        )
         assert all(o.text == expected_text(PROMPT, 3)[0] for o in outs)
     finally:
-        routers[0].signal(signal.SIGCONT)
+        stopped.signal(signal.SIGCONT)
 
 
-async def test_overload_queues_up_to_a_bound_then_answers_503(nats_server: Any, model: str) -> None:
-    from tests.conftest import stack
-
+async def test_overload_queues_up_to_a_bound_then_answers_503(
+    nats_server: NatsServer, model: str, client: Client
+) -> None:
     over = {"router": {"queue_timeout_s": 3.0, "max_queued": 1}}
-    async with (
-        stack(nats_server.url, model, workers=1, worker={"max_concurrency": 2}, **over),
-        await Client.connect(nats_server.url) as c,
-    ):
-        a = c.chat(model, MSG, max_tokens=100_000)
-        b = c.chat(model, MSG, max_tokens=100_000)
+    async with stack(nats_server.url, model, workers=1, worker={"max_concurrency": 2}, **over):
+        a = client.chat(model, MSG, max_tokens=100_000)
+        b = client.chat(model, MSG, max_tokens=100_000)
         await a.__anext__()
         await b.__anext__()
         # Both slots taken: the next request waits in the router's queue ...
-        queued = asyncio.create_task(c.chat_completion(model, MSG, max_tokens=2))
+        queued = asyncio.create_task(client.chat_completion(model, MSG, max_tokens=2))
         await asyncio.sleep(0.3)
         assert not queued.done()
         # ... which holds one: another is refused at once, retryable, with Retry-After.
         t0 = time.monotonic()
         with pytest.raises(E.Overloaded) as ei:
-            await c.chat_completion(model, MSG, max_tokens=2)
+            await client.chat_completion(model, MSG, max_tokens=2)
         assert time.monotonic() - t0 < 1.0
         assert ei.value.status == 503 and ei.value.retryable
         assert ei.value.headers["Retry-After"] == "1"
@@ -204,29 +195,32 @@ async def test_overload_queues_up_to_a_bound_then_answers_503(nats_server: Any, 
         await b.aclose()
 
 
-async def test_three_routers_never_overload_a_replica(procs: Procs, model: str) -> None:
-    from tests.conftest import live_replicas
-
-    env = {"TOKENBUS_WORKER__HEARTBEAT_INTERVAL_S": "0.25"}
-    start_workers(procs, model, 2, "--max-concurrency", "6", *SLOW, env=env)
-    procs.start("ingress", "serve", "ingress")
-    for i in range(3):
-        procs.start(f"router{i}", "serve", "router")
-    await wait_replicas(procs.url, model, 2)
-    await asyncio.sleep(0.6)
-    async with await Client.connect(procs.url) as c:
-        # Twelve long streams at once, spread by three routers that each see only their own
-        # dispatches and the heartbeats: exactly the capacity of the two replicas.
-        streams = [c.chat(model, MSG, max_tokens=10_000) for _ in range(12)]
-        await asyncio.gather(*(s.__anext__() for s in streams))
-        load = await live_replicas(procs.url, model)
-        assert sorted(hb["in_flight"] for hb in load.values()) == [6, 6], load
-        # One more waits for room instead of overloading a replica, and gets it.
-        extra = asyncio.create_task(c.chat_completion(model, MSG, max_tokens=2))
-        await asyncio.sleep(0.5)
-        assert not extra.done()
-        await streams[0].aclose()
-        out = await asyncio.wait_for(extra, 5)
-        assert out.usage.completion_tokens == 2
-        for s in streams[1:]:
-            await s.aclose()
+async def test_three_routers_never_overload_a_replica(
+    procs: Procs, model: str, client: Client
+) -> None:
+    await start_stack(
+        procs,
+        model,
+        "ingress",
+        *["router"] * 3,
+        workers=2,
+        worker_args=("--max-concurrency", "6", *SLOW),
+        bridge=False,
+        env=HB,
+        settle=0.6,
+    )
+    # Twelve long streams at once, spread by three routers that each see only their own
+    # dispatches and the heartbeats: exactly the capacity of the two replicas.
+    streams = [client.chat(model, MSG, max_tokens=10_000) for _ in range(12)]
+    await asyncio.gather(*(s.__anext__() for s in streams))
+    load = await live_replicas(procs.url, model)
+    assert sorted(hb["in_flight"] for hb in load.values()) == [6, 6], load
+    # One more waits for room instead of overloading a replica, and gets it.
+    extra = asyncio.create_task(client.chat_completion(model, MSG, max_tokens=2))
+    await asyncio.sleep(0.5)
+    assert not extra.done()
+    await streams[0].aclose()
+    out = await asyncio.wait_for(extra, 5)
+    assert out.usage.completion_tokens == 2
+    for s in streams[1:]:
+        await s.aclose()

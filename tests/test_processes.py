@@ -6,65 +6,46 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
-import uuid
 from typing import Any
 
-import nats
 import openai
 import pytest
+from nats.aio.client import Client as NATS
 
 from engine_worker.backends.sim import expected_text
 from tests.conftest import (
-    NatsServer,
     Procs,
+    ProcStack,
     free_port,
     live_replicas,
     run_cli,
+    start_stack,
+    start_worker,
     wait_http,
     wait_replicas,
 )
 
 MSG = [{"role": "user", "content": "hello there"}]
 PROMPT = "<|user|>hello there\n"
+FAST = ("--sim-prefill-ms", "2", "--sim-decode-ms", "1")
+SLOW = ("--sim-prefill-ms", "2", "--sim-decode-ms", "20")
 
 
-def sdk(port: int) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
-
-
-async def start_stack(
-    procs: Procs, model: str, workers: int = 2, *worker_args: str
-) -> tuple[int, list[Any]]:
-    port = free_port()
-    ws = [
-        procs.start(
-            f"worker-{i}",
-            "serve",
-            "worker",
-            "--model",
-            model,
-            "--replica",
-            f"{model}-{i}",
-            *worker_args,
-        )
-        for i in range(workers)
-    ]
-    procs.start("bridge", "serve", "bridge", "--port", str(port))
-    await wait_replicas(procs.url, model, workers)
-    await wait_http(f"http://127.0.0.1:{port}/ready")
+async def bridged(procs: Procs, model: str, workers: int, *worker_args: str) -> ProcStack:
+    """Workers and a bridge (its own router), no ingress or router process."""
     # /ready needs one replica; two heartbeat intervals more and the bridge knows them all.
-    await asyncio.sleep(0.5)
-    return port, ws
+    return await start_stack(procs, model, workers=workers, worker_args=worker_args, settle=0.5)
 
 
 async def test_worker_killed_before_accepting_requests_go_to_another(
     procs: Procs, model: str
 ) -> None:
-    port, ws = await start_stack(procs, model, 2, "--sim-prefill-ms", "2", "--sim-decode-ms", "1")
+    stack = await bridged(procs, model, 2, *FAST)
+    ws = stack.workers
     ws[0].signal(signal.SIGKILL)
     ws[0].proc.wait(5)
     # Heartbeats have not expired yet: the router still lists the dead replica.
-    async with sdk(port) as c:
+    async with stack.openai() as c:
         outs = await asyncio.gather(
             *(c.chat.completions.create(model=model, messages=MSG, max_tokens=5) for _ in range(20))
         )
@@ -73,8 +54,9 @@ async def test_worker_killed_before_accepting_requests_go_to_another(
 
 
 async def test_sigterm_drains_a_worker_and_finishes_its_streams(procs: Procs, model: str) -> None:
-    port, ws = await start_stack(procs, model, 2, "--sim-prefill-ms", "2", "--sim-decode-ms", "20")
-    async with sdk(port) as c:
+    stack = await bridged(procs, model, 2, *SLOW)
+    ws = stack.workers
+    async with stack.openai() as c:
         streams = [
             await c.chat.completions.create(model=model, messages=MSG, max_tokens=50, stream=True)
             for _ in range(6)
@@ -107,9 +89,9 @@ async def test_sigterm_drains_a_worker_and_finishes_its_streams(procs: Procs, mo
 
 
 async def test_sigterm_on_the_bridge_finishes_open_streams(procs: Procs, model: str) -> None:
-    port, _ws = await start_stack(procs, model, 1, "--sim-prefill-ms", "2", "--sim-decode-ms", "20")
-    bridge = procs.procs[-1]
-    async with sdk(port) as c:
+    stack = await bridged(procs, model, 1, *SLOW)
+    bridge = stack.bridge
+    async with stack.openai() as c:
         s = await c.chat.completions.create(model=model, messages=MSG, max_tokens=40, stream=True)
         text = ""
         async for ch in s:
@@ -131,44 +113,16 @@ async def test_openai_upstream_joins_the_bus_as_a_replica(procs: Procs, model: s
         str(upstream_port),
         "--model",
         "upstream-model",
-        "--sim-prefill-ms",
-        "2",
-        "--sim-decode-ms",
-        "1",
+        *FAST,
     )
     await wait_http(f"http://127.0.0.1:{upstream_port}/ready")
-    port = free_port()
-    procs.start(
-        "worker",
-        "serve",
-        "worker",
-        "--backend",
-        "openai",
-        "--model",
-        model,
-        "--upstream-url",
-        f"http://127.0.0.1:{upstream_port}/v1",
-        "--upstream-model",
-        "upstream-model",
+    upstream = ("--backend", "openai", "--upstream-url", f"http://127.0.0.1:{upstream_port}/v1")
+    start_worker(procs, f"{model}-bad", "bad", *upstream, "--upstream-model", "not-served-upstream")
+    stack = await start_stack(
+        procs, model, worker_args=(*upstream, "--upstream-model", "upstream-model")
     )
-    procs.start(
-        "worker-bad",
-        "serve",
-        "worker",
-        "--backend",
-        "openai",
-        "--model",
-        f"{model}-bad",
-        "--upstream-url",
-        f"http://127.0.0.1:{upstream_port}/v1",
-        "--upstream-model",
-        "not-served-upstream",
-    )
-    procs.start("bridge", "serve", "bridge", "--port", str(port))
-    await wait_replicas(procs.url, model, 1)
     await wait_replicas(procs.url, f"{model}-bad", 1)
-    await wait_http(f"http://127.0.0.1:{port}/ready")
-    async with sdk(port) as c:
+    async with stack.openai() as c:
         out = await c.chat.completions.create(model=model, messages=MSG, max_tokens=7)
         assert out.choices[0].message.content == expected_text(PROMPT, 7)[0]
         assert out.usage is not None and out.usage.completion_tokens == 7
@@ -180,42 +134,24 @@ async def test_openai_upstream_joins_the_bus_as_a_replica(procs: Procs, model: s
         assert "upstream refused" in ei.value.message
 
 
-async def test_several_bridge_processes_share_one_port(procs: Procs, model: str) -> None:
-    port = free_port()
-    procs.start(
-        "worker",
-        "serve",
-        "worker",
-        "--model",
-        model,
-        "--sim-prefill-ms",
-        "2",
-        "--sim-decode-ms",
-        "1",
-    )
-    procs.start("bridges", "serve", "bridge", "--processes", "2", "--port", str(port))
-    await wait_replicas(procs.url, model, 1)
-    await wait_http(f"http://127.0.0.1:{port}/ready")
-    nc = await nats.connect(procs.url)
-    try:
-        for _ in range(100):
-            inbox = nc.new_inbox()
-            got: list[Any] = []
+async def test_several_bridge_processes_share_one_port(procs: Procs, model: str, nc: NATS) -> None:
+    stack = await start_stack(procs, model, worker_args=FAST, bridge_args=("--processes", "2"))
+    for _ in range(100):
+        inbox = nc.new_inbox()
+        got: list[Any] = []
 
-            async def cb(m: Any, got: list[Any] = got) -> None:
-                got.append(json.loads(m.data))
+        async def cb(m: Any, got: list[Any] = got) -> None:
+            got.append(json.loads(m.data))
 
-            sub = await nc.subscribe(inbox, cb=cb)
-            await nc.publish("$SRV.PING.tokenbus-bridge", b"", reply=inbox)
-            await asyncio.sleep(0.2)
-            await sub.unsubscribe()
-            if len({g["id"] for g in got}) >= 2:
-                break
-        assert len({g["id"] for g in got}) == 2
-        assert len({g["metadata"]["pid"] for g in got}) == 2
-    finally:
-        await nc.drain()
-    async with sdk(port) as c:
+        sub = await nc.subscribe(inbox, cb=cb)
+        await nc.publish("$SRV.PING.tokenbus-bridge", b"", reply=inbox)
+        await asyncio.sleep(0.2)
+        await sub.unsubscribe()
+        if len({g["id"] for g in got}) >= 2:
+            break
+    assert len({g["id"] for g in got}) == 2
+    assert len({g["metadata"]["pid"] for g in got}) == 2
+    async with stack.openai() as c:
         outs = await asyncio.gather(
             *(c.chat.completions.create(model=model, messages=MSG, max_tokens=3) for _ in range(20))
         )
@@ -223,21 +159,7 @@ async def test_several_bridge_processes_share_one_port(procs: Procs, model: str)
 
 
 async def test_status_lists_replicas_and_load(procs: Procs, model: str) -> None:
-    procs.start(
-        "worker",
-        "serve",
-        "worker",
-        "--model",
-        model,
-        "--replica",
-        f"{model}-a",
-        "--max-concurrency",
-        "7",
-        "--tp",
-        "2",
-        "--pool",
-        "big",
-    )
+    start_worker(procs, model, "a", "--max-concurrency", "7", "--tp", "2", "--pool", "big")
     await wait_replicas(procs.url, model, 1)
     out = run_cli("--nats-url", procs.url, "status", "--json", timeout=30, check=True).stdout
     rows = [r for r in json.loads(out)["replicas"] if r["model"] == model]
@@ -264,15 +186,14 @@ def test_status_without_nats_is_a_clear_error(tmp_path: Any) -> None:
     assert r.returncode == 1 and "cannot reach NATS" in r.stderr
 
 
-async def test_a_slow_worker_never_hangs_a_request(nats_server: NatsServer, procs: Procs) -> None:
-    model = f"m-{uuid.uuid4().hex[:8]}"
-    port, ws = await start_stack(procs, model, 1)
-    ws[0].signal(signal.SIGSTOP)  # alive for the kernel, silent on the bus
+async def test_a_slow_worker_never_hangs_a_request(procs: Procs, model: str) -> None:
+    stack = await bridged(procs, model, 1)
+    stack.workers[0].signal(signal.SIGSTOP)  # alive for the kernel, silent on the bus
     try:
-        async with sdk(port) as c:
+        async with stack.openai() as c:
             with pytest.raises(openai.APIStatusError) as ei:
                 await c.chat.completions.create(model=model, messages=MSG, max_tokens=3)
         assert ei.value.status_code == 503
         assert ei.value.response.headers.get("retry-after") == "1"
     finally:
-        ws[0].signal(signal.SIGCONT)
+        stack.workers[0].signal(signal.SIGCONT)

@@ -11,10 +11,9 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import httpx
-import nats
 import numpy as np
 import pytest
+from nats.aio.client import Client as NATS
 
 from auth.store import KeyStore
 from engine_worker.worker import Worker
@@ -31,18 +30,7 @@ from router.policies import (
 from router.registry import Replica
 from router.routing import ModelRoute, RoutingTable, set_override, validate_override
 from services.kit.config import ModelRouting, RouterSettings, load
-from tests.conftest import (
-    ROOT,
-    NatsServer,
-    Procs,
-    free_port,
-    run_cli,
-    settings,
-    stack,
-    wait_for,
-    wait_http,
-    wait_replicas,
-)
+from tests.conftest import ROOT, NatsServer, Procs, run_cli, settings, stack, start_stack, wait_for
 from tokenbus import Client
 
 PROMPTS = ROOT / "router" / "data" / "prompts.jsonl"
@@ -284,41 +272,36 @@ async def _served_by(c: Client, model: str, n: int, **kw: Any) -> list[str]:
 
 
 async def test_policies_change_at_run_time_on_every_router(
-    nats_server: NatsServer, model: str
+    nats_server: NatsServer, model: str, nc: NATS, client: Client
 ) -> None:
-    nc = await nats.connect(nats_server.url)
-    try:
-        async with (
-            stack(nats_server.url, model, workers=0) as svcs,
-            pooled_workers(nats_server.url, model, ["a", "b", "c"]),
-            await Client.connect(nats_server.url) as c,
-        ):
-            await wait_for(lambda: len(svcs["router"].registry.live(model)) == 3)
-            await set_override(nc, model, {"policy": "session_affinity"})
-            await wait_for(lambda: model in svcs["router"].routing.overrides)
-            sticky = await _served_by(c, model, 6, session="user-42")
-            assert len(set(sticky)) == 1, sticky
-            # The CLI changes it for every router, at once.
-            env = {"TOKENBUS_NATS_URL": nats_server.url}
-            out = run_cli("router", "set", model, "--policy", "round_robin", env=env)
-            assert out.returncode == 0, out.stdout + out.stderr
-            await wait_for(
-                lambda: svcs["router"].routing.overrides.get(model) == {"policy": "round_robin"}
-            )
-            spread = await _served_by(c, model, 6, session="user-42")
-            assert len(set(spread)) == 3, spread
-            bad = run_cli("router", "set", model, "--pool-policy", "expert", env=env)
-            assert bad.returncode == 2 and "model_dir" in bad.stdout
-            shown = run_cli("router", "show", "--json", env=env)
-            assert json.loads(shown.stdout)[model]["policy"] == "round_robin"
-            assert run_cli("router", "reset", model, env=env).returncode == 0
-            await wait_for(lambda: model not in svcs["router"].routing.overrides)
-    finally:
-        await nc.drain()
+    async with (
+        stack(nats_server.url, model, workers=0) as svcs,
+        pooled_workers(nats_server.url, model, ["a", "b", "c"]),
+    ):
+        await wait_for(lambda: len(svcs["router"].registry.live(model)) == 3)
+        await set_override(nc, model, {"policy": "session_affinity"})
+        await wait_for(lambda: model in svcs["router"].routing.overrides)
+        sticky = await _served_by(client, model, 6, session="user-42")
+        assert len(set(sticky)) == 1, sticky
+        # The CLI changes it for every router, at once.
+        env = {"TOKENBUS_NATS_URL": nats_server.url}
+        out = run_cli("router", "set", model, "--policy", "round_robin", env=env)
+        assert out.returncode == 0, out.stdout + out.stderr
+        await wait_for(
+            lambda: svcs["router"].routing.overrides.get(model) == {"policy": "round_robin"}
+        )
+        spread = await _served_by(client, model, 6, session="user-42")
+        assert len(set(spread)) == 3, spread
+        bad = run_cli("router", "set", model, "--pool-policy", "expert", env=env)
+        assert bad.returncode == 2 and "model_dir" in bad.stdout
+        shown = run_cli("router", "show", "--json", env=env)
+        assert json.loads(shown.stdout)[model]["policy"] == "round_robin"
+        assert run_cli("router", "reset", model, env=env).returncode == 0
+        await wait_for(lambda: model not in svcs["router"].routing.overrides)
 
 
 async def test_concurrency_tiered_uses_the_high_tp_pool_until_traffic_is_heavy(
-    nats_server: NatsServer, model: str
+    nats_server: NatsServer, model: str, client: Client
 ) -> None:
     routing = {
         "pool_policy": "concurrency_tiered",
@@ -327,12 +310,11 @@ async def test_concurrency_tiered_uses_the_high_tp_pool_until_traffic_is_heavy(
     async with (
         stack(nats_server.url, model, workers=0, router=routing) as svcs,
         pooled_workers(nats_server.url, model, ["tp8", "tp2", "tp2"]),
-        await Client.connect(nats_server.url) as c,
     ):
         await wait_for(lambda: len(svcs["router"].registry.live(model)) == 3)
-        light = await _served_by(c, model, 4)
+        light = await _served_by(client, model, 4)
         assert all("-tp8-" in r for r in light), light
-        streams = [c.chat(model, MSG, max_tokens=200) for _ in range(8)]
+        streams = [client.chat(model, MSG, max_tokens=200) for _ in range(8)]
         for s in streams:
             await s.__anext__()
         heavy = Counter("tp8" if "-tp8-" in (s.replica or "") else "tp2" for s in streams)
@@ -342,7 +324,7 @@ async def test_concurrency_tiered_uses_the_high_tp_pool_until_traffic_is_heavy(
 
 
 async def test_expert_policy_routes_prompts_to_their_pool(
-    nats_server: NatsServer, model: str, tmp_path: Path
+    nats_server: NatsServer, model: str, tmp_path: Path, client: Client
 ) -> None:
     train(PROMPTS, 6, tmp_path)
     routing = {
@@ -352,11 +334,10 @@ async def test_expert_policy_routes_prompts_to_their_pool(
     async with (
         stack(nats_server.url, model, workers=0, router=routing) as svcs,
         pooled_workers(nats_server.url, model, ["coder", "general", "general"]),
-        await Client.connect(nats_server.url) as c,
     ):
         await wait_for(lambda: len(svcs["router"].registry.live(model)) == 3)
         for _ in range(4):
-            s = c.chat(
+            s = client.chat(
                 model,
                 [{"role": "user", "content": "Refactor this Python class to avoid globals"}],
                 max_tokens=2,
@@ -365,30 +346,22 @@ async def test_expert_policy_routes_prompts_to_their_pool(
                 pass
             assert s.replica is not None and "-coder-" in s.replica
         # No word it knows: not classified, so any replica may serve it.
-        others = await _served_by(c, model, 6)
+        others = await _served_by(client, model, 6)
         assert any("-general-" in r for r in others)
 
 
-async def test_http_session_header_and_admin_routing_api(procs: Procs, model: str) -> None:
-    nc = await nats.connect(procs.url)
-    store = await KeyStore(nc).open()
-    admin, _ = await store.create("ops", admin=True)
-    user, _ = await store.create("user")
-    await store.close()
-    await nc.drain()
+async def test_http_session_header_and_admin_routing_api(
+    procs: Procs, model: str, keys: KeyStore
+) -> None:
+    admin, _ = await keys.create("ops", admin=True)
+    user, _ = await keys.create("user")
     env = {
         "TOKENBUS_INGRESS__PIPELINE": '["auth", "route"]',
         "TOKENBUS_ROUTER__POLICY": "session_affinity",
     }
-    port = free_port()
-    for i in range(3):
-        procs.start(f"w{i}", "serve", "worker", "--model", model, "--replica", f"{model}-{i}")
-    procs.start("bridge", "serve", "bridge", "--port", str(port), env=env)
-    await wait_replicas(procs.url, model, 3)
-    await wait_http(f"http://127.0.0.1:{port}/ready")
-    await asyncio.sleep(0.5)
-    base = f"http://127.0.0.1:{port}"
-    async with httpx.AsyncClient(base_url=base, timeout=30) as h:
+    # The bridge is the only router and runs auth itself (the workers ignore both settings).
+    stack = await start_stack(procs, model, workers=3, env=env, settle=0.5)
+    async with stack.http(timeout=30) as h:
         body = {"model": model, "messages": MSG, "max_tokens": 2}
         seen: dict[str, set[str]] = {}
         for sess in ("alice", "bob", "carol", "dave"):

@@ -25,9 +25,8 @@ from tests.conftest import (
     run_cli,
     settings,
     stack,
+    start_stack,
     wait_for,
-    wait_http,
-    wait_replicas,
 )
 from tokenbus import Client
 from tokenbus.evaluation.report import report
@@ -78,18 +77,17 @@ async def telemetry(url: str, tmp_path: Path, **tel: Any) -> Any:
 
 
 async def test_records_for_success_error_and_cancel_over_nats(
-    nats_server: NatsServer, model: str, tmp_path: Path
+    nats_server: NatsServer, model: str, tmp_path: Path, client: Client
 ) -> None:
     async with (
         telemetry(nats_server.url, tmp_path) as tel,
         stack(nats_server.url, model, workers=1),
-        await Client.connect(nats_server.url) as c,
     ):
-        ok = await c.chat_completion(model, MSG, max_tokens=5)
-        s = c.chat(model, MSG, max_tokens=10_000)
+        ok = await client.chat_completion(model, MSG, max_tokens=5)
+        s = client.chat(model, MSG, max_tokens=10_000)
         await s.__anext__()
         await s.aclose()
-        late = c.chat(model, MSG, max_tokens=10_000, timeout=0.3)
+        late = client.chat(model, MSG, max_tokens=10_000, timeout=0.3)
         with pytest.raises(E.Timeout):
             await late.collect()
         want = {ok.request_id, s.request_id, late.request_id}
@@ -111,15 +109,14 @@ async def test_records_for_success_error_and_cancel_over_nats(
 
 
 async def test_telemetry_buffer_is_bounded_and_drops_rather_than_blocks(
-    nats_server: NatsServer, model: str, tmp_path: Path
+    nats_server: NatsServer, model: str, tmp_path: Path, client: Client
 ) -> None:
     async with (
         telemetry(nats_server.url, tmp_path, max_buffer=3, flush_interval_s=60) as tel,
         stack(nats_server.url, model, workers=1),
-        await Client.connect(nats_server.url) as c,
     ):
         outs = await asyncio.gather(
-            *(c.chat_completion(model, MSG, max_tokens=2) for _ in range(8))
+            *(client.chat_completion(model, MSG, max_tokens=2) for _ in range(8))
         )
         assert all(o.usage.completion_tokens == 2 for o in outs)
         await wait_for(lambda: tel.metrics.dropped._value.get() >= 5, timeout=10)
@@ -128,21 +125,15 @@ async def test_telemetry_buffer_is_bounded_and_drops_rather_than_blocks(
 
 async def test_http_records_metrics_and_report(procs: Procs, model: str, tmp_path: Path) -> None:
     db = tmp_path / "telemetry.db"
-    mport, port = free_port(), free_port()
+    mport = free_port()
     env = {
         "TOKENBUS_TELEMETRY__DB_PATH": str(db),
         "TOKENBUS_TELEMETRY__METRICS_PORT": str(mport),
         "TOKENBUS_TELEMETRY__FLUSH_INTERVAL_S": "0.1",
     }
     procs.start("telemetry", "serve", "telemetry", env=env)
-    procs.start("worker", "serve", "worker", "--model", model)
-    procs.start("bridge", "serve", "bridge", "--port", str(port))
-    await wait_replicas(procs.url, model, 1)
-    await wait_http(f"http://127.0.0.1:{port}/ready")
-    await asyncio.sleep(0.3)
-    async with openai.AsyncOpenAI(
-        base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0
-    ) as api:
+    stack = await start_stack(procs, model, settle=0.3)
+    async with stack.openai() as api:
         raw = await api.chat.completions.with_raw_response.create(
             model=model, messages=MSG, max_tokens=4, extra_headers={"traceparent": TRACE}
         )  # type: ignore[call-overload]
@@ -177,7 +168,7 @@ async def test_http_records_metrics_and_report(procs: Procs, model: str, tmp_pat
     assert len(rows) == 2 and all(r["source"] == "http" and r["status"] == 200 for r in rows)
     # W3C trace context from the HTTP caller reached the worker and the record.
     assert sorted(str(r["trace_id"]) for r in rows) == ["4bf92f3577b34da6a3ce929d0e0e4736", "None"]
-    worker_log = procs.procs[1].output()
+    worker_log = stack.workers[0].output()
     assert "4bf92f3577b34da6a3ce929d0e0e4736" in worker_log
     for r in rows:
         t = r["t"]
@@ -204,14 +195,13 @@ def test_report_on_an_empty_store(tmp_path: Path) -> None:
 
 
 async def test_a_migrated_request_is_recorded_with_its_migration(
-    nats_server: NatsServer, model: str, tmp_path: Path
+    nats_server: NatsServer, model: str, tmp_path: Path, client: Client
 ) -> None:
     async with (
         telemetry(nats_server.url, tmp_path) as tel,
         stack(nats_server.url, model, workers=2) as svcs,
-        await Client.connect(nats_server.url) as c,
     ):
-        s = c.chat(model, MSG, max_tokens=400)
+        s = client.chat(model, MSG, max_tokens=400)
         await s.__anext__()
         dead = next(w for w in svcs["workers"] if w.replica == s.replica)
         # A kill -9 as the bus sees it: no more frames, no more heartbeats.

@@ -18,7 +18,7 @@ from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any
+from typing import Any, Self
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
@@ -522,7 +522,7 @@ class Caller:
         if self._own:
             await self.nc.drain()
 
-    async def __aenter__(self) -> Caller:
+    async def __aenter__(self) -> Self:
         await self.start()
         return self
 
