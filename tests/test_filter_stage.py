@@ -64,12 +64,17 @@ def _word_in_output(prompt: str, n: int) -> str:
     return expected_text(prompt, n)[0].split(" ")[6]
 
 
+def _blocklisted_word(prompt: str, n: int, action: str) -> tuple[str, dict[str, Any]]:
+    """A word of the sim's answer to ``prompt``, and a policy that blocklists it with ``action``."""
+    word = _word_in_output(prompt, n)
+    return word, {"blocklist": [word], "actions": {"blocklist": action}}
+
+
 async def test_output_is_redacted_as_it_streams(
     nats_server: NatsServer, model: str, client: Client
 ) -> None:
     prompt = "<|user|>tell me\n"
-    word = _word_in_output(prompt, 30)
-    policy = {"blocklist": [word], "actions": {"blocklist": "redact"}}
+    word, policy = _blocklisted_word(prompt, 30, "redact")
     async with stack(nats_server.url, model, workers=1, filters=1, **_filter("t", t=policy)):
         s = client.chat(model, [{"role": "user", "content": "tell me"}], max_tokens=30)
         chunks = [ch async for ch in s]
@@ -85,8 +90,7 @@ async def test_blocked_output_ends_the_stream_with_content_filter(
     nats_server: NatsServer, model: str, client: Client
 ) -> None:
     prompt = "<|user|>tell me\n"
-    word = _word_in_output(prompt, 40)
-    policy = {"blocklist": [word], "actions": {"blocklist": "block"}}
+    word, policy = _blocklisted_word(prompt, 40, "block")
     async with stack(
         nats_server.url, model, workers=1, filters=1, **_filter("t", t=policy)
     ) as svcs:
