@@ -4,6 +4,7 @@ WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY bus_schemas bus_schemas
 COPY services services
+COPY gateway gateway
 COPY router router
 COPY engine_worker engine_worker
 COPY telemetry telemetry

@@ -14,7 +14,7 @@ from auth.limits import Limiter, info_header
 from bus_schemas import codec, marks, subjects
 from bus_schemas import errors as E
 from bus_schemas import headers as H
-from services.kit.runtime import Service
+from services.runtime import Service
 
 
 def parse_limits(value: str | None) -> tuple[int | None, int | None, int | None]:

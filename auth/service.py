@@ -12,7 +12,7 @@ from nats.aio.msg import Msg
 from auth.store import KeyStore
 from bus_schemas import headers as H
 from bus_schemas import subjects
-from services.kit.runtime import Service
+from services.runtime import Service
 
 
 def limits_header(rpm: int | None, tpm: int | None, concurrent: int | None) -> str:

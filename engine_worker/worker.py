@@ -26,7 +26,7 @@ from engine_worker.backends.base import Backend, Delta, DeltaStream, GenerationR
 from engine_worker.outbox import Outbox
 from filter.policy import FilterPolicy
 from filter.scanner import Scanner, StreamOutput, StreamScanner
-from services.kit.runtime import Service, reply_subject
+from services.runtime import Service, reply_subject
 from telemetry import records
 
 # How long a cancel that arrived before its request is remembered.

@@ -17,8 +17,8 @@ from bus_schemas import errors as E
 from bus_schemas import headers as H
 from filter.policy import FilterPolicy
 from filter.scanner import Scanner
-from services.kit.config import FilterSettings
-from services.kit.runtime import Service
+from services.config import FilterSettings
+from services.runtime import Service
 
 OFF = "off"
 

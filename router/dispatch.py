@@ -23,7 +23,7 @@ from bus_schemas import headers as H
 from router.policies import RouteRequest, prompt_text
 from router.registry import Registry, Replica
 from router.routing import ModelRoute, RoutingTable
-from services.kit.config import RouterSettings
+from services.config import RouterSettings
 
 _QUEUE_POLL_S = 0.02  # how often a queued request looks for a replica with room
 

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from services.kit.datafiles import read_lines
+from services.datafiles import read_lines
 
 F = npt.NDArray[np.float64]
 

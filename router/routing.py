@@ -28,7 +28,7 @@ from router.policies import (
     make_load_policy,
 )
 from router.registry import Replica
-from services.kit.config import ModelRouting, RouterSettings
+from services.config import ModelRouting, RouterSettings
 
 BUCKET = "tokenbus_routing"
 

@@ -15,8 +15,8 @@ from bus_schemas import headers as H
 from router.dispatch import Dispatcher
 from router.registry import Registry
 from router.routing import RoutingTable
-from services.kit.config import RouterSettings
-from services.kit.runtime import Service, reply_subject
+from services.config import RouterSettings
+from services.runtime import Service, reply_subject
 
 
 class Router(Service):

@@ -16,7 +16,7 @@ from nats.aio.msg import Msg
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from bus_schemas import codec, subjects
-from services.kit.runtime import Service
+from services.runtime import Service
 from telemetry import records
 from telemetry.store import RecordStore
 

@@ -24,9 +24,9 @@ from nats.aio.client import Client as NATS
 from auth.limits import WINDOW_S
 from auth.store import KeyStore
 from bus_schemas import codec, subjects
-from services.kit import config
-from services.kit import logging as tlog
-from services.kit.runtime import servers
+from services import config
+from services import logging as tlog
+from services.runtime import servers
 from tokenbus import Client
 from tokenbus.launcher import nats_server_binary
 
@@ -187,8 +187,8 @@ async def stack(
     pipeline) in this process: the integration tests' bus."""
     from auth.service import Auth
     from engine_worker.worker import Worker
+    from gateway.ingress import Ingress
     from router.service import Router
-    from services.gateway.ingress import Ingress
 
     w = {"model": model, "heartbeat_interval_s": 0.2, **(worker or {})}
     from auth.ratelimit import RateLimit

@@ -214,7 +214,7 @@ def test_bench_against_nothing_reports_errors_not_a_crash(tmp_path: Path) -> Non
 
 
 def test_config_file_and_env_vars(tmp_path: Path) -> None:
-    from services.kit import config
+    from services import config
 
     f = tmp_path / "tb.toml"
     f.write_text('log_level = "debug"\n[bridge]\nport = 9100\n[worker.sim]\ndecode_ms = 3.5\n')

@@ -151,7 +151,7 @@ def test_openai_requests_validate_like_openai() -> None:
 
 def test_heartbeat_model_accepts_what_workers_send() -> None:
     from engine_worker.worker import Worker
-    from services.kit.config import Settings
+    from services.config import Settings
 
     w = Worker(Settings(nats_url="nats://127.0.0.1:1"))
     Heartbeat.model_validate(w.heartbeat_body())

@@ -12,17 +12,17 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# Each unit of code and its layer; a module may import its own unit and units of a lower
-# layer only. Actors share a layer, so imports between actors are listed one by one below.
+# Each top-level folder and its layer; a module may import its own folder and folders of a
+# lower layer only. Actors share a layer, so imports between actors are listed one by one.
 LAYERS: dict[str, int] = {
     "bus_schemas": 0,  # the wire contract
-    "services.kit": 1,  # the service kit every actor uses
+    "services": 1,  # the kit every service uses
     "auth": 2,
     "filter": 2,
     "router": 2,
     "engine_worker": 2,
     "telemetry": 2,
-    "services.gateway": 3,  # ingress and the HTTP bridge
+    "gateway": 3,  # ingress and the HTTP bridge
     "tokenbus": 4,  # the public client, the CLI, the launcher, the evaluation tools
 }
 # The worker scans its output stream with the filter's engine and publishes telemetry
@@ -35,11 +35,9 @@ THIRD_PARTY_OF = {
 
 
 def unit_of(module: str) -> str | None:
-    """The unit (a key of LAYERS) a dotted module name belongs to, None if outside."""
-    parts = module.split(".")
-    if parts[0] == "services":
-        return ".".join(parts[:2]) if len(parts) > 1 else "services"
-    return parts[0] if parts[0] in LAYERS else None
+    """The folder (a key of LAYERS) a dotted module name belongs to, None if outside."""
+    top = module.split(".")[0]
+    return top if top in LAYERS else None
 
 
 def imports_of(path: Path) -> list[str]:
@@ -71,8 +69,6 @@ def violations(module: str, imported: list[str]) -> list[str]:
         other = unit_of(name)
         if other is None or other == me:
             continue
-        if other == "services":  # the namespace package alone holds nothing
-            continue
         if LAYERS[other] > LAYERS[me]:
             bad.append(f"{module} imports {name} (layer {other} above {me})")
         elif LAYERS[other] == LAYERS[me] and (me, other) not in ACTOR_IMPORTS:
@@ -89,8 +85,7 @@ def violations(module: str, imported: list[str]) -> list[str]:
 def project_modules() -> dict[str, Path]:
     mods: dict[str, Path] = {}
     for unit in LAYERS:
-        folder = ROOT / unit.replace(".", "/")
-        for path in folder.rglob("*.py"):
+        for path in (ROOT / unit).rglob("*.py"):
             mods[".".join(path.relative_to(ROOT).with_suffix("").parts)] = path
     return mods
 
@@ -109,24 +104,22 @@ def test_no_top_level_folder_is_left_outside_the_layers() -> None:
         for p in ROOT.iterdir()
         if p.is_dir() and (p / "__init__.py").exists() and p.name != "tests"
     }
-    assert packages == {u.split(".")[0] for u in LAYERS}
-    services = {p.name for p in (ROOT / "services").iterdir() if p.is_dir() and p.name[0] != "_"}
-    assert services == {"kit", "gateway"}
-    assert [p.name for p in (ROOT / "services").glob("*.py")] == ["__init__.py"]
+    assert packages == set(LAYERS)
 
 
 def test_the_checker_catches_what_it_must() -> None:
     # An upward import, a lazy one, a sideways actor import, a relative one, and the contract
     # reaching for a client library are all caught; allowed imports are not.
-    assert violations("services.kit.runtime", ["telemetry.records"])
-    assert violations("bus_schemas.frames", ["services.kit.caller"])
+    assert violations("services.runtime", ["telemetry.records"])
+    assert violations("services.caller", ["gateway.bridge"])
+    assert violations("bus_schemas.frames", ["services.caller"])
     assert violations("router.dispatch", ["auth.store"])
     assert violations("bus_schemas.codec", ["nats.aio.client"])
     assert not violations("engine_worker.worker", ["filter.scanner", "telemetry.records"])
-    assert not violations("tokenbus.cli", ["services.gateway.bridge", "auth.store"])
-    lazy = imports_in("def f():\n    from services.gateway import bridge\n", ("router",))
+    assert not violations("tokenbus.cli", ["gateway.bridge", "auth.store"])
+    lazy = imports_in("def f():\n    from gateway import bridge\n", ("router",))
     assert violations("router.probe", lazy)
-    relative = imports_in("from ..services.gateway import bridge\n", ("router",))
-    assert "services.gateway.bridge" in relative
+    relative = imports_in("from ..gateway import bridge\n", ("router",))
+    assert "gateway.bridge" in relative
     assert violations("router.probe", relative)
     assert imports_in("from . import policies\n", ("router",)) == ["router", "router.policies"]

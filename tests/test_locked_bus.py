@@ -11,7 +11,7 @@ import nats
 import pytest
 
 from bus_schemas import codec, subjects
-from services.kit.natsconf import ROLES, generate, role_env
+from services.natsconf import ROLES, generate, role_env
 from tests.conftest import Procs, free_port, spawn_nats, start_stack
 from tokenbus import Client
 

@@ -29,7 +29,7 @@ from router.policies import (
 )
 from router.registry import Replica
 from router.routing import ModelRoute, RoutingTable, set_override, validate_override
-from services.kit.config import ModelRouting, RouterSettings, load
+from services.config import ModelRouting, RouterSettings, load
 from tests.conftest import ROOT, NatsServer, Procs, run_cli, settings, stack, start_stack, wait_for
 from tokenbus import Client
 

@@ -9,7 +9,7 @@ import pytest
 
 from engine_worker.backends.base import GenerationRequest
 from engine_worker.backends.sim import SimEngine, expected_text
-from services.kit.config import SimSettings
+from services.config import SimSettings
 
 
 def req(prompt: str = "hello", max_tokens: int = 8, **kw: object) -> GenerationRequest:

@@ -17,7 +17,7 @@ from bus_schemas import errors as E
 from engine_worker import backends
 from engine_worker.backends.base import Delta, GenerationRequest
 from engine_worker.backends.vllm_backend import VLLMBackend, pin_gpus
-from services.kit.config import VLLMSettings, WorkerSettings
+from services.config import VLLMSettings, WorkerSettings
 
 try:  # tests/ is a package when run from the repo root with rootdir on sys.path
     from tests.fakes import fake_vllm as fv

@@ -9,7 +9,7 @@ on the replica serving it.
             print(chunk.text, end="")
 
 The stream machinery (heartbeat watchdog, resends, migration, cancel) is the kit's
-:class:`services.kit.caller.Caller`, which the HTTP bridge uses too; this class adds the
+:class:`services.caller.Caller`, which the HTTP bridge uses too; this class adds the
 connection and the calls users make.
 """
 
@@ -22,7 +22,7 @@ import nats
 
 from bus_schemas import headers as H
 from bus_schemas import subjects
-from services.kit.caller import DEFAULT_TIMEOUT_S, Caller, Chunk, Completion, Stream, Usage
+from services.caller import DEFAULT_TIMEOUT_S, Caller, Chunk, Completion, Stream, Usage
 
 __all__ = ["Chunk", "Client", "Completion", "Stream", "Usage"]
 

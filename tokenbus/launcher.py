@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bus_schemas import subjects
-from services.kit.config import BridgeSettings, Settings
-from services.kit.natsconf import generate, role_env
-from services.kit.runtime import stop_event
+from services.config import BridgeSettings, Settings
+from services.natsconf import generate, role_env
+from services.runtime import stop_event
 
 
 def nats_server_binary() -> str:

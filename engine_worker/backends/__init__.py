@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from engine_worker.backends.base import Backend
-    from services.kit.config import WorkerSettings
+    from services.config import WorkerSettings
 
 
 def create(cfg: WorkerSettings) -> Backend:

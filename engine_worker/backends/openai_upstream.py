@@ -15,7 +15,7 @@ import aiohttp
 
 from bus_schemas import errors as E
 from engine_worker.backends.base import Delta, GenerationRequest
-from services.kit.config import WorkerSettings
+from services.config import WorkerSettings
 
 
 class OpenAIUpstreamBackend:

@@ -21,7 +21,7 @@ from typing import Any
 
 from bus_schemas import errors as E
 from engine_worker.backends.base import Delta, GenerationRequest
-from services.kit.config import SimSettings, WorkerSettings
+from services.config import SimSettings, WorkerSettings
 
 VOCAB = (
     "the",

@@ -30,7 +30,7 @@ from typing import Any
 
 from bus_schemas import errors as E
 from engine_worker.backends.base import Delta, GenerationRequest
-from services.kit.config import WorkerSettings
+from services.config import WorkerSettings
 
 # vLLM's finish reasons (vllm/v1/engine/__init__.py FINISH_REASON_STRINGS) mapped onto ours.
 # "error" (a request-level engine failure) and "abort" (the engine dropped a request we did

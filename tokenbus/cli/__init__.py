@@ -8,8 +8,8 @@ import json
 import sys
 from typing import Any
 
-from services.kit import config as cfgmod
-from services.kit import logging as tlog
+from services import config as cfgmod
+from services import logging as tlog
 
 SERVICES = (
     "bridge",
@@ -167,7 +167,7 @@ def _settings(a: argparse.Namespace) -> cfgmod.Settings:
 
 
 async def _serve(a: argparse.Namespace, s: cfgmod.Settings) -> int:
-    from services.kit.runtime import Service, serve_until_signalled
+    from services.runtime import Service, serve_until_signalled
 
     svc: Service
     if a.service == "bridge" and s.bridge.processes > 1:
@@ -179,11 +179,11 @@ async def _serve(a: argparse.Namespace, s: cfgmod.Settings) -> int:
         await run_direct(s, a.host or "127.0.0.1", port)
         return 0
     if a.service == "bridge":
-        from services.gateway.bridge import Bridge
+        from gateway.bridge import Bridge
 
         svc = Bridge(s, reuse_port=a.reuse_port)
     elif a.service == "ingress":
-        from services.gateway.ingress import Ingress
+        from gateway.ingress import Ingress
 
         svc = Ingress(s)
     elif a.service == "auth":
@@ -288,7 +288,7 @@ def main(argv: list[str] | None = None) -> None:
     except FileNotFoundError as exc:
         raise SystemExit(f"error: {exc}") from None
     tlog.setup(s.log_level, json=a.cmd == "serve")
-    from services.kit.runtime import run
+    from services.runtime import run
 
     rc = 0
 
@@ -305,7 +305,7 @@ def main(argv: list[str] | None = None) -> None:
         elif a.cmd == "nats-config":
             from pathlib import Path
 
-            from services.kit.natsconf import generate
+            from services.natsconf import generate
 
             conf, users = generate(Path(a.out), host=a.host, port=a.port)
             print(f"wrote {conf} and {users} (mode 0600: one password per role)")

@@ -8,7 +8,7 @@ from typing import Any
 
 import nats
 
-from services.kit.config import Settings
+from services.config import Settings
 
 
 def add_parser(sub: Any) -> None:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from services.kit.config import DEFAULT_MODEL, BridgeSettings, Settings
+from services.config import DEFAULT_MODEL, BridgeSettings, Settings
 
 
 @dataclass
@@ -320,7 +320,7 @@ class RequestMaker:
 
 
 def load_prompts(path: str) -> list[dict[str, Any]]:
-    from services.kit.datafiles import read_lines
+    from services.datafiles import read_lines
 
     items: list[dict[str, Any]] = []
     try:

@@ -11,17 +11,17 @@ from typing import Any
 
 from engine_worker import backends
 from engine_worker.backends.base import Backend, Delta, GenerationRequest
-from services.gateway import validation
-from services.gateway.asgi import serve
-from services.gateway.openai_api import OpenAIApp
-from services.kit import logging as tlog
-from services.kit.caller import Chunk, Usage
-from services.kit.config import Settings
-from services.kit.runtime import stop_event
+from gateway import validation
+from gateway.asgi import serve
+from gateway.openai_api import OpenAIApp
+from services import logging as tlog
+from services.caller import Chunk, Usage
+from services.config import Settings
+from services.runtime import stop_event
 
 
 class DirectStream:
-    """A backend generation shaped like :class:`services.kit.caller.Stream`."""
+    """A backend generation shaped like :class:`services.caller.Stream`."""
 
     def __init__(self, gen: AsyncIterator[Delta], request_id: str) -> None:
         self._gen = gen

@@ -14,21 +14,21 @@ from prometheus_client import CONTENT_TYPE_LATEST, Counter, Histogram, generate_
 
 from bus_schemas import codec, marks, subjects
 from bus_schemas import headers as H
+from gateway import validation
+from gateway.admin_keys import PREFIX as ADMIN_PREFIX
+from gateway.admin_keys import AdminAPI
+from gateway.admin_routing import PREFIX as ROUTING_PREFIX
+from gateway.admin_routing import RoutingAdmin
+from gateway.asgi import HTTPServer, Receive, Scope, Send, serve
+from gateway.ingress import Admission
+from gateway.openai_api import OpenAIApp
+from gateway.stages import LocalStages, stages_before_route
 from router.dispatch import Dispatcher
 from router.registry import Registry
 from router.routing import RoutingTable
 from router.service import HeartbeatTracker, watch_routing
-from services.gateway import validation
-from services.gateway.admin_keys import PREFIX as ADMIN_PREFIX
-from services.gateway.admin_keys import AdminAPI
-from services.gateway.admin_routing import PREFIX as ROUTING_PREFIX
-from services.gateway.admin_routing import RoutingAdmin
-from services.gateway.asgi import HTTPServer, Receive, Scope, Send, serve
-from services.gateway.ingress import Admission
-from services.gateway.openai_api import OpenAIApp
-from services.gateway.stages import LocalStages, stages_before_route
-from services.kit.caller import Caller, Stream
-from services.kit.runtime import Service
+from services.caller import Caller, Stream
+from services.runtime import Service
 from telemetry import records
 
 REQUESTS = Counter("tokenbus_bridge_requests_total", "HTTP generation requests", ["kind", "status"])

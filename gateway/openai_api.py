@@ -1,9 +1,9 @@
-"""The OpenAI-compatible API: the handlers the route table of :mod:`services.gateway.asgi`
+"""The OpenAI-compatible API: the handlers the route table of :mod:`gateway.asgi`
 serves.
 
 :class:`OpenAIApp` is that route table with ``/v1/chat/completions``, ``/v1/completions``,
 ``/v1/models``, ``/health`` and ``/ready`` mounted. A generation goes: read and validate the
-body (:func:`read_body`, :mod:`services.gateway.validation`), open a stream from the
+body (:func:`read_body`, :mod:`gateway.validation`), open a stream from the
 :class:`Source`, then write it either whole (:func:`write_whole`) or as server-sent events
 (:func:`write_sse`), while :func:`watch_disconnect` cancels it when the client leaves.
 
@@ -24,8 +24,8 @@ from typing import Any, NamedTuple, Protocol
 
 from bus_schemas import errors as E
 from bus_schemas.subjects import KIND_CHAT, KIND_COMPLETIONS
-from services.gateway import validation
-from services.gateway.asgi import (
+from gateway import validation
+from gateway.asgi import (
     Headers,
     Receive,
     RouteTable,
@@ -36,12 +36,12 @@ from services.gateway.asgi import (
     send_error,
     send_json,
 )
-from services.gateway.ingress import clean_request_id
-from services.kit.caller import Chunk, Usage
+from gateway.ingress import clean_request_id
+from services.caller import Chunk, Usage
 
 
 class StreamLike(Protocol):
-    """What a source hands back for one request (:class:`services.kit.caller.Stream` is one)."""
+    """What a source hands back for one request (:class:`services.caller.Stream` is one)."""
 
     request_id: str
     finish_reason: str | None

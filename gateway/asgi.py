@@ -4,7 +4,7 @@ This module knows HTTP and nothing of OpenAI: :class:`RouteTable` maps (method, 
 path prefixes to handlers and answers 404 / 405; ``send_json`` / ``send_error`` write whole
 responses; ``header`` / ``api_key`` / ``bus_headers`` read request headers;
 :class:`HTTPServer` runs an app under uvicorn (httptools). The OpenAI handlers mounted on
-it are in :mod:`services.gateway.openai_api`; the admin handlers in ``admin_keys`` and
+it are in :mod:`gateway.openai_api`; the admin handlers in ``admin_keys`` and
 ``admin_routing``.
 
 Raw ASGI rather than a framework: on the hot path (one SSE event per token) every layer

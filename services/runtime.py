@@ -28,9 +28,9 @@ from nats.aio.msg import Msg
 from bus_schemas import errors as E
 from bus_schemas import frames, marks, subjects
 from bus_schemas import headers as H
-from services.kit import logging as tlog
-from services.kit.config import Settings
-from services.kit.discovery import Discovery, EndpointStats
+from services import logging as tlog
+from services.config import Settings
+from services.discovery import Discovery, EndpointStats
 
 Handler = Callable[[Msg], Awaitable[None]]
 

@@ -24,7 +24,7 @@ from auth.keys import KeyRecord, parse_duration
 from auth.store import KeyStore
 from bus_schemas import errors as E
 from bus_schemas import headers as H
-from services.gateway.asgi import Receive, Scope, Send, api_key, send_error, send_json
+from gateway.asgi import Receive, Scope, Send, api_key, send_error, send_json
 
 PREFIX = "/v1/admin/keys"
 

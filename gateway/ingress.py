@@ -11,9 +11,9 @@ from nats.aio.msg import Msg
 from bus_schemas import codec, marks, subjects
 from bus_schemas import errors as E
 from bus_schemas import headers as H
-from services.gateway import validation
-from services.kit.config import Settings
-from services.kit.runtime import Service
+from gateway import validation
+from services.config import Settings
+from services.runtime import Service
 
 CLIENT_HEADERS = (
     H.REQUEST_ID,

@@ -19,10 +19,10 @@ from urllib.parse import unquote
 from nats.aio.client import Client as NATS
 
 from bus_schemas import errors as E
+from gateway.admin_keys import AdminAPI, answer_errors, read_json
+from gateway.asgi import Receive, Scope, Send, send_json
 from router.routing import clear_override, list_overrides, set_override, validate_override
-from services.gateway.admin_keys import AdminAPI, answer_errors, read_json
-from services.gateway.asgi import Receive, Scope, Send, send_json
-from services.kit.config import RouterSettings
+from services.config import RouterSettings
 
 PREFIX = "/v1/admin/routing"
 
