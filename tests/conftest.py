@@ -336,13 +336,6 @@ def start_worker(
     return procs.start(f"worker-{i}", *cmd, env=env)
 
 
-def start_workers(
-    procs: Procs, model: str, n: int, *args: str, env: dict[str, str] | None = None
-) -> list[Proc]:
-    """``n`` workers ``worker-0..`` serving ``model`` as replicas ``<model>-0..``."""
-    return [start_worker(procs, model, i, *args, env=env) for i in range(n)]
-
-
 class ProcStack:
     """The processes :func:`start_stack` started, by role, and the bridge's address."""
 
