@@ -28,7 +28,7 @@ from services import config
 from services import logging as tlog
 from services.runtime import servers
 from tokenbus import Client
-from tokenbus.launcher import nats_server_binary
+from tokenbus.launcher import nats_server_binary, port_open
 
 tlog.setup("warning")
 
@@ -60,9 +60,8 @@ def wait_port(port: int, timeout: float = 10) -> None:
     """Until something listens on ``port`` (a server just started)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return
+        if port_open("127.0.0.1", port):
+            return
         time.sleep(0.02)
     raise RuntimeError(f"nothing listens on port {port}")
 
