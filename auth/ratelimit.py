@@ -14,6 +14,7 @@ from auth.limits import Limiter, info_header
 from bus_schemas import codec, marks, subjects
 from bus_schemas import errors as E
 from bus_schemas import headers as H
+from bus_schemas.messages import envelope_chars
 from services.runtime import Service
 
 
@@ -26,9 +27,7 @@ def parse_limits(value: str | None) -> tuple[int | None, int | None, int | None]
 
 def estimate_tokens(env: dict[str, Any]) -> int:
     """Prompt (about four characters a token) plus the most the request may generate."""
-    chars = len(env.get("prompt") or "") + sum(
-        len(str(m.get("content") or "")) for m in env.get("messages") or ()
-    )
+    chars = envelope_chars(env)
     params = env.get("params") or {}
     return (chars + 3) // 4 + int(params.get("max_tokens", 0))
 

@@ -31,24 +31,32 @@ def accept(
     return codec.encode(frame)
 
 
-def chunk(text: str, ntokens: int, index: int) -> bytes:
+def chunk(text: str, ntokens: int, index: int, side: dict[str, Any] | None = None) -> bytes:
+    """A chunk frame; ``side`` adds output other than text under its wire keys (``tc`` tool
+    calls, ``lp`` logprobs, ``rf`` refusal, ``rs`` reasoning, ``em`` an embedding)."""
+    if side:
+        return codec.encode({"t": CHUNK, "d": text, "n": ntokens, "i": index, **side})
     return codec.encode({"t": CHUNK, "d": text, "n": ntokens, "i": index})
 
 
 def final(
-    finish_reason: str, prompt_tokens: int, completion_tokens: int, timings: dict[str, int]
+    finish_reason: str,
+    prompt_tokens: int,
+    completion_tokens: int,
+    timings: dict[str, int],
+    usage_details: dict[str, Any] | None = None,
 ) -> bytes:
+    """The final frame; ``usage_details`` adds the engine's ``prompt_tokens_details`` and
+    ``completion_tokens_details`` to the usage."""
+    usage: dict[str, Any] = {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+    if usage_details:
+        usage.update(usage_details)
     return codec.encode(
-        {
-            "t": FINAL,
-            "finish_reason": finish_reason,
-            "usage": {
-                "prompt_tokens": prompt_tokens,
-                "completion_tokens": completion_tokens,
-                "total_tokens": prompt_tokens + completion_tokens,
-            },
-            "timings": timings,
-        }
+        {"t": FINAL, "finish_reason": finish_reason, "usage": usage, "timings": timings}
     )
 
 

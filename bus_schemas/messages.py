@@ -11,6 +11,9 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 MAX_STOP_SEQUENCES = 4
+# Version 2: envelopes carry the client's messages as sent and its other fields in
+# ``extra``; chunk frames may carry tool calls, logprobs, refusal, reasoning and embeddings.
+SCHEMA_VERSION = 2
 
 
 class _Edge(BaseModel):
@@ -19,37 +22,127 @@ class _Edge(BaseModel):
     model_config = ConfigDict(extra="ignore", populate_by_name=True)
 
 
+class _Carried(BaseModel):
+    """OpenAI-shaped objects tokenbus checks but does not own: fields it does not know are
+    kept (and carried to the engine as sent)."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+
 class _Wire(BaseModel):
     """Models defined by tokenbus itself: unknown fields from newer senders are kept."""
 
     model_config = ConfigDict(extra="allow")
 
 
-class TextPart(_Edge):
-    """One text part of a multi-part message content."""
+def message_text(content: Any) -> str:
+    """The text of a message's ``content``: the string, or its ``text`` (and ``refusal``)
+    parts joined; images, audio and files have none."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        out: list[str] = []
+        for part in content:
+            if isinstance(part, dict):
+                t = part.get("text") if part.get("type") == "text" else part.get("refusal")
+                if isinstance(t, str):
+                    out.append(t)
+        return "".join(out)
+    return ""
 
-    type: Literal["text"] = Field(description="Content part type; only text is served.")
-    text: str = Field(description="The text.")
+
+def envelope_chars(env: dict[str, Any]) -> int:
+    """Characters of text an envelope carries (prompt, message texts, tool-call arguments,
+    embedding inputs); images, audio and files are not text and count only as body size."""
+    n = len(env.get("prompt") or "")
+    for m in env.get("messages") or ():
+        if isinstance(m, dict):
+            n += len(message_text(m.get("content")))
+            for call in m.get("tool_calls") or ():
+                if isinstance(call, dict):
+                    n += len(str((call.get("function") or {}).get("arguments") or ""))
+    for item in env.get("input") or ():
+        n += len(item) if isinstance(item, str | list) else 1
+    return n
 
 
-class ChatMessage(_Edge):
-    """One chat message, as in OpenAI's chat completions API."""
+class ImageURL(_Carried):
+    url: str = Field(min_length=1, description="An http(s) URL or a data: URL.")
 
-    role: Literal["system", "developer", "user", "assistant", "tool"] = Field(
+
+class InputAudio(_Carried):
+    data: str = Field(description="Base64 audio.")
+    format: str = Field(description="Audio format, e.g. wav or mp3.")
+
+
+class ContentPart(_Carried):
+    """One part of a multi-part message content: ``text``, ``image_url``, ``input_audio``,
+    ``file``, ``refusal``, or a type an engine knows (``video_url``, ...), carried as sent."""
+
+    type: str = Field(min_length=1, description="Content part type.")
+    text: str | None = Field(default=None, description="The text of a text part.")
+    image_url: ImageURL | None = Field(default=None, description="The image of an image_url part.")
+    input_audio: InputAudio | None = Field(default=None, description="An input_audio part's audio.")
+    file: dict[str, Any] | None = Field(default=None, description="A file part's file.")
+    refusal: str | None = Field(default=None, description="A refusal part's text.")
+
+    @model_validator(mode="after")
+    def _has_payload(self) -> ContentPart:
+        needs = {
+            "text": "text",
+            "image_url": "image_url",
+            "input_audio": "input_audio",
+            "file": "file",
+            "refusal": "refusal",
+        }
+        name = needs.get(self.type)
+        if name is not None and getattr(self, name) is None:
+            raise ValueError(f"a {self.type!r} content part needs a {name!r} field")
+        return self
+
+
+class FunctionCall(_Carried):
+    name: str = Field(description="The function called.")
+    arguments: str = Field(description="Its arguments, a JSON string.")
+
+
+class ToolCall(_Carried):
+    """A tool call in an assistant message of the history."""
+
+    id: str = Field(description="The call's id, answered by a tool message's tool_call_id.")
+    type: str = Field(default="function", description="Tool type.")
+    function: FunctionCall
+
+
+class ChatMessage(_Carried):
+    """One chat message, as in OpenAI's chat completions API (other fields are carried)."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"] = Field(
         description="Who wrote the message."
     )
-    content: str | list[TextPart] | None = Field(
-        default=None, description="Message text, or a list of text parts."
+    content: str | list[ContentPart] | None = Field(
+        default=None, description="Message text, or a list of content parts."
     )
     name: str | None = Field(default=None, description="Optional author name.")
+    tool_calls: list[ToolCall] | None = Field(
+        default=None, description="An assistant message's tool calls."
+    )
+    tool_call_id: str | None = Field(
+        default=None, description="A tool message: the call it answers."
+    )
 
     def text(self) -> str:
-        """The message's text with parts joined."""
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(p.text for p in self.content)
+        """The message's text (parts joined) and its tool calls' arguments."""
+        text = (
+            message_text(self.content)
+            if not isinstance(self.content, list)
+            else "".join(p.text or p.refusal or "" for p in self.content)
+        )
+        for call in self.tool_calls or ():
+            text += call.function.arguments
+        return text
 
 
 class StreamOptions(_Edge):
@@ -60,13 +153,67 @@ class StreamOptions(_Edge):
     )
 
 
+class FunctionDef(_Carried):
+    name: str = Field(
+        min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$", description="Function name."
+    )
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(
+        default=None, description="The arguments' JSON Schema."
+    )
+    strict: bool | None = None
+
+
+class Tool(_Carried):
+    """A tool the model may call (``type: function``; other types are carried)."""
+
+    type: str = Field(default="function", description="Tool type.")
+    function: FunctionDef | None = None
+
+    @model_validator(mode="after")
+    def _function(self) -> Tool:
+        if self.type == "function" and self.function is None:
+            raise ValueError("a function tool needs a 'function' object")
+        return self
+
+
+class NamedToolChoice(_Carried):
+    type: str = Field(default="function")
+    function: dict[str, Any] = Field(description="{name} of the tool to call.")
+
+
+class JSONSchemaFormat(_Carried):
+    name: str = Field(min_length=1, max_length=64, description="Schema name.")
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+    description: str | None = None
+
+
+class ResponseFormat(_Carried):
+    """``response_format``: text, JSON mode, or JSON that validates against a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format of type json_schema needs a 'json_schema' object")
+        return self
+
+
 class SamplingParams(_Wire):
-    """Generation parameters carried to the engine."""
+    """Generation parameters tokenbus acts on, carried to the engine (the others travel in
+    the envelope's ``extra``)."""
 
     type: Literal["sampling_params"] = "sampling_params"
     max_tokens: int = Field(default=256, ge=1, description="Most tokens to generate.")
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0, description="Sampling temperature.")
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
+    temperature: float | None = Field(
+        default=None, ge=0.0, le=2.0, description="Sampling temperature; None: the engine's."
+    )
+    top_p: float | None = Field(
+        default=None, gt=0.0, le=1.0, description="Nucleus sampling mass; None: the engine's."
+    )
     seed: int | None = Field(default=None, description="Seed for reproducible sampling.")
     stop: list[str] = Field(default_factory=list, description="Stop sequences (at most 4).")
 
@@ -84,6 +231,33 @@ class Resume(_Edge):
 
     text: str = Field(description="The response text already delivered to the caller.")
     tokens: int = Field(ge=0, description="How many tokens that text was.")
+
+
+# Request fields tokenbus acts on: they travel as the envelope's own fields (params,
+# messages, prompt, input, resume). Every other field of the body travels in ``extra``.
+OWNED_FIELDS = frozenset(
+    {
+        "model",
+        "messages",
+        "prompt",
+        "input",
+        "max_tokens",
+        "max_completion_tokens",
+        "temperature",
+        "top_p",
+        "seed",
+        "stop",
+        "n",
+        "stream",
+        "stream_options",
+        "resume",
+    }
+)
+
+
+def carried(body: dict[str, Any]) -> dict[str, Any]:
+    """The fields of a request body that tokenbus carries to the engine unchanged."""
+    return {k: v for k, v in body.items() if k not in OWNED_FIELDS}
 
 
 class _GenerationRequest(_Edge):
@@ -105,10 +279,13 @@ class _GenerationRequest(_Edge):
         "(clients set it when they move a request from a failed replica to another).",
     )
     stop: list[str] | None = Field(default=None, description="Stop sequence or sequences.")
-    n: int = Field(default=1, description="Number of choices; only 1 is served.")
-    stream: bool = Field(default=False, description="Stream chunks as server-sent events.")
+    n: int | None = Field(default=1, description="Number of choices; only 1 is served.")
+    stream: bool | None = Field(default=False, description="Stream chunks as server-sent events.")
     stream_options: StreamOptions | None = Field(default=None)
-    user: str | None = Field(default=None, description="End-user id (not used for routing yet).")
+    user: str | None = Field(default=None, description="End-user id (carried to the engine).")
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = Field(default=None)
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -126,9 +303,19 @@ class _GenerationRequest(_Edge):
 
     @field_validator("n")
     @classmethod
-    def _n(cls, v: int) -> int:
-        if v != 1:
-            raise ValueError("only n=1 is supported")
+    def _n(cls, v: int | None) -> int | None:
+        if v is not None and v != 1:
+            raise ValueError(
+                "only n=1 is served: tokenbus returns one choice per request; send n "
+                "requests (they may go to different replicas) for n choices"
+            )
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_keys(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        if v is not None and not all(k.isdigit() for k in v):
+            raise ValueError("logit_bias keys must be token ids")
         return v
 
     def sampling(self, default_max_tokens: int) -> SamplingParams:
@@ -136,8 +323,8 @@ class _GenerationRequest(_Edge):
         max_tokens = self.max_completion_tokens or self.max_tokens or default_max_tokens
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
+            temperature=self.temperature,
+            top_p=self.top_p,
             seed=self.seed,
             stop=list(self.stop or []),
         )
@@ -148,15 +335,42 @@ class _GenerationRequest(_Edge):
 
 
 class ChatCompletionRequest(_GenerationRequest):
-    """A chat completion request (OpenAI ``POST /v1/chat/completions``; NATS ``req.chat``)."""
+    """A chat completion request (OpenAI ``POST /v1/chat/completions``; NATS ``req.chat``).
+
+    Fields not listed are carried to the engine unchanged."""
 
     messages: list[ChatMessage] = Field(min_length=1, description="The conversation so far.")
+    tools: list[Tool] | None = Field(default=None, description="Tools the model may call.")
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        default=None, description="Whether and which tool to call."
+    )
+    parallel_tool_calls: bool | None = Field(default=None)
+    response_format: ResponseFormat | None = Field(default=None)
+    logprobs: bool | None = Field(default=None, description="Return token log probabilities.")
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    reasoning_effort: str | None = Field(default=None)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs: needs logprobs: true")
+        if isinstance(self.tool_choice, NamedToolChoice):
+            name = self.tool_choice.function.get("name")
+            names = {t.function.name for t in self.tools or () if t.function is not None}
+            if name not in names:
+                raise ValueError(f"tool_choice: names {name!r}, which is not in tools")
+        elif self.tool_choice == "required" and not self.tools:
+            raise ValueError("tool_choice: 'required' needs tools")
+        return self
 
 
 class CompletionRequest(_GenerationRequest):
-    """A text completion request (OpenAI ``POST /v1/completions``; NATS ``req.completions``)."""
+    """A text completion request (OpenAI ``POST /v1/completions``; NATS ``req.completions``).
+
+    Fields not listed are carried to the engine unchanged."""
 
     prompt: str | list[str] = Field(description="The prompt; a list must hold exactly one.")
+    logprobs: int | None = Field(default=None, ge=0, le=20, description="Top logprobs per token.")
 
     @model_validator(mode="after")
     def _one_prompt(self) -> CompletionRequest:
@@ -171,19 +385,83 @@ class CompletionRequest(_GenerationRequest):
         return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
 
 
+MAX_EMBEDDING_INPUTS = 2048
+
+
+class EmbeddingRequest(_Edge):
+    """An embeddings request (OpenAI ``POST /v1/embeddings``; NATS ``req.embeddings``).
+
+    Fields not listed (``dimensions``, ``encoding_format``, ``user``, an engine's own) are
+    carried to the engine; ``encoding_format`` is also applied by the HTTP bridge."""
+
+    model: str = Field(min_length=1, max_length=256, description="Embedding model.")
+    input: str | list[str] | list[int] | list[list[int]] = Field(
+        description="Text, texts, or token id lists to embed."
+    )
+    encoding_format: Literal["float", "base64"] | None = Field(default=None)
+    dimensions: int | None = Field(default=None, ge=1, le=65536)
+    user: str | None = None
+    resume: Resume | None = None  # unused: embeddings are never resumed
+
+    @field_validator("input")
+    @classmethod
+    def _inputs(cls, v: Any) -> Any:
+        items = [v] if isinstance(v, str) else v
+        if not items:
+            raise ValueError("input must not be empty")
+        if isinstance(items[0], int):
+            return v
+        if len(items) > MAX_EMBEDDING_INPUTS:
+            raise ValueError(f"at most {MAX_EMBEDDING_INPUTS} inputs per request")
+        if any(isinstance(s, str) and not s for s in items) or any(
+            isinstance(s, list) and not s for s in items
+        ):
+            raise ValueError("inputs must not be empty")
+        return v
+
+    @property
+    def inputs(self) -> list[Any]:
+        """The inputs as a list (one string, or one token id list, is one input)."""
+        v = self.input
+        if isinstance(v, str) or (v and isinstance(v[0], int)):
+            return [v]
+        return list(v)
+
+    @property
+    def stream(self) -> bool:
+        return False
+
+    @property
+    def include_usage(self) -> bool:
+        return False
+
+
 class Envelope(_Wire):
     """The request as it travels ingress -> stages -> router -> worker (msgpack body)."""
 
     type: Literal["envelope"] = "envelope"
-    v: int = Field(default=1, description="Envelope version.")
+    v: int = Field(default=SCHEMA_VERSION, description="Envelope version.")
     request_id: str = Field(description="Request id, also in the Tb-Request-Id header.")
-    kind: Literal["chat", "completions"] = Field(description="Which OpenAI endpoint shape.")
+    kind: Literal["chat", "completions", "embeddings"] = Field(
+        description="Which OpenAI endpoint shape."
+    )
     model: str = Field(description="Requested model.")
     messages: list[dict[str, Any]] | None = Field(
-        default=None, description="Chat messages as {role, content} (chat only)."
+        default=None,
+        description="Chat messages as the client sent them (chat only): content strings or "
+        "part lists, assistant tool_calls, tool messages with tool_call_id.",
     )
     prompt: str | None = Field(default=None, description="Prompt text (completions only).")
-    params: SamplingParams = Field(description="Generation parameters.")
+    input: list[Any] | None = Field(
+        default=None, description="Inputs to embed: strings or token id lists (embeddings only)."
+    )
+    params: SamplingParams = Field(description="Generation parameters tokenbus acts on.")
+    extra: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Every other field of the client's request (tools, tool_choice, "
+        "response_format, logprobs, penalties, logit_bias, engine extensions...), carried to "
+        "the engine unchanged.",
+    )
     deadline_ms: int | None = Field(default=None, description="Absolute deadline, epoch ms.")
     principal: str | None = Field(default=None, description="Authenticated principal id.")
     filter_policy: dict[str, Any] | None = Field(
@@ -213,6 +491,10 @@ class Heartbeat(_Wire):
     tp: int = Field(default=1, description="Tensor parallel degree.")
     pool: str = Field(default="default", description="Pool tag for tiered routing.")
     draining: bool = Field(default=False, description="Takes no new requests.")
+    endpoints: list[str] = Field(
+        default_factory=lambda: ["chat", "completions"],
+        description="Request kinds served: chat, completions, embeddings.",
+    )
     interval_s: float = Field(description="Seconds until the next heartbeat.")
     seq: int = Field(description="Increments with every heartbeat.")
     boot: str = Field(default="", description="Changes when the replica process restarts.")
@@ -240,22 +522,40 @@ class ChunkFrame(_Wire):
     """Generated text. Several tokens may be coalesced when the consumer is behind."""
 
     t: Literal["c"] = Field(default="c", description="Frame type tag: chunk.")
-    d: str = Field(description="Delta text.")
+    d: str = Field(description="Delta text (may be empty when the chunk carries other output).")
     n: int = Field(description="Tokens in this chunk.")
     i: int = Field(description="Sequence number of the chunk, from 0.")
+    tc: list[dict[str, Any]] | None = Field(
+        default=None,
+        description="Tool-call deltas as OpenAI streams them: index, and id/type/function.name "
+        "when a call starts, function.arguments fragments.",
+    )
+    lp: dict[str, Any] | None = Field(
+        default=None,
+        description="The choice's logprobs object for this chunk's tokens ({content: [...]} "
+        "for chat, {tokens, token_logprobs, top_logprobs, text_offset} for completions).",
+    )
+    rf: str | None = Field(default=None, description="Refusal text delta.")
+    rs: str | None = Field(default=None, description="Reasoning content delta.")
+    em: dict[str, Any] | None = Field(
+        default=None,
+        description="Embeddings: {index, embedding} of one input (a list of floats).",
+    )
 
 
 class Usage(_Wire):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: dict[str, Any] | None = None
+    completion_tokens_details: dict[str, Any] | None = None
 
 
 class FinalFrame(_Wire):
     """Last frame of a successful stream."""
 
     t: Literal["f"] = Field(default="f", description="Frame type tag: final.")
-    finish_reason: Literal["stop", "length", "content_filter"]
+    finish_reason: Literal["stop", "length", "content_filter", "tool_calls"]
     usage: Usage
     timings: dict[str, int] = Field(
         default_factory=dict, description="Stage marks, epoch ns (t0 client send ... t3)."
@@ -301,6 +601,7 @@ class CancelRequest(_Wire):
 EXPORTED: dict[str, type[BaseModel]] = {
     "ChatCompletionRequest": ChatCompletionRequest,
     "CompletionRequest": CompletionRequest,
+    "EmbeddingRequest": EmbeddingRequest,
     "Envelope": Envelope,
     "Heartbeat": Heartbeat,
     "AcceptFrame": AcceptFrame,

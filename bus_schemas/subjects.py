@@ -22,7 +22,8 @@ QUEUE_TELEMETRY = "telemetry"
 
 KIND_CHAT = "chat"
 KIND_COMPLETIONS = "completions"
-KINDS = (KIND_CHAT, KIND_COMPLETIONS)
+KIND_EMBEDDINGS = "embeddings"
+KINDS = (KIND_CHAT, KIND_COMPLETIONS, KIND_EMBEDDINGS)
 
 _SAFE = re.compile(r"[A-Za-z0-9_\-]")
 

@@ -26,6 +26,7 @@ from engine_worker.backends.base import Backend, Delta, DeltaStream, GenerationR
 from engine_worker.outbox import Outbox
 from filter.policy import FilterPolicy
 from filter.scanner import Scanner, StreamOutput, StreamScanner
+from services.caller import Assembled, Chunk
 from services.runtime import Service, reply_subject
 from telemetry import records
 
@@ -61,12 +62,15 @@ class OutputGate:
     on a migrated request cuts what the caller already has.
     """
 
-    __slots__ = ("_already", "_raw", "blocked", "scan")
+    __slots__ = ("_already", "_held", "_raw", "blocked", "scan")
 
     def __init__(self, scan: StreamScanner, resume_text: str) -> None:
         self.scan = scan
         self.blocked = False
         self._raw: list[str] = []  # the engine's text, for the flag scan at the end
+        # Output beside the text (tool calls, refusal, reasoning, logprobs), held to the end
+        # and scanned whole there.
+        self._held = Assembled()
         self._already = 0  # output the caller already has (a migrated request), not resent
         if resume_text:
             # The scanner needs what came before; what it holds of it was sent already.
@@ -102,6 +106,39 @@ class OutputGate:
             self.blocked = True
         return text
 
+    def hold(self, d: Delta) -> None:
+        """Keep ``d``'s output beside the text until :meth:`release_held`."""
+        self._held.add(Chunk("", 0, 0, d.tool_calls, d.logprobs, d.refusal, d.reasoning))
+
+    def release_held(self) -> dict[str, Any] | None:
+        """The held output, scanned: tool-call arguments, refusal and reasoning text are
+        redacted or stop the stream (``blocked``) as the policy says; logprobs go out only
+        when the filter changed none of the text (their tokens would show what it removed)."""
+        held = self._held
+        side: dict[str, Any] = {}
+        scanner = Scanner(self.scan.policy)
+        calls = held.tool_calls
+        for call in calls or ():
+            fn = call["function"]
+            fn["arguments"] = self._scan_whole(scanner, fn["arguments"])
+        if calls and not self.blocked:
+            side["tc"] = [{"index": i, **c} for i, c in enumerate(calls)]
+        for key, text in (("rf", held.refusal), ("rs", held.reasoning)):
+            if text and not self.blocked:
+                side[key] = self._scan_whole(scanner, text)
+        if self.blocked:
+            return None
+        if held.logprobs is not None and not self.scan.findings:
+            side["lp"] = held.logprobs
+        return side or None
+
+    def _scan_whole(self, scanner: Scanner, text: str) -> str:
+        res = scanner.scan(text)
+        if res.blocked:
+            self.blocked = True
+            return ""
+        return res.redacted_text if res.redacted else text
+
     def flags(self) -> list[str]:
         """Ids of the detectors the policy flags that the whole output triggers."""
         return output_flags(self.scan, "".join(self._raw))
@@ -128,6 +165,20 @@ class _Generation:
         return self.req.request_id
 
 
+def _side(d: Delta) -> dict[str, Any]:
+    """A delta's output beside its text, under the chunk frame's wire keys."""
+    side: dict[str, Any] = {}
+    if d.tool_calls is not None:
+        side["tc"] = d.tool_calls
+    if d.logprobs is not None:
+        side["lp"] = d.logprobs
+    if d.refusal is not None:
+        side["rf"] = d.refusal
+    if d.reasoning is not None:
+        side["rs"] = d.reasoning
+    return side
+
+
 def _seconds_left(hdrs: dict[str, str]) -> float | None:
     """Time left before the request's deadline, or None when it carries none."""
     deadline = marks.deadline_ms(hdrs)
@@ -147,6 +198,7 @@ class Worker(Service):
         self.replica = cfg.replica or f"{cfg.backend}-{uuid.uuid4().hex[:8]}"
         self.model = cfg.model
         self.backend: Backend = backend or backends.create(cfg)
+        self.endpoints = list(cfg.endpoints) or list(self.backend.endpoints())
         self.draining = False
         self._active: dict[str, asyncio.Task[Any]] = {}
         self._caller_cancelled: set[str] = set()
@@ -185,6 +237,7 @@ class Worker(Service):
             "tp": self.cfg.tp,
             "pool": self.cfg.pool,
             "draining": self.draining,
+            "endpoints": self.endpoints,
             "interval_s": self.cfg.heartbeat_interval_s,
             "seq": self._seq,
             "boot": self.boot,
@@ -253,12 +306,17 @@ class Worker(Service):
         gen = await self._admit(msg)
         if gen is None:
             return
-        stream = await self._start_engine(msg, gen)
-        if stream is None:
-            return
+        if gen.req.kind == subjects.KIND_EMBEDDINGS:
+            gen.t_start = marks.now_ns()
+            self._active[gen.reply] = gen.task
+            work = self._embed(msg, gen)
+        else:
+            stream = await self._start_engine(msg, gen)
+            if stream is None:
+                return
+            work = self._generate(msg, gen, stream)
         try:
-            await self._accept(msg, gen)
-            await self._relay(gen, stream)
+            await work
         except TimeoutError:
             gen.outcome = "timeout"
             self.outbox.send(gen.reply, frames.error(E.Timeout("the request's deadline passed")))
@@ -310,6 +368,12 @@ class Worker(Service):
             raise E.InvalidRequest("the request carries no reply subject")
         if self._early_cancels.pop(reply, None) is not None:
             raise E.Cancelled("the caller cancelled this request")
+        if req.kind not in self.endpoints:
+            raise E.InvalidRequest(
+                f"replica {self.replica} of {self.model!r} does not serve {req.kind} "
+                f"(it serves {', '.join(self.endpoints)})",
+                param="model",
+            )
         return _Generation(reply, msg.headers or {}, env, req, task)
 
     async def _start_engine(self, msg: Msg, gen: _Generation) -> DeltaStream | None:
@@ -337,8 +401,28 @@ class Worker(Service):
             gen.reply, frames.accept(self.replica, gen.rid, self.cfg.heartbeat_interval_s, info)
         )
 
+    async def _generate(self, msg: Msg, gen: _Generation, stream: DeltaStream) -> None:
+        """Accept the request and relay the engine's output."""
+        await self._accept(msg, gen)
+        await self._relay(gen, stream)
+
+    async def _embed(self, msg: Msg, gen: _Generation) -> None:
+        """Accept an embeddings request, embed its inputs, send one chunk frame per vector
+        (``em``: index and embedding), then the final frame."""
+        await self._accept(msg, gen)
+        async with asyncio.timeout(_seconds_left(gen.headers)):
+            result = await self.backend.embed(gen.req)
+        gen.first_ns = marks.now_ns()
+        send, reply = self.outbox.send, gen.reply
+        for i, vec in enumerate(result.vectors):
+            send(reply, frames.chunk("", 0, i, {"em": {"index": i, "embedding": vec}}))
+        self._final_frame(gen, Delta("", 0, "stop", result.prompt_tokens, 0), "stop", None)
+
     async def _relay(self, gen: _Generation, stream: DeltaStream) -> None:
-        """Send the engine's deltas as chunk frames until it finishes, then the final frame."""
+        """Send the engine's deltas as chunk frames until it finishes, then the final frame.
+
+        Output beside the text (tool calls, logprobs, refusal, reasoning) rides in the same
+        chunk frames; under an output filter it is held and scanned whole at the end."""
         timeout = _seconds_left(gen.headers)
         gate = OutputGate.for_policy(
             gen.env.get("filter_policy"), self.settings.filter.window, gen.req.resume_text
@@ -352,16 +436,29 @@ class Worker(Service):
             async for d in deltas:
                 text = d.text
                 finish = d.finish_reason
+                side = None
+                if (
+                    d.tool_calls is not None
+                    or d.logprobs is not None
+                    or d.refusal is not None
+                    or d.reasoning is not None
+                ):
+                    if gate is None:
+                        side = _side(d)
+                    else:
+                        gate.hold(d)
                 if gate is not None:
                     text = gate.release(text, finish)
+                    if finish is not None and not gate.blocked:
+                        side = gate.release_held()
                     if gate.blocked:
                         finish = "content_filter"
-                if text or d.tokens:
+                if text or d.tokens or side:
                     held_tokens += d.tokens
-                    if text:
+                    if text or side:
                         if not gen.first_ns:
                             gen.first_ns = marks.now_ns()
-                        send(reply, frames.chunk(text, held_tokens, index))
+                        send(reply, frames.chunk(text, held_tokens, index, side))
                         index += 1
                         held_tokens = 0
                     gen.completion += d.tokens
@@ -390,7 +487,7 @@ class Worker(Service):
             )
         self.outbox.send(
             gen.reply,
-            frames.final(finish, max(0, gen.prompt_tokens), gen.completion, timings),
+            frames.final(finish, max(0, gen.prompt_tokens), gen.completion, timings, last.usage),
         )
         gen.outcome = finish
 

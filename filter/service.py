@@ -52,15 +52,8 @@ def scan_envelope(env: dict[str, Any], scanner: Scanner) -> tuple[bool, list[str
     """Scan (and redact in place) the envelope's text; returns (changed, flagged ids)."""
     changed = False
     flagged: list[str] = []
-    texts: list[tuple[dict[str, Any], str]] = []
-    for m in env.get("messages") or ():
-        texts.append((m, "content"))
-    if env.get("prompt") is not None:
-        texts.append((env, "prompt"))
-    if isinstance(env.get("resume"), dict):  # a migrated request's text so far
-        texts.append((env["resume"], "text"))
-    for holder, field in texts:
-        text = holder.get(field)
+    for holder, field in _texts(env):
+        text = holder[field] if isinstance(holder, list) else holder.get(field)
         if not isinstance(text, str) or not text:
             continue
         res = scanner.scan(text)
@@ -75,6 +68,36 @@ def scan_envelope(env: dict[str, Any], scanner: Scanner) -> tuple[bool, list[str
             changed = True
         flagged.extend(res.flagged)
     return changed, flagged
+
+
+def _texts(env: dict[str, Any]) -> list[tuple[Any, Any]]:
+    """Every text a client sent in the envelope, as (holder, key) so it can be redacted in
+    place: message contents and their text and refusal parts (tool results are messages too),
+    the arguments of tool calls in the history, the prompt, embedding inputs, and a migrated
+    request's text so far. Images, audio and files are not text: they are not scanned."""
+    out: list[tuple[Any, Any]] = []
+    for m in env.get("messages") or ():
+        if not isinstance(m, dict):
+            continue
+        content = m.get("content")
+        if isinstance(content, list):
+            for part in content:
+                if isinstance(part, dict):
+                    out.append((part, "refusal" if part.get("type") == "refusal" else "text"))
+        else:
+            out.append((m, "content"))
+        for call in m.get("tool_calls") or ():
+            fn = call.get("function") if isinstance(call, dict) else None
+            if isinstance(fn, dict):
+                out.append((fn, "arguments"))
+    if env.get("prompt") is not None:
+        out.append((env, "prompt"))
+    inputs = env.get("input")
+    if isinstance(inputs, list):
+        out.extend((inputs, i) for i, item in enumerate(inputs) if isinstance(item, str))
+    if isinstance(env.get("resume"), dict):  # a migrated request's text so far
+        out.append((env["resume"], "text"))
+    return out
 
 
 def filter_request(policies: Policies, hdrs: dict[str, str], env: dict[str, Any], log: Any) -> bool:

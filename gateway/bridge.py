@@ -75,7 +75,7 @@ class BusSource:
             H.REQUEST_ID: request_id,
             H.DEADLINE: str(marks.now_ms() + int(timeout * 1000)),
         }
-        env = self.admission.admit(kind, req, hdrs, t1)
+        env = self.admission.admit(kind, req, body, hdrs, t1)
         meta: dict[str, str | None] = {}  # what the stages learn (the key id), for the log
         sender = None
         stages, dispatcher = self.stages, self.dispatcher

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 import uuid
+from typing import Any
 
 from nats.aio.msg import Msg
 
@@ -54,8 +55,13 @@ class Admission:
         self.max_prompt_chars = cfg.max_prompt_chars
 
     def admit(
-        self, kind: str, req: validation.Request, hdrs: dict[str, str], t1: int
-    ) -> dict[str, object]:
+        self,
+        kind: str,
+        req: validation.Request,
+        body: dict[str, Any],
+        hdrs: dict[str, str],
+        t1: int,
+    ) -> dict[str, Any]:
         """The envelope for ``req``; fills ``hdrs`` (request id, model, route, marks)."""
         if validation.prompt_chars(req) > self.max_prompt_chars:
             raise E.PayloadTooLarge(f"the prompt is longer than {self.max_prompt_chars} characters")
@@ -66,6 +72,7 @@ class Admission:
         env = validation.envelope(
             kind,
             req,
+            body,
             rid,
             default_max_tokens=self.default_max_tokens,
             deadline_ms=marks.deadline_ms(hdrs),
@@ -100,9 +107,10 @@ class Ingress(Service):
         kind = msg.subject.rpartition(".")[2]
         if kind not in subjects.KINDS:
             raise E.NotFound(f"unknown request kind {kind!r}")
-        req = validation.parse(kind, codec.decode(msg.data))
+        body = codec.decode(msg.data)
+        req = validation.parse(kind, body)
         # Only what a client may say travels on; stage headers are the stages' own.
         given = msg.headers or {}
         hdrs = {h: given[h] for h in CLIENT_HEADERS if h in given}
-        env = self.admission.admit(kind, req, hdrs, t1)
+        env = self.admission.admit(kind, req, body, hdrs, t1)
         await self.forward(self.admission.first, codec.encode(env), hdrs, msg.reply)

@@ -16,14 +16,16 @@ else.
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
+import struct
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
 from bus_schemas import errors as E
-from bus_schemas.subjects import KIND_CHAT, KIND_COMPLETIONS
+from bus_schemas.subjects import KIND_CHAT, KIND_COMPLETIONS, KIND_EMBEDDINGS
 from gateway import validation
 from gateway.asgi import (
     Headers,
@@ -37,7 +39,7 @@ from gateway.asgi import (
     send_json,
 )
 from gateway.ingress import clean_request_id
-from services.caller import Chunk, Usage
+from services.caller import Assembled, Chunk, Usage
 
 
 class StreamLike(Protocol):
@@ -109,6 +111,7 @@ class OpenAIApp(RouteTable):
             {
                 ("POST", "/v1/chat/completions"): self.chat,
                 ("POST", "/v1/completions"): self.completions,
+                ("POST", "/v1/embeddings"): self.embeddings,
                 ("GET", "/v1/models"): self.list_models,
                 ("GET", "/health"): self.health,
                 ("GET", "/ready"): self.ready,
@@ -152,6 +155,10 @@ class OpenAIApp(RouteTable):
         """``POST /v1/completions``."""
         await self.generate(scope, receive, send, KIND_COMPLETIONS)
 
+    async def embeddings(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """``POST /v1/embeddings``."""
+        await self.generate(scope, receive, send, KIND_EMBEDDINGS)
+
     async def generate(self, scope: Scope, receive: Receive, send: Send, kind: str) -> None:
         """One generation request from body to last byte; its failures become OpenAI errors
         and its outcome goes to ``on_request``."""
@@ -171,7 +178,9 @@ class OpenAIApp(RouteTable):
             stream = self.source.open(
                 kind, req, body, request_id=rid, timeout=self.timeout, headers=bus_headers(scope)
             )
-            if req.stream:
+            if kind == KIND_EMBEDDINGS:
+                await write_embeddings(send, req, stream, rid, progress)
+            elif req.stream:
                 await write_sse(send, kind, req, stream, rid, progress)
             else:
                 await write_whole(send, kind, req, stream, rid, progress)
@@ -280,10 +289,22 @@ async def write_whole(
     progress: Progress,
 ) -> None:
     """The answer as one JSON response, once the stream has ended."""
-    text = "".join([c.text async for c in stream])
-    out = whole_answer(kind, rid, req.model, text, stream)
+    out = whole_answer(kind, rid, req.model, await _assemble(stream), stream)
     progress.finished = True
     progress.t5_ns = time.time_ns()
+    await _send_whole(send, out, rid, stream, progress)
+
+
+async def _assemble(stream: StreamLike) -> Assembled:
+    out = Assembled()
+    async for c in stream:
+        out.add(c)
+    return out
+
+
+async def _send_whole(
+    send: Send, out: dict[str, Any], rid: str, stream: StreamLike, progress: Progress
+) -> None:
     await send_json(
         send,
         200,
@@ -296,12 +317,25 @@ async def write_whole(
     )
 
 
-def whole_answer(kind: str, rid: str, model: str, text: str, stream: StreamLike) -> dict[str, Any]:
+def whole_answer(
+    kind: str, rid: str, model: str, out: Assembled, stream: StreamLike
+) -> dict[str, Any]:
     """The JSON body of a whole answer: a ``chat.completion`` or a ``text_completion``."""
     usage = _usage(stream)
     finish = stream.finish_reason or "stop"
     created = int(time.time())
+    text = out.text
     if kind == KIND_CHAT:
+        calls = out.tool_calls
+        message: dict[str, Any] = {
+            "role": "assistant",
+            "content": None if calls and not text else text,
+            "refusal": out.refusal,
+        }
+        if calls:
+            message["tool_calls"] = calls
+        if out.reasoning is not None:
+            message["reasoning_content"] = out.reasoning
         return {
             "id": f"chatcmpl-{rid}",
             "object": "chat.completion",
@@ -310,8 +344,8 @@ def whole_answer(kind: str, rid: str, model: str, text: str, stream: StreamLike)
             "choices": [
                 {
                     "index": 0,
-                    "message": {"role": "assistant", "content": text},
-                    "logprobs": None,
+                    "message": message,
+                    "logprobs": out.logprobs,
                     "finish_reason": finish,
                 }
             ],
@@ -322,9 +356,37 @@ def whole_answer(kind: str, rid: str, model: str, text: str, stream: StreamLike)
         "object": "text_completion",
         "created": created,
         "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
+        "choices": [{"index": 0, "text": text, "logprobs": out.logprobs, "finish_reason": finish}],
         "usage": usage,
     }
+
+
+# -- embeddings -----------------------------------------------------------------------------
+async def write_embeddings(
+    send: Send, req: validation.Request, stream: StreamLike, rid: str, progress: Progress
+) -> None:
+    """An embeddings answer (OpenAI's ``list`` of ``embedding`` objects), vectors as floats
+    or, with ``encoding_format: base64``, as base64 of little-endian float32."""
+    out = await _assemble(stream)
+    b64 = getattr(req, "encoding_format", None) == "base64"
+    data = [
+        {"object": "embedding", "index": i, "embedding": _b64(vec) if b64 else vec}
+        for i, vec in enumerate(out.embeddings)
+    ]
+    u = stream.usage or Usage(0, 0, 0)
+    body = {
+        "object": "list",
+        "data": data,
+        "model": req.model,
+        "usage": {"prompt_tokens": u.prompt_tokens, "total_tokens": u.prompt_tokens},
+    }
+    progress.finished = True
+    progress.t5_ns = time.time_ns()
+    await _send_whole(send, body, rid, stream, progress)
+
+
+def _b64(vec: list[float]) -> str:
+    return base64.b64encode(struct.pack(f"<{len(vec)}f", *vec)).decode()
 
 
 # -- server-sent events ---------------------------------------------------------------------
@@ -334,6 +396,7 @@ class SSEFrames(NamedTuple):
     ``json.dumps`` of its text."""
 
     opening: str  # chat's first event (the assistant role); "" for completions
+    prefix: str  # an event up to its choices list, for chunks with more than text
     piece: str  # one token: % its text as JSON
     closing: str  # the last event: % the finish reason as JSON
     usage: str  # the usage event (``stream_options.include_usage``): % the usage as JSON
@@ -348,6 +411,7 @@ def sse_frames(kind: str, rid: str, model: str, created: int) -> SSEFrames:
             f'"created":{created},"model":{model_json},"choices":[{{"index":0,'
         )
         return SSEFrames(
+            prefix=head.rpartition("{")[0],
             opening=head
             + (
                 '"delta":{"role":"assistant","content":""},"logprobs":null,'
@@ -366,6 +430,7 @@ def sse_frames(kind: str, rid: str, model: str, created: int) -> SSEFrames:
     )
     return SSEFrames(
         opening="",
+        prefix=head.rpartition("{")[0],
         piece=head + '"text":%s,"logprobs":null,"finish_reason":null}]}\n\n',
         closing=head + '"text":"","logprobs":null,"finish_reason":%s}]}\n\n',
         usage=(
@@ -389,6 +454,7 @@ async def write_sse(
     # generation (unknown model, no replica) still get their own HTTP status.
     first = await _first_chunk(stream)
     frames = sse_frames(kind, rid, req.model, int(time.time()))
+    chat = kind == KIND_CHAT
     progress.started = True
     await send(
         {
@@ -400,7 +466,7 @@ async def write_sse(
     buf: list[str] = [frames.opening] if frames.opening else []
     try:
         if first is not None:
-            await _send_tokens(send, stream, first, frames.piece, buf, progress)
+            await _send_tokens(send, stream, first, frames, chat, buf, progress)
         buf.append(frames.closing % json.dumps(stream.finish_reason or "stop"))
         if req.include_usage:
             buf.append(frames.usage % json.dumps(_usage(stream)))
@@ -425,11 +491,39 @@ async def _first_chunk(stream: StreamLike) -> Chunk | None:
         return None
 
 
+def _is_text(c: Chunk) -> bool:
+    """Whether ``c`` holds nothing but text (the common case, written from a template)."""
+    return c.tool_calls is None and c.logprobs is None and c.refusal is None and c.reasoning is None
+
+
+def side_event(frames: SSEFrames, chat: bool, c: Chunk) -> str:
+    """The SSE event of a chunk with more than text: tool-call deltas, logprobs, refusal,
+    reasoning content."""
+    choice: dict[str, Any] = {"index": 0}
+    if chat:
+        delta: dict[str, Any] = {}
+        if c.text:
+            delta["content"] = c.text
+        if c.reasoning is not None:
+            delta["reasoning_content"] = c.reasoning
+        if c.refusal is not None:
+            delta["refusal"] = c.refusal
+        if c.tool_calls is not None:
+            delta["tool_calls"] = c.tool_calls
+        choice["delta"] = delta
+    else:
+        choice["text"] = c.text
+    choice["logprobs"] = c.logprobs
+    choice["finish_reason"] = None
+    return f"{frames.prefix}{json.dumps(choice)}]}}\n\n"
+
+
 async def _send_tokens(
     send: Send,
     stream: StreamLike,
     first: Chunk,
-    piece: str,
+    frames: SSEFrames,
+    chat: bool,
     buf: list[str],
     progress: Progress,
 ) -> None:
@@ -438,13 +532,14 @@ async def _send_tokens(
     failed mid-way)."""
     dumps = json.dumps
     body = "http.response.body"
-    buf.append(piece % dumps(first.text))
+    piece = frames.piece
+    buf.append(piece % dumps(first.text) if _is_text(first) else side_event(frames, chat, first))
     await send({"type": body, "body": "".join(buf).encode(), "more_body": True})
     progress.t5_ns = time.time_ns()
     progress.streamed = True
     buf.clear()
     async for c in stream:
-        buf.append(piece % dumps(c.text))
+        buf.append(piece % dumps(c.text) if _is_text(c) else side_event(frames, chat, c))
         # The consumer (this writer) is behind: coalesce what is already here into one
         # write instead of one syscall per token.
         while stream.pending():
@@ -452,20 +547,15 @@ async def _send_tokens(
                 c = await stream.__anext__()
             except StopAsyncIteration:
                 break
-            buf.append(piece % dumps(c.text))
+            buf.append(piece % dumps(c.text) if _is_text(c) else side_event(frames, chat, c))
         await send({"type": body, "body": "".join(buf).encode(), "more_body": True})
         buf.clear()
 
 
 # -- response headers and usage -------------------------------------------------------------
-def _usage(stream: StreamLike) -> dict[str, int]:
+def _usage(stream: StreamLike) -> dict[str, Any]:
     """The stream's token counts as OpenAI's ``usage`` object (zeros when unknown)."""
-    u = stream.usage or Usage(0, 0, 0)
-    return {
-        "prompt_tokens": u.prompt_tokens,
-        "completion_tokens": u.completion_tokens,
-        "total_tokens": u.total_tokens,
-    }
+    return (stream.usage or Usage(0, 0, 0)).to_dict()
 
 
 def _latency_headers(stream: StreamLike, t1_ns: int) -> Headers:

@@ -1,4 +1,10 @@
-"""Turning OpenAI-shaped request bodies into validated models, with OpenAI-shaped errors."""
+"""Turning OpenAI-shaped request bodies into validated models, with OpenAI-shaped errors,
+and validated requests into bus envelopes.
+
+tokenbus validates strictly the fields it acts on (model, limits, sizes, messages, and the
+shape of tools, response_format and logprobs, which the filter and the simulator read) and
+carries every other field to the engine unchanged (:func:`bus_schemas.messages.carried`).
+"""
 
 from __future__ import annotations
 
@@ -7,50 +13,85 @@ from typing import Any
 from pydantic import ValidationError
 
 from bus_schemas import errors as E
-from bus_schemas.messages import ChatCompletionRequest, CompletionRequest
-from bus_schemas.subjects import KIND_CHAT
+from bus_schemas.messages import (
+    SCHEMA_VERSION,
+    ChatCompletionRequest,
+    CompletionRequest,
+    EmbeddingRequest,
+    SamplingParams,
+    carried,
+)
+from bus_schemas.subjects import KIND_CHAT, KIND_EMBEDDINGS
 
-Request = ChatCompletionRequest | CompletionRequest
+Request = ChatCompletionRequest | CompletionRequest | EmbeddingRequest
+
+_MODELS: dict[str, type[Request]] = {
+    KIND_CHAT: ChatCompletionRequest,
+    KIND_EMBEDDINGS: EmbeddingRequest,
+}
+# Embeddings take no generation parameters; the envelope's are the defaults.
+_NO_SAMPLING = SamplingParams(max_tokens=1).model_dump(exclude={"type"})
 
 
 def parse(kind: str, body: Any) -> Request:
-    """Validate ``body`` for ``kind`` (chat or completions); raise :class:`E.InvalidRequest`."""
+    """Validate ``body`` for ``kind`` (chat, completions or embeddings); raise
+    :class:`E.InvalidRequest`."""
     if not isinstance(body, dict):
         raise E.InvalidRequest("the request body must be a JSON object")
-    model = ChatCompletionRequest if kind == KIND_CHAT else CompletionRequest
+    model = _MODELS.get(kind, CompletionRequest)
     try:
         return model.model_validate(body)
     except ValidationError as exc:
         first = exc.errors()[0]
         loc = ".".join(str(p) for p in first.get("loc", ()))
-        msg = first.get("msg", "invalid value")
+        msg = first.get("msg", "invalid value").removeprefix("Value error, ")
+        if not loc:  # a check across fields names its field: "field: what is wrong"
+            field, sep, rest = msg.partition(": ")
+            if sep and field.isidentifier():
+                loc, msg = field, rest
         more = f" (and {exc.error_count() - 1} more problems)" if exc.error_count() > 1 else ""
         raise E.InvalidRequest(f"{loc or 'body'}: {msg}{more}", param=loc or None) from None
 
 
 def prompt_chars(req: Request) -> int:
-    """Size of the request's text, for the oversized-prompt check."""
+    """Size of the request's text, for the oversized-prompt check (images, audio and files
+    count toward the body limit only)."""
     extra = len(req.resume.text) if req.resume is not None else 0
     if isinstance(req, ChatCompletionRequest):
         return sum(len(m.text()) for m in req.messages) + extra
+    if isinstance(req, EmbeddingRequest):
+        return sum(len(i) if isinstance(i, str | list) else 1 for i in req.inputs)
     return len(req.prompt_text) + extra
 
 
 def envelope(
-    kind: str, req: Request, request_id: str, *, default_max_tokens: int, deadline_ms: int | None
+    kind: str,
+    req: Request,
+    body: dict[str, Any],
+    request_id: str,
+    *,
+    default_max_tokens: int,
+    deadline_ms: int | None,
 ) -> dict[str, Any]:
-    """The bus envelope (see :class:`bus_schemas.messages.Envelope`) for a validated request."""
+    """The bus envelope (see :class:`bus_schemas.messages.Envelope`) for a validated request;
+    ``body`` is the request as the client sent it (its messages and other fields travel as
+    they are)."""
     env: dict[str, Any] = {
         "type": "envelope",
-        "v": 1,
+        "v": SCHEMA_VERSION,
         "request_id": request_id,
         "kind": kind,
         "model": req.model,
-        "params": req.sampling(default_max_tokens).model_dump(exclude={"type"}),
         "deadline_ms": deadline_ms,
+        "extra": carried(body),
     }
+    if isinstance(req, EmbeddingRequest):
+        env["params"] = dict(_NO_SAMPLING)
+        env["input"] = req.inputs
+        return env
+    env["params"] = req.sampling(default_max_tokens).model_dump(exclude={"type"})
     if isinstance(req, ChatCompletionRequest):
-        env["messages"] = [{"role": m.role, "content": m.text()} for m in req.messages]
+        env["messages"] = body["messages"]
     else:
         env["prompt"] = req.prompt_text
     if req.resume is not None:

@@ -134,7 +134,7 @@ class Dispatcher:
     async def _place(self, p: _Placement) -> str | None:
         """Offer the request to replicas until one takes it; None when none is left to try."""
         while p.attempt < self.cfg.max_attempts:
-            live = self.registry.live(p.model)
+            live = self.registry.live(p.model, p.hdrs.get(H.KIND) or None)
             open_ = [r for r in live if r.replica not in p.tried]
             candidates = [
                 r for r in open_ if r.replica not in p.busy and r.load < r.max_concurrency
@@ -236,6 +236,14 @@ class Dispatcher:
                 f"no replica of model {p.model!r} could take the request"
                 + (f" ({p.last_err.message})" if p.last_err else "")
                 + "; retry shortly"
+            )
+        kind = p.hdrs.get(H.KIND)
+        others = self.registry.live(p.model)
+        if kind and others and not self.registry.live(p.model, kind):
+            served = sorted(set().union(*(r.endpoints for r in others)))
+            return E.InvalidRequest(
+                f"the model {p.model!r} does not serve {kind} (it serves {', '.join(served)})",
+                param="model",
             )
         if self.registry.ever_seen(p.model):
             return E.NoReplica(f"no live replica serves model {p.model!r} right now; retry shortly")

@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from bus_schemas.messages import message_text
 from router.registry import Replica
 
 
@@ -47,9 +48,8 @@ def prompt_text(env: dict[str, Any]) -> str:
         return str(env["prompt"])
     parts = []
     for m in env.get("messages") or ():
-        content = m.get("content") if isinstance(m, dict) else None
-        if isinstance(content, str):
-            parts.append(f"{m.get('role', '')}:{content}\n")
+        if isinstance(m, dict):
+            parts.append(f"{m.get('role', '')}:{message_text(m.get('content'))}\n")
     return "".join(parts)
 
 

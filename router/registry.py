@@ -8,6 +8,9 @@ from typing import Any
 
 from bus_schemas import subjects
 
+# What a replica whose heartbeat names no endpoints (an older worker) serves.
+DEFAULT_ENDPOINTS = frozenset({subjects.KIND_CHAT, subjects.KIND_COMPLETIONS})
+
 
 @dataclass(slots=True)
 class Replica:
@@ -30,6 +33,8 @@ class Replica:
     last_seen: float = 0.0
     seq: int = 0
     boot: str = ""
+    # Request kinds it serves (chat, completions, embeddings), from its heartbeat.
+    endpoints: frozenset[str] = DEFAULT_ENDPOINTS
 
     @property
     def load(self) -> int:
@@ -48,6 +53,7 @@ class Replica:
             "tp": self.tp,
             "pool": self.pool,
             "draining": self.draining,
+            "endpoints": sorted(self.endpoints),
         }
 
 
@@ -83,6 +89,8 @@ class Registry:
             r.pool = str(hb.get("pool", "default"))
             r.draining = bool(hb.get("draining", False))
             r.interval_s = float(hb.get("interval_s", 1.0))
+            eps = hb.get("endpoints")
+            r.endpoints = frozenset(map(str, eps)) if eps else DEFAULT_ENDPOINTS
             r.last_seen = time.monotonic()
         except (KeyError, TypeError, ValueError):
             return None
@@ -104,13 +112,16 @@ class Registry:
     def get(self, replica: str) -> Replica | None:
         return self._replicas.get(replica)
 
-    def live(self, model: str) -> list[Replica]:
-        """Replicas of ``model`` that are alive and not draining."""
+    def live(self, model: str, kind: str | None = None) -> list[Replica]:
+        """Replicas of ``model`` that are alive and not draining (and serve ``kind``)."""
         now = time.monotonic()
         return [
             r
             for r in self._replicas.values()
-            if r.model == model and not r.draining and self._alive(r, now)
+            if r.model == model
+            and not r.draining
+            and self._alive(r, now)
+            and (kind is None or kind in r.endpoints)
         ]
 
     def all_live(self) -> list[Replica]:

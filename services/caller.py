@@ -58,11 +58,32 @@ Sender = Callable[[bytes, dict[str, str], str], Awaitable[str | None]]
 
 @dataclass(slots=True)
 class Chunk:
-    """Generated text from one stream frame (one or more tokens)."""
+    """Output from one stream frame: text (one or more tokens) and, when the engine sends
+    them, tool-call deltas (OpenAI's streaming shape), the logprobs object of these tokens,
+    refusal or reasoning text, or one embedding (``{"index", "embedding"}``)."""
 
     text: str
     tokens: int
     index: int
+    tool_calls: list[dict[str, Any]] | None = None
+    logprobs: dict[str, Any] | None = None
+    refusal: str | None = None
+    reasoning: str | None = None
+    embedding: dict[str, Any] | None = None
+
+
+def _side_chunk(frame: dict[str, Any], text: str, n: int, i: int) -> Chunk:
+    """A chunk frame that carries more than text."""
+    return Chunk(
+        text,
+        n,
+        i,
+        frame.get("tc"),
+        frame.get("lp"),
+        frame.get("rf"),
+        frame.get("rs"),
+        frame.get("em"),
+    )
 
 
 @dataclass(slots=True)
@@ -70,6 +91,98 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: dict[str, Any] | None = None
+    completion_tokens_details: dict[str, Any] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """OpenAI's ``usage`` object."""
+        out: dict[str, Any] = {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.total_tokens,
+        }
+        if self.prompt_tokens_details is not None:
+            out["prompt_tokens_details"] = self.prompt_tokens_details
+        if self.completion_tokens_details is not None:
+            out["completion_tokens_details"] = self.completion_tokens_details
+        return out
+
+
+class Assembled:
+    """A whole answer put together from its chunks: text, tool calls (deltas merged by
+    index), logprobs, refusal, reasoning and embeddings."""
+
+    __slots__ = ("_calls", "_embeddings", "_reasoning", "_refusal", "_text", "logprobs")
+
+    def __init__(self) -> None:
+        self._text: list[str] = []
+        self._calls: dict[int, dict[str, Any]] = {}
+        self.logprobs: dict[str, Any] | None = None
+        self._refusal: list[str] = []
+        self._reasoning: list[str] = []
+        self._embeddings: dict[int, list[float]] = {}
+
+    def add(self, c: Chunk) -> None:
+        if c.text:
+            self._text.append(c.text)
+        if c.tool_calls:
+            for d in c.tool_calls:
+                self._add_call(d)
+        if c.logprobs:
+            self._add_logprobs(c.logprobs)
+        if c.refusal:
+            self._refusal.append(c.refusal)
+        if c.reasoning:
+            self._reasoning.append(c.reasoning)
+        if c.embedding:
+            self._embeddings[int(c.embedding.get("index", 0))] = c.embedding.get("embedding") or []
+
+    def _add_call(self, d: dict[str, Any]) -> None:
+        idx = int(d.get("index", 0))
+        call = self._calls.get(idx)
+        fn = d.get("function") or {}
+        if call is None:
+            call = self._calls[idx] = {
+                "id": d.get("id") or "",
+                "type": d.get("type") or "function",
+                "function": {"name": fn.get("name") or "", "arguments": ""},
+            }
+        elif d.get("id"):
+            call["id"] = d["id"]
+        if fn.get("name") and not call["function"]["name"]:
+            call["function"]["name"] = fn["name"]
+        call["function"]["arguments"] += fn.get("arguments") or ""
+
+    def _add_logprobs(self, lp: dict[str, Any]) -> None:
+        if self.logprobs is None:
+            self.logprobs = {k: list(v) if isinstance(v, list) else v for k, v in lp.items()}
+            return
+        for k, v in lp.items():
+            have = self.logprobs.get(k)
+            if isinstance(v, list) and isinstance(have, list):
+                have.extend(v)
+            elif have is None:
+                self.logprobs[k] = list(v) if isinstance(v, list) else v
+
+    @property
+    def text(self) -> str:
+        return "".join(self._text)
+
+    @property
+    def tool_calls(self) -> list[dict[str, Any]] | None:
+        return [self._calls[k] for k in sorted(self._calls)] if self._calls else None
+
+    @property
+    def refusal(self) -> str | None:
+        return "".join(self._refusal) if self._refusal else None
+
+    @property
+    def reasoning(self) -> str | None:
+        return "".join(self._reasoning) if self._reasoning else None
+
+    @property
+    def embeddings(self) -> list[list[float]]:
+        return [self._embeddings[k] for k in sorted(self._embeddings)]
 
 
 @dataclass(slots=True)
@@ -83,6 +196,21 @@ class Completion:
     usage: Usage
     replica: str | None
     timings: dict[str, int] = field(default_factory=dict)
+    tool_calls: list[dict[str, Any]] | None = None
+    logprobs: dict[str, Any] | None = None
+    refusal: str | None = None
+    reasoning: str | None = None
+
+
+@dataclass(slots=True)
+class EmbeddingResult:
+    """The answer to an embeddings request: one vector per input, in order."""
+
+    request_id: str
+    model: str
+    embeddings: list[list[float]]
+    usage: Usage
+    replica: str | None
 
 
 class Stream:
@@ -134,6 +262,8 @@ class Stream:
         self._started_at = 0.0  # monotonic, of the current attempt
         self.migrations = 0
         self._got: list[str] = []  # text received so far (the resume point)
+        # A tool-call fragment reached the caller: the stream can no longer be resumed.
+        self._tool_started = False
         self._got_tokens = 0
         self._resumed_tokens = 0  # tokens delivered before the current attempt
         self._cancelled = False
@@ -278,6 +408,11 @@ class Stream:
                 self._next_index = i + 1
                 self._got.append(text)
                 self._got_tokens += n
+                if len(frame) > 4:  # more than t, d, n, i: output beside the text
+                    c = _side_chunk(frame, text, n, i)
+                    if c.tool_calls:
+                        self._tool_started = True
+                    return c
                 return Chunk(text, n, i)
             if t == frames.ACCEPT:
                 other = frame.get("replica")
@@ -301,7 +436,13 @@ class Stream:
                 prompt = int(u.get("prompt_tokens", 0))
                 # After a migration, the tokens of the earlier attempts count too.
                 completion = int(u.get("completion_tokens", 0)) + self._resumed_tokens
-                self.usage = Usage(prompt, completion, prompt + completion)
+                self.usage = Usage(
+                    prompt,
+                    completion,
+                    prompt + completion,
+                    u.get("prompt_tokens_details"),
+                    u.get("completion_tokens_details"),
+                )
                 self.timings = dict(frame.get("timings") or {})
                 self._finish()
                 raise StopAsyncIteration
@@ -345,6 +486,8 @@ class Stream:
             self._cancelled
             or (count and self.migrations >= MAX_MIGRATIONS)
             or time.time() >= self._deadline - 0.05
+            # Only text can be resumed: a tool call half sent cannot be continued elsewhere.
+            or self._tool_started
         ):
             return False
         if count:
@@ -362,8 +505,10 @@ class Stream:
         # Frames of the old attempt still queued here are dropped.
         self._frames.clear()
         self._resumed_tokens = self._got_tokens
-        # In place: an in-process sender (the bridge) holds this very envelope.
-        self._body["resume"] = {"text": "".join(self._got), "tokens": self._got_tokens}
+        # In place: an in-process sender (the bridge) holds this very envelope. Embeddings
+        # start over (the caller keeps them by index).
+        if self.kind != subjects.KIND_EMBEDDINGS:
+            self._body["resume"] = {"text": "".join(self._got), "tokens": self._got_tokens}
         self._started = False
         self._client.log_migration(self, err)
         try:
@@ -408,22 +553,42 @@ class Stream:
         else:
             self._client._tombstone(self.token, self.request_id)
 
-    async def collect(self) -> Completion:
-        """Read the stream to its end and return the whole completion."""
-        parts: list[str] = []
+    async def assemble(self) -> Assembled:
+        """Read the stream to its end and put its output together."""
+        out = Assembled()
         try:
             async for c in self:
-                parts.append(c.text)
+                out.add(c)
         finally:
             await self.aclose()
+        return out
+
+    async def collect(self) -> Completion:
+        """Read the stream to its end and return the whole completion."""
+        out = await self.assemble()
         return Completion(
             request_id=self.request_id,
             model=self.model,
-            text="".join(parts),
+            text=out.text,
             finish_reason=self.finish_reason or "stop",
             usage=self.usage or Usage(0, 0, 0),
             replica=self.replica,
             timings=self.timings,
+            tool_calls=out.tool_calls,
+            logprobs=out.logprobs,
+            refusal=out.refusal,
+            reasoning=out.reasoning,
+        )
+
+    async def collect_embeddings(self) -> EmbeddingResult:
+        """Read an embeddings stream to its end: the vectors in input order."""
+        out = await self.assemble()
+        return EmbeddingResult(
+            request_id=self.request_id,
+            model=self.model,
+            embeddings=out.embeddings,
+            usage=self.usage or Usage(0, 0, 0),
+            replica=self.replica,
         )
 
 

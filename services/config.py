@@ -194,6 +194,9 @@ class SimSettings(BaseModel):
     max_running: int = Field(default=256, ge=1, description="Max sequences in the batch.")
     tp_comm_ms: float = Field(default=0.0, description="All-reduce cost per step when tp>1.")
     tp_efficiency: float = Field(default=0.9, gt=0, le=1, description="Scaling per extra GPU.")
+    embedding_dim: int = Field(
+        default=64, ge=1, description="Length of the embeddings (without `dimensions`)."
+    )
 
 
 class OpenAIUpstreamSettings(BaseModel):
@@ -225,6 +228,11 @@ class WorkerSettings(BaseModel):
     heartbeat_interval_s: float = Field(default=0.5, gt=0)
     tp: int = Field(default=1, ge=1)
     pool: str = "default"
+    endpoints: list[Literal["chat", "completions", "embeddings"]] = Field(
+        default_factory=list,
+        description="Request kinds this replica serves (chat, completions, embeddings); "
+        "empty: what the backend serves.",
+    )
     sim: SimSettings = Field(default_factory=SimSettings)
     openai: OpenAIUpstreamSettings = Field(default_factory=OpenAIUpstreamSettings)
     vllm: VLLMSettings = Field(default_factory=VLLMSettings)

@@ -42,8 +42,9 @@ def test_subjects_are_versioned_and_built_in_one_place() -> None:
     assert subjects.request("chat") == "tb.v1.req.chat"
     assert subjects.engine_generate("m.x", "r1") == "tb.v1.engine.m~2Ex.r1.generate"
     assert subjects.heartbeat("m", "r") == "tb.v1.heartbeat.m.r"
+    assert subjects.request("embeddings") == "tb.v1.req.embeddings"
     with pytest.raises(ValueError):
-        subjects.request("embeddings")
+        subjects.request("images")
     with pytest.raises(ValueError):
         subjects.token("")
 

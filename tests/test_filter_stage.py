@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -123,3 +124,77 @@ def test_output_flags_names_flagged_detectors_only() -> None:
     assert output_flags(scan, "mail jane.roe@example.org card 4111 1111 1111 1111") == ["pii.email"]
     assert output_flags(scan, "") == []
     assert output_scanner(None, None) is None
+
+
+# -- every text a client sends, and every text the engine returns -----------------------------
+async def test_input_filter_scans_parts_tool_arguments_and_tool_results(
+    nats_server: NatsServer, model: str, client: Client
+) -> None:
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,QUtJQQ=="}}
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": ""}}
+    hiding_places: list[list[dict[str, Any]]] = [
+        [{"role": "user", "content": [image, {"type": "text", "text": f"key {AWS}"}]}],
+        [
+            {"role": "user", "content": "hi"},
+            {
+                "role": "assistant",
+                "tool_calls": [
+                    {**call, "function": {"name": "f", "arguments": f'{{"k":"{AWS}"}}'}}
+                ],
+            },
+            {"role": "tool", "tool_call_id": "c1", "content": "ok"},
+        ],
+        [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": [{"type": "text", "text": AWS}]},
+        ],
+    ]
+    async with stack(nats_server.url, model, workers=1, filters=1, **_filter("strict")):
+        for messages in hiding_places:
+            with pytest.raises(E.ContentBlocked):
+                await client.chat_completion(model, messages, max_tokens=2)
+        # An image part is not text: its base64 is not scanned (it counts toward body size).
+        ok = await client.chat_completion(
+            model, [{"role": "user", "content": [image, {"type": "text", "text": "hi"}]}]
+        )
+        assert ok.text
+        with pytest.raises(E.ContentBlocked):
+            await client.embeddings(model, ["fine", f"key {AWS}"])
+
+
+def _tool_with(word: str) -> dict[str, Any]:
+    """A tool whose only argument the sim fills with ``word``."""
+    params = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "enum": [word]}},
+        "required": ["city"],
+    }
+    return {"type": "function", "function": {"name": "visit", "parameters": params}}
+
+
+async def test_output_filter_covers_tool_call_arguments(
+    nats_server: NatsServer, model: str, client: Client
+) -> None:
+    ask = [{"role": "user", "content": "go"}]
+    redact = {"blocklist": ["atlantis"], "actions": {"blocklist": "redact"}}
+    block = {"blocklist": ["atlantis"], "actions": {"blocklist": "block"}}
+    filters = {"filter": {"default_policy": "r", "policies": {"r": redact, "b": block}}}
+    async with stack(nats_server.url, model, workers=1, filters=1, **filters):
+        out = await client.chat_completion(model, ask, tools=[_tool_with("atlantis")])
+        assert out.finish_reason == "tool_calls" and out.tool_calls is not None
+        args = out.tool_calls[0]["function"]["arguments"]
+        assert "atlantis" not in args and "REDACTED" in args
+    async with stack(
+        nats_server.url,
+        model,
+        workers=1,
+        filters=1,
+        filter={"default_policy": "b", "policies": {"b": block}},
+    ):
+        out = await client.chat_completion(model, ask, tools=[_tool_with("atlantis")])
+        assert out.finish_reason == "content_filter"
+        assert out.tool_calls is None
+        fine = await client.chat_completion(model, ask, tools=[_tool_with("rome")])
+        assert fine.tool_calls is not None
+        assert json.loads(fine.tool_calls[0]["function"]["arguments"]) == {"city": "rome"}

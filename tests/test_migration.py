@@ -224,3 +224,31 @@ async def test_three_routers_never_overload_a_replica(
     assert out.usage.completion_tokens == 2
     for s in streams[1:]:
         await s.aclose()
+
+
+async def test_a_tool_call_cut_mid_way_ends_with_a_retryable_error(
+    procs: Procs, model: str, client: Client
+) -> None:
+    # Arguments cannot be resumed like text: once a fragment reached the caller, the stream
+    # ends with one retryable error instead of a call pieced together from two replicas.
+    stack = await start_stack(
+        procs, model, "ingress", "router", workers=2, worker_args=SLOW, env=HB, settle=0.6
+    )
+    long_args = {
+        "type": "object",
+        "properties": {"story": {"type": "string", "minLength": 400}},
+        "required": ["story"],
+    }
+    tool = {"type": "function", "function": {"name": "write", "parameters": long_args}}
+    s = client.chat(model, MSG, tools=[tool], max_tokens=400)
+    fragments = 0
+    with pytest.raises(E.ReplicaLost) as ei:
+        async for ch in s:
+            fragments += len(ch.tool_calls or ())
+            if fragments == 3:
+                _victim(stack.workers, s.replica).signal(signal.SIGKILL)
+    assert ei.value.retryable and ei.value.status == 503
+    assert s.migrations == 0
+    # A request with tools whose answer had not started moves on as before.
+    out = await client.chat_completion(model, MSG, tools=[tool], max_tokens=400)
+    assert out.finish_reason == "tool_calls" and out.tool_calls is not None

@@ -116,3 +116,628 @@ async def test_many_sequences_share_steps() -> None:
     assert all(o[2] == 20 for o in outs)
     # 200 sequences decode together: about 20 steps, not 4000.
     assert e.steps < 60
+
+
+# -- outputs beside plain text: tool calls, structured output, logprobs, embeddings ---------
+
+import json  # noqa: E402
+import math  # noqa: E402
+from typing import Any  # noqa: E402
+
+from bus_schemas import errors as E  # noqa: E402
+from engine_worker.backends.base import Delta  # noqa: E402
+from engine_worker.backends.sim import (  # noqa: E402
+    JSON_OBJECT_TOKENS,
+    SimBackend,
+    SimExtraStream,
+    SimStream,
+    count_tokens,
+    expected_structured,
+)
+from engine_worker.backends.sim_outputs import (  # noqa: E402
+    expected_embedding,
+    expected_tool_call,
+    instance,
+    json_tokens,
+)
+from services.config import WorkerSettings  # noqa: E402
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "minLength": 1},
+                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+                "days": {"type": "integer", "minimum": 1, "maximum": 7},
+                "when": {"type": "string", "format": "date"},
+            },
+            "required": ["city", "unit", "days", "when"],
+            "additionalProperties": False,
+        },
+    },
+}
+SEARCH = {
+    "type": "function",
+    "function": {
+        "name": "search",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "query": {"type": "string"},
+                "filters": {"type": "array", "items": {"$ref": "#/$defs/Filter"}, "minItems": 2},
+                "limit": {"type": ["integer", "null"], "exclusiveMinimum": 0, "multipleOf": 5},
+            },
+            "required": ["query"],
+            "$defs": {
+                "Filter": {
+                    "type": "object",
+                    "properties": {
+                        "field": {"type": "string", "enum": ["title", "body", "author"]},
+                        "value": {"anyOf": [{"type": "null"}, {"type": "string"}]},
+                        "since": {"type": "string", "format": "date-time"},
+                    },
+                    "required": ["field", "value"],
+                }
+            },
+        },
+    },
+}
+USER = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def chat(
+    messages: list[dict[str, Any]] | None = None, max_tokens: int = 200, **extra: Any
+) -> GenerationRequest:
+    return GenerationRequest(
+        request_id="r",
+        kind="chat",
+        model="m",
+        max_tokens=max_tokens,
+        messages=USER if messages is None else messages,
+        extra=extra,
+    )
+
+
+def validate(value: Any, schema: Any, root: Any = None) -> None:
+    """A JSON Schema check for the keywords the tests use (jsonschema is not installed)."""
+    try:
+        import jsonschema
+    except ImportError:
+        pass
+    else:
+        jsonschema.validate(value, schema)
+    _check(value, schema, schema if root is None else root)
+
+
+def _check(v: Any, s: Any, root: Any) -> None:
+    if s is True or s == {}:
+        return
+    if "$ref" in s:
+        node = root
+        for part in s["$ref"][2:].split("/"):
+            node = node[part]
+        _check(v, node, root)
+    for sub in s.get("allOf", ()):
+        _check(v, sub, root)
+    for key in ("anyOf", "oneOf"):
+        if key in s:
+            ok = 0
+            for sub in s[key]:
+                try:
+                    _check(v, sub, root)
+                    ok += 1
+                except AssertionError:
+                    pass
+            assert ok == 1 if key == "oneOf" else ok >= 1, (v, s)
+    if "const" in s:
+        assert v == s["const"]
+    if "enum" in s:
+        assert v in s["enum"]
+    t = s.get("type")
+    if t is not None:
+        types = t if isinstance(t, list) else [t]
+        py = {
+            "object": dict,
+            "array": list,
+            "string": str,
+            "boolean": bool,
+            "null": type(None),
+        }
+        assert any(
+            isinstance(v, py[x])
+            if x in py
+            else (
+                isinstance(v, int) and not isinstance(v, bool)
+                if x == "integer"
+                else isinstance(v, (int, float)) and not isinstance(v, bool)
+            )
+            for x in types
+        ), (v, t)
+    if isinstance(v, dict):
+        props = s.get("properties", {})
+        for k in s.get("required", ()):
+            assert k in v, (k, v)
+        for k, x in v.items():
+            if k in props:
+                _check(x, props[k], root)
+            elif s.get("additionalProperties") is False:
+                raise AssertionError(f"extra property {k}")
+            elif isinstance(s.get("additionalProperties"), dict):
+                _check(x, s["additionalProperties"], root)
+    if isinstance(v, list):
+        assert len(v) >= s.get("minItems", 0)
+        assert len(v) <= s.get("maxItems", len(v))
+        prefix = s.get("prefixItems", [])
+        for i, x in enumerate(v):
+            _check(x, prefix[i] if i < len(prefix) else s.get("items", {}), root)
+    if isinstance(v, str):
+        assert s.get("minLength", 0) <= len(v) <= s.get("maxLength", len(v))
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        assert v >= s.get("minimum", v) and v <= s.get("maximum", v)
+        if "exclusiveMinimum" in s:
+            assert v > s["exclusiveMinimum"]
+        if "exclusiveMaximum" in s:
+            assert v < s["exclusiveMaximum"]
+        if "multipleOf" in s:
+            assert (v / s["multipleOf"]).is_integer()
+
+
+async def deltas(engine: SimEngine, r: GenerationRequest, pause: float = 0.0) -> list[Delta]:
+    out: list[Delta] = []
+    async for d in engine.generate(r):
+        out.append(d)
+        if pause:
+            await asyncio.sleep(pause)
+    assert out[-1].finish_reason is not None
+    assert all(d.finish_reason is None for d in out[:-1])
+    return out
+
+
+def arguments(ds: list[Delta]) -> str:
+    return "".join(
+        c["function"].get("arguments", "")
+        for d in ds
+        for c in d.tool_calls or ()
+        if "function" in c
+    )
+
+
+def test_the_sim_serves_chat_completions_and_embeddings() -> None:
+    assert SimBackend(WorkerSettings()).endpoints() == ["chat", "completions", "embeddings"]
+
+
+async def test_embeddings_are_deterministic_unit_vectors() -> None:
+    b = SimBackend(WorkerSettings())
+    inputs: list[Any] = ["hello world", [1, 2, 3], "hello world", "other"]
+    r = GenerationRequest(request_id="r", kind="embeddings", model="m", max_tokens=1, input=inputs)
+    t0 = time.perf_counter()
+    out = await b.embed(r)
+    assert time.perf_counter() - t0 >= b.engine.prefill_s(out.prompt_tokens) - 0.002
+    assert out.prompt_tokens == count_tokens("hello world") * 2 + 3 + count_tokens("other")
+    assert len(out.vectors) == 4
+    for vec, item in zip(out.vectors, inputs, strict=True):
+        assert len(vec) == 64  # SimSettings.embedding_dim
+        assert math.isclose(math.fsum(x * x for x in vec), 1.0, rel_tol=1e-9)
+        assert vec == expected_embedding(item, 64)
+    assert out.vectors[0] == out.vectors[2]
+    assert out.vectors[0] != out.vectors[3]
+    assert expected_embedding([1, 2, 3], 64) != expected_embedding("1,2,3", 64)
+    again = await b.embed(r)
+    assert again.vectors == out.vectors
+
+    r.extra = {"dimensions": 8}
+    short = await b.embed(r)
+    assert [len(v) for v in short.vectors] == [8] * 4
+    assert math.isclose(math.fsum(x * x for x in short.vectors[0]), 1.0, rel_tol=1e-9)
+    # A shorter vector is the longer one's start, normalised again.
+    head = out.vectors[0][:8]
+    norm = math.sqrt(math.fsum(x * x for x in head))
+    assert short.vectors[0] == pytest.approx([x / norm for x in head])
+
+
+@pytest.mark.parametrize(
+    ("inputs", "extra"),
+    [
+        ([], {}),
+        (None, {}),
+        ([""], {}),
+        ([[]], {}),
+        ([1.5], {}),
+        (["a"], {"dimensions": 0}),
+        (["a"], {"dimensions": "8"}),
+    ],
+)
+async def test_bad_embedding_inputs_are_invalid_requests(inputs: Any, extra: Any) -> None:
+    b = SimBackend(WorkerSettings())
+    r = GenerationRequest(
+        request_id="r", kind="embeddings", model="m", max_tokens=1, input=inputs, extra=extra
+    )
+    with pytest.raises(E.InvalidRequest):
+        await b.embed(r)
+
+
+async def test_tool_call_streams_like_openai() -> None:
+    e = SimEngine(SimSettings(prefill_ms=5, decode_ms=2))
+    r = chat(tools=[WEATHER, SEARCH])
+    expected = expected_tool_call(r)
+    assert expected is not None
+    call_id, name, args = expected
+    assert name == "get_weather"
+    assert call_id.startswith("call_") and len(call_id) == 29
+    assert expected_tool_call(chat(tools=[WEATHER, SEARCH])) == expected
+    t0 = time.perf_counter()
+    ds = await deltas(e, r)
+    took = time.perf_counter() - t0
+    toks = json_tokens(args)
+    # The header: id, type, name and empty arguments, no tokens.
+    assert ds[0] == Delta(
+        "",
+        0,
+        tool_calls=[
+            {
+                "index": 0,
+                "id": call_id,
+                "type": "function",
+                "function": {"name": name, "arguments": ""},
+            }
+        ],
+    )
+    # Then one fragment of about four characters per decode step.
+    frags = ds[1:-1]
+    assert [d.tool_calls for d in frags] == [
+        [{"index": 0, "function": {"arguments": t}}] for t in toks
+    ]
+    assert all(d.text == "" and d.tokens == 1 and d.logprobs is None for d in frags)
+    last = ds[-1]
+    assert last.finish_reason == "tool_calls"
+    assert last.completion_tokens == len(toks) == count_tokens(args)
+    assert last.prompt_tokens == count_tokens(r.prompt_text())
+    assert took >= 0.005 + (len(toks) - 1) * 0.002 - 0.001
+    assert arguments(ds) == args
+    value = json.loads(args)
+    validate(value, WEATHER["function"]["parameters"])  # type: ignore[index]
+    assert value["unit"] == "celsius" and value["when"] == "2024-01-15"
+
+
+async def test_tool_call_arguments_follow_refs_and_nested_schemas() -> None:
+    e = SimEngine(fast())
+    choice = {"type": "function", "function": {"name": "search"}}
+    r = chat(tools=[WEATHER, SEARCH], tool_choice=choice)
+    expected = expected_tool_call(r)
+    assert expected is not None and expected[1] == "search"
+    ds = await deltas(e, r, pause=0.004)  # a slow reader: fragments coalesce
+    assert ds[0].tool_calls and ds[0].tool_calls[0]["function"]["name"] == "search"
+    assert ds[0].tool_calls[0]["id"] == expected[0]
+    assert arguments(ds) == expected[2]
+    assert sum(d.tokens for d in ds) == ds[-1].completion_tokens == len(json_tokens(expected[2]))
+    assert len(ds) - 2 < len(json_tokens(expected[2]))
+    value = json.loads(expected[2])
+    params = SEARCH["function"]["parameters"]  # type: ignore[index]
+    validate(value, params)
+    assert len(value["filters"]) == 2 and value["limit"] == 5
+    assert value["filters"][0]["field"] != value["filters"][1]["field"]
+
+
+async def test_a_turn_carrying_the_tool_result_gets_text() -> None:
+    e = SimEngine(fast())
+    first = chat(tools=[WEATHER])
+    call = expected_tool_call(first)
+    assert call is not None
+    turn: list[dict[str, Any]] = [
+        *USER,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": call[0],
+                    "type": "function",
+                    "function": {"name": call[1], "arguments": call[2]},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": call[0], "content": '{"temp": 21}'},
+    ]
+    r = chat(turn, 12, tools=[WEATHER])
+    assert expected_tool_call(r) is None
+    ds = await deltas(e, r)
+    assert all(d.tool_calls is None for d in ds)
+    assert "".join(d.text for d in ds) == expected_text(r.prompt_text(), 12)[0]
+    assert ds[-1].finish_reason == "length"
+    # "required" calls a tool even then.
+    forced = chat(turn, 200, tools=[WEATHER], tool_choice="required")
+    assert expected_tool_call(forced) is not None
+    assert (await deltas(e, forced))[-1].finish_reason == "tool_calls"
+
+
+async def test_tool_choice_none_gives_text() -> None:
+    e = SimEngine(fast())
+    r = chat(max_tokens=10, tools=[WEATHER], tool_choice="none")
+    assert expected_tool_call(r) is None
+    assert isinstance(e.generate(r), SimStream)  # nothing extra: the plain path
+    text, reason, n, _ = await collect(e, r)
+    assert (text, reason, n) == (*expected_text(r.prompt_text(), 10), 10)
+
+
+def test_a_named_tool_that_is_not_offered_is_an_invalid_request() -> None:
+    e = SimEngine(fast())
+    r = chat(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}})
+    with pytest.raises(E.InvalidRequest):
+        e.generate(r)
+
+
+async def test_max_tokens_cuts_a_tool_call_with_length() -> None:
+    e = SimEngine(fast())
+    r = chat(max_tokens=3, tools=[WEATHER])
+    expected = expected_tool_call(r)
+    assert expected is not None
+    ds = await deltas(e, r)
+    assert ds[-1].finish_reason == "length" and ds[-1].completion_tokens == 3
+    assert arguments(ds) == "".join(json_tokens(expected[2])[:3])
+    assert ds[0].tool_calls and ds[0].tool_calls[0]["id"] == expected[0]
+
+
+async def test_a_resumed_tool_call_is_made_again() -> None:
+    e = SimEngine(fast())
+    r = chat(tools=[WEATHER])
+    expected = expected_tool_call(r)
+    assert expected is not None
+    r.resume_text, r.resume_tokens = "whatever", 2
+    ds = await deltas(e, r)
+    assert arguments(ds) == expected[2] and ds[-1].finish_reason == "tool_calls"
+
+
+async def test_structured_output_parses_into_the_pydantic_model() -> None:
+    from pydantic import BaseModel, Field
+
+    class Address(BaseModel):
+        street: str
+        city: str = Field(min_length=2, max_length=5)
+        zip_code: int = Field(ge=10000, le=99999)
+
+    class Person(BaseModel):
+        name: str
+        age: int = Field(gt=0, lt=150)
+        score: float = Field(ge=0, le=1)
+        nickname: str | None
+        home: Address
+        previous: list[Address]
+        tags: list[str] = Field(min_length=2)
+
+    try:
+        from openai.lib._pydantic import to_strict_json_schema
+
+        schema = to_strict_json_schema(Person)
+    except ImportError:  # pragma: no cover - an older openai
+        schema = Person.model_json_schema()
+    assert "$defs" in schema
+    rf = {
+        "type": "json_schema",
+        "json_schema": {"name": "Person", "schema": schema, "strict": True},
+    }
+    e = SimEngine(fast())
+    r = chat(response_format=rf)
+    ds = await deltas(e, r)
+    text = "".join(d.text for d in ds)
+    assert text == expected_structured(r) == json.dumps(instance(schema))
+    assert ds[-1].finish_reason == "stop"
+    assert ds[-1].completion_tokens == len(json_tokens(text)) == count_tokens(text)
+    assert all(d.tokens == 1 for d in ds[:-1])
+    person = Person.model_validate_json(text)
+    assert person.home.zip_code == 10000 and len(person.tags) == 2
+    validate(json.loads(text), schema)
+
+
+async def test_json_object_answers_with_the_prompts_text() -> None:
+    e = SimEngine(fast())
+    r = chat(response_format={"type": "json_object"})
+    text, reason, n, _ = await collect(e, r)
+    answer = expected_text(r.prompt_text(), JSON_OBJECT_TOKENS)[0]
+    assert json.loads(text) == {"answer": answer}
+    assert text == expected_structured(r)
+    assert reason == "stop" and n == count_tokens(text)
+    # A text completion may ask for it too.
+    c = req("abc", 100, extra={"response_format": {"type": "json_object"}})
+    text, reason, _, _ = await collect(e, c)
+    assert json.loads(text) == {"answer": expected_text("abc", JSON_OBJECT_TOKENS)[0]}
+
+
+async def test_max_tokens_cuts_structured_output_with_length() -> None:
+    e = SimEngine(fast())
+    r = chat(max_tokens=5, response_format={"type": "json_object"})
+    text, reason, n, _ = await collect(e, r)
+    assert (text, reason, n) == ("".join(json_tokens(expected_structured(r))[:5]), "length", 5)
+
+
+async def test_structured_output_resumes_after_the_delivered_text() -> None:
+    e = SimEngine(fast())
+    full = expected_structured(chat(response_format={"type": "json_object"}))
+    for cut in (8, 10, 0):  # whole tokens, a token in part, nothing yet
+        r = chat(response_format={"type": "json_object"})
+        r.resume_text, r.resume_tokens = full[:cut], cut // 4
+        ds = await deltas(e, r)
+        rest = "".join(d.text for d in ds)
+        assert full[:cut] + rest == full
+        assert ds[-1].finish_reason == "stop"
+        assert ds[-1].completion_tokens == len(json_tokens(full)) - cut // 4
+    r = chat(max_tokens=6, response_format={"type": "json_object"})
+    r.resume_text, r.resume_tokens = full[:8], 2
+    ds = await deltas(e, r)
+    assert ds[-1].finish_reason == "length" and ds[-1].completion_tokens == 4
+    assert full[:8] + "".join(d.text for d in ds) == full[:24]
+
+
+def _check_chat_logprobs(d: Delta, top: int) -> list[str]:
+    assert d.logprobs is not None and set(d.logprobs) == {"content"}
+    content = d.logprobs["content"]
+    assert len(content) == d.tokens
+    for entry in content:
+        assert set(entry) == {"token", "logprob", "bytes", "top_logprobs"}
+        assert entry["bytes"] == list(entry["token"].encode())
+        assert entry["logprob"] <= 0
+        tops = entry["top_logprobs"]
+        assert len(tops) == top
+        if top:
+            assert tops[0] == {k: entry[k] for k in ("token", "logprob", "bytes")}
+            assert all(t["logprob"] < entry["logprob"] for t in tops[1:])
+            assert len({t["token"] for t in tops}) == top
+    return [entry["token"] for entry in content]
+
+
+async def test_chat_logprobs_cover_every_token() -> None:
+    e = SimEngine(fast())
+    r = chat(max_tokens=12, logprobs=True, top_logprobs=3)
+    assert isinstance(e.generate(r), SimExtraStream)
+    fast_ds = await deltas(e, r)
+    slow_ds = await deltas(e, r, pause=0.004)
+    for ds in (fast_ds, slow_ds):
+        tokens: list[str] = []
+        for d in ds:
+            if d.tokens:
+                got = _check_chat_logprobs(d, 3)
+                assert "".join(got) == d.text
+                tokens += got
+            else:
+                assert d.logprobs is None
+        assert "".join(tokens) == expected_text(r.prompt_text(), 12)[0]
+        assert len(tokens) == 12 and ds[-1].finish_reason == "length"
+
+    def flat(ds: list[Delta]) -> list[Any]:
+        return [x for d in ds if d.logprobs for x in d.logprobs["content"]]
+
+    assert flat(fast_ds) == flat(slow_ds)  # values depend on the position, not the chunking
+    # Without top_logprobs the lists are empty.
+    plain = await deltas(e, chat(max_tokens=3, logprobs=True))
+    assert [_check_chat_logprobs(d, 0) for d in plain if d.tokens]
+
+
+async def test_chat_logprobs_cover_tool_calls_and_structured_output() -> None:
+    e = SimEngine(fast())
+    r = chat(tools=[WEATHER], logprobs=True, top_logprobs=2)
+    ds = await deltas(e, r)
+    tokens = [t for d in ds if d.tokens for t in _check_chat_logprobs(d, 2)]
+    call = expected_tool_call(r)
+    assert call is not None and tokens == json_tokens(call[2])
+    r = chat(response_format={"type": "json_object"}, logprobs=True, top_logprobs=1)
+    ds = await deltas(e, r, pause=0.003)
+    tokens = [t for d in ds if d.tokens for t in _check_chat_logprobs(d, 1)]
+    assert "".join(tokens) == expected_structured(r)
+
+
+async def test_completion_logprobs_have_tokens_offsets_and_top_k() -> None:
+    e = SimEngine(fast())
+    r = req("abc", 10, extra={"logprobs": 2})
+    for pause in (0.0, 0.004):
+        ds = await deltas(e, r, pause=pause)
+        tokens: list[str] = []
+        offsets: list[int] = []
+        for d in ds:
+            if not d.tokens:
+                assert d.logprobs is None
+                continue
+            lp = d.logprobs
+            assert lp is not None
+            assert set(lp) == {"tokens", "token_logprobs", "top_logprobs", "text_offset"}
+            assert len(lp["tokens"]) == len(lp["token_logprobs"]) == d.tokens
+            assert len(lp["top_logprobs"]) == len(lp["text_offset"]) == d.tokens
+            assert "".join(lp["tokens"]) == d.text
+            for t, v, top in zip(
+                lp["tokens"], lp["token_logprobs"], lp["top_logprobs"], strict=True
+            ):
+                assert v <= 0 and len(top) == 2
+                assert next(iter(top.items())) == (t, v) and max(top.values()) == v
+            tokens += lp["tokens"]
+            offsets += lp["text_offset"]
+        full = expected_text("abc", 10)[0]
+        assert "".join(tokens) == full
+        assert offsets == [len("".join(tokens[:i])) for i in range(len(tokens))]
+
+
+async def test_logprobs_stay_aligned_when_a_stop_sequence_holds_text_back() -> None:
+    e = SimEngine(fast())
+    full, _ = expected_text("hello", 20)
+    stop = " " + full.split(" ")[5]
+    r = req("hello", 20, stop=[stop], extra={"logprobs": 0})
+    ds = await deltas(e, r)
+    assert "".join(d.text for d in ds) == full[: full.find(stop)]
+    assert ds[-1].finish_reason == "stop"
+    lps = [d.logprobs for d in ds if d.tokens]
+    assert sum(d.tokens for d in ds) == ds[-1].completion_tokens
+    assert all(
+        lp is not None and len(lp["tokens"]) == d.tokens
+        for lp, d in zip(lps, [d for d in ds if d.tokens], strict=True)
+    )
+    assert full.startswith("".join(t for lp in lps if lp for t in lp["tokens"]))
+
+
+async def test_temperature_and_top_p_may_be_none_and_unrelated_extras_keep_the_plain_path() -> None:
+    e = SimEngine(fast())
+    r = req("hello", 6, temperature=None, top_p=None, extra={"user": "u", "logit_bias": {}})
+    assert isinstance(e.generate(r), SimStream)
+    assert (await collect(e, r))[:2] == expected_text("hello", 6)
+    assert isinstance(e.generate(req("hello", 6)), SimStream)
+
+
+def test_instance_satisfies_common_schema_keywords() -> None:
+    schema: dict[str, Any] = {
+        "type": "object",
+        "properties": {
+            "when": {"type": "string", "format": "date-time"},
+            "day": {"type": "string", "format": "date"},
+            "mail": {"type": "string", "format": "email"},
+            "site": {"type": "string", "format": "uri"},
+            "short": {"type": "string", "maxLength": 3},
+            "long": {"type": "string", "minLength": 40},
+            "big": {"type": "integer", "minimum": 100, "multipleOf": 7},
+            "neg": {"type": "integer", "maximum": -3},
+            "ratio": {"type": "number", "exclusiveMinimum": 0, "maximum": 0.5},
+            "flag": {"type": "boolean"},
+            "nothing": {"type": "null"},
+            "either": {"type": ["null", "integer"]},
+            "fixed": {"const": "k"},
+            "ids": {"type": "array", "items": {"type": "integer"}, "minItems": 3, "maxItems": 3},
+            "none": {"type": "array", "maxItems": 0},
+            "pair": {"type": "array", "prefixItems": [{"type": "string"}, {"type": "number"}]},
+            "map": {"type": "object", "additionalProperties": {"type": "integer"}},
+            "merged": {"allOf": [{"$ref": "#/definitions/A"}, {"$ref": "#/definitions/B"}]},
+            "maybe": {"oneOf": [{"type": "null"}, {"$ref": "#/definitions/A"}]},
+        },
+        "required": ["when"],
+        "additionalProperties": False,
+        "definitions": {
+            "A": {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+            "B": {"type": "object", "properties": {"b": {"type": "string"}}, "required": ["b"]},
+        },
+    }
+    value = instance(schema)
+    assert value == instance(schema)
+    validate(value, schema)
+    assert value["day"] == "2024-01-15" and value["mail"] == "user0@example.com"
+    assert value["big"] == 105 and value["neg"] == -3 and value["either"] == 1
+    assert value["merged"].keys() == {"a", "b"} and value["maybe"].keys() == {"a"}
+    assert len(value["ids"]) == 3 and value["none"] == [] and len(value["map"]) == 1
+    assert instance({}) is None and instance({"anyOf": [{"type": "null"}]}) is None
+
+
+def test_instance_ends_recursive_schemas() -> None:
+    schema = {
+        "$defs": {
+            "Node": {
+                "type": "object",
+                "properties": {
+                    "name": {"type": "string"},
+                    "children": {"type": "array", "items": {"$ref": "#/$defs/Node"}},
+                    "parent": {"anyOf": [{"$ref": "#/$defs/Node"}, {"type": "null"}]},
+                },
+                "required": ["name", "children", "parent"],
+                "additionalProperties": False,
+            }
+        },
+        "$ref": "#/$defs/Node",
+    }
+    value = instance(schema)
+    validate(value, schema)

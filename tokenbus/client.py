@@ -22,9 +22,17 @@ import nats
 
 from bus_schemas import headers as H
 from bus_schemas import subjects
-from services.caller import DEFAULT_TIMEOUT_S, Caller, Chunk, Completion, Stream, Usage
+from services.caller import (
+    DEFAULT_TIMEOUT_S,
+    Caller,
+    Chunk,
+    Completion,
+    EmbeddingResult,
+    Stream,
+    Usage,
+)
 
-__all__ = ["Chunk", "Client", "Completion", "Stream", "Usage"]
+__all__ = ["Chunk", "Client", "Completion", "EmbeddingResult", "Stream", "Usage"]
 
 
 class Client(Caller):
@@ -61,8 +69,11 @@ class Client(Caller):
         session: str | None = None,
         **params: Any,
     ) -> Stream:
-        """Stream a chat completion; ``params`` are OpenAI's (max_tokens, temperature, ...).
-        ``session`` keys session-affinity routing (requests of one session, one replica)."""
+        """Stream a chat completion; ``params`` are OpenAI's (max_tokens, temperature, tools,
+        tool_choice, response_format, logprobs, ...; fields tokenbus does not know are carried
+        to the engine). ``session`` keys session-affinity routing (requests of one session,
+        one replica). Chunks carry ``tool_calls``/``logprobs``/``refusal``/``reasoning`` when
+        the engine sends them; :meth:`Stream.collect` puts them together."""
         body = {"model": model, "messages": list(messages), **params}
         return self.submit(
             subjects.KIND_CHAT,
@@ -104,3 +115,26 @@ class Client(Caller):
     async def completion(self, model: str, prompt: str, **kwargs: Any) -> Completion:
         """A whole text completion (non-streaming)."""
         return await self.completions(model, prompt, **kwargs).collect()
+
+    async def embeddings(
+        self,
+        model: str,
+        input: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]],
+        *,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        api_key: str | None = None,
+        request_id: str | None = None,
+        **params: Any,
+    ) -> EmbeddingResult:
+        """Embed ``input`` (a string, strings, or token id lists) with an embedding model;
+        ``params`` are OpenAI's (``dimensions``, ``user``, ...). Vectors come back as floats."""
+        body = {"model": model, "input": input if isinstance(input, str) else list(input)}
+        body.update(params)
+        stream = self.submit(
+            subjects.KIND_EMBEDDINGS,
+            body,
+            timeout=timeout,
+            api_key=api_key,
+            request_id=request_id,
+        )
+        return await stream.collect_embeddings()

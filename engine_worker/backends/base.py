@@ -6,21 +6,41 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from bus_schemas.messages import message_text
+
+# What a backend may serve; a worker announces its list in every heartbeat and the router
+# sends a request only to replicas that serve its kind.
+ENDPOINTS = ("chat", "completions", "embeddings")
+
 
 @dataclass(slots=True)
 class GenerationRequest:
-    """What a backend needs to generate (decoded from the envelope)."""
+    """What a backend needs to generate (decoded from the envelope).
+
+    ``messages`` are the client's OpenAI chat messages as sent (content strings or part lists,
+    assistant ``tool_calls``, ``tool`` messages with ``tool_call_id``; the filter stage may
+    have redacted text in them). ``extra`` holds every request field tokenbus carries but does
+    not act on: ``tools``, ``tool_choice``, ``parallel_tool_calls``, ``response_format``,
+    ``logprobs``/``top_logprobs``, penalties, ``logit_bias``, ``user``, ``reasoning_effort``,
+    an engine's own extensions (``chat_template_kwargs``, ``min_tokens``, ...), and for
+    embeddings ``dimensions``/``encoding_format``. A backend passes them on (or acts on the
+    ones it understands); it never drops them silently.
+    """
 
     request_id: str
     kind: str
     model: str
     max_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
+    # None: the engine's (the model's generation config) default.
+    temperature: float | None = None
+    top_p: float | None = None
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     messages: list[dict[str, Any]] | None = None
     prompt: str | None = None
+    # Embeddings: the inputs (strings, or token id lists).
+    input: list[Any] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
     # Request migration: the response so far (already delivered); generate what follows,
     # at most ``max_tokens - resume_tokens`` more.
     resume_text: str = ""
@@ -33,37 +53,73 @@ class GenerationRequest:
     @classmethod
     def from_envelope(cls, env: dict[str, Any]) -> GenerationRequest:
         p = env.get("params") or {}
+        temperature, top_p = p.get("temperature"), p.get("top_p")
+        resume = env.get("resume") or {}
         return cls(
             request_id=str(env["request_id"]),
             kind=str(env.get("kind", "chat")),
             model=str(env.get("model", "")),
             max_tokens=int(p.get("max_tokens", 256)),
-            temperature=float(p.get("temperature", 1.0)),
-            top_p=float(p.get("top_p", 1.0)),
+            temperature=None if temperature is None else float(temperature),
+            top_p=None if top_p is None else float(top_p),
             seed=p.get("seed"),
             stop=list(p.get("stop") or []),
             messages=env.get("messages"),
             prompt=env.get("prompt"),
-            resume_text=str((env.get("resume") or {}).get("text", "")),
-            resume_tokens=max(0, int((env.get("resume") or {}).get("tokens", 0))),
+            input=env.get("input"),
+            extra=dict(env.get("extra") or {}),
+            resume_text=str(resume.get("text", "")),
+            resume_tokens=max(0, int(resume.get("tokens", 0))),
         )
 
     def prompt_text(self) -> str:
-        """A plain-text rendering of the prompt (backends with a tokenizer use templates)."""
+        """A plain-text rendering of the prompt (backends with a tokenizer use templates):
+        each message's text (text parts joined; images and audio left out), an assistant's
+        tool calls as ``name(arguments)``."""
         if self.messages is not None:
-            return "".join(f"<|{m.get('role')}|>{m.get('content') or ''}\n" for m in self.messages)
+            out: list[str] = []
+            for m in self.messages:
+                text = message_text(m.get("content"))
+                for call in m.get("tool_calls") or ():
+                    fn = call.get("function") or {}
+                    text += f"{fn.get('name')}({fn.get('arguments')})"
+                out.append(f"<|{m.get('role')}|>{text}\n")
+            return "".join(out)
         return self.prompt or ""
 
 
 @dataclass(slots=True)
 class Delta:
-    """New output: text and how many tokens it holds. The last one has ``finish_reason``."""
+    """New output: text and how many tokens it holds. The last one has ``finish_reason``.
+
+    Beside text a delta may carry, as OpenAI's streaming chunks shape them:
+    ``tool_calls`` (tool-call deltas: ``index``, and ``id``/``type``/``function.name`` when a
+    call starts, ``function.arguments`` fragments), ``logprobs`` (the choice's logprobs object
+    for this delta's tokens: ``{"content": [...]}`` for chat, ``{"tokens": [...], ...}`` for
+    text completions), ``refusal`` and ``reasoning`` text, and on the last delta ``usage``
+    details (``prompt_tokens_details``, ``completion_tokens_details``) when the engine
+    reports them. ``finish_reason`` is ``stop``, ``length``, ``content_filter`` or
+    ``tool_calls``.
+    """
 
     text: str
     tokens: int
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    tool_calls: list[dict[str, Any]] | None = None
+    logprobs: dict[str, Any] | None = None
+    refusal: str | None = None
+    reasoning: str | None = None
+    usage: dict[str, Any] | None = None
+
+
+@dataclass(slots=True)
+class Embeddings:
+    """A backend's answer to an embeddings request: one vector per input, in order."""
+
+    vectors: list[list[float]]
+    prompt_tokens: int
 
 
 class DeltaStream(Protocol):
@@ -89,6 +145,14 @@ class Backend(Protocol):
         """Load for heartbeats: running, waiting, kv_usage."""
         ...
 
+    def endpoints(self) -> list[str]:
+        """Which of :data:`ENDPOINTS` this backend serves (announced in heartbeats)."""
+        ...
+
     def generate(self, req: GenerationRequest) -> DeltaStream:
         """Start generating now; the stream aborts the request when closed early."""
+        ...
+
+    async def embed(self, req: GenerationRequest) -> Embeddings:
+        """Embed ``req.input`` (kind ``embeddings``); raise InvalidRequest if not served."""
         ...

@@ -1,21 +1,142 @@
 """The ``openai`` backend: forwards to an OpenAI-compatible server (vllm serve, SGLang, TGI,
 llama.cpp server, Ollama, or tokenbus' own ``serve openai-http``) and streams its answer.
 
+What the client sent reaches the upstream unchanged (its messages as they are, every field
+tokenbus does not own from ``req.extra``); tokenbus sets only the fields it owns: the
+upstream's model name, the token budget, streaming with usage, and the sampling parameters
+the client set. What the upstream streams back (text, tool-call fragments, logprobs,
+refusal, reasoning, finish reason, usage details) reaches the client.
+
 Closing the stream closes the upstream HTTP response, which is how those servers learn that
 the client went away and abort the generation.
 """
 
 from __future__ import annotations
 
+import array
+import base64
 import json
+import sys
 from collections.abc import AsyncGenerator
+from contextlib import aclosing
 from typing import Any
 
 import aiohttp
 
 from bus_schemas import errors as E
-from engine_worker.backends.base import Delta, GenerationRequest
+from engine_worker.backends.base import Delta, Embeddings, GenerationRequest
 from services.config import WorkerSettings
+
+# Finish reasons passed on as the upstream said them; any other becomes "stop".
+_FINISH = frozenset({"stop", "length", "content_filter", "tool_calls"})
+# Upstream statuses that mean "this request is wrong" rather than "the upstream failed".
+_INVALID = frozenset({400, 404, 413, 422})
+# Usage fields passed on to the client beside the token counts.
+_USAGE_DETAILS = ("prompt_tokens_details", "completion_tokens_details")
+
+
+def _upstream_error(status: int, text: str) -> E.TokenbusError:
+    """The typed error for an upstream's non-200 answer (or an error event in its stream)."""
+    message, param = text[:300], None
+    try:
+        obj = json.loads(text)
+    except ValueError:
+        obj = None
+    if isinstance(obj, dict):
+        err = obj.get("error")
+        if isinstance(err, dict) and isinstance(err.get("message"), str):
+            # OpenAI's shape: {"error": {"message", "type", "param", "code"}}.
+            message = err["message"]
+            p = err.get("param")
+            param = p if isinstance(p, str) else None
+        elif isinstance(err, str):
+            message = err
+        elif isinstance(obj.get("message"), str):
+            # vLLM's older shape: {"object": "error", "message", "type", "code"}.
+            message = obj["message"]
+    message = message[:1000]
+    if status in _INVALID:
+        return E.InvalidRequest(f"the upstream refused the request: {message}", param=param)
+    return E.EngineError(f"the upstream answered {status}: {message}")
+
+
+def _event_error(obj: dict[str, Any]) -> E.TokenbusError:
+    """The typed error for an error object the upstream sent inside its stream."""
+    err = obj.get("error") if isinstance(obj.get("error"), dict) else obj
+    code = err.get("code") if isinstance(err, dict) else None
+    status = code if isinstance(code, int) else 500
+    return _upstream_error(status, json.dumps(obj))
+
+
+def _decode_vector(v: Any) -> list[float]:
+    """An embedding as floats (an upstream that ignored ``encoding_format`` sent base64)."""
+    if isinstance(v, str):
+        a = array.array("f", base64.b64decode(v))
+        if sys.byteorder != "little":
+            a.byteswap()
+        return a.tolist()
+    return [float(x) for x in v]
+
+
+async def _sse_events(content: aiohttp.StreamReader) -> AsyncGenerator[bytes, None]:
+    """The data of each server-sent event in ``content`` (``data:`` lines up to a blank
+    line, joined with newlines; other fields and comments are skipped)."""
+    buf = b""
+    data: list[bytes] = []
+    async for chunk in content.iter_any():
+        buf += chunk
+        if b"\n" not in chunk:
+            continue
+        *lines, buf = buf.split(b"\n")
+        for line in lines:
+            if line.endswith(b"\r"):
+                line = line[:-1]
+            if line:
+                if line.startswith(b"data:"):
+                    data.append(line[6:] if line[5:6] == b" " else line[5:])
+            elif data:
+                yield data[0] if len(data) == 1 else b"\n".join(data)
+                data = []
+    # The stream ended: an event not closed by a blank line still counts.
+    line = buf.rstrip(b"\r")
+    if line.startswith(b"data:"):
+        data.append(line[6:] if line[5:6] == b" " else line[5:])
+    if data:
+        yield b"\n".join(data)
+
+
+def _choice_delta(ch: dict[str, Any]) -> Delta | None:
+    """A streamed choice's output as a delta (None when it carries none)."""
+    text = ch.get("text")  # text completions
+    tool_calls = refusal = reasoning = None
+    if text is None:
+        delta = ch.get("delta") or {}
+        text = delta.get("content")
+        tool_calls = delta.get("tool_calls") or None
+        refusal = delta.get("refusal")
+        reasoning = delta.get("reasoning_content")
+        if reasoning is None:
+            reasoning = delta.get("reasoning")
+    logprobs = ch.get("logprobs") or None
+    tokens = 1
+    if logprobs is not None:
+        # Chat: {"content": [an entry a token]} (or "refusal": [...]); completions:
+        # {"tokens": [...], "token_logprobs": [...], ...}.
+        entries = logprobs.get("content") or logprobs.get("refusal") or logprobs.get("tokens")
+        if entries:
+            tokens = len(entries)
+        elif not (text or tool_calls or refusal or reasoning):
+            return None  # an empty logprobs object and nothing else
+    elif not (text or tool_calls or refusal or reasoning):
+        return None
+    return Delta(
+        text or "",
+        tokens,
+        tool_calls=tool_calls,
+        logprobs=logprobs,
+        refusal=refusal,
+        reasoning=reasoning,
+    )
 
 
 class OpenAIUpstreamBackend:
@@ -49,73 +170,137 @@ class OpenAIUpstreamBackend:
     def stats(self) -> dict[str, Any]:
         return {"running": self.in_flight, "waiting": 0, "kv_usage": 0.0}
 
+    def endpoints(self) -> list[str]:
+        # An embedding upstream is declared by the operator (``--endpoints embeddings``).
+        return ["chat", "completions"]
+
+    # -- generation -------------------------------------------------------------------------
     def _body(self, req: GenerationRequest) -> tuple[str, dict[str, Any]]:
-        body: dict[str, Any] = {
-            "model": self.model,
-            "max_tokens": max(1, req.remaining_tokens),
-            "temperature": req.temperature,
-            "top_p": req.top_p,
-            "stream": True,
-            "stream_options": {"include_usage": True},
+        """The upstream path and JSON body: the client's fields, then the ones tokenbus owns."""
+        body: dict[str, Any] = dict(req.extra)
+        body.pop("max_completion_tokens", None)  # the budget is ``max_tokens`` below
+        options = body.get("stream_options")
+        body["model"] = self.model
+        body["max_tokens"] = req.remaining_tokens
+        body["stream"] = True
+        body["stream_options"] = {
+            **(options if isinstance(options, dict) else {}),
+            "include_usage": True,
         }
+        if req.temperature is not None:
+            body["temperature"] = req.temperature
+        if req.top_p is not None:
+            body["top_p"] = req.top_p
         if req.seed is not None:
             body["seed"] = req.seed
         if req.stop:
             body["stop"] = req.stop
         if req.messages is not None:
-            body["messages"] = req.messages
+            messages = req.messages
             if req.resume_text:
                 # Migration: continue the assistant's reply (vLLM's and others' extension).
-                body["messages"] = [
-                    *req.messages,
-                    {"role": "assistant", "content": req.resume_text},
-                ]
+                last = messages[-1] if messages else None
+                if (
+                    body.get("continue_final_message")
+                    and last is not None
+                    and last.get("role") == "assistant"
+                    and isinstance(last.get("content"), str)
+                ):
+                    # The client already prefilled the reply: the text so far follows it.
+                    cont = {**last, "content": last["content"] + req.resume_text}
+                    messages = [*messages[:-1], cont]
+                else:
+                    messages = [*messages, {"role": "assistant", "content": req.resume_text}]
                 body["continue_final_message"] = True
                 body["add_generation_prompt"] = False
+            body["messages"] = messages
             return "/chat/completions", body
         body["prompt"] = (req.prompt or "") + req.resume_text
         return "/completions", body
 
     def generate(self, req: GenerationRequest) -> AsyncGenerator[Delta, None]:
+        if req.max_tokens < 1:
+            raise E.InvalidRequest("max_tokens must be at least 1", param="max_tokens")
+        if self.session is None:
+            raise E.EngineError("the openai backend is not started")
         return self._generate(req)
 
     async def _generate(self, req: GenerationRequest) -> AsyncGenerator[Delta, None]:
-        if self.session is None:
-            raise E.EngineError("the openai backend is not started")
+        if req.remaining_tokens <= 0:
+            # A migrated request whose budget the first replica used up: nothing to ask for.
+            yield Delta("", 0, "length")
+            return
+        session = self.session
+        if session is None:
+            raise E.EngineError("the openai backend is stopped")
         path, body = self._body(req)
         self.in_flight += 1
         finish: str | None = None
-        usage: dict[str, Any] = {}
+        usage: dict[str, Any] | None = None
         produced = 0
         try:
-            async with self.session.post(self.base + path, json=body) as resp:
+            async with session.post(self.base + path, json=body) as resp:
                 if resp.status != 200:
-                    text = (await resp.text())[:300]
-                    if resp.status in (400, 404, 413, 422):
-                        raise E.InvalidRequest(f"the upstream refused the request: {text}")
-                    raise E.EngineError(f"the upstream answered {resp.status}: {text}")
-                async for raw in resp.content:
-                    if not raw.startswith(b"data:"):
-                        continue
-                    payload = raw[5:].strip()
-                    if payload == b"[DONE]":
-                        break
-                    obj = json.loads(payload)
-                    if obj.get("usage"):
-                        usage = obj["usage"]
-                    for ch in obj.get("choices") or ():
-                        text = ch.get("text")
-                        if text is None:
-                            text = (ch.get("delta") or {}).get("content") or ""
-                        if ch.get("finish_reason"):
-                            finish = ch["finish_reason"]
-                        if text:
-                            produced += 1
-                            yield Delta(text, 1)
-        except aiohttp.ClientError as exc:
+                    raise _upstream_error(resp.status, await resp.text())
+                async with aclosing(_sse_events(resp.content)) as events:
+                    async for payload in events:
+                        if payload == b"[DONE]":
+                            # Read on to the end, which keeps the connection reusable.
+                            continue
+                        obj = json.loads(payload)
+                        if obj.get("usage"):
+                            usage = obj["usage"]
+                        for ch in obj.get("choices") or ():
+                            if ch.get("index", 0):
+                                continue  # one choice is served (``n`` is 1)
+                            d = _choice_delta(ch)
+                            if d is not None:
+                                produced += d.tokens
+                                yield d
+                            if ch.get("finish_reason"):
+                                finish = ch["finish_reason"]
+                        if "error" in obj or obj.get("object") == "error":
+                            raise _event_error(obj)
+        except (TimeoutError, aiohttp.ClientError) as exc:
             raise E.EngineError(f"the upstream failed: {type(exc).__name__}: {exc}") from None
+        except ValueError as exc:  # an event that is not JSON
+            raise E.EngineError(f"the upstream sent a malformed event: {exc}") from None
         finally:
             self.in_flight -= 1
-        completion = int(usage.get("completion_tokens") or produced)
-        reason = finish if finish in ("stop", "length", "content_filter") else "stop"
-        yield Delta("", 0, reason, int(usage.get("prompt_tokens") or 0), completion)
+        u = usage or {}
+        details = {k: u[k] for k in _USAGE_DETAILS if u.get(k)}
+        yield Delta(
+            "",
+            0,
+            finish if finish in _FINISH else "stop",
+            int(u.get("prompt_tokens") or 0),
+            int(u.get("completion_tokens") or produced),
+            usage=details or None,
+        )
+
+    # -- embeddings -------------------------------------------------------------------------
+    async def embed(self, req: GenerationRequest) -> Embeddings:
+        session = self.session
+        if session is None:
+            raise E.EngineError("the openai backend is not started")
+        if req.input is None:
+            raise E.InvalidRequest("an embeddings request needs 'input'", param="input")
+        # Floats from the upstream: the gateway encodes them the way the client asked.
+        body = {**req.extra, "model": self.model, "input": req.input, "encoding_format": "float"}
+        self.in_flight += 1
+        try:
+            async with session.post(self.base + "/embeddings", json=body) as resp:
+                text = await resp.text()
+                if resp.status != 200:
+                    raise _upstream_error(resp.status, text)
+            obj = json.loads(text)
+            items = sorted(obj.get("data") or (), key=lambda d: int(d.get("index", 0)))
+            vectors = [_decode_vector(d["embedding"]) for d in items]
+            usage = obj.get("usage") or {}
+            return Embeddings(vectors, int(usage.get("prompt_tokens") or 0))
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            raise E.EngineError(f"the upstream failed: {type(exc).__name__}: {exc}") from None
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise E.EngineError(f"the upstream sent a malformed answer: {exc!r}") from None
+        finally:
+            self.in_flight -= 1

@@ -8,20 +8,58 @@ decode_ms_per_seq * batch``, one token each. Tensor parallelism divides both by 
 engine, so 1000 sequences cost 1/step_time wake-ups a second, not 1000 of them.
 
 The text is a pure function of the prompt and seed: :func:`expected_text` tells tests what a
-request will produce.
+request will produce. Requests that ask for more (tool calls, structured output, logprobs;
+see :mod:`engine_worker.backends.sim_outputs`) get exact outputs too:
+:func:`expected_tool_call`, :func:`expected_structured`, :func:`expected_embedding`. They go
+through the same batching and timing, and only they pay for it: a plain request takes the
+plain path.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import zlib
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 from bus_schemas import errors as E
-from engine_worker.backends.base import Delta, GenerationRequest
+from engine_worker.backends.base import Delta, Embeddings, GenerationRequest
+from engine_worker.backends.sim_outputs import (
+    MAX_EMBEDDING_DIM,
+    chat_logprobs,
+    completion_logprobs,
+    expected_embedding,
+    expected_tool_call,
+    instance,
+    json_tokens,
+    logprob_mode,
+    response_schema,
+    schema_text,
+)
 from services.config import SimSettings, WorkerSettings
+
+__all__ = [
+    "JSON_OBJECT_TOKENS",
+    "VOCAB",
+    "SimBackend",
+    "SimEngine",
+    "SimExtraStream",
+    "SimStream",
+    "count_tokens",
+    "expected_embedding",
+    "expected_structured",
+    "expected_text",
+    "expected_tool_call",
+    "instance",
+    "resume_point",
+    "token_text",
+]
+
+# The text inside a ``json_object`` answer: this many tokens of the prompt's usual text.
+JSON_OBJECT_TOKENS = 8
 
 VOCAB = (
     "the",
@@ -111,22 +149,51 @@ def resume_point(start: int, req: GenerationRequest) -> tuple[int, str]:
     from it, so a token delivered only in part (held back by an output filter) is produced
     again and its missing end sent. Text that is not the sequence's own (redacted by an
     output filter) falls back to the token count the caller reports."""
+    return _resume(lambda n: token_text(start, n), req.max_tokens, req)
+
+
+def _resume(token: Callable[[int], str], limit: int, req: GenerationRequest) -> tuple[int, str]:
+    """:func:`resume_point` for the output whose ``n``-th token is ``token(n)`` and whose
+    length is at most ``limit`` tokens."""
     if not req.resume_text and not req.resume_tokens:
         return 0, ""
     text, n = "", 0
-    while n < req.max_tokens:
-        nxt = token_text(start, n)
+    while n < limit:
+        nxt = token(n)
         if not req.resume_text.startswith(nxt, len(text)):
             break
         text += nxt
         n += 1
     if len(text) < len(req.resume_text) and not (
-        n < req.max_tokens and token_text(start, n).startswith(req.resume_text[len(text) :])
+        n < limit and token(n).startswith(req.resume_text[len(text) :])
     ):
         # Not our text (redacted): trust the count.
-        n = min(req.resume_tokens, req.max_tokens)
+        n = min(req.resume_tokens, limit)
         return n, req.resume_text
     return n, text
+
+
+def _structured(req: GenerationRequest, prompt: str) -> str | None:
+    rs = response_schema(req.extra)
+    if rs is None:
+        return None
+    kind, schema = rs
+    if kind == "json_schema":
+        return schema_text(schema)
+    return json.dumps({"answer": expected_text(prompt, JSON_OBJECT_TOKENS, req.seed)[0]})
+
+
+def expected_structured(req: GenerationRequest) -> str:
+    """The whole JSON text the simulator answers a ``response_format`` request with:
+    ``json.dumps(instance(schema))`` for ``json_schema``, ``{"answer": <the prompt's first
+    JSON_OBJECT_TOKENS tokens of text>}`` for ``json_object``. It streams in
+    :func:`~engine_worker.backends.sim_outputs.json_tokens` (four characters each): finish
+    ``stop`` when whole, ``length`` (and only the first ``max_tokens`` tokens) when cut.
+    Raises ValueError for a request without a JSON response format."""
+    text = _structured(req, req.prompt_text())
+    if text is None:
+        raise ValueError("the request asks for no JSON response format")
+    return text
 
 
 def _find_stop(text: str, stops: list[str]) -> int | None:
@@ -148,11 +215,16 @@ class _Seq:
         "prompt_tokens",
         "ready_at",
         "start",
+        "toks",
         "waiter",
     )
 
-    def __init__(self, start: int, prompt_tokens: int, max_tokens: int) -> None:
+    def __init__(
+        self, start: int, prompt_tokens: int, max_tokens: int, toks: list[str] | None = None
+    ) -> None:
         self.start = start
+        # A fixed output (JSON text, tool-call arguments); None: the prompt's text tokens.
+        self.toks = toks
         self.prompt_tokens = prompt_tokens
         self.max_tokens = max_tokens
         self.emitted = 0
@@ -232,7 +304,8 @@ class SimEngine:
         if s.cancelled:
             s.done = True
             return
-        s.push(token_text(s.start, s.emitted))
+        toks = s.toks
+        s.push(token_text(s.start, s.emitted) if toks is None else toks[s.emitted])
         s.emitted += 1
         if s.emitted >= s.max_tokens:
             s.done = True
@@ -281,8 +354,12 @@ class SimEngine:
             "kv_usage": active / self.cfg.max_running,
         }
 
-    def generate(self, req: GenerationRequest) -> SimStream:
+    def generate(self, req: GenerationRequest) -> SimStream | SimExtraStream:
         """Submit now (prefill starts at once) and return the stream of deltas."""
+        if req.extra:
+            plan = _plan(req)
+            if plan is not None:
+                return SimExtraStream(self, req, plan)
         return SimStream(self, req)
 
 
@@ -358,6 +435,185 @@ class SimStream:
             self.engine.cancel(self.seq)
 
 
+class _Plan:
+    """What a request that asks for more than text produces (decided once, at submission)."""
+
+    __slots__ = ("call", "logprobs", "prompt", "toks", "top")
+
+    def __init__(
+        self,
+        prompt: str,
+        toks: list[str] | None,
+        call: tuple[str, str, str] | None,
+        logprobs: str | None,
+        top: int,
+    ) -> None:
+        self.prompt = prompt
+        self.toks = toks
+        self.call = call
+        self.logprobs = logprobs
+        self.top = top
+
+
+def _plan(req: GenerationRequest) -> _Plan | None:
+    """The plan of a request with tools, a JSON response format or logprobs; None when the
+    plain path serves it."""
+    extra = req.extra
+    if "tools" not in extra and "response_format" not in extra and "logprobs" not in extra:
+        return None
+    prompt = req.prompt_text()
+    call = expected_tool_call(req)
+    toks: list[str] | None = None
+    if call is not None:
+        toks = json_tokens(call[2])
+    else:
+        text = _structured(req, prompt)
+        if text is not None:
+            toks = json_tokens(text)
+    mode = logprob_mode(req.kind, extra)
+    if toks is None and mode is None:
+        return None
+    lp, top = mode if mode is not None else (None, 0)
+    return _Plan(prompt, toks, call, lp, top)
+
+
+class SimExtraStream:
+    """Deltas of a request that asks for more than text: tool calls, JSON text, logprobs.
+
+    The engine produces its tokens as it does text (one per decode step, coalesced while
+    the consumer is busy). A tool call comes as OpenAI streams one: a delta with the call's
+    id and name (no tokens) when the first token is ready, then deltas with argument
+    fragments, then the finish ``tool_calls`` (``length`` when ``max_tokens`` cut it). JSON
+    text streams as text (stop sequences apply) and finishes ``stop`` when whole. With
+    logprobs every delta that carries tokens has the logprobs object of exactly those
+    tokens.
+    """
+
+    def __init__(self, engine: SimEngine, req: GenerationRequest, plan: _Plan) -> None:
+        self.engine = engine
+        self.ptoks = count_tokens(plan.prompt)
+        self.start = _start(plan.prompt, req.seed)
+        self.toks = toks = plan.toks
+        self.call = plan.call
+        self.logprobs = plan.logprobs
+        self.top = plan.top
+        self.header: dict[str, Any] | None = None
+        if self.call is not None and toks is not None:
+            # A tool call is never resumed: it is made again from its start.
+            call_id, name, _ = self.call
+            self.header = {
+                "index": 0,
+                "id": call_id,
+                "type": "function",
+                "function": {"name": name, "arguments": ""},
+            }
+            self.stop: list[str] = []
+            limit = min(req.max_tokens, len(toks))
+            done, text, sent = 0, "", 0
+        else:
+            self.stop = req.stop
+            if toks is None:
+                limit = req.max_tokens
+                done, text = resume_point(self.start, req)
+            else:
+                limit = min(req.max_tokens, len(toks))
+                done, text = _resume(toks.__getitem__, limit, req)
+            sent = max(len(text), len(req.resume_text)) if req.resume_text else 0
+        self.seq = _Seq(self.start, self.ptoks + done, limit, toks)
+        self.seq.emitted = done
+        self.hold = max((len(s) for s in self.stop), default=1) - 1
+        self.text = text
+        self.sent = sent
+        self.produced = 0
+        # Tokens produced and not yet in a delta, the output position of the first of them
+        # and its character offset in the completion.
+        self.pending: list[str] = []
+        self.pos = done
+        self.offset = len(text)
+        self.finished = False
+        if done >= limit:
+            self.seq.done = True
+        else:
+            engine.submit(self.seq)
+
+    def __aiter__(self) -> SimExtraStream:
+        return self
+
+    async def __anext__(self) -> Delta:
+        seq = self.seq
+        while not self.finished:
+            if not seq.buf:
+                if seq.done:
+                    self.finished = True
+                    return self._last()
+                seq.waiter = asyncio.get_running_loop().create_future()
+                try:
+                    await seq.waiter
+                finally:
+                    seq.waiter = None
+                continue
+            if self.header is not None:
+                header, self.header = self.header, None
+                return Delta("", 0, tool_calls=[header])
+            pieces, seq.buf = seq.buf, []
+            self.produced += len(pieces)
+            self.pending += pieces
+            if self.call is not None:
+                return self._delta("", None, "".join(pieces))
+            self.text += "".join(pieces)
+            safe = len(self.text)
+            if self.stop:
+                hit = _find_stop(self.text, self.stop)
+                if hit is not None:
+                    self.finished = True
+                    self.engine.cancel(seq)
+                    out, self.sent = self.text[self.sent : hit], hit
+                    return self._delta(out, "stop")
+                if not seq.done:
+                    safe = max(self.sent, len(self.text) - self.hold)
+            if safe > self.sent:
+                out, self.sent = self.text[self.sent : safe], safe
+                return self._delta(out)
+        raise StopAsyncIteration
+
+    def _last(self) -> Delta:
+        """The final delta once the sequence is done: what was held back, and the finish."""
+        whole = self.toks is not None and self.seq.emitted >= len(self.toks)
+        finish = ("tool_calls" if self.call is not None else "stop") if whole else "length"
+        tail = ""
+        if self.sent < len(self.text):
+            tail, self.sent = self.text[self.sent :], len(self.text)
+        d = self._delta(tail, finish)
+        if self.header is not None:  # ended before its first token (cancelled)
+            d.tool_calls, self.header = [self.header], None
+        return d
+
+    def _delta(self, text: str, finish: str | None = None, fragment: str | None = None) -> Delta:
+        """A delta with ``text`` (or an arguments ``fragment``) and the pending tokens."""
+        pending = self.pending
+        n = len(pending)
+        logprobs = None
+        if self.logprobs is not None and n:
+            if self.logprobs == "chat":
+                logprobs = chat_logprobs(pending, self.start, self.pos, self.top)
+            else:
+                logprobs = completion_logprobs(pending, self.start, self.pos, self.top, self.offset)
+            self.offset += sum(map(len, pending))
+        self.pos += n
+        self.pending = []
+        calls = None if fragment is None else [{"index": 0, "function": {"arguments": fragment}}]
+        if finish is None:
+            return Delta(text, n, tool_calls=calls, logprobs=logprobs)
+        return Delta(
+            text, n, finish, self.ptoks, self.produced, tool_calls=calls, logprobs=logprobs
+        )
+
+    async def aclose(self) -> None:
+        self.finished = True
+        if not self.seq.done:
+            self.engine.cancel(self.seq)
+
+
 class SimBackend:
     """The ``sim`` backend for the worker."""
 
@@ -375,7 +631,39 @@ class SimBackend:
     def stats(self) -> dict[str, Any]:
         return self.engine.stats()
 
-    def generate(self, req: GenerationRequest) -> SimStream:
+    def endpoints(self) -> list[str]:
+        return ["chat", "completions", "embeddings"]
+
+    def generate(self, req: GenerationRequest) -> SimStream | SimExtraStream:
         if req.max_tokens < 1:
             raise E.InvalidRequest("max_tokens must be at least 1", param="max_tokens")
         return self.engine.generate(req)
+
+    async def embed(self, req: GenerationRequest) -> Embeddings:
+        """One :func:`expected_embedding` per input, after the prefill time of all of them."""
+        items = req.input
+        if not items:
+            raise E.InvalidRequest("input must not be empty", param="input")
+        dims = req.extra.get("dimensions")
+        if dims is None:
+            dims = self.engine.cfg.embedding_dim
+        if not isinstance(dims, int) or isinstance(dims, bool) or not 0 < dims <= MAX_EMBEDDING_DIM:
+            raise E.InvalidRequest(
+                f"dimensions must be an integer from 1 to {MAX_EMBEDDING_DIM}", param="dimensions"
+            )
+        tokens = 0
+        for item in items:
+            if isinstance(item, str) and item:
+                tokens += count_tokens(item)
+            elif (
+                isinstance(item, list)
+                and item
+                and all(isinstance(t, int) and not isinstance(t, bool) for t in item)
+            ):
+                tokens += len(item)
+            else:
+                raise E.InvalidRequest(
+                    "each input must be a non-empty string or list of token ids", param="input"
+                )
+        await asyncio.sleep(self.engine.prefill_s(tokens))
+        return Embeddings([expected_embedding(item, dims) for item in items], tokens)

@@ -33,6 +33,11 @@ def _worker_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tp", type=int, help="tensor parallel degree (sim: models the speed-up)")
     g.add_argument("--pool", help="pool tag for tiered routing")
     g.add_argument(
+        "--endpoints",
+        help="request kinds served, comma-separated: chat,completions,embeddings "
+        "(default: what the backend serves; an embedding upstream: --endpoints embeddings)",
+    )
+    g.add_argument(
         "--upstream-url", help="openai backend: upstream base URL, e.g. http://h:8000/v1"
     )
     g.add_argument("--upstream-model", help="openai backend: model name upstream")
@@ -73,6 +78,9 @@ def _worker_overrides(a: argparse.Namespace) -> dict[str, Any]:
         "max_concurrency": a.max_concurrency,
         "tp": a.tp,
         "pool": a.pool,
+        "endpoints": [e.strip() for e in a.endpoints.split(",") if e.strip()]
+        if a.endpoints
+        else None,
         "sim": {
             "prefill_ms": a.sim_prefill_ms,
             "decode_ms": a.sim_decode_ms,

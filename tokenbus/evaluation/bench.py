@@ -92,6 +92,11 @@ def add_parser(sub: Any) -> None:
         help="generated prompts of MEAN[:STD] words (a normal distribution), instead of --prompt",
     )
     b.add_argument("--seed", type=int, default=0, help="for sampled lengths and prompts")
+    b.add_argument(
+        "--extra-body",
+        help="fields added to every request body: a JSON object, or @FILE holding one "
+        '(e.g. 20 tools with "tool_choice": "none" to measure what carrying them costs)',
+    )
     se = b.add_argument_group("Expert Router's methodology: multi-turn sessions")
     se.add_argument(
         "--sessions",
@@ -289,6 +294,7 @@ class RequestMaker:
         if getattr(a, "prompts", None):
             self.items = load_prompts(a.prompts)
         self.i = 0
+        self.extra = extra_body(getattr(a, "extra_body", None))
 
     def _messages(self) -> list[dict[str, Any]]:
         a = self.a
@@ -311,12 +317,24 @@ class RequestMaker:
         if getattr(a, "max_tokens_std", 0):
             max_tokens = max(1, round(self.rng.gauss(a.max_tokens, a.max_tokens_std)))
         return {
+            **self.extra,
             "model": a.model,
             "messages": self._messages(),
             "max_tokens": max_tokens,
             "stream": True,
             "stream_options": {"include_usage": True},
         }
+
+
+def extra_body(value: str | None) -> dict[str, Any]:
+    """``--extra-body``: a JSON object given inline or as ``@FILE``."""
+    if not value:
+        return {}
+    text = Path(value[1:]).read_text() if value.startswith("@") else value
+    obj = json.loads(text)
+    if not isinstance(obj, dict):
+        raise SystemExit("--extra-body must be a JSON object")
+    return obj
 
 
 def load_prompts(path: str) -> list[dict[str, Any]]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
+from bus_schemas.subjects import KIND_EMBEDDINGS
 from engine_worker import backends
 from engine_worker.backends.base import Backend, Delta, GenerationRequest
 from gateway import validation
@@ -29,19 +30,52 @@ class DirectStream:
         self.finish_reason: str | None = None
         self.usage: Usage | None = None
         self.rate_limits: dict[str, str] = {}
+        self._ready: list[Chunk] = []  # chunks to hand out before reading the backend again
+
+    @classmethod
+    def embeddings(cls, backend: Backend, req: GenerationRequest, request_id: str) -> DirectStream:
+        """An embeddings request: one chunk per vector, then the end."""
+
+        async def run() -> AsyncIterator[Delta]:
+            result = await backend.embed(req)
+            stream._ready = [
+                Chunk("", 0, i, embedding={"index": i, "embedding": v})
+                for i, v in enumerate(result.vectors)
+            ]
+            yield Delta("", 0, "stop", result.prompt_tokens, 0)
+
+        stream = cls(run(), request_id)
+        return stream
 
     def __aiter__(self) -> DirectStream:
         return self
 
     async def __anext__(self) -> Chunk:
+        if self._ready:
+            return self._ready.pop(0)
         async for d in self._gen:
+            side = (
+                d.tool_calls is not None
+                or d.logprobs is not None
+                or d.refusal is not None
+                or d.reasoning is not None
+            )
             if d.finish_reason is not None:
                 self.finish_reason = d.finish_reason
+                details = d.usage or {}
                 self.usage = Usage(
-                    d.prompt_tokens, d.completion_tokens, d.prompt_tokens + d.completion_tokens
+                    d.prompt_tokens,
+                    d.completion_tokens,
+                    d.prompt_tokens + d.completion_tokens,
+                    details.get("prompt_tokens_details"),
+                    details.get("completion_tokens_details"),
                 )
-                if not d.text:
+                if not d.text and not side:
+                    if self._ready:
+                        return self._ready.pop(0)
                     break
+            if side:
+                return Chunk(d.text, d.tokens, 0, d.tool_calls, d.logprobs, d.refusal, d.reasoning)
             if d.text:
                 return Chunk(d.text, d.tokens, 0)
         raise StopAsyncIteration
@@ -78,9 +112,17 @@ class DirectSource:
                 f"the model {req.model!r} does not exist (serving {self.model})", param="model"
             )
         env = validation.envelope(
-            kind, req, request_id, default_max_tokens=self.default_max_tokens, deadline_ms=None
+            kind,
+            req,
+            body,
+            request_id,
+            default_max_tokens=self.default_max_tokens,
+            deadline_ms=None,
         )
-        return DirectStream(self.backend.generate(GenerationRequest.from_envelope(env)), request_id)
+        greq = GenerationRequest.from_envelope(env)
+        if kind == KIND_EMBEDDINGS:
+            return DirectStream.embeddings(self.backend, greq, request_id)
+        return DirectStream(self.backend.generate(greq), request_id)
 
     def models(self) -> list[str]:
         return [self.model]

@@ -1,0 +1,536 @@
+"""The OpenAI API that real clients send, end to end on a real bus and real processes:
+tools (whole, streamed, second turn), structured output through the SDK's ``parse``,
+logprobs, content parts, carried fields, embeddings, and a clear 400 for each bad value.
+
+Two models share one stack: ``sim`` workers (exact, deterministic answers) and an
+``openai``-backend worker in front of a fake OpenAI-compatible upstream that records what it
+received, so a test can assert that a field reached the engine unchanged.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import signal
+import struct
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from pydantic import BaseModel
+
+from bus_schemas import errors as E
+from engine_worker.backends.base import GenerationRequest
+from engine_worker.backends.sim import expected_text
+from engine_worker.backends.sim_outputs import expected_embedding, expected_tool_call
+from tests.conftest import (
+    NatsServer,
+    Procs,
+    ProcStack,
+    free_port,
+    new_model,
+    start_stack,
+    start_worker,
+    wait_port,
+    wait_replicas,
+)
+from tokenbus import Client
+
+ROOT = Path(__file__).resolve().parent.parent
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string"},
+                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+                "days": {"type": "integer", "minimum": 1, "maximum": 7},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+ASK = [{"role": "user", "content": "what is the weather in Paris?"}]
+
+
+class Upstream:
+    """The fake OpenAI-compatible upstream, a real process on a free port."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.port = free_port()
+        self._log = open(log_dir / "upstream.log", "wb")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.fakes.upstream", "--port", str(self.port)],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+        )
+        wait_port(self.port, 20)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    async def last_request(self) -> dict[str, Any]:
+        async with httpx.AsyncClient() as c:
+            r = await c.get(f"{self.url}/last_request")
+            r.raise_for_status()
+            body: dict[str, Any] = r.json()
+            return body
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self._log.close()
+
+
+@pytest.fixture(scope="module")
+def upstream(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Upstream]:
+    up = Upstream(tmp_path_factory.mktemp("upstream"))
+    try:
+        yield up
+    finally:
+        up.stop()
+
+
+class Stacks:
+    """The module's stack and the name of the upstream-backed model."""
+
+    def __init__(self, stack: ProcStack, up_model: str, upstream: Upstream) -> None:
+        self.stack = stack
+        self.model = stack.model
+        self.up_model = up_model
+        self.upstream = upstream
+
+
+@pytest.fixture(scope="module")
+async def stacks(
+    nats_server: NatsServer, upstream: Upstream, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[Stacks]:
+    with Procs(nats_server.url, tmp_path_factory.mktemp("api-stack")) as ps:
+        up_model = new_model()
+        start_worker(ps, up_model, "up", "--backend", "openai", "--upstream-url", upstream.url)
+        stack = await start_stack(
+            ps,
+            new_model(),
+            "ingress",
+            "router",
+            workers=1,
+            worker_args=("--sim-prefill-ms", "2", "--sim-decode-ms", "1"),
+        )
+        await wait_replicas(nats_server.url, up_model, 1)
+        yield Stacks(stack, up_model, upstream)
+
+
+@pytest.fixture
+async def oai(stacks: Stacks) -> AsyncIterator[openai.AsyncOpenAI]:
+    async with stacks.stack.openai() as c:
+        yield c
+
+
+def _sim_request(model: str, messages: list[dict[str, Any]], **extra: Any) -> GenerationRequest:
+    """What the sim worker sees for a request (to ask the sim what it will answer)."""
+    max_tokens = extra.pop("max_tokens", 256)
+    return GenerationRequest(
+        request_id="x",
+        kind="chat",
+        model=model,
+        max_tokens=max_tokens,
+        messages=messages,
+        extra=extra,
+    )
+
+
+# -- tools ----------------------------------------------------------------------------------
+async def test_tool_call_whole_with_the_sdk(stacks: Stacks, oai: openai.AsyncOpenAI) -> None:
+    out = await oai.chat.completions.create(model=stacks.model, messages=ASK, tools=[WEATHER])
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content is None
+    calls = choice.message.tool_calls
+    assert calls is not None and len(calls) == 1
+    want = expected_tool_call(_sim_request(stacks.model, ASK, tools=[WEATHER]))
+    assert want is not None
+    assert (calls[0].id, calls[0].function.name, calls[0].function.arguments) == want
+    args = json.loads(calls[0].function.arguments)
+    assert args["unit"] in ("celsius", "fahrenheit") and isinstance(args["city"], str)
+    assert out.usage is not None and out.usage.completion_tokens > 0
+
+
+async def test_tool_call_streamed_reassembles_to_the_engines(
+    stacks: Stacks, oai: openai.AsyncOpenAI
+) -> None:
+    stream = await oai.chat.completions.create(
+        model=stacks.model, messages=ASK, tools=[WEATHER], tool_choice="required", stream=True
+    )
+    ids, names, args, finish, fragments = set(), set(), "", None, 0
+    async for chunk in stream:
+        for ch in chunk.choices:
+            finish = ch.finish_reason or finish
+            for d in ch.delta.tool_calls or ():
+                assert d.index == 0
+                if d.id:
+                    ids.add(d.id)
+                if d.function and d.function.name:
+                    names.add(d.function.name)
+                if d.function and d.function.arguments:
+                    args += d.function.arguments
+                    fragments += 1
+    want = expected_tool_call(
+        _sim_request(stacks.model, ASK, tools=[WEATHER], tool_choice="required")
+    )
+    assert want is not None
+    assert (ids, names, args) == ({want[0]}, {want[1]}, want[2])
+    assert fragments > 1  # streamed in pieces, not whole
+    assert finish == "tool_calls"
+
+
+async def test_second_turn_with_the_tool_result_gets_text(
+    stacks: Stacks, oai: openai.AsyncOpenAI
+) -> None:
+    first = await oai.chat.completions.create(model=stacks.model, messages=ASK, tools=[WEATHER])
+    call = first.choices[0].message.tool_calls[0]  # type: ignore[index]
+    history: list[dict[str, Any]] = [
+        *ASK,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {"name": call.function.name, "arguments": call.function.arguments},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": call.id, "content": '{"temp_c": 21}'},
+    ]
+    out = await oai.chat.completions.create(
+        model=stacks.model,
+        messages=history,  # type: ignore[arg-type]
+        tools=[WEATHER],
+        max_tokens=6,
+    )
+    assert out.choices[0].finish_reason == "length"
+    assert out.choices[0].message.tool_calls is None
+    # The sim's text is a function of the prompt it saw: the tool call and result included.
+    prompt = _sim_request(stacks.model, history).prompt_text()
+    assert call.function.arguments in prompt and '{"temp_c": 21}' in prompt
+    assert out.choices[0].message.content == expected_text(prompt, 6)[0]
+
+
+async def test_tool_call_over_nats(stacks: Stacks, nats_server: NatsServer) -> None:
+    async with await Client.connect(nats_server.url) as tb:
+        whole = await tb.chat_completion(stacks.model, ASK, tools=[WEATHER])
+        chunks = [c async for c in tb.chat(stacks.model, ASK, tools=[WEATHER])]
+    want = expected_tool_call(_sim_request(stacks.model, ASK, tools=[WEATHER]))
+    assert want is not None
+    assert whole.finish_reason == "tool_calls"
+    assert whole.tool_calls == [
+        {"id": want[0], "type": "function", "function": {"name": want[1], "arguments": want[2]}}
+    ]
+    streamed = "".join(
+        d["function"].get("arguments") or "" for c in chunks for d in c.tool_calls or ()
+    )
+    assert streamed == want[2]
+
+
+# -- structured output and logprobs ---------------------------------------------------------
+class City(BaseModel):
+    name: str
+    population: int
+
+
+class Trip(BaseModel):
+    destination: City
+    days: int
+    tags: list[str]
+    budget_eur: float | None
+
+
+async def test_parse_with_a_pydantic_model(stacks: Stacks, oai: openai.AsyncOpenAI) -> None:
+    out = await oai.beta.chat.completions.parse(
+        model=stacks.model,
+        messages=[{"role": "user", "content": "plan a trip"}],
+        response_format=Trip,
+    )
+    parsed = out.choices[0].message.parsed
+    assert isinstance(parsed, Trip) and isinstance(parsed.destination, City)
+    assert out.choices[0].finish_reason == "stop"
+
+
+async def test_logprobs_streamed_and_whole(stacks: Stacks, oai: openai.AsyncOpenAI) -> None:
+    whole = await oai.chat.completions.create(
+        model=stacks.model, messages=ASK, max_tokens=5, logprobs=True, top_logprobs=2
+    )
+    lp = whole.choices[0].logprobs
+    assert lp is not None and lp.content is not None and len(lp.content) == 5
+    assert "".join(t.token for t in lp.content) == whole.choices[0].message.content
+    assert all(t.logprob <= 0 and len(t.top_logprobs) == 2 for t in lp.content)
+    stream = await oai.chat.completions.create(
+        model=stacks.model, messages=ASK, max_tokens=5, logprobs=True, top_logprobs=2, stream=True
+    )
+    tokens = []
+    async for chunk in stream:
+        for ch in chunk.choices:
+            if ch.logprobs and ch.logprobs.content:
+                tokens += [t.token for t in ch.logprobs.content]
+    assert tokens == [t.token for t in lp.content]
+
+
+async def test_text_completion_logprobs(stacks: Stacks) -> None:
+    async with stacks.stack.http("/v1") as c:
+        r = await c.post(
+            "/completions",
+            json={"model": stacks.model, "prompt": "once", "max_tokens": 4, "logprobs": 2},
+        )
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    lp = choice["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 4
+    assert "".join(lp["tokens"]) == choice["text"]
+
+
+# -- content parts and carried fields -------------------------------------------------------
+IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
+
+
+async def test_image_part_is_served_and_reaches_the_engine(
+    stacks: Stacks, oai: openai.AsyncOpenAI
+) -> None:
+    messages = [{"role": "user", "content": [{"type": "text", "text": "what is this?"}, IMAGE]}]
+    out = await oai.chat.completions.create(
+        model=stacks.model,
+        messages=messages,  # type: ignore[arg-type]
+        max_tokens=4,
+    )
+    assert out.choices[0].message.content == expected_text("<|user|>what is this?\n", 4)[0]
+    await oai.chat.completions.create(
+        model=stacks.up_model,
+        messages=messages,  # type: ignore[arg-type]
+        max_tokens=4,
+    )
+    got = await stacks.upstream.last_request()
+    assert got["messages"] == messages
+
+
+async def test_every_field_reaches_the_upstream_unchanged(
+    stacks: Stacks, oai: openai.AsyncOpenAI
+) -> None:
+    history = [
+        *ASK,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city":"Oslo"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "cold"},
+        {"role": "developer", "content": "be brief"},
+    ]
+    carried = {
+        "tools": [WEATHER],
+        "tool_choice": "auto",
+        "parallel_tool_calls": False,
+        "response_format": {"type": "json_object"},
+        "presence_penalty": 0.5,
+        "frequency_penalty": -0.25,
+        "logit_bias": {"1234": -100},
+        "user": "u-7",
+        "reasoning_effort": "low",
+        "logprobs": True,
+        "top_logprobs": 3,
+    }
+    vendor = {
+        "chat_template_kwargs": {"enable_thinking": False},
+        "min_tokens": 2,
+        "repetition_penalty": 1.1,
+        "guided_json": {"type": "object"},
+    }
+    await oai.chat.completions.create(
+        model=stacks.up_model,
+        messages=history,  # type: ignore[arg-type]
+        max_completion_tokens=7,
+        seed=3,
+        stop=["\n\n"],
+        extra_body=vendor,
+        **carried,  # type: ignore[arg-type]
+    )
+    got = await stacks.upstream.last_request()
+    assert got["messages"] == history
+    for k, v in {**carried, **vendor}.items():
+        assert got[k] == v, k
+    assert got["max_tokens"] == 7 and got["seed"] == 3 and got["stop"] == ["\n\n"]
+    # Not set by the client: the upstream's (the model's) defaults apply.
+    assert "temperature" not in got and "top_p" not in got
+
+
+async def test_upstream_tool_calls_reasoning_and_usage_details_come_back(
+    stacks: Stacks, oai: openai.AsyncOpenAI
+) -> None:
+    out = await oai.chat.completions.create(model=stacks.up_model, messages=ASK, tools=[WEATHER])
+    call = out.choices[0].message.tool_calls[0]  # type: ignore[index]
+    assert (call.id, call.function.name) == ("call_up_1", "get_weather")
+    assert json.loads(call.function.arguments) == {"city": "Paris", "unit": "celsius"}
+    assert out.choices[0].finish_reason == "tool_calls"
+    stream = await oai.chat.completions.create(
+        model=stacks.up_model,
+        messages=ASK,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"chat_template_kwargs": {"enable_thinking": True}},
+    )
+    reasoning, text, usage = "", "", None
+    async for chunk in stream:
+        usage = chunk.usage or usage
+        for ch in chunk.choices:
+            reasoning += getattr(ch.delta, "reasoning_content", None) or ""
+            text += ch.delta.content or ""
+    assert reasoning == "thinking" and text == "hello from upstream"
+    assert usage is not None and usage.prompt_tokens_details is not None
+    assert usage.prompt_tokens_details.cached_tokens == 3
+
+
+async def test_upstream_refusal_of_a_carried_field_is_a_clear_400(
+    stacks: Stacks, oai: openai.AsyncOpenAI
+) -> None:
+    with pytest.raises(openai.BadRequestError) as ei:
+        await oai.chat.completions.create(
+            model=stacks.up_model, messages=ASK, extra_body={"fail_status": 400}
+        )
+    assert "fake upstream failure 400" in str(ei.value)
+
+
+# -- embeddings -----------------------------------------------------------------------------
+async def test_embeddings_with_the_sdk(stacks: Stacks, oai: openai.AsyncOpenAI) -> None:
+    # The SDK asks for base64 and decodes it; the bridge encodes little-endian float32.
+    out = await oai.embeddings.create(model=stacks.model, input=["alpha", "beta"])
+    assert [d.index for d in out.data] == [0, 1]
+    for d, text in zip(out.data, ["alpha", "beta"], strict=True):
+        want = expected_embedding(text, 64)
+        assert d.embedding == pytest.approx(want, abs=1e-6)
+    assert out.usage.prompt_tokens > 0
+    small = await oai.embeddings.create(
+        model=stacks.model, input="alpha", dimensions=8, encoding_format="float"
+    )
+    assert small.data[0].embedding == pytest.approx(expected_embedding("alpha", 8))
+
+
+async def test_embeddings_base64_over_http_and_over_nats(
+    stacks: Stacks, nats_server: NatsServer
+) -> None:
+    async with stacks.stack.http("/v1") as c:
+        r = await c.post(
+            "/embeddings",
+            json={"model": stacks.model, "input": "gamma", "encoding_format": "base64"},
+        )
+    assert r.status_code == 200, r.text
+    raw = base64.b64decode(r.json()["data"][0]["embedding"])
+    vec = list(struct.unpack(f"<{len(raw) // 4}f", raw))
+    assert vec == pytest.approx(expected_embedding("gamma", 64), abs=1e-6)
+    async with await Client.connect(nats_server.url) as tb:
+        res = await tb.embeddings(stacks.model, ["gamma", "delta"], dimensions=16)
+    assert len(res.embeddings) == 2
+    assert res.embeddings[1] == pytest.approx(expected_embedding("delta", 16))
+
+
+async def test_embeddings_go_only_to_replicas_that_serve_them(
+    stacks: Stacks, oai: openai.AsyncOpenAI
+) -> None:
+    # The upstream-backed worker serves chat and completions (its default).
+    with pytest.raises(openai.BadRequestError) as ei:
+        await oai.embeddings.create(model=stacks.up_model, input="x")
+    assert "does not serve embeddings" in str(ei.value)
+    async with stacks.stack.http("/v1") as c:
+        models = (await c.get("/models")).json()["data"]
+    assert {stacks.model, stacks.up_model} <= {m["id"] for m in models}
+
+
+# -- bad values -----------------------------------------------------------------------------
+BAD_CHAT: list[tuple[str, dict[str, Any]]] = [
+    ("tools", {"tools": {"type": "function"}}),
+    ("tools", {"tools": [{"type": "function"}]}),
+    ("tools", {"tools": [{"type": "function", "function": {"name": "bad name!"}}]}),
+    ("tool_choice", {"tools": [WEATHER], "tool_choice": "sometimes"}),
+    ("tool_choice", {"tools": [WEATHER], "tool_choice": {"function": {"name": "other"}}}),
+    ("tool_choice", {"tool_choice": "required"}),
+    ("response_format", {"response_format": {"type": "yaml"}}),
+    ("response_format", {"response_format": {"type": "json_schema"}}),
+    ("top_logprobs", {"logprobs": True, "top_logprobs": 21}),
+    ("top_logprobs", {"top_logprobs": 2}),
+    ("logprobs", {"logprobs": "many"}),
+    ("presence_penalty", {"presence_penalty": 2.5}),
+    ("frequency_penalty", {"frequency_penalty": -3}),
+    ("logit_bias", {"logit_bias": {"the": 5}}),
+    ("logit_bias", {"logit_bias": {"12": 101}}),
+    ("n", {"n": 2}),
+    ("parallel_tool_calls", {"parallel_tool_calls": "yes please"}),
+    ("messages", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}),
+    ("messages", {"messages": [{"role": "user", "content": [{"type": "text"}]}]}),
+    ("messages", {"messages": [{"role": "robot", "content": "hi"}]}),
+    (
+        "messages",
+        {"messages": [{"role": "assistant", "tool_calls": [{"id": "c", "function": {}}]}]},
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("param", "extra"), BAD_CHAT, ids=[f"{p}-{i}" for i, (p, _) in enumerate(BAD_CHAT)]
+)
+async def test_bad_values_get_a_clear_400(
+    stacks: Stacks, param: str, extra: dict[str, Any]
+) -> None:
+    body = {"model": stacks.model, "messages": ASK, **extra}
+    async with stacks.stack.http("/v1") as c:
+        r = await c.post("/chat/completions", json=body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error"
+    assert str(err["param"]).startswith(param), err
+
+
+BAD_EMBEDDINGS: list[dict[str, Any]] = [
+    {"input": ""},
+    {"input": []},
+    {"input": ["a", ""]},
+    {"input": "a", "encoding_format": "hex"},
+    {"input": "a", "dimensions": 0},
+    {"input": [{"text": "a"}]},
+]
+
+
+@pytest.mark.parametrize("extra", BAD_EMBEDDINGS)
+async def test_bad_embedding_requests_get_a_clear_400(
+    stacks: Stacks, extra: dict[str, Any]
+) -> None:
+    async with stacks.stack.http("/v1") as c:
+        r = await c.post("/embeddings", json={"model": stacks.model, **extra})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["type"] == "invalid_request_error"
+
+
+async def test_bad_values_over_nats_are_invalid_request(
+    stacks: Stacks, nats_server: NatsServer
+) -> None:
+    async with await Client.connect(nats_server.url) as tb:
+        with pytest.raises(E.InvalidRequest) as ei:
+            await tb.chat_completion(stacks.model, ASK, tool_choice="required")
+    assert ei.value.status == 400
