@@ -198,3 +198,20 @@ async def test_output_filter_covers_tool_call_arguments(
         fine = await client.chat_completion(model, ask, tools=[_tool_with("rome")])
         assert fine.tool_calls is not None
         assert json.loads(fine.tool_calls[0]["function"]["arguments"]) == {"city": "rome"}
+
+
+async def test_logprobs_are_withheld_when_the_filter_changed_the_text(
+    nats_server: NatsServer, model: str, client: Client
+) -> None:
+    prompt = "<|user|>tell me\n"
+    word, policy = _blocklisted_word(prompt, 20, "redact")
+    ask = [{"role": "user", "content": "tell me"}]
+    async with stack(nats_server.url, model, workers=1, filters=1, **_filter("t", t=policy)):
+        changed = await client.chat_completion(model, ask, max_tokens=20, logprobs=True)
+        assert word not in changed.text.split(" ")
+        # Their tokens would show the redacted word: none are sent.
+        assert changed.logprobs is None
+        clean = await client.chat_completion(model, ask, max_tokens=5, logprobs=True)
+        assert clean.text == expected_text(prompt, 5)[0]
+        assert clean.logprobs is not None
+        assert "".join(t["token"] for t in clean.logprobs["content"]) == clean.text

@@ -534,3 +534,25 @@ async def test_bad_values_over_nats_are_invalid_request(
         with pytest.raises(E.InvalidRequest) as ei:
             await tb.chat_completion(stacks.model, ASK, tool_choice="required")
     assert ei.value.status == 400
+
+
+async def test_carried_fields_reach_the_upstream_over_nats(
+    stacks: Stacks, nats_server: NatsServer
+) -> None:
+    messages = [{"role": "user", "content": [{"type": "text", "text": "look"}, IMAGE]}]
+    async with await Client.connect(nats_server.url) as tb:
+        out = await tb.chat_completion(
+            stacks.up_model,
+            messages,
+            presence_penalty=1.0,
+            logit_bias={"7": 3},
+            min_tokens=1,
+            chat_template_kwargs={"enable_thinking": True},
+            logprobs=True,
+        )
+    got = await stacks.upstream.last_request()
+    assert got["messages"] == messages
+    assert (got["presence_penalty"], got["logit_bias"], got["min_tokens"]) == (1.0, {"7": 3}, 1)
+    assert out.text == "hello from upstream" and out.reasoning == "thinking"
+    assert out.logprobs is not None
+    assert "".join(t["token"] for t in out.logprobs["content"]) == out.text
