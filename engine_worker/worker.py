@@ -211,6 +211,8 @@ class Worker(Service):
     async def setup(self) -> None:
         self.outbox = Outbox(self.nc)
         await self.backend.start()
+        if not self.cfg.endpoints:  # the engine may know better once loaded (vllm: the runner)
+            self.endpoints = list(self.backend.endpoints())
         await self.add_endpoint(
             "generate", subjects.engine_generate(self.model, self.replica), self.handle
         )
@@ -234,7 +236,8 @@ class Worker(Service):
             "waiting": int(st.get("waiting", 0)),
             "kv_usage": float(st.get("kv_usage", 0.0)),
             "max_concurrency": self.cfg.max_concurrency,
-            "tp": self.cfg.tp,
+            # The backend's effective degree when it knows it (vllm: its engine options).
+            "tp": int(getattr(self.backend, "tp", self.cfg.tp)),
             "pool": self.cfg.pool,
             "draining": self.draining,
             "endpoints": self.endpoints,

@@ -214,7 +214,9 @@ class VLLMSettings(BaseModel):
     gpus: str = Field(default="", description="CUDA_VISIBLE_DEVICES for this worker, e.g. 0,1.")
     engine_args: dict[str, Any] = Field(
         default_factory=dict,
-        description="Passed to AsyncEngineArgs (model, tensor_parallel_size...).",
+        description="Any `vllm serve` option by name: engine args (tensor_parallel_size, "
+        "max_model_len...) and front-end options (tool_call_parser, "
+        "enable_auto_tool_choice, reasoning_parser, lora_modules...); see docs/vllm.md.",
     )
 
 

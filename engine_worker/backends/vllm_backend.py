@@ -1,21 +1,20 @@
-"""The ``vllm`` backend: vLLM's v1 ``AsyncLLM`` running in this process.
+"""The ``vllm`` backend: vLLM's own ``vllm serve`` front end and engine in this process.
 
-vLLM and torch are imported only in :meth:`VLLMBackend.start`, after :func:`pin_gpus` has set
-``CUDA_VISIBLE_DEVICES``, so importing this module (or running the other backends) never needs
-them. The vLLM interface used here:
+The worker builds what ``vllm serve`` builds, minus HTTP: vLLM's serve parser reads the
+options (``worker.vllm.engine_args``: engine and front-end options alike), ``AsyncLLM`` is
+created with the API server's usage context, and vLLM's ``init_app_state`` sets up its
+OpenAI serving classes over it (chat with the configured tool and reasoning parsers,
+completions, embeddings for pooling models, LoRA modules). Each request is turned into vLLM's
+own protocol request model (the client's messages and fields as sent, plus the fields
+tokenbus owns) and handed to ``create_chat_completion`` / ``create_completion`` / the
+embedding handler; the streamed chunks come back as :class:`Delta` objects. Chat templates,
+multimodal inputs, tool calls, structured output, logprobs, penalties, the model's
+generation-config defaults and request validation are therefore exactly ``vllm serve``'s.
+docs/vllm.md says why, and what it costs per request.
 
-* ``vllm.engine.arg_utils.AsyncEngineArgs(**engine_args)`` and
-  ``vllm.v1.engine.async_llm.AsyncLLM.from_engine_args(args, stat_loggers=...)``;
-* ``AsyncLLM.generate(prompt, sampling_params, request_id)``: an async generator of
-  ``RequestOutput`` (``.finished``, ``.prompt_token_ids``, ``.outputs[0]`` a
-  ``CompletionOutput`` with ``.text``, ``.token_ids``, ``.finish_reason``);
-* ``await AsyncLLM.abort(request_id)``, ``AsyncLLM.shutdown()``, ``AsyncLLM.get_tokenizer()``
-  (a coroutine in older releases, so its result is awaited when it is one);
-* ``vllm.sampling_params.SamplingParams`` with ``output_kind=RequestOutputKind.DELTA`` so each
-  output carries only the new text and token ids;
-* a custom stat logger (``vllm.v1.metrics.loggers.StatLoggerBase``) that receives
-  ``SchedulerStats`` (``num_running_reqs``, ``num_waiting_reqs``, ``kv_cache_usage``, called
-  ``gpu_cache_usage`` in older releases) for heartbeats.
+vLLM is imported only in :meth:`VLLMBackend.start`, after :func:`pin_gpus` has set
+``CUDA_VISIBLE_DEVICES``, so importing this module never needs vLLM or torch. The names used
+are listed in :data:`vllm_serving.VLLM_NAMES`; tests pass a fake with the same names.
 """
 
 from __future__ import annotations
@@ -23,24 +22,26 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import json
 import os
 import sys
-from collections.abc import AsyncGenerator, Callable
+import threading
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
 from bus_schemas import errors as E
-from engine_worker.backends.base import Delta, GenerationRequest
+from engine_worker.backends import vllm_serving as vs
+from engine_worker.backends.base import Delta, Embeddings, GenerationRequest
 from services.config import WorkerSettings
 
-# vLLM's finish reasons (vllm/v1/engine/__init__.py FINISH_REASON_STRINGS) mapped onto ours.
-# "error" (a request-level engine failure) and "abort" (the engine dropped a request we did
-# not cancel) are not normal endings: they raise EngineError instead, so the caller sees a
-# retryable failure rather than a silently truncated answer.
-_FINISH = {"stop": "stop", "length": "length", "repetition": "stop"}
-_FAILED_FINISH = {
-    "error": "the vLLM engine failed the request",
-    "abort": "the vLLM engine aborted the request",
-}
+# vLLM forks its engine-core process by default; a fork would inherit this worker's NATS
+# socket (and any threads' locks). Spawn starts it clean. Set unless the operator chose.
+MULTIPROC_ENV = "VLLM_WORKER_MULTIPROC_METHOD"
+
+# Supported tasks (vLLM's ``get_supported_tasks``) -> the endpoints they serve.
+_GENERATE_ENDPOINTS = ["chat", "completions"]
+_POOLING_RUNNERS = ("pooling",)
+_EMBED_CONVERTS = ("embed",)
 
 
 def pin_gpus(gpus: str) -> None:
@@ -70,163 +71,220 @@ async def _maybe_await(value: Any) -> Any:
     return await value if inspect.isawaitable(value) else value
 
 
-def _message_text(content: Any) -> str:
-    """Flatten OpenAI-style content (a string or a list of parts) to text for the template."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        texts: list[str] = []
-        for part in content:
-            if isinstance(part, dict) and part.get("type") == "text":
-                texts.append(str(part.get("text") or ""))
-            else:
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise E.InvalidRequest(
-                    f"the vllm backend accepts only text content, got {kind!r}", param="messages"
-                )
-        return "".join(texts)
-    return str(content)
+def _in_thread(fn: Callable[[], Any], on_orphan: Callable[[Any], None]) -> asyncio.Future[Any]:
+    """Run ``fn`` in a daemon thread; its result or exception completes the future.
 
+    A daemon thread, not the loop's executor, so a SIGTERM during minutes of weight loading
+    does not keep the process waiting for it at exit. If the future was cancelled (the
+    caller gave up) by the time ``fn`` returns, ``on_orphan(result)`` disposes of it.
+    """
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[Any] = loop.create_future()
 
-def _map_error(exc: BaseException, produced: bool) -> E.TokenbusError:
-    """A typed error for an exception raised by the engine."""
-    if isinstance(exc, E.TokenbusError):
-        return exc
-    name = type(exc).__name__
-    # vLLM validates a request when it is added (prompt longer than max_model_len, bad
-    # sampling values...) and raises ValueError (VLLMValidationError in newer releases);
-    # that is the caller's fault and retrying elsewhere would not help.
-    if not produced and isinstance(exc, ValueError):
-        return E.InvalidRequest(f"vLLM rejected the request: {exc}"[:500])
-    if name == "EngineDeadError":
-        return E.EngineError("the vLLM engine process died; the replica must be restarted")
-    # EngineGenerateError is raised "from" the real cause and has no message of its own.
-    cause = exc.__cause__
-    detail = f"{name}: {exc}" if str(exc) else name
-    if cause is not None:
-        detail += f" (caused by {type(cause).__name__}: {cause})"
-    return E.EngineError(f"vLLM generation failed: {detail}"[:500])
+    def settle(ok: bool, value: Any) -> None:
+        if fut.cancelled():
+            if ok:
+                on_orphan(value)
+        elif ok:
+            fut.set_result(value)
+        else:
+            fut.set_exception(value)
+
+    def target() -> None:
+        try:
+            ok, value = True, fn()
+        except BaseException as exc:
+            ok, value = False, exc
+        try:
+            loop.call_soon_threadsafe(settle, ok, value)
+        except RuntimeError:  # the loop is closed: nobody is waiting
+            if ok:
+                on_orphan(value)
+
+    threading.Thread(target=target, name="vllm-engine-build", daemon=True).start()
+    return fut
 
 
 class VLLMBackend:
-    """vLLM ``AsyncLLM`` in-process; one instance is one replica on the GPUs in ``cfg.vllm.gpus``.
+    """vLLM's OpenAI front end and ``AsyncLLM`` in-process: one instance is one replica on the
+    GPUs in ``cfg.vllm.gpus``.
 
-    ``engine_factory(engine_args) -> engine`` replaces ``AsyncLLM.from_engine_args`` (tests
-    pass a fake with the same interface); ``sampling_params_cls`` and ``request_output_kind``
-    replace vLLM's ``SamplingParams`` and ``RequestOutputKind`` when vLLM is not installed.
+    ``vllm`` replaces :func:`vllm_serving.load_vllm` (the names in ``VLLM_NAMES``; tests pass
+    a fake). After :meth:`start`: ``tp`` is the effective tensor-parallel size (from
+    ``--tp`` or the ``tensor_parallel_size`` option), ``served_models`` the model names this
+    replica answers to (served names, then LoRA adapter names), ``args`` the parsed
+    ``vllm serve`` namespace, ``state`` vLLM's app state with its serving objects.
     """
 
     name = "vllm"
 
-    def __init__(
-        self,
-        cfg: WorkerSettings,
-        *,
-        engine_factory: Callable[[dict[str, Any]], Any] | None = None,
-        sampling_params_cls: Callable[..., Any] | None = None,
-        request_output_kind: Any = None,
-    ) -> None:
+    def __init__(self, cfg: WorkerSettings, *, vllm: Any = None) -> None:
         self.cfg = cfg
-        self._engine_factory = engine_factory
-        self._sp_cls = sampling_params_cls
-        self._kind = request_output_kind
+        self._vllm = vllm
         self.engine: Any = None
-        self.tokenizer: Any = None
+        self.state: Any = None
+        self.args: Any = None
+        self.supported_tasks: tuple[str, ...] | None = None
+        self.served_models: list[str] = []
+        opts = self.options()
+        self.tp = int(opts.get("tensor_parallel_size", opts.get("tp", 1)) or 1)
+        self._embedding_adapter: Any = None
         # Our requests still in the engine: key -> True once the engine produced output.
         self._inflight: dict[object, bool] = {}
         # Latest scheduler snapshot per engine core: (running, waiting, kv_usage).
         self._sched: dict[int, tuple[int, int, float]] = {}
 
-    # -- lifecycle --------------------------------------------------------------------------
-    def engine_args(self) -> dict[str, Any]:
-        """The keyword arguments for ``AsyncEngineArgs``: ``cfg.vllm.engine_args`` with
-        ``model`` defaulting to ``cfg.model`` and ``tensor_parallel_size`` to ``cfg.tp``."""
-        args = dict(self.cfg.vllm.engine_args)
-        args.setdefault("model", self.cfg.model)
-        if self.cfg.tp > 1:
-            args.setdefault("tensor_parallel_size", self.cfg.tp)
-        return args
+    # -- configuration ----------------------------------------------------------------------
+    def options(self) -> dict[str, Any]:
+        """The ``vllm serve`` options: ``cfg.vllm.engine_args`` with ``model`` defaulting to
+        ``cfg.model`` and ``tensor_parallel_size`` to ``cfg.tp``. Engine arguments and
+        front-end options (``tool_call_parser``, ``enable_auto_tool_choice``,
+        ``reasoning_parser``, ``chat_template``, ``lora_modules``...) go in the same mapping,
+        by the names ``vllm serve --help`` shows (``-`` or ``_``)."""
+        opts = {str(k).replace("-", "_"): v for k, v in self.cfg.vllm.engine_args.items()}
+        opts.setdefault("model", self.cfg.model)
+        if self.cfg.tp > 1 and "tensor_parallel_size" not in opts and "tp" not in opts:
+            opts["tensor_parallel_size"] = self.cfg.tp
+        return opts
 
+    def endpoints(self) -> list[str]:
+        """chat and completions for a generative model, embeddings for an embedding model
+        (vLLM's supported tasks once started; before, a guess from ``runner``/``convert``)."""
+        tasks = self.supported_tasks
+        if tasks is None:
+            opts = self.options()
+            if opts.get("runner") in _POOLING_RUNNERS or opts.get("convert") in _EMBED_CONVERTS:
+                return ["embeddings"]
+            return list(_GENERATE_ENDPOINTS)
+        out: list[str] = []
+        if "generate" in tasks:
+            out += _GENERATE_ENDPOINTS
+        if "embed" in tasks:
+            out.append("embeddings")
+        return out
+
+    # -- lifecycle --------------------------------------------------------------------------
     async def start(self) -> None:
-        """Pin the GPUs, then build the engine and fetch its tokenizer (for chat templates)."""
+        """Build vLLM as ``vllm serve`` does, without blocking the event loop.
+
+        Parsing, engine construction (weight loading and CUDA graph capture happen in the
+        engine-core process; this one waits for it) run in a thread, so the worker keeps
+        answering NATS pings and signals meanwhile. The serving objects are then set up on
+        the loop with vLLM's ``init_app_state``.
+        """
         if self.engine is not None:
             return
+        pin_gpus(self.cfg.vllm.gpus)
+        os.environ.setdefault(MULTIPROC_ENV, "spawn")
+        args, engine = await _in_thread(self._build, self._shutdown_orphan)
+        try:
+            vllm = self._vllm
+            await _maybe_await(engine.reset_mm_cache())  # as vllm serve does after building
+            tasks = tuple(await _maybe_await(engine.get_supported_tasks()))
+            state = vllm.State()
+            await vllm.init_app_state(engine, state, args, tasks)
+            if getattr(state, "serving_embedding", None) is not None:
+                from pydantic import TypeAdapter
+
+                self._embedding_adapter = TypeAdapter(vllm.EmbeddingRequest)
+        except BaseException:
+            self._shutdown_orphan((args, engine))
+            raise
+        self.engine, self.state, self.args, self.supported_tasks = engine, state, args, tasks
+        models = getattr(state, "openai_serving_models", None)
+        names = [p.name for p in getattr(models, "base_model_paths", ())]
+        names += [n for n in getattr(models, "lora_requests", {}) if n not in names]
+        self.served_models = names
+
+    def _build(self) -> tuple[Any, Any]:
+        """Parse the options with vLLM's serve parser and create the engine (in a thread)."""
+        if self._vllm is None:
+            self._vllm = vs.load_vllm()
+        vllm = self._vllm
+        args = self.parse_args()
+        vllm.validate_parsed_serve_args(args)
+        vllm.init_parser_plugin(args)
+        vllm.validate_api_server_args(args)
+        self.tp = int(getattr(args, "tensor_parallel_size", 1) or 1)
         gpus = self.cfg.vllm.gpus
-        pin_gpus(gpus)
-        args = self.engine_args()
         n_gpus = len([g for g in gpus.split(",") if g.strip()])
-        world = int(args.get("tensor_parallel_size", 1)) * int(
-            args.get("pipeline_parallel_size", 1)
-        )
+        world = self.tp * int(getattr(args, "pipeline_parallel_size", 1) or 1)
         if n_gpus and world > n_gpus:
             raise RuntimeError(
                 f"the vllm worker needs {world} GPUs (tensor x pipeline parallel) but "
                 f"worker.vllm.gpus={gpus!r} names only {n_gpus}"
             )
-        self._load_types()
-        if self._engine_factory is not None:
-            engine = await _maybe_await(self._engine_factory(args))
-        else:
-            engine = self._build_vllm_engine(args)
-        self.engine = engine
-        try:
-            self.tokenizer = await _maybe_await(engine.get_tokenizer())
-        except Exception:
-            # skip_tokenizer_init=True engines have none; chat then uses the plain rendering.
-            self.tokenizer = None
-
-    def _load_types(self) -> None:
-        if self._sp_cls is not None:
-            return
-        try:
-            from vllm.sampling_params import RequestOutputKind, SamplingParams
-        except ImportError as exc:
-            raise RuntimeError("the vllm backend needs vLLM: pip install 'tokenbus[vllm]'") from exc
-        self._sp_cls = SamplingParams
-        self._kind = RequestOutputKind
-
-    def _build_vllm_engine(self, args: dict[str, Any]) -> Any:
-        from vllm.engine.arg_utils import AsyncEngineArgs
-        from vllm.v1.engine.async_llm import AsyncLLM
-
-        engine_args = AsyncEngineArgs(**args)
+        engine_args = vllm.AsyncEngineArgs.from_cli_args(args)
+        usage = vllm.UsageContext.OPENAI_API_SERVER
+        vllm_config = engine_args.create_engine_config(usage_context=usage)
         kwargs: dict[str, Any] = {}
         factory = self._stat_logger_factory()
-        if (
-            factory is not None
-            and "stat_loggers" in inspect.signature(AsyncLLM.from_engine_args).parameters
-        ):
+        if factory is not None:
             kwargs["stat_loggers"] = [factory]
-        # Built on the event loop, as vLLM's own API server does: AsyncLLM starts its output
-        # handler eagerly when a loop is running, so early engine failures are not missed.
-        return AsyncLLM.from_engine_args(engine_args, **kwargs)
+        engine = vllm.AsyncLLM.from_vllm_config(
+            vllm_config=vllm_config,
+            usage_context=usage,
+            enable_log_requests=engine_args.enable_log_requests,
+            aggregate_engine_logging=engine_args.aggregate_engine_logging,
+            disable_log_stats=engine_args.disable_log_stats,
+            **kwargs,
+        )
+        return args, engine
+
+    def parse_args(self) -> Any:
+        """The options parsed by ``vllm serve``'s own argument parser (a Namespace).
+
+        The served model name defaults to ``cfg.model`` (the name the router routes by),
+        unless that is the name of one of the LoRA modules.
+        """
+        vllm = self._vllm
+        parser = vllm.make_arg_parser(vllm.FlexibleArgumentParser(prog="vllm serve"))
+
+        def refuse(message: str) -> Any:
+            raise ValueError(f"invalid vllm option: {message}")
+
+        parser.error = refuse  # argparse would print usage and exit the worker
+        argv = vs.serve_argv(self.options(), parser)
+        args = parser.parse_args(argv)
+        if getattr(args, "model_tag", None):
+            args.model = args.model_tag
+        loras = {getattr(m, "name", None) for m in getattr(args, "lora_modules", None) or ()}
+        if getattr(args, "served_model_name", None) is None and self.cfg.model not in loras:
+            args.served_model_name = [self.cfg.model]
+        return args
+
+    @staticmethod
+    def _shutdown_orphan(built: Any) -> None:
+        """Shut down an engine nobody will use (start failed or was cancelled)."""
+        with contextlib.suppress(Exception):
+            built[1].shutdown()
 
     def _stat_logger_factory(self) -> Callable[..., Any] | None:
         """A vLLM stat-logger factory feeding :meth:`observe_scheduler_stats`, or None.
 
         vLLM calls ``factory(vllm_config, engine_index)`` and then ``logger.record(...)`` from
-        its output handler; the ``record`` signature differs between releases, so it takes
-        anything, and it never raises because an exception there would kill the output handler.
+        its output handler; ``record`` never raises because an exception there would kill the
+        output handler.
         """
-        try:
-            from vllm.v1.metrics.loggers import StatLoggerBase
-        except Exception:
+        base = getattr(self._vllm, "StatLoggerBase", None)
+        if base is None:
             return None
         sink = self.observe_scheduler_stats
 
-        class _SchedulerStatsSink(StatLoggerBase):  # type: ignore[misc]
-            def __init__(
-                self, vllm_config: Any = None, engine_index: int = 0, *a: Any, **kw: Any
-            ) -> None:
+        class _SchedulerStatsSink(base):  # type: ignore[misc,valid-type]
+            def __init__(self, vllm_config: Any = None, engine_index: int = 0) -> None:
                 self.engine_index = engine_index
 
-            def record(self, *args: Any, **kwargs: Any) -> None:
+            def record(
+                self,
+                scheduler_stats: Any = None,
+                iteration_stats: Any = None,
+                mm_cache_stats: Any = None,
+                engine_idx: int = 0,
+            ) -> None:
                 try:
-                    stats = kwargs.get("scheduler_stats", args[0] if args else None)
-                    if stats is not None:
-                        sink(stats, self.engine_index)
+                    if scheduler_stats is not None:
+                        sink(scheduler_stats, engine_idx or self.engine_index)
                 except Exception:
                     pass
 
@@ -251,6 +309,7 @@ class VLLMBackend:
     async def stop(self) -> None:
         """Shut the engine down (its core processes and IPC)."""
         engine, self.engine = self.engine, None
+        self.state = None
         if engine is None:
             return
         shutdown = getattr(engine, "shutdown", None)
@@ -263,9 +322,11 @@ class VLLMBackend:
         kv = getattr(stats, "kv_cache_usage", None)
         if kv is None:
             kv = getattr(stats, "gpu_cache_usage", 0.0)
+        waiting = int(getattr(stats, "num_waiting_reqs", 0) or 0)
+        waiting += int(getattr(stats, "num_skipped_waiting_reqs", 0) or 0)
         self._sched[engine_index] = (
             int(getattr(stats, "num_running_reqs", 0) or 0),
-            int(getattr(stats, "num_waiting_reqs", 0) or 0),
+            waiting,
             float(kv or 0.0),
         )
 
@@ -290,135 +351,180 @@ class VLLMBackend:
         except Exception:
             return {"running": 0, "waiting": 0, "kv_usage": 0.0}
 
+    # -- errors -----------------------------------------------------------------------------
+    def _engine_dead(self) -> bool:
+        try:
+            return bool(getattr(self.engine, "errored", False))
+        except Exception:
+            return False
+
+    def _error_from_info(self, info: Any) -> E.TokenbusError:
+        """A typed error for vLLM's ``ErrorInfo`` (a model or a dict)."""
+        get = info.get if isinstance(info, dict) else lambda k, d=None: getattr(info, k, d)
+        try:
+            status = int(get("code", 500) or 500)
+        except (TypeError, ValueError):
+            status = 500
+        return vs.error_for_status(
+            status,
+            str(get("message", "") or ""),
+            get("param"),
+            engine_dead=status >= 500 and self._engine_dead(),
+        )
+
+    def _error_from_exception(self, exc: BaseException) -> E.TokenbusError:
+        """A typed error for an exception vLLM raised, classified as ``vllm serve`` answers
+        it (vLLM's ``create_error_response``: ``VLLMClientError`` 4xx, ...)."""
+        if isinstance(exc, E.TokenbusError):
+            return exc
+        vllm = self._vllm
+        dead_cls = getattr(vllm, "EngineDeadError", None)
+        if dead_cls is not None and isinstance(exc, dead_cls):
+            return vs.error_for_status(500, "", engine_dead=True)
+        try:
+            response = vllm.create_error_response(exc)
+            return self._error_from_info(response.error)
+        except Exception:
+            return E.EngineError(f"vLLM failed: {type(exc).__name__}: {exc}"[:500])
+
     # -- generation -------------------------------------------------------------------------
     def generate(self, req: GenerationRequest) -> AsyncGenerator[Delta, None]:
         """Stream the request's output; closing the iterator early aborts it in vLLM."""
         if req.max_tokens < 1:
             raise E.InvalidRequest("max_tokens must be at least 1", param="max_tokens")
-        if self.engine is None:
+        if self.state is None:
             raise E.EngineError("the vllm backend is not started")
-        return self._stream(req)
+        chat = req.messages is not None
+        serving = getattr(
+            self.state, "openai_serving_chat" if chat else "openai_serving_completion", None
+        )
+        if serving is None:
+            kind = "chat" if chat else "completions"
+            raise E.InvalidRequest(f"this vLLM model does not serve {kind}", param="model")
+        if req.remaining_tokens == 0:
+            return self._spent(req)
+        # Built and validated now, so a request vLLM refuses is refused before it is accepted.
+        model = self._model(req)
+        if chat:
+            request = self._request(self._vllm.ChatCompletionRequest, vs.chat_body(req, model))
+        else:
+            request = self._request(self._vllm.CompletionRequest, vs.completion_body(req, model))
+        return self._stream(request, serving, chat)
 
-    def _prompt(self, req: GenerationRequest) -> tuple[Any, int]:
-        """vLLM's prompt for ``req`` and its token count when known here (else 0)."""
-        tok = self.tokenizer
-        if req.messages is None or tok is None or not getattr(tok, "chat_template", None):
-            # A migrated request continues after the text already sent.
-            return req.prompt_text() + req.resume_text, 0
-        messages = [{**m, "content": _message_text(m.get("content"))} for m in req.messages]
+    @staticmethod
+    async def _spent(req: GenerationRequest) -> AsyncGenerator[Delta, None]:
+        """A migrated request whose budget the text already delivered used up: done."""
+        yield Delta("", 0, "length", 0, 0)
+
+    def _model(self, req: GenerationRequest) -> str:
+        return req.model or self.cfg.model
+
+    def _request(self, cls: Any, body: dict[str, Any]) -> Any:
+        """vLLM's protocol request model for ``body``; its validation errors are 400s."""
         try:
-            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        except E.TokenbusError:
-            raise
+            return cls.model_validate(body)
         except Exception as exc:
-            # Templates raise for conversations they do not accept (e.g. roles that do not
-            # alternate): the caller's to fix.
-            raise E.InvalidRequest(
-                f"the model's chat template rejected the messages: {exc}", param="messages"
-            ) from exc
-        text += req.resume_text  # the assistant's reply so far (migration), continued
-        encode = getattr(tok, "encode", None)
-        if encode is None:
-            return text, 0
-        # The rendered template already holds the BOS token; letting vLLM tokenize the text
-        # would add a second one, so pass token ids tokenized without special tokens (what
-        # vLLM's own chat endpoint does).
-        ids = list(encode(text, add_special_tokens=False))
-        return {"prompt_token_ids": ids}, len(ids)
+            err = self._error_from_exception(exc)
+            if isinstance(err, E.EngineError):  # pydantic's own ValidationError: a 400 too
+                err = E.InvalidRequest(f"invalid request: {exc}"[:500])
+            raise err from None
 
-    def _sampling_params(self, req: GenerationRequest) -> tuple[Any, bool]:
-        """vLLM SamplingParams for ``req`` and whether outputs will be deltas."""
-        assert self._sp_cls is not None
-        kwargs: dict[str, Any] = {
-            "max_tokens": max(1, req.remaining_tokens),
-            "temperature": req.temperature,
-            "top_p": req.top_p,
-            "seed": req.seed,
-            "stop": list(req.stop) or None,
-        }
-        delta = self._kind is not None and hasattr(self._kind, "DELTA")
-        if delta:
-            kwargs["output_kind"] = self._kind.DELTA
-        try:
-            return self._sp_cls(**kwargs), delta
-        except (ValueError, TypeError) as exc:
-            raise E.InvalidRequest(f"invalid sampling parameters: {exc}") from exc
-
-    async def _stream(self, req: GenerationRequest) -> AsyncGenerator[Delta, None]:
-        engine = self.engine
-        if engine is None:
-            raise E.EngineError("the vllm backend is stopped")
-        prompt, prompt_tokens = self._prompt(req)
-        params, delta_mode = self._sampling_params(req)
-        rid = req.request_id
+    async def _stream(self, request: Any, serving: Any, chat: bool) -> AsyncGenerator[Delta, None]:
+        vllm = self._vllm
         key = object()
         self._inflight[key] = False
-        outputs: Any = None
-        produced = False  # the engine has sent at least one output
-        done = False  # the engine has finished the request (nothing left to abort)
-        prev_text, prev_ids = "", 0
-        completion = 0
-        final_text, final_ids = "", 0
-        reason: str | None = None
+        events: AsyncIterator[str] | None = None
+        finished = False
         try:
-            # The loop runs to the generator's natural end (right after the finished output)
-            # so vLLM cleans the request up without an abort.
-            outputs = engine.generate(prompt, params, rid)
-            async for out in outputs:
-                produced = True
-                self._inflight[key] = True
-                if out.prompt_token_ids is not None:
-                    prompt_tokens = len(out.prompt_token_ids)
-                if done or not out.outputs:
+            try:
+                if chat:
+                    result = await serving.create_chat_completion(request, None)
+                else:
+                    result = await serving.create_completion(request, None)
+            except E.TokenbusError:
+                raise
+            except Exception as exc:
+                raise self._error_from_exception(exc) from exc
+            if isinstance(result, vllm.ErrorResponse):
+                raise self._error_from_info(result.error)
+            if not hasattr(result, "__anext__"):
+                raise E.EngineError(f"vLLM answered a stream with {type(result).__name__}")
+            events = result
+            decoder = vs.StreamDecoder(chat)
+            feed = decoder.feed
+            inflight = self._inflight
+            async for event in result:
+                inflight[key] = True
+                try:
+                    d = feed(event)
+                except vs.ErrorEvent as err:
+                    raise self._error_from_info(err.info) from None
+                if d is None:
                     continue
-                comp = out.outputs[0]
-                text = comp.text or ""
-                n_ids = len(comp.token_ids or ())
-                if not delta_mode:  # cumulative outputs: take what is new
-                    text, prev_text = text[len(prev_text) :], text
-                    n_ids, prev_ids = n_ids - prev_ids, n_ids
-                completion += n_ids
-                if out.finished:
-                    done = True
-                    final_text, final_ids = text, n_ids
-                    reason = str(comp.finish_reason) if comp.finish_reason is not None else "stop"
-                elif text or n_ids:
-                    yield Delta(text, n_ids)
-            if not done:
-                raise E.EngineError("vLLM ended the stream without finishing the request")
-            if reason in _FAILED_FINISH:
-                raise E.EngineError(_FAILED_FINISH[reason])
-            # The engine is done with it even if our consumer never closes this generator.
-            self._inflight.pop(key, None)
-            yield Delta(
-                final_text,
-                final_ids,
-                _FINISH.get(reason or "stop", "stop"),
-                prompt_tokens,
-                completion,
-            )
-        except (GeneratorExit, asyncio.CancelledError):
-            if not done:
-                await self._abort(engine, rid)
-            raise
+                if d.finish_reason is not None:
+                    finished = True
+                    # vLLM is done with it even if our consumer never closes this generator.
+                    inflight.pop(key, None)
+                    yield d
+                    return
+                yield d
+            if not finished:
+                d = decoder.final()  # raises: the stream ended before [DONE]
+                finished = True
+                inflight.pop(key, None)
+                yield d
         except E.TokenbusError:
             raise
         except Exception as exc:
-            raise _map_error(exc, produced) from exc
+            raise self._error_from_exception(exc) from exc
         finally:
             self._inflight.pop(key, None)
-            if not done:
-                # Close vLLM's generator now rather than at garbage collection.
-                aclose = getattr(outputs, "aclose", None)
+            if events is not None and not finished:
+                # Closing vLLM's generator ends the engine request: AsyncLLM.generate aborts
+                # it by its own internal id when closed or cancelled. No abort by the
+                # caller's id here: that would abort every request sharing it.
+                aclose = getattr(events, "aclose", None)
                 if aclose is not None:
                     with contextlib.suppress(Exception):
                         await aclose()
 
-    @staticmethod
-    async def _abort(engine: Any, request_id: str) -> None:
-        """Tell the engine to drop the request and free its KV cache (best effort)."""
-        abort = getattr(engine, "abort", None)
-        if abort is None:
-            return
-        with contextlib.suppress(Exception):
-            await _maybe_await(abort(request_id))
+    async def embed(self, req: GenerationRequest) -> Embeddings:
+        """Embed ``req.input`` with vLLM's embedding handler (pooling models)."""
+        state = self.state
+        if state is None:
+            raise E.EngineError("the vllm backend is not started")
+        serving = getattr(state, "serving_embedding", None)
+        if serving is None or self._embedding_adapter is None:
+            raise E.InvalidRequest("this vLLM model does not serve embeddings", param="model")
+        body = vs.embedding_body(req, self._model(req))
+        adapter = self._embedding_adapter
+        try:
+            request = adapter.validate_python(body)
+        except Exception as exc:
+            err = self._error_from_exception(exc)
+            if isinstance(err, E.EngineError):
+                err = E.InvalidRequest(f"invalid request: {exc}"[:500])
+            raise err from None
+        key = object()
+        self._inflight[key] = True
+        try:
+            response = await serving(request, None)
+        except E.TokenbusError:
+            raise
+        except Exception as exc:
+            raise self._error_from_exception(exc) from exc
+        finally:
+            self._inflight.pop(key, None)
+        if isinstance(response, self._vllm.ErrorResponse):
+            raise self._error_from_info(response.error)
+        try:
+            data = json.loads(bytes(response.body))
+        except (AttributeError, TypeError, ValueError) as exc:
+            raise E.EngineError(f"vLLM answered embeddings with {type(response).__name__}") from exc
+        status = int(getattr(response, "status_code", 200) or 200)
+        if status >= 400 or "error" in data:
+            raise self._error_from_info(data.get("error") or {"code": status})
+        items = sorted(data.get("data") or (), key=lambda item: int(item.get("index", 0)))
+        vectors = [list(item["embedding"]) for item in items]
+        usage = data.get("usage") or {}
+        return Embeddings(vectors, int(usage.get("prompt_tokens") or 0))

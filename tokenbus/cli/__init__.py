@@ -48,8 +48,9 @@ def _worker_flags(p: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="vllm backend: AsyncEngineArgs field (repeatable), value parsed as JSON "
-        "when it can be",
+        help="vllm backend: any `vllm serve` option by name (repeatable): engine args "
+        "(tensor_parallel_size=2, max_model_len=32k) and front-end options "
+        "(tool_call_parser=hermes, enable_auto_tool_choice=true); see docs/vllm.md",
     )
     g.add_argument("--sim-prefill-ms", type=float)
     g.add_argument("--sim-decode-ms", type=float)
