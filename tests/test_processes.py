@@ -175,6 +175,7 @@ async def test_status_lists_replicas_and_load(procs: Procs, model: str) -> None:
             "tp": 2,
             "pool": "big",
             "draining": False,
+            "endpoints": ["chat", "completions", "embeddings"],
         }
     ]
     table = run_cli("--nats-url", procs.url, "status", timeout=30, check=True).stdout
