@@ -25,14 +25,17 @@ import aiohttp
 
 from bus_schemas import errors as E
 from engine_worker.backends.base import Delta, Embeddings, GenerationRequest
+from engine_worker.backends.openai_shape import (
+    chat_messages,
+    choice_delta,
+    finish_reason,
+    set_sampling,
+    usage_details,
+)
 from services.config import WorkerSettings
 
-# Finish reasons passed on as the upstream said them; any other becomes "stop".
-_FINISH = frozenset({"stop", "length", "content_filter", "tool_calls"})
 # Upstream statuses that mean "this request is wrong" rather than "the upstream failed".
 _INVALID = frozenset({400, 404, 413, 422})
-# Usage fields passed on to the client beside the token counts.
-_USAGE_DETAILS = ("prompt_tokens_details", "completion_tokens_details")
 
 
 def _upstream_error(status: int, text: str) -> E.TokenbusError:
@@ -106,37 +109,16 @@ async def _sse_events(content: aiohttp.StreamReader) -> AsyncGenerator[bytes, No
 
 
 def _choice_delta(ch: dict[str, Any]) -> Delta | None:
-    """A streamed choice's output as a delta (None when it carries none)."""
-    text = ch.get("text")  # text completions
-    tool_calls = refusal = reasoning = None
-    if text is None:
-        delta = ch.get("delta") or {}
-        text = delta.get("content")
-        tool_calls = delta.get("tool_calls") or None
-        refusal = delta.get("refusal")
-        reasoning = delta.get("reasoning_content")
-        if reasoning is None:
-            reasoning = delta.get("reasoning")
-    logprobs = ch.get("logprobs") or None
-    tokens = 1
-    if logprobs is not None:
-        # Chat: {"content": [an entry a token]} (or "refusal": [...]); completions:
-        # {"tokens": [...], "token_logprobs": [...], ...}.
-        entries = logprobs.get("content") or logprobs.get("refusal") or logprobs.get("tokens")
-        if entries:
-            tokens = len(entries)
-        elif not (text or tool_calls or refusal or reasoning):
-            return None  # an empty logprobs object and nothing else
-    elif not (text or tool_calls or refusal or reasoning):
-        return None
-    return Delta(
-        text or "",
-        tokens,
-        tool_calls=tool_calls,
-        logprobs=logprobs,
-        refusal=refusal,
-        reasoning=reasoning,
-    )
+    """A streamed choice's output as a delta (None when it carries none): one token, or as
+    many as its logprobs have entries."""
+    logprobs = ch.get("logprobs") or {}
+    # Chat: {"content": [an entry a token]} (or "refusal": [...]); completions:
+    # {"tokens": [...], "token_logprobs": [...], ...}.
+    entries = logprobs.get("content") or logprobs.get("refusal") or logprobs.get("tokens")
+    d = choice_delta(ch, len(entries) if entries else 1)
+    if entries or d.text or d.tool_calls or d.refusal or d.reasoning:
+        return d
+    return None
 
 
 class OpenAIUpstreamBackend:
@@ -187,33 +169,10 @@ class OpenAIUpstreamBackend:
             **(options if isinstance(options, dict) else {}),
             "include_usage": True,
         }
-        if req.temperature is not None:
-            body["temperature"] = req.temperature
-        if req.top_p is not None:
-            body["top_p"] = req.top_p
-        if req.seed is not None:
-            body["seed"] = req.seed
-        if req.stop:
-            body["stop"] = req.stop
+        set_sampling(body, req)
         if req.messages is not None:
-            messages = req.messages
-            if req.resume_text:
-                # Migration: continue the assistant's reply (vLLM's and others' extension).
-                last = messages[-1] if messages else None
-                if (
-                    body.get("continue_final_message")
-                    and last is not None
-                    and last.get("role") == "assistant"
-                    and isinstance(last.get("content"), str)
-                ):
-                    # The client already prefilled the reply: the text so far follows it.
-                    cont = {**last, "content": last["content"] + req.resume_text}
-                    messages = [*messages[:-1], cont]
-                else:
-                    messages = [*messages, {"role": "assistant", "content": req.resume_text}]
-                body["continue_final_message"] = True
-                body["add_generation_prompt"] = False
-            body["messages"] = messages
+            # Migration continues the assistant's reply (vLLM's and others' extension).
+            body["messages"] = chat_messages(req, body)
             return "/chat/completions", body
         body["prompt"] = (req.prompt or "") + req.resume_text
         return "/completions", body
@@ -268,14 +227,13 @@ class OpenAIUpstreamBackend:
         finally:
             self.in_flight -= 1
         u = usage or {}
-        details = {k: u[k] for k in _USAGE_DETAILS if u.get(k)}
         yield Delta(
             "",
             0,
-            finish if finish in _FINISH else "stop",
+            finish_reason(finish),
             int(u.get("prompt_tokens") or 0),
             int(u.get("completion_tokens") or produced),
-            usage=details or None,
+            usage=usage_details(u),
         )
 
     # -- embeddings -------------------------------------------------------------------------

@@ -241,6 +241,15 @@ class _Seq:
             w.set_result(None)
 
 
+async def _next_tokens(seq: _Seq) -> None:
+    """Wait until the engine gives ``seq`` more tokens (or ends it)."""
+    seq.waiter = asyncio.get_running_loop().create_future()
+    try:
+        await seq.waiter
+    finally:
+        seq.waiter = None
+
+
 class SimEngine:
     """The batching model itself (usable without NATS, e.g. by the direct HTTP server)."""
 
@@ -405,11 +414,7 @@ class SimStream:
                         tail, self.sent = self.text[self.sent :], len(self.text)
                         return Delta(tail, 0, "length", self.ptoks, self.produced)
                     return Delta("", 0, "length", self.ptoks, self.produced)
-                seq.waiter = asyncio.get_running_loop().create_future()
-                try:
-                    await seq.waiter
-                finally:
-                    seq.waiter = None
+                await _next_tokens(seq)
                 continue
             pieces, seq.buf = seq.buf, []
             self.produced += len(pieces)
@@ -546,11 +551,7 @@ class SimExtraStream:
                 if seq.done:
                     self.finished = True
                     return self._last()
-                seq.waiter = asyncio.get_running_loop().create_future()
-                try:
-                    await seq.waiter
-                finally:
-                    seq.waiter = None
+                await _next_tokens(seq)
                 continue
             if self.header is not None:
                 header, self.header = self.header, None

@@ -25,6 +25,14 @@ from typing import Any
 
 from bus_schemas import errors as E
 from engine_worker.backends.base import Delta, GenerationRequest
+from engine_worker.backends.openai_shape import (
+    chat_messages,
+    choice_delta,
+    finish_reason,
+    has_output,
+    set_sampling,
+    usage_details,
+)
 
 try:  # a vLLM dependency: about 4x faster than json on the chunks decoded per token
     from orjson import loads as _loads
@@ -183,14 +191,7 @@ def _owned(body: dict[str, Any], req: GenerationRequest, model: str) -> None:
     body["stream_options"] = dict(STREAM_OPTIONS)
     body["request_id"] = req.request_id
     # Unset values stay unset: vLLM then applies the model's generation_config defaults.
-    if req.temperature is not None:
-        body["temperature"] = req.temperature
-    if req.top_p is not None:
-        body["top_p"] = req.top_p
-    if req.seed is not None:
-        body["seed"] = req.seed
-    if req.stop:
-        body["stop"] = list(req.stop)
+    set_sampling(body, req)
 
 
 def chat_body(req: GenerationRequest, model: str) -> dict[str, Any]:
@@ -201,22 +202,9 @@ def chat_body(req: GenerationRequest, model: str) -> dict[str, Any]:
     (``continue_final_message``), appended to the client's own prefill when it sent one.
     """
     body = _carried(req)
-    messages = list(req.messages or ())
+    body["messages"] = chat_messages(req, body)
     if req.resume_text:
-        last = messages[-1] if messages else None
-        if (
-            body.get("continue_final_message")
-            and last is not None
-            and last.get("role") == "assistant"
-            and isinstance(last.get("content"), str)
-        ):
-            messages[-1] = {**last, "content": last["content"] + req.resume_text}
-        else:
-            messages.append({"role": "assistant", "content": req.resume_text})
-        body["continue_final_message"] = True
-        body["add_generation_prompt"] = False
         body["echo"] = False  # the caller has the text already
-    body["messages"] = messages
     body.pop("max_tokens", None)
     body["max_completion_tokens"] = req.remaining_tokens
     _owned(body, req, model)
@@ -248,15 +236,9 @@ def embedding_body(req: GenerationRequest, model: str) -> dict[str, Any]:
 
 
 # -- streamed output ------------------------------------------------------------------------
-# vLLM's finish reasons (after its chat tool parser) mapped onto ours; "abort" (the engine
-# dropped a request we did not cancel) raises instead, "error" arrives as an error event.
-_FINISH = {
-    "stop": "stop",
-    "length": "length",
-    "tool_calls": "tool_calls",
-    "content_filter": "content_filter",
-    "repetition": "stop",
-}
+# vLLM's finish reasons (after its chat tool parser) map onto ours (``repetition`` becomes
+# "stop"); "abort" (the engine dropped a request we did not cancel) raises instead, "error"
+# arrives as an error event.
 
 
 class ErrorEvent(Exception):
@@ -313,35 +295,17 @@ class StreamDecoder:
                 self.completion_tokens = total
         if not choices:
             if usage:
-                details = {
-                    k: usage[k]
-                    for k in ("prompt_tokens_details", "completion_tokens_details")
-                    if usage.get(k)
-                }
-                self._details = details or None
+                self._details = usage_details(usage)
             if n and self._last is not None:
                 self._last.tokens += n
             return None
-        choice = choices[0]
-        tool_calls = reasoning = refusal = None
-        if self.chat:
-            delta = choice.get("delta") or {}
-            text = delta.get("content") or ""
-            tool_calls = delta.get("tool_calls") or None
-            reasoning = delta.get("reasoning") or delta.get("reasoning_content") or None
-            refusal = delta.get("refusal") or None
-        else:
-            text = choice.get("text") or ""
-        logprobs = choice.get("logprobs") or None
-        d = Delta(
-            text, n, tool_calls=tool_calls, logprobs=logprobs, refusal=refusal, reasoning=reasoning
-        )
-        finish = choice.get("finish_reason")
+        d = choice_delta(choices[0], n)
+        finish = choices[0].get("finish_reason")
         if finish is not None:
             self.finish = str(finish)
             self._last = d
             return None
-        if text or n or tool_calls or logprobs or reasoning or refusal:
+        if n or has_output(d):
             return d
         return None
 
@@ -352,7 +316,7 @@ class StreamDecoder:
         if self.finish == "abort":
             raise E.EngineError("the vLLM engine aborted the request")
         d = self._last
-        d.finish_reason = _FINISH.get(self.finish, "stop")
+        d.finish_reason = finish_reason(self.finish)
         d.prompt_tokens = self.prompt_tokens
         d.completion_tokens = self.completion_tokens
         d.usage = self._details
