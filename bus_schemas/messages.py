@@ -495,6 +495,11 @@ class Heartbeat(_Wire):
         default_factory=lambda: ["chat", "completions"],
         description="Request kinds served: chat, completions, embeddings.",
     )
+    aliases: list[str] = Field(
+        default_factory=list,
+        description="Other model names the replica answers to (a vllm worker's LoRA "
+        "adapters, extra served names): requests for them are routed to it too.",
+    )
     interval_s: float = Field(description="Seconds until the next heartbeat.")
     seq: int = Field(description="Increments with every heartbeat.")
     boot: str = Field(default="", description="Changes when the replica process restarts.")

@@ -241,6 +241,7 @@ class Worker(Service):
             "pool": self.cfg.pool,
             "draining": self.draining,
             "endpoints": self.endpoints,
+            "aliases": [m for m in getattr(self.backend, "served_models", ()) if m != self.model],
             "interval_s": self.cfg.heartbeat_interval_s,
             "seq": self._seq,
             "boot": self.boot,

@@ -35,6 +35,11 @@ class Replica:
     boot: str = ""
     # Request kinds it serves (chat, completions, embeddings), from its heartbeat.
     endpoints: frozenset[str] = DEFAULT_ENDPOINTS
+    # Other model names it answers to (LoRA adapters, extra served names).
+    aliases: frozenset[str] = frozenset()
+
+    def serves(self, model: str) -> bool:
+        return model == self.model or model in self.aliases
 
     @property
     def load(self) -> int:
@@ -54,6 +59,7 @@ class Replica:
             "pool": self.pool,
             "draining": self.draining,
             "endpoints": sorted(self.endpoints),
+            **({"aliases": sorted(self.aliases)} if self.aliases else {}),
         }
 
 
@@ -91,10 +97,12 @@ class Registry:
             r.interval_s = float(hb.get("interval_s", 1.0))
             eps = hb.get("endpoints")
             r.endpoints = frozenset(map(str, eps)) if eps else DEFAULT_ENDPOINTS
+            r.aliases = frozenset(map(str, hb.get("aliases") or ()))
             r.last_seen = time.monotonic()
         except (KeyError, TypeError, ValueError):
             return None
         self._ever_seen.add(model)
+        self._ever_seen.update(r.aliases)
         return r
 
     def _alive(self, r: Replica, now: float) -> bool:
@@ -118,7 +126,7 @@ class Registry:
         return [
             r
             for r in self._replicas.values()
-            if r.model == model
+            if r.serves(model)
             and not r.draining
             and self._alive(r, now)
             and (kind is None or kind in r.endpoints)
@@ -130,7 +138,7 @@ class Registry:
 
     def models(self) -> list[str]:
         """Models with at least one live, non-draining replica."""
-        return sorted({r.model for r in self.all_live() if not r.draining})
+        return sorted({m for r in self.all_live() if not r.draining for m in (r.model, *r.aliases)})
 
     def ever_seen(self, model: str) -> bool:
         return model in self._ever_seen

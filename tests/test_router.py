@@ -40,6 +40,20 @@ def test_draining_and_expired_replicas_are_not_live() -> None:
     assert reg.ever_seen("m") and not reg.ever_seen("x")
 
 
+def test_endpoints_and_aliases_from_heartbeats() -> None:
+    reg = Registry()
+    reg.update(hb("old"))  # a worker that names no endpoints: chat and completions
+    reg.update(hb("emb", endpoints=["embeddings"], aliases=["m-lora"]))
+    assert {r.replica for r in reg.live("m", "chat")} == {"old"}
+    assert {r.replica for r in reg.live("m", "embeddings")} == {"emb"}
+    assert {r.replica for r in reg.live("m")} == {"old", "emb"}
+    # An adapter name routes to the replica that serves it, on the replica's own subject.
+    lora = reg.live("m-lora")
+    assert [r.replica for r in lora] == ["emb"]
+    assert lora[0].subject == "tb.v1.engine.m.emb.generate"
+    assert reg.models() == ["m", "m-lora"] and reg.ever_seen("m-lora")
+
+
 def test_malformed_heartbeats_are_refused() -> None:
     reg = Registry()
     assert reg.update({"model": "m"}) is None
