@@ -12,8 +12,15 @@ _packer_opts: dict[str, Any] = {"use_bin_type": True}
 
 
 def encode(obj: Any) -> bytes:
-    """Encode plain data (dicts, lists, str, int, float, bytes, None) as msgpack."""
-    data: bytes = msgpack.packb(obj, **_packer_opts)
+    """Encode plain data (dicts, lists, str, int, float, bytes, None) as msgpack; a value
+    msgpack cannot hold (an integer beyond 64 bits, carried from a client's JSON) raises
+    :class:`errors.InvalidRequest`."""
+    try:
+        data: bytes = msgpack.packb(obj, **_packer_opts)
+    except (OverflowError, TypeError, ValueError) as exc:
+        raise errors.InvalidRequest(
+            f"the request holds a value the bus cannot carry ({exc}); integers must fit in 64 bits"
+        ) from None
     return data
 
 

@@ -8,7 +8,17 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    field_validator,
+    model_validator,
+)
 
 MAX_STOP_SEQUENCES = 4
 # Version 2: envelopes carry the client's messages as sent and its other fields in
@@ -82,11 +92,11 @@ class ContentPart(_Carried):
     ``file``, ``refusal``, or a type an engine knows (``video_url``, ...), carried as sent."""
 
     type: str = Field(min_length=1, description="Content part type.")
-    text: str | None = Field(default=None, description="The text of a text part.")
+    text: StrictStr | None = Field(default=None, description="The text of a text part.")
     image_url: ImageURL | None = Field(default=None, description="The image of an image_url part.")
     input_audio: InputAudio | None = Field(default=None, description="An input_audio part's audio.")
     file: dict[str, Any] | None = Field(default=None, description="A file part's file.")
-    refusal: str | None = Field(default=None, description="A refusal part's text.")
+    refusal: StrictStr | None = Field(default=None, description="A refusal part's text.")
 
     @model_validator(mode="after")
     def _has_payload(self) -> ContentPart:
@@ -105,7 +115,7 @@ class ContentPart(_Carried):
 
 class FunctionCall(_Carried):
     name: str = Field(description="The function called.")
-    arguments: str = Field(description="Its arguments, a JSON string.")
+    arguments: StrictStr = Field(description="Its arguments, a JSON string.")
 
 
 class ToolCall(_Carried):
@@ -122,14 +132,14 @@ class ChatMessage(_Carried):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"] = Field(
         description="Who wrote the message."
     )
-    content: str | list[ContentPart] | None = Field(
+    content: StrictStr | list[ContentPart] | None = Field(
         default=None, description="Message text, or a list of content parts."
     )
-    name: str | None = Field(default=None, description="Optional author name.")
+    name: StrictStr | None = Field(default=None, description="Optional author name.")
     tool_calls: list[ToolCall] | None = Field(
         default=None, description="An assistant message's tool calls."
     )
-    tool_call_id: str | None = Field(
+    tool_call_id: StrictStr | None = Field(
         default=None, description="A tool message: the call it answers."
     )
 
@@ -148,7 +158,7 @@ class ChatMessage(_Carried):
 class StreamOptions(_Edge):
     """OpenAI's ``stream_options``."""
 
-    include_usage: bool = Field(
+    include_usage: StrictBool = Field(
         default=False, description="Send a last chunk with usage and no choices."
     )
 
@@ -280,12 +290,16 @@ class _GenerationRequest(_Edge):
     )
     stop: list[str] | None = Field(default=None, description="Stop sequence or sequences.")
     n: int | None = Field(default=1, description="Number of choices; only 1 is served.")
-    stream: bool | None = Field(default=False, description="Stream chunks as server-sent events.")
+    stream: StrictBool | None = Field(
+        default=False, description="Stream chunks as server-sent events."
+    )
     stream_options: StreamOptions | None = Field(default=None)
     user: str | None = Field(default=None, description="End-user id (carried to the engine).")
-    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = Field(default=None)
+    presence_penalty: StrictFloat | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: StrictFloat | None = Field(default=None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, Annotated[StrictFloat, Field(ge=-100, le=100)]] | None = Field(
+        default=None
+    )
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -314,7 +328,7 @@ class _GenerationRequest(_Edge):
     @field_validator("logit_bias")
     @classmethod
     def _bias_keys(cls, v: dict[str, float] | None) -> dict[str, float] | None:
-        if v is not None and not all(k.isdigit() for k in v):
+        if v is not None and not all(k.isascii() and k.isdigit() for k in v):
             raise ValueError("logit_bias keys must be token ids")
         return v
 
@@ -344,10 +358,10 @@ class ChatCompletionRequest(_GenerationRequest):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
         default=None, description="Whether and which tool to call."
     )
-    parallel_tool_calls: bool | None = Field(default=None)
+    parallel_tool_calls: StrictBool | None = Field(default=None)
     response_format: ResponseFormat | None = Field(default=None)
-    logprobs: bool | None = Field(default=None, description="Return token log probabilities.")
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    logprobs: StrictBool | None = Field(default=None, description="Return token log probabilities.")
+    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
     reasoning_effort: str | None = Field(default=None)
 
     @model_validator(mode="after")
@@ -369,8 +383,12 @@ class CompletionRequest(_GenerationRequest):
 
     Fields not listed are carried to the engine unchanged."""
 
-    prompt: str | list[str] = Field(description="The prompt; a list must hold exactly one.")
-    logprobs: int | None = Field(default=None, ge=0, le=20, description="Top logprobs per token.")
+    prompt: StrictStr | list[StrictStr] = Field(
+        description="The prompt; a list must hold exactly one."
+    )
+    logprobs: StrictInt | None = Field(
+        default=None, ge=0, le=20, description="Top logprobs per token."
+    )
 
     @model_validator(mode="after")
     def _one_prompt(self) -> CompletionRequest:
@@ -395,7 +413,7 @@ class EmbeddingRequest(_Edge):
     carried to the engine; ``encoding_format`` is also applied by the HTTP bridge."""
 
     model: str = Field(min_length=1, max_length=256, description="Embedding model.")
-    input: str | list[str] | list[int] | list[list[int]] = Field(
+    input: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]] = Field(
         description="Text, texts, or token id lists to embed."
     )
     encoding_format: Literal["float", "base64"] | None = Field(default=None)

@@ -62,7 +62,7 @@ class OutputGate:
     on a migrated request cuts what the caller already has.
     """
 
-    __slots__ = ("_already", "_held", "_raw", "blocked", "scan")
+    __slots__ = ("_already", "_changed", "_held", "_raw", "blocked", "scan")
 
     def __init__(self, scan: StreamScanner, resume_text: str) -> None:
         self.scan = scan
@@ -71,6 +71,7 @@ class OutputGate:
         # Output beside the text (tool calls, refusal, reasoning, logprobs), held to the end
         # and scanned whole there.
         self._held = Assembled()
+        self._changed = False  # the policy redacted some of the held output
         self._already = 0  # output the caller already has (a migrated request), not resent
         if resume_text:
             # The scanner needs what came before; what it holds of it was sent already.
@@ -113,7 +114,8 @@ class OutputGate:
     def release_held(self) -> dict[str, Any] | None:
         """The held output, scanned: tool-call arguments, refusal and reasoning text are
         redacted or stop the stream (``blocked``) as the policy says; logprobs go out only
-        when the filter changed none of the text (their tokens would show what it removed)."""
+        when the filter changed none of the output (their tokens would show what it
+        removed)."""
         held = self._held
         side: dict[str, Any] = {}
         scanner = Scanner(self.scan.policy)
@@ -128,7 +130,7 @@ class OutputGate:
                 side[key] = self._scan_whole(scanner, text)
         if self.blocked:
             return None
-        if held.logprobs is not None and not self.scan.findings:
+        if held.logprobs is not None and not self.scan.findings and not self._changed:
             side["lp"] = held.logprobs
         return side or None
 
@@ -137,7 +139,10 @@ class OutputGate:
         if res.blocked:
             self.blocked = True
             return ""
-        return res.redacted_text if res.redacted else text
+        if res.redacted:
+            self._changed = True
+            return res.redacted_text
+        return text
 
     def flags(self) -> list[str]:
         """Ids of the detectors the policy flags that the whole output triggers."""

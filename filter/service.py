@@ -73,8 +73,9 @@ def scan_envelope(env: dict[str, Any], scanner: Scanner) -> tuple[bool, list[str
 def _texts(env: dict[str, Any]) -> list[tuple[Any, Any]]:
     """Every text a client sent in the envelope, as (holder, key) so it can be redacted in
     place: message contents and their text and refusal parts (tool results are messages too),
-    the arguments of tool calls in the history, the prompt, embedding inputs, and a migrated
-    request's text so far. Images, audio and files are not text: they are not scanned."""
+    reasoning sent back in assistant turns, the arguments of tool calls in the history, the
+    tools' descriptions, the prompt, embedding inputs, and a migrated request's text so far.
+    Images, audio and files are not text: they are not scanned."""
     out: list[tuple[Any, Any]] = []
     for m in env.get("messages") or ():
         if not isinstance(m, dict):
@@ -86,10 +87,15 @@ def _texts(env: dict[str, Any]) -> list[tuple[Any, Any]]:
                     out.append((part, "refusal" if part.get("type") == "refusal" else "text"))
         else:
             out.append((m, "content"))
-        for call in m.get("tool_calls") or ():
-            fn = call.get("function") if isinstance(call, dict) else None
-            if isinstance(fn, dict):
-                out.append((fn, "arguments"))
+        # An assistant turn's reasoning, sent back by clients that keep it.
+        out.extend((m, k) for k in ("reasoning_content", "reasoning") if k in m)
+        calls = [c.get("function") for c in m.get("tool_calls") or () if isinstance(c, dict)]
+        calls.append(m.get("function_call"))  # the legacy single call
+        out.extend((fn, "arguments") for fn in calls if isinstance(fn, dict))
+    for tool in (env.get("extra") or {}).get("tools") or ():
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if isinstance(fn, dict):  # rendered into the prompt by chat templates
+            out.append((fn, "description"))
     if env.get("prompt") is not None:
         out.append((env, "prompt"))
     inputs = env.get("input")

@@ -329,7 +329,7 @@ def whole_answer(
         calls = out.tool_calls
         message: dict[str, Any] = {
             "role": "assistant",
-            "content": None if calls and not text else text,
+            "content": None if (calls or out.refusal) and not text else text,
             "refusal": out.refusal,
         }
         if calls:

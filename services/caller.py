@@ -262,8 +262,11 @@ class Stream:
         self._started_at = 0.0  # monotonic, of the current attempt
         self.migrations = 0
         self._got: list[str] = []  # text received so far (the resume point)
-        # A tool-call fragment reached the caller: the stream can no longer be resumed.
-        self._tool_started = False
+        # Output other than answer text reached the caller (a tool-call fragment, reasoning,
+        # refusal, or an echoed prompt): the stream can no longer be resumed elsewhere.
+        self._no_resume = False
+        extra = body.get("extra")
+        self._echo = bool(body.get("echo") or (isinstance(extra, dict) and extra.get("echo")))
         self._got_tokens = 0
         self._resumed_tokens = 0  # tokens delivered before the current attempt
         self._cancelled = False
@@ -320,7 +323,11 @@ class Stream:
         self.t_sent_ns = time.time_ns()
         hdrs[H.T0] = str(self.t_sent_ns)
         reply = self._client.inbox_for(self.token)
-        data = codec.encode(self._body)
+        try:
+            data = codec.encode(self._body)
+        except E.TokenbusError:
+            self._finish()
+            raise
         # NATS refuses (and drops the connection of) a message over its max_payload.
         room = self._client.nc.max_payload - sum(len(k) + len(v) + 4 for k, v in hdrs.items())
         if len(data) > room - 1024:
@@ -410,9 +417,11 @@ class Stream:
                 self._got_tokens += n
                 if len(frame) > 4:  # more than t, d, n, i: output beside the text
                     c = _side_chunk(frame, text, n, i)
-                    if c.tool_calls:
-                        self._tool_started = True
+                    if c.tool_calls or c.reasoning or c.refusal:
+                        self._no_resume = True
                     return c
+                if self._echo:
+                    self._no_resume = True
                 return Chunk(text, n, i)
             if t == frames.ACCEPT:
                 other = frame.get("replica")
@@ -486,8 +495,9 @@ class Stream:
             self._cancelled
             or (count and self.migrations >= MAX_MIGRATIONS)
             or time.time() >= self._deadline - 0.05
-            # Only text can be resumed: a tool call half sent cannot be continued elsewhere.
-            or self._tool_started
+            # Only answer text can be resumed: a tool call, reasoning or refusal half sent
+            # cannot be continued elsewhere (nor an answer that echoes its prompt).
+            or self._no_resume
         ):
             return False
         if count:

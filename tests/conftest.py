@@ -457,3 +457,38 @@ async def wait_http(url: str, timeout: float = 20) -> None:
                     return
             await asyncio.sleep(0.1)
     raise AssertionError(f"{url} not ready")
+
+
+class Upstream:
+    """The fake OpenAI-compatible upstream (``tests/fakes/upstream.py``), a real process on a
+    free port, recording what it receives."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.port = free_port()
+        self._log = open(log_dir / "upstream.log", "wb")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.fakes.upstream", "--port", str(self.port)],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+        )
+        wait_port(self.port, 20)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    async def last_request(self) -> dict[str, Any]:
+        async with httpx.AsyncClient() as c:
+            r = await c.get(f"{self.url}/last_request")
+            r.raise_for_status()
+            body: dict[str, Any] = r.json()
+            return body
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self._log.close()

@@ -161,6 +161,13 @@ async def test_input_filter_scans_parts_tool_arguments_and_tool_results(
         assert ok.text
         with pytest.raises(E.ContentBlocked):
             await client.embeddings(model, ["fine", f"key {AWS}"])
+        # Tool descriptions are rendered into the prompt by chat templates: scanned too.
+        tool = {"type": "function", "function": {"name": "f", "description": f"use {AWS}"}}
+        with pytest.raises(E.ContentBlocked):
+            await client.chat_completion(model, [{"role": "user", "content": "hi"}], tools=[tool])
+        reasoning = {"role": "assistant", "content": "ok", "reasoning_content": AWS}
+        with pytest.raises(E.ContentBlocked):
+            await client.chat_completion(model, [{"role": "user", "content": "hi"}, reasoning])
 
 
 def _tool_with(word: str) -> dict[str, Any]:
@@ -181,10 +188,16 @@ async def test_output_filter_covers_tool_call_arguments(
     block = {"blocklist": ["atlantis"], "actions": {"blocklist": "block"}}
     filters = {"filter": {"default_policy": "r", "policies": {"r": redact, "b": block}}}
     async with stack(nats_server.url, model, workers=1, filters=1, **filters):
-        out = await client.chat_completion(model, ask, tools=[_tool_with("atlantis")])
+        out = await client.chat_completion(
+            model, ask, tools=[_tool_with("atlantis")], logprobs=True
+        )
         assert out.finish_reason == "tool_calls" and out.tool_calls is not None
         args = out.tool_calls[0]["function"]["arguments"]
         assert "atlantis" not in args and "REDACTED" in args
+        # The logprobs of the arguments' tokens would spell out what was redacted.
+        assert out.logprobs is None
+        clean = await client.chat_completion(model, ask, tools=[_tool_with("rome")], logprobs=True)
+        assert clean.logprobs is not None and clean.tool_calls is not None
     async with stack(
         nats_server.url,
         model,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,7 +14,7 @@ import pytest
 from bus_schemas import errors as E
 from engine_worker.backends.base import GenerationRequest
 from engine_worker.backends.sim import _start, expected_text, resume_point, token_text
-from tests.conftest import NatsServer, Procs, live_replicas, stack, start_stack
+from tests.conftest import NatsServer, Procs, Upstream, live_replicas, stack, start_stack
 from tokenbus import Client
 
 MSG = [{"role": "user", "content": "tell me a long story"}]
@@ -252,3 +253,29 @@ async def test_a_tool_call_cut_mid_way_ends_with_a_retryable_error(
     # A request with tools whose answer had not started moves on as before.
     out = await client.chat_completion(model, MSG, tools=[tool], max_tokens=400)
     assert out.finish_reason == "tool_calls" and out.tool_calls is not None
+
+
+async def test_reasoning_already_sent_is_not_resumed(
+    procs: Procs, model: str, client: Client, tmp_path: Path
+) -> None:
+    # Reasoning cannot be resumed like answer text either: the stream ends with one
+    # retryable error rather than reasoning sent twice.
+    up = Upstream(tmp_path)
+    try:
+        args = ("--backend", "openai", "--upstream-url", up.url)
+        stack = await start_stack(
+            procs, model, "ingress", "router", workers=2, worker_args=args, env=HB, settle=0.6
+        )
+        s = client.chat(
+            model,
+            MSG,
+            chat_template_kwargs={"enable_thinking": True},
+            fake_chunk_delay_s=0.5,
+        )
+        with pytest.raises(E.ReplicaLost):
+            async for ch in s:
+                if ch.reasoning:
+                    _victim(stack.workers, s.replica).signal(signal.SIGKILL)
+        assert s.migrations == 0
+    finally:
+        up.stop()

@@ -11,15 +11,10 @@ from __future__ import annotations
 
 import base64
 import json
-import signal
 import struct
-import subprocess
-import sys
 from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
 from typing import Any
 
-import httpx
 import openai
 import pytest
 from pydantic import BaseModel
@@ -32,16 +27,14 @@ from tests.conftest import (
     NatsServer,
     Procs,
     ProcStack,
-    free_port,
+    Upstream,
     new_model,
     start_stack,
     start_worker,
-    wait_port,
     wait_replicas,
 )
 from tokenbus import Client
 
-ROOT = Path(__file__).resolve().parent.parent
 WEATHER = {
     "type": "function",
     "function": {
@@ -60,40 +53,6 @@ WEATHER = {
     },
 }
 ASK = [{"role": "user", "content": "what is the weather in Paris?"}]
-
-
-class Upstream:
-    """The fake OpenAI-compatible upstream, a real process on a free port."""
-
-    def __init__(self, log_dir: Path) -> None:
-        self.port = free_port()
-        self._log = open(log_dir / "upstream.log", "wb")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.fakes.upstream", "--port", str(self.port)],
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            cwd=ROOT,
-        )
-        wait_port(self.port, 20)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}/v1"
-
-    async def last_request(self) -> dict[str, Any]:
-        async with httpx.AsyncClient() as c:
-            r = await c.get(f"{self.url}/last_request")
-            r.raise_for_status()
-            body: dict[str, Any] = r.json()
-            return body
-
-    def stop(self) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        self._log.close()
 
 
 @pytest.fixture(scope="module")
@@ -482,6 +441,10 @@ BAD_CHAT: list[tuple[str, dict[str, Any]]] = [
     ("logit_bias", {"logit_bias": {"12": 101}}),
     ("n", {"n": 2}),
     ("parallel_tool_calls", {"parallel_tool_calls": "yes please"}),
+    ("stream", {"stream": "yes"}),
+    ("logprobs", {"logprobs": "false"}),
+    ("presence_penalty", {"presence_penalty": "0.5"}),
+    ("logit_bias", {"logit_bias": {"\u00b2": 1}}),
     ("messages", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}),
     ("messages", {"messages": [{"role": "user", "content": [{"type": "text"}]}]}),
     ("messages", {"messages": [{"role": "robot", "content": "hi"}]}),
@@ -556,3 +519,47 @@ async def test_carried_fields_reach_the_upstream_over_nats(
     assert out.text == "hello from upstream" and out.reasoning == "thinking"
     assert out.logprobs is not None
     assert "".join(t["token"] for t in out.logprobs["content"]) == out.text
+
+
+def _tool_with_params(params: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "function", "function": {"name": "f", "parameters": params}}
+
+
+# What the engine cannot do with a schema is the client's to fix: a 400, never a 5xx, and
+# never a worker busy without bound.
+BAD_SCHEMAS: list[dict[str, Any]] = [
+    {"type": "array", "minItems": "x"},
+    {"type": "array", "items": {"type": "string"}, "minItems": 1_000_000_000},
+    {"type": "integer", "minimum": 2**64},  # beyond what the bus carries
+    {"$ref": "#/$defs/missing"},
+]
+
+
+@pytest.mark.parametrize("params", BAD_SCHEMAS)
+async def test_unusable_tool_schemas_are_a_400(
+    stacks: Stacks, oai: openai.AsyncOpenAI, params: dict[str, Any]
+) -> None:
+    with pytest.raises(openai.BadRequestError):
+        await oai.chat.completions.create(
+            model=stacks.model,
+            messages=ASK,
+            tools=[_tool_with_params(params)],  # type: ignore[list-item]
+            tool_choice="required",
+        )
+    out = await oai.chat.completions.create(model=stacks.model, messages=ASK, max_tokens=2)
+    assert out.choices[0].finish_reason == "length"  # the worker is still serving
+
+
+async def test_binary_text_over_nats_is_refused(stacks: Stacks, nats_server: NatsServer) -> None:
+    # msgpack can carry bytes where JSON has only strings: text the filter could not read.
+    async with await Client.connect(nats_server.url) as tb:
+        for messages in (
+            [{"role": "user", "content": b"hello"}],
+            [{"role": "user", "content": [{"type": "text", "text": b"hello"}]}],
+        ):
+            with pytest.raises(E.InvalidRequest):
+                await tb.chat_completion(stacks.model, messages)
+        with pytest.raises(E.InvalidRequest):
+            await tb.chat_completion(
+                stacks.model, ASK, tools=[_tool_with_params({"maximum": 2**64})]
+            )

@@ -108,6 +108,18 @@ async def _sse_events(content: aiohttp.StreamReader) -> AsyncGenerator[bytes, No
         yield b"\n".join(data)
 
 
+_JSON = {"Content-Type": "application/json"}
+
+
+def _json(body: dict[str, Any]) -> bytes:
+    """The request as JSON; a value JSON cannot hold (bytes a NATS client sent in a carried
+    field) is the client's mistake, not the upstream's."""
+    try:
+        return json.dumps(body).encode()
+    except (TypeError, ValueError) as exc:
+        raise E.InvalidRequest(f"the request holds a value that is not JSON: {exc}") from None
+
+
 def _choice_delta(ch: dict[str, Any]) -> Delta | None:
     """A streamed choice's output as a delta (None when it carries none): one token, or as
     many as its logprobs have entries."""
@@ -198,7 +210,7 @@ class OpenAIUpstreamBackend:
         usage: dict[str, Any] | None = None
         produced = 0
         try:
-            async with session.post(self.base + path, json=body) as resp:
+            async with session.post(self.base + path, data=_json(body), headers=_JSON) as resp:
                 if resp.status != 200:
                     raise _upstream_error(resp.status, await resp.text())
                 async with aclosing(_sse_events(resp.content)) as events:
@@ -247,7 +259,9 @@ class OpenAIUpstreamBackend:
         body = {**req.extra, "model": self.model, "input": req.input, "encoding_format": "float"}
         self.in_flight += 1
         try:
-            async with session.post(self.base + "/embeddings", json=body) as resp:
+            async with session.post(
+                self.base + "/embeddings", data=_json(body), headers=_JSON
+            ) as resp:
                 text = await resp.text()
                 if resp.status != 200:
                     raise _upstream_error(resp.status, text)

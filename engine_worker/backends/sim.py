@@ -615,6 +615,10 @@ class SimExtraStream:
             self.engine.cancel(self.seq)
 
 
+# The most numbers one embeddings request may ask of the sim (its vectors are pure Python).
+MAX_EMBEDDING_FLOATS = 1 << 22
+
+
 class SimBackend:
     """The ``sim`` backend for the worker."""
 
@@ -651,6 +655,12 @@ class SimBackend:
         if not isinstance(dims, int) or isinstance(dims, bool) or not 0 < dims <= MAX_EMBEDDING_DIM:
             raise E.InvalidRequest(
                 f"dimensions must be an integer from 1 to {MAX_EMBEDDING_DIM}", param="dimensions"
+            )
+        if len(items) * dims > MAX_EMBEDDING_FLOATS:
+            raise E.InvalidRequest(
+                f"the sim embeds at most {MAX_EMBEDDING_FLOATS} numbers per request "
+                f"({len(items)} inputs x {dims} dimensions asked)",
+                param="input",
             )
         tokens = 0
         for item in items:

@@ -120,14 +120,27 @@ def instance(schema: Any) -> Any:
     (``minimum``/``maximum``, exclusive bounds, ``multipleOf``), booleans, null, ``$ref``
     into the schema (``#/$defs/...``, ``#/definitions/...``, any JSON pointer), ``anyOf``/
     ``oneOf`` (the first non-null option), ``allOf`` (merged). ``pattern`` is not honoured.
-    Raises :class:`SchemaError` for a ``$ref`` that does not resolve.
+    Raises :class:`SchemaError` for a ``$ref`` that does not resolve, a schema whose values
+    are malformed (``minItems: "x"``), or one that asks for more than :data:`MAX_NODES`
+    values (``minItems: 1000000000``): the sim answers such a request with a 400 instead of
+    working on it without bound.
     """
-    return _Builder(schema).value(schema, "$", 0, 0, 0)
+    try:
+        return _Builder(schema).value(schema, "$", 0, 0, 0)
+    except SchemaError:
+        raise
+    except (ValueError, TypeError, OverflowError, KeyError, AttributeError, RecursionError) as e:
+        raise SchemaError(f"the schema cannot be instantiated: {type(e).__name__}: {e}") from None
+
+
+# The most values (objects, arrays, scalars) one schema instance may have.
+MAX_NODES = 20_000
 
 
 class _Builder:
     def __init__(self, root: Any) -> None:
         self.root = root
+        self.nodes = 0
 
     def resolve(self, ref: str) -> Any:
         if not ref.startswith("#"):
@@ -164,6 +177,9 @@ class _Builder:
     def value(self, schema: Any, path: str, depth: int, hops: int, variant: int) -> Any:
         if depth > _MAX_DEPTH:
             raise SchemaError("schema recursion too deep")
+        self.nodes += 1
+        if self.nodes > MAX_NODES:
+            raise SchemaError(f"the schema asks for more than {MAX_NODES} values")
         if not isinstance(schema, dict):
             return None  # true (anything) or false (nothing fits)
         s = self.flatten(schema, hops)
