@@ -22,6 +22,7 @@ from types import TracebackType
 from typing import Any
 
 import nats
+import nats.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
@@ -59,11 +60,28 @@ def servers(url: str) -> list[str]:
     return [u.strip() for u in url.split(",") if u.strip()]
 
 
+class ConnectRefused(Exception):
+    """The NATS server refused this process's credentials at connect: retrying cannot help."""
+
+
+def _is_auth_error(exc: BaseException) -> bool:
+    return (
+        isinstance(exc, nats.errors.AuthorizationError)
+        or "authorization violation" in str(exc).lower()
+    )
+
+
 async def connect(
     url: str, name: str, on_reconnected: Callable[[], None] | None = None, **kw: Any
 ) -> NATS:
-    """Connect with endless reconnects and logged connection events."""
+    """Connect with endless reconnects and logged connection events.
+
+    A server that is not up yet is waited for; one that refuses the credentials at the
+    first connect raises :class:`ConnectRefused` at once (nats-py would retry forever)."""
     log = tlog.get(name)
+    loop = asyncio.get_running_loop()
+    refused: asyncio.Future[BaseException] = loop.create_future()
+    connected = False
 
     async def on_disconnect() -> None:
         log.warning("nats_disconnected")
@@ -74,21 +92,48 @@ async def connect(
             on_reconnected()
 
     async def on_error(exc: Exception) -> None:
+        if not connected and _is_auth_error(exc):
+            if not refused.done():
+                refused.set_result(exc)
+            return
         log.warning("nats_error", error=str(exc))
 
-    return await nats.connect(
-        servers(url),
-        name=name,
-        max_reconnect_attempts=-1,
-        reconnect_time_wait=0.5,
-        dont_randomize=True,  # the first URL is the preferred node; the rest are fallbacks
-        connect_timeout=5,
-        disconnected_cb=on_disconnect,
-        reconnected_cb=on_reconnect,
-        error_cb=on_error,
-        pending_size=64 * 1024 * 1024,
-        **kw,
+    attempt = asyncio.ensure_future(
+        nats.connect(
+            servers(url),
+            name=name,
+            max_reconnect_attempts=-1,
+            reconnect_time_wait=0.5,
+            dont_randomize=True,  # the first URL is the preferred node; the rest are fallbacks
+            connect_timeout=5,
+            disconnected_cb=on_disconnect,
+            reconnected_cb=on_reconnect,
+            error_cb=on_error,
+            pending_size=64 * 1024 * 1024,
+            **kw,
+        )
     )
+    try:
+        pending: set[asyncio.Future[Any]] = {attempt, refused}
+        await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not attempt.done():
+            attempt.cancel()
+            with contextlib.suppress(BaseException):
+                await attempt
+    if attempt.done() and not attempt.cancelled() and attempt.exception() is None:
+        connected = True
+        return attempt.result()
+    if refused.done():
+        user = kw.get("user")
+        who = f"user {user!r}" if user else "no credentials"
+        raise ConnectRefused(
+            f"the NATS server at {url} refused {name} ({who}): {refused.result()}. "
+            "Beside a running `tokenbus up` the credentials are found in "
+            "<data_dir>/nats-locked/nats-users.json; elsewhere set TOKENBUS_NATS_USER and "
+            "TOKENBUS_NATS_PASSWORD (the role's password from that file)."
+        )
+    return attempt.result()  # raises the connect error
 
 
 class Service:
@@ -359,11 +404,30 @@ def stop_event() -> asyncio.Event:
 
 
 async def serve_until_signalled(service: Service) -> None:
-    """Run ``service`` until SIGTERM/SIGINT, then drain it."""
+    """Run ``service`` until SIGTERM/SIGINT, then drain it. A signal while it is still
+    starting (waiting for NATS, loading an engine) stops it there."""
     stop = stop_event()
-    async with service:
+    starting = asyncio.ensure_future(service.start())
+    signalled = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({starting, signalled}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        signalled.cancel()
+    if not starting.done():
+        starting.cancel()
+        with contextlib.suppress(BaseException):
+            await starting
+        if service.nc is not None:
+            with contextlib.suppress(Exception):
+                await service.nc.close()
+        service.log.info("signal_received_while_starting")
+        return
+    starting.result()  # a failed start raises here
+    try:
         await stop.wait()
         service.log.info("signal_received")
+    finally:
+        await service.drain()
 
 
 def run(coro: Awaitable[None]) -> None:

@@ -76,6 +76,14 @@ def test_up_serves_restarts_crashed_children_and_stops_cleanly(tmp_path: Path) -
         assert key.startswith("tb-")
         assert (tmp_path / "data" / "dev-key").read_text().strip() == key
         assert (tmp_path / "data" / "dev-key").stat().st_mode & 0o777 == 0o600
+        # The printed key is an ordinary one; the admin key is kept apart, unprinted.
+        admin_file = tmp_path / "data" / "admin-key"
+        admin = admin_file.read_text().strip()
+        assert admin_file.stat().st_mode & 0o777 == 0o600
+        assert admin != key and not any(admin in ln for ln in lines)
+        keys_url = f"http://127.0.0.1:{port}/v1/admin/keys"
+        assert httpx.get(keys_url, headers={"Authorization": f"Bearer {key}"}).status_code == 403
+        assert httpx.get(keys_url, headers={"Authorization": f"Bearer {admin}"}).status_code == 200
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(
                 base_url=f"http://127.0.0.1:{port}/v1", api_key="wrong", max_retries=0

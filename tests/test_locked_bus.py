@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,9 +20,11 @@ MSG = [{"role": "user", "content": "hi"}]
 
 
 class Locked:
-    def __init__(self, tmp: Path) -> None:
+    """A nats-server on a config from ``tokenbus nats-config``, written to ``folder``."""
+
+    def __init__(self, folder: Path) -> None:
         self.port = free_port()
-        self.conf, self.users = generate(tmp / "locked", port=self.port)
+        self.conf, self.users = generate(folder, port=self.port)
         self.proc = spawn_nats(self.port, "-c", str(self.conf))
         self.url = f"nats://127.0.0.1:{self.port}"
 
@@ -37,7 +40,7 @@ class Locked:
 
 @pytest.fixture
 def locked(tmp_path: Path) -> Iterator[Locked]:
-    lk = Locked(tmp_path)
+    lk = Locked(tmp_path / "locked")
     yield lk
     lk.proc.terminate()
     lk.proc.wait(10)
@@ -117,3 +120,66 @@ async def test_every_service_works_on_the_locked_bus(locked: Locked, tmp_path: P
         for p in procs.procs:
             assert p.alive(), p.name
             assert "Permissions Violation" not in p.output(), p.name
+
+
+# -- services joining a running stack -------------------------------------------------------
+async def _heartbeats_of(lk: Locked, model: str, wait: float = 1.5) -> set[str]:
+    """Replicas of ``model`` heard on the locked bus (listening as the admin)."""
+    nc = await lk.connect("admin")
+    seen: set[str] = set()
+
+    async def cb(msg: Any) -> None:
+        hb = codec.decode_map(msg.data)
+        if hb.get("model") == model:
+            seen.add(str(hb["replica"]))
+
+    await nc.subscribe(subjects.heartbeat_wildcard(), cb=cb)
+    await asyncio.sleep(wait)
+    await nc.drain()
+    return seen
+
+
+async def test_a_worker_started_beside_a_stack_finds_its_credentials(tmp_path: Path) -> None:
+    # `tokenbus up` keeps the locked bus's credentials in <data_dir>/nats-locked: a service
+    # started by hand with the same data dir logs in as its own role without being told.
+    lk = Locked(tmp_path / "data" / "nats-locked")
+    try:
+        with Procs(lk.url, tmp_path) as procs:
+            w = procs.start(
+                "worker",
+                *("serve", "worker", "--model", "joined", "--replica", "joined-0"),
+                env={"TOKENBUS_UP__DATA_DIR": str(tmp_path / "data")},
+            )
+            for _ in range(20):
+                if "joined-0" in await _heartbeats_of(lk, "joined", 0.5):
+                    break
+            else:
+                raise AssertionError(f"the worker did not join:\n{w.output()[-2000:]}")
+            assert w.alive() and "Authorization Violation" not in w.output()
+    finally:
+        lk.proc.terminate()
+        lk.proc.wait(10)
+
+
+async def test_a_service_refused_by_the_server_exits_at_once_naming_the_fix(
+    locked: Locked, tmp_path: Path
+) -> None:
+    with Procs(locked.url, tmp_path) as procs:
+        bad = {"TOKENBUS_NATS_USER": "worker", "TOKENBUS_NATS_PASSWORD": "wrong"}
+        w = procs.start("worker", "serve", "worker", "--model", "m", env=bad)
+        code = await asyncio.to_thread(w.proc.wait, 15)
+    assert code == 2
+    out = w.output()
+    assert "refused" in out and "TOKENBUS_NATS_PASSWORD" in out and "nats-users.json" in out
+    assert out.count("Authorization Violation") <= 1  # said once, not retried forever
+
+
+async def test_sigterm_ends_a_service_still_waiting_for_nats(tmp_path: Path) -> None:
+    nowhere = f"nats://127.0.0.1:{free_port()}"
+    with Procs(nowhere, tmp_path) as procs:
+        p = procs.start("ingress", "serve", "ingress")
+        await asyncio.sleep(2.0)
+        assert p.alive()
+        p.signal(signal.SIGTERM)
+        code = await asyncio.to_thread(p.proc.wait, 10)
+    assert code == 0

@@ -123,8 +123,10 @@ class Supervisor:
                     await c.proc.wait()  # type: ignore[union-attr]
 
 
-async def ensure_dev_key(url: str, path: Path, auth: dict[str, str]) -> str:
-    """The development API key: created on first start, then read from ``path`` (0600)."""
+async def ensure_dev_key(
+    url: str, path: Path, auth: dict[str, str], *, name: str = "dev", admin: bool = False
+) -> str:
+    """A development API key: created on first start, then read from ``path`` (0600)."""
     if path.exists():
         return path.read_text().strip()
     import nats
@@ -139,7 +141,7 @@ async def ensure_dev_key(url: str, path: Path, auth: dict[str, str]) -> str:
     nc = await nats.connect(url, **login)
     try:
         store = await KeyStore(nc).open(watch=False)
-        key, _ = await store.create("dev", owner="tokenbus up", admin=True)
+        key, _ = await store.create(name, owner="tokenbus up", admin=admin)
     finally:
         await nc.drain()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -284,12 +286,17 @@ def _as_role(env: dict[str, str], users: Path | None, role: str) -> dict[str, st
 
 
 async def _dev_key_if_needed(settings: Settings, data: Path, users: Path | None) -> str | None:
-    """The development API key when the pipeline checks keys, else None."""
+    """The development API key (an ordinary key, for requests) when the pipeline checks
+    keys, else None; the admin key (for the key and routing admin API) is kept apart in
+    ``admin-key``, also 0600, and not printed."""
     if subjects.STAGE_AUTH not in settings.ingress.pipeline:
         return None
-    return await ensure_dev_key(
-        settings.url(), data / "dev-key", role_env(users, "admin") if users else {}
-    )
+    auth = role_env(users, "admin") if users else {}
+    dev, admin = data / "dev-key", data / "admin-key"
+    if dev.exists() and not admin.exists():
+        dev.rename(admin)  # an older `tokenbus up` made the dev key an admin key
+    await ensure_dev_key(settings.url(), admin, auth, name="admin", admin=True)
+    return await ensure_dev_key(settings.url(), dev, auth)
 
 
 async def _start_services(
@@ -345,8 +352,9 @@ def _print_welcome(
     )
     auth = f" -H 'Authorization: Bearer {dev_key}'" if dev_key else ""
     if dev_key:
-        print(f"  dev API key (admin; kept in {data / 'dev-key'}):")
+        print(f"  dev API key (for requests; kept in {data / 'dev-key'}):")
         print(f"  {dev_key}")
+        print(f"  admin API key (keys and routing admin API): in {data / 'admin-key'}, mode 0600")
     print(
         "  try: curl -s "
         + base

@@ -164,15 +164,29 @@ def _settings(a: argparse.Namespace) -> cfgmod.Settings:
     if a.cmd == "serve":
         over["bridge"]["processes"] = a.processes
     s = cfgmod.load(a.config, **over)
-    if a.cmd in ("status", "keys", "bench") and not s.nats_user:
-        # Operator commands next to a `tokenbus up` log in as its admin on the locked bus.
+    role = _local_role(a)
+    if role and not s.nats_user:
+        # Beside a `tokenbus up`, operator commands log in as its admin and services as their
+        # own role on its locked bus, from the credentials it generated.
         from pathlib import Path
 
         users = Path(s.up.data_dir) / "nats-locked" / "nats-users.json"
         if users.exists():
-            admin = json.loads(users.read_text())["admin"]
-            s = s.model_copy(update={"nats_user": "admin", "nats_password": admin})
+            password = json.loads(users.read_text()).get(role)
+            if password:
+                s = s.model_copy(update={"nats_user": role, "nats_password": password})
     return s
+
+
+def _local_role(a: argparse.Namespace) -> str | None:
+    """The NATS role a command runs as on the locked bus of a local ``tokenbus up``."""
+    if a.cmd in ("status", "keys", "bench", "router"):
+        return "admin"
+    if a.cmd == "serve":
+        from services.natsconf import SERVICE_ROLE
+
+        return SERVICE_ROLE.get(a.service)
+    return None
 
 
 async def _serve(a: argparse.Namespace, s: cfgmod.Settings) -> int:
@@ -308,7 +322,13 @@ def main(argv: list[str] | None = None) -> None:
 
             rc = await up(s, config_file=a.config)
         elif a.cmd == "serve":
-            rc = await _serve(a, s)
+            from services.runtime import ConnectRefused
+
+            try:
+                rc = await _serve(a, s)
+            except ConnectRefused as exc:
+                print(f"error: {exc}", file=sys.stderr)
+                rc = 2
         elif a.cmd == "status":
             rc = await _status(a, s)
         elif a.cmd == "nats-config":
