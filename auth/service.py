@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from nats.aio.msg import Msg
 
+from auth.callout import CalloutCredentials, CalloutResponder
 from auth.store import KeyStore
 from bus_schemas import headers as H
 from bus_schemas import subjects
@@ -36,11 +37,19 @@ class Auth(Service):
 
     async def setup(self) -> None:
         self.keys = await KeyStore(self.nc).open()
+        self.callout: CalloutResponder | None = None
+        if self.settings.nats_callout:
+            # NATS clients log in with their key: this service answers the server for them.
+            creds = CalloutCredentials.load(self.settings.nats_callout)
+            self.callout = CalloutResponder(self.keys, self.settings.url(), creds, self.log)
+            await self.callout.start()
         await self.add_endpoint(
             "auth", subjects.stage(subjects.STAGE_AUTH), self.handle, queue=subjects.STAGE_AUTH
         )
 
     async def on_stop(self) -> None:
+        if self.callout is not None:
+            await self.callout.stop()
         await self.keys.close()
 
     async def handle(self, msg: Msg) -> None:

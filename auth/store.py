@@ -2,6 +2,10 @@
 
 Each instance keeps a cache fed by a KV watch, so a revocation or an update reaches every
 instance as fast as NATS delivers it (milliseconds), well inside the one second promised.
+
+Administrative changes name their ``actor`` (``key:<admin key id>``, ``cli:<user>@<host>``):
+each is then recorded in the audit trail (:mod:`services.audit`), and refused when it
+cannot be. Without an actor (tests, internal tools) nothing is recorded.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from nats.js.kv import KeyValue
 
 from auth.keys import KeyRecord, hash_key, key_id_of, matches, new_key
 from bus_schemas import errors as E
+from services import audit
 
 BUCKET = "tokenbus_keys"
 
@@ -69,12 +74,29 @@ class KeyStore:
         return self.kv
 
     # -- administration ---------------------------------------------------------------------
-    async def create(self, name: str, **fields: Any) -> tuple[str, KeyRecord]:
-        """A new key; the key itself is returned here and never again."""
+    async def create(
+        self, name: str, *, actor: str | None = None, request_id: str | None = None, **fields: Any
+    ) -> tuple[str, KeyRecord]:
+        """A new key; the key itself is returned here and never again (nor audited)."""
         key, key_id = new_key()
         rec = KeyRecord(id=key_id, name=name, hash=hash_key(key), **fields)
-        await self._kv().create(key_id, rec.model_dump_json().encode())
-        self._cache[key_id] = rec
+        try:
+            async with audit.change(
+                self.nc, audit.KEY_CREATED, key_id, actor, request_id=request_id
+            ) as change:
+                await self._kv().create(key_id, rec.model_dump_json().encode())
+                self._cache[key_id] = rec
+                change.details = rec.model_dump(exclude={"id", "hash", "created_at", "enabled"})
+        except audit.AuditIncomplete as exc:
+            # Nobody has seen the key yet: take it back, so the trail misses nothing.
+            try:
+                await self._kv().delete(key_id)
+            except Exception:
+                raise exc from None
+            self._cache.pop(key_id, None)
+            raise audit.AuditUnavailable(
+                f"{exc.reason}; the new key {key_id} was deleted again, nothing was created"
+            ) from None
         return key, rec
 
     async def get(self, key_id: str) -> KeyRecord:
@@ -97,18 +119,51 @@ class KeyStore:
                 out.append(await self.get(key_id))
         return sorted(out, key=lambda r: r.created_at)
 
-    async def update(self, key_id: str, **fields: Any) -> KeyRecord:
+    async def update(
+        self,
+        key_id: str,
+        *,
+        actor: str | None = None,
+        request_id: str | None = None,
+        **fields: Any,
+    ) -> KeyRecord:
+        """Set the fields given (None: leave as is)."""
+        changes = {k: v for k, v in fields.items() if v is not None}
+        async with audit.change(
+            self.nc, audit.KEY_UPDATED, key_id, actor, request_id=request_id
+        ) as change:
+            rec, new = await self._update(key_id, changes)
+            shown = [k for k in changes if k != "hash"]
+            change.details = {
+                "changes": {k: getattr(new, k, None) for k in shown},
+                "previous": {k: getattr(rec, k, None) for k in shown},
+            }
+        return new
+
+    async def revoke(
+        self, key_id: str, *, actor: str | None = None, request_id: str | None = None
+    ) -> KeyRecord:
+        async with audit.change(
+            self.nc, audit.KEY_REVOKED, key_id, actor, request_id=request_id
+        ) as change:
+            rec, new = await self._update(key_id, {"enabled": False})
+            change.details = {"name": rec.name, "was_enabled": rec.enabled}
+        return new
+
+    async def _update(self, key_id: str, changes: dict[str, Any]) -> tuple[KeyRecord, KeyRecord]:
+        """(the record before, after) ``changes``."""
         rec = await self.get(key_id)
-        new = rec.model_copy(update={k: v for k, v in fields.items() if v is not None})
+        new = rec.model_copy(update=changes)
         KeyRecord.model_validate(new.model_dump())
         await self._kv().put(key_id, new.model_dump_json().encode())
         self._cache[key_id] = new
-        return new
-
-    async def revoke(self, key_id: str) -> KeyRecord:
-        return await self.update(key_id, enabled=False)
+        return rec, new
 
     # -- authentication ---------------------------------------------------------------------
+    def record(self, key_id: str) -> KeyRecord | None:
+        """The cached record of ``key_id`` (None when there is none)."""
+        return self._cache.get(key_id)
+
     def lookup(self, key: str | None) -> KeyRecord:
         """The record of a presented key, or :class:`E.Unauthorized` (never says which part
         was wrong beyond what the caller already knows)."""

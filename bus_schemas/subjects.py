@@ -105,6 +105,17 @@ def usage(owner: str | None = None) -> str:
     return f"{PREFIX}.usage" if owner is None else f"{PREFIX}.usage.{token(owner)}"
 
 
+def audit(action: str) -> str:
+    """Where one audit event of ``action`` (``key.created``, ``routing.changed``...) is
+    published; each dotted part becomes one subject token."""
+    return f"{PREFIX}.audit." + ".".join(token(part) for part in action.split("."))
+
+
+def audit_wildcard() -> str:
+    """Every audit event: the subjects of the audit stream."""
+    return f"{PREFIX}.audit.>"
+
+
 def admin(service: str, action: str) -> str:
     """Administrative calls handled by one service."""
     return f"{PREFIX}.admin.{service}.{action}"
@@ -131,3 +142,9 @@ def split_inbox(reply: str) -> tuple[str, str] | None:
 def inbox_prefix(owner: str) -> str:
     """A per-process inbox prefix; replies for every request of that process land under it."""
     return f"_INBOX.tb.{token(owner)}"
+
+
+def key_inbox_root(key_id: str) -> str:
+    """Where the inboxes of every NATS connection logged in with API key ``key_id`` live: on
+    the locked bus such a connection may subscribe under it and nowhere else."""
+    return f"_INBOX.tbk.{token(key_id)}"

@@ -7,6 +7,10 @@ POST   /v1/admin/keys            create: {"name", "models", "rpm", "tpm", "max_c
 GET    /v1/admin/keys/{id}       show
 PATCH  /v1/admin/keys/{id}       update the same fields, or {"enabled": true}
 DELETE /v1/admin/keys/{id}       revoke
+
+Each change is recorded in the audit trail (:mod:`services.audit`) with the admin key's id
+as the actor and the request id (``X-Request-Id``, or a fresh one, sent back in the
+response); when the trail cannot be written the change is refused (503).
 """
 
 from __future__ import annotations
@@ -24,7 +28,9 @@ from auth.keys import KeyRecord, parse_duration
 from auth.store import KeyStore
 from bus_schemas import errors as E
 from bus_schemas import headers as H
-from gateway.asgi import Receive, Scope, Send, api_key, send_error, send_json
+from gateway.asgi import Headers, Receive, Scope, Send, api_key, header, send_error, send_json
+from gateway.ingress import clean_request_id
+from services import audit
 
 PREFIX = "/v1/admin/keys"
 
@@ -84,6 +90,15 @@ async def answer_errors(
         await send_error(send, E.InvalidRequest(str(exc)))
 
 
+def audit_context(scope: Scope, caller: KeyRecord) -> tuple[dict[str, str], Headers]:
+    """The audit keywords of a change by ``caller`` (actor and request id) and the response
+    header that tells the request id."""
+    rid = clean_request_id(header(scope, b"x-request-id"))
+    return {"actor": audit.key_actor(caller.id), "request_id": rid}, [
+        (b"x-request-id", rid.encode())
+    ]
+
+
 def invalid(exc: ValidationError) -> E.InvalidRequest:
     first = exc.errors()[0]
     loc = ".".join(str(p) for p in first.get("loc", ()))
@@ -134,10 +149,11 @@ class AdminAPI:
         return caller
 
     async def _handle(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await self.authorize(scope)
+        caller = await self.authorize(scope)
         store = await self.store()
         method = scope["method"]
         rest = scope["path"].rstrip("/")[len(PREFIX) :].strip("/")
+        who, hdrs = audit_context(scope, caller)
         if not rest:
             if method == "GET":
                 await send_json(
@@ -151,18 +167,18 @@ class AdminAPI:
                 upd = f.updates()
                 name = upd.pop("name")
                 upd.pop("enabled", None)
-                key, rec = await store.create(name, **upd)
-                await send_json(send, 201, {**rec.public(), "key": key})
+                key, rec = await store.create(name, **who, **upd)
+                await send_json(send, 201, {**rec.public(), "key": key}, hdrs)
                 return
         elif "/" not in rest:
             if method == "GET":
                 await send_json(send, 200, (await store.get(rest)).public())
                 return
             if method == "PATCH":
-                rec = await store.update(rest, **(await self._body(receive)).updates())
-                await send_json(send, 200, rec.public())
+                rec = await store.update(rest, **who, **(await self._body(receive)).updates())
+                await send_json(send, 200, rec.public(), hdrs)
                 return
             if method == "DELETE":
-                await send_json(send, 200, (await store.revoke(rest)).public())
+                await send_json(send, 200, (await store.revoke(rest, **who)).public(), hdrs)
                 return
         raise E.NotFound(f"no route for {method} {scope['path']}")

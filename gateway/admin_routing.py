@@ -8,7 +8,9 @@ PUT    /v1/admin/routing/{model}   change it: a partial routing, e.g.
                                     "tiered": {"threshold": 32}}
 DELETE /v1/admin/routing/{model}   drop the change (back to the configuration)
 
-Changes go to the KV bucket every router watches (see :mod:`router.routing`).
+Changes go to the KV bucket every router watches (see :mod:`router.routing`) and to the
+audit trail (``routing.changed``, the admin key's id as the actor), or are refused (503)
+when the trail cannot be written.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from urllib.parse import unquote
 from nats.aio.client import Client as NATS
 
 from bus_schemas import errors as E
-from gateway.admin_keys import AdminAPI, answer_errors, read_json
+from gateway.admin_keys import AdminAPI, answer_errors, audit_context, read_json
 from gateway.asgi import Receive, Scope, Send, send_json
 from router.routing import clear_override, list_overrides, set_override, validate_override
 from services.config import RouterSettings
@@ -43,7 +45,8 @@ class RoutingAdmin:
         return {"model": model, "routing": spec.model_dump(), "override": override or None}
 
     async def _handle(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await self.admin.authorize(scope)
+        caller = await self.admin.authorize(scope)
+        who, hdrs = audit_context(scope, caller)
         method = scope["method"]
         model = unquote(scope["path"].rstrip("/")[len(PREFIX) :].strip("/"))
         try:
@@ -66,11 +69,11 @@ class RoutingAdmin:
             if not isinstance(body, dict) or not body:
                 raise E.InvalidRequest("the body must be a JSON object with the fields to change")
             validate_override(self.cfg, model, body)
-            await set_override(self.nc, model, body)
-            await send_json(send, 200, self._view(model, body))
+            await set_override(self.nc, model, body, **who)
+            await send_json(send, 200, self._view(model, body), hdrs)
             return
         elif method == "DELETE":
-            await clear_override(self.nc, model)
-            await send_json(send, 200, self._view(model, None))
+            await clear_override(self.nc, model, **who)
+            await send_json(send, 200, self._view(model, None), hdrs)
             return
         raise E.NotFound(f"no route for {method} {scope['path']}")

@@ -28,6 +28,7 @@ from router.policies import (
     make_load_policy,
 )
 from router.registry import Replica
+from services import audit
 from services.config import ModelRouting, RouterSettings
 
 BUCKET = "tokenbus_routing"
@@ -184,15 +185,52 @@ def validate_override(cfg: RouterSettings, model: str, override: dict[str, Any])
     return spec
 
 
-async def set_override(nc: NATS, model: str, override: dict[str, Any]) -> None:
-    kv = await open_bucket(nc)
-    await kv.put(kv_key(model), json.dumps(override).encode())
+async def set_override(
+    nc: NATS,
+    model: str,
+    override: dict[str, Any],
+    *,
+    actor: str | None = None,
+    request_id: str | None = None,
+) -> None:
+    """Change ``model``'s routing on every router; with an ``actor``, audited
+    (``routing.changed``, refused when the audit trail cannot be written)."""
+    async with audit.change(
+        nc, audit.ROUTING_CHANGED, model, actor, request_id=request_id
+    ) as change:
+        kv = await open_bucket(nc)
+        previous = await _current(kv, model)
+        await kv.put(kv_key(model), json.dumps(override).encode())
+        change.details = {"override": override, "previous": previous}
 
 
-async def clear_override(nc: NATS, model: str) -> None:
-    kv = await open_bucket(nc)
-    with contextlib.suppress(KeyNotFoundError):
-        await kv.delete(kv_key(model))
+async def clear_override(
+    nc: NATS, model: str, *, actor: str | None = None, request_id: str | None = None
+) -> None:
+    """Back to the configured routing for ``model``; audited like :func:`set_override`."""
+    async with audit.change(
+        nc, audit.ROUTING_CHANGED, model, actor, request_id=request_id
+    ) as change:
+        kv = await open_bucket(nc)
+        previous = await _current(kv, model)
+        with contextlib.suppress(KeyNotFoundError):
+            await kv.delete(kv_key(model))
+        change.details = {"override": None, "reset": True, "previous": previous}
+
+
+async def _current(kv: KeyValue, model: str) -> dict[str, Any] | None:
+    """``model``'s run-time change now, None when it has none."""
+    try:
+        entry = await kv.get(kv_key(model))
+    except KeyNotFoundError:
+        return None
+    if not entry.value:
+        return None
+    try:
+        value = json.loads(entry.value)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
 
 
 async def list_overrides(nc: NATS) -> dict[str, dict[str, Any]]:

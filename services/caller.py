@@ -605,10 +605,19 @@ class Stream:
 class Caller:
     """Sends requests on the bus and reads their frames from a private inbox."""
 
-    def __init__(self, nc: NATS, *, owner: str | None = None, own_connection: bool = False):
+    def __init__(
+        self,
+        nc: NATS,
+        *,
+        owner: str | None = None,
+        own_connection: bool = False,
+        inbox_prefix: str | None = None,
+    ):
         self.nc = nc
         self._own = own_connection
-        self._prefix = subjects.inbox_prefix(owner or uuid.uuid4().hex)
+        # ``inbox_prefix``: where this caller may subscribe (a key's inbox root on the locked
+        # bus); else one of its own.
+        self._prefix = inbox_prefix or subjects.inbox_prefix(owner or uuid.uuid4().hex)
         self._streams: dict[str, Stream] = {}
         self._tombstones: OrderedDict[str, tuple[float, str]] = OrderedDict()
         self._sub: Any = None

@@ -290,6 +290,11 @@ class Settings(BaseSettings):
     )
     nats_user: str | None = Field(default=None, description="NATS user (locked bus).")
     nats_password: str | None = Field(default=None, description="NATS password (locked bus).")
+    nats_callout: str = Field(
+        default="",
+        description="The locked bus's callout.json: the auth service then answers the "
+        "server's auth callout, logging NATS clients in by their API key.",
+    )
     log_level: str = "info"
     drain_timeout_s: float = Field(default=30.0, description="How long in-flight work may finish.")
     metrics_port: int = Field(

@@ -15,11 +15,13 @@ connection and the calls users make.
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Sequence
 from typing import Any
 
 import nats
 
+from auth.keys import key_id_of
 from bus_schemas import headers as H
 from bus_schemas import subjects
 from services.caller import (
@@ -38,9 +40,18 @@ __all__ = ["Chunk", "Client", "Completion", "EmbeddingResult", "Stream", "Usage"
 class Client(Caller):
     """tokenbus over NATS: publish requests to ingress, read frames from a private inbox."""
 
+    api_key: str | None = None
+
     @classmethod
-    async def connect(cls, url: str = "nats://127.0.0.1:4222", **options: Any) -> Client:
-        """Connect to NATS and start a client that owns the connection."""
+    async def connect(
+        cls, url: str = "nats://127.0.0.1:4222", *, api_key: str | None = None, **options: Any
+    ) -> Client:
+        """Connect to NATS and start a client that owns the connection.
+
+        ``api_key``: log in to the locked bus of ``tokenbus up`` with a tokenbus API key (the
+        server's auth callout checks it and scopes the connection to that key: requests out,
+        its own inbox in); every request then carries it too. ``options`` are nats-py's
+        (``user``/``password`` for a role login)."""
         options.setdefault("name", "tokenbus-client")
         options.setdefault("max_reconnect_attempts", -1)
         options.setdefault("dont_randomize", True)  # several URLs: the first is preferred
@@ -51,9 +62,16 @@ class Client(Caller):
                 holder[0].connection_broke()
 
         options.setdefault("reconnected_cb", reconnected)
+        prefix = None
+        if api_key:
+            options.setdefault("token", api_key)
+            key_id = key_id_of(api_key)
+            if key_id:  # the only place the server lets a key's connection subscribe
+                prefix = f"{subjects.key_inbox_root(key_id)}.{uuid.uuid4().hex}"
         # Several URLs separated by commas: the nodes of a cluster.
         nc = await nats.connect([u.strip() for u in url.split(",") if u.strip()], **options)
-        client = cls(nc, own_connection=True)
+        client = cls(nc, own_connection=True, inbox_prefix=prefix)
+        client.api_key = api_key
         holder.append(client)
         await client.start()
         return client
@@ -79,7 +97,7 @@ class Client(Caller):
             subjects.KIND_CHAT,
             body,
             timeout=timeout,
-            api_key=api_key,
+            api_key=api_key or self.api_key,
             request_id=request_id,
             headers={H.SESSION: session} if session else None,
         )
@@ -101,7 +119,7 @@ class Client(Caller):
             subjects.KIND_COMPLETIONS,
             body,
             timeout=timeout,
-            api_key=api_key,
+            api_key=api_key or self.api_key,
             request_id=request_id,
             headers={H.SESSION: session} if session else None,
         )
@@ -134,7 +152,7 @@ class Client(Caller):
             subjects.KIND_EMBEDDINGS,
             body,
             timeout=timeout,
-            api_key=api_key,
+            api_key=api_key or self.api_key,
             request_id=request_id,
         )
         return await stream.collect_embeddings()

@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bus_schemas import errors as E
 from bus_schemas import subjects
 from services.config import BridgeSettings, Settings
 from services.natsconf import generate, role_env
@@ -126,12 +127,13 @@ class Supervisor:
 async def ensure_dev_key(
     url: str, path: Path, auth: dict[str, str], *, name: str = "dev", admin: bool = False
 ) -> str:
-    """A development API key: created on first start, then read from ``path`` (0600)."""
-    if path.exists():
-        return path.read_text().strip()
+    """A development API key: created on first start, then read from ``path`` (0600) — and
+    made again when the key store no longer holds it (a fresh JetStream, another account)."""
     import nats
 
+    from auth.keys import key_id_of, matches
     from auth.store import KeyStore
+    from services import audit
 
     login = (
         {"user": auth["TOKENBUS_NATS_USER"], "password": auth["TOKENBUS_NATS_PASSWORD"]}
@@ -141,7 +143,14 @@ async def ensure_dev_key(
     nc = await nats.connect(url, **login)
     try:
         store = await KeyStore(nc).open(watch=False)
-        key, _ = await store.create(name, owner="tokenbus up", admin=admin)
+        if path.exists():
+            key = path.read_text().strip()
+            key_id = key_id_of(key)
+            with contextlib.suppress(E.NotFound):
+                rec = await store.get(key_id) if key_id else None
+                if rec is not None and rec.enabled and matches(key, rec):
+                    return key
+        key, _ = await store.create(name, owner="tokenbus up", admin=admin, actor=audit.cli_actor())
     finally:
         await nc.drain()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -266,7 +275,14 @@ def _nats_server_args(settings: Settings, data: Path, port: int) -> tuple[list[s
     """nats-server's arguments: a generated config with a user per role when locked, else
     flags for an open server on localhost; and the users file when locked."""
     if settings.up.locked:
-        conf, users = generate(data / "nats-locked", port=port, store_dir=str(data / "nats"))
+        # With API keys, NATS clients log in with their key (the auth service answers the
+        # server's auth callout); without, with the shared client role.
+        conf, users = generate(
+            data / "nats-locked",
+            port=port,
+            store_dir=str(data / "nats"),
+            callout=subjects.STAGE_AUTH in settings.ingress.pipeline,
+        )
         return ["-c", str(conf)], users
     return ["-a", "127.0.0.1", "-p", str(port), "-js", "-sd", str(data / "nats")], None
 
@@ -281,8 +297,15 @@ async def _wait_port_open(port: int) -> bool:
 
 
 def _as_role(env: dict[str, str], users: Path | None, role: str) -> dict[str, str]:
-    """``env`` plus the NATS login of ``role`` when the bus is locked."""
-    return {**env, **role_env(users, role)} if users else env
+    """``env`` plus the NATS login of ``role`` when the bus is locked (and, for the auth
+    service, the callout's credentials when clients log in with keys)."""
+    if not users:
+        return env
+    out = {**env, **role_env(users, role)}
+    callout = users.parent / "callout.json"
+    if role == "auth" and callout.exists():
+        out["TOKENBUS_NATS_CALLOUT"] = str(callout)
+    return out
 
 
 async def _dev_key_if_needed(settings: Settings, data: Path, users: Path | None) -> str | None:

@@ -140,6 +140,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     router_cli.add_parser(sub)
 
+    from tokenbus.cli import audit as audit_cli
+
+    audit_cli.add_parser(sub)
+
     rp = sub.add_parser("report", help="summary table and plots from the telemetry store")
     rp.add_argument("--db", help="SQLite store (default: telemetry.db_path)")
     rp.add_argument("--out", default="tokenbus-report", help="folder for the files")
@@ -175,12 +179,15 @@ def _settings(a: argparse.Namespace) -> cfgmod.Settings:
             password = json.loads(users.read_text()).get(role)
             if password:
                 s = s.model_copy(update={"nats_user": role, "nats_password": password})
+            callout = users.parent / "callout.json"
+            if role == "auth" and callout.exists() and not s.nats_callout:
+                s = s.model_copy(update={"nats_callout": str(callout)})
     return s
 
 
 def _local_role(a: argparse.Namespace) -> str | None:
     """The NATS role a command runs as on the locked bus of a local ``tokenbus up``."""
-    if a.cmd in ("status", "keys", "bench", "router"):
+    if a.cmd in ("status", "keys", "bench", "router", "audit"):
         return "admin"
     if a.cmd == "serve":
         from services.natsconf import SERVICE_ROLE
@@ -344,6 +351,10 @@ def main(argv: list[str] | None = None) -> None:
             from tokenbus.cli import keys as keys_cli
 
             rc = await keys_cli.main(a, s.url(), s.nats_auth())
+        elif a.cmd == "audit":
+            from tokenbus.cli import audit as audit_cli
+
+            rc = await audit_cli.run(a, s)
         elif a.cmd == "bench":
             from tokenbus.evaluation import bench
 

@@ -1,7 +1,9 @@
 """``tokenbus keys create|list|show|revoke|update``: operator access to the key store.
 
 It talks to JetStream KV directly (whoever may reach the bus as admin may manage keys);
-``create`` prints the new key alone on its last line so scripts can capture it.
+``create`` prints the new key alone on its last line so scripts can capture it. Each change
+is recorded in the audit trail as ``cli:<os user>@<host>`` (``tokenbus audit``); when the
+trail cannot be written the change is refused (or, if it was made, the error says so).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import nats
 from auth.keys import KeyRecord, parse_duration
 from auth.store import KeyStore
 from bus_schemas import errors as E
+from services import audit
 
 
 def _csv(text: str | None) -> list[str] | None:
@@ -83,9 +86,10 @@ async def main(a: argparse.Namespace, url: str, auth: dict[str, str] | None = No
         print(f"error: cannot reach NATS at {url}: {exc}")
         return 1
     store = await KeyStore(nc).open(watch=False)
+    actor = audit.cli_actor()
     try:
         if a.keys_cmd == "create":
-            key, rec = await store.create(a.name, admin=a.admin, **_fields(a))
+            key, rec = await store.create(a.name, actor=actor, admin=a.admin, **_fields(a))
             if a.json:
                 print(json.dumps(rec.public()))
             else:
@@ -105,14 +109,14 @@ async def main(a: argparse.Namespace, url: str, auth: dict[str, str] | None = No
         elif a.keys_cmd == "show":
             _show(await store.get(a.key_id), a.json)
         elif a.keys_cmd == "revoke":
-            _show(await store.revoke(a.key_id), a.json)
+            _show(await store.revoke(a.key_id, actor=actor), a.json)
         elif a.keys_cmd == "update":
             f = _fields(a)
             if a.name:
                 f["name"] = a.name
             if a.enable:
                 f["enabled"] = True
-            _show(await store.update(a.key_id, **f), a.json)
+            _show(await store.update(a.key_id, actor=actor, **f), a.json)
     except E.TokenbusError as exc:
         print(f"error: {exc.message}")
         return 1

@@ -1,4 +1,8 @@
-"""``tokenbus router train|set|show|reset``: the expert classifier and run-time routing."""
+"""``tokenbus router train|set|show|reset``: the expert classifier and run-time routing.
+
+``set`` and ``reset`` are recorded in the audit trail as ``cli:<os user>@<host>``
+(``tokenbus audit``); when the trail cannot be written the change is refused.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +12,8 @@ from typing import Any
 
 import nats
 
+from bus_schemas import errors as E
+from services import audit
 from services.config import Settings
 
 
@@ -131,10 +137,10 @@ async def main(a: argparse.Namespace, s: Settings) -> int:
             except (ValueError, OSError) as exc:
                 print(f"error: {exc}")
                 return 2
-            await set_override(nc, a.model, override)
+            await set_override(nc, a.model, override, actor=audit.cli_actor())
             print(json.dumps({"model": a.model, "routing": spec.model_dump()}))
         elif a.router_cmd == "reset":
-            await clear_override(nc, a.model)
+            await clear_override(nc, a.model, actor=audit.cli_actor())
             print(f"{a.model}: back to the configured routing")
         elif a.router_cmd == "show":
             overrides = await list_overrides(nc)
@@ -148,6 +154,9 @@ async def main(a: argparse.Namespace, s: Settings) -> int:
                 print(f"default: {s.router.routing_for('').model_dump(exclude_defaults=True)}")
                 for m, o in out.items():
                     print(f"{m}: {o}")
+    except E.TokenbusError as exc:
+        print(f"error: {exc.message}")
+        return 1
     finally:
         await nc.drain()
     return 0

@@ -1,0 +1,181 @@
+"""One identity per API key on NATS: the locked bus with nats-server's auth callout answered
+by the auth service (a real nats-server on the generated config, real processes)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import nats
+import pytest
+
+from auth.keys import key_id_of
+from auth.store import KeyStore
+from bus_schemas import subjects
+from services.natsconf import generate, role_env
+from tests.conftest import Procs, free_port, spawn_nats, start_stack
+from tokenbus import Client, TokenbusError
+
+MSG = [{"role": "user", "content": "tell me a story"}]
+
+
+class CalloutBus:
+    """A nats-server on ``tokenbus nats-config`` output with the auth callout on."""
+
+    def __init__(self, folder: Path) -> None:
+        self.port = free_port()
+        self.conf, self.users = generate(folder, port=self.port, callout=True)
+        self.callout = folder / "callout.json"
+        self.proc = spawn_nats(self.port, "-c", str(self.conf))
+        self.url = f"nats://127.0.0.1:{self.port}"
+
+    def env(self, role: str) -> dict[str, str]:
+        env = role_env(self.users, role)
+        if role == "auth":
+            env["TOKENBUS_NATS_CALLOUT"] = str(self.callout)
+        return env
+
+    async def connect(self, role: str, **kw: Any) -> nats.aio.client.Client:
+        e = self.env(role)
+        return await nats.connect(
+            self.url, user=e["TOKENBUS_NATS_USER"], password=e["TOKENBUS_NATS_PASSWORD"], **kw
+        )
+
+
+class Tenants:
+    def __init__(self, bus: CalloutBus, model: str, a: str, b: str, admin: Any) -> None:
+        self.bus = bus
+        self.model = model
+        self.a = a
+        self.b = b
+        self.admin = admin
+
+
+@pytest.fixture
+def bus(tmp_path: Path) -> Iterator[CalloutBus]:
+    b = CalloutBus(tmp_path / "locked")
+    yield b
+    b.proc.terminate()
+    b.proc.wait(10)
+
+
+@pytest.fixture
+async def tenants(bus: CalloutBus, tmp_path: Path) -> AsyncIterator[Tenants]:
+    model = "tenant-model"
+    with Procs(bus.url, tmp_path) as procs:
+        await start_stack(
+            procs,
+            model,
+            "ingress",
+            "auth",
+            "router",
+            bridge=False,
+            worker_args=("--sim-decode-ms", "20"),
+            env={"TOKENBUS_INGRESS__PIPELINE": '["auth", "route"]'},
+            env_for=lambda role, _: bus.env(role),
+            heartbeats=False,
+        )
+        admin = await bus.connect("admin")
+        store = await KeyStore(admin).open(watch=False)
+        a, _ = await store.create("tenant-a")
+        b, _ = await store.create("tenant-b")
+        # The auth service's watched store learns of the keys, then the replica beats.
+        await _serve_when_ready(bus, a, model)
+        yield Tenants(bus, model, a, b, store)
+        await admin.drain()
+
+
+async def _serve_when_ready(bus: CalloutBus, key: str, model: str, timeout: float = 20) -> None:
+    deadline = time.monotonic() + timeout
+    last: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            async with await Client.connect(bus.url, api_key=key) as tb:
+                await tb.chat_completion(model, MSG, max_tokens=1, timeout=5)
+                return
+        except Exception as exc:  # not logged in or no replica yet
+            last = exc
+            await asyncio.sleep(0.3)
+    raise AssertionError(f"the stack did not serve: {last!r}")
+
+
+async def test_an_unknown_key_is_refused_at_connect(tenants: Tenants) -> None:
+    for token in ("tb-000000000000_nope", "not a key", ""):
+        with pytest.raises(Exception, match="Authorization"):
+            await nats.connect(
+                tenants.bus.url, token=token, allow_reconnect=False, max_reconnect_attempts=0
+            )
+    # Without a key and without a role login: refused too.
+    with pytest.raises(Exception, match="Authorization"):
+        await nats.connect(tenants.bus.url, allow_reconnect=False, max_reconnect_attempts=0)
+
+
+async def test_a_key_cannot_read_or_cut_another_keys_stream(tenants: Tenants) -> None:
+    errors: list[str] = []
+    got: list[str] = []
+
+    async def on_error(exc: Exception) -> None:
+        errors.append(str(exc))
+
+    async def spy_cb(msg: Any) -> None:
+        got.append(msg.subject)
+
+    spy = await nats.connect(tenants.bus.url, token=tenants.a, error_cb=on_error)
+    for subject in ("_INBOX.>", ">", f"{subjects.key_inbox_root('x')}.>", "tb.v1.>"):
+        await spy.subscribe(subject, cb=spy_cb)
+    # What key A may subscribe to: its own inbox root (nothing of B's arrives there).
+    await spy.subscribe(f"{subjects.key_inbox_root(key_id_of(tenants.a) or '')}.>", cb=spy_cb)
+    await spy.flush()
+    await asyncio.sleep(0.3)
+    async with await Client.connect(tenants.bus.url, api_key=tenants.b) as tb:
+        out = await tb.chat_completion(tenants.model, MSG, max_tokens=12)
+    assert out.usage.completion_tokens == 12
+    await asyncio.sleep(0.3)
+    assert got == []  # not one frame of B's stream, not one of anybody's
+    assert sum("permissions violation for subscription" in e.lower() for e in errors) == 4
+    # Nor may A publish where only services do: workers, stages, heartbeats, usage, telemetry.
+    errors.clear()
+    for subject in (
+        subjects.engine_generate(tenants.model, "r"),
+        subjects.stage(subjects.STAGE_ROUTE),
+        subjects.heartbeat(tenants.model, "spy"),
+        subjects.usage(None),
+        "tb.v1.telemetry.request",
+        "$KV.tokenbus_keys.x",
+    ):
+        await spy.publish(subject, b"x")
+    await spy.flush()
+    await asyncio.sleep(0.3)
+    assert sum("permissions violation for publish" in e.lower() for e in errors) == 6
+    await spy.close()
+
+
+async def test_revoking_a_key_closes_its_connections(tenants: Tenants) -> None:
+    gone = asyncio.Event()
+
+    async def on_disconnect() -> None:
+        gone.set()
+
+    nc = await nats.connect(
+        tenants.bus.url, token=tenants.a, disconnected_cb=on_disconnect, max_reconnect_attempts=1
+    )
+    key_id = key_id_of(tenants.a) or ""
+    await tenants.admin.revoke(key_id)
+    t0 = time.monotonic()
+    await asyncio.wait_for(gone.wait(), 5)
+    closed_after = time.monotonic() - t0
+    assert closed_after < 2.0, closed_after
+    # And it cannot come back.
+    with pytest.raises(Exception, match="Authorization"):
+        await nats.connect(
+            tenants.bus.url, token=tenants.a, allow_reconnect=False, max_reconnect_attempts=0
+        )
+    with pytest.raises((TokenbusError, Exception)):
+        async with await Client.connect(
+            tenants.bus.url, api_key=tenants.a, allow_reconnect=False, max_reconnect_attempts=0
+        ) as tb:
+            await tb.chat_completion(tenants.model, MSG, max_tokens=1)
+    await nc.close()
