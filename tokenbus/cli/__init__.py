@@ -154,6 +154,13 @@ def build_parser() -> argparse.ArgumentParser:
     nc_.add_argument("--out", default=".tokenbus/nats-locked", help="folder for the files")
     nc_.add_argument("--host", default="127.0.0.1")
     nc_.add_argument("--port", type=int, default=4222)
+    nc_.add_argument(
+        "--callout",
+        action="store_true",
+        help="NATS clients log in with their API key (the auth service answers the server's "
+        "auth callout; give it TOKENBUS_NATS_CALLOUT=<out>/callout.json) instead of a shared "
+        "client password",
+    )
     return p
 
 
@@ -343,10 +350,16 @@ def main(argv: list[str] | None = None) -> None:
 
             from services.natsconf import generate
 
-            conf, users = generate(Path(a.out), host=a.host, port=a.port)
+            conf, users = generate(Path(a.out), host=a.host, port=a.port, callout=a.callout)
             print(f"wrote {conf} and {users} (mode 0600: one password per role)")
             print(f"start it with: nats-server -c {conf}")
             print("services log in with TOKENBUS_NATS_USER=<role> TOKENBUS_NATS_PASSWORD=...")
+            if a.callout:
+                print(
+                    f"the auth service answers the callout: TOKENBUS_NATS_CALLOUT="
+                    f"{Path(a.out) / 'callout.json'} tokenbus serve auth; clients connect "
+                    "with their API key as the token"
+                )
         elif a.cmd == "keys":
             from tokenbus.cli import keys as keys_cli
 

@@ -46,7 +46,7 @@ class Target:
     url: str
     pids: dict[str, int] = field(default_factory=dict)
     api_key: str | None = None
-    login: dict[str, str] = field(default_factory=dict)
+    login: dict[str, Any] = field(default_factory=dict)
 
 
 def add_parser(sub: Any) -> None:
@@ -142,6 +142,12 @@ def add_parser(sub: Any) -> None:
     )
     g.add_argument(
         "--no-direct", action="store_true", help="--spawn: skip the direct-engine baseline"
+    )
+    g.add_argument(
+        "--locked",
+        action="store_true",
+        help="--spawn: the locked bus of `tokenbus up` (a user per role; with auth in "
+        "--pipeline, NATS clients log in with the run's API key through the auth callout)",
     )
     g.add_argument(
         "--telemetry",
@@ -612,14 +618,16 @@ async def _wait_http(url: str, timeout: float = 30.0) -> None:
         raise RuntimeError(f"{url} did not become ready")
 
 
-async def _wait_replicas(url: str, n: int, timeout: float = 30.0) -> None:
+async def _wait_replicas(
+    url: str, n: int, timeout: float = 30.0, login: dict[str, str] | None = None
+) -> None:
     """Until ``n`` replicas have sent heartbeats (and the routers heard them: two beats)."""
     import nats as nats_mod
 
     from bus_schemas import codec, subjects
 
     seen: dict[str, int] = {}
-    nc = await nats_mod.connect(url)
+    nc = await nats_mod.connect(url, **(login or {}))
     try:
 
         async def on_beat(msg: Any) -> None:
@@ -645,13 +653,13 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-async def _bench_key(url: str) -> str:
+async def _bench_key(url: str, login: dict[str, str] | None = None) -> str:
     """A key whose limits are far above what a run can use, so every stage does its work."""
     import nats
 
     from auth.store import KeyStore
 
-    nc = await nats.connect(url)
+    nc = await nats.connect(url, **(login or {}))
     try:
         store = await KeyStore(nc).open(watch=False)
         key, _ = await store.create("bench", rpm=10**9, tpm=10**12, max_concurrent=10**6)
@@ -661,6 +669,7 @@ async def _bench_key(url: str) -> str:
 
 
 async def spawn_stack(a: argparse.Namespace, sup: Any) -> tuple[list[Target], Any]:
+    from services.natsconf import role_env
     from tokenbus.launcher import (
         Child,
         bridge_children,
@@ -671,15 +680,19 @@ async def spawn_stack(a: argparse.Namespace, sup: Any) -> tuple[list[Target], An
 
     nats_port, bridge_port, direct_port = _free_port(), _free_port(), _free_port()
     tmp = tempfile.mkdtemp(prefix="tokenbus-bench-")
+    server_args = ["-a", "127.0.0.1", "-p", str(nats_port), "-js", "-sd", tmp]
+    users: Path | None = None
+    stages = [s for s in a.pipeline.split(",") if s and s != "route"]
+    if getattr(a, "locked", False):
+        from services.natsconf import generate
+
+        conf, users = generate(
+            Path(tmp) / "locked", port=nats_port, store_dir=tmp, callout="auth" in stages
+        )
+        server_args = ["-c", str(conf)]
     nats = await asyncio.create_subprocess_exec(
         nats_server_binary(),
-        "-a",
-        "127.0.0.1",
-        "-p",
-        str(nats_port),
-        "-js",
-        "-sd",
-        tmp,
+        *server_args,
         stdout=asyncio.subprocess.DEVNULL,
         stderr=asyncio.subprocess.DEVNULL,
     )
@@ -705,6 +718,15 @@ async def spawn_stack(a: argparse.Namespace, sup: Any) -> tuple[list[Target], An
         "--max-concurrency",
         str(a.sim_max_running),
     ]
+
+    def as_role(role: str, base: dict[str, str]) -> dict[str, str]:
+        if users is None:
+            return base
+        out = {**base, **role_env(users, role)}
+        if role == "auth" and (users.parent / "callout.json").exists():
+            out["TOKENBUS_NATS_CALLOUT"] = str(users.parent / "callout.json")
+        return out
+
     if a.routing:
         env["TOKENBUS_ROUTER"] = a.routing
     env["TOKENBUS_TELEMETRY__ENABLED"] = "true" if a.telemetry == "on" else "false"
@@ -715,28 +737,38 @@ async def spawn_stack(a: argparse.Namespace, sup: Any) -> tuple[list[Target], An
             "TOKENBUS_TELEMETRY__DB_PATH": a.telemetry_db,
             "TOKENBUS_TELEMETRY__METRICS_PORT": "0",
         }
-        await sup.add(Child("telemetry", cli_argv("serve", "telemetry"), tel_env))
-    stages = [s for s in a.pipeline.split(",") if s and s != "route"]
+        await sup.add(
+            Child("telemetry", cli_argv("serve", "telemetry"), as_role("telemetry", tel_env))
+        )
     for name in ["ingress", *stages, "router"]:
-        await sup.add(Child(name, cli_argv("serve", name), env))
-    key = await _bench_key(url) if "auth" in stages else None
+        await sup.add(Child(name, cli_argv("serve", name), as_role(name, env)))
+    admin = role_env(users, "admin") if users is not None else {}
+    login = (
+        {"user": admin["TOKENBUS_NATS_USER"], "password": admin["TOKENBUS_NATS_PASSWORD"]}
+        if admin
+        else {}
+    )
+    key = await _bench_key(url, login) if "auth" in stages else None
     for i, (extra_args, extra_env) in enumerate(replica_specs(a.replica)):
         await sup.add(
             Child(
                 f"worker-{i}",
                 cli_argv("serve", "worker", "--replica", f"bench-{i}", *sim, *extra_args),
-                {**env, **extra_env},
+                as_role("worker", {**env, **extra_env}),
             )
         )
     bridges = BridgeSettings(port=bridge_port, processes=a.bridge_processes)
-    for child in bridge_children(bridges, env):
+    bridge_env = as_role("bridge", env)
+    if users is not None:  # on the locked bus only the router may talk to workers
+        bridge_env["TOKENBUS_BRIDGE__FUSE_ROUTER"] = "false"
+    for child in bridge_children(bridges, bridge_env):
         await sup.add(child)
     if not a.no_direct:
         await sup.add(
             Child("direct", cli_argv("serve", "openai-http", "--port", str(direct_port), *sim), env)
         )
     await _wait_http(f"http://127.0.0.1:{bridge_port}/ready")
-    await _wait_replicas(url, len(replica_specs(a.replica)))
+    await _wait_replicas(url, len(replica_specs(a.replica)), login=login)
     if not a.no_direct:
         await _wait_http(f"http://127.0.0.1:{direct_port}/ready")
     pids = {c.name: c.proc.pid for c in sup.children if c.proc is not None}
@@ -747,7 +779,20 @@ async def spawn_stack(a: argparse.Namespace, sup: Any) -> tuple[list[Target], An
         )
     ]
     if a.nats_too:
-        targets.append(Target("tokenbus-nats", "nats", url, stack_pids, api_key=key))
+        # On the locked bus a NATS client logs in with the run's key (auth callout), or as
+        # the client role when keys are off.
+        client_login: dict[str, Any] = {}
+        if users is not None and key:
+            client_login = {"api_key": key}
+        elif users is not None:
+            client = role_env(users, "client")
+            client_login = {
+                "user": client["TOKENBUS_NATS_USER"],
+                "password": client["TOKENBUS_NATS_PASSWORD"],
+            }
+        targets.append(
+            Target("tokenbus-nats", "nats", url, stack_pids, api_key=key, login=client_login)
+        )
     if not a.no_direct:
         targets.append(
             Target(
