@@ -372,7 +372,45 @@ class SimEngine:
         return SimStream(self, req)
 
 
-class SimStream:
+class _TextOut:
+    """What both sim streams do with the text of new tokens: release it, holding back what
+    could still be the start of a stop sequence, and stop the sequence at one. Closing the
+    stream early cancels the sequence in the engine."""
+
+    engine: SimEngine
+    seq: _Seq
+    stop: list[str]
+    hold: int
+    text: str
+    sent: int
+    finished: bool
+
+    def _release(self, new: str) -> tuple[str, bool] | None:
+        """(text to send now, whether a stop sequence ended it) for ``new`` text, or None
+        when all of it is held back."""
+        self.text += new
+        safe = len(self.text)
+        if self.stop:
+            hit = _find_stop(self.text, self.stop)
+            if hit is not None:
+                self.finished = True
+                self.engine.cancel(self.seq)
+                out, self.sent = self.text[self.sent : hit], hit
+                return out, True
+            if not self.seq.done:
+                safe = max(self.sent, len(self.text) - self.hold)
+        if safe > self.sent:
+            out, self.sent = self.text[self.sent : safe], safe
+            return out, False
+        return None
+
+    async def aclose(self) -> None:
+        self.finished = True
+        if not self.seq.done:
+            self.engine.cancel(self.seq)
+
+
+class SimStream(_TextOut):
     """Deltas of one sequence; tokens produced while the consumer was busy are coalesced.
 
     Text that could still be the start of a stop sequence is held back until it cannot.
@@ -418,26 +456,13 @@ class SimStream:
                 continue
             pieces, seq.buf = seq.buf, []
             self.produced += len(pieces)
-            self.text += "".join(pieces)
-            safe = len(self.text)
-            if self.stop:
-                hit = _find_stop(self.text, self.stop)
-                if hit is not None:
-                    self.finished = True
-                    self.engine.cancel(seq)
-                    out, self.sent = self.text[self.sent : hit], hit
+            released = self._release("".join(pieces))
+            if released is not None:
+                out, stopped = released
+                if stopped:
                     return Delta(out, len(pieces), "stop", self.ptoks, self.produced)
-                if not seq.done:
-                    safe = max(self.sent, len(self.text) - self.hold)
-            if safe > self.sent:
-                out, self.sent = self.text[self.sent : safe], safe
                 return Delta(out, len(pieces))
         raise StopAsyncIteration
-
-    async def aclose(self) -> None:
-        self.finished = True
-        if not self.seq.done:
-            self.engine.cancel(self.seq)
 
 
 class _Plan:
@@ -482,7 +507,7 @@ def _plan(req: GenerationRequest) -> _Plan | None:
     return _Plan(prompt, toks, call, lp, top)
 
 
-class SimExtraStream:
+class SimExtraStream(_TextOut):
     """Deltas of a request that asks for more than text: tool calls, JSON text, logprobs.
 
     The engine produces its tokens as it does text (one per decode step, coalesced while
@@ -512,7 +537,7 @@ class SimExtraStream:
                 "type": "function",
                 "function": {"name": name, "arguments": ""},
             }
-            self.stop: list[str] = []
+            self.stop = []
             limit = min(req.max_tokens, len(toks))
             done, text, sent = 0, "", 0
         else:
@@ -561,20 +586,10 @@ class SimExtraStream:
             self.pending += pieces
             if self.call is not None:
                 return self._delta("", None, "".join(pieces))
-            self.text += "".join(pieces)
-            safe = len(self.text)
-            if self.stop:
-                hit = _find_stop(self.text, self.stop)
-                if hit is not None:
-                    self.finished = True
-                    self.engine.cancel(seq)
-                    out, self.sent = self.text[self.sent : hit], hit
-                    return self._delta(out, "stop")
-                if not seq.done:
-                    safe = max(self.sent, len(self.text) - self.hold)
-            if safe > self.sent:
-                out, self.sent = self.text[self.sent : safe], safe
-                return self._delta(out)
+            released = self._release("".join(pieces))
+            if released is not None:
+                out, stopped = released
+                return self._delta(out, "stop" if stopped else None)
         raise StopAsyncIteration
 
     def _last(self) -> Delta:
@@ -608,11 +623,6 @@ class SimExtraStream:
         return Delta(
             text, n, finish, self.ptoks, self.produced, tool_calls=calls, logprobs=logprobs
         )
-
-    async def aclose(self) -> None:
-        self.finished = True
-        if not self.seq.done:
-            self.engine.cancel(self.seq)
 
 
 # The most numbers one embeddings request may ask of the sim (its vectors are pure Python).
