@@ -153,6 +153,10 @@ def render(
     )
 
 
+# Written beside ``nats-users.json`` by :func:`generate` with ``callout``.
+CALLOUT_FILE = "callout.json"
+
+
 def _write_private(path: Path, data: dict[str, str]) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as fh:
@@ -182,7 +186,7 @@ def generate(
     _write_private(secrets_file, passwords)
     callout_creds = None
     if callout:
-        callout_file = out_dir / "callout.json"
+        callout_file = out_dir / CALLOUT_FILE
         callout_creds = _kept(callout_file)
         callout_creds.setdefault("issuer_seed", natsjwt.new_account_seed())
         callout_creds.setdefault("user", "callout")
@@ -203,7 +207,18 @@ def generate(
     return conf, secrets_file
 
 
-def role_env(secrets_file: Path, role: str) -> dict[str, str]:
-    """The environment a service of ``role`` needs to log in."""
+def role_login(secrets_file: Path, role: str) -> dict[str, str]:
+    """nats-py's connect options (``user``, ``password``) for ``role``."""
     passwords: dict[str, Any] = json.loads(secrets_file.read_text())
-    return {"TOKENBUS_NATS_USER": role, "TOKENBUS_NATS_PASSWORD": str(passwords[role])}
+    return {"user": role, "password": str(passwords[role])}
+
+
+def role_env(secrets_file: Path, role: str) -> dict[str, str]:
+    """The environment a service of ``role`` needs to log in (the auth service, on a bus
+    whose clients log in with their keys, also the callout's credentials beside it)."""
+    login = role_login(secrets_file, role)
+    env = {"TOKENBUS_NATS_USER": login["user"], "TOKENBUS_NATS_PASSWORD": login["password"]}
+    callout = secrets_file.parent / CALLOUT_FILE
+    if role == "auth" and callout.exists():
+        env["TOKENBUS_NATS_CALLOUT"] = str(callout)
+    return env

@@ -15,7 +15,7 @@ import pytest
 from auth.keys import key_id_of
 from auth.store import KeyStore
 from bus_schemas import subjects
-from services.natsconf import generate, role_env
+from services.natsconf import generate, role_env, role_login
 from tests.conftest import Procs, free_port, spawn_nats, start_stack
 from tokenbus import Client, TokenbusError
 
@@ -28,21 +28,14 @@ class CalloutBus:
     def __init__(self, folder: Path) -> None:
         self.port = free_port()
         self.conf, self.users = generate(folder, port=self.port, callout=True)
-        self.callout = folder / "callout.json"
         self.proc = spawn_nats(self.port, "-c", str(self.conf))
         self.url = f"nats://127.0.0.1:{self.port}"
 
     def env(self, role: str) -> dict[str, str]:
-        env = role_env(self.users, role)
-        if role == "auth":
-            env["TOKENBUS_NATS_CALLOUT"] = str(self.callout)
-        return env
+        return role_env(self.users, role)
 
     async def connect(self, role: str, **kw: Any) -> nats.aio.client.Client:
-        e = self.env(role)
-        return await nats.connect(
-            self.url, user=e["TOKENBUS_NATS_USER"], password=e["TOKENBUS_NATS_PASSWORD"], **kw
-        )
+        return await nats.connect(self.url, **role_login(self.users, role), **kw)
 
 
 class Tenants:

@@ -12,7 +12,7 @@ import nats
 import pytest
 
 from bus_schemas import codec, subjects
-from services.natsconf import ROLES, generate, role_env
+from services.natsconf import ROLES, generate, role_env, role_login
 from tests.conftest import Procs, free_port, spawn_nats, start_stack
 from tokenbus import Client
 
@@ -32,10 +32,7 @@ class Locked:
         return role_env(self.users, role)
 
     async def connect(self, role: str, **kw: Any) -> nats.aio.client.Client:
-        e = self.env(role)
-        return await nats.connect(
-            self.url, user=e["TOKENBUS_NATS_USER"], password=e["TOKENBUS_NATS_PASSWORD"], **kw
-        )
+        return await nats.connect(self.url, **role_login(self.users, role), **kw)
 
 
 @pytest.fixture

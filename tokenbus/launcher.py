@@ -296,16 +296,9 @@ async def _wait_port_open(port: int) -> bool:
     return False
 
 
-def _as_role(env: dict[str, str], users: Path | None, role: str) -> dict[str, str]:
-    """``env`` plus the NATS login of ``role`` when the bus is locked (and, for the auth
-    service, the callout's credentials when clients log in with keys)."""
-    if not users:
-        return env
-    out = {**env, **role_env(users, role)}
-    callout = users.parent / "callout.json"
-    if role == "auth" and callout.exists():
-        out["TOKENBUS_NATS_CALLOUT"] = str(callout)
-    return out
+def as_role(env: dict[str, str], users: Path | None, role: str) -> dict[str, str]:
+    """``env`` plus what ``role`` needs to log in when the bus is locked."""
+    return {**env, **role_env(users, role)} if users else env
 
 
 async def _dev_key_if_needed(settings: Settings, data: Path, users: Path | None) -> str | None:
@@ -327,14 +320,14 @@ async def _start_services(
 ) -> None:
     """Start the pipeline's stages, telemetry when enabled, the workers, then the bridges."""
     for stage in ["ingress", *[s for s in settings.ingress.pipeline if s != "route"], "router"]:
-        await sup.add(Child(stage, cli_argv("serve", stage), _as_role(env, users, stage)))
+        await sup.add(Child(stage, cli_argv("serve", stage), as_role(env, users, stage)))
     if settings.telemetry.enabled:
         tel_env = {"TOKENBUS_TELEMETRY__DB_PATH": str(data / "telemetry.db")}
         await sup.add(
             Child(
                 "telemetry",
                 cli_argv("serve", "telemetry"),
-                {**_as_role(env, users, "telemetry"), **tel_env},
+                {**as_role(env, users, "telemetry"), **tel_env},
             )
         )
     for i in range(settings.up.workers):
@@ -342,10 +335,10 @@ async def _start_services(
             Child(
                 f"worker-{i}",
                 cli_argv("serve", "worker", "--replica", f"{settings.worker.backend}-{i}"),
-                _as_role(env, users, "worker"),
+                as_role(env, users, "worker"),
             )
         )
-    bridge_env = _as_role(env, users, "bridge")
+    bridge_env = as_role(env, users, "bridge")
     if users:
         bridge_env = {**bridge_env, "TOKENBUS_BRIDGE__FUSE_ROUTER": "false"}
     for child in bridge_children(settings.bridge, bridge_env):

@@ -181,14 +181,18 @@ def _settings(a: argparse.Namespace) -> cfgmod.Settings:
         # own role on its locked bus, from the credentials it generated.
         from pathlib import Path
 
+        from services.natsconf import role_env
+
         users = Path(s.up.data_dir) / "nats-locked" / "nats-users.json"
-        if users.exists():
-            password = json.loads(users.read_text()).get(role)
-            if password:
-                s = s.model_copy(update={"nats_user": role, "nats_password": password})
-            callout = users.parent / "callout.json"
-            if role == "auth" and callout.exists() and not s.nats_callout:
-                s = s.model_copy(update={"nats_callout": str(callout)})
+        if users.exists() and role in json.loads(users.read_text()):
+            env = role_env(users, role)
+            s = s.model_copy(
+                update={
+                    "nats_user": env["TOKENBUS_NATS_USER"],
+                    "nats_password": env["TOKENBUS_NATS_PASSWORD"],
+                    "nats_callout": s.nats_callout or env.get("TOKENBUS_NATS_CALLOUT", ""),
+                }
+            )
     return s
 
 

@@ -669,9 +669,10 @@ async def _bench_key(url: str, login: dict[str, str] | None = None) -> str:
 
 
 async def spawn_stack(a: argparse.Namespace, sup: Any) -> tuple[list[Target], Any]:
-    from services.natsconf import role_env
+    from services.natsconf import role_login
     from tokenbus.launcher import (
         Child,
+        as_role,
         bridge_children,
         cli_argv,
         nats_server_binary,
@@ -719,14 +720,6 @@ async def spawn_stack(a: argparse.Namespace, sup: Any) -> tuple[list[Target], An
         str(a.sim_max_running),
     ]
 
-    def as_role(role: str, base: dict[str, str]) -> dict[str, str]:
-        if users is None:
-            return base
-        out = {**base, **role_env(users, role)}
-        if role == "auth" and (users.parent / "callout.json").exists():
-            out["TOKENBUS_NATS_CALLOUT"] = str(users.parent / "callout.json")
-        return out
-
     if a.routing:
         env["TOKENBUS_ROUTER"] = a.routing
     env["TOKENBUS_TELEMETRY__ENABLED"] = "true" if a.telemetry == "on" else "false"
@@ -738,27 +731,22 @@ async def spawn_stack(a: argparse.Namespace, sup: Any) -> tuple[list[Target], An
             "TOKENBUS_TELEMETRY__METRICS_PORT": "0",
         }
         await sup.add(
-            Child("telemetry", cli_argv("serve", "telemetry"), as_role("telemetry", tel_env))
+            Child("telemetry", cli_argv("serve", "telemetry"), as_role(tel_env, users, "telemetry"))
         )
     for name in ["ingress", *stages, "router"]:
-        await sup.add(Child(name, cli_argv("serve", name), as_role(name, env)))
-    admin = role_env(users, "admin") if users is not None else {}
-    login = (
-        {"user": admin["TOKENBUS_NATS_USER"], "password": admin["TOKENBUS_NATS_PASSWORD"]}
-        if admin
-        else {}
-    )
+        await sup.add(Child(name, cli_argv("serve", name), as_role(env, users, name)))
+    login = role_login(users, "admin") if users is not None else {}
     key = await _bench_key(url, login) if "auth" in stages else None
     for i, (extra_args, extra_env) in enumerate(replica_specs(a.replica)):
         await sup.add(
             Child(
                 f"worker-{i}",
                 cli_argv("serve", "worker", "--replica", f"bench-{i}", *sim, *extra_args),
-                as_role("worker", {**env, **extra_env}),
+                as_role({**env, **extra_env}, users, "worker"),
             )
         )
     bridges = BridgeSettings(port=bridge_port, processes=a.bridge_processes)
-    bridge_env = as_role("bridge", env)
+    bridge_env = as_role(env, users, "bridge")
     if users is not None:  # on the locked bus only the router may talk to workers
         bridge_env["TOKENBUS_BRIDGE__FUSE_ROUTER"] = "false"
     for child in bridge_children(bridges, bridge_env):
@@ -785,11 +773,7 @@ async def spawn_stack(a: argparse.Namespace, sup: Any) -> tuple[list[Target], An
         if users is not None and key:
             client_login = {"api_key": key}
         elif users is not None:
-            client = role_env(users, "client")
-            client_login = {
-                "user": client["TOKENBUS_NATS_USER"],
-                "password": client["TOKENBUS_NATS_PASSWORD"],
-            }
+            client_login = role_login(users, "client")
         targets.append(
             Target("tokenbus-nats", "nats", url, stack_pids, api_key=key, login=client_login)
         )

@@ -23,7 +23,7 @@ from pathlib import Path
 import nats
 
 from auth.store import KeyStore
-from services.natsconf import generate, role_env
+from services.natsconf import generate, role_env, role_login
 from tokenbus.launcher import nats_server_binary, port_open
 
 
@@ -49,9 +49,7 @@ def _summary(ms: list[float]) -> dict[str, float]:
 
 
 async def main(n: int) -> None:
-    admin = role_env(USERS, "admin")
-    login = {"user": admin["TOKENBUS_NATS_USER"], "password": admin["TOKENBUS_NATS_PASSWORD"]}
-    nc = await nats.connect(URL, **login)
+    nc = await nats.connect(URL, **role_login(USERS, "admin"))
     store = await KeyStore(nc).open(watch=False)
     key, _ = await store.create("connect-time")
     await nc.drain()
@@ -61,8 +59,7 @@ async def main(n: int) -> None:
             break
         except Exception:
             await asyncio.sleep(0.1)
-    worker = role_env(USERS, "worker")
-    role = {"user": worker["TOKENBUS_NATS_USER"], "password": worker["TOKENBUS_NATS_PASSWORD"]}
+    role = role_login(USERS, "worker")
     result = {
         "connections": n,
         "api_key_via_callout_ms": _summary(await _times(n, token=key)),
@@ -86,7 +83,6 @@ if __name__ == "__main__":
         **os.environ,
         **role_env(USERS, "auth"),
         "TOKENBUS_NATS_URL": URL,
-        "TOKENBUS_NATS_CALLOUT": str(tmp / "callout.json"),
         "TOKENBUS_LOG_LEVEL": "warning",
     }
     while not port_open("127.0.0.1", port):
