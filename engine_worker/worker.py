@@ -446,12 +446,7 @@ class Worker(Service):
                 text = d.text
                 finish = d.finish_reason
                 side = None
-                if (
-                    d.tool_calls is not None
-                    or d.logprobs is not None
-                    or d.refusal is not None
-                    or d.reasoning is not None
-                ):
+                if d.has_side:
                     if gate is None:
                         side = _side(d)
                     else:

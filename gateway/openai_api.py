@@ -491,11 +491,6 @@ async def _first_chunk(stream: StreamLike) -> Chunk | None:
         return None
 
 
-def _is_text(c: Chunk) -> bool:
-    """Whether ``c`` holds nothing but text (the common case, written from a template)."""
-    return c.tool_calls is None and c.logprobs is None and c.refusal is None and c.reasoning is None
-
-
 def side_event(frames: SSEFrames, chat: bool, c: Chunk) -> str:
     """The SSE event of a chunk with more than text: tool-call deltas, logprobs, refusal,
     reasoning content."""
@@ -533,13 +528,13 @@ async def _send_tokens(
     dumps = json.dumps
     body = "http.response.body"
     piece = frames.piece
-    buf.append(piece % dumps(first.text) if _is_text(first) else side_event(frames, chat, first))
+    buf.append(side_event(frames, chat, first) if first.has_side else piece % dumps(first.text))
     await send({"type": body, "body": "".join(buf).encode(), "more_body": True})
     progress.t5_ns = time.time_ns()
     progress.streamed = True
     buf.clear()
     async for c in stream:
-        buf.append(piece % dumps(c.text) if _is_text(c) else side_event(frames, chat, c))
+        buf.append(side_event(frames, chat, c) if c.has_side else piece % dumps(c.text))
         # The consumer (this writer) is behind: coalesce what is already here into one
         # write instead of one syscall per token.
         while stream.pending():
@@ -547,7 +542,7 @@ async def _send_tokens(
                 c = await stream.__anext__()
             except StopAsyncIteration:
                 break
-            buf.append(piece % dumps(c.text) if _is_text(c) else side_event(frames, chat, c))
+            buf.append(side_event(frames, chat, c) if c.has_side else piece % dumps(c.text))
         await send({"type": body, "body": "".join(buf).encode(), "more_body": True})
         buf.clear()
 

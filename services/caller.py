@@ -71,6 +71,16 @@ class Chunk:
     reasoning: str | None = None
     embedding: dict[str, Any] | None = None
 
+    @property
+    def has_side(self) -> bool:
+        """Whether the chunk carries output beside its text (an embedding aside)."""
+        return (
+            self.tool_calls is not None
+            or self.logprobs is not None
+            or self.refusal is not None
+            or self.reasoning is not None
+        )
+
 
 def _side_chunk(frame: dict[str, Any], text: str, n: int, i: int) -> Chunk:
     """A chunk frame that carries more than text."""

@@ -113,6 +113,16 @@ class Delta:
     reasoning: str | None = None
     usage: dict[str, Any] | None = None
 
+    @property
+    def has_side(self) -> bool:
+        """Whether the delta carries output beside its text."""
+        return (
+            self.tool_calls is not None
+            or self.logprobs is not None
+            or self.refusal is not None
+            or self.reasoning is not None
+        )
+
 
 @dataclass(slots=True)
 class Embeddings:

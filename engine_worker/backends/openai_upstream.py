@@ -171,16 +171,12 @@ class OpenAIUpstreamBackend:
     # -- generation -------------------------------------------------------------------------
     def _body(self, req: GenerationRequest) -> tuple[str, dict[str, Any]]:
         """The upstream path and JSON body: the client's fields, then the ones tokenbus owns."""
+        # ``extra`` never holds a field tokenbus owns (``messages.carried``): set them here.
         body: dict[str, Any] = dict(req.extra)
-        body.pop("max_completion_tokens", None)  # the budget is ``max_tokens`` below
-        options = body.get("stream_options")
         body["model"] = self.model
         body["max_tokens"] = req.remaining_tokens
         body["stream"] = True
-        body["stream_options"] = {
-            **(options if isinstance(options, dict) else {}),
-            "include_usage": True,
-        }
+        body["stream_options"] = {"include_usage": True}
         set_sampling(body, req)
         if req.messages is not None:
             # Migration continues the assistant's reply (vLLM's and others' extension).

@@ -205,7 +205,6 @@ def chat_body(req: GenerationRequest, model: str) -> dict[str, Any]:
     body["messages"] = chat_messages(req, body)
     if req.resume_text:
         body["echo"] = False  # the caller has the text already
-    body.pop("max_tokens", None)
     body["max_completion_tokens"] = req.remaining_tokens
     _owned(body, req, model)
     return body

@@ -54,12 +54,7 @@ class DirectStream:
         if self._ready:
             return self._ready.pop(0)
         async for d in self._gen:
-            side = (
-                d.tool_calls is not None
-                or d.logprobs is not None
-                or d.refusal is not None
-                or d.reasoning is not None
-            )
+            side = d.has_side
             if d.finish_reason is not None:
                 self.finish_reason = d.finish_reason
                 details = d.usage or {}
