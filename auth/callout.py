@@ -77,9 +77,17 @@ class CalloutCredentials:
 class CalloutResponder:
     """Answers authorization requests with per-key user JWTs; kicks revoked keys."""
 
-    def __init__(self, keys: KeyStore, url: str, creds: CalloutCredentials, log: Any) -> None:
+    def __init__(
+        self,
+        keys: KeyStore,
+        url: str,
+        creds: CalloutCredentials,
+        log: Any,
+        options: dict[str, Any] | None = None,
+    ) -> None:
         self.keys = keys
         self.url = url
+        self.options = options or {}  # more connect options (the TLS context)
         self.creds = creds
         self.log = log
         self.signer = natsjwt.keypair(creds.issuer_seed)
@@ -91,13 +99,18 @@ class CalloutResponder:
 
     async def start(self) -> None:
         self._nc = await connect(
-            self.url, "tokenbus-callout", user=self.creds.user, password=self.creds.password
+            self.url,
+            "tokenbus-callout",
+            user=self.creds.user,
+            password=self.creds.password,
+            **self.options,
         )
         self._sys = await connect(
             self.url,
             "tokenbus-callout-sys",
             user=self.creds.sys_user,
             password=self.creds.sys_password,
+            **self.options,
         )
         await self._nc.subscribe(AUTH_SUBJECT, queue=QUEUE, cb=self._on_request)
         await self._sys.subscribe("$SYS.ACCOUNT.*.DISCONNECT", cb=self._on_disconnect)

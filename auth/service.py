@@ -41,7 +41,9 @@ class Auth(Service):
         if self.settings.nats_callout:
             # NATS clients log in with their key: this service answers the server for them.
             creds = CalloutCredentials.load(self.settings.nats_callout)
-            self.callout = CalloutResponder(self.keys, self.settings.url(), creds, self.log)
+            self.callout = CalloutResponder(
+                self.keys, self.settings.url(), creds, self.log, self.settings.nats_tls()
+            )
             await self.callout.start()
         await self.add_endpoint(
             "auth", subjects.stage(subjects.STAGE_AUTH), self.handle, queue=subjects.STAGE_AUTH

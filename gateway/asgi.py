@@ -167,7 +167,15 @@ class HTTPServer:
     """A running uvicorn server for an ASGI app, on a socket we bind (SO_REUSEPORT-able)."""
 
     def __init__(
-        self, app: Any, host: str, port: int, *, reuse_port: bool, shutdown_timeout: float
+        self,
+        app: Any,
+        host: str,
+        port: int,
+        *,
+        reuse_port: bool,
+        shutdown_timeout: float,
+        tls_cert: str = "",
+        tls_key: str = "",
     ) -> None:
         fam = socket.AF_INET6 if ":" in host else socket.AF_INET
         self.sock = socket.socket(fam, socket.SOCK_STREAM)
@@ -187,6 +195,9 @@ class HTTPServer:
             backlog=4096,
             timeout_graceful_shutdown=int(max(1, shutdown_timeout)),
             timeout_keep_alive=30,
+            # HTTPS when given a certificate (uvicorn wraps the socket we bound).
+            ssl_certfile=tls_cert or None,
+            ssl_keyfile=tls_key or None,
         )
         self.server = _Server(cfg)
         self.task: asyncio.Task[None] | None = None
@@ -207,9 +218,25 @@ class HTTPServer:
 
 
 async def serve(
-    app: Any, host: str, port: int, *, reuse_port: bool, shutdown_timeout: float
+    app: Any,
+    host: str,
+    port: int,
+    *,
+    reuse_port: bool,
+    shutdown_timeout: float,
+    tls_cert: str = "",
+    tls_key: str = "",
 ) -> HTTPServer:
-    """Start serving ``app``; returns the server, whose ``stop()`` drains it."""
-    srv = HTTPServer(app, host, port, reuse_port=reuse_port, shutdown_timeout=shutdown_timeout)
+    """Start serving ``app`` (HTTPS with ``tls_cert``/``tls_key``); returns the server,
+    whose ``stop()`` drains it."""
+    srv = HTTPServer(
+        app,
+        host,
+        port,
+        reuse_port=reuse_port,
+        shutdown_timeout=shutdown_timeout,
+        tls_cert=tls_cert,
+        tls_key=tls_key,
+    )
     await srv.start()
     return srv

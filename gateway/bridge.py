@@ -171,8 +171,11 @@ class Bridge(Service):
             cfg.port,
             reuse_port=self.reuse_port,
             shutdown_timeout=self.settings.drain_timeout_s,
+            tls_cert=cfg.tls_cert,
+            tls_key=cfg.tls_key,
         )
-        self.log.info("bridge_listening", url=f"http://{cfg.host}:{cfg.port}/v1")
+        scheme = "https" if cfg.tls_cert else "http"
+        self.log.info("bridge_listening", url=f"{scheme}://{cfg.host}:{cfg.port}/v1")
 
     def _observe(self, rec: dict[str, Any]) -> None:
         """Metrics, the bridge's canonical log line and the telemetry record of one HTTP

@@ -30,6 +30,10 @@ class BridgeSettings(BaseModel):
     host: str = Field(default="127.0.0.1", description="Address to listen on.")
     port: int = Field(default=8000, description="Port to listen on.")
     processes: int = Field(default=1, ge=1, description="Bridge processes sharing the port.")
+    tls_cert: str = Field(
+        default="", description="Serve HTTPS with this certificate (PEM, with tls_key)."
+    )
+    tls_key: str = Field(default="", description="Private key of tls_cert (PEM).")
     max_body_bytes: int = Field(
         default=1_000_000,
         description="Larger bodies get 413. Keep it under the NATS server's max_payload "
@@ -290,6 +294,15 @@ class Settings(BaseSettings):
     )
     nats_user: str | None = Field(default=None, description="NATS user (locked bus).")
     nats_password: str | None = Field(default=None, description="NATS password (locked bus).")
+    nats_tls_ca: str = Field(
+        default="",
+        description="CA file to trust for a TLS bus (`tokenbus nats-config --tls`); set, every "
+        "connection to NATS is TLS.",
+    )
+    nats_tls_cert: str = Field(
+        default="", description="Client certificate for mutual TLS (with nats_tls_key)."
+    )
+    nats_tls_key: str = Field(default="", description="Private key of nats_tls_cert.")
     nats_callout: str = Field(
         default="",
         description="The locked bus's callout.json: the auth service then answers the "
@@ -331,11 +344,21 @@ class Settings(BaseSettings):
         """The NATS URL services connect to."""
         return self.nats_url or f"nats://127.0.0.1:{self.up.nats_port}"
 
-    def nats_auth(self) -> dict[str, str]:
-        """Connect options for a locked bus (empty when no user is configured)."""
+    def nats_auth(self) -> dict[str, Any]:
+        """Connect options for a locked bus: the role's login (when a user is configured)
+        and the TLS context (when a CA is)."""
+        opts: dict[str, Any] = self.nats_tls()
         if self.nats_user:
-            return {"user": self.nats_user, "password": self.nats_password or ""}
-        return {}
+            opts |= {"user": self.nats_user, "password": self.nats_password or ""}
+        return opts
+
+    def nats_tls(self) -> dict[str, Any]:
+        """nats-py's ``tls`` option for a TLS bus (empty when plain)."""
+        if not self.nats_tls_ca:
+            return {}
+        from services.tlsfiles import client_context
+
+        return {"tls": client_context(self.nats_tls_ca, self.nats_tls_cert, self.nats_tls_key)}
 
 
 def load(config_file: str | None = None, **overrides: Any) -> Settings:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ssl
 import os
 import signal
 import time
@@ -68,6 +69,8 @@ def _is_auth_error(exc: BaseException) -> bool:
     return (
         isinstance(exc, nats.errors.AuthorizationError)
         or "authorization violation" in str(exc).lower()
+        # A TLS bus whose certificate this process does not trust, or that wants one from it.
+        or isinstance(exc, ssl.SSLError)
     )
 
 
@@ -127,6 +130,13 @@ async def connect(
     if refused.done():
         user = kw.get("user")
         who = f"user {user!r}" if user else "no credentials"
+        if isinstance(refused.result(), ssl.SSLError):
+            raise ConnectRefused(
+                f"the TLS handshake with the NATS server at {url} failed for {name}: "
+                f"{refused.result()}. Set TOKENBUS_NATS_TLS_CA to the bus's CA file (and, where "
+                "the bus wants mutual TLS, TOKENBUS_NATS_TLS_CERT and TOKENBUS_NATS_TLS_KEY); "
+                "`tokenbus nats-config --tls` wrote them and lists them in its tls.json."
+            )
         raise ConnectRefused(
             f"the NATS server at {url} refused {name} ({who}): {refused.result()}. "
             "Beside a running `tokenbus up` the credentials are found in "

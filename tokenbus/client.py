@@ -33,6 +33,7 @@ from services.caller import (
     Stream,
     Usage,
 )
+from services.tlsfiles import client_context
 
 __all__ = ["Chunk", "Client", "Completion", "EmbeddingResult", "Stream", "Usage"]
 
@@ -44,14 +45,23 @@ class Client(Caller):
 
     @classmethod
     async def connect(
-        cls, url: str = "nats://127.0.0.1:4222", *, api_key: str | None = None, **options: Any
+        cls,
+        url: str = "nats://127.0.0.1:4222",
+        *,
+        api_key: str | None = None,
+        tls_ca: str | None = None,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
+        **options: Any,
     ) -> Client:
         """Connect to NATS and start a client that owns the connection.
 
         ``api_key``: log in to the locked bus of ``tokenbus up`` with a tokenbus API key (the
         server's auth callout checks it and scopes the connection to that key: requests out,
-        its own inbox in); every request then carries it too. ``options`` are nats-py's
-        (``user``/``password`` for a role login)."""
+        its own inbox in); every request then carries it too. ``tls_ca``: a TLS bus
+        (``tokenbus nats-config --tls``), trusting that CA (``tls_cert``/``tls_key``: the
+        certificate to present where the bus wants mutual TLS). ``options`` are nats-py's
+        (``user``/``password`` for a role login, ``tls`` for an SSL context of your own)."""
         options.setdefault("name", "tokenbus-client")
         options.setdefault("max_reconnect_attempts", -1)
         options.setdefault("dont_randomize", True)  # several URLs: the first is preferred
@@ -62,6 +72,8 @@ class Client(Caller):
                 holder[0].connection_broke()
 
         options.setdefault("reconnected_cb", reconnected)
+        if tls_ca:
+            options.setdefault("tls", client_context(tls_ca, tls_cert or "", tls_key or ""))
         prefix = None
         if api_key:
             options.setdefault("token", api_key)

@@ -100,6 +100,11 @@ def _worker_overrides(a: argparse.Namespace) -> dict[str, Any]:
     return w
 
 
+def _https_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tls-cert", help="bridge: serve HTTPS with this certificate (PEM)")
+    p.add_argument("--tls-key", help="bridge: the certificate's private key (PEM)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tokenbus", description="LLM serving on NATS")
     p.add_argument("--config", help="TOML config file (default ./tokenbus.toml if present)")
@@ -114,6 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--bridge-processes", type=int, help="bridge processes (default 1)")
     up.add_argument("--nats-port", type=int, help="embedded nats-server port (default 4222)")
     up.add_argument("--data-dir", help="JetStream data and logs (default .tokenbus)")
+    _https_flags(up)
     _worker_flags(up)
 
     sv = sub.add_parser("serve", help="run one service (for containers and scaling out)")
@@ -122,6 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--port", type=int, help="bridge / openai-http: port")
     sv.add_argument("--processes", type=int, help="bridge: processes sharing the port")
     sv.add_argument("--reuse-port", action="store_true", help="bridge: bind with SO_REUSEPORT")
+    _https_flags(sv)
     _worker_flags(sv)
 
     st = sub.add_parser("status", help="replicas on the bus and their load")
@@ -161,6 +168,28 @@ def build_parser() -> argparse.ArgumentParser:
         "auth callout; give it TOKENBUS_NATS_CALLOUT=<out>/callout.json) instead of a shared "
         "client password",
     )
+    nc_.add_argument(
+        "--tls",
+        action="store_true",
+        help="TLS only: generate a CA, a server certificate and a client certificate for "
+        "services in <out>/tls (kept once made), unless --tls-cert/--tls-key/--tls-ca give yours",
+    )
+    nc_.add_argument(
+        "--tls-name",
+        action="append",
+        default=[],
+        help="--tls: another host name or address the server certificate is valid for "
+        "(repeatable; localhost, 127.0.0.1, this host's name and --host are always in)",
+    )
+    nc_.add_argument(
+        "--tls-verify",
+        action="store_true",
+        help="--tls: mutual TLS, every connection (services and NATS clients) must present a "
+        "certificate signed by the CA",
+    )
+    nc_.add_argument("--tls-cert", dest="tls_server_cert", help="--tls: your server certificate")
+    nc_.add_argument("--tls-key", dest="tls_server_key", help="--tls: its private key")
+    nc_.add_argument("--tls-ca", help="--tls: the CA that signed it (and client certificates)")
     return p
 
 
@@ -168,7 +197,12 @@ def _settings(a: argparse.Namespace) -> cfgmod.Settings:
     over: dict[str, Any] = {"nats_url": a.nats_url, "log_level": a.log_level}
     if a.cmd in ("up", "serve"):
         over["worker"] = _worker_overrides(a)
-        over["bridge"] = {"host": a.host, "port": a.port}
+        over["bridge"] = {
+            "host": a.host,
+            "port": a.port,
+            "tls_cert": a.tls_cert,
+            "tls_key": a.tls_key,
+        }
     if a.cmd == "up":
         over["bridge"]["processes"] = a.bridge_processes
         over["up"] = {"workers": a.workers, "nats_port": a.nats_port, "data_dir": a.data_dir}
@@ -191,9 +225,44 @@ def _settings(a: argparse.Namespace) -> cfgmod.Settings:
                     "nats_user": env["TOKENBUS_NATS_USER"],
                     "nats_password": env["TOKENBUS_NATS_PASSWORD"],
                     "nats_callout": s.nats_callout or env.get("TOKENBUS_NATS_CALLOUT", ""),
+                    "nats_tls_ca": s.nats_tls_ca or env.get("TOKENBUS_NATS_TLS_CA", ""),
+                    "nats_tls_cert": s.nats_tls_cert or env.get("TOKENBUS_NATS_TLS_CERT", ""),
+                    "nats_tls_key": s.nats_tls_key or env.get("TOKENBUS_NATS_TLS_KEY", ""),
                 }
             )
     return s
+
+
+def _nats_tls_files(a: argparse.Namespace) -> Any:
+    """The TLS files of `nats-config --tls`: the operator's, or generated (None: plain)."""
+    from pathlib import Path
+
+    from services import tlsfiles
+
+    own = (a.tls_server_cert, a.tls_server_key, a.tls_ca)
+    if not a.tls:
+        if any(own) or a.tls_verify or a.tls_name:
+            raise ValueError(
+                "--tls-cert, --tls-key, --tls-ca, --tls-name and --tls-verify go with --tls"
+            )
+        return None
+    if any(own):
+        if not all(own):
+            raise ValueError(
+                "your own certificate needs all three: --tls-cert, --tls-key, --tls-ca"
+            )
+        for f in own:
+            if not Path(f).is_file():
+                raise ValueError(f"no such file: {f}")
+        return tlsfiles.TlsFiles(
+            ca=str(Path(a.tls_ca).resolve()),
+            server_cert=str(Path(a.tls_server_cert).resolve()),
+            server_key=str(Path(a.tls_server_key).resolve()),
+            verify=a.tls_verify,
+        )
+    return tlsfiles.generate(
+        Path(a.out).resolve() / "tls", [a.host, *a.tls_name], verify=a.tls_verify
+    )
 
 
 def _local_role(a: argparse.Namespace) -> str | None:
@@ -354,10 +423,28 @@ def main(argv: list[str] | None = None) -> None:
 
             from services.natsconf import generate
 
-            conf, users = generate(Path(a.out), host=a.host, port=a.port, callout=a.callout)
+            try:
+                tls = _nats_tls_files(a)
+            except ValueError as exc:
+                print(f"error: {exc}", file=sys.stderr)
+                rc = 2
+                return
+            conf, users = generate(
+                Path(a.out), host=a.host, port=a.port, callout=a.callout, tls=tls
+            )
             print(f"wrote {conf} and {users} (mode 0600: one password per role)")
             print(f"start it with: nats-server -c {conf}")
             print("services log in with TOKENBUS_NATS_USER=<role> TOKENBUS_NATS_PASSWORD=...")
+            if tls is not None:
+                print(
+                    f"TLS only: services and clients trust TOKENBUS_NATS_TLS_CA={tls.ca}"
+                    + (
+                        f"; services present TOKENBUS_NATS_TLS_CERT={tls.client_cert} "
+                        f"TOKENBUS_NATS_TLS_KEY={tls.client_key}"
+                        if tls.client_cert
+                        else ""
+                    )
+                )
             if a.callout:
                 print(
                     f"the auth service answers the callout: TOKENBUS_NATS_CALLOUT="
