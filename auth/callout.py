@@ -8,10 +8,11 @@ connection in the tokenbus account with that key's permissions only:
 
 * publish requests (``tb.v1.req.*``) and cancels (``tb.v1.worker.*.cancel``; a cancel names
   its stream by the caller's inbox, which no other key can see);
-* subscribe under the key's own inbox root (``_INBOX.tbk.<key id>.>``) and to heartbeats
-  (the client's watchdog follows its replicas' liveness).
+* subscribe under the key's own inbox root (``_INBOX.tbk.<key id>.>``), nothing else: the
+  client's watchdog follows its replicas by keepalive frames on its own streams
+  (``Tb-Keepalive``), not by heartbeats.
 
-Nothing else: not another key's inboxes, not ``_INBOX.>`` or ``>``, not the worker, stage,
+Not another key's inboxes, not ``_INBOX.>`` or ``>``, not the heartbeat, worker, stage,
 usage, telemetry or admin subjects. The services log in as their roles, bypassing the
 callout. A revoked, disabled or expired key's live connections are closed within about a
 second (the system account's ``KICK`` request for each connection of that key).
@@ -48,7 +49,7 @@ CHECK_INTERVAL_S = 0.25
 def key_permissions(key_id: str) -> tuple[list[str], list[str]]:
     """(may publish, may subscribe) of a connection logged in with API key ``key_id``."""
     pub = [f"{subjects.PREFIX}.req.*", f"{subjects.PREFIX}.worker.*.cancel"]
-    sub = [f"{subjects.key_inbox_root(key_id)}.>", f"{subjects.PREFIX}.heartbeat.>"]
+    sub = [f"{subjects.key_inbox_root(key_id)}.>"]
     return pub, sub
 
 

@@ -15,6 +15,10 @@ CHUNK = "c"
 FINAL = "f"
 ERROR = "e"
 BATCH = "b"
+# Sent on a stream every heartbeat interval to a caller that cannot see heartbeats
+# (``Tb-Keepalive``): the replica is alive; ``b``/``e`` are its boot id and connection epoch
+# (an epoch that changes mid-stream means frames may have been lost).
+ALIVE = "k"
 
 
 def accept(
@@ -58,6 +62,10 @@ def final(
     return codec.encode(
         {"t": FINAL, "finish_reason": finish_reason, "usage": usage, "timings": timings}
     )
+
+
+def alive(boot: str, epoch: int) -> bytes:
+    return codec.encode({"t": ALIVE, "b": boot, "e": epoch})
 
 
 def error(err: TokenbusError) -> bytes:

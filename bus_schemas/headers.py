@@ -19,6 +19,10 @@ PRINCIPAL = "Tb-Principal"
 ATTEMPT = "Tb-Attempt"
 # How many times the caller re-issued this request after its replica failed (migration).
 MIGRATION = "Tb-Migration"
+# Set ("1") by a caller that cannot see heartbeats (a NATS client logged in with its API key
+# receives only its own inbox): the replica sends each of its streams a keepalive frame
+# every heartbeat interval instead.
+KEEPALIVE = "Tb-Keepalive"
 # NATS' own status header (503 = no responders).
 NATS_STATUS = "Status"
 # Limits of the principal as ``rpm,tpm,concurrent`` (empty field = unlimited), set by auth.

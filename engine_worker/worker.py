@@ -206,6 +206,8 @@ class Worker(Service):
         self.endpoints = list(cfg.endpoints) or list(self.backend.endpoints())
         self.draining = False
         self._active: dict[str, asyncio.Task[Any]] = {}
+        # Streams whose callers cannot see heartbeats (Tb-Keepalive): reply -> None.
+        self._keepalive: dict[str, None] = {}
         self._caller_cancelled: set[str] = set()
         self._early_cancels: OrderedDict[str, float] = OrderedDict()
         self.boot = uuid.uuid4().hex[:12]
@@ -266,6 +268,11 @@ class Worker(Service):
         while True:
             await asyncio.sleep(self.cfg.heartbeat_interval_s)
             await self.heartbeat()
+            if self._keepalive:
+                # Through the outbox: behind the chunks already queued for each stream.
+                frame = frames.alive(self.boot, self.reconnects)
+                for reply in list(self._keepalive):
+                    self.outbox.send(reply, frame)
 
     # -- lifecycle --------------------------------------------------------------------------
     async def stop_taking_work(self) -> None:
@@ -406,6 +413,8 @@ class Worker(Service):
         """Ack the router's dispatch and tell the caller which replica serves it."""
         await self._ack(msg, None)
         info = gen.headers.get(H.RATELIMIT_INFO)
+        if gen.headers.get(H.KEEPALIVE):
+            self._keepalive[gen.reply] = None
         self.outbox.send(
             gen.reply, frames.accept(self.replica, gen.rid, self.cfg.heartbeat_interval_s, info)
         )
@@ -526,6 +535,7 @@ class Worker(Service):
     async def _free_slot(self, reply: str) -> None:
         """Forget the request as active; heartbeat at once if that made room."""
         self._active.pop(reply, None)
+        self._keepalive.pop(reply, None)
         self._caller_cancelled.discard(reply)
         if len(self._active) == self.cfg.max_concurrency - 1:
             # It was full: say at once that there is room (routers hold requests for it).

@@ -24,6 +24,7 @@ CLIENT_HEADERS = (
     H.SESSION,
     H.TRACEPARENT,
     H.MIGRATION,
+    H.KEEPALIVE,
 )
 MAX_REQUEST_ID = 128
 _SAFE_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")

@@ -283,6 +283,11 @@ class Stream:
         self._no_responders = 0
         self._resends = 0
         self._next_index = 0  # chunk index expected next (per attempt)
+        # Without heartbeats: frames pushed so far, and when the watchdog last saw that grow.
+        self._pushed = 0
+        self._seen_pushed = 0
+        self._seen_at = 0.0
+        self._epoch: tuple[str, int] | None = None  # the replica's, from keepalive frames
         self.rate_limits: dict[str, str] = {}
         self.finish_reason: str | None = None
         self.usage: Usage | None = None
@@ -327,6 +332,8 @@ class Stream:
             hdrs[H.MIGRATION] = str(self.migrations)
         if self._api_key:
             hdrs[H.API_KEY] = self._api_key
+        if not self._client.heartbeats:
+            hdrs[H.KEEPALIVE] = "1"
         if self._extra_headers:
             hdrs.update(self._extra_headers)
         self._client._register(self)
@@ -369,6 +376,7 @@ class Stream:
 
     def _push(self, hdrs: dict[str, str] | None, data: bytes) -> None:
         self._frames.append((hdrs, data))
+        self._pushed += 1
         w = self._waiter
         if w is not None and not w.done():
             w.set_result(None)
@@ -471,6 +479,17 @@ class Stream:
                     continue
                 self._finish()
                 raise err
+            if t == frames.ALIVE:
+                epoch = (str(frame.get("b", "")), int(frame.get("e", 0)))
+                if self._epoch is not None and epoch != self._epoch and not self._lost:
+                    # The replica's connection broke and came back: frames may be lost.
+                    lost = E.ReplicaLost(f"replica {self.replica} reconnected")
+                    if await self._migrate(lost):
+                        continue
+                    self._finish()
+                    raise lost
+                self._epoch = epoch
+                continue
             if t == _RETRY:
                 # Not accepted: sent again (a stage or router holding it may be gone; queue
                 # groups pick at random, so a frozen one may be picked more than once).
@@ -522,6 +541,7 @@ class Stream:
         self._accepted_at = 0.0
         self._lost = False
         self._next_index = 0
+        self._epoch = None
         # Frames of the old attempt still queued here are dropped.
         self._frames.clear()
         self._resumed_tokens = self._got_tokens
@@ -622,8 +642,12 @@ class Caller:
         owner: str | None = None,
         own_connection: bool = False,
         inbox_prefix: str | None = None,
+        heartbeats: bool = True,
     ):
         self.nc = nc
+        # Whether this caller follows replicas by their heartbeats; a caller that may not
+        # (a key's connection) asks replicas for keepalive frames on its streams instead.
+        self.heartbeats = heartbeats
         self._own = own_connection
         # ``inbox_prefix``: where this caller may subscribe (a key's inbox root on the locked
         # bus); else one of its own.
@@ -647,9 +671,10 @@ class Caller:
                 pending_msgs_limit=1_000_000,
                 pending_bytes_limit=512 * 1024 * 1024,
             )
-            self._hb_sub = await self.nc.subscribe(
-                subjects.heartbeat_wildcard(), cb=self._on_heartbeat
-            )
+            if self.heartbeats:
+                self._hb_sub = await self.nc.subscribe(
+                    subjects.heartbeat_wildcard(), cb=self._on_heartbeat
+                )
             self._watchdog = asyncio.get_running_loop().create_task(self._watch_replicas())
 
     async def _on_heartbeat(self, msg: Msg) -> None:
@@ -690,8 +715,14 @@ class Caller:
                     continue
                 if s.replica is None or s._accepted_at == 0.0:
                     continue
-                # Not heard from it yet: count from the accept, at the interval it announced.
-                last, interval = self._beats.get(s.replica, (s._accepted_at, s._heartbeat_s))
+                if self.heartbeats:
+                    # Not heard from it yet: count from the accept, at the announced interval.
+                    last, interval = self._beats.get(s.replica, (s._accepted_at, s._heartbeat_s))
+                else:
+                    # Any frame of the stream (chunks, keepalives) says the replica is alive.
+                    if s._pushed != s._seen_pushed:
+                        s._seen_pushed, s._seen_at = s._pushed, now
+                    last, interval = max(s._seen_at, s._accepted_at), s._heartbeat_s
                 if now - last > interval * MISSED_BEATS and not s._lost:
                     s._lost = True
                     lost = E.ReplicaLost(f"replica {s.replica} stopped answering mid-stream; retry")

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ssl
 import os
 import signal
+import ssl
 import time
 import uuid
 from collections import OrderedDict

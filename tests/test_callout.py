@@ -4,6 +4,7 @@ by the auth service (a real nats-server on the generated config, real processes)
 from __future__ import annotations
 
 import asyncio
+import signal
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -15,6 +16,7 @@ import pytest
 from auth.keys import key_id_of
 from auth.store import KeyStore
 from bus_schemas import subjects
+from engine_worker.backends.sim import expected_text
 from services.natsconf import generate, role_env, role_login
 from tests.conftest import Procs, free_port, spawn_nats, start_stack
 from tokenbus import Client, TokenbusError
@@ -117,7 +119,14 @@ async def test_a_key_cannot_read_or_cut_another_keys_stream(tenants: Tenants) ->
         got.append(msg.subject)
 
     spy = await nats.connect(tenants.bus.url, token=tenants.a, error_cb=on_error)
-    for subject in ("_INBOX.>", ">", f"{subjects.key_inbox_root('x')}.>", "tb.v1.>"):
+    others = (
+        "_INBOX.>",
+        ">",
+        f"{subjects.key_inbox_root('x')}.>",
+        "tb.v1.>",
+        subjects.heartbeat_wildcard(),
+    )
+    for subject in others:
         await spy.subscribe(subject, cb=spy_cb)
     # What key A may subscribe to: its own inbox root (nothing of B's arrives there).
     await spy.subscribe(f"{subjects.key_inbox_root(key_id_of(tenants.a) or '')}.>", cb=spy_cb)
@@ -128,7 +137,7 @@ async def test_a_key_cannot_read_or_cut_another_keys_stream(tenants: Tenants) ->
     assert out.usage.completion_tokens == 12
     await asyncio.sleep(0.3)
     assert got == []  # not one frame of B's stream, not one of anybody's
-    assert sum("permissions violation for subscription" in e.lower() for e in errors) == 4
+    assert sum("permissions violation for subscription" in e.lower() for e in errors) == 5
     # Nor may A publish where only services do: workers, stages, heartbeats, usage, telemetry.
     errors.clear()
     for subject in (
@@ -172,3 +181,49 @@ async def test_revoking_a_key_closes_its_connections(tenants: Tenants) -> None:
         ) as tb:
             await tb.chat_completion(tenants.model, MSG, max_tokens=1)
     await nc.close()
+
+
+async def test_a_keys_client_follows_its_replica_by_keepalives(
+    bus: CalloutBus, tmp_path: Path
+) -> None:
+    # A key's connection cannot see heartbeats: its streams carry keepalive frames instead.
+    # A prefill far longer than the watchdog's patience (3 beats of 0.25 s) is not taken
+    # for a dead replica; a frozen replica is, and the stream moves on to the other one.
+    model = "keepalive-model"
+    with Procs(bus.url, tmp_path) as procs:
+        stack = await start_stack(
+            procs,
+            model,
+            "ingress",
+            "auth",
+            "router",
+            workers=2,
+            bridge=False,
+            worker_args=("--sim-prefill-ms", "1500", "--sim-decode-ms", "40"),
+            env={
+                "TOKENBUS_INGRESS__PIPELINE": '["auth", "route"]',
+                "TOKENBUS_WORKER__HEARTBEAT_INTERVAL_S": "0.25",
+            },
+            env_for=lambda role, _: bus.env(role),
+            heartbeats=False,
+        )
+        admin = await bus.connect("admin")
+        store = await KeyStore(admin).open(watch=False)
+        key, _ = await store.create("keepalive")
+        await _serve_when_ready(bus, key, model)
+        want = expected_text("<|user|>tell me a story\n", 30)[0]
+        async with await Client.connect(bus.url, api_key=key) as tb:
+            assert tb._hb_sub is None  # not subscribed to heartbeats at all
+            s = tb.chat(model, MSG, max_tokens=30)
+            text = "".join([c.text async for c in s])
+            assert text == want and s.migrations == 0
+            s = tb.chat(model, MSG, max_tokens=30)
+            got = []
+            async for c in s:
+                got.append(c.text)
+                if len(got) == 5:
+                    serving = next(w for w in stack.workers if w.name.endswith(s.replica[-1:]))
+                    serving.signal(signal.SIGSTOP)
+            serving.signal(signal.SIGCONT)
+            assert "".join(got) == want and s.migrations == 1
+        await admin.drain()

@@ -82,7 +82,8 @@ class Client(Caller):
                 prefix = f"{subjects.key_inbox_root(key_id)}.{uuid.uuid4().hex}"
         # Several URLs separated by commas: the nodes of a cluster.
         nc = await nats.connect([u.strip() for u in url.split(",") if u.strip()], **options)
-        client = cls(nc, own_connection=True, inbox_prefix=prefix)
+        # A key's connection receives only its own inbox: no heartbeats, keepalives instead.
+        client = cls(nc, own_connection=True, inbox_prefix=prefix, heartbeats=prefix is None)
         client.api_key = api_key
         holder.append(client)
         await client.start()
