@@ -22,6 +22,10 @@ the background, before the lease runs out.
   use when the window ends is lost (at most a sixteenth of what was left, per instance).
 * TPM is reserved at admission (prompt estimate + max_tokens) and reconciled with the real
   usage the worker reports when the request ends: unused tokens go back to the window.
+* A request moved to another replica (migration) is admitted again without counting a
+  request, on proof that it was admitted before (:mod:`auth.ratelimit`'s admission ticket);
+  the attempt it replaces is then charged only the output the caller got from it, so the
+  request counts once in RPM and its tokens once in TPM (``settle`` per attempt).
 * Concurrency slots (``cc.<key>``: slots held per limiter instance, each with an expiry the
   instance renews while it holds them). A request's slot is freed when its usage report
   comes back (to the instance that admitted it) or at its deadline; slots an instance no
@@ -37,8 +41,10 @@ import asyncio
 import contextlib
 import json
 import math
+import secrets
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -53,6 +59,9 @@ from bus_schemas import errors as E
 Change = Callable[[dict[str, Any]], dict[str, Any]]
 
 BUCKET = "tokenbus_ratelimit"
+# Long-lived secrets of the limiters (no TTL): the key admission tickets are signed with.
+SECRETS_BUCKET = "tokenbus_secrets"
+_ATTEMPTS_KEPT = 50_000  # settled attempts remembered (duplicate reports, supersedes)
 WINDOW_S = 60
 _MAX_CAS_TRIES = 100
 _MAX_CHUNK = 1024  # requests one lease may cover
@@ -96,6 +105,27 @@ class _Window:
     prefetching: bool = False
 
 
+@dataclass(slots=True)
+class _Attempt:
+    """One attempt of a request (its admission) as far as TPM is concerned: what the window
+    was charged for it, and what is known of its use."""
+
+    window: int
+    charged: int  # tokens the window counts for this attempt now
+    at: float
+    reported: bool = False
+    prompt: int = 0
+    completion: int = 0
+    resumed: int | None = None  # superseded by a migration: output the caller got from it
+
+    def charge(self) -> int:
+        """A superseded attempt costs the output it delivered (the next attempt counts the
+        prompt again); any other costs what its worker reported."""
+        if self.resumed is not None:
+            return max(self.resumed, self.completion)
+        return self.prompt + self.completion
+
+
 @dataclass
 class _Slots:
     """Concurrency slots this instance holds for one key."""
@@ -130,6 +160,8 @@ class Limiter:
         self._limits: dict[str, int] = {}  # principal -> its concurrency limit, for renewals
         self._tasks: set[asyncio.Task[Any]] = set()
         self._renewer: asyncio.Task[None] | None = None
+        self._attempts: OrderedDict[tuple[str, str, int], _Attempt] = OrderedDict()
+        self.secret = b""  # shared by every limiter of the bus (admission tickets)
 
     async def open(self) -> Limiter:
         js = self.nc.jetstream()
@@ -139,8 +171,31 @@ class Limiter:
             self.kv = await js.create_key_value(
                 bucket=self.bucket, history=1, ttl=3 * WINDOW_S, storage=StorageType.MEMORY
             )
+        self.secret = await self._shared_secret(js)
         self._renewer = asyncio.create_task(self._renew_forever())
         return self
+
+    @staticmethod
+    async def _shared_secret(js: Any) -> bytes:
+        """The limiters' signing key: made by the first limiter, read by the others."""
+        try:
+            kv = await js.key_value(SECRETS_BUCKET)
+        except BucketNotFoundError:
+            with contextlib.suppress(Exception):  # another limiter made it meanwhile
+                await js.create_key_value(bucket=SECRETS_BUCKET, history=1)
+            kv = await js.key_value(SECRETS_BUCKET)
+        with contextlib.suppress(KeyWrongLastSequenceError, Exception):
+            await kv.create("admission", secrets.token_bytes(32))
+        entry = await kv.get("admission")
+        return bytes(entry.value or b"")
+
+    async def claim(self, name: str) -> bool:
+        """True the first time ``name`` is claimed by any limiter within a few windows."""
+        try:
+            await self._kv().create(f"once.{name}", b"1")
+        except KeyWrongLastSequenceError:
+            return False
+        return True
 
     async def close(self) -> None:
         """Give back the concurrency slots this instance holds (best effort)."""
@@ -239,8 +294,10 @@ class Limiter:
         concurrent: int | None,
         tokens: int,
         deadline_s: float,
+        requests: int = 1,
     ) -> Admission:
-        """Count the request against every limit of ``principal`` or raise RateLimited."""
+        """Count the request against every limit of ``principal`` or raise RateLimited.
+        ``requests=0``: a migrated request, already counted (its tokens are reserved)."""
         now = time.time()
         window = int(now // WINDOW_S)
         reset = (window + 1) * WINDOW_S - now
@@ -250,11 +307,11 @@ class Limiter:
             w = self._windows.get(principal)
             if w is None or w.window != window:
                 w = self._windows[principal] = _Window(window)
-            if w.r_left < 1 or w.t_left < need_t:
+            if w.r_left < requests or w.t_left < need_t:
                 async with w.lock:  # one lease at a time per key; the others wait and reuse it
-                    if w.r_left < 1 or w.t_left < need_t:
-                        await self._lease(principal, w, rpm, tpm, need_t, reset)
-            w.r_left -= 1
+                    if w.r_left < requests or w.t_left < need_t:
+                        await self._lease(principal, w, rpm, tpm, need_t, reset, need_r=requests)
+            w.r_left -= requests
             w.t_left -= need_t
             if rpm is not None:
                 info.update(self._trio("requests", rpm, rpm - (w.r_seen - w.r_left), reset))
@@ -267,7 +324,7 @@ class Limiter:
             try:
                 await self._take_slot(principal, request_id, concurrent, deadline_s, info)
             except E.RateLimited:
-                self._refund(principal, window, 1, need_t)
+                self._refund(principal, window, requests, need_t)
                 raise
         return Admission(window, tokens, info)
 
@@ -449,22 +506,48 @@ class Limiter:
         *,
         concurrent: bool = True,
         windowed: bool = True,
+        attempt: int = 0,
+        prompt: int | None = None,
+        completion: int | None = None,
+        resumed: int | None = None,
     ) -> None:
-        """Reconcile the reservation with real usage and free the concurrency slot."""
-        if concurrent:
-            await self._release_slot(principal, request_id)
-        if windowed and used != reserved:
+        """Reconcile an attempt's reservation with what it really used and free its
+        concurrency slot (the worker's report: ``used``, or ``prompt`` + ``completion``);
+        or, with ``resumed``, mark the attempt superseded by a migration that delivered
+        that much of its output. Each arrives once per attempt, in either order."""
+        now = time.time()
+        key = (principal, request_id, attempt)
+        a = self._attempts.get(key)
+        if a is None:
+            a = self._attempts[key] = _Attempt(window, reserved, now)
+            while self._attempts and (
+                len(self._attempts) > _ATTEMPTS_KEPT
+                or next(iter(self._attempts.values())).at < now - 3 * WINDOW_S
+            ):
+                self._attempts.popitem(last=False)
+        if resumed is None:
+            if a.reported:
+                return  # a duplicate report
+            a.reported = True
+            a.prompt, a.completion = (used, 0) if prompt is None else (prompt, completion or 0)
+            if concurrent:
+                await self._release_slot(principal, request_id)
+        else:
+            if a.resumed is not None:
+                return
+            a.resumed = max(0, resumed)
+        delta = a.charge() - a.charged if (a.reported or a.resumed is not None) else 0
+        if not windowed or not delta:
+            return
+        a.charged += delta
 
-            def adjust(cur: dict[str, Any]) -> dict[str, Any]:
-                return {
-                    "r": int(cur.get("r", 0)),
-                    "t": max(0, int(cur.get("t", 0)) + used - reserved),
-                }
+        def adjust(cur: dict[str, Any]) -> dict[str, Any]:
+            return {"r": int(cur.get("r", 0)), "t": max(0, int(cur.get("t", 0)) + delta)}
 
-            w = self._windows.get(principal)
-            await self._cas(f"rl.{principal}.{window}", adjust)
-            if w is not None and w.window == window:
-                w.t_seen = max(0, w.t_seen + used - reserved)
+        w = self._windows.get(principal)
+        await self._cas(f"rl.{principal}.{a.window}", adjust)
+        if w is not None and w.window == a.window:
+            w.t_seen = max(0, w.t_seen + delta)
 
     @staticmethod
     def _trio(kind: str, limit: int, remaining: int, reset: float) -> dict[str, str]:

@@ -1,10 +1,22 @@
 """The ratelimit stage: admits a request against its key's limits (see :mod:`auth.limits`)
-and reconciles token reservations with the usage workers report."""
+and reconciles token reservations with the usage workers report.
+
+A request moved to another replica (migration) comes through again. It counts once: each
+admission hands the caller (through the worker's accept frame) an *admission ticket*, an
+HMAC over the key, the request id, the attempt and its reservation with a secret only the
+limiters hold, and the caller sends it back with the migrated request. A valid ticket,
+claimed once (a replay is counted as a new request), admits the next attempt without
+counting a request, and tells the limiter that admitted the previous attempt to charge it
+only the output the caller got from it (the new attempt's report counts the prompt).
+"""
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import hmac
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from nats.aio.client import Client as NATS
@@ -23,6 +35,52 @@ def parse_limits(value: str | None) -> tuple[int | None, int | None, int | None]
     parts += [""] * (3 - len(parts))
     vals = [int(p) if p.strip().isdigit() else None for p in parts[:3]]
     return vals[0], vals[1], vals[2]
+
+
+# A ticket is good for this long after its attempt was admitted (and never past the
+# request's deadline); the claim that makes it single-use lives about as long.
+TICKET_TTL_S = 150.0
+
+
+@dataclass(frozen=True, slots=True)
+class Ticket:
+    """The admission of one attempt of a request, as the caller hands it back."""
+
+    window: int
+    reserved: int
+    flags: str
+    owner: str
+    attempt: int
+    expires: int
+    sig: str
+
+
+def _sign(secret: bytes, principal: str, rid: str, body: str) -> str:
+    msg = f"{principal}\n{rid}\n{body}".encode()
+    return hmac.new(secret, msg, hashlib.sha256).hexdigest()[:32]
+
+
+def issue_ticket(secret: bytes, principal: str, rid: str, t: Ticket) -> str:
+    """``window,reserved,flags,owner,attempt,expires,sig`` (``t.sig`` is ignored)."""
+    body = f"{t.window},{t.reserved},{t.flags},{t.owner},{t.attempt},{t.expires}"
+    return f"{body},{_sign(secret, principal, rid, body)}"
+
+
+def read_ticket(secret: bytes, value: str, principal: str, rid: str, now: float) -> Ticket | None:
+    """The ticket if ``secret`` signed it for this key and request and it has not expired."""
+    body, _, sig = value.rpartition(",")
+    parts = body.split(",")
+    if not secret or len(parts) != 6 or len(sig) != 32:
+        return None
+    if not hmac.compare_digest(sig, _sign(secret, principal, rid, body)):
+        return None
+    try:
+        t = Ticket(
+            int(parts[0]), int(parts[1]), parts[2], parts[3], int(parts[4]), int(parts[5]), sig
+        )
+    except ValueError:
+        return None
+    return t if t.expires >= now else None
 
 
 def estimate_tokens(env: dict[str, Any]) -> int:
@@ -48,8 +106,12 @@ class RateLimitCheck:
         if not principal or (rpm is None and tpm is None and conc is None):
             return
         deadline = marks.deadline_ms(hdrs)
+        deadline_s = deadline / 1000 if deadline else time.time() + 600
         rid = hdrs.get(H.REQUEST_ID) or str(env.get("request_id", ""))
+        ticket = hdrs.pop(H.ADMISSION, None)
+        attempt = _attempt(hdrs)
         try:
+            prior = await self._prior(ticket, principal, rid, attempt)
             adm = await self.limiter.admit(
                 principal,
                 rid,
@@ -57,7 +119,8 @@ class RateLimitCheck:
                 tpm=tpm,
                 concurrent=conc,
                 tokens=estimate_tokens(env),
-                deadline_s=deadline / 1000 if deadline else time.time() + 600,
+                deadline_s=deadline_s,
+                requests=0 if prior else 1,
             )
         except E.TokenbusError:
             raise
@@ -72,12 +135,53 @@ class RateLimitCheck:
             "c" if conc is not None else ""
         )
         # The worker sends the real usage to this limiter instance (it holds the slot).
-        hdrs[H.RATELIMIT] = f"{adm.window},{adm.reserved},{flags},{self.limiter.owner}"
+        owner = self.limiter.owner
+        hdrs[H.RATELIMIT] = f"{adm.window},{adm.reserved},{flags},{owner}"
         if adm.info:
             hdrs[H.RATELIMIT_INFO] = info_header(adm.info)
+        if prior is not None:
+            await self._supersede(prior, principal, rid, env)
+        expires = int(min(deadline_s, time.time() + TICKET_TTL_S))
+        this = Ticket(adm.window, adm.reserved, flags, owner, attempt, expires, "")
+        hdrs[H.ADMISSION] = issue_ticket(self.limiter.secret, principal, rid, this)
+
+    async def _prior(
+        self, ticket: str | None, principal: str, rid: str, attempt: int
+    ) -> Ticket | None:
+        """The earlier attempt's admission, when this is a migration that proves one (a
+        ticket this bus's limiters signed for this key and request, used once)."""
+        if not ticket or attempt < 1:
+            return None
+        t = read_ticket(self.limiter.secret, ticket, principal, rid, time.time())
+        if t is None or t.attempt >= attempt:
+            return None
+        if not await self.limiter.claim(t.sig):
+            self.log.warning("admission_ticket_replayed", principal=principal, request_id=rid)
+            return None
+        return t
+
+    async def _supersede(
+        self, prior: Ticket, principal: str, rid: str, env: dict[str, Any]
+    ) -> None:
+        """Tell the limiter that admitted the earlier attempt what the caller got from it."""
+        resume = env.get("resume")
+        got = int(resume.get("tokens", 0) or 0) if isinstance(resume, dict) else 0
+        body = {
+            "principal": principal,
+            "request_id": rid,
+            "window": prior.window,
+            "reserved": prior.reserved,
+            "used": 0,
+            "flags": prior.flags,
+            "attempt": prior.attempt,
+            "resumed": max(0, got),
+        }
+        with contextlib.suppress(Exception):
+            await self._nc.publish(subjects.usage(prior.owner or None), codec.encode(body))
 
     async def start(self, nc: NATS) -> None:
         """Listen for the usage reports of requests this instance admitted."""
+        self._nc = nc
         self._usage_sub = await nc.subscribe(subjects.usage(self.limiter.owner), cb=self._on_usage)
 
     async def stop(self) -> None:
@@ -89,6 +193,7 @@ class RateLimitCheck:
         try:
             u = codec.decode_map(msg.data)
             flags = str(u.get("flags", ""))
+            opt = {k: int(u[k]) for k in ("prompt", "completion", "resumed") if k in u}
             await self.limiter.settle(
                 str(u["principal"]),
                 str(u["request_id"]),
@@ -97,9 +202,16 @@ class RateLimitCheck:
                 int(u["used"]),
                 concurrent="c" in flags,
                 windowed="w" in flags,
+                attempt=int(u.get("attempt", 0)),
+                **opt,
             )
         except Exception as exc:
             self.log.warning("usage_not_settled", error=str(exc))
+
+
+def _attempt(hdrs: dict[str, str]) -> int:
+    value = hdrs.get(H.MIGRATION, "")
+    return int(value) if value.isdigit() and len(value) < 4 else 0
 
 
 class RateLimit(Service):

@@ -22,7 +22,11 @@ ALIVE = "k"
 
 
 def accept(
-    replica: str, request_id: str, heartbeat_s: float, ratelimit_info: str | None = None
+    replica: str,
+    request_id: str,
+    heartbeat_s: float,
+    ratelimit_info: str | None = None,
+    admission: str | None = None,
 ) -> bytes:
     frame: dict[str, Any] = {
         "t": ACCEPT,
@@ -32,6 +36,8 @@ def accept(
     }
     if ratelimit_info:
         frame["rl"] = ratelimit_info
+    if admission:  # the ratelimit stage's ticket, for a migration of this request
+        frame["adm"] = admission
     return codec.encode(frame)
 
 

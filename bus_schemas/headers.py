@@ -23,6 +23,10 @@ MIGRATION = "Tb-Migration"
 # receives only its own inbox): the replica sends each of its streams a keepalive frame
 # every heartbeat interval instead.
 KEEPALIVE = "Tb-Keepalive"
+# The ratelimit stage's signed admission of this attempt (``auth.ratelimit.Ticket``); the
+# worker hands it to the caller in the accept frame, and a migrated request brings it back
+# so that it counts once.
+ADMISSION = "Tb-Admission"
 # NATS' own status header (503 = no responders).
 NATS_STATUS = "Status"
 # Limits of the principal as ``rpm,tpm,concurrent`` (empty field = unlimited), set by auth.

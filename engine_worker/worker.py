@@ -416,7 +416,14 @@ class Worker(Service):
         if gen.headers.get(H.KEEPALIVE):
             self._keepalive[gen.reply] = None
         self.outbox.send(
-            gen.reply, frames.accept(self.replica, gen.rid, self.cfg.heartbeat_interval_s, info)
+            gen.reply,
+            frames.accept(
+                self.replica,
+                gen.rid,
+                self.cfg.heartbeat_interval_s,
+                info,
+                gen.headers.get(H.ADMISSION),
+            ),
         )
 
     async def _generate(self, msg: Msg, gen: _Generation, stream: DeltaStream) -> None:
@@ -576,7 +583,11 @@ class Worker(Service):
                 "window": int(window),
                 "reserved": int(reserved),
                 "used": prompt_tokens + completion,
+                "prompt": prompt_tokens,
+                "completion": completion,
                 "flags": flags,
+                # Which attempt of the request this was (migrations before it).
+                "attempt": int(hdrs.get(H.MIGRATION, "0") or 0),
             }
         except (KeyError, ValueError):
             return

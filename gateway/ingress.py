@@ -25,6 +25,7 @@ CLIENT_HEADERS = (
     H.TRACEPARENT,
     H.MIGRATION,
     H.KEEPALIVE,
+    H.ADMISSION,
 )
 MAX_REQUEST_ID = 128
 _SAFE_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")

@@ -289,6 +289,7 @@ class Stream:
         self._seen_at = 0.0
         self._epoch: tuple[str, int] | None = None  # the replica's, from keepalive frames
         self.rate_limits: dict[str, str] = {}
+        self._admission = ""  # the ratelimit stage's ticket for the current attempt
         self.finish_reason: str | None = None
         self.usage: Usage | None = None
         self.timings: dict[str, int] = {}
@@ -330,6 +331,8 @@ class Stream:
         }
         if self.migrations:
             hdrs[H.MIGRATION] = str(self.migrations)
+            if self._admission:  # proof the request was admitted: it counts once
+                hdrs[H.ADMISSION] = self._admission
         if self._api_key:
             hdrs[H.API_KEY] = self._api_key
         if not self._client.heartbeats:
@@ -448,6 +451,8 @@ class Stream:
                     await self._client._send_cancel(str(other), self.token, self.request_id)
                     continue
                 self.replica = other
+                if frame.get("adm"):
+                    self._admission = str(frame["adm"])
                 if frame.get("rl"):
                     self.rate_limits = {
                         k: v

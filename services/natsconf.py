@@ -48,13 +48,14 @@ ROLES: dict[str, tuple[list[str], list[str]]] = {
     # The bridge may run auth, ratelimit and filter in-process (``bridge.fuse_stages``);
     # its admin API records key and routing changes in the audit trail.
     "bridge": (
-        [REQ, STAGES, CANCEL, INBOX, TELEMETRY, AUDIT, *JS_API],
+        # usage: an in-process ratelimit settles a migrated request's earlier attempt.
+        [REQ, STAGES, CANCEL, INBOX, TELEMETRY, AUDIT, *USAGE, *JS_API],
         [INBOX, HEARTBEAT, DISCOVERY, *USAGE],
     ),
     "ingress": ([STAGES, INBOX], [REQ, INBOX, DISCOVERY]),
     "auth": ([STAGES, INBOX, *JS_API], [f"{PREFIX}.stage.auth", INBOX, DISCOVERY, ADMIN]),
     "ratelimit": (
-        [STAGES, INBOX, *JS_API],
+        [STAGES, INBOX, *USAGE, *JS_API],
         [f"{PREFIX}.stage.ratelimit", *USAGE, INBOX, DISCOVERY],
     ),
     "filter": ([STAGES, INBOX], [f"{PREFIX}.stage.filter", INBOX, DISCOVERY]),

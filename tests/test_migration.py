@@ -4,6 +4,7 @@ duplicate or a gap; real processes, a real bus, kill -9."""
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import time
 from pathlib import Path
@@ -11,10 +12,20 @@ from typing import Any
 
 import pytest
 
+from auth.ratelimit import estimate_tokens
 from bus_schemas import errors as E
 from engine_worker.backends.base import GenerationRequest
 from engine_worker.backends.sim import _start, expected_text, resume_point, token_text
-from tests.conftest import NatsServer, Procs, Upstream, live_replicas, stack, start_stack
+from tests.conftest import (
+    NatsServer,
+    Procs,
+    Upstream,
+    fresh_window,
+    key_store,
+    live_replicas,
+    stack,
+    start_stack,
+)
 from tokenbus import Client
 
 MSG = [{"role": "user", "content": "tell me a long story"}]
@@ -279,3 +290,97 @@ async def test_reasoning_already_sent_is_not_resumed(
         assert s.migrations == 0
     finally:
         up.stop()
+
+
+TPM = 100_000
+
+
+def _charged_before(remaining_tokens: str, max_tokens: int) -> int:
+    """What a key's window was charged before a request that saw ``remaining_tokens`` (the
+    request's own reservation, prompt estimate + max_tokens, is taken off too)."""
+    own = estimate_tokens({"messages": MSG, "params": {"max_tokens": max_tokens}})
+    return TPM - int(remaining_tokens) - own
+
+
+async def test_a_migrated_request_counts_once_toward_rpm_and_tpm_over_nats(
+    procs: Procs, model: str, client: Client
+) -> None:
+    async with key_store(procs.url, watch=False) as keys:
+        key, _ = await keys.create("migrating", rpm=2, tpm=TPM)
+    stack = await start_stack(
+        procs,
+        model,
+        "ingress",
+        "auth",
+        "ratelimit",
+        "router",
+        workers=2,
+        worker_args=SLOW,
+        env={**HB, "TOKENBUS_INGRESS__PIPELINE": '["auth", "ratelimit", "route"]'},
+        settle=1.0,
+    )
+    await fresh_window(12)
+    s = client.chat(model, MSG, max_tokens=60, api_key=key)
+    got = 0
+    async for ch in s:
+        got += ch.tokens
+        if got == 15:
+            _victim(stack.workers, s.replica).signal(signal.SIGKILL)
+    assert s.migrations == 1 and s.usage is not None and s.usage.completion_tokens == 60
+    await asyncio.sleep(0.5)  # the usage report and the superseded attempt's settle
+    # The key's second request of the minute is admitted (the migration was not a third),
+    # and the window was charged the first request's tokens once.
+    s2 = client.chat(model, MSG, max_tokens=1, api_key=key)
+    async for _ in s2:
+        pass
+    assert s2.rate_limits["x-ratelimit-remaining-requests"] == "0"
+    charged = _charged_before(s2.rate_limits["x-ratelimit-remaining-tokens"], 1)
+    assert charged == s.usage.total_tokens, (charged, s.usage)
+
+
+async def test_a_migrated_request_counts_once_toward_rpm_and_tpm_over_http(
+    procs: Procs, model: str
+) -> None:
+    async with key_store(procs.url, watch=False) as keys:
+        key, _ = await keys.create("migrating-http", rpm=2, tpm=TPM)
+    # The bridge runs auth and ratelimit in-process and routes itself.
+    stack = await start_stack(
+        procs,
+        model,
+        workers=2,
+        worker_args=SLOW,
+        env={**HB, "TOKENBUS_INGRESS__PIPELINE": '["auth", "ratelimit", "route"]'},
+        settle=1.0,
+    )
+    await fresh_window(12)
+    auth = {"Authorization": f"Bearer {key}"}
+    body = {"model": model, "messages": MSG, "max_tokens": 60, "stream": True}
+    body["stream_options"] = {"include_usage": True}
+    usage: dict[str, Any] = {}
+    async with stack.http() as http:
+        async with http.stream("POST", "/v1/chat/completions", json=body, headers=auth) as r:
+            assert r.status_code == 200
+            n = 0
+            async for line in r.aiter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                chunk = json.loads(line[6:])
+                usage = chunk.get("usage") or usage
+                n += 1
+                if n == 15:
+                    live = await live_replicas(procs.url, model)
+                    busy = [rid for rid, hb in live.items() if hb.get("in_flight")]
+                    assert len(busy) == 1, live
+                    _victim(stack.workers, busy[0]).signal(signal.SIGKILL)
+        assert usage["completion_tokens"] == 60
+        await asyncio.sleep(0.5)
+        r = await http.post(
+            "/v1/chat/completions",
+            json={"model": model, "messages": MSG, "max_tokens": 1},
+            headers=auth,
+        )
+    assert r.status_code == 200, r.text
+    assert r.headers["x-ratelimit-remaining-requests"] == "0"
+    charged = _charged_before(r.headers["x-ratelimit-remaining-tokens"], 1)
+    assert charged == usage["total_tokens"], (charged, usage)
+    assert "request_migrated" in stack.bridge.output()

@@ -8,12 +8,14 @@ import time
 from typing import Any
 
 import pytest
+import structlog
 from nats.aio.client import Client as NATS
 
 from auth.limits import BUCKET, WINDOW_S, Admission, Limiter
-from auth.ratelimit import estimate_tokens, parse_limits
+from auth.ratelimit import RateLimitCheck, estimate_tokens, parse_limits
 from auth.store import KeyStore
 from bus_schemas import errors as E
+from bus_schemas import headers as H
 from tests.conftest import (
     NatsServer,
     Procs,
@@ -223,3 +225,41 @@ async def test_concurrency_slots_move_between_instances_and_expire_with_a_dead_o
             pytest.fail("the dead instance's slots never expired")
     finally:
         await b.close()
+
+
+async def test_a_migration_counts_once_on_proof_of_admission_only(nc: NATS) -> None:
+    # The ratelimit stage's check on a real bus: a migrated request (Tb-Migration) brings
+    # the ticket of its first admission and is not counted again; a forged, borrowed or
+    # replayed ticket proves nothing and the request is counted like any other.
+    lim = await Limiter(nc).open()
+    check = RateLimitCheck(lim, fail_open=False, log=structlog.get_logger())
+    env = {"messages": MSG, "params": {"max_tokens": 4}}
+
+    async def admit(rid: str, migration: int = 0, ticket: str | None = None) -> dict[str, str]:
+        hdrs = {H.PRINCIPAL: "mig", H.LIMITS: "2,,", H.REQUEST_ID: rid}
+        if migration:
+            hdrs[H.MIGRATION] = str(migration)
+        if ticket is not None:
+            hdrs[H.ADMISSION] = ticket
+        await check.apply(hdrs, env)
+        return hdrs
+
+    try:
+        await fresh_window()
+        first = await admit("a")
+        ticket = first[H.ADMISSION]
+        moved = await admit("a", 1, ticket)  # free: the limit of 2 still has room for one
+        moved_again = await admit("a", 2, moved[H.ADMISSION])  # a second migration too
+        assert moved_again[H.ADMISSION] != moved[H.ADMISSION]
+        await admit("b")  # the key's second request
+        for rid, migration, t in [
+            ("a", 1, ticket),  # replayed: each ticket is good once
+            ("c", 1, ticket),  # borrowed from another request
+            ("a", 3, ticket.replace(",w,", ",,")),  # altered
+            ("a", 1, "1,2,w,x,0,9999999999," + "0" * 32),  # made up
+            ("a", 0, moved_again[H.ADMISSION]),  # not a migration
+        ]:
+            with pytest.raises(E.RateLimited):
+                await admit(rid, migration, t)
+    finally:
+        await lim.close()
