@@ -3,7 +3,8 @@ restart the NATS server; count the requests that failed, hung, or came back with
 text (a duplicate or a gap), and how long the stack took to recover.
 
 The target: no failed and no hung request while at least one healthy replica and one
-instance of every stage remain. Every process is real; so is the bus."""
+instance of every stage remain. Every process is real; so is the bus: the locked bus with
+the auth callout (:mod:`tests.lockedbus`), every client logged in with its API key."""
 
 from __future__ import annotations
 
@@ -11,13 +12,15 @@ import asyncio
 import signal
 import time
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from bus_schemas import errors as E
 from engine_worker.backends.sim import expected_text
-from tests.conftest import NatsServer, Procs, ProcStack, key_store, start_stack
+from tests.conftest import Procs, ProcStack, start_stack
+from tests.lockedbus import UNLIMITED, LockedBus, serve_when_ready
 from tokenbus import Client
 
 CLIENTS = 64
@@ -54,7 +57,8 @@ async def steady_load(
     api_key: str | None = None,
     event_at: float = 0.0,
 ) -> None:
-    """``CLIENTS`` closed-loop clients for ``seconds``; every request's outcome counted."""
+    """``CLIENTS`` closed-loop clients for ``seconds``; every request's outcome counted (with
+    ``api_key``, or the key ``c`` logged in with)."""
     stop = time.monotonic() + seconds
 
     async def one_client() -> None:
@@ -81,73 +85,104 @@ async def steady_load(
     await asyncio.gather(*(one_client() for _ in range(CLIENTS)))
 
 
-async def _start_stack(procs: Procs, model: str, pipeline: str, settle: float) -> ProcStack:
-    """Two of each service in ``pipeline``, three fast workers, no bridge."""
-    stages = [s for s in ("auth", "ratelimit", "filter") if s in pipeline]
+@pytest.fixture
+def bus(tmp_path: Path) -> Iterator[LockedBus]:
+    """This test's own locked bus (the auth callout on)."""
+    b = LockedBus(tmp_path / "bus").start()
+    yield b
+    b.stop()
+
+
+async def _start_stack(
+    procs: Procs, bus: LockedBus, model: str, pipeline: str, settle: float
+) -> tuple[ProcStack, str]:
+    """A key without limits, then two of each service in ``pipeline`` (and two auth
+    instances in any case: they answer the callout), three fast workers, no bridge; returns
+    once a client logging in with the key is served."""
+    key = await bus.create_key("chaos", **UNLIMITED)
+    stages = [s for s in ("auth", "ratelimit", "filter") if s in pipeline or s == "auth"]
     services = [name for name in ("ingress", "router", *stages) for _ in range(2)]
     env = {"TOKENBUS_INGRESS__PIPELINE": pipeline, **HB}
-    return await start_stack(
-        procs, model, *services, workers=3, worker_args=FAST, bridge=False, env=env, settle=settle
+    stack = await start_stack(
+        procs,
+        model,
+        *services,
+        workers=3,
+        worker_args=FAST,
+        bridge=False,
+        env=env,
+        env_for=bus.env,
+        heartbeats=False,
     )
+    await bus.wait_replicas(model, 3)
+    await serve_when_ready(bus.url, key, model)
+    await asyncio.sleep(settle)
+    return stack, key
 
 
 @pytest.mark.parametrize("victim", ["worker", "ingress", "router", "auth", "ratelimit", "filter"])
 async def test_kill_9_under_load_loses_no_request(
-    procs: Procs, model: str, victim: str, client: Client
+    bus: LockedBus, model: str, victim: str, tmp_path: Path
 ) -> None:
     pipeline = '["auth", "ratelimit", "filter", "route"]'
-    async with key_store(procs.url, watch=False) as keys:
-        key, _ = await keys.create("chaos", rpm=10**9, tpm=10**12, max_concurrent=10**6)
-    # settle: every stage has its key cache and its subscriptions
-    stack = await _start_stack(procs, model, pipeline, settle=1.0)
-    tally = Tally()
-    await client.chat_completion(model, MSG, max_tokens=1, api_key=key)
-    load = asyncio.create_task(steady_load(client, model, 4.0, tally, api_key=key))
-    await asyncio.sleep(1.5)
-    stack.roles[victim][0].signal(signal.SIGKILL)
-    await load
-    tally.report(f"kill -9 {victim}")
-    assert tally.outcomes["ok"] > 200, tally.outcomes
-    assert tally.failed() == 0, (tally.outcomes, tally.errors[:5])
-    for name, ps in stack.roles.items():
-        for p in ps[1:] if name == victim else ps:
-            assert p.alive(), f"{p.name} died"
+    with Procs(bus.url, tmp_path) as procs:
+        # settle: every stage has its key cache and its subscriptions
+        stack, key = await _start_stack(procs, bus, model, pipeline, settle=1.0)
+        tally = Tally()
+        async with await Client.connect(bus.url, api_key=key) as client:
+            await client.chat_completion(model, MSG, max_tokens=1)
+            load = asyncio.create_task(steady_load(client, model, 4.0, tally))
+            await asyncio.sleep(1.5)
+            stack.roles[victim][0].signal(signal.SIGKILL)
+            await load
+        tally.report(f"kill -9 {victim}")
+        assert tally.outcomes["ok"] > 200, tally.outcomes
+        assert tally.failed() == 0, (tally.outcomes, tally.errors[:5])
+        # A client logging in now is let in (the surviving auth instance answers the
+        # callout) and served.
+        async with await Client.connect(bus.url, api_key=key, allow_reconnect=False) as late:
+            out = await late.chat_completion(model, MSG, max_tokens=MAX_TOKENS, timeout=10)
+        assert out.text == EXPECTED
+        for name, ps in stack.roles.items():
+            for p in ps[1:] if name == victim else ps:
+                assert p.alive(), f"{p.name} died"
 
 
 async def test_draining_a_worker_under_load_loses_no_request(
-    procs: Procs, model: str, client: Client
+    bus: LockedBus, model: str, tmp_path: Path
 ) -> None:
-    stack = await _start_stack(procs, model, '["route"]', settle=0.6)
-    tally = Tally()
-    load = asyncio.create_task(steady_load(client, model, 3.0, tally))
-    await asyncio.sleep(1.0)
-    stack.workers[0].signal(signal.SIGTERM)
-    await load
-    assert stack.workers[0].proc.wait(20) == 0
+    with Procs(bus.url, tmp_path) as procs:
+        stack, key = await _start_stack(procs, bus, model, '["auth", "route"]', settle=0.6)
+        tally = Tally()
+        async with await Client.connect(bus.url, api_key=key) as client:
+            load = asyncio.create_task(steady_load(client, model, 3.0, tally))
+            await asyncio.sleep(1.0)
+            stack.workers[0].signal(signal.SIGTERM)
+            await load
+        assert stack.workers[0].proc.wait(20) == 0
     tally.report("SIGTERM worker")
     assert tally.outcomes["ok"] > 150 and tally.failed() == 0, tally.outcomes
 
 
-async def test_nats_server_restart_under_load(
-    private_nats: NatsServer, model: str, tmp_path: Path
-) -> None:
-    with Procs(private_nats.url, tmp_path) as procs:
-        await _start_stack(procs, model, '["route"]', settle=0.6)
+async def test_nats_server_restart_under_load(bus: LockedBus, model: str, tmp_path: Path) -> None:
+    with Procs(bus.url, tmp_path) as procs:
+        _, key = await _start_stack(procs, bus, model, '["auth", "route"]', settle=0.6)
         tally = Tally()
-        c = await Client.connect(private_nats.url, reconnect_time_wait=0.2)
+        c = await Client.connect(bus.url, api_key=key, reconnect_time_wait=0.2)
         try:
             down_at = time.monotonic() + 1.0
             load = asyncio.create_task(steady_load(c, model, 6.0, tally, event_at=down_at + 1.0))
             await asyncio.sleep(1.0)
-            private_nats.stop()
+            bus.stop()
             await asyncio.sleep(1.0)
-            private_nats.start()
+            bus.start()  # the same config and port; the key store kept in its store_dir
             await load
         finally:
             await c.close()
         tally.report("nats-server restart (down 1 s)")
         # In-flight requests end with a retryable error (none hangs, none is wrong); new
-        # ones succeed as soon as the server is back and the services have reconnected.
+        # ones succeed as soon as the server is back and the services (auth first: the
+        # client's own login waits for its callout) have reconnected.
         assert tally.outcomes["hung"] == 0 and tally.outcomes["wrong_text"] == 0, tally.outcomes
         failed = {k: v for k, v in tally.outcomes.items() if k != "ok"}
         assert all(
