@@ -182,12 +182,8 @@ async def test_the_bridge_serves_https(bus: TlsBus, tmp_path: Path) -> None:
             bus.tls.server_cert,
             "--tls-key",
             bus.tls.server_key,
-            # On the locked bus only the router may publish to workers.
-            env={
-                **role_env(bus.users, "bridge"),
-                "TOKENBUS_INGRESS__PIPELINE": '["route"]',
-                "TOKENBUS_BRIDGE__FUSE_ROUTER": "false",
-            },
+            # On the locked bus the bridge hands requests to the router service by itself.
+            env={**role_env(bus.users, "bridge"), "TOKENBUS_INGRESS__PIPELINE": '["route"]'},
         )
         wait_port(port)
         ctx = tlsfiles.client_context(bus.tls.ca)
