@@ -422,10 +422,13 @@ def procs(nats_server: NatsServer, tmp_path: Path) -> Iterator[Procs]:
         yield ps
 
 
-async def live_replicas(url: str, model: str, wait: float = 0.6) -> dict[str, dict[str, Any]]:
+async def live_replicas(
+    url: str, model: str, wait: float = 0.6, **login: Any
+) -> dict[str, dict[str, Any]]:
     """Replicas of ``model`` heard on the bus within ``wait`` seconds (latest heartbeat each);
-    ``url`` may name several nodes of a cluster, the first preferred."""
-    nc = await nats.connect(servers(url), dont_randomize=True)
+    ``url`` may name several nodes of a cluster, the first preferred. ``login``: nats-py's
+    connect options (the admin role on a locked bus)."""
+    nc = await nats.connect(servers(url), dont_randomize=True, **login)
     seen: dict[str, dict[str, Any]] = {}
 
     async def cb(msg: Any) -> None:
@@ -439,10 +442,10 @@ async def live_replicas(url: str, model: str, wait: float = 0.6) -> dict[str, di
     return seen
 
 
-async def wait_replicas(url: str, model: str, n: int, timeout: float = 20) -> None:
+async def wait_replicas(url: str, model: str, n: int, timeout: float = 20, **login: Any) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        live = await live_replicas(url, model, 0.5)
+        live = await live_replicas(url, model, 0.5, **login)
         if len([r for r in live.values() if not r.get("draining")]) >= n:
             return
     raise AssertionError(f"{n} replicas of {model} did not appear")

@@ -20,9 +20,9 @@ import nats
 from nats.aio.client import Client as NATS
 
 from auth.store import BUCKET, KeyStore
-from bus_schemas import codec, subjects
 from services.natsconf import generate, role_env, role_login
 from services.runtime import servers
+from tests import conftest
 from tests.conftest import free_port, spawn_nats
 from tokenbus import Client
 
@@ -183,30 +183,13 @@ async def live_replicas(
 ) -> dict[str, dict[str, Any]]:
     """Replicas of ``model`` heard within ``wait`` seconds (as admin: the heartbeats are
     not a key's to read)."""
-    admin = role_login(bus.users, "admin")
-    nc = await nats.connect(servers(url), dont_randomize=True, **admin)
-    seen: dict[str, dict[str, Any]] = {}
-
-    async def cb(msg: Any) -> None:
-        hb = codec.decode_map(msg.data)
-        if hb.get("model") == model:
-            seen[hb["replica"]] = hb
-
-    await nc.subscribe(subjects.heartbeat_wildcard(), cb=cb)
-    await asyncio.sleep(wait)
-    await nc.drain()
-    return seen
+    return await conftest.live_replicas(url, model, wait, **role_login(bus.users, "admin"))
 
 
 async def wait_replicas(
     bus: LockedBus | LockedCluster, url: str, model: str, n: int, timeout: float = 20
 ) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        live = await live_replicas(bus, url, model, 0.5)
-        if len([r for r in live.values() if not r.get("draining")]) >= n:
-            return
-    raise AssertionError(f"{n} replicas of {model} did not appear")
+    await conftest.wait_replicas(url, model, n, timeout, **role_login(bus.users, "admin"))
 
 
 async def serve_when_ready(url: str, key: str, model: str, timeout: float = 20) -> None:

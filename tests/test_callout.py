@@ -17,31 +17,15 @@ from auth.keys import key_id_of
 from auth.store import KeyStore
 from bus_schemas import subjects
 from engine_worker.backends.sim import expected_text
-from services.natsconf import generate, role_env, role_login
-from tests.conftest import Procs, free_port, spawn_nats, start_stack
+from tests.conftest import Procs, start_stack
+from tests.lockedbus import LockedBus, serve_when_ready
 from tokenbus import Client, TokenbusError
 
 MSG = [{"role": "user", "content": "tell me a story"}]
 
 
-class CalloutBus:
-    """A nats-server on ``tokenbus nats-config`` output with the auth callout on."""
-
-    def __init__(self, folder: Path) -> None:
-        self.port = free_port()
-        self.conf, self.users = generate(folder, port=self.port, callout=True)
-        self.proc = spawn_nats(self.port, "-c", str(self.conf))
-        self.url = f"nats://127.0.0.1:{self.port}"
-
-    def env(self, role: str) -> dict[str, str]:
-        return role_env(self.users, role)
-
-    async def connect(self, role: str, **kw: Any) -> nats.aio.client.Client:
-        return await nats.connect(self.url, **role_login(self.users, role), **kw)
-
-
 class Tenants:
-    def __init__(self, bus: CalloutBus, model: str, a: str, b: str, admin: Any) -> None:
+    def __init__(self, bus: LockedBus, model: str, a: str, b: str, admin: Any) -> None:
         self.bus = bus
         self.model = model
         self.a = a
@@ -50,15 +34,14 @@ class Tenants:
 
 
 @pytest.fixture
-def bus(tmp_path: Path) -> Iterator[CalloutBus]:
-    b = CalloutBus(tmp_path / "locked")
+def bus(tmp_path: Path) -> Iterator[LockedBus]:
+    b = LockedBus(tmp_path / "locked").start()
     yield b
-    b.proc.terminate()
-    b.proc.wait(10)
+    b.stop()
 
 
 @pytest.fixture
-async def tenants(bus: CalloutBus, tmp_path: Path) -> AsyncIterator[Tenants]:
+async def tenants(bus: LockedBus, tmp_path: Path) -> AsyncIterator[Tenants]:
     model = "tenant-model"
     with Procs(bus.url, tmp_path) as procs:
         await start_stack(
@@ -73,28 +56,14 @@ async def tenants(bus: CalloutBus, tmp_path: Path) -> AsyncIterator[Tenants]:
             env_for=lambda role, _: bus.env(role),
             heartbeats=False,
         )
-        admin = await bus.connect("admin")
+        admin = await bus.admin()
         store = await KeyStore(admin).open(watch=False)
         a, _ = await store.create("tenant-a")
         b, _ = await store.create("tenant-b")
         # The auth service's watched store learns of the keys, then the replica beats.
-        await _serve_when_ready(bus, a, model)
+        await serve_when_ready(bus.url, a, model)
         yield Tenants(bus, model, a, b, store)
         await admin.drain()
-
-
-async def _serve_when_ready(bus: CalloutBus, key: str, model: str, timeout: float = 20) -> None:
-    deadline = time.monotonic() + timeout
-    last: Exception | None = None
-    while time.monotonic() < deadline:
-        try:
-            async with await Client.connect(bus.url, api_key=key) as tb:
-                await tb.chat_completion(model, MSG, max_tokens=1, timeout=5)
-                return
-        except Exception as exc:  # not logged in or no replica yet
-            last = exc
-            await asyncio.sleep(0.3)
-    raise AssertionError(f"the stack did not serve: {last!r}")
 
 
 async def test_an_unknown_key_is_refused_at_connect(tenants: Tenants) -> None:
@@ -184,7 +153,7 @@ async def test_revoking_a_key_closes_its_connections(tenants: Tenants) -> None:
 
 
 async def test_a_keys_client_follows_its_replica_by_keepalives(
-    bus: CalloutBus, tmp_path: Path
+    bus: LockedBus, tmp_path: Path
 ) -> None:
     # A key's connection cannot see heartbeats: its streams carry keepalive frames instead.
     # A prefill far longer than the watchdog's patience (3 beats of 0.25 s) is not taken
@@ -207,10 +176,10 @@ async def test_a_keys_client_follows_its_replica_by_keepalives(
             env_for=lambda role, _: bus.env(role),
             heartbeats=False,
         )
-        admin = await bus.connect("admin")
+        admin = await bus.admin()
         store = await KeyStore(admin).open(watch=False)
         key, _ = await store.create("keepalive")
-        await _serve_when_ready(bus, key, model)
+        await serve_when_ready(bus.url, key, model)
         want = expected_text("<|user|>tell me a story\n", 30)[0]
         async with await Client.connect(bus.url, api_key=key) as tb:
             assert tb._hb_sub is None  # not subscribed to heartbeats at all
