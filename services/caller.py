@@ -34,6 +34,8 @@ WATCHDOG_INTERVAL_S = 0.25
 # A stream whose replica fails (killed, stopped, its engine failed) is re-issued to another
 # replica with the prompt and the text already received, at most this many times.
 MAX_MIGRATIONS = 3
+# How long a request waits for a broken NATS connection to come back before it is refused.
+RECONNECT_WAIT_S = 1.0
 # "No responders" for a request (no ingress listening): sent again this many times, after
 # 0.1, 0.2, 0.4, 0.8 s; nothing was done with it, so it is safe.
 NO_RESPONDERS_RETRIES = 4
@@ -319,6 +321,16 @@ class Stream:
         """Publish the request (done by the first iteration if not called)."""
         if self._started:
             return
+        if not self._client.nc.is_connected and not await self._client.connected_within(
+            RECONNECT_WAIT_S
+        ):
+            # Published now, it would wait in the client's buffer for a server that is not
+            # there: say so at once instead (a new request, a resend or a migration alike).
+            self._done = True
+            raise E.ServiceUnavailable(
+                "the connection to NATS is down (reconnecting); retry shortly",
+                headers={"Retry-After": "1"},
+            )
         self._started = True
         now = time.time()
         if not self._deadline:
@@ -758,6 +770,15 @@ class Caller:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+    async def connected_within(self, seconds: float) -> bool:
+        """Whether the NATS connection is up, or comes back within ``seconds``."""
+        deadline = time.monotonic() + seconds
+        while not self.nc.is_connected:
+            if time.monotonic() >= deadline or self.nc.is_closed:
+                return False
+            await asyncio.sleep(0.05)
+        return True
 
     def inbox_for(self, token: str) -> str:
         return f"{self._prefix}.{token}"

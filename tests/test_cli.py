@@ -118,6 +118,31 @@ def test_up_serves_restarts_crashed_children_and_stops_cleanly(tmp_path: Path) -
             client.chat.completions.create(
                 model="tokenbus-sim", messages=[{"role": "user", "content": "hi"}], max_tokens=2
             )
+        # Losing the nats-server is not losing the stack: it is started again on the same
+        # JetStream directory (the same key still works), and meanwhile every request gets
+        # an answer (503 with Retry-After while the bus is away), none hangs.
+        conf = str(tmp_path / "data" / "nats-locked" / "nats.conf")
+        nats_pids = subprocess.run(["pgrep", "-f", conf], capture_output=True, text=True)
+        os.kill(int(nats_pids.stdout.split()[0]), signal.SIGKILL)
+        statuses: list[int] = []
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            r = httpx.post(
+                f"http://127.0.0.1:{port}/v1/chat/completions",
+                json={"model": "tokenbus-sim", "messages": [{"role": "user", "content": "hi"}]},
+                headers={"Authorization": f"Bearer {key}"},
+                timeout=8,  # a hang fails the test
+            )
+            statuses.append(r.status_code)
+            if r.status_code == 503:
+                assert r.headers.get("retry-after"), r.headers
+            if r.status_code == 200 and 503 in statuses:
+                break
+            time.sleep(0.1)
+        assert set(statuses) <= {200, 503} and statuses[-1] == 200, statuses
+        _wait_line(proc, "nats-server is back", lines)
+        assert any("nats-server exited" in ln for ln in lines)
+
         # Operator commands find the locked bus' admin login on their own.
         st = run_cli(
             "--nats-url",

@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import time
+from pathlib import Path
 from typing import Any
 
 import openai
@@ -14,6 +16,7 @@ from nats.aio.client import Client as NATS
 
 from engine_worker.backends.sim import expected_text
 from tests.conftest import (
+    NatsServer,
     Procs,
     ProcStack,
     free_port,
@@ -198,3 +201,44 @@ async def test_a_slow_worker_never_hangs_a_request(procs: Procs, model: str) -> 
         assert ei.value.response.headers.get("retry-after") == "1"
     finally:
         stack.workers[0].signal(signal.SIGCONT)
+
+
+async def test_while_nats_is_away_the_bridge_answers_503_at_once_and_recovers(
+    private_nats: NatsServer, tmp_path: Path
+) -> None:
+    model = "nats-away"
+    with Procs(private_nats.url, tmp_path) as procs:
+        stack = await start_stack(
+            procs, model, "ingress", "router", worker_args=("--sim-decode-ms", "20"), settle=0.6
+        )
+        async with stack.http(timeout=15) as http:
+            body = {"model": model, "messages": MSG, "max_tokens": 200, "stream": True}
+            # A stream in flight when the server goes: it ends (an error event), not hangs.
+            async with http.stream("POST", "/v1/chat/completions", json=body) as r:
+                events = []
+                async for line in r.aiter_lines():
+                    if line.startswith("data: "):
+                        events.append(line)
+                        if len(events) == 3:
+                            private_nats.stop()
+            assert events[-1] == "data: [DONE]" or '"error"' in "".join(events[-2:]), events[-3:]
+            # New requests: 503 with Retry-After within about a second, not a held request.
+            t0 = time.monotonic()
+            r = await http.post(
+                "/v1/chat/completions", json={"model": model, "messages": MSG, "max_tokens": 2}
+            )
+            took = time.monotonic() - t0
+            assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+            assert r.json()["error"]["code"] == "service_unavailable"
+            assert took < 5, took
+            assert (await http.get("/ready")).status_code == 503
+            private_nats.start()
+            for _ in range(100):
+                r = await http.post(
+                    "/v1/chat/completions", json={"model": model, "messages": MSG, "max_tokens": 2}
+                )
+                if r.status_code == 200:
+                    break
+                await asyncio.sleep(0.2)
+            assert r.status_code == 200, r.text
+        assert stack.all_alive()

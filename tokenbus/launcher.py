@@ -215,7 +215,7 @@ async def up(settings: Settings, *, config_file: str | None = None) -> int:
     data = Path(settings.up.data_dir).resolve()
     sup = Supervisor(data / "logs", backoff_s=settings.up.restart_backoff_s)
     env = _base_env(settings, config_file)
-    nats_proc: asyncio.subprocess.Process | None = None
+    nats_proc: EmbeddedNats | None = None
     users: Path | None = None
     if settings.nats_url is None:
         try:
@@ -230,6 +230,8 @@ async def up(settings: Settings, *, config_file: str | None = None) -> int:
     watcher = asyncio.get_running_loop().create_task(sup.watch())
     await _announce_when_ready(settings, data, sup.log_dir, dev_key)
     await stop.wait()
+    if nats_proc is not None:
+        nats_proc.stop_keeping()
     await _stop_stack(sup, watcher, nats_proc, settings.drain_timeout_s)
     return 0
 
@@ -242,11 +244,63 @@ def _base_env(settings: Settings, config_file: str | None) -> dict[str, str]:
     return env
 
 
-async def _start_embedded_nats(
-    settings: Settings, data: Path
-) -> tuple[asyncio.subprocess.Process, Path | None]:
-    """Start nats-server with JetStream under ``data``; returns it and, when the bus is
-    locked, the file of per-role users."""
+class EmbeddedNats:
+    """The nats-server of ``tokenbus up``, supervised like the other children: started again
+    (same config, same JetStream directory, so keys, limits and routing survive) whenever
+    it exits while the stack runs; the services reconnect by themselves."""
+
+    def __init__(self, args: list[str], log_path: Path, port: int) -> None:
+        self.args = args
+        self.log_path = log_path
+        self.port = port
+        self.proc: asyncio.subprocess.Process | None = None
+        self.restarts = 0
+        self._keeper: asyncio.Task[None] | None = None
+
+    async def start(self) -> bool:
+        """Spawn it; whether it listens within about five seconds."""
+        log = open(self.log_path, "ab")  # noqa: SIM115 - owned by the child
+        self.proc = await asyncio.create_subprocess_exec(
+            nats_server_binary(), *self.args, stdout=log, stderr=log, start_new_session=True
+        )
+        log.close()
+        return await _wait_port_open(self.port)
+
+    def keep(self) -> None:
+        """Restart it whenever it exits, until :meth:`stop_keeping`."""
+        self._keeper = asyncio.get_running_loop().create_task(self._keep())
+
+    async def _keep(self) -> None:
+        while True:
+            assert self.proc is not None
+            rc = await self.proc.wait()
+            self.restarts += 1
+            print(
+                f"  nats-server exited (code {rc}); restarting (logs: {self.log_path})",
+                flush=True,
+            )
+            # Its port may linger a moment after a crash; try again until it listens.
+            for attempt in range(60):
+                await asyncio.sleep(0.2 if attempt < 5 else 1.0)
+                if await self.start():
+                    print("  nats-server is back; the services reconnect", flush=True)
+                    break
+                if self.proc is not None and self.proc.returncode is None:
+                    break  # running, just slow to listen: wait for it like the first time
+
+    def stop_keeping(self) -> None:
+        if self._keeper is not None:
+            self._keeper.cancel()
+            self._keeper = None
+
+    @property
+    def returncode(self) -> int | None:
+        return None if self.proc is None else self.proc.returncode
+
+
+async def _start_embedded_nats(settings: Settings, data: Path) -> tuple[EmbeddedNats, Path | None]:
+    """Start nats-server with JetStream under ``data``, kept running; returns it and, when
+    the bus is locked, the file of per-role users."""
     port = settings.up.nats_port
     if port_open("127.0.0.1", port):
         raise _StartFailed(
@@ -255,17 +309,14 @@ async def _start_embedded_nats(
             2,
         )
     (data / "nats").mkdir(parents=True, exist_ok=True)
-    log = open(data / "logs" / "nats-server.log", "ab")  # noqa: SIM115
     args, users = _nats_server_args(settings, data, port)
-    proc = await asyncio.create_subprocess_exec(
-        nats_server_binary(), *args, stdout=log, stderr=log, start_new_session=True
-    )
-    log.close()
-    if not await _wait_port_open(port):
+    proc = EmbeddedNats(args, data / "logs" / "nats-server.log", port)
+    if not await proc.start():
         raise _StartFailed(
             f"the embedded nats-server did not start; see {data / 'logs' / 'nats-server.log'}",
             1,
         )
+    proc.keep()
     locked = " (locked: a user per role, see " + str(users) + ")" if users else ""
     print(
         f"  nats-server (embedded, JetStream in {data / 'nats'}) on nats://127.0.0.1:{port}{locked}"
@@ -389,15 +440,15 @@ def _print_welcome(
 async def _stop_stack(
     sup: Supervisor,
     watcher: asyncio.Task[None],
-    nats_proc: asyncio.subprocess.Process | None,
+    nats_proc: EmbeddedNats | None,
     timeout: float,
 ) -> None:
     """Stop restarting children, stop them in order, then the embedded nats-server."""
     print("stopping tokenbus ...", flush=True)
     watcher.cancel()
     await sup.stop(timeout, order=_STOP_ORDER)
-    if nats_proc is not None and nats_proc.returncode is None:
-        await _stop_nats_server(nats_proc)
+    if nats_proc is not None and nats_proc.proc is not None and nats_proc.returncode is None:
+        await _stop_nats_server(nats_proc.proc)
     print("stopped.", flush=True)
 
 

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import json
 import sys
+from pathlib import Path
 from typing import Any
 
 from services import config as cfgmod
@@ -218,7 +219,11 @@ def _settings(a: argparse.Namespace) -> cfgmod.Settings:
         from services.natsconf import role_env
 
         users = Path(s.up.data_dir) / "nats-locked" / "nats-users.json"
-        if users.exists() and role in json.loads(users.read_text()):
+        if (
+            users.exists()
+            and role in json.loads(users.read_text())
+            and _same_server(s.url(), users.parent / "nats.conf")
+        ):
             env = role_env(users, role)
             s = s.model_copy(
                 update={
@@ -263,6 +268,23 @@ def _nats_tls_files(a: argparse.Namespace) -> Any:
     return tlsfiles.generate(
         Path(a.out).resolve() / "tls", [a.host, *a.tls_name], verify=a.tls_verify
     )
+
+
+def _same_server(url: str, conf: Path) -> bool:
+    """Whether ``url`` names the server that ``conf`` (a generated config) listens as, on
+    this machine: the credentials beside it are for that server only."""
+    import re
+    from urllib.parse import urlsplit
+
+    m = re.search(r'^listen: "([^"]*):(\d+)"', conf.read_text() if conf.exists() else "", re.M)
+    if not m:
+        return False
+    loopback = {"127.0.0.1", "localhost", "::1", m.group(1)}
+    for u in url.split(","):
+        parts = urlsplit(u.strip() if "://" in u else f"nats://{u.strip()}")
+        if parts.hostname in loopback and parts.port == int(m.group(2)):
+            return True
+    return False
 
 
 def _local_role(a: argparse.Namespace) -> str | None:
