@@ -12,6 +12,7 @@ from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, Histogram, generate_latest
 
+from auth.store import KeyStore
 from bus_schemas import codec, marks, subjects
 from bus_schemas import headers as H
 from gateway import validation
@@ -50,8 +51,10 @@ class BusSource:
         admission: Admission,
         dispatcher: Dispatcher | None,
         stages: LocalStages | None = None,
+        keys: KeyStore | None = None,
     ) -> None:
         self.client = client
+        self.keys = keys  # where the pipeline checks keys: who may list the models
         self.registry = registry
         self.admission = admission
         self.dispatcher = dispatcher
@@ -108,6 +111,13 @@ class BusSource:
     def models(self) -> list[str]:
         return self.registry.models()
 
+    def models_for(self, api_key: str | None) -> list[str]:
+        models = self.registry.models()
+        if self.keys is None:
+            return models
+        rec = self.keys.lookup(api_key)  # 401 without a valid key, as on every endpoint
+        return [m for m in models if not rec.models or m in rec.models]
+
     def healthy(self) -> bool:
         return bool(self.client.nc.is_connected)
 
@@ -159,7 +169,9 @@ class Bridge(Service):
             self.routing = await watch_routing(self.nc, self.settings.router, self.log)
             dispatcher = Dispatcher(self.nc, self.registry, self.settings.router, self.routing)
         api = OpenAIApp(
-            BusSource(self.client, self.registry, admission, dispatcher, self.stages),
+            BusSource(
+                self.client, self.registry, admission, dispatcher, self.stages, await self._keys()
+            ),
             max_body_bytes=cfg.max_body_bytes,
             request_timeout_s=cfg.request_timeout_s,
             on_request=self._observe,
@@ -245,8 +257,21 @@ class Bridge(Service):
             await self.http.stop()
             self.http = None
 
+    async def _keys(self) -> KeyStore | None:
+        """The key store ``/v1/models`` checks keys against when the pipeline has auth: the
+        fused auth stage's, or one of the bridge's own."""
+        self._own_keys: KeyStore | None = None
+        if subjects.STAGE_AUTH not in self.settings.ingress.pipeline:
+            return None
+        if self.stages is not None and self.stages.keys is not None:
+            return self.stages.keys
+        self._own_keys = await KeyStore(self.nc).open()
+        return self._own_keys
+
     async def on_stop(self) -> None:
         await self._tracker.stop()
+        if self._own_keys is not None:
+            await self._own_keys.close()
         await self.admin.close()
         if self.stages is not None:
             await self.stages.close()

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
 from bus_schemas import errors as E
+from bus_schemas import headers as H
 from bus_schemas.subjects import KIND_CHAT, KIND_COMPLETIONS, KIND_EMBEDDINGS
 from gateway import validation
 from gateway.asgi import (
@@ -33,6 +34,7 @@ from gateway.asgi import (
     RouteTable,
     Scope,
     Send,
+    api_key,
     bus_headers,
     header,
     send_error,
@@ -74,6 +76,11 @@ class Source(Protocol):
     ) -> StreamLike: ...
 
     def models(self) -> list[str]: ...
+
+    def models_for(self, api_key: str | None) -> list[str]:
+        """The models served now that ``api_key`` may use (raises 401 where keys are
+        checked and it is not a valid one)."""
+        ...
 
     def healthy(self) -> bool: ...
 
@@ -126,9 +133,13 @@ class OpenAIApp(RouteTable):
     async def list_models(self, scope: Scope, receive: Receive, send: Send) -> None:
         """``GET /v1/models``: the models the source serves now."""
         now = int(time.time())
+        try:
+            models = self.source.models_for(api_key(scope).get(H.API_KEY))
+        except E.TokenbusError as exc:
+            await send_error(send, exc)
+            return
         data = [
-            {"id": m, "object": "model", "created": now, "owned_by": "tokenbus"}
-            for m in self.source.models()
+            {"id": m, "object": "model", "created": now, "owned_by": "tokenbus"} for m in models
         ]
         await send_json(send, 200, {"object": "list", "data": data})
 

@@ -169,6 +169,18 @@ async def test_http_clients_authenticate_with_bearer_or_api_key(procs: Procs, mo
         assert r.status_code == 200
         r = await h.post("/chat/completions", json={"model": model, "messages": MSG})
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        # The model list needs a key too, and shows what the key may use.
+        r = await h.get("/models")
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        r = await h.get("/models", headers={"Authorization": "Bearer tb-000000000000_" + "A" * 43})
+        assert r.status_code == 401
+        mine = (await h.get("/models", headers={"api-key": key})).json()["data"]
+        assert [m["id"] for m in mine] == [model]
+        async with key_store(procs.url) as keys:
+            other, _ = await keys.create("http-other", models=["not-" + model])
+        await asyncio.sleep(0.5)  # the bridge's key store hears of it
+        r = await h.get("/models", headers={"Authorization": f"Bearer {other}"})
+        assert r.status_code == 200 and r.json()["data"] == []
     for p in procs.procs:
         assert key not in p.output(), p.name
 

@@ -122,6 +122,9 @@ class DirectSource:
     def models(self) -> list[str]:
         return [self.model]
 
+    def models_for(self, api_key: str | None) -> list[str]:
+        return [self.model]  # the direct baseline checks no keys
+
     def healthy(self) -> bool:
         return True
 
