@@ -152,6 +152,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     audit_cli.add_parser(sub)
 
+    from tokenbus.cli import compose as compose_cli
+
+    compose_cli.add_parser(sub)
+
     rp = sub.add_parser("report", help="summary table and plots from the telemetry store")
     rp.add_argument("--db", help="SQLite store (default: telemetry.db_path)")
     rp.add_argument("--out", default="tokenbus-report", help="folder for the files")
@@ -477,6 +481,10 @@ def main(argv: list[str] | None = None) -> None:
             from tokenbus.cli import keys as keys_cli
 
             rc = await keys_cli.main(a, s.url(), s.nats_auth())
+        elif a.cmd == "compose":
+            from tokenbus.cli import compose as compose_cli
+
+            rc = compose_cli.main(a)
         elif a.cmd == "audit":
             from tokenbus.cli import audit as audit_cli
 
