@@ -536,7 +536,7 @@ class Limiter:
             if a.resumed is not None:
                 return
             a.resumed = max(0, resumed)
-        delta = a.charge() - a.charged if (a.reported or a.resumed is not None) else 0
+        delta = a.charge() - a.charged  # reported or superseded by now: its charge is known
         if not windowed or not delta:
             return
         a.charged += delta

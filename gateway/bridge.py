@@ -135,6 +135,7 @@ class Bridge(Service):
         self.reuse_port = reuse_port
         self.http: HTTPServer | None = None
         self._pending: set[asyncio.Task[None]] = set()
+        self._own_keys: KeyStore | None = None  # /v1/models' key store when auth is not fused
 
     def on_reconnected(self) -> None:
         super().on_reconnected()
@@ -260,7 +261,6 @@ class Bridge(Service):
     async def _keys(self) -> KeyStore | None:
         """The key store ``/v1/models`` checks keys against when the pipeline has auth: the
         fused auth stage's, or one of the bridge's own."""
-        self._own_keys: KeyStore | None = None
         if subjects.STAGE_AUTH not in self.settings.ingress.pipeline:
             return None
         if self.stages is not None and self.stages.keys is not None:

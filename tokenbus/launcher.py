@@ -230,8 +230,6 @@ async def up(settings: Settings, *, config_file: str | None = None) -> int:
     watcher = asyncio.get_running_loop().create_task(sup.watch())
     await _announce_when_ready(settings, data, sup.log_dir, dev_key)
     await stop.wait()
-    if nats_proc is not None:
-        nats_proc.stop_keeping()
     await _stop_stack(sup, watcher, nats_proc, settings.drain_timeout_s)
     return 0
 
@@ -267,7 +265,7 @@ class EmbeddedNats:
         return await _wait_port_open(self.port)
 
     def keep(self) -> None:
-        """Restart it whenever it exits, until :meth:`stop_keeping`."""
+        """Restart it whenever it exits, until :meth:`stop`."""
         self._keeper = asyncio.get_running_loop().create_task(self._keep())
 
     async def _keep(self) -> None:
@@ -288,14 +286,20 @@ class EmbeddedNats:
                 if self.proc is not None and self.proc.returncode is None:
                     break  # running, just slow to listen: wait for it like the first time
 
-    def stop_keeping(self) -> None:
+    async def stop(self) -> None:
+        """Stop restarting it, then SIGTERM it; SIGKILL when it takes over 10 s."""
         if self._keeper is not None:
             self._keeper.cancel()
             self._keeper = None
-
-    @property
-    def returncode(self) -> int | None:
-        return None if self.proc is None else self.proc.returncode
+        proc = self.proc
+        if proc is None or proc.returncode is not None:
+            return
+        proc.send_signal(signal.SIGTERM)
+        try:
+            await asyncio.wait_for(proc.wait(), 10)
+        except TimeoutError:
+            proc.kill()
+            await proc.wait()
 
 
 async def _start_embedded_nats(settings: Settings, data: Path) -> tuple[EmbeddedNats, Path | None]:
@@ -447,15 +451,6 @@ async def _stop_stack(
     print("stopping tokenbus ...", flush=True)
     watcher.cancel()
     await sup.stop(timeout, order=_STOP_ORDER)
-    if nats_proc is not None and nats_proc.proc is not None and nats_proc.returncode is None:
-        await _stop_nats_server(nats_proc.proc)
+    if nats_proc is not None:
+        await nats_proc.stop()
     print("stopped.", flush=True)
-
-
-async def _stop_nats_server(proc: asyncio.subprocess.Process) -> None:
-    """SIGTERM the nats-server; SIGKILL it when it takes over 10 s."""
-    proc.send_signal(signal.SIGTERM)
-    try:
-        await asyncio.wait_for(proc.wait(), 10)
-    except TimeoutError:
-        proc.kill()
