@@ -55,6 +55,7 @@ from nats.js.errors import BucketNotFoundError, KeyNotFoundError, KeyWrongLastSe
 from nats.js.kv import KeyValue
 
 from bus_schemas import errors as E
+from services.config import kv_replicas
 
 Change = Callable[[dict[str, Any]], dict[str, Any]]
 
@@ -169,7 +170,11 @@ class Limiter:
             self.kv = await js.key_value(self.bucket)
         except BucketNotFoundError:
             self.kv = await js.create_key_value(
-                bucket=self.bucket, history=1, ttl=3 * WINDOW_S, storage=StorageType.MEMORY
+                bucket=self.bucket,
+                history=1,
+                ttl=3 * WINDOW_S,
+                storage=StorageType.MEMORY,
+                replicas=kv_replicas(),
             )
         self.secret = await self._shared_secret(js)
         self._renewer = asyncio.create_task(self._renew_forever())
@@ -182,7 +187,7 @@ class Limiter:
             kv = await js.key_value(SECRETS_BUCKET)
         except BucketNotFoundError:
             with contextlib.suppress(Exception):  # another limiter made it meanwhile
-                await js.create_key_value(bucket=SECRETS_BUCKET, history=1)
+                await js.create_key_value(bucket=SECRETS_BUCKET, history=1, replicas=kv_replicas())
             kv = await js.key_value(SECRETS_BUCKET)
         with contextlib.suppress(KeyWrongLastSequenceError, Exception):
             await kv.create("admission", secrets.token_bytes(32))

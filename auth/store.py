@@ -22,6 +22,7 @@ from nats.js.kv import KeyValue
 from auth.keys import KeyRecord, hash_key, key_id_of, matches, new_key
 from bus_schemas import errors as E
 from services import audit
+from services.config import kv_replicas
 
 BUCKET = "tokenbus_keys"
 
@@ -43,7 +44,9 @@ class KeyStore:
         try:
             self.kv = await js.key_value(self.bucket)
         except BucketNotFoundError:
-            self.kv = await js.create_key_value(bucket=self.bucket, history=1)
+            self.kv = await js.create_key_value(
+                bucket=self.bucket, history=1, replicas=kv_replicas()
+            )
         if watch:
             self._watcher = await self.kv.watchall()
             self._watch_task = asyncio.get_running_loop().create_task(self._follow())

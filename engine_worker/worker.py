@@ -194,6 +194,7 @@ class Worker(Service):
     """One replica: generate requests, cancel, heartbeats."""
 
     name = "worker"
+    forwards = False  # answers and reports; never hands a request on
     check_deadline = False  # checked in _screen() so the router hears it in the ack
 
     def __init__(self, settings: Any, *, backend: Backend | None = None, **kw: Any) -> None:

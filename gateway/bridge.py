@@ -165,7 +165,7 @@ class Bridge(Service):
         self.routing: RoutingTable | None = None
         # On the locked bus only the router role may publish to workers: a bridge logged in
         # as its role hands requests to the router service instead of routing itself.
-        locked = self.settings.nats_user == "bridge"
+        locked = self.settings.nats_login_user() == "bridge"
         if cfg.fuse_router and not locked and (not before or self.stages is not None):
             self.routing = await watch_routing(self.nc, self.settings.router, self.log)
             dispatcher = Dispatcher(self.nc, self.registry, self.settings.router, self.routing)

@@ -29,7 +29,7 @@ from router.policies import (
 )
 from router.registry import Replica
 from services import audit
-from services.config import ModelRouting, RouterSettings
+from services.config import ModelRouting, RouterSettings, kv_replicas
 
 BUCKET = "tokenbus_routing"
 
@@ -170,7 +170,7 @@ async def open_bucket(nc: NATS) -> KeyValue:
     try:
         return await js.key_value(BUCKET)
     except BucketNotFoundError:
-        return await js.create_key_value(bucket=BUCKET, history=1)
+        return await js.create_key_value(bucket=BUCKET, history=1, replicas=kv_replicas())
 
 
 def validate_override(cfg: RouterSettings, model: str, override: dict[str, Any]) -> ModelRouting:

@@ -52,13 +52,13 @@ from pydantic import BaseModel, Field, ValidationError
 from bus_schemas import errors as E
 from bus_schemas import subjects
 from services import logging as tlog
+from services.config import kv_replicas
 
 STREAM = "TOKENBUS_AUDIT"
 MAX_AGE_S = 365 * 86400.0
 MAX_BYTES = 64 * 1024 * 1024
-# One copy, like the KV buckets (tokenbus_keys, tokenbus_routing), which take the server's
-# default; on a cluster an operator raises it with `nats stream edit`.
-REPLICAS = 1
+# Copies: TOKENBUS_KV_REPLICAS, like the KV buckets (tokenbus_keys, tokenbus_routing); 3 on a
+# 3-node cluster. A stream made before that is raised with `nats stream edit --replicas`.
 TIMEOUT_S = 5.0
 
 KEY_CREATED = "key.created"
@@ -154,7 +154,7 @@ def stream_config() -> StreamConfig:
         max_age=MAX_AGE_S,
         max_bytes=MAX_BYTES,
         discard=DiscardPolicy.OLD,
-        num_replicas=REPLICAS,
+        num_replicas=kv_replicas(),
         duplicate_window=120.0,
         deny_delete=True,
         deny_purge=True,

@@ -294,6 +294,24 @@ class Settings(BaseSettings):
     )
     nats_user: str | None = Field(default=None, description="NATS user (locked bus).")
     nats_password: str | None = Field(default=None, description="NATS password (locked bus).")
+    nats_login_file: str = Field(
+        default="",
+        description="A role's login file (`tokenbus deploy init`'s roles/<role>.json: user and "
+        "password), read when nats_user is not set: credentials from a file or secret, not "
+        "the environment.",
+    )
+    kv_replicas: int = Field(
+        default=1,
+        ge=1,
+        le=5,
+        description="Replicas of the JetStream buckets and streams tokenbus creates (keys, "
+        "limits, routing, audit): 3 on a 3-node NATS cluster, so they survive a node's loss.",
+    )
+    health_file: str = Field(
+        default="",
+        description="Write this file every 2 s while connected to NATS (`tokenbus health "
+        "--file` checks it: a container health check or Kubernetes probe).",
+    )
     nats_tls_ca: str = Field(
         default="",
         description="CA file to trust for a TLS bus (`tokenbus nats-config --tls`); set, every "
@@ -350,7 +368,16 @@ class Settings(BaseSettings):
         opts: dict[str, Any] = self.nats_tls()
         if self.nats_user:
             opts |= {"user": self.nats_user, "password": self.nats_password or ""}
+        elif self.nats_login_file:
+            from services.deploybundle import read_login
+
+            opts |= read_login(self.nats_login_file)
         return opts
+
+    def nats_login_user(self) -> str | None:
+        """The NATS user this process logs in as (its role on a locked bus), if any."""
+        user = self.nats_auth().get("user") if self.nats_login_file else self.nats_user
+        return str(user) if user else None
 
     def nats_tls(self) -> dict[str, Any]:
         """nats-py's ``tls`` option for a TLS bus (empty when plain)."""
@@ -359,6 +386,12 @@ class Settings(BaseSettings):
         from services.tlsfiles import client_context
 
         return {"tls": client_context(self.nats_tls_ca, self.nats_tls_cert, self.nats_tls_key)}
+
+
+def kv_replicas() -> int:
+    """The configured replicas of the JetStream buckets tokenbus creates (read when one is
+    created, which is rare: the stores that create them are not given the settings)."""
+    return Settings().kv_replicas
 
 
 def load(config_file: str | None = None, **overrides: Any) -> Settings:

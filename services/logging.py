@@ -33,6 +33,14 @@ def setup(level: str = "info", *, json: bool = True) -> None:
         logger_factory=structlog.WriteLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=True,
     )
+    # asyncio's TLS transport warns on every NATS TLS connection's close that nats-py's
+    # protocol asks to keep the socket half open, which TLS cannot: noise, not a fault.
+    logging.getLogger("asyncio").addFilter(_NoEofWarning())
+
+
+class _NoEofWarning(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "eof_received" not in record.getMessage()
 
 
 def get(name: str) -> structlog.typing.FilteringBoundLogger:

@@ -113,6 +113,34 @@ CALLOUT_ACCOUNT = "CALLOUT"
 SYS_ACCOUNT = "SYS"
 
 
+def render_auth(passwords: dict[str, str], callout: dict[str, str] | None = None) -> str:
+    """The authorization part of the config (users, accounts, the auth callout): what every
+    node of a deployment includes beside its own listen, JetStream and cluster settings."""
+    if callout is None:
+        users = _role_users(passwords, list(ROLES), "    ")
+        return "authorization {\n  users = [\n" + users + "\n  ]\n}\n"
+    roles = [r for r in ROLES if r != "client"]
+    bypass = [*roles, callout["user"], callout["sys_user"]]
+    return (
+        "# NATS clients log in with a tokenbus API key: the server asks the auth service.\n"
+        + "accounts {\n"
+        + f"  {ACCOUNT} {{\n    jetstream: enabled\n    users = [\n"
+        + _role_users(passwords, roles, "      ")
+        + "\n    ]\n  }\n"
+        + f"  {CALLOUT_ACCOUNT} {{ users = [ {{user: {json.dumps(callout['user'])}, "
+        + f"password: {json.dumps(callout['password'])}}} ] }}\n"
+        + f"  {SYS_ACCOUNT} {{ users = [ {{user: {json.dumps(callout['sys_user'])}, "
+        + f"password: {json.dumps(callout['sys_password'])}}} ] }}\n"
+        + "}\n"
+        + f"system_account: {SYS_ACCOUNT}\n"
+        + "authorization {\n  auth_callout {\n"
+        + f"    issuer: {json.dumps(natsjwt.public_key(callout['issuer_seed']))}\n"
+        + f"    auth_users: {_list(bypass)}\n"
+        + f"    account: {CALLOUT_ACCOUNT}\n"
+        + "  }\n}\n"
+    )
+
+
 def render(
     passwords: dict[str, str],
     *,
@@ -131,30 +159,7 @@ def render(
         f"jetstream {{ store_dir: {json.dumps(store_dir)} }}\n"
         + (tls.server_block() if tls else "")
     )
-    if callout is None:
-        users = _role_users(passwords, list(ROLES), "    ")
-        return head + "authorization {\n  users = [\n" + users + "\n  ]\n}\n"
-    roles = [r for r in ROLES if r != "client"]
-    bypass = [*roles, callout["user"], callout["sys_user"]]
-    return (
-        head
-        + "# NATS clients log in with a tokenbus API key: the server asks the auth service.\n"
-        + "accounts {\n"
-        + f"  {ACCOUNT} {{\n    jetstream: enabled\n    users = [\n"
-        + _role_users(passwords, roles, "      ")
-        + "\n    ]\n  }\n"
-        + f"  {CALLOUT_ACCOUNT} {{ users = [ {{user: {json.dumps(callout['user'])}, "
-        + f"password: {json.dumps(callout['password'])}}} ] }}\n"
-        + f"  {SYS_ACCOUNT} {{ users = [ {{user: {json.dumps(callout['sys_user'])}, "
-        + f"password: {json.dumps(callout['sys_password'])}}} ] }}\n"
-        + "}\n"
-        + f"system_account: {SYS_ACCOUNT}\n"
-        + "authorization {\n  auth_callout {\n"
-        + f"    issuer: {json.dumps(natsjwt.public_key(callout['issuer_seed']))}\n"
-        + f"    auth_users: {_list(bypass)}\n"
-        + f"    account: {CALLOUT_ACCOUNT}\n"
-        + "  }\n}\n"
-    )
+    return head + render_auth(passwords, callout)
 
 
 # Written beside ``nats-users.json`` by :func:`generate` with ``callout``.

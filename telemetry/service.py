@@ -119,6 +119,7 @@ class Telemetry(Service):
     """Records to metrics and to disk."""
 
     name = "telemetry"
+    forwards = False  # answers and reports; never hands a request on
 
     async def setup(self) -> None:
         cfg = self.settings.telemetry

@@ -156,6 +156,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     compose_cli.add_parser(sub)
 
+    from tokenbus.cli import deploy as deploy_cli
+
+    deploy_cli.add_parsers(sub)
+
     rp = sub.add_parser("report", help="summary table and plots from the telemetry store")
     rp.add_argument("--db", help="SQLite store (default: telemetry.db_path)")
     rp.add_argument("--out", default="tokenbus-report", help="folder for the files")
@@ -371,11 +375,16 @@ async def _status(a: argparse.Namespace, s: cfgmod.Settings) -> int:
 
     from bus_schemas import codec, subjects
     from router.registry import Registry
+    from services.runtime import servers
 
     try:
         nc = await asyncio.wait_for(
             nats.connect(
-                s.url(), connect_timeout=3, allow_reconnect=False, error_cb=_quiet, **s.nats_auth()
+                servers(s.url()),
+                connect_timeout=3,
+                allow_reconnect=False,
+                error_cb=_quiet,
+                **s.nats_auth(),
             ),
             5,
         )
@@ -481,6 +490,14 @@ def main(argv: list[str] | None = None) -> None:
             from tokenbus.cli import keys as keys_cli
 
             rc = await keys_cli.main(a, s.url(), s.nats_auth())
+        elif a.cmd == "deploy":
+            from tokenbus.cli import deploy as deploy_cli
+
+            rc = deploy_cli.init(a)
+        elif a.cmd == "health":
+            from tokenbus.cli import deploy as deploy_cli
+
+            rc = deploy_cli.health(a)
         elif a.cmd == "compose":
             from tokenbus.cli import compose as compose_cli
 

@@ -17,6 +17,7 @@ import nats
 from auth.keys import parse_duration
 from services import audit
 from services.config import Settings
+from services.runtime import servers
 
 
 def add_parser(sub: Any) -> None:
@@ -49,7 +50,7 @@ async def run(args: argparse.Namespace, settings: Settings) -> int:
     url = settings.url()
     try:
         nc = await nats.connect(
-            url, connect_timeout=3, allow_reconnect=False, **(settings.nats_auth() or {})
+            servers(url), connect_timeout=3, allow_reconnect=False, **(settings.nats_auth() or {})
         )
     except Exception as exc:
         print(f"error: cannot reach NATS at {url}: {exc}")

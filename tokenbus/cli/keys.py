@@ -19,6 +19,7 @@ from auth.keys import KeyRecord, parse_duration
 from auth.store import KeyStore
 from bus_schemas import errors as E
 from services import audit
+from services.runtime import servers
 
 
 def _csv(text: str | None) -> list[str] | None:
@@ -81,7 +82,9 @@ def _show(rec: KeyRecord, as_json: bool) -> None:
 
 async def main(a: argparse.Namespace, url: str, auth: dict[str, str] | None = None) -> int:
     try:
-        nc = await nats.connect(url, connect_timeout=3, allow_reconnect=False, **(auth or {}))
+        nc = await nats.connect(
+            servers(url), connect_timeout=3, allow_reconnect=False, **(auth or {})
+        )
     except Exception as exc:
         print(f"error: cannot reach NATS at {url}: {exc}")
         return 1

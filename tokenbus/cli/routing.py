@@ -15,6 +15,7 @@ import nats
 from bus_schemas import errors as E
 from services import audit
 from services.config import Settings
+from services.runtime import servers
 
 
 def add_parser(sub: Any) -> None:
@@ -121,7 +122,7 @@ async def main(a: argparse.Namespace, s: Settings) -> int:
 
     try:
         nc = await nats.connect(
-            s.url(), connect_timeout=3, allow_reconnect=False, **(s.nats_auth() or {})
+            servers(s.url()), connect_timeout=3, allow_reconnect=False, **(s.nats_auth() or {})
         )
     except Exception as exc:
         print(f"error: cannot reach NATS at {s.url()}: {exc}")
