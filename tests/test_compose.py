@@ -3,15 +3,21 @@ GPU topologies parse, and every service command is a ``tokenbus`` invocation the
 
 from __future__ import annotations
 
+import json
+import shutil
+import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
+from services.deploybundle import NATS_UID, ROLE_UID
+from services.natsconf import SERVICE_ROLE
 from tests.conftest import ROOT, run_cli
 from tokenbus.cli import build_parser
 from tokenbus.cli.compose import plan
+from tokenbus.launcher import nats_server_binary
 
 
 def _commands(doc: dict[str, Any]) -> dict[str, list[str]]:
@@ -23,15 +29,137 @@ def _devices(svc: dict[str, Any]) -> list[str]:
     return [d for dev in devs for d in dev["device_ids"]]
 
 
+COMPOSE = ROOT / "compose"
+
+
+def _load(name: str) -> dict[str, Any]:
+    doc: dict[str, Any] = yaml.safe_load((COMPOSE / name).read_text())
+    return doc
+
+
+def _tokenbus_services(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The long-running tokenbus services (not the one-shot init, nor the cli tool)."""
+    return {
+        name: svc
+        for name, svc in doc["services"].items()
+        if name not in ("nats", "init", "cli") and svc.get("image", "").startswith("tokenbus")
+    }
+
+
 def test_the_shipped_compose_file_runs_only_commands_the_cli_takes() -> None:
-    doc = yaml.safe_load((ROOT / "compose" / "docker-compose.yml").read_text())
+    doc = _load("docker-compose.yml")
     cmds = _commands(doc)
-    assert {"bridge", "ingress", "router", "worker"} <= set(cmds)
-    for name, cmd in cmds.items():
-        if name == "nats":
-            continue
-        args = build_parser().parse_args(cmd)  # exits (fails the test) on a bad one
-        assert args.cmd == "serve", name
+    assert {"bridge", "ingress", "router", "worker", "auth", "ratelimit", "filter"} <= set(cmds)
+    for name, svc in _tokenbus_services(doc).items():
+        args = build_parser().parse_args(svc["command"])  # exits (fails the test) on a bad one
+        assert (args.cmd, args.service) == ("serve", name), name
+    init = build_parser().parse_args(doc["services"]["init"]["command"])
+    assert (init.cmd, init.deploy_cmd, init.dir) == ("deploy", "init", "/config")
+
+
+def test_every_service_logs_in_as_its_own_role_under_its_own_uid() -> None:
+    doc = _load("docker-compose.yml")
+    svcs = {**_tokenbus_services(doc), "cli": doc["services"]["cli"]}
+    for name, svc in svcs.items():
+        role = "admin" if name == "cli" else SERVICE_ROLE[name]
+        env = svc["environment"]
+        assert env["TOKENBUS_NATS_LOGIN_FILE"] == f"/config/roles/{role}.json", name
+        assert svc["user"] == str(ROLE_UID[role]), name
+        assert "TOKENBUS_NATS_USER" not in env and "TOKENBUS_NATS_PASSWORD" not in env
+        assert env["TOKENBUS_NATS_URL"].startswith("tls://")
+        assert env["TOKENBUS_NATS_TLS_CA"] == "/config/tls/ca.pem"
+        assert "config:/config:ro" in svc["volumes"], name
+        assert ("TOKENBUS_NATS_CALLOUT" in env) == (name == "auth"), name
+    assert doc["services"]["nats"]["user"] == str(NATS_UID)
+    assert doc["services"]["init"]["user"] == "0"  # the one step that runs as root
+
+
+def test_nats_is_private_and_everything_waits_for_its_health() -> None:
+    doc = _load("docker-compose.yml")
+    nats = doc["services"]["nats"]
+    assert "ports" not in nats  # reachable inside the compose network only
+    assert nats["command"] == ["-c", "/config/nats.conf"]
+    assert "healthz" in " ".join(nats["healthcheck"]["test"])
+    assert nats["depends_on"] == {"init": {"condition": "service_completed_successfully"}}
+    for name, svc in _tokenbus_services(doc).items():
+        assert svc["depends_on"]["nats"] == {"condition": "service_healthy"}, name
+        assert svc["restart"] == "unless-stopped", name
+        assert svc["read_only"] is True and svc["cap_drop"] == ["ALL"], name
+        assert svc["cpus"] and svc["mem_limit"], name
+        test = svc["healthcheck"]["test"]
+        assert test[:3] == ["CMD", "tokenbus", "health"], name
+        health = build_parser().parse_args(test[2:])
+        if name == "bridge":
+            assert health.url == "http://127.0.0.1:8000/ready"
+        else:
+            assert health.file == svc["environment"]["TOKENBUS_HEALTH_FILE"], name
+    public = _load("nats-public.yml")
+    assert public["services"]["nats"]["ports"] == ["${TOKENBUS_NATS_PUBLIC_PORT:-4222}:4222"]
+
+
+def test_the_cluster_override_runs_three_nodes_and_gives_services_every_url() -> None:
+    doc = _load("cluster.yml")
+    nodes = {n: doc["services"][n] for n in ("nats", "nats-1", "nats-2")}
+    assert [n["command"] for n in nodes.values()] == [
+        ["-c", f"/config/nats-{i}.conf"] for i in range(3)
+    ]
+    init = build_parser().parse_args(doc["services"]["init"]["command"])
+    assert init.nodes == 3
+    base = _load("docker-compose.yml")
+    for name in _tokenbus_services(base):
+        env = doc["services"][name]["environment"]
+        assert env["TOKENBUS_KV_REPLICAS"] == "3", name
+        assert env["TOKENBUS_NATS_URL"].split(",") == [f"tls://nats-{i}:4222" for i in range(3)]
+
+
+def test_deploy_init_writes_each_role_a_login_of_its_own_and_keeps_them(tmp_path: Path) -> None:
+    out = tmp_path / "bus"
+    r = run_cli("deploy", "init", "--dir", str(out), "--nodes", "3")
+    assert r.returncode == 0, r.stderr
+    first = {p.name: p.read_text() for p in (out / "roles").iterdir()}
+    assert set(first) == {f"{role}.json" for role in ROLE_UID}
+    logins = [json.loads(t) for t in first.values()]
+    assert len({x["password"] for x in logins}) == len(logins)  # no two roles share one
+    for p in out.rglob("*"):
+        if p.name != "tls.json" and (p.suffix in (".json", ".conf") or p.name.endswith("key.pem")):
+            assert p.stat().st_mode & 0o077 == 0, p  # secrets: owner only
+    confs = [(out / f"nats-{i}.conf").read_text() for i in range(3)]
+    for i, conf in enumerate(confs):
+        assert 'include "auth.conf"' in conf and f'server_name: "nats-{i}"' in conf
+        assert 'http: "127.0.0.1:8222"' in conf and "tls {" in conf
+        assert f"@nats-{i}:6222" not in conf and conf.count("@nats-") == 2  # routes to the others
+    assert "auth_callout" in (out / "auth.conf").read_text()
+    again = run_cli("deploy", "init", "--dir", str(out), "--nodes", "3")
+    assert again.returncode == 0, again.stderr
+    assert {p.name: p.read_text() for p in (out / "roles").iterdir()} == first
+    bad = run_cli("deploy", "init", "--dir", str(out), "--chown", "/x=nobody")
+    assert bad.returncode == 2 and "PATH=ROLE" in bad.stderr
+
+
+def test_the_generated_configs_are_accepted_by_nats_server(tmp_path: Path) -> None:
+    out = tmp_path / "bus"
+    assert run_cli("deploy", "init", "--dir", str(out), "--nodes", "3").returncode == 0
+    for name in ("nats-0.conf", "nats-1.conf", "nats-2.conf"):
+        r = subprocess.run(
+            [nats_server_binary(), "-t", "-c", str(out / name)],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert r.returncode == 0, (name, r.stdout, r.stderr)
+
+
+def test_the_compose_files_pass_the_compose_schema() -> None:
+    """docker-compose validates against the compose specification's schema."""
+    tool = shutil.which("docker-compose")
+    if tool is None:
+        pytest.skip("docker-compose is not installed (Debian's docker-compose validates)")
+    for extra in ([], ["cluster.yml"], ["nats-public.yml"]):
+        files = [a for f in ["docker-compose.yml", *extra] for a in ("-f", str(COMPOSE / f))]
+        r = subprocess.run(
+            [tool, *files, "config", "-q"], capture_output=True, text=True, timeout=60
+        )
+        assert r.returncode == 0, (extra, r.stderr)
 
 
 @pytest.mark.parametrize(
@@ -55,8 +183,10 @@ def test_topologies_pin_each_worker_to_its_gpus(
     assert r.returncode == 0, r.stderr
     doc = yaml.safe_load(out.read_text())
     svcs = doc["services"]
+    owner = svcs.pop("hf-cache-owner")
     assert [[int(d) for d in _devices(s)] for s in svcs.values()] == want
     assert "hf-cache" in doc["volumes"]
+    assert owner["entrypoint"][:2] == ["chown", "-R"]
     for svc in svcs.values():
         n = len(_devices(svc))
         args = build_parser().parse_args(svc["command"])
@@ -68,7 +198,10 @@ def test_topologies_pin_each_worker_to_its_gpus(
         )
         assert args.tp == n and f"tensor_parallel_size={n}" in svc["command"]
         assert args.pool == ("high_tp" if n == 4 else "default")
-        assert svc["volumes"] == ["hf-cache:/root/.cache/huggingface"]
+        assert svc["volumes"] == ["config:/config:ro", "hf-cache:/hf-cache"]
+        assert svc["user"] == str(ROLE_UID["worker"])
+        assert svc["environment"]["TOKENBUS_NATS_LOGIN_FILE"] == "/config/roles/worker.json"
+        assert svc["depends_on"]["nats"] == {"condition": "service_healthy"}
 
 
 def test_explicit_gpu_sets() -> None:

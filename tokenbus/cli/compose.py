@@ -19,7 +19,10 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-HF_CACHE = "/root/.cache/huggingface"
+from services.deploybundle import ROLE_UID
+
+HF_CACHE = "/hf-cache"
+HEALTH_FILE = "/tmp/tokenbus-health.json"
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,11 +114,36 @@ def services(groups: list[Group], model: str) -> dict[str, Any]:
         cmd += ["--engine-arg", f"tensor_parallel_size={g.tp}"]
         out[f"vllm-{i}"] = {
             "build": {"context": "..", "dockerfile": "Dockerfile.vllm"},
+            "image": "tokenbus-vllm:latest",
             "command": cmd,
-            "environment": {"HF_HOME": HF_CACHE},
-            "volumes": [f"hf-cache:{HF_CACHE}"],
+            # On the stack's locked bus, as the worker role (its own uid and login).
+            "user": str(ROLE_UID["worker"]),
+            "environment": {
+                "TOKENBUS_NATS_URL": "tls://nats:4222",
+                "TOKENBUS_NATS_TLS_CA": "/config/tls/ca.pem",
+                "TOKENBUS_NATS_LOGIN_FILE": "/config/roles/worker.json",
+                "TOKENBUS_HEALTH_FILE": HEALTH_FILE,
+                # vLLM drains its running requests: longer than the stages' 30 s.
+                "TOKENBUS_DRAIN_TIMEOUT_S": "120",
+                "HF_HOME": HF_CACHE,
+                "HOME": "/tmp",
+            },
+            "volumes": ["config:/config:ro", f"hf-cache:{HF_CACHE}"],
             "ipc": "host",  # NCCL between the GPUs of one worker
             "restart": "unless-stopped",
+            "stop_grace_period": "130s",
+            "depends_on": {
+                "nats": {"condition": "service_healthy"},
+                "hf-cache-owner": {"condition": "service_completed_successfully"},
+            },
+            "healthcheck": {
+                "test": ["CMD", "tokenbus", "health", "--file", HEALTH_FILE],
+                "interval": "15s",
+                "timeout": "5s",
+                "retries": 3,
+                # Loading (or downloading) the weights comes first.
+                "start_period": "30m",
+            },
             "deploy": {
                 "resources": {
                     "reservations": {
@@ -126,6 +154,14 @@ def services(groups: list[Group], model: str) -> dict[str, Any]:
                 }
             },
         }
+    # The cache volume belongs to the worker uid (a new volume is root's).
+    out["hf-cache-owner"] = {
+        "image": "tokenbus:latest",
+        "user": "0",
+        "entrypoint": ["chown", "-R", f"{ROLE_UID['worker']}:{ROLE_UID['worker']}", HF_CACHE],
+        "volumes": [f"hf-cache:{HF_CACHE}"],
+        "restart": "no",
+    }
     return {"services": out, "volumes": {"hf-cache": {}}}
 
 
