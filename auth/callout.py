@@ -36,7 +36,7 @@ from auth.store import KeyStore
 from bus_schemas import errors as E
 from bus_schemas import subjects
 from services import natsjwt
-from services.runtime import connect
+from services.runtime import connect, flush
 
 AUTH_SUBJECT = "$SYS.REQ.USER.AUTH"
 QUEUE = "tokenbus-callout"
@@ -115,7 +115,7 @@ class CalloutResponder:
         )
         await self._nc.subscribe(AUTH_SUBJECT, queue=QUEUE, cb=self._on_request)
         await self._sys.subscribe("$SYS.ACCOUNT.*.DISCONNECT", cb=self._on_disconnect)
-        await self._nc.flush(timeout=5)
+        await flush(self._nc, timeout=5)  # the server has the subscriptions
         self._checker = asyncio.get_running_loop().create_task(self._check_loop())
 
     async def stop(self) -> None:

@@ -27,7 +27,7 @@ from engine_worker.outbox import Outbox
 from filter.policy import FilterPolicy
 from filter.scanner import Scanner, StreamOutput, StreamScanner
 from services.caller import Assembled, Chunk
-from services.runtime import Service, reply_subject
+from services.runtime import Service, flush, reply_subject
 from telemetry import records
 
 # How long a cancel that arrived before its request is remembered.
@@ -281,7 +281,7 @@ class Worker(Service):
         await super().stop_taking_work()
         await self.heartbeat()
         with contextlib.suppress(Exception):
-            await self.nc.flush(timeout=2)
+            await flush(self.nc, timeout=2)  # behind the heartbeat, not ahead of it
 
     async def reply_error(self, msg: Msg, err: E.TokenbusError) -> None:
         # Through the outbox, so the error frame stays behind the chunks already queued.

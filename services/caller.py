@@ -780,6 +780,15 @@ class Caller:
             await asyncio.sleep(0.05)
         return True
 
+    async def flush(self, timeout: int = 5) -> None:
+        """Until the server has read every request this caller published so far, and so has
+        routed each (to a stage that takes it, or back as "no responders"). ``nc.flush()``
+        does not promise that: its PING can overtake publishes nats-py has not written yet."""
+        # Imported here: the service runtime stays out of what `import tokenbus` loads.
+        from services.runtime import flush
+
+        await flush(self.nc, timeout)
+
     def inbox_for(self, token: str) -> str:
         return f"{self._prefix}.{token}"
 

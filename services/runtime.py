@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import ssl
@@ -52,6 +53,31 @@ def reply_subject(msg: Msg, *, trust_header: bool = True) -> str | None:
         if r:
             return r
     return msg.reply or None
+
+
+async def flush(nc: NATS, timeout: int = 5) -> None:
+    """A round trip to the server behind everything ``nc`` sent before: once it is back, the
+    server has read (and routed) every earlier publish, subscribe and unsubscribe of ``nc``,
+    and ``nc`` has read all the server sent it before.
+
+    nats-py's ``flush()`` alone does not promise that: it writes its PING straight to the
+    socket, ahead of the commands still queued for its flusher task, so the PONG can come
+    back before the server has read them. So the queue is written out first (through
+    nats-py's internal call for it; without that call, as nats-py's flush)."""
+    write_queued = getattr(nc, "_flush_pending", None)
+    if write_queued is not None and nc.is_connected:
+        await asyncio.wait_for(write_queued(force_flush=True), timeout)
+    await nc.flush(timeout)
+
+
+async def _stop_interest(nc: NATS, sub: Any) -> None:
+    """Send the server an UNSUB for ``sub`` while nats-py keeps delivering to it what the
+    server routed to it before (nats-py has no public call for that: ``drain()`` also
+    forgets the subscription once its own, possibly early, round trip is back)."""
+    send = getattr(nc, "_send_unsubscribe", None)
+    sid = getattr(sub, "_id", None)
+    if send is not None and sid is not None:
+        await send(sid)
 
 
 def servers(url: str) -> list[str]:
@@ -155,6 +181,9 @@ class Service:
     check_deadline = True
     # Whether Tb-Reply-To may name the caller (false where clients publish directly).
     trust_reply_header = True
+    # Whether it forwards requests to the next stage (:meth:`forward`), and so needs the
+    # inbox where "no responders" come back; roles that never forward may not subscribe it.
+    forwards = True
 
     def __init__(self, settings: Settings, *, nc: NATS | None = None) -> None:
         self.settings = settings
@@ -182,13 +211,14 @@ class Service:
         if self.nc is None:
             self.nc = await self._connect()
         self._accepting = True
-        await self._open_bounce_inbox()
+        if self.forwards:
+            await self._open_bounce_inbox()
         await self.setup()
         await self.discovery.start(self.nc)
         self._serve_metrics()
         # Subscriptions are only in effect once the server has them: until this round trip
         # a request could find "no responders" though the service says it has started.
-        await self.nc.flush(timeout=5)
+        await flush(self.nc)
         self.log.info("service_started", nats=self.settings.url())
 
     async def _connect(self) -> NATS:
@@ -271,11 +301,23 @@ class Service:
 
     async def stop_taking_work(self) -> None:
         """Stop interest in every endpoint so queue-group peers get new requests; messages
-        already delivered to this instance are still handled, never dropped."""
-        for sub in self._subs:
+        already delivered to this instance are still handled, never dropped.
+
+        nats-py's ``Subscription.drain()`` alone is not enough: it forgets the subscription
+        once a round trip is back, and that round trip can overtake its own UNSUB, so what
+        the server routes here until it reads the UNSUB would be dropped unseen (its caller
+        hears nothing until it resends or gives up). Hence: the UNSUBs, a round trip behind
+        them (from then on the server routes nothing here, and all it routed here before has
+        been read), then each subscription handles its queue and is dropped."""
+        subs, self._subs = self._subs, []
+        for sub in subs:
+            with contextlib.suppress(Exception):
+                await _stop_interest(self.nc, sub)
+        with contextlib.suppress(Exception):
+            await flush(self.nc)
+        for sub in subs:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(sub.drain(), 5.0)
-        self._subs.clear()
         self._accepting = False
 
     async def drain(self, timeout: float | None = None) -> None:
@@ -303,8 +345,9 @@ class Service:
 
     async def _close_bus(self) -> None:
         """Close the bounce inbox, then drain the connection if this service opened it."""
-        with contextlib.suppress(Exception):
-            await self._bounce_sub.unsubscribe()
+        if self.forwards:
+            with contextlib.suppress(Exception):
+                await self._bounce_sub.unsubscribe()
         if self._own_nc and self.nc is not None and not self.nc.is_closed:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self.nc.drain(), timeout=5.0)
@@ -433,11 +476,66 @@ async def serve_until_signalled(service: Service) -> None:
         service.log.info("signal_received_while_starting")
         return
     starting.result()  # a failed start raises here
+    health = (
+        asyncio.ensure_future(write_health(service, service.settings.health_file))
+        if service.settings.health_file
+        else None
+    )
     try:
         await stop.wait()
         service.log.info("signal_received")
     finally:
+        if health is not None:
+            health.cancel()
         await service.drain()
+
+
+HEALTH_EVERY_S = 2.0
+
+
+async def write_health(service: Service, path: str) -> None:
+    """Every :data:`HEALTH_EVERY_S`, after a round trip to the NATS server, write ``path``:
+    this process's loop runs and its connection works (``tokenbus health --file`` reads it;
+    a container health check cannot reach the service through the bus with its role's
+    permissions, and most services serve no HTTP)."""
+    tmp = f"{path}.tmp"
+    while True:
+        connected = False
+        if service.nc is not None and service.nc.is_connected:
+            try:
+                await service.nc.flush(timeout=int(HEALTH_EVERY_S))
+                connected = True
+            except Exception:  # timed out or dropped: not healthy this round
+                connected = False
+        state = {
+            "service": service.name,
+            "id": service.id,
+            "ts": time.time(),
+            "connected": connected,
+            "accepting": service._accepting,
+        }
+        try:
+            with open(tmp, "w") as fh:
+                json.dump(state, fh)
+            os.replace(tmp, path)
+        except OSError as exc:
+            service.log.warning("health_file_not_written", path=path, error=str(exc))
+        await asyncio.sleep(HEALTH_EVERY_S)
+
+
+def check_health(path: str, max_age_s: float) -> str | None:
+    """Why the service writing ``path`` is unhealthy (None: healthy)."""
+    try:
+        with open(path) as fh:
+            state = json.load(fh)
+    except (OSError, ValueError) as exc:
+        return f"no health file {path}: {exc}"
+    age = time.time() - float(state.get("ts", 0))
+    if age > max_age_s:
+        return f"health file {age:.0f} s old (the service's loop is stuck or it has stopped)"
+    if not state.get("connected"):
+        return "not connected to NATS"
+    return None
 
 
 def run(coro: Awaitable[None]) -> None:
