@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from services.config import DEFAULT_MODEL, BridgeSettings, Settings
+from tokenbus.evaluation.peers import PEERS
 
 
 @dataclass
@@ -142,6 +143,20 @@ def add_parser(sub: Any) -> None:
     )
     g.add_argument(
         "--no-direct", action="store_true", help="--spawn: skip the direct-engine baseline"
+    )
+    g.add_argument(
+        "--upstream",
+        action="store_true",
+        help="--spawn: tokenbus' workers use the openai backend against the direct engine server "
+        "(`tokenbus serve openai-http`), as peers do, instead of simulating in-process",
+    )
+    g.add_argument(
+        "--peer",
+        action="append",
+        default=[],
+        metavar="NAME[=BINARY]",
+        help="--spawn: a peer gateway in front of the same engine server, measured side by side "
+        f"(repeatable): {', '.join(PEERS)}; BINARY defaults to the name on PATH",
     )
     g.add_argument(
         "--locked",
@@ -421,10 +436,12 @@ async def run_level(
         wall = time.perf_counter() - t0
         sampler.cancel()
         cpu: dict[str, float] = {}
+        cpu_s: dict[str, float] = {}
         for n, p in [*target.pids.items(), ("bench-client", os.getpid())]:
             before, after = cpu0.get(n), _cpu_s(p)
             if before is not None and after is not None and wall:
                 cpu[n] = round(100 * (after - before) / wall, 1)
+                cpu_s[n] = after - before
         if session is not None:
             await session.close()
         if client is not None:
@@ -453,6 +470,13 @@ async def run_level(
         "e2e_ms": _summary_ms([r.e2e_s for r in ok]),
         "peak_rss_mb": {k: round(v, 1) for k, v in peak.items()},
         "cpu_percent": cpu,
+        # CPU (user + system, from /proc) of the target's own processes per output token:
+        # the gateway's cost, the engine's and the load generator's left out.
+        "cpu_us_per_token": (
+            round(1e6 * sum(v for k, v in cpu_s.items() if k != "bench-client") / tokens, 1)
+            if tokens and len(cpu_s) > 1
+            else None
+        ),
         "window_ns": [t0_ns, time.time_ns()],
     }
 
@@ -737,11 +761,27 @@ async def spawn_stack(a: argparse.Namespace, sup: Any) -> tuple[list[Target], An
         await sup.add(Child(name, cli_argv("serve", name), as_role(env, users, name)))
     login = role_login(users, "admin") if users is not None else {}
     key = await _bench_key(url, login) if "auth" in stages else None
+    engine = f"http://127.0.0.1:{direct_port}"
+    if not a.no_direct:
+        await sup.add(
+            Child("direct", cli_argv("serve", "openai-http", "--port", str(direct_port), *sim), env)
+        )
+    # The workers' engine: the direct server over HTTP (as a peer reaches it), or in-process.
+    backend = (
+        [
+            *("--backend", "openai", "--model", a.model, "--upstream-url", f"{engine}/v1"),
+            *("--max-concurrency", str(a.sim_max_running)),
+        ]
+        if a.upstream
+        else sim
+    )
+    if a.upstream:
+        await _wait_http(f"{engine}/ready")
     for i, (extra_args, extra_env) in enumerate(replica_specs(a.replica)):
         await sup.add(
             Child(
                 f"worker-{i}",
-                cli_argv("serve", "worker", "--replica", f"bench-{i}", *sim, *extra_args),
+                cli_argv("serve", "worker", "--replica", f"bench-{i}", *backend, *extra_args),
                 as_role({**env, **extra_env}, users, "worker"),
             )
         )
@@ -751,16 +791,24 @@ async def spawn_stack(a: argparse.Namespace, sup: Any) -> tuple[list[Target], An
         bridge_env["TOKENBUS_BRIDGE__FUSE_ROUTER"] = "false"
     for child in bridge_children(bridges, bridge_env):
         await sup.add(child)
-    if not a.no_direct:
-        await sup.add(
-            Child("direct", cli_argv("serve", "openai-http", "--port", str(direct_port), *sim), env)
-        )
+    from tokenbus.evaluation import peers
+
+    launches = []
+    for spec in a.peer:
+        name, binary = peers.parse(spec)
+        launch = peers.launch(name, binary, engine, a.model, _free_port(), Path(tmp), _free_port())
+        await sup.add(Child(name, launch.argv, {}))
+        launches.append(launch)
     await _wait_http(f"http://127.0.0.1:{bridge_port}/ready")
     await _wait_replicas(url, len(replica_specs(a.replica)), login=login)
     if not a.no_direct:
         await _wait_http(f"http://127.0.0.1:{direct_port}/ready")
+    for launch in launches:
+        await _wait_http(launch.ready_url, timeout=120)
     pids = {c.name: c.proc.pid for c in sup.children if c.proc is not None}
-    stack_pids = {k: v for k, v in pids.items() if k != "direct"}
+    others = {"direct", *(p.name for p in launches)}
+    # Every tokenbus process, its nats-server included.
+    stack_pids = {k: v for k, v in pids.items() if k not in others} | {"nats-server": nats.pid}
     targets = [
         Target(
             "tokenbus-http", "http", f"http://127.0.0.1:{bridge_port}/v1", stack_pids, api_key=key
@@ -777,6 +825,9 @@ async def spawn_stack(a: argparse.Namespace, sup: Any) -> tuple[list[Target], An
         targets.append(
             Target("tokenbus-nats", "nats", url, stack_pids, api_key=key, login=client_login)
         )
+    for launch in launches:
+        peer_pids = {launch.name: pids[launch.name]}
+        targets.append(Target(launch.name, "http", launch.base_url, peer_pids, launch.api_key))
     if not a.no_direct:
         targets.append(
             Target(
@@ -838,6 +889,7 @@ def compare(levels: list[dict[str, Any]], name: str, base: str) -> list[dict[str
         if lv["ttft_ms"] and b["ttft_ms"]:
             row["added_ttft_p50_ms"] = round(lv["ttft_ms"]["p50"] - b["ttft_ms"]["p50"], 3)
             row["added_ttft_p99_ms"] = round(lv["ttft_ms"]["p99"] - b["ttft_ms"]["p99"], 3)
+        row["cpu_us_per_token"] = lv.get("cpu_us_per_token")
         if b["output_tokens_per_s"]:
             row["tokens_per_s_ratio"] = round(
                 lv["output_tokens_per_s"] / b["output_tokens_per_s"], 3
@@ -878,7 +930,12 @@ async def main(a: argparse.Namespace, s: Settings) -> int:
         from tokenbus.launcher import Supervisor
 
         sup = Supervisor(Path(tempfile.mkdtemp(prefix="tokenbus-bench-logs-")), echo=False)
-        targets, nats = await spawn_stack(a, sup)
+        try:
+            targets, nats = await spawn_stack(a, sup)
+        except BaseException:
+            await sup.stop(10)  # what did start, and said why not in its log
+            print(f"logs: {sup.log_dir}", file=sys.stderr)
+            raise
     elif a.mode == "nats":
         targets = [Target("tokenbus-nats", "nats", s.url(), api_key=a.api_key, login=s.nats_auth())]
     else:
@@ -933,6 +990,7 @@ async def main(a: argparse.Namespace, s: Settings) -> int:
         print(
             f"  c={row['concurrency']}: {row['target']} vs {row['baseline']}: added TTFT p50 "
             f"{row.get('added_ttft_p50_ms')} ms, tokens/s ratio {row.get('tokens_per_s_ratio')}"
+            f", CPU {row.get('cpu_us_per_token')} us/token"
         )
     for sr in session_runs:
         rt = sr["response_ms"]
