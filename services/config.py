@@ -374,11 +374,6 @@ class Settings(BaseSettings):
             opts |= read_login(self.nats_login_file)
         return opts
 
-    def nats_login_user(self) -> str | None:
-        """The NATS user this process logs in as (its role on a locked bus), if any."""
-        user = self.nats_auth().get("user") if self.nats_login_file else self.nats_user
-        return str(user) if user else None
-
     def nats_tls(self) -> dict[str, Any]:
         """nats-py's ``tls`` option for a TLS bus (empty when plain)."""
         if not self.nats_tls_ca:

@@ -1,7 +1,8 @@
 """A locked-down nats-server configuration: one user per role, each allowed only its subjects.
 
-Clients may only publish requests (and cancels) and read their inboxes; only the router may
-publish to worker subjects; workers may only publish replies, heartbeats, usage and
+Clients may only publish requests (and cancels) and read their inboxes; only the router (and
+the bridge, which admits each request in-process before routing it) may publish to worker
+subjects; workers may only publish replies, heartbeats, usage and
 telemetry. So nobody can go around ingress, auth and the rate limits by talking to a worker
 directly. The audit trail (:mod:`services.audit`) is written by the bridge and the admin
 role; clients, workers, ingress, filter and telemetry can neither write nor read it, and no
@@ -45,11 +46,13 @@ AUDIT_GUARD = [f"$JS.API.STREAM.{op}.{AUDIT_STREAM}" for op in ("DELETE", "UPDAT
 # role -> (may publish, may subscribe)
 ROLES: dict[str, tuple[list[str], list[str]]] = {
     "client": ([REQ, CANCEL], [INBOX, HEARTBEAT]),
-    # The bridge may run auth, ratelimit and filter in-process (``bridge.fuse_stages``);
-    # its admin API records key and routing changes in the audit trail.
+    # The bridge may run auth, ratelimit and filter in-process (``bridge.fuse_stages``) and
+    # then route in-process (``bridge.fuse_router``): it is the one role besides the router
+    # that may publish to workers, and it admits every request itself before it does; its
+    # admin API records key and routing changes in the audit trail.
     "bridge": (
         # usage: an in-process ratelimit settles a migrated request's earlier attempt.
-        [REQ, STAGES, CANCEL, INBOX, TELEMETRY, AUDIT, *USAGE, *JS_API],
+        [REQ, STAGES, ENGINE, CANCEL, INBOX, TELEMETRY, AUDIT, *USAGE, *JS_API],
         [INBOX, HEARTBEAT, DISCOVERY, *USAGE],
     ),
     "ingress": ([STAGES, INBOX], [REQ, INBOX, DISCOVERY]),

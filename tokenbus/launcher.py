@@ -396,8 +396,6 @@ async def _start_services(
             )
         )
     bridge_env = as_role(env, users, "bridge")
-    if users:
-        bridge_env = {**bridge_env, "TOKENBUS_BRIDGE__FUSE_ROUTER": "false"}
     for child in bridge_children(settings.bridge, bridge_env):
         await sup.add(child)
 

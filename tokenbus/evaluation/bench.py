@@ -787,8 +787,6 @@ async def spawn_stack(a: argparse.Namespace, sup: Any) -> tuple[list[Target], An
         )
     bridges = BridgeSettings(port=bridge_port, processes=a.bridge_processes)
     bridge_env = as_role(env, users, "bridge")
-    if users is not None:  # on the locked bus only the router may talk to workers
-        bridge_env["TOKENBUS_BRIDGE__FUSE_ROUTER"] = "false"
     for child in bridge_children(bridges, bridge_env):
         await sup.add(child)
     from tokenbus.evaluation import peers
