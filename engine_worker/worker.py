@@ -207,6 +207,7 @@ class Worker(Service):
         self.endpoints = list(cfg.endpoints) or list(self.backend.endpoints())
         self.draining = False
         self._active: dict[str, asyncio.Task[Any]] = {}
+        self._busy = asyncio.Event()  # set when an idle replica takes a request: beat now
         # Streams whose callers cannot see heartbeats (Tb-Keepalive): reply -> None.
         self._keepalive: dict[str, None] = {}
         self._caller_cancelled: set[str] = set()
@@ -250,7 +251,7 @@ class Worker(Service):
             "draining": self.draining,
             "endpoints": self.endpoints,
             "aliases": [m for m in getattr(self.backend, "served_models", ()) if m != self.model],
-            "interval_s": self.cfg.heartbeat_interval_s,
+            "interval_s": self._interval(),
             "seq": self._seq,
             "boot": self.boot,
             # Bumped when the connection came back: frames sent just before may be lost, so
@@ -267,7 +268,9 @@ class Worker(Service):
 
     async def _heartbeat_loop(self) -> None:
         while True:
-            await asyncio.sleep(self.cfg.heartbeat_interval_s)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._busy.wait(), self._interval())
+            self._busy.clear()
             await self.heartbeat()
             if self._keepalive:
                 # Through the outbox: behind the chunks already queued for each stream.
@@ -325,7 +328,7 @@ class Worker(Service):
             return
         if gen.req.kind == subjects.KIND_EMBEDDINGS:
             gen.t_start = marks.now_ns()
-            self._active[gen.reply] = gen.task
+            self._track(gen)
             work = self._embed(msg, gen)
         else:
             stream = await self._start_engine(msg, gen)
@@ -407,8 +410,21 @@ class Worker(Service):
             self.log.exception("generate_failed", request_id=gen.rid)
             await self._ack(msg, E.EngineError(f"the engine failed: {type(exc).__name__}"))
             return None
-        self._active[gen.reply] = gen.task
+        self._track(gen)
         return stream
+
+    def _track(self, gen: _Generation) -> None:
+        if not self._active:
+            self._busy.set()  # the heartbeat loop may be in an idle (long) sleep
+        self._active[gen.reply] = gen.task
+
+    def _interval(self) -> float:
+        """Seconds to the next heartbeat: the full rate while any request is in flight (its
+        caller watches the beats) or while draining, slower when idle."""
+        fast = float(self.cfg.heartbeat_interval_s)
+        if self._active or self.draining:
+            return fast
+        return fast * float(self.cfg.idle_heartbeat_factor)
 
     async def _accept(self, msg: Msg, gen: _Generation) -> None:
         """Ack the router's dispatch and tell the caller which replica serves it."""

@@ -232,6 +232,14 @@ class WorkerSettings(BaseModel):
     replica: str = Field(default="", description="Replica id; generated when empty.")
     max_concurrency: int = Field(default=256, ge=1)
     heartbeat_interval_s: float = Field(default=0.5, gt=0)
+    idle_heartbeat_factor: float = Field(
+        default=4.0,
+        ge=1.0,
+        description="An idle replica (no request in flight) beats this many times less often "
+        "(0.5 s -> 2 s): an idle stack costs less CPU and bus traffic. It beats at the full "
+        "rate again the moment it takes a request, before the caller's watchdog could miss a "
+        "beat; routers expire it after missed beats of the interval it announced.",
+    )
     tp: int = Field(default=1, ge=1)
     pool: str = "default"
     endpoints: list[Literal["chat", "completions", "embeddings"]] = Field(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import time
 from typing import Any
@@ -351,3 +352,35 @@ async def test_ingress_ignores_stage_headers_from_clients(
         assert codec.decode_map(reply.data)["error"]["code"] == "invalid_request"
         await asyncio.sleep(0.2)
         assert got == []  # errors go to the real reply subject, nowhere else
+
+
+async def test_an_idle_replica_beats_slower_and_at_full_rate_once_it_takes_a_request(
+    nats_server: NatsServer, model: str, client: Client, nc: NATS
+) -> None:
+    async with stack(nats_server.url, model, workers=1) as svcs:
+        w = svcs["workers"][0]
+        fast = w.cfg.heartbeat_interval_s
+        beats: list[tuple[float, dict[str, Any]]] = []
+
+        async def on_beat(msg: Any) -> None:
+            beats.append((time.monotonic(), codec.decode(msg.data)))
+
+        await nc.subscribe(subjects.heartbeat(model, w.replica), cb=on_beat)
+        await wait_for(lambda: len(beats) >= 2, timeout=10)
+        # Idle: it says it beats less often, and does.
+        assert beats[-1][1]["interval_s"] == fast * w.cfg.idle_heartbeat_factor
+        assert beats[-1][0] - beats[-2][0] > 2 * fast
+        stream = client.chat(model, MSG, max_tokens=10_000)
+        t0 = time.monotonic()
+        await stream.__anext__()
+        # Busy: a full-rate beat at once (the caller's watchdog expects one per `fast`).
+        await wait_for(
+            lambda: any(b[1]["interval_s"] == fast and b[1]["in_flight"] for b in beats),
+            timeout=fast,
+        )
+        assert next(t for t, b in beats if b["in_flight"]) - t0 < fast
+        await asyncio.sleep(4 * fast)
+        busy = [t for t, b in beats if b["in_flight"]]
+        gaps = [b - a for a, b in itertools.pairwise(busy)]
+        assert len(gaps) >= 3 and max(gaps) < 1.5 * fast, gaps
+        await stream.aclose()
