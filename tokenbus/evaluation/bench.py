@@ -921,6 +921,9 @@ async def main(a: argparse.Namespace, s: Settings) -> int:
         path.write_text(json.dumps(cost, indent=2))
         print(json.dumps(cost, indent=2))
         return 0
+    if a.spawn and a.no_direct and (a.upstream or a.peer):
+        print("error: --upstream and --peer need the direct engine server: drop --no-direct")
+        return 2
     levels_c = [int(x) for x in a.concurrency.split(",") if x.strip()]
     progress = not a.no_progress and sys.stderr.isatty()
     sup = nats = None
