@@ -127,6 +127,14 @@ class PayloadTooLarge(InvalidRequest):
     status = 413
 
 
+class RequestTimeout(InvalidRequest):
+    """The request did not arrive in time (a body shorter than its Content-Length, or one
+    sent too slowly); the connection is closed."""
+
+    code = "request_timeout"
+    status = 408
+
+
 class Unauthorized(TokenbusError):
     code = "invalid_api_key"
     status = 401

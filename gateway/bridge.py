@@ -175,6 +175,7 @@ class Bridge(Service):
             max_body_bytes=cfg.max_body_bytes,
             request_timeout_s=cfg.request_timeout_s,
             on_request=self._observe,
+            body_timeout_s=cfg.body_timeout_s,
         )
         api.add_route("GET", "/metrics", self.metrics)
         self.admin = AdminAPI(self.nc, store=self.stages.keys if self.stages else None)

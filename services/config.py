@@ -40,6 +40,12 @@ class BridgeSettings(BaseModel):
         "(1 MiB by default): a larger envelope is refused with 413 as well.",
     )
     request_timeout_s: float = Field(default=600.0, description="Per-request deadline.")
+    body_timeout_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="The whole request body must arrive within this; otherwise 408 and the "
+        "connection is closed (a body shorter than its Content-Length, or a trickle).",
+    )
     fuse_router: bool = Field(
         default=True,
         description="When the pipeline has no stage before the router, route in the bridge "

@@ -68,6 +68,7 @@ async def fuzz_stack(
     env = {
         "TOKENBUS_INGRESS__PIPELINE": '["auth", "ratelimit", "filter", "route"]',
         "TOKENBUS_BRIDGE__MAX_BODY_BYTES": "4096",
+        "TOKENBUS_BRIDGE__BODY_TIMEOUT_S": "2",
     }
     async with key_store(nats_server.url, watch=False) as keys:
         key, _ = await keys.create("fuzz", rpm=100_000, tpm=10**9, max_concurrent=1000)
@@ -116,6 +117,77 @@ def test_bad_keys_and_bodies_never_5xx(
     with httpx.Client(base_url=fuzz_stack.base, timeout=30) as h:
         r = h.post(path, content=content, headers=headers)
     _check(r)
+
+
+# Raw JSON text that Python objects serialized by json.dumps never hold: integers beyond 64
+# bits, lone UTF-16 surrogate escapes, nesting deeper than tokenbus carries (1 500 levels
+# also overflow the JSON parser's own recursion).
+_raw_values = st.one_of(
+    st.integers(min_value=2**64, max_value=2**200).map(str),
+    st.integers(min_value=-(2**200), max_value=-(2**63) - 1).map(str),
+    st.integers(min_value=0xD800, max_value=0xDFFF).map(lambda c: f'"x\\u{c:04x}y"'),
+    st.integers(min_value=65, max_value=1500).map(lambda n: "[" * n + "]" * n),
+)
+
+
+@settings(
+    max_examples=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(
+    value=_raw_values,
+    field=st.sampled_from(["max_tokens", "temperature", "user", "metadata", "content"]),
+)
+def test_raw_json_beyond_what_tokenbus_carries_is_a_400_naming_the_field(
+    fuzz_stack: FuzzStack, value: str, field: str
+) -> None:
+    if field == "content":
+        body = (
+            f'{{"model": "{fuzz_stack.model}", "messages": [{{"role": "user", '
+            f'"content": {value}}}], "max_tokens": 2}}'
+        )
+        want = "messages.0.content"
+    else:
+        body = (
+            f'{{"model": "{fuzz_stack.model}", "messages": [{{"role": "user", '
+            f'"content": "hi"}}], "{field}": {value}}}'
+        )
+        want = field
+    with httpx.Client(base_url=fuzz_stack.base, timeout=30) as h:
+        r = h.post(
+            "/v1/chat/completions",
+            content=body.encode(),
+            headers={"Authorization": f"Bearer {fuzz_stack.key}"},
+        )
+    _check(r)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    if value.startswith("[") and len(value) > 2000:
+        assert "nested deeper" in err["message"]  # the parser's own limit: no field known
+    else:
+        assert err["param"] is not None and err["param"].startswith(want), err
+
+
+def test_a_body_shorter_than_its_length_gets_408_and_the_connection_closes(
+    fuzz_stack: FuzzStack,
+) -> None:
+    import socket
+    from urllib.parse import urlsplit
+
+    u = urlsplit(fuzz_stack.base)
+    with socket.create_connection((u.hostname, u.port), timeout=20) as s:
+        s.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+            b"Content-Type: application/json\r\nContent-Length: 100\r\n"
+            b"Authorization: Bearer " + fuzz_stack.key.encode() + b"\r\n\r\n" + b'{"model"'
+        )
+        data = b""
+        while chunk := s.recv(4096):  # until the server closes the connection
+            data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408"), head
+    assert json.loads(body)["error"]["code"] == "request_timeout"
 
 
 def test_everything_still_serves_after_the_fuzzing(fuzz_stack: FuzzStack) -> None:
