@@ -41,7 +41,10 @@ from gateway.asgi import (
     send_json,
 )
 from gateway.ingress import clean_request_id
+from services import logging as tlog
 from services.caller import Assembled, Chunk, Usage
+
+log = tlog.get("bridge")
 
 
 class StreamLike(Protocol):
@@ -206,6 +209,9 @@ class OpenAIApp(RouteTable):
             outcome = "client_disconnected"
         except Exception:
             status, outcome = 500, "internal_error"
+            # A real server fault: logged at error with the exception, for the operator
+            # (the client gets a generic 500 that names nothing internal).
+            log.exception("internal_error", request_id=rid, kind=kind)
             # Once the SSE headers are out there is no status left to send.
             if not progress.started:
                 progress.finished = True

@@ -20,11 +20,16 @@ def setup(level: str = "info", *, json: bool = True) -> None:
     renderer: structlog.typing.Processor = (
         structlog.processors.JSONRenderer() if json else structlog.dev.ConsoleRenderer()
     )
+    # JSON lines carry an exception's traceback as text; the console renderer draws its own.
+    tracebacks: list[structlog.typing.Processor] = (
+        [structlog.processors.format_exc_info] if json else []
+    )
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
+            *tracebacks,
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(
