@@ -218,6 +218,11 @@ class SamplingParams(_Wire):
 
     type: Literal["sampling_params"] = "sampling_params"
     max_tokens: int = Field(default=256, ge=1, description="Most tokens to generate.")
+    max_tokens_set: bool = Field(
+        default=True,
+        description="False: the client sent no max_tokens and max_tokens is the gateway's "
+        "default, which an engine that knows its context length lowers to what fits.",
+    )
     temperature: float | None = Field(
         default=None, ge=0.0, le=2.0, description="Sampling temperature; None: the engine's."
     )
@@ -334,9 +339,10 @@ class _GenerationRequest(_Edge):
 
     def sampling(self, default_max_tokens: int) -> SamplingParams:
         """The engine-side parameters of this request."""
-        max_tokens = self.max_completion_tokens or self.max_tokens or default_max_tokens
+        asked = self.max_completion_tokens or self.max_tokens
         return SamplingParams(
-            max_tokens=max_tokens,
+            max_tokens=asked or default_max_tokens,
+            max_tokens_set=bool(asked),
             temperature=self.temperature,
             top_p=self.top_p,
             seed=self.seed,
@@ -518,7 +524,12 @@ class Heartbeat(_Wire):
         description="Other model names the replica answers to (a vllm worker's LoRA "
         "adapters, extra served names): requests for them are routed to it too.",
     )
-    interval_s: float = Field(description="Seconds until the next heartbeat.")
+    interval_s: float = Field(
+        description="Seconds until the next heartbeat (longer while the replica is idle)."
+    )
+    max_model_len: int = Field(
+        default=0, ge=0, description="The model's context length in tokens (0: not known)."
+    )
     seq: int = Field(description="Increments with every heartbeat.")
     boot: str = Field(default="", description="Changes when the replica process restarts.")
     ts_ms: int = Field(description="Send time, epoch ms.")

@@ -252,6 +252,10 @@ class Worker(Service):
             "endpoints": self.endpoints,
             "aliases": [m for m in getattr(self.backend, "served_models", ()) if m != self.model],
             "interval_s": self._interval(),
+            # The model's context length (0: not known here).
+            "max_model_len": int(
+                self.cfg.max_model_len or getattr(self.backend, "max_model_len", 0) or 0
+            ),
             "seq": self._seq,
             "boot": self.boot,
             # Bumped when the connection came back: frames sent just before may be lost, so

@@ -198,6 +198,13 @@ class SimSettings(BaseModel):
     """The simulated continuous-batching engine (see engine_worker/backends/sim.py)."""
 
     prefill_ms: float = Field(default=20.0, description="Base prefill (first token) time.")
+    max_model_len: int = Field(
+        default=8192,
+        ge=1,
+        description="The simulated model's context length: prompt plus max_tokens must fit "
+        "(a request that does not is refused as vLLM refuses it; one without max_tokens gets "
+        "what fits, at most the gateway's default).",
+    )
     prefill_ms_per_token: float = Field(default=0.0, description="Extra prefill per prompt token.")
     decode_ms: float = Field(default=10.0, description="Decode step time at batch size 1.")
     decode_ms_per_seq: float = Field(default=0.0, description="Extra step time per running seq.")
@@ -238,6 +245,13 @@ class WorkerSettings(BaseModel):
     replica: str = Field(default="", description="Replica id; generated when empty.")
     max_concurrency: int = Field(default=256, ge=1)
     heartbeat_interval_s: float = Field(default=0.5, gt=0)
+    max_model_len: int = Field(
+        default=0,
+        ge=0,
+        description="The model's context length announced in heartbeats (0: the backend's: "
+        "sim.max_model_len, or the upstream's /v1/models max_model_len for the openai "
+        "backend where it says).",
+    )
     idle_heartbeat_factor: float = Field(
         default=4.0,
         ge=1.0,

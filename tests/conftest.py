@@ -32,6 +32,10 @@ from tokenbus.launcher import nats_server_binary, port_open
 
 tlog.setup("warning")
 
+# The simulated model's context (8192 tokens by default) would refuse the very long streams
+# many tests use to keep a request running; the tests of the context limit set their own.
+os.environ.setdefault("TOKENBUS_WORKER__SIM__MAX_MODEL_LEN", str(10**9))
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

@@ -384,3 +384,29 @@ async def test_an_idle_replica_beats_slower_and_at_full_rate_once_it_takes_a_req
         gaps = [b - a for a, b in itertools.pairwise(busy)]
         assert len(gaps) >= 3 and max(gaps) < 1.5 * fast, gaps
         await stream.aclose()
+
+
+async def test_a_request_that_cannot_fit_the_context_is_refused_as_vllm_does(
+    nats_server: NatsServer, model: str, client: Client, nc: NATS
+) -> None:
+    async with stack(nats_server.url, model, workers=1, worker={"max_model_len": 100}) as svcs:
+        w = svcs["workers"][0]
+        beat = await nc.subscribe(subjects.heartbeat(model, w.replica))
+        assert codec.decode((await beat.next_msg(timeout=5)).data)["max_model_len"] == 100
+        await beat.unsubscribe()
+        # Unbounded: refused at once with vLLM's wording, naming max_tokens.
+        with pytest.raises(E.InvalidRequest) as ei:
+            await client.chat_completion(model, MSG, max_tokens=10**12)
+        assert ei.value.param == "max_tokens"
+        assert "maximum context length is 100 tokens" in str(ei.value)
+        # No max_tokens: the gateway's default (512) is lowered to what fits.
+        out = await client.chat_completion(model, MSG)
+        assert out.usage.prompt_tokens + out.usage.completion_tokens == 100
+        assert out.finish_reason == "length"
+        # A prompt longer than the context: refused, naming the messages.
+        with pytest.raises(E.InvalidRequest) as ei:
+            await client.chat_completion(model, [{"role": "user", "content": "x" * 1000}])
+        assert ei.value.param == "messages"
+        # What fits is served as asked.
+        ok = await client.chat_completion(model, MSG, max_tokens=5)
+        assert ok.usage.completion_tokens == 5

@@ -31,6 +31,8 @@ class GenerationRequest:
     kind: str
     model: str
     max_tokens: int
+    # False: max_tokens is the gateway's default, not the client's (it may be lowered to fit).
+    max_tokens_set: bool = True
     # None: the engine's (the model's generation config) default.
     temperature: float | None = None
     top_p: float | None = None
@@ -60,6 +62,7 @@ class GenerationRequest:
             kind=str(env.get("kind", "chat")),
             model=str(env.get("model", "")),
             max_tokens=int(p.get("max_tokens", 256)),
+            max_tokens_set=bool(p.get("max_tokens_set", True)),
             temperature=None if temperature is None else float(temperature),
             top_p=None if top_p is None else float(top_p),
             seed=p.get("seed"),

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import array
 import base64
+import contextlib
 import json
 import sys
 from collections.abc import AsyncGenerator
@@ -148,6 +149,9 @@ class OpenAIUpstreamBackend:
         self.timeout = up.timeout_s
         self.session: aiohttp.ClientSession | None = None
         self.in_flight = 0
+        # The model's context length: configured, or read from the upstream's /v1/models
+        # where it says (vLLM does); the upstream enforces it itself.
+        self.max_model_len = cfg.max_model_len
 
     async def start(self) -> None:
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
@@ -156,6 +160,23 @@ class OpenAIUpstreamBackend:
             connector=aiohttp.TCPConnector(limit=0),
             timeout=aiohttp.ClientTimeout(total=self.timeout, sock_connect=10),
         )
+        if not self.max_model_len:
+            self.max_model_len = await self._upstream_context()
+
+    async def _upstream_context(self) -> int:
+        """The upstream's ``max_model_len`` for this model (0 when it does not say, or
+        cannot be asked now: it is for the heartbeat only)."""
+        assert self.session is not None
+        with contextlib.suppress(Exception):
+            async with self.session.get(
+                self.base + "/models", timeout=aiohttp.ClientTimeout(total=2)
+            ) as r:
+                if r.status == 200:
+                    for m in (await r.json()).get("data") or ():
+                        n = m.get("max_model_len")
+                        if m.get("id") == self.model and isinstance(n, int) and n > 0:
+                            return n
+        return 0
 
     async def stop(self) -> None:
         if self.session is not None:

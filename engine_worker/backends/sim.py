@@ -112,6 +112,22 @@ VOCAB = (
 )
 
 
+def fit_context(req: GenerationRequest, prompt_tokens: int, max_model_len: int) -> None:
+    """Refuse a request whose prompt and ``max_tokens`` exceed the context, in vLLM's words;
+    lower a default (not the client's) ``max_tokens`` to what fits."""
+    room = max_model_len - prompt_tokens
+    if not req.max_tokens_set and room >= 1:
+        req.max_tokens = min(req.max_tokens, room)
+    if prompt_tokens + req.max_tokens > max_model_len:
+        raise E.InvalidRequest(
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {prompt_tokens + req.max_tokens} tokens ({prompt_tokens} in the "
+            f"messages, {req.max_tokens} in the completion). Please reduce the length of the "
+            "messages or completion.",
+            param="max_tokens" if room >= 1 else "messages",
+        )
+
+
 def count_tokens(text: str) -> int:
     """The simulator's tokenizer: about four characters a token."""
     return max(1, (len(text) + 3) // 4)
@@ -636,6 +652,7 @@ class SimBackend:
 
     def __init__(self, cfg: WorkerSettings) -> None:
         self.engine = SimEngine(cfg.sim, cfg.tp)
+        self.max_model_len = cfg.max_model_len or cfg.sim.max_model_len
 
     async def start(self) -> None:
         return None
@@ -652,6 +669,7 @@ class SimBackend:
     def generate(self, req: GenerationRequest) -> SimStream | SimExtraStream:
         if req.max_tokens < 1:
             raise E.InvalidRequest("max_tokens must be at least 1", param="max_tokens")
+        fit_context(req, count_tokens(req.prompt_text()), self.max_model_len)
         return self.engine.generate(req)
 
     async def embed(self, req: GenerationRequest) -> Embeddings:
