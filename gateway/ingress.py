@@ -55,6 +55,7 @@ class Admission:
         self.rest = ",".join(pipeline[1:])
         self.default_max_tokens = cfg.default_max_tokens
         self.max_prompt_chars = cfg.max_prompt_chars
+        self.max_request_ms = int(cfg.max_request_s * 1000)
 
     def admit(
         self,
@@ -71,6 +72,11 @@ class Admission:
             hdrs.pop(H.API_KEY, None)  # nobody checks it: it must not travel on
         rid = clean_request_id(hdrs.get(H.REQUEST_ID))
         hdrs[H.REQUEST_ID] = rid
+        # Bounded in time whatever the client asked: every stage and the worker read this.
+        cap = marks.now_ms() + self.max_request_ms
+        asked = marks.deadline_ms(hdrs)
+        if asked is None or asked > cap:
+            hdrs[H.DEADLINE] = str(cap)
         env = validation.envelope(
             kind,
             req,

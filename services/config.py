@@ -70,6 +70,13 @@ class IngressSettings(BaseModel):
     )
     default_max_tokens: int = Field(default=512, ge=1)
     max_prompt_chars: int = Field(default=1_000_000, description="Longer prompts get 413.")
+    max_request_s: float = Field(
+        default=600.0,
+        gt=0,
+        description="No request runs longer: a deadline a NATS client sets further out (or "
+        "none) is brought to this; at the deadline the worker ends the request with a "
+        "timeout and cancels the engine work.",
+    )
 
 
 LoadPolicyName = Literal[

@@ -410,3 +410,19 @@ async def test_a_request_that_cannot_fit_the_context_is_refused_as_vllm_does(
         # What fits is served as asked.
         ok = await client.chat_completion(model, MSG, max_tokens=5)
         assert ok.usage.completion_tokens == 5
+
+
+async def test_no_request_outlives_the_ingress_limit_whatever_deadline_the_client_sets(
+    nats_server: NatsServer, model: str, client: Client
+) -> None:
+    async with stack(
+        nats_server.url, model, workers=1, ingress={"pipeline": ["route"], "max_request_s": 1.0}
+    ) as svcs:
+        t0 = time.monotonic()
+        stream = client.chat(model, MSG, max_tokens=10**6, timeout=3600)
+        with pytest.raises(E.Timeout):
+            async for _ in stream:
+                pass
+        # Ended at the ingress' limit (1 s), not the client's hour; the engine work with it.
+        assert time.monotonic() - t0 < 5
+        await wait_for(lambda: svcs["workers"][0].in_flight == 0, timeout=5)

@@ -134,7 +134,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     st = sub.add_parser("status", help="replicas on the bus and their load")
     st.add_argument("--json", action="store_true")
-    st.add_argument("--wait", type=float, default=1.5, help="seconds to listen for heartbeats")
+    st.add_argument(
+        "--wait",
+        type=float,
+        default=2.5,
+        help="seconds to listen for heartbeats (idle replicas beat every 2 s)",
+    )
 
     from tokenbus.evaluation import bench
 
