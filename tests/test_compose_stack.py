@@ -266,8 +266,10 @@ async def test_a_worker_killed_under_load_fails_no_request(stack: Stack) -> None
     key = stack.create_key("load")
     workers = stack.containers("worker")
     assert len(workers) >= 2
-    await _load_with_a_kill(stack.base_url, key, [workers[0]])
-    stack.up()  # restart: unless-stopped brings it back only on its own exit; up restores it
+    try:
+        await _load_with_a_kill(stack.base_url, key, [workers[0]])
+    finally:
+        stack.up()  # a killed container stays down (unless-stopped); up brings it back
 
 
 def _rolling_restart(stack: Stack, service: str) -> None:
