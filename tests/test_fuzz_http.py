@@ -163,9 +163,11 @@ def test_raw_json_beyond_what_tokenbus_carries_is_a_400_naming_the_field(
     _check(r)
     assert r.status_code == 400, r.text
     err = r.json()["error"]
-    if value.startswith("[") and len(value) > 2000:
-        assert "nested deeper" in err["message"]  # the parser's own limit: no field known
-    else:
+    if value.startswith("["):
+        assert "nested deeper" in err["message"], err
+    # The JSON parser's own recursion limit (some hundreds of levels, less the server's stack
+    # in use) stops deeper bodies before any field is known; below it the field is named.
+    if not value.startswith("[") or value.count("[") <= 500:
         assert err["param"] is not None and err["param"].startswith(want), err
 
 
