@@ -22,6 +22,11 @@ def _health(path: Path, max_age: float = 10) -> subprocess.CompletedProcess[str]
     return run_cli("health", "--file", str(path), "--max-age", str(max_age))
 
 
+def _service_env() -> dict[str, str]:
+    """This environment without any NATS login of its own: the test gives the service its."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("TOKENBUS_NATS_")}
+
+
 def _until(cond: object, timeout: float = 20) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -58,7 +63,7 @@ def test_a_service_logs_in_from_its_login_file_and_reports_its_health(
 ) -> None:
     out, url, nats_proc = bus
     health = tmp_path / "health.json"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TOKENBUS_NATS_")} | {
+    env = _service_env() | {
         "TOKENBUS_NATS_URL": url,
         "TOKENBUS_NATS_LOGIN_FILE": str(out / "roles" / "ingress.json"),
         "TOKENBUS_HEALTH_FILE": str(health),
@@ -97,7 +102,7 @@ def test_a_wrong_login_file_is_refused_with_the_reason(
     _, url, _ = bus
     wrong = tmp_path / "wrong.json"
     wrong.write_text(json.dumps({"user": "ingress", "password": "not-it"}))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TOKENBUS_NATS_")} | {
+    env = _service_env() | {
         "TOKENBUS_NATS_URL": url,
         "TOKENBUS_NATS_LOGIN_FILE": str(wrong),
     }
