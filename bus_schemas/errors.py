@@ -122,6 +122,28 @@ class ContentBlocked(InvalidRequest):
         return body
 
 
+class ContextLengthExceeded(InvalidRequest):
+    """The prompt and ``max_tokens`` cannot fit the model's context, in vLLM's words."""
+
+    code = "context_length_exceeded"
+
+    @classmethod
+    def of(cls, limit: int, completion: int, prompt: int | None = None) -> ContextLengthExceeded:
+        """The error for ``completion`` tokens asked after ``prompt`` (None: not counted)."""
+        if prompt is None:  # the prompt is not counted here: the completion alone is too long
+            asked = f"{completion} tokens in the completion alone"
+        else:
+            asked = (
+                f"{prompt + completion} tokens ({prompt} in the messages, {completion} in "
+                "the completion)"
+            )
+        return cls(
+            f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{asked}. Please reduce the length of the messages or completion.",
+            param="messages" if prompt is not None and prompt >= limit else "max_tokens",
+        )
+
+
 class PayloadTooLarge(InvalidRequest):
     code = "payload_too_large"
     status = 413
@@ -133,6 +155,14 @@ class RequestTimeout(InvalidRequest):
 
     code = "request_timeout"
     status = 408
+
+
+class HeaderFieldsTooLarge(InvalidRequest):
+    """The request line and headers are larger than the bridge takes; the connection is
+    closed. Only the HTTP layer raises it: it never crosses the bus."""
+
+    code = "request_header_fields_too_large"
+    status = 431
 
 
 class Unauthorized(TokenbusError):
@@ -164,6 +194,13 @@ class RateLimited(TokenbusError):
     status = 429
     retryable = True
     type = "rate_limit_error"
+
+
+class TooManyConnections(RateLimited):
+    """The client holds more connections to the bridge than it may; the connection is
+    closed. Only the HTTP layer raises it: it never crosses the bus."""
+
+    code = "too_many_connections"
 
 
 class NoReplica(TokenbusError):
@@ -242,6 +279,7 @@ ERRORS_BY_CODE: dict[str, type[TokenbusError]] = {
         InvalidRequest,
         InvalidJSON,
         ContentBlocked,
+        ContextLengthExceeded,
         PayloadTooLarge,
         Unauthorized,
         Forbidden,

@@ -14,7 +14,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, Counter, Histogram, generate_
 
 from auth.store import KeyStore
 from bus_schemas import codec, marks, subjects
+from bus_schemas import errors as E
 from bus_schemas import headers as H
+from bus_schemas.messages import EmbeddingRequest
 from gateway import validation
 from gateway.admin_keys import PREFIX as ADMIN_PREFIX
 from gateway.admin_keys import AdminAPI
@@ -73,6 +75,12 @@ class BusSource:
         # The bridge is the ingress of HTTP clients: it admits the request itself and sends
         # the envelope to the first stage, one hop fewer than a NATS client's request.
         t1 = marks.now_ns()
+        if not isinstance(req, EmbeddingRequest):
+            # Refused here, before any stage, when no replica's context could hold it.
+            asked = req.max_completion_tokens or req.max_tokens
+            longest = self.registry.longest_context(req.model) if asked else 0
+            if asked and longest and asked >= longest:
+                raise E.ContextLengthExceeded.of(longest, asked)
         hdrs = {
             **headers,
             H.REQUEST_ID: request_id,
@@ -117,6 +125,9 @@ class BusSource:
             return models
         rec = self.keys.lookup(api_key)  # 401 without a valid key, as on every endpoint
         return [m for m in models if not rec.models or m in rec.models]
+
+    def context_length(self, model: str) -> int:
+        return self.registry.context_length(model)
 
     def healthy(self) -> bool:
         return bool(self.client.nc.is_connected)

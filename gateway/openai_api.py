@@ -85,6 +85,10 @@ class Source(Protocol):
         checked and it is not a valid one)."""
         ...
 
+    def context_length(self, model: str) -> int:
+        """``model``'s context length in tokens, as its engines announce it (0: not known)."""
+        ...
+
     def healthy(self) -> bool: ...
 
     def ready(self) -> bool: ...
@@ -143,9 +147,14 @@ class OpenAIApp(RouteTable):
         except E.TokenbusError as exc:
             await send_error(send, exc)
             return
-        data = [
-            {"id": m, "object": "model", "created": now, "owned_by": "tokenbus"} for m in models
-        ]
+        data: list[dict[str, Any]] = []
+        for m in models:
+            entry: dict[str, Any] = {"id": m, "object": "model", "created": now}
+            entry["owned_by"] = "tokenbus"
+            # As vLLM reports it: clients size prompts and max_tokens from it.
+            if n := self.source.context_length(m):
+                entry["max_model_len"] = n
+            data.append(entry)
         await send_json(send, 200, {"object": "list", "data": data})
 
     async def health(self, scope: Scope, receive: Receive, send: Send) -> None:

@@ -37,6 +37,8 @@ class Replica:
     endpoints: frozenset[str] = DEFAULT_ENDPOINTS
     # Other model names it answers to (LoRA adapters, extra served names).
     aliases: frozenset[str] = frozenset()
+    # The model's context length in tokens, from its heartbeat (0: not known).
+    max_model_len: int = 0
 
     def serves(self, model: str) -> bool:
         return model == self.model or model in self.aliases
@@ -60,6 +62,7 @@ class Replica:
             "draining": self.draining,
             "endpoints": sorted(self.endpoints),
             **({"aliases": sorted(self.aliases)} if self.aliases else {}),
+            **({"max_model_len": self.max_model_len} if self.max_model_len else {}),
         }
 
 
@@ -98,6 +101,7 @@ class Registry:
             eps = hb.get("endpoints")
             r.endpoints = frozenset(map(str, eps)) if eps else DEFAULT_ENDPOINTS
             r.aliases = frozenset(map(str, hb.get("aliases") or ()))
+            r.max_model_len = max(0, int(hb.get("max_model_len") or 0))
             r.last_seen = time.monotonic()
         except (KeyError, TypeError, ValueError):
             return None
@@ -139,6 +143,19 @@ class Registry:
     def models(self) -> list[str]:
         """Models with at least one live, non-draining replica."""
         return sorted({m for r in self.all_live() if not r.draining for m in (r.model, *r.aliases)})
+
+    def context_length(self, model: str) -> int:
+        """The shortest context length the live replicas of ``model`` announce (0 when none
+        says): a request that cannot fit it may still fit a longer one, so refusals use it
+        only when every replica agrees the request cannot fit (see :meth:`longest_context`)."""
+        lens = [r.max_model_len for r in self.live(model) if r.max_model_len]
+        return min(lens) if lens else 0
+
+    def longest_context(self, model: str) -> int:
+        """The longest context length among the live replicas of ``model``; 0 when any of
+        them does not say (it may take anything)."""
+        lens = [r.max_model_len for r in self.live(model)]
+        return max(lens) if lens and all(lens) else 0
 
     def ever_seen(self, model: str) -> bool:
         return model in self._ever_seen

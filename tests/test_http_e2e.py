@@ -277,3 +277,42 @@ async def test_request_ids_from_clients_are_kept_only_when_plain(http_stack: Pro
         assert odd.status_code == 200
         assert odd.headers["x-request-id"] != "no spaces allowed " + "x" * 200
         assert len(odd.headers["x-request-id"]) == 32
+
+
+async def test_the_bridge_refuses_what_no_replicas_context_holds_and_lists_the_context(
+    nats_server: NatsServer, tmp_path: Path
+) -> None:
+    with Procs(nats_server.url, tmp_path) as ps:
+        s = await start_stack(
+            ps,
+            new_model(),
+            "ingress",
+            "router",
+            worker_args=("--sim-prefill-ms", "1", "--sim-decode-ms", "1"),
+            env={"TOKENBUS_WORKER__SIM__MAX_MODEL_LEN": "100"},
+        )
+        async with s.http() as h:
+            # /v1/models says the context length, as vLLM's does.
+            listed = {m["id"]: m for m in (await h.get("/v1/models")).json()["data"]}
+            assert listed[s.model]["max_model_len"] == 100
+        async with s.openai() as oai:
+            for stream in (False, True):
+                with pytest.raises(openai.BadRequestError) as ei:
+                    await oai.chat.completions.create(
+                        model=s.model, messages=MSG, max_tokens=10**12, stream=stream
+                    )
+                err = ei.value.body
+                assert isinstance(err, dict)
+                assert err["code"] == "context_length_exceeded", err
+                assert err["param"] == "max_tokens"
+                # Refused by the bridge, before the engine: the prompt was never counted.
+                assert "maximum context length is 100 tokens" in err["message"]
+                assert "in the completion alone" in err["message"]
+            # Under the context but not with the prompt: the engine counts and refuses.
+            with pytest.raises(openai.BadRequestError) as ei:
+                await oai.chat.completions.create(model=s.model, messages=MSG, max_tokens=99)
+            assert isinstance(ei.value.body, dict)
+            assert "in the messages" in ei.value.body["message"]
+            # What fits is served.
+            out = await oai.chat.completions.create(model=s.model, messages=MSG, max_tokens=5)
+            assert out.usage is not None and out.usage.completion_tokens == 5

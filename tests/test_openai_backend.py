@@ -261,6 +261,31 @@ async def test_upstream_errors(backend: OpenAIUpstreamBackend, upstream: FakeUps
         backend.generate(chat(hi, max_tokens=0))
 
 
+async def test_max_tokens_beyond_the_upstreams_context_is_refused_before_it_is_asked() -> None:
+    up = FakeUpstream(max_model_len=100)
+    await up.start()
+    cfg = WorkerSettings(
+        backend="openai",
+        model="tb-model",
+        openai=OpenAIUpstreamSettings(upstream_url=up.url, upstream_model="upstream-model"),
+    )
+    b = OpenAIUpstreamBackend(cfg)
+    await b.start()
+    try:
+        assert b.max_model_len == 100  # read from the upstream's /v1/models
+        hi = [{"role": "user", "content": "hi"}]
+        for n in (100, 10**12):
+            with pytest.raises(E.InvalidRequest, match="maximum context length is 100") as info:
+                b.generate(chat(hi, max_tokens=n))
+            assert info.value.param == "max_tokens"
+        assert up.requests == []  # never sent on
+        out = await collect(b, chat(hi, max_tokens=2))
+        assert out[-1].finish_reason == "length"
+    finally:
+        await b.stop()
+        await up.stop()
+
+
 async def test_unreachable_upstream() -> None:
     cfg = WorkerSettings(
         backend="openai",

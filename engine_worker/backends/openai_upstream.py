@@ -150,7 +150,8 @@ class OpenAIUpstreamBackend:
         self.session: aiohttp.ClientSession | None = None
         self.in_flight = 0
         # The model's context length: configured, or read from the upstream's /v1/models
-        # where it says (vLLM does); the upstream enforces it itself.
+        # where it says (vLLM does). The upstream enforces it against the prompt; a
+        # ``max_tokens`` beyond it alone is refused here (see :meth:`generate`).
         self.max_model_len = cfg.max_model_len
 
     async def start(self) -> None:
@@ -211,6 +212,11 @@ class OpenAIUpstreamBackend:
             raise E.InvalidRequest("max_tokens must be at least 1", param="max_tokens")
         if self.session is None:
             raise E.EngineError("the openai backend is not started")
+        n = self.max_model_len
+        if n and req.max_tokens >= n:
+            # The prompt holds at least one token, so this cannot fit whatever the prompt;
+            # an upstream that does not bound it would generate until the request's deadline.
+            raise E.ContextLengthExceeded.of(n, req.max_tokens)
         return self._generate(req)
 
     async def _generate(self, req: GenerationRequest) -> AsyncGenerator[Delta, None]:

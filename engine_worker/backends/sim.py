@@ -119,13 +119,7 @@ def fit_context(req: GenerationRequest, prompt_tokens: int, max_model_len: int) 
     if not req.max_tokens_set and room >= 1:
         req.max_tokens = min(req.max_tokens, room)
     if prompt_tokens + req.max_tokens > max_model_len:
-        raise E.InvalidRequest(
-            f"This model's maximum context length is {max_model_len} tokens. However, you "
-            f"requested {prompt_tokens + req.max_tokens} tokens ({prompt_tokens} in the "
-            f"messages, {req.max_tokens} in the completion). Please reduce the length of the "
-            "messages or completion.",
-            param="max_tokens" if room >= 1 else "messages",
-        )
+        raise E.ContextLengthExceeded.of(max_model_len, req.max_tokens, prompt_tokens)
 
 
 def count_tokens(text: str) -> int:

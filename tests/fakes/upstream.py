@@ -28,7 +28,7 @@ Endpoints (all under ``/v1``):
 * ``POST /completions``: the same text as a text completion (``logprobs`` an int there).
 * ``POST /embeddings``: a deterministic vector per input, ``dimensions`` long (default 8),
   as floats or base64 (``encoding_format``), with usage.
-* ``GET /models``: the model ``upstream-model``.
+* ``GET /models``: the model ``upstream-model`` (with ``max_model_len`` when one is set).
 * ``GET /last_request``: the last POST body as received (``null`` before any);
   ``GET /requests``: all of them; ``DELETE /requests``: forget them.
   ``GET /last_headers``: the last POST's headers; ``GET /stats``: request and abort counts.
@@ -122,9 +122,12 @@ def _vector(item: Any, dims: int) -> list[float]:
 class FakeUpstream:
     """The server; ``requests`` holds every POST body received, in order."""
 
-    def __init__(self, chunk_delay: float = 0.0, model: str = MODEL) -> None:
+    def __init__(
+        self, chunk_delay: float = 0.0, model: str = MODEL, max_model_len: int | None = None
+    ) -> None:
         self.chunk_delay = chunk_delay
         self.model = model
+        self.max_model_len = max_model_len
         self.requests: list[dict[str, Any]] = []
         self.headers: list[dict[str, str]] = []
         self.aborted = 0
@@ -196,7 +199,14 @@ class FakeUpstream:
         return _json({"requests": len(self.requests), "aborted": self.aborted})
 
     async def models(self, request: web.Request) -> web.Response:
-        model = {"id": self.model, "object": "model", "created": 0, "owned_by": "fake"}
+        model: dict[str, Any] = {
+            "id": self.model,
+            "object": "model",
+            "created": 0,
+            "owned_by": "fake",
+        }
+        if self.max_model_len:
+            model["max_model_len"] = self.max_model_len
         return _json({"object": "list", "data": [model]})
 
     # -- streaming --------------------------------------------------------------------------

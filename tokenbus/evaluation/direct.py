@@ -125,6 +125,9 @@ class DirectSource:
     def models_for(self, api_key: str | None) -> list[str]:
         return [self.model]  # the direct baseline checks no keys
 
+    def context_length(self, model: str) -> int:
+        return int(getattr(self.backend, "max_model_len", 0) or 0)
+
     def healthy(self) -> bool:
         return True
 
