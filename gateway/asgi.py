@@ -3,9 +3,10 @@
 This module knows HTTP and nothing of OpenAI: :class:`RouteTable` maps (method, path) and
 path prefixes to handlers and answers 404 / 405; ``send_json`` / ``send_error`` write whole
 responses; ``header`` / ``api_key`` / ``bus_headers`` read request headers;
-:class:`HTTPServer` runs an app under uvicorn (httptools). The OpenAI handlers mounted on
-it are in :mod:`gateway.openai_api`; the admin handlers in ``admin_keys`` and
-``admin_routing``.
+:class:`HTTPServer` runs an app under uvicorn (httptools), with :class:`HTTPLimits` on
+request heads and connections and the HTTP layer's own errors in OpenAI's shape. The
+OpenAI handlers mounted on it are in :mod:`gateway.openai_api`; the admin handlers in
+``admin_keys`` and ``admin_routing``.
 
 Raw ASGI rather than a framework: on the hot path (one SSE event per token) every layer
 costs CPU that a 2-core machine would otherwise give to the engine or the client; see
@@ -16,12 +17,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import socket
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 import uvicorn
+from httptools import (
+    HttpParserCallbackError,
+    HttpParserError,
+    HttpParserInvalidURLError,
+    HttpParserUpgrade,
+)
+from prometheus_client import Counter
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+from uvicorn.server import ServerState
 
 from bus_schemas import errors as E
 from bus_schemas import headers as H
@@ -155,6 +166,293 @@ async def _lifespan(receive: Receive, send: Send) -> None:
 
 
 # -- the server -----------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class HTTPLimits:
+    """What the HTTP layer takes from a connection before the app sees a request; the
+    bridge's settings of the same names document each (docs/safety.md, "HTTP framing
+    limits"). A connection limit of 0 is no limit. The defaults are the settings'."""
+
+    max_header_bytes: int = 65_536
+    header_timeout_s: float = 30.0
+    max_connections_per_client: int = 4096
+    max_connections: int = 0
+
+
+# Refusals of the HTTP layer itself, by error code ("idle": a connection closed that sent
+# nothing within the head timeout). Counted, not logged: a hostile client would fill the log.
+REFUSED = Counter(
+    "tokenbus_bridge_http_refused_total",
+    "Requests and connections the bridge's HTTP layer refused or closed",
+    ["code"],
+)
+
+
+class _Refused(Exception):
+    """Raised from a parser callback: parsing stops and the connection gets ``err``."""
+
+    def __init__(self, err: E.TokenbusError) -> None:
+        super().__init__(err.message)
+        self.err = err
+
+
+class _Config(uvicorn.Config):
+    """uvicorn's configuration with :class:`_Protocol` as its HTTP protocol, and what the
+    protocol's connections share: the limits and the open connections by client address."""
+
+    def __init__(self, app: Any, limits: HTTPLimits, **kw: Any) -> None:
+        super().__init__(app, http=_Protocol, **kw)
+        self.limits = limits
+        self.clients: dict[str, int] = {}
+
+
+class _Protocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with limits on request heads and on connections, and
+    the errors of the HTTP layer itself in OpenAI's shape.
+
+    httptools (llhttp) takes a head of any size and uvicorn bounds neither the time a head
+    takes nor a client's connections. The extra work is a byte count per read while a head
+    is arriving, a flag test per other read, and a timer per request; nothing per SSE event.
+    """
+
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        server_state: ServerState,
+        app_state: dict[str, Any],
+        _loop: asyncio.AbstractEventLoop | None = None,
+    ) -> None:
+        super().__init__(config, server_state, app_state, _loop)
+        assert isinstance(config, _Config)
+        self._limits = config.limits
+        self._clients = config.clients
+        self._peer: str | None = None  # the address this connection counts against
+        self._refusal: E.TokenbusError | None = None  # the first request's answer instead
+        self._in_head = True  # between requests, or in a request line and headers
+        self._head_bytes = 0  # of the current head, counted per read (see data_received)
+        self._heads = 0  # heads parsed on this connection
+        self._begun = False  # the parser saw the current request's first byte
+        self._dropping = False  # refused: whatever else arrives is ignored
+        self._due: E.TokenbusError | None = None  # the refusal to send after earlier answers
+        self._head_timer: asyncio.TimerHandle | None = None
+        self._drain_timer: asyncio.TimerHandle | None = None
+
+    # -- connections ----------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        lim = self._limits
+        if self.client is not None and lim.max_connections_per_client:
+            peer = self._peer = self.client[0]
+            n = self._clients[peer] = self._clients.get(peer, 0) + 1
+            if n > lim.max_connections_per_client:
+                self._refusal = E.TooManyConnections(
+                    f"this client has more than {lim.max_connections_per_client} connections "
+                    "open to the bridge; reuse or close some and retry"
+                )
+        # uvicorn's own limit_concurrency would answer 503 in plain text: counted here instead.
+        if lim.max_connections and len(self.connections) > lim.max_connections:
+            self._refusal = E.Overloaded(
+                f"the bridge has more than {lim.max_connections} connections open; retry"
+            )
+        # The first request's head is due within the timeout of the connection's start
+        # (a connection that sends nothing at all is closed then).
+        self._arm_head_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        super().connection_lost(exc)
+        self._cancel_timers()
+        if self._peer is not None:
+            n = self._clients.pop(self._peer, 1) - 1
+            if n > 0:
+                self._clients[self._peer] = n
+            self._peer = None
+
+    def data_received(self, data: bytes) -> None:
+        if self._dropping:
+            return
+        self._unset_keepalive_if_required()
+        try:
+            if self._in_head:
+                if self._head_timer is None:
+                    self._arm_head_timer()
+                room = self._limits.max_header_bytes - self._head_bytes
+                if len(data) > room:
+                    # Parse up to the limit only: the head must end within it.
+                    view = memoryview(data)
+                    heads = self._heads
+                    self.parser.feed_data(view[:room])
+                    if self._heads == heads:
+                        limit = self._limits.max_header_bytes
+                        self._refuse(
+                            E.HeaderFieldsTooLarge(
+                                f"the request line and headers are larger than {limit} bytes"
+                            )
+                        )
+                        return
+                    # The rest is a body, or a pipelined request: its head is counted from
+                    # the next read on (the part in this read is not).
+                    self.parser.feed_data(view[room:])
+                    return
+                self._head_bytes += len(data)
+            self.parser.feed_data(data)
+        except HttpParserUpgrade:
+            self._no_upgrade()
+        except HttpParserError as exc:
+            cause = exc.__context__
+            if isinstance(cause, _Refused):
+                self._refuse(cause.err)
+                return
+            # llhttp's reasons are fixed strings; a callback's may hold the request's bytes.
+            reason = str(exc)
+            if isinstance(cause, HttpParserInvalidURLError):  # uvicorn's parse_url of the target
+                reason = "Invalid URL"
+            elif isinstance(exc, HttpParserCallbackError):
+                reason = "the request could not be read"
+            self._refuse(E.InvalidRequest(f"malformed HTTP request: {reason}"))
+
+    # -- parser callbacks -----------------------------------------------------------------
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._begun = True
+        if self._head_timer is None:
+            self._arm_head_timer()
+
+    def on_headers_complete(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+        self._in_head = self._begun = False
+        self._heads += 1
+        if self._refusal is not None:
+            raise _Refused(self._refusal)
+        super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        self._in_head = True
+        self._head_bytes = 0
+        if self._drain_timer is not None:
+            # The body of a request answered early has all come: on to the next request.
+            self._drain_timer.cancel()
+            self._drain_timer = None
+            if self.timeout_keep_alive_task is None and not self.pipeline:
+                self.timeout_keep_alive_task = self.loop.call_later(
+                    self.timeout_keep_alive, self.timeout_keep_alive_handler
+                )
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        cycle = self.cycle
+        if self.transport.is_closing() or not cycle.response_complete:
+            return
+        if self._due is not None:
+            self._answer(self._due)  # the earlier answers are out: now the refusal
+        elif cycle.more_body:
+            # Answered before its body all came (413, 404): the rest is read and dropped, but
+            # uvicorn would wait for it as long as bytes trickle in.
+            self._drain_timer = self.loop.call_later(
+                self._limits.header_timeout_s, self._drain_timeout
+            )
+
+    # -- refusals -------------------------------------------------------------------------
+    def _arm_head_timer(self) -> None:
+        self._head_timer = self.loop.call_later(self._limits.header_timeout_s, self._head_timeout)
+
+    def _cancel_timers(self) -> None:
+        for timer in (self._head_timer, self._drain_timer):
+            if timer is not None:
+                timer.cancel()
+        self._head_timer = self._drain_timer = None
+
+    def _head_timeout(self) -> None:
+        self._head_timer = None
+        if self._dropping or self.transport.is_closing():
+            return
+        if self._head_bytes or self._begun:
+            timeout = self._limits.header_timeout_s
+            self._refuse(
+                E.RequestTimeout(
+                    f"the request line and headers did not arrive within {timeout:g} s"
+                )
+            )
+        else:
+            # A connection that sent nothing: closed without an answer, as nginx does (an
+            # unasked-for 408 on a connection a client pooled would only confuse it).
+            REFUSED.labels("idle").inc()
+            self._dropping = True
+            self.transport.close()
+
+    def _drain_timeout(self) -> None:
+        self._drain_timer = None
+        if not self.transport.is_closing() and self.cycle.more_body:
+            REFUSED.labels(E.RequestTimeout.code).inc()
+            self._dropping = True
+            self.transport.close()
+
+    def _no_upgrade(self) -> None:
+        """A request to switch protocols (WebSocket, h2c, CONNECT): the bridge speaks none of
+        them, so it answers in HTTP/1.1 and then closes, because the parser stops at the
+        switch and what follows cannot be read as HTTP."""
+        self._dropping = True
+        if self.cycle is not None and not self.cycle.response_complete:
+            self.cycle.keep_alive = False
+        else:
+            self.transport.close()
+
+    def _refuse(self, err: E.TokenbusError) -> None:
+        """Answer ``err`` and close, in turn: answers to earlier pipelined requests go first."""
+        self._dropping = True
+        self._cancel_timers()
+        REFUSED.labels(err.code).inc()
+        cycle = self.cycle
+        if cycle is None or (cycle.response_complete and not cycle.more_body):
+            self._answer(err)
+        elif cycle.response_complete:
+            # Reading the body of a request already answered: there is no one to tell.
+            self.transport.close()
+        elif self.pipeline or not cycle.more_body:
+            # The fault is in a later request: the answers due go out first, then this one
+            # (a queued request still reading its body ends at the body timeout).
+            self._due = err
+        elif not cycle.response_started:
+            # The fault is in the body of the request being served: this answers it.
+            cycle.disconnected = True
+            cycle.message_event.set()
+            self._answer(err)
+        else:
+            self.transport.close()
+
+    def _answer(self, err: E.TokenbusError) -> None:
+        """Write ``err`` as an OpenAI-shaped response and close the connection."""
+        body = json.dumps(err.openai_body()).encode()
+        head = [STATUS_LINE[E.http_status(err)]]
+        for name, value in (
+            *self.server_state.default_headers,
+            *JSON_HEADERS,
+            (b"content-length", str(len(body)).encode()),
+            (b"connection", b"close"),
+            *([(b"retry-after", b"1")] if err.retryable else []),
+        ):
+            head += [name, b": ", value, b"\r\n"]
+        self.transport.write(b"".join([*head, b"\r\n", body]))
+        self.transport.close()
+
+
+def _openai_500(app: Route) -> Route:
+    """``app`` with uvicorn's plain-text 500, for an exception that escapes it, replaced by
+    an OpenAI-shaped one (one frame per request; nothing per SSE event)."""
+
+    async def guarded(scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await app(scope, receive, send)
+        except Exception:
+            # uvicorn still logs the exception and closes the connection once this re-raises.
+            with contextlib.suppress(RuntimeError):  # the answer had started: too late
+                await send_error(send, E.InternalError("the gateway failed; retry"))
+            raise
+
+    return guarded
+
+
 class _Server(uvicorn.Server):
     """uvicorn without its own signal handling: the tokenbus service owns the signals."""
 
@@ -164,7 +462,8 @@ class _Server(uvicorn.Server):
 
 
 class HTTPServer:
-    """A running uvicorn server for an ASGI app, on a socket we bind (SO_REUSEPORT-able)."""
+    """A running uvicorn server for an ASGI app, on a socket we bind (SO_REUSEPORT-able),
+    with :class:`HTTPLimits` on what a connection may send."""
 
     def __init__(
         self,
@@ -176,6 +475,7 @@ class HTTPServer:
         shutdown_timeout: float,
         tls_cert: str = "",
         tls_key: str = "",
+        limits: HTTPLimits | None = None,
     ) -> None:
         fam = socket.AF_INET6 if ":" in host else socket.AF_INET
         self.sock = socket.socket(fam, socket.SOCK_STREAM)
@@ -185,12 +485,14 @@ class HTTPServer:
         self.sock.bind((host, port))
         self.sock.listen(4096)
         self.sock.setblocking(False)
-        cfg = uvicorn.Config(
-            app,
+        cfg = _Config(
+            _openai_500(app),
+            limits or HTTPLimits(),
+            # No WebSocket endpoints: an Upgrade request is answered as plain HTTP/1.1.
+            ws="none",
             lifespan="off",
             access_log=False,
             log_level="warning",
-            http="httptools",
             loop="none",
             backlog=4096,
             timeout_graceful_shutdown=int(max(1, shutdown_timeout)),
@@ -226,9 +528,10 @@ async def serve(
     shutdown_timeout: float,
     tls_cert: str = "",
     tls_key: str = "",
+    limits: HTTPLimits | None = None,
 ) -> HTTPServer:
-    """Start serving ``app`` (HTTPS with ``tls_cert``/``tls_key``); returns the server,
-    whose ``stop()`` drains it."""
+    """Start serving ``app`` (HTTPS with ``tls_cert``/``tls_key``) under ``limits``; returns
+    the server, whose ``stop()`` drains it."""
     srv = HTTPServer(
         app,
         host,
@@ -237,6 +540,7 @@ async def serve(
         shutdown_timeout=shutdown_timeout,
         tls_cert=tls_cert,
         tls_key=tls_key,
+        limits=limits,
     )
     await srv.start()
     return srv

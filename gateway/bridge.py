@@ -22,7 +22,7 @@ from gateway.admin_keys import PREFIX as ADMIN_PREFIX
 from gateway.admin_keys import AdminAPI
 from gateway.admin_routing import PREFIX as ROUTING_PREFIX
 from gateway.admin_routing import RoutingAdmin
-from gateway.asgi import HTTPServer, Receive, Scope, Send, serve
+from gateway.asgi import HTTPLimits, HTTPServer, Receive, Scope, Send, serve
 from gateway.ingress import Admission
 from gateway.openai_api import OpenAIApp
 from gateway.stages import LocalStages, stages_before_route
@@ -200,6 +200,12 @@ class Bridge(Service):
             shutdown_timeout=self.settings.drain_timeout_s,
             tls_cert=cfg.tls_cert,
             tls_key=cfg.tls_key,
+            limits=HTTPLimits(
+                max_header_bytes=cfg.max_header_bytes,
+                header_timeout_s=cfg.header_timeout_s,
+                max_connections_per_client=cfg.max_connections_per_client,
+                max_connections=cfg.max_connections,
+            ),
         )
         scheme = "https" if cfg.tls_cert else "http"
         self.log.info("bridge_listening", url=f"{scheme}://{cfg.host}:{cfg.port}/v1")

@@ -46,6 +46,37 @@ class BridgeSettings(BaseModel):
         description="The whole request body must arrive within this; otherwise 408 and the "
         "connection is closed (a body shorter than its Content-Length, or a trickle).",
     )
+    max_header_bytes: int = Field(
+        default=65_536,
+        ge=1024,
+        description="The request line and headers together may be this many bytes; a larger "
+        "head gets 431 (request_header_fields_too_large) and the connection is closed. The "
+        "HTTP parser (httptools) has no limit of its own; real clients send a few KiB.",
+    )
+    header_timeout_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="A request's line and headers must all arrive within this, counted from "
+        "the connection's start or the request's first byte; otherwise 408 and the "
+        "connection is closed (slowloris). A new connection that sends nothing is closed "
+        "without an answer. A body the bridge answered early (413, 404) must finish "
+        "arriving within this as well.",
+    )
+    max_connections_per_client: int = Field(
+        default=4096,
+        ge=0,
+        description="Open connections one client address may hold on each bridge process; "
+        "beyond it a connection's first request gets 429 (too_many_connections) and the "
+        "connection is closed. 0: no limit (behind a proxy or load balancer every client "
+        "has its address).",
+    )
+    max_connections: int = Field(
+        default=0,
+        ge=0,
+        description="Open connections each bridge process holds in all; beyond it a "
+        "connection's first request gets 503 (overloaded) and the connection is closed. "
+        "0: no limit but the process's open-file limit.",
+    )
     fuse_router: bool = Field(
         default=True,
         description="When the pipeline has no stage before the router, route in the bridge "

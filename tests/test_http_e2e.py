@@ -292,8 +292,14 @@ async def test_the_bridge_refuses_what_no_replicas_context_holds_and_lists_the_c
             env={"TOKENBUS_WORKER__SIM__MAX_MODEL_LEN": "100"},
         )
         async with s.http() as h:
-            # /v1/models says the context length, as vLLM's does.
-            listed = {m["id"]: m for m in (await h.get("/v1/models")).json()["data"]}
+            # /v1/models says the context length, as vLLM's does (once the bridge has the
+            # new replica's heartbeat: /ready may already hold from other tests' models).
+            listed: dict[str, Any] = {}
+            for _ in range(100):
+                listed = {m["id"]: m for m in (await h.get("/v1/models")).json()["data"]}
+                if s.model in listed:
+                    break
+                await asyncio.sleep(0.05)
             assert listed[s.model]["max_model_len"] == 100
         async with s.openai() as oai:
             for stream in (False, True):

@@ -1,0 +1,482 @@
+"""The bridge's HTTP framing limits, over raw sockets against real processes: the head's size
+and time, connections per client, and hostile raw HTTP (hypothesis) that never gets a 5xx,
+never holds a connection open, and leaves the bridge serving.
+
+``TOKENBUS_FUZZ_EXAMPLES`` sets how many raw requests the fuzzing test sends (100 by default).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import select
+import socket
+import time
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from gateway.asgi import HTTPServer, Receive, RouteTable, Scope, Send
+from tests.conftest import NatsServer, Procs, ProcStack, new_model, start_stack
+
+EXAMPLES = int(os.environ.get("TOKENBUS_FUZZ_EXAMPLES") or 100)
+MAX_HEAD = 8192
+PER_CLIENT = 8
+# Every wait the bridge has here is 1 s (head, body, the rest of a body answered early); a
+# connection still open well past that is a hang.
+HANG_S = 8.0
+
+Response = tuple[int, dict[bytes, bytes], bytes]
+
+
+@pytest.fixture(scope="module")
+async def limits_stack(
+    nats_server: NatsServer, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[ProcStack]:
+    env = {
+        "TOKENBUS_BRIDGE__MAX_HEADER_BYTES": str(MAX_HEAD),
+        "TOKENBUS_BRIDGE__HEADER_TIMEOUT_S": "1",
+        "TOKENBUS_BRIDGE__BODY_TIMEOUT_S": "1",
+        "TOKENBUS_BRIDGE__MAX_CONNECTIONS_PER_CLIENT": str(PER_CLIENT),
+        "TOKENBUS_BRIDGE__MAX_BODY_BYTES": "4096",
+    }
+    with Procs(nats_server.url, tmp_path_factory.mktemp("http-limits")) as procs:
+        yield await start_stack(
+            procs,
+            new_model(),
+            worker_args=("--sim-prefill-ms", "1", "--sim-decode-ms", "1"),
+            env=env,
+        )
+
+
+# -- raw HTTP on a socket -------------------------------------------------------------------
+def _addr(stack: ProcStack) -> tuple[str, int]:
+    u = urlsplit(stack.base)
+    assert u.hostname is not None and u.port is not None
+    return u.hostname, u.port
+
+
+@contextlib.contextmanager
+def _connect(stack: ProcStack) -> Iterator[socket.socket]:
+    with socket.create_connection(_addr(stack), timeout=HANG_S) as s:
+        yield s
+
+
+def _send(s: socket.socket, data: bytes) -> None:
+    """Send what the bridge still reads: it may close (and refuse the rest) on an error."""
+    with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+        s.sendall(data)
+
+
+def _until_closed(s: socket.socket) -> bytes:
+    """Everything the bridge sends until it closes; it must close within ``HANG_S``."""
+    data = b""
+    deadline = time.monotonic() + HANG_S
+    with contextlib.suppress(ConnectionResetError):
+        while chunk := s.recv(65536):
+            data += chunk
+            assert time.monotonic() < deadline, f"the bridge keeps sending: {data[:300]!r}"
+    return data
+
+
+def _parse(data: bytes) -> list[Response]:
+    """The responses in ``data``, in order (interim 1xx ones left out)."""
+    out: list[Response] = []
+    while data:
+        head, sep, rest = data.partition(b"\r\n\r\n")
+        assert sep, f"a truncated response: {data[:300]!r}"
+        status_line, *lines = head.split(b"\r\n")
+        status = int(status_line.split()[1])
+        headers = {}
+        for line in lines:
+            k, _, v = line.partition(b":")
+            headers[k.strip().lower()] = v.strip()
+        if status < 200:
+            data = rest
+            continue
+        if b"content-length" in headers:
+            n = int(headers[b"content-length"])
+            body, data = rest[:n], rest[n:]
+        elif headers.get(b"transfer-encoding") == b"chunked":
+            body, data = _dechunk(rest)
+        else:
+            body, data = rest, b""
+        out.append((status, headers, body))
+    return out
+
+
+def _dechunk(data: bytes) -> tuple[bytes, bytes]:
+    body = b""
+    while True:
+        size_line, _, data = data.partition(b"\r\n")
+        n = int(size_line, 16)
+        body, data = body + data[:n], data[n + 2 :]
+        if n == 0:
+            return body, data
+
+
+def _read_one(s: socket.socket) -> Response:
+    """One whole response from a connection that stays open (Content-Length framed)."""
+    data = b""
+    while True:
+        head, sep, rest = data.partition(b"\r\n\r\n")
+        if sep:
+            n = 0
+            for line in head.split(b"\r\n")[1:]:
+                k, _, v = line.partition(b":")
+                if k.strip().lower() == b"content-length":
+                    n = int(v)
+            if len(rest) >= n:
+                assert len(rest) == n, f"more than one response: {data[:300]!r}"
+                return _parse(data)[0]
+        chunk = s.recv(65536)
+        assert chunk, f"closed mid-response: {data[:300]!r}"
+        data += chunk
+
+
+def _check(resp: Response) -> None:
+    """Never a 5xx; an error with a body is OpenAI-shaped."""
+    status, headers, body = resp
+    assert status < 500, resp
+    if status >= 400 and body:
+        assert headers.get(b"content-type") == b"application/json", resp
+        err = json.loads(body)["error"]
+        assert set(err) == {"message", "type", "param", "code"}, err
+        assert "Traceback" not in err["message"]
+
+
+def _error(resp: Response) -> dict[str, Any]:
+    _check(resp)
+    err: dict[str, Any] = json.loads(resp[2])["error"]
+    return err
+
+
+def _get(path: str = "/health", *extra: bytes) -> bytes:
+    return b"".join([f"GET {path} HTTP/1.1\r\nHost: x\r\n".encode(), *extra, b"\r\n"])
+
+
+CLOSE = b"Connection: close\r\n"
+
+
+def _serves(stack: ProcStack) -> None:
+    with _connect(stack) as s:
+        s.sendall(_get("/health", CLOSE))
+        (resp,) = _parse(_until_closed(s))
+    assert resp[0] == 200, resp
+
+
+# -- the head -------------------------------------------------------------------------------
+def test_a_head_under_the_limit_is_served(limits_stack: ProcStack) -> None:
+    with _connect(limits_stack) as s:
+        s.sendall(_get("/health", b"X-Big: " + b"a" * (MAX_HEAD - 200) + b"\r\n", CLOSE))
+        (resp,) = _parse(_until_closed(s))
+    assert resp[0] == 200, resp
+
+
+@pytest.mark.parametrize("pieces", [1, 7])
+def test_a_head_over_the_limit_gets_431_and_the_connection_closes(
+    limits_stack: ProcStack, pieces: int
+) -> None:
+    head = _get("/health", b"X-Big: " + b"a" * MAX_HEAD + b"\r\n")
+    step = -(-len(head) // pieces)
+    with _connect(limits_stack) as s:
+        for i in range(0, len(head), step):
+            _send(s, head[i : i + step])
+            time.sleep(0.01)
+        (resp,) = _parse(_until_closed(s))
+    assert resp[0] == 431
+    assert _error(resp)["code"] == "request_header_fields_too_large"
+    assert resp[1][b"connection"] == b"close"
+
+
+def test_a_head_that_trickles_past_the_timeout_gets_408_and_the_connection_closes(
+    limits_stack: ProcStack,
+) -> None:
+    t0 = time.monotonic()
+    with _connect(limits_stack) as s:
+        _send(s, b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+        # A byte every 0.2 s keeps the connection busy, never the head complete.
+        for _ in range(30):
+            if select.select([s], [], [], 0)[0]:  # answered (or closed)
+                break
+            _send(s, b"a")
+            time.sleep(0.2)
+        (resp,) = _parse(_until_closed(s))
+    assert resp[0] == 408
+    assert _error(resp)["code"] == "request_timeout"
+    assert time.monotonic() - t0 < 4
+
+
+def test_a_connection_that_sends_nothing_is_closed_without_an_answer(
+    limits_stack: ProcStack,
+) -> None:
+    with _connect(limits_stack) as s:
+        assert _until_closed(s) == b""
+
+
+def test_the_head_timeout_does_not_cut_a_long_answer_on_a_kept_alive_connection(
+    limits_stack: ProcStack,
+) -> None:
+    # A generation longer than the head timeout, then a second request on the same
+    # connection: the head timer runs only while a head is arriving.
+    body = json.dumps(
+        {
+            "model": limits_stack.model,
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 1500,
+        }
+    ).encode()
+    post = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
+    with _connect(limits_stack) as s:
+        s.settimeout(30)
+        t0 = time.monotonic()
+        s.sendall(post)
+        first = _read_one(s)
+        assert first[0] == 200, first
+        assert time.monotonic() - t0 > 1.0  # longer than the head timeout
+        time.sleep(0.3)
+        s.sendall(_get("/health"))
+        assert _read_one(s)[0] == 200
+
+
+# -- a body answered before it all came ------------------------------------------------------
+def test_a_body_answered_early_must_still_come_in_time(limits_stack: ProcStack) -> None:
+    declared = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\n"
+    with _connect(limits_stack) as s:
+        t0 = time.monotonic()
+        s.sendall(declared + b"{")
+        (resp,) = _parse(_until_closed(s))
+    assert resp[0] == 413 and _error(resp)["code"] == "payload_too_large"
+    assert time.monotonic() - t0 < 4
+    # Sent in full, the body is read and dropped and the connection serves on.
+    with _connect(limits_stack) as s:
+        s.sendall(declared + b"x" * 100_000)
+        assert _read_one(s)[0] == 413
+        s.sendall(_get("/health"))
+        assert _read_one(s)[0] == 200
+
+
+# -- connections per client -------------------------------------------------------------------
+def test_connections_beyond_the_per_client_limit_are_refused_while_the_others_serve(
+    limits_stack: ProcStack,
+) -> None:
+    time.sleep(0.2)  # the earlier tests' connections closed on the bridge's side too
+    with contextlib.ExitStack() as held:
+        socks = [held.enter_context(_connect(limits_stack)) for _ in range(PER_CLIENT)]
+        for s in socks:
+            s.sendall(_get("/health"))
+            assert _read_one(s)[0] == 200
+        with _connect(limits_stack) as extra:
+            extra.sendall(_get("/health"))
+            (resp,) = _parse(_until_closed(extra))
+        assert resp[0] == 429, resp
+        assert _error(resp)["code"] == "too_many_connections"
+        assert resp[1][b"retry-after"] == b"1"
+        for s in socks:  # the first ones still serve
+            s.sendall(_get("/health"))
+            assert _read_one(s)[0] == 200
+        socks[0].close()
+        deadline = time.monotonic() + 5
+        while True:  # once one closes, a new one is taken
+            with _connect(limits_stack) as s:
+                s.sendall(_get("/health", CLOSE))
+                (resp,) = _parse(_until_closed(s))
+            if resp[0] == 200 or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        assert resp[0] == 200, resp
+
+
+# -- malformed HTTP -------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("raw", "reason"),
+    [
+        (b"G\x00T /health HTTP/1.1\r\n\r\n", "Invalid method"),
+        (b"GET /health HTTP/7.3\r\n\r\n", "Invalid HTTP version"),
+        (b"GET /health HTTP/1.1\r\nX: a\x00b\r\n\r\n", "Invalid header value char"),
+        (b"GET /health HTTP/1.1\r\nContent-Length: -1\r\n\r\n", "Content-Length"),
+        (b"GET /health HTTP/1.1\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\n", "Duplicate"),
+        (b"GET /health HTTP/1.1\r\nContent-Length: 99999999999999999999999\r\n\r\n", "overflow"),
+        (
+            b"POST /v1/chat/completions HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
+            "chunk size",
+        ),
+        (b"CONNECT a:1 HTTP/1.1\r\n\r\n", "Invalid URL"),
+    ],
+)
+def test_malformed_http_gets_an_openai_shaped_400(
+    limits_stack: ProcStack, raw: bytes, reason: str
+) -> None:
+    with _connect(limits_stack) as s:
+        s.sendall(raw)
+        (resp,) = _parse(_until_closed(s))
+    assert resp[0] == 400
+    err = _error(resp)
+    assert err["code"] == "invalid_request" and reason in err["message"], err
+
+
+def test_pipelined_requests_are_answered_in_order_up_to_the_bad_one(
+    limits_stack: ProcStack,
+) -> None:
+    with _connect(limits_stack) as s:
+        s.sendall(_get("/health") + _get("/ready") + b"BAD\x00 / HTTP/1.1\r\n\r\n" + _get())
+        resps = _parse(_until_closed(s))
+    assert [r[0] for r in resps] == [200, 200, 400], resps
+    _check(resps[2])
+
+
+async def test_an_exception_that_escapes_the_app_is_an_openai_shaped_500() -> None:
+    async def broken(scope: Scope, receive: Receive, send: Send) -> None:
+        raise RuntimeError("a bug in a handler")
+
+    srv = HTTPServer(
+        RouteTable({("GET", "/broken"): broken}),
+        "127.0.0.1",
+        0,
+        reuse_port=False,
+        shutdown_timeout=1,
+    )
+    await srv.start()
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{srv.sock.getsockname()[1]}") as h:
+            r = await h.get("/broken")
+    finally:
+        await srv.stop()
+    assert r.status_code == 500
+    assert r.json()["error"] == {
+        "message": "the gateway failed; retry",
+        "type": "server_error",
+        "param": None,
+        "code": "internal_error",
+    }
+
+
+# Hostile raw HTTP: requests built from parts, each part mostly valid and else odd or broken
+# (so that a request often gets past its request line), several to a connection. HEAD is
+# left out: its answer has a Content-Length and no body, which a reader of raw responses
+# cannot tell apart from the next answer.
+def _mostly(good: st.SearchStrategy[bytes], *odd: st.SearchStrategy[bytes]) -> Any:
+    """``good`` three times in four, else one of ``odd`` (``one_of(good, good, good, ...)``
+    would not do: it drops repeated strategies)."""
+    bad = st.one_of(*odd)
+    return st.sampled_from(range(4)).flatmap(lambda i: bad if i == 0 else good)
+
+
+_methods = _mostly(
+    st.sampled_from([b"GET", b"POST", b"PUT", b"DELETE", b"OPTIONS", b"PATCH", b"CONNECT"]),
+    st.sampled_from([b"get", b"G\x00T", b"POST\x7f", b"", b"GET GET", b"\xff\xfe", b"P" * 300]),
+    st.text(st.characters(min_codepoint=33, max_codepoint=126), min_size=1, max_size=8)
+    .map(str.encode)
+    .filter(lambda m: m != b"HEAD"),
+)
+_targets = _mostly(
+    st.sampled_from([b"/health", b"/ready", b"/v1/models", b"/v1/chat/completions", b"/nope"]),
+    st.sampled_from([b"*", b"http://x/health", b"/health?a=%00", b"/%ff%00", b"/\x00", b"//"]),
+    st.sampled_from([b"", b"/a b", b"/" + b"a" * 9000]),
+    st.binary(max_size=40),
+)
+_versions = _mostly(
+    st.just(b"HTTP/1.1"),
+    st.sampled_from([b"HTTP/1.0", b"HTTP/2.0", b"HTTP/1", b"http/1.1", b"HTTP/9.9", b""]),
+)
+_lengths = st.one_of(
+    st.integers(-5, 10**20).map(lambda n: str(n).encode()),
+    st.sampled_from([b"", b"abc", b"1, 2", b" 5", b"0x10", b"+3", b"5\x00"]),
+)
+_header = st.one_of(
+    st.tuples(st.just(b"Content-Length"), _lengths),
+    st.tuples(
+        st.just(b"Transfer-Encoding"),
+        st.sampled_from([b"chunked", b"gzip", b"chunked, gzip", b"gzip, chunked", b"xchunked"]),
+    ),
+    st.tuples(
+        st.sampled_from([b"Connection", b"Upgrade", b"Expect"]),
+        st.sampled_from([b"close", b"keep-alive", b"upgrade", b"websocket", b"100-continue"]),
+    ),
+    st.tuples(
+        st.sampled_from([b"Host", b"Authorization", b"X-Session-Id", b"Content-Type"]),
+        st.binary(max_size=30),
+    ),
+    st.tuples(st.just(b"X-Big"), st.sampled_from([b"a" * 4000, b"a" * 9000])),
+    # Header injection: line breaks, NULs and separators in names and values.
+    st.tuples(
+        st.sampled_from([b"X-A", b"X A", b"X:A", b"X-A\r\nX-B", b"", b"\x00", b" X-A"]),
+        st.sampled_from([b"v\r\nX-Injected: 1", b"v\nX: 1", b"v\rX: 1", b"\x00", b" v ", b"\x7f"]),
+    ),
+)
+_chunk = _mostly(
+    st.binary(min_size=1, max_size=20).map(lambda b: b"%x\r\n%s\r\n" % (len(b), b)),
+    st.sampled_from([b"zz\r\n", b"ffffffffffffffffffff\r\n", b"5\r\nab\r\n", b"3;x=y\r\nabc\r\n"]),
+    st.sampled_from([b"-1\r\n", b"3\r\nabcde\r\n", b"3\nabc\n", b"0\r\nX: 1\r\n\r\n"]),
+)
+_body = st.one_of(
+    st.binary(max_size=60),
+    st.sampled_from([b"{}", b'{"model": "x", "messages": []}', b"[" * 100, b"x" * 5000]),
+)
+_eol = _mostly(st.just(b"\r\n"), st.sampled_from([b"\n", b"\r", b"\r\r\n"]))
+
+
+@st.composite
+def _requests(draw: st.DrawFn) -> bytes:
+    """One request: a line, headers, and a body framed by an exact Content-Length, by
+    chunks (perhaps bad, perhaps unfinished), or not at all, besides any framing headers
+    drawn among the others."""
+    eol = draw(_eol)
+    line = b" ".join([draw(_methods), draw(_targets), draw(_versions)])
+    headers = draw(st.lists(_header, max_size=4))
+    framing = draw(st.sampled_from(["length", "chunked", "none"]))
+    if framing == "chunked":
+        body = b"".join(draw(st.lists(_chunk, max_size=4)))
+        body += draw(st.sampled_from([b"0\r\n\r\n", b"0\r\n\r\n", b""]))
+        headers.append((b"Transfer-Encoding", b"chunked"))
+    else:
+        body = draw(_body)
+        if framing == "length":
+            headers.append((b"Content-Length", str(len(body)).encode()))
+    headers = draw(st.permutations(headers))
+    return b"".join([line, eol, *(n + b": " + v + eol for n, v in headers), eol, body])
+
+
+raw_http = st.lists(_requests(), min_size=1, max_size=3).map(b"".join)
+
+
+@settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(raw=raw_http)
+def test_hostile_raw_http_never_gets_a_5xx_nor_hangs(limits_stack: ProcStack, raw: bytes) -> None:
+    # A well-formed request closes the connection last, whatever came before: an answer to
+    # each, and the connection closed in bounded time.
+    with _connect(limits_stack) as s:
+        _send(s, raw + _get("/health", CLOSE))
+        data = _until_closed(s)
+    for resp in _parse(data):
+        _check(resp)
+    _serves(limits_stack)
+
+
+def test_everything_still_serves_after_the_hostile_input(limits_stack: ProcStack) -> None:
+    assert limits_stack.all_alive()
+    with httpx.Client(base_url=limits_stack.base, timeout=30) as h:
+        r = h.post(
+            "/v1/chat/completions",
+            json={
+                "model": limits_stack.model,
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 2,
+            },
+        )
+    assert r.status_code == 200, r.text
+    assert "Traceback" not in limits_stack.bridge.output()
