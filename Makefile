@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-dev
 RUNSTAMP := $(VENV)/.installed
 
-.PHONY: up test lint bench clean
+.PHONY: up test lint fuzz bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -31,6 +31,18 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
+
+# Examples for `make fuzz` (TOKENBUS_FUZZ_EXAMPLES, docs/fuzzing.md), sized for about ten
+# minutes on 2 cores: per operation of the OpenAPI document and per hypothesis test of the
+# HTTP fuzz; per subject family of the NATS fuzz, where one example costs far more.
+FUZZ_EXAMPLES ?= 3000
+FUZZ_NATS_EXAMPLES ?= 40
+FUZZ_PYTEST := $(BIN)/python -m pytest -q --timeout=1200
+
+## Fuzz for about ten minutes (docs/fuzzing.md): schemathesis from the bridge's /openapi.json, hostile HTTP bodies and keys, malformed messages on every bus subject.
+fuzz: $(STAMP)
+	TOKENBUS_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(FUZZ_PYTEST) tests/test_fuzz_openapi.py tests/test_fuzz_http.py
+	$(if $(wildcard tests/test_fuzz_nats.py),TOKENBUS_FUZZ_EXAMPLES=$(FUZZ_NATS_EXAMPLES) $(FUZZ_PYTEST) tests/test_fuzz_nats.py)
 
 ## The foundation benchmark: through tokenbus vs straight to the same sim engine.
 bench: $(RUNSTAMP)

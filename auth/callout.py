@@ -48,7 +48,12 @@ CHECK_INTERVAL_S = 0.25
 
 def key_permissions(key_id: str) -> tuple[list[str], list[str]]:
     """(may publish, may subscribe) of a connection logged in with API key ``key_id``."""
-    pub = [f"{subjects.PREFIX}.req.*", f"{subjects.PREFIX}.worker.*.cancel"]
+    pub = [
+        f"{subjects.PREFIX}.req.*",
+        f"{subjects.PREFIX}.worker.*.cancel",
+        # Its stored Responses API responses (ingress checks the key and the owner).
+        subjects.responses_state_wildcard(),
+    ]
     sub = [f"{subjects.key_inbox_root(key_id)}.>"]
     return pub, sub
 

@@ -26,14 +26,15 @@ from auth.limits import Limiter, info_header
 from bus_schemas import codec, marks, subjects
 from bus_schemas import errors as E
 from bus_schemas import headers as H
-from bus_schemas.messages import envelope_chars
+from bus_schemas.messages import check_envelope, envelope_chars
+from services import tracing
 from services.runtime import Service
 
 
 def parse_limits(value: str | None) -> tuple[int | None, int | None, int | None]:
     parts = (value or "").split(",")
     parts += [""] * (3 - len(parts))
-    vals = [int(p) if p.strip().isdigit() else None for p in parts[:3]]
+    vals = [marks.number(p.strip()) for p in parts[:3]]
     return vals[0], vals[1], vals[2]
 
 
@@ -122,15 +123,22 @@ class RateLimitCheck:
                 deadline_s=deadline_s,
                 requests=0 if prior else 1,
             )
-        except E.TokenbusError:
+        except E.TokenbusError as exc:
+            tracing.verdict(subjects.STAGE_RATELIMIT, "deny", {tracing.ERROR_TYPE: exc.code})
             raise
         except Exception as exc:
             if not self.fail_open:
+                tracing.verdict(subjects.STAGE_RATELIMIT, "deny", {"tokenbus.store": "down"})
                 raise E.ServiceUnavailable(
                     "the rate limiter cannot reach its store; retry"
                 ) from None
             self.log.warning("ratelimit_fail_open", error=str(exc), principal=principal)
+            tracing.verdict(subjects.STAGE_RATELIMIT, "allow", {"tokenbus.fail_open": True})
             return
+        if tracing.on():
+            tracing.verdict(
+                subjects.STAGE_RATELIMIT, "allow", {"tokenbus.migrated": prior is not None}
+            )
         flags = ("w" if rpm is not None or tpm is not None else "") + (
             "c" if conc is not None else ""
         )
@@ -211,7 +219,7 @@ class RateLimitCheck:
 
 def _attempt(hdrs: dict[str, str]) -> int:
     value = hdrs.get(H.MIGRATION, "")
-    return int(value) if value.isdigit() and len(value) < 4 else 0
+    return (marks.number(value) or 0) if len(value) < 4 else 0
 
 
 class RateLimit(Service):
@@ -242,5 +250,7 @@ class RateLimit(Service):
     async def handle(self, msg: Msg) -> None:
         hdrs = dict(msg.headers or {})
         if H.LIMITS in hdrs and H.PRINCIPAL in hdrs:
-            await self.check.apply(hdrs, codec.decode_map(msg.data))
+            env = codec.decode_map(msg.data)
+            check_envelope(env)
+            await self.check.apply(hdrs, env)
         await self.forward_next(msg, hdrs, msg.data)

@@ -11,8 +11,10 @@ from nats.aio.msg import Msg
 
 from auth.callout import CalloutCredentials, CalloutResponder
 from auth.store import KeyStore
+from bus_schemas import errors as E
 from bus_schemas import headers as H
 from bus_schemas import subjects
+from services import tracing
 from services.runtime import Service
 
 
@@ -23,8 +25,15 @@ def limits_header(rpm: int | None, tpm: int | None, concurrent: int | None) -> s
 def authenticate(keys: KeyStore, hdrs: dict[str, str]) -> None:
     """The auth stage's work on a request's headers (in place): the key out, the principal,
     its limits and its filter policy in; raises 401/403 errors."""
-    rec = keys.lookup(hdrs.pop(H.API_KEY, None))
-    keys.authorize(rec, hdrs.get(H.MODEL, ""))
+    try:
+        rec = keys.lookup(hdrs.pop(H.API_KEY, None))
+        keys.authorize(rec, hdrs.get(H.MODEL, ""))
+    except E.TokenbusError as exc:
+        tracing.verdict(subjects.STAGE_AUTH, "deny", {tracing.ERROR_TYPE: exc.code})
+        raise
+    if tracing.on():
+        tracing.set_attributes(tracing.current(), {tracing.KEY_ID: rec.id})
+        tracing.verdict(subjects.STAGE_AUTH, "allow", {tracing.KEY_ID: rec.id})
     hdrs[H.PRINCIPAL] = rec.id
     hdrs[H.LIMITS] = limits_header(rec.rpm, rec.tpm, rec.max_concurrent)
     hdrs[H.FILTER_POLICY] = rec.filter_policy

@@ -27,6 +27,7 @@ def accept(
     heartbeat_s: float,
     ratelimit_info: str | None = None,
     admission: str | None = None,
+    traceparent: str | None = None,
 ) -> bytes:
     frame: dict[str, Any] = {
         "t": ACCEPT,
@@ -38,6 +39,8 @@ def accept(
         frame["rl"] = ratelimit_info
     if admission:  # the ratelimit stage's ticket, for a migration of this request
         frame["adm"] = admission
+    if traceparent:  # the replica's span (tracing on): a migration of the request links it
+        frame["tp"] = traceparent
     return codec.encode(frame)
 
 

@@ -41,5 +41,9 @@ FILTER_FLAGS = "Tb-Filter-Flags"
 FILTER_POLICY = "Tb-Filter-Policy"
 # A session or user key for session-affinity routing (HTTP: ``X-Session-Id``).
 SESSION = "Tb-Session"
-# W3C trace context, carried from HTTP callers (or NATS clients) through every stage.
+# W3C trace context, carried from HTTP callers (or NATS clients) through every stage; each
+# traced hop puts its own span's here for the next.
 TRACEPARENT = "traceparent"
+# A migrated request's earlier attempt: the traceparent of the replica span that served it
+# (from its accept frame), which the next attempt's replica span links to.
+TRACE_LINK = "Tb-Trace-Link"

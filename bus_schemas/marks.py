@@ -7,6 +7,18 @@ import time
 
 from bus_schemas import headers as H
 
+# Epoch nanoseconds have 19 digits; a longer value is no time and no count (nor does it fit
+# the 64 bits msgpack carries).
+MAX_DIGITS = 19
+
+
+def number(value: str | None) -> int | None:
+    """A header's non-negative integer (a timestamp, a count); None when the value is not
+    plain ASCII digits, or too long to be one."""
+    if value and len(value) <= MAX_DIGITS and value.isascii() and value.isdigit():
+        return int(value)
+    return None
+
 
 def now_ns() -> int:
     return time.time_ns()
@@ -28,13 +40,14 @@ def parse(hdrs: dict[str, str] | None) -> dict[str, int]:
     out: dict[str, int] = {}
     if not hdrs:
         return out
-    t0 = hdrs.get(H.T0)
-    if t0 and t0.isdigit():
-        out["t0"] = int(t0)
+    t0 = number(hdrs.get(H.T0))
+    if t0 is not None:
+        out["t0"] = t0
     for part in hdrs.get(H.TIMINGS, "").split(","):
         name, _, val = part.partition("=")
-        if name and val.isdigit():
-            out[name] = int(val)
+        ts = number(val)
+        if name and ts is not None:
+            out[name] = ts
     return out
 
 
@@ -42,15 +55,14 @@ def expired(hdrs: dict[str, str] | None) -> bool:
     """True when the message carries a deadline that has passed."""
     if not hdrs:
         return False
-    d = hdrs.get(H.DEADLINE)
-    return bool(d and d.isdigit() and int(d) <= now_ms())
+    d = number(hdrs.get(H.DEADLINE))
+    return d is not None and d <= now_ms()
 
 
 def deadline_ms(hdrs: dict[str, str] | None) -> int | None:
     if not hdrs:
         return None
-    d = hdrs.get(H.DEADLINE)
-    return int(d) if d and d.isdigit() else None
+    return number(hdrs.get(H.DEADLINE))
 
 
 _TRACEPARENT = re.compile(r"[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}")

@@ -16,9 +16,12 @@ from pydantic import (
     StrictFloat,
     StrictInt,
     StrictStr,
+    ValidationError,
     field_validator,
     model_validator,
 )
+
+from bus_schemas import errors
 
 MAX_STOP_SEQUENCES = 4
 # Version 2: envelopes carry the client's messages as sent and its other fields in
@@ -70,12 +73,18 @@ def envelope_chars(env: dict[str, Any]) -> int:
     for m in env.get("messages") or ():
         if isinstance(m, dict):
             n += len(message_text(m.get("content")))
-            for call in m.get("tool_calls") or ():
-                if isinstance(call, dict):
-                    n += len(str((call.get("function") or {}).get("arguments") or ""))
+            for call in _list(m.get("tool_calls")):
+                fn = call.get("function") if isinstance(call, dict) else None
+                if isinstance(fn, dict):
+                    n += len(str(fn.get("arguments") or ""))
     for item in env.get("input") or ():
         n += len(item) if isinstance(item, str | list) else 1
     return n
+
+
+def _list(value: Any) -> list[Any]:
+    """``value`` if it is a list, else nothing (a client-shaped field of the wrong type)."""
+    return value if isinstance(value, list) else []
 
 
 class ImageURL(_Carried):
@@ -500,6 +509,17 @@ class Envelope(_Wire):
     )
 
 
+def check_envelope(env: dict[str, Any]) -> None:
+    """Raise :class:`errors.InvalidRequest` unless each field of ``env`` has its
+    :class:`Envelope` type: what a stage checks before it acts on a decoded envelope."""
+    try:
+        Envelope.model_validate(env)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "envelope"
+        raise errors.InvalidRequest(f"malformed envelope: {where}: {first['msg']}") from None
+
+
 class Heartbeat(_Wire):
     """A replica's periodic announcement of itself and its load."""
 
@@ -549,6 +569,12 @@ class AcceptFrame(_Wire):
     rl: str | None = Field(
         default=None,
         description="x-ratelimit-* values for the response, name=value pairs joined by ';'.",
+    )
+    tp: str | None = Field(
+        default=None,
+        description="W3C traceparent of the replica's span for this request (when the replica "
+        "traces): a caller that migrates the request sends it on in Tb-Trace-Link, and the "
+        "next replica's span links to it.",
     )
 
 

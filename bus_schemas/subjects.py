@@ -65,6 +65,26 @@ def requests_wildcard() -> str:
     return f"{PREFIX}.req.*"
 
 
+# What a NATS client may do with its stored Responses API responses (ingress answers).
+RESPONSES_GET = "get"
+RESPONSES_PUT = "put"
+RESPONSES_DELETE = "delete"
+RESPONSES_ACTIONS = (RESPONSES_GET, RESPONSES_PUT, RESPONSES_DELETE)
+
+
+def responses_state(action: str) -> str:
+    """Where a NATS client reads, keeps or deletes a stored response (request-reply)."""
+    if action not in RESPONSES_ACTIONS:
+        raise ValueError(f"unknown responses action {action!r}")
+    return f"{PREFIX}.req.responses.{action}"
+
+
+def responses_state_wildcard() -> str:
+    """Every stored-response action, for the ingress subscription (requests_wildcard's
+    one token does not reach these)."""
+    return f"{PREFIX}.req.responses.*"
+
+
 def stage(name: str) -> str:
     """The subject a pipeline stage (auth, ratelimit, filter, route) listens on."""
     return f"{PREFIX}.stage.{name}"

@@ -21,11 +21,13 @@ from nats.aio.msg import Msg
 from bus_schemas import codec, frames, marks, subjects
 from bus_schemas import errors as E
 from bus_schemas import headers as H
+from bus_schemas.messages import check_envelope
 from engine_worker import backends
 from engine_worker.backends.base import Backend, Delta, DeltaStream, GenerationRequest
 from engine_worker.outbox import Outbox
 from filter.policy import FilterPolicy
 from filter.scanner import Scanner, StreamOutput, StreamScanner
+from services import tracing, usage
 from services.caller import Assembled, Chunk
 from services.runtime import Service, flush, reply_subject
 from telemetry import records
@@ -163,6 +165,7 @@ class _Generation:
     completion: int = 0
     prompt_tokens: int = -1  # unknown until the final delta; -1 keeps the admission estimate
     outcome: str = "ok"
+    span: Any = None  # this replica's span of the request (tracing on)
 
     @property
     def rid(self) -> str:
@@ -184,6 +187,19 @@ def _side(d: Delta) -> dict[str, Any]:
     return side
 
 
+# Outcomes that are a finish reason: the request ended as the engine or the filter decided.
+_FINISH_REASONS = frozenset({"stop", "length", "tool_calls", "content_filter", "function_call"})
+
+
+def _trace_refused(err: E.TokenbusError) -> None:
+    """The replica refused the dispatch (busy, draining, expired, malformed): its span says
+    why; only a refusal another replica cannot help with is an error."""
+    span = tracing.current()
+    tracing.outcome(span, err.code)
+    if err.code not in (E.ReplicaBusy.code, E.ReplicaDraining.code):
+        tracing.fail(span, err.code)
+
+
 def _seconds_left(hdrs: dict[str, str]) -> float | None:
     """Time left before the request's deadline, or None when it carries none."""
     deadline = marks.deadline_ms(hdrs)
@@ -196,6 +212,7 @@ class Worker(Service):
     name = "worker"
     forwards = False  # answers and reports; never hands a request on
     check_deadline = False  # checked in _screen() so the router hears it in the ack
+    releases_usage = False  # reports what the engine used (a refusal: the router does)
 
     def __init__(self, settings: Any, *, backend: Backend | None = None, **kw: Any) -> None:
         super().__init__(settings, **kw)
@@ -330,6 +347,8 @@ class Worker(Service):
         gen = await self._admit(msg)
         if gen is None:
             return
+        if tracing.on():
+            self._trace_begin(gen)
         if gen.req.kind == subjects.KIND_EMBEDDINGS:
             gen.t_start = marks.now_ns()
             self._track(gen)
@@ -348,6 +367,7 @@ class Worker(Service):
             if gen.reply in self._caller_cancelled:
                 gen.outcome = "cancelled"
                 gen.task.uncancel()
+                tracing.event(gen.span, tracing.CANCEL_EVENT, {"tokenbus.by": "caller"})
             else:
                 gen.outcome = "interrupted"  # shutdown: the runtime sends interrupted_error()
                 raise
@@ -368,6 +388,8 @@ class Worker(Service):
             return self._screen(msg)
         except E.TokenbusError as err:
             await self._ack(msg, err)
+            if tracing.on():
+                _trace_refused(err)
             return None
 
     def _screen(self, msg: Msg) -> _Generation:
@@ -381,9 +403,14 @@ class Worker(Service):
             # At capacity (its engine queue included): the router tries another replica or
             # holds the request in its bounded queue.
             raise E.ReplicaBusy(f"replica {self.replica} is at its limit of requests")
+        # A frame that breaks the wire contract is refused here, in the ack, not by an
+        # exception in the engine or in the output filter later.
+        env = codec.decode_map(msg.data)
+        check_envelope(env)
         try:
-            env = codec.decode_map(msg.data)
             req = GenerationRequest.from_envelope(env)
+            if env.get("filter_policy") is not None:
+                FilterPolicy.from_dict(env["filter_policy"])
         except (KeyError, TypeError, ValueError) as exc:
             raise E.InvalidRequest(f"malformed envelope: {exc}") from exc
         task = asyncio.current_task()
@@ -444,6 +471,7 @@ class Worker(Service):
                 self.cfg.heartbeat_interval_s,
                 info,
                 gen.headers.get(H.ADMISSION),
+                tracing.traceparent(gen.span) if gen.span is not None else None,
             ),
         )
 
@@ -499,6 +527,8 @@ class Worker(Service):
                     if text or side:
                         if not gen.first_ns:
                             gen.first_ns = marks.now_ns()
+                            if gen.span is not None:
+                                gen.span.add_event(tracing.FIRST_TOKEN)
                         send(reply, frames.chunk(text, held_tokens, index, side))
                         index += 1
                         held_tokens = 0
@@ -557,8 +587,56 @@ class Worker(Service):
             ttft_ms=round((gen.first_ns - gen.t_start) / 1e6, 3) if gen.first_ns else None,
             duration_ms=round((end - gen.t_start) / 1e6, 3),
         )
+        if gen.span is not None:
+            self._trace_end(gen)
         if self.settings.telemetry.enabled:
             await records.publish(self.nc, self._telemetry_record(gen, end, trace))
+
+    # -- tracing ----------------------------------------------------------------------------
+    def _trace_begin(self, gen: _Generation) -> None:
+        """The request's span (the runtime's, current in this task): what this replica is,
+        the trace headers the engine continues, and for a migrated request the resume event
+        and a link to the replica span of the attempt before."""
+        span = gen.span = tracing.current()
+        if span is None:
+            return
+        hdrs = gen.headers
+        tracing.set_attributes(
+            span,
+            {
+                tracing.REPLICA: self.replica,
+                tracing.BACKEND: self.backend.name,
+                tracing.OPERATION: tracing.operation(gen.req.kind),
+                "gen_ai.request.max_tokens": gen.req.max_tokens,
+            },
+        )
+        gen.req.trace_headers = tracing.headers(span)
+        migration = hdrs.get(H.MIGRATION, "")
+        if migration.isdigit() and int(migration) > 0:
+            tracing.event(
+                span,
+                tracing.RESUME_EVENT,
+                {
+                    tracing.MIGRATIONS: int(migration),
+                    "tokenbus.resume_tokens": gen.req.resume_tokens,
+                },
+            )
+            tracing.link(span, hdrs.get(H.TRACE_LINK), {"tokenbus.link": "migrated_from"})
+
+    def _trace_end(self, gen: _Generation) -> None:
+        """Tokens, finish reason and outcome on the request's span (the runtime ends it)."""
+        span = gen.span
+        attrs: dict[str, Any] = {
+            tracing.OUTPUT_TOKENS: gen.completion,
+            tracing.OUTCOME: gen.outcome,
+        }
+        if gen.prompt_tokens >= 0:
+            attrs[tracing.INPUT_TOKENS] = gen.prompt_tokens
+        if gen.outcome in _FINISH_REASONS:
+            attrs[tracing.FINISH_REASONS] = [gen.outcome]
+        tracing.set_attributes(span, attrs)
+        if gen.outcome not in _FINISH_REASONS and gen.outcome not in ("ok", "cancelled"):
+            tracing.fail(span, gen.outcome)
 
     async def _free_slot(self, reply: str) -> None:
         """Forget the request as active; heartbeat at once if that made room."""
@@ -586,7 +664,7 @@ class Worker(Service):
             kind=gen.req.kind,
             prompt_tokens=max(0, gen.prompt_tokens),
             completion_tokens=gen.completion,
-            migrations=int(hdrs.get(H.MIGRATION, "0") or 0),
+            migrations=marks.number(hdrs.get(H.MIGRATION)) or 0,
             trace_id=trace,
         )
 
@@ -594,27 +672,14 @@ class Worker(Service):
         self, hdrs: dict[str, str], rid: str, max_tokens: int, prompt_tokens: int, completion: int
     ) -> None:
         """Tell the rate limiters what the request really used (fire and forget)."""
-        try:
-            window, reserved, flags, owner = [*hdrs[H.RATELIMIT].split(","), ""][:4]
-            if prompt_tokens < 0:  # ended early: keep the admission's prompt estimate
-                prompt_tokens = max(0, int(reserved) - max_tokens)
-            body = {
-                "principal": hdrs.get(H.PRINCIPAL, ""),
-                "request_id": rid,
-                "window": int(window),
-                "reserved": int(reserved),
-                "used": prompt_tokens + completion,
-                "prompt": prompt_tokens,
-                "completion": completion,
-                "flags": flags,
-                # Which attempt of the request this was (migrations before it).
-                "attempt": int(hdrs.get(H.MIGRATION, "0") or 0),
-            }
-        except (KeyError, ValueError):
-            return
-        with contextlib.suppress(Exception):
-            # To the limiter instance that admitted the request: it holds the request's slot.
-            await self.nc.publish(subjects.usage(owner or None), codec.encode(body))
+        await usage.report(
+            self.nc,
+            hdrs,
+            rid,
+            max_tokens=max_tokens,
+            prompt_tokens=prompt_tokens,
+            completion=completion,
+        )
 
     def interrupted_error(self) -> E.TokenbusError:
         return E.ReplicaLost(f"replica {self.replica} stopped before finishing; retry")

@@ -15,8 +15,10 @@ from nats.aio.msg import Msg
 from bus_schemas import codec, subjects
 from bus_schemas import errors as E
 from bus_schemas import headers as H
+from bus_schemas.messages import check_envelope
 from filter.policy import FilterPolicy
 from filter.scanner import Scanner
+from services import tracing
 from services.config import FilterSettings
 from services.runtime import Service
 
@@ -89,10 +91,10 @@ def _texts(env: dict[str, Any]) -> list[tuple[Any, Any]]:
             out.append((m, "content"))
         # An assistant turn's reasoning, sent back by clients that keep it.
         out.extend((m, k) for k in ("reasoning_content", "reasoning") if k in m)
-        calls = [c.get("function") for c in m.get("tool_calls") or () if isinstance(c, dict)]
+        calls = [c.get("function") for c in _list(m.get("tool_calls")) if isinstance(c, dict)]
         calls.append(m.get("function_call"))  # the legacy single call
         out.extend((fn, "arguments") for fn in calls if isinstance(fn, dict))
-    for tool in (env.get("extra") or {}).get("tools") or ():
+    for tool in _list((env.get("extra") or {}).get("tools")):
         fn = tool.get("function") if isinstance(tool, dict) else None
         if isinstance(fn, dict):  # rendered into the prompt by chat templates
             out.append((fn, "description"))
@@ -106,13 +108,36 @@ def _texts(env: dict[str, Any]) -> list[tuple[Any, Any]]:
     return out
 
 
+def _list(value: Any) -> list[Any]:
+    """``value`` if it is a list, else nothing (a client's field of the wrong type)."""
+    return value if isinstance(value, list) else []
+
+
 def filter_request(policies: Policies, hdrs: dict[str, str], env: dict[str, Any], log: Any) -> bool:
     """The filter stage's work on one request (headers and envelope changed in place);
     returns whether the envelope changed. Raises ContentBlocked."""
     name, policy = policies.get(hdrs.get(H.FILTER_POLICY))
     if policy is None:
         return False
-    _, flagged = scan_envelope(env, policies.scanner(name, policy))
+    try:
+        changed, flagged = scan_envelope(env, policies.scanner(name, policy))
+    except E.ContentBlocked as exc:
+        tracing.verdict(
+            subjects.STAGE_FILTER,
+            "block",
+            {
+                "tokenbus.policy": name,
+                "tokenbus.detector": exc.detector,
+                tracing.ERROR_TYPE: exc.code,
+            },
+        )
+        raise
+    if tracing.on():
+        tracing.verdict(
+            subjects.STAGE_FILTER,
+            "redact" if changed else "flag" if flagged else "allow",
+            {"tokenbus.policy": name, tracing.DETECTORS: sorted(set(flagged)) or None},
+        )
     if flagged:
         hdrs[H.FILTER_FLAGS] = ",".join(sorted(set(flagged)))
         log.info(
@@ -142,5 +167,6 @@ class Filter(Service):
             await self.forward_next(msg, hdrs, msg.data)
             return
         env = codec.decode_map(msg.data)
+        check_envelope(env)
         filter_request(self.policies, hdrs, env, self.log)
         await self.forward_next(msg, hdrs, codec.encode(env))

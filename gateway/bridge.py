@@ -25,11 +25,14 @@ from gateway.admin_routing import RoutingAdmin
 from gateway.asgi import HTTPLimits, HTTPServer, Receive, Scope, Send, serve
 from gateway.ingress import Admission
 from gateway.openai_api import OpenAIApp
+from gateway.response_store import open_store
+from gateway.responses import ResponsesAPI, key_owner
 from gateway.stages import LocalStages, stages_before_route
 from router.dispatch import Dispatcher
 from router.registry import Registry
 from router.routing import RoutingTable
 from router.service import HeartbeatTracker, watch_routing
+from services import tracing, usage
 from services.caller import Caller, Stream
 from services.runtime import Service
 from telemetry import records
@@ -96,11 +99,18 @@ class BusSource:
             route = subjects.stage(subjects.STAGE_ROUTE)
 
             async def sender(data: bytes, h: dict[str, str], reply: str) -> str | None:
-                if stages is not None and await stages.run(h, env):
-                    data = codec.encode(env)
-                meta["principal"] = h.get(H.PRINCIPAL)
-                if dispatcher is not None:
-                    return await dispatcher.dispatch(model, data, h, reply, env)
+                try:
+                    if stages is not None and await stages.run(h, env):
+                        data = codec.encode(env)
+                    meta["principal"] = h.get(H.PRINCIPAL)
+                    if dispatcher is not None:
+                        span = _route_span(h) if tracing.on() else None
+                        with tracing.scope(span):
+                            return await dispatcher.dispatch(model, data, h, reply, env)
+                except E.TokenbusError:
+                    if H.RATELIMIT in h:  # admitted, then refused before any engine ran it
+                        await usage.report(nc, h, request_id)
+                    raise
                 await nc.publish(route, data, reply=reply, headers=h)
                 return None
 
@@ -134,6 +144,25 @@ class BusSource:
 
     def ready(self) -> bool:
         return self.healthy() and bool(self.registry.models())
+
+
+def _route_span(hdrs: dict[str, str]) -> Any:
+    """The fused router's span (a child of the bridge's), made the parent of the replica's."""
+    span = tracing.start(
+        subjects.STAGE_ROUTE,
+        hdrs,
+        kind=tracing.PRODUCER,
+        attributes={
+            tracing.STAGE: subjects.STAGE_ROUTE,
+            "tokenbus.fused": True,
+            tracing.MESSAGING_SYSTEM: "nats",
+            tracing.REQUEST_ID: hdrs.get(H.REQUEST_ID),
+            tracing.MODEL: hdrs.get(H.MODEL),
+            tracing.KEY_ID: hdrs.get(H.PRINCIPAL),
+        },
+    )
+    tracing.inject(span, hdrs)
+    return span
 
 
 class Bridge(Service):
@@ -179,10 +208,9 @@ class Bridge(Service):
         if cfg.fuse_router and (not before or self.stages is not None):
             self.routing = await watch_routing(self.nc, self.settings.router, self.log)
             dispatcher = Dispatcher(self.nc, self.registry, self.settings.router, self.routing)
+        keys = await self._keys()
         api = OpenAIApp(
-            BusSource(
-                self.client, self.registry, admission, dispatcher, self.stages, await self._keys()
-            ),
+            BusSource(self.client, self.registry, admission, dispatcher, self.stages, keys),
             max_body_bytes=cfg.max_body_bytes,
             request_timeout_s=cfg.request_timeout_s,
             on_request=self._observe,
@@ -192,6 +220,9 @@ class Bridge(Service):
         self.admin = AdminAPI(self.nc, store=self.stages.keys if self.stages else None)
         api.add_prefix(ADMIN_PREFIX, self.admin)
         api.add_prefix(ROUTING_PREFIX, RoutingAdmin(self.nc, self.settings.router, self.admin))
+        # The Responses API, over the same source; its stored responses in JetStream KV.
+        store = await open_store(self.nc, self.settings.responses)
+        ResponsesAPI(api, store, key_owner(keys)).mount()
         self.http = await serve(
             api,
             cfg.host,

@@ -13,6 +13,8 @@ from bus_schemas import codec, marks, subjects
 from bus_schemas import errors as E
 from bus_schemas import headers as H
 from gateway import validation
+from gateway.response_store import ResponsesState
+from services import tracing
 from services.config import Settings
 from services.runtime import Service
 
@@ -23,6 +25,7 @@ CLIENT_HEADERS = (
     H.API_KEY,
     H.SESSION,
     H.TRACEPARENT,
+    H.TRACE_LINK,
     H.MIGRATION,
     H.KEEPALIVE,
     H.ADMISSION,
@@ -106,6 +109,20 @@ class Ingress(Service):
         await self.add_endpoint(
             "requests", subjects.requests_wildcard(), self.handle, queue=subjects.QUEUE_INGRESS
         )
+        # NATS clients' stored Responses API responses (docs/responses.md).
+        self.responses = await ResponsesState(self.nc, self.settings).open()
+        await self.add_endpoint(
+            "responses",
+            subjects.responses_state_wildcard(),
+            self.responses.handle,
+            queue=subjects.QUEUE_INGRESS,
+        )
+
+    async def on_stop(self) -> None:
+        responses = getattr(self, "responses", None)
+        if responses is not None:
+            await responses.close()
+        await super().on_stop()
 
     async def handle(self, msg: Msg) -> None:
         if not msg.reply:
@@ -121,4 +138,9 @@ class Ingress(Service):
         given = msg.headers or {}
         hdrs = {h: given[h] for h in CLIENT_HEADERS if h in given}
         env = self.admission.admit(kind, req, body, hdrs, t1)
+        if tracing.on():
+            tracing.set_attributes(
+                tracing.current(),
+                {tracing.MODEL: req.model, tracing.REQUEST_ID: hdrs[H.REQUEST_ID]},
+            )
         await self.forward(self.admission.first, codec.encode(env), hdrs, msg.reply)

@@ -29,6 +29,7 @@ from bus_schemas import headers as H
 from bus_schemas.subjects import KIND_CHAT, KIND_COMPLETIONS, KIND_EMBEDDINGS
 from gateway import validation
 from gateway.asgi import (
+    JSON_HEADERS,
     Headers,
     Receive,
     RouteTable,
@@ -41,7 +42,9 @@ from gateway.asgi import (
     send_json,
 )
 from gateway.ingress import clean_request_id
+from gateway.openapi import document_bytes
 from services import logging as tlog
+from services import tracing
 from services.caller import Assembled, Chunk, Usage
 
 log = tlog.get("bridge")
@@ -130,6 +133,7 @@ class OpenAIApp(RouteTable):
                 ("GET", "/v1/models"): self.list_models,
                 ("GET", "/health"): self.health,
                 ("GET", "/ready"): self.ready,
+                ("GET", "/openapi.json"): self.openapi,
             }
         )
         self.source = source
@@ -171,6 +175,18 @@ class OpenAIApp(RouteTable):
             {"status": "ready" if ok else "not ready", "models": self.source.models()},
         )
 
+    async def openapi(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """``GET /openapi.json``: the API's OpenAPI document (:mod:`gateway.openapi`)."""
+        body = document_bytes()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [*JSON_HEADERS, (b"content-length", str(len(body)).encode())],
+            }
+        )
+        await send({"type": "http.response.body", "body": body})
+
     # -- generation -------------------------------------------------------------------------
     async def chat(self, scope: Scope, receive: Receive, send: Send) -> None:
         """``POST /v1/chat/completions``."""
@@ -194,14 +210,21 @@ class OpenAIApp(RouteTable):
         outcome = "ok"
         stream: StreamLike | None = None
         watcher: asyncio.Task[None] | None = None
+        hdrs = bus_headers(scope)
+        # Traced, the request is a server span (the child of the client's traceparent) and
+        # the parent of every hop after it; current in this task, so logs carry its ids.
+        span = _http_span(scope, kind, rid, hdrs) if tracing.on() else None
+        token = tracing.activate(span)
         try:
             body = await read_body(scope, receive, self.max_body, self.body_timeout)
             req = validation.parse(kind, body)
+            if span is not None:
+                span.set_attribute(tracing.MODEL, req.model)
             # The body is read: from here on the only message left is the disconnect, and a
             # client that leaves cancels this handler, which cancels the generation.
             watcher = watch_disconnect(receive, progress)
             stream = self.source.open(
-                kind, req, body, request_id=rid, timeout=self.timeout, headers=bus_headers(scope)
+                kind, req, body, request_id=rid, timeout=self.timeout, headers=hdrs
             )
             if kind == KIND_EMBEDDINGS:
                 await write_embeddings(send, req, stream, rid, progress)
@@ -233,6 +256,55 @@ class OpenAIApp(RouteTable):
                 await stream.aclose()
             if self.on_request is not None:
                 self.on_request(_record(rid, kind, status, outcome, t_start, progress, stream))
+            if span is not None:
+                _end_http_span(span, status, outcome, stream)
+                tracing.deactivate(token)
+
+
+def _http_span(scope: Scope, kind: str, rid: str, hdrs: dict[str, str]) -> Any:
+    """The server span of one generation request; its traceparent goes into ``hdrs``."""
+    path = str(scope.get("path", ""))
+    method = str(scope.get("method", "POST"))
+    span = tracing.start(
+        f"{method} {path}",
+        hdrs,
+        kind=tracing.SERVER,
+        attributes={
+            "http.request.method": method,
+            "http.route": path,
+            "url.path": path,
+            "url.scheme": scope.get("scheme"),
+            "user_agent.original": header(scope, b"user-agent"),
+            tracing.OPERATION: tracing.operation(kind),
+            tracing.REQUEST_ID: rid,
+        },
+    )
+    tracing.inject(span, hdrs)
+    return span
+
+
+def _end_http_span(span: Any, status: int, outcome: str, stream: StreamLike | None) -> None:
+    """Status, outcome and what the stream learnt (replica, key id, tokens), then end.
+    A server span fails on a 5xx only (OpenTelemetry's HTTP conventions); a refusal (4xx)
+    keeps its code in ``error.type`` and ``tokenbus.outcome``, and the refusing stage's own
+    span carries the error."""
+    attrs: dict[str, Any] = {"http.response.status_code": status, tracing.OUTCOME: outcome}
+    if stream is not None:
+        meta = getattr(stream, "meta", None) or {}
+        attrs[tracing.REPLICA] = getattr(stream, "replica", None)
+        attrs[tracing.KEY_ID] = meta.get("principal")
+        attrs[tracing.MIGRATIONS] = getattr(stream, "migrations", 0) or None
+        if stream.finish_reason:
+            attrs[tracing.FINISH_REASONS] = [stream.finish_reason]
+        if stream.usage is not None:
+            attrs[tracing.INPUT_TOKENS] = stream.usage.prompt_tokens
+            attrs[tracing.OUTPUT_TOKENS] = stream.usage.completion_tokens
+    tracing.set_attributes(span, attrs)
+    if status >= 500:
+        tracing.fail(span, outcome)
+    elif outcome != "ok":
+        span.set_attribute(tracing.ERROR_TYPE, outcome)
+    tracing.end(span)
 
 
 def _record(

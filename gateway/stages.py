@@ -22,6 +22,7 @@ from auth.store import KeyStore
 from bus_schemas import headers as H
 from bus_schemas import marks, subjects
 from filter.service import Policies, filter_request
+from services import tracing
 
 FUSABLE = (subjects.STAGE_AUTH, subjects.STAGE_RATELIMIT, subjects.STAGE_FILTER)
 
@@ -65,15 +66,34 @@ class LocalStages:
         envelope changed. Raises the stage's error (401, 403, 429, 400, 503)."""
         changed = False
         for name in self.names:
-            if name == subjects.STAGE_AUTH and self.keys is not None:
-                authenticate(self.keys, hdrs)
-            elif name == subjects.STAGE_RATELIMIT and self.ratelimit is not None:
-                await self.ratelimit.apply(hdrs, env)
-            elif name == subjects.STAGE_FILTER and self.policies is not None:
-                changed = filter_request(self.policies, hdrs, env, self.log) or changed
+            # Traced, each stage is a span of its own, a child of the bridge's (whose
+            # traceparent ``hdrs`` carry): current while it runs, failed with its refusal.
+            with tracing.scope(self._span(name, hdrs)):
+                if name == subjects.STAGE_AUTH and self.keys is not None:
+                    authenticate(self.keys, hdrs)
+                elif name == subjects.STAGE_RATELIMIT and self.ratelimit is not None:
+                    await self.ratelimit.apply(hdrs, env)
+                elif name == subjects.STAGE_FILTER and self.policies is not None:
+                    changed = filter_request(self.policies, hdrs, env, self.log) or changed
             marks.append(hdrs, name)
         hdrs.pop(H.ROUTE, None)  # the router is next
         return changed
+
+    @staticmethod
+    def _span(name: str, hdrs: dict[str, str]) -> Any:
+        if not tracing.on():
+            return None
+        return tracing.start(
+            name,
+            hdrs,
+            attributes={
+                tracing.STAGE: name,
+                "tokenbus.fused": True,
+                tracing.REQUEST_ID: hdrs.get(H.REQUEST_ID),
+                tracing.MODEL: hdrs.get(H.MODEL),
+                tracing.KEY_ID: hdrs.get(H.PRINCIPAL),
+            },
+        )
 
     async def close(self) -> None:
         if self.ratelimit is not None:

@@ -23,6 +23,7 @@ from bus_schemas import headers as H
 from router.policies import RouteRequest, prompt_text
 from router.registry import Registry, Replica
 from router.routing import ModelRoute, RoutingTable
+from services import tracing
 from services.config import RouterSettings
 
 _QUEUE_POLL_S = 0.02  # how often a queued request looks for a replica with room
@@ -54,6 +55,16 @@ class _Placement:
         self.tried.add(replica)
         self.attempt += 1
         self.last_err = err
+        _refused_event(replica, err.code)
+
+
+def _refused_event(replica: str, code: str) -> None:
+    """A replica refused (or failed to take) the request: an event on the routing span."""
+    tracing.event(
+        tracing.current(),
+        tracing.REFUSED_EVENT,
+        {tracing.REPLICA: replica, tracing.ERROR_TYPE: code},
+    )
 
 
 class Dispatcher:
@@ -115,6 +126,10 @@ class Dispatcher:
             self._leave_queue(p)
         if replica is None:
             raise self._give_up(p)
+        if tracing.on():
+            tracing.set_attributes(
+                tracing.current(), {tracing.REPLICA: replica, tracing.ATTEMPTS: p.attempt + 1}
+            )
         return replica
 
     def _route_request(
@@ -198,6 +213,7 @@ class Dispatcher:
             # Full until its next heartbeat says otherwise.
             r.reported_in_flight = max(r.reported_in_flight, r.max_concurrency)
             p.busy.add(r.replica)
+            _refused_event(r.replica, err.code)
             return
         if err.code == E.ReplicaDraining.code:
             r.draining = True

@@ -103,7 +103,7 @@ class Registry:
             r.aliases = frozenset(map(str, hb.get("aliases") or ()))
             r.max_model_len = max(0, int(hb.get("max_model_len") or 0))
             r.last_seen = time.monotonic()
-        except (KeyError, TypeError, ValueError):
+        except (KeyError, TypeError, ValueError, RecursionError):  # str() of a deep nesting
             return None
         self._ever_seen.add(model)
         self._ever_seen.update(r.aliases)

@@ -125,9 +125,10 @@ class RoutingTable:
             try:
                 r = ModelRoute(self.cfg.routing_for(model, self.overrides.get(model)))
             except (ValueError, OSError) as exc:
-                # A bad run-time override must not stop the model being served.
+                # A bad run-time override must not stop the model being served. The admin API
+                # checks each one it writes: a bad one came straight to the KV bucket.
                 if self.log is not None:
-                    self.log.error("routing_invalid", model=model, error=str(exc))
+                    self.log.warning("routing_invalid", model=model, error=str(exc)[:300])
                 r = ModelRoute(self.cfg.routing_for(model))
             self._routes[model] = r
         return r
@@ -145,17 +146,28 @@ class RoutingTable:
             if entry is None:
                 self.synced.set()
                 continue
-            model = model_of(entry.key)
+            # Anyone with the JetStream API may write here: what is not a change this module
+            # wrote is skipped (an exception would end the watch for good).
+            try:
+                model = model_of(entry.key)
+            except ValueError:
+                self._skip("routing_key_invalid", entry.key)
+                continue
             if entry.operation in ("DEL", "PURGE") or not entry.value:
                 self.overrides.pop(model, None)
             else:
-                try:
-                    self.overrides[model] = json.loads(entry.value)
-                except ValueError:
+                override = _override(entry.value)
+                if override is None:
+                    self._skip("routing_change_invalid", entry.key)
                     continue
+                self.overrides[model] = override
             self._routes.pop(model, None)
             if self.log is not None:
                 self.log.info("routing_changed", model=model, routing=self.overrides.get(model))
+
+    def _skip(self, event: str, key: str) -> None:
+        if self.log is not None:
+            self.log.warning(event, bucket=BUCKET, key=key[:200])
 
     async def close(self) -> None:
         if self._task is not None:
@@ -224,13 +236,7 @@ async def _current(kv: KeyValue, model: str) -> dict[str, Any] | None:
         entry = await kv.get(kv_key(model))
     except KeyNotFoundError:
         return None
-    if not entry.value:
-        return None
-    try:
-        value = json.loads(entry.value)
-    except ValueError:
-        return None
-    return value if isinstance(value, dict) else None
+    return _override(entry.value) if entry.value else None
 
 
 async def list_overrides(nc: NATS) -> dict[str, dict[str, Any]]:
@@ -243,6 +249,16 @@ async def list_overrides(nc: NATS) -> dict[str, dict[str, Any]]:
     for k in keys:
         with contextlib.suppress(KeyNotFoundError, ValueError):
             entry = await kv.get(k)
-            if entry.value:
-                out[model_of(k)] = json.loads(entry.value)
+            override = _override(entry.value) if entry.value else None
+            if override is not None:
+                out[model_of(k)] = override
     return out
+
+
+def _override(value: bytes) -> dict[str, Any] | None:
+    """A routing change as stored (a JSON object); None when ``value`` is not one."""
+    try:
+        obj = json.loads(value)
+    except (ValueError, RecursionError):
+        return None
+    return obj if isinstance(obj, dict) else None

@@ -41,6 +41,7 @@ class Router(Service):
     async def handle(self, msg: Msg) -> None:
         reply = reply_subject(msg)
         if not reply:
+            self.log.warning("request_without_reply_subject", subject=msg.subject)
             return
         hdrs = dict(msg.headers or {})
         model = hdrs.get(H.MODEL) or str(codec.decode_map(msg.data).get("model", ""))

@@ -26,6 +26,7 @@ from nats.aio.msg import Msg
 from bus_schemas import codec, frames, marks, subjects
 from bus_schemas import errors as E
 from bus_schemas import headers as H
+from services import tracing
 
 DEFAULT_TIMEOUT_S = 600.0
 # A stream's replica is presumed dead after this many missed heartbeats.
@@ -96,6 +97,87 @@ def _side_chunk(frame: dict[str, Any], text: str, n: int, i: int) -> Chunk:
         frame.get("rs"),
         frame.get("em"),
     )
+
+
+# A chunk's output beside its text, by wire key: the type each must have.
+_SIDE: dict[str, type] = {"tc": list, "lp": dict, "rf": str, "rs": str, "em": dict}
+
+
+def _has(d: dict[str, Any], key: str, *types: type) -> bool:
+    """``d`` holds no ``key``, or holds one of ``types`` under it."""
+    return key not in d or isinstance(d[key], types)
+
+
+def _opt(value: Any, *types: type) -> bool:
+    """``value`` is None or of one of ``types``."""
+    return value is None or isinstance(value, types)
+
+
+def _bad_tool_calls(calls: list[Any]) -> bool:
+    """Whether a tool-call delta is not an object with an int index and a string name and
+    arguments (where it has them)."""
+    for call in calls:
+        if not isinstance(call, dict) or not _has(call, "index", int):
+            return True
+        fn = call.get("function")
+        if not _opt(fn, dict) or not all(
+            _opt((fn or {}).get(k), str) for k in ("name", "arguments")
+        ):
+            return True
+    return False
+
+
+def _bad_field(frame: dict[str, Any]) -> str | None:
+    """The first field of a stream frame that is not of its type (None: none is). Only the
+    shape of what a caller reads is checked, with ``isinstance`` alone: cheap per chunk."""
+    t = frame.get("t")
+    if t == frames.CHUNK:
+        if not isinstance(frame.get("d"), str):
+            return "d"
+        if not (_has(frame, "n", int) and _has(frame, "i", int)):
+            return "n" if not _has(frame, "n", int) else "i"
+        if len(frame) <= 4:  # t, d, n, i: the common chunk
+            return None
+        bad = next((k for k, typ in _SIDE.items() if not _opt(frame.get(k), typ)), None)
+        if bad is not None:
+            return bad
+        if _bad_tool_calls(frame.get("tc") or []):
+            return "tc"
+        em = frame.get("em") or {}
+        if not (_has(em, "index", int) and _opt(em.get("embedding"), list)):
+            return "em"
+    elif t == frames.ACCEPT:
+        hb = frame.get("heartbeat_s")
+        if not _opt(hb, int, float) or (hb is not None and not 0 < hb < 3600):
+            return "heartbeat_s"
+        return next(
+            (k for k in ("replica", "rl", "adm", "tp") if not _opt(frame.get(k), str)), None
+        )
+    elif t == frames.FINAL:
+        usage, timings = frame.get("usage") or {}, frame.get("timings") or {}
+        if not _opt(frame.get("finish_reason"), str):
+            return "finish_reason"
+        if not isinstance(usage, dict) or not all(
+            _has(usage, k, int) for k in ("prompt_tokens", "completion_tokens")
+        ):
+            return "usage"
+        if not isinstance(timings, dict) or not all(
+            isinstance(k, str) and isinstance(v, int) for k, v in timings.items()
+        ):
+            return "timings"
+    elif t == frames.ERROR:
+        err = frame.get("error") or {}
+        headers = (err.get("headers") or {}) if isinstance(err, dict) else {}
+        if not isinstance(err, dict) or not (
+            _has(err, "status", int)
+            and _opt(err.get("param"), str)
+            and isinstance(headers, dict)
+            and all(isinstance(k, str) and isinstance(v, str) for k, v in headers.items())
+        ):
+            return "error"
+    elif t == frames.ALIVE and not _has(frame, "e", int):
+        return "e"
+    return None
 
 
 @dataclass(slots=True)
@@ -298,6 +380,14 @@ class Stream:
         self.t_sent_ns = 0
         self.t_first_ns = 0
         self.meta: dict[str, str | None] = {}  # what the caller wants to remember with it
+        # Tracing (only when on): the span this stream reports to (the bridge's server span,
+        # or one of its own), the replica span of the current attempt (from its accept frame)
+        # and of the one before (linked by the next replica), a migration not yet accepted.
+        self._span: Any = None
+        self._own_span = False
+        self._attempt_tp: str | None = None
+        self._trace_link: str | None = None
+        self._migrating: tuple[str | None, str, int] | None = None
 
     @property
     def trace_id(self) -> str | None:
@@ -334,6 +424,8 @@ class Stream:
         self._started = True
         now = time.time()
         if not self._deadline:
+            if tracing.on():
+                self._trace_start()
             self._deadline = now + self._timeout
             self._timer = asyncio.get_running_loop().call_later(self._timeout, self._on_deadline)
         self._started_at = time.monotonic()
@@ -351,6 +443,8 @@ class Stream:
             hdrs[H.KEEPALIVE] = "1"
         if self._extra_headers:
             hdrs.update(self._extra_headers)
+        if self._trace_link:
+            hdrs[H.TRACE_LINK] = self._trace_link
         self._client._register(self)
         self.t_sent_ns = time.time_ns()
         hdrs[H.T0] = str(self.t_sent_ns)
@@ -384,6 +478,74 @@ class Stream:
         except Exception as exc:
             self._finish()
             raise E.ServiceUnavailable(f"could not publish the request to NATS: {exc}") from None
+
+    def _trace_start(self) -> None:
+        """Find the span this stream reports to: the current one when the headers already
+        name it (the bridge's), else a client span of its own, the child of the traceparent
+        the caller gave (or of the current span), whose traceparent the request carries."""
+        extra = self._extra_headers or {}
+        given = extra.get(H.TRACEPARENT)
+        span = tracing.current()
+        if span is not None and given and given == tracing.traceparent(span):
+            self._span = span
+            return
+        op = tracing.operation(self.kind)
+        self._span = tracing.start(
+            f"{op} {self.model}",
+            extra,
+            kind=tracing.CLIENT,
+            attributes={
+                tracing.OPERATION: op,
+                tracing.MODEL: self.model,
+                tracing.REQUEST_ID: self.request_id,
+                tracing.MESSAGING_SYSTEM: "nats",
+                tracing.DESTINATION: self._subject,
+            },
+        )
+        self._own_span = True
+        self._extra_headers = {**extra, H.TRACEPARENT: tracing.traceparent(self._span)}
+
+    def _trace_accept(self, replica: str | None, tp: str | None) -> None:
+        """An attempt was accepted: a pending migration's event, now with where it went."""
+        self._attempt_tp = tp
+        if self._migrating is not None and self._span is not None:
+            src, reason, n = self._migrating
+            tracing.event(
+                self._span,
+                tracing.MIGRATION_EVENT,
+                {
+                    "tokenbus.from_replica": src,
+                    "tokenbus.to_replica": replica,
+                    tracing.ERROR_TYPE: reason,
+                    tracing.MIGRATIONS: n,
+                },
+            )
+        self._migrating = None
+
+    def _trace_end(self, err: BaseException | str | None) -> None:
+        """End the stream's own span (the bridge ends its server span itself)."""
+        span = self._span
+        if self._migrating is not None:
+            self._trace_accept(None, None)
+        if not self._own_span or span is None:
+            return
+        self._own_span = False
+        attrs: dict[str, Any] = {
+            tracing.REPLICA: self.replica,
+            tracing.MIGRATIONS: self.migrations or None,
+        }
+        if self.finish_reason:
+            attrs[tracing.FINISH_REASONS] = [self.finish_reason]
+            attrs[tracing.OUTCOME] = self.finish_reason
+        elif self._cancelled and err is None:
+            attrs[tracing.OUTCOME] = "cancelled"
+        elif err is None:
+            err = "failed"  # refused before it was sent (too large, the bus down)
+        if self.usage is not None:
+            attrs[tracing.INPUT_TOKENS] = self.usage.prompt_tokens
+            attrs[tracing.OUTPUT_TOKENS] = self.usage.completion_tokens
+        tracing.set_attributes(span, attrs)
+        tracing.end(span, err)
 
     def pending(self) -> int:
         """Frames already received and not yet consumed (a consumer behind may coalesce)."""
@@ -425,16 +587,30 @@ class Stream:
                 # send again, a few times with backoff (an ingress reconnecting, restarting).
                 if await self._resend_after_no_responders():
                     continue
-                self._finish()
+                self._finish(E.ServiceUnavailable.code)
                 raise E.ServiceUnavailable(
                     "no tokenbus ingress is listening on this NATS server; start the stack "
                     "(`tokenbus up`) or the ingress service"
                 )
-            frame = frames.decode(data)
+            try:
+                frame = frames.decode(data)
+                bad = _bad_field(frame)
+            except E.TokenbusError:
+                bad = "body"
+            if bad is not None:
+                # No frame of the protocol (a faulty or forged sender): this attempt cannot go
+                # on, another replica may continue it.
+                broken = E.EngineError(f"replica {self.replica} sent a malformed frame ({bad})")
+                if await self._migrate(broken):
+                    continue
+                self._finish(broken)
+                raise broken
             t = frame.get("t")
             if t == frames.CHUNK:
                 if not self.t_first_ns:
                     self.t_first_ns = time.time_ns()
+                    if self._span is not None:
+                        self._span.add_event(tracing.FIRST_TOKEN)
                 text, n, i = frame["d"], int(frame.get("n", 1)), int(frame.get("i", 0))
                 if i != self._next_index:
                     if i < self._next_index:
@@ -443,7 +619,7 @@ class Stream:
                     lost = E.ReplicaLost(f"frames of replica {self.replica} were lost")
                     if await self._migrate(lost):
                         continue
-                    self._finish()
+                    self._finish(lost)
                     raise lost
                 self._next_index = i + 1
                 self._got.append(text)
@@ -473,6 +649,8 @@ class Stream:
                     }
                 self._accepted_at = time.monotonic()
                 self._heartbeat_s = float(frame.get("heartbeat_s") or 1.0)
+                if self._span is not None or "tp" in frame:
+                    self._trace_accept(other, frame.get("tp"))
                 continue
             if t == frames.FINAL:
                 self.finish_reason = frame.get("finish_reason")
@@ -494,7 +672,7 @@ class Stream:
                 err = E.TokenbusError.from_dict(frame.get("error") or {})
                 if err.code in MIGRATABLE and await self._migrate(err):
                     continue
-                self._finish()
+                self._finish(err)
                 raise err
             if t == frames.ALIVE:
                 epoch = (str(frame.get("b", "")), int(frame.get("e", 0)))
@@ -503,7 +681,7 @@ class Stream:
                     lost = E.ReplicaLost(f"replica {self.replica} reconnected")
                     if await self._migrate(lost):
                         continue
-                    self._finish()
+                    self._finish(lost)
                     raise lost
                 self._epoch = epoch
                 continue
@@ -515,16 +693,18 @@ class Stream:
                 ):
                     self._resends += 1
                     continue
-                self._finish()
+                self._finish(E.ServiceUnavailable.code)
                 raise E.ServiceUnavailable(
                     "no replica accepted the request in time (the bus or a stage is failing); retry"
                 )
             # Unknown frame types from newer senders are skipped.
 
-    def _finish(self) -> None:
+    def _finish(self, err: BaseException | str | None = None) -> None:
         if not self._done:
             self._done = True
             self._client._unregister(self)
+            if self._span is not None:
+                self._trace_end(err)
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
@@ -549,6 +729,13 @@ class Stream:
         if count:
             self.migrations += 1
         old_token, old_replica = self.token, self.replica
+        # The next replica's span links the one that served this attempt (when it traces).
+        served = self._attempt_tp
+        self._trace_link = served or self._trace_link
+        self._attempt_tp = None
+        if self._span is not None and count:
+            self._migrating = (old_replica, err.code, self.migrations)
+            tracing.link(self._span, served, {"tokenbus.link": "migrated_from"})
         self._client._unregister(self)
         if old_replica:  # if it is alive after all, it must stop
             await self._client._send_cancel(old_replica, old_token, self.request_id)
@@ -700,7 +887,7 @@ class Caller:
             rid = str(hb["replica"])
             self._beats[rid] = (time.monotonic(), float(hb["interval_s"]))
             epoch = (str(hb.get("boot", "")), int(hb.get("epoch", 0)))
-        except (E.TokenbusError, KeyError, TypeError, ValueError):
+        except (E.TokenbusError, KeyError, TypeError, ValueError, RecursionError):
             return
         if self._epochs.get(rid, epoch) != epoch:
             # The replica's connection broke and came back (or it restarted): frames of its
@@ -823,11 +1010,13 @@ class Caller:
         tok = msg.subject.rpartition(".")[2]
         if tok == subjects.INBOX_BATCH_TOKEN:
             try:
-                items = frames.decode(msg.data).get("f") or ()
+                items = frames.decode(msg.data).get("f")
             except E.TokenbusError:
                 return
-            for item in items:
-                await self._deliver(str(item[0]), None, item[1])
+            for item in items if isinstance(items, list) else ():
+                # ``[stream token, frame]``; anything else is no frame of ours.
+                if isinstance(item, list) and len(item) == 2 and isinstance(item[1], bytes):
+                    await self._deliver(str(item[0]), None, item[1])
             return
         await self._deliver(tok, msg.headers, msg.data)
 

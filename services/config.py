@@ -333,6 +333,29 @@ class TelemetrySettings(BaseModel):
     max_buffer: int = Field(
         default=50_000, ge=1, description="Records buffered at most; beyond, new ones drop."
     )
+    probe_interval_s: float = Field(
+        default=5.0,
+        ge=0,
+        description="How often the service probes the bus (NATS round trip, services answering "
+        "$SRV.PING, the key store) for the health metrics; 0: never.",
+    )
+
+
+class ResponsesSettings(BaseModel):
+    """Stored responses of the Responses API (``POST /v1/responses`` with ``store``), kept in
+    a JetStream KV bucket (docs/responses.md)."""
+
+    ttl_s: float = Field(
+        default=30 * 86400.0,
+        gt=0,
+        description="A stored response is deleted this long after it was made (OpenAI keeps "
+        "them 30 days).",
+    )
+    max_bytes: int = Field(
+        default=1 << 30,
+        ge=1 << 20,
+        description="The bucket's size bound: past it the oldest responses are dropped first.",
+    )
 
 
 class UpSettings(BaseModel):
@@ -407,6 +430,7 @@ class Settings(BaseSettings):
     worker: WorkerSettings = Field(default_factory=WorkerSettings)
     up: UpSettings = Field(default_factory=UpSettings)
     telemetry: TelemetrySettings = Field(default_factory=TelemetrySettings)
+    responses: ResponsesSettings = Field(default_factory=ResponsesSettings)
 
     @classmethod
     def settings_customise_sources(

@@ -7,6 +7,8 @@ import sys
 
 import structlog
 
+from services import tracing
+
 _LEVELS = {
     "debug": logging.DEBUG,
     "info": logging.INFO,
@@ -27,6 +29,7 @@ def setup(level: str = "info", *, json: bool = True) -> None:
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
+            add_trace_ids,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             *tracebacks,
@@ -41,6 +44,20 @@ def setup(level: str = "info", *, json: bool = True) -> None:
     # asyncio's TLS transport warns on every NATS TLS connection's close that nats-py's
     # protocol asks to keep the socket half open, which TLS cannot: noise, not a fault.
     logging.getLogger("asyncio").addFilter(_NoEofWarning())
+
+
+def add_trace_ids(
+    logger: object, method: str, event: structlog.typing.EventDict
+) -> structlog.typing.EventDict:
+    """The trace and span ids of the current span, when this process traces (one flag read
+    when it does not)."""
+    if tracing.on():
+        ids = tracing.current_ids()
+        if ids is not None:
+            if not event.get("trace_id"):
+                event["trace_id"] = ids[0]
+            event.setdefault("span_id", ids[1])
+    return event
 
 
 class _NoEofWarning(logging.Filter):

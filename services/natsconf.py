@@ -5,7 +5,7 @@ the bridge, which admits each request in-process before routing it) may publish 
 subjects; workers may only publish replies, heartbeats, usage and
 telemetry. So nobody can go around ingress, auth and the rate limits by talking to a worker
 directly. The audit trail (:mod:`services.audit`) is written by the bridge and the admin
-role; clients, workers, ingress, filter and telemetry can neither write nor read it, and no
+role; clients, workers, filter and telemetry can neither write nor read it, and no
 role but admin may delete it or change its limits. ``tokenbus nats-config`` writes the
 config and a secrets file (mode 0600) with a random password per role; services read theirs
 from ``TOKENBUS_NATS_USER`` and ``TOKENBUS_NATS_PASSWORD``.
@@ -19,7 +19,7 @@ import secrets
 from pathlib import Path
 from typing import Any
 
-from bus_schemas.subjects import PREFIX, audit_wildcard
+from bus_schemas.subjects import PREFIX, audit_wildcard, inbox_prefix
 from services import natsjwt
 from services.audit import STREAM as AUDIT_STREAM
 from services.tlsfiles import TLS_FILE, TlsFiles
@@ -55,7 +55,9 @@ ROLES: dict[str, tuple[list[str], list[str]]] = {
         [REQ, STAGES, ENGINE, CANCEL, INBOX, TELEMETRY, AUDIT, *USAGE, *JS_API],
         [INBOX, HEARTBEAT, DISCOVERY, *USAGE],
     ),
-    "ingress": ([STAGES, INBOX], [REQ, INBOX, DISCOVERY]),
+    # KV: ingress keeps NATS clients' stored Responses API responses (tokenbus_responses)
+    # and checks their keys (tokenbus_keys) as the bridge does.
+    "ingress": ([STAGES, INBOX, *JS_API], [REQ, INBOX, DISCOVERY]),
     "auth": ([STAGES, INBOX, *JS_API], [f"{PREFIX}.stage.auth", INBOX, DISCOVERY, ADMIN]),
     "ratelimit": (
         [STAGES, INBOX, *USAGE, *JS_API],
@@ -68,7 +70,12 @@ ROLES: dict[str, tuple[list[str], list[str]]] = {
         [f"{PREFIX}.stage.route", HEARTBEAT, INBOX, DISCOVERY],
     ),
     "worker": ([HEARTBEAT, *USAGE, TELEMETRY, INBOX], [ENGINE, CANCEL, DISCOVERY]),
-    "telemetry": ([INBOX], [TELEMETRY, HEARTBEAT, *USAGE, DISCOVERY]),
+    # The telemetry service's probes of the bus (docs/telemetry.md): a discovery ping, the
+    # key store's stream state (no key is read), the answers under its own inbox root only.
+    "telemetry": (
+        [INBOX, "$SRV.PING", "$JS.API.STREAM.INFO.KV_tokenbus_keys"],
+        [TELEMETRY, HEARTBEAT, *USAGE, DISCOVERY, f"{inbox_prefix('telemetry')}.>"],
+    ),
     "admin": ([">"], [">"]),
 }
 

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import signal
 import ssl
 import time
@@ -32,6 +33,7 @@ from bus_schemas import errors as E
 from bus_schemas import frames, marks, subjects
 from bus_schemas import headers as H
 from services import logging as tlog
+from services import natsclient, tracing, usage
 from services.config import Settings
 from services.discovery import Discovery, EndpointStats
 
@@ -42,6 +44,16 @@ _BOUNCE_TTL_S = 10.0
 
 VERSION = "0.1.0"
 
+# What nats-py writes as a header name (an HTTP token). The server passes any bytes, so a
+# message may name others; a stage forwarding its headers could then not publish at all.
+_HEADER_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+# What a reply subject from a header may be: tokens without whitespace or wildcards, of an
+# inbox's length (a subject past the server's 4 KiB command line would close the connection).
+_REPLY = re.compile(r"[^\s.*>]+(?:\.[^\s.*>]+)*")
+MAX_REPLY_LEN = 512
+# A stage name from a routing slip: one subject token.
+_STAGE_NAME = re.compile(r"[A-Za-z0-9_\-]{1,64}")
+
 
 def reply_subject(msg: Msg, *, trust_header: bool = True) -> str | None:
     """Where a request's frames go: the caller's inbox, carried in a header when the message
@@ -51,7 +63,8 @@ def reply_subject(msg: Msg, *, trust_header: bool = True) -> str | None:
     if hdrs and trust_header:
         r = hdrs.get(H.REPLY_TO)
         if r:
-            return r
+            # A header can say anything; only an inbox-like subject is one to publish to.
+            return r if len(r) <= MAX_REPLY_LEN and _REPLY.fullmatch(r) else None
     return msg.reply or None
 
 
@@ -128,7 +141,7 @@ async def connect(
         log.warning("nats_error", error=str(exc))
 
     attempt = asyncio.ensure_future(
-        nats.connect(
+        natsclient.connect(
             servers(url),
             name=name,
             max_reconnect_attempts=-1,
@@ -184,6 +197,10 @@ class Service:
     # Whether it forwards requests to the next stage (:meth:`forward`), and so needs the
     # inbox where "no responders" come back; roles that never forward may not subscribe it.
     forwards = True
+    # Whether a request this service ends with an error gives its rate-limit slot and token
+    # reservation back (:mod:`services.usage`): true for every stage before the engine; the
+    # worker reports what the engine used itself.
+    releases_usage = True
 
     def __init__(self, settings: Settings, *, nc: NATS | None = None) -> None:
         self.settings = settings
@@ -261,7 +278,16 @@ class Service:
         """
         token = self._remember_caller(reply, subject)
         hdrs[H.REPLY_TO] = reply
-        await self.nc.publish(subject, data, reply=f"{self._bounce_prefix}.{token}", headers=hdrs)
+        try:
+            await self.nc.publish(
+                subject, data, reply=f"{self._bounce_prefix}.{token}", headers=hdrs
+            )
+        except nats.errors.MaxPayloadError:
+            self._bounces.pop(token, None)
+            raise E.PayloadTooLarge(
+                "the request does not fit in one bus message with the stages' headers; "
+                "send a smaller one"
+            ) from None
 
     def _remember_caller(self, reply: str, subject: str) -> str:
         """Keep ``reply`` for a bounce from ``subject`` under a new token, which is returned;
@@ -277,8 +303,11 @@ class Service:
         """Pass a request to the next stage of its routing slip (the router when none left)."""
         reply = reply_subject(msg, trust_header=self.trust_reply_header)
         if not reply:
+            self.log.warning("request_without_reply_subject", subject=msg.subject)
             return
         nxt = _pop_next_stage(hdrs)
+        if not _STAGE_NAME.fullmatch(nxt):
+            raise E.InvalidRequest(f"the routing slip names no stage: {nxt[:64]!r}")
         marks.append(hdrs, self.name)
         await self.forward(subjects.stage(nxt), data, hdrs, reply)
 
@@ -394,12 +423,18 @@ class Service:
         """Handle one request: failures go back to the caller, the outcome into ``stats``."""
         t = time.perf_counter_ns()
         err: str | None = None
+        self._drop_unwritable_headers(msg)
+        span = self._hop_span(msg) if tracing.on() else None
+        token = tracing.activate(span)
         try:
             self._refuse_if_expired(msg)
             await handler(msg)
         except E.TokenbusError as exc:
             err = exc.code
             await self.reply_error(msg, exc)
+            if self.releases_usage and msg.headers and H.RATELIMIT in msg.headers:
+                # Admitted by a limiter, ended here before any engine ran it.
+                await usage.report(self.nc, msg.headers, msg.headers.get(H.REQUEST_ID, ""))
         except asyncio.CancelledError:
             err = "cancelled"
             await self.reply_error(msg, self.interrupted_error())
@@ -412,6 +447,42 @@ class Service:
             )
         finally:
             stats.record(time.perf_counter_ns() - t, err)
+            if span is not None:
+                tracing.end(span, err)
+                tracing.deactivate(token)
+
+    def _hop_span(self, msg: Msg) -> Any:
+        """This hop's span, the child of the traceparent ``msg`` carries (a root without
+        one), made the parent of the next hop: the headers the handler forwards are copied
+        from ``msg``'s, whose traceparent now names this span."""
+        hdrs = msg.headers if msg.headers is not None else {}
+        span = tracing.start(
+            self.name,
+            hdrs,
+            kind=tracing.CONSUMER,
+            attributes={
+                tracing.STAGE: self.name,
+                tracing.MESSAGING_SYSTEM: "nats",
+                tracing.DESTINATION: msg.subject,
+                tracing.REQUEST_ID: hdrs.get(H.REQUEST_ID),
+                tracing.MODEL: hdrs.get(H.MODEL),
+                tracing.KEY_ID: hdrs.get(H.PRINCIPAL),
+            },
+        )
+        tracing.inject(span, hdrs)
+        msg.headers = hdrs
+        return span
+
+    def _drop_unwritable_headers(self, msg: Msg) -> None:
+        """Drop header names nats-py cannot write (the request goes on without them)."""
+        hdrs = msg.headers
+        if hdrs and not all(_HEADER_NAME.fullmatch(k) for k in hdrs):
+            msg.headers = {k: v for k, v in hdrs.items() if _HEADER_NAME.fullmatch(k)}
+            self.log.warning(
+                "bad_header_names_dropped",
+                subject=msg.subject,
+                dropped=len(hdrs) - len(msg.headers),
+            )
 
     def _refuse_if_expired(self, msg: Msg) -> None:
         """Raise :class:`E.Timeout` when ``msg``'s deadline passed (and this service checks)."""
@@ -459,6 +530,17 @@ def stop_event() -> asyncio.Event:
 async def serve_until_signalled(service: Service) -> None:
     """Run ``service`` until SIGTERM/SIGINT, then drain it. A signal while it is still
     starting (waiting for NATS, loading an engine) stops it there."""
+    # Tracing, when the OTEL_* environment asks for it: this process's spans are named after
+    # the service; what is buffered is exported once the service has drained.
+    tracing.setup(service.name, service.id)
+    try:
+        await _serve(service)
+    finally:
+        if tracing.on():
+            await asyncio.to_thread(tracing.shutdown)
+
+
+async def _serve(service: Service) -> None:
     stop = stop_event()
     starting = asyncio.ensure_future(service.start())
     signalled = asyncio.ensure_future(stop.wait())

@@ -4,115 +4,43 @@
 group ``telemetry`` (run several: each record reaches one of them), heartbeats feed the
 per-replica load gauges. Records are buffered (bounded: beyond ``max_buffer`` new ones are
 counted as dropped, never blocking anything) and written in batches off the event loop.
+
+Every ``probe_interval_s`` it also looks at the bus the way an operator would: the round trip
+to the NATS server, which tokenbus services answer a ``$SRV.PING`` (a service that lost its
+connection stops answering), and whether the API-key store's stream answers. The answers come
+back under the service's own inbox root, the one subject tree the locked bus lets the
+telemetry role read besides records and heartbeats.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
+import json
 from typing import Any
 
 from nats.aio.msg import Msg
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import start_http_server
 
 from bus_schemas import codec, subjects
+from services.discovery import API_PREFIX
 from services.runtime import Service
 from telemetry import records
+from telemetry.metrics import Metrics
 from telemetry.store import RecordStore
 
-_LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+__all__ = ["INBOX_ROOT", "KEYS_INFO", "PING", "Metrics", "Telemetry"]
 
-
-class Metrics:
-    """The aggregate metrics (own registry; labels: model, replica, stage, source, outcome —
-    never a key or a request id)."""
-
-    def __init__(self) -> None:
-        r = self.registry = CollectorRegistry()
-        lab = ["model", "source"]
-        self.ttft = Histogram(
-            "tokenbus_ttft_seconds", "Time to first token", lab, registry=r, buckets=_LATENCY
-        )
-        self.tbt = Histogram(
-            "tokenbus_tbt_seconds", "Mean time between tokens", lab, registry=r, buckets=_LATENCY
-        )
-        self.e2e = Histogram(
-            "tokenbus_e2e_seconds", "End-to-end latency", lab, registry=r, buckets=_LATENCY
-        )
-        self.gateway = Histogram(
-            "tokenbus_gateway_latency_seconds",
-            "Gateway share of the latency: (t2 - t0) + (t5 - t3)",
-            lab,
-            registry=r,
-            buckets=_LATENCY,
-        )
-        self.engine = Histogram(
-            "tokenbus_engine_latency_seconds",
-            "Engine time to first token (t3 - t2)",
-            ["model", "replica"],
-            registry=r,
-            buckets=_LATENCY,
-        )
-        self.stage = Histogram(
-            "tokenbus_stage_seconds",
-            "Time in each pipeline stage",
-            ["stage"],
-            registry=r,
-            buckets=_LATENCY,
-        )
-        self.requests = Counter(
-            "tokenbus_requests_total",
-            "Requests by outcome",
-            ["model", "source", "outcome"],
-            registry=r,
-        )
-        self.tokens = Counter(
-            "tokenbus_tokens_total", "Tokens in and out", ["model", "direction"], registry=r
-        )
-        self.migrations = Counter(
-            "tokenbus_migrations_total", "Streams moved to another replica", ["model"], registry=r
-        )
-        self.in_flight = Gauge(
-            "tokenbus_replica_in_flight", "Requests on a replica", ["model", "replica"], registry=r
-        )
-        self.running = Gauge(
-            "tokenbus_replica_running", "Sequences running", ["model", "replica"], registry=r
-        )
-        self.waiting = Gauge(
-            "tokenbus_replica_waiting", "Sequences waiting", ["model", "replica"], registry=r
-        )
-        self.dropped = Counter(
-            "tokenbus_telemetry_dropped_total", "Records dropped (buffer full)", registry=r
-        )
-
-    def observe(self, rec: dict[str, Any]) -> None:
-        model, source = str(rec.get("model") or ""), str(rec.get("source") or "")
-        self.requests.labels(model, source, str(rec.get("outcome") or "")).inc()
-        for hist, key in (
-            (self.ttft, "ttft_ms"),
-            (self.tbt, "tbt_ms"),
-            (self.e2e, "e2e_ms"),
-            (self.gateway, "gateway_ms"),
-        ):
-            v = rec.get(key)
-            if isinstance(v, int | float):
-                hist.labels(model, source).observe(v / 1000.0)
-        if source == "worker":  # counted once per request: every request has a worker record
-            eng = rec.get("engine_ms")
-            if isinstance(eng, int | float):
-                self.engine.labels(model, str(rec.get("replica") or "")).observe(eng / 1000.0)
-            for stage, ms in (rec.get("stages") or {}).items():
-                self.stage.labels(str(stage)).observe(float(ms) / 1000.0)
-            self.tokens.labels(model, "in").inc(int(rec.get("prompt_tokens") or 0))
-            self.tokens.labels(model, "out").inc(int(rec.get("completion_tokens") or 0))
-            if rec.get("migrations"):
-                self.migrations.labels(model).inc()
-
-    def heartbeat(self, hb: dict[str, Any]) -> None:
-        model, replica = str(hb.get("model", "")), str(hb.get("replica", ""))
-        self.in_flight.labels(model, replica).set(int(hb.get("in_flight", 0)))
-        self.running.labels(model, replica).set(int(hb.get("running", 0)))
-        self.waiting.labels(model, replica).set(int(hb.get("waiting", 0)))
+# The JetStream stream behind the API-key bucket (auth.store.BUCKET, "tokenbus_keys"; an actor
+# may not import another, tests/test_layers.py): its STREAM.INFO is the key store's probe, a
+# read of the stream's state that sees no key.
+KEYS_INFO = "$JS.API.STREAM.INFO.KV_tokenbus_keys"
+PING = f"{API_PREFIX}.PING"
+# Where the probes' answers come back (services/natsconf.py lets the telemetry role read it).
+INBOX_ROOT = subjects.inbox_prefix("telemetry")
+_STREAM_NOT_FOUND = 10059  # JetStream's error code for it
+_SERVICE_PREFIX = "tokenbus-"  # discovery names: "tokenbus-<service>" (services.runtime)
 
 
 class Telemetry(Service):
@@ -137,7 +65,13 @@ class Telemetry(Service):
             ),
             await self.nc.subscribe(subjects.heartbeat_wildcard(), cb=self._on_heartbeat),
         ]
-        self._flusher = asyncio.get_running_loop().create_task(self._flush_loop())
+        loop = asyncio.get_running_loop()
+        self._flusher = loop.create_task(self._flush_loop())
+        self.metrics.health.nc = self.nc
+        self._inbox = f"{INBOX_ROOT}.{self.id}"
+        self._seq = itertools.count()
+        self._blind_logged = False
+        self._prober = loop.create_task(self._probe_loop()) if cfg.probe_interval_s else None
         self.http: Any = None
         if cfg.metrics_port:
             self.http = start_http_server(
@@ -150,7 +84,11 @@ class Telemetry(Service):
             rec = codec.decode_map(msg.data)
         except Exception:
             return
-        self.metrics.observe(rec)
+        try:
+            self.metrics.observe(rec)
+        except (AttributeError, TypeError, ValueError) as exc:  # a field of the wrong type
+            self.log.warning("bad_record_dropped", subject=msg.subject, error=str(exc)[:200])
+            return
         if len(self.buffer) >= self.cfg.max_buffer:
             self.metrics.dropped.inc()
             return
@@ -174,11 +112,88 @@ class Telemetry(Service):
             except Exception as exc:
                 self.log.warning("telemetry_write_failed", error=str(exc))
 
+    async def _probe_loop(self) -> None:
+        while True:
+            try:
+                await self.probe()
+            except Exception as exc:
+                self.log.warning("telemetry_probe_failed", error=str(exc))
+            await asyncio.sleep(self.cfg.probe_interval_s)
+
+    async def probe(self) -> None:
+        """One look at the bus: the server's round trip, the services answering discovery
+        (those seen before and silent now count 0), the key store's stream."""
+        health = self.metrics.health
+        if not self.nc.is_connected:
+            health.rtt_s = None
+            return
+        wait = min(1.0, self.cfg.probe_interval_s / 2) or 0.5  # answers come within ms
+        health.rtt_s = await self.nc.rtt(timeout=max(1, round(wait)))
+        seen: dict[str, set[str]] = {}
+        for data in await self._ask(PING, wait):
+            with contextlib.suppress(ValueError, AttributeError):
+                info = json.loads(data)
+                name = str(info.get("name", ""))
+                if name.startswith(_SERVICE_PREFIX):
+                    seen.setdefault(name.removeprefix(_SERVICE_PREFIX), set()).add(
+                        str(info.get("id", ""))
+                    )
+        if self.id not in seen.get(self.name, set()):
+            # Not even this service answered its own ping: the probes cannot see (a bus config
+            # from before the telemetry role could probe). Zeros would be false alarms.
+            health.services, health.keystore_up = {}, None
+            if not self._blind_logged:
+                self._blind_logged = True
+                self.log.warning(
+                    "telemetry_probe_blind",
+                    hint="the NATS config lacks the telemetry role's probe permissions "
+                    "(docs/telemetry.md): regenerate it (tokenbus nats-config / deploy init)",
+                )
+            return
+        health.services = dict.fromkeys(health.services, 0) | {
+            name: len(ids) for name, ids in seen.items()
+        }
+        up: float | None = 0.0  # no answer in time, no JetStream, no leader: unreachable
+        for data in await self._ask(KEYS_INFO, wait, first=True):
+            with contextlib.suppress(ValueError, AttributeError):
+                info = json.loads(data)
+                err = info.get("error")
+                if err is None:
+                    up = float("config" in info)
+                elif err.get("err_code") == _STREAM_NOT_FOUND:
+                    up = None  # no key store on this bus (no auth stage yet): nothing to watch
+        health.keystore_up = up
+        health.probes += 1
+
+    async def _ask(self, subject: str, wait: float, *, first: bool = False) -> list[bytes]:
+        """Publish to ``subject`` and collect the answers for ``wait`` seconds (or until the
+        first, with ``first``), on an inbox under :data:`INBOX_ROOT`."""
+        inbox = f"{self._inbox}.{next(self._seq)}"
+        got: list[bytes] = []
+        done = asyncio.Event()
+
+        async def cb(msg: Msg) -> None:
+            got.append(msg.data)
+            if first:
+                done.set()
+
+        sub = await self.nc.subscribe(inbox, cb=cb)
+        try:
+            await self.nc.publish(subject, b"", reply=inbox)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(done.wait(), wait)
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+        return got
+
     async def on_stop(self) -> None:
         for sub in self._subs:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
         self._flusher.cancel()
+        if self._prober is not None:
+            self._prober.cancel()
         with contextlib.suppress(Exception):
             await self.flush()
         if self.http is not None:

@@ -54,6 +54,32 @@ CREATE INDEX IF NOT EXISTS requests_ts ON requests(ts_ns);
 """
 
 
+def _row(r: dict[str, Any]) -> tuple[Any, ...] | None:
+    """``r`` as a row; None when it has no request id or a value SQLite cannot take (one
+    such record would fail the whole batch it is written with)."""
+    if not r.get("request_id"):
+        return None
+    row: list[Any] = []
+    for c in COLUMNS:
+        v = r.get(c)
+        if c in _JSON and v is not None:
+            try:
+                v = json.dumps(v)
+            except (TypeError, ValueError, RecursionError):
+                return None
+        elif not _scalar(v):
+            return None
+        row.append(v)
+    return tuple(row)
+
+
+def _scalar(v: Any) -> bool:
+    """Whether SQLite stores ``v`` as it is (integers up to 64 bits)."""
+    if isinstance(v, int):
+        return -(2**63) <= v < 2**63
+    return v is None or isinstance(v, str | float)
+
+
 class RecordStore:
     """The SQLite store (one writer: the telemetry service; readers: ``tokenbus report``)."""
 
@@ -77,16 +103,7 @@ class RecordStore:
 
     def write(self, recs: Iterable[dict[str, Any]]) -> int:
         """Insert or merge records (by request id); trims the oldest beyond ``max_rows``."""
-        rows = []
-        for r in recs:
-            if not r.get("request_id"):
-                continue
-            rows.append(
-                tuple(
-                    json.dumps(r.get(c)) if c in _JSON and r.get(c) is not None else r.get(c)
-                    for c in COLUMNS
-                )
-            )
+        rows = [row for r in recs if (row := _row(r)) is not None]
         if not rows:
             return 0
         cols = ", ".join(COLUMNS)

@@ -149,6 +149,66 @@ def test_the_generated_configs_are_accepted_by_nats_server(tmp_path: Path) -> No
         assert r.returncode == 0, (name, r.stdout, r.stderr)
 
 
+def test_the_observability_profile_runs_prometheus_grafana_and_jaeger_provisioned() -> None:
+    """`--profile observability` (docs/telemetry.md): every file it mounts is in the tree, and
+    what they point at fits together: Prometheus's jobs reach the telemetry service and the
+    bridges and load the alert rules, Grafana's data sources and dashboard provider find what
+    compose mounts, exemplars link to the Jaeger that receives the services' OTLP."""
+    doc = _load("docker-compose.yml")
+    svcs = doc["services"]
+    extra = {"prometheus", "grafana", "jaeger"}
+    for name in extra:
+        svc = svcs[name]
+        assert svc["profiles"] == ["observability"], name
+        assert all(p.startswith("127.0.0.1:") for p in svc.get("ports", [])), name
+        for vol in svc.get("volumes", []):
+            src = vol.split(":")[0]
+            if src.startswith("."):
+                assert (COMPOSE / src).resolve().exists(), (name, vol)
+    assert not any(svcs[n].get("profiles") for n in _tokenbus_services(doc))  # the stack runs
+    prom = svcs["prometheus"]
+    assert "--enable-feature=exemplar-storage" in prom["command"]
+    assert "--config.file=/etc/prometheus/prometheus.yml" in prom["command"]
+    assert "../deploy/prometheus:/etc/prometheus:ro" in prom["volumes"]
+    cfg = yaml.safe_load((ROOT / "deploy" / "prometheus" / "prometheus.yml").read_text())
+    assert all((ROOT / "deploy" / "prometheus" / f).is_file() for f in cfg["rule_files"])
+    targets = {
+        j["job_name"]: (d["names"], d["port"]) for j in cfg["scrape_configs"]
+        for d in j["dns_sd_configs"]
+    }  # fmt: skip
+    telemetry_port = int(svcs["telemetry"]["ports"][0].rsplit(":", 1)[1])
+    assert targets == {"telemetry": (["telemetry"], telemetry_port), "bridge": (["bridge"], 8000)}
+    assert svcs["telemetry"]["environment"]["TOKENBUS_TELEMETRY__METRICS_HOST"] == "0.0.0.0"
+    # Grafana: its data sources, and the dashboard where the provider looks for it.
+    grafana = svcs["grafana"]
+    mounts = dict(v.split(":")[:2] for v in grafana["volumes"])
+    prov = ROOT / "deploy" / "grafana" / "provisioning"
+    assert mounts["../deploy/grafana/provisioning"] == "/etc/grafana/provisioning"
+    (provider,) = yaml.safe_load((prov / "dashboards" / "tokenbus.yml").read_text())["providers"]
+    dashboard = mounts["../deploy/grafana/tokenbus.json"]
+    assert dashboard.rsplit("/", 1)[0] == provider["options"]["path"]
+    assert grafana["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"] == dashboard
+    sources = yaml.safe_load((prov / "datasources" / "tokenbus.yml").read_text())["datasources"]
+    by_uid = {s["uid"]: s for s in sources}
+    assert by_uid["prometheus"]["url"] == "http://prometheus:9090"
+    (link,) = by_uid["prometheus"]["jsonData"]["exemplarTraceIdDestinations"]
+    assert link["name"] == "trace_id" and by_uid[link["datasourceUid"]]["type"] == "jaeger"
+    assert by_uid["jaeger"]["url"] == "http://jaeger:16686"
+    # Traces: the services export OTLP where TOKENBUS_OTLP_ENDPOINT says (Jaeger's 4318).
+    assert svcs["jaeger"]["environment"]["COLLECTOR_OTLP_ENABLED"] == "true"
+    for name, svc in _tokenbus_services(doc).items():
+        env = svc["environment"]
+        assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "${TOKENBUS_OTLP_ENDPOINT:-}", name
+    tool = shutil.which("docker-compose")
+    if tool is not None:
+        r = subprocess.run(
+            [tool, "-f", str(COMPOSE / "docker-compose.yml"), "--profile", "observability",
+             "config", "-q"],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert r.returncode == 0, r.stderr
+
+
 def test_the_compose_files_pass_the_compose_schema() -> None:
     """docker-compose validates against the compose specification's schema."""
     tool = shutil.which("docker-compose")

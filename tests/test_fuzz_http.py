@@ -4,6 +4,7 @@ OpenAI's shape, and every service still serving afterwards."""
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -47,6 +48,9 @@ bodies = st.one_of(
     json_values,
     st.binary(max_size=200),
 )
+# `make fuzz` raises the examples (docs/fuzzing.md); `make test` runs these floors.
+EXAMPLES = int(os.environ.get("TOKENBUS_FUZZ_EXAMPLES") or 0)
+
 latin1 = st.text(st.characters(min_codepoint=32, max_codepoint=126), max_size=80)
 keys = st.one_of(
     st.none(),
@@ -93,7 +97,7 @@ def _check(r: httpx.Response) -> None:
 
 
 @settings(
-    max_examples=150,
+    max_examples=max(150, EXAMPLES),
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
@@ -131,7 +135,7 @@ _raw_values = st.one_of(
 
 
 @settings(
-    max_examples=60,
+    max_examples=max(60, EXAMPLES // 4),
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )

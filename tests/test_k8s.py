@@ -4,10 +4,11 @@ Every overlay is rendered with ``kubectl kustomize`` (the kubectl of the ``kubec
 dev dependency, beside this Python) from a copy of deploy/k8s whose bus folder is filled by
 ``tokenbus deploy init``, as docs/kubernetes.md says; every rendered object is validated
 strictly against the Kubernetes schemas of :data:`K8S_VERSION`; KEDA's ScaledObject and the
-Prometheus operator's ServiceMonitor, which those schemas do not know, are checked field by
-field. Then what matters to tokenbus: commands the CLI takes, probes, resources, non-root
-users, one role's login per Deployment, drain times, GPUs per TP group, disruption budgets,
-the autoscaler's target and metrics, and the NATS chart's values. No cluster is needed.
+Prometheus operator's ServiceMonitor and PrometheusRule, which those schemas do not know, are
+checked field by field. Then what matters to tokenbus: commands the CLI takes, probes,
+resources, non-root users, one role's login per Deployment, drain times, GPUs per TP group,
+disruption budgets, the autoscaler's target and metrics, the alert rules, and the NATS chart's
+values. No cluster is needed.
 """
 
 from __future__ import annotations
@@ -581,6 +582,39 @@ def test_the_service_monitor_scrapes_the_telemetry_service(
     assert _selects(sm["spec"]["selector"], svc["metadata"]["labels"])
     ports = {p["name"] for p in svc["spec"]["ports"]}
     assert [e["port"] for e in sm["spec"]["endpoints"]] == ["metrics"] and "metrics" in ports
+
+
+def test_the_alert_rules_are_the_compose_ones_on_metrics_telemetry_exports(tree: Path) -> None:
+    docs = _kustomize_with_component(tree, "alerts")
+    (rule,) = _of(docs, "PrometheusRule").values()
+    assert rule["apiVersion"] == "monitoring.coreos.com/v1"
+    assert rule["metadata"]["namespace"] == NAMESPACE
+    compose = yaml.safe_load((ROOT / "deploy" / "prometheus" / "alerts.yml").read_text())
+    assert rule["spec"]["groups"] == compose["groups"]  # one set of rules, two packagings
+    assert set(rule["spec"]) == {"groups"}
+    exported = set()
+    for family in _telemetry_metric_families():
+        suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count")}
+        exported.update(family.name + s for s in suffixes.get(family.type, ("",)))
+    # job="telemetry": the job the service monitor's scrape of Service "telemetry" gets.
+    assert _one(_kustomize_with_component(tree, "servicemonitor"), "Service", "telemetry")
+    for group in rule["spec"]["groups"]:
+        for r in group["rules"]:
+            assert set(r) <= {"alert", "expr", "for", "labels", "annotations"}, r
+            assert r["labels"]["severity"] in ("warning", "critical")
+            used = set(re.findall(r"\b(tokenbus_[a-z_]+)\b", r["expr"]))
+            assert used <= exported, (r["alert"], sorted(used - exported))
+            if "up{" in r["expr"]:
+                assert 'job="telemetry"' in r["expr"]
+
+
+def _telemetry_metric_families() -> list[Any]:
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from telemetry.service import Metrics
+
+    return list(text_string_to_metric_families(generate_latest(Metrics().registry).decode()))
 
 
 def _kustomize_with_component(tree: Path, component: str) -> list[Doc]:

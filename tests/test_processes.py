@@ -179,6 +179,7 @@ async def test_status_lists_replicas_and_load(procs: Procs, model: str) -> None:
             "pool": "big",
             "draining": False,
             "endpoints": ["chat", "completions", "embeddings"],
+            "max_model_len": 10**9,  # the suite's sim context (tests/conftest.py)
         }
     ]
     table = run_cli("--nats-url", procs.url, "status", timeout=30, check=True).stdout

@@ -26,7 +26,12 @@ from bus_schemas import errors as E
 from engine_worker import backends
 from engine_worker.backends import vllm_serving as vs
 from engine_worker.backends.base import Delta, GenerationRequest
-from engine_worker.backends.vllm_backend import MULTIPROC_ENV, VLLMBackend, pin_gpus
+from engine_worker.backends.vllm_backend import (
+    MULTIPROC_ENV,
+    OTLP_PROTOCOL_ENV,
+    VLLMBackend,
+    pin_gpus,
+)
 from services.config import VLLMSettings, WorkerSettings
 
 try:  # tests/ is a package when run from the repo root with rootdir on sys.path
@@ -549,6 +554,60 @@ async def test_generate_before_start_is_an_engine_error() -> None:
 
 
 # -- stream decoding ------------------------------------------------------------------------
+# -- tracing: the trace context handed on to vLLM's own tracing ------------------------------
+TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+
+
+def _tracing_env(monkeypatch: pytest.MonkeyPatch, endpoint: str | None) -> None:
+    """Tracing configured (or not) by the standard variables; vLLM's protocol variable,
+    which start() may set, restored afterwards."""
+    for var in ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_TRACES_EXPORTER", "OTEL_SDK_DISABLED"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv(OTLP_PROTOCOL_ENV, "x")
+    monkeypatch.delenv(OTLP_PROTOCOL_ENV)
+    if endpoint is None:
+        monkeypatch.delenv("OTEL_EXPORTER_OTLP_ENDPOINT", raising=False)
+    else:
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint)
+
+
+async def test_traced_requests_hand_their_traceparent_to_vllm_generate(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _tracing_env(monkeypatch, "http://127.0.0.1:4318")
+    b, fake = await started()
+    # vLLM traces to the same collector, over the same protocol as tokenbus.
+    assert fake.engine.vllm_config.observability_config.otlp_traces_endpoint == (
+        "http://127.0.0.1:4318/v1/traces"
+    )
+    assert os.environ[OTLP_PROTOCOL_ENV] == "http/protobuf"
+    for req in (chat(), completion()):
+        req.trace_headers = {"traceparent": TRACEPARENT}
+        await collect(b.generate(req))
+        assert last_request(fake)["trace_headers"] == {"traceparent": TRACEPARENT}
+    plain = chat(rid="c2")  # a request the worker did not trace: nothing handed on
+    await collect(b.generate(plain))
+    assert last_request(fake)["trace_headers"] is None
+
+
+async def test_untraced_worker_leaves_vllm_tracing_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    _tracing_env(monkeypatch, None)
+    b, fake = await started()
+    assert fake.engine.vllm_config.observability_config.otlp_traces_endpoint is None
+    assert OTLP_PROTOCOL_ENV not in os.environ
+    await collect(b.generate(chat()))
+    assert last_request(fake)["trace_headers"] is None
+
+
+async def test_operator_otlp_endpoint_for_vllm_wins(monkeypatch: pytest.MonkeyPatch) -> None:
+    _tracing_env(monkeypatch, "http://127.0.0.1:4318")
+    _b, fake = await started(make_cfg(otlp_traces_endpoint="http://collector:4317"))
+    assert fake.engine.vllm_config.observability_config.otlp_traces_endpoint == (
+        "http://collector:4317"
+    )
+    assert OTLP_PROTOCOL_ENV not in os.environ  # vLLM's own default (gRPC) stays
+
+
 def test_decoder_skips_keep_alives_and_needs_a_finish() -> None:
     dec = vs.StreamDecoder(chat=True)
     assert dec.feed(": keep-alive\n\n") is None
@@ -926,7 +985,16 @@ SIGNATURES: dict[str, tuple[str, ...]] = {
         "aggregate_engine_logging",
         "disable_log_stats",
     ),
-    "AsyncLLM.generate": ("prompt", "sampling_params", "request_id", "prompt_text", "lora_request"),
+    "AsyncLLM.generate": (
+        "prompt",
+        "sampling_params",
+        "request_id",
+        "prompt_text",
+        "lora_request",
+        "trace_headers",
+    ),
+    "AsyncLLM.is_tracing_enabled": (),
+    "Request": ("scope", "receive"),
     "AsyncLLM.abort": ("request_id", "internal"),
     "AsyncLLM.shutdown": ("timeout",),
     "AsyncEngineArgs.from_cli_args": ("args",),

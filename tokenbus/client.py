@@ -19,11 +19,14 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-import nats
+from nats.errors import MaxPayloadError, NoRespondersError
 
 from auth.keys import key_id_of
+from bus_schemas import codec, frames, marks, subjects
+from bus_schemas import errors as E
 from bus_schemas import headers as H
-from bus_schemas import subjects
+from services import natsclient, tracing
+from services import responses as R
 from services.caller import (
     DEFAULT_TIMEOUT_S,
     Caller,
@@ -33,9 +36,18 @@ from services.caller import (
     Stream,
     Usage,
 )
+from services.responses import ResponseStream
 from services.tlsfiles import client_context
 
-__all__ = ["Chunk", "Client", "Completion", "EmbeddingResult", "Stream", "Usage"]
+__all__ = [
+    "Chunk",
+    "Client",
+    "Completion",
+    "EmbeddingResult",
+    "ResponseStream",
+    "Stream",
+    "Usage",
+]
 
 
 class Client(Caller):
@@ -61,7 +73,12 @@ class Client(Caller):
         its own inbox in); every request then carries it too. ``tls_ca``: a TLS bus
         (``tokenbus nats-config --tls``), trusting that CA (``tls_cert``/``tls_key``: the
         certificate to present where the bus wants mutual TLS). ``options`` are nats-py's
-        (``user``/``password`` for a role login, ``tls`` for an SSL context of your own)."""
+        (``user``/``password`` for a role login, ``tls`` for an SSL context of your own).
+
+        Tracing: when the standard OTEL_* variables turn it on in this process (an
+        ``OTEL_EXPORTER_OTLP_ENDPOINT``), every request is a client span, the child of the
+        current span or of the ``traceparent`` passed to the call."""
+        tracing.setup("client")
         options.setdefault("name", "tokenbus-client")
         options.setdefault("max_reconnect_attempts", -1)
         options.setdefault("dont_randomize", True)  # several URLs: the first is preferred
@@ -80,8 +97,10 @@ class Client(Caller):
             key_id = key_id_of(api_key)
             if key_id:  # the only place the server lets a key's connection subscribe
                 prefix = f"{subjects.key_inbox_root(key_id)}.{uuid.uuid4().hex}"
+                # nats-py's request-reply (stored responses) answers there too.
+                options.setdefault("inbox_prefix", subjects.key_inbox_root(key_id))
         # Several URLs separated by commas: the nodes of a cluster.
-        nc = await nats.connect([u.strip() for u in url.split(",") if u.strip()], **options)
+        nc = await natsclient.connect([u.strip() for u in url.split(",") if u.strip()], **options)
         # A key's connection receives only its own inbox: no heartbeats, keepalives instead.
         client = cls(nc, own_connection=True, inbox_prefix=prefix, heartbeats=prefix is None)
         client.api_key = api_key
@@ -98,13 +117,16 @@ class Client(Caller):
         api_key: str | None = None,
         request_id: str | None = None,
         session: str | None = None,
+        traceparent: str | None = None,
         **params: Any,
     ) -> Stream:
         """Stream a chat completion; ``params`` are OpenAI's (max_tokens, temperature, tools,
         tool_choice, response_format, logprobs, ...; fields tokenbus does not know are carried
         to the engine). ``session`` keys session-affinity routing (requests of one session,
-        one replica). Chunks carry ``tool_calls``/``logprobs``/``refusal``/``reasoning`` when
-        the engine sends them; :meth:`Stream.collect` puts them together."""
+        one replica). ``traceparent``: a W3C trace context the request continues (every hop
+        it takes is a span of that trace). Chunks carry ``tool_calls``/``logprobs``/
+        ``refusal``/``reasoning`` when the engine sends them; :meth:`Stream.collect` puts
+        them together."""
         body = {"model": model, "messages": list(messages), **params}
         return self.submit(
             subjects.KIND_CHAT,
@@ -112,7 +134,7 @@ class Client(Caller):
             timeout=timeout,
             api_key=api_key or self.api_key,
             request_id=request_id,
-            headers={H.SESSION: session} if session else None,
+            headers=_headers(session, traceparent),
         )
 
     def completions(
@@ -124,9 +146,10 @@ class Client(Caller):
         api_key: str | None = None,
         request_id: str | None = None,
         session: str | None = None,
+        traceparent: str | None = None,
         **params: Any,
     ) -> Stream:
-        """Stream a text completion."""
+        """Stream a text completion (``traceparent``: as for :meth:`chat`)."""
         body = {"model": model, "prompt": prompt, **params}
         return self.submit(
             subjects.KIND_COMPLETIONS,
@@ -134,7 +157,7 @@ class Client(Caller):
             timeout=timeout,
             api_key=api_key or self.api_key,
             request_id=request_id,
-            headers={H.SESSION: session} if session else None,
+            headers=_headers(session, traceparent),
         )
 
     async def chat_completion(
@@ -147,6 +170,66 @@ class Client(Caller):
         """A whole text completion (non-streaming)."""
         return await self.completions(model, prompt, **kwargs).collect()
 
+    def responses(
+        self,
+        model: str,
+        input: str | Sequence[dict[str, Any]],
+        *,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        api_key: str | None = None,
+        request_id: str | None = None,
+        session: str | None = None,
+        traceparent: str | None = None,
+        **params: Any,
+    ) -> ResponseStream:
+        """A Responses API request (``POST /v1/responses``'s body: ``input`` text or items,
+        ``instructions``, ``tools``, ``text``, ``max_output_tokens``, ``store``,
+        ``previous_response_id``, ...), streamed as the API's events (dicts with ``type`` and
+        ``sequence_number``). It travels the chat path; stored responses are kept by ingress
+        under the API key's id, as the bridge keeps those of HTTP clients
+        (docs/responses.md). A bad field is refused here, before anything is sent."""
+        body = {"model": model, "input": input if isinstance(input, str) else list(input)}
+        body.update(params)
+        key = api_key or self.api_key
+        hdrs = _headers(session, traceparent)
+
+        def submit(chat: dict[str, Any]) -> Stream:
+            return self.submit(
+                subjects.KIND_CHAT,
+                chat,
+                timeout=timeout,
+                api_key=key,
+                request_id=request_id,
+                headers=hdrs,
+            )
+
+        return ResponseStream(R.parse(body), body, submit, _Stored(self, key))
+
+    async def response(
+        self, model: str, input: str | Sequence[dict[str, Any]], **kwargs: Any
+    ) -> dict[str, Any]:
+        """A whole Responses API response object (non-streaming)."""
+        return await self.responses(model, input, **kwargs).collect()
+
+    async def get_response(self, response_id: str, *, api_key: str | None = None) -> dict[str, Any]:
+        """A stored response (``GET /v1/responses/{id}``); 404 when it is not this key's."""
+        rec = await _Stored(self, api_key or self.api_key).get(response_id)
+        response: dict[str, Any] = rec["response"]
+        return response
+
+    async def response_input_items(
+        self, response_id: str, *, api_key: str | None = None
+    ) -> list[dict[str, Any]]:
+        """The input items of a stored response's request, in order."""
+        rec = await _Stored(self, api_key or self.api_key).get(response_id)
+        return list(rec.get("input_items") or [])
+
+    async def delete_response(self, response_id: str, *, api_key: str | None = None) -> None:
+        """Delete a stored response (``DELETE /v1/responses/{id}``); 404 as for a get."""
+        await _Stored(self, api_key or self.api_key).call(
+            subjects.RESPONSES_DELETE, {"id": response_id}
+        )
+
     async def embeddings(
         self,
         model: str,
@@ -155,10 +238,12 @@ class Client(Caller):
         timeout: float = DEFAULT_TIMEOUT_S,
         api_key: str | None = None,
         request_id: str | None = None,
+        traceparent: str | None = None,
         **params: Any,
     ) -> EmbeddingResult:
         """Embed ``input`` (a string, strings, or token id lists) with an embedding model;
-        ``params`` are OpenAI's (``dimensions``, ``user``, ...). Vectors come back as floats."""
+        ``params`` are OpenAI's (``dimensions``, ``user``, ...). Vectors come back as floats.
+        ``traceparent``: as for :meth:`chat`."""
         body = {"model": model, "input": input if isinstance(input, str) else list(input)}
         body.update(params)
         stream = self.submit(
@@ -167,5 +252,66 @@ class Client(Caller):
             timeout=timeout,
             api_key=api_key or self.api_key,
             request_id=request_id,
+            headers=_headers(None, traceparent),
         )
         return await stream.collect_embeddings()
+
+
+class _Stored:
+    """A client's stored responses, asked of ingress by request-reply (docs/responses.md)."""
+
+    def __init__(self, client: Client, api_key: str | None, timeout: float = 10.0) -> None:
+        self.client = client
+        self.api_key = api_key
+        self.timeout = timeout
+
+    async def call(self, action: str, body: dict[str, Any]) -> dict[str, Any]:
+        try:
+            msg = await self.client.nc.request(
+                subjects.responses_state(action),
+                codec.encode(body),
+                timeout=self.timeout,
+                headers={H.API_KEY: self.api_key} if self.api_key else None,
+            )
+        except NoRespondersError:
+            raise E.ServiceUnavailable(
+                "no tokenbus ingress is listening on this NATS server; start the stack "
+                "(`tokenbus up`) or the ingress service"
+            ) from None
+        except TimeoutError:
+            raise E.Timeout(f"ingress did not answer within {self.timeout:g}s; retry") from None
+        except MaxPayloadError:
+            raise E.PayloadTooLarge(
+                "the stored response is larger than the bus carries (max_payload)"
+            ) from None
+        frame = codec.decode_map(msg.data)
+        if frame.get("t") == frames.ERROR:
+            raise E.TokenbusError.from_dict(frame.get("error") or {})
+        return frame
+
+    async def get(self, response_id: str) -> dict[str, Any]:
+        rec: dict[str, Any] = (await self.call(subjects.RESPONSES_GET, {"id": response_id}))[
+            "record"
+        ]
+        return rec
+
+    async def put(self, response_id: str, record: dict[str, Any]) -> bool:
+        out = await self.call(subjects.RESPONSES_PUT, {"id": response_id, "record": record})
+        return bool(out.get("stored"))
+
+
+def _headers(session: str | None, traceparent: str | None) -> dict[str, str] | None:
+    """The bus headers a call adds: its session key and the trace context it continues."""
+    out: dict[str, str] = {}
+    if session:
+        out[H.SESSION] = session
+    if traceparent:
+        tp = marks.traceparent(traceparent)
+        if tp is None:
+            raise E.InvalidRequest(
+                f"traceparent {traceparent!r} is not a W3C traceparent "
+                "(00-<32 hex trace id>-<16 hex span id>-<2 hex flags>)",
+                param="traceparent",
+            )
+        out[H.TRACEPARENT] = tp
+    return out or None

@@ -47,6 +47,10 @@ class GenerationRequest:
     # at most ``max_tokens - resume_tokens`` more.
     resume_text: str = ""
     resume_tokens: int = 0
+    # W3C trace headers (``traceparent``) of the replica's span when the worker traces: a
+    # backend hands them to its engine (vLLM's tracing, an upstream's) so the engine's spans
+    # join the request's trace. None when tracing is off.
+    trace_headers: dict[str, str] | None = None
 
     @property
     def remaining_tokens(self) -> int:
@@ -83,9 +87,11 @@ class GenerationRequest:
             out: list[str] = []
             for m in self.messages:
                 text = message_text(m.get("content"))
-                for call in m.get("tool_calls") or ():
-                    fn = call.get("function") or {}
-                    text += f"{fn.get('name')}({fn.get('arguments')})"
+                calls = m.get("tool_calls")
+                for call in calls if isinstance(calls, list) else ():
+                    fn = (call.get("function") if isinstance(call, dict) else None) or {}
+                    if isinstance(fn, dict):
+                        text += f"{fn.get('name')}({fn.get('arguments')})"
                 out.append(f"<|{m.get('role')}|>{text}\n")
             return "".join(out)
         return self.prompt or ""

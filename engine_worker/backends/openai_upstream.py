@@ -233,7 +233,9 @@ class OpenAIUpstreamBackend:
         usage: dict[str, Any] | None = None
         produced = 0
         try:
-            async with session.post(self.base + path, data=_json(body), headers=_JSON) as resp:
+            # Traced, the upstream (vllm serve --otlp-traces-endpoint, ...) continues the trace.
+            hdrs = {**_JSON, **req.trace_headers} if req.trace_headers else _JSON
+            async with session.post(self.base + path, data=_json(body), headers=hdrs) as resp:
                 if resp.status != 200:
                     raise _upstream_error(resp.status, await resp.text())
                 async with aclosing(_sse_events(resp.content)) as events:

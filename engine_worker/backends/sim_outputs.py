@@ -397,7 +397,8 @@ def json_tokens(text: str) -> list[str]:
 
 def _function_tools(extra: dict[str, Any]) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
-    for t in extra.get("tools") or ():
+    tools = extra.get("tools")
+    for t in tools if isinstance(tools, list) else ():  # a list unless the sender is broken
         if isinstance(t, dict) and t.get("type") == "function":
             fn = t.get("function")
             if isinstance(fn, dict) and isinstance(fn.get("name"), str):

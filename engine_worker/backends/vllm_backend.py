@@ -32,11 +32,16 @@ from typing import Any
 from bus_schemas import errors as E
 from engine_worker.backends import vllm_serving as vs
 from engine_worker.backends.base import Delta, Embeddings, GenerationRequest
+from services import tracing
 from services.config import WorkerSettings
 
 # vLLM forks its engine-core process by default; a fork would inherit this worker's NATS
 # socket (and any threads' locks). Spawn starts it clean. Set unless the operator chose.
 MULTIPROC_ENV = "VLLM_WORKER_MULTIPROC_METHOD"
+
+# The protocol vLLM's own tracing exports with (it defaults to gRPC); tokenbus exports
+# OTLP/HTTP, so vLLM is set to the same, one collector endpoint for both.
+OTLP_PROTOCOL_ENV = "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"
 
 # Supported tasks (vLLM's ``get_supported_tasks``) -> the endpoints they serve.
 _GENERATE_ENDPOINTS = ["chat", "completions"]
@@ -140,9 +145,14 @@ class VLLMBackend:
         ``cfg.model`` and ``tensor_parallel_size`` to ``cfg.tp``. Engine arguments and
         front-end options (``tool_call_parser``, ``enable_auto_tool_choice``,
         ``reasoning_parser``, ``chat_template``, ``lora_modules``...) go in the same mapping,
-        by the names ``vllm serve --help`` shows (``-`` or ``_``)."""
-        opts = {str(k).replace("-", "_"): v for k, v in self.cfg.vllm.engine_args.items()}
+        by the names ``vllm serve --help`` shows (``-`` or ``_``). When this process traces
+        (docs/telemetry.md), ``otlp_traces_endpoint`` defaults to its collector."""
+        opts = self._operator_options()
         opts.setdefault("model", self.cfg.model)
+        # Traced, vLLM traces too, to the same collector, unless the operator chose where.
+        endpoint = tracing.traces_endpoint()
+        if endpoint and "otlp_traces_endpoint" not in opts:
+            opts["otlp_traces_endpoint"] = endpoint
         if self.cfg.tp > 1 and "tensor_parallel_size" not in opts and "tp" not in opts:
             opts["tensor_parallel_size"] = self.cfg.tp
         return opts
@@ -176,6 +186,8 @@ class VLLMBackend:
             return
         pin_gpus(self.cfg.vllm.gpus)
         os.environ.setdefault(MULTIPROC_ENV, "spawn")
+        if tracing.traces_endpoint() and "otlp_traces_endpoint" not in self._operator_options():
+            os.environ.setdefault(OTLP_PROTOCOL_ENV, "http/protobuf")
         args, engine = await _in_thread(self._build, self._shutdown_orphan)
         try:
             vllm = self._vllm
@@ -409,7 +421,30 @@ class VLLMBackend:
             request = self._request(self._vllm.ChatCompletionRequest, vs.chat_body(req, model))
         else:
             request = self._request(self._vllm.CompletionRequest, vs.completion_body(req, model))
-        return self._stream(request, serving, chat)
+        return self._stream(request, serving, chat, self._raw_request(req))
+
+    def _raw_request(self, req: GenerationRequest) -> Any:
+        """What vLLM's serving layer reads the trace context from: an HTTP request (a
+        starlette ``Request``, as ``vllm serve`` passes) holding only the trace headers.
+        vLLM hands them to ``AsyncLLM.generate(trace_headers=...)`` when its tracing is on
+        (``otlp_traces_endpoint``), so its spans are children of this replica's. None when
+        the request carries none (tracing off): vLLM gets what it always got."""
+        if not req.trace_headers:
+            return None
+        scope = {
+            "type": "http",
+            "method": "POST",
+            "path": "/",
+            "query_string": b"",
+            "headers": [
+                (k.lower().encode("latin-1"), v.encode("latin-1"))
+                for k, v in req.trace_headers.items()
+            ],
+        }
+        return self._vllm.Request(scope, _no_body)
+
+    def _operator_options(self) -> dict[str, Any]:
+        return {str(k).replace("-", "_"): v for k, v in self.cfg.vllm.engine_args.items()}
 
     @staticmethod
     async def _spent(req: GenerationRequest) -> AsyncGenerator[Delta, None]:
@@ -429,7 +464,9 @@ class VLLMBackend:
                 err = E.InvalidRequest(f"invalid request: {exc}"[:500])
             raise err from None
 
-    async def _stream(self, request: Any, serving: Any, chat: bool) -> AsyncGenerator[Delta, None]:
+    async def _stream(
+        self, request: Any, serving: Any, chat: bool, raw_request: Any = None
+    ) -> AsyncGenerator[Delta, None]:
         vllm = self._vllm
         key = object()
         self._inflight[key] = False
@@ -438,9 +475,9 @@ class VLLMBackend:
         try:
             try:
                 if chat:
-                    result = await serving.create_chat_completion(request, None)
+                    result = await serving.create_chat_completion(request, raw_request)
                 else:
-                    result = await serving.create_completion(request, None)
+                    result = await serving.create_completion(request, raw_request)
             except E.TokenbusError:
                 raise
             except Exception as exc:
@@ -508,7 +545,7 @@ class VLLMBackend:
         key = object()
         self._inflight[key] = True
         try:
-            response = await serving(request, None)
+            response = await serving(request, self._raw_request(req))
         except E.TokenbusError:
             raise
         except Exception as exc:
@@ -528,3 +565,8 @@ class VLLMBackend:
         vectors = [list(item["embedding"]) for item in items]
         usage = data.get("usage") or {}
         return Embeddings(vectors, int(usage.get("prompt_tokens") or 0))
+
+
+async def _no_body() -> dict[str, Any]:
+    """The ASGI receive of :meth:`VLLMBackend._raw_request`: a request without a body."""
+    return {"type": "http.request", "body": b"", "more_body": False}

@@ -56,6 +56,8 @@ VLLM_NAMES: dict[str, str] = {
     "StatLoggerBase": "vllm.v1.metrics.loggers",
     "init_app_state": "vllm.entrypoints.launchers.api_server.app_state",
     "State": "starlette.datastructures",
+    # The HTTP request vLLM's serving layer reads the trace headers from (tracing on).
+    "Request": "starlette.requests",
     "ChatCompletionRequest": "vllm.entrypoints.openai.chat_completion.protocol",
     "CompletionRequest": "vllm.entrypoints.openai.completion.protocol",
     "EmbeddingRequest": "vllm.entrypoints.pooling.embed.protocol",

@@ -426,6 +426,8 @@ def make_arg_parser(parser: FlexibleArgumentParser) -> FlexibleArgumentParser:
     parser.add_argument("--enable-log-requests", action=_BOOL, default=False)
     parser.add_argument("--disable-log-stats", action="store_true", default=False)
     parser.add_argument("--aggregate-engine-logging", action="store_true", default=False)
+    # observability options (ObservabilityConfig)
+    parser.add_argument("--otlp-traces-endpoint", type=str, default=None)
     return parser
 
 
@@ -477,12 +479,18 @@ class ParallelConfig:
 
 
 @dataclass
+class ObservabilityConfig:
+    otlp_traces_endpoint: str | None = None
+
+
+@dataclass
 class VllmConfig:
     model_config: ModelConfig
     scheduler_config: SchedulerConfig
     parallel_config: ParallelConfig
     usage_context: UsageContext | None
     lora_modules_enabled: bool = False
+    observability_config: ObservabilityConfig = field(default_factory=ObservabilityConfig)
 
 
 DEFAULT_MAX_NUM_SEQS = 128  # vLLM's SchedulerConfig defaults
@@ -518,6 +526,7 @@ class AsyncEngineArgs:
     enable_log_requests: bool = False
     disable_log_stats: bool = False
     aggregate_engine_logging: bool = False
+    otlp_traces_endpoint: str | None = None
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> AsyncEngineArgs:
@@ -549,6 +558,7 @@ class AsyncEngineArgs:
             parallel_config=ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size),
             usage_context=usage_context,
             lora_modules_enabled=bool(self.enable_lora),
+            observability_config=ObservabilityConfig(self.otlp_traces_endpoint),
         )
 
 
@@ -673,6 +683,9 @@ class AsyncLLM:
     def errored(self) -> bool:
         return self.dead
 
+    async def is_tracing_enabled(self) -> bool:
+        return self.vllm_config.observability_config.otlp_traces_endpoint is not None
+
     async def get_supported_tasks(self) -> tuple[str, ...]:
         if self.model_config.runner_type == "pooling":
             return ("embed", "token_embed")
@@ -751,6 +764,7 @@ class AsyncLLM:
                     "request_id": request_id,
                     "internal_id": internal,
                     "lora_request": lora_request,
+                    "trace_headers": trace_headers,
                 }
             )
             sp = sampling_params
@@ -1126,6 +1140,16 @@ class _GenerateServing:
     def _lora(self, request: Any) -> LoRARequest | None:
         return self.models.lora_requests.get(request.model or "")
 
+    async def _get_trace_headers(self, headers: Any) -> dict[str, str] | None:
+        # serve/engine/serving.py: the trace headers go to the engine only when its tracing
+        # is on (otlp_traces_endpoint); otherwise vLLM warns once and drops them.
+        if not contains_trace_headers(headers):
+            return None
+        if not await self.engine_client.is_tracing_enabled():
+            self.tracing_disabled_warnings = getattr(self, "tracing_disabled_warnings", 0) + 1
+            return None
+        return extract_trace_headers(headers)
+
     def _usage(self, request: Any) -> tuple[bool, bool]:
         if self.enable_force_include_usage:
             return True, True
@@ -1180,8 +1204,15 @@ class OpenAIServingChat(_GenerateServing):
         max_tokens = min(x for x in (room, want) if x is not None) if room > 0 else 1
         sp = request.to_sampling_params(max_tokens, self.default_sampling_params)
         request_id = f"chatcmpl-{request.request_id}"
+        trace_headers = (
+            None if raw_request is None else await self._get_trace_headers(raw_request.headers)
+        )
         generator = self.engine_client.generate(
-            engine_input, sp, request_id, lora_request=self._lora(request)
+            engine_input,
+            sp,
+            request_id,
+            lora_request=self._lora(request),
+            trace_headers=trace_headers,
         )
         model_name = self.models.model_name(self._lora(request))
         return self.chat_completion_stream_generator(request, generator, request_id, model_name)
@@ -1403,8 +1434,15 @@ class OpenAIServingCompletion(_GenerateServing):
         max_tokens = min(room, request.max_tokens or 16) if room > 0 else 1
         sp = request.to_sampling_params(max_tokens, self.default_sampling_params)
         request_id = f"cmpl-{request.request_id}"
+        trace_headers = (
+            None if raw_request is None else await self._get_trace_headers(raw_request.headers)
+        )
         generator = self.engine_client.generate(
-            engine_input, sp, f"{request_id}-0", lora_request=self._lora(request)
+            engine_input,
+            sp,
+            f"{request_id}-0",
+            lora_request=self._lora(request),
+            trace_headers=trace_headers,
         )
         model_name = self.models.model_name(self._lora(request))
         return self.completion_stream_generator(request, generator, request_id, model_name)
@@ -1539,9 +1577,52 @@ class ServingEmbedding:
         return JSONResponse(json.dumps(body).encode())
 
 
-# -- starlette.datastructures.State, launchers/api_server/app_state.py -----------------------
+# -- tracing/otel.py ------------------------------------------------------------------------
+TRACE_HEADERS = ["traceparent", "tracestate"]
+
+
+def contains_trace_headers(headers: Any) -> bool:
+    return any(h in headers for h in TRACE_HEADERS)
+
+
+def extract_trace_headers(headers: Any) -> dict[str, str]:
+    return {h: headers[h] for h in TRACE_HEADERS if h in headers}
+
+
+# -- starlette.datastructures.State, starlette.requests.Request, app_state.py ----------------
 class State:
     pass
+
+
+class _Headers(dict[str, str]):
+    """starlette's Headers as the serving layer reads them: by lower-case name."""
+
+    def __init__(self, raw: list[tuple[bytes, bytes]]) -> None:
+        super().__init__((k.decode("latin-1").lower(), v.decode("latin-1")) for k, v in raw)
+
+    def __contains__(self, key: object) -> bool:
+        return isinstance(key, str) and super().__contains__(key.lower())
+
+    def __getitem__(self, key: str) -> str:
+        return super().__getitem__(key.lower())
+
+    def get(self, key: str, default: Any = None) -> Any:  # type: ignore[override]
+        return super().get(key.lower(), default)
+
+
+class Request:
+    """starlette's Request over an ASGI scope: the headers and the state vLLM's serving
+    layer reads and writes."""
+
+    def __init__(self, scope: dict[str, Any], receive: Any = None, send: Any = None) -> None:
+        assert scope["type"] in ("http", "websocket")
+        self.scope = scope
+        self._receive = receive
+        self.headers = _Headers(list(scope.get("headers") or ()))
+
+    @property
+    def state(self) -> State:
+        return self.scope.setdefault("state", State())  # type: ignore[no-any-return]
 
 
 async def init_app_state(
@@ -1584,6 +1665,7 @@ class FakeVLLM:
     StatLoggerBase = StatLoggerBase
     init_app_state = staticmethod(init_app_state)
     State = State
+    Request = Request
     ChatCompletionRequest = ChatCompletionRequest
     CompletionRequest = CompletionRequest
     EmbeddingRequest = EmbeddingRequest

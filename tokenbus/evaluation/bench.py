@@ -56,6 +56,13 @@ def add_parser(sub: Any) -> None:
         "--url", default="http://127.0.0.1:8000/v1", help="OpenAI-compatible base URL (mode http)"
     )
     b.add_argument("--mode", choices=["http", "nats"], default="http")
+    b.add_argument(
+        "--api",
+        choices=["chat", "responses"],
+        default="chat",
+        help="drive /v1/chat/completions or /v1/responses (the Responses API: streamed "
+        "events; add --extra-body '{\"store\": false}' to leave its responses unstored)",
+    )
     b.add_argument("--baseline-url", help="a second base URL measured level by level beside it")
     b.add_argument(
         "--spawn",
@@ -177,6 +184,10 @@ def add_parser(sub: Any) -> None:
 async def http_request(
     session: Any, url: str, body: dict[str, Any], timeout: float, keep_text: bool = False
 ) -> Result:
+    """One streamed request: a chat completion, or a Responses request (a body with
+    ``input``: see :func:`responses_request`)."""
+    if "input" in body:
+        return await responses_request(session, url, body, timeout, keep_text)
     t0 = time.perf_counter()
     first = last = 0.0
     tokens = 0
@@ -221,6 +232,52 @@ async def http_request(
     return Result(True, first - t0, end - t0, tbt, tokens, text="".join(parts), t_end=time.time())
 
 
+async def responses_request(
+    session: Any, url: str, body: dict[str, Any], timeout: float, keep_text: bool = False
+) -> Result:
+    """One streamed ``POST /v1/responses``: a token is an ``output_text.delta`` event."""
+    t0 = time.perf_counter()
+    first = last = 0.0
+    tokens = chunks = 0
+    parts: list[str] = []
+    try:
+        async with asyncio.timeout(timeout):
+            async with session.post(f"{url}/responses", json=body) as resp:
+                if resp.status != 200:
+                    text = await resp.text()
+                    return Result(False, error=f"http_{resp.status}:{text[:120]}")
+                async for raw in resp.content:
+                    if not raw.startswith(b"data: "):
+                        continue
+                    obj = json.loads(raw[6:])
+                    kind = obj.get("type")
+                    if kind == "response.output_text.delta":
+                        if keep_text:
+                            parts.append(obj.get("delta") or "")
+                        now = time.perf_counter()
+                        if not first:
+                            first = now
+                        last = now
+                        chunks += 1
+                    elif kind in ("response.completed", "response.incomplete"):
+                        usage = obj["response"].get("usage") or {}
+                        tokens = int(usage.get("output_tokens", 0))
+                        break
+                    elif kind == "response.failed":
+                        error = obj["response"].get("error") or {}
+                        return Result(False, error=str(error.get("code")))
+    except TimeoutError:
+        return Result(False, error="timeout")
+    except Exception as exc:
+        return Result(False, error=type(exc).__name__)
+    end = time.perf_counter()
+    if not first:
+        return Result(False, error="no_tokens")
+    tokens = tokens or chunks
+    tbt = (last - first) / (tokens - 1) if tokens > 1 else None
+    return Result(True, first - t0, end - t0, tbt, tokens, text="".join(parts), t_end=time.time())
+
+
 async def nats_request(
     client: Any,
     body: dict[str, Any],
@@ -230,6 +287,8 @@ async def nats_request(
 ) -> Result:
     from bus_schemas.errors import TokenbusError
 
+    if "input" in body:
+        return await nats_responses_request(client, body, timeout, api_key, keep_text)
     t0 = time.perf_counter()
     first = last = 0.0
     parts: list[str] = []
@@ -250,6 +309,45 @@ async def nats_request(
     if not first:
         return Result(False, error="no_tokens")
     tokens = stream.usage.completion_tokens if stream.usage else 0
+    tbt = (last - first) / (tokens - 1) if tokens > 1 else None
+    return Result(True, first - t0, end - t0, tbt, tokens, text="".join(parts), t_end=time.time())
+
+
+async def nats_responses_request(
+    client: Any,
+    body: dict[str, Any],
+    timeout: float,
+    api_key: str | None = None,
+    keep_text: bool = False,
+) -> Result:
+    """One Responses request over NATS (``Client.responses``)."""
+    from bus_schemas.errors import TokenbusError
+
+    t0 = time.perf_counter()
+    first = last = 0.0
+    parts: list[str] = []
+    params = {k: v for k, v in body.items() if k not in ("model", "input", "stream")}
+    try:
+        events = client.responses(
+            body["model"], body["input"], timeout=timeout, api_key=api_key, **params
+        )
+        async for ev in events:
+            if ev["type"] == "response.output_text.delta":
+                if keep_text:
+                    parts.append(ev["delta"])
+                now = time.perf_counter()
+                if not first:
+                    first = now
+                last = now
+    except TokenbusError as exc:
+        return Result(False, error=exc.code)
+    resp = events.response or {}
+    if resp.get("status") == "failed":
+        return Result(False, error=str((resp.get("error") or {}).get("code")))
+    end = time.perf_counter()
+    if not first:
+        return Result(False, error="no_tokens")
+    tokens = int((resp.get("usage") or {}).get("output_tokens", 0))
     tbt = (last - first) / (tokens - 1) if tokens > 1 else None
     return Result(True, first - t0, end - t0, tbt, tokens, text="".join(parts), t_end=time.time())
 
@@ -337,6 +435,14 @@ class RequestMaker:
         max_tokens = a.max_tokens
         if getattr(a, "max_tokens_std", 0):
             max_tokens = max(1, round(self.rng.gauss(a.max_tokens, a.max_tokens_std)))
+        if getattr(a, "api", "chat") == "responses":
+            return {
+                **self.extra,
+                "model": a.model,
+                "input": self._messages(),
+                "max_output_tokens": max_tokens,
+                "stream": True,
+            }
         return {
             **self.extra,
             "model": a.model,
@@ -514,10 +620,11 @@ async def run_sessions(target: Target, a: argparse.Namespace) -> dict[str, Any]:
             results.append(r)
             if not r.ok:
                 return
+            history = "input" if "input" in body else "messages"
             body = {
                 **body,
-                "messages": [
-                    *body["messages"],
+                history: [
+                    *body[history],
                     {"role": "assistant", "content": r.text},
                     {"role": "user", "content": f"Continue ({turn + 2})."},
                 ],

@@ -15,6 +15,7 @@ from engine_worker.backends.base import Backend, Delta, GenerationRequest
 from gateway import validation
 from gateway.asgi import serve
 from gateway.openai_api import OpenAIApp
+from gateway.responses import ResponsesAPI
 from services import logging as tlog
 from services.caller import Chunk, Usage
 from services.config import Settings
@@ -145,6 +146,9 @@ async def run_direct(settings: Settings, host: str, port: int) -> None:
         max_body_bytes=settings.bridge.max_body_bytes,
         request_timeout_s=settings.bridge.request_timeout_s,
     )
+    # The Responses API over the same engine, so a benchmark can compare that path too
+    # (without a bus there is nowhere to keep responses: store comes back false).
+    ResponsesAPI(api, None).mount()
     http = await serve(api, host, port, reuse_port=False, shutdown_timeout=5)
     log.info("openai_http_listening", url=f"http://{host}:{port}/v1", model=settings.worker.model)
     stop = stop_event()

@@ -1,0 +1,473 @@
+"""The bridge's OpenAPI 3.1 document (``GET /openapi.json``), as ``vllm serve`` serves one.
+
+The request schemas are the pydantic models :mod:`gateway.validation` really validates
+(:class:`~bus_schemas.messages.ChatCompletionRequest`, ``CompletionRequest``,
+``EmbeddingRequest``); the response schemas are the small models below, which describe
+exactly what :mod:`gateway.openai_api` writes (its whole answers, its SSE events and
+OpenAI's error body). A client generator or a fuzzer (``schemathesis`` in
+``tests/test_fuzz_openapi.py``) reads the same contract the bridge enforces.
+
+Built once per process and kept as bytes: :func:`document_bytes`.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from functools import cache
+from importlib import metadata
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from bus_schemas import errors as E
+from bus_schemas.messages import (
+    MAX_EMBEDDING_INPUTS,
+    MAX_STOP_SEQUENCES,
+    ChatCompletionRequest,
+    CompletionRequest,
+    EmbeddingRequest,
+)
+
+REF = "#/components/schemas/{model}"
+
+
+class _Out(BaseModel):
+    """A response object the bridge builds itself: exactly these fields, nothing else."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+# -- errors ---------------------------------------------------------------------------------
+class ErrorDetail(_Out):
+    """OpenAI's error object."""
+
+    message: str = Field(description="What went wrong and what to do about it.")
+    type: str = Field(description="OpenAI's error type, e.g. invalid_request_error.")
+    param: str | None = Field(description="The request field at fault, when there is one.")
+    code: str = Field(description="tokenbus's error code, e.g. invalid_request, no_replica.")
+
+
+class ErrorResponse(_Out):
+    """Every 4xx and 5xx body (and an SSE error event once a stream has started)."""
+
+    error: ErrorDetail
+
+
+# -- generation -----------------------------------------------------------------------------
+class Usage(_Out):
+    """OpenAI's ``usage``; the details objects only when the engine reports them."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: dict[str, Any] | None = None
+    completion_tokens_details: dict[str, Any] | None = None
+
+
+class AssistantMessage(_Out):
+    """The answer of a whole chat completion."""
+
+    role: Literal["assistant"]
+    content: str | None = Field(description="The text; null when only tool calls or a refusal.")
+    refusal: str | None
+    tool_calls: list[dict[str, Any]] | None = Field(
+        default=None, description="As the engine returned them (present only when any)."
+    )
+    reasoning_content: str | None = Field(
+        default=None, description="A reasoning model's reasoning (present only when any)."
+    )
+
+
+class ChatChoice(_Out):
+    index: int
+    message: AssistantMessage
+    logprobs: dict[str, Any] | None = Field(description="As the engine returned them.")
+    finish_reason: str
+
+
+class ChatCompletion(_Out):
+    """``POST /v1/chat/completions`` without ``stream``."""
+
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class TextChoice(_Out):
+    index: int
+    text: str
+    logprobs: dict[str, Any] | None
+    finish_reason: str
+
+
+class TextCompletion(_Out):
+    """``POST /v1/completions`` without ``stream``."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[TextChoice]
+    usage: Usage
+
+
+class ChatDelta(_Out):
+    """What one chunk adds to the message."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    reasoning_content: str | None = None
+    refusal: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+
+
+class ChatChunkChoice(_Out):
+    index: int
+    delta: ChatDelta
+    logprobs: dict[str, Any] | None
+    finish_reason: str | None
+
+
+class ChatCompletionChunk(_Out):
+    """One SSE event of a streamed chat completion; the usage event (``stream_options.
+    include_usage``) has no choices and a ``usage``."""
+
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class TextChunkChoice(_Out):
+    index: int
+    text: str
+    logprobs: dict[str, Any] | None
+    finish_reason: str | None
+
+
+class TextCompletionChunk(_Out):
+    """One SSE event of a streamed text completion (the usage event as for chat)."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[TextChunkChoice]
+    usage: Usage | None = None
+
+
+# -- embeddings -----------------------------------------------------------------------------
+class Embedding(_Out):
+    object: Literal["embedding"]
+    index: int
+    embedding: list[float] | str = Field(
+        description="The vector; with encoding_format base64, little-endian float32 in base64."
+    )
+
+
+class EmbeddingUsage(_Out):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingList(_Out):
+    """``POST /v1/embeddings``."""
+
+    object: Literal["list"]
+    data: list[Embedding]
+    model: str
+    usage: EmbeddingUsage
+
+
+# -- plain endpoints ------------------------------------------------------------------------
+class Model(_Out):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    max_model_len: int | None = Field(
+        default=None, description="The model's context length, where its replicas report it."
+    )
+
+
+class ModelList(_Out):
+    """``GET /v1/models``: the models served now that the key may use."""
+
+    object: Literal["list"]
+    data: list[Model]
+
+
+class Health(_Out):
+    """``GET /health``."""
+
+    status: Literal["ok", "unhealthy"]
+
+
+class Ready(_Out):
+    """``GET /ready``: whether the bridge can serve, and the models it serves now."""
+
+    status: Literal["ready", "not ready"]
+    models: list[str]
+
+
+# What each generation endpoint may answer besides 200, from the error tree: a typed error's
+# status (bus_schemas.errors) with OpenAI's body. 499 (the client left) is never seen by one.
+ERRORS: dict[int, str] = {
+    400: "The body is not JSON, not an object, or a field is wrong (param names it).",
+    401: "No API key, or not a valid one (where keys are checked).",
+    403: "The key may not use this model.",
+    404: "No such model (or no such route).",
+    408: "The body did not all arrive in time; the connection is closed.",
+    413: "The body, or the prompt, is larger than the bridge takes.",
+    429: "A rate limit of the key; Retry-After says when to try again.",
+    431: "The request line and headers are larger than the bridge takes.",
+    500: "The gateway failed; retry.",
+    502: "The engine failed; retry.",
+    503: "No replica, every replica busy, or a stage unreachable; retry (Retry-After).",
+    504: "The request ran past its deadline.",
+}
+
+
+def _statuses(cls: type[E.TokenbusError] = E.TokenbusError) -> set[int]:
+    """The HTTP status of every typed error (a test keeps :data:`ERRORS` describing each)."""
+    out = {cls.status}
+    for sub in cls.__subclasses__():
+        out |= _statuses(sub)
+    return out
+
+
+STATUSES = sorted(_statuses() - {499})
+
+
+def _schemas(*models: type[BaseModel]) -> dict[str, Any]:
+    """JSON Schemas of ``models`` by name, their nested models lifted to the top."""
+    out: dict[str, Any] = {}
+    for m in models:
+        s = m.model_json_schema(ref_template=REF)
+        out.update(s.pop("$defs", {}))
+        out[m.__name__] = s
+    return out
+
+
+def _request_schemas() -> dict[str, Any]:
+    """The request models' schemas, plus what their validators accept beyond them."""
+    out = _schemas(ChatCompletionRequest, CompletionRequest, EmbeddingRequest)
+    for name in ("ChatCompletionRequest", "CompletionRequest", "EmbeddingRequest"):
+        # Fields tokenbus does not act on are carried to the engine as sent.
+        out[name]["additionalProperties"] = True
+    for name in ("ChatCompletionRequest", "CompletionRequest"):
+        props = out[name]["properties"]
+        # ``stop`` is normalised before validation: one string is one stop sequence.
+        props["stop"]["anyOf"].insert(0, {"type": "string", "minLength": 1})
+        props["stop"]["anyOf"][1]["maxItems"] = MAX_STOP_SEQUENCES
+        props["stop"]["anyOf"][1]["items"]["minLength"] = 1
+        # Only one choice is served (the validator names the way to get more).
+        props["n"]["anyOf"][0]["const"] = 1
+        # logit_bias maps token ids (digits) to a bias.
+        props["logit_bias"]["anyOf"][0]["propertyNames"] = {"pattern": "^[0-9]+$"}
+    # A prompt list holds exactly one prompt.
+    prompt = out["CompletionRequest"]["properties"]["prompt"]["anyOf"][1]
+    prompt.update(minItems=1, maxItems=1)
+    # Embedding inputs: none empty, at most MAX_EMBEDDING_INPUTS texts.
+    text, texts, ids, id_lists = out["EmbeddingRequest"]["properties"]["input"]["anyOf"]
+    text["minLength"] = 1
+    texts.update(minItems=1, maxItems=MAX_EMBEDDING_INPUTS)
+    texts["items"]["minLength"] = 1
+    ids["minItems"] = 1
+    id_lists.update(minItems=1, maxItems=MAX_EMBEDDING_INPUTS)
+    id_lists["items"]["minItems"] = 1
+    return out
+
+
+def _json(ref: str) -> dict[str, Any]:
+    return {"application/json": {"schema": {"$ref": REF.format(model=ref)}}}
+
+
+def _sse(chunk: str) -> dict[str, Any]:
+    """An event stream: each event's data is a chunk, an error (after which only the end
+    follows), or ``[DONE]``; OpenAPI 3.1 reads ``schema`` as one event's."""
+    return {
+        "text/event-stream": {
+            "schema": {
+                "type": "object",
+                "required": ["data"],
+                "properties": {
+                    "data": {
+                        "type": "string",
+                        "if": {"const": "[DONE]"},
+                        "else": {
+                            "contentMediaType": "application/json",
+                            "contentSchema": {
+                                "anyOf": [
+                                    {"$ref": REF.format(model=chunk)},
+                                    {"$ref": REF.format(model="ErrorResponse")},
+                                ]
+                            },
+                        },
+                    }
+                },
+            }
+        }
+    }
+
+
+def _errors(*statuses: int) -> dict[str, Any]:
+    return {
+        str(s): {
+            # A status added to the error tree but not yet here still gets documented.
+            "description": ERRORS.get(s, f"An error with HTTP status {s}."),
+            "content": _json("ErrorResponse"),
+        }
+        for s in statuses
+    }
+
+
+_SECURITY: list[dict[str, list[str]]] = [{"bearerAuth": []}, {"apiKeyAuth": []}]
+
+
+def _generation(op_id: str, summary: str, request: str, answer: str, chunk: str | None) -> Any:
+    content = _json(answer)
+    if chunk is not None:
+        content.update(_sse(chunk))
+    return {
+        "post": {
+            "operationId": op_id,
+            "summary": summary,
+            "tags": ["OpenAI"],
+            "security": _SECURITY,
+            "requestBody": {"required": True, "content": _json(request)},
+            "responses": {
+                "200": {
+                    "description": "The answer: whole as JSON, or as server-sent events "
+                    "with `stream: true`."
+                    if chunk
+                    else "The embeddings.",
+                    "content": content,
+                },
+                **_errors(*STATUSES),
+            },
+        }
+    }
+
+
+def _get(op_id: str, summary: str, answer: str, responses: dict[str, Any], **kw: Any) -> Any:
+    return {
+        "get": {
+            "operationId": op_id,
+            "summary": summary,
+            "responses": {"200": {"description": summary, "content": _json(answer)}, **responses},
+            **kw,
+        }
+    }
+
+
+def _version() -> str:
+    try:
+        return metadata.version("tokenbus")
+    except metadata.PackageNotFoundError:
+        return "0"
+
+
+def document() -> dict[str, Any]:
+    """The OpenAPI 3.1 document of the OpenAI-compatible API (a fresh copy)."""
+    return copy.deepcopy(_document())
+
+
+@cache
+def _document() -> dict[str, Any]:
+    schemas = _request_schemas()
+    schemas.update(
+        _schemas(
+            ErrorResponse,
+            ChatCompletion,
+            ChatCompletionChunk,
+            TextCompletion,
+            TextCompletionChunk,
+            EmbeddingList,
+            ModelList,
+            Health,
+            Ready,
+        )
+    )
+    schemas["OpenAPIDocument"] = {"type": "object", "required": ["openapi", "paths"]}
+    ready_503 = {"description": "Not ready to serve.", "content": _json("Ready")}
+    return {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "tokenbus",
+            "version": _version(),
+            "description": "OpenAI-compatible HTTP API of the tokenbus bridge. Request "
+            "fields not listed are carried to the engine unchanged.",
+        },
+        "paths": {
+            "/v1/chat/completions": _generation(
+                "createChatCompletion",
+                "Chat completion",
+                "ChatCompletionRequest",
+                "ChatCompletion",
+                "ChatCompletionChunk",
+            ),
+            "/v1/completions": _generation(
+                "createCompletion",
+                "Text completion",
+                "CompletionRequest",
+                "TextCompletion",
+                "TextCompletionChunk",
+            ),
+            "/v1/embeddings": _generation(
+                "createEmbedding", "Embeddings", "EmbeddingRequest", "EmbeddingList", None
+            ),
+            "/v1/models": _get(
+                "listModels",
+                "The models served now that the key may use.",
+                "ModelList",
+                _errors(401),
+                tags=["OpenAI"],
+                security=_SECURITY,
+            ),
+            "/health": _get(
+                "health",
+                "The bridge is connected and serving.",
+                "Health",
+                {"503": {"description": "Unhealthy.", "content": _json("Health")}},
+                security=[],
+            ),
+            "/ready": _get(
+                "ready",
+                "The bridge can serve (some replica is live).",
+                "Ready",
+                {"503": ready_503},
+                security=[],
+            ),
+            "/openapi.json": _get("openapi", "This document.", "OpenAPIDocument", {}, security=[]),
+        },
+        "components": {
+            "schemas": dict(sorted(schemas.items())),
+            "securitySchemes": {
+                "bearerAuth": {
+                    "type": "http",
+                    "scheme": "bearer",
+                    "description": "Authorization: Bearer <API key> (`tokenbus keys create`); "
+                    "checked where the pipeline runs the auth stage.",
+                },
+                "apiKeyAuth": {
+                    "type": "apiKey",
+                    "in": "header",
+                    "name": "api-key",
+                    "description": "The same key, Azure-style.",
+                },
+            },
+        },
+    }
+
+
+@cache
+def document_bytes() -> bytes:
+    """The document as the JSON ``GET /openapi.json`` sends, encoded once."""
+    return json.dumps(_document(), separators=(",", ":")).encode()

@@ -1,0 +1,192 @@
+"""Stored responses of the Responses API, in a JetStream KV bucket.
+
+``store: true`` (the default) keeps a finished response: the response object, the input
+items of its request, and the conversation as chat messages (output included), which a
+later request's ``previous_response_id`` continues. Each record names its owner, the id of
+the API key that made it (empty where the pipeline checks no keys); a read or delete by
+another key is answered exactly as for an id that does not exist.
+
+The bucket has a TTL (``responses.ttl_s``) and a size bound (``responses.max_bytes``), and
+unlike the other buckets it drops its *oldest* records when full (a cache of conversations,
+not a ledger: a new response must not be refused because old ones fill the bucket). It is
+replicated like the others (``kv_replicas``). Every bridge process and every ingress shares
+it, so a conversation may continue through any of them.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.js import api
+from nats.js.errors import BucketNotFoundError, KeyDeletedError, KeyNotFoundError
+from nats.js.kv import KeyValue
+
+from auth.store import KeyStore
+from bus_schemas import codec, subjects
+from bus_schemas import errors as E
+from bus_schemas import headers as H
+from services import logging as tlog
+from services.config import ResponsesSettings, Settings, kv_replicas
+from services.responses import RESPONSE_ID
+
+BUCKET = "tokenbus_responses"
+log = tlog.get("responses")
+
+
+def not_found(response_id: str) -> E.NotFound:
+    """The answer for a response that does not exist, or is not the caller's to see."""
+    return E.NotFound(f"no response with id {response_id!r}", param="response_id")
+
+
+def unavailable(exc: BaseException) -> E.ServiceUnavailable:
+    """JetStream did not answer (a node down, the cluster electing a leader): retryable."""
+    log.warning("response_store_unavailable", error=repr(exc))
+    return E.ServiceUnavailable("the response store (JetStream) did not answer; retry")
+
+
+async def open_store(nc: NATS, settings: ResponsesSettings) -> ResponseStore | None:
+    """The store, or None (logged) where JetStream is not available: the Responses API is
+    then served without storage (``store`` comes back false) rather than not at all."""
+    try:
+        return await ResponseStore(nc, settings).open()
+    except Exception as exc:
+        log.warning("responses_not_stored_here", reason="JetStream unavailable", error=repr(exc))
+        return None
+
+
+class ResponseStore:
+    """Put, get and delete stored responses, each readable only by its owner."""
+
+    def __init__(self, nc: NATS, settings: ResponsesSettings, bucket: str = BUCKET) -> None:
+        self.nc = nc
+        self.settings = settings
+        self.bucket = bucket
+        self.kv: KeyValue | None = None
+
+    async def open(self) -> ResponseStore:
+        """Bind the bucket, creating it when it does not exist yet."""
+        js = self.nc.jetstream()
+        try:
+            self.kv = await js.key_value(self.bucket)
+        except BucketNotFoundError:
+            # As nats-py's create_key_value makes a bucket, but discarding the oldest records
+            # when full. Two processes creating it at once is fine: the config is the same.
+            ttl = self.settings.ttl_s
+            await js.add_stream(
+                api.StreamConfig(
+                    name=f"KV_{self.bucket}",
+                    description="tokenbus: stored responses of the Responses API",
+                    subjects=[f"$KV.{self.bucket}.>"],
+                    allow_direct=True,
+                    allow_rollup_hdrs=True,
+                    deny_delete=True,
+                    discard=api.DiscardPolicy.OLD,
+                    duplicate_window=min(120.0, ttl),
+                    max_age=ttl,
+                    max_bytes=self.settings.max_bytes,
+                    max_msgs_per_subject=1,
+                    num_replicas=kv_replicas(),
+                    storage=api.StorageType.FILE,
+                )
+            )
+            self.kv = await js.key_value(self.bucket)
+        return self
+
+    def _kv(self) -> KeyValue:
+        if self.kv is None:
+            raise RuntimeError("ResponseStore.open() first")
+        return self.kv
+
+    async def put(self, response_id: str, record: dict[str, Any]) -> bool:
+        """Keep ``record`` (see :func:`services.responses.record`) under a new id; False
+        when it could not be kept (the id is taken, larger than the bus carries, JetStream
+        unavailable), which is logged. Never overwrites: nobody replaces another's record."""
+        data = json.dumps(record, separators=(",", ":")).encode()
+        try:
+            await self._kv().create(response_id, data)
+        except Exception as exc:
+            log.warning(
+                "response_not_stored", response_id=response_id, bytes=len(data), error=repr(exc)
+            )
+            return False
+        return True
+
+    async def get(self, response_id: str, owner: str) -> dict[str, Any]:
+        """The record of ``response_id`` if ``owner`` made it; else 404."""
+        if not RESPONSE_ID.match(response_id):
+            raise not_found(response_id)
+        try:
+            entry = await self._kv().get(response_id)
+        except (KeyNotFoundError, KeyDeletedError):
+            raise not_found(response_id) from None
+        except Exception as exc:
+            raise unavailable(exc) from None
+        if not entry.value:
+            raise not_found(response_id)
+        rec: dict[str, Any] = json.loads(entry.value)
+        if rec.get("owner", "") != owner:
+            raise not_found(response_id)
+        return rec
+
+    async def delete(self, response_id: str, owner: str) -> None:
+        """Delete ``response_id`` if ``owner`` made it; else 404."""
+        await self.get(response_id, owner)
+        try:
+            await self._kv().purge(response_id)
+        except Exception as exc:
+            raise unavailable(exc) from None
+
+
+class ResponsesState:
+    """The stored responses of NATS clients: ingress answers ``responses_state`` requests
+    (get, put, delete) from a client's ``Client.responses`` with this, checking the key the
+    request carries (where the pipeline has auth) and keeping records under its id, as the
+    bridge does for HTTP clients; so a conversation may continue over either."""
+
+    def __init__(self, nc: NATS, settings: Settings) -> None:
+        self.nc = nc
+        self.settings = settings
+        self.store: ResponseStore | None = None
+        self.keys: KeyStore | None = None
+
+    async def open(self) -> ResponsesState:
+        self.store = await open_store(self.nc, self.settings.responses)
+        if self.store is not None and subjects.STAGE_AUTH in self.settings.ingress.pipeline:
+            self.keys = await KeyStore(self.nc).open()
+        return self
+
+    async def close(self) -> None:
+        if self.keys is not None:
+            await self.keys.close()
+
+    async def handle(self, msg: Msg) -> None:
+        """One request; errors go back as error frames (the service runtime sends them)."""
+        if not msg.reply:
+            return
+        store = self.store
+        if store is None:
+            raise E.ServiceUnavailable("this ingress keeps no responses (JetStream unavailable)")
+        action = msg.subject.rpartition(".")[2]
+        body = codec.decode_map(msg.data)
+        response_id = body.get("id")
+        if not isinstance(response_id, str):
+            raise E.InvalidRequest("a stored-response request needs an 'id'", param="id")
+        key = (msg.headers or {}).get(H.API_KEY)
+        owner = self.keys.lookup(key).id if self.keys is not None else ""
+        out: dict[str, Any] = {"t": "ok"}
+        if action == subjects.RESPONSES_GET:
+            out["record"] = await store.get(response_id, owner)
+        elif action == subjects.RESPONSES_DELETE:
+            await store.delete(response_id, owner)
+        elif action == subjects.RESPONSES_PUT:
+            rec = body.get("record")
+            if not RESPONSE_ID.match(response_id) or not isinstance(rec, dict):
+                raise E.InvalidRequest("a put needs a response id and a record", param="record")
+            # The owner is the key's, whatever the record says.
+            out["stored"] = await store.put(response_id, {**rec, "owner": owner})
+        else:
+            raise E.NotFound(f"no stored-response action {action!r}")
+        await self.nc.publish(msg.reply, codec.encode(out))

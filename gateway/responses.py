@@ -1,0 +1,331 @@
+"""The Responses API over HTTP: ``POST /v1/responses`` (whole or streamed),
+``GET`` / ``DELETE /v1/responses/{id}`` and ``GET /v1/responses/{id}/input_items``.
+
+A request is translated onto the chat path (:mod:`services.responses`) and opened on the
+app's :class:`~gateway.openai_api.Source` exactly as a chat completion is, so keys, limits,
+the content filter, routing, migration and telemetry are the chat path's. What differs is
+only what goes back: a ``response`` object, or the Responses streaming events. Stored
+responses live in the :class:`~gateway.response_store.ResponseStore`, owned by the key that
+made them (docs/responses.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+from urllib.parse import parse_qs
+
+from auth.store import KeyStore
+from bus_schemas import errors as E
+from bus_schemas import headers as H
+from bus_schemas.subjects import KIND_CHAT
+from gateway import validation
+from gateway.asgi import Receive, Scope, Send, api_key, bus_headers, header, send_error, send_json
+from gateway.ingress import clean_request_id
+from gateway.openai_api import (
+    SSE_HEADERS,
+    OpenAIApp,
+    Progress,
+    StreamLike,
+    _first_chunk,
+    _latency_headers,
+    _limit_headers,
+    _record,
+    read_body,
+    watch_disconnect,
+)
+from gateway.response_store import ResponseStore, not_found
+from services import logging as tlog
+from services import responses as R
+from services.caller import Chunk
+
+log = tlog.get("bridge")
+PREFIX = "/v1/responses"
+KIND = "responses"  # the kind in the bridge's metrics and request log
+
+Owner = Callable[[str | None], str]
+
+
+def key_owner(keys: KeyStore | None) -> Owner:
+    """Who owns what a request stores: its API key's id where keys are checked (401 for a
+    key that is not valid), else nobody in particular (``""``: one open deployment)."""
+    if keys is None:
+        return lambda key: ""
+    return lambda key: keys.lookup(key).id
+
+
+def sse(ev: dict[str, Any]) -> str:
+    """One Responses streaming event as server-sent event text."""
+    return f"event: {ev['type']}\ndata: {json.dumps(ev)}\n\n"
+
+
+class ResponsesAPI:
+    """The Responses API's handlers on an :class:`OpenAIApp` (``mount`` adds its routes);
+    ``store`` None: nothing is kept (``store`` comes back false, and ids are not found)."""
+
+    def __init__(self, app: OpenAIApp, store: ResponseStore | None, owner: Owner | None = None):
+        self.app = app
+        self.store = store
+        self.owner: Owner = owner or key_owner(None)
+
+    def mount(self) -> None:
+        """``POST /v1/responses`` and everything below ``/v1/responses/``."""
+        self.app.add_route("POST", PREFIX, self.create)
+        self.app.add_prefix(PREFIX, self.by_id)
+
+    # -- create ---------------------------------------------------------------------------
+    async def create(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """``POST /v1/responses``: one request from body to last byte, as the chat path's
+        handler does it (its failures are OpenAI errors; its outcome goes to on_request)."""
+        app = self.app
+        rid = clean_request_id(header(scope, b"x-request-id"))
+        t_start = time.perf_counter_ns()
+        progress = Progress(time.time_ns())
+        status, outcome = 200, "ok"
+        stream: StreamLike | None = None
+        watcher: asyncio.Task[None] | None = None
+        try:
+            body = await read_body(scope, receive, app.max_body, app.body_timeout)
+            req = R.parse(body)
+            hdrs = bus_headers(scope)
+            owner = self.owner(hdrs.get(H.API_KEY))
+            previous = await self._previous(req.previous_response_id, owner)
+            turn = R.translate(req, body, previous)
+            if self.store is None:
+                turn.echo["store"] = False
+            chat = validation.parse(KIND_CHAT, turn.chat)
+            watcher = watch_disconnect(receive, progress)
+            stream = app.source.open(
+                KIND_CHAT, chat, turn.chat, request_id=rid, timeout=app.timeout, headers=hdrs
+            )
+            if req.stream:
+                await self._write_sse(send, turn, stream, rid, progress, owner)
+            else:
+                await self._write_whole(send, turn, stream, rid, progress, owner)
+        except E.TokenbusError as exc:
+            status, outcome = E.http_status(exc), exc.code
+            progress.finished = True
+            await send_error(send, exc, rid)
+        except asyncio.CancelledError:
+            outcome = "client_disconnected"
+        except Exception:
+            status, outcome = 500, "internal_error"
+            log.exception("internal_error", request_id=rid, kind=KIND)
+            if not progress.started:
+                progress.finished = True
+                await send_error(send, E.InternalError("the gateway failed; retry"), rid)
+        finally:
+            progress.finished = True
+            if watcher is not None:
+                watcher.cancel()
+            if stream is not None:
+                await stream.aclose()
+            if app.on_request is not None:
+                app.on_request(_record(rid, KIND, status, outcome, t_start, progress, stream))
+
+    async def _previous(self, response_id: str | None, owner: str) -> list[dict[str, Any]] | None:
+        """The conversation a ``previous_response_id`` continues (404 when it is not one of
+        the caller's stored responses)."""
+        if response_id is None:
+            return None
+        if self.store is None:
+            raise E.InvalidRequest(
+                "previous_response_id: this server keeps no responses; send the whole "
+                "conversation as input",
+                param="previous_response_id",
+            )
+        try:
+            rec = await self.store.get(response_id, owner)
+        except E.NotFound:
+            raise E.NotFound(
+                f"previous_response_id: no stored response with id {response_id!r}",
+                param="previous_response_id",
+            ) from None
+        return list(rec.get("messages") or [])
+
+    async def _save(
+        self, turn: R.Turn, b: R.ResponseBuilder, resp: dict[str, Any], owner: str
+    ) -> None:
+        """Keep a finished response when asked to; one that cannot be kept says
+        ``store: false`` (and the store logged why)."""
+        if not turn.echo.get("store") or self.store is None:
+            return
+        if not await self.store.put(turn.response_id, R.record(turn, b, resp, owner)):
+            resp["store"] = False
+
+    async def _write_whole(
+        self,
+        send: Send,
+        turn: R.Turn,
+        stream: StreamLike,
+        rid: str,
+        progress: Progress,
+        owner: str,
+    ) -> None:
+        b = R.ResponseBuilder(turn, events=False)
+        async for c in stream:
+            b.add(c)
+        resp, _ = b.finish(stream.finish_reason, stream.usage)
+        await self._save(turn, b, resp, owner)
+        progress.finished = True
+        progress.t5_ns = time.time_ns()
+        await send_json(
+            send,
+            200,
+            resp,
+            [
+                (b"x-request-id", rid.encode()),
+                *_limit_headers(stream),
+                *_latency_headers(stream, progress.t1_ns),
+            ],
+        )
+
+    async def _write_sse(
+        self,
+        send: Send,
+        turn: R.Turn,
+        stream: StreamLike,
+        rid: str,
+        progress: Progress,
+        owner: str,
+    ) -> None:
+        # The first frame before the headers, so that errors before generation (unknown
+        # model, no replica, a refused key) still get their own HTTP status.
+        first = await _first_chunk(stream)
+        b = R.ResponseBuilder(turn, events=True)
+        progress.started = True
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [*SSE_HEADERS, (b"x-request-id", rid.encode()), *_limit_headers(stream)],
+            }
+        )
+        buf = [sse(ev) for ev in b.opening()]
+        body = "http.response.body"
+        try:
+            if first is not None:
+                _events(b, first, buf)
+                await send({"type": body, "body": "".join(buf).encode(), "more_body": True})
+                progress.t5_ns = time.time_ns()
+                progress.streamed = True
+                buf.clear()
+                async for c in stream:
+                    _events(b, c, buf)
+                    # Behind: what is already here goes in one write.
+                    while stream.pending():
+                        try:
+                            c = await stream.__anext__()
+                        except StopAsyncIteration:
+                            break
+                        _events(b, c, buf)
+                    await send({"type": body, "body": "".join(buf).encode(), "more_body": True})
+                    buf.clear()
+            resp, events = b.finish(stream.finish_reason, stream.usage)
+            # Kept before response.completed goes out: a client that continues the
+            # conversation right after it finds it.
+            await self._save(turn, b, resp, owner)
+            buf.extend(sse(ev) for ev in events)
+        except E.TokenbusError as exc:
+            # The headers are gone: the failure is an `error` and a `response.failed` event.
+            _, events = b.fail(exc)
+            buf.extend(sse(ev) for ev in events)
+        progress.finished = True
+        await send({"type": body, "body": "".join(buf).encode(), "more_body": False})
+
+    # -- stored responses -----------------------------------------------------------------
+    async def by_id(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """``GET`` / ``DELETE /v1/responses/{id}``, ``GET /v1/responses/{id}/input_items``."""
+        method = scope["method"]
+        path = scope["path"].rstrip("/")
+        parts = path[len(PREFIX) + 1 :].split("/") if path != PREFIX else []
+        try:
+            owner = self.owner(api_key(scope).get(H.API_KEY))
+            if len(parts) == 1 and parts[0] and method in ("GET", "DELETE"):
+                rid = parts[0]
+                if method == "DELETE":
+                    await self._store(rid).delete(rid, owner)
+                    await send_json(send, 200, {"id": rid, "object": "response", "deleted": True})
+                    return
+                query = _query(scope)
+                if query.get("stream") in ("true", "1"):
+                    raise E.InvalidRequest(
+                        "stream: replaying a stored response as events is not served; GET it whole",
+                        param="stream",
+                    )
+                rec = await self._store(rid).get(rid, owner)
+                await send_json(send, 200, rec["response"])
+                return
+            if len(parts) == 2 and parts[1] == "input_items" and method == "GET":
+                rec = await self._store(parts[0]).get(parts[0], owner)
+                await send_json(send, 200, _page(rec.get("input_items") or [], _query(scope)))
+                return
+            if len(parts) == 2 and parts[1] == "cancel" and method == "POST":
+                await self._store(parts[0]).get(parts[0], owner)
+                raise E.InvalidRequest(
+                    "only background responses can be cancelled, and tokenbus serves none "
+                    "(a streamed response stops when its client disconnects)",
+                    param="response_id",
+                )
+            if len(parts) in (1, 2) and parts[0]:
+                raise MethodNotAllowed(f"method {method} not allowed on {path}")
+            raise E.NotFound(f"no route for {method} {path}")
+        except E.TokenbusError as exc:
+            await send_error(send, exc)
+
+    def _store(self, response_id: str) -> ResponseStore:
+        if self.store is None:
+            raise not_found(response_id)
+        return self.store
+
+
+class MethodNotAllowed(E.InvalidRequest):
+    """A known path asked with a method it does not serve (405)."""
+
+    status = 405
+
+
+def _events(b: R.ResponseBuilder, c: Chunk, buf: list[str]) -> None:
+    """The SSE text of one chunk's events, appended to ``buf``."""
+    if c.text and not c.has_side:
+        text = b.text_sse(c.text)
+        if text is not None:
+            buf.append(text)
+            return
+    buf.extend(sse(ev) for ev in b.add(c))
+
+
+def _query(scope: Scope) -> dict[str, str]:
+    raw = scope.get("query_string") or b""
+    return {k: v[-1] for k, v in parse_qs(bytes(raw).decode("latin-1")).items()}
+
+
+def _page(items: list[dict[str, Any]], query: dict[str, str]) -> dict[str, Any]:
+    """A page of input items as OpenAI lists them: ``order`` (``desc`` by default),
+    ``after`` an item id, ``limit`` 1..100 (20)."""
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise E.InvalidRequest("order: must be 'asc' or 'desc'", param="order")
+    limit_s = query.get("limit", "20")
+    if not limit_s.isdigit() or not 1 <= int(limit_s) <= 100:
+        raise E.InvalidRequest("limit: must be an integer from 1 to 100", param="limit")
+    ordered = list(reversed(items)) if order == "desc" else list(items)
+    after = query.get("after")
+    if after:
+        ids = [i.get("id") for i in ordered]
+        if after not in ids:
+            raise E.InvalidRequest(
+                f"after: no input item {after!r} in this response", param="after"
+            )
+        ordered = ordered[ids.index(after) + 1 :]
+    page = ordered[: int(limit_s)]
+    return {
+        "object": "list",
+        "data": page,
+        "first_id": page[0].get("id") if page else None,
+        "last_id": page[-1].get("id") if page else None,
+        "has_more": len(ordered) > len(page),
+    }

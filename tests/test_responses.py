@@ -1,0 +1,696 @@
+"""The Responses API (``/v1/responses``) end to end: real processes on a real bus (the full
+pipeline, keys checked), driven by the official ``openai`` SDK, the OpenAI Agents SDK and
+the tokenbus NATS client.
+
+One stack for the module: sim workers (exact, deterministic answers), an ``openai``-backend
+worker in front of the fake upstream (to see what reached the engine, and reasoning), the
+auth / ratelimit / filter / ingress / router services (the NATS path) and the bridge.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from nats.js.api import DiscardPolicy
+from pydantic import BaseModel
+
+from auth.store import KeyStore
+from bus_schemas import errors as E
+from engine_worker.backends.base import GenerationRequest
+from engine_worker.backends.sim import expected_structured, expected_text
+from engine_worker.backends.sim_outputs import expected_tool_call
+from filter.policy import FilterPolicy
+from filter.scanner import Scanner
+from gateway.response_store import ResponseStore
+from services.config import ResponsesSettings
+from services.responses import new_response_id, parse, translate
+from tests.conftest import (
+    NatsServer,
+    Procs,
+    ProcStack,
+    Upstream,
+    key_store,
+    new_model,
+    start_stack,
+    start_worker,
+    wait_replicas,
+)
+from tests.lockedbus import LockedBus, serve_when_ready
+from tokenbus import Client
+
+PIPELINE = {"TOKENBUS_INGRESS__PIPELINE": '["auth", "ratelimit", "filter", "route"]'}
+WEATHER = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "The weather in a city.",
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string"}},
+        "required": ["city"],
+        "additionalProperties": False,
+    },
+}
+CHAT_WEATHER = {
+    "type": "function",
+    "function": {k: v for k, v in WEATHER.items() if k != "type"},
+}
+
+
+@dataclass
+class Env:
+    stack: ProcStack
+    model: str
+    up_model: str
+    upstream: Upstream
+    url: str
+    key: str
+    other: str
+
+
+@pytest.fixture(scope="module")
+def upstream(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Upstream]:
+    up = Upstream(tmp_path_factory.mktemp("upstream"))
+    try:
+        yield up
+    finally:
+        up.stop()
+
+
+@pytest.fixture(scope="module")
+async def env(
+    nats_server: NatsServer, upstream: Upstream, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[Env]:
+    async with key_store(nats_server.url) as keys:
+        key, _ = await keys.create("responses-a")
+        other, _ = await keys.create("responses-b")
+    with Procs(nats_server.url, tmp_path_factory.mktemp("responses")) as ps:
+        up_model = new_model()
+        start_worker(
+            ps, up_model, "up", "--backend", "openai", "--upstream-url", upstream.url, env=PIPELINE
+        )
+        stack = await start_stack(
+            ps,
+            new_model(),
+            "auth",
+            "ratelimit",
+            "filter",
+            "ingress",
+            "router",
+            workers=1,
+            worker_args=("--sim-prefill-ms", "2", "--sim-decode-ms", "1"),
+            env=PIPELINE,
+        )
+        await wait_replicas(nats_server.url, up_model, 1)
+        yield Env(stack, stack.model, up_model, upstream, nats_server.url, key, other)
+
+
+@pytest.fixture
+async def oai(env: Env) -> AsyncIterator[openai.AsyncOpenAI]:
+    async with env.stack.openai(env.key) as c:
+        yield c
+
+
+def _sim(model: str, messages: list[dict[str, Any]], **extra: Any) -> GenerationRequest:
+    """What the sim worker sees for a chat request (to ask the sim what it will answer)."""
+    return GenerationRequest(
+        request_id="x",
+        kind="chat",
+        model=model,
+        max_tokens=extra.pop("max_tokens", 256),
+        messages=messages,
+        extra=extra,
+    )
+
+
+# -- create, whole and streamed --------------------------------------------------------------
+async def test_create_whole_with_the_sdk(env: Env, oai: openai.AsyncOpenAI) -> None:
+    out = await oai.responses.create(
+        model=env.model, input="hello there", instructions="be brief", max_output_tokens=12
+    )
+    want = expected_text("<|system|>be brief\n<|user|>hello there\n", 12)[0]
+    assert out.output_text == want
+    assert out.status == "incomplete" and out.incomplete_details is not None
+    assert out.incomplete_details.reason == "max_output_tokens"
+    assert out.id.startswith("resp_") and out.object == "response" and out.model == env.model
+    assert [i.type for i in out.output] == ["message"]
+    assert out.usage is not None and out.usage.output_tokens == 12
+    assert out.usage.total_tokens == out.usage.input_tokens + 12
+    assert out.usage.input_tokens_details.cached_tokens == 0
+    assert out.instructions == "be brief" and out.max_output_tokens == 12 and out.store
+
+
+async def test_create_streamed_with_the_sdk_stream_helper(
+    env: Env, oai: openai.AsyncOpenAI
+) -> None:
+    full = expected_text("<|user|>tell me a story\n", 40)[0]
+    stop = " " + full.split(" ")[6]
+    want = full[: full.find(stop)]
+    types: list[str] = []
+    seqs: list[int] = []
+    async with oai.responses.stream(
+        model=env.model, input="tell me a story", max_output_tokens=40, extra_body={"stop": stop}
+    ) as stream:
+        deltas = ""
+        async for ev in stream:
+            types.append(ev.type)
+            seqs.append(ev.sequence_number)
+            if ev.type == "response.output_text.delta":
+                deltas += ev.delta
+        final = await stream.get_final_response()
+    assert final.output_text == deltas == want
+    assert final.status == "completed"
+    assert seqs == list(range(len(seqs)))
+    n = types.count("response.output_text.delta")
+    assert n >= 5
+    assert types == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+        *["response.output_text.delta"] * n,
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+
+
+async def test_raw_stream_ends_incomplete_at_max_output_tokens(
+    env: Env, oai: openai.AsyncOpenAI
+) -> None:
+    stream = await oai.responses.create(
+        model=env.model, input="hello there", max_output_tokens=6, stream=True
+    )
+    events = [ev async for ev in stream]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    last = events[-1]
+    assert last.type == "response.incomplete"
+    assert last.response.incomplete_details is not None
+    assert last.response.incomplete_details.reason == "max_output_tokens"
+    assert last.response.output_text == expected_text("<|user|>hello there\n", 6)[0]
+
+
+async def test_logprobs_come_back_on_the_output_text(env: Env, oai: openai.AsyncOpenAI) -> None:
+    out = await oai.responses.create(
+        model=env.model,
+        input="hello there",
+        max_output_tokens=5,
+        include=["message.output_text.logprobs"],
+        top_logprobs=2,
+    )
+    part = out.output[0].content[0]  # type: ignore[union-attr]
+    assert part.type == "output_text" and part.logprobs is not None
+    assert "".join(lp.token for lp in part.logprobs) == part.text
+    assert all(len(lp.top_logprobs) == 2 and lp.logprob <= 0 for lp in part.logprobs)
+
+
+class City(BaseModel):
+    name: str
+    population: int
+
+
+async def test_parse_with_a_pydantic_text_format(env: Env, oai: openai.AsyncOpenAI) -> None:
+    out = await oai.responses.parse(model=env.model, input="a city", text_format=City)
+    assert isinstance(out.output_parsed, City)
+    assert out.output_parsed == City.model_validate_json(out.output_text)
+    assert out.status == "completed"
+    # What the sim makes of the schema the SDK sent: its own instance of it, exactly.
+    text = out.output_text
+    schema = {**City.model_json_schema(), "additionalProperties": False}
+    chat = [{"role": "user", "content": "a city"}]
+    rf = {"type": "json_schema", "json_schema": {"name": "City", "schema": schema}}
+    assert (
+        json.loads(text).keys()
+        == json.loads(expected_structured(_sim(env.model, chat, response_format=rf))).keys()
+    )
+
+
+# -- tools and state ------------------------------------------------------------------------
+async def test_function_tool_round_trip_with_previous_response_id(
+    env: Env, oai: openai.AsyncOpenAI
+) -> None:
+    ask = [{"role": "user", "content": "weather in Paris?"}]
+    first = await oai.responses.create(model=env.model, input="weather in Paris?", tools=[WEATHER])  # type: ignore[list-item]
+    assert first.status == "completed"
+    calls = [i for i in first.output if i.type == "function_call"]
+    assert len(calls) == 1
+    want = expected_tool_call(_sim(env.model, ask, tools=[CHAT_WEATHER]))
+    assert want is not None
+    call = calls[0]
+    assert (call.call_id, call.name, call.arguments) == want
+    second = await oai.responses.create(
+        model=env.model,
+        previous_response_id=first.id,
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}],
+        tools=[WEATHER],  # type: ignore[list-item]
+        max_output_tokens=8,
+    )
+    # The engine saw the whole conversation: the question, its call, the call's result.
+    prompt = (
+        f"<|user|>weather in Paris?\n<|assistant|>{call.name}({call.arguments})\n<|tool|>sunny\n"
+    )
+    assert second.output_text == expected_text(prompt, 8)[0]
+    assert second.previous_response_id == first.id
+
+
+async def test_streamed_tool_call_events(env: Env, oai: openai.AsyncOpenAI) -> None:
+    stream = await oai.responses.create(
+        model=env.model,
+        input="weather?",
+        tools=[WEATHER],
+        tool_choice="required",
+        stream=True,  # type: ignore[list-item]
+    )
+    events = [ev async for ev in stream]
+    types = [e.type for e in events]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert types[:3] == ["response.created", "response.in_progress", "response.output_item.added"]
+    assert types[-3:] == [
+        "response.function_call_arguments.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    args = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    done = events[-1].response.output[0]
+    assert done.type == "function_call" and done.arguments == args
+    assert json.loads(args)["city"]
+
+
+async def test_image_input_reaches_the_engine(env: Env, oai: openai.AsyncOpenAI) -> None:
+    url = "data:image/png;base64,iVBORw0KGgo="
+    content = [
+        {"type": "input_text", "text": "what is this?"},
+        {"type": "input_image", "image_url": url, "detail": "low"},
+    ]
+    out = await oai.responses.create(
+        model=env.up_model,
+        input=[{"role": "user", "content": content}],  # type: ignore[list-item, misc]
+        max_output_tokens=4,
+    )
+    assert out.output_text
+    got = await env.upstream.last_request()
+    assert got["messages"] == [
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "what is this?"},
+                {"type": "image_url", "image_url": {"url": url, "detail": "low"}},
+            ],
+        }
+    ]
+    assert got["max_tokens"] == 4
+
+
+async def test_reasoning_from_the_engine_is_a_reasoning_item(
+    env: Env, oai: openai.AsyncOpenAI
+) -> None:
+    kw: dict[str, Any] = {
+        "model": env.up_model,
+        "input": "think first",
+        "reasoning": {"effort": "low"},
+        "extra_body": {"chat_template_kwargs": {"enable_thinking": True}},
+    }
+    out = await oai.responses.create(**kw)
+    assert [i.type for i in out.output] == ["reasoning", "message"]
+    assert out.output[0].content is not None  # type: ignore[union-attr]
+    assert out.output[0].content[0].text == "thinking"  # type: ignore[union-attr]
+    assert out.output_text == "hello from upstream"
+    got = await env.upstream.last_request()
+    assert got["reasoning_effort"] == "low"
+    assert got["chat_template_kwargs"] == {"enable_thinking": True}
+    stream = await oai.responses.create(**kw, stream=True)
+    types = [e.type async for e in stream]
+    # Under the output filter reasoning is held to the end and scanned whole, so its item
+    # may come after the message's; its events are all there.
+    assert {
+        "response.reasoning_text.delta",
+        "response.reasoning_text.done",
+        "response.output_text.delta",
+    } <= set(types)
+
+
+async def test_stored_response_get_delete_and_another_keys_404(
+    env: Env, oai: openai.AsyncOpenAI
+) -> None:
+    out = await oai.responses.create(
+        model=env.model,
+        input=[{"role": "user", "content": "remember me"}],
+        max_output_tokens=3,
+        metadata={"k": "v"},
+    )
+    got = await oai.responses.retrieve(out.id)
+    assert got.id == out.id and got.output_text == out.output_text and got.metadata == {"k": "v"}
+    items = await oai.responses.input_items.list(out.id)
+    assert [(i.type, i.role) for i in items.data] == [("message", "user")]  # type: ignore[union-attr]
+    async with env.stack.openai(env.other) as them:
+        with pytest.raises(openai.NotFoundError):
+            await them.responses.retrieve(out.id)
+        with pytest.raises(openai.NotFoundError):
+            await them.responses.delete(out.id)
+        with pytest.raises(openai.NotFoundError):
+            await them.responses.input_items.list(out.id)
+        with pytest.raises(openai.NotFoundError):
+            await them.responses.create(model=env.model, input="go on", previous_response_id=out.id)
+    await oai.responses.delete(out.id)
+    with pytest.raises(openai.NotFoundError):
+        await oai.responses.retrieve(out.id)
+    unstored = await oai.responses.create(
+        model=env.model, input="forget me", max_output_tokens=2, store=False
+    )
+    assert unstored.store is False
+    with pytest.raises(openai.NotFoundError):
+        await oai.responses.retrieve(unstored.id)
+    async with env.stack.openai("tb-000000000000_" + "A" * 43) as nobody:
+        with pytest.raises(openai.AuthenticationError):
+            await nobody.responses.retrieve(out.id)
+
+
+async def test_input_items_are_filtered_as_on_chat(env: Env, oai: openai.AsyncOpenAI) -> None:
+    secret = "use the key AKIAIOSFODNN7EXAMPLE please"
+    redacted = Scanner(FilterPolicy()).scan(secret).redacted_text
+    assert "AKIA" not in redacted
+    items: list[Any] = [
+        {"role": "user", "content": "weather?"},
+        {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": secret},
+    ]
+    out = await oai.responses.create(model=env.model, input=items, max_output_tokens=5)
+    prompt = f"<|user|>weather?\n<|assistant|>get_weather({{}})\n<|tool|>{redacted}\n"
+    assert out.output_text == expected_text(prompt, 5)[0]
+
+
+# -- bad fields -----------------------------------------------------------------------------
+BAD: list[tuple[dict[str, Any], str]] = [
+    ({"input": 5}, "input"),
+    ({"input": [{"type": "message", "role": "robot", "content": "x"}]}, "input.0.role"),
+    ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input.0.call_id"),
+    ({"input": [{"type": "computer_call"}]}, "input.0.type"),
+    (
+        {"input": [{"role": "user", "content": [{"type": "input_image"}]}]},
+        "input.0.content.0.image_url",
+    ),
+    (
+        {"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]},
+        "input.0.content.0.file_data",
+    ),
+    ({"background": True}, "background"),
+    ({"tools": [{"type": "web_search"}]}, "tools.0.type"),
+    ({"tools": [{"type": "file_search", "vector_store_ids": ["v"]}]}, "tools.0.type"),
+    ({"tools": [{"type": "computer_use_preview"}]}, "tools.0.type"),
+    ({"tools": [{"type": "function"}]}, "tools.0.name"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice.name"),
+    ({"tool_choice": {"type": "file_search"}}, "tool_choice.type"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"text": {"format": {"type": "json_schema", "schema": {}}}}, "text.format.name"),
+    ({"text": {"format": {"type": "yaml"}}}, "text.format.type"),
+    ({"max_output_tokens": 0}, "max_output_tokens"),
+    ({"max_output_tokens": "10"}, "max_output_tokens"),
+    ({"temperature": 3}, "temperature"),
+    ({"stream": "yes"}, "stream"),
+    ({"store": "no"}, "store"),
+    ({"truncation": "auto"}, "truncation"),
+    ({"conversation": "conv_1"}, "conversation"),
+    ({"prompt": {"id": "pmpt_1"}}, "prompt"),
+    ({"max_tokens": 5}, "max_tokens"),
+    ({"messages": [{"role": "user", "content": "x"}]}, "messages"),
+    ({"previous_response_id": "resp_nope"}, "previous_response_id"),
+    ({"input": []}, "input"),
+]
+
+
+async def test_each_bad_field_gets_a_clear_400(env: Env) -> None:
+    auth = {"Authorization": f"Bearer {env.key}"}
+    async with env.stack.http("/v1", headers=auth, timeout=30) as h:
+        for change, param in BAD:
+            body = {"model": env.model, "input": "hi", **change}
+            r = await h.post("/responses", json=body)
+            want = 404 if param == "previous_response_id" else 400
+            assert r.status_code == want, (change, r.text)
+            err = r.json()["error"]
+            assert err["param"] == param, (change, err)
+            assert err["type"] == "invalid_request_error" and err["message"], err
+        r = await h.post("/responses", json={"input": "hi"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "model"
+        r = await h.post("/responses", json={"model": "no-such-model", "input": "hi"})
+        assert r.status_code in (403, 404)
+        r = await h.put("/responses/resp_" + "0" * 32)
+        assert r.status_code == 405
+        r = await h.post("/responses/resp_" + "0" * 32 + "/cancel")
+        assert r.status_code == 404
+        r = await h.get("/responses/resp_x/input_items", params={"limit": 0})
+        assert r.status_code in (400, 404)
+    assert env.stack.all_alive()
+
+
+# -- the OpenAI Agents SDK -------------------------------------------------------------------
+async def test_an_agent_with_a_function_tool_runs_to_a_final_answer(env: Env) -> None:
+    from agents import (
+        Agent,
+        ModelSettings,
+        Runner,
+        function_tool,
+        set_default_openai_api,
+        set_default_openai_client,
+        set_tracing_disabled,
+    )
+
+    set_tracing_disabled(True)
+    set_default_openai_api("responses")
+    asked: list[str] = []
+
+    @function_tool
+    def get_weather(city: str) -> str:
+        """The weather in a city."""
+        asked.append(city)
+        return f"sunny in {city}"
+
+    async with env.stack.openai(env.key) as c:
+        set_default_openai_client(c, use_for_tracing=False)
+        agent = Agent(
+            name="weather",
+            instructions="Answer with the weather.",
+            model=env.model,
+            tools=[get_weather],
+            # The sim writes until max_tokens, which the SDK takes for a failed run
+            # (response.incomplete): a stop sequence ends its answer after the first word.
+            model_settings=ModelSettings(max_tokens=16, extra_body={"stop": [" "]}),
+        )
+        result = await Runner.run(agent, "What is the weather in Paris?", max_turns=4)
+    assert len(asked) == 1
+    assert isinstance(result.final_output, str) and result.final_output
+    assert [type(i).__name__ for i in result.new_items] == [
+        "ToolCallItem",
+        "ToolCallOutputItem",
+        "MessageOutputItem",
+    ]
+
+
+# -- the NATS client --------------------------------------------------------------------------
+async def test_the_nats_client_serves_the_same_operation(env: Env, oai: openai.AsyncOpenAI) -> None:
+    async with await Client.connect(env.url, api_key=env.key) as tb:
+        out = await tb.response(env.model, "hello there", max_output_tokens=12)
+        assert (
+            out["output"][0]["content"][0]["text"] == expected_text("<|user|>hello there\n", 12)[0]
+        )
+        assert out["usage"]["output_tokens"] == 12 and out["store"] is True
+        events = tb.responses(env.model, "weather?", tools=[WEATHER], tool_choice="required")
+        seen = [ev async for ev in events]
+        assert [e["sequence_number"] for e in seen] == list(range(len(seen)))
+        assert seen[-1]["type"] == "response.completed"
+        call = seen[-1]["response"]["output"][0]
+        assert call["type"] == "function_call" and call["name"] == "get_weather"
+        # Stored by ingress under the key: the conversation goes on over NATS or HTTP.
+        answer = {"type": "function_call_output", "call_id": call["call_id"], "output": "sunny"}
+        second = await tb.response(
+            env.model, [answer], previous_response_id=events.id, max_output_tokens=6
+        )
+        prompt = f"<|user|>weather?\n<|assistant|>get_weather({call['arguments']})\n<|tool|>sunny\n"
+        text = expected_text(prompt, 6)[0]
+        assert second["output"][0]["content"][0]["text"] == text
+        over_http = await oai.responses.retrieve(second["id"])
+        assert over_http.output_text == text
+        items = await tb.response_input_items(second["id"])
+        assert [i["type"] for i in items] == ["function_call_output"]
+        assert (await tb.get_response(out["id"]))["id"] == out["id"]
+        # Another key sees none of it.
+        with pytest.raises(E.NotFound):
+            await tb.get_response(out["id"], api_key=env.other)
+        with pytest.raises(E.NotFound):
+            await tb.response(env.model, "go on", previous_response_id=out["id"], api_key=env.other)
+        await tb.delete_response(out["id"])
+        with pytest.raises(E.NotFound):
+            await tb.get_response(out["id"])
+        with pytest.raises(E.InvalidRequest) as ei:
+            tb.responses(env.model, "hi", background=True)
+        assert ei.value.param == "background"
+
+
+# -- migration -------------------------------------------------------------------------------
+SLOW = ("--sim-prefill-ms", "5", "--sim-decode-ms", "20")
+HB = {"TOKENBUS_WORKER__HEARTBEAT_INTERVAL_S": "0.25"}
+STORY = "tell me a long story"
+
+
+def _victim(stack: ProcStack, replica: str | None) -> Any:
+    """The worker process serving ``replica`` (``<model>-<i>`` runs as ``worker-<i>``)."""
+    assert replica is not None
+    return stack.workers[int(replica.rsplit("-", 1)[1])]
+
+
+async def test_a_stream_moved_to_another_replica_keeps_a_valid_event_sequence(
+    procs: Procs,
+) -> None:
+    stack = await start_stack(procs, new_model(), workers=3, worker_args=SLOW, env=HB, settle=0.6)
+    async with stack.openai() as api:
+        # Text is resumed on another replica: one sequence, nothing twice, nothing missing.
+        # (150 tokens at 20 ms: the kill lands mid-stream even on a busy machine.)
+        s = await api.responses.create(
+            model=stack.model, input=STORY, max_output_tokens=150, stream=True
+        )
+        victim = _victim(stack, s.response.headers.get("x-tokenbus-replica"))
+        events: list[Any] = []
+        async for ev in s:
+            events.append(ev)
+            if ev.type == "response.output_text.delta" and victim.alive():
+                victim.signal(signal.SIGKILL)
+        assert not victim.alive()
+        assert [e.sequence_number for e in events] == list(range(len(events)))
+        text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+        assert text == expected_text(f"<|user|>{STORY}\n", 150)[0]
+        assert events[-1].type == "response.incomplete"
+        assert events[-1].response.output_text == text
+        # A function call's arguments cannot be pieced together from two replicas: once a
+        # fragment went out, the stream ends with response.failed and a retryable error.
+        long_args = {
+            "type": "object",
+            "properties": {"story": {"type": "string", "minLength": 400}},
+            "required": ["story"],
+        }
+        tool = {"type": "function", "name": "write", "parameters": long_args}
+        s = await api.responses.create(
+            model=stack.model,
+            input=STORY,
+            tools=[tool],  # type: ignore[list-item]
+            max_output_tokens=400,
+            stream=True,
+        )
+        victim = _victim(stack, s.response.headers.get("x-tokenbus-replica"))
+        events = []
+        async for ev in s:
+            events.append(ev)
+            if ev.type == "response.function_call_arguments.delta" and victim.alive():
+                victim.signal(signal.SIGKILL)
+        assert [e.sequence_number for e in events] == list(range(len(events)))
+        assert [e.type for e in events[-2:]] == ["error", "response.failed"]
+        failed = events[-1].response
+        assert failed.status == "failed" and failed.error is not None
+        assert failed.error.code == "replica_lost" and "retryable" in failed.error.message
+    assert "request_migrated" in stack.bridge.output()
+
+
+# -- the store -------------------------------------------------------------------------------
+async def test_the_store_has_a_ttl_and_a_size_bound_and_owners(nc: Any) -> None:
+    bucket = f"test_responses_{uuid.uuid4().hex[:8]}"
+    cfg = ResponsesSettings(ttl_s=3600, max_bytes=2 << 20)
+    store = await ResponseStore(nc, cfg, bucket=bucket).open()
+    try:
+        info = await nc.jetstream().stream_info(f"KV_{bucket}")
+        assert info.config.max_age == 3600 and info.config.max_bytes == 2 << 20
+        # A cache of conversations: when full, the oldest go, new ones are still kept.
+        assert info.config.discard == DiscardPolicy.OLD
+        assert info.config.num_replicas == 1 and info.config.max_msgs_per_subject == 1
+        rid = new_response_id()
+        assert await store.put(rid, {"owner": "k1", "response": {"id": rid}})
+        assert (await store.get(rid, "k1"))["response"] == {"id": rid}
+        for owner, response_id in (("k2", rid), ("k1", new_response_id()), ("k1", "../x")):
+            with pytest.raises(E.NotFound):
+                await store.get(response_id, owner)
+        with pytest.raises(E.NotFound):
+            await store.delete(rid, "k2")
+        await store.delete(rid, "k1")
+        with pytest.raises(E.NotFound):
+            await store.get(rid, "k1")
+        # Larger than the bus carries: not kept, and the caller is told so.
+        assert not await store.put(new_response_id(), {"owner": "k1", "blob": "x" * (2 << 20)})
+    finally:
+        await nc.jetstream().delete_stream(f"KV_{bucket}")
+
+
+# -- the locked bus ---------------------------------------------------------------------------
+async def test_stored_responses_over_nats_on_the_locked_bus(tmp_path: Path) -> None:
+    # Ingress keeps them with its own role's permissions; a key's connection reaches them by
+    # request-reply under its own inbox root only.
+    bus = LockedBus(tmp_path / "locked").start()
+    try:
+        with Procs(bus.url, tmp_path) as procs:
+            model = "locked-responses"
+            await start_stack(
+                procs,
+                model,
+                "ingress",
+                "auth",
+                "router",
+                bridge=False,
+                env={"TOKENBUS_INGRESS__PIPELINE": '["auth", "route"]'},
+                env_for=lambda role, _: bus.env(role),
+                heartbeats=False,
+            )
+            admin = await bus.admin()
+            store = await KeyStore(admin).open(watch=False)
+            a, _ = await store.create("responses-a")
+            b, _ = await store.create("responses-b")
+            await serve_when_ready(bus.url, a, model)
+            async with await Client.connect(bus.url, api_key=a) as tb:
+                first = await tb.response(model, "hello", max_output_tokens=3)
+                assert first["store"] is True
+                second = await tb.response(
+                    model, "again", previous_response_id=first["id"], max_output_tokens=3
+                )
+                prompt = f"<|user|>hello\n<|assistant|>{first['output'][0]['content'][0]['text']}\n"
+                want = expected_text(prompt + "<|user|>again\n", 3)[0]
+                assert second["output"][0]["content"][0]["text"] == want
+            async with await Client.connect(bus.url, api_key=b) as them:
+                with pytest.raises(E.NotFound):
+                    await them.get_response(first["id"])
+            await admin.drain()
+    finally:
+        bus.stop()
+
+
+# -- the translation alone --------------------------------------------------------------------
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3)
+    ),
+    max_leaves=12,
+)
+FIELDS = st.sampled_from(
+    ["input", "tools", "tool_choice", "text", "reasoning", "include", "instructions", "metadata"]
+)
+ITEM_KEYS = st.sampled_from(["type", "role", "content", "call_id", "name", "arguments", "output"])
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.dictionaries(FIELDS, JSON, max_size=4),
+    st.lists(st.dictionaries(ITEM_KEYS, JSON, max_size=5), max_size=3),
+)
+def test_any_body_is_translated_or_refused_with_a_400(body: dict[str, Any], items: Any) -> None:
+    body = {"model": "m", "input": items, **body}
+    try:
+        turn = translate(parse(body), body)
+    except E.InvalidRequest as exc:
+        assert exc.status == 400 and exc.param
+        return
+    assert turn.chat["messages"] and turn.chat["model"] == "m"
