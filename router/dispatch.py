@@ -20,6 +20,7 @@ from nats.errors import TimeoutError as NatsTimeout
 from bus_schemas import codec, marks, subjects
 from bus_schemas import errors as E
 from bus_schemas import headers as H
+from bus_schemas.messages import check_envelope
 from router.policies import RouteRequest, prompt_text
 from router.registry import Registry, Replica
 from router.routing import ModelRoute, RoutingTable
@@ -143,7 +144,10 @@ class Dispatcher:
         """What the routing policy reads: model, session, and the prompt when it needs one."""
         req = RouteRequest(model, hdrs.get(H.SESSION) or None)
         if route.needs_prompt:
-            req.prompt = prompt_text(env if env is not None else codec.decode_map(data))
+            if env is None:
+                env = codec.decode_map(data)
+                check_envelope(env)
+            req.prompt = prompt_text(env)
         return req
 
     async def _place(self, p: _Placement) -> str | None:

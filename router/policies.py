@@ -49,7 +49,9 @@ def prompt_text(env: dict[str, Any]) -> str:
     parts = []
     for m in env.get("messages") or ():
         if isinstance(m, dict):
-            parts.append(f"{m.get('role', '')}:{message_text(m.get('content'))}\n")
+            role = m.get("role")
+            role = role if isinstance(role, str) else ""  # a client's value, not always a str
+            parts.append(f"{role}:{message_text(m.get('content'))}\n")
     return "".join(parts)
 
 

@@ -12,6 +12,7 @@ from nats.aio.msg import Msg
 from bus_schemas import codec, subjects
 from bus_schemas import errors as E
 from bus_schemas import headers as H
+from bus_schemas.messages import check_envelope
 from router.dispatch import Dispatcher
 from router.registry import Registry
 from router.routing import RoutingTable
@@ -44,7 +45,11 @@ class Router(Service):
             self.log.warning("request_without_reply_subject", subject=msg.subject)
             return
         hdrs = dict(msg.headers or {})
-        model = hdrs.get(H.MODEL) or str(codec.decode_map(msg.data).get("model", ""))
+        model = hdrs.get(H.MODEL)
+        if not model:
+            env = codec.decode_map(msg.data)
+            check_envelope(env)
+            model = env["model"]
         await self.dispatcher.dispatch(model, msg.data, hdrs, reply)
 
 

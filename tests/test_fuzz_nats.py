@@ -56,7 +56,7 @@ from bus_schemas import headers as H
 from bus_schemas.messages import SCHEMA_VERSION, ErrorFrame, WorkerAck
 from filter.policy import FilterPolicy
 from router.routing import BUCKET as ROUTING_BUCKET
-from router.routing import RoutingTable, kv_key
+from router.routing import RoutingTable, kv_key, set_override
 from services import natsclient
 from services.config import RouterSettings
 from telemetry import records
@@ -121,8 +121,10 @@ class RawBus:
     async def publish(
         self, subject: str | bytes, payload: bytes, headers: bytes | None = None, reply: str = ""
     ) -> None:
-        """Publish, then wait until the server has read it (and so routed it)."""
+        """Publish (cut to what the server takes), then wait until the server has read it
+        (and so routed it)."""
         assert self._writer is not None
+        payload = payload[: max(0, self.max_payload - len(headers or b"") - 64)]
         subj = subject.encode() if isinstance(subject, str) else subject
         subj += b" " + reply.encode() if reply else b""
         if headers is None:
@@ -254,8 +256,6 @@ class FuzzBus:
     ) -> dict[str, Any] | None:
         """Publish one message; with ``reply``, check what comes back (``Target.answers``),
         cancel a stream the message started, and return the (decoded) first answer."""
-        room = self.raw.max_payload - len(headers or b"") - 64
-        body = body[: max(0, room)]
         if not reply:
             await self.raw.publish(subject, body, headers)
             return None
@@ -643,6 +643,8 @@ async def bus(
         await asyncio.wait_for(got_one.wait(), 10)
         ids = await discover(nc)
         assert {*SERVICES, "bridge", "worker"} <= set(ids), ids
+        # A policy that reads the prompt: routers and the bridge decode what they route.
+        await set_override(nc, stack.model, {"policy": "prefix_aware"})
         raw = await RawBus(fuzz_server.port).connect()
         holder: list[FuzzBus] = []
 
