@@ -741,3 +741,20 @@ def test_instance_ends_recursive_schemas() -> None:
     }
     value = instance(schema)
     validate(value, schema)
+
+
+def test_a_role_that_is_not_a_string_does_not_break_the_prompt() -> None:
+    # Found by the NATS fuzz (tests/test_fuzz_nats.py, 300 examples): an envelope published
+    # straight to the router whose role was a list nested 1000 deep made the sim's prompt
+    # rendering recurse until it failed, logged as an engine fault.
+    deep: Any = []
+    for _ in range(1000):
+        deep = [deep]
+    req = GenerationRequest(
+        request_id="r",
+        kind="chat",
+        model="m",
+        messages=[{"role": deep, "content": "hi"}, {"role": 5, "content": "there"}],
+        max_tokens=2,
+    )
+    assert req.prompt_text() == "<||>hi\n<||>there\n"

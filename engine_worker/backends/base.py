@@ -92,7 +92,8 @@ class GenerationRequest:
                     fn = (call.get("function") if isinstance(call, dict) else None) or {}
                     if isinstance(fn, dict):
                         text += f"{fn.get('name')}({fn.get('arguments')})"
-                out.append(f"<|{m.get('role')}|>{text}\n")
+                role = m.get("role")  # a NATS client's value: not always a string
+                out.append(f"<|{role if isinstance(role, str) else ''}|>{text}\n")
             return "".join(out)
         return self.prompt or ""
 
