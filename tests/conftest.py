@@ -446,7 +446,7 @@ async def live_replicas(
     return seen
 
 
-async def wait_replicas(url: str, model: str, n: int, timeout: float = 20, **login: Any) -> None:
+async def wait_replicas(url: str, model: str, n: int, timeout: float = 60, **login: Any) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         live = await live_replicas(url, model, 0.5, **login)
@@ -455,7 +455,7 @@ async def wait_replicas(url: str, model: str, n: int, timeout: float = 20, **log
     raise AssertionError(f"{n} replicas of {model} did not appear")
 
 
-async def wait_http(url: str, timeout: float = 20) -> None:
+async def wait_http(url: str, timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
     async with httpx.AsyncClient() as c:
         while time.monotonic() < deadline:
