@@ -59,6 +59,7 @@ from router.routing import BUCKET as ROUTING_BUCKET
 from router.routing import RoutingTable, kv_key, set_override
 from services import natsclient
 from services.config import RouterSettings
+from services.runtime import flush
 from telemetry import records
 from tests.conftest import (
     NatsServer,
@@ -263,7 +264,7 @@ class FuzzBus:
         got: asyncio.Queue[Msg] = asyncio.Queue()
         sub = await self.nc.subscribe(inbox, cb=got.put)
         try:
-            await self.nc.flush()
+            await flush(self.nc)  # the server has the subscription before anyone answers
             await self.raw.publish(subject, body, headers, reply=inbox)
             # A header naming another reply subject sends the stage's answer there instead.
             redirected = headers is not None and b"reply-to" in headers.lower()
