@@ -35,8 +35,8 @@ lint: $(STAMP)
 # Examples for `make fuzz` (TOKENBUS_FUZZ_EXAMPLES, docs/fuzzing.md), sized for about ten
 # minutes on 2 cores: per operation of the OpenAPI document and per hypothesis test of the
 # HTTP fuzz; per subject family of the NATS fuzz, where one example costs far more.
-FUZZ_EXAMPLES ?= 3000
-FUZZ_NATS_EXAMPLES ?= 40
+FUZZ_EXAMPLES ?= 4000
+FUZZ_NATS_EXAMPLES ?= 250
 FUZZ_PYTEST := $(BIN)/python -m pytest -q --timeout=1200
 
 ## Fuzz for about ten minutes (docs/fuzzing.md): schemathesis from the bridge's /openapi.json, hostile HTTP bodies and keys, malformed messages on every bus subject.

@@ -241,6 +241,9 @@ class FuzzBus:
         self.client = client
         self.ids = ids  # service name -> instance id
         self.heartbeat = heartbeat  # the replica's own, as last heard
+        # The forged beats' base, frozen at start: a strategy built from a beat that changes
+        # under it (load, timestamps) would draw differently when hypothesis replays.
+        self.first_heartbeat = {k: v for k, v in heartbeat.items() if not k.startswith("_")}
         self.logs = LogWatch(stack.procs)
         self.client_errors: list[str] = []
         self.telemetry_db = Path()  # set by the fixture
@@ -465,7 +468,7 @@ class FuzzBus:
         if name == "heartbeat":
             # A forged beat cannot know the replica's boot id (no role but the bridge, the
             # router and telemetry hears heartbeats): the fuzz's beats carry their own.
-            hb = {k: v for k, v in self.heartbeat.items() if not k.startswith("_")}
+            hb = dict(self.first_heartbeat)
             hb["boot"] = "f" * 12
             subs = [subjects.heartbeat(model, replica), subjects.heartbeat(model, "forged")]
             return Target(subs, hb, [])
