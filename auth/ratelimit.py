@@ -111,6 +111,12 @@ class RateLimitCheck:
         rid = hdrs.get(H.REQUEST_ID) or str(env.get("request_id", ""))
         ticket = hdrs.pop(H.ADMISSION, None)
         attempt = _attempt(hdrs)
+        tokens = estimate_tokens(env)
+        if tpm is not None and tokens > tpm and attempt < 1:
+            # No window ever holds it: refused as the client's to fix, never "retry".
+            err = E.TokensExceedLimit.of(tpm, tokens)
+            tracing.verdict(subjects.STAGE_RATELIMIT, "deny", {tracing.ERROR_TYPE: err.code})
+            raise err
         try:
             prior = await self._prior(ticket, principal, rid, attempt)
             adm = await self.limiter.admit(
@@ -119,7 +125,7 @@ class RateLimitCheck:
                 rpm=rpm,
                 tpm=tpm,
                 concurrent=conc,
-                tokens=estimate_tokens(env),
+                tokens=tokens,
                 deadline_s=deadline_s,
                 requests=0 if prior else 1,
             )

@@ -144,6 +144,23 @@ class ContextLengthExceeded(InvalidRequest):
         )
 
 
+class TokensExceedLimit(InvalidRequest):
+    """One request needs more tokens than its key may use in a whole minute: no wait makes
+    room for it, so it is a 400 (OpenAI answers 429 here, which clients retry in vain)."""
+
+    code = "tokens_exceed_limit"
+
+    @classmethod
+    def of(cls, limit: int, requested: int) -> TokensExceedLimit:
+        return cls(
+            f"Request too large for this key on tokens per minute (TPM): Limit {limit}, "
+            f"Requested {requested} (the prompt, about four characters a token, plus "
+            "max_tokens). The input or output tokens must be reduced in order to run "
+            "successfully.",
+            param="max_tokens",
+        )
+
+
 class PayloadTooLarge(InvalidRequest):
     code = "payload_too_large"
     status = 413
@@ -280,6 +297,7 @@ ERRORS_BY_CODE: dict[str, type[TokenbusError]] = {
         InvalidJSON,
         ContentBlocked,
         ContextLengthExceeded,
+        TokensExceedLimit,
         PayloadTooLarge,
         Unauthorized,
         Forbidden,

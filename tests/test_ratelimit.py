@@ -98,10 +98,18 @@ async def test_tokens_are_reserved_then_reconciled(
                 break
             await asyncio.sleep(0.05)
         assert t < 50, t
+        # Fits a whole minute's budget but not what is left of this one: wait and retry.
         with pytest.raises(E.RateLimited) as ei:
-            await client.chat_completion(model, MSG, max_tokens=20_000, api_key=key)
+            await client.chat_completion(model, MSG, max_tokens=9_999, api_key=key)
         assert "tokens per minute" in ei.value.message
         assert ei.value.headers["x-ratelimit-limit-tokens"] == "10000"
+        assert int(ei.value.headers["Retry-After"]) >= 1
+        # More than any minute holds: the client's to fix, a 400 naming the field.
+        with pytest.raises(E.TokensExceedLimit) as big:
+            await client.chat_completion(model, MSG, max_tokens=20_000, api_key=key)
+        assert big.value.status == 400 and big.value.param == "max_tokens"
+        assert "Limit 10000, Requested 20001" in big.value.message
+        assert not big.value.retryable
 
 
 async def test_concurrency_limit_frees_slots_when_requests_end(
