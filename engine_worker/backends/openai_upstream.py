@@ -117,7 +117,7 @@ def _json(body: dict[str, Any]) -> bytes:
     field) is the client's mistake, not the upstream's."""
     try:
         return json.dumps(body).encode()
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, RecursionError) as exc:
         raise E.InvalidRequest(f"the request holds a value that is not JSON: {exc}") from None
 
 
