@@ -5,15 +5,21 @@ Configured only by OpenTelemetry's standard variables, read when a process start
 (:func:`setup`, called by the service runtime): tracing is on when an OTLP endpoint is set
 (``OTEL_EXPORTER_OTLP_ENDPOINT`` or ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``) or
 ``OTEL_TRACES_EXPORTER`` names an exporter (``otlp``, ``console``), and
-``OTEL_SDK_DISABLED`` is not ``true``. Then spans go over OTLP/HTTP (protobuf) through a
-batching processor; ``OTEL_SERVICE_NAME`` (default ``tokenbus-<role>``),
+``OTEL_SDK_DISABLED`` is not ``true``. Then spans go over OTLP/HTTP (protobuf) in batches
+(:mod:`services.otlp`); ``OTEL_SERVICE_NAME`` (default ``tokenbus-<role>``),
 ``OTEL_RESOURCE_ATTRIBUTES``, ``OTEL_TRACES_SAMPLER``/``_ARG`` (default
 ``parentbased_always_on``), ``OTEL_BSP_*`` and ``OTEL_EXPORTER_OTLP_*`` (headers, timeout,
 compression, certificates) mean what they mean everywhere else.
 
-Off (the default), every function here returns at its first line on a module flag, and
-OpenTelemetry is never imported: a process that does not trace pays a few attribute reads
-per request. Call sites need no guard beyond passing the ``None`` they got back.
+Off (the default), every function here returns at its first line on a module flag: a
+process that does not trace pays a few attribute reads per request. Call sites need no
+guard beyond passing the ``None`` they got back.
+
+On, spans are this module's own small objects, not the OpenTelemetry SDK's: a span is
+encoded to its OTLP bytes when it ends and a thread posts them in batches. The SDK's spans,
+processor and exporter cost about 100 µs of CPU per span, four times what tracing may cost a
+request of 64 tokens (docs/telemetry.md, "Cost"); the wire format, the variables and what a
+collector receives are the same.
 
 How a hop continues the trace: it starts its span from the incoming ``traceparent``
 (:func:`start`), and writes its own span's into the headers it sends on (:func:`inject`), so
@@ -25,24 +31,31 @@ and are ``tokenbus.*`` otherwise. No API key ever goes into a span: only the key
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import json
 import os
+import random
+import sys
+import time
+import urllib.parse
 import uuid
 from collections.abc import Mapping, MutableMapping
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import Any, NamedTuple
 
 from bus_schemas import headers as H
 from bus_schemas import marks
 
-if TYPE_CHECKING:
-    from opentelemetry.trace import Span, SpanContext
-
-# Span kinds (the names of opentelemetry.trace.SpanKind's members).
+# Span kinds (the names of OpenTelemetry's SpanKind members) and their OTLP numbers.
 SERVER = "SERVER"
 CLIENT = "CLIENT"
 PRODUCER = "PRODUCER"
 CONSUMER = "CONSUMER"
 INTERNAL = "INTERNAL"
+_KIND_NUMBERS = {INTERNAL: 1, SERVER: 2, CLIENT: 3, PRODUCER: 4, CONSUMER: 5}
+# OTLP status codes.
+STATUS_OK = 1
+STATUS_ERROR = 2
 
 # Attribute names.
 MODEL = "gen_ai.request.model"
@@ -84,13 +97,15 @@ REFUSED_EVENT = "replica_refused"
 _ENDPOINT_VARS = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
 
 _on = False
-_provider: Any = None
-_tracer: Any = None
-_api: Any = None  # opentelemetry.trace, once tracing is on
-_context: Any = None  # opentelemetry.context
-_status: Any = None  # opentelemetry.trace.Status
-_error_code: Any = None  # opentelemetry.trace.StatusCode.ERROR
-_kinds: dict[str, Any] = {}
+_set_up = False
+_exporter: Any = None  # services.otlp.BatchExporter, once tracing is on with otlp
+_encode: Any = None  # services.otlp.encode_span
+_console = False
+_sampler: Any = None  # (parent context or None, trace id) -> sampled
+_resource: dict[str, Any] = {}
+_current: contextvars.ContextVar[Span | None] = contextvars.ContextVar(
+    "tokenbus_span", default=None
+)
 _NULL_SCOPE = contextlib.nullcontext()
 
 
@@ -136,56 +151,94 @@ def setup(role: str, instance: str | None = None) -> bool:
     """Turn tracing on for this process when the environment asks for it (once; later calls
     return the first one's answer). ``role``: the service (``auth``, ``worker`` ...), which
     names the process ``tokenbus-<role>`` unless ``OTEL_SERVICE_NAME`` names it."""
-    global _on, _provider, _tracer, _api, _context, _status, _error_code
-    if _provider is not None:
+    global _on, _set_up, _exporter, _console, _sampler, _encode
+    if _set_up:
         return _on
+    _set_up = True
     if not configured():
         return False
-    from opentelemetry import context as context_api
-    from opentelemetry import trace as trace_api
-    from opentelemetry.sdk.resources import Resource
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+    _resource.clear()
+    _resource.update(resource(role, instance))
+    _sampler = sampler(os.environ)
+    names = _exporter_names(os.environ)
+    _console = "console" in names
+    if any(n != "console" for n in names):
+        from services import otlp
 
-    attrs: dict[str, Any] = {
-        "service.instance.id": instance or uuid.uuid4().hex[:12],
-        "tokenbus.role": role,
-    }
-    named = os.environ.get("OTEL_SERVICE_NAME") or "service.name=" in os.environ.get(
-        "OTEL_RESOURCE_ATTRIBUTES", ""
-    )
-    if not named:
-        attrs["service.name"] = f"tokenbus-{role}"
-    # The sampler comes from OTEL_TRACES_SAMPLER/_ARG (parentbased_always_on by default).
-    # This provider is not made the global one: a library in the process (vLLM's engine
-    # sets up its own) keeps its own, and the context (what is current) is shared anyway.
-    provider = TracerProvider(resource=Resource.create(attrs))
-    for exporter in _exporters():
-        provider.add_span_processor(BatchSpanProcessor(exporter))
-    _api, _context, _provider = trace_api, context_api, provider
-    _tracer = provider.get_tracer("tokenbus")
-    _kinds.update({k.name: k for k in trace_api.SpanKind})
-    _status, _error_code = trace_api.Status, trace_api.StatusCode.ERROR
+        for name in names:
+            if name not in ("otlp", "console"):
+                _warn("tracing_exporter_unknown", exporter=name, using="otlp")
+        _check_protocol()
+        res, scope = otlp.resource_scope(_resource, "tokenbus", _version())
+        _exporter = otlp.BatchExporter([otlp.HTTPSink()], res, scope, _warn)
+        _encode = otlp.encode_span
     _on = True
     return True
 
 
-def _exporters() -> list[Any]:
-    out: list[Any] = []
-    for name in _exporter_names(os.environ):
-        if name == "console":
-            from opentelemetry.sdk.trace.export import ConsoleSpanExporter
+def resource(role: str, instance: str | None = None) -> dict[str, Any]:
+    """The process's resource attributes: ``OTEL_RESOURCE_ATTRIBUTES`` (``k=v``, comma
+    separated, percent-encoded), then ours; ``OTEL_SERVICE_NAME`` names the service, else
+    the attributes do, else ``tokenbus-<role>``."""
+    attrs: dict[str, Any] = {
+        "telemetry.sdk.language": "python",
+        "telemetry.sdk.name": "tokenbus",
+        "telemetry.sdk.version": _version(),
+    }
+    for pair in os.environ.get("OTEL_RESOURCE_ATTRIBUTES", "").split(","):
+        k, sep, v = pair.partition("=")
+        if sep and k.strip():
+            attrs[urllib.parse.unquote(k.strip())] = urllib.parse.unquote(v.strip())
+    attrs["service.instance.id"] = instance or uuid.uuid4().hex[:12]
+    attrs["tokenbus.role"] = role
+    named = os.environ.get("OTEL_SERVICE_NAME", "").strip()
+    if named:
+        attrs["service.name"] = named
+    attrs.setdefault("service.name", f"tokenbus-{role}")
+    return attrs
 
-            out.append(ConsoleSpanExporter())
-        elif name == "otlp":
-            out.append(_otlp_exporter())
-        else:
-            _warn("tracing_exporter_unknown", exporter=name, using="otlp")
-            out.append(_otlp_exporter())
-    return out
+
+def _version() -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version("tokenbus")
+    except metadata.PackageNotFoundError:
+        return "0"
 
 
-def _otlp_exporter() -> Any:
+def sampler(env: Mapping[str, str]) -> Any:
+    """``OTEL_TRACES_SAMPLER``/``_ARG`` as a function of (parent span context or None,
+    trace id) to whether the new span is sampled: ``always_on``, ``always_off``,
+    ``traceidratio`` and the ``parentbased_`` form of each (the default is
+    ``parentbased_always_on``: a parent's sampled flag is obeyed)."""
+    name = (env.get("OTEL_TRACES_SAMPLER", "") or "parentbased_always_on").strip().lower()
+    parent_based = name.startswith("parentbased_")
+    root = name.removeprefix("parentbased_")
+    if root not in ("always_on", "always_off", "traceidratio"):
+        _warn("tracing_sampler_unknown", sampler=name, using="parentbased_always_on")
+        parent_based, root = True, "always_on"
+    ratio = 1.0
+    if root == "traceidratio":
+        try:
+            ratio = min(1.0, max(0.0, float(env.get("OTEL_TRACES_SAMPLER_ARG", "") or 1.0)))
+        except ValueError:
+            _warn("tracing_sampler_arg_invalid", arg=env.get("OTEL_TRACES_SAMPLER_ARG"))
+    bound = round(ratio * (1 << 64))  # OpenTelemetry's rule: the trace id's low 64 bits
+
+    def decide(parent: SpanContext | None, trace_id: int) -> bool:
+        if parent_based and parent is not None:
+            return bool(parent.trace_flags & 1)
+        if root == "always_on":
+            return True
+        if root == "always_off":
+            return False
+        return (trace_id & 0xFFFFFFFFFFFFFFFF) < bound
+
+    return decide
+
+
+def _check_protocol() -> None:
     protocol = (
         os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
         or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL")
@@ -193,9 +246,6 @@ def _otlp_exporter() -> Any:
     )
     if protocol.strip().lower() != "http/protobuf":
         _warn("tracing_protocol_unsupported", protocol=protocol, using="http/protobuf")
-    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-
-    return OTLPSpanExporter()  # endpoint, headers, timeout, compression: from OTEL_* too
 
 
 def _warn(event: str, **kw: Any) -> None:
@@ -207,15 +257,158 @@ def _warn(event: str, **kw: Any) -> None:
 def shutdown() -> None:
     """Export what is buffered and stop (a service calls it once it has drained)."""
     global _on
-    provider = _provider
-    if provider is None or not _on:
+    if not _on:
         return
     _on = False
-    with contextlib.suppress(Exception):
-        provider.shutdown()
+    if _exporter is not None:
+        with contextlib.suppress(Exception):
+            _exporter.shutdown()
 
 
 # -- spans ----------------------------------------------------------------------------------
+class SpanContext(NamedTuple):
+    """What identifies a span across processes (a W3C traceparent's fields)."""
+
+    trace_id: int
+    span_id: int
+    trace_flags: int
+    is_remote: bool = False
+
+    @property
+    def is_valid(self) -> bool:
+        return bool(self.trace_id and self.span_id)
+
+
+class Span:
+    """One hop's span. Recording when sampled and not yet ended; a span that is not sampled
+    still carries its context on (with the sampled flag clear) and records nothing."""
+
+    __slots__ = (
+        "attributes",
+        "events",
+        "kind",
+        "links",
+        "name",
+        "parent_id",
+        "parent_remote",
+        "recording",
+        "span_id",
+        "start_ns",
+        "status",
+        "trace_flags",
+        "trace_id",
+    )
+
+    def __init__(
+        self,
+        name: str,
+        parent: SpanContext | None,
+        kind: str,
+        attributes: dict[str, Any] | None,
+    ) -> None:
+        self.name = name
+        if parent is not None and parent.is_valid:
+            self.trace_id = parent.trace_id
+            self.parent_id = parent.span_id
+            self.parent_remote = parent.is_remote
+        else:
+            self.trace_id = random.getrandbits(128) or 1
+            self.parent_id = 0
+            self.parent_remote = False
+            parent = None
+        self.span_id = random.getrandbits(64) or 1
+        self.recording = bool(_sampler(parent, self.trace_id))
+        self.trace_flags = 1 if self.recording else 0
+        self.kind = kind
+        self.attributes: dict[str, Any] = attributes or {}
+        self.events: list[tuple[str, int, dict[str, Any] | None]] | None = None
+        self.links: list[tuple[int, int, int, dict[str, Any] | None]] | None = None
+        self.status: tuple[int, str] | None = None
+        self.start_ns = time.time_ns()
+
+    def get_span_context(self) -> SpanContext:
+        return SpanContext(self.trace_id, self.span_id, self.trace_flags)
+
+    def is_recording(self) -> bool:
+        return self.recording
+
+    def set_attribute(self, key: str, value: Any) -> None:
+        if self.recording and value is not None:
+            self.attributes[key] = value
+
+    def set_attributes(self, attributes: Mapping[str, Any]) -> None:
+        if self.recording:
+            self.attributes.update(attributes)
+
+    def add_event(self, name: str, attributes: Mapping[str, Any] | None = None) -> None:
+        if self.recording:
+            if self.events is None:
+                self.events = []
+            self.events.append((name, time.time_ns(), dict(attributes) if attributes else None))
+
+    def add_link(self, ctx: SpanContext, attributes: Mapping[str, Any] | None = None) -> None:
+        if self.recording:
+            if self.links is None:
+                self.links = []
+            attrs = dict(attributes) if attributes else None
+            self.links.append((ctx.trace_id, ctx.span_id, ctx.trace_flags, attrs))
+
+    def set_status(self, code: int, message: str = "") -> None:
+        if self.recording:
+            self.status = (code, message)
+
+    def end(self) -> None:
+        """Record the span (once): encoded for the exporter, printed for the console."""
+        if not self.recording:
+            return
+        self.recording = False
+        end_ns = time.time_ns()
+        if _exporter is not None:
+            _exporter.add(
+                _encode(
+                    self.trace_id,
+                    self.span_id,
+                    self.parent_id,
+                    self.parent_remote,
+                    self.name,
+                    _KIND_NUMBERS[self.kind],
+                    self.start_ns,
+                    end_ns,
+                    self.attributes,
+                    self.events,
+                    self.links,
+                    self.status,
+                    self.trace_flags,
+                )
+            )
+        if _console:
+            self._print(end_ns)
+
+    def _print(self, end_ns: int) -> None:
+        events = [
+            {"name": n, "time_unix_nano": t, "attributes": a} for n, t, a in self.events or ()
+        ]
+        links = [
+            {"trace_id": f"{t:032x}", "span_id": f"{s:016x}", "attributes": a}
+            for t, s, _, a in self.links or ()
+        ]
+        line = {
+            "name": self.name,
+            "trace_id": f"{self.trace_id:032x}",
+            "span_id": f"{self.span_id:016x}",
+            "parent_id": f"{self.parent_id:016x}" if self.parent_id else None,
+            "kind": self.kind,
+            "start_time_unix_nano": self.start_ns,
+            "end_time_unix_nano": end_ns,
+            "attributes": self.attributes,
+            "events": events,
+            "links": links,
+            "status": {"code": self.status[0], "message": self.status[1]} if self.status else None,
+            "resource": _resource,
+        }
+        print(json.dumps(line, default=str), file=sys.stderr, flush=True)
+
+
 def start(
     name: str,
     carrier: Mapping[str, str] | None = None,
@@ -228,12 +421,11 @@ def start(
     when tracing is off."""
     if not _on:
         return None
-    parent = _remote((carrier or {}).get(H.TRACEPARENT))
-    ctx = None if parent is None else _api.set_span_in_context(_api.NonRecordingSpan(parent))
-    span: Span = _tracer.start_span(
-        name, context=ctx, kind=_kinds[kind], attributes=_clean(attributes)
-    )
-    return span
+    parent = _remote(carrier.get(H.TRACEPARENT)) if carrier else None
+    if parent is None:
+        here = _current.get()
+        parent = here.get_span_context() if here is not None else None
+    return Span(name, parent, kind, _clean(attributes))
 
 
 def _remote(value: str | None) -> SpanContext | None:
@@ -245,10 +437,7 @@ def _remote(value: str | None) -> SpanContext | None:
     trace_id, span_id = int(trace_hex, 16), int(span_hex, 16)
     if version == "ff" or not trace_id or not span_id:
         return None
-    ctx: SpanContext = _api.SpanContext(
-        trace_id, span_id, is_remote=True, trace_flags=_api.TraceFlags(int(flags, 16) & 1)
-    )
-    return ctx
+    return SpanContext(trace_id, span_id, int(flags, 16) & 1, True)
 
 
 def _clean(attributes: Mapping[str, Any] | None) -> dict[str, Any] | None:
@@ -260,8 +449,7 @@ def _clean(attributes: Mapping[str, Any] | None) -> dict[str, Any] | None:
 
 def traceparent(span: Span) -> str:
     """``span`` as a W3C traceparent: what the next hop continues from."""
-    c = span.get_span_context()
-    return f"00-{c.trace_id:032x}-{c.span_id:016x}-{int(c.trace_flags):02x}"
+    return f"00-{span.trace_id:032x}-{span.span_id:016x}-{span.trace_flags:02x}"
 
 
 def inject(span: Span | None, carrier: MutableMapping[str, str]) -> None:
@@ -280,14 +468,13 @@ def activate(span: Span | None) -> object | None:
     finds it); give the returned token to :func:`deactivate`."""
     if span is None or not _on:
         return None
-    token: object = _context.attach(_api.set_span_in_context(span))
-    return token
+    return _current.set(span)
 
 
 def deactivate(token: object | None) -> None:
-    if token is not None and _context is not None:
-        with contextlib.suppress(Exception):
-            _context.detach(token)
+    if token is not None:
+        with contextlib.suppress(ValueError, TypeError):  # set in another context
+            _current.reset(token)  # type: ignore[arg-type]
 
 
 class _Scope:
@@ -322,18 +509,18 @@ def current() -> Span | None:
     """The current span when it records (tracing on, sampled), else None."""
     if not _on:
         return None
-    span: Span = _api.get_current_span()
-    return span if span.is_recording() else None
+    span = _current.get()
+    return span if span is not None and span.recording else None
 
 
 def current_ids() -> tuple[str, str] | None:
     """(trace id, span id) of the current span as hex, for log lines; None when none."""
     if not _on:
         return None
-    c = _api.get_current_span().get_span_context()
-    if not c.is_valid:
+    span = _current.get()
+    if span is None:
         return None
-    return f"{c.trace_id:032x}", f"{c.span_id:016x}"
+    return f"{span.trace_id:032x}", f"{span.span_id:016x}"
 
 
 def set_attributes(span: Span | None, attributes: Mapping[str, Any]) -> None:
@@ -386,7 +573,7 @@ def fail(span: Span | None, error: BaseException | str) -> None:
     if attrs.get(ERROR_TYPE):
         return
     code = _code(error)
-    span.set_status(_status(_error_code, code))
+    span.set_status(STATUS_ERROR, code)
     span.set_attribute(ERROR_TYPE, code)
     if not attrs.get(OUTCOME):
         span.set_attribute(OUTCOME, code)

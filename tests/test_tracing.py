@@ -505,3 +505,153 @@ def test_tracing_off_imports_nothing_of_opentelemetry_and_every_helper_is_a_no_o
     assert tracing.traces_endpoint({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318/"}) == (
         "http://c:4318/v1/traces"
     )
+
+
+# -- the OTLP encoding and export, decoded by opentelemetry-proto --------------------------
+def test_every_field_of_a_span_decodes_as_otlp() -> None:
+    from opentelemetry.proto.trace.v1 import trace_pb2
+
+    from services import otlp
+
+    attrs = {
+        "s": "héllo \ud800",
+        "b": True,
+        "f": False,
+        "i": -5,
+        "big": 2**70,
+        "d": 0.25,
+        "l": ["a", 1, [2.5]],
+        "o": {"not": "a scalar"},
+    }
+    events = [("first_token", 123, None), ("verdict", 456, {"tokenbus.verdict": "deny"})]
+    links = [(7, 8, 1, {"tokenbus.link": "migrated_from"})]
+    raw = otlp.encode_span(
+        2**127 + 5, 2**63 + 9, 42, True, "POST /v1/chat", 3, 10, 20, attrs, events, links,
+        (2, "boom"), 1,
+    )  # fmt: skip
+    span = trace_pb2.Span.FromString(raw)
+    assert span.trace_id == (2**127 + 5).to_bytes(16, "big")
+    assert span.span_id == (2**63 + 9).to_bytes(8, "big")
+    assert span.parent_span_id == (42).to_bytes(8, "big")
+    assert (span.name, span.kind) == ("POST /v1/chat", 3)
+    assert (span.start_time_unix_nano, span.end_time_unix_nano) == (10, 20)
+    got = _attrs(span.attributes)
+    assert got == {
+        "s": "héllo ?",  # a lone surrogate cannot be UTF-8
+        "b": True,
+        "f": False,
+        "i": -5,
+        "big": str(2**70),
+        "d": 0.25,
+        "l": ["a", 1, [2.5]],
+        "o": "{'not': 'a scalar'}",
+    }
+    assert [(e.name, e.time_unix_nano, _attrs(e.attributes)) for e in span.events] == [
+        ("first_token", 123, {}),
+        ("verdict", 456, {"tokenbus.verdict": "deny"}),
+    ]
+    (link,) = span.links
+    assert link.trace_id == (7).to_bytes(16, "big") and link.span_id == (8).to_bytes(8, "big")
+    assert _attrs(link.attributes) == {"tokenbus.link": "migrated_from"}
+    assert (span.status.code, span.status.message) == (2, "boom")
+    # sampled, and the parent is remote (flags' HAS_IS_REMOTE and IS_REMOTE bits)
+    assert span.flags == 0x301
+    # A root span: no parent, no status.
+    root = trace_pb2.Span.FromString(
+        otlp.encode_span(1, 2, 0, False, "x", 1, 0, 0, None, None, None, None, 0)
+    )
+    assert root.parent_span_id == b"" and root.flags == 0x100 and not root.HasField("status")
+
+
+def test_the_exporter_posts_batches_with_the_configured_headers_and_gzip(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from services import otlp
+
+    rx = Receiver()
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", rx.endpoint)
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_COMPRESSION", "gzip")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_HEADERS", "x-team=llm%20ops,authorization=Bearer t")
+    monkeypatch.setenv("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", "3")
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "60000")  # only a full batch wakes it
+    sink = otlp.HTTPSink()
+    assert sink.headers["x-team"] == "llm ops" and sink.headers["authorization"] == "Bearer t"
+    res, scope = otlp.resource_scope({"service.name": "svc", "n": 1}, "tokenbus", "1.2")
+    warnings: list[str] = []
+    exporter = otlp.BatchExporter([sink], res, scope, lambda event, **kw: warnings.append(event))
+    try:
+        for i in range(3):
+            exporter.add(
+                otlp.encode_span(9, i + 1, 0, False, f"s{i}", 1, 1, 2, None, None, None, None, 1)
+            )
+        deadline = time.monotonic() + 10
+        while len(rx.spans) < 3 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert sorted(s.name for s in rx.spans) == ["s0", "s1", "s2"]
+        assert {s.service for s in rx.spans} == {"svc"}
+        exporter.add(otlp.encode_span(9, 4, 0, False, "last", 1, 1, 2, None, None, None, None, 1))
+    finally:
+        exporter.shutdown()  # posts what is queued
+        rx.stop()
+    assert [s.name for s in rx.spans][-1] == "last" and not warnings
+
+
+def test_an_exporter_that_cannot_reach_its_collector_warns_once_and_drops_beyond_its_queue(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from services import otlp
+
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:9")  # nobody listens
+    monkeypatch.setenv("OTEL_BSP_MAX_QUEUE_SIZE", "4")
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "60000")
+    monkeypatch.setenv("OTEL_BSP_EXPORT_TIMEOUT", "100")
+    warnings: list[tuple[str, dict[str, Any]]] = []
+    res, scope = otlp.resource_scope({}, "tokenbus", "0")
+    exporter = otlp.BatchExporter(
+        [otlp.HTTPSink()], res, scope, lambda event, **kw: warnings.append((event, kw))
+    )
+    for i in range(6):
+        exporter.add(otlp.encode_span(1, i + 1, 0, False, "x", 1, 0, 0, None, None, None, None, 1))
+    assert exporter.dropped == 2
+    exporter.shutdown()
+    events = [e for e, _ in warnings]
+    assert events.count("tracing_export_failed") == 1 and "tracing_queue_full" in events
+
+
+@pytest.mark.parametrize(
+    ("sampler", "arg", "parent_flags", "expected"),
+    [
+        ("", "", None, [True] * 4),
+        ("", "", 0, [False] * 4),  # parentbased: a caller's "not sampled" is obeyed
+        ("always_on", "", 0, [True] * 4),
+        ("always_off", "", 1, [False] * 4),
+        ("parentbased_always_off", "", 1, [True] * 4),
+        ("traceidratio", "0.5", None, [True, True, False, False]),
+        ("parentbased_traceidratio", "0", 1, [True] * 4),
+        ("no-such-sampler", "", None, [True] * 4),
+    ],
+)
+def test_the_sampler_follows_the_otel_variables(
+    sampler: str, arg: str, parent_flags: int | None, expected: list[bool]
+) -> None:
+    from services import tracing
+
+    decide = tracing.sampler({"OTEL_TRACES_SAMPLER": sampler, "OTEL_TRACES_SAMPLER_ARG": arg})
+    parent = None if parent_flags is None else tracing.SpanContext(1, 2, parent_flags, True)
+    # trace ids whose low 64 bits are 0, 2**62, 2**63 + 1, 2**64 - 1
+    ids = [1 << 64, 2**62, 2**63 + 1, 2**64 - 1]
+    assert [decide(parent, t) for t in ids] == expected
+
+
+def test_resource_attributes_come_from_the_otel_variables(monkeypatch: pytest.MonkeyPatch) -> None:
+    from services import tracing
+
+    monkeypatch.setenv("OTEL_RESOURCE_ATTRIBUTES", "deployment.environment=prod,team=a%2Cb")
+    monkeypatch.delenv("OTEL_SERVICE_NAME", raising=False)
+    attrs = tracing.resource("router", "r1")
+    assert attrs["deployment.environment"] == "prod" and attrs["team"] == "a,b"
+    assert attrs["service.name"] == "tokenbus-router" and attrs["service.instance.id"] == "r1"
+    monkeypatch.setenv("OTEL_RESOURCE_ATTRIBUTES", "service.name=from-attrs")
+    assert tracing.resource("router")["service.name"] == "from-attrs"
+    monkeypatch.setenv("OTEL_SERVICE_NAME", "gw")
+    assert tracing.resource("router")["service.name"] == "gw"
