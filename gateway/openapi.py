@@ -28,6 +28,7 @@ from bus_schemas.messages import (
     CompletionRequest,
     EmbeddingRequest,
 )
+from services.responses import RESPONSE_ID, ResponsesRequest
 
 REF = "#/components/schemas/{model}"
 
@@ -234,6 +235,52 @@ ERRORS: dict[int, str] = {
 }
 
 
+# -- the Responses API ----------------------------------------------------------------------
+class _Open(BaseModel):
+    """A Responses API object: these fields at least (output items and usage carry what
+    the engine reports, as OpenAI's do)."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+class ResponseObject(_Open):
+    """A response (``POST /v1/responses`` whole, ``GET /v1/responses/{id}``, and inside
+    ``response.created`` / ``.in_progress`` / ``.completed`` / ``.failed`` events)."""
+
+    id: str = Field(pattern=RESPONSE_ID.pattern)
+    object: Literal["response"]
+    created_at: int
+    status: Literal["completed", "incomplete", "failed", "in_progress"]
+    model: str
+    output: list[dict[str, Any]]
+    error: dict[str, Any] | None = None
+    usage: dict[str, Any] | None = None
+
+
+class ResponseStreamEvent(_Open):
+    """One SSE event of a streamed response: ``response.created``, ``.output_text.delta``,
+    ``.completed``, an ``error`` ... each numbered in order."""
+
+    type: str
+    sequence_number: int = Field(ge=0)
+
+
+class ResponseDeleted(_Out):
+    id: str
+    object: Literal["response"]
+    deleted: Literal[True]
+
+
+class ResponseItemList(_Out):
+    """A page of a stored response's input items."""
+
+    object: Literal["list"]
+    data: list[dict[str, Any]]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+
+
 def _statuses(cls: type[E.TokenbusError] = E.TokenbusError) -> set[int]:
     """The HTTP status of every typed error (a test keeps :data:`ERRORS` describing each)."""
     out = {cls.status}
@@ -257,8 +304,13 @@ def _schemas(*models: type[BaseModel]) -> dict[str, Any]:
 
 def _request_schemas() -> dict[str, Any]:
     """The request models' schemas, plus what their validators accept beyond them."""
-    out = _schemas(ChatCompletionRequest, CompletionRequest, EmbeddingRequest)
-    for name in ("ChatCompletionRequest", "CompletionRequest", "EmbeddingRequest"):
+    out = _schemas(ChatCompletionRequest, CompletionRequest, EmbeddingRequest, ResponsesRequest)
+    for name in (
+        "ChatCompletionRequest",
+        "CompletionRequest",
+        "EmbeddingRequest",
+        "ResponsesRequest",
+    ):
         # Fields tokenbus does not act on are carried to the engine as sent.
         out[name]["additionalProperties"] = True
     for name in ("ChatCompletionRequest", "CompletionRequest"):
@@ -367,6 +419,75 @@ def _get(op_id: str, summary: str, answer: str, responses: dict[str, Any], **kw:
     }
 
 
+def _response_events() -> dict[str, Any]:
+    """A Responses event stream: every event named (``event:``) and numbered."""
+    data = {
+        "type": "string",
+        "contentMediaType": "application/json",
+        "contentSchema": {"$ref": REF.format(model="ResponseStreamEvent")},
+    }
+    return {
+        "text/event-stream": {
+            "schema": {
+                "type": "object",
+                "required": ["event", "data"],
+                "properties": {"event": {"type": "string"}, "data": data},
+            }
+        }
+    }
+
+
+_RESPONSE_ID = {
+    "name": "response_id",
+    "in": "path",
+    "required": True,
+    "schema": {"type": "string"},
+    "description": "A response's id (resp_ and 32 hex digits); another key's is not found.",
+}
+
+
+def _responses_paths() -> dict[str, Any]:
+    create = _generation(
+        "createResponse",
+        "Create a response (the Responses API)",
+        "ResponsesRequest",
+        "ResponseObject",
+        None,
+    )
+    create["post"]["responses"]["200"] = {
+        "description": "The response: whole as JSON, or as server-sent events with `stream: true`.",
+        "content": {**_json("ResponseObject"), **_response_events()},
+    }
+    stored = {"tags": ["OpenAI"], "security": _SECURITY, "parameters": [_RESPONSE_ID]}
+    found = _errors(400, 401, 404, 405)
+    page = [
+        _RESPONSE_ID,
+        {
+            "name": "limit",
+            "in": "query",
+            "schema": {"type": "integer", "minimum": 1, "maximum": 100},
+        },
+        {"name": "order", "in": "query", "schema": {"enum": ["asc", "desc"]}},
+        {"name": "after", "in": "query", "schema": {"type": "string"}},
+    ]
+    by_id = _get("getResponse", "A stored response.", "ResponseObject", found, **stored)
+    by_id["delete"] = _get(
+        "deleteResponse", "Delete a stored response.", "ResponseDeleted", found, **stored
+    )["get"]
+    items = _get(
+        "listInputItems",
+        "A stored response's input items, a page at a time.",
+        "ResponseItemList",
+        found,
+        **{**stored, "parameters": page},
+    )
+    return {
+        "/v1/responses": create,
+        "/v1/responses/{response_id}": by_id,
+        "/v1/responses/{response_id}/input_items": items,
+    }
+
+
 def _version() -> str:
     try:
         return metadata.version("tokenbus")
@@ -393,6 +514,10 @@ def _document() -> dict[str, Any]:
             ModelList,
             Health,
             Ready,
+            ResponseObject,
+            ResponseStreamEvent,
+            ResponseDeleted,
+            ResponseItemList,
         )
     )
     schemas["OpenAPIDocument"] = {"type": "object", "required": ["openapi", "paths"]}
@@ -423,6 +548,7 @@ def _document() -> dict[str, Any]:
             "/v1/embeddings": _generation(
                 "createEmbedding", "Embeddings", "EmbeddingRequest", "EmbeddingList", None
             ),
+            **_responses_paths(),
             "/v1/models": _get(
                 "listModels",
                 "The models served now that the key may use.",
