@@ -230,8 +230,10 @@ class ResponsesAPI:
             await self._save(turn, b, resp, owner)
             buf.extend(sse(ev) for ev in events)
         except E.TokenbusError as exc:
-            # The headers are gone: the failure is an `error` and a `response.failed` event.
-            _, events = b.fail(exc)
+            # The headers are gone: the failure is an `error` and a `response.failed` event,
+            # and the failed response is kept as OpenAI keeps one (GET shows what failed).
+            failed, events = b.fail(exc)
+            await self._save(turn, b, failed, owner)
             buf.extend(sse(ev) for ev in events)
         progress.finished = True
         await send({"type": body, "body": "".join(buf).encode(), "more_body": False})

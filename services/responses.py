@@ -1048,23 +1048,29 @@ class ResponseStream:
                         yield ev
             except E.TokenbusError as exc:
                 self.response, events = b.fail(exc)
+                await self._keep(self.response)  # a failed response is kept too
                 for ev in events:
                     yield ev
                 return
             resp, events = b.finish(stream.finish_reason, stream.usage)
-            if self.turn.echo.get("store") and self._stored is not None:
-                rec = record(self.turn, b, resp, "")  # the owner is the key's: ingress says
-                try:
-                    kept = await self._stored.put(self.id, rec)
-                except E.TokenbusError:
-                    kept = False
-                if not kept:
-                    resp["store"] = False
+            await self._keep(resp)
             self.response = resp
             for ev in events:
                 yield ev
         finally:
             await stream.aclose()
+
+    async def _keep(self, resp: dict[str, Any]) -> None:
+        """Store the response when asked to; one that cannot be kept says ``store: false``."""
+        if not self.turn.echo.get("store") or self._stored is None:
+            return
+        rec = record(self.turn, self.builder, resp, "")  # the owner is the key's: ingress says
+        try:
+            kept = await self._stored.put(self.id, rec)
+        except E.TokenbusError:
+            kept = False
+        if not kept:
+            resp["store"] = False
 
     async def collect(self) -> dict[str, Any]:
         """The whole response object (the events read and dropped)."""

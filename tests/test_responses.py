@@ -595,6 +595,10 @@ async def test_a_stream_moved_to_another_replica_keeps_a_valid_event_sequence(
         failed = events[-1].response
         assert failed.status == "failed" and failed.error is not None
         assert failed.error.code == "replica_lost" and "retryable" in failed.error.message
+        # Kept as it failed, as OpenAI keeps a failed response.
+        got = await api.responses.retrieve(failed.id)
+        assert got.status == "failed" and got.error is not None
+        assert got.error.code == "replica_lost"
     assert "request_migrated" in stack.bridge.output()
 
 
