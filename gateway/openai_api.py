@@ -20,7 +20,7 @@ import base64
 import json
 import struct
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
@@ -201,37 +201,50 @@ class OpenAIApp(RouteTable):
         await self.generate(scope, receive, send, KIND_EMBEDDINGS)
 
     async def generate(self, scope: Scope, receive: Receive, send: Send, kind: str) -> None:
-        """One generation request from body to last byte; its failures become OpenAI errors
-        and its outcome goes to ``on_request``."""
+        """One chat, completions or embeddings request (:meth:`handle`)."""
+        await self.handle(scope, receive, send, kind, self._generation)
+
+    async def _generation(self, call: Call, send: Send) -> None:
+        req = validation.parse(call.kind, call.body)
+        if call.span is not None:
+            call.span.set_attribute(tracing.MODEL, req.model)
+        call.watch()
+        stream = call.stream = self.source.open(
+            call.kind, req, call.body, request_id=call.rid, timeout=self.timeout, headers=call.hdrs
+        )
+        if call.kind == KIND_EMBEDDINGS:
+            await write_embeddings(send, req, stream, call.rid, call.progress)
+        elif req.stream:
+            await write_sse(send, call.kind, req, stream, call.rid, call.progress)
+        else:
+            await write_whole(send, call.kind, req, stream, call.rid, call.progress)
+
+    async def handle(
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        kind: str,
+        serve: Callable[[Call, Send], Awaitable[None]],
+    ) -> None:
+        """One API request from body to last byte: ``serve`` validates ``call.body``, opens
+        ``call.stream`` and writes the answer; here its failures become OpenAI errors, a
+        client that leaves cancels it, its outcome goes to ``on_request`` and, traced, it is
+        the server span every later hop descends from."""
         rid = clean_request_id(header(scope, b"x-request-id"))
         t_start = time.perf_counter_ns()
         progress = Progress(time.time_ns())
         status = 200
         outcome = "ok"
-        stream: StreamLike | None = None
-        watcher: asyncio.Task[None] | None = None
         hdrs = bus_headers(scope)
         # Traced, the request is a server span (the child of the client's traceparent) and
         # the parent of every hop after it; current in this task, so logs carry its ids.
         span = _http_span(scope, kind, rid, hdrs) if tracing.on() else None
         token = tracing.activate(span)
+        call = Call(kind, rid, hdrs, progress, span, receive)
         try:
-            body = await read_body(scope, receive, self.max_body, self.body_timeout)
-            req = validation.parse(kind, body)
-            if span is not None:
-                span.set_attribute(tracing.MODEL, req.model)
-            # The body is read: from here on the only message left is the disconnect, and a
-            # client that leaves cancels this handler, which cancels the generation.
-            watcher = watch_disconnect(receive, progress)
-            stream = self.source.open(
-                kind, req, body, request_id=rid, timeout=self.timeout, headers=hdrs
-            )
-            if kind == KIND_EMBEDDINGS:
-                await write_embeddings(send, req, stream, rid, progress)
-            elif req.stream:
-                await write_sse(send, kind, req, stream, rid, progress)
-            else:
-                await write_whole(send, kind, req, stream, rid, progress)
+            call.body = await read_body(scope, receive, self.max_body, self.body_timeout)
+            await serve(call, send)
         except E.TokenbusError as exc:
             status = E.http_status(exc)
             outcome = exc.code
@@ -250,8 +263,9 @@ class OpenAIApp(RouteTable):
                 await send_error(send, E.InternalError("the gateway failed; retry"), rid)
         finally:
             progress.finished = True
-            if watcher is not None:
-                watcher.cancel()
+            stream = call.stream
+            if call.watcher is not None:
+                call.watcher.cancel()
             if stream is not None:
                 await stream.aclose()
             if self.on_request is not None:
@@ -259,6 +273,26 @@ class OpenAIApp(RouteTable):
             if span is not None:
                 _end_http_span(span, status, outcome, stream)
                 tracing.deactivate(token)
+
+
+@dataclass(eq=False)
+class Call:
+    """One API request in :meth:`OpenAIApp.handle`: what its ``serve`` reads and sets."""
+
+    kind: str
+    rid: str
+    hdrs: dict[str, str]
+    progress: Progress
+    span: Any
+    receive: Receive
+    body: Any = None
+    stream: StreamLike | None = None
+    watcher: asyncio.Task[None] | None = None
+
+    def watch(self) -> None:
+        """The body is read: from here on the only message left is the disconnect, and a
+        client that leaves cancels the handler, which cancels the generation."""
+        self.watcher = watch_disconnect(self.receive, self.progress)
 
 
 def _http_span(scope: Scope, kind: str, rid: str, hdrs: dict[str, str]) -> Any:
@@ -464,8 +498,8 @@ async def _send_whole(
         out,
         [
             (b"x-request-id", rid.encode()),
-            *_limit_headers(stream),
-            *_latency_headers(stream, progress.t1_ns),
+            *limit_headers(stream),
+            *latency_headers(stream, progress.t1_ns),
         ],
     )
 
@@ -605,7 +639,7 @@ async def write_sse(
     here, the tokens, the closing event, the usage event when asked for, then ``[DONE]``."""
     # Wait for the first frame before sending headers, so errors that happen before
     # generation (unknown model, no replica) still get their own HTTP status.
-    first = await _first_chunk(stream)
+    first = await first_chunk(stream)
     frames = sse_frames(kind, rid, req.model, int(time.time()))
     chat = kind == KIND_CHAT
     progress.started = True
@@ -613,7 +647,7 @@ async def write_sse(
         {
             "type": "http.response.start",
             "status": 200,
-            "headers": [*SSE_HEADERS, (b"x-request-id", rid.encode()), *_limit_headers(stream)],
+            "headers": [*SSE_HEADERS, (b"x-request-id", rid.encode()), *limit_headers(stream)],
         }
     )
     buf: list[str] = [frames.opening] if frames.opening else []
@@ -636,7 +670,7 @@ def sse_error(exc: E.TokenbusError) -> str:
     return f"data: {json.dumps(exc.openai_body())}\n\n"
 
 
-async def _first_chunk(stream: StreamLike) -> Chunk | None:
+async def first_chunk(stream: StreamLike) -> Chunk | None:
     """The stream's first chunk, None when it ended without one."""
     try:
         return await stream.__anext__()
@@ -706,7 +740,7 @@ def _usage(stream: StreamLike) -> dict[str, Any]:
     return (stream.usage or Usage(0, 0, 0)).to_dict()
 
 
-def _latency_headers(stream: StreamLike, t1_ns: int) -> Headers:
+def latency_headers(stream: StreamLike, t1_ns: int) -> Headers:
     """Where the time to the first token went (like LiteLLM's overhead header): the gateway's
     share, (engine start - received) + (first token at the gateway - first token in the
     engine), and the engine's, from the stage timestamps of the final frame."""
@@ -722,7 +756,7 @@ def _latency_headers(stream: StreamLike, t1_ns: int) -> Headers:
     ]
 
 
-def _limit_headers(stream: StreamLike) -> Headers:
+def limit_headers(stream: StreamLike) -> Headers:
     """Rate-limit headers, and which replica served (``x-tokenbus-replica``)."""
     out = [(k.encode(), v.encode()) for k, v in stream.rate_limits.items()]
     replica = getattr(stream, "replica", None)

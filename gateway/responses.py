@@ -11,7 +11,6 @@ made them (docs/responses.md).
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from collections.abc import Callable
@@ -23,23 +22,21 @@ from bus_schemas import errors as E
 from bus_schemas import headers as H
 from bus_schemas.subjects import KIND_CHAT
 from gateway import validation
-from gateway.asgi import Receive, Scope, Send, api_key, bus_headers, header, send_error, send_json
-from gateway.ingress import clean_request_id
+from gateway.asgi import Receive, Scope, Send, api_key, send_error, send_json
 from gateway.openai_api import (
     SSE_HEADERS,
+    Call,
     OpenAIApp,
     Progress,
     StreamLike,
-    _first_chunk,
-    _latency_headers,
-    _limit_headers,
-    _record,
-    read_body,
-    watch_disconnect,
+    first_chunk,
+    latency_headers,
+    limit_headers,
 )
 from gateway.response_store import ResponseStore, not_found
 from services import logging as tlog
 from services import responses as R
+from services import tracing
 from services.caller import Chunk
 
 log = tlog.get("bridge")
@@ -78,53 +75,29 @@ class ResponsesAPI:
 
     # -- create ---------------------------------------------------------------------------
     async def create(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """``POST /v1/responses``: one request from body to last byte, as the chat path's
-        handler does it (its failures are OpenAI errors; its outcome goes to on_request)."""
+        """``POST /v1/responses``: one request, through the chat path's scaffold
+        (:meth:`OpenAIApp.handle`: errors, disconnects, telemetry and its trace span)."""
+        await self.app.handle(scope, receive, send, KIND, self._create)
+
+    async def _create(self, call: Call, send: Send) -> None:
         app = self.app
-        rid = clean_request_id(header(scope, b"x-request-id"))
-        t_start = time.perf_counter_ns()
-        progress = Progress(time.time_ns())
-        status, outcome = 200, "ok"
-        stream: StreamLike | None = None
-        watcher: asyncio.Task[None] | None = None
-        try:
-            body = await read_body(scope, receive, app.max_body, app.body_timeout)
-            req = R.parse(body)
-            hdrs = bus_headers(scope)
-            owner = self.owner(hdrs.get(H.API_KEY))
-            previous = await self._previous(req.previous_response_id, owner)
-            turn = R.translate(req, body, previous)
-            if self.store is None:
-                turn.echo["store"] = False
-            chat = validation.parse(KIND_CHAT, turn.chat)
-            watcher = watch_disconnect(receive, progress)
-            stream = app.source.open(
-                KIND_CHAT, chat, turn.chat, request_id=rid, timeout=app.timeout, headers=hdrs
-            )
-            if req.stream:
-                await self._write_sse(send, turn, stream, rid, progress, owner)
-            else:
-                await self._write_whole(send, turn, stream, rid, progress, owner)
-        except E.TokenbusError as exc:
-            status, outcome = E.http_status(exc), exc.code
-            progress.finished = True
-            await send_error(send, exc, rid)
-        except asyncio.CancelledError:
-            outcome = "client_disconnected"
-        except Exception:
-            status, outcome = 500, "internal_error"
-            log.exception("internal_error", request_id=rid, kind=KIND)
-            if not progress.started:
-                progress.finished = True
-                await send_error(send, E.InternalError("the gateway failed; retry"), rid)
-        finally:
-            progress.finished = True
-            if watcher is not None:
-                watcher.cancel()
-            if stream is not None:
-                await stream.aclose()
-            if app.on_request is not None:
-                app.on_request(_record(rid, KIND, status, outcome, t_start, progress, stream))
+        req = R.parse(call.body)
+        owner = self.owner(call.hdrs.get(H.API_KEY))
+        previous = await self._previous(req.previous_response_id, owner)
+        turn = R.translate(req, call.body, previous)
+        if self.store is None:
+            turn.echo["store"] = False
+        chat = validation.parse(KIND_CHAT, turn.chat)
+        if call.span is not None:
+            call.span.set_attribute(tracing.MODEL, chat.model)
+        call.watch()
+        stream = call.stream = app.source.open(
+            KIND_CHAT, chat, turn.chat, request_id=call.rid, timeout=app.timeout, headers=call.hdrs
+        )
+        if req.stream:
+            await self._write_sse(send, turn, stream, call.rid, call.progress, owner)
+        else:
+            await self._write_whole(send, turn, stream, call.rid, call.progress, owner)
 
     async def _previous(self, response_id: str | None, owner: str) -> list[dict[str, Any]] | None:
         """The conversation a ``previous_response_id`` continues (404 when it is not one of
@@ -178,8 +151,8 @@ class ResponsesAPI:
             resp,
             [
                 (b"x-request-id", rid.encode()),
-                *_limit_headers(stream),
-                *_latency_headers(stream, progress.t1_ns),
+                *limit_headers(stream),
+                *latency_headers(stream, progress.t1_ns),
             ],
         )
 
@@ -194,14 +167,14 @@ class ResponsesAPI:
     ) -> None:
         # The first frame before the headers, so that errors before generation (unknown
         # model, no replica, a refused key) still get their own HTTP status.
-        first = await _first_chunk(stream)
+        first = await first_chunk(stream)
         b = R.ResponseBuilder(turn, events=True)
         progress.started = True
         await send(
             {
                 "type": "http.response.start",
                 "status": 200,
-                "headers": [*SSE_HEADERS, (b"x-request-id", rid.encode()), *_limit_headers(stream)],
+                "headers": [*SSE_HEADERS, (b"x-request-id", rid.encode()), *limit_headers(stream)],
             }
         )
         buf = [sse(ev) for ev in b.opening()]

@@ -287,6 +287,32 @@ async def test_a_streamed_http_request_is_one_trace_with_a_span_per_hop(traced: 
     _no_key_in(spans, traced.key)
 
 
+async def test_a_responses_request_is_traced_like_a_chat_one(traced: Traced) -> None:
+    trace, caller, tp = new_traceparent()
+    async with traced.stack.openai(traced.key) as api:
+        stream = await api.responses.create(
+            model=traced.stack.model,
+            input="hi",
+            max_output_tokens=5,
+            stream=True,
+            extra_headers={"traceparent": tp},
+        )
+        async for _ in stream:
+            pass
+    name = "POST /v1/responses"
+    hops = {name: 1, "auth": 1, "ratelimit": 1, "filter": 1, "route": 1, "worker": 1}
+    spans = await traced.rx.wait(trace, hops)
+    bridge = one(spans, name)
+    assert (bridge.parent, bridge.kind) == (caller, SERVER), tree(spans)
+    for stage in ("auth", "ratelimit", "filter", "route"):
+        assert one(spans, stage).parent == bridge.span_id, tree(spans)
+    assert one(spans, "worker").parent == one(spans, "route").span_id
+    a = bridge.attributes
+    assert a["http.response.status_code"] == 200 and a["gen_ai.operation.name"] == "responses"
+    assert a["gen_ai.request.model"] == traced.stack.model
+    assert a["gen_ai.usage.output_tokens"] == 5 and bridge.events_named("first_token")
+
+
 async def test_the_nats_client_continues_its_callers_traceparent_through_every_stage(
     traced: Traced,
 ) -> None:
