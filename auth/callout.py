@@ -101,6 +101,7 @@ class CalloutResponder:
         self._sys: NATS | None = None
         # key id -> {(server id, client id)} of its live connections
         self.connections: dict[str, set[tuple[str, int]]] = {}
+        self._connected = asyncio.Event()  # set while some key has a connection to watch
         self._checker: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -156,6 +157,7 @@ class CalloutResponder:
             cid = (req.get("client_info") or {}).get("id")
             if isinstance(cid, int):
                 self.connections.setdefault(rec.id, set()).add((server_id, cid))
+                self._connected.set()
             self.log.info("nats_login", key_id=rec.id)
         if msg.reply:
             await msg.respond(answer.encode())
@@ -180,6 +182,9 @@ class CalloutResponder:
 
     async def _check_loop(self) -> None:
         while True:
+            if not self.connections:
+                self._connected.clear()
+                await self._connected.wait()
             await asyncio.sleep(CHECK_INTERVAL_S)
             for key_id in [k for k, c in self.connections.items() if c]:
                 if not self._still_valid(key_id):

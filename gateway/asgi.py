@@ -454,11 +454,31 @@ def _openai_500(app: Route) -> Route:
 
 
 class _Server(uvicorn.Server):
-    """uvicorn without its own signal handling: the tokenbus service owns the signals."""
+    """uvicorn without its own signal handling (the tokenbus service owns the signals), and
+    without its ten wake-ups a second when idle."""
+
+    def __init__(self, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self._exit = asyncio.Event()
 
     @contextlib.contextmanager
     def capture_signals(self) -> Any:
         yield
+
+    def exit(self) -> None:
+        """Stop serving (the open requests get the graceful shutdown's time)."""
+        self.should_exit = True
+        self._exit.set()
+
+    async def main_loop(self) -> None:
+        """uvicorn's loop wakes every 0.1 s to refresh the Date header and look for
+        ``should_exit``; this one wakes once a second, the header's resolution, or at once
+        on :meth:`exit`."""
+        counter = 0
+        while not await self.on_tick(counter):  # a multiple of 10: the header is refreshed
+            counter = (counter + 10) % 864000
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._exit.wait(), 1.0)
 
 
 class HTTPServer:
@@ -514,7 +534,7 @@ class HTTPServer:
 
     async def stop(self) -> None:
         """Stop listening, let open requests finish (up to the shutdown timeout)."""
-        self.server.should_exit = True
+        self.server.exit()
         if self.task is not None:
             await self.task
 

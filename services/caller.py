@@ -857,6 +857,9 @@ class Caller:
         # bus); else one of its own.
         self._prefix = inbox_prefix or subjects.inbox_prefix(owner or uuid.uuid4().hex)
         self._streams: dict[str, Stream] = {}
+        # Set while some stream is open: the watchdog sleeps on it when there is nothing to
+        # watch (an idle process wakes for nothing).
+        self._watching = asyncio.Event()
         self._tombstones: OrderedDict[str, tuple[float, str]] = OrderedDict()
         self._sub: Any = None
         self._hb_sub: Any = None
@@ -910,6 +913,9 @@ class Caller:
         """Fail streams whose replica stopped beating (killed, partitioned) instead of letting
         them wait for the request deadline: a retryable error within a few heartbeats."""
         while True:
+            if not self._streams:
+                self._watching.clear()
+                await self._watching.wait()
             await asyncio.sleep(WATCHDOG_INTERVAL_S)
             now = time.monotonic()
             for s in list(self._streams.values()):
@@ -986,6 +992,7 @@ class Caller:
 
     def _register(self, s: Stream) -> None:
         self._streams[s.token] = s
+        self._watching.set()
 
     def _unregister(self, s: Stream) -> None:
         self._streams.pop(s.token, None)

@@ -66,6 +66,7 @@ class Telemetry(Service):
             await self.nc.subscribe(subjects.heartbeat_wildcard(), cb=self._on_heartbeat),
         ]
         loop = asyncio.get_running_loop()
+        self._buffered = asyncio.Event()  # set once a record waits: idle, the flusher sleeps
         self._flusher = loop.create_task(self._flush_loop())
         self.metrics.health.nc = self.nc
         self._inbox = f"{INBOX_ROOT}.{self.id}"
@@ -93,6 +94,7 @@ class Telemetry(Service):
             self.metrics.dropped.inc()
             return
         self.buffer.append(rec)
+        self._buffered.set()
 
     async def _on_heartbeat(self, msg: Msg) -> None:
         with contextlib.suppress(Exception):
@@ -106,7 +108,9 @@ class Telemetry(Service):
 
     async def _flush_loop(self) -> None:
         while True:
+            await self._buffered.wait()
             await asyncio.sleep(self.cfg.flush_interval_s)
+            self._buffered.clear()
             try:
                 await self.flush()
             except Exception as exc:
