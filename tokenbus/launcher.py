@@ -83,7 +83,17 @@ class Supervisor:
     async def watch(self) -> None:
         """Restart children that exit while not stopping."""
         while not self.stopping:
-            await asyncio.sleep(0.25)
+            # Woken by a child's exit (or once a second, for children added meanwhile),
+            # not by polling: an idle stack's supervisor sleeps.
+            exits = [asyncio.ensure_future(c.proc.wait()) for c in self.children if c.proc]
+            if exits:
+                _, pending = await asyncio.wait(
+                    exits, timeout=1.0, return_when=asyncio.FIRST_COMPLETED
+                )
+                for t in pending:
+                    t.cancel()
+            else:
+                await asyncio.sleep(1.0)
             for c in self.children:
                 if self.stopping:
                     return
