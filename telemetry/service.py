@@ -87,7 +87,8 @@ class Telemetry(Service):
             return
         try:
             self.metrics.observe(rec)
-        except (AttributeError, TypeError, ValueError) as exc:  # a field of the wrong type
+        except (AttributeError, TypeError, ValueError, RecursionError) as exc:
+            # a field of the wrong type (a label nested too deep to print included)
             self.log.warning("bad_record_dropped", subject=msg.subject, error=str(exc)[:200])
             return
         if len(self.buffer) >= self.cfg.max_buffer:

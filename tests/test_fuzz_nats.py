@@ -1175,12 +1175,14 @@ async def test_a_malformed_frame_in_a_live_stream_is_a_typed_error(
 async def test_a_bad_telemetry_record_costs_only_itself(bus: FuzzBus) -> None:
     """Was: a negative count (``prompt_tokens: -2**63``) raised out of the record callback,
     and a record SQLite cannot store (``model: {}``) failed the whole batch written with it:
-    the good records beside it were lost."""
+    the good records beside it were lost. And (make fuzz, 250 examples): a ``source``
+    nested 1000 lists deep raised RecursionError out of the metrics' label handling."""
     good = uuid.uuid4().hex
     record = records.build(
         request_id=good, source="worker", model=bus.model, timings={}, outcome="ok"
     )
-    for bad in ({"prompt_tokens": -(2**63)}, {"model": {"x": 1}}):
+    deep = {"source": _marker("deep_list_1000")}
+    for bad in ({"prompt_tokens": -(2**63)}, {"model": {"x": 1}}, deep):
         await bus.raw.publish(
             records.subject(), pack({**record, "request_id": uuid.uuid4().hex, **bad})
         )
