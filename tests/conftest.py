@@ -499,3 +499,31 @@ class Upstream:
         except subprocess.TimeoutExpired:
             self.proc.kill()
         self._log.close()
+
+
+class FuzzStack:
+    """A stack for the HTTP fuzz tests: its base URL, a key with room to spare, the model."""
+
+    def __init__(self, stack: ProcStack, key: str) -> None:
+        self.base, self.key, self.model, self.procs = stack.base, key, stack.model, stack.procs
+
+
+@contextlib.asynccontextmanager
+async def open_fuzz_stack(
+    nats_url: str, tmp: Path, env: dict[str, str], worker_args: tuple[str, ...], **limits: int
+) -> AsyncIterator[FuzzStack]:
+    """Every stage on (auth, ratelimit, filter, route), one sim worker, a key with
+    ``limits``, and the bridge settings in ``env``."""
+    async with key_store(nats_url, watch=False) as keys:
+        key, _ = await keys.create(tmp.name, **limits)
+    pipeline = {"TOKENBUS_INGRESS__PIPELINE": '["auth", "ratelimit", "filter", "route"]'}
+    with Procs(nats_url, tmp) as procs:
+        stack = await start_stack(
+            procs,
+            new_model(),
+            *("ingress", "auth", "ratelimit", "filter", "router"),
+            worker_args=worker_args,
+            env={**pipeline, **env},
+            settle=0.5,
+        )
+        yield FuzzStack(stack, key)

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.conftest import NatsServer, Procs, ProcStack, key_store, new_model, start_stack
+from tests.conftest import FuzzStack, NatsServer, open_fuzz_stack
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
@@ -60,32 +60,21 @@ keys = st.one_of(
 )
 
 
-class FuzzStack:
-    def __init__(self, stack: ProcStack, key: str) -> None:
-        self.base, self.key, self.model, self.procs = stack.base, key, stack.model, stack.procs
-
-
 @pytest.fixture(scope="module")
 async def fuzz_stack(
     nats_server: NatsServer, tmp_path_factory: pytest.TempPathFactory
 ) -> AsyncIterator[FuzzStack]:
-    env = {
-        "TOKENBUS_INGRESS__PIPELINE": '["auth", "ratelimit", "filter", "route"]',
-        "TOKENBUS_BRIDGE__MAX_BODY_BYTES": "4096",
-        "TOKENBUS_BRIDGE__BODY_TIMEOUT_S": "2",
-    }
-    async with key_store(nats_server.url, watch=False) as keys:
-        key, _ = await keys.create("fuzz", rpm=100_000, tpm=10**9, max_concurrent=1000)
-    with Procs(nats_server.url, tmp_path_factory.mktemp("fuzz")) as procs:
-        stack = await start_stack(
-            procs,
-            new_model(),
-            *("ingress", "auth", "ratelimit", "filter", "router"),
-            worker_args=("--sim-prefill-ms", "1", "--sim-decode-ms", "1"),
-            env=env,
-            settle=0.5,
-        )
-        yield FuzzStack(stack, key)
+    env = {"TOKENBUS_BRIDGE__MAX_BODY_BYTES": "4096", "TOKENBUS_BRIDGE__BODY_TIMEOUT_S": "2"}
+    async with open_fuzz_stack(
+        nats_server.url,
+        tmp_path_factory.mktemp("fuzz"),
+        env,
+        ("--sim-prefill-ms", "1", "--sim-decode-ms", "1"),
+        rpm=100_000,
+        tpm=10**9,
+        max_concurrent=1000,
+    ) as fs:
+        yield fs
 
 
 def _check(r: httpx.Response) -> None:

@@ -34,7 +34,7 @@ from schemathesis.specs.openapi.checks import (
 
 from bus_schemas import errors as E
 from gateway import openapi
-from tests.conftest import NatsServer, Procs, ProcStack, key_store, new_model, start_stack
+from tests.conftest import FuzzStack, NatsServer, key_store, open_fuzz_stack
 from tokenbus.client import Client
 
 # Examples per operation in schemathesis' fuzzing phase (its examples and coverage phases
@@ -43,17 +43,11 @@ EXAMPLES = int(os.environ.get("TOKENBUS_FUZZ_EXAMPLES") or 400)
 SEED = int(os.environ.get("TOKENBUS_FUZZ_SEED") or random.getrandbits(32))
 
 
-class FuzzStack:
-    def __init__(self, stack: ProcStack, key: str) -> None:
-        self.base, self.key, self.model, self.procs = stack.base, key, stack.model, stack.procs
-
-
 @pytest.fixture(scope="module")
 async def fuzz_stack(
     nats_server: NatsServer, tmp_path_factory: pytest.TempPathFactory
 ) -> AsyncIterator[FuzzStack]:
     env = {
-        "TOKENBUS_INGRESS__PIPELINE": '["auth", "ratelimit", "filter", "route"]',
         "TOKENBUS_BRIDGE__MAX_BODY_BYTES": "65536",
         "TOKENBUS_BRIDGE__BODY_TIMEOUT_S": "2",
         # A small context bounds every generation (conftest's default is unbounded): a valid
@@ -62,21 +56,19 @@ async def fuzz_stack(
         "TOKENBUS_WORKER__SIM__MAX_MODEL_LEN": "256",
         "TOKENBUS_INGRESS__DEFAULT_MAX_TOKENS": "16",
     }
-    async with key_store(nats_server.url, watch=False) as keys:
-        # No concurrency limit to run out of: requests the engine refuses leak their slot
-        # (test_a_request_the_engine_refuses_frees_its_concurrency_slot), and a long
-        # `make fuzz` sends thousands of them.
-        key, _ = await keys.create("fuzz-openapi", rpm=10**6, tpm=10**12, max_concurrent=10**6)
-    with Procs(nats_server.url, tmp_path_factory.mktemp("fuzz-openapi")) as procs:
-        stack = await start_stack(
-            procs,
-            new_model(),
-            *("ingress", "auth", "ratelimit", "filter", "router"),
-            worker_args=("--sim-prefill-ms", "0.2", "--sim-decode-ms", "0.2"),
-            env=env,
-            settle=0.5,
-        )
-        yield FuzzStack(stack, key)
+    # No concurrency limit to run out of: requests the engine refuses leak their slot
+    # (test_a_request_the_engine_refuses_frees_its_concurrency_slot), and a long
+    # `make fuzz` sends thousands of them.
+    async with open_fuzz_stack(
+        nats_server.url,
+        tmp_path_factory.mktemp("fuzz-openapi"),
+        env,
+        ("--sim-prefill-ms", "0.2", "--sim-decode-ms", "0.2"),
+        rpm=10**6,
+        tpm=10**12,
+        max_concurrent=10**6,
+    ) as fs:
+        yield fs
 
 
 @pytest.fixture(scope="module")
