@@ -507,6 +507,21 @@ class FuzzStack:
     def __init__(self, stack: ProcStack, key: str) -> None:
         self.base, self.key, self.model, self.procs = stack.base, key, stack.model, stack.procs
 
+    def assert_serving(self) -> None:
+        """Every process alive, and a plain chat request answered 200."""
+        assert all(p.alive() for p in self.procs.procs)
+        with httpx.Client(base_url=self.base, timeout=30) as h:
+            r = h.post(
+                "/v1/chat/completions",
+                json={
+                    "model": self.model,
+                    "messages": [{"role": "user", "content": "hi"}],
+                    "max_tokens": 2,
+                },
+                headers={"Authorization": f"Bearer {self.key}"},
+            )
+        assert r.status_code == 200, r.text
+
 
 @contextlib.asynccontextmanager
 async def open_fuzz_stack(

@@ -328,18 +328,7 @@ async def test_a_request_the_engine_refuses_frees_its_concurrency_slot(
 
 # -- after the fuzzing ----------------------------------------------------------------------
 def test_everything_still_serves_after_the_fuzzing(fuzz_stack: FuzzStack) -> None:
-    assert all(p.alive() for p in fuzz_stack.procs.procs)
-    with httpx.Client(base_url=fuzz_stack.base, timeout=30) as h:
-        r = h.post(
-            "/v1/chat/completions",
-            json={
-                "model": fuzz_stack.model,
-                "messages": [{"role": "user", "content": "hi"}],
-                "max_tokens": 2,
-            },
-            headers={"Authorization": f"Bearer {fuzz_stack.key}"},
-        )
-    assert r.status_code == 200, r.text
+    fuzz_stack.assert_serving()
     for p in fuzz_stack.procs.procs:
         assert "Traceback" not in p.output(), p.name
         assert fuzz_stack.key not in p.output(), p.name
