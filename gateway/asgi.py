@@ -20,6 +20,7 @@ import contextlib
 import dataclasses
 import json
 import socket
+import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
@@ -180,6 +181,9 @@ class HTTPLimits:
 
 # Refusals of the HTTP layer itself, by error code ("idle": a connection closed that sent
 # nothing within the head timeout). Counted, not logged: a hostile client would fill the log.
+# The scope key holding when the request's first byte was parsed (epoch ns): its t1.
+RECEIVED_NS = "tokenbus.received_ns"
+
 REFUSED = Counter(
     "tokenbus_bridge_http_refused_total",
     "Requests and connections the bridge's HTTP layer refused or closed",
@@ -312,6 +316,9 @@ class _Protocol(HttpToolsProtocol):
     # -- parser callbacks -----------------------------------------------------------------
     def on_message_begin(self) -> None:
         super().on_message_begin()
+        # t1, "the gateway receives": the request's first byte, not the later moment its
+        # handler runs (under load the handler's task waits its turn in the event loop).
+        self.scope[RECEIVED_NS] = time.time_ns()  # type: ignore[literal-required]
         self._begun = True
         if self._head_timer is None:
             self._arm_head_timer()

@@ -30,6 +30,7 @@ from bus_schemas.subjects import KIND_CHAT, KIND_COMPLETIONS, KIND_EMBEDDINGS
 from gateway import validation
 from gateway.asgi import (
     JSON_HEADERS,
+    RECEIVED_NS,
     Headers,
     Receive,
     RouteTable,
@@ -233,7 +234,7 @@ class OpenAIApp(RouteTable):
         the server span every later hop descends from."""
         rid = clean_request_id(header(scope, b"x-request-id"))
         t_start = time.perf_counter_ns()
-        progress = Progress(time.time_ns())
+        progress = Progress(scope.get(RECEIVED_NS) or time.time_ns())
         status = 200
         outcome = "ok"
         hdrs = bus_headers(scope)

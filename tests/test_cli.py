@@ -291,6 +291,13 @@ def test_bench_prompts_from_a_file_sampled_lengths_split_and_run_folder(tmp_path
     # The gateway / engine split of each level, from the telemetry records.
     assert all(lv["gateway_ms"].get("p50") is not None for lv in levels)
     assert all(lv["engine_ms"]["p50"] > 0 for lv in levels)
+    # ... and hop by hop, in time order, from the bridge receiving the request to sending the
+    # first token (the engine's own span is the 2 ms prefill).
+    for lv in levels:
+        hops = lv["path_ms"]
+        assert hops["engine_start->first_token"] >= 2.0
+        assert "first_token->t4" in hops and "t4->t5" in hops
+        assert list(hops)[0].startswith("t1->") and all(v >= 0 for v in hops.values())
     run = tmp_path / "run"
     assert "| tokenbus-http | 3 | 9 | 0 |" in (run / "table.md").read_text()
     assert (run / "latency.png").exists() and (run / "throughput.png").exists()

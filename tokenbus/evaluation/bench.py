@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
 import os
 import platform
@@ -683,6 +684,41 @@ def add_latency_split(levels: list[dict[str, Any]], db: str) -> None:
         for key in ("gateway_ms", "engine_ms"):
             vals = [float(r[key]) for r in mine if isinstance(r.get(key), int | float)]
             lv[key] = _summary_ms([v / 1000 for v in vals]) if vals else {}
+        split = path_split([r["t"] for r in mine if isinstance(r.get("t"), dict)])
+        if split:
+            lv["path_ms"] = split
+
+
+# The marks of a request's record on its way to the first token (bus_schemas.marks, and the
+# bridge's t1, t4, t5).
+PATH_MARKS = (
+    "t1",
+    "t0",
+    "ingress",
+    "auth",
+    "ratelimit",
+    "filter",
+    "route",
+    "engine_start",
+    "first_token",
+    "t4",
+    "t5",
+)
+
+
+def path_split(timings: list[dict[str, int]]) -> dict[str, float]:
+    """Where the time to the first token goes, hop by hop: the median, over requests, of the
+    time between each mark and the next one in time (``route->engine_start``: from the route
+    decision to the engine's start), in ms. Marks are taken in time order, since the path
+    differs by entry (over HTTP the bridge admits the request before its caller sends it)."""
+    gaps: dict[str, list[float]] = {}
+    for t in timings:
+        seen = sorted(
+            ((t[n], i, n) for i, n in enumerate(PATH_MARKS) if isinstance(t.get(n), int)),
+        )
+        for (a, _, na), (b, _, nb) in itertools.pairwise(seen):
+            gaps.setdefault(f"{na}->{nb}", []).append((b - a) / 1e6)
+    return {k: round(statistics.median(v), 3) for k, v in gaps.items()}
 
 
 def write_run_files(levels: list[dict[str, Any]], run_dir: Path) -> None:
