@@ -64,6 +64,11 @@ async def watch_routing(nc: NATS, cfg: RouterSettings, log: Any) -> RoutingTable
     return table
 
 
+# Forgetting replicas whose heartbeats stopped only frees memory: routing and every listing
+# check a replica's last beat themselves, so this need not be prompt (an idle stack wakes less).
+PRUNE_EVERY_S = 5.0
+
+
 class HeartbeatTracker:
     """Feeds a :class:`Registry` from heartbeats and prunes replicas that stopped beating."""
 
@@ -91,5 +96,5 @@ class HeartbeatTracker:
 
     async def _prune_loop(self) -> None:
         while True:
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(PRUNE_EVERY_S)
             self.registry.prune()

@@ -22,11 +22,14 @@ refused here with nats-py's own error instead, before it is written.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import re
 from typing import Any
 
 from nats import errors
 from nats.aio.client import Client as NATS
+from nats.js.client import JetStreamContext
 from nats.protocol import parser
 
 # The NATS server's default ``max_control_line``: ``HPUB <subject> <reply> <sizes>`` must fit.
@@ -41,6 +44,49 @@ parser.HMSG_RE = re.compile(
     rb"\AHMSG[ \t]+([^ \t\r\n]+)[ \t]+([^ \t\r\n]+)[ \t]+(([^ \t\r\n]+)[ \t]+)?"
     rb"(\d+)[ \t]+(\d+)\r\n"
 )
+
+
+def _flow_control_on_demand() -> None:
+    """nats-py's ordered consumers (every KV watch: key revocations, the routing table) poll
+    four times a second, for the life of the watch, whether a flow-control reply is owed. That
+    poll is most of what an idle service does. Here the loop sleeps until the server asks for
+    flow control, then answers it as nats-py does (publishing the reply once the messages
+    before it have been taken, checking every 0.25 s meanwhile). Left as it is when a nats-py
+    release no longer has the pieces this relies on."""
+    jsi = getattr(JetStreamContext, "_JSI", None)
+    schedule = getattr(jsi, "schedule_flow_control_response", None)
+    if jsi is None or schedule is None or not hasattr(jsi, "check_flow_control_response"):
+        return
+
+    def schedule_flow_control_response(self: Any, reply: str) -> None:
+        schedule(self, reply)
+        owed = getattr(self, "_tb_fc_owed", None)
+        if owed is not None:
+            owed.set()
+
+    async def check_flow_control_response(self: Any) -> None:
+        owed = self._tb_fc_owed = asyncio.Event()
+        if self._fcr:
+            owed.set()
+        while not self._conn.is_closed:
+            if not self._fcr:
+                owed.clear()
+                await owed.wait()
+                continue
+            if (self._fciseq - self._psub._pending_queue.qsize()) >= self._fcd:
+                fc_reply = self._fcr
+                with contextlib.suppress(Exception):
+                    await self._conn.publish(fc_reply)
+                self._fcr = None
+                self._fcd = 0
+                continue
+            await asyncio.sleep(0.25)
+
+    jsi.schedule_flow_control_response = schedule_flow_control_response
+    jsi.check_flow_control_response = check_flow_control_response
+
+
+_flow_control_on_demand()
 
 
 def _utf8(raw: bytes) -> bytes:
