@@ -182,6 +182,11 @@ async def test_http_records_metrics_and_report(procs: Procs, model: str, tmp_pat
     assert "| model | requests |" in res.stdout
     summary = json.loads((out / "summary.json").read_text())
     assert summary["models"][model]["requests"] == 2
+    # The first token's time by hop: reading the request, the bus hop to the engine, the
+    # engine, the way back; what the request spent, hop by hop, is all accounted for.
+    stages = summary["models"][model]["mean_ms_by_stage"]
+    assert stages["receive"] > 0 and stages["dispatch"] > 0 and stages["engine"] > 0
+    assert stages["relay"] > 0
     for png in ("latency_breakdown", "latency_over_time", "throughput", "replica_load"):
         assert (out / f"{png}.png").stat().st_size > 1000
     missing = run_cli("report", "--db", str(tmp_path / "none.db"))

@@ -18,7 +18,19 @@ from typing import Any
 
 from telemetry.store import RecordStore
 
-BREAKDOWN = ("ingress", "auth", "ratelimit", "filter", "route", "engine", "relay")
+# In path order: the bridge reading the request (HTTP only), the stages, the hop from the
+# routing decision to the engine's start, the engine, and the first token's way back.
+BREAKDOWN = (
+    "receive",
+    "ingress",
+    "auth",
+    "ratelimit",
+    "filter",
+    "route",
+    "dispatch",
+    "engine",
+    "relay",
+)
 
 
 def pct(values: list[float], p: float) -> float | None:
@@ -65,6 +77,13 @@ def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
 def breakdown(r: dict[str, Any]) -> dict[str, float]:
     """Where one request's time to first token went, by stage (ms)."""
     out = {k: float(v) for k, v in (r.get("stages") or {}).items()}
+    t = r.get("t")
+    marks = {k: v for k, v in t.items() if isinstance(v, int)} if isinstance(t, dict) else {}
+    # receive: from the bridge's first byte of the request to its admission (HTTP records);
+    # dispatch: from the routing decision to the engine's start (the bus hop, the worker).
+    for name, a, b in (("receive", "t1", "ingress"), ("dispatch", "route", "engine_start")):
+        if a in marks and b in marks:
+            out[name] = max(0, marks[b] - marks[a]) / 1e6
     if isinstance(r.get("engine_ms"), int | float):
         out["engine"] = float(r["engine_ms"])
     if isinstance(r.get("relay_ms"), int | float):
