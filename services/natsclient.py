@@ -46,6 +46,9 @@ parser.HMSG_RE = re.compile(
 )
 
 
+_FC_IDLE_CHECK_S = 30.0
+
+
 def _flow_control_on_demand() -> None:
     """nats-py's ordered consumers (every KV watch: key revocations, the routing table) poll
     four times a second, for the life of the watch, whether a flow-control reply is owed. That
@@ -71,7 +74,10 @@ def _flow_control_on_demand() -> None:
         while not self._conn.is_closed:
             if not self._fcr:
                 owed.clear()
-                await owed.wait()
+                # Woken by an ask; the timeout only notices a closed connection (nats-py
+                # cancels this task when the watch stops) without waking every 0.25 s.
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(owed.wait(), _FC_IDLE_CHECK_S)
                 continue
             if (self._fciseq - self._psub._pending_queue.qsize()) >= self._fcd:
                 fc_reply = self._fcr
