@@ -206,6 +206,8 @@ class RateLimitCheck:
             await self._usage_sub.unsubscribe()
         if self._settling:  # reports already taken are settled before the limiter closes
             await asyncio.wait(self._settling, timeout=5)
+            for task in list(self._settling):  # not after it: a late one would take slots back
+                task.cancel()
         await self.limiter.close()
 
     async def _on_usage(self, msg: Msg) -> None:

@@ -709,7 +709,7 @@ PATH_MARKS = (
 def path_split(timings: list[dict[str, int]]) -> dict[str, float]:
     """Where the time to the first token goes, hop by hop: the median, over requests, of the
     time between each mark and the next one in time (``route->engine_start``: from the route
-    decision to the engine's start), in ms. Marks are taken in time order, since the path
+    stage's mark to the engine's start), in ms. Marks are taken in time order, since the path
     differs by entry (over HTTP the bridge admits the request before its caller sends it)."""
     gaps: dict[str, list[float]] = {}
     for t in timings:

@@ -80,7 +80,8 @@ def breakdown(r: dict[str, Any]) -> dict[str, float]:
     t = r.get("t")
     marks = {k: v for k, v in t.items() if isinstance(v, int)} if isinstance(t, dict) else {}
     # receive: from the bridge's first byte of the request to its admission (HTTP records);
-    # dispatch: from the routing decision to the engine's start (the bus hop, the worker).
+    # dispatch: from the route stage's mark to the engine's start (picking a replica, the bus
+    # hop, the worker's checks).
     for name, a, b in (("receive", "t1", "ingress"), ("dispatch", "route", "engine_start")):
         if a in marks and b in marks:
             out[name] = max(0, marks[b] - marks[a]) / 1e6
