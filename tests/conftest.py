@@ -510,17 +510,20 @@ class FuzzStack:
     def assert_serving(self) -> None:
         """Every process alive, and a plain chat request answered 200."""
         assert all(p.alive() for p in self.procs.procs)
-        with httpx.Client(base_url=self.base, timeout=30) as h:
-            r = h.post(
-                "/v1/chat/completions",
-                json={
-                    "model": self.model,
-                    "messages": [{"role": "user", "content": "hi"}],
-                    "max_tokens": 2,
-                },
-                headers={"Authorization": f"Bearer {self.key}"},
-            )
-        assert r.status_code == 200, r.text
+        assert_chat_served(self.base, self.model, self.key)
+
+
+def assert_chat_served(base: str, model: str, key: str | None = None) -> None:
+    """A plain two-token chat request to the bridge at ``base`` is answered 200 (the check
+    that a stack still serves after hostile input)."""
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    with httpx.Client(base_url=base, timeout=30) as h:
+        r = h.post(
+            "/v1/chat/completions",
+            json={"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+            headers=headers,
+        )
+    assert r.status_code == 200, r.text
 
 
 @contextlib.asynccontextmanager

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from services.config import DEFAULT_MODEL, BridgeSettings, Settings
+from telemetry import records
 from tokenbus.evaluation.peers import PEERS
 
 
@@ -689,21 +690,9 @@ def add_latency_split(levels: list[dict[str, Any]], db: str) -> None:
             lv["path_ms"] = split
 
 
-# The marks of a request's record on its way to the first token (bus_schemas.marks, and the
-# bridge's t1, t4, t5).
-PATH_MARKS = (
-    "t1",
-    "t0",
-    "ingress",
-    "auth",
-    "ratelimit",
-    "filter",
-    "route",
-    "engine_start",
-    "first_token",
-    "t4",
-    "t5",
-)
+# The marks of a request's record on its way to the first token: the bridge's t1, the marks
+# the request collects on the bus, then the first token's way back.
+PATH_MARKS = ("t1", *records.PATH, "first_token", "t4", "t5")
 
 
 def path_split(timings: list[dict[str, int]]) -> dict[str, float]:

@@ -19,7 +19,7 @@ from typing import Any
 from telemetry.store import RecordStore
 
 # In path order: the bridge reading the request (HTTP only), the stages, the hop from the
-# routing decision to the engine's start, the engine, and the first token's way back.
+# route stage's mark to the engine's start, the engine, and the first token's way back.
 BREAKDOWN = (
     "receive",
     "ingress",
