@@ -12,12 +12,10 @@ only the output the caller got from it (the new attempt's report counts the prom
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import hashlib
 import hmac
 import time
-from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any
 
@@ -101,7 +99,6 @@ class RateLimitCheck:
         self.limiter = limiter
         self.fail_open = fail_open
         self.log = log
-        self._settling: set[asyncio.Task[None]] = set()
 
     async def apply(self, hdrs: dict[str, str], env: dict[str, Any]) -> None:
         """Admit (headers updated in place with what the worker reports back) or raise."""
@@ -204,22 +201,14 @@ class RateLimitCheck:
     async def stop(self) -> None:
         with contextlib.suppress(Exception):
             await self._usage_sub.unsubscribe()
-        if self._settling:  # reports already taken are settled before the limiter closes
-            await asyncio.wait(self._settling, timeout=5)
-            for task in list(self._settling):  # not after it: a late one would take slots back
-                task.cancel()
         await self.limiter.close()
 
     async def _on_usage(self, msg: Msg) -> None:
-        """Settle a usage report in its own task. nats-py runs a subscription's callbacks one
-        after another, so awaiting the store's round trip here would settle one request per
-        round trip, however many finished meanwhile; as tasks, the reports that arrive while
-        one key's compare-and-set is in flight go together in its next one."""
         try:
             u = codec.decode_map(msg.data)
             flags = str(u.get("flags", ""))
             opt = {k: int(u[k]) for k in ("prompt", "completion", "resumed") if k in u}
-            settle = self.limiter.settle(
+            await self.limiter.settle(
                 str(u["principal"]),
                 str(u["request_id"]),
                 int(u["window"]),
@@ -230,16 +219,6 @@ class RateLimitCheck:
                 attempt=int(u.get("attempt", 0)),
                 **opt,
             )
-        except Exception as exc:
-            self.log.warning("usage_not_settled", error=str(exc))
-            return
-        task = asyncio.get_running_loop().create_task(self._settle(settle))
-        self._settling.add(task)
-        task.add_done_callback(self._settling.discard)
-
-    async def _settle(self, settle: Coroutine[Any, Any, None]) -> None:
-        try:
-            await settle
         except Exception as exc:
             self.log.warning("usage_not_settled", error=str(exc))
 
