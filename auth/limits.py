@@ -62,7 +62,7 @@ Change = Callable[[dict[str, Any]], dict[str, Any]]
 BUCKET = "tokenbus_ratelimit"
 # Long-lived secrets of the limiters (no TTL): the key admission tickets are signed with.
 SECRETS_BUCKET = "tokenbus_secrets"
-_ATTEMPTS_KEPT = 50_000  # settled attempts remembered (duplicate reports, supersedes)
+_ATTEMPTS_KEPT = 50_000  # admitted attempts remembered (reports, duplicates, supersedes)
 WINDOW_S = 60
 _MAX_CAS_TRIES = 100
 _MAX_CHUNK = 1024  # requests one lease may cover
@@ -108,12 +108,15 @@ class _Window:
 
 @dataclass(slots=True)
 class _Attempt:
-    """One attempt of a request (its admission) as far as TPM is concerned: what the window
-    was charged for it, and what is known of its use."""
+    """One attempt of a request this instance admitted: what the window was charged for it,
+    what it holds, and what is known of its use."""
 
     window: int
     charged: int  # tokens the window counts for this attempt now
-    at: float
+    at: float  # admitted (or last found still running), for forgetting it
+    deadline: float  # the request's deadline (s): it cannot be running after this
+    windowed: bool  # counted in the key's RPM/TPM window
+    slot: bool  # holds a concurrency slot
     reported: bool = False
     prompt: int = 0
     completion: int = 0
@@ -300,9 +303,11 @@ class Limiter:
         tokens: int,
         deadline_s: float,
         requests: int = 1,
+        attempt: int = 0,
     ) -> Admission:
         """Count the request against every limit of ``principal`` or raise RateLimited.
-        ``requests=0``: a migrated request, already counted (its tokens are reserved)."""
+        ``requests=0``: a migrated request, already counted (its tokens are reserved).
+        ``attempt``: which attempt of the request this is (the one its report will name)."""
         now = time.time()
         window = int(now // WINDOW_S)
         reset = (window + 1) * WINDOW_S - now
@@ -331,7 +336,27 @@ class Limiter:
             except E.RateLimited:
                 self._refund(principal, window, requests, need_t)
                 raise
+        windowed = rpm is not None or tpm is not None
+        a = _Attempt(window, need_t, now, deadline_s, windowed, concurrent is not None)
+        self._remember((principal, request_id, attempt), a, now)
         return Admission(window, tokens, info)
+
+    def _remember(self, key: tuple[str, str, int], a: _Attempt, now: float) -> None:
+        """Keep an admitted attempt until its report and any supersede can have come: a
+        few windows, and longer while it may still be running (its report frees its slot).
+        Past ``_ATTEMPTS_KEPT`` the oldest is forgotten whatever it is."""
+        kept = self._attempts
+        kept.pop(key, None)  # admitted again (a replayed request id): the newest counts
+        kept[key] = a
+        old = now - 3 * WINDOW_S
+        while kept:
+            first = next(iter(kept.values()))
+            if len(kept) <= _ATTEMPTS_KEPT and first.at >= old:
+                return
+            k, first = kept.popitem(last=False)
+            if len(kept) < _ATTEMPTS_KEPT and not first.reported and first.deadline > now:
+                first.at = now  # still running: keep it, looked at again in a few windows
+                kept[k] = first
 
     async def _lease(
         self,
@@ -505,45 +530,38 @@ class Limiter:
         self,
         principal: str,
         request_id: str,
-        window: int,
-        reserved: int,
-        used: int,
+        used: int = 0,
         *,
-        concurrent: bool = True,
-        windowed: bool = True,
         attempt: int = 0,
         prompt: int | None = None,
         completion: int | None = None,
         resumed: int | None = None,
-    ) -> None:
+    ) -> bool:
         """Reconcile an attempt's reservation with what it really used and free its
         concurrency slot (the worker's report: ``used``, or ``prompt`` + ``completion``);
         or, with ``resumed``, mark the attempt superseded by a migration that delivered
-        that much of its output. Each arrives once per attempt, in either order."""
-        now = time.time()
-        key = (principal, request_id, attempt)
-        a = self._attempts.get(key)
+        that much of its output. Each arrives once per attempt, in either order.
+
+        Only attempts this instance admitted are settled, by what it recorded when it
+        admitted them (window, reservation, slot): a report of any other (forged, or for
+        another instance, or from before a restart) changes nothing and returns False."""
+        a = self._attempts.get((principal, request_id, attempt))
         if a is None:
-            a = self._attempts[key] = _Attempt(window, reserved, now)
-            while self._attempts and (
-                len(self._attempts) > _ATTEMPTS_KEPT
-                or next(iter(self._attempts.values())).at < now - 3 * WINDOW_S
-            ):
-                self._attempts.popitem(last=False)
+            return False
         if resumed is None:
             if a.reported:
-                return  # a duplicate report
+                return True  # a duplicate report
             a.reported = True
             a.prompt, a.completion = (used, 0) if prompt is None else (prompt, completion or 0)
-            if concurrent:
+            if a.slot:
                 await self._release_slot(principal, request_id)
         else:
             if a.resumed is not None:
-                return
+                return True
             a.resumed = max(0, resumed)
         delta = a.charge() - a.charged  # reported or superseded by now: its charge is known
-        if not windowed or not delta:
-            return
+        if not a.windowed or not delta:
+            return True
         a.charged += delta
 
         def adjust(cur: dict[str, Any]) -> dict[str, Any]:
@@ -553,6 +571,7 @@ class Limiter:
         await self._cas(f"rl.{principal}.{a.window}", adjust)
         if w is not None and w.window == a.window:
             w.t_seen = max(0, w.t_seen + delta)
+        return True
 
     @staticmethod
     def _trio(kind: str, limit: int, remaining: int, reset: float) -> dict[str, str]:

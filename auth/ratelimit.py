@@ -110,7 +110,7 @@ class RateLimitCheck:
         deadline_s = deadline / 1000 if deadline else time.time() + 600
         rid = hdrs.get(H.REQUEST_ID) or str(env.get("request_id", ""))
         ticket = hdrs.pop(H.ADMISSION, None)
-        attempt = _attempt(hdrs)
+        attempt = marks.attempt(hdrs.get(H.MIGRATION))
         tokens = estimate_tokens(env)
         if tpm is not None and tokens > tpm and attempt < 1:
             # No window ever holds it: refused as the client's to fix, never "retry".
@@ -128,6 +128,7 @@ class RateLimitCheck:
                 tokens=tokens,
                 deadline_s=deadline_s,
                 requests=0 if prior else 1,
+                attempt=attempt,
             )
         except E.TokenbusError as exc:
             tracing.verdict(subjects.STAGE_RATELIMIT, "deny", {tracing.ERROR_TYPE: exc.code})
@@ -206,26 +207,21 @@ class RateLimitCheck:
     async def _on_usage(self, msg: Msg) -> None:
         try:
             u = codec.decode_map(msg.data)
-            flags = str(u.get("flags", ""))
             opt = {k: int(u[k]) for k in ("prompt", "completion", "resumed") if k in u}
-            await self.limiter.settle(
+            settled = await self.limiter.settle(
                 str(u["principal"]),
                 str(u["request_id"]),
-                int(u["window"]),
-                int(u["reserved"]),
-                int(u["used"]),
-                concurrent="c" in flags,
-                windowed="w" in flags,
+                int(u.get("used", 0)),
                 attempt=int(u.get("attempt", 0)),
                 **opt,
             )
         except Exception as exc:
             self.log.warning("usage_not_settled", error=str(exc))
-
-
-def _attempt(hdrs: dict[str, str]) -> int:
-    value = hdrs.get(H.MIGRATION, "")
-    return (marks.number(value) or 0) if len(value) < 4 else 0
+            return
+        if not settled:
+            # Not an attempt this instance admitted (or one it has forgotten): a report
+            # never charges or frees anything it did not reserve.
+            self.log.debug("usage_of_unknown_attempt", subject=msg.subject)
 
 
 class RateLimit(Service):

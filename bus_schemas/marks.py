@@ -20,6 +20,12 @@ def number(value: str | None) -> int | None:
     return None
 
 
+def attempt(value: str | None) -> int:
+    """Which attempt of a request a ``Tb-Migration`` value names: 0 for the first, and for
+    anything that is not a count of at most three digits."""
+    return (number(value) or 0) if value and len(value) < 4 else 0
+
+
 def now_ns() -> int:
     return time.time_ns()
 

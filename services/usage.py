@@ -40,7 +40,7 @@ def report_body(
             "completion": completion,
             "flags": flags,
             # Which attempt of the request this was (migrations before it).
-            "attempt": marks.number(hdrs.get(H.MIGRATION)) or 0,
+            "attempt": marks.attempt(hdrs.get(H.MIGRATION)),
         }
         # A number beyond 64 bits (``Tb-Ratelimit: 9…9,40,wc,x``) cannot be encoded.
         return subjects.usage(owner or None), codec.encode(body)

@@ -14,6 +14,7 @@ from nats.aio.client import Client as NATS
 from auth.limits import BUCKET, WINDOW_S, Admission, Limiter
 from auth.ratelimit import RateLimitCheck, estimate_tokens, parse_limits
 from auth.store import KeyStore
+from bus_schemas import codec, subjects
 from bus_schemas import errors as E
 from bus_schemas import headers as H
 from tests.conftest import (
@@ -219,7 +220,7 @@ async def test_concurrency_slots_move_between_instances_and_expire_with_a_dead_o
         refused = await _admit(b, "k", "b1", concurrent=4)
         assert isinstance(refused, E.RateLimited) and "concurrent" in refused.message
         # A request ends on a: its slot goes back to the store and b can take it.
-        await a.settle("k", "a0", 0, 10, 10, windowed=False)
+        assert await a.settle("k", "a0", 10)
         assert isinstance(await _admit(b, "k", "b1", concurrent=4), Admission)
         # a dies without giving its two slots back: they expire with its lease.
         assert a._renewer is not None
@@ -233,6 +234,63 @@ async def test_concurrency_slots_move_between_instances_and_expire_with_a_dead_o
             pytest.fail("the dead instance's slots never expired")
     finally:
         await b.close()
+
+
+async def test_usage_reports_settle_only_attempts_the_limiter_admitted(nc: NATS) -> None:
+    # Usage subjects are open to every worker: a report for a request (or an attempt) this
+    # limiter never admitted, or one that claims another window or reservation, must not
+    # charge the key's tokens nor free its slots. Reports go through the real stage check.
+    lim = await Limiter(nc, bucket="test_forged_usage").open()
+    check = RateLimitCheck(lim, fail_open=False, log=structlog.get_logger())
+    await check.start(nc)
+    kv = await nc.jetstream().key_value("test_forged_usage")
+    env = {"messages": MSG, "params": {"max_tokens": 99}}  # reserves 1 + 99 tokens
+
+    async def used_tokens(window: int) -> int:
+        return int(json.loads((await kv.get(f"rl.forge.{window}")).value or b"{}")["t"])
+
+    async def report(rid: str, **body: Any) -> None:
+        base = {"principal": "forge", "request_id": rid, "flags": "wc", "used": 0}
+        await nc.publish(subjects.usage(lim.owner), codec.encode({**base, **body}))
+
+    try:
+        await fresh_window()
+        hdrs = {H.PRINCIPAL: "forge", H.LIMITS: ",1000,1", H.REQUEST_ID: "real"}
+        await check.apply(hdrs, env)
+        window = int(hdrs[H.RATELIMIT].split(",")[0])
+        leased = await used_tokens(window)
+        assert leased >= 100
+        # Forged: an unknown request, the real one's next attempt, and the real one under
+        # another key; each claims a huge use in this window.
+        await report("nobody", window=window, reserved=0, used=900)
+        await report("real", window=window, reserved=0, used=900, attempt=1)
+        await report("real", window=window, reserved=0, used=900, principal="other")
+        await nc.flush()
+        await asyncio.sleep(0.2)
+        assert await used_tokens(window) == leased
+        assert await lim.settle("forge", "nobody", 900) is False
+        # The key's one concurrency slot is still taken by the real request.
+        again = {H.PRINCIPAL: "forge", H.LIMITS: ",1000,1", H.REQUEST_ID: "second"}
+        with pytest.raises(E.RateLimited):
+            await check.apply(again, env)
+        leased = await used_tokens(window)  # that try leased ahead too (kept locally)
+        # The real report (a window and reservation it does not own, in its body) settles
+        # what was admitted: 100 reserved, 7 used, in the admitted window.
+        await report("real", window=window + 5, reserved=100_000, used=7, prompt=2, completion=5)
+        for _ in range(100):
+            if await used_tokens(window) == leased - 93:
+                break
+            await asyncio.sleep(0.05)
+        assert await used_tokens(window) == leased - 93
+        await check.apply(again, env)  # the slot went back with the real report
+        assert H.RATELIMIT in again
+        # Its duplicate changes nothing more.
+        await report("real", used=7, prompt=2, completion=5)
+        await nc.flush()
+        await asyncio.sleep(0.2)
+        assert await used_tokens(window) == leased - 93
+    finally:
+        await check.stop()
 
 
 async def test_a_migration_counts_once_on_proof_of_admission_only(nc: NATS) -> None:
