@@ -12,10 +12,12 @@ only the output the caller got from it (the new attempt's report counts the prom
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
 import hmac
 import time
+from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any
 
@@ -99,6 +101,7 @@ class RateLimitCheck:
         self.limiter = limiter
         self.fail_open = fail_open
         self.log = log
+        self._settling: set[asyncio.Task[None]] = set()
 
     async def apply(self, hdrs: dict[str, str], env: dict[str, Any]) -> None:
         """Admit (headers updated in place with what the worker reports back) or raise."""
@@ -202,13 +205,21 @@ class RateLimitCheck:
     async def stop(self) -> None:
         with contextlib.suppress(Exception):
             await self._usage_sub.unsubscribe()
+        if self._settling:  # reports already taken are settled before the limiter closes
+            await asyncio.wait(self._settling, timeout=5)
+            for task in list(self._settling):  # not after it: a late one would take slots back
+                task.cancel()
         await self.limiter.close()
 
     async def _on_usage(self, msg: Msg) -> None:
+        """Settle a usage report in its own task. nats-py runs a subscription's callbacks one
+        after another, so awaiting the store's round trip here would settle one request per
+        round trip, however many finished meanwhile; as tasks, the reports that arrive while
+        one key's compare-and-set is in flight go together in its next one."""
         try:
             u = codec.decode_map(msg.data)
             opt = {k: int(u[k]) for k in ("prompt", "completion", "resumed") if k in u}
-            settled = await self.limiter.settle(
+            settle = self.limiter.settle(
                 str(u["principal"]),
                 str(u["request_id"]),
                 int(u.get("used", 0)),
@@ -218,10 +229,20 @@ class RateLimitCheck:
         except Exception as exc:
             self.log.warning("usage_not_settled", error=str(exc))
             return
+        task = asyncio.get_running_loop().create_task(self._settle(settle, msg.subject))
+        self._settling.add(task)
+        task.add_done_callback(self._settling.discard)
+
+    async def _settle(self, settle: Coroutine[Any, Any, bool], subject: str) -> None:
+        try:
+            settled = await settle
+        except Exception as exc:
+            self.log.warning("usage_not_settled", error=str(exc))
+            return
         if not settled:
             # Not an attempt this instance admitted (or one it has forgotten): a report
             # never charges or frees anything it did not reserve.
-            self.log.debug("usage_of_unknown_attempt", subject=msg.subject)
+            self.log.debug("usage_of_unknown_attempt", subject=subject)
 
 
 class RateLimit(Service):

@@ -17,6 +17,7 @@ from auth.store import KeyStore
 from bus_schemas import codec, subjects
 from bus_schemas import errors as E
 from bus_schemas import headers as H
+from services import usage
 from tests.conftest import (
     NatsServer,
     Procs,
@@ -329,3 +330,47 @@ async def test_a_migration_counts_once_on_proof_of_admission_only(nc: NATS) -> N
                 await admit(rid, migration, t)
     finally:
         await lim.close()
+
+
+async def test_usage_reports_that_arrive_together_settle_in_few_store_writes(nc: NATS) -> None:
+    # Reports come in on one subscription; each used to wait for its own compare-and-set
+    # before the next was read (one KV write per finished request). Settled in tasks, those
+    # that arrive while a write is in flight go together in the next.
+    bucket = "test_settle_batch"  # its own bucket: revisions count this key's writes only
+    lim = await Limiter(nc, bucket=bucket, owner=f"batch-{time.time_ns()}").open()
+    check = RateLimitCheck(lim, fail_open=False, log=structlog.get_logger())
+    await check.start(nc)
+    env = {"messages": MSG, "params": {"max_tokens": 40}}
+    try:
+        await fresh_window()
+        admitted = []
+        for i in range(100):
+            hdrs = {H.PRINCIPAL: "settle", H.LIMITS: ",100000000,", H.REQUEST_ID: f"r{i}"}
+            await check.apply(hdrs, env)
+            admitted.append(hdrs)
+        kv = await nc.jetstream().key_value(bucket)
+        key = f"rl.settle.{int(time.time() // WINDOW_S)}"
+        before = await kv.get(key)
+        for _ in range(50):  # the lease taken ahead in the background lands first
+            await asyncio.sleep(0.2)
+            again = await kv.get(key)
+            if again.revision == before.revision:
+                break
+            before = again
+        assert before.revision is not None
+        reserved = json.loads(before.value or b"{}")["t"]
+        for i, hdrs in enumerate(admitted):  # each used 5 of the 40 tokens it could have
+            await usage.report(nc, hdrs, f"r{i}", max_tokens=40, prompt_tokens=2, completion=3)
+        await nc.flush()
+        owed = 100 * (estimate_tokens(env) - 5)  # what goes back to the window
+        for _ in range(100):
+            after = await kv.get(key)
+            if json.loads(after.value or b"{}")["t"] == reserved - owed:
+                break
+            await asyncio.sleep(0.05)
+        else:
+            pytest.fail(f"not every report was settled: {after.value!r}, {reserved} - {owed}")
+        writes = (after.revision or 0) - before.revision
+        assert 1 <= writes < 50, writes
+    finally:
+        await check.stop()
