@@ -496,49 +496,68 @@ class Worker(Service):
         """Send the engine's deltas as chunk frames until it finishes, then the final frame.
 
         Output beside the text (tool calls, logprobs, refusal, reasoning) rides in the same
-        chunk frames; under an output filter it is held and scanned whole at the end."""
+        chunk frames; under an output filter it is held and scanned whole at the end. A
+        stream that can ``push`` (the ``openai`` backend) calls ``feed`` where its bytes
+        arrive; any other is iterated."""
         timeout = _seconds_left(gen.headers)
         gate = OutputGate.for_policy(
             gen.env.get("filter_policy"), self.settings.filter.window, gen.req.resume_text
         )
         send = self.outbox.send
         reply = gen.reply
-        # Chunk numbering and tokens not yet sent matter only inside this loop: locals.
+        # Chunk numbering and tokens not yet sent matter only to this stream: locals.
         index = 0
         held_tokens = 0
+        finished = False
+
+        def feed(d: Delta) -> bool:
+            """One delta out as a frame; True once the stream is finished."""
+            nonlocal index, held_tokens, finished
+            if finished:
+                return True
+            text = d.text
+            finish = d.finish_reason
+            side = None
+            if d.has_side:
+                if gate is None:
+                    side = _side(d)
+                else:
+                    gate.hold(d)
+            if gate is not None:
+                text = gate.release(text, finish)
+                if finish is not None and not gate.blocked:
+                    side = gate.release_held()
+                if gate.blocked:
+                    finish = "content_filter"
+            if text or d.tokens or side:
+                held_tokens += d.tokens
+                if text or side:
+                    if not gen.first_ns:
+                        gen.first_ns = marks.now_ns()
+                        if gen.span is not None:
+                            gen.span.add_event(tracing.FIRST_TOKEN)
+                    send(reply, frames.chunk(text, held_tokens, index, side))
+                    index += 1
+                    held_tokens = 0
+                gen.completion += d.tokens
+            if finish is None:
+                return False
+            finished = True
+            self._final_frame(gen, d, finish, gate)
+            if gate is not None:  # after the final frame: off the caller's clock
+                self._log_flags(gen, gate)
+            return True
+
         async with asyncio.timeout(timeout), contextlib.aclosing(stream) as deltas:
-            async for d in deltas:
-                text = d.text
-                finish = d.finish_reason
-                side = None
-                if d.has_side:
-                    if gate is None:
-                        side = _side(d)
-                    else:
-                        gate.hold(d)
-                if gate is not None:
-                    text = gate.release(text, finish)
-                    if finish is not None and not gate.blocked:
-                        side = gate.release_held()
-                    if gate.blocked:
-                        finish = "content_filter"
-                if text or d.tokens or side:
-                    held_tokens += d.tokens
-                    if text or side:
-                        if not gen.first_ns:
-                            gen.first_ns = marks.now_ns()
-                            if gen.span is not None:
-                                gen.span.add_event(tracing.FIRST_TOKEN)
-                        send(reply, frames.chunk(text, held_tokens, index, side))
-                        index += 1
-                        held_tokens = 0
-                    gen.completion += d.tokens
-                if finish is not None:
-                    self._final_frame(gen, d, finish, gate)
-                    if gate is not None:  # after the final frame: off the caller's clock
-                        self._log_flags(gen, gate)
-                    return
-            raise E.EngineError("the engine ended the stream without a finish reason")
+            push = getattr(stream, "push", None)
+            if push is not None:
+                await push(feed)
+            else:
+                async for d in deltas:
+                    if feed(d):
+                        return
+            if not finished:
+                raise E.EngineError("the engine ended the stream without a finish reason")
 
     def _final_frame(
         self, gen: _Generation, last: Delta, finish: str, gate: OutputGate | None

@@ -143,7 +143,12 @@ class Embeddings:
 
 
 class DeltaStream(Protocol):
-    """What ``generate`` returns: an async iterator of deltas that aborts when closed."""
+    """What ``generate`` returns: an async iterator of deltas that aborts when closed.
+
+    A stream may also offer ``async push(sink)``: call ``sink(delta)`` with every delta as it
+    arrives, from wherever it arrives (a protocol callback), until the last one or until
+    ``sink`` returns True; the worker then uses it instead of iterating (no task wake-up per
+    delta). Closing the stream still aborts it."""
 
     def __aiter__(self) -> AsyncIterator[Delta]: ...
 

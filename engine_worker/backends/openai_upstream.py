@@ -14,18 +14,26 @@ the client went away and abort the generation.
 from __future__ import annotations
 
 import array
+import asyncio
 import base64
+import collections
 import contextlib
 import json
 import sys
-from collections.abc import AsyncGenerator
-from contextlib import aclosing
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
 
 from bus_schemas import errors as E
 from engine_worker.backends.base import Delta, Embeddings, GenerationRequest
+from engine_worker.backends.http_stream import (
+    MAX_ERROR_BODY,
+    Response,
+    SSEParser,
+    UpstreamHTTP,
+    UpstreamProtocolError,
+)
 from engine_worker.backends.openai_shape import (
     chat_messages,
     choice_delta,
@@ -82,33 +90,6 @@ def _decode_vector(v: Any) -> list[float]:
     return [float(x) for x in v]
 
 
-async def _sse_events(content: aiohttp.StreamReader) -> AsyncGenerator[bytes, None]:
-    """The data of each server-sent event in ``content`` (``data:`` lines up to a blank
-    line, joined with newlines; other fields and comments are skipped)."""
-    buf = b""
-    data: list[bytes] = []
-    async for chunk in content.iter_any():
-        buf += chunk
-        if b"\n" not in chunk:
-            continue
-        *lines, buf = buf.split(b"\n")
-        for line in lines:
-            if line.endswith(b"\r"):
-                line = line[:-1]
-            if line:
-                if line.startswith(b"data:"):
-                    data.append(line[6:] if line[5:6] == b" " else line[5:])
-            elif data:
-                yield data[0] if len(data) == 1 else b"\n".join(data)
-                data = []
-    # The stream ended: an event not closed by a blank line still counts.
-    line = buf.rstrip(b"\r")
-    if line.startswith(b"data:"):
-        data.append(line[6:] if line[5:6] == b" " else line[5:])
-    if data:
-        yield b"\n".join(data)
-
-
 _JSON = {"Content-Type": "application/json"}
 
 
@@ -148,6 +129,8 @@ class OpenAIUpstreamBackend:
         self.api_key = up.api_key
         self.timeout = up.timeout_s
         self.session: aiohttp.ClientSession | None = None
+        # Streamed completions: pushed from the connection as they arrive (http_stream).
+        self.http: UpstreamHTTP | None = None
         self.in_flight = 0
         # The model's context length: configured, or read from the upstream's /v1/models
         # where it says (vLLM does). The upstream enforces it against the prompt; a
@@ -161,6 +144,7 @@ class OpenAIUpstreamBackend:
             connector=aiohttp.TCPConnector(limit=0),
             timeout=aiohttp.ClientTimeout(total=self.timeout, sock_connect=10),
         )
+        self.http = UpstreamHTTP(self.base, headers)
         if not self.max_model_len:
             self.max_model_len = await self._upstream_context()
 
@@ -180,6 +164,8 @@ class OpenAIUpstreamBackend:
         return 0
 
     async def stop(self) -> None:
+        if self.http is not None:
+            self.http.close()
         if self.session is not None:
             await self.session.close()
 
@@ -207,71 +193,17 @@ class OpenAIUpstreamBackend:
         body["prompt"] = (req.prompt or "") + req.resume_text
         return "/completions", body
 
-    def generate(self, req: GenerationRequest) -> AsyncGenerator[Delta, None]:
+    def generate(self, req: GenerationRequest) -> _Completion:
         if req.max_tokens < 1:
             raise E.InvalidRequest("max_tokens must be at least 1", param="max_tokens")
-        if self.session is None:
+        if self.http is None:
             raise E.EngineError("the openai backend is not started")
         n = self.max_model_len
         if n and req.max_tokens >= n:
             # The prompt holds at least one token, so this cannot fit whatever the prompt;
             # an upstream that does not bound it would generate until the request's deadline.
             raise E.ContextLengthExceeded.of(n, req.max_tokens)
-        return self._generate(req)
-
-    async def _generate(self, req: GenerationRequest) -> AsyncGenerator[Delta, None]:
-        if req.remaining_tokens <= 0:
-            # A migrated request whose budget the first replica used up: nothing to ask for.
-            yield Delta("", 0, "length")
-            return
-        session = self.session
-        if session is None:
-            raise E.EngineError("the openai backend is stopped")
-        path, body = self._body(req)
-        self.in_flight += 1
-        finish: str | None = None
-        usage: dict[str, Any] | None = None
-        produced = 0
-        try:
-            # Traced, the upstream (vllm serve --otlp-traces-endpoint, ...) continues the trace.
-            hdrs = {**_JSON, **req.trace_headers} if req.trace_headers else _JSON
-            async with session.post(self.base + path, data=_json(body), headers=hdrs) as resp:
-                if resp.status != 200:
-                    raise _upstream_error(resp.status, await resp.text())
-                async with aclosing(_sse_events(resp.content)) as events:
-                    async for payload in events:
-                        if payload == b"[DONE]":
-                            # Read on to the end, which keeps the connection reusable.
-                            continue
-                        obj = json.loads(payload)
-                        if obj.get("usage"):
-                            usage = obj["usage"]
-                        for ch in obj.get("choices") or ():
-                            if ch.get("index", 0):
-                                continue  # one choice is served (``n`` is 1)
-                            d = _choice_delta(ch)
-                            if d is not None:
-                                produced += d.tokens
-                                yield d
-                            if ch.get("finish_reason"):
-                                finish = ch["finish_reason"]
-                        if "error" in obj or obj.get("object") == "error":
-                            raise _event_error(obj)
-        except (TimeoutError, aiohttp.ClientError) as exc:
-            raise E.EngineError(f"the upstream failed: {type(exc).__name__}: {exc}") from None
-        except ValueError as exc:  # an event that is not JSON
-            raise E.EngineError(f"the upstream sent a malformed event: {exc}") from None
-        finally:
-            self.in_flight -= 1
-        u = usage or {}
-        yield Delta(
-            "",
-            0,
-            finish_reason(finish),
-            int(u.get("prompt_tokens") or 0),
-            int(u.get("completion_tokens") or produced),
-            usage=usage_details(u),
-        )
+        return _Completion(self, req)
 
     # -- embeddings -------------------------------------------------------------------------
     async def embed(self, req: GenerationRequest) -> Embeddings:
@@ -301,3 +233,143 @@ class OpenAIUpstreamBackend:
             raise E.EngineError(f"the upstream sent a malformed answer: {exc!r}") from None
         finally:
             self.in_flight -= 1
+
+
+Sink = Callable[[Delta], object]
+
+
+class _Stopped(Exception):
+    """The sink has what it needs (its output was blocked): abort the upstream's answer."""
+
+
+class _Answer(Response):
+    """One streamed completion as it arrives: events parsed into deltas for ``sink``."""
+
+    def __init__(self, sink: Sink) -> None:
+        self.sink = sink
+        self.status = 0
+        self.error_body = b""
+        self.sse = SSEParser(self._event)
+        self.finish: str | None = None
+        self.usage: dict[str, Any] | None = None
+        self.produced = 0
+
+    def head(self, status: int, headers: dict[str, str]) -> None:
+        self.status = status
+
+    def body(self, data: bytes) -> None:
+        if self.status == 200:
+            self.sse.feed(data)
+        elif len(self.error_body) < MAX_ERROR_BODY:
+            self.error_body += data
+
+    def end(self) -> None:
+        if self.status == 200:
+            self.sse.close()
+
+    def _event(self, payload: bytes) -> None:
+        if payload == b"[DONE]":
+            return  # read on to the end, which keeps the connection reusable
+        try:
+            obj = json.loads(payload)
+        except ValueError as exc:  # an event that is not JSON
+            raise E.EngineError(f"the upstream sent a malformed event: {exc}") from None
+        if not isinstance(obj, dict):
+            raise E.EngineError("the upstream sent a malformed event: not an object")
+        if obj.get("usage"):
+            self.usage = obj["usage"]
+        for ch in obj.get("choices") or ():
+            if ch.get("index", 0):
+                continue  # one choice is served (``n`` is 1)
+            d = _choice_delta(ch)
+            if d is not None:
+                self.produced += d.tokens
+                if self.sink(d):
+                    raise _Stopped
+            if ch.get("finish_reason"):
+                self.finish = ch["finish_reason"]
+        if "error" in obj or obj.get("object") == "error":
+            raise _event_error(obj)
+
+    def last(self) -> Delta:
+        u = self.usage or {}
+        return Delta(
+            "",
+            0,
+            finish_reason(self.finish),
+            int(u.get("prompt_tokens") or 0),
+            int(u.get("completion_tokens") or self.produced),
+            usage=usage_details(u),
+        )
+
+
+class _Completion:
+    """A streamed completion from the upstream. ``push`` hands each delta to a callback where
+    its bytes arrive (the worker's path: no task wake-up per token); iterated, it is an async
+    stream of deltas like any backend's. Closing either aborts the upstream's generation."""
+
+    def __init__(self, backend: OpenAIUpstreamBackend, req: GenerationRequest) -> None:
+        self.backend = backend
+        self.req = req
+        self._task: asyncio.Task[None] | None = None
+        self._items: collections.deque[Delta] = collections.deque()
+        self._ready = asyncio.Event()
+
+    async def push(self, sink: Sink) -> None:
+        """Call ``sink`` with every delta, the last one (finish reason, usage) included; a
+        true answer from ``sink`` ends the stream there (the upstream is aborted)."""
+        b, req = self.backend, self.req
+        if req.remaining_tokens <= 0:
+            # A migrated request whose budget the first replica used up: nothing to ask for.
+            sink(Delta("", 0, "length"))
+            return
+        http = b.http
+        if http is None:
+            raise E.EngineError("the openai backend is stopped")
+        path, body = b._body(req)
+        data = _json(body)
+        # Traced, the upstream (vllm serve --otlp-traces-endpoint, ...) continues the trace.
+        hdrs = {**_JSON, **req.trace_headers} if req.trace_headers else _JSON
+        answer = _Answer(sink)
+        b.in_flight += 1
+        try:
+            async with asyncio.timeout(b.timeout):
+                await http.post(path, data, hdrs, answer)
+        except _Stopped:
+            return
+        except (TimeoutError, OSError, UpstreamProtocolError) as exc:
+            raise E.EngineError(f"the upstream failed: {type(exc).__name__}: {exc}") from None
+        finally:
+            b.in_flight -= 1
+        if answer.status != 200:
+            text = answer.error_body.decode("utf-8", "replace")
+            raise _upstream_error(answer.status, text)
+        sink(answer.last())
+
+    # -- as an async iterator ---------------------------------------------------------------
+    def __aiter__(self) -> _Completion:
+        return self
+
+    def _put(self, d: Delta) -> None:
+        self._items.append(d)
+        self._ready.set()
+
+    async def __anext__(self) -> Delta:
+        task = self._task
+        if task is None:
+            task = self._task = asyncio.ensure_future(self.push(self._put))
+            task.add_done_callback(lambda _: self._ready.set())
+        while not self._items:
+            if task.done():
+                task.result()  # its error, if it failed
+                raise StopAsyncIteration
+            self._ready.clear()
+            await self._ready.wait()
+        return self._items.popleft()
+
+    async def aclose(self) -> None:
+        task = self._task
+        if task is not None and not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task

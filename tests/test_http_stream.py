@@ -1,0 +1,282 @@
+"""The ``openai`` backend's push-style HTTP client against raw servers: every framing an
+upstream may use, connection reuse, and every malformed answer ends as a typed error."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import pytest
+
+from bus_schemas import errors as E
+from engine_worker.backends.base import Delta, GenerationRequest
+from engine_worker.backends.http_stream import Response, SSEParser, UpstreamClosed, UpstreamHTTP
+from engine_worker.backends.openai_upstream import OpenAIUpstreamBackend
+from services.config import OpenAIUpstreamSettings, WorkerSettings
+
+Answer = Callable[[bytes], bytes]  # the request's bytes -> what the server writes back
+
+
+def _event(text: str | None, finish: str | None = None) -> bytes:
+    delta = {} if text is None else {"content": text}
+    obj = {"choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+    return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+
+SSE = _event("Hi") + _event(" there") + _event(None, "stop") + b"data: [DONE]\n\n"
+
+
+def _chunked(body: bytes, size: int = 5) -> bytes:
+    parts = [body[i : i + size] for i in range(0, len(body), size)]
+    return b"".join(b"%x;ext=1\r\n%s\r\n" % (len(p), p) for p in parts) + b"0\r\n\r\n"
+
+
+class RawServer:
+    """Answers each request on a connection with ``answer(request)``; counts connections."""
+
+    def __init__(self, answer: Answer, *, close_after: bool = False, split: int = 0) -> None:
+        self.answer = answer
+        self.close_after = close_after
+        self.split = split  # write in pieces this small (0: at once)
+        self.connections = 0
+        self.requests: list[bytes] = []
+        self.server: asyncio.Server | None = None
+
+    async def start(self) -> str:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        port = self.server.sockets[0].getsockname()[1]
+        return f"http://127.0.0.1:{port}/v1"
+
+    async def _serve(self, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        try:
+            while True:
+                head = await r.readuntil(b"\r\n\r\n")
+                length = 0
+                for line in head.split(b"\r\n"):
+                    if line.lower().startswith(b"content-length:"):
+                        length = int(line.split(b":")[1])
+                request = head + await r.readexactly(length)
+                self.requests.append(request)
+                out = self.answer(request)
+                if self.split:
+                    for i in range(0, len(out), self.split):
+                        w.write(out[i : i + self.split])
+                        await w.drain()
+                        await asyncio.sleep(0)
+                else:
+                    w.write(out)
+                await w.drain()
+                if self.close_after:
+                    break
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            w.close()
+
+    async def stop(self) -> None:
+        assert self.server is not None
+        self.server.close()
+
+
+@pytest.fixture
+async def serve() -> AsyncIterator[Callable[..., Any]]:
+    servers: list[RawServer] = []
+    backends: list[OpenAIUpstreamBackend] = []
+
+    async def make(answer: Answer, **kw: Any) -> tuple[RawServer, OpenAIUpstreamBackend]:
+        srv = RawServer(answer, **kw)
+        url = await srv.start()
+        cfg = WorkerSettings(
+            backend="openai",
+            model="m",
+            max_model_len=4096,
+            openai=OpenAIUpstreamSettings(upstream_url=url, api_key="sk-up", timeout_s=5),
+        )
+        b = OpenAIUpstreamBackend(cfg)
+        await b.start()
+        servers.append(srv)
+        backends.append(b)
+        return srv, b
+
+    yield make
+    for b in backends:
+        await b.stop()
+    for s in servers:
+        await s.stop()
+
+
+def chat(**kw: Any) -> GenerationRequest:
+    return GenerationRequest(
+        request_id="r", kind="chat", model="m", max_tokens=8, messages=[{"role": "user"}], **kw
+    )
+
+
+async def pushed(b: OpenAIUpstreamBackend, req: GenerationRequest | None = None) -> list[Delta]:
+    out: list[Delta] = []
+    await b.generate(req or chat()).push(out.append)
+    return out
+
+
+ERROR_400 = json.dumps({"error": {"message": "no such model", "param": "model"}}).encode()
+
+
+def _answer(status: int, body: bytes) -> bytes:
+    return b"HTTP/1.1 %d Bad\r\nContent-Length: %d\r\n\r\n%s" % (status, len(body), body)
+
+
+def ok(body: bytes, *headers: bytes) -> bytes:
+    return b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n%s\r\n%s" % (
+        b"".join(h + b"\r\n" for h in headers),
+        body,
+    )
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        lambda _: ok(_chunked(SSE), b"Transfer-Encoding: chunked"),
+        lambda _: ok(SSE, b"Content-Length: %d" % len(SSE)),
+        # An interim answer first, and chunks of one byte each.
+        lambda _: (
+            b"HTTP/1.1 100 Continue\r\n\r\n" + ok(_chunked(SSE, 1), b"Transfer-Encoding: chunked")
+        ),
+    ],
+    ids=["chunked", "content-length", "interim-and-1-byte-chunks"],
+)
+@pytest.mark.parametrize("split", [0, 3])
+async def test_framings_stream_the_same_deltas_and_reuse_one_connection(
+    serve: Callable[..., Any], answer: Answer, split: int
+) -> None:
+    srv, b = await serve(answer, split=split)
+    for _ in range(3):
+        deltas = await pushed(b)
+        assert [(d.text, d.finish_reason) for d in deltas] == [
+            ("Hi", None),
+            (" there", None),
+            ("", "stop"),
+        ]
+        assert deltas[-1].completion_tokens == 2
+    assert srv.connections == 1  # kept alive and reused
+    request = srv.requests[0]
+    assert request.startswith(b"POST /v1/chat/completions HTTP/1.1\r\n")
+    assert b"\r\nAuthorization: Bearer sk-up\r\n" in request
+    sent = json.loads(request.split(b"\r\n\r\n", 1)[1])
+    assert sent["stream"] is True and sent["max_tokens"] == 8
+    assert b.stats()["running"] == 0
+
+
+async def test_a_body_read_to_close_and_a_closing_upstream(serve: Callable[..., Any]) -> None:
+    # No length, no chunks: the body ends when the upstream closes (HTTP/1.0 style), and a
+    # connection the upstream closes is never reused.
+    srv, b = await serve(lambda _: ok(SSE, b"Connection: close"), close_after=True)
+    for _ in range(2):
+        deltas = await pushed(b)
+        assert deltas[-1].finish_reason == "stop" and deltas[0].text == "Hi"
+    assert srv.connections == 2
+
+
+async def test_a_kept_connection_the_upstream_closed_is_retried_on_a_new_one(
+    serve: Callable[..., Any],
+) -> None:
+    srv, b = await serve(lambda _: ok(SSE, b"Content-Length: %d" % len(SSE)), close_after=True)
+    # The upstream said nothing of closing; it closes after each answer anyway.
+    assert (await pushed(b))[-1].finish_reason == "stop"
+    await asyncio.sleep(0.05)
+    assert (await pushed(b))[-1].finish_reason == "stop"
+    assert srv.connections == 2
+
+
+@pytest.mark.parametrize(
+    ("answer", "error", "match"),
+    [
+        (lambda _: b"SSH-2.0-OpenSSH\r\n\r\n", E.EngineError, "not an HTTP/1.x answer"),
+        (lambda _: b"HTTP/1.1 abc OK\r\n\r\n", E.EngineError, "a bad status line"),
+        (
+            lambda _: ok(b"zz\r\nxx\r\n", b"Transfer-Encoding: chunked"),
+            E.EngineError,
+            "malformed chunk",
+        ),
+        (
+            lambda _: ok(b"data: {not json}\n\n", b"Content-Length: 18"),
+            E.EngineError,
+            "malformed event",
+        ),
+        (lambda _: ok(b"data: [1]\n\n", b"Content-Length: 11"), E.EngineError, "not an object"),
+        (lambda _: ok(b"", b"Content-Length: -4"), E.EngineError, "bad Content-Length"),
+        (lambda _: ok(_event("a"), b"Content-Length: 500"), E.EngineError, "closed"),
+        (lambda _: _answer(400, ERROR_400), E.InvalidRequest, "no such model"),
+        (
+            lambda _: b"HTTP/1.1 503 Unavailable\r\nContent-Length: 4\r\n\r\nbusy",
+            E.EngineError,
+            "503: busy",
+        ),
+        (lambda _: ok(SSE[:20], b"Connection: close"), E.EngineError, "malformed event"),
+    ],
+    ids=[
+        "not-http",
+        "bad-status",
+        "bad-chunk-size",
+        "event-not-json",
+        "event-not-object",
+        "negative-length",
+        "cut-short",
+        "400-json",
+        "503-text",
+        "closed-mid-event",
+    ],
+)
+async def test_malformed_answers_end_as_typed_errors(
+    serve: Callable[..., Any], answer: Answer, error: type[E.TokenbusError], match: str
+) -> None:
+    srv, b = await serve(answer, close_after=True)
+    with pytest.raises(error, match=match):
+        await pushed(b)
+    assert b.stats()["running"] == 0
+    # The backend serves the next request on a new connection.
+    srv.answer = lambda _: ok(SSE, b"Content-Length: %d" % len(SSE))
+    assert (await pushed(b))[-1].finish_reason == "stop"
+
+
+async def test_a_silent_upstream_times_out(serve: Callable[..., Any]) -> None:
+    _srv, b = await serve(lambda _: b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+    b.timeout = 0.3
+    with pytest.raises(E.EngineError, match="TimeoutError"):
+        await pushed(b)
+    assert b.stats()["running"] == 0
+
+
+async def test_a_sink_that_stops_aborts_the_upstream(serve: Callable[..., Any]) -> None:
+    # The worker's sink answers True when the output is blocked: the answer is cut there.
+    srv, b = await serve(lambda _: ok(_chunked(SSE), b"Transfer-Encoding: chunked"), split=7)
+    got: list[Delta] = []
+
+    def sink(d: Delta) -> bool:
+        got.append(d)
+        return True
+
+    await b.generate(chat()).push(sink)
+    assert [d.text for d in got] == ["Hi"]
+    assert (await pushed(b))[-1].finish_reason == "stop"
+    assert srv.connections == 2  # the cut connection was not reused
+
+
+async def test_unreachable_and_closed() -> None:
+    http = UpstreamHTTP("http://127.0.0.1:9/v1", {})
+    with pytest.raises(OSError):
+        await http.post("/x", b"{}", {}, Response())
+    with pytest.raises(ValueError, match="not an http"):
+        UpstreamHTTP("ftp://host/v1", {})
+    assert issubclass(UpstreamClosed, ConnectionError)
+
+
+def test_sse_parser_splits_events_anywhere() -> None:
+    got: list[bytes] = []
+    p = SSEParser(got.append)
+    raw = b": comment\r\n\r\ndata: a\r\ndata:b\r\nevent: x\r\n\r\ndata: [DONE]\n\ndata: tail"
+    for i in range(len(raw)):
+        p.feed(raw[i : i + 1])
+    p.close()
+    assert got == [b"a\nb", b"[DONE]", b"tail"]
