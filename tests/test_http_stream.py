@@ -151,8 +151,9 @@ async def test_framings_stream_the_same_deltas_and_reuse_one_connection(
     serve: Callable[..., Any], answer: Answer, split: int
 ) -> None:
     srv, b = await serve(answer, split=split)
+    tp = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
     for _ in range(3):
-        deltas = await pushed(b)
+        deltas = await pushed(b, chat(trace_headers={"traceparent": tp}))
         assert [(d.text, d.finish_reason) for d in deltas] == [
             ("Hi", None),
             (" there", None),
@@ -163,6 +164,8 @@ async def test_framings_stream_the_same_deltas_and_reuse_one_connection(
     request = srv.requests[0]
     assert request.startswith(b"POST /v1/chat/completions HTTP/1.1\r\n")
     assert b"\r\nAuthorization: Bearer sk-up\r\n" in request
+    assert b"\r\nUser-Agent: tokenbus-worker\r\n" in request
+    assert f"\r\ntraceparent: {tp}\r\n".encode() in request  # the upstream continues the trace
     sent = json.loads(request.split(b"\r\n\r\n", 1)[1])
     assert sent["stream"] is True and sent["max_tokens"] == 8
     assert b.stats()["running"] == 0

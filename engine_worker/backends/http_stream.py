@@ -278,7 +278,13 @@ class UpstreamHTTP:
         default_port = self.port == (443 if url.scheme == "https" else 80)
         host = url.hostname if ":" not in url.hostname else f"[{url.hostname}]"
         authority = host if default_port else f"{host}:{self.port}"
-        fixed = {"Host": authority, "Accept": "text/event-stream", **headers}
+        # A User-Agent, as every client library sends one (some fronts refuse requests without).
+        fixed = {
+            "Host": authority,
+            "User-Agent": "tokenbus-worker",
+            "Accept": "text/event-stream",
+            **headers,
+        }
         self._fixed = "".join(f"{k}: {v}\r\n" for k, v in fixed.items()).encode("latin-1")
         self.connect_timeout = connect_timeout
         self._idle: list[_Connection] = []
