@@ -233,8 +233,9 @@ class OpenAIApp(RouteTable):
         client that leaves cancels it, its outcome goes to ``on_request`` and, traced, it is
         the server span every later hop descends from."""
         rid = clean_request_id(header(scope, b"x-request-id"))
-        t_start = time.perf_counter_ns()
         progress = Progress(scope.get(RECEIVED_NS) or time.time_ns())
+        # The duration counts from the first byte (t1), on the monotonic clock from here on.
+        t_start = time.perf_counter_ns() - max(0, time.time_ns() - progress.t1_ns)
         status = 200
         outcome = "ok"
         hdrs = bus_headers(scope)

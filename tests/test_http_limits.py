@@ -220,6 +220,43 @@ def test_a_head_that_trickles_past_the_timeout_gets_408_and_the_connection_close
     assert time.monotonic() - t0 < 4
 
 
+def test_the_request_duration_counts_from_the_first_byte(limits_stack: ProcStack) -> None:
+    # The bridge's request duration (its log line, and the histogram made from the same
+    # record) starts at the request's first byte, like its t1: a head that takes 0.4 s to
+    # arrive is 0.4 s of the request, even though the handler starts only once it is whole.
+    assert_chat_served(limits_stack.base, limits_stack.model)  # a replica is known by now
+    rid = f"slow-head-{time.time_ns()}"
+    body = json.dumps(
+        {
+            "model": limits_stack.model,
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 2,
+        }
+    ).encode()
+    head = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nX-Request-Id: {rid}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+    ).encode()
+    with _connect(limits_stack) as s:
+        _send(s, head[:20])
+        time.sleep(0.4)
+        _send(s, head[20:] + CLOSE + b"\r\n" + body)
+        (resp,) = _parse(_until_closed(s))
+    assert resp[0] == 200, resp
+    for _ in range(50):
+        lines = [
+            json.loads(ln)
+            for ln in limits_stack.bridge.output().splitlines()
+            if ln.startswith("{") and rid in ln
+        ]
+        done = [ln for ln in lines if ln.get("event") == "request"]
+        if done:
+            break
+        time.sleep(0.1)
+    assert done, f"no request line for {rid}"
+    assert done[0]["duration_ms"] >= 400, done[0]
+
+
 def test_a_connection_that_sends_nothing_is_closed_without_an_answer(
     limits_stack: ProcStack,
 ) -> None:

@@ -329,7 +329,7 @@ class UpstreamHTTP:
     def _take(self) -> _Connection | None:
         while self._idle:
             conn = self._idle.pop()
-            if not conn.closed:
+            if not conn.closed and conn.transport is not None and not conn.transport.is_closing():
                 return conn
         return None
 
