@@ -26,7 +26,7 @@ from nats.aio.msg import Msg
 from bus_schemas import codec, frames, marks, subjects
 from bus_schemas import errors as E
 from bus_schemas import headers as H
-from services import tracing
+from services import natsclient, tracing
 
 DEFAULT_TIMEOUT_S = 600.0
 # A stream's replica is presumed dead after this many missed heartbeats.
@@ -868,15 +868,14 @@ class Caller:
         self._beats: dict[str, tuple[float, float]] = {}
         self.on_migration: Callable[[Stream, E.TokenbusError], None] | None = None
         self._epochs: dict[str, tuple[str, int]] = {}  # replica -> (boot, reconnects)
+        self._background: set[asyncio.Task[None]] = set()  # cancels sent from the read loop
 
     async def start(self) -> None:
         """Subscribe the inbox and the heartbeats; call once (``connect`` does it)."""
         if self._sub is None:
-            self._sub = await self.nc.subscribe(
-                f"{self._prefix}.*",
-                cb=self._on_frame,
-                pending_msgs_limit=1_000_000,
-                pending_bytes_limit=512 * 1024 * 1024,
+            # Frames go to their streams from the connection's read loop (no task between).
+            self._sub = await natsclient.subscribe_direct(
+                self.nc, f"{self._prefix}.*", self._on_frame
             )
             if self.heartbeats:
                 self._hb_sub = await self.nc.subscribe(
@@ -1013,7 +1012,7 @@ class Caller:
         with contextlib.suppress(Exception):
             await self.nc.publish(subjects.worker_cancel(replica), codec.encode(body))
 
-    async def _on_frame(self, msg: Msg) -> None:
+    def _on_frame(self, msg: Msg) -> None:
         tok = msg.subject.rpartition(".")[2]
         if tok == subjects.INBOX_BATCH_TOKEN:
             try:
@@ -1023,11 +1022,11 @@ class Caller:
             for item in items if isinstance(items, list) else ():
                 # ``[stream token, frame]``; anything else is no frame of ours.
                 if isinstance(item, list) and len(item) == 2 and isinstance(item[1], bytes):
-                    await self._deliver(str(item[0]), None, item[1])
+                    self._deliver(str(item[0]), None, item[1])
             return
-        await self._deliver(tok, msg.headers, msg.data)
+        self._deliver(tok, msg.headers, msg.data)
 
-    async def _deliver(self, tok: str, hdrs: dict[str, str] | None, data: bytes) -> None:
+    def _deliver(self, tok: str, hdrs: dict[str, str] | None, data: bytes) -> None:
         s = self._streams.get(tok)
         if s is not None:
             s._push(hdrs, data)
@@ -1040,7 +1039,11 @@ class Caller:
                 return
             if frame.get("t") == frames.ACCEPT and frame.get("replica"):
                 del self._tombstones[tok]
-                await self._send_cancel(str(frame["replica"]), tok, tomb[1])
+                task = asyncio.get_running_loop().create_task(
+                    self._send_cancel(str(frame["replica"]), tok, tomb[1])
+                )
+                self._background.add(task)
+                task.add_done_callback(self._background.discard)
 
     def submit(
         self,

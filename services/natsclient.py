@@ -25,10 +25,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
+from collections.abc import Callable
 from typing import Any
 
 from nats import errors
 from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 from nats.js.client import JetStreamContext
 from nats.protocol import parser
 
@@ -103,7 +106,17 @@ def _utf8(raw: bytes) -> bytes:
 
 
 class Client(NATS):
-    """A nats-py client that one malformed message cannot stop."""
+    """A nats-py client that one malformed message cannot stop, with direct subscriptions
+    (:func:`subscribe_direct`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        # Subscription id -> the callback its messages go to from the read loop.
+        self._direct: dict[int, Callable[[Msg], None]] = {}
+
+    def _remove_sub(self, sid: int, max_msgs: int = 0) -> None:
+        self._direct.pop(sid, None)
+        super()._remove_sub(sid, max_msgs)
 
     async def _process_headers(self, headers: bytes) -> dict[str, str] | None:
         try:
@@ -136,9 +149,47 @@ class Client(NATS):
         self, sid: int, subject: bytes, reply: bytes, data: bytes, headers: bytes
     ) -> None:
         try:
-            await super()._process_msg(sid, subject, reply, data, headers)
+            fn = self._direct.get(sid)
+            if fn is None:
+                await super()._process_msg(sid, subject, reply, data, headers)
+                return
+            self.stats["in_msgs"] += 1
+            self.stats["in_bytes"] += len(data)
+            if sid not in self._subs:
+                return
+            hdr = await self._process_headers(headers)
+            msg = self._build_message(sid, subject, reply, data, hdr)
+            if msg:
+                fn(msg)
         except Exception as exc:  # dropped: reading on matters more than this message
             await self._error_cb(exc)
+
+
+async def subscribe_direct(
+    nc: NATS, subject: str, fn: Callable[[Msg], None], *, queue: str = ""
+) -> Subscription:
+    """Subscribe ``fn``, called for each message, in order, from the connection's read loop.
+
+    nats-py hands a subscription's messages to a task of its own through a queue, so each
+    one waits a turn of the event loop before its callback runs; on a busy loop that turn is
+    the time one burst of tokens takes. ``fn`` must not block and must be quick (it creates
+    a task for anything longer); what it raises goes to the connection's error callback. On
+    a connection that is not :class:`Client`, ``fn`` runs from an ordinary subscription."""
+    if isinstance(nc, Client):
+        sub = await nc.subscribe(subject, queue=queue)
+        nc._direct[sub._id] = fn
+        return sub
+
+    async def cb(msg: Msg) -> None:
+        fn(msg)
+
+    return await nc.subscribe(
+        subject,
+        queue=queue,
+        cb=cb,
+        pending_msgs_limit=1_000_000,
+        pending_bytes_limit=512 * 1024 * 1024,
+    )
 
 
 async def connect(servers: str | list[str], **options: Any) -> NATS:

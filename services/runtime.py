@@ -402,21 +402,19 @@ class Service:
         stats = EndpointStats(name=name, subject=subject, queue_group=queue)
         self.discovery.endpoints.append(stats)
 
-        async def cb(msg: Msg) -> None:
-            if not self._accepting:
-                await self.reply_error(msg, self.interrupted_error())
-                return
-            task = asyncio.get_running_loop().create_task(self._run(handler, msg, stats))
+        def cb(msg: Msg) -> None:
+            # From the connection's read loop (a direct subscription): the request's task
+            # starts on the loop's next turn, not one turn later.
+            work = (
+                self._run(handler, msg, stats)
+                if self._accepting
+                else self.reply_error(msg, self.interrupted_error())
+            )
+            task = asyncio.get_running_loop().create_task(work)
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
-        sub = await self.nc.subscribe(
-            subject,
-            queue=queue or "",
-            cb=cb,
-            pending_msgs_limit=1_000_000,
-            pending_bytes_limit=512 * 1024 * 1024,
-        )
+        sub = await natsclient.subscribe_direct(self.nc, subject, cb, queue=queue or "")
         self._subs.append(sub)
 
     async def _run(self, handler: Handler, msg: Msg, stats: EndpointStats) -> None:

@@ -63,3 +63,61 @@ async def _ended(task: asyncio.Task[object]) -> bool:
     """Whether ``task`` ends within a second (stopping the watch cancels it)."""
     done, _ = await asyncio.wait({task}, timeout=1)
     return bool(done)
+
+
+async def test_a_direct_subscription_runs_in_the_read_loop_in_order_and_survives_errors(
+    nats_server: NatsServer,
+) -> None:
+    """subscribe_direct calls back from the connection's read loop (no task of its own), in
+    order, with headers and a working reply; a callback that raises is reported to the
+    error callback and the next message still arrives; unsubscribed, nothing more comes."""
+    errors: list[Exception] = []
+
+    async def on_error(exc: Exception) -> None:
+        errors.append(exc)
+
+    nc: Any = await natsclient.connect(nats_server.url, error_cb=on_error)
+    pub = await natsclient.connect(nats_server.url)
+    try:
+        got: list[tuple[bytes, Any, bool]] = []
+        arrived = asyncio.Event()
+
+        def fn(msg: Any) -> None:
+            if msg.data == b"boom":
+                raise ValueError("a callback's own failure")
+            got.append((msg.data, msg.headers, asyncio.current_task() is nc._reading_task))
+            if msg.data == b"last":
+                arrived.set()
+
+        subject = f"direct.{uuid.uuid4().hex[:8]}"
+        sub = await natsclient.subscribe_direct(nc, subject, fn)
+        await nc.flush()
+        for i in range(50):
+            await pub.publish(subject, str(i).encode(), headers={"K": "v"} if i == 7 else None)
+        await pub.publish(subject, b"boom")
+        await pub.publish(subject, b"last")
+        await asyncio.wait_for(arrived.wait(), 5)
+        assert [d for d, _, _ in got] == [str(i).encode() for i in range(50)] + [b"last"]
+        assert got[7][1] == {"K": "v"} and got[6][1] is None
+        assert all(direct for _, _, direct in got)  # called from the read loop itself
+        assert any("a callback's own failure" in str(e) for e in errors)
+        assert nc.is_connected
+
+        # A request answered from a direct subscription: msg.respond works.
+        def answer(msg: Any) -> None:
+            asyncio.get_running_loop().create_task(msg.respond(b"pong:" + msg.data))
+
+        await natsclient.subscribe_direct(nc, subject + ".rpc", answer, queue="q")
+        reply = await pub.request(subject + ".rpc", b"ping", timeout=5)
+        assert reply.data == b"pong:ping"
+
+        await sub.unsubscribe()
+        await pub.publish(subject, b"after")
+        await pub.flush()
+        await nc.flush()
+        await asyncio.sleep(0.1)
+        assert got[-1][0] == b"last"
+        assert sub._id not in nc._direct
+    finally:
+        await pub.close()
+        await nc.close()
