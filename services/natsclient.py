@@ -18,6 +18,10 @@ Going out, the server closes the connection of a client that sends a command lin
 than 4 KiB (a subject taken from a message: a reply inbox, a replica's name) or headers and
 payload together over ``max_payload`` (nats-py checks the payload alone). Such a publish is
 refused here with nats-py's own error instead, before it is written.
+
+Hot subscriptions (service endpoints, a caller's inbox) can skip nats-py's queue and task
+per subscription: :func:`subscribe_direct` calls back from the connection's read loop, one
+event-loop turn sooner per hop.
 """
 
 from __future__ import annotations
