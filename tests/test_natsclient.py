@@ -82,7 +82,12 @@ async def test_a_direct_subscription_runs_in_the_read_loop_in_order_and_survives
         got: list[tuple[bytes, Any, bool]] = []
         arrived = asyncio.Event()
 
+        probes: list[bytes] = []
+
         def fn(msg: Any) -> None:
+            if msg.data == b"probe":
+                probes.append(msg.data)
+                return
             if msg.data == b"boom":
                 raise ValueError("a callback's own failure")
             got.append((msg.data, msg.headers, asyncio.current_task() is nc._reading_task))
@@ -92,6 +97,14 @@ async def test_a_direct_subscription_runs_in_the_read_loop_in_order_and_survives
         subject = f"direct.{uuid.uuid4().hex[:8]}"
         sub = await natsclient.subscribe_direct(nc, subject, fn)
         await nc.flush()
+        # The server routes to the new subscription (a probe round trip) before the run.
+        for _ in range(50):
+            await pub.publish(subject, b"probe")
+            await pub.flush()
+            await asyncio.sleep(0.05)
+            if probes:
+                break
+        assert probes
         for i in range(50):
             await pub.publish(subject, str(i).encode(), headers={"K": "v"} if i == 7 else None)
         await pub.publish(subject, b"boom")
@@ -107,9 +120,18 @@ async def test_a_direct_subscription_runs_in_the_read_loop_in_order_and_survives
         def answer(msg: Any) -> None:
             asyncio.get_running_loop().create_task(msg.respond(b"pong:" + msg.data))
 
+        replies: asyncio.Queue[bytes] = asyncio.Queue()
+
+        async def on_reply(msg: Any) -> None:
+            await replies.put(msg.data)
+
+        inbox = pub.new_inbox()
+        await pub.subscribe(inbox, cb=on_reply)
         await natsclient.subscribe_direct(nc, subject + ".rpc", answer, queue="q")
-        reply = await pub.request(subject + ".rpc", b"ping", timeout=5)
-        assert reply.data == b"pong:ping"
+        await nc.flush()  # the server has both subscriptions before the message
+        await pub.flush()
+        await pub.publish(subject + ".rpc", b"ping", reply=inbox)
+        assert await asyncio.wait_for(replies.get(), 5) == b"pong:ping"
 
         await sub.unsubscribe()
         await pub.publish(subject, b"after")
