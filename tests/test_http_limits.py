@@ -171,6 +171,24 @@ def _get(path: str = "/health", *extra: bytes) -> bytes:
 CLOSE = b"Connection: close\r\n"
 
 
+def _chat_post(stack: ProcStack, max_tokens: int, extra: bytes = b"") -> bytes:
+    """A whole chat completion request (head lines ``extra`` added) for ``stack``'s model."""
+    body = json.dumps(
+        {
+            "model": stack.model,
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": max_tokens,
+        }
+    ).encode()
+    return (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {len(body)}\r\n".encode()
+        + extra
+        + b"\r\n"
+        + body
+    )
+
+
 def _serves(stack: ProcStack) -> None:
     with _connect(stack) as s:
         s.sendall(_get("/health", CLOSE))
@@ -226,21 +244,11 @@ def test_the_request_duration_counts_from_the_first_byte(limits_stack: ProcStack
     # arrive is 0.4 s of the request, even though the handler starts only once it is whole.
     assert_chat_served(limits_stack.base, limits_stack.model)  # a replica is known by now
     rid = f"slow-head-{time.time_ns()}"
-    body = json.dumps(
-        {
-            "model": limits_stack.model,
-            "messages": [{"role": "user", "content": "hi"}],
-            "max_tokens": 2,
-        }
-    ).encode()
-    head = (
-        f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nX-Request-Id: {rid}\r\n"
-        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
-    ).encode()
+    post = _chat_post(limits_stack, 2, f"X-Request-Id: {rid}\r\n".encode() + CLOSE)
     with _connect(limits_stack) as s:
-        _send(s, head[:20])
+        _send(s, post[:20])
         time.sleep(0.4)
-        _send(s, head[20:] + CLOSE + b"\r\n" + body)
+        _send(s, post[20:])
         (resp,) = _parse(_until_closed(s))
     assert resp[0] == 200, resp
     for _ in range(50):
@@ -269,18 +277,7 @@ def test_the_head_timeout_does_not_cut_a_long_answer_on_a_kept_alive_connection(
 ) -> None:
     # A generation longer than the head timeout, then a second request on the same
     # connection: the head timer runs only while a head is arriving.
-    body = json.dumps(
-        {
-            "model": limits_stack.model,
-            "messages": [{"role": "user", "content": "hi"}],
-            "max_tokens": 1500,
-        }
-    ).encode()
-    post = (
-        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-        + f"Content-Length: {len(body)}\r\n\r\n".encode()
-        + body
-    )
+    post = _chat_post(limits_stack, 1500)
     with _connect(limits_stack) as s:
         s.settimeout(30)
         t0 = time.monotonic()
