@@ -179,11 +179,11 @@ class HTTPLimits:
     max_connections: int = 0
 
 
-# Refusals of the HTTP layer itself, by error code ("idle": a connection closed that sent
-# nothing within the head timeout). Counted, not logged: a hostile client would fill the log.
 # The scope key holding when the request's first byte was parsed (epoch ns): its t1.
 RECEIVED_NS = "tokenbus.received_ns"
 
+# Refusals of the HTTP layer itself, by error code ("idle": a connection closed that sent
+# nothing within the head timeout). Counted, not logged: a hostile client would fill the log.
 REFUSED = Counter(
     "tokenbus_bridge_http_refused_total",
     "Requests and connections the bridge's HTTP layer refused or closed",

@@ -57,7 +57,6 @@ class _Connection(asyncio.Protocol):
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
         self.closed = False
-        self.used = False  # has served a request (a stale reuse is retried once)
         self.reusable = False
         self._r: Response | None = None
         self._done: asyncio.Future[None] | None = None
@@ -104,7 +103,6 @@ class _Connection(asyncio.Protocol):
         self._mode = ""
         self.got_bytes = False
         self.reusable = False
-        self.used = True
         self.transport.write(request)
         return self._done
 
@@ -305,20 +303,17 @@ class UpstreamHTTP:
         request = self.request_bytes(path, body, headers)
         conn = self._take()
         if conn is not None:
-            done = conn.start(request, r)
             try:
-                await done
+                await self._exchange(conn, request, r)
+                return
             except UpstreamClosed:
                 if conn.got_bytes:
                     raise
                 # A kept connection the upstream had closed meanwhile: once more, on a new one.
-            except BaseException:
-                conn.abort()
-                raise
-            else:
-                self._put(conn)
-                return
-        conn = await self._connect()
+        await self._exchange(await self._connect(), request, r)
+
+    async def _exchange(self, conn: _Connection, request: bytes, r: Response) -> None:
+        """One request and its whole answer on ``conn``, kept for reuse after if it can be."""
         try:
             await conn.start(request, r)
         except BaseException:
