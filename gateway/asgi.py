@@ -182,6 +182,37 @@ class HTTPLimits:
 # The scope key holding when the request's first byte was parsed (epoch ns): its t1.
 RECEIVED_NS = "tokenbus.received_ns"
 
+# The scope key holding the request's :class:`BodyNow` (on the bridge's own HTTP server).
+BODY_NOW = "tokenbus.body_now"
+
+
+class BodyNow:
+    """Writes a piece of a started chunked response body at once, from a plain callback:
+    what the ASGI ``send`` of ``http.response.body`` with ``more_body`` does, without its
+    coroutine. Returns False, writing nothing, whenever ``send`` would have to wait or do
+    more (the client reads slowly, is gone, the response is not a chunked one in progress):
+    the caller then uses ``send``."""
+
+    __slots__ = ("_cycle",)
+
+    def __init__(self, cycle: Any) -> None:
+        self._cycle = cycle  # uvicorn's RequestResponseCycle of the request
+
+    def __call__(self, body: bytes) -> bool:
+        c = self._cycle
+        if (
+            c.flow.write_paused
+            or c.disconnected
+            or not c.chunked_encoding
+            or not c.response_started
+            or c.response_complete
+            or not body
+        ):
+            return False
+        c.transport.write(b"%x\r\n%b\r\n" % (len(body), body))
+        return True
+
+
 # Refusals of the HTTP layer itself, by error code ("idle": a connection closed that sent
 # nothing within the head timeout). Counted, not logged: a hostile client would fill the log.
 REFUSED = Counter(
@@ -332,6 +363,9 @@ class _Protocol(HttpToolsProtocol):
         if self._refusal is not None:
             raise _Refused(self._refusal)
         super().on_headers_complete()
+        cycle = self.cycle
+        if cycle is not None and cycle.scope is self.scope:
+            self.scope[BODY_NOW] = BodyNow(cycle)  # type: ignore[literal-required]
 
     def on_message_complete(self) -> None:
         super().on_message_complete()

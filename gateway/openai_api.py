@@ -29,8 +29,10 @@ from bus_schemas import headers as H
 from bus_schemas.subjects import KIND_CHAT, KIND_COMPLETIONS, KIND_EMBEDDINGS
 from gateway import validation
 from gateway.asgi import (
+    BODY_NOW,
     JSON_HEADERS,
     RECEIVED_NS,
+    BodyNow,
     Headers,
     Receive,
     RouteTable,
@@ -64,6 +66,10 @@ class StreamLike(Protocol):
     async def __anext__(self) -> Chunk: ...
 
     def pending(self) -> int: ...
+
+    def push_to(self, sink: Callable[[str], bool] | None) -> None:
+        """Hand plain text chunks to ``sink`` as they arrive while the consumer waits (see
+        :meth:`services.caller.Stream.push_to`); a stream may also never call it."""
 
     async def aclose(self) -> None: ...
 
@@ -216,7 +222,7 @@ class OpenAIApp(RouteTable):
         if call.kind == KIND_EMBEDDINGS:
             await write_embeddings(send, req, stream, call.rid, call.progress)
         elif req.stream:
-            await write_sse(send, call.kind, req, stream, call.rid, call.progress)
+            await write_sse(send, call.kind, req, stream, call.rid, call.progress, call.now)
         else:
             await write_whole(send, call.kind, req, stream, call.rid, call.progress)
 
@@ -243,7 +249,7 @@ class OpenAIApp(RouteTable):
         # the parent of every hop after it; current in this task, so logs carry its ids.
         span = _http_span(scope, kind, rid, hdrs) if tracing.on() else None
         token = tracing.activate(span)
-        call = Call(kind, rid, hdrs, progress, span, receive)
+        call = Call(kind, rid, hdrs, progress, span, receive, scope.get(BODY_NOW))
         try:
             call.body = await read_body(scope, receive, self.max_body, self.body_timeout)
             await serve(call, send)
@@ -287,6 +293,7 @@ class Call:
     progress: Progress
     span: Any
     receive: Receive
+    now: BodyNow | None  # writes body pieces without ``send`` (the bridge's own server)
     body: Any = None
     stream: StreamLike | None = None
     watcher: asyncio.Task[None] | None = None
@@ -636,9 +643,12 @@ async def write_sse(
     stream: StreamLike,
     rid: str,
     progress: Progress,
+    now: BodyNow | None = None,
 ) -> None:
     """The answer as server-sent events: headers once the first token (or the end) is
-    here, the tokens, the closing event, the usage event when asked for, then ``[DONE]``."""
+    here, the tokens, the closing event, the usage event when asked for, then ``[DONE]``.
+    With ``now``, plain tokens after the first are written from the stream's own delivery
+    (``push_to``), without a turn of this task per token."""
     # Wait for the first frame before sending headers, so errors that happen before
     # generation (unknown model, no replica) still get their own HTTP status.
     first = await first_chunk(stream)
@@ -655,7 +665,7 @@ async def write_sse(
     buf: list[str] = [frames.opening] if frames.opening else []
     try:
         if first is not None:
-            await _send_tokens(send, stream, first, frames, chat, buf, progress)
+            await _send_tokens(send, stream, first, frames, chat, buf, progress, now)
         buf.append(frames.closing % json.dumps(stream.finish_reason or "stop"))
         if req.include_usage:
             buf.append(frames.usage % json.dumps(_usage(stream)))
@@ -710,6 +720,7 @@ async def _send_tokens(
     chat: bool,
     buf: list[str],
     progress: Progress,
+    now: BodyNow | None,
 ) -> None:
     """Every token as an SSE event: the first at once (after what ``buf`` holds), the rest
     as they come. Leaves ``buf`` holding what is not sent yet (nothing, unless the stream
@@ -722,6 +733,27 @@ async def _send_tokens(
     progress.t5_ns = time.time_ns()
     progress.streamed = True
     buf.clear()
+    if now is None:
+        await _send_rest(send, stream, frames, chat, buf)
+        return
+
+    def sink(text: str) -> bool:
+        return now((piece % dumps(text)).encode())
+
+    stream.push_to(sink)
+    try:
+        await _send_rest(send, stream, frames, chat, buf)
+    finally:
+        stream.push_to(None)
+
+
+async def _send_rest(
+    send: Send, stream: StreamLike, frames: SSEFrames, chat: bool, buf: list[str]
+) -> None:
+    """The tokens after the first, each as it comes, those already here in one write."""
+    dumps = json.dumps
+    body = "http.response.body"
+    piece = frames.piece
     async for c in stream:
         buf.append(side_event(frames, chat, c) if c.has_side else piece % dumps(c.text))
         # The consumer (this writer) is behind: coalesce what is already here into one

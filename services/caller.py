@@ -26,6 +26,7 @@ from nats.aio.msg import Msg
 from bus_schemas import codec, frames, marks, subjects
 from bus_schemas import errors as E
 from bus_schemas import headers as H
+from services import logging as tlog
 from services import natsclient, tracing
 
 DEFAULT_TIMEOUT_S = 600.0
@@ -46,6 +47,7 @@ ACCEPT_TIMEOUT_S = 5.0
 MAX_RESENDS = 8
 # A frame only the client's own watchdog pushes: the current attempt was never accepted.
 _RETRY = "_retry"
+log = tlog.get("caller")
 _RETRY_FRAME = codec.encode({"t": _RETRY})
 # Errors that are about the replica, not the request: another replica can continue.
 MIGRATABLE = frozenset({E.ReplicaLost.code, E.ReplicaDraining.code, E.EngineError.code})
@@ -344,6 +346,8 @@ class Stream:
         # matters at tens of thousands of frames a second per bridge process.
         self._frames: deque[tuple[dict[str, str] | None, bytes]] = deque()
         self._waiter: asyncio.Future[None] | None = None
+        self._sink: Callable[[str], bool] | None = None  # see push_to
+        self._held: list[bytes] = []  # frames for the sink after this loop turn's wake-ups
         self._timer: asyncio.TimerHandle | None = None
         self._timed_out = False
         self._started = False
@@ -551,12 +555,79 @@ class Stream:
         """Frames already received and not yet consumed (a consumer behind may coalesce)."""
         return len(self._frames)
 
+    def push_to(self, sink: Callable[[str], bool] | None) -> None:
+        """While set, a plain text chunk (the next in order, after the first token) that
+        arrives while the consumer waits for the next chunk goes to ``sink(text)`` instead
+        of waking the consumer: one callback for all such chunks of a read from NATS, not an
+        event-loop turn per token. The sink runs after the turn's wake-ups (so a first
+        token, which takes its consumer's turn, goes out before the plain tokens that came
+        with it). ``sink`` returns False when it cannot take the text now (a client that
+        reads slowly); that frame and the rest then queue for the consumer as usual, as
+        does everything else (side output, the end, errors, a gap), in order."""
+        self._sink = sink
+        if sink is None and self._held:
+            self._requeue()
+
     def _push(self, hdrs: dict[str, str] | None, data: bytes) -> None:
-        self._frames.append((hdrs, data))
         self._pushed += 1
+        # For the sink only while the consumer waits with nothing queued: whatever it took
+        # is written, so the text goes out in order.
+        if self._sink is not None and self._waiter is not None and not self._frames and data:
+            if not self._held:
+                self._client._hold(self)
+            self._held.append(data)
+            return
+        if self._held:
+            self._requeue()
+        self._frames.append((hdrs, data))
+        self._wake()
+
+    def _wake(self) -> None:
         w = self._waiter
         if w is not None and not w.done():
             w.set_result(None)
+
+    def _requeue(self) -> None:
+        """The held frames, in order, to the consumer (ahead of anything after them)."""
+        self._frames.extend((None, d) for d in self._held)
+        self._held = []
+        self._wake()
+
+    def _release(self) -> None:
+        """The held frames to the sink; the first it cannot take, and the rest, queue."""
+        held, sink = self._held, self._sink
+        if self._done or sink is None:
+            self._held = []
+            return
+        while held:
+            if not self._take(held[0], sink):
+                self._requeue()
+                return
+            del held[0]
+
+    def _take(self, data: bytes, sink: Callable[[str], bool]) -> bool:
+        """Whether ``data`` is the next plain text chunk and ``sink`` took its text; the
+        stream then counts it as :meth:`__anext__` would have."""
+        try:
+            frame = frames.decode(data)
+        except E.TokenbusError:
+            return False
+        if (
+            frame.get("t") != frames.CHUNK
+            or len(frame) > 4
+            or not self.t_first_ns
+            or _bad_field(frame) is not None
+        ):
+            return False
+        text, n = frame["d"], int(frame.get("n", 1))
+        if int(frame.get("i", 0)) != self._next_index or not sink(text):
+            return False
+        self._next_index += 1
+        self._got.append(text)
+        self._got_tokens += n
+        if self._echo:
+            self._no_resume = True
+        return True
 
     def _on_deadline(self) -> None:
         self._timed_out = True
@@ -861,6 +932,7 @@ class Caller:
         # watch (an idle process wakes for nothing).
         self._watching = asyncio.Event()
         self._tombstones: OrderedDict[str, tuple[float, str]] = OrderedDict()
+        self._holding: list[Stream] = []  # streams with frames held for their sinks
         self._sub: Any = None
         self._hb_sub: Any = None
         self._watchdog: asyncio.Task[None] | None = None
@@ -1011,6 +1083,25 @@ class Caller:
         body = {"type": "cancel", "request_id": request_id, "reply": self.inbox_for(token)}
         with contextlib.suppress(Exception):
             await self.nc.publish(subjects.worker_cancel(replica), codec.encode(body))
+
+    def _hold(self, s: Stream) -> None:
+        """``s`` holds frames for its sink: released two loop turns on, after the consumers
+        this read from NATS woke (see :meth:`Stream.push_to`)."""
+        if not self._holding:
+            asyncio.get_running_loop().call_soon(self._release_next_turn)
+        self._holding.append(s)
+
+    def _release_next_turn(self) -> None:
+        asyncio.get_running_loop().call_soon(self._release_held)
+
+    def _release_held(self) -> None:
+        streams, self._holding = self._holding, []
+        for s in streams:
+            try:
+                s._release()
+            except Exception:
+                log.exception("stream_sink_failed", request_id=s.request_id)
+                s._requeue()
 
     def _on_frame(self, msg: Msg) -> None:
         tok = msg.subject.rpartition(".")[2]

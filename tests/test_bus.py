@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from nats.aio.client import Client as NATS
 
-from bus_schemas import codec, subjects
+from bus_schemas import codec, frames, subjects
 from bus_schemas import errors as E
 from engine_worker.backends.sim import expected_text
 from services.caller import ACCEPT_TIMEOUT_S
@@ -426,3 +426,94 @@ async def test_no_request_outlives_the_ingress_limit_whatever_deadline_the_clien
         # Ended at the ingress' limit (1 s), not the client's hour; the engine work with it.
         assert time.monotonic() - t0 < 5
         await wait_for(lambda: svcs["workers"][0].in_flight == 0, timeout=5)
+
+
+async def test_a_sink_takes_plain_chunks_in_order_and_the_stream_still_resumes(
+    client: Client, nc: NATS
+) -> None:
+    """``Stream.push_to`` (the bridge's SSE writer): plain text chunks that arrive while the
+    consumer waits go to the sink; one the sink refuses, side output, a gap and the end go
+    to the consumer, in order. A migration after sink-taken text resumes after all of it."""
+    sent: asyncio.Queue[tuple[dict[str, Any], str]] = asyncio.Queue()
+
+    async def sender(data: bytes, hdrs: dict[str, str], reply: str) -> str:
+        sent.put_nowait((codec.decode_map(data), reply))
+        return "r-test"
+
+    stream = client.submit("chat", {"model": "m", "messages": MSG}, sender=sender, timeout=20)
+    first = asyncio.ensure_future(anext(stream))
+    _, reply = await sent.get()
+    await nc.publish(reply, frames.accept("r-test", stream.request_id, 5.0))
+    await nc.publish(reply, frames.chunk("a", 1, 0))
+    assert (await first).text == "a"
+
+    sunk: list[str] = []
+    stream.push_to(lambda text: text != "slow" and not sunk.append(text))
+    received: list[str] = []
+
+    async def consume() -> None:
+        async for c in stream:
+            received.append(c.text)
+
+    consumer = asyncio.ensure_future(consume())
+
+    async def deliver(frame: bytes, to: str, seen: int) -> None:
+        await nc.publish(to, frame)
+        await wait_for(lambda: len(sunk) + len(received) == seen, timeout=10)
+
+    await deliver(frames.chunk("b", 1, 1), reply, 1)
+    await deliver(frames.chunk("c", 2, 2), reply, 2)
+    await deliver(frames.chunk("slow", 1, 3), reply, 3)  # refused by the sink
+    await deliver(frames.chunk("d", 1, 4), reply, 4)
+    await deliver(frames.chunk("e", 1, 5, {"lp": {"content": []}}), reply, 5)  # side output
+    assert sunk == ["b", "c", "d"] and received == ["slow", "e"]
+
+    # Frame 7 without 6: lost frames, so the stream moves to another replica and resumes
+    # after everything delivered so far, the sink's text included.
+    await nc.publish(reply, frames.chunk("x", 1, 7))
+    body, reply2 = await asyncio.wait_for(sent.get(), 10)
+    assert body["resume"] == {"text": "abcslowde", "tokens": 7}
+    # (The sender named the replica: that attempt is accepted, and the consumer waits.)
+    await deliver(frames.chunk("f", 1, 0), reply2, 6)
+    await nc.publish(reply2, frames.final("stop", 3, 2, {}))
+    await asyncio.wait_for(consumer, 10)
+    assert sunk == ["b", "c", "d", "f"] and received == ["slow", "e"]
+    assert stream.finish_reason == "stop"
+    assert stream.usage is not None and stream.usage.completion_tokens == 2 + 7
+
+
+async def test_a_first_token_goes_out_before_the_plain_tokens_read_with_it(
+    client: Client, nc: NATS
+) -> None:
+    """Held plain chunks reach their sinks after the consumers their read woke have run: a
+    first token that came in the same batch is taken first."""
+    sent: asyncio.Queue[str] = asyncio.Queue()
+
+    async def sender(data: bytes, hdrs: dict[str, str], reply: str) -> str:
+        sent.put_nowait(reply)
+        return "r-test"
+
+    a = client.submit("chat", {"model": "m", "messages": MSG}, sender=sender, timeout=20)
+    b = client.submit("chat", {"model": "m", "messages": MSG}, sender=sender, timeout=20)
+    a_first = asyncio.ensure_future(anext(a))
+    reply_a = await sent.get()
+    await nc.publish(reply_a, frames.chunk("a0", 1, 0))
+    assert (await a_first).text == "a0"
+    order: list[str] = []
+    a.push_to(lambda text: not order.append(text))
+    a_rest = asyncio.ensure_future(anext(a))  # waits; its plain chunks go to the sink
+
+    async def take_b() -> None:  # as the bridge's writer does: in the consumer's own turn
+        order.append((await anext(b)).text)
+
+    b_first = asyncio.ensure_future(take_b())
+    await sent.get()
+    prefix = reply_a.rpartition(".")[0]
+    items = [(a.token, frames.chunk("a1", 1, 1)), (b.token, frames.chunk("b0", 1, 0))]
+    await nc.publish(subjects.inbox_batch(prefix), frames.batch(items))
+    await wait_for(lambda: len(order) == 2, timeout=10)
+    assert order == ["b0", "a1"]
+    await b_first
+    a_rest.cancel()
+    await a.aclose()
+    await b.aclose()

@@ -7,6 +7,7 @@ never holds a connection open, and leaves the bridge serving.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -22,7 +23,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gateway.asgi import HTTPServer, Receive, RouteTable, Scope, Send
+from gateway.asgi import BODY_NOW, HTTPServer, Receive, RouteTable, Scope, Send
 from tests.conftest import (
     NatsServer,
     Procs,
@@ -119,13 +120,14 @@ def _parse(data: bytes) -> list[Response]:
 
 
 def _dechunk(data: bytes) -> tuple[bytes, bytes]:
-    body = b""
+    parts, at = [], 0
     while True:
-        size_line, _, data = data.partition(b"\r\n")
-        n = int(size_line, 16)
-        body, data = body + data[:n], data[n + 2 :]
+        end = data.index(b"\r\n", at)
+        n = int(data[at:end], 16)
+        parts.append(data[end + 2 : end + 2 + n])
+        at = end + 2 + n + 2
         if n == 0:
-            return body, data
+            return b"".join(parts), data[at:]
 
 
 def _read_one(s: socket.socket) -> Response:
@@ -288,6 +290,66 @@ def test_the_head_timeout_does_not_cut_a_long_answer_on_a_kept_alive_connection(
         time.sleep(0.3)
         s.sendall(_get("/health"))
         assert _read_one(s)[0] == 200
+
+
+async def test_body_now_writes_at_once_until_the_client_falls_behind() -> None:
+    """``BodyNow`` (how the bridge writes most tokens, from the stream's delivery callback)
+    writes a chunked body's pieces at once, refuses while the client reads too slowly
+    (``send`` then waits for the socket), and refuses outside a chunked body in progress.
+    A client that reads nothing for a while gets every piece, in order."""
+    # 8 MB: more than the kernel holds for a client that does not read (tcp_wmem's 4 MB
+    # at most on the sending side, the receive buffer's 128 kB until the client reads).
+    pieces = [b"%07d|" % i * 16 for i in range(64_000)]
+    seen: dict[str, Any] = {}
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        now = scope[BODY_NOW]
+        seen["before_start"] = now(b"x")
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        seen["empty"] = now(b"")
+        refused = 0
+        for p in pieces:
+            if not now(p):
+                refused += 1
+                await send({"type": "http.response.body", "body": p, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        seen["refused"], seen["after_end"] = refused, now(b"x")
+
+    async def fixed(scope: Scope, receive: Receive, send: Send) -> None:
+        now = scope[BODY_NOW]
+        headers = [(b"content-length", b"2")]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        seen["fixed"] = now(b"x")
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    srv = HTTPServer(
+        RouteTable({("GET", "/big"): app, ("GET", "/fixed"): fixed}),
+        "127.0.0.1",
+        0,
+        reuse_port=False,
+        shutdown_timeout=1,
+    )
+    await srv.start()
+    port = srv.sock.getsockname()[1]
+
+    def read(path: str) -> Response:
+        with socket.socket() as s:
+            s.settimeout(HANG_S)
+            s.connect(("127.0.0.1", port))
+            s.sendall(_get(path, CLOSE))
+            time.sleep(1.0)  # nothing read meanwhile
+            (resp,) = _parse(_until_closed(s))
+            return resp
+
+    try:
+        status, _, body = await asyncio.to_thread(read, "/big")
+        fixed_resp = await asyncio.to_thread(read, "/fixed")
+    finally:
+        await srv.stop()
+    assert status == 200 and body == b"".join(pieces)
+    assert fixed_resp[0] == 200 and fixed_resp[2] == b"ok"
+    assert 0 < seen["refused"] < len(pieces)  # at once at first, then through send
+    assert seen["before_start"] is seen["empty"] is seen["after_end"] is seen["fixed"] is False
 
 
 # -- a body answered before it all came ------------------------------------------------------

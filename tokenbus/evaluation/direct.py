@@ -6,7 +6,7 @@ engine, so "through tokenbus" and "straight to the engine" differ only by the bu
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from bus_schemas.subjects import KIND_EMBEDDINGS
@@ -78,6 +78,9 @@ class DirectStream:
 
     def pending(self) -> int:
         return 0
+
+    def push_to(self, sink: Callable[[str], bool] | None) -> None:
+        """Nothing to hand over: chunks come from the backend in the consumer's own task."""
 
     async def aclose(self) -> None:
         await self._gen.aclose()  # type: ignore[attr-defined]
