@@ -118,6 +118,64 @@ async def test_many_sequences_share_steps() -> None:
     assert e.steps < 60
 
 
+async def pushed(engine: SimEngine, r: GenerationRequest, stop_after: int = 0) -> list[Any]:
+    """The deltas a pushing stream hands its sink (``stop_after``: the sink ends it then)."""
+    got: list[Any] = []
+
+    def sink(d: Any) -> bool:
+        got.append(d)
+        return bool(stop_after) and len(got) >= stop_after
+
+    stream = engine.generate(r)
+    assert isinstance(stream, SimStream)
+    await stream.push(sink)
+    return got
+
+
+async def test_a_pushing_stream_gives_what_iteration_gives_one_token_at_a_time() -> None:
+    """``push`` (the worker's path: deltas from the engine's step, no task per token):
+    the same text, finish and usage as iterating, while a stop sequence ends a stream in
+    the middle of a step whose other sequences still get every token."""
+    e = SimEngine(fast())
+    full, _ = expected_text("hello", 20)
+    stop = " " + full.split(" ")[5]
+    plain, stopped, *others = await asyncio.gather(
+        pushed(e, req("hello", 20)),
+        pushed(e, req("hello", 20, stop=[stop])),
+        *(pushed(e, req(f"p{i}", 12)) for i in range(5)),
+    )
+    assert "".join(d.text for d in plain) == full
+    assert [d.tokens for d in plain[:-1]] == [1] * 20 and plain[-1].tokens == 0
+    assert plain[-1].finish_reason == "length" and plain[-1].completion_tokens == 20
+    assert all(d.finish_reason is None for d in plain[:-1])
+    assert stopped[-1].finish_reason == "stop"
+    assert "".join(d.text for d in stopped) == full[: full.find(stop)]
+    for i, got in enumerate(others):
+        assert "".join(d.text for d in got) == expected_text(f"p{i}", 12)[0]
+    await asyncio.sleep(0)
+    assert e.stats() == {"running": 0, "waiting": 0, "kv_usage": 0.0}
+
+
+async def test_a_sink_that_ends_or_fails_stops_only_its_own_sequence() -> None:
+    e = SimEngine(fast())
+    other = asyncio.ensure_future(collect(e, req("other", 30)))
+    got = await pushed(e, req("p", 10_000), stop_after=3)
+    assert len(got) == 3
+    await asyncio.sleep(0)
+    assert e.stats()["running"] == 1  # the other one
+
+    def broken(d: Any) -> bool:
+        raise RuntimeError("a sink bug")
+
+    stream = e.generate(req("q", 10_000))
+    assert isinstance(stream, SimStream)
+    with pytest.raises(RuntimeError, match="a sink bug"):
+        await stream.push(broken)
+    assert (await other)[0] == expected_text("other", 30)[0]
+    await asyncio.sleep(0)
+    assert e.stats()["running"] == 0
+
+
 # -- outputs beside plain text: tool calls, structured output, logprobs, embeddings ---------
 
 import json  # noqa: E402

@@ -221,6 +221,7 @@ class _Seq:
         "cancelled",
         "done",
         "emitted",
+        "listener",
         "max_tokens",
         "prompt_tokens",
         "ready_at",
@@ -243,8 +244,13 @@ class _Seq:
         self.ready_at = 0.0
         self.done = False
         self.cancelled = False
+        # Set while a stream pushes (SimStream.push): each token goes to it from the step.
+        self.listener: Callable[[str], None] | None = None
 
     def push(self, text: str) -> None:
+        if self.listener is not None:
+            self.listener(text)
+            return
         self.buf.append(text)
         w = self.waiter
         if w is not None and not w.done():
@@ -275,6 +281,7 @@ class SimEngine:
         self._timer_at = 0.0
         self._next_decode = 0.0
         self.steps = 0
+        self._ticking = False  # in a step, whose lists a cancel must not change
 
     # -- cost model -------------------------------------------------------------------------
     def prefill_s(self, prompt_tokens: int) -> float:
@@ -324,12 +331,20 @@ class SimEngine:
             s.done = True
             return
         toks = s.toks
-        s.push(token_text(s.start, s.emitted) if toks is None else toks[s.emitted])
+        text = token_text(s.start, s.emitted) if toks is None else toks[s.emitted]
         s.emitted += 1
         if s.emitted >= s.max_tokens:
             s.done = True
+        s.push(text)
 
     def _tick(self) -> None:
+        self._ticking = True
+        try:
+            self._step()
+        finally:
+            self._ticking = False
+
+    def _step(self) -> None:
         self._timer = None
         now = time.monotonic()
         if self.running and now >= self._next_decode - 1e-4:
@@ -358,6 +373,14 @@ class SimEngine:
     def cancel(self, s: _Seq) -> None:
         s.cancelled = True
         s.done = True
+        if self._ticking:
+            # From a pushing stream's callback in the step: the step drops it (it is done),
+            # the rest after it.
+            asyncio.get_running_loop().call_soon(self._drop, s)
+            return
+        self._drop(s)
+
+    def _drop(self, s: _Seq) -> None:
         if s in self.prefilling:
             self.prefilling.remove(s)
         elif s in self.running:
@@ -457,22 +480,67 @@ class SimStream(_TextOut):
         while not self.finished:
             if not seq.buf:
                 if seq.done:
-                    self.finished = True
-                    if self.sent < len(self.text):
-                        tail, self.sent = self.text[self.sent :], len(self.text)
-                        return Delta(tail, 0, "length", self.ptoks, self.produced)
-                    return Delta("", 0, "length", self.ptoks, self.produced)
+                    return self._last()
                 await _next_tokens(seq)
                 continue
             pieces, seq.buf = seq.buf, []
-            self.produced += len(pieces)
-            released = self._release("".join(pieces))
-            if released is not None:
-                out, stopped = released
-                if stopped:
-                    return Delta(out, len(pieces), "stop", self.ptoks, self.produced)
-                return Delta(out, len(pieces))
+            d = self._take("".join(pieces), len(pieces))
+            if d is not None:
+                return d
         raise StopAsyncIteration
+
+    def _take(self, new: str, n: int) -> Delta | None:
+        """The delta for ``n`` new tokens of text ``new``, if any of it may go out."""
+        self.produced += n
+        released = self._release(new)
+        if released is None:
+            return None
+        out, stopped = released
+        if stopped:
+            return Delta(out, n, "stop", self.ptoks, self.produced)
+        return Delta(out, n)
+
+    def _last(self) -> Delta:
+        """The final delta once the sequence is done: what is still held, and the length."""
+        self.finished = True
+        tail, self.sent = self.text[self.sent :], len(self.text)
+        return Delta(tail, 0, "length", self.ptoks, self.produced)
+
+    async def push(self, sink: Callable[[Delta], object]) -> None:
+        """Every delta to ``sink`` from the engine's step itself, not through a task per
+        token (see :class:`~engine_worker.backends.base.DeltaStream`); a true answer from
+        ``sink`` ends the stream (the sequence is cancelled)."""
+        seq = self.seq
+        ended: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+        def give(d: Delta | None) -> None:
+            if d is not None and not ended.done() and (sink(d) or d.finish_reason):
+                ended.set_result(None)
+
+        def on_token(text: str) -> None:
+            try:
+                give(self._take(text, 1))
+                if seq.done and not ended.done():
+                    give(self._last())
+            except BaseException as exc:  # the engine's step must go on for the others
+                seq.listener = None
+                if not ended.done():
+                    ended.set_exception(exc)
+
+        try:
+            # Tokens that came before (a resumed request) first, as one delta.
+            if seq.buf:
+                pieces, seq.buf = seq.buf, []
+                give(self._take("".join(pieces), len(pieces)))
+            if not ended.done() and seq.done and not self.finished:
+                give(self._last())
+            if not ended.done() and not self.finished:
+                seq.listener = on_token
+                await ended
+        finally:
+            seq.listener = None
+            if not seq.done:
+                await self.aclose()
 
 
 class _Plan:
