@@ -198,18 +198,21 @@ class BodyNow:
     def __init__(self, cycle: Any) -> None:
         self._cycle = cycle  # uvicorn's RequestResponseCycle of the request
 
-    def __call__(self, body: bytes) -> bool:
+    def ready(self) -> bool:
+        """Whether a piece written now goes out at once."""
         c = self._cycle
-        if (
+        return not (
             c.flow.write_paused
             or c.disconnected
             or not c.chunked_encoding
             or not c.response_started
             or c.response_complete
-            or not body
-        ):
+        )
+
+    def __call__(self, body: bytes) -> bool:
+        if not body or not self.ready():
             return False
-        c.transport.write(b"%x\r\n%b\r\n" % (len(body), body))
+        self._cycle.transport.write(b"%x\r\n%b\r\n" % (len(body), body))
         return True
 
 

@@ -22,7 +22,7 @@ from bus_schemas import errors as E
 from bus_schemas import headers as H
 from bus_schemas.subjects import KIND_CHAT
 from gateway import validation
-from gateway.asgi import Receive, Scope, Send, api_key, send_error, send_json
+from gateway.asgi import BodyNow, Receive, Scope, Send, api_key, send_error, send_json
 from gateway.openai_api import (
     SSE_HEADERS,
     Call,
@@ -95,7 +95,7 @@ class ResponsesAPI:
             KIND_CHAT, chat, turn.chat, request_id=call.rid, timeout=app.timeout, headers=call.hdrs
         )
         if req.stream:
-            await self._write_sse(send, turn, stream, call.rid, call.progress, owner)
+            await self._write_sse(send, turn, stream, call.rid, call.progress, owner, call.now)
         else:
             await self._write_whole(send, turn, stream, call.rid, call.progress, owner)
 
@@ -164,6 +164,7 @@ class ResponsesAPI:
         rid: str,
         progress: Progress,
         owner: str,
+        now: BodyNow | None,
     ) -> None:
         # The first frame before the headers, so that errors before generation (unknown
         # model, no replica, a refused key) still get their own HTTP status.
@@ -186,17 +187,22 @@ class ResponsesAPI:
                 progress.t5_ns = time.time_ns()
                 progress.streamed = True
                 buf.clear()
-                async for c in stream:
-                    _events(b, c, buf)
-                    # Behind: what is already here goes in one write.
-                    while stream.pending():
-                        try:
-                            c = await stream.__anext__()
-                        except StopAsyncIteration:
-                            break
+                if now is not None:
+                    stream.push_to(_text_sink(b, now))
+                try:
+                    async for c in stream:
                         _events(b, c, buf)
-                    await send({"type": body, "body": "".join(buf).encode(), "more_body": True})
-                    buf.clear()
+                        # Behind: what is already here goes in one write.
+                        while stream.pending():
+                            try:
+                                c = await stream.__anext__()
+                            except StopAsyncIteration:
+                                break
+                            _events(b, c, buf)
+                        await send({"type": body, "body": "".join(buf).encode(), "more_body": True})
+                        buf.clear()
+                finally:
+                    stream.push_to(None)
             resp, events = b.finish(stream.finish_reason, stream.usage)
             # Kept before response.completed goes out: a client that continues the
             # conversation right after it finds it.
@@ -261,6 +267,24 @@ class MethodNotAllowed(E.InvalidRequest):
     """A known path asked with a method it does not serve (405)."""
 
     status = 405
+
+
+def _text_sink(b: R.ResponseBuilder, now: BodyNow) -> Callable[[str], bool]:
+    """A stream's sink (``push_to``): a plain text delta's events written at once, as
+    :func:`_events` would write them; False, with the builder untouched, when they cannot
+    go out now."""
+
+    def sink(text: str) -> bool:
+        if not text:
+            return True  # no event, as in _events
+        if not now.ready():
+            return False
+        out = b.text_sse(text)
+        if out is None:
+            out = "".join(sse(ev) for ev in b.add(Chunk(text, 1, 0)))
+        return now(out.encode())
+
+    return sink
 
 
 def _events(b: R.ResponseBuilder, c: Chunk, buf: list[str]) -> None:
