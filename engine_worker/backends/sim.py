@@ -522,7 +522,7 @@ class SimStream(_TextOut):
                 give(self._take(text, 1))
                 if seq.done and not ended.done():
                     give(self._last())
-            except BaseException as exc:  # the engine's step must go on for the others
+            except Exception as exc:  # the engine's step must go on for the others
                 seq.listener = None
                 if not ended.done():
                     ended.set_exception(exc)
