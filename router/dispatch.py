@@ -24,7 +24,7 @@ from bus_schemas.messages import check_envelope
 from router.policies import RouteRequest, prompt_text
 from router.registry import Registry, Replica
 from router.routing import ModelRoute, RoutingTable
-from services import tracing
+from services import natsclient, tracing
 from services.config import RouterSettings
 
 _QUEUE_POLL_S = 0.02  # how often a queued request looks for a replica with room
@@ -179,8 +179,8 @@ class Dispatcher:
         p.hdrs[H.ATTEMPT] = str(p.attempt)
         r.unacked += 1
         try:
-            ack_msg = await self.nc.request(
-                r.subject, p.data, timeout=self.cfg.dispatch_timeout_s, headers=p.hdrs
+            ack_msg = await natsclient.request_now(
+                self.nc, r.subject, p.data, timeout=self.cfg.dispatch_timeout_s, headers=p.hdrs
             )
         except NoRespondersError:
             # The replica is gone (crashed or unsubscribed); forget it until it

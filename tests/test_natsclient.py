@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import uuid
 from typing import Any
 
@@ -143,3 +144,56 @@ async def test_a_direct_subscription_runs_in_the_read_loop_in_order_and_survives
     finally:
         await pub.close()
         await nc.close()
+
+
+async def test_request_now_is_on_the_socket_before_the_loop_turns(nats_server: NatsServer) -> None:
+    """request_now writes its message at once: a responder on another thread answers it
+    while this event loop is still blocked, before the flusher task could have run. A plain
+    request, blocked the same way, reaches nobody until the loop turns (the control that
+    shows the block really holds the flusher back). Both get their reply afterwards."""
+    seen: list[bytes] = []
+    ready, heard = threading.Event(), threading.Event()
+    stop: asyncio.Future[None] | None = None
+    loop_box: list[asyncio.AbstractEventLoop] = []
+    subject = f"now.{uuid.uuid4().hex[:8]}"
+
+    async def responder() -> None:
+        nonlocal stop
+        stop = asyncio.get_running_loop().create_future()
+        nc = await natsclient.connect(nats_server.url)
+
+        async def answer(msg: Any) -> None:
+            seen.append(msg.data)
+            heard.set()
+            await msg.respond(b"ack:" + msg.data)
+
+        await nc.subscribe(subject, cb=answer)
+        await nc.flush()
+        loop_box.append(asyncio.get_running_loop())
+        ready.set()
+        await stop
+        await nc.close()
+
+    thread = threading.Thread(target=asyncio.run, args=(responder(),), daemon=True)
+    thread.start()
+    assert ready.wait(10)
+    nc: Any = await natsclient.connect(nats_server.url)
+    try:
+        results = {}
+        for name, send in (
+            ("plain", nc.request),
+            ("now", lambda *a, **k: natsclient.request_now(nc, *a, **k)),
+        ):
+            heard.clear()
+            task = asyncio.ensure_future(send(subject, name.encode(), timeout=5, headers={}))
+            await asyncio.sleep(0)  # the task runs up to its wait for the reply
+            results[name] = heard.wait(1.0)  # blocks this loop: no flusher turn
+            assert (await task).data == b"ack:" + name.encode()
+        assert results == {"plain": False, "now": True}
+        assert seen == [b"plain", b"now"]
+        assert nc._pending_data_size == 0 and not nc._write_next
+    finally:
+        await nc.close()
+        assert stop is not None
+        loop_box[0].call_soon_threadsafe(stop.set_result, None)
+        thread.join(10)
