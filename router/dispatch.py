@@ -179,7 +179,8 @@ class Dispatcher:
         p.hdrs[H.ATTEMPT] = str(p.attempt)
         r.unacked += 1
         try:
-            ack_msg = await natsclient.request_now(
+            request = natsclient.request_now if self.cfg.write_at_once else natsclient.request
+            ack_msg = await request(
                 self.nc, r.subject, p.data, timeout=self.cfg.dispatch_timeout_s, headers=p.hdrs
             )
         except NoRespondersError:

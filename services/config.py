@@ -185,6 +185,13 @@ class RouterSettings(ModelRouting):
         "capacity; more are refused at once with 503 overloaded (Retry-After).",
     )
     dispatch_timeout_s: float = Field(default=2.0, description="Wait for a worker's ack.")
+    write_at_once: bool = Field(
+        default=True,
+        description="Write each request to NATS as it is dispatched (the replica starts the "
+        "first of a burst while the rest are admitted); false leaves it to the connection's "
+        "flusher, which writes a burst together: less CPU per token, later first tokens "
+        "(docs/benchmarks.md).",
+    )
     max_attempts: int = Field(default=3, ge=1, description="Replicas tried per request.")
     warmup_s: float = Field(
         default=2.0,

@@ -218,6 +218,14 @@ async def subscribe_direct(
     )
 
 
+async def request(
+    nc: NATS, subject: str, payload: bytes, *, timeout: float, headers: dict[str, str]
+) -> Msg:
+    """``nc.request()``, its message written on the flusher's next turn (with the rest of
+    what this turn publishes)."""
+    return await nc.request(subject, payload, timeout=timeout, headers=headers)
+
+
 async def request_now(
     nc: NATS, subject: str, payload: bytes, *, timeout: float, headers: dict[str, str]
 ) -> Msg:

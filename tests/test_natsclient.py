@@ -5,9 +5,14 @@ from __future__ import annotations
 import asyncio
 import threading
 import uuid
+from collections.abc import Awaitable
 from typing import Any
 
+from bus_schemas import codec
+from router.dispatch import Dispatcher
+from router.registry import Registry
 from services import natsclient
+from services.config import RouterSettings
 from tests.conftest import NatsServer
 
 
@@ -146,54 +151,109 @@ async def test_a_direct_subscription_runs_in_the_read_loop_in_order_and_survives
         await nc.close()
 
 
+class ThreadResponder:
+    """A subscriber on its own connection and event loop, in another thread: it hears a
+    message even while the test's loop is blocked, and answers with ``answer``."""
+
+    def __init__(self, url: str, subject: str, answer: bytes | None = None) -> None:
+        self.url, self.subject, self.answer = url, subject, answer
+        self.seen: list[bytes] = []
+        self.heard = threading.Event()
+        self._ready = threading.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Future[None] | None = None
+        self._thread = threading.Thread(target=asyncio.run, args=(self._run(),), daemon=True)
+
+    async def _run(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._stop = self._loop.create_future()
+        nc = await natsclient.connect(self.url)
+
+        async def on_msg(msg: Any) -> None:
+            self.seen.append(msg.data)
+            self.heard.set()
+            await msg.respond(self.answer if self.answer is not None else b"ack:" + msg.data)
+
+        await nc.subscribe(self.subject, cb=on_msg)
+        await nc.flush()
+        self._ready.set()
+        await self._stop
+        await nc.close()
+
+    def __enter__(self) -> ThreadResponder:
+        self._thread.start()
+        assert self._ready.wait(10)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        assert self._loop is not None and self._stop is not None
+        self._loop.call_soon_threadsafe(self._stop.set_result, None)
+        self._thread.join(10)
+
+    async def heard_while_blocked(self, work: Awaitable[Any]) -> tuple[bool, Any]:
+        """Start ``work`` and let it run to its first wait, then block this loop for a
+        second: whether the message arrived meanwhile, and ``work``'s result."""
+        self.heard.clear()
+        task = asyncio.ensure_future(work)
+        await asyncio.sleep(0)  # the task runs up to its wait for the reply
+        heard = self.heard.wait(1.0)  # blocks this loop: no flusher turn
+        return heard, await task
+
+
 async def test_request_now_is_on_the_socket_before_the_loop_turns(nats_server: NatsServer) -> None:
     """request_now writes its message at once: a responder on another thread answers it
     while this event loop is still blocked, before the flusher task could have run. A plain
     request, blocked the same way, reaches nobody until the loop turns (the control that
     shows the block really holds the flusher back). Both get their reply afterwards."""
-    seen: list[bytes] = []
-    ready, heard = threading.Event(), threading.Event()
-    stop: asyncio.Future[None] | None = None
-    loop_box: list[asyncio.AbstractEventLoop] = []
     subject = f"now.{uuid.uuid4().hex[:8]}"
-
-    async def responder() -> None:
-        nonlocal stop
-        stop = asyncio.get_running_loop().create_future()
-        nc = await natsclient.connect(nats_server.url)
-
-        async def answer(msg: Any) -> None:
-            seen.append(msg.data)
-            heard.set()
-            await msg.respond(b"ack:" + msg.data)
-
-        await nc.subscribe(subject, cb=answer)
-        await nc.flush()
-        loop_box.append(asyncio.get_running_loop())
-        ready.set()
-        await stop
-        await nc.close()
-
-    thread = threading.Thread(target=asyncio.run, args=(responder(),), daemon=True)
-    thread.start()
-    assert ready.wait(10)
     nc: Any = await natsclient.connect(nats_server.url)
     try:
-        results = {}
-        for name, send in (
-            ("plain", nc.request),
-            ("now", lambda *a, **k: natsclient.request_now(nc, *a, **k)),
-        ):
-            heard.clear()
-            task = asyncio.ensure_future(send(subject, name.encode(), timeout=5, headers={}))
-            await asyncio.sleep(0)  # the task runs up to its wait for the reply
-            results[name] = heard.wait(1.0)  # blocks this loop: no flusher turn
-            assert (await task).data == b"ack:" + name.encode()
-        assert results == {"plain": False, "now": True}
-        assert seen == [b"plain", b"now"]
+        with ThreadResponder(nats_server.url, subject) as r:
+            heard, reply = await r.heard_while_blocked(
+                natsclient.request(nc, subject, b"plain", timeout=5, headers={})
+            )
+            assert not heard and reply.data == b"ack:plain"
+            heard, reply = await r.heard_while_blocked(
+                natsclient.request_now(nc, subject, b"now", timeout=5, headers={})
+            )
+            assert heard and reply.data == b"ack:now"
+            assert r.seen == [b"plain", b"now"]
         assert nc._pending_data_size == 0 and not nc._write_next
     finally:
         await nc.close()
-        assert stop is not None
-        loop_box[0].call_soon_threadsafe(stop.set_result, None)
-        thread.join(10)
+
+
+async def test_dispatch_writes_each_request_at_once_unless_told_not_to(
+    nats_server: NatsServer,
+) -> None:
+    """The dispatcher's request reaches the replica while the dispatching loop is blocked
+    (router.write_at_once, the default); with it off, only once the loop turns. Either way
+    the replica's ack places the request on it."""
+    model = f"m{uuid.uuid4().hex[:6]}"
+    reg = Registry()
+    reg.update(
+        {
+            "replica": "r1",
+            "model": model,
+            "in_flight": 0,
+            "max_concurrency": 4,
+            "interval_s": 1.0,
+            "seq": 1,
+            "boot": "a",
+        }
+    )
+    subject = reg.live(model)[0].subject
+    nc: Any = await natsclient.connect(nats_server.url)
+    try:
+        ack = codec.encode({"ok": True, "in_flight": 1})
+        with ThreadResponder(nats_server.url, subject, ack) as r:
+            for at_once in (True, False):
+                d = Dispatcher(nc, reg, RouterSettings(write_at_once=at_once))
+                body = codec.encode({"n": int(at_once)})
+                heard, replica = await r.heard_while_blocked(
+                    d.dispatch(model, body, {}, nc.new_inbox())
+                )
+                assert (heard, replica) == (at_once, "r1")
+            assert r.seen == [codec.encode({"n": 1}), codec.encode({"n": 0})]
+    finally:
+        await nc.close()
