@@ -179,9 +179,13 @@ class Dispatcher:
         p.hdrs[H.ATTEMPT] = str(p.attempt)
         r.unacked += 1
         try:
-            request = natsclient.request_now if self.cfg.write_at_once else natsclient.request
-            ack_msg = await request(
-                self.nc, r.subject, p.data, timeout=self.cfg.dispatch_timeout_s, headers=p.hdrs
+            ack_msg = await natsclient.request(
+                self.nc,
+                r.subject,
+                p.data,
+                timeout=self.cfg.dispatch_timeout_s,
+                headers=p.hdrs,
+                at_once=self.cfg.write_at_once,
             )
         except NoRespondersError:
             # The replica is gone (crashed or unsubscribed); forget it until it

@@ -117,7 +117,7 @@ class Client(NATS):
         super().__init__()
         # Subscription id -> the callback its messages go to from the read loop.
         self._direct: dict[int, Callable[[Msg], None]] = {}
-        self._write_next = False  # the next publish goes to the socket at once (request_now)
+        self._write_next = False  # the next publish goes to the socket at once (request)
 
     def _remove_sub(self, sid: int, max_msgs: int = 0) -> None:
         self._direct.pop(sid, None)
@@ -219,31 +219,29 @@ async def subscribe_direct(
 
 
 async def request(
-    nc: NATS, subject: str, payload: bytes, *, timeout: float, headers: dict[str, str]
+    nc: NATS,
+    subject: str,
+    payload: bytes,
+    *,
+    timeout: float,
+    headers: dict[str, str],
+    at_once: bool = False,
 ) -> Msg:
-    """``nc.request()``, its message written on the flusher's next turn (with the rest of
-    what this turn publishes)."""
-    return await nc.request(subject, payload, timeout=timeout, headers=headers)
-
-
-async def request_now(
-    nc: NATS, subject: str, payload: bytes, *, timeout: float, headers: dict[str, str]
-) -> Msg:
-    """``nc.request()`` whose message is written to the socket at once.
+    """``nc.request()``; with ``at_once``, its message is written to the socket at once.
 
     nats-py queues a publish for its flusher task, which writes on a later turn of the event
     loop: after every task already waiting to run. When a burst of requests arrives
     together (an HTTP bridge admitting many clients at once), each one's message would wait
     until the whole burst is admitted, and the replica would start none of them before it
     starts them all. Written at once, the replica works on the first while this process
-    admits the rest. On a connection that is not :class:`Client`, a plain request."""
-    if isinstance(nc, Client):
-        nc._write_next = True
-        try:
-            return await nc.request(subject, payload, timeout=timeout, headers=headers)
-        finally:
-            nc._write_next = False
-    return await nc.request(subject, payload, timeout=timeout, headers=headers)
+    admits the rest. On a connection that is not :class:`Client`, always a plain request."""
+    if not (at_once and isinstance(nc, Client)):
+        return await nc.request(subject, payload, timeout=timeout, headers=headers)
+    nc._write_next = True
+    try:
+        return await nc.request(subject, payload, timeout=timeout, headers=headers)
+    finally:
+        nc._write_next = False
 
 
 async def connect(servers: str | list[str], **options: Any) -> NATS:

@@ -200,8 +200,10 @@ class ThreadResponder:
         return heard, await task
 
 
-async def test_request_now_is_on_the_socket_before_the_loop_turns(nats_server: NatsServer) -> None:
-    """request_now writes its message at once: a responder on another thread answers it
+async def test_a_request_at_once_is_on_the_socket_before_the_loop_turns(
+    nats_server: NatsServer,
+) -> None:
+    """request(at_once=True) writes its message at once: a responder on another thread answers it
     while this event loop is still blocked, before the flusher task could have run. A plain
     request, blocked the same way, reaches nobody until the loop turns (the control that
     shows the block really holds the flusher back). Both get their reply afterwards."""
@@ -214,7 +216,7 @@ async def test_request_now_is_on_the_socket_before_the_loop_turns(nats_server: N
             )
             assert not heard and reply.data == b"ack:plain"
             heard, reply = await r.heard_while_blocked(
-                natsclient.request_now(nc, subject, b"now", timeout=5, headers={})
+                natsclient.request(nc, subject, b"now", timeout=5, headers={}, at_once=True)
             )
             assert heard and reply.data == b"ack:now"
             assert r.seen == [b"plain", b"now"]
