@@ -181,6 +181,22 @@ async def test_a_body_read_to_close_and_a_closing_upstream(serve: Callable[..., 
     assert srv.connections == 2
 
 
+async def test_events_with_python_style_nan_and_infinity_still_parse(
+    serve: Callable[..., Any],
+) -> None:
+    # Events are parsed with orjson, which takes strict JSON only; an upstream written in
+    # Python may send a logprob as -Infinity or a score as NaN, which its encoder allows.
+    # Those events are read by the standard library's parser instead, not refused.
+    odd = (
+        b'data: {"choices": [{"index": 0, "delta": {"content": "Hi"}, "finish_reason": null,'
+        b' "logprobs": {"content": [{"token": "Hi", "logprob": -Infinity}]}}], "x": NaN}\n\n'
+    )
+    body = odd + _event(None, "stop") + b"data: [DONE]\n\n"
+    srv, b = await serve(lambda _: ok(body, b"Content-Length: %d" % len(body)))
+    deltas = await pushed(b)
+    assert [(d.text, d.finish_reason) for d in deltas] == [("Hi", None), ("", "stop")]
+
+
 async def test_a_kept_connection_the_upstream_closed_is_retried_on_a_new_one(
     serve: Callable[..., Any],
 ) -> None:

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 import aiohttp
+import orjson
 
 from bus_schemas import errors as E
 from engine_worker.backends.base import Delta, Embeddings, GenerationRequest
@@ -271,9 +272,14 @@ class _Answer(Response):
         if payload == b"[DONE]":
             return  # read on to the end, which keeps the connection reusable
         try:
-            obj = json.loads(payload)
-        except ValueError as exc:  # an event that is not JSON
-            raise E.EngineError(f"the upstream sent a malformed event: {exc}") from None
+            obj = orjson.loads(payload)
+        except orjson.JSONDecodeError:
+            # orjson is strict JSON; an upstream may write NaN or -Infinity (a logprob) as
+            # Python's encoder does, which the standard library's parser takes.
+            try:
+                obj = json.loads(payload)
+            except ValueError as exc:  # an event that is not JSON
+                raise E.EngineError(f"the upstream sent a malformed event: {exc}") from None
         if not isinstance(obj, dict):
             raise E.EngineError("the upstream sent a malformed event: not an object")
         if obj.get("usage"):
