@@ -192,7 +192,7 @@ async def test_events_with_python_style_nan_and_infinity_still_parse(
         b' "logprobs": {"content": [{"token": "Hi", "logprob": -Infinity}]}}], "x": NaN}\n\n'
     )
     body = odd + _event(None, "stop") + b"data: [DONE]\n\n"
-    srv, b = await serve(lambda _: ok(body, b"Content-Length: %d" % len(body)))
+    _, b = await serve(lambda _: ok(body, b"Content-Length: %d" % len(body)))
     deltas = await pushed(b)
     assert [(d.text, d.finish_reason) for d in deltas] == [("Hi", None), ("", "stop")]
 
