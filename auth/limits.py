@@ -21,7 +21,11 @@ the background, before the lease runs out.
   Never more than the limit is admitted in a window; what an instance leased and did not
   use when the window ends is lost (at most a sixteenth of what was left, per instance).
 * TPM is reserved at admission (prompt estimate + max_tokens) and reconciled with the real
-  usage the worker reports when the request ends: unused tokens go back to the window.
+  usage the worker reports when the request ends. Unused tokens go back to this instance's
+  lease while the key is far from its limit (no store write: the shared counter already
+  holds them as leased, and the next requests admit from them), to the shared counter
+  near it (so other instances can use them); a request that used more than it reserved
+  is charged from the lease when it covers the excess, else in the store.
 * A request moved to another replica (migration) is admitted again without counting a
   request, on proof that it was admitted before (:mod:`auth.ratelimit`'s admission ticket);
   the attempt it replaces is then charged only the output the caller got from it, so the
@@ -104,6 +108,18 @@ class _Window:
     chunk: int = 1  # requests the next lease asks for beyond what is needed
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     prefetching: bool = False
+    tpm: int | None = None  # the key's limit when it was last admitted
+
+    def settles(self, delta: int) -> bool:
+        """Whether a change of ``delta`` tokens to an attempt's charge can be made in the
+        lease instead of the store: an excess the lease covers (leased tokens are counted
+        in the store already), or a refund that leaves the lease no bigger than a lease may
+        grow to (about a sixteenth of what the store had left at the last lease)."""
+        if delta > 0:
+            return self.t_left >= delta
+        return self.tpm is not None and (self.t_left - delta) * (_SHARE - 1) <= (
+            self.tpm - self.t_seen
+        )
 
 
 @dataclass(slots=True)
@@ -317,9 +333,12 @@ class Limiter:
             w = self._windows.get(principal)
             if w is None or w.window != window:
                 w = self._windows[principal] = _Window(window)
+            w.tpm = tpm
             if w.r_left < requests or w.t_left < need_t:
                 async with w.lock:  # one lease at a time per key; the others wait and reuse it
-                    if w.r_left < requests or w.t_left < need_t:
+                    # A lease takes only what the lease lacks; requests admitted from it
+                    # while it was in flight can leave it short again: lease once more.
+                    while w.r_left < requests or w.t_left < need_t:
                         await self._lease(principal, w, rpm, tpm, need_t, reset, need_r=requests)
             w.r_left -= requests
             w.t_left -= need_t
@@ -374,22 +393,26 @@ class Limiter:
 
         def take(cur: dict[str, Any]) -> dict[str, Any]:
             r, t = int(cur.get("r", 0)), int(cur.get("t", 0))
-            if rpm is not None and r + need_r > rpm:
+            # What the request needs beyond what the lease still holds (tokens given back
+            # to it by earlier requests included); a lease ahead (need_r 0) takes need_t.
+            short_r = max(0, need_r - w.r_left)
+            short_t = max(0, need_t - w.t_left) if need_r else need_t
+            if rpm is not None and r + short_r > rpm:
                 raise self._limited("requests", rpm, 0, reset, tpm, t)
-            if tpm is not None and t + need_t > tpm:
+            if tpm is not None and t + short_t > tpm:
                 raise self._limited(
                     "tokens", tpm, max(0, tpm - t), reset, tpm, t, rpm=rpm, used_r=r
                 )
             # Beyond what is needed: the chunk, at most a sixteenth of what is left.
             extra = chunk - 1 if need_r else chunk
             if rpm is not None:
-                extra = min(extra, (rpm - r - need_r) // _SHARE)
+                extra = min(extra, (rpm - r - short_r) // _SHARE)
             extra_t = need_t * extra if need_r else need_t * chunk
             if tpm is not None:
-                extra_t = min(extra_t, (tpm - t - need_t) // _SHARE)
+                extra_t = min(extra_t, (tpm - t - short_t) // _SHARE)
                 if need_t:  # tokens for each extra request, or no extra requests
                     extra = min(extra, extra_t // need_t)
-            grant[0], grant[1] = need_r + extra, need_t + max(0, extra_t)
+            grant[0], grant[1] = short_r + extra, short_t + max(0, extra_t)
             return {"r": r + grant[0], "t": t + grant[1]}
 
         new = await self._cas(f"rl.{principal}.{w.window}", take)
@@ -568,10 +591,17 @@ class Limiter:
             return {"r": int(cur.get("r", 0)), "t": max(0, int(cur.get("t", 0)) + delta)}
 
         w = self._windows.get(principal)
+        if w is not None and w.window == a.window and w.settles(delta):
+            w.t_left -= delta
+            return True
         await self._cas(f"rl.{principal}.{a.window}", adjust)
         if w is not None and w.window == a.window:
             w.t_seen = max(0, w.t_seen + delta)
         return True
+
+    def awaiting_report(self) -> int:
+        """Attempts admitted here whose worker has not reported their usage yet."""
+        return sum(1 for a in self._attempts.values() if not a.reported and a.resumed is None)
 
     @staticmethod
     def _trio(kind: str, limit: int, remaining: int, reset: float) -> dict[str, str]:
