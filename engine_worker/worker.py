@@ -236,6 +236,7 @@ class Worker(Service):
 
     async def setup(self) -> None:
         self.outbox = Outbox(self.nc)
+        self._records = records.Recorder(self.nc)
         await self.backend.start()
         if not self.cfg.endpoints:  # the engine may know better once loaded (vllm: the runner)
             self.endpoints = list(self.backend.endpoints())
@@ -315,6 +316,7 @@ class Worker(Service):
 
     async def on_stop(self) -> None:
         await self.outbox.flush()
+        await self._records.flush()
         self._hb_task.cancel()
         await self.heartbeat()
         with contextlib.suppress(Exception):
@@ -609,7 +611,7 @@ class Worker(Service):
         if gen.span is not None:
             self._trace_end(gen)
         if self.settings.telemetry.enabled:
-            await records.publish(self.nc, self._telemetry_record(gen, end, trace))
+            self._records.add(self._telemetry_record(gen, end, trace))
 
     # -- tracing ----------------------------------------------------------------------------
     def _trace_begin(self, gen: _Generation) -> None:

@@ -7,7 +7,6 @@ HTTP server (uvicorn). Several processes share the port with SO_REUSEPORT.
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, Histogram, generate_latest
@@ -174,7 +173,6 @@ class Bridge(Service):
         super().__init__(settings, **kw)
         self.reuse_port = reuse_port
         self.http: HTTPServer | None = None
-        self._pending: set[asyncio.Task[None]] = set()
         self._own_keys: KeyStore | None = None  # /v1/models' key store when auth is not fused
 
     def on_reconnected(self) -> None:
@@ -186,6 +184,7 @@ class Bridge(Service):
 
     async def setup(self) -> None:
         cfg = self.settings.bridge
+        self._records = records.Recorder(self.nc)
         self.client = Caller(self.nc, owner=f"bridge-{self.id}")
         self.client.on_migration = lambda s, err: self.log.info(
             "request_migrated", request_id=s.request_id, migration=s.migrations, reason=err.code
@@ -284,9 +283,7 @@ class Bridge(Service):
             )
         self.log.info("request", **{**rec, "duration_ms": round(rec["duration_ms"], 3)})
         if record is not None and self.settings.telemetry.enabled:
-            task = asyncio.get_running_loop().create_task(records.publish(self.nc, record))
-            self._pending.add(task)
-            task.add_done_callback(self._pending.discard)
+            self._records.add(record)
 
     async def metrics(self, scope: Scope, receive: Receive, send: Send) -> None:
         body = generate_latest()
@@ -317,6 +314,7 @@ class Bridge(Service):
         return self._own_keys
 
     async def on_stop(self) -> None:
+        await self._records.flush()
         await self._tracker.stop()
         if self._own_keys is not None:
             await self._own_keys.close()

@@ -82,14 +82,21 @@ class Telemetry(Service):
 
     async def _on_record(self, msg: Msg) -> None:
         try:
-            rec = codec.decode_map(msg.data)
+            recs = records.batch(codec.decode_map(msg.data))
         except Exception:
+            return
+        for rec in recs:
+            self._record(rec, msg.subject)
+
+    def _record(self, rec: Any, subject: str) -> None:
+        if not isinstance(rec, dict):
+            self.log.warning("bad_record_dropped", subject=subject, error="not a map")
             return
         try:
             self.metrics.observe(rec)
         except (AttributeError, TypeError, ValueError, RecursionError) as exc:
             # a field of the wrong type (a label nested too deep to print included)
-            self.log.warning("bad_record_dropped", subject=msg.subject, error=str(exc)[:200])
+            self.log.warning("bad_record_dropped", subject=subject, error=str(exc)[:200])
             return
         if len(self.buffer) >= self.cfg.max_buffer:
             self.metrics.dropped.inc()

@@ -12,8 +12,10 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from nats.aio.client import Client as NATS
 from prometheus_client.parser import text_string_to_metric_families
 
+from bus_schemas import codec
 from bus_schemas import errors as E
 from telemetry import records
 from telemetry.service import Telemetry
@@ -121,6 +123,46 @@ async def test_telemetry_buffer_is_bounded_and_drops_rather_than_blocks(
         assert all(o.usage.completion_tokens == 2 for o in outs)
         await wait_for(lambda: tel.metrics.dropped._value.get() >= 5, timeout=10)
         assert len(tel.buffer) == 3
+
+
+async def test_records_travel_together_and_every_one_is_read(
+    nats_server: NatsServer, nc: NATS, tmp_path: Path
+) -> None:
+    # A process's records of one batch window go as one message; the service reads each
+    # one, and a batch with junk in it loses the junk only.
+    seen = await nc.subscribe(records.subject())
+    await nc.flush()
+
+    def rec(rid: str) -> dict[str, Any]:
+        return records.build(
+            request_id=rid, source="worker", model="m", timings={"t0": 1}, outcome="length"
+        )
+
+    async with telemetry(nats_server.url, tmp_path) as tel:
+        recorder = records.Recorder(nc)
+        for i in range(5):
+            recorder.add(rec(f"b{i}"))
+        await wait_for(lambda: recorder.messages == 1, timeout=5)
+        msg = await seen.next_msg(timeout=5)
+        assert [r["request_id"] for r in records.batch(codec.decode_map(msg.data))] == [
+            f"b{i}" for i in range(5)
+        ]
+        # A stopping process sends what waits at once, without the window.
+        recorder.add(rec("last"))
+        await recorder.flush()
+        await nc.flush()
+        msg = await seen.next_msg(timeout=0.5)
+        assert codec.decode_map(msg.data)["request_id"] == "last"  # alone: sent as itself
+        bad = {**rec("bad"), "prompt_tokens": -(2**63)}
+        junk = {"records": [1, "x", None, [rec("nested")], bad, rec("good")]}
+        await nc.publish(records.subject(), codec.encode(junk))
+
+        def stored() -> set[str]:
+            return {r["request_id"] for r in tel.store.rows()}
+
+        await wait_for(lambda: {"b0", "b4", "last", "good"} <= stored(), timeout=10)
+        assert "nested" not in stored()
+        assert not tel.stopped.is_set()
 
 
 async def test_http_records_metrics_and_report(procs: Procs, model: str, tmp_path: Path) -> None:
