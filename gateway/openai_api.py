@@ -655,6 +655,8 @@ async def write_sse(
     frames = sse_frames(kind, rid, req.model, int(time.time()))
     chat = kind == KIND_CHAT
     progress.started = True
+    if now is not None:
+        now.hold_head()  # the head goes out with the first token, in one write
     await send(
         {
             "type": "http.response.start",

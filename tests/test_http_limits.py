@@ -352,6 +352,55 @@ async def test_body_now_writes_at_once_until_the_client_falls_behind() -> None:
     assert seen["before_start"] is seen["empty"] is seen["after_end"] is seen["fixed"] is False
 
 
+async def test_a_held_head_goes_out_with_the_first_piece_of_body_or_before_a_close() -> None:
+    """``BodyNow.hold_head`` (how the bridge starts an SSE answer): the head ``send`` writes
+    waits for the first piece of body and leaves in the same write, so the client's first
+    read holds both. A response that fails before any body still gets its head out before
+    the connection closes."""
+
+    async def first(scope: Scope, receive: Receive, send: Send) -> None:
+        scope[BODY_NOW].hold_head()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await asyncio.sleep(0.3)  # a head written on its own would be read by now
+        await send({"type": "http.response.body", "body": b"data: 1\n\n", "more_body": True})
+        await asyncio.sleep(0.3)
+        await send({"type": "http.response.body", "body": b"data: 2\n\n", "more_body": False})
+
+    async def fails(scope: Scope, receive: Receive, send: Send) -> None:
+        scope[BODY_NOW].hold_head()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        raise RuntimeError("the app failed after its head")
+
+    srv = HTTPServer(
+        RouteTable({("GET", "/first"): first, ("GET", "/fails"): fails}),
+        "127.0.0.1",
+        0,
+        reuse_port=False,
+        shutdown_timeout=1,
+    )
+    await srv.start()
+    port = srv.sock.getsockname()[1]
+
+    def first_read(path: str) -> tuple[bytes, bytes]:
+        with socket.socket() as s:
+            s.settimeout(HANG_S)
+            s.connect(("127.0.0.1", port))
+            s.sendall(_get(path, CLOSE))
+            got = s.recv(65536)
+            return got, got + _until_closed(s)
+
+    try:
+        head_and_first, whole = await asyncio.to_thread(first_read, "/first")
+        failed, failed_whole = await asyncio.to_thread(first_read, "/fails")
+    finally:
+        await srv.stop()
+    assert head_and_first.startswith(b"HTTP/1.1 200 OK\r\n")
+    assert head_and_first.endswith(b"data: 1\n\n\r\n"), head_and_first  # head + first chunk
+    ((status, _, body),) = _parse(whole)
+    assert status == 200 and body == b"data: 1\n\ndata: 2\n\n"
+    assert failed_whole.startswith(b"HTTP/1.1 200 OK\r\n"), failed_whole
+
+
 # -- a body answered before it all came ------------------------------------------------------
 def test_a_body_answered_early_must_still_come_in_time(limits_stack: ProcStack) -> None:
     declared = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\n"
