@@ -391,7 +391,7 @@ async def test_a_held_head_goes_out_with_the_first_piece_of_body_or_before_a_clo
 
     try:
         head_and_first, whole = await asyncio.to_thread(first_read, "/first")
-        failed, failed_whole = await asyncio.to_thread(first_read, "/fails")
+        _, failed_whole = await asyncio.to_thread(first_read, "/fails")
     finally:
         await srv.stop()
     assert head_and_first.startswith(b"HTTP/1.1 200 OK\r\n")
