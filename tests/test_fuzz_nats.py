@@ -1044,6 +1044,23 @@ async def test_an_output_filter_policy_of_the_wrong_shape_is_refused_in_the_ack(
     await bus.check_health()
 
 
+@pytest.mark.parametrize(
+    "resume", [{"text": _marker("deep_list_1000"), "tokens": 0}, [1]], ids=["deep", "list"]
+)
+async def test_a_resume_of_the_wrong_shape_is_refused_in_the_ack(bus: FuzzBus, resume: Any) -> None:
+    """Was (make test, 30 examples): ``resume.text`` a list nested 1 000 deep made the
+    worker's ``str()`` of it raise RecursionError: a traceback and an untyped ack; a
+    ``resume`` that was no map raised AttributeError."""
+    env = {**bus.envelope(), "resume": resume}
+    subject = subjects.engine_generate(bus.model, bus.replica)
+    ack = await bus.exchange(
+        subject, pack(env), _block(bus.engine_headers()), reply=True, answers="ack"
+    )
+    assert ack is not None and not ack["ok"], ack
+    assert ack["error"]["code"] == "invalid_request", ack
+    await bus.check_health()
+
+
 async def test_tools_of_the_wrong_type_do_not_fail_the_engine(bus: FuzzBus) -> None:
     """Was: the sim iterated ``extra.tools: 2**64 - 1`` (TypeError, a traceback in the
     worker once the request had been accepted)."""

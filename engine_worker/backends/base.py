@@ -61,6 +61,12 @@ class GenerationRequest:
         p = env.get("params") or {}
         temperature, top_p = p.get("temperature"), p.get("top_p")
         resume = env.get("resume") or {}
+        if not isinstance(resume, dict):
+            raise TypeError("resume must be a map")
+        resume_text = resume.get("text", "")
+        if not isinstance(resume_text, str):
+            # A NATS client's value: str() of a list nested a thousand deep never returns.
+            raise TypeError("resume.text must be a string")
         return cls(
             request_id=str(env["request_id"]),
             kind=str(env.get("kind", "chat")),
@@ -75,7 +81,7 @@ class GenerationRequest:
             prompt=env.get("prompt"),
             input=env.get("input"),
             extra=dict(env.get("extra") or {}),
-            resume_text=str(resume.get("text", "")),
+            resume_text=resume_text,
             resume_tokens=max(0, int(resume.get("tokens", 0))),
         )
 
