@@ -98,19 +98,22 @@ async def test_a_worker_killed_mid_stream_is_migrated_over_http(procs: Procs, mo
         procs, model, "ingress", "router", workers=3, worker_args=SLOW, env=HB, settle=0.6
     )
     async with stack.openai() as api:
-        streams = [
-            await api.chat.completions.create(
+        raws = [
+            await api.chat.completions.with_raw_response.create(
                 model=model, messages=MSG, max_tokens=100, stream=True
             )  # type: ignore[call-overload]
             for _ in range(6)
         ]
+        streams = [r.parse() for r in raws]
         texts = ["" for _ in streams]
         for i, s in enumerate(streams):
             for _ in range(5):
                 ch = await s.__anext__()
                 if ch.choices:
                     texts[i] += ch.choices[0].delta.content or ""
-        stack.workers[0].signal(signal.SIGKILL)
+        # The worker serving the first stream (the bridge may not have heard every worker's
+        # first heartbeat yet, so the streams need not be spread over all three).
+        _victim(stack.workers, raws[0].headers.get("x-tokenbus-replica")).signal(signal.SIGKILL)
         for i, s in enumerate(streams):
             async for ch in s:
                 if ch.choices:
