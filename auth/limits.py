@@ -114,7 +114,7 @@ class _Window:
         """Whether a change of ``delta`` tokens to an attempt's charge can be made in the
         lease instead of the store: an excess the lease covers (leased tokens are counted
         in the store already), or a refund that leaves the lease no bigger than a lease may
-        grow to (about a sixteenth of what the store had left at the last lease)."""
+        grow to (about a fifteenth of what the store had left at the last lease)."""
         if delta > 0:
             return self.t_left >= delta
         return self.tpm is not None and (self.t_left - delta) * (_SHARE - 1) <= (

@@ -155,7 +155,10 @@ class Recorder:
         recs, self._batch = self._batch, []
         if not recs or self.nc is None:
             return
-        data = codec.encode(recs[0] if len(recs) == 1 else {"records": recs})
+        try:
+            data = codec.encode(recs[0] if len(recs) == 1 else {"records": recs})
+        except Exception:  # a record that cannot be encoded: fire and forget, never raise
+            return
         self.messages += 1
         task = asyncio.get_running_loop().create_task(self._publish(data))
         self._sending.add(task)

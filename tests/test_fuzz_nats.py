@@ -1035,6 +1035,11 @@ async def test_an_output_filter_policy_of_the_wrong_shape_is_refused_in_the_ack(
     (``filter_policy.preset: null``) with a traceback."""
     env = bus.envelope()
     env["filter_policy"]["preset"] = None
+    await _refused_in_the_ack(bus, env)
+
+
+async def _refused_in_the_ack(bus: FuzzBus, env: dict[str, Any]) -> None:
+    """``env`` sent to the replica is refused in its ack as invalid, every service alive."""
     subject = subjects.engine_generate(bus.model, bus.replica)
     ack = await bus.exchange(
         subject, pack(env), _block(bus.engine_headers()), reply=True, answers="ack"
@@ -1051,14 +1056,7 @@ async def test_a_resume_of_the_wrong_shape_is_refused_in_the_ack(bus: FuzzBus, r
     """Was (make test, 30 examples): ``resume.text`` a list nested 1 000 deep made the
     worker's ``str()`` of it raise RecursionError: a traceback and an untyped ack; a
     ``resume`` that was no map raised AttributeError."""
-    env = {**bus.envelope(), "resume": resume}
-    subject = subjects.engine_generate(bus.model, bus.replica)
-    ack = await bus.exchange(
-        subject, pack(env), _block(bus.engine_headers()), reply=True, answers="ack"
-    )
-    assert ack is not None and not ack["ok"], ack
-    assert ack["error"]["code"] == "invalid_request", ack
-    await bus.check_health()
+    await _refused_in_the_ack(bus, {**bus.envelope(), "resume": resume})
 
 
 async def test_tools_of_the_wrong_type_do_not_fail_the_engine(bus: FuzzBus) -> None:
