@@ -132,7 +132,7 @@ class Recorder:
     """One connection's records, sent together: fire and forget, never raises, never
     waits for the telemetry service."""
 
-    def __init__(self, nc: NATS | None) -> None:
+    def __init__(self, nc: NATS) -> None:
         self.nc = nc
         self._batch: list[dict[str, Any]] = []
         self._timer: asyncio.TimerHandle | None = None
@@ -140,8 +140,6 @@ class Recorder:
         self.messages = 0
 
     def add(self, record: dict[str, Any]) -> None:
-        if self.nc is None:
-            return
         self._batch.append(record)
         if len(self._batch) >= BATCH_MAX:
             self._send()
@@ -153,7 +151,7 @@ class Recorder:
             self._timer.cancel()
             self._timer = None
         recs, self._batch = self._batch, []
-        if not recs or self.nc is None:
+        if not recs:
             return
         try:
             data = codec.encode(recs[0] if len(recs) == 1 else {"records": recs})
@@ -166,7 +164,7 @@ class Recorder:
 
     async def _publish(self, data: bytes) -> None:
         with contextlib.suppress(Exception):
-            await self.nc.publish(subject(), data)  # type: ignore[union-attr]
+            await self.nc.publish(subject(), data)
 
     async def flush(self) -> None:
         """Send what waits now and hand it to the connection (a stopping process)."""
