@@ -447,10 +447,13 @@ async def live_replicas(
 
 
 async def wait_replicas(url: str, model: str, n: int, timeout: float = 60, **login: Any) -> None:
+    # What each replica said last, over every look: an idle replica beats only every few
+    # seconds, so n of them need not all beat within one short look.
     deadline = time.monotonic() + timeout
+    heard: dict[str, dict[str, Any]] = {}
     while time.monotonic() < deadline:
-        live = await live_replicas(url, model, 0.5, **login)
-        if len([r for r in live.values() if not r.get("draining")]) >= n:
+        heard.update(await live_replicas(url, model, 0.5, **login))
+        if len([r for r in heard.values() if not r.get("draining")]) >= n:
             return
     raise AssertionError(f"{n} replicas of {model} did not appear")
 
