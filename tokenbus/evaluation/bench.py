@@ -1056,6 +1056,14 @@ async def main(a: argparse.Namespace, s: Settings) -> int:
     if a.spawn and a.no_direct and (a.upstream or a.peer):
         print("error: --upstream and --peer need the direct engine server: drop --no-direct")
         return 2
+    from tokenbus.evaluation import peers
+
+    for spec in a.peer:  # before anything starts: a peer that is not there is a usage error
+        try:
+            peers.parse(spec)
+        except ValueError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
     levels_c = [int(x) for x in a.concurrency.split(",") if x.strip()]
     progress = not a.no_progress and sys.stderr.isatty()
     sup = nats = None

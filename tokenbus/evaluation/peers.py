@@ -4,10 +4,13 @@ started in front of the same OpenAI-compatible engine server as tokenbus' worker
 * ``vllm-router``: vLLM's Rust router (``pip install vllm-router``), ``--policy round_robin``
   over the one engine server;
 * ``litellm``: the LiteLLM proxy (``pip install 'litellm[proxy]'``), one model entry pointing
-  at the engine server.
+  at the engine server;
+* ``pyrelay``: a bare Python byte relay (``tokenbus.evaluation.pyrelay``, nothing to
+  install): the floor of any Python process that every token crosses.
 
-They are not tokenbus dependencies: install them (a virtual environment of their own is fine)
-and put them on PATH, or name the binary: ``--peer vllm-router=/opt/peers/bin/vllm-router``.
+The first two are not tokenbus dependencies: install them (a virtual environment of their own
+is fine) and put them on PATH, or name the binary:
+``--peer vllm-router=/opt/peers/bin/vllm-router``.
 """
 
 from __future__ import annotations
@@ -15,10 +18,11 @@ from __future__ import annotations
 import json
 import secrets
 import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-PEERS = ("vllm-router", "litellm")
+PEERS = ("vllm-router", "litellm", "pyrelay")
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +41,8 @@ def parse(spec: str) -> tuple[str, str]:
     name, _, binary = spec.partition("=")
     if name not in PEERS:
         raise ValueError(f"--peer {spec!r}: known peers are {', '.join(PEERS)}")
+    if name == "pyrelay":
+        return name, binary or sys.executable
     path = binary or shutil.which(name) or ""
     if not path or not Path(path).exists():
         raise ValueError(
@@ -58,6 +64,10 @@ def launch(
         argv += ["--policy", "round_robin", "--log-level", "warning"]
         argv += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(spare_port)]
         return PeerLaunch(name, argv, f"{here}/v1", f"{here}/health")
+    if name == "pyrelay":
+        argv = [binary, "-m", "tokenbus.evaluation.pyrelay", "--port", str(port)]
+        argv += ["--upstream", engine]
+        return PeerLaunch(name, argv, f"{here}/v1", f"{here}/ready")
     key = f"sk-{secrets.token_hex(16)}"
     cfg = tmp / "litellm.json"  # YAML is a superset of JSON: no YAML writer needed
     cfg.write_text(
