@@ -85,24 +85,33 @@ class Telemetry(Service):
             recs = records.batch(codec.decode_map(msg.data))
         except Exception:
             return
+        # One warning a message, however many of its records are bad: a batch of junk is
+        # not a way to flood the log.
+        bad, first = 0, ""
         for rec in recs:
-            self._record(rec, msg.subject)
+            err = self._record(rec)
+            if err is not None:
+                bad, first = bad + 1, first or err
+        if bad:
+            self.log.warning(
+                "bad_record_dropped", subject=msg.subject, count=bad, of=len(recs), error=first
+            )
 
-    def _record(self, rec: Any, subject: str) -> None:
+    def _record(self, rec: Any) -> str | None:
+        """Take one record; why not, if it is not one."""
         if not isinstance(rec, dict):
-            self.log.warning("bad_record_dropped", subject=subject, error="not a map")
-            return
+            return "not a map"
         try:
             self.metrics.observe(rec)
         except (AttributeError, TypeError, ValueError, RecursionError) as exc:
             # a field of the wrong type (a label nested too deep to print included)
-            self.log.warning("bad_record_dropped", subject=subject, error=str(exc)[:200])
-            return
+            return str(exc)[:200]
         if len(self.buffer) >= self.cfg.max_buffer:
             self.metrics.dropped.inc()
-            return
+            return None
         self.buffer.append(rec)
         self._buffered.set()
+        return None
 
     async def _on_heartbeat(self, msg: Msg) -> None:
         with contextlib.suppress(Exception):

@@ -12,6 +12,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+import structlog
 from nats.aio.client import Client as NATS
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -154,15 +155,21 @@ async def test_records_travel_together_and_every_one_is_read(
         msg = await seen.next_msg(timeout=0.5)
         assert codec.decode_map(msg.data)["request_id"] == "last"  # alone: sent as itself
         bad = {**rec("bad"), "prompt_tokens": -(2**63)}
-        junk = {"records": [1, "x", None, [rec("nested")], bad, rec("good")]}
-        await nc.publish(records.subject(), codec.encode(junk))
+        junk = {"records": [1, "x", None, [rec("nested")], bad, rec("good"), *[7] * 5000]}
+        with structlog.testing.capture_logs() as logs:
+            await nc.publish(records.subject(), codec.encode(junk))
 
-        def stored() -> set[str]:
-            return {r["request_id"] for r in tel.store.rows()}
+            def stored() -> set[str]:
+                return {r["request_id"] for r in tel.store.rows()}
 
-        await wait_for(lambda: {"b0", "b4", "last", "good"} <= stored(), timeout=10)
+            await wait_for(lambda: {"b0", "b4", "last", "good"} <= stored(), timeout=10)
         assert "nested" not in stored()
         assert not tel.stopped.is_set()
+        # 5 005 bad records, one warning that counts them.
+        warned = [e for e in logs if e["event"] == "bad_record_dropped"]
+        assert len(warned) == 1, warned
+        w = warned[0]
+        assert (w["count"], w["of"], w["error"]) == (5005, 5006, "not a map")
 
 
 async def test_http_records_metrics_and_report(procs: Procs, model: str, tmp_path: Path) -> None:
