@@ -469,6 +469,17 @@ async def wait_http(url: str, timeout: float = 60) -> None:
     raise AssertionError(f"{url} not ready")
 
 
+def stop_process(proc: subprocess.Popen[bytes], timeout: float = 10) -> None:
+    """SIGTERM, then SIGKILL if ``proc`` has not ended within ``timeout`` seconds."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 class Upstream:
     """The fake OpenAI-compatible upstream (``tests/fakes/upstream.py``), a real process on a
     free port, recording what it receives."""
@@ -496,11 +507,7 @@ class Upstream:
             return body
 
     def stop(self) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+        stop_process(self.proc)
         self._log.close()
 
 

@@ -23,7 +23,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gateway.asgi import BODY_NOW, HTTPServer, Receive, RouteTable, Scope, Send
+from gateway.asgi import BODY_NOW, HTTPServer, Receive, Route, RouteTable, Scope, Send
 from tests.conftest import (
     NatsServer,
     Procs,
@@ -292,6 +292,17 @@ def test_the_head_timeout_does_not_cut_a_long_answer_on_a_kept_alive_connection(
         assert _read_one(s)[0] == 200
 
 
+@contextlib.asynccontextmanager
+async def _served(routes: dict[tuple[str, str], Route]) -> AsyncIterator[int]:
+    """The bridge's HTTP server on a free port, serving ``routes``: its port; stopped after."""
+    srv = HTTPServer(RouteTable(routes), "127.0.0.1", 0, reuse_port=False, shutdown_timeout=1)
+    await srv.start()
+    try:
+        yield srv.sock.getsockname()[1]
+    finally:
+        await srv.stop()
+
+
 async def test_body_now_writes_at_once_until_the_client_falls_behind() -> None:
     """``BodyNow`` (how the bridge writes most tokens, from the stream's delivery callback)
     writes a chunked body's pieces at once, refuses while the client reads too slowly
@@ -322,17 +333,7 @@ async def test_body_now_writes_at_once_until_the_client_falls_behind() -> None:
         seen["fixed"] = now(b"x")
         await send({"type": "http.response.body", "body": b"ok"})
 
-    srv = HTTPServer(
-        RouteTable({("GET", "/big"): app, ("GET", "/fixed"): fixed}),
-        "127.0.0.1",
-        0,
-        reuse_port=False,
-        shutdown_timeout=1,
-    )
-    await srv.start()
-    port = srv.sock.getsockname()[1]
-
-    def read(path: str) -> Response:
+    def read(port: int, path: str) -> Response:
         with socket.socket() as s:
             s.settimeout(HANG_S)
             s.connect(("127.0.0.1", port))
@@ -341,11 +342,9 @@ async def test_body_now_writes_at_once_until_the_client_falls_behind() -> None:
             (resp,) = _parse(_until_closed(s))
             return resp
 
-    try:
-        status, _, body = await asyncio.to_thread(read, "/big")
-        fixed_resp = await asyncio.to_thread(read, "/fixed")
-    finally:
-        await srv.stop()
+    async with _served({("GET", "/big"): app, ("GET", "/fixed"): fixed}) as port:
+        status, _, body = await asyncio.to_thread(read, port, "/big")
+        fixed_resp = await asyncio.to_thread(read, port, "/fixed")
     assert status == 200 and body == b"".join(pieces)
     assert fixed_resp[0] == 200 and fixed_resp[2] == b"ok"
     assert 0 < seen["refused"] < len(pieces)  # at once at first, then through send
@@ -371,17 +370,7 @@ async def test_a_held_head_goes_out_with_the_first_piece_of_body_or_before_a_clo
         await send({"type": "http.response.start", "status": 200, "headers": []})
         raise RuntimeError("the app failed after its head")
 
-    srv = HTTPServer(
-        RouteTable({("GET", "/first"): first, ("GET", "/fails"): fails}),
-        "127.0.0.1",
-        0,
-        reuse_port=False,
-        shutdown_timeout=1,
-    )
-    await srv.start()
-    port = srv.sock.getsockname()[1]
-
-    def first_read(path: str) -> tuple[bytes, bytes]:
+    def first_read(port: int, path: str) -> tuple[bytes, bytes]:
         with socket.socket() as s:
             s.settimeout(HANG_S)
             s.connect(("127.0.0.1", port))
@@ -389,11 +378,9 @@ async def test_a_held_head_goes_out_with_the_first_piece_of_body_or_before_a_clo
             got = s.recv(65536)
             return got, got + _until_closed(s)
 
-    try:
-        head_and_first, whole = await asyncio.to_thread(first_read, "/first")
-        _, failed_whole = await asyncio.to_thread(first_read, "/fails")
-    finally:
-        await srv.stop()
+    async with _served({("GET", "/first"): first, ("GET", "/fails"): fails}) as port:
+        head_and_first, whole = await asyncio.to_thread(first_read, port, "/first")
+        _, failed_whole = await asyncio.to_thread(first_read, port, "/fails")
     assert head_and_first.startswith(b"HTTP/1.1 200 OK\r\n")
     assert head_and_first.endswith(b"data: 1\n\n\r\n"), head_and_first  # head + first chunk
     ((status, _, body),) = _parse(whole)
@@ -491,19 +478,11 @@ async def test_an_exception_that_escapes_the_app_is_an_openai_shaped_500() -> No
     async def broken(scope: Scope, receive: Receive, send: Send) -> None:
         raise RuntimeError("a bug in a handler")
 
-    srv = HTTPServer(
-        RouteTable({("GET", "/broken"): broken}),
-        "127.0.0.1",
-        0,
-        reuse_port=False,
-        shutdown_timeout=1,
-    )
-    await srv.start()
-    try:
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{srv.sock.getsockname()[1]}") as h:
-            r = await h.get("/broken")
-    finally:
-        await srv.stop()
+    async with (
+        _served({("GET", "/broken"): broken}) as port,
+        httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as h,
+    ):
+        r = await h.get("/broken")
     assert r.status_code == 500
     assert r.json()["error"] == {
         "message": "the gateway failed; retry",

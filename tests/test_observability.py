@@ -40,6 +40,7 @@ from tests.conftest import (
     settings,
     spawn_nats,
     start_stack,
+    stop_process,
     wait_for,
 )
 from tests.lockedbus import LockedBus
@@ -289,13 +290,7 @@ class Prometheus:
         self.api = f"http://127.0.0.1:{self.port}/api/v1"
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)
         self.log.close()
 
     async def get(self, path: str, **params: Any) -> Any:

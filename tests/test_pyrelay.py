@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from engine_worker.backends.sim import expected_text
-from tests.conftest import ROOT, Procs, free_port, wait_http, wait_port
+from tests.conftest import ROOT, Procs, free_port, stop_process, wait_http, wait_port
 
 MSG = [{"role": "user", "content": "hello there"}]
 PROMPT = "<|user|>hello there\n"
@@ -34,11 +34,7 @@ class Relay:
         wait_port(self.port, 20)
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+        stop_process(self.proc)
         self._log.close()
 
 
