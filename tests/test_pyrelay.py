@@ -22,6 +22,8 @@ RELAY = (sys.executable, "-m", "tokenbus.evaluation.pyrelay")
 
 
 class Relay:
+    """``python -m tokenbus.evaluation.pyrelay`` on a free port, in front of ``upstream``."""
+
     def __init__(self, upstream: str, log: Path) -> None:
         self.port = free_port()
         self._log = open(log, "wb")  # noqa: SIM115 - closed in stop()
@@ -39,7 +41,8 @@ class Relay:
 
 
 @pytest.fixture
-def relay_to(tmp_path: Path) -> Iterator[list[Relay]]:
+def relay_to() -> Iterator[list[Relay]]:
+    """Relays a test starts; each stopped after it."""
     started: list[Relay] = []
     yield started
     for r in started:
