@@ -25,7 +25,7 @@ from typing import Any
 
 from services.config import DEFAULT_MODEL, BridgeSettings, Settings
 from telemetry import records
-from tokenbus.evaluation.peers import PEERS
+from tokenbus.evaluation import peers
 
 
 @dataclass
@@ -165,7 +165,7 @@ def add_parser(sub: Any) -> None:
         default=[],
         metavar="NAME[=BINARY]",
         help="--spawn: a peer gateway in front of the same engine server, measured side by side "
-        f"(repeatable): {', '.join(PEERS)}; BINARY defaults to the name on PATH",
+        f"(repeatable): {', '.join(peers.PEERS)}; BINARY defaults to the name on PATH",
     )
     g.add_argument(
         "--locked",
@@ -921,8 +921,6 @@ async def spawn_stack(a: argparse.Namespace, sup: Any) -> tuple[list[Target], An
     bridge_env = as_role(env, users, "bridge")
     for child in bridge_children(bridges, bridge_env):
         await sup.add(child)
-    from tokenbus.evaluation import peers
-
     launches = []
     for spec in a.peer:
         name, binary = peers.parse(spec)
@@ -1056,8 +1054,6 @@ async def main(a: argparse.Namespace, s: Settings) -> int:
     if a.spawn and a.no_direct and (a.upstream or a.peer):
         print("error: --upstream and --peer need the direct engine server: drop --no-direct")
         return 2
-    from tokenbus.evaluation import peers
-
     for spec in a.peer:  # before anything starts: a peer that is not there is a usage error
         try:
             peers.parse(spec)
