@@ -227,12 +227,13 @@ def test_bench_spawn_writes_json_with_both_paths(tmp_path: Path) -> None:
 
 
 def test_bench_measures_a_peer_in_front_of_the_same_engine(tmp_path: Path) -> None:
-    # pyrelay needs nothing installed, so the --peer path runs here end to end: the peer
-    # started in front of the engine server tokenbus' openai workers use, its own level,
-    # its CPU from its own process, and a line in the comparison.
+    # pyrelay and busrelay need nothing installed, so the --peer path runs here end to end:
+    # each peer started in front of the engine server tokenbus' openai workers use, its own
+    # level, its CPU from its own processes, and a line in the comparison.
     out = tmp_path / "bench.json"
     r = run_cli(
-        *("bench", "--spawn", "--upstream", "--peer", "pyrelay", "--concurrency", "1,3"),
+        *("bench", "--spawn", "--upstream", "--peer", "pyrelay", "--peer", "busrelay"),
+        *("--concurrency", "1,3"),
         *("--requests-per-client", "2", "--max-tokens", "6", "--sim-prefill-ms", "2"),
         *("--sim-decode-ms", "1", "--out", str(out)),
         env=_env(),
@@ -241,16 +242,22 @@ def test_bench_measures_a_peer_in_front_of_the_same_engine(tmp_path: Path) -> No
     assert r.returncode == 0, r.stdout + r.stderr
     report = json.loads(out.read_text())
     levels = {(lv["target"], lv["concurrency"]): lv for lv in report["levels"]}
-    assert set(levels) == {(t, c) for t in ("tokenbus-http", "pyrelay", "direct") for c in (1, 3)}
+    peers = ("pyrelay", "busrelay")
+    assert set(levels) == {(t, c) for t in ("tokenbus-http", *peers, "direct") for c in (1, 3)}
     for lv in levels.values():
         assert lv["errors"] == 0 and lv["output_tokens"] == 6 * lv["requests"]
-    # Its own process (and the load generator's, reported apart), none of tokenbus'.
+    # Its own processes (and the load generator's, reported apart), none of tokenbus': the
+    # tunnel's nats-server and back process count as its own.
     assert set(levels[("pyrelay", 3)]["cpu_percent"]) == {"pyrelay", "bench-client"}
+    tunnel = {"busrelay", "busrelay-nats", "busrelay-back", "bench-client"}
+    assert set(levels[("busrelay", 3)]["cpu_percent"]) == tunnel
+    assert not tunnel & set(levels[("tokenbus-http", 3)]["cpu_percent"]) - {"bench-client"}
     assert {(c["target"], c["concurrency"]) for c in report["comparison"]} == {
-        (t, c) for t in ("tokenbus-http", "pyrelay") for c in (1, 3)
+        (t, c) for t in ("tokenbus-http", *peers) for c in (1, 3)
     }
     bad = run_cli("bench", "--spawn", "--peer", "nosuch", env=_env(), timeout=60)
-    assert bad.returncode != 0 and "known peers are vllm-router, litellm, pyrelay" in bad.stderr
+    assert bad.returncode != 0
+    assert "known peers are vllm-router, litellm, pyrelay, busrelay" in bad.stderr
 
 
 def test_bench_against_nothing_reports_errors_not_a_crash(tmp_path: Path) -> None:

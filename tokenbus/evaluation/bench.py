@@ -925,6 +925,8 @@ async def spawn_stack(a: argparse.Namespace, sup: Any) -> tuple[list[Target], An
     for spec in a.peer:
         name, binary = peers.parse(spec)
         launch = peers.launch(name, binary, engine, a.model, _free_port(), Path(tmp), _free_port())
+        for companion, argv in launch.companions:
+            await sup.add(Child(companion, argv, {}))
         await sup.add(Child(name, launch.argv, {}))
         launches.append(launch)
     await _wait_http(f"http://127.0.0.1:{bridge_port}/ready")
@@ -935,6 +937,7 @@ async def spawn_stack(a: argparse.Namespace, sup: Any) -> tuple[list[Target], An
         await _wait_http(launch.ready_url, timeout=120)
     pids = {c.name: c.proc.pid for c in sup.children if c.proc is not None}
     others = {"direct", *(p.name for p in launches)}
+    others |= {c for p in launches for c, _ in p.companions}
     # Every tokenbus process, its nats-server included.
     stack_pids = {k: v for k, v in pids.items() if k not in others} | {"nats-server": nats.pid}
     targets = [
@@ -954,7 +957,7 @@ async def spawn_stack(a: argparse.Namespace, sup: Any) -> tuple[list[Target], An
             Target("tokenbus-nats", "nats", url, stack_pids, api_key=key, login=client_login)
         )
     for launch in launches:
-        peer_pids = {launch.name: pids[launch.name]}
+        peer_pids = {n: pids[n] for n in (launch.name, *(c for c, _ in launch.companions))}
         targets.append(Target(launch.name, "http", launch.base_url, peer_pids, launch.api_key))
     if not a.no_direct:
         targets.append(

@@ -6,7 +6,10 @@ started in front of the same OpenAI-compatible engine server as tokenbus' worker
 * ``litellm``: the LiteLLM proxy (``pip install 'litellm[proxy]'``), one model entry pointing
   at the engine server;
 * ``pyrelay``: a bare Python byte relay (``tokenbus.evaluation.pyrelay``, nothing to
-  install): the floor of any Python process that every token crosses.
+  install): the floor of any Python process that every token crosses;
+* ``busrelay``: a bare byte tunnel from a Python front process through a nats-server of its
+  own to a Python back process (``tokenbus.evaluation.busrelay``, nothing to install): the
+  floor of tokenbus' own shape, bridge, bus and worker, before any of their work.
 
 The first two are not tokenbus dependencies: install them (a virtual environment of their own
 is fine) and put them on PATH, or name the binary:
@@ -22,7 +25,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-PEERS = ("vllm-router", "litellm", "pyrelay")
+from tokenbus.launcher import nats_server_binary
+
+PEERS = ("vllm-router", "litellm", "pyrelay", "busrelay")
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +39,8 @@ class PeerLaunch:
     base_url: str  # OpenAI base URL (…/v1)
     ready_url: str  # answers 200 once it serves
     api_key: str | None = None  # what requests must send (a gateway that checks keys)
+    # Processes started before it, in order, as (name, argv); their CPU counts as its own.
+    companions: tuple[tuple[str, list[str]], ...] = ()
 
 
 def parse(spec: str) -> tuple[str, str]:
@@ -41,7 +48,7 @@ def parse(spec: str) -> tuple[str, str]:
     name, _, binary = spec.partition("=")
     if name not in PEERS:
         raise ValueError(f"--peer {spec!r}: known peers are {', '.join(PEERS)}")
-    if name == "pyrelay":
+    if name in ("pyrelay", "busrelay"):
         return name, binary or sys.executable
     path = binary or shutil.which(name) or ""
     if not path or not Path(path).exists():
@@ -68,6 +75,16 @@ def launch(
         argv = [binary, "-m", "tokenbus.evaluation.pyrelay", "--port", str(port)]
         argv += ["--upstream", engine]
         return PeerLaunch(name, argv, f"{here}/v1", f"{here}/ready")
+    if name == "busrelay":
+        bus = f"nats://127.0.0.1:{spare_port}"
+        relay = [binary, "-m", "tokenbus.evaluation.busrelay"]
+        nats = [nats_server_binary(), "-a", "127.0.0.1", "-p", str(spare_port)]
+        companions = (
+            (f"{name}-nats", nats),
+            (f"{name}-back", [*relay, "back", "--nats", bus, "--upstream", engine]),
+        )
+        argv = [*relay, "front", "--nats", bus, "--port", str(port)]
+        return PeerLaunch(name, argv, f"{here}/v1", f"{here}/ready", companions=companions)
     key = f"sk-{secrets.token_hex(16)}"
     cfg = tmp / "litellm.json"  # YAML is a superset of JSON: no YAML writer needed
     cfg.write_text(
