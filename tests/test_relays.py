@@ -25,6 +25,7 @@ from tests.conftest import (
     wait_http,
     wait_port,
 )
+from tokenbus.launcher import port_open
 
 MSG = [{"role": "user", "content": "hello there"}]
 PROMPT = "<|user|>hello there\n"
@@ -145,6 +146,28 @@ async def test_the_tunnel_brings_each_front_its_own_streams(procs: Procs, relays
     lengths = [3 + i % 20 for i in range(24)]
     got = await asyncio.gather(*(one(fronts[i % 2].port, n) for i, n in enumerate(lengths)))
     assert got == [expected_text(PROMPT, n)[0] for n in lengths]
+
+
+async def test_a_front_listens_only_once_a_back_answers(
+    procs: Procs, tmp_path: Path, private_nats: NatsServer
+) -> None:
+    """Before a back process is on the bus, what a client sent would reach nobody and the
+    client would hang: the front does not listen until one answers."""
+    engine = await _engine(procs)
+    front, back = Relay(tmp_path), Relay(tmp_path)
+    try:
+        bus = ("--nats", private_nats.url)
+        front.start("front", *BUSRELAY, "front", *bus, "--port", str(front.port))
+        await asyncio.sleep(1.5)
+        assert front.running() and not port_open("127.0.0.1", front.port)
+        back.start("back", *BUSRELAY, "back", *bus, "--upstream", engine)
+        wait_port(front.port, 20)
+        async with httpx.AsyncClient(timeout=10) as c:
+            r = await c.get(f"http://127.0.0.1:{front.port}/ready")
+        assert r.status_code == 200
+    finally:
+        front.stop()
+        back.stop()
 
 
 @pytest.mark.parametrize("kind", ["pyrelay", "busrelay"])

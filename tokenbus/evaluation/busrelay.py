@@ -8,8 +8,9 @@ tokenbus' work: no HTTP parsing, no JSON, no frames, no stage. Each client conne
 tunnelled to an upstream connection of its own, and bytes are copied both ways as they
 arrive. Like tokenbus' outbox, what a side reads in one event-loop turn leaves as one NATS
 message per destination process (msgpack ``[[connection, bytes], ...]``; empty bytes: that
-side closed). What it costs per output token is the least any design of this shape pays
-before it does any work of its own (docs/benchmarks.md, issue 13).
+side closed). A front listens only once a back answers on the bus, so a client that can
+connect is never tunnelled to nobody. What it costs per output token is the least any
+design of this shape pays before it does any work of its own (docs/benchmarks.md, issue 13).
 
 It is a measuring instrument, not a gateway: no keys, no routing, one upstream, no flow
 control (the benchmark's clients read as fast as they can).
@@ -36,6 +37,7 @@ from services import natsclient, runtime
 from tokenbus.evaluation.pyrelay import address
 
 TO_BACK = "floor.c2s"  # queue group "back": every back process takes a share of connections
+BACK_READY = "floor.ready"  # a back answers once it takes connections
 
 
 def to_front(front: str) -> str:
@@ -129,9 +131,25 @@ async def _connect(url: str, timeout: float = 15.0) -> Any:
             await asyncio.sleep(0.1)
 
 
+async def _back_answers(nc: Any, timeout: float = 30.0) -> None:
+    """Until a back process answers (before that, what a client sends would reach nobody)."""
+    loop = asyncio.get_running_loop()
+    until = loop.time() + timeout
+    while True:
+        try:
+            await nc.request(BACK_READY, b"", timeout=0.5)
+            return
+        except Exception:
+            if loop.time() > until:
+                raise
+            await asyncio.sleep(0.1)
+
+
 async def front(host: str, port: int, nats_url: str) -> asyncio.Server:
-    """Listen on ``host:port``; every connection is tunnelled to a back process."""
+    """Listen on ``host:port`` once a back process answers; every connection is tunnelled
+    to a back process."""
     nc = await _connect(nats_url)
+    await _back_answers(nc)
     me = secrets.token_hex(4)
     out = _Batches(nc.publish)
     clients: dict[int, _Socket] = {}
@@ -205,6 +223,12 @@ async def back(nats_url: str, upstream: str) -> Any:
             sock.write(data)
 
     await natsclient.subscribe_direct(nc, TO_BACK, on_msg, queue="back")
+
+    async def ready(msg: Msg) -> None:
+        await msg.respond(b"")
+
+    # After the subscription above: the server has it by the time a front hears the answer.
+    await nc.subscribe(BACK_READY, cb=ready)
     return nc
 
 
