@@ -27,8 +27,8 @@ import argparse
 import asyncio
 import contextlib
 import secrets
-from collections.abc import Callable
-from typing import Any, cast
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar, cast
 
 import msgpack
 from nats.aio.msg import Msg
@@ -38,6 +38,8 @@ from tokenbus.evaluation.pyrelay import address
 
 TO_BACK = "floor.c2s"  # queue group "back": every back process takes a share of connections
 BACK_READY = "floor.ready"  # a back answers once it takes connections
+
+T = TypeVar("T")
 
 
 def to_front(front: str) -> str:
@@ -118,31 +120,29 @@ class _Socket(asyncio.Protocol):
             self.transport.close()
 
 
-async def _connect(url: str, timeout: float = 15.0) -> Any:
+async def _retried(attempt: Callable[[], Awaitable[T]], timeout: float) -> T:
+    """``attempt()``, again every 0.1 s while it fails, until ``timeout`` seconds pass."""
+    loop = asyncio.get_running_loop()
+    until = loop.time() + timeout
+    while True:
+        try:
+            return await attempt()
+        except Exception:
+            if loop.time() > until:
+                raise
+            await asyncio.sleep(0.1)
+
+
+async def _connect(url: str) -> Any:
     """A NATS connection, retried while the server starts."""
-    loop = asyncio.get_running_loop()
-    until = loop.time() + timeout
-    while True:
-        try:
-            return await natsclient.connect(url, allow_reconnect=False, connect_timeout=1)
-        except Exception:
-            if loop.time() > until:
-                raise
-            await asyncio.sleep(0.1)
+    return await _retried(
+        lambda: natsclient.connect(url, allow_reconnect=False, connect_timeout=1), 15.0
+    )
 
 
-async def _back_answers(nc: Any, timeout: float = 30.0) -> None:
+async def _back_answers(nc: Any) -> None:
     """Until a back process answers (before that, what a client sends would reach nobody)."""
-    loop = asyncio.get_running_loop()
-    until = loop.time() + timeout
-    while True:
-        try:
-            await nc.request(BACK_READY, b"", timeout=0.5)
-            return
-        except Exception:
-            if loop.time() > until:
-                raise
-            await asyncio.sleep(0.1)
+    await _retried(lambda: nc.request(BACK_READY, b"", timeout=0.5), 30.0)
 
 
 async def front(host: str, port: int, nats_url: str) -> asyncio.Server:
@@ -254,9 +254,8 @@ def main(argv: list[str] | None = None) -> None:
             async with server:
                 await server.serve_forever()
         else:
-            nc = await back(a.nats, a.upstream)
+            _held = await back(a.nats, a.upstream)  # its connection, kept while it serves
             await asyncio.Event().wait()  # until stopped
-            await nc.close()
 
     with contextlib.suppress(KeyboardInterrupt):
         runtime.run(run())
