@@ -19,7 +19,6 @@ import asyncio
 import contextlib
 import dataclasses
 import json
-import socket
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
@@ -38,6 +37,7 @@ from uvicorn.server import ServerState
 from bus_schemas import errors as E
 from bus_schemas import headers as H
 from bus_schemas import marks
+from services.runtime import listen_socket
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -579,13 +579,7 @@ class HTTPServer:
         tls_key: str = "",
         limits: HTTPLimits | None = None,
     ) -> None:
-        fam = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self.sock = socket.socket(fam, socket.SOCK_STREAM)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        if reuse_port:
-            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        self.sock.bind((host, port))
-        self.sock.listen(4096)
+        self.sock = listen_socket(host, port, reuse_port=reuse_port)
         self.sock.setblocking(False)
         cfg = _Config(
             _openai_500(app),

@@ -16,6 +16,7 @@ import json
 import os
 import re
 import signal
+import socket
 import ssl
 import time
 import uuid
@@ -100,11 +101,38 @@ def servers(url: str) -> list[str]:
     return [u.strip() for u in url.split(",") if u.strip()]
 
 
-class ConnectRefused(Exception):
+class StartRefused(Exception):
+    """A service cannot start as configured (its port is taken, its login refused, its
+    upstream does not serve its model): retrying cannot help, so it exits with status 2."""
+
+
+class ConnectRefused(StartRefused):
     """The NATS server refused this process's credentials at connect: retrying cannot help."""
 
 
-def _is_auth_error(exc: BaseException) -> bool:
+def listen_socket(host: str, port: int, *, reuse_port: bool, what: str = "--port") -> socket.socket:
+    """A TCP socket bound to ``host:port`` and listening (SO_REUSEPORT when ``reuse_port``,
+    for several processes on one port), or :class:`StartRefused` saying why it cannot be:
+    a port taken or not ours to bind is the operator's to fix, not a crash to retry."""
+    fam = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(fam, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((host, port))
+        sock.listen(4096)
+    except OSError as exc:
+        sock.close()
+        raise StartRefused(
+            f"cannot listen on {host}:{port}: {exc.strerror or exc}. Stop what runs there "
+            f"or pick another port with {what}."
+        ) from None
+    return sock
+
+
+def is_auth_error(exc: BaseException) -> bool:
+    """Whether a connect error is the server refusing this login (or its TLS): final."""
     return (
         isinstance(exc, nats.errors.AuthorizationError)
         or "authorization violation" in str(exc).lower()
@@ -134,7 +162,7 @@ async def connect(
             on_reconnected()
 
     async def on_error(exc: Exception) -> None:
-        if not connected and _is_auth_error(exc):
+        if not connected and is_auth_error(exc):
             if not refused.done():
                 refused.set_result(exc)
             return

@@ -14,7 +14,14 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import ROOT, free_port, run_cli
+from tests.conftest import (
+    ROOT,
+    child_matching,
+    children_of,
+    free_port,
+    run_cli,
+    taken_port,
+)
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -67,6 +74,7 @@ def test_up_serves_restarts_crashed_children_and_stops_cleanly(tmp_path: Path) -
         env=_env(),
     )
     lines: list[str] = []
+    stack_pids: dict[int, str] = {}
     try:
         banner = _wait_line(proc, "tokenbus is up", lines)
         assert f"http://127.0.0.1:{port}/v1" in banner
@@ -97,19 +105,18 @@ def test_up_serves_restarts_crashed_children_and_stops_cleanly(tmp_path: Path) -
         assert out.usage is not None and out.usage.completion_tokens == 4
         assert (tmp_path / "data" / "nats" / "jetstream").is_dir()
 
-        # A child that dies is started again.
-        pids = subprocess.run(
-            ["pgrep", "-f", "serve worker --replica sim-0"], capture_output=True, text=True
-        ).stdout.split()
-        assert pids
-        os.kill(int(pids[0]), signal.SIGKILL)
+        # A child that dies is started again: the test's own stack's worker, found among
+        # the launcher's children, not by a pattern across the machine.
+        stack_pids.update(children_of(proc.pid))
+        pid = child_matching(proc.pid, "serve worker --replica sim-0")
+        assert pid is not None, stack_pids
+        os.kill(pid, signal.SIGKILL)
         _wait_line(proc, "worker-0 exited", lines)
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
-            again = subprocess.run(
-                ["pgrep", "-f", "serve worker --replica sim-0"], capture_output=True, text=True
-            ).stdout.split()
-            if again and again != pids:
+            again = child_matching(proc.pid, "serve worker --replica sim-0")
+            if again is not None and again != pid:
+                stack_pids[again] = "worker-0, restarted"
                 break
             time.sleep(0.2)
         else:
@@ -122,8 +129,9 @@ def test_up_serves_restarts_crashed_children_and_stops_cleanly(tmp_path: Path) -
         # JetStream directory (the same key still works), and meanwhile every request gets
         # an answer (503 with Retry-After while the bus is away), none hangs.
         conf = str(tmp_path / "data" / "nats-locked" / "nats.conf")
-        nats_pids = subprocess.run(["pgrep", "-f", conf], capture_output=True, text=True)
-        os.kill(int(nats_pids.stdout.split()[0]), signal.SIGKILL)
+        nats_pid = child_matching(proc.pid, conf)
+        assert nats_pid is not None, children_of(proc.pid)
+        os.kill(nats_pid, signal.SIGKILL)
         statuses: list[int] = []
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
@@ -155,24 +163,20 @@ def test_up_serves_restarts_crashed_children_and_stops_cleanly(tmp_path: Path) -
         assert st.returncode == 0, st.stdout + st.stderr
         assert len(json.loads(st.stdout)["replicas"]) == 2
     finally:
+        stack_pids.update(children_of(proc.pid))
         proc.send_signal(signal.SIGINT)
         rc = proc.wait(60)
     rest = proc.stdout.read() if proc.stdout else ""
     assert rc == 0, [*lines, rest]
     assert "stopped." in rest
-    left = subprocess.run(["pgrep", "-f", f"--port {port}"], capture_output=True, text=True)
-    assert left.stdout.strip() == ""
+    left = {p: cmd for p, cmd in stack_pids.items() if Path(f"/proc/{p}").exists()}
+    assert not left, left  # every process the stack started has ended with it
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"http://127.0.0.1:{port}/health")
 
 
 def test_up_refuses_a_taken_nats_port(tmp_path: Path) -> None:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        s.listen()
-        taken = s.getsockname()[1]
+    with taken_port() as taken:
         r = run_cli(
             "up",
             "--nats-port",
@@ -359,3 +363,43 @@ def test_bench_rejects_a_bad_prompts_file(tmp_path: Path) -> None:
         "--concurrency", "1", "--requests-per-client", "1", env=_env(), timeout=60,
     )  # fmt: skip
     assert r.returncode != 0 and "needs" in (r.stdout + r.stderr)
+
+
+@pytest.mark.parametrize("processes", ["1", "3"])
+def test_serve_bridge_on_a_taken_port_is_a_usage_error(tmp_path: Path, processes: str) -> None:
+    with taken_port() as taken:
+        r = run_cli(
+            *("serve", "bridge", "--port", str(taken), "--processes", processes),
+            env=_env(TOKENBUS_UP__DATA_DIR=str(tmp_path)),
+            timeout=60,
+        )
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert f"cannot listen on 127.0.0.1:{taken}: Address already in use" in r.stderr
+    assert "--port" in r.stderr
+
+
+def test_up_refuses_a_taken_bridge_port(tmp_path: Path) -> None:
+    with taken_port() as taken:
+        r = run_cli(
+            *("up", "--port", str(taken), "--nats-port", str(free_port())),
+            *("--data-dir", str(tmp_path)),
+            env=_env(),
+            timeout=60,
+        )
+    assert r.returncode == 2
+    assert f"cannot listen on 127.0.0.1:{taken}" in r.stderr
+    assert not (tmp_path / "nats").exists()  # refused before anything started
+
+
+async def test_a_child_exiting_with_a_fatal_code_stops_its_supervisor(tmp_path: Path) -> None:
+    from tokenbus.launcher import Child, Supervisor, supervise_until_signalled
+
+    sup = Supervisor(tmp_path, backoff_s=0.1, echo=False, fatal_codes={2})
+    refuse = "import sys; print('error: port taken', file=sys.stderr); sys.exit(2)"
+    await sup.add(Child("bridge-1-0", [sys.executable, "-c", refuse]))
+    await sup.add(Child("bridge-1-1", [sys.executable, "-c", "import time; time.sleep(60)"]))
+    assert await supervise_until_signalled(sup, 5) == 2
+    assert sup.failed is not None and sup.failed[0].name == "bridge-1-0"
+    assert sup.last_error(sup.failed[0]) == "port taken"
+    assert all(c.restarts == 0 for c in sup.children)  # not restarted, and the other stopped
+    assert all(c.proc is not None and c.proc.returncode is not None for c in sup.children)

@@ -18,7 +18,7 @@ from bus_schemas import errors as E
 from bus_schemas import subjects
 from services.config import BridgeSettings, Settings
 from services.natsconf import generate, role_env
-from services.runtime import stop_event
+from services.runtime import StartRefused, listen_socket, stop_event
 
 
 def nats_server_binary() -> str:
@@ -55,12 +55,23 @@ class Child:
 class Supervisor:
     """Starts children, restarts the ones that die, stops them in order on request."""
 
-    def __init__(self, log_dir: Path, *, backoff_s: float = 1.0, echo: bool = True) -> None:
+    def __init__(
+        self,
+        log_dir: Path,
+        *,
+        backoff_s: float = 1.0,
+        echo: bool = True,
+        fatal_codes: frozenset[int] | set[int] = frozenset(),
+    ) -> None:
         self.log_dir = log_dir
         self.backoff_s = backoff_s
         self.children: list[Child] = []
         self.stopping = False
         self.echo = echo
+        # A child that exits with one of these (2: a usage error, such as a port it cannot
+        # bind) is not restarted: the supervisor stops and reports it in ``failed``.
+        self.fatal_codes = frozenset(fatal_codes)
+        self.failed: tuple[Child, int] | None = None
         log_dir.mkdir(parents=True, exist_ok=True)
 
     def say(self, text: str) -> None:
@@ -99,6 +110,13 @@ class Supervisor:
                     return
                 if c.proc is not None and c.proc.returncode is not None:
                     rc = c.proc.returncode
+                    if rc in self.fatal_codes:
+                        self.failed = (c, rc)
+                        self.say(
+                            f"  {c.name} exited (code {rc}) and is not restarted: "
+                            f"{self.last_error(c)}"
+                        )
+                        return
                     c.restarts += 1
                     self.say(
                         f"  {c.name} exited (code {rc}); restarting "
@@ -109,6 +127,16 @@ class Supervisor:
                     )
                     if not self.stopping:
                         await self.spawn(c)
+
+    def last_error(self, child: Child) -> str:
+        """The last line of ``child``'s log that starts with ``error:`` (what a service that
+        refuses to start says), or where its log is."""
+        path = self.log_dir / f"{child.name}.log"
+        with contextlib.suppress(OSError):
+            for line in reversed(path.read_text(errors="replace").splitlines()[-50:]):
+                if line.startswith("error: "):
+                    return line.removeprefix("error: ")
+        return f"see {path}"
 
     async def stop(self, timeout: float, order: list[str] | None = None) -> None:
         """SIGTERM children (in ``order`` of name prefixes first), wait, then SIGKILL."""
@@ -173,23 +201,32 @@ def cli_argv(*args: str) -> list[str]:
     return [sys.executable, "-m", "tokenbus.cli", *args]
 
 
-def bridge_children(b: BridgeSettings, env: dict[str, str]) -> list[Child]:
-    """``b.processes`` bridge processes, sharing the port with SO_REUSEPORT when several."""
+def bridge_children(b: BridgeSettings, env: dict[str, str], *, tag: str = "") -> list[Child]:
+    """``b.processes`` bridge processes (``bridge-<tag><i>``), sharing the port with
+    SO_REUSEPORT when several."""
     reuse = ["--reuse-port"] if b.processes > 1 else []
     https = ["--tls-cert", b.tls_cert, "--tls-key", b.tls_key] if b.tls_cert else []
     args = ["--processes", "1", "--host", b.host, "--port", str(b.port), *reuse, *https]
     return [
-        Child(f"bridge-{i}", cli_argv("serve", "bridge", *args), env) for i in range(b.processes)
+        Child(f"bridge-{tag}{i}", cli_argv("serve", "bridge", *args), env)
+        for i in range(b.processes)
     ]
 
 
-async def supervise_until_signalled(sup: Supervisor, timeout: float) -> None:
-    """Restart crashed children until SIGTERM/SIGINT, then stop them all."""
-    stop = stop_event()
+async def supervise_until_signalled(sup: Supervisor, timeout: float) -> int:
+    """Restart crashed children until SIGTERM/SIGINT, or until one exits with a fatal code,
+    then stop them all; 0, or that code."""
+    stop = asyncio.ensure_future(stop_event().wait())
     watcher = asyncio.get_running_loop().create_task(sup.watch())
-    await stop.wait()
+    await asyncio.wait({stop, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    stop.cancel()
     watcher.cancel()
     await sup.stop(timeout)
+    if sup.failed is not None:
+        child, rc = sup.failed
+        print(f"error: {child.name}: {sup.last_error(child)}", file=sys.stderr)
+        return rc
+    return 0
 
 
 async def wait_ready(url: str, timeout: float) -> bool:
@@ -227,6 +264,12 @@ async def up(settings: Settings, *, config_file: str | None = None) -> int:
     env = _base_env(settings, config_file)
     nats_proc: EmbeddedNats | None = None
     users: Path | None = None
+    b = settings.bridge
+    try:  # the bridge's port, before anything starts: taken is a usage error, said at once
+        listen_socket(b.host, b.port, reuse_port=b.processes > 1).close()
+    except StartRefused as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     if settings.nats_url is None:
         try:
             nats_proc, users = await _start_embedded_nats(settings, data)

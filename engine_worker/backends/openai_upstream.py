@@ -42,7 +42,11 @@ from engine_worker.backends.openai_shape import (
     set_sampling,
     usage_details,
 )
+from services import logging as tlog
 from services.config import WorkerSettings
+from services.runtime import StartRefused
+
+log = tlog.get("worker")
 
 # Upstream statuses that mean "this request is wrong" rather than "the upstream failed".
 _INVALID = frozenset({400, 404, 413, 422})
@@ -127,6 +131,8 @@ class OpenAIUpstreamBackend:
             raise ValueError("the openai backend needs --upstream-url (e.g. http://host:8000/v1)")
         self.base = up.upstream_url.rstrip("/")
         self.model = up.upstream_model or cfg.model
+        self.served_as = cfg.model
+        self.model_named = bool(up.upstream_model)  # the operator named the upstream's model
         self.api_key = up.api_key
         self.timeout = up.timeout_s
         self.session: aiohttp.ClientSession | None = None
@@ -146,23 +152,46 @@ class OpenAIUpstreamBackend:
             timeout=aiohttp.ClientTimeout(total=self.timeout, sock_connect=10),
         )
         self.http = UpstreamHTTP(self.base, headers)
+        listed = await self._upstream_models()
+        if listed is None:
+            # Not up yet, or no model list: requests say what the upstream answers.
+            log.warning("upstream_models_unknown", upstream=self.base, model=self.model)
+            return
+        self._check_model(listed)
         if not self.max_model_len:
-            self.max_model_len = await self._upstream_context()
+            n = listed[self.model].get("max_model_len")
+            self.max_model_len = n if isinstance(n, int) and n > 0 else 0
 
-    async def _upstream_context(self) -> int:
-        """The upstream's ``max_model_len`` for this model (0 when it does not say, or
-        cannot be asked now: it is for the heartbeat only)."""
+    def _check_model(self, listed: dict[str, dict[str, Any]]) -> None:
+        """Join only to serve a model the upstream has: one it does not would fail every
+        request. An upstream with a single model, when no ``--upstream-model`` was given,
+        serves it under ``--model``'s name (said in the log)."""
+        if self.model in listed:
+            return
+        if len(listed) == 1 and not self.model_named:
+            (only,) = listed
+            log.warning("upstream_model_mapped", model=self.served_as, upstream_model=only)
+            self.model = only
+            return
+        flag = "--upstream-model" if self.model_named else "--model"
+        raise StartRefused(
+            f"the upstream at {self.base} does not serve the model {self.model!r} ({flag}); "
+            f"it serves {', '.join(repr(m) for m in sorted(listed)) or 'none'}. Give "
+            f"--upstream-model with one of those (tokenbus keeps serving it as "
+            f"{self.served_as!r}, the --model)"
+        )
+
+    async def _upstream_models(self) -> dict[str, dict[str, Any]] | None:
+        """The upstream's ``/models`` by id, or None when it cannot be asked now."""
         assert self.session is not None
         with contextlib.suppress(Exception):
             async with self.session.get(
                 self.base + "/models", timeout=aiohttp.ClientTimeout(total=2)
             ) as r:
                 if r.status == 200:
-                    for m in (await r.json()).get("data") or ():
-                        n = m.get("max_model_len")
-                        if m.get("id") == self.model and isinstance(n, int) and n > 0:
-                            return n
-        return 0
+                    data = (await r.json()).get("data") or ()
+                    return {m["id"]: m for m in data if isinstance(m.get("id"), str)}
+        return None
 
     async def stop(self) -> None:
         if self.http is not None:

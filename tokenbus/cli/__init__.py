@@ -312,15 +312,21 @@ def _local_role(a: argparse.Namespace) -> str | None:
 
 
 async def _serve(a: argparse.Namespace, s: cfgmod.Settings) -> int:
-    from services.runtime import Service, serve_until_signalled
+    from services.runtime import Service, listen_socket, serve_until_signalled
 
     svc: Service
+    if a.service == "bridge":
+        # Before anything connects: a port that cannot be bound is a usage error, said at
+        # once, not a crash for a supervisor to retry.
+        b = s.bridge
+        listen_socket(b.host, b.port, reuse_port=a.reuse_port or b.processes > 1).close()
     if a.service == "bridge" and s.bridge.processes > 1:
         return await _serve_bridge_processes(a, s)
     if a.service == "openai-http":
         from tokenbus.evaluation.direct import run_direct
 
         port = a.port if a.port is not None else 8001
+        listen_socket(a.host or "127.0.0.1", port, reuse_port=False).close()
         await run_direct(s, a.host or "127.0.0.1", port)
         return 0
     if a.service == "bridge":
@@ -364,37 +370,23 @@ async def _serve_bridge_processes(a: argparse.Namespace, s: cfgmod.Settings) -> 
 
     from tokenbus.launcher import Supervisor, bridge_children, supervise_until_signalled
 
-    sup = Supervisor(Path(s.up.data_dir) / "logs", echo=True)
-    for child in bridge_children(s.bridge, {"TOKENBUS_NATS_URL": s.url()}):
+    # A log of this command's own per process (``bridge-<port>-<i>.log``), apart from the
+    # ``bridge-<i>.log`` of a `tokenbus up` in the same data folder.
+    sup = Supervisor(Path(s.up.data_dir) / "logs", echo=True, fatal_codes={2})
+    children = bridge_children(s.bridge, {"TOKENBUS_NATS_URL": s.url()}, tag=f"{s.bridge.port}-")
+    for child in children:
         await sup.add(child)
-    await supervise_until_signalled(sup, s.drain_timeout_s)
-    return 0
-
-
-async def _quiet(exc: Exception) -> None:
-    """nats-py prints connection errors itself unless given a callback."""
+    print(f"bridge: {len(children)} processes on port {s.bridge.port}, logs in {sup.log_dir}")
+    return await supervise_until_signalled(sup, s.drain_timeout_s)
 
 
 async def _status(a: argparse.Namespace, s: cfgmod.Settings) -> int:
-    import nats
-
     from bus_schemas import codec, subjects
     from router.registry import Registry
-    from services.runtime import servers
+    from tokenbus.cli import bus
 
-    try:
-        nc = await asyncio.wait_for(
-            nats.connect(
-                servers(s.url()),
-                connect_timeout=3,
-                allow_reconnect=False,
-                error_cb=_quiet,
-                **s.nats_auth(),
-            ),
-            5,
-        )
-    except Exception as exc:
-        print(f"error: cannot reach NATS at {s.url()}: {exc}", file=sys.stderr)
+    nc = await bus.connect(s.url(), s.nats_auth())
+    if nc is None:
         return 1
     reg = Registry()
 
@@ -437,7 +429,11 @@ def main(argv: list[str] | None = None) -> None:
         s = _settings(a)
     except FileNotFoundError as exc:
         raise SystemExit(f"error: {exc}") from None
-    tlog.setup(s.log_level, json=a.cmd == "serve")
+    # `up` speaks to its user in plain lines (the banner); its own info-level log lines
+    # (the audit stream made, ...) would land in the middle of them. Its children log at
+    # ``s.log_level`` into their files.
+    own_level = "warning" if a.cmd == "up" and s.log_level in ("debug", "info") else s.log_level
+    tlog.setup(own_level, json=a.cmd == "serve")
     from services.runtime import run
 
     rc = 0
@@ -449,11 +445,11 @@ def main(argv: list[str] | None = None) -> None:
 
             rc = await up(s, config_file=a.config)
         elif a.cmd == "serve":
-            from services.runtime import ConnectRefused
+            from services.runtime import StartRefused
 
             try:
                 rc = await _serve(a, s)
-            except ConnectRefused as exc:
+            except StartRefused as exc:
                 print(f"error: {exc}", file=sys.stderr)
                 rc = 2
         elif a.cmd == "status":
@@ -532,6 +528,8 @@ def main(argv: list[str] | None = None) -> None:
             else:
                 print(markdown(summary))
                 print("\n".join(summary["files"]))
+                if "plots" in summary:  # skipped: say so, and how to get them
+                    print(f"no plots: {summary['plots']}", file=sys.stderr)
 
     run(go())
     sys.exit(rc)

@@ -12,12 +12,10 @@ import json
 import time
 from typing import Any
 
-import nats
-
 from auth.keys import parse_duration
 from services import audit
 from services.config import Settings
-from services.runtime import servers
+from tokenbus.cli import bus
 
 
 def add_parser(sub: Any) -> None:
@@ -48,12 +46,8 @@ async def run(args: argparse.Namespace, settings: Settings) -> int:
             print(f"error: {exc}")
             return 2
     url = settings.url()
-    try:
-        nc = await nats.connect(
-            servers(url), connect_timeout=3, allow_reconnect=False, **(settings.nats_auth() or {})
-        )
-    except Exception as exc:
-        print(f"error: cannot reach NATS at {url}: {exc}")
+    nc = await bus.connect(url, settings.nats_auth())
+    if nc is None:
         return 1
     try:
         events = await audit.read(nc, since=since, limit=args.limit or None)

@@ -13,13 +13,11 @@ import json
 import time
 from typing import Any
 
-import nats
-
 from auth.keys import KeyRecord, parse_duration
 from auth.store import KeyStore
 from bus_schemas import errors as E
 from services import audit
-from services.runtime import servers
+from tokenbus.cli import bus
 
 
 def _csv(text: str | None) -> list[str] | None:
@@ -77,16 +75,14 @@ def _show(rec: KeyRecord, as_json: bool) -> None:
         print(json.dumps(d))
         return
     for k, v in d.items():
+        if k.endswith("_at") and isinstance(v, int | float):  # Unix times, for a person
+            v = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(v))
         print(f"{k:>15}: {v}")
 
 
 async def main(a: argparse.Namespace, url: str, auth: dict[str, str] | None = None) -> int:
-    try:
-        nc = await nats.connect(
-            servers(url), connect_timeout=3, allow_reconnect=False, **(auth or {})
-        )
-    except Exception as exc:
-        print(f"error: cannot reach NATS at {url}: {exc}")
+    nc = await bus.connect(url, auth)
+    if nc is None:
         return 1
     store = await KeyStore(nc).open(watch=False)
     actor = audit.cli_actor()

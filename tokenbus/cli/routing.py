@@ -10,12 +10,10 @@ import argparse
 import json
 from typing import Any
 
-import nats
-
 from bus_schemas import errors as E
 from services import audit
 from services.config import Settings
-from services.runtime import servers
+from tokenbus.cli import bus
 
 
 def add_parser(sub: Any) -> None:
@@ -120,12 +118,8 @@ async def main(a: argparse.Namespace, s: Settings) -> int:
 
     from router.routing import clear_override, list_overrides, set_override, validate_override
 
-    try:
-        nc = await nats.connect(
-            servers(s.url()), connect_timeout=3, allow_reconnect=False, **(s.nats_auth() or {})
-        )
-    except Exception as exc:
-        print(f"error: cannot reach NATS at {s.url()}: {exc}")
+    nc = await bus.connect(s.url(), s.nats_auth())
+    if nc is None:
         return 1
     try:
         if a.router_cmd == "set":
@@ -152,9 +146,11 @@ async def main(a: argparse.Namespace, s: Settings) -> int:
             if a.json:
                 print(json.dumps({"default": s.router.routing_for("").model_dump(), **out}))
             else:
-                print(f"default: {s.router.routing_for('').model_dump(exclude_defaults=True)}")
+                # JSON, as `set` prints it, one model a line.
+                default = s.router.routing_for("").model_dump(exclude_defaults=True)
+                print(f"default: {json.dumps(default)}")
                 for m, o in out.items():
-                    print(f"{m}: {o}")
+                    print(f"{m}: {json.dumps(o)}")
     except E.TokenbusError as exc:
         print(f"error: {exc.message}")
         return 1

@@ -561,6 +561,7 @@ async def run_level(
     for r in results:
         if not r.ok:
             errors[r.error] = errors.get(r.error, 0) + 1
+    first_error = next((r.error for r in results if not r.ok), None)
     tokens = sum(r.tokens for r in ok)
     return {
         "target": target.name,
@@ -569,6 +570,7 @@ async def run_level(
         "requests": len(results),
         "errors": len(results) - len(ok),
         "error_kinds": errors,
+        "first_error": first_error,
         "duration_s": round(wall, 3),
         "output_tokens": tokens,
         "output_tokens_per_s": round(tokens / wall, 1) if wall else 0.0,
@@ -1044,6 +1046,20 @@ def print_table(levels: list[dict[str, Any]]) -> None:
         )
 
 
+def local_dev_key(s: Settings, url: str) -> str | None:
+    """The dev key of a `tokenbus up` in this data folder (``<data_dir>/dev-key``), for a
+    target on this machine only, as the other commands find the stack's files; said on
+    stderr. A key is never sent to another host unless given with ``--api-key``."""
+    from urllib.parse import urlsplit
+
+    path = Path(s.up.data_dir) / "dev-key"
+    hosts = {urlsplit(u.strip()).hostname for u in url.split(",")}
+    if not path.is_file() or not hosts <= {"127.0.0.1", "localhost", "::1"}:
+        return None
+    print(f"using the dev key in {path} (--api-key to send another)", file=sys.stderr)
+    return path.read_text().strip() or None
+
+
 async def main(a: argparse.Namespace, s: Settings) -> int:
     if a.filter_cost:
         from tokenbus.evaluation.filter_cost import measure
@@ -1077,9 +1093,11 @@ async def main(a: argparse.Namespace, s: Settings) -> int:
             print(f"logs: {sup.log_dir}", file=sys.stderr)
             raise
     elif a.mode == "nats":
-        targets = [Target("tokenbus-nats", "nats", s.url(), api_key=a.api_key, login=s.nats_auth())]
+        key = a.api_key or local_dev_key(s, s.url())
+        targets = [Target("tokenbus-nats", "nats", s.url(), api_key=key, login=s.nats_auth())]
     else:
-        targets = [Target("target", "http", a.url.rstrip("/"), api_key=a.api_key)]
+        key = a.api_key or local_dev_key(s, a.url)
+        targets = [Target("target", "http", a.url.rstrip("/"), api_key=key)]
     if a.baseline_url and not a.spawn:
         targets.append(Target("baseline", "http", a.baseline_url.rstrip("/")))
     levels: list[dict[str, Any]] = []
@@ -1126,6 +1144,12 @@ async def main(a: argparse.Namespace, s: Settings) -> int:
     if levels:
         write_run_files(levels, out.with_suffix(""))
     print_table(levels)
+    for lv in levels:
+        if lv["first_error"]:
+            print(
+                f"  {lv['target']} c={lv['concurrency']}: {lv['errors']} of {lv['requests']} "
+                f"requests failed; the first: {lv['first_error']}"
+            )
     for row in report.get("comparison", []):
         print(
             f"  c={row['concurrency']}: {row['target']} vs {row['baseline']}: added TTFT p50 "

@@ -206,7 +206,9 @@ def report(
     try:
         files += plots(rows, out_dir, bucket_s)
     except ImportError:
-        summary["plots"] = "matplotlib is not installed (pip install tokenbus[report])"
+        summary["plots"] = (
+            "matplotlib is not installed (.venv/bin/pip install -e '.[report]' adds it)"
+        )
     summary["files"] = [str(f) for f in files]
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     (out_dir / "summary.md").write_text(markdown(summary))
