@@ -2,7 +2,7 @@
 writes, once, into one folder (a volume, or files an operator turns into secrets).
 
 * ``auth.conf``: the users of every role and the auth callout (:func:`natsconf.render_auth`),
-  included by each node's config;
+  included by each node's config; it holds the passwords' bcrypt hashes, never a password;
 * ``nats.conf`` (one node) or ``nats-<i>.conf`` (a cluster of ``nodes``): listen, the
   monitoring port on loopback (health checks), JetStream, the cluster routes (with a password
   of their own) and TLS;
@@ -10,6 +10,11 @@ writes, once, into one folder (a volume, or files an operator turns into secrets
   role's uid when written as root, so a service's container reads its own login only;
 * ``callout.json``: the auth service's callout keys; ``tls/``: a CA and the server
   certificate for the nodes' names (services trust ``tls/ca.pem``).
+
+Every file that holds a secret is mode 0600 (the node configs and ``auth.conf`` owned by the
+nats-server's uid, ``callout.json`` by the auth service's). Written as root (the compose
+file's ``init`` step), the folders are mode 0711, so each uid reaches its own files by name
+and lists none; written as anyone else (an operator filling ``deploy/k8s/base/bus``), 0700.
 
 Running it again keeps every password, key and certificate (so a restarted stack, and
 clients already holding the CA, go on working) and only rewrites the configs.
@@ -23,7 +28,7 @@ import secrets
 from pathlib import Path
 
 from services import natsconf
-from services.tlsfiles import TlsFiles
+from services.tlsfiles import TlsFiles, write_private
 from services.tlsfiles import generate as generate_tls
 
 # The uid each role runs as in the deployment's containers (non-root, one per role, so file
@@ -64,11 +69,14 @@ def _chown(path: Path, uid: int) -> None:
 
 
 def _private(path: Path, text: str, uid: int) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as fh:
-        fh.write(text)
-    os.chmod(path, 0o600)
+    write_private(path, text)
     _chown(path, uid)
+
+
+def _folder_mode() -> int:
+    """A folder of the bundle: as root, the services' uids must reach their files in it
+    (search, not list); otherwise nobody but its owner has anything to find there."""
+    return 0o711 if os.geteuid() == 0 else 0o700
 
 
 def _node_conf(
@@ -115,10 +123,10 @@ def init(
     if nodes < 1:
         raise ValueError("--nodes must be at least 1")
     folder.mkdir(parents=True, exist_ok=True)
-    os.chmod(folder, 0o755)
     # Passwords and callout keys (kept when they exist); the combined nats.conf it writes is
     # replaced below by the per-node configs that include auth.conf.
     natsconf.generate(folder, callout=True)
+    os.chmod(folder, _folder_mode())
     passwords = json.loads((folder / "nats-users.json").read_text())
     callout = json.loads((folder / natsconf.CALLOUT_FILE).read_text())
     route_password = passwords.setdefault("route", secrets.token_urlsafe(24))
@@ -132,7 +140,7 @@ def init(
         files = generate_tls(folder / "tls", names)
         files = TlsFiles(ca=files.ca, server_cert=files.server_cert, server_key=files.server_key)
         files.save(folder)
-        os.chmod(folder / "tls", 0o755)
+        os.chmod(folder / "tls", _folder_mode())
         os.chmod(files.ca, 0o644)
         _chown(Path(files.server_key), NATS_UID)
     else:
@@ -150,7 +158,7 @@ def init(
     written.append(folder / AUTH_CONF)
     roles_dir = folder / ROLES_DIR
     roles_dir.mkdir(exist_ok=True)
-    os.chmod(roles_dir, 0o755)
+    os.chmod(roles_dir, _folder_mode())
     for role, uid in ROLE_UID.items():
         path = roles_dir / f"{role}.json"
         _private(path, json.dumps({"user": role, "password": passwords[role]}) + "\n", uid)

@@ -67,10 +67,13 @@ def client_context(ca: str, cert: str = "", key: str = "") -> ssl.SSLContext:
     return ctx
 
 
-def _write_key(path: Path, pem: bytes) -> None:
+def write_private(path: Path, data: str | bytes) -> None:
+    """Write ``data`` to ``path`` readable by its owner only (mode 0600, an existing file's
+    included: the mode is set before anything is written)."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "wb") as fh:
-        fh.write(pem)
+        os.fchmod(fd, 0o600)
+        fh.write(data.encode() if isinstance(data, str) else data)
 
 
 def generate(folder: Path, names: list[str], *, verify: bool = False) -> TlsFiles:
@@ -167,9 +170,9 @@ def generate(folder: Path, names: list[str], *, verify: bool = False) -> TlsFile
     cli_key, cli_cert = leaf("tokenbus service", ExtendedKeyUsageOID.CLIENT_AUTH, [])
     pem = serialization.Encoding.PEM
     Path(files.ca).write_bytes(ca_cert.public_bytes(pem))
-    _write_key(folder / "ca-key.pem", key_pem(ca_key))
+    write_private(folder / "ca-key.pem", key_pem(ca_key))
     Path(files.server_cert).write_bytes(srv_cert.public_bytes(pem))
-    _write_key(Path(files.server_key), key_pem(srv_key))
+    write_private(Path(files.server_key), key_pem(srv_key))
     Path(files.client_cert).write_bytes(cli_cert.public_bytes(pem))
-    _write_key(Path(files.client_key), key_pem(cli_key))
+    write_private(Path(files.client_key), key_pem(cli_key))
     return files
