@@ -7,6 +7,7 @@ Env vars: ``TOKENBUS_NATS_URL``, ``TOKENBUS_LOG_LEVEL``, and per section with ``
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any, Literal
@@ -497,6 +498,25 @@ def load(config_file: str | None = None, **overrides: Any) -> Settings:
         return base
     merged = _deep_merge(base.model_dump(), overrides)
     return Settings.model_validate(merged)
+
+
+def env_overrides(
+    overrides: dict[str, Any], model: type[BaseModel] | None = None, prefix: str = "TOKENBUS_"
+) -> dict[str, str]:
+    """``overrides`` (nested dicts, as :func:`load` takes them; None is "not given") as the
+    environment variables that set the same on another process: how a launcher's
+    command-line options reach the services it starts. Lists and maps are JSON."""
+    out: dict[str, str] = {}
+    for k, v in overrides.items():
+        if v is None:
+            continue
+        field = (model or Settings).model_fields.get(k)
+        sub = field.annotation if field is not None else None
+        if isinstance(v, dict) and isinstance(sub, type) and issubclass(sub, BaseModel):
+            out.update(env_overrides(v, sub, f"{prefix}{k.upper()}__"))
+        else:
+            out[f"{prefix}{k.upper()}"] = v if isinstance(v, str) else json.dumps(v)
+    return out
 
 
 def _deep_merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:

@@ -75,9 +75,20 @@ class Telemetry(Service):
         self._prober = loop.create_task(self._probe_loop()) if cfg.probe_interval_s else None
         self.http: Any = None
         if cfg.metrics_port:
-            self.http = start_http_server(
-                cfg.metrics_port, addr=cfg.metrics_host, registry=self.metrics.registry
-            )
+            try:
+                self.http = start_http_server(
+                    cfg.metrics_port, addr=cfg.metrics_host, registry=self.metrics.registry
+                )
+            except OSError as exc:
+                # Another stack's telemetry on this host, most often: the records are still
+                # stored, only this endpoint is off. Said once, with what to change.
+                self.log.warning(
+                    "metrics_port_taken",
+                    port=cfg.metrics_port,
+                    error=exc.strerror or str(exc),
+                    hint="metrics endpoint off; set telemetry.metrics_port "
+                    "(TOKENBUS_TELEMETRY__METRICS_PORT) to a free port, or 0",
+                )
         self.log.info("telemetry_ready", db=str(self.store.path), metrics_port=cfg.metrics_port)
 
     async def _on_record(self, msg: Msg) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import ssl
 import subprocess
 import sys
 import time
@@ -20,6 +21,7 @@ from tests.conftest import (
     children_of,
     free_port,
     run_cli,
+    stop_process,
     taken_port,
 )
 
@@ -104,6 +106,7 @@ def test_up_serves_restarts_crashed_children_and_stops_cleanly(tmp_path: Path) -
         )
         assert out.usage is not None and out.usage.completion_tokens == 4
         assert (tmp_path / "data" / "nats" / "jetstream").is_dir()
+        assert (tmp_path / "data").stat().st_mode & 0o777 == 0o700
 
         # A child that dies is started again: the test's own stack's worker, found among
         # the launcher's children, not by a pattern across the machine.
@@ -403,3 +406,90 @@ async def test_a_child_exiting_with_a_fatal_code_stops_its_supervisor(tmp_path: 
     assert sup.last_error(sup.failed[0]) == "port taken"
     assert all(c.restarts == 0 for c in sup.children)  # not restarted, and the other stopped
     assert all(c.proc is not None and c.proc.returncode is not None for c in sup.children)
+
+
+def _up_with(tmp_path: Path, *args: str) -> tuple[subprocess.Popen[str], int, dict[str, str]]:
+    """`tokenbus up` on free ports with ``args``, once its banner is out: the process, the
+    bridge's port and the environment for CLI commands beside it."""
+    port, nats_port = free_port(), free_port()
+    data = tmp_path / "data"
+    proc = subprocess.Popen(
+        [
+            *(sys.executable, "-m", "tokenbus.cli", "up", "--port", str(port)),
+            *("--nats-port", str(nats_port), "--data-dir", str(data), *args),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=ROOT,
+        env=_env(),
+    )
+    try:
+        _wait_line(proc, "Ctrl-C stops everything", [], timeout=60)
+    except BaseException:
+        stop_process(proc, 60)
+        raise
+    env = _env(TOKENBUS_NATS_URL=f"nats://127.0.0.1:{nats_port}", TOKENBUS_UP__DATA_DIR=str(data))
+    return proc, port, env
+
+
+def test_up_options_reach_the_sim_workers_and_the_bridges(tmp_path: Path) -> None:
+    from services import tlsfiles
+
+    tls = tlsfiles.generate(tmp_path / "tls", [])
+    proc, port, env = _up_with(
+        tmp_path,
+        *("--workers", "1", "--model", "my-model", "--max-concurrency", "7", "--tp", "2"),
+        *("--pool", "high_tp", "--sim-prefill-ms", "1", "--sim-decode-ms", "300"),
+        *("--bridge-processes", "2", "--tls-cert", tls.server_cert, "--tls-key", tls.server_key),
+    )
+    try:
+        st = run_cli("status", "--json", env=env, timeout=60)
+        (replica,) = json.loads(st.stdout)["replicas"]
+        assert replica["model"] == "my-model"
+        assert (replica["max_concurrency"], replica["tp"], replica["pool"]) == (7, 2, "high_tp")
+        assert sum("serve bridge" in cmd for cmd in children_of(proc.pid).values()) == 2
+        key = (tmp_path / "data" / "dev-key").read_text().strip()
+        client = openai.OpenAI(
+            base_url=f"https://127.0.0.1:{port}/v1",
+            api_key=key,
+            max_retries=0,
+            http_client=httpx.Client(verify=ssl.create_default_context(cafile=tls.ca)),
+        )
+        t0 = time.monotonic()
+        out = client.chat.completions.create(
+            model="my-model", messages=[{"role": "user", "content": "hi"}], max_tokens=5
+        )
+        # Five tokens at 300 ms a step, on TP 2 (the sim's speed-up divides each step by at
+        # most 2), cannot come in under 0.6 s: the sim runs at the speed `up` was given, not
+        # its default of 10 ms a step (50 ms for the whole answer).
+        assert time.monotonic() - t0 >= 0.5
+        assert out.model == "my-model" and out.usage is not None
+    finally:
+        stop_process(proc, 60)
+
+
+def test_up_options_reach_an_openai_worker(tmp_path: Path) -> None:
+    from tests.conftest import Upstream
+
+    upstream = Upstream(tmp_path)
+    try:
+        proc, port, _ = _up_with(
+            tmp_path,
+            *("--workers", "1", "--backend", "openai", "--model", "served-name"),
+            *("--upstream-url", upstream.url, "--upstream-model", "upstream-model"),
+        )
+        try:
+            key = (tmp_path / "data" / "dev-key").read_text().strip()
+            client = openai.OpenAI(
+                base_url=f"http://127.0.0.1:{port}/v1", api_key=key, max_retries=0
+            )
+            out = client.chat.completions.create(
+                model="served-name", messages=[{"role": "user", "content": "hi"}], max_tokens=3
+            )
+            assert out.model == "served-name"
+            assert httpx.get(f"{upstream.url}/last_request").json()["model"] == "upstream-model"
+        finally:
+            stop_process(proc, 60)
+    finally:
+        upstream.stop()

@@ -106,7 +106,7 @@ def test_tokenbus_up_leaves_no_password_where_another_user_can_read_it(tmp_path:
         api_keys = {k: (data / k).read_text().strip() for k in ("dev-key", "admin-key")}
         held = _holders(data, secrets | api_keys)
         assert held == {
-            "nats-locked/nats-users.json": {f"{r}'s password" for r in ROLES},
+            "nats-locked/nats-users.json": {f"{r}'s password" for r in ROLES if r != "client"},
             "nats-locked/callout.json": {
                 "callout password",
                 "callout sys_password",
@@ -122,6 +122,21 @@ def test_tokenbus_up_leaves_no_password_where_another_user_can_read_it(tmp_path:
         assert "Plaintext passwords" not in log
     finally:
         stop_process(proc, 60)
+
+
+def test_the_logins_file_lists_only_the_users_the_config_has(tmp_path: Path) -> None:
+    """With the callout there is no shared ``client`` user: a logins file from before that
+    still lists one loses it (a stale password that logs in nowhere would mislead); without
+    the callout it is there, and every other password is kept."""
+    folder = tmp_path / "bus"
+    generate(folder)
+    before = json.loads((folder / "nats-users.json").read_text())
+    assert "client" in before and "client" in _server_users((folder / "nats.conf").read_text())
+    generate(folder, callout=True)
+    after = json.loads((folder / "nats-users.json").read_text())
+    assert set(after) == set(ROLES) - {"client"}
+    assert after == {r: p for r, p in before.items() if r != "client"}
+    assert "client" not in _server_users((folder / "nats.conf").read_text())
 
 
 async def test_every_user_logs_in_with_its_password_and_none_with_the_hash(tmp_path: Path) -> None:

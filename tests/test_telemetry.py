@@ -29,6 +29,7 @@ from tests.conftest import (
     settings,
     stack,
     start_stack,
+    taken_port,
     wait_for,
 )
 from tokenbus import Client
@@ -286,3 +287,30 @@ def test_traceparent_is_validated_and_its_trace_id_read() -> None:
     for bad in ("", "00-xyz-00f067aa0ba902b7-01", "a-b-c-d", None):
         assert marks.traceparent(bad) is None
     assert marks.trace_id({H.TRACEPARENT: "a-b-c-d"}) is None and marks.trace_id(None) is None
+
+
+async def test_a_taken_metrics_port_turns_the_endpoint_off_not_the_service(
+    procs: Procs, model: str, tmp_path: Path
+) -> None:
+    # Two stacks on one host: the second telemetry service finds 9464 (here: any port)
+    # taken. It says so once and goes on storing records, instead of crashing in a loop.
+    db = tmp_path / "telemetry.db"
+    with taken_port() as taken:
+        env = {
+            "TOKENBUS_TELEMETRY__DB_PATH": str(db),
+            "TOKENBUS_TELEMETRY__METRICS_PORT": str(taken),
+            "TOKENBUS_TELEMETRY__FLUSH_INTERVAL_S": "0.1",
+        }
+        tel = procs.start("telemetry", "serve", "telemetry", env=env)
+        stack = await start_stack(procs, model, settle=0.3)
+        async with stack.openai() as api:
+            await api.chat.completions.create(model=model, messages=MSG, max_tokens=3)  # type: ignore[call-overload]
+        for _ in range(50):
+            if db.exists() and any(r["model"] == model for r in RecordStore(db).rows()):
+                break
+            await asyncio.sleep(0.2)
+        else:
+            raise AssertionError(f"no record stored: {tel.output()[-2000:]}")
+        assert tel.alive()
+        warned = [ln for ln in tel.output().splitlines() if "metrics_port_taken" in ln]
+        assert len(warned) == 1 and str(taken) in warned[0], tel.output()[-2000:]

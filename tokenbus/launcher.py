@@ -257,11 +257,19 @@ class _StartFailed(Exception):
         self.code = code
 
 
-async def up(settings: Settings, *, config_file: str | None = None) -> int:
-    """Run the whole stack until Ctrl-C or SIGTERM."""
+async def up(
+    settings: Settings, *, config_file: str | None = None, child_env: dict[str, str] | None = None
+) -> int:
+    """Run the whole stack until Ctrl-C or SIGTERM. ``child_env`` goes to every service: the
+    settings given on ``up``'s command line, as environment variables
+    (:func:`services.config.env_overrides`), so each option reaches the process it
+    configures."""
     data = Path(settings.up.data_dir).resolve()
+    # Its logs and telemetry name key ids and usage: this user's alone, like the secrets.
+    data.mkdir(parents=True, exist_ok=True)
+    data.chmod(0o700)
     sup = Supervisor(data / "logs", backoff_s=settings.up.restart_backoff_s)
-    env = _base_env(settings, config_file)
+    env = {**_base_env(settings, config_file), **(child_env or {})}
     nats_proc: EmbeddedNats | None = None
     users: Path | None = None
     b = settings.bridge

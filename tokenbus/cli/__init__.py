@@ -443,7 +443,10 @@ def main(argv: list[str] | None = None) -> None:
         if a.cmd == "up":
             from tokenbus.launcher import up
 
-            rc = await up(s, config_file=a.config)
+            # The worker options given to `up` reach its workers (their own settings are
+            # read from file and environment): the bridge's go as arguments.
+            child_env = cfgmod.env_overrides({"worker": _worker_overrides(a)})
+            rc = await up(s, config_file=a.config, child_env=child_env)
         elif a.cmd == "serve":
             from services.runtime import StartRefused
 
