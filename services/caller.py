@@ -421,6 +421,7 @@ class Stream:
             # Published now, it would wait in the client's buffer for a server that is not
             # there: say so at once instead (a new request, a resend or a migration alike).
             self._done = True
+            self._client.check_refused()  # not down: closed, the login refused for good
             raise E.ServiceUnavailable(
                 "the connection to NATS is down (reconnecting); retry shortly",
                 headers={"Retry-After": "1"},
@@ -826,9 +827,15 @@ class Stream:
             self._body["resume"] = {"text": "".join(self._got), "tokens": self._got_tokens}
         self._started = False
         self._client.log_migration(self, err)
+        return await self._restart()
+
+    async def _restart(self) -> bool:
+        """Send the request again; False when it cannot go now (the stream then ends with the
+        error that made it try), but a refused login ends it with the refusal."""
         try:
             await self.start()
         except E.TokenbusError:
+            self._client.check_refused()
             return False
         return True
 
@@ -841,11 +848,7 @@ class Stream:
         self._no_responders += 1
         await asyncio.sleep(wait)
         self._started = False
-        try:
-            await self.start()
-        except E.TokenbusError:
-            return False
-        return True
+        return await self._restart()
 
     def _accept_overdue(self, now: float) -> bool:
         return (
@@ -941,6 +944,9 @@ class Caller:
         self.on_migration: Callable[[Stream, E.TokenbusError], None] | None = None
         self._epochs: dict[str, tuple[str, int]] = {}  # replica -> (boot, reconnects)
         self._background: set[asyncio.Task[None]] = set()  # cancels sent from the read loop
+        # The server refused this caller's login after it had connected (its API key revoked,
+        # disabled or expired): final, the connection is closed (see :meth:`refuse`).
+        self.refused: E.TokenbusError | None = None
 
     async def start(self) -> None:
         """Subscribe the inbox and the heartbeats; call once (``connect`` does it)."""
@@ -979,6 +985,19 @@ class Caller:
             if not s._lost:
                 s._lost = True
                 s._push(None, frames.error(E.ReplicaLost("the connection to NATS broke")))
+
+    def refuse(self, err: E.TokenbusError) -> None:
+        """The server refused this caller's login on a reconnect and closed the connection
+        (its key was revoked, disabled or expired while connected): the open streams end
+        with ``err``, and so does every request after them."""
+        self.refused = err
+        for s in list(self._streams.values()):
+            s._push(None, frames.error(err))
+
+    def check_refused(self) -> None:
+        """Raise the refusal (:meth:`refuse`), a fresh copy, if the login was refused."""
+        if self.refused is not None:
+            raise E.TokenbusError.from_dict(self.refused.to_dict())
 
     async def _watch_replicas(self) -> None:
         """Fail streams whose replica stopped beating (killed, partitioned) instead of letting
@@ -1025,7 +1044,7 @@ class Caller:
                 with contextlib.suppress(Exception):
                     await sub.unsubscribe()
         self._sub = self._hb_sub = None
-        if self._own:
+        if self._own and not self.nc.is_closed:  # closed already: its login was refused
             await self.nc.drain()
 
     async def __aenter__(self) -> Self:

@@ -22,6 +22,13 @@ refused here with nats-py's own error instead, before it is written.
 Hot subscriptions (service endpoints, a caller's inbox) can skip nats-py's queue and task
 per subscription: :func:`subscribe_direct` calls back from the connection's read loop, one
 event-loop turn sooner per hop.
+
+A login the server refuses is retried by nats-py for ever, at first connect and at every
+reconnect, with a traceback each time. Where the refusal is final (``connect(...,
+refusal_is_final=True)``: a tokenbus client logging in with its API key), the first connect
+raises :class:`LoginRefused` at once, and a connection whose login is refused on a reconnect
+(its key revoked while connected: the server kicks it, the reconnect is refused) is closed
+instead, with :attr:`Client.refused` saying why; neither goes to the error callback.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ from typing import Any
 
 from nats import errors
 from nats.aio.client import Client as NATS
+from nats.aio.client import _default_error_callback
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js.client import JetStreamContext
@@ -102,6 +110,29 @@ def _flow_control_on_demand() -> None:
 _flow_control_on_demand()
 
 
+# What nats-server says when it refuses a login, or ends one (lower case): a wrong or revoked
+# credential, an expired or revoked user JWT (the auth callout's answer).
+_REFUSALS = (
+    "authorization violation",
+    "authentication expired",
+    "authentication revoked",
+)
+
+
+def is_login_refusal(exc: BaseException | str) -> bool:
+    """Whether ``exc`` (an error of nats-py, or the server's ``-ERR`` text) is the server
+    refusing this connection's login, which no retry changes."""
+    if isinstance(exc, errors.AuthorizationError):
+        return True
+    text = str(exc).lower()
+    return any(r in text for r in _REFUSALS)
+
+
+class LoginRefused(Exception):
+    """The NATS server refused the login at the first connect, where the refusal is final
+    (``connect(..., refusal_is_final=True)``); the message is the server's."""
+
+
 def _utf8(raw: bytes) -> bytes:
     """``raw`` with what is not UTF-8 replaced (U+FFFD)."""
     if raw.isascii():
@@ -118,6 +149,46 @@ class Client(NATS):
         # Subscription id -> the callback its messages go to from the read loop.
         self._direct: dict[int, Callable[[Msg], None]] = {}
         self._write_next = False  # the next publish goes to the socket at once (request)
+        # Whether a refused login ends the connection instead of being retried, and the
+        # server's refusal once it came (the connection is then closed for good).
+        self.refusal_is_final = False
+        self.refused: Exception | None = None
+
+    async def _process_connect_init(self) -> None:
+        try:
+            await super()._process_connect_init()
+        except errors.Error as exc:
+            if self.refusal_is_final and is_login_refusal(exc):
+                self.refused = exc
+            raise
+
+    async def _select_next_server(self) -> None:
+        # nats-py's loops (first connect, reconnect) come back here for the next try after a
+        # failed one; after a refused login there is none. At the first connect this leaves
+        # ``connect()``; on a reconnect, "no servers" closes the connection (callbacks run).
+        if self.refused is not None:
+            if self.is_reconnecting:
+                # What waits to be written goes nowhere now; nats-py's close would write it
+                # to the refused socket, fail, and never finish (no closed callback).
+                self._pending = []
+                self._pending_data_size = 0
+                raise errors.NoServersError
+            raise LoginRefused(str(self.refused))
+        await super()._select_next_server()
+
+    async def _process_op_err(self, e: Exception) -> None:
+        # The server ended a connection that was up: where a refusal is final (a key's
+        # connection, kicked when its key is revoked), the first reconnect goes at once, so
+        # the refusal is known now, not after nats-py's wait between attempts to one server.
+        if self.refusal_is_final and self.is_connected and self._current_server is not None:
+            self._current_server.last_attempt = None
+        await super()._process_op_err(e)
+
+    async def _process_err(self, err_msg: str) -> None:
+        # A login ended while connected (its user JWT expired): nats-py closes the connection.
+        if self.refusal_is_final and is_login_refusal(err_msg):
+            self.refused = errors.Error(f"nats: {err_msg.strip()}")
+        await super()._process_err(err_msg)
 
     def _remove_sub(self, sid: int, max_msgs: int = 0) -> None:
         self._direct.pop(sid, None)
@@ -244,8 +315,31 @@ async def request(
         nc._write_next = False
 
 
-async def connect(servers: str | list[str], **options: Any) -> NATS:
-    """``nats.connect()`` with :class:`Client`."""
+async def connect(
+    servers: str | list[str], *, refusal_is_final: bool = False, **options: Any
+) -> NATS:
+    """``nats.connect()`` with :class:`Client`. ``refusal_is_final``: a login the server
+    refuses raises :class:`LoginRefused` at once (nats-py would try again for ever, or
+    raise its own error without reconnects), and one refused on a reconnect closes the
+    connection (:attr:`Client.refused`)."""
     nc = Client()
-    await nc.connect(servers, **options)
+    nc.refusal_is_final = refusal_is_final
+    if refusal_is_final:
+        theirs = options.get("error_cb") or _default_error_callback
+
+        async def on_error(exc: Exception) -> None:
+            # The refusal is raised (or kept in ``refused``), not reported too; what follows
+            # it (the server resetting the refused socket) is no news either.
+            if nc.refused is None:
+                await theirs(exc)
+
+        options["error_cb"] = on_error
+    try:
+        await nc.connect(servers, **options)
+    except LoginRefused:
+        raise
+    except Exception:
+        if nc.refused is not None:  # allow_reconnect=False: nats-py raised it itself
+            raise LoginRefused(str(nc.refused)) from None
+        raise
     return nc

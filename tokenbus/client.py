@@ -75,6 +75,11 @@ class Client(Caller):
         certificate to present where the bus wants mutual TLS). ``options`` are nats-py's
         (``user``/``password`` for a role login, ``tls`` for an SSL context of your own).
 
+        A login the server refuses (a wrong, empty, revoked or expired key; a wrong password)
+        raises :class:`~bus_schemas.errors.Unauthorized` (``invalid_api_key``) at once, not
+        retried. A key revoked while connected closes the client: its open streams and every
+        later call raise the same error, and it does not reconnect.
+
         Tracing: when the standard OTEL_* variables turn it on in this process (an
         ``OTEL_EXPORTER_OTLP_ENDPOINT``), every request is a client span, the child of the
         current span or of the ``traceparent`` passed to the call."""
@@ -88,7 +93,18 @@ class Client(Caller):
             if holder:
                 holder[0].connection_broke()
 
+        their_closed = options.pop("closed_cb", None)
+
+        async def closed() -> None:
+            # Closed because the server refused the login on a reconnect (the key was revoked,
+            # disabled or expired while connected, and the server kicked the connection).
+            if holder and getattr(holder[0].nc, "refused", None) is not None:
+                holder[0].refuse(_refusal(url, options))
+            if their_closed is not None:
+                await their_closed()
+
         options.setdefault("reconnected_cb", reconnected)
+        options["closed_cb"] = closed
         if tls_ca:
             options.setdefault("tls", client_context(tls_ca, tls_cert or "", tls_key or ""))
         prefix = None
@@ -100,7 +116,12 @@ class Client(Caller):
                 # nats-py's request-reply (stored responses) answers there too.
                 options.setdefault("inbox_prefix", subjects.key_inbox_root(key_id))
         # Several URLs separated by commas: the nodes of a cluster.
-        nc = await natsclient.connect([u.strip() for u in url.split(",") if u.strip()], **options)
+        servers = [u.strip() for u in url.split(",") if u.strip()]
+        try:
+            # A refused login is final: raised at once, not retried for ever.
+            nc = await natsclient.connect(servers, refusal_is_final=True, **options)
+        except natsclient.LoginRefused:
+            raise _refusal(url, options) from None
         # A key's connection receives only its own inbox: no heartbeats, keepalives instead.
         client = cls(nc, own_connection=True, inbox_prefix=prefix, heartbeats=prefix is None)
         client.api_key = api_key
@@ -266,6 +287,7 @@ class _Stored:
         self.timeout = timeout
 
     async def call(self, action: str, body: dict[str, Any]) -> dict[str, Any]:
+        self.client.check_refused()
         try:
             msg = await self.client.nc.request(
                 subjects.responses_state(action),
@@ -298,6 +320,24 @@ class _Stored:
     async def put(self, response_id: str, record: dict[str, Any]) -> bool:
         out = await self.call(subjects.RESPONSES_PUT, {"id": response_id, "record": record})
         return bool(out.get("stored"))
+
+
+def _refusal(url: str, options: dict[str, Any]) -> E.Unauthorized:
+    """The error of a login (``options``: nats-py's) the NATS server refused; it never holds
+    the key itself."""
+    api_key = options.get("token")
+    if api_key:
+        key_id = key_id_of(str(api_key))
+        what = f"the API key {key_id}" if key_id else "the API key (not a tokenbus key)"
+        why = (
+            "it is unknown, revoked, disabled or expired (`tokenbus keys list` shows its "
+            "state), or no tokenbus auth service answers logins on that bus"
+        )
+    elif options.get("user"):
+        what, why = f"the user {options['user']!r}", "wrong password?"
+    else:
+        what, why = "a connection without a login", "pass api_key= (a tokenbus API key)"
+    return E.Unauthorized(f"the NATS server at {url} refused {what}: {why}")
 
 
 def _headers(session: str | None, traceparent: str | None) -> dict[str, str] | None:
