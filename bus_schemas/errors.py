@@ -194,6 +194,13 @@ class Forbidden(TokenbusError):
     type = "permission_error"
 
 
+class InsufficientPermissions(Forbidden):
+    """A valid key that may not do this at all (a key without the admin flag on the admin
+    API), in OpenAI's words for a key lacking a permission."""
+
+    code = "insufficient_permissions"
+
+
 class ModelNotFound(TokenbusError):
     code = "model_not_found"
     status = 404
@@ -301,6 +308,7 @@ ERRORS_BY_CODE: dict[str, type[TokenbusError]] = {
         PayloadTooLarge,
         Unauthorized,
         Forbidden,
+        InsufficientPermissions,
         ModelNotFound,
         NotFound,
         RateLimited,

@@ -22,7 +22,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from nats.aio.client import Client as NATS
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from auth.keys import KeyRecord, parse_duration
 from auth.store import KeyStore
@@ -50,6 +50,13 @@ class KeyFields(BaseModel):
     expires_in: str | None = Field(default=None, description="e.g. 30d, 12h")
     admin: bool | None = None
     enabled: bool | None = None
+
+    @field_validator("expires_in")
+    @classmethod
+    def _duration(cls, v: str | None) -> str | None:
+        if v:  # refused here, so that the error names the field
+            parse_duration(v)
+        return v
 
     def updates(self) -> dict[str, Any]:
         d = self.model_dump(exclude_none=True, exclude={"expires_in"})
@@ -145,7 +152,10 @@ class AdminAPI:
         store = await self.store()
         caller = store.lookup(api_key(scope).get(H.API_KEY))
         if not caller.admin:
-            raise E.Forbidden(f"the API key {caller.id} is not an admin key")
+            raise E.InsufficientPermissions(
+                f"the API key {caller.id} is not an admin key: the admin API needs one "
+                "(`tokenbus keys create --admin`)"
+            )
         return caller
 
     async def _handle(self, scope: Scope, receive: Receive, send: Send) -> None:

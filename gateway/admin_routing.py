@@ -19,9 +19,10 @@ from typing import Any
 from urllib.parse import unquote
 
 from nats.aio.client import Client as NATS
+from pydantic import ValidationError
 
 from bus_schemas import errors as E
-from gateway.admin_keys import AdminAPI, answer_errors, audit_context, read_json
+from gateway.admin_keys import AdminAPI, answer_errors, audit_context, invalid, read_json
 from gateway.asgi import Receive, Scope, Send, send_json
 from router.routing import clear_override, list_overrides, set_override, validate_override
 from services.config import RouterSettings
@@ -43,6 +44,21 @@ class RoutingAdmin:
     def _view(self, model: str, override: dict[str, Any] | None) -> dict[str, Any]:
         spec = self.cfg.routing_for(model, override)
         return {"model": model, "routing": spec.model_dump(), "override": override or None}
+
+    def _validate(self, model: str, body: dict[str, Any]) -> None:
+        """``body`` as a change of ``model``'s routing, or a 400 whose ``param`` names the
+        field at fault."""
+        try:
+            spec = self.cfg.routing_for(model, body)
+        except ValidationError as exc:
+            raise invalid(exc) from None
+        try:
+            validate_override(self.cfg, model, body)
+        except (ValueError, OSError) as exc:
+            # Valid fields that cannot be built: only the expert pool is built from more than
+            # its fields (the classifier in expert.model_dir).
+            param = "expert.model_dir" if spec.pool_policy == "expert" else "pool_policy"
+            raise E.InvalidRequest(str(exc), param=param) from None
 
     async def _handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         caller = await self.admin.authorize(scope)
@@ -68,7 +84,7 @@ class RoutingAdmin:
             body = await read_json(receive, 65536)
             if not isinstance(body, dict) or not body:
                 raise E.InvalidRequest("the body must be a JSON object with the fields to change")
-            validate_override(self.cfg, model, body)
+            self._validate(model, body)
             await set_override(self.nc, model, body, **who)
             await send_json(send, 200, self._view(model, body), hdrs)
             return

@@ -18,6 +18,7 @@ from bus_schemas import subjects
 from tests.conftest import (
     NatsServer,
     Procs,
+    ProcStack,
     key_store,
     run_cli,
     stack,
@@ -185,12 +186,17 @@ async def test_http_clients_authenticate_with_bearer_or_api_key(procs: Procs, mo
         assert key not in p.output(), p.name
 
 
-async def test_admin_api_on_the_bridge(procs: Procs, model: str) -> None:
+async def admin_stack(procs: Procs, model: str) -> tuple[ProcStack, dict[str, str], str]:
+    """A stack with the bridge; the headers of an admin key, and a plain key."""
     async with key_store(procs.url) as keys:
         admin, _ = await keys.create("admin", admin=True)
         plain, _ = await keys.create("plain")
     stack = await start_stack(procs, model, "auth", "router", env=PIPELINE)
-    adm = {"Authorization": f"Bearer {admin}"}
+    return stack, {"Authorization": f"Bearer {admin}"}, plain
+
+
+async def test_admin_api_on_the_bridge(procs: Procs, model: str) -> None:
+    stack, adm, plain = await admin_stack(procs, model)
     async with stack.http("/v1") as h:
         assert (await h.get("/admin/keys")).status_code == 401
         r = await h.get("/admin/keys", headers={"Authorization": f"Bearer {plain}"})
@@ -226,3 +232,57 @@ async def test_admin_api_on_the_bridge(procs: Procs, model: str) -> None:
                 break
             await asyncio.sleep(0.02)
         assert r.status_code == 401
+
+
+async def test_admin_api_errors_name_the_permission_and_the_field(procs: Procs, model: str) -> None:
+    # A key that is valid but not an admin key lacks a permission (403
+    # insufficient_permissions), not a model (model_not_allowed); a 400 names its field.
+    stack, adm, plain = await admin_stack(procs, model)
+    async with stack.http("/v1") as h:
+        for path in ("/admin/keys", "/admin/routing", f"/admin/routing/{model}"):
+            r = await h.get(path, headers={"Authorization": f"Bearer {plain}"})
+            assert r.status_code == 403, (path, r.text)
+            err = r.json()["error"]
+            assert err["code"] == "insufficient_permissions", err
+            assert err["type"] == "permission_error" and "not an admin key" in err["message"]
+        r = await h.put(
+            f"/admin/routing/{model}",
+            headers={"Authorization": f"Bearer {plain}"},
+            json={"policy": "round_robin"},
+        )
+        assert r.status_code == 403 and r.json()["error"]["code"] == "insufficient_permissions"
+        # The keys API: each bad field is named.
+        for body, param in (
+            ({"name": "x", "rpm": -1}, "rpm"),
+            ({"name": "x", "nope": 1}, "nope"),
+            ({"name": "x", "expires_in": "soon"}, "expires_in"),
+            ({"name": "x", "models": "all"}, "models"),
+            ({}, "name"),
+        ):
+            r = await h.post("/admin/keys", headers=adm, json=body)
+            assert r.status_code == 400, (body, r.text)
+            assert r.json()["error"]["param"] == param, (body, r.text)
+        r = await h.post("/admin/keys", headers=adm, json={"name": "made"})
+        made = r.json()["id"]
+        r = await h.patch(f"/admin/keys/{made}", headers=adm, json={"tpm": 0})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tpm", r.text
+        # The routing API: the field, dotted where it is nested.
+        url = f"/admin/routing/{model}"
+        for body, param in (
+            ({"policy": "fastest"}, "policy"),
+            ({"tiered": {"threshold": 0}}, "tiered.threshold"),
+            ({"load_bound": "high"}, "load_bound"),
+            ({"nope": 1}, "nope"),
+            # Valid fields that cannot be built: the expert pool needs its classifier.
+            ({"pool_policy": "expert"}, "expert.model_dir"),
+            (
+                {"pool_policy": "expert", "expert": {"model_dir": "/nonexistent"}},
+                "expert.model_dir",
+            ),
+        ):
+            r = await h.put(url, headers=adm, json=body)
+            assert r.status_code == 400, (body, r.text)
+            err = r.json()["error"]
+            assert err["param"] == param and err["type"] == "invalid_request_error", (body, err)
+        r = await h.get(url, headers=adm)
+        assert r.status_code == 200 and r.json()["override"] is None  # nothing was changed
