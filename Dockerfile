@@ -11,6 +11,7 @@ WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY bus_schemas bus_schemas
 COPY services services
+COPY dialects dialects
 COPY gateway gateway
 COPY router router
 COPY engine_worker engine_worker

@@ -23,6 +23,7 @@ from gateway.admin_routing import PREFIX as ROUTING_PREFIX
 from gateway.admin_routing import RoutingAdmin
 from gateway.asgi import HTTPLimits, HTTPServer, Receive, Scope, Send, serve
 from gateway.ingress import Admission
+from gateway.messages import MessagesAPI
 from gateway.openai_api import OpenAIApp
 from gateway.response_store import open_store
 from gateway.responses import ResponsesAPI, key_owner
@@ -222,6 +223,8 @@ class Bridge(Service):
         # The Responses API, over the same source; its stored responses in JetStream KV.
         store = await open_store(self.nc, self.settings.responses)
         ResponsesAPI(api, store, key_owner(keys)).mount()
+        # Anthropic's Messages API, a translation onto the same chat path.
+        MessagesAPI(api).mount()
         self.http = await serve(
             api,
             cfg.host,

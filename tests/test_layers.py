@@ -1,4 +1,5 @@
-"""The layout's rule, checked: imports flow one way, contract → kit → actors → gateway → face.
+"""The layout's rule, checked: imports flow one way, contract → kit → actors → dialects →
+gateway → face.
 
 Every import in every module counts, including the lazy ones inside functions (a lazy
 import is still a dependency; it only moves the cost to first use).
@@ -22,8 +23,9 @@ LAYERS: dict[str, int] = {
     "router": 2,
     "engine_worker": 2,
     "telemetry": 2,
-    "gateway": 3,  # ingress and the HTTP bridge
-    "tokenbus": 4,  # the public client, the CLI, the launcher, the evaluation tools
+    "dialects": 3,  # the API dialects (Anthropic's Messages) translated onto the chat request
+    "gateway": 4,  # ingress and the HTTP bridge
+    "tokenbus": 5,  # the public client, the CLI, the launcher, the evaluation tools
 }
 # The worker scans its output stream with the filter's engine and publishes telemetry
 # records; no other actor imports another.
@@ -117,6 +119,9 @@ def test_the_checker_catches_what_it_must() -> None:
     assert violations("bus_schemas.codec", ["nats.aio.client"])
     assert not violations("engine_worker.worker", ["filter.scanner", "telemetry.records"])
     assert not violations("tokenbus.cli", ["gateway.bridge", "auth.store"])
+    assert violations("dialects.messages", ["gateway.openai_api"])
+    assert not violations("gateway.messages", ["dialects.messages", "services.caller"])
+    assert not violations("tokenbus.client", ["dialects.messages"])
     lazy = imports_in("def f():\n    from gateway import bridge\n", ("router",))
     assert violations("router.probe", lazy)
     relative = imports_in("from ..gateway import bridge\n", ("router",))

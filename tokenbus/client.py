@@ -16,7 +16,7 @@ connection and the calls users make.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from nats.errors import MaxPayloadError, NoRespondersError
@@ -25,6 +25,8 @@ from auth.keys import key_id_of
 from bus_schemas import codec, frames, marks, subjects
 from bus_schemas import errors as E
 from bus_schemas import headers as H
+from dialects import messages as M
+from dialects.messages import MessageStream
 from services import natsclient, tracing
 from services import responses as R
 from services.caller import (
@@ -44,6 +46,7 @@ __all__ = [
     "Client",
     "Completion",
     "EmbeddingResult",
+    "MessageStream",
     "ResponseStream",
     "Stream",
     "Usage",
@@ -212,6 +215,18 @@ class Client(Caller):
         body = {"model": model, "input": input if isinstance(input, str) else list(input)}
         body.update(params)
         key = api_key or self.api_key
+        submit = self._chat_sender(timeout, key, request_id, session, traceparent)
+        return ResponseStream(R.parse(body), body, submit, _Stored(self, key))
+
+    def _chat_sender(
+        self,
+        timeout: float,
+        api_key: str | None,
+        request_id: str | None,
+        session: str | None,
+        traceparent: str | None,
+    ) -> Callable[[dict[str, Any]], Stream]:
+        """What sends a dialect's translated chat request down the chat path."""
         hdrs = _headers(session, traceparent)
 
         def submit(chat: dict[str, Any]) -> Stream:
@@ -219,12 +234,60 @@ class Client(Caller):
                 subjects.KIND_CHAT,
                 chat,
                 timeout=timeout,
-                api_key=key,
+                api_key=api_key,
                 request_id=request_id,
                 headers=hdrs,
             )
 
-        return ResponseStream(R.parse(body), body, submit, _Stored(self, key))
+        return submit
+
+    def messages(
+        self,
+        model: str,
+        messages: Sequence[dict[str, Any]],
+        *,
+        max_tokens: int,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        api_key: str | None = None,
+        request_id: str | None = None,
+        session: str | None = None,
+        traceparent: str | None = None,
+        **params: Any,
+    ) -> MessageStream:
+        """An Anthropic Messages API request (``POST /v1/messages``'s body: ``messages`` with
+        content blocks, ``system``, ``tools``, ``tool_choice``, ``stop_sequences``,
+        ``thinking``, ...), streamed as the API's events (dicts with ``type``). It is
+        translated by the same module as the bridge's (:mod:`dialects.messages`) and travels
+        the chat path (docs/anthropic.md). A bad field is refused here, before anything is
+        sent; a failure raises its typed error."""
+        body = {"model": model, "messages": list(messages), "max_tokens": max_tokens, **params}
+        submit = self._chat_sender(
+            timeout, api_key or self.api_key, request_id, session, traceparent
+        )
+        return MessageStream(M.parse(body), body, submit)
+
+    async def message(
+        self, model: str, messages: Sequence[dict[str, Any]], **kwargs: Any
+    ) -> dict[str, Any]:
+        """A whole Messages API message object (non-streaming)."""
+        return await self.messages(model, messages, **kwargs).collect()
+
+    async def count_tokens(
+        self,
+        model: str,
+        messages: Sequence[dict[str, Any]],
+        *,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        api_key: str | None = None,
+        **params: Any,
+    ) -> int:
+        """The input tokens of a Messages request (``POST /v1/messages/count_tokens``):
+        counted by the engine that would serve it."""
+        body = {"model": model, "messages": list(messages), **params}
+        chat = M.count_request(M.translate(M.parse(body, count=True), body))
+        submit = self._chat_sender(timeout, api_key or self.api_key, None, None, None)
+        done = await submit(chat).collect()
+        return done.usage.prompt_tokens
 
     async def response(
         self, model: str, input: str | Sequence[dict[str, Any]], **kwargs: Any

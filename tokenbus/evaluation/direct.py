@@ -14,6 +14,7 @@ from engine_worker import backends
 from engine_worker.backends.base import Backend, Delta, GenerationRequest
 from gateway import validation
 from gateway.asgi import serve
+from gateway.messages import MessagesAPI
 from gateway.openai_api import OpenAIApp
 from gateway.responses import ResponsesAPI
 from services import logging as tlog
@@ -152,6 +153,7 @@ async def run_direct(settings: Settings, host: str, port: int) -> None:
     # The Responses API over the same engine, so a benchmark can compare that path too
     # (without a bus there is nowhere to keep responses: store comes back false).
     ResponsesAPI(api, None).mount()
+    MessagesAPI(api).mount()
     http = await serve(api, host, port, reuse_port=False, shutdown_timeout=5)
     log.info("openai_http_listening", url=f"http://{host}:{port}/v1", model=settings.worker.model)
     stop = stop_event()

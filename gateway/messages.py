@@ -1,0 +1,241 @@
+"""Anthropic's Messages API over HTTP: ``POST /v1/messages`` (whole or streamed) and
+``POST /v1/messages/count_tokens``, so that Claude Code and the ``anthropic`` SDK talk to
+tokenbus.
+
+A request is translated onto the chat path (:mod:`dialects.messages`) and opened on the
+app's :class:`~gateway.openai_api.Source` exactly as a chat completion is, through the same
+scaffold (:meth:`OpenAIApp.handle`), so keys, limits, the content filter, routing,
+migration, telemetry and traces are the chat path's. What differs is the key's header
+(``x-api-key`` as well as ``Authorization: Bearer``), the error shape (Anthropic's, with the
+same statuses) and what goes back: a ``message``, or Anthropic's streaming events
+(docs/anthropic.md).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+from bus_schemas import errors as E
+from bus_schemas.subjects import KIND_CHAT
+from dialects import messages as M
+from gateway import validation
+from gateway.asgi import BodyNow, Headers, Message, Receive, Scope, Send, header, send_json
+from gateway.openai_api import (
+    SSE_HEADERS,
+    Call,
+    OpenAIApp,
+    StreamLike,
+    first_chunk,
+    latency_headers,
+    limit_headers,
+)
+from services import tracing
+from services.caller import Chunk
+
+PREFIX = "/v1/messages"
+COUNT = PREFIX + "/count_tokens"
+KIND = "messages"  # the kind in the bridge's metrics and request log
+KIND_COUNT = "messages.count_tokens"
+
+
+def with_api_key(scope: Scope) -> Scope:
+    """The request with Anthropic's ``x-api-key`` read as the key (``Authorization: Bearer``,
+    what Claude Code sends with ANTHROPIC_AUTH_TOKEN, works as on every endpoint)."""
+    key = header(scope, b"x-api-key")
+    if not key:
+        return scope
+    kept = [(k, v) for k, v in scope.get("headers") or () if k != b"authorization"]
+    return {**scope, "headers": [*kept, (b"authorization", b"Bearer " + key.encode("latin-1"))]}
+
+
+def anthropic_errors(send: Send) -> Send:
+    """``send`` with every error response (an OpenAI-shaped JSON body, 4xx or 5xx) rewritten
+    in Anthropic's shape, the status kept."""
+    held: list[Message] = []
+
+    async def out(msg: Message) -> None:
+        if msg["type"] == "http.response.start" and msg["status"] >= 400:
+            held.append(msg)
+            return
+        if held and msg["type"] == "http.response.body":
+            start = held.pop()
+            status = int(start["status"])
+            try:
+                err = json.loads(msg.get("body") or b"{}").get("error") or {}
+            except ValueError:
+                err = {}
+            rid = next((v.decode() for k, v in start["headers"] if k == b"x-request-id"), None)
+            body = json.dumps(M.error_body(status, str(err.get("message", "error")), rid)).encode()
+            hdrs: Headers = [(k, v) for k, v in start["headers"] if k != b"content-length"]
+            hdrs.append((b"content-length", str(len(body)).encode()))
+            await send({**start, "headers": hdrs})
+            await send({"type": "http.response.body", "body": body})
+            return
+        await send(msg)
+
+    return out
+
+
+class MessagesAPI:
+    """The Messages API's handlers on an :class:`OpenAIApp` (``mount`` adds its routes)."""
+
+    def __init__(self, app: OpenAIApp) -> None:
+        self.app = app
+
+    def mount(self) -> None:
+        """``/v1/messages`` and everything below it."""
+        self.app.add_prefix(PREFIX, self.route)
+
+    async def route(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """``POST /v1/messages``, ``POST /v1/messages/count_tokens``; anything else below
+        ``/v1/messages`` (message batches) is 404, another method 405, in Anthropic's shape."""
+        scope = with_api_key(scope)
+        send = anthropic_errors(send)
+        path, method = scope["path"].rstrip("/"), scope["method"]
+        if path in (PREFIX, COUNT) and method == "POST":
+            kind, serve = (KIND, self._create) if path == PREFIX else (KIND_COUNT, self._count)
+            await self.app.handle(scope, receive, send, kind, serve)
+        elif path in (PREFIX, COUNT):
+            await send_json(send, 405, M.error_body(405, f"method {method} not allowed on {path}"))
+        else:
+            why = "message batches are not served by tokenbus" if "/batches" in path else "no route"
+            await send_json(send, 404, M.error_body(404, f"{why}: {method} {path}"))
+
+    def _open(self, call: Call, chat_body: dict[str, Any]) -> StreamLike:
+        chat = validation.parse(KIND_CHAT, chat_body)
+        if call.span is not None:
+            call.span.set_attribute(tracing.MODEL, chat.model)
+        call.watch()
+        stream = call.stream = self.app.source.open(
+            KIND_CHAT,
+            chat,
+            chat_body,
+            request_id=call.rid,
+            timeout=self.app.timeout,
+            headers=call.hdrs,
+        )
+        return stream
+
+    async def _create(self, call: Call, send: Send) -> None:
+        req = M.parse(call.body)
+        stream = self._open(call, M.translate(req, call.body))
+        b = M.MessageBuilder(req.model, events=bool(req.stream), stop_sequences=req.stop_sequences)
+        if req.stream:
+            await self._write_sse(send, b, stream, call)
+            return
+        async for c in stream:
+            b.add(c)
+        msg, _ = b.finish(stream.finish_reason, stream.usage)
+        await self._send_whole(send, msg, stream, call)
+
+    async def _count(self, call: Call, send: Send) -> None:
+        req = M.parse(call.body, count=True)
+        stream = self._open(call, M.count_request(M.translate(req, call.body)))
+        async for _ in stream:
+            pass
+        await self._send_whole(
+            send, {"input_tokens": stream.usage.prompt_tokens if stream.usage else 0}, stream, call
+        )
+
+    async def _send_whole(
+        self, send: Send, obj: dict[str, Any], stream: StreamLike, call: Call
+    ) -> None:
+        progress = call.progress
+        progress.finished = True
+        progress.t5_ns = time.time_ns()
+        rid = call.rid.encode()
+        await send_json(
+            send,
+            200,
+            obj,
+            [
+                (b"x-request-id", rid),
+                (b"request-id", rid),
+                *limit_headers(stream),
+                *latency_headers(stream, progress.t1_ns),
+            ],
+        )
+
+    async def _write_sse(
+        self, send: Send, b: M.MessageBuilder, stream: StreamLike, call: Call
+    ) -> None:
+        # The first frame before the headers, so that errors before generation (unknown
+        # model, no replica, a refused key) still get their own HTTP status.
+        first = await first_chunk(stream)
+        progress, rid = call.progress, call.rid.encode()
+        progress.started = True
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [
+                    *SSE_HEADERS,
+                    (b"x-request-id", rid),
+                    (b"request-id", rid),
+                    *limit_headers(stream),
+                ],
+            }
+        )
+        buf = [M.sse(ev) for ev in b.opening()]
+        body = "http.response.body"
+        try:
+            if first is not None:
+                _events(b, first, buf)
+                await send({"type": body, "body": "".join(buf).encode(), "more_body": True})
+                progress.t5_ns = time.time_ns()
+                progress.streamed = True
+                buf.clear()
+                if call.now is not None:
+                    stream.push_to(_text_sink(b, call.now))
+                try:
+                    async for c in stream:
+                        _events(b, c, buf)
+                        # Behind: what is already here goes in one write.
+                        while stream.pending():
+                            try:
+                                c = await stream.__anext__()
+                            except StopAsyncIteration:
+                                break
+                            _events(b, c, buf)
+                        await send({"type": body, "body": "".join(buf).encode(), "more_body": True})
+                        buf.clear()
+                finally:
+                    stream.push_to(None)
+            _, events = b.finish(stream.finish_reason, stream.usage)
+            buf.extend(M.sse(ev) for ev in events)
+        except E.TokenbusError as exc:
+            # The headers are gone: the failure is an `error` event, which ends the stream.
+            buf.extend(M.sse(ev) for ev in b.fail(exc))
+        progress.finished = True
+        await send({"type": body, "body": "".join(buf).encode(), "more_body": False})
+
+
+def _events(b: M.MessageBuilder, c: Chunk, buf: list[str]) -> None:
+    """The SSE text of one chunk's events, appended to ``buf``."""
+    if c.text and not c.has_side:
+        text = b.text_sse(c.text)
+        if text is not None:
+            buf.append(text)
+            return
+    buf.extend(M.sse(ev) for ev in b.add(c))
+
+
+def _text_sink(b: M.MessageBuilder, now: BodyNow) -> Callable[[str], bool]:
+    """A stream's sink (``push_to``): a plain text delta's events written at once, as
+    :func:`_events` would write them; False, with the builder untouched, when they cannot
+    go out now."""
+
+    def sink(text: str) -> bool:
+        if not text:
+            return True
+        if not now.ready():
+            return False
+        out = b.text_sse(text)
+        if out is None:
+            out = "".join(M.sse(ev) for ev in b.add(Chunk(text, 1, 0)))
+        return now(out.encode())
+
+    return sink
