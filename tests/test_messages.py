@@ -9,6 +9,7 @@ auth / ratelimit / filter / ingress / router services (the NATS path) and the br
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -16,8 +17,10 @@ from typing import Any
 import anthropic
 import pytest
 
+from bus_schemas import errors as E
 from engine_worker.backends.base import GenerationRequest
 from engine_worker.backends.sim import count_tokens, expected_text
+from engine_worker.backends.sim_outputs import expected_tool_call
 from tests.conftest import (
     NatsServer,
     Procs,
@@ -29,6 +32,7 @@ from tests.conftest import (
     start_worker,
     wait_replicas,
 )
+from tokenbus import Client
 
 PIPELINE = {"TOKENBUS_INGRESS__PIPELINE": '["auth", "ratelimit", "filter", "route"]'}
 SCHEMA = {
@@ -239,3 +243,267 @@ async def test_bad_fields_get_anthropic_s_errors_with_their_status(
         assert r.status_code == 405 and r.json()["type"] == "error"
         r = await h.post("/v1/messages/batches", json={})
         assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+
+
+# -- streamed ----------------------------------------------------------------------------------
+async def test_create_streamed_with_the_sdk_stream_helper(
+    env: Env, sdk: anthropic.AsyncAnthropic
+) -> None:
+    full = expected_text("<|user|>tell me a story\n", 40)[0]
+    stop = " " + full.split(" ")[6]
+    want = full[: full.find(stop)]
+    types: list[str] = []
+    async with sdk.messages.stream(
+        model=env.model,
+        max_tokens=40,
+        messages=[{"role": "user", "content": "tell me a story"}],
+        stop_sequences=[stop],
+    ) as stream:
+        text = ""
+        async for ev in stream:
+            types.append(ev.type)
+            if ev.type == "text":
+                text += ev.text
+        final = await stream.get_final_message()
+    assert text == want
+    assert final.content[0].text == want  # type: ignore[union-attr]
+    assert final.stop_reason == "stop_sequence" and final.stop_sequence == stop
+    assert final.usage.output_tokens >= 5
+    assert final.usage.input_tokens == count_tokens("<|user|>tell me a story\n")
+    # The raw events (the helper adds its own `text` events beside them).
+    raw = [t for t in types if t != "text"]
+    n = raw.count("content_block_delta")
+    assert n >= 5
+    assert raw == [
+        "message_start",
+        "content_block_start",
+        *["content_block_delta"] * n,
+        "content_block_stop",
+        "message_delta",
+        "message_stop",
+    ]
+
+
+async def test_raw_stream_events_as_anthropic_sends_them(env: Env) -> None:
+    hdrs = {"x-api-key": env.key, "anthropic-version": "2023-06-01"}
+    body = {
+        "model": env.model,
+        "max_tokens": 6,
+        "stream": True,
+        "messages": [{"role": "user", "content": "hello there"}],
+    }
+    async with env.stack.http(headers=hdrs) as h, h.stream("POST", "/v1/messages", json=body) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        raw = "".join([t async for t in r.aiter_text()])
+    events = []
+    for block in raw.strip().split("\n\n"):
+        name, data = block.split("\n")
+        ev = json.loads(data.removeprefix("data: "))
+        assert name == f"event: {ev['type']}"
+        events.append(ev)
+    assert [e["type"] for e in events[:3]] == ["message_start", "ping", "content_block_start"]
+    start = events[0]["message"]
+    assert start["content"] == [] and start["stop_reason"] is None and start["role"] == "assistant"
+    assert events[2] == {
+        "type": "content_block_start",
+        "index": 0,
+        "content_block": {"type": "text", "text": ""},
+    }
+    deltas = [e["delta"] for e in events if e["type"] == "content_block_delta"]
+    assert all(d["type"] == "text_delta" for d in deltas)
+    assert "".join(d["text"] for d in deltas) == expected_text("<|user|>hello there\n", 6)[0]
+    assert events[-3] == {"type": "content_block_stop", "index": 0}
+    delta = events[-2]
+    assert delta["delta"] == {"stop_reason": "max_tokens", "stop_sequence": None}
+    assert delta["usage"]["output_tokens"] == 6
+    assert events[-1] == {"type": "message_stop"}
+
+
+async def test_an_error_before_the_first_token_keeps_its_status_when_streamed(
+    env: Env, sdk: anthropic.AsyncAnthropic
+) -> None:
+    with pytest.raises(anthropic.NotFoundError):
+        async with sdk.messages.stream(
+            model="no-such-model", max_tokens=4, messages=[{"role": "user", "content": "hi"}]
+        ) as stream:
+            await stream.get_final_message()
+
+
+# -- tools, images, thinking, count_tokens ---------------------------------------------------
+async def test_tool_round_trip(env: Env, sdk: anthropic.AsyncAnthropic) -> None:
+    ask = [{"role": "user", "content": "weather in Paris?"}]
+    first = await sdk.messages.create(
+        model=env.model,
+        max_tokens=64,
+        messages=ask,  # type: ignore[arg-type]
+        tools=[WEATHER],  # type: ignore[list-item]
+        tool_choice={"type": "any"},
+    )
+    assert first.stop_reason == "tool_use"
+    assert [b.type for b in first.content] == ["tool_use"]
+    use = first.content[0]
+    assert use.type == "tool_use"
+    want = expected_tool_call(_sim(env.model, ask, tools=[CHAT_WEATHER]))
+    assert want is not None
+    assert (use.id, use.name, use.input) == (want[0], want[1], json.loads(want[2]))
+    second = await sdk.messages.create(
+        model=env.model,
+        max_tokens=8,
+        tools=[WEATHER],  # type: ignore[list-item]
+        messages=[
+            *ask,  # type: ignore[list-item]
+            {"role": "assistant", "content": first.content},  # type: ignore[list-item]
+            {
+                "role": "user",
+                "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "sunny"}],
+            },
+        ],
+    )
+    # The engine saw the whole conversation: the question, its call, the call's result.
+    prompt = f"<|user|>weather in Paris?\n<|assistant|>get_weather({want[2]})\n<|tool|>sunny\n"
+    assert second.content[0].text == expected_text(prompt, 8)[0]  # type: ignore[union-attr]
+    assert second.stop_reason == "max_tokens"
+
+
+async def test_streamed_tool_use(env: Env, sdk: anthropic.AsyncAnthropic) -> None:
+    ask = [{"role": "user", "content": "weather?"}]
+    partial = ""
+    async with sdk.messages.stream(
+        model=env.model,
+        max_tokens=64,
+        messages=ask,  # type: ignore[arg-type]
+        tools=[WEATHER],  # type: ignore[list-item]
+        tool_choice={"type": "tool", "name": "get_weather"},
+    ) as stream:
+        async for ev in stream:
+            if ev.type == "content_block_delta" and ev.delta.type == "input_json_delta":
+                partial += ev.delta.partial_json
+        final = await stream.get_final_message()
+    want = expected_tool_call(_sim(env.model, ask, tools=[CHAT_WEATHER]))
+    assert want is not None and partial == want[2]
+    assert final.stop_reason == "tool_use"
+    use = final.content[0]
+    assert use.type == "tool_use" and use.input == json.loads(want[2]) and use.id == want[0]
+
+
+async def test_an_image_block_reaches_the_engine_as_an_image_url(
+    env: Env, sdk: anthropic.AsyncAnthropic
+) -> None:
+    data = "iVBORw0KGgo="
+    out = await sdk.messages.create(
+        model=env.up_model,
+        max_tokens=4,
+        messages=[
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "what is this?"},
+                    {
+                        "type": "image",
+                        "source": {"type": "base64", "media_type": "image/png", "data": data},
+                    },
+                    {"type": "image", "source": {"type": "url", "url": "https://x.test/a.png"}},
+                ],
+            }
+        ],
+        stop_sequences=["zzz"],
+        metadata={"user_id": "u-7"},
+        extra_body={"top_k": 3, "temperature": 0.2},
+    )
+    assert out.content[0].text  # type: ignore[union-attr]
+    got = await env.upstream.last_request()
+    assert got["messages"] == [
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "what is this?"},
+                {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{data}"}},
+                {"type": "image_url", "image_url": {"url": "https://x.test/a.png"}},
+            ],
+        }
+    ]
+    assert got["max_tokens"] == 4 and got["stop"] == ["zzz"] and got["user"] == "u-7"
+    assert got["top_k"] == 3 and got["temperature"] == 0.2
+
+
+async def test_thinking_comes_from_the_engine_s_reasoning(
+    env: Env, sdk: anthropic.AsyncAnthropic
+) -> None:
+    kw: dict[str, Any] = {
+        "model": env.up_model,
+        "max_tokens": 2048,
+        "messages": [{"role": "user", "content": "think first"}],
+        "thinking": {"type": "enabled", "budget_tokens": 1024},
+    }
+    out = await sdk.messages.create(**kw)
+    assert [b.type for b in out.content] == ["thinking", "text"]
+    assert out.content[0].thinking == "thinking"  # type: ignore[union-attr]
+    assert out.content[1].text == "hello from upstream"  # type: ignore[union-attr]
+    got = await env.upstream.last_request()
+    assert got["chat_template_kwargs"]["enable_thinking"] is True
+    async with sdk.messages.stream(**kw) as stream:
+        deltas = {ev.delta.type async for ev in stream if ev.type == "content_block_delta"}
+        final = await stream.get_final_message()
+    assert {"thinking_delta", "text_delta"} <= deltas
+    assert {b.type for b in final.content} == {"thinking", "text"}
+    # The thinking goes back with the next turn as the assistant's reasoning.
+    await sdk.messages.create(
+        **{
+            **kw,
+            "messages": [
+                *kw["messages"],
+                {"role": "assistant", "content": out.content},
+                {"role": "user", "content": "and then?"},
+            ],
+        }
+    )
+    got = await env.upstream.last_request()
+    assert got["messages"][1] == {
+        "role": "assistant",
+        "content": "hello from upstream",
+        "reasoning_content": "thinking",
+    }
+
+
+async def test_count_tokens(env: Env, sdk: anthropic.AsyncAnthropic) -> None:
+    out = await sdk.messages.count_tokens(
+        model=env.model,
+        system="be brief",
+        messages=[{"role": "user", "content": "count me, please"}],
+    )
+    assert out.input_tokens == count_tokens("<|system|>be brief\n<|user|>count me, please\n")
+    with pytest.raises(anthropic.BadRequestError):
+        await sdk.messages.count_tokens(model=env.model, messages=[])
+
+
+# -- the NATS client ---------------------------------------------------------------------------
+async def test_the_nats_client_serves_the_same_operation(env: Env) -> None:
+    hello = [{"role": "user", "content": "hello there"}]
+    async with await Client.connect(env.url, api_key=env.key) as tb:
+        out = await tb.message(env.model, hello, max_tokens=12, system="be brief")
+        assert out["content"] == [
+            {
+                "type": "text",
+                "text": expected_text("<|system|>be brief\n<|user|>hello there\n", 12)[0],
+            }
+        ]
+        assert out["stop_reason"] == "max_tokens" and out["usage"]["output_tokens"] == 12
+        events = tb.messages(
+            env.model,
+            [{"role": "user", "content": "weather?"}],
+            max_tokens=64,
+            tools=[WEATHER],
+            tool_choice={"type": "any"},
+        )
+        seen = [ev async for ev in events]
+        assert seen[0]["type"] == "message_start" and seen[-1]["type"] == "message_stop"
+        assert events.message is not None and events.message["stop_reason"] == "tool_use"
+        assert events.message["content"][0]["name"] == "get_weather"
+        n = await tb.count_tokens(env.model, hello)
+        assert n == count_tokens("<|user|>hello there\n")
+        with pytest.raises(E.InvalidRequest) as ei:
+            tb.messages(env.model, hello, max_tokens=4, tool_choice={"type": "any"})
+        assert ei.value.param == "tool_choice"
+        with pytest.raises(E.ModelNotFound):
+            await tb.message("no-such-model", hello, max_tokens=4)
