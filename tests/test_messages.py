@@ -18,9 +18,13 @@ import anthropic
 import pytest
 
 from bus_schemas import errors as E
+from dialects import messages as M
 from engine_worker.backends.base import GenerationRequest
 from engine_worker.backends.sim import count_tokens, expected_text
 from engine_worker.backends.sim_outputs import expected_tool_call
+from filter.policy import FilterPolicy
+from filter.scanner import Scanner
+from services.caller import Chunk, Usage
 from tests.conftest import (
     NatsServer,
     Procs,
@@ -507,3 +511,251 @@ async def test_the_nats_client_serves_the_same_operation(env: Env) -> None:
         assert ei.value.param == "tool_choice"
         with pytest.raises(E.ModelNotFound):
             await tb.message("no-such-model", hello, max_tokens=4)
+
+
+async def test_tool_results_are_filtered_as_on_chat(
+    env: Env, sdk: anthropic.AsyncAnthropic
+) -> None:
+    secret = "use the key AKIAIOSFODNN7EXAMPLE please"
+    redacted = Scanner(FilterPolicy()).scan(secret).redacted_text
+    assert "AKIA" not in redacted
+    out = await sdk.messages.create(
+        model=env.model,
+        max_tokens=5,
+        messages=[
+            {"role": "user", "content": "weather?"},
+            {
+                "role": "assistant",
+                "content": [{"type": "tool_use", "id": "c1", "name": "get_weather", "input": {}}],
+            },
+            {
+                "role": "user",
+                "content": [{"type": "tool_result", "tool_use_id": "c1", "content": secret}],
+            },
+        ],
+    )
+    prompt = f"<|user|>weather?\n<|assistant|>get_weather({{}})\n<|tool|>{redacted}\n"
+    assert out.content[0].text == expected_text(prompt, 5)[0]  # type: ignore[union-attr]
+
+
+# -- the translation on its own --------------------------------------------------------------
+def _chat(body: dict[str, Any]) -> dict[str, Any]:
+    return M.translate(M.parse(body), body)
+
+
+def test_blocks_become_chat_messages() -> None:
+    chat = _chat(
+        {
+            "model": "m",
+            "max_tokens": 100,
+            "system": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [{"type": "text", "text": "x"}, {"type": "text", "text": "y"}],
+                },
+                {
+                    "role": "assistant",
+                    "content": [
+                        {"type": "thinking", "thinking": "hmm", "signature": "s"},
+                        {"type": "redacted_thinking", "data": "opaque"},
+                        {"type": "text", "text": "calling"},
+                        {"type": "tool_use", "id": "t1", "name": "f", "input": {"a": 1}},
+                        {"type": "tool_use", "id": "t2", "name": "g", "input": {}},
+                    ],
+                },
+                {
+                    "role": "user",
+                    "content": [
+                        {
+                            "type": "tool_result",
+                            "tool_use_id": "t1",
+                            "content": [{"type": "text", "text": "one"}],
+                        },
+                        {
+                            "type": "tool_result",
+                            "tool_use_id": "t2",
+                            "content": "boom",
+                            "is_error": True,
+                        },
+                        {"type": "text", "text": "go on"},
+                        {
+                            "type": "document",
+                            "source": {"type": "text", "media_type": "text/plain", "data": "doc"},
+                        },
+                    ],
+                },
+            ],
+            "tools": [
+                {"name": "f", "input_schema": {"type": "object"}},
+                {"name": "g", "input_schema": {}},
+            ],
+            "tool_choice": {"type": "auto", "disable_parallel_tool_use": True},
+            "thinking": {"type": "disabled"},
+            "output_config": {"effort": "max"},
+            "cache_control": {"type": "ephemeral"},
+            "chat_template_kwargs": {"thinking": True},
+            "min_tokens": 2,
+        }
+    )
+    assert chat["messages"] == [
+        {"role": "system", "content": "a\nb"},
+        {"role": "user", "content": "x\ny"},
+        {
+            "role": "assistant",
+            "content": "calling",
+            "reasoning_content": "hmm",
+            "tool_calls": [
+                {
+                    "id": "t1",
+                    "type": "function",
+                    "function": {"name": "f", "arguments": '{"a": 1}'},
+                },
+                {"id": "t2", "type": "function", "function": {"name": "g", "arguments": "{}"}},
+            ],
+        },
+        {"role": "tool", "tool_call_id": "t1", "content": "one"},
+        {"role": "tool", "tool_call_id": "t2", "content": "Error:\nboom"},
+        {"role": "user", "content": "go on\ndoc"},
+    ]
+    assert chat["tools"][0] == {
+        "type": "function",
+        "function": {"name": "f", "parameters": {"type": "object"}},
+    }
+    assert chat["tool_choice"] == "auto" and chat["parallel_tool_calls"] is False
+    # The request's own template switches win over the ones thinking sets.
+    assert chat["chat_template_kwargs"] == {"enable_thinking": False, "thinking": True}
+    assert chat["reasoning_effort"] == "high"
+    assert chat["min_tokens"] == 2 and "cache_control" not in chat
+    assert "continue_final_message" not in chat
+
+
+def test_a_last_assistant_turn_is_a_prefill_and_choices_map() -> None:
+    body: dict[str, Any] = {
+        "model": "m",
+        "max_tokens": 5,
+        "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure,"}],
+        "tools": [{"name": "f", "input_schema": {}}],
+    }
+    chat = _chat(body)
+    assert chat["continue_final_message"] is True and chat["add_generation_prompt"] is False
+    for choice, want in [
+        ({"type": "any"}, "required"),
+        ({"type": "none"}, "none"),
+        ({"type": "tool", "name": "f"}, {"type": "function", "function": {"name": "f"}}),
+    ]:
+        assert _chat({**body, "tool_choice": choice})["tool_choice"] == want
+    counted = M.count_request(_chat({**body, "stop_sequences": ["x"]}))
+    assert counted["max_tokens"] == 1 and "stop" not in counted
+
+
+@pytest.mark.parametrize(
+    ("change", "param"),
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": "5"}, "max_tokens"),
+        ({"stream": "yes"}, "stream"),
+        ({"top_k": -1}, "top_k"),
+        ({"system": [{"type": "image"}]}, "system.0"),
+        ({"metadata": {"user_id": 5}}, "metadata.user_id"),
+        ({"metadata": {"other": "x"}}, "metadata.other"),
+        ({"thinking": {"type": "enabled", "budget_tokens": 99}}, "thinking.budget_tokens"),
+        ({"thinking": {"type": "sometimes"}}, "thinking.type"),
+        ({"tools": [{"name": "f"}]}, "tools.0.input_schema"),
+        ({"tools": [{"name": "bad name", "input_schema": {}}]}, "tools.0.name"),
+        ({"tool_choice": {"type": "any"}}, "tool_choice"),
+        ({"tool_choice": {"type": "sometimes"}}, "tool_choice.type"),
+        ({"mcp_servers": [{}]}, "mcp_servers"),
+        ({"max_completion_tokens": 5}, "max_completion_tokens"),
+        ({"output_config": {"effort": "huge"}}, "output_config.effort"),
+        ({"output_config": {"format": {"type": "json_schema"}}}, "output_config.format.schema"),
+        ({"messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "tool_use"}]}]},
+            "messages.0.content.0.type",
+        ),
+        (
+            {
+                "messages": [
+                    {
+                        "role": "assistant",
+                        "content": [{"type": "tool_use", "id": "t", "name": "f", "input": []}],
+                    }
+                ]
+            },
+            "messages.0.content.0.input",
+        ),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "tool_result"}]}]},
+            "messages.0.content.0.tool_use_id",
+        ),
+    ],
+)
+def test_each_bad_field_is_a_400_naming_it(change: dict[str, Any], param: str) -> None:
+    body = {
+        "model": "m",
+        "max_tokens": 5,
+        "messages": [{"role": "user", "content": "hi"}],
+        **change,
+    }
+    with pytest.raises(E.InvalidRequest) as ei:
+        _chat(body)
+    assert ei.value.param == param
+    assert ei.value.message.startswith(f"{param}:")
+
+
+def test_the_builder_puts_thinking_first_and_maps_the_end() -> None:
+    b = M.MessageBuilder("m", events=False, message_id="msg_1")
+    b.add(Chunk("Hel", 1, 0))
+    b.add(Chunk("lo", 1, 0))
+    b.add(Chunk("", 0, 0, reasoning="why"))
+    call = {
+        "index": 0,
+        "id": "c",
+        "type": "function",
+        "function": {"name": "f", "arguments": '{"a"'},
+    }
+    b.add(Chunk("", 0, 0, tool_calls=[call]))
+    b.add(Chunk("", 0, 0, tool_calls=[{"index": 0, "function": {"arguments": ": 1}"}}]))
+    usage = Usage(10, 4, 14, prompt_tokens_details={"cached_tokens": 3})
+    msg, events = b.finish("tool_calls", usage)
+    assert events == []
+    assert msg == {
+        "id": "msg_1",
+        "type": "message",
+        "role": "assistant",
+        "model": "m",
+        "content": [
+            {"type": "thinking", "thinking": "why", "signature": ""},
+            {"type": "text", "text": "Hello"},
+            {"type": "tool_use", "id": "c", "name": "f", "input": {"a": 1}},
+        ],
+        "stop_reason": "tool_use",
+        "stop_sequence": None,
+        "usage": {
+            "input_tokens": 7,
+            "output_tokens": 4,
+            "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": 3,
+        },
+    }
+    assert M.stop_reason("stop", None) == ("end_turn", None)
+    assert M.stop_reason("stop", ["a", "b"]) == ("stop_sequence", None)
+    assert M.stop_reason("length", ["a"]) == ("max_tokens", None)
+    assert M.stop_reason("content_filter", None) == ("refusal", None)
+
+
+def test_a_stream_that_fails_after_it_started_ends_with_an_error_event() -> None:
+    b = M.MessageBuilder("m", events=True)
+    assert [e["type"] for e in b.opening()] == ["message_start", "ping"]
+    started = b.add(Chunk("hi", 1, 0))
+    assert [e["type"] for e in started] == ["content_block_start", "content_block_delta"]
+    (ev,) = b.fail(E.ReplicaLost("the replica went away"))
+    assert ev["type"] == "error" and ev["error"]["type"] == "overloaded_error"
+    assert "retryable" in ev["error"]["message"]
+    assert M.sse(ev).startswith("event: error\ndata: {")
+    # The statuses keep Anthropic's types.
+    assert M.error_body(429, "slow down")["error"]["type"] == "rate_limit_error"
+    assert M.error_body(413, "big")["error"]["type"] == "request_too_large"
+    assert M.error_body(500, "oops")["error"]["type"] == "api_error"
+    assert M.error_body(403, "no")["error"]["type"] == "permission_error"
