@@ -24,6 +24,12 @@ from pydantic import (
 from bus_schemas import errors
 
 MAX_STOP_SEQUENCES = 4
+# The most prompts one ``/v1/completions`` request may hold (one choice each, as OpenAI's
+# ``n`` is bounded): the bridge opens one generation per prompt.
+MAX_PROMPTS = 128
+# What ``/v1/completions`` generates when the request names no ``max_tokens``: OpenAI's
+# documented default, and vLLM's.
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 # Version 2: envelopes carry the client's messages as sent and its other fields in
 # ``extra``; chunk frames may carry tool calls, logprobs, refusal, reasoning and embeddings.
 SCHEMA_VERSION = 2
@@ -66,17 +72,28 @@ def message_text(content: Any) -> str:
     return ""
 
 
+def tool_call_text(call: Any) -> str:
+    """What a tool call in the history says: a function call's ``arguments``, a custom
+    tool call's ``input`` (both rendered into the prompt by chat templates)."""
+    if not isinstance(call, dict):
+        return ""
+    fn, custom = call.get("function"), call.get("custom")
+    if isinstance(fn, dict):
+        return str(fn.get("arguments") or "")
+    if isinstance(custom, dict):
+        return str(custom.get("input") or "")
+    return ""
+
+
 def envelope_chars(env: dict[str, Any]) -> int:
-    """Characters of text an envelope carries (prompt, message texts, tool-call arguments,
-    embedding inputs); images, audio and files are not text and count only as body size."""
+    """Characters of text an envelope carries (prompt, message texts, tool-call arguments
+    and custom tool-call inputs, embedding inputs); images, audio and files are not text and
+    count only as body size."""
     n = len(env.get("prompt") or "")
     for m in env.get("messages") or ():
         if isinstance(m, dict):
             n += len(message_text(m.get("content")))
-            for call in _list(m.get("tool_calls")):
-                fn = call.get("function") if isinstance(call, dict) else None
-                if isinstance(fn, dict):
-                    n += len(str(fn.get("arguments") or ""))
+            n += sum(len(tool_call_text(call)) for call in _list(m.get("tool_calls")))
     for item in env.get("input") or ():
         n += len(item) if isinstance(item, str | list) else 1
     return n
@@ -127,12 +144,32 @@ class FunctionCall(_Carried):
     arguments: StrictStr = Field(description="Its arguments, a JSON string.")
 
 
+class CustomCall(_Carried):
+    name: str = Field(description="The custom tool called.")
+    input: StrictStr = Field(description="Its input, free text.")
+
+
 class ToolCall(_Carried):
-    """A tool call in an assistant message of the history."""
+    """A tool call in an assistant message of the history: a ``function`` call or a
+    ``custom`` tool's call (other types are carried)."""
 
     id: str = Field(description="The call's id, answered by a tool message's tool_call_id.")
     type: str = Field(default="function", description="Tool type.")
-    function: FunctionCall
+    function: FunctionCall | None = Field(default=None, description="A function call's call.")
+    custom: CustomCall | None = Field(default=None, description="A custom tool call's call.")
+
+    @model_validator(mode="after")
+    def _call(self) -> ToolCall:
+        if self.type in ("function", "custom") and getattr(self, self.type) is None:
+            raise ValueError(f"a {self.type} tool call needs a {self.type!r} object")
+        return self
+
+    @property
+    def text(self) -> str:
+        """What the call says (:func:`tool_call_text`)."""
+        if self.function is not None:
+            return self.function.arguments
+        return self.custom.input if self.custom is not None else ""
 
 
 class ChatMessage(_Carried):
@@ -160,7 +197,7 @@ class ChatMessage(_Carried):
             else "".join(p.text or p.refusal or "" for p in self.content)
         )
         for call in self.tool_calls or ():
-            text += call.function.arguments
+            text += call.text
         return text
 
 
@@ -197,8 +234,24 @@ class Tool(_Carried):
 
 
 class NamedToolChoice(_Carried):
+    """A ``tool_choice`` object: a named ``function`` or ``custom`` tool, or
+    ``allowed_tools`` (``{mode, tools}``, carried to the engine as sent)."""
+
     type: str = Field(default="function")
-    function: dict[str, Any] = Field(description="{name} of the tool to call.")
+    function: dict[str, Any] | None = Field(default=None, description="{name} of the function.")
+    custom: dict[str, Any] | None = Field(default=None, description="{name} of the custom tool.")
+    allowed_tools: dict[str, Any] | None = Field(
+        default=None, description="{mode, tools}: the tools the model may pick from."
+    )
+
+    @model_validator(mode="after")
+    def _named(self) -> NamedToolChoice:
+        if (
+            self.type in ("function", "custom", "allowed_tools")
+            and getattr(self, self.type) is None
+        ):
+            raise ValueError(f"a tool_choice of type {self.type} needs a {self.type!r} object")
+        return self
 
 
 class JSONSchemaFormat(_Carried):
@@ -236,18 +289,49 @@ class SamplingParams(_Wire):
         default=None, ge=0.0, le=2.0, description="Sampling temperature; None: the engine's."
     )
     top_p: float | None = Field(
-        default=None, gt=0.0, le=1.0, description="Nucleus sampling mass; None: the engine's."
+        default=None, ge=0.0, le=1.0, description="Nucleus sampling mass; None: the engine's."
     )
     seed: int | None = Field(default=None, description="Seed for reproducible sampling.")
     stop: list[str] = Field(default_factory=list, description="Stop sequences (at most 4).")
 
 
 def _normalise_stop(v: Any) -> Any:
+    """``stop`` as a list: one string is one sequence; an empty string stops at nothing, as
+    OpenAI takes it, so it is dropped (an engine would stop before the first token)."""
     if v is None:
         return []
     if isinstance(v, str):
-        return [v]
+        return [v] if v else []
+    if isinstance(v, list):
+        return [s for s in v if s != ""]
     return v
+
+
+# Integer fields a request may write as JSON numbers with a zero fraction (``2.0``), which
+# JSON Schema's ``integer`` (OpenAI's document) takes: read as the integer, and carried so.
+WHOLE_NUMBER_FIELDS = frozenset(
+    {
+        "max_tokens",
+        "max_completion_tokens",
+        "max_output_tokens",
+        "max_tool_calls",
+        "n",
+        "best_of",
+        "seed",
+        "logprobs",
+        "top_logprobs",
+        "dimensions",
+    }
+)
+
+
+def whole_numbers(body: dict[str, Any]) -> None:
+    """Rewrite, in place, a :data:`WHOLE_NUMBER_FIELDS` value written ``2.0`` as ``2``; any
+    other value is left for validation to judge."""
+    for name in WHOLE_NUMBER_FIELDS & body.keys():
+        v = body[name]
+        if isinstance(v, float) and v.is_integer() and abs(v) < 2**63:
+            body[name] = int(v)
 
 
 class Resume(_Edge):
@@ -295,7 +379,7 @@ class _GenerationRequest(_Edge):
         default=None, description="Most tokens to generate."
     )
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_p: float | None = Field(default=None, ge=0.0, le=1.0)
     seed: int | None = Field(default=None)
     resume: Resume | None = Field(
         default=None,
@@ -325,8 +409,6 @@ class _GenerationRequest(_Edge):
     def _stop_count(cls, v: list[str] | None) -> list[str] | None:
         if v is not None and len(v) > MAX_STOP_SEQUENCES:
             raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences are allowed")
-        if v is not None and any(s == "" for s in v):
-            raise ValueError("stop sequences must not be empty")
         return v
 
     @field_validator("n")
@@ -383,39 +465,87 @@ class ChatCompletionRequest(_GenerationRequest):
     def _consistent(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs: needs logprobs: true")
-        if isinstance(self.tool_choice, NamedToolChoice):
-            name = self.tool_choice.function.get("name")
-            names = {t.function.name for t in self.tools or () if t.function is not None}
-            if name not in names:
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice) and choice.type in ("function", "custom"):
+            named = getattr(choice, choice.type) or {}
+            name = named.get("name")
+            if name not in self._tool_names(choice.type):
                 raise ValueError(f"tool_choice: names {name!r}, which is not in tools")
         elif self.tool_choice == "required" and not self.tools:
             raise ValueError("tool_choice: 'required' needs tools")
         return self
 
+    def _tool_names(self, kind: str) -> set[Any]:
+        """The names of the request's tools of type ``kind`` (function or custom)."""
+        if kind == "function":
+            return {t.function.name for t in self.tools or () if t.function is not None}
+        customs = [(t.model_extra or {}).get("custom") for t in self.tools or () if t.type == kind]
+        return {c.get("name") for c in customs if isinstance(c, dict)}
+
 
 class CompletionRequest(_GenerationRequest):
     """A text completion request (OpenAI ``POST /v1/completions``; NATS ``req.completions``).
 
-    Fields not listed are carried to the engine unchanged."""
+    Fields not listed are carried to the engine unchanged. Over HTTP a list of prompts gets
+    one choice per prompt and ``max_tokens: 0`` the prompt only (``echo``) or nothing; on
+    the bus an envelope holds one prompt and at least one token to make
+    (:func:`gateway.validation.envelope`)."""
 
-    prompt: StrictStr | list[StrictStr] = Field(
-        description="The prompt; a list must hold exactly one."
+    prompt: StrictStr | list[StrictStr] | None = Field(
+        description="The prompt, or a list of prompts (one choice each); null: the empty "
+        "prompt. Token id prompts are not served."
+    )
+    max_tokens: Annotated[int, Field(ge=0)] | None = Field(
+        default=None,
+        description="Most tokens to generate (16 when not set); 0: none (with echo, the "
+        "prompt only).",
     )
     logprobs: StrictInt | None = Field(
         default=None, ge=0, le=20, description="Top logprobs per token."
     )
+    echo: StrictBool | None = Field(
+        default=None, description="The answer starts with the prompt (carried to the engine)."
+    )
 
-    @model_validator(mode="after")
-    def _one_prompt(self) -> CompletionRequest:
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _text(cls, v: Any) -> Any:
+        if isinstance(v, list) and any(
+            isinstance(p, list) or (isinstance(p, int) and not isinstance(p, bool)) for p in v
+        ):
+            raise ValueError("token id prompts are not served: send the prompt as text")
+        return v
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompts(cls, v: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(v, list) and not v:
+            raise ValueError("the list holds no prompt: send one or more")
+        if isinstance(v, list) and len(v) > MAX_PROMPTS:
+            raise ValueError(f"at most {MAX_PROMPTS} prompts per request")
+        return v
+
+    @property
+    def prompts(self) -> list[str]:
+        """The prompts: one string, or each of a list (null is the empty prompt)."""
         if isinstance(self.prompt, list):
-            if len(self.prompt) != 1:
-                raise ValueError("exactly one prompt is supported")
-            self.prompt = self.prompt[0]
-        return self
+            return list(self.prompt)
+        return [self.prompt or ""]
 
     @property
     def prompt_text(self) -> str:
-        return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
+        """The (first) prompt's text."""
+        return self.prompts[0]
+
+    @property
+    def generates(self) -> bool:
+        """Whether the request asks for any token (``max_tokens: 0`` asks for none)."""
+        return (self.max_completion_tokens or self.max_tokens) != 0
+
+    def sampling(self, default_max_tokens: int) -> SamplingParams:
+        """As a chat request's, but ``max_tokens`` defaults to OpenAI's 16, whatever
+        ``default_max_tokens`` (chat's default) is."""
+        return super().sampling(COMPLETIONS_DEFAULT_MAX_TOKENS)
 
 
 MAX_EMBEDDING_INPUTS = 2048

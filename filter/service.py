@@ -75,9 +75,10 @@ def scan_envelope(env: dict[str, Any], scanner: Scanner) -> tuple[bool, list[str
 def _texts(env: dict[str, Any]) -> list[tuple[Any, Any]]:
     """Every text a client sent in the envelope, as (holder, key) so it can be redacted in
     place: message contents and their text and refusal parts (tool results are messages too),
-    reasoning sent back in assistant turns, the arguments of tool calls in the history, the
-    tools' descriptions, the prompt, embedding inputs, and a migrated request's text so far.
-    Images, audio and files are not text: they are not scanned."""
+    reasoning sent back in assistant turns, the arguments of tool calls in the history (a
+    custom tool call's input), the tools' descriptions, the prompt, embedding inputs, and a
+    migrated request's text so far. Images, audio and files are not text: they are not
+    scanned."""
     out: list[tuple[Any, Any]] = []
     for m in env.get("messages") or ():
         if not isinstance(m, dict):
@@ -91,9 +92,12 @@ def _texts(env: dict[str, Any]) -> list[tuple[Any, Any]]:
             out.append((m, "content"))
         # An assistant turn's reasoning, sent back by clients that keep it.
         out.extend((m, k) for k in ("reasoning_content", "reasoning") if k in m)
-        calls = [c.get("function") for c in _list(m.get("tool_calls")) if isinstance(c, dict)]
-        calls.append(m.get("function_call"))  # the legacy single call
-        out.extend((fn, "arguments") for fn in calls if isinstance(fn, dict))
+        calls = [c for c in _list(m.get("tool_calls")) if isinstance(c, dict)]
+        fns = [c.get("function") for c in calls]
+        fns.append(m.get("function_call"))  # the legacy single call
+        out.extend((fn, "arguments") for fn in fns if isinstance(fn, dict))
+        # A custom tool's call: its free-text input.
+        out.extend((c["custom"], "input") for c in calls if isinstance(c.get("custom"), dict))
     for tool in _list((env.get("extra") or {}).get("tools")):
         fn = tool.get("function") if isinstance(tool, dict) else None
         if isinstance(fn, dict):  # rendered into the prompt by chat templates

@@ -21,11 +21,12 @@ import json
 import struct
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
 from bus_schemas import errors as E
 from bus_schemas import headers as H
+from bus_schemas.messages import CompletionRequest
 from bus_schemas.subjects import KIND_CHAT, KIND_COMPLETIONS, KIND_EMBEDDINGS
 from gateway import validation
 from gateway.asgi import (
@@ -216,6 +217,11 @@ class OpenAIApp(RouteTable):
         if call.span is not None:
             call.span.set_attribute(tracing.MODEL, req.model)
         call.watch()
+        if isinstance(req, CompletionRequest):
+            parts = validation.per_prompt(req, call.body)
+            if len(parts) > 1 or not req.generates:
+                await self._completions(call, send, req, parts)
+                return
         stream = call.stream = self.source.open(
             call.kind, req, call.body, request_id=call.rid, timeout=self.timeout, headers=call.hdrs
         )
@@ -225,6 +231,36 @@ class OpenAIApp(RouteTable):
             await write_sse(send, call.kind, req, stream, call.rid, call.progress, call.now)
         else:
             await write_whole(send, call.kind, req, stream, call.rid, call.progress)
+
+    async def _completions(
+        self,
+        call: Call,
+        send: Send,
+        req: CompletionRequest,
+        parts: list[tuple[CompletionRequest, dict[str, Any]]],
+    ) -> None:
+        """A completions request the bus takes as several (:func:`validation.per_prompt`):
+        one generation per prompt, each answer choice ``i`` of one ``text_completion`` (as
+        OpenAI and vLLM answer a list of prompts), usage summed; with ``max_tokens: 0``
+        each choice is its prompt (``echo``) or nothing, finished by ``length``."""
+        streams: list[StreamLike] = []
+        for i, (one, body) in enumerate(parts):
+            rid = call.rid if len(parts) == 1 else f"{call.rid}-{i}"
+            stream = self.source.open(
+                KIND_COMPLETIONS, one, body, request_id=rid, timeout=self.timeout, headers=call.hdrs
+            )
+            # The first is the request's in the metrics and the trace; each is closed.
+            if call.stream is None:
+                call.stream = stream
+            else:
+                call.more.append(stream)
+            if not req.generates:
+                stream = PromptOnly(stream, one.prompt_text if req.echo else "")
+            streams.append(stream)
+        if req.stream:
+            await write_sse_choices(send, req, streams, call.rid, call.progress)
+        else:
+            await write_choices(send, req, streams, call.rid, call.progress)
 
     async def handle(
         self,
@@ -274,6 +310,8 @@ class OpenAIApp(RouteTable):
             stream = call.stream
             if call.watcher is not None:
                 call.watcher.cancel()
+            for other in call.more:
+                await other.aclose()
             if stream is not None:
                 await stream.aclose()
             if self.on_request is not None:
@@ -296,6 +334,7 @@ class Call:
     now: BodyNow | None  # writes body pieces without ``send`` (the bridge's own server)
     body: Any = None
     stream: StreamLike | None = None
+    more: list[StreamLike] = field(default_factory=list)  # a request's other streams
     watcher: asyncio.Task[None] | None = None
 
     def watch(self) -> None:
@@ -541,7 +580,7 @@ def whole_answer(
                 {
                     "index": 0,
                     "message": message,
-                    "logprobs": out.logprobs,
+                    "logprobs": chat_logprobs(out.logprobs),
                     "finish_reason": finish,
                 }
             ],
@@ -552,9 +591,190 @@ def whole_answer(
         "object": "text_completion",
         "created": created,
         "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": out.logprobs, "finish_reason": finish}],
+        "choices": [text_choice(0, out, stream)],
         "usage": usage,
     }
+
+
+def chat_logprobs(lp: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A chat choice's logprobs as OpenAI writes them: ``content`` and ``refusal`` both
+    present (null where the engine sent none, as vLLM does for ``refusal``)."""
+    if lp is None or ("content" in lp and "refusal" in lp):
+        return lp
+    return {"content": None, "refusal": None, **lp}
+
+
+def text_choice(index: int, out: Assembled, stream: StreamLike) -> dict[str, Any]:
+    """Choice ``index`` of a whole ``text_completion``."""
+    finish = stream.finish_reason or "stop"
+    return {"index": index, "text": out.text, "logprobs": out.logprobs, "finish_reason": finish}
+
+
+# -- several prompts, or none of the output -------------------------------------------------
+class PromptOnly:
+    """A completion of ``max_tokens: 0``: the engine, asked for one token (it makes at
+    least one), is read to its end and its output dropped; what is left is ``text`` (the
+    prompt, with ``echo``; else nothing), finished by ``length`` with no completion tokens,
+    as OpenAI answers it. Everything else is the engine's stream's."""
+
+    def __init__(self, stream: StreamLike, text: str) -> None:
+        self.stream = stream
+        self.text = text
+        self.request_id = stream.request_id
+        self.finish_reason: str | None = None
+        self.usage: Usage | None = None
+        self._ended = False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.stream, name)  # replica, timings, ... for the response headers
+
+    @property
+    def rate_limits(self) -> dict[str, str]:
+        """The engine's stream's (they come with its first frame)."""
+        return self.stream.rate_limits
+
+    @rate_limits.setter
+    def rate_limits(self, value: dict[str, str]) -> None:
+        self.stream.rate_limits = value
+
+    def __aiter__(self) -> AsyncIterator[Chunk]:
+        return self
+
+    async def __anext__(self) -> Chunk:
+        if self._ended:
+            raise StopAsyncIteration
+        async for _ in self.stream:
+            pass
+        self._ended = True
+        self.finish_reason = "length"
+        u = self.stream.usage
+        if u is not None:
+            self.usage = Usage(u.prompt_tokens, 0, u.prompt_tokens, u.prompt_tokens_details)
+        if not self.text:
+            raise StopAsyncIteration
+        return Chunk(self.text, 0, 0)
+
+    def pending(self) -> int:
+        return 0
+
+    def push_to(self, sink: Callable[[str], bool] | None) -> None:
+        return None
+
+    async def aclose(self) -> None:
+        await self.stream.aclose()
+
+
+async def _all(aws: list[Awaitable[Any]]) -> list[Any]:
+    """Each result of ``aws``, run at once; the first failure is raised and the others are
+    cancelled."""
+    tasks = [asyncio.ensure_future(a) for a in aws]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+def _usage_total(streams: list[StreamLike]) -> dict[str, Any]:
+    """The usage of several streams added up (the counts inside the details too)."""
+    total: dict[str, Any] = {}
+    for s in streams:
+        _add_counts(total, _usage(s))
+    return total
+
+
+def _add_counts(into: dict[str, Any], more: dict[str, Any]) -> None:
+    for k, v in more.items():
+        if isinstance(v, dict):
+            _add_counts(into.setdefault(k, {}), v)
+        elif isinstance(v, int) and not isinstance(v, bool):
+            into[k] = into.get(k, 0) + v
+
+
+async def write_choices(
+    send: Send, req: CompletionRequest, streams: list[StreamLike], rid: str, progress: Progress
+) -> None:
+    """One ``text_completion`` whose choice ``i`` is stream ``i``'s whole answer."""
+    outs: list[Assembled] = await _all([_assemble(s) for s in streams])
+    body = whole_answer(KIND_COMPLETIONS, rid, req.model, outs[0], streams[0])
+    body["choices"] = [
+        text_choice(i, out, s) for i, (out, s) in enumerate(zip(outs, streams, strict=True))
+    ]
+    body["usage"] = _usage_total(streams)
+    progress.finished = True
+    progress.t5_ns = time.time_ns()
+    await _send_whole(send, body, rid, streams[0], progress)
+
+
+async def _pump(
+    i: int, stream: StreamLike, first: Chunk | None, queue: asyncio.Queue[tuple[int, Any]]
+) -> None:
+    """Stream ``i``'s chunks into ``queue``, then None (or the exception it failed with)."""
+    try:
+        if first is not None:
+            queue.put_nowait((i, first))
+            async for c in stream:
+                queue.put_nowait((i, c))
+        queue.put_nowait((i, None))
+    except Exception as exc:  # the writer raises it: the whole answer fails with it
+        queue.put_nowait((i, exc))
+
+
+async def write_sse_choices(
+    send: Send, req: CompletionRequest, streams: list[StreamLike], rid: str, progress: Progress
+) -> None:
+    """Several streams as one event stream, each event the choice of its stream's index,
+    as they come; each choice's closing event when its stream ends, then the usage of all
+    (when asked for) and ``[DONE]``. Headers go once every stream has its first chunk, so a
+    refusal of any is the request's HTTP status."""
+    firsts: list[Chunk | None] = await _all([first_chunk(s) for s in streams])
+    created = int(time.time())
+    frames = [sse_frames(KIND_COMPLETIONS, rid, req.model, created, i) for i in range(len(streams))]
+    progress.started = True
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 200,
+            "headers": [*SSE_HEADERS, (b"x-request-id", rid.encode()), *limit_headers(streams[0])],
+        }
+    )
+    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+    pumps = [
+        asyncio.ensure_future(_pump(i, s, first, queue))
+        for i, (s, first) in enumerate(zip(streams, firsts, strict=True))
+    ]
+    buf: list[str] = []
+    try:
+        left = len(streams)
+        while left:
+            i, c = await queue.get()
+            if isinstance(c, BaseException):
+                raise c
+            if c is None:
+                left -= 1
+                buf.append(frames[i].closing % json.dumps(streams[i].finish_reason or "stop"))
+            elif c.has_side:
+                buf.append(side_event(frames[i], False, c))
+            else:
+                buf.append(frames[i].piece % json.dumps(c.text))
+            if queue.empty():  # what is here goes in one write
+                await send(
+                    {"type": "http.response.body", "body": "".join(buf).encode(), "more_body": True}
+                )
+                buf.clear()
+                if not progress.streamed:
+                    progress.t5_ns = time.time_ns()
+                    progress.streamed = True
+        if req.include_usage:
+            buf.append(frames[0].usage % json.dumps(_usage_total(streams)))
+    except E.TokenbusError as exc:
+        buf.append(sse_error(exc))  # the headers are gone: an error event, as for one stream
+    finally:
+        for p in pumps:
+            p.cancel()
+    buf.append(DONE)
+    progress.finished = True
+    await send({"type": "http.response.body", "body": "".join(buf).encode(), "more_body": False})
 
 
 # -- embeddings -----------------------------------------------------------------------------
@@ -596,15 +816,17 @@ class SSEFrames(NamedTuple):
     piece: str  # one token: % its text as JSON
     closing: str  # the last event: % the finish reason as JSON
     usage: str  # the usage event (``stream_options.include_usage``): % the usage as JSON
+    choice: int = 0  # the choice's index in each event
 
 
-def sse_frames(kind: str, rid: str, model: str, created: int) -> SSEFrames:
-    """The SSE templates of a ``chat.completion.chunk`` or ``text_completion`` stream."""
+def sse_frames(kind: str, rid: str, model: str, created: int, index: int = 0) -> SSEFrames:
+    """The SSE templates of a ``chat.completion.chunk`` or ``text_completion`` stream (of
+    choice ``index``)."""
     model_json = json.dumps(model)
     if kind == KIND_CHAT:
         head = (
             f'data: {{"id":"chatcmpl-{rid}","object":"chat.completion.chunk",'
-            f'"created":{created},"model":{model_json},"choices":[{{"index":0,'
+            f'"created":{created},"model":{model_json},"choices":[{{"index":{index},'
         )
         return SSEFrames(
             prefix=head.rpartition("{")[0],
@@ -619,10 +841,11 @@ def sse_frames(kind: str, rid: str, model: str, created: int) -> SSEFrames:
                 f'data: {{"id":"chatcmpl-{rid}","object":"chat.completion.chunk",'
                 f'"created":{created},"model":{model_json},"choices":[],"usage":%s}}\n\n'
             ),
+            choice=index,
         )
     head = (
         f'data: {{"id":"cmpl-{rid}","object":"text_completion",'
-        f'"created":{created},"model":{model_json},"choices":[{{"index":0,'
+        f'"created":{created},"model":{model_json},"choices":[{{"index":{index},'
     )
     return SSEFrames(
         opening="",
@@ -633,6 +856,7 @@ def sse_frames(kind: str, rid: str, model: str, created: int) -> SSEFrames:
             f'data: {{"id":"cmpl-{rid}","object":"text_completion",'
             f'"created":{created},"model":{model_json},"choices":[],"usage":%s}}\n\n'
         ),
+        choice=index,
     )
 
 
@@ -695,7 +919,7 @@ async def first_chunk(stream: StreamLike) -> Chunk | None:
 def side_event(frames: SSEFrames, chat: bool, c: Chunk) -> str:
     """The SSE event of a chunk with more than text: tool-call deltas, logprobs, refusal,
     reasoning content."""
-    choice: dict[str, Any] = {"index": 0}
+    choice: dict[str, Any] = {"index": frames.choice}
     if chat:
         delta: dict[str, Any] = {}
         if c.text:
@@ -709,7 +933,7 @@ def side_event(frames: SSEFrames, chat: bool, c: Chunk) -> str:
         choice["delta"] = delta
     else:
         choice["text"] = c.text
-    choice["logprobs"] = c.logprobs
+    choice["logprobs"] = chat_logprobs(c.logprobs) if chat else c.logprobs
     choice["finish_reason"] = None
     return f"{frames.prefix}{json.dumps(choice)}]}}\n\n"
 

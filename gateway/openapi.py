@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from bus_schemas import errors as E
 from bus_schemas.messages import (
     MAX_EMBEDDING_INPUTS,
+    MAX_PROMPTS,
     MAX_STOP_SEQUENCES,
     ChatCompletionRequest,
     CompletionRequest,
@@ -315,17 +316,17 @@ def _request_schemas() -> dict[str, Any]:
         out[name]["additionalProperties"] = True
     for name in ("ChatCompletionRequest", "CompletionRequest"):
         props = out[name]["properties"]
-        # ``stop`` is normalised before validation: one string is one stop sequence.
-        props["stop"]["anyOf"].insert(0, {"type": "string", "minLength": 1})
+        # ``stop`` is normalised before validation: one string is one stop sequence (an
+        # empty one stops at nothing).
+        props["stop"]["anyOf"].insert(0, {"type": "string"})
         props["stop"]["anyOf"][1]["maxItems"] = MAX_STOP_SEQUENCES
-        props["stop"]["anyOf"][1]["items"]["minLength"] = 1
         # Only one choice is served (the validator names the way to get more).
         props["n"]["anyOf"][0]["const"] = 1
         # logit_bias maps token ids (digits) to a bias.
         props["logit_bias"]["anyOf"][0]["propertyNames"] = {"pattern": "^[0-9]+$"}
-    # A prompt list holds exactly one prompt.
+    # A prompt list holds one prompt or more (one choice each).
     prompt = out["CompletionRequest"]["properties"]["prompt"]["anyOf"][1]
-    prompt.update(minItems=1, maxItems=1)
+    prompt.update(minItems=1, maxItems=MAX_PROMPTS)
     # Embedding inputs: none empty, at most MAX_EMBEDDING_INPUTS texts.
     text, texts, ids, id_lists = out["EmbeddingRequest"]["properties"]["input"]["anyOf"]
     text["minLength"] = 1
@@ -341,32 +342,28 @@ def _json(ref: str) -> dict[str, Any]:
     return {"application/json": {"schema": {"$ref": REF.format(model=ref)}}}
 
 
+def sse_event(data: dict[str, Any]) -> dict[str, Any]:
+    """The schema of one server-sent event (OpenAPI 3.1 reads an event stream's ``schema``
+    as one event's) whose data is ``[DONE]`` or JSON that ``data`` describes."""
+    return {
+        "type": "object",
+        "required": ["data"],
+        "properties": {
+            "data": {
+                "type": "string",
+                "if": {"const": "[DONE]"},
+                "else": {"contentMediaType": "application/json", "contentSchema": data},
+            }
+        },
+    }
+
+
 def _sse(chunk: str) -> dict[str, Any]:
     """An event stream: each event's data is a chunk, an error (after which only the end
-    follows), or ``[DONE]``; OpenAPI 3.1 reads ``schema`` as one event's."""
-    return {
-        "text/event-stream": {
-            "schema": {
-                "type": "object",
-                "required": ["data"],
-                "properties": {
-                    "data": {
-                        "type": "string",
-                        "if": {"const": "[DONE]"},
-                        "else": {
-                            "contentMediaType": "application/json",
-                            "contentSchema": {
-                                "anyOf": [
-                                    {"$ref": REF.format(model=chunk)},
-                                    {"$ref": REF.format(model="ErrorResponse")},
-                                ]
-                            },
-                        },
-                    }
-                },
-            }
-        }
-    }
+    follows), or ``[DONE]``."""
+    error = {"$ref": REF.format(model="ErrorResponse")}
+    data = {"anyOf": [{"$ref": REF.format(model=chunk)}, error]}
+    return {"text/event-stream": {"schema": sse_event(data)}}
 
 
 def _errors(*statuses: int) -> dict[str, Any]:

@@ -20,6 +20,7 @@ from bus_schemas.messages import (
     EmbeddingRequest,
     SamplingParams,
     carried,
+    whole_numbers,
 )
 from bus_schemas.subjects import KIND_CHAT, KIND_EMBEDDINGS
 
@@ -38,6 +39,7 @@ def parse(kind: str, body: Any) -> Request:
     :class:`E.InvalidRequest`."""
     if not isinstance(body, dict):
         raise E.InvalidRequest("the request body must be a JSON object")
+    whole_numbers(body)
     model = _MODELS.get(kind, CompletionRequest)
     try:
         return model.model_validate(body)
@@ -61,7 +63,25 @@ def prompt_chars(req: Request) -> int:
         return sum(len(m.text()) for m in req.messages) + extra
     if isinstance(req, EmbeddingRequest):
         return sum(len(i) if isinstance(i, str | list) else 1 for i in req.inputs)
-    return len(req.prompt_text) + extra
+    return sum(len(p) for p in req.prompts) + extra
+
+
+def per_prompt(
+    req: CompletionRequest, body: dict[str, Any]
+) -> list[tuple[CompletionRequest, dict[str, Any]]]:
+    """A completions request as the bus takes it: one request per prompt (in order), and
+    ``max_tokens: 0`` asked as one token without ``echo`` (the caller drops what it makes
+    and writes the prompt itself). ``[(req, body)]`` when it is one already."""
+    if len(req.prompts) == 1 and req.generates:
+        return [(req, body)]
+    one: dict[str, Any] = {}
+    if not req.generates:
+        one = {"max_tokens": 1, "max_completion_tokens": None, "echo": False}
+    out: list[tuple[CompletionRequest, dict[str, Any]]] = []
+    for prompt in req.prompts:
+        sub = {**body, "prompt": prompt, **one}
+        out.append((req.model_copy(update={"prompt": prompt, **one}), sub))
+    return out
 
 
 def envelope(
@@ -93,6 +113,18 @@ def envelope(
     if isinstance(req, ChatCompletionRequest):
         env["messages"] = body["messages"]
     else:
+        if len(req.prompts) != 1:
+            raise E.InvalidRequest(
+                "prompt: a request on the bus holds one prompt (the HTTP bridge sends one "
+                "request per prompt of a list); send one request per prompt",
+                param="prompt",
+            )
+        if not req.generates:
+            raise E.InvalidRequest(
+                "max_tokens: a request on the bus makes at least one token (the HTTP bridge "
+                "answers max_tokens 0 itself)",
+                param="max_tokens",
+            )
         env["prompt"] = req.prompt_text
     if req.resume is not None:
         env["resume"] = req.resume.model_dump(exclude={"type"})

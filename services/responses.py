@@ -30,6 +30,7 @@ from typing import Annotated, Any, Literal, Protocol
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 
 from bus_schemas import errors as E
+from bus_schemas.messages import whole_numbers
 from services.caller import Chunk, Stream, Usage
 
 Strict01 = Annotated[float, Field(strict=True)]
@@ -42,6 +43,7 @@ OWNED = frozenset(
         "input",
         "instructions",
         "previous_response_id",
+        "prompt",
         "store",
         "stream",
         "stream_options",
@@ -64,7 +66,6 @@ OWNED = frozenset(
 # one is refused, naming the field to use, rather than having it half-applied.
 CHAT_ONLY = {
     "messages": "send the conversation as `input` items",
-    "prompt": "send the conversation as `input` items (prompt templates are not served)",
     "max_tokens": "use `max_output_tokens`",
     "max_completion_tokens": "use `max_output_tokens`",
     "response_format": "use `text.format`",
@@ -114,7 +115,11 @@ class ResponsesRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: StrictStr = Field(min_length=1, max_length=256, description="Model to serve it.")
-    input: StrictStr | list[Any] = Field(description="Text, or a list of input items.")
+    input: StrictStr | list[Any] | None = Field(
+        default=None,
+        description="Text, or a list of input items (none: a `previous_response_id` "
+        "conversation continued as it stands, or the `instructions` alone).",
+    )
     instructions: StrictStr | None = Field(
         default=None, description="A system message put first (not carried to later turns)."
     )
@@ -126,7 +131,7 @@ class ResponsesRequest(BaseModel):
     background: StrictBool | None = Field(default=None, description="Not served: false only.")
     max_output_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
     temperature: Annotated[Strict01, Field(ge=0.0, le=2.0)] | None = None
-    top_p: Annotated[Strict01, Field(gt=0.0, le=1.0)] | None = None
+    top_p: Annotated[Strict01, Field(ge=0.0, le=1.0)] | None = None
     tools: list[Any] | None = Field(default=None, description="Function tools.")
     tool_choice: StrictStr | dict[str, Any] | None = None
     parallel_tool_calls: StrictBool | None = None
@@ -156,6 +161,7 @@ def parse(body: Any) -> ResponsesRequest:
     """Validate a Responses request body; a bad field is a 400 naming it."""
     if not isinstance(body, dict):
         raise E.InvalidRequest("the request body must be a JSON object")
+    whole_numbers(body)
     for name, why in REFUSED.items():
         if body.get(name) is not None:
             raise _bad(name, why)
@@ -299,10 +305,23 @@ class _Messages:
         a.setdefault("tool_calls", []).append(call)
 
 
+def _unanswered(messages: list[dict[str, Any]]) -> list[str]:
+    """The ids of the tool calls in ``messages`` that no tool message answers yet, in order."""
+    calls: list[str] = []
+    for m in messages:
+        if m.get("role") == "assistant":
+            calls.extend(str(c.get("id")) for c in m.get("tool_calls") or ())
+        elif m.get("role") == "tool" and m.get("tool_call_id") in calls:
+            calls.remove(m["tool_call_id"])
+    return calls
+
+
 def to_messages(
-    items: str | list[Any], path: str = "input"
+    items: str | list[Any], path: str = "input", before: list[dict[str, Any]] | None = None
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """(chat messages, stored input items) of a Responses ``input``."""
+    """(chat messages, stored input items) of a Responses ``input``; ``before``: the chat
+    messages of the conversation so far (a ``function_call_output`` without ``call_id``
+    answers the first call that has no output yet)."""
     if isinstance(items, str):
         item = {
             "id": _item_id("msg"),
@@ -318,7 +337,8 @@ def to_messages(
         p = f"{path}.{i}"
         if not isinstance(item, dict):
             raise _bad(p, "an input item must be an object")
-        kind = item.get("type", "message" if "role" in item else None)
+        # No type: a message (it has a role) or a reference to an item (an id alone).
+        kind = item.get("type", "message" if "role" in item else "item_reference")
         if kind == "message":
             role = item.get("role")
             if role not in ROLES:
@@ -339,9 +359,9 @@ def to_messages(
             stored.append(_stored_message(item, role))
         elif kind == "function_call":
             call_id, name, args = item.get("call_id"), item.get("name"), item.get("arguments")
-            if not isinstance(call_id, str) or not call_id:
+            if not isinstance(call_id, str):
                 raise _bad(f"{p}.call_id", "a function_call needs a call_id")
-            if not isinstance(name, str) or not _NAME.match(name):
+            if not isinstance(name, str):
                 raise _bad(f"{p}.name", "a function_call needs the function's name")
             if not isinstance(args, str):
                 raise _bad(f"{p}.arguments", "a function_call's arguments are a JSON string")
@@ -360,22 +380,22 @@ def to_messages(
             )
         elif kind == "function_call_output":
             call_id, output = item.get("call_id"), item.get("output")
-            if not isinstance(call_id, str) or not call_id:
-                raise _bad(f"{p}.call_id", "a function_call_output needs the call_id it answers")
+            if call_id is None:  # the first call without an output (if any) is the one
+                call_id = next(iter(_unanswered([*(before or ()), *msgs.out])), None)
+            elif not isinstance(call_id, str) or not call_id:
+                raise _bad(f"{p}.call_id", "the call_id of a function_call_output is a string")
             if not isinstance(output, str | list):
                 raise _bad(f"{p}.output", "the output must be a string or a list of parts")
-            msgs.add(
-                {
-                    "role": "tool",
-                    "tool_call_id": call_id,
-                    "content": _content(output, f"{p}.output"),
-                }
-            )
+            tool: dict[str, Any] = {"role": "tool", "content": _content(output, f"{p}.output")}
+            answered: dict[str, Any] = {}
+            if call_id is not None:
+                tool["tool_call_id"] = answered["call_id"] = call_id
+            msgs.add(tool)
             stored.append(
                 {
                     "id": item.get("id") or _item_id("fco"),
                     "type": "function_call_output",
-                    "call_id": call_id,
+                    **answered,
                     "output": output,
                     "status": "completed",
                 }
@@ -474,14 +494,21 @@ def _tool_choice(
         allowed = choice.get("tools")
         if not isinstance(allowed, list):
             raise _bad("tool_choice.tools", "the allowed tools are a list")
-        keep: set[str] = set()
-        for i, a in enumerate(allowed):
-            name = a.get("name") if isinstance(a, dict) else None
-            kind_ok = isinstance(a, dict) and a.get("type") == "function"
-            if not kind_ok or not isinstance(name, str) or name not in names:
-                raise _bad(f"tool_choice.tools.{i}", "must name a function tool in tools")
-            keep.add(name)
-        return mode, [t for t in tools if t["function"]["name"] in keep]
+        # The model picks among the request's tools that are allowed: an entry that names
+        # none of them (another type, another name) allows nothing more.
+        keep = {
+            a.get("name")
+            for a in allowed
+            if isinstance(a, dict) and a.get("type") == "function" and a.get("name") in names
+        }
+        kept = [t for t in tools if t["function"]["name"] in keep]
+        if not kept:
+            if mode == "required":
+                raise _bad(
+                    "tool_choice.tools", "'required' allows none of the function tools in tools"
+                )
+            return "none", []
+        return mode, kept
     raise _bad(
         "tool_choice.type", f"the tool choice {kind!r} is not served: only function tools are"
     )
@@ -525,7 +552,7 @@ def translate(
 ) -> Turn:
     """The chat request for a Responses request; ``previous``: the chat messages of the
     conversation so far (from ``previous_response_id``'s stored response)."""
-    new, items = to_messages(req.input)
+    new, items = ([], []) if req.input is None else to_messages(req.input, before=previous)
     history = [*(previous or []), *new]
     messages = list(history)
     if req.instructions:
@@ -582,7 +609,7 @@ def translate(
         "top_logprobs": req.top_logprobs,
         "top_p": req.top_p,
         "truncation": req.truncation or "disabled",
-        "user": req.user,
+        **({"user": req.user} if req.user is not None else {}),
         "background": False,
     }
     return Turn(chat, history, items, response_id or new_response_id(), echo)
@@ -592,11 +619,13 @@ def translate(
 def usage_of(u: Usage | None) -> dict[str, Any]:
     """The chat stream's usage as the Responses API's ``usage``."""
     u = u or Usage(0, 0, 0)
-    cached = (u.prompt_tokens_details or {}).get("cached_tokens") or 0
+    prompt_details = u.prompt_tokens_details or {}
+    cached = prompt_details.get("cached_tokens") or 0
+    cache_write = prompt_details.get("cache_write_tokens") or 0
     reasoning = (u.completion_tokens_details or {}).get("reasoning_tokens") or 0
     return {
         "input_tokens": u.prompt_tokens,
-        "input_tokens_details": {"cached_tokens": cached},
+        "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": cache_write},
         "output_tokens": u.completion_tokens,
         "output_tokens_details": {"reasoning_tokens": reasoning},
         "total_tokens": u.total_tokens,
@@ -644,7 +673,8 @@ class ResponseBuilder:
             self.seq += 1
 
     def response(self, status: str, **extra: Any) -> dict[str, Any]:
-        """The response object as it stands (``status`` and fields given)."""
+        """The response object as it stands (``status`` and fields given); ``usage`` only
+        once there is one (OpenAI's document has no null for it)."""
         return {
             "id": self.id,
             "object": "response",
@@ -654,7 +684,6 @@ class ResponseBuilder:
             "incomplete_details": None,
             **self.echo,
             "output": list(self.output),
-            "usage": None,
             **extra,
         }
 

@@ -8,6 +8,7 @@ from bus_schemas import codec, frames, subjects
 from bus_schemas import errors as E
 from bus_schemas.export import SCHEMA_DIR, render, schemas
 from bus_schemas.messages import ChatCompletionRequest, CompletionRequest, Heartbeat
+from gateway.validation import envelope
 
 
 def test_exported_schemas_match_the_models() -> None:
@@ -146,8 +147,14 @@ def test_openai_requests_validate_like_openai() -> None:
         with pytest.raises(ValueError):
             ChatCompletionRequest.model_validate(bad)
     assert CompletionRequest.model_validate({"model": "m", "prompt": ["p"]}).prompt_text == "p"
+    # Several prompts are one HTTP request (a choice each: the bridge sends one request per
+    # prompt), and max_tokens 0 the prompt alone; an envelope holds one prompt and a token.
+    for body in ({"prompt": ["p", "q"]}, {"prompt": "p", "max_tokens": 0}):
+        req = CompletionRequest.model_validate({"model": "m", **body})
+        with pytest.raises(E.InvalidRequest):
+            envelope("completions", req, body, "r", default_max_tokens=8, deadline_ms=None)
     with pytest.raises(ValueError):
-        CompletionRequest.model_validate({"model": "m", "prompt": ["p", "q"]})
+        CompletionRequest.model_validate({"model": "m", "prompt": []})
 
 
 def test_heartbeat_model_accepts_what_workers_send() -> None:

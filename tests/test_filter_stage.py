@@ -149,6 +149,16 @@ async def test_input_filter_scans_parts_tool_arguments_and_tool_results(
             {"role": "assistant", "tool_calls": [call]},
             {"role": "tool", "tool_call_id": "c1", "content": [{"type": "text", "text": AWS}]},
         ],
+        [  # a custom tool's call: its input is free text
+            {"role": "user", "content": "hi"},
+            {
+                "role": "assistant",
+                "tool_calls": [
+                    {"id": "c2", "type": "custom", "custom": {"name": "sh", "input": f"cat {AWS}"}}
+                ],
+            },
+            {"role": "tool", "tool_call_id": "c2", "content": "ok"},
+        ],
     ]
     async with stack(nats_server.url, model, workers=1, filters=1, **_filter("strict")):
         for messages in hiding_places:

@@ -71,28 +71,19 @@ async def fuzz_stack(
         yield fs
 
 
-@pytest.fixture(scope="module")
-def api_schema(fuzz_stack: FuzzStack) -> Any:
-    """The live document, with the fuzzing configuration and a valid key on every request."""
-    print(f"schemathesis: {EXAMPLES} examples, TOKENBUS_FUZZ_SEED={SEED} replays this run")
-    config = schemathesis.Config.from_dict(
+def fuzz_config(stack: FuzzStack, mode: str, examples: int, **more: Any) -> Any:
+    """schemathesis' configuration of a run against ``stack``: the seed, a valid key on
+    every request, ``examples`` per operation in ``mode`` (``all``, ``positive``), no
+    stateful phase; ``more`` adds settings."""
+    print(f"schemathesis: {examples} examples, TOKENBUS_FUZZ_SEED={SEED} replays this run")
+    return schemathesis.Config.from_dict(
         {
             "seed": SEED,
-            "headers": {"Authorization": f"Bearer {fuzz_stack.key}"},
+            "headers": {"Authorization": f"Bearer {stack.key}"},
             "request-timeout": 30,
             "suppress-health-check": ["all"],
-            "generation": {"mode": "all", "max-examples": EXAMPLES},
+            "generation": {"mode": mode, "max-examples": examples},
             "phases": {"stateful": {"enabled": False}},
-            # Negative cases of an operation with a path parameter and the api-key header
-            # make schemathesis 4.32's own header mutation draw differently on replay
-            # (hypothesis FlakyStrategyDefinition, inside schemathesis): those operations
-            # get valid-shaped requests only (ids, queries and keys of any value still).
-            "operations": [
-                {
-                    "include-path-regex": "^/v1/responses/",
-                    "generation": {"mode": "positive", "max-examples": EXAMPLES},
-                }
-            ],
             # Reproductions show the body as sent (schemathesis would hide every field
             # named like "*token*", max_tokens included), the key still hidden.
             "output": {
@@ -101,8 +92,23 @@ def api_schema(fuzz_stack: FuzzStack) -> Any:
                     "sensitive-markers": ["authorization"],
                 }
             },
+            **more,
         }
     )
+
+
+@pytest.fixture(scope="module")
+def api_schema(fuzz_stack: FuzzStack) -> Any:
+    """The live document, with the fuzzing configuration and a valid key on every request."""
+    # Negative cases of an operation with a path parameter and the api-key header make
+    # schemathesis 4.32's own header mutation draw differently on replay (hypothesis
+    # FlakyStrategyDefinition, inside schemathesis): those operations get valid-shaped
+    # requests only (ids, queries and keys of any value still).
+    positive = {
+        "include-path-regex": "^/v1/responses/",
+        "generation": {"mode": "positive", "max-examples": EXAMPLES},
+    }
+    config = fuzz_config(fuzz_stack, "all", EXAMPLES, operations=[positive])
     return schemathesis.openapi.from_url(f"{fuzz_stack.base}/openapi.json", config=config)
 
 

@@ -21,7 +21,7 @@ from pydantic import BaseModel
 
 from bus_schemas import errors as E
 from engine_worker.backends.base import GenerationRequest
-from engine_worker.backends.sim import expected_text
+from engine_worker.backends.sim import count_tokens, expected_text
 from engine_worker.backends.sim_outputs import expected_embedding, expected_tool_call
 from tests.conftest import (
     NatsServer,
@@ -420,6 +420,139 @@ async def test_embeddings_go_only_to_replicas_that_serve_them(
     async with stacks.stack.http("/v1") as c:
         models = (await c.get("/models")).json()["data"]
     assert {stacks.model, stacks.up_model} <= {m["id"] for m in models}
+
+
+# -- what OpenAI's document allows (tests/test_conformance_openapi.py found each) -----------
+CUSTOM_CALL = [
+    *ASK,
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {"id": "c1", "type": "custom", "custom": {"name": "shell", "input": "ls -la"}}
+        ],
+    },
+    {"role": "tool", "tool_call_id": "c1", "content": "nothing here"},
+]
+ALLOWED = {
+    "type": "allowed_tools",
+    "allowed_tools": {"mode": "auto", "tools": [{"type": "function", "function": {"name": "w"}}]},
+}
+# (what the body adds, what the engine must get of it)
+VALID_CHAT: list[tuple[dict[str, Any], dict[str, Any]]] = [
+    ({"top_p": 0}, {"top_p": 0.0}),
+    ({"stop": ""}, {}),
+    ({"stop": ["", "zz"]}, {"stop": ["zz"]}),
+    ({"logprobs": True, "top_logprobs": 2.0}, {"top_logprobs": 2}),
+    ({"n": 1.0}, {}),
+    ({"messages": CUSTOM_CALL}, {"messages": CUSTOM_CALL}),
+    ({"tools": [WEATHER], "tool_choice": ALLOWED}, {"tool_choice": ALLOWED}),
+    (
+        {
+            "tools": [{"type": "custom", "custom": {"name": "shell"}}],
+            "tool_choice": {"type": "custom", "custom": {"name": "shell"}},
+        },
+        {"tool_choice": {"type": "custom", "custom": {"name": "shell"}}},
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("extra", "sent"), VALID_CHAT, ids=[str(i) for i in range(len(VALID_CHAT))]
+)
+async def test_values_openai_documents_reach_the_engine(
+    stacks: Stacks, extra: dict[str, Any], sent: dict[str, Any]
+) -> None:
+    async with stacks.stack.http("/v1") as c:
+        r = await c.post(
+            "/chat/completions",
+            json={"model": stacks.up_model, "messages": ASK, "max_tokens": 3, **extra},
+        )
+    assert r.status_code == 200, r.text
+    got = await stacks.upstream.last_request()
+    for k, v in sent.items():
+        assert got[k] == v and type(got[k]) is type(v), (k, got.get(k))
+    assert "" not in (got.get("stop") or [])
+
+
+async def test_a_list_of_prompts_gets_one_choice_per_prompt(
+    stacks: Stacks, oai: openai.AsyncOpenAI
+) -> None:
+    prompts = ["one two", "three", "four five six seven"]
+    want = [expected_text(p, 5)[0] for p in prompts]
+    out = await oai.completions.create(model=stacks.model, prompt=prompts, max_tokens=5)
+    assert [(c.index, c.text, c.finish_reason) for c in out.choices] == [
+        (i, w, "length") for i, w in enumerate(want)
+    ]
+    assert out.usage is not None and out.usage.completion_tokens == 15
+    assert out.usage.prompt_tokens == sum(count_tokens(p) for p in prompts)
+    stream = await oai.completions.create(
+        model=stacks.model,
+        prompt=prompts,
+        max_tokens=5,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    texts, ends, usage = ["", "", ""], {}, None
+    async for chunk in stream:
+        for c in chunk.choices:
+            texts[c.index] += c.text
+            if c.finish_reason:
+                ends[c.index] = c.finish_reason
+        usage = chunk.usage or usage
+    assert texts == want and ends == {0: "length", 1: "length", 2: "length"}
+    assert usage is not None and usage.total_tokens == out.usage.total_tokens
+
+
+async def test_max_tokens_0_answers_the_prompt_or_nothing(
+    stacks: Stacks, oai: openai.AsyncOpenAI
+) -> None:
+    for echo, text in ((True, "say it"), (False, "")):
+        out = await oai.completions.create(
+            model=stacks.model, prompt="say it", max_tokens=0, echo=echo
+        )
+        assert [(c.text, c.finish_reason) for c in out.choices] == [(text, "length")]
+        assert out.usage is not None and out.usage.completion_tokens == 0
+        assert out.usage.prompt_tokens == count_tokens("say it")
+        stream = await oai.completions.create(
+            model=stacks.model, prompt=["say it", "again"], max_tokens=0, echo=echo, stream=True
+        )
+        got = {c.index: c.text async for chunk in stream for c in chunk.choices if c.text}
+        assert got == ({0: "say it", 1: "again"} if echo else {})
+
+
+async def test_completions_default_to_16_tokens_and_take_a_null_prompt(stacks: Stacks) -> None:
+    async with stacks.stack.http("/v1") as c:
+        for prompt in ("hello", None):
+            r = await c.post("/completions", json={"model": stacks.model, "prompt": prompt})
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["completion_tokens"] == 16
+            assert r.json()["choices"][0]["text"] == expected_text(prompt or "", 16)[0]
+        # Integers written 2.0, as JSON Schema's `integer` allows: taken, and carried as 2.
+        r = await c.post(
+            "/completions",
+            json={"model": stacks.up_model, "prompt": "x", "max_tokens": 2, "logprobs": 2.0},
+        )
+        assert r.status_code == 200, r.text
+        got = await stacks.upstream.last_request()
+        assert got["logprobs"] == 2 and type(got["logprobs"]) is int
+        r = await c.post(
+            "/embeddings", json={"model": stacks.model, "input": "x", "dimensions": 3.0}
+        )
+        assert r.status_code == 200, r.text
+        assert len(r.json()["data"][0]["embedding"]) == 3
+
+
+async def test_over_nats_a_request_holds_one_prompt_and_makes_a_token(
+    stacks: Stacks, nats_server: NatsServer
+) -> None:
+    async with await Client.connect(nats_server.url) as tb:
+        with pytest.raises(E.InvalidRequest, match="one request per prompt"):
+            await tb.completion(stacks.model, ["a", "b"], max_tokens=2)  # type: ignore[arg-type]
+        with pytest.raises(E.InvalidRequest, match="at least one token"):
+            await tb.completion(stacks.model, "a", max_tokens=0)
+        out = await tb.completion(stacks.model, "a")
+    assert out.usage.completion_tokens == 16
 
 
 # -- bad values -----------------------------------------------------------------------------

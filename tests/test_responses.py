@@ -32,8 +32,9 @@ from engine_worker.backends.sim_outputs import expected_tool_call
 from filter.policy import FilterPolicy
 from filter.scanner import Scanner
 from gateway.response_store import ResponseStore
+from services.caller import Usage
 from services.config import ResponsesSettings
-from services.responses import new_response_id, parse, translate
+from services.responses import ResponseBuilder, new_response_id, parse, translate, usage_of
 from tests.conftest import (
     NatsServer,
     Procs,
@@ -387,6 +388,110 @@ async def test_input_items_are_filtered_as_on_chat(env: Env, oai: openai.AsyncOp
     out = await oai.responses.create(model=env.model, input=items, max_output_tokens=5)
     prompt = f"<|user|>weather?\n<|assistant|>get_weather({{}})\n<|tool|>{redacted}\n"
     assert out.output_text == expected_text(prompt, 5)[0]
+
+
+# -- what OpenAI's document allows (tests/test_conformance_openapi.py found each) -----------
+def _chat(body: dict[str, Any], previous: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    chat: dict[str, Any] = translate(parse(body), body, previous).chat
+    return chat
+
+
+CALLS = [
+    {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"},
+    {"type": "function_call", "call_id": "c2", "name": "get_weather", "arguments": "{}"},
+]
+
+
+def test_a_function_call_output_without_call_id_answers_the_first_call_without_one() -> None:
+    outputs = [{"type": "function_call_output", "output": o} for o in ("sunny", "rain")]
+    chat = _chat({"model": "m", "input": [*CALLS, *outputs]})
+    tools = [m for m in chat["messages"] if m["role"] == "tool"]
+    assert [(m["tool_call_id"], m["content"]) for m in tools] == [("c1", "sunny"), ("c2", "rain")]
+    # The call may be in the conversation a previous_response_id continues.
+    before = [
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "c9", "type": "function"}]},
+    ]
+    chat = _chat({"model": "m", "input": outputs[:1]}, before)
+    assert chat["messages"][-1] == {"role": "tool", "content": "sunny", "tool_call_id": "c9"}
+    # Answering nothing known, it is a tool message of its own.
+    chat = _chat({"model": "m", "input": [{"role": "user", "content": "x"}, outputs[0]]})
+    assert chat["messages"][-1] == {"role": "tool", "content": "sunny"}
+
+
+def test_no_input_continues_the_previous_conversation_as_it_stands() -> None:
+    before = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    assert _chat({"model": "m", "previous_response_id": "resp_x"}, before)["messages"] == before
+    with pytest.raises(E.InvalidRequest, match="the conversation is empty"):
+        _chat({"model": "m"})
+
+
+def test_allowed_tools_keep_the_request_s_tools_they_name() -> None:
+    other = {**WEATHER, "name": "get_time"}
+    allowed = [
+        {"type": "function", "name": "get_time"},
+        {"type": "mcp", "server_label": "deepwiki"},
+        {"type": "function", "name": "not_in_tools"},
+    ]
+    body = {
+        "model": "m",
+        "input": "x",
+        "tools": [WEATHER, other],
+        "tool_choice": {"type": "allowed_tools", "mode": "required", "tools": allowed},
+    }
+    chat = _chat(body)
+    assert chat["tool_choice"] == "required"
+    assert [t["function"]["name"] for t in chat["tools"]] == ["get_time"]
+    body["tool_choice"] = {"type": "allowed_tools", "mode": "auto", "tools": allowed[1:]}
+    chat = _chat(body)
+    assert chat["tool_choice"] == "none" and "tools" not in chat
+
+
+def test_prompt_null_top_p_0_and_integers_written_2_0_are_taken() -> None:
+    body = {
+        "model": "m",
+        "input": "x",
+        "prompt": None,
+        "top_p": 0,
+        "top_logprobs": 2.0,
+        "max_output_tokens": 16.0,
+    }
+    chat = _chat(body)
+    assert chat["top_p"] == 0 and "prompt" not in chat
+    assert chat["top_logprobs"] == 2 and type(chat["top_logprobs"]) is int
+    assert chat["max_completion_tokens"] == 16 and type(chat["max_completion_tokens"]) is int
+
+
+def test_usage_and_user_are_as_openai_s_document_has_them() -> None:
+    u = usage_of(Usage(5, 2, 7, {"cached_tokens": 3}))
+    assert u["input_tokens_details"] == {"cached_tokens": 3, "cache_write_tokens": 0}
+    body = {"model": "m", "input": "x"}
+    b = ResponseBuilder(translate(parse(body), body), events=True)
+    created = b.opening()[0]["response"]
+    # No usage yet, and no user: the document has no null for either.
+    assert "usage" not in created and "user" not in created
+    resp, _ = b.finish("stop", Usage(1, 1, 2))
+    assert resp["usage"]["input_tokens_details"]["cache_write_tokens"] == 0
+
+
+async def test_requests_openai_documents_are_served(env: Env, oai: openai.AsyncOpenAI) -> None:
+    first = await oai.responses.create(model=env.model, input="hi", max_output_tokens=4)
+    auth = {"Authorization": f"Bearer {env.key}"}
+    async with env.stack.http("/v1", headers=auth, timeout=30) as h:
+        for body in (
+            {"previous_response_id": first.id, "max_output_tokens": 3},
+            {
+                "input": "hi",
+                "prompt": None,
+                "top_p": 0,
+                "top_logprobs": 2.0,
+                "max_output_tokens": 3,
+            },
+            {"input": [*CALLS[:1], {"type": "function_call_output", "output": "sunny"}]},
+        ):
+            r = await h.post("/responses", json={"model": env.model, **body})
+            assert r.status_code == 200, (body, r.text)
+            assert r.json()["usage"]["input_tokens_details"]["cache_write_tokens"] == 0
 
 
 # -- bad fields -----------------------------------------------------------------------------
