@@ -260,6 +260,20 @@ class SimSettings(BaseModel):
     embedding_dim: int = Field(
         default=64, ge=1, description="Length of the embeddings (without `dimensions`)."
     )
+    answer_tokens_median: int = Field(
+        default=256,
+        ge=0,
+        description="A plain answer ends on its own (finish `stop`) after a length drawn per "
+        "prompt and seed from a log-normal distribution with this median, unless `max_tokens` "
+        "comes first or the request sets `ignore_eos` (0: answers always run to `max_tokens`, "
+        "the simulator before its natural stop).",
+    )
+    answer_tokens_sigma: float = Field(
+        default=0.9, ge=0, description="Spread of that log-normal (of the natural log)."
+    )
+    answer_tokens_min: int = Field(
+        default=8, ge=1, description="The shortest answer that ends on its own."
+    )
 
 
 class OpenAIUpstreamSettings(BaseModel):

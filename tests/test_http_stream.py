@@ -97,6 +97,10 @@ async def serve() -> AsyncIterator[Callable[..., Any]]:
         )
         b = OpenAIUpstreamBackend(cfg)
         await b.start()
+        # The backend's start asks the upstream's /models on a connection of its own (the
+        # model check): the counts below are of the streamed completions' connections.
+        srv.connections = 0
+        srv.requests.clear()
         servers.append(srv)
         backends.append(b)
         return srv, b

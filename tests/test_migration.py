@@ -44,15 +44,15 @@ def test_resume_point_counts_whole_tokens_from_the_text() -> None:
     start = _start(PROMPT, None)
     full = "".join(token_text(start, i) for i in range(10))
     five = "".join(token_text(start, i) for i in range(5))
-    assert resume_point(start, _req("", 0)) == (0, "")
-    assert resume_point(start, _req(five, 5)) == (5, five)
+    assert resume_point(start, _req("", 0), 50) == (0, "")
+    assert resume_point(start, _req(five, 5), 50) == (5, five)
     # The count says 6 (a held-back token was counted) but the text holds 5 and a bit:
     # the text wins, the cut token is produced again.
     partial = five + token_text(start, 5)[:2]
-    assert resume_point(start, _req(partial, 6)) == (5, five)
+    assert resume_point(start, _req(partial, 6), 50) == (5, five)
     assert full.startswith(partial)
     # Text that is not the sequence's (redacted by a filter): the count is trusted.
-    assert resume_point(start, _req("[REDACTED:pii.card] and", 4)) == (
+    assert resume_point(start, _req("[REDACTED:pii.card] and", 4), 50) == (
         4,
         "[REDACTED:pii.card] and",
     )

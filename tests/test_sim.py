@@ -43,6 +43,32 @@ async def test_text_is_a_pure_function_of_prompt_and_seed() -> None:
     assert a[1] == "length" and a[2] == 12
 
 
+async def test_answers_end_on_their_own_at_a_length_drawn_per_prompt() -> None:
+    from engine_worker.backends.sim import _start, answer_tokens
+
+    cfg = SimSettings()
+    lengths = [answer_tokens(_start(f"prompt {i}", None), cfg) for i in range(2000)]
+    assert all(n is not None and n >= cfg.answer_tokens_min for n in lengths)
+    ordered = sorted(n for n in lengths if n is not None)
+    # Log-normal around the configured median, with a long tail of long answers.
+    assert 0.85 * cfg.answer_tokens_median <= ordered[1000] <= 1.15 * cfg.answer_tokens_median
+    assert ordered[1900] > 3 * ordered[1000] and ordered[100] < ordered[1000] / 3
+    # The same prompt and seed, the same length; through the engine it ends with `stop`.
+    e = SimEngine(fast())
+    prompt = next(f"prompt {i}" for i in range(2000) if lengths[i] == ordered[0])
+    n = ordered[0]
+    text, reason, completion, _ = await collect(e, req(prompt, n + 50))
+    assert (reason, completion) == ("stop", n)
+    assert (text, reason) == expected_text(prompt, n + 50)
+    # The budget first: `length`. ignore_eos (vLLM's) runs to the budget; median 0 never stops.
+    assert (await collect(e, req(prompt, n)))[1:3] == ("length", n)
+    forced = await collect(e, req(prompt, n + 50, extra={"ignore_eos": True}))
+    assert forced[1:3] == ("length", n + 50)
+    assert forced[0] == expected_text(prompt, n + 50, ignore_eos=True)[0]
+    endless = SimEngine(fast(answer_tokens_median=0))
+    assert (await collect(endless, req(prompt, n + 50)))[1:3] == ("length", n + 50)
+
+
 async def test_stop_sequence_ends_with_stop_and_never_leaks_it() -> None:
     e = SimEngine(fast())
     full, _ = expected_text("hello", 20)
@@ -112,7 +138,10 @@ async def test_slow_consumer_gets_coalesced_chunks_but_every_token() -> None:
 
 async def test_many_sequences_share_steps() -> None:
     e = SimEngine(fast(decode_ms=5))
-    outs = await asyncio.gather(*(collect(e, req(f"p{i}", 20)) for i in range(200)))
+    # Every answer runs its 20 tokens (ignore_eos): a few would end on their own before.
+    outs = await asyncio.gather(
+        *(collect(e, req(f"p{i}", 20, extra={"ignore_eos": True})) for i in range(200))
+    )
     assert all(o[2] == 20 for o in outs)
     # 200 sequences decode together: about 20 steps, not 4000.
     assert e.steps < 60

@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 import zlib
 from collections import deque
 from collections.abc import Callable
+from statistics import NormalDist
 from typing import Any
 
 from bus_schemas import errors as E
@@ -137,29 +139,68 @@ def token_text(start: int, i: int) -> str:
     return word if i == 0 else " " + word
 
 
+_DEFAULTS = SimSettings()
+_NORMAL = NormalDist()
+
+
+def answer_tokens(start: int, cfg: SimSettings = _DEFAULTS) -> int | None:
+    """How many tokens the answer to a prompt whose hash is ``start`` has before the model
+    would stop on its own: log-normal, median ``answer_tokens_median``, spread
+    ``answer_tokens_sigma``, at least ``answer_tokens_min``; the same for the same prompt
+    and seed. None when answers never end on their own (median 0)."""
+    if not cfg.answer_tokens_median:
+        return None
+    # A hash of the prompt's own hash: the length is not tied to its first word.
+    u = (zlib.crc32(start.to_bytes(4, "little") + b"len") + 0.5) / 2**32
+    n = cfg.answer_tokens_median * math.exp(cfg.answer_tokens_sigma * _NORMAL.inv_cdf(u))
+    return max(cfg.answer_tokens_min, round(n))
+
+
+def answer_budget(
+    start: int, max_tokens: int, extra: dict[str, Any], cfg: SimSettings = _DEFAULTS
+) -> tuple[int, str]:
+    """(tokens the answer runs to, its finish reason): its natural length with ``stop``
+    when that comes before ``max_tokens``, else ``max_tokens`` with ``length``. vLLM's
+    ``ignore_eos`` (what benchmarks send for answers of a fixed length) turns the natural
+    stop off."""
+    natural = None if extra.get("ignore_eos") is True else answer_tokens(start, cfg)
+    if natural is not None and natural < max_tokens:
+        return natural, "stop"
+    return max_tokens, "length"
+
+
 def expected_text(
-    prompt: str, max_tokens: int, seed: int | None = None, stop: list[str] | None = None
+    prompt: str,
+    max_tokens: int,
+    seed: int | None = None,
+    stop: list[str] | None = None,
+    *,
+    ignore_eos: bool = False,
+    cfg: SimSettings = _DEFAULTS,
 ) -> tuple[str, str]:
     """(text, finish_reason) the simulator produces for ``prompt`` (as rendered by
-    :meth:`GenerationRequest.prompt_text`)."""
+    :meth:`GenerationRequest.prompt_text`): ``length`` at ``max_tokens``, or ``stop`` at a
+    stop sequence or where the answer ends on its own (:func:`answer_budget`)."""
     start = _start(prompt, seed)
+    limit, finish = answer_budget(start, max_tokens, {"ignore_eos": ignore_eos}, cfg)
     text = ""
-    for i in range(max_tokens):
+    for i in range(limit):
         text += token_text(start, i)
         hit = _find_stop(text, stop or [])
         if hit is not None:
             return text[:hit], "stop"
-    return text, "length"
+    return text, finish
 
 
-def resume_point(start: int, req: GenerationRequest) -> tuple[int, str]:
-    """Where a migrated request continues: (whole tokens already delivered, their text).
+def resume_point(start: int, req: GenerationRequest, limit: int) -> tuple[int, str]:
+    """Where a migrated request continues: (whole tokens already delivered, their text), of
+    an answer of at most ``limit`` tokens.
 
     The text the caller received is the authority: the tokens it holds in full are counted
     from it, so a token delivered only in part (held back by an output filter) is produced
     again and its missing end sent. Text that is not the sequence's own (redacted by an
     output filter) falls back to the token count the caller reports."""
-    return _resume(lambda n: token_text(start, n), req.max_tokens, req)
+    return _resume(lambda n: token_text(start, n), limit, req)
 
 
 def _resume(token: Callable[[int], str], limit: int, req: GenerationRequest) -> tuple[int, str]:
@@ -456,10 +497,11 @@ class SimStream(_TextOut):
         self.stop = req.stop
         self.ptoks = count_tokens(prompt)
         start = _start(prompt, req.seed)
+        limit, self.finish = answer_budget(start, req.max_tokens, req.extra, engine.cfg)
         # A migrated request prefills its prompt and the text already sent, then goes on
         # with the very tokens the first replica would have produced next.
-        done, text = resume_point(start, req)
-        self.seq = _Seq(start, self.ptoks + done, req.max_tokens)
+        done, text = resume_point(start, req, limit)
+        self.seq = _Seq(start, self.ptoks + done, limit)
         self.seq.emitted = done
         self.hold = max((len(s) for s in req.stop), default=1) - 1
         self.text = text
@@ -467,7 +509,7 @@ class SimStream(_TextOut):
         self.sent = max(len(text), len(req.resume_text)) if req.resume_text else 0
         self.produced = 0
         self.finished = False
-        if done >= req.max_tokens:  # everything was sent; only the end was lost
+        if done >= limit:  # everything was sent; only the end was lost
             self.seq.done = True
         else:
             engine.submit(self.seq)
@@ -501,10 +543,11 @@ class SimStream(_TextOut):
         return Delta(out, n)
 
     def _last(self) -> Delta:
-        """The final delta once the sequence is done: what is still held, and the length."""
+        """The final delta once the sequence is done: what is still held, and why it ended
+        (``length``, or ``stop`` where the answer ended on its own)."""
         self.finished = True
         tail, self.sent = self.text[self.sent :], len(self.text)
-        return Delta(tail, 0, "length", self.ptoks, self.produced)
+        return Delta(tail, 0, self.finish, self.ptoks, self.produced)
 
     async def push(self, sink: Callable[[Delta], object]) -> None:
         """Every delta to ``sink`` from the engine's step itself, not through a task per
@@ -606,6 +649,7 @@ class SimExtraStream(_TextOut):
         self.logprobs = plan.logprobs
         self.top = plan.top
         self.header: dict[str, Any] | None = None
+        self.natural = "length"  # plain text (with logprobs): how its answer ends
         if self.call is not None and toks is not None:
             # A tool call is never resumed: it is made again from its start.
             call_id, name, _ = self.call
@@ -621,8 +665,10 @@ class SimExtraStream(_TextOut):
         else:
             self.stop = req.stop
             if toks is None:
-                limit = req.max_tokens
-                done, text = resume_point(self.start, req)
+                limit, self.natural = answer_budget(
+                    self.start, req.max_tokens, req.extra, engine.cfg
+                )
+                done, text = resume_point(self.start, req, limit)
             else:
                 limit = min(req.max_tokens, len(toks))
                 done, text = _resume(toks.__getitem__, limit, req)
@@ -674,6 +720,8 @@ class SimExtraStream(_TextOut):
         """The final delta once the sequence is done: what was held back, and the finish."""
         whole = self.toks is not None and self.seq.emitted >= len(self.toks)
         finish = ("tool_calls" if self.call is not None else "stop") if whole else "length"
+        if self.toks is None:
+            finish = self.natural
         tail = ""
         if self.sent < len(self.text):
             tail, self.sent = self.text[self.sent :], len(self.text)

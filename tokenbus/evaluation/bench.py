@@ -437,8 +437,13 @@ class RequestMaker:
         max_tokens = a.max_tokens
         if getattr(a, "max_tokens_std", 0):
             max_tokens = max(1, round(self.rng.gauss(a.max_tokens, a.max_tokens_std)))
+        # Every answer runs to its length (vLLM's ignore_eos, which the sim honours too), so
+        # a level's tokens are what it asked for; --extra-body '{"ignore_eos": false}' lets
+        # answers end on their own.
+        fixed = {"ignore_eos": True}
         if getattr(a, "api", "chat") == "responses":
             return {
+                **fixed,
                 **self.extra,
                 "model": a.model,
                 "input": self._messages(),
@@ -446,6 +451,7 @@ class RequestMaker:
                 "stream": True,
             }
         return {
+            **fixed,
             **self.extra,
             "model": a.model,
             "messages": self._messages(),
