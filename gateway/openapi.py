@@ -29,7 +29,7 @@ from bus_schemas.messages import (
     CompletionRequest,
     EmbeddingRequest,
 )
-from services.responses import RESPONSE_ID, ResponsesRequest
+from dialects.responses import RESPONSE_ID, ResponsesRequest
 
 REF = "#/components/schemas/{model}"
 

@@ -28,9 +28,9 @@ from auth.store import KeyStore
 from bus_schemas import codec, subjects
 from bus_schemas import errors as E
 from bus_schemas import headers as H
+from dialects.responses import RESPONSE_ID
 from services import logging as tlog
 from services.config import ResponsesSettings, Settings, kv_replicas
-from services.responses import RESPONSE_ID
 
 BUCKET = "tokenbus_responses"
 log = tlog.get("responses")
@@ -101,7 +101,7 @@ class ResponseStore:
         return self.kv
 
     async def put(self, response_id: str, record: dict[str, Any]) -> bool:
-        """Keep ``record`` (see :func:`services.responses.record`) under a new id; False
+        """Keep ``record`` (see :func:`dialects.responses.record`) under a new id; False
         when it could not be kept (the id is taken, larger than the bus carries, JetStream
         unavailable), which is logged. Never overwrites: nobody replaces another's record."""
         data = json.dumps(record, separators=(",", ":")).encode()

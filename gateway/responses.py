@@ -1,7 +1,7 @@
 """The Responses API over HTTP: ``POST /v1/responses`` (whole or streamed),
 ``GET`` / ``DELETE /v1/responses/{id}`` and ``GET /v1/responses/{id}/input_items``.
 
-A request is translated onto the chat path (:mod:`services.responses`) and opened on the
+A request is translated onto the chat path (:mod:`dialects.responses`) and opened on the
 app's :class:`~gateway.openai_api.Source` exactly as a chat completion is, so keys, limits,
 the content filter, routing, migration and telemetry are the chat path's. What differs is
 only what goes back: a ``response`` object, or the Responses streaming events. Stored
@@ -21,6 +21,7 @@ from auth.store import KeyStore
 from bus_schemas import errors as E
 from bus_schemas import headers as H
 from bus_schemas.subjects import KIND_CHAT
+from dialects import responses as R
 from gateway import validation
 from gateway.asgi import BodyNow, Receive, Scope, Send, api_key, send_error, send_json
 from gateway.openai_api import (
@@ -35,7 +36,6 @@ from gateway.openai_api import (
 )
 from gateway.response_store import ResponseStore, not_found
 from services import logging as tlog
-from services import responses as R
 from services import tracing
 from services.caller import Chunk
 

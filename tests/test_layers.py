@@ -23,7 +23,7 @@ LAYERS: dict[str, int] = {
     "router": 2,
     "engine_worker": 2,
     "telemetry": 2,
-    "dialects": 3,  # the API dialects (Anthropic's Messages) translated onto the chat request
+    "dialects": 3,  # the API dialects (Anthropic's Messages, OpenAI's Responses) onto chat
     "gateway": 4,  # ingress and the HTTP bridge
     "tokenbus": 5,  # the public client, the CLI, the launcher, the evaluation tools
 }
@@ -122,6 +122,8 @@ def test_the_checker_catches_what_it_must() -> None:
     assert violations("dialects.messages", ["gateway.openai_api"])
     assert not violations("gateway.messages", ["dialects.messages", "services.caller"])
     assert not violations("tokenbus.client", ["dialects.messages"])
+    assert violations("dialects.responses", ["gateway.response_store"])
+    assert not violations("tokenbus.client", ["dialects.responses", "services.caller"])
     lazy = imports_in("def f():\n    from gateway import bridge\n", ("router",))
     assert violations("router.probe", lazy)
     relative = imports_in("from ..gateway import bridge\n", ("router",))

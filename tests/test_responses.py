@@ -26,6 +26,7 @@ from pydantic import BaseModel
 
 from auth.store import KeyStore
 from bus_schemas import errors as E
+from dialects.responses import ResponseBuilder, new_response_id, parse, translate, usage_of
 from engine_worker.backends.base import GenerationRequest
 from engine_worker.backends.sim import expected_structured, expected_text
 from engine_worker.backends.sim_outputs import expected_tool_call
@@ -34,7 +35,6 @@ from filter.scanner import Scanner
 from gateway.response_store import ResponseStore
 from services.caller import Usage
 from services.config import ResponsesSettings
-from services.responses import ResponseBuilder, new_response_id, parse, translate, usage_of
 from tests.conftest import (
     NatsServer,
     Procs,

@@ -26,9 +26,10 @@ from bus_schemas import codec, frames, marks, subjects
 from bus_schemas import errors as E
 from bus_schemas import headers as H
 from dialects import messages as M
+from dialects import responses as R
 from dialects.messages import MessageStream
+from dialects.responses import ResponseStream
 from services import natsclient, tracing
-from services import responses as R
 from services.caller import (
     DEFAULT_TIMEOUT_S,
     Caller,
@@ -38,7 +39,6 @@ from services.caller import (
     Stream,
     Usage,
 )
-from services.responses import ResponseStream
 from services.tlsfiles import client_context
 
 __all__ = [
