@@ -86,11 +86,36 @@ def read_ticket(secret: bytes, value: str, principal: str, rid: str, now: float)
     return t if t.expires >= now else None
 
 
+# What a request that set no max_tokens (the gateway's default) reserves for its answer at
+# admission; what it really makes is charged when it ends (auth.limits reconciles), so a
+# key's concurrent requests are not refused for answers they will not write.
+DEFAULT_RESERVE = 512
+
+
 def estimate_tokens(env: dict[str, Any]) -> int:
-    """Prompt (about four characters a token) plus the most the request may generate."""
+    """Prompt (about four characters a token) plus the most the request may generate (for
+    a request that set no max_tokens, at most :data:`DEFAULT_RESERVE`)."""
     chars = envelope_chars(env)
     params = env.get("params") or {}
-    return (chars + 3) // 4 + int(params.get("max_tokens", 0))
+    out = int(params.get("max_tokens", 0))
+    if params.get("max_tokens_set") is False:
+        out = min(out, DEFAULT_RESERVE)
+    return (chars + 3) // 4 + out
+
+
+def fit_tpm(env: dict[str, Any], tpm: int) -> bool:
+    """Lower a default ``max_tokens`` (the client set none; with the gateway's default of
+    the context it is more than any context) to what the key's TPM leaves after the prompt:
+    one answer never outgrows the key's minute. A client's own value is left to be refused
+    (:class:`~bus_schemas.errors.TokensExceedLimit`) as before. Whether it changed."""
+    params = env.get("params")
+    if not isinstance(params, dict) or params.get("max_tokens_set") is not False:
+        return False
+    prompt = (envelope_chars(env) + 3) // 4
+    was = int(params.get("max_tokens", 1))
+    now = max(1, min(was, tpm - prompt))
+    params["max_tokens"] = now
+    return now != was
 
 
 class RateLimitCheck:
@@ -103,17 +128,19 @@ class RateLimitCheck:
         self.log = log
         self._settling: set[asyncio.Task[None]] = set()
 
-    async def apply(self, hdrs: dict[str, str], env: dict[str, Any]) -> None:
-        """Admit (headers updated in place with what the worker reports back) or raise."""
+    async def apply(self, hdrs: dict[str, str], env: dict[str, Any]) -> bool:
+        """Admit (headers updated in place with what the worker reports back) or raise;
+        whether ``env`` changed (a default ``max_tokens`` lowered to the key's TPM)."""
         principal = hdrs.get(H.PRINCIPAL)
         rpm, tpm, conc = parse_limits(hdrs.get(H.LIMITS))
         if not principal or (rpm is None and tpm is None and conc is None):
-            return
+            return False
         deadline = marks.deadline_ms(hdrs)
         deadline_s = deadline / 1000 if deadline else time.time() + 600
         rid = hdrs.get(H.REQUEST_ID) or str(env.get("request_id", ""))
         ticket = hdrs.pop(H.ADMISSION, None)
         attempt = marks.attempt(hdrs.get(H.MIGRATION))
+        changed = tpm is not None and fit_tpm(env, tpm)
         tokens = estimate_tokens(env)
         if tpm is not None and tokens > tpm and attempt < 1:
             # No window ever holds it: refused as the client's to fix, never "retry".
@@ -144,7 +171,7 @@ class RateLimitCheck:
                 ) from None
             self.log.warning("ratelimit_fail_open", error=str(exc), principal=principal)
             tracing.verdict(subjects.STAGE_RATELIMIT, "allow", {"tokenbus.fail_open": True})
-            return
+            return changed
         if tracing.on():
             tracing.verdict(
                 subjects.STAGE_RATELIMIT, "allow", {"tokenbus.migrated": prior is not None}
@@ -162,6 +189,7 @@ class RateLimitCheck:
         expires = int(min(deadline_s, time.time() + TICKET_TTL_S))
         this = Ticket(adm.window, adm.reserved, flags, owner, attempt, expires, "")
         hdrs[H.ADMISSION] = issue_ticket(self.limiter.secret, principal, rid, this)
+        return changed
 
     async def _prior(
         self, ticket: str | None, principal: str, rid: str, attempt: int
@@ -272,8 +300,10 @@ class RateLimit(Service):
 
     async def handle(self, msg: Msg) -> None:
         hdrs = dict(msg.headers or {})
+        data = msg.data
         if H.LIMITS in hdrs and H.PRINCIPAL in hdrs:
             env = codec.decode_map(msg.data)
             check_envelope(env)
-            await self.check.apply(hdrs, env)
-        await self.forward_next(msg, hdrs, msg.data)
+            if await self.check.apply(hdrs, env):
+                data = codec.encode(env)
+        await self.forward_next(msg, hdrs, data)

@@ -30,6 +30,11 @@ MAX_PROMPTS = 128
 # What ``/v1/completions`` generates when the request names no ``max_tokens``: OpenAI's
 # documented default, and vLLM's.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+# The ``max_tokens`` of a chat request that sets none while the gateway's default is the
+# context (``ingress.default_max_tokens = 0``, as OpenAI and ``vllm serve`` do): more than
+# any context holds. The engine lowers it to the room the prompt leaves (the sim, vLLM), or
+# an upstream is sent no ``max_tokens`` at all; a key's TPM lowers it first (auth.ratelimit).
+FILL_CONTEXT = 1 << 20
 # Version 2: envelopes carry the client's messages as sent and its other fields in
 # ``extra``; chunk frames may carry tool calls, logprobs, refusal, reasoning and embeddings.
 SCHEMA_VERSION = 2
@@ -432,7 +437,7 @@ class _GenerationRequest(_Edge):
         """The engine-side parameters of this request."""
         asked = self.max_completion_tokens or self.max_tokens
         return SamplingParams(
-            max_tokens=asked or default_max_tokens,
+            max_tokens=asked or default_max_tokens or FILL_CONTEXT,
             max_tokens_set=bool(asked),
             temperature=self.temperature,
             top_p=self.top_p,

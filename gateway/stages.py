@@ -72,7 +72,7 @@ class LocalStages:
                 if name == subjects.STAGE_AUTH and self.keys is not None:
                     authenticate(self.keys, hdrs)
                 elif name == subjects.STAGE_RATELIMIT and self.ratelimit is not None:
-                    await self.ratelimit.apply(hdrs, env)
+                    changed = await self.ratelimit.apply(hdrs, env) or changed
                 elif name == subjects.STAGE_FILTER and self.policies is not None:
                     changed = filter_request(self.policies, hdrs, env, self.log) or changed
             marks.append(hdrs, name)

@@ -100,7 +100,14 @@ class IngressSettings(BaseModel):
         description="Stages a request passes after ingress; the router is always last. "
         '["route"] alone runs without keys, limits or filtering.',
     )
-    default_max_tokens: int = Field(default=512, ge=1)
+    default_max_tokens: int = Field(
+        default=0,
+        ge=0,
+        description="max_tokens of a chat or Responses request that sets none. 0 (the "
+        "default, as OpenAI and `vllm serve`): what the model's context leaves after the "
+        "prompt, still bounded by the key's TPM and max_request_s; N: at most N. "
+        "/v1/completions defaults to 16 (OpenAI's documented default) either way.",
+    )
     max_prompt_chars: int = Field(default=1_000_000, description="Longer prompts get 413.")
     max_request_s: float = Field(
         default=600.0,
@@ -245,11 +252,12 @@ class SimSettings(BaseModel):
 
     prefill_ms: float = Field(default=20.0, description="Base prefill (first token) time.")
     max_model_len: int = Field(
-        default=8192,
+        default=131072,
         ge=1,
-        description="The simulated model's context length: prompt plus max_tokens must fit "
+        description="The simulated model's context length (128k, as today's agent models "
+        "have: Claude Code asks for 32 000 tokens of answer): prompt plus max_tokens must fit "
         "(a request that does not is refused as vLLM refuses it; one without max_tokens gets "
-        "what fits, at most the gateway's default).",
+        "what fits, at most the gateway's default when one is set).",
     )
     prefill_ms_per_token: float = Field(default=0.0, description="Extra prefill per prompt token.")
     decode_ms: float = Field(default=10.0, description="Decode step time at batch size 1.")
@@ -481,8 +489,6 @@ class Settings(BaseSettings):
         if self.nats_user:
             opts |= {"user": self.nats_user, "password": self.nats_password or ""}
         elif self.nats_login_file:
-            from services.deploybundle import read_login
-
             opts |= read_login(self.nats_login_file)
         return opts
 
@@ -493,6 +499,13 @@ class Settings(BaseSettings):
         from services.tlsfiles import client_context
 
         return {"tls": client_context(self.nats_tls_ca, self.nats_tls_cert, self.nats_tls_key)}
+
+
+def read_login(path: str) -> dict[str, str]:
+    """A role's login file (``{"user": ..., "password": ...}``, as ``tokenbus deploy init``
+    writes it) as nats-py's options."""
+    data = json.loads(Path(path).read_text())
+    return {"user": str(data["user"]), "password": str(data["password"])}
 
 
 def kv_replicas() -> int:

@@ -164,9 +164,3 @@ def init(
         _private(path, json.dumps({"user": role, "password": passwords[role]}) + "\n", uid)
         written.append(path)
     return written
-
-
-def read_login(path: str) -> dict[str, str]:
-    """A role's login file (``{"user": ..., "password": ...}``) as nats-py's options."""
-    data = json.loads(Path(path).read_text())
-    return {"user": str(data["user"]), "password": str(data["password"])}

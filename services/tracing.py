@@ -43,6 +43,8 @@ from collections.abc import Mapping, MutableMapping
 from types import TracebackType
 from typing import Any, NamedTuple
 
+import structlog
+
 from bus_schemas import headers as H
 from bus_schemas import marks
 
@@ -249,9 +251,8 @@ def _check_protocol() -> None:
 
 
 def _warn(event: str, **kw: Any) -> None:
-    from services import logging as tlog  # logging imports this module: late, not circular
-
-    tlog.get("tracing").warning(event, **kw)
+    # structlog itself, as services.logging configures it: that module imports this one.
+    structlog.get_logger(service="tracing").warning(event, **kw)
 
 
 def shutdown() -> None:

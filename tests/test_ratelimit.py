@@ -12,7 +12,7 @@ import structlog
 from nats.aio.client import Client as NATS
 
 from auth.limits import BUCKET, WINDOW_S, Admission, Limiter, parse_info
-from auth.ratelimit import RateLimitCheck, estimate_tokens, parse_limits
+from auth.ratelimit import DEFAULT_RESERVE, RateLimitCheck, estimate_tokens, fit_tpm, parse_limits
 from auth.store import KeyStore
 from bus_schemas import codec, subjects
 from bus_schemas import errors as E
@@ -37,6 +37,25 @@ def test_limits_header_and_token_estimate() -> None:
     assert parse_limits("") == (None, None, None)
     env = {"messages": [{"role": "user", "content": "x" * 40}], "params": {"max_tokens": 7}}
     assert estimate_tokens(env) == 17
+
+
+def test_a_default_max_tokens_is_fitted_to_the_keys_tpm_and_reserves_little() -> None:
+    from bus_schemas.messages import FILL_CONTEXT
+
+    env = {
+        "messages": [{"role": "user", "content": "x" * 40}],
+        "params": {"max_tokens": FILL_CONTEXT, "max_tokens_set": False},
+    }
+    # The client set none: the answer may fill the context, so it is reserved at
+    # DEFAULT_RESERVE (the real use is charged when it ends) ...
+    assert estimate_tokens(env) == 10 + DEFAULT_RESERVE
+    # ... and never outgrows the key's minute: lowered to what the TPM leaves after the prompt.
+    assert fit_tpm(env, 1_000) and env["params"]["max_tokens"] == 990
+    assert not fit_tpm(env, 5_000)  # already within it
+    assert fit_tpm(env, 5) and env["params"]["max_tokens"] == 1  # at least one token
+    # The client's own value is left alone (refused as too big, as before).
+    own = {"messages": [], "params": {"max_tokens": 10**6, "max_tokens_set": True}}
+    assert not fit_tpm(own, 1_000) and own["params"]["max_tokens"] == 10**6
 
 
 async def test_rpm_is_exact_across_three_limiters(
@@ -120,6 +139,21 @@ async def test_tokens_are_reserved_then_reconciled(
         assert big.value.status == 400 and big.value.param == "max_tokens"
         assert "Limit 10000, Requested 20001" in big.value.message
         assert not big.value.retryable
+
+
+async def test_a_request_without_max_tokens_gets_the_context_within_the_keys_tpm(
+    nats_server: NatsServer, model: str, keys: KeyStore, client: Client
+) -> None:
+    """No max_tokens: the answer may fill the context (not 512), lowered to the key's TPM
+    by the ratelimit stage; over NATS through the stage service."""
+    key, rec = await keys.create("small-tpm", tpm=700)
+    async with stack(nats_server.url, model, workers=1, auths=1, ratelimits=1) as svcs:
+        await wait_for_key(svcs, rec.id)
+        await fresh_window()
+        whole = await client.chat_completion(model, MSG, api_key=key, ignore_eos=True)
+        # 700 less the prompt's estimate (one token): the engine ran to the lowered budget.
+        assert whole.usage is not None
+        assert (whole.finish_reason, whole.usage.completion_tokens) == ("length", 699)
 
 
 async def test_concurrency_limit_frees_slots_when_requests_end(

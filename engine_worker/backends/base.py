@@ -6,7 +6,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from bus_schemas.messages import message_text
+from bus_schemas.messages import FILL_CONTEXT, message_text
 
 # What a backend may serve; a worker announces its list in every heartbeat and the router
 # sends a request only to replicas that serve its kind.
@@ -55,6 +55,15 @@ class GenerationRequest:
     @property
     def remaining_tokens(self) -> int:
         return max(0, self.max_tokens - self.resume_tokens)
+
+    @property
+    def engine_max_tokens(self) -> int | None:
+        """``max_tokens`` for an engine that bounds the answer by its own context: the tokens
+        left, or None for a request that set none and may fill the context
+        (:data:`~bus_schemas.messages.FILL_CONTEXT`), which the engine then fills."""
+        if not self.max_tokens_set and self.max_tokens >= FILL_CONTEXT:
+            return None
+        return self.remaining_tokens
 
     @classmethod
     def from_envelope(cls, env: dict[str, Any]) -> GenerationRequest:

@@ -212,7 +212,9 @@ class OpenAIUpstreamBackend:
         # ``extra`` never holds a field tokenbus owns (``messages.carried``): set them here.
         body: dict[str, Any] = dict(req.extra)
         body["model"] = self.model
-        body["max_tokens"] = req.remaining_tokens
+        n = req.engine_max_tokens
+        if n is not None:  # none: the upstream fills the context, as for its own clients
+            body["max_tokens"] = n
         body["stream"] = True
         body["stream_options"] = {"include_usage": True}
         set_sampling(body, req)
@@ -229,7 +231,7 @@ class OpenAIUpstreamBackend:
         if self.http is None:
             raise E.EngineError("the openai backend is not started")
         n = self.max_model_len
-        if n and req.max_tokens >= n:
+        if n and req.max_tokens >= n and req.engine_max_tokens is not None:
             # The prompt holds at least one token, so this cannot fit whatever the prompt;
             # an upstream that does not bound it would generate until the request's deadline.
             raise E.ContextLengthExceeded.of(n, req.max_tokens)

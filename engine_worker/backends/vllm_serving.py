@@ -206,7 +206,7 @@ def chat_body(req: GenerationRequest, model: str) -> dict[str, Any]:
     body["messages"] = chat_messages(req, body)
     if req.resume_text:
         body["echo"] = False  # the caller has the text already
-    body["max_completion_tokens"] = req.remaining_tokens
+    body["max_completion_tokens"] = req.engine_max_tokens  # None: vLLM fills the context
     _owned(body, req, model)
     return body
 
@@ -219,7 +219,7 @@ def completion_body(req: GenerationRequest, model: str) -> dict[str, Any]:
     if req.resume_text:
         body["echo"] = False
     body.pop("max_completion_tokens", None)
-    body["max_tokens"] = req.remaining_tokens
+    body["max_tokens"] = req.engine_max_tokens  # None: vLLM fills the context
     _owned(body, req, model)
     return body
 
