@@ -3,7 +3,9 @@
 A Responses request becomes a chat completion request (:func:`translate`): ``instructions``
 a system message; the ``input`` items chat messages (``function_call`` items an assistant's
 ``tool_calls``, ``function_call_output`` items tool messages, ``reasoning`` items the next
-assistant turn's ``reasoning_content``); function tools and ``tool_choice`` in chat's shape;
+assistant turn's ``reasoning_content``); function tools and ``tool_choice`` in chat's shape
+(the function tools of a ``namespace`` tool flattened, their calls given back under their
+namespace: :class:`ToolNames`; hosted web search left out);
 ``text.format`` the ``response_format``; ``max_output_tokens`` the
 ``max_completion_tokens``; ``reasoning.effort`` the ``reasoning_effort``; every other field
 is carried as the chat path carries it. So routing, keys, limits, the content filter,
@@ -19,6 +21,7 @@ NATS client's stream of events.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import time
@@ -60,6 +63,7 @@ OWNED = frozenset(
         "truncation",
         "include",
         "top_logprobs",
+        "client_metadata",
     }
 )
 # Chat fields that have another name (or no place) in the Responses API: a body that sends
@@ -98,10 +102,21 @@ BUILT_IN_TOOLS = frozenset(
         "apply_patch",
         "custom",
         "tool_search",
-        "namespace",
+    }
+)
+# Hosted web search, which Codex CLI puts in every request by default (its `web_search` setting
+# defaults to "cached"): tokenbus cannot search, so the tool is left out of what the engine
+# sees rather than the request refused (docs/responses.md). Forcing it by tool_choice is a 400.
+WEB_SEARCH_TOOLS = frozenset(
+    {
+        "web_search",
+        "web_search_preview",
+        "web_search_2025_08_26",
+        "web_search_preview_2025_03_11",
     }
 )
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
+ENCRYPTED_REASONING_INCLUDE = "reasoning.encrypted_content"
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 # What a response id looks like (also a valid JetStream KV key).
 RESPONSE_ID = re.compile(r"^resp_[0-9a-f]{32}$")
@@ -142,6 +157,13 @@ class ResponsesRequest(BaseModel):
     top_logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None
     metadata: dict[str, StrictStr] | None = None
     user: StrictStr | None = None
+    prompt_cache_key: StrictStr | None = Field(
+        default=None,
+        description="Carried to the engine, and the session key of session-affinity routing.",
+    )
+    client_metadata: dict[str, Any] | None = Field(
+        default=None, description="About the client (Codex sends it): accepted, not carried."
+    )
 
     @property
     def stored(self) -> bool:
@@ -271,6 +293,47 @@ class Turn:
     items: list[dict[str, Any]]  # this request's input items as stored (each with an id)
     response_id: str
     echo: dict[str, Any] = field(default_factory=dict)  # request fields the response repeats
+    names: ToolNames = field(default_factory=lambda: ToolNames())  # namespaced tools' names
+    session: str | None = None  # the session key for routing (prompt_cache_key)
+    encrypted_reasoning: bool = False  # include asks for reasoning.encrypted_content
+
+
+_CHAT_NAME_BAD = re.compile(r"[^A-Za-z0-9_-]")
+
+
+@dataclass(slots=True)
+class ToolNames:
+    """The names of a request's namespaced tools: each inner tool of a ``namespace`` tool
+    is a chat function tool named ``<namespace>__<name>`` (characters chat names do not allow
+    as ``_``; too long, or taken, shortened with a hash), and this table maps both ways, so
+    a call comes back under the name and namespace the client gave, never by parsing."""
+
+    to_engine: dict[tuple[str, str], str] = field(default_factory=dict)
+    to_client: dict[str, tuple[str, str]] = field(default_factory=dict)
+
+    def add(self, namespace: str, name: str, taken: set[str]) -> str:
+        """The chat name of ``name`` in ``namespace`` (a new one, not in ``taken``)."""
+        flat = flat_name(namespace, name)
+        if flat in taken:
+            flat = flat_name(namespace, name, hashed=True)
+        taken.add(flat)
+        self.to_engine[(namespace, name)] = flat
+        self.to_client[flat] = (namespace, name)
+        return flat
+
+    def engine(self, namespace: str, name: str) -> str:
+        """The chat name the engine knows a namespaced tool by (a tool not in this request's
+        tools: the name it had when it was in one)."""
+        return self.to_engine.get((namespace, name)) or flat_name(namespace, name)
+
+
+def flat_name(namespace: str, name: str, *, hashed: bool = False) -> str:
+    """``<namespace>__<name>`` as a chat tool name (``^[a-zA-Z0-9_-]{1,64}$``)."""
+    flat = _CHAT_NAME_BAD.sub("_", f"{namespace}__{name}")
+    if hashed or len(flat) > 64:
+        digest = hashlib.sha256(f"{namespace}\0{name}".encode()).hexdigest()[:8]
+        flat = f"{flat[:55]}_{digest}"
+    return flat
 
 
 def new_response_id() -> str:
@@ -317,11 +380,15 @@ def _unanswered(messages: list[dict[str, Any]]) -> list[str]:
 
 
 def to_messages(
-    items: str | list[Any], path: str = "input", before: list[dict[str, Any]] | None = None
+    items: str | list[Any],
+    path: str = "input",
+    before: list[dict[str, Any]] | None = None,
+    names: ToolNames | None = None,
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """(chat messages, stored input items) of a Responses ``input``; ``before``: the chat
     messages of the conversation so far (a ``function_call_output`` without ``call_id``
-    answers the first call that has no output yet)."""
+    answers the first call that has no output yet); ``names``: the request's namespaced
+    tools (a ``function_call`` with a ``namespace`` is made under its chat name)."""
     if isinstance(items, str):
         item = {
             "id": _item_id("msg"),
@@ -365,8 +432,19 @@ def to_messages(
                 raise _bad(f"{p}.name", "a function_call needs the function's name")
             if not isinstance(args, str):
                 raise _bad(f"{p}.arguments", "a function_call's arguments are a JSON string")
+            namespace = item.get("namespace")
+            if namespace is not None and not isinstance(namespace, str):
+                raise _bad(f"{p}.namespace", "a function_call's namespace is a string")
+            namespace = namespace or None  # "": no namespace (the default one)
+            engine_name = (
+                name if namespace is None else (names or ToolNames()).engine(namespace, name)
+            )
             msgs.call(
-                {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}
+                {
+                    "id": call_id,
+                    "type": "function",
+                    "function": {"name": engine_name, "arguments": args},
+                }
             )
             stored.append(
                 {
@@ -374,6 +452,7 @@ def to_messages(
                     "type": "function_call",
                     "call_id": call_id,
                     "name": name,
+                    **({"namespace": namespace} if namespace is not None else {}),
                     "arguments": args,
                     "status": "completed",
                 }
@@ -441,37 +520,110 @@ def _stored_message(item: dict[str, Any], role: str) -> dict[str, Any]:
 
 
 # -- tools, formats, the chat body ----------------------------------------------------------
-def _tools(tools: list[Any]) -> list[dict[str, Any]]:
+def _function(t: dict[str, Any], p: str, name: str | None = None) -> dict[str, Any]:
+    """A function tool in chat's shape (``name``: its chat name, when not its own)."""
+    own = t.get("name")
+    if not isinstance(own, str) or not _NAME.match(own):
+        raise _bad(
+            f"{p}.name", "a function tool needs a name of 1-64 letters, digits, '_', '.' or '-'"
+        )
+    fn: dict[str, Any] = {"name": name or own}
+    for key in ("description", "parameters", "strict"):
+        if t.get(key) is not None:
+            fn[key] = t[key]
+    if "parameters" in fn and not isinstance(fn["parameters"], dict):
+        raise _bad(f"{p}.parameters", "the parameters are a JSON Schema object")
+    return {"type": "function", "function": fn}
+
+
+def _not_served(kind: Any, p: str) -> E.InvalidRequest:
+    what = "the built-in tool" if kind in BUILT_IN_TOOLS else "the tool type"
+    return _bad(
+        f"{p}.type",
+        f"{what} {kind!r} is not served by tokenbus: only function tools (and namespaces of "
+        "them) are (run the tool yourself and send its result as a function_call_output)",
+    )
+
+
+def _namespace(
+    t: dict[str, Any], p: str, names: ToolNames, taken: set[str]
+) -> list[dict[str, Any]]:
+    """A ``namespace`` tool's function tools as chat tools (see :class:`ToolNames`), the
+    namespace's description put before each one's."""
+    ns = t.get("name")
+    if not isinstance(ns, str) or not ns:
+        raise _bad(f"{p}.name", "a namespace tool needs a name (a non-empty string)")
+    about = t.get("description")
+    if about is not None and not isinstance(about, str):
+        raise _bad(f"{p}.description", "a namespace's description is a string")
+    inner = t.get("tools")
+    if not isinstance(inner, list) or not inner:
+        raise _bad(f"{p}.tools", "a namespace tool needs a list of at least one function tool")
     out: list[dict[str, Any]] = []
+    for j, f in enumerate(inner):
+        q = f"{p}.tools.{j}"
+        if not isinstance(f, dict):
+            raise _bad(q, "a tool must be an object")
+        if f.get("type") != "function":
+            raise _bad(
+                f"{q}.type",
+                f"the tool type {f.get('type')!r} is not served by tokenbus: only function "
+                "tools are, in a namespace too",
+            )
+        tool = _function(f, q)
+        fn = tool["function"]
+        if (ns, fn["name"]) in names.to_engine:
+            raise _bad(f"{q}.name", f"the namespace {ns!r} has {fn['name']!r} twice")
+        fn["name"] = names.add(ns, fn["name"], taken)
+        if about:
+            fn["description"] = (
+                f"{about}\n\n{fn['description']}" if fn.get("description") else about
+            )
+        out.append(tool)
+    return out
+
+
+def _tools(tools: list[Any], names: ToolNames) -> list[dict[str, Any]]:
+    """The request's tools in chat's shape; namespaced ones flattened into ``names``;
+    hosted web search left out (:data:`WEB_SEARCH_TOOLS`)."""
+    out: list[dict[str, Any]] = []
+    spaces: list[tuple[int, dict[str, Any]]] = []
     for i, t in enumerate(tools):
         p = f"tools.{i}"
         if not isinstance(t, dict):
             raise _bad(p, "a tool must be an object")
         kind = t.get("type")
-        if kind != "function":
-            what = "the built-in tool" if kind in BUILT_IN_TOOLS else "the tool type"
-            raise _bad(
-                f"{p}.type",
-                f"{what} {kind!r} is not served by tokenbus: only function tools are (run "
-                "the tool yourself and send its result as a function_call_output)",
-            )
-        name = t.get("name")
-        if not isinstance(name, str) or not _NAME.match(name):
-            raise _bad(
-                f"{p}.name", "a function tool needs a name of 1-64 letters, digits, '_', '.' or '-'"
-            )
-        fn: dict[str, Any] = {"name": name}
-        for key in ("description", "parameters", "strict"):
-            if t.get(key) is not None:
-                fn[key] = t[key]
-        if "parameters" in fn and not isinstance(fn["parameters"], dict):
-            raise _bad(f"{p}.parameters", "the parameters are a JSON Schema object")
-        out.append({"type": "function", "function": fn})
+        if kind == "function":
+            out.append(_function(t, p))
+        elif kind == "namespace":
+            spaces.append((i, t))
+            out.append(t)  # its place, filled below
+        elif kind not in WEB_SEARCH_TOOLS:
+            raise _not_served(kind, p)
+    # Plain names first, so a namespaced tool never takes the name of a plain one.
+    taken = {t["function"]["name"] for t in out if "function" in t}
+    for i, t in spaces:
+        at = next(k for k, x in enumerate(out) if x is t)
+        out[at : at + 1] = _namespace(t, f"tools.{i}", names, taken)
     return out
 
 
+def _chosen(entry: dict[str, Any], names: set[str], table: ToolNames) -> str | None:
+    """The chat name of the function tool a choice names (``name``, with ``namespace`` for a
+    namespaced one; a name alone that only one namespace has names that one), or None."""
+    name, ns = entry.get("name"), entry.get("namespace")
+    if not isinstance(name, str):
+        return None
+    if isinstance(ns, str):
+        return table.to_engine.get((ns, name))
+    if name in names and name not in table.to_client:
+        return name
+    found = [flat for (_, inner), flat in table.to_engine.items() if inner == name]
+    return found[0] if len(found) == 1 else None
+
+
 def _tool_choice(
-    choice: str | dict[str, Any], tools: list[dict[str, Any]]
+    choice: str | dict[str, Any], tools: list[dict[str, Any]], table: ToolNames
 ) -> tuple[str | dict[str, Any], list[dict[str, Any]]]:
     """(chat tool_choice, the tools to send)."""
     names = {t["function"]["name"] for t in tools}
@@ -483,9 +635,9 @@ def _tool_choice(
         return choice, tools
     kind = choice.get("type")
     if kind == "function":
-        name = choice.get("name")
-        if not isinstance(name, str) or name not in names:
-            raise _bad("tool_choice.name", f"names {name!r}, which is not in tools")
+        name = _chosen(choice, names, table)
+        if name is None:
+            raise _bad("tool_choice.name", f"names {choice.get('name')!r}, which is not in tools")
         return {"type": "function", "function": {"name": name}}, tools
     if kind == "allowed_tools":
         mode = choice.get("mode", "auto")
@@ -497,9 +649,9 @@ def _tool_choice(
         # The model picks among the request's tools that are allowed: an entry that names
         # none of them (another type, another name) allows nothing more.
         keep = {
-            a.get("name")
+            _chosen(a, names, table)
             for a in allowed
-            if isinstance(a, dict) and a.get("type") == "function" and a.get("name") in names
+            if isinstance(a, dict) and a.get("type") == "function"
         }
         kept = [t for t in tools if t["function"]["name"] in keep]
         if not kept:
@@ -552,7 +704,11 @@ def translate(
 ) -> Turn:
     """The chat request for a Responses request; ``previous``: the chat messages of the
     conversation so far (from ``previous_response_id``'s stored response)."""
-    new, items = ([], []) if req.input is None else to_messages(req.input, before=previous)
+    names = ToolNames()
+    tools = _tools(req.tools, names) if req.tools else []
+    new, items = (
+        ([], []) if req.input is None else to_messages(req.input, before=previous, names=names)
+    )
     history = [*(previous or []), *new]
     messages = list(history)
     if req.instructions:
@@ -568,10 +724,9 @@ def translate(
         chat["temperature"] = req.temperature
     if req.top_p is not None:
         chat["top_p"] = req.top_p
-    tools = _tools(req.tools) if req.tools else []
     choice: str | dict[str, Any] = "auto"
     if req.tool_choice is not None:
-        choice, tools = _tool_choice(req.tool_choice, tools)
+        choice, tools = _tool_choice(req.tool_choice, tools, names)
         chat["tool_choice"] = choice
     if tools:
         chat["tools"] = tools
@@ -612,7 +767,10 @@ def translate(
         **({"user": req.user} if req.user is not None else {}),
         "background": False,
     }
-    return Turn(chat, history, items, response_id or new_response_id(), echo)
+    turn = Turn(chat, history, items, response_id or new_response_id(), echo, names)
+    turn.session = req.prompt_cache_key or None
+    turn.encrypted_reasoning = ENCRYPTED_REASONING_INCLUDE in (req.include or ())
+    return turn
 
 
 # -- chunks → output items and events --------------------------------------------------------
@@ -652,6 +810,9 @@ class ResponseBuilder:
     def __init__(self, turn: Turn, *, events: bool, created_at: float | None = None) -> None:
         self.id = turn.response_id
         self.echo = turn.echo
+        self.names = turn.names
+        self.encrypted_reasoning = turn.encrypted_reasoning
+        self._engine_names: dict[str, str] = {}  # function_call item id -> the engine's name
         self.created_at = int(created_at if created_at is not None else time.time())
         self.events = events
         self.seq = 0
@@ -819,6 +980,9 @@ class ResponseBuilder:
                     "type": "reasoning",
                     "summary": [],
                     "content": [],
+                    # No encrypted reasoning here: the text is in `content`, which a client
+                    # sends back as it is (asked for, the field says so with null).
+                    **({"encrypted_content": None} if self.encrypted_reasoning else {}),
                     "status": "in_progress",
                 },
             )
@@ -895,14 +1059,18 @@ class ResponseBuilder:
         fn = d.get("function") or {}
         item = self._calls.get(idx)
         if item is None:
+            engine_name = fn.get("name") or ""
+            ns, name = self.names.to_client.get(engine_name, (None, engine_name))
             item = {
                 "id": f"fc_{self._hex}_{len(self.output)}",
                 "type": "function_call",
                 "status": "in_progress",
                 "call_id": d.get("id") or f"call_{self._hex}_{idx}",
-                "name": fn.get("name") or "",
+                "name": name,
+                **({"namespace": ns} if ns is not None else {}),
                 "arguments": "",
             }
+            self._engine_names[item["id"]] = engine_name
             self._calls[idx] = item
             self._open(out, item)
             self._buf = []
@@ -977,7 +1145,10 @@ class ResponseBuilder:
                     {
                         "id": item["call_id"],
                         "type": "function",
-                        "function": {"name": item["name"], "arguments": item["arguments"]},
+                        "function": {
+                            "name": self._engine_names.get(item["id"], item["name"]),
+                            "arguments": item["arguments"],
+                        },
                     }
                 )
         if texts:

@@ -67,7 +67,11 @@ NOT_SERVED = [
     Refusal("prompt", r"prompt templates are not served", "prompt templates"),
     Refusal("background", r"background responses are not served", "`background: true`"),
     Refusal("truncation", r"'auto' .* is not served", '`truncation: "auto"`'),
-    Refusal(r"tools\.\d+\.type", r"not served by tokenbus: only function tools", "built-in tools"),
+    Refusal(
+        r"tools\.\d+(\.tools\.\d+)?\.type",
+        r"not served by tokenbus: only function tools",
+        "built-in tools",
+    ),
     Refusal("tool_choice.type", r"is not served: only function tools are", "built-in tools"),
     Refusal(
         r"input\.\d+\.type",

@@ -10,6 +10,7 @@ auth / ratelimit / filter / ingress / router services (the NATS path) and the br
 from __future__ import annotations
 
 import json
+import re
 import signal
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -33,7 +34,7 @@ from engine_worker.backends.sim_outputs import expected_tool_call
 from filter.policy import FilterPolicy
 from filter.scanner import Scanner
 from gateway.response_store import ResponseStore
-from services.caller import Usage
+from services.caller import Chunk, Usage
 from services.config import ResponsesSettings
 from tests.conftest import (
     NatsServer,
@@ -494,6 +495,222 @@ async def test_requests_openai_documents_are_served(env: Env, oai: openai.AsyncO
             assert r.json()["usage"]["input_tokens_details"]["cache_write_tokens"] == 0
 
 
+# -- what Codex CLI sends ---------------------------------------------------------------------
+SHELL = {
+    "type": "function",
+    "name": "shell",
+    "description": "Runs a shell command.",
+    "strict": False,
+    "parameters": {
+        "type": "object",
+        "properties": {"command": {"type": "array", "items": {"type": "string"}}},
+        "required": ["command"],
+    },
+}
+# A namespace tool as Codex sends an MCP server's tools (mcp__<server>), first, so that the
+# sim (which calls the first tool) calls a namespaced one.
+DOCS = {
+    "type": "namespace",
+    "name": "mcp__docs",
+    "description": "Tools of the docs MCP server.",
+    "tools": [
+        {
+            "type": "function",
+            "name": "search",
+            "description": "Search the docs.",
+            "strict": False,
+            "defer_loading": False,
+            "parameters": {
+                "type": "object",
+                "properties": {"query": {"type": "string"}},
+                "required": ["query"],
+            },
+        },
+        {"type": "function", "name": "fetch", "parameters": {"type": "object", "properties": {}}},
+    ],
+}
+# The namespace's tools as the engine sees them: flattened, the namespace's description first.
+CHAT_DOCS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "mcp__docs__search",
+            "description": "Tools of the docs MCP server.\n\nSearch the docs.",
+            "parameters": DOCS["tools"][0]["parameters"],  # type: ignore[index]
+            "strict": False,
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "mcp__docs__fetch",
+            "description": "Tools of the docs MCP server.",
+            "parameters": {"type": "object", "properties": {}},
+        },
+    },
+]
+CHAT_SHELL = {"type": "function", "function": {k: v for k, v in SHELL.items() if k != "type"}}
+
+
+def codex_body(model: str, stream: bool) -> dict[str, Any]:
+    """A first request as Codex CLI makes it to a custom provider (wire_api = "responses"):
+    its instructions, the user's turn, function and namespace tools, and hosted web search,
+    which Codex adds by default (``web_search = "cached"``)."""
+    return {
+        "model": model,
+        "instructions": "You are Codex, a coding agent.",
+        "input": [
+            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]}
+        ],
+        "tools": [DOCS, SHELL, {"type": "web_search", "external_web_access": False}],
+        "tool_choice": "auto",
+        "parallel_tool_calls": False,
+        "reasoning": {"effort": "medium", "summary": "auto"},
+        "store": False,
+        "stream": stream,
+        "include": ["reasoning.encrypted_content"],
+        "prompt_cache_key": "0199a1b2-c3d4-7e5f-8a9b-codexsession",
+        "client_metadata": {"x-codex-installation-id": "install-1"},
+    }
+
+
+async def _post(h: Any, body: dict[str, Any]) -> dict[str, Any]:
+    """The final response object of ``body``, whole or read from its events."""
+    if not body.get("stream"):
+        r = await h.post("/responses", json=body)
+        assert r.status_code == 200, r.text
+        return dict(r.json())
+    async with h.stream("POST", "/responses", json=body) as r:
+        assert r.status_code == 200, await r.aread()
+        events = [
+            json.loads(line[6:]) async for line in r.aiter_lines() if line.startswith("data: ")
+        ]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    added = [e["item"] for e in events if e["type"] == "response.output_item.added"]
+    done = [e["item"] for e in events if e["type"] == "response.output_item.done"]
+    last = events[-1]
+    assert last["type"] in ("response.completed", "response.incomplete"), last
+    assert [i["type"] for i in added] == [i["type"] for i in last["response"]["output"]]
+    assert done == last["response"]["output"]
+    return dict(last["response"])
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+async def test_a_codex_first_request_and_its_next_turn(env: Env, stream: bool) -> None:
+    auth = {"Authorization": f"Bearer {env.key}"}
+    body = codex_body(env.model, stream)
+    async with env.stack.http("/v1", headers=auth, timeout=30) as h:
+        first = await _post(h, body)
+        # The engine called the namespaced tool by its flattened name; the client gets the
+        # call under the name and namespace it gave.
+        ask = [
+            {"role": "system", "content": body["instructions"]},
+            {"role": "user", "content": "hi"},
+        ]
+        want = expected_tool_call(
+            _sim(env.model, ask, tools=[*CHAT_DOCS, CHAT_SHELL], tool_choice="auto")
+        )
+        assert want is not None and want[1] == "mcp__docs__search"
+        assert first["status"] == "completed" and first["store"] is False
+        [call] = first["output"]
+        assert call["type"] == "function_call"
+        assert (call["name"], call["namespace"]) == ("search", "mcp__docs")
+        assert (call["call_id"], call["arguments"]) == (want[0], want[2])
+        assert first["tools"] == body["tools"]  # the request's tools, as OpenAI repeats them
+        # The next turn, as Codex sends it with store false: the history with the call (its
+        # namespace) and the call's output; the engine sees the call by its flattened name.
+        nxt = {
+            **body,
+            "input": [
+                *body["input"],
+                {k: call[k] for k in ("type", "call_id", "name", "namespace", "arguments")},
+                {"type": "function_call_output", "call_id": call["call_id"], "output": "found"},
+            ],
+            "max_output_tokens": 8,
+        }
+        second = await _post(h, nxt)
+    prompt = (
+        f"<|system|>{body['instructions']}\n<|user|>hi\n"
+        f"<|assistant|>mcp__docs__search({call['arguments']})\n<|tool|>found\n"
+    )
+    assert second["output"][-1]["type"] == "message"
+    assert second["output"][-1]["content"][0]["text"] == expected_text(prompt, 8)[0]
+
+
+async def test_what_the_engine_gets_of_a_codex_request(env: Env) -> None:
+    auth = {"Authorization": f"Bearer {env.key}"}
+    body = codex_body(env.up_model, stream=False)
+    body["input"] = [
+        *body["input"],
+        {
+            "type": "function_call",
+            "call_id": "call_1",
+            "name": "fetch",
+            "namespace": "mcp__docs",
+            "arguments": "{}",
+        },
+        {"type": "function_call_output", "call_id": "call_1", "output": "page"},
+    ]
+    body["tool_choice"] = {"type": "function", "name": "fetch", "namespace": "mcp__docs"}
+    async with env.stack.http("/v1", headers=auth, timeout=30) as h:
+        out = await _post(h, body)
+    assert out["status"] == "completed"
+    got = await env.upstream.last_request()
+    # Flattened tools, web search left out (tokenbus cannot search), the choice mapped.
+    assert got["tools"] == [*CHAT_DOCS, CHAT_SHELL]
+    assert got["tool_choice"] == {"type": "function", "function": {"name": "mcp__docs__fetch"}}
+    assert got["messages"][2]["tool_calls"][0]["function"]["name"] == "mcp__docs__fetch"
+    assert got["prompt_cache_key"] == body["prompt_cache_key"]
+    assert "client_metadata" not in got and "include" not in got
+
+
+def test_namespaced_names_are_a_table_not_a_parse() -> None:
+    long_ns = "mcp__" + "x" * 70
+    body = {
+        "model": "m",
+        "input": "hi",
+        "tools": [
+            {"type": "function", "name": "a__b", "parameters": {"type": "object"}},
+            {
+                "type": "namespace",
+                "name": "a",
+                "description": "",
+                "tools": [{"type": "function", "name": "b"}],
+            },
+            {
+                "type": "namespace",
+                "name": long_ns,
+                "description": "",
+                "tools": [{"type": "function", "name": "go"}],
+            },
+            {
+                "type": "namespace",
+                "name": "my.ns",
+                "description": "d",
+                "tools": [{"type": "function", "name": "go"}],
+            },
+        ],
+        "tool_choice": {"type": "function", "name": "b"},
+    }
+    turn = translate(parse(body), body)
+    names = [t["function"]["name"] for t in turn.chat["tools"]]
+    assert names[0] == "a__b" and names[1] != "a__b" and names[3] == "my_ns__go"
+    assert all(re.fullmatch(r"[a-zA-Z0-9_-]{1,64}", n) for n in names)
+    assert len(set(names)) == 4
+    assert turn.names.to_client[names[1]] == ("a", "b")
+    assert turn.names.to_client[names[2]] == (long_ns, "go")
+    # A name alone that only one namespace has is that tool; a plain tool keeps its name.
+    assert turn.chat["tool_choice"]["function"]["name"] == names[1]
+    b = ResponseBuilder(turn, events=False)
+    call = {"index": 0, "id": "c", "function": {"name": names[2], "arguments": "{}"}}
+    b.add(Chunk("", 0, 0, tool_calls=[call]))
+    resp, _ = b.finish("tool_calls", None)
+    assert (resp["output"][0]["name"], resp["output"][0]["namespace"]) == ("go", long_ns)
+    assert b.assistant_messages()[0]["tool_calls"][0]["function"]["name"] == names[2]
+    assert turn.session is None
+    assert translate(parse({**body, "prompt_cache_key": "s1"}), body).session == "s1"
+
+
 # -- bad fields -----------------------------------------------------------------------------
 BAD: list[tuple[dict[str, Any], str]] = [
     ({"input": 5}, "input"),
@@ -509,7 +726,33 @@ BAD: list[tuple[dict[str, Any], str]] = [
         "input.0.content.0.file_data",
     ),
     ({"background": True}, "background"),
-    ({"tools": [{"type": "web_search"}]}, "tools.0.type"),
+    (
+        {"tool_choice": {"type": "web_search"}, "tools": [{"type": "web_search"}]},
+        "tool_choice.type",
+    ),
+    (
+        {"tools": [{"type": "namespace", "name": "ns", "description": "", "tools": []}]},
+        "tools.0.tools",
+    ),
+    ({"tools": [{"type": "namespace", "description": "", "tools": [WEATHER]}]}, "tools.0.name"),
+    (
+        {"tools": [{"type": "namespace", "name": "ns", "tools": [{"type": "file_search"}]}]},
+        "tools.0.tools.0.type",
+    ),
+    (
+        {
+            "input": [
+                {
+                    "type": "function_call",
+                    "call_id": "c",
+                    "name": "f",
+                    "arguments": "{}",
+                    "namespace": 5,
+                }
+            ]
+        },
+        "input.0.namespace",
+    ),
     ({"tools": [{"type": "file_search", "vector_store_ids": ["v"]}]}, "tools.0.type"),
     ({"tools": [{"type": "computer_use_preview"}]}, "tools.0.type"),
     ({"tools": [{"type": "function"}]}, "tools.0.name"),

@@ -215,8 +215,10 @@ class Client(Caller):
         body = {"model": model, "input": input if isinstance(input, str) else list(input)}
         body.update(params)
         key = api_key or self.api_key
+        req = R.parse(body)
+        session = session or req.prompt_cache_key  # the session key routing keeps together
         submit = self._chat_sender(timeout, key, request_id, session, traceparent)
-        return ResponseStream(R.parse(body), body, submit, _Stored(self, key))
+        return ResponseStream(req, body, submit, _Stored(self, key))
 
     def _chat_sender(
         self,
