@@ -29,6 +29,11 @@ class KeyRecord(BaseModel):
     owner: str = Field(default="", description="Who the key belongs to.")
     hash: str = Field(description="SHA-256 of the whole key, hex.")
     models: list[str] = Field(default_factory=list, description="Allowed models; empty = all.")
+    aliases: dict[str, str] = Field(
+        default_factory=dict,
+        description="This key's model aliases, name -> served model; they win over the global "
+        "ones (docs/routing.md).",
+    )
     rpm: int | None = Field(default=None, description="Requests per minute; none = unlimited.")
     tpm: int | None = Field(default=None, description="Tokens per minute; none = unlimited.")
     max_concurrent: int | None = Field(default=None, description="Requests at once.")

@@ -3,6 +3,7 @@
 It looks the key up in the watched key store, refuses missing, unknown, revoked and
 expired keys (401) and models the key may not use (403), strips the key from the headers
 so no later stage ever sees it, and adds the principal, its limits and its filter policy.
+A model alias (the key's own, or a global one) is resolved here (:mod:`services.aliases`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from bus_schemas import errors as E
 from bus_schemas import headers as H
 from bus_schemas import subjects
 from services import tracing
+from services.aliases import AliasTable, envelope_for, retarget, watch_aliases
 from services.runtime import Service
 
 
@@ -22,12 +24,16 @@ def limits_header(rpm: int | None, tpm: int | None, concurrent: int | None) -> s
     return ",".join("" if v is None else str(v) for v in (rpm, tpm, concurrent))
 
 
-def authenticate(keys: KeyStore, hdrs: dict[str, str]) -> None:
+def authenticate(keys: KeyStore, hdrs: dict[str, str], aliases: AliasTable | None = None) -> bool:
     """The auth stage's work on a request's headers (in place): the key out, the principal,
-    its limits and its filter policy in; raises 401/403 errors."""
+    its limits and its filter policy in, the model an alias names resolved (the key's own
+    aliases first, then ``aliases``); raises 401/403 errors. Returns whether the model
+    changed (the envelope's must then follow: :func:`services.aliases.envelope_for`)."""
     try:
         rec = keys.lookup(hdrs.pop(H.API_KEY, None))
-        keys.authorize(rec, hdrs.get(H.MODEL, ""))
+        asked = hdrs.get(H.MODEL, "")
+        served = aliases.resolve(asked, rec.aliases) if aliases is not None else asked
+        keys.authorize(rec, asked, served)
     except E.TokenbusError as exc:
         tracing.verdict(subjects.STAGE_AUTH, "deny", {tracing.ERROR_TYPE: exc.code})
         raise
@@ -37,6 +43,7 @@ def authenticate(keys: KeyStore, hdrs: dict[str, str]) -> None:
     hdrs[H.PRINCIPAL] = rec.id
     hdrs[H.LIMITS] = limits_header(rec.rpm, rec.tpm, rec.max_concurrent)
     hdrs[H.FILTER_POLICY] = rec.filter_policy
+    return retarget(hdrs, asked, served) if aliases is not None else False
 
 
 class Auth(Service):
@@ -46,6 +53,7 @@ class Auth(Service):
 
     async def setup(self) -> None:
         self.keys = await KeyStore(self.nc).open()
+        self.aliases = await watch_aliases(self.nc, self.settings.router.aliases, self.log)
         self.callout: CalloutResponder | None = None
         if self.settings.nats_callout:
             # NATS clients log in with their key: this service answers the server for them.
@@ -62,8 +70,11 @@ class Auth(Service):
         if self.callout is not None:
             await self.callout.stop()
         await self.keys.close()
+        await self.aliases.close()
 
     async def handle(self, msg: Msg) -> None:
         hdrs = dict(msg.headers or {})
-        authenticate(self.keys, hdrs)
-        await self.forward_next(msg, hdrs, msg.data)
+        data = msg.data
+        if authenticate(self.keys, hdrs, self.aliases):
+            data = envelope_for(data, None, hdrs[H.MODEL])
+        await self.forward_next(msg, hdrs, data)

@@ -185,8 +185,10 @@ class KeyStore:
             raise E.Unauthorized(f"the API key {rec.id} has expired")
         return rec
 
-    def authorize(self, rec: KeyRecord, model: str) -> None:
-        if rec.models and model not in rec.models:
+    def authorize(self, rec: KeyRecord, model: str, served: str | None = None) -> None:
+        """403 unless ``rec`` may use ``model``: its allow-list is empty or names ``model``,
+        or, for an alias of it, the ``served`` model."""
+        if rec.models and model not in rec.models and (served or model) not in rec.models:
             raise E.Forbidden(
                 f"the API key {rec.id} may not use the model {model!r}", param="model"
             )

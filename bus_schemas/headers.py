@@ -10,6 +10,9 @@ TIMINGS = "Tb-Timings"
 # Remaining pipeline stages (the routing slip), comma separated; each stage pops itself.
 ROUTE = "Tb-Route"
 MODEL = "Tb-Model"
+# The model name the client asked for, once an alias of it was resolved (Tb-Model then names
+# the served model): set by the stage that resolved it, so no later stage resolves again.
+MODEL_ALIAS = "Tb-Model-Alias"
 KIND = "Tb-Kind"
 # The caller's reply inbox when the message itself is sent as a request (router -> worker).
 REPLY_TO = "Tb-Reply-To"

@@ -1,9 +1,9 @@
 """The keys admin API on the bridge (``/v1/admin/keys``), for holders of an admin key.
 
 GET    /v1/admin/keys            list (never the keys themselves)
-POST   /v1/admin/keys            create: {"name", "models", "rpm", "tpm", "max_concurrent",
-                                  "filter_policy", "expires_in", "admin"}; the key is in
-                                  the answer once
+POST   /v1/admin/keys            create: {"name", "models", "aliases", "rpm", "tpm",
+                                  "max_concurrent", "filter_policy", "expires_in", "admin"};
+                                  the key is in the answer once
 GET    /v1/admin/keys/{id}       show
 PATCH  /v1/admin/keys/{id}       update the same fields, or {"enabled": true}
 DELETE /v1/admin/keys/{id}       revoke
@@ -43,6 +43,9 @@ class KeyFields(BaseModel):
     name: str | None = Field(default=None, min_length=1, max_length=200)
     owner: str | None = None
     models: list[str] | None = None
+    aliases: dict[str, str] | None = Field(
+        default=None, description="The key's model aliases, name -> served model."
+    )
     rpm: int | None = Field(default=None, ge=1)
     tpm: int | None = Field(default=None, ge=1)
     max_concurrent: int | None = Field(default=None, ge=1)
@@ -115,8 +118,16 @@ def invalid(exc: ValidationError) -> E.InvalidRequest:
 class AdminAPI:
     """ASGI handler for ``/v1/admin/keys`` (the key store opens on first use)."""
 
-    def __init__(self, nc: NATS, max_body: int = 65536, store: KeyStore | None = None) -> None:
+    def __init__(
+        self,
+        nc: NATS,
+        max_body: int = 65536,
+        store: KeyStore | None = None,
+        check_aliases: Callable[[dict[str, str]], None] | None = None,
+    ) -> None:
         self.nc = nc
+        # Refuses a key's aliases that chain or hide a served model (400 naming the field).
+        self.check_aliases = check_aliases
         self.max_body = max_body
         self._store: KeyStore | None = store
         self._owns_store = store is None
@@ -143,9 +154,12 @@ class AdminAPI:
     async def _body(self, receive: Receive) -> KeyFields:
         data = await read_json(receive, self.max_body)
         try:
-            return KeyFields.model_validate(data)
+            fields = KeyFields.model_validate(data)
         except ValidationError as exc:
             raise invalid(exc) from None
+        if fields.aliases and self.check_aliases is not None:
+            self.check_aliases(fields.aliases)
+        return fields
 
     async def authorize(self, scope: Scope) -> KeyRecord:
         """The caller's key record, if it is an admin key; 401/403 otherwise."""

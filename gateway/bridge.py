@@ -33,6 +33,7 @@ from router.registry import Registry
 from router.routing import RoutingTable
 from router.service import HeartbeatTracker, watch_routing
 from services import tracing, usage
+from services.aliases import AliasTable, check_key_aliases, envelope_for, watch_aliases
 from services.caller import Caller, Stream
 from services.runtime import Service
 from telemetry import records
@@ -57,8 +58,10 @@ class BusSource:
         dispatcher: Dispatcher | None,
         stages: LocalStages | None = None,
         keys: KeyStore | None = None,
+        aliases: AliasTable | None = None,
     ) -> None:
         self.client = client
+        self.aliases = aliases or AliasTable()  # the global model aliases, for /v1/models
         self.keys = keys  # where the pipeline checks keys: who may list the models
         self.registry = registry
         self.admission = admission
@@ -81,7 +84,8 @@ class BusSource:
         if not isinstance(req, EmbeddingRequest):
             # Refused here, before any stage, when no replica's context could hold it.
             asked = req.max_completion_tokens or req.max_tokens
-            longest = self.registry.longest_context(req.model) if asked else 0
+            served = self.aliases.resolve(req.model)
+            longest = self.registry.longest_context(served) if asked else 0
             if asked and longest and asked >= longest:
                 raise E.ContextLengthExceeded.of(longest, asked)
         hdrs = {
@@ -100,13 +104,19 @@ class BusSource:
 
             async def sender(data: bytes, h: dict[str, str], reply: str) -> str | None:
                 try:
-                    if stages is not None and await stages.run(h, env):
-                        data = codec.encode(env)
+                    served = model
+                    if stages is not None:
+                        changed = await stages.run(h, env)
+                        served = h.get(H.MODEL) or model  # auth resolves an alias
+                        if served != model:  # the caller's envelope stays as sent
+                            data = envelope_for(data, env, served)
+                        elif changed:
+                            data = codec.encode(env)
                     meta["principal"] = h.get(H.PRINCIPAL)
                     if dispatcher is not None:
                         span = _route_span(h) if tracing.on() else None
                         with tracing.scope(span):
-                            return await dispatcher.dispatch(model, data, h, reply, env)
+                            return await dispatcher.dispatch(served, data, h, reply, env)
                 except E.TokenbusError:
                     if H.RATELIMIT in h:  # admitted, then refused before any engine ran it
                         await usage.report(nc, h, request_id)
@@ -130,11 +140,24 @@ class BusSource:
         return self.registry.models()
 
     def models_for(self, api_key: str | None) -> list[str]:
+        return list(self.listing(api_key))
+
+    def listing(self, api_key: str | None) -> dict[str, str | None]:
+        """What ``GET /v1/models`` lists for ``api_key``: each model served now, None, and
+        each alias of one, the model it names (the key's own aliases over the global ones);
+        only what the key may use."""
         models = self.registry.models()
-        if self.keys is None:
-            return models
-        rec = self.keys.lookup(api_key)  # 401 without a valid key, as on every endpoint
-        return [m for m in models if not rec.models or m in rec.models]
+        own: dict[str, str] = {}
+        allowed: list[str] = []
+        if self.keys is not None:
+            rec = self.keys.lookup(api_key)  # 401 without a valid key, as on every endpoint
+            own, allowed = rec.aliases, rec.models
+        out: dict[str, str | None] = dict.fromkeys(models)
+        served = set(models)
+        for name, target in {**self.aliases.all(), **own}.items():
+            if target in served and name not in served:
+                out[name] = target
+        return {m: t for m, t in out.items() if not allowed or m in allowed or (t and t in allowed)}
 
     def context_length(self, model: str) -> int:
         return self.registry.context_length(model)
@@ -195,11 +218,12 @@ class Bridge(Service):
         self._tracker = HeartbeatTracker(self.registry, self.log)
         await self._tracker.start(self.nc)
         admission = Admission(self.settings)
+        self.aliases = await watch_aliases(self.nc, self.settings.router.aliases, self.log)
         before = stages_before_route(list(self.settings.ingress.pipeline))
         self.stages: LocalStages | None = None
         if before and cfg.fuse_stages and LocalStages.can_run(before):
             self.stages = await LocalStages(before, self.log).open(
-                self.nc, self.settings, owner=f"bridge-{self.id}"
+                self.nc, self.settings, owner=f"bridge-{self.id}", aliases=self.aliases
             )
         dispatcher = None
         self.routing: RoutingTable | None = None
@@ -207,19 +231,32 @@ class Bridge(Service):
         # stages before routing in-process too, so no request reaches a worker unadmitted.
         if cfg.fuse_router and (not before or self.stages is not None):
             self.routing = await watch_routing(self.nc, self.settings.router, self.log)
-            dispatcher = Dispatcher(self.nc, self.registry, self.settings.router, self.routing)
+            dispatcher = Dispatcher(
+                self.nc, self.registry, self.settings.router, self.routing, self.aliases
+            )
         keys = await self._keys()
         api = OpenAIApp(
-            BusSource(self.client, self.registry, admission, dispatcher, self.stages, keys),
+            BusSource(
+                self.client, self.registry, admission, dispatcher, self.stages, keys, self.aliases
+            ),
             max_body_bytes=cfg.max_body_bytes,
             request_timeout_s=cfg.request_timeout_s,
             on_request=self._observe,
             body_timeout_s=cfg.body_timeout_s,
         )
         api.add_route("GET", "/metrics", self.metrics)
-        self.admin = AdminAPI(self.nc, store=self.stages.keys if self.stages else None)
+        self.admin = AdminAPI(
+            self.nc,
+            store=self.stages.keys if self.stages else None,
+            check_aliases=lambda own: check_key_aliases(
+                own, self.aliases.all(), self.registry.models()
+            ),
+        )
         api.add_prefix(ADMIN_PREFIX, self.admin)
-        api.add_prefix(ROUTING_PREFIX, RoutingAdmin(self.nc, self.settings.router, self.admin))
+        api.add_prefix(
+            ROUTING_PREFIX,
+            RoutingAdmin(self.nc, self.settings.router, self.admin, self.registry, self.aliases),
+        )
         # The Responses API, over the same source; its stored responses in JetStream KV.
         store = await open_store(self.nc, self.settings.responses)
         ResponsesAPI(api, store, key_owner(keys)).mount()
@@ -326,4 +363,5 @@ class Bridge(Service):
             await self.stages.close()
         if self.routing is not None:
             await self.routing.close()
+        await self.aliases.close()
         await self.client.close()

@@ -152,19 +152,24 @@ class OpenAIApp(RouteTable):
 
     # -- plain endpoints --------------------------------------------------------------------
     async def list_models(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """``GET /v1/models``: the models the source serves now."""
+        """``GET /v1/models``: the models the source serves now, and the aliases of them
+        (``alias_of`` naming the served model) where the source has some."""
         now = int(time.time())
+        key = api_key(scope).get(H.API_KEY)
+        listing = getattr(self.source, "listing", None)
         try:
-            models = self.source.models_for(api_key(scope).get(H.API_KEY))
+            models = listing(key) if listing else dict.fromkeys(self.source.models_for(key))
         except E.TokenbusError as exc:
             await send_error(send, exc)
             return
         data: list[dict[str, Any]] = []
-        for m in models:
+        for m, target in models.items():
             entry: dict[str, Any] = {"id": m, "object": "model", "created": now}
             entry["owned_by"] = "tokenbus"
+            if target:
+                entry["alias_of"] = target
             # As vLLM reports it: clients size prompts and max_tokens from it.
-            if n := self.source.context_length(m):
+            if n := self.source.context_length(target or m):
                 entry["max_model_len"] = n
             data.append(entry)
         await send_json(send, 200, {"object": "list", "data": data})

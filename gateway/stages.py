@@ -23,6 +23,7 @@ from bus_schemas import headers as H
 from bus_schemas import marks, subjects
 from filter.service import Policies, filter_request
 from services import tracing
+from services.aliases import AliasTable
 
 FUSABLE = (subjects.STAGE_AUTH, subjects.STAGE_RATELIMIT, subjects.STAGE_FILTER)
 
@@ -43,14 +44,21 @@ class LocalStages:
         self.keys: KeyStore | None = None
         self.ratelimit: RateLimitCheck | None = None
         self.policies: Policies | None = None
+        self.aliases: AliasTable | None = None
 
     @classmethod
     def can_run(cls, names: list[str]) -> bool:
         return all(n in FUSABLE for n in names)
 
-    async def open(self, nc: NATS, settings: Any, owner: str) -> LocalStages:
+    async def open(
+        self, nc: NATS, settings: Any, owner: str, aliases: AliasTable | None = None
+    ) -> LocalStages:
+        """Open what the stages need; ``aliases``: the global model aliases auth resolves
+        (the request's model changes in its headers only: the caller re-encodes the
+        envelope, see :func:`services.aliases.envelope_for`)."""
         if subjects.STAGE_AUTH in self.names:
             self.keys = await KeyStore(nc).open()
+            self.aliases = aliases
         if subjects.STAGE_RATELIMIT in self.names:
             limiter = await Limiter(nc, owner=owner).open()
             self.ratelimit = RateLimitCheck(
@@ -70,7 +78,7 @@ class LocalStages:
             # traceparent ``hdrs`` carry): current while it runs, failed with its refusal.
             with tracing.scope(self._span(name, hdrs)):
                 if name == subjects.STAGE_AUTH and self.keys is not None:
-                    authenticate(self.keys, hdrs)
+                    authenticate(self.keys, hdrs, self.aliases)
                 elif name == subjects.STAGE_RATELIMIT and self.ratelimit is not None:
                     changed = await self.ratelimit.apply(hdrs, env) or changed
                 elif name == subjects.STAGE_FILTER and self.policies is not None:

@@ -25,6 +25,7 @@ from router.policies import RouteRequest, prompt_text
 from router.registry import Registry, Replica
 from router.routing import ModelRoute, RoutingTable
 from services import natsclient, tracing
+from services.aliases import AliasTable, envelope_for, retarget
 from services.config import RouterSettings
 
 _QUEUE_POLL_S = 0.02  # how often a queued request looks for a replica with room
@@ -77,11 +78,14 @@ class Dispatcher:
         registry: Registry,
         cfg: RouterSettings,
         routing: RoutingTable | None = None,
+        aliases: AliasTable | None = None,
     ) -> None:
         self.nc = nc
         self.registry = registry
         self.cfg = cfg
         self.routing = routing if routing is not None else RoutingTable(cfg)
+        # Global model aliases, resolved here when no auth stage did (services.aliases).
+        self.aliases = aliases
         self.started = time.monotonic()
         self.queued: dict[str, int] = {}  # model -> requests waiting for capacity
 
@@ -116,6 +120,12 @@ class Dispatcher:
         marks.append(hdrs, "route")
         hdrs[H.REPLY_TO] = reply
         hdrs.pop(H.ROUTE, None)
+        if self.aliases is not None and H.MODEL_ALIAS not in hdrs:
+            served = self.aliases.resolve(model)
+            if retarget(hdrs, model, served):
+                data = envelope_for(data, env, served)
+                env = None if env is None else {**env, "model": served}
+                model = served
         route = self.routing.route(model)
         req = self._route_request(route, model, data, hdrs, env)
         target, pool = route.target(req)

@@ -16,11 +16,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from nats.aio.client import Client as NATS
-from nats.js.errors import BucketNotFoundError, KeyNotFoundError
+from nats.js.errors import KeyNotFoundError
 from nats.js.kv import KeyValue
 from pydantic import ValidationError
 
-from bus_schemas import subjects
 from router.policies import (
     ConcurrencyTiered,
     LoadPolicy,
@@ -28,19 +27,14 @@ from router.policies import (
     make_load_policy,
 )
 from router.registry import Replica
-from services import audit
-from services.config import ModelRouting, RouterSettings, kv_replicas
+from services import audit, kvmap
+from services.config import ModelRouting, RouterSettings
 
 BUCKET = "tokenbus_routing"
 
 
-def kv_key(model: str) -> str:
-    """A model name as a KV key (KV keys allow ``=`` but not the ``~`` of subject tokens)."""
-    return subjects.token(model).replace("~", "=")
-
-
-def model_of(key: str) -> str:
-    return subjects.untoken(key.replace("=", "~"))
+kv_key = kvmap.kv_key
+model_of = kvmap.name_of
 
 
 class ExpertSelector:
@@ -178,11 +172,7 @@ class RoutingTable:
 
 
 async def open_bucket(nc: NATS) -> KeyValue:
-    js = nc.jetstream()
-    try:
-        return await js.key_value(BUCKET)
-    except BucketNotFoundError:
-        return await js.create_key_value(bucket=BUCKET, history=1, replicas=kv_replicas())
+    return await kvmap.open_bucket(nc, BUCKET)
 
 
 def validate_override(cfg: RouterSettings, model: str, override: dict[str, Any]) -> ModelRouting:
@@ -211,7 +201,7 @@ async def set_override(
         nc, audit.ROUTING_CHANGED, model, actor, request_id=request_id
     ) as change:
         kv = await open_bucket(nc)
-        previous = await _current(kv, model)
+        previous = await kvmap.current(kv, model, _override)
         await kv.put(kv_key(model), json.dumps(override).encode())
         change.details = {"override": override, "previous": previous}
 
@@ -224,41 +214,17 @@ async def clear_override(
         nc, audit.ROUTING_CHANGED, model, actor, request_id=request_id
     ) as change:
         kv = await open_bucket(nc)
-        previous = await _current(kv, model)
+        previous = await kvmap.current(kv, model, _override)
         with contextlib.suppress(KeyNotFoundError):
             await kv.delete(kv_key(model))
         change.details = {"override": None, "reset": True, "previous": previous}
 
 
-async def _current(kv: KeyValue, model: str) -> dict[str, Any] | None:
-    """``model``'s run-time change now, None when it has none."""
-    try:
-        entry = await kv.get(kv_key(model))
-    except KeyNotFoundError:
-        return None
-    return _override(entry.value) if entry.value else None
-
-
 async def list_overrides(nc: NATS) -> dict[str, dict[str, Any]]:
-    kv = await open_bucket(nc)
-    out: dict[str, dict[str, Any]] = {}
-    try:
-        keys = await kv.keys()
-    except Exception:  # nats-py raises NoKeysError on an empty bucket
-        return out
-    for k in keys:
-        with contextlib.suppress(KeyNotFoundError, ValueError):
-            entry = await kv.get(k)
-            override = _override(entry.value) if entry.value else None
-            if override is not None:
-                out[model_of(k)] = override
-    return out
+    return await kvmap.entries(await open_bucket(nc), _override)
 
 
 def _override(value: bytes) -> dict[str, Any] | None:
     """A routing change as stored (a JSON object); None when ``value`` is not one."""
-    try:
-        obj = json.loads(value)
-    except (ValueError, RecursionError):
-        return None
+    obj = kvmap.json_value(value)
     return obj if isinstance(obj, dict) else None

@@ -16,6 +16,7 @@ from bus_schemas.messages import check_envelope
 from router.dispatch import Dispatcher
 from router.registry import Registry
 from router.routing import RoutingTable
+from services.aliases import watch_aliases
 from services.config import RouterSettings
 from services.runtime import Service, reply_subject
 
@@ -28,7 +29,10 @@ class Router(Service):
     async def setup(self) -> None:
         self.registry = Registry(self.settings.router.missed_heartbeats)
         self.routing = await watch_routing(self.nc, self.settings.router, self.log)
-        self.dispatcher = Dispatcher(self.nc, self.registry, self.settings.router, self.routing)
+        self.aliases = await watch_aliases(self.nc, self.settings.router.aliases, self.log)
+        self.dispatcher = Dispatcher(
+            self.nc, self.registry, self.settings.router, self.routing, self.aliases
+        )
         self._tracker = HeartbeatTracker(self.registry, self.log)
         await self._tracker.start(self.nc)
         await self.add_endpoint(
@@ -38,6 +42,7 @@ class Router(Service):
     async def on_stop(self) -> None:
         await self._tracker.stop()
         await self.routing.close()
+        await self.aliases.close()
 
     async def handle(self, msg: Msg) -> None:
         reply = reply_subject(msg)

@@ -1,6 +1,6 @@
 """The audit trail: who changed API keys and routing, and when, kept in a JetStream stream.
 
-Every key created, updated or revoked and every routing change made through the bridge's
+Every key created, updated or revoked and every routing or alias change made through the bridge's
 admin API or the ``tokenbus`` CLI is one event (JSON, like the values of the KV buckets)
 published with the JetStream acknowledgement to ``tb.v1.audit.<action>`` and kept in the
 stream ``TOKENBUS_AUDIT``: ``ts`` (ISO 8601, UTC) and ``ts_unix``, ``action``
@@ -65,6 +65,7 @@ KEY_CREATED = "key.created"
 KEY_UPDATED = "key.updated"
 KEY_REVOKED = "key.revoked"
 ROUTING_CHANGED = "routing.changed"
+ALIAS_CHANGED = "alias.changed"
 
 # A tokenbus API key (auth.keys' shape; the kit cannot import the auth actor).
 _SECRET = re.compile(r"tb-([0-9a-f]{12})_[A-Za-z0-9_\-]{43}")
@@ -88,8 +89,10 @@ class AuditEvent(BaseModel):
     id: str = Field(description="Unique event id (also the stream's de-duplication id).")
     ts: str = Field(description="When, ISO 8601 in UTC.")
     ts_unix: float = Field(description="When, Unix time.")
-    action: str = Field(description="key.created, key.updated, key.revoked, routing.changed.")
-    target: str = Field(description="What changed: a key id, a model.")
+    action: str = Field(
+        description="key.created, key.updated, key.revoked, routing.changed, alias.changed."
+    )
+    target: str = Field(description="What changed: a key id, a model, an alias.")
     actor: str = Field(description="Who: key:<admin key id> (HTTP) or cli:<user>@<host>.")
     details: dict[str, Any] = Field(default_factory=dict, description="What changed, how.")
     request_id: str | None = Field(default=None, description="The HTTP request's id.")

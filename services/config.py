@@ -179,6 +179,12 @@ class RouterSettings(ModelRouting):
     models: dict[str, ModelRouting] = Field(
         default_factory=dict, description="Per-model routing, e.g. [router.models.big]."
     )
+    aliases: dict[str, str] = Field(
+        default_factory=dict,
+        description="Model aliases from the configuration, name -> served model, e.g. "
+        '[router.aliases] "claude-sonnet-4-5" = "qwen3-32b" (env TOKENBUS_ROUTER__ALIASES as '
+        "JSON); run-time ones (`tokenbus router alias`) win over these (docs/routing.md).",
+    )
     missed_heartbeats: int = Field(default=3, ge=1, description="Beats missed before expiry.")
     queue_timeout_s: float = Field(
         default=5.0,

@@ -493,7 +493,7 @@ def main(argv: list[str] | None = None) -> None:
         elif a.cmd == "keys":
             from tokenbus.cli import keys as keys_cli
 
-            rc = await keys_cli.main(a, s.url(), s.nats_auth())
+            rc = await keys_cli.main(a, s.url(), s.nats_auth(), s.router.aliases)
         elif a.cmd == "deploy":
             from tokenbus.cli import deploy as deploy_cli
 

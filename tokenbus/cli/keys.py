@@ -17,6 +17,7 @@ from auth.keys import KeyRecord, parse_duration
 from auth.store import KeyStore
 from bus_schemas import errors as E
 from services import audit
+from services.aliases import check_key_aliases, list_aliases, served_models
 from tokenbus.cli import bus
 
 
@@ -31,6 +32,13 @@ def add_parser(sub: Any) -> None:
     def fields(p: argparse.ArgumentParser) -> None:
         p.add_argument("--owner")
         p.add_argument("--models", help="comma separated allowed models (default: all)")
+        p.add_argument(
+            "--alias",
+            action="append",
+            default=[],
+            metavar="NAME=MODEL",
+            help="the key's own model alias, over a global one (repeatable; update: NAME= drops)",
+        )
         p.add_argument("--rpm", type=int, help="requests per minute")
         p.add_argument("--tpm", type=int, help="tokens per minute")
         p.add_argument("--max-concurrent", type=int, help="requests at once")
@@ -59,6 +67,7 @@ def _fields(a: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {
         "owner": a.owner,
         "models": _csv(a.models),
+        "aliases": getattr(a, "aliases", None),
         "rpm": a.rpm,
         "tpm": a.tpm,
         "max_concurrent": a.max_concurrent,
@@ -80,13 +89,48 @@ def _show(rec: KeyRecord, as_json: bool) -> None:
         print(f"{k:>15}: {v}")
 
 
-async def main(a: argparse.Namespace, url: str, auth: dict[str, str] | None = None) -> int:
+def _alias_pairs(pairs: list[str]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for pair in pairs:
+        name, sep, model = pair.partition("=")
+        if not sep or not name:
+            raise SystemExit(f"--alias wants NAME=MODEL, got {pair!r}")
+        out[name] = model
+    return out
+
+
+async def _aliases(
+    nc: Any, a: argparse.Namespace, store: KeyStore, static: dict[str, str]
+) -> dict[str, str] | None:
+    """The key's aliases after ``--alias`` (None: not changed), checked as the admin API
+    checks them (no chain, no served model hidden)."""
+    given = _alias_pairs(getattr(a, "alias", None) or [])
+    if not given:
+        return None
+    own = dict((await store.get(a.key_id)).aliases) if a.keys_cmd == "update" else {}
+    own.update(given)
+    own = {n: m for n, m in own.items() if m}
+    global_aliases = {**static, **await list_aliases(nc)}
+    check_key_aliases(own, global_aliases, await served_models(nc))
+    return own
+
+
+async def main(
+    a: argparse.Namespace,
+    url: str,
+    auth: dict[str, str] | None = None,
+    static_aliases: dict[str, str] | None = None,
+) -> int:
     nc = await bus.connect(url, auth)
     if nc is None:
         return 1
     store = await KeyStore(nc).open(watch=False)
     actor = audit.cli_actor()
     try:
+        if a.keys_cmd in ("create", "update"):
+            own = await _aliases(nc, a, store, static_aliases or {})
+            if own is not None:
+                a.aliases = own
         if a.keys_cmd == "create":
             key, rec = await store.create(a.name, actor=actor, admin=a.admin, **_fields(a))
             if a.json:

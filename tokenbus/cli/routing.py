@@ -1,6 +1,7 @@
-"""``tokenbus router train|set|show|reset``: the expert classifier and run-time routing.
+"""``tokenbus router train|set|show|reset|alias|aliases``: the expert classifier, run-time
+routing and model aliases.
 
-``set`` and ``reset`` are recorded in the audit trail as ``cli:<os user>@<host>``
+``set``, ``reset`` and ``alias`` are recorded in the audit trail as ``cli:<os user>@<host>``
 (``tokenbus audit``); when the trail cannot be written the change is refused.
 """
 
@@ -66,6 +67,16 @@ def add_parser(sub: Any) -> None:
     rr = rs.add_parser("reset", help="drop a model's run-time change (back to the config)")
     rr.add_argument("model")
 
+    al = rs.add_parser("alias", help="serve MODEL to clients that ask for NAME (every router)")
+    al.add_argument("name", help="the model name clients ask for, e.g. claude-sonnet-4-5")
+    al.add_argument("model", nargs="?", help="the served model it names")
+    al.add_argument("--remove", action="store_true", help="drop the run-time alias NAME")
+    al.add_argument(
+        "--wait", type=float, default=1.5, help="seconds of heartbeats to learn the served models"
+    )
+    als = rs.add_parser("aliases", help="the global model aliases (run-time and configured)")
+    als.add_argument("--json", action="store_true")
+
 
 def override_from_args(a: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {}
@@ -122,6 +133,8 @@ async def main(a: argparse.Namespace, s: Settings) -> int:
     if nc is None:
         return 1
     try:
+        if a.router_cmd in ("alias", "aliases"):
+            return await _aliases(nc, a, s)
         if a.router_cmd == "set":
             override = override_from_args(a)
             if not override:
@@ -156,4 +169,34 @@ async def main(a: argparse.Namespace, s: Settings) -> int:
         return 1
     finally:
         await nc.drain()
+    return 0
+
+
+async def _aliases(nc: Any, a: argparse.Namespace, s: Settings) -> int:
+    """``router alias NAME MODEL``, ``router alias NAME --remove``, ``router aliases``."""
+    from services import aliases as A
+
+    if a.router_cmd == "aliases":
+        rows = A.rows(s.router.aliases, await A.list_aliases(nc))
+        if a.json:
+            print(json.dumps({"aliases": rows}))
+        for r in [] if a.json else rows:
+            print(f"{r['name']} -> {r['model']}  ({r['source']})")
+        return 0
+    if a.remove:
+        previous = await A.remove_alias(nc, a.name, actor=audit.cli_actor())
+        print(f"{a.name}: removed" if previous else f"{a.name}: no run-time alias to remove")
+        return 0
+    if not a.model:
+        print("error: name the served model (tokenbus router alias NAME MODEL), or --remove")
+        return 2
+    runtime = await A.list_aliases(nc)
+    try:
+        served = await A.served_models(nc, a.wait)
+        A.check_alias(a.name, a.model, {**s.router.aliases, **runtime}, served)
+    except E.InvalidRequest as exc:
+        print(f"error: {exc.message}")
+        return 2
+    await A.set_alias(nc, a.name, a.model, actor=audit.cli_actor())
+    print(json.dumps({"name": a.name, "model": a.model}))
     return 0
