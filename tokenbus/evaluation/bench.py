@@ -60,10 +60,11 @@ def add_parser(sub: Any) -> None:
     b.add_argument("--mode", choices=["http", "nats"], default="http")
     b.add_argument(
         "--api",
-        choices=["chat", "responses"],
+        choices=["chat", "responses", "messages"],
         default="chat",
-        help="drive /v1/chat/completions or /v1/responses (the Responses API: streamed "
-        "events; add --extra-body '{\"store\": false}' to leave its responses unstored)",
+        help="drive /v1/chat/completions, /v1/responses (the Responses API: streamed "
+        "events; add --extra-body '{\"store\": false}' to leave its responses unstored) or "
+        "/v1/messages (Anthropic's Messages API; over NATS, Client.messages)",
     )
     b.add_argument("--baseline-url", help="a second base URL measured level by level beside it")
     b.add_argument(
@@ -183,21 +184,105 @@ def add_parser(sub: Any) -> None:
 
 
 # -- one request ------------------------------------------------------------------------------
+# Marks a body of the Messages API (RequestMaker), taken off before it is sent.
+MESSAGES_API = "__messages_api"
+
+# What one SSE event's data says: (text of a token or None, the answer's output tokens or
+# None, an error code or None, whether the answer is over).
+Event = tuple[str | None, int | None, str | None, bool]
+
+
+def _chat_event(obj: dict[str, Any]) -> Event:
+    if "error" in obj:
+        return None, None, str(obj["error"].get("code")), True
+    usage = obj.get("usage")
+    tokens = int(usage.get("completion_tokens", 0)) if usage else None
+    text = "".join((ch.get("delta") or {}).get("content") or "" for ch in obj.get("choices") or ())
+    return text or None, tokens, None, False
+
+
+def _responses_event(obj: dict[str, Any]) -> Event:
+    kind = obj.get("type")
+    if kind == "response.output_text.delta":
+        return obj.get("delta") or "", None, None, False
+    if kind in ("response.completed", "response.incomplete", "response.failed"):
+        resp = obj["response"]
+        if kind == "response.failed":
+            return None, None, str((resp.get("error") or {}).get("code")), True
+        return None, int((resp.get("usage") or {}).get("output_tokens", 0)), None, True
+    return None, None, None, False
+
+
+def _messages_event(obj: dict[str, Any]) -> Event:
+    kind = obj.get("type")
+    delta = obj.get("delta") or {}
+    if kind == "content_block_delta" and delta.get("type") == "text_delta":
+        return delta.get("text") or "", None, None, False
+    if kind == "message_delta":
+        return None, int((obj.get("usage") or {}).get("output_tokens", 0)), None, False
+    if kind == "error":
+        return None, None, str((obj.get("error") or {}).get("type")), True
+    return None, None, None, kind == "message_stop"
+
+
+class _Timing:
+    """A streamed answer's tokens as they come: the first's and last's times, the text."""
+
+    def __init__(self, keep_text: bool) -> None:
+        self.t0 = time.perf_counter()
+        self.first = self.last = 0.0
+        self.tokens = self.chunks = 0
+        self.keep_text = keep_text
+        self.parts: list[str] = []
+
+    def event(self, ev: Event) -> str | None:
+        """Take one event; its error, if any."""
+        piece, n, error, _ = ev
+        if n is not None:
+            self.tokens = n
+        if piece:
+            if self.keep_text:
+                self.parts.append(piece)
+            now = time.perf_counter()
+            self.first = self.first or now
+            self.last = now
+            self.chunks += 1
+        return error
+
+    def result(self) -> Result:
+        end = time.perf_counter()
+        if not self.first:
+            return Result(False, error="no_tokens")
+        tokens = self.tokens or self.chunks
+        tbt = (self.last - self.first) / (tokens - 1) if tokens > 1 else None
+        return Result(
+            True,
+            self.first - self.t0,
+            end - self.t0,
+            tbt,
+            tokens,
+            text="".join(self.parts),
+            t_end=time.time(),
+        )
+
+
 async def http_request(
     session: Any, url: str, body: dict[str, Any], timeout: float, keep_text: bool = False
 ) -> Result:
-    """One streamed request: a chat completion, or a Responses request (a body with
-    ``input``: see :func:`responses_request`)."""
+    """One streamed request: a chat completion, a Responses request (a body with
+    ``input``: a token is an ``output_text.delta`` event) or a Messages API one (marked
+    :data:`MESSAGES_API`: a token is a ``text_delta``)."""
     if "input" in body:
-        return await responses_request(session, url, body, timeout, keep_text)
-    t0 = time.perf_counter()
-    first = last = 0.0
-    tokens = 0
-    chunks = 0
-    parts: list[str] = []
+        path, read = "/responses", _responses_event
+    elif body.get(MESSAGES_API):
+        path, read = "/messages", _messages_event
+        body = {k: v for k, v in body.items() if k != MESSAGES_API}
+    else:
+        path, read = "/chat/completions", _chat_event
+    timing = _Timing(keep_text)
     try:
         async with asyncio.timeout(timeout):
-            async with session.post(f"{url}/chat/completions", json=body) as resp:
+            async with session.post(url + path, json=body) as resp:
                 if resp.status != 200:
                     text = await resp.text()
                     return Result(False, error=f"http_{resp.status}:{text[:120]}")
@@ -207,77 +292,16 @@ async def http_request(
                     payload = raw[6:].strip()
                     if payload == b"[DONE]":
                         break
-                    obj = json.loads(payload)
-                    if "error" in obj:
-                        return Result(False, error=str(obj["error"].get("code")))
-                    usage = obj.get("usage")
-                    if usage:
-                        tokens = int(usage.get("completion_tokens", 0))
-                    for ch in obj.get("choices") or ():
-                        if content := (ch.get("delta") or {}).get("content"):
-                            if keep_text:
-                                parts.append(content)
-                            now = time.perf_counter()
-                            if not first:
-                                first = now
-                            last = now
-                            chunks += 1
-    except TimeoutError:
-        return Result(False, error="timeout")
-    except Exception as exc:
-        return Result(False, error=type(exc).__name__)
-    end = time.perf_counter()
-    if not first:
-        return Result(False, error="no_tokens")
-    tokens = tokens or chunks
-    tbt = (last - first) / (tokens - 1) if tokens > 1 else None
-    return Result(True, first - t0, end - t0, tbt, tokens, text="".join(parts), t_end=time.time())
-
-
-async def responses_request(
-    session: Any, url: str, body: dict[str, Any], timeout: float, keep_text: bool = False
-) -> Result:
-    """One streamed ``POST /v1/responses``: a token is an ``output_text.delta`` event."""
-    t0 = time.perf_counter()
-    first = last = 0.0
-    tokens = chunks = 0
-    parts: list[str] = []
-    try:
-        async with asyncio.timeout(timeout):
-            async with session.post(f"{url}/responses", json=body) as resp:
-                if resp.status != 200:
-                    text = await resp.text()
-                    return Result(False, error=f"http_{resp.status}:{text[:120]}")
-                async for raw in resp.content:
-                    if not raw.startswith(b"data: "):
-                        continue
-                    obj = json.loads(raw[6:])
-                    kind = obj.get("type")
-                    if kind == "response.output_text.delta":
-                        if keep_text:
-                            parts.append(obj.get("delta") or "")
-                        now = time.perf_counter()
-                        if not first:
-                            first = now
-                        last = now
-                        chunks += 1
-                    elif kind in ("response.completed", "response.incomplete"):
-                        usage = obj["response"].get("usage") or {}
-                        tokens = int(usage.get("output_tokens", 0))
+                    ev = read(json.loads(payload))
+                    if (error := timing.event(ev)) is not None:
+                        return Result(False, error=error)
+                    if ev[3]:
                         break
-                    elif kind == "response.failed":
-                        error = obj["response"].get("error") or {}
-                        return Result(False, error=str(error.get("code")))
     except TimeoutError:
         return Result(False, error="timeout")
     except Exception as exc:
         return Result(False, error=type(exc).__name__)
-    end = time.perf_counter()
-    if not first:
-        return Result(False, error="no_tokens")
-    tokens = tokens or chunks
-    tbt = (last - first) / (tokens - 1) if tokens > 1 else None
-    return Result(True, first - t0, end - t0, tbt, tokens, text="".join(parts), t_end=time.time())
+    return timing.result()
 
 
 async def nats_request(
@@ -289,8 +313,8 @@ async def nats_request(
 ) -> Result:
     from bus_schemas.errors import TokenbusError
 
-    if "input" in body:
-        return await nats_responses_request(client, body, timeout, api_key, keep_text)
+    if "input" in body or body.get(MESSAGES_API):
+        return await nats_events_request(client, body, timeout, api_key, keep_text)
     t0 = time.perf_counter()
     first = last = 0.0
     parts: list[str] = []
@@ -315,43 +339,33 @@ async def nats_request(
     return Result(True, first - t0, end - t0, tbt, tokens, text="".join(parts), t_end=time.time())
 
 
-async def nats_responses_request(
+async def nats_events_request(
     client: Any,
     body: dict[str, Any],
     timeout: float,
     api_key: str | None = None,
     keep_text: bool = False,
 ) -> Result:
-    """One Responses request over NATS (``Client.responses``)."""
+    """One Responses (``Client.responses``) or Messages API (``Client.messages``) request
+    over NATS: the same events as over HTTP."""
     from bus_schemas.errors import TokenbusError
 
-    t0 = time.perf_counter()
-    first = last = 0.0
-    parts: list[str] = []
-    params = {k: v for k, v in body.items() if k not in ("model", "input", "stream")}
+    timing = _Timing(keep_text)
+    given = "input" if "input" in body else "messages"
+    params = {k: v for k, v in body.items() if k not in ("model", given, "stream", MESSAGES_API)}
+    call, read = (
+        (client.responses, _responses_event)
+        if given == "input"
+        else (client.messages, _messages_event)
+    )
     try:
-        events = client.responses(
-            body["model"], body["input"], timeout=timeout, api_key=api_key, **params
-        )
+        events = call(body["model"], body[given], timeout=timeout, api_key=api_key, **params)
         async for ev in events:
-            if ev["type"] == "response.output_text.delta":
-                if keep_text:
-                    parts.append(ev["delta"])
-                now = time.perf_counter()
-                if not first:
-                    first = now
-                last = now
+            if (error := timing.event(read(ev))) is not None:
+                return Result(False, error=error)
     except TokenbusError as exc:
         return Result(False, error=exc.code)
-    resp = events.response or {}
-    if resp.get("status") == "failed":
-        return Result(False, error=str((resp.get("error") or {}).get("code")))
-    end = time.perf_counter()
-    if not first:
-        return Result(False, error="no_tokens")
-    tokens = int((resp.get("usage") or {}).get("output_tokens", 0))
-    tbt = (last - first) / (tokens - 1) if tokens > 1 else None
-    return Result(True, first - t0, end - t0, tbt, tokens, text="".join(parts), t_end=time.time())
+    return timing.result()
 
 
 # -- a level ----------------------------------------------------------------------------------
@@ -441,6 +455,16 @@ class RequestMaker:
         # a level's tokens are what it asked for; --extra-body '{"ignore_eos": false}' lets
         # answers end on their own.
         fixed = {"ignore_eos": True}
+        if getattr(a, "api", "chat") == "messages":
+            return {
+                **fixed,
+                **self.extra,
+                MESSAGES_API: True,
+                "model": a.model,
+                "messages": self._messages(),
+                "max_tokens": max_tokens,
+                "stream": True,
+            }
         if getattr(a, "api", "chat") == "responses":
             return {
                 **fixed,
