@@ -311,9 +311,15 @@ def to_messages(messages: list[Any]) -> list[dict[str, Any]]:
         if not isinstance(m, dict):
             raise _bad(p, "a message must be an object")
         role, content = m.get("role"), m.get("content")
-        if role not in ("user", "assistant"):
-            raise _bad(f"{p}.role", "the role must be 'user' or 'assistant'")
-        if isinstance(content, str):
+        if role not in ("user", "assistant", "system"):
+            raise _bad(f"{p}.role", "the role must be 'user', 'assistant' or 'system'")
+        if role == "system":
+            # Claude Code (2.1.x) sends system messages between the turns (its agent list, say):
+            # a chat system message where it stands.
+            if not isinstance(content, str | list):
+                raise _bad(f"{p}.content", "content must be a string or a list of text blocks")
+            out.append({"role": "system", "content": _system(content, f"{p}.content") or ""})
+        elif isinstance(content, str):
             out.append({"role": role, "content": content})
         elif not isinstance(content, list):
             raise _bad(f"{p}.content", "content must be a string or a list of content blocks")
@@ -324,14 +330,14 @@ def to_messages(messages: list[Any]) -> list[dict[str, Any]]:
     return out
 
 
-def _system(system: str | list[Any] | None) -> str | None:
+def _system(system: str | list[Any] | None, path: str = "system") -> str | None:
     if system is None or isinstance(system, str):
         return system or None
     texts = []
     for i, block in enumerate(system):
         if not isinstance(block, dict) or block.get("type") != "text":
-            raise _bad(f"system.{i}", "system blocks are text blocks")
-        texts.append(_text(block, f"system.{i}"))
+            raise _bad(f"{path}.{i}", "system blocks are text blocks")
+        texts.append(_text(block, f"{path}.{i}"))
     return "\n".join(texts) or None
 
 
