@@ -1,7 +1,8 @@
 """Coding agents against a `tokenbus up` stack, configured as docs/clients/*.md tell a user
-and run as those pages print it: Codex CLI (`codex exec`, the Responses API) and Claude Code
-(`claude -p`, the Messages API), installed from npm into a cache folder (skipped, with the
-reason, where node, npm or the registry is missing).
+and run as those pages print it: Codex CLI (`codex exec`, the Responses API), Claude Code
+(`claude -p`, the Messages API) and opencode (`opencode run`, chat completions), installed
+from npm into a cache folder (skipped, with the reason, where node, npm or the registry is
+missing).
 
 The stack's one worker is the ``openai`` backend in front of a scripted chat upstream
 (tests/fakes/scripted_upstream.py): the model asks for one shell command, then answers
@@ -31,7 +32,11 @@ from tests.conftest import ROOT, free_port, stop_process, wait_port
 from tests.test_readme import Up
 
 # Versions tried; Claude Code 2.1.197 is the last release that runs on Node 18/20.
-PACKAGES = {"@openai/codex": "0.169.0", "@anthropic-ai/claude-code": "2.1.197"}
+PACKAGES = {
+    "@openai/codex": "0.169.0",
+    "@anthropic-ai/claude-code": "2.1.197",
+    "opencode-ai": "1.18.33",
+}
 NPM_CACHE = Path.home() / ".cache" / "tokenbus-test-npm"
 OUTPUT = "tokenbus-42"  # what `echo tokenbus-$((6*7))` prints: only running it makes it
 # The user's own settings for these clients stay out of the run.
@@ -49,7 +54,8 @@ def page_block(page: str, lang: str, needle: str = "") -> str:
 
 @pytest.fixture(scope="module")
 def npm_bin() -> Path:
-    """The folder with ``codex`` and ``claude``, installed from npm once into a cache."""
+    """The folder with ``codex``, ``claude`` and ``opencode``, installed from npm once into
+    a cache."""
     node, npm = shutil.which("node"), shutil.which("npm")
     if not node or not npm:
         pytest.skip("node or npm is not installed")
@@ -215,6 +221,17 @@ def test_claude_code_print_mode_runs_a_command_through_tokenbus(
     seen, logged = len(upstream.requests()), len(bridge_requests(stack))
     r = run_page(stack, npm_bin, tmp_path, page_block("claude-code.md", "bash", "claude -p"))
     assert_round_trip(stack, upstream, seen, logged, r, "messages", "Bash")
+
+
+def test_opencode_run_runs_a_command_through_tokenbus(
+    npm_bin: Path, stack: Up, upstream: Scripted, tmp_path: Path
+) -> None:
+    config = tmp_path / ".config" / "opencode" / "opencode.json"
+    config.parent.mkdir(parents=True)
+    config.write_text(stack.text(page_block("opencode.md", "json", "provider")))
+    seen, logged = len(upstream.requests()), len(bridge_requests(stack))
+    r = run_page(stack, npm_bin, tmp_path, page_block("opencode.md", "bash", "opencode run"))
+    assert_round_trip(stack, upstream, seen, logged, r, "chat", "bash")
 
 
 def test_system_messages_between_turns_become_chat_system_messages() -> None:
