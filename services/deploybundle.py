@@ -147,7 +147,7 @@ def init(
         files = None
         (folder / "tls.json").unlink(missing_ok=True)
     written = []
-    roles = {r: passwords[r] for r in natsconf.ROLES}
+    roles = {r: passwords[r] for r in natsconf.ROLES if r in passwords}  # no client: callout
     _private(folder / AUTH_CONF, natsconf.render_auth(roles, callout), NATS_UID)
     (folder / "nats.conf").unlink(missing_ok=True)
     for i in range(nodes):

@@ -223,11 +223,13 @@ def generate(
     out_dir.mkdir(parents=True, exist_ok=True)
     os.chmod(out_dir, 0o700)  # what logs in as every role, admin included
     secrets_file = out_dir / "nats-users.json"
-    kept = _kept(secrets_file)
     # Only the logins the config has: with the callout, NATS clients log in with their API
-    # keys and there is no shared ``client`` user (a stale one would mislead).
-    roles = [r for r in ROLES if not (callout and r == "client")]
-    passwords = {r: kept.get(r) or secrets.token_urlsafe(24) for r in roles}
+    # keys and there is no shared ``client`` user (a stale one would mislead). What else the
+    # file holds (a deployment's route password) is kept.
+    passwords = {k: v for k, v in _kept(secrets_file).items() if not (callout and k == "client")}
+    for role in ROLES:
+        if not (callout and role == "client"):
+            passwords.setdefault(role, secrets.token_urlsafe(24))
     _write_private(secrets_file, passwords)
     callout_creds = None
     if callout:
