@@ -9,6 +9,7 @@ auth / ratelimit / filter / ingress / router services (the NATS path) and the br
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -174,6 +175,26 @@ async def test_a_wrong_key_is_refused_in_anthropic_s_shape(env: Env) -> None:
         body: Any = ei.value.body
         assert body["type"] == "error" and body["error"]["type"] == "authentication_error"
         assert body["error"]["message"]
+
+
+async def test_another_tenants_key_is_refused_the_model_in_anthropic_s_shape(env: Env) -> None:
+    # A key of another tenant, allowed only the other model: this one is refused with 403
+    # permission_error, and its own model is served to it.
+    async with key_store(env.url) as keys:
+        other, _ = await keys.create("messages-b", models=[env.up_model])
+    msgs: Any = [{"role": "user", "content": "hi"}]
+    async with env.sdk(api_key=other) as c:
+        for _ in range(50):  # the auth service learns the new key from its watched bucket
+            try:
+                await c.messages.create(model=env.up_model, max_tokens=2, messages=msgs)
+                break
+            except anthropic.AuthenticationError:
+                await asyncio.sleep(0.1)
+        with pytest.raises(anthropic.PermissionDeniedError) as ei:
+            await c.messages.create(model=env.model, max_tokens=2, messages=msgs)
+    body: Any = ei.value.body
+    assert ei.value.status_code == 403
+    assert body["type"] == "error" and body["error"]["type"] == "permission_error"
 
 
 async def test_bad_fields_get_anthropic_s_errors_with_their_status(
