@@ -58,9 +58,11 @@ def final(
     completion_tokens: int,
     timings: dict[str, int],
     usage_details: dict[str, Any] | None = None,
+    stop_sequence: str | None = None,
 ) -> bytes:
     """The final frame; ``usage_details`` adds the engine's ``prompt_tokens_details`` and
-    ``completion_tokens_details`` to the usage."""
+    ``completion_tokens_details`` to the usage, ``stop_sequence`` the stop string that ended
+    a ``stop`` finish (left out when none did)."""
     usage: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
@@ -68,9 +70,15 @@ def final(
     }
     if usage_details:
         usage.update(usage_details)
-    return codec.encode(
-        {"t": FINAL, "finish_reason": finish_reason, "usage": usage, "timings": timings}
-    )
+    frame: dict[str, Any] = {
+        "t": FINAL,
+        "finish_reason": finish_reason,
+        "usage": usage,
+        "timings": timings,
+    }
+    if stop_sequence is not None:
+        frame["stop_sequence"] = stop_sequence
+    return codec.encode(frame)
 
 
 def alive(boot: str, epoch: int) -> bytes:

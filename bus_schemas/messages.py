@@ -752,6 +752,11 @@ class FinalFrame(_Wire):
     t: Literal["f"] = Field(default="f", description="Frame type tag: final.")
     finish_reason: Literal["stop", "length", "content_filter", "tool_calls"]
     usage: Usage
+    stop_sequence: str | None = Field(
+        default=None,
+        description="The stop string that ended the answer (finish_reason stop): absent when "
+        "the model stopped on its own, or the engine does not say which one matched.",
+    )
     timings: dict[str, int] = Field(
         default_factory=dict, description="Stage marks, epoch ns (t0 client send ... t3)."
     )

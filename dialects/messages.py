@@ -499,14 +499,17 @@ def usage_of(u: Usage | None) -> dict[str, Any]:
     }
 
 
-def stop_reason(finish: str | None, stops: list[str] | None) -> tuple[str, str | None]:
-    """(``stop_reason``, ``stop_sequence``) of a chat ``finish_reason``. The bus does not say
-    which stop sequence matched: a ``stop`` with stop sequences asked is ``stop_sequence``,
-    naming it when only one was asked."""
+def stop_reason(
+    finish: str | None, matched: str | None, stops: list[str] | None = None
+) -> tuple[str, str | None]:
+    """(``stop_reason``, ``stop_sequence``) of a chat ``finish_reason`` and the stop string
+    the engine says ended it (``matched``): ``stop_sequence`` naming it when it is one of the
+    request's ``stops`` (any, when those are not given), else ``end_turn`` (the model stopped
+    on its own)."""
     if finish in _STOP:
         return _STOP[finish], None
-    if stops:
-        return "stop_sequence", stops[0] if len(stops) == 1 else None
+    if matched is not None and (stops is None or matched in stops):
+        return "stop_sequence", matched
     return "end_turn", None
 
 
@@ -678,9 +681,10 @@ class MessageBuilder:
 
     # -- the end ----------------------------------------------------------------------------
     def finish(
-        self, finish_reason: str | None, usage: Usage | None
+        self, finish_reason: str | None, usage: Usage | None, stop_sequence: str | None = None
     ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-        """(the whole message, the closing events: ``message_delta``, ``message_stop``)."""
+        """(the whole message, the closing events: ``message_delta``, ``message_stop``);
+        ``stop_sequence`` is the stop string the engine says ended the answer, if any."""
         out: list[dict[str, Any]] = []
         self._close(out)
         for idx, block in self._calls.items():
@@ -689,7 +693,7 @@ class MessageBuilder:
             # An output filter holds reasoning back to the end of the generation; a whole
             # answer still puts it first, as a model thinks before it answers.
             self.content.sort(key=lambda b: b["type"] != "thinking")
-        reason, seq = stop_reason(finish_reason, self.stops)
+        reason, seq = stop_reason(finish_reason, stop_sequence, self.stops or [])
         used = usage_of(usage)
         if self.events:
             delta = {"stop_reason": reason, "stop_sequence": seq}
@@ -743,7 +747,9 @@ class MessageStream:
             async for c in stream:
                 for ev in b.add(c):
                     yield ev
-            self.message, events = b.finish(stream.finish_reason, stream.usage)
+            self.message, events = b.finish(
+                stream.finish_reason, stream.usage, stream.stop_sequence
+            )
             for ev in events:
                 yield ev
         finally:

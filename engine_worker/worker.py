@@ -579,7 +579,14 @@ class Worker(Service):
             )
         self.outbox.send(
             gen.reply,
-            frames.final(finish, max(0, gen.prompt_tokens), gen.completion, timings, last.usage),
+            frames.final(
+                finish,
+                max(0, gen.prompt_tokens),
+                gen.completion,
+                timings,
+                last.usage,
+                last.stop_sequence if finish == "stop" else None,
+            ),
         )
         gen.outcome = finish
 

@@ -128,7 +128,7 @@ class MessagesAPI:
             return
         async for c in stream:
             b.add(c)
-        msg, _ = b.finish(stream.finish_reason, stream.usage)
+        msg, _ = b.finish(stream.finish_reason, stream.usage, stream.stop_sequence)
         await self._send_whole(send, msg, stream, call)
 
     async def _count(self, call: Call, send: Send) -> None:
@@ -204,7 +204,7 @@ class MessagesAPI:
                         buf.clear()
                 finally:
                     stream.push_to(None)
-            _, events = b.finish(stream.finish_reason, stream.usage)
+            _, events = b.finish(stream.finish_reason, stream.usage, stream.stop_sequence)
             buf.extend(M.sse(ev) for ev in events)
         except E.TokenbusError as exc:
             # The headers are gone: the failure is an `error` event, which ends the stream.

@@ -59,6 +59,8 @@ class StreamLike(Protocol):
 
     request_id: str
     finish_reason: str | None
+    # The stop string that ended the answer (finish ``stop``), when the engine says.
+    stop_sequence: str | None
     usage: Usage | None
     rate_limits: dict[str, str]
 
@@ -627,6 +629,7 @@ class PromptOnly:
         self.text = text
         self.request_id = stream.request_id
         self.finish_reason: str | None = None
+        self.stop_sequence: str | None = None
         self.usage: Usage | None = None
         self._ended = False
 

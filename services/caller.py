@@ -159,6 +159,8 @@ def _bad_field(frame: dict[str, Any]) -> str | None:
         usage, timings = frame.get("usage") or {}, frame.get("timings") or {}
         if not _opt(frame.get("finish_reason"), str):
             return "finish_reason"
+        if not _opt(frame.get("stop_sequence"), str):
+            return "stop_sequence"
         if not isinstance(usage, dict) or not all(
             _has(usage, k, int) for k in ("prompt_tokens", "completion_tokens")
         ):
@@ -296,6 +298,9 @@ class Completion:
     logprobs: dict[str, Any] | None = None
     refusal: str | None = None
     reasoning: str | None = None
+    # The stop string that ended the answer (finish ``stop``); None when the model stopped on
+    # its own or the engine does not say.
+    stop_sequence: str | None = None
 
 
 @dataclass(slots=True)
@@ -312,7 +317,8 @@ class EmbeddingResult:
 class Stream:
     """One request's frames as an async iterator of :class:`Chunk`.
 
-    After iteration ends, ``finish_reason``, ``usage`` and ``timings`` are set. Closing
+    After iteration ends, ``finish_reason``, ``usage`` and ``timings`` are set, and
+    ``stop_sequence`` when a stop string ended the answer. Closing
     it (``aclose()``, leaving ``async with``, breaking out of ``async for`` in a task that is
     then cancelled) before the end cancels the request.
     """
@@ -379,6 +385,7 @@ class Stream:
         self.rate_limits: dict[str, str] = {}
         self._admission = ""  # the ratelimit stage's ticket for the current attempt
         self.finish_reason: str | None = None
+        self.stop_sequence: str | None = None
         self.usage: Usage | None = None
         self.timings: dict[str, int] = {}
         self.t_sent_ns = 0
@@ -726,6 +733,8 @@ class Stream:
                 continue
             if t == frames.FINAL:
                 self.finish_reason = frame.get("finish_reason")
+                # Only the final frame says, so a migrated request has the last replica's.
+                self.stop_sequence = frame.get("stop_sequence")
                 u = frame.get("usage") or {}
                 prompt = int(u.get("prompt_tokens", 0))
                 # After a migration, the tokens of the earlier attempts count too.
@@ -896,6 +905,7 @@ class Stream:
             logprobs=out.logprobs,
             refusal=out.refusal,
             reasoning=out.reasoning,
+            stop_sequence=self.stop_sequence,
         )
 
     async def collect_embeddings(self) -> EmbeddingResult:

@@ -52,9 +52,13 @@ async def test_stop_sequences_over_the_bus(
     full = expected_text(PROMPT, 30)[0]
     stop = " " + full.split(" ")[4]
     async with stack(nats_server.url, model, workers=1):
-        out = await client.chat_completion(model, MSG, max_tokens=30, stop=[stop])
+        out = await client.chat_completion(model, MSG, max_tokens=30, stop=["zzzz", stop])
+        missed = await client.chat_completion(model, MSG, max_tokens=30, stop=["zzzz"])
     assert out.finish_reason == "stop"
     assert out.text == full[: full.find(stop)]
+    # The final frame names the stop sequence that ended the answer, and only that one.
+    assert out.stop_sequence == stop
+    assert missed.text == full and missed.stop_sequence is None
 
 
 @pytest.mark.parametrize(

@@ -7,7 +7,7 @@ import pytest
 from bus_schemas import codec, frames, subjects
 from bus_schemas import errors as E
 from bus_schemas.export import SCHEMA_DIR, render, schemas
-from bus_schemas.messages import ChatCompletionRequest, CompletionRequest, Heartbeat
+from bus_schemas.messages import ChatCompletionRequest, CompletionRequest, FinalFrame, Heartbeat
 from gateway.validation import envelope
 
 
@@ -100,6 +100,10 @@ def test_stream_frames() -> None:
     assert (c["t"], c["d"], c["n"], c["i"]) == ("c", "hi", 2, 7)
     f = frames.decode(frames.final("length", 3, 4, {"t0": 1}))
     assert f["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+    assert "stop_sequence" not in f  # additive: only a stop string that ended it is sent
+    f = frames.decode(frames.final("stop", 3, 4, {"t0": 1}, stop_sequence="\n\n"))
+    assert f["stop_sequence"] == "\n\n"
+    assert FinalFrame.model_validate(f).stop_sequence == "\n\n"
     b = frames.decode(frames.batch([("a", b"x"), ("b", b"y")]))
     assert b["t"] == frames.BATCH and [tuple(i) for i in b["f"]] == [("a", b"x"), ("b", b"y")]
 

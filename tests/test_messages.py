@@ -502,6 +502,51 @@ async def test_count_tokens(env: Env, sdk: anthropic.AsyncAnthropic) -> None:
         await sdk.messages.count_tokens(model=env.model, messages=[])
 
 
+# -- stop_reason: which stop sequence ended it --------------------------------------------------
+def _ends_on_its_own(max_tokens: int) -> tuple[str, str]:
+    """(a user message whose sim answer ends on its own before ``max_tokens``, the answer)."""
+    for i in range(500):
+        text, finish = expected_text(f"<|user|>question {i}\n", max_tokens)
+        if finish == "stop":
+            return f"question {i}", text
+    raise AssertionError("no answer ends on its own")
+
+
+async def test_an_answer_that_ends_on_its_own_is_end_turn_despite_stop_sequences(
+    env: Env, sdk: anthropic.AsyncAnthropic
+) -> None:
+    """Stop sequences asked, none hit: the model stopped on its own, ``end_turn`` with no
+    ``stop_sequence`` (whole, streamed, and from the NATS client); one that hits is named."""
+    content, want = _ends_on_its_own(400)
+    assert "zzzz" not in want and "qqqq" not in want
+    kw: dict[str, Any] = {
+        "model": env.model,
+        "max_tokens": 400,
+        "messages": [{"role": "user", "content": content}],
+        "stop_sequences": ["zzzz", "qqqq"],
+    }
+    out = await sdk.messages.create(**kw)
+    assert out.content[0].text == want  # type: ignore[union-attr]
+    assert (out.stop_reason, out.stop_sequence) == ("end_turn", None)
+    async with sdk.messages.stream(**kw) as stream:
+        final = await stream.get_final_message()
+    assert (final.stop_reason, final.stop_sequence) == ("end_turn", None)
+    # The second of two stop sequences is the one that hits.
+    stop = " " + want.split(" ")[3]
+    hit = {**kw, "stop_sequences": ["zzzz", stop]}
+    out = await sdk.messages.create(**hit)
+    assert out.content[0].text == want[: want.find(stop)]  # type: ignore[union-attr]
+    assert (out.stop_reason, out.stop_sequence) == ("stop_sequence", stop)
+    async with await Client.connect(env.url, api_key=env.key) as tb:
+        body = {k: v for k, v in kw.items() if k not in ("model", "messages")}
+        msg = await tb.message(env.model, kw["messages"], **body)
+        assert (msg["stop_reason"], msg["stop_sequence"]) == ("end_turn", None)
+        events = tb.messages(env.model, kw["messages"], **{**body, "stop_sequences": [stop]})
+        seen = [ev async for ev in events]
+        delta = next(ev for ev in seen if ev["type"] == "message_delta")
+        assert delta["delta"] == {"stop_reason": "stop_sequence", "stop_sequence": stop}
+
+
 # -- the NATS client ---------------------------------------------------------------------------
 async def test_the_nats_client_serves_the_same_operation(env: Env) -> None:
     hello = [{"role": "user", "content": "hello there"}]
@@ -761,8 +806,12 @@ def test_the_builder_puts_thinking_first_and_maps_the_end() -> None:
         },
     }
     assert M.stop_reason("stop", None) == ("end_turn", None)
-    assert M.stop_reason("stop", ["a", "b"]) == ("stop_sequence", None)
-    assert M.stop_reason("length", ["a"]) == ("max_tokens", None)
+    # Stop sequences asked, none matched: the model stopped on its own.
+    assert M.stop_reason("stop", None, ["a", "b"]) == ("end_turn", None)
+    assert M.stop_reason("stop", "b", ["a", "b"]) == ("stop_sequence", "b")
+    # A stop string the engine names that the request did not ask for is no stop sequence.
+    assert M.stop_reason("stop", "c", ["a", "b"]) == ("end_turn", None)
+    assert M.stop_reason("length", None, ["a"]) == ("max_tokens", None)
     assert M.stop_reason("content_filter", None) == ("refusal", None)
 
 

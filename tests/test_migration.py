@@ -64,6 +64,16 @@ def _victim(ws: list[Any], replica: str | None) -> Any:
     return ws[int(replica.rsplit("-", 1)[1])]
 
 
+async def _first_words(s: Any, n: int = 15) -> str:
+    """The text of a stream read until it holds ``n`` words (the stream left open)."""
+    text = ""
+    async for ch in s:
+        text += ch.text
+        if len(text.split(" ")) >= n:
+            break
+    return text
+
+
 async def test_a_worker_killed_mid_stream_is_migrated_over_nats(
     procs: Procs, model: str, client: Client
 ) -> None:
@@ -71,11 +81,7 @@ async def test_a_worker_killed_mid_stream_is_migrated_over_nats(
         procs, model, "ingress", "router", workers=2, worker_args=SLOW, env=HB, settle=0.6
     )
     s = client.chat(model, MSG, max_tokens=120)
-    text = ""
-    async for ch in s:
-        text += ch.text
-        if len(text.split(" ")) >= 15:
-            break
+    text = await _first_words(s)
     first = s.replica
     victim = _victim(stack.workers, first)
     victim.signal(signal.SIGKILL)
@@ -91,6 +97,29 @@ async def test_a_worker_killed_mid_stream_is_migrated_over_nats(
     assert s.finish_reason == "length"
     assert s.usage is not None and s.usage.completion_tokens == 120
     assert gap < 3.0, gap  # detected within a couple of heartbeats, then re-issued
+
+
+async def test_a_stop_sequence_hit_after_a_migration_is_named(
+    procs: Procs, model: str, client: Client
+) -> None:
+    """The stop sequence that ends a migrated answer is the one the last replica names (the
+    final frame's), as for an answer served by one replica."""
+    stack = await start_stack(
+        procs, model, "ingress", "router", workers=2, worker_args=SLOW, env=HB, settle=0.6
+    )
+    full = expected_text(PROMPT, 120)[0]
+    words = full.split(" ")
+    stop = " " + " ".join(words[40:42])
+    assert full.find(stop) > len(" ".join(words[:30]))
+    s = client.chat(model, MSG, max_tokens=120, stop=["zzzz", stop])
+    text = await _first_words(s)
+    first = s.replica
+    _victim(stack.workers, first).signal(signal.SIGKILL)
+    async for ch in s:
+        text += ch.text
+    assert text == full[: full.find(stop)]
+    assert s.migrations == 1 and s.replica != first
+    assert (s.finish_reason, s.stop_sequence) == ("stop", stop)
 
 
 async def test_a_worker_killed_mid_stream_is_migrated_over_http(procs: Procs, model: str) -> None:

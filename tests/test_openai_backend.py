@@ -247,6 +247,38 @@ async def test_length_and_text_completions(
     assert deltas[-1].finish_reason == "stop"
 
 
+async def test_the_stop_string_vllm_reports_reaches_the_last_delta(
+    backend: OpenAIUpstreamBackend, upstream: FakeUpstream
+) -> None:
+    """vLLM names the stop string that ended an answer (``stop_reason`` on the finishing
+    choice): it is the last delta's ``stop_sequence``; an answer that ended on its own, or an
+    upstream that sends no ``stop_reason`` (OpenAI's own), names none."""
+    hi = [{"role": "user", "content": "hi"}]
+    deltas = await collect(backend, chat(hi, stop=["zz", " up", " from"]))
+    assert "".join(d.text for d in deltas) == "hello"
+    assert (deltas[-1].finish_reason, deltas[-1].stop_sequence) == ("stop", " from")
+    assert all(d.stop_sequence is None for d in deltas[:-1])
+    prompt = GenerationRequest(
+        request_id="r2", kind="completions", model="tb-model", max_tokens=16, prompt="Say"
+    )
+    prompt.stop = ["om u"]
+    deltas = await collect(backend, prompt)
+    assert "".join(d.text for d in deltas) == "hello fr"
+    assert (deltas[-1].finish_reason, deltas[-1].stop_sequence) == ("stop", "om u")
+    deltas = await collect(backend, chat(hi, stop=["zz"]))
+    assert "".join(d.text for d in deltas) == "hello from upstream"
+    assert (deltas[-1].finish_reason, deltas[-1].stop_sequence) == ("stop", None)
+
+
+def test_a_stop_reason_that_is_no_string_names_no_stop_sequence() -> None:
+    from engine_worker.backends.openai_shape import stop_string
+
+    assert stop_string({"finish_reason": "stop", "stop_reason": "\n\n"}) == "\n\n"
+    assert stop_string({"finish_reason": "stop", "stop_reason": 128009}) is None  # a token id
+    assert stop_string({"finish_reason": "stop", "stop_reason": None}) is None
+    assert stop_string({"finish_reason": "stop"}) is None
+
+
 async def test_upstream_errors(backend: OpenAIUpstreamBackend, upstream: FakeUpstream) -> None:
     hi = [{"role": "user", "content": "hi"}]
     with pytest.raises(E.InvalidRequest) as info:

@@ -761,6 +761,31 @@ async def test_logprobs_stay_aligned_when_a_stop_sequence_holds_text_back() -> N
     assert full.startswith("".join(t for lp in lps if lp for t in lp["tokens"]))
 
 
+async def test_the_last_delta_names_the_stop_sequence_that_ended_the_answer() -> None:
+    """Only a stop sequence that hit is named (the earliest in the text), on the last delta,
+    iterated, pushed, and with logprobs (the other stream); an answer that ends on its own
+    or at max_tokens names none."""
+    e = SimEngine(fast())
+    full, _ = expected_text("hello", 20)
+    words = full.split(" ")
+    early, late = " " + words[3], " " + words[6]
+    assert full.find(early) < full.find(late)
+    natural = next(p for p in (f"p{i}" for i in range(500)) if expected_text(p, 400)[1] == "stop")
+    for extra in ({}, {"logprobs": 0}):
+        ds = await deltas(e, req("hello", 20, stop=[late, "zzzz", early], extra=extra))
+        assert "".join(d.text for d in ds) == full[: full.find(early)]
+        assert (ds[-1].finish_reason, ds[-1].stop_sequence) == ("stop", early)
+        assert all(d.stop_sequence is None for d in ds[:-1])
+        ds = await deltas(e, req(natural, 400, stop=["zzzz"], extra=extra))
+        assert (ds[-1].finish_reason, ds[-1].stop_sequence) == ("stop", None)
+        ds = await deltas(e, req("hello", 4, stop=["zzzz"], extra=extra))
+        assert (ds[-1].finish_reason, ds[-1].stop_sequence) == ("length", None)
+    got = await pushed(e, req("hello", 20, stop=[late, early]))
+    assert (got[-1].finish_reason, got[-1].stop_sequence) == ("stop", early)
+    got = await pushed(e, req(natural, 400, stop=["zzzz"]))
+    assert (got[-1].finish_reason, got[-1].stop_sequence) == ("stop", None)
+
+
 async def test_temperature_and_top_p_may_be_none_and_unrelated_extras_keep_the_plain_path() -> None:
     e = SimEngine(fast())
     r = req("hello", 6, temperature=None, top_p=None, extra={"user": "u", "logit_bias": {}})

@@ -194,6 +194,25 @@ async def test_stop_sequence_ends_the_request() -> None:
     assert "".join(d.text for d in deltas) == full[: full.find(stop)]
     assert deltas[-1].finish_reason == "stop"
     assert last_request(fake)["params"].stop == [stop]
+    # vLLM's stop_reason names the stop string that ended it: on the last delta only.
+    assert deltas[-1].stop_sequence == stop
+    assert all(d.stop_sequence is None for d in deltas[:-1])
+
+
+async def test_only_a_stop_string_that_hit_is_named() -> None:
+    """Chat too; an answer that ends on its own (EOS: vLLM's stop_reason None) or at
+    max_tokens names no stop string."""
+    ids = chat_prompt_ids(MESSAGES)
+    stop = expected(ids, 1, 6).split(" ")[3][:2]
+    b, _ = await started()
+    deltas = await collect(b.generate(chat(max_tokens=6, stop=["qqq", stop])))
+    assert (deltas[-1].finish_reason, deltas[-1].stop_sequence) == ("stop", stop)
+    deltas = await collect(b.generate(chat(max_tokens=6, stop=["qqq"])))
+    assert (deltas[-1].finish_reason, deltas[-1].stop_sequence) == ("length", None)
+    b, _ = await started(script=["All", " done"])
+    deltas = await collect(b.generate(chat(max_tokens=6, stop=["qqq"])))
+    assert "".join(d.text for d in deltas) == "All done"
+    assert (deltas[-1].finish_reason, deltas[-1].stop_sequence) == ("stop", None)
 
 
 async def test_client_messages_reach_vllm_as_sent() -> None:

@@ -124,7 +124,9 @@ class Delta:
     text completions), ``refusal`` and ``reasoning`` text, and on the last delta ``usage``
     details (``prompt_tokens_details``, ``completion_tokens_details``) when the engine
     reports them. ``finish_reason`` is ``stop``, ``length``, ``content_filter`` or
-    ``tool_calls``.
+    ``tool_calls``; ``stop_sequence`` is the stop string that ended the answer, set only on
+    the last delta of a ``stop`` finish caused by one (vLLM's ``stop_reason`` when it is a
+    string): None when the model stopped on its own (or on a stop token).
     """
 
     text: str
@@ -137,6 +139,7 @@ class Delta:
     refusal: str | None = None
     reasoning: str | None = None
     usage: dict[str, Any] | None = None
+    stop_sequence: str | None = None
 
     @property
     def has_side(self) -> bool:

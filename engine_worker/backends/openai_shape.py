@@ -84,3 +84,10 @@ def usage_details(usage: dict[str, Any] | None) -> dict[str, Any] | None:
 def finish_reason(reason: str | None) -> str:
     """An engine's finish reason as one of :data:`FINISH_REASONS`."""
     return reason if reason in FINISH_REASONS else "stop"
+
+
+def stop_string(choice: dict[str, Any]) -> str | None:
+    """The stop string that ended a finishing choice: vLLM's ``stop_reason`` when it is a
+    string (an int is a stop token id, None the model's own end; other engines send none)."""
+    reason = choice.get("stop_reason")
+    return reason if isinstance(reason, str) else None

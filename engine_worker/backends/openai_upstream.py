@@ -40,6 +40,7 @@ from engine_worker.backends.openai_shape import (
     choice_delta,
     finish_reason,
     set_sampling,
+    stop_string,
     usage_details,
 )
 from services import logging as tlog
@@ -283,6 +284,7 @@ class _Answer(Response):
         self.error_body = b""
         self.sse = SSEParser(self._event)
         self.finish: str | None = None
+        self.stop_sequence: str | None = None  # the stop string that ended it (vLLM says)
         self.usage: dict[str, Any] | None = None
         self.produced = 0
 
@@ -325,18 +327,21 @@ class _Answer(Response):
                     raise _Stopped
             if ch.get("finish_reason"):
                 self.finish = ch["finish_reason"]
+                self.stop_sequence = stop_string(ch)
         if "error" in obj or obj.get("object") == "error":
             raise _event_error(obj)
 
     def last(self) -> Delta:
         u = self.usage or {}
+        finish = finish_reason(self.finish)
         return Delta(
             "",
             0,
-            finish_reason(self.finish),
+            finish,
             int(u.get("prompt_tokens") or 0),
             int(u.get("completion_tokens") or self.produced),
             usage=usage_details(u),
+            stop_sequence=self.stop_sequence if finish == "stop" else None,
         )
 
 

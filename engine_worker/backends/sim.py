@@ -188,7 +188,7 @@ def expected_text(
         text += token_text(start, i)
         hit = _find_stop(text, stop or [])
         if hit is not None:
-            return text[:hit], "stop"
+            return text[: hit[0]], "stop"
     return text, finish
 
 
@@ -247,12 +247,14 @@ def expected_structured(req: GenerationRequest) -> str:
     return text
 
 
-def _find_stop(text: str, stops: list[str]) -> int | None:
-    best: int | None = None
+def _find_stop(text: str, stops: list[str]) -> tuple[int, str] | None:
+    """(where, which) of the earliest stop sequence in ``text`` (the first one listed of
+    those that start there), or None."""
+    best: tuple[int, str] | None = None
     for s in stops:
         k = text.find(s)
-        if k >= 0 and (best is None or k < best):
-            best = k
+        if k >= 0 and (best is None or k < best[0]):
+            best = (k, s)
     return best
 
 
@@ -459,9 +461,9 @@ class _TextOut:
     sent: int
     finished: bool
 
-    def _release(self, new: str) -> tuple[str, bool] | None:
-        """(text to send now, whether a stop sequence ended it) for ``new`` text, or None
-        when all of it is held back."""
+    def _release(self, new: str) -> tuple[str, str | None] | None:
+        """(text to send now, the stop sequence that ended it or None) for ``new`` text, or
+        None when all of it is held back."""
         self.text += new
         safe = len(self.text)
         if self.stop:
@@ -469,13 +471,14 @@ class _TextOut:
             if hit is not None:
                 self.finished = True
                 self.engine.cancel(self.seq)
-                out, self.sent = self.text[self.sent : hit], hit
-                return out, True
+                at, matched = hit
+                out, self.sent = self.text[self.sent : at], at
+                return out, matched
             if not self.seq.done:
                 safe = max(self.sent, len(self.text) - self.hold)
         if safe > self.sent:
             out, self.sent = self.text[self.sent : safe], safe
-            return out, False
+            return out, None
         return None
 
     async def aclose(self) -> None:
@@ -537,9 +540,9 @@ class SimStream(_TextOut):
         released = self._release(new)
         if released is None:
             return None
-        out, stopped = released
-        if stopped:
-            return Delta(out, n, "stop", self.ptoks, self.produced)
+        out, matched = released
+        if matched is not None:
+            return Delta(out, n, "stop", self.ptoks, self.produced, stop_sequence=matched)
         return Delta(out, n)
 
     def _last(self) -> Delta:
@@ -712,8 +715,12 @@ class SimExtraStream(_TextOut):
                 return self._delta("", None, "".join(pieces))
             released = self._release("".join(pieces))
             if released is not None:
-                out, stopped = released
-                return self._delta(out, "stop" if stopped else None)
+                out, matched = released
+                if matched is None:
+                    return self._delta(out)
+                d = self._delta(out, "stop")
+                d.stop_sequence = matched
+                return d
         raise StopAsyncIteration
 
     def _last(self) -> Delta:

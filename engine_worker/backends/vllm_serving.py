@@ -35,6 +35,7 @@ from engine_worker.backends.openai_shape import (
     finish_reason,
     has_output,
     set_sampling,
+    stop_string,
     usage_details,
 )
 
@@ -260,13 +261,22 @@ class StreamDecoder:
     finishes is held back until then so that it carries the totals.
     """
 
-    __slots__ = ("_details", "_last", "chat", "completion_tokens", "finish", "prompt_tokens")
+    __slots__ = (
+        "_details",
+        "_last",
+        "chat",
+        "completion_tokens",
+        "finish",
+        "prompt_tokens",
+        "stop_sequence",
+    )
 
     def __init__(self, chat: bool) -> None:
         self.chat = chat
         self.prompt_tokens = 0
         self.completion_tokens = 0
         self.finish: str | None = None
+        self.stop_sequence: str | None = None  # the stop string that ended it
         self._last: Delta | None = None
         self._details: dict[str, Any] | None = None
 
@@ -303,6 +313,7 @@ class StreamDecoder:
         finish = choices[0].get("finish_reason")
         if finish is not None:
             self.finish = str(finish)
+            self.stop_sequence = stop_string(choices[0])
             self._last = d
             return None
         if n or has_output(d):
@@ -317,6 +328,8 @@ class StreamDecoder:
             raise E.EngineError("the vLLM engine aborted the request")
         d = self._last
         d.finish_reason = finish_reason(self.finish)
+        if d.finish_reason == "stop":
+            d.stop_sequence = self.stop_sequence
         d.prompt_tokens = self.prompt_tokens
         d.completion_tokens = self.completion_tokens
         d.usage = self._details

@@ -21,9 +21,11 @@ Endpoints (all under ``/v1``):
   answer is a call to the first tool: id ``call_up_1``, arguments
   ``{"city": "Paris", "unit": "celsius"}`` streamed in 3 fragments, finish ``tool_calls``.
   Otherwise the text ``hello from upstream``, a word a chunk (cut at ``max_tokens`` words,
-  finish ``length``; else ``stop``), with ``logprobs.content`` entries when ``logprobs`` is
-  true (``top_logprobs`` alternatives each), and ``reasoning_content`` "thinking" first when
-  ``chat_template_kwargs.enable_thinking`` is true. The last chunk carries usage (with
+  finish ``length``; cut before a ``stop`` string found in it, finish ``stop`` with vLLM's
+  ``stop_reason`` naming it; else ``stop``, ``stop_reason`` null), with ``logprobs.content``
+  entries when ``logprobs`` is true (``top_logprobs`` alternatives each), and
+  ``reasoning_content`` "thinking" first when ``chat_template_kwargs.enable_thinking`` is
+  true. The last chunk carries usage (with
   ``prompt_tokens_details.cached_tokens`` 3) when ``stream_options.include_usage`` is true.
 * ``POST /completions``: the same text as a text completion (``logprobs`` an int there).
 * ``POST /embeddings``: a deterministic vector per input, ``dimensions`` long (default 8),
@@ -84,13 +86,32 @@ def _count_words(value: Any) -> int:
     return 0
 
 
-def _pieces(body: dict[str, Any]) -> tuple[list[str], str]:
-    """The text pieces to send (word by word) and the finish reason."""
+def _pieces(body: dict[str, Any]) -> tuple[list[str], str, str | None]:
+    """The text pieces to send (word by word), the finish reason and vLLM's ``stop_reason``:
+    the stop string (of ``stop``) that ended the text, cut before it, or None."""
     limit = body.get("max_tokens") or body.get("max_completion_tokens")
     pieces = [w if i == 0 else " " + w for i, w in enumerate(WORDS)]
     if isinstance(limit, int) and limit < len(pieces):
-        return pieces[: max(0, limit)], "length"
-    return pieces, "stop"
+        pieces = pieces[: max(0, limit)]
+    raw = body.get("stop")
+    stops = [raw] if isinstance(raw, str) else [s for s in raw or () if isinstance(s, str) and s]
+    text = ""
+    for i, piece in enumerate(pieces):
+        text += piece
+        # As vLLM checks them: after each token, the first stop string (in the request's
+        # order) found in the text ends it there; what streamed never passes it (vLLM holds
+        # text back while it could still be the start of a stop string).
+        hit = next((s for s in stops if s in text), None)
+        if hit is not None:
+            end, pos, out = text.find(hit), 0, []
+            for p in pieces[: i + 1]:
+                if p[: max(0, end - pos)]:
+                    out.append(p[: max(0, end - pos)])
+                pos += len(p)
+            return out, "stop", hit
+    if len(pieces) < len(WORDS):
+        return pieces, "length", None
+    return pieces, "stop", None
 
 
 def _token_logprob(piece: str, i: int, top: int) -> dict[str, Any]:
@@ -295,7 +316,7 @@ class FakeUpstream:
             chunks.append(chunk({}, "tool_calls"))
             return await self._stream(request, body, self._with_usage(chunks, include_usage, usage))
 
-        pieces, finish = _pieces(body)
+        pieces, finish, stop_reason = _pieces(body)
         thinking = bool((body.get("chat_template_kwargs") or {}).get("enable_thinking"))
         want_logprobs = bool(body.get("logprobs"))
         top = int(body.get("top_logprobs") or 0)
@@ -306,14 +327,16 @@ class FakeUpstream:
             if thinking:
                 message["reasoning_content"] = "thinking"
             logprobs = {"content": entries} if want_logprobs else None
-            return self._completion(rid, created, model, message, finish, usage, logprobs)
+            return self._completion(
+                rid, created, model, message, finish, usage, logprobs, stop_reason
+            )
         chunks = [chunk({"role": "assistant", "content": ""})]
         if thinking:
             chunks.append(chunk({"reasoning_content": "thinking"}))
         for piece, entry in zip(pieces, entries, strict=True):
             lp = {"content": [entry]} if want_logprobs else None
             chunks.append(chunk({"content": piece}, logprobs=lp))
-        chunks.append(chunk({}, finish))
+        chunks.append(chunk({}, finish, stop_reason=stop_reason))
         return await self._stream(request, body, self._with_usage(chunks, include_usage, usage))
 
     @staticmethod
@@ -334,8 +357,15 @@ class FakeUpstream:
         finish: str,
         usage: dict[str, Any],
         logprobs: dict[str, Any] | None = None,
+        stop_reason: str | None = None,
     ) -> web.Response:
-        choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}
+        choice = {
+            "index": 0,
+            "message": message,
+            "logprobs": logprobs,
+            "finish_reason": finish,
+            "stop_reason": stop_reason,
+        }
         return _json(
             {
                 "id": rid,
@@ -355,7 +385,7 @@ class FakeUpstream:
         model = body.get("model") or self.model
         rid = f"cmpl-fake{len(self.requests)}"
         created = int(time.time())
-        pieces, finish = _pieces(body)
+        pieces, finish, stop_reason = _pieces(body)
         n_logprobs = body.get("logprobs")
         usage = self._usage(body.get("prompt"), len(pieces), 0)
 
@@ -372,7 +402,10 @@ class FakeUpstream:
             }
 
         def choice(text: str, lp: Any, finish_reason: str | None) -> dict[str, Any]:
-            return {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish_reason}
+            out = {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish_reason}
+            if finish_reason is not None:  # vLLM's: which stop string ended it, if one did
+                out["stop_reason"] = stop_reason
+            return out
 
         def wrap(choices: list[dict[str, Any]]) -> dict[str, Any]:
             return {

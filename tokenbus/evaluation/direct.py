@@ -30,6 +30,7 @@ class DirectStream:
         self._gen = gen
         self.request_id = request_id
         self.finish_reason: str | None = None
+        self.stop_sequence: str | None = None
         self.usage: Usage | None = None
         self.rate_limits: dict[str, str] = {}
         self._ready: list[Chunk] = []  # chunks to hand out before reading the backend again
@@ -59,6 +60,7 @@ class DirectStream:
             side = d.has_side
             if d.finish_reason is not None:
                 self.finish_reason = d.finish_reason
+                self.stop_sequence = d.stop_sequence
                 details = d.usage or {}
                 self.usage = Usage(
                     d.prompt_tokens,
