@@ -36,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -140,6 +141,12 @@ def _utf8(raw: bytes) -> bytes:
     return raw.decode("utf-8", "replace").encode()
 
 
+# How long after a server was unreachable a refused login on a reconnect is taken for the
+# auth service not being back yet rather than for the key (services reconnect within about
+# a second of a restarted server; see Client._server_returning).
+REFUSAL_GRACE_S = 10.0
+
+
 class Client(NATS):
     """A nats-py client that one malformed message cannot stop, with direct subscriptions
     (:func:`subscribe_direct`)."""
@@ -153,14 +160,39 @@ class Client(NATS):
         # server's refusal once it came (the connection is then closed for good).
         self.refusal_is_final = False
         self.refused: Exception | None = None
+        # When a server was last unreachable or left a login unanswered: a login refused soon
+        # after (the server is back, the auth service that answers its logins is not yet, or
+        # its key store is still loading) is no verdict on the key.
+        self.unreachable_at = -REFUSAL_GRACE_S
+        self.logged_in = False  # once: a later refusal is on a reconnect
+
+    async def _connect_to_server(self, s: Any) -> None:
+        try:
+            await super()._connect_to_server(s)
+        except (OSError, TimeoutError):
+            self.unreachable_at = time.monotonic()
+            raise
 
     async def _process_connect_init(self) -> None:
         try:
             await super()._process_connect_init()
-        except errors.Error as exc:
-            if self.refusal_is_final and is_login_refusal(exc):
+        except Exception as exc:
+            if not is_login_refusal(exc):
+                # No answer to the login (a restarted server whose auth service is not back
+                # answers none in time): the server is not ready yet, no verdict on the key.
+                self.unreachable_at = time.monotonic()
+            elif self.refusal_is_final and not self._server_returning():
                 self.refused = exc
             raise
+        self.logged_in = True
+
+    def _server_returning(self) -> bool:
+        """Whether this is a reconnect to a server that was unreachable moments ago (it
+        restarted): the services that answer its logins reconnect too, and until they do
+        every login is refused; nats-py tries again, and a key really revoked is refused
+        again once the grace is over."""
+        # nats-py is CONNECTING, not RECONNECTING, while it logs in again: it logged in before.
+        return self.logged_in and time.monotonic() - self.unreachable_at < REFUSAL_GRACE_S
 
     async def _select_next_server(self) -> None:
         # nats-py's loops (first connect, reconnect) come back here for the next try after a

@@ -173,6 +173,29 @@ async def test_a_key_revoked_while_connected_closes_the_client_with_the_typed_er
     assert logged.count("encountered error") <= 1, logged
 
 
+async def test_a_refusal_right_after_a_server_restart_is_not_final(callout: Callout) -> None:
+    """A server restart is no revocation: while the auth service that answers its logins
+    comes back (its key store still loading), a login may be refused; the key's client keeps
+    trying within the grace, then serves again. (A chaos run lost a whole load this way: the
+    client took such a refusal for its key and ended.)"""
+    key, _ = await callout.store.create("outlives a restart")
+    key_id = key_id_of(key) or ""
+    async with await Client.connect(callout.bus.url, api_key=key, reconnect_time_wait=0.2) as tb:
+        await callout.responder.stop()  # the auth service is away (no kick) ...
+        await callout.revoked(key)  # ... and, back, it will refuse the key for a while
+        callout.bus.stop()
+        callout.bus.start()
+        await callout.responder.start()
+        await asyncio.sleep(5.0)  # the client's reconnects are refused meanwhile
+        assert not tb.nc.is_closed and tb.refused is None
+        await callout.store.update(key_id, enabled=True)
+        deadline = time.monotonic() + 3 * HANG_GUARD_S
+        while not tb.nc.is_connected:
+            assert not tb.nc.is_closed and time.monotonic() < deadline, "not reconnected"
+            await asyncio.sleep(0.1)
+        assert tb.refused is None and tb.nc.stats["reconnects"] >= 1
+
+
 def test_the_refusal_of_a_login_is_recognised() -> None:
     for text in (
         "nats: 'Authorization Violation'",
