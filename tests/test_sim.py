@@ -870,3 +870,13 @@ def test_a_role_that_is_not_a_string_does_not_break_the_prompt() -> None:
         max_tokens=2,
     )
     assert req.prompt_text() == "<||>hi\n<||>there\n"
+
+
+def test_an_envelope_whose_stop_is_not_text_is_malformed() -> None:
+    # msgpack carries bytes beside text: a NATS client's stop of bytes (found by the bus
+    # fuzz) failed inside the sim's engine with a TypeError instead of a clear refusal.
+    base = {"request_id": "r", "kind": "completions", "model": "m", "prompt": "p"}
+    for stop in ([b"x"], "x", [1], {"a": "b"}):
+        with pytest.raises(TypeError, match=r"params\.stop"):
+            GenerationRequest.from_envelope({**base, "params": {"stop": stop}})
+    assert GenerationRequest.from_envelope({**base, "params": {"stop": ["x"]}}).stop == ["x"]

@@ -76,6 +76,10 @@ class GenerationRequest:
         if not isinstance(resume_text, str):
             # A NATS client's value: str() of a list nested a thousand deep never returns.
             raise TypeError("resume.text must be a string")
+        stop = p.get("stop") or []
+        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+            # msgpack carries bytes as well as text: a stop of bytes would fail in the engine.
+            raise TypeError("params.stop must be a list of strings")
         return cls(
             request_id=str(env["request_id"]),
             kind=str(env.get("kind", "chat")),
@@ -85,7 +89,7 @@ class GenerationRequest:
             temperature=None if temperature is None else float(temperature),
             top_p=None if top_p is None else float(top_p),
             seed=p.get("seed"),
-            stop=list(p.get("stop") or []),
+            stop=list(stop),
             messages=env.get("messages"),
             prompt=env.get("prompt"),
             input=env.get("input"),
