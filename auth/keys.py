@@ -13,12 +13,16 @@ import hmac
 import re
 import secrets
 import time
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
 PREFIX = "tb-"
 _KEY = re.compile(r"tb-([0-9a-f]{12})_([A-Za-z0-9_\-]{43})")
+
+
+Tier = Literal["priority", "default", "flex"]
+TIER_RANK = {"priority": 0, "default": 1, "flex": 2}
 
 
 class KeyRecord(BaseModel):
@@ -38,6 +42,28 @@ class KeyRecord(BaseModel):
     tpm: int | None = Field(default=None, description="Tokens per minute; none = unlimited.")
     max_concurrent: int | None = Field(default=None, description="Requests at once.")
     filter_policy: str = Field(default="default", description="Content filter policy name.")
+    service_tier: Tier = Field(
+        default="default",
+        description="The class of the key's requests that ask for none (or `auto`): "
+        "priority, default or flex (docs/flow.md).",
+    )
+    max_service_tier: Tier = Field(
+        default="default",
+        description="The highest class the key may ask for; a request asking above it is "
+        "served in this class (and its answer says so).",
+    )
+    weight: float = Field(
+        default=1.0,
+        gt=0,
+        le=1e6,
+        description="The key's weight in fair shares: twice the weight, twice the tokens "
+        "while the model is saturated.",
+    )
+    fair_by: Literal["key", "owner"] = Field(
+        default="key",
+        description="Whose share the key's requests count in: its own, or its owner's "
+        "(every key of one owner shares one).",
+    )
     expires_at: float | None = Field(default=None, description="Unix time; none = never.")
     enabled: bool = Field(default=True, description="False once revoked.")
     admin: bool = Field(default=False, description="May manage keys.")
@@ -46,6 +72,14 @@ class KeyRecord(BaseModel):
     def public(self) -> dict[str, Any]:
         """Everything but the hash, for listings."""
         return self.model_dump(exclude={"hash"})
+
+    def tier(self, asked: str | None) -> str:
+        """The class a request of this key asking for ``asked`` is served in: the key's
+        default for none or ``auto``, never above its ceiling."""
+        tier = asked if asked in TIER_RANK else self.service_tier
+        if TIER_RANK[tier] < TIER_RANK[self.max_service_tier]:
+            return self.max_service_tier
+        return tier
 
     def expired(self, now: float | None = None) -> bool:
         return self.expires_at is not None and (now or time.time()) >= self.expires_at

@@ -2,7 +2,8 @@
 
 It looks the key up in the watched key store, refuses missing, unknown, revoked and
 expired keys (401) and models the key may not use (403), strips the key from the headers
-so no later stage ever sees it, and adds the principal, its limits and its filter policy.
+so no later stage ever sees it, and adds the principal, its limits, its filter policy, the
+class it is served in and the flow its fair share counts in (engine_worker/flow.py).
 A model alias (the key's own, or a global one) is resolved here (:mod:`services.aliases`).
 """
 
@@ -43,6 +44,9 @@ def authenticate(keys: KeyStore, hdrs: dict[str, str], aliases: AliasTable | Non
     hdrs[H.PRINCIPAL] = rec.id
     hdrs[H.LIMITS] = limits_header(rec.rpm, rec.tpm, rec.max_concurrent)
     hdrs[H.FILTER_POLICY] = rec.filter_policy
+    hdrs[H.PRIORITY] = rec.tier(hdrs.get(H.PRIORITY))
+    hdrs[H.FLOW] = f"owner:{rec.owner}" if rec.fair_by == "owner" and rec.owner else rec.id
+    hdrs[H.FLOW_WEIGHT] = repr(rec.weight)
     return retarget(hdrs, asked, served) if aliases is not None else False
 
 

@@ -28,6 +28,7 @@ def accept(
     ratelimit_info: str | None = None,
     admission: str | None = None,
     traceparent: str | None = None,
+    service_tier: str | None = None,
 ) -> bytes:
     frame: dict[str, Any] = {
         "t": ACCEPT,
@@ -41,6 +42,8 @@ def accept(
         frame["adm"] = admission
     if traceparent:  # the replica's span (tracing on): a migration of the request links it
         frame["tp"] = traceparent
+    if service_tier:  # the class that serves it (engine_worker/flow.py)
+        frame["tier"] = service_tier
     return codec.encode(frame)
 
 

@@ -44,6 +44,20 @@ FILTER_FLAGS = "Tb-Filter-Flags"
 FILTER_POLICY = "Tb-Filter-Policy"
 # A session or user key for session-affinity routing (HTTP: ``X-Session-Id``).
 SESSION = "Tb-Session"
+# The class the request asks for (OpenAI's ``service_tier``: priority, default, flex; auto or
+# absent: the key's default), from the body or the client; auth settles it within the key's
+# ceiling. The worker serves higher classes first (engine_worker/flow.py).
+PRIORITY = "Tb-Priority"
+# A fairness id the client sends (one per agent program or session): requests of one key
+# are shared fairly between its fairness ids (HTTP: ``X-Fairness-Id``).
+FAIRNESS = "Tb-Fairness"
+# The flow a request's fair share is counted in (the key's id, or its owner), and its
+# weight, set by auth.
+FLOW = "Tb-Flow"
+FLOW_WEIGHT = "Tb-Flow-Weight"
+# A time-to-first-token objective in milliseconds the client sends: within its fairness id
+# the request with the earliest objective goes first (HTTP: ``X-SLO-TTFT-Ms``).
+TTFT_OBJECTIVE = "Tb-Ttft-Ms"
 # W3C trace context, carried from HTTP callers (or NATS clients) through every stage; each
 # traced hop puts its own span's here for the next.
 TRACEPARENT = "traceparent"

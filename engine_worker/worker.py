@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 import uuid
 from collections import OrderedDict
@@ -21,9 +22,10 @@ from nats.aio.msg import Msg
 from bus_schemas import codec, frames, marks, subjects
 from bus_schemas import errors as E
 from bus_schemas import headers as H
-from bus_schemas.messages import check_envelope
+from bus_schemas.messages import check_envelope, message_text
 from engine_worker import backends
 from engine_worker.backends.base import Backend, Delta, DeltaStream, GenerationRequest
+from engine_worker.flow import FlowConfig, FlowControl, Ticket, class_of
 from engine_worker.outbox import Outbox
 from filter.policy import FilterPolicy
 from filter.scanner import Scanner, StreamOutput, StreamScanner
@@ -166,6 +168,7 @@ class _Generation:
     prompt_tokens: int = -1  # unknown until the final delta; -1 keeps the admission estimate
     outcome: str = "ok"
     span: Any = None  # this replica's span of the request (tracing on)
+    ticket: Ticket | None = None  # its place in the flow control (engine_worker/flow.py)
 
     @property
     def rid(self) -> str:
@@ -198,6 +201,74 @@ def _trace_refused(err: E.TokenbusError) -> None:
     tracing.outcome(span, err.code)
     if err.code not in (E.ReplicaBusy.code, E.ReplicaDraining.code):
         tracing.fail(span, err.code)
+
+
+def flow_control(cfg: Any) -> FlowControl | None:
+    """The flow control of a worker with settings ``cfg`` (``worker``), None when off."""
+    f = cfg.flow
+    if not f.enabled:
+        return None
+    slots = f.slots or engine_batch(cfg)
+    slots = max(1, min(slots, cfg.max_concurrency))
+    reserved = {c: max(1, math.ceil(share * slots)) for c, share in f.reserved.items() if share > 0}
+    return FlowControl(
+        FlowConfig(
+            slots=slots,
+            reserved=reserved,
+            max_queued=dict(f.max_queued),
+            max_queued_tokens=dict(f.max_queued_tokens),
+            max_wait_s=dict(f.max_wait_s),
+            aging_s=f.aging_s,
+            input_weight=f.input_weight,
+            output_weight=f.output_weight,
+            displace=f.displace,
+        )
+    )
+
+
+def engine_batch(cfg: Any) -> int:
+    """The sequences the engine runs at once, as configured: the sim's ``max_running``,
+    vLLM's ``max_num_seqs`` (its default, 256, when unset); for an upstream server it is
+    not known here: ``max_concurrency``."""
+    if cfg.backend == "sim":
+        return int(cfg.sim.max_running)
+    if cfg.backend == "vllm":
+        return int(cfg.vllm.engine_args.get("max_num_seqs") or 256)
+    return int(cfg.max_concurrency)
+
+
+def _class(hdrs: dict[str, str] | None) -> str:
+    """The request's class (``service_tier``) as auth settled it."""
+    return class_of((hdrs or {}).get(H.PRIORITY))
+
+
+def _weight(value: str | None) -> float:
+    try:
+        w = float(value) if value else 1.0
+    except ValueError:
+        return 1.0
+    return w if 0 < w < 1e6 else 1.0
+
+
+def _prompt_estimate(env: dict[str, Any]) -> int:
+    """The prompt's tokens, estimated before the engine counts them (4 characters a
+    token): what the flow control charges and bounds queues by."""
+    if env.get("prompt") is not None:
+        chars = len(str(env["prompt"]))
+    else:
+        chars = sum(
+            len(message_text(m.get("content")))
+            for m in env.get("messages") or ()
+            if isinstance(m, dict)
+        )
+    return chars // 4 + 1
+
+
+def _queue_attrs(t: Ticket) -> dict[str, Any]:
+    return {
+        "tokenbus.service_tier": t.cls,
+        "tokenbus.queue_wait_ms": round((time.monotonic() - t.arrived) * 1000, 3),
+    }
 
 
 def _seconds_left(hdrs: dict[str, str]) -> float | None:
@@ -233,6 +304,7 @@ class Worker(Service):
         self._seq = 0
         self.log = self.log.bind(replica=self.replica, model=self.model)
         self.discovery.metadata.update(replica=self.replica, model=self.model)
+        self.flow = flow_control(cfg)
 
     async def setup(self) -> None:
         self.outbox = Outbox(self.nc)
@@ -262,6 +334,7 @@ class Worker(Service):
             "running": int(st.get("running", 0)),
             "waiting": int(st.get("waiting", 0)),
             "kv_usage": float(st.get("kv_usage", 0.0)),
+            **({"flow": self.flow.stats()} if self.flow is not None else {}),
             "max_concurrency": self.cfg.max_concurrency,
             # The backend's effective degree when it knows it (vllm: its engine options).
             "tp": int(getattr(self.backend, "tp", self.cfg.tp)),
@@ -356,10 +429,10 @@ class Worker(Service):
             self._track(gen)
             work = self._embed(msg, gen)
         else:
-            stream = await self._start_engine(msg, gen)
-            if stream is None:
+            stream = await self._enter_engine(msg, gen)
+            if stream is False:
                 return
-            work = self._generate(msg, gen, stream)
+            work = self._generate(msg, gen, None if stream is True else stream)
         try:
             await work
         except TimeoutError:
@@ -401,9 +474,11 @@ class Worker(Service):
             raise E.ReplicaDraining(f"replica {self.replica} is draining")
         if marks.expired(msg.headers):
             raise E.Timeout("the request's deadline passed before it was served")
-        if len(self._active) >= self.cfg.max_concurrency:
-            # At capacity (its engine queue included): the router tries another replica or
-            # holds the request in its bounded queue.
+        if len(self._active) >= self.cfg.max_concurrency and (
+            self.flow is None or self.flow.shed_for(_class(msg.headers)) is None
+        ):
+            # At capacity (its queues included) with nothing of a lower class to shed: the
+            # router tries another replica or holds the request in its bounded queue.
             raise E.ReplicaBusy(f"replica {self.replica} is at its limit of requests")
         # A frame that breaks the wire contract is refused here, in the ack, not by an
         # exception in the engine or in the output filter later.
@@ -429,22 +504,73 @@ class Worker(Service):
             )
         return _Generation(reply, msg.headers or {}, env, req, task)
 
-    async def _start_engine(self, msg: Msg, gen: _Generation) -> DeltaStream | None:
-        """Start generating and take a slot; None once a failure to start went back in the ack."""
-        gen.t_start = marks.now_ns()
+    async def _enter_engine(self, msg: Msg, gen: _Generation) -> DeltaStream | bool:
+        """Start generating when the flow control gives the request a slot now, and take
+        its place; True when it must wait for a slot (:meth:`_generate` waits), False once a
+        refusal or a failure to start went back in the ack."""
+        if self.flow is not None:
+            try:
+                gen.ticket = self._ticket(gen)
+            except E.TokenbusError as exc:
+                await self._ack(msg, exc)
+                if tracing.on():
+                    _trace_refused(exc)
+                return False
+            if not gen.ticket.granted.is_set():
+                self._track(gen)
+                return True
         # The engine starts first (its clock is the user's TTFT); the ack and the accept
         # frame go out while it prefills.
         try:
-            stream = self.backend.generate(gen.req)
+            stream = self._engine_stream(gen)
         except E.TokenbusError as exc:
+            self._leave_flow(gen)
             await self._ack(msg, exc)
-            return None
-        except Exception as exc:
-            self.log.exception("generate_failed", request_id=gen.rid)
-            await self._ack(msg, E.EngineError(f"the engine failed: {type(exc).__name__}"))
-            return None
+            return False
         self._track(gen)
         return stream
+
+    def _engine_stream(self, gen: _Generation) -> DeltaStream:
+        """The engine's stream of the request, started now; a failure to start is raised as
+        a typed error."""
+        gen.t_start = marks.now_ns()
+        try:
+            return self.backend.generate(gen.req)
+        except E.TokenbusError:
+            raise
+        except Exception as exc:
+            self.log.exception("generate_failed", request_id=gen.rid)
+            raise E.EngineError(f"the engine failed: {type(exc).__name__}") from exc
+
+    def _ticket(self, gen: _Generation) -> Ticket:
+        """The request's place in the flow control, from what auth and the client said."""
+        assert self.flow is not None
+        hdrs = gen.headers
+        left = _seconds_left(hdrs)
+        ttft = marks.number(hdrs.get(H.TTFT_OBJECTIVE))
+        t = self.flow.enter(
+            flow=hdrs.get(H.FLOW) or hdrs.get(H.PRINCIPAL) or "",
+            sub=hdrs.get(H.FAIRNESS, "")[:128],
+            cls=_class(hdrs),
+            weight=_weight(hdrs.get(H.FLOW_WEIGHT)),
+            prompt_tokens=_prompt_estimate(gen.env),
+            deadline=None if left is None else time.monotonic() + left,
+            ttft_objective_s=ttft / 1000.0 if ttft else None,
+        )
+        task = gen.task
+
+        def displace() -> None:
+            if not task.done():
+                task.cancel()
+
+        t.on_displace = displace
+        return t
+
+    def _leave_flow(self, gen: _Generation) -> None:
+        """Give the request's place in the flow control back (its slot to the next)."""
+        if gen.ticket is not None and self.flow is not None:
+            self.flow.leave(gen.ticket, gen.completion)
+            gen.ticket = None
 
     def _track(self, gen: _Generation) -> None:
         if not self._active:
@@ -474,13 +600,34 @@ class Worker(Service):
                 info,
                 gen.headers.get(H.ADMISSION),
                 tracing.traceparent(gen.span) if gen.span is not None else None,
+                gen.ticket.cls if gen.ticket is not None else _class(gen.headers),
             ),
         )
 
-    async def _generate(self, msg: Msg, gen: _Generation, stream: DeltaStream) -> None:
-        """Accept the request and relay the engine's output."""
+    async def _generate(self, msg: Msg, gen: _Generation, stream: DeltaStream | None) -> None:
+        """Accept the request and relay the engine's output; without a ``stream`` the
+        request waits for its slot first. One displaced before its first byte by a higher
+        class waits again and starts over (engine_worker/flow.py)."""
         await self._accept(msg, gen)
-        await self._relay(gen, stream)
+        t = gen.ticket
+        while True:
+            if stream is None:
+                assert t is not None and self.flow is not None
+                await self.flow.wait(t)
+                if tracing.on() and t.arrived:
+                    tracing.event(gen.span, tracing.QUEUE_EVENT, _queue_attrs(t))
+                stream = self._engine_stream(gen)
+            try:
+                await self._relay(gen, stream)
+                return
+            except asyncio.CancelledError:
+                if t is None or not t.displaced or gen.reply in self._caller_cancelled:
+                    raise
+                gen.task.uncancel()
+            tracing.event(gen.span, tracing.DISPLACED_EVENT, {"tokenbus.service_tier": t.cls})
+            stream = None
+            assert self.flow is not None
+            self.flow.requeue(t)
 
     async def _embed(self, msg: Msg, gen: _Generation) -> None:
         """Accept an embeddings request, embed its inputs, send one chunk frame per vector
@@ -512,10 +659,12 @@ class Worker(Service):
         held_tokens = 0
         finished = False
 
+        ticket = gen.ticket
+
         def feed(d: Delta) -> bool:
             """One delta out as a frame; True once the stream is finished."""
             nonlocal index, held_tokens, finished
-            if finished:
+            if finished or (ticket is not None and ticket.displaced):
                 return True
             text = d.text
             finish = d.finish_reason
@@ -536,6 +685,8 @@ class Worker(Service):
                 if text or side:
                     if not gen.first_ns:
                         gen.first_ns = marks.now_ns()
+                        if ticket is not None:
+                            ticket.first_byte = True  # no longer displaced
                         if gen.span is not None:
                             gen.span.add_event(tracing.FIRST_TOKEN)
                     send(reply, frames.chunk(text, held_tokens, index, side))
@@ -598,6 +749,7 @@ class Worker(Service):
 
     async def _finish(self, gen: _Generation) -> None:
         """Free the request's slot, report its usage, write its log line and telemetry record."""
+        self._leave_flow(gen)
         await self._free_slot(gen.reply)
         hdrs = gen.headers
         if H.RATELIMIT in hdrs:

@@ -94,6 +94,16 @@ def api_key(scope: Scope) -> dict[str, str]:
     return {H.API_KEY: key} if key else {}
 
 
+# Flow control headers of non-OpenAI clients (docs/flow.md): the class asked for, a fairness
+# id (llm-d's name too) and a TTFT objective in milliseconds.
+_FLOW_HEADERS = (
+    (b"x-tokenbus-service-tier", H.PRIORITY),
+    (b"x-fairness-id", H.FAIRNESS),
+    (b"x-gateway-inference-fairness-id", H.FAIRNESS),
+    (b"x-slo-ttft-ms", H.TTFT_OBJECTIVE),
+)
+
+
 def bus_headers(scope: Scope) -> dict[str, str]:
     """What of the HTTP request travels as bus headers: the API key, the session key
     (``X-Session-Id``, for session-affinity routing) and a W3C ``traceparent``."""
@@ -101,6 +111,10 @@ def bus_headers(scope: Scope) -> dict[str, str]:
     session = header(scope, b"x-session-id")
     if session:
         out[H.SESSION] = session[:256]
+    for name, bus in _FLOW_HEADERS:
+        value = header(scope, name)
+        if value:
+            out[bus] = value[:128]
     trace = marks.traceparent(header(scope, b"traceparent"))
     if trace:
         out[H.TRACEPARENT] = trace

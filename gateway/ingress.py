@@ -29,7 +29,20 @@ CLIENT_HEADERS = (
     H.MIGRATION,
     H.KEEPALIVE,
     H.ADMISSION,
+    H.PRIORITY,
+    H.FAIRNESS,
+    H.TTFT_OBJECTIVE,
 )
+# OpenAI's service tiers as classes (engine_worker/flow.py): ``auto`` is the key's default;
+# ``scale`` (OpenAI's reserved capacity) and ``fast`` are served as ``priority``.
+SERVICE_TIERS = {
+    "auto": "",
+    "default": "default",
+    "flex": "flex",
+    "priority": "priority",
+    "scale": "priority",
+    "fast": "priority",
+}
 MAX_REQUEST_ID = 128
 _SAFE_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 
@@ -39,6 +52,27 @@ def clean_request_id(value: str | None) -> str:
     if value and _SAFE_ID.fullmatch(value):
         return value
     return uuid.uuid4().hex
+
+
+def service_tier(body: dict[str, Any], hdrs: dict[str, str]) -> None:
+    """The class the request asks for, from its ``service_tier`` (or, when the body has
+    none, the client's header), as the ``Tb-Priority`` header auth settles; 400 for a tier
+    OpenAI does not define."""
+    asked = hdrs.pop(H.PRIORITY, "")
+    tier = body.get("service_tier")
+    param = "service_tier"
+    if tier is None:
+        tier = asked or None
+        param = "X-Tokenbus-Service-Tier"
+    if tier is None:
+        return
+    if not isinstance(tier, str) or tier not in SERVICE_TIERS:
+        raise E.InvalidRequest(
+            f"{param}: {tier!r} is not a service tier (one of auto, default, flex, priority)",
+            param=param if param == "service_tier" else None,
+        )
+    if SERVICE_TIERS[tier]:
+        hdrs[H.PRIORITY] = SERVICE_TIERS[tier]
 
 
 class Admission:
@@ -90,6 +124,7 @@ class Admission:
         )
         hdrs[H.MODEL] = req.model
         hdrs[H.KIND] = kind
+        service_tier(body, hdrs)
         if self.rest:
             hdrs[H.ROUTE] = self.rest
         else:

@@ -592,6 +592,7 @@ def whole_answer(
                 }
             ],
             "usage": usage,
+            **_tier(stream),
         }
     return {
         "id": f"cmpl-{rid}",
@@ -600,7 +601,14 @@ def whole_answer(
         "model": model,
         "choices": [text_choice(0, out, stream)],
         "usage": usage,
+        **_tier(stream),
     }
+
+
+def _tier(stream: StreamLike) -> dict[str, str]:
+    """``service_tier``: the class that served the answer (engine_worker/flow.py)."""
+    tier = getattr(stream, "service_tier", None)
+    return {"service_tier": tier} if tier else {}
 
 
 def chat_logprobs(lp: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -827,10 +835,12 @@ class SSEFrames(NamedTuple):
     choice: int = 0  # the choice's index in each event
 
 
-def sse_frames(kind: str, rid: str, model: str, created: int, index: int = 0) -> SSEFrames:
+def sse_frames(
+    kind: str, rid: str, model: str, created: int, index: int = 0, tier: str | None = None
+) -> SSEFrames:
     """The SSE templates of a ``chat.completion.chunk`` or ``text_completion`` stream (of
-    choice ``index``)."""
-    model_json = json.dumps(model)
+    choice ``index``); ``tier``: the ``service_tier`` that serves it."""
+    model_json = json.dumps(model) + (f',"service_tier":{json.dumps(tier)}' if tier else "")
     if kind == KIND_CHAT:
         head = (
             f'data: {{"id":"chatcmpl-{rid}","object":"chat.completion.chunk",'
@@ -884,7 +894,9 @@ async def write_sse(
     # Wait for the first frame before sending headers, so errors that happen before
     # generation (unknown model, no replica) still get their own HTTP status.
     first = await first_chunk(stream)
-    frames = sse_frames(kind, rid, req.model, int(time.time()))
+    frames = sse_frames(
+        kind, rid, req.model, int(time.time()), tier=getattr(stream, "service_tier", None)
+    )
     chat = kind == KIND_CHAT
     progress.started = True
     if now is not None:

@@ -153,7 +153,8 @@ def _bad_field(frame: dict[str, Any]) -> str | None:
         if not _opt(hb, int, float) or (hb is not None and not 0 < hb < 3600):
             return "heartbeat_s"
         return next(
-            (k for k in ("replica", "rl", "adm", "tp") if not _opt(frame.get(k), str)), None
+            (k for k in ("replica", "rl", "adm", "tp", "tier") if not _opt(frame.get(k), str)),
+            None,
         )
     elif t == frames.FINAL:
         usage, timings = frame.get("usage") or {}, frame.get("timings") or {}
@@ -301,6 +302,8 @@ class Completion:
     # The stop string that ended the answer (finish ``stop``); None when the model stopped on
     # its own or the engine does not say.
     stop_sequence: str | None = None
+    # The class that served it (``service_tier``: priority, default, flex).
+    service_tier: str | None = None
 
 
 @dataclass(slots=True)
@@ -386,6 +389,8 @@ class Stream:
         self._admission = ""  # the ratelimit stage's ticket for the current attempt
         self.finish_reason: str | None = None
         self.stop_sequence: str | None = None
+        # The class that serves it (``service_tier``), from the accept frame.
+        self.service_tier: str | None = None
         self.usage: Usage | None = None
         self.timings: dict[str, int] = {}
         self.t_sent_ns = 0
@@ -720,6 +725,8 @@ class Stream:
                 self.replica = other
                 if frame.get("adm"):
                     self._admission = str(frame["adm"])
+                if frame.get("tier"):
+                    self.service_tier = str(frame["tier"])
                 if frame.get("rl"):
                     self.rate_limits = {
                         k: v
@@ -906,6 +913,7 @@ class Stream:
             refusal=out.refusal,
             reasoning=out.reasoning,
             stop_sequence=self.stop_sequence,
+            service_tier=self.service_tier,
         )
 
     async def collect_embeddings(self) -> EmbeddingResult:

@@ -311,6 +311,64 @@ class VLLMSettings(BaseModel):
     )
 
 
+def _default_reserve() -> dict[Literal["priority", "default"], float]:
+    return {"default": 0.0625}
+
+
+def _default_waits() -> dict[Literal["priority", "default", "flex"], float]:
+    return {"priority": 30.0, "default": 60.0, "flex": 600.0}
+
+
+class FlowSettings(BaseModel):
+    """Flow control in front of a replica's engine (engine_worker/flow.py, docs/flow.md):
+    fair shares between keys, priority classes, admission."""
+
+    enabled: bool = Field(
+        default=True,
+        description="Hold requests beyond the engine's batch in the worker's fair queues "
+        "(false: hand every request to the engine at once, first come first served).",
+    )
+    slots: int = Field(
+        default=0,
+        ge=0,
+        description="Requests in the engine at once (0: the engine's batch: sim.max_running, "
+        "vllm's max_num_seqs; max_concurrency for the openai backend).",
+    )
+    reserved: dict[Literal["priority", "default"], float] = Field(
+        default_factory=_default_reserve,
+        description="Share of the slots kept for a class and those above it (classes below "
+        "may not take them): by default 1/16 for default, so a flex flood never fills the "
+        "engine. A share > 0 keeps at least one slot.",
+    )
+    max_queued: dict[Literal["priority", "default", "flex"], int] = Field(
+        default_factory=dict,
+        description="Requests waiting per class at most (absent or 0: bounded by "
+        "max_concurrency only); beyond, 429 for a key over its share, else another replica.",
+    )
+    max_queued_tokens: dict[Literal["priority", "default", "flex"], int] = Field(
+        default_factory=dict, description="Prompt tokens waiting per class at most (0: none)."
+    )
+    max_wait_s: dict[Literal["priority", "default", "flex"], float] = Field(
+        default_factory=_default_waits,
+        description="Longest wait per class for a slot, then 503 with Retry-After (0: none; "
+        "the request's own deadline always holds).",
+    )
+    aging_s: float = Field(
+        default=30.0, ge=0, description="Each wait this long counts one class higher (0: off)."
+    )
+    input_weight: float = Field(
+        default=1.0, ge=0, description="Fair-share cost of a prompt token (VTC's w_p)."
+    )
+    output_weight: float = Field(
+        default=2.0, ge=0, description="Fair-share cost of an answer token (VTC's w_q)."
+    )
+    displace: bool = Field(
+        default=True,
+        description="A higher class may take the slot of a lower-class request that has not "
+        "sent its first byte (that one waits again; it is not failed).",
+    )
+
+
 class WorkerSettings(BaseModel):
     """One engine worker (one replica)."""
 
@@ -344,6 +402,7 @@ class WorkerSettings(BaseModel):
     sim: SimSettings = Field(default_factory=SimSettings)
     openai: OpenAIUpstreamSettings = Field(default_factory=OpenAIUpstreamSettings)
     vllm: VLLMSettings = Field(default_factory=VLLMSettings)
+    flow: FlowSettings = Field(default_factory=FlowSettings)
 
 
 class TelemetrySettings(BaseModel):

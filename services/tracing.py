@@ -95,6 +95,9 @@ MIGRATION_EVENT = "migration"
 RESUME_EVENT = "resume"
 CANCEL_EVENT = "cancel"
 REFUSED_EVENT = "replica_refused"
+# Flow control (engine_worker/flow.py): the wait for an engine slot, and a displacement.
+QUEUE_EVENT = "queue_wait"
+DISPLACED_EVENT = "displaced"
 
 _ENDPOINT_VARS = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
 

@@ -142,13 +142,16 @@ class Client(Caller):
         request_id: str | None = None,
         session: str | None = None,
         traceparent: str | None = None,
+        fairness_id: str | None = None,
         **params: Any,
     ) -> Stream:
         """Stream a chat completion; ``params`` are OpenAI's (max_tokens, temperature, tools,
         tool_choice, response_format, logprobs, ...; fields tokenbus does not know are carried
         to the engine). ``session`` keys session-affinity routing (requests of one session,
         one replica). ``traceparent``: a W3C trace context the request continues (every hop
-        it takes is a span of that trace). Chunks carry ``tool_calls``/``logprobs``/
+        it takes is a span of that trace). ``fairness_id``: which of the key's agents or
+        sessions the request is, for fair shares within the key (docs/flow.md);
+        ``service_tier`` (OpenAI's) asks for a class. Chunks carry ``tool_calls``/``logprobs``/
         ``refusal``/``reasoning`` when the engine sends them; :meth:`Stream.collect` puts
         them together."""
         body = {"model": model, "messages": list(messages), **params}
@@ -158,7 +161,7 @@ class Client(Caller):
             timeout=timeout,
             api_key=api_key or self.api_key,
             request_id=request_id,
-            headers=_headers(session, traceparent),
+            headers=_headers(session, traceparent, fairness_id),
         )
 
     def completions(
@@ -171,6 +174,7 @@ class Client(Caller):
         request_id: str | None = None,
         session: str | None = None,
         traceparent: str | None = None,
+        fairness_id: str | None = None,
         **params: Any,
     ) -> Stream:
         """Stream a text completion (``traceparent``: as for :meth:`chat`)."""
@@ -181,7 +185,7 @@ class Client(Caller):
             timeout=timeout,
             api_key=api_key or self.api_key,
             request_id=request_id,
-            headers=_headers(session, traceparent),
+            headers=_headers(session, traceparent, fairness_id),
         )
 
     async def chat_completion(
@@ -405,11 +409,16 @@ def _refusal(url: str, options: dict[str, Any]) -> E.Unauthorized:
     return E.Unauthorized(f"the NATS server at {url} refused {what}: {why}")
 
 
-def _headers(session: str | None, traceparent: str | None) -> dict[str, str] | None:
-    """The bus headers a call adds: its session key and the trace context it continues."""
+def _headers(
+    session: str | None, traceparent: str | None, fairness_id: str | None = None
+) -> dict[str, str] | None:
+    """The bus headers a call adds: its session key, the trace context it continues and
+    its fairness id."""
     out: dict[str, str] = {}
     if session:
         out[H.SESSION] = session
+    if fairness_id:
+        out[H.FAIRNESS] = fairness_id[:128]
     if traceparent:
         tp = marks.traceparent(traceparent)
         if tp is None:

@@ -1,0 +1,328 @@
+"""Flow control end to end (engine_worker/flow.py, docs/flow.md): real nats-server, real
+processes, two routers (NATS clients' requests) beside a bridge that routes in-process (HTTP
+clients'): every path meets in the replica's worker, where the schedule is kept.
+
+Orders of service are asserted, never durations: a newcomer's first token comes before the
+flooding tenant's backlog, and with flow control off (the engine's own first come, first
+served) it comes after it — so each fairness test shows it can fail.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from bus_schemas import errors as E
+from tests.conftest import Procs, key_store, live_replicas, start_stack
+from tokenbus import Client
+
+MSG = [{"role": "user", "content": "Tell me about fair queues."}]
+PIPELINE = {"TOKENBUS_INGRESS__PIPELINE": '["auth", "route"]'}
+
+
+async def _keys(url: str, **specs: dict[str, Any]) -> dict[str, str]:
+    """Keys by name, with the given fields."""
+    out = {}
+    async with key_store(url) as store:
+        for name, fields in specs.items():
+            out[name], _ = await store.create(name, **fields)
+    return out
+
+
+async def _until_flow(url: str, model: str, cond: Any) -> dict[str, Any]:
+    """The replica's flow stats once ``cond`` holds of them."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        for hb in (await live_replicas(url, model, wait=0.25)).values():
+            if hb.get("flow") and cond(hb["flow"]):
+                return dict(hb["flow"])
+    raise AssertionError("the replica's flow control never got there")
+
+
+async def _until_in_flight(url: str, model: str, n: int) -> None:
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        seen = await live_replicas(url, model, wait=0.3)
+        if any(int(hb.get("in_flight", 0)) >= n for hb in seen.values()):
+            return
+    raise AssertionError(f"the replica never had {n} requests in flight")
+
+
+async def _http_stream(
+    base: str,
+    key: str,
+    body: dict[str, Any],
+    firsts: list[float],
+    headers: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    """A streamed chat request through the bridge; appends its first token's time."""
+    hdrs = {"Authorization": f"Bearer {key}", **(headers or {})}
+    last: dict[str, Any] = {}
+    text: list[str] = []
+    async with (
+        httpx.AsyncClient(base_url=base, timeout=60) as h,
+        h.stream("POST", "/v1/chat/completions", json={**body, "stream": True}, headers=hdrs) as r,
+    ):
+        assert r.status_code == 200, await r.aread()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            ev = json.loads(line[6:])
+            piece = ev["choices"][0]["delta"].get("content") if ev["choices"] else None
+            if piece:
+                if not text:
+                    firsts.append(time.monotonic())
+                text.append(piece)
+            last = ev
+    return {"text": "".join(text), "last": last}
+
+
+def _flow_env(on: bool, **extra: str) -> dict[str, str]:
+    return {**PIPELINE, "TOKENBUS_WORKER__FLOW__ENABLED": "true" if on else "false", **extra}
+
+
+FLOOD = {"messages": MSG, "max_tokens": 30, "ignore_eos": True}
+
+
+@pytest.mark.parametrize("flow", [True, False], ids=["flow-on", "flow-off"])
+async def test_a_newcomer_is_served_before_a_flooding_tenants_backlog(
+    procs: Procs, model: str, flow: bool
+) -> None:
+    """Tenant A floods over HTTP (the bridge routes in-process); tenant B's one request comes
+    over NATS through two router instances. With flow control B's first token comes before
+    A's queued requests start; without it (FIFO in the engine) after them."""
+    keys = await _keys(procs.url, a={}, b={})
+    stack = await start_stack(
+        procs,
+        model,
+        "ingress",
+        "auth",
+        "router",
+        "router",
+        worker_args=("--sim-max-running", "2", "--max-concurrency", "64"),
+        env=_flow_env(flow),
+        settle=0.5,
+    )
+    a_firsts: list[float] = []
+    flood = [
+        asyncio.ensure_future(
+            _http_stream(stack.base, keys["a"], {"model": model, **FLOOD}, a_firsts)
+        )
+        for _ in range(12)
+    ]
+    await _until_in_flight(procs.url, model, 12)
+    async with await Client.connect(procs.url) as client:
+        sent = time.monotonic()
+        stream = client.chat(model, MSG, max_tokens=4, ignore_eos=True, api_key=keys["b"])
+        async for chunk in stream:
+            if chunk.text:
+                b_first = time.monotonic()
+                break
+        await stream.aclose()
+    results = await asyncio.gather(*flood)
+    assert all(len(r["last"]["choices"]) or r["text"] for r in results)
+    a_before_b = sum(1 for t in a_firsts if sent <= t <= b_first)
+    if flow:
+        # At most the slot that was already being handed over when B came.
+        assert a_before_b <= 1, a_before_b
+    else:
+        assert a_before_b >= 6, a_before_b
+    assert stack.all_alive()
+
+
+async def test_fairness_ids_share_a_key(procs: Procs, model: str) -> None:
+    """One key, two agents: the second agent's request goes before the first agent's queue."""
+    keys = await _keys(procs.url, k={})
+    stack = await start_stack(
+        procs,
+        model,
+        "auth",
+        worker_args=("--sim-max-running", "1", "--max-concurrency", "64"),
+        env=_flow_env(True),
+        settle=0.5,
+    )
+    firsts: list[float] = []
+    body = {"model": model, **FLOOD, "max_tokens": 50}
+    agent1 = [
+        asyncio.ensure_future(
+            _http_stream(stack.base, keys["k"], body, firsts, {"X-Fairness-Id": "agent-1"})
+        )
+        for _ in range(8)
+    ]
+    await _until_in_flight(procs.url, model, 8)
+    sent = time.monotonic()
+    mine: list[float] = []
+    await _http_stream(
+        stack.base, keys["k"], {**body, "max_tokens": 2}, mine, {"X-Fairness-Id": "agent-2"}
+    )
+    await asyncio.gather(*agent1)
+    assert sum(1 for t in firsts if sent <= t <= mine[0]) <= 1
+
+
+async def test_service_tier_is_settled_by_the_key_and_carried_back(
+    procs: Procs, model: str
+) -> None:
+    """``service_tier`` over HTTP (body and header) and over NATS: the key's default for
+    none or ``auto``, never above its ceiling; every answer says which class served it."""
+    keys = await _keys(
+        procs.url,
+        vip={"max_service_tier": "priority"},
+        std={},
+        batchy={"service_tier": "flex"},
+    )
+    stack = await start_stack(
+        procs, model, "ingress", "auth", "router", env=_flow_env(True), settle=0.5
+    )
+    body: Any = {"model": model, "messages": MSG, "max_tokens": 3}
+    cases: list[tuple[str, Any, dict[str, str], str]] = [
+        ("vip", {"service_tier": "priority"}, {}, "priority"),
+        ("std", {"service_tier": "priority"}, {}, "default"),  # above its ceiling
+        ("std", {"service_tier": "flex"}, {}, "flex"),
+        ("batchy", {}, {}, "flex"),
+        ("batchy", {"service_tier": "auto"}, {}, "flex"),
+        ("std", {}, {"X-Tokenbus-Service-Tier": "flex"}, "flex"),
+        ("vip", {}, {}, "default"),
+    ]
+    for name, extra, hdrs, want in cases:
+        oa = openai.AsyncOpenAI(
+            base_url=f"{stack.base}/v1", api_key=keys[name], max_retries=0, default_headers=hdrs
+        )
+        whole = await oa.chat.completions.create(**body, **extra)
+        assert whole.service_tier == want, (name, extra, hdrs)
+        chunks = [c async for c in await oa.chat.completions.create(**body, **extra, stream=True)]
+        assert chunks and all(c.service_tier == want for c in chunks), (name, extra)
+        await oa.close()
+    oa = stack.openai(keys["std"])
+    with pytest.raises(openai.BadRequestError) as bad:
+        await oa.chat.completions.create(**{**body, "service_tier": "gold"})
+    assert bad.value.status_code == 400 and "service_tier" in str(bad.value)
+    async with await Client.connect(procs.url) as client:
+        got = await client.chat_completion(
+            model, MSG, max_tokens=3, service_tier="priority", api_key=keys["vip"]
+        )
+        assert got.service_tier == "priority"
+        got = await client.chat_completion(model, MSG, max_tokens=3, api_key=keys["batchy"])
+        assert got.service_tier == "flex"
+        with pytest.raises(E.InvalidRequest):
+            await client.chat_completion(
+                model, MSG, max_tokens=3, service_tier=7, api_key=keys["std"]
+            )
+    assert stack.all_alive()
+
+
+async def test_reserved_slot_and_displacement_before_the_first_byte(
+    procs: Procs, model: str
+) -> None:
+    """A flex flood fills what it may (all but default's reserved slot); a default request
+    takes the reserved slot at once; a priority one then displaces a flex request that has
+    not sent a byte (long prefill), which waits again and still completes whole."""
+    keys = await _keys(
+        procs.url, flex={"service_tier": "flex"}, std={}, vip={"max_service_tier": "priority"}
+    )
+    stack = await start_stack(
+        procs,
+        model,
+        "auth",
+        worker_args=(
+            *("--sim-max-running", "4", "--max-concurrency", "64"),
+            *("--sim-prefill-ms", "3000"),
+        ),
+        env=_flow_env(True),
+        settle=0.5,
+    )
+    firsts: list[float] = []
+    body = {"model": model, **FLOOD, "max_tokens": 5}
+    flood = [
+        asyncio.ensure_future(_http_stream(stack.base, keys["flex"], body, firsts))
+        for _ in range(6)
+    ]
+    # Each step happens well within the first requests' prefill (3 s).
+    stats = await _until_flow(procs.url, model, lambda s: s["flex"]["queued"] == 3)
+    assert stats["flex"]["running"] == 3, stats  # the 4th slot is kept for default
+    std = asyncio.ensure_future(_http_stream(stack.base, keys["std"], body, []))
+    stats = await _until_flow(procs.url, model, lambda s: s["default"]["running"] == 1)
+    assert stats["flex"]["running"] == 3 and stats["flex"]["displaced"] == 0, stats
+    vip = asyncio.ensure_future(
+        _http_stream(stack.base, keys["vip"], {**body, "service_tier": "priority"}, [])
+    )
+    stats = await _until_flow(procs.url, model, lambda s: s["priority"]["running"] == 1)
+    assert stats["flex"]["displaced"] == 1 and stats["flex"]["running"] == 2, stats
+    assert stats["default"]["running"] == 1 and not firsts, stats
+    done = await asyncio.gather(*flood, std, vip)
+    # Every displaced request came back and finished whole.
+    assert all(r["last"]["choices"][0]["finish_reason"] == "length" for r in done)
+    assert all(r["last"].get("service_tier") for r in done)
+    assert stack.all_alive()
+
+
+async def test_a_full_queue_is_429_for_the_key_over_its_share_and_503_for_others(
+    procs: Procs, model: str
+) -> None:
+    keys = await _keys(procs.url, a={}, b={})
+    stack = await start_stack(
+        procs,
+        model,
+        "auth",
+        worker_args=("--sim-max-running", "1", "--max-concurrency", "64"),
+        env=_flow_env(
+            True,
+            TOKENBUS_WORKER__FLOW__MAX_QUEUED='{"default": 3}',
+            TOKENBUS_ROUTER__QUEUE_TIMEOUT_S="0.3",
+        ),
+        settle=0.5,
+    )
+    # Long enough that no slot frees while B is held in the router's queue (0.3 s).
+    body = {"model": model, **FLOOD, "max_tokens": 150}
+    async with stack.http("/v1", timeout=60) as h:
+
+        async def post(key: str) -> httpx.Response:
+            return await h.post(
+                "/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"}
+            )
+
+        a = [asyncio.ensure_future(post(keys["a"])) for _ in range(4)]  # 1 runs, 3 wait
+        await _until_in_flight(procs.url, model, 4)
+        over = await post(keys["a"])
+        assert over.status_code == 429, over.text
+        assert over.json()["error"]["code"] == "rate_limit_exceeded"
+        assert int(over.headers["retry-after"]) >= 1
+        other = await post(keys["b"])
+        assert other.status_code == 503, other.text
+        assert other.headers.get("retry-after")
+        assert all(r.status_code == 200 for r in await asyncio.gather(*a))
+    assert stack.all_alive()
+
+
+async def test_a_wait_past_the_class_limit_is_503_with_retry_after(
+    procs: Procs, model: str
+) -> None:
+    keys = await _keys(procs.url, a={})
+    stack = await start_stack(
+        procs,
+        model,
+        "auth",
+        worker_args=("--sim-max-running", "1"),
+        env=_flow_env(True, TOKENBUS_WORKER__FLOW__MAX_WAIT_S='{"default": 0.3}'),
+        settle=0.5,
+    )
+    async with stack.http("/v1", headers={"Authorization": f"Bearer {keys['a']}"}) as h:
+        long = asyncio.ensure_future(
+            h.post("/chat/completions", json={"model": model, **FLOOD, "max_tokens": 150})
+        )
+        await _until_in_flight(procs.url, model, 1)
+        r = await h.post("/chat/completions", json={"model": model, **FLOOD, "max_tokens": 2})
+        assert r.status_code == 503, r.text
+        assert r.json()["error"]["code"] == "overloaded" and r.headers.get("retry-after")
+        assert (await long).status_code == 200
+        # The refused request left no place behind: the next one is served.
+        r = await h.post("/chat/completions", json={"model": model, **FLOOD, "max_tokens": 2})
+        assert r.status_code == 200
+    stats = await _until_flow(procs.url, model, lambda s: s["default"]["queued"] == 0)
+    assert stats["default"]["shed"] >= 1
+    assert stack.all_alive()
