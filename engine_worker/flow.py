@@ -60,6 +60,7 @@ CLASSES = ("priority", "default", "flex")
 CLASS_RANK = {c: i for i, c in enumerate(CLASSES)}
 DEFAULT_CLASS = "default"
 _EWMA = 0.2  # of a request's time in the engine
+_MAX_FLOWS_KEPT = 10_000  # flows whose tokens served are remembered (for operators)
 
 
 def class_of(name: str | None, default: str = DEFAULT_CLASS) -> str:
@@ -309,6 +310,9 @@ class FlowControl:
         self.tokens_by_flow[t.flow] = (
             self.tokens_by_flow.get(t.flow, 0) + completion_tokens + t.prompt_tokens
         )
+        if len(self.tokens_by_flow) > _MAX_FLOWS_KEPT:  # memory stays bounded
+            keep = sorted(self.tokens_by_flow.items(), key=lambda kv: kv[1])[_MAX_FLOWS_KEPT // 2 :]
+            self.tokens_by_flow = dict(keep)
 
     def _fill(self) -> None:
         """Give free slots to the next requests by class, flow and fairness id."""
@@ -501,6 +505,25 @@ class FlowControl:
             v.on_displace()
 
     # -- what operators see ----------------------------------------------------------------
+    def flow_stats(self, top: int = 20) -> dict[str, dict[str, int]]:
+        """Per flow (the busiest ``top`` by tokens, and every one waiting or running): its
+        requests waiting and in the engine, and the tokens it has been served here."""
+        waiting: Counter[str] = Counter()
+        for c in CLASSES:
+            for name, f in self.queues[c].items():
+                waiting[name] += f.count
+        running = Counter(t.flow for t in self.running)
+        names = set(waiting) | set(running)
+        names |= set(sorted(self.tokens_by_flow, key=self.tokens_by_flow.__getitem__)[-top:])
+        return {
+            n: {
+                "queued": waiting[n],
+                "running": running[n],
+                "tokens": self.tokens_by_flow.get(n, 0),
+            }
+            for n in sorted(names)
+        }
+
     def stats(self) -> dict[str, Any]:
         """Per class: queued requests and tokens, served, shed, displaced, mean wait."""
         out: dict[str, Any] = {}

@@ -334,7 +334,11 @@ class Worker(Service):
             "running": int(st.get("running", 0)),
             "waiting": int(st.get("waiting", 0)),
             "kv_usage": float(st.get("kv_usage", 0.0)),
-            **({"flow": self.flow.stats()} if self.flow is not None else {}),
+            **(
+                {"flow": self.flow.stats(), "flows": self.flow.flow_stats()}
+                if self.flow is not None
+                else {}
+            ),
             "max_concurrency": self.cfg.max_concurrency,
             # The backend's effective degree when it knows it (vllm: its engine options).
             "tp": int(getattr(self.backend, "tp", self.cfg.tp)),

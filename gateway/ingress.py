@@ -34,7 +34,7 @@ CLIENT_HEADERS = (
     H.TTFT_OBJECTIVE,
 )
 # OpenAI's service tiers as classes (engine_worker/flow.py): ``auto`` is the key's default;
-# ``scale`` (OpenAI's reserved capacity) and ``fast`` are served as ``priority``.
+# ``scale`` (OpenAI's reserved capacity), ``fast`` and ``ultrafast`` are served as ``priority``.
 SERVICE_TIERS = {
     "auto": "",
     "default": "default",
@@ -42,6 +42,7 @@ SERVICE_TIERS = {
     "priority": "priority",
     "scale": "priority",
     "fast": "priority",
+    "ultrafast": "priority",
 }
 MAX_REQUEST_ID = 128
 _SAFE_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")

@@ -601,12 +601,12 @@ def whole_answer(
         "model": model,
         "choices": [text_choice(0, out, stream)],
         "usage": usage,
-        **_tier(stream),
     }
 
 
 def _tier(stream: StreamLike) -> dict[str, str]:
-    """``service_tier``: the class that served the answer (engine_worker/flow.py)."""
+    """``service_tier``: the class that served the answer (engine_worker/flow.py); chat
+    only (OpenAI's text_completion has none)."""
     tier = getattr(stream, "service_tier", None)
     return {"service_tier": tier} if tier else {}
 
@@ -840,7 +840,9 @@ def sse_frames(
 ) -> SSEFrames:
     """The SSE templates of a ``chat.completion.chunk`` or ``text_completion`` stream (of
     choice ``index``); ``tier``: the ``service_tier`` that serves it."""
-    model_json = json.dumps(model) + (f',"service_tier":{json.dumps(tier)}' if tier else "")
+    model_json = json.dumps(model)
+    if tier and kind == KIND_CHAT:  # OpenAI's text_completion has no service_tier
+        model_json += f',"service_tier":{json.dumps(tier)}'
     if kind == KIND_CHAT:
         head = (
             f'data: {{"id":"chatcmpl-{rid}","object":"chat.completion.chunk",'

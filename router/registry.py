@@ -39,6 +39,9 @@ class Replica:
     aliases: frozenset[str] = frozenset()
     # The model's context length in tokens, from its heartbeat (0: not known).
     max_model_len: int = 0
+    # Its flow control per class and per flow (engine_worker/flow.py), for operators.
+    flow: dict[str, Any] | None = None
+    flows: dict[str, Any] | None = None
 
     def serves(self, model: str) -> bool:
         return model == self.model or model in self.aliases
@@ -63,6 +66,7 @@ class Replica:
             "endpoints": sorted(self.endpoints),
             **({"aliases": sorted(self.aliases)} if self.aliases else {}),
             **({"max_model_len": self.max_model_len} if self.max_model_len else {}),
+            **({"flow": self.flow, "flows": self.flows} if self.flow else {}),
         }
 
 
@@ -102,6 +106,9 @@ class Registry:
             r.endpoints = frozenset(map(str, eps)) if eps else DEFAULT_ENDPOINTS
             r.aliases = frozenset(map(str, hb.get("aliases") or ()))
             r.max_model_len = max(0, int(hb.get("max_model_len") or 0))
+            flow, flows = hb.get("flow"), hb.get("flows")
+            r.flow = flow if isinstance(flow, dict) else None
+            r.flows = flows if isinstance(flows, dict) else None
             r.last_seen = time.monotonic()
         except (KeyError, TypeError, ValueError, RecursionError):  # str() of a deep nesting
             return None

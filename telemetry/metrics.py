@@ -77,6 +77,8 @@ class _Replica:
     draining: bool = False
     interval_s: float = 1.0
     seen: float = 0.0
+    flow: dict[str, Any] = field(default_factory=dict)  # per class (engine_worker/flow.py)
+    flows: dict[str, Any] = field(default_factory=dict)  # per flow
 
 
 @dataclass(eq=False)  # a registry keeps its collectors in a dict: hashed by identity
@@ -103,6 +105,9 @@ class ReplicaLoad:
         r.kv_usage = float(hb.get("kv_usage") or 0.0)
         r.draining = bool(hb.get("draining"))
         r.interval_s = float(hb.get("interval_s") or 1.0)
+        flow, flows = hb.get("flow"), hb.get("flows")
+        r.flow = flow if isinstance(flow, dict) else {}
+        r.flows = flows if isinstance(flows, dict) else {}
         r.seen = now = time.monotonic()
         for stale in [k for k, x in self.replicas.items() if self._stale(x, now)]:
             del self.replicas[stale]
@@ -154,6 +159,7 @@ class ReplicaLoad:
             if not r.draining:
                 per_model[r.model] = per_model.get(r.model, 0) + 1
         yield from fams.values()
+        yield from _flow_metrics(self.live())
         models = GaugeMetricFamily(
             "tokenbus_model_replicas",
             "Live replicas of a model that take requests (0: a model seen before has none)",
@@ -162,6 +168,74 @@ class ReplicaLoad:
         for model, n in sorted(per_model.items()):
             models.add_metric([model], n)
         yield models
+
+
+_FLOW_GAUGES = {
+    "queued": ("tokenbus_flow_queued", "Requests waiting for an engine slot, per class"),
+    "queued_tokens": ("tokenbus_flow_queued_tokens", "Prompt tokens of the waiting requests"),
+    "running": ("tokenbus_flow_running", "Requests in the engine, per class"),
+}
+_FLOW_COUNTERS = {
+    "served": ("tokenbus_flow_served", "Requests given an engine slot, per class"),
+    "shed": ("tokenbus_flow_shed", "Requests refused after waiting (limit, deadline, shed)"),
+    "displaced": ("tokenbus_flow_displaced", "Requests displaced before their first byte"),
+    "wait_s_sum": ("tokenbus_flow_wait_seconds", "Seconds waited for an engine slot, summed"),
+}
+
+
+def _num(v: Any) -> float | None:
+    return float(v) if isinstance(v, int | float) and not isinstance(v, bool) else None
+
+
+def _flow_metrics(live: list[tuple[str, _Replica]]) -> Iterator[Metric]:
+    """Flow control per replica and class, per flow, and the queue depth per model and
+    class (what an autoscaler scales on: docs/flow.md)."""
+    lab = ["model", "replica", "class"]
+    fams: dict[str, GaugeMetricFamily | CounterMetricFamily] = {
+        k: GaugeMetricFamily(n, h, labels=lab) for k, (n, h) in _FLOW_GAUGES.items()
+    }
+    fams.update({k: CounterMetricFamily(n, h, labels=lab) for k, (n, h) in _FLOW_COUNTERS.items()})
+    depth = GaugeMetricFamily(
+        "tokenbus_model_queue_depth",
+        "Requests of a model waiting for an engine slot on any replica, per class",
+        labels=["model", "class"],
+    )
+    flow_lab = ["model", "replica", "flow"]
+    per_flow: dict[str, GaugeMetricFamily | CounterMetricFamily] = {
+        "queued": GaugeMetricFamily(
+            "tokenbus_flow_key_queued", "Requests of a flow waiting", labels=flow_lab
+        ),
+        "running": GaugeMetricFamily(
+            "tokenbus_flow_key_running", "Requests of a flow in the engine", labels=flow_lab
+        ),
+        "tokens": CounterMetricFamily(
+            "tokenbus_flow_key_tokens",
+            "Tokens a flow (key or owner) was served: its share",
+            labels=flow_lab,
+        ),
+    }
+    totals: dict[tuple[str, str], float] = {}
+    for rid, r in live:
+        for cls, st in r.flow.items():
+            if not isinstance(st, dict):
+                continue
+            for key, fam in fams.items():
+                v = _num(st.get(key))
+                if v is not None:
+                    fam.add_metric([r.model, rid, str(cls)], v)
+            q = _num(st.get("queued")) or 0.0
+            totals[(r.model, str(cls))] = totals.get((r.model, str(cls)), 0.0) + q
+        for name, st in r.flows.items():
+            if isinstance(st, dict):
+                for key, fam in per_flow.items():
+                    v = _num(st.get(key))
+                    if v is not None:
+                        fam.add_metric([r.model, rid, str(name)], v)
+    for (model, cls), n in sorted(totals.items()):
+        depth.add_metric([model, cls], n)
+    yield from fams.values()
+    yield from per_flow.values()
+    yield depth
 
 
 @dataclass(eq=False)

@@ -261,3 +261,33 @@ def test_stats_per_class() -> None:
     st = fc.stats()
     assert st["flex"]["running"] == 1 and st["flex"]["queued"] == 1
     assert st["flex"]["queued_tokens"] == 40 and st["default"]["queued"] == 0
+
+
+def test_heartbeat_flow_stats_become_metrics() -> None:
+    """What a worker's heartbeat says of its flow control is what the telemetry service
+    exports: per class, per flow, and the queue depth per model an autoscaler reads."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from telemetry.metrics import ReplicaLoad
+
+    fc, _ = make(slots=1)
+    first = fc.enter(flow="A", cls="flex", prompt_tokens=4)
+    fc.started(first)  # its first byte went out: B cannot displace it
+    fc.enter(flow="A", cls="flex", prompt_tokens=40)
+    fc.enter(flow="B", cls="default")
+    fc.leave(first, 6)  # B goes next (higher class); A's second waits
+    load = ReplicaLoad()
+    hb = {"replica": "r1", "model": "m", "flow": fc.stats(), "flows": fc.flow_stats()}
+    load.heartbeat(hb)
+    reg = CollectorRegistry()
+    reg.register(load)
+    text = generate_latest(reg).decode()
+    assert 'tokenbus_flow_queued{class="flex",model="m",replica="r1"} 1.0' in text
+    assert 'tokenbus_flow_running{class="default",model="m",replica="r1"} 1.0' in text
+    assert 'tokenbus_flow_served_total{class="flex",model="m",replica="r1"} 1.0' in text
+    assert 'tokenbus_model_queue_depth{class="flex",model="m"} 1.0' in text
+    assert 'tokenbus_flow_key_tokens_total{flow="A",model="m",replica="r1"} 10.0' in text
+    assert 'tokenbus_flow_key_queued{flow="A",model="m",replica="r1"} 1.0' in text
+    # A heartbeat of an older worker (no flow) exports none of it, and nothing breaks.
+    load.heartbeat({"replica": "r1", "model": "m", "flow": "junk"})
+    assert "tokenbus_flow_queued{" not in generate_latest(reg).decode()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 from typing import Any
 
@@ -19,7 +20,7 @@ import openai
 import pytest
 
 from bus_schemas import errors as E
-from tests.conftest import Procs, key_store, live_replicas, start_stack
+from tests.conftest import Procs, key_store, live_replicas, run_cli, start_stack
 from tokenbus import Client
 
 MSG = [{"role": "user", "content": "Tell me about fair queues."}]
@@ -277,17 +278,38 @@ async def test_a_full_queue_is_429_for_the_key_over_its_share_and_503_for_others
         ),
         settle=0.5,
     )
-    # Long enough that no slot frees while B is held in the router's queue (0.3 s).
-    body = {"model": model, **FLOOD, "max_tokens": 150}
+    body = {"model": model, **FLOOD}
     async with stack.http("/v1", timeout=60) as h:
 
-        async def post(key: str) -> httpx.Response:
+        async def post(key: str, tokens: int = 10) -> httpx.Response:
             return await h.post(
-                "/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"}
+                "/chat/completions",
+                json={**body, "max_tokens": tokens},
+                headers={"Authorization": f"Bearer {key}"},
             )
 
-        a = [asyncio.ensure_future(post(keys["a"])) for _ in range(4)]  # 1 runs, 3 wait
+        # The first runs 4 s; 3 wait behind it.
+        a = [asyncio.ensure_future(post(keys["a"], 400))]
+        await _until_in_flight(procs.url, model, 1)
+        a += [asyncio.ensure_future(post(keys["a"])) for _ in range(3)]
         await _until_in_flight(procs.url, model, 4)
+        # What an operator sees: the queue per class and per flow (the key's id).
+        status = await asyncio.to_thread(
+            run_cli,
+            "status",
+            "--json",
+            "--wait",
+            "0.7",
+            env={**os.environ, "TOKENBUS_NATS_URL": procs.url},
+        )
+        (row,) = [r for r in json.loads(status.stdout)["replicas"] if r["model"] == model]
+        assert row["flow"]["default"]["queued"] == 3 and row["flow"]["default"]["running"] == 1
+        a_id = keys["a"][3:15]
+        assert row["flows"][a_id]["queued"] == 3, row["flows"]
+        table = await asyncio.to_thread(
+            run_cli, "status", "--wait", "0.7", env={**os.environ, "TOKENBUS_NATS_URL": procs.url}
+        )
+        assert "QUEUED" in table.stdout and "0/3/0" in table.stdout, table.stdout
         over = await post(keys["a"])
         assert over.status_code == 429, over.text
         assert over.json()["error"]["code"] == "rate_limit_exceeded"

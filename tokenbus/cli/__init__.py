@@ -132,7 +132,11 @@ def build_parser() -> argparse.ArgumentParser:
     _https_flags(sv)
     _worker_flags(sv)
 
-    st = sub.add_parser("status", help="replicas on the bus and their load")
+    st = sub.add_parser(
+        "status",
+        help="replicas on the bus and their load (QUEUED: requests waiting for an engine "
+        "slot, priority/default/flex; --json: per class and per flow)",
+    )
     st.add_argument("--json", action="store_true")
     st.add_argument(
         "--wait",
@@ -403,6 +407,16 @@ async def _status(a: argparse.Namespace, s: cfgmod.Settings) -> int:
     if not rows:
         print("no replicas on the bus")
         return 0
+    for r in rows:
+        # Requests waiting for an engine slot per class (priority/default/flex).
+        flow = r.get("flow") or {}
+        r["queued"] = (
+            "/".join(
+                str((flow.get(c) or {}).get("queued", 0)) for c in ("priority", "default", "flex")
+            )
+            if flow
+            else "-"
+        )
     cols = [
         "model",
         "replica",
@@ -410,6 +424,7 @@ async def _status(a: argparse.Namespace, s: cfgmod.Settings) -> int:
         "in_flight",
         "running",
         "waiting",
+        "queued",
         "max_concurrency",
         "tp",
         "pool",
