@@ -5,7 +5,8 @@ a system message; the ``input`` items chat messages (``function_call`` items an 
 ``tool_calls``, ``function_call_output`` items tool messages, ``reasoning`` items the next
 assistant turn's ``reasoning_content``); function tools and ``tool_choice`` in chat's shape
 (the function tools of a ``namespace`` tool flattened, their calls given back under their
-namespace: :class:`ToolNames`; hosted web search left out);
+namespace: :class:`ToolNames`; a ``custom`` tool a function with one string parameter,
+``input``, its calls given back as ``custom_tool_call`` items; hosted web search left out);
 ``text.format`` the ``response_format``; ``max_output_tokens`` the
 ``max_completion_tokens``; ``reasoning.effort`` the ``reasoning_effort``; every other field
 is carried as the chat path carries it. So routing, keys, limits, the content filter,
@@ -13,10 +14,10 @@ migration and telemetry are the chat path's, with no second path to keep equal t
 
 The answer goes the other way (:class:`ResponseBuilder`): the chat stream's chunks become
 output items (``reasoning``, ``message`` with ``output_text`` / ``refusal`` parts,
-``function_call``) and, when streamed, the specification's events, each with its
-``sequence_number``. The HTTP bridge (:mod:`gateway.responses`) and the NATS client
-(:meth:`tokenbus.Client.responses`) share this module; :class:`ResponseStream` is the
-NATS client's stream of events.
+``function_call``, ``custom_tool_call``) and, when streamed, the specification's events,
+each with its ``sequence_number``. The HTTP bridge (:mod:`gateway.responses`) and the NATS
+client (:meth:`tokenbus.Client.responses`) share this module; :class:`ResponseStream` is
+the NATS client's stream of events.
 """
 
 from __future__ import annotations
@@ -100,7 +101,6 @@ BUILT_IN_TOOLS = frozenset(
         "local_shell",
         "shell",
         "apply_patch",
-        "custom",
         "tool_search",
     }
 )
@@ -306,10 +306,14 @@ class ToolNames:
     """The names of a request's namespaced tools: each inner tool of a ``namespace`` tool
     is a chat function tool named ``<namespace>__<name>`` (characters chat names do not allow
     as ``_``; too long, or taken, shortened with a hash), and this table maps both ways, so
-    a call comes back under the name and namespace the client gave, never by parsing."""
+    a call comes back under the name and namespace the client gave, never by parsing.
+    A custom tool named as a function tool of the request is renamed the same way, under the
+    namespace ``""`` (none). ``custom``: the chat names of the request's custom tools (plain
+    or namespaced), whose calls come back as ``custom_tool_call`` items."""
 
     to_engine: dict[tuple[str, str], str] = field(default_factory=dict)
     to_client: dict[str, tuple[str, str]] = field(default_factory=dict)
+    custom: set[str] = field(default_factory=set)
 
     def add(self, namespace: str, name: str, taken: set[str]) -> str:
         """The chat name of ``name`` in ``namespace`` (a new one, not in ``taken``)."""
@@ -388,7 +392,9 @@ def to_messages(
     """(chat messages, stored input items) of a Responses ``input``; ``before``: the chat
     messages of the conversation so far (a ``function_call_output`` without ``call_id``
     answers the first call that has no output yet); ``names``: the request's namespaced
-    tools (a ``function_call`` with a ``namespace`` is made under its chat name)."""
+    tools (a ``function_call`` with a ``namespace`` is made under its chat name). A
+    ``custom_tool_call`` is a call whose arguments are ``{"input": ...}``, as the engine
+    made it (:func:`_custom`); a ``custom_tool_call_output`` a tool message."""
     if isinstance(items, str):
         item = {
             "id": _item_id("msg"),
@@ -457,12 +463,49 @@ def to_messages(
                     "status": "completed",
                 }
             )
-        elif kind == "function_call_output":
+        elif kind == "custom_tool_call":
+            call_id, name, given = item.get("call_id"), item.get("name"), item.get("input")
+            if not isinstance(call_id, str):
+                raise _bad(f"{p}.call_id", "a custom_tool_call needs a call_id")
+            if not isinstance(name, str):
+                raise _bad(f"{p}.name", "a custom_tool_call needs the tool's name")
+            if not isinstance(given, str):
+                raise _bad(f"{p}.input", "a custom_tool_call's input is a string")
+            namespace = item.get("namespace")
+            if namespace is not None and not isinstance(namespace, str):
+                raise _bad(f"{p}.namespace", "a custom_tool_call's namespace is a string")
+            namespace = namespace or None
+            table = names or ToolNames()
+            engine_name = (
+                table.to_engine.get(("", name), name)  # renamed when a function has its name
+                if namespace is None
+                else table.engine(namespace, name)
+            )
+            args = json.dumps({"input": given}, ensure_ascii=False)
+            msgs.call(
+                {
+                    "id": call_id,
+                    "type": "function",
+                    "function": {"name": engine_name, "arguments": args},
+                }
+            )
+            stored.append(
+                {
+                    "id": item.get("id") or _item_id("ctc"),
+                    "type": "custom_tool_call",
+                    "call_id": call_id,
+                    "name": name,
+                    **({"namespace": namespace} if namespace is not None else {}),
+                    "input": given,
+                    "status": "completed",
+                }
+            )
+        elif kind in ("function_call_output", "custom_tool_call_output"):
             call_id, output = item.get("call_id"), item.get("output")
             if call_id is None:  # the first call without an output (if any) is the one
                 call_id = next(iter(_unanswered([*(before or ()), *msgs.out])), None)
             elif not isinstance(call_id, str) or not call_id:
-                raise _bad(f"{p}.call_id", "the call_id of a function_call_output is a string")
+                raise _bad(f"{p}.call_id", f"the call_id of a {kind} is a string")
             if not isinstance(output, str | list):
                 raise _bad(f"{p}.output", "the output must be a string or a list of parts")
             tool: dict[str, Any] = {"role": "tool", "content": _content(output, f"{p}.output")}
@@ -472,8 +515,9 @@ def to_messages(
             msgs.add(tool)
             stored.append(
                 {
-                    "id": item.get("id") or _item_id("fco"),
-                    "type": "function_call_output",
+                    "id": item.get("id")
+                    or _item_id("fco" if kind == "function_call_output" else "ctco"),
+                    "type": kind,
                     **answered,
                     "output": output,
                     "status": "completed",
@@ -493,7 +537,8 @@ def to_messages(
             raise _bad(
                 f"{p}.type",
                 f"the input item type {kind!r} is not served (tokenbus serves message, "
-                "function_call, function_call_output and reasoning items)",
+                "function_call, function_call_output, custom_tool_call, custom_tool_call_output "
+                "and reasoning items)",
             )
     return msgs.out, stored
 
@@ -536,20 +581,67 @@ def _function(t: dict[str, Any], p: str, name: str | None = None) -> dict[str, A
     return {"type": "function", "function": fn}
 
 
+# What a custom tool's grammar asks of its input, told to the model in the tool's description.
+_GRAMMARS = {"lark": "follow this Lark grammar", "regex": "match this regular expression"}
+
+
+def _custom(t: dict[str, Any], p: str) -> dict[str, Any]:
+    """A custom (free-form input) tool as a chat function tool with one required string
+    parameter, ``input``. A grammar format is told to the model in the description, with its
+    definition: the engine is not constrained by it (its calls are not checked either)."""
+    name = t.get("name")
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise _bad(
+            f"{p}.name", "a custom tool needs a name of 1-64 letters, digits, '_', '.' or '-'"
+        )
+    about = t.get("description")
+    if about is not None and not isinstance(about, str):
+        raise _bad(f"{p}.description", "a custom tool's description is a string")
+    fmt = t.get("format")
+    if fmt is None:
+        fmt = {"type": "text"}
+    if not isinstance(fmt, dict):
+        raise _bad(f"{p}.format", "a custom tool's format is an object")
+    said = [about] if about else []
+    if fmt.get("type") == "grammar":
+        syntax, definition = fmt.get("syntax"), fmt.get("definition")
+        if syntax not in _GRAMMARS:
+            raise _bad(f"{p}.format.syntax", "a grammar's syntax must be 'lark' or 'regex'")
+        if not isinstance(definition, str):
+            raise _bad(f"{p}.format.definition", "a grammar needs its definition (a string)")
+        said.append(f"The input must {_GRAMMARS[syntax]}:\n```\n{definition}\n```")
+    elif fmt.get("type") != "text":
+        raise _bad(f"{p}.format.type", "a custom tool's format must be 'text' or 'grammar'")
+    text = {"type": "string", "description": "The tool's input: free-form text, not JSON."}
+    fn: dict[str, Any] = {
+        "name": name,
+        "parameters": {
+            "type": "object",
+            "properties": {"input": text},
+            "required": ["input"],
+            "additionalProperties": False,
+        },
+    }
+    if said:
+        fn["description"] = "\n\n".join(said)
+    return {"type": "function", "function": fn}
+
+
 def _not_served(kind: Any, p: str) -> E.InvalidRequest:
     what = "the built-in tool" if kind in BUILT_IN_TOOLS else "the tool type"
     return _bad(
         f"{p}.type",
-        f"{what} {kind!r} is not served by tokenbus: only function tools (and namespaces of "
-        "them) are (run the tool yourself and send its result as a function_call_output)",
+        f"{what} {kind!r} is not served by tokenbus: only function tools, custom tools and "
+        "namespaces of them are (run the tool yourself and send its result as a "
+        "function_call_output)",
     )
 
 
 def _namespace(
     t: dict[str, Any], p: str, names: ToolNames, taken: set[str]
 ) -> list[dict[str, Any]]:
-    """A ``namespace`` tool's function tools as chat tools (see :class:`ToolNames`), the
-    namespace's description put before each one's."""
+    """A ``namespace`` tool's function and custom tools as chat tools (see
+    :class:`ToolNames`), the namespace's description put before each one's."""
     ns = t.get("name")
     if not isinstance(ns, str) or not ns:
         raise _bad(f"{p}.name", "a namespace tool needs a name (a non-empty string)")
@@ -558,23 +650,25 @@ def _namespace(
         raise _bad(f"{p}.description", "a namespace's description is a string")
     inner = t.get("tools")
     if not isinstance(inner, list) or not inner:
-        raise _bad(f"{p}.tools", "a namespace tool needs a list of at least one function tool")
+        raise _bad(f"{p}.tools", "a namespace tool needs a list of at least one tool")
     out: list[dict[str, Any]] = []
     for j, f in enumerate(inner):
         q = f"{p}.tools.{j}"
         if not isinstance(f, dict):
             raise _bad(q, "a tool must be an object")
-        if f.get("type") != "function":
+        if f.get("type") not in ("function", "custom"):
             raise _bad(
                 f"{q}.type",
                 f"the tool type {f.get('type')!r} is not served by tokenbus: only function "
-                "tools are, in a namespace too",
+                "tools and custom tools are, in a namespace too",
             )
-        tool = _function(f, q)
+        tool = _function(f, q) if f["type"] == "function" else _custom(f, q)
         fn = tool["function"]
         if (ns, fn["name"]) in names.to_engine:
             raise _bad(f"{q}.name", f"the namespace {ns!r} has {fn['name']!r} twice")
         fn["name"] = names.add(ns, fn["name"], taken)
+        if f["type"] == "custom":
+            names.custom.add(fn["name"])
         if about:
             fn["description"] = (
                 f"{about}\n\n{fn['description']}" if fn.get("description") else about
@@ -584,10 +678,12 @@ def _namespace(
 
 
 def _tools(tools: list[Any], names: ToolNames) -> list[dict[str, Any]]:
-    """The request's tools in chat's shape; namespaced ones flattened into ``names``;
-    hosted web search left out (:data:`WEB_SEARCH_TOOLS`)."""
+    """The request's tools in chat's shape; namespaced ones flattened into ``names``, custom
+    ones named in ``names.custom``; hosted web search left out (:data:`WEB_SEARCH_TOOLS`)."""
     out: list[dict[str, Any]] = []
     spaces: list[tuple[int, dict[str, Any]]] = []
+    customs: list[dict[str, Any]] = []  # their chat functions
+    functions: set[str] = set()
     for i, t in enumerate(tools):
         p = f"tools.{i}"
         if not isinstance(t, dict):
@@ -595,6 +691,10 @@ def _tools(tools: list[Any], names: ToolNames) -> list[dict[str, Any]]:
         kind = t.get("type")
         if kind == "function":
             out.append(_function(t, p))
+            functions.add(out[-1]["function"]["name"])
+        elif kind == "custom":
+            out.append(_custom(t, p))
+            customs.append(out[-1]["function"])
         elif kind == "namespace":
             spaces.append((i, t))
             out.append(t)  # its place, filled below
@@ -602,6 +702,14 @@ def _tools(tools: list[Any], names: ToolNames) -> list[dict[str, Any]]:
             raise _not_served(kind, p)
     # Plain names first, so a namespaced tool never takes the name of a plain one.
     taken = {t["function"]["name"] for t in out if "function" in t}
+    for fn in customs:
+        # The engine calls a tool by its name alone: a custom tool whose name a function tool
+        # has too is renamed, as a namespaced one is (under no namespace: ""), so that its
+        # calls come back as the custom tool's.
+        if fn["name"] in functions:
+            own = fn["name"]
+            fn["name"] = names.to_engine.get(("", own)) or names.add("", own, taken)
+        names.custom.add(fn["name"])
     for i, t in spaces:
         at = next(k for k, x in enumerate(out) if x is t)
         out[at : at + 1] = _namespace(t, f"tools.{i}", names, taken)
@@ -609,16 +717,20 @@ def _tools(tools: list[Any], names: ToolNames) -> list[dict[str, Any]]:
 
 
 def _chosen(entry: dict[str, Any], names: set[str], table: ToolNames) -> str | None:
-    """The chat name of the function tool a choice names (``name``, with ``namespace`` for a
-    namespaced one; a name alone that only one namespace has names that one), or None."""
+    """The chat name of the function or custom tool (``entry["type"]``) a choice names
+    (``name``, with ``namespace`` for a namespaced one; a name alone that only one namespace
+    has names that one), or None."""
     name, ns = entry.get("name"), entry.get("namespace")
     if not isinstance(name, str):
         return None
+    custom = entry.get("type") == "custom"
+    kinds = {f for f in names if (f in table.custom) == custom}  # the tools of that type
     if isinstance(ns, str):
-        return table.to_engine.get((ns, name))
-    if name in names and name not in table.to_client:
+        flat = table.to_engine.get((ns, name))
+        return flat if flat in kinds else None
+    if name in names and name not in table.to_client and name in kinds:
         return name
-    found = [flat for (_, inner), flat in table.to_engine.items() if inner == name]
+    found = [f for (_, inner), f in table.to_engine.items() if inner == name and f in kinds]
     return found[0] if len(found) == 1 else None
 
 
@@ -634,10 +746,13 @@ def _tool_choice(
             raise _bad("tool_choice", "'required' needs tools")
         return choice, tools
     kind = choice.get("type")
-    if kind == "function":
+    if kind in ("function", "custom"):
         name = _chosen(choice, names, table)
         if name is None:
-            raise _bad("tool_choice.name", f"names {choice.get('name')!r}, which is not in tools")
+            what = "" if kind == "function" else " as a custom tool"
+            raise _bad(
+                "tool_choice.name", f"names {choice.get('name')!r}, which is not in tools{what}"
+            )
         return {"type": "function", "function": {"name": name}}, tools
     if kind == "allowed_tools":
         mode = choice.get("mode", "auto")
@@ -651,18 +766,20 @@ def _tool_choice(
         keep = {
             _chosen(a, names, table)
             for a in allowed
-            if isinstance(a, dict) and a.get("type") == "function"
+            if isinstance(a, dict) and a.get("type") in ("function", "custom")
         }
         kept = [t for t in tools if t["function"]["name"] in keep]
         if not kept:
             if mode == "required":
                 raise _bad(
-                    "tool_choice.tools", "'required' allows none of the function tools in tools"
+                    "tool_choice.tools",
+                    "'required' allows none of the function or custom tools in tools",
                 )
             return "none", []
         return mode, kept
     raise _bad(
-        "tool_choice.type", f"the tool choice {kind!r} is not served: only function tools are"
+        "tool_choice.type",
+        f"the tool choice {kind!r} is not served: only function tools are, and custom tools",
     )
 
 
@@ -798,13 +915,108 @@ def _logprobs(lp: dict[str, Any] | None) -> list[dict[str, Any]]:
     return list((lp or {}).get("content") or ())
 
 
+# A complete piece of a JSON string's text: a run of plain characters, an escape, or a
+# surrogate pair's two escapes (so that a pair is never decoded in halves).
+_STRING_PIECE = re.compile(
+    r'(?:[^"\\]+|\\["\\/bfnrt]|\\u(?![dD][89a-fA-F])[0-9a-fA-F]{4}'
+    r"|\\u[dD][89abAB][0-9a-fA-F]{2}\\u[dD][c-fC-F][0-9a-fA-F]{2})*"
+)
+# The longest piece a partial one may still become (a surrogate pair's escapes).
+_LONGEST_PIECE = 12
+
+
+def _input_start(head: str) -> int | None:
+    """Where the string value of a first key ``"input"`` starts in JSON arguments text (just
+    after ``{"input": "``); -1 when the text does not start so, None while it still may."""
+    at = 0
+    for token in ("{", '"input"', ":", '"'):
+        while at < len(head) and head[at] in " \t\r\n":
+            at += 1
+        got = head[at : at + len(token)]
+        if not token.startswith(got):
+            return -1
+        if len(got) < len(token):
+            return None
+        at += len(token)
+    return at
+
+
+class _CustomInput:
+    """The ``input`` of a custom tool's call, read from the engine's arguments for it as
+    they come. Arguments that start ``{"input": "`` (as :func:`_custom` asks) give the
+    string's text as it is decoded, so that it streams; from a point where the string is
+    not valid JSON, or cut off, the input is the raw text. Other arguments are read whole at
+    the end: their ``input`` when they are a JSON object with a string one, else the raw
+    text. So what was given as it came is always the start of the whole input."""
+
+    __slots__ = ("_head", "_pending", "_raw", "_sent", "_state")
+
+    def __init__(self) -> None:
+        self._raw: list[str] = []
+        self._head = ""  # the text before the string starts, while that is not yet known
+        self._state = "head"  # head, string, closed (the string ended), broken, other
+        self._pending: list[str] = []  # string text not yet decoded (raw once broken)
+        self._sent: list[str] = []
+
+    @property
+    def raw(self) -> str:
+        """The arguments as the engine gave them."""
+        return "".join(self._raw)
+
+    @property
+    def sent(self) -> str:
+        """The input given so far by :meth:`feed`."""
+        return "".join(self._sent)
+
+    def feed(self, fragment: str) -> str:
+        """Take a fragment of the arguments; the input text it completes (maybe none)."""
+        self._raw.append(fragment)
+        if self._state == "head":
+            self._head += fragment
+            start = _input_start(self._head)
+            if start is None:
+                return ""
+            self._state = "other" if start < 0 else "string"
+            fragment = self._head[start:] if start >= 0 else ""
+        if self._state == "broken":
+            self._pending.append(fragment)
+        if self._state != "string":
+            return ""
+        text = "".join(self._pending) + fragment
+        end = _STRING_PIECE.match(text)
+        assert end is not None  # it matches the empty string
+        rest = text[end.end() :]
+        if rest.startswith('"'):
+            self._state, rest = "closed", ""
+        elif len(rest) >= _LONGEST_PIECE:
+            self._state = "broken"  # not JSON: the rest is raw text
+        self._pending = [rest] if rest else []
+        got: str = json.loads(f'"{end.group()}"', strict=False) if end.group() else ""
+        if got:
+            self._sent.append(got)
+        return got
+
+    def value(self) -> str:
+        """The whole input, once the arguments are all in."""
+        if self._state in ("string", "broken", "closed"):
+            return self.sent + "".join(self._pending)
+        raw = self.raw
+        try:
+            args = json.loads(raw)
+        except (ValueError, RecursionError):
+            return raw
+        given = args.get("input") if isinstance(args, dict) else None
+        return given if isinstance(given, str) else raw
+
+
 class ResponseBuilder:
     """One response put together from chat chunks: its output items and, with ``events``,
     the streaming events in order, numbered from 0 by ``sequence_number``.
 
     Items open as their output starts (reasoning, then message text or refusal, then each
-    function call) and close when another kind starts or the stream ends, so every item's
-    ``added`` comes before its deltas and its ``done`` before the next item's ``added``.
+    function or custom tool call) and close when another kind starts or the stream ends, so
+    every item's ``added`` comes before its deltas and its ``done`` before the next item's
+    ``added``.
     """
 
     def __init__(self, turn: Turn, *, events: bool, created_at: float | None = None) -> None:
@@ -812,7 +1024,8 @@ class ResponseBuilder:
         self.echo = turn.echo
         self.names = turn.names
         self.encrypted_reasoning = turn.encrypted_reasoning
-        self._engine_names: dict[str, str] = {}  # function_call item id -> the engine's name
+        self._engine_names: dict[str, str] = {}  # tool call item id -> the engine's name
+        self._inputs: dict[str, _CustomInput] = {}  # custom_tool_call item id -> its input
         self.created_at = int(created_at if created_at is not None else time.time())
         self.events = events
         self.seq = 0
@@ -937,6 +1150,14 @@ class ResponseBuilder:
                 arguments=item["arguments"],
             )
             self._buf = []
+        elif item["type"] == "custom_tool_call":
+            given = self._inputs[item["id"]]
+            item["input"] = given.value()
+            ids = {"item_id": item["id"], "output_index": self._index}
+            rest = item["input"][len(given.sent) :]  # what feed could not give as it came
+            if rest:
+                self._ev(out, "response.custom_tool_call_input.delta", **ids, delta=rest)
+            self._ev(out, "response.custom_tool_call_input.done", **ids, input=item["input"])
         else:
             self._close_part(out)
         item["status"] = status
@@ -1060,27 +1281,44 @@ class ResponseBuilder:
         item = self._calls.get(idx)
         if item is None:
             engine_name = fn.get("name") or ""
-            ns, name = self.names.to_client.get(engine_name, (None, engine_name))
+            ns, name = self.names.to_client.get(engine_name, ("", engine_name))
+            custom = engine_name in self.names.custom
             item = {
-                "id": f"fc_{self._hex}_{len(self.output)}",
-                "type": "function_call",
+                "id": f"{'ctc' if custom else 'fc'}_{self._hex}_{len(self.output)}",
+                "type": "custom_tool_call" if custom else "function_call",
                 "status": "in_progress",
                 "call_id": d.get("id") or f"call_{self._hex}_{idx}",
                 "name": name,
-                **({"namespace": ns} if ns is not None else {}),
-                "arguments": "",
+                **({"namespace": ns} if ns else {}),  # "": a renamed plain tool's
+                **({"input": ""} if custom else {"arguments": ""}),
             }
             self._engine_names[item["id"]] = engine_name
+            if custom:
+                self._inputs[item["id"]] = _CustomInput()
             self._calls[idx] = item
             self._open(out, item)
             self._buf = []
         elif item is not self._item:
             # A fragment of a call already closed (engines send calls one after another):
             # kept in the item; its done event has gone.
-            item["arguments"] += fn.get("arguments") or ""
+            if item["type"] == "custom_tool_call":
+                self._inputs[item["id"]].feed(fn.get("arguments") or "")
+                item["input"] = self._inputs[item["id"]].value()
+            else:
+                item["arguments"] += fn.get("arguments") or ""
             return
         args = fn.get("arguments") or ""
-        if args:
+        if args and item["type"] == "custom_tool_call":
+            text = self._inputs[item["id"]].feed(args)
+            if text:
+                self._ev(
+                    out,
+                    "response.custom_tool_call_input.delta",
+                    item_id=item["id"],
+                    output_index=self._index,
+                    delta=text,
+                )
+        elif args:
             self._buf.append(args)
             self._ev(
                 out,
@@ -1148,6 +1386,18 @@ class ResponseBuilder:
                         "function": {
                             "name": self._engine_names.get(item["id"], item["name"]),
                             "arguments": item["arguments"],
+                        },
+                    }
+                )
+            elif item["type"] == "custom_tool_call":
+                args = self._inputs[item["id"]].raw  # as the engine made them
+                msg.setdefault("tool_calls", []).append(
+                    {
+                        "id": item["call_id"],
+                        "type": "function",
+                        "function": {
+                            "name": self._engine_names.get(item["id"], item["name"]),
+                            "arguments": args,
                         },
                     }
                 )

@@ -23,6 +23,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from nats.js.api import DiscardPolicy
+from openai.types.responses import (
+    ResponseCompletedEvent,
+    ResponseCustomToolCall,
+    ResponseCustomToolCallInputDeltaEvent,
+    ResponseCustomToolCallInputDoneEvent,
+    ResponseOutputItemAddedEvent,
+    ResponseOutputItemDoneEvent,
+)
 from pydantic import BaseModel
 
 from auth.store import KeyStore
@@ -709,6 +717,365 @@ def test_namespaced_names_are_a_table_not_a_parse() -> None:
     assert b.assistant_messages()[0]["tool_calls"][0]["function"]["name"] == names[2]
     assert turn.session is None
     assert translate(parse({**body, "prompt_cache_key": "s1"}), body).session == "s1"
+
+
+# -- custom (free-form input) tools ---------------------------------------------------------
+GRAMMAR = 'start: "*** Begin Patch" /(.|\\n)*/ "*** End Patch"'
+PATCH = {
+    "type": "custom",
+    "name": "apply_patch",
+    "description": "Edit files with a patch.",
+    "format": {"type": "grammar", "syntax": "lark", "definition": GRAMMAR},
+}
+NOTE = {"type": "custom", "name": "note", "format": {"type": "text"}}
+CUSTOM_INPUT = {
+    "type": "object",
+    "properties": {
+        "input": {"type": "string", "description": "The tool's input: free-form text, not JSON."}
+    },
+    "required": ["input"],
+    "additionalProperties": False,
+}
+# The custom tools as the engine sees them: a function with one string parameter, `input`;
+# the grammar told in the description (the engine is not constrained by it).
+CHAT_PATCH = {
+    "type": "function",
+    "function": {
+        "name": "apply_patch",
+        "description": "Edit files with a patch.\n\n"
+        f"The input must follow this Lark grammar:\n```\n{GRAMMAR}\n```",
+        "parameters": CUSTOM_INPUT,
+    },
+}
+CHAT_NOTE = {"type": "function", "function": {"name": "note", "parameters": CUSTOM_INPUT}}
+FIX = [{"role": "user", "content": "fix the bug"}]
+
+
+def _patch_call(model: str, **extra: Any) -> tuple[str, str]:
+    """(call_id, input) of the sim's call to the custom tool ``apply_patch``."""
+    want = expected_tool_call(_sim(model, FIX, **extra))
+    assert want is not None and want[1] == "apply_patch"
+    return want[0], json.loads(want[2])["input"]
+
+
+async def test_a_custom_tool_call_whole(env: Env, oai: openai.AsyncOpenAI) -> None:
+    out = await oai.responses.create(model=env.model, input="fix the bug", tools=[PATCH])  # type: ignore[list-item]
+    assert out.status == "completed"
+    [call] = out.output
+    assert isinstance(call, ResponseCustomToolCall)
+    assert (call.call_id, call.input) == _patch_call(env.model, tools=[CHAT_PATCH])
+    assert call.name == "apply_patch" and call.namespace is None and call.id
+    assert call.id.startswith("ctc_") and out.tools[0].type == "custom"
+
+
+async def test_a_custom_tool_call_streamed(env: Env, oai: openai.AsyncOpenAI) -> None:
+    stream = await oai.responses.create(
+        model=env.model,
+        input="fix the bug",
+        tools=[PATCH],  # type: ignore[list-item]
+        stream=True,
+    )
+    events = [ev async for ev in stream]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    deltas = [e for e in events if isinstance(e, ResponseCustomToolCallInputDeltaEvent)]
+    assert deltas  # (the sim's fragments may come in one frame: one delta or more)
+    assert [e.type for e in events] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        *["response.custom_tool_call_input.delta"] * len(deltas),
+        "response.custom_tool_call_input.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    added, done, item_done, completed = events[2], events[-3], events[-2], events[-1]
+    assert isinstance(added, ResponseOutputItemAddedEvent)
+    assert isinstance(done, ResponseCustomToolCallInputDoneEvent)
+    assert isinstance(item_done, ResponseOutputItemDoneEvent)
+    assert isinstance(completed, ResponseCompletedEvent)
+    assert isinstance(added.item, ResponseCustomToolCall)
+    assert (added.item.input, added.item.status) == ("", "in_progress")
+    assert {(e.item_id, e.output_index) for e in [*deltas, done]} == {(added.item.id, 0)}
+    [final] = completed.response.output
+    assert isinstance(final, ResponseCustomToolCall) and final == item_done.item
+    _, want = _patch_call(env.model, tools=[CHAT_PATCH])
+    assert "".join(e.delta for e in deltas) == done.input == final.input == want
+
+
+async def test_a_custom_tool_round_trip(env: Env, oai: openai.AsyncOpenAI) -> None:
+    first = await oai.responses.create(model=env.model, input="fix the bug", tools=[PATCH])  # type: ignore[list-item]
+    [call] = first.output
+    assert isinstance(call, ResponseCustomToolCall)
+    result = {"type": "custom_tool_call_output", "call_id": call.call_id, "output": "Done!"}
+    second = await oai.responses.create(
+        model=env.model,
+        previous_response_id=first.id,
+        input=[result],  # type: ignore[list-item]
+        tools=[PATCH],  # type: ignore[list-item]
+        max_output_tokens=8,
+    )
+    # The engine saw its call (the function `apply_patch`, the input as its argument) and
+    # the call's output.
+    args = json.dumps({"input": call.input})
+    prompt = f"<|user|>fix the bug\n<|assistant|>apply_patch({args})\n<|tool|>Done!\n"
+    assert second.output_text == expected_text(prompt, 8)[0]
+    items = await oai.responses.input_items.list(second.id)
+    assert [(i.type, getattr(i, "call_id", None)) for i in items.data] == [
+        ("custom_tool_call_output", call.call_id)
+    ]
+    # The same conversation sent whole, as Codex does with store false.
+    history = [
+        *FIX,
+        {
+            "type": "custom_tool_call",
+            "call_id": call.call_id,
+            "name": call.name,
+            "input": call.input,
+        },
+        result,
+    ]
+    third = await oai.responses.create(
+        model=env.model,
+        input=history,  # type: ignore[arg-type]
+        tools=[PATCH],  # type: ignore[list-item]
+        store=False,
+        max_output_tokens=8,
+    )
+    assert third.output_text == second.output_text
+
+
+async def test_tool_choice_names_a_custom_tool(env: Env, oai: openai.AsyncOpenAI) -> None:
+    tools = [WEATHER, PATCH]
+    # Without a choice the sim calls the first tool, the function.
+    out = await oai.responses.create(model=env.model, input="fix the bug", tools=tools)  # type: ignore[arg-type]
+    assert [i.type for i in out.output] == ["function_call"]
+    chat_tools = [CHAT_WEATHER, CHAT_PATCH]
+    forced = {"type": "function", "function": {"name": "apply_patch"}}
+    for choice in (
+        {"type": "custom", "name": "apply_patch"},
+        {
+            "type": "allowed_tools",
+            "mode": "required",
+            "tools": [{"type": "custom", "name": "apply_patch"}],
+        },
+    ):
+        out = await oai.responses.create(
+            model=env.model,
+            input="fix the bug",
+            tools=tools,  # type: ignore[arg-type]
+            tool_choice=choice,  # type: ignore[arg-type]
+        )
+        [call] = out.output
+        assert isinstance(call, ResponseCustomToolCall) and call.name == "apply_patch"
+        sent = {"tools": chat_tools, "tool_choice": forced}
+        if choice["type"] == "allowed_tools":
+            sent = {"tools": [CHAT_PATCH], "tool_choice": "required"}
+        assert (call.call_id, call.input) == _patch_call(env.model, **sent)
+        assert out.to_dict()["tool_choice"] == choice  # repeated as given
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+async def test_what_the_engine_gets_of_custom_tools_and_a_call_that_is_not_json(
+    env: Env, stream: bool
+) -> None:
+    auth = {"Authorization": f"Bearer {env.key}"}
+    body: dict[str, Any] = {
+        "model": env.up_model,
+        "input": "fix the bug",
+        "tools": [PATCH, NOTE, WEATHER],
+        "tool_choice": {"type": "custom", "name": "apply_patch"},
+        "store": False,
+        "stream": stream,
+    }
+    async with env.stack.http("/v1", headers=auth, timeout=30) as h:
+        if stream:
+            async with h.stream("POST", "/responses", json=body) as r:
+                assert r.status_code == 200, await r.aread()
+                events = [
+                    json.loads(line[6:])
+                    async for line in r.aiter_lines()
+                    if line.startswith("data: ")
+                ]
+            deltas = [e for e in events if e["type"] == "response.custom_tool_call_input.delta"]
+            [done] = [e for e in events if e["type"] == "response.custom_tool_call_input.done"]
+            assert "".join(e["delta"] for e in deltas) == done["input"]
+            out = events[-1]["response"]
+        else:
+            out = await _post(h, body)
+        got = await env.upstream.last_request()
+        # Function tools for the engine, the choice of the custom tool a function choice.
+        assert got["tools"] == [CHAT_PATCH, CHAT_NOTE, CHAT_WEATHER]
+        assert got["tool_choice"] == {"type": "function", "function": {"name": "apply_patch"}}
+        # The upstream's arguments are no {"input": ...}: the input is their raw text.
+        [call] = out["output"]
+        assert call["type"] == "custom_tool_call" and call["status"] == "completed"
+        assert (call["call_id"], call["name"]) == ("call_up_1", "apply_patch")
+        assert json.loads(call["input"]) == {"city": "Paris", "unit": "celsius"}
+        # Its next turn: the call and its output reach the engine as a tool call and result.
+        nxt = {
+            **body,
+            "input": [
+                *FIX,
+                call,
+                {"type": "custom_tool_call_output", "call_id": "call_up_1", "output": "ok"},
+            ],
+            "tool_choice": "auto",
+        }
+        await _post(h, nxt)
+    got = await env.upstream.last_request()
+    assert got["messages"][1:] == [
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_up_1",
+                    "type": "function",
+                    "function": {
+                        "name": "apply_patch",
+                        "arguments": json.dumps({"input": call["input"]}),
+                    },
+                }
+            ],
+        },
+        {"role": "tool", "content": "ok", "tool_call_id": "call_up_1"},
+    ]
+
+
+def test_custom_tools_named_as_a_function_or_in_a_namespace_come_back_as_themselves() -> None:
+    body: dict[str, Any] = {
+        "model": "m",
+        "input": "hi",
+        "tools": [
+            PATCH,
+            {"type": "function", "name": "apply_patch", "parameters": {"type": "object"}},
+            {"type": "namespace", "name": "ed", "description": "Editor.", "tools": [NOTE]},
+        ],
+        "tool_choice": {"type": "custom", "name": "apply_patch"},
+    }
+    turn = translate(parse(body), body)
+    names = [t["function"]["name"] for t in turn.chat["tools"]]
+    # The function keeps its name; the custom tool is renamed, so its calls are told apart.
+    assert names[1] == "apply_patch" and names[2] == "ed__note" and len(set(names)) == 3
+    assert turn.chat["tool_choice"]["function"]["name"] == names[0]
+    assert turn.chat["tools"][2]["function"]["description"] == "Editor."
+    # Arguments cut inside escapes and a surrogate pair: the input streams decoded.
+    text = 'é "q" \\ 😀\n*** End Patch'
+    args = json.dumps({"input": text})
+    calls = [
+        *[{"index": 0, "function": {"arguments": args[i : i + 3]}} for i in range(0, len(args), 3)],
+        {"index": 1, "id": "c1", "function": {"name": "ed__note", "arguments": '{"input": "n"}'}},
+        {"index": 2, "id": "c2", "function": {"name": "apply_patch", "arguments": "{}"}},
+    ]
+    calls[0] = {**calls[0], "id": "c0", "function": {"name": names[0], **calls[0]["function"]}}
+    b = ResponseBuilder(turn, events=True)
+    events = [e for c in calls for e in b.add(Chunk("", 0, 0, tool_calls=[c]))]
+    resp, closing = b.finish("tool_calls", None)
+    events += closing
+    deltas = [e for e in events if e["type"] == "response.custom_tool_call_input.delta"]
+    dones = [e for e in events if e["type"] == "response.custom_tool_call_input.done"]
+    assert len([d for d in deltas if d["output_index"] == 0]) > 3
+    assert "".join(d["delta"] for d in deltas if d["output_index"] == 0) == text
+    assert [d["input"] for d in dones] == [text, "n"]
+    out = [(i["type"], i["name"], i.get("namespace")) for i in resp["output"]]
+    assert out == [
+        ("custom_tool_call", "apply_patch", None),
+        ("custom_tool_call", "note", "ed"),
+        ("function_call", "apply_patch", None),
+    ]
+    assert resp["output"][0]["input"] == text
+    # The stored conversation keeps the engine's names and arguments.
+    sent = [c["function"] for c in b.assistant_messages()[0]["tool_calls"]]
+    assert sent == [
+        {"name": names[0], "arguments": args},
+        {"name": "ed__note", "arguments": '{"input": "n"}'},
+        {"name": "apply_patch", "arguments": "{}"},
+    ]
+    # A custom_tool_call in the history goes to the engine under the same names.
+    history = [
+        {"type": "custom_tool_call", "call_id": "c0", "name": "apply_patch", "input": "x"},
+        {
+            "type": "custom_tool_call",
+            "call_id": "c1",
+            "name": "note",
+            "namespace": "ed",
+            "input": "é",
+        },
+    ]
+    chat = _chat({**body, "input": history})
+    assert [c["function"] for c in chat["messages"][0]["tool_calls"]] == [
+        {"name": names[0], "arguments": '{"input": "x"}'},
+        {"name": "ed__note", "arguments": '{"input": "é"}'},
+    ]
+
+
+BAD_CUSTOM: list[tuple[dict[str, Any], str]] = [
+    ({"tools": [{"type": "custom", "description": "no name"}]}, "tools.0.name"),
+    (
+        {"tools": [WEATHER, {"type": "custom", "name": "p", "format": {"type": "json"}}]},
+        "tools.1.format.type",
+    ),
+    ({"tools": [{"type": "custom", "name": "p", "format": "text"}]}, "tools.0.format"),
+    (
+        {
+            "tools": [
+                {
+                    "type": "custom",
+                    "name": "p",
+                    "format": {"type": "grammar", "syntax": "ebnf", "definition": "x"},
+                }
+            ]
+        },
+        "tools.0.format.syntax",
+    ),
+    (
+        {
+            "tools": [
+                {"type": "custom", "name": "p", "format": {"type": "grammar", "syntax": "lark"}}
+            ]
+        },
+        "tools.0.format.definition",
+    ),
+    ({"tools": [{"type": "custom", "name": "p", "description": 5}]}, "tools.0.description"),
+    (
+        {
+            "tools": [
+                {
+                    "type": "namespace",
+                    "name": "ns",
+                    "description": "",
+                    "tools": [{"type": "custom"}],
+                }
+            ]
+        },
+        "tools.0.tools.0.name",
+    ),
+    (
+        {"tools": [WEATHER, PATCH], "tool_choice": {"type": "custom", "name": "get_weather"}},
+        "tool_choice.name",
+    ),
+    (
+        {"tools": [WEATHER, PATCH], "tool_choice": {"type": "function", "name": "apply_patch"}},
+        "tool_choice.name",
+    ),
+    ({"input": [{"type": "custom_tool_call", "call_id": "c", "name": "p"}]}, "input.0.input"),
+    ({"input": [{"type": "custom_tool_call", "name": "p", "input": "x"}]}, "input.0.call_id"),
+    (
+        {"input": [{"type": "custom_tool_call_output", "call_id": 5, "output": "x"}]},
+        "input.0.call_id",
+    ),
+]
+
+
+async def test_a_bad_custom_tool_gets_a_400_naming_it(env: Env) -> None:
+    auth = {"Authorization": f"Bearer {env.key}"}
+    async with env.stack.http("/v1", headers=auth, timeout=30) as h:
+        for change, param in BAD_CUSTOM:
+            r = await h.post("/responses", json={"model": env.model, "input": "hi", **change})
+            assert r.status_code == 400, (change, r.text)
+            err = r.json()["error"]
+            assert err["param"] == param, (change, err)
+            assert err["type"] == "invalid_request_error" and err["message"], err
 
 
 # -- bad fields -----------------------------------------------------------------------------
