@@ -37,7 +37,6 @@ Strict = Annotated[float, Field(strict=True)]
 # Messages fields that are taken and have no effect here, and why (docs/anthropic.md).
 IGNORED = {
     "cache_control": "prompt caching is the engine's own (vLLM caches prefixes by itself)",
-    "service_tier": "tokenbus has one tier",
     "speed": "tokenbus has one speed",
     "inference_geo": "tokenbus runs where it is deployed",
     "diagnostics": "not served",
@@ -46,6 +45,12 @@ IGNORED = {
     "user_profile_id": "not served",
     "workspace_id": "tokenbus has no workspaces (API keys scope models and limits)",
 }
+# The class that served a message as Anthropic's ``usage.service_tier`` names it.
+ANTHROPIC_TIERS = {"priority": "priority", "default": "standard", "flex": "batch"}
+# Anthropic's ``service_tier`` as a class asked for: ``auto`` is the key's default
+# (docs/flow.md), ``standard_only`` never priority.
+_ASKED_TIERS = {"auto": None, "standard_only": "default"}
+
 # Messages fields this module turns into chat fields (or acts on itself); the others of a
 # request are carried to the engine unchanged, as the chat path carries them.
 OWNED = frozenset(
@@ -56,6 +61,7 @@ OWNED = frozenset(
         "max_tokens",
         "stop_sequences",
         "stream",
+        "service_tier",
         "temperature",
         "top_p",
         "top_k",
@@ -436,6 +442,12 @@ def translate(req: MessagesRequest, body: dict[str, Any]) -> dict[str, Any]:
     chat["model"] = req.model
     chat["messages"] = messages
     chat["max_tokens"] = req.max_tokens
+    tier = body.get("service_tier")
+    if tier is not None:
+        if not isinstance(tier, str) or tier not in _ASKED_TIERS:
+            raise _bad("service_tier", f"{tier!r} is not a service tier (auto, standard_only)")
+        if _ASKED_TIERS[tier]:
+            chat["service_tier"] = _ASKED_TIERS[tier]
     for name in ("temperature", "top_p", "top_k"):
         if getattr(req, name) is not None:
             chat[name] = getattr(req, name)
@@ -681,10 +693,15 @@ class MessageBuilder:
 
     # -- the end ----------------------------------------------------------------------------
     def finish(
-        self, finish_reason: str | None, usage: Usage | None, stop_sequence: str | None = None
+        self,
+        finish_reason: str | None,
+        usage: Usage | None,
+        stop_sequence: str | None = None,
+        tier: str | None = None,
     ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         """(the whole message, the closing events: ``message_delta``, ``message_stop``);
-        ``stop_sequence`` is the stop string the engine says ended the answer, if any."""
+        ``stop_sequence`` is the stop string the engine says ended the answer, if any;
+        ``tier`` the class that served it (``usage.service_tier``)."""
         out: list[dict[str, Any]] = []
         self._close(out)
         for idx, block in self._calls.items():
@@ -695,6 +712,8 @@ class MessageBuilder:
             self.content.sort(key=lambda b: b["type"] != "thinking")
         reason, seq = stop_reason(finish_reason, stop_sequence, self.stops or [])
         used = usage_of(usage)
+        if tier in ANTHROPIC_TIERS:
+            used["service_tier"] = ANTHROPIC_TIERS[tier]
         if self.events:
             delta = {"stop_reason": reason, "stop_sequence": seq}
             out.append({"type": "message_delta", "delta": delta, "usage": used})
@@ -748,7 +767,7 @@ class MessageStream:
                 for ev in b.add(c):
                     yield ev
             self.message, events = b.finish(
-                stream.finish_reason, stream.usage, stream.stop_sequence
+                stream.finish_reason, stream.usage, stream.stop_sequence, stream.service_tier
             )
             for ev in events:
                 yield ev

@@ -1330,10 +1330,11 @@ class ResponseBuilder:
 
     # -- the end --------------------------------------------------------------------------
     def finish(
-        self, finish_reason: str | None, usage: Usage | None
+        self, finish_reason: str | None, usage: Usage | None, tier: str | None = None
     ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         """(the final response object, the closing events): ``response.completed``, or
-        ``response.incomplete`` when the output was cut (max_output_tokens, content filter)."""
+        ``response.incomplete`` when the output was cut (max_output_tokens, content filter);
+        ``tier``: the ``service_tier`` that served it."""
         out: list[dict[str, Any]] = []
         reason = _INCOMPLETE.get(finish_reason or "stop")
         self._close(out, "incomplete" if reason else "completed")
@@ -1348,6 +1349,7 @@ class ResponseBuilder:
             usage=usage_of(usage),
             incomplete_details={"reason": reason} if reason else None,
             **({"completed_at": int(time.time())} if not reason else {}),
+            **({"service_tier": tier} if tier else {}),
         )
         self._ev(out, f"response.{self.status}", response=resp)
         return resp, out
@@ -1502,7 +1504,7 @@ class ResponseStream:
                 for ev in events:
                     yield ev
                 return
-            resp, events = b.finish(stream.finish_reason, stream.usage)
+            resp, events = b.finish(stream.finish_reason, stream.usage, stream.service_tier)
             await self._keep(resp)
             self.response = resp
             for ev in events:

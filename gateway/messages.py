@@ -128,7 +128,9 @@ class MessagesAPI:
             return
         async for c in stream:
             b.add(c)
-        msg, _ = b.finish(stream.finish_reason, stream.usage, stream.stop_sequence)
+        msg, _ = b.finish(
+            stream.finish_reason, stream.usage, stream.stop_sequence, stream.service_tier
+        )
         await self._send_whole(send, msg, stream, call)
 
     async def _count(self, call: Call, send: Send) -> None:
@@ -204,7 +206,9 @@ class MessagesAPI:
                         buf.clear()
                 finally:
                     stream.push_to(None)
-            _, events = b.finish(stream.finish_reason, stream.usage, stream.stop_sequence)
+            _, events = b.finish(
+                stream.finish_reason, stream.usage, stream.stop_sequence, stream.service_tier
+            )
             buf.extend(M.sse(ev) for ev in events)
         except E.TokenbusError as exc:
             # The headers are gone: the failure is an `error` event, which ends the stream.

@@ -63,6 +63,8 @@ class StreamLike(Protocol):
     stop_sequence: str | None
     usage: Usage | None
     rate_limits: dict[str, str]
+    # The class that serves it (``service_tier``), from the replica's accept frame.
+    service_tier: str | None
 
     def __aiter__(self) -> AsyncIterator[Chunk]: ...
 

@@ -144,7 +144,7 @@ class ResponsesAPI:
         b = R.ResponseBuilder(turn, events=False)
         async for c in stream:
             b.add(c)
-        resp, _ = b.finish(stream.finish_reason, stream.usage)
+        resp, _ = b.finish(stream.finish_reason, stream.usage, stream.service_tier)
         await self._save(turn, b, resp, owner)
         progress.finished = True
         progress.t5_ns = time.time_ns()
@@ -206,7 +206,7 @@ class ResponsesAPI:
                         buf.clear()
                 finally:
                     stream.push_to(None)
-            resp, events = b.finish(stream.finish_reason, stream.usage)
+            resp, events = b.finish(stream.finish_reason, stream.usage, stream.service_tier)
             # Kept before response.completed goes out: a client that continues the
             # conversation right after it finds it.
             await self._save(turn, b, resp, owner)

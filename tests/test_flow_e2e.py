@@ -203,6 +203,33 @@ async def test_service_tier_is_settled_by_the_key_and_carried_back(
     with pytest.raises(openai.BadRequestError) as bad:
         await oa.chat.completions.create(**{**body, "service_tier": "gold"})
     assert bad.value.status_code == 400 and "service_tier" in str(bad.value)
+    # The Responses API says it on the response; the Messages API in usage, in its words.
+    oa = stack.openai(keys["batchy"])
+    resp = await oa.responses.create(model=model, input="Hi", max_output_tokens=3)
+    assert resp.service_tier == "flex"
+    oa = stack.openai(keys["vip"])
+    resp = await oa.responses.create(
+        model=model, input="Hi", max_output_tokens=3, service_tier="priority"
+    )
+    assert resp.service_tier == "priority"
+    async with stack.http("/v1") as h:
+        for key, asked, want in (
+            ("vip", "auto", "standard"),
+            ("batchy", None, "batch"),
+            ("vip", "standard_only", "standard"),
+        ):
+            msg = {"model": model, "max_tokens": 3, "messages": MSG}
+            if asked:
+                msg["service_tier"] = asked
+            r = await h.post("/messages", json=msg, headers={"x-api-key": keys[key]})
+            assert r.status_code == 200 and r.json()["usage"]["service_tier"] == want, r.text
+        r = await h.post(
+            "/messages",
+            json={"model": model, "max_tokens": 3, "messages": MSG, "service_tier": "gold"},
+            headers={"x-api-key": keys["vip"]},
+        )
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+        assert "service_tier" in r.text
     async with await Client.connect(procs.url) as client:
         got = await client.chat_completion(
             model, MSG, max_tokens=3, service_tier="priority", api_key=keys["vip"]

@@ -33,6 +33,7 @@ class DirectStream:
         self.stop_sequence: str | None = None
         self.usage: Usage | None = None
         self.rate_limits: dict[str, str] = {}
+        self.service_tier: str | None = None  # no flow control in front of the engine
         self._ready: list[Chunk] = []  # chunks to hand out before reading the backend again
 
     @classmethod
