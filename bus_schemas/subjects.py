@@ -110,6 +110,10 @@ def heartbeat_wildcard() -> str:
     return f"{PREFIX}.heartbeat.*.*"
 
 
+# What routers and bridges hold per model and class (``telemetry(TELEMETRY_QUEUE)``).
+TELEMETRY_QUEUE = "queue"
+
+
 def telemetry(kind: str) -> str:
     """Telemetry events (fire and forget)."""
     return f"{PREFIX}.telemetry.{kind}"

@@ -59,8 +59,11 @@ class BusSource:
         stages: LocalStages | None = None,
         keys: KeyStore | None = None,
         aliases: AliasTable | None = None,
+        waiting_room: bool = False,
     ) -> None:
         self.client = client
+        # Requests wait for a replica to start (router.waiting_room_s): ready without one.
+        self.waiting_room = waiting_room
         self.aliases = aliases or AliasTable()  # the global model aliases, for /v1/models
         self.keys = keys  # where the pipeline checks keys: who may list the models
         self.registry = registry
@@ -166,7 +169,9 @@ class BusSource:
         return bool(self.client.nc.is_connected)
 
     def ready(self) -> bool:
-        return self.healthy() and bool(self.registry.models())
+        """Connected, and some replica serves (or, with a waiting room, requests wait for
+        one to start: a bridge of a model scaled to zero takes them)."""
+        return self.healthy() and (self.waiting_room or bool(self.registry.models()))
 
 
 def _route_span(hdrs: dict[str, str]) -> Any:
@@ -237,7 +242,14 @@ class Bridge(Service):
         keys = await self._keys()
         api = OpenAIApp(
             BusSource(
-                self.client, self.registry, admission, dispatcher, self.stages, keys, self.aliases
+                self.client,
+                self.registry,
+                admission,
+                dispatcher,
+                self.stages,
+                keys,
+                self.aliases,
+                waiting_room=self.settings.router.waiting_room_s > 0,
             ),
             max_body_bytes=cfg.max_body_bytes,
             request_timeout_s=cfg.request_timeout_s,

@@ -9,7 +9,10 @@ caller never notices. Used by the router service and, fused in-process, by the H
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+import uuid
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +32,18 @@ from services.aliases import AliasTable, envelope_for, retarget
 from services.config import RouterSettings
 
 _QUEUE_POLL_S = 0.02  # how often a queued request looks for a replica with room
+REPORT_EVERY_S = 1.0  # how often a router holding requests says how many
+
+
+def queue_report(
+    instance: str, held: dict[tuple[str, str], int], interval_s: float
+) -> dict[str, Any]:
+    """What a router (or bridge) holds, per model and class, as it says so on the bus."""
+    waiting: dict[str, dict[str, int]] = {}
+    for (model, tier), n in held.items():
+        waiting.setdefault(model, {})[tier] = n
+    return {"type": "queue", "instance": instance, "waiting": waiting, "interval_s": interval_s}
+
 
 # Refusals that say "this replica, not the request": another replica may take it.
 _TRY_ELSEWHERE = frozenset({E.ReplicaDraining.code, E.ReplicaLost.code, E.EngineError.code})
@@ -51,6 +66,7 @@ class _Placement:
     attempt: int = 0
     last_err: E.TokenbusError | None = None
     queued_until: float = 0.0  # end of its wait in the queue; 0 while it has no place there
+    tier: str = "default"  # its class (Tb-Priority), for the queue depth reported
 
     def failed(self, replica: str, err: E.TokenbusError) -> None:
         """``replica`` cannot take the request: count the attempt, try another."""
@@ -88,6 +104,11 @@ class Dispatcher:
         self.aliases = aliases
         self.started = time.monotonic()
         self.queued: dict[str, int] = {}  # model -> requests waiting for capacity
+        # (model, class) -> requests held here (the queue and the waiting room), reported on
+        # the bus for autoscalers (see QueueReport).
+        self.holding: Counter[tuple[str, str]] = Counter()
+        self.instance = uuid.uuid4().hex[:12]
+        self._report: asyncio.Task[None] | None = None
 
     def _overloaded(self, model: str, why: str) -> E.Overloaded:
         return E.Overloaded(
@@ -131,6 +152,7 @@ class Dispatcher:
         target, pool = route.target(req)
         await self._warm_up(target)
         p = _Placement(route, req, target, pool, data, hdrs, reply)
+        p.tier = hdrs.get(H.PRIORITY) or "default"
         try:
             replica = await self._place(p)
         finally:
@@ -169,6 +191,10 @@ class Dispatcher:
                 r for r in open_ if r.replica not in p.busy and r.load < r.max_concurrency
             ]
             if not candidates:
+                if not live and not p.tried and self._may_hold(p.model):
+                    # No replica at all: the waiting room, while one starts (scale from 0).
+                    await self._wait_for_room(p, self.cfg.waiting_room_s)
+                    continue
                 if not open_:
                     return None
                 # Every replica is at capacity: wait in this router's bounded queue.
@@ -240,28 +266,68 @@ class Dispatcher:
             raise err
         p.failed(r.replica, err)
 
-    async def _wait_for_room(self, p: _Placement) -> None:
-        """Wait one poll in the queue, taking a place on the first wait; raises
-        :class:`E.Overloaded` when the queue is full or the wait is over."""
+    def _may_hold(self, model: str) -> bool:
+        """Whether a request for ``model``, which has no live replica, waits for one: the
+        waiting room is on and the model is one this router knows."""
+        cfg = self.cfg
+        return cfg.waiting_room_s > 0 and (
+            self.registry.ever_seen(model)
+            or model in cfg.models
+            or model in cfg.waiting_room_models
+        )
+
+    async def _wait_for_room(self, p: _Placement, limit_s: float | None = None) -> None:
+        """Wait one poll in the queue (or, with ``limit_s``, the waiting room), taking a
+        place on the first wait; raises :class:`E.Overloaded` when the queue is full or the
+        wait is over (:class:`E.NoReplica` when no replica started)."""
         now = time.monotonic()
         if not p.queued_until:
-            self._join_queue(p, now)
+            self._join_queue(p, now, limit_s)
         if now >= p.queued_until or marks.expired(p.hdrs):
+            if not self.registry.live(p.model):
+                waited = self.cfg.waiting_room_s
+                raise E.NoReplica(
+                    f"no replica of model {p.model!r} started within {waited:g} s; retry shortly",
+                    headers={"Retry-After": str(max(1, round(waited)))},
+                )
             raise self._overloaded(p.model, "no replica freed up in time")
         await asyncio.sleep(_QUEUE_POLL_S)
         p.busy.clear()
 
-    def _join_queue(self, p: _Placement, now: float) -> None:
-        """Take a place in the model's queue until the queue timeout, unless it is full."""
+    def _join_queue(self, p: _Placement, now: float, limit_s: float | None = None) -> None:
+        """Take a place in the model's queue until the queue timeout (or ``limit_s``),
+        unless it is full."""
         if self.queued.get(p.model, 0) >= self.cfg.max_queued:
             raise self._overloaded(p.model, "its queue is full")
         self.queued[p.model] = self.queued.get(p.model, 0) + 1
-        p.queued_until = now + self.cfg.queue_timeout_s
+        p.queued_until = now + (self.cfg.queue_timeout_s if limit_s is None else limit_s)
+        self.holding[(p.model, p.tier)] += 1
+        if self._report is None or self._report.done():
+            self._report = asyncio.get_running_loop().create_task(self._report_loop())
 
     def _leave_queue(self, p: _Placement) -> None:
         """Give back the request's place in the queue, if it took one."""
         if p.queued_until:
             self.queued[p.model] -= 1
+            key = (p.model, p.tier)
+            self.holding[key] -= 1
+            if self.holding[key] <= 0:
+                del self.holding[key]
+
+    async def _report_loop(self) -> None:
+        """While this router (or bridge) holds requests, say how many per model and class
+        every second on the bus (the telemetry service exports them for autoscalers), and
+        once more when it holds none."""
+        with contextlib.suppress(Exception):
+            while True:
+                held = dict(self.holding)
+                await self.nc.publish(
+                    subjects.telemetry(subjects.TELEMETRY_QUEUE),
+                    codec.encode(queue_report(self.instance, held, REPORT_EVERY_S)),
+                )
+                if not held:
+                    return
+                await asyncio.sleep(REPORT_EVERY_S)
 
     def _give_up(self, p: _Placement) -> E.TokenbusError:
         """Why no replica took the request: each one tried failed, none is live, or the

@@ -198,6 +198,19 @@ class RouterSettings(ModelRouting):
         description="Requests one router holds per model while every replica is at "
         "capacity; more are refused at once with 503 overloaded (Retry-After).",
     )
+    waiting_room_s: float = Field(
+        default=0.0,
+        ge=0,
+        description="Scale from zero: hold a request for a model with no live replica this "
+        "long for one to start (0: answer 503 no_replica at once). Held: models this router "
+        "has seen, those under router.models, and waiting_room_models. The waiting requests "
+        "are the tokenbus_model_queue_depth an autoscaler (KEDA) scales on (docs/flow.md).",
+    )
+    waiting_room_models: list[str] = Field(
+        default_factory=list,
+        description="Models held in the waiting room although this router never saw a "
+        "replica of them (a model scaled to zero before the router started).",
+    )
     dispatch_timeout_s: float = Field(default=2.0, description="Wait for a worker's ack.")
     write_at_once: bool = Field(
         default=True,

@@ -70,8 +70,9 @@ ROLES: dict[str, tuple[list[str], list[str]]] = {
     ),
     "filter": ([STAGES, INBOX], [f"{PREFIX}.stage.filter", INBOX, DISCOVERY]),
     # KV: the router follows run-time routing changes (bucket tokenbus_routing).
+    # telemetry: how many requests it holds per model and class (queue depth, for autoscalers).
     "router": (
-        [ENGINE, CANCEL, INBOX, *JS_API],
+        [ENGINE, CANCEL, INBOX, TELEMETRY, *JS_API],
         [f"{PREFIX}.stage.route", HEARTBEAT, INBOX, DISCOVERY],
     ),
     "worker": ([HEARTBEAT, *USAGE, TELEMETRY, INBOX], [ENGINE, CANCEL, DISCOVERY]),

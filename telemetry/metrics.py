@@ -90,6 +90,43 @@ class ReplicaLoad:
     replicas: dict[str, _Replica] = field(default_factory=dict)
     models: set[str] = field(default_factory=set)  # every model ever seen: 0 replicas is news
     names: set[str] = field(default_factory=set)  # those and their aliases (LoRA adapters)
+    # Router or bridge instance -> (what it holds per (model, class), interval, when heard).
+    held: dict[str, tuple[dict[tuple[str, str], int], float, float]] = field(default_factory=dict)
+
+    def queue_report(self, rep: dict[str, Any]) -> None:
+        """A router's or bridge's report of the requests it holds (its queue and waiting
+        room), per model and class; forgotten after three missed reports, like a replica."""
+        inst = str(rep.get("instance") or "")
+        waiting = rep.get("waiting")
+        if not inst or not isinstance(waiting, dict):
+            return
+        held: dict[tuple[str, str], int] = {}
+        for model, per in waiting.items():
+            if isinstance(per, dict):
+                for cls, n in per.items():
+                    if isinstance(n, int) and not isinstance(n, bool) and n > 0:
+                        held[(str(model), str(cls))] = n
+        interval = rep.get("interval_s")
+        interval = float(interval) if isinstance(interval, int | float) and interval > 0 else 1.0
+        now = time.monotonic()
+        if held:
+            self.held[inst] = (held, interval, now)
+            self.models.update(m for m, _ in held)
+        else:
+            self.held.pop(inst, None)
+        for stale in [k for k, (_, iv, seen) in self.held.items() if now - seen > iv * self.missed]:
+            del self.held[stale]
+
+    def holding(self) -> dict[tuple[str, str], int]:
+        """Requests held by routers and bridges, per (model, class), summed (scrape thread:
+        it copies)."""
+        now = time.monotonic()
+        out: dict[tuple[str, str], int] = {}
+        for held, iv, seen in list(self.held.values()):
+            if now - seen <= iv * self.missed:
+                for key, n in held.items():
+                    out[key] = out.get(key, 0) + n
+        return out
 
     def heartbeat(self, hb: dict[str, Any]) -> None:
         rid, model = str(hb.get("replica") or ""), str(hb.get("model") or "")
@@ -159,7 +196,7 @@ class ReplicaLoad:
             if not r.draining:
                 per_model[r.model] = per_model.get(r.model, 0) + 1
         yield from fams.values()
-        yield from _flow_metrics(self.live())
+        yield from _flow_metrics(self.live(), self.holding())
         models = GaugeMetricFamily(
             "tokenbus_model_replicas",
             "Live replicas of a model that take requests (0: a model seen before has none)",
@@ -187,7 +224,9 @@ def _num(v: Any) -> float | None:
     return float(v) if isinstance(v, int | float) and not isinstance(v, bool) else None
 
 
-def _flow_metrics(live: list[tuple[str, _Replica]]) -> Iterator[Metric]:
+def _flow_metrics(
+    live: list[tuple[str, _Replica]], held: dict[tuple[str, str], int]
+) -> Iterator[Metric]:
     """Flow control per replica and class, per flow, and the queue depth per model and
     class (what an autoscaler scales on: docs/flow.md)."""
     lab = ["model", "replica", "class"]
@@ -197,7 +236,13 @@ def _flow_metrics(live: list[tuple[str, _Replica]]) -> Iterator[Metric]:
     fams.update({k: CounterMetricFamily(n, h, labels=lab) for k, (n, h) in _FLOW_COUNTERS.items()})
     depth = GaugeMetricFamily(
         "tokenbus_model_queue_depth",
-        "Requests of a model waiting for an engine slot on any replica, per class",
+        "Requests of a model waiting, per class: for an engine slot on any replica, in a "
+        "router's queue, or in its waiting room for a replica to start (scale from zero)",
+        labels=["model", "class"],
+    )
+    router = GaugeMetricFamily(
+        "tokenbus_router_waiting",
+        "Requests routers and bridges hold (every replica full, or none started yet)",
         labels=["model", "class"],
     )
     flow_lab = ["model", "replica", "flow"]
@@ -231,8 +276,12 @@ def _flow_metrics(live: list[tuple[str, _Replica]]) -> Iterator[Metric]:
                     v = _num(st.get(key))
                     if v is not None:
                         fam.add_metric([r.model, rid, str(name)], v)
-    for (model, cls), n in sorted(totals.items()):
-        depth.add_metric([model, cls], n)
+    for (model, cls), count in sorted(held.items()):
+        router.add_metric([model, cls], float(count))
+        totals[(model, cls)] = totals.get((model, cls), 0.0) + count
+    for (model, cls), total in sorted(totals.items()):
+        depth.add_metric([model, cls], total)
+    yield router
     yield from fams.values()
     yield from per_flow.values()
     yield depth
@@ -483,3 +532,6 @@ class Metrics:
 
     def heartbeat(self, hb: dict[str, Any]) -> None:
         self.load.heartbeat(hb)
+
+    def queue_report(self, rep: dict[str, Any]) -> None:
+        self.load.queue_report(rep)

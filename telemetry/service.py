@@ -64,6 +64,9 @@ class Telemetry(Service):
                 pending_msgs_limit=max(100_000, cfg.max_buffer),
             ),
             await self.nc.subscribe(subjects.heartbeat_wildcard(), cb=self._on_heartbeat),
+            await self.nc.subscribe(
+                subjects.telemetry(subjects.TELEMETRY_QUEUE), cb=self._on_queue_report
+            ),
         ]
         loop = asyncio.get_running_loop()
         self._buffered = asyncio.Event()  # set once a record waits: idle, the flusher sleeps
@@ -127,6 +130,10 @@ class Telemetry(Service):
     async def _on_heartbeat(self, msg: Msg) -> None:
         with contextlib.suppress(Exception):
             self.metrics.heartbeat(codec.decode_map(msg.data))
+
+    async def _on_queue_report(self, msg: Msg) -> None:
+        with contextlib.suppress(Exception):
+            self.metrics.queue_report(codec.decode_map(msg.data))
 
     async def flush(self) -> int:
         batch, self.buffer = self.buffer, []

@@ -291,3 +291,28 @@ def test_heartbeat_flow_stats_become_metrics() -> None:
     # A heartbeat of an older worker (no flow) exports none of it, and nothing breaks.
     load.heartbeat({"replica": "r1", "model": "m", "flow": "junk"})
     assert "tokenbus_flow_queued{" not in generate_latest(reg).decode()
+
+
+def test_routers_reports_add_to_the_queue_depth_of_a_model_without_replicas() -> None:
+    """A model scaled to zero has no heartbeat: its queue depth is what routers and bridges
+    hold for it (their waiting rooms), summed over instances, gone once they report none
+    or stop reporting."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from router.dispatch import queue_report
+    from telemetry.metrics import ReplicaLoad
+
+    load = ReplicaLoad()
+    reg = CollectorRegistry()
+    reg.register(load)
+    load.queue_report(queue_report("r1", {("m0", "default"): 2, ("m0", "flex"): 1}, 1.0))
+    load.queue_report(queue_report("r2", {("m0", "default"): 3}, 1.0))
+    load.queue_report({"instance": "bad", "waiting": {"m0": {"default": "many"}}})
+    text = generate_latest(reg).decode()
+    assert 'tokenbus_model_queue_depth{class="default",model="m0"} 5.0' in text
+    assert 'tokenbus_router_waiting{class="flex",model="m0"} 1.0' in text
+    assert 'tokenbus_model_replicas{model="m0"} 0.0' in text
+    load.queue_report(queue_report("r1", {}, 1.0))
+    text = generate_latest(reg).decode()
+    assert 'tokenbus_model_queue_depth{class="default",model="m0"} 3.0' in text
+    assert 'class="flex",model="m0"' not in text

@@ -16,11 +16,20 @@ import time
 from typing import Any
 
 import httpx
+import nats
 import openai
 import pytest
 
+from bus_schemas import codec, subjects
 from bus_schemas import errors as E
-from tests.conftest import Procs, key_store, live_replicas, run_cli, start_stack
+from tests.conftest import (
+    Procs,
+    key_store,
+    live_replicas,
+    run_cli,
+    start_stack,
+    start_worker,
+)
 from tokenbus import Client
 
 MSG = [{"role": "user", "content": "Tell me about fair queues."}]
@@ -374,4 +383,63 @@ async def test_a_wait_past_the_class_limit_is_503_with_retry_after(
         assert r.status_code == 200
     stats = await _until_flow(procs.url, model, lambda s: s["default"]["queued"] == 0)
     assert stats["default"]["shed"] >= 1
+    assert stack.all_alive()
+
+
+async def test_the_waiting_room_holds_a_request_until_a_worker_starts(
+    procs: Procs, model: str
+) -> None:
+    """Scale from zero: no replica of the model runs; the bridge holds the request (and
+    says so on the bus, per model and class, for an autoscaler) until a worker starts."""
+    env = {
+        "TOKENBUS_ROUTER__WAITING_ROOM_S": "60",
+        "TOKENBUS_ROUTER__WAITING_ROOM_MODELS": json.dumps([model]),
+    }
+    stack = await start_stack(procs, model, workers=0, env=env)
+    reports: list[dict[str, Any]] = []
+    nc = await nats.connect(procs.url)
+
+    async def on_report(msg: Any) -> None:
+        reports.append(codec.decode_map(msg.data))
+
+    await nc.subscribe(subjects.telemetry(subjects.TELEMETRY_QUEUE), cb=on_report)
+    try:
+        async with stack.http("/v1", timeout=60) as h:
+            held = asyncio.ensure_future(
+                h.post("/chat/completions", json={"model": model, "messages": MSG, "max_tokens": 3})
+            )
+            deadline = time.monotonic() + 10
+            while not any(r["waiting"].get(model) == {"default": 1} for r in reports):
+                assert time.monotonic() < deadline and not held.done(), reports
+                await asyncio.sleep(0.05)
+            start_worker(procs, model, 0)
+            r = await held
+            assert r.status_code == 200, r.text
+        deadline = time.monotonic() + 5
+        while not reports or reports[-1]["waiting"]:
+            assert time.monotonic() < deadline, reports[-3:]
+            await asyncio.sleep(0.05)
+    finally:
+        await nc.drain()
+    assert stack.all_alive()
+
+
+async def test_the_waiting_room_answers_503_after_its_limit(procs: Procs, model: str) -> None:
+    """Over NATS (ingress, router): a held request that no worker came for is refused with
+    503 no_replica and Retry-After; a model nobody knows is still 404 at once."""
+    env = {
+        "TOKENBUS_ROUTER__WAITING_ROOM_S": "1",
+        "TOKENBUS_ROUTER__WAITING_ROOM_MODELS": json.dumps([model]),
+    }
+    stack = await start_stack(
+        procs, model, "ingress", "router", workers=0, bridge=False, env=env, settle=2.0
+    )
+    async with await Client.connect(procs.url) as client:
+        t0 = time.monotonic()
+        with pytest.raises(E.NoReplica) as err:
+            await client.chat_completion(model, MSG, max_tokens=3)
+        assert time.monotonic() - t0 >= 1.0
+        assert err.value.headers and err.value.headers.get("Retry-After")
+        with pytest.raises(E.ModelNotFound):
+            await client.chat_completion(model + "-nobody", MSG, max_tokens=3)
     assert stack.all_alive()
