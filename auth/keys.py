@@ -59,6 +59,19 @@ class KeyRecord(BaseModel):
         description="The key's weight in fair shares: twice the weight, twice the tokens "
         "while the model is saturated.",
     )
+    budget_usd: float | None = Field(
+        default=None,
+        ge=0,
+        description="Hard spend budget in dollars per budget_period: a request that would "
+        "pass it is refused (429 insufficient_quota). Spend is priced per model "
+        "(router.models.<m>.price).",
+    )
+    soft_budget_usd: float | None = Field(
+        default=None, ge=0, description="Soft threshold: crossing it raises an alert."
+    )
+    budget_period: Literal["day", "month", "total"] = Field(
+        default="month", description="The period the budget is for (day and month in UTC)."
+    )
     fair_by: Literal["key", "owner"] = Field(
         default="key",
         description="Whose share the key's requests count in: its own, or its owner's "

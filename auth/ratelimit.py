@@ -24,12 +24,14 @@ from typing import Any
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
+from auth import budgets
 from auth.limits import Limiter, info_header
 from bus_schemas import codec, marks, subjects
 from bus_schemas import errors as E
 from bus_schemas import headers as H
 from bus_schemas.messages import check_envelope, envelope_chars
 from services import tracing
+from services.config import PriceSettings, Settings
 from services.runtime import Service
 
 
@@ -122,18 +124,53 @@ class RateLimitCheck:
     """The ratelimit stage's work on one request, shared by the stage service and the HTTP
     bridge (which runs it in-process): admit against the key's limits, or raise."""
 
-    def __init__(self, limiter: Limiter, *, fail_open: bool, log: Any) -> None:
+    def __init__(
+        self,
+        limiter: Limiter,
+        *,
+        fail_open: bool,
+        log: Any,
+        spend: budgets.SpendBook | None = None,
+        prices: Any = None,
+    ) -> None:
         self.limiter = limiter
         self.fail_open = fail_open
         self.log = log
         self._settling: set[asyncio.Task[None]] = set()
+        # Spend budgets (auth.budgets): the book, each model's price, and the holds of the
+        # attempts this instance admitted, until their usage reports settle them.
+        self.spend = spend
+        self.prices: Any = prices or (lambda model: None)
+        self._holds: dict[tuple[str, str, int], tuple[budgets.Hold, str]] = {}
+
+    @classmethod
+    async def open(cls, nc: NATS, settings: Settings, owner: str, log: Any) -> RateLimitCheck:
+        """The check of a limiter instance ``owner`` (its limiter and spend book opened),
+        with the model prices of ``settings``."""
+        limiter = await Limiter(nc, owner=owner).open()
+        spend = await budgets.SpendBook(nc, log).open()
+        router = settings.router
+
+        def price(model: str) -> PriceSettings | None:
+            return router.routing_for(model).price
+
+        check = cls(
+            limiter, fail_open=settings.ratelimit.fail_open, log=log, spend=spend, prices=price
+        )
+        await check.start(nc)
+        return check
 
     async def apply(self, hdrs: dict[str, str], env: dict[str, Any]) -> bool:
         """Admit (headers updated in place with what the worker reports back) or raise;
         whether ``env`` changed (a default ``max_tokens`` lowered to the key's TPM)."""
         principal = hdrs.get(H.PRINCIPAL)
         rpm, tpm, conc = parse_limits(hdrs.get(H.LIMITS))
-        if not principal or (rpm is None and tpm is None and conc is None):
+        if not principal:
+            return False
+        if rpm is None and tpm is None and conc is None:
+            # No limits: only budgets, if the key or its owner has one.
+            if hdrs.get(H.BUDGET) and self.spend is not None:
+                await self._hold(hdrs, env, principal, tpm)
             return False
         deadline = marks.deadline_ms(hdrs)
         deadline_s = deadline / 1000 if deadline else time.time() + 600
@@ -186,10 +223,89 @@ class RateLimitCheck:
             hdrs[H.RATELIMIT_INFO] = info_header(adm.info)
         if prior is not None:
             await self._supersede(prior, principal, rid, env)
+        if hdrs.get(H.BUDGET) and self.spend is not None:
+            try:
+                await self._hold(hdrs, env, principal, tpm, admitted=True)
+            except E.TokenbusError:
+                # Refused for its budget: what the limiter admitted goes back at once.
+                await self.limiter.settle(principal, rid, 0, attempt=attempt)
+                raise
         expires = int(min(deadline_s, time.time() + TICKET_TTL_S))
         this = Ticket(adm.window, adm.reserved, flags, owner, attempt, expires, "")
         hdrs[H.ADMISSION] = issue_ticket(self.limiter.secret, principal, rid, this)
         return changed
+
+    async def _hold(
+        self,
+        hdrs: dict[str, str],
+        env: dict[str, Any],
+        principal: str,
+        tpm: int | None,
+        *,
+        admitted: bool = False,
+    ) -> None:
+        """Hold the request's likely cost in its key's and owner's budgets, or raise 429
+        ``insufficient_quota``. A request the limiter did not admit (a key without limits)
+        gets a ``Tb-Ratelimit`` naming this instance, so its usage report comes here."""
+        assert self.spend is not None
+        key_budget, owner = budgets.parse_header(hdrs.get(H.BUDGET))
+        scopes = []
+        if key_budget is not None:
+            scopes.append(
+                budgets.Budget(
+                    f"k.{principal}",
+                    key_budget.period,
+                    key_budget.hard,
+                    key_budget.soft,
+                    f"key:{principal}",
+                )
+            )
+        try:
+            owner_budget = await self.spend.owner_budget(owner)
+        except Exception as exc:
+            raise E.ServiceUnavailable(f"the spend book cannot be read ({exc}); retry") from None
+        if owner_budget is not None:
+            scopes.append(owner_budget)
+        if not scopes:
+            return
+        model = hdrs.get(H.MODEL) or str(env.get("model", ""))
+        price = self.prices(model)
+        if price is None:
+            return
+        tokens = estimate_tokens(env)
+        params = env.get("params") or {}
+        out = min(tokens, int(params.get("max_tokens", 0) or 0))
+        amount = budgets.cost(price, tokens - out, out)
+        rid = hdrs.get(H.REQUEST_ID) or str(env.get("request_id", ""))
+        deadline = marks.deadline_ms(hdrs)
+        deadline_s = deadline / 1000 if deadline else time.time() + 600
+        try:
+            hold = await self.spend.reserve(scopes, rid, amount, deadline_s)
+        except E.TokenbusError as exc:
+            tracing.verdict(subjects.STAGE_RATELIMIT, "deny", {tracing.ERROR_TYPE: exc.code})
+            raise
+        attempt = marks.attempt(hdrs.get(H.MIGRATION))
+        self._holds[(principal, rid, attempt)] = (hold, model)
+        if not admitted:
+            hdrs[H.RATELIMIT] = f"0,0,,{self.limiter.owner}"
+
+    async def _settle_spend(self, u: dict[str, Any]) -> None:
+        """Charge a finished attempt what it cost and drop its hold; alert on a soft
+        threshold crossed."""
+        key = (str(u["principal"]), str(u["request_id"]), int(u.get("attempt", 0)))
+        held = self._holds.pop(key, None)
+        if held is None or self.spend is None:
+            return
+        hold, model = held
+        if "resumed" in u:  # superseded by a migration: the output the caller got from it
+            prompt, completion, cached = 0, int(u["resumed"]), 0
+        else:
+            prompt = int(u.get("prompt", u.get("used", 0)))
+            completion, cached = int(u.get("completion", 0)), int(u.get("cached", 0))
+        actual = budgets.cost(self.prices(model), prompt, completion, cached)
+        crossed = await self.spend.settle(hold, actual)
+        if crossed:
+            await self.spend.alert(crossed, model)
 
     async def _prior(
         self, ticket: str | None, principal: str, rid: str, attempt: int
@@ -246,6 +362,8 @@ class RateLimitCheck:
         one key's compare-and-set is in flight go together in its next one."""
         try:
             u = codec.decode_map(msg.data)
+            if self._holds:
+                self._spawn_settle(self._settle_spend(u), msg.subject)
             opt = {k: int(u[k]) for k in ("prompt", "completion", "resumed") if k in u}
             settle = self.limiter.settle(
                 str(u["principal"]),
@@ -258,6 +376,19 @@ class RateLimitCheck:
             self.log.warning("usage_not_settled", error=str(exc))
             return
         task = asyncio.get_running_loop().create_task(self._settle(settle, msg.subject))
+        self._settling.add(task)
+        task.add_done_callback(self._settling.discard)
+
+    def _spawn_settle(self, work: Coroutine[Any, Any, Any], subject: str) -> None:
+        """Settle a report's spend in its own task (as :meth:`_on_usage` settles tokens)."""
+
+        async def run() -> None:
+            try:
+                await work
+            except Exception as exc:
+                self.log.warning("spend_not_settled", error=str(exc), subject=subject)
+
+        task = asyncio.get_running_loop().create_task(run())
         self._settling.add(task)
         task.add_done_callback(self._settling.discard)
 
@@ -279,11 +410,9 @@ class RateLimit(Service):
     name = subjects.STAGE_RATELIMIT
 
     async def setup(self) -> None:
-        limiter = await Limiter(self.nc, owner=f"ratelimit-{self.id}").open()
-        self.check = RateLimitCheck(
-            limiter, fail_open=self.settings.ratelimit.fail_open, log=self.log
+        self.check = await RateLimitCheck.open(
+            self.nc, self.settings, f"ratelimit-{self.id}", self.log
         )
-        await self.check.start(self.nc)
         await self.add_endpoint(
             "ratelimit",
             subjects.stage(subjects.STAGE_RATELIMIT),
@@ -301,7 +430,7 @@ class RateLimit(Service):
     async def handle(self, msg: Msg) -> None:
         hdrs = dict(msg.headers or {})
         data = msg.data
-        if H.LIMITS in hdrs and H.PRINCIPAL in hdrs:
+        if (H.LIMITS in hdrs or H.BUDGET in hdrs) and H.PRINCIPAL in hdrs:
             env = codec.decode_map(msg.data)
             check_envelope(env)
             if await self.check.apply(hdrs, env):

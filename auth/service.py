@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from nats.aio.msg import Msg
 
+from auth.budgets import header as budget_header
 from auth.callout import CalloutCredentials, CalloutResponder
 from auth.store import KeyStore
 from bus_schemas import errors as E
@@ -47,6 +48,10 @@ def authenticate(keys: KeyStore, hdrs: dict[str, str], aliases: AliasTable | Non
     hdrs[H.PRIORITY] = rec.tier(hdrs.get(H.PRIORITY))
     hdrs[H.FLOW] = f"owner:{rec.owner}" if rec.fair_by == "owner" and rec.owner else rec.id
     hdrs[H.FLOW_WEIGHT] = repr(rec.weight)
+    if rec.budget_usd is not None or rec.soft_budget_usd is not None or rec.owner:
+        hdrs[H.BUDGET] = budget_header(
+            rec.budget_period, rec.budget_usd, rec.soft_budget_usd, rec.owner
+        )
     return retarget(hdrs, asked, served) if aliases is not None else False
 
 

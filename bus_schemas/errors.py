@@ -220,6 +220,15 @@ class RateLimited(TokenbusError):
     type = "rate_limit_error"
 
 
+class InsufficientQuota(TokenbusError):
+    """The key (or its owner) has spent its budget for the period: OpenAI's answer when an
+    account is out of credit. Not retryable before the period ends or the budget grows."""
+
+    code = "insufficient_quota"
+    status = 429
+    type = "insufficient_quota"
+
+
 class TooManyConnections(RateLimited):
     """The client holds more connections to the bridge than it may; the connection is
     closed. Only the HTTP layer raises it: it never crosses the bus."""
@@ -312,6 +321,7 @@ ERRORS_BY_CODE: dict[str, type[TokenbusError]] = {
         ModelNotFound,
         NotFound,
         RateLimited,
+        InsufficientQuota,
         NoReplica,
         Overloaded,
         ReplicaBusy,

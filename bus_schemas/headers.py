@@ -58,6 +58,9 @@ FLOW_WEIGHT = "Tb-Flow-Weight"
 # A time-to-first-token objective in milliseconds the client sends: within its fairness id
 # the request with the earliest objective goes first (HTTP: ``X-SLO-TTFT-Ms``).
 TTFT_OBJECTIVE = "Tb-Ttft-Ms"
+# The key's spend budget as auth sets it: ``period,hard,soft,owner`` (micro-dollars; empty
+# hard or soft: none). The ratelimit stage holds the key and its owner to their budgets.
+BUDGET = "Tb-Budget"
 # W3C trace context, carried from HTTP callers (or NATS clients) through every stage; each
 # traced hop puts its own span's here for the next.
 TRACEPARENT = "traceparent"

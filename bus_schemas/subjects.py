@@ -112,6 +112,8 @@ def heartbeat_wildcard() -> str:
 
 # What routers and bridges hold per model and class (``telemetry(TELEMETRY_QUEUE)``).
 TELEMETRY_QUEUE = "queue"
+# A spend budget's soft threshold crossed (``telemetry(TELEMETRY_BUDGET)``: auth.budgets).
+TELEMETRY_BUDGET = "budget"
 
 
 def telemetry(kind: str) -> str:

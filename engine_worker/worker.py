@@ -166,6 +166,7 @@ class _Generation:
     first_ns: int = 0
     completion: int = 0
     prompt_tokens: int = -1  # unknown until the final delta; -1 keeps the admission estimate
+    cached: int = 0  # prompt tokens the engine read from its cache (its usage details)
     outcome: str = "ok"
     span: Any = None  # this replica's span of the request (tracing on)
     ticket: Ticket | None = None  # its place in the flow control (engine_worker/flow.py)
@@ -726,6 +727,9 @@ class Worker(Service):
         timings["engine_end"] = marks.now_ns()
         gen.completion = last.completion_tokens or gen.completion
         gen.prompt_tokens = last.prompt_tokens if last.finish_reason else -1
+        details = (last.usage or {}).get("prompt_tokens_details")
+        if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+            gen.cached = max(0, details["cached_tokens"])
         if finish == "content_filter":
             self.log.info(
                 "output_blocked",
@@ -757,9 +761,7 @@ class Worker(Service):
         await self._free_slot(gen.reply)
         hdrs = gen.headers
         if H.RATELIMIT in hdrs:
-            await self._report_usage(
-                hdrs, gen.rid, gen.req.max_tokens, gen.prompt_tokens, gen.completion
-            )
+            await self._report_usage(hdrs, gen)
         end = marks.now_ns()
         trace = marks.trace_id(hdrs)
         self.log.info(
@@ -852,17 +854,16 @@ class Worker(Service):
             trace_id=trace,
         )
 
-    async def _report_usage(
-        self, hdrs: dict[str, str], rid: str, max_tokens: int, prompt_tokens: int, completion: int
-    ) -> None:
+    async def _report_usage(self, hdrs: dict[str, str], gen: _Generation) -> None:
         """Tell the rate limiters what the request really used (fire and forget)."""
         await usage.report(
             self.nc,
             hdrs,
-            rid,
-            max_tokens=max_tokens,
-            prompt_tokens=prompt_tokens,
-            completion=completion,
+            gen.rid,
+            max_tokens=gen.req.max_tokens,
+            prompt_tokens=gen.prompt_tokens,
+            completion=gen.completion,
+            cached=gen.cached,
         )
 
     def interrupted_error(self) -> E.TokenbusError:

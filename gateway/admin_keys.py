@@ -5,6 +5,9 @@ POST   /v1/admin/keys            create: {"name", "models", "aliases", "rpm", "t
                                   "max_concurrent", "filter_policy", "expires_in", "admin"};
                                   the key is in the answer once
 GET    /v1/admin/keys/{id}       show
+GET    /v1/admin/keys/owners/{owner}/budget
+PUT    /v1/admin/keys/owners/{owner}/budget   an owner's spend budget: {"budget_usd",
+                                  "soft_budget_usd", "period"} (neither: removed)
 PATCH  /v1/admin/keys/{id}       update the same fields, or {"enabled": true}
 DELETE /v1/admin/keys/{id}       revoke
 
@@ -19,11 +22,12 @@ import asyncio
 import json
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Literal
 
 from nats.aio.client import Client as NATS
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from auth import budgets
 from auth.keys import KeyRecord, parse_duration
 from auth.store import KeyStore
 from bus_schemas import errors as E
@@ -53,6 +57,13 @@ class KeyFields(BaseModel):
     expires_in: str | None = Field(default=None, description="e.g. 30d, 12h")
     admin: bool | None = None
     enabled: bool | None = None
+    service_tier: Literal["priority", "default", "flex"] | None = None
+    max_service_tier: Literal["priority", "default", "flex"] | None = None
+    weight: float | None = Field(default=None, gt=0, le=1e6)
+    fair_by: Literal["key", "owner"] | None = None
+    budget_usd: float | None = Field(default=None, ge=0)
+    soft_budget_usd: float | None = Field(default=None, ge=0)
+    budget_period: Literal["day", "month", "total"] | None = None
 
     @field_validator("expires_in")
     @classmethod
@@ -66,6 +77,17 @@ class KeyFields(BaseModel):
         if self.expires_in:
             d["expires_at"] = time.time() + parse_duration(self.expires_in)
         return d
+
+
+class OwnerBudget(BaseModel):
+    """An owner's spend budget (``PUT /v1/admin/keys/owners/{owner}/budget``); neither
+    threshold removes it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    budget_usd: float | None = Field(default=None, ge=0, lt=1e12)
+    soft_budget_usd: float | None = Field(default=None, ge=0, lt=1e12)
+    period: Literal["day", "month", "total"] = "month"
 
 
 async def read_json(receive: Receive, max_body: int) -> Any:
@@ -161,6 +183,44 @@ class AdminAPI:
             self.check_aliases(fields.aliases)
         return fields
 
+    async def _owner_budget(
+        self,
+        owner: str,
+        method: str,
+        receive: Receive,
+        send: Send,
+        who: dict[str, str],
+        hdrs: Headers,
+    ) -> None:
+        """Show (GET) or set (PUT) an owner's spend budget, with its spend this period."""
+        book = await budgets.SpendBook(self.nc).open()
+        if method == "PUT":
+            try:
+                body = OwnerBudget.model_validate(await read_json(receive, self.max_body))
+            except ValidationError as exc:
+                raise invalid(exc) from None
+            await book.set_owner_budget(
+                owner,
+                hard_usd=body.budget_usd,
+                soft_usd=body.soft_budget_usd,
+                period=body.period,
+                actor=who["actor"],
+                request_id=who["request_id"],
+            )
+        b = await book.owner_budget(owner)
+        out: dict[str, Any] = {"owner": owner, "budget_usd": None, "soft_budget_usd": None}
+        if b is not None:
+            spent, held = await book.spent(b)
+            out.update(
+                period=b.period,
+                budget_usd=None if b.hard is None else b.hard / 1e6,
+                soft_budget_usd=None if b.soft is None else b.soft / 1e6,
+                spend_period=budgets.period_id(b.period),
+                spent_usd=spent / 1e6,
+                held_usd=held / 1e6,
+            )
+        await send_json(send, 200, out, hdrs)
+
     async def authorize(self, scope: Scope) -> KeyRecord:
         """The caller's key record, if it is an admin key; 401/403 otherwise."""
         store = await self.store()
@@ -193,6 +253,11 @@ class AdminAPI:
                 upd.pop("enabled", None)
                 key, rec = await store.create(name, **who, **upd)
                 await send_json(send, 201, {**rec.public(), "key": key}, hdrs)
+                return
+        elif rest.startswith("owners/") and rest.endswith("/budget"):
+            owner = rest[len("owners/") : -len("/budget")]
+            if owner and method in ("GET", "PUT"):
+                await self._owner_budget(owner, method, receive, send, who, hdrs)
                 return
         elif "/" not in rest:
             if method == "GET":

@@ -15,7 +15,6 @@ from typing import Any
 
 from nats.aio.client import Client as NATS
 
-from auth.limits import Limiter
 from auth.ratelimit import RateLimitCheck
 from auth.service import authenticate
 from auth.store import KeyStore
@@ -60,11 +59,7 @@ class LocalStages:
             self.keys = await KeyStore(nc).open()
             self.aliases = aliases
         if subjects.STAGE_RATELIMIT in self.names:
-            limiter = await Limiter(nc, owner=owner).open()
-            self.ratelimit = RateLimitCheck(
-                limiter, fail_open=settings.ratelimit.fail_open, log=self.log
-            )
-            await self.ratelimit.start(nc)
+            self.ratelimit = await RateLimitCheck.open(nc, settings, owner, self.log)
         if subjects.STAGE_FILTER in self.names:
             self.policies = Policies(settings.filter)
         return self

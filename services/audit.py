@@ -66,6 +66,7 @@ KEY_UPDATED = "key.updated"
 KEY_REVOKED = "key.revoked"
 ROUTING_CHANGED = "routing.changed"
 ALIAS_CHANGED = "alias.changed"
+BUDGET_CHANGED = "budget.changed"  # an owner's spend budget (auth.budgets)
 
 # A tokenbus API key (auth.keys' shape; the kit cannot import the auth actor).
 _SECRET = re.compile(r"tb-([0-9a-f]{12})_[A-Za-z0-9_\-]{43}")

@@ -148,6 +148,19 @@ class ExpertSettings(BaseModel):
     )
 
 
+class PriceSettings(BaseModel):
+    """What a model's tokens cost, in dollars per million tokens (as providers list them,
+    and as LiteLLM's model_list sets them): spend budgets are settled with it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    input: float = Field(default=0.0, ge=0, description="Prompt tokens not read from cache.")
+    cached_input: float | None = Field(
+        default=None, ge=0, description="Prompt tokens read from the cache (default: input)."
+    )
+    output: float = Field(default=0.0, ge=0, description="Generated tokens.")
+
+
 class ModelRouting(BaseModel):
     """How one model's requests are routed: a pool choice, then a load policy inside it."""
 
@@ -168,6 +181,11 @@ class ModelRouting(BaseModel):
     )
     tiered: TieredSettings = Field(default_factory=TieredSettings)
     expert: ExpertSettings = Field(default_factory=ExpertSettings)
+    price: PriceSettings | None = Field(
+        default=None,
+        description="Dollars per million tokens, for spend budgets (docs/flow.md); "
+        "none: the model's tokens cost nothing.",
+    )
 
 
 class RouterSettings(ModelRouting):

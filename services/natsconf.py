@@ -64,8 +64,9 @@ ROLES: dict[str, tuple[list[str], list[str]]] = {
     # and checks their keys (tokenbus_keys) as the bridge does.
     "ingress": ([STAGES, INBOX, *JS_API], [REQ, INBOX, DISCOVERY]),
     "auth": ([STAGES, INBOX, *JS_API], [f"{PREFIX}.stage.auth", INBOX, DISCOVERY, ADMIN]),
+    # telemetry: spend budgets' soft-threshold alerts (auth.budgets).
     "ratelimit": (
-        [STAGES, INBOX, *USAGE, *JS_API],
+        [STAGES, INBOX, *USAGE, TELEMETRY, *JS_API],
         [f"{PREFIX}.stage.ratelimit", *USAGE, INBOX, DISCOVERY],
     ),
     "filter": ([STAGES, INBOX], [f"{PREFIX}.stage.filter", INBOX, DISCOVERY]),

@@ -21,7 +21,13 @@ from bus_schemas import headers as H
 
 
 def report_body(
-    hdrs: dict[str, str], rid: str, *, max_tokens: int, prompt_tokens: int, completion: int
+    hdrs: dict[str, str],
+    rid: str,
+    *,
+    max_tokens: int,
+    prompt_tokens: int,
+    completion: int,
+    cached: int = 0,
 ) -> tuple[str, bytes] | None:
     """The subject and body of a usage report; None when the request was not admitted by a
     limiter (no ``Tb-Ratelimit`` header, or a malformed one). ``prompt_tokens`` < 0: not
@@ -38,6 +44,8 @@ def report_body(
             "used": prompt_tokens + completion,
             "prompt": prompt_tokens,
             "completion": completion,
+            # Prompt tokens read from the engine's cache (priced apart: auth.budgets).
+            "cached": cached,
             "flags": flags,
             # Which attempt of the request this was (migrations before it).
             "attempt": marks.attempt(hdrs.get(H.MIGRATION)),
@@ -56,11 +64,17 @@ async def report(
     max_tokens: int = 0,
     prompt_tokens: int = 0,
     completion: int = 0,
+    cached: int = 0,
 ) -> None:
     """Tell the limiter what the request used (fire and forget; never raises). The defaults
     say it used nothing: it ended before an engine ran it."""
     out = report_body(
-        hdrs, rid, max_tokens=max_tokens, prompt_tokens=prompt_tokens, completion=completion
+        hdrs,
+        rid,
+        max_tokens=max_tokens,
+        prompt_tokens=prompt_tokens,
+        completion=completion,
+        cached=cached,
     )
     if out is None:
         return

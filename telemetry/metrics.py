@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 
@@ -459,6 +459,18 @@ class Metrics:
             "tokenbus_telemetry_dropped_total", "Records dropped (buffer full)", registry=r
         )
         self._children: dict[tuple[Any, tuple[str, ...]], Any] = {}
+        self.soft_exceeded = Gauge(
+            "tokenbus_budget_soft_exceeded",
+            "1 once a key's or owner's spend passed its soft budget threshold in a period",
+            ["scope", "period"],
+            registry=r,
+        )
+        self.budget_spent = Gauge(
+            "tokenbus_budget_spent_usd",
+            "A budget's spend in dollars when its soft threshold was crossed",
+            ["scope", "period"],
+            registry=r,
+        )
         self.load = ReplicaLoad()
         self.health = BusHealth()
         r.register(self.load)
@@ -535,3 +547,14 @@ class Metrics:
 
     def queue_report(self, rep: dict[str, Any]) -> None:
         self.load.queue_report(rep)
+
+    def budget_event(self, ev: dict[str, Any]) -> None:
+        """A spend budget's soft threshold crossed (auth.budgets), by scope and period."""
+        scope, period = ev.get("scope"), ev.get("period")
+        spent = ev.get("spent_usd")
+        if not isinstance(scope, str) or not isinstance(period, str):
+            return
+        if not isinstance(spent, int | float) or isinstance(spent, bool):
+            return
+        self.soft_exceeded.labels(scope[:200], period[:16]).set(1)
+        self.budget_spent.labels(scope[:200], period[:16]).set(float(spent))

@@ -67,6 +67,9 @@ class Telemetry(Service):
             await self.nc.subscribe(
                 subjects.telemetry(subjects.TELEMETRY_QUEUE), cb=self._on_queue_report
             ),
+            await self.nc.subscribe(
+                subjects.telemetry(subjects.TELEMETRY_BUDGET), cb=self._on_budget
+            ),
         ]
         loop = asyncio.get_running_loop()
         self._buffered = asyncio.Event()  # set once a record waits: idle, the flusher sleeps
@@ -134,6 +137,10 @@ class Telemetry(Service):
     async def _on_queue_report(self, msg: Msg) -> None:
         with contextlib.suppress(Exception):
             self.metrics.queue_report(codec.decode_map(msg.data))
+
+    async def _on_budget(self, msg: Msg) -> None:
+        with contextlib.suppress(Exception):
+            self.metrics.budget_event(codec.decode_map(msg.data))
 
     async def flush(self) -> int:
         batch, self.buffer = self.buffer, []

@@ -13,6 +13,7 @@ import json
 import time
 from typing import Any
 
+from auth import budgets
 from auth.keys import KeyRecord, parse_duration
 from auth.store import KeyStore
 from bus_schemas import errors as E
@@ -44,6 +45,14 @@ def add_parser(sub: Any) -> None:
         p.add_argument("--max-concurrent", type=int, help="requests at once")
         p.add_argument("--filter-policy", help="content filter policy name")
         p.add_argument("--expires-in", help="e.g. 30d, 12h, 15m")
+        tiers = ["priority", "default", "flex"]
+        p.add_argument("--service-tier", choices=tiers, help="class of its requests (docs/flow.md)")
+        p.add_argument("--max-service-tier", choices=tiers, help="highest class it may ask for")
+        p.add_argument("--weight", type=float, help="its weight in fair shares (default 1)")
+        p.add_argument("--fair-by", choices=["key", "owner"], help="whose share it counts in")
+        p.add_argument("--budget-usd", type=float, help="hard spend budget per period ($)")
+        p.add_argument("--soft-budget-usd", type=float, help="soft threshold: an alert ($)")
+        p.add_argument("--budget-period", choices=["day", "month", "total"])
         p.add_argument("--json", action="store_true")
 
     c = ks.add_parser("create", help="create a key; the key is printed once, on the last line")
@@ -56,6 +65,16 @@ def add_parser(sub: Any) -> None:
         p = ks.add_parser(name, help=f"{name} one key")
         p.add_argument("key_id")
         p.add_argument("--json", action="store_true")
+    ob = ks.add_parser(
+        "owner-budget",
+        help="show or set the spend budget every key of an owner shares (with its spend)",
+    )
+    ob.add_argument("owner")
+    ob.add_argument("--usd", type=float, help="hard budget per period ($)")
+    ob.add_argument("--soft-usd", type=float, help="soft threshold: an alert ($)")
+    ob.add_argument("--period", choices=["day", "month", "total"], default="month")
+    ob.add_argument("--clear", action="store_true", help="remove the owner's budget")
+    ob.add_argument("--json", action="store_true")
     u = ks.add_parser("update", help="change a key's limits, models, expiry or name")
     u.add_argument("key_id")
     u.add_argument("--name")
@@ -72,14 +91,66 @@ def _fields(a: argparse.Namespace) -> dict[str, Any]:
         "tpm": a.tpm,
         "max_concurrent": a.max_concurrent,
         "filter_policy": a.filter_policy,
+        "service_tier": a.service_tier,
+        "max_service_tier": a.max_service_tier,
+        "weight": a.weight,
+        "fair_by": a.fair_by,
+        "budget_usd": a.budget_usd,
+        "soft_budget_usd": a.soft_budget_usd,
+        "budget_period": a.budget_period,
     }
     if a.expires_in:
         out["expires_at"] = time.time() + parse_duration(a.expires_in)
     return {k: v for k, v in out.items() if v is not None}
 
 
-def _show(rec: KeyRecord, as_json: bool) -> None:
-    d = rec.public()
+async def _spend(nc: Any, rec: KeyRecord) -> dict[str, Any]:
+    """The key's spend in its budget's current period (when it has a budget)."""
+    if rec.budget_usd is None and rec.soft_budget_usd is None:
+        return {}
+    book = await budgets.SpendBook(nc).open()
+    b = budgets.Budget(f"k.{rec.id}", rec.budget_period, None, None)
+    spent, held = await book.spent(b)
+    return {
+        "spend_period": budgets.period_id(rec.budget_period),
+        "spent_usd": spent / 1e6,
+        "held_usd": held / 1e6,
+    }
+
+
+async def _owner_budget(nc: Any, a: argparse.Namespace) -> None:
+    """``tokenbus keys owner-budget``: set (or clear) it when asked, then show it."""
+    book = await budgets.SpendBook(nc).open()
+    if a.clear or a.usd is not None or a.soft_usd is not None:
+        await book.set_owner_budget(
+            a.owner,
+            hard_usd=None if a.clear else a.usd,
+            soft_usd=None if a.clear else a.soft_usd,
+            period=a.period,
+            actor=audit.cli_actor(),
+        )
+    b = await book.owner_budget(a.owner)
+    out: dict[str, Any] = {"owner": a.owner, "budget": None}
+    if b is not None:
+        spent, held = await book.spent(b)
+        out = {
+            "owner": a.owner,
+            "period": b.period,
+            "budget_usd": None if b.hard is None else b.hard / 1e6,
+            "soft_budget_usd": None if b.soft is None else b.soft / 1e6,
+            "spend_period": budgets.period_id(b.period),
+            "spent_usd": spent / 1e6,
+            "held_usd": held / 1e6,
+        }
+    if a.json:
+        print(json.dumps(out))
+        return
+    for k, v in out.items():
+        print(f"{k:>15}: {v}")
+
+
+def _show(rec: KeyRecord, as_json: bool, extra: dict[str, Any] | None = None) -> None:
+    d = {**rec.public(), **(extra or {})}
     if as_json:
         print(json.dumps(d))
         return
@@ -150,7 +221,10 @@ async def main(
                         f" rpm={r.rpm} tpm={r.tpm} concurrent={r.max_concurrent}"
                     )
         elif a.keys_cmd == "show":
-            _show(await store.get(a.key_id), a.json)
+            rec = await store.get(a.key_id)
+            _show(rec, a.json, await _spend(nc, rec))
+        elif a.keys_cmd == "owner-budget":
+            await _owner_budget(nc, a)
         elif a.keys_cmd == "revoke":
             _show(await store.revoke(a.key_id, actor=actor), a.json)
         elif a.keys_cmd == "update":

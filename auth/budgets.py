@@ -1,0 +1,315 @@
+"""Spend budgets per key and per owner, held exactly across limiter instances.
+
+A model's price (``router.price`` / ``router.models.<m>.price``: dollars per million input,
+cached input and output tokens) turns what the engine reports into spend, on the same path
+as TPM: the ratelimit stage *reserves* a request's most likely cost when it admits it (the
+prompt estimate, plus ``max_tokens`` or, for a request that set none, the TPM default
+reserve) and *settles* it with the worker's usage report when it ends.
+
+A budget has a period (``day`` and ``month`` in UTC, or ``total``) and two thresholds: a
+request whose reservation would take the key's (or its owner's) spend plus what is held
+for requests in flight past the *hard* one is refused with 429 ``insufficient_quota``
+(OpenAI's code); crossing the *soft* one raises an alert (a log line, an event on the bus
+the telemetry service exports as ``tokenbus_budget_soft_exceeded``, an alert rule).
+
+State lives in a JetStream KV bucket (file storage: spend outlives restarts), one entry
+per scope and period (``k.<key id>.<period>``, ``o.<owner>.<period>``): what was spent and
+what is held per request in flight (with the request's deadline, so a limiter that dies
+holding some does not keep them past it). Every change is a compare-and-set on the entry's
+revision, so two bridges or limiters never both take the last dollar. Owner budgets are
+entries ``b.<owner>`` of the same bucket (``tokenbus keys owner-budget``, the admin API).
+Money is counted in micro-dollars (integers): a token priced at $X per million costs X
+micro-dollars.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from nats.aio.client import Client as NATS
+from nats.js.api import StorageType
+from nats.js.errors import BucketNotFoundError, KeyNotFoundError, KeyWrongLastSequenceError
+from nats.js.kv import KeyValue
+
+from bus_schemas import codec, subjects
+from bus_schemas import errors as E
+from services import audit
+from services.config import PriceSettings, kv_replicas
+
+BUCKET = "tokenbus_spend"
+PERIODS = ("day", "month", "total")
+_MAX_CAS_TRIES = 100
+_OWNER_TTL_S = 5.0  # how long an owner's budget is cached by a limiter
+
+
+def micro(usd: float | None) -> int | None:
+    """Dollars as micro-dollars (None stays None)."""
+    return None if usd is None else round(usd * 1_000_000)
+
+
+def cost(price: PriceSettings | None, prompt: int, completion: int, cached: int = 0) -> int:
+    """Micro-dollars that ``prompt`` (``cached`` of them from the cache) and ``completion``
+    tokens cost at ``price`` (rounded up: a budget is never undercounted)."""
+    if price is None:
+        return 0
+    cached = min(max(0, cached), max(0, prompt))
+    cached_price = price.input if price.cached_input is None else price.cached_input
+    total = (prompt - cached) * price.input + cached * cached_price + completion * price.output
+    return math.ceil(total - 1e-9) if total > 0 else 0
+
+
+def period_id(period: str, now: float | None = None) -> str:
+    """The period a moment falls in: ``d20261125``, ``m202611`` (UTC) or ``total``."""
+    t = time.gmtime(time.time() if now is None else now)
+    if period == "day":
+        return time.strftime("d%Y%m%d", t)
+    if period == "month":
+        return time.strftime("m%Y%m", t)
+    return "total"
+
+
+@dataclass(frozen=True, slots=True)
+class Budget:
+    """One scope's budget: ``k.<key id>`` or ``o.<owner>``; thresholds in micro-dollars."""
+
+    scope: str
+    period: str
+    hard: int | None
+    soft: int | None
+    name: str = ""  # for people: ``key:<id>`` or ``owner:<name>``
+
+    def entry(self, now: float | None = None) -> str:
+        return f"{self.scope}.{period_id(self.period, now)}"
+
+
+def header(period: str, hard_usd: float | None, soft_usd: float | None, owner: str) -> str:
+    """The ``Tb-Budget`` value auth sets for a key."""
+    hard, soft = micro(hard_usd), micro(soft_usd)
+    return f"{period},{'' if hard is None else hard},{'' if soft is None else soft},{owner}"
+
+
+def parse_header(value: str | None) -> tuple[Budget | None, str]:
+    """(the key's budget if it has one, its owner) from ``Tb-Budget``."""
+    if not value:
+        return None, ""
+    period, hard, soft, owner = [*value.split(",", 3), "", "", ""][:4]
+    if period not in PERIODS:
+        return None, owner
+    h = int(hard) if hard.isdigit() else None
+    s = int(soft) if soft.isdigit() else None
+    return (Budget("", period, h, s) if h is not None or s is not None else None), owner
+
+
+def owner_token(owner: str) -> str:
+    """An owner's name as one KV key token (its UTF-8 bytes in hex: any name fits)."""
+    return owner.encode().hex()
+
+
+@dataclass
+class Hold:
+    """A request's reservation: the entries it holds an amount in."""
+
+    request_id: str
+    amount: int
+    budgets: list[tuple[Budget, str]] = field(default_factory=list)  # (budget, entry)
+
+
+class SpendBook:
+    """Spend and holds per scope and period in the ``tokenbus_spend`` bucket."""
+
+    def __init__(self, nc: NATS, log: Any = None) -> None:
+        self.nc = nc
+        self.log = log
+        self.kv: KeyValue | None = None
+        self._owners: dict[str, tuple[float, Budget | None]] = {}
+
+    async def open(self) -> SpendBook:
+        js = self.nc.jetstream()
+        try:
+            self.kv = await js.key_value(BUCKET)
+        except BucketNotFoundError:
+            self.kv = await js.create_key_value(
+                bucket=BUCKET,
+                history=1,
+                storage=StorageType.FILE,
+                replicas=kv_replicas(),
+                description="tokenbus spend per key and owner and period (auth.budgets)",
+            )
+        return self
+
+    def _kv(self) -> KeyValue:
+        if self.kv is None:
+            raise RuntimeError("SpendBook.open() first")
+        return self.kv
+
+    async def _cas(self, key: str, change: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Apply ``change`` (which may raise) to the entry at ``key`` atomically: (before,
+        after)."""
+        kv = self._kv()
+        for _ in range(_MAX_CAS_TRIES):
+            try:
+                entry = await kv.get(key)
+                state = json.loads(entry.value) if entry.value else {}
+                rev: int | None = entry.revision
+            except KeyNotFoundError:
+                state, rev = {}, None
+            new = change(dict(state))
+            data = json.dumps(new, separators=(",", ":")).encode()
+            try:
+                if rev is None:
+                    await kv.create(key, data)
+                else:
+                    await kv.update(key, data, last=rev)
+            except KeyWrongLastSequenceError:
+                continue
+            return state, new
+        raise E.ServiceUnavailable("spend book contention: retry")
+
+    # -- owners' budgets -------------------------------------------------------------------
+    async def owner_budget(self, owner: str) -> Budget | None:
+        """The owner's budget (cached a few seconds per limiter)."""
+        if not owner:
+            return None
+        now = time.monotonic()
+        hit = self._owners.get(owner)
+        if hit is not None and now - hit[0] < _OWNER_TTL_S:
+            return hit[1]
+        budget = None
+        with contextlib.suppress(KeyNotFoundError):
+            entry = await self._kv().get(f"b.{owner_token(owner)}")
+            d = json.loads(entry.value or b"{}")
+            if d:
+                budget = Budget(
+                    f"o.{owner_token(owner)}",
+                    d["period"],
+                    d.get("hard"),
+                    d.get("soft"),
+                    f"owner:{owner}",
+                )
+        self._owners[owner] = (now, budget)
+        return budget
+
+    async def set_owner_budget(
+        self,
+        owner: str,
+        *,
+        hard_usd: float | None,
+        soft_usd: float | None,
+        period: str,
+        actor: str | None = None,
+        request_id: str | None = None,
+    ) -> None:
+        """Set (or, with neither threshold, remove) an owner's budget; recorded in the audit
+        trail as ``actor``'s change."""
+        if period not in PERIODS:
+            raise E.InvalidRequest(f"period: one of {', '.join(PERIODS)}", param="period")
+        if not owner:
+            raise E.InvalidRequest("owner: a name, not empty", param="owner")
+        for name, usd in (("usd", hard_usd), ("soft_usd", soft_usd)):
+            if usd is not None and not (0 <= usd < 1e12):
+                raise E.InvalidRequest(f"{name}: dollars, 0 or more", param=name)
+        key = f"b.{owner_token(owner)}"
+        async with audit.change(
+            self.nc, audit.BUDGET_CHANGED, f"owner:{owner}", actor, request_id=request_id
+        ) as change:
+            if hard_usd is None and soft_usd is None:
+                with contextlib.suppress(KeyNotFoundError):
+                    await self._kv().delete(key)
+            else:
+                body = {"period": period, "hard": micro(hard_usd), "soft": micro(soft_usd)}
+                await self._kv().put(key, json.dumps(body).encode())
+            change.details = {"period": period, "budget_usd": hard_usd, "soft_budget_usd": soft_usd}
+        self._owners.pop(owner, None)
+
+    async def spent(self, budget: Budget, now: float | None = None) -> tuple[int, int]:
+        """(spent, held for requests in flight) in the budget's current period."""
+        try:
+            entry = await self._kv().get(budget.entry(now))
+        except KeyNotFoundError:
+            return 0, 0
+        d = json.loads(entry.value or b"{}")
+        return int(d.get("spent", 0)), sum(int(a) for a, _ in (d.get("held") or {}).values())
+
+    # -- the request path ------------------------------------------------------------------
+    async def reserve(
+        self, budgets: list[Budget], request_id: str, amount: int, deadline_s: float
+    ) -> Hold:
+        """Hold ``amount`` for the request in each budget's current period, or raise 429
+        ``insufficient_quota`` (nothing held) when one would pass its hard threshold."""
+        hold = Hold(request_id, amount)
+        now = time.time()
+        try:
+            for b in budgets:
+                entry = b.entry(now)
+
+                def take(cur: dict[str, Any], b: Budget = b) -> dict[str, Any]:
+                    held = {k: v for k, v in (cur.get("held") or {}).items() if v[1] > now}
+                    spent = int(cur.get("spent", 0))
+                    in_flight = sum(int(a) for a, _ in held.values())
+                    if b.hard is not None and spent + in_flight + amount > b.hard:
+                        raise _over(b, spent, in_flight)
+                    held[request_id] = [amount, deadline_s]
+                    return {"spent": spent, "held": held}
+
+                await self._cas(entry, take)
+                hold.budgets.append((b, entry))
+        except BaseException:
+            await self.release(hold)
+            raise
+        return hold
+
+    async def release(self, hold: Hold) -> None:
+        """Give back what ``hold`` holds (the request was not served)."""
+        await self.settle(hold, 0)
+
+    async def settle(self, hold: Hold, actual: int) -> list[tuple[Budget, int, int]]:
+        """Charge ``actual`` and drop the hold; (budget, spent before, spent after) of each
+        budget whose soft threshold this crossed."""
+        crossed = []
+        now = time.time()
+        for b, entry in hold.budgets:
+
+            def charge(cur: dict[str, Any]) -> dict[str, Any]:
+                held = {k: v for k, v in (cur.get("held") or {}).items() if v[1] > now}
+                held.pop(hold.request_id, None)
+                return {"spent": int(cur.get("spent", 0)) + actual, "held": held}
+
+            before, after = await self._cas(entry, charge)
+            was, now_spent = int(before.get("spent", 0)), int(after["spent"])
+            if b.soft is not None and was < b.soft <= now_spent:
+                crossed.append((b, was, now_spent))
+        hold.budgets = []
+        return crossed
+
+    async def alert(self, crossed: list[tuple[Budget, int, int]], model: str) -> None:
+        """Say on the bus (and in the log) that a soft threshold was crossed."""
+        for b, _, spent in crossed:
+            body = {
+                "type": "budget",
+                "scope": b.name or b.scope,
+                "period": period_id(b.period),
+                "spent_usd": spent / 1e6,
+                "soft_usd": (b.soft or 0) / 1e6,
+                "hard_usd": None if b.hard is None else b.hard / 1e6,
+                "model": model,
+            }
+            if self.log is not None:
+                self.log.warning("budget_soft_threshold_crossed", **body)
+            with contextlib.suppress(Exception):
+                await self.nc.publish(
+                    subjects.telemetry(subjects.TELEMETRY_BUDGET), codec.encode(body)
+                )
+
+
+def _over(b: Budget, spent: int, in_flight: int) -> E.InsufficientQuota:
+    who = "this key" if b.scope.startswith("k.") else "this key's owner"
+    return E.InsufficientQuota(
+        f"{who} has used its budget of ${(b.hard or 0) / 1e6:.2f} for the {b.period} period "
+        f"(${spent / 1e6:.4f} spent, ${in_flight / 1e6:.4f} held by requests in flight); "
+        "ask an operator to raise it, or wait for the next period"
+    )

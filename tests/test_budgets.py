@@ -1,0 +1,141 @@
+"""Spend budgets (auth.budgets, docs/flow.md): prices per model, hard budgets refused exactly
+at the limit across two bridges, soft thresholds alerting, owners' budgets shared by their
+keys; a real nats-server and real processes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from typing import Any
+
+import httpx
+import nats
+import pytest
+
+from auth import budgets
+from bus_schemas import codec, subjects
+from services.config import PriceSettings
+from tests.conftest import Procs, free_port, key_store, run_cli, start_stack, wait_http
+
+MSG = [{"role": "user", "content": "What does it cost?"}]
+# An answer token costs $0.001 (1000 micro-dollars); prompts are free, so a request's cost
+# is known before it runs: max_tokens with ignore_eos.
+PRICE = json.dumps({"input": 0, "output": 1000})
+ENV = {
+    "TOKENBUS_INGRESS__PIPELINE": '["auth", "ratelimit", "route"]',
+    "TOKENBUS_ROUTER__PRICE": PRICE,
+}
+BODY: dict[str, Any] = {"messages": MSG, "max_tokens": 2, "ignore_eos": True}
+
+
+def test_cost_and_periods() -> None:
+    price = PriceSettings(input=2.5, cached_input=1.25, output=10)
+    assert budgets.cost(price, 1000, 100) == 2500 + 1000
+    assert budgets.cost(price, 1000, 100, cached=400) == 600 * 2.5 + 400 * 1.25 + 1000
+    assert budgets.cost(PriceSettings(input=0.1), 3, 0) == 1  # rounded up, never under
+    assert budgets.cost(None, 10**6, 10**6) == 0
+    t = 1795651200.0  # 2026-11-26 00:00 UTC
+    assert budgets.period_id("day", t) == "d20261126"
+    assert budgets.period_id("month", t) == "m202611"
+    assert budgets.period_id("total", t) == "total"
+    b, owner = budgets.parse_header(budgets.header("day", 1.5, None, "team a"))
+    assert b is not None and b.hard == 1_500_000 and b.soft is None and owner == "team a"
+    assert budgets.parse_header("week,1,2,x") == (None, "x")
+
+
+async def _second_bridge(procs: Procs) -> str:
+    port = free_port()
+    procs.start("bridge-2", "serve", "bridge", "--port", str(port), env=ENV)
+    await wait_http(f"http://127.0.0.1:{port}/ready")
+    return f"http://127.0.0.1:{port}"
+
+
+async def _post(base: str, key: str, model: str) -> httpx.Response:
+    async with httpx.AsyncClient(base_url=base, timeout=30) as h:
+        return await h.post(
+            "/v1/chat/completions",
+            json={"model": model, **BODY},
+            headers={"Authorization": f"Bearer {key}"},
+        )
+
+
+async def test_a_hard_budget_refuses_exactly_at_the_limit_across_two_bridges(
+    procs: Procs, model: str
+) -> None:
+    """$0.010 of budget, $0.002 a request: five requests, sent at once through two bridges
+    (each holding and settling in its own process), get answers; every other one a 429
+    insufficient_quota. The key's spend is then exactly the budget."""
+    async with key_store(procs.url) as store:
+        key, rec = await store.create("capped", budget_usd=0.010)
+    stack = await start_stack(procs, model, "auth", env=ENV, settle=0.5)
+    other = await _second_bridge(procs)
+    rs = await asyncio.gather(
+        *(_post(stack.base if i % 2 else other, key, model) for i in range(9))
+    )
+    codes = sorted(r.status_code for r in rs)
+    assert codes == [200] * 5 + [429] * 4, [r.text for r in rs]
+    refused = next(r for r in rs if r.status_code == 429).json()["error"]
+    assert refused["code"] == "insufficient_quota" and refused["type"] == "insufficient_quota"
+    assert "budget" in refused["message"]
+    await asyncio.sleep(0.5)  # the last usage reports settle
+    show = await asyncio.to_thread(
+        run_cli,
+        "keys",
+        "show",
+        rec.id,
+        "--json",
+        env={**os.environ, "TOKENBUS_NATS_URL": procs.url},
+    )
+    shown = json.loads(show.stdout)
+    assert shown["spent_usd"] == pytest.approx(0.010) and shown["held_usd"] == 0
+    # Still refused, on either bridge, and nothing more is spent.
+    assert (await _post(stack.base, key, model)).status_code == 429
+    assert (await _post(other, key, model)).status_code == 429
+    assert stack.all_alive()
+
+
+async def test_a_soft_threshold_alerts_once_and_owners_share_a_budget(
+    procs: Procs, model: str
+) -> None:
+    """Two keys of one owner share the owner's budget (set over the admin API); crossing a
+    key's soft threshold is an event on the bus (the telemetry service's alert metric)."""
+    async with key_store(procs.url) as store:
+        admin, _ = await store.create("admin", admin=True)
+        a, rec_a = await store.create("a", owner="team-x", soft_budget_usd=0.003)
+        b, _ = await store.create("b", owner="team-x")
+    events: list[dict[str, Any]] = []
+    nc = await nats.connect(procs.url)
+
+    async def on_event(msg: Any) -> None:
+        events.append(codec.decode_map(msg.data))
+
+    await nc.subscribe(subjects.telemetry(subjects.TELEMETRY_BUDGET), cb=on_event)
+    stack = await start_stack(procs, model, "auth", env=ENV, settle=0.5)
+    try:
+        async with stack.http("/v1/admin/keys", headers={"Authorization": f"Bearer {admin}"}) as h:
+            r = await h.put("/owners/team-x/budget", json={"budget_usd": 0.006, "period": "day"})
+            assert r.status_code == 200 and r.json()["budget_usd"] == pytest.approx(0.006)
+            bad = await h.put("/owners/team-x/budget", json={"budget_usd": -1})
+            assert bad.status_code == 400
+        served = [await _post(stack.base, k, model) for k in (a, b, a)]
+        assert [r.status_code for r in served] == [200, 200, 200]
+        over = await _post(stack.base, b, model)
+        assert over.status_code == 429 and "owner" in over.json()["error"]["message"]
+        await asyncio.sleep(0.5)
+        # Key a spent $0.004 of its own: past its soft $0.003 once, with one event.
+        mine = [e for e in events if e["scope"] == f"key:{rec_a.id}"]
+        assert len(mine) == 1 and mine[0]["spent_usd"] == pytest.approx(0.004), events
+        out = await asyncio.to_thread(
+            run_cli,
+            "keys",
+            "owner-budget",
+            "team-x",
+            "--json",
+            env={**os.environ, "TOKENBUS_NATS_URL": procs.url},
+        )
+        got = json.loads(out.stdout)
+        assert got["spent_usd"] == pytest.approx(0.006) and got["period"] == "day"
+    finally:
+        await nc.drain()
+    assert stack.all_alive()
