@@ -424,6 +424,75 @@ def replicas() -> Section:
     )
 
 
+def flow() -> Section:
+    """Flow control (engine_worker/flow.py): queues per class, waits, shares, budgets."""
+    wait = (
+        f"{rate('tokenbus_flow_wait_seconds_total', M, 'class')}"
+        f" / {rate('tokenbus_flow_served_total', M, 'class')}"
+    )
+    return (
+        Section("Flow control: classes, fair shares, budgets")
+        .with_panel(
+            ts(
+                "Queue depth per model and class",
+                "short",
+                [
+                    q(
+                        f"sum by (model, class) (tokenbus_model_queue_depth{{{M}}})",
+                        "{{model}} {{class}}",
+                    )
+                ],
+                desc="Waiting for an engine slot, in a router's queue or its waiting room "
+                "(scale from zero): what an autoscaler scales on.",
+                stack=True,
+            )
+        )
+        .with_panel(
+            ts(
+                "Mean wait for a slot by class",
+                "s",
+                [q(wait, "{{class}}")],
+                desc="Seconds from arrival at the replica to a slot in its engine.",
+            )
+        )
+        .with_panel(
+            ts(
+                "Shed and displaced per second by class",
+                "reqps",
+                [
+                    q(rate("tokenbus_flow_shed_total", M, "class"), "shed {{class}}"),
+                    q(
+                        rate("tokenbus_flow_displaced_total", M, "class"),
+                        "displaced {{class}}",
+                        ref="B",
+                    ),
+                ],
+                desc="Shed: refused after waiting (class limit, deadline) or to make room "
+                "for a higher class. Displaced: put back before its first byte.",
+            )
+        )
+        .with_panel(
+            ts(
+                "Share of tokens by flow (key or owner)",
+                "short",
+                [q(rate("tokenbus_flow_key_tokens_total", M, "flow"), "{{flow}}")],
+                desc="Tokens served per second to each flow at the replicas: the fair shares.",
+                stack=True,
+                span=12,
+            )
+        )
+        .with_panel(
+            ts(
+                "Budgets past their soft threshold",
+                "currencyUSD",
+                [q("max by (scope, period) (tokenbus_budget_spent_usd)", "{{scope}} {{period}}")],
+                desc="Spend when a key's or owner's soft budget threshold was crossed.",
+                span=12,
+            )
+        )
+    )
+
+
 def bus() -> Section:
     return (
         Section("NATS and services")
@@ -534,7 +603,8 @@ def build() -> dm.Dashboard:
         .with_variable(model)
         .with_variable(source)
     )
-    for section in (traffic(), latency(), breakdown(), errors(), usage(), replicas(), bus()):
+    sections = (traffic(), latency(), breakdown(), errors(), usage(), replicas(), flow(), bus())
+    for section in sections:
         board = board.with_row(db.Row(section.title).collapsed(False))
         for panel in section.panels:
             board = board.with_panel(panel)
