@@ -104,6 +104,7 @@ class Ticket:
     displacements: int = 0
     on_displace: Callable[[], None] | None = None
     started_at: float = 0.0
+    max_tokens: int = 0  # the most it may generate (0: not known)
 
     def rank(self, now: float, aging_s: float) -> int:
         """The class it counts as now: one higher per ``aging_s`` waited."""
@@ -170,6 +171,7 @@ class FlowControl:
         self.subs: dict[str, _Counters] = {}
         self.running: list[Ticket] = []
         self.mean_service_s = 0.0  # EWMA of a request's time in the engine
+        self.sec_per_token = 0.0  # EWMA of that time per answer token
         # What operators see (metrics, status): per class.
         self.shed: dict[str, int] = dict.fromkeys(CLASSES, 0)
         self.displaced: dict[str, int] = dict.fromkeys(CLASSES, 0)
@@ -188,6 +190,7 @@ class FlowControl:
         prompt_tokens: int = 0,
         deadline: float | None = None,
         ttft_objective_s: float | None = None,
+        max_tokens: int = 0,
     ) -> Ticket:
         """A place for a new request: in the engine at once when a slot is free for its
         class (``granted`` set), else in its queue; raises the refusal when it cannot wait."""
@@ -198,6 +201,7 @@ class FlowControl:
         t = Ticket(
             flow, sub, cls, weight, max(0, prompt_tokens), deadline, objective, now, next(self._seq)
         )
+        t.max_tokens = max(0, max_tokens)
         self.flows.join(flow)
         self.subs.setdefault(flow, _Counters()).join(sub)
         if not self._waiting_above(CLASS_RANK[cls] + 1) and self._may_start(CLASS_RANK[cls]):
@@ -307,6 +311,12 @@ class FlowControl:
             if not self.mean_service_s
             else self.mean_service_s + _EWMA * (served - self.mean_service_s)
         )
+        per = served / max(1, completion_tokens)
+        self.sec_per_token = (
+            per
+            if not self.sec_per_token
+            else self.sec_per_token + _EWMA * (per - self.sec_per_token)
+        )
         self.tokens_by_flow[t.flow] = (
             self.tokens_by_flow.get(t.flow, 0) + completion_tokens + t.prompt_tokens
         )
@@ -408,11 +418,20 @@ class FlowControl:
         if self._full(t.cls, t.prompt_tokens):
             raise self._over(t, "its queue is full")
         wait = self.expected_wait(t)
-        if t.deadline is not None and now + wait > t.deadline:
+        if t.deadline is not None and now + wait + self.service_estimate(t) > t.deadline:
             raise E.Overloaded(
-                f"the request cannot start before its deadline (expected wait {wait:.1f} s)",
+                f"the request cannot be served before its deadline (expected wait {wait:.1f} s "
+                f"for an engine slot, then about {self.service_estimate(t):.1f} s)",
                 headers={"Retry-After": _retry_after(wait)},
             )
+
+    def service_estimate(self, t: Ticket) -> float:
+        """Seconds ``t`` may expect to take in the engine: the mean of late, or less when its
+        ``max_tokens`` says it is shorter."""
+        est = self.mean_service_s
+        if t.max_tokens and self.sec_per_token:
+            est = min(est, t.max_tokens * self.sec_per_token)
+        return est
 
     def expected_wait(self, t: Ticket) -> float:
         """Seconds ``t`` may expect to wait: the requests that go before it, at the rate
@@ -465,13 +484,21 @@ class FlowControl:
         if max_wait:
             limits.append(t.arrived + max_wait - now)
         if t.deadline is not None:
-            limits.append(t.deadline - now)
+            # Past this it could not finish before its deadline: refused then, not started.
+            limits.append(t.deadline - self.service_estimate(t) - now)
         return max(0.0, min(limits)) if limits else None
 
     def _timed_out(self, t: Ticket) -> E.TokenbusError:
         self.shed[t.cls] += 1
-        if t.deadline is not None and self.clock() >= t.deadline:
+        now = self.clock()
+        if t.deadline is not None and now >= t.deadline:
             return E.Timeout("the request's deadline passed while it waited for model capacity")
+        if t.deadline is not None and now >= t.deadline - self.service_estimate(t):
+            return E.Overloaded(
+                "the request can no longer be served before its deadline (it waited "
+                f"{now - t.arrived:.1f} s for model capacity)",
+                headers={"Retry-After": _retry_after(self.expected_wait(t))},
+            )
         return E.Overloaded(
             f"the request waited its class's limit ({self.cfg.max_wait_s.get(t.cls, 0.0):g} s) "
             "for model capacity",

@@ -561,6 +561,7 @@ class Worker(Service):
             prompt_tokens=_prompt_estimate(gen.env),
             deadline=None if left is None else time.monotonic() + left,
             ttft_objective_s=ttft / 1000.0 if ttft else None,
+            max_tokens=gen.req.remaining_tokens,
         )
         task = gen.task
 

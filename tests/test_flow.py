@@ -316,3 +316,18 @@ def test_routers_reports_add_to_the_queue_depth_of_a_model_without_replicas() ->
     text = generate_latest(reg).decode()
     assert 'tokenbus_model_queue_depth{class="default",model="m0"} 3.0' in text
     assert 'class="flex",model="m0"' not in text
+
+
+def test_a_request_that_could_not_finish_by_its_deadline_is_refused_before_it_starts() -> None:
+    """Not only the wait: a request is refused at once when its wait plus its expected time
+    in the engine (the recent mean, or less for a short max_tokens) passes its deadline."""
+    fc, clock = make(slots=1)
+    t = fc.enter(flow="A")
+    clock.t += 2.0
+    fc.leave(t, 10)  # 2 s in the engine, 0.2 s an answer token
+    fc.enter(flow="A")  # runs
+    with pytest.raises(E.Overloaded) as err:
+        fc.enter(flow="B", deadline=clock.t + 1.5, max_tokens=100)
+    assert "before its deadline" in err.value.message
+    short = fc.enter(flow="B", deadline=clock.t + 1.5, max_tokens=5)  # about 1 s: it fits
+    assert not short.granted.is_set() and fc.queued() == 1
