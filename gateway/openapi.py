@@ -88,6 +88,10 @@ class ChatChoice(_Out):
     finish_reason: str
 
 
+# The class that served the answer (docs/flow.md).
+ServiceTier = Literal["priority", "default", "flex"]
+
+
 class ChatCompletion(_Out):
     """``POST /v1/chat/completions`` without ``stream``."""
 
@@ -97,6 +101,7 @@ class ChatCompletion(_Out):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    service_tier: ServiceTier | None = None
 
 
 class TextChoice(_Out):
@@ -144,6 +149,7 @@ class ChatCompletionChunk(_Out):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+    service_tier: ServiceTier | None = None
 
 
 class TextChunkChoice(_Out):

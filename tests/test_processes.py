@@ -185,10 +185,24 @@ async def test_status_lists_replicas_and_load(procs: Procs, model: str) -> None:
             "draining": False,
             "endpoints": ["chat", "completions", "embeddings"],
             "max_model_len": 10**9,  # the suite's sim context (tests/conftest.py)
+            # Its flow control (docs/flow.md): nothing waiting, nothing served yet.
+            "flow": {
+                c: {
+                    "queued": 0,
+                    "queued_tokens": 0,
+                    "running": 0,
+                    "served": 0,
+                    "shed": 0,
+                    "displaced": 0,
+                    "wait_s_sum": 0.0,
+                }
+                for c in ("priority", "default", "flex")
+            },
+            "flows": {},
         }
     ]
     table = run_cli("--nats-url", procs.url, "status", timeout=30, check=True).stdout
-    assert "REPLICA" in table and f"{model}-a" in table
+    assert "REPLICA" in table and f"{model}-a" in table and "0/0/0" in table
 
 
 def test_status_without_nats_is_a_clear_error(tmp_path: Any) -> None:
