@@ -145,7 +145,8 @@ def add_parser(sub: Any) -> None:
         metavar="N:KEY=VALUE,...",
         help="--spawn: N sim workers with these settings (repeatable), e.g. "
         "1:tp=8,pool=high_tp,tp_efficiency=0.5,tp_comm_ms=1.5 ; keys: tp, pool, max_running, "
-        "max_concurrency, decode_ms_per_seq, tp_efficiency, tp_comm_ms (default: one worker)",
+        "max_concurrency, decode_ms_per_seq, tp_efficiency, tp_comm_ms, flow (on|off: the "
+        "worker's flow control) (default: one worker)",
     )
     g.add_argument(
         "--routing",
@@ -181,6 +182,16 @@ def add_parser(sub: Any) -> None:
         help="--spawn: per-request records and the telemetry service (default on)",
     )
     b.add_argument("--api-key", help="API key sent with every request")
+    te = b.add_argument_group("many tenants on one saturated model (flow control)")
+    te.add_argument(
+        "--tenants",
+        choices=["two", "weights", "tiers", "overload", "all"],
+        help="instead of the sweep: a scenario of tenants (own keys) on one sim worker, each "
+        "on a stack of its own, with the worker's flow control on and then off",
+    )
+    te.add_argument(
+        "--duration", type=float, default=30.0, help="--tenants: seconds measured per run"
+    )
 
 
 # -- one request ------------------------------------------------------------------------------
@@ -841,8 +852,11 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-async def _bench_key(url: str, login: dict[str, str] | None = None) -> str:
-    """A key whose limits are far above what a run can use, so every stage does its work."""
+async def _bench_key(
+    url: str, login: dict[str, str] | None = None, name: str = "bench", **fields: Any
+) -> str:
+    """A key whose limits are far above what a run can use, so every stage does its work;
+    ``fields`` are more of its settings (a weight, a service tier)."""
     import nats
 
     from auth.store import KeyStore
@@ -850,7 +864,8 @@ async def _bench_key(url: str, login: dict[str, str] | None = None) -> str:
     nc = await nats.connect(url, **(login or {}))
     try:
         store = await KeyStore(nc).open(watch=False)
-        key, _ = await store.create("bench", rpm=10**9, tpm=10**12, max_concurrent=10**6)
+        limits: dict[str, Any] = {"rpm": 10**9, "tpm": 10**12, "max_concurrent": 10**6}
+        key, _ = await store.create(name, **{**limits, **fields})
     finally:
         await nc.drain()
     return key
@@ -1028,6 +1043,10 @@ def replica_specs(specs: list[str]) -> list[tuple[list[str], dict[str, str]]]:
                 flags += [_REPLICA_FLAGS[k], v]
             elif k in _REPLICA_SIM:
                 env[f"TOKENBUS_WORKER__SIM__{k.upper()}"] = v
+            elif k == "flow":
+                if v not in ("on", "off"):
+                    raise SystemExit(f"--replica: flow is on or off, got {v!r}")
+                env["TOKENBUS_WORKER__FLOW__ENABLED"] = "true" if v == "on" else "false"
             else:
                 raise SystemExit(f"--replica: unknown key {k!r}")
         out += [(flags, env)] * int(count)
@@ -1090,7 +1109,24 @@ def local_dev_key(s: Settings, url: str) -> str | None:
     return path.read_text().strip() or None
 
 
+def report_head(tool: str) -> dict[str, Any]:
+    """What a JSON report starts with: the tool, when it started, the machine."""
+    return {
+        "tool": tool,
+        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": {
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+        },
+    }
+
+
 async def main(a: argparse.Namespace, s: Settings) -> int:
+    if a.tenants:
+        from tokenbus.evaluation.tenants import run_tenants
+
+        return await run_tenants(a)
     if a.filter_cost:
         from tokenbus.evaluation.filter_cost import measure
 
@@ -1151,13 +1187,7 @@ async def main(a: argparse.Namespace, s: Settings) -> int:
             with contextlib.suppress(Exception):
                 await nats.wait()
     report: dict[str, Any] = {
-        "tool": "tokenbus bench",
-        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "machine": {
-            "cpus": os.cpu_count(),
-            "python": platform.python_version(),
-            "platform": platform.platform(),
-        },
+        **report_head("tokenbus bench"),
         "config": {k: v for k, v in vars(a).items() if k not in ("cmd",)},
         "levels": levels,
     }
