@@ -170,6 +170,8 @@ class FlowControl:
         self.flows = _Counters()
         self.subs: dict[str, _Counters] = {}
         self.running: list[Ticket] = []
+        self.in_engine: Counter[str] = Counter()  # flow -> its requests in the engine
+        self._queued_n: dict[str, int] = dict.fromkeys(CLASSES, 0)
         self.mean_service_s = 0.0  # EWMA of a request's time in the engine
         self.sec_per_token = 0.0  # EWMA of that time per answer token
         # What operators see (metrics, status): per class.
@@ -248,6 +250,7 @@ class FlowControl:
         now = self.clock()
         if t.in_engine:
             self.running.remove(t)
+            self._out_of_engine(t)
             t.in_engine = False
             self._settle(t, completion_tokens, now)
         else:
@@ -274,6 +277,7 @@ class FlowControl:
         t.started_at = now
         t.first_byte = False
         self.running.append(t)
+        self.in_engine[t.flow] += 1
         cost = self._cost(t)
         self.flows.charge(t.flow, cost / t.weight)
         sub = self.subs.get(t.flow)
@@ -297,6 +301,13 @@ class FlowControl:
         if sub is not None:
             sub.charge(t.sub, -cost)
         self.served[t.cls] -= 1
+
+    def _out_of_engine(self, t: Ticket) -> None:
+        n = self.in_engine[t.flow] - 1
+        if n > 0:
+            self.in_engine[t.flow] = n
+        else:
+            del self.in_engine[t.flow]
 
     def _settle(self, t: Ticket, completion_tokens: int, now: float) -> None:
         """Charge the flow the answer's tokens."""
@@ -335,34 +346,32 @@ class FlowControl:
             self._start(t, now)
 
     def _next(self, now: float) -> Ticket | None:
-        """The request the next free slot goes to, if any may take one."""
-        best: tuple[int, Ticket] | None = None
+        """The request the next free slot goes to, if any may take one: among the heads of
+        the queues, the highest class they count as, then the flow with the least counter
+        (ties: the fewest requests in the engine, then the oldest), then within that flow
+        the fairness id with the least counter, then the earliest objective. One pass over
+        the heads (one per flow and fairness id), then one over the chosen flow's."""
+        aging, vt, in_engine = self.cfg.aging_s, self.flows.vt, self.in_engine
+        best: tuple[int, float, int, int] | None = None
+        chosen = ""
         for c in CLASSES:
-            for flow in self.queues[c].values():
+            for name, flow in self.queues[c].items():
                 for q in flow.subs.values():
                     t = q[0]
-                    r = t.rank(now, self.cfg.aging_s)
-                    if best is None or r < best[0]:
-                        best = (r, t)
+                    key = (t.rank(now, aging), vt.get(name, 0.0), in_engine.get(name, 0), t.seq)
+                    if best is None or key < best:
+                        best, chosen = key, name
         if best is None or not self._may_start(best[0]):
             return None
         rank = best[0]
-        # Among every head that counts as this class: the flow, then the fairness id, with
-        # the least counter; then the earliest objective.
-        heads = [
+        sub_vt = self.subs[chosen].vt
+        mine = [
             q[0]
             for c in CLASSES
-            for flow in self.queues[c].values()
-            for q in flow.subs.values()
-            if q[0].rank(now, self.cfg.aging_s) == rank
+            if chosen in self.queues[c]
+            for q in self.queues[c][chosen].subs.values()
+            if q[0].rank(now, aging) == rank
         ]
-        vt = self.flows.vt
-        # Ties (a flow that just came back is level with the least served) go to the flow
-        # with the fewest requests in the engine.
-        in_engine = Counter(r.flow for r in self.running)
-        flow_name = min(heads, key=lambda t: (vt.get(t.flow, 0.0), in_engine[t.flow], t.seq)).flow
-        mine = [t for t in heads if t.flow == flow_name]
-        sub_vt = self.subs[flow_name].vt
         return min(mine, key=lambda t: (sub_vt.get(t.sub, 0.0), t.sort_key()))
 
     # -- queues ----------------------------------------------------------------------------
@@ -374,6 +383,7 @@ class FlowControl:
         else:
             bisect.insort(q, t, key=Ticket.sort_key)
         flow.count += 1
+        self._queued_n[t.cls] += 1
         self.queued_tokens[t.cls] += t.prompt_tokens
 
     def _unqueue(self, t: Ticket) -> None:
@@ -388,6 +398,7 @@ class FlowControl:
         if not q:
             del flow.subs[t.sub]
         flow.count -= 1
+        self._queued_n[t.cls] -= 1
         if not flow.subs:
             del flows[t.flow]
         self.queued_tokens[t.cls] -= t.prompt_tokens
@@ -401,8 +412,10 @@ class FlowControl:
                 del self.subs[t.flow]
 
     def queued(self, cls: str | None = None) -> int:
-        classes = CLASSES if cls is None else (cls,)
-        return sum(f.count for c in classes for f in self.queues[c].values())
+        """Requests waiting (of class ``cls``, or all)."""
+        if cls is not None:
+            return self._queued_n[cls]
+        return sum(self._queued_n.values())
 
     # -- admission -------------------------------------------------------------------------
     def _full(self, cls: str, extra_tokens: int) -> bool:
@@ -524,6 +537,7 @@ class FlowControl:
         v.displacements += 1
         self.displaced[v.cls] += 1
         self.running.remove(v)
+        self._out_of_engine(v)
         v.in_engine = False
         self._uncharge(v)
         self._unqueue(t)
