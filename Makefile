@@ -50,3 +50,24 @@ bench: $(RUNSTAMP)
 
 clean:
 	rm -rf $(VENV) .tokenbus bench-results *.egg-info
+
+# vLLM 0.33 on CPU in its own venv (vLLM pins torch, transformers, openai...): torch's CPU
+# wheel and vLLM's front-end requirements (tests/vllm-cpu-requirements.txt), vLLM itself
+# without its GPU dependencies, then tokenbus (editable) and pytest. Inside .venv so git,
+# ruff and `make clean` treat it as .venv. About 150 s and 700 MB of downloads the first time.
+VLLM_VENV := .venv/vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.installed-vllm
+
+$(VLLM_STAMP): pyproject.toml tests/vllm-cpu-requirements.txt
+	$(PY) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip
+	$(VLLM_PY) -m pip install -q -r tests/vllm-cpu-requirements.txt
+	$(VLLM_PY) -m pip install -q --no-deps vllm==0.33.0
+	$(VLLM_PY) -m pip install -q -e . pytest pytest-asyncio pytest-timeout
+	touch $@
+
+.PHONY: test-vllm
+## vLLM 0.33's own front end on CPU behind the scripted engine core, through a real stack (docs/vllm.md); not part of `make test` yet.
+test-vllm: $(VLLM_STAMP)
+	VLLM_TARGET_DEVICE=cpu $(VLLM_PY) -m pytest -q tests/test_vllm_real.py tests/test_vllm_backend.py

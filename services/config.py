@@ -340,6 +340,12 @@ class VLLMSettings(BaseModel):
         "max_model_len...) and front-end options (tool_call_parser, "
         "enable_auto_tool_choice, reasoning_parser, lora_modules...); see docs/vllm.md.",
     )
+    scripted_core: dict[str, Any] | None = Field(
+        default=None,
+        description="Run vLLM's front end on the scripted engine core "
+        "(engine_worker/backends/scripted_core.py) instead of a GPU, with these settings "
+        "(prefill_ms, decode_ms, scripts...; {} for the defaults); see docs/vllm.md.",
+    )
 
 
 def _default_reserve() -> dict[Literal["priority", "default"], float]:

@@ -233,15 +233,27 @@ class VLLMBackend:
         factory = self._stat_logger_factory()
         if factory is not None:
             kwargs["stat_loggers"] = [factory]
-        engine = vllm.AsyncLLM.from_vllm_config(
-            vllm_config=vllm_config,
-            usage_context=usage,
-            enable_log_requests=engine_args.enable_log_requests,
-            aggregate_engine_logging=engine_args.aggregate_engine_logging,
-            disable_log_stats=engine_args.disable_log_stats,
-            **kwargs,
-        )
+        with self._engine_core():
+            engine = vllm.AsyncLLM.from_vllm_config(
+                vllm_config=vllm_config,
+                usage_context=usage,
+                enable_log_requests=engine_args.enable_log_requests,
+                aggregate_engine_logging=engine_args.aggregate_engine_logging,
+                disable_log_stats=engine_args.disable_log_stats,
+                **kwargs,
+            )
         return args, engine
+
+    def _engine_core(self) -> contextlib.AbstractContextManager[None]:
+        """vLLM's own engine core, or the scripted one (no GPU step; docs/vllm.md) when
+        ``worker.vllm.scripted_core`` is set. ``AsyncLLM`` builds its engine-core client
+        while it is constructed, so the replacement ends when construction does."""
+        scripted = self.cfg.vllm.scripted_core
+        if scripted is None:
+            return contextlib.nullcontext()
+        from engine_worker.backends import scripted_core as sc
+
+        return sc.installed(sc.ScriptedCoreSettings.model_validate(scripted))
 
     def parse_args(self) -> Any:
         """The options parsed by ``vllm serve``'s own argument parser (a Namespace).

@@ -1,0 +1,355 @@
+"""The vllm backend against vLLM 0.33 itself, on CPU, behind the scripted engine core.
+
+Everything but the GPU step is vLLM's own code (its serve parser, AsyncLLM, renderer, chat
+template, output processor, hermes tool parser, OpenAI serving classes); the engine core is
+:mod:`engine_worker.backends.scripted_core` on a tiny checkpoint built here. The stack is real:
+a nats-server, ingress, router and the HTTP bridge as processes, driven by the openai SDK and
+httpx; the vllm worker runs in this process so the test can see what its engine core saw.
+
+Skipped unless vLLM is importable (``make test-vllm`` builds a venv that has it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import os
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from engine_worker.backends import scripted_core as sc
+from tests.conftest import (
+    NatsServer,
+    Procs,
+    ProcStack,
+    new_model,
+    settings,
+    start_stack,
+    wait_replicas,
+)
+
+if importlib.util.find_spec("vllm") is None:
+    pytest.skip("vLLM is not installed (make test-vllm)", allow_module_level=True)
+
+# The PyPI wheel is built for CUDA; on a machine without a GPU vLLM picks its CPU platform.
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+
+MAX_MODEL_LEN = 400
+TOOL_CALL = {"name": "get_weather", "arguments": {"city": "Paris"}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+STOPPER_TEXT = "Hello world, the quick brown fox jumps over the lazy dog."
+SCRIPTS = [
+    sc.Script(marker="weather", text=f"<tool_call>\n{json.dumps(TOOL_CALL)}\n</tool_call>"),
+    sc.Script(marker="stopper", text=STOPPER_TEXT),
+    sc.Script(marker="ponder", text="<think>Let me think about it.</think>Hello world"),
+]
+HELLO = [{"role": "user", "content": "Hello world"}]
+
+
+class VLLMStack:
+    """The stack's processes, the in-process vllm worker and its scripted engine core."""
+
+    def __init__(self, procs: ProcStack, worker: Any, reasoner: Any) -> None:
+        self.procs = procs
+        self.worker = worker
+        self.model = procs.model
+        self.reasoner = reasoner
+        self.reasoning_model = reasoner.model
+
+    @property
+    def core(self) -> sc.ScriptedCoreClient:
+        """The engine core of the first model's worker."""
+        core = self.worker.backend.engine.engine_core
+        assert isinstance(core, sc.ScriptedCoreClient)
+        return core
+
+
+@pytest.fixture(scope="module")
+async def vllm_stack(
+    nats_server: NatsServer, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[VLLMStack]:
+    from engine_worker.worker import Worker
+
+    ckpt = sc.build_checkpoint(tmp_path_factory.mktemp("ckpt"))
+    model, reasoning_model = new_model(), new_model()
+    engine_args: dict[str, Any] = {
+        "model": str(ckpt),
+        "max_model_len": MAX_MODEL_LEN,
+        "dtype": "bfloat16",
+        "enable_auto_tool_choice": True,
+        "tool_call_parser": "hermes",
+    }
+    core = sc.ScriptedCoreSettings(prefill_ms=1, decode_ms=5, scripts=SCRIPTS)
+
+    def worker_settings(name: str, **more: Any) -> Any:
+        return settings(
+            nats_server.url,
+            worker={
+                "model": name,
+                "replica": f"{name}-vllm",
+                "backend": "vllm",
+                "heartbeat_interval_s": 0.2,
+                # The worker's own setting puts vLLM on the scripted core (vllm_backend).
+                "vllm": {
+                    "engine_args": {**engine_args, **more},
+                    "scripted_core": core.model_dump(),
+                },
+            },
+        )
+
+    with Procs(nats_server.url, tmp_path_factory.mktemp("procs")) as ps:
+        async with (
+            Worker(worker_settings(model)) as worker,
+            # A reasoning parser reads every answer as reasoning until </think>: its own model.
+            Worker(worker_settings(reasoning_model, reasoning_parser="qwen3")) as reasoner,
+        ):
+            stack = await start_stack(ps, model, "ingress", "router", workers=0)
+            await wait_replicas(nats_server.url, reasoning_model, 1)
+            yield VLLMStack(stack, worker, reasoner)
+
+
+@pytest.fixture
+async def oai(vllm_stack: VLLMStack) -> AsyncIterator[openai.AsyncOpenAI]:
+    async with vllm_stack.procs.openai() as c:
+        yield c
+
+
+async def test_chat_whole_counts_tokens_as_vllm_does(
+    vllm_stack: VLLMStack, oai: openai.AsyncOpenAI
+) -> None:
+    out = await oai.chat.completions.create(
+        model=vllm_stack.model, messages=HELLO, max_tokens=7, seed=3
+    )
+    choice = out.choices[0]
+    assert choice.finish_reason == "length"
+    assert choice.message.content
+    req = vllm_stack.core.added[-1]
+    assert out.usage is not None
+    assert out.usage.prompt_tokens == len(req.prompt_token_ids)
+    assert out.usage.completion_tokens == 7
+    # The text is what vLLM's detokeniser makes of the scripted core's tokens.
+    core = vllm_stack.core
+    assert choice.message.content == core.tokenizer.decode(core.output_ids(req, 7))
+
+
+async def test_a_continued_reply_goes_on_with_the_same_text(
+    vllm_stack: VLLMStack, oai: openai.AsyncOpenAI
+) -> None:
+    """What migration relies on: the text already sent, at the end of the prompt, makes the
+    scripted core go on as it would have (vLLM's continue_final_message renders it so)."""
+    kw: dict[str, Any] = {"model": vllm_stack.model, "seed": 9}
+    whole = await oai.chat.completions.create(messages=HELLO, max_tokens=12, **kw)
+    text = whole.choices[0].message.content or ""
+    core = vllm_stack.core
+    head = core.tokenizer.decode(core.output_ids(core.added[-1], 5))
+    rest = await oai.chat.completions.create(
+        messages=[*HELLO, {"role": "assistant", "content": head}],
+        max_tokens=7,
+        extra_body={"continue_final_message": True, "add_generation_prompt": False},
+        **kw,
+    )
+    assert head + (rest.choices[0].message.content or "") == text
+
+
+async def test_chat_streamed_matches_whole(vllm_stack: VLLMStack, oai: openai.AsyncOpenAI) -> None:
+    whole = await oai.chat.completions.create(
+        model=vllm_stack.model, messages=HELLO, max_tokens=9, seed=11
+    )
+    stream = await oai.chat.completions.create(
+        model=vllm_stack.model,
+        messages=HELLO,
+        max_tokens=9,
+        seed=11,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    text, finish, usage = "", None, None
+    async for chunk in stream:
+        if chunk.usage:
+            usage = chunk.usage
+        for c in chunk.choices:
+            text += c.delta.content or ""
+            finish = c.finish_reason or finish
+    assert text == whole.choices[0].message.content
+    assert finish == "length"
+    assert usage is not None and usage.completion_tokens == 9
+
+
+async def test_scripted_tool_call_is_parsed_by_hermes(
+    vllm_stack: VLLMStack, oai: openai.AsyncOpenAI
+) -> None:
+    ask = [{"role": "user", "content": "what is the weather in Paris?"}]
+    out = await oai.chat.completions.create(
+        model=vllm_stack.model, messages=ask, tools=[WEATHER], max_tokens=100
+    )
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    calls = choice.message.tool_calls or []
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+        (TOOL_CALL["name"], TOOL_CALL["arguments"])
+    ]
+
+
+async def test_scripted_tool_call_streamed(vllm_stack: VLLMStack, oai: openai.AsyncOpenAI) -> None:
+    ask = [{"role": "user", "content": "what is the weather in Paris?"}]
+    stream = await oai.chat.completions.create(
+        model=vllm_stack.model, messages=ask, tools=[WEATHER], max_tokens=100, stream=True
+    )
+    name, args, finish, ids = "", "", None, set()
+    async for chunk in stream:
+        for c in chunk.choices:
+            finish = c.finish_reason or finish
+            for tc in c.delta.tool_calls or []:
+                if tc.id:
+                    ids.add(tc.id)
+                if tc.function and tc.function.name:
+                    name += tc.function.name
+                if tc.function and tc.function.arguments:
+                    args += tc.function.arguments
+    assert finish == "tool_calls"
+    assert len(ids) == 1
+    assert (name, json.loads(args)) == (TOOL_CALL["name"], TOOL_CALL["arguments"])
+
+
+async def test_stop_string_is_vllms(vllm_stack: VLLMStack, oai: openai.AsyncOpenAI) -> None:
+    ask = [{"role": "user", "content": "stopper"}]
+    out = await oai.chat.completions.create(
+        model=vllm_stack.model, messages=ask, max_tokens=100, stop=["brown"]
+    )
+    choice = out.choices[0]
+    assert choice.finish_reason == "stop"
+    assert choice.message.content == STOPPER_TEXT[: STOPPER_TEXT.index("brown")]
+    # vLLM's front end matched the stop string and aborted the request in its engine core.
+    rid = vllm_stack.core.added[-1].request_id
+    await _eventually(lambda: rid in vllm_stack.core.aborted)
+
+
+async def test_stop_token_id_finishes_the_request(
+    vllm_stack: VLLMStack, oai: openai.AsyncOpenAI
+) -> None:
+    kw: dict[str, Any] = {"model": vllm_stack.model, "messages": HELLO, "seed": 21}
+    await oai.chat.completions.create(max_tokens=1, **kw)
+    core = vllm_stack.core
+    ids = core.output_ids(core.added[-1], 6)
+    stop_at = ids.index(ids[3])
+    out = await oai.chat.completions.create(
+        max_tokens=50, extra_body={"stop_token_ids": [ids[3]]}, **kw
+    )
+    choice = out.choices[0]
+    assert choice.finish_reason == "stop"
+    assert out.usage is not None and out.usage.completion_tokens == stop_at + 1
+    assert choice.message.content == core.tokenizer.decode(ids[:stop_at])
+
+
+async def test_prompt_longer_than_max_model_len_is_a_400(
+    vllm_stack: VLLMStack, oai: openai.AsyncOpenAI
+) -> None:
+    long = [{"role": "user", "content": "Hello world " * MAX_MODEL_LEN}]
+    with pytest.raises(openai.BadRequestError) as info:
+        await oai.chat.completions.create(model=vllm_stack.model, messages=long, max_tokens=5)
+    assert "maximum context length is 400 tokens" in str(info.value)
+
+
+async def test_client_disconnect_aborts_the_engine_request(vllm_stack: VLLMStack) -> None:
+    core = vllm_stack.core
+    body = {"model": vllm_stack.model, "messages": HELLO, "max_tokens": 380, "stream": True}
+    async with (
+        vllm_stack.procs.http(timeout=30) as h,
+        h.stream("POST", "/v1/chat/completions", json=body) as r,
+    ):
+        assert r.status_code == 200
+        seen = 0
+        async for line in r.aiter_lines():
+            if line.startswith("data: ") and '"content"' in line:
+                seen += 1
+                if seen == 3:
+                    break
+        rid = core.added[-1].request_id
+        assert core.added[-1].sampling_params.max_tokens == 380
+    # 380 tokens at 5 ms would take 1.9 s; the abort reaches the core well before.
+    await _eventually(lambda: rid in core.aborted, timeout=5)
+    assert not any(s.rid == rid for s in core.running)
+
+
+async def test_reasoning_block_is_split_by_the_reasoning_parser(vllm_stack: VLLMStack) -> None:
+    body = {
+        "model": vllm_stack.reasoning_model,
+        "messages": [{"role": "user", "content": "ponder this"}],
+        "max_tokens": 100,
+    }
+    async with vllm_stack.procs.http("/v1", timeout=30) as h:
+        whole = (await h.post("/chat/completions", json=body)).json()
+        message = whole["choices"][0]["message"]
+        # The bridge names it reasoning_content (DeepSeek's name); vLLM 0.33 says reasoning.
+        assert (message["reasoning_content"], message["content"]) == (
+            "Let me think about it.",
+            "Hello world",
+        )
+        assert whole["choices"][0]["finish_reason"] == "stop"
+        reasoning, content = "", ""
+        async with h.stream("POST", "/chat/completions", json={**body, "stream": True}) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    for c in json.loads(line[6:])["choices"]:
+                        reasoning += c["delta"].get("reasoning_content") or ""
+                        content += c["delta"].get("content") or ""
+    assert (reasoning, content) == ("Let me think about it.", "Hello world")
+
+
+async def test_completion_whole_and_streamed_with_logprobs(
+    vllm_stack: VLLMStack, oai: openai.AsyncOpenAI
+) -> None:
+    kw: dict[str, Any] = {"model": vllm_stack.model, "prompt": "Hello world", "max_tokens": 6}
+    whole = await oai.completions.create(**kw, seed=5, logprobs=2)
+    choice = whole.choices[0]
+    assert choice.finish_reason == "length"
+    lp = choice.logprobs
+    assert lp is not None and lp.tokens is not None and lp.top_logprobs is not None
+    assert "".join(lp.tokens) == choice.text
+    assert len(lp.tokens) == 6 and all(len(t) == 3 for t in lp.top_logprobs)
+    assert whole.usage is not None
+    assert whole.usage.prompt_tokens == len(vllm_stack.core.added[-1].prompt_token_ids)
+    text = ""
+    async for chunk in await oai.completions.create(**kw, seed=5, stream=True):
+        text += "".join(c.text for c in chunk.choices)
+    assert text == choice.text
+
+
+async def test_chat_logprobs_name_each_token(
+    vllm_stack: VLLMStack, oai: openai.AsyncOpenAI
+) -> None:
+    out = await oai.chat.completions.create(
+        model=vllm_stack.model, messages=HELLO, max_tokens=4, logprobs=True, top_logprobs=2
+    )
+    choice = out.choices[0]
+    assert choice.logprobs is not None and choice.logprobs.content is not None
+    content = choice.logprobs.content
+    assert "".join(t.token for t in content) == choice.message.content
+    assert all(len(t.top_logprobs) == 2 and t.logprob == pytest.approx(-0.25) for t in content)
+
+
+async def _eventually(cond: Any, timeout: float = 5.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not cond():
+        if loop.time() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(0.01)
+
+
+def test_checkpoint_has_no_sampling_defaults(tmp_path: Path) -> None:
+    ckpt = sc.build_checkpoint(tmp_path)
+    gen = json.loads((ckpt / "generation_config.json").read_text())
+    assert set(gen) == {"eos_token_id"}
