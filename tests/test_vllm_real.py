@@ -5,6 +5,7 @@ template, output processor, hermes tool parser, OpenAI serving classes); the eng
 :mod:`engine_worker.backends.scripted_core` on a tiny checkpoint built here. The stack is real:
 a nats-server, ingress, router and the HTTP bridge as processes, driven by the openai SDK and
 httpx; the vllm worker runs in this process so the test can see what its engine core saw.
+The migration test runs two vllm workers as processes of their own and kills one mid-stream.
 
 Skipped unless vLLM is importable (``make test-vllm`` builds a venv that has it).
 """
@@ -15,6 +16,7 @@ import asyncio
 import importlib.util
 import json
 import os
+import signal
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -32,6 +34,7 @@ from tests.conftest import (
     start_stack,
     wait_replicas,
 )
+from tests.test_migration import _victim
 
 if importlib.util.find_spec("vllm") is None:
     pytest.skip("vLLM is not installed (make test-vllm)", allow_module_level=True)
@@ -338,6 +341,80 @@ async def test_chat_logprobs_name_each_token(
     content = choice.logprobs.content
     assert "".join(t.token for t in content) == choice.message.content
     assert all(len(t.top_logprobs) == 2 and t.logprob == pytest.approx(-0.25) for t in content)
+
+
+async def _read_stream(stream: Any, text: str = "", n: int | None = None) -> tuple[str, Any, Any]:
+    """``stream``'s text (after ``text``), finish reason and usage: all of it, or once the
+    text has grown by ``n`` content chunks (the stream then left open)."""
+    finish, usage, seen = None, None, 0
+    async for chunk in stream:
+        usage = chunk.usage or usage
+        for c in chunk.choices:
+            finish = c.finish_reason or finish
+            if c.delta.content:
+                text += c.delta.content
+                seen += 1
+        if n is not None and seen >= n:
+            break
+    return text, finish, usage
+
+
+async def test_a_vllm_worker_process_killed_mid_stream_is_migrated(
+    procs: Procs, tmp_path: Path
+) -> None:
+    """Two vllm worker processes (vLLM's front end on the scripted core, one checkpoint): the
+    one serving a stream is killed -9 after a few chunks; the stream goes on on the other,
+    which continues the reply from the text already sent, and ends as one uninterrupted run
+    does, token for token."""
+    ckpt = sc.build_checkpoint(tmp_path / "ckpt")
+    model = new_model()
+    engine_args = {"model": str(ckpt), "max_model_len": MAX_MODEL_LEN, "dtype": "bfloat16"}
+    worker_env = {
+        "TOKENBUS_WORKER__VLLM__ENGINE_ARGS": json.dumps(engine_args),
+        "TOKENBUS_WORKER__VLLM__SCRIPTED_CORE": json.dumps({"prefill_ms": 1, "decode_ms": 30}),
+        "TOKENBUS_WORKER__HEARTBEAT_INTERVAL_S": "0.25",
+    }
+    stack = await start_stack(
+        procs,
+        model,
+        "ingress",
+        "router",
+        workers=2,
+        worker_args=("--backend", "vllm"),
+        env_for=lambda role, _: worker_env if role == "worker" else {},
+        heartbeats=False,  # vLLM's start takes longer than start_stack waits
+    )
+    await wait_replicas(procs.url, model, 2, timeout=180)
+    await asyncio.sleep(0.6)  # the bridge and router hear both
+    kw: dict[str, Any] = {
+        "model": model,
+        "messages": HELLO,
+        "max_tokens": 60,
+        "seed": 13,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "extra_body": {"ignore_eos": True},
+    }
+    async with stack.openai() as api:
+        raw = await api.chat.completions.with_raw_response.create(**kw)
+        stream = raw.parse()
+        head, _, _ = await _read_stream(stream, n=5)
+        first = raw.headers.get("x-tokenbus-replica")
+        victim = _victim(stack.workers, first)
+        victim.signal(signal.SIGKILL)
+        text, finish, usage = await _read_stream(stream, head)
+        assert victim.proc.wait(10) == -signal.SIGKILL
+        # The same request again, uninterrupted, on the replica left.
+        again = await api.chat.completions.with_raw_response.create(**kw)
+        assert again.headers.get("x-tokenbus-replica") != first
+        whole, whole_finish, whole_usage = await _read_stream(again.parse())
+    assert "request_migrated" in stack.bridge.output()
+    assert whole_finish == "length"
+    assert whole_usage is not None and whole_usage.completion_tokens == 60
+    assert finish == "length"
+    assert usage is not None and usage.completion_tokens == 60
+    assert text.startswith(head) and len(text) > len(head)
+    assert text == whole
 
 
 async def _eventually(cond: Any, timeout: float = 5.0) -> None:
