@@ -343,6 +343,82 @@ async def test_chat_logprobs_name_each_token(
     assert all(len(t.top_logprobs) == 2 and t.logprob == pytest.approx(-0.25) for t in content)
 
 
+def _lora_adapter(path: Path) -> Path:
+    """A PEFT LoRA adapter's config for the tiny checkpoint (rank 8 on q_proj and v_proj).
+    vLLM's front end reads nothing from the directory: it hands a ``LoRARequest`` naming it
+    to the engine core, which loads the weights; the scripted core loads none."""
+    path.mkdir(parents=True)
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": "tiny-qwen2",
+        "r": 8,
+        "lora_alpha": 16,
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "target_modules": ["q_proj", "v_proj"],
+    }
+    (path / "adapter_config.json").write_text(json.dumps(config))
+    return path
+
+
+async def test_a_lora_adapter_is_listed_and_routed(
+    nats_server: NatsServer, vllm_stack: VLLMStack, tmp_path: Path
+) -> None:
+    """A vllm worker started with a LoRA module (vLLM's ``--lora-modules``) announces the
+    adapter's name; the bridge lists it and routes a request naming it to that worker, whose
+    engine core is handed the adapter with the request."""
+    from engine_worker.worker import Worker
+
+    ckpt = sc.build_checkpoint(tmp_path / "ckpt")
+    model = new_model()
+    lora = f"{model}-sql-lora"
+    adapter = _lora_adapter(tmp_path / "sql-lora")
+    engine_args = {
+        "model": str(ckpt),
+        "max_model_len": MAX_MODEL_LEN,
+        "dtype": "bfloat16",
+        "enable_lora": True,
+        "lora_modules": {lora: str(adapter)},
+    }
+    cfg = settings(
+        nats_server.url,
+        worker={
+            "model": model,
+            "replica": f"{model}-vllm",
+            "backend": "vllm",
+            "heartbeat_interval_s": 0.2,
+            "vllm": {"engine_args": engine_args, "scripted_core": {"prefill_ms": 1}},
+        },
+    )
+    async with Worker(cfg) as worker, vllm_stack.procs.http("/v1", timeout=30) as h:
+        core = worker.backend.engine.engine_core
+        assert isinstance(core, sc.ScriptedCoreClient)
+        assert [(x.lora_name, x.lora_path) for x in core.record.loras] == [(lora, str(adapter))]
+        listed: set[str] = set()
+        for _ in range(100):  # until the bridge has heard the worker's heartbeat
+            listed = {m["id"] for m in (await h.get("/models")).json()["data"]}
+            if lora in listed:
+                break
+            await asyncio.sleep(0.1)
+        assert {model, lora} <= listed
+        body = {"model": lora, "messages": HELLO, "max_tokens": 5, "seed": 4}
+        r = await h.post("/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        assert r.headers.get("x-tokenbus-replica") == f"{model}-vllm"
+        out = r.json()
+        assert out["model"] == lora
+        assert out["usage"]["completion_tokens"] == 5
+        req = core.added[-1]
+        assert req.lora_request is not None
+        assert (req.lora_request.lora_name, req.lora_request.lora_path) == (lora, str(adapter))
+        # The base model's name: no adapter.
+        r = await h.post("/chat/completions", json={**body, "model": model})
+        assert r.status_code == 200, r.text
+        assert core.added[-1].lora_request is None
+        assert len(core.added) == 2
+
+
 async def _read_stream(stream: Any, text: str = "", n: int | None = None) -> tuple[str, Any, Any]:
     """``stream``'s text (after ``text``), finish reason and usage: all of it, or once the
     text has grown by ``n`` content chunks (the stream then left open)."""

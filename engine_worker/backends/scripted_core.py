@@ -153,10 +153,13 @@ class _Seq:
 
 @dataclass
 class _Record:
-    """What the core saw, for tests: requests added and aborted (vLLM's internal ids)."""
+    """What the core saw, for tests: requests added and aborted (vLLM's internal ids), and
+    the LoRA adapters vLLM added (its ``LoRARequest`` objects; a request's adapter is its
+    ``lora_request``)."""
 
     added: list[Any] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)
+    loras: list[Any] = field(default_factory=list)
 
 
 class ScriptedCoreClient:
@@ -441,16 +444,23 @@ class ScriptedCoreClient:
         return False
 
     async def list_loras_async(self) -> set[int]:
-        """LoRA adapters are accepted and ignored (the output does not depend on them)."""
-        return set()
+        """The adapters added and not removed. Their weights are never loaded: the output
+        does not depend on the adapter."""
+        return {lora.lora_int_id for lora in self.record.loras}
 
     async def add_lora_async(self, lora_request: Any) -> bool:
-        """Accepted and ignored."""
+        """Recorded in ``record.loras`` (weights not loaded)."""
+        self.record.loras = [
+            lora for lora in self.record.loras if lora.lora_int_id != lora_request.lora_int_id
+        ]
+        self.record.loras.append(lora_request)
         return True
 
     async def remove_lora_async(self, lora_id: int) -> bool:
-        """Accepted and ignored."""
-        return True
+        """Forgotten."""
+        before = len(self.record.loras)
+        self.record.loras = [lora for lora in self.record.loras if lora.lora_int_id != lora_id]
+        return len(self.record.loras) < before
 
     async def pin_lora_async(self, lora_id: int) -> bool:
         """Accepted and ignored."""
