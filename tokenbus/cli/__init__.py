@@ -526,9 +526,14 @@ def main(argv: list[str] | None = None) -> None:
 
             rc = await audit_cli.run(a, s)
         elif a.cmd == "bench":
-            from tokenbus.evaluation import bench
+            if a.tenants:  # its scenarios build on bench's stack and requests
+                from tokenbus.evaluation.tenants import run_tenants
 
-            rc = await bench.main(a, s)
+                rc = await run_tenants(a)
+            else:
+                from tokenbus.evaluation import bench
+
+                rc = await bench.main(a, s)
         elif a.cmd == "router":
             from tokenbus.cli import routing as router_cli
 

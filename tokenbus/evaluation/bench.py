@@ -1123,10 +1123,6 @@ def report_head(tool: str) -> dict[str, Any]:
 
 
 async def main(a: argparse.Namespace, s: Settings) -> int:
-    if a.tenants:
-        from tokenbus.evaluation.tenants import run_tenants
-
-        return await run_tenants(a)
     if a.filter_cost:
         from tokenbus.evaluation.filter_cost import measure
 
