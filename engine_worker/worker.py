@@ -22,7 +22,7 @@ from nats.aio.msg import Msg
 from bus_schemas import codec, frames, marks, subjects
 from bus_schemas import errors as E
 from bus_schemas import headers as H
-from bus_schemas.messages import check_envelope, message_text
+from bus_schemas.messages import check_envelope, envelope_chars
 from engine_worker import backends
 from engine_worker.backends.base import Backend, Delta, DeltaStream, GenerationRequest
 from engine_worker.flow import FlowConfig, FlowControl, Ticket, class_of
@@ -253,16 +253,9 @@ def _weight(value: str | None) -> float:
 
 def _prompt_estimate(env: dict[str, Any]) -> int:
     """The prompt's tokens, estimated before the engine counts them (4 characters a
-    token): what the flow control charges and bounds queues by."""
-    if env.get("prompt") is not None:
-        chars = len(str(env["prompt"]))
-    else:
-        chars = sum(
-            len(message_text(m.get("content")))
-            for m in env.get("messages") or ()
-            if isinstance(m, dict)
-        )
-    return chars // 4 + 1
+    token, of the text the envelope carries, as the ratelimit stage estimates them): what
+    the flow control charges and bounds queues by."""
+    return envelope_chars(env) // 4 + 1
 
 
 def _queue_attrs(t: Ticket) -> dict[str, Any]:
