@@ -134,6 +134,9 @@ class VLLMBackend:
         opts = self.options()
         self.tp = int(opts.get("tensor_parallel_size", opts.get("tp", 1)) or 1)
         self._embedding_adapter: Any = None
+        # The chat serving object whose stream yields chunk objects, not their SSE
+        # (_stream_chat_objects).
+        self._raw_chat: Any = None
         # Our requests still in the engine: key -> True once the engine produced output.
         self._inflight: dict[object, bool] = {}
         # Latest scheduler snapshot per engine core: (running, waiting, kv_usage).
@@ -203,6 +206,8 @@ class VLLMBackend:
             self._shutdown_orphan((args, engine))
             raise
         self.engine, self.state, self.args, self.supported_tasks = engine, state, args, tasks
+        chat = getattr(state, "openai_serving_chat", None)
+        self._raw_chat = chat if _stream_chat_objects(chat) else None
         models = getattr(state, "openai_serving_models", None)
         names = [p.name for p in getattr(models, "base_model_paths", ())]
         names += [n for n in getattr(models, "lora_requests", {}) if n not in names]
@@ -500,7 +505,7 @@ class VLLMBackend:
                 raise E.EngineError(f"vLLM answered a stream with {type(result).__name__}")
             events = result
             decoder = vs.StreamDecoder(chat)
-            feed = decoder.feed
+            feed = decoder.feed_chunk if serving is self._raw_chat else decoder.feed
             inflight = self._inflight
             async for event in result:
                 inflight[key] = True
@@ -518,7 +523,7 @@ class VLLMBackend:
                     return
                 yield d
             if not finished:
-                d = decoder.final()  # raises: the stream ended before [DONE]
+                d = decoder.final()  # raises if it ended without finishing
                 finished = True
                 inflight.pop(key, None)
                 yield d
@@ -577,6 +582,24 @@ class VLLMBackend:
         vectors = [list(item["embedding"]) for item in items]
         usage = data.get("usage") or {}
         return Embeddings(vectors, int(usage.get("prompt_tokens") or 0))
+
+
+def _stream_chat_objects(serving: Any) -> bool:
+    """Have ``serving`` (vLLM's ``OpenAIServingChat``) stream chunk objects, not SSE text.
+
+    vLLM 0.33's ``create_chat_completion`` returns ``chat_completion_stream_generator``, a
+    wrapper that serialises each chunk of ``chat_completion_stream_generator_raw`` into a
+    ``data: ...`` event and ends with ``[DONE]``; an HTTP server needs that, this worker
+    does not (it would parse the JSON straight back). An instance attribute pointing the
+    wrapper's name at the raw generator skips both: same chunks, same error objects, no
+    JSON. True when done; False (events decoded as before) for a vLLM without the raw
+    generator.
+    """
+    raw = getattr(serving, "chat_completion_stream_generator_raw", None)
+    if raw is None or not callable(getattr(serving, "chat_completion_stream_generator", None)):
+        return False
+    serving.chat_completion_stream_generator = raw
+    return True
 
 
 async def _no_body() -> dict[str, Any]:

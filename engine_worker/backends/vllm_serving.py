@@ -30,6 +30,7 @@ from orjson import loads as _loads
 from bus_schemas import errors as E
 from engine_worker.backends.base import Delta, GenerationRequest
 from engine_worker.backends.openai_shape import (
+    USAGE_DETAILS,
     chat_messages,
     choice_delta,
     finish_reason,
@@ -291,7 +292,16 @@ class StreamDecoder:
         data = event[5:].strip()
         if data == "[DONE]":
             return self.final()
-        obj = _loads(data)
+        return self.take(_loads(data))
+
+    def feed_chunk(self, chunk: Any) -> Delta | None:
+        """The delta in one of the objects vLLM's raw chat generator yields (a
+        ``ChatCompletionStreamResponse`` or an ``ErrorResponse``), as :meth:`feed` reads the
+        same chunk serialised: no JSON in between. The stream's end is the generator's."""
+        return self.take(chunk_dict(chunk))
+
+    def take(self, obj: dict[str, Any]) -> Delta | None:
+        """The delta in one decoded chunk (a dict of the chunk's JSON shape), or None."""
         choices = obj.get("choices")
         if choices is None and "error" in obj:
             raise ErrorEvent(obj["error"] or {})
@@ -334,6 +344,54 @@ class StreamDecoder:
         d.completion_tokens = self.completion_tokens
         d.usage = self._details
         return d
+
+
+def _json(model: Any) -> Any:
+    """A part of a chunk as its JSON would have it (``exclude_unset``, as vLLM serialises)."""
+    dump = getattr(model, "model_dump", None)
+    return model if dump is None else dump(mode="json", exclude_unset=True)
+
+
+def chunk_dict(chunk: Any) -> dict[str, Any]:
+    """What :class:`StreamDecoder` reads of a vLLM chat chunk object, in the shape of its
+    JSON: the first choice's delta (content, reasoning, tool calls, refusal), logprobs,
+    finish and stop reasons, and usage; ``{"error": ...}`` for an ``ErrorResponse``. Plain
+    attribute reads for what every token carries; sub-models are dumped only when present.
+    A chunk that is already a dict of that shape is taken as it is."""
+    if isinstance(chunk, dict):
+        return chunk
+    choices = getattr(chunk, "choices", None)
+    if choices is None:
+        return {"error": _json(getattr(chunk, "error", None)) or {}}
+    out: dict[str, Any] = {"choices": choices}
+    if choices:
+        c = choices[0]
+        d = c.delta
+        delta: dict[str, Any] = {"content": d.content}
+        reasoning = getattr(d, "reasoning", None)
+        if reasoning:
+            delta["reasoning"] = reasoning
+        if d.tool_calls:
+            delta["tool_calls"] = [_json(tc) for tc in d.tool_calls]
+        refusal = getattr(d, "refusal", None)
+        if refusal:
+            delta["refusal"] = refusal
+        choice: dict[str, Any] = {"delta": delta, "finish_reason": c.finish_reason}
+        if c.logprobs is not None:
+            choice["logprobs"] = _json(c.logprobs)
+        stop = getattr(c, "stop_reason", None)
+        if stop is not None:
+            choice["stop_reason"] = stop
+        out["choices"] = [choice]
+    u = chunk.usage
+    if u is not None:
+        usage = {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens}
+        for k in USAGE_DETAILS:
+            v = getattr(u, k, None)
+            if v is not None:
+                usage[k] = _json(v)
+        out["usage"] = usage
+    return out
 
 
 # -- errors ---------------------------------------------------------------------------------

@@ -130,6 +130,20 @@ def add_parser(sub: Any) -> None:
     g.add_argument("--sim-prefill-ms", type=float, default=20.0)
     g.add_argument("--sim-decode-ms", type=float, default=10.0)
     g.add_argument("--sim-max-running", type=int, default=1024)
+    g.add_argument(
+        "--sim-decode-ms-per-seq",
+        type=float,
+        default=0.0,
+        help="decode step time added per running sequence (every engine of the run)",
+    )
+    g.add_argument(
+        "--engine",
+        choices=["sim", "vllm-scripted"],
+        default="sim",
+        help="--spawn: the engine behind every path. sim: tokenbus' simulator; vllm-scripted: "
+        "vLLM's own front end on the scripted engine core (direct is `vllm serve`, workers "
+        "are --backend vllm; needs vLLM: make test-vllm, then .venv/vllm/bin/tokenbus bench)",
+    )
     g.add_argument("--bridge-processes", type=int, default=1)
     g.add_argument("--nats-too", action="store_true", help="--spawn: also measure over NATS")
     g.add_argument(
@@ -941,10 +955,6 @@ async def spawn_stack(a: argparse.Namespace, sup: Any) -> tuple[list[Target], An
     login = role_login(users, "admin") if users is not None else {}
     key = await _bench_key(url, login) if "auth" in stages else None
     engine = f"http://127.0.0.1:{direct_port}"
-    if not a.no_direct:
-        await sup.add(
-            Child("direct", cli_argv("serve", "openai-http", "--port", str(direct_port), *sim), env)
-        )
     # The workers' engine: the direct server over HTTP (as a peer reaches it), or in-process.
     backend = (
         [
@@ -954,14 +964,30 @@ async def spawn_stack(a: argparse.Namespace, sup: Any) -> tuple[list[Target], An
         if a.upstream
         else sim
     )
+    direct = (cli_argv("serve", "openai-http", "--port", str(direct_port), *sim), env)
+    worker_env = dict(env)
+    if a.sim_decode_ms_per_seq:
+        worker_env["TOKENBUS_WORKER__SIM__DECODE_MS_PER_SEQ"] = str(a.sim_decode_ms_per_seq)
+    ready_s = 30.0
+    if a.engine == "vllm-scripted":
+        from tokenbus.evaluation import vllm_scripted
+
+        vs = vllm_scripted.prepare(a, Path(tmp), direct_port)
+        direct = (vs.direct_argv, vs.direct_env)
+        if not a.upstream:
+            backend = vs.worker_args
+        worker_env |= vs.worker_env
+        ready_s = 300.0  # vLLM's start: its imports, the renderer's warm-up
+    if not a.no_direct:
+        await sup.add(Child("direct", direct[0], {**worker_env, **direct[1]}))
     if a.upstream:
-        await _wait_http(f"{engine}/ready")
+        await _wait_http(f"{engine}/health" if a.engine != "sim" else f"{engine}/ready", ready_s)
     for i, (extra_args, extra_env) in enumerate(replica_specs(a.replica)):
         await sup.add(
             Child(
                 f"worker-{i}",
                 cli_argv("serve", "worker", "--replica", f"bench-{i}", *backend, *extra_args),
-                as_role({**env, **extra_env}, users, "worker"),
+                as_role({**worker_env, **extra_env}, users, "worker"),
             )
         )
     bridges = BridgeSettings(port=bridge_port, processes=a.bridge_processes)
@@ -977,11 +1003,12 @@ async def spawn_stack(a: argparse.Namespace, sup: Any) -> tuple[list[Target], An
         await sup.add(Child(name, launch.argv, {}))
         launches.append(launch)
     await _wait_http(f"http://127.0.0.1:{bridge_port}/ready")
-    await _wait_replicas(url, len(replica_specs(a.replica)), login=login)
+    await _wait_replicas(url, len(replica_specs(a.replica)), timeout=ready_s, login=login)
     if not a.no_direct:
-        await _wait_http(f"http://127.0.0.1:{direct_port}/ready")
+        ready = "/ready" if a.engine == "sim" else "/health"  # vllm serve's
+        await _wait_http(f"http://127.0.0.1:{direct_port}{ready}", ready_s)
     for launch in launches:
-        await _wait_http(launch.ready_url, timeout=120)
+        await _wait_http(launch.ready_url, timeout=max(120.0, ready_s))
     pids = {c.name: c.proc.pid for c in sup.children if c.proc is not None}
     others = {"direct", *(p.name for p in launches)}
     others |= {c for p in launches for c, _ in p.companions}
@@ -1005,6 +1032,9 @@ async def spawn_stack(a: argparse.Namespace, sup: Any) -> tuple[list[Target], An
         )
     for launch in launches:
         peer_pids = {n: pids[n] for n in (launch.name, *(c for c, _ in launch.companions))}
+        if a.engine != "sim" and not a.no_direct:
+            # vLLM's front end is in the engine server: Python every path pays, counted in each.
+            peer_pids["direct"] = pids["direct"]
         targets.append(Target(launch.name, "http", launch.base_url, peer_pids, launch.api_key))
     if not a.no_direct:
         targets.append(
