@@ -13,10 +13,12 @@ Skipped unless vLLM is importable (``make test-vllm`` builds a venv that has it)
 from __future__ import annotations
 
 import asyncio
+import base64
 import importlib.util
 import json
 import os
 import signal
+import struct
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -64,12 +66,14 @@ HELLO = [{"role": "user", "content": "Hello world"}]
 class VLLMStack:
     """The stack's processes, the in-process vllm worker and its scripted engine core."""
 
-    def __init__(self, procs: ProcStack, worker: Any, reasoner: Any) -> None:
+    def __init__(self, procs: ProcStack, worker: Any, reasoner: Any, embedder: Any) -> None:
         self.procs = procs
         self.worker = worker
         self.model = procs.model
         self.reasoner = reasoner
         self.reasoning_model = reasoner.model
+        self.embedder = embedder
+        self.embedding_model = embedder.model
 
     @property
     def core(self) -> sc.ScriptedCoreClient:
@@ -112,15 +116,20 @@ async def vllm_stack(
             },
         )
 
+    embed_model = new_model()
+    pooling = {"runner": "pooling", "enable_auto_tool_choice": False, "tool_call_parser": None}
     with Procs(nats_server.url, tmp_path_factory.mktemp("procs")) as ps:
         async with (
             Worker(worker_settings(model)) as worker,
             # A reasoning parser reads every answer as reasoning until </think>: its own model.
             Worker(worker_settings(reasoning_model, reasoning_parser="qwen3")) as reasoner,
+            # The same checkpoint as a pooling model: vLLM's embedding handler.
+            Worker(worker_settings(embed_model, **pooling)) as embedder,
         ):
             stack = await start_stack(ps, model, "ingress", "router", workers=0)
             await wait_replicas(nats_server.url, reasoning_model, 1)
-            yield VLLMStack(stack, worker, reasoner)
+            await wait_replicas(nats_server.url, embed_model, 1)
+            yield VLLMStack(stack, worker, reasoner, embedder)
 
 
 @pytest.fixture
@@ -341,6 +350,32 @@ async def test_chat_logprobs_name_each_token(
     content = choice.logprobs.content
     assert "".join(t.token for t in content) == choice.message.content
     assert all(len(t.top_logprobs) == 2 and t.logprob == pytest.approx(-0.25) for t in content)
+
+
+async def test_embeddings_come_from_vllms_pooling_handler(
+    vllm_stack: VLLMStack, oai: openai.AsyncOpenAI
+) -> None:
+    """A pooling model's worker serves embeddings only: vLLM's embedding handler sends the
+    scripted core pooling requests, whose vectors (unit length, one per distinct prompt)
+    come back in order, as floats and as base64, with vLLM's prompt token count."""
+    model = vllm_stack.embedding_model
+    texts = ["Hello world", "the quick brown fox", "Hello world"]
+    out = await oai.embeddings.create(model=model, input=texts)
+    vectors = [d.embedding for d in out.data]
+    assert [d.index for d in out.data] == [0, 1, 2]
+    assert len(vectors[0]) == 64  # the checkpoint's hidden size
+    assert vectors[0] == vectors[2] != vectors[1]
+    assert abs(sum(v * v for v in vectors[1]) - 1.0) < 1e-5
+    assert out.usage.prompt_tokens > 0
+    core = vllm_stack.embedder.backend.engine.engine_core
+    assert all(r.pooling_params is not None for r in core.added)
+    assert len(core.added) == 3
+    b64 = await oai.embeddings.create(model=model, input="Hello world", encoding_format="base64")
+    raw = base64.b64decode(str(b64.data[0].embedding))
+    assert list(struct.unpack(f"<{len(raw) // 4}f", raw)) == pytest.approx(vectors[0], abs=1e-6)
+    with pytest.raises(openai.APIStatusError) as err:
+        await oai.chat.completions.create(model=model, messages=HELLO, max_tokens=2)
+    assert err.value.status_code in (400, 404)
 
 
 def _lora_adapter(path: Path) -> Path:

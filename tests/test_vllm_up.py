@@ -4,7 +4,8 @@
 ingress, auth, rate limiter, content filter, router, telemetry, the HTTP bridge) with one
 ``--backend vllm`` worker on the scripted engine core (docs/vllm.md), which the worker's
 settings turn on through the environment, as a user without a GPU would. Driven by the
-openai SDK with the dev key `tokenbus up` writes.
+openai SDK with the dev key `tokenbus up` writes. On a GPU, ``pytest -m gpu`` runs the same
+stack on a real model instead (``TOKENBUS_TEST_VLLM_MODEL``; docs/vllm.md).
 
 Skipped unless vLLM is importable (``make test-vllm`` builds a venv that has it).
 """
@@ -44,9 +45,10 @@ CORE = sc.ScriptedCoreSettings(
 
 
 class UpStack:
-    def __init__(self, folder: Path, port: int) -> None:
+    def __init__(self, folder: Path, port: int, real: bool) -> None:
         self.folder = folder
         self.port = port
+        self.real = real  # a real model on a GPU, not the scripted core
         self.key = (folder / ".tokenbus" / "dev-key").read_text().strip()
 
     @property
@@ -64,39 +66,63 @@ def _ready(port: int) -> bool:
         return False
 
 
-@pytest.fixture(scope="module")
-def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpStack]:
+def _gpu_model() -> str:
+    """The real model for the ``gpu`` run: ``$TOKENBUS_TEST_VLLM_MODEL`` on a CUDA GPU."""
+    model = os.environ.get("TOKENBUS_TEST_VLLM_MODEL", "")
+    if not model:
+        pytest.skip("set TOKENBUS_TEST_VLLM_MODEL to a small model's path or name")
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    return model
+
+
+@pytest.fixture(scope="module", params=["scripted", pytest.param("gpu", marks=pytest.mark.gpu)])
+def up(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[UpStack]:
+    """The stack on the scripted core, or (``pytest -m gpu``) on a real model."""
+    real = request.param == "gpu"
     folder = tmp_path_factory.mktemp("up")
     (folder / ".venv").symlink_to(Path(sys.executable).parent.parent)
-    ckpt = sc.build_checkpoint(folder / "ckpt")
     port, nats_port = free_port(), free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("TOKENBUS_")}
-    env["VLLM_TARGET_DEVICE"] = "cpu"
-    env["TOKENBUS_WORKER__VLLM__SCRIPTED_CORE"] = CORE.model_dump_json()
+    options = [f"max_model_len={MAX_MODEL_LEN}", "enable_auto_tool_choice=true"]
+    options.append("tool_call_parser=hermes")
+    if real:
+        options += [f"model={_gpu_model()}", "gpu_memory_utilization=0.3", "enforce_eager=true"]
+    else:
+        options += [f"model={sc.build_checkpoint(folder / 'ckpt')}", "dtype=bfloat16"]
+        env["VLLM_TARGET_DEVICE"] = "cpu"
+        env["TOKENBUS_WORKER__VLLM__SCRIPTED_CORE"] = CORE.model_dump_json()
     args = ["up", "--port", str(port), "--nats-port", str(nats_port), "--workers", "1"]
     args += ["--backend", "vllm", "--model", MODEL]
-    for opt in (
-        f"model={ckpt}",
-        f"max_model_len={MAX_MODEL_LEN}",
-        "dtype=bfloat16",
-        "enable_auto_tool_choice=true",
-        "tool_call_parser=hermes",
-    ):
+    for opt in options:
         args += ["--engine-arg", opt]
     log = open(folder / "up.log", "wb")  # noqa: SIM115 - closed below
     proc = subprocess.Popen(
         [".venv/bin/tokenbus", *args], cwd=folder, env=env, stdout=log, stderr=log
     )
     try:
-        deadline = time.monotonic() + 240  # vLLM's imports and start on 2 cores
+        deadline = time.monotonic() + (900 if real else 240)  # vLLM's imports and start
         while not (folder / ".tokenbus" / "dev-key").exists() or not _ready(port):
             assert proc.poll() is None, (folder / "up.log").read_text()[-3000:]
             assert time.monotonic() < deadline, (folder / "up.log").read_text()[-3000:]
             time.sleep(0.3)
-        yield UpStack(folder, port)
+        yield UpStack(folder, port, real)
     finally:
         stop_process(proc, 60)
         log.close()
+
+
+# Greedy, and to max_tokens: a real model's whole and streamed replies match too.
+SAME: dict[str, Any] = {
+    "messages": HELLO,
+    "seed": 3,
+    "temperature": 0,
+    "extra_body": {"ignore_eos": True},
+}
 
 
 @pytest.fixture
@@ -106,15 +132,14 @@ async def api(up: UpStack) -> Any:
 
 
 async def test_chat_whole_and_streamed_through_every_stage(api: openai.AsyncOpenAI) -> None:
-    whole = await api.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=12, seed=3)
+    whole = await api.chat.completions.create(model=MODEL, max_tokens=12, **SAME)
     assert whole.choices[0].finish_reason == "length"
     assert whole.usage is not None and whole.usage.completion_tokens == 12
     assert whole.usage.prompt_tokens > 0
     stream = await api.chat.completions.create(
         model=MODEL,
-        messages=HELLO,
         max_tokens=12,
-        seed=3,
+        **SAME,
         stream=True,
         stream_options={"include_usage": True},
     )
@@ -124,9 +149,15 @@ async def test_chat_whole_and_streamed_through_every_stage(api: openai.AsyncOpen
     assert usage is not None and usage.completion_tokens == 12
 
 
-async def test_completion_and_a_tool_call_parsed_by_hermes(api: openai.AsyncOpenAI) -> None:
-    done = await api.completions.create(model=MODEL, prompt="Hello", max_tokens=5, seed=1)
+async def test_completion_and_a_tool_call_parsed_by_hermes(
+    up: UpStack, api: openai.AsyncOpenAI
+) -> None:
+    done = await api.completions.create(
+        model=MODEL, prompt="Hello", max_tokens=5, seed=1, extra_body={"ignore_eos": True}
+    )
     assert done.usage is not None and done.usage.completion_tokens == 5
+    if up.real:
+        return  # the tool call below is the scripted core's
     call = await api.chat.completions.create(
         model=MODEL,
         messages=[{"role": "user", "content": "What is the weather in Paris?"}],
@@ -152,5 +183,5 @@ async def test_vllms_400_and_the_gateways_401(up: UpStack, api: openai.AsyncOpen
         with pytest.raises(openai.AuthenticationError):
             await bad.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=2)
     # The stack is still serving after both.
-    ok = await api.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=2)
+    ok = await api.chat.completions.create(model=MODEL, max_tokens=2, **SAME)
     assert ok.usage is not None and ok.usage.completion_tokens == 2

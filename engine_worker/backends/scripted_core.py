@@ -146,6 +146,8 @@ class _Seq:
     tail: str
     script: list[int] | None
     natural: int | None
+    # A pooling (embedding) request: answered once, after its prefill, with a vector.
+    pool: list[int] | None = None
     emitted: int = 0
     ready_at: float = 0.0
     done: bool = False
@@ -328,7 +330,15 @@ class ScriptedCoreClient:
 
     def _emit(self, s: _Seq) -> Any:
         """The next token of ``s`` as an ``EngineCoreOutput``; finishes it as vLLM's
-        scheduler would (its ``check_stop``)."""
+        scheduler would (its ``check_stop``). A pooling request's one output is its vector."""
+        if s.pool is not None:
+            s.done = True
+            return self._Output(
+                request_id=s.rid,
+                new_token_ids=[],
+                pooling_output=self._embedding(s.pool),
+                finish_reason=self._Finish.STOP,
+            )
         tid = self._next_token(s)
         self._advance(s, tid)
         finish = stop = None
@@ -350,6 +360,17 @@ class ScriptedCoreClient:
             stop_reason=stop,
         )
 
+    def _embedding(self, ids: list[int]) -> Any:
+        """A unit vector of ``hidden_size`` floats, a pure function of the prompt's ids (the
+        pooled, normalised hidden state a model would give; equal prompts, equal vectors)."""
+        import torch
+
+        dim = int(self.vllm_config.model_config.get_hidden_size())
+        seed = zlib.crc32(json.dumps(ids).encode())
+        values = [math.sin(seed % 9973 + (i + 1) * (seed % 97 + 1) * 0.37) for i in range(dim)]
+        norm = math.sqrt(sum(v * v for v in values)) or 1.0
+        return torch.tensor([v / norm for v in values], dtype=torch.float32)
+
     def _logprobs(self, tid: int, k: int | None) -> Any:
         if k is None:
             return None
@@ -364,7 +385,7 @@ class ScriptedCoreClient:
 
     # -- what AsyncLLM calls -----------------------------------------------------------------
     async def add_request_async(self, request: Any) -> None:
-        """Queue vLLM's ``EngineCoreRequest`` (generation only: pooling is not scripted)."""
+        """Queue vLLM's ``EngineCoreRequest`` (generation, or pooling for embeddings)."""
         self._ensure_loop()
         self.record.added.append(request)
         self.waiting.append(self._seq(request))
@@ -374,9 +395,24 @@ class ScriptedCoreClient:
 
     def _seq(self, request: Any) -> _Seq:
         sp = request.sampling_params
-        if sp is None:
-            raise ValueError("the scripted engine core does not pool (embeddings)")
         ids = list(request.prompt_token_ids or ())
+        if sp is None:
+            if getattr(request, "pooling_params", None) is None:
+                raise ValueError("a request with neither sampling nor pooling parameters")
+            return _Seq(
+                rid=request.request_id,
+                prompt_len=len(ids),
+                max_tokens=1,
+                eos=None,
+                stops=frozenset(),
+                min_tokens=0,
+                logprobs=None,
+                seed="",
+                tail="",
+                script=None,
+                natural=None,
+                pool=ids,
+            )
         text = self.tokenizer.decode(ids, skip_special_tokens=False)
         script = next((toks for marker, toks in self._scripts if marker in text), None)
         seed, tail = f"{sp.seed}|", text[-TAIL_CHARS:]
@@ -426,7 +462,9 @@ class ScriptedCoreClient:
         return item
 
     async def get_supported_tasks_async(self) -> tuple[str, ...]:
-        """Generation only."""
+        """``embed`` for a pooling model (``runner=pooling``), else ``generate``."""
+        if getattr(self.vllm_config.model_config, "runner_type", "generate") == "pooling":
+            return ("embed",)
         return ("generate",)
 
     async def reset_mm_cache_async(self) -> None:
