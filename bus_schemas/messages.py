@@ -77,6 +77,28 @@ def message_text(content: Any) -> str:
     return ""
 
 
+def render_prompt(messages: Any, prompt: Any = None) -> str:
+    """A plain-text rendering of a request's prompt, the one the simulator tokenises (and
+    so the one its prefix cache and a router's KV index hash): each message as
+    ``<|role|>text\n`` (text parts joined; images and audio left out; an assistant's tool
+    calls as ``name(arguments)``), or the completion prompt as it is."""
+    if messages is not None:
+        out: list[str] = []
+        for m in messages if isinstance(messages, list) else ():
+            if not isinstance(m, dict):
+                continue
+            text = message_text(m.get("content"))
+            calls = m.get("tool_calls")
+            for call in calls if isinstance(calls, list) else ():
+                fn = (call.get("function") if isinstance(call, dict) else None) or {}
+                if isinstance(fn, dict):
+                    text += f"{fn.get('name')}({fn.get('arguments')})"
+            role = m.get("role")  # a NATS client's value: not always a string
+            out.append(f"<|{role if isinstance(role, str) else ''}|>{text}\n")
+        return "".join(out)
+    return prompt if isinstance(prompt, str) else ""
+
+
 def tool_call_text(call: Any) -> str:
     """What a tool call in the history says: a function call's ``arguments``, a custom
     tool call's ``input`` (both rendered into the prompt by chat templates)."""

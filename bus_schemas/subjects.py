@@ -110,6 +110,23 @@ def heartbeat_wildcard() -> str:
     return f"{PREFIX}.heartbeat.*.*"
 
 
+def kv_events(model: str, replica: str) -> str:
+    """Where a replica publishes its prefix cache's events, in batches
+    (:mod:`bus_schemas.kv_events`)."""
+    return f"{PREFIX}.kv.{token(model)}.{token(replica)}"
+
+
+def kv_events_wildcard(model: str | None = None) -> str:
+    """Every replica's KV events (routers, bridges), or those of ``model``'s replicas."""
+    return f"{PREFIX}.kv.{token(model) if model else '*'}.*"
+
+
+def kv_snapshot(model: str, replica: str) -> str:
+    """Where a replica answers requests for a snapshot of its prefix cache. Beside its
+    generate subject: only who may dispatch to a replica (router, bridge) may ask it."""
+    return f"{PREFIX}.engine.{token(model)}.{token(replica)}.kv_snapshot"
+
+
 # What routers and bridges hold per model and class (``telemetry(TELEMETRY_QUEUE)``).
 TELEMETRY_QUEUE = "queue"
 # A spend budget's soft threshold crossed (``telemetry(TELEMETRY_BUDGET)``: auth.budgets).

@@ -2,8 +2,10 @@
 
 It listens on its replica-specific generate subject (no queue group: the router chooses),
 acknowledges the router's dispatch, streams frames straight to the caller's inbox, aborts
-on cancel, and announces its load in heartbeats. On SIGTERM it stops taking work, tells the
-routers it is draining, and finishes what it has.
+on cancel, and announces its load in heartbeats. When its engine keeps a prefix cache that
+reports itself (the sim with ``kv_cache_blocks``), it publishes the cache's KV events in
+batches and answers snapshot requests (:mod:`bus_schemas.kv_events`). On SIGTERM it stops
+taking work, tells the routers it is draining, and finishes what it has.
 """
 
 from __future__ import annotations
@@ -22,9 +24,17 @@ from nats.aio.msg import Msg
 from bus_schemas import codec, frames, marks, subjects
 from bus_schemas import errors as E
 from bus_schemas import headers as H
+from bus_schemas import kv_events as KV
 from bus_schemas.messages import check_envelope, envelope_chars
 from engine_worker import backends
-from engine_worker.backends.base import Backend, Delta, DeltaStream, GenerationRequest
+from engine_worker.backends.base import (
+    Backend,
+    Delta,
+    DeltaStream,
+    GenerationRequest,
+    KVEventSource,
+    kv_event_source,
+)
 from engine_worker.flow import FlowConfig, FlowControl, Ticket, class_of
 from engine_worker.outbox import Outbox
 from filter.policy import FilterPolicy
@@ -299,6 +309,11 @@ class Worker(Service):
         self.log = self.log.bind(replica=self.replica, model=self.model)
         self.discovery.metadata.update(replica=self.replica, model=self.model)
         self.flow = flow_control(cfg)
+        # The engine's prefix cache, when it reports one (set up in setup()).
+        self._kv: KVEventSource | None = None
+        self._kv_task: asyncio.Task[None] | None = None
+        self._kv_wake = asyncio.Event()
+        self._kv_closing = False
 
     async def setup(self) -> None:
         self.outbox = Outbox(self.nc)
@@ -314,6 +329,88 @@ class Worker(Service):
         )
         await self.heartbeat()
         self._hb_task = asyncio.get_running_loop().create_task(self._heartbeat_loop())
+        await self._start_kv_events()
+
+    # -- KV-cache events ----------------------------------------------------------------------
+    async def _start_kv_events(self) -> None:
+        """Publish the engine's KV events and answer snapshot requests, if it has any."""
+        kv = self._kv = kv_event_source(self.backend)
+        if kv is None:
+            return
+        kv.on_events(self._kv_wake.set)
+        self._kv_sub = await self.nc.subscribe(
+            subjects.kv_snapshot(self.model, self.replica), cb=self._on_kv_snapshot
+        )
+        self._kv_task = asyncio.get_running_loop().create_task(self._kv_loop())
+
+    async def _kv_loop(self) -> None:
+        """Publish pending KV events, gathered over ``kv_events_interval_s`` (or one
+        event-loop turn) into as few messages as hold them, until the worker stops."""
+        interval = float(self.cfg.kv_events_interval_s)
+        while True:
+            await self._kv_wake.wait()
+            if not self._kv_closing:
+                await asyncio.sleep(interval)  # 0: the events of this loop turn
+            self._kv_wake.clear()
+            await self._publish_kv()
+            if self._kv_closing:
+                return
+
+    async def _publish_kv(self) -> None:
+        kv = self._kv
+        if kv is None:
+            return
+        first, events = kv.drain_events()
+        if not events:
+            return
+        subject = subjects.kv_events(self.model, self.replica)
+        for batch in KV.batches(
+            replica=self.replica,
+            model=self.model,
+            boot=self.boot,
+            block_size=kv.block_size,
+            seq_first=first,
+            events=events,
+            ts_ms=marks.now_ms(),
+        ):
+            # A batch lost here is a gap in the numbers: its readers ask for a snapshot.
+            with contextlib.suppress(Exception):
+                await self.nc.publish(subject, codec.encode(batch))
+
+    async def _on_kv_snapshot(self, msg: Msg) -> None:
+        """Answer a snapshot request (whatever its body) with the cache as it is now, in as
+        many pages as it takes, all built at this instant."""
+        kv = self._kv
+        if kv is None or not msg.reply:
+            return
+        seq, blocks = kv.snapshot()
+        pages = KV.snapshot_pages(
+            replica=self.replica,
+            model=self.model,
+            boot=self.boot,
+            block_size=kv.block_size,
+            capacity_blocks=kv.capacity,
+            seq=seq,
+            blocks=blocks,
+            stats=kv.stats(),
+            medium=kv.medium,
+        )
+        for page in pages:
+            with contextlib.suppress(Exception):
+                await self.nc.publish(msg.reply, codec.encode(page))
+
+    async def _stop_kv_events(self) -> None:
+        """After the engine stopped: publish its last events (its cache cleared), then stop."""
+        if self._kv is None:
+            return
+        with contextlib.suppress(Exception):
+            await self._kv_sub.unsubscribe()
+        self._kv_closing = True
+        self._kv_wake.set()
+        if self._kv_task is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._kv_task, 2.0)
+        self._kv.on_events(None)
 
     # -- heartbeats -------------------------------------------------------------------------
     def heartbeat_body(self) -> dict[str, Any]:
@@ -393,6 +490,7 @@ class Worker(Service):
         with contextlib.suppress(Exception):
             await self._cancel_sub.unsubscribe()
         await self.backend.stop()
+        await self._stop_kv_events()
 
     # -- requests ---------------------------------------------------------------------------
     async def _on_cancel(self, msg: Msg) -> None:

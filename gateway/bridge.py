@@ -29,6 +29,8 @@ from gateway.response_store import open_store
 from gateway.responses import ResponsesAPI, key_owner
 from gateway.stages import LocalStages, stages_before_route
 from router.dispatch import Dispatcher
+from router.kv_follow import KVFollower
+from router.kv_index import KVIndex
 from router.registry import Registry
 from router.routing import RoutingTable
 from router.service import HeartbeatTracker, watch_routing
@@ -232,10 +234,12 @@ class Bridge(Service):
             )
         dispatcher = None
         self.routing: RoutingTable | None = None
+        self.kv: KVFollower | None = None
         # Routing in-process saves a hop (and a process's CPU) per request. It needs the
         # stages before routing in-process too, so no request reaches a worker unadmitted.
         if cfg.fuse_router and (not before or self.stages is not None):
-            self.routing = await watch_routing(self.nc, self.settings.router, self.log)
+            self.kv = KVFollower(KVIndex(), self.registry, self.log)
+            self.routing = await watch_routing(self.nc, self.settings.router, self.log, self.kv)
             dispatcher = Dispatcher(
                 self.nc, self.registry, self.settings.router, self.routing, self.aliases
             )
@@ -375,5 +379,7 @@ class Bridge(Service):
             await self.stages.close()
         if self.routing is not None:
             await self.routing.close()
+        if self.kv is not None:
+            await self.kv.stop()
         await self.aliases.close()
         await self.client.close()

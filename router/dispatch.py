@@ -23,7 +23,7 @@ from nats.errors import TimeoutError as NatsTimeout
 from bus_schemas import codec, marks, subjects
 from bus_schemas import errors as E
 from bus_schemas import headers as H
-from bus_schemas.messages import check_envelope
+from bus_schemas.messages import check_envelope, render_prompt
 from router.policies import RouteRequest, prompt_text
 from router.registry import Registry, Replica
 from router.routing import ModelRoute, RoutingTable
@@ -180,6 +180,8 @@ class Dispatcher:
                 env = codec.decode_map(data)
                 check_envelope(env)
             req.prompt = prompt_text(env)
+            if route.needs_rendered:
+                req.rendered = render_prompt(env.get("messages"), env.get("prompt"))
         return req
 
     async def _place(self, p: _Placement) -> str | None:

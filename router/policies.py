@@ -7,9 +7,10 @@ API at run time):
   high-TP pool when the model's traffic is light, the many-replica pool when heavy;
   ``expert``: Expert Router's prompt classifier, see :mod:`router.expert`);
 * a *load policy* picks one replica among them: ``least_outstanding``, ``round_robin``,
-  ``power_of_two``, ``session_affinity`` (consistent hashing with bounded load) or
+  ``power_of_two``, ``random``, ``session_affinity`` (consistent hashing with bounded load),
   ``prefix_aware`` (the replica that served the same prompt prefix recently, within a load
-  bound: cache-aware routing).
+  bound: approximate cache-aware routing) or ``kv_aware`` (the replicas' own KV events say
+  which holds how much of the prompt: exact cache-aware routing, :class:`KVAware`).
 
 Load is what this router knows: each replica's in-flight count from its heartbeats plus the
 requests this router sent since (``Replica.load``), relative to the replica's capacity.
@@ -39,6 +40,8 @@ class RouteRequest:
     model: str
     session: str | None = None
     prompt: str = ""
+    # The prompt as the engines render it (render_prompt): what kv_aware hashes.
+    rendered: str = ""
 
 
 def prompt_text(env: dict[str, Any]) -> str:
@@ -229,20 +232,118 @@ class PrefixAware:
         return chosen
 
 
+class Random:
+    """Any replica, uniformly (a baseline for benchmarks)."""
+
+    def choose(self, candidates: Sequence[Replica], req: RouteRequest) -> Replica:
+        return random.choice(list(candidates))
+
+
+class KVAware:
+    """Exact KV-cache-aware routing: each replica's cached prefix of the prompt comes from
+    its own KV events (:class:`router.kv_index.KVIndex`), and one cost per replica weighs
+    the prefill it would do against its load, lowest wins (Dynamo's KV router and llm-d's
+    scorers weigh the same three)::
+
+        cost = prefix_weight * (1 - cached blocks / prompt blocks)
+             + load_weight * in-flight / capacity
+             + queue_weight * engine waiting / capacity
+
+    No hard load bound (``bound`` serves the fallbacks only): the load terms decide when a
+    cached prefix is worth a busier replica, as in Dynamo's cost, and the dispatcher never
+    offers a replica at its capacity. The prompt is rendered and cut into blocks as the
+    replicas' engines do (:func:`kv_events.text_block_hashes` of :func:`render_prompt`: the
+    sim's tokens). When
+    no candidate's cache is known (an ``openai`` backend, events not yet synchronised) a
+    session goes by consistent hashing and anything else by prompt-prefix affinity: the
+    approximate routing of ``session_affinity`` / ``prefix_aware``. ``last`` holds the
+    cached block count per replica of the latest decision (for tests and metrics)."""
+
+    def __init__(
+        self,
+        index: Any,
+        *,
+        bound: float = 1.25,
+        block_chars: int = 256,
+        prefix_weight: float = 1.0,
+        load_weight: float = 1.0,
+        queue_weight: float = 1.0,
+    ) -> None:
+        self.index = index
+        self.bound = bound
+        self.prefix_weight = prefix_weight
+        self.load_weight = load_weight
+        self.queue_weight = queue_weight
+        self.sessions = SessionAffinity(bound)
+        self.prefixes = PrefixAware(bound, block_chars)
+        self.last: dict[str, int] = {}
+        self.last_blocks = 0
+        self.decisions = 0
+        self.hit_decisions = 0
+
+    def choose(self, candidates: Sequence[Replica], req: RouteRequest) -> Replica:
+        from bus_schemas.kv_events import text_block_hashes
+
+        index = self.index
+        synced = [r for r in candidates if index.synced(r.replica)]
+        if not synced:
+            if req.session:
+                return self.sessions.choose(candidates, req)
+            return self.prefixes.choose(candidates, req)
+        size = index.block_size(synced[0].replica)
+        hashes = text_block_hashes(req.rendered, size) if size else []
+        depth = index.lookup(hashes, [r.replica for r in synced]) if hashes else {}
+        self.last, self.last_blocks = depth, len(hashes)
+        self.decisions += 1
+        n = max(1, len(hashes))
+        best: list[Replica] = []
+        best_cost = math.inf
+        for r in candidates:
+            cap = max(1, r.max_concurrency)
+            cost = (
+                self.prefix_weight * (1.0 - depth.get(r.replica, 0) / n)
+                + self.load_weight * r.load / cap
+                + self.queue_weight * r.waiting / cap
+            )
+            if cost < best_cost - 1e-12:
+                best, best_cost = [r], cost
+            elif cost <= best_cost + 1e-12:
+                best.append(r)
+        chosen = best[0] if len(best) == 1 else random.choice(best)
+        if depth.get(chosen.replica):
+            self.hit_decisions += 1
+        return chosen
+
+
 LOAD_POLICIES: dict[str, type[Any]] = {
     "least_outstanding": LeastOutstanding,
     "round_robin": RoundRobin,
     "power_of_two": PowerOfTwo,
     "session_affinity": SessionAffinity,
     "prefix_aware": PrefixAware,
+    "kv_aware": KVAware,
+    "random": Random,
 }
 
 
-def make_load_policy(name: str, *, bound: float, block_chars: int) -> LoadPolicy:
+def make_load_policy(
+    name: str,
+    *,
+    bound: float,
+    block_chars: int,
+    kv_index: Any = None,
+    kv_weights: dict[str, float] | None = None,
+) -> LoadPolicy:
     if name == "session_affinity":
         return SessionAffinity(bound)
     if name == "prefix_aware":
         return PrefixAware(bound, block_chars)
+    if name == "kv_aware":
+        if kv_index is None:
+            from router.kv_index import KVIndex
+
+            kv_index = KVIndex()  # nothing feeds it: the approximate fallbacks route
+        return KVAware(kv_index, bound=bound, block_chars=block_chars, **(kv_weights or {}))
     try:
         policy: LoadPolicy = LOAD_POLICIES[name]()
     except KeyError:

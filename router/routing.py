@@ -59,11 +59,17 @@ class ExpertSelector:
 class ModelRoute:
     """One model's routing, built from its :class:`ModelRouting`."""
 
-    def __init__(self, spec: ModelRouting) -> None:
+    def __init__(self, spec: ModelRouting, kv_index: Any = None) -> None:
         self.spec = spec
         self.policy: LoadPolicy = make_load_policy(
-            spec.policy, bound=spec.load_bound, block_chars=spec.prefix_block_chars
+            spec.policy,
+            bound=spec.load_bound,
+            block_chars=spec.prefix_block_chars,
+            kv_index=kv_index,
+            kv_weights=spec.kv.model_dump(),
         )
+        # kv_aware hashes the prompt as the engines render it (and falls back to prefixes).
+        self.needs_rendered = spec.policy == "kv_aware"
         self.tiered: ConcurrencyTiered | None = None
         self.expert: ExpertSelector | None = None
         if spec.pool_policy == "concurrency_tiered":
@@ -73,7 +79,7 @@ class ModelRoute:
             if not spec.expert.model_dir:
                 raise ValueError("the expert pool policy needs expert.model_dir")
             self.expert = ExpertSelector(spec.expert.model_dir, spec.expert.targets)
-        self.needs_prompt = self.expert is not None or spec.policy == "prefix_aware"
+        self.needs_prompt = self.expert is not None or spec.policy in ("prefix_aware", "kv_aware")
 
     def target(self, req: RouteRequest) -> tuple[str, str | None]:
         """(model whose replicas serve it, pool tag to prefer or None)."""
@@ -104,9 +110,13 @@ class ModelRoute:
 class RoutingTable:
     """Routes per model: configuration defaults plus run-time overrides from KV."""
 
-    def __init__(self, cfg: RouterSettings, log: Any = None) -> None:
+    def __init__(self, cfg: RouterSettings, log: Any = None, kv_index: Any = None) -> None:
         self.cfg = cfg
         self.log = log
+        # The replicas' KV caches (router.kv_index), for the kv_aware policy; called when a
+        # model's route is first built kv_aware.
+        self.kv_index = kv_index
+        self.on_kv_aware: Any = None
         self.overrides: dict[str, dict[str, Any]] = {}
         self._routes: dict[str, ModelRoute] = {}
         self._watcher: Any = None
@@ -117,14 +127,18 @@ class RoutingTable:
         r = self._routes.get(model)
         if r is None:
             try:
-                r = ModelRoute(self.cfg.routing_for(model, self.overrides.get(model)))
+                r = ModelRoute(
+                    self.cfg.routing_for(model, self.overrides.get(model)), self.kv_index
+                )
             except (ValueError, OSError) as exc:
                 # A bad run-time override must not stop the model being served. The admin API
                 # checks each one it writes: a bad one came straight to the KV bucket.
                 if self.log is not None:
                     self.log.warning("routing_invalid", model=model, error=str(exc)[:300])
-                r = ModelRoute(self.cfg.routing_for(model))
+                r = ModelRoute(self.cfg.routing_for(model), self.kv_index)
             self._routes[model] = r
+            if r.needs_rendered and self.on_kv_aware is not None:
+                self.on_kv_aware()  # start following the replicas' KV events
         return r
 
     async def watch(self, nc: NATS) -> None:

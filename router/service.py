@@ -14,6 +14,8 @@ from bus_schemas import errors as E
 from bus_schemas import headers as H
 from bus_schemas.messages import check_envelope
 from router.dispatch import Dispatcher
+from router.kv_follow import KVFollower
+from router.kv_index import KVIndex
 from router.registry import Registry
 from router.routing import RoutingTable
 from services.aliases import watch_aliases
@@ -28,7 +30,8 @@ class Router(Service):
 
     async def setup(self) -> None:
         self.registry = Registry(self.settings.router.missed_heartbeats)
-        self.routing = await watch_routing(self.nc, self.settings.router, self.log)
+        self.kv = KVFollower(KVIndex(), self.registry, self.log)
+        self.routing = await watch_routing(self.nc, self.settings.router, self.log, self.kv)
         self.aliases = await watch_aliases(self.nc, self.settings.router.aliases, self.log)
         self.dispatcher = Dispatcher(
             self.nc, self.registry, self.settings.router, self.routing, self.aliases
@@ -40,6 +43,7 @@ class Router(Service):
         )
 
     async def on_stop(self) -> None:
+        await self.kv.stop()
         await self._tracker.stop()
         await self.routing.close()
         await self.aliases.close()
@@ -58,10 +62,22 @@ class Router(Service):
         await self.dispatcher.dispatch(model, msg.data, hdrs, reply)
 
 
-async def watch_routing(nc: NATS, cfg: RouterSettings, log: Any) -> RoutingTable:
+async def watch_routing(
+    nc: NATS, cfg: RouterSettings, log: Any, kv: KVFollower | None = None
+) -> RoutingTable:
     """A routing table following the run-time overrides in KV; configuration only (and a
-    warning) when the bus has no JetStream."""
-    table = RoutingTable(cfg, log)
+    warning) when the bus has no JetStream. With ``kv``, a model routed ``kv_aware`` starts
+    it following the replicas' KV events (now, when the configuration names one)."""
+    table = RoutingTable(cfg, log, kv.index if kv is not None else None)
+    if kv is not None:
+
+        def follow() -> None:
+            if not kv.started:
+                asyncio.get_running_loop().create_task(kv.start(nc))
+
+        table.on_kv_aware = follow
+        if "kv_aware" in {cfg.policy, *(m.policy for m in cfg.models.values())}:
+            await kv.start(nc)
     try:
         await table.watch(nc)
     except Exception as exc:

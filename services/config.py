@@ -119,7 +119,13 @@ class IngressSettings(BaseModel):
 
 
 LoadPolicyName = Literal[
-    "least_outstanding", "round_robin", "power_of_two", "session_affinity", "prefix_aware"
+    "least_outstanding",
+    "round_robin",
+    "power_of_two",
+    "session_affinity",
+    "prefix_aware",
+    "kv_aware",
+    "random",
 ]
 PoolPolicyName = Literal["none", "concurrency_tiered", "expert"]
 
@@ -161,6 +167,25 @@ class PriceSettings(BaseModel):
     output: float = Field(default=0.0, ge=0, description="Generated tokens.")
 
 
+class KVRoutingSettings(BaseModel):
+    """kv_aware: the weights of one cost per replica, lowest wins (docs/kv-events.md)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prefix_weight: float = Field(
+        default=1.0,
+        ge=0,
+        description="Times the share of the prompt's blocks the replica would prefill anew "
+        "(1 - cached prefix / prompt blocks, from its KV events).",
+    )
+    load_weight: float = Field(
+        default=1.0, ge=0, description="Times the replica's in-flight requests / capacity."
+    )
+    queue_weight: float = Field(
+        default=1.0, ge=0, description="Times its engine's waiting requests / capacity."
+    )
+
+
 class ModelRouting(BaseModel):
     """How one model's requests are routed: a pool choice, then a load policy inside it."""
 
@@ -173,12 +198,13 @@ class ModelRouting(BaseModel):
     load_bound: float = Field(
         default=1.25,
         ge=1.0,
-        description="session_affinity / prefix_aware: a replica above this times the "
-        "average load is passed over.",
+        description="session_affinity / prefix_aware / kv_aware: a replica above this times "
+        "the average load is passed over.",
     )
     prefix_block_chars: int = Field(
         default=256, ge=16, description="prefix_aware: characters per hashed prompt block."
     )
+    kv: KVRoutingSettings = Field(default_factory=KVRoutingSettings)
     tiered: TieredSettings = Field(default_factory=TieredSettings)
     expert: ExpertSettings = Field(default_factory=ExpertSettings)
     price: PriceSettings | None = Field(
@@ -319,6 +345,23 @@ class SimSettings(BaseModel):
     answer_tokens_min: int = Field(
         default=8, ge=1, description="The shortest answer that ends on its own."
     )
+    kv_cache_blocks: int = Field(
+        default=16384,
+        ge=0,
+        description="Blocks in the simulated KV cache, with prefix caching as vLLM's "
+        "(engine_worker/kvcache.py, docs/kv-events.md): a prompt's full blocks already cached "
+        "are not prefilled again (prefill_ms_per_token counts only the others), and the "
+        "replica publishes what it stores and evicts as KV events. 16384 blocks of 16 tokens: "
+        "262 144 tokens, about what an 8B model leaves for its KV cache on an 80 GB GPU. "
+        "0: no prefix caching and no KV events.",
+    )
+    block_size: int = Field(
+        default=16,
+        ge=1,
+        le=1024,
+        description="Tokens per KV-cache block (vLLM's default, 16): only full blocks are "
+        "cached and matched.",
+    )
 
 
 class OpenAIUpstreamSettings(BaseModel):
@@ -428,6 +471,14 @@ class WorkerSettings(BaseModel):
         "(0.5 s -> 2 s): an idle stack costs less CPU and bus traffic. It beats at the full "
         "rate again the moment it takes a request, before the caller's watchdog could miss a "
         "beat; routers expire it after missed beats of the interval it announced.",
+    )
+    kv_events_interval_s: float = Field(
+        default=0.005,
+        ge=0,
+        le=1,
+        description="A replica whose engine reports its prefix cache (the sim with "
+        "kv_cache_blocks) publishes the KV events gathered over this long in one message "
+        "(docs/kv-events.md); 0: at the end of each event-loop turn.",
     )
     tp: int = Field(default=1, ge=1)
     pool: str = "default"

@@ -2,7 +2,8 @@
 
 Clients may only publish requests (and cancels) and read their inboxes; only the router (and
 the bridge, which admits each request in-process before routing it) may publish to worker
-subjects; workers may only publish replies, heartbeats, usage and
+subjects (a snapshot request of a replica's KV cache among them); workers may only publish
+replies, heartbeats, KV-cache events (which only routers and bridges may read), usage and
 telemetry. So nobody can go around ingress, auth and the rate limits by talking to a worker
 directly. The audit trail (:mod:`services.audit`) is written by the bridge and the admin
 role; clients, workers, filter and telemetry can neither write nor read it, and no
@@ -37,6 +38,11 @@ STAGES = f"{PREFIX}.stage.>"
 ENGINE = f"{PREFIX}.engine.>"
 CANCEL = f"{PREFIX}.worker.*.cancel"
 HEARTBEAT = f"{PREFIX}.heartbeat.>"
+# Replicas' KV-cache events (docs/kv-events.md): workers publish, routers and bridges
+# follow. Snapshot requests need no rule of their own: they go to the replica's engine
+# subjects (``subjects.kv_snapshot``), which only router and bridge may publish to and the
+# worker subscribes to, and come back to the asker's inbox.
+KV_EVENTS = f"{PREFIX}.kv.>"
 USAGE = [f"{PREFIX}.usage", f"{PREFIX}.usage.>"]
 TELEMETRY = f"{PREFIX}.telemetry.>"
 ADMIN = f"{PREFIX}.admin.>"
@@ -58,7 +64,7 @@ ROLES: dict[str, tuple[list[str], list[str]]] = {
     "bridge": (
         # usage: an in-process ratelimit settles a migrated request's earlier attempt.
         [REQ, STAGES, ENGINE, CANCEL, INBOX, TELEMETRY, AUDIT, *USAGE, *JS_API],
-        [INBOX, HEARTBEAT, DISCOVERY, *USAGE],
+        [INBOX, HEARTBEAT, KV_EVENTS, DISCOVERY, *USAGE],
     ),
     # KV: ingress keeps NATS clients' stored Responses API responses (tokenbus_responses)
     # and checks their keys (tokenbus_keys) as the bridge does.
@@ -74,9 +80,9 @@ ROLES: dict[str, tuple[list[str], list[str]]] = {
     # telemetry: how many requests it holds per model and class (queue depth, for autoscalers).
     "router": (
         [ENGINE, CANCEL, INBOX, TELEMETRY, *JS_API],
-        [f"{PREFIX}.stage.route", HEARTBEAT, INBOX, DISCOVERY],
+        [f"{PREFIX}.stage.route", HEARTBEAT, KV_EVENTS, INBOX, DISCOVERY],
     ),
-    "worker": ([HEARTBEAT, *USAGE, TELEMETRY, INBOX], [ENGINE, CANCEL, DISCOVERY]),
+    "worker": ([HEARTBEAT, KV_EVENTS, *USAGE, TELEMETRY, INBOX], [ENGINE, CANCEL, DISCOVERY]),
     # The telemetry service's probes of the bus (docs/telemetry.md): a discovery ping, the
     # key store's stream state (no key is read), the answers under its own inbox root only.
     "telemetry": (

@@ -9,7 +9,8 @@ the running stack's model, replica and instance ids (found through ``$SRV.INFO``
 - client: ``tb.v1.req.{chat,completions,embeddings,<other>}``, ``tb.v1.worker.<replica>.cancel``
 - ingress, auth, ratelimit, filter, bridge: ``tb.v1.stage.{auth,ratelimit,filter,route}``
 - router, bridge: ``tb.v1.engine.<model>.<replica>.generate`` (and the cancel subject)
-- worker: ``tb.v1.heartbeat.<model>.<replica>``, ``tb.v1.usage[.<limiter>]``, ``tb.v1.telemetry.>``
+- worker: ``tb.v1.heartbeat.<model>.<replica>``, ``tb.v1.kv.<model>.<replica>``,
+  ``tb.v1.usage[.<limiter>]``, ``tb.v1.telemetry.>``
 - bridge: ``tb.v1.audit.>``; bridge, auth, ratelimit, router: the KV buckets of routing
   changes and keys (``$KV.tokenbus_routing.*``, ``$KV.tokenbus_keys.*``)
 - every role: ``_INBOX.>``: the bridge's stream inbox and its batch subject, the bounce inbox
@@ -472,6 +473,25 @@ class FuzzBus:
             hb["boot"] = "f" * 12
             subs = [subjects.heartbeat(model, replica), subjects.heartbeat(model, "forged")]
             return Target(subs, hb, [])
+        if name == "kv.events":
+            # The router follows KV events (the fuzz stack routes kv_aware): a forged batch
+            # names the replica with another boot, or a replica that does not exist.
+            batch = {
+                "type": "kv_events",
+                "replica": replica,
+                "model": model,
+                "boot": "f" * 12,
+                "block_size": 16,
+                "seq_first": 1,
+                "seq_last": 2,
+                "ts_ms": 1,
+                "events": [
+                    {"type": "stored", "hashes": [1, 2], "parent": None, "block_size": 16},
+                    {"type": "removed", "hashes": [2], "medium": "gpu"},
+                ],
+            }
+            subs = [subjects.kv_events(model, replica), subjects.kv_events(model, "forged")]
+            return Target(subs, batch, [])
         if name == "telemetry":
             rec = records.build(
                 request_id=uuid.uuid4().hex,
@@ -615,6 +635,8 @@ async def bus(
         # A request the fuzz starts and cannot cancel ends within seconds.
         "TOKENBUS_WORKER__SIM__MAX_MODEL_LEN": "4096",
         "TOKENBUS_INGRESS__MAX_REQUEST_S": "30",
+        # Routers follow the replicas' KV events: forged ones are fuzzed too (kv.events).
+        "TOKENBUS_ROUTER__POLICY": "kv_aware",
     }
     async with key_store(url, watch=False) as keys:
         key, rec = await keys.create("fuzz", rpm=100_000, tpm=10**9, max_concurrent=1000)
@@ -894,6 +916,7 @@ FAMILIES = [
     "engine",
     "cancel",
     "heartbeat",
+    "kv.events",
     "telemetry",
     "usage",
     "inbox.bridge",
@@ -1271,6 +1294,7 @@ def test_the_families_cover_every_role() -> None:
         subjects.engine_generate(model, replica),
         subjects.worker_cancel(replica),
         subjects.heartbeat(model, replica),
+        subjects.kv_events(model, replica),
         subjects.usage(),
         subjects.usage("ratelimit-x"),
         subjects.telemetry("request"),

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from bus_schemas.messages import FILL_CONTEXT, message_text
+from bus_schemas.messages import FILL_CONTEXT, render_prompt
 
 # What a backend may serve; a worker announces its list in every heartbeat and the router
 # sends a request only to replicas that serve its kind.
@@ -100,21 +100,8 @@ class GenerationRequest:
 
     def prompt_text(self) -> str:
         """A plain-text rendering of the prompt (backends with a tokenizer use templates):
-        each message's text (text parts joined; images and audio left out), an assistant's
-        tool calls as ``name(arguments)``."""
-        if self.messages is not None:
-            out: list[str] = []
-            for m in self.messages:
-                text = message_text(m.get("content"))
-                calls = m.get("tool_calls")
-                for call in calls if isinstance(calls, list) else ():
-                    fn = (call.get("function") if isinstance(call, dict) else None) or {}
-                    if isinstance(fn, dict):
-                        text += f"{fn.get('name')}({fn.get('arguments')})"
-                role = m.get("role")  # a NATS client's value: not always a string
-                out.append(f"<|{role if isinstance(role, str) else ''}|>{text}\n")
-            return "".join(out)
-        return self.prompt or ""
+        :func:`bus_schemas.messages.render_prompt`, which a router's KV index hashes too."""
+        return render_prompt(self.messages, self.prompt or "")
 
 
 @dataclass(slots=True)
@@ -203,3 +190,42 @@ class Backend(Protocol):
     async def embed(self, req: GenerationRequest) -> Embeddings:
         """Embed ``req.input`` (kind ``embeddings``); raise InvalidRequest if not served."""
         ...
+
+
+class KVEventSource(Protocol):
+    """What an engine's prefix cache tells the worker, which publishes it on the bus
+    (:mod:`bus_schemas.kv_events`): events that change it, numbered from 1 without gaps,
+    and snapshots. :class:`engine_worker.kvcache.KVCache` is one.
+
+    Optional: a backend offers it through a method ``kv_events()`` returning it, or None
+    while its engine keeps no prefix cache (:func:`kv_event_source`)."""
+
+    block_size: int
+    capacity: int
+    medium: str
+
+    def on_events(self, notify: Callable[[], None] | None) -> None:
+        """Keep events from now on for :meth:`drain_events`, calling ``notify()`` (from the
+        event loop's thread) when the first is pending; None: keep none."""
+        ...
+
+    def drain_events(self) -> tuple[int, list[dict[str, Any]]]:
+        """(number of the first, the events in order) kept since the last drain."""
+        ...
+
+    def snapshot(self) -> tuple[int, list[tuple[Any, Any]]]:
+        """(number of the last event, every cached block as (hash, parent hash or None))."""
+        ...
+
+    def stats(self) -> dict[str, Any]:
+        """The cache's own account (usage, hits), sent with snapshots."""
+        ...
+
+
+def kv_event_source(backend: object) -> KVEventSource | None:
+    """The backend's KV event source (its optional ``kv_events()``), None when it has none."""
+    get = getattr(backend, "kv_events", None)
+    if not callable(get):
+        return None
+    source: KVEventSource | None = get()
+    return source

@@ -2,10 +2,14 @@
 
 The model: at most ``max_running`` sequences run at once, the rest wait in a FIFO queue. An
 admitted sequence's first token comes after its prefill, ``prefill_ms + prefill_ms_per_token
-* prompt_tokens``. Running sequences advance together in decode steps of ``decode_ms +
-decode_ms_per_seq * batch``, one token each. Tensor parallelism divides both by ``1 + (tp - 1)
-* tp_efficiency`` and adds ``tp_comm_ms`` per step. One event-loop timer drives the whole
-engine, so 1000 sequences cost 1/step_time wake-ups a second, not 1000 of them.
+* uncached prompt tokens``: with ``kv_cache_blocks`` set (the default), the engine keeps a
+paged prefix cache (:mod:`engine_worker.kvcache`, as vLLM's prefix caching) and a prompt's
+tokens already in it are not prefilled again; the cache reports what it stores and evicts as
+KV events (:meth:`SimBackend.kv_events`). Running sequences advance together in decode steps
+of ``decode_ms + decode_ms_per_seq * batch``, one token each. Tensor parallelism divides both
+by ``1 + (tp - 1) * tp_efficiency`` and adds ``tp_comm_ms`` per step. One event-loop timer
+drives the whole engine, so 1000 sequences cost 1/step_time wake-ups a second, not 1000 of
+them.
 
 The text is a pure function of the prompt and seed: :func:`expected_text` tells tests what a
 request will produce. Requests that ask for more (tool calls, structured output, logprobs;
@@ -41,6 +45,7 @@ from engine_worker.backends.sim_outputs import (
     response_schema,
     schema_text,
 )
+from engine_worker.kvcache import KVCache, Lease
 from services.config import SimSettings, WorkerSettings
 
 __all__ = [
@@ -261,11 +266,15 @@ def _find_stop(text: str, stops: list[str]) -> tuple[int, str] | None:
 class _Seq:
     __slots__ = (
         "buf",
+        "cached",
         "cancelled",
         "done",
         "emitted",
+        "lease",
         "listener",
         "max_tokens",
+        "prefill_s",
+        "prompt",
         "prompt_tokens",
         "ready_at",
         "start",
@@ -274,9 +283,21 @@ class _Seq:
     )
 
     def __init__(
-        self, start: int, prompt_tokens: int, max_tokens: int, toks: list[str] | None = None
+        self,
+        start: int,
+        prompt_tokens: int,
+        max_tokens: int,
+        toks: list[str] | None = None,
+        prompt: str = "",
     ) -> None:
         self.start = start
+        # The prompt as rendered: what the prefix cache hashes (its tokens, not the resumed
+        # output a migrated request prefills after it).
+        self.prompt = prompt
+        # Its blocks in the prefix cache (None: no cache, or not admitted yet / released).
+        self.lease: Lease | None = None
+        self.cached = 0  # prompt tokens read from the cache at admission
+        self.prefill_s = 0.0  # the prefill time the engine gave it
         # A fixed output (JSON text, tool-call arguments); None: the prompt's text tokens.
         self.toks = toks
         self.prompt_tokens = prompt_tokens
@@ -325,6 +346,10 @@ class SimEngine:
         self._next_decode = 0.0
         self.steps = 0
         self._ticking = False  # in a step, whose lists a cancel must not change
+        # The paged prefix cache (None: prefix caching off).
+        self.cache = (
+            KVCache(cfg.kv_cache_blocks, cfg.block_size) if cfg.kv_cache_blocks > 0 else None
+        )
 
     # -- cost model -------------------------------------------------------------------------
     def prefill_s(self, prompt_tokens: int) -> float:
@@ -342,12 +367,24 @@ class SimEngine:
         self._schedule()
 
     def _admit(self, now: float) -> None:
+        cache = self.cache
         while self.waiting and len(self.running) + len(self.prefilling) < self.cfg.max_running:
             s = self.waiting.popleft()
             if s.cancelled:
                 continue
-            s.ready_at = now + self.prefill_s(s.prompt_tokens)
+            if cache is not None:
+                lease = s.lease = cache.acquire(cache.hashes_of(s.prompt), s.prompt_tokens)
+                s.cached = lease.cached_tokens
+            s.prefill_s = self.prefill_s(s.prompt_tokens - s.cached)
+            s.ready_at = now + s.prefill_s
             self.prefilling.append(s)
+
+    def _release(self, s: _Seq) -> None:
+        """Give the sequence's blocks back to the prefix cache (once)."""
+        lease = s.lease
+        if lease is not None and self.cache is not None:
+            s.lease = None
+            self.cache.release(lease)
 
     def _schedule(self) -> None:
         at = float("inf")
@@ -376,6 +413,10 @@ class SimEngine:
         toks = s.toks
         text = token_text(s.start, s.emitted) if toks is None else toks[s.emitted]
         s.emitted += 1
+        lease = s.lease
+        if lease is not None and s.prompt_tokens + s.emitted > lease.tokens:
+            assert self.cache is not None
+            self.cache.grow(lease)  # the output filled its last block
         if s.emitted >= s.max_tokens:
             s.done = True
         s.push(text)
@@ -390,10 +431,15 @@ class SimEngine:
     def _step(self) -> None:
         self._timer = None
         now = time.monotonic()
+        cache = self.cache
         if self.running and now >= self._next_decode - 1e-4:
             for s in self.running:
                 self._emit(s)
             self.steps += 1
+            if cache is not None:
+                for s in self.running:
+                    if s.done:
+                        self._release(s)
             self.running = [s for s in self.running if not s.done]
             self._next_decode = now + self.step_s(len(self.running))
         if self.prefilling:
@@ -401,8 +447,13 @@ class SimEngine:
             joined = False
             for s in self.prefilling:
                 if s.ready_at <= now + 1e-4:
+                    if s.lease is not None and not s.cancelled:
+                        assert cache is not None
+                        cache.commit(s.lease)  # its prompt's blocks are computed
                     self._emit(s)
-                    if not s.done:
+                    if s.done:
+                        self._release(s)
+                    else:
                         if not self.running and not joined:
                             self._next_decode = now + self.step_s(1)
                         self.running.append(s)
@@ -428,6 +479,7 @@ class SimEngine:
             self.prefilling.remove(s)
         elif s in self.running:
             self.running.remove(s)
+        self._release(s)
         self._admit(time.monotonic())
         self._schedule()
 
@@ -438,6 +490,11 @@ class SimEngine:
             "waiting": len(self.waiting),
             "kv_usage": active / self.cfg.max_running,
         }
+
+    def kv_cache_stats(self) -> dict[str, Any] | None:
+        """The prefix cache's usage and hit ratio (:meth:`KVCache.stats`); None when off.
+        Apart from :meth:`stats`, whose ``kv_usage`` (the batch's fill) heartbeats carry."""
+        return None if self.cache is None else self.cache.stats()
 
     def generate(self, req: GenerationRequest) -> SimStream | SimExtraStream:
         """Submit now (prefill starts at once) and return the stream of deltas."""
@@ -504,7 +561,7 @@ class SimStream(_TextOut):
         # A migrated request prefills its prompt and the text already sent, then goes on
         # with the very tokens the first replica would have produced next.
         done, text = resume_point(start, req, limit)
-        self.seq = _Seq(start, self.ptoks + done, limit)
+        self.seq = _Seq(start, self.ptoks + done, limit, prompt=prompt)
         self.seq.emitted = done
         self.hold = max((len(s) for s in req.stop), default=1) - 1
         self.text = text
@@ -676,7 +733,7 @@ class SimExtraStream(_TextOut):
                 limit = min(req.max_tokens, len(toks))
                 done, text = _resume(toks.__getitem__, limit, req)
             sent = max(len(text), len(req.resume_text)) if req.resume_text else 0
-        self.seq = _Seq(self.start, self.ptoks + done, limit, toks)
+        self.seq = _Seq(self.start, self.ptoks + done, limit, toks, plan.prompt)
         self.seq.emitted = done
         self.hold = max((len(s) for s in self.stop), default=1) - 1
         self.text = text
@@ -775,10 +832,17 @@ class SimBackend:
         return None
 
     async def stop(self) -> None:
-        return None
+        # The engine's memory goes with it: tell those who follow its cache.
+        if self.engine.cache is not None:
+            self.engine.cache.clear()
 
     def stats(self) -> dict[str, Any]:
         return self.engine.stats()
+
+    def kv_events(self) -> KVCache | None:
+        """The engine's prefix cache, whose KV events the worker publishes (None: off); see
+        :class:`~engine_worker.backends.base.KVEventSource`."""
+        return self.engine.cache
 
     def endpoints(self) -> list[str]:
         return ["chat", "completions", "embeddings"]

@@ -57,6 +57,12 @@ def _worker_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--sim-decode-ms", type=float)
     g.add_argument("--sim-decode-ms-per-seq", type=float)
     g.add_argument("--sim-max-running", type=int)
+    g.add_argument(
+        "--sim-kv-cache-blocks",
+        type=int,
+        help="sim backend: blocks in its prefix cache (0: prefix caching and KV events off)",
+    )
+    g.add_argument("--sim-block-size", type=int, help="sim backend: tokens per KV-cache block")
 
 
 def _engine_args(pairs: list[str]) -> dict[str, Any]:
@@ -88,6 +94,8 @@ def _worker_overrides(a: argparse.Namespace) -> dict[str, Any]:
             "decode_ms": a.sim_decode_ms,
             "decode_ms_per_seq": a.sim_decode_ms_per_seq,
             "max_running": a.sim_max_running,
+            "kv_cache_blocks": a.sim_kv_cache_blocks,
+            "block_size": a.sim_block_size,
         },
         "openai": {
             "upstream_url": a.upstream_url,
@@ -145,9 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds to listen for heartbeats (idle replicas beat every 2 s)",
     )
 
-    from tokenbus.evaluation import bench
+    from tokenbus.evaluation import bench, kvbench
 
-    bench.add_parser(sub)
+    kvbench.add_arguments(bench.add_parser(sub).add_argument_group("multi-turn agent sessions"))
 
     from tokenbus.cli import keys as keys_cli
 
@@ -530,6 +538,10 @@ def main(argv: list[str] | None = None) -> None:
                 from tokenbus.evaluation.tenants import run_tenants
 
                 rc = await run_tenants(a)
+            elif a.kv_sessions:
+                from tokenbus.evaluation.kvbench import run_kv_sessions
+
+                rc = await run_kv_sessions(a)
             else:
                 from tokenbus.evaluation import bench
 

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Any
+from typing import Any, get_args
 
 from bus_schemas import errors as E
 from services import audit
-from services.config import Settings
+from services.config import LoadPolicyName, Settings
 from tokenbus.cli import bus
 
 
@@ -39,13 +39,7 @@ def add_parser(sub: Any) -> None:
     s.add_argument("model")
     s.add_argument(
         "--policy",
-        choices=[
-            "least_outstanding",
-            "round_robin",
-            "power_of_two",
-            "session_affinity",
-            "prefix_aware",
-        ],
+        choices=list(get_args(LoadPolicyName)),
     )
     s.add_argument("--pool-policy", choices=["none", "concurrency_tiered", "expert"])
     s.add_argument("--load-bound", type=float)

@@ -52,7 +52,9 @@ class Target:
     login: dict[str, Any] = field(default_factory=dict)
 
 
-def add_parser(sub: Any) -> None:
+def add_parser(sub: Any) -> Any:
+    """The ``bench`` subcommand's parser (the CLI adds the scenarios that build on this
+    module: ``--kv-sessions``)."""
     b = sub.add_parser("bench", help="concurrency sweep: TTFT, TBT, e2e, tokens/s, errors (JSON)")
     b.add_argument(
         "--url", default="http://127.0.0.1:8000/v1", help="OpenAI-compatible base URL (mode http)"
@@ -206,6 +208,7 @@ def add_parser(sub: Any) -> None:
     te.add_argument(
         "--duration", type=float, default=30.0, help="--tenants: seconds measured per run"
     )
+    return b
 
 
 # -- one request ------------------------------------------------------------------------------

@@ -1,0 +1,173 @@
+"""Keeps a :class:`router.kv_index.KVIndex` current from the bus: every replica's KV event
+batches (``tb.v1.kv.*.*``), snapshots asked for where events were missed or none were seen
+yet, and a dead replica's entries dropped with it.
+
+Started by the router service and by a bridge that routes in-process, both only once a
+model routes ``kv_aware`` (following costs a decode per event batch), and from then on for
+good: an override may switch models to it at run time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from typing import Any
+
+from nats.aio.msg import Msg
+
+from bus_schemas import errors as E
+from bus_schemas import kv_events as kv
+from bus_schemas import subjects
+from router.kv_index import KVIndex
+from router.registry import Registry
+
+# How often the follower looks for replicas to resynchronise or forget.
+TICK_S = 0.25
+# How long one snapshot may take to arrive, all its pages.
+SNAPSHOT_TIMEOUT_S = 5.0
+# A replica with no snapshot subject (no events: an openai backend) is asked again after this.
+NO_EVENTS_RETRY_S = 30.0
+
+
+class KVFollower:
+    """Feeds ``index`` from the bus; see the module docstring."""
+
+    def __init__(self, index: KVIndex, registry: Registry, log: Any) -> None:
+        self.index = index
+        self.registry = registry
+        self.log = log
+        self.nc: Any = None
+        self._sub: Any = None
+        self._task: asyncio.Task[None] | None = None
+        self._models: dict[str, str] = {}  # replica -> model (for its snapshot subject)
+        self._no_events: dict[str, float] = {}  # replica -> when it was found to have none
+        self._asking: set[str] = set()
+        self.bad_batches = 0
+
+    @property
+    def started(self) -> bool:
+        return self._sub is not None
+
+    async def start(self, nc: Any) -> None:
+        """Subscribe (idempotent); events first, then snapshots (so none falls between)."""
+        if self._sub is not None:
+            return
+        self.nc = nc
+        self._sub = await nc.subscribe(subjects.kv_events_wildcard(), cb=self._on_batch)
+        self._task = asyncio.get_running_loop().create_task(self._loop())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(BaseException):
+                await self._task
+        if self._sub is not None:
+            with contextlib.suppress(Exception):
+                await self._sub.unsubscribe()
+
+    async def _on_batch(self, msg: Msg) -> None:
+        try:
+            batch = kv.decode_batch(msg.data)
+        except E.TokenbusError:
+            self.bad_batches += 1
+            if self.bad_batches <= 10 or self.bad_batches % 1000 == 0:
+                self.log.warning("bad_kv_events", subject=msg.subject[:200])
+            return
+        self._models[batch["replica"]] = batch["model"]
+        self._no_events.pop(batch["replica"], None)
+        if not self.index.apply(batch):
+            self._ask_soon()
+
+    def _ask_soon(self) -> None:
+        for name in self.index.wants_snapshot():
+            if name not in self._asking:
+                self._asking.add(name)
+                asyncio.get_running_loop().create_task(self._snapshot(name))
+
+    async def _loop(self) -> None:
+        while True:
+            self._sync_with_registry()
+            self._ask_soon()
+            await asyncio.sleep(TICK_S)
+
+    def _sync_with_registry(self) -> None:
+        """Replicas heard of are tracked (a late router starts warm: it asks each for a
+        snapshot); the entries of replicas no longer live are dropped."""
+        now = time.monotonic()
+        live = {r.replica: r.model for r in self.registry.all_live()}
+        for name, model in live.items():
+            self._models.setdefault(name, model)
+            if now - self._no_events.get(name, -NO_EVENTS_RETRY_S) >= NO_EVENTS_RETRY_S:
+                self.index.know(name)
+        for name in self.index.replicas():
+            if name not in live and name not in self._asking and not self._recent(name):
+                self.index.drop(name)
+                self._models.pop(name, None)
+
+    def _recent(self, name: str) -> bool:
+        """Whether events came from ``name`` lately (a replica before its first heartbeat)."""
+        seen = self.index.last_event_at(name)
+        return seen is not None and time.monotonic() - seen < 3.0
+
+    async def _snapshot(self, name: str) -> None:
+        """Ask ``name`` for a snapshot and load it; a replica without a snapshot subject has
+        no events and is asked again only after :data:`NO_EVENTS_RETRY_S`."""
+        try:
+            model = self._models.get(name)
+            if model is None:
+                return
+            pages = await self._pages(subjects.kv_snapshot(model, name))
+            if pages is None:
+                self._no_events[name] = time.monotonic()
+                if not self.index.synced(name):
+                    self.index.drop(name)  # nothing to follow; asked again later
+                return
+            seq, blocks = kv.assemble_snapshot(pages)
+            first = pages[0]
+            self.index.load(
+                {
+                    "replica": name,
+                    "boot": first["boot"],
+                    "block_size": first["block_size"],
+                    "capacity_blocks": first["capacity_blocks"],
+                    "seq": seq,
+                    "blocks": list(blocks.items()),
+                }
+            )
+        except E.TokenbusError as exc:
+            self.log.warning("bad_kv_snapshot", replica=name, error=str(exc)[:200])
+        except Exception as exc:
+            self.log.warning("kv_snapshot_failed", replica=name, error=type(exc).__name__)
+        finally:
+            self._asking.discard(name)
+
+    async def _pages(self, subject: str) -> list[dict[str, Any]] | None:
+        """Every page of one snapshot, or None when nobody answers on ``subject``."""
+        nc = self.nc
+        inbox = nc.new_inbox()
+        got: list[dict[str, Any]] = []
+        done = asyncio.get_running_loop().create_future()
+
+        async def on_page(msg: Msg) -> None:
+            try:
+                page = kv.decode_snapshot(msg.data)
+            except E.TokenbusError as exc:
+                if not done.done():
+                    done.set_exception(exc)
+                return
+            got.append(page)
+            if len(got) >= int(page["pages"]) and not done.done():
+                done.set_result(None)
+
+        sub = await nc.subscribe(inbox, cb=on_page)
+        try:
+            await nc.publish(subject, b"", reply=inbox)
+            try:
+                await asyncio.wait_for(done, SNAPSHOT_TIMEOUT_S)
+            except TimeoutError:
+                return got or None
+            return got
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
