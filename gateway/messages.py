@@ -121,6 +121,9 @@ class MessagesAPI:
 
     async def _create(self, call: Call, send: Send) -> None:
         req = M.parse(call.body)
+        meta = call.body.get("metadata") if isinstance(call.body, dict) else None
+        if isinstance(meta, dict):
+            call.session_from(meta.get("user_id"))  # Claude Code: its user and session
         stream = self._open(call, M.translate(req, call.body))
         b = M.MessageBuilder(req.model, events=bool(req.stream), stop_sequences=req.stop_sequences)
         if req.stream:

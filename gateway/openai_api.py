@@ -223,6 +223,8 @@ class OpenAIApp(RouteTable):
 
     async def _generation(self, call: Call, send: Send) -> None:
         req = validation.parse(call.kind, call.body)
+        if call.kind == KIND_CHAT:
+            call.session_from(call.body.get("prompt_cache_key"))
         if call.span is not None:
             call.span.set_attribute(tracing.MODEL, req.model)
         call.watch()
@@ -350,6 +352,12 @@ class Call:
         """The body is read: from here on the only message left is the disconnect, and a
         client that leaves cancels the handler, which cancels the generation."""
         self.watcher = watch_disconnect(self.receive, self.progress)
+
+    def session_from(self, key: Any) -> None:
+        """A session key from the body (``prompt_cache_key``, Messages'
+        ``metadata.user_id``) keys session routing where ``X-Session-Id`` does not."""
+        if isinstance(key, str) and key and not self.hdrs.get(H.SESSION):
+            self.hdrs[H.SESSION] = key[:256]
 
 
 def _http_span(scope: Scope, kind: str, rid: str, hdrs: dict[str, str]) -> Any:

@@ -87,9 +87,7 @@ class ResponsesAPI:
         turn = R.translate(req, call.body, previous)
         if self.store is None:
             turn.echo["store"] = False
-        if turn.session and not call.hdrs.get(H.SESSION):
-            # prompt_cache_key keys session-affinity routing where X-Session-Id does not.
-            call.hdrs[H.SESSION] = turn.session[:256]
+        call.session_from(turn.session)
         chat = validation.parse(KIND_CHAT, turn.chat)
         if call.span is not None:
             call.span.set_attribute(tracing.MODEL, chat.model)

@@ -398,6 +398,38 @@ async def test_http_session_header_and_admin_routing_api(
         assert r.status_code == 200 and r.json()["override"] is None
 
 
+async def test_session_keys_in_the_body_pin_a_conversation(procs: Procs, model: str) -> None:
+    """Chat's ``prompt_cache_key`` and the Messages API's ``metadata.user_id`` (what Codex
+    and Claude Code send) key session routing as ``X-Session-Id`` does; the header wins."""
+    env = {"TOKENBUS_ROUTER__POLICY": "session_affinity"}
+    stack = await start_stack(procs, model, workers=3, env=env, settle=0.5)
+    seen: dict[str, set[str]] = {}
+    async with stack.http(timeout=30) as h:
+        for key in ("k1", "k2", "k3", "k4", "k5", "k6"):
+            for _ in range(3):
+                chat = {"model": model, "messages": MSG, "max_tokens": 2, "prompt_cache_key": key}
+                r = await h.post("/v1/chat/completions", json=chat)
+                assert r.status_code == 200, r.text
+                seen.setdefault(key, set()).add(r.headers["x-tokenbus-replica"])
+                msg = {
+                    "model": model,
+                    "max_tokens": 2,
+                    "messages": MSG,
+                    "metadata": {"user_id": key},
+                }
+                r = await h.post("/v1/messages", json=msg)
+                assert r.status_code == 200, r.text
+                seen[key].add(r.headers["x-tokenbus-replica"])
+        # The same key by either route is the same session: one replica each.
+        assert all(len(v) == 1 for v in seen.values()), seen
+        assert len(set().union(*seen.values())) > 1, seen
+        # X-Session-Id names another session: it wins over the body's key.
+        other = next(k for k in seen if seen[k] != seen["k1"])
+        chat = {"model": model, "messages": MSG, "max_tokens": 2, "prompt_cache_key": "k1"}
+        r = await h.post("/v1/chat/completions", json=chat, headers={"X-Session-Id": other})
+        assert {r.headers["x-tokenbus-replica"]} == seen[other]
+
+
 def test_routing_table_survives_a_bad_override() -> None:
     table = RoutingTable(RouterSettings())
     table.overrides["m"] = {"pool_policy": "expert"}  # no model_dir: cannot build
