@@ -29,7 +29,7 @@ from gateway.response_store import open_store
 from gateway.responses import ResponsesAPI, key_owner
 from gateway.stages import LocalStages, stages_before_route
 from router.dispatch import Dispatcher
-from router.kv_follow import KVFollower
+from router.kv_follow import KVFollower, register_metrics
 from router.kv_index import KVIndex
 from router.registry import Registry
 from router.routing import RoutingTable
@@ -222,6 +222,7 @@ class Bridge(Service):
         )
         await self.client.start()
         self.registry = Registry(self.settings.router.missed_heartbeats)
+        register_metrics()  # the KV index's (router/kv_follow.py)
         self._tracker = HeartbeatTracker(self.registry, self.log)
         await self._tracker.start(self.nc)
         admission = Admission(self.settings)

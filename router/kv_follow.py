@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+import weakref
+from collections.abc import Iterator
 from typing import Any
 
 from nats.aio.msg import Msg
@@ -30,6 +32,88 @@ SNAPSHOT_TIMEOUT_S = 5.0
 NO_EVENTS_RETRY_S = 30.0
 
 
+class KVIndexCollector:
+    """The KV indexes of this process's followers as Prometheus metrics (a router's or a
+    bridge's ``/metrics``): registered once, with the first follower."""
+
+    def __init__(self) -> None:
+        self.followers: weakref.WeakSet[KVFollower] = weakref.WeakSet()
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        indexes = [f.index for f in list(self.followers)]
+        entries = GaugeMetricFamily(
+            "tokenbus_kv_index_entries",
+            "Blocks the KV index holds per replica (from its KV events).",
+            labels=["replica"],
+        )
+        lag = GaugeMetricFamily(
+            "tokenbus_kv_event_lag_seconds",
+            "Age of each replica's last KV event batch when it arrived.",
+            labels=["replica"],
+        )
+        for idx in indexes:
+            for name, n in idx.entries_by_replica().items():
+                entries.add_metric([name], n)
+            for name, s in idx.lags_s().items():
+                lag.add_metric([name], s)
+        yield entries
+        yield lag
+        stats = [idx.stats() for idx in indexes]
+        yield GaugeMetricFamily(
+            "tokenbus_kv_index_bytes",
+            "Memory the KV index takes (an estimate: entries x bytes per entry).",
+            value=sum(s["bytes_estimate"] for s in stats),
+        )
+        yield GaugeMetricFamily(
+            "tokenbus_kv_index_synced_replicas",
+            "Replicas whose KV index entries are current (a snapshot loaded, no gap since).",
+            value=sum(s["synced"] for s in stats),
+        )
+        for name, key, text in (
+            ("tokenbus_kv_index_events", "events_applied", "KV events applied to the index."),
+            ("tokenbus_kv_index_gaps", "gaps", "Gaps in replicas' KV event numbers seen."),
+            ("tokenbus_kv_index_repairs", "repairs", "Snapshots loaded (warm starts, repairs)."),
+            ("tokenbus_kv_route_decisions", "decisions", "kv_aware routing decisions."),
+            (
+                "tokenbus_kv_route_hit_decisions",
+                "hit_decisions",
+                "kv_aware decisions whose replica held part of the prompt in its cache.",
+            ),
+        ):
+            yield CounterMetricFamily(name, text, value=sum(s[key] for s in stats))
+        yield CounterMetricFamily(
+            "tokenbus_kv_route_prompt_blocks",
+            "Prompt blocks of kv_aware decisions.",
+            value=sum(idx.decided_blocks for idx in indexes),
+        )
+        yield CounterMetricFamily(
+            "tokenbus_kv_route_cached_blocks",
+            "Of those, blocks the chosen replica held: cached / prompt is the hit ratio.",
+            value=sum(idx.decided_hit_blocks for idx in indexes),
+        )
+
+
+_COLLECTOR: KVIndexCollector | None = None
+
+
+def register_metrics() -> None:
+    """Export the KV index metrics from this process (zero until a follower runs), so a
+    dashboard's queries have series wherever a router can route."""
+    _collector()
+
+
+def _collector() -> KVIndexCollector:
+    global _COLLECTOR
+    if _COLLECTOR is None:
+        from prometheus_client import REGISTRY
+
+        _COLLECTOR = KVIndexCollector()
+        REGISTRY.register(_COLLECTOR)
+    return _COLLECTOR
+
+
 class KVFollower:
     """Feeds ``index`` from the bus; see the module docstring."""
 
@@ -44,6 +128,7 @@ class KVFollower:
         self._no_events: dict[str, float] = {}  # replica -> when it was found to have none
         self._asking: set[str] = set()
         self.bad_batches = 0
+        _collector().followers.add(self)
 
     @property
     def started(self) -> bool:

@@ -68,6 +68,12 @@ class KVIndex:
         self.gaps = 0
         self.repairs = 0
         self.lookups = 0
+        # Routing decisions made on the index (KVAware.choose): how many, how many chose a
+        # replica holding part of the prompt, and the prompt blocks cached there of all.
+        self.decisions = 0
+        self.hit_decisions = 0
+        self.decided_blocks = 0
+        self.decided_hit_blocks = 0
 
     # -- what a replica holds ----------------------------------------------------------------
     def replicas(self) -> list[str]:
@@ -237,6 +243,22 @@ class KVIndex:
             self._clear(r)
 
     # -- account ----------------------------------------------------------------------------
+    def decided(self, prompt_blocks: int, cached_blocks: int) -> None:
+        """Count a routing decision: the chosen replica holds ``cached_blocks`` of the
+        prompt's ``prompt_blocks``."""
+        self.decisions += 1
+        self.decided_blocks += prompt_blocks
+        self.decided_hit_blocks += cached_blocks
+        if cached_blocks:
+            self.hit_decisions += 1
+
+    def lags_s(self) -> dict[str, float]:
+        """Per replica: our clock minus the replica's at its last batch (seconds)."""
+        return {n: r.lag_ms / 1000.0 for n, r in self._replicas.items() if r.last_event_at}
+
+    def entries_by_replica(self) -> dict[str, int]:
+        return {n: len(r.blocks) for n, r in self._replicas.items()}
+
     def stats(self) -> dict[str, Any]:
         entries = sum(len(r.blocks) for r in self._replicas.values())
         return {
@@ -249,6 +271,13 @@ class KVIndex:
             "gaps": self.gaps,
             "repairs": self.repairs,
             "lookups": self.lookups,
+            "decisions": self.decisions,
+            "hit_decisions": self.hit_decisions,
+            "decided_hit_ratio": (
+                round(self.decided_hit_blocks / self.decided_blocks, 4)
+                if self.decided_blocks
+                else None
+            ),
             "lag_ms": {n: round(r.lag_ms, 1) for n, r in self._replicas.items()},
         }
 

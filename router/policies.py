@@ -310,8 +310,10 @@ class KVAware:
             elif cost <= best_cost + 1e-12:
                 best.append(r)
         chosen = best[0] if len(best) == 1 else random.choice(best)
-        if depth.get(chosen.replica):
+        cached = depth.get(chosen.replica, 0)
+        if cached:
             self.hit_decisions += 1
+        index.decided(len(hashes), cached)
         return chosen
 
 

@@ -175,6 +175,20 @@ async def test_events_reach_the_router_and_each_conversation_lands_where_its_pre
             assert again == first
         policy = router.routing.route(model).policy
         assert policy.hit_decisions >= 12
+        # The same on /metrics (this process's registry: the router runs in it).
+        from prometheus_client import REGISTRY, generate_latest
+        from prometheus_client.parser import text_string_to_metric_families
+
+        got = {
+            (s.name, s.labels.get("replica", "")): s.value
+            for fam in text_string_to_metric_families(generate_latest(REGISTRY).decode())
+            for s in fam.samples
+        }
+        assert got[("tokenbus_kv_route_hit_decisions_total", "")] >= 12
+        assert got[("tokenbus_kv_route_cached_blocks_total", "")] > 0
+        for w in svcs["workers"]:
+            assert got[("tokenbus_kv_index_entries", w.replica)] == index.held(w.replica)
+        assert got[("tokenbus_kv_index_synced_replicas", "")] >= 4
 
 
 async def test_a_late_router_starts_warm_and_a_dropped_event_is_repaired(

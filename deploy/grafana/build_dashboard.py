@@ -493,6 +493,69 @@ def flow() -> Section:
     )
 
 
+def kv_routing() -> Section:
+    """KV-cache routing (router/kv_index.py): the index, its events, and decisions."""
+    return (
+        Section("KV-cache routing: index, events, decisions")
+        .with_panel(
+            ts(
+                "Prompt blocks cached at the chosen replica",
+                "percentunit",
+                [
+                    q(
+                        f"{rate('tokenbus_kv_route_cached_blocks_total')}"
+                        f" / {rate('tokenbus_kv_route_prompt_blocks_total')}",
+                        "cached share",
+                    ),
+                    q(
+                        f"{rate('tokenbus_kv_route_hit_decisions_total')}"
+                        f" / {rate('tokenbus_kv_route_decisions_total')}",
+                        "decisions with a hit",
+                        ref="B",
+                    ),
+                ],
+                desc="kv_aware: of the prompt blocks routed, the share the chosen replica "
+                "held in its KV cache; and the share of decisions that found any.",
+            )
+        )
+        .with_panel(
+            ts(
+                "Index size per replica",
+                "short",
+                [q("sum by (replica) (tokenbus_kv_index_entries)", "{{replica}}")],
+                desc="Blocks each replica's cache holds, as the routers know them from its "
+                "KV events (summed over routers and bridges that follow them).",
+                stack=True,
+            )
+        )
+        .with_panel(
+            ts(
+                "KV events, gaps and repairs per second",
+                "ops",
+                [
+                    q(rate("tokenbus_kv_index_events_total"), "events"),
+                    q(rate("tokenbus_kv_index_gaps_total"), "gaps", ref="B"),
+                    q(rate("tokenbus_kv_index_repairs_total"), "snapshots loaded", ref="C"),
+                ],
+                desc="Events applied; gaps in a replica's event numbers (a snapshot repairs "
+                "each); snapshots loaded (warm starts and repairs).",
+            )
+        )
+        .with_panel(
+            ts(
+                "KV event lag and index memory",
+                "s",
+                [
+                    q("max by (replica) (tokenbus_kv_event_lag_seconds)", "lag {{replica}}"),
+                    q("sum(tokenbus_kv_index_bytes) / 1e9", "index GB", ref="B"),
+                ],
+                desc="How old each replica's last event batch was on arrival; the index's "
+                "memory estimate (in GB on the same axis).",
+            )
+        )
+    )
+
+
 def bus() -> Section:
     return (
         Section("NATS and services")
@@ -603,7 +666,17 @@ def build() -> dm.Dashboard:
         .with_variable(model)
         .with_variable(source)
     )
-    sections = (traffic(), latency(), breakdown(), errors(), usage(), replicas(), flow(), bus())
+    sections = (
+        traffic(),
+        latency(),
+        breakdown(),
+        errors(),
+        usage(),
+        replicas(),
+        flow(),
+        kv_routing(),
+        bus(),
+    )
     for section in sections:
         board = board.with_row(db.Row(section.title).collapsed(False))
         for panel in section.panels:
