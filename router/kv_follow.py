@@ -235,6 +235,11 @@ class KVFollower:
         done = asyncio.get_running_loop().create_future()
 
         async def on_page(msg: Msg) -> None:
+            if not msg.data and (msg.headers or {}).get("Status") == "503":
+                # nats-server's "no responders": the replica has no snapshot subject.
+                if not done.done():
+                    done.set_result(None)
+                return
             try:
                 page = kv.decode_snapshot(msg.data)
             except E.TokenbusError as exc:
@@ -252,7 +257,7 @@ class KVFollower:
                 await asyncio.wait_for(done, SNAPSHOT_TIMEOUT_S)
             except TimeoutError:
                 return got or None
-            return got
+            return got or None
         finally:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()

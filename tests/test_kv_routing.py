@@ -239,3 +239,26 @@ async def test_a_dead_replicas_entries_go_with_it(
         await gone.nc.close()
         await wait_for(lambda: gone.replica not in index.replicas(), timeout=15, what="kept")
         assert index.held(gone.replica) == 0
+
+
+async def test_replicas_without_events_are_routed_by_the_fallback_and_not_asked_again(
+    nats_server: NatsServer, model: str, client: Client
+) -> None:
+    """Workers whose engine keeps no cache (as an openai backend) have no snapshot subject:
+    the router learns that from nats-server's no-responders answer, stops asking, and
+    routes a session's turns to one replica by consistent hashing."""
+    no_cache = {**SIM, "kv_cache_blocks": 0}
+    async with stack(
+        nats_server.url, model, workers=3, worker={"sim": no_cache}, router=KV_ROUTER
+    ) as svcs:
+        follower = svcs["router"].kv
+        await wait_for(lambda: len(follower._no_events) == 3, what="still asking")
+        assert follower.index.stats()["synced"] == 0
+        served = set()
+        for n in range(4):
+            messages = [*PREFIXES[0], {"role": "user", "content": f"turn {n}"}]
+            out = await client.chat_completion(model, messages, max_tokens=2, session="s1")
+            served.add(out.replica)
+        assert len(served) == 1
+        await asyncio.sleep(0.6)  # two more ticks: nobody asked again
+        assert len(follower._no_events) == 3 and not follower._asking
