@@ -16,9 +16,10 @@ trusted for a new match until repaired) and the caller asks the replica for a sn
 after the snapshot's ``seq`` are applied once it is loaded. A router that starts late asks
 every replica it hears of for a snapshot, so it starts warm.
 
-**Bounds.** A replica may hold at most ``max_blocks_per_replica`` entries (its own
-``capacity_blocks`` from the snapshot, else the setting); one that reports more is cleared
-and resynchronised from a snapshot. A dead replica's entries go with it (:meth:`drop`).
+**Bounds.** A replica may hold at most ``max_blocks_per_replica`` entries, or twice the
+``capacity_blocks`` of its snapshot when that is less (an engine's pool may be overcommitted
+for a while); one that reports more is cleared and resynchronised from a snapshot. A dead
+replica's entries go with it (:meth:`drop`).
 :meth:`stats` reports entries, an estimate of bytes, gaps and repairs.
 """
 
@@ -167,7 +168,7 @@ class KVIndex:
                     self._where.setdefault(h, set()).add(name)
                 r.blocks[h] = parent
                 parent = h
-            if len(r.blocks) > (r.capacity or self.max_blocks_per_replica):
+            if len(r.blocks) > self._bound(r):
                 self._clear(r)  # more than it can hold: out of step, resynchronise
                 r.stale = True
                 self.gaps += 1
@@ -177,6 +178,13 @@ class KVIndex:
                     self._unwhere(h, name)
         else:
             self._clear(r)
+
+    def _bound(self, r: _Replica) -> int:
+        """The most entries ``r`` may have: twice its capacity (an engine's pool may be
+        overcommitted for a while: vLLM preempts, the sim lends), at most the setting."""
+        if r.capacity:
+            return min(self.max_blocks_per_replica, 2 * r.capacity)
+        return self.max_blocks_per_replica
 
     def _unwhere(self, h: Any, name: str) -> None:
         holders = self._where.get(h)

@@ -105,7 +105,11 @@ def test_a_replica_reporting_more_than_its_capacity_is_resynchronised() -> None:
     idx = KVIndex()
     idx.load({**snap("a", 0, []), "capacity_blocks": 4})
     chain = K.chain_hashes(list(range(40)), BS)
-    assert not idx.apply(batch("a", 1, [K.stored(chain[:6], None, BS)]))
+    # Over capacity for a while (an overcommitted pool) is no reason to distrust it...
+    assert idx.apply(batch("a", 1, [K.stored(chain[:6], None, BS)]))
+    assert idx.lookup(chain) == {"a": 6}
+    # ...twice its capacity is: out of step, cleared and resynchronised.
+    assert not idx.apply(batch("a", 2, [K.stored(chain[6:9], chain[5], BS)]))
     assert idx.stats()["entries"] == 0 and not idx.synced("a")
 
 

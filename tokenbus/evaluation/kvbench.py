@@ -69,6 +69,12 @@ def add_arguments(te: Any) -> None:
         help="--kv-sessions: the sim's prefill cost per uncached prompt token",
     )
     te.add_argument(
+        "--kv-cache-blocks",
+        type=int,
+        default=16384,
+        help="--kv-sessions: blocks (of 16 tokens) in each replica's prefix cache",
+    )
+    te.add_argument(
         "--kv-policies",
         default=",".join(POLICIES),
         help=f"--kv-sessions: the policies compared (default {','.join(POLICIES)})",
@@ -152,7 +158,10 @@ async def _one(a: argparse.Namespace, policy: str, sessions: int) -> dict[str, A
         routing=json.dumps({"policy": policy}),
         engine="sim",
     )
-    env = {"TOKENBUS_WORKER__SIM__PREFILL_MS_PER_TOKEN": str(a.kv_prefill_ms_per_token)}
+    env = {
+        "TOKENBUS_WORKER__SIM__PREFILL_MS_PER_TOKEN": str(a.kv_prefill_ms_per_token),
+        "TOKENBUS_WORKER__SIM__KV_CACHE_BLOCKS": str(a.kv_cache_blocks),
+    }
     sup = Supervisor(Path(tempfile.mkdtemp(prefix="tokenbus-kv-logs-")), echo=False)
     with _environ(env):
         targets, nats_proc = await spawn_stack(b, sup)
