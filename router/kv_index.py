@@ -16,9 +16,9 @@ trusted for a new match until repaired) and the caller asks the replica for a sn
 after the snapshot's ``seq`` are applied once it is loaded. A router that starts late asks
 every replica it hears of for a snapshot, so it starts warm.
 
-**Bounds.** A replica may hold at most ``max_blocks_per_replica`` entries, or twice the
-``capacity_blocks`` of its snapshot when that is less (an engine's pool may be overcommitted
-for a while); one that reports more is cleared and resynchronised from a snapshot. A dead
+**Bounds.** A replica may hold at most ``max_blocks_per_replica`` entries (a bound on
+memory, not its ``capacity_blocks``: a pool may hold more for a while); one that reports
+more is cleared and resynchronised from a snapshot. A dead
 replica's entries go with it (:meth:`drop`).
 :meth:`stats` reports entries, an estimate of bytes, gaps and repairs.
 """
@@ -180,10 +180,9 @@ class KVIndex:
             self._clear(r)
 
     def _bound(self, r: _Replica) -> int:
-        """The most entries ``r`` may have: twice its capacity (an engine's pool may be
-        overcommitted for a while: vLLM preempts, the sim lends), at most the setting."""
-        if r.capacity:
-            return min(self.max_blocks_per_replica, 2 * r.capacity)
+        """The most entries ``r`` may have. Not its ``capacity``: a pool may hold more for
+        a while (the sim lends blocks past it; vLLM would preempt), and a replica wrongly
+        distrusted costs every request its cache."""
         return self.max_blocks_per_replica
 
     def _unwhere(self, h: Any, name: str) -> None:

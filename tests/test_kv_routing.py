@@ -101,14 +101,14 @@ def test_a_gap_marks_the_replica_stale_until_a_snapshot_repairs_it() -> None:
     assert not idx.apply(batch("a", 1, [K.all_cleared()], boot="b2"))
 
 
-def test_a_replica_reporting_more_than_its_capacity_is_resynchronised() -> None:
-    idx = KVIndex()
+def test_a_replica_reporting_more_than_the_index_bound_is_resynchronised() -> None:
+    idx = KVIndex(max_blocks_per_replica=8)
     idx.load({**snap("a", 0, []), "capacity_blocks": 4})
     chain = K.chain_hashes(list(range(40)), BS)
-    # Over capacity for a while (an overcommitted pool) is no reason to distrust it...
+    # Over its capacity for a while (an overcommitted pool) is no reason to distrust it...
     assert idx.apply(batch("a", 1, [K.stored(chain[:6], None, BS)]))
     assert idx.lookup(chain) == {"a": 6}
-    # ...twice its capacity is: out of step, cleared and resynchronised.
+    # ...past the index's own bound is: cleared, resynchronised from a snapshot.
     assert not idx.apply(batch("a", 2, [K.stored(chain[6:9], chain[5], BS)]))
     assert idx.stats()["entries"] == 0 and not idx.synced("a")
 

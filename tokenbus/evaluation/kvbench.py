@@ -142,6 +142,21 @@ async def _cache_stats(nats_url: str, model: str, replicas: list[str]) -> dict[s
     return out
 
 
+async def _index_metrics(url: str) -> dict[str, float]:
+    """The routing bridge's KV index counters (its /metrics), summed over label values."""
+    import aiohttp
+    from prometheus_client.parser import text_string_to_metric_families
+
+    async with aiohttp.ClientSession() as http, http.get(url[: -len("/v1")] + "/metrics") as r:
+        text = await r.text()
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for sample in fam.samples:
+            if sample.name.startswith("tokenbus_kv_") and not sample.name.endswith("_created"):
+                out[sample.name] = out.get(sample.name, 0.0) + sample.value
+    return out
+
+
 async def _one(a: argparse.Namespace, policy: str, sessions: int) -> dict[str, Any]:
     from tokenbus.launcher import Child, Supervisor, cli_argv
 
@@ -188,6 +203,7 @@ async def _one(a: argparse.Namespace, policy: str, sessions: int) -> dict[str, A
         wall = time.perf_counter() - t0
         names = [f"bench-{i}" for i in range(a.kv_replicas)] + ["bench-new"]
         stats = await _cache_stats(nats_url, a.model, names)
+        index = await _index_metrics(url)
     finally:
         await sup.stop(10)
         if nats_proc.returncode is None:
@@ -213,6 +229,7 @@ async def _one(a: argparse.Namespace, policy: str, sessions: int) -> dict[str, A
         "wall_s": round(wall, 2),
         "cache_hit_ratio": round(hit / query, 4) if query else None,
         "cache_by_replica": stats,
+        "router_index": index,
         **({"churn": churn} if churn else {}),
     }
 
