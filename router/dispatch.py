@@ -175,11 +175,12 @@ class Dispatcher:
     ) -> RouteRequest:
         """What the routing policy reads: model, session, and the prompt when it needs one."""
         req = RouteRequest(model, hdrs.get(H.SESSION) or None)
-        if route.needs_prompt:
+        if route.needs_prompt or route.needs_rendered:
             if env is None:
                 env = codec.decode_map(data)
                 check_envelope(env)
-            req.prompt = prompt_text(env)
+            if route.needs_prompt:
+                req.prompt = prompt_text(env)
             if route.needs_rendered:
                 req.rendered = render_prompt(env.get("messages"), env.get("prompt"))
         return req

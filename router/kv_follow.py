@@ -215,7 +215,6 @@ class KVFollower:
                     "replica": name,
                     "boot": first["boot"],
                     "block_size": first["block_size"],
-                    "capacity_blocks": first["capacity_blocks"],
                     "seq": seq,
                     "blocks": list(blocks.items()),
                 }

@@ -48,7 +48,6 @@ class _Replica:
     block_size: int = 0
     seq: int = 0  # last event applied
     blocks: dict[Any, Any] = field(default_factory=dict)  # hash -> parent
-    capacity: int = 0
     stale: bool = True  # not yet synchronised (no snapshot, or a gap since)
     pending: list[dict[str, Any]] = field(default_factory=list)
     asked_at: float = 0.0  # when a snapshot was last asked for (monotonic)
@@ -168,7 +167,10 @@ class KVIndex:
                     self._where.setdefault(h, set()).add(name)
                 r.blocks[h] = parent
                 parent = h
-            if len(r.blocks) > self._bound(r):
+            # Memory's bound, not the replica's capacity_blocks: a pool may hold more for a
+            # while (the sim lends blocks past it), and a replica wrongly distrusted costs
+            # every request routed to it its cache.
+            if len(r.blocks) > self.max_blocks_per_replica:
                 self._clear(r)  # more than it can hold: out of step, resynchronise
                 r.stale = True
                 self.gaps += 1
@@ -178,12 +180,6 @@ class KVIndex:
                     self._unwhere(h, name)
         else:
             self._clear(r)
-
-    def _bound(self, r: _Replica) -> int:
-        """The most entries ``r`` may have. Not its ``capacity``: a pool may hold more for
-        a while (the sim lends blocks past it; vLLM would preempt), and a replica wrongly
-        distrusted costs every request its cache."""
-        return self.max_blocks_per_replica
 
     def _unwhere(self, h: Any, name: str) -> None:
         holders = self._where.get(h)
@@ -224,7 +220,6 @@ class KVIndex:
         self._clear(r)
         r.boot = snapshot["boot"]
         r.block_size = int(snapshot["block_size"])
-        r.capacity = int(snapshot.get("capacity_blocks") or 0)
         r.seq = int(snapshot["seq"])
         for h, parent in snapshot["blocks"]:
             r.blocks[h] = parent

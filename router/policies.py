@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from bus_schemas.kv_events import text_block_hashes
 from bus_schemas.messages import message_text
 from router.registry import Replica
 
@@ -214,7 +215,11 @@ class PrefixAware:
         return out
 
     def choose(self, candidates: Sequence[Replica], req: RouteRequest) -> Replica:
-        blocks = self.blocks(req.prompt)
+        return self.choose_for(candidates, req.prompt)
+
+    def choose_for(self, candidates: Sequence[Replica], prompt: str) -> Replica:
+        """:meth:`choose` for a prompt given as ``prompt`` (any one rendering of it)."""
+        blocks = self.blocks(prompt)
         now = time.monotonic()
         chosen: Replica | None = None
         if blocks and len(candidates) > 1:
@@ -256,8 +261,9 @@ class KVAware:
     sim's tokens). When
     no candidate's cache is known (an ``openai`` backend, events not yet synchronised) a
     session goes by consistent hashing and anything else by prompt-prefix affinity: the
-    approximate routing of ``session_affinity`` / ``prefix_aware``. ``last`` holds the
-    cached block count per replica of the latest decision (for tests and metrics)."""
+    approximate routing of ``session_affinity`` / ``prefix_aware`` (over the same rendering:
+    the prompt is rendered once). ``last`` holds the cached block count per replica of the
+    latest decision; the index counts decisions (its metrics)."""
 
     def __init__(
         self,
@@ -270,31 +276,24 @@ class KVAware:
         queue_weight: float = 1.0,
     ) -> None:
         self.index = index
-        self.bound = bound
         self.prefix_weight = prefix_weight
         self.load_weight = load_weight
         self.queue_weight = queue_weight
         self.sessions = SessionAffinity(bound)
         self.prefixes = PrefixAware(bound, block_chars)
         self.last: dict[str, int] = {}
-        self.last_blocks = 0
-        self.decisions = 0
-        self.hit_decisions = 0
 
     def choose(self, candidates: Sequence[Replica], req: RouteRequest) -> Replica:
-        from bus_schemas.kv_events import text_block_hashes
-
         index = self.index
         synced = [r for r in candidates if index.synced(r.replica)]
         if not synced:
             if req.session:
                 return self.sessions.choose(candidates, req)
-            return self.prefixes.choose(candidates, req)
+            return self.prefixes.choose_for(candidates, req.rendered)
         size = index.block_size(synced[0].replica)
         hashes = text_block_hashes(req.rendered, size) if size else []
         depth = index.lookup(hashes, [r.replica for r in synced]) if hashes else {}
-        self.last, self.last_blocks = depth, len(hashes)
-        self.decisions += 1
+        self.last = depth
         n = max(1, len(hashes))
         best: list[Replica] = []
         best_cost = math.inf
@@ -310,10 +309,7 @@ class KVAware:
             elif cost <= best_cost + 1e-12:
                 best.append(r)
         chosen = best[0] if len(best) == 1 else random.choice(best)
-        cached = depth.get(chosen.replica, 0)
-        if cached:
-            self.hit_decisions += 1
-        index.decided(len(hashes), cached)
+        index.decided(len(hashes), depth.get(chosen.replica, 0))
         return chosen
 
 

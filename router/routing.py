@@ -68,7 +68,7 @@ class ModelRoute:
             kv_index=kv_index,
             kv_weights=spec.kv.model_dump(),
         )
-        # kv_aware hashes the prompt as the engines render it (and falls back to prefixes).
+        # kv_aware hashes the prompt as the engines render it (its fallbacks use the same).
         self.needs_rendered = spec.policy == "kv_aware"
         self.tiered: ConcurrencyTiered | None = None
         self.expert: ExpertSelector | None = None
@@ -79,7 +79,7 @@ class ModelRoute:
             if not spec.expert.model_dir:
                 raise ValueError("the expert pool policy needs expert.model_dir")
             self.expert = ExpertSelector(spec.expert.model_dir, spec.expert.targets)
-        self.needs_prompt = self.expert is not None or spec.policy in ("prefix_aware", "kv_aware")
+        self.needs_prompt = self.expert is not None or spec.policy == "prefix_aware"
 
     def target(self, req: RouteRequest) -> tuple[str, str | None]:
         """(model whose replicas serve it, pool tag to prefer or None)."""
