@@ -19,6 +19,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -972,6 +973,7 @@ async def spawn_stack(a: argparse.Namespace, sup: Any) -> tuple[list[Target], An
     if a.sim_decode_ms_per_seq:
         worker_env["TOKENBUS_WORKER__SIM__DECODE_MS_PER_SEQ"] = str(a.sim_decode_ms_per_seq)
     ready_s = 30.0
+    ready = f"{engine}/ready"  # the engine server's readiness
     if a.engine == "vllm-scripted":
         from tokenbus.evaluation import vllm_scripted
 
@@ -981,10 +983,11 @@ async def spawn_stack(a: argparse.Namespace, sup: Any) -> tuple[list[Target], An
             backend = vs.worker_args
         worker_env |= vs.worker_env
         ready_s = 300.0  # vLLM's start: its imports, the renderer's warm-up
+        ready = f"{engine}/health"  # vllm serve's
     if not a.no_direct:
         await sup.add(Child("direct", direct[0], {**worker_env, **direct[1]}))
     if a.upstream:
-        await _wait_http(f"{engine}/health" if a.engine != "sim" else f"{engine}/ready", ready_s)
+        await _wait_http(ready, ready_s)
     for i, (extra_args, extra_env) in enumerate(replica_specs(a.replica)):
         await sup.add(
             Child(
@@ -1008,8 +1011,7 @@ async def spawn_stack(a: argparse.Namespace, sup: Any) -> tuple[list[Target], An
     await _wait_http(f"http://127.0.0.1:{bridge_port}/ready")
     await _wait_replicas(url, len(replica_specs(a.replica)), timeout=ready_s, login=login)
     if not a.no_direct:
-        ready = "/ready" if a.engine == "sim" else "/health"  # vllm serve's
-        await _wait_http(f"http://127.0.0.1:{direct_port}{ready}", ready_s)
+        await _wait_http(ready, ready_s)
     for launch in launches:
         await _wait_http(launch.ready_url, timeout=max(120.0, ready_s))
     pids = {c.name: c.proc.pid for c in sup.children if c.proc is not None}
@@ -1046,6 +1048,49 @@ async def spawn_stack(a: argparse.Namespace, sup: Any) -> tuple[list[Target], An
             )
         )
     return targets, nats
+
+
+@contextlib.contextmanager
+def environ(extra: dict[str, str]) -> Iterator[None]:
+    """``extra`` in this process' environment while children start (they inherit it):
+    settings :func:`spawn_stack` has no flag for."""
+    old = {k: os.environ.get(k) for k in extra}
+    os.environ.update(extra)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@contextlib.asynccontextmanager
+async def spawned(
+    a: argparse.Namespace, env: dict[str, str] | None = None, logs: str = "tokenbus-bench-logs-"
+) -> AsyncIterator[tuple[list[Target], Any]]:
+    """:func:`spawn_stack` under a supervisor of its own, ``env`` in the environment its
+    children start with: (targets, supervisor). Every child is stopped on the way out, and
+    after a start that failed, whose logs are named."""
+    from tokenbus.launcher import Supervisor
+
+    sup = Supervisor(Path(tempfile.mkdtemp(prefix=logs)), echo=False)
+    with environ(env or {}):
+        try:
+            targets, nats = await spawn_stack(a, sup)
+        except BaseException:
+            await sup.stop(10)
+            print(f"logs: {sup.log_dir}", file=sys.stderr)
+            raise
+    try:
+        yield targets, sup
+    finally:
+        await sup.stop(10)
+        if nats.returncode is None:
+            nats.terminate()
+            with contextlib.suppress(Exception):
+                await nats.wait()
 
 
 _REPLICA_FLAGS = {

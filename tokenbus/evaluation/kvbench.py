@@ -24,15 +24,13 @@ import random
 import signal
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 from bus_schemas import kv_events as kv
 from bus_schemas import subjects
-from tokenbus.evaluation.bench import _summary_ms, http_request, report_head, spawn_stack
-from tokenbus.evaluation.tenants import _environ
+from tokenbus.evaluation.bench import _summary_ms, environ, http_request, report_head, spawned
 
 POLICIES = ("kv_aware", "least_outstanding", "prefix_aware", "random")
 CHARS_PER_TOKEN = 4  # the sim's tokens (bus_schemas.kv_events.text_token_ids)
@@ -158,7 +156,7 @@ async def _index_metrics(url: str) -> dict[str, float]:
 
 
 async def _one(a: argparse.Namespace, policy: str, sessions: int) -> dict[str, Any]:
-    from tokenbus.launcher import Child, Supervisor, cli_argv
+    from tokenbus.launcher import Child, cli_argv
 
     b = argparse.Namespace(**vars(a))
     b.__dict__.update(
@@ -177,14 +175,11 @@ async def _one(a: argparse.Namespace, policy: str, sessions: int) -> dict[str, A
         "TOKENBUS_WORKER__SIM__PREFILL_MS_PER_TOKEN": str(a.kv_prefill_ms_per_token),
         "TOKENBUS_WORKER__SIM__KV_CACHE_BLOCKS": str(a.kv_cache_blocks),
     }
-    sup = Supervisor(Path(tempfile.mkdtemp(prefix="tokenbus-kv-logs-")), echo=False)
-    with _environ(env):
-        targets, nats_proc = await spawn_stack(b, sup)
-    url, nats_url = targets[0].url, targets[1].url
     system = _text(random.Random(a.seed), a.kv_system_tokens)
     turns: list[dict[str, Any]] = []
     churn: dict[str, Any] = {}
-    try:
+    async with spawned(b, env, "tokenbus-kv-logs-") as (targets, sup):
+        url, nats_url = targets[0].url, targets[1].url
         t0 = time.perf_counter()
         tasks = [asyncio.create_task(_session(url, a, i, system, turns)) for i in range(sessions)]
         if a.kv_churn:
@@ -193,7 +188,7 @@ async def _one(a: argparse.Namespace, policy: str, sessions: int) -> dict[str, A
             assert victim.proc is not None
             victim.proc.send_signal(signal.SIGKILL)
             sup.children.remove(victim)  # not restarted: a new replica joins instead
-            with _environ(env):
+            with environ(env):
                 argv = cli_argv("serve", "worker", "--replica", "bench-new", "--model", a.model)
                 argv += ["--sim-prefill-ms", str(a.sim_prefill_ms)]
                 argv += ["--sim-decode-ms", str(a.sim_decode_ms), "--max-concurrency", "256"]
@@ -204,11 +199,6 @@ async def _one(a: argparse.Namespace, policy: str, sessions: int) -> dict[str, A
         names = [f"bench-{i}" for i in range(a.kv_replicas)] + ["bench-new"]
         stats = await _cache_stats(nats_url, a.model, names)
         index = await _index_metrics(url)
-    finally:
-        await sup.stop(10)
-        if nats_proc.returncode is None:
-            nats_proc.terminate()
-            await nats_proc.wait()
     ok = [t for t in turns if t["ok"]]
     query = sum(int(s.get("query_tokens", 0)) for s in stats.values())
     hit = sum(int(s.get("hit_tokens", 0)) for s in stats.values())

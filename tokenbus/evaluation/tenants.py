@@ -30,12 +30,10 @@ import asyncio
 import contextlib
 import json
 import math
-import os
 import sys
-import tempfile
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,7 +46,7 @@ from tokenbus.evaluation.bench import (
     _summary_ms,
     http_request,
     report_head,
-    spawn_stack,
+    spawned,
 )
 
 SCENARIOS = ("two", "weights", "tiers", "overload")
@@ -91,29 +89,11 @@ class Stack:
     pids: dict[str, int]
 
 
-@contextlib.contextmanager
-def _environ(extra: dict[str, str]) -> Iterator[None]:
-    """``extra`` in this process' environment while the stack's children start (they
-    inherit it): settings :func:`spawn_stack` has no flag for."""
-    old = {k: os.environ.get(k) for k in extra}
-    os.environ.update(extra)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 @contextlib.asynccontextmanager
 async def stack(
     a: argparse.Namespace, engine: Engine, flow: str, env: dict[str, str] | None = None
 ) -> AsyncIterator[Stack]:
     """A private stack with one sim worker like ``engine``, its flow control ``flow``."""
-    from tokenbus.launcher import Supervisor
-
     b = argparse.Namespace(**vars(a))
     b.__dict__.update(
         pipeline=PIPELINE,
@@ -132,22 +112,8 @@ async def stack(
         locked=False,
         routing=None,
     )
-    sup = Supervisor(Path(tempfile.mkdtemp(prefix="tokenbus-tenants-logs-")), echo=False)
-    with _environ(env or {}):
-        try:
-            targets, nats = await spawn_stack(b, sup)
-        except BaseException:
-            await sup.stop(10)
-            print(f"logs: {sup.log_dir}", file=sys.stderr)
-            raise
-    try:
+    async with spawned(b, env, "tokenbus-tenants-logs-") as (targets, _):
         yield Stack(targets[0].url, targets[1].url, dict(targets[0].pids))
-    finally:
-        await sup.stop(10)
-        if nats.returncode is None:
-            nats.terminate()
-            with contextlib.suppress(Exception):
-                await nats.wait()
 
 
 @dataclass
