@@ -350,15 +350,22 @@ def check_event(ev: object) -> dict[str, Any]:
     return ev
 
 
-def check_batch(obj: object) -> dict[str, Any]:
-    """``obj`` if it is a well-formed batch (its events included); raise
-    :class:`errors.InvalidRequest` if not."""
-    if not isinstance(obj, dict) or obj.get("type") != BATCH:
-        raise _bad(f"a batch must be a map of type {BATCH!r}")
+def _check_head(obj: object, kind: str, what: str) -> dict[str, Any]:
+    """``obj``, once what a batch and a snapshot page both carry is checked: their type,
+    the replica, its model and boot, the block size."""
+    if not isinstance(obj, dict) or obj.get("type") != kind:
+        raise _bad(f"a {what} must be a map of type {kind!r}")
     _str(obj, "replica")
     _str(obj, "model")
     _str(obj, "boot", empty=True)
     _int(obj, "block_size", 1)
+    return obj
+
+
+def check_batch(obj: object) -> dict[str, Any]:
+    """``obj`` if it is a well-formed batch (its events included); raise
+    :class:`errors.InvalidRequest` if not."""
+    obj = _check_head(obj, BATCH, "batch")
     _int(obj, "ts_ms", 0)
     first = _int(obj, "seq_first", 1)
     last = _int(obj, "seq_last", first)
@@ -418,12 +425,7 @@ def snapshot_pages(
 def check_snapshot(obj: object) -> dict[str, Any]:
     """``obj`` if it is a well-formed snapshot page; raise :class:`errors.InvalidRequest`
     if not."""
-    if not isinstance(obj, dict) or obj.get("type") != SNAPSHOT:
-        raise _bad(f"a snapshot must be a map of type {SNAPSHOT!r}")
-    _str(obj, "replica")
-    _str(obj, "model")
-    _str(obj, "boot", empty=True)
-    _int(obj, "block_size", 1)
+    obj = _check_head(obj, SNAPSHOT, "snapshot")
     _int(obj, "capacity_blocks", 0)
     _int(obj, "seq", 0)
     pages = _int(obj, "pages", 1)
