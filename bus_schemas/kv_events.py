@@ -63,6 +63,7 @@ it has them all (:func:`assemble_snapshot`).
 from __future__ import annotations
 
 import hashlib
+import pickle  # vLLM's "sha256" block hash hashes a pickle; nothing pickled is ever sent
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -87,6 +88,7 @@ __all__ = [
     "chain_hashes",
     "check_batch",
     "check_event",
+    "check_scheme",
     "check_snapshot",
     "decode_batch",
     "decode_snapshot",
@@ -94,7 +96,10 @@ __all__ = [
     "snapshot_pages",
     "stored",
     "text_block_hashes",
+    "text_scheme",
     "text_token_ids",
+    "vllm_block_hashes",
+    "vllm_scheme",
 ]
 
 BATCH = "kv_events"
@@ -181,6 +186,93 @@ def text_block_hashes(text: str, block_size: int) -> list[int]:
     """The block hashes the sim gives a prompt rendered as ``text``: those of
     :func:`text_token_ids`, without making the ids (one hash call a block)."""
     return _chain(_utf32(text), block_size, None)
+
+
+# -- hashing schemes --------------------------------------------------------------------------
+#
+# How a replica's engine tokenises and hashes a prompt, sent with its snapshots ("hashing"),
+# so a router knows how to compute the hashes it looks up. A snapshot without one is the
+# sim's (text_block_hashes of the rendered prompt).
+
+SCHEME_TEXT = "text"  # the sim's: text_block_hashes(render_prompt(...))
+SCHEME_VLLM = "vllm"  # vLLM's: its tokenizer and chat template, then vllm_block_hashes
+VLLM_HASH_ALGOS = ("sha256", "sha256_cbor")
+VLLM_DEFAULT_SEED = "vllm-none-hash"  # vLLM's NONE_HASH seed without PYTHONHASHSEED
+
+
+def text_scheme() -> dict[str, Any]:
+    return {"kind": SCHEME_TEXT}
+
+
+def vllm_scheme(
+    *, algo: str, seed: str | None, int_hashes: bool, tokenizer: str, block_size: int
+) -> dict[str, Any]:
+    """vLLM's hashing as a router needs it: the hash algorithm
+    (``prefix_caching_hash_algo``), the seed of its ``NONE_HASH`` (None when it is random
+    per process: nobody outside the engine can match its hashes), whether its events carry
+    the 64-bit form (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``), the tokenizer (a path or a
+    name ``transformers`` loads) and the hash block size."""
+    return {
+        "kind": SCHEME_VLLM,
+        "algo": algo,
+        "seed": seed,
+        "int_hashes": int_hashes,
+        "tokenizer": tokenizer,
+        "block_size": block_size,
+    }
+
+
+def check_scheme(obj: object) -> dict[str, Any]:
+    """``obj`` if it is a hashing scheme (a map with a string ``kind`` and scalar values)."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("kind"), str):
+        raise _bad("hashing must be a map with a string kind")
+    for k, v in obj.items():
+        if not isinstance(k, str) or not (v is None or isinstance(v, str | int | float | bool)):
+            raise _bad("hashing values must be scalars")
+    return obj
+
+
+def _vllm_hash_fn(algo: str) -> Any:
+    if algo == "sha256":
+        # vLLM's "sha256": SHA-256 of the pickled tuple (pickle builds the bytes to hash;
+        # nothing pickled is ever sent or read back).
+        def sha256(obj: Any) -> bytes:
+            return hashlib.sha256(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)).digest()
+
+        return sha256
+    if algo == "sha256_cbor":
+        import cbor2  # vLLM's dependency; only a router matching such engines needs it
+
+        def sha256_cbor(obj: Any) -> bytes:
+            return hashlib.sha256(cbor2.dumps(obj, canonical=True)).digest()
+
+        return sha256_cbor
+    raise ValueError(f"unsupported vLLM hash algorithm {algo!r}")
+
+
+def vllm_block_hashes(
+    token_ids: Sequence[int],
+    block_size: int,
+    *,
+    algo: str = "sha256",
+    seed: str = VLLM_DEFAULT_SEED,
+    int_hashes: bool = True,
+) -> list[BlockHash]:
+    """The block hashes vLLM's prefix cache gives ``token_ids`` (no LoRA, multimodal or
+    ``cache_salt`` keys), as its KV events carry them: ``hash_i = H((hash_{i-1}, tuple of
+    block i's ids, None))`` with ``hash_{-1} = H(seed)`` (``NONE_HASH``), each cut to its
+    low 64 bits when ``int_hashes`` (vLLM's default for events). Checked against vLLM's own
+    ``hash_block_tokens`` in tests/test_vllm_kv.py."""
+    if block_size < 1:
+        raise ValueError("block_size must be at least 1")
+    fn = _vllm_hash_fn(algo)
+    parent = fn(seed)
+    out: list[BlockHash] = []
+    ids = list(token_ids)
+    for start in range(0, len(ids) - block_size + 1, block_size):
+        parent = fn((parent, tuple(ids[start : start + block_size]), None))
+        out.append(int.from_bytes(parent, "big") & (_U64 - 1) if int_hashes else parent)
+    return out
 
 
 # -- events ---------------------------------------------------------------------------------
@@ -397,9 +489,11 @@ def snapshot_pages(
     stats: dict[str, Any] | None = None,
     medium: str = MEDIUM_GPU,
     page_blocks: int = SNAPSHOT_PAGE_BLOCKS,
+    hashing: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
     """The snapshot messages of ``blocks`` ((hash, parent) each), current to event ``seq``:
-    at least one (an empty cache: one page with no blocks)."""
+    at least one (an empty cache: one page with no blocks). ``hashing``: how the engine
+    hashes prompts (:func:`vllm_scheme`; None: the sim's text scheme), on the first page."""
     n = max(1, -(-len(blocks) // page_blocks))
     pages = []
     for i in range(n):
@@ -418,6 +512,8 @@ def snapshot_pages(
         }
         if i == 0 and stats is not None:
             page["stats"] = stats
+        if i == 0 and hashing is not None:
+            page["hashing"] = hashing
         pages.append(page)
     return pages
 
@@ -439,6 +535,8 @@ def check_snapshot(obj: object) -> dict[str, Any]:
         raise _bad("blocks must be a list of [hash, parent or nil]")
     if "stats" in obj and not isinstance(obj["stats"], dict):
         raise _bad("stats must be a map")
+    if "hashing" in obj:
+        check_scheme(obj["hashing"])
     return obj
 
 

@@ -40,7 +40,7 @@ from typing import Any
 
 from bus_schemas import kv_events as K
 
-__all__ = ["KVCache", "Lease"]
+__all__ = ["EventLog", "KVCache", "Lease"]
 
 
 class _Block:
@@ -67,25 +67,51 @@ class Lease:
         self.cached_tokens = 0
 
 
-class KVCache:
-    """The prefix cache of one replica (see the module docstring), and its event log.
+class EventLog:
+    """A cache's events as a worker reads them: numbered from 1, one number each, and kept
+    for :meth:`drain_events` only while a listener is set (:meth:`on_events`), so a cache
+    nobody listens to keeps none."""
 
-    Events are numbered from 1, one number each; they are kept for :meth:`drain_events` only
-    while a listener is set (:meth:`on_events`), so an engine nobody listens to keeps none.
-    """
+    def __init__(self) -> None:
+        self.seq = 0  # the number of the last event
+        self._pending: list[dict[str, Any]] = []
+        self._notify: Callable[[], None] | None = None
+
+    def _log(self, ev: dict[str, Any]) -> None:
+        self.seq += 1
+        notify = self._notify
+        if notify is None:
+            return
+        self._pending.append(ev)
+        if len(self._pending) == 1:
+            notify()
+
+    def on_events(self, notify: Callable[[], None] | None) -> None:
+        """Keep events from now on and call ``notify()`` whenever the first one is pending
+        (None: keep none)."""
+        self._notify = notify
+        if notify is None:
+            self._pending = []
+
+    def drain_events(self) -> tuple[int, list[dict[str, Any]]]:
+        """(number of the first, the events) kept since the last drain, in order."""
+        out, self._pending = self._pending, []
+        return self.seq - len(out) + 1, out
+
+
+class KVCache(EventLog):
+    """The prefix cache of one replica (see the module docstring), and its event log."""
 
     def __init__(self, capacity: int, block_size: int = 16, medium: str = K.MEDIUM_GPU) -> None:
         if capacity < 1 or block_size < 1:
             raise ValueError("capacity and block_size must be at least 1")
+        super().__init__()
         self.capacity = capacity
         self.block_size = block_size
         self.medium = medium
         self._blocks: dict[int, _Block] = {}  # every cached block, held or not
         self._free: OrderedDict[int, None] = OrderedDict()  # cached, unheld: LRU first
         self._private = 0  # blocks sequences hold that are not cached
-        self.seq = 0  # the number of the last event
-        self._pending: list[dict[str, Any]] = []
-        self._notify: Callable[[], None] | None = None
         self.query_tokens = 0  # prompt tokens looked up
         self.hit_tokens = 0  # of those, read from the cache
         self.evicted_blocks = 0
@@ -222,25 +248,7 @@ class KVCache:
             self._event(K.stored(hashes[i:j], parent, self.block_size, medium=self.medium))
 
     def _event(self, ev: dict[str, Any]) -> None:
-        self.seq += 1
-        notify = self._notify
-        if notify is None:
-            return
-        self._pending.append(ev)
-        if len(self._pending) == 1:
-            notify()
-
-    def on_events(self, notify: Callable[[], None] | None) -> None:
-        """Keep events from now on and call ``notify()`` whenever the first one is pending
-        (None: keep none)."""
-        self._notify = notify
-        if notify is None:
-            self._pending = []
-
-    def drain_events(self) -> tuple[int, list[dict[str, Any]]]:
-        """(number of the first, the events) kept since the last drain, in order."""
-        out, self._pending = self._pending, []
-        return self.seq - len(out) + 1, out
+        self._log(ev)
 
     def snapshot(self) -> tuple[int, list[tuple[int, int | None]]]:
         """(the last event's number, every cached block as (hash, parent hash))."""

@@ -394,6 +394,7 @@ class Worker(Service):
             blocks=blocks,
             stats=kv.stats(),
             medium=kv.medium,
+            hashing=getattr(kv, "hashing", None),
         )
         for page in pages:
             with contextlib.suppress(Exception):
@@ -425,6 +426,10 @@ class Worker(Service):
             "running": int(st.get("running", 0)),
             "waiting": int(st.get("waiting", 0)),
             "kv_usage": float(st.get("kv_usage", 0.0)),
+            # How its prefix cache is reported (docs/kv-events.md): events hashed as the sim
+            # ("text") or as vLLM ("vllm"); absent: no events (kv_aware keeps approximate
+            # affinity for it).
+            **({"kv_events": self._kv_hashing()} if self._kv is not None else {}),
             **(
                 {"flow": self.flow.stats(), "flows": self.flow.flow_stats()}
                 if self.flow is not None
@@ -449,6 +454,10 @@ class Worker(Service):
             "epoch": self.reconnects,
             "ts_ms": marks.now_ms(),
         }
+
+    def _kv_hashing(self) -> str:
+        hashing = getattr(self._kv, "hashing", None)
+        return str(hashing.get("kind")) if isinstance(hashing, dict) else KV.SCHEME_TEXT
 
     async def heartbeat(self) -> None:
         with contextlib.suppress(Exception):

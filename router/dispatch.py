@@ -183,6 +183,7 @@ class Dispatcher:
                 req.prompt = prompt_text(env)
             if route.needs_rendered:
                 req.rendered = render_prompt(env.get("messages"), env.get("prompt"))
+                req.env = env
         return req
 
     async def _place(self, p: _Placement) -> str | None:

@@ -215,6 +215,7 @@ class KVFollower:
                     "replica": name,
                     "boot": first["boot"],
                     "block_size": first["block_size"],
+                    "hashing": first.get("hashing"),
                     "seq": seq,
                     "blocks": list(blocks.items()),
                 }

@@ -46,6 +46,8 @@ class _Replica:
     name: str
     boot: str = ""
     block_size: int = 0
+    # How its engine hashes prompts (a snapshot's "hashing"; None: the sim's text scheme).
+    hashing: dict[str, Any] | None = None
     seq: int = 0  # last event applied
     blocks: dict[Any, Any] = field(default_factory=dict)  # hash -> parent
     stale: bool = True  # not yet synchronised (no snapshot, or a gap since)
@@ -87,6 +89,11 @@ class KVIndex:
     def block_size(self, replica: str) -> int:
         r = self._replicas.get(replica)
         return r.block_size if r is not None else 0
+
+    def hashing(self, replica: str) -> dict[str, Any] | None:
+        """How ``replica``'s engine hashes prompts, as its last snapshot said."""
+        r = self._replicas.get(replica)
+        return r.hashing if r is not None else None
 
     def held(self, replica: str) -> int:
         r = self._replicas.get(replica)
@@ -220,6 +227,7 @@ class KVIndex:
         self._clear(r)
         r.boot = snapshot["boot"]
         r.block_size = int(snapshot["block_size"])
+        r.hashing = snapshot.get("hashing")
         r.seq = int(snapshot["seq"])
         for h, parent in snapshot["blocks"]:
             r.blocks[h] = parent

@@ -29,8 +29,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from bus_schemas.kv_events import text_block_hashes
 from bus_schemas.messages import message_text
+from router.kv_hashing import PromptHashers, scheme_key
 from router.registry import Replica
 
 
@@ -41,8 +41,10 @@ class RouteRequest:
     model: str
     session: str | None = None
     prompt: str = ""
-    # The prompt as the engines render it (render_prompt): what kv_aware hashes.
+    # The prompt as the sim renders it (render_prompt): what kv_aware hashes for sim
+    # replicas; and the envelope, which it renders as vLLM does for vllm replicas.
     rendered: str = ""
+    env: dict[str, Any] | None = None
 
 
 def prompt_text(env: dict[str, Any]) -> str:
@@ -256,10 +258,11 @@ class KVAware:
 
     No hard load bound (``bound`` serves the fallbacks only): the load terms decide when a
     cached prefix is worth a busier replica, as in Dynamo's cost, and the dispatcher never
-    offers a replica at its capacity. The prompt is rendered and cut into blocks as the
-    replicas' engines do (:func:`kv_events.text_block_hashes` of :func:`render_prompt`: the
-    sim's tokens). When
-    no candidate's cache is known (an ``openai`` backend, events not yet synchronised) a
+    offers a replica at its capacity. The prompt is rendered and cut into blocks as each
+    replica's engine does (:mod:`router.kv_hashing`: the sim's text tokens, or vLLM's
+    tokenizer, chat template and hash), once per scheme among the candidates. When
+    no candidate's cache is known (an ``openai`` backend, events not yet synchronised, a
+    vLLM scheme this router cannot compute) a
     session goes by consistent hashing and anything else by prompt-prefix affinity: the
     approximate routing of ``session_affinity`` / ``prefix_aware`` (over the same rendering:
     the prompt is rendered once). ``last`` holds the cached block count per replica of the
@@ -281,24 +284,48 @@ class KVAware:
         self.queue_weight = queue_weight
         self.sessions = SessionAffinity(bound)
         self.prefixes = PrefixAware(bound, block_chars)
+        self.hashers = PromptHashers()
         self.last: dict[str, int] = {}
 
-    def choose(self, candidates: Sequence[Replica], req: RouteRequest) -> Replica:
+    def _depths(
+        self, candidates: Sequence[Replica], req: RouteRequest
+    ) -> tuple[dict[str, int], dict[str, int]] | None:
+        """(cached blocks, prompt blocks) per matchable replica: the request hashed once per
+        hashing scheme among the synchronised candidates. None: none is matchable."""
         index = self.index
-        synced = [r for r in candidates if index.synced(r.replica)]
-        if not synced:
+        groups: dict[tuple[Any, ...], list[str]] = {}
+        for r in candidates:
+            if index.synced(r.replica):
+                key = scheme_key(index.hashing(r.replica), index.block_size(r.replica))
+                groups.setdefault(key, []).append(r.replica)
+        depth: dict[str, int] = {}
+        blocks: dict[str, int] = {}
+        for key, names in groups.items():
+            first = names[0]
+            hashes = self.hashers.hashes(
+                key, index.hashing(first), index.block_size(first), req.rendered, req.env
+            )
+            if hashes is None:
+                continue
+            if hashes:
+                depth.update(index.lookup(hashes, names))
+            for name in names:
+                blocks[name] = len(hashes)
+        return (depth, blocks) if blocks else None
+
+    def choose(self, candidates: Sequence[Replica], req: RouteRequest) -> Replica:
+        found = self._depths(candidates, req)
+        if found is None:
             if req.session:
                 return self.sessions.choose(candidates, req)
             return self.prefixes.choose_for(candidates, req.rendered)
-        size = index.block_size(synced[0].replica)
-        hashes = text_block_hashes(req.rendered, size) if size else []
-        depth = index.lookup(hashes, [r.replica for r in synced]) if hashes else {}
+        depth, blocks = found
         self.last = depth
-        n = max(1, len(hashes))
         best: list[Replica] = []
         best_cost = math.inf
         for r in candidates:
             cap = max(1, r.max_concurrency)
+            n = max(1, blocks.get(r.replica, 0))
             cost = (
                 self.prefix_weight * (1.0 - depth.get(r.replica, 0) / n)
                 + self.load_weight * r.load / cap
@@ -309,7 +336,8 @@ class KVAware:
             elif cost <= best_cost + 1e-12:
                 best.append(r)
         chosen = best[0] if len(best) == 1 else random.choice(best)
-        index.decided(len(hashes), depth.get(chosen.replica, 0))
+        prompt_blocks = blocks.get(chosen.replica, max(blocks.values()))
+        self.index.decided(prompt_blocks, depth.get(chosen.replica, 0))
         return chosen
 
 

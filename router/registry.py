@@ -42,6 +42,9 @@ class Replica:
     # Its flow control per class and per flow (engine_worker/flow.py), for operators.
     flow: dict[str, Any] | None = None
     flows: dict[str, Any] | None = None
+    # How it reports its prefix cache ("text": the sim's events, "vllm": vLLM's); "": no
+    # events, so kv_aware keeps approximate affinity for it.
+    kv_events: str = ""
 
     def serves(self, model: str) -> bool:
         return model == self.model or model in self.aliases
@@ -67,6 +70,7 @@ class Replica:
             **({"aliases": sorted(self.aliases)} if self.aliases else {}),
             **({"max_model_len": self.max_model_len} if self.max_model_len else {}),
             **({"flow": self.flow, "flows": self.flows} if self.flow else {}),
+            "kv_routing": f"exact ({self.kv_events})" if self.kv_events else "approximate",
         }
 
 
@@ -109,6 +113,7 @@ class Registry:
             flow, flows = hb.get("flow"), hb.get("flows")
             r.flow = flow if isinstance(flow, dict) else None
             r.flows = flows if isinstance(flows, dict) else None
+            r.kv_events = str(hb.get("kv_events") or "")
             r.last_seen = time.monotonic()
         except (KeyError, TypeError, ValueError, RecursionError):  # str() of a deep nesting
             return None

@@ -389,6 +389,12 @@ class VLLMSettings(BaseModel):
         "(engine_worker/backends/scripted_core.py) instead of a GPU, with these settings "
         "(prefill_ms, decode_ms, scripts...; {} for the defaults); see docs/vllm.md.",
     )
+    kv_events: bool = Field(
+        default=True,
+        description="Publish vLLM's KV-cache events on the bus (docs/kv-events.md): turns on "
+        "its kv_events_config (ZMQ on private IPC sockets) unless engine_args sets one, and "
+        "forwards what it publishes. Needs prefix caching (vLLM's default).",
+    )
 
 
 def _default_reserve() -> dict[Literal["priority", "default"], float]:

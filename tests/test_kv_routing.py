@@ -144,6 +144,39 @@ def test_kv_aware_weighs_the_cached_prefix_against_load() -> None:
     assert policy.choose([b, c, _replica("d", load=1)], other).replica == "d"  # least loaded
 
 
+def test_kv_aware_matches_each_scheme_and_falls_back_where_it_cannot() -> None:
+    """Sim and vLLM replicas of one model: the sim's are matched on its text hashes; a vLLM
+    replica whose hashes this router cannot compute (here: no tokenizer where it says) is
+    treated as holding nothing, and the reason is kept. With only such replicas the
+    policy falls back to prompt affinity, consistently."""
+    idx = KVIndex()
+    synced(idx, "a")
+    vllm = K.vllm_scheme(
+        algo="sha256", seed="s", int_hashes=True, tokenizer="/nowhere/at/all", block_size=BS
+    )
+    idx.load({**snap("v", 0, []), "hashing": vllm})
+    text = render_prompt([{"role": "user", "content": "x" * 600}])
+    idx.apply(batch("a", 1, [K.stored(K.text_block_hashes(text, BS), None, BS)]))
+    policy = KVAware(idx)
+    env = {"messages": [{"role": "user", "content": "x" * 600}]}
+    req = RouteRequest("m", rendered=text, env=env)
+    a, v = _replica("a", load=2), _replica("v", load=0)
+    assert policy.choose([a, v], req) is a
+    assert policy.last == {"a": len(K.text_block_hashes(text, BS))}
+    (reason,) = policy.hashers.unavailable.values()
+    assert "transformers" in reason or "not found" in reason
+    # Only the replica it cannot match: prompt affinity, the same replica every time.
+    w = _replica("w")
+    idx.load({**snap("w", 0, []), "hashing": vllm})
+    picks = {policy.choose([v, w], req).replica for _ in range(5)}
+    assert len(picks) == 1
+    # A seed nobody outside the engine knows (xxhash without PYTHONHASHSEED).
+    secret = {**vllm, "seed": None, "tokenizer": "/elsewhere"}
+    idx.load({**snap("x", 0, []), "hashing": secret})
+    policy.choose([_replica("x")], req)
+    assert any("random" in r for r in policy.hashers.unavailable.values())
+
+
 # -- on the bus -----------------------------------------------------------------------------
 PREFIXES = [[{"role": "system", "content": f"{i} you are agent {i}. " * 12}] for i in range(6)]
 

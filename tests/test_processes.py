@@ -199,10 +199,19 @@ async def test_status_lists_replicas_and_load(procs: Procs, model: str) -> None:
                 for c in ("priority", "default", "flex")
             },
             "flows": {},
+            # Its prefix cache reports events (the sim's hashing): kv_aware routes exactly.
+            "kv_routing": "exact (text)",
         }
     ]
     table = run_cli("--nats-url", procs.url, "status", timeout=30, check=True).stdout
     assert "REPLICA" in table and f"{model}-a" in table and "0/0/0" in table
+    assert "KV_ROUTING" in table and "exact (text)" in table
+    # A replica without events (no prefix cache here; the openai backend never has any).
+    start_worker(procs, model, "b", "--sim-kv-cache-blocks", "0")
+    await wait_replicas(procs.url, model, 2)
+    out = run_cli("--nats-url", procs.url, "status", "--json", timeout=30, check=True).stdout
+    kinds = {r["replica"]: r["kv_routing"] for r in json.loads(out)["replicas"]}
+    assert kinds[f"{model}-b"] == "approximate"
 
 
 def test_status_without_nats_is_a_clear_error(tmp_path: Any) -> None:

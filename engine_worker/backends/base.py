@@ -198,7 +198,9 @@ class KVEventSource(Protocol):
     and snapshots. :class:`engine_worker.kvcache.KVCache` is one.
 
     Optional: a backend offers it through a method ``kv_events()`` returning it, or None
-    while its engine keeps no prefix cache (:func:`kv_event_source`)."""
+    while its engine keeps no prefix cache (:func:`kv_event_source`). A source whose engine
+    does not hash as the sim does says how it does in an attribute ``hashing``
+    (:func:`bus_schemas.kv_events.vllm_scheme`), sent with its snapshots."""
 
     block_size: int
     capacity: int

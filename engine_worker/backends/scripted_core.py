@@ -12,7 +12,7 @@ serving classes. Only the GPU's work (scheduling and sampling) is scripted.
 
 The clock is the sim's (:mod:`engine_worker.backends.sim`): at most ``max_running``
 sequences run at once; an admitted one's first token comes after ``prefill_ms +
-prefill_ms_per_token * prompt_tokens``; running ones advance together, one token each, in
+prefill_ms_per_token * uncached prompt tokens``; running ones advance together, one token each, in
 steps of ``decode_ms + decode_ms_per_seq * batch`` (tensor parallelism scales both as the sim
 does). Tokens are drawn deterministically from the tokenizer's vocabulary (only ids that
 decode to printable text on their own): each is a hash of the request's seed and the last
@@ -23,6 +23,15 @@ emit instead (a ``<tool_call>`` for vLLM's hermes parser, a ``<think>`` block fo
 parser), which then ends with the end-of-sequence token. A request finishes as vLLM's
 scheduler finishes it: end-of-sequence (unless ``ignore_eos``), a stop token id,
 ``max_tokens``, the model's context, or an abort.
+
+With vLLM's prefix caching on (its default) and ``kv_cache_blocks`` above 0, the core keeps
+a paged prefix cache (:class:`engine_worker.kvcache.KVCache`, the sim's model of vLLM's
+``BlockPool``) whose blocks are named by vLLM's own block hashes (``hash_block_tokens`` with
+the configured ``prefix_caching_hash_algo``, after ``init_none_hash`` as the engine core
+does), reports a prompt's cached tokens as vLLM's scheduler does (``prefill_stats``, so
+``usage.prompt_tokens_details.cached_tokens``), and, with ``kv_events_config`` on, publishes
+``BlockStored``/``BlockRemoved``/``AllBlocksCleared`` through vLLM's own
+``EventPublisherFactory`` (its ZMQ publisher): what a tokenbus vllm worker subscribes to.
 
 It lives in the project, not under ``tests/``, because ``tokenbus serve worker --backend
 vllm`` must be able to use it: the deployment-shape benchmark runs vLLM's front end on it,
@@ -120,6 +129,11 @@ class ScriptedCoreSettings(BaseModel):
     )
     answer_tokens_sigma: float = Field(default=0.9, ge=0, description="Spread (natural log).")
     answer_tokens_min: int = Field(default=8, ge=1, description="Shortest natural answer.")
+    kv_cache_blocks: int = Field(
+        default=16384,
+        ge=0,
+        description="Blocks in the prefix cache (vLLM's block size); 0: no prefix cache.",
+    )
     scripts: list[Script] = Field(default_factory=list, description="First match wins.")
 
     @classmethod
@@ -148,6 +162,11 @@ class _Seq:
     natural: int | None
     # A pooling (embedding) request: answered once, after its prefill, with a vector.
     pool: list[int] | None = None
+    # The prompt's ids and its full blocks' vLLM hashes (prefix cache on), its blocks.
+    ids: list[int] = field(default_factory=list)
+    hashes: list[Any] = field(default_factory=list)
+    lease: Any = None
+    cached: int = 0  # prompt tokens read from the cache
     emitted: int = 0
     ready_at: float = 0.0
     done: bool = False
@@ -198,6 +217,7 @@ class ScriptedCoreClient:
         ]
         self.waiting: deque[_Seq] = deque()
         self.prefilling: list[_Seq] = []
+        self.cache = _PrefixCache.build(vllm_config, settings)
         self.running: list[_Seq] = []
         self._next_decode = 0.0
         self._queue: asyncio.Queue[Any] | None = None
@@ -263,21 +283,34 @@ class ScriptedCoreClient:
     def _admit(self, now: float) -> None:
         while self.waiting and len(self.running) + len(self.prefilling) < self.settings.max_running:
             s = self.waiting.popleft()
-            s.ready_at = now + self.prefill_s(s.prompt_len)
+            uncached = s.prompt_len
+            if self.cache is not None and s.pool is None:
+                s.lease = self.cache.acquire(s.hashes, s.prompt_len)
+                s.cached = s.lease.cached_tokens
+                uncached -= s.cached
+            s.ready_at = now + self.prefill_s(uncached)
             self.prefilling.append(s)
 
     def _step(self, now: float) -> list[Any]:
         out: list[Any] = []
+        cache = self.cache
         if self.running and now >= self._next_decode - 1e-4:
             for s in self.running:
                 out.append(self._emit(s))
+                if cache is not None and s.lease is not None:
+                    cache.grow(s, s.prompt_len + s.emitted)
+            self._release([s for s in self.running if s.done])
             self.running = [s for s in self.running if not s.done]
             self._next_decode = now + self.step_s(len(self.running))
         still: list[_Seq] = []
         for s in self.prefilling:
             if s.ready_at <= now + 1e-4:
+                if cache is not None and s.lease is not None:
+                    cache.commit(s)
                 out.append(self._emit(s))
-                if not s.done:
+                if s.done:
+                    self._release([s])
+                else:
                     if not self.running:
                         self._next_decode = now + self.step_s(1)
                     self.running.append(s)
@@ -285,7 +318,18 @@ class ScriptedCoreClient:
                 still.append(s)
         self.prefilling = still
         self._admit(now)
+        if cache is not None:
+            cache.publish()
         return out
+
+    def _release(self, done: list[_Seq]) -> None:
+        """Finished or aborted sequences give their blocks back (cached ones stay cached)."""
+        if self.cache is None:
+            return
+        for s in done:
+            if s.lease is not None:
+                self.cache.release(s.lease)
+                s.lease = None
 
     def _outputs(self, outputs: list[Any]) -> Any:
         stats = None
@@ -358,6 +402,21 @@ class ScriptedCoreClient:
             new_logprobs=self._logprobs(tid, s.logprobs),
             finish_reason=finish,
             stop_reason=stop,
+            prefill_stats=self._prefill_stats(s) if s.emitted == 1 else None,
+        )
+
+    def _prefill_stats(self, s: _Seq) -> Any:
+        """What vLLM's scheduler reports of a prefill: its cached tokens become the usage's
+        ``prompt_tokens_details.cached_tokens``."""
+        if self.cache is None:
+            return None
+        from vllm.v1.metrics.stats import PrefillStats
+
+        return PrefillStats(
+            num_prompt_tokens=s.prompt_len,
+            num_computed_tokens=s.prompt_len - s.cached,
+            num_cached_tokens=s.cached,
+            num_local_cached_tokens=s.cached,
         )
 
     def _embedding(self, ids: list[int]) -> Any:
@@ -414,6 +473,7 @@ class ScriptedCoreClient:
                 pool=ids,
             )
         text = self.tokenizer.decode(ids, skip_special_tokens=False)
+        hashes = self.cache.hashes(ids) if self.cache is not None else []
         script = next((toks for marker, toks in self._scripts if marker in text), None)
         seed, tail = f"{sp.seed}|", text[-TAIL_CHARS:]
         natural = None
@@ -432,6 +492,8 @@ class ScriptedCoreClient:
             tail=tail,
             script=script,
             natural=natural,
+            ids=ids,
+            hashes=hashes,
         )
 
     def _natural(self, start: int) -> int | None:
@@ -446,6 +508,7 @@ class ScriptedCoreClient:
         """Drop the requests; recorded in :attr:`aborted`."""
         gone = set(request_ids)
         self.record.aborted.extend(request_ids)
+        self._release([s for s in (*self.prefilling, *self.running) if s.rid in gone])
         self.waiting = deque(s for s in self.waiting if s.rid not in gone)
         self.prefilling = [s for s in self.prefilling if s.rid not in gone]
         self.running = [s for s in self.running if s.rid not in gone]
@@ -471,8 +534,12 @@ class ScriptedCoreClient:
         """Nothing cached."""
 
     async def reset_prefix_cache_async(self, *args: Any, **kwargs: Any) -> bool:
-        """Nothing cached."""
-        return True
+        """Drop the prefix cache (False while a running sequence holds blocks, as vLLM)."""
+        if self.cache is None:
+            return True
+        ok = self.cache.clear()
+        self.cache.publish()
+        return ok
 
     async def reset_encoder_cache_async(self) -> None:
         """Nothing cached."""
@@ -509,18 +576,138 @@ class ScriptedCoreClient:
         return [None]
 
     def get_kv_event_sources(self) -> dict[int, Any]:
-        """No KV events."""
-        return {}
+        """The KV-event publisher's config (its endpoints), as vLLM's engine reports it."""
+        config = self.cache.publisher_config() if self.cache is not None else None
+        return {} if config is None else {0: config}
 
     def dp_engines_running(self) -> bool:
         """No data parallelism."""
         return False
 
     def shutdown(self, timeout: float | None = None) -> None:
-        """Stop the clock."""
+        """Stop the clock (and the KV-event publisher)."""
         if self._task is not None:
             self._task.cancel()
             self._task = None
+        if self.cache is not None:
+            self.cache.shutdown()
+
+
+class _PrefixCache:
+    """The core's prefix cache: :class:`engine_worker.kvcache.KVCache` over vLLM's block
+    hashes, and vLLM's KV-event publisher fed from its events."""
+
+    def __init__(self, vllm_config: Any, capacity: int) -> None:
+        from vllm.distributed.kv_events import EventPublisherFactory
+        from vllm.utils.hashing import get_hash_fn_by_name
+        from vllm.v1.core import kv_cache_utils as U
+
+        from engine_worker.kvcache import KVCache
+
+        cc = vllm_config.cache_config
+        self.block_size = int(cc.block_size)
+        self._hash_fn = get_hash_fn_by_name(cc.prefix_caching_hash_algo)
+        U.init_none_hash(self._hash_fn)  # as the engine core does at start
+        self._U = U
+        self.kv = KVCache(capacity, self.block_size, medium="GPU")
+        self.kv.on_events(lambda: None)  # keep its events: published each step
+        # Every cached block's token ids (BlockStored carries them).
+        self._tokens: dict[Any, list[int]] = {}
+        self._publisher = EventPublisherFactory.create(vllm_config.kv_events_config, 0)
+        self._on = vllm_config.kv_events_config is not None and bool(
+            vllm_config.kv_events_config.enable_kv_cache_events
+        )
+
+    @classmethod
+    def build(cls, vllm_config: Any, settings: ScriptedCoreSettings) -> _PrefixCache | None:
+        """One for a generating model with prefix caching on and cache blocks to spare."""
+        cc = vllm_config.cache_config
+        pooling = getattr(vllm_config.model_config, "runner_type", "generate") == "pooling"
+        if pooling or not cc.enable_prefix_caching or settings.kv_cache_blocks < 1:
+            return None
+        return cls(vllm_config, settings.kv_cache_blocks)
+
+    def hashes(self, ids: list[int]) -> list[Any]:
+        """vLLM's hashes of the full blocks of prompt ``ids`` (no LoRA or multimodal keys)."""
+        bs, fn, hb = self.block_size, self._hash_fn, self._U.hash_block_tokens
+        out: list[Any] = []
+        parent = None
+        for i in range(0, len(ids) - bs + 1, bs):
+            parent = hb(fn, parent, ids[i : i + bs], None)
+            out.append(parent)
+        return out
+
+    def acquire(self, hashes: list[Any], tokens: int) -> Any:
+        return self.kv.acquire(hashes, tokens)
+
+    def commit(self, s: _Seq) -> None:
+        """``s``'s prefill is done: its new full blocks are cached."""
+        bs = self.block_size
+        for i, h in enumerate(s.hashes):
+            if h not in self.kv:
+                self._tokens[h] = s.ids[i * bs : (i + 1) * bs]
+        self.kv.commit(s.lease)
+
+    def grow(self, s: _Seq, tokens: int) -> None:
+        while s.lease.tokens < tokens:
+            self.kv.grow(s.lease)
+
+    def release(self, lease: Any) -> None:
+        self.kv.release(lease)
+
+    def clear(self) -> bool:
+        return self.kv.clear()
+
+    def publish(self) -> None:
+        """Send this step's events as one ``KVEventBatch`` (or drop them: events off)."""
+        _, events = self.kv.drain_events()
+        if not events:
+            return
+        from vllm.distributed.kv_events import (
+            AllBlocksCleared,
+            BlockRemoved,
+            BlockStored,
+            KVEventBatch,
+        )
+
+        ext = self._U.maybe_convert_block_hash
+        out: list[Any] = []
+        for ev in events:
+            kind = ev["type"]
+            if kind == "stored":
+                hashes = ev["hashes"]
+                parent = ev.get("parent")
+                out.append(
+                    BlockStored(
+                        block_hashes=[ext(h) for h in hashes],
+                        parent_block_hash=None if parent is None else ext(parent),
+                        token_ids=[t for h in hashes for t in self._tokens.get(h, ())],
+                        block_size=self.block_size,
+                        lora_id=None,
+                        medium="GPU",
+                        lora_name=None,
+                    )
+                )
+            elif kind == "removed":
+                for h in ev["hashes"]:
+                    self._tokens.pop(h, None)
+                out.append(BlockRemoved(block_hashes=[ext(h) for h in ev["hashes"]], medium="GPU"))
+            else:
+                self._tokens.clear()
+                out.append(AllBlocksCleared())
+        if self._on and self._publisher is not None:
+            self._publisher.publish(KVEventBatch(ts=time.time(), events=out))
+
+    def publisher_config(self) -> Any:
+        if not self._on or self._publisher is None:
+            return None
+        return self._publisher.get_publisher_config()
+
+    def shutdown(self) -> None:
+        publisher, self._publisher = self._publisher, None
+        if publisher is not None:
+            with contextlib.suppress(Exception):
+                publisher.shutdown()
 
 
 @dataclass

@@ -272,6 +272,7 @@ class _Seq:
         "emitted",
         "lease",
         "listener",
+        "looked_up",
         "max_tokens",
         "prefill_s",
         "prompt",
@@ -297,6 +298,7 @@ class _Seq:
         # Its blocks in the prefix cache (None: no cache, or not admitted yet / released).
         self.lease: Lease | None = None
         self.cached = 0  # prompt tokens read from the cache at admission
+        self.looked_up = False  # whether the prefix cache was asked (it is on)
         self.prefill_s = 0.0  # the prefill time the engine gave it
         # A fixed output (JSON text, tool-call arguments); None: the prompt's text tokens.
         self.toks = toks
@@ -375,6 +377,7 @@ class SimEngine:
             if cache is not None:
                 lease = s.lease = cache.acquire(cache.hashes_of(s.prompt), s.prompt_tokens)
                 s.cached = lease.cached_tokens
+                s.looked_up = True
             s.prefill_s = self.prefill_s(s.prompt_tokens - s.cached)
             s.ready_at = now + s.prefill_s
             self.prefilling.append(s)
@@ -599,7 +602,15 @@ class SimStream(_TextOut):
             return None
         out, matched = released
         if matched is not None:
-            return Delta(out, n, "stop", self.ptoks, self.produced, stop_sequence=matched)
+            return Delta(
+                out,
+                n,
+                "stop",
+                self.ptoks,
+                self.produced,
+                stop_sequence=matched,
+                usage=cached_details(self.seq),
+            )
         return Delta(out, n)
 
     def _last(self) -> Delta:
@@ -607,7 +618,9 @@ class SimStream(_TextOut):
         (``length``, or ``stop`` where the answer ended on its own)."""
         self.finished = True
         tail, self.sent = self.text[self.sent :], len(self.text)
-        return Delta(tail, 0, self.finish, self.ptoks, self.produced)
+        return Delta(
+            tail, 0, self.finish, self.ptoks, self.produced, usage=cached_details(self.seq)
+        )
 
     async def push(self, sink: Callable[[Delta], object]) -> None:
         """Every delta to ``sink`` from the engine's step itself, not through a task per
@@ -811,8 +824,23 @@ class SimExtraStream(_TextOut):
         if finish is None:
             return Delta(text, n, tool_calls=calls, logprobs=logprobs)
         return Delta(
-            text, n, finish, self.ptoks, self.produced, tool_calls=calls, logprobs=logprobs
+            text,
+            n,
+            finish,
+            self.ptoks,
+            self.produced,
+            tool_calls=calls,
+            logprobs=logprobs,
+            usage=cached_details(self.seq),
         )
+
+
+def cached_details(seq: _Seq) -> dict[str, Any] | None:
+    """The usage's ``prompt_tokens_details`` (the prompt tokens read from the prefix cache),
+    as vLLM reports them; None when the engine keeps no prefix cache."""
+    if not seq.looked_up:
+        return None
+    return {"prompt_tokens_details": {"cached_tokens": seq.cached}}
 
 
 # The most numbers one embeddings request may ask of the sim (its vectors are pure Python).

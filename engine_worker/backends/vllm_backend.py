@@ -141,6 +141,9 @@ class VLLMBackend:
         self._inflight: dict[object, bool] = {}
         # Latest scheduler snapshot per engine core: (running, waiting, kv_usage).
         self._sched: dict[int, tuple[int, int, float]] = {}
+        # vLLM's KV events, forwarded (docs/kv-events.md); the folder of their IPC sockets.
+        self._kv: Any = None
+        self._kv_folder: str | None = None
 
     # -- configuration ----------------------------------------------------------------------
     def options(self) -> dict[str, Any]:
@@ -212,6 +215,34 @@ class VLLMBackend:
         names = [p.name for p in getattr(models, "base_model_paths", ())]
         names += [n for n in getattr(models, "lora_requests", {}) if n not in names]
         self.served_models = names
+        await self._follow_kv_events(engine)
+
+    async def _follow_kv_events(self, engine: Any) -> None:
+        """Subscribe to the engine's KV-event publisher, if it has one (rank 0: a worker is
+        one data-parallel rank)."""
+        get = getattr(engine, "get_kv_event_sources", None)
+        sources = get() if callable(get) else {}
+        config = sources.get(0) if isinstance(sources, dict) else None
+        if config is None or not getattr(config, "enable_kv_cache_events", False):
+            return
+        from engine_worker.backends import vllm_kv
+
+        vc = engine.vllm_config
+        kv = vllm_kv.VLLMKVEvents(
+            block_size=int(vc.cache_config.block_size),
+            capacity=int(vc.cache_config.num_gpu_blocks or 0),
+            hashing=vllm_kv.hashing_of(vc),
+            endpoint=config.endpoint,
+            replay_endpoint=config.replay_endpoint,
+            topic=config.topic,
+            folder=self._kv_folder,
+        )
+        await kv.start()
+        self._kv = kv
+
+    def kv_events(self) -> Any:
+        """vLLM's KV events as the worker's event source (None: not on)."""
+        return self._kv
 
     def _build(self) -> tuple[Any, Any]:
         """Parse the options with vLLM's serve parser and create the engine (in a thread)."""
@@ -280,7 +311,31 @@ class VLLMBackend:
         loras = {getattr(m, "name", None) for m in getattr(args, "lora_modules", None) or ()}
         if getattr(args, "served_model_name", None) is None and self.cfg.model not in loras:
             args.served_model_name = [self.cfg.model]
+        self._turn_on_kv_events(args)
+        if (
+            getattr(args, "enable_prompt_tokens_details", None) is False
+            and "enable_prompt_tokens_details" not in self._operator_options()
+        ):
+            # Cached prompt tokens in usage, as OpenAI always reports them.
+            args.enable_prompt_tokens_details = True
         return args
+
+    def _turn_on_kv_events(self, args: Any) -> None:
+        """Turn vLLM's KV events on (``worker.vllm.kv_events``), on IPC sockets of this
+        worker's own, unless the operator configured them (their publisher is followed
+        then) or prefix caching is off."""
+        if (
+            not self.cfg.vllm.kv_events
+            or getattr(args, "kv_events_config", "absent") is not None
+            or getattr(args, "enable_prefix_caching", None) is False
+        ):
+            return
+        from vllm.config import KVEventsConfig
+
+        from engine_worker.backends import vllm_kv
+
+        self._kv_folder = vllm_kv.private_folder()
+        args.kv_events_config = KVEventsConfig(**vllm_kv.events_config(self._kv_folder))
 
     @staticmethod
     def _shutdown_orphan(built: Any) -> None:
@@ -336,7 +391,7 @@ class VLLMBackend:
         return factory
 
     async def stop(self) -> None:
-        """Shut the engine down (its core processes and IPC)."""
+        """Shut the engine down (its core processes and IPC); its cache is gone too."""
         engine, self.engine = self.engine, None
         self.state = None
         if engine is None:
@@ -344,6 +399,8 @@ class VLLMBackend:
         shutdown = getattr(engine, "shutdown", None)
         if shutdown is not None:
             await _maybe_await(shutdown())
+        if self._kv is not None:
+            await self._kv.close()
 
     # -- load -------------------------------------------------------------------------------
     def observe_scheduler_stats(self, stats: Any, engine_index: int = 0) -> None:

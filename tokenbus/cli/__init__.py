@@ -437,6 +437,7 @@ async def _status(a: argparse.Namespace, s: cfgmod.Settings) -> int:
         "tp",
         "pool",
         "draining",
+        "kv_routing",
     ]
     widths = {c: max(len(c), *(len(str(r[c])) for r in rows)) for c in cols}
     print("  ".join(c.upper().ljust(widths[c]) for c in cols))
