@@ -78,6 +78,14 @@ def add_arguments(te: Any) -> None:
         help=f"--kv-sessions: the policies compared (default {','.join(POLICIES)})",
     )
     te.add_argument(
+        "--kv-routers",
+        type=int,
+        default=1,
+        help="--kv-sessions: routing instances (bridge processes that route in-process), each "
+        "turn on a new connection so it may land on any of them, as behind a request-level "
+        "load balancer",
+    )
+    te.add_argument(
         "--kv-churn",
         action="store_true",
         help="--kv-sessions: kill one replica at half time and start another",
@@ -92,7 +100,10 @@ async def _session(
     rng = random.Random(a.seed * 7919 + sid)
     messages: list[dict[str, Any]] = [{"role": "system", "content": system}]
     headers = {"X-Session-Id": f"s{sid}"}
-    async with aiohttp.ClientSession(headers=headers) as http:
+    # With several routing instances a turn may land on any of them: a new connection each
+    # (the kernel spreads connections over the bridge processes' shared port).
+    connector = aiohttp.TCPConnector(force_close=a.kv_routers > 1)
+    async with aiohttp.ClientSession(headers=headers, connector=connector) as http:
         for turn in range(a.kv_turns):
             messages.append({"role": "user", "content": _text(rng, rng.randint(200, 2000))})
             body = {
@@ -170,6 +181,7 @@ async def _one(a: argparse.Namespace, policy: str, sessions: int) -> dict[str, A
         nats_too=True,
         routing=json.dumps({"policy": policy}),
         engine="sim",
+        bridge_processes=max(1, a.kv_routers),
     )
     env = {
         "TOKENBUS_WORKER__SIM__PREFILL_MS_PER_TOKEN": str(a.kv_prefill_ms_per_token),
@@ -210,6 +222,7 @@ async def _one(a: argparse.Namespace, policy: str, sessions: int) -> dict[str, A
     return {
         "policy": policy,
         "sessions": sessions,
+        "routers": max(1, a.kv_routers),
         "turns": len(turns),
         "errors": len(turns) - len(ok),
         "first_error": next((t["error"] for t in turns if not t["ok"]), ""),
