@@ -165,6 +165,10 @@ class Client(NATS):
         # its key store is still loading) is no verdict on the key.
         self.unreachable_at = -REFUSAL_GRACE_S
         self.logged_in = False  # once: a later refusal is on a reconnect
+        # The id of the server process this client last logged in to: a refusal by another
+        # one (restarted, or another node) comes from a server that just came back.
+        self._logged_server = ""
+        self._graced_server = ""  # the other server whose refusals the grace started at
 
     async def _connect_to_server(self, s: Any) -> None:
         try:
@@ -177,14 +181,30 @@ class Client(NATS):
         try:
             await super()._process_connect_init()
         except Exception as exc:
-            if not is_login_refusal(exc):
+            if not is_login_refusal(exc) or self._new_server_refused():
                 # No answer to the login (a restarted server whose auth service is not back
-                # answers none in time): the server is not ready yet, no verdict on the key.
+                # answers none in time), or a refusal by a server process other than the one
+                # last logged in to (restarted faster than the reconnect wait, so never
+                # unreachable): the server is not ready yet, no verdict on the key.
                 self.unreachable_at = time.monotonic()
             elif self.refusal_is_final and not self._server_returning():
                 self.refused = exc
             raise
         self.logged_in = True
+        self._logged_server = str(self._server_info.get("server_id") or "")
+
+    def _new_server_refused(self) -> bool:
+        """Whether this is the first refusal by a server process other than the one last
+        logged in to (its INFO's ``server_id``; a kicked connection reconnects to the same
+        one): the grace starts there, once, so a key really revoked is still refused for
+        good when it is over."""
+        now = str(self._server_info.get("server_id") or "")
+        if not (self.logged_in and now and now != self._logged_server):
+            return False
+        if now == self._graced_server:
+            return False
+        self._graced_server = now
+        return True
 
     def _server_returning(self) -> bool:
         """Whether this is a reconnect to a server that was unreachable moments ago (it
