@@ -26,13 +26,24 @@ def limits_header(rpm: int | None, tpm: int | None, concurrent: int | None) -> s
     return ",".join("" if v is None else str(v) for v in (rpm, tpm, concurrent))
 
 
-def authenticate(keys: KeyStore, hdrs: dict[str, str], aliases: AliasTable | None = None) -> bool:
+def authenticate(
+    keys: KeyStore,
+    hdrs: dict[str, str],
+    aliases: AliasTable | None = None,
+    *,
+    key_id: str | None = None,
+) -> bool:
     """The auth stage's work on a request's headers (in place): the key out, the principal,
     its limits and its filter policy in, the model an alias names resolved (the key's own
     aliases first, then ``aliases``); raises 401/403 errors. Returns whether the model
-    changed (the envelope's must then follow: :func:`services.aliases.envelope_for`)."""
+    changed (the envelope's must then follow: :func:`services.aliases.envelope_for`).
+
+    ``key_id``: the request is one a trusted service in this process runs for a key that
+    submitted it earlier (a batch line, a background response), never anything a client
+    sent: the key is checked by id (still valid, still allowed this model)."""
     try:
-        rec = keys.lookup(hdrs.pop(H.API_KEY, None))
+        presented = hdrs.pop(H.API_KEY, None)
+        rec = keys.by_id(key_id) if key_id is not None else keys.lookup(presented)
         asked = hdrs.get(H.MODEL, "")
         served = aliases.resolve(asked, rec.aliases) if aliases is not None else asked
         keys.authorize(rec, asked, served)

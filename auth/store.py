@@ -167,6 +167,15 @@ class KeyStore:
         """The cached record of ``key_id`` (None when there is none)."""
         return self._cache.get(key_id)
 
+    def by_id(self, key_id: str) -> KeyRecord:
+        """The record of ``key_id`` for work the key submitted earlier and a trusted service
+        now runs on its behalf (a batch's lines): :class:`E.Unauthorized` when the key is
+        gone, revoked or expired since."""
+        rec = self._cache.get(key_id)
+        if rec is None:
+            raise E.Unauthorized(f"the API key {key_id} no longer exists")
+        return self._valid(rec)
+
     def lookup(self, key: str | None) -> KeyRecord:
         """The record of a presented key, or :class:`E.Unauthorized` (never says which part
         was wrong beyond what the caller already knows)."""
@@ -179,6 +188,10 @@ class KeyStore:
         rec = self._cache.get(key_id) if key_id else None
         if rec is None or not matches(key, rec):
             raise E.Unauthorized("the API key is not valid")
+        return self._valid(rec)
+
+    @staticmethod
+    def _valid(rec: KeyRecord) -> KeyRecord:
         if not rec.enabled:
             raise E.Unauthorized(f"the API key {rec.id} has been revoked")
         if rec.expired(time.time()):

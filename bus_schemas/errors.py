@@ -306,6 +306,13 @@ class InternalError(TokenbusError):
     status = 500
 
 
+class StorageFull(TokenbusError):
+    """A store (files, batches) reached its configured size bound."""
+
+    code = "storage_full"
+    status = 507
+
+
 ERRORS_BY_CODE: dict[str, type[TokenbusError]] = {
     k.code: k
     for k in (
@@ -326,6 +333,7 @@ ERRORS_BY_CODE: dict[str, type[TokenbusError]] = {
         Overloaded,
         ReplicaBusy,
         ServiceUnavailable,
+        StorageFull,
         ReplicaDraining,
         ReplicaLost,
         Timeout,

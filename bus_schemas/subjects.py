@@ -110,6 +110,22 @@ def heartbeat_wildcard() -> str:
     return f"{PREFIX}.heartbeat.*.*"
 
 
+def batch_work(batch_id: str, what: str) -> str:
+    """A unit of batch work in the JetStream work queue (docs/batches.md): ``validate`` a
+    new batch, or run one of its lines (``line``)."""
+    return f"{PREFIX}.batch.work.{token(batch_id)}.{what}"
+
+
+def batch_work_wildcard(batch_id: str | None = None) -> str:
+    return f"{PREFIX}.batch.work.{token(batch_id) if batch_id else '*'}.>"
+
+
+def batch_done(owner: str) -> str:
+    """Where a finished batch (completed, failed, expired, cancelled) is announced, per
+    owner (an API key id; ``_`` for an open deployment), for NATS clients to wait on."""
+    return f"{PREFIX}.batch.done.{token(owner or '_')}"
+
+
 def kv_events(model: str, replica: str) -> str:
     """Where a replica publishes its prefix cache's events, in batches
     (:mod:`bus_schemas.kv_events`)."""

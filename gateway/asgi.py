@@ -22,6 +22,7 @@ import json
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
+from urllib.parse import parse_qs
 
 import uvicorn
 from httptools import (
@@ -84,6 +85,44 @@ def header(scope: Scope, name: bytes) -> str | None:
         if k == name:
             return bytes(v).decode("latin-1")
     return None
+
+
+def query_of(scope: Scope) -> dict[str, str]:
+    """The request's query parameters (the last value of each)."""
+    raw = scope.get("query_string") or b""
+    return {k: v[-1] for k, v in parse_qs(bytes(raw).decode("latin-1")).items()}
+
+
+def list_page(
+    newest_first: list[dict[str, Any]],
+    query: dict[str, str],
+    *,
+    default: int = 20,
+    most: int = 100,
+) -> dict[str, Any]:
+    """A page of a list as OpenAI pages them: ``order`` (``desc``, newest first, by
+    default), ``after`` an item's id, ``limit`` 1..``most`` (``default``)."""
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise E.InvalidRequest("order: must be 'asc' or 'desc'", param="order")
+    limit_s = query.get("limit", str(default))
+    if not limit_s.isdigit() or not 1 <= int(limit_s) <= most:
+        raise E.InvalidRequest(f"limit: must be an integer from 1 to {most}", param="limit")
+    ordered = list(newest_first) if order == "desc" else list(reversed(newest_first))
+    after = query.get("after")
+    if after:
+        ids = [i.get("id") for i in ordered]
+        if after not in ids:
+            raise E.InvalidRequest(f"after: no item {after!r} in this list", param="after")
+        ordered = ordered[ids.index(after) + 1 :]
+    page = ordered[: int(limit_s)]
+    return {
+        "object": "list",
+        "data": page,
+        "first_id": page[0].get("id") if page else None,
+        "last_id": page[-1].get("id") if page else None,
+        "has_more": len(ordered) > len(page),
+    }
 
 
 def api_key(scope: Scope) -> dict[str, str]:

@@ -22,6 +22,8 @@ from gateway.admin_keys import AdminAPI
 from gateway.admin_routing import PREFIX as ROUTING_PREFIX
 from gateway.admin_routing import RoutingAdmin
 from gateway.asgi import HTTPLimits, HTTPServer, Receive, Scope, Send, serve
+from gateway.batches import BatchAPI, BatchRunner, BatchStore
+from gateway.files import FilesAPI, FileStore
 from gateway.ingress import Admission
 from gateway.messages import MessagesAPI
 from gateway.openai_api import OpenAIApp
@@ -82,6 +84,7 @@ class BusSource:
         request_id: str,
         timeout: float,
         headers: dict[str, str],
+        principal: str | None = None,
     ) -> Stream:
         # The bridge is the ingress of HTTP clients: it admits the request itself and sends
         # the envelope to the first stage, one hop fewer than a NATS client's request.
@@ -102,6 +105,16 @@ class BusSource:
         meta: dict[str, str | None] = {}  # what the stages learn (the key id), for the log
         sender = None
         stages, dispatcher = self.stages, self.dispatcher
+        if (
+            principal is not None
+            and self.keys is not None
+            and (stages is None or stages.keys is None)
+        ):
+            # Work run for a key by id (a batch line) passes auth in this process only.
+            raise E.ServiceUnavailable(
+                "work run on a key's behalf needs the bridge to run auth itself "
+                "(bridge.fuse_stages with auth in ingress.pipeline)"
+            )
         if stages is not None or dispatcher is not None:
             model = req.model
             nc = self.client.nc
@@ -111,7 +124,7 @@ class BusSource:
                 try:
                     served = model
                     if stages is not None:
-                        changed = await stages.run(h, env)
+                        changed = await stages.run(h, env, principal)
                         served = h.get(H.MODEL) or model  # auth resolves an alias
                         if served != model:  # the caller's envelope stays as sent
                             data = envelope_for(data, env, served)
@@ -205,6 +218,7 @@ class Bridge(Service):
         self.reuse_port = reuse_port
         self.http: HTTPServer | None = None
         self._own_keys: KeyStore | None = None  # /v1/models' key store when auth is not fused
+        self.batch_runner: BatchRunner | None = None
 
     def on_reconnected(self) -> None:
         super().on_reconnected()
@@ -279,6 +293,7 @@ class Bridge(Service):
         ResponsesAPI(api, store, key_owner(keys)).mount()
         # Anthropic's Messages API, a translation onto the same chat path.
         MessagesAPI(api).mount()
+        await self._mount_batches(api, keys)
         self.http = await serve(
             api,
             cfg.host,
@@ -353,8 +368,30 @@ class Bridge(Service):
         )
         await send({"type": "http.response.body", "body": body})
 
+    async def _mount_batches(self, api: OpenAIApp, keys: KeyStore | None) -> None:
+        """The Files and Batch APIs (docs/batches.md), and this process's batch runner; not
+        where JetStream is not available (logged)."""
+        try:
+            files = await FileStore(self.nc, self.settings.files).open()
+        except Exception as exc:
+            self.log.warning(
+                "files_not_served_here", reason="JetStream unavailable", error=repr(exc)
+            )
+            return
+        FilesAPI(files, key_owner(keys), self.settings.files).mount(api)
+        if not self.settings.batches.enabled:
+            return
+        ttl = self.settings.files.ttl_s
+        store = await BatchStore(self.nc, self.settings.batches, ttl).open()
+        BatchAPI(store, files, key_owner(keys), self.settings).mount(api)
+        self.batch_runner = BatchRunner(self.nc, store, files, api, self.settings.batches)
+        await self.batch_runner.start()
+
     async def stop_taking_work(self) -> None:
         # Stop listening, let open HTTP requests finish (up to the drain timeout), then close.
+        if self.batch_runner is not None:
+            await self.batch_runner.stop(self.settings.drain_timeout_s)
+            self.batch_runner = None
         await super().stop_taking_work()
         if self.http is not None:
             await self.http.stop()

@@ -116,6 +116,7 @@ class MessagesAPI:
             request_id=call.rid,
             timeout=self.app.timeout,
             headers=call.hdrs,
+            principal=call.principal,
         )
         return stream
 

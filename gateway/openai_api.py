@@ -79,6 +79,12 @@ class StreamLike(Protocol):
     async def aclose(self) -> None: ...
 
 
+# An ASGI scope key only this process sets, never the HTTP server: the id of the API key a
+# request is run for by a trusted caller here (a batch line: gateway/batches.py). Such a
+# request carries no key; auth checks the key by id (auth.service.authenticate).
+PRINCIPAL = "tokenbus.principal"
+
+
 class Source(Protocol):
     """Where generations come from."""
 
@@ -91,6 +97,7 @@ class Source(Protocol):
         request_id: str,
         timeout: float,
         headers: dict[str, str],
+        principal: str | None = None,
     ) -> StreamLike: ...
 
     def models(self) -> list[str]: ...
@@ -234,7 +241,13 @@ class OpenAIApp(RouteTable):
                 await self._completions(call, send, req, parts)
                 return
         stream = call.stream = self.source.open(
-            call.kind, req, call.body, request_id=call.rid, timeout=self.timeout, headers=call.hdrs
+            call.kind,
+            req,
+            call.body,
+            request_id=call.rid,
+            timeout=self.timeout,
+            headers=call.hdrs,
+            principal=call.principal,
         )
         if call.kind == KIND_EMBEDDINGS:
             await write_embeddings(send, req, stream, call.rid, call.progress)
@@ -258,7 +271,13 @@ class OpenAIApp(RouteTable):
         for i, (one, body) in enumerate(parts):
             rid = call.rid if len(parts) == 1 else f"{call.rid}-{i}"
             stream = self.source.open(
-                KIND_COMPLETIONS, one, body, request_id=rid, timeout=self.timeout, headers=call.hdrs
+                KIND_COMPLETIONS,
+                one,
+                body,
+                request_id=rid,
+                timeout=self.timeout,
+                headers=call.hdrs,
+                principal=call.principal,
             )
             # The first is the request's in the metrics and the trace; each is closed.
             if call.stream is None:
@@ -297,6 +316,7 @@ class OpenAIApp(RouteTable):
         span = _http_span(scope, kind, rid, hdrs) if tracing.on() else None
         token = tracing.activate(span)
         call = Call(kind, rid, hdrs, progress, span, receive, scope.get(BODY_NOW))
+        call.principal = scope.get(PRINCIPAL)
         try:
             call.body = await read_body(scope, receive, self.max_body, self.body_timeout)
             await serve(call, send)
@@ -347,6 +367,8 @@ class Call:
     stream: StreamLike | None = None
     more: list[StreamLike] = field(default_factory=list)  # a request's other streams
     watcher: asyncio.Task[None] | None = None
+    # The key a trusted caller in this process runs the request for (scope[PRINCIPAL]).
+    principal: str | None = None
 
     def watch(self) -> None:
         """The body is read: from here on the only message left is the disconnect, and a
@@ -432,11 +454,12 @@ def _record(
 
 
 # -- the request body -----------------------------------------------------------------------
-async def read_body(scope: Scope, receive: Receive, max_body: int, timeout_s: float = 30.0) -> Any:
-    """The request body as JSON: 413 past ``max_body`` bytes (by Content-Length or as read),
-    408 when it has not all arrived within ``timeout_s`` (the connection is closed), 400
-    when not JSON or beyond what tokenbus carries (:func:`check_json`); a client leaving
-    meanwhile raises ``CancelledError``."""
+async def read_bytes(
+    scope: Scope, receive: Receive, max_body: int, timeout_s: float = 30.0
+) -> bytes:
+    """The request body: 413 past ``max_body`` bytes (by Content-Length or as read), 408
+    when it has not all arrived within ``timeout_s`` (the connection is closed); a client
+    leaving meanwhile raises ``CancelledError``."""
     too_large = E.PayloadTooLarge(f"the request body is larger than {max_body} bytes")
     length = header(scope, b"content-length")
     if length is not None and length.isdigit() and int(length) > max_body:
@@ -462,8 +485,15 @@ async def read_body(scope: Scope, receive: Receive, max_body: int, timeout_s: fl
             f"{length or 'an unknown length'} came)",
             headers={"Connection": "close"},
         ) from None
+    return b"".join(chunks)
+
+
+async def read_body(scope: Scope, receive: Receive, max_body: int, timeout_s: float = 30.0) -> Any:
+    """The request body as JSON (:func:`read_bytes`), 400 when not JSON or beyond what
+    tokenbus carries (:func:`check_json`)."""
+    raw = await read_bytes(scope, receive, max_body, timeout_s)
     try:
-        body = json.loads(b"".join(chunks))
+        body = json.loads(raw)
     except RecursionError:
         raise E.InvalidJSON(f"the request body is nested deeper than {MAX_DEPTH} levels") from None
     except (ValueError, UnicodeDecodeError) as exc:

@@ -15,7 +15,6 @@ import json
 import time
 from collections.abc import Callable
 from typing import Any
-from urllib.parse import parse_qs
 
 from auth.store import KeyStore
 from bus_schemas import errors as E
@@ -23,7 +22,17 @@ from bus_schemas import headers as H
 from bus_schemas.subjects import KIND_CHAT
 from dialects import responses as R
 from gateway import validation
-from gateway.asgi import BodyNow, Receive, Scope, Send, api_key, send_error, send_json
+from gateway.asgi import (
+    BodyNow,
+    Receive,
+    Scope,
+    Send,
+    api_key,
+    list_page,
+    query_of,
+    send_error,
+    send_json,
+)
 from gateway.openai_api import (
     SSE_HEADERS,
     Call,
@@ -82,7 +91,9 @@ class ResponsesAPI:
     async def _create(self, call: Call, send: Send) -> None:
         app = self.app
         req = R.parse(call.body)
-        owner = self.owner(call.hdrs.get(H.API_KEY))
+        owner = (
+            call.principal if call.principal is not None else self.owner(call.hdrs.get(H.API_KEY))
+        )
         previous = await self._previous(req.previous_response_id, owner)
         turn = R.translate(req, call.body, previous)
         if self.store is None:
@@ -93,7 +104,13 @@ class ResponsesAPI:
             call.span.set_attribute(tracing.MODEL, chat.model)
         call.watch()
         stream = call.stream = app.source.open(
-            KIND_CHAT, chat, turn.chat, request_id=call.rid, timeout=app.timeout, headers=call.hdrs
+            KIND_CHAT,
+            chat,
+            turn.chat,
+            request_id=call.rid,
+            timeout=app.timeout,
+            headers=call.hdrs,
+            principal=call.principal,
         )
         if req.stream:
             await self._write_sse(send, turn, stream, call.rid, call.progress, owner, call.now)
@@ -232,7 +249,7 @@ class ResponsesAPI:
                     await self._store(rid).delete(rid, owner)
                     await send_json(send, 200, {"id": rid, "object": "response", "deleted": True})
                     return
-                query = _query(scope)
+                query = query_of(scope)
                 if query.get("stream") in ("true", "1"):
                     raise E.InvalidRequest(
                         "stream: replaying a stored response as events is not served; GET it whole",
@@ -243,7 +260,11 @@ class ResponsesAPI:
                 return
             if len(parts) == 2 and parts[1] == "input_items" and method == "GET":
                 rec = await self._store(parts[0]).get(parts[0], owner)
-                await send_json(send, 200, _page(rec.get("input_items") or [], _query(scope)))
+                await send_json(
+                    send,
+                    200,
+                    list_page(list(reversed(rec.get("input_items") or [])), query_of(scope)),
+                )
                 return
             if len(parts) == 2 and parts[1] == "cancel" and method == "POST":
                 await self._store(parts[0]).get(parts[0], owner)
@@ -296,36 +317,3 @@ def _events(b: R.ResponseBuilder, c: Chunk, buf: list[str]) -> None:
             buf.append(text)
             return
     buf.extend(sse(ev) for ev in b.add(c))
-
-
-def _query(scope: Scope) -> dict[str, str]:
-    raw = scope.get("query_string") or b""
-    return {k: v[-1] for k, v in parse_qs(bytes(raw).decode("latin-1")).items()}
-
-
-def _page(items: list[dict[str, Any]], query: dict[str, str]) -> dict[str, Any]:
-    """A page of input items as OpenAI lists them: ``order`` (``desc`` by default),
-    ``after`` an item id, ``limit`` 1..100 (20)."""
-    order = query.get("order", "desc")
-    if order not in ("asc", "desc"):
-        raise E.InvalidRequest("order: must be 'asc' or 'desc'", param="order")
-    limit_s = query.get("limit", "20")
-    if not limit_s.isdigit() or not 1 <= int(limit_s) <= 100:
-        raise E.InvalidRequest("limit: must be an integer from 1 to 100", param="limit")
-    ordered = list(reversed(items)) if order == "desc" else list(items)
-    after = query.get("after")
-    if after:
-        ids = [i.get("id") for i in ordered]
-        if after not in ids:
-            raise E.InvalidRequest(
-                f"after: no input item {after!r} in this response", param="after"
-            )
-        ordered = ordered[ids.index(after) + 1 :]
-    page = ordered[: int(limit_s)]
-    return {
-        "object": "list",
-        "data": page,
-        "first_id": page[0].get("id") if page else None,
-        "last_id": page[-1].get("id") if page else None,
-        "has_more": len(ordered) > len(page),
-    }

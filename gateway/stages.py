@@ -64,16 +64,20 @@ class LocalStages:
             self.policies = Policies(settings.filter)
         return self
 
-    async def run(self, hdrs: dict[str, str], env: dict[str, Any]) -> bool:
+    async def run(
+        self, hdrs: dict[str, str], env: dict[str, Any], principal: str | None = None
+    ) -> bool:
         """Apply the stages in order (headers and envelope in place); returns whether the
-        envelope changed. Raises the stage's error (401, 403, 429, 400, 503)."""
+        envelope changed. Raises the stage's error (401, 403, 429, 400, 503). ``principal``:
+        the id of the key a trusted caller in this process runs the request for
+        (:func:`auth.service.authenticate`)."""
         changed = False
         for name in self.names:
             # Traced, each stage is a span of its own, a child of the bridge's (whose
             # traceparent ``hdrs`` carry): current while it runs, failed with its refusal.
             with tracing.scope(self._span(name, hdrs)):
                 if name == subjects.STAGE_AUTH and self.keys is not None:
-                    authenticate(self.keys, hdrs, self.aliases)
+                    authenticate(self.keys, hdrs, self.aliases, key_id=principal)
                 elif name == subjects.STAGE_RATELIMIT and self.ratelimit is not None:
                     changed = await self.ratelimit.apply(hdrs, env) or changed
                 elif name == subjects.STAGE_FILTER and self.policies is not None:

@@ -547,6 +547,49 @@ class ResponsesSettings(BaseModel):
     )
 
 
+class FilesSettings(BaseModel):
+    """Files of the Files API (``/v1/files``: batch input and output), kept in a JetStream
+    object store (docs/batches.md)."""
+
+    max_file_bytes: int = Field(
+        default=100 << 20,
+        ge=1024,
+        description="The largest file one upload may carry (OpenAI's batch input limit is 200 "
+        "MB; the bridge holds an upload in memory while it stores it).",
+    )
+    ttl_s: float = Field(
+        default=30 * 86400.0, gt=0, description="A file is deleted this long after its upload."
+    )
+    max_bytes: int = Field(
+        default=10 << 30,
+        ge=1 << 20,
+        description="The object store's size bound: past it uploads are refused (507).",
+    )
+
+
+class BatchSettings(BaseModel):
+    """The Batch API (``/v1/batches``): lines run by every bridge process from a JetStream
+    work queue, at the lowest priority (docs/batches.md)."""
+
+    enabled: bool = Field(default=True, description="Serve /v1/batches and run batch lines.")
+    concurrency: int = Field(default=32, ge=1, description="Lines one bridge process runs at once.")
+    max_lines: int = Field(default=50_000, ge=1, description="Lines one batch may hold.")
+    priority: Literal["priority", "default", "flex"] = Field(
+        default="flex",
+        description="The class lines run in (flex: from spare capacity, after interactive "
+        "work; docs/flow.md).",
+    )
+    ack_wait_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="A line whose runner stopped answering (killed) runs again after this.",
+    )
+    max_deliver: int = Field(
+        default=6, ge=1, description="Tries of a line before a retryable error is final."
+    )
+    line_timeout_s: float = Field(default=600.0, gt=0, description="One line's time limit.")
+
+
 class UpSettings(BaseModel):
     """The local launcher (``tokenbus up``)."""
 
@@ -620,6 +663,8 @@ class Settings(BaseSettings):
     up: UpSettings = Field(default_factory=UpSettings)
     telemetry: TelemetrySettings = Field(default_factory=TelemetrySettings)
     responses: ResponsesSettings = Field(default_factory=ResponsesSettings)
+    files: FilesSettings = Field(default_factory=FilesSettings)
+    batches: BatchSettings = Field(default_factory=BatchSettings)
 
     @classmethod
     def settings_customise_sources(

@@ -47,6 +47,10 @@ USAGE = [f"{PREFIX}.usage", f"{PREFIX}.usage.>"]
 TELEMETRY = f"{PREFIX}.telemetry.>"
 ADMIN = f"{PREFIX}.admin.>"
 AUDIT = audit_wildcard()
+# The Batch API (docs/batches.md): its work queue and done announcements (bridges publish),
+# and its files in a JetStream object store (chunks and metadata on $O.<bucket>.>).
+BATCH = f"{PREFIX}.batch.>"
+OBJECTS = "$O.>"
 # What no role but admin may do to the audit stream, although JS_API allows it: delete it,
 # or change its limits (the stream itself refuses message deletes and purges to everyone;
 # these two are denied here as well in case it was created without them).
@@ -63,7 +67,7 @@ ROLES: dict[str, tuple[list[str], list[str]]] = {
     # admin API records key and routing changes in the audit trail.
     "bridge": (
         # usage: an in-process ratelimit settles a migrated request's earlier attempt.
-        [REQ, STAGES, ENGINE, CANCEL, INBOX, TELEMETRY, AUDIT, *USAGE, *JS_API],
+        [REQ, STAGES, ENGINE, CANCEL, INBOX, TELEMETRY, AUDIT, BATCH, OBJECTS, *USAGE, *JS_API],
         [INBOX, HEARTBEAT, KV_EVENTS, DISCOVERY, *USAGE],
     ),
     # KV: ingress keeps NATS clients' stored Responses API responses (tokenbus_responses)

@@ -114,7 +114,7 @@ INCONSISTENT = [
     Refusal("input", r"inputs? must not be empty", "nothing to answer"),
     Refusal("prompt", r"the list holds no prompt", "nothing to answer"),
     Refusal(r"max_(completion_)?tokens", r"greater than or equal to 1", "nothing to answer"),
-    Refusal("after", r"^after: no input item", "`after`"),
+    Refusal("after", r"^after: no item", "`after`"),
     Refusal(None, r"not a Responses API field", "chat fields sent to `/v1/responses`"),
 ]
 REFUSALS = NOT_SERVED + BOUNDED + IN_WORDS + INCONSISTENT

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 from collections.abc import Iterator
 from pathlib import Path
@@ -84,6 +85,9 @@ async def _noop(msg: Any) -> None:
     return None
 
 
+URL = "/v1/chat/completions"
+
+
 async def test_every_service_works_on_the_locked_bus(locked: Locked, tmp_path: Path) -> None:
     model = "locked-model"
     with Procs(locked.url, tmp_path) as procs:
@@ -100,6 +104,24 @@ async def test_every_service_works_on_the_locked_bus(locked: Locked, tmp_path: P
         async with stack.openai() as oai:
             out = await oai.chat.completions.create(model=model, messages=MSG, max_tokens=3)
             assert out.usage is not None and out.usage.completion_tokens == 3
+            # The bridge's files (object store) and batches (work queue, KV) on the locked
+            # bus: a batch runs through to its output file.
+            line = {"model": model, "messages": MSG, "max_tokens": 2}
+            body = "".join(
+                json.dumps({"custom_id": f"l{i}", "method": "POST", "url": URL, "body": line})
+                + "\n"
+                for i in range(3)
+            )
+            f = await oai.files.create(file=("in.jsonl", body.encode()), purpose="batch")
+            b = await oai.batches.create(input_file_id=f.id, endpoint=URL, completion_window="24h")
+            for _ in range(300):
+                b = await oai.batches.retrieve(b.id)
+                if b.status in ("completed", "failed"):
+                    break
+                await asyncio.sleep(0.1)
+            assert b.status == "completed" and b.output_file_id, b
+            got = (await oai.files.content(b.output_file_id)).read().decode().splitlines()
+            assert sorted(json.loads(x)["custom_id"] for x in got) == ["l0", "l1", "l2"]
         e = locked.env("client")
         async with await Client.connect(
             locked.url, user=e["TOKENBUS_NATS_USER"], password=e["TOKENBUS_NATS_PASSWORD"]

@@ -107,6 +107,7 @@ class DirectSource:
         request_id: str,
         timeout: float,
         headers: dict[str, str],
+        principal: str | None = None,
     ) -> DirectStream:
         if req.model != self.model:
             from bus_schemas import errors as E

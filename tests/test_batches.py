@@ -1,0 +1,361 @@
+"""The Files and Batch APIs (gateway/files.py, gateway/batches.py) with the official openai
+SDK, on a real nats-server with JetStream and real processes: auth, ratelimit, filter,
+ingress, router, sim workers and the HTTP bridge (whose processes run the lines).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from gateway.batches import parse_input
+from tests.conftest import (
+    NatsServer,
+    Procs,
+    ProcStack,
+    free_port,
+    key_store,
+    new_model,
+    start_stack,
+    wait_http,
+)
+
+ENV = {
+    "TOKENBUS_INGRESS__PIPELINE": '["auth", "ratelimit", "filter", "route"]',
+    # A runner killed mid-line hands its lines on after 3 s (60 s by default).
+    "TOKENBUS_BATCHES__ACK_WAIT_S": "3",
+    "TOKENBUS_FILES__MAX_FILE_BYTES": "2000000",
+}
+
+
+@dataclass
+class Env:
+    stack: ProcStack
+    model: str
+    key: str
+    other: str
+    procs: Procs
+
+
+@pytest.fixture(scope="module")
+async def env(
+    nats_server: NatsServer, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[Env]:
+    async with key_store(nats_server.url) as keys:
+        key, _ = await keys.create("batches-a")
+        other, _ = await keys.create("batches-b")
+    with Procs(nats_server.url, tmp_path_factory.mktemp("batches")) as ps:
+        stack = await start_stack(
+            ps,
+            new_model(),
+            "auth",
+            "ratelimit",
+            "filter",
+            "ingress",
+            "router",
+            workers=2,
+            worker_args=("--sim-prefill-ms", "2", "--sim-decode-ms", "1"),
+            env=ENV,
+        )
+        yield Env(stack, stack.model, key, other, ps)
+
+
+@pytest.fixture
+async def oai(env: Env) -> AsyncIterator[openai.AsyncOpenAI]:
+    async with env.stack.openai(env.key) as c:
+        yield c
+
+
+@pytest.fixture
+async def other(env: Env) -> AsyncIterator[openai.AsyncOpenAI]:
+    async with env.stack.openai(env.other) as c:
+        yield c
+
+
+def jsonl(lines: list[dict[str, Any]]) -> bytes:
+    return "".join(json.dumps(x) + "\n" for x in lines).encode()
+
+
+def chat_line(model: str, cid: str, max_tokens: int = 5, **body: Any) -> dict[str, Any]:
+    return {
+        "custom_id": cid,
+        "method": "POST",
+        "url": "/v1/chat/completions",
+        "body": {
+            "model": model,
+            "messages": [{"role": "user", "content": f"hello {cid}"}],
+            "max_tokens": max_tokens,
+            **body,
+        },
+    }
+
+
+async def wait_batch(
+    oai: openai.AsyncOpenAI, batch_id: str, until: tuple[str, ...], timeout: float = 120.0
+) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        b = await oai.batches.retrieve(batch_id)
+        if b.status in until:
+            return b
+        assert time.monotonic() < deadline, f"batch still {b.status}: {b.request_counts}"
+        await asyncio.sleep(0.2)
+
+
+async def lines_of(oai: openai.AsyncOpenAI, file_id: str | None) -> list[dict[str, Any]]:
+    if file_id is None:
+        return []
+    raw = (await oai.files.content(file_id)).read()
+    return [json.loads(x) for x in raw.decode().splitlines() if x.strip()]
+
+
+# -- files --------------------------------------------------------------------------------
+async def test_files_are_stored_listed_read_and_deleted_by_their_key_only(
+    oai: openai.AsyncOpenAI, other: openai.AsyncOpenAI, env: Env
+) -> None:
+    data = jsonl([chat_line(env.model, "a")])
+    f = await oai.files.create(file=("in.jsonl", data), purpose="batch")
+    assert (f.object, f.bytes, f.filename, f.purpose) == ("file", len(data), "in.jsonl", "batch")
+    assert f.id.startswith("file-") and f.expires_at and f.expires_at > f.created_at
+    assert (await oai.files.retrieve(f.id)).id == f.id
+    assert (await oai.files.content(f.id)).read() == data
+    assert f.id in [x.id async for x in oai.files.list()]
+    assert f.id in [x.id async for x in oai.files.list(purpose="batch")]
+    # Another key: as if the file did not exist.
+    for call in (
+        other.files.retrieve(f.id),
+        other.files.content(f.id),
+        other.files.delete(f.id),
+    ):
+        with pytest.raises(openai.NotFoundError):
+            await call
+    assert f.id not in [x.id async for x in other.files.list()]
+    assert (await oai.files.delete(f.id)).deleted
+    with pytest.raises(openai.NotFoundError):
+        await oai.files.retrieve(f.id)
+
+
+async def test_bad_uploads_are_clear_errors(oai: openai.AsyncOpenAI, env: Env) -> None:
+    with pytest.raises(openai.BadRequestError) as exc:
+        await oai.files.create(file=("x.jsonl", b"{}"), purpose="fine-tune")
+    assert exc.value.body and "purpose" in str(exc.value.body)
+    with pytest.raises(openai.APIStatusError) as too_big:
+        await oai.files.create(file=("big.jsonl", b"x" * 2_100_000), purpose="batch")
+    assert too_big.value.status_code == 413
+    async with env.stack.http("/v1", headers={"Authorization": f"Bearer {env.key}"}) as h:
+        r = await h.post("/files", json={"purpose": "batch"})
+        assert r.status_code == 400 and "multipart" in r.json()["error"]["message"]
+        r = await h.post("/files", files={"purpose": (None, "batch")})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "file"
+    async with env.stack.http("/v1") as h:  # no key
+        assert (await h.get("/files")).status_code == 401
+
+
+# -- batches ------------------------------------------------------------------------------
+async def test_a_batch_of_200_lines_answers_each_good_line_once_and_each_bad_one_as_an_error(
+    oai: openai.AsyncOpenAI, other: openai.AsyncOpenAI, env: Env
+) -> None:
+    good = [chat_line(env.model, f"c{i}") for i in range(180)]
+    bad = [chat_line("no-such-model", f"m{i}") for i in range(10)]
+    bad += [chat_line(env.model, f"t{i}", max_tokens=-1) for i in range(5)]
+    bad += [{**chat_line(env.model, f"n{i}"), "body": {"model": env.model}} for i in range(5)]
+    lines = good + bad
+    lines = lines[::2] + lines[1::2]  # good and bad mixed
+    f = await oai.files.create(file=("in.jsonl", jsonl(lines)), purpose="batch")
+    b = await oai.batches.create(
+        input_file_id=f.id,
+        endpoint="/v1/chat/completions",
+        completion_window="24h",
+        metadata={"job": "nightly"},
+    )
+    assert b.status == "validating" and b.metadata == {"job": "nightly"}
+    done = await wait_batch(oai, b.id, ("completed", "failed"))
+    assert done.status == "completed", done.errors
+    counts = done.request_counts
+    assert counts is not None and (counts.total, counts.completed, counts.failed) == (200, 180, 20)
+    out = await lines_of(oai, done.output_file_id)
+    assert sorted(x["custom_id"] for x in out) == sorted(x["custom_id"] for x in good)
+    for x in out:
+        assert x["response"]["status_code"] == 200 and x["error"] is None
+        assert x["response"]["body"]["object"] == "chat.completion"
+        assert x["response"]["body"]["choices"][0]["message"]["content"]
+    errs = await lines_of(oai, done.error_file_id)
+    assert sorted(x["custom_id"] for x in errs) == sorted(x["custom_id"] for x in bad)
+    status = {x["custom_id"][0]: x["response"]["status_code"] for x in errs}
+    assert status == {"m": 404, "t": 400, "n": 400}
+    assert all(x["response"]["body"]["error"]["message"] for x in errs)
+    assert b.id in [x.id async for x in oai.batches.list()]
+    # Another key sees none of it.
+    assert b.id not in [x.id async for x in other.batches.list()]
+    for call in (
+        other.batches.retrieve(b.id),
+        other.batches.cancel(b.id),
+        other.files.content(done.output_file_id or ""),
+    ):
+        with pytest.raises(openai.NotFoundError):
+            await call
+
+
+async def test_an_embeddings_batch(oai: openai.AsyncOpenAI, env: Env) -> None:
+    lines = [
+        {
+            "custom_id": f"e{i}",
+            "method": "POST",
+            "url": "/v1/embeddings",
+            "body": {"model": env.model, "input": f"text {i}"},
+        }
+        for i in range(30)
+    ]
+    lines.append(
+        {"custom_id": "bad", "method": "POST", "url": "/v1/embeddings", "body": {"input": "x"}}
+    )
+    f = await oai.files.create(file=("emb.jsonl", jsonl(lines)), purpose="batch")
+    b = await oai.batches.create(
+        input_file_id=f.id, endpoint="/v1/embeddings", completion_window="24h"
+    )
+    done = await wait_batch(oai, b.id, ("completed", "failed"))
+    out = await lines_of(oai, done.output_file_id)
+    assert len(out) == 30 and {x["custom_id"] for x in out} == {f"e{i}" for i in range(30)}
+    assert all(x["response"]["body"]["data"][0]["embedding"] for x in out)
+    (err,) = await lines_of(oai, done.error_file_id)
+    assert err["custom_id"] == "bad" and err["response"]["status_code"] == 400
+
+
+async def test_a_malformed_file_fails_validation_with_its_line_numbers(
+    oai: openai.AsyncOpenAI, env: Env
+) -> None:
+    ok = json.dumps(chat_line(env.model, "a"))
+    text = "\n".join(
+        [
+            ok,
+            "{not json",
+            json.dumps({**chat_line(env.model, "b"), "url": "/v1/embeddings"}),
+            json.dumps(chat_line(env.model, "c")),
+            json.dumps(chat_line(env.model, "a")),  # custom_id a again
+            json.dumps({**chat_line(env.model, "d"), "method": "GET"}),
+        ]
+    )
+    f = await oai.files.create(file=("bad.jsonl", text.encode()), purpose="batch")
+    b = await oai.batches.create(
+        input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    done = await wait_batch(oai, b.id, ("failed", "completed"))
+    assert done.status == "failed" and done.errors and done.errors.data
+    got = {(e.line, e.code) for e in done.errors.data}
+    assert got == {
+        (2, "invalid_json_line"),
+        (3, "mismatched_endpoint"),
+        (5, "duplicate_custom_id"),
+        (6, "invalid_value"),
+    }
+    assert done.output_file_id is None and done.failed_at
+
+
+async def test_bad_create_requests_are_clear_errors(oai: openai.AsyncOpenAI, env: Env) -> None:
+    f = await oai.files.create(
+        file=("in.jsonl", jsonl([chat_line(env.model, "a")])), purpose="batch"
+    )
+    with pytest.raises(openai.NotFoundError):
+        await oai.batches.create(
+            input_file_id="file-nope", endpoint="/v1/chat/completions", completion_window="24h"
+        )
+    for kw in (
+        {"endpoint": "/v1/moderations", "completion_window": "24h"},
+        {"endpoint": "/v1/chat/completions", "completion_window": "1h"},
+    ):
+        with pytest.raises(openai.BadRequestError):
+            await oai.batches.create(input_file_id=f.id, **kw)  # type: ignore[arg-type]
+    with pytest.raises(openai.NotFoundError):
+        await oai.batches.retrieve("batch_nope")
+
+
+async def test_a_cancelled_batch_stops_and_keeps_what_it_answered(
+    oai: openai.AsyncOpenAI, env: Env
+) -> None:
+    lines = [chat_line(env.model, f"s{i}", max_tokens=2500, ignore_eos=True) for i in range(80)]
+    f = await oai.files.create(file=("slow.jsonl", jsonl(lines)), purpose="batch")
+    b = await oai.batches.create(
+        input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    await wait_batch(oai, b.id, ("in_progress",))
+    c = await oai.batches.cancel(b.id)
+    assert c.status == "cancelling" and c.cancelling_at
+    done = await wait_batch(oai, b.id, ("cancelled",), timeout=60)
+    counts = done.request_counts
+    assert counts is not None and counts.total == 80
+    assert counts.completed + counts.failed < 80
+    out = await lines_of(oai, done.output_file_id)
+    assert len(out) == counts.completed
+    with pytest.raises(openai.BadRequestError):
+        await oai.batches.cancel(b.id)
+
+
+async def test_killed_runners_and_a_killed_worker_lose_no_line_and_repeat_none(
+    env: Env, nats_server: NatsServer
+) -> None:
+    """A second bridge process; mid-batch one bridge (its runner with it) and one worker
+    are killed (SIGKILL): the batch completes through the other, every line answered
+    exactly once."""
+    port = free_port()
+    second = env.procs.start("bridge-2", "serve", "bridge", "--port", str(port), env=ENV)
+    await wait_http(f"http://127.0.0.1:{port}/ready")
+    first = env.stack.roles["bridge"][0]
+    lines = [chat_line(env.model, f"k{i}", max_tokens=300, ignore_eos=True) for i in range(120)]
+    async with openai.AsyncOpenAI(
+        base_url=f"http://127.0.0.1:{port}/v1", api_key=env.key, max_retries=0
+    ) as oai:
+        f = await oai.files.create(file=("kill.jsonl", jsonl(lines)), purpose="batch")
+        b = await oai.batches.create(
+            input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+        deadline = time.monotonic() + 60
+        while True:
+            cur = await oai.batches.retrieve(b.id)
+            if cur.request_counts and cur.request_counts.completed >= 10:
+                break
+            assert time.monotonic() < deadline, cur
+            await asyncio.sleep(0.1)
+        first.signal(signal.SIGKILL)
+        env.stack.roles["worker"][0].signal(signal.SIGKILL)
+        done = await wait_batch(oai, b.id, ("completed",), timeout=150)
+        out = await lines_of(oai, done.output_file_id)
+        errs = await lines_of(oai, done.error_file_id)
+    ids = [x["custom_id"] for x in out + errs]
+    assert sorted(ids) == sorted(x["custom_id"] for x in lines)  # each once
+    assert not errs, errs[:3]
+    assert done.request_counts is not None and done.request_counts.completed == 120
+    second.signal(signal.SIGTERM)
+
+
+def test_input_lines_are_checked_one_by_one() -> None:
+    ok = chat_line("m", "a")
+    lines, errors = parse_input(jsonl([ok, {**ok, "custom_id": "b"}]), "/v1/chat/completions", 10)
+    assert [x["custom_id"] for x in lines] == ["a", "b"] and not errors
+    assert [x["line"] for x in lines] == [1, 2]
+    _, errors = parse_input(b"\n\n", "/v1/chat/completions", 10)
+    assert [e["code"] for e in errors] == ["empty_file"]
+    _, errors = parse_input(b"\xff\xfe", "/v1/chat/completions", 10)
+    assert [e["code"] for e in errors] == ["invalid_file"]
+    many = jsonl([{**ok, "custom_id": str(i)} for i in range(11)])
+    _, errors = parse_input(many, "/v1/chat/completions", 10)
+    assert [e["code"] for e in errors] == ["too_many_lines"]
+    _, errors = parse_input(jsonl([{**ok, "body": []}, [1]]), "/v1/chat/completions", 10)  # type: ignore[list-item]
+    assert [(e["line"], e["param"]) for e in errors] == [(1, "body"), (2, None)]
+
+
+async def test_an_open_deployment_serves_files_to_anyone(procs: Procs) -> None:
+    """Without auth in the pipeline files belong to nobody in particular (as stored
+    responses do): any caller reads them."""
+    stack = await start_stack(procs, new_model(), "ingress", "router", workers=1)
+    async with stack.openai() as a, httpx.AsyncClient(base_url=f"{stack.base}/v1") as h:
+        f = await a.files.create(file=("x.jsonl", b"{}\n"), purpose="batch")
+        assert (await h.get(f"/files/{f.id}")).json()["id"] == f.id
