@@ -47,6 +47,7 @@ from nats.js.errors import (
     NotFoundError,
 )
 from nats.js.kv import KeyValue
+from prometheus_client import Counter, Gauge
 
 from bus_schemas import codec, subjects
 from bus_schemas import errors as E
@@ -80,6 +81,33 @@ SWEEP_S = 3.0
 STALE_FINALIZING_S = 60.0
 RETRY_STATUSES = (429, 500, 502, 503, 504)
 log = tlog.get("batches")
+
+# Metrics (docs/telemetry.md): a bridge process's own runner, and the deployment's batches as
+# its sweep last saw them (every bridge reports the same: take the max across them).
+LINES = Counter(
+    "tokenbus_batch_lines_total",
+    "Batch lines this process's runner settled (ok, error) or handed back to retry (retried).",
+    ["outcome"],
+)
+BATCH_COUNT = Gauge("tokenbus_batches", "Batches by status (the deployment's).", ["status"])
+PENDING = Gauge(
+    "tokenbus_batch_lines_pending",
+    "Batch lines waiting in the work queue or running (the deployment's).",
+)
+OLDEST = Gauge(
+    "tokenbus_batch_oldest_open_age_seconds",
+    "Age of the oldest batch not yet finished (0: none open).",
+)
+STATUSES = (
+    "validating",
+    "in_progress",
+    "finalizing",
+    "cancelling",
+    "completed",
+    "failed",
+    "expired",
+    "cancelled",
+)
 
 
 def not_found(batch_id: str) -> E.NotFound:
@@ -297,6 +325,29 @@ class BatchStore:
                     out.append(json.loads(entry.value))
         return out
 
+    async def cancel(self, batch_id: str, owner: str) -> dict[str, Any]:
+        """Ask ``owner``'s batch to stop: ``cancelling`` (runners skip its lines), then
+        ``cancelled`` once none is left; 400 for a batch already finished."""
+        await self.get(batch_id, owner)
+
+        def change(rec: dict[str, Any]) -> bool:
+            b = rec["batch"]
+            if b["status"] not in ("validating", "in_progress"):
+                return False
+            b["status"], b["cancelling_at"] = "cancelling", int(time.time())
+            return True
+
+        rec = await self.update(batch_id, change)
+        if rec is None:
+            raise not_found(batch_id)
+        if rec["batch"]["status"] != "cancelling":
+            raise E.InvalidRequest(
+                f"the batch is {rec['batch']['status']}: only a validating or running batch "
+                "can be cancelled (cancelling again is answered as the first time)",
+                param="batch_id",
+            )
+        return dict(rec["batch"])
+
     # -- results ------------------------------------------------------------------------------
     async def record_result(self, batch_id: str, n: int, line: dict[str, Any]) -> bool:
         """Write line ``n``'s answer once; False when it has one already."""
@@ -395,32 +446,11 @@ class BatchAPI:
             if len(parts) == 1 and parts[0] and method == "GET":
                 await send_json(send, 200, (await self.store.get(parts[0], owner))["batch"])
             elif len(parts) == 2 and parts[1] == "cancel" and method == "POST":
-                await send_json(send, 200, await self.cancel(parts[0], owner))
+                await send_json(send, 200, await self.store.cancel(parts[0], owner))
             else:
                 raise E.NotFound(f"no route for {method} {path}")
         except E.TokenbusError as exc:
             await send_error(send, exc)
-
-    async def cancel(self, batch_id: str, owner: str) -> dict[str, Any]:
-        await self.store.get(batch_id, owner)
-
-        def change(rec: dict[str, Any]) -> bool:
-            b = rec["batch"]
-            if b["status"] not in ("validating", "in_progress"):
-                return False
-            b["status"], b["cancelling_at"] = "cancelling", int(time.time())
-            return True
-
-        rec = await self.store.update(batch_id, change)
-        if rec is None:
-            raise not_found(batch_id)
-        if rec["batch"]["status"] != "cancelling":
-            raise E.InvalidRequest(
-                f"the batch is {rec['batch']['status']}: only a validating or running batch "
-                "can be cancelled (cancelling again is answered as the first time)",
-                param="batch_id",
-            )
-        return dict(rec["batch"])
 
 
 # -- running lines ----------------------------------------------------------------------------
@@ -640,6 +670,7 @@ class BatchRunner:
             return True
         status, answer, rid = await self._run(rec["owner"], str(body["url"]), body["body"], msg)
         if status in RETRY_STATUSES and delivered < self.settings.max_deliver:
+            LINES.labels("retried").inc()
             await msg.nak(delay=min(30.0, 0.5 * 2**delivered))
             return False
         out = _line_out(body, {"status_code": status, "request_id": rid, "body": answer}, None)
@@ -702,6 +733,7 @@ class BatchRunner:
     async def _record(self, batch_id: str, n: int, line: dict[str, Any], ok: bool) -> None:
         if not await self.store.record_result(batch_id, n, line):
             return  # answered before (a retried runner): counted then
+        LINES.labels("ok" if ok else "error").inc()
 
         def count(rec: dict[str, Any]) -> bool:
             rec["batch"]["request_counts"]["completed" if ok else "failed"] += 1
@@ -779,16 +811,33 @@ class BatchRunner:
                 subjects.batch_done(rec["owner"]), json.dumps(rec["batch"]).encode()
             )
 
+    async def _gauges(self, recs: list[dict[str, Any]]) -> None:
+        by = dict.fromkeys(STATUSES, 0)
+        now = time.time()
+        oldest = 0.0
+        for rec in recs:
+            b = rec["batch"]
+            by[b["status"]] = by.get(b["status"], 0) + 1
+            if b["status"] in OPEN:
+                oldest = max(oldest, now - b["created_at"])
+        for status, n in by.items():
+            BATCH_COUNT.labels(status).set(n)
+        OLDEST.set(oldest)
+        info = await self.nc.jetstream().consumer_info(STREAM, CONSUMER)
+        PENDING.set(int(info.num_pending or 0) + int(info.num_ack_pending or 0))
+
     async def _sweeper(self) -> None:
         """Finish what a dead runner left: batches with no line left to run, finalizers
         that stopped, cancelled batches whose lines are all settled."""
         while True:
             await asyncio.sleep(SWEEP_S)
             try:
-                for rec in await self.store.all():
+                recs = await self.store.all()
+                for rec in recs:
                     b = rec["batch"]
                     if b["status"] in ("in_progress", "cancelling", "finalizing"):
                         await self._maybe_finish(b["id"])
+                await self._gauges(recs)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:

@@ -25,6 +25,7 @@ from tests.conftest import (
     free_port,
     key_store,
     new_model,
+    run_cli,
     start_stack,
     wait_http,
 )
@@ -194,6 +195,22 @@ async def test_a_batch_of_200_lines_answers_each_good_line_once_and_each_bad_one
     assert status == {"m": 404, "t": 400, "n": 400}
     assert all(x["response"]["body"]["error"]["message"] for x in errs)
     assert b.id in [x.id async for x in oai.batches.list()]
+    # Operators see every key's batches; the bridge's metrics count the lines.
+    cli = {"TOKENBUS_NATS_URL": env.procs.url}
+    listed = json.loads(run_cli("batches", "--json", env=cli, check=True).stdout)
+    mine = next(x for x in listed if x["id"] == b.id)
+    assert mine["status"] == "completed" and mine["owner"]
+    shown = json.loads(run_cli("batches", "show", b.id, "--json", env=cli, check=True).stdout)
+    assert shown["request_counts"] == {"total": 200, "completed": 180, "failed": 20}
+    table = run_cli("batches", env=cli, check=True).stdout
+    assert b.id in table and "180+20/200" in table
+    async with env.stack.http() as h:
+        text = (await h.get("/metrics")).text
+    assert 'tokenbus_batch_lines_total{outcome="ok"}' in text
+    ok = [
+        ln for ln in text.splitlines() if ln.startswith('tokenbus_batch_lines_total{outcome="ok"}')
+    ]
+    assert float(ok[0].split()[-1]) >= 180
     # Another key sees none of it.
     assert b.id not in [x.id async for x in other.batches.list()]
     for call in (

@@ -169,6 +169,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     audit_cli.add_parser(sub)
 
+    from tokenbus.cli import batches as batches_cli
+
+    batches_cli.add_parser(sub)
+
     from tokenbus.cli import compose as compose_cli
 
     compose_cli.add_parser(sub)
@@ -314,7 +318,7 @@ def _same_server(url: str, conf: Path) -> bool:
 
 def _local_role(a: argparse.Namespace) -> str | None:
     """The NATS role a command runs as on the locked bus of a local ``tokenbus up``."""
-    if a.cmd in ("status", "keys", "bench", "router", "audit"):
+    if a.cmd in ("status", "keys", "bench", "router", "audit", "batches"):
         return "admin"
     if a.cmd == "serve":
         from services.natsconf import SERVICE_ROLE
@@ -534,6 +538,10 @@ def main(argv: list[str] | None = None) -> None:
             from tokenbus.cli import audit as audit_cli
 
             rc = await audit_cli.run(a, s)
+        elif a.cmd == "batches":
+            from tokenbus.cli import batches as batches_cli
+
+            rc = await batches_cli.run(a, s)
         elif a.cmd == "bench":
             if a.tenants:  # its scenarios build on bench's stack and requests
                 from tokenbus.evaluation.tenants import run_tenants
