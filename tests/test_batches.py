@@ -247,6 +247,34 @@ async def test_an_embeddings_batch(oai: openai.AsyncOpenAI, env: Env) -> None:
     assert err["custom_id"] == "bad" and err["response"]["status_code"] == 400
 
 
+async def test_a_responses_batch_stores_its_responses_for_the_batch_key(
+    oai: openai.AsyncOpenAI, other: openai.AsyncOpenAI, env: Env
+) -> None:
+    lines = [
+        {
+            "custom_id": f"r{i}",
+            "method": "POST",
+            "url": "/v1/responses",
+            "body": {"model": env.model, "input": f"question {i}", "max_output_tokens": 64},
+        }
+        for i in range(3)
+    ]
+    f = await oai.files.create(file=("resp.jsonl", jsonl(lines)), purpose="batch")
+    b = await oai.batches.create(
+        input_file_id=f.id, endpoint="/v1/responses", completion_window="24h"
+    )
+    done = await wait_batch(oai, b.id, ("completed", "failed"))
+    out = await lines_of(oai, done.output_file_id)
+    assert sorted(x["custom_id"] for x in out) == ["r0", "r1", "r2"]
+    body = out[0]["response"]["body"]
+    assert body["object"] == "response" and body["status"] in ("completed", "incomplete")
+    assert body["output"][0]["content"][0]["text"]
+    # Stored as the batch key's own response, as if that key had sent it.
+    assert (await oai.responses.retrieve(body["id"])).id == body["id"]
+    with pytest.raises(openai.NotFoundError):
+        await other.responses.retrieve(body["id"])
+
+
 async def test_a_malformed_file_fails_validation_with_its_line_numbers(
     oai: openai.AsyncOpenAI, env: Env
 ) -> None:

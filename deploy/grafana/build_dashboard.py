@@ -556,6 +556,48 @@ def kv_routing() -> Section:
     )
 
 
+def batches() -> Section:
+    """The Batch API (gateway/batches.py, docs/batches.md): lines and batches."""
+    return (
+        Section("Batches: lines run from spare capacity")
+        .with_panel(
+            ts(
+                "Batch lines per second",
+                "ops",
+                [
+                    q(f"sum by (outcome) ({rate('tokenbus_batch_lines_total')})", "{{outcome}}"),
+                ],
+                desc="Lines the bridges' runners settled (ok, error) or sent back to retry.",
+                stack=True,
+            )
+        )
+        .with_panel(
+            ts(
+                "Batch lines pending",
+                "short",
+                [q("max(tokenbus_batch_lines_pending)", "queued or running")],
+                desc="Lines in the work queue or running, the deployment's.",
+            )
+        )
+        .with_panel(
+            ts(
+                "Batches by status",
+                "short",
+                [q("max by (status) (tokenbus_batches)", "{{status}}")],
+                desc="The deployment's batches (each bridge reports the same count).",
+            )
+        )
+        .with_panel(
+            ts(
+                "Oldest open batch",
+                "s",
+                [q("max(tokenbus_batch_oldest_open_age_seconds)", "age")],
+                desc="How long the oldest batch not yet finished has been open.",
+            )
+        )
+    )
+
+
 def bus() -> Section:
     return (
         Section("NATS and services")
@@ -675,6 +717,7 @@ def build() -> dm.Dashboard:
         replicas(),
         flow(),
         kv_routing(),
+        batches(),
         bus(),
     )
     for section in sections:

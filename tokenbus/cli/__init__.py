@@ -153,9 +153,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds to listen for heartbeats (idle replicas beat every 2 s)",
     )
 
-    from tokenbus.evaluation import bench, kvbench
+    from tokenbus.evaluation import batchbench, bench, kvbench
 
-    kvbench.add_arguments(bench.add_parser(sub).add_argument_group("multi-turn agent sessions"))
+    bp = bench.add_parser(sub)
+    kvbench.add_arguments(bp.add_argument_group("multi-turn agent sessions"))
+    batchbench.add_arguments(bp.add_argument_group("a batch beside interactive traffic"))
 
     from tokenbus.cli import keys as keys_cli
 
@@ -547,6 +549,10 @@ def main(argv: list[str] | None = None) -> None:
                 from tokenbus.evaluation.tenants import run_tenants
 
                 rc = await run_tenants(a)
+            elif a.batch_lines:
+                from tokenbus.evaluation.batchbench import run_batch_bench
+
+                rc = await run_batch_bench(a)
             elif a.kv_sessions:
                 from tokenbus.evaluation.kvbench import run_kv_sessions
 
