@@ -63,7 +63,6 @@ it has them all (:func:`assemble_snapshot`).
 from __future__ import annotations
 
 import hashlib
-import pickle  # vLLM's "sha256" block hash hashes a pickle; nothing pickled is ever sent
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -98,7 +97,6 @@ __all__ = [
     "text_block_hashes",
     "text_scheme",
     "text_token_ids",
-    "vllm_block_hashes",
     "vllm_scheme",
 ]
 
@@ -207,9 +205,10 @@ def text_scheme() -> dict[str, Any]:
 def vllm_scheme(
     *, algo: str, seed: str | None, int_hashes: bool, tokenizer: str, block_size: int
 ) -> dict[str, Any]:
-    """vLLM's hashing as a router needs it: the hash algorithm
-    (``prefix_caching_hash_algo``), the seed of its ``NONE_HASH`` (None when it is random
-    per process: nobody outside the engine can match its hashes), whether its events carry
+    """vLLM's hashing as a router needs it (``router.kv_hashing.vllm_block_hashes``): the
+    hash algorithm (``prefix_caching_hash_algo``), the seed of its ``NONE_HASH`` (None when
+    it is random per process: nobody outside the engine can match its hashes), whether its
+    events carry
     the 64-bit form (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``), the tokenizer (a path or a
     name ``transformers`` loads) and the hash block size."""
     return {
@@ -230,49 +229,6 @@ def check_scheme(obj: object) -> dict[str, Any]:
         if not isinstance(k, str) or not (v is None or isinstance(v, str | int | float | bool)):
             raise _bad("hashing values must be scalars")
     return obj
-
-
-def _vllm_hash_fn(algo: str) -> Any:
-    if algo == "sha256":
-        # vLLM's "sha256": SHA-256 of the pickled tuple (pickle builds the bytes to hash;
-        # nothing pickled is ever sent or read back).
-        def sha256(obj: Any) -> bytes:
-            return hashlib.sha256(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)).digest()
-
-        return sha256
-    if algo == "sha256_cbor":
-        import cbor2  # vLLM's dependency; only a router matching such engines needs it
-
-        def sha256_cbor(obj: Any) -> bytes:
-            return hashlib.sha256(cbor2.dumps(obj, canonical=True)).digest()
-
-        return sha256_cbor
-    raise ValueError(f"unsupported vLLM hash algorithm {algo!r}")
-
-
-def vllm_block_hashes(
-    token_ids: Sequence[int],
-    block_size: int,
-    *,
-    algo: str = "sha256",
-    seed: str = VLLM_DEFAULT_SEED,
-    int_hashes: bool = True,
-) -> list[BlockHash]:
-    """The block hashes vLLM's prefix cache gives ``token_ids`` (no LoRA, multimodal or
-    ``cache_salt`` keys), as its KV events carry them: ``hash_i = H((hash_{i-1}, tuple of
-    block i's ids, None))`` with ``hash_{-1} = H(seed)`` (``NONE_HASH``), each cut to its
-    low 64 bits when ``int_hashes`` (vLLM's default for events). Checked against vLLM's own
-    ``hash_block_tokens`` in tests/test_vllm_kv.py."""
-    if block_size < 1:
-        raise ValueError("block_size must be at least 1")
-    fn = _vllm_hash_fn(algo)
-    parent = fn(seed)
-    out: list[BlockHash] = []
-    ids = list(token_ids)
-    for start in range(0, len(ids) - block_size + 1, block_size):
-        parent = fn((parent, tuple(ids[start : start + block_size]), None))
-        out.append(int.from_bytes(parent, "big") & (_U64 - 1) if int_hashes else parent)
-    return out
 
 
 # -- events ---------------------------------------------------------------------------------

@@ -5,7 +5,7 @@ Replicas say how they hash (``hashing`` in their snapshots, :mod:`bus_schemas.kv
 - the sim (no ``hashing``, or ``kind: text``): :func:`kv_events.text_block_hashes` of the
   prompt as :func:`bus_schemas.messages.render_prompt` renders it;
 - vLLM (``kind: vllm``): the model's tokenizer and chat template, as vLLM's chat and
-  completion handlers apply them, then :func:`kv_events.vllm_block_hashes` with the engine's
+  completion handlers apply them, then :func:`vllm_block_hashes` with the engine's
   algorithm and seed. This needs ``transformers`` in the router's environment and the
   tokenizer where the replica says it is (a local path or a name in the Hugging Face cache:
   the router never downloads). Without them, or when the engine's seed is random, the
@@ -25,19 +25,71 @@ hashes match nothing from the first differing block on.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
+import pickle  # vLLM's "sha256" block hash hashes a pickle; nothing pickled is ever sent
 import re
 from collections import OrderedDict
+from collections.abc import Sequence
 from typing import Any
 
 from bus_schemas import kv_events as kv
 from bus_schemas.messages import message_text
 
-__all__ = ["PromptEncoder", "PromptHashers", "scheme_key", "vllm_prompt_ids"]
+__all__ = [
+    "PromptEncoder",
+    "PromptHashers",
+    "scheme_key",
+    "vllm_block_hashes",
+    "vllm_prompt_ids",
+]
 
 # Characters of text pieces whose token ids a PromptEncoder keeps (about 4 bytes a
 # character as str plus ids: a few hundred MB at most).
 ENCODER_CACHE_CHARS = 32_000_000
+
+
+def _vllm_hash_fn(algo: str) -> Any:
+    if algo == "sha256":
+        # vLLM's "sha256": SHA-256 of the pickled tuple (pickle builds the bytes to hash;
+        # nothing pickled is ever sent or read back).
+        def sha256(obj: Any) -> bytes:
+            return hashlib.sha256(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)).digest()
+
+        return sha256
+    if algo == "sha256_cbor":
+        import cbor2  # vLLM's dependency; only a router matching such engines needs it
+
+        def sha256_cbor(obj: Any) -> bytes:
+            return hashlib.sha256(cbor2.dumps(obj, canonical=True)).digest()
+
+        return sha256_cbor
+    raise ValueError(f"unsupported vLLM hash algorithm {algo!r}")
+
+
+def vllm_block_hashes(
+    token_ids: Sequence[int],
+    block_size: int,
+    *,
+    algo: str = "sha256",
+    seed: str = kv.VLLM_DEFAULT_SEED,
+    int_hashes: bool = True,
+) -> list[Any]:
+    """The block hashes vLLM's prefix cache gives ``token_ids`` (no LoRA, multimodal or
+    ``cache_salt`` keys), as its KV events carry them: ``hash_i = H((hash_{i-1}, tuple of
+    block i's ids, None))`` with ``hash_{-1} = H(seed)`` (``NONE_HASH``), each cut to its
+    low 64 bits when ``int_hashes`` (vLLM's default for events). Checked against vLLM's own
+    ``hash_block_tokens`` in tests/test_vllm_kv.py."""
+    if block_size < 1:
+        raise ValueError("block_size must be at least 1")
+    fn = _vllm_hash_fn(algo)
+    parent = fn(seed)
+    out: list[Any] = []
+    ids = list(token_ids)
+    for start in range(0, len(ids) - block_size + 1, block_size):
+        parent = fn((parent, tuple(ids[start : start + block_size]), None))
+        out.append(int.from_bytes(parent, "big") & ((1 << 64) - 1) if int_hashes else parent)
+    return out
 
 
 def scheme_key(hashing: dict[str, Any] | None, block_size: int) -> tuple[Any, ...]:
@@ -80,7 +132,7 @@ class PromptHashers:
             return None
         try:
             ids = vllm_prompt_ids(enc, env)
-            return kv.vllm_block_hashes(
+            return vllm_block_hashes(
                 ids,
                 int(hashing.get("block_size") or block_size),
                 algo=str(hashing.get("algo")),

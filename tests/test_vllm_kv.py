@@ -23,6 +23,7 @@ import pytest
 from bus_schemas import kv_events as K
 from bus_schemas import subjects
 from engine_worker.backends import scripted_core as sc
+from router.kv_hashing import vllm_block_hashes
 from tests.conftest import NatsServer, stack, wait_for
 from tests.test_vllm_real import WEATHER
 from tokenbus import Client
@@ -37,7 +38,7 @@ SYSTEM = "You are a helpful assistant. " + "The quick brown fox jumps over the l
 
 
 def test_our_vllm_hash_is_vllms_own() -> None:
-    """kv_events.vllm_block_hashes == vLLM's hash_block_tokens chain, for both algorithms
+    """kv_hashing.vllm_block_hashes == vLLM's hash_block_tokens chain, for both algorithms
     a router can compute, in the 64-bit form events carry and in full."""
     from vllm.utils.hashing import get_hash_fn_by_name
     from vllm.v1.core import kv_cache_utils as U
@@ -51,12 +52,12 @@ def test_our_vllm_hash_is_vllms_own() -> None:
         for i in range(0, len(ids) - 15, 16):
             parent = U.hash_block_tokens(fn, parent, ids[i : i + 16], None)
             theirs.append(parent)
-        assert K.vllm_block_hashes(ids, 16, algo=algo, int_hashes=False) == theirs
-        assert K.vllm_block_hashes(ids, 16, algo=algo) == [
+        assert vllm_block_hashes(ids, 16, algo=algo, int_hashes=False) == theirs
+        assert vllm_block_hashes(ids, 16, algo=algo) == [
             U.maybe_convert_block_hash(h) for h in theirs
         ]
     with pytest.raises(ValueError):
-        K.vllm_block_hashes(ids, 16, algo="xxhash")
+        vllm_block_hashes(ids, 16, algo="xxhash")
 
 
 @pytest.fixture(scope="module")
@@ -147,7 +148,7 @@ async def test_events_carry_vllms_hashes_and_the_router_matches_them(
         scheme = served.backend.kv_events().hashing
         assert scheme["kind"] == "vllm" and scheme["algo"] == "sha256"
         bs = int(scheme["block_size"])
-        expected = K.vllm_block_hashes(ids, bs)
+        expected = vllm_block_hashes(ids, bs)
         assert len(expected) >= 10
         await wait_for(
             lambda: (

@@ -11,7 +11,7 @@ worker's :class:`engine_worker.backends.base.KVEventSource`:
 - each vLLM event becomes the tokenbus event it maps to (:mod:`bus_schemas.kv_events`),
   numbered per event, without the blocks' token ids (no router reads them; they would
   multiply the bytes on the bus); vLLM's hashes are kept as they are, so a router that
-  hashes a prompt as vLLM does (:func:`bus_schemas.kv_events.vllm_block_hashes` over
+  hashes a prompt as vLLM does (:func:`router.kv_hashing.vllm_block_hashes` over
   vLLM's tokenizer and chat template) matches them exactly;
 - a mirror of the cache (hash -> parent) built from those events answers snapshots: vLLM
   keeps no snapshot of its own;
