@@ -120,6 +120,17 @@ def batch_work_wildcard(batch_id: str | None = None) -> str:
     return f"{PREFIX}.batch.work.{token(batch_id) if batch_id else '*'}.>"
 
 
+def batch_events(response_id: str) -> str:
+    """A background response's streaming events, kept in JetStream to be read again from any
+    sequence number (docs/batches.md)."""
+    return f"{PREFIX}.batch.events.{token(response_id)}"
+
+
+def batch_cancel(response_id: str) -> str:
+    """Where a background response's cancellation reaches the runner running it."""
+    return f"{PREFIX}.batch.cancel.{token(response_id)}"
+
+
 def batch_done(owner: str) -> str:
     """Where a finished batch (completed, failed, expired, cancelled) is announced, per
     owner (an API key id; ``_`` for an open deployment), for NATS clients to wait on."""

@@ -143,7 +143,10 @@ class ResponsesRequest(BaseModel):
     )
     store: StrictBool | None = Field(default=None, description="Keep the response (default).")
     stream: StrictBool | None = Field(default=None, description="Stream events (SSE).")
-    background: StrictBool | None = Field(default=None, description="Not served: false only.")
+    background: StrictBool | None = Field(
+        default=None,
+        description="Answer at once with a queued response and run it detached (docs/batches.md).",
+    )
     max_output_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
     temperature: Annotated[Strict01, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[Strict01, Field(ge=0.0, le=1.0)] | None = None
@@ -187,12 +190,8 @@ def parse(body: Any) -> ResponsesRequest:
     for name, why in REFUSED.items():
         if body.get(name) is not None:
             raise _bad(name, why)
-    if body.get("background") is True:
-        raise _bad(
-            "background",
-            "background responses are not served by tokenbus; send the request without it "
-            "(stream: true gives the answer as it is made)",
-        )
+    if body.get("background") is True and body.get("store") is False:
+        raise _bad("background", "a background response is kept: send it without store: false")
     if body.get("prompt") is not None:
         raise _bad("prompt", "prompt templates are not served by tokenbus; send `input`")
     for name, why in CHAT_ONLY.items():
@@ -882,7 +881,7 @@ def translate(
         "top_p": req.top_p,
         "truncation": req.truncation or "disabled",
         **({"user": req.user} if req.user is not None else {}),
-        "background": False,
+        "background": req.background is True,
     }
     turn = Turn(chat, history, items, response_id or new_response_id(), echo, names)
     turn.session = req.prompt_cache_key or None

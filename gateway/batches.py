@@ -34,7 +34,7 @@ import contextlib
 import json
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from nats.aio.client import Client as NATS
@@ -53,7 +53,6 @@ from bus_schemas import codec, subjects
 from bus_schemas import errors as E
 from bus_schemas import headers as H
 from gateway.asgi import (
-    Message,
     Receive,
     Scope,
     Send,
@@ -64,7 +63,7 @@ from gateway.asgi import (
     send_json,
 )
 from gateway.files import OUTPUT_PURPOSE, FileStore
-from gateway.openai_api import PRINCIPAL, read_body
+from gateway.openai_api import PRINCIPAL, InProcess, read_body
 from services import logging as tlog
 from services.config import BatchSettings, Settings, kv_replicas
 
@@ -454,33 +453,6 @@ class BatchAPI:
 
 
 # -- running lines ----------------------------------------------------------------------------
-class _Line:
-    """One line's HTTP exchange with the app, in this process."""
-
-    def __init__(self, body: bytes) -> None:
-        self.body = body
-        self.sent = False
-        self.status = 0
-        self.chunks: list[bytes] = []
-        self._never: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-
-    async def receive(self) -> Message:
-        if not self.sent:
-            self.sent = True
-            return {"type": "http.request", "body": self.body, "more_body": False}
-        out: Message = await self._never  # the caller never goes away
-        return out
-
-    async def send(self, msg: Message) -> None:
-        if msg["type"] == "http.response.start":
-            self.status = int(msg["status"])
-        elif msg["type"] == "http.response.body":
-            self.chunks.append(bytes(msg.get("body", b"")))
-
-    def close(self) -> None:
-        self._never.cancel()
-
-
 class BatchRunner:
     """Runs batch work from the shared durable consumer (see the module docstring)."""
 
@@ -491,6 +463,7 @@ class BatchRunner:
         files: FileStore,
         app: Callable[[Scope, Receive, Send], Any],
         settings: BatchSettings,
+        handlers: Mapping[str, Callable[[dict[str, Any]], Awaitable[bool]]] | None = None,
     ) -> None:
         self.nc = nc
         self.store = store
@@ -501,6 +474,9 @@ class BatchRunner:
         self._loop: asyncio.Task[None] | None = None
         self._sweep: asyncio.Task[None] | None = None
         self._slots = asyncio.Semaphore(settings.concurrency)
+        # More kinds of work on the same queue: kind -> handler(body) -> settled (a
+        # background response: gateway/background.py).
+        self.handlers = dict(handlers or {})
         self.lines_run = 0
 
     async def start(self) -> None:
@@ -579,6 +555,16 @@ class BatchRunner:
                 if await self._line(batch_id, body, msg):
                     await msg.ack()
                     await self._maybe_finish(batch_id)
+            elif what in self.handlers:
+                keep = asyncio.get_running_loop().create_task(self._keep_in_progress(msg))
+                try:
+                    settled = await self.handlers[what](body)
+                finally:
+                    keep.cancel()
+                if settled:
+                    await msg.ack()
+                else:
+                    await msg.nak(delay=1.0)
             else:
                 await msg.term()
         except asyncio.CancelledError:
@@ -685,38 +671,24 @@ class BatchRunner:
         payload = {**body}
         payload.pop("stream", None)  # a batch line's answer is whole
         payload.pop("stream_options", None)
-        scope: dict[str, Any] = {
-            "type": "http",
-            "asgi": {"version": "3.0"},
-            "http_version": "1.1",
-            "method": "POST",
-            "scheme": "http",
-            "path": url,
-            "raw_path": url.encode(),
-            "query_string": b"",
-            "headers": [
-                (b"content-type", b"application/json"),
+        line = InProcess(
+            url,
+            payload,
+            owner,
+            [
                 (b"x-request-id", rid.encode()),
                 (b"x-tokenbus-service-tier", self.settings.priority.encode()),
             ],
-            "client": None,
-            "server": None,
-        }
-        if owner:
-            scope[PRINCIPAL] = owner
-        line = _Line(json.dumps(payload).encode())
+        )
         keep = asyncio.get_running_loop().create_task(self._keep_in_progress(msg))
         try:
-            await asyncio.wait_for(
-                self.app(scope, line.receive, line.send), self.settings.line_timeout_s
-            )
+            await asyncio.wait_for(line.run(self.app), self.settings.line_timeout_s)
         except TimeoutError:
             return 504, {"error": E.Timeout("the line took too long").to_dict()}, rid
         finally:
             keep.cancel()
-            line.close()
         self.lines_run += 1
-        raw = b"".join(line.chunks)
+        raw = line.answer
         try:
             answer = json.loads(raw) if raw else None
         except ValueError:

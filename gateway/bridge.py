@@ -7,6 +7,7 @@ HTTP server (uvicorn). Several processes share the port with SO_REUSEPORT.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, Histogram, generate_latest
@@ -22,6 +23,7 @@ from gateway.admin_keys import AdminAPI
 from gateway.admin_routing import PREFIX as ROUTING_PREFIX
 from gateway.admin_routing import RoutingAdmin
 from gateway.asgi import HTTPLimits, HTTPServer, Receive, Scope, Send, serve
+from gateway.background import Background
 from gateway.batches import BatchAPI, BatchRunner, BatchStore
 from gateway.files import FilesAPI, FileStore
 from gateway.ingress import Admission
@@ -290,10 +292,11 @@ class Bridge(Service):
         )
         # The Responses API, over the same source; its stored responses in JetStream KV.
         store = await open_store(self.nc, self.settings.responses)
-        ResponsesAPI(api, store, key_owner(keys)).mount()
+        responses = ResponsesAPI(api, store, key_owner(keys))
+        responses.mount()
         # Anthropic's Messages API, a translation onto the same chat path.
         MessagesAPI(api).mount()
-        await self._mount_batches(api, keys)
+        await self._mount_batches(api, keys, responses)
         self.http = await serve(
             api,
             cfg.host,
@@ -368,7 +371,9 @@ class Bridge(Service):
         )
         await send({"type": "http.response.body", "body": body})
 
-    async def _mount_batches(self, api: OpenAIApp, keys: KeyStore | None) -> None:
+    async def _mount_batches(
+        self, api: OpenAIApp, keys: KeyStore | None, responses: ResponsesAPI
+    ) -> None:
         """The Files and Batch APIs (docs/batches.md), and this process's batch runner; not
         where JetStream is not available (logged)."""
         try:
@@ -384,7 +389,14 @@ class Bridge(Service):
         ttl = self.settings.files.ttl_s
         store = await BatchStore(self.nc, self.settings.batches, ttl).open()
         BatchAPI(store, files, key_owner(keys), self.settings).mount(api)
-        self.batch_runner = BatchRunner(self.nc, store, files, api, self.settings.batches)
+        handlers: dict[str, Callable[[dict[str, Any]], Awaitable[bool]]] = {}
+        if responses.store is not None:
+            bg = await Background(self.nc, store, responses.store, api).open(
+                self.settings.responses.ttl_s
+            )
+            responses.background = bg
+            handlers["response"] = bg.run
+        self.batch_runner = BatchRunner(self.nc, store, files, api, self.settings.batches, handlers)
         await self.batch_runner.start()
 
     async def stop_taking_work(self) -> None:

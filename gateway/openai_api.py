@@ -20,7 +20,7 @@ import base64
 import json
 import struct
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
@@ -35,6 +35,7 @@ from gateway.asgi import (
     RECEIVED_NS,
     BodyNow,
     Headers,
+    Message,
     Receive,
     RouteTable,
     Scope,
@@ -83,6 +84,76 @@ class StreamLike(Protocol):
 # request is run for by a trusted caller here (a batch line: gateway/batches.py). Such a
 # request carries no key; auth checks the key by id (auth.service.authenticate).
 PRINCIPAL = "tokenbus.principal"
+# Another such key: the id of the background response this request runs (its runner sets it:
+# the response keeps that id, and is written over its queued record).
+BACKGROUND = "tokenbus.background"
+
+
+class InProcess:
+    """One request to this process's own app, as a trusted caller here makes it (a batch
+    line, a background response): a POST of ``body`` to ``path`` for the key ``principal``
+    (None: an open deployment), with more scope keys in ``extra``. :meth:`run` sends it;
+    ``status`` and ``chunks`` are the answer, and ``on_body`` (when given) gets each piece
+    of a 200 answer's body as it comes instead of ``chunks``."""
+
+    def __init__(
+        self,
+        path: str,
+        body: dict[str, Any],
+        principal: str | None,
+        headers: Sequence[tuple[bytes, bytes]] = (),
+        extra: dict[str, Any] | None = None,
+        on_body: Callable[[bytes], Awaitable[None]] | None = None,
+    ) -> None:
+        self.scope: dict[str, Any] = {
+            "type": "http",
+            "asgi": {"version": "3.0"},
+            "http_version": "1.1",
+            "method": "POST",
+            "scheme": "http",
+            "path": path,
+            "raw_path": path.encode(),
+            "query_string": b"",
+            "headers": [(b"content-type", b"application/json"), *headers],
+            "client": None,
+            "server": None,
+            **(extra or {}),
+        }
+        if principal:
+            self.scope[PRINCIPAL] = principal
+        self.body = json.dumps(body).encode()
+        self.on_body = on_body
+        self.sent = False
+        self.status = 0
+        self.chunks: list[bytes] = []
+
+    async def run(self, app: Callable[[Scope, Receive, Send], Awaitable[None]]) -> None:
+        never: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
+
+        async def receive() -> Message:
+            if not self.sent:
+                self.sent = True
+                return {"type": "http.request", "body": self.body, "more_body": False}
+            return await never  # the caller never goes away
+
+        async def send(msg: Message) -> None:
+            if msg["type"] == "http.response.start":
+                self.status = int(msg["status"])
+            elif msg["type"] == "http.response.body":
+                chunk = bytes(msg.get("body", b""))
+                if self.on_body is not None and self.status == 200:
+                    await self.on_body(chunk)
+                else:
+                    self.chunks.append(chunk)
+
+        try:
+            await app(self.scope, receive, send)
+        finally:
+            never.cancel()
+
+    @property
+    def answer(self) -> bytes:
+        return b"".join(self.chunks)
 
 
 class Source(Protocol):
@@ -317,6 +388,7 @@ class OpenAIApp(RouteTable):
         token = tracing.activate(span)
         call = Call(kind, rid, hdrs, progress, span, receive, scope.get(BODY_NOW))
         call.principal = scope.get(PRINCIPAL)
+        call.background = scope.get(BACKGROUND)
         try:
             call.body = await read_body(scope, receive, self.max_body, self.body_timeout)
             await serve(call, send)
@@ -369,6 +441,8 @@ class Call:
     watcher: asyncio.Task[None] | None = None
     # The key a trusted caller in this process runs the request for (scope[PRINCIPAL]).
     principal: str | None = None
+    # The background response this request runs (scope[BACKGROUND]).
+    background: str | None = None
 
     def watch(self) -> None:
         """The body is read: from here on the only message left is the disconnect, and a

@@ -104,15 +104,26 @@ class ResponseStore:
         """Keep ``record`` (see :func:`dialects.responses.record`) under a new id; False
         when it could not be kept (the id is taken, larger than the bus carries, JetStream
         unavailable), which is logged. Never overwrites: nobody replaces another's record."""
+        return await self._write(response_id, record, create=True)
+
+    async def _write(self, response_id: str, record: dict[str, Any], *, create: bool) -> bool:
         data = json.dumps(record, separators=(",", ":")).encode()
         try:
-            await self._kv().create(response_id, data)
+            if create:
+                await self._kv().create(response_id, data)
+            else:
+                await self._kv().put(response_id, data)
         except Exception as exc:
             log.warning(
                 "response_not_stored", response_id=response_id, bytes=len(data), error=repr(exc)
             )
             return False
         return True
+
+    async def replace(self, response_id: str, record: dict[str, Any]) -> bool:
+        """Write ``record`` over the one kept under ``response_id`` (a background response
+        moving from queued to its end; only the process running it does this)."""
+        return await self._write(response_id, record, create=False)
 
     async def get(self, response_id: str, owner: str) -> dict[str, Any]:
         """The record of ``response_id`` if ``owner`` made it; else 404."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from auth.store import KeyStore
 from bus_schemas import errors as E
@@ -48,6 +48,9 @@ from services import logging as tlog
 from services import tracing
 from services.caller import Chunk
 
+if TYPE_CHECKING:
+    from gateway.background import Background
+
 log = tlog.get("bridge")
 PREFIX = "/v1/responses"
 KIND = "responses"  # the kind in the bridge's metrics and request log
@@ -76,6 +79,8 @@ class ResponsesAPI:
         self.app = app
         self.store = store
         self.owner: Owner = owner or key_owner(None)
+        # Background responses' queue and events (gateway/background.py); None: refused.
+        self.background: Background | None = None
 
     def mount(self) -> None:
         """``POST /v1/responses`` and everything below ``/v1/responses/``."""
@@ -94,8 +99,11 @@ class ResponsesAPI:
         owner = (
             call.principal if call.principal is not None else self.owner(call.hdrs.get(H.API_KEY))
         )
+        if req.background and call.background is None:
+            await self._queue(call, send, req, owner)
+            return
         previous = await self._previous(req.previous_response_id, owner)
-        turn = R.translate(req, call.body, previous)
+        turn = R.translate(req, call.body, previous, response_id=call.background)
         if self.store is None:
             turn.echo["store"] = False
         call.session_from(turn.session)
@@ -116,6 +124,40 @@ class ResponsesAPI:
             await self._write_sse(send, turn, stream, call.rid, call.progress, owner, call.now)
         else:
             await self._write_whole(send, turn, stream, call.rid, call.progress, owner)
+
+    async def _queue(self, call: Call, send: Send, req: R.ResponsesRequest, owner: str) -> None:
+        """``background: true``: checked now, kept ``queued``, run by a batch runner; the
+        queued response at once, or with ``stream`` its events as they come."""
+        bg, store = self.background, self.store
+        if bg is None or store is None:
+            raise E.InvalidRequest(
+                "background responses need JetStream (the response store and the batch "
+                "runners) and are not served here; send the request without background",
+                param="background",
+            )
+        previous = await self._previous(req.previous_response_id, owner)
+        turn = R.translate(req, call.body, previous)
+        validation.parse(KIND_CHAT, turn.chat)  # a bad request is refused now, not later
+        served = (
+            []
+            if call.principal is not None
+            else self.app.source.models_for(call.hdrs.get(H.API_KEY))
+        )
+        if served and req.model not in served:
+            raise E.ModelNotFound(
+                f"the model {req.model!r} does not exist or is not served now", param="model"
+            )
+        b = R.ResponseBuilder(turn, events=False)
+        queued = b.response("queued")
+        rec = R.record(turn, b, queued, owner)
+        rec["background"] = True
+        if not await store.put(turn.response_id, rec):
+            raise E.ServiceUnavailable("the response store (JetStream) did not answer; retry")
+        await bg.submit(turn.response_id, owner, call.body)
+        if req.stream:
+            await bg.follow(turn.response_id, owner, -1, send, call.rid)
+        else:
+            await send_json(send, 200, queued, [(b"x-request-id", call.rid.encode())])
 
     async def _previous(self, response_id: str | None, owner: str) -> list[dict[str, Any]] | None:
         """The conversation a ``previous_response_id`` continues (404 when it is not one of
@@ -144,7 +186,12 @@ class ResponsesAPI:
         ``store: false`` (and the store logged why)."""
         if not turn.echo.get("store") or self.store is None:
             return
-        if not await self.store.put(turn.response_id, R.record(turn, b, resp, owner)):
+        rec = R.record(turn, b, resp, owner)
+        if turn.echo.get("background"):  # over its queued record (gateway/background.py)
+            rec["background"] = True
+            if not await self.store.replace(turn.response_id, rec):
+                resp["store"] = False
+        elif not await self.store.put(turn.response_id, rec):
             resp["store"] = False
 
     async def _write_whole(
@@ -250,12 +297,21 @@ class ResponsesAPI:
                     await send_json(send, 200, {"id": rid, "object": "response", "deleted": True})
                     return
                 query = query_of(scope)
-                if query.get("stream") in ("true", "1"):
-                    raise E.InvalidRequest(
-                        "stream: replaying a stored response as events is not served; GET it whole",
-                        param="stream",
-                    )
                 rec = await self._store(rid).get(rid, owner)
+                if query.get("stream") in ("true", "1"):
+                    if not rec.get("background") or self.background is None:
+                        raise E.InvalidRequest(
+                            "stream: only a background response's events are kept to replay; "
+                            "GET it whole",
+                            param="stream",
+                        )
+                    after = query.get("starting_after", "-1")
+                    if not after.lstrip("-").isdigit():
+                        raise E.InvalidRequest(
+                            "starting_after: a sequence number", param="starting_after"
+                        )
+                    await self.background.follow(rid, owner, int(after), send, rid)
+                    return
                 await send_json(send, 200, rec["response"])
                 return
             if len(parts) == 2 and parts[1] == "input_items" and method == "GET":
@@ -267,12 +323,15 @@ class ResponsesAPI:
                 )
                 return
             if len(parts) == 2 and parts[1] == "cancel" and method == "POST":
-                await self._store(parts[0]).get(parts[0], owner)
-                raise E.InvalidRequest(
-                    "only background responses can be cancelled, and tokenbus serves none "
-                    "(a streamed response stops when its client disconnects)",
-                    param="response_id",
-                )
+                rec = await self._store(parts[0]).get(parts[0], owner)
+                if not rec.get("background") or self.background is None:
+                    raise E.InvalidRequest(
+                        "only background responses can be cancelled (a streamed response "
+                        "stops when its client disconnects)",
+                        param="response_id",
+                    )
+                await send_json(send, 200, await self.background.cancel(parts[0], rec))
+                return
             if len(parts) in (1, 2) and parts[0]:
                 raise MethodNotAllowed(f"method {method} not allowed on {path}")
             raise E.NotFound(f"no route for {method} {path}")

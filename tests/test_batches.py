@@ -344,43 +344,6 @@ async def test_a_cancelled_batch_stops_and_keeps_what_it_answered(
         await oai.batches.cancel(b.id)
 
 
-async def test_killed_runners_and_a_killed_worker_lose_no_line_and_repeat_none(
-    env: Env, nats_server: NatsServer
-) -> None:
-    """A second bridge process; mid-batch one bridge (its runner with it) and one worker
-    are killed (SIGKILL): the batch completes through the other, every line answered
-    exactly once."""
-    port = free_port()
-    second = env.procs.start("bridge-2", "serve", "bridge", "--port", str(port), env=ENV)
-    await wait_http(f"http://127.0.0.1:{port}/ready")
-    first = env.stack.roles["bridge"][0]
-    lines = [chat_line(env.model, f"k{i}", max_tokens=300, ignore_eos=True) for i in range(120)]
-    async with openai.AsyncOpenAI(
-        base_url=f"http://127.0.0.1:{port}/v1", api_key=env.key, max_retries=0
-    ) as oai:
-        f = await oai.files.create(file=("kill.jsonl", jsonl(lines)), purpose="batch")
-        b = await oai.batches.create(
-            input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h"
-        )
-        deadline = time.monotonic() + 60
-        while True:
-            cur = await oai.batches.retrieve(b.id)
-            if cur.request_counts and cur.request_counts.completed >= 10:
-                break
-            assert time.monotonic() < deadline, cur
-            await asyncio.sleep(0.1)
-        first.signal(signal.SIGKILL)
-        env.stack.roles["worker"][0].signal(signal.SIGKILL)
-        done = await wait_batch(oai, b.id, ("completed",), timeout=150)
-        out = await lines_of(oai, done.output_file_id)
-        errs = await lines_of(oai, done.error_file_id)
-    ids = [x["custom_id"] for x in out + errs]
-    assert sorted(ids) == sorted(x["custom_id"] for x in lines)  # each once
-    assert not errs, errs[:3]
-    assert done.request_counts is not None and done.request_counts.completed == 120
-    second.signal(signal.SIGTERM)
-
-
 def test_input_lines_are_checked_one_by_one() -> None:
     ok = chat_line("m", "a")
     lines, errors = parse_input(jsonl([ok, {**ok, "custom_id": "b"}]), "/v1/chat/completions", 10)
@@ -404,3 +367,134 @@ async def test_an_open_deployment_serves_files_to_anyone(procs: Procs) -> None:
     async with stack.openai() as a, httpx.AsyncClient(base_url=f"{stack.base}/v1") as h:
         f = await a.files.create(file=("x.jsonl", b"{}\n"), purpose="batch")
         assert (await h.get(f"/files/{f.id}")).json()["id"] == f.id
+
+
+# -- background responses --------------------------------------------------------------------
+async def test_a_background_response_is_queued_then_run_and_only_its_key_sees_it(
+    oai: openai.AsyncOpenAI, other: openai.AsyncOpenAI, env: Env
+) -> None:
+    r = await oai.responses.create(
+        model=env.model, input="tell me a story", background=True, max_output_tokens=64
+    )
+    assert r.status == "queued" and r.background is True and not r.output
+    deadline = time.monotonic() + 60
+    while r.status in ("queued", "in_progress"):
+        assert time.monotonic() < deadline, r.status
+        await asyncio.sleep(0.1)
+        r = await oai.responses.retrieve(r.id)
+    assert r.status in ("completed", "incomplete") and r.output_text
+    assert r.usage is not None and r.usage.output_tokens > 0
+    with pytest.raises(openai.NotFoundError):
+        await other.responses.retrieve(r.id)
+    with pytest.raises(openai.NotFoundError):
+        await other.responses.cancel(r.id)
+    # A finished one is answered as it is; a response that was not in the background is
+    # not cancellable.
+    assert (await oai.responses.cancel(r.id)).status == r.status
+    plain = await oai.responses.create(model=env.model, input="hi", max_output_tokens=4)
+    with pytest.raises(openai.BadRequestError):
+        await oai.responses.cancel(plain.id)
+    with pytest.raises(openai.BadRequestError):
+        await oai.responses.create(model=env.model, input="x", background=True, store=False)
+    with pytest.raises(openai.NotFoundError):  # refused before it is queued
+        await oai.responses.create(model="no-such-model", input="x", background=True)
+
+
+async def test_a_background_response_is_cancelled_mid_run(
+    oai: openai.AsyncOpenAI, env: Env
+) -> None:
+    r = await oai.responses.create(
+        model=env.model,
+        input="a long one",
+        background=True,
+        max_output_tokens=20_000,
+        extra_body={"ignore_eos": True},
+    )
+    deadline = time.monotonic() + 30
+    while (r := await oai.responses.retrieve(r.id)).status != "in_progress":
+        assert time.monotonic() < deadline, r.status
+        await asyncio.sleep(0.05)
+    c = await oai.responses.cancel(r.id)
+    assert c.status == "cancelled"
+    await asyncio.sleep(1.0)  # the runner stops and writes it down
+    assert (await oai.responses.retrieve(r.id)).status == "cancelled"
+
+
+async def test_a_background_stream_resumes_from_a_sequence_number(env: Env) -> None:
+    """Streamed in the background: the client reads some events and goes; it comes back
+    with ``starting_after`` and gets every later event, once, to the end."""
+    body = {
+        "model": env.model,
+        "input": "stream me",
+        "background": True,
+        "stream": True,
+        "max_output_tokens": 200,
+    }
+    first: list[dict[str, Any]] = []
+    async with env.stack.http("/v1", headers={"Authorization": f"Bearer {env.key}"}) as h:
+        async with h.stream("POST", "/responses", json=body, timeout=30) as resp:
+            assert resp.status_code == 200
+            async for line in resp.aiter_lines():
+                if line.startswith("data: "):
+                    first.append(json.loads(line[6:]))
+                    if len(first) == 6:
+                        break  # the client goes away
+        rid = first[0]["response"]["id"]
+        last = first[-1]["sequence_number"]
+        rest: list[dict[str, Any]] = []
+        async with h.stream(
+            "GET",
+            f"/responses/{rid}",
+            params={"stream": "true", "starting_after": last},
+            timeout=60,
+        ) as resp:
+            assert resp.status_code == 200
+            async for line in resp.aiter_lines():
+                if line.startswith("data: "):
+                    rest.append(json.loads(line[6:]))
+        final = (await h.get(f"/responses/{rid}")).json()
+    seqs = [e["sequence_number"] for e in first + rest]
+    assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))  # none lost, none twice
+    assert rest[-1]["type"] in ("response.completed", "response.incomplete")
+    text = "".join(e["delta"] for e in first + rest if e["type"] == "response.output_text.delta")
+    assert text and text == final["output"][0]["content"][0]["text"]
+    # A response that did not run in the background keeps no events to replay.
+    async with env.stack.http("/v1", headers={"Authorization": f"Bearer {env.key}"}) as h:
+        plain = (
+            await h.post("/responses", json={**body, "background": False, "stream": False})
+        ).json()
+        r = await h.get(f"/responses/{plain['id']}", params={"stream": "true"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "stream"
+
+
+async def test_killed_runners_and_a_killed_worker_lose_no_line_and_repeat_none(
+    env: Env, nats_server: NatsServer
+) -> None:
+    """A second bridge process; mid-batch that bridge (its runner with it) and one worker
+    are killed (SIGKILL): the batch completes through the first, every line answered
+    exactly once. (Last in the module: a worker of its stack is gone after it.)"""
+    port = free_port()
+    second = env.procs.start("bridge-2", "serve", "bridge", "--port", str(port), env=ENV)
+    await wait_http(f"http://127.0.0.1:{port}/ready")
+    lines = [chat_line(env.model, f"k{i}", max_tokens=300, ignore_eos=True) for i in range(120)]
+    async with env.stack.openai(env.key) as oai:
+        f = await oai.files.create(file=("kill.jsonl", jsonl(lines)), purpose="batch")
+        b = await oai.batches.create(
+            input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+        deadline = time.monotonic() + 60
+        while True:
+            cur = await oai.batches.retrieve(b.id)
+            if cur.request_counts and cur.request_counts.completed >= 10:
+                break
+            assert time.monotonic() < deadline, cur
+            await asyncio.sleep(0.1)
+        second.signal(signal.SIGKILL)
+        env.stack.roles["worker"][0].signal(signal.SIGKILL)
+        done = await wait_batch(oai, b.id, ("completed",), timeout=150)
+        out = await lines_of(oai, done.output_file_id)
+        errs = await lines_of(oai, done.error_file_id)
+    ids = [x["custom_id"] for x in out + errs]
+    assert sorted(ids) == sorted(x["custom_id"] for x in lines)  # each once
+    assert not errs, errs[:3]
+    assert done.request_counts is not None and done.request_counts.completed == 120

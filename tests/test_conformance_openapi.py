@@ -65,7 +65,11 @@ NOT_SERVED = [
     Refusal("conversation", r"the Conversations API is not served", "`conversation`"),
     Refusal("context_management", r"compaction is not served", "`context_management`"),
     Refusal("prompt", r"prompt templates are not served", "prompt templates"),
-    Refusal("background", r"background responses are not served", "`background: true`"),
+    Refusal(
+        "background",
+        r"(a background response is kept|background responses need JetStream)",
+        "`background: true` with `store: false`, or without JetStream",
+    ),
     Refusal("truncation", r"'auto' .* is not served", '`truncation: "auto"`'),
     Refusal(
         r"tools\.\d+(\.tools\.\d+)?\.type",
@@ -80,7 +84,11 @@ NOT_SERVED = [
     ),
     Refusal(r".*\.type", r"the content part type .* is not served", "content parts other than"),
     Refusal(r".*\.(image_url|file_data)", r"an input_(image|file) needs", "files by id or URL"),
-    Refusal("stream", r"replaying a stored response as events is not served", "`stream=true`"),
+    Refusal(
+        "stream",
+        r"only a background response's events are kept to replay",
+        "`stream=true` on a response that did not run in the background",
+    ),
 ]
 # What the deployment or the model bounds (here: a 64 KiB body, a 256 token context).
 BOUNDED = [
@@ -217,7 +225,8 @@ SERVED_ITEMS = {"message", "function_call", "function_call_output", "reasoning"}
 
 def _served_only(body: dict[str, Any]) -> None:
     """Drop from a Responses body the features tokenbus does not serve (NOT_SERVED), so
-    that the body reaches the engine."""
+    that the body reaches the engine (and ``background``: served, but answered queued,
+    tests/test_batches.py)."""
     for name in ("conversation", "context_management", "prompt"):
         body.pop(name, None)
     if body.get("background") is True:

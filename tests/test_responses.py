@@ -1092,7 +1092,7 @@ BAD: list[tuple[dict[str, Any], str]] = [
         {"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]},
         "input.0.content.0.file_data",
     ),
-    ({"background": True}, "background"),
+    ({"background": True, "store": False}, "background"),
     (
         {"tool_choice": {"type": "web_search"}, "tools": [{"type": "web_search"}]},
         "tool_choice.type",

@@ -220,6 +220,12 @@ class Client(Caller):
         body.update(params)
         key = api_key or self.api_key
         req = R.parse(body)
+        if req.background:
+            raise E.InvalidRequest(
+                "background responses are served over HTTP (POST /v1/responses, "
+                "docs/batches.md); a NATS client streams the answer instead",
+                param="background",
+            )
         session = session or req.prompt_cache_key  # the session key routing keeps together
         submit = self._chat_sender(timeout, key, request_id, session, traceparent)
         return ResponseStream(req, body, submit, _Stored(self, key))

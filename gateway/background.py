@@ -1,0 +1,260 @@
+"""Background responses (``POST /v1/responses`` with ``background: true``), on the batch
+runners (gateway/batches.py).
+
+The bridge that takes the request validates it, keeps a ``queued`` response under its id in
+the response store and queues a ``response`` message on the batch work stream; it answers at
+once with the queued response (or, with ``stream: true``, follows its events). A runner, in
+any bridge process, takes the message, marks the response ``in_progress`` and runs it
+through its own process's Responses API as a streamed request on the key's behalf: every
+event it makes is published to ``tb.v1.batch.events.<response id>`` in the stream
+``TOKENBUS_BATCH_EVENTS``, and the finished response is written over the queued one.
+
+* ``GET /v1/responses/{id}`` shows where it stands (queued, in_progress, then its end).
+* ``GET /v1/responses/{id}?stream=true&starting_after=N`` replays its events after sequence
+  number N from JetStream and follows the rest as they come: a client that lost its
+  connection resumes where it was.
+* ``POST /v1/responses/{id}/cancel`` marks it ``cancelled`` and tells the runner, which stops
+  the generation and ends the events with ``response.cancelled``.
+
+A runner killed mid-response leaves the message unacknowledged; another runs the response
+again from the start after ``batches.ack_wait_s`` (its earlier events are dropped first, so
+a follower sees the new run's events, numbered from 0 again).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from typing import Any
+
+from nats.aio.client import Client as NATS
+from nats.js import api
+from nats.js.errors import BadRequestError, NotFoundError
+
+from bus_schemas import errors as E
+from bus_schemas import subjects
+from gateway.asgi import Send
+from gateway.batches import BatchStore
+from gateway.openai_api import BACKGROUND, SSE_HEADERS, InProcess
+from gateway.response_store import ResponseStore
+from services import logging as tlog
+
+EVENTS_STREAM = "TOKENBUS_BATCH_EVENTS"
+ENDINGS = ("response.completed", "response.failed", "response.incomplete", "response.cancelled")
+OPEN = ("queued", "in_progress")
+IDLE_CHECK_S = 2.0
+log = tlog.get("background")
+
+
+def sse(ev: dict[str, Any]) -> bytes:
+    return f"event: {ev['type']}\ndata: {json.dumps(ev)}\n\n".encode()
+
+
+class Background:
+    """Queue, run, follow and cancel background responses."""
+
+    def __init__(self, nc: NATS, store: BatchStore, responses: ResponseStore, app: Any) -> None:
+        self.nc = nc
+        self.js = nc.jetstream()
+        self.store = store
+        self.responses = responses
+        self.app = app
+
+    async def open(self, max_age_s: float) -> Background:
+        config = api.StreamConfig(
+            name=EVENTS_STREAM,
+            subjects=[f"{subjects.PREFIX}.batch.events.>"],
+            retention=api.RetentionPolicy.LIMITS,
+            storage=api.StorageType.FILE,
+            max_age=max_age_s,
+            num_replicas=self.store_replicas(),
+        )
+        try:
+            await self.js.stream_info(EVENTS_STREAM)
+        except NotFoundError:
+            with contextlib.suppress(BadRequestError):
+                await self.js.add_stream(config)
+        return self
+
+    @staticmethod
+    def store_replicas() -> int:
+        from services.config import kv_replicas
+
+        return kv_replicas()
+
+    async def submit(self, response_id: str, owner: str, body: dict[str, Any]) -> None:
+        await self.store.publish(
+            response_id,
+            "response",
+            {"batch": response_id, "owner": owner, "body": body},
+            response_id,
+        )
+
+    # -- following ----------------------------------------------------------------------------
+    async def follow(
+        self, response_id: str, owner: str, after: int, send: Send, request_id: str
+    ) -> None:
+        """Stream the response's events numbered after ``after`` as server-sent events,
+        replayed from JetStream, then live, until one that ends it."""
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [*SSE_HEADERS, (b"x-request-id", request_id.encode())],
+            }
+        )
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+
+        async def on_event(msg: Any) -> None:
+            queue.put_nowait(msg.data)
+
+        sub = await self.js.subscribe(
+            subjects.batch_events(response_id),
+            cb=on_event,
+            ordered_consumer=True,
+            deliver_policy=api.DeliverPolicy.ALL,
+        )
+        try:
+            while True:
+                try:
+                    data = await asyncio.wait_for(queue.get(), IDLE_CHECK_S)
+                except TimeoutError:
+                    # Quiet: a response that ended while its events aged out ends here too.
+                    rec = await self.responses.get(response_id, owner)
+                    if rec["response"]["status"] not in OPEN and queue.empty():
+                        end: dict[str, Any] = {
+                            "type": f"response.{rec['response']['status']}",
+                            "response": rec["response"],
+                            "sequence_number": after + 1,
+                        }
+                        piece = {"type": "http.response.body", "body": sse(end), "more_body": True}
+                        await send(piece)
+                        break
+                    continue
+                ev = json.loads(data)
+                if int(ev.get("sequence_number", -1)) <= after:
+                    continue
+                after = int(ev["sequence_number"])
+                await send({"type": "http.response.body", "body": sse(ev), "more_body": True})
+                if ev.get("type") in ENDINGS:
+                    break
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    # -- cancelling ---------------------------------------------------------------------------
+    async def cancel(self, response_id: str, rec: dict[str, Any]) -> dict[str, Any]:
+        """Mark an open background response cancelled and tell its runner; a finished one
+        is answered as it is."""
+        resp: dict[str, Any] = rec["response"]
+        if resp["status"] in OPEN:
+            resp["status"] = "cancelled"
+            await self.responses.replace(response_id, rec)
+            with contextlib.suppress(Exception):
+                await self.nc.publish(subjects.batch_cancel(response_id), b"")
+        return resp
+
+    # -- running (a batch runner's work) ------------------------------------------------------
+    async def run(self, body: dict[str, Any]) -> bool:
+        """Run one background response (see the module docstring); True: settled."""
+        response_id, owner = str(body["batch"]), str(body.get("owner") or "")
+        try:
+            rec = await self.responses.get(response_id, owner)
+        except E.NotFound:
+            return True  # deleted meanwhile
+        if rec["response"]["status"] not in OPEN:
+            return True  # cancelled before it ran, or run already
+        rec["response"]["status"] = "in_progress"
+        await self.responses.replace(response_id, rec)
+        with contextlib.suppress(Exception):  # a run before this one died: start afresh
+            await self.js.purge_stream(EVENTS_STREAM, subject=subjects.batch_events(response_id))
+        cancelled = asyncio.Event()
+
+        async def on_cancel(_msg: Any) -> None:
+            cancelled.set()
+
+        sub = await self.nc.subscribe(subjects.batch_cancel(response_id), cb=on_cancel)
+        events = _Events(self.js, subjects.batch_events(response_id))
+        task = asyncio.get_running_loop().create_task(
+            self._request(response_id, owner, dict(body["body"]), events)
+        )
+        stop = asyncio.get_running_loop().create_task(cancelled.wait())
+        try:
+            await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
+            if task.done():
+                task.result()
+                return True
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+            latest = await self.responses.get(response_id, owner)
+            latest["response"]["status"] = "cancelled"
+            await self.responses.replace(response_id, latest)
+            end = {
+                "type": "response.cancelled",
+                "response": latest["response"],
+                "sequence_number": events.last + 1,
+            }
+            await events.publish(end)
+            return True
+        finally:
+            stop.cancel()
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+
+    async def _request(
+        self, response_id: str, owner: str, body: dict[str, Any], events: _Events
+    ) -> None:
+        body["stream"] = True
+        req = InProcess(
+            "/v1/responses", body, owner, extra={BACKGROUND: response_id}, on_body=events.feed
+        )
+        await req.run(self.app)
+        status, error = req.status, req.answer
+        if status != 200:
+            await self._failed(response_id, owner, status, error, events)
+
+    async def _failed(
+        self, response_id: str, owner: str, status: int, raw: bytes, events: _Events
+    ) -> None:
+        """Refused before it ran (its key revoked since, no replica...): failed, with the
+        error an HTTP client would have had."""
+        try:
+            err = json.loads(raw).get("error") or {}
+        except ValueError:
+            err = {}
+        rec = await self.responses.get(response_id, owner)
+        rec["response"]["status"] = "failed"
+        rec["response"]["error"] = {
+            "code": str(err.get("code") or status),
+            "message": str(err.get("message") or "the response could not be run"),
+        }
+        await self.responses.replace(response_id, rec)
+        await events.publish(
+            {"type": "response.failed", "response": rec["response"], "sequence_number": 0}
+        )
+
+
+class _Events:
+    """Server-sent event text in, events out to JetStream, in order."""
+
+    def __init__(self, js: Any, subject: str) -> None:
+        self.js = js
+        self.subject = subject
+        self.buf = b""
+        self.last = -1
+
+    async def feed(self, chunk: bytes) -> None:
+        self.buf += chunk
+        while b"\n\n" in self.buf:
+            block, self.buf = self.buf.split(b"\n\n", 1)
+            for line in block.split(b"\n"):
+                if line.startswith(b"data: "):
+                    ev = json.loads(line[6:])
+                    self.last = max(self.last, int(ev.get("sequence_number", self.last)))
+                    await self.publish(ev)
+
+    async def publish(self, ev: dict[str, Any]) -> None:
+        await self.js.publish(self.subject, json.dumps(ev).encode(), stream=EVENTS_STREAM)
