@@ -77,6 +77,7 @@ WINDOWS = {"24h": 86400}
 OPEN = ("validating", "in_progress", "finalizing", "cancelling")
 MAX_ERRORS = 1000  # validation errors listed
 SWEEP_S = 3.0
+FLUSH_S = 1.0
 STALE_FINALIZING_S = 60.0
 RETRY_STATUSES = (429, 500, 502, 503, 504)
 log = tlog.get("batches")
@@ -473,6 +474,9 @@ class BatchRunner:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._loop: asyncio.Task[None] | None = None
         self._sweep: asyncio.Task[None] | None = None
+        self._flushing: asyncio.Task[None] | None = None
+        self._tally: dict[str, list[int]] = {}  # batch -> [ok, failed] not yet in its record
+        self._records: dict[str, tuple[float, dict[str, Any] | None]] = {}
         self._slots = asyncio.Semaphore(settings.concurrency)
         # More kinds of work on the same queue: kind -> handler(body) -> settled (a
         # background response: gateway/background.py).
@@ -494,11 +498,12 @@ class BatchRunner:
         )
         self._loop = asyncio.get_running_loop().create_task(self._pull())
         self._sweep = asyncio.get_running_loop().create_task(self._sweeper())
+        self._flushing = asyncio.get_running_loop().create_task(self._flusher())
 
     async def stop(self, grace_s: float = 0.0) -> None:
         """Take no more work; let the lines running finish (up to ``grace_s``), then stop.
         A line cut off is not acknowledged: JetStream gives it to another runner."""
-        for t in (self._loop, self._sweep):
+        for t in (self._loop, self._sweep, self._flushing):
             if t is not None:
                 t.cancel()
                 with contextlib.suppress(BaseException):
@@ -509,6 +514,8 @@ class BatchRunner:
             t.cancel()
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
+        with contextlib.suppress(Exception):
+            await self._flush()
         with contextlib.suppress(Exception):
             await self.sub.unsubscribe()
 
@@ -554,7 +561,6 @@ class BatchRunner:
             elif what == "line":
                 if await self._line(batch_id, body, msg):
                     await msg.ack()
-                    await self._maybe_finish(batch_id)
             elif what in self.handlers:
                 keep = asyncio.get_running_loop().create_task(self._keep_in_progress(msg))
                 try:
@@ -636,10 +642,9 @@ class BatchRunner:
     async def _line(self, batch_id: str, body: dict[str, Any], msg: Any) -> bool:
         """Run one line; True when it is settled (answered, or not to be run), False when
         it goes back to the queue (nak'd) for another try."""
-        found = await self.store.load(batch_id)
-        if found is None:
+        rec = await self._status(batch_id)
+        if rec is None:
             return True  # the batch is gone: its lines with it
-        rec = found[0]
         b = rec["batch"]
         n = int(body["n"])
         if b["status"] in ("cancelling", "cancelled", "failed"):
@@ -706,12 +711,51 @@ class BatchRunner:
         if not await self.store.record_result(batch_id, n, line):
             return  # answered before (a retried runner): counted then
         LINES.labels("ok" if ok else "error").inc()
+        # Counted into the record once a second (one compare-and-set per batch, not one per
+        # line: hundreds of lines a second on one record would mostly retry). A count lost
+        # with its runner is made exact when the batch is finalized, from the results.
+        tally = self._tally.setdefault(batch_id, [0, 0])
+        tally[0 if ok else 1] += 1
 
-        def count(rec: dict[str, Any]) -> bool:
-            rec["batch"]["request_counts"]["completed" if ok else "failed"] += 1
-            return True
+    async def _flush(self) -> None:
+        """Add this runner's counts to the batch records; finish those with no line left."""
+        tallies, self._tally = self._tally, {}
+        for batch_id, (ok, bad) in tallies.items():
 
-        await self.store.update(batch_id, count)
+            def count(rec: dict[str, Any], ok: int = ok, bad: int = bad) -> bool:
+                if rec["batch"]["status"] not in OPEN:
+                    return False
+                counts = rec["batch"]["request_counts"]
+                counts["completed"] += ok
+                counts["failed"] += bad
+                return True
+
+            await self.store.update(batch_id, count)
+            await self._maybe_finish(batch_id)
+
+    async def _flusher(self) -> None:
+        while True:
+            await asyncio.sleep(FLUSH_S)
+            try:
+                await self._flush()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("batch_flush_failed", error=repr(exc))
+
+    async def _status(self, batch_id: str) -> dict[str, Any] | None:
+        """The batch's record as of at most :data:`FLUSH_S` ago (a line needs its status,
+        owner and expiry; every line reading the record again would flood the bucket)."""
+        now = time.monotonic()
+        cached = self._records.get(batch_id)
+        if cached is not None and now - cached[0] < FLUSH_S:
+            return cached[1]
+        found = await self.store.load(batch_id)
+        rec = found[0] if found is not None else None
+        self._records[batch_id] = (now, rec)
+        if len(self._records) > 10_000:
+            self._records.pop(next(iter(self._records)))
+        return rec
 
     # -- finishing ----------------------------------------------------------------------------
     async def _maybe_finish(self, batch_id: str) -> None:
