@@ -374,30 +374,31 @@ class Bridge(Service):
     async def _mount_batches(
         self, api: OpenAIApp, keys: KeyStore | None, responses: ResponsesAPI
     ) -> None:
-        """The Files and Batch APIs (docs/batches.md), and this process's batch runner; not
-        where JetStream is not available (logged)."""
+        """The Files and Batch APIs and background responses (docs/batches.md), and this
+        process's batch runner; none where JetStream is not available (logged)."""
+        cfg = self.settings
+        handlers: dict[str, Callable[[dict[str, Any]], Awaitable[bool]]] = {}
         try:
-            files = await FileStore(self.nc, self.settings.files).open()
+            files = await FileStore(self.nc, cfg.files).open()
+            store = await BatchStore(self.nc, cfg.batches, cfg.files.ttl_s).open()
+            if cfg.batches.enabled and responses.store is not None:
+                bg = await Background(self.nc, store, responses.store, api).open(
+                    cfg.responses.ttl_s
+                )
+                responses.background = bg
+                handlers["response"] = bg.run
         except Exception as exc:
             self.log.warning(
                 "files_not_served_here", reason="JetStream unavailable", error=repr(exc)
             )
             return
-        FilesAPI(files, key_owner(keys), self.settings.files).mount(api)
-        if not self.settings.batches.enabled:
+        FilesAPI(files, key_owner(keys), cfg.files).mount(api)
+        if not cfg.batches.enabled:
             return
-        ttl = self.settings.files.ttl_s
-        store = await BatchStore(self.nc, self.settings.batches, ttl).open()
-        BatchAPI(store, files, key_owner(keys), self.settings).mount(api)
-        handlers: dict[str, Callable[[dict[str, Any]], Awaitable[bool]]] = {}
-        if responses.store is not None:
-            bg = await Background(self.nc, store, responses.store, api).open(
-                self.settings.responses.ttl_s
-            )
-            responses.background = bg
-            handlers["response"] = bg.run
-        self.batch_runner = BatchRunner(self.nc, store, files, api, self.settings.batches, handlers)
-        await self.batch_runner.start()
+        BatchAPI(store, files, key_owner(keys), cfg).mount(api)
+        if cfg.batches.run_lines:
+            self.batch_runner = BatchRunner(self.nc, store, files, api, cfg.batches, handlers)
+            await self.batch_runner.start()
 
     async def stop_taking_work(self) -> None:
         # Stop listening, let open HTTP requests finish (up to the drain timeout), then close.

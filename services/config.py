@@ -572,6 +572,12 @@ class BatchSettings(BaseModel):
     work queue, at the lowest priority (docs/batches.md)."""
 
     enabled: bool = Field(default=True, description="Serve /v1/batches and run batch lines.")
+    run_lines: bool = Field(
+        default=True,
+        description="This bridge process runs batch lines and background responses (false: "
+        "it only takes and answers the API calls; run the work in bridges apart from the "
+        "interactive front, so it never takes that front's CPU).",
+    )
     concurrency: int = Field(default=32, ge=1, description="Lines one bridge process runs at once.")
     max_lines: int = Field(default=50_000, ge=1, description="Lines one batch may hold.")
     priority: Literal["priority", "default", "flex"] = Field(

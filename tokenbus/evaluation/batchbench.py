@@ -1,28 +1,34 @@
 """``tokenbus bench --batch-lines N``: a batch on the replica interactive traffic uses.
 
-One sim worker on a stack of its own (bench's stack, as ``--tenants`` builds it: auth,
-ratelimit, router, the bridge whose processes run batch lines). Three windows of
-``--duration`` seconds each:
+One sim worker (a batch of 192 sequences; a decode step slows 0.05 ms per sequence in it)
+on a stack of its own (bench's stack, as ``--tenants`` builds it: auth, ratelimit, router,
+the bridge). That bridge takes the interactive requests and the batch API calls but runs no
+batch work (``batches.run_lines = false``); a second bridge process runs the lines, the
+deployment docs/batches.md describes. The worker keeps 34 % of its slots for the
+``default`` class (``worker.flow.reserved``), the share the interactive load needs: batch
+lines (``flex``) fill the rest. Windows of ``--duration`` seconds:
 
-* **alone:** an interactive client keeps ``--batch-interactive`` streams of 64 tokens going
-  (the ``default`` class): its TTFT and tokens/s;
-* **with the batch:** the same load while a batch of N chat lines (32 tokens each, the
-  ``flex`` class the runners use) runs on the same replica: the interactive TTFT and
-  tokens/s again, and the batch's tokens/s (its answered lines, polled);
-* **batch alone:** the interactive client stops; the batch's tokens/s on the idle replica,
-  the capacity it has for itself.
+* **capacity:** ``default`` requests of the lines' shape (32 tokens) at a concurrency of the
+  engine's whole batch: the tokens/s the replica gives when full;
+* **alone:** an interactive client keeps ``--batch-interactive`` streams of 64 tokens going:
+  its TTFT and tokens/s;
+* **with the batch:** the same load while a batch of N chat lines (32 tokens each) runs on
+  the same replica: the interactive TTFT and tokens/s again, and the batch's tokens/s (its
+  answered lines, polled), until the window ends or the batch does.
 
-The spare capacity while interactive traffic runs is the batch-alone rate less the
-interactive tokens/s; the batch's share of it is what the issue's target compares (>= 80 %),
-with the interactive TTFT p50/p99 within 10 % of the alone window's. The batch then runs to
-its end, and its total time is reported.
+Spare capacity beside the interactive load is the capacity less the interactive tokens/s;
+the issue's targets compare the batch's tokens/s with it (>= 80 %) and the interactive TTFT
+p50/p99 with the alone window's (within 10 %). The batch then runs to its end; its total time
+is reported.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -51,6 +57,12 @@ def add_arguments(g: Any) -> None:
         "uses (docs/batches.md); --duration seconds per window",
     )
     g.add_argument(
+        "--batch-runner-lines",
+        type=int,
+        default=160,
+        help="--batch-lines: lines the runner bridge runs at once (batches.concurrency)",
+    )
+    g.add_argument(
         "--batch-interactive",
         type=int,
         default=64,
@@ -70,6 +82,7 @@ class BatchClient:
         self.id = ""
         self.polls: list[tuple[float, int, str]] = []  # (perf_counter, answered, status)
         self._task: asyncio.Task[None] | None = None
+        self.ended = asyncio.Event()
 
     async def submit(self, model: str, prompt: str, n: int) -> None:
         body = {
@@ -106,6 +119,7 @@ class BatchClient:
             c = b["request_counts"]
             self.polls.append((time.perf_counter(), c["completed"] + c["failed"], b["status"]))
             if b["status"] in ("completed", "failed", "expired", "cancelled"):
+                self.ended.set()
                 return
             await asyncio.sleep(0.25)
 
@@ -135,19 +149,58 @@ class BatchClient:
         await self.http.aclose()
 
 
+RESERVED = 0.34  # of the 192 slots, kept for default: 65, the interactive load's 64 and one
+
+
+async def start_runner(nats_url: str, port: int, lines: int) -> asyncio.subprocess.Process:
+    """A bridge process that runs batch lines (and takes no interactive traffic)."""
+    from tokenbus.evaluation.bench import _wait_http
+    from tokenbus.evaluation.tenants import PIPELINE
+    from tokenbus.launcher import cli_argv
+
+    env = {
+        **os.environ,
+        "TOKENBUS_NATS_URL": nats_url,
+        "TOKENBUS_LOG_LEVEL": "warning",
+        "TOKENBUS_INGRESS__PIPELINE": json.dumps(PIPELINE.split(",")),
+        "TOKENBUS_TELEMETRY__ENABLED": "false",
+        "TOKENBUS_BATCHES__CONCURRENCY": str(lines),
+    }
+    proc = await asyncio.create_subprocess_exec(
+        *cli_argv("serve", "bridge", "--port", str(port)),
+        env=env,
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.DEVNULL,
+    )
+    await _wait_http(f"http://127.0.0.1:{port}/ready", 60)
+    return proc
+
+
 async def run_batch_bench(a: argparse.Namespace) -> int:
+    from tokenbus.evaluation.bench import _free_port
+
     eng = _engine(a, max_running=192, max_concurrency=4096, decode_ms_per_seq=0.05)
     conc = a.batch_interactive
-    # Enough lines in flight to fill what the interactive load leaves (the worker's flow
-    # control holds the rest in its flex queue).
-    env = {"TOKENBUS_BATCHES__CONCURRENCY": "512"}
+    env = {
+        "TOKENBUS_BATCHES__RUN_LINES": "false",
+        "TOKENBUS_WORKER__FLOW__RESERVED": json.dumps({"default": RESERVED}),
+    }
     report: dict[str, Any] = {**report_head("tokenbus bench --batch-lines")}
     async with stack(a, eng, "on", env) as st:
+        runner = await start_runner(st.nats_url, _free_port(), a.batch_runner_lines)
+        tc = await Tenant.create(a, st, "capacity", LINE_TOKENS)
         ti = await Tenant.create(a, st, "interactive", INTERACTIVE_TOKENS)
         key = await _bench_key(st.nats_url, name="batch")
         bc = BatchClient(st.url, key)
         try:
-            async with ti:
+            async with tc, ti:
+                _say(f"batch bench: capacity, c = {eng.max_running} ...")
+                async with tc.streams(eng.max_running, eng):
+                    await asyncio.sleep(_warm(a, _ramp(eng, LINE_TOKENS)))
+                    k0 = time.perf_counter()
+                    k1 = k0 + a.duration
+                    await _until(k1)
+                await asyncio.sleep(2.0)
                 _say(f"batch bench: interactive alone, c = {conc} ...")
                 async with ti.streams(conc, eng):
                     await asyncio.sleep(_warm(a, _ramp(eng, INTERACTIVE_TOKENS)))
@@ -160,20 +213,20 @@ async def run_batch_bench(a: argparse.Namespace) -> int:
                     await asyncio.sleep(3.0)  # validation, the first lines in
                     b0 = time.perf_counter()
                     b1 = b0 + a.duration
-                    await _until(b1)
-                _say("batch bench: the batch alone ...")
-                c0 = time.perf_counter() + 1.0
-                c1 = c0 + a.duration
-                await _until(c1)
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(bc.ended.wait(), b1 - time.perf_counter())
+                    b1 = min(b1, time.perf_counter())
                 final = await bc.done()
                 t_end = bc.polls[-1][0]
         finally:
             await bc.close()
+            runner.terminate()
+            await runner.wait()
+    capacity = _rate(tc.tokens(k0, k1), k1 - k0)
     alone_tps = _rate(ti.tokens(a0, a1), a1 - a0)
     with_tps = _rate(ti.tokens(b0, b1), b1 - b0)
     batch_with = bc.tokens_per_s(b0, b1)
-    batch_alone = bc.tokens_per_s(c0, c1)
-    spare = max(0.0, batch_alone - with_tps)
+    spare = max(0.0, capacity - with_tps)
     ttft_alone, ttft_with = ti.ttft_ms(a0, a1), ti.ttft_ms(b0, b1)
     report.update(
         {
@@ -184,12 +237,17 @@ async def run_batch_bench(a: argparse.Namespace) -> int:
                 "interactive_tokens": INTERACTIVE_TOKENS,
                 "window_s": a.duration,
                 "engine": vars(eng),
-                "batch_concurrency_per_bridge": 512,
+                "reserved_for_default": RESERVED,
+                "runner": f"a bridge process of its own, {a.batch_runner_lines} lines at once",
             },
+            "capacity_tokens_per_s": capacity,
             "interactive_alone": {"ttft_ms": ttft_alone, "tokens_per_s": alone_tps},
-            "interactive_with_batch": {"ttft_ms": ttft_with, "tokens_per_s": with_tps},
+            "interactive_with_batch": {
+                "ttft_ms": ttft_with,
+                "tokens_per_s": with_tps,
+                "window_s": round(b1 - b0, 2),
+            },
             "batch_tokens_per_s_with_interactive": batch_with,
-            "batch_tokens_per_s_alone": batch_alone,
             "spare_tokens_per_s": round(spare, 1),
             "batch_share_of_spare": round(batch_with / spare, 3) if spare else None,
             "batch": {
@@ -197,7 +255,7 @@ async def run_batch_bench(a: argparse.Namespace) -> int:
                 "request_counts": final["request_counts"],
                 "total_s": round(t_end - t_submit, 1),
             },
-            "errors": ti.errors(),
+            "errors": {"interactive": ti.errors(), "capacity": tc.errors()},
         }
     )
 
@@ -216,8 +274,8 @@ async def run_batch_bench(a: argparse.Namespace) -> int:
     out.write_text(json.dumps(report, indent=2))
     print(json.dumps({k: report[k] for k in ("interactive_alone", "interactive_with_batch")}))
     print(
-        f"batch: {batch_with} tok/s beside interactive, {batch_alone} alone; spare "
-        f"{round(spare, 1)}; share {report['batch_share_of_spare']}; "
+        f"capacity {capacity} tok/s; batch {batch_with} tok/s beside interactive "
+        f"{with_tps}; spare {round(spare, 1)}; share {report['batch_share_of_spare']}; "
         f"total {report['batch']['total_s']} s ({final['status']})"
     )
     print(f"checks: {json.dumps(report['checks'])}")
