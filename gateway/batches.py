@@ -44,6 +44,7 @@ from nats.js.errors import (
     BucketNotFoundError,
     KeyNotFoundError,
     KeyWrongLastSequenceError,
+    NoKeysError,
     NotFoundError,
 )
 from nats.js.kv import KeyValue
@@ -315,7 +316,7 @@ class BatchStore:
     async def all(self) -> list[dict[str, Any]]:
         try:
             keys = await self._kv().keys()
-        except NotFoundError:
+        except (NotFoundError, NoKeysError):  # no batch yet
             return []
         out = []
         for k in keys:

@@ -498,3 +498,23 @@ async def test_killed_runners_and_a_killed_worker_lose_no_line_and_repeat_none(
     assert sorted(ids) == sorted(x["custom_id"] for x in lines)  # each once
     assert not errs, errs[:3]
     assert done.request_counts is not None and done.request_counts.completed == 120
+
+
+async def test_a_fresh_store_lists_no_batch_and_its_runner_sweeps_quietly(tmp_path: Any) -> None:
+    """On a bus where no batch was ever made (``make up``'s first minutes), listing and the
+    runners' sweep find nothing, without an error (nats-py raises for an empty bucket)."""
+    import nats
+
+    from gateway.batches import BatchStore
+    from services.config import BatchSettings
+    from tests.conftest import NatsServer
+
+    srv = NatsServer(tmp_path).start()
+    try:
+        await asyncio.sleep(0.3)
+        nc = await nats.connect(srv.url)
+        store = await BatchStore(nc, BatchSettings(), 3600).open()
+        assert await store.all() == []
+        await nc.close()
+    finally:
+        srv.stop()
