@@ -85,6 +85,32 @@ def responses_state_wildcard() -> str:
     return f"{PREFIX}.req.responses.*"
 
 
+# What a NATS client may do with files and batches (ingress answers; docs/batches.md).
+BATCH_ACTIONS = (
+    "file_create",
+    "file_get",
+    "file_content",
+    "file_delete",
+    "file_list",
+    "create",
+    "get",
+    "list",
+    "cancel",
+)
+
+
+def batches_state(action: str) -> str:
+    """Where a NATS client uploads files and makes, reads or cancels batches
+    (request-reply)."""
+    if action not in BATCH_ACTIONS:
+        raise ValueError(f"unknown batches action {action!r}")
+    return f"{PREFIX}.req.batches.{action}"
+
+
+def batches_state_wildcard() -> str:
+    return f"{PREFIX}.req.batches.*"
+
+
 def stage(name: str) -> str:
     """The subject a pipeline stage (auth, ratelimit, filter, route) listens on."""
     return f"{PREFIX}.stage.{name}"

@@ -33,7 +33,7 @@ from auth.store import KeyStore
 from bus_schemas import errors as E
 from bus_schemas import headers as H
 from gateway.asgi import Headers, Receive, Scope, Send, api_key, header, send_error, send_json
-from gateway.ingress import clean_request_id
+from gateway.validation import clean_request_id
 from services import audit
 
 PREFIX = "/v1/admin/keys"

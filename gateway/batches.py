@@ -410,20 +410,7 @@ class BatchAPI:
         try:
             owner = _owner_of(self.owner, scope)
             body = await read_body(scope, receive, 1 << 20)
-            fid, endpoint, window, meta = check_create(body)
-            try:
-                info = await self.files.get(fid, owner)
-            except E.NotFound:
-                raise E.NotFound(
-                    f"input_file_id: no file with id {fid!r}", param="input_file_id"
-                ) from None
-            if info.get("purpose") != "batch":
-                raise E.InvalidRequest(
-                    "input_file_id: the file's purpose must be 'batch'", param="input_file_id"
-                )
-            batch = new_batch(endpoint, fid, window, meta)
-            await self.store.create({"owner": owner, "batch": batch, "total": 0})
-            await self.store.publish(batch["id"], "validate", {"batch": batch["id"]}, batch["id"])
+            batch = await create_batch(self.store, self.files, owner, body)
             await send_json(send, 200, batch)
         except E.TokenbusError as exc:
             await send_error(send, exc)
@@ -452,6 +439,118 @@ class BatchAPI:
                 raise E.NotFound(f"no route for {method} {path}")
         except E.TokenbusError as exc:
             await send_error(send, exc)
+
+
+# -- NATS clients -------------------------------------------------------------------------
+class BatchState:
+    """Files and batches for NATS clients (``Client.files_create``, ``Client.batches_create``
+    ...): ingress answers ``tb.v1.req.batches.<action>`` requests with the stores the bridges
+    use, checking the key each carries where the pipeline has auth. The stores open at the
+    first request (an ingress that never sees one never touches them). The lines run in the
+    bridges' runners, as an HTTP client's do."""
+
+    def __init__(self, nc: NATS, settings: Settings) -> None:
+        self.nc = nc
+        self.settings = settings
+        self.files: FileStore | None = None
+        self.store: BatchStore | None = None
+        self.keys: Any = None
+        self._opening: asyncio.Lock = asyncio.Lock()
+
+    async def _open(self) -> tuple[FileStore, BatchStore]:
+        async with self._opening:
+            if self.files is None or self.store is None:
+                from auth.store import KeyStore
+
+                try:
+                    files = await FileStore(self.nc, self.settings.files).open()
+                    store = await BatchStore(
+                        self.nc, self.settings.batches, self.settings.files.ttl_s
+                    ).open()
+                except Exception as exc:
+                    log.warning("batches_unavailable", error=repr(exc))
+                    raise E.ServiceUnavailable(
+                        "files and batches need JetStream, which did not answer; retry"
+                    ) from None
+                if subjects.STAGE_AUTH in self.settings.ingress.pipeline:
+                    self.keys = await KeyStore(self.nc).open()
+                self.files, self.store = files, store
+        return self.files, self.store
+
+    async def close(self) -> None:
+        if self.keys is not None:
+            await self.keys.close()
+
+    async def handle(self, msg: Any) -> None:
+        """One request; errors go back as error frames (the service runtime sends them)."""
+        if not msg.reply:
+            return
+        if not self.settings.batches.enabled:
+            raise E.NotFound("batches are not served here (batches.enabled is false)")
+        files, store = await self._open()
+        action = msg.subject.rpartition(".")[2]
+        body = codec.decode_map(msg.data)
+        key = (msg.headers or {}).get(H.API_KEY)
+        owner = self.keys.lookup(key).id if self.keys is not None else ""
+        out: dict[str, Any] = {"t": "ok"}
+        ident = body.get("id")
+        if action in ("file_get", "file_content", "file_delete", "get", "cancel") and not (
+            isinstance(ident, str) and ident
+        ):
+            raise E.InvalidRequest(f"{action} needs an 'id'", param="id")
+        if action == "file_create":
+            data, name, purpose = body.get("data"), body.get("filename"), body.get("purpose")
+            if not isinstance(data, bytes) or not isinstance(name, str):
+                raise E.InvalidRequest("file_create needs 'data' (bytes) and a 'filename'")
+            if purpose != "batch":
+                raise E.InvalidRequest(
+                    f"purpose: {purpose!r} is not served; use 'batch'", param="purpose"
+                )
+            if len(data) > self.settings.files.max_file_bytes:
+                raise E.PayloadTooLarge(
+                    f"the file is larger than {self.settings.files.max_file_bytes} bytes"
+                )
+            out["file"] = await files.put(owner, name[:255], purpose, data)
+        elif action == "file_get":
+            out["file"] = await files.get(str(ident), owner)
+        elif action == "file_content":
+            out["data"] = await files.content(str(ident), owner)
+        elif action == "file_delete":
+            await files.delete(str(ident), owner)
+        elif action == "file_list":
+            out["files"] = await files.list(owner, body.get("purpose"))
+        elif action == "create":
+            out["batch"] = await create_batch(store, files, owner, body)
+        elif action == "get":
+            out["batch"] = (await store.get(str(ident), owner))["batch"]
+        elif action == "list":
+            mine = [r["batch"] for r in await store.all() if r["owner"] == owner]
+            out["batches"] = sorted(mine, key=lambda b: (b["created_at"], b["id"]), reverse=True)
+        elif action == "cancel":
+            out["batch"] = await store.cancel(str(ident), owner)
+        else:
+            raise E.NotFound(f"no batches action {action!r}")
+        await self.nc.publish(msg.reply, codec.encode(out))
+
+
+async def create_batch(
+    store: BatchStore, files: FileStore, owner: str, body: Any
+) -> dict[str, Any]:
+    """Check a create request and its input file, keep the batch and queue its validation:
+    the new batch object (HTTP and NATS clients alike)."""
+    fid, endpoint, window, meta = check_create(body)
+    try:
+        info = await files.get(fid, owner)
+    except E.NotFound:
+        raise E.NotFound(f"input_file_id: no file with id {fid!r}", param="input_file_id") from None
+    if info.get("purpose") != "batch":
+        raise E.InvalidRequest(
+            "input_file_id: the file's purpose must be 'batch'", param="input_file_id"
+        )
+    batch = new_batch(endpoint, fid, window, meta)
+    await store.create({"owner": owner, "batch": batch, "total": 0})
+    await store.publish(batch["id"], "validate", {"batch": batch["id"]}, batch["id"])
+    return batch
 
 
 # -- running lines ----------------------------------------------------------------------------

@@ -3,8 +3,6 @@ starts it down the pipeline (a routing slip in the ``Tb-Route`` header)."""
 
 from __future__ import annotations
 
-import re
-import uuid
 from typing import Any
 
 from nats.aio.msg import Msg
@@ -13,7 +11,9 @@ from bus_schemas import codec, marks, subjects
 from bus_schemas import errors as E
 from bus_schemas import headers as H
 from gateway import validation
+from gateway.batches import BatchState
 from gateway.response_store import ResponsesState
+from gateway.validation import clean_request_id
 from services import tracing
 from services.config import Settings
 from services.runtime import Service
@@ -45,14 +45,6 @@ SERVICE_TIERS = {
     "ultrafast": "priority",
 }
 MAX_REQUEST_ID = 128
-_SAFE_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
-
-
-def clean_request_id(value: str | None) -> str:
-    """The caller's request id when it is a short, plain token; a fresh one otherwise."""
-    if value and _SAFE_ID.fullmatch(value):
-        return value
-    return uuid.uuid4().hex
 
 
 def service_tier(body: dict[str, Any], hdrs: dict[str, str]) -> None:
@@ -145,6 +137,14 @@ class Ingress(Service):
         await self.add_endpoint(
             "requests", subjects.requests_wildcard(), self.handle, queue=subjects.QUEUE_INGRESS
         )
+        # NATS clients' files and batches (docs/batches.md).
+        self.batches = BatchState(self.nc, self.settings)
+        await self.add_endpoint(
+            "batches",
+            subjects.batches_state_wildcard(),
+            self.batches.handle,
+            queue=subjects.QUEUE_INGRESS,
+        )
         # NATS clients' stored Responses API responses (docs/responses.md).
         self.responses = await ResponsesState(self.nc, self.settings).open()
         await self.add_endpoint(
@@ -158,6 +158,9 @@ class Ingress(Service):
         responses = getattr(self, "responses", None)
         if responses is not None:
             await responses.close()
+        batches = getattr(self, "batches", None)
+        if batches is not None:
+            await batches.close()
         await super().on_stop()
 
     async def handle(self, msg: Msg) -> None:

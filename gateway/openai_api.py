@@ -46,8 +46,8 @@ from gateway.asgi import (
     send_error,
     send_json,
 )
-from gateway.ingress import clean_request_id
 from gateway.openapi import document_bytes
+from gateway.validation import clean_request_id
 from services import logging as tlog
 from services import tracing
 from services.caller import Assembled, Chunk, Usage

@@ -8,6 +8,8 @@ carries every other field to the engine unchanged (:func:`bus_schemas.messages.c
 
 from __future__ import annotations
 
+import re
+import uuid
 from typing import Any
 
 from pydantic import ValidationError
@@ -129,3 +131,13 @@ def envelope(
     if req.resume is not None:
         env["resume"] = req.resume.model_dump(exclude={"type"})
     return env
+
+
+_SAFE_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
+
+
+def clean_request_id(value: str | None) -> str:
+    """The caller's request id when it is a short, plain token; a fresh one otherwise."""
+    if value and _SAFE_ID.fullmatch(value):
+        return value
+    return uuid.uuid4().hex

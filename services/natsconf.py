@@ -72,7 +72,9 @@ ROLES: dict[str, tuple[list[str], list[str]]] = {
     ),
     # KV: ingress keeps NATS clients' stored Responses API responses (tokenbus_responses)
     # and checks their keys (tokenbus_keys) as the bridge does.
-    "ingress": ([STAGES, INBOX, *JS_API], [REQ, INBOX, DISCOVERY]),
+    # The batch work queue and the object store: ingress answers NATS clients' files and
+    # batches (docs/batches.md).
+    "ingress": ([STAGES, INBOX, BATCH, OBJECTS, *JS_API], [REQ, INBOX, DISCOVERY]),
     "auth": ([STAGES, INBOX, *JS_API], [f"{PREFIX}.stage.auth", INBOX, DISCOVERY, ADMIN]),
     # telemetry: spend budgets' soft-threshold alerts (auth.budgets).
     "ratelimit": (

@@ -500,6 +500,36 @@ async def test_killed_runners_and_a_killed_worker_lose_no_line_and_repeat_none(
     assert done.request_counts is not None and done.request_counts.completed == 120
 
 
+async def test_a_nats_client_submits_and_collects_a_batch(env: Env) -> None:
+    """The same through ingress over NATS (``Client.files_create``, ``batches_create``,
+    ``wait_batch``, ``file_content``), the lines run by the bridges' runners; another key
+    sees none of it; a file over the bus's max_payload is a clear error."""
+    from bus_schemas import errors as E
+    from tokenbus import Client
+
+    lines = [chat_line(env.model, f"n{i}") for i in range(12)]
+    async with await Client.connect(env.procs.url, api_key=env.key) as tb:
+        f = await tb.files_create(jsonl(lines), "nats.jsonl")
+        assert f["purpose"] == "batch" and (await tb.file(f["id"]))["bytes"] == len(jsonl(lines))
+        b = await tb.batches_create(f["id"], "/v1/chat/completions", metadata={"via": "nats"})
+        assert b["status"] == "validating" and b["id"] in [x["id"] for x in await tb.batches()]
+        done = await tb.wait_batch(b["id"], timeout=60, poll_s=0.2)
+        assert done["status"] == "completed", done
+        out = [json.loads(x) for x in (await tb.file_content(done["output_file_id"])).splitlines()]
+        assert sorted(x["custom_id"] for x in out) == sorted(x["custom_id"] for x in lines)
+        with pytest.raises(E.NotFound):
+            await tb.batch(b["id"], api_key=env.other)
+        with pytest.raises(E.NotFound):
+            await tb.file_content(done["output_file_id"], api_key=env.other)
+        with pytest.raises(E.InvalidRequest):
+            await tb.batches_create(f["id"], "/v1/moderations")
+        with pytest.raises(E.PayloadTooLarge):
+            await tb.files_create(b"x" * (2 << 20), "big.jsonl")
+        await tb.files_delete(f["id"])
+        with pytest.raises(E.NotFound):
+            await tb.file(f["id"])
+
+
 async def test_a_fresh_store_lists_no_batch_and_its_runner_sweeps_quietly(tmp_path: Any) -> None:
     """On a bus where no batch was ever made (``make up``'s first minutes), listing and the
     runners' sweep find nothing, without an error (nats-py raises for an empty bucket)."""

@@ -15,6 +15,8 @@ connection and the calls users make.
 
 from __future__ import annotations
 
+import asyncio
+import time
 import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -326,6 +328,104 @@ class Client(Caller):
             subjects.RESPONSES_DELETE, {"id": response_id}
         )
 
+    # -- files and batches (docs/batches.md) ----------------------------------------------------
+    def _batches(self, api_key: str | None, timeout: float = 30.0) -> _Stored:
+        return _Stored(self, api_key or self.api_key, timeout, subjects.batches_state)
+
+    async def files_create(
+        self,
+        data: bytes,
+        filename: str = "batch.jsonl",
+        *,
+        purpose: str = "batch",
+        api_key: str | None = None,
+    ) -> dict[str, Any]:
+        """Upload a file (``POST /v1/files``): a batch's input, JSONL. Over NATS a file must
+        fit in one message (``max_payload``, 1 MiB by default); larger ones go over HTTP."""
+        out = await self._batches(api_key).call(
+            "file_create", {"data": bytes(data), "filename": filename, "purpose": purpose}
+        )
+        file: dict[str, Any] = out["file"]
+        return file
+
+    async def file(self, file_id: str, *, api_key: str | None = None) -> dict[str, Any]:
+        """A file object (404 when it is not this key's)."""
+        file: dict[str, Any] = (await self._batches(api_key).call("file_get", {"id": file_id}))[
+            "file"
+        ]
+        return file
+
+    async def file_content(self, file_id: str, *, api_key: str | None = None) -> bytes:
+        """A file's bytes (a batch's output or error file, or an upload)."""
+        out = await self._batches(api_key).call("file_content", {"id": file_id})
+        return bytes(out["data"])
+
+    async def files_delete(self, file_id: str, *, api_key: str | None = None) -> None:
+        await self._batches(api_key).call("file_delete", {"id": file_id})
+
+    async def files(
+        self, *, purpose: str | None = None, api_key: str | None = None
+    ) -> list[dict[str, Any]]:
+        """This key's files, newest first."""
+        out = await self._batches(api_key).call("file_list", {"purpose": purpose})
+        return list(out["files"])
+
+    async def batches_create(
+        self,
+        input_file_id: str,
+        endpoint: str = "/v1/chat/completions",
+        *,
+        completion_window: str = "24h",
+        metadata: dict[str, str] | None = None,
+        api_key: str | None = None,
+    ) -> dict[str, Any]:
+        """Make a batch of the file's requests (``POST /v1/batches``); it runs on the
+        bridges' runners. :meth:`wait_batch` waits for its end."""
+        body = {
+            "input_file_id": input_file_id,
+            "endpoint": endpoint,
+            "completion_window": completion_window,
+            "metadata": metadata,
+        }
+        batch: dict[str, Any] = (await self._batches(api_key).call("create", body))["batch"]
+        return batch
+
+    async def batch(self, batch_id: str, *, api_key: str | None = None) -> dict[str, Any]:
+        """A batch object: status, request_counts, output and error file ids."""
+        batch: dict[str, Any] = (await self._batches(api_key).call("get", {"id": batch_id}))[
+            "batch"
+        ]
+        return batch
+
+    async def batches(self, *, api_key: str | None = None) -> list[dict[str, Any]]:
+        """This key's batches, newest first."""
+        return list((await self._batches(api_key).call("list", {}))["batches"])
+
+    async def batches_cancel(self, batch_id: str, *, api_key: str | None = None) -> dict[str, Any]:
+        batch: dict[str, Any] = (await self._batches(api_key).call("cancel", {"id": batch_id}))[
+            "batch"
+        ]
+        return batch
+
+    async def wait_batch(
+        self,
+        batch_id: str,
+        *,
+        timeout: float = 24 * 3600.0,
+        poll_s: float = 1.0,
+        api_key: str | None = None,
+    ) -> dict[str, Any]:
+        """The batch once it ended (completed, failed, expired, cancelled), asked every
+        ``poll_s`` seconds; :class:`E.Timeout` after ``timeout``."""
+        deadline = time.monotonic() + timeout
+        while True:
+            b = await self.batch(batch_id, api_key=api_key)
+            if b["status"] in ("completed", "failed", "expired", "cancelled"):
+                return b
+            if time.monotonic() >= deadline:
+                raise E.Timeout(f"the batch is still {b['status']} after {timeout:g}s")
+            await asyncio.sleep(poll_s)
+
     async def embeddings(
         self,
         model: str,
@@ -356,16 +456,23 @@ class Client(Caller):
 class _Stored:
     """A client's stored responses, asked of ingress by request-reply (docs/responses.md)."""
 
-    def __init__(self, client: Client, api_key: str | None, timeout: float = 10.0) -> None:
+    def __init__(
+        self,
+        client: Client,
+        api_key: str | None,
+        timeout: float = 10.0,
+        subject: Callable[[str], str] = subjects.responses_state,
+    ) -> None:
         self.client = client
         self.api_key = api_key
         self.timeout = timeout
+        self.subject = subject
 
     async def call(self, action: str, body: dict[str, Any]) -> dict[str, Any]:
         self.client.check_refused()
         try:
             msg = await self.client.nc.request(
-                subjects.responses_state(action),
+                self.subject(action),
                 codec.encode(body),
                 timeout=self.timeout,
                 headers={H.API_KEY: self.api_key} if self.api_key else None,
@@ -379,7 +486,8 @@ class _Stored:
             raise E.Timeout(f"ingress did not answer within {self.timeout:g}s; retry") from None
         except MaxPayloadError:
             raise E.PayloadTooLarge(
-                "the stored response is larger than the bus carries (max_payload)"
+                "the request is larger than the bus carries (NATS max_payload: upload larger "
+                "files over HTTP)"
             ) from None
         frame = codec.decode_map(msg.data)
         if frame.get("t") == frames.ERROR:
