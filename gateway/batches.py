@@ -69,6 +69,7 @@ from services import logging as tlog
 from services.config import BatchSettings, Settings, kv_replicas
 
 BATCHES = "tokenbus_batches"
+OPEN_BATCHES = "tokenbus_batches_open"  # the ids of batches not yet finished: what sweeps read
 RESULTS = "tokenbus_batch_results"
 STREAM = "TOKENBUS_BATCH"
 CONSUMER = "runners"
@@ -78,6 +79,7 @@ WINDOWS = {"24h": 86400}
 OPEN = ("validating", "in_progress", "finalizing", "cancelling")
 MAX_ERRORS = 1000  # validation errors listed
 SWEEP_S = 3.0
+GAUGE_SWEEPS = 10  # the gauges (which read every batch) every 10th sweep
 FLUSH_S = 1.0
 STALE_FINALIZING_S = 60.0
 RETRY_STATUSES = (429, 500, 502, 503, 504)
@@ -239,10 +241,12 @@ class BatchStore:
         self.ttl_s = ttl_s
         self.batches: KeyValue | None = None
         self.results: KeyValue | None = None
+        self.open_index: KeyValue | None = None
 
     async def open(self) -> BatchStore:
         self.batches = await self._bucket(BATCHES, self.ttl_s)
         self.results = await self._bucket(RESULTS, self.ttl_s)
+        self.open_index = await self._bucket(OPEN_BATCHES, self.ttl_s)
         config = api.StreamConfig(
             name=STREAM,
             subjects=[subjects.batch_work_wildcard()],
@@ -290,7 +294,25 @@ class BatchStore:
         return found[0]
 
     async def create(self, rec: dict[str, Any]) -> None:
-        await self._kv().create(subjects.token(rec["batch"]["id"]), json.dumps(rec).encode())
+        key = subjects.token(rec["batch"]["id"])
+        await self._kv().create(key, json.dumps(rec).encode())
+        if self.open_index is not None:
+            await self.open_index.put(key, b"")
+
+    async def open_ids(self) -> list[str]:
+        """Ids of the batches not finished (the sweep's list: finished ones are never read)."""
+        if self.open_index is None:
+            return []
+        try:
+            return list(await self.open_index.keys())
+        except (NotFoundError, NoKeysError):
+            return []
+
+    async def closed(self, batch_id: str) -> None:
+        """``batch_id`` finished: out of the sweep's list."""
+        if self.open_index is not None:
+            with contextlib.suppress(Exception):
+                await self.open_index.delete(subjects.token(batch_id))
 
     async def update(
         self, batch_id: str, change: Callable[[dict[str, Any]], bool]
@@ -308,6 +330,8 @@ class BatchStore:
                 await self._kv().update(
                     subjects.token(batch_id), json.dumps(rec).encode(), last=rev
                 )
+                if rec["batch"]["status"] not in OPEN:
+                    await self.closed(batch_id)
                 return rec
             except (KeyWrongLastSequenceError, BadRequestError):
                 await asyncio.sleep(0.002)
@@ -575,6 +599,7 @@ class BatchRunner:
         self._loop: asyncio.Task[None] | None = None
         self._sweep: asyncio.Task[None] | None = None
         self._flushing: asyncio.Task[None] | None = None
+        self._sweeps = 0
         self._tally: dict[str, list[int]] = {}  # batch -> [ok, failed] not yet in its record
         self._records: dict[str, tuple[float, dict[str, Any] | None]] = {}
         self._slots = asyncio.Semaphore(settings.concurrency)
@@ -948,12 +973,16 @@ class BatchRunner:
         while True:
             await asyncio.sleep(SWEEP_S)
             try:
-                recs = await self.store.all()
-                for rec in recs:
-                    b = rec["batch"]
-                    if b["status"] in ("in_progress", "cancelling", "finalizing"):
-                        await self._maybe_finish(b["id"])
-                await self._gauges(recs)
+                for bid in await self.store.open_ids():
+                    found = await self.store.load(bid)
+                    status = found[0]["batch"]["status"] if found is not None else None
+                    if status in ("in_progress", "cancelling", "finalizing"):
+                        await self._maybe_finish(bid)
+                    elif status not in OPEN:  # gone, or finished by a runner that then died
+                        await self.store.closed(bid)
+                self._sweeps += 1
+                if self._sweeps % GAUGE_SWEEPS == 1:
+                    await self._gauges(await self.store.all())
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
