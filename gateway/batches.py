@@ -677,8 +677,16 @@ class BatchRunner:
     async def _handle(self, msg: Any) -> None:
         what = msg.subject.rpartition(".")[2]
         try:
-            body = codec.decode_map(msg.data)
-            batch_id = str(body["batch"])
+            body = _work(msg.data, what)
+        except (E.TokenbusError, KeyError, TypeError, ValueError) as exc:
+            # Not work a service queued (only bridges and ingress may publish here): dropped
+            # for good, never tried again.
+            log.warning("batch_work_malformed", subject=msg.subject[:200], error=repr(exc)[:200])
+            with contextlib.suppress(Exception):
+                await msg.term()
+            return
+        batch_id = str(body["batch"])
+        try:
             if what == "validate":
                 await self._validate(batch_id)
                 await msg.ack()
@@ -987,6 +995,24 @@ class BatchRunner:
                 raise
             except Exception as exc:
                 log.warning("batch_sweep_failed", error=repr(exc))
+
+
+def _work(data: bytes, what: str) -> dict[str, Any]:
+    """A work message's body, checked for what its kind reads."""
+    body = codec.decode_map(data)
+    if not isinstance(body.get("batch"), str) or not body["batch"]:
+        raise ValueError("no batch id")
+    if what == "line":
+        int(body["n"])
+        if not isinstance(body.get("url"), str) or not isinstance(body.get("body"), dict):
+            raise ValueError("a line needs its url and body")
+        if not isinstance(body.get("custom_id"), str):
+            raise ValueError("a line needs its custom_id")
+    if what == "response" and (
+        not isinstance(body.get("body"), dict) or not isinstance(body.get("owner", ""), str)
+    ):
+        raise ValueError("a background response needs its body")
+    return body
 
 
 def _err(code: str, message: str) -> dict[str, Any]:

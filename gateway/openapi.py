@@ -296,7 +296,9 @@ def _statuses(cls: type[E.TokenbusError] = E.TokenbusError) -> set[int]:
     return out
 
 
-STATUSES = sorted(_statuses() - {499})
+# 499: the client left (nobody reads the answer); 507: the Files API's store is full (no
+# generation endpoint answers it).
+STATUSES = sorted(_statuses() - {499, 507})
 
 
 def _schemas(*models: type[BaseModel]) -> dict[str, Any]:

@@ -553,6 +553,35 @@ class FuzzBus:
             }
             subs = [f"$KV.{KEYS_BUCKET}.0123456789ab", f"$KV.{KEYS_BUCKET}.x=zz"]
             return Target(subs, rec, [], json_body=True)
+        if name == "batch":
+            # The batch work queue (a JetStream stream: the bridges' runners read what lands
+            # here) and the background responses' events, cancels and announcements.
+            line = {
+                "batch": "batch_forged",
+                "n": 0,
+                "custom_id": "c",
+                "url": "/v1/chat/completions",
+                "body": {"model": model, "messages": MSG, "max_tokens": 2},
+            }
+            subs = [
+                subjects.batch_work("batch_forged", "line"),
+                subjects.batch_work("batch_forged", "validate"),
+                subjects.batch_work("resp_forged", "response"),
+                subjects.batch_work("batch_forged", "nope"),
+                subjects.batch_events("resp_forged"),
+                subjects.batch_cancel("resp_forged"),
+                subjects.batch_done("forged"),
+            ]
+            return Target(subs, line, [])
+        if name == "objects":
+            # The files' object store: a forged chunk or metadata message.
+            meta = {"name": "file-forged", "bucket": "tokenbus_files", "size": 3, "chunks": 1}
+            subs = [
+                "$O.tokenbus_files.M.ZmlsZS1mb3JnZWQ=",
+                "$O.tokenbus_files.C.forged",
+                "$O.other.M.x",
+            ]
+            return Target(subs, meta, [], json_body=True)
         if name == "admin":
             subs = [
                 subjects.admin("auth", "keys"),
@@ -924,6 +953,8 @@ FAMILIES = [
     "inbox.client",
     "kv.routing",
     "kv.keys",
+    "batch",
+    "objects",
     "admin",
     "discovery",
 ]
@@ -1303,6 +1334,8 @@ def test_the_families_cover_every_role() -> None:
         "_INBOX.tb.bridge-x.y",
         f"$KV.{ROUTING_BUCKET}.m",
         "$SRV.PING",
+        subjects.batch_work("b", "line"),
+        "$O.tokenbus_files.C.x",
     ]
     for role, (pub, _) in ROLES.items():
         for pattern in pub:
