@@ -8,9 +8,11 @@ connection in the tokenbus account with that key's permissions only:
 
 * publish requests (``tb.v1.req.*``) and cancels (``tb.v1.worker.*.cancel``; a cancel names
   its stream by the caller's inbox, which no other key can see);
-* subscribe under the key's own inbox root (``_INBOX.tbk.<key id>.>``), nothing else: the
-  client's watchdog follows its replicas by keepalive frames on its own streams
-  (``Tb-Keepalive``), not by heartbeats.
+* its files and batches (``tb.v1.req.batches.*``, answered by ingress);
+* subscribe under the key's own inbox root (``_INBOX.tbk.<key id>.>``) and to its own
+  finished batches (``tb.v1.batch.done.<key id>``), nothing else: the client's watchdog
+  follows its replicas by keepalive frames on its own streams (``Tb-Keepalive``), not by
+  heartbeats.
 
 Not another key's inboxes, not ``_INBOX.>`` or ``>``, not the heartbeat, worker, stage,
 usage, telemetry or admin subjects. The services log in as their roles, bypassing the
@@ -53,8 +55,11 @@ def key_permissions(key_id: str) -> tuple[list[str], list[str]]:
         f"{subjects.PREFIX}.worker.*.cancel",
         # Its stored Responses API responses (ingress checks the key and the owner).
         subjects.responses_state_wildcard(),
+        # Its files and batches (ingress checks the key and the owner; docs/batches.md).
+        subjects.batches_state_wildcard(),
     ]
-    sub = [f"{subjects.key_inbox_root(key_id)}.>"]
+    # Its own inboxes, and the announcements of its own finished batches.
+    sub = [f"{subjects.key_inbox_root(key_id)}.>", subjects.batch_done(key_id)]
     return pub, sub
 
 

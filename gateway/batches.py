@@ -113,6 +113,12 @@ STATUSES = (
 )
 
 
+def unavailable(exc: BaseException) -> E.ServiceUnavailable:
+    """JetStream did not answer: retryable."""
+    log.warning("batch_store_unavailable", error=repr(exc)[:300])
+    return E.ServiceUnavailable("the batch store (JetStream) did not answer; retry")
+
+
 def not_found(batch_id: str) -> E.NotFound:
     return E.NotFound(f"no batch with id {batch_id!r}", param="batch_id")
 
@@ -438,6 +444,8 @@ class BatchAPI:
             await send_json(send, 200, batch)
         except E.TokenbusError as exc:
             await send_error(send, exc)
+        except Exception as exc:  # JetStream did not answer
+            await send_error(send, unavailable(exc))
 
     async def listing(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -447,6 +455,8 @@ class BatchAPI:
             await send_json(send, 200, list_page(mine, query_of(scope)))
         except E.TokenbusError as exc:
             await send_error(send, exc)
+        except Exception as exc:  # JetStream did not answer
+            await send_error(send, unavailable(exc))
 
     async def by_id(self, scope: Scope, receive: Receive, send: Send) -> None:
         """``GET /v1/batches/{id}``, ``POST /v1/batches/{id}/cancel``."""
@@ -463,6 +473,8 @@ class BatchAPI:
                 raise E.NotFound(f"no route for {method} {path}")
         except E.TokenbusError as exc:
             await send_error(send, exc)
+        except Exception as exc:  # JetStream did not answer
+            await send_error(send, unavailable(exc))
 
 
 # -- NATS clients -------------------------------------------------------------------------
@@ -509,6 +521,14 @@ class BatchState:
         """One request; errors go back as error frames (the service runtime sends them)."""
         if not msg.reply:
             return
+        try:
+            await self._handle(msg)
+        except E.TokenbusError:
+            raise
+        except Exception as exc:  # JetStream did not answer (a node down, a leader election)
+            raise unavailable(exc) from None
+
+    async def _handle(self, msg: Any) -> None:
         if not self.settings.batches.enabled:
             raise E.NotFound("batches are not served here (batches.enabled is false)")
         files, store = await self._open()

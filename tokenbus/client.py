@@ -418,12 +418,19 @@ class Client(Caller):
         """The batch once it ended (completed, failed, expired, cancelled), asked every
         ``poll_s`` seconds; :class:`E.Timeout` after ``timeout``."""
         deadline = time.monotonic() + timeout
+        status = "unknown"
         while True:
-            b = await self.batch(batch_id, api_key=api_key)
-            if b["status"] in ("completed", "failed", "expired", "cancelled"):
-                return b
+            try:
+                b = await self.batch(batch_id, api_key=api_key)
+            except E.TokenbusError as exc:
+                if not exc.retryable:  # a node failing over: asked again
+                    raise
+            else:
+                status = b["status"]
+                if status in ("completed", "failed", "expired", "cancelled"):
+                    return b
             if time.monotonic() >= deadline:
-                raise E.Timeout(f"the batch is still {b['status']} after {timeout:g}s")
+                raise E.Timeout(f"the batch is still {status} after {timeout:g}s")
             await asyncio.sleep(poll_s)
 
     async def embeddings(
