@@ -10,7 +10,7 @@ from pathlib import Path
 import nats
 import pytest
 
-from tests.conftest import Procs, start_stack
+from tests.conftest import Procs, ProcStack, start_stack
 from tests.lockedbus import UNLIMITED, LockedCluster, serve_when_ready, wait_replicas
 from tests.test_chaos import EXPECTED, FAST, HB, MAX_TOKENS, MSG, Tally, steady_load
 from tokenbus import Client
@@ -23,31 +23,40 @@ def cluster(tmp_path: Path) -> Iterator[LockedCluster]:
     c.stop()
 
 
+async def spread_stack(
+    procs: Procs, cluster: LockedCluster, model: str, env: dict[str, str]
+) -> ProcStack:
+    """Ingress, auth (the callout's only responder) and router on node 0, one worker on
+    each node (each fails over to the others), no bridge; once the workers beat."""
+    stack = await start_stack(
+        procs,
+        model,
+        "ingress",
+        "auth",
+        "router",
+        workers=3,
+        worker_args=FAST,
+        bridge=False,
+        env=env,
+        env_for=lambda role, i: {
+            **cluster.env(role),
+            "TOKENBUS_NATS_URL": cluster.urls(i if role == "worker" else 0),
+        },
+        heartbeats=False,
+    )
+    await wait_replicas(cluster, cluster.urls(0), model, 3)
+    return stack
+
+
 async def test_a_node_killed_under_load_does_not_stop_the_service(
     cluster: LockedCluster, model: str, tmp_path: Path
 ) -> None:
     await cluster.routed()
     key = await cluster.create_key("cluster", **UNLIMITED)
     with Procs(cluster.urls(0), tmp_path) as procs:
-        # Ingress, auth (the callout's only responder) and router on node 0, one worker on
-        # each node.
-        stack = await start_stack(
-            procs,
-            model,
-            "ingress",
-            "auth",
-            "router",
-            workers=3,
-            worker_args=FAST,
-            bridge=False,
-            env={"TOKENBUS_INGRESS__PIPELINE": '["auth", "route"]', **HB},
-            env_for=lambda role, i: {
-                **cluster.env(role),
-                "TOKENBUS_NATS_URL": cluster.urls(i if role == "worker" else 0),
-            },
-            heartbeats=False,
+        stack = await spread_stack(
+            procs, cluster, model, {"TOKENBUS_INGRESS__PIPELINE": '["auth", "route"]', **HB}
         )
-        await wait_replicas(cluster, cluster.urls(0), model, 3)
         await serve_when_ready(cluster.url(0), key, model)
         await asyncio.sleep(0.6)
         # A key logging in on node 1 or 2 is let in by the auth service on node 0 (the
@@ -105,23 +114,7 @@ async def test_a_batch_outlives_a_cluster_node_killed_under_it(
         for i in range(80)
     ]
     with Procs(cluster.urls(0), tmp_path) as procs:
-        await start_stack(
-            procs,
-            model,
-            "ingress",
-            "auth",
-            "router",
-            workers=3,
-            worker_args=FAST,
-            bridge=False,
-            env=env,
-            env_for=lambda role, i: {
-                **cluster.env(role),
-                "TOKENBUS_NATS_URL": cluster.urls(i if role == "worker" else 0),
-            },
-            heartbeats=False,
-        )
-        await wait_replicas(cluster, cluster.urls(0), model, 3)
+        await spread_stack(procs, cluster, model, env)
         await serve_when_ready(cluster.url(0), key, model)
         # The second bridge runs lines on node 2 (it fails over when that node dies).
         runner = procs.start(
