@@ -257,7 +257,7 @@ class ResponseObject(_Open):
     id: str = Field(pattern=RESPONSE_ID.pattern)
     object: Literal["response"]
     created_at: int
-    status: Literal["completed", "incomplete", "failed", "in_progress"]
+    status: Literal["completed", "incomplete", "failed", "in_progress", "queued", "cancelled"]
     model: str
     output: list[dict[str, Any]]
     error: dict[str, Any] | None = None

@@ -131,8 +131,8 @@ class ResponsesAPI:
         bg, store = self.background, self.store
         if bg is None or store is None:
             raise E.InvalidRequest(
-                "background responses need JetStream (the response store and the batch "
-                "runners) and are not served here; send the request without background",
+                "background responses are not served here (they need JetStream and "
+                "batches.enabled); send the request without background",
                 param="background",
             )
         previous = await self._previous(req.previous_response_id, owner)

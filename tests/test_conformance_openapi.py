@@ -67,7 +67,7 @@ NOT_SERVED = [
     Refusal("prompt", r"prompt templates are not served", "prompt templates"),
     Refusal(
         "background",
-        r"(a background response is kept|background responses need JetStream)",
+        r"(a background response is kept|background responses are not served here)",
         "`background: true` with `store: false`, or without JetStream",
     ),
     Refusal("truncation", r"'auto' .* is not served", '`truncation: "auto"`'),
