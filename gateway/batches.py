@@ -658,11 +658,11 @@ class BatchRunner:
         for t in list(self._tasks):
             t.cancel()
         if self._tasks:
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+            await asyncio.wait(list(self._tasks), timeout=2.0)
         with contextlib.suppress(Exception):
-            await self._flush()
+            await asyncio.wait_for(self._flush(), 2.0)
         with contextlib.suppress(Exception):
-            await self.sub.unsubscribe()
+            await asyncio.wait_for(self.sub.unsubscribe(), 2.0)
 
     async def _pull(self) -> None:
         from nats.errors import TimeoutError as NatsTimeout

@@ -44,6 +44,8 @@ from services.caller import Caller, Stream
 from services.runtime import Service
 from telemetry import records
 
+# How long a stopping bridge lets its running batch lines finish.
+RUNNER_GRACE_S = 3.0
 REQUESTS = Counter("tokenbus_bridge_requests_total", "HTTP generation requests", ["kind", "status"])
 DURATION = Histogram(
     "tokenbus_bridge_request_seconds",
@@ -403,7 +405,9 @@ class Bridge(Service):
     async def stop_taking_work(self) -> None:
         # Stop listening, let open HTTP requests finish (up to the drain timeout), then close.
         if self.batch_runner is not None:
-            await self.batch_runner.stop(self.settings.drain_timeout_s)
+            # Briefly: a line cut off is not acknowledged, so another runner answers it (once);
+            # the drain time is the HTTP requests'.
+            await self.batch_runner.stop(min(RUNNER_GRACE_S, self.settings.drain_timeout_s))
             self.batch_runner = None
         await super().stop_taking_work()
         if self.http is not None:
