@@ -57,14 +57,13 @@ from gateway.asgi import (
     Receive,
     Scope,
     Send,
-    api_key,
     list_page,
     query_of,
     send_error,
     send_json,
 )
-from gateway.files import OUTPUT_PURPOSE, FileStore
-from gateway.openai_api import PRINCIPAL, InProcess, read_body
+from gateway.files import OUTPUT_PURPOSE, FileStore, owner_of
+from gateway.openai_api import InProcess, read_body
 from services import logging as tlog
 from services.config import BatchSettings, Settings, kv_replicas
 
@@ -415,13 +414,6 @@ class BatchStore:
         )
 
 
-def _owner_of(owner_fn: Any, scope: Scope) -> str:
-    principal = scope.get(PRINCIPAL)
-    if isinstance(principal, str):
-        return principal
-    return str(owner_fn(api_key(scope).get(H.API_KEY)))
-
-
 class BatchAPI:
     """``/v1/batches`` on an ASGI route table (``mount``)."""
 
@@ -438,7 +430,7 @@ class BatchAPI:
 
     async def create(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
-            owner = _owner_of(self.owner, scope)
+            owner = owner_of(self.owner, scope)
             body = await read_body(scope, receive, 1 << 20)
             batch = await create_batch(self.store, self.files, owner, body)
             await send_json(send, 200, batch)
@@ -449,7 +441,7 @@ class BatchAPI:
 
     async def listing(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
-            owner = _owner_of(self.owner, scope)
+            owner = owner_of(self.owner, scope)
             mine = [r["batch"] for r in await self.store.all() if r["owner"] == owner]
             mine.sort(key=lambda b: (b["created_at"], b["id"]), reverse=True)
             await send_json(send, 200, list_page(mine, query_of(scope)))
@@ -464,7 +456,7 @@ class BatchAPI:
         path = scope["path"].rstrip("/")
         parts = path[len(PREFIX) + 1 :].split("/")
         try:
-            owner = _owner_of(self.owner, scope)
+            owner = owner_of(self.owner, scope)
             if len(parts) == 1 and parts[0] and method == "GET":
                 await send_json(send, 200, (await self.store.get(parts[0], owner))["batch"])
             elif len(parts) == 2 and parts[1] == "cancel" and method == "POST":

@@ -181,6 +181,15 @@ class FileStore:
         return out
 
 
+def owner_of(owner_fn: Any, scope: Scope) -> str:
+    """Who a request acts for: the key a trusted caller in this process runs it for
+    (``scope[PRINCIPAL]``), else the id of the caller's own API key (``owner_fn``)."""
+    principal = scope.get(PRINCIPAL)
+    if isinstance(principal, str):
+        return principal
+    return str(owner_fn(api_key(scope).get(H.API_KEY)))
+
+
 def _record(info: Any) -> dict[str, Any] | None:
     try:
         rec = json.loads(info.description or "")
@@ -245,10 +254,7 @@ class FilesAPI:
         app.add_prefix(PREFIX, self.by_id)
 
     def _owner(self, scope: Scope) -> str:
-        principal = scope.get(PRINCIPAL)
-        if isinstance(principal, str):
-            return principal
-        return str(self.owner(api_key(scope).get(H.API_KEY)))
+        return owner_of(self.owner, scope)
 
     async def upload(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
