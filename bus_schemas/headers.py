@@ -26,6 +26,9 @@ MIGRATION = "Tb-Migration"
 # receives only its own inbox): the replica sends each of its streams a keepalive frame
 # every heartbeat interval instead.
 KEEPALIVE = "Tb-Keepalive"
+# Set ("1") by a caller that takes the answer whole (not streamed to anyone): the replica may
+# hold the text and send it in one chunk with the end instead of a chunk per engine step.
+WHOLE = "Tb-Whole"
 # The ratelimit stage's signed admission of this attempt (``auth.ratelimit.Ticket``); the
 # worker hands it to the caller in the accept frame, and a migrated request brings it back
 # so that it counts once.

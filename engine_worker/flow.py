@@ -9,8 +9,10 @@ more would only queue inside the engine, first come first served). The rest wait
 a queue per class, then per flow, and a freed slot goes to:
 
 1. the highest *class* with a request waiting (``priority`` > ``default`` > ``flex``) that
-   may still take a slot: a class may not take the slots reserved for the classes above
-   it, so a flood of ``flex`` never holds the last slots ``default`` needs. A request that
+   may still take a slot: the slots reserved for the classes above a class are theirs to
+   use, so a class and those below it together hold at most ``slots`` less those (a flood
+   of ``flex`` never holds the slots ``default`` needs, and ``default`` requests running in
+   their reserve leave the rest of the engine to ``flex``: spare capacity is used). A request that
    has waited ``aging_s`` counts one class higher (again after each further ``aging_s``),
    so nothing waits forever;
 2. within the class, the *flow* (an API key, or its owner) with the least service received
@@ -170,6 +172,7 @@ class FlowControl:
         self.flows = _Counters()
         self.subs: dict[str, _Counters] = {}
         self.running: list[Ticket] = []
+        self.by_rank = [0] * len(CLASSES)  # requests in the engine, per class rank
         self.in_engine: Counter[str] = Counter()  # flow -> its requests in the engine
         self._queued_n: dict[str, int] = dict.fromkeys(CLASSES, 0)
         self.mean_service_s = 0.0  # EWMA of a request's time in the engine
@@ -250,6 +253,7 @@ class FlowControl:
         now = self.clock()
         if t.in_engine:
             self.running.remove(t)
+            self.by_rank[CLASS_RANK[t.cls]] -= 1
             self._out_of_engine(t)
             t.in_engine = False
             self._settle(t, completion_tokens, now)
@@ -260,12 +264,23 @@ class FlowControl:
 
     # -- the schedule ----------------------------------------------------------------------
     def _limit(self, rank: int) -> int:
-        """Slots a class of ``rank`` may fill: all but those reserved for the classes above."""
+        """Slots the classes of ``rank`` and below may hold together: all but those reserved
+        for the classes above."""
         kept = sum(self.cfg.reserved.get(c, 0) for c in CLASSES[:rank])
         return max(1, self.cfg.slots - kept)
 
     def _may_start(self, rank: int) -> bool:
-        return len(self.running) < self._limit(rank)
+        """Whether a request counting as ``rank`` may take a slot: one is free, and for its
+        class and each above it, the requests of that class and below in the engine stay
+        within that class's limit (a reserve is a guarantee, not headroom kept empty)."""
+        if len(self.running) >= self.cfg.slots:
+            return False
+        below = 0  # requests in the engine of class rank >= q
+        for q in range(len(CLASSES) - 1, 0, -1):
+            below += self.by_rank[q]
+            if q <= rank and below >= self._limit(q):
+                return False
+        return True
 
     def _waiting_above(self, rank: int) -> bool:
         """Whether any request of a class ranked below ``rank`` (higher or equal class)
@@ -277,6 +292,7 @@ class FlowControl:
         t.started_at = now
         t.first_byte = False
         self.running.append(t)
+        self.by_rank[CLASS_RANK[t.cls]] += 1
         self.in_engine[t.flow] += 1
         cost = self._cost(t)
         self.flows.charge(t.flow, cost / t.weight)
@@ -537,6 +553,7 @@ class FlowControl:
         v.displacements += 1
         self.displaced[v.cls] += 1
         self.running.remove(v)
+        self.by_rank[CLASS_RANK[v.cls]] -= 1
         self._out_of_engine(v)
         v.in_engine = False
         self._uncharge(v)

@@ -753,7 +753,11 @@ class Worker(Service):
         Output beside the text (tool calls, logprobs, refusal, reasoning) rides in the same
         chunk frames; under an output filter it is held and scanned whole at the end. A
         stream that can ``push`` (the ``openai`` backend) calls ``feed`` where its bytes
-        arrive; any other is iterated."""
+        arrive; any other is iterated.
+
+        A caller that takes the answer whole (``Tb-Whole``: not streamed to anyone) gets its
+        text in one chunk with the end, not a chunk per step: a batch line of 32 tokens is 2
+        messages instead of 33, for this process, the bus and the caller."""
         timeout = _seconds_left(gen.headers)
         gate = OutputGate.for_policy(
             gen.env.get("filter_policy"), self.settings.filter.window, gen.req.resume_text
@@ -764,8 +768,18 @@ class Worker(Service):
         index = 0
         held_tokens = 0
         finished = False
+        whole = gen.headers.get(H.WHOLE) == "1"
+        held: list[str] = []  # text held for a whole answer
 
         ticket = gen.ticket
+
+        def flush(tokens: int) -> None:
+            """The held text as one chunk, with ``tokens`` of the tokens not yet sent."""
+            nonlocal index, held_tokens
+            send(reply, frames.chunk("".join(held), tokens, index))
+            index += 1
+            held_tokens -= tokens
+            held.clear()
 
         def feed(d: Delta) -> bool:
             """One delta out as a frame; True once the stream is finished."""
@@ -795,12 +809,23 @@ class Worker(Service):
                             ticket.first_byte = True  # no longer displaced
                         if gen.span is not None:
                             gen.span.add_event(tracing.FIRST_TOKEN)
-                    send(reply, frames.chunk(text, held_tokens, index, side))
-                    index += 1
-                    held_tokens = 0
+                    if whole and side is None and finish is None:
+                        held.append(text)
+                    else:
+                        if held and side is None:
+                            held.append(text)
+                            text = "".join(held)
+                            held.clear()
+                        elif held:  # the text held first, then this piece as it came
+                            flush(held_tokens - d.tokens)
+                        send(reply, frames.chunk(text, held_tokens, index, side))
+                        index += 1
+                        held_tokens = 0
                 gen.completion += d.tokens
             if finish is None:
                 return False
+            if held:
+                flush(held_tokens)
             finished = True
             self._final_frame(gen, d, finish, gate)
             if gate is not None:  # after the final frame: off the caller's clock

@@ -104,11 +104,12 @@ class MessagesAPI:
             why = "message batches are not served by tokenbus" if "/batches" in path else "no route"
             await send_json(send, 404, M.error_body(404, f"{why}: {method} {path}"))
 
-    def _open(self, call: Call, chat_body: dict[str, Any]) -> StreamLike:
+    def _open(self, call: Call, chat_body: dict[str, Any], streamed: bool) -> StreamLike:
         chat = validation.parse(KIND_CHAT, chat_body)
         if call.span is not None:
             call.span.set_attribute(tracing.MODEL, chat.model)
         call.watch()
+        call.whole(streamed)
         stream = call.stream = self.app.source.open(
             KIND_CHAT,
             chat,
@@ -125,7 +126,7 @@ class MessagesAPI:
         meta = call.body.get("metadata") if isinstance(call.body, dict) else None
         if isinstance(meta, dict):
             call.session_from(meta.get("user_id"))  # Claude Code: its user and session
-        stream = self._open(call, M.translate(req, call.body))
+        stream = self._open(call, M.translate(req, call.body), bool(req.stream))
         b = M.MessageBuilder(req.model, events=bool(req.stream), stop_sequences=req.stop_sequences)
         if req.stream:
             await self._write_sse(send, b, stream, call)
@@ -139,7 +140,7 @@ class MessagesAPI:
 
     async def _count(self, call: Call, send: Send) -> None:
         req = M.parse(call.body, count=True)
-        stream = self._open(call, M.count_request(M.translate(req, call.body)))
+        stream = self._open(call, M.count_request(M.translate(req, call.body)), False)
         async for _ in stream:
             pass
         await self._send_whole(

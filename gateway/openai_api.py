@@ -306,6 +306,7 @@ class OpenAIApp(RouteTable):
         if call.span is not None:
             call.span.set_attribute(tracing.MODEL, req.model)
         call.watch()
+        call.whole(bool(getattr(req, "stream", False)))
         if isinstance(req, CompletionRequest):
             parts = validation.per_prompt(req, call.body)
             if len(parts) > 1 or not req.generates:
@@ -448,6 +449,12 @@ class Call:
         """The body is read: from here on the only message left is the disconnect, and a
         client that leaves cancels the handler, which cancels the generation."""
         self.watcher = watch_disconnect(self.receive, self.progress)
+
+    def whole(self, streamed: bool) -> None:
+        """A generation no client sees streamed (not ``stream``, not a background response,
+        whose events are kept as they come): its replica may send the text in one piece."""
+        if not streamed and self.background is None:
+            self.hdrs[H.WHOLE] = "1"
 
     def session_from(self, key: Any) -> None:
         """A session key from the body (``prompt_cache_key``, Messages'

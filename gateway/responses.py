@@ -111,6 +111,7 @@ class ResponsesAPI:
         if call.span is not None:
             call.span.set_attribute(tracing.MODEL, chat.model)
         call.watch()
+        call.whole(bool(req.stream))
         stream = call.stream = app.source.open(
             KIND_CHAT,
             chat,

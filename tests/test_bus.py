@@ -41,6 +41,11 @@ async def test_streaming_and_whole_chat_over_nats(
 
         whole = await client.chat_completion(model, MSG, max_tokens=10, seed=3)
         assert whole.text == text and whole.finish_reason == "length"
+        # A caller that takes the answer whole gets its text in one chunk, with the end.
+        assert len(chunks) == 10
+        one = client.chat(model, MSG, max_tokens=10, seed=3, whole=True)
+        assert [ch.text async for ch in one] == [text]
+        assert one.usage is not None and one.usage.completion_tokens == 10
 
         comp = await client.completion(model, "abc", max_tokens=4)
         assert comp.text == expected_text("abc", 4)[0]

@@ -114,6 +114,27 @@ def test_idle_time_banks_no_credit() -> None:
     assert order[1:9].count("B") == 4, order[:9]
 
 
+def test_a_reserve_is_a_guarantee_not_headroom_kept_empty() -> None:
+    """Default requests running inside their reserve leave the rest of the engine to flex
+    (spare capacity is used); flex never holds more than the slots outside the reserve."""
+    fc, _ = make(slots=8, reserved={"default": 3}, displace=False)
+    d = [fc.enter(flow="D", cls="default") for _ in range(3)]
+    assert all(t.granted.is_set() for t in d)
+    flex = [fc.enter(flow="F", cls="flex") for _ in range(10)]
+    assert sum(t.granted.is_set() for t in flex) == 5  # 8 slots, 3 of them default's in use
+    for t in d:
+        fc.leave(t, 10)
+    # Default's reserve is free again, and stays free for it: flex holds its 5.
+    assert sum(t.granted.is_set() for t in flex) == 5
+    more = [fc.enter(flow="D", cls="default") for _ in range(4)]
+    assert [t.granted.is_set() for t in more] == [True, True, True, False]  # the engine is full
+    fc.leave(flex[0], 10)
+    assert more[3].granted.is_set()  # a freed slot: default first, beyond its reserve too
+    fc.leave(more[0], 10)
+    # Now default holds 3 and flex 4: the free slot may go to flex (5 of 8 at most).
+    assert sum(t.granted.is_set() for t in flex[1:]) == 5
+
+
 def test_higher_class_first_and_flex_keeps_out_of_the_reserve() -> None:
     fc, _ = make(slots=4, reserved={"default": 1}, displace=False)
     flex = [fc.enter(flow="F", cls="flex") for _ in range(10)]

@@ -145,6 +145,7 @@ class Client(Caller):
         session: str | None = None,
         traceparent: str | None = None,
         fairness_id: str | None = None,
+        whole: bool = False,
         **params: Any,
     ) -> Stream:
         """Stream a chat completion; ``params`` are OpenAI's (max_tokens, temperature, tools,
@@ -155,7 +156,9 @@ class Client(Caller):
         sessions the request is, for fair shares within the key (docs/flow.md);
         ``service_tier`` (OpenAI's) asks for a class. Chunks carry ``tool_calls``/``logprobs``/
         ``refusal``/``reasoning`` when the engine sends them; :meth:`Stream.collect` puts
-        them together."""
+        them together. ``whole``: the answer is collected, not shown as it comes: the replica
+        sends its text in one chunk with the end (fewer messages; what
+        :meth:`chat_completion` asks for)."""
         body = {"model": model, "messages": list(messages), **params}
         return self.submit(
             subjects.KIND_CHAT,
@@ -163,7 +166,7 @@ class Client(Caller):
             timeout=timeout,
             api_key=api_key or self.api_key,
             request_id=request_id,
-            headers=_headers(session, traceparent, fairness_id),
+            headers=_headers(session, traceparent, fairness_id, whole),
         )
 
     def completions(
@@ -177,6 +180,7 @@ class Client(Caller):
         session: str | None = None,
         traceparent: str | None = None,
         fairness_id: str | None = None,
+        whole: bool = False,
         **params: Any,
     ) -> Stream:
         """Stream a text completion (``traceparent``: as for :meth:`chat`)."""
@@ -187,18 +191,18 @@ class Client(Caller):
             timeout=timeout,
             api_key=api_key or self.api_key,
             request_id=request_id,
-            headers=_headers(session, traceparent, fairness_id),
+            headers=_headers(session, traceparent, fairness_id, whole),
         )
 
     async def chat_completion(
         self, model: str, messages: Sequence[dict[str, Any]], **kwargs: Any
     ) -> Completion:
         """A whole chat completion (non-streaming)."""
-        return await self.chat(model, messages, **kwargs).collect()
+        return await self.chat(model, messages, **{"whole": True, **kwargs}).collect()
 
     async def completion(self, model: str, prompt: str, **kwargs: Any) -> Completion:
         """A whole text completion (non-streaming)."""
-        return await self.completions(model, prompt, **kwargs).collect()
+        return await self.completions(model, prompt, **{"whole": True, **kwargs}).collect()
 
     def responses(
         self,
@@ -531,11 +535,16 @@ def _refusal(url: str, options: dict[str, Any]) -> E.Unauthorized:
 
 
 def _headers(
-    session: str | None, traceparent: str | None, fairness_id: str | None = None
+    session: str | None,
+    traceparent: str | None,
+    fairness_id: str | None = None,
+    whole: bool = False,
 ) -> dict[str, str] | None:
-    """The bus headers a call adds: its session key, the trace context it continues and
-    its fairness id."""
+    """The bus headers a call adds: its session key, the trace context it continues, its
+    fairness id, and whether it takes the answer whole."""
     out: dict[str, str] = {}
+    if whole:
+        out[H.WHOLE] = "1"
     if session:
         out[H.SESSION] = session
     if fairness_id:

@@ -10,8 +10,10 @@ lines (``flex``) fill the rest. Windows of ``--duration`` seconds:
 
 * **capacity:** ``default`` requests of the lines' shape (32 tokens) at a concurrency of the
   engine's whole batch: the tokens/s the replica gives when full;
-* **alone:** an interactive client keeps ``--batch-interactive`` streams of 64 tokens going:
-  its TTFT and tokens/s;
+* **alone:** an interactive client keeps ``--batch-interactive`` streams of about 64 tokens
+  going (normally spread, ``--batch-interactive-std``, as a population of users' answers
+  are: streams of one length that end in the same engine step all come back in the next, a
+  burst no crowd of users sends): its TTFT and tokens/s;
 * **with the batch:** the same load while a batch of N chat lines (32 tokens each) runs on
   the same replica: the interactive TTFT and tokens/s again, and the batch's tokens/s (its
   answered lines, polled), until the window ends or the batch does.
@@ -67,6 +69,14 @@ def add_arguments(g: Any) -> None:
         type=int,
         default=64,
         help="--batch-lines: the interactive client's concurrent streams",
+    )
+    g.add_argument(
+        "--batch-interactive-std",
+        type=float,
+        default=16.0,
+        help="--batch-lines: the spread (standard deviation, tokens) of the interactive "
+        "answers' lengths around 64 (0: all 64, and the streams that end in one engine step "
+        "all come back in the next: a burst)",
     )
 
 
@@ -189,7 +199,9 @@ async def run_batch_bench(a: argparse.Namespace) -> int:
     async with stack(a, eng, "on", env) as st:
         runner = await start_runner(st.nats_url, _free_port(), a.batch_runner_lines)
         tc = await Tenant.create(a, st, "capacity", LINE_TOKENS)
-        ti = await Tenant.create(a, st, "interactive", INTERACTIVE_TOKENS)
+        ti = await Tenant.create(
+            a, st, "interactive", INTERACTIVE_TOKENS, max_tokens_std=a.batch_interactive_std
+        )
         key = await _bench_key(st.nats_url, name="batch")
         bc = BatchClient(st.url, key)
         try:
@@ -235,6 +247,7 @@ async def run_batch_bench(a: argparse.Namespace) -> int:
                 "line_tokens": LINE_TOKENS,
                 "interactive_concurrency": conc,
                 "interactive_tokens": INTERACTIVE_TOKENS,
+                "interactive_tokens_std": a.batch_interactive_std,
                 "window_s": a.duration,
                 "engine": vars(eng),
                 "reserved_for_default": RESERVED,

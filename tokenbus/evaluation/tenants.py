@@ -146,11 +146,18 @@ class Tenant:
 
     @classmethod
     async def create(
-        cls, a: argparse.Namespace, st: Stack, name: str, max_tokens: int, **key: Any
+        cls,
+        a: argparse.Namespace,
+        st: Stack,
+        name: str,
+        max_tokens: int,
+        max_tokens_std: float = 0.0,
+        **key: Any,
     ) -> Tenant:
         """A new key (``key``: its weight, service tier) and a tenant sending with it."""
-        # The run's prompt (--prompt, --prompts, --prompt-words); answers of a fixed length.
-        shape = {"api": "chat", "max_tokens": max_tokens, "max_tokens_std": 0.0}
+        # The run's prompt (--prompt, --prompts, --prompt-words); answers of a fixed length
+        # (or normally spread around it: ``max_tokens_std``).
+        shape = {"api": "chat", "max_tokens": max_tokens, "max_tokens_std": max_tokens_std}
         maker = RequestMaker(argparse.Namespace(**{**vars(a), **shape, "extra_body": None}))
         secret = await _bench_key(st.nats_url, name=name, **key)
         return cls(name, secret, st.url, maker, a.timeout)
