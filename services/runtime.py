@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
 import os
 import re
@@ -553,6 +554,17 @@ def stop_event() -> asyncio.Event:
     return stop
 
 
+def settle_heap() -> None:
+    """Once a service has started: what it built so far (modules, models, settings, its
+    connections: most of its objects, for good) goes out of the garbage collector's sight
+    (``gc.freeze``). A full collection then walks only what came since, not every object
+    imported. Each such pause lands on every request waiting on the process's loop: in
+    ``tokenbus bench --batch-lines``'s interactive bridge, its full collections took up to
+    231 ms (546 ms over the run) before, up to 58 ms (160 ms) after."""
+    gc.collect()
+    gc.freeze()
+
+
 async def serve_until_signalled(service: Service) -> None:
     """Run ``service`` until SIGTERM/SIGINT, then drain it. A signal while it is still
     starting (waiting for NATS, loading an engine) stops it there."""
@@ -584,6 +596,7 @@ async def _serve(service: Service) -> None:
         service.log.info("signal_received_while_starting")
         return
     starting.result()  # a failed start raises here
+    settle_heap()
     health = (
         asyncio.ensure_future(write_health(service, service.settings.health_file))
         if service.settings.health_file
