@@ -96,6 +96,10 @@ BATCH_ACTIONS = (
     "get",
     "list",
     "cancel",
+    # Background responses (gateway/background.py).
+    "response_create",
+    "response_cancel",
+    "response_events",
 )
 
 

@@ -16,6 +16,11 @@ event it makes is published to ``tb.v1.batch.events.<response id>`` in the strea
 * ``POST /v1/responses/{id}/cancel`` marks it ``cancelled`` and tells the runner, which stops
   the generation and ends the events with ``response.cancelled``.
 
+NATS clients do the same through ingress (:class:`BackgroundState`:
+``Client.background_response``, ``response_cancel``, ``response_events``; ``get_response``
+reads the stored response as for any other), as requests on
+``tb.v1.req.batches.response_<action>``; the bridges' runners run them.
+
 A runner killed mid-response leaves the message unacknowledged; another runs the response
 again from the start after ``batches.ack_wait_s`` (its earlier events are dropped first, so
 a follower sees the new run's events, numbered from 0 again).
@@ -34,11 +39,15 @@ from nats.js.errors import BadRequestError, NotFoundError
 
 from bus_schemas import errors as E
 from bus_schemas import subjects
+from bus_schemas.subjects import KIND_CHAT
+from dialects import responses as R
+from gateway import validation
 from gateway.asgi import Send
 from gateway.batches import BatchStore
 from gateway.openai_api import BACKGROUND, SSE_HEADERS, InProcess
-from gateway.response_store import ResponseStore
+from gateway.response_store import ResponseStore, conversation, open_store
 from services import logging as tlog
+from services.config import Settings
 
 EVENTS_STREAM = "TOKENBUS_BATCH_EVENTS"
 ENDINGS = ("response.completed", "response.failed", "response.incomplete", "response.cancelled")
@@ -82,6 +91,58 @@ class Background:
         from services.config import kv_replicas
 
         return kv_replicas()
+
+    async def queue(
+        self,
+        req: R.ResponsesRequest,
+        body: dict[str, Any],
+        owner: str,
+        previous: list[dict[str, Any]] | None,
+    ) -> dict[str, Any]:
+        """Check a background request as any Responses request is checked, keep it
+        ``queued`` and queue its run: the queued response (HTTP and NATS clients alike)."""
+        turn = R.translate(req, body, previous)
+        validation.parse(KIND_CHAT, turn.chat)  # a bad request is refused now, not later
+        b = R.ResponseBuilder(turn, events=False)
+        queued = b.response("queued")
+        rec = R.record(turn, b, queued, owner)
+        rec["background"] = True
+        if not await self.responses.put(turn.response_id, rec):
+            raise E.ServiceUnavailable("the response store (JetStream) did not answer; retry")
+        await self.submit(turn.response_id, owner, body)
+        return queued
+
+    async def events(
+        self, response_id: str, after: int, limit: int = 1000
+    ) -> tuple[list[Any], bool]:
+        """The response's events numbered after ``after`` that JetStream holds now (at most
+        ``limit``), in order, and whether one that ends it is kept (after ``after`` or not):
+        what a NATS client polls."""
+        from nats.errors import TimeoutError as NatsTimeout
+
+        sub = await self.js.subscribe(
+            subjects.batch_events(response_id),
+            ordered_consumer=True,
+            deliver_policy=api.DeliverPolicy.ALL,
+        )
+        out: list[Any] = []
+        ended = False
+        try:
+            while len(out) < limit:
+                try:
+                    msg = await sub.next_msg(timeout=0.5)
+                except (NatsTimeout, TimeoutError):
+                    break  # none kept (yet)
+                ev = json.loads(msg.data)
+                ended = ended or ev.get("type") in ENDINGS
+                if int(ev.get("sequence_number", -1)) > after:
+                    out.append(ev)
+                if msg.metadata.num_pending == 0:
+                    break
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+        return out, ended
 
     async def submit(self, response_id: str, owner: str, body: dict[str, Any]) -> None:
         await self.store.publish(
@@ -150,16 +211,39 @@ class Background:
         is answered as it is."""
         resp: dict[str, Any] = rec["response"]
         if resp["status"] in OPEN:
+            queued = resp["status"] == "queued"
             resp["status"] = "cancelled"
             await self.responses.replace(response_id, rec)
             with contextlib.suppress(Exception):
                 await self.nc.publish(subjects.batch_cancel(response_id), b"")
+            if queued:  # no runner will: its events end here (a runner that just took it
+                # drops them, and ends its own with response.cancelled)
+                with contextlib.suppress(Exception):
+                    end = {"type": "response.cancelled", "response": resp, "sequence_number": 0}
+                    await _Events(self.js, subjects.batch_events(response_id)).publish(end)
         return resp
 
     # -- running (a batch runner's work) ------------------------------------------------------
     async def run(self, body: dict[str, Any]) -> bool:
         """Run one background response (see the module docstring); True: settled."""
         response_id, owner = str(body["batch"]), str(body.get("owner") or "")
+        cancelled = asyncio.Event()
+
+        async def on_cancel(_msg: Any) -> None:
+            cancelled.set()
+
+        # Listening before it reads the record: a cancel sent from here on is heard, one sent
+        # before is in the record.
+        sub = await self.nc.subscribe(subjects.batch_cancel(response_id), cb=on_cancel)
+        try:
+            return await self._run(response_id, owner, body, cancelled)
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+
+    async def _run(
+        self, response_id: str, owner: str, body: dict[str, Any], cancelled: asyncio.Event
+    ) -> bool:
         try:
             rec = await self.responses.get(response_id, owner)
         except E.NotFound:
@@ -170,12 +254,6 @@ class Background:
         await self.responses.replace(response_id, rec)
         with contextlib.suppress(Exception):  # a run before this one died: start afresh
             await self.js.purge_stream(EVENTS_STREAM, subject=subjects.batch_events(response_id))
-        cancelled = asyncio.Event()
-
-        async def on_cancel(_msg: Any) -> None:
-            cancelled.set()
-
-        sub = await self.nc.subscribe(subjects.batch_cancel(response_id), cb=on_cancel)
         events = _Events(self.js, subjects.batch_events(response_id))
         task = asyncio.get_running_loop().create_task(
             self._request(response_id, owner, dict(body["body"]), events)
@@ -201,8 +279,6 @@ class Background:
             return True
         finally:
             stop.cancel()
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
 
     async def _request(
         self, response_id: str, owner: str, body: dict[str, Any], events: _Events
@@ -258,3 +334,66 @@ class _Events:
 
     async def publish(self, ev: dict[str, Any]) -> None:
         await self.js.publish(self.subject, json.dumps(ev).encode(), stream=EVENTS_STREAM)
+
+
+class BackgroundState:
+    """Background responses for NATS clients: ingress answers the ``response_*`` actions of
+    ``tb.v1.req.batches`` (:class:`~gateway.batches.BatchState` hands them here, with the
+    owner it checked and its batch store). The response store and the events stream open at
+    the first request."""
+
+    ACTIONS = tuple(a for a in subjects.BATCH_ACTIONS if a.startswith("response_"))
+
+    def __init__(self, nc: NATS, settings: Settings) -> None:
+        self.nc = nc
+        self.settings = settings
+        self.bg: Background | None = None
+        self._opening = asyncio.Lock()
+
+    async def _open(self, store: BatchStore) -> Background:
+        async with self._opening:
+            if self.bg is None:
+                responses = await open_store(self.nc, self.settings.responses)
+                if responses is None:
+                    raise E.InvalidRequest(
+                        "background responses are not served here (the response store is "
+                        "off: responses.enabled)",
+                        param="background",
+                    )
+                self.bg = await Background(self.nc, store, responses, None).open(
+                    self.settings.responses.ttl_s
+                )
+        return self.bg
+
+    async def handle(
+        self, action: str, owner: str, body: dict[str, Any], store: BatchStore
+    ) -> dict[str, Any]:
+        bg = await self._open(store)
+        if action == "response_create":
+            raw = body.get("body")
+            if not isinstance(raw, dict):
+                raise E.InvalidRequest("response_create needs the request as 'body'")
+            req = R.parse(raw)
+            if not req.background:
+                raise E.InvalidRequest(
+                    "response_create runs background responses: set background to true "
+                    "(or stream the response with Client.responses)",
+                    param="background",
+                )
+            previous = await conversation(bg.responses, req.previous_response_id, owner)
+            return {"response": await bg.queue(req, raw, owner, previous)}
+        ident = body.get("id")
+        if not isinstance(ident, str) or not ident:
+            raise E.InvalidRequest(f"{action} needs an 'id'", param="id")
+        rec = await bg.responses.get(ident, owner)
+        if not rec.get("background"):
+            raise E.InvalidRequest(
+                "only background responses keep events and can be cancelled", param="id"
+            )
+        if action == "response_cancel":
+            return {"response": await bg.cancel(ident, rec)}
+        after = body.get("starting_after", -1)
+        if not isinstance(after, int) or isinstance(after, bool):
+            raise E.InvalidRequest("starting_after: an integer", param="starting_after")
+        events, ended = await bg.events(ident, after)
+        return {"events": events, "ended": ended}

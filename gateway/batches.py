@@ -477,9 +477,18 @@ class BatchState:
     first request (an ingress that never sees one never touches them). The lines run in the
     bridges' runners, as an HTTP client's do."""
 
-    def __init__(self, nc: NATS, settings: Settings) -> None:
+    def __init__(
+        self,
+        nc: NATS,
+        settings: Settings,
+        more: Mapping[str, Callable[[str, str, dict[str, Any], BatchStore], Awaitable[Any]]]
+        | None = None,
+    ) -> None:
         self.nc = nc
         self.settings = settings
+        # More actions on the same subjects: action -> handler(action, owner, body, store)
+        # -> what the answer adds (background responses: gateway/background.py).
+        self.more = dict(more or {})
         self.files: FileStore | None = None
         self.store: BatchStore | None = None
         self.keys: Any = None
@@ -534,7 +543,9 @@ class BatchState:
             isinstance(ident, str) and ident
         ):
             raise E.InvalidRequest(f"{action} needs an 'id'", param="id")
-        if action == "file_create":
+        if action in self.more:
+            out.update(await self.more[action](action, owner, body, store))
+        elif action == "file_create":
             data, name, purpose = body.get("data"), body.get("filename"), body.get("purpose")
             if not isinstance(data, bytes) or not isinstance(name, str):
                 raise E.InvalidRequest("file_create needs 'data' (bytes) and a 'filename'")

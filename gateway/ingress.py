@@ -11,6 +11,7 @@ from bus_schemas import codec, marks, subjects
 from bus_schemas import errors as E
 from bus_schemas import headers as H
 from gateway import validation
+from gateway.background import BackgroundState
 from gateway.batches import BatchState
 from gateway.response_store import ResponsesState
 from gateway.validation import clean_request_id
@@ -139,7 +140,11 @@ class Ingress(Service):
             "requests", subjects.requests_wildcard(), self.handle, queue=subjects.QUEUE_INGRESS
         )
         # NATS clients' files and batches (docs/batches.md).
-        self.batches = BatchState(self.nc, self.settings)
+        # Background responses ride the same subjects (response_<action>).
+        background = BackgroundState(self.nc, self.settings)
+        self.batches = BatchState(
+            self.nc, self.settings, dict.fromkeys(BackgroundState.ACTIONS, background.handle)
+        )
         await self.add_endpoint(
             "batches",
             subjects.batches_state_wildcard(),

@@ -151,6 +151,29 @@ class ResponseStore:
             raise unavailable(exc) from None
 
 
+async def conversation(
+    store: ResponseStore | None, response_id: str | None, owner: str
+) -> list[dict[str, Any]] | None:
+    """The conversation a ``previous_response_id`` continues (404 when it is not one of
+    ``owner``'s stored responses; 400 where nothing is stored)."""
+    if response_id is None:
+        return None
+    if store is None:
+        raise E.InvalidRequest(
+            "previous_response_id: this server keeps no responses; send the whole "
+            "conversation as input",
+            param="previous_response_id",
+        )
+    try:
+        rec = await store.get(response_id, owner)
+    except E.NotFound:
+        raise E.NotFound(
+            f"previous_response_id: no stored response with id {response_id!r}",
+            param="previous_response_id",
+        ) from None
+    return list(rec.get("messages") or [])
+
+
 class ResponsesState:
     """The stored responses of NATS clients: ingress answers ``responses_state`` requests
     (get, put, delete) from a client's ``Client.responses`` with this, checking the key the

@@ -43,7 +43,7 @@ from gateway.openai_api import (
     latency_headers,
     limit_headers,
 )
-from gateway.response_store import ResponseStore, not_found
+from gateway.response_store import ResponseStore, conversation, not_found
 from services import logging as tlog
 from services import tracing
 from services.caller import Chunk
@@ -136,9 +136,6 @@ class ResponsesAPI:
                 "batches.enabled); send the request without background",
                 param="background",
             )
-        previous = await self._previous(req.previous_response_id, owner)
-        turn = R.translate(req, call.body, previous)
-        validation.parse(KIND_CHAT, turn.chat)  # a bad request is refused now, not later
         served = (
             []
             if call.principal is not None
@@ -148,37 +145,15 @@ class ResponsesAPI:
             raise E.ModelNotFound(
                 f"the model {req.model!r} does not exist or is not served now", param="model"
             )
-        b = R.ResponseBuilder(turn, events=False)
-        queued = b.response("queued")
-        rec = R.record(turn, b, queued, owner)
-        rec["background"] = True
-        if not await store.put(turn.response_id, rec):
-            raise E.ServiceUnavailable("the response store (JetStream) did not answer; retry")
-        await bg.submit(turn.response_id, owner, call.body)
+        previous = await self._previous(req.previous_response_id, owner)
+        queued = await bg.queue(req, call.body, owner, previous)
         if req.stream:
-            await bg.follow(turn.response_id, owner, -1, send, call.rid)
+            await bg.follow(queued["id"], owner, -1, send, call.rid)
         else:
             await send_json(send, 200, queued, [(b"x-request-id", call.rid.encode())])
 
     async def _previous(self, response_id: str | None, owner: str) -> list[dict[str, Any]] | None:
-        """The conversation a ``previous_response_id`` continues (404 when it is not one of
-        the caller's stored responses)."""
-        if response_id is None:
-            return None
-        if self.store is None:
-            raise E.InvalidRequest(
-                "previous_response_id: this server keeps no responses; send the whole "
-                "conversation as input",
-                param="previous_response_id",
-            )
-        try:
-            rec = await self.store.get(response_id, owner)
-        except E.NotFound:
-            raise E.NotFound(
-                f"previous_response_id: no stored response with id {response_id!r}",
-                param="previous_response_id",
-            ) from None
-        return list(rec.get("messages") or [])
+        return await conversation(self.store, response_id, owner)
 
     async def _save(
         self, turn: R.Turn, b: R.ResponseBuilder, resp: dict[str, Any], owner: str

@@ -530,6 +530,66 @@ async def test_a_nats_client_submits_and_collects_a_batch(env: Env) -> None:
             await tb.file(f["id"])
 
 
+async def test_a_nats_client_runs_follows_resumes_and_cancels_background_responses(
+    env: Env,
+) -> None:
+    """``Client.background_response`` through ingress, run by the bridges' runners: its
+    events followed, left, and resumed after a sequence number with none lost or repeated;
+    the same response over HTTP; another key sees and cancels none of it; a long one is
+    cancelled mid-run; bad requests are clear errors."""
+    from bus_schemas import errors as E
+    from tokenbus import Client
+
+    async with await Client.connect(env.procs.url, api_key=env.key) as tb:
+        q = await tb.background_response(env.model, "tell me over nats", max_output_tokens=40)
+        assert q["status"] == "queued" and q["background"] is True
+        first: list[dict[str, Any]] = []
+        async for ev in tb.response_events(q["id"], poll_s=0.1, timeout=60):
+            first.append(ev)
+            if len(first) == 5:
+                break  # the client goes away
+        last = first[-1]["sequence_number"]
+        rest = [
+            ev
+            async for ev in tb.response_events(q["id"], starting_after=last, poll_s=0.1, timeout=60)
+        ]
+        seqs = [e["sequence_number"] for e in first + rest]
+        assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))  # none lost, none twice
+        assert rest[-1]["type"] in ("response.completed", "response.incomplete")
+        done = await tb.get_response(q["id"])
+        deltas = [e["delta"] for e in first + rest if e["type"] == "response.output_text.delta"]
+        assert deltas and "".join(deltas) == done["output"][0]["content"][0]["text"]
+        async with env.stack.openai(env.key) as oai:  # one store for NATS and HTTP
+            assert (await oai.responses.retrieve(q["id"])).status == done["status"]
+        with pytest.raises(E.NotFound):
+            await tb.get_response(q["id"], api_key=env.other)
+        with pytest.raises(E.NotFound):
+            await tb.response_cancel(q["id"], api_key=env.other)
+        assert (await tb.response_cancel(q["id"]))["status"] == done["status"]  # as it is
+
+        long = await tb.background_response(
+            env.model, "a long one", max_output_tokens=20_000, ignore_eos=True
+        )
+        deadline = time.monotonic() + 30
+        while (await tb.get_response(long["id"]))["status"] != "in_progress":
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.05)
+        assert (await tb.response_cancel(long["id"]))["status"] == "cancelled"
+        ends = [ev async for ev in tb.response_events(long["id"], poll_s=0.1, timeout=30)]
+        assert ends[-1]["type"] == "response.cancelled"
+        assert (await tb.get_response(long["id"]))["status"] == "cancelled"
+
+        with pytest.raises(E.InvalidRequest):  # refused by the client, before sending
+            await tb.background_response(env.model, "x", max_output_tokens=-1)
+        with pytest.raises(E.InvalidRequest):  # refused by ingress: a background one is kept
+            await tb.background_response(env.model, "x", store=False)
+        with pytest.raises(E.NotFound):
+            await tb.get_response("resp_" + "0" * 32)
+        plain = await tb.response(env.model, "not in the background", max_output_tokens=4)
+        with pytest.raises(E.InvalidRequest):  # keeps no events, cannot be cancelled
+            await tb.response_cancel(plain["id"])
+
+
 async def test_a_fresh_store_lists_no_batch_and_its_runner_sweeps_quietly(tmp_path: Any) -> None:
     """On a bus where no batch was ever made (``make up``'s first minutes), listing and the
     runners' sweep find nothing, without an error (nats-py raises for an empty bucket)."""

@@ -449,7 +449,9 @@ class FuzzBus:
         if name == "req":
             chat = {"model": model, "messages": MSG, "max_tokens": 2, "stream": True}
             return Target(
-                [subjects.request(k) for k in subjects.KINDS] + ["tb.v1.req.nope"],
+                [subjects.request(k) for k in subjects.KINDS]
+                + [subjects.batches_state(a) for a in subjects.BATCH_ACTIONS]
+                + ["tb.v1.req.nope"],
                 chat,
                 self.request_headers(),
                 answers="frame",

@@ -128,6 +128,11 @@ async def test_every_service_works_on_the_locked_bus(locked: Locked, tmp_path: P
         ) as c:
             whole = await c.chat_completion(model, MSG, max_tokens=4)
             assert whole.usage.completion_tokens == 4
+            # A background response through ingress (its record, work and events stream),
+            # followed to its end.
+            q = await c.background_response(model, "locked", max_output_tokens=3)
+            evs = [ev async for ev in c.response_events(q["id"], poll_s=0.1, timeout=60)]
+            assert evs[-1]["type"] in ("response.completed", "response.incomplete"), evs
             s = c.chat(model, MSG, max_tokens=10_000)
             await s.__anext__()
             await s.aclose()  # the cancel is allowed for clients

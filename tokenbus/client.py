@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from nats.errors import MaxPayloadError, NoRespondersError
@@ -228,8 +228,8 @@ class Client(Caller):
         req = R.parse(body)
         if req.background:
             raise E.InvalidRequest(
-                "background responses are served over HTTP (POST /v1/responses, "
-                "docs/batches.md); a NATS client streams the answer instead",
+                "a background response is made with Client.background_response (it returns "
+                "at once; Client.get_response and response_events follow it)",
                 param="background",
             )
         session = session or req.prompt_cache_key  # the session key routing keeps together
@@ -437,6 +437,74 @@ class Client(Caller):
                 raise E.Timeout(f"the batch is still {status} after {timeout:g}s")
             await asyncio.sleep(poll_s)
 
+    async def background_response(
+        self,
+        model: str,
+        input: str | Sequence[dict[str, Any]],
+        *,
+        api_key: str | None = None,
+        **params: Any,
+    ) -> dict[str, Any]:
+        """A Responses API request run in the background (``background: true``): the
+        ``queued`` response at once; a bridge's runner runs it (docs/batches.md).
+        :meth:`get_response` shows where it stands, :meth:`response_events` follows its events,
+        :meth:`response_cancel` stops it. A bad field is refused here, before anything is
+        sent."""
+        body: dict[str, Any] = {
+            "model": model,
+            "input": input if isinstance(input, str) else list(input),
+            **params,
+            "background": True,
+        }
+        R.parse(body)
+        out = await self._batches(api_key).call("response_create", {"body": body})
+        response: dict[str, Any] = out["response"]
+        return response
+
+    async def response_cancel(
+        self, response_id: str, *, api_key: str | None = None
+    ) -> dict[str, Any]:
+        """Cancel a background response (a finished one is answered as it is)."""
+        out = await self._batches(api_key).call("response_cancel", {"id": response_id})
+        response: dict[str, Any] = out["response"]
+        return response
+
+    async def response_events(
+        self,
+        response_id: str,
+        *,
+        starting_after: int = -1,
+        poll_s: float = 0.5,
+        timeout: float = 24 * 3600.0,
+        api_key: str | None = None,
+    ) -> AsyncIterator[dict[str, Any]]:
+        """A background response's streaming events numbered after ``starting_after``, as
+        they are kept, to the one that ends it: a client that went away resumes where it
+        was. Asked of ingress every ``poll_s`` seconds while none are new."""
+        deadline = time.monotonic() + timeout
+        after = starting_after
+        state = self._batches(api_key)
+        while True:
+            try:
+                out = await state.call(
+                    "response_events", {"id": response_id, "starting_after": after}
+                )
+            except E.TokenbusError as exc:
+                if not exc.retryable:
+                    raise
+                out = {"events": [], "ended": False}
+            for ev in out["events"]:
+                after = max(after, int(ev.get("sequence_number", after)))
+                yield ev
+                if ev.get("type") in _ENDINGS:
+                    return
+            if out["ended"] and not out["events"]:
+                return  # its end was at or before ``starting_after``
+            if time.monotonic() >= deadline:
+                raise E.Timeout(f"the response has not ended after {timeout:g}s")
+            if not out["events"]:
+                await asyncio.sleep(poll_s)
+
     async def embeddings(
         self,
         model: str,
@@ -462,6 +530,14 @@ class Client(Caller):
             headers=_headers(None, traceparent),
         )
         return await stream.collect_embeddings()
+
+
+_ENDINGS = (
+    "response.completed",
+    "response.failed",
+    "response.incomplete",
+    "response.cancelled",
+)
 
 
 class _Stored:
