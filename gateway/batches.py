@@ -69,6 +69,7 @@ from services.config import BatchSettings, Settings, kv_replicas
 
 BATCHES = "tokenbus_batches"
 OPEN_BATCHES = "tokenbus_batches_open"  # the ids of batches not yet finished: what sweeps read
+BY_OWNER = "tokenbus_batches_by_owner"  # <owner>.<batch id>: what a key's listing reads
 RESULTS = "tokenbus_batch_results"
 STREAM = "TOKENBUS_BATCH"
 CONSUMER = "runners"
@@ -247,11 +248,19 @@ class BatchStore:
         self.batches: KeyValue | None = None
         self.results: KeyValue | None = None
         self.open_index: KeyValue | None = None
+        self.owner_index: KeyValue | None = None
 
     async def open(self) -> BatchStore:
         self.batches = await self._bucket(BATCHES, self.ttl_s)
         self.results = await self._bucket(RESULTS, self.ttl_s)
         self.open_index = await self._bucket(OPEN_BATCHES, self.ttl_s)
+        try:
+            self.owner_index = await self.js.key_value(BY_OWNER)
+        except (BucketNotFoundError, NotFoundError):
+            # New here (a store from before the index): made, then filled from the records.
+            self.owner_index = await self._bucket(BY_OWNER, self.ttl_s)
+            for rec in await self.all():
+                await self._index_owner(rec)
         config = api.StreamConfig(
             name=STREAM,
             subjects=[subjects.batch_work_wildcard()],
@@ -303,6 +312,40 @@ class BatchStore:
         await self._kv().create(key, json.dumps(rec).encode())
         if self.open_index is not None:
             await self.open_index.put(key, b"")
+        await self._index_owner(rec)
+
+    async def _index_owner(self, rec: dict[str, Any]) -> None:
+        if self.owner_index is not None:
+            await self.owner_index.put(
+                f"{_owner_token(rec['owner'])}.{subjects.token(rec['batch']['id'])}", b""
+            )
+
+    async def owned(self, owner: str) -> list[dict[str, Any]]:
+        """``owner``'s batch objects, newest first: its index entries read, not every
+        batch's record."""
+        if self.owner_index is None:
+            recs = [r for r in await self.all() if r["owner"] == owner]
+        else:
+            # A watch of the owner's keys only (nats-py's keys(filters=) reads every key and
+            # filters by substring, here).
+            watcher: Any = await self.owner_index.watch(
+                f"{_owner_token(owner)}.>", ignore_deletes=True, meta_only=True
+            )
+            keys = []
+            try:
+                async for entry in watcher:
+                    if entry is None:  # the keys there are, all seen
+                        break
+                    keys.append(entry.key)
+            finally:
+                await watcher.stop()
+            recs = []
+            for k in keys:
+                found = await self.load(k.rpartition(".")[2])
+                if found is not None and found[0]["owner"] == owner:
+                    recs.append(found[0])
+        mine = [r["batch"] for r in recs]
+        return sorted(mine, key=lambda b: (b["created_at"], b["id"]), reverse=True)
 
     async def open_ids(self) -> list[str]:
         """Ids of the batches not finished (the sweep's list: finished ones are never read)."""
@@ -442,8 +485,7 @@ class BatchAPI:
     async def listing(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             owner = owner_of(self.owner, scope)
-            mine = [r["batch"] for r in await self.store.all() if r["owner"] == owner]
-            mine.sort(key=lambda b: (b["created_at"], b["id"]), reverse=True)
+            mine = await self.store.owned(owner)
             await send_json(send, 200, list_page(mine, query_of(scope)))
         except E.TokenbusError as exc:
             await send_error(send, exc)
@@ -571,8 +613,7 @@ class BatchState:
         elif action == "get":
             out["batch"] = (await store.get(str(ident), owner))["batch"]
         elif action == "list":
-            mine = [r["batch"] for r in await store.all() if r["owner"] == owner]
-            out["batches"] = sorted(mine, key=lambda b: (b["created_at"], b["id"]), reverse=True)
+            out["batches"] = await store.owned(owner)
         elif action == "cancel":
             out["batch"] = await store.cancel(str(ident), owner)
         else:
@@ -1036,6 +1077,11 @@ def _work(data: bytes, what: str) -> dict[str, Any]:
     ):
         raise ValueError("a background response needs its body")
     return body
+
+
+def _owner_token(owner: str) -> str:
+    """An owner (a key id, or "" in an open deployment) as one KV key token."""
+    return "k-" + subjects.token(owner) if owner else "open"
 
 
 def _err(code: str, message: str) -> dict[str, Any]:

@@ -605,6 +605,41 @@ async def test_a_fresh_store_lists_no_batch_and_its_runner_sweeps_quietly(tmp_pa
         nc = await nats.connect(srv.url)
         store = await BatchStore(nc, BatchSettings(), 3600).open()
         assert await store.all() == []
+        assert await store.owned("") == [] and await store.owned("k1") == []
+        await nc.close()
+    finally:
+        srv.stop()
+
+
+async def test_a_keys_listing_reads_its_index_which_a_store_from_before_gets_filled(
+    tmp_path: Any,
+) -> None:
+    """A key's batches are listed from the owner index (another key's are not in it); a
+    store made before the index existed has it filled from the records when opened."""
+    import nats
+
+    from gateway.batches import BY_OWNER, BatchStore, new_batch
+    from services.config import BatchSettings
+    from tests.conftest import NatsServer
+
+    srv = NatsServer(tmp_path).start()
+    try:
+        await asyncio.sleep(0.3)
+        nc = await nats.connect(srv.url)
+        store = await BatchStore(nc, BatchSettings(), 3600).open()
+        made: dict[str, list[str]] = {"k1": [], "k2": [], "": []}
+        for i in range(7):
+            owner = ("k1", "k2", "")[i % 3]
+            b = new_batch("/v1/chat/completions", f"file-{i}", "24h", None)
+            await store.create({"owner": owner, "batch": b, "total": 0})
+            made[owner].append(b["id"])
+        for owner, ids in made.items():
+            assert sorted(b["id"] for b in await store.owned(owner)) == sorted(ids)
+        assert await store.owned("k3") == []
+        await nc.jetstream().delete_key_value(BY_OWNER)  # as before the index
+        again = await BatchStore(nc, BatchSettings(), 3600).open()
+        for owner, ids in made.items():
+            assert sorted(b["id"] for b in await again.owned(owner)) == sorted(ids)
         await nc.close()
     finally:
         srv.stop()
