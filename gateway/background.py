@@ -113,26 +113,32 @@ class Background:
         return queued
 
     async def events(
-        self, response_id: str, after: int, limit: int = 1000
-    ) -> tuple[list[Any], bool]:
-        """The response's events numbered after ``after`` that JetStream holds now (at most
-        ``limit``), in order, and whether one that ends it is kept (after ``after`` or not):
-        what a NATS client polls."""
+        self, response_id: str, after: int, cursor: int = 0, limit: int = 1000
+    ) -> tuple[list[Any], bool, int]:
+        """What a NATS client polls: the response's events numbered after ``after`` that
+        JetStream holds now (at most ``limit``), in order; whether one that ends it is among
+        those read; and the cursor to read on from (the stream sequence of the last one
+        read: the next poll starts after it, not at the response's first event)."""
         from nats.errors import TimeoutError as NatsTimeout
 
+        where: dict[str, Any] = {"deliver_policy": api.DeliverPolicy.ALL}
+        if cursor > 0:
+            where = {
+                "deliver_policy": api.DeliverPolicy.BY_START_SEQUENCE,
+                "config": api.ConsumerConfig(opt_start_seq=cursor + 1),
+            }
         sub = await self.js.subscribe(
-            subjects.batch_events(response_id),
-            ordered_consumer=True,
-            deliver_policy=api.DeliverPolicy.ALL,
+            subjects.batch_events(response_id), ordered_consumer=True, **where
         )
         out: list[Any] = []
         ended = False
         try:
             while len(out) < limit:
                 try:
-                    msg = await sub.next_msg(timeout=0.5)
+                    msg = await sub.next_msg(timeout=0.25)
                 except (NatsTimeout, TimeoutError):
                     break  # none kept (yet)
+                cursor = max(cursor, int(msg.metadata.sequence.stream))
                 ev = json.loads(msg.data)
                 ended = ended or ev.get("type") in ENDINGS
                 if int(ev.get("sequence_number", -1)) > after:
@@ -142,7 +148,7 @@ class Background:
         finally:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
-        return out, ended
+        return out, ended, cursor
 
     async def submit(self, response_id: str, owner: str, body: dict[str, Any]) -> None:
         await self.store.publish(
@@ -264,6 +270,7 @@ class Background:
             if task.done():
                 task.result()
                 return True
+            events.closed = True  # what the request says as it is torn down is not its end
             task.cancel()
             with contextlib.suppress(BaseException):
                 await task
@@ -321,8 +328,11 @@ class _Events:
         self.subject = subject
         self.buf = b""
         self.last = -1
+        self.closed = False  # cancelled: the request's own last words are dropped
 
     async def feed(self, chunk: bytes) -> None:
+        if self.closed:
+            return
         self.buf += chunk
         while b"\n\n" in self.buf:
             block, self.buf = self.buf.split(b"\n\n", 1)
@@ -392,8 +402,9 @@ class BackgroundState:
             )
         if action == "response_cancel":
             return {"response": await bg.cancel(ident, rec)}
-        after = body.get("starting_after", -1)
-        if not isinstance(after, int) or isinstance(after, bool):
-            raise E.InvalidRequest("starting_after: an integer", param="starting_after")
-        events, ended = await bg.events(ident, after)
-        return {"events": events, "ended": ended}
+        after, cursor = body.get("starting_after", -1), body.get("cursor", 0)
+        for name, v in (("starting_after", after), ("cursor", cursor)):
+            if not isinstance(v, int) or isinstance(v, bool):
+                raise E.InvalidRequest(f"{name}: an integer", param=name)
+        events, ended, cursor = await bg.events(ident, after, max(0, cursor))
+        return {"events": events, "ended": ended, "cursor": cursor}

@@ -559,6 +559,16 @@ async def test_a_nats_client_runs_follows_resumes_and_cancels_background_respons
         done = await tb.get_response(q["id"])
         deltas = [e["delta"] for e in first + rest if e["type"] == "response.output_text.delta"]
         assert deltas and "".join(deltas) == done["output"][0]["content"][0]["text"]
+        # Each poll reads on from the cursor the last one returned, not from the first event.
+        raw = tb._batches(None)
+        whole = await raw.call("response_events", {"id": q["id"], "starting_after": -1})
+        assert [e["sequence_number"] for e in whole["events"]] == list(range(seqs[-1] + 1))
+        assert whole["ended"] and whole["cursor"] > 0
+        more = {"id": q["id"], "starting_after": -1, "cursor": whole["cursor"]}
+        again = await raw.call("response_events", more)
+        assert again["events"] == [] and again["cursor"] == whole["cursor"]
+        with pytest.raises(E.InvalidRequest):
+            await raw.call("response_events", {**more, "cursor": "x"})
         async with env.stack.openai(env.key) as oai:  # one store for NATS and HTTP
             assert (await oai.responses.retrieve(q["id"])).status == done["status"]
         with pytest.raises(E.NotFound):

@@ -482,17 +482,19 @@ class Client(Caller):
         they are kept, to the one that ends it: a client that went away resumes where it
         was. Asked of ingress every ``poll_s`` seconds while none are new."""
         deadline = time.monotonic() + timeout
-        after = starting_after
+        after, cursor = starting_after, 0  # cursor: where ingress reads on from
         state = self._batches(api_key)
         while True:
             try:
                 out = await state.call(
-                    "response_events", {"id": response_id, "starting_after": after}
+                    "response_events",
+                    {"id": response_id, "starting_after": after, "cursor": cursor},
                 )
             except E.TokenbusError as exc:
                 if not exc.retryable:
                     raise
-                out = {"events": [], "ended": False}
+                out = {"events": [], "ended": False, "cursor": cursor}
+            cursor = int(out.get("cursor") or cursor)
             for ev in out["events"]:
                 after = max(after, int(ev.get("sequence_number", after)))
                 yield ev
