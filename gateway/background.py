@@ -296,7 +296,9 @@ class Background:
         )
         await req.run(self.app)
         status, error = req.status, req.answer
-        if status != 200:
+        # Cancelled (closed): the app may answer a cancelled request as a client that left,
+        # before any status; run() ends it as cancelled, not failed.
+        if status != 200 and not events.closed:
             await self._failed(response_id, owner, status, error, events)
 
     async def _failed(
@@ -316,7 +318,11 @@ class Background:
         }
         await self.responses.replace(response_id, rec)
         await events.publish(
-            {"type": "response.failed", "response": rec["response"], "sequence_number": 0}
+            {
+                "type": "response.failed",
+                "response": rec["response"],
+                "sequence_number": events.last + 1,
+            }
         )
 
 
