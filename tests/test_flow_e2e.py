@@ -324,8 +324,9 @@ async def test_a_full_queue_is_429_for_the_key_over_its_share_and_503_for_others
                 headers={"Authorization": f"Bearer {key}"},
             )
 
-        # The first runs 4 s; 3 wait behind it.
-        a = [asyncio.ensure_future(post(keys["a"], 400))]
+        # The first runs 10 s (two CLI calls below take a few on a loaded machine: the queue
+        # must still be full after them); 3 wait behind it.
+        a = [asyncio.ensure_future(post(keys["a"], 1000))]
         await _until_in_flight(procs.url, model, 1)
         a += [asyncio.ensure_future(post(keys["a"])) for _ in range(3)]
         await _until_in_flight(procs.url, model, 4)

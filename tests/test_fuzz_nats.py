@@ -449,12 +449,19 @@ class FuzzBus:
         if name == "req":
             chat = {"model": model, "messages": MSG, "max_tokens": 2, "stream": True}
             return Target(
-                [subjects.request(k) for k in subjects.KINDS]
-                + [subjects.batches_state(a) for a in subjects.BATCH_ACTIONS]
-                + ["tb.v1.req.nope"],
+                [subjects.request(k) for k in subjects.KINDS] + ["tb.v1.req.nope"],
                 chat,
                 self.request_headers(),
                 answers="frame",
+            )
+        if name == "req.batches":
+            # Ingress' files, batches and background responses for NATS clients: an answer
+            # each, ok or a typed error.
+            return Target(
+                [subjects.batches_state(a) for a in subjects.BATCH_ACTIONS],
+                {"id": "batch_forged", "body": {"model": model, "input": "hi"}},
+                self.request_headers(),
+                answers="state",
             )
         if name.startswith("stage."):
             stage = name.partition(".")[2]
@@ -603,6 +610,13 @@ def check_answer(answers: str, msg: Msg) -> tuple[dict[str, Any] | None, str | N
     accepted a stream if one did)."""
     if answers == "any":
         return None, None
+    if answers == "state":  # request-reply state: ok, or a typed error
+        state = codec.decode_map(msg.data)
+        if state.get("t") == frames.ERROR:
+            assert "Traceback" not in ErrorFrame.model_validate(state).error.message, state
+        else:
+            assert state.get("t") == "ok", state
+        return state, None
     if answers == "ack":
         ack = codec.decode_map(msg.data)
         WorkerAck.model_validate(ack)
@@ -940,6 +954,7 @@ def header_blocks(draw: st.DrawFn, base: list[tuple[str, str]]) -> bytes | None:
 
 FAMILIES = [
     "req",
+    "req.batches",
     "stage.auth",
     "stage.ratelimit",
     "stage.filter",
