@@ -10,6 +10,7 @@ from pathlib import Path
 import nats
 import pytest
 
+from bus_schemas import errors as E
 from tests.conftest import Procs, ProcStack, start_stack
 from tests.lockedbus import UNLIMITED, LockedCluster, serve_when_ready, wait_replicas
 from tests.test_chaos import EXPECTED, FAST, HB, MAX_TOKENS, MSG, Tally, steady_load
@@ -145,9 +146,17 @@ async def test_a_batch_outlives_a_cluster_node_killed_under_it(
             )
             cluster.kill(2)
             done = await c.wait_batch(b["id"], timeout=120, poll_s=0.3)
-            out = [
-                json.loads(x) for x in (await c.file_content(done["output_file_id"])).splitlines()
-            ]
+            # The object store may still be electing its leader on the nodes left: a
+            # retryable 503, asked again as a client would.
+            for _ in range(100):
+                try:
+                    data = await c.file_content(done["output_file_id"])
+                    break
+                except E.TokenbusError as exc:
+                    if not exc.retryable:
+                        raise
+                    await asyncio.sleep(0.3)
+            out = [json.loads(x) for x in data.splitlines()]
         assert done["status"] == "completed", done
         assert sorted(x["custom_id"] for x in out) == sorted(x["custom_id"] for x in lines)
         assert done["request_counts"] == {"total": 80, "completed": 80, "failed": 0}
