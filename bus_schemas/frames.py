@@ -29,6 +29,7 @@ def accept(
     admission: str | None = None,
     traceparent: str | None = None,
     service_tier: str | None = None,
+    no_resume: bool = False,
 ) -> bytes:
     frame: dict[str, Any] = {
         "t": ACCEPT,
@@ -44,6 +45,8 @@ def accept(
         frame["tp"] = traceparent
     if service_tier:  # the class that serves it (engine_worker/flow.py)
         frame["tier"] = service_tier
+    if no_resume:  # its engine cannot continue this answer elsewhere cut off: no migration
+        frame["nr"] = 1
     return codec.encode(frame)
 
 
@@ -62,10 +65,12 @@ def final(
     timings: dict[str, int],
     usage_details: dict[str, Any] | None = None,
     stop_sequence: str | None = None,
+    usage_source: str | None = None,
 ) -> bytes:
     """The final frame; ``usage_details`` adds the engine's ``prompt_tokens_details`` and
     ``completion_tokens_details`` to the usage, ``stop_sequence`` the stop string that ended
-    a ``stop`` finish (left out when none did)."""
+    a ``stop`` finish (left out when none did), ``usage_source`` where the prompt's count
+    came from when the engine did not count it (``upstream``, ``tokenized``, ``estimate``)."""
     usage: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
@@ -81,6 +86,8 @@ def final(
     }
     if stop_sequence is not None:
         frame["stop_sequence"] = stop_sequence
+    if usage_source is not None:
+        frame["usage_source"] = usage_source
     return codec.encode(frame)
 
 

@@ -16,6 +16,7 @@ import math
 import time
 import uuid
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -180,6 +181,7 @@ class _Generation:
     outcome: str = "ok"
     span: Any = None  # this replica's span of the request (tracing on)
     ticket: Ticket | None = None  # its place in the flow control (engine_worker/flow.py)
+    usage_source: str | None = None  # where prompt_tokens came from, if not the engine
 
     @property
     def rid(self) -> str:
@@ -199,6 +201,14 @@ def _side(d: Delta) -> dict[str, Any]:
     if d.reasoning is not None:
         side["rs"] = d.reasoning
     return side
+
+
+def _can_resume(backend: object, req: GenerationRequest) -> bool:
+    """Whether ``backend`` continues a stream of ``req`` cut off elsewhere exactly (its
+    optional ``can_resume``; the sim and vLLM always do). A caller migrates a stream whose
+    text it already has only to a replica that said so in its accept frame."""
+    can = getattr(backend, "can_resume", None)
+    return bool(can(req)) if callable(can) else True
 
 
 # Outcomes that are a finish reason: the request ended as the engine or the filter decided.
@@ -297,6 +307,9 @@ class Worker(Service):
         self.model = cfg.model
         self.backend: Backend = backend or backends.create(cfg)
         self.endpoints = list(cfg.endpoints) or list(self.backend.endpoints())
+        # What its upstream can do, when the backend fronts one (the openai backend).
+        caps = getattr(self.backend, "capabilities", None)
+        self._upstream_caps: Callable[[], dict[str, Any]] | None = caps if callable(caps) else None
         self.draining = False
         self._active: dict[str, asyncio.Task[Any]] = {}
         self._busy = asyncio.Event()  # set when an idle replica takes a request: beat now
@@ -435,6 +448,8 @@ class Worker(Service):
                 if self.flow is not None
                 else {}
             ),
+            # What an upstream can do (the openai backend's probe): shown by `tokenbus status`.
+            **({"upstream": self._upstream_caps()} if self._upstream_caps is not None else {}),
             "max_concurrency": self.cfg.max_concurrency,
             # The backend's effective degree when it knows it (vllm: its engine options).
             "tp": int(getattr(self.backend, "tp", self.cfg.tp)),
@@ -707,6 +722,7 @@ class Worker(Service):
                 gen.headers.get(H.ADMISSION),
                 tracing.traceparent(gen.span) if gen.span is not None else None,
                 gen.ticket.cls if gen.ticket is not None else _class(gen.headers),
+                not _can_resume(self.backend, gen.req),
             ),
         )
 
@@ -871,8 +887,10 @@ class Worker(Service):
                 timings,
                 last.usage,
                 last.stop_sequence if finish == "stop" else None,
+                last.usage_source,
             ),
         )
+        gen.usage_source = last.usage_source
         gen.outcome = finish
 
     def _log_flags(self, gen: _Generation, gate: OutputGate) -> None:
@@ -978,6 +996,7 @@ class Worker(Service):
             completion_tokens=gen.completion,
             migrations=marks.number(hdrs.get(H.MIGRATION)) or 0,
             trace_id=trace,
+            usage_source=gen.usage_source,
         )
 
     async def _report_usage(self, hdrs: dict[str, str], gen: _Generation) -> None:

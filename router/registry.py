@@ -45,6 +45,8 @@ class Replica:
     # How it reports its prefix cache ("text": the sim's events, "vllm": vLLM's); "": no
     # events, so kv_aware keeps approximate affinity for it.
     kv_events: str = ""
+    # What its upstream can do (the openai backend's probe), for operators; None: no upstream.
+    upstream: dict[str, Any] | None = None
 
     def serves(self, model: str) -> bool:
         return model == self.model or model in self.aliases
@@ -71,6 +73,7 @@ class Replica:
             **({"max_model_len": self.max_model_len} if self.max_model_len else {}),
             **({"flow": self.flow, "flows": self.flows} if self.flow else {}),
             "kv_routing": f"exact ({self.kv_events})" if self.kv_events else "approximate",
+            **({"upstream": self.upstream} if self.upstream is not None else {}),
         }
 
 
@@ -114,6 +117,8 @@ class Registry:
             r.flow = flow if isinstance(flow, dict) else None
             r.flows = flows if isinstance(flows, dict) else None
             r.kv_events = str(hb.get("kv_events") or "")
+            up = hb.get("upstream")
+            r.upstream = up if isinstance(up, dict) else None
             r.last_seen = time.monotonic()
         except (KeyError, TypeError, ValueError, RecursionError):  # str() of a deep nesting
             return None

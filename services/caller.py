@@ -372,6 +372,10 @@ class Stream:
         # Output other than answer text reached the caller (a tool-call fragment, reasoning,
         # refusal, or an echoed prompt): the stream can no longer be resumed elsewhere.
         self._no_resume = False
+        # The replica serving the current attempt cannot continue its answer elsewhere (an
+        # upstream that starts over instead of continuing a message): once text arrived, a
+        # cut-off stream ends with its error rather than a spliced answer.
+        self._resume_refused = False
         extra = body.get("extra")
         self._echo = bool(body.get("echo") or (isinstance(extra, dict) and extra.get("echo")))
         self._got_tokens = 0
@@ -392,6 +396,9 @@ class Stream:
         # The class that serves it (``service_tier``), from the accept frame.
         self.service_tier: str | None = None
         self.usage: Usage | None = None
+        # Where usage.prompt_tokens came from when the engine did not count them ("upstream",
+        # "tokenized", "estimate": an upstream without usage on its streams); None: it did.
+        self.usage_source: str | None = None
         self.timings: dict[str, int] = {}
         self.t_sent_ns = 0
         self.t_first_ns = 0
@@ -723,6 +730,7 @@ class Stream:
                     await self._client._send_cancel(str(other), self.token, self.request_id)
                     continue
                 self.replica = other
+                self._resume_refused = bool(frame.get("nr"))
                 if frame.get("adm"):
                     self._admission = str(frame["adm"])
                 if frame.get("tier"):
@@ -742,6 +750,8 @@ class Stream:
                 self.finish_reason = frame.get("finish_reason")
                 # Only the final frame says, so a migrated request has the last replica's.
                 self.stop_sequence = frame.get("stop_sequence")
+                source = frame.get("usage_source")
+                self.usage_source = source if isinstance(source, str) else None
                 u = frame.get("usage") or {}
                 prompt = int(u.get("prompt_tokens", 0))
                 # After a migration, the tokens of the earlier attempts count too.
@@ -812,6 +822,8 @@ class Stream:
             # Only answer text can be resumed: a tool call, reasoning or refusal half sent
             # cannot be continued elsewhere (nor an answer that echoes its prompt).
             or self._no_resume
+            # Nor text from a replica that said its engine would start over.
+            or (self._resume_refused and any(self._got))
         ):
             return False
         if count:

@@ -371,6 +371,33 @@ class OpenAIUpstreamSettings(BaseModel):
     upstream_model: str = Field(default="", description="Model name upstream (default: model).")
     api_key: str = Field(default="", description="Bearer token for the upstream, if any.")
     timeout_s: float = 600.0
+    # What the upstream can do is probed at start (engine_worker/backends/upstream_caps.py,
+    # docs/deploy.md); each of these, when set, overrides what the probe would find.
+    stream_usage: bool | None = Field(
+        default=None,
+        description="The upstream sends usage on streams (None: probed). False: prompt "
+        "tokens are counted here (its tokenize endpoint, else estimated).",
+    )
+    continue_message: bool | None = Field(
+        default=None,
+        description="The upstream continues a final assistant message left open "
+        "(continue_final_message; None: probed). Only then does a chat stream cut off by a "
+        "lost replica resume on another; otherwise it ends with a retryable replica_lost.",
+    )
+    logprobs: bool | None = Field(
+        default=None, description="The upstream streams logprobs (None: probed; shown only)."
+    )
+    tokenize_url: str = Field(
+        default="",
+        description="A tokenize endpoint to count prompt tokens with when the upstream sends "
+        "no usage (vLLM's or llama.cpp's /tokenize, llama-cpp-python's /extras/tokenize, "
+        "TGI's /tokenize, of the same model); default: found on the upstream.",
+    )
+    probe: bool = Field(
+        default=True,
+        description="Probe the upstream's capabilities with tiny requests at start; off: "
+        "only the fields set here are known (unknown: no resume, prompt counted here).",
+    )
 
 
 class VLLMSettings(BaseModel):

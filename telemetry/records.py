@@ -70,6 +70,7 @@ def build(
     completion_tokens: int = 0,
     migrations: int = 0,
     trace_id: str | None = None,
+    usage_source: str | None = None,
     streamed: bool = True,
     t1: int | None = None,
     t4: int | None = None,
@@ -104,6 +105,9 @@ def build(
         "completion_tokens": completion_tokens,
         "migrations": migrations,
         "trace_id": trace_id,
+        # Where prompt_tokens came from when the engine did not count them (an upstream
+        # without usage on streams: "tokenized" or "estimate"; "upstream": it said).
+        "usage_source": usage_source,
         "ttft_ms": _ms(t0, first),
         "tbt_ms": tbt,
         "e2e_ms": _ms(t0, end),

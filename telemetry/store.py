@@ -33,6 +33,7 @@ COLUMNS = (
     "completion_tokens",
     "migrations",
     "trace_id",
+    "usage_source",
     "ttft_ms",
     "tbt_ms",
     "e2e_ms",

@@ -517,11 +517,19 @@ class Upstream:
     """The fake OpenAI-compatible upstream (``tests/fakes/upstream.py``), a real process on a
     free port, recording what it receives."""
 
-    def __init__(self, log_dir: Path) -> None:
+    def __init__(self, log_dir: Path, flavor: str = "vllm") -> None:
         self.port = free_port()
         self._log = open(log_dir / "upstream.log", "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.fakes.upstream", "--port", str(self.port)],
+            [
+                sys.executable,
+                "-m",
+                "tests.fakes.upstream",
+                "--port",
+                str(self.port),
+                "--flavor",
+                flavor,
+            ],
             stdout=self._log,
             stderr=subprocess.STDOUT,
             cwd=ROOT,

@@ -303,6 +303,7 @@ async def test_max_tokens_beyond_the_upstreams_context_is_refused_before_it_is_a
     )
     b = OpenAIUpstreamBackend(cfg)
     await b.start()
+    up.requests.clear()  # the capability probes (upstream_caps.py)
     try:
         assert b.max_model_len == 100  # read from the upstream's /v1/models
         hi = [{"role": "user", "content": "hi"}]

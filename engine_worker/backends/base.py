@@ -131,6 +131,9 @@ class Delta:
     reasoning: str | None = None
     usage: dict[str, Any] | None = None
     stop_sequence: str | None = None
+    # Where ``prompt_tokens`` came from when the engine did not count them itself (the
+    # ``openai`` backend: "upstream", "tokenized", "estimate"); None: the engine counted.
+    usage_source: str | None = None
 
     @property
     def has_side(self) -> bool:

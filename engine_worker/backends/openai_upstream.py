@@ -43,6 +43,15 @@ from engine_worker.backends.openai_shape import (
     stop_string,
     usage_details,
 )
+from engine_worker.backends.upstream_caps import (
+    USAGE_ESTIMATE,
+    USAGE_UPSTREAM,
+    Caps,
+    Prober,
+    PromptCounter,
+    Refresh,
+    probe,
+)
 from services import logging as tlog
 from services.config import WorkerSettings
 from services.runtime import StartRefused
@@ -144,6 +153,19 @@ class OpenAIUpstreamBackend:
         # where it says (vLLM does). The upstream enforces it against the prompt; a
         # ``max_tokens`` beyond it alone is refused here (see :meth:`generate`).
         self.max_model_len = cfg.max_model_len
+        # What the upstream can do (upstream_caps.py): probed at start and after it was
+        # unreachable; the operator's settings override the probe field by field.
+        set_ = {
+            k
+            for k in ("stream_usage", "continue_message", "logprobs")
+            if getattr(up, k) is not None
+        }
+        self.caps = Caps(overridden=frozenset(set_), **{k: getattr(up, k) for k in set_})
+        self.probing = up.probe
+        self.tokenize_url = up.tokenize_url
+        self.refresh = Refresh()
+        self.counter: PromptCounter | None = None
+        self._probe_task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
@@ -155,13 +177,59 @@ class OpenAIUpstreamBackend:
         self.http = UpstreamHTTP(self.base, headers)
         listed = await self._upstream_models()
         if listed is None:
-            # Not up yet, or no model list: requests say what the upstream answers.
+            # Not up yet, or no model list: requests say what the upstream answers, and its
+            # capabilities are probed once it answers.
             log.warning("upstream_models_unknown", upstream=self.base, model=self.model)
+            self.counter = PromptCounter(self._prober(), self.caps)
             return
         self._check_model(listed)
         if not self.max_model_len:
             n = listed[self.model].get("max_model_len")
             self.max_model_len = n if isinstance(n, int) and n > 0 else 0
+        await self._probe()
+
+    def _prober(self) -> Prober:
+        assert self.session is not None
+        return Prober(self.session, self.base, self.model)
+
+    async def _probe(self) -> None:
+        """Find out what the upstream can do (logged, in heartbeats, `tokenbus status`)."""
+        prober = self._prober()
+        self.refresh.begin()
+        caps = self.caps
+        try:
+            if self.probing:
+                caps = await probe(prober, self.caps, self.tokenize_url)
+            elif self.tokenize_url:
+                caps.tokenize, caps.tokenize_url = await prober.find_tokenizer(self.tokenize_url)
+                caps.probed = True
+            else:
+                caps.probed = True
+        except Exception as exc:  # a probe must never take the worker down
+            log.warning("upstream_probe_failed", upstream=self.base, error=repr(exc))
+        self.caps = caps
+        self.counter = PromptCounter(prober, caps)
+        self.refresh.end(caps.probed)
+        if caps.probed:
+            log.info("upstream_capabilities", upstream=self.base, **caps.to_dict())
+        else:
+            log.warning("upstream_not_probed", upstream=self.base)
+
+    def _probe_later(self) -> None:
+        """Probe again in the background if due (the upstream was unreachable)."""
+        if self.session is not None and self.refresh.due():
+            self.refresh.begin()
+            self._probe_task = asyncio.get_running_loop().create_task(self._probe())
+
+    def capabilities(self) -> dict[str, Any]:
+        """What the upstream can do, as probed (and overridden): heartbeats carry it."""
+        return self.caps.to_dict()
+
+    def can_resume(self, req: GenerationRequest) -> bool:
+        """Whether a stream of ``req`` cut off elsewhere continues here exactly: a text
+        completion always does (the prompt and the text so far are one prompt); a chat one
+        only where the upstream continues a final assistant message."""
+        return req.messages is None or self.caps.continue_message is True
 
     def _check_model(self, listed: dict[str, dict[str, Any]]) -> None:
         """Join only to serve a model the upstream has: one it does not would fail every
@@ -195,6 +263,10 @@ class OpenAIUpstreamBackend:
         return None
 
     async def stop(self) -> None:
+        if self._probe_task is not None:
+            self._probe_task.cancel()
+        if self.counter is not None:
+            self.counter.close()
         if self.http is not None:
             self.http.close()
         if self.session is not None:
@@ -231,12 +303,26 @@ class OpenAIUpstreamBackend:
             raise E.InvalidRequest("max_tokens must be at least 1", param="max_tokens")
         if self.http is None:
             raise E.EngineError("the openai backend is not started")
+        self._probe_later()
         n = self.max_model_len
         if n and req.max_tokens >= n and req.engine_max_tokens is not None:
             # The prompt holds at least one token, so this cannot fit whatever the prompt;
             # an upstream that does not bound it would generate until the request's deadline.
             raise E.ContextLengthExceeded.of(n, req.max_tokens)
         return _Completion(self, req)
+
+    async def count_prompt(self, path: str, body: dict[str, Any]) -> tuple[int, str]:
+        """(prompt tokens, usage source) for an answer that came without usage; never zero
+        input (:class:`~engine_worker.backends.upstream_caps.PromptCounter`)."""
+        try:
+            if self.counter is None:
+                raise RuntimeError("not started")
+            async with asyncio.timeout(5.0):
+                return await self.counter.count(path, body)
+        except Exception as exc:  # the tokenizer failed or hung: estimate rather than 0
+            log.warning("prompt_count_failed", error=repr(exc))
+            text = json.dumps(body.get("messages") or body.get("prompt") or "")
+            return max(1, round(len(text) / max(0.5, self.caps.chars_per_token))), USAGE_ESTIMATE
 
     # -- embeddings -------------------------------------------------------------------------
     async def embed(self, req: GenerationRequest) -> Embeddings:
@@ -331,17 +417,23 @@ class _Answer(Response):
         if "error" in obj or obj.get("object") == "error":
             raise _event_error(obj)
 
-    def last(self) -> Delta:
+    def upstream_prompt_tokens(self) -> int:
+        """The prompt tokens the upstream reported (0: it sent none)."""
+        n = (self.usage or {}).get("prompt_tokens")
+        return n if isinstance(n, int) and n > 0 else 0
+
+    def last(self, prompt_tokens: int, usage_source: str) -> Delta:
         u = self.usage or {}
         finish = finish_reason(self.finish)
         return Delta(
             "",
             0,
             finish,
-            int(u.get("prompt_tokens") or 0),
+            prompt_tokens,
             int(u.get("completion_tokens") or self.produced),
             usage=usage_details(u),
             stop_sequence=self.stop_sequence if finish == "stop" else None,
+            usage_source=usage_source,
         )
 
 
@@ -368,6 +460,13 @@ class _Completion:
         http = b.http
         if http is None:
             raise E.EngineError("the openai backend is stopped")
+        if req.resume_text and not b.can_resume(req):
+            # Asked to start over, it would splice a second answer onto the text the caller
+            # has: the stream ends here with one retryable error instead.
+            raise E.ReplicaLost(
+                "the stream was cut off and this replica's upstream cannot continue a "
+                "message where it stopped (continue_final_message); retry the request"
+            )
         path, body = b._body(req)
         data = _json(body)
         # Traced, the upstream (vllm serve --otlp-traces-endpoint, ...) continues the trace.
@@ -377,16 +476,24 @@ class _Completion:
         try:
             async with asyncio.timeout(b.timeout):
                 await http.post(path, data, hdrs, answer)
+            if answer.status != 200:
+                text = answer.error_body.decode("utf-8", "replace")
+                raise _upstream_error(answer.status, text)
+            n, source = answer.upstream_prompt_tokens(), USAGE_UPSTREAM
+            if not n:
+                # No usage on its stream: counted here, once the answer ended (a request to
+                # the upstream beside the stream may cut it: llama-cpp-python's server stops
+                # the answer it is writing for any new request).
+                n, source = await b.count_prompt(path, body)
         except _Stopped:
             return
         except (TimeoutError, OSError, UpstreamProtocolError) as exc:
+            if isinstance(exc, OSError) and not answer.status:
+                b.refresh.stale = True  # unreachable: probe it again when it is back
             raise E.EngineError(f"the upstream failed: {type(exc).__name__}: {exc}") from None
         finally:
             b.in_flight -= 1
-        if answer.status != 200:
-            text = answer.error_body.decode("utf-8", "replace")
-            raise _upstream_error(answer.status, text)
-        sink(answer.last())
+        sink(answer.last(n, source))
 
     # -- as an async iterator ---------------------------------------------------------------
     def __aiter__(self) -> _Completion:

@@ -35,6 +35,23 @@ Endpoints (all under ``/v1``):
   ``GET /requests``: all of them; ``DELETE /requests``: forget them.
   ``GET /last_headers``: the last POST's headers; ``GET /stats``: request and abort counts.
 
+Flavors (``--flavor``, ``FakeUpstream(flavor=...)``) stand in for servers that differ where
+tokenbus depends on them:
+
+* ``vllm`` (the default): usage on streams; continues a final assistant message left open
+  (``continue_final_message``); prompt tokens are the words of the prompt; vLLM's
+  ``POST /tokenize`` (``{"count", "tokens"}``).
+* ``llamacpp``: as llama-cpp-python's server: no usage on streams (whole answers have it),
+  ignores ``continue_final_message`` (a final assistant message is closed and a new answer
+  starts from its beginning), counts the prompt as a chat template renders it (see
+  :func:`template_tokens`), and llama.cpp's ``POST /tokenize`` (``{"content"}`` ->
+  ``{"tokens"}``).
+* ``bare``: as ``llamacpp`` without any tokenize endpoint.
+
+``"fake_words": N`` makes the answer ``word1 word2 ... wordN`` (a word a chunk) instead of
+the three words; a flavor that continues a message left open goes on after the words that
+message already holds.
+
 Any POST body with ``"fail_status": N`` is answered with status N and an OpenAI error body
 (``"fake upstream failure N"``), and ``"fake_chunk_delay_s": S`` waits S seconds before each
 streamed chunk (the ``--chunk-delay`` option sets a default).
@@ -86,11 +103,42 @@ def _count_words(value: Any) -> int:
     return 0
 
 
-def _pieces(body: dict[str, Any]) -> tuple[list[str], str, str | None]:
+FLAVORS = ("vllm", "llamacpp", "bare")
+DEFAULT_SYSTEM = "You are a helpful assistant"  # what the llamacpp flavor's template adds
+
+
+def template_tokens(messages: list[Any]) -> int:
+    """The prompt tokens of ``messages`` as the ``llamacpp`` flavor counts them, a ChatML-like
+    template in words: a system message of its own first when there is none (as SmolLM2's
+    template does), 3 tokens a message around its words, 2 for the generation prompt (always:
+    a final assistant message is closed, not continued)."""
+    msgs = [m for m in messages if isinstance(m, dict)]
+    if not msgs or msgs[0].get("role") != "system":
+        msgs = [{"role": "system", "content": DEFAULT_SYSTEM}, *msgs]
+    return sum(3 + _count_words(m) for m in msgs) + 2
+
+
+def _left_open(body: dict[str, Any]) -> int:
+    """Words already in a final assistant message left open (0: none)."""
+    messages = body.get("messages") or []
+    last = messages[-1] if messages and isinstance(messages[-1], dict) else {}
+    if body.get("continue_final_message") and last.get("role") == "assistant":
+        return _count_words(last.get("content"))
+    return 0
+
+
+def _pieces(body: dict[str, Any], skip: int = 0) -> tuple[list[str], str, str | None]:
     """The text pieces to send (word by word), the finish reason and vLLM's ``stop_reason``:
-    the stop string (of ``stop``) that ended the text, cut before it, or None."""
+    the stop string (of ``stop``) that ended the text, cut before it, or None. ``skip``:
+    words of a ``fake_words`` answer already written (a message continued)."""
     limit = body.get("max_tokens") or body.get("max_completion_tokens")
-    pieces = [w if i == 0 else " " + w for i, w in enumerate(WORDS)]
+    n_words = body.get("fake_words")
+    if isinstance(n_words, int) and n_words > 0:
+        words = [f"word{i}" for i in range(1, n_words + 1)]
+        pieces = [w if i == 0 else " " + w for i, w in enumerate(words)][skip:]
+    else:
+        words = list(WORDS)
+        pieces = [w if i == 0 else " " + w for i, w in enumerate(WORDS)]
     if isinstance(limit, int) and limit < len(pieces):
         pieces = pieces[: max(0, limit)]
     raw = body.get("stop")
@@ -109,7 +157,7 @@ def _pieces(body: dict[str, Any]) -> tuple[list[str], str, str | None]:
                     out.append(p[: max(0, end - pos)])
                 pos += len(p)
             return out, "stop", hit
-    if len(pieces) < len(WORDS):
+    if len(pieces) < len(words) - (skip if n_words else 0):
         return pieces, "length", None
     return pieces, "stop", None
 
@@ -144,8 +192,15 @@ class FakeUpstream:
     """The server; ``requests`` holds every POST body received, in order."""
 
     def __init__(
-        self, chunk_delay: float = 0.0, model: str = MODEL, max_model_len: int | None = None
+        self,
+        chunk_delay: float = 0.0,
+        model: str = MODEL,
+        max_model_len: int | None = None,
+        flavor: str = "vllm",
     ) -> None:
+        if flavor not in FLAVORS:
+            raise ValueError(f"flavor must be one of {FLAVORS}")
+        self.flavor = flavor
         self.chunk_delay = chunk_delay
         self.model = model
         self.max_model_len = max_model_len
@@ -170,7 +225,26 @@ class FakeUpstream:
         app.router.add_get("/v1/requests", self.all_requests)
         app.router.add_delete("/v1/requests", self.forget)
         app.router.add_get("/v1/stats", self.stats)
+        if self.flavor != "bare":
+            app.router.add_post("/tokenize", self.tokenize)
         return app
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """vLLM's ``/tokenize`` (vllm flavor) or llama.cpp's (llamacpp): a token a word."""
+        try:
+            body = await request.json()
+        except ValueError:
+            return _error(400, "the body is not JSON")
+        if self.flavor == "vllm":
+            text = body.get("prompt") if isinstance(body, dict) else None
+            if not isinstance(text, str):
+                return _error(400, "'prompt' must be a string")
+            tokens = list(range(len(text.split())))
+            return _json({"count": len(tokens), "max_model_len": 4096, "tokens": tokens})
+        text = body.get("content") if isinstance(body, dict) else None
+        if not isinstance(text, str):
+            return _error(500, "'content' must be a string")
+        return _json({"tokens": list(range(len(text.split())))})
 
     async def start(self, port: int = 0, host: str = "127.0.0.1") -> int:
         """Listen on ``port`` (0: a free one); returns the port."""
@@ -252,7 +326,10 @@ class FakeUpstream:
         return resp
 
     def _usage(self, prompt: Any, completion: int, reasoning: int) -> dict[str, Any]:
-        prompt_tokens = max(1, _count_words(prompt))
+        if self.flavor != "vllm" and isinstance(prompt, list):
+            prompt_tokens = template_tokens(prompt)
+        else:
+            prompt_tokens = max(1, _count_words(prompt))
         return {
             "prompt_tokens": prompt_tokens,
             "completion_tokens": completion,
@@ -274,6 +351,7 @@ class FakeUpstream:
         created = int(time.time())
         stream = bool(body.get("stream"))
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        include_usage = include_usage and self.flavor == "vllm"
         raw_tools = body.get("tools")
         tools: list[Any] = raw_tools if isinstance(raw_tools, list) else []
         last_role = messages[-1].get("role") if isinstance(messages[-1], dict) else None
@@ -316,7 +394,9 @@ class FakeUpstream:
             chunks.append(chunk({}, "tool_calls"))
             return await self._stream(request, body, self._with_usage(chunks, include_usage, usage))
 
-        pieces, finish, stop_reason = _pieces(body)
+        pieces, finish, stop_reason = _pieces(
+            body, _left_open(body) if self.flavor == "vllm" else 0
+        )
         thinking = bool((body.get("chat_template_kwargs") or {}).get("enable_thinking"))
         want_logprobs = bool(body.get("logprobs"))
         top = int(body.get("top_logprobs") or 0)
@@ -432,6 +512,7 @@ class FakeUpstream:
             offset += len(piece)
         chunks.append(wrap([choice("", None, finish)]))
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        include_usage = include_usage and self.flavor == "vllm"
         return await self._stream(request, body, self._with_usage(chunks, include_usage, usage))
 
     # -- embeddings -------------------------------------------------------------------------
@@ -476,8 +557,8 @@ async def start(port: int = 0, chunk_delay: float = 0.0) -> tuple[web.AppRunner,
     return up.runner, port
 
 
-async def _serve(host: str, port: int, chunk_delay: float) -> None:
-    up = FakeUpstream(chunk_delay=chunk_delay)
+async def _serve(host: str, port: int, chunk_delay: float, flavor: str = "vllm") -> None:
+    up = FakeUpstream(chunk_delay=chunk_delay, flavor=flavor)
     port = await up.start(port, host)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -498,8 +579,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--chunk-delay", type=float, default=0.0, help="Seconds before each streamed chunk."
     )
+    parser.add_argument("--flavor", choices=FLAVORS, default="vllm", help="Which server to act.")
     args = parser.parse_args(argv)
-    asyncio.run(_serve(args.host, args.port, args.chunk_delay))
+    asyncio.run(_serve(args.host, args.port, args.chunk_delay, args.flavor))
     return 0
 
 

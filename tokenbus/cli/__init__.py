@@ -449,7 +449,32 @@ async def _status(a: argparse.Namespace, s: cfgmod.Settings) -> int:
     print("  ".join(c.upper().ljust(widths[c]) for c in cols))
     for r in rows:
         print("  ".join(str(r[c]).ljust(widths[c]) for c in cols))
+    ups = [r for r in rows if r.get("upstream")]
+    if ups:
+        # What each upstream can do, as its worker probed it (docs/deploy.md).
+        print()
+        for r in ups:
+            print(f"{r['replica']} upstream: {_upstream_caps(r['upstream'])}")
     return 0
+
+
+def _upstream_caps(caps: dict[str, Any]) -> str:
+    """An upstream's capabilities on one line: ``usage-on-streams=no resume=no ...``."""
+
+    def word(v: Any) -> str:
+        return "?" if v is None else ("yes" if v is True else "no" if v is False else str(v))
+
+    if not caps.get("probed"):
+        return "not probed yet (unreachable): prompt counted here, no resume"
+    parts = [
+        f"usage-on-streams={word(caps.get('stream_usage'))}",
+        f"resume={word(caps.get('continue_message'))}",
+        f"tokenize={caps.get('tokenize') or 'none'}",
+        f"logprobs={word(caps.get('logprobs'))}",
+    ]
+    if caps.get("overridden"):
+        parts.append(f"(set in config: {', '.join(map(str, caps['overridden']))})")
+    return " ".join(parts)
 
 
 def main(argv: list[str] | None = None) -> None:

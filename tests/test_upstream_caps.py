@@ -1,0 +1,343 @@
+"""The ``openai`` backend in front of servers that are not vLLM: what each upstream can do is
+probed (usage on streams, continuing a message, a tokenize endpoint, logprobs), usage never
+counts zero input, and a stream cut off by a lost replica resumes only where the upstream
+continues the message exactly: never a spliced answer. Fake upstreams of three flavors
+(tests/fakes/upstream.py: vLLM, llama.cpp, a bare server); real processes and a real bus
+where a worker is killed."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import signal
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bus_schemas import errors as E
+from engine_worker.backends.base import Delta, GenerationRequest
+from engine_worker.backends.openai_upstream import OpenAIUpstreamBackend
+from engine_worker.backends.upstream_caps import (
+    USAGE_ESTIMATE,
+    USAGE_TOKENIZED,
+    USAGE_UPSTREAM,
+)
+from services.config import OpenAIUpstreamSettings, WorkerSettings
+from tests.conftest import Procs, Upstream, free_port, run_cli, start_stack
+from tests.fakes.upstream import FakeUpstream, template_tokens
+from tokenbus import Client
+
+HB = {"TOKENBUS_WORKER__HEARTBEAT_INTERVAL_S": "0.25"}
+STORY = [{"role": "user", "content": "tell me a long story"}]
+CHATS: list[list[dict[str, Any]]] = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [
+        {"role": "system", "content": "You answer in one word."},
+        {"role": "user", "content": "What is the capital of France?"},
+    ],
+    [
+        {"role": "user", "content": "Hi there"},
+        {"role": "assistant", "content": "Hello! How can I help you today?"},
+        {"role": "user", "content": "Name three colours of the rainbow."},
+    ],
+]
+
+
+def words(n: int) -> str:
+    return " ".join(f"word{i}" for i in range(1, n + 1))
+
+
+@pytest.fixture
+async def fake(request: pytest.FixtureRequest) -> AsyncIterator[FakeUpstream]:
+    up = FakeUpstream(flavor=getattr(request, "param", "vllm"))
+    await up.start()
+    yield up
+    await up.stop()
+
+
+def settings(url: str, **over: Any) -> WorkerSettings:
+    return WorkerSettings(
+        backend="openai",
+        model="tb-model",
+        openai=OpenAIUpstreamSettings(upstream_url=url, upstream_model="upstream-model", **over),
+    )
+
+
+async def started(url: str, **over: Any) -> OpenAIUpstreamBackend:
+    b = OpenAIUpstreamBackend(settings(url, **over))
+    await b.start()
+    return b
+
+
+def chat(messages: list[dict[str, Any]], **kw: Any) -> GenerationRequest:
+    kw.setdefault("max_tokens", 64)
+    return GenerationRequest("r1", "chat", "tb-model", messages=messages, **kw)
+
+
+async def last(b: OpenAIUpstreamBackend, req: GenerationRequest) -> Delta:
+    deltas = [d async for d in b.generate(req)]
+    assert deltas and deltas[-1].finish_reason is not None
+    return deltas[-1]
+
+
+@pytest.mark.parametrize(
+    ("fake", "expected"),
+    [
+        ("vllm", (True, True, "vllm", True)),
+        ("llamacpp", (False, False, "llama.cpp", True)),
+        ("bare", (False, False, None, True)),
+    ],
+    indirect=["fake"],
+)
+async def test_the_probe_finds_what_each_upstream_does(
+    fake: FakeUpstream, expected: tuple[Any, ...]
+) -> None:
+    b = await started(fake.url)
+    try:
+        caps = b.capabilities()
+        assert caps["probed"] is True
+        got = (caps["stream_usage"], caps["continue_message"], caps["tokenize"], caps["logprobs"])
+        assert got == expected
+        # Probes are tiny: one token each.
+        assert fake.requests and all(r.get("max_tokens") == 1 for r in fake.requests)
+        resumed = chat(STORY, resume_text="word1 word2", resume_tokens=2)
+        assert b.can_resume(resumed) is expected[1]
+    finally:
+        await b.stop()
+
+
+@pytest.mark.parametrize("fake", ["llamacpp"], indirect=True)
+async def test_usage_without_usage_on_streams_is_the_upstreams_own_count(
+    fake: FakeUpstream,
+) -> None:
+    b = await started(fake.url)
+    try:
+        for messages in CHATS:
+            d = await last(b, chat(messages))
+            assert (d.prompt_tokens, d.usage_source) == (
+                template_tokens(messages),
+                USAGE_TOKENIZED,
+            )
+            assert d.completion_tokens == 3
+        # A sequence of roles not measured at start: its first count is an estimate from the
+        # measured ones (within 5 % here), then it is measured and exact.
+        five = [
+            *CHATS[2],
+            {"role": "assistant", "content": "Red"},
+            {"role": "user", "content": "Two more"},
+        ]
+        d = await last(b, chat(five))
+        assert d.usage_source in (USAGE_ESTIMATE, USAGE_TOKENIZED)
+        assert abs(d.prompt_tokens - template_tokens(five)) <= 0.05 * template_tokens(five)
+
+        async def measured() -> Delta:
+            while True:
+                d = await last(b, chat(five))
+                if d.usage_source == USAGE_TOKENIZED:
+                    return d
+                await asyncio.sleep(0.02)
+
+        d = await asyncio.wait_for(measured(), 10)
+        assert d.prompt_tokens == template_tokens(five)
+        # Text completions: the prompt's own tokens.
+        req = GenerationRequest("r2", "completions", "tb-model", 8, prompt="Once upon a time")
+        d = await last(b, req)
+        assert (d.prompt_tokens, d.usage_source) == (4, USAGE_TOKENIZED)
+        # Parts the tokenizer cannot count (tools the template renders): marked an estimate,
+        # never zero.
+        tool = {"type": "function", "function": {"name": "f", "parameters": {}}}
+        d = await last(b, chat(CHATS[0], extra={"tools": [tool], "tool_choice": "none"}))
+        assert d.usage_source == USAGE_ESTIMATE and d.prompt_tokens > template_tokens(CHATS[0])
+    finally:
+        await b.stop()
+
+
+@pytest.mark.parametrize("fake", ["bare"], indirect=True)
+async def test_with_no_tokenizer_to_ask_usage_is_marked_estimated(fake: FakeUpstream) -> None:
+    b = await started(fake.url)
+    try:
+        for messages in CHATS:
+            d = await last(b, chat(messages))
+            assert d.usage_source == USAGE_ESTIMATE
+            # Characters per token measured against the upstream's count of an English
+            # sentence: near its count, never zero.
+            assert abs(d.prompt_tokens - template_tokens(messages)) <= 0.25 * template_tokens(
+                messages
+            )
+    finally:
+        await b.stop()
+
+
+@pytest.mark.parametrize("fake", ["vllm"], indirect=True)
+async def test_usage_the_upstream_sends_is_used_as_it_is(fake: FakeUpstream) -> None:
+    b = await started(fake.url)
+    try:
+        d = await last(b, chat(CHATS[1]))
+        assert (d.prompt_tokens, d.usage_source) == (11, USAGE_UPSTREAM)  # its word count
+        # The operator says it sends none: counted with its /tokenize (vLLM's dialect).
+        await b.stop()
+        b = await started(fake.url, stream_usage=False, continue_message=False)
+        caps = b.capabilities()
+        assert caps["overridden"] == ["continue_message", "stream_usage"]
+        assert (caps["stream_usage"], caps["continue_message"]) == (False, False)
+        d = await last(b, chat(CHATS[1]))
+        assert d.prompt_tokens == 11  # what it said, when it says after all
+        # Counted here with vLLM's /tokenize when it does not say.
+        counted = await b.count_prompt("/chat/completions", {"messages": CHATS[1]})
+        assert counted == (11, USAGE_TOKENIZED)
+        assert not b.can_resume(chat(STORY, resume_text="word1", resume_tokens=1))
+    finally:
+        await b.stop()
+
+
+@pytest.mark.parametrize("fake", ["llamacpp"], indirect=True)
+async def test_a_chat_resume_is_refused_where_the_upstream_would_start_over(
+    fake: FakeUpstream,
+) -> None:
+    b = await started(fake.url)
+    try:
+        before = len(fake.requests)
+        req = chat(STORY, resume_text="word1 word2", resume_tokens=2, extra={"fake_words": 9})
+        with pytest.raises(E.ReplicaLost, match="cannot continue") as ei:
+            await last(b, req)
+        assert ei.value.retryable and ei.value.status == 503
+        assert len(fake.requests) == before  # never asked: it would have started over
+        # A text completion continues exactly anywhere: the prompt and the text so far.
+        req = GenerationRequest(
+            "r3", "completions", "tb-model", 8, prompt="Say:", resume_text=" hello", resume_tokens=1
+        )
+        assert (await last(b, req)).finish_reason is not None
+        assert fake.requests[-1]["prompt"] == "Say: hello"
+    finally:
+        await b.stop()
+
+
+async def test_an_upstream_unreachable_at_start_is_probed_once_it_answers() -> None:
+    port = free_port()
+    b = await started(f"http://127.0.0.1:{port}/v1")
+    up = FakeUpstream(flavor="llamacpp")
+    try:
+        assert b.capabilities()["probed"] is False
+        assert not b.can_resume(chat(STORY, resume_text="word1", resume_tokens=1))
+        with pytest.raises(E.EngineError):
+            await last(b, chat(CHATS[0]))
+        await up.start(port)
+        b.refresh.every_s = 0.05  # the timer under test, small
+
+        async def probed() -> None:
+            while not b.capabilities()["probed"]:
+                # A request lets it probe again; it fails or not while the upstream comes up.
+                with contextlib.suppress(E.TokenbusError):
+                    await last(b, chat(CHATS[0]))
+                await asyncio.sleep(0.05)
+
+        await asyncio.wait_for(probed(), 10)
+        assert b.capabilities()["tokenize"] == "llama.cpp"
+        d = await last(b, chat(CHATS[0]))
+        assert (d.prompt_tokens, d.usage_source) == (template_tokens(CHATS[0]), USAGE_TOKENIZED)
+    finally:
+        await b.stop()
+        await up.stop()
+
+
+# -- through the bus: kill -9 mid-stream ------------------------------------------------------
+
+
+async def _stream_then_kill(
+    client: Client, model: str, stack: Any, after: int
+) -> tuple[str, Any, E.TokenbusError | None]:
+    """Stream a 40-word answer, kill -9 the worker serving it after ``after`` words: the
+    text received, the stream, and the error that ended it (None: it finished)."""
+    s = client.chat(model, STORY, max_tokens=60, fake_words=40, fake_chunk_delay_s=0.05)
+    text, n = "", 0
+    try:
+        async for ch in s:
+            text += ch.text
+            n += 1
+            if n == after:
+                victim = stack.workers[int(str(s.replica).rsplit("-", 1)[1])]
+                victim.signal(signal.SIGKILL)
+    except E.TokenbusError as err:
+        return text, s, err
+    return text, s, None
+
+
+async def test_kill_9_mid_stream_never_splices_an_answer(
+    procs: Procs, model: str, client: Client, tmp_path: Path
+) -> None:
+    full = words(40)
+    # An upstream that starts over: the stream ends with one retryable error, its text a
+    # true prefix of the answer.
+    up = Upstream(tmp_path, flavor="llamacpp")
+    try:
+        args = ("--backend", "openai", "--upstream-url", up.url)
+        stack = await start_stack(
+            procs, model, "ingress", "router", workers=2, worker_args=args, env=HB, settle=0.6
+        )
+        text, s, err = await _stream_then_kill(client, model, stack, after=10)
+        assert isinstance(err, E.ReplicaLost), err
+        assert err.retryable and err.status == 503
+        assert s.migrations == 0
+        assert text and full.startswith(text) and text.count("word1 ") == 1
+        # Its replicas say so, and `tokenbus status` shows it.
+        st = run_cli("--nats-url", procs.url, "status", "--json", "--wait", "1", timeout=60)
+        rows = json.loads(st.stdout)["replicas"]
+        alive = [r for r in rows if r["model"] == model]
+        assert alive and all(r["upstream"]["continue_message"] is False for r in alive)
+        st = run_cli("--nats-url", procs.url, "status", "--wait", "1", timeout=60)
+        assert "resume=no tokenize=llama.cpp" in st.stdout
+        # Usage over NATS is the upstream's own count, and says how it was had.
+        out = client.chat(model, CHATS[1], max_tokens=8)
+        async for _ in out:
+            pass
+        assert out.usage is not None
+        assert out.usage.prompt_tokens == template_tokens(CHATS[1])
+        assert out.usage_source == USAGE_TOKENIZED
+    finally:
+        up.stop()
+
+
+async def test_kill_9_mid_stream_resumes_where_the_upstream_continues(
+    procs: Procs, model: str, client: Client, tmp_path: Path
+) -> None:
+    up = Upstream(tmp_path, flavor="vllm")
+    try:
+        args = ("--backend", "openai", "--upstream-url", up.url)
+        stack = await start_stack(
+            procs, model, "ingress", "router", workers=2, worker_args=args, env=HB, settle=0.6
+        )
+        text, s, err = await _stream_then_kill(client, model, stack, after=10)
+        assert err is None
+        assert text == words(40)  # no duplicate, no gap
+        assert s.migrations == 1
+        assert s.usage is not None and s.usage.completion_tokens == 40
+    finally:
+        up.stop()
+
+
+async def test_usage_over_http_is_the_upstreams_count(
+    procs: Procs, model: str, tmp_path: Path
+) -> None:
+    up = Upstream(tmp_path, flavor="llamacpp")
+    try:
+        args = ("--backend", "openai", "--upstream-url", up.url)
+        stack = await start_stack(procs, model, "ingress", "router", workers=1, worker_args=args)
+        async with stack.openai() as api:
+            whole = await api.chat.completions.create(model=model, messages=CHATS[2], max_tokens=8)  # type: ignore[arg-type]
+            assert whole.usage is not None
+            assert whole.usage.prompt_tokens == template_tokens(CHATS[2])
+            stream = await api.chat.completions.create(
+                model=model,
+                messages=CHATS[2],  # type: ignore[arg-type]
+                max_tokens=8,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+            usage = [ch.usage async for ch in stream if ch.usage is not None]
+            assert usage and usage[-1].prompt_tokens == template_tokens(CHATS[2])
+            assert usage[-1].completion_tokens == 3
+    finally:
+        up.stop()
