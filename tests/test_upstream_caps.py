@@ -215,6 +215,20 @@ async def test_a_chat_resume_is_refused_where_the_upstream_would_start_over(
         await b.stop()
 
 
+@pytest.mark.parametrize("fake", ["llamacpp"], indirect=True)
+async def test_an_answer_cut_short_without_a_finish_reason_is_an_error(
+    fake: FakeUpstream,
+) -> None:
+    # llama-cpp-python's server ends the answer it is writing with [DONE] and no finish
+    # reason when another request arrives: a truncated answer, never a "stop".
+    b = await started(fake.url)
+    try:
+        with pytest.raises(E.EngineError, match="without a finish reason"):
+            await last(b, chat(STORY, extra={"fake_no_finish": True}))
+    finally:
+        await b.stop()
+
+
 async def test_an_upstream_unreachable_at_start_is_probed_once_it_answers() -> None:
     port = free_port()
     b = await started(f"http://127.0.0.1:{port}/v1")

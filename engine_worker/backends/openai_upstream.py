@@ -50,6 +50,7 @@ from engine_worker.backends.upstream_caps import (
     Prober,
     PromptCounter,
     Refresh,
+    estimate,
     probe,
 )
 from services import logging as tlog
@@ -213,11 +214,13 @@ class OpenAIUpstreamBackend:
         if caps.probed:
             log.info("upstream_capabilities", upstream=self.base, **caps.to_dict())
         else:
-            log.warning("upstream_not_probed", upstream=self.base)
+            # Until it is known: no resume of a chat stream, prompts counted here.
+            log.warning("upstream_not_probed", upstream=self.base, retry_s=self.refresh.every_s)
+            asyncio.get_running_loop().call_later(self.refresh.every_s, self._probe_later)
 
     def _probe_later(self) -> None:
         """Probe again in the background if due (the upstream was unreachable)."""
-        if self.session is not None and self.refresh.due():
+        if self.session is not None and not self.session.closed and self.refresh.due():
             self.refresh.begin()
             self._probe_task = asyncio.get_running_loop().create_task(self._probe())
 
@@ -322,7 +325,7 @@ class OpenAIUpstreamBackend:
         except Exception as exc:  # the tokenizer failed or hung: estimate rather than 0
             log.warning("prompt_count_failed", error=repr(exc))
             text = json.dumps(body.get("messages") or body.get("prompt") or "")
-            return max(1, round(len(text) / max(0.5, self.caps.chars_per_token))), USAGE_ESTIMATE
+            return max(1, estimate(text, self.caps)), USAGE_ESTIMATE
 
     # -- embeddings -------------------------------------------------------------------------
     async def embed(self, req: GenerationRequest) -> Embeddings:
@@ -479,6 +482,14 @@ class _Completion:
             if answer.status != 200:
                 text = answer.error_body.decode("utf-8", "replace")
                 raise _upstream_error(answer.status, text)
+            if answer.finish is None:
+                # Cut short, not finished: llama-cpp-python's server ends the answer it is
+                # writing this way when another request arrives (--interrupt_requests).
+                raise E.EngineError(
+                    "the upstream ended its answer without a finish reason (cut short; a "
+                    "llama-cpp-python server does so for every new request unless started "
+                    "with --interrupt_requests False)"
+                )
             n, source = answer.upstream_prompt_tokens(), USAGE_UPSTREAM
             if not n:
                 # No usage on its stream: counted here, once the answer ended (a request to

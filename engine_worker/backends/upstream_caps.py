@@ -23,8 +23,8 @@ closes the message and opens a new turn adds its end-of-turn and header tokens t
 :class:`PromptCounter` counts a request's prompt when the upstream sends no usage: the
 messages' text through the tokenize endpoint plus the chat template's own tokens for that
 sequence of roles, measured once against the upstream's count (``usage_source``
-``tokenized``); or, with no tokenizer to ask, characters over the characters-per-token the
-probe measured (``estimate``).
+``tokenized``); or, with no tokenizer to ask, the text's pre-tokens (words, numbers,
+punctuation runs) times the tokens per pre-token the probe measured (``estimate``).
 """
 
 from __future__ import annotations
@@ -32,6 +32,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import random
+import re
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -97,7 +99,9 @@ class Caps:
     # The chat template's own tokens (beyond the messages' text) per sequence of roles and
     # continuation flags, measured against the upstream's count; None: could not be.
     overhead: dict[tuple[Any, ...], int | None] = field(default_factory=dict)
-    chars_per_token: float = 4.0
+    # Tokens per pre-token (:func:`pretokens`) of English text, measured where there is no
+    # tokenizer to ask (1.0: what byte-pair tokenizers give for common English words).
+    tokens_per_pretoken: float = 1.0
 
     def to_dict(self) -> dict[str, Any]:
         """What the log, heartbeats and ``tokenbus status`` show."""
@@ -124,18 +128,21 @@ class Prober:
         self.model = model
 
     async def post(self, url: str, body: dict[str, Any]) -> tuple[int, Any]:
-        """(status, JSON body or None); status 0 when the upstream could not be reached."""
-        try:
-            async with self.session.post(
-                url, json=body, timeout=aiohttp.ClientTimeout(total=PROBE_TIMEOUT_S)
-            ) as r:
-                text = await r.text()
-                try:
-                    return r.status, json.loads(text)
-                except ValueError:
-                    return r.status, None
-        except (TimeoutError, aiohttp.ClientError, OSError):
-            return 0, None
+        """(status, JSON body or None); status 0 when the upstream could not be reached, after
+        a few tries (each probe request is retried when its connection fails)."""
+        for attempt in range(PROBE_TRIES):
+            try:
+                async with self.session.post(
+                    url, json=body, timeout=aiohttp.ClientTimeout(total=PROBE_TIMEOUT_S)
+                ) as r:
+                    text = await r.text()
+                    try:
+                        return r.status, json.loads(text)
+                    except ValueError:
+                        return r.status, None
+            except (TimeoutError, aiohttp.ClientError, OSError):
+                await _backoff(attempt)
+        return 0, None
 
     async def prompt_tokens(self, messages: list[dict[str, Any]], **extra: Any) -> int | None:
         """The upstream's own count of a chat prompt (a whole answer of one token)."""
@@ -198,30 +205,32 @@ class Prober:
         return usage, logprobs
 
     async def _events(self, body: dict[str, Any]) -> list[dict[str, Any]] | None:
-        try:
-            async with self.session.post(
-                self.base + "/chat/completions",
-                json=body,
-                timeout=aiohttp.ClientTimeout(total=PROBE_TIMEOUT_S),
-            ) as r:
-                if r.status != 200:
-                    return None
-                raw = await r.read()
-        except (TimeoutError, aiohttp.ClientError, OSError):
-            return None
-        events: list[dict[str, Any]] = []
-        for line in raw.splitlines():
-            line = line.strip()
-            if not line.startswith(b"data:"):
+        """The events of a streamed answer that ended with a finish reason; None when the
+        upstream refused it. One cut short (a connection lost; llama-cpp-python's server
+        ends an answer early, with no finish reason, when another request arrives) is asked
+        again, a few times."""
+        for attempt in range(PROBE_TRIES):
+            try:
+                async with self.session.post(
+                    self.base + "/chat/completions",
+                    json=body,
+                    timeout=aiohttp.ClientTimeout(total=PROBE_TIMEOUT_S),
+                ) as r:
+                    if r.status != 200:
+                        return None
+                    raw = await r.read()
+            except (TimeoutError, aiohttp.ClientError, OSError):
+                await _backoff(attempt)
                 continue
-            payload = line[5:].strip()
-            if payload == b"[DONE]":
-                continue
-            with contextlib.suppress(ValueError):
-                obj = json.loads(payload)
-                if isinstance(obj, dict):
-                    events.append(obj)
-        return events
+            events = _sse_objects(raw)
+            if any(
+                isinstance(ch, dict) and ch.get("finish_reason")
+                for e in events
+                for ch in e.get("choices") or ()
+            ):
+                return events
+            await _backoff(attempt)
+        raise ProbeCut("the upstream cut every streamed probe short")
 
     async def find_tokenizer(self, url: str = "") -> tuple[str, str]:
         """(dialect, URL) of a tokenize endpoint that counts ``WORD`` (``url``: the one the
@@ -247,6 +256,36 @@ class Prober:
         body, read = _tokenize_request(dialect, self.model, text)
         status, obj = await self.post(url, body)
         return read(obj) if status == 200 else None
+
+
+class ProbeCut(Exception):
+    """A probe could not be completed (the upstream kept cutting it): try again later."""
+
+
+PROBE_TRIES = 4
+
+
+async def _backoff(attempt: int) -> None:
+    """A short, jittered wait before a probe request is tried again (another worker may be
+    probing the same upstream, which a one-request-at-a-time server answers in turn)."""
+    await asyncio.sleep(random.uniform(0.05, 0.2) * (attempt + 1))
+
+
+def _sse_objects(raw: bytes) -> list[dict[str, Any]]:
+    """The JSON objects of a server-sent event stream's ``data:`` lines."""
+    events: list[dict[str, Any]] = []
+    for line in raw.splitlines():
+        line = line.strip()
+        if not line.startswith(b"data:"):
+            continue
+        payload = line[5:].strip()
+        if payload == b"[DONE]":
+            continue
+        with contextlib.suppress(ValueError):
+            obj = json.loads(payload)
+            if isinstance(obj, dict):
+                events.append(obj)
+    return events
 
 
 def _tokenize_request(
@@ -283,7 +322,10 @@ async def probe(prober: Prober, caps: Caps, tokenize_url: str = "") -> Caps:
         overridden=caps.overridden,
         **{k: getattr(caps, k) for k in caps.overridden},
     )
-    stream_usage, logprobs = await prober.stream()
+    try:
+        stream_usage, logprobs = await prober.stream()
+    except ProbeCut:
+        return new  # cut short again and again: try again later
     if stream_usage is None:
         return new  # not answering (yet): try again later
     if "stream_usage" not in caps.overridden:
@@ -301,7 +343,7 @@ async def probe(prober: Prober, caps: Caps, tokenize_url: str = "") -> Caps:
     if not new.tokenize and p_gen is not None:
         long = await prober.prompt_tokens([{"role": "user", "content": SENTENCE}])
         if long is not None and long > p_gen:
-            new.chars_per_token = len(SENTENCE) / (long - p_gen + 1)
+            new.tokens_per_pretoken = (long - p_gen + 1) / pretokens(SENTENCE)
     new.probed = True
     return new
 
@@ -324,6 +366,23 @@ async def _continues(prober: Prober, p_gen: int | None) -> bool:
         return False  # the fields refused (OpenAI's API), or no usage
     word = twice - once
     return word > 0 and once - p_gen == word
+
+
+# Pieces a byte-pair tokenizer never merges across (GPT-2's pre-tokenizer, near enough):
+# a word with its leading space, up to three digits, a run of punctuation, whitespace.
+_PRETOKEN = re.compile(r"'(?:s|t|re|ve|m|ll|d)| ?[^\W\d_]+| ?\d{1,3}| ?[^\s\w]+|\s+(?!\S)|\s+")
+
+
+def pretokens(text: str) -> int:
+    """The pre-tokens of ``text``: a lower bound of its tokens in any BPE tokenizer, and near
+    them for English prose and code (a long or rare word is split further)."""
+    return len(_PRETOKEN.findall(text))
+
+
+def estimate(text: str, caps: Caps) -> int:
+    """Tokens of ``text`` with no tokenizer to ask: pre-tokens times the ratio the probe
+    measured against the upstream's own count (docs/deploy.md has its error measured)."""
+    return round(pretokens(text) * max(0.1, caps.tokens_per_pretoken))
 
 
 def _text(content: Any) -> tuple[str, bool]:
@@ -361,7 +420,7 @@ class PromptCounter:
         return await self.prober.tokens(c.tokenize, c.tokenize_url, text)
 
     def _estimate(self, text: str) -> int:
-        return round(len(text) / max(0.5, self.caps.chars_per_token))
+        return estimate(text, self.caps)
 
     async def learn(self, shape: tuple[Any, ...]) -> None:
         """Measure the template's own tokens for ``shape`` (roles, then whether the last

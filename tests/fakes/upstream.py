@@ -50,7 +50,9 @@ tokenbus depends on them:
 
 ``"fake_words": N`` makes the answer ``word1 word2 ... wordN`` (a word a chunk) instead of
 the three words; a flavor that continues a message left open goes on after the words that
-message already holds.
+message already holds. ``"fake_no_finish": true`` ends a streamed chat answer with
+``[DONE]`` and no finish reason, as llama-cpp-python's server does to the answer it is
+writing when another request arrives.
 
 Any POST body with ``"fail_status": N`` is answered with status N and an OpenAI error body
 (``"fake upstream failure N"``), and ``"fake_chunk_delay_s": S`` waits S seconds before each
@@ -416,7 +418,8 @@ class FakeUpstream:
         for piece, entry in zip(pieces, entries, strict=True):
             lp = {"content": [entry]} if want_logprobs else None
             chunks.append(chunk({"content": piece}, logprobs=lp))
-        chunks.append(chunk({}, finish, stop_reason=stop_reason))
+        if not body.get("fake_no_finish"):  # else cut short, as an interrupted server does
+            chunks.append(chunk({}, finish, stop_reason=stop_reason))
         return await self._stream(request, body, self._with_usage(chunks, include_usage, usage))
 
     @staticmethod
