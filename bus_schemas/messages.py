@@ -709,6 +709,12 @@ class Heartbeat(_Wire):
     )
     seq: int = Field(description="Increments with every heartbeat.")
     boot: str = Field(default="", description="Changes when the replica process restarts.")
+    upstream: dict[str, Any] | None = Field(
+        default=None,
+        description="What the upstream of an openai worker can do, as probed or set: probed, "
+        "stream_usage, continue_message, logprobs (true/false/null: not known), tokenize "
+        "(its tokenize endpoint's form, or null), overridden (the fields set in config).",
+    )
     ts_ms: int = Field(description="Send time, epoch ms.")
 
 
@@ -732,6 +738,13 @@ class AcceptFrame(_Wire):
         description="W3C traceparent of the replica's span for this request (when the replica "
         "traces): a caller that migrates the request sends it on in Tb-Trace-Link, and the "
         "next replica's span links to it.",
+    )
+    nr: int | None = Field(
+        default=None,
+        description="1: this replica's engine cannot continue this answer exactly once cut "
+        "off (an upstream that starts over instead of continuing a final assistant "
+        "message): a caller that already has text from it ends the stream with its error "
+        "instead of migrating it.",
     )
 
 
@@ -781,6 +794,12 @@ class FinalFrame(_Wire):
     )
     timings: dict[str, int] = Field(
         default_factory=dict, description="Stage marks, epoch ns (t0 client send ... t3)."
+    )
+    usage_source: Literal["upstream", "tokenized", "estimate"] | None = Field(
+        default=None,
+        description="Where usage.prompt_tokens came from when the engine did not count them "
+        "(the openai backend): the upstream's usage, its tokenizer, or an estimate. Absent: "
+        "the engine counted.",
     )
 
 

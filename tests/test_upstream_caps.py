@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from bus_schemas import codec
 from bus_schemas import errors as E
 from engine_worker.backends.base import Delta, GenerationRequest
 from engine_worker.backends.openai_upstream import OpenAIUpstreamBackend
@@ -26,6 +27,8 @@ from engine_worker.backends.upstream_caps import (
     USAGE_UPSTREAM,
 )
 from services.config import OpenAIUpstreamSettings, WorkerSettings
+from telemetry import records
+from telemetry.store import RecordStore
 from tests.conftest import Procs, Upstream, free_port, run_cli, start_stack
 from tests.fakes.upstream import FakeUpstream, template_tokens
 from tokenbus import Client
@@ -303,13 +306,35 @@ async def test_kill_9_mid_stream_never_splices_an_answer(
         assert alive and all(r["upstream"]["continue_message"] is False for r in alive)
         st = run_cli("--nats-url", procs.url, "status", "--wait", "1", timeout=60)
         assert "resume=no tokenize=llama.cpp" in st.stdout
-        # Usage over NATS is the upstream's own count, and says how it was had.
+        # Usage over NATS is the upstream's own count, and says how it was had; so does the
+        # worker's telemetry record (what limits, budgets and reports are built on).
+        worker_records: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+
+        async def on_records(msg: Any) -> None:
+            for r in records.batch(codec.decode_map(msg.data)):
+                if r.get("source") == "worker":
+                    worker_records.put_nowait(r)
+
+        sub = await client.nc.subscribe(records.subject(), cb=on_records)
         out = client.chat(model, CHATS[1], max_tokens=8)
         async for _ in out:
             pass
         assert out.usage is not None
         assert out.usage.prompt_tokens == template_tokens(CHATS[1])
         assert out.usage_source == USAGE_TOKENIZED
+
+        async def record() -> dict[str, Any]:
+            while True:
+                r = await worker_records.get()
+                if r["request_id"] == out.request_id:
+                    return r
+
+        rec = await asyncio.wait_for(record(), 10)
+        await sub.unsubscribe()
+        assert (rec["prompt_tokens"], rec["usage_source"]) == (
+            template_tokens(CHATS[1]),
+            USAGE_TOKENIZED,
+        )
     finally:
         up.stop()
 
@@ -355,3 +380,32 @@ async def test_usage_over_http_is_the_upstreams_count(
             assert usage[-1].completion_tokens == 3
     finally:
         up.stop()
+
+
+def test_the_usage_source_is_stored_with_the_request(tmp_path: Path) -> None:
+    # The worker's record says how prompt_tokens were had; the bridge's record of the same
+    # request (which does not know) leaves it as it is.
+    store = RecordStore(tmp_path / "records.db")
+    try:
+        t = {"t0": 1, "engine_start": 2, "first_token": 3, "engine_end": 4}
+        store.write(
+            [
+                records.build(
+                    request_id="r1",
+                    source="worker",
+                    model="m",
+                    timings=t,
+                    outcome="stop",
+                    prompt_tokens=31,
+                    usage_source=USAGE_TOKENIZED,
+                )
+            ]
+        )
+        bridge = records.build(
+            request_id="r1", source="http", model="m", timings=t, outcome="stop", prompt_tokens=31
+        )
+        store.write([bridge])
+        (row,) = store.rows()
+        assert (row["prompt_tokens"], row["usage_source"]) == (31, USAGE_TOKENIZED)
+    finally:
+        store.close()
