@@ -282,13 +282,14 @@ async def _stream_then_kill(
     return text, s, None
 
 
+@pytest.mark.parametrize("flavor", ["llamacpp", "bare"])
 async def test_kill_9_mid_stream_never_splices_an_answer(
-    procs: Procs, model: str, client: Client, tmp_path: Path
+    procs: Procs, model: str, client: Client, tmp_path: Path, flavor: str
 ) -> None:
     full = words(40)
     # An upstream that starts over: the stream ends with one retryable error, its text a
     # true prefix of the answer.
-    up = Upstream(tmp_path, flavor="llamacpp")
+    up = Upstream(tmp_path, flavor=flavor)
     try:
         args = ("--backend", "openai", "--upstream-url", up.url)
         stack = await start_stack(
@@ -300,12 +301,15 @@ async def test_kill_9_mid_stream_never_splices_an_answer(
         assert s.migrations == 0
         assert text and full.startswith(text) and text.count("word1 ") == 1
         # Its replicas say so, and `tokenbus status` shows it.
-        st = run_cli("--nats-url", procs.url, "status", "--json", "--wait", "1", timeout=60)
+        st = run_cli("--nats-url", procs.url, "status", "--json", "--wait", "3", timeout=60)
         rows = json.loads(st.stdout)["replicas"]
         alive = [r for r in rows if r["model"] == model]
         assert alive and all(r["upstream"]["continue_message"] is False for r in alive)
-        st = run_cli("--nats-url", procs.url, "status", "--wait", "1", timeout=60)
-        assert "resume=no tokenize=llama.cpp" in st.stdout
+        st = run_cli("--nats-url", procs.url, "status", "--wait", "3", timeout=60)
+        tokenize = "llama.cpp" if flavor == "llamacpp" else "none"
+        assert f"usage-on-streams=no resume=no tokenize={tokenize}" in st.stdout
+        if flavor == "bare":
+            return
         # Usage over NATS is the upstream's own count, and says how it was had; so does the
         # worker's telemetry record (what limits, budgets and reports are built on).
         worker_records: asyncio.Queue[dict[str, Any]] = asyncio.Queue()

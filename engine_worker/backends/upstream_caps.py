@@ -336,7 +336,10 @@ async def probe(prober: Prober, caps: Caps, tokenize_url: str = "") -> Caps:
     p_gen = await prober.prompt_tokens([{"role": "user", "content": WORD}])
     if "continue_message" not in caps.overridden:
         new.continue_message = await _continues(prober, p_gen)
-    # The template's own tokens for the common role sequences, and characters per token.
+    new.probed = True
+    if new.stream_usage:
+        return new  # it counts: nothing to measure for counting here
+    # The template's own tokens for the common role sequences, and tokens per pre-token.
     counter = PromptCounter(prober, new)
     for shape in COMMON_SHAPES:
         await counter.learn((*shape, False))
@@ -344,7 +347,6 @@ async def probe(prober: Prober, caps: Caps, tokenize_url: str = "") -> Caps:
         long = await prober.prompt_tokens([{"role": "user", "content": SENTENCE}])
         if long is not None and long > p_gen:
             new.tokens_per_pretoken = (long - p_gen + 1) / pretokens(SENTENCE)
-    new.probed = True
     return new
 
 
