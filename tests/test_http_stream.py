@@ -93,7 +93,11 @@ async def serve() -> AsyncIterator[Callable[..., Any]]:
             backend="openai",
             model="m",
             max_model_len=4096,
-            openai=OpenAIUpstreamSettings(upstream_url=url, api_key="sk-up", timeout_s=5),
+            # No capability probe (tests/test_upstream_caps.py has them): its requests would
+            # go on connections of their own, and these answers are streams whatever asked.
+            openai=OpenAIUpstreamSettings(
+                upstream_url=url, api_key="sk-up", timeout_s=5, probe=False
+            ),
         )
         b = OpenAIUpstreamBackend(cfg)
         await b.start()

@@ -181,7 +181,7 @@ class OpenAIUpstreamBackend:
             # Not up yet, or no model list: requests say what the upstream answers, and its
             # capabilities are probed once it answers.
             log.warning("upstream_models_unknown", upstream=self.base, model=self.model)
-            self.counter = PromptCounter(self._prober(), self.caps)
+            self.counter = PromptCounter(self._prober(), self.caps, learn=self.probing)
             return
         self._check_model(listed)
         if not self.max_model_len:
@@ -209,7 +209,7 @@ class OpenAIUpstreamBackend:
         except Exception as exc:  # a probe must never take the worker down
             log.warning("upstream_probe_failed", upstream=self.base, error=repr(exc))
         self.caps = caps
-        self.counter = PromptCounter(prober, caps)
+        self.counter = PromptCounter(prober, caps, learn=self.probing)
         self.refresh.end(caps.probed)
         if caps.probed:
             log.info("upstream_capabilities", upstream=self.base, **caps.to_dict())

@@ -407,9 +407,10 @@ def _text(content: Any) -> tuple[str, bool]:
 class PromptCounter:
     """Counts a request's prompt tokens for an upstream that does not say (see the module)."""
 
-    def __init__(self, prober: Prober, caps: Caps) -> None:
+    def __init__(self, prober: Prober, caps: Caps, *, learn: bool = True) -> None:
         self.prober = prober
         self.caps = caps
+        self.learn_shapes = learn  # False: the operator turned probing off
         self._learning: set[tuple[Any, ...]] = set()
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -445,7 +446,7 @@ class PromptCounter:
         caps.overhead[shape] = None if n is None else max(0, n - word * len(roles))
 
     def _learn_later(self, shape: tuple[Any, ...]) -> None:
-        if shape in self._learning or len(self._learning) >= MAX_SHAPES:
+        if not self.learn_shapes or shape in self._learning or len(self._learning) >= MAX_SHAPES:
             return
         self._learning.add(shape)
         task = asyncio.get_running_loop().create_task(self.learn(shape))
