@@ -340,7 +340,8 @@ class Bridge(Service):
                 kind=rec["kind"],
                 status=rec["status"],
                 prompt_tokens=usage.prompt_tokens if usage else 0,
-                completion_tokens=usage.completion_tokens if usage else 0,
+                # A stream cut off before its end: the tokens that reached the client.
+                completion_tokens=usage.completion_tokens if usage else stream.delivered_tokens,
                 migrations=stream.migrations,
                 trace_id=stream.trace_id,
                 streamed=streamed,

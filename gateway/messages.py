@@ -218,6 +218,7 @@ class MessagesAPI:
         except E.TokenbusError as exc:
             # The headers are gone: the failure is an `error` event, which ends the stream.
             buf.extend(M.sse(ev) for ev in b.fail(exc))
+            progress.error = exc.code
         progress.finished = True
         await send({"type": body, "body": "".join(buf).encode(), "more_body": False})
 

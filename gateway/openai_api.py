@@ -196,6 +196,9 @@ class Progress:
     finished: bool = False  # the last byte is handed to the server (or the request failed)
     streamed: bool = False  # the first token went out as an SSE event
     t5_ns: int | None = None  # when the first token (or the whole answer) went out
+    # The error that ended a stream after its headers were sent (an SSE error event): the
+    # request's outcome, though its status stays 200.
+    error: str | None = None
 
 
 SSE_HEADERS: Headers = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
@@ -411,6 +414,8 @@ class OpenAIApp(RouteTable):
                 await send_error(send, E.InternalError("the gateway failed; retry"), rid)
         finally:
             progress.finished = True
+            if progress.error is not None and outcome == "ok":
+                outcome = progress.error  # ended by an SSE error event after a 200
             stream = call.stream
             if call.watcher is not None:
                 call.watcher.cancel()
@@ -906,6 +911,7 @@ async def write_sse_choices(
             buf.append(frames[0].usage % json.dumps(_usage_total(streams)))
     except E.TokenbusError as exc:
         buf.append(sse_error(exc))  # the headers are gone: an error event, as for one stream
+        progress.error = exc.code
     finally:
         for p in pumps:
             p.cancel()
@@ -1041,6 +1047,7 @@ async def write_sse(
     except E.TokenbusError as exc:
         # Headers are gone: the error travels as an SSE event, as OpenAI's API does.
         buf.append(sse_error(exc))
+        progress.error = exc.code
     buf.append(DONE)
     progress.finished = True
     await send({"type": "http.response.body", "body": "".join(buf).encode(), "more_body": False})

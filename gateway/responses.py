@@ -255,6 +255,7 @@ class ResponsesAPI:
             failed, events = b.fail(exc)
             await self._save(turn, b, failed, owner)
             buf.extend(sse(ev) for ev in events)
+            progress.error = exc.code
         progress.finished = True
         await send({"type": body, "body": "".join(buf).encode(), "more_body": False})
 

@@ -413,6 +413,11 @@ class Stream:
         self._migrating: tuple[str | None, str, int] | None = None
 
     @property
+    def delivered_tokens(self) -> int:
+        """Tokens of the answer received so far (every attempt's)."""
+        return self._got_tokens
+
+    @property
     def trace_id(self) -> str | None:
         """The W3C trace id this request carries, if any."""
         return marks.trace_id(self._extra_headers)

@@ -413,3 +413,68 @@ def test_the_usage_source_is_stored_with_the_request(tmp_path: Path) -> None:
         assert (row["prompt_tokens"], row["usage_source"]) == (31, USAGE_TOKENIZED)
     finally:
         store.close()
+
+
+async def test_a_cut_stream_over_http_ends_with_one_error_and_its_record_says_so(
+    procs: Procs, model: str, client: Client, tmp_path: Path
+) -> None:
+    # Over HTTP the headers are gone when the replica dies: the SSE stream ends with one
+    # replica_lost error event (no spliced text), and the bridge's record names that
+    # outcome and counts the tokens the client got, not "ok" and 0.
+    up = Upstream(tmp_path, flavor="llamacpp")
+    try:
+        args = ("--backend", "openai", "--upstream-url", up.url)
+        stack = await start_stack(
+            procs, model, "ingress", "router", workers=2, worker_args=args, env=HB, settle=0.6
+        )
+        bridge_records: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+
+        async def on_records(msg: Any) -> None:
+            for r in records.batch(codec.decode_map(msg.data)):
+                if r.get("source") == "http":
+                    bridge_records.put_nowait(r)
+
+        sub = await client.nc.subscribe(records.subject(), cb=on_records)
+        async with stack.http("/v1", timeout=30) as http:
+            body = {
+                "model": model,
+                "messages": STORY,
+                "max_tokens": 60,
+                "stream": True,
+                "fake_words": 40,
+                "fake_chunk_delay_s": 0.05,
+            }
+            text, n, errors = "", 0, []
+            async with http.stream("POST", "/chat/completions", json=body) as r:
+                assert r.status_code == 200
+                rid, replica = r.headers["x-request-id"], r.headers["x-tokenbus-replica"]
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    ev = json.loads(line[6:])
+                    if "error" in ev:
+                        errors.append(ev["error"])
+                        continue
+                    for ch in ev.get("choices") or ():
+                        piece = (ch.get("delta") or {}).get("content")
+                        if piece:
+                            text += piece
+                            n += 1
+                            if n == 10:
+                                victim = stack.workers[int(replica.rsplit("-", 1)[1])]
+                                victim.signal(signal.SIGKILL)
+        assert len(errors) == 1 and errors[0]["code"] == "replica_lost", errors
+        assert words(40).startswith(text) and text.count("word1 ") == 1
+
+        async def record() -> dict[str, Any]:
+            while True:
+                r = await bridge_records.get()
+                if r["request_id"] == rid:
+                    return r
+
+        rec = await asyncio.wait_for(record(), 10)
+        await sub.unsubscribe()
+        assert (rec["outcome"], rec["status"]) == ("replica_lost", 200)
+        assert rec["completion_tokens"] == n
+    finally:
+        up.stop()
