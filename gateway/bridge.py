@@ -340,8 +340,11 @@ class Bridge(Service):
                 kind=rec["kind"],
                 status=rec["status"],
                 prompt_tokens=usage.prompt_tokens if usage else 0,
-                # A stream cut off before its end: the tokens that reached the client.
-                completion_tokens=usage.completion_tokens if usage else stream.delivered_tokens,
+                # A stream cut off before its end: the tokens that reached the client (none
+                # of a whole answer that failed).
+                completion_tokens=usage.completion_tokens
+                if usage
+                else (stream.delivered_tokens if streamed else 0),
                 migrations=stream.migrations,
                 trace_id=stream.trace_id,
                 streamed=streamed,

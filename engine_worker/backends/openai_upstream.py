@@ -167,6 +167,7 @@ class OpenAIUpstreamBackend:
         self.refresh = Refresh()
         self.counter: PromptCounter | None = None
         self._probe_task: asyncio.Task[None] | None = None
+        self._probe_timer: asyncio.TimerHandle | None = None
 
     async def start(self) -> None:
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
@@ -181,7 +182,7 @@ class OpenAIUpstreamBackend:
             # Not up yet, or no model list: requests say what the upstream answers, and its
             # capabilities are probed once it answers.
             log.warning("upstream_models_unknown", upstream=self.base, model=self.model)
-            self.counter = PromptCounter(self._prober(), self.caps, learn=self.probing)
+            self._new_counter(self._prober(), self.caps)
             return
         self._check_model(listed)
         if not self.max_model_len:
@@ -192,6 +193,22 @@ class OpenAIUpstreamBackend:
     def _prober(self) -> Prober:
         assert self.session is not None
         return Prober(self.session, self.base, self.model)
+
+    def _new_counter(self, prober: Prober, caps: Caps) -> None:
+        """Count prompts with what is known of the upstream now (the last counter's work,
+        measuring for caps replaced since, is dropped)."""
+        if self.counter is not None:
+            self.counter.close()
+        self.counter = PromptCounter(
+            prober, caps, learn=self.probing, busy=lambda: self.in_flight > 0
+        )
+
+    def _lost(self) -> None:
+        """The upstream could not be reached: probe it again once it answers, and resume no
+        chat stream on it meanwhile (what answers next may be another server)."""
+        self.refresh.stale = True
+        if "continue_message" not in self.caps.overridden:
+            self.caps.continue_message = None
 
     async def _probe(self) -> None:
         """Find out what the upstream can do (logged, in heartbeats, `tokenbus status`)."""
@@ -209,14 +226,16 @@ class OpenAIUpstreamBackend:
         except Exception as exc:  # a probe must never take the worker down
             log.warning("upstream_probe_failed", upstream=self.base, error=repr(exc))
         self.caps = caps
-        self.counter = PromptCounter(prober, caps, learn=self.probing)
+        self._new_counter(prober, caps)
         self.refresh.end(caps.probed)
         if caps.probed:
             log.info("upstream_capabilities", upstream=self.base, **caps.to_dict())
         else:
             # Until it is known: no resume of a chat stream, prompts counted here.
             log.warning("upstream_not_probed", upstream=self.base, retry_s=self.refresh.every_s)
-            asyncio.get_running_loop().call_later(self.refresh.every_s, self._probe_later)
+            self._probe_timer = asyncio.get_running_loop().call_later(
+                self.refresh.every_s, self._probe_later
+            )
 
     def _probe_later(self) -> None:
         """Probe again in the background if due (the upstream was unreachable)."""
@@ -268,6 +287,8 @@ class OpenAIUpstreamBackend:
     async def stop(self) -> None:
         if self._probe_task is not None:
             self._probe_task.cancel()
+        if self._probe_timer is not None:
+            self._probe_timer.cancel()
         if self.counter is not None:
             self.counter.close()
         if self.http is not None:
@@ -292,7 +313,8 @@ class OpenAIUpstreamBackend:
         if n is not None:  # none: the upstream fills the context, as for its own clients
             body["max_tokens"] = n
         body["stream"] = True
-        body["stream_options"] = {"include_usage": True}
+        if self.caps.stream_options:  # an upstream that refuses the field is asked without
+            body["stream_options"] = {"include_usage": True}
         set_sampling(body, req)
         if req.messages is not None:
             # Migration continues the assistant's reply (vLLM's and others' extension).
@@ -500,7 +522,7 @@ class _Completion:
             return
         except (TimeoutError, OSError, UpstreamProtocolError) as exc:
             if isinstance(exc, OSError) and not answer.status:
-                b.refresh.stale = True  # unreachable: probe it again when it is back
+                b._lost()  # unreachable: probe it again when it is back
             raise E.EngineError(f"the upstream failed: {type(exc).__name__}: {exc}") from None
         finally:
             b.in_flight -= 1

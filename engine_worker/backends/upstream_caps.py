@@ -74,6 +74,8 @@ COMMON_SHAPES: tuple[tuple[str, ...], ...] = (
     ("completions",),
 )
 MAX_SHAPES = 256
+TOKENIZE_AT_ONCE = 8  # tokenize requests of one count in flight at once
+IDLE_WAIT_S = 120.0  # how long a role sequence waits for an idle moment to be measured
 
 
 def api_root(base: str) -> str:
@@ -94,6 +96,7 @@ class Caps:
     logprobs: bool | None = None
     tokenize: str = ""  # the dialect of its tokenize endpoint, "" when it has none
     tokenize_url: str = ""
+    stream_options: bool = True  # False: it refuses ``stream_options`` (it is left out)
     probed: bool = False
     overridden: frozenset[str] = frozenset()
     # The chat template's own tokens (beyond the messages' text) per sequence of roles and
@@ -135,10 +138,10 @@ class Prober:
                 async with self.session.post(
                     url, json=body, timeout=aiohttp.ClientTimeout(total=PROBE_TIMEOUT_S)
                 ) as r:
-                    text = await r.text()
+                    raw = await r.read()
                     try:
-                        return r.status, json.loads(text)
-                    except ValueError:
+                        return r.status, json.loads(raw)
+                    except ValueError:  # not JSON, or not UTF-8
                         return r.status, None
             except (TimeoutError, aiohttp.ClientError, OSError):
                 await _backoff(attempt)
@@ -155,22 +158,17 @@ class Prober:
             **extra,
         }
         status, obj = await self.post(self.base + "/chat/completions", body)
-        if status != 200 or not isinstance(obj, dict):
-            return None
-        n = (obj.get("usage") or {}).get("prompt_tokens")
-        return n if isinstance(n, int) and n > 0 else None
+        return _prompt_tokens(obj) if status == 200 else None
 
     async def completion_prompt_tokens(self, prompt: str) -> int | None:
         body = {"model": self.model, "prompt": prompt, "max_tokens": 1, "temperature": 0}
         status, obj = await self.post(self.base + "/completions", body)
-        if status != 200 or not isinstance(obj, dict):
-            return None
-        n = (obj.get("usage") or {}).get("prompt_tokens")
-        return n if isinstance(n, int) and n > 0 else None
+        return _prompt_tokens(obj) if status == 200 else None
 
-    async def stream(self) -> tuple[bool | None, bool | None]:
-        """(usage on streams, logprobs on streams) from one streamed answer of one token;
-        None where the upstream did not answer."""
+    async def stream(self) -> tuple[bool | None, bool | None, bool]:
+        """(usage on streams, logprobs on streams, whether it takes ``stream_options``) from
+        one streamed answer of one token; usage and logprobs None when it refuses every
+        streamed request asked of it (then nothing can be told from streams)."""
         body: dict[str, Any] = {
             "model": self.model,
             "messages": [{"role": "user", "content": WORD}],
@@ -187,22 +185,24 @@ class Prober:
             body.pop("logprobs")
             body.pop("top_logprobs")
             events = await self._events(body)
-            logprobs = False if events is not None else None
+            logprobs = False
+        options = True
+        if events is None:  # stream_options (or temperature) refused too: the bare request
+            for k in ("stream_options", "temperature"):
+                body.pop(k)
+            events = await self._events(body)
+            options = events is None
         if events is None:
-            return None, logprobs
-        usage = any(
-            isinstance((e.get("usage") or {}).get("prompt_tokens"), int)
-            and e["usage"]["prompt_tokens"] > 0
-            for e in events
-        )
+            return None, None, options
+        usage = any(_prompt_tokens(e) is not None for e in events)
         if logprobs is None:
             logprobs = any(
-                ((ch.get("logprobs") or {}).get("content") or None) is not None
-                for e in events
-                for ch in e.get("choices") or ()
-                if isinstance(ch, dict)
+                isinstance(ch, dict)
+                and isinstance(ch.get("logprobs"), dict)
+                and bool(ch["logprobs"].get("content"))
+                for ch in _choices(events)
             )
-        return usage, logprobs
+        return usage, logprobs, options
 
     async def _events(self, body: dict[str, Any]) -> list[dict[str, Any]] | None:
         """The events of a streamed answer that ended with a finish reason; None when the
@@ -223,11 +223,7 @@ class Prober:
                 await _backoff(attempt)
                 continue
             events = _sse_objects(raw)
-            if any(
-                isinstance(ch, dict) and ch.get("finish_reason")
-                for e in events
-                for ch in e.get("choices") or ()
-            ):
+            if any(isinstance(ch, dict) and ch.get("finish_reason") for ch in _choices(events)):
                 return events
             await _backoff(attempt)
         raise ProbeCut("the upstream cut every streamed probe short")
@@ -288,6 +284,23 @@ def _sse_objects(raw: bytes) -> list[dict[str, Any]]:
     return events
 
 
+def _choices(events: list[dict[str, Any]]) -> list[Any]:
+    """Every choice of every event (an event whose ``choices`` is not a list has none)."""
+    out: list[Any] = []
+    for e in events:
+        choices = e.get("choices")
+        if isinstance(choices, list):
+            out.extend(choices)
+    return out
+
+
+def _prompt_tokens(obj: Any) -> int | None:
+    """``usage.prompt_tokens`` of an answer or event, when it is a positive integer."""
+    usage = obj.get("usage") if isinstance(obj, dict) else None
+    n = usage.get("prompt_tokens") if isinstance(usage, dict) else None
+    return n if isinstance(n, int) and n > 0 else None
+
+
 def _tokenize_request(
     dialect: str, model: str, text: str
 ) -> tuple[dict[str, Any], Callable[[Any], int | None]]:
@@ -323,11 +336,9 @@ async def probe(prober: Prober, caps: Caps, tokenize_url: str = "") -> Caps:
         **{k: getattr(caps, k) for k in caps.overridden},
     )
     try:
-        stream_usage, logprobs = await prober.stream()
+        stream_usage, logprobs, new.stream_options = await prober.stream()
     except ProbeCut:
-        return new  # cut short again and again: try again later
-    if stream_usage is None:
-        return new  # not answering (yet): try again later
+        return new  # unreachable, or cut short again and again: try again later
     if "stream_usage" not in caps.overridden:
         new.stream_usage = stream_usage
     if "logprobs" not in caps.overridden:
@@ -335,7 +346,8 @@ async def probe(prober: Prober, caps: Caps, tokenize_url: str = "") -> Caps:
     new.tokenize, new.tokenize_url = await prober.find_tokenizer(tokenize_url)
     p_gen = await prober.prompt_tokens([{"role": "user", "content": WORD}])
     if "continue_message" not in caps.overridden:
-        new.continue_message = await _continues(prober, p_gen)
+        word = await prober.tokens(new.tokenize, new.tokenize_url, WORD) if new.tokenize else 1
+        new.continue_message = await _continues(prober, p_gen, word or 1)
     new.probed = True
     if new.stream_usage:
         return new  # it counts: nothing to measure for counting here
@@ -350,10 +362,14 @@ async def probe(prober: Prober, caps: Caps, tokenize_url: str = "") -> Caps:
     return new
 
 
-async def _continues(prober: Prober, p_gen: int | None) -> bool:
-    """Whether the upstream continues a final assistant message left open."""
-    if p_gen is None:
-        return False  # no usage on whole answers: nothing to tell it by, so never resume
+async def _continues(prober: Prober, p_gen: int | None, word: int) -> bool:
+    """Whether the upstream continues a final assistant message left open (``word``: the
+    tokens of :data:`WORD` alone)."""
+    if p_gen is None or p_gen < word + 2:
+        # No usage on whole answers, or a count without the template's tokens (role markers
+        # at least: some proxies count the messages' text alone): nothing to tell it by, so
+        # never resume.
+        return False
 
     async def left_open(text: str) -> int | None:
         return await prober.prompt_tokens(
@@ -407,12 +423,23 @@ def _text(content: Any) -> tuple[str, bool]:
 class PromptCounter:
     """Counts a request's prompt tokens for an upstream that does not say (see the module)."""
 
-    def __init__(self, prober: Prober, caps: Caps, *, learn: bool = True) -> None:
+    def __init__(
+        self,
+        prober: Prober,
+        caps: Caps,
+        *,
+        learn: bool = True,
+        busy: Callable[[], bool] | None = None,
+    ) -> None:
         self.prober = prober
         self.caps = caps
         self.learn_shapes = learn  # False: the operator turned probing off
+        # Whether requests are in flight: a role sequence is measured only when none is (a
+        # server that answers one request at a time may cut the answer it is writing).
+        self.busy = busy or (lambda: False)
         self._learning: set[tuple[Any, ...]] = set()
         self._tasks: set[asyncio.Task[None]] = set()
+        self._asking = asyncio.Semaphore(TOKENIZE_AT_ONCE)
 
     async def _tokens(self, text: str) -> int | None:
         c = self.caps
@@ -420,7 +447,8 @@ class PromptCounter:
             return 0
         if not c.tokenize:
             return None
-        return await self.prober.tokens(c.tokenize, c.tokenize_url, text)
+        async with self._asking:
+            return await self.prober.tokens(c.tokenize, c.tokenize_url, text)
 
     def _estimate(self, text: str) -> int:
         return estimate(text, self.caps)
@@ -449,9 +477,24 @@ class PromptCounter:
         if not self.learn_shapes or shape in self._learning or len(self._learning) >= MAX_SHAPES:
             return
         self._learning.add(shape)
-        task = asyncio.get_running_loop().create_task(self.learn(shape))
+        task = asyncio.get_running_loop().create_task(self._learn_when_idle(shape))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    async def _learn_when_idle(self, shape: tuple[Any, ...]) -> None:
+        """Measure ``shape`` once no request is in flight (within :data:`IDLE_WAIT_S`; else
+        it may be tried again when seen next)."""
+        deadline = time.monotonic() + IDLE_WAIT_S
+        while self.busy():
+            if time.monotonic() > deadline:
+                self._learning.discard(shape)
+                return
+            await asyncio.sleep(0.05)
+        try:
+            await self.learn(shape)
+        except Exception as exc:  # a malformed answer: that sequence stays estimated
+            log.warning("prompt_template_unmeasured", shape=list(shape), error=repr(exc))
+            self.caps.overhead[shape] = None
 
     def _overhead(self, shape: tuple[Any, ...]) -> tuple[int, bool]:
         """(template tokens for ``shape``, whether measured for it)."""
@@ -524,10 +567,12 @@ class PromptCounter:
 
 class Refresh:
     """When to probe again: after the upstream could not be reached (at start, or a request
-    that failed to connect), at most once every ``every_s`` seconds."""
+    that failed to connect), at most once every ``every_s`` seconds, doubled after each
+    probe that failed up to ``max_s``."""
 
-    def __init__(self, every_s: float = 5.0) -> None:
-        self.every_s = every_s
+    def __init__(self, every_s: float = 5.0, max_s: float = 60.0) -> None:
+        self.base_s = self.every_s = every_s
+        self.max_s = max_s
         self.stale = True
         self.running = False
         self._last = -1e9
@@ -542,3 +587,4 @@ class Refresh:
     def end(self, probed: bool) -> None:
         self.running = False
         self.stale = not probed
+        self.every_s = self.base_s if probed else min(self.max_s, self.every_s * 2)

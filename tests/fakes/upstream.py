@@ -39,14 +39,18 @@ Flavors (``--flavor``, ``FakeUpstream(flavor=...)``) stand in for servers that d
 tokenbus depends on them:
 
 * ``vllm`` (the default): usage on streams; continues a final assistant message left open
-  (``continue_final_message``); prompt tokens are the words of the prompt; vLLM's
-  ``POST /tokenize`` (``{"count", "tokens"}``).
+  (``continue_final_message``); prompt tokens counted through a template
+  (:func:`template_tokens`); vLLM's ``POST /tokenize`` (``{"count", "tokens"}``).
 * ``llamacpp``: as llama-cpp-python's server: no usage on streams (whole answers have it),
   ignores ``continue_final_message`` (a final assistant message is closed and a new answer
   starts from its beginning), counts the prompt as a chat template renders it (see
   :func:`template_tokens`), and llama.cpp's ``POST /tokenize`` (``{"content"}`` ->
   ``{"tokens"}``).
 * ``bare``: as ``llamacpp`` without any tokenize endpoint.
+* ``closer``: as ``vllm``, but a final assistant message is closed (no generation prompt
+  after it when ``add_generation_prompt`` is false) and the answer starts over.
+* ``textcount``: as ``vllm``, but its usage counts the messages' words alone (no template
+  tokens) and the answer starts over.
 
 ``"fake_words": N`` makes the answer ``word1 word2 ... wordN`` (a word a chunk) instead of
 the three words; a flavor that continues a message left open goes on after the words that
@@ -105,19 +109,40 @@ def _count_words(value: Any) -> int:
     return 0
 
 
-FLAVORS = ("vllm", "llamacpp", "bare")
+FLAVORS = ("vllm", "llamacpp", "bare", "closer", "textcount")
+STREAM_USAGE = frozenset({"vllm", "closer", "textcount"})  # usage on streams
+TOKENIZE = {"vllm": "vllm", "closer": "vllm", "textcount": "vllm", "llamacpp": "llama.cpp"}
 DEFAULT_SYSTEM = "You are a helpful assistant"  # what the llamacpp flavor's template adds
 
 
-def template_tokens(messages: list[Any]) -> int:
-    """The prompt tokens of ``messages`` as the ``llamacpp`` flavor counts them, a ChatML-like
-    template in words: a system message of its own first when there is none (as SmolLM2's
-    template does), 3 tokens a message around its words, 2 for the generation prompt (always:
-    a final assistant message is closed, not continued)."""
+def template_tokens(
+    messages: list[Any],
+    *,
+    flavor: str = "llamacpp",
+    continue_final: bool = False,
+    generation_prompt: bool = True,
+) -> int:
+    """The prompt tokens of ``messages`` as ``flavor`` counts them: a ChatML-like template in
+    words, 3 tokens a message around its words and 2 for the generation prompt.
+
+    * ``llamacpp``, ``bare``: a system message of its own first when there is none (as
+      SmolLM2's template does); the generation prompt always (a final assistant message is
+      closed, not continued);
+    * ``vllm``: a final assistant message left open (``continue_final``) costs 2 and its
+      words, with no generation prompt after it;
+    * ``closer``: leaves the generation prompt out when asked, but closes every message;
+    * ``textcount``: the words alone, no template (as some proxies count).
+    """
     msgs = [m for m in messages if isinstance(m, dict)]
-    if not msgs or msgs[0].get("role") != "system":
-        msgs = [{"role": "system", "content": DEFAULT_SYSTEM}, *msgs]
-    return sum(3 + _count_words(m) for m in msgs) + 2
+    if flavor == "textcount":
+        return max(1, sum(_count_words(m) for m in msgs))
+    if flavor in ("llamacpp", "bare"):
+        if not msgs or msgs[0].get("role") != "system":
+            msgs = [{"role": "system", "content": DEFAULT_SYSTEM}, *msgs]
+        generation_prompt = True
+    elif flavor == "vllm" and continue_final and msgs and msgs[-1].get("role") == "assistant":
+        return sum(3 + _count_words(m) for m in msgs[:-1]) + 2 + _count_words(msgs[-1])
+    return sum(3 + _count_words(m) for m in msgs) + (2 if generation_prompt else 0)
 
 
 def _left_open(body: dict[str, Any]) -> int:
@@ -227,7 +252,7 @@ class FakeUpstream:
         app.router.add_get("/v1/requests", self.all_requests)
         app.router.add_delete("/v1/requests", self.forget)
         app.router.add_get("/v1/stats", self.stats)
-        if self.flavor != "bare":
+        if self.flavor in TOKENIZE:
             app.router.add_post("/tokenize", self.tokenize)
         return app
 
@@ -237,7 +262,7 @@ class FakeUpstream:
             body = await request.json()
         except ValueError:
             return _error(400, "the body is not JSON")
-        if self.flavor == "vllm":
+        if TOKENIZE[self.flavor] == "vllm":
             text = body.get("prompt") if isinstance(body, dict) else None
             if not isinstance(text, str):
                 return _error(400, "'prompt' must be a string")
@@ -327,9 +352,16 @@ class FakeUpstream:
             raise
         return resp
 
-    def _usage(self, prompt: Any, completion: int, reasoning: int) -> dict[str, Any]:
-        if self.flavor != "vllm" and isinstance(prompt, list):
-            prompt_tokens = template_tokens(prompt)
+    def _usage(
+        self, body: dict[str, Any], prompt: Any, completion: int, reasoning: int
+    ) -> dict[str, Any]:
+        if isinstance(prompt, list):  # chat messages, through the flavor's template
+            prompt_tokens = template_tokens(
+                prompt,
+                flavor=self.flavor,
+                continue_final=bool(body.get("continue_final_message")),
+                generation_prompt=body.get("add_generation_prompt") is not False,
+            )
         else:
             prompt_tokens = max(1, _count_words(prompt))
         return {
@@ -353,7 +385,7 @@ class FakeUpstream:
         created = int(time.time())
         stream = bool(body.get("stream"))
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        include_usage = include_usage and self.flavor == "vllm"
+        include_usage = include_usage and self.flavor in STREAM_USAGE
         raw_tools = body.get("tools")
         tools: list[Any] = raw_tools if isinstance(raw_tools, list) else []
         last_role = messages[-1].get("role") if isinstance(messages[-1], dict) else None
@@ -373,7 +405,7 @@ class FakeUpstream:
         if call_tool:
             first = tools[0] if isinstance(tools[0], dict) else {}
             name = str((first.get("function") or {}).get("name", "tool"))
-            usage = self._usage(messages, len(TOOL_ARGUMENTS) + 1, 0)
+            usage = self._usage(body, messages, len(TOOL_ARGUMENTS) + 1, 0)
             if not stream:
                 call = {
                     "id": TOOL_CALL_ID,
@@ -403,7 +435,7 @@ class FakeUpstream:
         want_logprobs = bool(body.get("logprobs"))
         top = int(body.get("top_logprobs") or 0)
         entries = [_token_logprob(p, i, top) for i, p in enumerate(pieces)]
-        usage = self._usage(messages, len(pieces) + thinking, int(thinking))
+        usage = self._usage(body, messages, len(pieces) + thinking, int(thinking))
         if not stream:
             message: dict[str, Any] = {"role": "assistant", "content": "".join(pieces)}
             if thinking:
@@ -470,7 +502,7 @@ class FakeUpstream:
         created = int(time.time())
         pieces, finish, stop_reason = _pieces(body)
         n_logprobs = body.get("logprobs")
-        usage = self._usage(body.get("prompt"), len(pieces), 0)
+        usage = self._usage(body, body.get("prompt"), len(pieces), 0)
 
         def logprobs(piece: str, i: int, offset: int) -> dict[str, Any] | None:
             if n_logprobs is None or n_logprobs is False:
@@ -515,7 +547,7 @@ class FakeUpstream:
             offset += len(piece)
         chunks.append(wrap([choice("", None, finish)]))
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        include_usage = include_usage and self.flavor == "vllm"
+        include_usage = include_usage and self.flavor in STREAM_USAGE
         return await self._stream(request, body, self._with_usage(chunks, include_usage, usage))
 
     # -- embeddings -------------------------------------------------------------------------
