@@ -22,6 +22,11 @@ PRINCIPAL = "Tb-Principal"
 ATTEMPT = "Tb-Attempt"
 # How many times the caller re-issued this request after its replica failed (migration).
 MIGRATION = "Tb-Migration"
+# Set ("1") on a migration whose caller already has answer text (the request carries it as
+# ``resume``): routers send a chat request so marked only to replicas that continue an
+# answer exactly, where any is live (an openai worker whose upstream starts over says it
+# cannot in its heartbeat).
+RESUME = "Tb-Resume"
 # Set ("1") by a caller that cannot see heartbeats (a NATS client logged in with its API key
 # receives only its own inbox): the replica sends each of its streams a keepalive frame
 # every heartbeat interval instead.

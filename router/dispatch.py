@@ -189,7 +189,12 @@ class Dispatcher:
     async def _place(self, p: _Placement) -> str | None:
         """Offer the request to replicas until one takes it; None when none is left to try."""
         while p.attempt < self.cfg.max_attempts:
-            live = self.registry.live(p.model, p.hdrs.get(H.KIND) or None)
+            kind = p.hdrs.get(H.KIND) or None
+            live = self.registry.live(p.model, kind)
+            if p.hdrs.get(H.RESUME) == "1" and kind == subjects.KIND_CHAT:
+                # Text already delivered: to a replica that continues it exactly, where one
+                # is live (any other would end the stream with replica_lost).
+                live = [r for r in live if r.continues] or live
             open_ = [r for r in live if r.replica not in p.tried]
             candidates = [
                 r for r in open_ if r.replica not in p.busy and r.load < r.max_concurrency

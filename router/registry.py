@@ -48,6 +48,12 @@ class Replica:
     # What its upstream can do (the openai backend's probe), for operators; None: no upstream.
     upstream: dict[str, Any] | None = None
 
+    @property
+    def continues(self) -> bool:
+        """Whether it continues a chat answer cut off elsewhere exactly: every engine does
+        but an upstream that was not shown to continue a message."""
+        return self.upstream is None or self.upstream.get("continue_message") is True
+
     def serves(self, model: str) -> bool:
         return model == self.model or model in self.aliases
 

@@ -466,6 +466,8 @@ class Stream:
             hdrs[H.MIGRATION] = str(self.migrations)
             if self._admission:  # proof the request was admitted: it counts once
                 hdrs[H.ADMISSION] = self._admission
+            if any(self._got):  # to a replica that continues the text it carries
+                hdrs[H.RESUME] = "1"
         if self._api_key:
             hdrs[H.API_KEY] = self._api_key
         if not self._client.heartbeats:

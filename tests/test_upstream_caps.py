@@ -29,7 +29,7 @@ from engine_worker.backends.upstream_caps import (
 from services.config import OpenAIUpstreamSettings, WorkerSettings
 from telemetry import records
 from telemetry.store import RecordStore
-from tests.conftest import Procs, Upstream, free_port, run_cli, start_stack
+from tests.conftest import Procs, Upstream, free_port, live_replicas, run_cli, start_stack
 from tests.fakes.upstream import FakeUpstream, template_tokens
 from tokenbus import Client
 
@@ -485,3 +485,62 @@ async def test_a_cut_stream_over_http_ends_with_one_error_and_its_record_says_so
         assert rec["completion_tokens"] == n
     finally:
         up.stop()
+
+
+async def test_a_cut_chat_stream_moves_to_a_replica_that_continues_it(
+    procs: Procs, model: str, client: Client, tmp_path: Path
+) -> None:
+    # A mixed fleet: replicas 0 and 2 in front of an upstream that continues a message,
+    # replica 1 in front of one that starts over. A stream cut on 0 or 2 after text reached
+    # the caller goes to the other of them (Tb-Resume), never to 1, and ends whole.
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    cont, over = (
+        Upstream(tmp_path / "a", flavor="vllm"),
+        Upstream(tmp_path / "b", flavor="llamacpp"),
+    )
+    try:
+        urls = [cont.url, over.url, cont.url]
+
+        def env_for(role: str, i: int) -> dict[str, str]:
+            return {"TOKENBUS_WORKER__OPENAI__UPSTREAM_URL": urls[i]} if role == "worker" else {}
+
+        stack = await start_stack(
+            procs,
+            model,
+            "ingress",
+            "router",
+            workers=3,
+            worker_args=("--backend", "openai"),
+            env=HB,
+            env_for=env_for,
+            settle=0.6,
+        )
+
+        # Every replica heard with what its upstream does before the first request.
+        async def probed() -> None:
+            while True:
+                beats = await live_replicas(procs.url, model, wait=1.5)
+                if len(beats) == 3 and all(hb["upstream"]["probed"] for hb in beats.values()):
+                    return
+
+        await asyncio.wait_for(probed(), 30)
+        for _ in range(20):  # a stream that starts on replica 0 or 2
+            s = client.chat(model, STORY, max_tokens=120, fake_words=100, fake_chunk_delay_s=0.05)
+            first = await anext(s)
+            if not str(s.replica).endswith("-1"):
+                break
+            await s.aclose()
+        first_replica = str(s.replica)
+        assert not first_replica.endswith("-1")
+        text, n = first.text, 1
+        async for ch in s:
+            text += ch.text
+            n += 1
+            if n == 10:
+                stack.workers[int(first_replica.rsplit("-", 1)[1])].signal(signal.SIGKILL)
+        assert text == words(100)  # no duplicate, no gap
+        assert s.migrations == 1 and s.replica not in (first_replica, f"{model}-1")
+    finally:
+        cont.stop()
+        over.stop()
