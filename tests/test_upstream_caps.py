@@ -141,16 +141,10 @@ async def test_usage_without_usage_on_streams_is_the_upstreams_own_count(
         d = await last(b, chat(five))
         assert d.usage_source == USAGE_ESTIMATE
         assert abs(d.prompt_tokens - template_tokens(five)) <= 0.05 * template_tokens(five)
-
-        async def measured() -> Delta:
-            while True:
-                d = await last(b, chat(five))
-                if d.usage_source == USAGE_TOKENIZED:
-                    return d
-                await asyncio.sleep(0.02)
-
-        d = await asyncio.wait_for(measured(), 10)
-        assert d.prompt_tokens == template_tokens(five)
+        assert b.counter is not None
+        await asyncio.wait_for(b.counter.settled(), 10)  # measured once nothing is in flight
+        d = await last(b, chat(five))
+        assert (d.prompt_tokens, d.usage_source) == (template_tokens(five), USAGE_TOKENIZED)
         # Text completions: the prompt's own tokens.
         req = GenerationRequest("r2", "completions", "tb-model", 8, prompt="Once upon a time")
         d = await last(b, req)
@@ -242,6 +236,7 @@ async def test_an_answer_cut_short_without_a_finish_reason_is_an_error(
 async def test_an_upstream_unreachable_at_start_is_probed_once_it_answers() -> None:
     port = free_port()
     b = await started(f"http://127.0.0.1:{port}/v1")
+    b.refresh.base_s = b.refresh.every_s = 0.0  # the timer under test, small
     up = FakeUpstream(flavor="llamacpp")
     try:
         assert b.capabilities()["probed"] is False
@@ -249,14 +244,16 @@ async def test_an_upstream_unreachable_at_start_is_probed_once_it_answers() -> N
         with pytest.raises(E.EngineError):
             await last(b, chat(CHATS[0]))
         await up.start(port)
-        b.refresh.every_s = 0.05  # the timer under test, small
 
         async def probed() -> None:
             while not b.capabilities()["probed"]:
-                # A request lets it probe again; it fails or not while the upstream comes up.
-                with contextlib.suppress(E.TokenbusError):
-                    await last(b, chat(CHATS[0]))
-                await asyncio.sleep(0.05)
+                task = b._probe_task
+                if task is not None and not task.done():
+                    await task  # a probe at work (it may have begun while the port was shut)
+                else:
+                    # A request lets it probe again (it may fail while the upstream comes up).
+                    with contextlib.suppress(E.TokenbusError):
+                        await last(b, chat(CHATS[0]))
 
         await asyncio.wait_for(probed(), 10)
         assert b.capabilities()["tokenize"] == "llama.cpp"
@@ -268,6 +265,40 @@ async def test_an_upstream_unreachable_at_start_is_probed_once_it_answers() -> N
 
 
 # -- through the bus: kill -9 mid-stream ------------------------------------------------------
+
+
+class Records:
+    """Telemetry records heard on the bus from the moment :meth:`listen` returns."""
+
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        self.sub: Any = None
+
+    @classmethod
+    async def listen(cls, client: Client) -> Records:
+        heard = cls()
+
+        async def on_records(msg: Any) -> None:
+            for r in records.batch(codec.decode_map(msg.data)):
+                heard.queue.put_nowait(r)
+
+        heard.sub = await client.nc.subscribe(records.subject(), cb=on_records)
+        return heard
+
+    async def of(self, request_id: str, source: str) -> dict[str, Any]:
+        """The record ``source`` (``worker``, ``http``) published of ``request_id`` (within
+        10 s); stops listening."""
+
+        async def record() -> dict[str, Any]:
+            while True:
+                r = await self.queue.get()
+                if (r.get("request_id"), r.get("source")) == (request_id, source):
+                    return r
+
+        try:
+            return await asyncio.wait_for(record(), 10)
+        finally:
+            await self.sub.unsubscribe()
 
 
 async def _stream_then_kill(
@@ -319,14 +350,7 @@ async def test_kill_9_mid_stream_never_splices_an_answer(
             return
         # Usage over NATS is the upstream's own count, and says how it was had; so does the
         # worker's telemetry record (what limits, budgets and reports are built on).
-        worker_records: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
-
-        async def on_records(msg: Any) -> None:
-            for r in records.batch(codec.decode_map(msg.data)):
-                if r.get("source") == "worker":
-                    worker_records.put_nowait(r)
-
-        sub = await client.nc.subscribe(records.subject(), cb=on_records)
+        heard = await Records.listen(client)
         out = client.chat(model, CHATS[1], max_tokens=8)
         async for _ in out:
             pass
@@ -334,14 +358,7 @@ async def test_kill_9_mid_stream_never_splices_an_answer(
         assert out.usage.prompt_tokens == template_tokens(CHATS[1])
         assert out.usage_source == USAGE_TOKENIZED
 
-        async def record() -> dict[str, Any]:
-            while True:
-                r = await worker_records.get()
-                if r["request_id"] == out.request_id:
-                    return r
-
-        rec = await asyncio.wait_for(record(), 10)
-        await sub.unsubscribe()
+        rec = await heard.of(out.request_id, "worker")
         assert (rec["prompt_tokens"], rec["usage_source"]) == (
             template_tokens(CHATS[1]),
             USAGE_TOKENIZED,
@@ -434,14 +451,7 @@ async def test_a_cut_stream_over_http_ends_with_one_error_and_its_record_says_so
         stack = await start_stack(
             procs, model, "ingress", "router", workers=2, worker_args=args, env=HB, settle=0.6
         )
-        bridge_records: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
-
-        async def on_records(msg: Any) -> None:
-            for r in records.batch(codec.decode_map(msg.data)):
-                if r.get("source") == "http":
-                    bridge_records.put_nowait(r)
-
-        sub = await client.nc.subscribe(records.subject(), cb=on_records)
+        heard = await Records.listen(client)
         async with stack.http("/v1", timeout=30) as http:
             body = {
                 "model": model,
@@ -473,14 +483,7 @@ async def test_a_cut_stream_over_http_ends_with_one_error_and_its_record_says_so
         assert len(errors) == 1 and errors[0]["code"] == "replica_lost", errors
         assert words(100).startswith(text) and text.count("word1 ") == 1
 
-        async def record() -> dict[str, Any]:
-            while True:
-                r = await bridge_records.get()
-                if r["request_id"] == rid:
-                    return r
-
-        rec = await asyncio.wait_for(record(), 10)
-        await sub.unsubscribe()
+        rec = await heard.of(rid, "http")
         assert (rec["outcome"], rec["status"]) == ("replica_lost", 200)
         assert rec["completion_tokens"] == n
     finally:

@@ -35,7 +35,7 @@ import json
 import random
 import re
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -97,6 +97,7 @@ class Caps:
     tokenize: str = ""  # the dialect of its tokenize endpoint, "" when it has none
     tokenize_url: str = ""
     stream_options: bool = True  # False: it refuses ``stream_options`` (it is left out)
+    word_tokens: int = 1  # the tokens of :data:`WORD` alone (its tokenizer's count, else 1)
     probed: bool = False
     overridden: frozenset[str] = frozenset()
     # The chat template's own tokens (beyond the messages' text) per sequence of roles and
@@ -118,9 +119,6 @@ class Caps:
         }
 
 
-Post = Callable[[str, dict[str, Any]], Awaitable[tuple[int, Any]]]
-
-
 class Prober:
     """Asks one upstream what it can do (tiny requests, each bounded)."""
 
@@ -130,21 +128,29 @@ class Prober:
         self.root = api_root(self.base)
         self.model = model
 
+    async def _once(self, url: str, body: dict[str, Any]) -> tuple[int, bytes] | None:
+        """(status, body) of one POST; None when its connection failed or timed out."""
+        try:
+            async with self.session.post(
+                url, json=body, timeout=aiohttp.ClientTimeout(total=PROBE_TIMEOUT_S)
+            ) as r:
+                return r.status, await r.read()
+        except (TimeoutError, aiohttp.ClientError, OSError):
+            return None
+
     async def post(self, url: str, body: dict[str, Any]) -> tuple[int, Any]:
         """(status, JSON body or None); status 0 when the upstream could not be reached, after
         a few tries (each probe request is retried when its connection fails)."""
         for attempt in range(PROBE_TRIES):
-            try:
-                async with self.session.post(
-                    url, json=body, timeout=aiohttp.ClientTimeout(total=PROBE_TIMEOUT_S)
-                ) as r:
-                    raw = await r.read()
-                    try:
-                        return r.status, json.loads(raw)
-                    except ValueError:  # not JSON, or not UTF-8
-                        return r.status, None
-            except (TimeoutError, aiohttp.ClientError, OSError):
+            answer = await self._once(url, body)
+            if answer is None:
                 await _backoff(attempt)
+                continue
+            status, raw = answer
+            try:
+                return status, json.loads(raw)
+            except ValueError:  # not JSON, or not UTF-8
+                return status, None
         return 0, None
 
     async def prompt_tokens(self, messages: list[dict[str, Any]], **extra: Any) -> int | None:
@@ -210,21 +216,14 @@ class Prober:
         ends an answer early, with no finish reason, when another request arrives) is asked
         again, a few times."""
         for attempt in range(PROBE_TRIES):
-            try:
-                async with self.session.post(
-                    self.base + "/chat/completions",
-                    json=body,
-                    timeout=aiohttp.ClientTimeout(total=PROBE_TIMEOUT_S),
-                ) as r:
-                    if r.status != 200:
-                        return None
-                    raw = await r.read()
-            except (TimeoutError, aiohttp.ClientError, OSError):
-                await _backoff(attempt)
-                continue
-            events = _sse_objects(raw)
-            if any(isinstance(ch, dict) and ch.get("finish_reason") for ch in _choices(events)):
-                return events
+            answer = await self._once(self.base + "/chat/completions", body)
+            if answer is not None:
+                status, raw = answer
+                if status != 200:
+                    return None
+                events = _sse_objects(raw)
+                if any(isinstance(ch, dict) and ch.get("finish_reason") for ch in _choices(events)):
+                    return events
             await _backoff(attempt)
         raise ProbeCut("the upstream cut every streamed probe short")
 
@@ -344,17 +343,22 @@ async def probe(prober: Prober, caps: Caps, tokenize_url: str = "") -> Caps:
     if "logprobs" not in caps.overridden:
         new.logprobs = logprobs
     new.tokenize, new.tokenize_url = await prober.find_tokenizer(tokenize_url)
+    if new.tokenize:
+        new.word_tokens = await prober.tokens(new.tokenize, new.tokenize_url, WORD) or 1
     p_gen = await prober.prompt_tokens([{"role": "user", "content": WORD}])
     if "continue_message" not in caps.overridden:
-        word = await prober.tokens(new.tokenize, new.tokenize_url, WORD) if new.tokenize else 1
-        new.continue_message = await _continues(prober, p_gen, word or 1)
+        new.continue_message = await _continues(prober, p_gen, new.word_tokens)
     new.probed = True
     if new.stream_usage:
         return new  # it counts: nothing to measure for counting here
-    # The template's own tokens for the common role sequences, and tokens per pre-token.
+    # The template's own tokens for the common role sequences (``[user]``'s is p_gen's),
+    # and tokens per pre-token.
+    if p_gen is not None:
+        new.overhead[("user", False)] = max(0, p_gen - new.word_tokens)
     counter = PromptCounter(prober, new)
     for shape in COMMON_SHAPES:
-        await counter.learn((*shape, False))
+        if (*shape, False) not in new.overhead:
+            await counter.learn((*shape, False))
     if not new.tokenize and p_gen is not None:
         long = await prober.prompt_tokens([{"role": "user", "content": SENTENCE}])
         if long is not None and long > p_gen:
@@ -450,9 +454,6 @@ class PromptCounter:
         async with self._asking:
             return await self.prober.tokens(c.tokenize, c.tokenize_url, text)
 
-    def _estimate(self, text: str) -> int:
-        return estimate(text, self.caps)
-
     async def learn(self, shape: tuple[Any, ...]) -> None:
         """Measure the template's own tokens for ``shape`` (roles, then whether the last
         message is left open) against the upstream's count of the same shape."""
@@ -468,10 +469,7 @@ class PromptCounter:
             n = await self.prober.completion_prompt_tokens(WORD)
         else:
             n = await self.prober.prompt_tokens(messages, **extra)
-        word = await self._tokens(WORD)
-        if word is None:
-            word = 1  # a common word is one token in every tokenizer in use
-        caps.overhead[shape] = None if n is None else max(0, n - word * len(roles))
+        caps.overhead[shape] = None if n is None else max(0, n - caps.word_tokens * len(roles))
 
     def _learn_later(self, shape: tuple[Any, ...]) -> None:
         if not self.learn_shapes or shape in self._learning or len(self._learning) >= MAX_SHAPES:
@@ -555,10 +553,14 @@ class PromptCounter:
         for t, n in zip(texts, counted, strict=True):
             if n is None:
                 exact = False
-                n = self._estimate(t)
+                n = estimate(t, self.caps)
             total += n
         source = USAGE_TOKENIZED if exact and measured else USAGE_ESTIMATE
         return max(1, total), source
+
+    async def settled(self) -> None:
+        """Wait for the role sequences being measured now."""
+        await asyncio.gather(*self._tasks, return_exceptions=True)
 
     def close(self) -> None:
         for t in self._tasks:
