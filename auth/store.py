@@ -21,7 +21,7 @@ from nats.js.kv import KeyValue
 
 from auth.keys import KeyRecord, hash_key, key_id_of, matches, new_key
 from bus_schemas import errors as E
-from services import audit
+from services import audit, buckets
 from services.config import kv_replicas
 
 BUCKET = "tokenbus_keys"
@@ -35,9 +35,7 @@ class KeyStore:
         self.bucket = bucket
         self.kv: KeyValue | None = None
         self._cache: dict[str, KeyRecord] = {}
-        self._watch_task: asyncio.Task[None] | None = None
-        self._watcher: Any = None
-        self.synced = asyncio.Event()
+        self._follow: buckets.Follow | None = None
 
     async def open(self, *, watch: bool = True) -> KeyStore:
         js = self.nc.jetstream()
@@ -48,28 +46,20 @@ class KeyStore:
                 bucket=self.bucket, history=1, replicas=kv_replicas()
             )
         if watch:
-            self._watcher = await self.kv.watchall()
-            self._watch_task = asyncio.get_running_loop().create_task(self._follow())
-            await asyncio.wait_for(self.synced.wait(), 10)
+            self._follow = await buckets.Follow(self.kv, self._apply).start()
+            await asyncio.wait_for(self._follow.synced.wait(), 10)
         return self
 
     async def close(self) -> None:
-        if self._watch_task is not None:
-            self._watch_task.cancel()
-        if self._watcher is not None:
-            with contextlib.suppress(Exception):
-                await self._watcher.stop()
+        if self._follow is not None:
+            await self._follow.close()
 
-    async def _follow(self) -> None:
-        async for entry in self._watcher:
-            if entry is None:  # end of the initial values
-                self.synced.set()
-                continue
-            if entry.operation in ("DEL", "PURGE") or not entry.value:
-                self._cache.pop(entry.key, None)
-                continue
-            with contextlib.suppress(ValueError):
-                self._cache[entry.key] = KeyRecord.model_validate_json(entry.value)
+    def _apply(self, entry: Any) -> None:
+        if entry.operation in ("DEL", "PURGE") or not entry.value:
+            self._cache.pop(entry.key, None)
+            return
+        with contextlib.suppress(ValueError):
+            self._cache[entry.key] = KeyRecord.model_validate_json(entry.value)
 
     def _kv(self) -> KeyValue:
         if self.kv is None:
@@ -112,10 +102,7 @@ class KeyStore:
         return KeyRecord.model_validate_json(entry.value)
 
     async def list(self) -> list[KeyRecord]:
-        try:
-            ids = await self._kv().keys()
-        except Exception:  # nats-py raises NoKeysError on an empty bucket
-            return []
+        ids = await buckets.keys(self._kv())
         out = []
         for key_id in ids:
             with contextlib.suppress(E.NotFound):

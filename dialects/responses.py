@@ -164,7 +164,7 @@ class ResponsesRequest(BaseModel):
         default=None,
         description="Carried to the engine, and the session key of session-affinity routing.",
     )
-    client_metadata: dict[str, Any] | None = Field(
+    client_metadata: Any = Field(
         default=None, description="About the client (Codex sends it): accepted, not carried."
     )
 

@@ -271,9 +271,14 @@ class Background:
                 task.result()
                 return True
             events.closed = True  # what the request says as it is torn down is not its end
-            task.cancel()
+            # Cancelled until it ends: Python 3.11's wait_for (inside nats-py's publish and
+            # request) swallows a cancellation that lands as its future completes, and the
+            # request then ran on to its end (seen in CI as a cancel that never ended).
+            while not task.done():
+                task.cancel()
+                await asyncio.wait({task}, timeout=0.2)
             with contextlib.suppress(BaseException):
-                await task
+                task.result()
             latest = await self.responses.get(response_id, owner)
             latest["response"]["status"] = "cancelled"
             await self.responses.replace(response_id, latest)

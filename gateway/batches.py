@@ -44,7 +44,6 @@ from nats.js.errors import (
     BucketNotFoundError,
     KeyNotFoundError,
     KeyWrongLastSequenceError,
-    NoKeysError,
     NotFoundError,
 )
 from nats.js.kv import KeyValue
@@ -64,6 +63,7 @@ from gateway.asgi import (
 )
 from gateway.files import OUTPUT_PURPOSE, FileStore, owner_of
 from gateway.openai_api import InProcess, read_body
+from services import buckets
 from services import logging as tlog
 from services.config import BatchSettings, Settings, kv_replicas
 
@@ -326,19 +326,9 @@ class BatchStore:
         if self.owner_index is None:
             recs = [r for r in await self.all() if r["owner"] == owner]
         else:
-            # A watch of the owner's keys only (nats-py's keys(filters=) reads every key and
-            # filters by substring, here).
-            watcher: Any = await self.owner_index.watch(
-                f"{_owner_token(owner)}.>", ignore_deletes=True, meta_only=True
-            )
-            keys = []
-            try:
-                async for entry in watcher:
-                    if entry is None:  # the keys there are, all seen
-                        break
-                    keys.append(entry.key)
-            finally:
-                await watcher.stop()
+            # The owner's keys only (nats-py's keys(filters=) reads every key and filters by
+            # substring).
+            keys = await buckets.keys(self.owner_index, f"{_owner_token(owner)}.>", live=True)
             recs = []
             for k in keys:
                 found = await self.load(k.rpartition(".")[2])
@@ -352,8 +342,8 @@ class BatchStore:
         if self.open_index is None:
             return []
         try:
-            return list(await self.open_index.keys())
-        except (NotFoundError, NoKeysError):
+            return await buckets.keys(self.open_index, live=True)
+        except NotFoundError:
             return []
 
     async def closed(self, batch_id: str) -> None:
@@ -387,8 +377,8 @@ class BatchStore:
 
     async def all(self) -> list[dict[str, Any]]:
         try:
-            keys = await self._kv().keys()
-        except (NotFoundError, NoKeysError):  # no batch yet
+            keys = await buckets.keys(self._kv())
+        except NotFoundError:
             return []
         out = []
         for k in keys:

@@ -27,7 +27,7 @@ from router.policies import (
     make_load_policy,
 )
 from router.registry import Replica
-from services import audit, kvmap
+from services import audit, buckets, kvmap
 from services.config import ModelRouting, RouterSettings
 
 BUCKET = "tokenbus_routing"
@@ -119,9 +119,7 @@ class RoutingTable:
         self.on_kv_aware: Any = None
         self.overrides: dict[str, dict[str, Any]] = {}
         self._routes: dict[str, ModelRoute] = {}
-        self._watcher: Any = None
-        self._task: asyncio.Task[None] | None = None
-        self.synced = asyncio.Event()
+        self._follow: buckets.Follow | None = None
 
     def route(self, model: str) -> ModelRoute:
         r = self._routes.get(model)
@@ -143,46 +141,37 @@ class RoutingTable:
 
     async def watch(self, nc: NATS) -> None:
         """Follow the routing bucket (created if missing)."""
-        kv = await open_bucket(nc)
-        self._watcher = await kv.watchall()
-        self._task = asyncio.get_running_loop().create_task(self._follow())
+        self._follow = await buckets.Follow(await open_bucket(nc), self._apply).start()
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self.synced.wait(), 10)
+            await asyncio.wait_for(self._follow.synced.wait(), 10)
 
-    async def _follow(self) -> None:
-        async for entry in self._watcher:
-            if entry is None:
-                self.synced.set()
-                continue
-            # Anyone with the JetStream API may write here: what is not a change this module
-            # wrote is skipped (an exception would end the watch for good).
-            try:
-                model = model_of(entry.key)
-            except ValueError:
-                self._skip("routing_key_invalid", entry.key)
-                continue
-            if entry.operation in ("DEL", "PURGE") or not entry.value:
-                self.overrides.pop(model, None)
-            else:
-                override = _override(entry.value)
-                if override is None:
-                    self._skip("routing_change_invalid", entry.key)
-                    continue
-                self.overrides[model] = override
-            self._routes.pop(model, None)
-            if self.log is not None:
-                self.log.info("routing_changed", model=model, routing=self.overrides.get(model))
+    def _apply(self, entry: Any) -> None:
+        # Anyone with the JetStream API may write here: what is not a change this module
+        # wrote is skipped (an exception would end the watch for good).
+        try:
+            model = model_of(entry.key)
+        except ValueError:
+            self._skip("routing_key_invalid", entry.key)
+            return
+        if entry.operation in ("DEL", "PURGE") or not entry.value:
+            self.overrides.pop(model, None)
+        else:
+            override = _override(entry.value)
+            if override is None:
+                self._skip("routing_change_invalid", entry.key)
+                return
+            self.overrides[model] = override
+        self._routes.pop(model, None)
+        if self.log is not None:
+            self.log.info("routing_changed", model=model, routing=self.overrides.get(model))
 
     def _skip(self, event: str, key: str) -> None:
         if self.log is not None:
             self.log.warning(event, bucket=BUCKET, key=key[:200])
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-        if self._watcher is not None:
-            with contextlib.suppress(Exception):
-                await self._watcher.stop()
+        if self._follow is not None:
+            await self._follow.close()
 
 
 async def open_bucket(nc: NATS) -> KeyValue:

@@ -33,7 +33,7 @@ from bus_schemas import codec, subjects
 from bus_schemas import errors as E
 from bus_schemas import headers as H
 from bus_schemas.messages import check_envelope
-from services import audit, kvmap
+from services import audit, buckets, kvmap
 
 BUCKET = "tokenbus_aliases"
 MAX_NAME = 256  # as a request's model
@@ -53,9 +53,7 @@ class AliasTable:
         self.static = dict(static or {})
         self.runtime: dict[str, str] = {}
         self.log = log
-        self._watcher: Any = None
-        self._task: asyncio.Task[None] | None = None
-        self.synced = asyncio.Event()
+        self._follow: buckets.Follow | None = None
 
     def all(self) -> dict[str, str]:
         return {**self.static, **self.runtime}
@@ -69,38 +67,29 @@ class AliasTable:
 
     async def watch(self, nc: NATS) -> AliasTable:
         """Follow the bucket (created if missing); waits for its current values."""
-        kv = await open_bucket(nc)
-        self._watcher = await kv.watchall()
-        self._task = asyncio.get_running_loop().create_task(self._follow())
+        self._follow = await buckets.Follow(await open_bucket(nc), self._apply).start()
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self.synced.wait(), 10)
+            await asyncio.wait_for(self._follow.synced.wait(), 10)
         return self
 
-    async def _follow(self) -> None:
-        async for entry in self._watcher:
-            if entry is None:
-                self.synced.set()
-                continue
-            try:
-                name = kvmap.name_of(entry.key)
-            except ValueError:
-                continue
-            if entry.operation in ("DEL", "PURGE") or not entry.value:
-                self.runtime.pop(name, None)
-            elif (target := _target(entry.value)) is not None:
-                self.runtime[name] = target
-            elif self.log is not None:  # not written by this module: skipped, not fatal
-                self.log.warning("alias_change_invalid", bucket=BUCKET, key=entry.key[:200])
-                continue
-            if self.log is not None:
-                self.log.info("alias_changed", alias=name, model=self.runtime.get(name))
+    def _apply(self, entry: Any) -> None:
+        try:
+            name = kvmap.name_of(entry.key)
+        except ValueError:
+            return
+        if entry.operation in ("DEL", "PURGE") or not entry.value:
+            self.runtime.pop(name, None)
+        elif (target := _target(entry.value)) is not None:
+            self.runtime[name] = target
+        elif self.log is not None:  # not written by this module: skipped, not fatal
+            self.log.warning("alias_change_invalid", bucket=BUCKET, key=entry.key[:200])
+            return
+        if self.log is not None:
+            self.log.info("alias_changed", alias=name, model=self.runtime.get(name))
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-        if self._watcher is not None:
-            with contextlib.suppress(Exception):
-                await self._watcher.stop()
+        if self._follow is not None:
+            await self._follow.close()
 
 
 async def watch_aliases(nc: NATS, static: Mapping[str, str], log: Any) -> AliasTable:

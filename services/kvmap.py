@@ -13,6 +13,7 @@ from nats.js.errors import BucketNotFoundError, KeyNotFoundError
 from nats.js.kv import KeyValue
 
 from bus_schemas import subjects
+from services import buckets
 from services.config import kv_replicas
 
 T = TypeVar("T")
@@ -57,11 +58,7 @@ async def current(kv: KeyValue, name: str, parse: Callable[[bytes], T | None]) -
 async def entries(kv: KeyValue, parse: Callable[[bytes], T | None]) -> dict[str, T]:
     """Every name and its value (``parse``d; what it refuses is skipped)."""
     out: dict[str, T] = {}
-    try:
-        keys = await kv.keys()
-    except Exception:  # nats-py raises NoKeysError on an empty bucket
-        return out
-    for k in keys:
+    for k in await buckets.keys(kv):
         with contextlib.suppress(KeyNotFoundError, ValueError):
             entry = await kv.get(k)
             value = parse(entry.value) if entry.value else None

@@ -1,0 +1,94 @@
+"""services.buckets: a bucket read whole, whichever way nats-py orders its end-of-values
+marker (a key store that trusted an early marker refused a valid key in CI)."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from types import SimpleNamespace
+from typing import Any
+
+import nats
+import pytest
+
+from services import buckets
+from tests.conftest import NatsServer
+
+
+@pytest.fixture
+async def kv(nats_server: NatsServer) -> AsyncIterator[Any]:
+    nc = await nats.connect(nats_server.url)
+    js = nc.jetstream()
+    name = f"t_{uuid.uuid4().hex[:10]}"
+    yield await js.create_key_value(bucket=name, history=1)
+    await js.delete_key_value(name)
+    await nc.close()
+
+
+async def test_keys_lists_live_and_deleted_keys_and_an_empty_bucket(kv: Any) -> None:
+    assert await buckets.keys(kv) == []
+    for k in ("a.1", "a.2", "b.1"):
+        await kv.put(k, b"v")
+    await kv.delete("a.2")
+    assert await buckets.keys(kv) == ["a.1", "a.2", "b.1"]
+    assert await buckets.keys(kv, live=True) == ["a.1", "b.1"]
+    assert await buckets.keys(kv, "a.>", live=True) == ["a.1"]
+    assert await buckets.keys(kv, "c.>") == []
+
+
+async def test_follow_syncs_on_an_empty_bucket_and_on_a_full_one(kv: Any) -> None:
+    seen: dict[str, bytes] = {}
+    later = asyncio.Event()
+
+    def apply(e: Any) -> None:
+        seen[e.key] = e.value
+        if e.key == "later":
+            later.set()
+
+    empty = await buckets.Follow(kv, apply).start()
+    await asyncio.wait_for(empty.synced.wait(), 10)
+    await empty.close()
+    for i in range(300):
+        await kv.put(f"k{i}", str(i).encode())
+    full = await buckets.Follow(kv, apply).start()
+    await asyncio.wait_for(full.synced.wait(), 10)
+    assert len(seen) == 300 and seen["k299"] == b"299"  # all in before synced
+    await kv.put("later", b"x")
+    await asyncio.wait_for(later.wait(), 10)
+    await full.close()
+
+
+class _EarlyMarker:
+    """nats-py's watcher as it behaves when the consumer's info overtakes the pushed values:
+    the end marker first, then the values (the last with nothing pending after it)."""
+
+    def __init__(self, kv: Any, n: int) -> None:
+        self.kv, self.n = kv, n
+
+    async def watchall(self) -> Any:
+        return self
+
+    def __aiter__(self) -> AsyncIterator[Any]:
+        return self._values()
+
+    async def _values(self) -> AsyncIterator[Any]:
+        yield None
+        for i in range(self.n):
+            await asyncio.sleep(0)
+            yield SimpleNamespace(key=f"k{i}", value=b"v", delta=self.n - 1 - i)
+
+    async def stop(self) -> None:
+        return None
+
+    async def status(self) -> Any:
+        return await self.kv.status()
+
+
+async def test_an_early_end_marker_does_not_sync_before_the_values(kv: Any) -> None:
+    await kv.put("x", b"1")  # the bucket holds something: the marker cannot be the end
+    seen: list[str] = []
+    follow = await buckets.Follow(_EarlyMarker(kv, 50), lambda e: seen.append(e.key)).start()  # type: ignore[arg-type]
+    await asyncio.wait_for(follow.synced.wait(), 10)
+    assert len(seen) == 50
+    await follow.close()
