@@ -224,6 +224,19 @@ class Bridge(Service):
         self._own_keys: KeyStore | None = None  # /v1/models' key store when auth is not fused
         self.batch_runner: BatchRunner | None = None
 
+    def _log_migration(self, s: Any, err: E.TokenbusError, failed: bool) -> None:
+        if failed:
+            self.log.warning(
+                "request_migration_failed",
+                request_id=s.request_id,
+                error=err.code,
+                message=err.message[:300],
+            )
+        else:
+            self.log.info(
+                "request_migrated", request_id=s.request_id, migration=s.migrations, reason=err.code
+            )
+
     def on_reconnected(self) -> None:
         super().on_reconnected()
         # Frames to this bridge may have been lost in the break: move its streams on.
@@ -235,11 +248,10 @@ class Bridge(Service):
         cfg = self.settings.bridge
         self._records = records.Recorder(self.nc)
         self.client = Caller(self.nc, owner=f"bridge-{self.id}")
-        self.client.on_migration = lambda s, err: self.log.info(
-            "request_migrated", request_id=s.request_id, migration=s.migrations, reason=err.code
-        )
+        self.client.on_migration = self._log_migration
         await self.client.start()
         self.registry = Registry(self.settings.router.missed_heartbeats)
+        self.registry.bus = self.nc
         register_metrics()  # the KV index's (router/kv_follow.py)
         self._tracker = HeartbeatTracker(self.registry, self.log)
         await self._tracker.start(self.nc)

@@ -32,6 +32,9 @@ from services.aliases import AliasTable, envelope_for, retarget
 from services.config import RouterSettings
 
 _QUEUE_POLL_S = 0.02  # how often a queued request looks for a replica with room
+# After the bus was silent, how long "no responders" from a replica means "not subscribed
+# again yet" (its connection is coming back) rather than "gone".
+RESUBSCRIBE_GRACE_S = 3.0
 REPORT_EVERY_S = 1.0  # how often a router holding requests says how many
 
 
@@ -233,6 +236,12 @@ class Dispatcher:
                 at_once=self.cfg.write_at_once,
             )
         except NoRespondersError:
+            if natsclient.resumed_within(self.nc, RESUBSCRIBE_GRACE_S):
+                # The bus was silent a moment ago (stalled, or this connection came back):
+                # replicas subscribe again as their own connections come back. Asked again
+                # shortly, not forgotten.
+                await asyncio.sleep(0.1)
+                return None
             # The replica is gone (crashed or unsubscribed); forget it until it
             # beats again.
             self.registry.remove(r.replica)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from bus_schemas import subjects
+from services import natsclient
 
 # What a replica whose heartbeat names no endpoints (an older worker) serves.
 DEFAULT_ENDPOINTS = frozenset({subjects.KIND_CHAT, subjects.KIND_COMPLETIONS})
@@ -88,6 +89,9 @@ class Registry:
 
     def __init__(self, missed_heartbeats: int = 3) -> None:
         self.missed = missed_heartbeats
+        # The connection the heartbeats arrive on: while its server is quiet (stalled, or
+        # the connection is reconnecting) replicas are not expired for the silence.
+        self.bus: Any = None
         self._replicas: dict[str, Replica] = {}
         self._ever_seen: set[str] = set()
 
@@ -133,7 +137,7 @@ class Registry:
         return r
 
     def _alive(self, r: Replica, now: float) -> bool:
-        return now - r.last_seen <= r.interval_s * self.missed
+        return natsclient.silent_for(self.bus, r.last_seen, now) <= r.interval_s * self.missed
 
     def prune(self) -> None:
         """Forget replicas whose heartbeats stopped."""

@@ -30,6 +30,7 @@ class Router(Service):
 
     async def setup(self) -> None:
         self.registry = Registry(self.settings.router.missed_heartbeats)
+        self.registry.bus = self.nc
         self.kv = KVFollower(KVIndex(), self.registry, self.log)
         self.routing = await watch_routing(self.nc, self.settings.router, self.log, self.kv)
         self.aliases = await watch_aliases(self.nc, self.settings.router.aliases, self.log)

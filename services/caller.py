@@ -36,8 +36,11 @@ WATCHDOG_INTERVAL_S = 0.25
 # A stream whose replica fails (killed, stopped, its engine failed) is re-issued to another
 # replica with the prompt and the text already received, at most this many times.
 MAX_MIGRATIONS = 3
-# How long a request waits for a broken NATS connection to come back before it is refused.
+# How long a request waits for a broken NATS connection to come back before it is refused:
+# when the server went away (refused, closed), and when it stopped answering (a stall, which
+# usually ends: a paused VM, a partition healing), the latter within the request's deadline.
 RECONNECT_WAIT_S = 1.0
+STALL_WAIT_S = 15.0
 # "No responders" for a request (no ingress listening): sent again this many times, after
 # 0.1, 0.2, 0.4, 0.8 s; nothing was done with it, so it is safe.
 NO_RESPONDERS_RETRIES = 4
@@ -439,8 +442,9 @@ class Stream:
         """Publish the request (done by the first iteration if not called)."""
         if self._started:
             return
-        if not self._client.nc.is_connected and not await self._client.connected_within(
-            RECONNECT_WAIT_S
+        nc = self._client.nc
+        if not nc.is_connected and not await self._client.connected_within(
+            natsclient.outage_wait(nc, RECONNECT_WAIT_S, self._stall_wait())
         ):
             # Published now, it would wait in the client's buffer for a server that is not
             # there: say so at once instead (a new request, a resend or a migration alike).
@@ -869,7 +873,8 @@ class Stream:
         error that made it try), but a refused login ends it with the refusal."""
         try:
             await self.start()
-        except E.TokenbusError:
+        except E.TokenbusError as exc:
+            self._client.log_migration(self, exc, failed=True)
             self._client.check_refused()
             return False
         return True
@@ -885,13 +890,17 @@ class Stream:
         self._started = False
         return await self._restart()
 
+    def _stall_wait(self) -> float:
+        left = (self._deadline or time.time() + self._timeout) - time.time()
+        return max(RECONNECT_WAIT_S, min(STALL_WAIT_S, left - 1.0))
+
     def _accept_overdue(self, now: float) -> bool:
         return (
             self._started
             and not self._done
             and self._accepted_at == 0.0
             and self._started_at > 0
-            and now - self._started_at > ACCEPT_TIMEOUT_S
+            and natsclient.silent_for(self._client.nc, self._started_at, now) > ACCEPT_TIMEOUT_S
         )
 
     async def aclose(self) -> None:
@@ -978,7 +987,7 @@ class Caller:
         self._watchdog: asyncio.Task[None] | None = None
         # replica -> (monotonic time of its last heartbeat, its heartbeat interval)
         self._beats: dict[str, tuple[float, float]] = {}
-        self.on_migration: Callable[[Stream, E.TokenbusError], None] | None = None
+        self.on_migration: Callable[[Stream, E.TokenbusError, bool], None] | None = None
         self._epochs: dict[str, tuple[str, int]] = {}  # replica -> (boot, reconnects)
         self._background: set[asyncio.Task[None]] = set()  # cancels sent from the read loop
         # The server refused this caller's login after it had connected (its API key revoked,
@@ -1045,6 +1054,9 @@ class Caller:
                 await self._watching.wait()
             await asyncio.sleep(WATCHDOG_INTERVAL_S)
             now = time.monotonic()
+            # While the server is quiet (stalled, or this connection reconnecting) nothing is
+            # heard from anyone: a stall of the bus, not replicas dying. Streams wait, within
+            # their deadlines; a reconnect moves them on (connection_broke).
             for s in list(self._streams.values()):
                 if s._accept_overdue(now):
                     s._started_at = now + 3600  # one retry marker per attempt
@@ -1060,7 +1072,8 @@ class Caller:
                     if s._pushed != s._seen_pushed:
                         s._seen_pushed, s._seen_at = s._pushed, now
                     last, interval = max(s._seen_at, s._accepted_at), s._heartbeat_s
-                if now - last > interval * MISSED_BEATS and not s._lost:
+                silent = natsclient.silent_for(self.nc, last, now)
+                if silent > interval * MISSED_BEATS and not s._lost:
                     s._lost = True
                     lost = E.ReplicaLost(f"replica {s.replica} stopped answering mid-stream; retry")
                     s._push(None, frames.error(lost))
@@ -1112,10 +1125,11 @@ class Caller:
     def inbox_for(self, token: str) -> str:
         return f"{self._prefix}.{token}"
 
-    def log_migration(self, s: Stream, err: E.TokenbusError) -> None:
-        """Called when a stream is re-issued (the bridge logs it); no-op here."""
+    def log_migration(self, s: Stream, err: E.TokenbusError, *, failed: bool = False) -> None:
+        """Called when a stream is re-issued for ``err``, and (``failed``) when sending it
+        again failed with ``err`` (the bridge logs both); no-op here."""
         if self.on_migration is not None:
-            self.on_migration(s, err)
+            self.on_migration(s, err, failed)
 
     def _register(self, s: Stream) -> None:
         self._streams[s.token] = s

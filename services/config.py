@@ -630,6 +630,13 @@ class UpSettings(BaseModel):
     nats_port: int = Field(default=4222, description="Port of the embedded nats-server.")
     data_dir: str = Field(default=".tokenbus", description="JetStream data, logs, pid files.")
     restart_backoff_s: float = 1.0
+    watchdog_s: float = Field(
+        default=15.0,
+        ge=0,
+        description="Kill and restart a child whose event loop has not written its health "
+        "file (every 2 s) for this long: a paused or stuck process (0: off). Also the "
+        "processes of `tokenbus serve bridge --processes N`.",
+    )
     locked: bool = Field(
         default=True,
         description="Start the embedded nats-server with the generated per-role config.",
@@ -653,6 +660,17 @@ class Settings(BaseSettings):
         description="A role's login file (`tokenbus deploy init`'s roles/<role>.json: user and "
         "password), read when nats_user is not set: credentials from a file or secret, not "
         "the environment.",
+    )
+    nats_ping_interval_s: float = Field(
+        default=1.0,
+        gt=0,
+        le=120,
+        description="How often every connection pings its NATS server; a server silent for "
+        "nats_pings_outstanding + 1 intervals (3 s) is taken for gone, and the connection "
+        "moves to another node of the cluster (docs/fault-tolerance.md, stalls).",
+    )
+    nats_pings_outstanding: int = Field(
+        default=2, ge=1, le=10, description="Unanswered pings before the server is taken for gone."
     )
     kv_replicas: int = Field(
         default=1,
@@ -720,9 +738,13 @@ class Settings(BaseSettings):
         return self.nats_url or f"nats://127.0.0.1:{self.up.nats_port}"
 
     def nats_auth(self) -> dict[str, Any]:
-        """Connect options for a locked bus: the role's login (when a user is configured)
-        and the TLS context (when a CA is)."""
+        """Connect options: the pings (every connection), and for a locked bus the role's
+        login (when a user is configured) and the TLS context (when a CA is)."""
         opts: dict[str, Any] = self.nats_tls()
+        opts |= {
+            "ping_interval": self.nats_ping_interval_s,
+            "max_outstanding_pings": self.nats_pings_outstanding,
+        }
         if self.nats_user:
             opts |= {"user": self.nats_user, "password": self.nats_password or ""}
         elif self.nats_login_file:

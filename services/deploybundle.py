@@ -91,6 +91,7 @@ def _node_conf(
         # Health checks run inside the container: the monitoring port stays on loopback.
         f'http: "127.0.0.1:{MONITOR_PORT}"\n'
         f"jetstream {{ store_dir: {json.dumps(store_dir)} }}\n"
+        + natsconf.SERVER_TIMERS
         + (tls.server_block() if tls else "")
     )
     if nodes > 1:

@@ -51,6 +51,27 @@ from nats.protocol import parser
 # The NATS server's default ``max_control_line``: ``HPUB <subject> <reply> <sizes>`` must fit.
 MAX_CONTROL_LINE = 4096
 
+# How often a connection pings its server, and how many pings may go unanswered before it
+# takes the server for gone and moves to another one (nats-py's defaults, 120 s and 2, let a
+# server that stalls with its sockets open go unnoticed for about four minutes). With these,
+# a silent server is noticed 2 to 3 s after its last answer (docs/fault-tolerance.md). The
+# environment (``TOKENBUS_NATS_PING_INTERVAL_S``, ``TOKENBUS_NATS_PINGS_OUTSTANDING``) and the
+# ``connect`` options override them.
+PING_INTERVAL_S = 1.0
+PINGS_OUTSTANDING = 2
+
+
+def ping_options() -> dict[str, Any]:
+    """The ping options of every tokenbus connection (see :data:`PING_INTERVAL_S`)."""
+    import os
+
+    return {
+        "ping_interval": float(os.environ.get("TOKENBUS_NATS_PING_INTERVAL_S") or PING_INTERVAL_S),
+        "max_outstanding_pings": int(
+            os.environ.get("TOKENBUS_NATS_PINGS_OUTSTANDING") or PINGS_OUTSTANDING
+        ),
+    }
+
 
 # nats-py's own patterns (the same groups), with the server's separators instead of ``\s``.
 parser.MSG_RE = re.compile(
@@ -169,13 +190,46 @@ class Client(NATS):
         # one (restarted, or another node) comes from a server that just came back.
         self._logged_server = ""
         self._graced_server = ""  # the other server whose refusals the grace started at
+        # When the server was last heard (a message, a ping's answer, a login), and when it
+        # was heard again after a silence: see :func:`silent_for`.
+        self.heard_at = time.monotonic()
+        self.resumed_at = -1e9  # never yet
+        # When the connection was dropped for a server that stopped answering (None: it
+        # was not, or a server refused a connection since): see :meth:`stalled`.
+        self.stalled_at: float | None = None
+
+    def quiet(self, now: float) -> bool:
+        """Whether the server has not been heard for longer than one and a half ping
+        intervals (it answers each ping at once), or the connection is down."""
+        if not self.is_connected:
+            return True
+        return now - self.heard_at > 1.5 * float(self.options.get("ping_interval") or 0)
+
+    def _heard(self) -> None:
+        now = time.monotonic()
+        if self.quiet(now):
+            self.resumed_at = now
+        self.heard_at = now
+
+    async def _process_pong(self) -> None:
+        self._heard()
+        await super()._process_pong()
 
     async def _connect_to_server(self, s: Any) -> None:
         try:
             await super()._connect_to_server(s)
-        except (OSError, TimeoutError):
+        except (OSError, TimeoutError) as exc:
             self.unreachable_at = time.monotonic()
+            if isinstance(exc, ConnectionRefusedError):
+                self.stalled_at = None  # nobody listens there: down, not stalled
             raise
+        self.stalled_at = None
+
+    def stalled(self) -> bool:
+        """Whether this connection is down because its server stopped answering (pings
+        unanswered) and no server has refused a connection since: a stall, which usually
+        ends (a paused VM, a partition healing), not a server that is gone."""
+        return self.stalled_at is not None and not self.is_connected
 
     async def _process_connect_init(self) -> None:
         try:
@@ -190,6 +244,9 @@ class Client(NATS):
             elif self.refusal_is_final and not self._server_returning():
                 self.refused = exc
             raise
+        self.heard_at = time.monotonic()
+        if self.logged_in:  # a reconnect: the bus is heard again
+            self.resumed_at = self.heard_at
         self.logged_in = True
         self._logged_server = str(self._server_info.get("server_id") or "")
 
@@ -234,6 +291,8 @@ class Client(NATS):
         # the refusal is known now, not after nats-py's wait between attempts to one server.
         if self.refusal_is_final and self.is_connected and self._current_server is not None:
             self._current_server.last_attempt = None
+        if isinstance(e, errors.StaleConnectionError) and self.is_connected:
+            self.stalled_at = time.monotonic()
         await super()._process_op_err(e)
 
     async def _process_err(self, err_msg: str) -> None:
@@ -297,6 +356,7 @@ class Client(NATS):
     async def _process_msg(
         self, sid: int, subject: bytes, reply: bytes, data: bytes, headers: bytes
     ) -> None:
+        self._heard()
         try:
             fn = self._direct.get(sid)
             if fn is None:
@@ -312,6 +372,31 @@ class Client(NATS):
                 fn(msg)
         except Exception as exc:  # dropped: reading on matters more than this message
             await self._error_cb(exc)
+
+
+def outage_wait(nc: Any, down: float, stalled: float) -> float:
+    """How long a request waits for ``nc`` to be connected again: ``stalled`` seconds when
+    its server stopped answering (:meth:`Client.stalled`: it likely comes back), ``down``
+    when it is gone (refused, closed)."""
+    return stalled if isinstance(nc, Client) and nc.stalled() else down
+
+
+def resumed_within(nc: Any, seconds: float) -> bool:
+    """Whether ``nc``'s server was heard again after a silence (or the connection came
+    up) less than ``seconds`` ago: the others' connections may still be coming back."""
+    return isinstance(nc, Client) and time.monotonic() - nc.resumed_at < seconds
+
+
+def silent_for(nc: Any, t: float, now: float) -> float:
+    """How long someone last heard at ``t`` (a replica's heartbeat) has been silent while
+    the bus was heard: to when the server was last heard (a message, a ping's answer: at
+    least once a ping interval), from when it was heard again after a silence. A stalled
+    server, or this connection reconnecting, is not everyone else dying at once; when the
+    server is heard, whoever is late is late. On a connection that is not :class:`Client`,
+    ``now - t``."""
+    if not isinstance(nc, Client):
+        return now - t
+    return max(0.0, min(now, nc.heard_at) - max(t, nc.resumed_at))
 
 
 async def subscribe_direct(
@@ -376,6 +461,8 @@ async def connect(
     connection (:attr:`Client.refused`)."""
     nc = Client()
     nc.refusal_is_final = refusal_is_final
+    for k, v in ping_options().items():
+        options.setdefault(k, v)
     if refusal_is_final:
         theirs = options.get("error_cb") or _default_error_callback
 

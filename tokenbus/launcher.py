@@ -17,7 +17,7 @@ from pathlib import Path
 from bus_schemas import errors as E
 from bus_schemas import subjects
 from services.config import BridgeSettings, Settings
-from services.natsconf import generate, role_env
+from services.natsconf import SERVER_TIMERS, generate, role_env
 from services.runtime import StartRefused, listen_socket, stop_event
 
 
@@ -49,6 +49,7 @@ class Child:
     env: dict[str, str] = field(default_factory=dict)
     proc: asyncio.subprocess.Process | None = None
     restarts: int = 0
+    stalls: int = 0  # times the watchdog killed it
     started_at: float = 0.0
 
 
@@ -62,9 +63,14 @@ class Supervisor:
         backoff_s: float = 1.0,
         echo: bool = True,
         fatal_codes: frozenset[int] | set[int] = frozenset(),
+        watchdog_s: float = 0.0,
     ) -> None:
         self.log_dir = log_dir
         self.backoff_s = backoff_s
+        # A child whose health file (written by its event loop every 2 s: services.runtime.
+        # write_health) is older than this is stalled (paused, its loop stuck) and is killed,
+        # then restarted like a crashed one. 0: off.
+        self.watchdog_s = watchdog_s
         self.children: list[Child] = []
         self.stopping = False
         self.echo = echo
@@ -78,9 +84,16 @@ class Supervisor:
         if self.echo:
             print(text, flush=True)
 
+    def health_file(self, child: Child) -> Path:
+        return self.log_dir / f"{child.name}.health"
+
     async def spawn(self, child: Child) -> None:
         log = open(self.log_dir / f"{child.name}.log", "ab")  # noqa: SIM115 - owned by the child
         env = {**os.environ, **child.env}
+        if self.watchdog_s > 0:
+            health = self.health_file(child)
+            health.unlink(missing_ok=True)  # the last run's: this one's is awaited afresh
+            env["TOKENBUS_HEALTH_FILE"] = str(health)
         child.proc = await asyncio.create_subprocess_exec(
             *child.argv, stdout=log, stderr=log, env=env, start_new_session=True
         )
@@ -105,6 +118,7 @@ class Supervisor:
                     t.cancel()
             else:
                 await asyncio.sleep(1.0)
+            self.kill_stalled()
             for c in self.children:
                 if self.stopping:
                     return
@@ -127,6 +141,29 @@ class Supervisor:
                     )
                     if not self.stopping:
                         await self.spawn(c)
+
+    def kill_stalled(self) -> None:
+        """SIGKILL each child whose health file has not been written for ``watchdog_s``
+        (a child that has not written one yet is still starting: left alone); the restart
+        follows as for a crash. SIGKILL ends a paused process too."""
+        if self.watchdog_s <= 0 or self.stopping:
+            return
+        now = time.time()
+        for c in self.children:
+            if c.proc is None or c.proc.returncode is not None:
+                continue
+            try:
+                age = now - self.health_file(c).stat().st_mtime
+            except OSError:
+                continue
+            if age > self.watchdog_s:
+                self.say(
+                    f"  {c.name} stalled (its loop silent for {age:.0f} s, watchdog "
+                    f"{self.watchdog_s:g} s); killing it to restart it"
+                )
+                c.stalls += 1
+                with contextlib.suppress(ProcessLookupError):
+                    c.proc.kill()
 
     def last_error(self, child: Child) -> str:
         """The last line of ``child``'s log that starts with ``error:`` (what a service that
@@ -268,7 +305,11 @@ async def up(
     # Its logs and telemetry name key ids and usage: this user's alone, like the secrets.
     data.mkdir(parents=True, exist_ok=True)
     data.chmod(0o700)
-    sup = Supervisor(data / "logs", backoff_s=settings.up.restart_backoff_s)
+    sup = Supervisor(
+        data / "logs",
+        backoff_s=settings.up.restart_backoff_s,
+        watchdog_s=settings.up.watchdog_s,
+    )
     env = {**_base_env(settings, config_file), **(child_env or {})}
     nats_proc: EmbeddedNats | None = None
     users: Path | None = None
@@ -402,7 +443,14 @@ def _nats_server_args(settings: Settings, data: Path, port: int) -> tuple[list[s
             callout=subjects.STAGE_AUTH in settings.ingress.pipeline,
         )
         return ["-c", str(conf)], users
-    return ["-a", "127.0.0.1", "-p", str(port), "-js", "-sd", str(data / "nats")], None
+    # The server's timers (services.natsconf.SERVER_TIMERS) have no flags: a config of them.
+    timers = data / "nats-timers.conf"
+    timers.parent.mkdir(parents=True, exist_ok=True)
+    timers.write_text(SERVER_TIMERS)
+    return [
+        *("-c", str(timers)),
+        *("-a", "127.0.0.1", "-p", str(port), "-js", "-sd", str(data / "nats")),
+    ], None
 
 
 async def _wait_port_open(port: int) -> bool:

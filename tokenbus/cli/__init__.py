@@ -390,7 +390,9 @@ async def _serve_bridge_processes(a: argparse.Namespace, s: cfgmod.Settings) -> 
 
     # A log of this command's own per process (``bridge-<port>-<i>.log``), apart from the
     # ``bridge-<i>.log`` of a `tokenbus up` in the same data folder.
-    sup = Supervisor(Path(s.up.data_dir) / "logs", echo=True, fatal_codes={2})
+    sup = Supervisor(
+        Path(s.up.data_dir) / "logs", echo=True, fatal_codes={2}, watchdog_s=s.up.watchdog_s
+    )
     children = bridge_children(s.bridge, {"TOKENBUS_NATS_URL": s.url()}, tag=f"{s.bridge.port}-")
     for child in children:
         await sup.add(child)
