@@ -291,12 +291,21 @@ async def fresh_window(margin: float = 8.0) -> None:
 class Proc:
     """A real tokenbus process (``python -m tokenbus.cli ...``) with its output in a file."""
 
-    def __init__(self, name: str, args: list[str], env: dict[str, str], log_dir: Path) -> None:
+    def __init__(
+        self,
+        name: str,
+        args: list[str],
+        env: dict[str, str],
+        log_dir: Path,
+        prefix: Sequence[str] = (),
+    ) -> None:
         self.name = name
         self.log = log_dir / f"{name}.log"
         self._fh = open(self.log, "wb")  # noqa: SIM115 - closed in stop()
+        # ``prefix``: what runs it elsewhere (``ip netns exec <host>``, which execs it: the
+        # pid is still the process's own).
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tokenbus.cli", *args],
+            [*prefix, sys.executable, "-m", "tokenbus.cli", *args],
             stdout=self._fh,
             stderr=subprocess.STDOUT,
             env={**os.environ, **env},
@@ -345,8 +354,14 @@ class Procs:
         }
         self.procs: list[Proc] = []
 
-    def start(self, name: str, *args: str, env: dict[str, str] | None = None) -> Proc:
-        p = Proc(name, list(args), {**self.env, **(env or {})}, self.log_dir)
+    def start(
+        self,
+        name: str,
+        *args: str,
+        env: dict[str, str] | None = None,
+        prefix: Sequence[str] = (),
+    ) -> Proc:
+        p = Proc(name, list(args), {**self.env, **(env or {})}, self.log_dir, prefix)
         self.procs.append(p)
         return p
 
