@@ -149,6 +149,7 @@ class CalloutResponder:
             return
         token = (req.get("connect_opts") or {}).get("auth_token")
         try:
+            await self.keys.catch_up(token)
             rec = self.keys.lookup(token)
         except E.TokenbusError as exc:
             self.log.info("nats_login_refused", reason=exc.code)

@@ -95,6 +95,7 @@ class Auth(Service):
     async def handle(self, msg: Msg) -> None:
         hdrs = dict(msg.headers or {})
         data = msg.data
+        await self.keys.catch_up(hdrs.get(H.API_KEY))
         if authenticate(self.keys, hdrs, self.aliases):
             data = envelope_for(data, None, hdrs[H.MODEL])
         await self.forward_next(msg, hdrs, data)

@@ -35,6 +35,7 @@ class KeyStore:
         self.bucket = bucket
         self.kv: KeyValue | None = None
         self._cache: dict[str, KeyRecord] = {}
+        self._missed: dict[str, float] = {}  # key id -> when a read found none (catch_up)
         self._follow: buckets.Follow | None = None
 
     async def open(self, *, watch: bool = True) -> KeyStore:
@@ -153,6 +154,26 @@ class KeyStore:
     def record(self, key_id: str) -> KeyRecord | None:
         """The cached record of ``key_id`` (None when there is none)."""
         return self._cache.get(key_id)
+
+    async def catch_up(self, key: str | None) -> None:
+        """Before :meth:`lookup` of a presented ``key``: when its id is not in the cache,
+        read it from the bucket (a key made a moment ago, or while this store's watch was
+        on a node that stalled, reaches the watch later). An id read and found missing is
+        not read again for a second."""
+        key_id = key_id_of(key) if key else None
+        if not key_id or key_id in self._cache or self.kv is None:
+            return
+        now = time.monotonic()
+        if now - self._missed.get(key_id, -60.0) < 1.0:
+            return
+        try:
+            rec = await self.get(key_id)
+        except Exception:  # none such, or JetStream not answering: the cache decides
+            if len(self._missed) > 10_000:
+                self._missed.clear()
+            self._missed[key_id] = now
+            return
+        self._cache.setdefault(key_id, rec)
 
     def by_id(self, key_id: str) -> KeyRecord:
         """The record of ``key_id`` for work the key submitted earlier and a trusted service

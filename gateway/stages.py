@@ -77,6 +77,8 @@ class LocalStages:
             # traceparent ``hdrs`` carry): current while it runs, failed with its refusal.
             with tracing.scope(self._span(name, hdrs)):
                 if name == subjects.STAGE_AUTH and self.keys is not None:
+                    if principal is None:
+                        await self.keys.catch_up(hdrs.get(H.API_KEY))
                     authenticate(self.keys, hdrs, self.aliases, key_id=principal)
                 elif name == subjects.STAGE_RATELIMIT and self.ratelimit is not None:
                     changed = await self.ratelimit.apply(hdrs, env) or changed

@@ -286,3 +286,24 @@ async def test_admin_api_errors_name_the_permission_and_the_field(procs: Procs, 
             assert err["param"] == param and err["type"] == "invalid_request_error", (body, err)
         r = await h.get(url, headers=adm)
         assert r.status_code == 200 and r.json()["override"] is None  # nothing was changed
+
+
+async def test_a_key_not_yet_in_the_watched_cache_is_read_from_the_bucket(
+    nats_server: NatsServer,
+) -> None:
+    """A key made elsewhere that this store's watch has not delivered (made a moment ago,
+    or while the watch sat on a stalled node) is read from the bucket before it is refused;
+    an unknown key is still refused."""
+    url = nats_server.url
+    async with key_store(url) as maker, key_store(url, watch=False) as store:
+        key, rec = await maker.create("late")
+        with pytest.raises(E.Unauthorized):
+            store.lookup(key)  # not in this store's cache (it watches nothing)
+        await store.catch_up(key)
+        assert store.lookup(key).id == rec.id
+        bogus = key[: key.index("_") + 1] + "x" * 20
+        await store.catch_up(bogus)
+        with pytest.raises(E.Unauthorized):
+            store.lookup(bogus)
+        await store.catch_up("tb-000000000000_none")
+        await store.catch_up(None)
