@@ -25,7 +25,9 @@ from nats.js.kv import KeyValue
 async def keys(kv: KeyValue, pattern: str = ">", *, live: bool = False) -> list[str]:
     """The keys of ``kv`` matching ``pattern`` (a subject pattern over keys). A deleted key
     is among them (its marker is a message; a ``get`` of it raises ``KeyNotFoundError``)
-    unless ``live``, which reads each key to leave those out."""
+    unless ``live``, which reads each key to leave those out. nats-server lists at most
+    100 000 subjects in one answer: more keys than that under ``pattern`` are not all seen.
+    (nats-py's KeyValue keeps its stream and subject prefix in ``_stream`` and ``_pre``.)"""
     prefix = kv._pre  # "$KV.<bucket>."
     info = await kv._js.stream_info(kv._stream, subjects_filter=f"{prefix}{pattern}")
     found = sorted(s[len(prefix) :] for s in (info.state.subjects or {}))
