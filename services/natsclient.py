@@ -387,16 +387,27 @@ def resumed_within(nc: Any, seconds: float) -> bool:
     return isinstance(nc, Client) and time.monotonic() - nc.resumed_at < seconds
 
 
+# The longest silence of the bus that is not counted against others: a stall (the server
+# stopped answering), and the server gone (refused or closed the connection: a restart
+# usually comes back within seconds). Past it silence counts again, so nothing waits on a
+# bus that does not come back.
+STALL_GRACE_S = 15.0
+DOWN_GRACE_S = 5.0
+
+
 def silent_for(nc: Any, t: float, now: float) -> float:
     """How long someone last heard at ``t`` (a replica's heartbeat) has been silent while
     the bus was heard: to when the server was last heard (a message, a ping's answer: at
-    least once a ping interval), from when it was heard again after a silence. A stalled
-    server, or this connection reconnecting, is not everyone else dying at once; when the
-    server is heard, whoever is late is late. On a connection that is not :class:`Client`,
-    ``now - t``."""
+    least once a ping interval; at most :data:`STALL_GRACE_S`, or :data:`DOWN_GRACE_S` for a
+    server gone, back), from when it was heard again after a silence. A stalled or
+    restarting server, or this connection reconnecting, is not everyone else dying at once;
+    when the server is heard, whoever is late is late. On a connection that is not
+    :class:`Client`, ``now - t``."""
     if not isinstance(nc, Client):
         return now - t
-    return max(0.0, min(now, nc.heard_at) - max(t, nc.resumed_at))
+    grace = STALL_GRACE_S if nc.is_connected or nc.stalled() else DOWN_GRACE_S
+    end = min(now, max(nc.heard_at, now - grace))
+    return max(0.0, end - max(t, nc.resumed_at))
 
 
 async def subscribe_direct(
