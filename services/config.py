@@ -21,6 +21,7 @@ from pydantic_settings import (
 )
 
 from bus_schemas.subjects import STAGE_AUTH, STAGE_FILTER, STAGE_RATELIMIT, STAGE_ROUTE
+from services import natsclient
 
 DEFAULT_MODEL = "tokenbus-sim"
 
@@ -662,7 +663,7 @@ class Settings(BaseSettings):
         "the environment.",
     )
     nats_ping_interval_s: float = Field(
-        default=1.0,
+        default=natsclient.PING_INTERVAL_S,
         gt=0,
         le=120,
         description="How often every connection pings its NATS server; a server silent for "
@@ -670,7 +671,10 @@ class Settings(BaseSettings):
         "moves to another node of the cluster (docs/fault-tolerance.md, stalls).",
     )
     nats_pings_outstanding: int = Field(
-        default=2, ge=1, le=10, description="Unanswered pings before the server is taken for gone."
+        default=natsclient.PINGS_OUTSTANDING,
+        ge=1,
+        le=10,
+        description="Unanswered pings before the server is taken for gone.",
     )
     kv_replicas: int = Field(
         default=1,

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import re
 import time
 from collections.abc import Callable
@@ -63,8 +64,6 @@ PINGS_OUTSTANDING = 2
 
 def ping_options() -> dict[str, Any]:
     """The ping options of every tokenbus connection (see :data:`PING_INTERVAL_S`)."""
-    import os
-
     return {
         "ping_interval": float(os.environ.get("TOKENBUS_NATS_PING_INTERVAL_S") or PING_INTERVAL_S),
         "max_outstanding_pings": int(
@@ -197,17 +196,15 @@ class Client(NATS):
         # When the connection was dropped for a server that stopped answering (None: it
         # was not, or a server refused a connection since): see :meth:`stalled`.
         self.stalled_at: float | None = None
-
-    def quiet(self, now: float) -> bool:
-        """Whether the server has not been heard for longer than one and a half ping
-        intervals (it answers each ping at once), or the connection is down."""
-        if not self.is_connected:
-            return True
-        return now - self.heard_at > 1.5 * float(self.options.get("ping_interval") or 0)
+        # Silence longer than this (one and a half ping intervals: the server answers each
+        # ping at once) was a quiet server; set at login, from the ping option.
+        self._quiet_s = 0.0
 
     def _heard(self) -> None:
+        """Called for every message and ping answer (the read loop's hot path): a reconnect
+        marks ``resumed_at`` itself (:meth:`_process_connect_init`)."""
         now = time.monotonic()
-        if self.quiet(now):
+        if now - self.heard_at > self._quiet_s:
             self.resumed_at = now
         self.heard_at = now
 
@@ -244,6 +241,7 @@ class Client(NATS):
             elif self.refusal_is_final and not self._server_returning():
                 self.refused = exc
             raise
+        self._quiet_s = 1.5 * float(self.options.get("ping_interval") or 0)
         self.heard_at = time.monotonic()
         if self.logged_in:  # a reconnect: the bus is heard again
             self.resumed_at = self.heard_at
