@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import sys
@@ -83,31 +84,90 @@ async def test_a_connection_leaves_a_paused_node_within_seconds(
         cluster.stop()
 
 
-async def _http_load(
-    oai: openai.AsyncOpenAI, model: str, want: str | None, seconds: float, clients: int
-) -> tuple[Counter[str], list[str]]:
-    """``clients`` closed-loop streaming HTTP clients for ``seconds``: outcomes (``ok``:
-    the whole answer, right), and the errors' text."""
-    outcomes: Counter[str] = Counter()
-    errors: list[str] = []
-    stop_at = time.monotonic() + seconds
+async def _stream_text(
+    oai: openai.AsyncOpenAI, model: str, gaps: list[float], max_tokens: int = 40
+) -> str:
+    """One streamed answer's text; the longest wait between two of its chunks in ``gaps``."""
+    stream: Any = await oai.chat.completions.create(
+        model=model, messages=PROMPT, max_tokens=max_tokens, stream=True, timeout=60
+    )
+    parts, last, gap = [], time.monotonic(), 0.0
+    async for c in stream:
+        now = time.monotonic()
+        gap, last = max(gap, now - last), now
+        if c.choices:
+            parts.append(c.choices[0].delta.content or "")
+    gaps.append(gap)
+    return "".join(parts)
 
-    async def client() -> None:
-        while time.monotonic() < stop_at:
-            try:
-                stream: Any = await oai.chat.completions.create(
-                    model=model, messages=PROMPT, max_tokens=40, stream=True, timeout=60
-                )
-                parts = [c.choices[0].delta.content async for c in stream if c.choices]
-                text = "".join(p or "" for p in parts)
-            except openai.APIError as exc:
-                outcomes[getattr(exc, "code", None) or "error"] += 1
-                errors.append(repr(exc)[:300])
-                continue
-            outcomes["ok" if text == want else "wrong_text"] += 1
 
-    await asyncio.gather(*(client() for _ in range(clients)))
-    return outcomes, errors
+class _Load:
+    """``clients`` closed-loop streaming HTTP clients until :meth:`stop`: the outcomes
+    (``ok``: the whole answer, ``want``), the errors' text, and each answer's longest wait
+    between two chunks."""
+
+    def __init__(
+        self,
+        oai: openai.AsyncOpenAI,
+        model: str,
+        want: str | None,
+        clients: int,
+        max_tokens: int = 40,
+    ) -> None:
+        self.outcomes: Counter[str] = Counter()
+        self.errors: list[str] = []
+        self.gaps: list[float] = []
+        self._stopping = asyncio.Event()
+
+        async def client() -> None:
+            while not self._stopping.is_set():
+                try:
+                    text = await _stream_text(oai, model, self.gaps, max_tokens)
+                except openai.APIError as exc:
+                    self.outcomes[getattr(exc, "code", None) or "error"] += 1
+                    self.errors.append(repr(exc)[:300])
+                    continue
+                self.outcomes["ok" if text == want else "wrong_text"] += 1
+
+        self._task = asyncio.gather(*(client() for _ in range(clients)))
+
+    async def served(self, more: int, what: str) -> None:
+        """Until ``more`` answers have come whole and right from now (bounded)."""
+        target = self.outcomes["ok"] + more
+        await wait_for(lambda: self.outcomes["ok"] >= target, timeout=60, what=what)
+
+    async def stop(self) -> None:
+        self._stopping.set()
+        await self._task
+
+
+async def _post_now(
+    port: int | None, body: dict[str, Any]
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A chat completion POSTed to the bridge on a connection of its own: its bytes are
+    written to the socket when this returns (read the answer with :func:`_answer`; the
+    writer is kept, or the connection closes with it)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    data = json.dumps(body).encode()
+    head = (
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: bridge\r\n"
+        "Content-Type: application/json\r\nConnection: close\r\n"
+        f"Content-Length: {len(data)}\r\n\r\n"
+    )
+    writer.write(head.encode() + data)
+    await writer.drain()
+    return reader, writer
+
+
+async def _answer(conn: tuple[asyncio.StreamReader, asyncio.StreamWriter]) -> tuple[int, Any]:
+    """The status and JSON body of the answer on ``conn`` (read to the end), then closed."""
+    reader, writer = conn
+    try:
+        raw = await asyncio.wait_for(reader.read(), 60)
+    finally:
+        writer.close()
+    head, _, body = raw.partition(b"\r\n\r\n")
+    return int(head.split()[1]), json.loads(body)
 
 
 async def _key_when_jetstream_answers(cluster: LockedCluster, deadline: float) -> str:
@@ -126,8 +186,8 @@ async def test_a_paused_cluster_node_under_the_bridge_fails_next_to_nothing(
 ) -> None:
     """A 3-node cluster (buckets with 3 replicas, the auth callout on); the bridge, ingress,
     auth and router connected to node 0, a worker on each node. Node 0 paused under 8
-    streaming HTTP clients, for 8 s or until a key made through another node is served: at
-    least 99 % of the requests complete whole and right, the
+    streaming HTTP clients until a key made through another node is served and 32 more
+    answers have come: at least 99 % of the requests complete whole and right, the
     rest end with a retryable error, none hangs; the stack serves on the two nodes left,
     and a key made there during the pause is let in at once."""
     cluster = LockedCluster(tmp_path / "cluster").start()
@@ -155,8 +215,8 @@ async def test_a_paused_cluster_node_under_the_bridge_fails_next_to_nothing(
             async with stack.openai(key) as oai:
                 ref = await oai.chat.completions.create(model=model, messages=PROMPT, max_tokens=40)
                 want = ref.choices[0].message.content
-                load = asyncio.create_task(_http_load(oai, model, want, 14.0, 8))
-                await asyncio.sleep(2.0)
+                load = _Load(oai, model, want, 8)
+                await load.served(8, "the load did not start")
                 t0 = time.monotonic()
                 pause(paused, cluster.procs[0].pid)
                 # During the pause, once the bridge is on another node: a key made through a
@@ -174,15 +234,18 @@ async def test_a_paused_cluster_node_under_the_bridge_fails_next_to_nothing(
                         model=model, messages=PROMPT, max_tokens=40, timeout=30
                     )
                 assert out.choices[0].message.content == want
-                await asyncio.sleep(max(0.0, 8.0 - (time.monotonic() - t0)))
+                # The stack serves on the nodes left, then the node comes back.
+                await load.served(32, "the load was not served during the pause")
                 paused_s = time.monotonic() - t0
                 os.kill(cluster.procs[0].pid, signal.SIGCONT)
-                outcomes, errors = await load
+                await load.served(8, "the load was not served after the pause")
+                await load.stop()
+            outcomes = load.outcomes
             total = sum(outcomes.values())
             print(f"\ncluster node under the bridge paused {paused_s:.1f} s: {dict(outcomes)}")
             assert outcomes["ok"] >= 0.99 * total and outcomes["wrong_text"] == 0, (
                 outcomes,
-                errors[:5],
+                load.errors[:5],
             )
             assert procs.all_alive()
     finally:
@@ -193,10 +256,10 @@ async def test_a_paused_cluster_node_under_the_bridge_fails_next_to_nothing(
 async def test_streams_ride_out_a_paused_nats_server(
     tmp_path: Path, model: str, paused: list[int]
 ) -> None:
-    """The only nats-server of the stack paused (until its connections have taken it for
-    gone, 2 to 3 s, and half a second more) under streaming HTTP load: no stream is cut and
-    every answer is whole and right; a request made while the bridge's connection was down
-    is served once the pause ends."""
+    """The only nats-server of the stack paused under streaming HTTP load until its
+    connections have taken it for gone (2 to 3 s): no stream is cut and every answer is
+    whole and right; a request sent while the bridge's connection was down is served once
+    the pause ends."""
     srv = NatsServer(tmp_path / "nats").start()
     try:
         with Procs(srv.url, tmp_path) as procs:
@@ -215,8 +278,8 @@ async def test_streams_ride_out_a_paused_nats_server(
                     max_tokens=40,
                 )
                 want = ref.choices[0].message.content
-                load = asyncio.create_task(_http_load(oai, model, want, 9.0, 4))
-                await asyncio.sleep(2.0)
+                load = _Load(oai, model, want, 4)
+                await load.served(4, "the load did not start")
                 assert srv.proc is not None
                 pause(paused, srv.proc.pid)
                 # Once the bridge has taken the server for gone (its pings unanswered):
@@ -225,18 +288,20 @@ async def test_streams_ride_out_a_paused_nats_server(
                     timeout=20,
                     what="the bridge did not notice the paused server",
                 )
-                late = asyncio.create_task(
-                    oai.chat.completions.create(model=model, messages=PROMPT, max_tokens=40)
-                )
-                await asyncio.sleep(0.5)
+                # A request whose bytes are with the bridge while its connection is down.
+                body = {"model": model, "messages": PROMPT, "max_tokens": 40}
+                late = await _post_now(stack.port, body)
                 os.kill(srv.proc.pid, signal.SIGCONT)
-                outcomes, errors = await load
-                # A request made while the connection was down waited for it, not a 503.
-                assert (await late).choices[0].message.content == want
+                await load.served(8, "the load was not served after the pause")
+                await load.stop()
+                # The request made while the connection was down waited for it, not a 503.
+                status, answer = await _answer(late)
+                assert status == 200 and answer["choices"][0]["message"]["content"] == want
+            outcomes = load.outcomes
             print(f"\nnats-server paused under load: {dict(outcomes)}")
             assert outcomes["ok"] > 8 and outcomes["ok"] == sum(outcomes.values()), (
                 outcomes,
-                errors[:3],
+                load.errors[:3],
             )
             assert procs.all_alive()
     finally:
@@ -283,21 +348,6 @@ def hosts() -> Iterator[netns.Hosts]:
     h.stop()
 
 
-async def _stream_text(oai: openai.AsyncOpenAI, model: str, gaps: list[float]) -> str:
-    """One streamed answer's text; the longest wait between two of its chunks in ``gaps``."""
-    stream: Any = await oai.chat.completions.create(
-        model=model, messages=PROMPT, max_tokens=60, stream=True, timeout=60
-    )
-    parts, last, gap = [], time.monotonic(), 0.0
-    async for c in stream:
-        now = time.monotonic()
-        gap, last = max(gap, now - last), now
-        if c.choices:
-            parts.append(c.choices[0].delta.content or "")
-    gaps.append(gap)
-    return "".join(parts)
-
-
 async def test_a_partitioned_worker_host_s_streams_move_to_another(
     hosts: netns.Hosts, tmp_path: Path, model: str
 ) -> None:
@@ -321,32 +371,19 @@ async def test_a_partitioned_worker_host_s_streams_move_to_another(
             await wait_replicas(procs.url, model, 2)
             stack = await start_stack(procs, model, "ingress", "router", workers=0)
             async with stack.openai() as oai:
-                want = await _stream_text(oai, model, [])
-                gaps: list[float] = []
-                outcomes: Counter[str] = Counter()
-                errors: list[str] = []
-                stop_at = time.monotonic() + 6.0
-
-                async def client() -> None:
-                    while time.monotonic() < stop_at:
-                        try:
-                            text = await _stream_text(oai, model, gaps)
-                        except openai.APIError as exc:
-                            outcomes["error"] += 1
-                            errors.append(repr(exc)[:300])
-                            continue
-                        outcomes["ok" if text == want else "wrong_text"] += 1
-
-                load = asyncio.gather(*(client() for _ in range(4)))
-                await asyncio.sleep(1.5)
+                want = await _stream_text(oai, model, [], 60)
+                load = _Load(oai, model, want, 4, max_tokens=60)
+                await load.served(4, "the load did not start")
                 hosts.cut(w0)
-                await load
+                await load.served(8, "the load was not served after the cut")
+                await load.stop()
+                outcomes = load.outcomes
                 print(
                     f"\nworker host partitioned under load: {dict(outcomes)}, longest wait "
-                    f"between two chunks {max(gaps):.2f} s"
+                    f"between two chunks {max(load.gaps):.2f} s"
                 )
                 assert outcomes["ok"] > 8, outcomes
-                assert outcomes["error"] == 0 and outcomes["wrong_text"] == 0, (outcomes, errors)
+                assert outcomes["ok"] == sum(outcomes.values()), (outcomes, load.errors)
                 hosts.heal(w0)
                 # Back on the bus: the host's worker beats again and is routed to.
                 await wait_replicas(procs.url, model, 2, timeout=30)
