@@ -29,7 +29,15 @@ from engine_worker.backends.upstream_caps import (
 from services.config import OpenAIUpstreamSettings, WorkerSettings
 from telemetry import records
 from telemetry.store import RecordStore
-from tests.conftest import Procs, Upstream, free_port, live_replicas, run_cli, start_stack
+from tests.conftest import (
+    Procs,
+    ProcStack,
+    Upstream,
+    free_port,
+    live_replicas,
+    run_cli,
+    start_stack,
+)
 from tests.fakes.upstream import FakeUpstream, template_tokens
 from tokenbus import Client
 
@@ -301,6 +309,15 @@ class Records:
             await self.sub.unsubscribe()
 
 
+async def _kill_stack(procs: Procs, model: str, up: Upstream) -> ProcStack:
+    """Ingress, router and two openai-backend workers in front of ``up``, fast heartbeats:
+    the stack the kill tests stop a worker of."""
+    args = ("--backend", "openai", "--upstream-url", up.url)
+    return await start_stack(
+        procs, model, "ingress", "router", workers=2, worker_args=args, env=HB, settle=0.6
+    )
+
+
 async def _stream_then_kill(
     client: Client, model: str, stack: Any, after: int
 ) -> tuple[str, Any, E.TokenbusError | None]:
@@ -329,10 +346,7 @@ async def test_kill_9_mid_stream_never_splices_an_answer(
     # true prefix of the answer.
     up = Upstream(tmp_path, flavor=flavor)
     try:
-        args = ("--backend", "openai", "--upstream-url", up.url)
-        stack = await start_stack(
-            procs, model, "ingress", "router", workers=2, worker_args=args, env=HB, settle=0.6
-        )
+        stack = await _kill_stack(procs, model, up)
         text, s, err = await _stream_then_kill(client, model, stack, after=10)
         assert isinstance(err, E.ReplicaLost), err
         assert err.retryable and err.status == 503
@@ -372,10 +386,7 @@ async def test_kill_9_mid_stream_resumes_where_the_upstream_continues(
 ) -> None:
     up = Upstream(tmp_path, flavor="vllm")
     try:
-        args = ("--backend", "openai", "--upstream-url", up.url)
-        stack = await start_stack(
-            procs, model, "ingress", "router", workers=2, worker_args=args, env=HB, settle=0.6
-        )
+        stack = await _kill_stack(procs, model, up)
         text, s, err = await _stream_then_kill(client, model, stack, after=10)
         assert err is None
         assert text == words(100)  # no duplicate, no gap
@@ -447,10 +458,7 @@ async def test_a_cut_stream_over_http_ends_with_one_error_and_its_record_says_so
     # outcome and counts the tokens the client got, not "ok" and 0.
     up = Upstream(tmp_path, flavor="llamacpp")
     try:
-        args = ("--backend", "openai", "--upstream-url", up.url)
-        stack = await start_stack(
-            procs, model, "ingress", "router", workers=2, worker_args=args, env=HB, settle=0.6
-        )
+        stack = await _kill_stack(procs, model, up)
         heard = await Records.listen(client)
         async with stack.http("/v1", timeout=30) as http:
             body = {
