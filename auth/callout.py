@@ -52,6 +52,8 @@ def key_permissions(key_id: str) -> tuple[list[str], list[str]]:
     """(may publish, may subscribe) of a connection logged in with API key ``key_id``."""
     pub = [
         f"{subjects.PREFIX}.req.*",
+        # A request to one ingress that beats (services/members.py): the same requests.
+        subjects.to_any_member(subjects.requests_wildcard()),
         f"{subjects.PREFIX}.worker.*.cancel",
         # Its stored Responses API responses (ingress checks the key and the owner).
         subjects.responses_state_wildcard(),
@@ -59,7 +61,12 @@ def key_permissions(key_id: str) -> tuple[list[str], list[str]]:
         subjects.batches_state_wildcard(),
     ]
     # Its own inboxes, and the announcements of its own finished batches.
-    sub = [f"{subjects.key_inbox_root(key_id)}.>", subjects.batch_done(key_id)]
+    # Which ingress beats (services/members.py).
+    sub = [
+        f"{subjects.key_inbox_root(key_id)}.>",
+        subjects.batch_done(key_id),
+        subjects.members(subjects.QUEUE_INGRESS),
+    ]
     return pub, sub
 
 

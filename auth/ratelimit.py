@@ -418,6 +418,7 @@ class RateLimit(Service):
             subjects.stage(subjects.STAGE_RATELIMIT),
             self.handle,
             queue=subjects.STAGE_RATELIMIT,
+            member=True,
         )
 
     @property

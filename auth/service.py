@@ -83,7 +83,11 @@ class Auth(Service):
             )
             await self.callout.start()
         await self.add_endpoint(
-            "auth", subjects.stage(subjects.STAGE_AUTH), self.handle, queue=subjects.STAGE_AUTH
+            "auth",
+            subjects.stage(subjects.STAGE_AUTH),
+            self.handle,
+            queue=subjects.STAGE_AUTH,
+            member=True,
         )
 
     async def on_stop(self) -> None:

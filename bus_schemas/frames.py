@@ -19,6 +19,10 @@ BATCH = "b"
 # (``Tb-Keepalive``): the replica is alive; ``b``/``e`` are its boot id and connection epoch
 # (an epoch that changes mid-stream means frames may have been lost).
 ALIVE = "k"
+# Sent by a stage or router that has held a request for a while without passing it on (a
+# key check, a full queue): it is alive and the request is not lost, so the caller does
+# not send it again. Callers skip frame types they do not know, so older ones ignore it.
+HOLD = "h"
 
 
 def accept(
@@ -93,6 +97,9 @@ def final(
 
 def alive(boot: str, epoch: int) -> bytes:
     return codec.encode({"t": ALIVE, "b": boot, "e": epoch})
+
+
+HOLD_FRAME = codec.encode({"t": HOLD})
 
 
 def error(err: TokenbusError) -> bytes:

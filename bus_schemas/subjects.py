@@ -120,6 +120,45 @@ def stage(name: str) -> str:
     return f"{PREFIX}.stage.{name}"
 
 
+# Members of a queue group (ingress, and each stage: its name) beat on their own subject,
+# and each also listens on a subject of its own (``tb.v1.to.<member>.<subject>``): a
+# request can then be sent past a member that stopped beating (paused, cut off), which
+# the queue group would still pick at random until the server drops it (services/members.py).
+MEMBER_GROUPS = (QUEUE_INGRESS, *STAGES)
+
+
+def members(group: str) -> str:
+    """Where the members of queue group ``group`` beat."""
+    return f"{PREFIX}.members.{token(group)}"
+
+
+def members_wildcard() -> str:
+    return f"{PREFIX}.members.*"
+
+
+def member_group(subject: str) -> str | None:
+    """The queue group whose members take ``subject`` (a request or stage subject), or None
+    for any other subject."""
+    parts = subject.split(".")
+    if len(parts) == 4 and subject.startswith(f"{PREFIX}."):
+        if parts[2] == "req" and parts[3] in KINDS:
+            return QUEUE_INGRESS
+        if parts[2] == "stage" and parts[3] in STAGES:
+            return parts[3]
+    return None
+
+
+def to_member(member: str, subject: str) -> str:
+    """``subject`` (a request or stage subject, or a wildcard of them) addressed to one
+    member of its queue group only; the last token stays the kind or stage name."""
+    return f"{PREFIX}.to.{token(member)}.{subject[len(PREFIX) + 1 :]}"
+
+
+def to_any_member(subject: str) -> str:
+    """Every member's own subject for ``subject`` (permissions)."""
+    return f"{PREFIX}.to.*.{subject[len(PREFIX) + 1 :]}"
+
+
 def engine_generate(model: str, replica: str) -> str:
     """One replica's generate subject (no queue group: the router picks the replica)."""
     return f"{PREFIX}.engine.{token(model)}.{token(replica)}.generate"

@@ -579,6 +579,11 @@ class Worker(Service):
 
     async def _admit(self, msg: Msg) -> _Generation | None:
         """The request to serve, or None once its refusal went back in the ack."""
+        if reply_subject(msg) in self._active:
+            # The same dispatch again: its ack was lost while the bus stalled, and the router
+            # asked again (router/dispatch.py). It runs already: acknowledged, not run twice.
+            await self._ack(msg, None)
+            return None
         try:
             return self._screen(msg)
         except E.TokenbusError as err:

@@ -163,6 +163,7 @@ class Filter(Service):
             subjects.stage(subjects.STAGE_FILTER),
             self.handle,
             queue=subjects.STAGE_FILTER,
+            member=True,
         )
 
     async def handle(self, msg: Msg) -> None:

@@ -143,7 +143,8 @@ class BusSource:
                     if H.RATELIMIT in h:  # admitted, then refused before any engine ran it
                         await usage.report(nc, h, request_id)
                     raise
-                await nc.publish(route, data, reply=reply, headers=h)
+                to = self.client.members.subject_for(route)
+                await nc.publish(to, data, reply=reply, headers=h)
                 return None
 
         stream = self.client.submit(

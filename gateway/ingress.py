@@ -138,7 +138,11 @@ class Ingress(Service):
     async def setup(self) -> None:
         self.admission = Admission(self.settings)
         await self.add_endpoint(
-            "requests", subjects.requests_wildcard(), self.handle, queue=subjects.QUEUE_INGRESS
+            "requests",
+            subjects.requests_wildcard(),
+            self.handle,
+            queue=subjects.QUEUE_INGRESS,
+            member=True,
         )
         # NATS clients' files and batches (docs/batches.md).
         # Background responses ride the same subjects (response_<action>).

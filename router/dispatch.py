@@ -79,6 +79,17 @@ class _Placement:
         _refused_event(replica, err.code)
 
 
+def _bus_quiet_since(nc: Any, t: float) -> bool:
+    """Whether ``nc``'s server was silent at some time since ``t``: still down or stalled,
+    or heard again after a silence since then."""
+    now = time.monotonic()
+    return (
+        not nc.is_connected
+        or (isinstance(nc, natsclient.Client) and nc.stalled())
+        or natsclient.resumed_within(nc, now - t)
+    )
+
+
 def _refused_event(replica: str, code: str) -> None:
     """A replica refused (or failed to take) the request: an event on the routing span."""
     tracing.event(
@@ -226,6 +237,7 @@ class Dispatcher:
         """Send the request to ``r`` and return its ack; None when it did not answer in time."""
         p.hdrs[H.ATTEMPT] = str(p.attempt)
         r.unacked += 1
+        sent_at = time.monotonic()
         try:
             ack_msg = await natsclient.request(
                 self.nc,
@@ -248,6 +260,11 @@ class Dispatcher:
             p.failed(r.replica, E.ReplicaLost(f"replica {r.replica} did not answer"))
             return None
         except NatsTimeout:
+            if _bus_quiet_since(self.nc, sent_at) and not marks.expired(p.hdrs):
+                # Not the replica: the bus stalled (or this connection reconnected) while
+                # it waited. The same replica is asked again (it acknowledges a request it
+                # runs already, so nothing runs twice); not counted against it.
+                return await self._send(r, p)
             # Slow or stuck: make sure it does not also generate, then try another.
             await self._cancel(r, p)
             p.failed(r.replica, E.Timeout(f"replica {r.replica} did not acknowledge in time"))

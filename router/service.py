@@ -40,7 +40,11 @@ class Router(Service):
         self._tracker = HeartbeatTracker(self.registry, self.log)
         await self._tracker.start(self.nc)
         await self.add_endpoint(
-            "route", subjects.stage(subjects.STAGE_ROUTE), self.handle, queue=subjects.STAGE_ROUTE
+            "route",
+            subjects.stage(subjects.STAGE_ROUTE),
+            self.handle,
+            queue=subjects.STAGE_ROUTE,
+            member=True,
         )
 
     async def on_stop(self) -> None:

@@ -28,6 +28,7 @@ from bus_schemas import errors as E
 from bus_schemas import headers as H
 from services import logging as tlog
 from services import natsclient, tracing
+from services.members import Members
 
 DEFAULT_TIMEOUT_S = 600.0
 # A stream's replica is presumed dead after this many missed heartbeats.
@@ -44,9 +45,12 @@ STALL_WAIT_S = 15.0
 # "No responders" for a request (no ingress listening): sent again this many times, after
 # 0.1, 0.2, 0.4, 0.8 s; nothing was done with it, so it is safe.
 NO_RESPONDERS_RETRIES = 4
-# A request not accepted by any replica within this long is sent again (the stage or
-# router holding it may have died); late accepts of the first attempt are cancelled.
-ACCEPT_TIMEOUT_S = 5.0
+# A request not accepted by any replica within this long, nor said to be held by a stage
+# (hold frames come every services.runtime.HOLD_NOTICE_S while one holds it), is sent again:
+# the stage or router holding it may have died or stalled. The resend passes over members
+# of a queue group that stopped beating (services/members.py); late accepts of the earlier
+# attempt are cancelled.
+ACCEPT_TIMEOUT_S = 1.5
 MAX_RESENDS = 8
 # A frame only the client's own watchdog pushes: the current attempt was never accepted.
 _RETRY = "_retry"
@@ -385,7 +389,10 @@ class Stream:
         self._resumed_tokens = 0  # tokens delivered before the current attempt
         self._cancelled = False
         self._no_responders = 0
-        self._resends = 0
+        self.resends = 0  # sent again because nobody accepted it in time
+        self.holds = 0  # hold frames: a stage or router said it holds the request
+        self._sending = False  # an in-process sender is placing it (nothing can be lost)
+        self._sent_to = ""  # the subject of the current attempt (a member's own, maybe)
         self._next_index = 0  # chunk index expected next (per attempt)
         # Without heartbeats: frames pushed so far, and when the watchdog last saw that grow.
         self._pushed = 0
@@ -497,6 +504,7 @@ class Stream:
                 f"the request is {len(data)} bytes on the bus; this bus takes at most {room - 1024}"
             )
         if self._sender is not None:
+            self._sending = True
             try:
                 replica = await self._sender(data, hdrs, reply)
                 if replica:  # else the accept frame names it
@@ -507,9 +515,13 @@ class Stream:
                 self._client._tombstone(self.token, self.request_id)
                 self._finish()
                 raise
+            finally:
+                self._sending = False
+                self._started_at = time.monotonic()  # accepted from here on, or lost
             return
+        self._sent_to = self._client.members.subject_for(self._subject)
         try:
-            await self._client.nc.publish(self._subject, data, reply=reply, headers=hdrs)
+            await self._client.nc.publish(self._sent_to, data, reply=reply, headers=hdrs)
         except Exception as exc:
             self._finish()
             raise E.ServiceUnavailable(f"could not publish the request to NATS: {exc}") from None
@@ -687,6 +699,8 @@ class Stream:
             if not data and hdrs and hdrs.get(H.NATS_STATUS) == "503":
                 # Nobody listens (yet): nothing was done with the request, so it is safe to
                 # send again, a few times with backoff (an ingress reconnecting, restarting).
+                if self._sent_to != self._subject:  # one member's own: it left
+                    self._client.members.forget(self._sent_to)
                 if await self._resend_after_no_responders():
                     continue
                 self._finish(E.ServiceUnavailable.code)
@@ -795,12 +809,12 @@ class Stream:
                 self._epoch = epoch
                 continue
             if t == _RETRY:
-                # Not accepted: sent again (a stage or router holding it may be gone; queue
-                # groups pick at random, so a frozen one may be picked more than once).
-                if self._resends < MAX_RESENDS and await self._migrate(
+                # Not accepted: sent again (a stage or router holding it may be gone; the
+                # resend passes over queue-group members that stopped beating).
+                if self.resends < MAX_RESENDS and await self._migrate(
                     E.ServiceUnavailable("no replica accepted the request"), count=False
                 ):
-                    self._resends += 1
+                    self.resends += 1
                     continue
                 self._finish(E.ServiceUnavailable.code)
                 raise E.ServiceUnavailable(
@@ -898,6 +912,7 @@ class Stream:
         return (
             self._started
             and not self._done
+            and not self._sending
             and self._accepted_at == 0.0
             and self._started_at > 0
             and natsclient.silent_for(self._client.nc, self._started_at, now) > ACCEPT_TIMEOUT_S
@@ -993,6 +1008,9 @@ class Caller:
         # The server refused this caller's login after it had connected (its API key revoked,
         # disabled or expired): final, the connection is closed (see :meth:`refuse`).
         self.refused: E.TokenbusError | None = None
+        # Who of the ingress's (and stages') queue groups beats: a request or its resend
+        # passes over one that stalled. A key's connection may follow the ingress's only.
+        self.members = Members(nc, None if heartbeats else (subjects.QUEUE_INGRESS,))
 
     async def start(self) -> None:
         """Subscribe the inbox and the heartbeats; call once (``connect`` does it)."""
@@ -1006,6 +1024,7 @@ class Caller:
                     subjects.heartbeat_wildcard(), cb=self._on_heartbeat
                 )
             self._watchdog = asyncio.get_running_loop().create_task(self._watch_replicas())
+            await self.members.start()
 
     async def _on_heartbeat(self, msg: Msg) -> None:
         try:
@@ -1190,6 +1209,12 @@ class Caller:
     def _deliver(self, tok: str, hdrs: dict[str, str] | None, data: bytes) -> None:
         s = self._streams.get(tok)
         if s is not None:
+            if data == frames.HOLD_FRAME:
+                # A stage or router holds this attempt (a full queue): alive, not lost.
+                s.holds += 1
+                if not s._accepted_at:
+                    s._started_at = max(s._started_at, time.monotonic())
+                return
             s._push(hdrs, data)
             return
         tomb = self._tombstones.get(tok)

@@ -25,7 +25,15 @@ from typing import Any
 
 import bcrypt
 
-from bus_schemas.subjects import PREFIX, audit_wildcard, inbox_prefix
+from bus_schemas.subjects import (
+    PREFIX,
+    audit_wildcard,
+    inbox_prefix,
+    members_wildcard,
+    requests_wildcard,
+    stage,
+    to_any_member,
+)
 from services import natsjwt
 from services.audit import STREAM as AUDIT_STREAM
 from services.tlsfiles import TLS_FILE, TlsFiles, write_private
@@ -43,6 +51,17 @@ HEARTBEAT = f"{PREFIX}.heartbeat.>"
 # subjects (``subjects.kv_snapshot``), which only router and bridge may publish to and the
 # worker subscribes to, and come back to the asker's inbox.
 KV_EVENTS = f"{PREFIX}.kv.>"
+# Queue-group members' beats, and each member's own subject (services/members.py): whoever
+# may send to ingress or a stage may send to one member of it, and follow who beats.
+MEMBERS = members_wildcard()
+TO_REQ = to_any_member(requests_wildcard())
+TO_STAGES = to_any_member(stage("*"))
+
+
+def _member(name: str) -> str:
+    return to_any_member(stage(name))
+
+
 USAGE = [f"{PREFIX}.usage", f"{PREFIX}.usage.>"]
 TELEMETRY = f"{PREFIX}.telemetry.>"
 ADMIN = f"{PREFIX}.admin.>"
@@ -60,33 +79,53 @@ AUDIT_GUARD = [f"$JS.API.STREAM.{op}.{AUDIT_STREAM}" for op in ("DELETE", "UPDAT
 
 # role -> (may publish, may subscribe)
 ROLES: dict[str, tuple[list[str], list[str]]] = {
-    "client": ([REQ, CANCEL], [INBOX, HEARTBEAT]),
+    "client": ([REQ, CANCEL, TO_REQ], [INBOX, HEARTBEAT, MEMBERS]),
     # The bridge may run auth, ratelimit and filter in-process (``bridge.fuse_stages``) and
     # then route in-process (``bridge.fuse_router``): it is the one role besides the router
     # that may publish to workers, and it admits every request itself before it does; its
     # admin API records key and routing changes in the audit trail.
     "bridge": (
         # usage: an in-process ratelimit settles a migrated request's earlier attempt.
-        [REQ, STAGES, ENGINE, CANCEL, INBOX, TELEMETRY, AUDIT, BATCH, OBJECTS, *USAGE, *JS_API],
-        [INBOX, HEARTBEAT, KV_EVENTS, DISCOVERY, *USAGE],
+        [
+            *[REQ, STAGES, TO_REQ, TO_STAGES, ENGINE, CANCEL, INBOX, TELEMETRY, AUDIT, BATCH],
+            *[OBJECTS, *USAGE, *JS_API],
+        ],
+        [INBOX, HEARTBEAT, KV_EVENTS, DISCOVERY, MEMBERS, *USAGE],
     ),
     # KV: ingress keeps NATS clients' stored Responses API responses (tokenbus_responses)
     # and checks their keys (tokenbus_keys) as the bridge does.
     # The batch work queue and the object store: ingress answers NATS clients' files and
     # batches (docs/batches.md).
-    "ingress": ([STAGES, INBOX, BATCH, OBJECTS, *JS_API], [REQ, INBOX, DISCOVERY]),
-    "auth": ([STAGES, INBOX, *JS_API], [f"{PREFIX}.stage.auth", INBOX, DISCOVERY, ADMIN]),
+    "ingress": (
+        [STAGES, TO_STAGES, MEMBERS, INBOX, BATCH, OBJECTS, *JS_API],
+        [REQ, TO_REQ, MEMBERS, INBOX, DISCOVERY],
+    ),
+    "auth": (
+        [STAGES, TO_STAGES, MEMBERS, INBOX, *JS_API],
+        [f"{PREFIX}.stage.auth", _member("auth"), MEMBERS, INBOX, DISCOVERY, ADMIN],
+    ),
     # telemetry: spend budgets' soft-threshold alerts (auth.budgets).
     "ratelimit": (
-        [STAGES, INBOX, *USAGE, TELEMETRY, *JS_API],
-        [f"{PREFIX}.stage.ratelimit", *USAGE, INBOX, DISCOVERY],
+        [STAGES, TO_STAGES, MEMBERS, INBOX, *USAGE, TELEMETRY, *JS_API],
+        [f"{PREFIX}.stage.ratelimit", _member("ratelimit"), MEMBERS, *USAGE, INBOX, DISCOVERY],
     ),
-    "filter": ([STAGES, INBOX], [f"{PREFIX}.stage.filter", INBOX, DISCOVERY]),
+    "filter": (
+        [STAGES, TO_STAGES, MEMBERS, INBOX],
+        [f"{PREFIX}.stage.filter", _member("filter"), MEMBERS, INBOX, DISCOVERY],
+    ),
     # KV: the router follows run-time routing changes (bucket tokenbus_routing).
     # telemetry: how many requests it holds per model and class (queue depth, for autoscalers).
     "router": (
-        [ENGINE, CANCEL, INBOX, TELEMETRY, *JS_API],
-        [f"{PREFIX}.stage.route", HEARTBEAT, KV_EVENTS, INBOX, DISCOVERY],
+        [ENGINE, CANCEL, MEMBERS, INBOX, TELEMETRY, *JS_API],
+        [
+            f"{PREFIX}.stage.route",
+            _member("route"),
+            MEMBERS,
+            HEARTBEAT,
+            KV_EVENTS,
+            INBOX,
+            DISCOVERY,
+        ],
     ),
     "worker": ([HEARTBEAT, KV_EVENTS, *USAGE, TELEMETRY, INBOX], [ENGINE, CANCEL, DISCOVERY]),
     # The telemetry service's probes of the bus (docs/telemetry.md): a discovery ping, the

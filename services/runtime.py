@@ -38,11 +38,16 @@ from services import logging as tlog
 from services import natsclient, tracing, usage
 from services.config import Settings
 from services.discovery import Discovery, EndpointStats
+from services.members import Beat, Members
 
 Handler = Callable[[Msg], Awaitable[None]]
 
 # How long a forwarded request's caller is remembered for a "no responders" bounce.
 _BOUNCE_TTL_S = 10.0
+# A request a member has held this long without passing it on (a key check, a full queue)
+# gets a hold frame on its stream, and one every as long again while held, so that its
+# caller does not take it for lost (services/caller.py: ACCEPT_TIMEOUT_S).
+HOLD_NOTICE_S = 0.5
 
 VERSION = "0.1.0"
 
@@ -214,6 +219,35 @@ async def connect(
     return attempt.result()  # raises the connect error
 
 
+class _Hold:
+    """While a request is held, a hold frame to its caller every :data:`HOLD_NOTICE_S`."""
+
+    __slots__ = ("nc", "reply", "sending", "timer")
+
+    def __init__(self, nc: NATS, msg: Msg, trust_header: bool) -> None:
+        self.nc = nc
+        self.reply = reply_subject(msg, trust_header=trust_header)
+        self.sending: asyncio.Task[None] | None = None
+        loop = asyncio.get_running_loop()
+        self.timer: asyncio.TimerHandle | None = (
+            loop.call_later(HOLD_NOTICE_S, self._send) if self.reply else None
+        )
+
+    def _send(self) -> None:
+        loop = asyncio.get_running_loop()
+        self.sending = loop.create_task(self._publish())
+        self.timer = loop.call_later(HOLD_NOTICE_S, self._send)
+
+    async def _publish(self) -> None:
+        with contextlib.suppress(Exception):
+            await self.nc.publish(str(self.reply), frames.HOLD_FRAME)
+
+    def cancel(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+
+
 class Service:
     """Base of every bus service; subclasses implement :meth:`setup` to add endpoints."""
 
@@ -242,7 +276,16 @@ class Service:
         self._subs: list[Any] = []
         self._accepting = False
         self.stopped = asyncio.Event()
-        self._bounces: OrderedDict[str, tuple[float, str, str]] = OrderedDict()
+        # token -> (expiry, caller's inbox, subject, what to send to the queue group when it
+        # went to one member whose own subject had no responders)
+        self._bounces: OrderedDict[
+            str, tuple[float, str, str, tuple[bytes, dict[str, str]] | None]
+        ] = OrderedDict()
+        # Who of the next stage's queue group beats (forwarders), and this instance's own
+        # beats for the groups it is a member of (services/members.py).
+        self.members: Members | None = None
+        self._member_groups: list[str] = []
+        self._beat: Beat | None = None
         self.discovery = Discovery(
             name=f"tokenbus-{self.name}",
             id=self.id,
@@ -259,7 +302,12 @@ class Service:
         self._accepting = True
         if self.forwards:
             await self._open_bounce_inbox()
+            self.members = Members(self.nc)
+            await self.members.start()
         await self.setup()
+        if self._member_groups:
+            self._beat = Beat(self.nc, self.id, self._member_groups)
+            self._beat.start()
         await self.discovery.start(self.nc)
         self._serve_metrics()
         # Subscriptions are only in effect once the server has them: until this round trip
@@ -305,12 +353,14 @@ class Service:
         this instance's bounce inbox, so when no instance of the next stage is subscribed,
         NATS answers "no responders" here and the caller gets a clear 503 instead of silence.
         """
-        token = self._remember_caller(reply, subject)
+        target = subject if self.members is None else self.members.subject_for(subject)
+        # Sent to one member: should it have stopped listening, to the queue group after all.
+        again = (data, dict(hdrs)) if target != subject else None
+        token = self._remember_caller(reply, subject, again)
         hdrs[H.REPLY_TO] = reply
         try:
-            await self.nc.publish(
-                subject, data, reply=f"{self._bounce_prefix}.{token}", headers=hdrs
-            )
+            bounce = f"{self._bounce_prefix}.{token}"
+            await self.nc.publish(target, data, reply=bounce, headers=hdrs)
         except nats.errors.MaxPayloadError:
             self._bounces.pop(token, None)
             raise E.PayloadTooLarge(
@@ -318,12 +368,14 @@ class Service:
                 "send a smaller one"
             ) from None
 
-    def _remember_caller(self, reply: str, subject: str) -> str:
+    def _remember_caller(
+        self, reply: str, subject: str, again: tuple[bytes, dict[str, str]] | None = None
+    ) -> str:
         """Keep ``reply`` for a bounce from ``subject`` under a new token, which is returned;
         forget entries past their time."""
         token = uuid.uuid4().hex
         now = time.monotonic()
-        self._bounces[token] = (now + _BOUNCE_TTL_S, reply, subject)
+        self._bounces[token] = (now + _BOUNCE_TTL_S, reply, subject, again)
         while self._bounces and next(iter(self._bounces.values()))[0] < now:
             self._bounces.popitem(last=False)
         return token
@@ -344,7 +396,18 @@ class Service:
         entry = self._bounces.pop(msg.subject.rpartition(".")[2], None)
         if entry is None or not msg.headers or msg.headers.get(H.NATS_STATUS) != "503":
             return
-        _, reply, subject = entry
+        _, reply, subject, again = entry
+        if again is not None:
+            # One member's own subject: it stopped listening (drained). Its queue group.
+            if self.members is not None:
+                self.members.forget(msg.subject)
+            data, hdrs = again
+            token = self._remember_caller(reply, subject)
+            with contextlib.suppress(Exception):
+                await self.nc.publish(
+                    subject, data, reply=f"{self._bounce_prefix}.{token}", headers=hdrs
+                )
+            return
         stage = subject.rpartition(".")[2]
         with contextlib.suppress(Exception):
             await self.nc.publish(
@@ -367,6 +430,9 @@ class Service:
         hears nothing until it resends or gives up). Hence: the UNSUBs, a round trip behind
         them (from then on the server routes nothing here, and all it routed here before has
         been read), then each subscription handles its queue and is dropped."""
+        if self._beat is not None:
+            # First: senders stop choosing this member by its own subject.
+            await self._beat.gone()
         subs, self._subs = self._subs, []
         for sub in subs:
             with contextlib.suppress(Exception):
@@ -406,6 +472,8 @@ class Service:
         if self.forwards:
             with contextlib.suppress(Exception):
                 await self._bounce_sub.unsubscribe()
+            if self.members is not None:
+                await self.members.stop()
         if self._own_nc and self.nc is not None and not self.nc.is_closed:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self.nc.drain(), timeout=5.0)
@@ -425,17 +493,27 @@ class Service:
 
     # -- endpoints ------------------------------------------------------------------------
     async def add_endpoint(
-        self, name: str, subject: str, handler: Handler, *, queue: str | None = None
+        self,
+        name: str,
+        subject: str,
+        handler: Handler,
+        *,
+        queue: str | None = None,
+        member: bool = False,
     ) -> None:
-        """Subscribe ``handler``; every message runs in its own task."""
+        """Subscribe ``handler``; every message runs in its own task. ``member``: requests
+        with streams (ingress, stages) in ``queue``, which this instance beats for, also
+        taken on its own subject, and told to their callers while held
+        (services/members.py)."""
         stats = EndpointStats(name=name, subject=subject, queue_group=queue)
         self.discovery.endpoints.append(stats)
+        holds = member
 
         def cb(msg: Msg) -> None:
             # From the connection's read loop (a direct subscription): the request's task
             # starts on the loop's next turn, not one turn later.
             work = (
-                self._run(handler, msg, stats)
+                self._run(handler, msg, stats, holds)
                 if self._accepting
                 else self.reply_error(msg, self.interrupted_error())
             )
@@ -445,11 +523,19 @@ class Service:
 
         sub = await natsclient.subscribe_direct(self.nc, subject, cb, queue=queue or "")
         self._subs.append(sub)
+        if member and queue:
+            own = subjects.to_member(self.id, subject)
+            self._subs.append(await natsclient.subscribe_direct(self.nc, own, cb))
+            if queue not in self._member_groups:
+                self._member_groups.append(queue)
 
-    async def _run(self, handler: Handler, msg: Msg, stats: EndpointStats) -> None:
+    async def _run(
+        self, handler: Handler, msg: Msg, stats: EndpointStats, holds: bool = False
+    ) -> None:
         """Handle one request: failures go back to the caller, the outcome into ``stats``."""
         t = time.perf_counter_ns()
         err: str | None = None
+        hold = _Hold(self.nc, msg, self.trust_reply_header) if holds else None
         self._drop_unwritable_headers(msg)
         span = self._hop_span(msg) if tracing.on() else None
         token = tracing.activate(span)
@@ -473,6 +559,8 @@ class Service:
                 msg, E.InternalError(f"{self.name} failed to handle the request")
             )
         finally:
+            if hold is not None:
+                hold.cancel()
             stats.record(time.perf_counter_ns() - t, err)
             if span is not None:
                 tracing.end(span, err)

@@ -18,6 +18,9 @@ from typing import Any
 import openai
 import pytest
 
+from bus_schemas import codec, subjects
+from bus_schemas import headers as H
+from services import caller, members, runtime
 from services.natsconf import role_login
 from services.runtime import connect
 from tests import netns
@@ -26,6 +29,7 @@ from tests.conftest import (
     Procs,
     free_port,
     spawn_nats,
+    stack,
     start_stack,
     stop_process,
     wait_for,
@@ -33,6 +37,7 @@ from tests.conftest import (
 )
 from tests.lockedbus import UNLIMITED, LockedCluster, create_key
 from tests.lockedbus import wait_replicas as wait_cluster_replicas
+from tokenbus import Client
 from tokenbus.launcher import Child, Supervisor
 
 PROMPT: Any = [{"role": "user", "content": "a stall"}]
@@ -390,3 +395,102 @@ async def test_a_partitioned_worker_host_s_streams_move_to_another(
             assert procs.all_alive()
     finally:
         stop_process(srv)
+
+
+async def test_a_request_a_router_queues_is_not_sent_again(
+    nats_server: NatsServer, model: str, client: Client
+) -> None:
+    """A request held in a router's queue longer than the accept timeout is not taken for
+    lost: the router says it holds it (hold frames), the caller waits, and it is served
+    once a slot frees, never sent again."""
+    over = {"router": {"queue_timeout_s": 30.0}}
+    async with stack(nats_server.url, model, workers=1, worker={"max_concurrency": 1}, **over):
+        busy = client.chat(model, PROMPT, max_tokens=100_000, ignore_eos=True)
+        await busy.__anext__()
+        queued = client.chat(model, PROMPT, max_tokens=2)
+        await queued.start()
+        # Held past the accept timeout, with every hold frame on time.
+        held = caller.ACCEPT_TIMEOUT_S / runtime.HOLD_NOTICE_S + 2
+        await wait_for(lambda: queued.holds >= held, timeout=30, what="no hold frames")
+        await busy.aclose()
+        out = await asyncio.wait_for(queued.collect(), 30)
+    assert out.usage.completion_tokens == 2
+    assert queued.resends == 0
+
+
+async def test_senders_pass_over_a_member_that_stopped_beating(nats_server: NatsServer) -> None:
+    """Two members of a stage's queue group beat; one stops (a paused process): a sender
+    sends to the other by its own subject, and to the queue group again once the one that
+    stopped says it is gone (drained) or every member beats."""
+    nc = await connect(nats_server.url, "members-test")
+    try:
+        view = members.Members(nc)
+        await view.start()
+        stage = subjects.stage(subjects.STAGE_AUTH)
+        a = members.Beat(nc, "a", [subjects.STAGE_AUTH], every=0.1)
+        b = members.Beat(nc, "b", [subjects.STAGE_AUTH], every=0.1)
+        a.start()
+        b.start()
+        await wait_for(lambda: view.live(subjects.STAGE_AUTH) == (["a", "b"], 2), timeout=5)
+        assert view.subject_for(stage) == stage  # every member beats: the queue group
+        assert a._task is not None
+        a._task.cancel()  # stalled: no beat, no "gone"
+        only_b = subjects.to_member("b", stage)
+        await wait_for(lambda: view.subject_for(stage) == only_b, timeout=5, what="not passed over")
+        assert {view.subject_for(stage) for _ in range(50)} == {only_b}
+        # Other groups and subjects are not touched.
+        route = subjects.stage(subjects.STAGE_ROUTE)
+        assert view.subject_for(route) == route
+        # Gone (drained): no member known beats but the stalled one: the queue group.
+        await b.gone()
+        await wait_for(lambda: view.live(subjects.STAGE_AUTH) == ([], 1), timeout=5)
+        assert view.subject_for(stage) == stage
+        # A member's own subject that had no responders is forgotten at once.
+        c = members.Beat(nc, "c", [subjects.STAGE_AUTH], every=0.1)
+        c.start()
+        only_c = subjects.to_member("c", stage)
+        await wait_for(lambda: view.subject_for(stage) == only_c, timeout=5)
+        assert c._task is not None
+        c._task.cancel()
+        await nc.flush()  # its last beat, if one was on the way, is here
+        view.forget(only_c)
+        assert view.live(subjects.STAGE_AUTH) == ([], 1)
+        await view.stop()
+    finally:
+        await nc.close()
+
+
+async def test_a_dispatch_sent_again_is_acknowledged_not_run_twice(
+    nats_server: NatsServer, model: str, client: Client
+) -> None:
+    """A router whose ack from a worker was lost while the bus stalled asks the same worker
+    again (router/dispatch.py): the worker acknowledges the request it already runs and
+    does not start it a second time."""
+    async with stack(nats_server.url, model, workers=1) as svcs:
+        worker = svcs["workers"][0]
+        seen: list[Any] = []
+
+        async def keep(msg: Any) -> None:
+            seen.append(msg)
+
+        spy = await client.nc.subscribe(subjects.engine_generate(model, worker.replica), cb=keep)
+        s = client.chat(model, PROMPT, max_tokens=100_000, ignore_eos=True)
+        first = await s.__anext__()
+        await wait_for(lambda: seen, timeout=5, what="the dispatch was not seen")
+        again = seen[0]
+        frames_: list[dict[str, Any]] = []
+
+        async def frame(msg: Any) -> None:
+            frames_.append(codec.decode_map(msg.data))
+
+        inbox = await client.nc.subscribe(again.headers[H.REPLY_TO], cb=frame)
+        ack = await client.nc.request(again.subject, again.data, headers=again.headers, timeout=5)
+        assert codec.decode_map(ack.data)["ok"] is True
+        # The stream goes on; no second accept (a second run) came after the ack.
+        await wait_for(lambda: len(frames_) >= 3, timeout=10, what="the stream stopped")
+        assert [f for f in frames_ if f.get("t") != "c"] == []
+        assert len(worker._active) == 1
+        await s.aclose()
+        await inbox.unsubscribe()
+        await spy.unsubscribe()
+    assert first.text
