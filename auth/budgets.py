@@ -33,12 +33,12 @@ from typing import Any
 
 from nats.aio.client import Client as NATS
 from nats.js.api import StorageType
-from nats.js.errors import BucketNotFoundError, KeyNotFoundError, KeyWrongLastSequenceError
+from nats.js.errors import BucketNotFoundError, KeyNotFoundError
 from nats.js.kv import KeyValue
 
 from bus_schemas import codec, subjects
 from bus_schemas import errors as E
-from services import audit
+from services import audit, buckets
 from services.config import PriceSettings, kv_replicas
 
 BUCKET = "tokenbus_spend"
@@ -147,28 +147,12 @@ class SpendBook:
             raise RuntimeError("SpendBook.open() first")
         return self.kv
 
-    async def _cas(self, key: str, change: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    async def _cas(
+        self, key: str, change: Any, applied: Any = None
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
         """Apply ``change`` (which may raise) to the entry at ``key`` atomically: (before,
-        after)."""
-        kv = self._kv()
-        for _ in range(_MAX_CAS_TRIES):
-            try:
-                entry = await kv.get(key)
-                state = json.loads(entry.value) if entry.value else {}
-                rev: int | None = entry.revision
-            except KeyNotFoundError:
-                state, rev = {}, None
-            new = change(dict(state))
-            data = json.dumps(new, separators=(",", ":")).encode()
-            try:
-                if rev is None:
-                    await kv.create(key, data)
-                else:
-                    await kv.update(key, data, last=rev)
-            except KeyWrongLastSequenceError:
-                continue
-            return state, new
-        raise E.ServiceUnavailable("spend book contention: retry")
+        after); through a stalled stream leader too, never twice (services.buckets.cas)."""
+        return await buckets.cas(self._kv(), key, change, applied=applied, tries=_MAX_CAS_TRIES)
 
     # -- owners' budgets -------------------------------------------------------------------
     async def owner_budget(self, owner: str) -> Budget | None:
@@ -256,7 +240,10 @@ class SpendBook:
                     held[request_id] = [amount, deadline_s]
                     return {"spent": spent, "held": held}
 
-                await self._cas(entry, take)
+                def holds(cur: dict[str, Any]) -> bool:
+                    return request_id in (cur.get("held") or {})
+
+                await self._cas(entry, take, holds)
                 hold.budgets.append((b, entry))
         except BaseException:
             await self.release(hold)
@@ -279,7 +266,11 @@ class SpendBook:
                 held.pop(hold.request_id, None)
                 return {"spent": int(cur.get("spent", 0)) + actual, "held": held}
 
-            before, after = await self._cas(entry, charge)
+            def charged(cur: dict[str, Any]) -> bool:
+                # Applied already (its answer lost in a stall): the hold is gone.
+                return hold.request_id not in (cur.get("held") or {})
+
+            before, after = await self._cas(entry, charge, charged)
             was, now_spent = int(before.get("spent", 0)), int(after["spent"])
             if b.soft is not None and was < b.soft <= now_spent:
                 crossed.append((b, was, now_spent))

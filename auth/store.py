@@ -78,7 +78,7 @@ class KeyStore:
             async with audit.change(
                 self.nc, audit.KEY_CREATED, key_id, actor, request_id=request_id
             ) as change:
-                await self._kv().create(key_id, rec.model_dump_json().encode())
+                await buckets.create(self._kv(), key_id, rec.model_dump_json().encode())
                 self._cache[key_id] = rec
                 change.details = rec.model_dump(exclude={"id", "hash", "created_at", "enabled"})
         except audit.AuditIncomplete as exc:

@@ -51,6 +51,7 @@ from pydantic import BaseModel, Field, ValidationError
 
 from bus_schemas import errors as E
 from bus_schemas import subjects
+from services import buckets
 from services import logging as tlog
 from services.config import kv_replicas
 
@@ -208,7 +209,11 @@ async def record(
     subject = subjects.audit(action)
     try:
         try:
-            ack = await js.publish(subject, data, stream=STREAM, headers={"Nats-Msg-Id": ev.id})
+            # Through a stalled stream leader too: the message id makes a repeat a no-op.
+            ack = await buckets.through_stall(
+                lambda: js.publish(subject, data, stream=STREAM, headers={"Nats-Msg-Id": ev.id}),
+                what=f"audit {action}",
+            )
         except NoStreamResponseError:
             await ensure_stream(nc)
             ack = await js.publish(subject, data, stream=STREAM, headers={"Nats-Msg-Id": ev.id})

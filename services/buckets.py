@@ -15,11 +15,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable
-from typing import Any
+import json
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
-from nats.js.errors import KeyNotFoundError
+import nats.errors
+import nats.js.errors
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
+
+from bus_schemas import errors as E
+
+T = TypeVar("T")
 
 
 async def keys(kv: KeyValue, pattern: str = ">", *, live: bool = False) -> list[str]:
@@ -80,3 +88,114 @@ class Follow:
         if self._watcher is not None:
             with contextlib.suppress(Exception):
                 await self._watcher.stop()
+
+
+# While a bucket's stream has no leader (the leader paused or cut off, a new one being
+# elected: seconds), reads and writes time out or answer 503. A compare-and-set retries
+# through that for up to this long.
+STALL_RETRY_S = 20.0
+_STALL_PAUSE_S = 0.25
+_NO_LEADER = (
+    nats.errors.TimeoutError,
+    nats.errors.NoRespondersError,
+    nats.js.errors.ServiceUnavailableError,
+)
+# For a bucket that exists: a publish with no stream to answer is its stream without leader.
+_TRANSIENT = (*_NO_LEADER, nats.js.errors.NoStreamResponseError)
+
+
+async def cas(
+    kv: KeyValue,
+    key: str,
+    change: Callable[[dict[str, Any]], dict[str, Any]],
+    *,
+    applied: Callable[[dict[str, Any]], bool] | None = None,
+    tries: int = 100,
+    stall_s: float = STALL_RETRY_S,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Apply ``change`` (a JSON object to a new one; it may raise) to the entry at ``key``
+    atomically, retrying on a concurrent write (up to ``tries``) and through a leaderless
+    stream (up to ``stall_s``): (before, after).
+
+    A write whose answer was lost (a timeout) may have been applied: the retry then asks
+    ``applied(state)`` whether the change is already in the entry, and does not apply it
+    twice (``(state, state)`` is returned). Without ``applied`` the change must be
+    idempotent."""
+    give_up = time.monotonic() + stall_s
+    uncertain = False
+    clashes = 0
+    while True:
+        writing = False
+        try:
+            try:
+                entry = await kv.get(key)
+                state = json.loads(entry.value) if entry.value else {}
+                rev: int | None = entry.revision
+            except KeyNotFoundError:
+                state, rev = {}, None
+            if uncertain and applied is not None and applied(state):
+                return state, state
+            new = change(dict(state))
+            data = json.dumps(new, separators=(",", ":")).encode()
+            writing = True
+            if rev is None:
+                await kv.create(key, data)
+            else:
+                await kv.update(key, data, last=rev)
+            return state, new
+        except KeyWrongLastSequenceError:
+            clashes += 1
+            if clashes >= tries:
+                raise E.ServiceUnavailable(f"{key}: too many concurrent writes; retry") from None
+        except _TRANSIENT:
+            if time.monotonic() >= give_up:
+                raise E.ServiceUnavailable(
+                    f"{key}: the bucket's stream has no leader (a NATS node stalled?); retry"
+                ) from None
+            uncertain = uncertain or writing
+            await asyncio.sleep(_STALL_PAUSE_S)
+
+
+async def through_stall(
+    op: Callable[[], Awaitable[T]], *, what: str, stall_s: float = STALL_RETRY_S
+) -> T:
+    """``op()``, tried again while the stream it writes has no leader (up to ``stall_s``).
+    Only for an ``op`` that is safe to repeat (a publish with a ``Nats-Msg-Id``)."""
+    give_up = time.monotonic() + stall_s
+    while True:
+        try:
+            return await op()
+        except _NO_LEADER:
+            if time.monotonic() >= give_up:
+                raise
+            await asyncio.sleep(_STALL_PAUSE_S)
+
+
+async def create(kv: KeyValue, key: str, data: bytes, *, stall_s: float = STALL_RETRY_S) -> None:
+    """Create ``key`` with ``data`` (``KeyWrongLastSequenceError`` when it exists), through
+    a leaderless stream (up to ``stall_s``): a create whose answer was lost and that is
+    found stored with ``data`` counts as done."""
+    give_up = time.monotonic() + stall_s
+    uncertain = False
+    while True:
+        try:
+            await kv.create(key, data)
+            return
+        except KeyWrongLastSequenceError:
+            if not uncertain:
+                raise
+            try:
+                entry = await kv.get(key)
+            except _TRANSIENT:
+                entry = None
+            if entry is not None and entry.value == data:
+                return
+            if entry is not None:
+                raise
+        except _TRANSIENT:
+            uncertain = True
+        if time.monotonic() >= give_up:
+            raise E.ServiceUnavailable(
+                f"{key}: the bucket's stream has no leader (a NATS node stalled?); retry"
+            )
+        await asyncio.sleep(_STALL_PAUSE_S)

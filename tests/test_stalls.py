@@ -18,6 +18,8 @@ from typing import Any
 import openai
 import pytest
 
+from auth import budgets
+from auth.store import KeyStore
 from bus_schemas import codec, subjects
 from bus_schemas import headers as H
 from services import caller, members, runtime
@@ -494,3 +496,68 @@ async def test_a_dispatch_sent_again_is_acknowledged_not_run_twice(
         await inbox.unsubscribe()
         await spy.unsubscribe()
     assert first.text
+
+
+async def test_spend_and_keys_hold_exact_through_a_paused_stream_leader(
+    tmp_path: Path, paused: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The node that leads the spend book's stream (R3) paused while budgets are held and
+    settled and keys are made through another node: every write goes through once a new
+    leader is elected, none is applied twice (a settle whose answer was lost in the stall
+    is not charged again), and after the pause the paused node's replica catches up with
+    the same stream (no divergence)."""
+    monkeypatch.setenv("TOKENBUS_KV_REPLICAS", "3")
+    cluster = LockedCluster(tmp_path / "cluster").start()
+    try:
+        await cluster.routed()
+        await cluster.create_key("before")  # the key store, R3
+        probe = await cluster.admin(0)
+        book = await budgets.SpendBook(probe).open()
+        info = await probe.jetstream().stream_info(f"KV_{budgets.BUCKET}")
+        await probe.close()
+        assert info.cluster is not None and info.cluster.leader is not None
+        leader = int(info.cluster.leader.removeprefix("node"))
+        other = (leader + 1) % 3
+        nc = await cluster.admin(other)
+        try:
+            book = await budgets.SpendBook(nc).open()
+            keys = await KeyStore(nc).open(watch=False)
+            b = budgets.Budget("k.stall", "total", None, None)
+
+            async def spend(i: int) -> None:
+                hold = await book.reserve([b], f"r{i}", 100, time.time() + 60)
+                await book.settle(hold, 7)
+
+            await spend(0)
+            pause(paused, cluster.procs[leader].pid)
+            made = await asyncio.gather(*(keys.create(f"k{i}") for i in range(3)))
+            await asyncio.gather(*(spend(i) for i in range(1, 21)))
+            os.kill(cluster.procs[leader].pid, signal.SIGCONT)
+            assert await book.spent(b) == (21 * 7, 0)
+            js = nc.jetstream()
+
+            async def caught_up() -> bool:
+                si = await js.stream_info(f"KV_{budgets.BUCKET}")
+                peers = (si.cluster.replicas or []) if si.cluster else []
+                return len(peers) == 2 and all(p.current and not p.lag for p in peers)
+
+            deadline = time.monotonic() + 20
+            while not await caught_up():
+                assert time.monotonic() < deadline, "the paused node did not catch up"
+                await asyncio.sleep(0.1)
+        finally:
+            await nc.close()
+        # Read through the node that was paused: every key made meanwhile is there.
+        back = await cluster.admin(leader)
+        try:
+            store = await KeyStore(back).open()
+            for key, _ in made:
+                assert store.lookup(key).name.startswith("k")
+            assert await budgets.SpendBook(back).open() is not None
+        finally:
+            await back.close()
+    finally:
+        for pid in paused:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+        cluster.stop()
