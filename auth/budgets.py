@@ -147,12 +147,10 @@ class SpendBook:
             raise RuntimeError("SpendBook.open() first")
         return self.kv
 
-    async def _cas(
-        self, key: str, change: Any, applied: Any = None
-    ) -> tuple[dict[str, Any], dict[str, Any]]:
+    async def _cas(self, key: str, change: Any) -> tuple[dict[str, Any], dict[str, Any]]:
         """Apply ``change`` (which may raise) to the entry at ``key`` atomically: (before,
         after); through a stalled stream leader too, never twice (services.buckets.cas)."""
-        return await buckets.cas(self._kv(), key, change, applied=applied, tries=_MAX_CAS_TRIES)
+        return await buckets.cas(self._kv(), key, change, tries=_MAX_CAS_TRIES)
 
     # -- owners' budgets -------------------------------------------------------------------
     async def owner_budget(self, owner: str) -> Budget | None:
@@ -240,10 +238,7 @@ class SpendBook:
                     held[request_id] = [amount, deadline_s]
                     return {"spent": spent, "held": held}
 
-                def holds(cur: dict[str, Any]) -> bool:
-                    return request_id in (cur.get("held") or {})
-
-                await self._cas(entry, take, holds)
+                await self._cas(entry, take)
                 hold.budgets.append((b, entry))
         except BaseException:
             await self.release(hold)
@@ -266,11 +261,7 @@ class SpendBook:
                 held.pop(hold.request_id, None)
                 return {"spent": int(cur.get("spent", 0)) + actual, "held": held}
 
-            def charged(cur: dict[str, Any]) -> bool:
-                # Applied already (its answer lost in a stall): the hold is gone.
-                return hold.request_id not in (cur.get("held") or {})
-
-            before, after = await self._cas(entry, charge, charged)
+            before, after = await self._cas(entry, charge)
             was, now_spent = int(before.get("spent", 0)), int(after["spent"])
             if b.soft is not None and was < b.soft <= now_spent:
                 crossed.append((b, was, now_spent))

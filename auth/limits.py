@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import math
 import secrets
 import time
@@ -55,10 +54,11 @@ from typing import Any
 
 from nats.aio.client import Client as NATS
 from nats.js.api import StorageType
-from nats.js.errors import BucketNotFoundError, KeyNotFoundError, KeyWrongLastSequenceError
+from nats.js.errors import BucketNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
 from bus_schemas import errors as E
+from services import buckets
 from services.config import kv_replicas
 
 Change = Callable[[dict[str, Any]], dict[str, Any]]
@@ -273,38 +273,37 @@ class Limiter:
         return await fut
 
     async def _cas_batch(self, key: str, batch: list[tuple[Change, asyncio.Future[Any]]]) -> None:
-        kv = self._kv()
-        for _ in range(_MAX_CAS_TRIES):
-            try:
-                entry = await kv.get(key)
-                state = json.loads(entry.value) if entry.value else {}
-                rev: int | None = entry.revision
-            except KeyNotFoundError:
-                state, rev = {}, None
-            outcomes: list[dict[str, Any] | Exception] = []
+        """One compare-and-set for the whole batch (services.buckets.cas: through a stalled
+        stream leader too, never applied twice); a change that refuses leaves the state as
+        it was for the ones after it."""
+
+        def apply(state: dict[str, Any], outcomes: list[Any]) -> dict[str, Any]:
             for change, _ in batch:
                 try:
                     state = change(dict(state))
                     outcomes.append(state)
                 except E.TokenbusError as exc:  # refused: the state stays as it was
                     outcomes.append(exc)
-            data = json.dumps(state, separators=(",", ":")).encode()
-            try:
-                if rev is None:
-                    await kv.create(key, data)
-                else:
-                    await kv.update(key, data, last=rev)
-            except KeyWrongLastSequenceError:
-                continue  # another instance won this round: read again, redo the batch
-            for (_, fut), out in zip(batch, outcomes, strict=True):
-                if fut.done():
-                    continue
-                if isinstance(out, Exception):
-                    fut.set_exception(out)
-                else:
-                    fut.set_result(out)
-            return
-        raise E.ServiceUnavailable("rate limiter contention: retry")
+            return state
+
+        # Each attempt's outcomes, by the state it wrote: those of the write applied count.
+        tried: dict[int, list[Any]] = {}
+
+        def attempt(state: dict[str, Any]) -> dict[str, Any]:
+            outcomes: list[Any] = []
+            new = apply(state, outcomes)
+            tried[id(new)] = outcomes
+            return new
+
+        _, after = await buckets.cas(self._kv(), key, attempt, tries=_MAX_CAS_TRIES)
+        outcomes = tried[id(after)]
+        for (_, fut), out in zip(batch, outcomes, strict=True):
+            if fut.done():
+                continue
+            if isinstance(out, Exception):
+                fut.set_exception(out)
+            else:
+                fut.set_result(out)
 
     # --- requests and tokens per window ----------------------------------------------------
 

@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import json
 import time
+import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -104,26 +105,32 @@ _NO_LEADER = (
 _TRANSIENT = (*_NO_LEADER, nats.js.errors.NoStreamResponseError)
 
 
+# Where a compare-and-set entry keeps the ids of its last writes (a JSON object's key that
+# the changes never see): a write whose answer was lost is found there, not made twice.
+MARK = "_w"
+_MARKS_KEPT = 16
+
+
 async def cas(
     kv: KeyValue,
     key: str,
     change: Callable[[dict[str, Any]], dict[str, Any]],
     *,
-    applied: Callable[[dict[str, Any]], bool] | None = None,
     tries: int = 100,
     stall_s: float = STALL_RETRY_S,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Apply ``change`` (a JSON object to a new one; it may raise) to the entry at ``key``
     atomically, retrying on a concurrent write (up to ``tries``) and through a leaderless
-    stream (up to ``stall_s``): (before, after).
+    stream (up to ``stall_s``): (before, after), without :data:`MARK`.
 
-    A write whose answer was lost (a timeout) may have been applied: the retry then asks
-    ``applied(state)`` whether the change is already in the entry, and does not apply it
-    twice (``(state, state)`` is returned). Without ``applied`` the change must be
-    idempotent."""
+    Each write carries an id of its own under :data:`MARK` (the last few are kept). A write
+    whose answer was lost (a timeout) may have been applied: before trying again, the entry
+    is read and, when it holds one of this call's ids, that write's (before, after) is
+    returned instead of applying ``change`` twice."""
     give_up = time.monotonic() + stall_s
     uncertain = False
     clashes = 0
+    made: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {}
     while True:
         writing = False
         try:
@@ -133,10 +140,18 @@ async def cas(
                 rev: int | None = entry.revision
             except KeyNotFoundError:
                 state, rev = {}, None
-            if uncertain and applied is not None and applied(state):
-                return state, state
+            marks = state.pop(MARK, None)
+            marks = marks if isinstance(marks, list) else []
+            if uncertain:
+                done = next((m for m in marks if m in made), None)
+                if done is not None:
+                    return made[done]
             new = change(dict(state))
-            data = json.dumps(new, separators=(",", ":")).encode()
+            mark = uuid.uuid4().hex[:12]
+            made[mark] = (state, new)
+            data = json.dumps(
+                {**new, MARK: [*marks, mark][-_MARKS_KEPT:]}, separators=(",", ":")
+            ).encode()
             writing = True
             if rev is None:
                 await kv.create(key, data)

@@ -4,14 +4,18 @@ marker (a key store that trusted an early marker refused a valid key in CI)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
 from collections.abc import AsyncIterator
 from types import SimpleNamespace
 from typing import Any
 
 import nats
+import nats.errors
+import nats.js.errors
 import pytest
 
+from bus_schemas import errors as E
 from services import buckets
 from tests.conftest import NatsServer
 
@@ -92,3 +96,65 @@ async def test_an_early_end_marker_does_not_sync_before_the_values(kv: Any) -> N
     await asyncio.wait_for(follow.synced.wait(), 10)
     assert len(seen) == 50
     await follow.close()
+
+
+class _LostAnswers:
+    """A bucket on the real bus whose next ``lose`` writes are made but their answers lost
+    (raised as a timeout), as when the stream's leader stalls after storing them."""
+
+    def __init__(self, kv: Any, lose: int) -> None:
+        self.kv, self.lose = kv, lose
+
+    async def get(self, key: str) -> Any:
+        return await self.kv.get(key)
+
+    async def _lost(self) -> None:
+        if self.lose:
+            self.lose -= 1
+            raise nats.errors.TimeoutError
+
+    async def create(self, key: str, data: bytes) -> int:
+        seq = await self.kv.create(key, data)
+        await self._lost()
+        return int(seq)
+
+    async def update(self, key: str, data: bytes, last: int) -> int:
+        seq = await self.kv.update(key, data, last=last)
+        await self._lost()
+        return int(seq)
+
+
+class _NoLeader:
+    """A bucket whose stream has no leader: every read times out."""
+
+    async def get(self, key: str) -> Any:
+        raise nats.errors.TimeoutError
+
+
+async def test_a_compare_and_set_whose_answer_was_lost_is_not_applied_twice(kv: Any) -> None:
+    def add(state: dict[str, Any]) -> dict[str, Any]:
+        return {"n": int(state.get("n", 0)) + 1}
+
+    lossy = _LostAnswers(kv, lose=1)
+    assert await buckets.cas(lossy, "c", add) == ({}, {"n": 1})  # a create
+    assert await buckets.cas(lossy, "c", add) == ({"n": 1}, {"n": 2})
+    lossy.lose = 1
+    assert await buckets.cas(lossy, "c", add) == ({"n": 2}, {"n": 3})  # an update
+    # Another writer between: still applied once, the marks of both kept.
+    lossy.lose = 2
+    assert (await buckets.cas(lossy, "c", add))[1] == {"n": 4}
+    assert await buckets.cas(kv, "c", add) == ({"n": 4}, {"n": 5})
+    entry = await kv.get("c")
+    assert len(json.loads(entry.value)[buckets.MARK]) == 5
+    # A leaderless stream for longer than the bound: a clear, retryable error.
+    with pytest.raises(E.ServiceUnavailable):
+        await buckets.cas(_NoLeader(), "c", add, stall_s=0.5)
+
+
+async def test_a_create_whose_answer_was_lost_counts_as_done(kv: Any) -> None:
+    await buckets.create(_LostAnswers(kv, lose=1), "k", b"v1")
+    assert (await kv.get("k")).value == b"v1"
+    with pytest.raises(nats.js.errors.KeyWrongLastSequenceError):
+        await buckets.create(kv, "k", b"v2")  # taken: not overwritten
+    with pytest.raises(nats.js.errors.KeyWrongLastSequenceError):
+        await buckets.create(_LostAnswers(kv, lose=0), "k", b"v2")
