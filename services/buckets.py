@@ -161,7 +161,10 @@ async def cas(
         except KeyWrongLastSequenceError:
             clashes += 1
             if clashes >= tries:
-                raise E.ServiceUnavailable(f"{key}: too many concurrent writes; retry") from None
+                raise E.ServiceUnavailable(
+                    f"{key}: changed under every one of {tries} tries (concurrent writers, "
+                    "or a NATS node cut off from its cluster); retry"
+                ) from None
         except _TRANSIENT:
             if time.monotonic() >= give_up:
                 raise E.ServiceUnavailable(

@@ -93,22 +93,27 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def wait_port(port: int, timeout: float = 10) -> None:
+def wait_port(port: int, timeout: float = 10, host: str = "127.0.0.1") -> None:
     """Until something listens on ``port`` (a server just started)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if port_open("127.0.0.1", port):
+        if port_open(host, port):
             return
         time.sleep(0.02)
     raise RuntimeError(f"nothing listens on port {port}")
 
 
-def spawn_nats(port: int, *args: str) -> subprocess.Popen[bytes]:
-    """A nats-server process with ``args``, once it listens on ``port``."""
+def spawn_nats(
+    port: int, *args: str, prefix: Sequence[str] = (), host: str = "127.0.0.1"
+) -> subprocess.Popen[bytes]:
+    """A nats-server process with ``args``, once it listens on ``host``:``port``
+    (``prefix``: what runs it elsewhere, ``ip netns exec <host>``)."""
     proc = subprocess.Popen(
-        [nats_server_binary(), *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        [*prefix, nats_server_binary(), *args],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
-    wait_port(port)
+    wait_port(port, host=host)
     return proc
 
 

@@ -13,6 +13,7 @@ import json
 import signal
 import subprocess
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ from services.natsconf import generate, role_env, role_login
 from services.runtime import servers
 from tests import conftest
 from tests.conftest import free_port, spawn_nats
+from tests.netns import Host
 from tokenbus import Client
 
 PING = [{"role": "user", "content": "ready?"}]
@@ -76,28 +78,38 @@ class LockedCluster:
     its server name, listen port, JetStream store and cluster block. Routes carry no auth
     (loopback only)."""
 
-    def __init__(self, folder: Path, n: int = 3) -> None:
+    def __init__(self, folder: Path, n: int = 3, hosts: list[Host] | None = None) -> None:
+        # ``hosts``: each node on a host of its own (tests/netns.py), reached at its address
+        # from this machine, routed to its peers over their addresses; else on loopback.
+        self.hosts = hosts
+        self.addrs = [h.addr for h in hosts] if hosts else ["127.0.0.1"] * n
+        n = len(self.addrs)
         self.ports = [free_port() for _ in range(n)]
         self.cports = [free_port() for _ in range(n)]
+        self.mports = [free_port() for _ in range(n)]
         self.conf, self.users = generate(folder, port=self.ports[0], callout=True)
-        routes = ", ".join(json.dumps(f"nats://127.0.0.1:{p}") for p in self.cports)
+        routes = ", ".join(
+            json.dumps(f"nats://{a}:{p}") for a, p in zip(self.addrs, self.cports, strict=True)
+        )
         self.confs: list[Path] = []
-        for i, (port, cport) in enumerate(zip(self.ports, self.cports, strict=True)):
+        for i, addr in enumerate(self.addrs):
+            port, cport = self.ports[i], self.cports[i]
             conf = folder / f"node{i}.conf"
             # Later keys override the included ones (listen, jetstream).
             conf.write_text(
                 f"include {json.dumps(self.conf.name)}\n"
                 f"server_name: node{i}\n"
-                f"listen: {json.dumps(f'127.0.0.1:{port}')}\n"
+                f"listen: {json.dumps(f'{addr}:{port}')}\n"
+                f"http: {json.dumps(f'{addr}:{self.mports[i]}')}\n"
                 f"jetstream {{ store_dir: {json.dumps(str(folder / f'jetstream-{i}'))} }}\n"
-                f"cluster {{ name: tokenbus, listen: {json.dumps(f'127.0.0.1:{cport}')}, "
+                f"cluster {{ name: tokenbus, listen: {json.dumps(f'{addr}:{cport}')}, "
                 f"routes: [{routes}] }}\n"
             )
             self.confs.append(conf)
         self.procs: list[subprocess.Popen[bytes]] = []
 
     def url(self, i: int) -> str:
-        return f"nats://127.0.0.1:{self.ports[i]}"
+        return f"nats://{self.addrs[i]}:{self.ports[i]}"
 
     def urls(self, first: int) -> str:
         """Node ``first``, then the others (for failover), comma separated."""
@@ -105,9 +117,22 @@ class LockedCluster:
         return ",".join(self.url(i) for i in order)
 
     def start(self) -> LockedCluster:
-        for port, conf in zip(self.ports, self.confs, strict=True):
-            self.procs.append(spawn_nats(port, "-c", str(conf)))
+        for i, (port, conf) in enumerate(zip(self.ports, self.confs, strict=True)):
+            prefix = self.hosts[i].prefix() if self.hosts else ()
+            self.procs.append(spawn_nats(port, "-c", str(conf), prefix=prefix, host=self.addrs[i]))
         return self
+
+    def stream_state(self, i: int, stream: str) -> dict[str, Any]:
+        """Node ``i``'s own replica of ``stream`` (its monitoring endpoint): messages,
+        first and last sequence."""
+        url = f"http://{self.addrs[i]}:{self.mports[i]}/jsz?accounts=true&streams=true"
+        with urllib.request.urlopen(url, timeout=5) as r:
+            jsz = json.load(r)
+        for acc in jsz.get("account_details") or []:
+            for st in acc.get("stream_detail") or []:
+                if st.get("name") == stream:
+                    return dict(st["state"])
+        return {}
 
     def kill(self, i: int) -> None:
         self.procs[i].send_signal(signal.SIGKILL)

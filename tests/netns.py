@@ -86,6 +86,17 @@ class Hosts:
     def heal(self, host: Host) -> None:
         _ip("link", "set", host.link, "up")
 
+    def isolate(self, a: Host, b: Host) -> None:
+        """Cut ``a`` and ``b`` off from each other only (each drops what it would send the
+        other: a blackhole route, nothing reset); both still reach everyone else."""
+        _ip("-n", a.netns, "route", "add", "blackhole", f"{b.addr}/32")
+        _ip("-n", b.netns, "route", "add", "blackhole", f"{a.addr}/32")
+
+    def rejoin(self, a: Host, b: Host) -> None:
+        for x, y in ((a, b), (b, a)):
+            with contextlib.suppress(subprocess.CalledProcessError):
+                _ip("-n", x.netns, "route", "del", "blackhole", f"{y.addr}/32")
+
     def stop(self) -> None:
         for h in self.hosts:
             with contextlib.suppress(subprocess.CalledProcessError, subprocess.TimeoutExpired):

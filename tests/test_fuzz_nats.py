@@ -463,6 +463,17 @@ class FuzzBus:
                 self.request_headers(),
                 answers="state",
             )
+        if name == "to.ingress":  # one ingress by its own subject (services/members.py)
+            t = self.target("req")
+            t.subjects = [subjects.to_member(ids["ingress"], x) for x in t.subjects]
+            return t
+        if name == "to.stage":
+            t = self.target("stage.auth")
+            t.subjects = [subjects.to_member(ids["auth"], t.subjects[0])]
+            return t
+        if name == "members":  # forged beats: senders must not fail on them
+            groups = [*subjects.MEMBER_GROUPS, "nope"]
+            return Target([subjects.members(g) for g in groups], {"id": "forged", "every": 0.5}, [])
         if name.startswith("stage."):
             stage = name.partition(".")[2]
             return Target(
@@ -959,6 +970,9 @@ FAMILIES = [
     "stage.ratelimit",
     "stage.filter",
     "stage.route",
+    "to.ingress",
+    "to.stage",
+    "members",
     "engine",
     "cancel",
     "heartbeat",
@@ -1339,6 +1353,9 @@ def test_the_families_cover_every_role() -> None:
     examples = [
         subjects.request("chat"),
         subjects.stage("auth"),
+        subjects.to_member("x", subjects.request("chat")),
+        subjects.to_member("x", subjects.stage("auth")),
+        subjects.members("ingress"),
         subjects.engine_generate(model, replica),
         subjects.worker_cancel(replica),
         subjects.heartbeat(model, replica),
