@@ -212,6 +212,26 @@ class Client(NATS):
         self._heard()
         await super()._process_pong()
 
+    async def _ping_interval(self) -> None:
+        """Ping the server every ping interval; take it for gone when more pings than
+        allowed are unanswered. Unlike nats-py's loop, a ping never waits for the writer:
+        behind a socket that takes nothing (a partition under load: the kernel's buffer
+        full, nothing reset) nats-py's flush queue fills, its ping loop waits on it for
+        ever, and the dead server is never noticed."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(self.options["ping_interval"])
+            if not self.is_connected or self._transport is None:
+                continue
+            self._pings_outstanding += 1
+            if self._pings_outstanding > self.options["max_outstanding_pings"]:
+                await self._process_op_err(errors.StaleConnectionError())
+                return
+            self._pongs.append(loop.create_future())
+            self._transport.write(b"PING\r\n")
+            with contextlib.suppress(asyncio.QueueFull):
+                self._flush_queue.put_nowait(loop.create_future())  # type: ignore[union-attr]
+
     async def _connect_to_server(self, s: Any) -> None:
         try:
             await super()._connect_to_server(s)
@@ -291,7 +311,19 @@ class Client(NATS):
             self._current_server.last_attempt = None
         if isinstance(e, errors.StaleConnectionError) and self.is_connected:
             self.stalled_at = time.monotonic()
+            self._abort_socket()
         await super()._process_op_err(e)
+
+    def _abort_socket(self) -> None:
+        """Drop the socket of a server that stopped answering at once. nats-py closes it
+        and waits until it is closed, and a socket closes only once what it holds is sent:
+        to a server cut off (a partition, nothing reset) with unsent data, that wait lasts
+        until TCP gives up, minutes, and the reconnect waits with it."""
+        writer = getattr(self._transport, "_io_writer", None)
+        sock = getattr(writer, "transport", None)
+        if sock is not None:
+            with contextlib.suppress(Exception):
+                sock.abort()
 
     async def _process_err(self, err_msg: str) -> None:
         # A login ended while connected (its user JWT expired): nats-py closes the connection.

@@ -24,7 +24,7 @@ from auth.store import KeyStore
 from bus_schemas import codec, subjects
 from bus_schemas import errors as E
 from bus_schemas import headers as H
-from services import buckets, caller, members, runtime
+from services import buckets, caller, members, natsclient, runtime
 from services.natsconf import role_login
 from services.runtime import connect
 from tests import netns
@@ -190,10 +190,12 @@ async def _key_when_jetstream_answers(cluster: LockedCluster, deadline: float) -
                 raise
 
 
-# The cluster fault's load and least length: small in the suite; the figures in
-# docs/fault-tolerance.md come from TOKENBUS_TEST_CLIENTS=32 TOKENBUS_TEST_FAULT_S=45.
+# The cluster fault's load, least length and stages: small in the suite; the figures in
+# docs/fault-tolerance.md come from TOKENBUS_TEST_CLIENTS=32 TOKENBUS_TEST_FAULT_S=45
+# TOKENBUS_TEST_STAGES=auth,ratelimit,filter (every stage).
 CLIENTS = int(os.environ.get("TOKENBUS_TEST_CLIENTS", "8"))
 FAULT_S = float(os.environ.get("TOKENBUS_TEST_FAULT_S", "0"))
+STAGES = os.environ.get("TOKENBUS_TEST_STAGES", "auth").split(",")
 
 
 async def test_a_paused_cluster_node_under_the_bridge_fails_next_to_nothing(
@@ -250,13 +252,16 @@ async def _node_fault_under_load(
 ) -> None:
     await cluster.routed()
     key = await cluster.create_key("stall", **UNLIMITED)
-    env = {"TOKENBUS_INGRESS__PIPELINE": '["auth", "route"]', "TOKENBUS_KV_REPLICAS": "3"}
+    env = {
+        "TOKENBUS_INGRESS__PIPELINE": json.dumps([*STAGES, "route"]),
+        "TOKENBUS_KV_REPLICAS": "3",
+    }
     with Procs(cluster.urls(0), tmp_path) as procs:
         stack = await start_stack(
             procs,
             model,
             "ingress",
-            "auth",
+            *STAGES,
             "router",
             workers=3,
             worker_args=("--sim-prefill-ms", "5", "--sim-decode-ms", "20"),
@@ -677,3 +682,58 @@ async def test_a_leader_cut_off_from_its_peers_takes_no_write_and_leaves_no_spli
             await back.close()
     finally:
         cluster.stop()
+
+
+async def test_a_connection_with_unsent_data_leaves_a_cut_off_server_within_seconds(
+    hosts: netns.Hosts, tmp_path: Path
+) -> None:
+    """A connection that has much to send when its server is cut off (a partition under
+    load: the socket takes nothing, nothing is reset) takes the server for gone within a
+    few ping intervals and reconnects elsewhere. nats-py alone waited until TCP gave up
+    (minutes): its ping loop waited on the stuck writer, and its reconnect waited for the
+    socket to close, which a socket with unsent data does not do."""
+    far = hosts.add("far")
+    port, near_port = free_port(), free_port()
+    srv = spawn_nats(port, "-a", far.addr, "-p", str(port), prefix=far.prefix(), host=far.addr)
+    near = spawn_nats(near_port, "-a", "127.0.0.1", "-p", str(near_port))
+    left = asyncio.Event()
+    try:
+
+        async def disconnected() -> None:
+            left.set()
+
+        nc = await natsclient.connect(
+            [f"nats://{far.addr}:{port}", f"nats://127.0.0.1:{near_port}"],
+            dont_randomize=True,
+            disconnected_cb=disconnected,
+        )
+        try:
+            assert nc.connected_url is not None and nc.connected_url.port == port
+            hosts.cut(far)
+            t0 = time.monotonic()
+            chunk = b"x" * 60_000
+
+            async def flood() -> None:
+                for _ in range(1500):  # 90 MB: far more than the socket's buffers hold
+                    if left.is_set():
+                        return
+                    await nc.publish("tb.test.cut", chunk)
+
+            task = asyncio.get_running_loop().create_task(flood())
+            try:
+                await asyncio.wait_for(left.wait(), 15)
+            finally:
+                task.cancel()
+            print(f"\nleft the cut-off server {time.monotonic() - t0:.1f} s after the cut")
+            await wait_for(
+                lambda: nc.is_connected and nc.connected_url.port == near_port,
+                timeout=15,
+                what="not reconnected to the other server",
+            )
+        finally:
+            # nats-py's close sends what is unsent first: to a cut-off server, for ever.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(nc.close(), 5)
+    finally:
+        stop_process(near)
+        stop_process(srv)
