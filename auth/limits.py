@@ -216,7 +216,9 @@ class Limiter:
     async def claim(self, name: str) -> bool:
         """True the first time ``name`` is claimed by any limiter within a few windows."""
         try:
-            await self._kv().create(f"once.{name}", b"1")
+            # Through a stalled stream leader too; a value of its own, so that a claim
+            # whose answer was lost is told from another limiter's (services.buckets.create).
+            await buckets.create(self._kv(), f"once.{name}", uuid.uuid4().hex.encode())
         except KeyWrongLastSequenceError:
             return False
         return True
