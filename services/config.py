@@ -683,6 +683,12 @@ class Settings(BaseSettings):
         description="Replicas of the JetStream buckets and streams tokenbus creates (keys, "
         "limits, routing, audit): 3 on a 3-node NATS cluster, so they survive a node's loss.",
     )
+    loop_watchdog_s: float = Field(
+        default=0.0,
+        ge=0,
+        description="End the process (exit 70) when its event loop has not turned for this "
+        "long, so that a restart policy brings it back (0: off; compose sets 30).",
+    )
     health_file: str = Field(
         default="",
         description="Write this file every 2 s while connected to NATS (`tokenbus health "

@@ -19,6 +19,7 @@ import re
 import signal
 import socket
 import ssl
+import threading
 import time
 import uuid
 from collections import OrderedDict
@@ -685,6 +686,8 @@ async def _serve(service: Service) -> None:
         return
     starting.result()  # a failed start raises here
     settle_heap()
+    if service.settings.loop_watchdog_s > 0:
+        LoopWatchdog(service.settings.loop_watchdog_s).start()
     health = (
         asyncio.ensure_future(write_health(service, service.settings.health_file))
         if service.settings.health_file
@@ -697,6 +700,46 @@ async def _serve(service: Service) -> None:
         if health is not None:
             health.cancel()
         await service.drain()
+
+
+class LoopWatchdog:
+    """Ends this process when its event loop has not turned for ``limit_s`` (a blocking
+    call, a deadlock): from a thread of its own, which a stuck loop does not stop. Where a
+    supervisor restarts what exits (compose's restart policy, systemd), the process comes
+    back instead of holding its requests and its place in queue groups. A process that is
+    paused whole (SIGSTOP, a frozen VM) cannot act on itself: ``tokenbus up``'s supervisor
+    and Kubernetes' liveness probes handle that."""
+
+    EXIT_CODE = 70
+
+    def __init__(self, limit_s: float) -> None:
+        self.limit_s = limit_s
+        self.turned = time.monotonic()
+
+    def start(self) -> None:
+        loop = asyncio.get_running_loop()
+
+        def tick() -> None:
+            self.turned = time.monotonic()
+            loop.call_later(min(1.0, self.limit_s / 4), tick)
+
+        tick()
+        threading.Thread(target=self._watch, name="loop-watchdog", daemon=True).start()
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(min(1.0, self.limit_s / 4))
+            stuck = time.monotonic() - self.turned
+            if stuck > self.limit_s:
+                # The loop cannot log; stderr is written from this thread, then the exit.
+                os.write(
+                    2,
+                    json.dumps(
+                        {"event": "event_loop_stuck", "stuck_s": round(stuck, 1), "exit": 70}
+                    ).encode()
+                    + b"\n",
+                )
+                os._exit(self.EXIT_CODE)
 
 
 HEALTH_EVERY_S = 2.0

@@ -8,6 +8,7 @@ import contextlib
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 from collections import Counter
@@ -737,3 +738,29 @@ async def test_a_connection_with_unsent_data_leaves_a_cut_off_server_within_seco
     finally:
         stop_process(near)
         stop_process(srv)
+
+
+def test_a_process_whose_event_loop_is_stuck_ends_itself(tmp_path: Path) -> None:
+    """The loop watchdog (``loop_watchdog_s``, compose sets 30 s): a process whose event
+    loop stops turning (a blocking call) exits with 70, so a restart policy brings it back;
+    one whose loop turns is left alone."""
+    script = tmp_path / "stuck.py"
+    script.write_text(
+        "import asyncio, sys, time\n"
+        "from services.runtime import LoopWatchdog\n"
+        "async def main():\n"
+        "    LoopWatchdog(0.5).start()\n"
+        "    await asyncio.sleep(1.5)  # turning: nothing happens\n"
+        "    print('alive', flush=True)\n"
+        "    time.sleep(30)  # stuck\n"
+        "asyncio.run(main())\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        timeout=25,
+        cwd=Path(__file__).resolve().parents[1],
+    )
+    assert proc.returncode == runtime.LoopWatchdog.EXIT_CODE, proc
+    assert proc.stdout.strip() == b"alive"
+    assert b"event_loop_stuck" in proc.stderr

@@ -123,6 +123,7 @@ def services(groups: list[Group], model: str) -> dict[str, Any]:
                 "TOKENBUS_NATS_TLS_CA": "/config/tls/ca.pem",
                 "TOKENBUS_NATS_LOGIN_FILE": "/config/roles/worker.json",
                 "TOKENBUS_HEALTH_FILE": HEALTH_FILE,
+                "TOKENBUS_LOOP_WATCHDOG_S": "30",
                 # vLLM drains its running requests: longer than the stages' 30 s.
                 "TOKENBUS_DRAIN_TIMEOUT_S": "120",
                 "HF_HOME": HF_CACHE,
