@@ -237,6 +237,10 @@ def parse_input(
     return lines, errors
 
 
+class _NoChange(Exception):
+    """A batch change that changes nothing (or no such batch): nothing is written."""
+
+
 class BatchStore:
     """Batch records, line results and the work stream (see the module docstring)."""
 
@@ -299,7 +303,9 @@ class BatchStore:
             return None
         if entry.value is None:
             return None
-        return json.loads(entry.value), int(entry.revision or 0)
+        rec = json.loads(entry.value)
+        rec.pop(buckets.MARK, None)
+        return rec, int(entry.revision or 0)
 
     async def get(self, batch_id: str, owner: str) -> dict[str, Any]:
         found = await self.load(batch_id)
@@ -309,7 +315,7 @@ class BatchStore:
 
     async def create(self, rec: dict[str, Any]) -> None:
         key = subjects.token(rec["batch"]["id"])
-        await self._kv().create(key, json.dumps(rec).encode())
+        await buckets.create(self._kv(), key, json.dumps(rec).encode())
         if self.open_index is not None:
             await self.open_index.put(key, b"")
         await self._index_owner(rec)
@@ -355,25 +361,26 @@ class BatchStore:
     async def update(
         self, batch_id: str, change: Callable[[dict[str, Any]], bool]
     ) -> dict[str, Any] | None:
-        """Apply ``change`` (in place; False: no change) by compare-and-set until it holds;
-        the record after it, or None when there is no such batch."""
-        for _ in range(200):
-            found = await self.load(batch_id)
-            if found is None:
-                return None
-            rec, rev = found
-            if not change(rec):
-                return rec
-            try:
-                await self._kv().update(
-                    subjects.token(batch_id), json.dumps(rec).encode(), last=rev
-                )
-                if rec["batch"]["status"] not in OPEN:
-                    await self.closed(batch_id)
-                return rec
-            except (KeyWrongLastSequenceError, BadRequestError):
-                await asyncio.sleep(0.002)
-        raise E.ServiceUnavailable("the batch record is too busy to change; retry")
+        """Apply ``change`` (in place; False: no change) by compare-and-set until it holds
+        (through a stalled stream leader too, never twice: services.buckets.cas); the record
+        after it, or None when there is no such batch."""
+        kept: list[dict[str, Any]] = []
+
+        def apply(state: dict[str, Any]) -> dict[str, Any]:
+            if not state:
+                raise _NoChange  # no such batch
+            if not change(state):
+                kept.append(state)
+                raise _NoChange
+            return state
+
+        try:
+            _, rec = await buckets.cas(self._kv(), subjects.token(batch_id), apply, tries=200)
+        except _NoChange:
+            return kept[-1] if kept else None
+        if rec["batch"]["status"] not in OPEN:
+            await self.closed(batch_id)
+        return rec
 
     async def all(self) -> list[dict[str, Any]]:
         try:
@@ -385,7 +392,9 @@ class BatchStore:
             with contextlib.suppress(KeyNotFoundError, NotFoundError):
                 entry = await self._kv().get(k)
                 if entry.value:
-                    out.append(json.loads(entry.value))
+                    rec = json.loads(entry.value)
+                    rec.pop(buckets.MARK, None)
+                    out.append(rec)
         return out
 
     async def cancel(self, batch_id: str, owner: str) -> dict[str, Any]:
@@ -416,7 +425,9 @@ class BatchStore:
         """Write line ``n``'s answer once; False when it has one already."""
         assert self.results is not None
         try:
-            await self.results.create(f"{subjects.token(batch_id)}.{n}", json.dumps(line).encode())
+            await buckets.create(
+                self.results, f"{subjects.token(batch_id)}.{n}", json.dumps(line).encode()
+            )
         except (KeyWrongLastSequenceError, BadRequestError):
             return False
         return True

@@ -205,7 +205,9 @@ async def set_override(
     ) as change:
         kv = await open_bucket(nc)
         previous = await kvmap.current(kv, model, _override)
-        await kv.put(kv_key(model), json.dumps(override).encode())
+        data = json.dumps(override).encode()
+        # Through a stalled stream leader too (a put is safe to repeat).
+        await buckets.through_stall(lambda: kv.put(kv_key(model), data), what="routing change")
         change.details = {"override": override, "previous": previous}
 
 

@@ -213,7 +213,9 @@ async def set_alias(
     async with audit.change(nc, audit.ALIAS_CHANGED, name, actor, request_id=request_id) as c:
         kv = await open_bucket(nc)
         previous = await kvmap.current(kv, name, _target)
-        await kv.put(kvmap.kv_key(name), json.dumps({"model": model}).encode())
+        data = json.dumps({"model": model}).encode()
+        # Through a stalled stream leader too (a put is safe to repeat).
+        await buckets.through_stall(lambda: kv.put(kvmap.kv_key(name), data), what="alias")
         c.details = {"model": model, "previous": previous}
 
 

@@ -185,7 +185,9 @@ async def through_stall(
             return await op()
         except _NO_LEADER:
             if time.monotonic() >= give_up:
-                raise
+                raise E.ServiceUnavailable(
+                    f"{what}: the stream has no leader (a NATS node stalled?); retry"
+                ) from None
             await asyncio.sleep(_STALL_PAUSE_S)
 
 
