@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import uuid
 from typing import Any
 
 from nats.aio.client import Client as NATS
@@ -46,6 +47,7 @@ from gateway.asgi import Send
 from gateway.batches import BatchStore
 from gateway.openai_api import BACKGROUND, SSE_HEADERS, InProcess
 from gateway.response_store import ResponseStore, conversation, open_store
+from services import buckets
 from services import logging as tlog
 from services.config import Settings
 
@@ -340,6 +342,7 @@ class _Events:
         self.buf = b""
         self.last = -1
         self.closed = False  # cancelled: the request's own last words are dropped
+        self.run = uuid.uuid4().hex[:12]  # this run's events (a rerun starts over)
 
     async def feed(self, chunk: bytes) -> None:
         if self.closed:
@@ -354,7 +357,16 @@ class _Events:
                     await self.publish(ev)
 
     async def publish(self, ev: dict[str, Any]) -> None:
-        await self.js.publish(self.subject, json.dumps(ev).encode(), stream=EVENTS_STREAM)
+        """One event, through a stalled stream leader too: its id (the response's subject,
+        this run, the event's sequence number) makes a repeat a no-op."""
+        data = json.dumps(ev).encode()
+        seq = ev.get("sequence_number")
+        ident = f"{self.subject}.{self.run}.{seq}" if isinstance(seq, int) else uuid.uuid4().hex
+        hdrs = {"Nats-Msg-Id": ident}
+        await buckets.through_stall(
+            lambda: self.js.publish(self.subject, data, stream=EVENTS_STREAM, headers=hdrs),
+            what="background response event",
+        )
 
 
 class BackgroundState:

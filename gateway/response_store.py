@@ -29,6 +29,7 @@ from bus_schemas import codec, subjects
 from bus_schemas import errors as E
 from bus_schemas import headers as H
 from dialects.responses import RESPONSE_ID
+from services import buckets
 from services import logging as tlog
 from services.config import ResponsesSettings, Settings, kv_replicas
 
@@ -109,10 +110,12 @@ class ResponseStore:
     async def _write(self, response_id: str, record: dict[str, Any], *, create: bool) -> bool:
         data = json.dumps(record, separators=(",", ":")).encode()
         try:
+            # Through a stalled stream leader too (services.buckets).
+            kv = self._kv()
             if create:
-                await self._kv().create(response_id, data)
+                await buckets.create(kv, response_id, data)
             else:
-                await self._kv().put(response_id, data)
+                await buckets.through_stall(lambda: kv.put(response_id, data), what="response")
         except Exception as exc:
             log.warning(
                 "response_not_stored", response_id=response_id, bytes=len(data), error=repr(exc)
