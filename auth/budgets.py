@@ -131,7 +131,7 @@ class SpendBook:
     async def open(self) -> SpendBook:
         js = self.nc.jetstream()
         try:
-            self.kv = await js.key_value(BUCKET)
+            self.kv = await buckets.through_stall(lambda: js.key_value(BUCKET), what=BUCKET)
         except BucketNotFoundError:
             self.kv = await js.create_key_value(
                 bucket=BUCKET,
@@ -163,7 +163,8 @@ class SpendBook:
             return hit[1]
         budget = None
         with contextlib.suppress(KeyNotFoundError):
-            entry = await self._kv().get(f"b.{owner_token(owner)}")
+            kv, key = self._kv(), f"b.{owner_token(owner)}"
+            entry = await buckets.through_stall(lambda: kv.get(key), what=key)
             d = json.loads(entry.value or b"{}")
             if d:
                 budget = Budget(
@@ -210,8 +211,9 @@ class SpendBook:
 
     async def spent(self, budget: Budget, now: float | None = None) -> tuple[int, int]:
         """(spent, held for requests in flight) in the budget's current period."""
+        kv, key = self._kv(), budget.entry(now)
         try:
-            entry = await self._kv().get(budget.entry(now))
+            entry = await buckets.through_stall(lambda: kv.get(key), what=key)
         except KeyNotFoundError:
             return 0, 0
         d = json.loads(entry.value or b"{}")

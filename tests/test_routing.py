@@ -362,6 +362,7 @@ async def test_http_session_header_and_admin_routing_api(
     # The bridge is the only router and runs auth itself (the workers ignore both settings).
     stack = await start_stack(procs, model, workers=3, env=env, settle=0.5)
     async with stack.http(timeout=30) as h:
+        await _until_every_replica_serves(h, model, 3, {"Authorization": f"Bearer {user}"})
         body = {"model": model, "messages": MSG, "max_tokens": 2}
         seen: dict[str, set[str]] = {}
         for sess in ("alice", "bob", "carol", "dave"):
@@ -398,6 +399,23 @@ async def test_http_session_header_and_admin_routing_api(
         assert r.status_code == 200 and r.json()["override"] is None
 
 
+async def _until_every_replica_serves(
+    h: Any, model: str, n: int, headers: dict[str, str] | None = None
+) -> None:
+    """Until sessions of their own have been served by all ``n`` replicas: the bridge's
+    router knows every one, so a session's replica no longer changes as one joins."""
+    served: set[str] = set()
+    for i in range(200):
+        body = {"model": model, "messages": MSG, "max_tokens": 1}
+        hdrs = {**(headers or {}), "X-Session-Id": f"warm-{i}"}
+        r = await h.post("/v1/chat/completions", json=body, headers=hdrs)
+        assert r.status_code == 200, r.text
+        served.add(r.headers["x-tokenbus-replica"])
+        if len(served) == n:
+            return
+    raise AssertionError(f"only {served} served")
+
+
 async def test_session_keys_in_the_body_pin_a_conversation(procs: Procs, model: str) -> None:
     """Chat's ``prompt_cache_key`` and the Messages API's ``metadata.user_id`` (what Codex
     and Claude Code send) key session routing as ``X-Session-Id`` does; the header wins."""
@@ -405,6 +423,7 @@ async def test_session_keys_in_the_body_pin_a_conversation(procs: Procs, model: 
     stack = await start_stack(procs, model, workers=3, env=env, settle=0.5)
     seen: dict[str, set[str]] = {}
     async with stack.http(timeout=30) as h:
+        await _until_every_replica_serves(h, model, 3)
         for key in ("k1", "k2", "k3", "k4", "k5", "k6"):
             for _ in range(3):
                 chat = {"model": model, "messages": MSG, "max_tokens": 2, "prompt_cache_key": key}
