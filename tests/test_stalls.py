@@ -46,6 +46,8 @@ from tokenbus import Client
 from tokenbus.launcher import Child, Supervisor
 
 PROMPT: Any = [{"role": "user", "content": "a stall"}]
+# Sim workers that stream at a pace a fault can land in the middle of.
+SIM_PACE = ("--sim-prefill-ms", "5", "--sim-decode-ms", "20")
 
 
 @pytest.fixture
@@ -265,7 +267,7 @@ async def _node_fault_under_load(
             *STAGES,
             "router",
             workers=3,
-            worker_args=("--sim-prefill-ms", "5", "--sim-decode-ms", "20"),
+            worker_args=SIM_PACE,
             env=env,
             env_for=lambda role, i: {
                 **cluster.env(role),
@@ -332,7 +334,7 @@ async def test_streams_ride_out_a_paused_nats_server(
                 "ingress",
                 "router",
                 workers=2,
-                worker_args=("--sim-prefill-ms", "5", "--sim-decode-ms", "20"),
+                worker_args=SIM_PACE,
             )
             async with stack.openai() as oai:
                 ref = await oai.chat.completions.create(
@@ -423,7 +425,7 @@ async def test_a_partitioned_worker_host_s_streams_move_to_another(
     far = f"nats://{hosts.gateway}:{port}"
     try:
         with Procs(f"nats://127.0.0.1:{port}", tmp_path) as procs:
-            args = ("--sim-prefill-ms", "5", "--sim-decode-ms", "20")
+            args = SIM_PACE
             for i, host in enumerate((w0, w1)):
                 procs.start(
                     f"worker-{i}",
