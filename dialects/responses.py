@@ -503,7 +503,7 @@ def to_messages(
             call_id, output = item.get("call_id"), item.get("output")
             if call_id is None:  # the first call without an output (if any) is the one
                 call_id = next(iter(_unanswered([*(before or ()), *msgs.out])), None)
-            elif not isinstance(call_id, str) or not call_id:
+            elif not isinstance(call_id, str):  # "" is an id, as a function_call's may be
                 raise _bad(f"{p}.call_id", f"the call_id of a {kind} is a string")
             if not isinstance(output, str | list):
                 raise _bad(f"{p}.output", "the output must be a string or a list of parts")

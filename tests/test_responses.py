@@ -428,6 +428,18 @@ def test_a_function_call_output_without_call_id_answers_the_first_call_without_o
     assert chat["messages"][-1] == {"role": "tool", "content": "sunny"}
 
 
+def test_an_empty_call_id_is_an_id_like_any_other() -> None:
+    # OpenAI's document makes call_id a string, with no minimum length (the fuzzer of
+    # tests/test_conformance_openapi.py sends ""): a function_call takes it, so its output does.
+    call = {**CALLS[0], "call_id": ""}
+    for kind in ("function_call_output", "custom_tool_call_output"):
+        out = {"type": kind, "call_id": "", "output": "sunny"}
+        chat = _chat({"model": "m", "input": [call, out, out]})
+        tools = [m for m in chat["messages"] if m["role"] == "tool"]
+        assert [m["tool_call_id"] for m in tools] == ["", ""]
+        assert chat["messages"][0]["tool_calls"][0]["id"] == ""
+
+
 def test_no_input_continues_the_previous_conversation_as_it_stands() -> None:
     before = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
     assert _chat({"model": "m", "previous_response_id": "resp_x"}, before)["messages"] == before
