@@ -93,9 +93,16 @@ class Follow:
 
 # While a bucket's stream has no leader (the leader paused or cut off, a new one being
 # elected: seconds), reads and writes time out or answer 503. A compare-and-set retries
-# through that for up to this long.
+# through that for up to this long (read at each call: tests set it small).
 STALL_RETRY_S = 20.0
 _STALL_PAUSE_S = 0.25
+
+
+def _give_up(stall_s: float | None) -> float:
+    """When a retry through a stall that began now gives up."""
+    return time.monotonic() + (STALL_RETRY_S if stall_s is None else stall_s)
+
+
 _NO_LEADER = (
     nats.errors.TimeoutError,
     nats.errors.NoRespondersError,
@@ -117,7 +124,7 @@ async def cas(
     change: Callable[[dict[str, Any]], dict[str, Any]],
     *,
     tries: int = 100,
-    stall_s: float = STALL_RETRY_S,
+    stall_s: float | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Apply ``change`` (a JSON object to a new one; it may raise) to the entry at ``key``
     atomically, retrying on a concurrent write (up to ``tries``) and through a leaderless
@@ -127,7 +134,7 @@ async def cas(
     whose answer was lost (a timeout) may have been applied: before trying again, the entry
     is read and, when it holds one of this call's ids, that write's (before, after) is
     returned instead of applying ``change`` twice."""
-    give_up = time.monotonic() + stall_s
+    give_up = _give_up(stall_s)
     uncertain = False
     clashes = 0
     made: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {}
@@ -175,11 +182,11 @@ async def cas(
 
 
 async def through_stall(
-    op: Callable[[], Awaitable[T]], *, what: str, stall_s: float = STALL_RETRY_S
+    op: Callable[[], Awaitable[T]], *, what: str, stall_s: float | None = None
 ) -> T:
     """``op()``, tried again while the stream it writes has no leader (up to ``stall_s``).
     Only for an ``op`` that is safe to repeat (a publish with a ``Nats-Msg-Id``)."""
-    give_up = time.monotonic() + stall_s
+    give_up = _give_up(stall_s)
     while True:
         try:
             return await op()
@@ -191,11 +198,11 @@ async def through_stall(
             await asyncio.sleep(_STALL_PAUSE_S)
 
 
-async def create(kv: KeyValue, key: str, data: bytes, *, stall_s: float = STALL_RETRY_S) -> None:
+async def create(kv: KeyValue, key: str, data: bytes, *, stall_s: float | None = None) -> None:
     """Create ``key`` with ``data`` (``KeyWrongLastSequenceError`` when it exists), through
     a leaderless stream (up to ``stall_s``): a create whose answer was lost and that is
     found stored with ``data`` counts as done."""
-    give_up = time.monotonic() + stall_s
+    give_up = _give_up(stall_s)
     uncertain = False
     while True:
         try:

@@ -183,7 +183,9 @@ class Client(NATS):
         # When a server was last unreachable or left a login unanswered: a login refused soon
         # after (the server is back, the auth service that answers its logins is not yet, or
         # its key store is still loading) is no verdict on the key.
-        self.unreachable_at = -REFUSAL_GRACE_S
+        self.refusal_grace_s = REFUSAL_GRACE_S
+        self.unreachable_at = -1e9  # never yet
+        self.refusals_forgiven = 0  # logins refused and tried again (not taken as final)
         self.logged_in = False  # once: a later refusal is on a reconnect
         # The id of the server process this client last logged in to: a refusal by another
         # one (restarted, or another node) comes from a server that just came back.
@@ -260,6 +262,8 @@ class Client(NATS):
                 self.unreachable_at = time.monotonic()
             elif self.refusal_is_final and not self._server_returning():
                 self.refused = exc
+            if self.refused is None and is_login_refusal(exc):
+                self.refusals_forgiven += 1
             raise
         self._quiet_s = 1.5 * float(self.options.get("ping_interval") or 0)
         self.heard_at = time.monotonic()
@@ -287,7 +291,7 @@ class Client(NATS):
         every login is refused; nats-py tries again, and a key really revoked is refused
         again once the grace is over."""
         # nats-py is CONNECTING, not RECONNECTING, while it logs in again: it logged in before.
-        return self.logged_in and time.monotonic() - self.unreachable_at < REFUSAL_GRACE_S
+        return self.logged_in and time.monotonic() - self.unreachable_at < self.refusal_grace_s
 
     async def _select_next_server(self) -> None:
         # nats-py's loops (first connect, reconnect) come back here for the next try after a

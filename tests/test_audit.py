@@ -19,7 +19,7 @@ from nats.js.api import StreamConfig
 from auth.keys import key_id_of
 from auth.store import KeyStore
 from bus_schemas import subjects
-from services import audit
+from services import audit, buckets
 from tests.conftest import NatsServer, Procs, key_store, run_cli, start_stack
 from tests.test_locked_bus import Locked
 
@@ -269,6 +269,8 @@ async def test_locked_bus_only_the_bridge_and_admin_reach_the_trail(
     # A service role with the JetStream API but not the audit subjects (auth) cannot make
     # audited changes: a new key is taken back, a revocation stands and says so.
     monkeypatch.setattr(audit, "TIMEOUT_S", 1.0)
+    # A refused publish has no answer, like a stalled stream leader's: retried that long.
+    monkeypatch.setattr(buckets, "STALL_RETRY_S", 1.0)
     auth = await locked.connect("auth", error_cb=ignore)
     try:
         store = await KeyStore(auth).open(watch=False)

@@ -115,7 +115,7 @@ def test_up_serves_restarts_crashed_children_and_stops_cleanly(tmp_path: Path) -
         assert pid is not None, stack_pids
         os.kill(pid, signal.SIGKILL)
         _wait_line(proc, "worker-0 exited", lines)
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + 60  # bounds: what a loaded machine may need, not a window
         while time.monotonic() < deadline:
             again = child_matching(proc.pid, "serve worker --replica sim-0")
             if again is not None and again != pid:
@@ -125,8 +125,8 @@ def test_up_serves_restarts_crashed_children_and_stops_cleanly(tmp_path: Path) -
         else:
             raise AssertionError("worker-0 was not restarted")
         # Right after the restart a request may be a 503 that says to retry (the routers
-        # still list the dead process for a beat or two): within seconds, all are served.
-        deadline = time.monotonic() + 15
+        # still list the dead process for a beat or two): then all are served.
+        deadline = time.monotonic() + 60
         served = 0
         while served < 5:
             try:
@@ -145,7 +145,7 @@ def test_up_serves_restarts_crashed_children_and_stops_cleanly(tmp_path: Path) -
         assert nats_pid is not None, children_of(proc.pid)
         os.kill(nats_pid, signal.SIGKILL)
         statuses: list[int] = []
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             r = httpx.post(
                 f"http://127.0.0.1:{port}/v1/chat/completions",
