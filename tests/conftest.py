@@ -39,6 +39,35 @@ os.environ.setdefault("TOKENBUS_WORKER__SIM__MAX_MODEL_LEN", str(10**9))
 ROOT = Path(__file__).resolve().parent.parent
 
 
+# The test files that take longest (seconds of one worker, measured with --durations=0 in
+# `make test`'s run: docs/testing.md), in that order. `make test` hands whole files to its
+# workers in collection order (--dist loadfile --no-loadscope-reorder): these go out first,
+# so that none of them is still running alone on one worker when the others are done.
+SLOWEST_FILES = [
+    "test_cli.py",  # 176
+    "test_conformance_openapi.py",  # 173
+    "test_stalls.py",  # 149
+    "test_fuzz_openapi.py",  # 95
+    "test_chaos.py",  # 92
+    "test_migration.py",  # 79
+    "test_readme.py",  # 72
+    "test_upstream_caps.py",  # 64
+    "test_flow_e2e.py",  # 63
+    "test_processes.py",  # 55
+    "test_fuzz_nats.py",  # 52
+    "test_bench_tenants.py",  # 36
+    "test_cluster.py",  # 35
+    "test_batches.py",  # 33
+]
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The slowest files first (:data:`SLOWEST_FILES`), every other file after them in its
+    usual order; the tests of a file keep theirs (a sort that keeps equal keys in place)."""
+    rank = {name: i for i, name in enumerate(SLOWEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
+
 def run_cli(
     *args: str, env: dict[str, str] | None = None, timeout: float = 60, check: bool = False
 ) -> subprocess.CompletedProcess[str]:
