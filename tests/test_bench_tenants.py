@@ -43,10 +43,14 @@ def test_two_tenants_the_light_one_is_served_first_only_with_flow_control(
     on, off = two["on"], two["off"]
     for run in (on, off):
         assert run["errors"] == {"a": {}, "b": {}}
-        assert run["b_alone_requests"] > 5 and 0 < run["b_alone_ttft_ms"]["p50"] < 500
+        # What the machine's load cannot change (the figures themselves are the benchmark's
+        # to report, not this test's to bound): B alone is answered before B behind A's
+        # queue; 8 slots of one token per 5 ms step make at most 1600 tokens/s, most A's.
+        assert run["b_alone_requests"] > 5
+        assert 0 < run["b_alone_ttft_ms"]["p50"] < off["b_flood_ttft_ms"]["p50"]
         assert run["b_flood_requests"] >= 1
-        # 8 slots of one token per 5 ms step: at most 1600 tokens/s, most of it A's.
-        assert 400 < run["a_tokens_per_s"] <= run["total_tokens_per_s"] < 1700
+        assert 0 < run["a_tokens_per_s"] <= run["total_tokens_per_s"] < 1700
+        assert run["a_tokens_per_s"] > run["total_tokens_per_s"] / 2
         assert run["settings"]["slot_turnover_ms"] == 128 * 5 / 8
     # Flow control puts B ahead of A's queue: a large effect, not a margin.
     assert on["b_flood_ttft_ms"]["p50"] * 5 < off["b_flood_ttft_ms"]["p50"]
