@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -20,6 +21,7 @@ import nats
 import openai
 import pytest
 from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
 
 from auth.limits import WINDOW_S
 from auth.store import KeyStore
@@ -302,6 +304,63 @@ async def wait_for(
             return
         await asyncio.sleep(interval)
     raise AssertionError(f"{what} in time")
+
+
+async def wait_started(
+    nc: NATS,
+    services: dict[str, int],
+    model: str = "",
+    replicas: int = 0,
+    timeout: float = 30,
+) -> None:
+    """Until ``services[name]`` instances of each tokenbus service ``name`` answer discovery
+    (``$SRV.PING``: a service answers once its setup is done, its key cache loaded and its
+    subscriptions made), then until each of them (the queue groups' members) and
+    ``replicas`` replicas of ``model`` have beaten once more: every service has heard every
+    member and every replica, as the router that routes to them must."""
+    pongs: dict[str, set[str]] = {name: set() for name in services}
+    heard: dict[str, float] = {}  # member id or replica -> when last heard
+
+    async def on_pong(msg: Msg) -> None:
+        info = json.loads(msg.data)
+        name = str(info.get("name", "")).removeprefix("tokenbus-")
+        if name in pongs:
+            pongs[name].add(str(info["id"]))
+
+    async def on_member(msg: Msg) -> None:
+        heard[str(codec.decode_map(msg.data).get("id"))] = time.monotonic()
+
+    async def on_heartbeat(msg: Msg) -> None:
+        hb = codec.decode_map(msg.data)
+        if model and hb.get("model") == model and not hb.get("draining"):
+            heard[f"replica:{hb.get('replica')}"] = time.monotonic()
+
+    inbox = nc.new_inbox()
+    subs = [
+        await nc.subscribe(inbox, cb=on_pong),
+        await nc.subscribe(subjects.members_wildcard(), cb=on_member),
+        await nc.subscribe(subjects.heartbeat_wildcard(), cb=on_heartbeat),
+    ]
+    deadline = time.monotonic() + timeout
+    try:
+        while not all(len(pongs[name]) >= n for name, n in services.items()):
+            assert time.monotonic() < deadline, f"not every service started: {pongs}"
+            await nc.publish("$SRV.PING", b"", reply=inbox)
+            await asyncio.sleep(0.1)
+        since = time.monotonic()
+        members = set().union(*pongs.values())
+
+        def fresh() -> bool:
+            new = {k for k, at in heard.items() if at > since}
+            reps = sum(k.startswith("replica:") for k in new)
+            return members <= new and reps >= replicas
+
+        while not fresh():
+            assert time.monotonic() < deadline, f"not every member and replica beat: {heard}"
+            await asyncio.sleep(0.05)
+    finally:
+        for sub in subs:
+            await sub.unsubscribe()
 
 
 async def wait_for_key(svcs: dict[str, Any], key_id: str) -> None:

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import datetime as dt
 import json
 import os
@@ -20,7 +20,7 @@ from auth.keys import key_id_of
 from auth.store import KeyStore
 from bus_schemas import subjects
 from services import audit, buckets
-from tests.conftest import NatsServer, Procs, key_store, run_cli, start_stack
+from tests.conftest import NatsServer, Procs, key_store, run_cli, start_stack, wait_for
 from tests.test_locked_bus import Locked
 
 MSG = [{"role": "user", "content": "hi"}]
@@ -85,10 +85,19 @@ async def test_record_creates_the_stream_and_read_returns_oldest_first(
         newest = await audit.read(nc, limit=2)
         assert [e.target for e in newest] == ["m3", "m4"]
         assert newest[1].request_id == "r4"
-        await asyncio.sleep(1.1)
+        # ``since`` is by the time the stream stored an event: once the clock is past the
+        # newest one's, a ``since`` from now on leaves every earlier event out.
+        stored = (await nc.jetstream().get_msg(audit.STREAM, newest[1].seq)).time
+        assert stored is not None
+        stored_at = stored.timestamp()
+        await wait_for(
+            lambda: time.time() > stored_at + 0.1,
+            timeout=10,
+            what="the clock never passed the newest event",
+        )
         mark = time.time()
         await audit.record(nc, audit.KEY_REVOKED, "0123456789ab", "cli:u@h")
-        assert [e.action for e in await audit.read(nc, since=mark - 0.5)] == ["key.revoked"]
+        assert [e.action for e in await audit.read(nc, since=mark - 0.05)] == ["key.revoked"]
         assert len(await audit.read(nc, limit=None)) == 7
         # Not even the admin may erase entries: the stream refuses deletes and purges.
         with pytest.raises(Exception, match="not permitted"):
@@ -262,7 +271,12 @@ async def test_locked_bus_only_the_bridge_and_admin_reach_the_trail(
         await client.flush()
         with pytest.raises(Exception):  # noqa: B017 - the API request is refused
             await client.jetstream(timeout=1).stream_info(audit.STREAM)
-        await asyncio.sleep(0.3)
+        # The server says so asynchronously: until the three refusals have come back.
+        with contextlib.suppress(AssertionError):
+            await wait_for(
+                lambda: sum("permissions violation" in e.lower() for e in errors) >= 3,
+                timeout=10,
+            )
         assert sum("permissions violation" in e.lower() for e in errors) >= 3, errors
     finally:
         await client.close()

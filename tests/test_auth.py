@@ -91,7 +91,11 @@ async def test_expired_keys_are_refused(
     key, rec = await keys.create("short", expires_at=time.time() + 0.5)
     async with stack(nats_server.url, model, workers=1, auths=1) as svcs:
         await wait_for_key(svcs, rec.id)
-        await asyncio.sleep(0.6)
+        # Until the clock (the auth stage's: this process's) is past the key's expiry.
+        expires_at = rec.expires_at or 0.0
+        await wait_for(
+            lambda: time.time() > expires_at, timeout=10, what="the key's expiry never came"
+        )
         with pytest.raises(E.Unauthorized) as ei:
             await client.chat_completion(model, MSG, api_key=key)
         assert "expired" in ei.value.message
@@ -179,8 +183,13 @@ async def test_http_clients_authenticate_with_bearer_or_api_key(procs: Procs, mo
         assert [m["id"] for m in mine] == [model]
         async with key_store(procs.url) as keys:
             other, _ = await keys.create("http-other", models=["not-" + model])
-        await asyncio.sleep(0.5)  # the bridge's key store hears of it
-        r = await h.get("/models", headers={"Authorization": f"Bearer {other}"})
+        # Until the bridge's key store hears of it (an unknown key is a 401 until then).
+        deadline = time.monotonic() + 20
+        while (
+            r := await h.get("/models", headers={"Authorization": f"Bearer {other}"})
+        ).status_code == 401:
+            assert time.monotonic() < deadline, "the bridge never heard of the new key"
+            await asyncio.sleep(0.02)
         assert r.status_code == 200 and r.json()["data"] == []
     for p in procs.procs:
         assert key not in p.output(), p.name

@@ -14,9 +14,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
+import nats
 import openai
 import pytest
+from nats.aio.client import Client as NATS
+from nats.js.errors import NotFoundError
 
+from bus_schemas import subjects
+from gateway.background import EVENTS_STREAM
 from gateway.batches import parse_input
 from tests.conftest import (
     NatsServer,
@@ -416,8 +421,27 @@ async def test_a_background_response_is_cancelled_mid_run(
         await asyncio.sleep(0.05)
     c = await oai.responses.cancel(r.id)
     assert c.status == "cancelled"
-    await asyncio.sleep(1.0)  # the runner stops and writes it down
+    # Until the runner has stopped and written it down: it ends the response's kept events
+    # with response.cancelled (after writing the record) once the generation has stopped.
+    nc = await nats.connect(env.procs.url)
+    try:
+        deadline = time.monotonic() + 30
+        while await last_event_type(nc, r.id) != "response.cancelled":
+            assert time.monotonic() < deadline, "the runner never ended the cancelled response"
+            await asyncio.sleep(0.05)
+    finally:
+        await nc.drain()
     assert (await oai.responses.retrieve(r.id)).status == "cancelled"
+
+
+async def last_event_type(nc: NATS, response_id: str) -> str | None:
+    """The type of the last event JetStream keeps for a background response (None: none)."""
+    try:
+        msg = await nc.jetstream().get_last_msg(EVENTS_STREAM, subjects.batch_events(response_id))
+    except NotFoundError:
+        return None
+    kind = json.loads(msg.data or b"{}").get("type")
+    return str(kind) if kind is not None else None
 
 
 async def test_a_background_stream_resumes_from_a_sequence_number(env: Env) -> None:
@@ -600,19 +624,29 @@ async def test_a_nats_client_runs_follows_resumes_and_cancels_background_respons
             await tb.response_cancel(plain["id"])
 
 
+async def jetstream_ready(nc: NATS, timeout: float = 20) -> None:
+    """Until the server just started answers JetStream's API."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            await nc.jetstream(timeout=1).account_info()
+            return
+        except Exception:  # not enabled yet, or no answer yet
+            assert time.monotonic() < deadline, "JetStream never answered"
+            await asyncio.sleep(0.05)
+
+
 async def test_a_fresh_store_lists_no_batch_and_its_runner_sweeps_quietly(tmp_path: Any) -> None:
     """On a bus where no batch was ever made (``make up``'s first minutes), listing and the
     runners' sweep find nothing, without an error (nats-py raises for an empty bucket)."""
-    import nats
-
     from gateway.batches import BatchStore
     from services.config import BatchSettings
     from tests.conftest import NatsServer
 
     srv = NatsServer(tmp_path).start()
     try:
-        await asyncio.sleep(0.3)
         nc = await nats.connect(srv.url)
+        await jetstream_ready(nc)
         store = await BatchStore(nc, BatchSettings(), 3600).open()
         assert await store.all() == []
         assert await store.owned("") == [] and await store.owned("k1") == []
@@ -626,16 +660,14 @@ async def test_a_keys_listing_reads_its_index_which_a_store_from_before_gets_fil
 ) -> None:
     """A key's batches are listed from the owner index (another key's are not in it); a
     store made before the index existed has it filled from the records when opened."""
-    import nats
-
     from gateway.batches import BY_OWNER, BatchStore, new_batch
     from services.config import BatchSettings
     from tests.conftest import NatsServer
 
     srv = NatsServer(tmp_path).start()
     try:
-        await asyncio.sleep(0.3)
         nc = await nats.connect(srv.url)
+        await jetstream_ready(nc)
         store = await BatchStore(nc, BatchSettings(), 3600).open()
         made: dict[str, list[str]] = {"k1": [], "k2": [], "": []}
         for i in range(7):

@@ -4,13 +4,14 @@ same answers as the stage services, and the same shared state."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import openai
 import pytest
 
 from auth.store import KeyStore
 from bus_schemas import errors as E
-from tests.conftest import Procs, fresh_window, start_stack
+from tests.conftest import Procs, fresh_window, start_stack, wait_started
 from tokenbus import Client
 
 MSG = [{"role": "user", "content": "hi"}]
@@ -29,8 +30,10 @@ async def test_bridge_stages_share_limits_keys_and_policies_with_the_services(
         "TOKENBUS_FILTER__DEFAULT_POLICY": "strict",
         "TOKENBUS_BRIDGE__FUSE_STAGES": "true" if fuse else "false",
     }
-    # settle: every key cache has loaded the key
-    stack = await start_stack(procs, model, *STAGES, env=env, settle=0.5)
+    stack = await start_stack(procs, model, *STAGES, env=env)
+    # Every stage service started (its key cache loaded: the key was made before) and has
+    # heard the others and the replica.
+    await wait_started(keys.nc, dict.fromkeys(STAGES, 1), model, 1)
     await fresh_window()
     api = stack.openai(key)
     # Two requests over HTTP (the bridge's limiter), two over NATS (the stage service's).
@@ -48,7 +51,6 @@ async def test_bridge_stages_share_limits_keys_and_policies_with_the_services(
     assert int(rl.value.response.headers["retry-after"]) >= 1
     # The key's strict policy blocks a secret in the prompt, naming the detector only.
     await keys.update(rec.id, rpm=1000)
-    await asyncio.sleep(0.5)
     async with stack.http("/v1", timeout=30) as h:
         hdr = {"Authorization": f"Bearer {key}"}
         body = {
@@ -56,7 +58,11 @@ async def test_bridge_stages_share_limits_keys_and_policies_with_the_services(
             "messages": [{"role": "user", "content": f"key {AWS}"}],
             "max_tokens": 2,
         }
-        r = await h.post("/chat/completions", json=body, headers=hdr)
+        # Refused for its rate (429) until the new limit reaches the limiter the bridge uses.
+        deadline = time.monotonic() + 20
+        while (r := await h.post("/chat/completions", json=body, headers=hdr)).status_code == 429:
+            assert time.monotonic() < deadline, "the new rpm never reached the limiter"
+            await asyncio.sleep(0.05)
         assert r.status_code == 400, r.text
         assert r.json()["error"]["code"] == "content_blocked.secret.aws_access_key"
         assert AWS not in r.text

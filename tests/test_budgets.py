@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import time
 from typing import Any
 
 import httpx
@@ -16,7 +17,16 @@ import pytest
 from auth import budgets
 from bus_schemas import codec, subjects
 from services.config import PriceSettings
-from tests.conftest import Procs, free_port, key_store, run_cli, start_stack, wait_http
+from tests.conftest import (
+    Procs,
+    free_port,
+    key_store,
+    run_cli,
+    start_stack,
+    wait_for,
+    wait_http,
+    wait_started,
+)
 
 MSG = [{"role": "user", "content": "What does it cost?"}]
 # An answer token costs $0.001 (1000 micro-dollars); prompts are free, so a request's cost
@@ -51,6 +61,29 @@ async def _second_bridge(procs: Procs) -> str:
     return f"http://127.0.0.1:{port}"
 
 
+async def _started(procs: Procs) -> None:
+    """Until the auth service answers discovery (it has started) and has beaten since."""
+    nc = await nats.connect(procs.url)
+    try:
+        await wait_started(nc, {"auth": 1})
+    finally:
+        await nc.drain()
+
+
+async def _settled(url: str, budget: budgets.Budget, timeout: float = 20) -> None:
+    """Until nothing is held in ``budget`` for a request in flight: every usage report of
+    its requests has settled."""
+    nc = await nats.connect(url)
+    try:
+        book = await budgets.SpendBook(nc).open()
+        deadline = time.monotonic() + timeout
+        while (held := (await book.spent(budget))[1]) != 0:
+            assert time.monotonic() < deadline, f"${held / 1e6} still held"
+            await asyncio.sleep(0.05)
+    finally:
+        await nc.drain()
+
+
 async def _post(base: str, key: str, model: str) -> httpx.Response:
     async with httpx.AsyncClient(base_url=base, timeout=30) as h:
         return await h.post(
@@ -68,7 +101,8 @@ async def test_a_hard_budget_refuses_exactly_at_the_limit_across_two_bridges(
     insufficient_quota. The key's spend is then exactly the budget."""
     async with key_store(procs.url) as store:
         key, rec = await store.create("capped", budget_usd=0.010)
-    stack = await start_stack(procs, model, "auth", env=ENV, settle=0.5)
+    stack = await start_stack(procs, model, "auth", env=ENV)
+    await _started(procs)
     other = await _second_bridge(procs)
     rs = await asyncio.gather(
         *(_post(stack.base if i % 2 else other, key, model) for i in range(9))
@@ -78,7 +112,8 @@ async def test_a_hard_budget_refuses_exactly_at_the_limit_across_two_bridges(
     refused = next(r for r in rs if r.status_code == 429).json()["error"]
     assert refused["code"] == "insufficient_quota" and refused["type"] == "insufficient_quota"
     assert "budget" in refused["message"]
-    await asyncio.sleep(0.5)  # the last usage reports settle
+    # Until the last usage reports settle: nothing held for a request in flight.
+    await _settled(procs.url, budgets.Budget(f"k.{rec.id}", rec.budget_period, None, None))
     show = await asyncio.to_thread(
         run_cli,
         "keys",
@@ -111,7 +146,8 @@ async def test_a_soft_threshold_alerts_once_and_owners_share_a_budget(
         events.append(codec.decode_map(msg.data))
 
     await nc.subscribe(subjects.telemetry(subjects.TELEMETRY_BUDGET), cb=on_event)
-    stack = await start_stack(procs, model, "auth", env=ENV, settle=0.5)
+    stack = await start_stack(procs, model, "auth", env=ENV)
+    await _started(procs)
     try:
         async with stack.http("/v1/admin/keys", headers={"Authorization": f"Bearer {admin}"}) as h:
             r = await h.put("/owners/team-x/budget", json={"budget_usd": 0.006, "period": "day"})
@@ -122,7 +158,17 @@ async def test_a_soft_threshold_alerts_once_and_owners_share_a_budget(
         assert [r.status_code for r in served] == [200, 200, 200]
         over = await _post(stack.base, b, model)
         assert over.status_code == 429 and "owner" in over.json()["error"]["message"]
-        await asyncio.sleep(0.5)
+        # Until the usage reports settle (nothing held for the owner's requests in flight)
+        # and key a's alert has come.
+        book = await budgets.SpendBook(nc).open()
+        team = await book.owner_budget("team-x")
+        assert team is not None
+        await _settled(procs.url, team)
+        await wait_for(
+            lambda: any(e["scope"] == f"key:{rec_a.id}" for e in events),
+            what=f"no alert for key a: {events}",
+        )
+        await asyncio.sleep(0.3)  # a negative check: no second alert follows the first
         # Key a spent $0.004 of its own: past its soft $0.003 once, with one event.
         mine = [e for e in events if e["scope"] == f"key:{rec_a.id}"]
         assert len(mine) == 1 and mine[0]["spent_usd"] == pytest.approx(0.004), events

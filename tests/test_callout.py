@@ -17,7 +17,7 @@ from auth.keys import key_id_of
 from auth.store import KeyStore
 from bus_schemas import subjects
 from engine_worker.backends.sim import expected_text
-from tests.conftest import Procs, start_stack
+from tests.conftest import Procs, start_stack, wait_for
 from tests.lockedbus import LockedBus, serve_when_ready
 from tokenbus import Client, TokenbusError
 
@@ -100,13 +100,19 @@ async def test_a_key_cannot_read_or_cut_another_keys_stream(tenants: Tenants) ->
     # What key A may subscribe to: its own inbox root (nothing of B's arrives there).
     await spy.subscribe(f"{subjects.key_inbox_root(key_id_of(tenants.a) or '')}.>", cb=spy_cb)
     await spy.flush()
-    await asyncio.sleep(0.3)
+    # The server has refused the five subscriptions it does not allow (and so has taken
+    # all six) before B's stream runs.
+    await wait_for(
+        lambda: _violations(errors, "subscription") >= 5,
+        timeout=10,
+        what="the server did not refuse the five subscriptions",
+    )
     async with await Client.connect(tenants.bus.url, api_key=tenants.b) as tb:
         out = await tb.chat_completion(tenants.model, MSG, max_tokens=12)
     assert out.usage.completion_tokens == 12
-    await asyncio.sleep(0.3)
+    await asyncio.sleep(0.3)  # a negative check: nothing of B's reaches the spy meanwhile
     assert got == []  # not one frame of B's stream, not one of anybody's
-    assert sum("permissions violation for subscription" in e.lower() for e in errors) == 5
+    assert _violations(errors, "subscription") == 5
     # Nor may A publish where only services do: workers, stages, heartbeats, usage, telemetry.
     errors.clear()
     for subject in (
@@ -119,9 +125,19 @@ async def test_a_key_cannot_read_or_cut_another_keys_stream(tenants: Tenants) ->
     ):
         await spy.publish(subject, b"x")
     await spy.flush()
-    await asyncio.sleep(0.3)
-    assert sum("permissions violation for publish" in e.lower() for e in errors) == 6
+    await wait_for(
+        lambda: _violations(errors, "publish") >= 6,
+        timeout=10,
+        what="the server did not refuse the six publishes",
+    )
+    assert _violations(errors, "publish") == 6
     await spy.close()
+
+
+def _violations(errors: list[str], what: str) -> int:
+    """How many of ``errors`` are the server's permissions violations for ``what``
+    (``subscription`` or ``publish``)."""
+    return sum(f"permissions violation for {what}" in e.lower() for e in errors)
 
 
 async def test_revoking_a_key_closes_its_connections(tenants: Tenants) -> None:

@@ -19,7 +19,7 @@ import pytest
 
 from bus_schemas import errors as E
 from engine_worker.backends.sim import expected_text
-from tests.conftest import Procs, ProcStack, start_stack
+from tests.conftest import Procs, ProcStack, start_stack, wait_started
 from tests.lockedbus import UNLIMITED, LockedBus, serve_when_ready
 from tokenbus import Client
 
@@ -38,6 +38,10 @@ class Tally:
         self.outcomes: Counter[str] = Counter()
         self.first_ok_after: float | None = None
         self.errors: list[str] = []
+        # When the load stops (set by :func:`steady_load`; a test may move it on), and the
+        # event (a restart) after which the first success is timed (set by the test).
+        self.stop_at = float("inf")
+        self.event_at: float | None = None
 
     def failed(self) -> int:
         return sum(v for k, v in self.outcomes.items() if k != "ok")
@@ -49,20 +53,14 @@ class Tally:
 
 
 async def steady_load(
-    c: Client,
-    model: str,
-    seconds: float,
-    tally: Tally,
-    *,
-    api_key: str | None = None,
-    event_at: float = 0.0,
+    c: Client, model: str, seconds: float, tally: Tally, *, api_key: str | None = None
 ) -> None:
-    """``CLIENTS`` closed-loop clients for ``seconds``; every request's outcome counted (with
-    ``api_key``, or the key ``c`` logged in with)."""
-    stop = time.monotonic() + seconds
+    """``CLIENTS`` closed-loop clients for ``seconds`` (until ``tally.stop_at``); every
+    request's outcome counted (with ``api_key``, or the key ``c`` logged in with)."""
+    tally.stop_at = time.monotonic() + seconds
 
     async def one_client() -> None:
-        while time.monotonic() < stop:
+        while time.monotonic() < tally.stop_at:
             t0 = time.monotonic()
             try:
                 out = await asyncio.wait_for(
@@ -79,10 +77,21 @@ async def steady_load(
                 tally.outcomes["wrong_text"] += 1
                 continue
             tally.outcomes["ok"] += 1
-            if event_at and t0 >= event_at and tally.first_ok_after is None:
+            event_at = tally.event_at
+            if event_at is not None and t0 >= event_at and tally.first_ok_after is None:
                 tally.first_ok_after = time.monotonic() - event_at
 
     await asyncio.gather(*(one_client() for _ in range(CLIENTS)))
+
+
+async def under_way(load: asyncio.Task[None], tally: Tally, n: int = CLIENTS) -> None:
+    """Until ``n`` requests of the load were served (every client has been served about
+    once: the load is steady); the load is still running then."""
+    deadline = time.monotonic() + 30
+    while tally.outcomes["ok"] < n and not load.done():
+        assert time.monotonic() < deadline, f"the load never got under way: {tally.outcomes}"
+        await asyncio.sleep(0.02)
+    assert not load.done(), f"the load ended before {n} requests were served: {tally.outcomes}"
 
 
 @pytest.fixture
@@ -94,11 +103,12 @@ def bus(tmp_path: Path) -> Iterator[LockedBus]:
 
 
 async def _start_stack(
-    procs: Procs, bus: LockedBus, model: str, pipeline: str, settle: float
+    procs: Procs, bus: LockedBus, model: str, pipeline: str
 ) -> tuple[ProcStack, str]:
     """A key without limits, then two of each service in ``pipeline`` (and two auth
     instances in any case: they answer the callout), three fast workers, no bridge; returns
-    once a client logging in with the key is served."""
+    once a client logging in with the key is served and every stage instance has its key
+    cache, its subscriptions, and has heard every other (:func:`wait_started`)."""
     key = await bus.create_key("chaos", **UNLIMITED)
     stages = [s for s in ("auth", "ratelimit", "filter") if s in pipeline or s == "auth"]
     services = [name for name in ("ingress", "router", *stages) for _ in range(2)]
@@ -116,7 +126,11 @@ async def _start_stack(
     )
     await bus.wait_replicas(model, 3)
     await serve_when_ready(bus.url, key, model)
-    await asyncio.sleep(settle)
+    admin = await bus.admin()
+    try:
+        await wait_started(admin, dict.fromkeys(("ingress", "router", *stages), 2), model, 3)
+    finally:
+        await admin.drain()
     return stack, key
 
 
@@ -126,13 +140,12 @@ async def test_kill_9_under_load_loses_no_request(
 ) -> None:
     pipeline = '["auth", "ratelimit", "filter", "route"]'
     with Procs(bus.url, tmp_path) as procs:
-        # settle: every stage has its key cache and its subscriptions
-        stack, key = await _start_stack(procs, bus, model, pipeline, settle=1.0)
+        stack, key = await _start_stack(procs, bus, model, pipeline)
         tally = Tally()
         async with await Client.connect(bus.url, api_key=key) as client:
             await client.chat_completion(model, MSG, max_tokens=1)
             load = asyncio.create_task(steady_load(client, model, 4.0, tally))
-            await asyncio.sleep(1.5)
+            await under_way(load, tally)
             stack.roles[victim][0].signal(signal.SIGKILL)
             await load
         tally.report(f"kill -9 {victim}")
@@ -152,11 +165,11 @@ async def test_draining_a_worker_under_load_loses_no_request(
     bus: LockedBus, model: str, tmp_path: Path
 ) -> None:
     with Procs(bus.url, tmp_path) as procs:
-        stack, key = await _start_stack(procs, bus, model, '["auth", "route"]', settle=0.6)
+        stack, key = await _start_stack(procs, bus, model, '["auth", "route"]')
         tally = Tally()
         async with await Client.connect(bus.url, api_key=key) as client:
             load = asyncio.create_task(steady_load(client, model, 3.0, tally))
-            await asyncio.sleep(1.0)
+            await under_way(load, tally)
             stack.workers[0].signal(signal.SIGTERM)
             await load
         assert stack.workers[0].proc.wait(20) == 0
@@ -166,15 +179,19 @@ async def test_draining_a_worker_under_load_loses_no_request(
 
 async def test_nats_server_restart_under_load(bus: LockedBus, model: str, tmp_path: Path) -> None:
     with Procs(bus.url, tmp_path) as procs:
-        _, key = await _start_stack(procs, bus, model, '["auth", "route"]', settle=0.6)
+        _, key = await _start_stack(procs, bus, model, '["auth", "route"]')
         tally = Tally()
         c = await Client.connect(bus.url, api_key=key, reconnect_time_wait=0.2)
         try:
-            down_at = time.monotonic() + 1.0
-            load = asyncio.create_task(steady_load(c, model, 6.0, tally, event_at=down_at + 1.0))
-            await asyncio.sleep(1.0)
+            load = asyncio.create_task(steady_load(c, model, 6.0, tally))
+            await under_way(load, tally)
             bus.stop()
+            # The outage itself, the fault under test: a fixed span, not a wait for anything.
             await asyncio.sleep(1.0)
+            # Timed from here: the first success after the server is back. The load runs on
+            # at least 4 s after it (as long as the first success may take).
+            tally.event_at = time.monotonic()
+            tally.stop_at = max(tally.stop_at, tally.event_at + 4.0)
             bus.start()  # the same config and port; the key store kept in its store_dir
             await load
         finally:

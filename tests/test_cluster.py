@@ -11,7 +11,7 @@ import nats
 import pytest
 
 from bus_schemas import errors as E
-from tests.conftest import Procs, ProcStack, start_stack
+from tests.conftest import Procs, ProcStack, start_stack, wait_for
 from tests.lockedbus import UNLIMITED, LockedCluster, serve_when_ready, wait_replicas
 from tests.test_chaos import EXPECTED, FAST, HB, MAX_TOKENS, MSG, Tally, steady_load
 from tokenbus import Client
@@ -59,7 +59,10 @@ async def test_a_node_killed_under_load_does_not_stop_the_service(
             procs, cluster, model, {"TOKENBUS_INGRESS__PIPELINE": '["auth", "route"]', **HB}
         )
         await serve_when_ready(cluster.url(0), key, model)
-        await asyncio.sleep(0.6)
+        # Until the callout's interest reached nodes 1 and 2 too (a client logging in there
+        # is served), then the same as an assertion.
+        for i in (1, 2):
+            await serve_when_ready(cluster.url(i), key, model)
         # A key logging in on node 1 or 2 is let in by the auth service on node 0 (the
         # callout crosses the cluster); an unknown one is refused there too.
         for i in (1, 2):
@@ -78,7 +81,13 @@ async def test_a_node_killed_under_load_does_not_stop_the_service(
             out = await c.chat_completion(model, MSG, max_tokens=MAX_TOKENS)
             assert out.text == EXPECTED
             load = asyncio.create_task(steady_load(c, model, 4.0, tally))
-            await asyncio.sleep(1.5)
+            # The load runs (100 requests served) before the fault, and still runs after.
+            await wait_for(
+                lambda: tally.outcomes["ok"] >= 100 or load.done(),
+                timeout=30,
+                what="the load did not get going",
+            )
+            assert not load.done(), f"the load ended before the kill: {tally.outcomes}"
             cluster.kill(2)  # node 2 and the connection of the worker on it
             await load
         tally.report("kill -9 of a cluster node")

@@ -80,7 +80,7 @@ def test_a_service_logs_in_from_its_login_file_and_reports_its_health(
         assert state["service"] == "ingress" and state["connected"] is True
         # Frozen (a stuck loop looks the same): the file goes stale, the check fails.
         svc.send_signal(signal.SIGSTOP)
-        time.sleep(3.5)
+        _until(lambda: _health(health, max_age=3).returncode != 0)
         stale = _health(health, max_age=3)
         assert stale.returncode == 1 and "old" in stale.stderr, stale.stderr
         svc.send_signal(signal.SIGCONT)

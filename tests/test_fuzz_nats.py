@@ -77,7 +77,8 @@ FUZZ_EXAMPLES = int(os.environ.get("TOKENBUS_FUZZ_EXAMPLES", "30"))
 MSG = [{"role": "user", "content": "hi"}]
 # Longer than any answer of a healthy stack takes (the router waits 2 s for a worker's ack).
 REPLY_TIMEOUT_S = 10.0
-# How long a fire-and-forget message gets to do its harm before the logs are read.
+# How long a fire-and-forget message gets to do its harm before the logs are read: a
+# negative check (nothing dies, nothing is logged meanwhile), so a fixed span.
 SETTLE_S = 0.03
 SERVICES = ("ingress", "auth", "ratelimit", "filter", "router", "telemetry")
 FUZZ_SETTINGS = settings(
@@ -296,7 +297,8 @@ class FuzzBus:
 
     # -- checks ---------------------------------------------------------------------------
     async def check_health(self, settle: float = SETTLE_S) -> None:
-        """Every process alive, no fault in any log since the last look, none in the client."""
+        """Every process alive, no fault in any log since the last look, none in the client.
+        ``settle``: a negative check's span (what was sent may do harm meanwhile)."""
         await asyncio.sleep(settle)
         dead = [p.name for p in self.procs.procs if not p.alive()]
         faults = {
@@ -652,8 +654,9 @@ def seen_headers(block: bytes | None) -> dict[str, str]:
     return parsed
 
 
-async def discover(nc: NATS) -> dict[str, str]:
-    """Service name -> instance id of every tokenbus service on the bus (``$SRV.INFO``)."""
+async def discover(nc: NATS, want: set[str]) -> dict[str, str]:
+    """Service name -> instance id of every tokenbus service on the bus (``$SRV.INFO``), once
+    each of ``want`` has answered (or 10 s have passed: the caller checks)."""
     inbox = nc.new_inbox()
     seen: dict[str, str] = {}
 
@@ -663,7 +666,8 @@ async def discover(nc: NATS) -> dict[str, str]:
 
     sub = await nc.subscribe(inbox, cb=cb)
     await nc.publish("$SRV.INFO", b"", reply=inbox)
-    await asyncio.sleep(0.5)
+    with contextlib.suppress(AssertionError):
+        await wait_for(lambda: want <= set(seen), timeout=10)
     await sub.unsubscribe()
     return seen
 
@@ -703,7 +707,6 @@ async def bus(
             *SERVICES,
             worker_args=("--sim-prefill-ms", "1", "--sim-decode-ms", "1"),
             env=env,
-            settle=0.3,
         )
         # The test's own connection hears the fuzz too (heartbeats): nats-py's own client
         # would stop reading on the first message it fails to parse.
@@ -723,7 +726,7 @@ async def bus(
 
         await nc.subscribe(subjects.heartbeat(stack.model, f"{stack.model}-0"), cb=on_beat)
         await asyncio.wait_for(got_one.wait(), 10)
-        ids = await discover(nc)
+        ids = await discover(nc, {*SERVICES, "bridge", "worker"})
         assert {*SERVICES, "bridge", "worker"} <= set(ids), ids
         # A policy that reads the prompt: routers and the bridge decode what they route.
         await set_override(nc, stack.model, {"policy": "prefix_aware"})
@@ -738,6 +741,8 @@ async def bus(
         fb = FuzzBus(stack, url, key, rec.id, nc, raw, client, ids, latest)
         fb.telemetry_db = tmp / "telemetry.db"
         holder.append(fb)
+        # Until the services have learnt the replica: a normal request is served.
+        await fb.serve_over_nats()
         fb.logs.new_output()  # start-up output is not the fuzz's doing
         try:
             yield fb

@@ -13,8 +13,9 @@ import json
 import os
 import select
 import socket
+import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -191,6 +192,28 @@ def _chat_post(stack: ProcStack, max_tokens: int, extra: bytes = b"") -> bytes:
     )
 
 
+def _until(cond: Callable[[], bool], timeout: float = 10, what: str = "condition") -> None:
+    """Until ``cond()`` holds (polled), or fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} not met in time")
+        time.sleep(0.01)
+
+
+def _held_by_the_bridge(port: int) -> int:
+    """Connections the process listening on ``port`` has not closed on its side yet: its
+    sockets on that port that are established or half-closed (the client closed first)."""
+    held = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError), open(table) as fh:
+            for line in fh.readlines()[1:]:
+                local, _, state = line.split()[1:4]
+                if int(local.rsplit(":", 1)[1], 16) == port and state in ("01", "08"):
+                    held += 1
+    return held
+
+
 def _serves(stack: ProcStack) -> None:
     with _connect(stack) as s:
         s.sendall(_get("/health", CLOSE))
@@ -215,7 +238,7 @@ def test_a_head_over_the_limit_gets_431_and_the_connection_closes(
     with _connect(limits_stack) as s:
         for i in range(0, len(head), step):
             _send(s, head[i : i + step])
-            time.sleep(0.01)
+            time.sleep(0.01)  # the input's pace: each piece arrives on its own
         (resp,) = _parse(_until_closed(s))
     assert resp[0] == 431
     assert _error(resp)["code"] == "request_header_fields_too_large"
@@ -249,7 +272,7 @@ def test_the_request_duration_counts_from_the_first_byte(limits_stack: ProcStack
     post = _chat_post(limits_stack, 2, f"X-Request-Id: {rid}\r\n".encode() + CLOSE)
     with _connect(limits_stack) as s:
         _send(s, post[:20])
-        time.sleep(0.4)
+        time.sleep(0.4)  # the input: a head that takes 0.4 s to arrive (what is measured)
         _send(s, post[20:])
         (resp,) = _parse(_until_closed(s))
     assert resp[0] == 200, resp
@@ -287,7 +310,7 @@ def test_the_head_timeout_does_not_cut_a_long_answer_on_a_kept_alive_connection(
         first = _read_one(s)
         assert first[0] == 200, first
         assert time.monotonic() - t0 > 1.0  # longer than the head timeout
-        time.sleep(0.3)
+        time.sleep(0.3)  # a negative check: a head timer left running would close it now
         s.sendall(_get("/health"))
         assert _read_one(s)[0] == 200
 
@@ -312,6 +335,7 @@ async def test_body_now_writes_at_once_until_the_client_falls_behind() -> None:
     # at most on the sending side, the receive buffer's 128 kB until the client reads).
     pieces = [b"%07d|" % i * 16 for i in range(64_000)]
     seen: dict[str, Any] = {}
+    behind = threading.Event()  # the client fell behind: the app's writes are refused
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         now = scope[BODY_NOW]
@@ -322,6 +346,7 @@ async def test_body_now_writes_at_once_until_the_client_falls_behind() -> None:
         for p in pieces:
             if not now(p):
                 refused += 1
+                behind.set()
                 await send({"type": "http.response.body", "body": p, "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
         seen["refused"], seen["after_end"] = refused, now(b"x")
@@ -333,18 +358,18 @@ async def test_body_now_writes_at_once_until_the_client_falls_behind() -> None:
         seen["fixed"] = now(b"x")
         await send({"type": "http.response.body", "body": b"ok"})
 
-    def read(port: int, path: str) -> Response:
+    def read(port: int, path: str, ready: Callable[[], bool]) -> Response:
         with socket.socket() as s:
             s.settimeout(HANG_S)
             s.connect(("127.0.0.1", port))
             s.sendall(_get(path, CLOSE))
-            time.sleep(1.0)  # nothing read meanwhile
+            _until(ready, HANG_S, f"{path}: the app's writes")  # nothing read meanwhile
             (resp,) = _parse(_until_closed(s))
             return resp
 
     async with _served({("GET", "/big"): app, ("GET", "/fixed"): fixed}) as port:
-        status, _, body = await asyncio.to_thread(read, port, "/big")
-        fixed_resp = await asyncio.to_thread(read, port, "/fixed")
+        status, _, body = await asyncio.to_thread(read, port, "/big", behind.is_set)
+        fixed_resp = await asyncio.to_thread(read, port, "/fixed", lambda: "fixed" in seen)
     assert status == 200 and body == b"".join(pieces)
     assert fixed_resp[0] == 200 and fixed_resp[2] == b"ok"
     assert 0 < seen["refused"] < len(pieces)  # at once at first, then through send
@@ -356,13 +381,15 @@ async def test_a_held_head_goes_out_with_the_first_piece_of_body_or_before_a_clo
     waits for the first piece of body and leaves in the same write, so the client's first
     read holds both. A response that fails before any body still gets its head out before
     the connection closes."""
+    read_once = threading.Event()  # the client's first read returned
 
     async def first(scope: Scope, receive: Receive, send: Send) -> None:
         scope[BODY_NOW].hold_head()
         await send({"type": "http.response.start", "status": 200, "headers": []})
-        await asyncio.sleep(0.3)  # a head written on its own would be read by now
-        await send({"type": "http.response.body", "body": b"data: 1\n\n", "more_body": True})
+        # A negative check: a head written on its own would be read by now.
         await asyncio.sleep(0.3)
+        await send({"type": "http.response.body", "body": b"data: 1\n\n", "more_body": True})
+        await asyncio.to_thread(read_once.wait, HANG_S)  # the next piece after that read
         await send({"type": "http.response.body", "body": b"data: 2\n\n", "more_body": False})
 
     async def fails(scope: Scope, receive: Receive, send: Send) -> None:
@@ -376,6 +403,7 @@ async def test_a_held_head_goes_out_with_the_first_piece_of_body_or_before_a_clo
             s.connect(("127.0.0.1", port))
             s.sendall(_get(path, CLOSE))
             got = s.recv(65536)
+            read_once.set()
             return got, got + _until_closed(s)
 
     async with _served({("GET", "/first"): first, ("GET", "/fails"): fails}) as port:
@@ -409,7 +437,9 @@ def test_a_body_answered_early_must_still_come_in_time(limits_stack: ProcStack) 
 def test_connections_beyond_the_per_client_limit_are_refused_while_the_others_serve(
     limits_stack: ProcStack,
 ) -> None:
-    time.sleep(0.2)  # the earlier tests' connections closed on the bridge's side too
+    port = _addr(limits_stack)[1]
+    # Until the earlier tests' connections closed on the bridge's side too.
+    _until(lambda: _held_by_the_bridge(port) == 0, what="the bridge closing old connections")
     with contextlib.ExitStack() as held:
         socks = [held.enter_context(_connect(limits_stack)) for _ in range(PER_CLIENT)]
         for s in socks:

@@ -4,6 +4,7 @@ upstream may use, connection reuse, and every malformed answer ends as a typed e
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -15,6 +16,7 @@ from engine_worker.backends.base import Delta, GenerationRequest
 from engine_worker.backends.http_stream import Response, SSEParser, UpstreamClosed, UpstreamHTTP
 from engine_worker.backends.openai_upstream import OpenAIUpstreamBackend
 from services.config import OpenAIUpstreamSettings, WorkerSettings
+from tests.conftest import wait_for
 
 Answer = Callable[[bytes], bytes]  # the request's bytes -> what the server writes back
 
@@ -41,6 +43,7 @@ class RawServer:
         self.close_after = close_after
         self.split = split  # write in pieces this small (0: at once)
         self.connections = 0
+        self.open: set[asyncio.StreamWriter] = set()  # connections not yet shut
         self.requests: list[bytes] = []
         self.server: asyncio.Server | None = None
 
@@ -51,6 +54,7 @@ class RawServer:
 
     async def _serve(self, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
         self.connections += 1
+        self.open.add(w)
         try:
             while True:
                 head = await r.readuntil(b"\r\n\r\n")
@@ -75,6 +79,9 @@ class RawServer:
             pass
         finally:
             w.close()
+            with contextlib.suppress(Exception):  # a peer that stopped reading: bounded
+                await asyncio.wait_for(w.wait_closed(), 5)
+            self.open.discard(w)
 
     async def stop(self) -> None:
         assert self.server is not None
@@ -211,7 +218,8 @@ async def test_a_kept_connection_the_upstream_closed_is_retried_on_a_new_one(
     srv, b = await serve(lambda _: ok(SSE, b"Content-Length: %d" % len(SSE)), close_after=True)
     # The upstream said nothing of closing; it closes after each answer anyway.
     assert (await pushed(b))[-1].finish_reason == "stop"
-    await asyncio.sleep(0.05)
+    # The upstream has shut the connection (its socket closed) before the next request.
+    await wait_for(lambda: not srv.open, timeout=10, what="the upstream kept its connection")
     assert (await pushed(b))[-1].finish_reason == "stop"
     assert srv.connections == 2
 

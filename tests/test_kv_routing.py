@@ -238,7 +238,16 @@ async def test_a_late_router_starts_warm_and_a_dropped_event_is_repaired(
     ) as svcs:
         w0 = svcs["workers"][0]
         served = [await _turn(client, model, p, 0) for p in PREFIXES]
-        await asyncio.sleep(0.1)  # the events' batch interval
+        # Until the events' batches went out: the running router's index holds what each
+        # worker's cache does.
+        index0: KVIndex = svcs["router"].kv.index
+        for w in svcs["workers"]:
+            cache = w.backend.engine.cache
+
+            def same(w: Any = w, cache: Any = cache) -> bool:
+                return index0.held(w.replica) == len(cache.snapshot()[1])
+
+            await wait_for(same, what="the events never reached the router")
         late = Router(settings(nats_server.url, router=KV_ROUTER))
         async with late:
             index: KVIndex = late.kv.index
@@ -296,5 +305,5 @@ async def test_replicas_without_events_are_routed_by_the_fallback_and_not_asked_
             out = await client.chat_completion(model, messages, max_tokens=2, session="s1")
             served.add(out.replica)
         assert len(served) == 1
-        await asyncio.sleep(0.6)  # two more ticks: nobody asked again
+        await asyncio.sleep(0.6)  # a negative check: two more ticks, nobody asked again
         assert len(follower._no_events) == 3 and not follower._asking

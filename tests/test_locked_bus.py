@@ -14,7 +14,7 @@ import pytest
 
 from bus_schemas import codec, subjects
 from services.natsconf import ROLES, generate, role_env, role_login
-from tests.conftest import Procs, free_port, spawn_nats, start_stack
+from tests.conftest import Procs, free_port, spawn_nats, start_stack, wait_for
 from tokenbus import Client
 
 MSG = [{"role": "user", "content": "hi"}]
@@ -66,7 +66,10 @@ async def test_a_client_cannot_reach_workers_or_stages_directly(locked: Locked) 
         await nc.publish(subjects.stage(subjects.STAGE_ROUTE), b"x")
         await nc.subscribe(subjects.engine_generate("m", "r"), cb=_noop)
         await nc.flush()
-        await asyncio.sleep(0.3)
+        await wait_for(
+            lambda: sum("permissions violation" in e.lower() for e in errors) >= 3,
+            what="three permissions violations",
+        )
         assert sum("permissions violation" in e.lower() for e in errors) >= 3, errors
     finally:
         await nc.close()
@@ -147,8 +150,9 @@ async def test_every_service_works_on_the_locked_bus(locked: Locked, tmp_path: P
 
 
 # -- services joining a running stack -------------------------------------------------------
-async def _heartbeats_of(lk: Locked, model: str, wait: float = 1.5) -> set[str]:
-    """Replicas of ``model`` heard on the locked bus (listening as the admin)."""
+async def _heard_beating(lk: Locked, model: str, replica: str, timeout: float = 20) -> bool:
+    """Whether ``replica`` of ``model`` is heard beating on the locked bus within ``timeout``
+    seconds (listening as the admin)."""
     nc = await lk.connect("admin")
     seen: set[str] = set()
 
@@ -158,9 +162,13 @@ async def _heartbeats_of(lk: Locked, model: str, wait: float = 1.5) -> set[str]:
             seen.add(str(hb["replica"]))
 
     await nc.subscribe(subjects.heartbeat_wildcard(), cb=cb)
-    await asyncio.sleep(wait)
-    await nc.drain()
-    return seen
+    try:
+        await wait_for(lambda: replica in seen, timeout=timeout)
+        return True
+    except AssertionError:
+        return False
+    finally:
+        await nc.drain()
 
 
 async def test_a_worker_started_beside_a_stack_finds_its_credentials(tmp_path: Path) -> None:
@@ -174,10 +182,7 @@ async def test_a_worker_started_beside_a_stack_finds_its_credentials(tmp_path: P
                 *("serve", "worker", "--model", "joined", "--replica", "joined-0"),
                 env={"TOKENBUS_UP__DATA_DIR": str(tmp_path / "data")},
             )
-            for _ in range(20):
-                if "joined-0" in await _heartbeats_of(lk, "joined", 0.5):
-                    break
-            else:
+            if not await _heard_beating(lk, "joined", "joined-0"):
                 raise AssertionError(f"the worker did not join:\n{w.output()[-2000:]}")
             assert w.alive() and "Authorization Violation" not in w.output()
     finally:
@@ -202,7 +207,12 @@ async def test_sigterm_ends_a_service_still_waiting_for_nats(tmp_path: Path) -> 
     nowhere = f"nats://127.0.0.1:{free_port()}"
     with Procs(nowhere, tmp_path) as procs:
         p = procs.start("ingress", "serve", "ingress")
-        await asyncio.sleep(2.0)
+        # Until it has tried NATS and is trying again (each refused attempt is logged).
+        await wait_for(
+            lambda: p.output().count('"nats_error"') >= 2 or not p.alive(),
+            timeout=30,
+            what="the service never tried to reach NATS",
+        )
         assert p.alive()
         p.signal(signal.SIGTERM)
         code = await asyncio.to_thread(p.proc.wait, 10)

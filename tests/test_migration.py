@@ -10,9 +10,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+import nats
 import pytest
 
 from auth.ratelimit import estimate_tokens
+from bus_schemas import codec, subjects
 from bus_schemas import errors as E
 from engine_worker.backends.base import GenerationRequest
 from engine_worker.backends.sim import _start, expected_text, resume_point, token_text
@@ -25,6 +27,7 @@ from tests.conftest import (
     live_replicas,
     stack,
     start_stack,
+    wait_for,
 )
 from tokenbus import Client
 
@@ -226,14 +229,17 @@ async def test_overload_queues_up_to_a_bound_then_answers_503(
     nats_server: NatsServer, model: str, client: Client
 ) -> None:
     over = {"router": {"queue_timeout_s": 3.0, "max_queued": 1}}
-    async with stack(nats_server.url, model, workers=1, worker={"max_concurrency": 2}, **over):
+    async with stack(
+        nats_server.url, model, workers=1, worker={"max_concurrency": 2}, **over
+    ) as svcs:
+        queue = svcs["router"].dispatcher.queued
         a = client.chat(model, MSG, max_tokens=100_000)
         b = client.chat(model, MSG, max_tokens=100_000)
         await a.__anext__()
         await b.__anext__()
         # Both slots taken: the next request waits in the router's queue ...
         queued = asyncio.create_task(client.chat_completion(model, MSG, max_tokens=2))
-        await asyncio.sleep(0.3)
+        await wait_for(lambda: queue.get(model, 0) == 1, what="the request was not queued")
         assert not queued.done()
         # ... which holds one: another is refused at once, retryable, with Retry-After.
         t0 = time.monotonic()
@@ -269,9 +275,25 @@ async def test_three_routers_never_overload_a_replica(
     await asyncio.gather(*(s.__anext__() for s in streams))
     load = await live_replicas(procs.url, model)
     assert sorted(hb["in_flight"] for hb in load.values()) == [6, 6], load
-    # One more waits for room instead of overloading a replica, and gets it.
-    extra = asyncio.create_task(client.chat_completion(model, MSG, max_tokens=2))
-    await asyncio.sleep(0.5)
+    # One more waits for room instead of overloading a replica (a router says it holds it
+    # in its queue), and gets it. Every router holds nothing until then: the twelve were
+    # placed.
+    reports: list[dict[str, Any]] = []
+
+    async def on_report(msg: Any) -> None:
+        reports.append(codec.decode_map(msg.data))
+
+    nc = await nats.connect(procs.url)
+    try:
+        await nc.subscribe(subjects.telemetry(subjects.TELEMETRY_QUEUE), cb=on_report)
+        await nc.flush()
+        extra = asyncio.create_task(client.chat_completion(model, MSG, max_tokens=2))
+        await wait_for(
+            lambda: any(sum(r["waiting"].get(model, {}).values()) for r in reports),
+            what="no router held the request",
+        )
+    finally:
+        await nc.close()
     assert not extra.done()
     await streams[0].aclose()
     out = await asyncio.wait_for(extra, 5)
@@ -369,7 +391,9 @@ async def test_a_migrated_request_counts_once_toward_rpm_and_tpm_over_nats(
         if got == 15:
             _victim(stack.workers, s.replica).signal(signal.SIGKILL)
     assert s.migrations == 1 and s.usage is not None and s.usage.completion_tokens == 60
-    await asyncio.sleep(0.5)  # the usage report and the superseded attempt's settle
+    # The usage report and the superseded attempt's settle, in the ratelimit process: a
+    # fixed wait, as nothing outside that process shows them settled (the lease is local).
+    await asyncio.sleep(0.5)
     # The key's second request of the minute is admitted (the migration was not a third),
     # and the window was charged the first request's tokens once.
     s2 = client.chat(model, MSG, max_tokens=1, api_key=key)
@@ -415,6 +439,7 @@ async def test_a_migrated_request_counts_once_toward_rpm_and_tpm_over_http(
                     assert len(busy) == 1, live
                     _victim(stack.workers, busy[0]).signal(signal.SIGKILL)
         assert usage["completion_tokens"] == 60
+        # As over NATS: the settle, in the bridge's own limiter, shows nowhere outside it.
         await asyncio.sleep(0.5)
         r = await http.post(
             "/v1/chat/completions",

@@ -43,7 +43,8 @@ async def test_a_kv_watch_answers_flow_control_only_when_the_server_asks(
             inbox = nc.new_inbox()
             await nc.subscribe(inbox, cb=on_reply)
             await nc.flush()
-            # Idle: nothing is owed, and the loop waits on an event, not a timer.
+            # Idle: nothing is owed, and the loop waits on an event, not a timer (a negative
+            # check: no flow-control reply is made up over an idle span).
             await asyncio.sleep(0.3)
             assert jsi._fcr is None and not jsi._tb_fc_owed.is_set()
             # What nats-py does with a "FlowControl Request" that arrives while messages
@@ -143,7 +144,7 @@ async def test_a_direct_subscription_runs_in_the_read_loop_in_order_and_survives
         await pub.publish(subject, b"after")
         await pub.flush()
         await nc.flush()
-        await asyncio.sleep(0.1)
+        await asyncio.sleep(0.1)  # a negative check: nothing more arrives once unsubscribed
         assert got[-1][0] == b"last"
         assert sub._id not in nc._direct
     finally:

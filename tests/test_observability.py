@@ -184,7 +184,10 @@ async def test_replicas_that_stop_heartbeating_disappear_and_their_model_shows_z
     val = m.registry.get_sample_value
     assert val("tokenbus_model_replicas", {"model": "m"}) == 1
     assert val("tokenbus_model_replicas", {"model": "n"}) == 0  # draining takes nothing
-    await asyncio.sleep(0.2)
+    await wait_for(
+        lambda: val("tokenbus_model_replicas", {"model": "m"}) == 0,
+        what="the silent replica was kept",
+    )
     assert val("tokenbus_model_replicas", {"model": "m"}) == 0
     assert val("tokenbus_replica_in_flight", {"model": "m", "replica": "m-0"}) is None
 
@@ -336,13 +339,15 @@ async def test_prometheus_scrapes_the_stack_and_reads_ttft_and_its_exemplar_back
     async with key_store(nats_server.url, watch=False):
         pass  # the key bucket exists: the key-store probe has something to find
     mport = free_port()
-    procs.start("telemetry", "serve", "telemetry", env={
+    tel = procs.start("telemetry", "serve", "telemetry", env={
         "TOKENBUS_TELEMETRY__DB_PATH": str(tmp_path / "telemetry.db"),
         "TOKENBUS_TELEMETRY__METRICS_PORT": str(mport),
         "TOKENBUS_TELEMETRY__FLUSH_INTERVAL_S": "0.1",
         "TOKENBUS_TELEMETRY__PROBE_INTERVAL_S": "0.5",
     })  # fmt: skip
-    stack = await start_stack(procs, model, settle=0.3)
+    stack = await start_stack(procs, model)
+    # The telemetry service hears the records (its subscriptions are in effect).
+    await wait_for(lambda: "service_started" in tel.output(), timeout=30, what="no telemetry")
     assert stack.port is not None
     prom = Prometheus(prometheus_dir, {"telemetry": mport, "bridge": stack.port})
     try:

@@ -309,7 +309,7 @@ async def test_usage_reports_settle_only_attempts_the_limiter_admitted(nc: NATS)
         await report("real", window=window, reserved=0, used=900, attempt=1)
         await report("real", window=window, reserved=0, used=900, principal="other")
         await nc.flush()
-        await asyncio.sleep(0.2)
+        await asyncio.sleep(0.2)  # a negative check: the forged reports change nothing
         assert await used_tokens(window) == leased
         assert await lim.settle("forge", "nobody", 900) is False
         # The key's one concurrency slot is still taken by the real request.
@@ -330,7 +330,7 @@ async def test_usage_reports_settle_only_attempts_the_limiter_admitted(nc: NATS)
         # Its duplicate changes nothing more.
         await report("real", used=7, prompt=2, completion=5)
         await nc.flush()
-        await asyncio.sleep(0.2)
+        await asyncio.sleep(0.2)  # a negative check: the duplicate changes nothing
         assert await used_tokens(window) == leased - 93
     finally:
         await check.stop()

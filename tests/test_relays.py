@@ -12,8 +12,10 @@ from pathlib import Path
 from typing import IO
 
 import httpx
+import nats
 import openai
 import pytest
+from nats.aio.msg import Msg
 
 from engine_worker.backends.sim import expected_text
 from tests.conftest import (
@@ -22,9 +24,11 @@ from tests.conftest import (
     Procs,
     free_port,
     stop_process,
+    wait_for,
     wait_http,
     wait_port,
 )
+from tokenbus.evaluation.busrelay import BACK_READY
 from tokenbus.launcher import port_open
 
 MSG = [{"role": "user", "content": "hello there"}]
@@ -155,10 +159,23 @@ async def test_a_front_listens_only_once_a_back_answers(
     client would hang: the front does not listen until one answers."""
     engine = await _engine(procs)
     front, back = Relay(tmp_path), Relay(tmp_path)
+    # The front's calls for a back, heard (and left unanswered) by the test.
+    asks: list[Msg] = []
+
+    async def heard(msg: Msg) -> None:
+        asks.append(msg)
+
+    nc = await nats.connect(private_nats.url)
     try:
+        await nc.subscribe(BACK_READY, cb=heard)
+        await nc.flush()
         bus = ("--nats", private_nats.url)
         front.start("front", *BUSRELAY, "front", *bus, "--port", str(front.port))
-        await asyncio.sleep(1.5)
+        # Until the front has called for a back, found none and called again.
+        await wait_for(
+            lambda: len(asks) >= 2 or not front.running(), timeout=30, what="no call for a back"
+        )
+        await nc.close()
         assert front.running() and not port_open("127.0.0.1", front.port)
         back.start("back", *BUSRELAY, "back", *bus, "--upstream", engine)
         wait_port(front.port, 20)
@@ -166,6 +183,7 @@ async def test_a_front_listens_only_once_a_back_answers(
             r = await c.get(f"http://127.0.0.1:{front.port}/ready")
         assert r.status_code == 200
     finally:
+        await nc.close()
         front.stop()
         back.stop()
 

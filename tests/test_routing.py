@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import time
 from collections import Counter
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -385,7 +386,7 @@ async def test_http_session_header_and_admin_routing_api(
         assert r.status_code == 200 and r.json()["routing"]["policy"] == "round_robin"
         r = await h.get("/v1/admin/routing", headers={"api-key": admin})
         assert [m["model"] for m in r.json()["models"]] == [model]
-        await asyncio.sleep(0.3)
+        await _until_session_moves(h, body, {"Authorization": f"Bearer {user}"}, "alice")
         served = set()
         for _ in range(6):
             r = await h.post(
@@ -397,6 +398,25 @@ async def test_http_session_header_and_admin_routing_api(
         assert len(served) == 3, served
         r = await h.delete(url, headers={"api-key": admin})
         assert r.status_code == 200 and r.json()["override"] is None
+
+
+async def _until_session_moves(
+    h: Any, body: dict[str, Any], headers: dict[str, str], session: str, timeout: float = 20
+) -> None:
+    """Until two requests of ``session`` in a row go to different replicas: the bridge's
+    router has taken the routing change (from the bucket it watches) that ends affinity."""
+    hdrs = {**headers, "X-Session-Id": session}
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        r = await h.post("/v1/chat/completions", json=body, headers=hdrs)
+        assert r.status_code == 200, r.text
+        replica = r.headers["x-tokenbus-replica"]
+        if last is not None and replica != last:
+            return
+        last = replica
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"session {session!r} stayed on {last} after the routing change")
 
 
 async def _until_every_replica_serves(

@@ -10,6 +10,7 @@ import pytest
 from engine_worker.backends.base import GenerationRequest
 from engine_worker.backends.sim import SimEngine, expected_text
 from services.config import SimSettings
+from tests.conftest import wait_for
 
 
 def req(prompt: str = "hello", max_tokens: int = 8, **kw: object) -> GenerationRequest:
@@ -104,7 +105,11 @@ def test_tensor_parallel_speeds_steps_up_with_a_communication_cost() -> None:
 async def test_max_running_queues_the_rest() -> None:
     e = SimEngine(fast(max_running=2))
     gens = [e.generate(req(f"p{i}", 50)) for i in range(5)]
-    await asyncio.sleep(0.01)
+    await wait_for(
+        lambda: e.stats()["running"] == 2,
+        timeout=10,
+        what="the engine never ran two of the five sequences",
+    )
     st = e.stats()
     assert st["running"] == 2 and st["waiting"] == 3
     for g in gens:

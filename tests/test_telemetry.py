@@ -183,8 +183,10 @@ async def test_http_records_metrics_and_report(procs: Procs, model: str, tmp_pat
         "TOKENBUS_TELEMETRY__METRICS_PORT": str(mport),
         "TOKENBUS_TELEMETRY__FLUSH_INTERVAL_S": "0.1",
     }
-    procs.start("telemetry", "serve", "telemetry", env=env)
-    stack = await start_stack(procs, model, settle=0.3)
+    tel = procs.start("telemetry", "serve", "telemetry", env=env)
+    stack = await start_stack(procs, model)
+    # The telemetry service hears the records (its subscriptions are in effect).
+    await wait_for(lambda: "service_started" in tel.output(), timeout=30, what="no telemetry")
     async with stack.openai() as api:
         raw = await api.chat.completions.with_raw_response.create(
             model=model, messages=MSG, max_tokens=4, extra_headers={"traceparent": TRACE}
@@ -199,7 +201,39 @@ async def test_http_records_metrics_and_report(procs: Procs, model: str, tmp_pat
             pass
         with pytest.raises(openai.NotFoundError):
             await api.chat.completions.create(model="no-such-model", messages=MSG)  # type: ignore[call-overload]
-    await asyncio.sleep(1.0)
+
+    def requests_counted() -> dict[tuple[str, str], float]:
+        try:
+            text = httpx.get(f"http://127.0.0.1:{mport}/metrics", timeout=5).text
+        except httpx.HTTPError:
+            return {}
+        return {
+            (s.labels["source"], s.labels["outcome"]): s.value
+            for f in text_string_to_metric_families(text)
+            if f.name == "tokenbus_requests"
+            for s in f.samples
+            if s.name == "tokenbus_requests_total"
+        }
+
+    def merged_rows() -> int:
+        if not db.exists():
+            return 0
+        store = RecordStore(db)
+        try:
+            return sum(1 for r in store.rows() if r["model"] == model and r["replica"])
+        finally:
+            store.close()
+
+    # Until every record was counted and stored: the HTTP side's and the worker's.
+    want = {("http", "ok"): 2, ("worker", "length"): 2, ("http", "model_not_found"): 1}
+    await wait_for(
+        lambda: (
+            all(requests_counted().get(k, 0) >= n for k, n in want.items()) and merged_rows() >= 2
+        ),
+        timeout=20,
+        interval=0.1,
+        what="the records were not all counted and stored",
+    )
     async with httpx.AsyncClient() as h:
         text = (await h.get(f"http://127.0.0.1:{mport}/metrics")).text
     families = {f.name: f for f in text_string_to_metric_families(text)}
@@ -304,7 +338,9 @@ async def test_a_taken_metrics_port_turns_the_endpoint_off_not_the_service(
             "TOKENBUS_TELEMETRY__FLUSH_INTERVAL_S": "0.1",
         }
         tel = procs.start("telemetry", "serve", "telemetry", env=env)
-        stack = await start_stack(procs, model, settle=0.3)
+        stack = await start_stack(procs, model)
+        # The telemetry service hears the records (its subscriptions are in effect).
+        await wait_for(lambda: "service_started" in tel.output(), timeout=30, what="no telemetry")
         async with stack.openai() as api:
             await api.chat.completions.create(model=model, messages=MSG, max_tokens=3)  # type: ignore[call-overload]
         for _ in range(50):
