@@ -41,7 +41,9 @@ class KeyStore:
     async def open(self, *, watch: bool = True) -> KeyStore:
         js = self.nc.jetstream()
         try:
-            self.kv = await js.key_value(self.bucket)
+            self.kv = await buckets.through_stall(
+                lambda: js.key_value(self.bucket), what=self.bucket
+            )
         except BucketNotFoundError:
             self.kv = await js.create_key_value(
                 bucket=self.bucket, history=1, replicas=kv_replicas()

@@ -62,7 +62,9 @@ class Follow:
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> Follow:
-        self._watcher = await self.kv.watchall()
+        # Through a node just back from a stall too (its JetStream answers 503 "temporarily
+        # unavailable" while it catches up): a watcher made again is only a new consumer.
+        self._watcher = await through_stall(self.kv.watchall, what="watching a bucket")
         self._task = asyncio.get_running_loop().create_task(self._run())
         return self
 

@@ -98,6 +98,38 @@ async def test_an_early_end_marker_does_not_sync_before_the_values(kv: Any) -> N
     await follow.close()
 
 
+class _CatchingUp:
+    """A bucket on the real bus whose first ``watchall`` calls are answered as a node just
+    back from a stall answers them (503, JetStream temporarily unavailable)."""
+
+    def __init__(self, kv: Any, refusals: int) -> None:
+        self.kv, self.refusals, self.calls = kv, refusals, 0
+
+    async def watchall(self) -> Any:
+        self.calls += 1
+        if self.calls <= self.refusals:
+            raise nats.js.errors.ServiceUnavailableError(
+                code=503, err_code=10008, description="JetStream system temporarily unavailable"
+            )
+        return await self.kv.watchall()
+
+    async def status(self) -> Any:
+        return await self.kv.status()
+
+
+async def test_following_a_bucket_rides_out_a_node_catching_up(kv: Any) -> None:
+    await kv.put("y", b"2")
+    seen: list[str] = []
+    bucket = _CatchingUp(kv, 2)
+    follow = await buckets.Follow(bucket, lambda e: seen.append(e.key)).start()  # type: ignore[arg-type]
+    await asyncio.wait_for(follow.synced.wait(), 10)
+    assert bucket.calls == 3 and "y" in seen
+    await follow.close()
+    # Past the stall's span, the 503 is the caller's (a retryable ServiceUnavailable).
+    with pytest.raises(E.ServiceUnavailable, match="retry"):
+        await buckets.through_stall(_CatchingUp(kv, 10**6).watchall, what="w", stall_s=0.3)
+
+
 class _LostAnswers:
     """A bucket on the real bus whose next ``lose`` writes are made but their answers lost
     (raised as a timeout), as when the stream's leader stalls after storing them."""
