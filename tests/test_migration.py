@@ -99,7 +99,9 @@ async def test_a_worker_killed_mid_stream_is_migrated_over_nats(
     assert s.migrations == 1 and s.replica != first
     assert s.finish_reason == "length"
     assert s.usage is not None and s.usage.completion_tokens == 120
-    assert gap < 3.0, gap  # detected within a couple of heartbeats, then re-issued
+    # Detected by the heartbeats (0.25 s), then re-issued: seconds, where nothing else would
+    # end the stream before the request's own timeout (a generous bound: a loaded machine).
+    assert gap < 10.0, gap
 
 
 async def test_a_stop_sequence_hit_after_a_migration_is_named(
@@ -228,7 +230,7 @@ async def test_a_request_held_by_a_stopped_member_is_sent_again(
 async def test_overload_queues_up_to_a_bound_then_answers_503(
     nats_server: NatsServer, model: str, client: Client
 ) -> None:
-    over = {"router": {"queue_timeout_s": 3.0, "max_queued": 1}}
+    over = {"router": {"queue_timeout_s": 30.0, "max_queued": 1}}
     async with stack(
         nats_server.url, model, workers=1, worker={"max_concurrency": 2}, **over
     ) as svcs:
@@ -245,12 +247,12 @@ async def test_overload_queues_up_to_a_bound_then_answers_503(
         t0 = time.monotonic()
         with pytest.raises(E.Overloaded) as ei:
             await client.chat_completion(model, MSG, max_tokens=2)
-        assert time.monotonic() - t0 < 1.0
+        assert time.monotonic() - t0 < 10.0  # at once, not after the queue's 30 s
         assert ei.value.status == 503 and ei.value.retryable
         assert ei.value.headers["Retry-After"] == "1"
         # A slot frees up: the queued request is served.
         await a.aclose()
-        out = await asyncio.wait_for(queued, 5)
+        out = await asyncio.wait_for(queued, 30)
         assert out.usage.completion_tokens == 2
         await b.aclose()
 
