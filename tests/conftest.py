@@ -555,10 +555,28 @@ async def start_stack(
     stack = ProcStack(procs, model, roles, port)
     if heartbeats and workers:
         await wait_replicas(procs.url, model, workers)
+    # Every queue-group member started (ingress, router, the stages) answers discovery once
+    # its setup is done, then beats: until each has, not a guess at how long a start takes
+    # on a loaded machine (a router slower than a 2 s settle once made "no route service").
+    members: dict[str, int] = {}
+    for role in services:
+        if role in MEMBER_ROLES:
+            members[role] = members.get(role, 0) + 1
+    if heartbeats and members:
+        nc = await nats.connect(procs.url)
+        try:
+            await wait_started(nc, members, timeout=60)
+        finally:
+            await nc.drain()
     if bridge:
         await wait_http(f"{stack.base}/ready")
     await asyncio.sleep(settle)
     return stack
+
+
+# The services whose instances are members of a queue group (services/members.py): they
+# answer discovery as ``tokenbus-<role>`` and beat on the members' subjects.
+MEMBER_ROLES = frozenset(("ingress", "router", "auth", "ratelimit", "filter"))
 
 
 @pytest.fixture
