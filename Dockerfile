@@ -12,6 +12,7 @@ COPY pyproject.toml README.md ./
 COPY bus_schemas bus_schemas
 COPY services services
 COPY dialects dialects
+COPY jobs jobs
 COPY gateway gateway
 COPY router router
 COPY engine_worker engine_worker

@@ -96,7 +96,7 @@ BATCH_ACTIONS = (
     "get",
     "list",
     "cancel",
-    # Background responses (gateway/background.py).
+    # Background responses (jobs/background.py).
     "response_create",
     "response_cancel",
     "response_events",

@@ -693,3 +693,91 @@ async def serve(
     )
     await srv.start()
     return srv
+
+
+# -- the request body -----------------------------------------------------------------------
+async def read_bytes(
+    scope: Scope, receive: Receive, max_body: int, timeout_s: float = 30.0
+) -> bytes:
+    """The request body: 413 past ``max_body`` bytes (by Content-Length or as read), 408
+    when it has not all arrived within ``timeout_s`` (the connection is closed); a client
+    leaving meanwhile raises ``CancelledError``."""
+    too_large = E.PayloadTooLarge(f"the request body is larger than {max_body} bytes")
+    length = header(scope, b"content-length")
+    if length is not None and length.isdigit() and int(length) > max_body:
+        raise too_large
+    chunks: list[bytes] = []
+    size = 0
+    try:
+        async with asyncio.timeout(timeout_s):
+            while True:
+                msg = await receive()
+                if msg["type"] == "http.disconnect":
+                    raise asyncio.CancelledError
+                chunk = msg.get("body", b"")
+                size += len(chunk)
+                if size > max_body:
+                    raise too_large
+                chunks.append(chunk)
+                if not msg.get("more_body"):
+                    break
+    except TimeoutError:
+        raise E.RequestTimeout(
+            f"the request body did not arrive within {timeout_s:g} s ({size} bytes of "
+            f"{length or 'an unknown length'} came)",
+            headers={"Connection": "close"},
+        ) from None
+    return b"".join(chunks)
+
+
+async def read_body(scope: Scope, receive: Receive, max_body: int, timeout_s: float = 30.0) -> Any:
+    """The request body as JSON (:func:`read_bytes`), 400 when not JSON or beyond what
+    tokenbus carries (:func:`check_json`)."""
+    raw = await read_bytes(scope, receive, max_body, timeout_s)
+    try:
+        body = json.loads(raw)
+    except RecursionError:
+        raise E.InvalidJSON(f"the request body is nested deeper than {MAX_DEPTH} levels") from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise E.InvalidJSON(f"the request body is not valid JSON: {exc}") from None
+    check_json(body)
+    return body
+
+
+# What a request body may hold (real clients stay far inside these): nesting depth, and
+# integers msgpack carries (signed or unsigned 64 bits).
+MAX_DEPTH = 64
+_INT_MIN, _INT_MAX = -(2**63), 2**64 - 1
+
+
+def check_json(value: Any, path: str = "", depth: int = 0) -> None:
+    """Refuse (400, naming the field) what JSON allows but tokenbus cannot carry: nesting
+    deeper than :data:`MAX_DEPTH`, an integer beyond 64 bits, a string with a lone UTF-16
+    surrogate (``"\\ud800"``: not Unicode text, so not UTF-8 either)."""
+    if depth > MAX_DEPTH:
+        raise E.InvalidJSON(
+            f"the request body is nested deeper than {MAX_DEPTH} levels", param=path or None
+        )
+    if isinstance(value, str):
+        if not value.isascii():
+            try:
+                value.encode()
+            except UnicodeEncodeError:
+                raise E.InvalidRequest(
+                    f"{path or 'body'}: a string holds a lone UTF-16 surrogate, which is not text",
+                    param=path or None,
+                ) from None
+    elif isinstance(value, bool | float) or value is None:
+        return
+    elif isinstance(value, int):
+        if not _INT_MIN <= value <= _INT_MAX:
+            raise E.InvalidRequest(
+                f"{path or 'body'}: the integer does not fit in 64 bits", param=path or None
+            )
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            check_json(k, path, depth + 1)
+            check_json(v, f"{path}.{k}" if path else str(k), depth + 1)
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            check_json(v, f"{path}.{i}" if path else str(i), depth + 1)

@@ -23,15 +23,18 @@ from gateway.admin_keys import AdminAPI
 from gateway.admin_routing import PREFIX as ROUTING_PREFIX
 from gateway.admin_routing import RoutingAdmin
 from gateway.asgi import HTTPLimits, HTTPServer, Receive, Scope, Send, serve
-from gateway.background import Background
-from gateway.batches import BatchAPI, BatchRunner, BatchStore
-from gateway.files import FilesAPI, FileStore
+from gateway.batches import BatchAPI
+from gateway.files import FilesAPI
 from gateway.ingress import Admission
 from gateway.messages import MessagesAPI
 from gateway.openai_api import OpenAIApp
-from gateway.response_store import open_store
 from gateway.responses import ResponsesAPI, key_owner
 from gateway.stages import LocalStages, stages_before_route
+from jobs.background import Background
+from jobs.batch_runner import BatchRunner
+from jobs.batches import BatchStore
+from jobs.files import FileStore
+from jobs.response_store import open_store
 from router.dispatch import Dispatcher
 from router.kv_follow import KVFollower, register_metrics
 from router.kv_index import KVIndex
@@ -401,9 +404,8 @@ class Bridge(Service):
             files = await FileStore(self.nc, cfg.files).open()
             store = await BatchStore(self.nc, cfg.batches, cfg.files.ttl_s).open()
             if cfg.batches.enabled and responses.store is not None:
-                bg = await Background(self.nc, store, responses.store, api).open(
-                    cfg.responses.ttl_s
-                )
+                bg = Background(self.nc, store, responses.store, api, validation.check_chat)
+                await bg.open(cfg.responses.ttl_s)
                 responses.background = bg
                 handlers["response"] = bg.run
         except Exception as exc:

@@ -11,10 +11,10 @@ from bus_schemas import codec, marks, subjects
 from bus_schemas import errors as E
 from bus_schemas import headers as H
 from gateway import validation
-from gateway.background import BackgroundState
-from gateway.batches import BatchState
-from gateway.response_store import ResponsesState
 from gateway.validation import clean_request_id
+from jobs.background import BackgroundState
+from jobs.batches import BatchState
+from jobs.response_store import ResponsesState
 from services import tracing
 from services.config import Settings
 from services.runtime import Service
@@ -146,7 +146,7 @@ class Ingress(Service):
         )
         # NATS clients' files and batches (docs/batches.md).
         # Background responses ride the same subjects (response_<action>).
-        background = BackgroundState(self.nc, self.settings)
+        background = BackgroundState(self.nc, self.settings, validation.check_chat)
         self.batches = BatchState(
             self.nc, self.settings, dict.fromkeys(BackgroundState.ACTIONS, background.handle)
         )

@@ -15,25 +15,26 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
 from typing import Any
 
 from bus_schemas import errors as E
 from bus_schemas.subjects import KIND_CHAT
 from dialects import messages as M
 from gateway import validation
-from gateway.asgi import BodyNow, Headers, Message, Receive, Scope, Send, header, send_json
-from gateway.openai_api import (
-    SSE_HEADERS,
-    Call,
-    OpenAIApp,
+from gateway.asgi import Headers, Message, Receive, Scope, Send, header, send_json
+from gateway.openai_api import Call, OpenAIApp
+from gateway.sse import (
     StreamLike,
+    builder_events,
+    builder_sink,
     first_chunk,
     latency_headers,
     limit_headers,
+    named,
+    pump,
+    start_sse,
 )
 from services import tracing
-from services.caller import Chunk
 
 PREFIX = "/v1/messages"
 COUNT = PREFIX + "/count_tokens"
@@ -174,78 +175,20 @@ class MessagesAPI:
         first = await first_chunk(stream)
         progress, rid = call.progress, call.rid.encode()
         progress.started = True
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 200,
-                "headers": [
-                    *SSE_HEADERS,
-                    (b"x-request-id", rid),
-                    (b"request-id", rid),
-                    *limit_headers(stream),
-                ],
-            }
-        )
-        buf = [M.sse(ev) for ev in b.opening()]
+        await start_sse(send, call.rid, stream, [(b"request-id", rid)])
+        buf = [named(ev) for ev in b.opening()]
         body = "http.response.body"
         try:
             if first is not None:
-                _events(b, first, buf)
-                await send({"type": body, "body": "".join(buf).encode(), "more_body": True})
-                progress.t5_ns = time.time_ns()
-                progress.streamed = True
-                buf.clear()
-                if call.now is not None:
-                    stream.push_to(_text_sink(b, call.now))
-                try:
-                    async for c in stream:
-                        _events(b, c, buf)
-                        # Behind: what is already here goes in one write.
-                        while stream.pending():
-                            try:
-                                c = await stream.__anext__()
-                            except StopAsyncIteration:
-                                break
-                            _events(b, c, buf)
-                        await send({"type": body, "body": "".join(buf).encode(), "more_body": True})
-                        buf.clear()
-                finally:
-                    stream.push_to(None)
+                sink = None if call.now is None else builder_sink(b, call.now)
+                await pump(send, stream, first, builder_events(b), buf, progress, sink)
             _, events = b.finish(
                 stream.finish_reason, stream.usage, stream.stop_sequence, stream.service_tier
             )
-            buf.extend(M.sse(ev) for ev in events)
+            buf.extend(named(ev) for ev in events)
         except E.TokenbusError as exc:
             # The headers are gone: the failure is an `error` event, which ends the stream.
-            buf.extend(M.sse(ev) for ev in b.fail(exc))
+            buf.extend(named(ev) for ev in b.fail(exc))
             progress.error = exc.code
         progress.finished = True
         await send({"type": body, "body": "".join(buf).encode(), "more_body": False})
-
-
-def _events(b: M.MessageBuilder, c: Chunk, buf: list[str]) -> None:
-    """The SSE text of one chunk's events, appended to ``buf``."""
-    if c.text and not c.has_side:
-        text = b.text_sse(c.text)
-        if text is not None:
-            buf.append(text)
-            return
-    buf.extend(M.sse(ev) for ev in b.add(c))
-
-
-def _text_sink(b: M.MessageBuilder, now: BodyNow) -> Callable[[str], bool]:
-    """A stream's sink (``push_to``): a plain text delta's events written at once, as
-    :func:`_events` would write them; False, with the builder untouched, when they cannot
-    go out now."""
-
-    def sink(text: str) -> bool:
-        if not text:
-            return True
-        if not now.ready():
-            return False
-        out = b.text_sse(text)
-        if out is None:
-            out = "".join(M.sse(ev) for ev in b.add(Chunk(text, 1, 0)))
-        return now(out.encode())
-
-    return sink

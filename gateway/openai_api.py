@@ -20,9 +20,9 @@ import base64
 import json
 import struct
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Protocol
 
 from bus_schemas import errors as E
 from bus_schemas import headers as H
@@ -34,8 +34,6 @@ from gateway.asgi import (
     JSON_HEADERS,
     RECEIVED_NS,
     BodyNow,
-    Headers,
-    Message,
     Receive,
     RouteTable,
     Scope,
@@ -43,117 +41,33 @@ from gateway.asgi import (
     api_key,
     bus_headers,
     header,
+    read_body,
     send_error,
     send_json,
 )
 from gateway.openapi import document_bytes
+from gateway.sse import (
+    DONE,
+    SSE_HEADERS,
+    Progress,
+    StreamLike,
+    chat_logprobs,
+    first_chunk,
+    latency_headers,
+    limit_headers,
+    side_event,
+    sse_error,
+    sse_frames,
+    usage_of,
+    write_sse,
+)
 from gateway.validation import clean_request_id
+from jobs.inprocess import BACKGROUND, PRINCIPAL
 from services import logging as tlog
 from services import tracing
 from services.caller import Assembled, Chunk, Usage
 
 log = tlog.get("bridge")
-
-
-class StreamLike(Protocol):
-    """What a source hands back for one request (:class:`services.caller.Stream` is one)."""
-
-    request_id: str
-    finish_reason: str | None
-    # The stop string that ended the answer (finish ``stop``), when the engine says.
-    stop_sequence: str | None
-    usage: Usage | None
-    rate_limits: dict[str, str]
-    # The class that serves it (``service_tier``), from the replica's accept frame.
-    service_tier: str | None
-
-    def __aiter__(self) -> AsyncIterator[Chunk]: ...
-
-    async def __anext__(self) -> Chunk: ...
-
-    def pending(self) -> int: ...
-
-    def push_to(self, sink: Callable[[str], bool] | None) -> None:
-        """Hand plain text chunks to ``sink`` as they arrive while the consumer waits (see
-        :meth:`services.caller.Stream.push_to`); a stream may also never call it."""
-
-    async def aclose(self) -> None: ...
-
-
-# An ASGI scope key only this process sets, never the HTTP server: the id of the API key a
-# request is run for by a trusted caller here (a batch line: gateway/batches.py). Such a
-# request carries no key; auth checks the key by id (auth.service.authenticate).
-PRINCIPAL = "tokenbus.principal"
-# Another such key: the id of the background response this request runs (its runner sets it:
-# the response keeps that id, and is written over its queued record).
-BACKGROUND = "tokenbus.background"
-
-
-class InProcess:
-    """One request to this process's own app, as a trusted caller here makes it (a batch
-    line, a background response): a POST of ``body`` to ``path`` for the key ``principal``
-    (None: an open deployment), with more scope keys in ``extra``. :meth:`run` sends it;
-    ``status`` and ``chunks`` are the answer, and ``on_body`` (when given) gets each piece
-    of a 200 answer's body as it comes instead of ``chunks``."""
-
-    def __init__(
-        self,
-        path: str,
-        body: dict[str, Any],
-        principal: str | None,
-        headers: Sequence[tuple[bytes, bytes]] = (),
-        extra: dict[str, Any] | None = None,
-        on_body: Callable[[bytes], Awaitable[None]] | None = None,
-    ) -> None:
-        self.scope: dict[str, Any] = {
-            "type": "http",
-            "asgi": {"version": "3.0"},
-            "http_version": "1.1",
-            "method": "POST",
-            "scheme": "http",
-            "path": path,
-            "raw_path": path.encode(),
-            "query_string": b"",
-            "headers": [(b"content-type", b"application/json"), *headers],
-            "client": None,
-            "server": None,
-            **(extra or {}),
-        }
-        if principal:
-            self.scope[PRINCIPAL] = principal
-        self.body = json.dumps(body).encode()
-        self.on_body = on_body
-        self.sent = False
-        self.status = 0
-        self.chunks: list[bytes] = []
-
-    async def run(self, app: Callable[[Scope, Receive, Send], Awaitable[None]]) -> None:
-        never: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
-
-        async def receive() -> Message:
-            if not self.sent:
-                self.sent = True
-                return {"type": "http.request", "body": self.body, "more_body": False}
-            return await never  # the caller never goes away
-
-        async def send(msg: Message) -> None:
-            if msg["type"] == "http.response.start":
-                self.status = int(msg["status"])
-            elif msg["type"] == "http.response.body":
-                chunk = bytes(msg.get("body", b""))
-                if self.on_body is not None and self.status == 200:
-                    await self.on_body(chunk)
-                else:
-                    self.chunks.append(chunk)
-
-        try:
-            await app(self.scope, receive, send)
-        finally:
-            never.cancel()
-
-    @property
-    def answer(self) -> bytes:
-        return b"".join(self.chunks)
 
 
 class Source(Protocol):
@@ -185,24 +99,6 @@ class Source(Protocol):
     def healthy(self) -> bool: ...
 
     def ready(self) -> bool: ...
-
-
-@dataclass(slots=True)
-class Progress:
-    """How far one generation request has got; shared with its disconnect watcher."""
-
-    t1_ns: int  # when the request arrived (wall clock, comparable with the engine's marks)
-    started: bool = False  # the SSE response headers are sent
-    finished: bool = False  # the last byte is handed to the server (or the request failed)
-    streamed: bool = False  # the first token went out as an SSE event
-    t5_ns: int | None = None  # when the first token (or the whole answer) went out
-    # The error that ended a stream after its headers were sent (an SSE error event): the
-    # request's outcome, though its status stays 200.
-    error: str | None = None
-
-
-SSE_HEADERS: Headers = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
-DONE = "data: [DONE]\n\n"
 
 
 class OpenAIApp(RouteTable):
@@ -539,94 +435,6 @@ def _record(
     }
 
 
-# -- the request body -----------------------------------------------------------------------
-async def read_bytes(
-    scope: Scope, receive: Receive, max_body: int, timeout_s: float = 30.0
-) -> bytes:
-    """The request body: 413 past ``max_body`` bytes (by Content-Length or as read), 408
-    when it has not all arrived within ``timeout_s`` (the connection is closed); a client
-    leaving meanwhile raises ``CancelledError``."""
-    too_large = E.PayloadTooLarge(f"the request body is larger than {max_body} bytes")
-    length = header(scope, b"content-length")
-    if length is not None and length.isdigit() and int(length) > max_body:
-        raise too_large
-    chunks: list[bytes] = []
-    size = 0
-    try:
-        async with asyncio.timeout(timeout_s):
-            while True:
-                msg = await receive()
-                if msg["type"] == "http.disconnect":
-                    raise asyncio.CancelledError
-                chunk = msg.get("body", b"")
-                size += len(chunk)
-                if size > max_body:
-                    raise too_large
-                chunks.append(chunk)
-                if not msg.get("more_body"):
-                    break
-    except TimeoutError:
-        raise E.RequestTimeout(
-            f"the request body did not arrive within {timeout_s:g} s ({size} bytes of "
-            f"{length or 'an unknown length'} came)",
-            headers={"Connection": "close"},
-        ) from None
-    return b"".join(chunks)
-
-
-async def read_body(scope: Scope, receive: Receive, max_body: int, timeout_s: float = 30.0) -> Any:
-    """The request body as JSON (:func:`read_bytes`), 400 when not JSON or beyond what
-    tokenbus carries (:func:`check_json`)."""
-    raw = await read_bytes(scope, receive, max_body, timeout_s)
-    try:
-        body = json.loads(raw)
-    except RecursionError:
-        raise E.InvalidJSON(f"the request body is nested deeper than {MAX_DEPTH} levels") from None
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise E.InvalidJSON(f"the request body is not valid JSON: {exc}") from None
-    check_json(body)
-    return body
-
-
-# What a request body may hold (real clients stay far inside these): nesting depth, and
-# integers msgpack carries (signed or unsigned 64 bits).
-MAX_DEPTH = 64
-_INT_MIN, _INT_MAX = -(2**63), 2**64 - 1
-
-
-def check_json(value: Any, path: str = "", depth: int = 0) -> None:
-    """Refuse (400, naming the field) what JSON allows but tokenbus cannot carry: nesting
-    deeper than :data:`MAX_DEPTH`, an integer beyond 64 bits, a string with a lone UTF-16
-    surrogate (``"\\ud800"``: not Unicode text, so not UTF-8 either)."""
-    if depth > MAX_DEPTH:
-        raise E.InvalidJSON(
-            f"the request body is nested deeper than {MAX_DEPTH} levels", param=path or None
-        )
-    if isinstance(value, str):
-        if not value.isascii():
-            try:
-                value.encode()
-            except UnicodeEncodeError:
-                raise E.InvalidRequest(
-                    f"{path or 'body'}: a string holds a lone UTF-16 surrogate, which is not text",
-                    param=path or None,
-                ) from None
-    elif isinstance(value, bool | float) or value is None:
-        return
-    elif isinstance(value, int):
-        if not _INT_MIN <= value <= _INT_MAX:
-            raise E.InvalidRequest(
-                f"{path or 'body'}: the integer does not fit in 64 bits", param=path or None
-            )
-    elif isinstance(value, dict):
-        for k, v in value.items():
-            check_json(k, path, depth + 1)
-            check_json(v, f"{path}.{k}" if path else str(k), depth + 1)
-    elif isinstance(value, list):
-        for i, v in enumerate(value):
-            check_json(v, f"{path}.{i}" if path else str(i), depth + 1)
-
-
 # -- disconnects ----------------------------------------------------------------------------
 def watch_disconnect(receive: Receive, progress: Progress) -> asyncio.Task[None]:
     """A task that cancels the calling task (the handler, and so the generation) when the
@@ -689,7 +497,7 @@ def whole_answer(
     kind: str, rid: str, model: str, out: Assembled, stream: StreamLike
 ) -> dict[str, Any]:
     """The JSON body of a whole answer: a ``chat.completion`` or a ``text_completion``."""
-    usage = _usage(stream)
+    usage = usage_of(stream)
     finish = stream.finish_reason or "stop"
     created = int(time.time())
     text = out.text
@@ -735,14 +543,6 @@ def _tier(stream: StreamLike) -> dict[str, str]:
     only (OpenAI's text_completion has none)."""
     tier = getattr(stream, "service_tier", None)
     return {"service_tier": tier} if tier else {}
-
-
-def chat_logprobs(lp: dict[str, Any] | None) -> dict[str, Any] | None:
-    """A chat choice's logprobs as OpenAI writes them: ``content`` and ``refusal`` both
-    present (null where the engine sent none, as vLLM does for ``refusal``)."""
-    if lp is None or ("content" in lp and "refusal" in lp):
-        return lp
-    return {"content": None, "refusal": None, **lp}
 
 
 def text_choice(index: int, out: Assembled, stream: StreamLike) -> dict[str, Any]:
@@ -821,7 +621,7 @@ def _usage_total(streams: list[StreamLike]) -> dict[str, Any]:
     """The usage of several streams added up (the counts inside the details too)."""
     total: dict[str, Any] = {}
     for s in streams:
-        _add_counts(total, _usage(s))
+        _add_counts(total, usage_of(s))
     return total
 
 
@@ -946,230 +746,3 @@ async def write_embeddings(
 
 def _b64(vec: list[float]) -> str:
     return base64.b64encode(struct.pack(f"<{len(vec)}f", *vec)).decode()
-
-
-# -- server-sent events ---------------------------------------------------------------------
-class SSEFrames(NamedTuple):
-    """The SSE events of one streamed answer as ``%`` templates: all but the token text, the
-    finish reason and the usage is fixed per request, so a token costs one ``%`` and one
-    ``json.dumps`` of its text."""
-
-    opening: str  # chat's first event (the assistant role); "" for completions
-    prefix: str  # an event up to its choices list, for chunks with more than text
-    piece: str  # one token: % its text as JSON
-    closing: str  # the last event: % the finish reason as JSON
-    usage: str  # the usage event (``stream_options.include_usage``): % the usage as JSON
-    choice: int = 0  # the choice's index in each event
-
-
-def sse_frames(
-    kind: str, rid: str, model: str, created: int, index: int = 0, tier: str | None = None
-) -> SSEFrames:
-    """The SSE templates of a ``chat.completion.chunk`` or ``text_completion`` stream (of
-    choice ``index``); ``tier``: the ``service_tier`` that serves it."""
-    model_json = json.dumps(model)
-    if tier and kind == KIND_CHAT:  # OpenAI's text_completion has no service_tier
-        model_json += f',"service_tier":{json.dumps(tier)}'
-    if kind == KIND_CHAT:
-        head = (
-            f'data: {{"id":"chatcmpl-{rid}","object":"chat.completion.chunk",'
-            f'"created":{created},"model":{model_json},"choices":[{{"index":{index},'
-        )
-        return SSEFrames(
-            prefix=head.rpartition("{")[0],
-            opening=head
-            + (
-                '"delta":{"role":"assistant","content":""},"logprobs":null,'
-                '"finish_reason":null}]}\n\n'
-            ),
-            piece=head + '"delta":{"content":%s},"logprobs":null,"finish_reason":null}]}\n\n',
-            closing=head + '"delta":{},"logprobs":null,"finish_reason":%s}]}\n\n',
-            usage=(
-                f'data: {{"id":"chatcmpl-{rid}","object":"chat.completion.chunk",'
-                f'"created":{created},"model":{model_json},"choices":[],"usage":%s}}\n\n'
-            ),
-            choice=index,
-        )
-    head = (
-        f'data: {{"id":"cmpl-{rid}","object":"text_completion",'
-        f'"created":{created},"model":{model_json},"choices":[{{"index":{index},'
-    )
-    return SSEFrames(
-        opening="",
-        prefix=head.rpartition("{")[0],
-        piece=head + '"text":%s,"logprobs":null,"finish_reason":null}]}\n\n',
-        closing=head + '"text":"","logprobs":null,"finish_reason":%s}]}\n\n',
-        usage=(
-            f'data: {{"id":"cmpl-{rid}","object":"text_completion",'
-            f'"created":{created},"model":{model_json},"choices":[],"usage":%s}}\n\n'
-        ),
-        choice=index,
-    )
-
-
-async def write_sse(
-    send: Send,
-    kind: str,
-    req: validation.Request,
-    stream: StreamLike,
-    rid: str,
-    progress: Progress,
-    now: BodyNow | None = None,
-) -> None:
-    """The answer as server-sent events: headers once the first token (or the end) is
-    here, the tokens, the closing event, the usage event when asked for, then ``[DONE]``.
-    With ``now``, plain tokens after the first are written from the stream's own delivery
-    (``push_to``), without a turn of this task per token."""
-    # Wait for the first frame before sending headers, so errors that happen before
-    # generation (unknown model, no replica) still get their own HTTP status.
-    first = await first_chunk(stream)
-    frames = sse_frames(
-        kind, rid, req.model, int(time.time()), tier=getattr(stream, "service_tier", None)
-    )
-    chat = kind == KIND_CHAT
-    progress.started = True
-    if now is not None:
-        now.hold_head()  # the head goes out with the first token, in one write
-    await send(
-        {
-            "type": "http.response.start",
-            "status": 200,
-            "headers": [*SSE_HEADERS, (b"x-request-id", rid.encode()), *limit_headers(stream)],
-        }
-    )
-    buf: list[str] = [frames.opening] if frames.opening else []
-    try:
-        if first is not None:
-            await _send_tokens(send, stream, first, frames, chat, buf, progress, now)
-        buf.append(frames.closing % json.dumps(stream.finish_reason or "stop"))
-        if req.include_usage:
-            buf.append(frames.usage % json.dumps(_usage(stream)))
-    except E.TokenbusError as exc:
-        # Headers are gone: the error travels as an SSE event, as OpenAI's API does.
-        buf.append(sse_error(exc))
-        progress.error = exc.code
-    buf.append(DONE)
-    progress.finished = True
-    await send({"type": "http.response.body", "body": "".join(buf).encode(), "more_body": False})
-
-
-def sse_error(exc: E.TokenbusError) -> str:
-    """An error as an SSE event: OpenAI's error body, after which only ``[DONE]`` follows."""
-    return f"data: {json.dumps(exc.openai_body())}\n\n"
-
-
-async def first_chunk(stream: StreamLike) -> Chunk | None:
-    """The stream's first chunk, None when it ended without one."""
-    try:
-        return await stream.__anext__()
-    except StopAsyncIteration:
-        return None
-
-
-def side_event(frames: SSEFrames, chat: bool, c: Chunk) -> str:
-    """The SSE event of a chunk with more than text: tool-call deltas, logprobs, refusal,
-    reasoning content."""
-    choice: dict[str, Any] = {"index": frames.choice}
-    if chat:
-        delta: dict[str, Any] = {}
-        if c.text:
-            delta["content"] = c.text
-        if c.reasoning is not None:
-            delta["reasoning_content"] = c.reasoning
-        if c.refusal is not None:
-            delta["refusal"] = c.refusal
-        if c.tool_calls is not None:
-            delta["tool_calls"] = c.tool_calls
-        choice["delta"] = delta
-    else:
-        choice["text"] = c.text
-    choice["logprobs"] = chat_logprobs(c.logprobs) if chat else c.logprobs
-    choice["finish_reason"] = None
-    return f"{frames.prefix}{json.dumps(choice)}]}}\n\n"
-
-
-async def _send_tokens(
-    send: Send,
-    stream: StreamLike,
-    first: Chunk,
-    frames: SSEFrames,
-    chat: bool,
-    buf: list[str],
-    progress: Progress,
-    now: BodyNow | None,
-) -> None:
-    """Every token as an SSE event: the first at once (after what ``buf`` holds), the rest
-    as they come. Leaves ``buf`` holding what is not sent yet (nothing, unless the stream
-    failed mid-way)."""
-    dumps = json.dumps
-    body = "http.response.body"
-    piece = frames.piece
-    buf.append(side_event(frames, chat, first) if first.has_side else piece % dumps(first.text))
-    await send({"type": body, "body": "".join(buf).encode(), "more_body": True})
-    progress.t5_ns = time.time_ns()
-    progress.streamed = True
-    buf.clear()
-    if now is None:
-        await _send_rest(send, stream, frames, chat, buf)
-        return
-
-    def sink(text: str) -> bool:
-        return now((piece % dumps(text)).encode())
-
-    stream.push_to(sink)
-    try:
-        await _send_rest(send, stream, frames, chat, buf)
-    finally:
-        stream.push_to(None)
-
-
-async def _send_rest(
-    send: Send, stream: StreamLike, frames: SSEFrames, chat: bool, buf: list[str]
-) -> None:
-    """The tokens after the first, each as it comes, those already here in one write."""
-    dumps = json.dumps
-    body = "http.response.body"
-    piece = frames.piece
-    async for c in stream:
-        buf.append(side_event(frames, chat, c) if c.has_side else piece % dumps(c.text))
-        # The consumer (this writer) is behind: coalesce what is already here into one
-        # write instead of one syscall per token.
-        while stream.pending():
-            try:
-                c = await stream.__anext__()
-            except StopAsyncIteration:
-                break
-            buf.append(side_event(frames, chat, c) if c.has_side else piece % dumps(c.text))
-        await send({"type": body, "body": "".join(buf).encode(), "more_body": True})
-        buf.clear()
-
-
-# -- response headers and usage -------------------------------------------------------------
-def _usage(stream: StreamLike) -> dict[str, Any]:
-    """The stream's token counts as OpenAI's ``usage`` object (zeros when unknown)."""
-    return (stream.usage or Usage(0, 0, 0)).to_dict()
-
-
-def latency_headers(stream: StreamLike, t1_ns: int) -> Headers:
-    """Where the time to the first token went (like LiteLLM's overhead header): the gateway's
-    share, (engine start - received) + (first token at the gateway - first token in the
-    engine), and the engine's, from the stage timestamps of the final frame."""
-    t = getattr(stream, "timings", None) or {}
-    t2, t3 = t.get("engine_start"), t.get("first_token")
-    t4 = getattr(stream, "t_first_ns", 0) or 0
-    if not (t2 and t3 and t4):
-        return []
-    gateway = ((t2 - t1_ns) + (t4 - t3)) / 1e6
-    return [
-        (b"x-tokenbus-gateway-ms", f"{max(0.0, gateway):.3f}".encode()),
-        (b"x-tokenbus-engine-ms", f"{(t3 - t2) / 1e6:.3f}".encode()),
-    ]
-
-
-def limit_headers(stream: StreamLike) -> Headers:
-    """Rate-limit headers, and which replica served (``x-tokenbus-replica``)."""
-    out = [(k.encode(), v.encode()) for k, v in stream.rate_limits.items()]
-    replica = getattr(stream, "replica", None)
-    if replica:
-        out.append((b"x-tokenbus-replica", str(replica).encode()))
-    return out

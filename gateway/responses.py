@@ -5,13 +5,13 @@ A request is translated onto the chat path (:mod:`dialects.responses`) and opene
 app's :class:`~gateway.openai_api.Source` exactly as a chat completion is, so keys, limits,
 the content filter, routing, migration and telemetry are the chat path's. What differs is
 only what goes back: a ``response`` object, or the Responses streaming events. Stored
-responses live in the :class:`~gateway.response_store.ResponseStore`, owned by the key that
+responses live in the :class:`~jobs.response_store.ResponseStore`, owned by the key that
 made them (docs/responses.md).
 """
 
 from __future__ import annotations
 
-import json
+import contextlib
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -33,23 +33,25 @@ from gateway.asgi import (
     send_error,
     send_json,
 )
-from gateway.openai_api import (
-    SSE_HEADERS,
-    Call,
-    OpenAIApp,
+from gateway.openai_api import Call, OpenAIApp
+from gateway.sse import (
     Progress,
     StreamLike,
+    builder_events,
+    builder_sink,
     first_chunk,
     latency_headers,
     limit_headers,
+    named,
+    pump,
+    start_sse,
 )
-from gateway.response_store import ResponseStore, conversation, not_found
+from jobs.response_store import ResponseStore, conversation, not_found
 from services import logging as tlog
 from services import tracing
-from services.caller import Chunk
 
 if TYPE_CHECKING:
-    from gateway.background import Background
+    from jobs.background import Background
 
 log = tlog.get("bridge")
 PREFIX = "/v1/responses"
@@ -66,11 +68,6 @@ def key_owner(keys: KeyStore | None) -> Owner:
     return lambda key: keys.lookup(key).id
 
 
-def sse(ev: dict[str, Any]) -> str:
-    """One Responses streaming event as server-sent event text."""
-    return f"event: {ev['type']}\ndata: {json.dumps(ev)}\n\n"
-
-
 class ResponsesAPI:
     """The Responses API's handlers on an :class:`OpenAIApp` (``mount`` adds its routes);
     ``store`` None: nothing is kept (``store`` comes back false, and ids are not found)."""
@@ -79,7 +76,7 @@ class ResponsesAPI:
         self.app = app
         self.store = store
         self.owner: Owner = owner or key_owner(None)
-        # Background responses' queue and events (gateway/background.py); None: refused.
+        # Background responses' queue and events (jobs/background.py); None: refused.
         self.background: Background | None = None
 
     def mount(self) -> None:
@@ -148,9 +145,21 @@ class ResponsesAPI:
         previous = await self._previous(req.previous_response_id, owner)
         queued = await bg.queue(req, call.body, owner, previous)
         if req.stream:
-            await bg.follow(queued["id"], owner, -1, send, call.rid)
+            await self._follow(send, bg, queued["id"], owner, -1, call.rid)
         else:
             await send_json(send, 200, queued, [(b"x-request-id", call.rid.encode())])
+
+    async def _follow(
+        self, send: Send, bg: Background, response_id: str, owner: str, after: int, rid: str
+    ) -> None:
+        """A background response's events numbered after ``after`` as server-sent events,
+        replayed, then live, until one that ends it."""
+        await start_sse(send, rid)
+        async with contextlib.aclosing(bg.follow(response_id, owner, after)) as events:
+            async for ev in events:
+                piece = named(ev).encode()
+                await send({"type": "http.response.body", "body": piece, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def _previous(self, response_id: str | None, owner: str) -> list[dict[str, Any]] | None:
         return await conversation(self.store, response_id, owner)
@@ -163,7 +172,7 @@ class ResponsesAPI:
         if not turn.echo.get("store") or self.store is None:
             return
         rec = R.record(turn, b, resp, owner)
-        if turn.echo.get("background"):  # over its queued record (gateway/background.py)
+        if turn.echo.get("background"):  # over its queued record (jobs/background.py)
             rec["background"] = True
             if not await self.store.replace(turn.response_id, rec):
                 resp["store"] = False
@@ -212,49 +221,24 @@ class ResponsesAPI:
         first = await first_chunk(stream)
         b = R.ResponseBuilder(turn, events=True)
         progress.started = True
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 200,
-                "headers": [*SSE_HEADERS, (b"x-request-id", rid.encode()), *limit_headers(stream)],
-            }
-        )
-        buf = [sse(ev) for ev in b.opening()]
+        await start_sse(send, rid, stream)
+        buf = [named(ev) for ev in b.opening()]
         body = "http.response.body"
         try:
             if first is not None:
-                _events(b, first, buf)
-                await send({"type": body, "body": "".join(buf).encode(), "more_body": True})
-                progress.t5_ns = time.time_ns()
-                progress.streamed = True
-                buf.clear()
-                if now is not None:
-                    stream.push_to(_text_sink(b, now))
-                try:
-                    async for c in stream:
-                        _events(b, c, buf)
-                        # Behind: what is already here goes in one write.
-                        while stream.pending():
-                            try:
-                                c = await stream.__anext__()
-                            except StopAsyncIteration:
-                                break
-                            _events(b, c, buf)
-                        await send({"type": body, "body": "".join(buf).encode(), "more_body": True})
-                        buf.clear()
-                finally:
-                    stream.push_to(None)
+                sink = None if now is None else builder_sink(b, now)
+                await pump(send, stream, first, builder_events(b), buf, progress, sink)
             resp, events = b.finish(stream.finish_reason, stream.usage, stream.service_tier)
             # Kept before response.completed goes out: a client that continues the
             # conversation right after it finds it.
             await self._save(turn, b, resp, owner)
-            buf.extend(sse(ev) for ev in events)
+            buf.extend(named(ev) for ev in events)
         except E.TokenbusError as exc:
             # The headers are gone: the failure is an `error` and a `response.failed` event,
             # and the failed response is kept as OpenAI keeps one (GET shows what failed).
             failed, events = b.fail(exc)
             await self._save(turn, b, failed, owner)
-            buf.extend(sse(ev) for ev in events)
+            buf.extend(named(ev) for ev in events)
             progress.error = exc.code
         progress.finished = True
         await send({"type": body, "body": "".join(buf).encode(), "more_body": False})
@@ -287,7 +271,7 @@ class ResponsesAPI:
                         raise E.InvalidRequest(
                             "starting_after: a sequence number", param="starting_after"
                         )
-                    await self.background.follow(rid, owner, int(after), send, rid)
+                    await self._follow(send, self.background, rid, owner, int(after), rid)
                     return
                 await send_json(send, 200, rec["response"])
                 return
@@ -325,31 +309,3 @@ class MethodNotAllowed(E.InvalidRequest):
     """A known path asked with a method it does not serve (405)."""
 
     status = 405
-
-
-def _text_sink(b: R.ResponseBuilder, now: BodyNow) -> Callable[[str], bool]:
-    """A stream's sink (``push_to``): a plain text delta's events written at once, as
-    :func:`_events` would write them; False, with the builder untouched, when they cannot
-    go out now."""
-
-    def sink(text: str) -> bool:
-        if not text:
-            return True  # no event, as in _events
-        if not now.ready():
-            return False
-        out = b.text_sse(text)
-        if out is None:
-            out = "".join(sse(ev) for ev in b.add(Chunk(text, 1, 0)))
-        return now(out.encode())
-
-    return sink
-
-
-def _events(b: R.ResponseBuilder, c: Chunk, buf: list[str]) -> None:
-    """The SSE text of one chunk's events, appended to ``buf``."""
-    if c.text and not c.has_side:
-        text = b.text_sse(c.text)
-        if text is not None:
-            buf.append(text)
-            return
-    buf.extend(sse(ev) for ev in b.add(c))

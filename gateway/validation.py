@@ -57,6 +57,12 @@ def parse(kind: str, body: Any) -> Request:
         raise E.InvalidRequest(f"{loc or 'body'}: {msg}{more}", param=loc or None) from None
 
 
+def check_chat(body: Any) -> Request:
+    """A chat completion request checked as :func:`parse` checks one (what a job queued
+    now and run later is checked with: a bad request is refused when queued)."""
+    return parse(KIND_CHAT, body)
+
+
 def prompt_chars(req: Request) -> int:
     """Size of the request's text, for the oversized-prompt check (images, audio and files
     count toward the body limit only)."""

@@ -1,6 +1,7 @@
-"""The Files and Batch APIs (gateway/files.py, gateway/batches.py) with the official openai
-SDK, on a real nats-server with JetStream and real processes: auth, ratelimit, filter,
-ingress, router, sim workers and the HTTP bridge (whose processes run the lines).
+"""The Files and Batch APIs (gateway/files.py, gateway/batches.py; their stores and the
+runner in jobs/) with the official openai SDK, on a real nats-server with JetStream and real
+processes: auth, ratelimit, filter, ingress, router, sim workers and the HTTP bridge (whose
+processes run the lines).
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ from nats.aio.client import Client as NATS
 from nats.js.errors import NotFoundError
 
 from bus_schemas import subjects
-from gateway.background import EVENTS_STREAM
-from gateway.batches import parse_input
+from jobs.background import EVENTS_STREAM
+from jobs.batches import parse_input
 from tests.conftest import (
     NatsServer,
     Procs,
@@ -639,7 +640,7 @@ async def jetstream_ready(nc: NATS, timeout: float = 20) -> None:
 async def test_a_fresh_store_lists_no_batch_and_its_runner_sweeps_quietly(tmp_path: Any) -> None:
     """On a bus where no batch was ever made (``make up``'s first minutes), listing and the
     runners' sweep find nothing, without an error (nats-py raises for an empty bucket)."""
-    from gateway.batches import BatchStore
+    from jobs.batches import BatchStore
     from services.config import BatchSettings
     from tests.conftest import NatsServer
 
@@ -660,7 +661,7 @@ async def test_a_keys_listing_reads_its_index_which_a_store_from_before_gets_fil
 ) -> None:
     """A key's batches are listed from the owner index (another key's are not in it); a
     store made before the index existed has it filled from the records when opened."""
-    from gateway.batches import BY_OWNER, BatchStore, new_batch
+    from jobs.batches import BY_OWNER, BatchStore, new_batch
     from services.config import BatchSettings
     from tests.conftest import NatsServer
 

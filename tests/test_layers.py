@@ -1,5 +1,5 @@
 """The layout's rule, checked: imports flow one way, contract → kit → actors → dialects →
-gateway → face.
+jobs → gateway → face.
 
 Every import in every module counts, including the lazy ones inside functions (a lazy
 import is still a dependency; it only moves the cost to first use).
@@ -24,8 +24,9 @@ LAYERS: dict[str, int] = {
     "engine_worker": 2,
     "telemetry": 2,
     "dialects": 3,  # the API dialects (Anthropic's Messages, OpenAI's Responses) onto chat
-    "gateway": 4,  # ingress and the HTTP bridge
-    "tokenbus": 5,  # the public client, the CLI, the launcher, the evaluation tools
+    "jobs": 4,  # work that outlives a connection: batches, background responses, the stores
+    "gateway": 5,  # ingress and the HTTP bridge
+    "tokenbus": 6,  # the public client, the CLI, the launcher, the evaluation tools
 }
 # The worker scans its output stream with the filter's engine and publishes telemetry
 # records; no other actor imports another.
@@ -122,7 +123,10 @@ def test_the_checker_catches_what_it_must() -> None:
     assert violations("dialects.messages", ["gateway.openai_api"])
     assert not violations("gateway.messages", ["dialects.messages", "services.caller"])
     assert not violations("tokenbus.client", ["dialects.messages"])
-    assert violations("dialects.responses", ["gateway.response_store"])
+    assert violations("dialects.responses", ["jobs.response_store"])
+    assert violations("jobs.batch_runner", ["gateway.openai_api"])
+    assert not violations("gateway.bridge", ["jobs.batch_runner", "jobs.inprocess"])
+    assert not violations("jobs.background", ["dialects.responses", "auth.store"])
     assert not violations("tokenbus.client", ["dialects.responses", "services.caller"])
     lazy = imports_in("def f():\n    from gateway import bridge\n", ("router",))
     assert violations("router.probe", lazy)

@@ -41,7 +41,7 @@ from engine_worker.backends.sim import expected_structured, expected_text
 from engine_worker.backends.sim_outputs import expected_tool_call
 from filter.policy import FilterPolicy
 from filter.scanner import Scanner
-from gateway.response_store import ResponseStore
+from jobs.response_store import ResponseStore
 from services.caller import Chunk, Usage
 from services.config import ResponsesSettings
 from tests.conftest import (

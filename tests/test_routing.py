@@ -34,7 +34,7 @@ from services.config import ModelRouting, RouterSettings, load
 from tests.conftest import ROOT, NatsServer, Procs, run_cli, settings, stack, start_stack, wait_for
 from tokenbus import Client
 
-PROMPTS = ROOT / "router" / "data" / "prompts.jsonl"
+PROMPTS = ROOT / "tests" / "data" / "prompts.jsonl"
 MSG = [{"role": "user", "content": "hi"}]
 
 

@@ -557,7 +557,7 @@ def kv_routing() -> Section:
 
 
 def batches() -> Section:
-    """The Batch API (gateway/batches.py, docs/batches.md): lines and batches."""
+    """The Batch API (jobs/batch_runner.py, docs/batches.md): lines and batches."""
     return (
         Section("Batches: lines run from spare capacity")
         .with_panel(

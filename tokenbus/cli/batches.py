@@ -1,6 +1,6 @@
 """``tokenbus batches [list|show ID|cancel ID] [--json]``: every key's batches, for operators.
 
-Reads the batch records the bridges keep in JetStream (gateway/batches.py, docs/batches.md);
+Reads the batch records the bridges keep in JetStream (jobs/batches.py, docs/batches.md);
 on the locked bus it runs as the admin role, as ``tokenbus keys`` does.
 """
 
@@ -11,7 +11,7 @@ import json
 import time
 from typing import Any
 
-from gateway.batches import BatchStore
+from jobs.batches import BatchStore
 from services.config import Settings
 from tokenbus.cli import bus
 

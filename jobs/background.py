@@ -1,5 +1,5 @@
 """Background responses (``POST /v1/responses`` with ``background: true``), on the batch
-runners (gateway/batches.py).
+runners (:mod:`jobs.batch_runner`).
 
 The bridge that takes the request validates it, keeps a ``queued`` response under its id in
 the response store and queues a ``response`` message on the batch work stream; it answers at
@@ -32,6 +32,7 @@ import asyncio
 import contextlib
 import json
 import uuid
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 from nats.aio.client import Client as NATS
@@ -40,13 +41,10 @@ from nats.js.errors import BadRequestError, NotFoundError
 
 from bus_schemas import errors as E
 from bus_schemas import subjects
-from bus_schemas.subjects import KIND_CHAT
 from dialects import responses as R
-from gateway import validation
-from gateway.asgi import Send
-from gateway.batches import BatchStore
-from gateway.openai_api import BACKGROUND, SSE_HEADERS, InProcess
-from gateway.response_store import ResponseStore, conversation, open_store
+from jobs.batches import BatchStore
+from jobs.inprocess import BACKGROUND, App, InProcess
+from jobs.response_store import ResponseStore, conversation, open_store
 from services import buckets
 from services import logging as tlog
 from services.config import Settings
@@ -58,15 +56,22 @@ IDLE_CHECK_S = 2.0
 log = tlog.get("background")
 
 
-def sse(ev: dict[str, Any]) -> bytes:
-    return f"event: {ev['type']}\ndata: {json.dumps(ev)}\n\n".encode()
-
-
 class Background:
     """Queue, run, follow and cancel background responses."""
 
-    def __init__(self, nc: NATS, store: BatchStore, responses: ResponseStore, app: Any) -> None:
+    def __init__(
+        self,
+        nc: NATS,
+        store: BatchStore,
+        responses: ResponseStore,
+        app: App | None,
+        check: Callable[[dict[str, Any]], object],
+    ) -> None:
+        """``app``: the process's own HTTP app the runner runs responses through (None: this
+        process queues and reads, it runs none); ``check``: how a chat request is validated
+        (the gateway's, as for any request), so a bad one is refused when queued."""
         self.nc = nc
+        self.check = check
         self.js = nc.jetstream()
         self.store = store
         self.responses = responses
@@ -104,7 +109,7 @@ class Background:
         """Check a background request as any Responses request is checked, keep it
         ``queued`` and queue its run: the queued response (HTTP and NATS clients alike)."""
         turn = R.translate(req, body, previous)
-        validation.parse(KIND_CHAT, turn.chat)  # a bad request is refused now, not later
+        self.check(turn.chat)  # a bad request is refused now, not later
         b = R.ResponseBuilder(turn, events=False)
         queued = b.response("queued")
         rec = R.record(turn, b, queued, owner)
@@ -162,17 +167,10 @@ class Background:
 
     # -- following ----------------------------------------------------------------------------
     async def follow(
-        self, response_id: str, owner: str, after: int, send: Send, request_id: str
-    ) -> None:
-        """Stream the response's events numbered after ``after`` as server-sent events,
-        replayed from JetStream, then live, until one that ends it."""
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 200,
-                "headers": [*SSE_HEADERS, (b"x-request-id", request_id.encode())],
-            }
-        )
+        self, response_id: str, owner: str, after: int
+    ) -> AsyncGenerator[dict[str, Any], None]:
+        """The response's events numbered after ``after``, replayed from JetStream, then
+        live, until one that ends it (the HTTP handler writes them as server-sent events)."""
         queue: asyncio.Queue[Any] = asyncio.Queue()
 
         async def on_event(msg: Any) -> None:
@@ -197,21 +195,19 @@ class Background:
                             "response": rec["response"],
                             "sequence_number": after + 1,
                         }
-                        piece = {"type": "http.response.body", "body": sse(end), "more_body": True}
-                        await send(piece)
+                        yield end
                         break
                     continue
                 ev = json.loads(data)
                 if int(ev.get("sequence_number", -1)) <= after:
                     continue
                 after = int(ev["sequence_number"])
-                await send({"type": "http.response.body", "body": sse(ev), "more_body": True})
+                yield ev
                 if ev.get("type") in ENDINGS:
                     break
         finally:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     # -- cancelling ---------------------------------------------------------------------------
     async def cancel(self, response_id: str, rec: dict[str, Any]) -> dict[str, Any]:
@@ -297,6 +293,7 @@ class Background:
     async def _request(
         self, response_id: str, owner: str, body: dict[str, Any], events: _Events
     ) -> None:
+        assert self.app is not None, "a runner runs through its process's app"
         body["stream"] = True
         req = InProcess(
             "/v1/responses", body, owner, extra={BACKGROUND: response_id}, on_body=events.feed
@@ -371,15 +368,18 @@ class _Events:
 
 class BackgroundState:
     """Background responses for NATS clients: ingress answers the ``response_*`` actions of
-    ``tb.v1.req.batches`` (:class:`~gateway.batches.BatchState` hands them here, with the
+    ``tb.v1.req.batches`` (:class:`~jobs.batches.BatchState` hands them here, with the
     owner it checked and its batch store). The response store and the events stream open at
     the first request."""
 
     ACTIONS = tuple(a for a in subjects.BATCH_ACTIONS if a.startswith("response_"))
 
-    def __init__(self, nc: NATS, settings: Settings) -> None:
+    def __init__(
+        self, nc: NATS, settings: Settings, check: Callable[[dict[str, Any]], object]
+    ) -> None:
         self.nc = nc
         self.settings = settings
+        self.check = check
         self.bg: Background | None = None
         self._opening = asyncio.Lock()
 
@@ -393,7 +393,7 @@ class BackgroundState:
                         "off: responses.enabled)",
                         param="background",
                     )
-                self.bg = await Background(self.nc, store, responses, None).open(
+                self.bg = await Background(self.nc, store, responses, None, self.check).open(
                     self.settings.responses.ttl_s
                 )
         return self.bg

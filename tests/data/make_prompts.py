@@ -1,5 +1,5 @@
 """Writes prompts.jsonl: a labelled prompt set over six domains for the expert router's
-tests and its purity figure (``python router/data/make_prompts.py``). Deterministic."""
+tests and its purity figure (``python tests/data/make_prompts.py``). Deterministic."""
 
 from __future__ import annotations
 

@@ -1,0 +1,182 @@
+"""The file store (what OpenAI's Files API serves), files in a JetStream object store.
+
+A file is an object named by its id in the bucket ``tokenbus_files``; its OpenAI file object
+(``filename``, ``purpose``, ``created_at``, ``expires_at``) and its owner, the id of the API
+key that uploaded it (empty where the pipeline checks no keys), are the object's
+description. A read, a download or a delete by another key is answered exactly as for an id
+that does not exist (404). The bucket has a TTL (``files.ttl_s``) and a size bound
+(``files.max_bytes``); one upload is bounded by ``files.max_file_bytes``. Every bridge
+process shares the bucket, so a file uploaded through one is read through any.
+
+Users upload ``purpose: batch`` files (a batch's input, through :mod:`gateway.files` or
+ingress); batches write their output and error files as ``batch_output``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any
+
+from nats.aio.client import Client as NATS
+from nats.js import api
+from nats.js.errors import BadRequestError, BucketNotFoundError, NotFoundError, ObjectNotFoundError
+from nats.js.object_store import ObjectStore
+
+from bus_schemas import errors as E
+from services import logging as tlog
+from services.config import FilesSettings, kv_replicas
+
+BUCKET = "tokenbus_files"
+PURPOSES = ("batch",)  # what users may upload
+OUTPUT_PURPOSE = "batch_output"
+log = tlog.get("files")
+
+
+def not_found(file_id: str) -> E.NotFound:
+    return E.NotFound(f"no file with id {file_id!r}", param="file_id")
+
+
+def new_file_id() -> str:
+    return f"file-{uuid.uuid4().hex[:24]}"
+
+
+class FileStore:
+    """Files in the object store; ``owner`` is a key id (``""``: an open deployment)."""
+
+    def __init__(self, nc: NATS, settings: FilesSettings) -> None:
+        self.nc = nc
+        self.settings = settings
+        self.obs: ObjectStore | None = None
+
+    async def open(self) -> FileStore:
+        js = self.nc.jetstream()
+        try:
+            self.obs = await js.object_store(BUCKET)
+        except (BucketNotFoundError, NotFoundError):
+            try:
+                self.obs = await js.create_object_store(
+                    BUCKET,
+                    config=api.ObjectStoreConfig(
+                        bucket=BUCKET,
+                        ttl=self.settings.ttl_s,
+                        max_bytes=self.settings.max_bytes,
+                        replicas=kv_replicas(),
+                    ),
+                )
+            except BadRequestError:  # another process made it meanwhile
+                self.obs = await js.object_store(BUCKET)
+        return self
+
+    def _store(self) -> ObjectStore:
+        if self.obs is None:
+            raise E.ServiceUnavailable("the file store (JetStream) is not open; retry")
+        return self.obs
+
+    async def put(
+        self,
+        owner: str,
+        filename: str,
+        purpose: str,
+        data: bytes,
+        file_id: str | None = None,
+    ) -> dict[str, Any]:
+        """Store ``data``; its file object. ``file_id``: a name chosen by the caller (a
+        batch's output file, written again to the same id if its writer is retried)."""
+        now = int(time.time())
+        fid = file_id or new_file_id()
+        obj = {
+            "id": fid,
+            "object": "file",
+            "bytes": len(data),
+            "created_at": now,
+            "expires_at": now + int(self.settings.ttl_s),
+            "filename": filename,
+            "purpose": purpose,
+            "status": "processed",
+            "status_details": None,
+        }
+        meta = api.ObjectMeta(name=fid, description=json.dumps({"owner": owner, "file": obj}))
+        try:
+            await self._store().put(fid, data, meta=meta)
+        except E.TokenbusError:
+            raise
+        except Exception as exc:
+            raise _store_error(exc) from None
+        return obj
+
+    async def _info(self, file_id: str, owner: str) -> dict[str, Any]:
+        try:
+            info = await self._store().get_info(file_id)
+        except (ObjectNotFoundError, NotFoundError, BadRequestError):
+            raise not_found(file_id) from None
+        except E.TokenbusError:
+            raise
+        except Exception as exc:
+            raise _store_error(exc) from None
+        rec = _record(info)
+        if rec is None or rec["owner"] != owner or info.deleted:
+            raise not_found(file_id)
+        return rec
+
+    async def get(self, file_id: str, owner: str) -> dict[str, Any]:
+        """The file object of ``owner``'s file (404 otherwise)."""
+        return dict((await self._info(file_id, owner))["file"])
+
+    async def content(self, file_id: str, owner: str) -> bytes:
+        """The bytes of ``owner``'s file (404 otherwise)."""
+        await self._info(file_id, owner)
+        try:
+            res = await self._store().get(file_id)
+        except (ObjectNotFoundError, NotFoundError):
+            raise not_found(file_id) from None
+        except Exception as exc:
+            raise _store_error(exc) from None
+        return bytes(res.data or b"")
+
+    async def delete(self, file_id: str, owner: str) -> None:
+        await self._info(file_id, owner)
+        try:
+            await self._store().delete(file_id)
+        except (ObjectNotFoundError, NotFoundError):
+            raise not_found(file_id) from None
+        except Exception as exc:
+            raise _store_error(exc) from None
+
+    async def list(self, owner: str, purpose: str | None = None) -> list[dict[str, Any]]:
+        """``owner``'s files, newest first."""
+        try:
+            infos = await self._store().list()
+        except NotFoundError:  # an empty bucket
+            return []
+        except Exception as exc:
+            raise _store_error(exc) from None
+        out = []
+        for info in infos:
+            rec = _record(info)
+            if rec is None or info.deleted or rec["owner"] != owner:
+                continue
+            if purpose is not None and rec["file"].get("purpose") != purpose:
+                continue
+            out.append(dict(rec["file"]))
+        out.sort(key=lambda f: (f["created_at"], f["id"]), reverse=True)
+        return out
+
+
+def _record(info: Any) -> dict[str, Any] | None:
+    try:
+        rec = json.loads(info.description or "")
+    except ValueError:
+        return None
+    if not isinstance(rec, dict) or not isinstance(rec.get("file"), dict):
+        return None
+    return rec
+
+
+def _store_error(exc: BaseException) -> E.TokenbusError:
+    text = str(exc).lower()
+    if "maximum bytes" in text or "insufficient resources" in text or "storage" in text:
+        return E.StorageFull("the file store is full; delete files or raise files.max_bytes")
+    log.warning("file_store_unavailable", error=repr(exc))
+    return E.ServiceUnavailable("the file store (JetStream) did not answer; retry")
