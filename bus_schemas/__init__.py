@@ -1,4 +1,5 @@
-"""The tokenbus contract: subjects, headers, messages, codec, frames, errors and the client."""
+"""The tokenbus contract: subjects, headers, messages, codec, frames and errors. The
+client that speaks it is :mod:`tokenbus.client`."""
 
 from bus_schemas import codec, errors, frames, headers, subjects
 from bus_schemas.errors import TokenbusError

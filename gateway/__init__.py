@@ -1,10 +1,15 @@
 """The gateway: the front doors of the bus.
 
-Ingress (validation and the envelope for NATS clients), the HTTP bridge (the OpenAI API
-over HTTP and SSE, which may run the safety stages and dispatch in-process), its HTTP app
-and admin routes. It imports the contract, the kit and the actors, never the other way.
+Ingress (``ingress``: validation and the envelope for NATS clients, and the jobs' state it
+serves them), the HTTP bridge (``bridge``: the OpenAI API over HTTP and SSE, which may run
+the safety stages in-process, ``stages``) and its HTTP app. It imports the contract, the
+kit, the actors, the dialects and the jobs, never the other way.
 
-The HTTP app: ``asgi`` is the route table, the response helpers and the uvicorn server;
-``openai_api`` the OpenAI handlers mounted on it; ``admin_keys`` and ``admin_routing`` the
-admin handlers the bridge adds.
+The HTTP app: ``asgi`` is the HTTP server, the route table and the request and response
+helpers; ``sse`` what a stream is to a handler and the server-sent event writers;
+``validation`` OpenAI-shaped bodies into validated requests and envelopes; ``openapi`` the
+OpenAPI document. The handlers mounted on it: ``openai_api`` (chat, completions,
+embeddings, models), ``responses`` (OpenAI's Responses API), ``anthropic`` (Anthropic's
+Messages API), ``files`` and ``batches`` (their stores and runners are :mod:`jobs`), and
+the admin handlers ``admin_keys`` and ``admin_routing``.
 """

@@ -1,1 +1,3 @@
-"""Structured logging, metrics and (later) per-request records."""
+"""Telemetry: the per-request records engines publish (``records``), the service that
+aggregates them into Prometheus metrics and stores them (``service``, ``metrics``,
+``store``)."""

@@ -13,8 +13,8 @@ from bus_schemas.subjects import KIND_EMBEDDINGS
 from engine_worker import backends
 from engine_worker.backends.base import Backend, Delta, GenerationRequest
 from gateway import validation
+from gateway.anthropic import MessagesAPI
 from gateway.asgi import serve
-from gateway.messages import MessagesAPI
 from gateway.openai_api import OpenAIApp
 from gateway.responses import ResponsesAPI
 from services import logging as tlog
