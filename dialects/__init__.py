@@ -3,6 +3,13 @@ request and the chat stream's chunks back into its own answer and events, so tha
 dialect travels the one chat path (keys, limits, the filter, routing, migration, telemetry).
 
 Both front doors use them: the HTTP bridge (:mod:`gateway`) and the NATS client
-(:mod:`tokenbus`). ``messages``: Anthropic's Messages API (``POST /v1/messages``);
-``responses``: OpenAI's Responses API (``POST /v1/responses``).
+(:mod:`tokenbus`).
+
+- ``anthropic``: Anthropic's Messages API (``POST /v1/messages``), one module.
+- ``responses``: OpenAI's Responses API (``POST /v1/responses``), a package by role:
+  ``request`` (the request model, :func:`~dialects.responses.parse`, the fields and ids),
+  ``translation`` (a request onto the chat path), ``events`` (the answer and its streamed
+  events from the chat chunks; what is stored of it) and ``client`` (the NATS client's
+  stream). Its ``__init__`` re-exports every name callers use.
+- ``stream``: what the NATS client's streams of both share (``collect``, ``aclose``).
 """

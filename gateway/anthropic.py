@@ -2,7 +2,7 @@
 ``POST /v1/messages/count_tokens``, so that Claude Code and the ``anthropic`` SDK talk to
 tokenbus.
 
-A request is translated onto the chat path (:mod:`dialects.messages`) and opened on the
+A request is translated onto the chat path (:mod:`dialects.anthropic`) and opened on the
 app's :class:`~gateway.openai_api.Source` exactly as a chat completion is, through the same
 scaffold (:meth:`OpenAIApp.handle`), so keys, limits, the content filter, routing,
 migration, telemetry and traces are the chat path's. What differs is the key's header
@@ -19,7 +19,7 @@ from typing import Any
 
 from bus_schemas import errors as E
 from bus_schemas.subjects import KIND_CHAT
-from dialects import messages as M
+from dialects import anthropic as M
 from gateway import validation
 from gateway.asgi import Headers, Message, Receive, Scope, Send, header, send_json
 from gateway.openai_api import Call, OpenAIApp

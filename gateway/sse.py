@@ -280,7 +280,7 @@ def named(ev: dict[str, Any]) -> str:
 
 class EventBuilder(Protocol):
     """A dialect's builder of streamed events (:class:`dialects.responses.ResponseBuilder`,
-    :class:`dialects.messages.MessageBuilder`)."""
+    :class:`dialects.anthropic.MessageBuilder`)."""
 
     def text_sse(self, text: str) -> str | None:
         """A plain text delta's events as SSE text; None where it needs :meth:`add`."""

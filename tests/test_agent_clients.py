@@ -27,7 +27,7 @@ from typing import Any
 import httpx
 import pytest
 
-from dialects.messages import to_messages
+from dialects.anthropic import to_messages
 from tests.conftest import ROOT, free_port, stop_process, wait_port
 from tests.test_readme import Up
 

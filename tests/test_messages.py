@@ -1,6 +1,6 @@
 """Anthropic's Messages API (``/v1/messages``) end to end: real processes on a real bus (the
 full pipeline, keys checked), driven by the official ``anthropic`` SDK and the tokenbus NATS
-client; and the translation (:mod:`dialects.messages`) on its own.
+client; and the translation (:mod:`dialects.anthropic`) on its own.
 
 One stack for the module: a sim worker (exact, deterministic answers), an ``openai``-backend
 worker in front of the fake upstream (to see what reached the engine, and reasoning), the
@@ -19,7 +19,7 @@ import anthropic
 import pytest
 
 from bus_schemas import errors as E
-from dialects import messages as M
+from dialects import anthropic as M
 from engine_worker.backends.base import GenerationRequest
 from engine_worker.backends.sim import count_tokens, expected_text
 from engine_worker.backends.sim_outputs import expected_tool_call

@@ -27,9 +27,9 @@ from auth.keys import key_id_of
 from bus_schemas import codec, frames, marks, subjects
 from bus_schemas import errors as E
 from bus_schemas import headers as H
-from dialects import messages as M
+from dialects import anthropic as M
 from dialects import responses as R
-from dialects.messages import MessageStream
+from dialects.anthropic import MessageStream
 from dialects.responses import ResponseStream
 from services import natsclient, tracing
 from services.caller import (
@@ -275,7 +275,7 @@ class Client(Caller):
         """An Anthropic Messages API request (``POST /v1/messages``'s body: ``messages`` with
         content blocks, ``system``, ``tools``, ``tool_choice``, ``stop_sequences``,
         ``thinking``, ...), streamed as the API's events (dicts with ``type``). It is
-        translated by the same module as the bridge's (:mod:`dialects.messages`) and travels
+        translated by the same module as the bridge's (:mod:`dialects.anthropic`) and travels
         the chat path (docs/anthropic.md). A bad field is refused here, before anything is
         sent; a failure raises its typed error."""
         body = {"model": model, "messages": list(messages), "max_tokens": max_tokens, **params}

@@ -16,7 +16,7 @@ streamed, Anthropic's events (``message_start``, ``content_block_start`` / ``_de
 ``_stop``, ``message_delta``, ``message_stop``). Errors take Anthropic's shape
 (:func:`error_body`). The HTTP bridge (:mod:`gateway.messages`) and the NATS client
 (:meth:`tokenbus.Client.messages`) share this module; :class:`MessageStream` is the NATS
-client's stream of events.
+client's stream of events (on :class:`dialects.stream.ClientStream`, as the Responses one is).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 
 from bus_schemas import errors as E
+from dialects.stream import ClientStream
 from services.caller import Chunk, Stream, Usage
 
 Strict = Annotated[float, Field(strict=True)]
@@ -732,7 +733,7 @@ def sse(ev: dict[str, Any]) -> str:
 
 
 # -- the NATS client's stream ------------------------------------------------------------------
-class MessageStream:
+class MessageStream(ClientStream):
     """A Messages answer over NATS: an async iterator of the streaming events (dicts with
     ``type``, as the HTTP API sends them); ``message`` is the whole message once they end.
     :meth:`collect` reads it whole. A failure raises its typed error (the ``error`` event of
@@ -745,17 +746,12 @@ class MessageStream:
         self.chat = translate(req, body)
         self.builder = MessageBuilder(req.model, events=True, stop_sequences=req.stop_sequences)
         self.message: dict[str, Any] | None = None
-        self.stream: Stream | None = None
-        self._submit = submit
-        self._gen = self._events()
+        super().__init__(submit)
 
     @property
     def id(self) -> str:
         """The message's id."""
         return self.builder.id
-
-    def __aiter__(self) -> AsyncGenerator[dict[str, Any], None]:
-        return self._gen
 
     async def _events(self) -> AsyncGenerator[dict[str, Any], None]:
         stream = self.stream = self._submit(self.chat)
@@ -774,15 +770,5 @@ class MessageStream:
         finally:
             await stream.aclose()
 
-    async def collect(self) -> dict[str, Any]:
-        """The whole message (the events read and dropped)."""
-        async for _ in self:
-            pass
-        assert self.message is not None
+    def _whole(self) -> dict[str, Any] | None:
         return self.message
-
-    async def aclose(self) -> None:
-        """Stop the request."""
-        await self._gen.aclose()
-        if self.stream is not None:
-            await self.stream.aclose()
