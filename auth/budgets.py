@@ -33,13 +33,13 @@ from typing import Any
 
 from nats.aio.client import Client as NATS
 from nats.js.api import StorageType
-from nats.js.errors import BucketNotFoundError, KeyNotFoundError
+from nats.js.errors import KeyNotFoundError
 from nats.js.kv import KeyValue
 
 from bus_schemas import codec, subjects
 from bus_schemas import errors as E
 from services import audit, buckets
-from services.config import PriceSettings, kv_replicas
+from services.config import PriceSettings
 
 BUCKET = "tokenbus_spend"
 PERIODS = ("day", "month", "total")
@@ -129,17 +129,12 @@ class SpendBook:
         self._owners: dict[str, tuple[float, Budget | None]] = {}
 
     async def open(self) -> SpendBook:
-        js = self.nc.jetstream()
-        try:
-            self.kv = await buckets.through_stall(lambda: js.key_value(BUCKET), what=BUCKET)
-        except BucketNotFoundError:
-            self.kv = await js.create_key_value(
-                bucket=BUCKET,
-                history=1,
-                storage=StorageType.FILE,
-                replicas=kv_replicas(),
-                description="tokenbus spend per key and owner and period (auth.budgets)",
-            )
+        self.kv = await buckets.open_kv(
+            self.nc.jetstream(),
+            BUCKET,
+            storage=StorageType.FILE,
+            description="tokenbus spend per key and owner and period (auth.budgets)",
+        )
         return self
 
     def _kv(self) -> KeyValue:

@@ -54,12 +54,11 @@ from typing import Any
 
 from nats.aio.client import Client as NATS
 from nats.js.api import StorageType
-from nats.js.errors import BucketNotFoundError, KeyWrongLastSequenceError
+from nats.js.errors import KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
 from bus_schemas import errors as E
 from services import buckets
-from services.config import kv_replicas
 
 Change = Callable[[dict[str, Any]], dict[str, Any]]
 
@@ -185,16 +184,9 @@ class Limiter:
 
     async def open(self) -> Limiter:
         js = self.nc.jetstream()
-        try:
-            self.kv = await js.key_value(self.bucket)
-        except BucketNotFoundError:
-            self.kv = await js.create_key_value(
-                bucket=self.bucket,
-                history=1,
-                ttl=3 * WINDOW_S,
-                storage=StorageType.MEMORY,
-                replicas=kv_replicas(),
-            )
+        self.kv = await buckets.open_kv(
+            js, self.bucket, ttl=3 * WINDOW_S, storage=StorageType.MEMORY
+        )
         self.secret = await self._shared_secret(js)
         self._renewer = asyncio.create_task(self._renew_forever())
         return self
@@ -202,12 +194,7 @@ class Limiter:
     @staticmethod
     async def _shared_secret(js: Any) -> bytes:
         """The limiters' signing key: made by the first limiter, read by the others."""
-        try:
-            kv = await js.key_value(SECRETS_BUCKET)
-        except BucketNotFoundError:
-            with contextlib.suppress(Exception):  # another limiter made it meanwhile
-                await js.create_key_value(bucket=SECRETS_BUCKET, history=1, replicas=kv_replicas())
-            kv = await js.key_value(SECRETS_BUCKET)
+        kv = await buckets.open_kv(js, SECRETS_BUCKET)
         with contextlib.suppress(KeyWrongLastSequenceError, Exception):
             await kv.create("admission", secrets.token_bytes(32))
         entry = await kv.get("admission")

@@ -16,13 +16,12 @@ import time
 from typing import Any
 
 from nats.aio.client import Client as NATS
-from nats.js.errors import BucketNotFoundError, KeyNotFoundError
+from nats.js.errors import KeyNotFoundError
 from nats.js.kv import KeyValue
 
 from auth.keys import KeyRecord, hash_key, key_id_of, matches, new_key
 from bus_schemas import errors as E
 from services import audit, buckets
-from services.config import kv_replicas
 
 BUCKET = "tokenbus_keys"
 
@@ -39,15 +38,7 @@ class KeyStore:
         self._follow: buckets.Follow | None = None
 
     async def open(self, *, watch: bool = True) -> KeyStore:
-        js = self.nc.jetstream()
-        try:
-            self.kv = await buckets.through_stall(
-                lambda: js.key_value(self.bucket), what=self.bucket
-            )
-        except BucketNotFoundError:
-            self.kv = await js.create_key_value(
-                bucket=self.bucket, history=1, replicas=kv_replicas()
-            )
+        self.kv = await buckets.open_kv(self.nc.jetstream(), self.bucket)
         if watch:
             self._follow = await buckets.Follow(self.kv, self._apply).start()
             await asyncio.wait_for(self._follow.synced.wait(), 10)

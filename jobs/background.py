@@ -37,7 +37,6 @@ from typing import Any
 
 from nats.aio.client import Client as NATS
 from nats.js import api
-from nats.js.errors import BadRequestError, NotFoundError
 
 from bus_schemas import errors as E
 from bus_schemas import subjects
@@ -86,11 +85,7 @@ class Background:
             max_age=max_age_s,
             num_replicas=self.store_replicas(),
         )
-        try:
-            await self.js.stream_info(EVENTS_STREAM)
-        except NotFoundError:
-            with contextlib.suppress(BadRequestError):
-                await self.js.add_stream(config)
+        await buckets.open_stream(self.js, config, stall_s=0)
         return self
 
     @staticmethod

@@ -28,7 +28,6 @@ from nats.aio.client import Client as NATS
 from nats.js import api
 from nats.js.errors import (
     BadRequestError,
-    BucketNotFoundError,
     KeyNotFoundError,
     KeyWrongLastSequenceError,
     NotFoundError,
@@ -212,13 +211,16 @@ class BatchStore:
         self.batches = await self._bucket(BATCHES, self.ttl_s)
         self.results = await self._bucket(RESULTS, self.ttl_s)
         self.open_index = await self._bucket(OPEN_BATCHES, self.ttl_s)
-        try:
-            self.owner_index = await self.js.key_value(BY_OWNER)
-        except (BucketNotFoundError, NotFoundError):
-            # New here (a store from before the index): made, then filled from the records.
-            self.owner_index = await self._bucket(BY_OWNER, self.ttl_s)
+
+        async def fill(kv: KeyValue) -> None:
+            # New here (a store from before the index): filled from the records.
+            self.owner_index = kv
             for rec in await self.all():
                 await self._index_owner(rec)
+
+        self.owner_index = await buckets.open_kv(
+            self.js, BY_OWNER, ttl=self.ttl_s, on_create=fill, stall_s=0
+        )
         config = api.StreamConfig(
             name=STREAM,
             subjects=[subjects.batch_work_wildcard()],
@@ -227,22 +229,12 @@ class BatchStore:
             num_replicas=kv_replicas(),
             duplicate_window=120.0,
         )
-        try:
-            await self.js.stream_info(STREAM)
-        except NotFoundError:
-            with contextlib.suppress(BadRequestError):  # made meanwhile by another process
-                await self.js.add_stream(config)
+        await buckets.open_stream(self.js, config, stall_s=0)
         return self
 
     async def _bucket(self, name: str, ttl: float) -> KeyValue:
-        try:
-            return await self.js.key_value(name)
-        except (BucketNotFoundError, NotFoundError):
-            with contextlib.suppress(BadRequestError):
-                return await self.js.create_key_value(
-                    bucket=name, history=1, ttl=ttl, replicas=kv_replicas()
-                )
-            return await self.js.key_value(name)
+        # Opened once: a JetStream that does not answer is said at once (stall_s=0).
+        return await buckets.open_kv(self.js, name, ttl=ttl, stall_s=0)
 
     def _kv(self) -> KeyValue:
         if self.batches is None:

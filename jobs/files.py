@@ -21,12 +21,13 @@ from typing import Any
 
 from nats.aio.client import Client as NATS
 from nats.js import api
-from nats.js.errors import BadRequestError, BucketNotFoundError, NotFoundError, ObjectNotFoundError
+from nats.js.errors import BadRequestError, NotFoundError, ObjectNotFoundError
 from nats.js.object_store import ObjectStore
 
 from bus_schemas import errors as E
+from services import buckets
 from services import logging as tlog
-from services.config import FilesSettings, kv_replicas
+from services.config import FilesSettings
 
 BUCKET = "tokenbus_files"
 PURPOSES = ("batch",)  # what users may upload
@@ -51,22 +52,15 @@ class FileStore:
         self.obs: ObjectStore | None = None
 
     async def open(self) -> FileStore:
-        js = self.nc.jetstream()
-        try:
-            self.obs = await js.object_store(BUCKET)
-        except (BucketNotFoundError, NotFoundError):
-            try:
-                self.obs = await js.create_object_store(
-                    BUCKET,
-                    config=api.ObjectStoreConfig(
-                        bucket=BUCKET,
-                        ttl=self.settings.ttl_s,
-                        max_bytes=self.settings.max_bytes,
-                        replicas=kv_replicas(),
-                    ),
-                )
-            except BadRequestError:  # another process made it meanwhile
-                self.obs = await js.object_store(BUCKET)
+        # Opened once, at start or at a first request: a JetStream that does not answer is
+        # said at once (stall_s=0), and the caller serves without files or answers 503.
+        self.obs = await buckets.open_objects(
+            self.nc.jetstream(),
+            BUCKET,
+            ttl=self.settings.ttl_s,
+            max_bytes=self.settings.max_bytes,
+            stall_s=0,
+        )
         return self
 
     def _store(self) -> ObjectStore:

@@ -21,7 +21,7 @@ from typing import Any
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import api
-from nats.js.errors import BucketNotFoundError, KeyDeletedError, KeyNotFoundError
+from nats.js.errors import KeyDeletedError, KeyNotFoundError
 from nats.js.kv import KeyValue
 
 from auth.store import KeyStore
@@ -31,7 +31,7 @@ from bus_schemas import headers as H
 from dialects.responses import RESPONSE_ID
 from services import buckets
 from services import logging as tlog
-from services.config import ResponsesSettings, Settings, kv_replicas
+from services.config import ResponsesSettings, Settings
 
 BUCKET = "tokenbus_responses"
 log = tlog.get("responses")
@@ -69,31 +69,18 @@ class ResponseStore:
 
     async def open(self) -> ResponseStore:
         """Bind the bucket, creating it when it does not exist yet."""
-        js = self.nc.jetstream()
-        try:
-            self.kv = await js.key_value(self.bucket)
-        except BucketNotFoundError:
-            # As nats-py's create_key_value makes a bucket, but discarding the oldest records
-            # when full. Two processes creating it at once is fine: the config is the same.
-            ttl = self.settings.ttl_s
-            await js.add_stream(
-                api.StreamConfig(
-                    name=f"KV_{self.bucket}",
-                    description="tokenbus: stored responses of the Responses API",
-                    subjects=[f"$KV.{self.bucket}.>"],
-                    allow_direct=True,
-                    allow_rollup_hdrs=True,
-                    deny_delete=True,
-                    discard=api.DiscardPolicy.OLD,
-                    duplicate_window=min(120.0, ttl),
-                    max_age=ttl,
-                    max_bytes=self.settings.max_bytes,
-                    max_msgs_per_subject=1,
-                    num_replicas=kv_replicas(),
-                    storage=api.StorageType.FILE,
-                )
-            )
-            self.kv = await js.key_value(self.bucket)
+        # A cache of conversations: a full bucket drops its oldest records (discard_old).
+        # Opened once: a JetStream that does not answer is said at once (stall_s=0).
+        self.kv = await buckets.open_kv(
+            self.nc.jetstream(),
+            self.bucket,
+            ttl=self.settings.ttl_s,
+            max_bytes=self.settings.max_bytes,
+            storage=api.StorageType.FILE,
+            discard_old=True,
+            description="tokenbus: stored responses of the Responses API",
+            stall_s=0,
+        )
         return self
 
     def _kv(self) -> KeyValue:

@@ -170,12 +170,13 @@ async def ensure_stream(nc: NATS) -> None:
     """The audit stream, created if missing; :class:`AuditUnavailable` when it cannot be
     reached or is not the trail's (wrong subjects, or deletes allowed)."""
     js = nc.jetstream(timeout=TIMEOUT_S)
+
+    async def created(_info: Any) -> None:
+        log.info("audit_stream_created", stream=STREAM)
+
     try:
-        try:
-            info = await js.stream_info(STREAM)
-        except NotFoundError:
-            info = await js.add_stream(stream_config())
-            log.info("audit_stream_created", stream=STREAM)
+        # A trail that does not answer is said at once (stall_s=0): nothing is changed.
+        info = await buckets.open_stream(js, stream_config(), on_create=created, stall_s=0)
     except Exception as exc:
         log.warning("audit_unavailable", stream=STREAM, error=_why(exc))
         raise AuditUnavailable(

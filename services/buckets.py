@@ -1,11 +1,18 @@
-"""Reading a JetStream KV bucket whole, without nats-py's race on "the initial values are in".
+"""JetStream buckets: the one place tokenbus opens and writes them.
 
-nats-py marks the end of a watch's initial values with ``None``. When the consumer's info
-answer overtakes the values the server already pushed, that marker comes *first* (it sees
-nothing pending and nothing received yet), so a cache that trusts it starts empty, and
-``KeyValue.keys()`` (built on the same watch) says a full bucket has no keys. Seen in CI as
-a valid API key refused by a service that had just opened the key store.
+* :func:`open_kv` and :func:`open_objects` open a KV bucket or an object store, creating it
+  when missing (:func:`open_stream` a plain stream): through a node just back from a stall,
+  and through two processes creating it at once (the one that loses opens the other's).
+* :func:`cas` (compare-and-set of a JSON entry), :func:`create` and :func:`through_stall`
+  write through a stream without leader, never applying a write twice.
+* :func:`keys` and :class:`Follow` read a bucket whole, without nats-py's race on "the
+  initial values are in".
 
+That race: nats-py marks the end of a watch's initial values with ``None``. When the
+consumer's info answer overtakes the values the server already pushed, that marker comes
+*first* (it sees nothing pending and nothing received yet), so a cache that trusts it starts
+empty, and ``KeyValue.keys()`` (built on the same watch) says a full bucket has no keys.
+Seen in CI as a valid API key refused by a service that had just opened the key store.
 Here the end of the initial values is told from the values themselves: the entry after
 which nothing is pending, or the marker when the bucket really was empty; and keys are
 listed from the stream's own subject counts, which no watch can overtake.
@@ -23,10 +30,20 @@ from typing import Any, TypeVar
 
 import nats.errors
 import nats.js.errors
-from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
+from nats.js import api
+from nats.js.client import JetStreamContext
+from nats.js.errors import (
+    BadRequestError,
+    BucketNotFoundError,
+    KeyNotFoundError,
+    KeyWrongLastSequenceError,
+    NotFoundError,
+)
 from nats.js.kv import KeyValue
+from nats.js.object_store import ObjectStore
 
 from bus_schemas import errors as E
+from services.config import kv_replicas
 
 T = TypeVar("T")
 
@@ -228,3 +245,164 @@ async def create(kv: KeyValue, key: str, data: bytes, *, stall_s: float | None =
                 f"{key}: the bucket's stream has no leader (a NATS node stalled?); retry"
             )
         await asyncio.sleep(_STALL_PAUSE_S)
+
+
+# -- opening ----------------------------------------------------------------------------------
+S = TypeVar("S")
+
+
+async def _open_or_create(
+    open_: Callable[[], Awaitable[S]],
+    make: Callable[[], Awaitable[object]],
+    *,
+    what: str,
+    on_create: Callable[[S], Awaitable[None]] | None,
+    stall_s: float | None,
+) -> S:
+    """``open_()``, after ``make()`` when it is missing (``BucketNotFoundError``); a
+    ``make()`` refused because the stream exists (another process made it meanwhile, its
+    settings maybe not these) opens that one. All of it again through a stall: opening is
+    a read, and creating a stream again with the same settings is no change."""
+
+    async def attempt() -> tuple[S, bool]:
+        try:
+            return await open_(), False
+        except BucketNotFoundError:
+            pass
+        try:
+            await make()
+        except BadRequestError as exc:  # "stream name already in use": made meanwhile
+            try:
+                return await open_(), True
+            except BucketNotFoundError:
+                raise exc from None  # refused for another reason: that is the error
+        return await open_(), True
+
+    store, made = await through_stall(attempt, what=what, stall_s=stall_s)
+    if made and on_create is not None:
+        await on_create(store)
+    return store
+
+
+async def open_kv(
+    js: JetStreamContext,
+    name: str,
+    *,
+    history: int = 1,
+    ttl: float | None = None,
+    max_bytes: int | None = None,
+    storage: api.StorageType | None = None,
+    replicas: int | None = None,
+    description: str | None = None,
+    discard_old: bool = False,
+    on_create: Callable[[KeyValue], Awaitable[None]] | None = None,
+    stall_s: float | None = None,
+) -> KeyValue:
+    """The KV bucket ``name``, created when missing with these settings (``ttl``: seconds
+    an entry lives; ``replicas``: ``kv_replicas()`` when not given; ``storage``: the
+    server's default, file, when not given).
+
+    An existing bucket is opened as it is: settings that differ from it change nothing
+    (nor does a process that loses the race to create it: it opens the winner's bucket).
+    Through a stalled node too (503 or timeouts, up to ``stall_s``).
+
+    ``discard_old``: a full bucket (``max_bytes``) drops its oldest entries to take a new
+    one, where nats-py's buckets refuse the new one. ``on_create``: awaited with the bucket
+    by a call that found it missing (by each of two that race to make it: it must be safe
+    to repeat), e.g. to fill an index from records kept elsewhere."""
+    reps = kv_replicas() if replicas is None else replicas
+
+    async def make() -> object:
+        if not discard_old:
+            return await js.create_key_value(
+                bucket=name,
+                history=history,
+                ttl=ttl,
+                max_bytes=max_bytes,
+                storage=storage,
+                replicas=reps,
+                description=description,
+            )
+        # As nats-py's create_key_value makes a bucket, but discarding the oldest entries.
+        dup = 120.0 if not ttl else min(120.0, ttl)
+        return await js.add_stream(
+            api.StreamConfig(
+                name=f"KV_{name}",
+                description=description,
+                subjects=[f"$KV.{name}.>"],
+                allow_direct=True,
+                allow_rollup_hdrs=True,
+                deny_delete=True,
+                discard=api.DiscardPolicy.OLD,
+                duplicate_window=dup,
+                max_age=ttl,
+                max_bytes=max_bytes,
+                max_msgs_per_subject=history,
+                num_replicas=reps,
+                storage=storage,
+            )
+        )
+
+    return await _open_or_create(
+        lambda: js.key_value(name), make, what=name, on_create=on_create, stall_s=stall_s
+    )
+
+
+async def open_objects(
+    js: JetStreamContext,
+    name: str,
+    *,
+    ttl: float | None = None,
+    max_bytes: int | None = None,
+    storage: api.StorageType | None = None,
+    replicas: int | None = None,
+    description: str | None = None,
+    on_create: Callable[[ObjectStore], Awaitable[None]] | None = None,
+    stall_s: float | None = None,
+) -> ObjectStore:
+    """The object store ``name``, created when missing with these settings; as
+    :func:`open_kv` (an existing store opened as it is, the race to create it and a stalled
+    node survived)."""
+    config = api.ObjectStoreConfig(
+        bucket=name,
+        description=description,
+        ttl=ttl,
+        max_bytes=max_bytes,
+        storage=storage,
+        replicas=kv_replicas() if replicas is None else replicas,
+    )
+    return await _open_or_create(
+        lambda: js.object_store(name),
+        lambda: js.create_object_store(name, config=config),
+        what=name,
+        on_create=on_create,
+        stall_s=stall_s,
+    )
+
+
+async def open_stream(
+    js: JetStreamContext,
+    config: api.StreamConfig,
+    *,
+    on_create: Callable[[api.StreamInfo], Awaitable[None]] | None = None,
+    stall_s: float | None = None,
+) -> api.StreamInfo:
+    """The stream ``config.name`` (its info), made with ``config`` when missing; an existing
+    one (or one another process made meanwhile) is left as it is: the caller checks what it
+    needs of it. ``on_create`` as for :func:`open_kv`. Through a stalled node too."""
+    name = str(config.name)
+
+    async def attempt() -> tuple[api.StreamInfo, bool]:
+        try:
+            return await js.stream_info(name), False
+        except NotFoundError:
+            pass
+        try:
+            return await js.add_stream(config), True
+        except BadRequestError:  # made meanwhile by another process
+            return await js.stream_info(name), False
+
+    info, made = await through_stall(attempt, what=name, stall_s=stall_s)
+    if made and on_create is not None:
+        await on_create(info)
+    return info

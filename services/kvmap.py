@@ -9,12 +9,11 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from nats.aio.client import Client as NATS
-from nats.js.errors import BucketNotFoundError, KeyNotFoundError
+from nats.js.errors import KeyNotFoundError
 from nats.js.kv import KeyValue
 
 from bus_schemas import subjects
 from services import buckets
-from services.config import kv_replicas
 
 T = TypeVar("T")
 
@@ -39,11 +38,7 @@ def json_value(value: bytes) -> Any:
 
 async def open_bucket(nc: NATS, bucket: str) -> KeyValue:
     """``bucket``, created (one version per key) when missing."""
-    js = nc.jetstream()
-    try:
-        return await js.key_value(bucket)
-    except BucketNotFoundError:
-        return await js.create_key_value(bucket=bucket, history=1, replicas=kv_replicas())
+    return await buckets.open_kv(nc.jetstream(), bucket)
 
 
 async def current(kv: KeyValue, name: str, parse: Callable[[bytes], T | None]) -> T | None:

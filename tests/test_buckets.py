@@ -1,5 +1,7 @@
 """services.buckets: a bucket read whole, whichever way nats-py orders its end-of-values
-marker (a key store that trusted an early marker refused a valid key in CI)."""
+marker (a key store that trusted an early marker refused a valid key in CI); writes through
+a stalled stream leader; buckets and object stores opened or made by processes at once, an
+existing one kept as it is, on a real nats-server."""
 
 from __future__ import annotations
 
@@ -190,3 +192,170 @@ async def test_a_create_whose_answer_was_lost_counts_as_done(kv: Any) -> None:
         await buckets.create(kv, "k", b"v2")  # taken: not overwritten
     with pytest.raises(nats.js.errors.KeyWrongLastSequenceError):
         await buckets.create(_LostAnswers(kv, lose=0), "k", b"v2")
+
+
+# -- opening a bucket: buckets.open_kv / open_objects ------------------------------------------
+
+
+@pytest.fixture
+async def js(nats_server: NatsServer) -> AsyncIterator[Any]:
+    nc = await nats.connect(nats_server.url)
+    yield nc.jetstream()
+    await nc.close()
+
+
+def _name() -> str:
+    return f"t_{uuid.uuid4().hex[:10]}"
+
+
+async def test_processes_opening_a_new_bucket_at_once_all_get_the_one_bucket(js: Any) -> None:
+    name, made = _name(), []
+
+    async def on_create(kv: Any) -> None:
+        made.append(kv)
+
+    kvs = await asyncio.gather(
+        *(
+            buckets.open_kv(js, name, ttl=90.0, history=3, max_bytes=1 << 20, on_create=on_create)
+            for _ in range(8)
+        )
+    )
+    cfg = (await kvs[0].status()).stream_info.config
+    assert (cfg.max_age, cfg.max_msgs_per_subject, cfg.max_bytes) == (90.0, 3, 1 << 20)
+    assert cfg.discard == nats.js.api.DiscardPolicy.NEW and cfg.num_replicas == 1
+    assert 1 <= len(made) <= 8  # each call that found it missing (repeating is its job)
+    await kvs[3].put("k", b"v")
+    assert all([(await kv.get("k")).value == b"v" for kv in kvs])
+    await js.delete_key_value(name)
+
+
+async def test_the_loser_of_a_race_with_other_settings_opens_the_winners_bucket(js: Any) -> None:
+    # nats-py alone: each create but the first is refused ("stream name already in use").
+    name = _name()
+    kvs = await asyncio.gather(*(buckets.open_kv(js, name, ttl=60.0 + i) for i in range(8)))
+    ttls = {(await kv.status()).stream_info.config.max_age for kv in kvs}
+    assert len(ttls) == 1 and ttls <= {60.0 + i for i in range(8)}
+    await js.delete_key_value(name)
+
+
+async def test_an_existing_bucket_is_opened_as_it_is(js: Any) -> None:
+    # Settings that differ from the bucket's change nothing (as every site did before).
+    name, made = _name(), []
+    old = await js.create_key_value(bucket=name, history=2, ttl=30.0)
+    await old.put("k", b"kept")
+    before = (await old.status()).stream_info
+
+    async def on_create(kv: Any) -> None:
+        made.append(kv)
+
+    kv = await buckets.open_kv(
+        js, name, history=5, ttl=90.0, max_bytes=1 << 20, discard_old=True, on_create=on_create
+    )
+    after = (await kv.status()).stream_info
+    assert after.config == before.config and after.created == before.created
+    assert (await kv.get("k")).value == b"kept" and made == []
+    await js.delete_key_value(name)
+
+
+async def test_a_bucket_that_drops_its_oldest_entries_when_full(js: Any) -> None:
+    name = _name()
+    kv = await buckets.open_kv(
+        js, name, ttl=60.0, max_bytes=4096, storage=nats.js.api.StorageType.FILE, discard_old=True
+    )
+    cfg = (await kv.status()).stream_info.config
+    assert cfg.discard == nats.js.api.DiscardPolicy.OLD and cfg.allow_direct
+    assert (cfg.max_age, cfg.max_bytes, cfg.duplicate_window) == (60.0, 4096, 60.0)
+    for i in range(40):  # far more than 4 KiB: taken, the oldest dropped
+        await kv.put(f"k{i}", b"x" * 200)
+    assert (await kv.get("k39")).value == b"x" * 200
+    with pytest.raises(nats.js.errors.KeyNotFoundError):
+        await kv.get("k0")
+    await js.delete_key_value(name)
+
+
+async def test_object_stores_opened_at_once_are_one_store_and_an_existing_one_is_kept(
+    js: Any,
+) -> None:
+    name = _name()
+    stores = await asyncio.gather(
+        *(buckets.open_objects(js, name, ttl=60.0 + i, max_bytes=1 << 20) for i in range(8))
+    )
+    infos = [(await s.status()).stream_info for s in stores]
+    assert len({i.config.max_age for i in infos}) == 1 and infos[0].config.max_bytes == 1 << 20
+    await stores[5].put("f", b"data")
+    assert all([(await s.get("f")).data == b"data" for s in stores])
+    again = await buckets.open_objects(js, name, ttl=999.0, max_bytes=1 << 10)
+    assert (await again.status()).stream_info.config == infos[0].config
+    assert (await again.get("f")).data == b"data"
+    await js.delete_object_store(name)
+
+
+class _Stalled:
+    """The bus's JetStream as a node just back from a stall answers its first ``refusals``
+    API calls (503, JetStream temporarily unavailable)."""
+
+    def __init__(self, js: Any, refusals: int) -> None:
+        self.js, self.refusals, self.calls = js, refusals, 0
+
+    def __getattr__(self, op: str) -> Any:
+        async def call(*args: Any, **kw: Any) -> Any:
+            self.calls += 1
+            if self.calls <= self.refusals:
+                raise nats.js.errors.ServiceUnavailableError(
+                    code=503, err_code=10008, description="JetStream system temporarily unavailable"
+                )
+            return await getattr(self.js, op)(*args, **kw)
+
+        return call
+
+
+async def test_a_bucket_is_opened_and_made_through_a_stalled_node(js: Any) -> None:
+    name = _name()
+    kv = await buckets.open_kv(_Stalled(js, 2), name)  # type: ignore[arg-type]
+    await kv.put("k", b"v")
+    assert (await (await js.key_value(name)).get("k")).value == b"v"
+    stores = await buckets.open_objects(_Stalled(js, 3), name)  # type: ignore[arg-type]
+    assert (await stores.status()).stream_info.config.name == f"OBJ_{name}"
+    with pytest.raises(E.ServiceUnavailable, match="retry"):
+        await buckets.open_kv(_Stalled(js, 10**6), name, stall_s=0.3)  # type: ignore[arg-type]
+    await js.delete_key_value(name)
+    await js.delete_object_store(name)
+
+
+async def test_a_bucket_refused_for_another_reason_says_why(js: Any) -> None:
+    # A stream of another name already takes the bucket's subjects: the server's refusal is
+    # the error, not "no such bucket".
+    name = _name()
+    await js.add_stream(name=f"X_{name}", subjects=[f"$KV.{name}.>"])
+    with pytest.raises(nats.js.errors.BadRequestError, match="overlap"):
+        await buckets.open_kv(js, name)
+    await js.delete_stream(f"X_{name}")
+
+
+async def test_a_stream_opened_at_once_is_one_stream_and_an_existing_one_is_kept(js: Any) -> None:
+    name, made = _name(), []
+
+    async def on_create(info: Any) -> None:
+        made.append(info)
+
+    def config(max_age: float) -> Any:
+        return nats.js.api.StreamConfig(
+            name=name,
+            subjects=[f"{name}.>"],
+            retention=nats.js.api.RetentionPolicy.WORK_QUEUE,
+            max_age=max_age,
+        )
+
+    infos = await asyncio.gather(
+        *(buckets.open_stream(js, config(60.0 + i), on_create=on_create) for i in range(8))
+    )
+    assert len({i.config.max_age for i in infos}) == 1  # one stream, one winner's settings
+    assert 1 <= len(made) <= 8 and {m.config.max_age for m in made} <= {
+        i.config.max_age for i in infos
+    }
+    await js.publish(f"{name}.a", b"x", stream=name)
+    again = await buckets.open_stream(_Stalled(js, 2), config(999.0))  # type: ignore[arg-type]
+    assert again.config.max_age == infos[0].config.max_age and again.state.messages == 1
+    with pytest.raises(E.ServiceUnavailable, match="retry"):
+        await buckets.open_stream(_Stalled(js, 10**6), config(1.0), stall_s=0.3)  # type: ignore[arg-type]
+    await js.delete_stream(name)
