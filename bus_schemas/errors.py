@@ -96,6 +96,33 @@ class InvalidRequest(TokenbusError):
     type = "invalid_request_error"
 
 
+def bad_field(param: str, message: str) -> InvalidRequest:
+    """A 400 naming its field: ``<param>: <message>``."""
+    return InvalidRequest(f"{param}: {message}", param=param)
+
+
+def _union_member(part: Any) -> bool:
+    """A step of a pydantic error's location that names the member of a union that failed
+    (``str``, ``list[...]``), not a field."""
+    return isinstance(part, str) and (part in ("str", "int", "float", "bool") or "[" in part)
+
+
+def from_validation(exc: Any, *, union_members: bool = True) -> InvalidRequest:
+    """A pydantic ``ValidationError`` as the 400 it is: its first problem, naming the field
+    (the dotted path; a check across fields that says ``field: what is wrong`` names its
+    field), and how many more there are. ``union_members=False``: the location leaves out
+    the union member pydantic tried (``input.str`` is ``input``)."""
+    first = exc.errors()[0]
+    loc = ".".join(str(p) for p in first.get("loc", ()) if union_members or not _union_member(p))
+    msg = first.get("msg", "invalid value").removeprefix("Value error, ")
+    if not loc:
+        field, sep, rest = msg.partition(": ")
+        if sep and field.isidentifier():
+            loc, msg = field, rest
+    more = f" (and {exc.error_count() - 1} more problems)" if exc.error_count() > 1 else ""
+    return InvalidRequest(f"{loc or 'body'}: {msg}{more}", param=loc or None)
+
+
 class InvalidJSON(InvalidRequest):
     code = "invalid_json"
 

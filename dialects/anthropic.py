@@ -129,12 +129,7 @@ class MessagesRequest(BaseModel):
     output_config: dict[str, Any] | None = Field(default=None, description="{effort, format}.")
 
 
-def _bad(param: str, message: str) -> E.InvalidRequest:
-    return E.InvalidRequest(f"{param}: {message}", param=param)
-
-
-def _union_tag(part: Any) -> bool:
-    return isinstance(part, str) and (part in ("str", "int", "float", "bool") or "[" in part)
+_bad = E.bad_field
 
 
 def parse(body: Any, *, count: bool = False) -> MessagesRequest:
@@ -156,11 +151,7 @@ def parse(body: Any, *, count: bool = False) -> MessagesRequest:
     try:
         return MessagesRequest.model_validate(body)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        loc = ".".join(str(p) for p in first.get("loc", ()) if not _union_tag(p))
-        msg = first.get("msg", "invalid value").removeprefix("Value error, ")
-        more = f" (and {exc.error_count() - 1} more problems)" if exc.error_count() > 1 else ""
-        raise E.InvalidRequest(f"{loc or 'body'}: {msg}{more}", param=loc or None) from None
+        raise E.from_validation(exc, union_members=False) from None
 
 
 # -- content blocks → chat content -----------------------------------------------------------

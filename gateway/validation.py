@@ -46,15 +46,7 @@ def parse(kind: str, body: Any) -> Request:
     try:
         return model.model_validate(body)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        loc = ".".join(str(p) for p in first.get("loc", ()))
-        msg = first.get("msg", "invalid value").removeprefix("Value error, ")
-        if not loc:  # a check across fields names its field: "field: what is wrong"
-            field, sep, rest = msg.partition(": ")
-            if sep and field.isidentifier():
-                loc, msg = field, rest
-        more = f" (and {exc.error_count() - 1} more problems)" if exc.error_count() > 1 else ""
-        raise E.InvalidRequest(f"{loc or 'body'}: {msg}{more}", param=loc or None) from None
+        raise E.from_validation(exc) from None
 
 
 def check_chat(body: Any) -> Request:

@@ -151,12 +151,7 @@ class ResponsesRequest(BaseModel):
         return self.store is not False
 
 
-def _union_tag(part: Any) -> bool:
-    return isinstance(part, str) and (part in ("str", "int", "float", "bool") or "[" in part)
-
-
-def _bad(param: str, message: str) -> E.InvalidRequest:
-    return E.InvalidRequest(f"{param}: {message}", param=param)
+_bad = E.bad_field
 
 
 def parse(body: Any) -> ResponsesRequest:
@@ -177,12 +172,8 @@ def parse(body: Any) -> ResponsesRequest:
     try:
         req = ResponsesRequest.model_validate(body)
     except ValidationError as exc:
-        first = exc.errors()[0]
         # pydantic names the member of a union that failed (input.str): the field is enough.
-        loc = ".".join(str(p) for p in first.get("loc", ()) if not _union_tag(p))
-        msg = first.get("msg", "invalid value").removeprefix("Value error, ")
-        more = f" (and {exc.error_count() - 1} more problems)" if exc.error_count() > 1 else ""
-        raise E.InvalidRequest(f"{loc or 'body'}: {msg}{more}", param=loc or None) from None
+        raise E.from_validation(exc, union_members=False) from None
     if req.truncation == "auto":
         raise _bad(
             "truncation",
