@@ -31,7 +31,7 @@ fetch() {
     --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux_2_28_x86_64 --platform linux_x86_64 --platform any \
     --find-links "$OFF/wheels" -d "$OFF/wheels" "$whl"
-  docker save -o "$OFF/base-images.tar" python:3.11-slim nats:2.10-alpine
+  docker save -o "$OFF/base-images.tar" python:3.11-slim nats:2.15.1-alpine
   echo "fetched into $OFF: $(ls "$OFF/wheels" | wc -l) wheels and the base images"
 }
 

@@ -26,6 +26,17 @@ from services import natsclient
 DEFAULT_MODEL = "tokenbus-sim"
 
 
+# What JetStream writes to disk before it acknowledges (docs/deploy.md, "Durability"): every
+# write, fsynced before its acknowledgement. nats-server's own default syncs every two minutes,
+# so a machine that loses power (or its kernel) loses what it acknowledged since; on a cluster
+# that takes the nodes holding a quorum of a stream down together. ``always`` costs a sync per
+# write on the stores that write per request (spend settlement, batch results) and nothing
+# on admission's reads; docs/deploy.md has the measured cost. An interval ("1s") is the
+# operator's trade (``nats_sync``, TOKENBUS_NATS_SYNC).
+NATS_SYNC = "always"
+NATS_SYNC_PATTERN = r"^(always|[1-9][0-9]*(ms|s|m|h))$"
+
+
 class BridgeSettings(BaseModel):
     """The OpenAI-compatible HTTP bridge."""
 
@@ -675,6 +686,14 @@ class Settings(BaseSettings):
         ge=1,
         le=10,
         description="Unanswered pings before the server is taken for gone.",
+    )
+    nats_sync: str = Field(
+        default=NATS_SYNC,
+        pattern=NATS_SYNC_PATTERN,
+        description="What the NATS server tokenbus configures syncs to disk before it "
+        "acknowledges a JetStream write: 'always' (every write, the default) or an interval "
+        "such as '1s' (faster writes; a machine that loses power loses what was acknowledged "
+        "in the last interval). docs/deploy.md, Durability.",
     )
     kv_replicas: int = Field(
         default=1,

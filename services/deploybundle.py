@@ -28,6 +28,7 @@ import secrets
 from pathlib import Path
 
 from services import natsconf
+from services.config import NATS_SYNC
 from services.tlsfiles import TlsFiles, write_private
 from services.tlsfiles import generate as generate_tls
 
@@ -80,7 +81,13 @@ def _folder_mode() -> int:
 
 
 def _node_conf(
-    i: int, nodes: int, host: str, store_dir: str, route_password: str, tls: TlsFiles | None
+    i: int,
+    nodes: int,
+    host: str,
+    store_dir: str,
+    route_password: str,
+    tls: TlsFiles | None,
+    sync: str = NATS_SYNC,
 ) -> str:
     name = node_name(host, i, nodes)
     text = (
@@ -90,7 +97,7 @@ def _node_conf(
         f'listen: "0.0.0.0:{CLIENT_PORT}"\n'
         # Health checks run inside the container: the monitoring port stays on loopback.
         f'http: "127.0.0.1:{MONITOR_PORT}"\n'
-        f"jetstream {{ store_dir: {json.dumps(store_dir)} }}\n"
+        + natsconf.jetstream_block(store_dir, sync)
         + natsconf.SERVER_TIMERS
         + (tls.server_block() if tls else "")
     )
@@ -119,6 +126,7 @@ def init(
     store_dir: str = "/data/jetstream",
     tls: bool = True,
     tls_names: list[str] | None = None,
+    sync: str = NATS_SYNC,
 ) -> list[Path]:
     """Write (or refresh) the deployment's bus folder; the paths written, configs first."""
     if nodes < 1:
@@ -154,7 +162,7 @@ def init(
     for i in range(nodes):
         name = "nats.conf" if nodes == 1 else f"nats-{i}.conf"
         conf = folder / name
-        _private(conf, _node_conf(i, nodes, host, store_dir, route_password, files), NATS_UID)
+        _private(conf, _node_conf(i, nodes, host, store_dir, route_password, files, sync), NATS_UID)
         written.append(conf)
     written.append(folder / AUTH_CONF)
     roles_dir = folder / ROLES_DIR

@@ -28,6 +28,7 @@ from auth.store import KeyStore
 from bus_schemas import codec, subjects
 from services import config
 from services import logging as tlog
+from services.natsconf import jetstream_block
 from services.runtime import servers
 from tokenbus import Client
 from tokenbus.launcher import nats_server_binary, port_open
@@ -161,7 +162,12 @@ class NatsServer:
         return f"nats://127.0.0.1:{self.port}"
 
     def start(self) -> NatsServer:
-        args = ("-a", "127.0.0.1", "-p", str(self.port), "-js", "-sd", str(self.data_dir))
+        # JetStream as a deployment runs it: the store and the sync policy of the configs
+        # tokenbus writes (services.config.NATS_SYNC: every write synced before its ack).
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        conf = self.data_dir.parent / f"{self.data_dir.name}.conf"
+        conf.write_text(jetstream_block(str(self.data_dir)))
+        args = ("-c", str(conf), "-a", "127.0.0.1", "-p", str(self.port))
         self.proc = spawn_nats(self.port, *args)
         return self
 

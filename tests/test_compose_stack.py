@@ -4,8 +4,9 @@ worker container and a NATS node killed under load with no failed request, down 
 the keys kept.
 
 Needs a Docker engine and the compose file's base images (``python:3.11-slim``, and
-``nats:2.10-alpine`` or the local ``nats:2.10`` of ``../shared/tools/local-docker.sh``);
-skipped with the reason otherwise. Run them alone with ``pytest -m compose``.
+``nats:2.15.1-alpine`` or the local ``nats:2.10`` of ``../shared/tools/local-docker.sh``, which
+holds the venv's pinned nats-server); skipped with the reason otherwise. Run them alone with
+``pytest -m compose``.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from tokenbus.client import Client
 pytestmark = [pytest.mark.compose, pytest.mark.timeout(900)]
 
 MODEL = "tokenbus-sim"
+NATS_IMAGE = "nats:2.15.1-alpine"  # compose/docker-compose.yml (tests/test_versions.py)
 FILES = ROOT / "compose"
 KEY = re.compile(r"^(tb-[0-9a-f]{12}_\S+)$", re.M)
 
@@ -63,11 +65,12 @@ def _engine() -> tuple[list[str] | None, str]:
 
     if not have("python:3.11-slim"):
         return None, "base image python:3.11-slim missing (../shared/tools/local-docker.sh)"
-    if not have("nats:2.10-alpine"):
+    if not have(NATS_IMAGE):
         if not have("nats:2.10"):
-            return None, "image nats:2.10-alpine missing (../shared/tools/local-docker.sh)"
+            return None, f"image {NATS_IMAGE} missing (../shared/tools/local-docker.sh)"
         # The local stand-in (a nats-server binary on Debian, with curl for the health check).
-        _run(["docker", "tag", "nats:2.10", "nats:2.10-alpine"])
+        # The local image holds the venv's nats-server binary: the pinned version.
+        _run(["docker", "tag", "nats:2.10", NATS_IMAGE])
     return compose, ""
 
 

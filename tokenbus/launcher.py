@@ -17,7 +17,7 @@ from pathlib import Path
 from bus_schemas import errors as E
 from bus_schemas import subjects
 from services.config import BridgeSettings, Settings
-from services.natsconf import SERVER_TIMERS, generate, role_env
+from services.natsconf import SERVER_TIMERS, generate, jetstream_block, role_env
 from services.runtime import StartRefused, listen_socket, stop_event
 
 
@@ -441,16 +441,15 @@ def _nats_server_args(settings: Settings, data: Path, port: int) -> tuple[list[s
             port=port,
             store_dir=str(data / "nats"),
             callout=subjects.STAGE_AUTH in settings.ingress.pipeline,
+            sync=settings.nats_sync,
         )
         return ["-c", str(conf)], users
-    # The server's timers (services.natsconf.SERVER_TIMERS) have no flags: a config of them.
-    timers = data / "nats-timers.conf"
-    timers.parent.mkdir(parents=True, exist_ok=True)
-    timers.write_text(SERVER_TIMERS)
-    return [
-        *("-c", str(timers)),
-        *("-a", "127.0.0.1", "-p", str(port), "-js", "-sd", str(data / "nats")),
-    ], None
+    # The server's timers (services.natsconf.SERVER_TIMERS) and its sync policy have no
+    # flags: a config of them.
+    conf = data / "nats-timers.conf"
+    conf.parent.mkdir(parents=True, exist_ok=True)
+    conf.write_text(SERVER_TIMERS + jetstream_block(str(data / "nats"), settings.nats_sync))
+    return [*("-c", str(conf)), *("-a", "127.0.0.1", "-p", str(port))], None
 
 
 async def _wait_port_open(port: int) -> bool:

@@ -153,11 +153,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds to listen for heartbeats (idle replicas beat every 2 s)",
     )
 
-    from tokenbus.evaluation import batchbench, bench, kvbench
+    from tokenbus.evaluation import batchbench, bench, kvbench, syncbench
 
     bp = bench.add_parser(sub)
     kvbench.add_arguments(bp.add_argument_group("multi-turn agent sessions"))
     batchbench.add_arguments(bp.add_argument_group("a batch beside interactive traffic"))
+    syncbench.add_arguments(bp.add_argument_group("what each JetStream sync policy costs"))
 
     from tokenbus.cli import keys as keys_cli
 
@@ -576,6 +577,10 @@ def main(argv: list[str] | None = None) -> None:
                 from tokenbus.evaluation.tenants import run_tenants
 
                 rc = await run_tenants(a)
+            elif a.sync_cost:
+                from tokenbus.evaluation.syncbench import run_sync_bench
+
+                rc = await run_sync_bench(a)
             elif a.batch_lines:
                 from tokenbus.evaluation.batchbench import run_batch_bench
 

@@ -46,6 +46,12 @@ def add_parsers(sub: Any) -> None:
         "services run as non-root users of their own",
     )
     i.add_argument("--print-url", action="store_true", help="print the NATS URL of services")
+    i.add_argument(
+        "--sync",
+        default=None,
+        help="what the nodes sync to disk before acknowledging a JetStream write: 'always' "
+        "(the default, nats_sync) or an interval such as '1s' (docs/deploy.md, Durability)",
+    )
 
     h = sub.add_parser(
         "health",
@@ -81,6 +87,8 @@ def init(a: argparse.Namespace) -> int:
             )
             return 2
         owners.append((Path(path), uid))
+    from services.config import Settings
+
     try:
         written = db.init(
             Path(a.dir),
@@ -88,6 +96,7 @@ def init(a: argparse.Namespace) -> int:
             host=a.nats_host,
             tls=not a.no_tls,
             tls_names=a.tls_name,
+            sync=a.sync or Settings().nats_sync,
         )
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)

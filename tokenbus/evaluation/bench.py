@@ -193,6 +193,13 @@ def add_parser(sub: Any) -> Any:
         "--pipeline, NATS clients log in with the run's API key through the auth callout)",
     )
     g.add_argument(
+        "--nats-sync",
+        default=None,
+        metavar="always|DURATION",
+        help="--spawn: the NATS server's JetStream sync policy (default: nats_sync, 'always'; "
+        "'2m' is nats-server's own default): what each policy costs (docs/deploy.md)",
+    )
+    g.add_argument(
         "--telemetry",
         choices=["on", "off"],
         default="on",
@@ -902,14 +909,22 @@ async def spawn_stack(a: argparse.Namespace, sup: Any) -> tuple[list[Target], An
 
     nats_port, bridge_port, direct_port = _free_port(), _free_port(), _free_port()
     tmp = tempfile.mkdtemp(prefix="tokenbus-bench-")
-    server_args = ["-a", "127.0.0.1", "-p", str(nats_port), "-js", "-sd", tmp]
+    from services.natsconf import generate, jetstream_block
+
+    # The sync policy a deployment runs (services.config.NATS_SYNC), or --nats-sync's.
+    sync = getattr(a, "nats_sync", None) or Settings().nats_sync
+    js_conf = Path(tmp) / "js.conf"
+    js_conf.write_text(jetstream_block(tmp, sync))
+    server_args = ["-c", str(js_conf), "-a", "127.0.0.1", "-p", str(nats_port)]
     users: Path | None = None
     stages = [s for s in a.pipeline.split(",") if s and s != "route"]
     if getattr(a, "locked", False):
-        from services.natsconf import generate
-
         conf, users = generate(
-            Path(tmp) / "locked", port=nats_port, store_dir=tmp, callout="auth" in stages
+            Path(tmp) / "locked",
+            port=nats_port,
+            store_dir=tmp,
+            callout="auth" in stages,
+            sync=sync,
         )
         server_args = ["-c", str(conf)]
     nats = await asyncio.create_subprocess_exec(
