@@ -195,9 +195,11 @@ class Limiter:
     async def _shared_secret(js: Any) -> bytes:
         """The limiters' signing key: made by the first limiter, read by the others."""
         kv = await buckets.open_kv(js, SECRETS_BUCKET)
-        with contextlib.suppress(KeyWrongLastSequenceError, Exception):
-            await kv.create("admission", secrets.token_bytes(32))
-        entry = await kv.get("admission")
+        # Through a bucket just made on a cluster (its stream electing a leader: reads and
+        # writes time out for a moment) as through a stall.
+        with contextlib.suppress(KeyWrongLastSequenceError):  # another limiter made it
+            await buckets.create(kv, "admission", secrets.token_bytes(32))
+        entry = await buckets.through_stall(lambda: kv.get("admission"), what=SECRETS_BUCKET)
         return bytes(entry.value or b"")
 
     async def claim(self, name: str) -> bool:

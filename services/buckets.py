@@ -251,6 +251,9 @@ async def create(kv: KeyValue, key: str, data: bytes, *, stall_s: float | None =
 S = TypeVar("S")
 
 
+_VISIBLE_S = 5.0  # how long a stream just made may stay unknown to the node asked
+
+
 async def _open_or_create(
     open_: Callable[[], Awaitable[S]],
     make: Callable[[], Awaitable[object]],
@@ -276,7 +279,15 @@ async def _open_or_create(
                 return await open_(), True
             except BucketNotFoundError:
                 raise exc from None  # refused for another reason: that is the error
-        return await open_(), True
+        # Made: on a cluster, the node asked may not know the new stream for a moment.
+        give_up = time.monotonic() + _VISIBLE_S
+        while True:
+            try:
+                return await open_(), True
+            except BucketNotFoundError:
+                if time.monotonic() >= give_up:
+                    raise
+                await asyncio.sleep(0.1)
 
     store, made = await through_stall(attempt, what=what, stall_s=stall_s)
     if made and on_create is not None:
