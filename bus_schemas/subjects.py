@@ -283,6 +283,18 @@ def inbox_prefix(owner: str) -> str:
     return f"_INBOX.tb.{token(owner)}"
 
 
+# The JetStream stream that keeps usage records until a telemetry service stored them, and
+# the durable consumer all telemetry services share (telemetry.records).
+RECORDS_STREAM = "TOKENBUS_USAGE"
+RECORDS_CONSUMER = QUEUE_TELEMETRY
+
+
+def records_ack_root() -> str:
+    """Where the stream's acks of usage records come back to their publishers (workers,
+    bridges: telemetry.records.Recorder)."""
+    return "_INBOX.tb.records"
+
+
 def key_inbox_root(key_id: str) -> str:
     """Where the inboxes of every NATS connection logged in with API key ``key_id`` live: on
     the locked bus such a connection may subscribe under it and nowhere else."""

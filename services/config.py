@@ -567,6 +567,31 @@ class TelemetrySettings(BaseModel):
         description="How often the service probes the bus (NATS round trip, services answering "
         "$SRV.PING, the key store) for the health metrics; 0: never.",
     )
+    stream_max_age_s: float = Field(
+        default=7 * 86400.0,
+        gt=0,
+        description="Records stay in the JetStream stream TOKENBUS_USAGE this long (stored "
+        "or not): the longest telemetry outage that loses none.",
+    )
+    stream_max_bytes: int = Field(
+        default=1 << 30,
+        ge=1 << 20,
+        description="The stream's size bound: past it the oldest records are dropped first.",
+    )
+    ack_wait_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="A record fetched and not acknowledged (stored) this long goes to another "
+        "telemetry service.",
+    )
+    store: Literal["sqlite", "postgres"] = Field(
+        default="sqlite", description="Where records are stored: the SQLite file or PostgreSQL."
+    )
+    postgres_dsn: str = Field(
+        default="",
+        description="PostgreSQL connection string for store = postgres "
+        "(postgresql://user:password@host:5432/db; needs the postgres extra).",
+    )
 
 
 class ResponsesSettings(BaseModel):
@@ -600,9 +625,12 @@ class FilesSettings(BaseModel):
         default=30 * 86400.0, gt=0, description="A file is deleted this long after its upload."
     )
     max_bytes: int = Field(
-        default=10 << 30,
+        default=4 << 30,
         ge=1 << 20,
-        description="The object store's size bound: past it uploads are refused (507).",
+        description="The object store's size bound: past it uploads are refused (507). "
+        "JetStream reserves it on its volume, which the keys and spend share: with "
+        "responses.max_bytes and telemetry.stream_max_bytes it must leave room there "
+        "(the NATS volume of 10Gi on Kubernetes; docs/deploy.md, backup section).",
     )
 
 

@@ -28,9 +28,12 @@ import bcrypt
 
 from bus_schemas.subjects import (
     PREFIX,
+    RECORDS_CONSUMER,
+    RECORDS_STREAM,
     audit_wildcard,
     inbox_prefix,
     members_wildcard,
+    records_ack_root,
     requests_wildcard,
     stage,
     to_any_member,
@@ -66,6 +69,19 @@ def _member(name: str) -> str:
 
 USAGE = [f"{PREFIX}.usage", f"{PREFIX}.usage.>"]
 TELEMETRY = f"{PREFIX}.telemetry.>"
+# The usage records' stream (docs/telemetry.md, "Durability"): the telemetry role makes it and
+# its durable consumer, fetches and acknowledges, and may do nothing else with JetStream;
+# publishers of records read the stream's acks under their own inbox root.
+RECORDS_JS = [
+    *[f"$JS.API.STREAM.{op}.{RECORDS_STREAM}" for op in ("INFO", "CREATE")],
+    f"$JS.API.CONSUMER.INFO.{RECORDS_STREAM}.{RECORDS_CONSUMER}",
+    f"$JS.API.CONSUMER.CREATE.{RECORDS_STREAM}.{RECORDS_CONSUMER}.>",
+    f"$JS.API.CONSUMER.CREATE.{RECORDS_STREAM}.{RECORDS_CONSUMER}",
+    f"$JS.API.CONSUMER.DURABLE.CREATE.{RECORDS_STREAM}.{RECORDS_CONSUMER}",
+    f"$JS.API.CONSUMER.MSG.NEXT.{RECORDS_STREAM}.{RECORDS_CONSUMER}",
+    f"$JS.ACK.{RECORDS_STREAM}.{RECORDS_CONSUMER}.>",
+]
+RECORDS_ACKS = f"{records_ack_root()}.>"
 ADMIN = f"{PREFIX}.admin.>"
 AUDIT = audit_wildcard()
 # The Batch API (docs/batches.md): its work queue and done announcements (bridges publish),
@@ -129,11 +145,20 @@ ROLES: dict[str, tuple[list[str], list[str]]] = {
             DISCOVERY,
         ],
     ),
-    "worker": ([HEARTBEAT, KV_EVENTS, *USAGE, TELEMETRY, INBOX], [ENGINE, CANCEL, DISCOVERY]),
+    "worker": (
+        [HEARTBEAT, KV_EVENTS, *USAGE, TELEMETRY, INBOX],
+        [ENGINE, CANCEL, DISCOVERY, RECORDS_ACKS],
+    ),
     # The telemetry service's probes of the bus (docs/telemetry.md): a discovery ping, the
     # key store's stream state (no key is read), the answers under its own inbox root only.
     "telemetry": (
-        [INBOX, "$SRV.PING", "$JS.API.STREAM.INFO.KV_tokenbus_keys"],
+        [
+            INBOX,
+            "$SRV.PING",
+            "$JS.API.STREAM.INFO.KV_tokenbus_keys",
+            "$JS.API.STREAM.INFO.OBJ_tokenbus_files",  # the file store's fill (telemetry)
+            *RECORDS_JS,
+        ],
         [TELEMETRY, HEARTBEAT, *USAGE, DISCOVERY, f"{inbox_prefix('telemetry')}.>"],
     ),
     "admin": ([">"], [">"]),

@@ -296,6 +296,8 @@ class BusHealth:
     rtt_s: float | None = None
     services: dict[str, int] = field(default_factory=dict)  # every service ever seen
     keystore_up: float | None = None
+    # The file store's stream (OBJ_tokenbus_files): (bytes, its max_bytes; 0: unbounded).
+    file_store: tuple[float, float] | None = None
     probes: int = 0
 
     def collect(self) -> Iterator[Metric]:
@@ -339,6 +341,19 @@ class BusHealth:
         if self.keystore_up is not None:
             keys.add_metric([], self.keystore_up)
         yield keys
+        fs_bytes = GaugeMetricFamily(
+            "tokenbus_file_store_bytes", "Bytes in the file store (object store tokenbus_files)"
+        )
+        fs_max = GaugeMetricFamily(
+            "tokenbus_file_store_max_bytes",
+            "The file store's size bound (files.max_bytes as the bucket was made; none: unbounded)",
+        )
+        if self.file_store is not None:
+            fs_bytes.add_metric([], self.file_store[0])
+            if self.file_store[1] > 0:
+                fs_max.add_metric([], self.file_store[1])
+        yield fs_bytes
+        yield fs_max
         probes = CounterMetricFamily("tokenbus_probes", "Probe rounds of the bus run so far")
         probes.add_metric([], float(self.probes))
         yield probes
@@ -456,7 +471,9 @@ class Metrics:
             registry=r,
         )
         self.dropped = Counter(
-            "tokenbus_telemetry_dropped_total", "Records dropped (buffer full)", registry=r
+            "tokenbus_telemetry_dropped_total",
+            "Records not stored: malformed, or the buffer full (core NATS only)",
+            registry=r,
         )
         self._children: dict[tuple[Any, tuple[str, ...]], Any] = {}
         self.soft_exceeded = Gauge(

@@ -16,17 +16,35 @@ A process sends its records together (:class:`Recorder`): the records of up to
 that is one message every 50 ms per process instead of one per request, for the publisher,
 nats-server and the telemetry service alike; a record reaches the service at most 50 ms
 later, and is sent at once when the process stops.
+
+Records survive a telemetry outage: the subject is captured by the JetStream stream
+:data:`STREAM` (``TOKENBUS_USAGE``), and the recorder publishes each message with an id
+(``Nats-Msg-Id``, the stream drops a repeat) and waits for the stream's ack off the request's
+path, trying again a few times. A message the stream never acknowledged is counted in
+``tokenbus_telemetry_publish_failed_total`` (records), never raised. Each record is known by
+:func:`record_id`, with which the telemetry service stores it once, however often it arrives.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
+import json
+import time
+import uuid
 from typing import Any
 
 from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.js import api
+from prometheus_client import Counter
 
 from bus_schemas import codec, subjects
+from services import config
+from services import logging as tlog
+from services.buckets import open_stream
+from telemetry.store import record_id as record_id  # re-exported: what a record is known by
 
 # Marks a request collects on its way, in path order (Tb-Timings; see bus_schemas.marks).
 PATH = ("t0", "ingress", "auth", "ratelimit", "filter", "route", "engine_start")
@@ -35,6 +53,45 @@ STAGES = ("ingress", "auth", "ratelimit", "filter", "route")
 
 def subject() -> str:
     return f"{subjects.PREFIX}.telemetry.request"
+
+
+# The stream that keeps records until a telemetry service stored them (docs/telemetry.md,
+# "Durability"), and the durable consumer every telemetry service shares.
+STREAM = subjects.RECORDS_STREAM
+CONSUMER = subjects.RECORDS_CONSUMER
+MSG_ID = "Nats-Msg-Id"
+DUPLICATE_WINDOW_S = 120.0  # the stream drops a message id it saw this recently
+
+
+def stream_config(cfg: config.TelemetrySettings | None = None) -> api.StreamConfig:
+    """The records' stream: file storage, limits retention (the consumer's acks do not remove
+    a record: a store rebuilt from scratch can read the last ``stream_max_age_s`` again),
+    bounded in age and bytes, the oldest dropped first, replicated as the buckets are."""
+    cfg = cfg or config.Settings().telemetry
+    return api.StreamConfig(
+        name=STREAM,
+        description="tokenbus per-request usage records (docs/telemetry.md)",
+        subjects=[subject()],
+        retention=api.RetentionPolicy.LIMITS,
+        storage=api.StorageType.FILE,
+        discard=api.DiscardPolicy.OLD,
+        max_age=cfg.stream_max_age_s,
+        max_bytes=cfg.stream_max_bytes,
+        num_replicas=config.kv_replicas(),
+        duplicate_window=DUPLICATE_WINDOW_S,
+    )
+
+
+# Records a publisher could not hand to the stream (no ack after every try): in each
+# publishing process's default registry (the bridge's /metrics).
+PUBLISH_FAILED = Counter(
+    "tokenbus_telemetry_publish_failed_total",
+    "Usage records the telemetry stream never acknowledged (lost unless a later try landed)",
+)
+PUBLISH_TRIES = 4
+PUBLISH_ACK_S = 2.0  # how long one try waits for the stream's ack
+PUBLISH_BACKOFF_S = (0.1, 0.5, 2.0)
+MAX_IN_FLIGHT = 1024  # messages waiting for their ack; beyond, a new one counts as failed
 
 
 def _ms(a: int | None, b: int | None) -> float | None:
@@ -133,8 +190,11 @@ def batch(data: dict[str, Any]) -> list[Any]:
 
 
 class Recorder:
-    """One connection's records, sent together: fire and forget, never raises, never
-    waits for the telemetry service."""
+    """One connection's records, sent together: fire and forget for the caller, never raises,
+    never waits for the telemetry service. Each message waits for the stream's ack in a
+    task of its own (tried again up to :data:`PUBLISH_TRIES` times with the same message id,
+    so the stream keeps it once); one never acknowledged is counted (:data:`PUBLISH_FAILED`,
+    :attr:`failed`)."""
 
     def __init__(self, nc: NATS) -> None:
         self.nc = nc
@@ -142,6 +202,17 @@ class Recorder:
         self._timer: asyncio.TimerHandle | None = None
         self._sending: set[asyncio.Task[None]] = set()
         self.messages = 0
+        self.failed = 0  # records never acknowledged by the stream
+        self.acked = 0  # messages the stream acknowledged (a repeat it dropped included)
+        # Acks come back under an inbox of this recorder's own (the locked bus lets
+        # publishers read ``subjects.records_ack_root()`` and nothing else of other inboxes).
+        self._root = f"{subjects.records_ack_root()}.{uuid.uuid4().hex[:12]}"
+        self._acks: dict[str, asyncio.Future[bytes]] = {}
+        self._ack_sub: Any = None
+        self._subscribing = asyncio.Lock()
+        self._seq = itertools.count()
+        self._made_stream = False
+        self._warned_at = 0.0
 
     def add(self, record: dict[str, Any]) -> None:
         self._batch.append(record)
@@ -162,16 +233,71 @@ class Recorder:
         except Exception:  # a record that cannot be encoded: fire and forget, never raise
             return
         self.messages += 1
-        task = asyncio.get_running_loop().create_task(self._publish(data))
+        if len(self._sending) >= MAX_IN_FLIGHT:
+            self._lost(len(recs), "too many records waiting for the stream's ack")
+            return
+        task = asyncio.get_running_loop().create_task(self._publish(data, len(recs)))
         self._sending.add(task)
         task.add_done_callback(self._sending.discard)
 
-    async def _publish(self, data: bytes) -> None:
-        with contextlib.suppress(Exception):
-            await self.nc.publish(subject(), data)
+    async def _on_ack(self, msg: Msg) -> None:
+        fut = self._acks.pop(msg.subject, None)
+        if fut is not None and not fut.done():
+            status = (msg.headers or {}).get("Status", "")
+            fut.set_result(b'{"error":{"code":503}}' if status == "503" else msg.data)
+
+    async def _try(self, data: bytes, msg_id: str) -> bool:
+        """One publish; whether the stream acknowledged it."""
+        async with self._subscribing:  # one subscription, however many publish at first
+            if self._ack_sub is None:
+                self._ack_sub = await self.nc.subscribe(f"{self._root}.*", cb=self._on_ack)
+        inbox = f"{self._root}.{next(self._seq)}"
+        fut: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+        self._acks[inbox] = fut
+        try:
+            await self.nc.publish(subject(), data, reply=inbox, headers={MSG_ID: msg_id})
+            answer = await asyncio.wait_for(fut, PUBLISH_ACK_S)
+        except Exception:  # no connection, no ack in time
+            return False
+        finally:
+            self._acks.pop(inbox, None)
+        try:
+            ack = json.loads(answer)
+        except ValueError:
+            return False
+        if isinstance(ack, dict) and "error" not in ack and "seq" in ack:
+            return True
+        if isinstance(ack, dict) and not self._made_stream:
+            # No stream yet (no telemetry service ever ran on this bus): make it when this
+            # connection may (the bridge may; a worker on the locked bus may not).
+            self._made_stream = True
+            with contextlib.suppress(Exception):
+                await open_stream(self.nc.jetstream(timeout=2), stream_config(), stall_s=2)
+        return False
+
+    async def _publish(self, data: bytes, n: int) -> None:
+        msg_id = uuid.uuid4().hex
+        for i in range(PUBLISH_TRIES):
+            if await self._try(data, msg_id):
+                self.acked += 1
+                return
+            if i < len(PUBLISH_BACKOFF_S):
+                await asyncio.sleep(PUBLISH_BACKOFF_S[i])
+        self._lost(n, "the telemetry stream did not acknowledge them")
+
+    def _lost(self, n: int, why: str) -> None:
+        self.failed += n
+        PUBLISH_FAILED.inc(n)
+        now = time.monotonic()
+        if now - self._warned_at > 60:  # one line a minute at most
+            self._warned_at = now
+            tlog.get("telemetry").warning(
+                "telemetry_publish_failed", records=n, failed_total=self.failed, why=why
+            )
 
     async def flush(self) -> None:
-        """Send what waits now and hand it to the connection (a stopping process)."""
+        """Send what waits now and give it up to 2 s to be acknowledged (a stopping
+        process)."""
         self._send()
         if self._sending:
             await asyncio.wait(set(self._sending), timeout=2.0)

@@ -1,6 +1,7 @@
 """``tokenbus report``: the telemetry store as a summary table and plots.
 
-Reads the SQLite records (``telemetry.db_path``) and writes into ``--out``:
+Reads the records (the SQLite file ``telemetry.db_path``, or a PostgreSQL database given as its
+connection string) and writes into ``--out``:
 ``summary.json``, ``summary.md`` (per model: requests by outcome, TTFT / TBT / end-to-end /
 gateway / engine percentiles, and the mean time in each stage) and, with matplotlib
 installed (``pip install tokenbus[report]``), four PNGs: the latency breakdown stacked per
@@ -16,7 +17,7 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
-from telemetry.store import RecordStore
+from telemetry.store import PgRecordStore, RecordStore, is_dsn
 
 # In path order: the bridge reading the request (HTTP only), the stages, the hop from the
 # route stage's mark to the engine's start, the engine, and the first token's way back.
@@ -190,10 +191,16 @@ def plots(rows: list[dict[str, Any]], out: Path, bucket_s: float) -> list[Path]:
 def report(
     db: str | Path, out: str | Path, *, since_s: float = 0, bucket_s: float = 10.0
 ) -> dict[str, Any]:
-    """Write the report; returns the summary (with the files written)."""
-    if not Path(db).exists():
+    """Write the report; returns the summary (with the files written). ``db``: the SQLite
+    file, or a PostgreSQL connection string (``postgresql://...``: telemetry.store =
+    postgres)."""
+    store: RecordStore | PgRecordStore
+    if is_dsn(db):
+        store = PgRecordStore(str(db))
+    elif not Path(db).exists():
         raise FileNotFoundError(f"no telemetry store at {db} (is the telemetry service running?)")
-    store = RecordStore(db)
+    else:
+        store = RecordStore(db)
     try:
         since_ns = int((time.time() - since_s) * 1e9) if since_s else 0
         rows = list(store.rows(since_ns))

@@ -1,0 +1,428 @@
+"""Usage records that survive (docs/telemetry.md, "Durability"): the JetStream stream keeps
+them through a telemetry outage, a killed telemetry service loses none, and none is stored
+twice (redelivery, two services sharing the consumer). Real nats-servers, real processes."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import pwd
+import shutil
+import signal
+import sqlite3
+import subprocess
+import tempfile
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import nats
+import pytest
+from nats.aio.client import Client as NATS
+
+from bus_schemas import codec
+from services.natsconf import role_login
+from telemetry import records
+from telemetry.service import Telemetry
+from telemetry.store import PgRecordStore
+from tests.conftest import NatsServer, Procs, free_port, settings, spawn_nats, wait_for
+from tests.lockedbus import LockedBus
+from tokenbus.evaluation.report import report
+
+
+def rec(rid: str, source: str = "worker", **kw: Any) -> dict[str, Any]:
+    return records.build(
+        request_id=rid,
+        source=source,
+        model="m",
+        timings={"t0": time.time_ns()},
+        outcome="length",
+        completion_tokens=3,
+        **kw,
+    )
+
+
+async def publish(
+    nc: NATS, rids: list[str], source: str = "worker", *, alone: bool = False
+) -> records.Recorder:
+    """``rids``' records through a recorder (``alone``: one message each), once the stream
+    acknowledged every message."""
+    recorder = records.Recorder(nc)
+    for rid in rids:
+        recorder.add(rec(rid, source))
+        if alone:
+            recorder._send()
+    recorder._send()
+    await wait_for(
+        lambda: recorder.acked == recorder.messages,
+        timeout=20,
+        what="the stream did not acknowledge every message",
+    )
+    assert recorder.failed == 0
+    return recorder
+
+
+def stored(db: Path, prefix: str = "") -> int:
+    """Rows (requests) in the store file ``db`` whose request id starts with ``prefix``."""
+    if not db.exists():
+        return 0
+    con = sqlite3.connect(db, timeout=5)
+    try:
+        (n,) = con.execute(
+            "SELECT COUNT(*) FROM requests WHERE request_id LIKE ?", (f"{prefix}%",)
+        ).fetchone()
+        return int(n)
+    except sqlite3.OperationalError:  # the service has not made its tables yet
+        return 0
+    finally:
+        con.close()
+
+
+def counted(tel: Telemetry, source: str = "worker") -> float:
+    """Records the service counted in its metrics."""
+    return float(tel.metrics.records.labels(source)._value.get())
+
+
+def cfg(db: Path, **kw: Any) -> dict[str, Any]:
+    return {"db_path": str(db), "metrics_port": 0, "flush_interval_s": 0.1,
+            "probe_interval_s": 0, **kw}  # fmt: skip
+
+
+@contextlib.asynccontextmanager
+async def telemetry(url: str, db: Path, **kw: Any) -> AsyncIterator[Telemetry]:
+    svc = Telemetry(settings(url, telemetry=cfg(db, **kw)))
+    async with svc:
+        assert svc.durable
+        yield svc
+
+
+@contextlib.asynccontextmanager
+async def connection(url: str) -> AsyncIterator[NATS]:
+    nc = await nats.connect(url)
+    try:
+        yield nc
+    finally:
+        await nc.drain()
+
+
+async def consumer_settled(nc: NATS) -> bool:
+    info = await nc.jetstream().consumer_info(records.STREAM, records.CONSUMER)
+    return bool(info.num_pending == 0 and info.num_ack_pending == 0)
+
+
+async def wait_settled(nc: NATS, timeout: float = 20) -> None:
+    """Until the consumer has delivered everything and had every message acknowledged."""
+    deadline = time.monotonic() + timeout
+    while not await consumer_settled(nc):
+        assert time.monotonic() < deadline, "the consumer did not settle"
+        await asyncio.sleep(0.05)
+
+
+async def test_records_published_during_an_outage_are_all_stored_once_it_starts(
+    private_nats: NatsServer, tmp_path: Path
+) -> None:
+    db = tmp_path / "t.db"
+    async with connection(private_nats.url) as nc:
+        # No telemetry service ever ran on this bus: the recorder makes the stream itself.
+        await publish(nc, [f"a{i}" for i in range(500)])
+        async with telemetry(private_nats.url, db) as tel:
+            await wait_for(lambda: stored(db, "a") == 500, timeout=20, what="500 stored")
+            await wait_settled(nc)
+            assert tel.written == 500 and counted(tel) == 500
+        # Down again: what comes meanwhile waits for the next one.
+        await publish(nc, [f"b{i}" for i in range(300)])
+        assert stored(db) == 500
+        async with telemetry(private_nats.url, db) as tel:
+            await wait_for(lambda: stored(db, "b") == 300, timeout=20, what="300 more")
+            await wait_settled(nc)
+            assert tel.written == 300 and counted(tel) == 300
+        assert stored(db) == 800
+
+
+async def test_a_killed_telemetry_service_loses_no_record_and_stores_none_twice(
+    private_nats: NatsServer, tmp_path: Path
+) -> None:
+    db = tmp_path / "t.db"
+    env = {
+        "TOKENBUS_TELEMETRY__DB_PATH": str(db),
+        "TOKENBUS_TELEMETRY__METRICS_PORT": "0",
+        "TOKENBUS_TELEMETRY__FLUSH_INTERVAL_S": "0.2",
+        "TOKENBUS_TELEMETRY__PROBE_INTERVAL_S": "0",
+        # What the killed one fetched and never acknowledged comes back this soon.
+        "TOKENBUS_TELEMETRY__ACK_WAIT_S": "2",
+    }
+    total = 1400  # the first 700 one a message: 400 written, 300 in the buffer at the kill
+    # The first one writes when 400 records wait, or after a minute: the last of them stay
+    # in its buffer, fetched and unacknowledged, when it is killed.
+    first = {
+        **env,
+        "TOKENBUS_TELEMETRY__MAX_BUFFER": "400",
+        "TOKENBUS_TELEMETRY__FLUSH_INTERVAL_S": "60",
+    }
+    with Procs(private_nats.url, tmp_path) as procs:
+        tel = procs.start("telemetry", "serve", "telemetry", env=first)
+        await wait_for(lambda: "service_started" in tel.output(), timeout=30, what="started")
+        async with connection(private_nats.url) as nc:
+            js = nc.jetstream()
+            # Worker and bridge records of every request: one row each, merged.
+            await publish(nc, [f"k{i}" for i in range(total // 2)], alone=True)
+            deadline = time.monotonic() + 20
+            while True:  # every record fetched, some written, some waiting in its buffer
+                info = await js.consumer_info(records.STREAM, records.CONSUMER)
+                if info.num_pending == 0 and info.num_ack_pending > 0 and stored(db, "k") > 0:
+                    break
+                assert time.monotonic() < deadline, (
+                    info.num_pending,
+                    info.num_ack_pending,
+                    stored(db, "k"),
+                )
+                await asyncio.sleep(0.05)
+            tel.signal(signal.SIGKILL)
+            tel.proc.wait(10)
+            at_kill = stored(db, "k")
+            await publish(nc, [f"k{i}" for i in range(total // 2)], source="http")
+            await publish(nc, [f"k{i}" for i in range(total // 2, total)])
+            again = procs.start("telemetry2", "serve", "telemetry", env=env)
+            await wait_for(lambda: stored(db, "k") == total, timeout=40, what="all stored")
+            await wait_settled(nc)
+            assert again.alive()
+        assert 0 < at_kill < total // 2
+    con = sqlite3.connect(db)
+    (ids,) = con.execute("SELECT COUNT(*) FROM record_ids").fetchone()
+    merged = con.execute(
+        "SELECT COUNT(*) FROM requests WHERE source = 'http' AND completion_tokens = 3"
+    ).fetchone()[0]
+    con.close()
+    assert ids == total // 2 * 3  # every record, once
+    assert merged == total // 2  # the bridge's record won its request's row
+
+
+async def test_two_telemetry_services_share_the_consumer_and_count_each_record_once(
+    private_nats: NatsServer, tmp_path: Path
+) -> None:
+    db = tmp_path / "t.db"
+    async with (
+        connection(private_nats.url) as nc,
+        telemetry(private_nats.url, db) as one,
+        telemetry(private_nats.url, db) as two,
+    ):
+        for chunk in range(4):
+            await publish(nc, [f"c{chunk}-{i}" for i in range(500)])
+        await wait_for(lambda: stored(db, "c") == 2000, timeout=30, what="2000 stored")
+        await wait_settled(nc)
+        assert one.written + two.written == 2000
+        assert counted(one) + counted(two) == 2000
+
+
+async def test_a_redelivered_record_is_not_counted_twice(
+    private_nats: NatsServer, tmp_path: Path
+) -> None:
+    db = tmp_path / "t.db"
+    async with (
+        connection(private_nats.url) as nc,
+        telemetry(private_nats.url, db, ack_wait_s=1) as tel,
+    ):
+        # The service stores the records but its acks are lost: the stream sends them again.
+        lost: list[Any] = []
+        tel._ack = lost.append  # type: ignore[method-assign,assignment]
+        await publish(nc, [f"r{i}" for i in range(100)])
+        await wait_for(lambda: stored(db, "r") == 100, timeout=20, what="stored")
+        first = len(lost)
+        await wait_for(lambda: len(lost) > first, timeout=20, what="no redelivery")
+        del tel._ack  # acks go out again
+        await wait_settled(nc)
+        assert stored(db, "r") == 100
+        assert tel.written == 100 and counted(tel) == 100
+        info = await nc.jetstream().consumer_info(records.STREAM, records.CONSUMER)
+        # Deliveries (the consumer's sequence) outnumber the messages: some came twice.
+        assert info.delivered.consumer_seq > info.delivered.stream_seq
+
+
+async def test_a_malformed_record_is_acked_and_counted_as_dropped(
+    private_nats: NatsServer, tmp_path: Path
+) -> None:
+    db = tmp_path / "t.db"
+    async with (
+        connection(private_nats.url) as nc,
+        telemetry(private_nats.url, db) as tel,
+    ):
+        js = nc.jetstream()
+        subject = records.subject()
+        junk = [
+            b"\xc1 not msgpack",
+            msgpack.packb([1, 2, 3]),
+            codec.encode({"records": [1, "x", None]}),
+            codec.encode({**rec("neg"), "prompt_tokens": -5}),
+            # a source nested 1000 lists deep: too deep to format, let alone to label
+            msgpack.packb({**rec("deep"), "source": "DEEP"}).replace(
+                msgpack.packb("DEEP"), b"\x91" * 1000 + b"\xc0"
+            ),
+        ]
+        for data in junk:
+            await js.publish(subject, data)
+        await publish(nc, ["good"])
+        await wait_for(lambda: stored(db, "good") == 1, timeout=20, what="stored after junk")
+        await wait_settled(nc)
+        # undecodable (1), not a map (1: the list is one message), three entries, a bad
+        # value, a source too deep
+        assert tel.metrics.dropped._value.get() == 7
+        assert not tel.stopped.is_set()
+
+
+async def test_a_record_the_stream_never_acknowledges_is_counted_not_raised(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A bus without JetStream: nothing keeps the records, and the recorder says so.
+    monkeypatch.setattr(records, "PUBLISH_BACKOFF_S", (0.01, 0.01, 0.01))
+    port = free_port()
+    proc = spawn_nats(port, "-a", "127.0.0.1", "-p", str(port))
+    try:
+        async with connection(f"nats://127.0.0.1:{port}") as nc:
+            before = records.PUBLISH_FAILED._value.get()
+            recorder = records.Recorder(nc)
+            for i in range(5):
+                recorder.add(rec(f"x{i}"))
+            recorder._send()
+            await wait_for(lambda: recorder.failed == 5, timeout=30, what="counted failed")
+            assert records.PUBLISH_FAILED._value.get() - before == 5
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+async def test_on_the_locked_bus_workers_publish_and_telemetry_consumes_durably(
+    tmp_path: Path,
+) -> None:
+    # The roles' permissions carry it: the worker reads the stream's acks under its own
+    # inbox root only, the telemetry role makes the stream and its consumer and fetches.
+    bus = LockedBus(tmp_path / "bus").start()
+    db = tmp_path / "t.db"
+    try:
+        login = role_login(bus.users, "telemetry")
+        tel_settings = settings(
+            bus.url, nats_user=login["user"], nats_password=login["password"], telemetry=cfg(db)
+        )
+        tel = Telemetry(tel_settings)
+        async with tel:
+            assert tel.durable
+        worker = await nats.connect(bus.url, **role_login(bus.users, "worker"))
+        try:
+            await publish(worker, [f"w{i}" for i in range(200)])  # while no service runs
+        finally:
+            await worker.drain()
+        tel = Telemetry(tel_settings)
+        async with tel:
+            await wait_for(lambda: stored(db, "w") == 200, timeout=20, what="200 stored")
+            assert tel.written == 200
+    finally:
+        bus.stop()
+
+
+# -- the PostgreSQL store ------------------------------------------------------------------
+
+
+def _postgres_bin() -> Path | None:
+    found = sorted(Path("/usr/lib/postgresql").glob("*/bin/postgres"))
+    return found[-1].parent if found else None
+
+
+@pytest.fixture
+def postgres() -> Iterator[str]:
+    """A real PostgreSQL (Debian's ``postgresql`` package) in a folder of its own, on a free
+    port; the test is skipped where there is none, or no psycopg."""
+    psycopg = pytest.importorskip("psycopg")
+    bindir = _postgres_bin()
+    if bindir is None:
+        pytest.skip("no PostgreSQL server (apt-get install postgresql)")
+    user: dict[str, Any] = {}
+    folder = Path(tempfile.mkdtemp(prefix="tb-pg-"))
+    if os.geteuid() == 0:  # PostgreSQL refuses to run as root
+        try:
+            pw = pwd.getpwnam("postgres")
+        except KeyError:
+            pytest.skip("running as root and no postgres user to run PostgreSQL as")
+        os.chown(folder, pw.pw_uid, pw.pw_gid)
+        user = {"user": pw.pw_uid, "group": pw.pw_gid, "extra_groups": []}
+    data, port = folder / "data", free_port()
+    log = open(folder / "postgres.log", "wb")  # noqa: SIM115 - closed below
+    proc: subprocess.Popen[bytes] | None = None
+    try:
+        subprocess.run(
+            [bindir / "initdb", "-D", data, "-A", "trust", "-U", "postgres", "--no-sync"],
+            check=True, stdout=log, stderr=subprocess.STDOUT, **user,
+        )  # fmt: skip
+        proc = subprocess.Popen(
+            [bindir / "postgres", "-D", data, "-p", str(port), "-k", folder,
+             "-c", "listen_addresses=127.0.0.1", "-c", "fsync=off"],
+            stdout=log, stderr=subprocess.STDOUT, **user,
+        )  # fmt: skip
+        dsn = f"postgresql://postgres@127.0.0.1:{port}/postgres"
+        deadline = time.monotonic() + 30
+        while True:  # it listens a moment before it takes connections
+            try:
+                psycopg.connect(dsn, connect_timeout=2).close()
+                break
+            except psycopg.OperationalError:
+                assert proc.poll() is None, (folder / "postgres.log").read_text()
+                assert time.monotonic() < deadline, "PostgreSQL did not start"
+                time.sleep(0.1)
+        yield dsn
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(30)
+        log.close()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_the_postgres_store_merges_stores_once_and_the_report_reads_it(
+    postgres: str, tmp_path: Path
+) -> None:
+    store = PgRecordStore(postgres, max_rows=100)
+    assert "postgres@127.0.0.1" in str(store.path)
+    w = {"request_id": "a", "source": "worker", "model": "m", "ts_ns": 1, "engine_ms": 5}
+    h = {"request_id": "a", "source": "http", "model": "m", "ts_ns": 1, "status": 200}
+    assert store.write([w]) == 1 and store.write([h]) == 1
+    assert store.write([w, h]) == 0  # delivered again: nothing applied twice
+    (row,) = list(store.rows())
+    assert row["source"] == "http" and row["engine_ms"] == 5 and row["status"] == 200
+    # A value of the wrong type for its column is left out, not the batch with it.
+    odd = {"request_id": "odd", "model": 5, "status": "x", "ttft_ms": "y", "ts_ns": 2,
+           "kind": "a\x00b", "stages": {"route": 1.5}}  # fmt: skip
+    assert store.write([odd, {"request_id": "even", "ts_ns": 3, "model": "m"}]) == 2
+    got = {r["request_id"]: r for r in store.rows()}
+    assert got["odd"]["model"] == "5" and got["odd"]["status"] is None
+    assert got["odd"]["kind"] == "ab" and got["odd"]["stages"] == {"route": 1.5}
+    store.write({"request_id": f"r{i}", "ts_ns": 10 + i, "model": "m"} for i in range(250))
+    assert store.count() == 100
+    store.close()
+    summary = report(postgres, tmp_path / "out")
+    assert summary["requests"] == 100
+
+
+async def test_telemetry_services_store_into_postgres_each_record_once(
+    private_nats: NatsServer, postgres: str, tmp_path: Path
+) -> None:
+    pg = {"store": "postgres", "postgres_dsn": postgres}
+    async with (
+        connection(private_nats.url) as nc,
+        telemetry(private_nats.url, tmp_path / "unused.db", **pg) as one,
+        telemetry(private_nats.url, tmp_path / "unused.db", **pg) as two,
+    ):
+        await nc.jetstream().publish(records.subject(), b"\xc1 junk")
+        for chunk in range(3):
+            await publish(nc, [f"p{chunk}-{i}" for i in range(400)])
+        await publish(nc, [f"p0-{i}" for i in range(400)], source="http")
+        reader = PgRecordStore(postgres)
+        try:
+            await wait_for(lambda: reader.count() == 1200, timeout=30, what="1200 rows")
+            await wait_settled(nc)
+            assert one.written + two.written == 1600
+            merged = [r for r in reader.rows() if r["request_id"].startswith("p0-")]
+            assert len(merged) == 400 and all(r["source"] == "http" for r in merged)
+        finally:
+            reader.close()
+        assert one.metrics.dropped._value.get() + two.metrics.dropped._value.get() == 1
