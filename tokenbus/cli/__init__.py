@@ -153,11 +153,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds to listen for heartbeats (idle replicas beat every 2 s)",
     )
 
-    from tokenbus.evaluation import batchbench, bench, kvbench, syncbench
+    from tokenbus.evaluation import batchbench, bench, kvbench, nemesis, syncbench
 
     bp = bench.add_parser(sub)
     kvbench.add_arguments(bp.add_argument_group("multi-turn agent sessions"))
     batchbench.add_arguments(bp.add_argument_group("a batch beside interactive traffic"))
+    nemesis.add_arguments(bp.add_argument_group("faults under mixed traffic (docs/nemesis.md)"))
     syncbench.add_arguments(bp.add_argument_group("what each JetStream sync policy costs"))
 
     from tokenbus.cli import keys as keys_cli
@@ -175,6 +176,10 @@ def build_parser() -> argparse.ArgumentParser:
     from tokenbus.cli import batches as batches_cli
 
     batches_cli.add_parser(sub)
+
+    from tokenbus.cli import backup as backup_cli
+
+    backup_cli.add_parsers(sub)
 
     from tokenbus.cli import compose as compose_cli
 
@@ -321,7 +326,7 @@ def _same_server(url: str, conf: Path) -> bool:
 
 def _local_role(a: argparse.Namespace) -> str | None:
     """The NATS role a command runs as on the locked bus of a local ``tokenbus up``."""
-    if a.cmd in ("status", "keys", "bench", "router", "audit", "batches"):
+    if a.cmd in ("status", "keys", "bench", "router", "audit", "batches", "backup", "restore"):
         return "admin"
     if a.cmd == "serve":
         from services.natsconf import SERVICE_ROLE
@@ -572,8 +577,16 @@ def main(argv: list[str] | None = None) -> None:
             from tokenbus.cli import batches as batches_cli
 
             rc = await batches_cli.run(a, s)
+        elif a.cmd in ("backup", "restore"):
+            from tokenbus.cli import backup as backup_cli
+
+            rc = await backup_cli.run(a, s)
         elif a.cmd == "bench":
-            if a.tenants:  # its scenarios build on bench's stack and requests
+            if a.nemesis:
+                from tokenbus.evaluation.nemesis import run_from_args
+
+                rc = await run_from_args(a)
+            elif a.tenants:  # its scenarios build on bench's stack and requests
                 from tokenbus.evaluation.tenants import run_tenants
 
                 rc = await run_tenants(a)
@@ -601,9 +614,10 @@ def main(argv: list[str] | None = None) -> None:
             from tokenbus.evaluation.report import markdown, report
 
             try:
-                summary = report(
-                    a.db or s.telemetry.db_path, a.out, since_s=a.since, bucket_s=a.bucket
-                )
+                # The store the telemetry service writes: its SQLite file, or PostgreSQL.
+                pg = s.telemetry.store == "postgres" and s.telemetry.postgres_dsn
+                db = a.db or (s.telemetry.postgres_dsn if pg else s.telemetry.db_path)
+                summary = report(db, a.out, since_s=a.since, bucket_s=a.bucket)
             except FileNotFoundError as exc:
                 print(f"error: {exc}")
                 rc = 1
