@@ -193,6 +193,14 @@ def add_parser(sub: Any) -> Any:
         "--pipeline, NATS clients log in with the run's API key through the auth callout)",
     )
     g.add_argument(
+        "--budget-usd",
+        type=float,
+        default=None,
+        help="--spawn with auth,ratelimit: the run's key has this hard budget and the model a "
+        "price ($1/$2 per million input/output tokens), so every request reserves spend at "
+        "admission and settles it at its end (a JetStream write each)",
+    )
+    g.add_argument(
         "--nats-sync",
         default=None,
         metavar="always|DURATION",
@@ -958,6 +966,9 @@ async def spawn_stack(a: argparse.Namespace, sup: Any) -> tuple[list[Target], An
 
     if a.routing:
         env["TOKENBUS_ROUTER"] = a.routing
+    elif getattr(a, "budget_usd", None):
+        # Spend on the request path: the model priced, every request reserved and settled.
+        env["TOKENBUS_ROUTER__PRICE"] = json.dumps({"input": 1.0, "output": 2.0})
     env["TOKENBUS_TELEMETRY__ENABLED"] = "true" if a.telemetry == "on" else "false"
     if a.telemetry == "on":
         a.telemetry_db = str(Path(tmp) / "telemetry.db")
@@ -972,7 +983,8 @@ async def spawn_stack(a: argparse.Namespace, sup: Any) -> tuple[list[Target], An
     for name in ["ingress", *stages, "router"]:
         await sup.add(Child(name, cli_argv("serve", name), as_role(env, users, name)))
     login = role_login(users, "admin") if users is not None else {}
-    key = await _bench_key(url, login) if "auth" in stages else None
+    budget = {"budget_usd": a.budget_usd} if getattr(a, "budget_usd", None) else {}
+    key = await _bench_key(url, login, **budget) if "auth" in stages else None
     engine = f"http://127.0.0.1:{direct_port}"
     # The workers' engine: the direct server over HTTP (as a peer reaches it), or in-process.
     backend = (

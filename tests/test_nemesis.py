@@ -1,0 +1,57 @@
+"""The nemesis run, short (docs/nemesis.md): a 3-node locked cluster, one instance of each
+member role, two workers, a bridge and telemetry; HTTP and NATS streams from three keys with
+budgets, a batch and a background response, while a fault is injected every 3 s (chosen by
+a seeded generator: the seed is printed, ``TOKENBUS_NEMESIS_SEED`` replays one) and healed
+before the next. Asserts the invariants (no violation, no hung request), never a timing or
+an availability."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from tokenbus.evaluation.nemesis import Config, print_table, run_nemesis
+
+
+async def test_invariants_hold_under_a_fault_every_three_seconds(tmp_path: Path) -> None:
+    seed = int(os.environ.get("TOKENBUS_NEMESIS_SEED") or 4805)
+    cfg = Config(
+        duration_s=27.0,
+        fault_every_s=3.0,
+        nodes=3,
+        seed=seed,
+        per_role=1,
+        workers=2,
+        bridges=1,
+        nats_clients=3,
+        http_clients=3,
+        deadline_s=15.0,
+        batch_lines=12,
+        warmup_s=2.0,
+        pause_s=1.2,
+        partition_s=1.5,
+        down_s=0.5,
+        run_dir=str(tmp_path / "run"),
+        out=str(tmp_path / "nemesis.json"),
+        quiet=True,
+    )
+    report = await run_nemesis(cfg)
+    print_table(report)  # shown with -s: the seed, the faults, what each cost
+    failed = {i["name"]: i["examples"] for i in report["invariants"] if not i["ok"]}
+    assert report["hung"] == 0, (seed, failed)
+    assert len(report["faults"]) >= 5, report["faults"]
+    assert report["requests"]["completed"] > 0, report["requests"]
+    # Two invariants break on product bugs found by this run (docs/nemesis.md, "Findings"):
+    # a usage report lost with its limiter or on a cut-off node leaves the request's hold
+    # and never charges it; a record published while the telemetry service is down is lost.
+    # Shown as an expected failure naming them, never as a pass; any other violation fails.
+    known = {SPEND, RECORDS}
+    assert not set(failed) - known, (seed, failed)
+    if failed:
+        pytest.xfail(f"known product findings (seed {seed}): {failed}")
+
+
+SPEND = "spend equals settled usage, no hold left"
+RECORDS = "every usage record stored once"
