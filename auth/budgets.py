@@ -119,6 +119,25 @@ class Hold:
     budgets: list[tuple[Budget, str]] = field(default_factory=list)  # (budget, entry)
 
 
+# A hold outlives its request's deadline by this much before it is dropped: a report that
+# comes late (its limiter died and another settles it from the stream) still finds it. Past
+# its deadline it no longer counts against the budget.
+HOLD_GRACE_S = 120.0
+
+
+def _kept(cur: dict[str, Any], now: float) -> dict[str, Any]:
+    """The holds of an entry not yet dropped (deadline + :data:`HOLD_GRACE_S` ahead)."""
+    return {
+        k: v
+        for k, v in (cur.get("held") or {}).items()
+        if isinstance(v, list) and len(v) == 2 and float(v[1]) + HOLD_GRACE_S > now
+    }
+
+
+class _Settled(Exception):
+    """The entry holds nothing for this request: nothing to charge."""
+
+
 class SpendBook:
     """Spend and holds per scope and period in the ``tokenbus_spend`` bucket."""
 
@@ -212,7 +231,8 @@ class SpendBook:
         except KeyNotFoundError:
             return 0, 0
         d = json.loads(entry.value or b"{}")
-        return int(d.get("spent", 0)), sum(int(a) for a, _ in (d.get("held") or {}).values())
+        now = time.time() if now is None else now
+        return int(d.get("spent", 0)), sum(int(a) for a, dl in _kept(d, now).values() if dl > now)
 
     # -- the request path ------------------------------------------------------------------
     async def reserve(
@@ -227,9 +247,9 @@ class SpendBook:
                 entry = b.entry(now)
 
                 def take(cur: dict[str, Any], b: Budget = b) -> dict[str, Any]:
-                    held = {k: v for k, v in (cur.get("held") or {}).items() if v[1] > now}
+                    held = _kept(cur, now)
                     spent = int(cur.get("spent", 0))
-                    in_flight = sum(int(a) for a, _ in held.values())
+                    in_flight = sum(int(a) for a, d in held.values() if d > now)
                     if b.hard is not None and spent + in_flight + amount > b.hard:
                         raise _over(b, spent, in_flight)
                     held[request_id] = [amount, deadline_s]
@@ -247,18 +267,24 @@ class SpendBook:
         await self.settle(hold, 0)
 
     async def settle(self, hold: Hold, actual: int) -> list[tuple[Budget, int, int]]:
-        """Charge ``actual`` and drop the hold; (budget, spent before, spent after) of each
-        budget whose soft threshold this crossed."""
+        """Charge ``actual`` and drop the hold, in each entry that still holds it: a hold
+        settled once is gone, so the same report settled again (by another limiter, or
+        redelivered) charges nothing. (budget, spent before, spent after) of each budget
+        whose soft threshold this crossed."""
         crossed = []
         now = time.time()
         for b, entry in hold.budgets:
 
             def charge(cur: dict[str, Any]) -> dict[str, Any]:
-                held = {k: v for k, v in (cur.get("held") or {}).items() if v[1] > now}
-                held.pop(hold.request_id, None)
+                held = _kept(cur, now)
+                if held.pop(hold.request_id, None) is None:
+                    raise _Settled  # settled already, or never held in this entry
                 return {"spent": int(cur.get("spent", 0)) + actual, "held": held}
 
-            before, after = await self._cas(entry, charge)
+            try:
+                before, after = await self._cas(entry, charge)
+            except _Settled:
+                continue
             was, now_spent = int(before.get("spent", 0)), int(after["spent"])
             if b.soft is not None and was < b.soft <= now_spent:
                 crossed.append((b, was, now_spent))

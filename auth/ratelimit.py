@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import hashlib
 import hmac
+import json
 import time
 from collections.abc import Coroutine
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from typing import Any
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
+from nats.js import api
 
 from auth import budgets
 from auth.limits import Limiter, info_header
@@ -30,8 +32,8 @@ from bus_schemas import codec, marks, subjects
 from bus_schemas import errors as E
 from bus_schemas import headers as H
 from bus_schemas.messages import check_envelope, envelope_chars
-from services import tracing
-from services.config import PriceSettings, Settings
+from services import buckets, tracing
+from services.config import PriceSettings, Settings, kv_replicas
 from services.runtime import Service
 
 
@@ -137,11 +139,13 @@ class RateLimitCheck:
         self.fail_open = fail_open
         self.log = log
         self._settling: set[asyncio.Task[None]] = set()
-        # Spend budgets (auth.budgets): the book, each model's price, and the holds of the
-        # attempts this instance admitted, until their usage reports settle them.
+        # Spend budgets (auth.budgets): the book and each model's price. What a request
+        # holds travels with it (Tb-Spend) and comes back in its usage report, so any
+        # limiter settles it: this one at once, another from the stream if this one died.
         self.spend = spend
         self.prices: Any = prices or (lambda model: None)
-        self._holds: dict[tuple[str, str, int], tuple[budgets.Hold, str]] = {}
+        self._spend_sub: Any = None
+        self._spend_task: asyncio.Task[None] | None = None
 
     @classmethod
     async def open(cls, nc: NATS, settings: Settings, owner: str, log: Any) -> RateLimitCheck:
@@ -222,7 +226,7 @@ class RateLimitCheck:
         if adm.info:
             hdrs[H.RATELIMIT_INFO] = info_header(adm.info)
         if prior is not None:
-            await self._supersede(prior, principal, rid, env)
+            await self._supersede(prior, principal, rid, env, hdrs)
         if hdrs.get(H.BUDGET) and self.spend is not None:
             try:
                 await self._hold(hdrs, env, principal, tpm, admitted=True)
@@ -248,6 +252,34 @@ class RateLimitCheck:
         ``insufficient_quota``. A request the limiter did not admit (a key without limits)
         gets a ``Tb-Ratelimit`` naming this instance, so its usage report comes here."""
         assert self.spend is not None
+        scopes = await self._scopes(hdrs, principal)
+        if not scopes:
+            return
+        model = hdrs.get(H.MODEL) or str(env.get("model", ""))
+        price = self.prices(model)
+        if price is None:
+            return
+        tokens = estimate_tokens(env)
+        params = env.get("params") or {}
+        out = min(tokens, int(params.get("max_tokens", 0) or 0))
+        amount = budgets.cost(price, tokens - out, out)
+        rid = hdrs.get(H.REQUEST_ID) or str(env.get("request_id", ""))
+        deadline = marks.deadline_ms(hdrs)
+        deadline_s = deadline / 1000 if deadline else time.time() + 600
+        attempt = marks.attempt(hdrs.get(H.MIGRATION))
+        try:
+            hold = await self.spend.reserve(scopes, hold_key(rid, attempt), amount, deadline_s)
+        except E.TokenbusError as exc:
+            tracing.verdict(subjects.STAGE_RATELIMIT, "deny", {tracing.ERROR_TYPE: exc.code})
+            raise
+        hdrs[H.SPEND] = spend_header(model, hold)
+        if not admitted:
+            hdrs[H.RATELIMIT] = f"0,0,,{self.limiter.owner}"
+
+    async def _scopes(self, hdrs: dict[str, str], principal: str) -> list[budgets.Budget]:
+        """The budgets a request of ``principal`` is held to: its key's (``Tb-Budget``) and
+        its owner's."""
+        assert self.spend is not None
         key_budget, owner = budgets.parse_header(hdrs.get(H.BUDGET))
         scopes = []
         if key_budget is not None:
@@ -266,35 +298,17 @@ class RateLimitCheck:
             raise E.ServiceUnavailable(f"the spend book cannot be read ({exc}); retry") from None
         if owner_budget is not None:
             scopes.append(owner_budget)
-        if not scopes:
-            return
-        model = hdrs.get(H.MODEL) or str(env.get("model", ""))
-        price = self.prices(model)
-        if price is None:
-            return
-        tokens = estimate_tokens(env)
-        params = env.get("params") or {}
-        out = min(tokens, int(params.get("max_tokens", 0) or 0))
-        amount = budgets.cost(price, tokens - out, out)
-        rid = hdrs.get(H.REQUEST_ID) or str(env.get("request_id", ""))
-        deadline = marks.deadline_ms(hdrs)
-        deadline_s = deadline / 1000 if deadline else time.time() + 600
-        try:
-            hold = await self.spend.reserve(scopes, rid, amount, deadline_s)
-        except E.TokenbusError as exc:
-            tracing.verdict(subjects.STAGE_RATELIMIT, "deny", {tracing.ERROR_TYPE: exc.code})
-            raise
-        attempt = marks.attempt(hdrs.get(H.MIGRATION))
-        self._holds[(principal, rid, attempt)] = (hold, model)
-        if not admitted:
-            hdrs[H.RATELIMIT] = f"0,0,,{self.limiter.owner}"
+        return scopes
 
     async def _settle_spend(self, u: dict[str, Any]) -> None:
-        """Charge a finished attempt what it cost and drop its hold; alert on a soft
-        threshold crossed."""
-        key = (str(u["principal"]), str(u["request_id"]), int(u.get("attempt", 0)))
-        held = self._holds.pop(key, None)
-        if held is None or self.spend is None:
+        """Charge a finished attempt what it cost and drop its hold, from its usage report
+        (whichever limiter took it: a hold settled once charges nothing again); alert on a
+        soft threshold crossed."""
+        if self.spend is None or "spend" not in u:
+            return
+        held = read_spend(str(u["spend"]))
+        if held is None:
+            self.log.warning("spend_report_unreadable", request_id=u.get("request_id"))
             return
         hold, model = held
         if "resumed" in u:  # superseded by a migration: the output the caller got from it
@@ -323,9 +337,11 @@ class RateLimitCheck:
         return t
 
     async def _supersede(
-        self, prior: Ticket, principal: str, rid: str, env: dict[str, Any]
+        self, prior: Ticket, principal: str, rid: str, env: dict[str, Any], hdrs: dict[str, str]
     ) -> None:
-        """Tell the limiter that admitted the earlier attempt what the caller got from it."""
+        """Tell the limiter that admitted the earlier attempt what the caller got from it
+        (and, where it held spend, any limiter: the earlier attempt's hold is named by its
+        request and attempt, its budgets are this request's)."""
         resume = env.get("resume")
         got = int(resume.get("tokens", 0) or 0) if isinstance(resume, dict) else 0
         body = {
@@ -338,15 +354,86 @@ class RateLimitCheck:
             "attempt": prior.attempt,
             "resumed": max(0, got),
         }
+        subject = subjects.usage(prior.owner or None)
+        if hdrs.get(H.BUDGET) and self.spend is not None and prior.owner:
+            with contextlib.suppress(Exception):
+                now = time.time()
+                scopes = await self._scopes(hdrs, principal)
+                was = budgets.Hold(hold_key(rid, prior.attempt), 0)
+                was.budgets = [(b, b.entry(now)) for b in scopes]
+                if was.budgets:
+                    model = hdrs.get(H.MODEL) or str(env.get("model", ""))
+                    body["spend"] = spend_header(model, was)
+                    subject = subjects.usage_spend(prior.owner)
         with contextlib.suppress(Exception):
-            await self._nc.publish(subjects.usage(prior.owner or None), codec.encode(body))
+            await self._nc.publish(subject, codec.encode(body))
 
     async def start(self, nc: NATS) -> None:
-        """Listen for the usage reports of requests this instance admitted."""
+        """Listen for the usage reports of requests this instance admitted, and settle the
+        spend of every limiter's from the stream that keeps them."""
         self._nc = nc
-        self._usage_sub = await nc.subscribe(subjects.usage(self.limiter.owner), cb=self._on_usage)
+        owner = self.limiter.owner
+        self._usage_sub = await nc.subscribe(subjects.usage(owner), cb=self._on_usage)
+        if self.spend is not None:
+            self._spend_sub = await nc.subscribe(subjects.usage_spend(owner), cb=self._on_usage)
+            self._spend_task = asyncio.get_running_loop().create_task(self._spend_reports())
+
+    async def _spend_reports(self) -> None:
+        """Settle the spend reports kept in the stream (one durable consumer all limiters
+        share): those this instance settled already charge nothing again; those of a
+        limiter that died are charged here. A report is acknowledged once settled."""
+        js = self._nc.jetstream(timeout=5)
+        sub = None
+        while sub is None:
+            try:
+                await buckets.open_stream(js, spend_stream_config())
+                sub = await js.pull_subscribe(
+                    subjects.usage_spend_wildcard(),
+                    durable=subjects.SPEND_CONSUMER,
+                    stream=subjects.SPEND_STREAM,
+                    config=api.ConsumerConfig(
+                        ack_policy=api.AckPolicy.EXPLICIT, ack_wait=SPEND_ACK_WAIT_S
+                    ),
+                )
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # no JetStream yet (a node catching up): again soon
+                self.log.warning("spend_stream_unavailable", error=repr(exc)[:200])
+                await asyncio.sleep(2.0)
+        while True:
+            try:
+                msgs = await sub.fetch(64, timeout=1.0)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # nothing waiting (a timeout), or the node moving: again
+                await asyncio.sleep(0.05)
+                continue
+            await asyncio.gather(*(self._settle_kept(m) for m in msgs))
+
+    async def _settle_kept(self, msg: Any) -> None:
+        try:
+            u = codec.decode_map(msg.data)
+        except Exception:
+            self.log.warning("spend_report_unreadable", subject=msg.subject)
+            with contextlib.suppress(Exception):
+                await msg.ack()
+            return
+        try:
+            await self._settle_spend(u)
+        except Exception as exc:  # the spend book did not answer: redelivered later
+            self.log.warning("spend_not_settled", error=str(exc), subject=msg.subject)
+            return
+        with contextlib.suppress(Exception):
+            await msg.ack()
 
     async def stop(self) -> None:
+        if self._spend_task is not None:
+            self._spend_task.cancel()
+            with contextlib.suppress(BaseException):
+                await self._spend_task
+        with contextlib.suppress(Exception):
+            if self._spend_sub is not None:
+                await self._spend_sub.unsubscribe()
         with contextlib.suppress(Exception):
             await self._usage_sub.unsubscribe()
         if self._settling:  # reports already taken are settled before the limiter closes
@@ -362,7 +449,7 @@ class RateLimitCheck:
         one key's compare-and-set is in flight go together in its next one."""
         try:
             u = codec.decode_map(msg.data)
-            if self._holds:
+            if "spend" in u:
                 self._spawn_settle(self._settle_spend(u), msg.subject)
             opt = {k: int(u[k]) for k in ("prompt", "completion", "resumed") if k in u}
             settle = self.limiter.settle(
@@ -402,6 +489,61 @@ class RateLimitCheck:
             # Not an attempt this instance admitted (or one it has forgotten): a report
             # never charges or frees anything it did not reserve.
             self.log.debug("usage_of_unknown_attempt", subject=subject)
+
+
+# How long a spend report fetched from the stream may stay unacknowledged before another
+# limiter is given it (its settler died mid-way).
+SPEND_ACK_WAIT_S = 10.0
+
+
+def spend_stream_config() -> api.StreamConfig:
+    """The spend reports' stream: a work queue (a report settled and acknowledged is gone),
+    file storage, the buckets' replicas, a day at most."""
+    return api.StreamConfig(
+        name=subjects.SPEND_STREAM,
+        subjects=[subjects.usage_spend_wildcard()],
+        retention=api.RetentionPolicy.WORK_QUEUE,
+        storage=api.StorageType.FILE,
+        num_replicas=kv_replicas(),
+        max_age=86400.0,
+    )
+
+
+def hold_key(rid: str, attempt: int) -> str:
+    """The name of one attempt's hold in a budget entry (a migrated request holds again
+    under its next attempt)."""
+    return f"{rid}#{attempt}"
+
+
+def spend_header(model: str, hold: budgets.Hold) -> str:
+    """``Tb-Spend``: what ``hold`` holds, for whichever limiter settles it."""
+    return json.dumps(
+        {
+            "m": model,
+            "k": hold.request_id,
+            "b": [[b.scope, b.period, b.hard, b.soft, b.name, entry] for b, entry in hold.budgets],
+        },
+        separators=(",", ":"),
+    )
+
+
+def read_spend(value: str) -> tuple[budgets.Hold, str] | None:
+    """The hold and model a ``Tb-Spend`` names; None when it is not one."""
+    try:
+        d = json.loads(value)
+        hold = budgets.Hold(str(d["k"]), 0)
+        for scope, period, hard, soft, name, entry in d["b"]:
+            b = budgets.Budget(
+                str(scope),
+                str(period),
+                None if hard is None else int(hard),
+                None if soft is None else int(soft),
+                str(name),
+            )
+            hold.budgets.append((b, str(entry)))
+        return hold, str(d.get("m", ""))
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 class RateLimit(Service):

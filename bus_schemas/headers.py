@@ -69,6 +69,10 @@ TTFT_OBJECTIVE = "Tb-Ttft-Ms"
 # The key's spend budget as auth sets it: ``period,hard,soft,owner`` (micro-dollars; empty
 # hard or soft: none). The ratelimit stage holds the key and its owner to their budgets.
 BUDGET = "Tb-Budget"
+# What the ratelimit stage held of a request's spend, as it set it (JSON: the model, the hold's
+# key, the budgets and their entries): the usage report carries it back, so that any limiter
+# can settle the spend, not only the one that admitted the request (auth.budgets).
+SPEND = "Tb-Spend"
 # W3C trace context, carried from HTTP callers (or NATS clients) through every stage; each
 # traced hop puts its own span's here for the next.
 TRACEPARENT = "traceparent"

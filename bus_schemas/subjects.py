@@ -244,6 +244,22 @@ def usage(owner: str | None = None) -> str:
     return f"{PREFIX}.usage" if owner is None else f"{PREFIX}.usage.{token(owner)}"
 
 
+def usage_spend(owner: str | None = None) -> str:
+    """A usage report that settles spend (the request held some): to the limiter ``owner``
+    as :func:`usage`, and kept in :data:`SPEND_STREAM` until a limiter has settled it."""
+    return f"{usage(owner)}.spend" if owner else f"{PREFIX}.usage.spend"
+
+
+def usage_spend_wildcard() -> str:
+    return f"{PREFIX}.usage.*.spend"
+
+
+# Usage reports that settle spend, kept until settled: a limiter that dies holding requests
+# leaves their reports to the others (auth.ratelimit).
+SPEND_STREAM = "TOKENBUS_SPEND_REPORTS"
+SPEND_CONSUMER = "spend"
+
+
 def audit(action: str) -> str:
     """Where one audit event of ``action`` (``key.created``, ``routing.changed``...) is
     published; each dotted part becomes one subject token."""

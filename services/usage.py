@@ -7,6 +7,11 @@ used when the request ends. A request that ends before any worker took it (the f
 blocked it, no replica could serve it, the engine refused it at the start) is reported by
 whoever ended it, with nothing used, so the slot and the reservation go back at once
 instead of at the request's deadline.
+
+A request that held spend (``Tb-Spend``) is reported on ``tb.v1.usage.<instance>.spend``
+with what it held: the stream ``TOKENBUS_SPEND_REPORTS`` keeps that report until a limiter
+has settled it, so a limiter that dies (or is cut off) with requests in flight leaves
+their charges to the others instead of losing them.
 """
 
 from __future__ import annotations
@@ -50,6 +55,12 @@ def report_body(
             # Which attempt of the request this was (migrations before it).
             "attempt": marks.attempt(hdrs.get(H.MIGRATION)),
         }
+        spend = hdrs.get(H.SPEND)
+        if spend and owner:
+            # The request held spend: any limiter may settle it (the report is kept until
+            # one has), the one that admitted it first.
+            body["spend"] = spend
+            return subjects.usage_spend(owner), codec.encode(body)
         # A number beyond 64 bits (``Tb-Ratelimit: 9…9,40,wc,x``) cannot be encoded.
         return subjects.usage(owner or None), codec.encode(body)
     except (KeyError, ValueError, E.TokenbusError):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import time
 from typing import Any
 
@@ -27,6 +28,7 @@ from tests.conftest import (
     wait_http,
     wait_started,
 )
+from tokenbus import Client
 
 MSG = [{"role": "user", "content": "What does it cost?"}]
 # An answer token costs $0.001 (1000 micro-dollars); prompts are free, so a request's cost
@@ -185,3 +187,71 @@ async def test_a_soft_threshold_alerts_once_and_owners_share_a_budget(
     finally:
         await nc.drain()
     assert stack.all_alive()
+
+
+async def test_the_spend_of_requests_whose_limiters_died_is_settled_by_another(
+    procs: Procs, model: str
+) -> None:
+    """Six requests admitted by two limiters, both killed (-9) while the requests stream:
+    the workers' usage reports reach no limiter that held them. The stream keeps them
+    (TOKENBUS_SPEND_REPORTS) and a limiter started afterwards settles each once: the key's
+    spend is exactly what the six cost, nothing is left held, and the reports are gone."""
+    async with key_store(procs.url) as store:
+        key, rec = await store.create("orphans", budget_usd=1.0)
+    env = {**ENV, "TOKENBUS_INGRESS__PIPELINE": '["auth", "ratelimit", "route"]'}
+    slow = ("--sim-prefill-ms", "5", "--sim-decode-ms", "150")
+    stack = await start_stack(
+        procs,
+        model,
+        "ingress",
+        "auth",
+        "ratelimit",
+        "ratelimit",
+        "router",
+        worker_args=slow,
+        bridge=False,
+        env=env,
+    )
+    n, tokens = 6, 8  # $0.008 a request (prompts are free)
+    async with await Client.connect(procs.url, api_key=key) as tb:
+        streams = [
+            tb.chat(model, MSG, max_tokens=tokens, ignore_eos=True, request_id=f"orphan-{i}")
+            for i in range(n)
+        ]
+        firsts = await asyncio.gather(*(s.__anext__() for s in streams))
+        assert all(c.text for c in firsts)
+        for p in stack.roles["ratelimit"]:  # every request admitted: its limiter dies
+            p.signal(signal.SIGKILL)
+        rest = await asyncio.gather(*(s.collect() for s in streams))
+    assert all(r.usage is not None and r.usage.completion_tokens == tokens for r in rest)
+    budget = budgets.Budget(f"k.{rec.id}", rec.budget_period, None, None)
+    nc = await nats.connect(procs.url)
+    try:
+        book = await budgets.SpendBook(nc).open()
+        assert (await book.spent(budget))[0] == 0  # nobody settled them yet
+        js = nc.jetstream()
+        info = await js.stream_info(subjects.SPEND_STREAM)
+        assert info.state.messages >= n  # kept for a limiter to settle
+        kept = await js.get_msg(subjects.SPEND_STREAM, seq=info.state.first_seq)
+        procs.start("ratelimit-late", "serve", "ratelimit", env=env)
+        await _settled(procs.url, budget)
+        assert (await book.spent(budget)) == (n * tokens * 1000, 0)
+        await _drained(js)
+        # A report settled once charges nothing again, whoever settles it (a redelivery).
+        await nc.publish(kept.subject, kept.data)
+        await _drained(js, at_least=info.state.last_seq + 1)
+        assert (await book.spent(budget)) == (n * tokens * 1000, 0)
+    finally:
+        await nc.drain()
+
+
+async def _drained(js: Any, at_least: int = 0, timeout: float = 20) -> None:
+    """Until the spend reports' stream is empty (every report settled and acknowledged),
+    having taken in the report of sequence ``at_least`` at least."""
+    deadline = time.monotonic() + timeout
+    while True:
+        state = (await js.stream_info(subjects.SPEND_STREAM)).state
+        if state.messages == 0 and state.last_seq >= at_least:
+            return
+        assert time.monotonic() < deadline, f"{state.messages} reports left unsettled"
+        await asyncio.sleep(0.05)

@@ -51,6 +51,7 @@ from nats.aio.client import Client as NATS
 from nats.js.errors import NotFoundError
 
 from auth import budgets, limits, store
+from bus_schemas import subjects
 from jobs import background, batches, files, response_store
 from router import routing
 from services import aliases, audit
@@ -93,6 +94,7 @@ STORES: tuple[Store, ...] = (
     Store("stream", batches.STREAM),  # batch lines and background responses still to run
     Store("stream", background.EVENTS_STREAM),  # background responses' events
     Store("stream", records.STREAM),  # per-request usage records (telemetry)
+    Store("stream", subjects.SPEND_STREAM),  # usage reports whose spend is not settled yet
 )
 # In JetStream but not backed up, and why.
 SKIPPED: dict[str, str] = {
