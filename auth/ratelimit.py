@@ -145,6 +145,7 @@ class RateLimitCheck:
         self.spend = spend
         self.prices: Any = prices or (lambda model: None)
         self._spend_sub: Any = None
+        self._spend_pull: Any = None  # the stream's consumer
         self._spend_task: asyncio.Task[None] | None = None
 
     @classmethod
@@ -395,6 +396,7 @@ class RateLimitCheck:
                         ack_policy=api.AckPolicy.EXPLICIT, ack_wait=SPEND_ACK_WAIT_S
                     ),
                 )
+                self._spend_pull = sub
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # no JetStream yet (a node catching up): again soon
@@ -431,9 +433,12 @@ class RateLimitCheck:
             self._spend_task.cancel()
             with contextlib.suppress(BaseException):
                 await self._spend_task
-        with contextlib.suppress(Exception):
-            if self._spend_sub is not None:
-                await self._spend_sub.unsubscribe()
+        # Unsubscribed here, not drained with the connection: a fetch cut off by the
+        # cancellation leaves nothing for the drain to wait on.
+        for s in (self._spend_pull, self._spend_sub):
+            if s is not None:
+                with contextlib.suppress(Exception):
+                    await s.unsubscribe()
         with contextlib.suppress(Exception):
             await self._usage_sub.unsubscribe()
         if self._settling:  # reports already taken are settled before the limiter closes

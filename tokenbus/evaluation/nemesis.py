@@ -44,6 +44,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tokenbus.evaluation.netns import Hosts, available
+
 ROLES = ("ingress", "router", "auth", "ratelimit", "filter", "worker", "bridge", "telemetry")
 MEMBER_ROLES = ("ingress", "auth", "ratelimit", "filter", "router")
 KINDS = ("kill", "pause", "nats_kill", "nats_pause", "nats_partition", "host_crash")
@@ -80,77 +82,6 @@ class Config:
     extra_env: dict[str, str] = field(default_factory=dict)
 
 
-# -- hosts: network namespaces (what tests/netns.py does, for the bench's own use) ----------
-def _ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=10)
-
-
-def netns_available() -> bool:
-    """Whether this machine lets us make network namespaces (root and ``ip``)."""
-    if shutil.which("ip") is None or os.geteuid() != 0:
-        return False
-    name = f"tbnprobe{secrets.token_hex(3)}"
-    try:
-        _ip("netns", "add", name)
-    except (subprocess.CalledProcessError, subprocess.TimeoutExpired, OSError):
-        return False
-    with contextlib.suppress(subprocess.CalledProcessError, subprocess.TimeoutExpired):
-        _ip("netns", "del", name)
-    return True
-
-
-@dataclass
-class Host:
-    netns: str
-    addr: str
-    link: str  # the machine's end of the host's veth pair: down is a partition
-
-
-class Hosts:
-    """A Linux bridge with an address of the machine's own, and hosts (namespaces) on it."""
-
-    def __init__(self) -> None:
-        self.tag = secrets.token_hex(2)
-        self.bridge = f"tbnb{self.tag}"
-        self.net = f"10.{100 + secrets.randbelow(100)}.{secrets.randbelow(250)}"
-        self.hosts: list[Host] = []
-
-    def start(self) -> Hosts:
-        _ip("link", "add", self.bridge, "type", "bridge")
-        _ip("addr", "add", f"{self.net}.1/24", "dev", self.bridge)
-        _ip("link", "set", self.bridge, "up")
-        return self
-
-    def add(self) -> Host:
-        i = len(self.hosts)
-        ns, inner, outer = f"tbn{self.tag}h{i}", f"tbnv{self.tag}{i}", f"tbnv{self.tag}{i}b"
-        _ip("netns", "add", ns)
-        _ip("link", "add", inner, "type", "veth", "peer", "name", outer)
-        _ip("link", "set", inner, "netns", ns)
-        _ip("link", "set", outer, "master", self.bridge)
-        _ip("link", "set", outer, "up")
-        addr = f"{self.net}.{i + 2}"
-        _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", inner)
-        _ip("-n", ns, "link", "set", inner, "up")
-        _ip("-n", ns, "link", "set", "lo", "up")
-        self.hosts.append(Host(ns, addr, outer))
-        return self.hosts[-1]
-
-    def cut(self, h: Host) -> None:
-        _ip("link", "set", h.link, "down")
-
-    def heal(self, h: Host) -> None:
-        _ip("link", "set", h.link, "up")
-
-    def stop(self) -> None:
-        for h in self.hosts:
-            for args in (("netns", "del", h.netns), ("link", "del", h.link)):
-                with contextlib.suppress(subprocess.CalledProcessError, subprocess.TimeoutExpired):
-                    _ip(*args)
-        with contextlib.suppress(subprocess.CalledProcessError, subprocess.TimeoutExpired):
-            _ip("link", "del", self.bridge)
-
-
 async def _quiet(exc: Exception) -> None:
     """A NATS connection's error callback: the faults make many, and the outcomes say
     what they cost."""
@@ -179,7 +110,7 @@ class Cluster:
 
         self.folder = folder
         self.hostset = hosts
-        self.hosts = [hosts.add() for _ in range(n)] if hosts else []
+        self.hosts = [hosts.add(f"n{i}") for i in range(n)] if hosts else []
         self.addrs = [h.addr for h in self.hosts] if hosts else ["127.0.0.1"] * n
         self.ports = [free_port() for _ in range(n)]
         cports = [free_port() for _ in range(n)]
@@ -216,7 +147,7 @@ class Cluster:
     def start_node(self, i: int) -> None:
         from tokenbus.launcher import nats_server_binary
 
-        prefix = ["ip", "netns", "exec", self.hosts[i].netns] if self.hosts else []
+        prefix = self.hosts[i].prefix() if self.hosts else []
         log = open(self.folder / f"node{i}.log", "ab")  # noqa: SIM115 - the child holds it
         self.procs[i] = subprocess.Popen(
             [*prefix, nats_server_binary(), "-c", str(self.confs[i])],
@@ -1215,7 +1146,7 @@ async def run_nemesis(cfg: Config) -> dict[str, Any]:
     rng = random.Random(seed)
     kinds = list(cfg.kinds)
     skipped: dict[str, str] = {}
-    if "nats_partition" in kinds and not netns_available():
+    if "nats_partition" in kinds and not available():
         kinds.remove("nats_partition")
         skipped["nats_partition"] = "no network namespaces here (needs root and ip)"
     if cfg.nodes < 2:
