@@ -125,7 +125,12 @@ INCONSISTENT = [
     Refusal("after", r"^after: no item", "`after`"),
     Refusal(None, r"not a Responses API field", "chat fields sent to `/v1/responses`"),
 ]
-REFUSALS = NOT_SERVED + BOUNDED + IN_WORDS + INCONSISTENT
+# tokenbus's own extension fields, which OpenAI's document leaves to any value: a request that
+# sets one malformed (a fuzzer's extra field named so) is refused, naming it.
+EXTENSIONS = [
+    Refusal(r"resume(\..*)?", r"^resume", "`resume` (request migration's resume point)"),
+]
+REFUSALS = NOT_SERVED + BOUNDED + IN_WORDS + INCONSISTENT + EXTENSIONS
 
 
 def refused_on_purpose(err: dict[str, Any]) -> bool:
