@@ -128,7 +128,7 @@ INCONSISTENT = [
 # tokenbus's own extension fields, which OpenAI's document leaves to any value: a request that
 # sets one malformed (a fuzzer's extra field named so) is refused, naming it.
 EXTENSIONS = [
-    Refusal(r"resume(\..*)?", r"^resume", "`resume` (request migration's resume point)"),
+    Refusal(r"resume(\..*)?", r"^resume", "`resume` (where a moved request continues"),
 ]
 REFUSALS = NOT_SERVED + BOUNDED + IN_WORDS + INCONSISTENT + EXTENSIONS
 
