@@ -40,6 +40,13 @@ def port_open(host: str, port: int) -> bool:
         return s.connect_ex((host, port)) == 0
 
 
+def free_port() -> int:
+    """A TCP port nothing listens on now (on loopback)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 @dataclass
 class Child:
     """One supervised process."""

@@ -187,7 +187,7 @@ async def start_runner(nats_url: str, port: int, lines: int) -> asyncio.subproce
 
 
 async def run_batch_bench(a: argparse.Namespace) -> int:
-    from tokenbus.evaluation.bench import _free_port
+    from tokenbus.launcher import free_port
 
     eng = _engine(a, max_running=192, max_concurrency=4096, decode_ms_per_seq=0.05)
     conc = a.batch_interactive
@@ -197,7 +197,7 @@ async def run_batch_bench(a: argparse.Namespace) -> int:
     }
     report: dict[str, Any] = {**report_head("tokenbus bench --batch-lines")}
     async with stack(a, eng, "on", env) as st:
-        runner = await start_runner(st.nats_url, _free_port(), a.batch_runner_lines)
+        runner = await start_runner(st.nats_url, free_port(), a.batch_runner_lines)
         tc = await Tenant.create(a, st, "capacity", LINE_TOKENS)
         ti = await Tenant.create(
             a, st, "interactive", INTERACTIVE_TOKENS, max_tokens_std=a.batch_interactive_std

@@ -27,6 +27,7 @@ from typing import Any
 from services.config import DEFAULT_MODEL, BridgeSettings, Settings
 from telemetry import records
 from tokenbus.evaluation import peers
+from tokenbus.launcher import free_port
 
 
 @dataclass
@@ -877,14 +878,6 @@ async def _wait_replicas(
         await nc.drain()
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 async def _bench_key(
     url: str, login: dict[str, str] | None = None, name: str = "bench", **fields: Any
 ) -> str:
@@ -915,7 +908,7 @@ async def spawn_stack(a: argparse.Namespace, sup: Any) -> tuple[list[Target], An
         port_open,
     )
 
-    nats_port, bridge_port, direct_port = _free_port(), _free_port(), _free_port()
+    nats_port, bridge_port, direct_port = free_port(), free_port(), free_port()
     tmp = tempfile.mkdtemp(prefix="tokenbus-bench-")
     from services.natsconf import generate, jetstream_block
 
@@ -1030,7 +1023,7 @@ async def spawn_stack(a: argparse.Namespace, sup: Any) -> tuple[list[Target], An
     launches = []
     for spec in a.peer:
         name, binary = peers.parse(spec)
-        launch = peers.launch(name, binary, engine, a.model, _free_port(), Path(tmp), _free_port())
+        launch = peers.launch(name, binary, engine, a.model, free_port(), Path(tmp), free_port())
         for companion, argv in launch.companions:
             await sup.add(Child(companion, argv, {}))
         await sup.add(Child(name, launch.argv, {}))

@@ -33,7 +33,6 @@ import random
 import secrets
 import shutil
 import signal
-import socket
 import sqlite3
 import subprocess
 import sys
@@ -45,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from tokenbus.evaluation.netns import Hosts, available
+from tokenbus.launcher import free_port, port_open
 
 ROLES = ("ingress", "router", "auth", "ratelimit", "filter", "worker", "bridge", "telemetry")
 MEMBER_ROLES = ("ingress", "auth", "ratelimit", "filter", "router")
@@ -85,18 +85,6 @@ class Config:
 async def _quiet(exc: Exception) -> None:
     """A NATS connection's error callback: the faults make many, and the outcomes say
     what they cost."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def port_open(host: str, port: int) -> bool:
-    with socket.socket() as s:
-        s.settimeout(0.2)
-        return s.connect_ex((host, port)) == 0
 
 
 # -- the cluster -----------------------------------------------------------------------------

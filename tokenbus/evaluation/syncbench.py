@@ -165,10 +165,10 @@ async def _files(nc: Any, n: int) -> dict[str, Any]:
 
 
 async def _one(policy: str, a: argparse.Namespace) -> dict[str, Any]:
-    from tokenbus.launcher import nats_server_binary, port_open
+    from tokenbus.launcher import free_port, nats_server_binary, port_open
 
     tmp = Path(tempfile.mkdtemp(prefix="tokenbus-sync-"))
-    port = _free_port()
+    port = free_port()
     conf = tmp / "nats.conf"
     conf.write_text(jetstream_block(str(tmp / "js"), policy))
     proc = await asyncio.create_subprocess_exec(
@@ -196,14 +196,6 @@ async def _one(policy: str, a: argparse.Namespace) -> dict[str, Any]:
     finally:
         proc.terminate()
         await proc.wait()
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 async def run_sync_bench(a: argparse.Namespace) -> int:
