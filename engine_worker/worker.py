@@ -182,6 +182,7 @@ class _Generation:
     span: Any = None  # this replica's span of the request (tracing on)
     ticket: Ticket | None = None  # its place in the flow control (engine_worker/flow.py)
     usage_source: str | None = None  # where prompt_tokens came from, if not the engine
+    reported: bool = False  # its usage report and record left ahead of its final frame
 
     @property
     def rid(self) -> str:
@@ -331,6 +332,7 @@ class Worker(Service):
     async def setup(self) -> None:
         self.outbox = Outbox(self.nc)
         self._records = records.Recorder(self.nc)
+        self.outbox.before = self._records_first
         await self.backend.start()
         if not self.cfg.endpoints:  # the engine may know better once loaded (vllm: the runner)
             self.endpoints = list(self.backend.endpoints())
@@ -897,6 +899,7 @@ class Worker(Service):
         )
         gen.usage_source = last.usage_source
         gen.outcome = finish
+        self._report_ahead(gen)
 
     def _log_flags(self, gen: _Generation, gate: OutputGate) -> None:
         """Log the detectors the policy flags that the whole output triggered, if any."""
@@ -909,7 +912,7 @@ class Worker(Service):
         self._leave_flow(gen)
         await self._free_slot(gen.reply)
         hdrs = gen.headers
-        if H.RATELIMIT in hdrs:
+        if H.RATELIMIT in hdrs and not gen.reported:
             await self._report_usage(hdrs, gen)
         end = marks.now_ns()
         trace = marks.trace_id(hdrs)
@@ -924,8 +927,35 @@ class Worker(Service):
         )
         if gen.span is not None:
             self._trace_end(gen)
-        if self.settings.telemetry.enabled:
+        if self.settings.telemetry.enabled and not gen.reported:
             self._records.add(self._telemetry_record(gen, end, trace))
+
+    def _report_ahead(self, gen: _Generation) -> None:
+        """Queue the ended request's usage report and telemetry record to leave ahead of its
+        final frame (engine_worker/outbox.py): once its caller has the answer, the limiters'
+        spend stream and the records' stream have been sent what it used, even if this
+        process is killed the next moment."""
+        gen.reported = True
+        hdrs = gen.headers
+        if H.RATELIMIT in hdrs:
+            out = usage.report_body(
+                hdrs,
+                gen.rid,
+                max_tokens=gen.req.max_tokens,
+                prompt_tokens=gen.prompt_tokens,
+                completion=gen.completion,
+                cached=gen.cached,
+            )
+            if out is not None:
+                self.outbox.send_first(*out)
+        if self.settings.telemetry.enabled:
+            end = marks.now_ns()
+            self._records.add(self._telemetry_record(gen, end, marks.trace_id(hdrs)))
+
+    async def _records_first(self) -> None:
+        """The outbox's hook: records of requests that ended leave before their frames."""
+        if self._records.waiting:
+            await self._records.send_now()
 
     # -- tracing ----------------------------------------------------------------------------
     def _trace_begin(self, gen: _Generation) -> None:

@@ -15,7 +15,10 @@ A process sends its records together (:class:`Recorder`): the records of up to
 ``BATCH_WINDOW_S`` in one message, ``{"records": [...]}``, a lone record as itself. Under load
 that is one message every 50 ms per process instead of one per request, for the publisher,
 nats-server and the telemetry service alike; a record reaches the service at most 50 ms
-later, and is sent at once when the process stops.
+later, and is sent at once when the process stops. A worker sends the records of requests
+that ended with an answer in the same loop turn, ahead of their final frames
+(:meth:`Recorder.send_now`, engine_worker/outbox.py): a worker killed right after an answer
+has handed its record to the bus already.
 
 Records survive a telemetry outage: the subject is captured by the JetStream stream
 :data:`STREAM` (``TOKENBUS_USAGE``), and the recorder publishes each message with an id
@@ -33,6 +36,7 @@ import itertools
 import json
 import time
 import uuid
+from collections.abc import Coroutine
 from typing import Any
 
 from nats.aio.client import Client as NATS
@@ -221,24 +225,51 @@ class Recorder:
         elif self._timer is None:
             self._timer = asyncio.get_running_loop().call_later(BATCH_WINDOW_S, self._send)
 
-    def _send(self) -> None:
+    def _take(self) -> tuple[bytes, int] | None:
+        """The waiting records as one message (None: nothing to send, or no room)."""
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
         recs, self._batch = self._batch, []
         if not recs:
-            return
+            return None
         try:
             data = codec.encode(recs[0] if len(recs) == 1 else {"records": recs})
         except Exception:  # a record that cannot be encoded: fire and forget, never raise
-            return
+            return None
         self.messages += 1
         if len(self._sending) >= MAX_IN_FLIGHT:
             self._lost(len(recs), "too many records waiting for the stream's ack")
-            return
-        task = asyncio.get_running_loop().create_task(self._publish(data, len(recs)))
+            return None
+        return data, len(recs)
+
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(work)
         self._sending.add(task)
         task.add_done_callback(self._sending.discard)
+
+    def _send(self) -> None:
+        taken = self._take()
+        if taken is not None:
+            self._spawn(self._publish(*taken))
+
+    @property
+    def waiting(self) -> bool:
+        """Whether records wait for their batch to leave."""
+        return bool(self._batch)
+
+    async def send_now(self) -> None:
+        """Hand the waiting records to the connection before this returns, ahead of what is
+        published after it (a worker's final frames: the record of a request reaches the bus
+        before its caller hears that it ended, so a process killed right after an answer
+        has not lost its record). The stream's ack is waited for off the caller's path."""
+        taken = self._take()
+        if taken is None:
+            return
+        data, n = taken
+        msg_id = uuid.uuid4().hex
+        put = await self._put(data, msg_id)
+        self._spawn(self._publish(data, n, msg_id, put))
 
     async def _on_ack(self, msg: Msg) -> None:
         fut = self._acks.pop(msg.subject, None)
@@ -246,8 +277,8 @@ class Recorder:
             status = (msg.headers or {}).get("Status", "")
             fut.set_result(b'{"error":{"code":503}}' if status == "503" else msg.data)
 
-    async def _try(self, data: bytes, msg_id: str) -> bool:
-        """One publish; whether the stream acknowledged it."""
+    async def _put(self, data: bytes, msg_id: str) -> tuple[str, asyncio.Future[bytes]]:
+        """Hand one message to the connection: (the inbox its ack comes to, the ack)."""
         async with self._subscribing:  # one subscription, however many publish at first
             if self._ack_sub is None:
                 self._ack_sub = await self.nc.subscribe(f"{self._root}.*", cb=self._on_ack)
@@ -256,6 +287,18 @@ class Recorder:
         self._acks[inbox] = fut
         try:
             await self.nc.publish(subject(), data, reply=inbox, headers={MSG_ID: msg_id})
+        except Exception as exc:  # no connection: this try failed
+            fut.set_exception(exc)
+        return inbox, fut
+
+    async def _try(
+        self, data: bytes, msg_id: str, put: tuple[str, asyncio.Future[bytes]] | None = None
+    ) -> bool:
+        """One publish (or the one ``put`` made already); whether the stream acknowledged
+        it."""
+        inbox = ""
+        try:
+            inbox, fut = put if put is not None else await self._put(data, msg_id)
             answer = await asyncio.wait_for(fut, PUBLISH_ACK_S)
         except Exception:  # no connection, no ack in time
             return False
@@ -275,10 +318,16 @@ class Recorder:
                 await open_stream(self.nc.jetstream(timeout=2), stream_config(), stall_s=2)
         return False
 
-    async def _publish(self, data: bytes, n: int) -> None:
-        msg_id = uuid.uuid4().hex
+    async def _publish(
+        self,
+        data: bytes,
+        n: int,
+        msg_id: str = "",
+        put: tuple[str, asyncio.Future[bytes]] | None = None,
+    ) -> None:
+        msg_id = msg_id or uuid.uuid4().hex
         for i in range(PUBLISH_TRIES):
-            if await self._try(data, msg_id):
+            if await self._try(data, msg_id, put if i == 0 else None):
                 self.acked += 1
                 return
             if i < len(PUBLISH_BACKOFF_S):

@@ -24,11 +24,20 @@ import pytest
 from nats.aio.client import Client as NATS
 
 from bus_schemas import codec
+from services.buckets import open_stream
 from services.natsconf import role_login
 from telemetry import records
 from telemetry.service import Telemetry
 from telemetry.store import PgRecordStore
-from tests.conftest import NatsServer, Procs, free_port, settings, spawn_nats, wait_for
+from tests.conftest import (
+    NatsServer,
+    Procs,
+    free_port,
+    settings,
+    spawn_nats,
+    start_stack,
+    wait_for,
+)
 from tests.lockedbus import LockedBus
 from tokenbus.evaluation.report import report
 
@@ -426,3 +435,80 @@ async def test_telemetry_services_store_into_postgres_each_record_once(
         finally:
             reader.close()
         assert one.metrics.dropped._value.get() + two.metrics.dropped._value.get() == 1
+
+
+async def test_a_worker_killed_as_it_answers_has_sent_the_record_already(
+    procs: Procs, model: str
+) -> None:
+    """The worker's record leaves ahead of the final frame on the same connection
+    (engine_worker/outbox.py): killed the moment its caller has the answer, inside what
+    used to be the record's 50 ms batch window, it has handed the record to the bus."""
+    async with connection(procs.url) as nc:
+        js = nc.jetstream()
+        await open_stream(js, records.stream_config())
+        stack = await start_stack(
+            procs, model, worker_args=("--sim-prefill-ms", "2", "--sim-decode-ms", "1")
+        )
+        worker = stack.workers[0]
+        async with stack.openai() as c:
+            stream = await c.chat.completions.create(
+                model=model,
+                messages=[{"role": "user", "content": "hello there"}],
+                max_tokens=4,
+                stream=True,
+            )
+            finish = None
+            async for chunk in stream:
+                if chunk.choices and chunk.choices[0].finish_reason:
+                    finish = chunk.choices[0].finish_reason
+                    worker.signal(signal.SIGKILL)  # the answer is out: nothing more leaves
+                    break
+            assert finish == "length"
+        worker.proc.wait(10)
+        sub = await js.subscribe(records.subject(), ordered_consumer=True)
+        mine: list[dict[str, Any]] = []
+        deadline = time.monotonic() + 20
+        while not mine:
+            assert time.monotonic() < deadline, "the worker's record never reached the stream"
+            with contextlib.suppress(nats.errors.TimeoutError):
+                msg = await sub.next_msg(timeout=0.5)
+                body = codec.decode_map(msg.data)
+                recs = body.get("records", [body])
+                mine += [r for r in recs if r["model"] == model and r["source"] == "worker"]
+        await sub.unsubscribe()
+    assert len(mine) == 1 and mine[0]["completion_tokens"] == 4 and mine[0]["outcome"] == "length"
+
+
+async def test_the_outbox_sends_reports_and_records_ahead_of_the_frames_queued_with_them(
+    nats_server: NatsServer,
+) -> None:
+    """What must be on the bus before a caller hears its request ended leaves first, on
+    the same connection: one subscriber sees the report, then the record, then the frame."""
+    from engine_worker.outbox import Outbox
+
+    async with connection(nats_server.url) as pub:
+        watch = pub  # the server echoes a connection's own messages, in the order it sent them
+        seen: list[str] = []
+
+        async def on(msg: Any) -> None:
+            seen.append(msg.subject)
+
+        sub = await watch.subscribe("tbtest.order.>", cb=on)
+        await watch.flush()
+        box = Outbox(pub)
+        sent_first: list[int] = []
+
+        async def before() -> None:
+            sent_first.append(1)
+            await pub.publish("tbtest.order.record", b"r")
+
+        box.before = before
+        box.send("tbtest.order.frame", b"f")  # queued first, still leaves last
+        box.send_first("tbtest.order.report", b"u")
+        await box.flush()
+        await pub.flush()
+        with contextlib.suppress(AssertionError):  # the assert below names what came
+            await wait_for(lambda: len(seen) == 3, timeout=10)
+        await sub.unsubscribe()
+    assert seen == ["tbtest.order.record", "tbtest.order.report", "tbtest.order.frame"]
+    assert sent_first == [1]
