@@ -255,3 +255,53 @@ async def _drained(js: Any, at_least: int = 0, timeout: float = 20) -> None:
             return
         assert time.monotonic() < deadline, f"{state.messages} reports left unsettled"
         await asyncio.sleep(0.05)
+
+
+async def test_many_requests_of_one_owner_commit_together_and_refuse_exactly_at_the_limit(
+    nats_server: Any,
+) -> None:
+    """128 requests at once on one owner's entry in one limiter, and 32 in a second: the
+    first limiter's changes go as groups (far fewer writes than changes, where each used to
+    race the others for the revision and give up after 100 tries), the hard limit still
+    refuses exactly, and every hold is settled once."""
+    ncs = [await nats.connect(nats_server.url) for _ in range(2)]
+    try:
+        books = [await budgets.SpendBook(nc).open() for nc in ncs]
+        owner = budgets.Budget(f"o.group{time.time_ns()}", "day", 100 * 1000, None)
+        writes = 0
+        real_cas = budgets.buckets.cas
+
+        async def counting(*a: Any, **kw: Any) -> Any:
+            nonlocal writes
+            writes += 1
+            return await real_cas(*a, **kw)
+
+        budgets.buckets.cas = counting  # type: ignore[assignment]
+        try:
+
+            async def request(book: budgets.SpendBook, i: int) -> bool:
+                try:
+                    hold = await book.reserve([owner], f"g{i}", 1000, time.time() + 60)
+                except Exception as exc:
+                    assert getattr(exc, "code", "") == "insufficient_quota", exc
+                    return False
+                await book.settle(hold, 600)
+                return True
+
+            served = await asyncio.gather(
+                *(request(books[0], i) for i in range(128)),
+                *(request(books[1], 1000 + i) for i in range(32)),
+            )
+        finally:
+            budgets.buckets.cas = real_cas  # type: ignore[assignment]
+        spent, held = await books[0].spent(owner)
+    finally:
+        for nc in ncs:
+            await nc.close()
+    # 1000 held each against a hard 100 000: at most 100 in flight at once, and as each
+    # settles at 600 the rest fit; every one served was charged once, none is held.
+    assert held == 0
+    assert spent == 600 * sum(served)
+    assert sum(served) >= 100
+    # 2 changes (hold, settle) per request: far fewer writes when grouped.
+    assert writes < 2 * len(served) // 2, (writes, len(served))
