@@ -46,6 +46,7 @@ BUCKET = "tokenbus_spend"
 PERIODS = ("day", "month", "total")
 _MAX_CAS_TRIES = 100
 _OWNER_TTL_S = 5.0  # how long an owner's budget is cached by a limiter
+_SETTLED_KEPT = 100_000  # holds a book remembers settling (their reports come twice)
 
 
 def micro(usd: float | None) -> int | None:
@@ -159,6 +160,10 @@ class SpendBook:
         self._waiting: dict[str, list[tuple[Any, asyncio.Future[Any]]]] = {}
         self._writing: set[str] = set()
         self._committing: set[asyncio.Task[None]] = set()
+        # The entries this book wrote last (buckets.cas: the next write skips the read), and
+        # the holds it settled lately (their reports' copies from the stream cost nothing).
+        self._known: dict[str, tuple[dict[str, Any], int]] = {}
+        self._settled: dict[tuple[str, str], None] = {}
 
     async def open(self) -> SpendBook:
         self.kv = await buckets.open_kv(
@@ -227,7 +232,9 @@ class SpendBook:
             return state
 
         try:
-            _, written = await buckets.cas(self._kv(), key, apply, tries=_MAX_CAS_TRIES)
+            _, written = await buckets.cas(
+                self._kv(), key, apply, tries=_MAX_CAS_TRIES, known=self._known
+            )
             outcomes = tries[id(written)][1]
         except _NothingToWrite as nothing:
             outcomes = nothing.outcomes
@@ -332,6 +339,7 @@ class SpendBook:
 
                 await self._cas(entry, take)
                 hold.budgets.append((b, entry))
+                self._settled.pop((request_id, entry), None)  # held again: settle it again
         except BaseException:
             await self.release(hold)
             raise
@@ -349,6 +357,9 @@ class SpendBook:
         crossed = []
         now = time.time()
         for b, entry in hold.budgets:
+            done = (hold.request_id, entry)
+            if done in self._settled:  # by this book: the stream's copy of the report
+                continue
 
             def charge(cur: dict[str, Any]) -> dict[str, Any]:
                 held = _kept(cur, now)
@@ -359,12 +370,19 @@ class SpendBook:
             try:
                 before, after = await self._cas(entry, charge)
             except _Settled:
+                self._remember_settled(done)
                 continue
+            self._remember_settled(done)
             was, now_spent = int(before.get("spent", 0)), int(after["spent"])
             if b.soft is not None and was < b.soft <= now_spent:
                 crossed.append((b, was, now_spent))
         hold.budgets = []
         return crossed
+
+    def _remember_settled(self, done: tuple[str, str]) -> None:
+        self._settled[done] = None
+        if len(self._settled) > _SETTLED_KEPT:
+            del self._settled[next(iter(self._settled))]  # the oldest
 
     async def alert(self, crossed: list[tuple[Budget, int, int]], model: str) -> None:
         """Say on the bus (and in the log) that a soft threshold was crossed."""

@@ -144,6 +144,7 @@ async def cas(
     *,
     tries: int = 100,
     stall_s: float | None = None,
+    known: dict[str, tuple[dict[str, Any], int]] | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Apply ``change`` (a JSON object to a new one; it may raise) to the entry at ``key``
     atomically, retrying on a concurrent write (up to ``tries``) and through a leaderless
@@ -152,20 +153,31 @@ async def cas(
     Each write carries an id of its own under :data:`MARK` (the last few are kept). A write
     whose answer was lost (a timeout) may have been applied: before trying again, the entry
     is read and, when it holds one of this call's ids, that write's (before, after) is
-    returned instead of applying ``change`` twice."""
+    returned instead of applying ``change`` twice.
+
+    ``known``: the caller's memory of entries it wrote last (key: (entry, revision)). The
+    first try then writes on what it remembers, without reading the entry first (one round
+    trip instead of two); someone else's write since makes it clash, and it reads. Updated
+    with each write that lands."""
     give_up = _give_up(stall_s)
     uncertain = False
     clashes = 0
     made: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {}
+    remembered = known.pop(key, None) if known is not None else None
+    rev: int | None
     while True:
         writing = False
         try:
-            try:
-                entry = await kv.get(key)
-                state = json.loads(entry.value) if entry.value else {}
-                rev: int | None = entry.revision
-            except KeyNotFoundError:
-                state, rev = {}, None
+            if remembered is not None:
+                state, rev = dict(remembered[0]), remembered[1]
+                remembered = None
+            else:
+                try:
+                    entry = await kv.get(key)
+                    state = json.loads(entry.value) if entry.value else {}
+                    rev = entry.revision
+                except KeyNotFoundError:
+                    state, rev = {}, None
             marks = state.pop(MARK, None)
             marks = marks if isinstance(marks, list) else []
             if uncertain:
@@ -175,14 +187,15 @@ async def cas(
             new = change(dict(state))
             mark = uuid.uuid4().hex[:12]
             made[mark] = (state, new)
-            data = json.dumps(
-                {**new, MARK: [*marks, mark][-_MARKS_KEPT:]}, separators=(",", ":")
-            ).encode()
+            body = {**new, MARK: [*marks, mark][-_MARKS_KEPT:]}
+            data = json.dumps(body, separators=(",", ":")).encode()
             writing = True
             if rev is None:
-                await kv.create(key, data)
+                written = await kv.create(key, data)
             else:
-                await kv.update(key, data, last=rev)
+                written = await kv.update(key, data, last=rev)
+            if known is not None and isinstance(written, int):
+                known[key] = (body, written)
             return state, new
         except KeyWrongLastSequenceError:
             clashes += 1

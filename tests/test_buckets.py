@@ -185,6 +185,37 @@ async def test_a_compare_and_set_whose_answer_was_lost_is_not_applied_twice(kv: 
         await buckets.cas(_NoLeader(), "c", add, stall_s=0.5)
 
 
+class _CountedReads:
+    """A real bucket that counts its reads."""
+
+    def __init__(self, kv: Any) -> None:
+        self.kv, self.reads = kv, 0
+
+    async def get(self, key: str) -> Any:
+        self.reads += 1
+        return await self.kv.get(key)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.kv, name)
+
+
+async def test_a_compare_and_set_writes_on_what_it_remembers_and_reads_when_stale(
+    kv: Any,
+) -> None:
+    def add(state: dict[str, Any]) -> dict[str, Any]:
+        return {"n": int(state.get("n", 0)) + 1}
+
+    counted, known = _CountedReads(kv), {}
+    assert await buckets.cas(counted, "r", add, known=known) == ({}, {"n": 1})
+    assert counted.reads == 1 and "r" in known
+    assert await buckets.cas(counted, "r", add, known=known) == ({"n": 1}, {"n": 2})
+    assert counted.reads == 1  # written on the remembered entry, no read
+    await buckets.cas(kv, "r", add)  # someone else writes: the memory is stale
+    assert await buckets.cas(counted, "r", add, known=known) == ({"n": 3}, {"n": 4})
+    assert counted.reads == 2  # the stale write clashed; it read and applied once
+    assert json.loads((await kv.get("r")).value)["n"] == 4
+
+
 async def test_a_create_whose_answer_was_lost_counts_as_done(kv: Any) -> None:
     await buckets.create(_LostAnswers(kv, lose=1), "k", b"v1")
     assert (await kv.get("k")).value == b"v1"

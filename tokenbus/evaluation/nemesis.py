@@ -894,7 +894,7 @@ async def scheduler(run: Run, kinds: list[str]) -> None:
 # -- the invariants --------------------------------------------------------------------------
 async def check_spend(run: Run) -> dict[str, Any]:
     """Each key's spend against the usage of its answered requests; holds left."""
-    from auth.budgets import BUCKET
+    from auth.budgets import BUCKET, Budget, SpendBook
 
     out: dict[str, Any] = {"keys": {}, "violations": []}
     migrated = _migrated_by_key(run)
@@ -917,11 +917,19 @@ async def check_spend(run: Run) -> dict[str, Any]:
                 d = {"error": repr(exc)}
             spent = int(d.get("spent", 0))
             held = {k: v for k, v in (d.get("held") or {}).items() if v[1] > now}
+            # A request that failed (its worker died with it, and it was not moved, or its
+            # caller died too) leaves its attempt's hold until the request's deadline: no
+            # report comes. Such a hold must stop counting then; an answered request's must
+            # be settled by its report.
+            answered = {o.rid for o in mine if o.status == "ok"}
+            of_answered = {k: v for k, v in held.items() if k.partition("#")[0] in answered}
+            expiring = {k: v for k, v in held.items() if k not in of_answered}
             row = {
                 "spent": spent,
                 "answered_usage_cost": settled,
                 "unanswered_max_cost": slack,
-                "holds_left": len(held),
+                "holds_left": len(of_answered),
+                "holds_of_failed_requests": len(expiring),
                 "requests": len(mine),
                 "answered": sum(o.status == "ok" for o in mine),
                 # Requests moved to another replica mid-answer (telemetry's record).
@@ -938,10 +946,22 @@ async def check_spend(run: Run) -> dict[str, Any]:
                     f"{name}: spent {spent} > answered usage {settled} + the most its "
                     f"unanswered requests could cost {slack} (overcharged)"
                 )
-            if held:
+            if of_answered:
                 out["violations"].append(
-                    f"{name}: {len(held)} holds left after every request ended: {sorted(held)[:5]}"
+                    f"{name}: {len(of_answered)} holds of answered requests left after every "
+                    f"request ended: {sorted(of_answered)[:5]}"
                 )
+            if expiring:
+                # Past their deadlines they must not count against the budget any more.
+                last = max(float(v[1]) for v in expiring.values())
+                await asyncio.sleep(max(0.0, last - time.time()) + 0.5)
+                book = await SpendBook(nc).open()
+                _, in_flight = await book.spent(Budget(f"k.{key_id}", "total", None, None))
+                row["held_after_their_deadlines"] = in_flight
+                if in_flight:
+                    out["violations"].append(
+                        f"{name}: {in_flight} µ$ still held past every request's deadline"
+                    )
     finally:
         await nc.close()
     return out
