@@ -16,9 +16,9 @@ A process sends its records together (:class:`Recorder`): the records of up to
 that is one message every 50 ms per process instead of one per request, for the publisher,
 nats-server and the telemetry service alike; a record reaches the service at most 50 ms
 later, and is sent at once when the process stops. A worker sends the records of requests
-that ended with an answer in the same loop turn, ahead of their final frames
-(:meth:`Recorder.send_now`, engine_worker/outbox.py): a worker killed right after an answer
-has handed its record to the bus already.
+that ended with an answer in one loop turn at once, and sends their final frames once the
+stream acknowledged them (:meth:`Recorder.send_acked`, engine_worker/worker.py): a caller
+that has its answer has its record kept, whatever dies next.
 
 Records survive a telemetry outage: the subject is captured by the JetStream stream
 :data:`STREAM` (``TOKENBUS_USAGE``), and the recorder publishes each message with an id
@@ -231,6 +231,9 @@ class Recorder:
             self._timer.cancel()
             self._timer = None
         recs, self._batch = self._batch, []
+        return self._message(recs)
+
+    def _message(self, recs: list[dict[str, Any]]) -> tuple[bytes, int] | None:
         if not recs:
             return None
         try:
@@ -243,33 +246,34 @@ class Recorder:
             return None
         return data, len(recs)
 
-    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         task = asyncio.get_running_loop().create_task(work)
         self._sending.add(task)
         task.add_done_callback(self._sending.discard)
+        return task
 
     def _send(self) -> None:
         taken = self._take()
         if taken is not None:
             self._spawn(self._publish(*taken))
 
-    @property
-    def waiting(self) -> bool:
-        """Whether records wait for their batch to leave."""
-        return bool(self._batch)
-
-    async def send_now(self) -> None:
-        """Hand the waiting records to the connection before this returns, ahead of what is
-        published after it (a worker's final frames: the record of a request reaches the bus
-        before its caller hears that it ended, so a process killed right after an answer
-        has not lost its record). The stream's ack is waited for off the caller's path."""
-        taken = self._take()
+    async def send_acked(self, recs: list[dict[str, Any]]) -> asyncio.Future[bool]:
+        """Send ``recs`` now as one message (the batch that waits is left to its timer):
+        handed to the connection before this returns. The future returned says whether the
+        stream acknowledged the first try (False at once when there is no stream to, within
+        :data:`PUBLISH_ACK_S` when no answer comes); the later tries go on behind it. A worker
+        waits for it before a request's final frame: once a caller has its answer, its
+        record is kept."""
+        first: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        taken = self._message(recs)
         if taken is None:
-            return
+            first.set_result(False)
+            return first
         data, n = taken
         msg_id = uuid.uuid4().hex
         put = await self._put(data, msg_id)
-        self._spawn(self._publish(data, n, msg_id, put))
+        self._spawn(self._publish(data, n, msg_id, put, first))
+        return first
 
     async def _on_ack(self, msg: Msg) -> None:
         fut = self._acks.pop(msg.subject, None)
@@ -277,8 +281,11 @@ class Recorder:
             status = (msg.headers or {}).get("Status", "")
             fut.set_result(b'{"error":{"code":503}}' if status == "503" else msg.data)
 
-    async def _put(self, data: bytes, msg_id: str) -> tuple[str, asyncio.Future[bytes]]:
-        """Hand one message to the connection: (the inbox its ack comes to, the ack)."""
+    async def _put(
+        self, data: bytes, msg_id: str, to: str | None = None
+    ) -> tuple[str, asyncio.Future[bytes]]:
+        """Hand one message to the connection (to the records' subject, or ``to``): (the
+        inbox its ack comes to, the ack)."""
         async with self._subscribing:  # one subscription, however many publish at first
             if self._ack_sub is None:
                 self._ack_sub = await self.nc.subscribe(f"{self._root}.*", cb=self._on_ack)
@@ -286,10 +293,30 @@ class Recorder:
         fut: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
         self._acks[inbox] = fut
         try:
-            await self.nc.publish(subject(), data, reply=inbox, headers={MSG_ID: msg_id})
+            await self.nc.publish(to or subject(), data, reply=inbox, headers={MSG_ID: msg_id})
         except Exception as exc:  # no connection: this try failed
             fut.set_exception(exc)
         return inbox, fut
+
+    async def publish_acked(self, to: str, data: bytes) -> bool:
+        """One message to another stream's subject (a worker's spend report), its ack
+        awaited under this recorder's inbox (which the locked bus lets a worker read), at
+        most :data:`PUBLISH_ACK_S`: whether the stream acknowledged it. Not acknowledged, it
+        is sent once more without waiting, under the same id (the stream keeps it once)."""
+        msg_id = uuid.uuid4().hex
+        inbox = ""
+        try:
+            inbox, fut = await self._put(data, msg_id, to)
+            ack = json.loads(await asyncio.wait_for(fut, PUBLISH_ACK_S))
+            if isinstance(ack, dict) and "error" not in ack and "seq" in ack:
+                return True
+        except Exception:  # no answer in time, no connection, not an ack
+            pass
+        finally:
+            self._acks.pop(inbox, None)
+        with contextlib.suppress(Exception):
+            await self.nc.publish(to, data, headers={MSG_ID: msg_id})
+        return False
 
     async def _try(
         self, data: bytes, msg_id: str, put: tuple[str, asyncio.Future[bytes]] | None = None
@@ -324,10 +351,14 @@ class Recorder:
         n: int,
         msg_id: str = "",
         put: tuple[str, asyncio.Future[bytes]] | None = None,
+        first: asyncio.Future[bool] | None = None,
     ) -> None:
         msg_id = msg_id or uuid.uuid4().hex
         for i in range(PUBLISH_TRIES):
-            if await self._try(data, msg_id, put if i == 0 else None):
+            ok = await self._try(data, msg_id, put if i == 0 else None)
+            if first is not None and not first.done():
+                first.set_result(ok)
+            if ok:
                 self.acked += 1
                 return
             if i < len(PUBLISH_BACKOFF_S):

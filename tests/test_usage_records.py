@@ -440,9 +440,9 @@ async def test_telemetry_services_store_into_postgres_each_record_once(
 async def test_a_worker_killed_as_it_answers_has_sent_the_record_already(
     procs: Procs, model: str
 ) -> None:
-    """The worker's record leaves ahead of the final frame on the same connection
-    (engine_worker/outbox.py): killed the moment its caller has the answer, inside what
-    used to be the record's 50 ms batch window, it has handed the record to the bus."""
+    """A worker sends a request's final frame once the stream acknowledged its record
+    (engine_worker/worker.py, ``_end_after_reports``): killed the moment its caller has the
+    answer, inside what used to be the record's 50 ms batch window, its record is kept."""
     async with connection(procs.url) as nc:
         js = nc.jetstream()
         await open_stream(js, records.stream_config())
@@ -477,38 +477,3 @@ async def test_a_worker_killed_as_it_answers_has_sent_the_record_already(
                 mine += [r for r in recs if r["model"] == model and r["source"] == "worker"]
         await sub.unsubscribe()
     assert len(mine) == 1 and mine[0]["completion_tokens"] == 4 and mine[0]["outcome"] == "length"
-
-
-async def test_the_outbox_sends_reports_and_records_ahead_of_the_frames_queued_with_them(
-    nats_server: NatsServer,
-) -> None:
-    """What must be on the bus before a caller hears its request ended leaves first, on
-    the same connection: one subscriber sees the report, then the record, then the frame."""
-    from engine_worker.outbox import Outbox
-
-    async with connection(nats_server.url) as pub:
-        watch = pub  # the server echoes a connection's own messages, in the order it sent them
-        seen: list[str] = []
-
-        async def on(msg: Any) -> None:
-            seen.append(msg.subject)
-
-        sub = await watch.subscribe("tbtest.order.>", cb=on)
-        await watch.flush()
-        box = Outbox(pub)
-        sent_first: list[int] = []
-
-        async def before() -> None:
-            sent_first.append(1)
-            await pub.publish("tbtest.order.record", b"r")
-
-        box.before = before
-        box.send("tbtest.order.frame", b"f")  # queued first, still leaves last
-        box.send_first("tbtest.order.report", b"u")
-        await box.flush()
-        await pub.flush()
-        with contextlib.suppress(AssertionError):  # the assert below names what came
-            await wait_for(lambda: len(seen) == 3, timeout=10)
-        await sub.unsubscribe()
-    assert seen == ["tbtest.order.record", "tbtest.order.report", "tbtest.order.frame"]
-    assert sent_first == [1]

@@ -80,6 +80,11 @@ class Config:
     out: str = ""
     quiet: bool = False
     extra_env: dict[str, str] = field(default_factory=dict)
+    # What a crashed host's JetStream store keeps. False: what its node synced, which with
+    # the nodes' policy (``sync_interval: always``, every config tokenbus writes) is every
+    # write it acknowledged. True: only what it held one fault interval before the crash,
+    # as a node syncing lazily (nats' own 2 minutes) loses its page cache.
+    lost_cache: bool = False
 
 
 async def _quiet(exc: Exception) -> None:
@@ -290,12 +295,16 @@ class Stack:
             "TOKENBUS_WORKER__HEARTBEAT_INTERVAL_S": "0.25",
             "TOKENBUS_KV_REPLICAS": str(min(3, n)),
             "TOKENBUS_BATCHES__ACK_WAIT_S": "3",
+            "TOKENBUS_TELEMETRY__ACK_WAIT_S": "3",
             "TOKENBUS_NATS_PING_INTERVAL_S": "1",
             "TOKENBUS_DRAIN_TIMEOUT_S": "5",
             "TOKENBUS_ROUTER__PRICE__INPUT": str(PRICE_IN),
             "TOKENBUS_ROUTER__PRICE__OUTPUT": str(PRICE_OUT),
             "TOKENBUS_TELEMETRY__ENABLED": "true",
             "TOKENBUS_WORKER__SIM__MAX_MODEL_LEN": str(10**9),
+            # The bridges' deadline is the HTTP clients' own: a request cut off with its
+            # bridge and worker holds its spend until then.
+            "TOKENBUS_BRIDGE__REQUEST_TIMEOUT_S": str(cfg.deadline_s),
             **cfg.extra_env,
         }
         self.procs: list[Proc] = []
@@ -855,11 +864,12 @@ async def inject(run: Run, kind: str, what: Proc | int) -> str:
             p.held = True
             p.kill()
         cl.kill(i)
-        reverted = cl.revert_store(i)
-        run.say(
-            f"  host {i} crashed: {', '.join(p.name for p in victims)} and node{i}; store "
-            + ("reverted to the last sync point" if reverted else "emptied (no sync point yet)")
-        )
+        if cfg.lost_cache:
+            reverted = cl.revert_store(i)
+            kept = "reverted to the last sync point" if reverted else "emptied (no sync point)"
+        else:  # every acknowledged write was synced: the disk holds what the node had
+            kept = "as synced (sync_interval: always)"
+        run.say(f"  host {i} crashed: {', '.join(p.name for p in victims)} and node{i}; {kept}")
         await asyncio.sleep(cfg.down_s)
         cl.start_node(i)
         for p in victims:
@@ -884,7 +894,7 @@ async def scheduler(run: Run, kinds: list[str]) -> None:
         # the node about to crash is copied, the others' copies would never be used).
         upcoming = choose(run, kinds)
         kind, node = upcoming
-        if kind == "host_crash" and isinstance(node, int):
+        if kind == "host_crash" and isinstance(node, int) and cfg.lost_cache:
             took = await asyncio.to_thread(run.stack.cluster.sync_point, node)
             run.say(f"  sync point of node{node}'s store ({took:.2f} s paused for the copy)")
         next_at += cfg.fault_every_s
@@ -895,11 +905,16 @@ async def scheduler(run: Run, kinds: list[str]) -> None:
 async def check_spend(run: Run) -> dict[str, Any]:
     """Each key's spend against the usage of its answered requests; holds left."""
     from auth.budgets import BUCKET, Budget, SpendBook
+    from bus_schemas import subjects
 
     out: dict[str, Any] = {"keys": {}, "violations": []}
     migrated = _migrated_by_key(run)
     nc = await run.stack.cluster.admin(0)
     try:
+        # Reports kept for a limiter that died are settled by another within its ack wait.
+        out["spend_reports_settled"] = await _consumer_settled(
+            nc, subjects.SPEND_STREAM, subjects.SPEND_CONSUMER, 60.0
+        )
         kv = await nc.jetstream().key_value(BUCKET)
         now = time.time()
         for name, (_, key_id) in run.keys.items():
@@ -924,7 +939,7 @@ async def check_spend(run: Run) -> dict[str, Any]:
             answered = {o.rid for o in mine if o.status == "ok"}
             of_answered = {k: v for k, v in held.items() if k.partition("#")[0] in answered}
             expiring = {k: v for k, v in held.items() if k not in of_answered}
-            row = {
+            row: dict[str, Any] = {
                 "spent": spent,
                 "answered_usage_cost": settled,
                 "unanswered_max_cost": slack,
@@ -952,8 +967,21 @@ async def check_spend(run: Run) -> dict[str, Any]:
                     f"request ended: {sorted(of_answered)[:5]}"
                 )
             if expiring:
-                # Past their deadlines they must not count against the budget any more.
-                last = max(float(v[1]) for v in expiring.values())
+                # Past their deadlines they must not count against the budget any more
+                # (checked for those due within a request's deadline from now).
+                by_rid = {o.rid: o for o in mine}
+                row["failed_holds"] = {
+                    k: {
+                        "due_in_s": round(float(v[1]) - now, 1),
+                        "via": getattr(by_rid.get(k.partition("#")[0]), "via", ""),
+                        "error": getattr(by_rid.get(k.partition("#")[0]), "error", ""),
+                    }
+                    for k, v in expiring.items()
+                }
+                due = [
+                    float(v[1]) for v in expiring.values() if v[1] <= now + run.cfg.deadline_s + 5
+                ]
+                last = max(due, default=now)
                 await asyncio.sleep(max(0.0, last - time.time()) + 0.5)
                 book = await SpendBook(nc).open()
                 _, in_flight = await book.spent(Budget(f"k.{key_id}", "total", None, None))
@@ -965,6 +993,20 @@ async def check_spend(run: Run) -> dict[str, Any]:
     finally:
         await nc.close()
     return out
+
+
+async def _consumer_settled(nc: Any, stream: str, consumer: str, timeout: float) -> bool:
+    """Until a durable consumer has nothing pending or unacknowledged (bounded): what a
+    killed consumer had taken comes back within its ack wait, and is done then."""
+    js = nc.jetstream(timeout=5)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(Exception):
+            info = await js.consumer_info(stream, consumer)
+            if info.num_pending == 0 and info.num_ack_pending == 0:
+                return True
+        await asyncio.sleep(0.2)
+    return False
 
 
 def _migrated_by_key(run: Run) -> dict[str, int]:
@@ -1082,7 +1124,16 @@ async def invariants(
     add("the background response ended", bgv, background)
     spend = await check_spend(run)
     add("spend equals settled usage, no hold left", spend["violations"], spend["keys"])
-    rec = check_records(run)
+    from bus_schemas import subjects
+
+    nc = await run.stack.cluster.admin(0)
+    try:  # records a killed telemetry service had taken are stored by the next one
+        settled = await _consumer_settled(
+            nc, subjects.RECORDS_STREAM, subjects.RECORDS_CONSUMER, 60
+        )
+    finally:
+        await nc.close()
+    rec = {**check_records(run), "records_consumer_settled": settled}
     recv = []
     if rec.get("error"):
         recv.append(rec["error"])
@@ -1267,6 +1318,13 @@ def add_arguments(g: Any) -> None:
     g.add_argument("--nemesis-nodes", type=int, default=3, help="NATS nodes (hosts)")
     g.add_argument("--nemesis-seed", type=int, help="the fault schedule's seed (default: random)")
     g.add_argument(
+        "--nemesis-lost-cache",
+        action="store_true",
+        help="a crashed host's store loses what its node wrote in the fault interval before "
+        "the crash, as a node syncing lazily would (default: it keeps what it synced, every "
+        "acknowledged write with the nodes' sync_interval: always)",
+    )
+    g.add_argument(
         "--nemesis-faults",
         default=",".join(KINDS),
         help=f"fault kinds to choose among, comma separated: {', '.join(KINDS)}",
@@ -1288,6 +1346,7 @@ async def run_from_args(a: argparse.Namespace) -> int:
         kinds=kinds,
         model=a.model,
         out=out,
+        lost_cache=a.nemesis_lost_cache,
     )
     report = await run_nemesis(cfg)
     print(f"results: {out}")
