@@ -973,7 +973,8 @@ class Worker(Service):
                 continue
             subject, body = report
             if subjects.is_usage_spend(subject):  # kept by the spend stream: wait for it
-                acks.append(self._records.publish_acked(subject, body))
+                with contextlib.suppress(Exception):
+                    acks.append(await self._records.publish_acked(subject, body))
             else:  # to the admitting limiter alone (tokens, slots): before the frame
                 with contextlib.suppress(Exception):
                     await self.nc.publish(subject, body)

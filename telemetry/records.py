@@ -298,34 +298,30 @@ class Recorder:
             fut.set_exception(exc)
         return inbox, fut
 
-    async def publish_acked(self, to: str, data: bytes) -> bool:
-        """One message to another stream's subject (a worker's spend report), its ack
-        awaited under this recorder's inbox (which the locked bus lets a worker read), at
-        most :data:`PUBLISH_ACK_S`: whether the stream acknowledged it. Not acknowledged, it
-        is sent once more without waiting, under the same id (the stream keeps it once)."""
+    async def publish_acked(self, to: str, data: bytes) -> asyncio.Future[bool]:
+        """One message to another stream's subject (a worker's spend report), acknowledged
+        under this recorder's inbox (which the locked bus lets a worker read), tried as
+        records are (the same id each time: the stream keeps it once). Handed to the
+        connection before this returns; the future says whether the first try was
+        acknowledged."""
+        first: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
         msg_id = uuid.uuid4().hex
-        inbox = ""
-        try:
-            inbox, fut = await self._put(data, msg_id, to)
-            ack = json.loads(await asyncio.wait_for(fut, PUBLISH_ACK_S))
-            if isinstance(ack, dict) and "error" not in ack and "seq" in ack:
-                return True
-        except Exception:  # no answer in time, no connection, not an ack
-            pass
-        finally:
-            self._acks.pop(inbox, None)
-        with contextlib.suppress(Exception):
-            await self.nc.publish(to, data, headers={MSG_ID: msg_id})
-        return False
+        put = await self._put(data, msg_id, to)
+        self._spawn(self._publish(data, 0, msg_id, put, first, to))
+        return first
 
     async def _try(
-        self, data: bytes, msg_id: str, put: tuple[str, asyncio.Future[bytes]] | None = None
+        self,
+        data: bytes,
+        msg_id: str,
+        put: tuple[str, asyncio.Future[bytes]] | None = None,
+        to: str | None = None,
     ) -> bool:
         """One publish (or the one ``put`` made already); whether the stream acknowledged
         it."""
         inbox = ""
         try:
-            inbox, fut = put if put is not None else await self._put(data, msg_id)
+            inbox, fut = put if put is not None else await self._put(data, msg_id, to)
             answer = await asyncio.wait_for(fut, PUBLISH_ACK_S)
         except Exception:  # no connection, no ack in time
             return False
@@ -337,7 +333,7 @@ class Recorder:
             return False
         if isinstance(ack, dict) and "error" not in ack and "seq" in ack:
             return True
-        if isinstance(ack, dict) and not self._made_stream:
+        if isinstance(ack, dict) and to is None and not self._made_stream:
             # No stream yet (no telemetry service ever ran on this bus): make it when this
             # connection may (the bridge may; a worker on the locked bus may not).
             self._made_stream = True
@@ -352,10 +348,11 @@ class Recorder:
         msg_id: str = "",
         put: tuple[str, asyncio.Future[bytes]] | None = None,
         first: asyncio.Future[bool] | None = None,
+        to: str | None = None,
     ) -> None:
         msg_id = msg_id or uuid.uuid4().hex
         for i in range(PUBLISH_TRIES):
-            ok = await self._try(data, msg_id, put if i == 0 else None)
+            ok = await self._try(data, msg_id, put if i == 0 else None, to)
             if first is not None and not first.done():
                 first.set_result(ok)
             if ok:
@@ -363,7 +360,10 @@ class Recorder:
                 return
             if i < len(PUBLISH_BACKOFF_S):
                 await asyncio.sleep(PUBLISH_BACKOFF_S[i])
-        self._lost(n, "the telemetry stream did not acknowledge them")
+        if to is None:
+            self._lost(n, "the telemetry stream did not acknowledge them")
+        else:
+            tlog.get("telemetry").warning("report_not_acknowledged", subject=to)
 
     def _lost(self, n: int, why: str) -> None:
         self.failed += n

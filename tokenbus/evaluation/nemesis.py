@@ -915,6 +915,8 @@ async def check_spend(run: Run) -> dict[str, Any]:
         out["spend_reports_settled"] = await _consumer_settled(
             nc, subjects.SPEND_STREAM, subjects.SPEND_CONSUMER, 60.0
         )
+        if not out["spend_reports_settled"]:
+            out["violations"].append("spend reports still unsettled in their stream after 60 s")
         kv = await nc.jetstream().key_value(BUCKET)
         now = time.time()
         for name, (_, key_id) in run.keys.items():
