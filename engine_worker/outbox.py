@@ -6,12 +6,19 @@ several streams of one tokenbus client travel as one batch message to that clien
 prefix: one NATS message instead of hundreds, with every frame kept whole and in order.
 Nothing waits for a batch to fill: a lone frame (the first token at low load) goes out in
 the same turn it was produced, as a plain message.
+
+What must reach the bus before a caller hears that its request ended (the usage report
+that settles its spend, its telemetry record) is queued with :meth:`Outbox.send_first`
+and the :attr:`Outbox.before` hook: each flush hands those to the connection first. One
+connection keeps its messages in order, so a worker killed right after a final frame left
+has sent them already.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Awaitable, Callable
 
 from nats.aio.client import Client as NATS
 
@@ -27,6 +34,9 @@ class Outbox:
     def __init__(self, nc: NATS) -> None:
         self.nc = nc
         self._pending: dict[str, list[tuple[str, str, bytes]]] = {}
+        self._first: list[tuple[str, bytes]] = []
+        # Called at each flush before anything queued leaves (the worker's records).
+        self.before: Callable[[], Awaitable[None]] | None = None
         self._task: asyncio.Task[None] | None = None
         self.messages = 0
         self.frames = 0
@@ -36,6 +46,14 @@ class Outbox:
         split = subjects.split_inbox(reply)
         key, tok = split if split else (reply, "")
         self._pending.setdefault(key, []).append((reply, tok, frame))
+        self._schedule()
+
+    def send_first(self, subject: str, data: bytes) -> None:
+        """Queue a message that leaves in this loop turn's flush, ahead of every frame."""
+        self._first.append((subject, data))
+        self._schedule()
+
+    def _schedule(self) -> None:
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._flush())
 
@@ -47,7 +65,14 @@ class Outbox:
 
     async def _flush(self) -> None:
         try:
-            while self._pending:
+            while self._pending or self._first:
+                if self.before is not None:
+                    with contextlib.suppress(Exception):
+                        await self.before()
+                first, self._first = self._first, []
+                for subject, data in first:
+                    with contextlib.suppress(Exception):
+                        await self.nc.publish(subject, data)
                 pending, self._pending = self._pending, {}
                 for key, items in pending.items():
                     await self._send_group(key, items)

@@ -16,7 +16,7 @@ import math
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,9 +47,6 @@ from telemetry import records
 
 # How long a cancel that arrived before its request is remembered.
 EARLY_CANCEL_TTL_S = 30.0
-# How long a final frame waits for its request's usage report and record to be acknowledged
-# by their streams (_end_after_reports); past it, it goes (they are tried again meanwhile).
-ENDING_ACK_WAIT_S = 0.5
 
 
 def output_scanner(policy: dict[str, Any] | None, window: int | None) -> StreamScanner | None:
@@ -319,9 +316,6 @@ class Worker(Service):
         self._busy = asyncio.Event()  # set when an idle replica takes a request: beat now
         # Streams whose callers cannot see heartbeats (Tb-Keepalive): reply -> None.
         self._keepalive: dict[str, None] = {}
-        # Requests ended in this loop turn, and the batches waiting for their acks.
-        self._ending: list[tuple[str, bytes, Any, Any]] = []
-        self._endings: set[asyncio.Task[None]] = set()
         self._caller_cancelled: set[str] = set()
         self._early_cancels: OrderedDict[str, float] = OrderedDict()
         self.boot = uuid.uuid4().hex[:12]
@@ -338,6 +332,7 @@ class Worker(Service):
     async def setup(self) -> None:
         self.outbox = Outbox(self.nc)
         self._records = records.Recorder(self.nc)
+        self.outbox.before = self._records_first
         await self.backend.start()
         if not self.cfg.endpoints:  # the engine may know better once loaded (vllm: the runner)
             self.endpoints = list(self.backend.endpoints())
@@ -514,9 +509,6 @@ class Worker(Service):
             self.outbox.send(reply, frames.error(err))
 
     async def on_stop(self) -> None:
-        self._end_turn()
-        if self._endings:  # final frames waiting for their reports' acks go first
-            await asyncio.wait(set(self._endings), timeout=ENDING_ACK_WAIT_S + 1)
         await self.outbox.flush()
         await self._records.flush()
         self._hb_task.cancel()
@@ -893,18 +885,21 @@ class Worker(Service):
                 request_id=gen.rid,
                 detector=gate.scan.blocked_by if gate else None,
             )
-        final = frames.final(
-            finish,
-            max(0, gen.prompt_tokens),
-            gen.completion,
-            timings,
-            last.usage,
-            last.stop_sequence if finish == "stop" else None,
-            last.usage_source,
+        self.outbox.send(
+            gen.reply,
+            frames.final(
+                finish,
+                max(0, gen.prompt_tokens),
+                gen.completion,
+                timings,
+                last.usage,
+                last.stop_sequence if finish == "stop" else None,
+                last.usage_source,
+            ),
         )
         gen.usage_source = last.usage_source
         gen.outcome = finish
-        self._end_after_reports(gen, final)
+        self._report_ahead(gen)
 
     def _log_flags(self, gen: _Generation, gate: OutputGate) -> None:
         """Log the detectors the policy flags that the whole output triggered, if any."""
@@ -935,56 +930,32 @@ class Worker(Service):
         if self.settings.telemetry.enabled and not gen.reported:
             self._records.add(self._telemetry_record(gen, end, trace))
 
-    def _end_after_reports(self, gen: _Generation, final: bytes) -> None:
-        """Send the final frame once the request's usage report and telemetry record are
-        in their streams (acknowledged; at most :data:`ENDING_ACK_WAIT_S`): a caller that
-        has its answer has been counted and charged, even if this process, or the NATS
-        node it talks to, dies the moment after. The requests that end in one event-loop
-        turn go together (one records message); their tokens went out as they came, only
-        the final frames wait."""
+    def _report_ahead(self, gen: _Generation) -> None:
+        """Queue the ended request's usage report and telemetry record to leave ahead of its
+        final frame (engine_worker/outbox.py): once its caller has the answer, the limiters'
+        spend stream and the records' stream have been sent what it used, even if this
+        process is killed the next moment."""
         gen.reported = True
         hdrs = gen.headers
-        report = self._report_of(gen) if H.RATELIMIT in hdrs else None
-        record = None
+        if H.RATELIMIT in hdrs:
+            out = usage.report_body(
+                hdrs,
+                gen.rid,
+                max_tokens=gen.req.max_tokens,
+                prompt_tokens=gen.prompt_tokens,
+                completion=gen.completion,
+                cached=gen.cached,
+            )
+            if out is not None:
+                self.outbox.send_first(*out)
         if self.settings.telemetry.enabled:
-            record = self._telemetry_record(gen, marks.now_ns(), marks.trace_id(hdrs))
-        self._ending.append((gen.reply, final, report, record))
-        if len(self._ending) == 1:
-            asyncio.get_running_loop().call_soon(self._end_turn)
+            end = marks.now_ns()
+            self._records.add(self._telemetry_record(gen, end, marks.trace_id(hdrs)))
 
-    def _end_turn(self) -> None:
-        """The endings of this loop turn: their reports and records leave now, their final
-        frames once those are acknowledged."""
-        batch, self._ending = self._ending, []
-        if not batch:
-            return
-        task = asyncio.get_running_loop().create_task(self._end_batch(batch))
-        self._endings.add(task)
-        task.add_done_callback(self._endings.discard)
-
-    async def _end_batch(self, batch: list[tuple[str, bytes, Any, Any]]) -> None:
-        acks: list[Awaitable[Any]] = []
-        recs = [record for _, _, _, record in batch if record is not None]
-        if recs:
-            with contextlib.suppress(Exception):
-                acks.append(await self._records.send_acked(recs))
-        for _, _, report, _ in batch:
-            if report is None:
-                continue
-            subject, body = report
-            if subjects.is_usage_spend(subject):  # kept by the spend stream: wait for it
-                with contextlib.suppress(Exception):
-                    acks.append(await self._records.publish_acked(subject, body))
-            else:  # to the admitting limiter alone (tokens, slots): before the frame
-                with contextlib.suppress(Exception):
-                    await self.nc.publish(subject, body)
-        if acks:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(
-                    asyncio.gather(*acks, return_exceptions=True), ENDING_ACK_WAIT_S
-                )
-        for reply, final, _, _ in batch:
-            self.outbox.send(reply, final)
+    async def _records_first(self) -> None:
+        """The outbox's hook: records of requests that ended leave before their frames."""
+        if self._records.waiting:
+            await self._records.send_now()
 
     # -- tracing ----------------------------------------------------------------------------
     def _trace_begin(self, gen: _Generation) -> None:
@@ -1063,23 +1034,17 @@ class Worker(Service):
             usage_source=gen.usage_source,
         )
 
-    def _report_of(self, gen: _Generation) -> tuple[str, bytes] | None:
-        """The subject and body of the request's usage report (services/usage.py)."""
-        return usage.report_body(
-            gen.headers,
+    async def _report_usage(self, hdrs: dict[str, str], gen: _Generation) -> None:
+        """Tell the rate limiters what the request really used (fire and forget)."""
+        await usage.report(
+            self.nc,
+            hdrs,
             gen.rid,
             max_tokens=gen.req.max_tokens,
             prompt_tokens=gen.prompt_tokens,
             completion=gen.completion,
             cached=gen.cached,
         )
-
-    async def _report_usage(self, hdrs: dict[str, str], gen: _Generation) -> None:
-        """Tell the rate limiters what the request really used (fire and forget)."""
-        out = self._report_of(gen)
-        if out is not None:
-            with contextlib.suppress(Exception):
-                await self.nc.publish(*out)
 
     def interrupted_error(self) -> E.TokenbusError:
         return E.ReplicaLost(f"replica {self.replica} stopped before finishing; retry")

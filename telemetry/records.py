@@ -16,9 +16,9 @@ A process sends its records together (:class:`Recorder`): the records of up to
 that is one message every 50 ms per process instead of one per request, for the publisher,
 nats-server and the telemetry service alike; a record reaches the service at most 50 ms
 later, and is sent at once when the process stops. A worker sends the records of requests
-that ended with an answer in one loop turn at once, and sends their final frames once the
-stream acknowledged them (:meth:`Recorder.send_acked`, engine_worker/worker.py): a caller
-that has its answer has its record kept, whatever dies next.
+that ended with an answer in the same loop turn, ahead of their final frames on the same
+connection (:meth:`Recorder.send_now`, engine_worker/outbox.py): a worker killed right after
+an answer has handed its record to the bus already.
 
 Records survive a telemetry outage: the subject is captured by the JetStream stream
 :data:`STREAM` (``TOKENBUS_USAGE``), and the recorder publishes each message with an id
@@ -257,23 +257,23 @@ class Recorder:
         if taken is not None:
             self._spawn(self._publish(*taken))
 
-    async def send_acked(self, recs: list[dict[str, Any]]) -> asyncio.Future[bool]:
-        """Send ``recs`` now as one message (the batch that waits is left to its timer):
-        handed to the connection before this returns. The future returned says whether the
-        stream acknowledged the first try (False at once when there is no stream to, within
-        :data:`PUBLISH_ACK_S` when no answer comes); the later tries go on behind it. A worker
-        waits for it before a request's final frame: once a caller has its answer, its
-        record is kept."""
-        first: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-        taken = self._message(recs)
+    @property
+    def waiting(self) -> bool:
+        """Whether records wait for their batch to leave."""
+        return bool(self._batch)
+
+    async def send_now(self) -> None:
+        """Hand the waiting records to the connection before this returns, ahead of what is
+        published after it (a worker's final frames: the record of a request reaches the bus
+        before its caller hears that it ended, so a process killed right after an answer
+        has not lost its record). The stream's ack is waited for off the caller's path."""
+        taken = self._take()
         if taken is None:
-            first.set_result(False)
-            return first
+            return
         data, n = taken
         msg_id = uuid.uuid4().hex
         put = await self._put(data, msg_id)
-        self._spawn(self._publish(data, n, msg_id, put, first))
-        return first
+        self._spawn(self._publish(data, n, msg_id, put))
 
     async def _on_ack(self, msg: Msg) -> None:
         fut = self._acks.pop(msg.subject, None)
@@ -297,18 +297,6 @@ class Recorder:
         except Exception as exc:  # no connection: this try failed
             fut.set_exception(exc)
         return inbox, fut
-
-    async def publish_acked(self, to: str, data: bytes) -> asyncio.Future[bool]:
-        """One message to another stream's subject (a worker's spend report), acknowledged
-        under this recorder's inbox (which the locked bus lets a worker read), tried as
-        records are (the same id each time: the stream keeps it once). Handed to the
-        connection before this returns; the future says whether the first try was
-        acknowledged."""
-        first: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-        msg_id = uuid.uuid4().hex
-        put = await self._put(data, msg_id, to)
-        self._spawn(self._publish(data, 0, msg_id, put, first, to))
-        return first
 
     async def _try(
         self,

@@ -440,9 +440,9 @@ async def test_telemetry_services_store_into_postgres_each_record_once(
 async def test_a_worker_killed_as_it_answers_has_sent_the_record_already(
     procs: Procs, model: str
 ) -> None:
-    """A worker sends a request's final frame once the stream acknowledged its record
-    (engine_worker/worker.py, ``_end_after_reports``): killed the moment its caller has the
-    answer, inside what used to be the record's 50 ms batch window, its record is kept."""
+    """The worker's record leaves ahead of the final frame on the same connection
+    (engine_worker/outbox.py): killed the moment its caller has the answer, inside what
+    used to be the record's 50 ms batch window, it has handed the record to the bus."""
     async with connection(procs.url) as nc:
         js = nc.jetstream()
         await open_stream(js, records.stream_config())
