@@ -938,14 +938,7 @@ class Worker(Service):
         gen.reported = True
         hdrs = gen.headers
         if H.RATELIMIT in hdrs:
-            out = usage.report_body(
-                hdrs,
-                gen.rid,
-                max_tokens=gen.req.max_tokens,
-                prompt_tokens=gen.prompt_tokens,
-                completion=gen.completion,
-                cached=gen.cached,
-            )
+            out = self._report_of(gen)
             if out is not None:
                 self.outbox.send_first(*out)
         if self.settings.telemetry.enabled:
@@ -1034,17 +1027,23 @@ class Worker(Service):
             usage_source=gen.usage_source,
         )
 
-    async def _report_usage(self, hdrs: dict[str, str], gen: _Generation) -> None:
-        """Tell the rate limiters what the request really used (fire and forget)."""
-        await usage.report(
-            self.nc,
-            hdrs,
+    def _report_of(self, gen: _Generation) -> tuple[str, bytes] | None:
+        """The subject and body of the request's usage report (services/usage.py)."""
+        return usage.report_body(
+            gen.headers,
             gen.rid,
             max_tokens=gen.req.max_tokens,
             prompt_tokens=gen.prompt_tokens,
             completion=gen.completion,
             cached=gen.cached,
         )
+
+    async def _report_usage(self, hdrs: dict[str, str], gen: _Generation) -> None:
+        """Tell the rate limiters what the request really used (fire and forget)."""
+        out = self._report_of(gen)
+        if out is not None:
+            with contextlib.suppress(Exception):
+                await self.nc.publish(*out)
 
     def interrupted_error(self) -> E.TokenbusError:
         return E.ReplicaLost(f"replica {self.replica} stopped before finishing; retry")
