@@ -231,9 +231,6 @@ class Recorder:
             self._timer.cancel()
             self._timer = None
         recs, self._batch = self._batch, []
-        return self._message(recs)
-
-    def _message(self, recs: list[dict[str, Any]]) -> tuple[bytes, int] | None:
         if not recs:
             return None
         try:
@@ -246,11 +243,10 @@ class Recorder:
             return None
         return data, len(recs)
 
-    def _spawn(self, work: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(work)
         self._sending.add(task)
         task.add_done_callback(self._sending.discard)
-        return task
 
     def _send(self) -> None:
         taken = self._take()
@@ -281,11 +277,8 @@ class Recorder:
             status = (msg.headers or {}).get("Status", "")
             fut.set_result(b'{"error":{"code":503}}' if status == "503" else msg.data)
 
-    async def _put(
-        self, data: bytes, msg_id: str, to: str | None = None
-    ) -> tuple[str, asyncio.Future[bytes]]:
-        """Hand one message to the connection (to the records' subject, or ``to``): (the
-        inbox its ack comes to, the ack)."""
+    async def _put(self, data: bytes, msg_id: str) -> tuple[str, asyncio.Future[bytes]]:
+        """Hand one message to the connection: (the inbox its ack comes to, the ack)."""
         async with self._subscribing:  # one subscription, however many publish at first
             if self._ack_sub is None:
                 self._ack_sub = await self.nc.subscribe(f"{self._root}.*", cb=self._on_ack)
@@ -293,7 +286,7 @@ class Recorder:
         fut: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
         self._acks[inbox] = fut
         try:
-            await self.nc.publish(to or subject(), data, reply=inbox, headers={MSG_ID: msg_id})
+            await self.nc.publish(subject(), data, reply=inbox, headers={MSG_ID: msg_id})
         except Exception as exc:  # no connection: this try failed
             fut.set_exception(exc)
         return inbox, fut
@@ -303,13 +296,12 @@ class Recorder:
         data: bytes,
         msg_id: str,
         put: tuple[str, asyncio.Future[bytes]] | None = None,
-        to: str | None = None,
     ) -> bool:
         """One publish (or the one ``put`` made already); whether the stream acknowledged
         it."""
         inbox = ""
         try:
-            inbox, fut = put if put is not None else await self._put(data, msg_id, to)
+            inbox, fut = put if put is not None else await self._put(data, msg_id)
             answer = await asyncio.wait_for(fut, PUBLISH_ACK_S)
         except Exception:  # no connection, no ack in time
             return False
@@ -321,7 +313,7 @@ class Recorder:
             return False
         if isinstance(ack, dict) and "error" not in ack and "seq" in ack:
             return True
-        if isinstance(ack, dict) and to is None and not self._made_stream:
+        if isinstance(ack, dict) and not self._made_stream:
             # No stream yet (no telemetry service ever ran on this bus): make it when this
             # connection may (the bridge may; a worker on the locked bus may not).
             self._made_stream = True
@@ -335,23 +327,15 @@ class Recorder:
         n: int,
         msg_id: str = "",
         put: tuple[str, asyncio.Future[bytes]] | None = None,
-        first: asyncio.Future[bool] | None = None,
-        to: str | None = None,
     ) -> None:
         msg_id = msg_id or uuid.uuid4().hex
         for i in range(PUBLISH_TRIES):
-            ok = await self._try(data, msg_id, put if i == 0 else None, to)
-            if first is not None and not first.done():
-                first.set_result(ok)
-            if ok:
+            if await self._try(data, msg_id, put if i == 0 else None):
                 self.acked += 1
                 return
             if i < len(PUBLISH_BACKOFF_S):
                 await asyncio.sleep(PUBLISH_BACKOFF_S[i])
-        if to is None:
-            self._lost(n, "the telemetry stream did not acknowledge them")
-        else:
-            tlog.get("telemetry").warning("report_not_acknowledged", subject=to)
+        self._lost(n, "the telemetry stream did not acknowledge them")
 
     def _lost(self, n: int, why: str) -> None:
         self.failed += n
