@@ -254,6 +254,12 @@ def usage_spend_wildcard() -> str:
     return f"{PREFIX}.usage.*.spend"
 
 
+def is_usage_spend(subject: str) -> bool:
+    """Whether ``subject`` is one :data:`SPEND_STREAM` keeps (``usage_spend(<owner>)``)."""
+    parts, n = subject.split("."), PREFIX.count(".") + 1
+    return len(parts) == n + 3 and parts[n] == "usage" and parts[-1] == "spend"
+
+
 # Usage reports that settle spend, kept until settled: a limiter that dies holding requests
 # leaves their reports to the others (auth.ratelimit).
 SPEND_STREAM = "TOKENBUS_SPEND_REPORTS"

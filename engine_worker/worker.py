@@ -939,7 +939,11 @@ class Worker(Service):
         hdrs = gen.headers
         if H.RATELIMIT in hdrs:
             out = self._report_of(gen)
-            if out is not None:
+            if out is not None and subjects.is_usage_spend(out[0]):
+                # Kept by the spend stream: tried until it acknowledges (a report it never
+                # took leaves the request uncharged once the admitting limiter is gone).
+                self._records.send_first(*out)
+            elif out is not None:  # to the admitting limiter alone (tokens, slots)
                 self.outbox.send_first(*out)
         if self.settings.telemetry.enabled:
             end = marks.now_ns()

@@ -23,9 +23,15 @@ an answer has handed its record to the bus already.
 Records survive a telemetry outage: the subject is captured by the JetStream stream
 :data:`STREAM` (``TOKENBUS_USAGE``), and the recorder publishes each message with an id
 (``Nats-Msg-Id``, the stream drops a repeat) and waits for the stream's ack off the request's
-path, trying again a few times. A message the stream never acknowledged is counted in
-``tokenbus_telemetry_publish_failed_total`` (records), never raised. Each record is known by
-:func:`record_id`, with which the telemetry service stores it once, however often it arrives.
+path, trying again with the same id for up to :data:`PUBLISH_FOR_S` (a stream whose leader
+was lost answers "no leader" for the seconds its replicas take to elect another: nats-server
+waits 4 to 9 s before an election, and a node that restarts must catch up first). A message
+the stream never acknowledged in that time is counted in
+``tokenbus_telemetry_publish_failed_total`` (records), never raised. A worker's usage
+reports that settle spend (services/usage.py) go the same way (:meth:`Recorder.send_first`):
+the spend stream keeps them, and a report it did not take is a request never charged. Each
+record is known by :func:`record_id`, with which the telemetry service stores it once,
+however often it arrives.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ import asyncio
 import contextlib
 import itertools
 import json
+import random
 import time
 import uuid
 from collections.abc import Coroutine
@@ -92,10 +99,18 @@ PUBLISH_FAILED = Counter(
     "tokenbus_telemetry_publish_failed_total",
     "Usage records the telemetry stream never acknowledged (lost unless a later try landed)",
 )
-PUBLISH_TRIES = 4
+SPEND_PUBLISH_FAILED = Counter(
+    "tokenbus_spend_report_publish_failed_total",
+    "Usage reports that settle spend the spend stream never acknowledged (their requests' "
+    "holds expire uncharged unless the admitting limiter heard them)",
+)
 PUBLISH_ACK_S = 2.0  # how long one try waits for the stream's ack
-PUBLISH_BACKOFF_S = (0.1, 0.5, 2.0)
-MAX_IN_FLIGHT = 1024  # messages waiting for their ack; beyond, a new one counts as failed
+# Tries go on this long, well inside the streams' duplicate windows (two minutes: a try
+# whose first copy landed unacknowledged is dropped as a repeat), so a leader election
+# (seconds) or a node restarting costs no record.
+PUBLISH_FOR_S = 60.0
+PUBLISH_BACKOFF_S = (0.1, 0.25, 0.5, 1.0)  # then every second, each spread by ±25 %
+MAX_IN_FLIGHT = 8192  # messages waiting for their ack; beyond, a new one counts as failed
 
 
 def _ms(a: int | None, b: int | None) -> float | None:
@@ -196,18 +211,21 @@ def batch(data: dict[str, Any]) -> list[Any]:
 class Recorder:
     """One connection's records, sent together: fire and forget for the caller, never raises,
     never waits for the telemetry service. Each message waits for the stream's ack in a
-    task of its own (tried again up to :data:`PUBLISH_TRIES` times with the same message id,
+    task of its own (tried again with the same message id for up to :data:`PUBLISH_FOR_S`,
     so the stream keeps it once); one never acknowledged is counted (:data:`PUBLISH_FAILED`,
     :attr:`failed`)."""
 
     def __init__(self, nc: NATS) -> None:
         self.nc = nc
         self._batch: list[dict[str, Any]] = []
+        self._first: list[tuple[str, bytes]] = []  # spend reports for the next send_now
         self._timer: asyncio.TimerHandle | None = None
         self._sending: set[asyncio.Task[None]] = set()
         self.messages = 0
         self.failed = 0  # records never acknowledged by the stream
+        self.failed_reports = 0  # spend reports never acknowledged by theirs
         self.acked = 0  # messages the stream acknowledged (a repeat it dropped included)
+        self.retries = 0  # tries that got no ack (each tried again until PUBLISH_FOR_S)
         # Acks come back under an inbox of this recorder's own (the locked bus lets
         # publishers read ``subjects.records_ack_root()`` and nothing else of other inboxes).
         self._root = f"{subjects.records_ack_root()}.{uuid.uuid4().hex[:12]}"
@@ -224,6 +242,12 @@ class Recorder:
             self._send()
         elif self._timer is None:
             self._timer = asyncio.get_running_loop().call_later(BATCH_WINDOW_S, self._send)
+
+    def send_first(self, subject: str, data: bytes) -> None:
+        """A message for a stream other than the records' (a spend report), handed to the
+        connection by the next :meth:`send_now` ahead of the records, and tried again as
+        they are until its stream acknowledges it."""
+        self._first.append((subject, data))
 
     def _take(self) -> tuple[bytes, int] | None:
         """The waiting records as one message (None: nothing to send, or no room)."""
@@ -255,14 +279,22 @@ class Recorder:
 
     @property
     def waiting(self) -> bool:
-        """Whether records wait for their batch to leave."""
-        return bool(self._batch)
+        """Whether records or reports wait to leave."""
+        return bool(self._batch or self._first)
 
     async def send_now(self) -> None:
         """Hand the waiting records to the connection before this returns, ahead of what is
         published after it (a worker's final frames: the record of a request reaches the bus
         before its caller hears that it ended, so a process killed right after an answer
         has not lost its record). The stream's ack is waited for off the caller's path."""
+        first, self._first = self._first, []
+        for subject_, data in first:
+            if len(self._sending) >= MAX_IN_FLIGHT:
+                self._lost(0, "too many messages waiting for their stream's ack")
+                continue
+            msg_id = uuid.uuid4().hex
+            put = await self._put(data, msg_id, subject_)
+            self._spawn(self._publish(data, 0, msg_id, put, subject_))
         taken = self._take()
         if taken is None:
             return
@@ -277,8 +309,11 @@ class Recorder:
             status = (msg.headers or {}).get("Status", "")
             fut.set_result(b'{"error":{"code":503}}' if status == "503" else msg.data)
 
-    async def _put(self, data: bytes, msg_id: str) -> tuple[str, asyncio.Future[bytes]]:
-        """Hand one message to the connection: (the inbox its ack comes to, the ack)."""
+    async def _put(
+        self, data: bytes, msg_id: str, to: str = ""
+    ) -> tuple[str, asyncio.Future[bytes]]:
+        """Hand one message to the connection (on ``to``, the records' subject by default):
+        (the inbox its ack comes to, the ack)."""
         async with self._subscribing:  # one subscription, however many publish at first
             if self._ack_sub is None:
                 self._ack_sub = await self.nc.subscribe(f"{self._root}.*", cb=self._on_ack)
@@ -286,7 +321,7 @@ class Recorder:
         fut: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
         self._acks[inbox] = fut
         try:
-            await self.nc.publish(subject(), data, reply=inbox, headers={MSG_ID: msg_id})
+            await self.nc.publish(to or subject(), data, reply=inbox, headers={MSG_ID: msg_id})
         except Exception as exc:  # no connection: this try failed
             fut.set_exception(exc)
         return inbox, fut
@@ -296,12 +331,13 @@ class Recorder:
         data: bytes,
         msg_id: str,
         put: tuple[str, asyncio.Future[bytes]] | None = None,
+        to: str = "",
     ) -> bool:
         """One publish (or the one ``put`` made already); whether the stream acknowledged
         it."""
         inbox = ""
         try:
-            inbox, fut = put if put is not None else await self._put(data, msg_id)
+            inbox, fut = put if put is not None else await self._put(data, msg_id, to)
             answer = await asyncio.wait_for(fut, PUBLISH_ACK_S)
         except Exception:  # no connection, no ack in time
             return False
@@ -313,7 +349,7 @@ class Recorder:
             return False
         if isinstance(ack, dict) and "error" not in ack and "seq" in ack:
             return True
-        if isinstance(ack, dict) and not self._made_stream:
+        if isinstance(ack, dict) and not self._made_stream and not to:
             # No stream yet (no telemetry service ever ran on this bus): make it when this
             # connection may (the bridge may; a worker on the locked bus may not).
             self._made_stream = True
@@ -327,24 +363,41 @@ class Recorder:
         n: int,
         msg_id: str = "",
         put: tuple[str, asyncio.Future[bytes]] | None = None,
+        to: str = "",
     ) -> None:
+        """Try until the stream acknowledges or :data:`PUBLISH_FOR_S` has passed. ``n``: the
+        records the message holds (0: a spend report on ``to``)."""
         msg_id = msg_id or uuid.uuid4().hex
-        for i in range(PUBLISH_TRIES):
-            if await self._try(data, msg_id, put if i == 0 else None):
+        give_up = time.monotonic() + PUBLISH_FOR_S
+        for i in itertools.count():
+            if await self._try(data, msg_id, put if i == 0 else None, to):
                 self.acked += 1
                 return
-            if i < len(PUBLISH_BACKOFF_S):
-                await asyncio.sleep(PUBLISH_BACKOFF_S[i])
-        self._lost(n, "the telemetry stream did not acknowledge them")
+            self.retries += 1
+            wait = PUBLISH_BACKOFF_S[min(i, len(PUBLISH_BACKOFF_S) - 1)]
+            wait *= random.uniform(0.75, 1.25)  # tries of many messages spread out
+            if time.monotonic() + wait >= give_up:
+                break
+            await asyncio.sleep(wait)
+        self._lost(n, f"{'the spend' if to else 'the telemetry'} stream did not acknowledge")
 
     def _lost(self, n: int, why: str) -> None:
-        self.failed += n
-        PUBLISH_FAILED.inc(n)
+        """``n`` records (0: one spend report) given up."""
+        if n:
+            self.failed += n
+            PUBLISH_FAILED.inc(n)
+        else:
+            self.failed_reports += 1
+            SPEND_PUBLISH_FAILED.inc()
         now = time.monotonic()
         if now - self._warned_at > 60:  # one line a minute at most
             self._warned_at = now
             tlog.get("telemetry").warning(
-                "telemetry_publish_failed", records=n, failed_total=self.failed, why=why
+                "telemetry_publish_failed",
+                records=n,
+                failed_total=self.failed,
+                spend_reports_failed=self.failed_reports,
+                why=why,
             )
 
     async def flush(self) -> None:

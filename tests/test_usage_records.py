@@ -285,7 +285,8 @@ async def test_a_record_the_stream_never_acknowledges_is_counted_not_raised(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # A bus without JetStream: nothing keeps the records, and the recorder says so.
-    monkeypatch.setattr(records, "PUBLISH_BACKOFF_S", (0.01, 0.01, 0.01))
+    monkeypatch.setattr(records, "PUBLISH_BACKOFF_S", (0.01,))
+    monkeypatch.setattr(records, "PUBLISH_FOR_S", 0.2)
     port = free_port()
     proc = spawn_nats(port, "-a", "127.0.0.1", "-p", str(port))
     try:
@@ -300,6 +301,36 @@ async def test_a_record_the_stream_never_acknowledges_is_counted_not_raised(
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+async def test_a_record_and_a_spend_report_wait_out_a_stream_without_a_leader(
+    private_nats: NatsServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A stream whose leader was lost answers nothing useful for the seconds an election
+    # takes (4 to 9 s in nats-server, longer while a restarted node catches up): here the
+    # streams are missing for as many tries as the recorder once made in all (4), and both
+    # messages land once the streams are there, each once.
+    from auth.ratelimit import spend_stream_config
+    from bus_schemas import subjects
+
+    monkeypatch.setattr(records, "PUBLISH_BACKOFF_S", (0.05,))
+    async with connection(private_nats.url) as nc:
+        js = nc.jetstream()
+        recorder = records.Recorder(nc)
+        recorder._made_stream = True  # as a worker on the locked bus: it may not make it
+        recorder.add(rec("late-1"))
+        spend = subjects.usage_spend("limiter-a")
+        recorder.send_first(spend, codec.encode({"request_id": "late-1", "spend": "x"}))
+        await recorder.send_now()
+        await wait_for(lambda: recorder.retries >= 12, timeout=20, what="tries without a stream")
+        await open_stream(js, records.stream_config())
+        await open_stream(js, spend_stream_config())
+        await wait_for(lambda: recorder.acked == 2, timeout=20, what="both acknowledged")
+        assert recorder.failed == 0 and recorder.failed_reports == 0
+        for stream in (records.STREAM, subjects.SPEND_STREAM):
+            assert (await js.stream_info(stream)).state.messages == 1, stream
+        kept = await js.get_last_msg(subjects.SPEND_STREAM, spend)
+        assert codec.decode_map(kept.data)["request_id"] == "late-1"
 
 
 async def test_on_the_locked_bus_workers_publish_and_telemetry_consumes_durably(

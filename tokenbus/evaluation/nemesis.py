@@ -616,7 +616,9 @@ async def http_client_loop(run: Run, key_name: str, bridge: int) -> None:
     secret = run.keys[key_name][0]
     bases = run.stack.bases
     i = bridge
-    async with httpx.AsyncClient(timeout=httpx.Timeout(cfg.deadline_s, connect=5)) as h:
+    # The bridge ends a request at its deadline with an error of its own: the client waits
+    # past that (as the invariant's 5 s of grace does), or it races the bridge's clock.
+    async with httpx.AsyncClient(timeout=httpx.Timeout(cfg.deadline_s + 5, connect=5)) as h:
         while time.monotonic() < run.stop_at:
             base = bases[i % len(bases)]
             i += 1
@@ -1055,6 +1057,42 @@ async def check_keys(run: Run) -> dict[str, Any]:
     return {"checked": len(ids), "created_during_run": len(run.acked_keys), "missing": missing}
 
 
+async def _records_in_stream(nc: Any, missing: set[str]) -> dict[str, Any]:
+    """Where the records of requests missing from the store went: how many of them the
+    records' stream holds (then the consumer lost them) and by which publisher, read with
+    an ephemeral ordered consumer from the stream's start."""
+    from bus_schemas import codec
+    from telemetry import records as R
+
+    js = nc.jetstream(timeout=5)
+    found: dict[str, set[str]] = {}
+    seen = 0
+    try:
+        info = await js.stream_info(R.STREAM)
+        last = info.state.last_seq
+        sub = await js.subscribe(R.subject(), ordered_consumer=True, stream=R.STREAM)
+        try:
+            while seen < last:
+                msg = await sub.next_msg(timeout=5)
+                seen = msg.metadata.sequence.stream
+                with contextlib.suppress(Exception):
+                    for rec in R.batch(codec.decode_map(msg.data)):
+                        rid = rec.get("request_id") if isinstance(rec, dict) else None
+                        if rid in missing:
+                            found.setdefault(rid, set()).add(str(rec.get("source")))
+        finally:
+            await sub.unsubscribe()
+    except Exception as exc:
+        return {"error": repr(exc), "read_to_seq": seen}
+    by: Counter[str] = Counter("+".join(sorted(v)) for v in found.values())
+    return {
+        "in_stream": len(found),
+        "not_in_stream": len(missing) - len(found),
+        "in_stream_by_source": dict(by),
+        "not_in_stream_sample": sorted(missing - set(found))[:5],
+    }
+
+
 def check_records(run: Run) -> dict[str, Any]:
     """Every answered request's record in the telemetry store once (by request id)."""
     rids = [o.rid for o in run.outcomes if o.via in ("http", "nats") and o.status == "ok"]
@@ -1076,6 +1114,7 @@ def check_records(run: Run) -> dict[str, Any]:
         "stored": len(rids) - len(missing),
         "missing": len(missing),
         "missing_sample": missing[:5],
+        "missing_ids": missing,
         "repeated": len(repeated),
     }
 
@@ -1133,9 +1172,12 @@ async def invariants(
         settled = await _consumer_settled(
             nc, subjects.RECORDS_STREAM, subjects.RECORDS_CONSUMER, 60
         )
+        rec = {**check_records(run), "records_consumer_settled": settled}
+        if rec.get("missing"):
+            rec["missing_where"] = await _records_in_stream(nc, set(rec["missing_ids"]))
     finally:
         await nc.close()
-    rec = {**check_records(run), "records_consumer_settled": settled}
+    rec.pop("missing_ids", None)
     recv = []
     if rec.get("error"):
         recv.append(rec["error"])
