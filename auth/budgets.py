@@ -161,9 +161,10 @@ class SpendBook:
         self._writing: set[str] = set()
         self._committing: set[asyncio.Task[None]] = set()
         # The entries this book wrote last (buckets.cas: the next write skips the read), and
-        # the holds it settled lately (their reports' copies from the stream cost nothing).
+        # the holds it settled lately (their reports' copies from the stream cost nothing)
+        # with what it charged for each (None: settled elsewhere, or nothing to correct).
         self._known: dict[str, tuple[dict[str, Any], int]] = {}
-        self._settled: dict[tuple[str, str], None] = {}
+        self._settled: dict[tuple[str, str], int | None] = {}
 
     async def open(self) -> SpendBook:
         self.kv = await buckets.open_kv(
@@ -349,16 +350,28 @@ class SpendBook:
         """Give back what ``hold`` holds (the request was not served)."""
         await self.settle(hold, 0)
 
-    async def settle(self, hold: Hold, actual: int) -> list[tuple[Budget, int, int]]:
+    async def settle(
+        self, hold: Hold, actual: int, *, superseding: bool = False
+    ) -> list[tuple[Budget, int, int]]:
         """Charge ``actual`` and drop the hold, in each entry that still holds it: a hold
         settled once is gone, so the same report settled again (by another limiter, or
         redelivered) charges nothing. (budget, spent before, spent after) of each budget
-        whose soft threshold this crossed."""
+        whose soft threshold this crossed.
+
+        ``superseding``: the settlement of an attempt its caller moved to another replica
+        (auth.ratelimit), at what the caller got from it. It is the attempt's price whichever
+        report comes first: when this book charged the attempt's own worker report already
+        (its prompt and all it generated, while the next attempt pays the prompt again), the
+        charge is corrected to ``actual``."""
         crossed = []
         now = time.time()
         for b, entry in hold.budgets:
             done = (hold.request_id, entry)
             if done in self._settled:  # by this book: the stream's copy of the report
+                charged = self._settled[done]
+                if superseding and charged is not None and charged != actual:
+                    await self._correct(entry, charged, actual)
+                    self._settled[done] = None  # corrected once
                 continue
 
             def charge(cur: dict[str, Any]) -> dict[str, Any]:
@@ -370,17 +383,26 @@ class SpendBook:
             try:
                 before, after = await self._cas(entry, charge)
             except _Settled:
-                self._remember_settled(done)
+                self._remember_settled(done, None)
                 continue
-            self._remember_settled(done)
+            self._remember_settled(done, None if superseding else actual)
             was, now_spent = int(before.get("spent", 0)), int(after["spent"])
             if b.soft is not None and was < b.soft <= now_spent:
                 crossed.append((b, was, now_spent))
         hold.budgets = []
         return crossed
 
-    def _remember_settled(self, done: tuple[str, str]) -> None:
-        self._settled[done] = None
+    async def _correct(self, entry: str, charged: int, actual: int) -> None:
+        """Replace a charge of ``charged`` made in ``entry`` by ``actual``."""
+
+        def correct(cur: dict[str, Any]) -> dict[str, Any]:
+            spent = max(0, int(cur.get("spent", 0)) - charged + actual)
+            return {**cur, "spent": spent}
+
+        await self._cas(entry, correct)
+
+    def _remember_settled(self, done: tuple[str, str], charged: int | None) -> None:
+        self._settled[done] = charged
         if len(self._settled) > _SETTLED_KEPT:
             del self._settled[next(iter(self._settled))]  # the oldest
 

@@ -312,13 +312,15 @@ class RateLimitCheck:
             self.log.warning("spend_report_unreadable", request_id=u.get("request_id"))
             return
         hold, model = held
-        if "resumed" in u:  # superseded by a migration: the output the caller got from it
+        superseding = "resumed" in u
+        if superseding:  # moved by its caller: the output the caller got from it (the next
+            # attempt's report pays the prompt and the rest: together, the answer's usage)
             prompt, completion, cached = 0, int(u["resumed"]), 0
         else:
             prompt = int(u.get("prompt", u.get("used", 0)))
             completion, cached = int(u.get("completion", 0)), int(u.get("cached", 0))
         actual = budgets.cost(self.prices(model), prompt, completion, cached)
-        crossed = await self.spend.settle(hold, actual)
+        crossed = await self.spend.settle(hold, actual, superseding=superseding)
         if crossed:
             await self.spend.alert(crossed, model)
 

@@ -305,3 +305,46 @@ async def test_many_requests_of_one_owner_commit_together_and_refuse_exactly_at_
     assert sum(served) >= 100
     # 2 changes (hold, settle) per request: far fewer writes when grouped.
     assert writes < 2 * len(served) // 2, (writes, len(served))
+
+
+async def test_a_moved_attempt_costs_what_its_caller_got_whichever_report_comes_first(
+    nats_server: Any,
+) -> None:
+    """A request moved to another replica mid-answer: its first attempt's hold is settled by
+    the first worker's own report (prompt and all it generated) and by the next attempt's
+    admission (what the caller got from it, no prompt: the next attempt pays that). In either
+    order the attempt costs what the caller got, so the request costs its answer's usage."""
+    nc = await nats.connect(nats_server.url)
+    try:
+        book = await budgets.SpendBook(nc).open()
+        key = budgets.Budget(f"k.moved{time.time_ns()}", "day", None, None)
+
+        async def attempt(name: str) -> Any:
+            """A report's view of the attempt's hold: a fresh one for each report."""
+            hold = await book.reserve([key], name, 500, time.time() + 60)
+            return lambda: budgets.Hold(name, 0, list(hold.budgets))
+
+        # Worker first: charged 130 (prompt 100 + 30 generated), then superseded at 20.
+        report = await attempt("r1#0")
+        await book.settle(report(), 130)
+        assert (await book.spent(key)) == (130, 0)
+        await book.settle(report(), 20, superseding=True)
+        assert (await book.spent(key)) == (20, 0)
+        # The copies from the stream (both) charge nothing again.
+        await book.settle(report(), 130)
+        await book.settle(report(), 20, superseding=True)
+        assert (await book.spent(key)) == (20, 0)
+        # Superseded first: 20, and the worker's report that comes after charges nothing.
+        report = await attempt("r2#0")
+        await book.settle(report(), 20, superseding=True)
+        await book.settle(report(), 130)
+        assert (await book.spent(key)) == (40, 0)
+        # Another limiter's book (no memory of the first charge) cannot correct it: the
+        # attempt keeps its worker's price there (docs/flow.md says so).
+        other = await budgets.SpendBook(nc).open()
+        report = await attempt("r3#0")
+        await book.settle(report(), 130)
+        await other.settle(report(), 20, superseding=True)
+        assert (await book.spent(key)) == (170, 0)
+    finally:
+        await nc.close()
