@@ -24,7 +24,6 @@ micro-dollars.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import math
@@ -140,14 +139,6 @@ class _Settled(Exception):
     """The entry holds nothing for this request: nothing to charge."""
 
 
-class _NothingToWrite(Exception):
-    """Every change of a group raised: the entry stays as it is."""
-
-    def __init__(self, outcomes: list[Any]) -> None:
-        super().__init__("nothing to write")
-        self.outcomes = outcomes
-
-
 class SpendBook:
     """Spend and holds per scope and period in the ``tokenbus_spend`` bucket."""
 
@@ -156,14 +147,11 @@ class SpendBook:
         self.log = log
         self.kv: KeyValue | None = None
         self._owners: dict[str, tuple[float, Budget | None]] = {}
-        # Changes waiting for their entry's write in flight (_cas), and the entries written.
-        self._waiting: dict[str, list[tuple[Any, asyncio.Future[Any]]]] = {}
-        self._writing: set[str] = set()
-        self._committing: set[asyncio.Task[None]] = set()
         # The entries this book wrote last (buckets.cas: the next write skips the read), and
         # the holds it settled lately (their reports' copies from the stream cost nothing)
         # with what it charged for each (None: settled elsewhere, or nothing to correct).
         self._known: dict[str, tuple[dict[str, Any], int]] = {}
+        self._writes = buckets.Grouped(self._kv, tries=_MAX_CAS_TRIES, known=self._known)
         self._settled: dict[tuple[str, str], int | None] = {}
 
     async def open(self) -> SpendBook:
@@ -182,72 +170,10 @@ class SpendBook:
 
     async def _cas(self, key: str, change: Any) -> tuple[dict[str, Any], dict[str, Any]]:
         """Apply ``change`` (which may raise) to the entry at ``key`` atomically: (before,
-        after); through a stalled stream leader too, never twice (services.buckets.cas).
-
-        Changes to one entry are committed together: while one write to it is in flight,
-        those that come meanwhile wait and go as one compare-and-set when it is done, each
-        applied to the state the one before it left (one that raises is left out, and
-        raises to its caller alone). Many requests of one key or owner in one limiter
-        then cost one write per round trip instead of one each, and never race each other
-        for the entry's revision; only other limiters' writes clash."""
-        fut: asyncio.Future[tuple[dict[str, Any], dict[str, Any]]]
-        fut = asyncio.get_running_loop().create_future()
-        # Its caller may be gone (cancelled) when it is decided: never an unread exception.
-        fut.add_done_callback(lambda f: f.cancelled() or f.exception())
-        self._waiting.setdefault(key, []).append((change, fut))
-        if key not in self._writing:
-            self._writing.add(key)
-            task = asyncio.get_running_loop().create_task(self._commit(key))
-            self._committing.add(task)
-            task.add_done_callback(self._committing.discard)
-        return await asyncio.shield(fut)
-
-    async def _commit(self, key: str) -> None:
-        """Write the changes waiting for ``key``, a group at a time, until none wait."""
-        try:
-            while self._waiting.get(key):
-                group = self._waiting.pop(key)
-                await self._commit_group(key, group)
-        finally:
-            self._writing.discard(key)
-
-    async def _commit_group(self, key: str, group: list[tuple[Any, asyncio.Future[Any]]]) -> None:
-        # Each try's outcome per change, by the state that try would write (the write that
-        # landed is known by what buckets.cas returns).
-        tries: dict[int, tuple[dict[str, Any], list[Any]]] = {}
-
-        def apply(cur: dict[str, Any]) -> dict[str, Any]:
-            state: dict[str, Any] = cur
-            outcomes: list[Any] = []
-            for change, _ in group:
-                try:
-                    after = change(dict(state))
-                except Exception as exc:  # that change alone is left out
-                    outcomes.append(exc)
-                    continue
-                outcomes.append((state, after))
-                state = after
-            if all(isinstance(o, Exception) for o in outcomes):
-                raise _NothingToWrite(outcomes)
-            tries[id(state)] = (state, outcomes)
-            return state
-
-        try:
-            _, written = await buckets.cas(
-                self._kv(), key, apply, tries=_MAX_CAS_TRIES, known=self._known
-            )
-            outcomes = tries[id(written)][1]
-        except _NothingToWrite as nothing:
-            outcomes = nothing.outcomes
-        except Exception as exc:  # the write failed: every change in it did
-            outcomes = [exc] * len(group)
-        for (_, fut), outcome in zip(group, outcomes, strict=True):
-            if fut.done():
-                continue
-            if isinstance(outcome, BaseException):
-                fut.set_exception(outcome)
-            else:
-                fut.set_result(outcome)
+        after); committed together with the other changes to the entry that come while a
+        write to it is in flight (services.buckets.Grouped), through a stalled stream leader
+        too, never twice."""
+        return await self._writes.apply(key, change)
 
     # -- owners' budgets -------------------------------------------------------------------
     async def owner_budget(self, owner: str) -> Budget | None:

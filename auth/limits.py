@@ -60,8 +60,6 @@ from nats.js.kv import KeyValue
 from bus_schemas import errors as E
 from services import buckets
 
-Change = Callable[[dict[str, Any]], dict[str, Any]]
-
 BUCKET = "tokenbus_ratelimit"
 # Long-lived secrets of the limiters (no TTL): the key admission tickets are signed with.
 SECRETS_BUCKET = "tokenbus_secrets"
@@ -172,8 +170,7 @@ class Limiter:
         # Names this instance in the store and in usage reports (``subjects.usage(owner)``).
         self.owner = owner or uuid.uuid4().hex[:12]
         self.kv: KeyValue | None = None
-        self._queues: dict[str, list[tuple[Change, asyncio.Future[Any]]]] = {}
-        self._busy: set[str] = set()
+        self._writes = buckets.Grouped(self._kv, tries=_MAX_CAS_TRIES, refusals=(E.TokenbusError,))
         self._windows: dict[str, _Window] = {}
         self._slots: dict[str, _Slots] = {}
         self._limits: dict[str, int] = {}  # principal -> its concurrency limit, for renewals
@@ -238,63 +235,11 @@ class Limiter:
     async def _cas(
         self, key: str, change: Callable[[dict[str, Any]], dict[str, Any]]
     ) -> dict[str, Any]:
-        """Apply ``change`` to the entry at ``key`` atomically; ``change`` may raise.
-
-        Changes to one key from this instance are batched: while one compare-and-set is in
-        flight, later ones queue and go together in the next, applied in arrival order. A
-        hot key then costs one KV round trip per batch, and at most one writer per limiter
-        instance races on it, instead of one per request.
-        """
-        fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
-        queue = self._queues.setdefault(key, [])
-        queue.append((change, fut))
-        if key not in self._busy:
-            self._busy.add(key)
-            try:
-                while self._queues.get(key):
-                    batch = self._queues.pop(key)
-                    try:
-                        await self._cas_batch(key, batch)
-                    except Exception as exc:
-                        for _, f in batch:
-                            if not f.done():
-                                f.set_exception(exc)
-            finally:
-                self._busy.discard(key)
-        return await fut
-
-    async def _cas_batch(self, key: str, batch: list[tuple[Change, asyncio.Future[Any]]]) -> None:
-        """One compare-and-set for the whole batch (services.buckets.cas: through a stalled
-        stream leader too, never applied twice); a change that refuses leaves the state as
-        it was for the ones after it."""
-
-        def apply(state: dict[str, Any], outcomes: list[Any]) -> dict[str, Any]:
-            for change, _ in batch:
-                try:
-                    state = change(dict(state))
-                    outcomes.append(state)
-                except E.TokenbusError as exc:  # refused: the state stays as it was
-                    outcomes.append(exc)
-            return state
-
-        # Each attempt's outcomes, by the state it wrote: those of the write applied count.
-        tried: dict[int, list[Any]] = {}
-
-        def attempt(state: dict[str, Any]) -> dict[str, Any]:
-            outcomes: list[Any] = []
-            new = apply(state, outcomes)
-            tried[id(new)] = outcomes
-            return new
-
-        _, after = await buckets.cas(self._kv(), key, attempt, tries=_MAX_CAS_TRIES)
-        outcomes = tried[id(after)]
-        for (_, fut), out in zip(batch, outcomes, strict=True):
-            if fut.done():
-                continue
-            if isinstance(out, Exception):
-                fut.set_exception(out)
-            else:
-                fut.set_result(out)
+        """Apply ``change`` to the entry at ``key`` atomically: the state after it. A change
+        that refuses (``TokenbusError``) raises to its caller alone. Changes to one key from
+        this instance go together (services.buckets.Grouped): a hot key costs one KV round
+        trip per group, and at most one writer per limiter instance races on it."""
+        return (await self._writes.apply(key, change))[1]
 
     # --- requests and tokens per window ----------------------------------------------------
 

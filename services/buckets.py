@@ -213,6 +213,107 @@ async def cas(
             await asyncio.sleep(_STALL_PAUSE_S)
 
 
+class _NothingToWrite(Exception):
+    """Every change of a group was refused: the entry stays as it is."""
+
+    def __init__(self, outcomes: list[Any]) -> None:
+        super().__init__("nothing to write")
+        self.outcomes = outcomes
+
+
+Change = Callable[[dict[str, Any]], dict[str, Any]]
+
+
+class Grouped:
+    """Changes to one entry committed together, by :func:`cas`: while a write to the entry
+    is in flight, the changes that come meanwhile wait and go as one compare-and-set when it
+    is done, each applied to the state the one before it left. A change that raises one of
+    ``refusals`` is left out and raises to its caller alone (a group whose every change was
+    refused writes nothing); any other failure fails the whole group. Many requests of one
+    key in one process then cost one write per round trip instead of one each, and never
+    race each other for the entry's revision; only other processes' writes clash.
+
+    The group is written in a task of its own: a caller cancelled meanwhile does not stop
+    the others' changes. ``known``: as :func:`cas`'s (the next write skips the read)."""
+
+    def __init__(
+        self,
+        kv: Callable[[], KeyValue],
+        *,
+        tries: int = 100,
+        refusals: tuple[type[BaseException], ...] = (Exception,),
+        known: dict[str, tuple[dict[str, Any], int]] | None = None,
+    ) -> None:
+        self._kv = kv
+        self._tries = tries
+        self._refusals = refusals
+        self._known = known
+        self._waiting: dict[str, list[tuple[Change, asyncio.Future[Any]]]] = {}
+        self._writing: set[str] = set()
+        self._committing: set[asyncio.Task[None]] = set()
+
+    async def apply(self, key: str, change: Change) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Apply ``change`` (which may raise) to the entry at ``key`` atomically: (before,
+        after); through a stalled stream leader too, never twice."""
+        fut: asyncio.Future[tuple[dict[str, Any], dict[str, Any]]]
+        fut = asyncio.get_running_loop().create_future()
+        # Its caller may be gone (cancelled) when it is decided: never an unread exception.
+        fut.add_done_callback(lambda f: f.cancelled() or f.exception())
+        self._waiting.setdefault(key, []).append((change, fut))
+        if key not in self._writing:
+            self._writing.add(key)
+            task = asyncio.get_running_loop().create_task(self._commit(key))
+            self._committing.add(task)
+            task.add_done_callback(self._committing.discard)
+        return await asyncio.shield(fut)
+
+    async def _commit(self, key: str) -> None:
+        """Write the changes waiting for ``key``, a group at a time, until none wait."""
+        try:
+            while self._waiting.get(key):
+                await self._commit_group(key, self._waiting.pop(key))
+        finally:
+            self._writing.discard(key)
+
+    async def _commit_group(
+        self, key: str, group: list[tuple[Change, asyncio.Future[Any]]]
+    ) -> None:
+        # Each try's outcome per change, by the state that try would write (the write that
+        # landed is known by what cas returns).
+        tries: dict[int, list[Any]] = {}
+
+        def apply(cur: dict[str, Any]) -> dict[str, Any]:
+            state = cur
+            outcomes: list[Any] = []
+            for change, _ in group:
+                try:
+                    after = change(dict(state))
+                except self._refusals as exc:  # that change alone is left out
+                    outcomes.append(exc)
+                    continue
+                outcomes.append((state, after))
+                state = after
+            if all(isinstance(o, BaseException) for o in outcomes):
+                raise _NothingToWrite(outcomes)
+            tries[id(state)] = outcomes
+            return state
+
+        try:
+            _, written = await cas(self._kv(), key, apply, tries=self._tries, known=self._known)
+            outcomes = tries[id(written)]
+        except _NothingToWrite as nothing:
+            outcomes = nothing.outcomes
+        except Exception as exc:  # the write failed: every change in it did
+            outcomes = [exc] * len(group)
+        for (_, fut), outcome in zip(group, outcomes, strict=True):
+            if fut.done():
+                continue
+            if isinstance(outcome, BaseException):
+                fut.set_exception(outcome)
+            else:
+                fut.set_result(outcome)
+
+
 async def through_stall(
     op: Callable[[], Awaitable[T]], *, what: str, stall_s: float | None = None
 ) -> T:
