@@ -169,6 +169,12 @@ def worker_cancel(replica: str) -> str:
     return f"{PREFIX}.worker.{token(replica)}.cancel"
 
 
+def replica_claim(replica: str) -> str:
+    """Where the processes started with one replica id say who they are: the oldest keeps
+    it, the others refuse to serve (engine_worker/claim.py)."""
+    return f"{PREFIX}.replica.{token(replica)}.claim"
+
+
 def heartbeat(model: str, replica: str) -> str:
     """Where a replica announces itself and its load."""
     return f"{PREFIX}.heartbeat.{token(model)}.{token(replica)}"

@@ -36,13 +36,14 @@ from engine_worker.backends.base import (
     KVEventSource,
     kv_event_source,
 )
+from engine_worker.claim import ReplicaClaim, ReplicaTaken
 from engine_worker.flow import FlowConfig, FlowControl, Ticket, class_of
 from engine_worker.outbox import Outbox
 from filter.policy import FilterPolicy
 from filter.scanner import Scanner, StreamOutput, StreamScanner
 from services import tracing, usage
 from services.caller import Assembled, Chunk
-from services.runtime import Service, flush, reply_subject
+from services.runtime import Service, StartRefused, flush, reply_subject
 from telemetry import records
 
 # How long a cancel that arrived before its request is remembered.
@@ -333,11 +334,22 @@ class Worker(Service):
         self.outbox = Outbox(self.nc)
         self._records = records.Recorder(self.nc)
         self.outbox.before = self._records_first
+        # Before the engine loads: a second process with this id refuses at once.
+        self._claim = ReplicaClaim(self.nc, self.replica, self.boot, self.give_up)
+        try:
+            await self._claim.take(self.cfg.claim_wait_s)
+        except ReplicaTaken as exc:
+            raise StartRefused(str(exc)) from None
         await self.backend.start()
         if not self.cfg.endpoints:  # the engine may know better once loaded (vllm: the runner)
             self.endpoints = list(self.backend.endpoints())
+        # A queue group of its own: should two processes serve the id for a moment (one
+        # that was cut off comes back), each request still goes to one of them.
         await self.add_endpoint(
-            "generate", subjects.engine_generate(self.model, self.replica), self.handle
+            "generate",
+            subjects.engine_generate(self.model, self.replica),
+            self.handle,
+            queue=f"replica.{self.replica}",
         )
         self._cancel_sub = await self.nc.subscribe(
             subjects.worker_cancel(self.replica), cb=self._on_cancel
@@ -477,6 +489,8 @@ class Worker(Service):
         return str(hashing.get("kind")) if isinstance(hashing, dict) else KV.SCHEME_TEXT
 
     async def heartbeat(self) -> None:
+        if self.failure is not None:  # a second process of its id: the beats are another's
+            return
         with contextlib.suppress(Exception):
             await self.nc.publish(
                 subjects.heartbeat(self.model, self.replica), codec.encode(self.heartbeat_body())
@@ -513,6 +527,7 @@ class Worker(Service):
         await self._records.flush()
         self._hb_task.cancel()
         await self.heartbeat()
+        await self._claim.release()
         with contextlib.suppress(Exception):
             await self._cancel_sub.unsubscribe()
         await self.backend.stop()

@@ -500,6 +500,13 @@ class WorkerSettings(BaseModel):
     backend: Literal["sim", "openai", "vllm"] = "sim"
     model: str = DEFAULT_MODEL
     replica: str = Field(default="", description="Replica id; generated when empty.")
+    claim_wait_s: float = Field(
+        default=0.3,
+        ge=0,
+        description="How long a starting worker listens for another process that serves its "
+        "replica id already (engine_worker/claim.py): one that does makes it refuse to start. "
+        "A live one answers within a round trip.",
+    )
     max_concurrency: int = Field(default=256, ge=1)
     heartbeat_interval_s: float = Field(default=0.5, gt=0)
     max_model_len: int = Field(

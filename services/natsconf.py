@@ -50,6 +50,8 @@ REQ = f"{PREFIX}.req.>"
 STAGES = f"{PREFIX}.stage.>"
 ENGINE = f"{PREFIX}.engine.>"
 CANCEL = f"{PREFIX}.worker.*.cancel"
+# Workers say which replica id they serve (engine_worker/claim.py): workers only.
+CLAIMS = f"{PREFIX}.replica.*.claim"
 HEARTBEAT = f"{PREFIX}.heartbeat.>"
 # Replicas' KV-cache events (docs/kv-events.md): workers publish, routers and bridges
 # follow. Snapshot requests need no rule of their own: they go to the replica's engine
@@ -146,8 +148,8 @@ ROLES: dict[str, tuple[list[str], list[str]]] = {
         ],
     ),
     "worker": (
-        [HEARTBEAT, KV_EVENTS, *USAGE, TELEMETRY, INBOX],
-        [ENGINE, CANCEL, DISCOVERY, RECORDS_ACKS],
+        [HEARTBEAT, KV_EVENTS, *USAGE, TELEMETRY, INBOX, CLAIMS],
+        [ENGINE, CANCEL, DISCOVERY, RECORDS_ACKS, CLAIMS],
     ),
     # The telemetry service's probes of the bus (docs/telemetry.md): a discovery ping, the
     # key store's stream state (no key is read), the answers under its own inbox root only.

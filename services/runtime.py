@@ -277,6 +277,10 @@ class Service:
         self._subs: list[Any] = []
         self._accepting = False
         self.stopped = asyncio.Event()
+        # Set by :meth:`give_up`: this process must not go on serving (it drains and exits
+        # with status 2, the reason said).
+        self.failure: StartRefused | None = None
+        self._failed = asyncio.Event()
         # token -> (expiry, caller's inbox, subject, what to send to the queue group when it
         # went to one member whose own subject had no responders)
         self._bounces: OrderedDict[
@@ -315,6 +319,14 @@ class Service:
         # a request could find "no responders" though the service says it has started.
         await flush(self.nc)
         self.log.info("service_started", nats=self.settings.url())
+
+    def give_up(self, reason: str) -> None:
+        """Stop serving for good: the process drains and exits with status 2, saying
+        ``reason`` (what a supervisor cannot mend by restarting it alone)."""
+        if self.failure is None:
+            self.failure = StartRefused(reason)
+            self.log.error("service_giving_up", reason=reason)
+            self._failed.set()
 
     async def _connect(self) -> NATS:
         """This service's own connection, named after the instance."""
@@ -693,13 +705,20 @@ async def _serve(service: Service) -> None:
         if service.settings.health_file
         else None
     )
+    failed = asyncio.ensure_future(service._failed.wait())
+    signalled = asyncio.ensure_future(stop.wait())
     try:
-        await stop.wait()
-        service.log.info("signal_received")
+        await asyncio.wait({failed, signalled}, return_when=asyncio.FIRST_COMPLETED)
+        if service.failure is None:
+            service.log.info("signal_received")
     finally:
+        failed.cancel()
+        signalled.cancel()
         if health is not None:
             health.cancel()
         await service.drain()
+    if service.failure is not None:
+        raise service.failure
 
 
 class LoopWatchdog:

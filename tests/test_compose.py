@@ -287,3 +287,69 @@ def test_impossible_topologies_are_refused_with_the_reason(args: list[str], why:
     r = run_cli("compose", "generate", "--model", "m", *args)
     assert r.returncode == 2 and why in r.stderr, (r.returncode, r.stderr)
     assert r.stdout == ""
+
+
+def test_a_gpu_host_on_its_own_serves_two_models_with_ids_unique_to_the_host(
+    tmp_path: Path,
+) -> None:
+    """The 4-host layout of docs/deploy.md: a 70B model at TP4 and four 8B workers at TP1 on
+    one 8-GPU host, the bus elsewhere; every replica id names the host, no service name is
+    another file's, and nothing refers to a stack that is not there."""
+    big, small = "meta-llama/Llama-3.1-70B-Instruct", "meta-llama/Llama-3.1-8B-Instruct"
+    files = {}
+    for host in ("gpu-1", "gpu-2"):
+        out = tmp_path / f"{host}.yml"
+        r = run_cli(
+            "compose", "generate", "--gpus", "8", "--host", host,
+            "--model", big, "--tp", "4", "--model", small, "--tp", "1,1,1,1",
+            "--bus", "tls://nats-1.example:4222,tls://nats-2.example:4222",
+            "--login-file", "/etc/tokenbus/worker.json", "--ca", "/etc/tokenbus/ca.pem",
+            "--out", str(out),
+        )  # fmt: skip
+        assert r.returncode == 0, r.stderr
+        files[host] = yaml.safe_load(out.read_text())["services"]
+    one = files["gpu-1"]
+    owner = one.pop("hf-cache-owner")
+    assert owner["image"] == "tokenbus-vllm:latest"  # no stack image on a GPU host
+    assert sorted(one) == [
+        "vllm-llama-3.1-70b-instruct-0",
+        *(f"vllm-llama-3.1-8b-instruct-{i}" for i in range(4)),
+    ]
+    replicas = {}
+    for name, svc in one.items():
+        args = build_parser().parse_args(svc["command"])
+        replicas[args.replica] = (args.model, args.tp, [int(d) for d in _devices(svc)])
+        env = svc["environment"]
+        assert env["TOKENBUS_NATS_URL"].startswith("tls://nats-1.example:4222")
+        assert svc["volumes"][:2] == [
+            "/etc/tokenbus/worker.json:/config/roles/worker.json:ro",
+            "/etc/tokenbus/ca.pem:/config/tls/ca.pem:ro",
+        ]
+        assert "nats" not in svc["depends_on"], name
+        assert not any(v.startswith("config:") for v in svc["volumes"])
+    assert replicas == {
+        "gpu-1-llama-3.1-70b-instruct-tp4-0": (big, 4, [0, 1, 2, 3]),
+        **{f"gpu-1-llama-3.1-8b-instruct-tp1-{i}": (small, 1, [4 + i]) for i in range(4)},
+    }
+    # The other host's file: the same services, every replica id its own.
+    two = [build_parser().parse_args(s["command"]).replica for s in files["gpu-2"].values()
+           if "command" in s]  # fmt: skip
+    assert not set(two) & set(replicas) and all(r.startswith("gpu-2-") for r in two)
+
+
+@pytest.mark.parametrize(
+    ("args", "why"),
+    [
+        (["--model", "a", "--tp", "4", "--model", "b"], "one --tp for each --model"),
+        (["--model", "a", "--tp", "4", "--model", "a", "--tp", "4"], "given twice"),
+        (["--model", "a", "--tp", "8", "--bus", "tls://n:4222"], "--login-file"),
+        (["--model", "a", "--tp", "8", "--bus", "tls://n:4222", "--login-file", "w"], "--ca"),
+        (["--model", "a", "--tp", "8", "--login-file", "w"], "go with --bus"),
+        (["--model", "a", "--tp", "4", "--model", "b", "--tp", "4,4"], "GPU 8 does not exist"),
+    ],
+)
+def test_several_models_and_a_bus_elsewhere_are_refused_when_wrong(
+    args: list[str], why: str
+) -> None:
+    r = run_cli("compose", "generate", "--gpus", "8", *args)
+    assert r.returncode == 2 and why in r.stderr, (r.returncode, r.stderr)

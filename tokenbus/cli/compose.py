@@ -7,14 +7,24 @@ TP2 replicas), ``--tp 4,2,2 --pool high_tp:4`` (a tiered mix, the TP4 replica in
 reason: a GPU given twice or beyond the host's count, a group whose size is not its TP
 degree, a TP degree that does not divide the host's GPU count.
 
-The file holds the worker services only; run it beside the stack's compose file
-(``docker compose -f compose/docker-compose.yml -f workers.yml up``).
+Several models in one file: ``--model A --tp 4 --model B --tp 1,1,1,1`` (each ``--tp`` or
+``--devices`` belongs to the ``--model`` before it; GPUs are given in order across them).
+Replica ids are unique by construction: ``<host>-<model>-tp<TP>-<i>`` (``--host``, by
+default this machine's name), and a worker whose id another process serves refuses to
+start anyway (engine_worker/claim.py).
+
+By default the file holds the worker services only, run beside the stack's compose file
+(``docker compose -f compose/docker-compose.yml -f workers.yml up``). With ``--bus`` it
+stands alone on a GPU host: the workers reach the bus elsewhere by URL, with the worker
+role's login file (and the bus's CA) from this host's disk.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
+import socket
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +41,7 @@ class Group:
 
     gpus: tuple[int, ...]
     pool: str
+    model: str = ""
 
     @property
     def tp(self) -> int:
@@ -44,13 +55,33 @@ def add_parser(sub: Any) -> None:
     g.add_argument("--gpus", type=int, required=True, help="GPUs on the host")
     g.add_argument(
         "--tp",
-        help="tensor-parallel degree of each worker, e.g. 2,2,4 (GPUs given in order)",
+        action="append",
+        help="tensor-parallel degree of each worker of the --model before it, e.g. 2,2,4 "
+        "(GPUs given in order)",
     )
     g.add_argument(
         "--devices",
+        action="append",
         help="the GPUs of each worker instead, e.g. '0,1;2,3;4,5,6,7' (TP = group size)",
     )
-    g.add_argument("--model", required=True, help="the model every worker serves")
+    g.add_argument(
+        "--model",
+        action="append",
+        required=True,
+        help="a model its workers serve; give it again (each with its --tp) for several",
+    )
+    g.add_argument(
+        "--host",
+        default=socket.gethostname(),
+        help="this host's name, in every replica id (default: this machine's)",
+    )
+    g.add_argument(
+        "--bus",
+        help="stand alone: the NATS URL(s) of the bus elsewhere, e.g. tls://nats-1:4222,"
+        "tls://nats-2:4222 (without: beside the stack's compose file)",
+    )
+    g.add_argument("--login-file", help="with --bus: the worker role's login file on this host")
+    g.add_argument("--ca", help="with --bus: the bus's CA certificate on this host (tls://)")
     g.add_argument(
         "--pool",
         action="append",
@@ -103,40 +134,101 @@ def plan(gpus: int, tp: str | None, devices: str | None, pools: list[str]) -> li
     return [Group(s, by_tp.get(len(s), "default")) for s in sets]
 
 
-def services(groups: list[Group], model: str) -> dict[str, Any]:
-    """The compose document: one vLLM worker service per group, and the shared HF cache."""
+def slug(model: str) -> str:
+    """A model's name as it goes into service names and replica ids: its last path part,
+    lower case, other characters than letters, digits, ``.`` and ``-`` as ``-``."""
+    name = model.rstrip("/").rsplit("/", 1)[-1].lower()
+    return re.sub(r"[^a-z0-9.-]+", "-", name).strip("-.") or "model"
+
+
+@dataclass(frozen=True, slots=True)
+class Bus:
+    """Where standalone workers find the bus (``--bus``): URLs, and files on the host."""
+
+    url: str
+    login_file: str
+    ca: str | None = None
+
+
+def plan_models(
+    gpus: int,
+    models: list[str],
+    tps: list[str] | None,
+    devices: list[str] | None,
+    pools: list[str],
+) -> list[Group]:
+    """Each model's groups, GPUs given in order across them; ValueError saying why not."""
+    tps, devices = tps or [], devices or []
+    if bool(tps) == bool(devices):
+        raise ValueError("give the workers' TP degrees (--tp) or their GPUs (--devices)")
+    specs = tps or devices
+    if len(specs) != len(models):
+        flag = "--tp" if tps else "--devices"
+        raise ValueError(f"give one {flag} for each --model ({len(models)} models, {len(specs)})")
+    if len(set(models)) != len(models):
+        raise ValueError("a --model is given twice: give it one --tp with all its workers")
+    joined = ",".join(tps) if tps else ";".join(devices)
+    groups = plan(gpus, joined if tps else None, joined if devices else None, pools)
+    out: list[Group] = []
+    for model, spec in zip(models, specs, strict=True):
+        n = len(spec.split(",")) if tps else len(spec.split(";"))
+        out += [Group(g.gpus, g.pool, model) for g in groups[len(out) : len(out) + n]]
+    return out
+
+
+def services(
+    groups: list[Group], model: str = "", *, host: str = "", bus: Bus | None = None
+) -> dict[str, Any]:
+    """The compose document: one vLLM worker service per group, and the shared HF cache.
+    ``bus``: the file stands alone (no stack beside it)."""
     out: dict[str, Any] = {}
-    for i, g in enumerate(groups):
+    host = slug(host) if host else "host"
+    counts: dict[str, int] = {}
+    for g in groups:
+        served = g.model or model
+        i = counts[served] = counts.get(served, -1) + 1
         ids = [str(x) for x in g.gpus]
         # Inside the container its GPUs are numbered from 0: vLLM takes all it sees.
-        cmd = ["serve", "worker", "--backend", "vllm", "--model", model]
-        cmd += ["--replica", f"vllm-tp{g.tp}-{i}", "--tp", str(g.tp), "--pool", g.pool]
+        cmd = ["serve", "worker", "--backend", "vllm", "--model", served]
+        replica = f"{host}-{slug(served)}-tp{g.tp}-{i}"
+        cmd += ["--replica", replica, "--tp", str(g.tp), "--pool", g.pool]
         cmd += ["--engine-arg", f"tensor_parallel_size={g.tp}"]
-        out[f"vllm-{i}"] = {
+        env = {
+            "TOKENBUS_NATS_URL": bus.url if bus else "tls://nats:4222",
+            "TOKENBUS_NATS_TLS_CA": "/config/tls/ca.pem",
+            "TOKENBUS_NATS_LOGIN_FILE": "/config/roles/worker.json",
+            "TOKENBUS_HEALTH_FILE": HEALTH_FILE,
+            "TOKENBUS_LOOP_WATCHDOG_S": "30",
+            # vLLM drains its running requests: longer than the stages' 30 s.
+            "TOKENBUS_DRAIN_TIMEOUT_S": "120",
+            "HF_HOME": HF_CACHE,
+            "HOME": "/tmp",
+        }
+        depends: dict[str, Any] = {
+            "hf-cache-owner": {"condition": "service_completed_successfully"}
+        }
+        if bus is None:  # the stack's bus and config volume, beside it
+            volumes = ["config:/config:ro", f"hf-cache:{HF_CACHE}"]
+            depends = {"nats": {"condition": "service_healthy"}, **depends}
+        else:  # the role's login (and the bus's CA) from this host's disk
+            volumes = [f"{bus.login_file}:/config/roles/worker.json:ro", f"hf-cache:{HF_CACHE}"]
+            if bus.ca:
+                volumes.insert(1, f"{bus.ca}:/config/tls/ca.pem:ro")
+            else:
+                del env["TOKENBUS_NATS_TLS_CA"]
+        # Named after the model: files generated for two models do not collide.
+        out[f"vllm-{slug(served)}-{i}"] = {
             "build": {"context": "..", "dockerfile": "Dockerfile.vllm"},
             "image": "tokenbus-vllm:latest",
             "command": cmd,
-            # On the stack's locked bus, as the worker role (its own uid and login).
+            # On the locked bus, as the worker role (its own uid and login).
             "user": str(ROLE_UID["worker"]),
-            "environment": {
-                "TOKENBUS_NATS_URL": "tls://nats:4222",
-                "TOKENBUS_NATS_TLS_CA": "/config/tls/ca.pem",
-                "TOKENBUS_NATS_LOGIN_FILE": "/config/roles/worker.json",
-                "TOKENBUS_HEALTH_FILE": HEALTH_FILE,
-                "TOKENBUS_LOOP_WATCHDOG_S": "30",
-                # vLLM drains its running requests: longer than the stages' 30 s.
-                "TOKENBUS_DRAIN_TIMEOUT_S": "120",
-                "HF_HOME": HF_CACHE,
-                "HOME": "/tmp",
-            },
-            "volumes": ["config:/config:ro", f"hf-cache:{HF_CACHE}"],
+            "environment": env,
+            "volumes": volumes,
             "ipc": "host",  # NCCL between the GPUs of one worker
             "restart": "unless-stopped",
             "stop_grace_period": "130s",
-            "depends_on": {
-                "nats": {"condition": "service_healthy"},
-                "hf-cache-owner": {"condition": "service_completed_successfully"},
-            },
+            "depends_on": depends,
             "healthcheck": {
                 "test": ["CMD", "tokenbus", "health", "--file", HEALTH_FILE],
                 "interval": "15s",
@@ -157,7 +249,7 @@ def services(groups: list[Group], model: str) -> dict[str, Any]:
         }
     # The cache volume belongs to the worker uid (a new volume is root's).
     out["hf-cache-owner"] = {
-        "image": "tokenbus:latest",
+        "image": "tokenbus-vllm:latest" if bus else "tokenbus:latest",
         "user": "0",
         "entrypoint": ["chown", "-R", f"{ROLE_UID['worker']}:{ROLE_UID['worker']}", HF_CACHE],
         "volumes": [f"hf-cache:{HF_CACHE}"],
@@ -189,16 +281,31 @@ def to_yaml(doc: Any, indent: int = 0) -> str:
 
 def main(a: argparse.Namespace) -> int:
     try:
-        groups = plan(a.gpus, a.tp, a.devices, a.pool)
+        groups = plan_models(a.gpus, a.model, a.tp, a.devices, a.pool)
+        bus = None
+        if a.bus:
+            if not a.login_file:
+                raise ValueError("--bus needs --login-file: the worker role's login on this host")
+            if a.bus.startswith("tls://") and not a.ca:
+                raise ValueError("a tls:// --bus needs --ca: the bus's CA certificate")
+            bus = Bus(a.bus, a.login_file, a.ca)
+        elif a.login_file or a.ca:
+            raise ValueError("--login-file and --ca go with --bus (a GPU host on its own)")
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    layout = " + ".join(f"TP{g.tp}[{','.join(map(str, g.gpus))}]:{g.pool}" for g in groups)
+    layout = " + ".join(
+        f"{slug(g.model)} TP{g.tp}[{','.join(map(str, g.gpus))}]:{g.pool}" for g in groups
+    )
+    run = (
+        "# On this host alone: docker compose -f <this> up -d\n"
+        if bus
+        else "# Run beside the stack: docker compose -f compose/docker-compose.yml -f <this> up\n"
+    )
+    doc = services(groups, host=a.host, bus=bus)
     text = (
-        f"# tokenbus compose generate: {a.model} on {a.gpus} GPUs as {layout}\n"
-        "# Run beside the stack: docker compose -f compose/docker-compose.yml -f <this> up\n"
-        + to_yaml(services(groups, a.model))
-        + "\n"
+        f"# tokenbus compose generate: {', '.join(a.model)} on {a.host}'s {a.gpus} GPUs as "
+        f"{layout}\n" + run + to_yaml(doc) + "\n"
     )
     if a.out:
         with open(a.out, "w") as fh:
