@@ -13,6 +13,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import os
+import threading
 import time
 import uuid
 from collections import OrderedDict
@@ -48,6 +50,10 @@ from telemetry import records
 
 # How long a cancel that arrived before its request is remembered.
 EARLY_CANCEL_TTL_S = 30.0
+# A worker whose engine died or is stuck exits with this status (EX_TEMPFAIL: start it again)
+# once its requests were handed back, at the latest this long after it found out.
+ENGINE_FAILED_EXIT = 75
+ENGINE_EXIT_GRACE_S = 15.0
 
 
 def output_scanner(policy: dict[str, Any] | None, window: int | None) -> StreamScanner | None:
@@ -313,6 +319,9 @@ class Worker(Service):
         caps = getattr(self.backend, "capabilities", None)
         self._upstream_caps: Callable[[], dict[str, Any]] | None = caps if callable(caps) else None
         self.draining = False
+        # Why the engine cannot serve (it died, or stopped making output): set once.
+        self.engine_failure: str | None = None
+        self._progress_at = time.monotonic()  # the engine's last output, any request's
         self._active: dict[str, asyncio.Task[Any]] = {}
         self._busy = asyncio.Event()  # set when an idle replica takes a request: beat now
         # Streams whose callers cannot see heartbeats (Tb-Keepalive): reply -> None.
@@ -469,6 +478,9 @@ class Worker(Service):
             "tp": int(getattr(self.backend, "tp", self.cfg.tp)),
             "pool": self.cfg.pool,
             "draining": self.draining,
+            # The engine's health: "failed" (with the reason) takes it out of routing.
+            "health": "failed" if self.engine_failure else "ok",
+            **({"health_reason": self.engine_failure} if self.engine_failure else {}),
             "endpoints": self.endpoints,
             "aliases": [m for m in getattr(self.backend, "served_models", ()) if m != self.model],
             "interval_s": self._interval(),
@@ -501,12 +513,52 @@ class Worker(Service):
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._busy.wait(), self._interval())
             self._busy.clear()
+            if self.engine_failure is None:
+                problem = self._engine_problem()
+                if problem is not None:
+                    await self._engine_lost(problem)
             await self.heartbeat()
             if self._keepalive:
                 # Through the outbox: behind the chunks already queued for each stream.
                 frame = frames.alive(self.boot, self.reconnects)
                 for reply in list(self._keepalive):
                     self.outbox.send(reply, frame)
+
+    # -- the engine's health -----------------------------------------------------------------
+    def _engine_problem(self) -> str | None:
+        """Why the engine cannot serve, or None: the backend says it died (vLLM's engine
+        core), or no request in flight has had any output for ``engine_stuck_s``."""
+        health = getattr(self.backend, "health", None)
+        problem = health() if callable(health) else None
+        if problem:
+            return str(problem)
+        stuck = float(self.cfg.engine_stuck_s)
+        quiet = time.monotonic() - self._progress_at
+        if stuck > 0 and self._active and quiet > stuck:
+            return f"made no output for {quiet:.0f} s with {len(self._active)} requests in flight"
+        return None
+
+    async def _engine_lost(self, problem: str) -> None:
+        """Out of routing at once (a beat that says so), every request in flight ended with
+        a retryable ``replica_lost`` (its caller moves it to another replica), then the
+        process exits with :data:`ENGINE_FAILED_EXIT` so that its supervisor (compose's
+        restart policy, Kubernetes, ``tokenbus up``) starts it again; a stuck engine that
+        does not let it stop cleanly is left after :data:`ENGINE_EXIT_GRACE_S`."""
+        self.engine_failure = problem
+        self.draining = True
+        self.log.error("engine_failed", reason=problem, in_flight=len(self._active))
+        await self.heartbeat()
+        for task in list(self._active.values()):
+            task.cancel()
+        self.give_up(f"replica {self.replica}: the engine {problem}", ENGINE_FAILED_EXIT)
+        timer = threading.Timer(ENGINE_EXIT_GRACE_S, os._exit, (ENGINE_FAILED_EXIT,))
+        timer.daemon = True
+        timer.start()
+
+    def unhealthy(self) -> str | None:
+        if self.engine_failure is not None:
+            return f"the engine {self.engine_failure}"
+        return super().unhealthy()
 
     # -- lifecycle --------------------------------------------------------------------------
     async def stop_taking_work(self) -> None:
@@ -718,6 +770,7 @@ class Worker(Service):
     def _track(self, gen: _Generation) -> None:
         if not self._active:
             self._busy.set()  # the heartbeat loop may be in an idle (long) sleep
+            self._progress_at = time.monotonic()  # idle was no sign of a stuck engine
         self._active[gen.reply] = gen.task
 
     def _interval(self) -> float:
@@ -839,6 +892,7 @@ class Worker(Service):
                 if gate.blocked:
                     finish = "content_filter"
             if text or d.tokens or side:
+                self._progress_at = time.monotonic()
                 held_tokens += d.tokens
                 if text or side:
                     if not gen.first_ns:

@@ -338,6 +338,12 @@ class SimSettings(BaseModel):
     decode_ms: float = Field(default=10.0, description="Decode step time at batch size 1.")
     decode_ms_per_seq: float = Field(default=0.0, description="Extra step time per running seq.")
     max_running: int = Field(default=256, ge=1, description="Max sequences in the batch.")
+    fault_signals: bool = Field(
+        default=False,
+        description="For tests of engine health: SIGUSR1 makes the sim's engine die (the worker "
+        "is told at once, as vLLM's errored engine says), SIGUSR2 makes it hang (no more steps, "
+        "nothing said: the worker finds it stuck after worker.engine_stuck_s).",
+    )
     tp_comm_ms: float = Field(default=0.0, description="All-reduce cost per step when tp>1.")
     tp_efficiency: float = Field(default=0.9, gt=0, le=1, description="Scaling per extra GPU.")
     embedding_dim: int = Field(
@@ -500,6 +506,14 @@ class WorkerSettings(BaseModel):
     backend: Literal["sim", "openai", "vllm"] = "sim"
     model: str = DEFAULT_MODEL
     replica: str = Field(default="", description="Replica id; generated when empty.")
+    engine_stuck_s: float = Field(
+        default=60.0,
+        ge=0,
+        description="A worker whose engine made no output for this long while requests are "
+        "in flight calls it stuck (0: never): it leaves routing, hands its requests back to "
+        "their callers (they move them) and exits to be restarted, as when the engine dies "
+        "(docs/deploy.md, 'Engine health').",
+    )
     claim_wait_s: float = Field(
         default=0.3,
         ge=0,

@@ -113,6 +113,15 @@ class StartRefused(Exception):
     upstream does not serve its model): retrying cannot help, so it exits with status 2."""
 
 
+class GaveUp(Exception):
+    """A running service stopped serving for good (:meth:`Service.give_up`): the process
+    exits with ``exit_code`` (2: restarting it alone cannot help; others: restart it)."""
+
+    def __init__(self, reason: str, exit_code: int = 2) -> None:
+        super().__init__(reason)
+        self.exit_code = exit_code
+
+
 class ConnectRefused(StartRefused):
     """The NATS server refused this process's credentials at connect: retrying cannot help."""
 
@@ -278,8 +287,8 @@ class Service:
         self._accepting = False
         self.stopped = asyncio.Event()
         # Set by :meth:`give_up`: this process must not go on serving (it drains and exits
-        # with status 2, the reason said).
-        self.failure: StartRefused | None = None
+        # with the failure's status, the reason said).
+        self.failure: GaveUp | None = None
         self._failed = asyncio.Event()
         # token -> (expiry, caller's inbox, subject, what to send to the queue group when it
         # went to one member whose own subject had no responders)
@@ -320,13 +329,18 @@ class Service:
         await flush(self.nc)
         self.log.info("service_started", nats=self.settings.url())
 
-    def give_up(self, reason: str) -> None:
-        """Stop serving for good: the process drains and exits with status 2, saying
-        ``reason`` (what a supervisor cannot mend by restarting it alone)."""
+    def give_up(self, reason: str, exit_code: int = 2) -> None:
+        """Stop serving for good: the process drains and exits with ``exit_code``, saying
+        ``reason`` (2: what a supervisor cannot mend by restarting it alone)."""
         if self.failure is None:
-            self.failure = StartRefused(reason)
-            self.log.error("service_giving_up", reason=reason)
+            self.failure = GaveUp(reason, exit_code)
+            self.log.error("service_giving_up", reason=reason, exit_code=exit_code)
             self._failed.set()
+
+    def unhealthy(self) -> str | None:
+        """Why this process should not be counted on though its loop and connection work
+        (a worker whose engine died); None: healthy. Written to the health file."""
+        return self.failure.args[0] if self.failure is not None else None
 
     async def _connect(self) -> NATS:
         """This service's own connection, named after the instance."""
@@ -784,6 +798,7 @@ async def write_health(service: Service, path: str) -> None:
             "ts": time.time(),
             "connected": connected,
             "accepting": service._accepting,
+            "unhealthy": service.unhealthy(),
         }
         try:
             with open(tmp, "w") as fh:
@@ -806,6 +821,8 @@ def check_health(path: str, max_age_s: float) -> str | None:
         return f"health file {age:.0f} s old (the service's loop is stuck or it has stopped)"
     if not state.get("connected"):
         return "not connected to NATS"
+    if state.get("unhealthy"):
+        return str(state["unhealthy"])
     return None
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import signal
 import time
 import zlib
 from collections import deque
@@ -345,6 +346,9 @@ class SimEngine:
         self.running: list[_Seq] = []
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = 0.0
+        # A fault made on purpose (SimBackend's signals): "died" or "hung"; its engine then
+        # takes no more steps, as a vLLM engine core that died or hangs.
+        self.fault: str | None = None
         self._next_decode = 0.0
         self.steps = 0
         self._ticking = False  # in a step, whose lists a cancel must not change
@@ -390,6 +394,8 @@ class SimEngine:
             self.cache.release(lease)
 
     def _schedule(self) -> None:
+        if self.fault is not None:
+            return
         at = float("inf")
         if self.running:
             at = self._next_decode
@@ -855,9 +861,27 @@ class SimBackend:
     def __init__(self, cfg: WorkerSettings) -> None:
         self.engine = SimEngine(cfg.sim, cfg.tp)
         self.max_model_len = cfg.max_model_len or cfg.sim.max_model_len
+        self.fault_signals = cfg.sim.fault_signals
 
     async def start(self) -> None:
-        return None
+        if self.fault_signals:  # tests of engine health: make the engine die or hang
+            loop = asyncio.get_running_loop()
+            loop.add_signal_handler(signal.SIGUSR1, self._fail, "died")
+            loop.add_signal_handler(signal.SIGUSR2, self._fail, "hung")
+
+    def _fail(self, fault: str) -> None:
+        eng = self.engine
+        eng.fault = fault
+        if eng._timer is not None:
+            eng._timer.cancel()
+            eng._timer = None
+
+    def health(self) -> str | None:
+        """Why the engine cannot serve (None: it can): a dead one says so at once; a hung
+        one says nothing, as a hung engine does (the worker sees no output)."""
+        return (
+            "died (the sim's engine, told to by SIGUSR1)" if self.engine.fault == "died" else None
+        )
 
     async def stop(self) -> None:
         # The engine's memory goes with it: tell those who follow its cache.

@@ -437,6 +437,10 @@ class VLLMBackend:
         except Exception:
             return {"running": 0, "waiting": 0, "kv_usage": 0.0}
 
+    def health(self) -> str | None:
+        """Why the engine cannot serve (None: it can): vLLM's engine core died."""
+        return "died (vLLM's engine core; AsyncLLM.errored)" if self._engine_dead() else None
+
     # -- errors -----------------------------------------------------------------------------
     def _engine_dead(self) -> bool:
         try:

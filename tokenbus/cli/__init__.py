@@ -511,13 +511,16 @@ def main(argv: list[str] | None = None) -> None:
             child_env = cfgmod.env_overrides({"worker": _worker_overrides(a)})
             rc = await up(s, config_file=a.config, child_env=child_env)
         elif a.cmd == "serve":
-            from services.runtime import StartRefused
+            from services.runtime import GaveUp, StartRefused
 
             try:
                 rc = await _serve(a, s)
             except StartRefused as exc:
                 print(f"error: {exc}", file=sys.stderr)
                 rc = 2
+            except GaveUp as exc:
+                print(f"error: {exc}", file=sys.stderr)
+                rc = exc.exit_code
         elif a.cmd == "status":
             rc = await _status(a, s)
         elif a.cmd == "nats-config":
