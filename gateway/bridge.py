@@ -7,6 +7,7 @@ HTTP server (uvicorn). Several processes share the port with SO_REUSEPORT.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -75,6 +76,7 @@ class BusSource:
         self.client = client
         # Requests wait for a replica to start (router.waiting_room_s): ready without one.
         self.waiting_room = waiting_room
+        self.draining = False  # the bridge is stopping: /ready says 503 from then on
         self.aliases = aliases or AliasTable()  # the global model aliases, for /v1/models
         self.keys = keys  # where the pipeline checks keys: who may list the models
         self.registry = registry
@@ -194,6 +196,8 @@ class BusSource:
     def ready(self) -> bool:
         """Connected, and some replica serves (or, with a waiting room, requests wait for
         one to start: a bridge of a model scaled to zero takes them)."""
+        if self.draining:
+            return False
         return self.healthy() and (self.waiting_room or bool(self.registry.models()))
 
 
@@ -227,6 +231,7 @@ class Bridge(Service):
         self.http: HTTPServer | None = None
         self._own_keys: KeyStore | None = None  # /v1/models' key store when auth is not fused
         self.batch_runner: BatchRunner | None = None
+        self.source: BusSource | None = None
 
     def _log_migration(self, s: Any, err: E.TokenbusError, failed: bool) -> None:
         if failed:
@@ -279,17 +284,18 @@ class Bridge(Service):
                 self.nc, self.registry, self.settings.router, self.routing, self.aliases
             )
         keys = await self._keys()
+        self.source = BusSource(
+            self.client,
+            self.registry,
+            admission,
+            dispatcher,
+            self.stages,
+            keys,
+            self.aliases,
+            waiting_room=self.settings.router.waiting_room_s > 0,
+        )
         api = OpenAIApp(
-            BusSource(
-                self.client,
-                self.registry,
-                admission,
-                dispatcher,
-                self.stages,
-                keys,
-                self.aliases,
-                waiting_room=self.settings.router.waiting_room_s > 0,
-            ),
+            self.source,
             max_body_bytes=cfg.max_body_bytes,
             request_timeout_s=cfg.request_timeout_s,
             on_request=self._observe,
@@ -422,7 +428,14 @@ class Bridge(Service):
             await self.batch_runner.start()
 
     async def stop_taking_work(self) -> None:
-        # Stop listening, let open HTTP requests finish (up to the drain timeout), then close.
+        # /ready says 503 at once, while requests are still taken for ``unready_s``: a load
+        # balancer's health checks take this bridge out before it stops listening. Then
+        # stop listening, let open HTTP requests finish (up to the drain timeout), close.
+        if self.source is not None:
+            self.source.draining = True
+            if self.settings.bridge.unready_s > 0:
+                self.log.info("bridge_unready", listening_for_s=self.settings.bridge.unready_s)
+                await asyncio.sleep(self.settings.bridge.unready_s)
         if self.batch_runner is not None:
             # Briefly: a line cut off is not acknowledged, so another runner answers it (once);
             # the drain time is the HTTP requests'.

@@ -53,6 +53,14 @@ class BridgeSettings(BaseModel):
         "(1 MiB by default): a larger envelope is refused with 413 as well.",
     )
     request_timeout_s: float = Field(default=600.0, description="Per-request deadline.")
+    unready_s: float = Field(
+        default=0.0,
+        ge=0,
+        description="On SIGTERM the bridge answers /ready with 503 at once but goes on taking "
+        "requests this long before it stops listening, so that load balancers' health checks "
+        "take it out first (compose and Kubernetes set 5; docs/deploy.md, 'Zero-downtime "
+        "upgrade'). Open requests then finish within drain_timeout_s.",
+    )
     body_timeout_s: float = Field(
         default=30.0,
         gt=0,

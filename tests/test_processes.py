@@ -106,6 +106,36 @@ async def test_sigterm_on_the_bridge_finishes_open_streams(procs: Procs, model: 
     assert bridge.proc.wait(20) == 0
 
 
+async def test_a_stopping_bridge_says_it_is_not_ready_while_it_still_serves(
+    procs: Procs, model: str
+) -> None:
+    # With bridge.unready_s a load balancer's health check sees 503 first: requests still
+    # come in for that long, and the ones open when the bridge stops listening finish.
+    stack = await start_stack(
+        procs, model, workers=1, worker_args=SLOW, env={"TOKENBUS_BRIDGE__UNREADY_S": "3"}
+    )
+    bridge = stack.bridge
+    async with stack.openai() as c, stack.http() as h:
+        s = await c.chat.completions.create(model=model, messages=MSG, max_tokens=60, stream=True)
+        text = ""
+        async for ch in s:
+            if not text:
+                bridge.signal(signal.SIGTERM)
+                deadline = time.monotonic() + 2
+                while (await h.get("/ready")).status_code != 503:
+                    assert time.monotonic() < deadline, "/ready still 200 after SIGTERM"
+                    await asyncio.sleep(0.02)
+                # Not ready, still serving: a new request is answered whole.
+                late = await c.chat.completions.create(model=model, messages=MSG, max_tokens=3)
+                assert late.choices[0].message.content == expected_text(PROMPT, 3)[0]
+                assert (await h.get("/health")).status_code == 200
+            for choice in ch.choices:
+                text += choice.delta.content or ""
+        assert text == expected_text(PROMPT, 60)[0]
+    assert bridge.proc.wait(30) == 0
+    assert "bridge_unready" in bridge.output()
+
+
 async def test_openai_upstream_joins_the_bus_as_a_replica(procs: Procs, model: str) -> None:
     upstream_port = free_port()
     procs.start(
