@@ -81,10 +81,16 @@ class KeyRecord(BaseModel):
     enabled: bool = Field(default=True, description="False once revoked.")
     admin: bool = Field(default=False, description="May manage keys.")
     created_at: float = Field(default_factory=time.time)
+    # After a rotation, the secret before it keeps working until previous_until.
+    previous_hash: str = Field(default="", description="SHA-256 of the key before rotation.")
+    previous_until: float | None = Field(
+        default=None, description="Unix time until which the key before rotation still works."
+    )
+    rotated_at: float | None = Field(default=None, description="Unix time of the last rotation.")
 
     def public(self) -> dict[str, Any]:
-        """Everything but the hash, for listings."""
-        return self.model_dump(exclude={"hash"})
+        """Everything but the hashes, for listings."""
+        return self.model_dump(exclude={"hash", "previous_hash"})
 
     def tier(self, asked: str | None) -> str:
         """The class a request of this key asking for ``asked`` is served in: the key's
@@ -102,9 +108,9 @@ def hash_key(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
-def new_key() -> tuple[str, str]:
-    """A fresh ``(key, key_id)``."""
-    key_id = secrets.token_hex(6)
+def new_key(key_id: str | None = None) -> tuple[str, str]:
+    """A fresh ``(key, key_id)``; with ``key_id``, a new secret for that id (a rotation)."""
+    key_id = key_id or secrets.token_hex(6)
     return f"{PREFIX}{key_id}_{secrets.token_urlsafe(32)}", key_id
 
 
@@ -114,9 +120,16 @@ def key_id_of(key: str) -> str | None:
     return m.group(1) if m else None
 
 
-def matches(key: str, record: KeyRecord) -> bool:
-    """Constant-time comparison of a presented key with a stored hash."""
-    return hmac.compare_digest(hash_key(key.strip()), record.hash)
+def matches(key: str, record: KeyRecord, now: float | None = None) -> bool:
+    """Constant-time comparison of a presented key with the stored hash, or, within a
+    rotation's overlap, with the hash of the key before it."""
+    h = hash_key(key.strip())
+    if hmac.compare_digest(h, record.hash):
+        return True
+    if not record.previous_hash or record.previous_until is None:
+        return False
+    old = hmac.compare_digest(h, record.previous_hash)
+    return old and (time.time() if now is None else now) < record.previous_until
 
 
 def parse_duration(text: str) -> float:

@@ -134,6 +134,41 @@ class KeyStore:
             change.details = {"name": rec.name, "was_enabled": rec.enabled}
         return new
 
+    async def rotate(
+        self,
+        key_id: str,
+        *,
+        overlap_s: float = 3600.0,
+        actor: str | None = None,
+        request_id: str | None = None,
+    ) -> tuple[str, KeyRecord]:
+        """A new secret for ``key_id``: the same id, so the same limits, budget and spend
+        (both are kept by key id); the key before it keeps working for ``overlap_s`` (0: it
+        stops at once), so clients can move over. The new key is returned here and never
+        again (nor audited)."""
+        if overlap_s < 0:
+            raise E.InvalidRequest("the overlap must not be negative", param="overlap")
+        key, _ = new_key(key_id)
+        now = time.time()
+        async with audit.change(
+            self.nc, audit.KEY_ROTATED, key_id, actor, request_id=request_id
+        ) as change:
+            rec = await self.get(key_id)
+            if not rec.enabled:
+                raise E.InvalidRequest(f"the key {key_id} is revoked: nothing to rotate")
+            until = now + overlap_s if overlap_s > 0 else None
+            _, new = await self._update(
+                key_id,
+                {
+                    "hash": hash_key(key),
+                    "previous_hash": rec.hash if until else "",
+                    "previous_until": until,
+                    "rotated_at": now,
+                },
+            )
+            change.details = {"name": rec.name, "previous_key_works_until": until}
+        return key, new
+
     async def _update(self, key_id: str, changes: dict[str, Any]) -> tuple[KeyRecord, KeyRecord]:
         """(the record before, after) ``changes``."""
         rec = await self.get(key_id)

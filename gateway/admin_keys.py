@@ -10,6 +10,9 @@ PUT    /v1/admin/keys/owners/{owner}/budget   an owner's spend budget: {"budget_
                                   "soft_budget_usd", "period"} (neither: removed)
 PATCH  /v1/admin/keys/{id}       update the same fields, or {"enabled": true}
 DELETE /v1/admin/keys/{id}       revoke
+POST   /v1/admin/keys/{id}/rotate  a new secret for the key: {"overlap_s"} (default 3600) is
+                                  how long the key before keeps working; the new key is in
+                                  the answer once
 
 Each change is recorded in the audit trail (:mod:`services.audit`) with the admin key's id
 as the actor and the request id (``X-Request-Id``, or a fresh one, sent back in the
@@ -88,6 +91,14 @@ class OwnerBudget(BaseModel):
     budget_usd: float | None = Field(default=None, ge=0, lt=1e12)
     soft_budget_usd: float | None = Field(default=None, ge=0, lt=1e12)
     period: Literal["day", "month", "total"] = "month"
+
+
+class Rotation(BaseModel):
+    """``POST /v1/admin/keys/{id}/rotate``: how long the key before keeps working."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    overlap_s: float = Field(default=3600.0, ge=0, le=90 * 86400.0)
 
 
 async def read_json(receive: Receive, max_body: int) -> Any:
@@ -258,6 +269,16 @@ class AdminAPI:
             owner = rest[len("owners/") : -len("/budget")]
             if owner and method in ("GET", "PUT"):
                 await self._owner_budget(owner, method, receive, send, who, hdrs)
+                return
+        elif rest.endswith("/rotate") and "/" not in rest[: -len("/rotate")]:
+            if method == "POST":
+                try:
+                    body = Rotation.model_validate(await read_json(receive, self.max_body))
+                except ValidationError as exc:
+                    raise invalid(exc) from None
+                key_id = rest[: -len("/rotate")]
+                key, rec = await store.rotate(key_id, overlap_s=body.overlap_s, **who)
+                await send_json(send, 200, {**rec.public(), "key": key}, hdrs)
                 return
         elif "/" not in rest:
             if method == "GET":

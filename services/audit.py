@@ -65,6 +65,7 @@ TIMEOUT_S = 5.0
 KEY_CREATED = "key.created"
 KEY_UPDATED = "key.updated"
 KEY_REVOKED = "key.revoked"
+KEY_ROTATED = "key.rotated"
 ROUTING_CHANGED = "routing.changed"
 ALIAS_CHANGED = "alias.changed"
 BUDGET_CHANGED = "budget.changed"  # an owner's spend budget (auth.budgets)

@@ -8,6 +8,7 @@ import subprocess
 import time
 from typing import Any
 
+import nats
 import openai
 import pytest
 
@@ -316,3 +317,71 @@ async def test_a_key_not_yet_in_the_watched_cache_is_read_from_the_bucket(
             store.lookup(bogus)
         await store.catch_up("tb-000000000000_none")
         await store.catch_up(None)
+
+
+async def test_a_rotated_key_keeps_its_id_limits_and_budget_and_the_old_one_works_a_while(
+    procs: Procs, model: str
+) -> None:
+    """``POST /v1/admin/keys/{id}/rotate`` and ``tokenbus keys rotate``: a new secret under
+    the same id (the limits, the budget and its spend are the id's), the key before working
+    for the overlap and refused after it, each rotation audited, the new key shown once."""
+    from services import audit
+
+    stack, adm, _ = await admin_stack(procs, model)
+    body = {"model": model, "messages": MSG, "max_tokens": 2}
+
+    async def status(h: Any, key: str) -> int:
+        r = await h.post("/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"})
+        return int(r.status_code)
+
+    async with stack.http("/v1") as h:
+        r = await h.post(
+            "/admin/keys",
+            headers=adm,
+            json={"name": "rotating", "rpm": 50, "budget_usd": 5.0, "models": [model]},
+        )
+        first = r.json()
+        key_id, key1 = first["id"], first.pop("key")
+        assert await status(h, key1) == 200
+        r = await h.post(f"/admin/keys/{key_id}/rotate", headers=adm, json={"overlap_s": 600})
+        assert r.status_code == 200, r.text
+        rotated = r.json()
+        key2 = rotated.pop("key")
+        assert key_id_of(key2) == key_id and key2 != key1
+        assert rotated["rpm"] == 50 and rotated["budget_usd"] == 5.0
+        assert rotated["previous_until"] > time.time() + 590 and "previous_hash" not in rotated
+        # Both work during the overlap (the new one once every auth instance heard of it).
+        await wait_for_status(h, key2, 200, status)
+        assert await status(h, key1) == 200
+        # Bad input: a clear 400 or 404, nothing changed.
+        for bad in ({"overlap_s": -1}, {"overlap": 5}):
+            r = await h.post(f"/admin/keys/{key_id}/rotate", headers=adm, json=bad)
+            assert r.status_code == 400, (bad, r.text)
+        r = await h.post("/admin/keys/000000000000/rotate", headers=adm, json={})
+        assert r.status_code == 404
+        assert await status(h, key1) == 200
+        # From the CLI, without an overlap: the key before stops at once.
+        out = _keys(procs.url, "rotate", key_id, "--overlap", "0")
+        assert out.returncode == 0, out.stderr
+        key3 = out.stdout.strip().splitlines()[-1]
+        assert key_id_of(key3) == key_id and "no overlap" in out.stdout
+        await wait_for_status(h, key3, 200, status)
+        await wait_for_status(h, key2, 401, status)
+        assert await status(h, key1) == 401
+        shown = json.loads(_keys(procs.url, "show", key_id, "--json").stdout)
+        assert shown["rpm"] == 50 and shown["budget_usd"] == 5.0 and shown["rotated_at"]
+    nc = await nats.connect(procs.url)
+    try:
+        rotations = [e for e in await audit.read(nc, limit=None) if e.action == "key.rotated"]
+    finally:
+        await nc.close()
+    assert [e.target for e in rotations] == [key_id, key_id]
+    for p in procs.procs:
+        assert key2 not in p.output() and key3 not in p.output(), p.name
+
+
+async def wait_for_status(h: Any, key: str, want: int, status: Any) -> None:
+    deadline = time.monotonic() + 20
+    while (got := await status(h, key)) != want:
+        assert time.monotonic() < deadline, (want, got)
+        await asyncio.sleep(0.05)

@@ -65,6 +65,18 @@ def add_parser(sub: Any) -> None:
         p = ks.add_parser(name, help=f"{name} one key")
         p.add_argument("key_id")
         p.add_argument("--json", action="store_true")
+    rot = ks.add_parser(
+        "rotate",
+        help="a new secret for a key: same id, limits, budget and spend; the new key is "
+        "printed once, on the last line",
+    )
+    rot.add_argument("key_id")
+    rot.add_argument(
+        "--overlap",
+        default="1h",
+        help="how long the key before keeps working, e.g. 15m, 24h, 0 (default 1h)",
+    )
+    rot.add_argument("--json", action="store_true")
     ob = ks.add_parser(
         "owner-budget",
         help="show or set the spend budget every key of an owner shares (with its spend)",
@@ -227,6 +239,22 @@ async def main(
             await _owner_budget(nc, a)
         elif a.keys_cmd == "revoke":
             _show(await store.revoke(a.key_id, actor=actor), a.json)
+        elif a.keys_cmd == "rotate":
+            overlap = 0.0 if a.overlap.strip() in ("0", "0s") else parse_duration(a.overlap)
+            key, rec = await store.rotate(a.key_id, overlap_s=overlap, actor=actor)
+            if a.json:
+                print(json.dumps(rec.public()))
+            else:
+                until = (
+                    time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(rec.previous_until))
+                    if rec.previous_until
+                    else "now (no overlap)"
+                )
+                print(
+                    f"rotated key {rec.id} ({rec.name}): the key before works until {until}; "
+                    "the new one is shown once, keep it now:"
+                )
+            print(key)
         elif a.keys_cmd == "update":
             f = _fields(a)
             if a.name:
