@@ -25,6 +25,7 @@ from typing import Any
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import api
+from prometheus_client import Counter
 
 from auth import budgets
 from auth.limits import Limiter, info_header
@@ -47,6 +48,12 @@ def parse_limits(value: str | None) -> tuple[int | None, int | None, int | None]
 # A ticket is good for this long after its attempt was admitted (and never past the
 # request's deadline); the claim that makes it single-use lives about as long.
 TICKET_TTL_S = 150.0
+# Requests held to a budget for a model whose every price is 0 (or unset): they count $0.
+UNPRICED = Counter(
+    "tokenbus_budget_unpriced_total",
+    "Requests held to a spend budget for a model without a price (they count $0)",
+    ["model"],
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,6 +151,7 @@ class RateLimitCheck:
         # limiter settles it: this one at once, another from the stream if this one died.
         self.spend = spend
         self.prices: Any = prices or (lambda model: None)
+        self._unpriced_said: dict[str, float] = {}
         self._spend_sub: Any = None
         self._spend_pull: Any = None  # the stream's consumer
         self._spend_task: asyncio.Task[None] | None = None
@@ -258,8 +266,10 @@ class RateLimitCheck:
             return
         model = hdrs.get(H.MODEL) or str(env.get("model", ""))
         price = self.prices(model)
-        if price is None:
-            return
+        if price is None or not (price.input or price.output or price.cached_input):
+            self._unpriced(model, principal)
+            if price is None:
+                return
         tokens = estimate_tokens(env)
         params = env.get("params") or {}
         out = min(tokens, int(params.get("max_tokens", 0) or 0))
@@ -276,6 +286,22 @@ class RateLimitCheck:
         hdrs[H.SPEND] = spend_header(model, hold)
         if not admitted:
             hdrs[H.RATELIMIT] = f"0,0,,{self.limiter.owner}"
+
+    def _unpriced(self, model: str, principal: str) -> None:
+        """A request held to a budget for a model without a price costs $0: said once a
+        minute per model (log and counter), never silently."""
+        UNPRICED.labels(model).inc()
+        now = time.monotonic()
+        if now - self._unpriced_said.get(model, -1e9) >= 60:
+            self._unpriced_said[model] = now
+            self.log.warning(
+                "budget_without_price",
+                model=model,
+                key_id=principal,
+                hint="budgets exist but every price of this model is 0: its requests count "
+                "$0. Set router.price or router.models.<model>.price (TOKENBUS_ROUTER__PRICE) "
+                "for every bridge and ratelimit process",
+            )
 
     async def _scopes(self, hdrs: dict[str, str], principal: str) -> list[budgets.Budget]:
         """The budgets a request of ``principal`` is held to: its key's (``Tb-Budget``) and

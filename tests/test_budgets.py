@@ -348,3 +348,24 @@ async def test_a_moved_attempt_costs_what_its_caller_got_whichever_report_comes_
         assert (await book.spent(key)) == (170, 0)
     finally:
         await nc.close()
+
+
+async def test_a_budget_for_a_model_without_a_price_is_said_not_silently_free(
+    procs: Procs, model: str
+) -> None:
+    """Budgets exist, the model has no price: its requests count $0, and the stage that
+    holds budgets says so in its log (once a minute) and counts them."""
+    async with key_store(procs.url) as store:
+        key, _ = await store.create("unpriced", budget_usd=0.001)
+    env = {k: v for k, v in ENV.items() if k != "TOKENBUS_ROUTER__PRICE"}
+    stack = await start_stack(procs, model, "auth", env=env)
+    await _started(procs)
+    for _ in range(3):  # past the budget if it counted anything: never refused
+        assert (await _post(stack.base, key, model)).status_code == 200
+    said = [
+        json.loads(line)
+        for line in stack.bridge.output().splitlines()
+        if "budget_without_price" in line
+    ]
+    assert len(said) == 1 and said[0]["model"] == model, said
+    assert "TOKENBUS_ROUTER__PRICE" in said[0]["hint"]
