@@ -5,7 +5,7 @@ writes, once, into one folder (a volume, or files an operator turns into secrets
   included by each node's config; it holds the passwords' bcrypt hashes, never a password;
 * ``nats.conf`` (one node) or ``nats-<i>.conf`` (a cluster of ``nodes``): listen, the
   monitoring port on loopback (health checks), JetStream, the cluster routes (with a password
-  of their own) and TLS;
+  of their own, and TLS as the clients have) and TLS;
 * ``roles/<role>.json``: one login per role (``TOKENBUS_NATS_LOGIN_FILE``), owned by that
   role's uid when written as root, so a service's container reads its own login only;
 * ``callout.json``: the auth service's callout keys; ``tls/``: a CA and the server
@@ -113,7 +113,8 @@ def _node_conf(
             f'  listen: "0.0.0.0:{ROUTE_PORT}"\n'
             f'  authorization {{ user: "route", password: {json.dumps(route_password)} }}\n'
             f"  routes: [{routes}]\n"
-            "}\n"
+            + (tls.route_block() if tls else "")
+            + "}\n"
         )
     return text
 
@@ -127,6 +128,7 @@ def init(
     tls: bool = True,
     tls_names: list[str] | None = None,
     sync: str = NATS_SYNC,
+    renew_certs: bool = False,
 ) -> list[Path]:
     """Write (or refresh) the deployment's bus folder; the paths written, configs first."""
     if nodes < 1:
@@ -146,7 +148,7 @@ def init(
         # Every node name a cluster of up to 5 could have: a stack grown from one node to a
         # cluster keeps the certificate its clients already trust.
         names = [host, *(f"{host}-{i}" for i in range(max(nodes, 5))), *(tls_names or [])]
-        files = generate_tls(folder / "tls", names)
+        files = generate_tls(folder / "tls", names, renew=renew_certs)
         files = TlsFiles(ca=files.ca, server_cert=files.server_cert, server_key=files.server_key)
         files.save(folder)
         os.chmod(folder / "tls", _folder_mode())

@@ -353,3 +353,118 @@ def test_several_models_and_a_bus_elsewhere_are_refused_when_wrong(
 ) -> None:
     r = run_cli("compose", "generate", "--gpus", "8", *args)
     assert r.returncode == 2 and why in r.stderr, (r.returncode, r.stderr)
+
+
+async def test_cluster_routes_are_encrypted_and_need_the_route_password(tmp_path: Path) -> None:
+    """Two nodes of `deploy init --nodes 3`'s own configs (moved to loopback ports) route
+    over TLS with the generated certificate; a node whose certificate another CA signed is
+    refused."""
+    import asyncio
+    import re
+    import ssl
+    import time
+
+    import httpx
+
+    from tests.conftest import free_port, spawn_nats
+
+    out = tmp_path / "bus"
+    assert run_cli("deploy", "init", "--dir", str(out), "--nodes", "3").returncode == 0
+    ports = [(free_port(), free_port(), free_port()) for _ in range(3)]
+
+    def local(i: int, foreign: Path | None = None) -> Path:
+        text = (out / f"nats-{i}.conf").read_text()
+        client, monitor, route = ports[i]
+        text = text.replace('listen: "0.0.0.0:4222"', f'listen: "127.0.0.1:{client}"')
+        text = text.replace('http: "127.0.0.1:8222"', f'http: "127.0.0.1:{monitor}"')
+        text = text.replace('listen: "0.0.0.0:6222"', f'listen: "127.0.0.1:{route}"')
+        text = text.replace('"/data/jetstream"', json.dumps(str(tmp_path / f"js-{i}")))
+        pw = re.search(r'user: "route", password: "([^"]+)"', text)
+        assert pw is not None
+        dial = pw.group(1)
+        if foreign is not None:  # certificates of another CA
+            text = text.replace(str(out / "tls"), str(foreign / "tls"))
+        others = ", ".join(
+            json.dumps(f"nats://route:{dial}@localhost:{ports[j][2]}") for j in range(3) if j != i
+        )
+        text = re.sub(r"routes: \[[^\]]*\]", f"routes: [{others}]", text)
+        path = out / f"local-{i}.conf"
+        path.write_text(text)
+        return path
+
+    procs = [spawn_nats(ports[i][0], "-c", str(local(i))) for i in range(2)]
+    try:
+        url = f"http://127.0.0.1:{ports[0][1]}/routez"
+        deadline = time.monotonic() + 30
+        routes: list[dict[str, Any]] = []
+        async with httpx.AsyncClient() as h:
+            while time.monotonic() < deadline:
+                try:
+                    routes = (await h.get(url)).json().get("routes") or []
+                except httpx.HTTPError:
+                    routes = []
+                if routes:
+                    break
+                await asyncio.sleep(0.1)
+        assert routes, "the nodes never routed"
+        # The route port speaks TLS at once, and only to a peer the CA signed: a TLS
+        # handshake with the node's own certificate succeeds, plain bytes get nothing back.
+        tls = out / "tls"
+        ctx = ssl.create_default_context(cafile=str(tls / "ca.pem"))
+        ctx.load_cert_chain(str(tls / "server.pem"), str(tls / "server-key.pem"))
+        _, writer = await asyncio.open_connection(
+            "127.0.0.1", ports[0][2], ssl=ctx, server_hostname="localhost"
+        )
+        assert writer.get_extra_info("ssl_object").version() in ("TLSv1.2", "TLSv1.3")
+        writer.close()
+        reader, writer = await asyncio.open_connection("127.0.0.1", ports[0][2])
+        writer.write(b"CONNECT {}\r\nPING\r\n")
+        await writer.drain()
+        assert b"PONG" not in await asyncio.wait_for(reader.read(4096), 10)
+        writer.close()
+        # A third node with the route password but a certificate of another CA is not let
+        # in (nor is one without the password: each side checks both).
+        other = tmp_path / "other"
+        assert run_cli("deploy", "init", "--dir", str(other), "--nodes", "3").returncode == 0
+        procs.append(spawn_nats(ports[2][0], "-c", str(local(2, foreign=other))))
+        url2 = f"http://127.0.0.1:{ports[2][1]}/routez"
+        deadline = time.monotonic() + 5
+        async with httpx.AsyncClient() as h:
+            while time.monotonic() < deadline:
+                assert not (await h.get(url2)).json().get("routes")
+                await asyncio.sleep(0.2)
+    finally:
+        for p in procs:
+            p.terminate()
+            p.wait(10)
+
+
+def test_deploy_init_renews_the_nodes_certificate_from_the_same_ca(tmp_path: Path) -> None:
+    """Run again, deploy init keeps a certificate that is not near its end; with
+    --renew-certs it issues the nodes' certificate again from the CA the clients trust
+    (usable for routes: server and client use), and keeps the CA."""
+    from cryptography import x509
+    from cryptography.x509.oid import ExtendedKeyUsageOID
+
+    out = tmp_path / "bus"
+    tls = out / "tls"
+    assert run_cli("deploy", "init", "--dir", str(out), "--nodes", "3").returncode == 0
+    ca, cert = (tls / "ca.pem").read_bytes(), (tls / "server.pem").read_bytes()
+    assert run_cli("deploy", "init", "--dir", str(out), "--nodes", "3").returncode == 0
+    assert (tls / "server.pem").read_bytes() == cert
+    r = run_cli("deploy", "init", "--dir", str(out), "--nodes", "3", "--renew-certs")
+    assert r.returncode == 0, r.stderr
+    assert (tls / "ca.pem").read_bytes() == ca
+    new = x509.load_pem_x509_certificate((tls / "server.pem").read_bytes())
+    assert new.public_bytes(serialization_pem()) != cert
+    new.verify_directly_issued_by(x509.load_pem_x509_certificate(ca))
+    eku = set(new.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value)
+    assert {ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH} <= eku
+    names = new.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert {"nats-0", "nats-1", "nats-2"} <= set(names.get_values_for_type(x509.DNSName))
+
+
+def serialization_pem() -> Any:
+    from cryptography.hazmat.primitives import serialization
+
+    return serialization.Encoding.PEM

@@ -668,6 +668,11 @@ def test_the_nats_values_make_a_locked_jetstream_cluster_of_three(
     docs = rendered["cpu-sim"]
     tls = _one(docs, "Secret", cfg["nats"]["tls"]["secretName"])
     assert cfg["nats"]["tls"]["enabled"] is True and tls["type"] == "kubernetes.io/tls"
+    # Routes: TLS both ways, checked against the bus's CA (in the same secret).
+    route_tls = cfg["cluster"]["tls"]
+    assert route_tls["enabled"] is True and route_tls["merge"]["verify"] is True
+    assert route_tls["secretName"] == cfg["nats"]["tls"]["secretName"]
+    assert PurePosixPath(route_tls["merge"]["ca_file"]).name in tls["data"]
 
     # The include, resolved from the chart's config folder, is auth.conf in the mounted
     # nats-auth secret.

@@ -47,6 +47,12 @@ def add_parsers(sub: Any) -> None:
     )
     i.add_argument("--print-url", action="store_true", help="print the NATS URL of services")
     i.add_argument(
+        "--renew-certs",
+        action="store_true",
+        help="issue the nodes' certificate again from the same CA (done anyway within 30 "
+        "days of its expiry); reload the nodes after (nats-server --signal reload, SIGHUP)",
+    )
+    i.add_argument(
         "--sync",
         default=None,
         help="what the nodes sync to disk before acknowledging a JetStream write: 'always' "
@@ -97,6 +103,7 @@ def init(a: argparse.Namespace) -> int:
             tls=not a.no_tls,
             tls_names=a.tls_name,
             sync=a.sync or Settings().nats_sync,
+            renew_certs=a.renew_certs,
         )
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
