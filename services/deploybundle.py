@@ -112,9 +112,7 @@ def _node_conf(
             '  name: "tokenbus"\n'
             f'  listen: "0.0.0.0:{ROUTE_PORT}"\n'
             f'  authorization {{ user: "route", password: {json.dumps(route_password)} }}\n'
-            f"  routes: [{routes}]\n"
-            + (tls.route_block() if tls else "")
-            + "}\n"
+            f"  routes: [{routes}]\n" + (tls.route_block() if tls else "") + "}\n"
         )
     return text
 
