@@ -8,7 +8,7 @@ ARG PIP_FIND_LINKS
 ARG PIP_NO_INDEX
 ARG PIP_TRUSTED_HOST
 WORKDIR /app
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md constraints.txt ./
 COPY bus_schemas bus_schemas
 COPY services services
 COPY dialects dialects
@@ -20,7 +20,9 @@ COPY telemetry telemetry
 COPY auth auth
 COPY filter filter
 COPY tokenbus tokenbus
-RUN pip install --no-cache-dir . && rm -rf /app/build
+# The versions the tests ran with (constraints.txt, `make lock`), not the newest the open
+# ranges of pyproject.toml allow on the day of the build.
+RUN pip install --no-cache-dir -c constraints.txt . && rm -rf /app/build
 # Not root. Compose and Kubernetes run each role as a uid of its own (10001-10010, see
 # services/deploybundle.py), so file permissions keep each role's NATS login to itself.
 RUN useradd --uid 10000 --no-create-home --home-dir /tmp --shell /usr/sbin/nologin tokenbus

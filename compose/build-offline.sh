@@ -26,8 +26,10 @@ fetch() {
   "$PY" -m pip wheel -q --no-deps -w "$OFF/wheels" .
   local whl
   whl=$(ls -t "$OFF"/wheels/tokenbus-*.whl | head -1)
-  "$PY" -m pip wheel -q -w "$OFF/wheels" "$whl" "setuptools>=68" wheel
-  "$PY" -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp \
+  # At the versions the images install (constraints.txt, `make lock`).
+  "$PY" -m pip wheel -q -c constraints.txt -w "$OFF/wheels" "$whl" "setuptools>=68" wheel
+  "$PY" -m pip download -q -c constraints.txt --only-binary=:all: --python-version 3.12 \
+    --implementation cp \
     --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux_2_28_x86_64 --platform linux_x86_64 --platform any \
     --find-links "$OFF/wheels" -d "$OFF/wheels" "$whl"

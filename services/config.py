@@ -590,6 +590,13 @@ class TelemetrySettings(BaseModel):
     max_buffer: int = Field(
         default=50_000, ge=1, description="Records buffered at most; beyond, new ones drop."
     )
+    nats_monitor_urls: list[str] = Field(
+        default_factory=list,
+        description="The NATS servers' monitoring endpoints (http://host:8222): at each probe "
+        "the service reads their /varz and exports connections, routes, slow consumers, "
+        "memory, CPU and JetStream's storage, API errors and meta leader "
+        "(tokenbus_nats_server_*, tokenbus_jetstream_*; docs/telemetry.md).",
+    )
     probe_interval_s: float = Field(
         default=5.0,
         ge=0,

@@ -4,7 +4,8 @@ writes, once, into one folder (a volume, or files an operator turns into secrets
 * ``auth.conf``: the users of every role and the auth callout (:func:`natsconf.render_auth`),
   included by each node's config; it holds the passwords' bcrypt hashes, never a password;
 * ``nats.conf`` (one node) or ``nats-<i>.conf`` (a cluster of ``nodes``): listen, the
-  monitoring port on loopback (health checks), JetStream, the cluster routes (with a password
+  monitoring port (health checks, the telemetry service's export; in the network only),
+  JetStream, the cluster routes (with a password
   of their own, and TLS as the clients have) and TLS;
 * ``roles/<role>.json``: one login per role (``TOKENBUS_NATS_LOGIN_FILE``), owned by that
   role's uid when written as root, so a service's container reads its own login only;
@@ -95,8 +96,9 @@ def _node_conf(
         f"include {json.dumps(AUTH_CONF)}\n"
         f"server_name: {json.dumps(name)}\n"
         f'listen: "0.0.0.0:{CLIENT_PORT}"\n'
-        # Health checks run inside the container: the monitoring port stays on loopback.
-        f'http: "127.0.0.1:{MONITOR_PORT}"\n'
+        # The monitoring port: the container's health check, and the telemetry service,
+        # which exports it (telemetry.nats_monitor_urls). Never published to the host.
+        f'http: "0.0.0.0:{MONITOR_PORT}"\n'
         + natsconf.jetstream_block(store_dir, sync)
         + natsconf.SERVER_TIMERS
         + (tls.server_block() if tls else "")

@@ -25,6 +25,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 
 from bus_schemas import errors as E
+from telemetry import natsmon
 
 # The buckets of the existing tokenbus_* latency histograms (finer below 10 ms than vLLM's).
 LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -299,6 +300,7 @@ class BusHealth:
     # The file store's stream (OBJ_tokenbus_files): (bytes, its max_bytes; 0: unbounded).
     file_store: tuple[float, float] | None = None
     probes: int = 0
+    nats_servers: list[natsmon.ServerState] = field(default_factory=list)
 
     def collect(self) -> Iterator[Metric]:
         nc = self.nc
@@ -357,6 +359,7 @@ class BusHealth:
         probes = CounterMetricFamily("tokenbus_probes", "Probe rounds of the bus run so far")
         probes.add_metric([], float(self.probes))
         yield probes
+        yield from natsmon.collect(self.nats_servers)
 
 
 class Metrics:

@@ -29,6 +29,7 @@ import itertools
 import json
 from typing import Any
 
+import aiohttp
 from nats.aio.msg import Msg
 from nats.js import api
 from prometheus_client import start_http_server
@@ -37,7 +38,7 @@ from bus_schemas import codec, subjects
 from services.buckets import open_stream
 from services.discovery import API_PREFIX
 from services.runtime import Service, connect
-from telemetry import records
+from telemetry import natsmon, records
 from telemetry.metrics import Metrics
 from telemetry.store import open_store
 
@@ -309,12 +310,21 @@ class Telemetry(Service):
                 self.log.warning("telemetry_write_failed", error=str(exc))
 
     async def _probe_loop(self) -> None:
-        while True:
-            try:
-                await self.probe()
-            except Exception as exc:
-                self.log.warning("telemetry_probe_failed", error=str(exc))
-            await asyncio.sleep(self.cfg.probe_interval_s)
+        urls = list(self.cfg.nats_monitor_urls)
+        session = aiohttp.ClientSession() if urls else None
+        try:
+            while True:
+                try:
+                    await self.probe()
+                except Exception as exc:
+                    self.log.warning("telemetry_probe_failed", error=str(exc))
+                if session is not None:  # the servers' own state, beside the bus's view
+                    wait = min(2.0, max(0.5, self.cfg.probe_interval_s / 2))
+                    self.metrics.health.nats_servers = await natsmon.scrape(session, urls, wait)
+                await asyncio.sleep(self.cfg.probe_interval_s)
+        finally:
+            if session is not None:
+                await session.close()
 
     async def probe(self) -> None:
         """One look at the bus: the server's round trip, the services answering discovery

@@ -126,7 +126,9 @@ def test_deploy_init_writes_each_role_a_login_of_its_own_and_keeps_them(tmp_path
     confs = [(out / f"nats-{i}.conf").read_text() for i in range(3)]
     for i, conf in enumerate(confs):
         assert 'include "auth.conf"' in conf and f'server_name: "nats-{i}"' in conf
-        assert 'http: "127.0.0.1:8222"' in conf and "tls {" in conf
+        # The monitoring port in the network (the telemetry service exports it), never
+        # published: the nats services publish no port at all (below).
+        assert 'http: "0.0.0.0:8222"' in conf and "tls {" in conf
         assert f"@nats-{i}:6222" not in conf and conf.count("@nats-") == 2  # routes to the others
     assert "auth_callout" in (out / "auth.conf").read_text()
     again = run_cli("deploy", "init", "--dir", str(out), "--nodes", "3")
@@ -376,7 +378,7 @@ async def test_cluster_routes_are_encrypted_and_need_the_route_password(tmp_path
         text = (out / f"nats-{i}.conf").read_text()
         client, monitor, route = ports[i]
         text = text.replace('listen: "0.0.0.0:4222"', f'listen: "127.0.0.1:{client}"')
-        text = text.replace('http: "127.0.0.1:8222"', f'http: "127.0.0.1:{monitor}"')
+        text = text.replace('http: "0.0.0.0:8222"', f'http: "127.0.0.1:{monitor}"')
         text = text.replace('listen: "0.0.0.0:6222"', f'listen: "127.0.0.1:{route}"')
         text = text.replace('"/data/jetstream"', json.dumps(str(tmp_path / f"js-{i}")))
         pw = re.search(r'user: "route", password: "([^"]+)"', text)

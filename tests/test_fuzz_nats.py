@@ -10,6 +10,7 @@ the running stack's model, replica and instance ids (found through ``$SRV.INFO``
 - ingress, auth, ratelimit, filter, bridge: ``tb.v1.stage.{auth,ratelimit,filter,route}``
 - router, bridge: ``tb.v1.engine.<model>.<replica>.generate`` (and the cancel subject)
 - worker: ``tb.v1.heartbeat.<model>.<replica>``, ``tb.v1.kv.<model>.<replica>``,
+  ``tb.v1.replica.<id>.claim`` (for an id no worker serves),
   ``tb.v1.usage[.<limiter>]``, ``tb.v1.telemetry.>``
 - bridge: ``tb.v1.audit.>``; bridge, auth, ratelimit, router: the KV buckets of routing
   changes and keys (``$KV.tokenbus_routing.*``, ``$KV.tokenbus_keys.*``)
@@ -495,6 +496,12 @@ class FuzzBus:
             hb["boot"] = "f" * 12
             subs = [subjects.heartbeat(model, replica), subjects.heartbeat(model, "forged")]
             return Target(subs, hb, [])
+        if name == "claim":
+            # Claims are the worker role's own (engine_worker/claim.py): a worker trusts
+            # another's, and an older one makes it stop by design. The fuzz sends them for ids
+            # no worker serves (the subject, malformed payloads, to whoever listens).
+            body = {"replica": "no-such-replica", "boot": "f" * 12, "since_ns": 1}
+            return Target([subjects.replica_claim("no-such-replica")], body, [])
         if name == "kv.events":
             # The router follows KV events (the fuzz stack routes kv_aware): a forged batch
             # names the replica with another boot, or a replica that does not exist.
@@ -981,6 +988,7 @@ FAMILIES = [
     "engine",
     "cancel",
     "heartbeat",
+    "claim",
     "kv.events",
     "telemetry",
     "usage",
@@ -1364,6 +1372,7 @@ def test_the_families_cover_every_role() -> None:
         subjects.engine_generate(model, replica),
         subjects.worker_cancel(replica),
         subjects.heartbeat(model, replica),
+        subjects.replica_claim(replica),
         subjects.kv_events(model, replica),
         subjects.usage(),
         subjects.usage("ratelimit-x"),

