@@ -28,7 +28,7 @@ HEADER = (
 def closure(root: str = "tokenbus", extras: tuple[str, ...] = ()) -> dict[str, str]:
     """Every package ``root`` needs (its extras ``extras`` included), by canonical name:
     its installed version."""
-    env = default_environment()
+    env: dict[str, str] = {k: str(v) for k, v in default_environment().items()}
     out: dict[str, str] = {}
     todo: list[tuple[str, tuple[str, ...]]] = [(root, extras)]
     while todo:
