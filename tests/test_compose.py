@@ -470,3 +470,22 @@ def serialization_pem() -> Any:
     from cryptography.hazmat.primitives import serialization
 
     return serialization.Encoding.PEM
+
+
+def test_a_role_password_is_changed_by_dropping_it_and_running_init_again(tmp_path: Path) -> None:
+    """docs/deploy.md's password rotation: a role's entry removed from nats-users.json, deploy
+    init makes it a new one (its login file and the nodes' hash), every other kept."""
+    out = tmp_path / "bus"
+    assert run_cli("deploy", "init", "--dir", str(out)).returncode == 0
+    users = out / "nats-users.json"
+    before = json.loads(users.read_text())
+    login = json.loads((out / "roles" / "worker.json").read_text())
+    assert login["password"] == before["worker"]
+    users.write_text(json.dumps({k: v for k, v in before.items() if k != "worker"}))
+    assert run_cli("deploy", "init", "--dir", str(out)).returncode == 0
+    after = json.loads(users.read_text())
+    assert after["worker"] != before["worker"]
+    assert {k: v for k, v in after.items() if k != "worker"} == {
+        k: v for k, v in before.items() if k != "worker"
+    }
+    assert json.loads((out / "roles" / "worker.json").read_text())["password"] == after["worker"]

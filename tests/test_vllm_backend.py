@@ -548,6 +548,15 @@ async def test_dead_engine_is_an_engine_error() -> None:
         await collect(b.generate(completion()))
 
 
+async def test_a_dead_engine_is_reported_in_the_backends_health() -> None:
+    # What the worker's engine watch reads at each heartbeat (docs/deploy.md, "Engine
+    # health"): vLLM's AsyncLLM.errored, before any request finds out.
+    b, fake = await started()
+    assert b.health() is None
+    fake.engine.dead = True
+    assert "died" in (b.health() or "")
+
+
 async def test_request_level_error_finish_is_an_engine_error() -> None:
     b, _ = await started(finish_with="error")
     with pytest.raises(E.EngineError, match="Internal server error"):
