@@ -46,13 +46,19 @@ def _tokenbus_services(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
     }
 
 
+def _role(name: str) -> str:
+    """The service a compose service runs: its name (bridge-b, the `gateways` profile's
+    second bridge, runs the bridge)."""
+    return "bridge" if name == "bridge-b" else name
+
+
 def test_the_shipped_compose_file_runs_only_commands_the_cli_takes() -> None:
     doc = _load("docker-compose.yml")
     cmds = _commands(doc)
     assert {"bridge", "ingress", "router", "worker", "auth", "ratelimit", "filter"} <= set(cmds)
     for name, svc in _tokenbus_services(doc).items():
         args = build_parser().parse_args(svc["command"])  # exits (fails the test) on a bad one
-        assert (args.cmd, args.service) == ("serve", name), name
+        assert (args.cmd, args.service) == ("serve", _role(name)), name
     init = build_parser().parse_args(doc["services"]["init"]["command"])
     assert (init.cmd, init.deploy_cmd, init.dir) == ("deploy", "init", "/config")
 
@@ -61,7 +67,7 @@ def test_every_service_logs_in_as_its_own_role_under_its_own_uid() -> None:
     doc = _load("docker-compose.yml")
     svcs = {**_tokenbus_services(doc), "cli": doc["services"]["cli"]}
     for name, svc in svcs.items():
-        role = "admin" if name == "cli" else SERVICE_ROLE[name]
+        role = "admin" if name == "cli" else SERVICE_ROLE[_role(name)]
         env = svc["environment"]
         assert env["TOKENBUS_NATS_LOGIN_FILE"] == f"/config/roles/{role}.json", name
         assert svc["user"] == str(ROLE_UID[role]), name
@@ -89,7 +95,7 @@ def test_nats_is_private_and_everything_waits_for_its_health() -> None:
         test = svc["healthcheck"]["test"]
         assert test[:3] == ["CMD", "tokenbus", "health"], name
         health = build_parser().parse_args(test[2:])
-        if name == "bridge":
+        if _role(name) == "bridge":
             assert health.url == "http://127.0.0.1:8000/ready"
         else:
             assert health.file == svc["environment"]["TOKENBUS_HEALTH_FILE"], name
@@ -167,7 +173,8 @@ def test_the_observability_profile_runs_prometheus_grafana_and_jaeger_provisione
             src = vol.split(":")[0]
             if src.startswith("."):
                 assert (COMPOSE / src).resolve().exists(), (name, vol)
-    assert not any(svcs[n].get("profiles") for n in _tokenbus_services(doc))  # the stack runs
+    # the stack runs without a profile (but the `gateways` profile's second bridge)
+    assert not any(svcs[n].get("profiles") for n in _tokenbus_services(doc) if n != "bridge-b")
     prom = svcs["prometheus"]
     assert "--enable-feature=exemplar-storage" in prom["command"]
     assert "--config.file=/etc/prometheus/prometheus.yml" in prom["command"]
@@ -489,3 +496,23 @@ def test_a_role_password_is_changed_by_dropping_it_and_running_init_again(tmp_pa
         k: v for k, v in before.items() if k != "worker"
     }
     assert json.loads((out / "roles" / "worker.json").read_text())["password"] == after["worker"]
+
+
+def test_the_gateways_profile_runs_a_second_bridge_to_restart_one_at_a_time() -> None:
+    """Two bridges on one host, each on a port of its own, so that one drains and restarts
+    while a load balancer sends everything to the other: the second is the first (command,
+    role, drain and grace, the /ready health check) on another published port, and runs only
+    with the profile. The cluster override gives it every node's URL too."""
+    doc = _load("docker-compose.yml")
+    one, two = doc["services"]["bridge"], doc["services"]["bridge-b"]
+    assert "profiles" not in one and two["profiles"] == ["gateways"]
+    assert {k: v for k, v in two.items() if k not in ("profiles", "ports")} == {
+        k: v for k, v in one.items() if k != "ports"
+    }
+    assert one["ports"] == ["${TOKENBUS_HTTP_PORT:-8000}:8000"]
+    assert two["ports"] == ["${TOKENBUS_HTTP_PORT_B:-8001}:8000"]
+    env = two["environment"]
+    assert env["TOKENBUS_BRIDGE__UNREADY_S"] == "5" and env["TOKENBUS_DRAIN_TIMEOUT_S"] == "605"
+    assert two["stop_grace_period"] == "620s"
+    cluster = _load("cluster.yml")["services"]
+    assert cluster["bridge-b"]["environment"] == cluster["bridge"]["environment"]
