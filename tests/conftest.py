@@ -58,11 +58,9 @@ SLOWEST_FILES = [
     "test_flow_e2e.py",  # 63
     "test_processes.py",  # 55
     "test_fuzz_nats.py",  # 52
-    "test_nemesis.py",  # 45
     "test_bench_tenants.py",  # 36
     "test_cluster.py",  # 35
     "test_batches.py",  # 33
-    "test_rolling_upgrade.py",  # 26
 ]
 
 

@@ -56,7 +56,9 @@ async def _until_flow(url: str, model: str, cond: Any) -> dict[str, Any]:
 
 
 async def _until_in_flight(url: str, model: str, n: int) -> None:
-    deadline = time.monotonic() + 20
+    # Bounded generously: on a loaded machine a look at the heartbeats can itself take
+    # seconds (its connection), while the flood stays in flight until it drains.
+    deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         seen = await live_replicas(url, model, wait=0.3)
         if any(int(hb.get("in_flight", 0)) >= n for hb in seen.values()):
