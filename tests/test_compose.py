@@ -225,10 +225,11 @@ def test_the_compose_files_pass_the_compose_schema() -> None:
         pytest.skip("docker-compose is not installed (Debian's docker-compose validates)")
     for extra in ([], ["cluster.yml"], ["nats-public.yml"]):
         files = [a for f in ["docker-compose.yml", *extra] for a in ("-f", str(COMPOSE / f))]
-        r = subprocess.run(
-            [tool, *files, "config", "-q"], capture_output=True, text=True, timeout=60
-        )
-        assert r.returncode == 0, (extra, r.stderr)
+        for profile in ([], ["--profile", "gateways"]):
+            r = subprocess.run(
+                [tool, *files, *profile, "config", "-q"], capture_output=True, text=True, timeout=60
+            )
+            assert r.returncode == 0, (extra, profile, r.stderr)
 
 
 @pytest.mark.parametrize(

@@ -29,6 +29,7 @@ from tests.conftest import (
     run_cli,
     start_stack,
     start_worker,
+    wait_for,
 )
 from tokenbus import Client
 
@@ -55,15 +56,40 @@ async def _until_flow(url: str, model: str, cond: Any) -> dict[str, Any]:
     raise AssertionError("the replica's flow control never got there")
 
 
+class _InFlight:
+    """The most requests in flight any replica of ``model`` said in a heartbeat since the
+    watch began, heard on one connection that stays subscribed: a count that holds only for
+    a moment (a backlog draining two at a time) is not missed between looks."""
+
+    def __init__(self, url: str, model: str) -> None:
+        self.url, self.model = url, model
+        self.most = 0
+        self.nc: Any = None
+
+    async def __aenter__(self) -> _InFlight:
+        self.nc = await nats.connect(self.url)
+
+        async def cb(msg: Any) -> None:
+            hb = codec.decode_map(msg.data)
+            if hb.get("model") == self.model:
+                self.most = max(self.most, int(hb.get("in_flight", 0)))
+
+        await self.nc.subscribe(subjects.heartbeat_wildcard(), cb=cb)
+        await self.nc.flush()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.nc.drain()
+
+    async def until(self, n: int) -> None:
+        await wait_for(
+            lambda: self.most >= n, timeout=60, what=f"the replica never had {n} requests in flight"
+        )
+
+
 async def _until_in_flight(url: str, model: str, n: int) -> None:
-    # Bounded generously: on a loaded machine a look at the heartbeats can itself take
-    # seconds (its connection), while the flood stays in flight until it drains.
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        seen = await live_replicas(url, model, wait=0.3)
-        if any(int(hb.get("in_flight", 0)) >= n for hb in seen.values()):
-            return
-    raise AssertionError(f"the replica never had {n} requests in flight")
+    async with _InFlight(url, model) as watch:
+        await watch.until(n)
 
 
 async def _http_stream(
@@ -126,11 +152,12 @@ async def test_a_newcomer_is_served_before_a_flooding_tenants_backlog(
     # flight together however slowly a loaded machine sends them (30 tokens drained in 2 s,
     # and the 12 were not always in flight at once).
     flood_body = {"model": model, **FLOOD, "max_tokens": 100}
-    flood = [
-        asyncio.ensure_future(_http_stream(stack.base, keys["a"], flood_body, a_firsts))
-        for _ in range(12)
-    ]
-    await _until_in_flight(procs.url, model, 12)
+    async with _InFlight(procs.url, model) as watch:  # listening before the flood starts
+        flood = [
+            asyncio.ensure_future(_http_stream(stack.base, keys["a"], flood_body, a_firsts))
+            for _ in range(12)
+        ]
+        await watch.until(12)
     async with await Client.connect(procs.url) as client:
         sent = time.monotonic()
         stream = client.chat(model, MSG, max_tokens=4, ignore_eos=True, api_key=keys["b"])
