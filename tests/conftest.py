@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import json
 import os
 import signal
@@ -310,9 +311,14 @@ async def stack(
 async def wait_for(
     cond: Any, timeout: float = 10.0, interval: float = 0.02, what: str = "condition not met"
 ) -> None:
+    """Until ``cond()`` is true (a coroutine it returns is awaited: a look over the network),
+    at most ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if cond():
+        held = cond()
+        if inspect.isawaitable(held):
+            held = await held
+        if held:
             return
         await asyncio.sleep(interval)
     raise AssertionError(f"{what} in time")

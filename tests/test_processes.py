@@ -24,6 +24,7 @@ from tests.conftest import (
     run_cli,
     start_stack,
     start_worker,
+    wait_for,
     wait_http,
     wait_replicas,
 )
@@ -121,10 +122,11 @@ async def test_a_stopping_bridge_says_it_is_not_ready_while_it_still_serves(
         async for ch in s:
             if not text:
                 bridge.signal(signal.SIGTERM)
-                deadline = time.monotonic() + 2
-                while (await h.get("/ready")).status_code != 503:
-                    assert time.monotonic() < deadline, "/ready still 200 after SIGTERM"
-                    await asyncio.sleep(0.02)
+
+                async def unready() -> bool:
+                    return (await h.get("/ready")).status_code == 503
+
+                await wait_for(unready, timeout=2, what="/ready saying 503 after SIGTERM")
                 # Not ready, still serving: a new request is answered whole.
                 late = await c.chat.completions.create(model=model, messages=MSG, max_tokens=3)
                 assert late.choices[0].message.content == expected_text(PROMPT, 3)[0]

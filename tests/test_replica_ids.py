@@ -59,7 +59,7 @@ async def test_a_second_worker_with_a_taken_replica_id_refuses_to_start(tmp_path
                 "ingress",
                 "router",
                 env={"TOKENBUS_BRIDGE__FUSE_ROUTER": "false"},
-                env_for=lambda role, _: bus.env(role),
+                env_for=bus.env,
                 heartbeats=False,
             )
             first = stack.workers[0]

@@ -22,6 +22,7 @@ from tests.conftest import (
     free_port,
     key_store,
     start_worker,
+    wait_for,
     wait_http,
     wait_replicas,
     wait_started,
@@ -40,7 +41,9 @@ MSG = [{"role": "user", "content": "rolling"}]
 
 class Balancer:
     """What a load balancer in front of the bridges does: health checks on /ready every
-    0.2 s, requests only to bridges that passed the last one, round robin."""
+    :data:`CHECK_EVERY_S`, requests only to bridges that passed the last one, round robin."""
+
+    CHECK_EVERY_S = 0.2  # its health-check period: the timer this test runs against, small
 
     def __init__(self, ports: list[int]) -> None:
         self.ports = ports
@@ -57,7 +60,7 @@ class Balancer:
                         self.ready[port] = r.status_code == 200
                     except httpx.HTTPError:
                         self.ready[port] = False
-                await asyncio.sleep(0.2)
+                await asyncio.sleep(self.CHECK_EVERY_S)
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._check())
@@ -68,13 +71,14 @@ class Balancer:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
 
+    def _up(self) -> list[int]:
+        return [p for p in self.ports if self.ready.get(p)]
+
     async def pick(self) -> int:
-        while True:
-            up = [p for p in self.ports if self.ready.get(p)]
-            if up:
-                self._turn += 1
-                return up[self._turn % len(up)]
-            await asyncio.sleep(0.05)
+        await wait_for(lambda: self._up(), timeout=30, what="a bridge that passed its check")
+        up = self._up()
+        self._turn += 1
+        return up[self._turn % len(up)]
 
 
 async def test_a_rolling_upgrade_of_every_role_under_streaming_load_fails_no_request(
@@ -185,10 +189,11 @@ async def test_a_rolling_upgrade_of_every_role_under_streaming_load_fails_no_req
                         await nc.close()
                 assert new.alive(), new.output()[-2000:]
             # Traffic went on meanwhile.
-            deadline = time.monotonic() + 20
-            while served["http"] <= before["http"] or served["nats"] <= before["nats"]:
-                assert time.monotonic() < deadline, (name, served, failures[:3])
-                await asyncio.sleep(0.05)
+            await wait_for(
+                lambda b=before: served["http"] > b["http"] and served["nats"] > b["nats"],
+                timeout=20,
+                what=f"streams served after {name}'s restart ({served}, {failures[:3]})",
+            )
             restarted.append(name)
     finally:
         done.set()
