@@ -501,8 +501,8 @@ class Worker(Service):
         return str(hashing.get("kind")) if isinstance(hashing, dict) else KV.SCHEME_TEXT
 
     async def heartbeat(self) -> None:
-        if self.failure is not None:  # a second process of its id: the beats are another's
-            return
+        if self.failure is not None:  # given up (a second process of its id, or its engine
+            return  # failed after its last beat said so): the id's beats are not its own
         with contextlib.suppress(Exception):
             await self.nc.publish(
                 subjects.heartbeat(self.model, self.replica), codec.encode(self.heartbeat_body())

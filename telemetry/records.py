@@ -288,20 +288,21 @@ class Recorder:
         before its caller hears that it ended, so a process killed right after an answer
         has not lost its record). The stream's ack is waited for off the caller's path."""
         first, self._first = self._first, []
-        for subject_, data in first:
+        for to, data in first:
             if len(self._sending) >= MAX_IN_FLIGHT:
                 self._lost(0, "too many messages waiting for their stream's ack")
                 continue
-            msg_id = uuid.uuid4().hex
-            put = await self._put(data, msg_id, subject_)
-            self._spawn(self._publish(data, 0, msg_id, put, subject_))
+            await self._put_then_publish(data, 0, to)
         taken = self._take()
-        if taken is None:
-            return
-        data, n = taken
+        if taken is not None:
+            await self._put_then_publish(*taken)
+
+    async def _put_then_publish(self, data: bytes, n: int, to: str = "") -> None:
+        """Hand ``data`` to the connection now, then wait for its ack (and try again) in a
+        task of its own: ``n`` records on the records' subject, or a report on ``to``."""
         msg_id = uuid.uuid4().hex
-        put = await self._put(data, msg_id)
-        self._spawn(self._publish(data, n, msg_id, put))
+        put = await self._put(data, msg_id, to)
+        self._spawn(self._publish(data, n, msg_id, put, to))
 
     async def _on_ack(self, msg: Msg) -> None:
         fut = self._acks.pop(msg.subject, None)

@@ -37,7 +37,7 @@ HEALTH_FILE = "/tmp/tokenbus-health.json"
 
 @dataclass(frozen=True, slots=True)
 class Group:
-    """One vLLM worker: its GPUs and its pool."""
+    """One vLLM worker: its GPUs, its pool and (plan_models) its model."""
 
     gpus: tuple[int, ...]
     pool: str
@@ -176,16 +176,14 @@ def plan_models(
     return out
 
 
-def services(
-    groups: list[Group], model: str = "", *, host: str = "", bus: Bus | None = None
-) -> dict[str, Any]:
+def services(groups: list[Group], *, host: str = "", bus: Bus | None = None) -> dict[str, Any]:
     """The compose document: one vLLM worker service per group, and the shared HF cache.
     ``bus``: the file stands alone (no stack beside it)."""
     out: dict[str, Any] = {}
     host = slug(host) if host else "host"
     counts: dict[str, int] = {}
     for g in groups:
-        served = g.model or model
+        served = g.model
         i = counts[served] = counts.get(served, -1) + 1
         ids = [str(x) for x in g.gpus]
         # Inside the container its GPUs are numbered from 0: vLLM takes all it sees.
