@@ -382,12 +382,6 @@ class BackgroundState:
         async with self._opening:
             if self.bg is None:
                 responses = await open_store(self.nc, self.settings.responses)
-                if responses is None:
-                    raise E.InvalidRequest(
-                        "background responses are not served here (the response store is "
-                        "off: responses.enabled)",
-                        param="background",
-                    )
                 self.bg = await Background(self.nc, store, responses, None, self.check).open(
                     self.settings.responses.ttl_s
                 )

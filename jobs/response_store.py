@@ -15,7 +15,9 @@ it, so a conversation may continue through any of them.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 from typing import Any
 
 from nats.aio.client import Client as NATS
@@ -48,24 +50,34 @@ def unavailable(exc: BaseException) -> E.ServiceUnavailable:
     return E.ServiceUnavailable("the response store (JetStream) did not answer; retry")
 
 
-async def open_store(nc: NATS, settings: ResponsesSettings) -> ResponseStore | None:
-    """The store, or None (logged) where JetStream is not available: the Responses API is
-    then served without storage (``store`` comes back false) rather than not at all."""
+async def open_store(nc: NATS, settings: ResponsesSettings) -> ResponseStore:
+    """The store, opened now where JetStream answers. Where it does not (no JetStream on
+    the bus, or a node down or electing a leader as this process starts), it is logged and
+    the store opens at its first use after (:meth:`ResponseStore.opened`): a process that
+    started during a fault is not left without stored responses for the rest of its life.
+    Until then a response is served with ``store: false`` and a read is a retryable 503."""
+    store = ResponseStore(nc, settings)
     try:
-        return await ResponseStore(nc, settings).open()
+        await store.open()
     except Exception as exc:
-        log.warning("responses_not_stored_here", reason="JetStream unavailable", error=repr(exc))
-        return None
+        log.warning("responses_store_not_open", reason="JetStream unavailable", error=repr(exc))
+    return store
 
 
 class ResponseStore:
     """Put, get and delete stored responses, each readable only by its owner."""
+
+    # A store that could not be opened is tried again at most this often (each use until
+    # then is a 503 at once, not a wait on JetStream per request).
+    REOPEN_EVERY_S = 1.0
 
     def __init__(self, nc: NATS, settings: ResponsesSettings, bucket: str = BUCKET) -> None:
         self.nc = nc
         self.settings = settings
         self.bucket = bucket
         self.kv: KeyValue | None = None
+        self._opening = asyncio.Lock()
+        self._next_try = 0.0
 
     async def open(self) -> ResponseStore:
         """Bind the bucket, creating it when it does not exist yet."""
@@ -83,10 +95,23 @@ class ResponseStore:
         )
         return self
 
-    def _kv(self) -> KeyValue:
-        if self.kv is None:
-            raise RuntimeError("ResponseStore.open() first")
-        return self.kv
+    async def opened(self) -> KeyValue:
+        """The bucket; opened here when :meth:`open` could not (a retryable 503 when it
+        still cannot, tried again at most every :attr:`REOPEN_EVERY_S`)."""
+        if self.kv is not None:
+            return self.kv
+        async with self._opening:
+            if self.kv is None:
+                if time.monotonic() < self._next_try:
+                    raise E.ServiceUnavailable("the response store (JetStream) is not open; retry")
+                try:
+                    await self.open()
+                except Exception as exc:
+                    self._next_try = time.monotonic() + self.REOPEN_EVERY_S
+                    raise unavailable(exc) from None
+                log.info("responses_store_opened")
+            assert self.kv is not None
+            return self.kv
 
     async def put(self, response_id: str, record: dict[str, Any]) -> bool:
         """Keep ``record`` (see :func:`dialects.responses.record`) under a new id; False
@@ -98,7 +123,7 @@ class ResponseStore:
         data = json.dumps(record, separators=(",", ":")).encode()
         try:
             # Through a stalled stream leader too (services.buckets).
-            kv = self._kv()
+            kv = await self.opened()
             if create:
                 await buckets.create(kv, response_id, data)
             else:
@@ -120,7 +145,7 @@ class ResponseStore:
         if not RESPONSE_ID.match(response_id):
             raise not_found(response_id)
         try:
-            entry = await self._kv().get(response_id)
+            entry = await (await self.opened()).get(response_id)
         except (KeyNotFoundError, KeyDeletedError):
             raise not_found(response_id) from None
         except Exception as exc:
@@ -136,7 +161,7 @@ class ResponseStore:
         """Delete ``response_id`` if ``owner`` made it; else 404."""
         await self.get(response_id, owner)
         try:
-            await self._kv().purge(response_id)
+            await (await self.opened()).purge(response_id)
         except Exception as exc:
             raise unavailable(exc) from None
 
@@ -178,7 +203,7 @@ class ResponsesState:
 
     async def open(self) -> ResponsesState:
         self.store = await open_store(self.nc, self.settings.responses)
-        if self.store is not None and subjects.STAGE_AUTH in self.settings.ingress.pipeline:
+        if subjects.STAGE_AUTH in self.settings.ingress.pipeline:
             self.keys = await KeyStore(self.nc).open()
         return self
 
@@ -192,7 +217,7 @@ class ResponsesState:
             return
         store = self.store
         if store is None:
-            raise E.ServiceUnavailable("this ingress keeps no responses (JetStream unavailable)")
+            raise E.ServiceUnavailable("this ingress is still starting; retry")
         action = msg.subject.rpartition(".")[2]
         body = codec.decode_map(msg.data)
         response_id = body.get("id")

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import nats
 import openai
 import pytest
 from hypothesis import given, settings
@@ -41,7 +42,7 @@ from engine_worker.backends.sim import expected_structured, expected_text
 from engine_worker.backends.sim_outputs import expected_tool_call
 from filter.policy import FilterPolicy
 from filter.scanner import Scanner
-from jobs.response_store import ResponseStore
+from jobs.response_store import ResponseStore, open_store
 from services.caller import Chunk, Usage
 from services.config import ResponsesSettings
 from tests.conftest import (
@@ -49,10 +50,13 @@ from tests.conftest import (
     Procs,
     ProcStack,
     Upstream,
+    free_port,
     key_store,
     new_model,
+    spawn_nats,
     start_stack,
     start_worker,
+    wait_for,
     wait_replicas,
 )
 from tests.lockedbus import LockedBus, serve_when_ready
@@ -1355,6 +1359,45 @@ async def test_the_store_has_a_ttl_and_a_size_bound_and_owners(nc: Any) -> None:
         assert not await store.put(new_response_id(), {"owner": "k1", "blob": "x" * (2 << 20)})
     finally:
         await nc.jetstream().delete_stream(f"KV_{bucket}")
+
+
+async def test_a_store_that_could_not_open_at_start_opens_when_jetstream_answers(
+    tmp_path: Path,
+) -> None:
+    # A process that starts while JetStream does not answer (here: a server without it,
+    # then one with it on the same port, as a node comes back) is not left without stored
+    # responses: the store opens at a use after, and until then says so.
+    port = free_port()
+    bare = spawn_nats(port, "-a", "127.0.0.1", "-p", str(port))
+    nc = await nats.connect(
+        f"nats://127.0.0.1:{port}", max_reconnect_attempts=-1, reconnect_time_wait=0.1
+    )
+    srv: NatsServer | None = None
+    try:
+        store = await open_store(nc, ResponsesSettings())
+        assert store.kv is None
+        rid = new_response_id()
+        assert not await store.put(rid, {"owner": "k1", "response": {"id": rid}})
+        with pytest.raises(E.ServiceUnavailable) as err:
+            await store.get(rid, "k1")
+        assert err.value.retryable
+        bare.terminate()
+        bare.wait(10)
+        srv = NatsServer(tmp_path / "js", port=port).start()
+        await wait_for(lambda: nc.is_connected, what="reconnected")
+        await wait_for(
+            lambda: store.put(rid, {"owner": "k1", "response": {"id": rid}}),
+            timeout=30,
+            interval=0.2,
+            what="the store opened and kept the response",
+        )
+        assert (await store.get(rid, "k1"))["response"] == {"id": rid}
+    finally:
+        await nc.close()
+        if bare.poll() is None:
+            bare.kill()
+        if srv is not None:
+            srv.stop()
 
 
 # -- the locked bus ---------------------------------------------------------------------------
