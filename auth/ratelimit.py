@@ -441,6 +441,18 @@ class RateLimitCheck:
             await asyncio.gather(*(self._settle_kept(m) for m in msgs))
 
     async def _settle_kept(self, msg: Any) -> None:
+        if msg.subject != subjects.usage_spend(self.limiter.owner):
+            # Another limiter's report: its owner settles it (it heard it directly, and its
+            # book alone remembers what it charged, which a later supersede corrects). Taken
+            # here only once the owner had SPEND_OWNER_GRACE_S to do it: a dead owner's.
+            try:
+                age = time.time() - msg.metadata.timestamp.timestamp()
+            except Exception:
+                age = SPEND_OWNER_GRACE_S
+            if age < SPEND_OWNER_GRACE_S:
+                with contextlib.suppress(Exception):
+                    await msg.nak(delay=SPEND_OWNER_GRACE_S - age)
+                return
         try:
             u = codec.decode_map(msg.data)
         except Exception:
@@ -527,6 +539,10 @@ class RateLimitCheck:
 # How long a spend report fetched from the stream may stay unacknowledged before another
 # limiter is given it (its settler died mid-way).
 SPEND_ACK_WAIT_S = 10.0
+# How long a spend report kept in the stream is left to the limiter it names (which heard it
+# directly) before any other settles it: a paused or cut-off owner that comes back in time
+# settles its own, so a moved attempt's charge is corrected in the book that made it.
+SPEND_OWNER_GRACE_S = 5.0
 
 
 def spend_stream_config() -> api.StreamConfig:

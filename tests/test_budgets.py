@@ -14,8 +14,11 @@ from typing import Any
 import httpx
 import nats
 import pytest
+import structlog
 
-from auth import budgets
+from auth import budgets, ratelimit
+from auth.limits import Limiter
+from auth.ratelimit import RateLimitCheck
 from bus_schemas import codec, subjects
 from services.config import PriceSettings
 from tests.conftest import (
@@ -347,6 +350,52 @@ async def test_a_moved_attempt_costs_what_its_caller_got_whichever_report_comes_
         await other.settle(report(), 20, superseding=True)
         assert (await book.spent(key)) == (170, 0)
     finally:
+        await nc.close()
+
+
+async def test_a_report_kept_for_another_limiter_is_left_to_it_for_a_grace(
+    private_nats: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The spend stream keeps every worker report until a limiter settles it; one that names
+    another limiter is left to that limiter (which heard it directly, and whose book alone
+    can correct a moved attempt's charge) for ``SPEND_OWNER_GRACE_S``, then settled here:
+    the report of a limiter that died is still charged."""
+    monkeypatch.setattr(ratelimit, "SPEND_OWNER_GRACE_S", 1.5)
+    nc = await nats.connect(private_nats.url)
+    here: RateLimitCheck | None = None
+    try:
+        book = await budgets.SpendBook(nc).open()
+        key = budgets.Budget(f"k.grace{time.time_ns()}", "day", None, None)
+        hold = await book.reserve([key], "rgrace#0", 500, time.time() + 60)
+        here = RateLimitCheck(
+            await Limiter(nc, owner="here").open(),
+            fail_open=False,
+            log=structlog.get_logger(),
+            spend=await budgets.SpendBook(nc).open(),
+            prices=lambda model: PriceSettings(input=1, output=1),  # 1 µ$ a token
+        )
+        await here.start(nc)
+        await wait_for(lambda: here._spend_pull is not None, what="the stream's consumer")
+        report = {
+            "principal": "p",
+            "request_id": "rgrace",
+            "attempt": 0,
+            "prompt": 100,
+            "completion": 30,
+            "spend": ratelimit.spend_header("m", hold),
+        }
+        sent = time.monotonic()
+        # To a limiter that is gone: only the stream has it.
+        await nc.jetstream().publish(subjects.usage_spend("gone"), codec.encode(report))
+
+        async def charged() -> bool:
+            return await book.spent(key) == (130, 0)
+
+        await wait_for(charged, timeout=30, interval=0.05, what="the report settled")
+        assert time.monotonic() - sent >= 1.5  # not before its owner's grace
+    finally:
+        if here is not None:
+            await here.stop()
         await nc.close()
 
 
