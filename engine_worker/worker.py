@@ -341,7 +341,9 @@ class Worker(Service):
 
     async def setup(self) -> None:
         self.outbox = Outbox(self.nc)
-        self._records = records.Recorder(self.nc)
+        self._records = await records.Recorder(
+            self.nc, records.spool_for(self.settings.telemetry, "worker", self.replica)
+        ).open()
         self.outbox.before = self._records_first
         # Before the engine loads: a second process with this id refuses at once.
         self._claim = ReplicaClaim(self.nc, self.replica, self.boot, self.give_up)

@@ -260,7 +260,9 @@ class Bridge(Service):
 
     async def setup(self) -> None:
         cfg = self.settings.bridge
-        self._records = records.Recorder(self.nc)
+        self._records = await records.Recorder(
+            self.nc, records.spool_for(self.settings.telemetry, "bridge", f"bridge-{self.id}")
+        ).open()
         self.client = Caller(self.nc, owner=f"bridge-{self.id}")
         self.client.on_migration = self._log_migration
         await self.client.start()

@@ -620,6 +620,13 @@ class TelemetrySettings(BaseModel):
         description="A record fetched and not acknowledged (stored) this long goes to another "
         "telemetry service.",
     )
+    spool_dir: str = Field(
+        default="",
+        description="Where workers and bridges write down each usage record and spend report "
+        "until its stream acknowledges it (a file per process): one killed in that time has "
+        "them sent again by the next process started on the same directory. Empty: kept in "
+        "memory only (a process killed while a stream elects a leader loses them).",
+    )
     store: Literal["sqlite", "postgres"] = Field(
         default="sqlite", description="Where records are stored: the SQLite file or PostgreSQL."
     )

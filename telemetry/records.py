@@ -44,6 +44,7 @@ import random
 import time
 import uuid
 from collections.abc import Coroutine
+from pathlib import Path
 from typing import Any
 
 from nats.aio.client import Client as NATS
@@ -55,6 +56,7 @@ from bus_schemas import codec, subjects
 from services import config
 from services import logging as tlog
 from services.buckets import open_stream
+from telemetry.spool import SYNC_EVERY_S, Entry, Spool
 from telemetry.store import record_id as record_id  # re-exported: what a record is known by
 
 # Marks a request collects on its way, in path order (Tb-Timings; see bus_schemas.marks).
@@ -208,6 +210,12 @@ def batch(data: dict[str, Any]) -> list[Any]:
     return recs if isinstance(recs, list) else [data]
 
 
+def spool_for(cfg: config.TelemetrySettings, role: str, name: str) -> Spool | None:
+    """The spool of a process ``name`` of ``role`` where ``telemetry.spool_dir`` is set: a
+    folder per role, so what a process takes over it may publish itself."""
+    return Spool(Path(cfg.spool_dir) / role, name) if cfg.spool_dir else None
+
+
 class Recorder:
     """One connection's records, sent together: fire and forget for the caller, never raises,
     never waits for the telemetry service. Each message waits for the stream's ack in a
@@ -215,8 +223,13 @@ class Recorder:
     so the stream keeps it once); one never acknowledged is counted (:data:`PUBLISH_FAILED`,
     :attr:`failed`)."""
 
-    def __init__(self, nc: NATS) -> None:
+    def __init__(self, nc: NATS, spool: Spool | None = None) -> None:
         self.nc = nc
+        # Written down before it leaves, until acknowledged (telemetry.spool_dir): a
+        # process killed while its messages wait for a stream's ack has them sent again by
+        # the next one (telemetry/spool.py). :meth:`open` takes over what the gone left.
+        self.spool = spool
+        self._syncing: asyncio.Task[None] | None = None
         self._batch: list[dict[str, Any]] = []
         self._first: list[tuple[str, bytes]] = []  # spend reports for the next send_now
         self._timer: asyncio.TimerHandle | None = None
@@ -235,6 +248,27 @@ class Recorder:
         self._seq = itertools.count()
         self._made_stream = False
         self._warned_at = 0.0
+
+    async def open(self) -> Recorder:
+        """With a spool: open it, send again what gone processes' spools still owe, and
+        sync it to disk every :data:`spool.SYNC_EVERY_S` from here on."""
+        if self.spool is not None:
+            for e in await asyncio.to_thread(self.spool.open):
+                self._spawn(self._publish(e.data, e.n, e.msg_id, None, e.subject))
+            self._syncing = asyncio.get_running_loop().create_task(self._sync())
+        return self
+
+    async def _sync(self) -> None:
+        spool = self.spool
+        assert spool is not None
+        while True:
+            await asyncio.sleep(SYNC_EVERY_S)
+            if spool.dirty:
+                await asyncio.to_thread(spool.sync)
+
+    def _write_down(self, msg_id: str, to: str, n: int, data: bytes) -> None:
+        if self.spool is not None:
+            self.spool.put(Entry(msg_id, to, n, data))
 
     def add(self, record: dict[str, Any]) -> None:
         self._batch.append(record)
@@ -275,7 +309,10 @@ class Recorder:
     def _send(self) -> None:
         taken = self._take()
         if taken is not None:
-            self._spawn(self._publish(*taken))
+            data, n = taken
+            msg_id = uuid.uuid4().hex
+            self._write_down(msg_id, "", n, data)
+            self._spawn(self._publish(data, n, msg_id))
 
     @property
     def waiting(self) -> bool:
@@ -301,6 +338,7 @@ class Recorder:
         """Hand ``data`` to the connection now, then wait for its ack (and try again) in a
         task of its own: ``n`` records on the records' subject, or a report on ``to``."""
         msg_id = uuid.uuid4().hex
+        self._write_down(msg_id, to, n, data)
         put = await self._put(data, msg_id, to)
         self._spawn(self._publish(data, n, msg_id, put, to))
 
@@ -373,6 +411,8 @@ class Recorder:
         for i in itertools.count():
             if await self._try(data, msg_id, put if i == 0 else None, to):
                 self.acked += 1
+                if self.spool is not None:
+                    self.spool.acked(msg_id)
                 return
             self.retries += 1
             wait = PUBLISH_BACKOFF_S[min(i, len(PUBLISH_BACKOFF_S) - 1)]
@@ -380,6 +420,7 @@ class Recorder:
             if time.monotonic() + wait >= give_up:
                 break
             await asyncio.sleep(wait)
+        # Still in the spool, if there is one: the next process on it sends it again.
         self._lost(n, f"{'the spend' if to else 'the telemetry'} stream did not acknowledge")
 
     def _lost(self, n: int, why: str) -> None:
@@ -407,3 +448,8 @@ class Recorder:
         self._send()
         if self._sending:
             await asyncio.wait(set(self._sending), timeout=2.0)
+        if self._syncing is not None:
+            self._syncing.cancel()
+            self._syncing = None
+        if self.spool is not None:  # kept where something is owed: the next one sends it
+            await asyncio.to_thread(self.spool.close)

@@ -12,6 +12,7 @@ import shutil
 import signal
 import sqlite3
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -331,6 +332,72 @@ async def test_a_record_and_a_spend_report_wait_out_a_stream_without_a_leader(
             assert (await js.stream_info(stream)).state.messages == 1, stream
         kept = await js.get_last_msg(subjects.SPEND_STREAM, spend)
         assert codec.decode_map(kept.data)["request_id"] == "late-1"
+
+
+CHILD = """
+import asyncio, sys
+import nats
+from bus_schemas import codec, subjects
+from telemetry import records
+from telemetry.spool import Spool
+
+async def main() -> None:
+    nc = await nats.connect(sys.argv[1])
+    r = await records.Recorder(nc, Spool(sys.argv[2], "worker-spooled")).open()
+    r._made_stream = True  # as a worker on the locked bus: it may not make the stream
+    r.add({"request_id": "spooled-1", "source": "worker"})
+    r.send_first(subjects.usage_spend("limiter-a"), codec.encode({"request_id": "spooled-1"}))
+    await r.send_now()
+    print("handed to the bus", flush=True)
+    await asyncio.sleep(3600)
+
+asyncio.run(main())
+"""
+
+
+async def test_what_a_killed_process_had_not_had_acknowledged_is_sent_by_the_next(
+    private_nats: NatsServer, tmp_path: Path
+) -> None:
+    # A worker hands its record and spend report to the bus while their streams answer
+    # nothing (here: not made yet), and is killed -9 while it waits for the acks. With a
+    # spool, the next process on the same directory sends both, once.
+    from auth.ratelimit import spend_stream_config
+    from bus_schemas import subjects
+    from telemetry.spool import Spool, read_entries
+
+    spool_dir = tmp_path / "spool"
+    child = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-c",
+        CHILD,
+        private_nats.url,
+        str(spool_dir),
+        stdout=subprocess.PIPE,
+        cwd=Path(__file__).resolve().parents[1],
+    )
+    try:
+        assert child.stdout is not None
+        line = await asyncio.wait_for(child.stdout.readline(), 30)
+        assert line.strip() == b"handed to the bus"
+        [left] = list(spool_dir.glob("*.spool"))
+        assert {e.n for e in read_entries(left)} == {0, 1}  # the report and the record
+    finally:
+        child.kill()
+        await child.wait()
+    async with connection(private_nats.url) as nc:
+        js = nc.jetstream()
+        await open_stream(js, records.stream_config())
+        await open_stream(js, spend_stream_config())
+        recorder = await records.Recorder(nc, Spool(spool_dir, "worker-next")).open()
+        await wait_for(lambda: recorder.acked == 2, timeout=30, what="both sent again")
+        for stream in (records.STREAM, subjects.SPEND_STREAM):
+            assert (await js.stream_info(stream)).state.messages == 1, stream
+        kept = await js.get_last_msg(records.STREAM, records.subject())
+        assert codec.decode_map(kept.data)["request_id"] == "spooled-1"
+        assert not left.exists()  # taken over, and nothing more owed in this one's
+        assert recorder.spool is not None and recorder.spool.owed == 0
+        await recorder.flush()
+    assert list(spool_dir.glob("*.spool")) == []
 
 
 async def test_on_the_locked_bus_workers_publish_and_telemetry_consumes_durably(

@@ -318,6 +318,10 @@ async def up(
         watchdog_s=settings.up.watchdog_s,
     )
     env = {**_base_env(settings, config_file), **(child_env or {})}
+    # Workers' and bridges' records and spend reports, written down until acknowledged: a
+    # process the supervisor restarts sends what its last run had not had acknowledged.
+    spool = settings.telemetry.spool_dir or str(data / "spool")
+    env.setdefault("TOKENBUS_TELEMETRY__SPOOL_DIR", spool)
     nats_proc: EmbeddedNats | None = None
     users: Path | None = None
     b = settings.bridge

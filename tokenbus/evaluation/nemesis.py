@@ -310,6 +310,8 @@ class Stack:
         self.procs: list[Proc] = []
         self.bridge_ports: list[int] = []
 
+        spools = folder / "spool"  # a folder per host
+
         def add(role: str, name: str, host: int, argv: list[str], env: dict[str, str]) -> None:
             role_of = {"worker": "worker", "bridge": "bridge"}.get(role, role)
             self.procs.append(
@@ -322,6 +324,9 @@ class Stack:
                         **base,
                         **role_env(self.cluster.users, role_of),
                         "TOKENBUS_NATS_URL": self.cluster.urls(host),
+                        # The host's own disk: a crashed host's processes, started again,
+                        # send what they had not had acknowledged (telemetry/spool.py).
+                        "TOKENBUS_TELEMETRY__SPOOL_DIR": str(spools / str(host)),
                         **env,
                     },
                 )
