@@ -56,6 +56,8 @@ INBOX_ROOT = subjects.inbox_prefix("telemetry")
 _STREAM_NOT_FOUND = 10059  # JetStream's error code for it
 _SERVICE_PREFIX = "tokenbus-"  # discovery names: "tokenbus-<service>" (services.runtime)
 FETCH_MAX = 256  # messages one fetch asks for at most
+# A consumer that could not be bound at start is tried again after this, then less often.
+BIND_RETRY_S = 2.0
 _SEEN_KEPT = 200_000  # record ids whose metrics this process counted (redeliveries skip them)
 
 
@@ -102,19 +104,20 @@ class Telemetry(Service):
                 subjects.telemetry(subjects.TELEMETRY_BUDGET), cb=self._on_budget
             ),
         ]
+        self._core: Any = None  # the records' core subscription, while not durable
+        self._durable_later: asyncio.Task[None] | None = None
         if psub is not None:
-            self.durable = True
-            self._psub = psub
-            self._fetcher = loop.create_task(self._fetch_loop())
+            self._go_durable(psub)
         else:
-            self._subs.append(
-                await self.nc.subscribe(
-                    records.subject(),
-                    queue=subjects.QUEUE_TELEMETRY,
-                    cb=self._on_record,
-                    pending_msgs_limit=max(100_000, cfg.max_buffer),
-                )
+            self._core = await self.nc.subscribe(
+                records.subject(),
+                queue=subjects.QUEUE_TELEMETRY,
+                cb=self._on_record,
+                pending_msgs_limit=max(100_000, cfg.max_buffer),
             )
+            # The stream may only be without a leader as this starts (its node down): the
+            # consumer is tried again, and taken over from the core subscription once bound.
+            self._durable_later = loop.create_task(self._bind_later())
         self._flusher = loop.create_task(self._flush_loop())
         self.metrics.health.nc = self.nc
         self._inbox = f"{INBOX_ROOT}.{self.id}"
@@ -144,7 +147,30 @@ class Telemetry(Service):
             durable=self.durable,
         )
 
-    async def _open_consumer(self) -> Any:
+    def _go_durable(self, psub: Any) -> None:
+        self.durable = True
+        self._psub = psub
+        self._fetcher = asyncio.get_running_loop().create_task(self._fetch_loop())
+
+    async def _bind_later(self) -> None:
+        """Try the durable consumer again (every 2 s, then at most every 30 s) until it
+        binds; then fetch from it and leave the core subscription (what both delivered is
+        stored once: record ids)."""
+        wait = BIND_RETRY_S
+        while True:
+            await asyncio.sleep(wait)
+            psub = await self._open_consumer(quiet=True)
+            if psub is not None:
+                break
+            wait = min(30.0, wait * 2)
+        self._go_durable(psub)
+        core, self._core = self._core, None
+        if core is not None:
+            with contextlib.suppress(Exception):
+                await core.unsubscribe()
+        self.log.info("telemetry_durable_now")
+
+    async def _open_consumer(self, *, quiet: bool = False) -> Any:
         """The records' stream (made when missing) and the shared durable consumer; None
         when this connection has no JetStream (the core subscription takes over)."""
         cfg = self.cfg
@@ -165,11 +191,15 @@ class Telemetry(Service):
                 pending_msgs_limit=FETCH_MAX * 4,
             )
         except Exception as exc:
+            if quiet:
+                return None
             self.log.warning(
                 "telemetry_not_durable",
                 error=str(exc) or type(exc).__name__,
-                hint="records come over core NATS: those published while no telemetry service "
-                "runs are lost. Give the telemetry role JetStream (regenerate the NATS config)",
+                hint="records come over core NATS until the stream answers (tried again every "
+                "few seconds): those published while no telemetry service runs are lost. "
+                "Where this persists, give the telemetry role JetStream (regenerate the NATS "
+                "config)",
             )
             return None
 
@@ -402,6 +432,11 @@ class Telemetry(Service):
         return got
 
     async def on_stop(self) -> None:
+        if self._durable_later is not None:
+            self._durable_later.cancel()
+        if self._core is not None:
+            with contextlib.suppress(Exception):
+                await self._core.unsubscribe()
         if self._fetcher is not None:
             self._fetcher.cancel()
             with contextlib.suppress(BaseException):

@@ -152,6 +152,39 @@ async def test_records_published_during_an_outage_are_all_stored_once_it_starts(
         assert stored(db) == 800
 
 
+async def test_a_service_started_while_the_stream_answers_nothing_binds_it_later(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Started while its bus has no JetStream to answer (here: a server without it, then one
+    # with it on the same port, as a node comes back or a stream elects its leader), the
+    # service takes records over core NATS, tries the stream again, and once bound
+    # consumes it durably: what was published before stays in the stream until stored.
+    from telemetry import service
+
+    monkeypatch.setattr(service, "BIND_RETRY_S", 0.2)
+    port = free_port()
+    url = f"nats://127.0.0.1:{port}"
+    bare = spawn_nats(port, "-a", "127.0.0.1", "-p", str(port))
+    srv: NatsServer | None = None
+    db = tmp_path / "t.db"
+    try:
+        async with Telemetry(settings(url, telemetry=cfg(db))) as tel:
+            assert not tel.durable
+            bare.terminate()
+            bare.wait(10)
+            srv = NatsServer(tmp_path / "js", port=port).start()
+            await wait_for(lambda: tel.durable, timeout=30, what="the consumer bound")
+            async with connection(url) as nc:
+                await publish(nc, [f"late{i}" for i in range(20)])
+                await wait_for(lambda: stored(db, "late") == 20, timeout=20, what="20 stored")
+                await wait_settled(nc)
+    finally:
+        if bare.poll() is None:
+            bare.kill()
+        if srv is not None:
+            srv.stop()
+
+
 async def test_a_killed_telemetry_service_loses_no_record_and_stores_none_twice(
     private_nats: NatsServer, tmp_path: Path
 ) -> None:
