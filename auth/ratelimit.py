@@ -141,8 +141,10 @@ class RateLimitCheck:
         log: Any,
         spend: budgets.SpendBook | None = None,
         prices: Any = None,
+        owner_grace_s: float | None = None,
     ) -> None:
         self.limiter = limiter
+        self.owner_grace_s = SPEND_OWNER_GRACE_S if owner_grace_s is None else owner_grace_s
         self.fail_open = fail_open
         self.log = log
         self._settling: set[asyncio.Task[None]] = set()
@@ -171,7 +173,12 @@ class RateLimitCheck:
             return router.routing_for(model).price
 
         check = cls(
-            limiter, fail_open=settings.ratelimit.fail_open, log=log, spend=spend, prices=price
+            limiter,
+            fail_open=settings.ratelimit.fail_open,
+            log=log,
+            spend=spend,
+            prices=price,
+            owner_grace_s=settings.ratelimit.owner_grace_s,
         )
         await check.start(nc)
         return check
@@ -496,14 +503,15 @@ class RateLimitCheck:
         if msg.subject != subjects.usage_spend(self.limiter.owner):
             # Another limiter's report: its owner settles it (it heard it directly, and its
             # book alone remembers what it charged, which a later supersede corrects). Taken
-            # here only once the owner had SPEND_OWNER_GRACE_S to do it: a dead owner's.
+            # here only once the owner had ``owner_grace_s`` to do it: a dead owner's.
+            grace = self.owner_grace_s
             try:
                 age = time.time() - msg.metadata.timestamp.timestamp()
             except Exception:
-                age = SPEND_OWNER_GRACE_S
-            if age < SPEND_OWNER_GRACE_S:
+                age = grace
+            if age < grace:
                 with contextlib.suppress(Exception):
-                    await msg.nak(delay=SPEND_OWNER_GRACE_S - age)
+                    await msg.nak(delay=grace - age)
                 return
         try:
             u = codec.decode_map(msg.data)
@@ -593,8 +601,11 @@ class RateLimitCheck:
 SPEND_ACK_WAIT_S = 10.0
 # How long a spend report kept in the stream is left to the limiter it names (which heard it
 # directly) before any other settles it: a paused or cut-off owner that comes back in time
-# settles its own, so a moved attempt's charge is corrected in the book that made it.
-SPEND_OWNER_GRACE_S = 5.0
+# settles its own, so a moved attempt's charge is corrected in the book that made it. Longer
+# than the owner's write of a hold may take (the bridge writes it beside the request, through
+# a stalled stream for up to buckets.STALL_RETRY_S): no other limiter finds an answered
+# request's hold not written yet.
+SPEND_OWNER_GRACE_S = buckets.STALL_RETRY_S + 10.0  # its last try may start at 20 s and wait 5
 
 
 def spend_stream_config() -> api.StreamConfig:

@@ -203,7 +203,12 @@ async def test_the_spend_of_requests_whose_limiters_died_is_settled_by_another(
     spend is exactly what the six cost, nothing is left held, and the reports are gone."""
     async with key_store(procs.url) as store:
         key, rec = await store.create("orphans", budget_usd=1.0)
-    env = {**ENV, "TOKENBUS_INGRESS__PIPELINE": '["auth", "ratelimit", "route"]'}
+    env = {
+        **ENV,
+        "TOKENBUS_INGRESS__PIPELINE": '["auth", "ratelimit", "route"]',
+        # How long the dead limiters' reports are left to them (30 s by default).
+        "TOKENBUS_RATELIMIT__OWNER_GRACE_S": "1",
+    }
     slow = ("--sim-prefill-ms", "5", "--sim-decode-ms", "150")
     stack = await start_stack(
         procs,
