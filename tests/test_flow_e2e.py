@@ -13,6 +13,7 @@ import asyncio
 import json
 import os
 import time
+from datetime import datetime
 from typing import Any
 
 import httpx
@@ -23,6 +24,7 @@ import pytest
 from bus_schemas import codec, subjects
 from bus_schemas import errors as E
 from tests.conftest import (
+    Proc,
     Procs,
     key_store,
     live_replicas,
@@ -121,6 +123,25 @@ async def _http_stream(
     return {"text": "".join(text), "last": last}
 
 
+def _served(worker: Proc) -> dict[str, tuple[float, float]]:
+    """When the worker gave each request it logged to its engine and when the engine made
+    its first token (wall clock), by id."""
+    out: dict[str, tuple[float, float]] = {}
+    for line in worker.output().splitlines():
+        if '"event": "request"' not in line:
+            continue
+        try:
+            ev = json.loads(line)
+        except ValueError:
+            continue
+        if ev.get("ttft_ms") is None:
+            continue
+        end = datetime.fromisoformat(ev["timestamp"].replace("Z", "+00:00")).timestamp()
+        start = end - ev["duration_ms"] / 1000
+        out[str(ev["request_id"])] = (start, start + ev["ttft_ms"] / 1000)
+    return out
+
+
 def _flow_env(on: bool, **extra: str) -> dict[str, str]:
     return {**PIPELINE, "TOKENBUS_WORKER__FLOW__ENABLED": "true" if on else "false", **extra}
 
@@ -159,20 +180,33 @@ async def test_a_newcomer_is_served_before_a_flooding_tenants_backlog(
         ]
         await watch.until(12)
     async with await Client.connect(procs.url) as client:
-        sent = time.monotonic()
-        stream = client.chat(model, MSG, max_tokens=4, ignore_eos=True, api_key=keys["b"])
-        async for chunk in stream:
-            if chunk.text:
-                b_first = time.monotonic()
-                break
-        await stream.aclose()
+        stream = client.chat(
+            model, MSG, max_tokens=4, ignore_eos=True, api_key=keys["b"], request_id="newcomer-b"
+        )
+        await stream.collect()
     results = await asyncio.gather(*flood)
     assert all(len(r["last"]["choices"]) or r["text"] for r in results)
-    a_before_b = sum(1 for t in a_firsts if sent <= t <= b_first)
+    # The order is the worker's (its log), from when B was sent on to it (the router's
+    # mark): not when this loaded client got round to reading A's tokens, nor while B still
+    # crossed the stages.
+    [worker] = stack.workers
+    await wait_for(lambda: len(_served(worker)) >= 13, timeout=30, what="13 requests logged")
+    served = _served(worker)
+    b_started, b_first = served.pop("newcomer-b")
+    b_routed = stream.timings["route"] / 1e9
     if flow:
-        # At most the slot that was already being handed over when B came.
+        # The flow control holds A's queued requests back from the engine: B is given to it
+        # before them, but for the slot that was already being handed over when B came.
+        a_before_b = sum(1 for start, _ in served.values() if b_routed <= start <= b_started)
         assert a_before_b <= 1, a_before_b
+        # And the engine did not queue B behind them either: of A's first tokens after B was
+        # routed, at most that one's and one that had just started when B came.
+        a_first = sum(1 for _, first in served.values() if b_routed <= first <= b_first)
+        assert a_first <= 2, a_first
     else:
+        # Without it every request goes to the engine at once, and its queue (FIFO) makes
+        # A's first tokens before B's.
+        a_before_b = sum(1 for _, first in served.values() if b_routed <= first <= b_first)
         assert a_before_b >= 6, a_before_b
     assert stack.all_alive()
 
