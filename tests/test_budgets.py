@@ -360,6 +360,17 @@ async def test_a_moved_attempt_costs_what_its_caller_got_whichever_report_comes_
         await nc.close()
 
 
+async def _check(nc: Any, owner: str) -> RateLimitCheck:
+    """The ratelimit stage's check of limiter ``owner``, with a spend book; 1 µ$ a token."""
+    return RateLimitCheck(
+        await Limiter(nc, owner=owner).open(),
+        fail_open=False,
+        log=structlog.get_logger(),
+        spend=await budgets.SpendBook(nc).open(),
+        prices=lambda model: PriceSettings(input=1, output=1),
+    )
+
+
 async def test_a_report_kept_for_another_limiter_is_left_to_it_for_a_grace(
     private_nats: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -374,13 +385,7 @@ async def test_a_report_kept_for_another_limiter_is_left_to_it_for_a_grace(
         book = await budgets.SpendBook(nc).open()
         key = budgets.Budget(f"k.grace{time.time_ns()}", "day", None, None)
         hold = await book.reserve([key], "rgrace#0", 500, time.time() + 60)
-        here = RateLimitCheck(
-            await Limiter(nc, owner="here").open(),
-            fail_open=False,
-            log=structlog.get_logger(),
-            spend=await budgets.SpendBook(nc).open(),
-            prices=lambda model: PriceSettings(input=1, output=1),  # 1 µ$ a token
-        )
+        here = await _check(nc, "here")
         await here.start(nc)
         await wait_for(lambda: here._spend_pull is not None, what="the stream's consumer")
         report = {
@@ -417,13 +422,7 @@ async def test_a_hold_written_beside_its_request_is_charged_by_a_report_that_com
     check: RateLimitCheck | None = None
     try:
         book = await budgets.SpendBook(nc).open()
-        check = RateLimitCheck(
-            await Limiter(nc, owner="beside").open(),
-            fail_open=False,
-            log=structlog.get_logger(),
-            spend=await budgets.SpendBook(nc).open(),
-            prices=lambda model: PriceSettings(input=1, output=1),  # 1 µ$ a token
-        )
+        check = await _check(nc, "beside")
         principal = f"kb{time.time_ns()}"
         deadline = str(int(time.time() * 1000) + 60_000)
 
