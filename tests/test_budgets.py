@@ -9,6 +9,7 @@ import json
 import os
 import signal
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -194,13 +195,23 @@ async def test_a_soft_threshold_alerts_once_and_owners_share_a_budget(
     assert stack.all_alive()
 
 
+@pytest.fixture
+def own_procs(private_nats: Any, tmp_path: Any) -> Iterator[Procs]:
+    """Processes on a bus of this test's own: the spend reports' stream holds only its own
+    (a limiter of another test's stack, alive on a shared bus, would put back reports that
+    are not its own for its grace of 30 s, and the stream would not empty)."""
+    with Procs(private_nats.url, tmp_path) as procs:
+        yield procs
+
+
 async def test_the_spend_of_requests_whose_limiters_died_is_settled_by_another(
-    procs: Procs, model: str
+    own_procs: Procs, model: str
 ) -> None:
     """Six requests admitted by two limiters, both killed (-9) while the requests stream:
     the workers' usage reports reach no limiter that held them. The stream keeps them
     (TOKENBUS_SPEND_REPORTS) and a limiter started afterwards settles each once: the key's
     spend is exactly what the six cost, nothing is left held, and the reports are gone."""
+    procs = own_procs
     async with key_store(procs.url) as store:
         key, rec = await store.create("orphans", budget_usd=1.0)
     env = {
