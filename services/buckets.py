@@ -318,15 +318,12 @@ async def through_stall(
     op: Callable[[], Awaitable[T]], *, what: str, stall_s: float | None = None
 ) -> T:
     """``op()``, tried again while the stream it writes has no leader (up to ``stall_s``).
-    Only for an ``op`` that is safe to repeat (a publish with a ``Nats-Msg-Id``), on a
-    stream that exists: a JetStream publish that no stream answers (nats-py's
-    ``NoStreamResponseError``) is that stream without a leader, and is tried again too (the
-    nemesis run found a background response's events stopped by one)."""
+    Only for an ``op`` that is safe to repeat (a publish with a ``Nats-Msg-Id``)."""
     give_up = _give_up(stall_s)
     while True:
         try:
             return await op()
-        except _TRANSIENT:
+        except _NO_LEADER:
             if time.monotonic() >= give_up:
                 raise E.ServiceUnavailable(
                     f"{what}: the stream has no leader (a NATS node stalled?); retry"
