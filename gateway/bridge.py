@@ -135,15 +135,8 @@ class BusSource:
                     if stages is not None:
                         # The spend hold's write goes on beside the engine's start; the
                         # stream shows nothing until it is written (refused: a 429 then).
-                        # Not for a request moved to another replica: its tokens flow on
-                        # from the first attempt's, past any gate, so its hold is written
-                        # first, as the ratelimit service does (and what the attempt before
-                        # held is settled by the move, whatever became of its write).
-                        moved = H.MIGRATION in h
                         holding: list[asyncio.Task[Any]] = []
-                        if moved:
-                            stream.gate = None
-                        changed = await stages.run(h, env, principal, None if moved else holding)
+                        changed = await stages.run(h, env, principal, holding)
                         if holding:
                             stream.gate = holding[0]
                         served = h.get(H.MODEL) or model  # auth resolves an alias
