@@ -245,18 +245,12 @@ class SpendBook:
 
     # -- the request path ------------------------------------------------------------------
     async def reserve(
-        self,
-        budgets: list[Budget],
-        request_id: str,
-        amount: int,
-        deadline_s: float,
-        now: float | None = None,
+        self, budgets: list[Budget], request_id: str, amount: int, deadline_s: float
     ) -> Hold:
-        """Hold ``amount`` for the request in each budget's current period (the period of
-        ``now``, default the present), or raise 429 ``insufficient_quota`` (nothing held)
-        when one would pass its hard threshold."""
+        """Hold ``amount`` for the request in each budget's current period, or raise 429
+        ``insufficient_quota`` (nothing held) when one would pass its hard threshold."""
         hold = Hold(request_id, amount)
-        now = time.time() if now is None else now
+        now = time.time()
         try:
             for b in budgets:
                 entry = b.entry(now)

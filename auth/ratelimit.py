@@ -157,9 +157,6 @@ class RateLimitCheck:
         self._spend_sub: Any = None
         self._spend_pull: Any = None  # the stream's consumer
         self._spend_task: asyncio.Task[None] | None = None
-        # Holds being written while their requests go on (apply's ``pending``), by name: a
-        # report that comes first waits for its hold's write before it settles it.
-        self._holding: dict[str, asyncio.Task[Any]] = {}
 
     @classmethod
     async def open(cls, nc: NATS, settings: Settings, owner: str, log: Any) -> RateLimitCheck:
@@ -183,20 +180,9 @@ class RateLimitCheck:
         await check.start(nc)
         return check
 
-    async def apply(
-        self,
-        hdrs: dict[str, str],
-        env: dict[str, Any],
-        pending: list[asyncio.Task[Any]] | None = None,
-    ) -> bool:
+    async def apply(self, hdrs: dict[str, str], env: dict[str, Any]) -> bool:
         """Admit (headers updated in place with what the worker reports back) or raise;
-        whether ``env`` changed (a default ``max_tokens`` lowered to the key's TPM).
-
-        ``pending``: where the caller can hold the first token back until the spend hold is
-        written (the bridge: its stream waits for it before it shows any frame), the hold's
-        write is not awaited here but appended to it, a task that raises the refusal (429
-        ``insufficient_quota``) or 503; the request goes on to its engine meanwhile, so the
-        write's round trip to JetStream overlaps the engine's time to first token."""
+        whether ``env`` changed (a default ``max_tokens`` lowered to the key's TPM)."""
         principal = hdrs.get(H.PRINCIPAL)
         rpm, tpm, conc = parse_limits(hdrs.get(H.LIMITS))
         if not principal:
@@ -204,7 +190,7 @@ class RateLimitCheck:
         if rpm is None and tpm is None and conc is None:
             # No limits: only budgets, if the key or its owner has one.
             if hdrs.get(H.BUDGET) and self.spend is not None:
-                await self._hold(hdrs, env, principal, tpm, pending=pending)
+                await self._hold(hdrs, env, principal, tpm)
             return False
         deadline = marks.deadline_ms(hdrs)
         deadline_s = deadline / 1000 if deadline else time.time() + 600
@@ -259,7 +245,7 @@ class RateLimitCheck:
             await self._supersede(prior, principal, rid, env, hdrs)
         if hdrs.get(H.BUDGET) and self.spend is not None:
             try:
-                await self._hold(hdrs, env, principal, tpm, admitted=True, pending=pending)
+                await self._hold(hdrs, env, principal, tpm, admitted=True)
             except E.TokenbusError:
                 # Refused for its budget: what the limiter admitted goes back at once.
                 await self.limiter.settle(principal, rid, 0, attempt=attempt)
@@ -277,12 +263,10 @@ class RateLimitCheck:
         tpm: int | None,
         *,
         admitted: bool = False,
-        pending: list[asyncio.Task[Any]] | None = None,
     ) -> None:
         """Hold the request's likely cost in its key's and owner's budgets, or raise 429
         ``insufficient_quota``. A request the limiter did not admit (a key without limits)
-        gets a ``Tb-Ratelimit`` naming this instance, so its usage report comes here.
-        ``pending``: the hold is written by a task appended there (:meth:`apply`)."""
+        gets a ``Tb-Ratelimit`` naming this instance, so its usage report comes here."""
         assert self.spend is not None
         scopes = await self._scopes(hdrs, principal)
         if not scopes:
@@ -301,47 +285,14 @@ class RateLimitCheck:
         deadline = marks.deadline_ms(hdrs)
         deadline_s = deadline / 1000 if deadline else time.time() + 600
         attempt = marks.attempt(hdrs.get(H.MIGRATION))
-        name = hold_key(rid, attempt)
-        if pending is not None:
-            now = time.time()
-            hold = budgets.Hold(name, amount)
-            hold.budgets = [(b, b.entry(now)) for b in scopes]
-            hdrs[H.SPEND] = spend_header(model, hold)
-            reserve = self.spend.reserve(scopes, name, amount, deadline_s, now)
-            undo = (principal, rid, attempt) if admitted else None
-            task = asyncio.get_running_loop().create_task(self._reserve(reserve, undo))
-            self._holding[name] = task
-            task.add_done_callback(lambda t: self._held_now(name, t))
-            pending.append(task)
-        else:
-            try:
-                hold = await self.spend.reserve(scopes, name, amount, deadline_s)
-            except E.TokenbusError as exc:
-                tracing.verdict(subjects.STAGE_RATELIMIT, "deny", {tracing.ERROR_TYPE: exc.code})
-                raise
-            hdrs[H.SPEND] = spend_header(model, hold)
+        try:
+            hold = await self.spend.reserve(scopes, hold_key(rid, attempt), amount, deadline_s)
+        except E.TokenbusError as exc:
+            tracing.verdict(subjects.STAGE_RATELIMIT, "deny", {tracing.ERROR_TYPE: exc.code})
+            raise
+        hdrs[H.SPEND] = spend_header(model, hold)
         if not admitted:
             hdrs[H.RATELIMIT] = f"0,0,,{self.limiter.owner}"
-
-    async def _reserve(
-        self, reserve: Coroutine[Any, Any, budgets.Hold], undo: tuple[str, str, int] | None
-    ) -> None:
-        """A hold written while its request goes on (:meth:`apply`'s ``pending``); refused,
-        what the limiter admitted goes back at once, as when the hold is awaited."""
-        try:
-            await reserve
-        except E.TokenbusError:
-            if undo is not None:
-                principal, rid, attempt = undo
-                with contextlib.suppress(Exception):
-                    await self.limiter.settle(principal, rid, 0, attempt=attempt)
-            raise
-
-    def _held_now(self, name: str, task: asyncio.Task[Any]) -> None:
-        if self._holding.get(name) is task:
-            del self._holding[name]
-        if not task.cancelled():
-            task.exception()  # seen here: a caller gone before it looked is no error
 
     def _unpriced(self, model: str, principal: str) -> None:
         """A request held to a budget for a model without a price costs $0: said once a
@@ -394,9 +345,6 @@ class RateLimitCheck:
             self.log.warning("spend_report_unreadable", request_id=u.get("request_id"))
             return
         hold, model = held
-        writing = self._holding.get(hold.request_id)
-        if writing is not None:
-            await asyncio.wait([writing])  # refused: nothing held, so nothing is charged
         superseding = "resumed" in u
         if superseding:  # moved by its caller: the output the caller got from it (the next
             # attempt's report pays the prompt and the rest: together, the answer's usage)

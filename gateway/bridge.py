@@ -133,12 +133,7 @@ class BusSource:
                 try:
                     served = model
                     if stages is not None:
-                        # The spend hold's write goes on beside the engine's start; the
-                        # stream shows nothing until it is written (refused: a 429 then).
-                        holding: list[asyncio.Task[Any]] = []
-                        changed = await stages.run(h, env, principal, holding)
-                        if holding:
-                            stream.gate = holding[0]
+                        changed = await stages.run(h, env, principal)
                         served = h.get(H.MODEL) or model  # auth resolves an alias
                         if served != model:  # the caller's envelope stays as sent
                             data = envelope_for(data, env, served)

@@ -11,7 +11,6 @@ the filter applies the same policies.
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 from nats.aio.client import Client as NATS
@@ -66,17 +65,12 @@ class LocalStages:
         return self
 
     async def run(
-        self,
-        hdrs: dict[str, str],
-        env: dict[str, Any],
-        principal: str | None = None,
-        pending: list[asyncio.Task[Any]] | None = None,
+        self, hdrs: dict[str, str], env: dict[str, Any], principal: str | None = None
     ) -> bool:
         """Apply the stages in order (headers and envelope in place); returns whether the
         envelope changed. Raises the stage's error (401, 403, 429, 400, 503). ``principal``:
         the id of the key a trusted caller in this process runs the request for
-        (:func:`auth.service.authenticate`). ``pending``: the spend hold's write, not awaited
-        (:meth:`auth.ratelimit.RateLimitCheck.apply`)."""
+        (:func:`auth.service.authenticate`)."""
         changed = False
         for name in self.names:
             # Traced, each stage is a span of its own, a child of the bridge's (whose
@@ -87,7 +81,7 @@ class LocalStages:
                         await self.keys.catch_up(hdrs.get(H.API_KEY))
                     authenticate(self.keys, hdrs, self.aliases, key_id=principal)
                 elif name == subjects.STAGE_RATELIMIT and self.ratelimit is not None:
-                    changed = await self.ratelimit.apply(hdrs, env, pending) or changed
+                    changed = await self.ratelimit.apply(hdrs, env) or changed
                 elif name == subjects.STAGE_FILTER and self.policies is not None:
                     changed = filter_request(self.policies, hdrs, env, self.log) or changed
             marks.append(hdrs, name)

@@ -412,9 +412,6 @@ class Stream:
         self.timings: dict[str, int] = {}
         self.t_sent_ns = 0
         self.t_first_ns = 0
-        # What must hold before any frame is shown (set by a sender: the spend hold being
-        # written while the engine starts); its error ends the stream instead.
-        self.gate: Awaitable[Any] | None = None
         self.meta: dict[str, str | None] = {}  # what the caller wants to remember with it
         # Tracing (only when on): the span this stream reports to (the bridge's server span,
         # or one of its own), the replica span of the current attempt (from its accept frame)
@@ -684,13 +681,6 @@ class Stream:
     async def __anext__(self) -> Chunk:
         if not self._started:
             await self.start()
-        if self.gate is not None:
-            gate, self.gate = self.gate, None
-            try:
-                await gate
-            except BaseException:
-                await self.aclose()
-                raise
         frames_ = self._frames
         while True:
             if not frames_:

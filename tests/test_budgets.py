@@ -21,8 +21,6 @@ from auth import budgets, ratelimit
 from auth.limits import Limiter
 from auth.ratelimit import RateLimitCheck
 from bus_schemas import codec, subjects
-from bus_schemas import errors as E
-from bus_schemas import headers as H
 from services.config import PriceSettings
 from tests.conftest import (
     Procs,
@@ -419,51 +417,6 @@ async def test_a_report_kept_for_another_limiter_is_left_to_it_for_a_grace(
     finally:
         if here is not None:
             await here.stop()
-        await nc.close()
-
-
-async def test_a_hold_written_beside_its_request_is_charged_by_a_report_that_comes_first(
-    private_nats: Any,
-) -> None:
-    """The bridge does not wait for the spend hold's write before its request goes on (its
-    stream waits for it before showing a frame): the write is a task the caller gets. A
-    usage report that comes before that write is done waits for it, then charges the hold;
-    a refused hold is that task's 429."""
-    nc = await nats.connect(private_nats.url)
-    check: RateLimitCheck | None = None
-    try:
-        book = await budgets.SpendBook(nc).open()
-        check = await _check(nc, "beside")
-        principal = f"kb{time.time_ns()}"
-        deadline = str(int(time.time() * 1000) + 60_000)
-
-        def request(rid: str, usd: float) -> dict[str, str]:
-            return {
-                H.PRINCIPAL: principal,
-                H.BUDGET: budgets.header("day", usd, None, ""),
-                H.REQUEST_ID: rid,
-                H.MODEL: "m",
-                H.DEADLINE: deadline,
-            }
-
-        env = {"messages": MSG, "params": {"max_tokens": 20}}
-        hdrs, pending = request("rb1", 1.0), []
-        await check.apply(hdrs, env, pending)
-        [writing] = pending
-        assert not writing.done()  # not awaited by apply
-        report = {"request_id": "rb1", "prompt": 5, "completion": 20, "spend": hdrs[H.SPEND]}
-        await check._settle_spend(report)  # before the write is done: waits for it
-        key = budgets.Budget(f"k.{principal}", "day", None, None)
-        assert await book.spent(key) == (25, 0)
-        # Past the budget: the task says so (nothing held, nothing charged).
-        hdrs, pending = request("rb2", 0.000030), []
-        await check.apply(hdrs, env, pending)
-        with pytest.raises(E.InsufficientQuota):
-            await pending[0]
-        assert await book.spent(key) == (25, 0)
-    finally:
-        if check is not None:
-            await check.stop()
         await nc.close()
 
 
