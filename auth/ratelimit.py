@@ -549,11 +549,8 @@ class RateLimitCheck:
 SPEND_ACK_WAIT_S = 10.0
 # How long a spend report kept in the stream is left to the limiter it names (which heard it
 # directly) before any other settles it: a paused or cut-off owner that comes back in time
-# settles its own, so a moved attempt's charge is corrected in the book that made it. Longer
-# than the owner's write of a hold may take (the bridge writes it beside the request, through
-# a stalled stream for up to buckets.STALL_RETRY_S): no other limiter finds an answered
-# request's hold not written yet.
-SPEND_OWNER_GRACE_S = buckets.STALL_RETRY_S + 10.0  # its last try may start at 20 s and wait 5
+# settles its own, so a moved attempt's charge is corrected in the book that made it.
+SPEND_OWNER_GRACE_S = 5.0
 
 
 def spend_stream_config() -> api.StreamConfig:

@@ -355,9 +355,12 @@ class _Events:
         seq = ev.get("sequence_number")
         ident = f"{self.subject}.{self.run}.{seq}" if isinstance(seq, int) else uuid.uuid4().hex
         hdrs = {"Nats-Msg-Id": ident}
+        # The events' stream exists (opened before the run): "no response from stream" is
+        # its leader gone for the moment, not a stream to make.
         await buckets.through_stall(
             lambda: self.js.publish(self.subject, data, stream=EVENTS_STREAM, headers=hdrs),
             what="background response event",
+            stream_exists=True,
         )
 
 

@@ -315,15 +315,22 @@ class Grouped:
 
 
 async def through_stall(
-    op: Callable[[], Awaitable[T]], *, what: str, stall_s: float | None = None
+    op: Callable[[], Awaitable[T]],
+    *,
+    what: str,
+    stall_s: float | None = None,
+    stream_exists: bool = False,
 ) -> T:
     """``op()``, tried again while the stream it writes has no leader (up to ``stall_s``).
-    Only for an ``op`` that is safe to repeat (a publish with a ``Nats-Msg-Id``)."""
+    Only for an ``op`` that is safe to repeat (a publish with a ``Nats-Msg-Id``).
+    ``stream_exists``: a JetStream publish that no stream answered (nats-py's
+    ``NoStreamResponseError``) is that stream without a leader, tried again too."""
     give_up = _give_up(stall_s)
+    stalled = _TRANSIENT if stream_exists else _NO_LEADER
     while True:
         try:
             return await op()
-        except _NO_LEADER:
+        except stalled:
             if time.monotonic() >= give_up:
                 raise E.ServiceUnavailable(
                     f"{what}: the stream has no leader (a NATS node stalled?); retry"

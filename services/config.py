@@ -311,12 +311,11 @@ class RateLimitSettings(BaseModel):
         "retryable 503 (false).",
     )
     owner_grace_s: float = Field(
-        default=30.0,
+        default=5.0,
         ge=0,
         description="A spend report kept in the stream for another limiter is left to it this "
         "long before this one settles it (the one it names heard it directly and can correct "
-        "a moved attempt's charge; a bridge's write of a hold gives up within 25 s). How late "
-        "a dead limiter's reports are charged.",
+        "a moved attempt's charge). How late a dead limiter's reports are charged.",
     )
 
 

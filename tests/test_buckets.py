@@ -132,6 +132,32 @@ async def test_following_a_bucket_rides_out_a_node_catching_up(kv: Any) -> None:
         await buckets.through_stall(_CatchingUp(kv, 10**6).watchall, what="w", stall_s=0.3)
 
 
+async def test_a_publish_no_stream_answered_is_tried_again_with_its_id(kv: Any) -> None:
+    # nats-py says "no response from stream" when no stream answers a JetStream publish: on a
+    # stream that exists, its leader is gone for the moment. The same message (its id) goes
+    # again until the stream takes it, once; where the stream may not exist, it is raised.
+    js = kv._js
+    name = f"STALLED_{uuid.uuid4().hex[:8]}"
+    tries = 0
+
+    async def publish() -> Any:
+        nonlocal tries
+        tries += 1
+        if tries <= 2:  # the stream's first two answers lost: as nats-py reports them
+            raise nats.js.errors.NoStreamResponseError
+        return await js.publish(f"{name}.x", b"e", headers={"Nats-Msg-Id": "e1"})
+
+    await js.add_stream(name=name, subjects=[f"{name}.>"])
+    try:
+        with pytest.raises(nats.js.errors.NoStreamResponseError):
+            await buckets.through_stall(publish, what="event", stall_s=10)
+        ack = await buckets.through_stall(publish, what="event", stall_s=10, stream_exists=True)
+        assert tries == 3 and ack.seq == 1
+        assert (await js.stream_info(name)).state.messages == 1
+    finally:
+        await js.delete_stream(name)
+
+
 class _LostAnswers:
     """A bucket on the real bus whose next ``lose`` writes are made but their answers lost
     (raised as a timeout), as when the stream's leader stalls after storing them."""

@@ -197,7 +197,7 @@ async def test_a_soft_threshold_alerts_once_and_owners_share_a_budget(
 def own_procs(private_nats: Any, tmp_path: Any) -> Iterator[Procs]:
     """Processes on a bus of this test's own: the spend reports' stream holds only its own
     (a limiter of another test's stack, alive on a shared bus, would put back reports that
-    are not its own for its grace of 30 s, and the stream would not empty)."""
+    are not its own for its grace of 5 s, and the stream might not empty in time)."""
     with Procs(private_nats.url, tmp_path) as procs:
         yield procs
 
@@ -215,7 +215,7 @@ async def test_the_spend_of_requests_whose_limiters_died_is_settled_by_another(
     env = {
         **ENV,
         "TOKENBUS_INGRESS__PIPELINE": '["auth", "ratelimit", "route"]',
-        # How long the dead limiters' reports are left to them (30 s by default).
+        # How long the dead limiters' reports are left to them (5 s by default).
         "TOKENBUS_RATELIMIT__OWNER_GRACE_S": "1",
     }
     slow = ("--sim-prefill-ms", "5", "--sim-decode-ms", "150")
