@@ -35,7 +35,8 @@ import msgpack
 from services import logging as tlog
 
 SYNC_EVERY_S = 1.0
-# A file with nothing left to acknowledge is emptied once it is this large.
+# Past this size a file is written anew with only what it still owes (under steady load
+# something is always owed, so waiting for an empty debt would let it grow for good).
 COMPACT_BYTES = 1 << 20
 _LEN = struct.Struct(">I")
 log = tlog.get("telemetry")
@@ -76,6 +77,16 @@ def read_entries(path: Path) -> list[Entry]:
     return list(owed.values())
 
 
+def _message(e: Entry) -> list[object]:
+    return ["m", e.msg_id, e.subject, e.n, e.data]
+
+
+def _frame(entry: list[object]) -> bytes:
+    """One entry as the file holds it: its length, then its msgpack."""
+    body: bytes = msgpack.packb(entry, use_bin_type=True)
+    return _LEN.pack(len(body)) + body
+
+
 class Spool:
     """This process's spool file in ``directory`` (one per process: ``<name>-<id>.spool``)."""
 
@@ -84,7 +95,7 @@ class Spool:
         self.name = "".join(c if c.isalnum() or c in "-_." else "_" for c in name) or "process"
         self.path = self.dir / f"{self.name}-{uuid.uuid4().hex[:8]}.spool"
         self._fd = -1
-        self._owed: set[str] = set()
+        self._owed: dict[str, Entry] = {}  # what the file holds without its ack
         self._size = 0
         self.dirty = False
 
@@ -113,7 +124,10 @@ class Spool:
                 owed += left
                 os.fsync(self._fd)
                 with contextlib.suppress(OSError):
-                    other.unlink()
+                    # Unless the name is now another file: its owner wrote it anew meanwhile
+                    # (this one had been replaced, and holds nothing that one does not).
+                    if os.stat(other).st_ino == os.fstat(fd).st_ino:
+                        other.unlink()
             finally:
                 os.close(fd)
         if owed:
@@ -123,8 +137,7 @@ class Spool:
     def _append(self, entry: list[object]) -> None:
         if self._fd < 0:
             return
-        body = msgpack.packb(entry, use_bin_type=True)
-        data = _LEN.pack(len(body)) + body
+        data = _frame(entry)
         try:
             os.write(self._fd, data)
         except OSError as exc:  # a full disk: the message still goes to the bus
@@ -135,19 +148,38 @@ class Spool:
 
     def put(self, e: Entry) -> None:
         """Write ``e`` down before it is handed to the bus."""
-        self._owed.add(e.msg_id)
-        self._append(["m", e.msg_id, e.subject, e.n, e.data])
+        self._owed[e.msg_id] = e
+        self._append(_message(e))
 
     def acked(self, msg_id: str) -> None:
-        """Its stream has it; an empty debt and a large file: start the file again."""
-        if msg_id not in self._owed:
+        """Its stream has it; past :data:`COMPACT_BYTES`, the file is written anew."""
+        if self._owed.pop(msg_id, None) is None:
             return
-        self._owed.discard(msg_id)
         self._append(["a", msg_id, "", 0, b""])
-        if not self._owed and self._size >= COMPACT_BYTES and self._fd >= 0:
+        if self._size >= COMPACT_BYTES and self._fd >= 0:
             with contextlib.suppress(OSError):
-                os.ftruncate(self._fd, 0)
-                self._size = 0
+                self._compact()
+
+    def _compact(self) -> None:
+        """Write what is owed to a new file (locked, synced), then put it in this file's
+        place: a crash at any point leaves one of the two, each holding all that is owed."""
+        data = b"".join(_frame(_message(e)) for e in self._owed.values())
+        tmp = self.path.with_suffix(".compacting")  # not a spool file to a starting process
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+            os.replace(tmp, self.path)
+        except OSError:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            raise
+        os.close(self._fd)
+        self._fd, self._size = fd, len(data)
 
     def sync(self) -> None:
         """On disk (called every :data:`SYNC_EVERY_S` from a thread, off the event loop)."""

@@ -388,6 +388,31 @@ asyncio.run(main())
 """
 
 
+def test_a_spool_under_steady_load_stays_small_and_keeps_what_it_owes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Under load something always waits for its ack, so the file never empties: past its
+    # bound it is written anew with only what it owes, and still holds all of that.
+    from telemetry import spool as sp
+
+    monkeypatch.setattr(sp, "COMPACT_BYTES", 4096)
+    s = sp.Spool(tmp_path, "worker-busy")
+    assert s.open() == []
+    blob = b"x" * 200
+    for i in range(500):
+        s.put(sp.Entry(f"m{i}", "", 1, blob))
+        if i >= 2:
+            s.acked(f"m{i - 2}")  # two always in flight
+    assert s.path.stat().st_size < 3 * 4096
+    assert [e.msg_id for e in sp.read_entries(s.path)] == ["m498", "m499"]
+    s.close()
+    assert s.path.exists()  # still owes two: the next process sends them
+    nxt = sp.Spool(tmp_path, "worker-next")
+    assert [e.msg_id for e in nxt.open()] == ["m498", "m499"]
+    assert not s.path.exists()
+    nxt.close()
+
+
 async def test_what_a_killed_process_had_not_had_acknowledged_is_sent_by_the_next(
     private_nats: NatsServer, tmp_path: Path
 ) -> None:
