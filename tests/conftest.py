@@ -324,6 +324,18 @@ async def wait_for(
     raise AssertionError(f"{what} in time")
 
 
+def wait_until(
+    cond: Callable[[], Any], timeout: float = 10.0, interval: float = 0.02, what: str = "condition"
+) -> None:
+    """:func:`wait_for` for a test that is not a coroutine: until ``cond()`` is true, at most
+    ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"{what} not met in time")
+        time.sleep(interval)
+
+
 async def wait_started(
     nc: NATS,
     services: dict[str, int],

@@ -28,7 +28,7 @@ import httpx
 import pytest
 
 from dialects.anthropic import to_messages
-from tests.conftest import ROOT, free_port, stop_process, wait_port
+from tests.conftest import ROOT, free_port, stop_process, wait_port, wait_until
 from tests.test_readme import Up
 
 # Versions tried; Claude Code 2.1.197 is the last release that runs on Node 18/20.
@@ -199,13 +199,13 @@ def assert_round_trip(
         m for q in new for m in q["messages"] if m["role"] == "tool" and OUTPUT in str(m["content"])
     ]
     assert results and results[0]["tool_call_id"] == calls[0]["id"], new[-1]["messages"]
+
+    def served_now() -> list[dict[str, Any]]:
+        return [x for x in bridge_requests(up)[logged:] if x.get("kind") == kind]
+
     # The bridge logs a request once its last byte is sent: the client may have exited first.
-    deadline = time.monotonic() + 15
-    while True:
-        served = [x for x in bridge_requests(up)[logged:] if x.get("kind") == kind]
-        if len(served) >= 2 or time.monotonic() > deadline:
-            break
-        time.sleep(0.05)
+    wait_until(lambda: len(served_now()) >= 2, timeout=15, what="both requests in its log")
+    served = served_now()
     assert len(served) >= 2, served
     assert all(x["status"] == 200 and x["model"] == "tokenbus-sim" for x in served), served
 

@@ -168,14 +168,13 @@ async def test_a_newcomer_is_served_before_a_flooding_tenants_backlog(
         env=_flow_env(flow),
         settle=0.5,
     )
-    a_firsts: list[float] = []
     # 100 tokens each, two at a time: the flood takes about 6 s to drain, so all 12 are in
     # flight together however slowly a loaded machine sends them (30 tokens drained in 2 s,
     # and the 12 were not always in flight at once).
     flood_body = {"model": model, **FLOOD, "max_tokens": 100}
     async with _InFlight(procs.url, model) as watch:  # listening before the flood starts
         flood = [
-            asyncio.ensure_future(_http_stream(stack.base, keys["a"], flood_body, a_firsts))
+            asyncio.ensure_future(_http_stream(stack.base, keys["a"], flood_body, []))
             for _ in range(12)
         ]
         await watch.until(12)

@@ -382,7 +382,7 @@ async def main() -> None:
     r.send_first(subjects.usage_spend("limiter-a"), codec.encode({"request_id": "spooled-1"}))
     await r.send_now()
     print("handed to the bus", flush=True)
-    await asyncio.sleep(3600)
+    await asyncio.Event().wait()  # until killed
 
 asyncio.run(main())
 """
