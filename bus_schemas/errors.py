@@ -107,13 +107,28 @@ def _union_member(part: Any) -> bool:
     return isinstance(part, str) and (part in ("str", "int", "float", "bool") or "[" in part)
 
 
+def _depth(error: Any) -> int:
+    """How far into a value an error lies: its location's length."""
+    return len(error.get("loc", ()))
+
+
 def from_validation(exc: Any, *, union_members: bool = True) -> InvalidRequest:
     """A pydantic ``ValidationError`` as the 400 it is: its first problem, naming the field
     (the dotted path; a check across fields that says ``field: what is wrong`` names its
     field), and how many more there are. ``union_members=False``: the location leaves out
-    the union member pydantic tried (``input.str`` is ``input``)."""
-    first = exc.errors()[0]
-    loc = ".".join(str(p) for p in first.get("loc", ()) if union_members or not _union_member(p))
+    the union member pydantic tried (``input.str`` is ``input``). Where a value fits no
+    member of a union, the member that got furthest into it speaks (a list of content parts
+    with one bad part is told about that part, not that it is not a string)."""
+    errors = exc.errors()
+    first = errors[0]
+    if first.get("loc") and first["loc"][-1] in ("str", "int", "float", "bool"):
+        first = max(errors, key=_depth)  # the first member found on the longest path
+        first = first if _depth(first) > _depth(errors[0]) else errors[0]
+    loc = ".".join(
+        str(p)
+        for p in first.get("loc", ())
+        if not _union_member(p) or (union_members and "[" not in p)
+    )
     msg = first.get("msg", "invalid value").removeprefix("Value error, ")
     if not loc:
         field, sep, rest = msg.partition(": ")

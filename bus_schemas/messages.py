@@ -70,7 +70,8 @@ def message_text(content: Any) -> str:
         out: list[str] = []
         for part in content:
             if isinstance(part, dict):
-                t = part.get("text") if part.get("type") == "text" else part.get("refusal")
+                kind = part.get("type")
+                t = part.get(kind) if kind in ("text", "refusal") else None
                 if isinstance(t, str):
                     out.append(t)
         return "".join(out)
@@ -142,28 +143,63 @@ class InputAudio(_Carried):
 
 class ContentPart(_Carried):
     """One part of a multi-part message content: ``text``, ``image_url``, ``input_audio``,
-    ``file``, ``refusal``, or a type an engine knows (``video_url``, ...), carried as sent."""
+    ``file``, ``refusal``, or a type an engine knows (``video_url``, ...), carried as sent.
+
+    Only the payload of the part's own type is checked (a ``text`` part's ``text``, an
+    ``image_url`` part's ``image_url``): OpenAI's parts allow other fields, so another
+    type's payload field on a part is carried as sent and never read."""
 
     type: str = Field(min_length=1, description="Content part type.")
-    text: StrictStr | None = Field(default=None, description="The text of a text part.")
-    image_url: ImageURL | None = Field(default=None, description="The image of an image_url part.")
-    input_audio: InputAudio | None = Field(default=None, description="An input_audio part's audio.")
-    file: dict[str, Any] | None = Field(default=None, description="A file part's file.")
-    refusal: StrictStr | None = Field(default=None, description="A refusal part's text.")
+    text: StrictStr | Any = Field(
+        default=None, union_mode="left_to_right", description="The text of a text part."
+    )
+    image_url: ImageURL | Any = Field(
+        default=None, union_mode="left_to_right", description="The image of an image_url part."
+    )
+    input_audio: InputAudio | Any = Field(
+        default=None, union_mode="left_to_right", description="An input_audio part's audio."
+    )
+    file: dict[str, Any] | Any = Field(
+        default=None, union_mode="left_to_right", description="A file part's file."
+    )
+    refusal: StrictStr | Any = Field(
+        default=None, union_mode="left_to_right", description="A refusal part's text."
+    )
 
     @model_validator(mode="after")
     def _has_payload(self) -> ContentPart:
-        needs = {
-            "text": "text",
-            "image_url": "image_url",
-            "input_audio": "input_audio",
-            "file": "file",
-            "refusal": "refusal",
+        own: dict[str, type[Any]] = {
+            "text": str,
+            "image_url": ImageURL,
+            "input_audio": InputAudio,
+            "file": dict,
+            "refusal": str,
         }
-        name = needs.get(self.type)
-        if name is not None and getattr(self, name) is None:
-            raise ValueError(f"a {self.type!r} content part needs a {name!r} field")
-        return self
+        kind = own.get(self.type)
+        if kind is None:
+            return self
+        value = getattr(self, self.type)
+        if value is None:
+            raise ValueError(f"a {self.type!r} content part needs a {self.type!r} field")
+        if isinstance(value, kind):
+            return self
+        if issubclass(kind, BaseModel):
+            try:  # the model's own message names the field that is wrong
+                kind.model_validate(value)
+            except ValidationError as e:
+                err = e.errors()[0]
+                where = ".".join(str(x) for x in (self.type, *err["loc"]))
+                raise ValueError(f"{where}: {err['msg']}") from None
+        what = "a string" if kind is str else "an object"
+        raise ValueError(f"a {self.type!r} content part's {self.type!r} must be {what}")
+
+    @property
+    def own_text(self) -> str:
+        """The part's text: a ``text`` part's text or a ``refusal`` part's refusal."""
+        if self.type in ("text", "refusal"):
+            value = getattr(self, self.type)
+            return value if isinstance(value, str) else ""
+        return ""
 
 
 class FunctionCall(_Carried):
@@ -221,7 +257,7 @@ class ChatMessage(_Carried):
         text = (
             message_text(self.content)
             if not isinstance(self.content, list)
-            else "".join(p.text or p.refusal or "" for p in self.content)
+            else "".join(p.own_text for p in self.content)
         )
         for call in self.tool_calls or ():
             text += call.text

@@ -262,7 +262,10 @@ class Background:
             await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
             if task.done():
                 task.result()
-                return True
+                # The app writes the response's end over its record; a write it could not
+                # make (JetStream stalled past its patience) leaves the record open, and
+                # the work goes back to the queue to be run again, not acknowledged.
+                return await self._ended(response_id, owner)
             events.closed = True  # what the request says as it is torn down is not its end
             # Cancelled until it ends: Python 3.11's wait_for (inside nats-py's publish and
             # request) swallows a cancellation that lands as its future completes, and the
@@ -284,6 +287,17 @@ class Background:
             return True
         finally:
             stop.cancel()
+
+    async def _ended(self, response_id: str, owner: str) -> bool:
+        """Whether the record says the response ended (a record gone counts as ended)."""
+        try:
+            rec = await self.responses.get(response_id, owner)
+        except E.NotFound:
+            return True
+        if rec["response"]["status"] in OPEN:
+            log.warning("background_end_not_stored", response_id=response_id)
+            return False
+        return True
 
     async def _request(
         self, response_id: str, owner: str, body: dict[str, Any], events: _Events
@@ -315,7 +329,8 @@ class Background:
             "code": str(err.get("code") or status),
             "message": str(err.get("message") or "the response could not be run"),
         }
-        await self.responses.replace(response_id, rec)
+        if not await self.responses.replace(response_id, rec):
+            raise E.ServiceUnavailable(f"{response_id}: its failure could not be stored; retry")
         await events.publish(
             {
                 "type": "response.failed",

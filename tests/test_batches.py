@@ -24,6 +24,7 @@ from nats.js.errors import NotFoundError
 from bus_schemas import subjects
 from jobs.background import EVENTS_STREAM
 from jobs.batches import parse_input
+from jobs.inprocess import BACKGROUND as BACKGROUND_KEY
 from tests.conftest import (
     NatsServer,
     Procs,
@@ -683,6 +684,58 @@ async def test_a_keys_listing_reads_its_index_which_a_store_from_before_gets_fil
         again = await BatchStore(nc, BatchSettings(), 3600).open()
         for owner, ids in made.items():
             assert sorted(b["id"] for b in await again.owned(owner)) == sorted(ids)
+        await nc.close()
+    finally:
+        srv.stop()
+
+
+async def test_a_background_run_whose_end_was_not_stored_is_not_settled(tmp_path: Any) -> None:
+    """The runner's work is settled (acknowledged) only once the response's record says it
+    ended: the app answers 200 even when it could not write the end over the record (its
+    ``store: false``), and then the response would stay ``in_progress`` for good (found by
+    the nemesis run: JetStream stalled past the write's patience). Such a run goes back to
+    the queue; one whose end is stored is settled."""
+    from dialects import responses as R
+    from jobs.background import Background
+    from jobs.batches import BatchStore
+    from jobs.response_store import open_store
+    from services.config import BatchSettings, ResponsesSettings
+
+    srv = NatsServer(tmp_path).start()
+    try:
+        nc = await nats.connect(srv.url)
+        await jetstream_ready(nc)
+        store = await BatchStore(nc, BatchSettings(), 3600).open()
+        responses = await open_store(nc, ResponsesSettings())
+        writes: list[str] = []
+        calls: list[str] = []
+
+        async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+            """The gateway's Responses API as the runner sees it: events, a 200, and the
+            end written over the record only while ``writes`` allows it."""
+            rid = scope[BACKGROUND_KEY]
+            calls.append(rid)
+            rec = await responses.get(rid, "k1")
+            rec["response"]["status"] = "completed"
+            if writes and writes.pop(0) == "store":
+                assert await responses.replace(rid, rec)
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            ev = {"type": "response.completed", "response": rec["response"], "sequence_number": 0}
+            body = f"event: response.completed\ndata: {json.dumps(ev)}\n\n".encode()
+            await send({"type": "http.response.body", "body": body, "more_body": False})
+
+        bg = await Background(nc, store, responses, app, lambda chat: None).open(600)
+        req = R.parse({"model": "m", "input": "hi", "background": True})
+        queued = await bg.queue(req, {"model": "m", "input": "hi", "background": True}, "k1", None)
+        work = {"batch": queued["id"], "owner": "k1", "body": {"model": "m", "input": "hi"}}
+        writes.append("lost")  # the write of its end did not happen
+        assert await bg.run(work) is False
+        assert (await responses.get(queued["id"], "k1"))["response"]["status"] == "in_progress"
+        writes.append("store")  # run again: this time it is kept
+        assert await bg.run(work) is True
+        assert (await responses.get(queued["id"], "k1"))["response"]["status"] == "completed"
+        assert await bg.run(work) is True  # a repeat of settled work runs nothing
+        assert writes == [] and calls == [queued["id"]] * 2
         await nc.close()
     finally:
         srv.stop()
