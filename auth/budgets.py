@@ -25,6 +25,7 @@ micro-dollars.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import math
 import time
@@ -46,6 +47,27 @@ PERIODS = ("day", "month", "total")
 _MAX_CAS_TRIES = 100
 _OWNER_TTL_S = 5.0  # how long an owner's budget is cached by a limiter
 _SETTLED_KEPT = 100_000  # holds a book remembers settling (their reports come twice)
+# What a worker's report charged is noted beside the entry this long (at most until the
+# request's deadline), for a supersede that comes after it, and at most this many per entry.
+CHARGE_NOTE_S = 120.0
+CHARGE_NOTES_KEPT = 1024
+
+
+def _notes_key(entry: str) -> str:
+    """The entry beside ``entry`` that notes what reports charged (:meth:`SpendBook.settle`)."""
+    return f"n.{entry}"
+
+
+def _live_notes(cur: dict[str, Any], now: float) -> dict[str, list[Any]]:
+    """The notes of an entry not yet due (``[amount, due]``; ``[0, due, 1]``: superseded)."""
+    return {
+        k: v for k, v in cur.items() if isinstance(v, list) and len(v) >= 2 and float(v[1]) > now
+    }
+
+
+def _note_name(hold_name: str) -> str:
+    """A hold's name in the notes: its hash (a request id is the caller's, of any length)."""
+    return hashlib.blake2b(hold_name.encode(), digest_size=8).hexdigest()
 
 
 def micro(usd: float | None) -> int | None:
@@ -152,7 +174,9 @@ class SpendBook:
         # with what it charged for each (None: settled elsewhere, or nothing to correct).
         self._known: dict[str, tuple[dict[str, Any], int]] = {}
         self._writes = buckets.Grouped(self._kv, tries=_MAX_CAS_TRIES, known=self._known)
-        self._settled: dict[tuple[str, str], int | None] = {}
+        self._settled: dict[tuple[str, str], None] = {}
+        # The deadlines of the holds this book made (a charge's note lasts no longer).
+        self._held_until: dict[tuple[str, str], float] = {}
 
     async def open(self) -> SpendBook:
         self.kv = await buckets.open_kv(
@@ -267,6 +291,9 @@ class SpendBook:
                 await self._cas(entry, take)
                 hold.budgets.append((b, entry))
                 self._settled.pop((request_id, entry), None)  # held again: settle it again
+                self._held_until[(request_id, entry)] = deadline_s
+                if len(self._held_until) > _SETTLED_KEPT:  # never settled here: forgotten
+                    del self._held_until[next(iter(self._held_until))]
         except BaseException:
             await self.release(hold)
             raise
@@ -286,49 +313,107 @@ class SpendBook:
 
         ``superseding``: the settlement of an attempt its caller moved to another replica
         (auth.ratelimit), at what the caller got from it. It is the attempt's price whichever
-        report comes first: when this book charged the attempt's own worker report already
-        (its prompt and all it generated, while the next attempt pays the prompt again), the
-        charge is corrected to ``actual``."""
+        report comes first: when the attempt's own worker report was charged already (its
+        prompt and all it generated, while the next attempt pays the prompt again), the
+        charge is corrected to ``actual``. What a report charged is noted beside the entry
+        (:meth:`_note_charge`) before the charge, so any limiter corrects it, not only the
+        one that charged it (which may be dead by then)."""
         crossed = []
         now = time.time()
         for b, entry in hold.budgets:
             done = (hold.request_id, entry)
-            if done in self._settled:  # by this book: the stream's copy of the report
-                charged = self._settled[done]
-                if superseding and charged is not None and charged != actual:
-                    await self._correct(entry, charged, actual)
-                    self._settled[done] = None  # corrected once
-                continue
+            if not superseding and done in self._settled:
+                continue  # settled by this book: the stream's copy of the report
+            charged = None
+            if superseding:
+                charged = await self._take_charge(entry, hold.request_id)
+            elif actual > 0:  # (nothing to correct in a hold given back)
+                deadline = self._held_until.get(done)
+                await self._note_charge(entry, hold.request_id, actual, deadline)
 
-            def charge(cur: dict[str, Any]) -> dict[str, Any]:
+            def charge(cur: dict[str, Any], charged: int | None = charged) -> dict[str, Any]:
                 held = _kept(cur, now)
-                if held.pop(hold.request_id, None) is None:
-                    raise _Settled  # settled already, or never held in this entry
-                return {"spent": int(cur.get("spent", 0)) + actual, "held": held}
+                spent = int(cur.get("spent", 0))
+                if held.pop(hold.request_id, None) is not None:
+                    return {**cur, "spent": spent + actual, "held": held}
+                if charged is not None:  # its worker's report was charged: corrected
+                    return {**cur, "spent": max(0, spent - charged + actual), "held": held}
+                raise _Settled  # settled already, or never held in this entry
 
             try:
                 before, after = await self._cas(entry, charge)
             except _Settled:
-                self._remember_settled(done, None)
+                self._remember_settled(done)
                 continue
-            self._remember_settled(done, None if superseding else actual)
+            self._remember_settled(done)
             was, now_spent = int(before.get("spent", 0)), int(after["spent"])
+            if superseding and self.log is not None:  # a migration's: rare, worth a line
+                self.log.info(
+                    "spend_superseded",
+                    hold=hold.request_id,
+                    entry=entry,
+                    price=actual,
+                    corrected_from=charged,
+                    delta=now_spent - was,
+                )
             if b.soft is not None and was < b.soft <= now_spent:
                 crossed.append((b, was, now_spent))
         hold.budgets = []
         return crossed
 
-    async def _correct(self, entry: str, charged: int, actual: int) -> None:
-        """Replace a charge of ``charged`` made in ``entry`` by ``actual``."""
+    async def _note_charge(
+        self, entry: str, request_id: str, amount: int, deadline: float | None
+    ) -> None:
+        """Note beside ``entry`` that ``request_id``'s report charges ``amount``, for a
+        supersede that may come after it (:meth:`settle`). Noted before the charge: a
+        supersede between the two finds the hold still held and charges its own price.
+        A name a supersede took already keeps that mark (a report's copy from the stream
+        that comes after it notes nothing)."""
+        now = time.time()
+        until = round(min(now + CHARGE_NOTE_S, deadline or now + CHARGE_NOTE_S), 1)
+        name = _note_name(request_id)
 
-        def correct(cur: dict[str, Any]) -> dict[str, Any]:
-            spent = max(0, int(cur.get("spent", 0)) - charged + actual)
-            return {**cur, "spent": spent}
+        def note(cur: dict[str, Any]) -> dict[str, Any]:
+            notes = _live_notes(cur, now)
+            if len(notes.get(name, ())) > 2:
+                raise _Settled  # superseded: nothing left to correct
+            notes[name] = [amount, until]
+            if len(notes) > CHARGE_NOTES_KEPT:  # those due soonest go first
+                by_due = sorted(notes, key=lambda k: float(notes[k][1]))
+                for k in by_due[: len(notes) - CHARGE_NOTES_KEPT]:
+                    del notes[k]
+            return notes
 
-        await self._cas(entry, correct)
+        with contextlib.suppress(_Settled):
+            await self._cas(_notes_key(entry), note)
 
-    def _remember_settled(self, done: tuple[str, str], charged: int | None) -> None:
-        self._settled[done] = charged
+    async def _take_charge(self, entry: str, request_id: str) -> int | None:
+        """What ``request_id``'s report charged in ``entry``, or None: none was charged before
+        this supersede. Taken once: the note is marked superseded, so a copy of the
+        supersede (or of the report) that comes later corrects nothing again."""
+        now = time.time()
+        name = _note_name(request_id)
+        taken: list[int | None] = []
+
+        def take(cur: dict[str, Any]) -> dict[str, Any]:
+            taken.clear()
+            notes = _live_notes(cur, now)
+            v = notes.get(name)
+            if v is not None and len(v) > 2:
+                raise _Settled  # superseded already
+            taken.append(int(v[0]) if v is not None else None)
+            notes[name] = [0, round(now + CHARGE_NOTE_S, 1), 1]
+            return notes
+
+        try:
+            await self._cas(_notes_key(entry), take)
+        except _Settled:
+            return None
+        return taken[0] if taken else None
+
+    def _remember_settled(self, done: tuple[str, str]) -> None:
+        self._settled[done] = None
+        self._held_until.pop(done, None)
         if len(self._settled) > _SETTLED_KEPT:
             del self._settled[next(iter(self._settled))]  # the oldest
 

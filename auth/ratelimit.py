@@ -379,7 +379,9 @@ class RateLimitCheck:
         (and, where it held spend, any limiter: the earlier attempt's hold is named by its
         request and attempt, its budgets are this request's)."""
         resume = env.get("resume")
-        got = int(resume.get("tokens", 0) or 0) if isinstance(resume, dict) else 0
+        got = 0
+        if isinstance(resume, dict):  # tokens: all the caller holds; since: before that attempt
+            got = int(resume.get("tokens", 0) or 0) - int(resume.get("since", 0) or 0)
         body = {
             "principal": principal,
             "request_id": rid,

@@ -402,6 +402,12 @@ class Resume(_Edge):
 
     text: str = Field(description="The response text already delivered to the caller.")
     tokens: int = Field(ge=0, description="How many tokens that text was.")
+    since: int = Field(
+        default=0,
+        ge=0,
+        description="How many of those the attempt moved from had been given (resumed) "
+        "when it started: it delivered tokens - since (what its supersede charges).",
+    )
 
 
 # Request fields tokenbus acts on: they travel as the envelope's own fields (params,

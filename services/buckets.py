@@ -158,7 +158,8 @@ async def cas(
     ``known``: the caller's memory of entries it wrote last (key: (entry, revision)). The
     first try then writes on what it remembers, without reading the entry first (one round
     trip instead of two); someone else's write since makes it clash, and it reads. Updated
-    with each write that lands."""
+    with each write that lands. A change refused (raised) on the remembered entry is applied
+    again to the entry as read: only a write would have found the memory stale."""
     give_up = _give_up(stall_s)
     uncertain = False
     clashes = 0
@@ -167,10 +168,12 @@ async def cas(
     rev: int | None
     while True:
         writing = False
+        from_memory = False
         try:
             if remembered is not None:
                 state, rev = dict(remembered[0]), remembered[1]
                 remembered = None
+                from_memory = True
             else:
                 try:
                     entry = await kv.get(key)
@@ -184,7 +187,14 @@ async def cas(
                 done = next((m for m in marks if m in made), None)
                 if done is not None:
                     return made[done]
-            new = change(dict(state))
+            try:
+                new = change(dict(state))
+            except Exception:
+                if from_memory:
+                    # Refused on what this process remembers, which another may have
+                    # changed since (a hold it made): decided again on the entry as it is.
+                    continue
+                raise
             mark = uuid.uuid4().hex[:12]
             made[mark] = (state, new)
             body = {**new, MARK: [*marks, mark][-_MARKS_KEPT:]}

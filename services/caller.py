@@ -873,11 +873,16 @@ class Stream:
         self._epoch = None
         # Frames of the old attempt still queued here are dropped.
         self._frames.clear()
-        self._resumed_tokens = self._got_tokens
+        since, self._resumed_tokens = self._resumed_tokens, self._got_tokens
         # In place: an in-process sender (the bridge) holds this very envelope. Embeddings
-        # start over (the caller keeps them by index).
+        # start over (the caller keeps them by index). ``since``: what the attempt moved
+        # from began with, so its limiter charges it only what it delivered itself.
         if self.kind != subjects.KIND_EMBEDDINGS:
-            self._body["resume"] = {"text": "".join(self._got), "tokens": self._got_tokens}
+            self._body["resume"] = {
+                "text": "".join(self._got),
+                "tokens": self._got_tokens,
+                "since": since,
+            }
         self._started = False
         self._client.log_migration(self, err)
         return await self._restart()

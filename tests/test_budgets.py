@@ -358,13 +358,55 @@ async def test_a_moved_attempt_costs_what_its_caller_got_whichever_report_comes_
         await book.settle(report(), 20, superseding=True)
         await book.settle(report(), 130)
         assert (await book.spent(key)) == (40, 0)
-        # Another limiter's book (no memory of the first charge) cannot correct it: the
-        # attempt keeps its worker's price there (docs/flow.md says so).
-        other = await budgets.SpendBook(nc).open()
+        # Another limiter's book (the one that charged it died, or was cut off) corrects it
+        # too: what the report charged is noted beside the entry, not in a book's memory.
+        # Once: the supersede's copy from the stream, settled by a third, changes nothing.
+        other, third = budgets.SpendBook(nc), budgets.SpendBook(nc)
+        await other.open()
+        await third.open()
         report = await attempt("r3#0")
         await book.settle(report(), 130)
         await other.settle(report(), 20, superseding=True)
-        assert (await book.spent(key)) == (170, 0)
+        await third.settle(report(), 130)
+        await third.settle(report(), 20, superseding=True)
+        assert (await book.spent(key)) == (60, 0)
+        # Superseded first by one book, then both copies settled by others: 20 once.
+        report = await attempt("r4#0")
+        await other.settle(report(), 20, superseding=True)
+        await third.settle(report(), 130)
+        await book.settle(report(), 20, superseding=True)
+        assert (await book.spent(key)) == (80, 0)
+    finally:
+        await nc.close()
+
+
+async def test_a_book_that_wrote_an_entry_before_settles_a_hold_another_made_since(
+    nats_server: Any,
+) -> None:
+    """A limiter remembers the entries it wrote last (its next write skips the read). A
+    hold another limiter made since is not in that memory: settling it there (the other
+    limiter died, and this one takes its report from the stream) must read the entry, not
+    decide "nothing held" on the memory: the request was charged nothing (the nemesis run's
+    undercharge by one request's cost). Nor is a request refused for holds that another
+    limiter settled since."""
+    nc = await nats.connect(nats_server.url)
+    try:
+        a, b = budgets.SpendBook(nc), budgets.SpendBook(nc)
+        await a.open()
+        await b.open()
+        key = budgets.Budget(f"k.stale{time.time_ns()}", "day", 1000, None)
+        first = await a.reserve([key], "r1#0", 600, time.time() + 60)  # a remembers this
+        await b.settle(budgets.Hold("r1#0", 0, list(first.budgets)), 100)  # b, since
+        later = await b.reserve([key], "r2#0", 200, time.time() + 60)  # b's hold
+        await a.settle(budgets.Hold("r2#0", 0, list(later.budgets)), 150)  # b's, by a
+        assert (await a.spent(key)) == (250, 0)
+        b_mem = await b.reserve([key], "r3#0", 100, time.time() + 60)  # b remembers this
+        await a.settle(b_mem, 10)
+        # On b's memory 100 is held and 250 spent: 700 more would pass the budget of
+        # 1000; in the entry 260 is spent and nothing held.
+        fourth = await b.reserve([key], "r4#0", 700, time.time() + 60)
+        await b.settle(fourth, 50)
+        assert (await a.spent(key)) == (310, 0)
     finally:
         await nc.close()
 

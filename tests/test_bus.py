@@ -497,14 +497,21 @@ async def test_a_sink_takes_plain_chunks_in_order_and_the_stream_still_resumes(
     # after everything delivered so far, the sink's text included.
     await nc.publish(reply, frames.chunk("x", 1, 7))
     body, reply2 = await asyncio.wait_for(sent.get(), 10)
-    assert body["resume"] == {"text": "abcslowde", "tokens": 7}
+    assert body["resume"] == {"text": "abcslowde", "tokens": 7, "since": 0}
     # (The sender named the replica: that attempt is accepted, and the consumer waits.)
     await deliver(frames.chunk("f", 1, 0), reply2, 6)
-    await nc.publish(reply2, frames.final("stop", 3, 2, {}))
+    # Moved again: ``since`` says what that attempt began with (its limiter charges the
+    # tokens it delivered itself, one).
+    await nc.publish(reply2, frames.chunk("y", 1, 2))
+    body, reply3 = await asyncio.wait_for(sent.get(), 10)
+    assert body["resume"] == {"text": "abcslowdef", "tokens": 8, "since": 7}
+    await nc.publish(reply3, frames.final("stop", 3, 1, {}))
     await asyncio.wait_for(consumer, 10)
     assert sunk == ["b", "c", "d", "f"] and received == ["slow", "e"]
     assert stream.finish_reason == "stop"
-    assert stream.usage is not None and stream.usage.completion_tokens == 2 + 7
+    assert (
+        stream.usage is not None and stream.usage.completion_tokens == 1 + 8
+    )  # the last attempt's one, after the 8 it resumed from
 
 
 async def test_a_first_token_goes_out_before_the_plain_tokens_read_with_it(
