@@ -48,6 +48,9 @@ def parse_limits(value: str | None) -> tuple[int | None, int | None, int | None]
 # A ticket is good for this long after its attempt was admitted (and never past the
 # request's deadline); the claim that makes it single-use lives about as long.
 TICKET_TTL_S = 150.0
+# A supersede's spend is tried this long until the spend stream acknowledges it (as a
+# worker's report is: a stream electing a leader answers nothing for seconds).
+SUPERSEDE_FOR_S = 60.0
 # Requests held to a budget for a model whose every price is 0 (or unset): they count $0.
 UNPRICED = Counter(
     "tokenbus_budget_unpriced_total",
@@ -403,8 +406,29 @@ class RateLimitCheck:
                     model = hdrs.get(H.MODEL) or str(env.get("model", ""))
                     body["spend"] = spend_header(model, was)
                     subject = subjects.usage_spend(prior.owner)
-        with contextlib.suppress(Exception):
-            await self._nc.publish(subject, codec.encode(body))
+        data = codec.encode(body)
+        if "spend" not in body:  # tokens and slots: the admitting limiter's alone
+            with contextlib.suppress(Exception):
+                await self._nc.publish(subject, data)
+            return
+        # Spend: kept by the stream as a worker's report is, tried until it acknowledges
+        # (off the admission's path). A supersede lost to a stream without a leader left
+        # what the caller got from an attempt whose worker died uncharged (its hold ran out).
+        ident = f"supersede.{hold_key(rid, prior.attempt)}"
+        self._spawn_settle(self._keep(subject, data, ident), subject)
+
+    async def _keep(self, subject: str, data: bytes, ident: str) -> None:
+        """Publish ``data`` to the spend stream, tried again with its message id (the
+        stream drops a repeat) until acknowledged, up to :data:`SUPERSEDE_FOR_S`."""
+        js = self._nc.jetstream(timeout=5)
+        await buckets.through_stall(
+            lambda: js.publish(
+                subject, data, stream=subjects.SPEND_STREAM, headers={"Nats-Msg-Id": ident}
+            ),
+            what="supersede",
+            stall_s=SUPERSEDE_FOR_S,
+            stream_exists=True,
+        )
 
     async def start(self, nc: NATS) -> None:
         """Listen for the usage reports of requests this instance admitted, and settle the

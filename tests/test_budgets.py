@@ -5,6 +5,7 @@ keys; a real nats-server and real processes."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -21,6 +22,7 @@ from auth import budgets, ratelimit
 from auth.limits import Limiter
 from auth.ratelimit import RateLimitCheck
 from bus_schemas import codec, subjects
+from bus_schemas import headers as H
 from services.config import PriceSettings
 from tests.conftest import (
     Procs,
@@ -459,6 +461,48 @@ async def test_a_report_kept_for_another_limiter_is_left_to_it_for_a_grace(
     finally:
         if here is not None:
             await here.stop()
+        await nc.close()
+
+
+async def test_a_supersede_waits_for_the_spend_stream_and_is_kept_once(
+    private_nats: Any,
+) -> None:
+    """A migration's supersede settles what the caller got from the attempt it moved from;
+    when that attempt's worker died, nothing else ever charges it. It is kept by the spend
+    stream as a worker's report is: tried again (same message id) while the stream does
+    not answer, so one published while the stream had no leader is not lost, and a repeat
+    is dropped."""
+    nc = await nats.connect(private_nats.url)
+    here: RateLimitCheck | None = None
+    try:
+        js = nc.jetstream()
+        here = await _check(nc, "here")
+        await here.start(nc)
+        await wait_for(lambda: here._spend_pull is not None, what="the stream's consumer")
+        await here.stop()  # nobody settles: what the stream keeps is read below
+        await js.delete_stream(subjects.SPEND_STREAM)  # as a stream without a leader
+        prior = ratelimit.Ticket(0, 0, "", "gone", 0, int(time.time()) + 60, "")
+        hdrs = {H.BUDGET: budgets.header("day", 10.0, None, ""), H.MODEL: "m"}
+        env = {"resume": {"text": "a b c", "tokens": 3, "since": 1}}
+        for _ in range(2):  # the caller's admission tried twice: one supersede kept
+            await here._supersede(prior, "p", "rkept", env, hdrs)
+        await asyncio.sleep(0.3)  # refused meanwhile: no stream answers
+        await js.add_stream(ratelimit.spend_stream_config())
+
+        async def kept() -> bool:
+            with contextlib.suppress(Exception):
+                return (await js.stream_info(subjects.SPEND_STREAM)).state.messages >= 1
+            return False
+
+        await wait_for(kept, timeout=30, interval=0.1, what="the supersede kept")
+        if here._settling:  # the second try, dropped by the stream as a repeat
+            await asyncio.wait(here._settling, timeout=30)
+        assert (await js.stream_info(subjects.SPEND_STREAM)).state.messages == 1
+        msg = await js.get_msg(subjects.SPEND_STREAM, seq=1)
+        body = codec.decode_map(msg.data)
+        assert msg.subject == subjects.usage_spend("gone")
+        assert body["resumed"] == 2 and body["attempt"] == 0 and "spend" in body
+    finally:
         await nc.close()
 
 
