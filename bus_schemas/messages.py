@@ -27,6 +27,7 @@ MAX_STOP_SEQUENCES = 4
 # The most prompts one ``/v1/completions`` request may hold (one choice each, as OpenAI's
 # ``n`` is bounded): the bridge opens one generation per prompt.
 MAX_PROMPTS = 128
+MAX_CHOICES = 128  # ``n``, as OpenAI's API bounds it; prompts x choices at most MAX_PROMPTS
 # What ``/v1/completions`` generates when the request names no ``max_tokens``: OpenAI's
 # documented default, and vLLM's.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
@@ -456,7 +457,11 @@ class _GenerationRequest(_Edge):
         "(clients set it when they move a request from a failed replica to another).",
     )
     stop: list[str] | None = Field(default=None, description="Stop sequence or sequences.")
-    n: int | None = Field(default=1, description="Number of choices; only 1 is served.")
+    n: StrictInt | None = Field(
+        default=1,
+        description="Number of choices (the HTTP bridge sends one request per choice: a "
+        "request on the bus holds one).",
+    )
     stream: StrictBool | None = Field(
         default=False, description="Stream chunks as server-sent events."
     )
@@ -483,12 +488,14 @@ class _GenerationRequest(_Edge):
     @field_validator("n")
     @classmethod
     def _n(cls, v: int | None) -> int | None:
-        if v is not None and v != 1:
-            raise ValueError(
-                "only n=1 is served: tokenbus returns one choice per request; send n "
-                "requests (they may go to different replicas) for n choices"
-            )
+        if v is not None and not 1 <= v <= MAX_CHOICES:
+            raise ValueError(f"the number of choices: from 1 to {MAX_CHOICES}")
         return v
+
+    @property
+    def choices(self) -> int:
+        """How many choices to answer (``n``; 1 when not set)."""
+        return self.n or 1
 
     @field_validator("logit_bias")
     @classmethod

@@ -26,7 +26,7 @@ from typing import Any, Protocol
 
 from bus_schemas import errors as E
 from bus_schemas import headers as H
-from bus_schemas.messages import CompletionRequest
+from bus_schemas.messages import ChatCompletionRequest, CompletionRequest
 from bus_schemas.subjects import KIND_CHAT, KIND_COMPLETIONS, KIND_EMBEDDINGS
 from gateway import validation
 from gateway.asgi import (
@@ -206,10 +206,10 @@ class OpenAIApp(RouteTable):
             call.span.set_attribute(tracing.MODEL, req.model)
         call.watch()
         call.whole(bool(getattr(req, "stream", False)))
-        if isinstance(req, CompletionRequest):
-            parts = validation.per_prompt(req, call.body)
-            if len(parts) > 1 or not req.generates:
-                await self._completions(call, send, req, parts)
+        if isinstance(req, CompletionRequest | ChatCompletionRequest):
+            parts = validation.per_choice(req, call.body)
+            if len(parts) > 1 or not getattr(req, "generates", True):
+                await self._choices(call, send, req, parts)
                 return
         stream = call.stream = self.source.open(
             call.kind,
@@ -227,22 +227,25 @@ class OpenAIApp(RouteTable):
         else:
             await write_whole(send, call.kind, req, stream, call.rid, call.progress)
 
-    async def _completions(
+    async def _choices(
         self,
         call: Call,
         send: Send,
-        req: CompletionRequest,
-        parts: list[tuple[CompletionRequest, dict[str, Any]]],
+        req: CompletionRequest | ChatCompletionRequest,
+        parts: list[tuple[CompletionRequest | ChatCompletionRequest, dict[str, Any]]],
     ) -> None:
-        """A completions request the bus takes as several (:func:`validation.per_prompt`):
-        one generation per prompt, each answer choice ``i`` of one ``text_completion`` (as
-        OpenAI and vLLM answer a list of prompts), usage summed; with ``max_tokens: 0``
-        each choice is its prompt (``echo``) or nothing, finished by ``length``."""
+        """A request the bus takes as several (:func:`validation.per_choice`): one
+        generation per prompt and choice, each answer choice ``i`` of one
+        ``chat.completion`` or ``text_completion`` (as OpenAI and vLLM answer ``n`` and a
+        list of prompts), usage summed (a prompt counted once for its choices); with
+        ``max_tokens: 0`` each choice is its prompt (``echo``) or nothing, finished by
+        ``length``. Each choice is a request of its own on the bus: limits and budgets count
+        it (docs/openai-api.md)."""
         streams: list[StreamLike] = []
         for i, (one, body) in enumerate(parts):
             rid = call.rid if len(parts) == 1 else f"{call.rid}-{i}"
             stream = self.source.open(
-                KIND_COMPLETIONS,
+                call.kind,
                 one,
                 body,
                 request_id=rid,
@@ -255,13 +258,14 @@ class OpenAIApp(RouteTable):
                 call.stream = stream
             else:
                 call.more.append(stream)
-            if not req.generates:
+            if isinstance(req, CompletionRequest) and not req.generates:
+                assert isinstance(one, CompletionRequest)
                 stream = PromptOnly(stream, one.prompt_text if req.echo else "")
             streams.append(stream)
         if req.stream:
-            await write_sse_choices(send, req, streams, call.rid, call.progress)
+            await write_sse_choices(send, call.kind, req, streams, call.rid, call.progress)
         else:
-            await write_choices(send, req, streams, call.rid, call.progress)
+            await write_choices(send, call.kind, req, streams, call.rid, call.progress)
 
     async def handle(
         self,
@@ -498,33 +502,14 @@ def whole_answer(
 ) -> dict[str, Any]:
     """The JSON body of a whole answer: a ``chat.completion`` or a ``text_completion``."""
     usage = usage_of(stream)
-    finish = stream.finish_reason or "stop"
     created = int(time.time())
-    text = out.text
     if kind == KIND_CHAT:
-        calls = out.tool_calls
-        message: dict[str, Any] = {
-            "role": "assistant",
-            "content": None if (calls or out.refusal) and not text else text,
-            "refusal": out.refusal,
-        }
-        if calls:
-            message["tool_calls"] = calls
-        if out.reasoning is not None:
-            message["reasoning_content"] = out.reasoning
         return {
             "id": f"chatcmpl-{rid}",
             "object": "chat.completion",
             "created": created,
             "model": model,
-            "choices": [
-                {
-                    "index": 0,
-                    "message": message,
-                    "logprobs": chat_logprobs(out.logprobs),
-                    "finish_reason": finish,
-                }
-            ],
+            "choices": [chat_choice(0, out, stream)],
             "usage": usage,
             **_tier(stream),
         }
@@ -535,6 +520,26 @@ def whole_answer(
         "model": model,
         "choices": [text_choice(0, out, stream)],
         "usage": usage,
+    }
+
+
+def chat_choice(index: int, out: Assembled, stream: StreamLike) -> dict[str, Any]:
+    """Choice ``index`` of a whole ``chat.completion``."""
+    text, calls = out.text, out.tool_calls
+    message: dict[str, Any] = {
+        "role": "assistant",
+        "content": None if (calls or out.refusal) and not text else text,
+        "refusal": out.refusal,
+    }
+    if calls:
+        message["tool_calls"] = calls
+    if out.reasoning is not None:
+        message["reasoning_content"] = out.reasoning
+    return {
+        "index": index,
+        "message": message,
+        "logprobs": chat_logprobs(out.logprobs),
+        "finish_reason": stream.finish_reason or "stop",
     }
 
 
@@ -617,11 +622,19 @@ async def _all(aws: list[Awaitable[Any]]) -> list[Any]:
             t.cancel()
 
 
-def _usage_total(streams: list[StreamLike]) -> dict[str, Any]:
-    """The usage of several streams added up (the counts inside the details too)."""
+def _usage_total(streams: list[StreamLike], n: int = 1) -> dict[str, Any]:
+    """The usage of several streams added up (the counts inside the details too); of
+    each prompt's ``n`` choices, the prompt counted once (as OpenAI counts ``n``)."""
     total: dict[str, Any] = {}
-    for s in streams:
-        _add_counts(total, usage_of(s))
+    for i, s in enumerate(streams):
+        u = usage_of(s)
+        if i % n:  # another choice of the same prompt: its answer only
+            u = {"completion_tokens": u.get("completion_tokens", 0), "total_tokens": 0}
+            u["total_tokens"] = u["completion_tokens"]
+            details = usage_of(s).get("completion_tokens_details")
+            if isinstance(details, dict):
+                u["completion_tokens_details"] = details
+        _add_counts(total, u)
     return total
 
 
@@ -634,15 +647,22 @@ def _add_counts(into: dict[str, Any], more: dict[str, Any]) -> None:
 
 
 async def write_choices(
-    send: Send, req: CompletionRequest, streams: list[StreamLike], rid: str, progress: Progress
+    send: Send,
+    kind: str,
+    req: CompletionRequest | ChatCompletionRequest,
+    streams: list[StreamLike],
+    rid: str,
+    progress: Progress,
 ) -> None:
-    """One ``text_completion`` whose choice ``i`` is stream ``i``'s whole answer."""
+    """One ``chat.completion`` or ``text_completion`` whose choice ``i`` is stream ``i``'s
+    whole answer."""
     outs: list[Assembled] = await _all([_assemble(s) for s in streams])
-    body = whole_answer(KIND_COMPLETIONS, rid, req.model, outs[0], streams[0])
+    body = whole_answer(kind, rid, req.model, outs[0], streams[0])
+    choice = chat_choice if kind == KIND_CHAT else text_choice
     body["choices"] = [
-        text_choice(i, out, s) for i, (out, s) in enumerate(zip(outs, streams, strict=True))
+        choice(i, out, s) for i, (out, s) in enumerate(zip(outs, streams, strict=True))
     ]
-    body["usage"] = _usage_total(streams)
+    body["usage"] = _usage_total(streams, req.choices)
     progress.finished = True
     progress.t5_ns = time.time_ns()
     await _send_whole(send, body, rid, streams[0], progress)
@@ -663,15 +683,22 @@ async def _pump(
 
 
 async def write_sse_choices(
-    send: Send, req: CompletionRequest, streams: list[StreamLike], rid: str, progress: Progress
+    send: Send,
+    kind: str,
+    req: CompletionRequest | ChatCompletionRequest,
+    streams: list[StreamLike],
+    rid: str,
+    progress: Progress,
 ) -> None:
     """Several streams as one event stream, each event the choice of its stream's index,
-    as they come; each choice's closing event when its stream ends, then the usage of all
-    (when asked for) and ``[DONE]``. Headers go once every stream has its first chunk, so a
-    refusal of any is the request's HTTP status."""
+    as they come (a chat choice opens with its role); each choice's closing event when its
+    stream ends, then the usage of all (when asked for) and ``[DONE]``. Headers go once
+    every stream has its first chunk, so a refusal of any is the request's HTTP status."""
     firsts: list[Chunk | None] = await _all([first_chunk(s) for s in streams])
     created = int(time.time())
-    frames = [sse_frames(KIND_COMPLETIONS, rid, req.model, created, i) for i in range(len(streams))]
+    chat = kind == KIND_CHAT
+    tier = getattr(streams[0], "service_tier", None)
+    frames = [sse_frames(kind, rid, req.model, created, i, tier) for i in range(len(streams))]
     progress.started = True
     await send(
         {
@@ -685,7 +712,7 @@ async def write_sse_choices(
         asyncio.ensure_future(_pump(i, s, first, queue))
         for i, (s, first) in enumerate(zip(streams, firsts, strict=True))
     ]
-    buf: list[str] = []
+    buf: list[str] = [f.opening for f in frames if f.opening]
     try:
         left = len(streams)
         while left:
@@ -696,7 +723,7 @@ async def write_sse_choices(
                 left -= 1
                 buf.append(frames[i].closing % json.dumps(streams[i].finish_reason or "stop"))
             elif c.has_side:
-                buf.append(side_event(frames[i], False, c))
+                buf.append(side_event(frames[i], chat, c))
             else:
                 buf.append(frames[i].piece % json.dumps(c.text))
             if queue.empty():  # what is here goes in one write
@@ -708,7 +735,7 @@ async def write_sse_choices(
                     progress.t5_ns = time.time_ns()
                     progress.streamed = True
         if req.include_usage:
-            buf.append(frames[0].usage % json.dumps(_usage_total(streams)))
+            buf.append(frames[0].usage % json.dumps(_usage_total(streams, req.choices)))
     except E.TokenbusError as exc:
         buf.append(sse_error(exc))  # the headers are gone: an error event, as for one stream
         progress.error = exc.code

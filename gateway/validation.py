@@ -16,6 +16,7 @@ from pydantic import ValidationError
 
 from bus_schemas import errors as E
 from bus_schemas.messages import (
+    MAX_PROMPTS,
     SCHEMA_VERSION,
     ChatCompletionRequest,
     CompletionRequest,
@@ -66,21 +67,40 @@ def prompt_chars(req: Request) -> int:
     return sum(len(p) for p in req.prompts) + extra
 
 
-def per_prompt(
-    req: CompletionRequest, body: dict[str, Any]
-) -> list[tuple[CompletionRequest, dict[str, Any]]]:
-    """A completions request as the bus takes it: one request per prompt (in order), and
+def per_choice(
+    req: ChatCompletionRequest | CompletionRequest, body: dict[str, Any]
+) -> list[tuple[ChatCompletionRequest | CompletionRequest, dict[str, Any]]]:
+    """A chat or completions request as the bus takes it: one request per prompt and
+    choice, in OpenAI's order (prompt ``i``'s choice ``j`` is choice ``i * n + j``), each
+    with ``n`` 1 and, when the request has a ``seed``, ``seed + j`` (choices that differ,
+    reproducibly, as one seeded engine request's ``n`` sequences do); a completion's
     ``max_tokens: 0`` asked as one token without ``echo`` (the caller drops what it makes
     and writes the prompt itself). ``[(req, body)]`` when it is one already."""
-    if len(req.prompts) == 1 and req.generates:
+    n = req.choices
+    prompts: list[str | None] = [None]
+    generates = True
+    if isinstance(req, CompletionRequest):
+        prompts, generates = list(req.prompts), req.generates
+    if n == 1 and len(prompts) == 1 and generates:
         return [(req, body)]
+    if len(prompts) * n > MAX_PROMPTS:
+        raise E.InvalidRequest(
+            f"n: {n} choices of {len(prompts)} prompts is {len(prompts) * n} answers; at most "
+            f"{MAX_PROMPTS} per request",
+            param="n",
+        )
     one: dict[str, Any] = {}
-    if not req.generates:
+    if not generates:
         one = {"max_tokens": 1, "max_completion_tokens": None, "echo": False}
-    out: list[tuple[CompletionRequest, dict[str, Any]]] = []
-    for prompt in req.prompts:
-        sub = {**body, "prompt": prompt, **one}
-        out.append((req.model_copy(update={"prompt": prompt, **one}), sub))
+    out: list[tuple[ChatCompletionRequest | CompletionRequest, dict[str, Any]]] = []
+    for prompt in prompts:
+        for j in range(n):
+            update: dict[str, Any] = {**one, "n": 1}
+            if prompt is not None:
+                update["prompt"] = prompt
+            if req.seed is not None and j:
+                update["seed"] = req.seed + j
+            out.append((req.model_copy(update=update), {**body, **update}))
     return out
 
 

@@ -60,7 +60,6 @@ class Refusal(NamedTuple):
 
 # Features tokenbus does not serve.
 NOT_SERVED = [
-    Refusal("n", r"^n: only n=1 is served", "`n` other than 1"),
     Refusal("prompt", r"token id prompts are not served", "token id prompts"),
     Refusal("conversation", r"the Conversations API is not served", "`conversation`"),
     Refusal("context_management", r"compaction is not served", "`context_management`"),
@@ -97,6 +96,7 @@ BOUNDED = [
     Refusal(None, r"maximum context length is", "context"),
     Refusal("dimensions", r"(less than or equal to 65536|must be an integer from 1)", "dimensions"),
     Refusal("input", r"the sim embeds at most", "dimensions"),
+    Refusal("n", r"choices of \d+ prompts is \d+ answers", "`n` times the prompts"),
 ]
 # What the document says in words, not in its schema.
 IN_WORDS = [
@@ -408,6 +408,7 @@ def test_every_refusal_is_documented() -> None:
 
 
 def test_the_refusals_have_teeth() -> None:
-    assert refused_on_purpose({"param": "n", "message": "n: only n=1 is served: ..."})
+    msg = "prompt: token id prompts are not served: ..."
+    assert refused_on_purpose({"param": "prompt", "message": msg})
     assert not refused_on_purpose({"param": "top_p", "message": "top_p: must be > 0"})
-    assert not refused_on_purpose({"param": "n.x", "message": "n: only n=1 is served"})
+    assert not refused_on_purpose({"param": "prompt.x", "message": msg})

@@ -518,6 +518,87 @@ async def test_a_list_of_prompts_gets_one_choice_per_prompt(
     assert usage is not None and usage.total_tokens == out.usage.total_tokens
 
 
+async def test_n_choices_whole_and_streamed_on_chat(
+    stacks: Stacks, oai: openai.AsyncOpenAI
+) -> None:
+    """``n``: one request per choice on the bus; with a ``seed`` choice ``j`` is sampled with
+    ``seed + j`` (choices differ, reproducibly); the usage counts the prompt once (as
+    OpenAI's) and every choice's answer."""
+    prompt = "<|user|>tell me\n"
+    msgs: Any = [{"role": "user", "content": "tell me"}]
+    want = [expected_text(prompt, 6, 7 + j)[0] for j in range(3)]
+    assert len(set(want)) == 3  # the sim's answers differ by seed
+    out = await oai.chat.completions.create(
+        model=stacks.model, messages=msgs, max_tokens=6, n=3, seed=7
+    )
+    assert [(c.index, c.message.content, c.message.role) for c in out.choices] == [
+        (j, w, "assistant") for j, w in enumerate(want)
+    ]
+    assert out.usage is not None and out.usage.completion_tokens == 18
+    assert out.usage.prompt_tokens == count_tokens(prompt)
+    assert out.usage.total_tokens == out.usage.prompt_tokens + 18
+    stream = await oai.chat.completions.create(
+        model=stacks.model,
+        messages=msgs,
+        max_tokens=6,
+        n=3,
+        seed=7,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    texts, roles, ends, usage = ["", "", ""], set(), {}, None
+    async for chunk in stream:
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+            if c.delta.role:
+                roles.add((c.index, c.delta.role))
+            if c.finish_reason:
+                ends[c.index] = c.finish_reason
+        usage = chunk.usage or usage
+    assert texts == want and ends == {0: "length", 1: "length", 2: "length"}
+    assert roles == {(0, "assistant"), (1, "assistant"), (2, "assistant")}
+    assert usage is not None and usage.total_tokens == out.usage.total_tokens
+
+
+async def test_n_choices_of_a_list_of_prompts_in_openais_order(
+    stacks: Stacks, oai: openai.AsyncOpenAI
+) -> None:
+    """Prompt ``i``'s choice ``j`` is choice ``i * n + j``."""
+    prompts = ["one two", "three"]
+    out = await oai.completions.create(
+        model=stacks.model, prompt=prompts, max_tokens=4, n=2, seed=1
+    )
+    want = [expected_text(p, 4, 1 + j)[0] for p in prompts for j in range(2)]
+    assert [(c.index, c.text) for c in out.choices] == list(enumerate(want))
+    assert out.usage is not None and out.usage.completion_tokens == 16
+    assert out.usage.prompt_tokens == sum(count_tokens(p) for p in prompts)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"n": 0},
+        {"n": 129},
+        {"n": -1},
+        {"n": "2"},
+        {"n": 2.5},
+    ],
+)
+async def test_a_bad_n_is_a_400_naming_it(stacks: Stacks, body: dict[str, Any]) -> None:
+    async with stacks.stack.http("/v1") as c:
+        r = await c.post("/chat/completions", json={"model": stacks.model, "messages": ASK, **body})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == "n", r.json()
+        # Choices times prompts past 128 answers: named too.
+        r = await c.post(
+            "/completions",
+            json={"model": stacks.model, "prompt": ["a"] * 3, "n": 50, "max_tokens": 1},
+        )
+        assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
+        r = await c.get("/models")  # and the bridge still serves
+        assert r.status_code == 200
+
+
 async def test_max_tokens_0_answers_the_prompt_or_nothing(
     stacks: Stacks, oai: openai.AsyncOpenAI
 ) -> None:
@@ -586,7 +667,6 @@ BAD_CHAT: list[tuple[str, dict[str, Any]]] = [
     ("frequency_penalty", {"frequency_penalty": -3}),
     ("logit_bias", {"logit_bias": {"the": 5}}),
     ("logit_bias", {"logit_bias": {"12": 101}}),
-    ("n", {"n": 2}),
     ("parallel_tool_calls", {"parallel_tool_calls": "yes please"}),
     ("stream", {"stream": "yes"}),
     ("logprobs", {"logprobs": "false"}),
