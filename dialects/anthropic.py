@@ -180,7 +180,8 @@ def _image(block: dict[str, Any], path: str) -> dict[str, Any]:
         return {"type": "image_url", "image_url": {"url": url}}
     raise _bad(
         f"{path}.source.type",
-        f"the image source {kind!r} is not served (base64 or url; tokenbus has no Files API)",
+        f"the image source {kind!r} is not served (base64, url, or file: the file_id of an "
+        "image in the key's OpenAI files, /v1/files)",
     )
 
 
@@ -198,8 +199,8 @@ def _document(block: dict[str, Any], path: str) -> dict[str, Any]:
         return {"type": "file", "file": file}
     raise _bad(
         f"{path}.source",
-        "a document needs a text or base64 source (tokenbus has no Files API, so file and "
-        "url sources are not served)",
+        "a document needs a text, base64 or file source (file: the file_id of a file in the "
+        "key's OpenAI files, /v1/files); url sources are not served",
     )
 
 

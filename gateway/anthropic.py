@@ -123,6 +123,7 @@ class MessagesAPI:
         return stream
 
     async def _create(self, call: Call, send: Send) -> None:
+        await self.app.files.messages(call.body, self.app.owner_of(call))
         req = M.parse(call.body)
         meta = call.body.get("metadata") if isinstance(call.body, dict) else None
         if isinstance(meta, dict):
@@ -140,6 +141,7 @@ class MessagesAPI:
         await self._send_whole(send, msg, stream, call)
 
     async def _count(self, call: Call, send: Send) -> None:
+        await self.app.files.messages(call.body, self.app.owner_of(call))
         req = M.parse(call.body, count=True)
         stream = self._open(call, M.count_request(M.translate(req, call.body)), False)
         async for _ in stream:

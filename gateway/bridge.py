@@ -422,6 +422,8 @@ class Bridge(Service):
             )
             return
         FilesAPI(files, key_owner(keys), cfg.files).mount(api)
+        api.files.store = files  # files named by id in requests (gateway/file_inputs.py)
+        api.key_owner = key_owner(keys)
         if not cfg.batches.enabled:
             return
         BatchAPI(store, files, key_owner(keys), cfg).mount(api)

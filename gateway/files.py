@@ -69,7 +69,8 @@ def parse_upload(content_type: str, body: bytes) -> tuple[str, str, bytes]:
         raise E.InvalidRequest("the upload has no 'purpose' part", param="purpose")
     if purpose not in PURPOSES:
         raise E.InvalidRequest(
-            f"purpose: {purpose!r} is not served; upload batch input as 'batch'",
+            f"purpose: {purpose!r} is not served; upload batch input as 'batch', files for "
+            "requests to name by id as 'user_data' (or 'vision' for images)",
             param="purpose",
         )
     return filename[:255], purpose, data

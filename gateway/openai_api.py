@@ -45,6 +45,7 @@ from gateway.asgi import (
     send_error,
     send_json,
 )
+from gateway.file_inputs import FileInputs
 from gateway.openapi import document_bytes
 from gateway.sse import (
     DONE,
@@ -130,6 +131,18 @@ class OpenAIApp(RouteTable):
         self.body_timeout = body_timeout_s
         self.timeout = request_timeout_s
         self.on_request = on_request
+        # Files named by id in a request (gateway/file_inputs.py): the bridge gives it the
+        # file store and who owns a key's files where it serves the Files API.
+        self.files = FileInputs(None, max_body_bytes)
+        self.key_owner: Callable[[str | None], str] = lambda key: ""
+
+    def owner_of(self, call: Call) -> Callable[[], str]:
+        """Who ``call`` acts for (the key a trusted caller here runs it for, else its own
+        key's id), asked only when needed."""
+        if call.principal is not None:
+            principal = call.principal
+            return lambda: principal
+        return lambda: self.key_owner(call.hdrs.get(H.API_KEY))
 
     # -- plain endpoints --------------------------------------------------------------------
     async def list_models(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -199,6 +212,8 @@ class OpenAIApp(RouteTable):
         await self.handle(scope, receive, send, kind, self._generation)
 
     async def _generation(self, call: Call, send: Send) -> None:
+        if call.kind == KIND_CHAT:
+            await self.files.chat(call.body, self.owner_of(call))
         req = validation.parse(call.kind, call.body)
         if call.kind == KIND_CHAT:
             call.session_from(call.body.get("prompt_cache_key"))

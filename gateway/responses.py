@@ -92,6 +92,7 @@ class ResponsesAPI:
 
     async def _create(self, call: Call, send: Send) -> None:
         app = self.app
+        await app.files.responses(call.body, app.owner_of(call))
         req = R.parse(call.body)
         owner = (
             call.principal if call.principal is not None else self.owner(call.hdrs.get(H.API_KEY))

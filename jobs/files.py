@@ -9,7 +9,9 @@ that does not exist (404). The bucket has a TTL (``files.ttl_s``) and a size bou
 process shares the bucket, so a file uploaded through one is read through any.
 
 Users upload ``purpose: batch`` files (a batch's input, through :mod:`gateway.files` or
-ingress); batches write their output and error files as ``batch_output``.
+ingress) and ``user_data`` or ``vision`` files (that a request names by ``file_id``:
+:mod:`gateway.file_inputs`); batches write their output and error files as
+``batch_output``.
 """
 
 from __future__ import annotations
@@ -30,7 +32,9 @@ from services import logging as tlog
 from services.config import FilesSettings
 
 BUCKET = "tokenbus_files"
-PURPOSES = ("batch",)  # what users may upload
+# What users may upload: batch input, and files for requests to name by id (OpenAI's
+# purposes for them; gateway/file_inputs.py).
+PURPOSES = ("batch", "user_data", "vision")
 OUTPUT_PURPOSE = "batch_output"
 log = tlog.get("files")
 

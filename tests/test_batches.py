@@ -739,3 +739,56 @@ async def test_a_background_run_whose_end_was_not_stored_is_not_settled(tmp_path
         await nc.close()
     finally:
         srv.stop()
+
+
+# -- files as inputs --------------------------------------------------------------------------
+PNG = b"\x89PNG\r\n\x1a\n" + b"\x00" * 32
+
+
+async def test_a_request_names_its_keys_files_by_id_and_no_other_keys(
+    oai: openai.AsyncOpenAI, other: openai.AsyncOpenAI, env: Env
+) -> None:
+    """A chat ``file`` part, a Responses ``input_file`` and ``input_image``, and an Anthropic
+    ``document`` block name files of the key's own ``/v1/files`` by id: served. Another
+    key's file is a 404 (as ``GET /v1/files/{id}`` answers it); a file that is not an image
+    in an image part, a 400 naming the part; an id of nothing, a 404."""
+    doc = await oai.files.create(file=("notes.txt", b"remember the milk"), purpose="user_data")
+    img = await oai.files.create(file=("pic.png", PNG), purpose="vision")
+    assert (doc.purpose, img.purpose) == ("user_data", "vision")
+    part = {"type": "file", "file": {"file_id": doc.id}}
+    msgs: Any = [{"role": "user", "content": [part, {"type": "text", "text": "and?"}]}]
+    out = await oai.chat.completions.create(model=env.model, messages=msgs, max_tokens=3)
+    assert out.choices[0].message.content
+    content: Any = [
+        {"type": "input_file", "file_id": doc.id},
+        {"type": "input_image", "file_id": img.id},
+        {"type": "input_text", "text": "what are these?"},
+    ]
+    r = await oai.responses.create(
+        model=env.model, input=[{"role": "user", "content": content}], max_output_tokens=3
+    )
+    assert r.status in ("completed", "incomplete") and r.output_text
+    with pytest.raises(openai.NotFoundError):
+        await other.chat.completions.create(model=env.model, messages=msgs, max_tokens=3)
+    with pytest.raises(openai.NotFoundError):
+        await other.responses.create(
+            model=env.model, input=[{"role": "user", "content": content}], max_output_tokens=3
+        )
+    bad: Any = [{"type": "input_image", "file_id": doc.id}]
+    with pytest.raises(openai.BadRequestError) as ei:
+        await oai.responses.create(model=env.model, input=[{"role": "user", "content": bad}])
+    assert "not an image" in str(ei.value) and "input.0.content.0.file_id" in str(ei.value)
+    gone: Any = [{"role": "user", "content": [{"type": "file", "file": {"file_id": "file-x"}}]}]
+    with pytest.raises(openai.NotFoundError):
+        await oai.chat.completions.create(model=env.model, messages=gone, max_tokens=3)
+    async with httpx.AsyncClient(base_url=env.stack.base, timeout=30) as h:
+        block = {"type": "document", "source": {"type": "file", "file_id": doc.id}}
+        body = {
+            "model": env.model,
+            "max_tokens": 3,
+            "messages": [{"role": "user", "content": [block, {"type": "text", "text": "hm"}]}],
+        }
+        r2 = await h.post("/v1/messages", json=body, headers={"x-api-key": env.key})
+        assert r2.status_code == 200, r2.text
+        r2 = await h.post("/v1/messages", json=body, headers={"x-api-key": env.other})
+        assert r2.status_code == 404, r2.text

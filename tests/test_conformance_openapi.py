@@ -82,7 +82,7 @@ NOT_SERVED = [
         "input items other than",
     ),
     Refusal(r".*\.type", r"the content part type .* is not served", "content parts other than"),
-    Refusal(r".*\.(image_url|file_data)", r"an input_(image|file) needs", "files by id or URL"),
+    Refusal(r".*\.(image_url|file_data)", r"an input_(image|file) needs", "an image part needs"),
     Refusal(
         "stream",
         r"only a background response's events are kept to replay",
@@ -123,6 +123,7 @@ INCONSISTENT = [
     Refusal("prompt", r"the list holds no prompt", "nothing to answer"),
     Refusal(r"max_(completion_)?tokens", r"greater than or equal to 1", "nothing to answer"),
     Refusal("after", r"^after: no item", "`after`"),
+    Refusal(r".*file_id", r"no file with id .* among this key's files", "a `file_id` of no"),
     Refusal(None, r"not a Responses API field", "chat fields sent to `/v1/responses`"),
 ]
 # tokenbus's own extension fields, which OpenAI's document leaves to any value: a request that

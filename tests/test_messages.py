@@ -232,6 +232,16 @@ async def test_bad_fields_get_anthropic_s_errors_with_their_status(
                     {"role": "user", "content": [{"type": "image", "source": {"type": "file"}}]}
                 ],
             },
+            "messages.0.content.0.source.file_id:",  # a file source names a file
+        ),
+        (
+            {
+                "model": env.model,
+                "max_tokens": 4,
+                "messages": [
+                    {"role": "user", "content": [{"type": "image", "source": {"type": "s3"}}]}
+                ],
+            },
             "messages.0.content.0.source.type:",
         ),
         (

@@ -299,6 +299,31 @@ async def test_image_part_is_served_and_reaches_the_engine(
     assert got["messages"] == messages  # every field as sent
 
 
+async def test_a_file_named_by_id_reaches_the_engine_as_its_bytes(
+    stacks: Stacks, oai: openai.AsyncOpenAI
+) -> None:
+    """A chat ``file`` part by ``file_id`` reaches the engine as ``file_data`` (a ``data:``
+    URL of the file's bytes, its name as ``filename``); a Responses ``input_file`` by
+    ``file_url`` is carried to the engine as it is (the bridge fetches nothing)."""
+    f = await oai.files.create(file=("notes.txt", b"remember the milk"), purpose="user_data")
+    part = {"type": "file", "file": {"file_id": f.id}}
+    msgs: Any = [{"role": "user", "content": [part, {"type": "text", "text": "and?"}]}]
+    await oai.chat.completions.create(model=stacks.up_model, messages=msgs, max_tokens=3)
+    got = (await stacks.upstream.last_request())["messages"][0]["content"][0]
+    data = base64.b64encode(b"remember the milk").decode()
+    assert got == {
+        "type": "file",
+        "file": {"file_data": f"data:text/plain;base64,{data}", "filename": "notes.txt"},
+    }
+    url = "https://example.com/report.pdf"
+    content: Any = [{"type": "input_file", "file_url": url}, {"type": "input_text", "text": "?"}]
+    await oai.responses.create(
+        model=stacks.up_model, input=[{"role": "user", "content": content}], max_output_tokens=3
+    )
+    got = (await stacks.upstream.last_request())["messages"][-1]["content"][0]
+    assert got == {"type": "file", "file": {"file_url": url}}
+
+
 async def test_every_field_reaches_the_upstream_unchanged(
     stacks: Stacks, oai: openai.AsyncOpenAI
 ) -> None:

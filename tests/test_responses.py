@@ -1105,8 +1105,12 @@ BAD: list[tuple[dict[str, Any], str]] = [
         "input.0.content.0.image_url",
     ),
     (
-        {"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]},
+        {"input": [{"role": "user", "content": [{"type": "input_file", "filename": "f"}]}]},
         "input.0.content.0.file_data",
+    ),
+    (  # an id of no file of this key: a 404 naming it
+        {"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]},
+        "input.0.content.0.file_id",
     ),
     ({"background": True, "store": False}, "background"),
     (
@@ -1165,7 +1169,7 @@ async def test_each_bad_field_gets_a_clear_400(env: Env) -> None:
         for change, param in BAD:
             body = {"model": env.model, "input": "hi", **change}
             r = await h.post("/responses", json=body)
-            want = 404 if param == "previous_response_id" else 400
+            want = 404 if param in ("previous_response_id", "input.0.content.0.file_id") else 400
             assert r.status_code == want, (change, r.text)
             err = r.json()["error"]
             assert err["param"] == param, (change, err)

@@ -57,24 +57,28 @@ def _content_part(part: Any, path: str) -> dict[str, Any]:
     if kind == "input_image":
         url = part.get("image_url")
         if not isinstance(url, str) or not url:
-            what = "file_id (tokenbus has no Files API)" if part.get("file_id") else "no image_url"
             raise _bad(
                 f"{path}.image_url",
-                f"an input_image needs an image_url (a URL or a data: URL); this one has {what}",
+                "an input_image needs an image_url (a URL or a data: URL) or the file_id of "
+                "an image in the key's files (/v1/files)",
             )
         image: dict[str, Any] = {"url": url}
         if part.get("detail") is not None:
             image["detail"] = part["detail"]
         return {"type": "image_url", "image_url": image}
     if kind == "input_file":
-        data = part.get("file_data")
-        if not isinstance(data, str) or not data:
+        data, url = part.get("file_data"), part.get("file_url")
+        file: dict[str, Any]
+        if isinstance(data, str) and data:
+            file = {"file_data": data}
+        elif isinstance(url, str) and url:
+            file = {"file_url": url}  # carried: the engine fetches it (or refuses it)
+        else:
             raise _bad(
                 f"{path}.file_data",
-                "an input_file needs file_data (tokenbus has no Files API, so file_id and "
-                "file_url are not served)",
+                "an input_file needs file_data, a file_url, or the file_id of a file in the "
+                "key's files (/v1/files)",
             )
-        file: dict[str, Any] = {"file_data": data}
         if isinstance(part.get("filename"), str):
             file["filename"] = part["filename"]
         return {"type": "file", "file": file}
