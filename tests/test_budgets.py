@@ -382,6 +382,38 @@ async def test_a_moved_attempt_costs_what_its_caller_got_whichever_report_comes_
         await nc.close()
 
 
+async def test_an_attempt_admitted_twice_holds_twice_and_each_copy_settles_its_own(
+    nats_server: Any,
+) -> None:
+    """A caller that sends the same attempt again (no accept came) may have both copies run:
+    each is held under a name of its own (``rid#1``, ``rid#1~2``), so the report of the
+    copy it cancelled does not settle the hold of the copy that answered (which was then
+    charged nothing: the nemesis run's undercharge by a whole request). A supersede of the
+    attempt settles every copy at once, at what the caller got from it."""
+    nc = await nats.connect(nats_server.url)
+    try:
+        book = await budgets.SpendBook(nc).open()
+        key = budgets.Budget(f"k.copies{time.time_ns()}", "day", None, None)
+        one = await book.reserve([key], "r1#1", 100, time.time() + 60)
+        two = await book.reserve([key], "r1#1", 100, time.time() + 60)
+        assert (one.request_id, two.request_id) == ("r1#1", "r1#1~2")
+        assert (await book.spent(key)) == (0, 200)
+        await book.settle(budgets.Hold(one.request_id, 0, list(one.budgets)), 0)  # cancelled
+        await book.settle(budgets.Hold(two.request_id, 0, list(two.budgets)), 71)  # answered
+        await book.settle(budgets.Hold(two.request_id, 0, list(two.budgets)), 71)  # its copy
+        assert (await book.spent(key)) == (71, 0)
+        # Moved on: the supersede of attempt 2 takes both of its copies, one reported
+        # (40) and one still held, and the attempt costs what the caller got (10).
+        three = await book.reserve([key], "r2#0", 100, time.time() + 60)
+        four = await book.reserve([key], "r2#0", 100, time.time() + 60)
+        await book.settle(budgets.Hold(four.request_id, 0, list(four.budgets)), 40)
+        await book.settle(budgets.Hold("r2#0", 0, list(three.budgets)), 10, superseding=True)
+        await book.settle(budgets.Hold(three.request_id, 0, list(three.budgets)), 55)  # late
+        assert (await book.spent(key)) == (81, 0)
+    finally:
+        await nc.close()
+
+
 async def test_a_book_that_wrote_an_entry_before_settles_a_hold_another_made_since(
     nats_server: Any,
 ) -> None:
