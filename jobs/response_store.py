@@ -127,7 +127,11 @@ class ResponseStore:
             if create:
                 await buckets.create(kv, response_id, data)
             else:
-                await buckets.through_stall(lambda: kv.put(response_id, data), what="response")
+                # The bucket exists (opened): "no response from stream" is its leader
+                # gone for the moment, tried again as a stall.
+                await buckets.through_stall(
+                    lambda: kv.put(response_id, data), what="response", stream_exists=True
+                )
         except Exception as exc:
             log.warning(
                 "response_not_stored", response_id=response_id, bytes=len(data), error=repr(exc)

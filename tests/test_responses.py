@@ -9,6 +9,7 @@ auth / ratelimit / filter / ingress / router services (the NATS path) and the br
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import signal
@@ -1363,6 +1364,34 @@ async def test_the_store_has_a_ttl_and_a_size_bound_and_owners(nc: Any) -> None:
         assert not await store.put(new_response_id(), {"owner": "k1", "blob": "x" * (2 << 20)})
     finally:
         await nc.jetstream().delete_stream(f"KV_{bucket}")
+
+
+async def test_a_write_over_a_record_waits_through_a_stream_that_does_not_answer(
+    nc: Any,
+) -> None:
+    """A background response's end is written over its record; a bucket's stream without a
+    leader answers a write with "no response from stream" (nats-py's NoStreamResponseError),
+    which is waited through as a stall, not taken for a write that failed: one that failed
+    left the response ``in_progress``, and its run was made again (charged twice: the
+    nemesis run, seed 21)."""
+    bucket = f"test_responses_{uuid.uuid4().hex[:8]}"
+    cfg = ResponsesSettings(ttl_s=3600, max_bytes=2 << 20)
+    store = await ResponseStore(nc, cfg, bucket=bucket).open()
+    js = nc.jetstream()
+    info = await js.stream_info(f"KV_{bucket}")
+    rid = new_response_id()
+    try:
+        assert await store.put(rid, {"owner": "k1", "response": {"id": rid, "status": "queued"}})
+        await js.delete_stream(f"KV_{bucket}")  # as a stream without a leader
+        end = {"owner": "k1", "response": {"id": rid, "status": "completed"}}
+        writing = asyncio.ensure_future(store.replace(rid, end))
+        await asyncio.sleep(0.5)  # refused meanwhile: no stream answers
+        assert not writing.done()
+        await js.add_stream(info.config)
+        assert await asyncio.wait_for(writing, 30)
+        assert (await store.get(rid, "k1"))["response"]["status"] == "completed"
+    finally:
+        await js.delete_stream(f"KV_{bucket}")
 
 
 async def test_a_store_that_could_not_open_at_start_opens_when_jetstream_answers(
