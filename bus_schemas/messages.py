@@ -98,7 +98,23 @@ def render_prompt(messages: Any, prompt: Any = None) -> str:
             role = m.get("role")  # a NATS client's value: not always a string
             out.append(f"<|{role if isinstance(role, str) else ''}|>{text}\n")
         return "".join(out)
+    if is_token_ids(prompt):
+        return token_ids_text(prompt)
     return prompt if isinstance(prompt, str) else ""
+
+
+def is_token_ids(value: Any) -> bool:
+    """Whether ``value`` is a token id prompt: a list of integers (none a bool), from 0."""
+    return isinstance(value, list) and all(
+        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value
+    )
+
+
+def token_ids_text(ids: list[int]) -> str:
+    """A token id prompt as text, for what reads prompts as text (the simulator, which takes
+    this for its detokenization, and a router's KV index): each id as four or more hex
+    digits, so the simulator counts one token per id below 65 536."""
+    return "".join(f"{t:04x}" for t in ids)
 
 
 def tool_call_text(call: Any) -> str:
@@ -118,7 +134,8 @@ def envelope_chars(env: dict[str, Any]) -> int:
     """Characters of text an envelope carries (prompt, message texts, tool-call arguments
     and custom tool-call inputs, embedding inputs); images, audio and files are not text and
     count only as body size."""
-    n = len(env.get("prompt") or "")
+    prompt: Any = env.get("prompt")
+    n = len(token_ids_text(prompt)) if is_token_ids(prompt) else len(prompt or "")
     for m in env.get("messages") or ():
         if isinstance(m, dict):
             n += len(message_text(m.get("content")))
@@ -567,9 +584,9 @@ class CompletionRequest(_GenerationRequest):
     the bus an envelope holds one prompt and at least one token to make
     (:func:`gateway.validation.envelope`)."""
 
-    prompt: StrictStr | list[StrictStr] | None = Field(
-        description="The prompt, or a list of prompts (one choice each); null: the empty "
-        "prompt. Token id prompts are not served."
+    prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]] | None = Field(
+        description="The prompt, or a list of prompts (one choice each): text, or token ids "
+        "(a list of integers, or a list of such lists); null: the empty prompt."
     )
     max_tokens: Annotated[int, Field(ge=0)] | None = Field(
         default=None,
@@ -585,33 +602,54 @@ class CompletionRequest(_GenerationRequest):
 
     @field_validator("prompt", mode="before")
     @classmethod
-    def _text(cls, v: Any) -> Any:
-        if isinstance(v, list) and any(
-            isinstance(p, list) or (isinstance(p, int) and not isinstance(p, bool)) for p in v
+    def _shape(cls, v: Any) -> Any:
+        if not isinstance(v, list) or not v or is_token_ids(v):  # text, or one id prompt
+            return v
+        if all(is_token_ids(p) for p in v):  # a list of token id prompts
+            if not all(p for p in v):
+                raise ValueError("a token id prompt holds at least one token")
+            return v
+        ints = [t for p in v for t in (p if isinstance(p, list) else [p])]
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in ints):
+            bad = min(ints)  # only a negative one fails is_token_ids
+            raise ValueError(f"token id {bad} is not in the model's vocabulary (ids count from 0)")
+        if any(isinstance(p, list) for p in v) or (
+            any(isinstance(p, int) for p in v) and not is_token_ids(v)
         ):
-            raise ValueError("token id prompts are not served: send the prompt as text")
+            raise ValueError(
+                "a list of prompts is all text, or all token ids (lists of integers); a "
+                "token id prompt is a list of integers from 0"
+            )
         return v
 
     @field_validator("prompt")
     @classmethod
-    def _prompts(cls, v: str | list[str] | None) -> str | list[str] | None:
+    def _prompts(cls, v: Any) -> Any:
         if isinstance(v, list) and not v:
             raise ValueError("the list holds no prompt: send one or more")
-        if isinstance(v, list) and len(v) > MAX_PROMPTS:
+        if isinstance(v, list) and not is_token_ids(v) and len(v) > MAX_PROMPTS:
             raise ValueError(f"at most {MAX_PROMPTS} prompts per request")
         return v
 
     @property
-    def prompts(self) -> list[str]:
-        """The prompts: one string, or each of a list (null is the empty prompt)."""
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts: one (text or token ids), or each of a list (null is the empty
+        prompt)."""
+        if is_token_ids(self.prompt):
+            return [list(self.prompt)]  # type: ignore[arg-type]
         if isinstance(self.prompt, list):
-            return list(self.prompt)
+            return list(self.prompt)  # type: ignore[arg-type]
         return [self.prompt or ""]
 
     @property
-    def prompt_text(self) -> str:
-        """The (first) prompt's text."""
+    def prompt_value(self) -> str | list[int]:
+        """The (first) prompt, as sent: its text, or its token ids."""
         return self.prompts[0]
+
+    @property
+    def prompt_text(self) -> str:
+        """The (first) prompt's text (token ids as :func:`render_prompt` writes them)."""
+        return render_prompt(None, self.prompt_value)
 
     @property
     def generates(self) -> bool:
@@ -690,7 +728,9 @@ class Envelope(_Wire):
         description="Chat messages as the client sent them (chat only): content strings or "
         "part lists, assistant tool_calls, tool messages with tool_call_id.",
     )
-    prompt: str | None = Field(default=None, description="Prompt text (completions only).")
+    prompt: str | list[Annotated[int, Field(ge=0)]] | None = Field(
+        default=None, description="Prompt text, or token ids (completions only)."
+    )
     input: list[Any] | None = Field(
         default=None, description="Inputs to embed: strings or token id lists (embeddings only)."
     )

@@ -215,6 +215,8 @@ def _can_resume(backend: object, req: GenerationRequest) -> bool:
     """Whether ``backend`` continues a stream of ``req`` cut off elsewhere exactly (its
     optional ``can_resume``; the sim and vLLM always do). A caller migrates a stream whose
     text it already has only to a replica that said so in its accept frame."""
+    if req.token_prompt and not getattr(backend, "resumes_token_prompts", False):
+        return False  # the text so far cannot follow token ids without the tokenizer
     can = getattr(backend, "can_resume", None)
     return bool(can(req)) if callable(can) else True
 

@@ -15,7 +15,7 @@ from nats.aio.msg import Msg
 from bus_schemas import codec, subjects
 from bus_schemas import errors as E
 from bus_schemas import headers as H
-from bus_schemas.messages import check_envelope
+from bus_schemas.messages import check_envelope, is_token_ids
 from filter.policy import FilterPolicy
 from filter.scanner import Scanner
 from services import tracing
@@ -51,7 +51,15 @@ class Policies:
 
 
 def scan_envelope(env: dict[str, Any], scanner: Scanner) -> tuple[bool, list[str]]:
-    """Scan (and redact in place) the envelope's text; returns (changed, flagged ids)."""
+    """Scan (and redact in place) the envelope's text; returns (changed, flagged ids). A
+    token id prompt cannot be read here (the filter has no tokenizer): refused, not passed
+    unscanned."""
+    if is_token_ids(env.get("prompt")):
+        raise E.InvalidRequest(
+            "prompt: this key's content filter policy reads prompts as text, and a token id "
+            "prompt cannot be read without the model's tokenizer; send the prompt as text",
+            param="prompt",
+        )
     changed = False
     flagged: list[str] = []
     for holder, field in _texts(env):

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import base64
 import mimetypes
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -28,6 +29,9 @@ from jobs.files import FileStore
 
 # Who the request acts for (the id of its key), asked only when a file is named.
 Owner = Callable[[], str]
+
+# What a file's id can look like (jobs.files.new_file_id: ``file-`` and hex digits).
+_FILE_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
 
 # Leading bytes of the image formats engines read, for a file whose name says nothing.
 _MAGIC = (
@@ -62,7 +66,7 @@ class FileInputs:
         self, file_id: Any, owner: Owner, path: str, image: bool
     ) -> tuple[str, str]:
         """(``data:`` URL, filename) of the file ``file_id`` of the key ``owner()`` names."""
-        if not isinstance(file_id, str) or not file_id:
+        if not isinstance(file_id, str):
             raise E.InvalidRequest(f"{path}: file_id must be a file's id", param=path)
         if self.store is None:
             raise E.InvalidRequest(
@@ -72,6 +76,8 @@ class FileInputs:
             )
         who = owner()
         try:  # another key's file is one that does not exist
+            if not _FILE_ID.fullmatch(file_id):  # no file is named so
+                raise E.NotFound(file_id)
             info = await self.store.get(file_id, who)
             data = await self.store.content(file_id, who)
         except E.NotFound:

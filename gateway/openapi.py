@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from bus_schemas import errors as E
 from bus_schemas.messages import (
+    MAX_CHOICES,
     MAX_EMBEDDING_INPUTS,
     MAX_PROMPTS,
     MAX_STOP_SEQUENCES,
@@ -328,13 +329,19 @@ def _request_schemas() -> dict[str, Any]:
         # empty one stops at nothing).
         props["stop"]["anyOf"].insert(0, {"type": "string"})
         props["stop"]["anyOf"][1]["maxItems"] = MAX_STOP_SEQUENCES
-        # Only one choice is served (the validator names the way to get more).
-        props["n"]["anyOf"][0]["const"] = 1
+        # 1 to MAX_CHOICES choices (the bridge sends one request per choice).
+        props["n"]["anyOf"][0].update(minimum=1, maximum=MAX_CHOICES)
         # logit_bias maps token ids (digits) to a bias.
         props["logit_bias"]["anyOf"][0]["propertyNames"] = {"pattern": "^[0-9]+$"}
-    # A prompt list holds one prompt or more (one choice each).
-    prompt = out["CompletionRequest"]["properties"]["prompt"]["anyOf"][1]
-    prompt.update(minItems=1, maxItems=MAX_PROMPTS)
+    # A prompt list holds one prompt or more (one choice each); a token id prompt, one id
+    # or more (each from 0).
+    _, texts_p, ids_p, id_lists_p = out["CompletionRequest"]["properties"]["prompt"]["anyOf"][:4]
+    texts_p.update(minItems=1, maxItems=MAX_PROMPTS)
+    ids_p["minItems"] = 1
+    ids_p["items"]["minimum"] = 0
+    id_lists_p.update(minItems=1, maxItems=MAX_PROMPTS)
+    id_lists_p["items"].update(minItems=1)
+    id_lists_p["items"]["items"]["minimum"] = 0
     # Embedding inputs: none empty, at most MAX_EMBEDDING_INPUTS texts.
     text, texts, ids, id_lists = out["EmbeddingRequest"]["properties"]["input"]["anyOf"]
     text["minLength"] = 1

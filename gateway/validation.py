@@ -23,6 +23,7 @@ from bus_schemas.messages import (
     EmbeddingRequest,
     SamplingParams,
     carried,
+    token_ids_text,
     whole_numbers,
 )
 from bus_schemas.subjects import KIND_CHAT, KIND_EMBEDDINGS
@@ -64,7 +65,7 @@ def prompt_chars(req: Request) -> int:
         return sum(len(m.text()) for m in req.messages) + extra
     if isinstance(req, EmbeddingRequest):
         return sum(len(i) if isinstance(i, str | list) else 1 for i in req.inputs)
-    return sum(len(p) for p in req.prompts) + extra
+    return sum(len(p if isinstance(p, str) else token_ids_text(p)) for p in req.prompts) + extra
 
 
 def per_choice(
@@ -77,10 +78,16 @@ def per_choice(
     ``max_tokens: 0`` asked as one token without ``echo`` (the caller drops what it makes
     and writes the prompt itself). ``[(req, body)]`` when it is one already."""
     n = req.choices
-    prompts: list[str | None] = [None]
+    prompts: list[str | list[int] | None] = [None]
     generates = True
     if isinstance(req, CompletionRequest):
         prompts, generates = list(req.prompts), req.generates
+        if not generates and req.echo and any(isinstance(p, list) for p in prompts):
+            raise E.InvalidRequest(
+                "echo: with max_tokens 0 the bridge writes the prompt itself, and it cannot "
+                "turn token ids into text; send the prompt as text, or ask for a token",
+                param="echo",
+            )
     if n == 1 and len(prompts) == 1 and generates:
         return [(req, body)]
     if len(prompts) * n > MAX_PROMPTS:
@@ -145,7 +152,7 @@ def envelope(
                 "answers max_tokens 0 itself)",
                 param="max_tokens",
             )
-        env["prompt"] = req.prompt_text
+        env["prompt"] = req.prompt_value  # text, or token ids
     if req.resume is not None:
         env["resume"] = req.resume.model_dump(exclude={"type"})
     return env

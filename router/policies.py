@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from bus_schemas.messages import message_text
+from bus_schemas.messages import message_text, render_prompt
 from router.kv_hashing import PromptHashers, scheme_key
 from router.registry import Replica
 
@@ -51,7 +51,7 @@ def prompt_text(env: dict[str, Any]) -> str:
     """The envelope's prompt as one string (chat messages in order), for prefix hashing and
     classification."""
     if env.get("prompt") is not None:
-        return str(env["prompt"])
+        return render_prompt(None, env["prompt"])  # text, or token ids as text
     parts = []
     for m in env.get("messages") or ():
         if isinstance(m, dict):

@@ -60,7 +60,12 @@ class Refusal(NamedTuple):
 
 # Features tokenbus does not serve.
 NOT_SERVED = [
-    Refusal("prompt", r"token id prompts are not served", "token id prompts"),
+    Refusal("prompt", r"a token id prompt cannot be read", "content filter policy reads"),
+    Refusal(
+        "prompt",
+        r"token id -?\d+ is (past|not in) the model's vocabulary",
+        "ids past its vocabulary",
+    ),
     Refusal("conversation", r"the Conversations API is not served", "`conversation`"),
     Refusal("context_management", r"compaction is not served", "`context_management`"),
     Refusal("prompt", r"prompt templates are not served", "prompt templates"),
@@ -409,7 +414,7 @@ def test_every_refusal_is_documented() -> None:
 
 
 def test_the_refusals_have_teeth() -> None:
-    msg = "prompt: token id prompts are not served: ..."
+    msg = "prompt: token id 70000 is past the model's vocabulary (65536 tokens)"
     assert refused_on_purpose({"param": "prompt", "message": msg})
     assert not refused_on_purpose({"param": "top_p", "message": "top_p: must be > 0"})
     assert not refused_on_purpose({"param": "prompt.x", "message": msg})

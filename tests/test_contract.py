@@ -138,7 +138,8 @@ def test_openai_requests_validate_like_openai() -> None:
         {"model": "m", "messages": []},
         {"model": "m", "messages": [{"role": "robot", "content": "a"}]},
         {"model": "m", "messages": "hi"},
-        {"model": "m", "messages": [{"role": "user", "content": "a"}], "n": 2},
+        {"model": "m", "messages": [{"role": "user", "content": "a"}], "n": 0},
+        {"model": "m", "messages": [{"role": "user", "content": "a"}], "n": 129},
         {"model": "m", "messages": [{"role": "user", "content": "a"}], "temperature": 3},
         {"model": "m", "messages": [{"role": "user", "content": "a"}], "max_tokens": 0},
         {

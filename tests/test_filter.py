@@ -775,3 +775,17 @@ def test_measure_reports_costs_per_kb_and_per_token() -> None:
         assert set(r[key]) == {"prose", "code", "mixed"}
         assert all(v > 0 for v in r[key].values())
     assert r["token_chars"] == 4
+
+
+def test_a_token_id_prompt_is_refused_not_passed_unread() -> None:
+    """The filter reads text; a completions prompt of token ids cannot be read without the
+    model's tokenizer, so under a policy it is a 400 naming ``prompt`` (never passed on
+    unscanned); a text prompt is scanned as ever."""
+    from bus_schemas import errors as E
+    from filter.service import scan_envelope
+
+    scanner = Scanner(FilterPolicy.strict())
+    with pytest.raises(E.InvalidRequest) as ei:
+        scan_envelope({"kind": "completions", "prompt": [1, 2, 3]}, scanner)
+    assert ei.value.param == "prompt"
+    assert scan_envelope({"kind": "completions", "prompt": "hello"}, scanner) == (False, [])

@@ -20,6 +20,7 @@ import pytest
 from pydantic import BaseModel
 
 from bus_schemas import errors as E
+from bus_schemas.messages import token_ids_text
 from engine_worker.backends.base import GenerationRequest
 from engine_worker.backends.sim import count_tokens, expected_text
 from engine_worker.backends.sim_outputs import expected_embedding, expected_tool_call
@@ -541,6 +542,42 @@ async def test_a_list_of_prompts_gets_one_choice_per_prompt(
         usage = chunk.usage or usage
     assert texts == want and ends == {0: "length", 1: "length", 2: "length"}
     assert usage is not None and usage.total_tokens == out.usage.total_tokens
+
+
+async def test_token_id_prompts_are_served_and_checked(
+    stacks: Stacks, oai: openai.AsyncOpenAI
+) -> None:
+    """A completions prompt of token ids (a list of integers, or a list of such lists): the
+    simulator reads id ``t`` as its four hex digits (one token each, its vocabulary 65 536
+    ids), so its answer and ``prompt_tokens`` are known; an id past the vocabulary is a 400
+    naming ``prompt``; an upstream gets the ids as sent and counts them as they are."""
+    ids, more = [17, 4242, 9], [[1, 2], [3, 4, 5]]
+    out = await oai.completions.create(model=stacks.model, prompt=ids, max_tokens=5)
+    assert out.choices[0].text == expected_text(token_ids_text(ids), 5)[0]
+    assert out.usage is not None and out.usage.prompt_tokens == 3
+    out = await oai.completions.create(model=stacks.model, prompt=more, max_tokens=4)
+    assert [c.text for c in out.choices] == [expected_text(token_ids_text(p), 4)[0] for p in more]
+    assert out.usage is not None and out.usage.prompt_tokens == 5
+    await oai.completions.create(model=stacks.up_model, prompt=ids, max_tokens=2)
+    assert (await stacks.upstream.last_request())["prompt"] == ids
+    async with stacks.stack.http("/v1") as c:
+        for prompt, param in (
+            ([70_000], "prompt"),  # past the sim's vocabulary: the engine's check
+            ([1, "a"], "prompt"),
+            ([[1], []], "prompt"),
+            ([-1, 2], "prompt"),
+            ([True], "prompt"),
+        ):
+            r = await c.post(
+                "/completions", json={"model": stacks.model, "prompt": prompt, "max_tokens": 2}
+            )
+            assert r.status_code == 400, (prompt, r.text)
+            assert r.json()["error"]["param"] == param, (prompt, r.json())
+        r = await c.post(  # the bridge would have to write the prompt as text itself
+            "/completions",
+            json={"model": stacks.model, "prompt": ids, "max_tokens": 0, "echo": True},
+        )
+        assert r.status_code == 400 and r.json()["error"]["param"] == "echo", r.text
 
 
 async def test_n_choices_whole_and_streamed_on_chat(

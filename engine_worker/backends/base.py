@@ -6,6 +6,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from bus_schemas import errors as E
 from bus_schemas.messages import FILL_CONTEXT, render_prompt
 
 # What a backend may serve; a worker announces its list in every heartbeat and the router
@@ -39,7 +40,8 @@ class GenerationRequest:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     messages: list[dict[str, Any]] | None = None
-    prompt: str | None = None
+    # A completion's prompt: text, or token ids (the engine's vocabulary).
+    prompt: str | list[int] | None = None
     # Embeddings: the inputs (strings, or token id lists).
     input: list[Any] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
@@ -102,6 +104,22 @@ class GenerationRequest:
         """A plain-text rendering of the prompt (backends with a tokenizer use templates):
         :func:`bus_schemas.messages.render_prompt`, which a router's KV index hashes too."""
         return render_prompt(self.messages, self.prompt or "")
+
+    @property
+    def token_prompt(self) -> bool:
+        """Whether the prompt is token ids (not text)."""
+        return isinstance(self.prompt, list)
+
+    def check_vocabulary(self, size: int | None) -> None:
+        """A 400 naming ``prompt`` when a token id prompt holds an id past a vocabulary of
+        ``size`` tokens (None: not known here, the engine judges)."""
+        if size and isinstance(self.prompt, list):
+            bad = next((t for t in self.prompt if t >= size), None)
+            if bad is not None:
+                raise E.InvalidRequest(
+                    f"prompt: token id {bad} is past the model's vocabulary ({size} tokens)",
+                    param="prompt",
+                )
 
 
 @dataclass(slots=True)

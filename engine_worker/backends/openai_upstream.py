@@ -251,6 +251,8 @@ class OpenAIUpstreamBackend:
         """Whether a stream of ``req`` cut off elsewhere continues here exactly: a text
         completion always does (the prompt and the text so far are one prompt); a chat one
         only where the upstream continues a final assistant message."""
+        if req.token_prompt:  # the text so far cannot follow token ids without a tokenizer
+            return False
         return req.messages is None or self.caps.continue_message is True
 
     def _check_model(self, listed: dict[str, dict[str, Any]]) -> None:
@@ -320,7 +322,10 @@ class OpenAIUpstreamBackend:
             # Migration continues the assistant's reply (vLLM's and others' extension).
             body["messages"] = chat_messages(req, body)
             return "/chat/completions", body
-        body["prompt"] = (req.prompt or "") + req.resume_text
+        # Token ids go as sent (a migrated one does not resume here: can_resume).
+        body["prompt"] = (
+            req.prompt if isinstance(req.prompt, list) else (req.prompt or "") + req.resume_text
+        )
         return "/completions", body
 
     def generate(self, req: GenerationRequest) -> _Completion:

@@ -853,10 +853,18 @@ def cached_details(seq: _Seq) -> dict[str, Any] | None:
 MAX_EMBEDDING_FLOATS = 1 << 22
 
 
+# The simulator's vocabulary for token id prompts: an id is read as its four hex digits
+# (bus_schemas.messages.token_ids_text), one token each.
+SIM_VOCAB_SIZE = 65_536
+
+
 class SimBackend:
     """The ``sim`` backend for the worker."""
 
     name = "sim"
+    # A migrated token id prompt continues here as any other: the text so far follows the
+    # prompt's text.
+    resumes_token_prompts = True
 
     def __init__(self, cfg: WorkerSettings) -> None:
         self.engine = SimEngine(cfg.sim, cfg.tp)
@@ -902,6 +910,7 @@ class SimBackend:
     def generate(self, req: GenerationRequest) -> SimStream | SimExtraStream:
         if req.max_tokens < 1:
             raise E.InvalidRequest("max_tokens must be at least 1", param="max_tokens")
+        req.check_vocabulary(SIM_VOCAB_SIZE)
         fit_context(req, count_tokens(req.prompt_text()), self.max_model_len)
         return self.engine.generate(req)
 

@@ -41,6 +41,7 @@ from typing import Any
 
 import aiohttp
 
+from bus_schemas.messages import is_token_ids
 from services import logging as tlog
 
 log = tlog.get("worker")
@@ -524,7 +525,9 @@ class PromptCounter:
         """(prompt tokens, usage source) of the request ``body`` sent to ``path``."""
         exact = True
         if path == "/completions":
-            prompt = body.get("prompt")
+            prompt: Any = body.get("prompt")
+            if is_token_ids(prompt):  # token ids: counted as they are
+                return len(prompt), USAGE_TOKENIZED
             texts = [prompt if isinstance(prompt, str) else json.dumps(prompt)]
             exact = isinstance(prompt, str)
             shape: tuple[Any, ...] = ("completions", False)

@@ -217,7 +217,10 @@ def completion_body(req: GenerationRequest, model: str) -> dict[str, Any]:
     """The ``/v1/completions`` body for ``req``; a migrated request's prompt is followed by
     the text already delivered."""
     body = _carried(req)
-    body["prompt"] = (req.prompt or "") + req.resume_text
+    # Token ids go as sent: vLLM takes them as its own (a migration starts them over).
+    body["prompt"] = (
+        req.prompt if isinstance(req.prompt, list) else (req.prompt or "") + req.resume_text
+    )
     if req.resume_text:
         body["echo"] = False
     body.pop("max_completion_tokens", None)
