@@ -40,12 +40,15 @@ def token(name: str) -> str:
 
 
 def untoken(tok: str) -> str:
-    """Reverse :func:`token`."""
+    """Reverse :func:`token`; ValueError for a token :func:`token` never makes."""
     out = bytearray()
     i = 0
     while i < len(tok):
         if tok[i] == "~":
-            out.append(int(tok[i + 1 : i + 3], 16))
+            pair = tok[i + 1 : i + 3]
+            if len(pair) != 2:
+                raise ValueError(f"subject token {tok!r}: '~' takes two hex digits")
+            out.append(int(pair, 16))
             i += 3
         else:
             out.extend(tok[i].encode())

@@ -137,6 +137,12 @@ def envelope(
         env["input"] = req.inputs
         return env
     env["params"] = req.sampling(default_max_tokens).model_dump(exclude={"type"})
+    if req.choices != 1:
+        raise E.InvalidRequest(
+            "n: a request on the bus holds one choice (the HTTP bridge sends one request per "
+            "choice); send n requests",
+            param="n",
+        )
     if isinstance(req, ChatCompletionRequest):
         env["messages"] = body["messages"]
     else:

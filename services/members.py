@@ -62,9 +62,10 @@ class Members:
             beat = codec.decode_map(msg.data)
             member = str(beat["id"])
             every = float(beat.get("every", BEAT_S))
+            # A subject no member names (a forged token such as "~"): not a beat.
+            group = subjects.untoken(msg.subject.rpartition(".")[2])
         except (E.TokenbusError, KeyError, TypeError, ValueError, RecursionError):
             return
-        group = subjects.untoken(msg.subject.rpartition(".")[2])
         seen = self._seen.setdefault(group, {})
         if beat.get("gone"):
             seen.pop(member, None)

@@ -34,6 +34,13 @@ def test_subject_tokens_are_safe_and_reversible(name: str) -> None:
     assert subjects.untoken(tok) == name
 
 
+@pytest.mark.parametrize("tok", ["~", "a~4", "~zz", "~FF"])
+def test_a_token_no_name_makes_is_a_value_error(tok: str) -> None:
+    # (A forged member subject, tb.v1.members.~, raised out of a subscription's callback.)
+    with pytest.raises(ValueError):
+        subjects.untoken(tok)
+
+
 def test_distinct_names_never_share_a_token() -> None:
     assert subjects.token("a.b") != subjects.token("a_b")
     assert subjects.token("a/b") != subjects.token("a~2Fb")

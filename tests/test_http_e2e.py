@@ -123,7 +123,7 @@ def _bad_cases(model: str) -> list[tuple[str, bytes | None, Any, int, str]]:
         ("wrong type messages", None, {"model": model, "messages": 5}, 400, "invalid_request"),
         ("empty messages", None, {"model": model, "messages": []}, 400, "invalid_request"),
         ("missing model", None, {"messages": MSG}, 400, "invalid_request"),
-        ("n=2", None, {**ok, "n": 2}, 400, "invalid_request"),
+        ("n=0", None, {**ok, "n": 0}, 400, "invalid_request"),
         ("temperature", None, {**ok, "temperature": 9}, 400, "invalid_request"),
         ("unknown model", None, {**ok, "model": "no-such-model"}, 404, "model_not_found"),
         (
