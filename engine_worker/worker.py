@@ -190,6 +190,7 @@ class _Generation:
     ticket: Ticket | None = None  # its place in the flow control (engine_worker/flow.py)
     usage_source: str | None = None  # where prompt_tokens came from, if not the engine
     reported: bool = False  # its usage report and record left ahead of its final frame
+    duplicate: bool = False  # a copy its caller cancelled unread (see Worker._on_cancel)
 
     @property
     def rid(self) -> str:
@@ -329,6 +330,9 @@ class Worker(Service):
         # Streams whose callers cannot see heartbeats (Tb-Keepalive): reply -> None.
         self._keepalive: dict[str, None] = {}
         self._caller_cancelled: set[str] = set()
+        # Of those, copies its caller never read (it sent the request to another replica
+        # meanwhile): their usage reports leave the spend to the copy it reads.
+        self._duplicates: set[str] = set()
         self._early_cancels: OrderedDict[str, float] = OrderedDict()
         self.boot = uuid.uuid4().hex[:12]
         self._seq = 0
@@ -594,7 +598,8 @@ class Worker(Service):
         # A cancel names the stream by the caller's inbox: unique per stream and known only
         # to the caller (and the stages that carried it), unlike a request id.
         try:
-            key = str(codec.decode_map(msg.data).get("reply", ""))
+            body = codec.decode_map(msg.data)
+            key = str(body.get("reply", ""))
         except E.TokenbusError:
             return
         if not key:
@@ -602,6 +607,8 @@ class Worker(Service):
         task = self._active.get(key)
         if task is not None and not task.done():
             self._caller_cancelled.add(key)
+            if body.get("dup"):
+                self._duplicates.add(key)
             task.cancel()
         elif task is None:
             # The generate message may still be queued behind this cancel: refuse it later.
@@ -983,6 +990,8 @@ class Worker(Service):
     async def _finish(self, gen: _Generation) -> None:
         """Free the request's slot, report its usage, write its log line and telemetry record."""
         self._leave_flow(gen)
+        gen.duplicate = gen.reply in self._duplicates
+        self._duplicates.discard(gen.reply)
         await self._free_slot(gen.reply)
         hdrs = gen.headers
         if H.RATELIMIT in hdrs and not gen.reported:
@@ -1105,9 +1114,14 @@ class Worker(Service):
         )
 
     def _report_of(self, gen: _Generation) -> tuple[str, bytes] | None:
-        """The subject and body of the request's usage report (services/usage.py)."""
+        """The subject and body of the request's usage report (services/usage.py). A copy
+        its caller cancelled unread reports its tokens, not its spend: the hold it shares
+        with the copy the caller reads is that copy's to settle."""
+        hdrs = gen.headers
+        if gen.duplicate and H.SPEND in hdrs:
+            hdrs = {k: v for k, v in hdrs.items() if k != H.SPEND}
         return usage.report_body(
-            gen.headers,
+            hdrs,
             gen.rid,
             max_tokens=gen.req.max_tokens,
             prompt_tokens=gen.prompt_tokens,

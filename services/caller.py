@@ -752,7 +752,9 @@ class Stream:
                 other = frame.get("replica")
                 if self.replica and other != self.replica and self._accepted_at:
                     # A replica that was given up on (ack timeout) started anyway: stop it.
-                    await self._client._send_cancel(str(other), self.token, self.request_id)
+                    await self._client._send_cancel(
+                        str(other), self.token, self.request_id, duplicate=True
+                    )
                     continue
                 self.replica = other
                 self._resume_refused = bool(frame.get("nr"))
@@ -1173,8 +1175,19 @@ class Caller:
         ):
             self._tombstones.popitem(last=False)
 
-    async def _send_cancel(self, replica: str, token: str, request_id: str) -> None:
-        body = {"type": "cancel", "request_id": request_id, "reply": self.inbox_for(token)}
+    async def _send_cancel(
+        self, replica: str, token: str, request_id: str, *, duplicate: bool = False
+    ) -> None:
+        """Tell ``replica`` to stop the stream ``token``; ``duplicate``: a copy this caller
+        never read (it was sent elsewhere meanwhile), which then leaves the request's spend
+        to the copy that is read."""
+        body: dict[str, Any] = {
+            "type": "cancel",
+            "request_id": request_id,
+            "reply": self.inbox_for(token),
+        }
+        if duplicate:
+            body["dup"] = True
         with contextlib.suppress(Exception):
             await self.nc.publish(subjects.worker_cancel(replica), codec.encode(body))
 

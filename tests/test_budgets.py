@@ -557,3 +557,46 @@ async def test_a_budget_for_a_model_without_a_price_is_said_not_silently_free(
     ]
     assert len(said) == 1 and said[0]["model"] == model, said
     assert "TOKENBUS_ROUTER__PRICE" in said[0]["hint"]
+
+
+async def test_a_copy_its_caller_cancelled_unread_reports_tokens_not_spend(
+    nats_server: Any, model: str, client: Any
+) -> None:
+    """A caller that sent a request to another replica (no accept came in time) cancels the
+    first copy if it starts after all, as a duplicate: that copy's usage report then leaves
+    the spend to the copy the caller reads, which shares its hold (the report of the cancelled
+    copy settled the hold, and the answering copy's report was charged nothing: the nemesis
+    run's undercharge by a whole request, seed 13). A plain cancel (the caller left) reports
+    the spend as ever."""
+    from tests.test_bus import MSG, stack
+
+    hold = budgets.Hold("rdup#0", 0, [(budgets.Budget("k.x", "day", None, None), "k.x.d")])
+    hdrs = {H.RATELIMIT: "0,40,w,lim", H.SPEND: ratelimit.spend_header("m", hold)}
+    async with stack(nats_server.url, model, workers=1) as svcs:
+        w = svcs["workers"][0]
+        finish = w._finish
+        ended: list[Any] = []
+
+        async def spy(gen: Any) -> None:
+            await finish(gen)
+            ended.append(gen)
+
+        w._finish = spy  # type: ignore[method-assign]
+        for dup in (True, False):
+            ended.clear()
+            stream = client.chat(model, MSG, max_tokens=100_000)
+            async for _ in stream:
+                break
+            (key,) = list(w._active)
+            body: dict[str, Any] = {"type": "cancel", "request_id": "rdup", "reply": key}
+            if dup:
+                body["dup"] = True
+            await client.nc.publish(subjects.worker_cancel(w.replica), codec.encode(body))
+            await wait_for(lambda: bool(ended), what="the copy cancelled")
+            await stream.aclose()
+            (gen,) = ended
+            assert gen.duplicate is dup
+            gen.headers = dict(hdrs)  # as a limiter admitted it, with a hold
+            subject, data = w._report_of(gen) or ("", b"")
+            assert ("spend" in codec.decode_map(data)) is not dup
+            assert subject == (subjects.usage("lim") if dup else subjects.usage_spend("lim"))
