@@ -866,7 +866,7 @@ class Stream:
         self._client._unregister(self)
         if old_replica:  # if it is alive after all, it must stop
             await self._client._send_cancel(old_replica, old_token, self.request_id)
-        self._client._tombstone(old_token, self.request_id)
+        self._client._tombstone(old_token, self.request_id, duplicate=True)
         self.token = uuid.uuid4().hex
         self.replica = None
         self._accepted_at = 0.0
@@ -1002,7 +1002,7 @@ class Caller:
         # Set while some stream is open: the watchdog sleeps on it when there is nothing to
         # watch (an idle process wakes for nothing).
         self._watching = asyncio.Event()
-        self._tombstones: OrderedDict[str, tuple[float, str]] = OrderedDict()
+        self._tombstones: OrderedDict[str, tuple[float, str, bool]] = OrderedDict()
         self._holding: list[Stream] = []  # streams with frames held for their sinks
         self._sub: Any = None
         self._hb_sub: Any = None
@@ -1164,11 +1164,13 @@ class Caller:
     def _unregister(self, s: Stream) -> None:
         self._streams.pop(s.token, None)
 
-    def _tombstone(self, token: str, request_id: str) -> None:
+    def _tombstone(self, token: str, request_id: str, *, duplicate: bool = False) -> None:
         # A request closed before a replica accepted it: remember it so that the accept frame,
         # if it still comes, is answered with a cancel instead of a wasted generation.
+        # ``duplicate``: an attempt its caller moved on from unread (a migration), whose
+        # copy, if it starts, is cancelled as a duplicate (see _send_cancel).
         now = time.monotonic()
-        self._tombstones[token] = (now + _TOMBSTONE_TTL_S, request_id)
+        self._tombstones[token] = (now + _TOMBSTONE_TTL_S, request_id, duplicate)
         while self._tombstones and (
             len(self._tombstones) > _TOMBSTONES_MAX
             or next(iter(self._tombstones.values()))[0] < now
@@ -1244,7 +1246,7 @@ class Caller:
             if frame.get("t") == frames.ACCEPT and frame.get("replica"):
                 del self._tombstones[tok]
                 task = asyncio.get_running_loop().create_task(
-                    self._send_cancel(str(frame["replica"]), tok, tomb[1])
+                    self._send_cancel(str(frame["replica"]), tok, tomb[1], duplicate=tomb[2])
                 )
                 self._background.add(task)
                 task.add_done_callback(self._background.discard)

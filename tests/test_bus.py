@@ -453,6 +453,49 @@ async def test_no_request_outlives_the_ingress_limit_whatever_deadline_the_clien
         await wait_for(lambda: svcs["workers"][0].in_flight == 0, timeout=5)
 
 
+async def test_an_attempt_moved_on_from_unread_is_cancelled_as_a_duplicate(
+    client: Client, nc: NATS
+) -> None:
+    """A request moved to another replica (frames lost): the attempt it left is cancelled
+    plainly (its replica answered, its tokens were read); a replica that accepts the abandoned
+    attempt only after (its copy never read) is cancelled as a duplicate, so its usage report
+    leaves the request's spend to the attempt that is read (docs/flow.md, spend budgets)."""
+    sent: asyncio.Queue[tuple[dict[str, Any], str]] = asyncio.Queue()
+    cancels: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+
+    async def sender(data: bytes, hdrs: dict[str, str], reply: str) -> str:
+        sent.put_nowait((codec.decode_map(data), reply))
+        return "r-first" if sent.qsize() == 1 else "r-next"
+
+    async def on_cancel(m: Any) -> None:
+        cancels.put_nowait({**codec.decode_map(m.data), "to": m.subject})
+
+    subs = [
+        await nc.subscribe(subjects.worker_cancel(r), cb=on_cancel) for r in ("r-first", "r-late")
+    ]
+    await nc.flush()
+    stream = client.submit("chat", {"model": "m", "messages": MSG}, sender=sender, timeout=20)
+    first = asyncio.ensure_future(anext(stream))
+    _, reply = await sent.get()
+    await nc.publish(reply, frames.chunk("a", 1, 0))
+    assert (await first).text == "a"
+    more = asyncio.ensure_future(anext(stream))
+    await nc.publish(reply, frames.chunk("c", 1, 2))  # frame 1 lost: moved on
+    _, reply2 = await asyncio.wait_for(sent.get(), 10)
+    plain = await asyncio.wait_for(cancels.get(), 10)
+    assert plain["to"] == subjects.worker_cancel("r-first") and not plain.get("dup")
+    # The abandoned attempt accepted late by another replica: a duplicate's cancel.
+    await nc.publish(reply, frames.accept("r-late", stream.request_id, 5.0))
+    dup = await asyncio.wait_for(cancels.get(), 10)
+    assert dup["to"] == subjects.worker_cancel("r-late") and dup.get("dup") is True
+    await nc.publish(reply2, frames.chunk("b", 1, 0))
+    await nc.publish(reply2, frames.final("stop", 3, 1, {}))
+    assert (await asyncio.wait_for(more, 10)).text == "b"
+    await stream.aclose()
+    for sub in subs:
+        await sub.unsubscribe()
+
+
 async def test_a_sink_takes_plain_chunks_in_order_and_the_stream_still_resumes(
     client: Client, nc: NATS
 ) -> None:
