@@ -30,6 +30,8 @@ PRESETS: dict[str, dict[str, Action]] = {
         "pii.card": "block",
         "injection": "block",
         "blocklist": "block",
+        # A prompt given as token ids cannot be read (the filter has no tokenizer).
+        "input.token_ids": "block",
     },
 }
 

@@ -50,18 +50,29 @@ class Policies:
         return sc
 
 
+# The policy entry for a completions prompt given as token ids (scan_envelope).
+TOKEN_IDS = "input.token_ids"
+
+
 def scan_envelope(env: dict[str, Any], scanner: Scanner) -> tuple[bool, list[str]]:
     """Scan (and redact in place) the envelope's text; returns (changed, flagged ids). A
-    token id prompt cannot be read here (the filter has no tokenizer): refused, not passed
-    unscanned."""
-    if is_token_ids(env.get("prompt")):
-        raise E.InvalidRequest(
-            "prompt: this key's content filter policy reads prompts as text, and a token id "
-            "prompt cannot be read without the model's tokenizer; send the prompt as text",
-            param="prompt",
-        )
+    token id prompt cannot be read here (the filter has no tokenizer): the policy's action
+    for ``input.token_ids`` says what happens to it, never silently: ``flag`` (the default
+    preset's) passes it on unread and flagged, ``block`` or ``redact`` (the strict
+    preset's: it cannot be redacted) refuse it, ``off`` passes it on."""
     changed = False
     flagged: list[str] = []
+    if is_token_ids(env.get("prompt")):
+        action = scanner.policy.action_for(TOKEN_IDS)
+        if action in ("block", "redact"):
+            raise E.InvalidRequest(
+                f"prompt: this key's content filter policy reads prompts as text ({TOKEN_IDS}: "
+                f"{action}), and a token id prompt cannot be read without the model's "
+                "tokenizer; send the prompt as text",
+                param="prompt",
+            )
+        if action == "flag":
+            flagged.append(TOKEN_IDS)
     for holder, field in _texts(env):
         text = holder[field] if isinstance(holder, list) else holder.get(field)
         if not isinstance(text, str) or not text:

@@ -60,7 +60,7 @@ class Refusal(NamedTuple):
 
 # Features tokenbus does not serve.
 NOT_SERVED = [
-    Refusal("prompt", r"a token id prompt cannot be read", "content filter policy reads"),
+    Refusal("prompt", r"a token id prompt cannot be read", "refuses what it cannot read"),
     Refusal(
         "prompt",
         r"token id -?\d+ is (past|not in) the model's vocabulary",

@@ -777,15 +777,22 @@ def test_measure_reports_costs_per_kb_and_per_token() -> None:
     assert r["token_chars"] == 4
 
 
-def test_a_token_id_prompt_is_refused_not_passed_unread() -> None:
+def test_a_token_id_prompt_is_never_passed_unread_silently() -> None:
     """The filter reads text; a completions prompt of token ids cannot be read without the
-    model's tokenizer, so under a policy it is a 400 naming ``prompt`` (never passed on
-    unscanned); a text prompt is scanned as ever."""
+    model's tokenizer. The policy's action for ``input.token_ids`` says what happens: the
+    strict preset refuses it (a 400 naming ``prompt``), as does ``redact`` (it cannot be
+    redacted); the default preset passes it on flagged; ``off`` passes it on. A text prompt
+    is scanned as ever."""
     from bus_schemas import errors as E
     from filter.service import scan_envelope
 
-    scanner = Scanner(FilterPolicy.strict())
-    with pytest.raises(E.InvalidRequest) as ei:
-        scan_envelope({"kind": "completions", "prompt": [1, 2, 3]}, scanner)
-    assert ei.value.param == "prompt"
-    assert scan_envelope({"kind": "completions", "prompt": "hello"}, scanner) == (False, [])
+    ids = {"kind": "completions", "prompt": [1, 2, 3]}
+    for policy in (FilterPolicy.strict(), FilterPolicy(actions={"input.token_ids": "redact"})):
+        with pytest.raises(E.InvalidRequest) as ei:
+            scan_envelope(dict(ids), Scanner(policy))
+        assert ei.value.param == "prompt"
+    assert scan_envelope(dict(ids), Scanner(FilterPolicy())) == (False, ["input.token_ids"])
+    off = FilterPolicy(actions={"input.token_ids": "off"})
+    assert scan_envelope(dict(ids), Scanner(off)) == (False, [])
+    text = {"kind": "completions", "prompt": "hello"}
+    assert scan_envelope(text, Scanner(FilterPolicy.strict())) == (False, [])
