@@ -278,9 +278,9 @@ class OpenAIApp(RouteTable):
                 stream = PromptOnly(stream, one.prompt_text if req.echo else "")
             streams.append(stream)
         if req.stream:
-            await write_sse_choices(send, call.kind, req, streams, call.rid, call.progress)
+            await write_sse_choices(send, req, streams, call.rid, call.progress)
         else:
-            await write_choices(send, call.kind, req, streams, call.rid, call.progress)
+            await write_choices(send, req, streams, call.rid, call.progress)
 
     async def handle(
         self,
@@ -653,6 +653,15 @@ def _usage_total(streams: list[StreamLike], n: int = 1) -> dict[str, Any]:
     return total
 
 
+# A request answered as several choices (n, or a list of prompts).
+Choosing = CompletionRequest | ChatCompletionRequest
+
+
+def kind_of(req: Choosing) -> str:
+    """The request kind of a chat or completions request."""
+    return KIND_CHAT if isinstance(req, ChatCompletionRequest) else KIND_COMPLETIONS
+
+
 def _add_counts(into: dict[str, Any], more: dict[str, Any]) -> None:
     for k, v in more.items():
         if isinstance(v, dict):
@@ -662,15 +671,11 @@ def _add_counts(into: dict[str, Any], more: dict[str, Any]) -> None:
 
 
 async def write_choices(
-    send: Send,
-    kind: str,
-    req: CompletionRequest | ChatCompletionRequest,
-    streams: list[StreamLike],
-    rid: str,
-    progress: Progress,
+    send: Send, req: Choosing, streams: list[StreamLike], rid: str, progress: Progress
 ) -> None:
     """One ``chat.completion`` or ``text_completion`` whose choice ``i`` is stream ``i``'s
     whole answer."""
+    kind = kind_of(req)
     outs: list[Assembled] = await _all([_assemble(s) for s in streams])
     body = whole_answer(kind, rid, req.model, outs[0], streams[0])
     choice = chat_choice if kind == KIND_CHAT else text_choice
@@ -698,12 +703,7 @@ async def _pump(
 
 
 async def write_sse_choices(
-    send: Send,
-    kind: str,
-    req: CompletionRequest | ChatCompletionRequest,
-    streams: list[StreamLike],
-    rid: str,
-    progress: Progress,
+    send: Send, req: Choosing, streams: list[StreamLike], rid: str, progress: Progress
 ) -> None:
     """Several streams as one event stream, each event the choice of its stream's index,
     as they come (a chat choice opens with its role); each choice's closing event when its
@@ -711,6 +711,7 @@ async def write_sse_choices(
     every stream has its first chunk, so a refusal of any is the request's HTTP status."""
     firsts: list[Chunk | None] = await _all([first_chunk(s) for s in streams])
     created = int(time.time())
+    kind = kind_of(req)
     chat = kind == KIND_CHAT
     tier = getattr(streams[0], "service_tier", None)
     frames = [sse_frames(kind, rid, req.model, created, i, tier) for i in range(len(streams))]
