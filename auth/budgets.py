@@ -51,7 +51,6 @@ _SETTLED_KEPT = 100_000  # holds a book remembers settling (their reports come t
 # request's deadline), for a supersede that comes after it, and at most this many per entry.
 CHARGE_NOTE_S = 120.0
 CHARGE_NOTES_KEPT = 1024
-MAX_COPIES = 8  # holds of one attempt admitted again and again (copy_names)
 
 
 def _notes_key(entry: str) -> str:
@@ -64,17 +63,6 @@ def _live_notes(cur: dict[str, Any], now: float) -> dict[str, list[Any]]:
     return {
         k: v for k, v in cur.items() if isinstance(v, list) and len(v) >= 2 and float(v[1]) > now
     }
-
-
-def copy_names(hold_name: str) -> list[str]:
-    """The names an attempt's hold may have: its own, then its copies' (the same attempt
-    admitted again: its caller sent it again, and both may run), up to :data:`MAX_COPIES`."""
-    return [hold_name] + [f"{hold_name}~{k}" for k in range(2, MAX_COPIES + 1)]
-
-
-def _free_name(held: dict[str, Any], hold_name: str) -> str:
-    """The first of :func:`copy_names` not held (each copy's report settles its own)."""
-    return next((n for n in copy_names(hold_name) if n not in held), hold_name)
 
 
 def _note_name(hold_name: str) -> str:
@@ -287,32 +275,23 @@ class SpendBook:
         ``insufficient_quota`` (nothing held) when one would pass its hard threshold."""
         hold = Hold(request_id, amount)
         now = time.time()
-        first = True
         try:
             for b in budgets:
                 entry = b.entry(now)
 
-                def take(cur: dict[str, Any], b: Budget = b, first: bool = first) -> dict[str, Any]:
+                def take(cur: dict[str, Any], b: Budget = b) -> dict[str, Any]:
                     held = _kept(cur, now)
                     spent = int(cur.get("spent", 0))
                     in_flight = sum(int(a) for a, d in held.values() if d > now)
                     if b.hard is not None and spent + in_flight + amount > b.hard:
                         raise _over(b, spent, in_flight)
-                    held[_free_name(held, hold.request_id) if first else hold.request_id] = [
-                        amount,
-                        deadline_s,
-                    ]
+                    held[request_id] = [amount, deadline_s]
                     return {"spent": spent, "held": held}
 
-                before, after = await self._cas(entry, take)
-                if first:  # the name it holds under: the attempt's own, or a copy's
-                    made = set(after.get("held") or {}) - set(before.get("held") or {})
-                    hold.request_id = next(iter(made), request_id)
-                    first = False
+                await self._cas(entry, take)
                 hold.budgets.append((b, entry))
-                done = (hold.request_id, entry)
-                self._settled.pop(done, None)  # held again: settle it again
-                self._held_until[done] = deadline_s
+                self._settled.pop((request_id, entry), None)  # held again: settle it again
+                self._held_until[(request_id, entry)] = deadline_s
                 if len(self._held_until) > _SETTLED_KEPT:  # never settled here: forgotten
                     del self._held_until[next(iter(self._held_until))]
         except BaseException:
@@ -346,21 +325,19 @@ class SpendBook:
             if not superseding and done in self._settled:
                 continue  # settled by this book: the stream's copy of the report
             charged = None
-            names = copy_names(hold.request_id) if superseding else [hold.request_id]
-            if superseding:  # every copy of the attempt: together, what the caller got
-                charged = await self._take_charge(entry, names)
+            if superseding:
+                charged = await self._take_charge(entry, hold.request_id)
             elif actual > 0:  # (nothing to correct in a hold given back)
                 deadline = self._held_until.get(done)
                 await self._note_charge(entry, hold.request_id, actual, deadline)
 
-            def charge(
-                cur: dict[str, Any], charged: int | None = charged, names: list[str] = names
-            ) -> dict[str, Any]:
+            def charge(cur: dict[str, Any], charged: int | None = charged) -> dict[str, Any]:
                 held = _kept(cur, now)
                 spent = int(cur.get("spent", 0))
-                popped = [n for n in names if held.pop(n, None) is not None]
-                if popped or charged is not None:  # (reports charged already: corrected)
-                    return {**cur, "spent": max(0, spent - (charged or 0) + actual), "held": held}
+                if held.pop(hold.request_id, None) is not None:
+                    return {**cur, "spent": spent + actual, "held": held}
+                if charged is not None:  # its worker's report was charged: corrected
+                    return {**cur, "spent": max(0, spent - charged + actual), "held": held}
                 raise _Settled  # settled already, or never held in this entry
 
             try:
@@ -410,24 +387,22 @@ class SpendBook:
         with contextlib.suppress(_Settled):
             await self._cas(_notes_key(entry), note)
 
-    async def _take_charge(self, entry: str, hold_names: list[str]) -> int | None:
-        """What the reports of the holds ``hold_names`` (an attempt's copies) charged in
-        ``entry``, together, or None: none was charged before this supersede. Taken once:
-        each note is marked superseded, so a copy of the supersede (or of a report) that
-        comes later corrects nothing again."""
+    async def _take_charge(self, entry: str, request_id: str) -> int | None:
+        """What ``request_id``'s report charged in ``entry``, or None: none was charged before
+        this supersede. Taken once: the note is marked superseded, so a copy of the
+        supersede (or of the report) that comes later corrects nothing again."""
         now = time.time()
-        names = [_note_name(n) for n in hold_names]
+        name = _note_name(request_id)
         taken: list[int | None] = []
 
         def take(cur: dict[str, Any]) -> dict[str, Any]:
             taken.clear()
             notes = _live_notes(cur, now)
-            if any(len(notes.get(n, ())) > 2 for n in names):
+            v = notes.get(name)
+            if v is not None and len(v) > 2:
                 raise _Settled  # superseded already
-            charged = [int(notes[n][0]) for n in names if n in notes]
-            taken.append(sum(charged) if charged else None)
-            for n in names:
-                notes[n] = [0, round(now + CHARGE_NOTE_S, 1), 1]
+            taken.append(int(v[0]) if v is not None else None)
+            notes[name] = [0, round(now + CHARGE_NOTE_S, 1), 1]
             return notes
 
         try:
