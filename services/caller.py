@@ -865,7 +865,11 @@ class Stream:
             tracing.link(self._span, served, {"tokenbus.link": "migrated_from"})
         self._client._unregister(self)
         if old_replica:  # if it is alive after all, it must stop
-            await self._client._send_cancel(old_replica, old_token, self.request_id)
+            # A resend (``count`` False: nothing of it was read) cancels a duplicate: its
+            # report leaves the spend to the copy that is read (the hold is one).
+            await self._client._send_cancel(
+                old_replica, old_token, self.request_id, duplicate=not count
+            )
         self._client._tombstone(old_token, self.request_id, duplicate=True)
         self.token = uuid.uuid4().hex
         self.replica = None
@@ -1103,7 +1107,11 @@ class Caller:
                     s._lost = True
                     lost = E.ReplicaLost(f"replica {s.replica} stopped answering mid-stream; retry")
                     s._push(None, frames.error(lost))
-                    await self._send_cancel(s.replica, s.token, s.request_id)
+                    # Nothing of this attempt read yet: a copy whose report leaves the spend
+                    # to the one that is read (a later attempt's, or its supersede's).
+                    await self._send_cancel(
+                        s.replica, s.token, s.request_id, duplicate=s._next_index == 0
+                    )
             for rid, (last, interval) in list(self._beats.items()):
                 if now - last > max(60.0, interval * MISSED_BEATS * 10):
                     del self._beats[rid]

@@ -453,6 +453,43 @@ async def test_no_request_outlives_the_ingress_limit_whatever_deadline_the_clien
         await wait_for(lambda: svcs["workers"][0].in_flight == 0, timeout=5)
 
 
+async def test_a_resend_cancels_the_copy_nobody_accepted_as_a_duplicate(
+    client: Client, nc: NATS, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A request no replica accepted in time is sent again; the copy it was first sent to (an
+    in-process sender names its replica at once) is cancelled as a duplicate, so if it ran
+    after all its usage report leaves the spend to the copy that is read (both share one
+    hold; nemesis seed 4805: the first copy's report settled it, the answer was charged
+    nothing)."""
+    from services import caller
+
+    monkeypatch.setattr(caller, "ACCEPT_TIMEOUT_S", 0.3)
+    sent: asyncio.Queue[str] = asyncio.Queue()
+    cancels: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+
+    async def sender(data: bytes, hdrs: dict[str, str], reply: str) -> str:
+        sent.put_nowait(reply)
+        return "r-slow" if sent.qsize() == 1 else "r-next"
+
+    async def on_cancel(m: Any) -> None:
+        cancels.put_nowait(codec.decode_map(m.data))
+
+    sub = await nc.subscribe(subjects.worker_cancel("r-slow"), cb=on_cancel)
+    await nc.flush()
+    stream = client.submit("chat", {"model": "m", "messages": MSG}, sender=sender, timeout=20)
+    first = asyncio.ensure_future(anext(stream))
+    await asyncio.wait_for(sent.get(), 10)  # to r-slow, which never answers
+    reply2 = await asyncio.wait_for(sent.get(), 20)  # sent again
+    cancel = await asyncio.wait_for(cancels.get(), 10)
+    # (Sent again as a resend, or a move: a replica named at once counts as accepted.)
+    assert cancel.get("dup") is True and stream.resends + stream.migrations == 1
+    await nc.publish(reply2, frames.chunk("a", 1, 0))
+    await nc.publish(reply2, frames.final("stop", 3, 1, {}))
+    assert (await asyncio.wait_for(first, 10)).text == "a"
+    await stream.aclose()
+    await sub.unsubscribe()
+
+
 async def test_an_attempt_moved_on_from_unread_is_cancelled_as_a_duplicate(
     client: Client, nc: NATS
 ) -> None:
