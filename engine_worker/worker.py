@@ -329,10 +329,10 @@ class Worker(Service):
         self._busy = asyncio.Event()  # set when an idle replica takes a request: beat now
         # Streams whose callers cannot see heartbeats (Tb-Keepalive): reply -> None.
         self._keepalive: dict[str, None] = {}
-        self._caller_cancelled: set[str] = set()
-        # Of those, copies its caller never read (it sent the request to another replica
-        # meanwhile): their usage reports leave the spend to the copy it reads.
-        self._duplicates: set[str] = set()
+        # Streams their callers cancelled: reply -> a copy the caller never read (it sent
+        # the request elsewhere meanwhile), whose usage report leaves the spend to the copy
+        # it reads.
+        self._caller_cancelled: dict[str, bool] = {}
         self._early_cancels: OrderedDict[str, float] = OrderedDict()
         self.boot = uuid.uuid4().hex[:12]
         self._seq = 0
@@ -606,9 +606,7 @@ class Worker(Service):
             return
         task = self._active.get(key)
         if task is not None and not task.done():
-            self._caller_cancelled.add(key)
-            if body.get("dup"):
-                self._duplicates.add(key)
+            self._caller_cancelled[key] = bool(body.get("dup"))
             task.cancel()
         elif task is None:
             # The generate message may still be queued behind this cancel: refuse it later.
@@ -990,8 +988,7 @@ class Worker(Service):
     async def _finish(self, gen: _Generation) -> None:
         """Free the request's slot, report its usage, write its log line and telemetry record."""
         self._leave_flow(gen)
-        gen.duplicate = gen.reply in self._duplicates
-        self._duplicates.discard(gen.reply)
+        gen.duplicate = self._caller_cancelled.get(gen.reply, False)
         await self._free_slot(gen.reply)
         hdrs = gen.headers
         if H.RATELIMIT in hdrs and not gen.reported:
@@ -1086,7 +1083,7 @@ class Worker(Service):
         """Forget the request as active; heartbeat at once if that made room."""
         self._active.pop(reply, None)
         self._keepalive.pop(reply, None)
-        self._caller_cancelled.discard(reply)
+        self._caller_cancelled.pop(reply, None)
         if len(self._active) == self.cfg.max_concurrency - 1:
             # It was full: say at once that there is room (routers hold requests for it).
             await self.heartbeat()

@@ -101,11 +101,7 @@ class FileInputs:
         return f"data:{kind};base64,{base64.b64encode(data).decode()}", name
 
     async def _parts(
-        self,
-        parts: Any,
-        path: str,
-        owner: Owner,
-        change: Callable[[dict[str, Any], str], Any],
+        self, parts: Any, path: str, change: Callable[[dict[str, Any], str], Any]
     ) -> None:
         """Apply ``change`` (an async rewrite of one part, or None) to each part of a
         content list."""
@@ -130,7 +126,7 @@ class FileInputs:
 
         for i, m in enumerate(body["messages"]):
             if isinstance(m, dict):
-                await self._parts(m.get("content"), f"messages.{i}.content", owner, part)
+                await self._parts(m.get("content"), f"messages.{i}.content", part)
 
     async def responses(self, body: Any, owner: Owner) -> None:
         """A Responses body's ``input_file`` and ``input_image`` parts by ``file_id``."""
@@ -152,7 +148,7 @@ class FileInputs:
 
         for i, item in enumerate(body["input"]):
             if isinstance(item, dict):
-                await self._parts(item.get("content"), f"input.{i}.content", owner, part)
+                await self._parts(item.get("content"), f"input.{i}.content", part)
 
     async def messages(self, body: Any, owner: Owner) -> None:
         """An Anthropic Messages body's ``image`` and ``document`` blocks with a ``file``
@@ -177,4 +173,4 @@ class FileInputs:
 
         for i, m in enumerate(body["messages"]):
             if isinstance(m, dict):
-                await self._parts(m.get("content"), f"messages.{i}.content", owner, block)
+                await self._parts(m.get("content"), f"messages.{i}.content", block)

@@ -62,7 +62,7 @@ from gateway.sse import (
     usage_of,
     write_sse,
 )
-from gateway.validation import clean_request_id
+from gateway.validation import Choosing, clean_request_id
 from jobs.inprocess import BACKGROUND, PRINCIPAL
 from services import logging as tlog
 from services import tracing
@@ -136,13 +136,16 @@ class OpenAIApp(RouteTable):
         self.files = FileInputs(None, max_body_bytes)
         self.key_owner: Callable[[str | None], str] = lambda key: ""
 
-    def owner_of(self, call: Call) -> Callable[[], str]:
-        """Who ``call`` acts for (the key a trusted caller here runs it for, else its own
-        key's id), asked only when needed."""
+    def owner_of(
+        self, call: Call, key_owner: Callable[[str | None], str] | None = None
+    ) -> Callable[[], str]:
+        """Who ``call`` acts for (the key a trusted caller here runs it for, else the id of
+        its own key by ``key_owner``, this app's by default), asked only when needed."""
         if call.principal is not None:
             principal = call.principal
             return lambda: principal
-        return lambda: self.key_owner(call.hdrs.get(H.API_KEY))
+        owner = key_owner or self.key_owner
+        return lambda: owner(call.hdrs.get(H.API_KEY))
 
     # -- plain endpoints --------------------------------------------------------------------
     async def list_models(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -221,7 +224,7 @@ class OpenAIApp(RouteTable):
             call.span.set_attribute(tracing.MODEL, req.model)
         call.watch()
         call.whole(bool(getattr(req, "stream", False)))
-        if isinstance(req, CompletionRequest | ChatCompletionRequest):
+        if isinstance(req, Choosing):
             parts = validation.per_choice(req, call.body)
             if len(parts) > 1 or not getattr(req, "generates", True):
                 await self._choices(call, send, req, parts)
@@ -246,8 +249,8 @@ class OpenAIApp(RouteTable):
         self,
         call: Call,
         send: Send,
-        req: CompletionRequest | ChatCompletionRequest,
-        parts: list[tuple[CompletionRequest | ChatCompletionRequest, dict[str, Any]]],
+        req: Choosing,
+        parts: list[tuple[Choosing, dict[str, Any]]],
     ) -> None:
         """A request the bus takes as several (:func:`validation.per_choice`): one
         generation per prompt and choice, each answer choice ``i`` of one
@@ -644,17 +647,13 @@ def _usage_total(streams: list[StreamLike], n: int = 1) -> dict[str, Any]:
     for i, s in enumerate(streams):
         u = usage_of(s)
         if i % n:  # another choice of the same prompt: its answer only
-            u = {"completion_tokens": u.get("completion_tokens", 0), "total_tokens": 0}
-            u["total_tokens"] = u["completion_tokens"]
-            details = usage_of(s).get("completion_tokens_details")
+            answer = u.get("completion_tokens", 0)
+            details = u.get("completion_tokens_details")
+            u = {"completion_tokens": answer, "total_tokens": answer}
             if isinstance(details, dict):
                 u["completion_tokens_details"] = details
         _add_counts(total, u)
     return total
-
-
-# A request answered as several choices (n, or a list of prompts).
-Choosing = CompletionRequest | ChatCompletionRequest
 
 
 def kind_of(req: Choosing) -> str:

@@ -92,11 +92,10 @@ class ResponsesAPI:
 
     async def _create(self, call: Call, send: Send) -> None:
         app = self.app
-        await app.files.responses(call.body, app.owner_of(call))
+        who = app.owner_of(call, self.owner)
+        await app.files.responses(call.body, who)
         req = R.parse(call.body)
-        owner = (
-            call.principal if call.principal is not None else self.owner(call.hdrs.get(H.API_KEY))
-        )
+        owner = who()
         if req.background and call.background is None:
             await self._queue(call, send, req, owner)
             return

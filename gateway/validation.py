@@ -29,6 +29,8 @@ from bus_schemas.messages import (
 from bus_schemas.subjects import KIND_CHAT, KIND_EMBEDDINGS
 
 Request = ChatCompletionRequest | CompletionRequest | EmbeddingRequest
+# A request answered as one choice or several (n, or a list of prompts).
+Choosing = ChatCompletionRequest | CompletionRequest
 
 _MODELS: dict[str, type[Request]] = {
     KIND_CHAT: ChatCompletionRequest,
@@ -68,9 +70,7 @@ def prompt_chars(req: Request) -> int:
     return sum(len(p if isinstance(p, str) else token_ids_text(p)) for p in req.prompts) + extra
 
 
-def per_choice(
-    req: ChatCompletionRequest | CompletionRequest, body: dict[str, Any]
-) -> list[tuple[ChatCompletionRequest | CompletionRequest, dict[str, Any]]]:
+def per_choice(req: Choosing, body: dict[str, Any]) -> list[tuple[Choosing, dict[str, Any]]]:
     """A chat or completions request as the bus takes it: one request per prompt and
     choice, in OpenAI's order (prompt ``i``'s choice ``j`` is choice ``i * n + j``), each
     with ``n`` 1 and, when the request has a ``seed``, ``seed + j`` (choices that differ,
@@ -99,7 +99,7 @@ def per_choice(
     one: dict[str, Any] = {}
     if not generates:
         one = {"max_tokens": 1, "max_completion_tokens": None, "echo": False}
-    out: list[tuple[ChatCompletionRequest | CompletionRequest, dict[str, Any]]] = []
+    out: list[tuple[Choosing, dict[str, Any]]] = []
     for prompt in prompts:
         for j in range(n):
             update: dict[str, Any] = {**one, "n": 1}
