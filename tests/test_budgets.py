@@ -17,6 +17,7 @@ import httpx
 import nats
 import pytest
 import structlog
+from nats.js import JetStreamContext
 
 from auth import budgets, ratelimit
 from auth.limits import Limiter
@@ -486,7 +487,7 @@ async def test_a_report_kept_for_another_limiter_is_left_to_it_for_a_grace(
 
 
 async def test_a_supersede_waits_for_the_spend_stream_and_is_kept_once(
-    private_nats: Any,
+    private_nats: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A migration's supersede settles what the caller got from the attempt it moved from;
     when that attempt's worker died, nothing else ever charges it. It is kept by the spend
@@ -502,12 +503,21 @@ async def test_a_supersede_waits_for_the_spend_stream_and_is_kept_once(
         await wait_for(lambda: here._spend_pull is not None, what="the stream's consumer")
         await here.stop()  # nobody settles: what the stream keeps is read below
         await js.delete_stream(subjects.SPEND_STREAM)  # as a stream without a leader
+        tries: list[str] = []  # each publish tried (the real one, counted)
+        publish = JetStreamContext.publish
+
+        async def counted(self: Any, subject: str, *args: Any, **kwargs: Any) -> Any:
+            tries.append(subject)
+            return await publish(self, subject, *args, **kwargs)
+
+        monkeypatch.setattr(JetStreamContext, "publish", counted)
         prior = ratelimit.Ticket(0, 0, "", "gone", 0, int(time.time()) + 60, "")
         hdrs = {H.BUDGET: budgets.header("day", 10.0, None, ""), H.MODEL: "m"}
         env = {"resume": {"text": "a b c", "tokens": 3, "since": 1}}
         for _ in range(2):  # the caller's admission tried twice: one supersede kept
             await here._supersede(prior, "p", "rkept", env, hdrs)
-        await asyncio.sleep(0.3)  # refused meanwhile: no stream answers
+        # Refused while no stream answers, and tried again.
+        await wait_for(lambda: len(tries) >= 4, timeout=30, what="the supersedes tried again")
         await js.add_stream(ratelimit.spend_stream_config())
 
         async def kept() -> bool:

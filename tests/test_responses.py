@@ -1383,9 +1383,19 @@ async def test_a_write_over_a_record_waits_through_a_stream_that_does_not_answer
     try:
         assert await store.put(rid, {"owner": "k1", "response": {"id": rid, "status": "queued"}})
         await js.delete_stream(f"KV_{bucket}")  # as a stream without a leader
+        tries: list[str] = []  # each write tried (the real one, counted)
+        kv = await store.opened()
+        put = kv.put
+
+        async def counted(key: str, value: bytes) -> Any:
+            tries.append(key)
+            return await put(key, value)
+
+        kv.put = counted  # type: ignore[method-assign]
         end = {"owner": "k1", "response": {"id": rid, "status": "completed"}}
         writing = asyncio.ensure_future(store.replace(rid, end))
-        await asyncio.sleep(0.5)  # refused meanwhile: no stream answers
+        # Refused while no stream answers, and tried again.
+        await wait_for(lambda: len(tries) >= 2, timeout=30, what="the write tried again")
         assert not writing.done()
         await js.add_stream(info.config)
         assert await asyncio.wait_for(writing, 30)
