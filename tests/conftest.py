@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
@@ -32,6 +33,7 @@ from services import logging as tlog
 from services.natsconf import jetstream_block
 from services.runtime import servers
 from tokenbus import Client
+from tokenbus.launcher import free_port as launcher_free_port
 from tokenbus.launcher import nats_server_binary, port_open
 
 tlog.setup("warning")
@@ -121,9 +123,9 @@ def taken_port() -> Iterator[int]:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port for a server a test starts (:func:`tokenbus.launcher.free_port`: outside the
+    ephemeral range, so no client's connection takes it before the server binds it)."""
+    return launcher_free_port()
 
 
 def wait_port(port: int, timeout: float = 10, host: str = "127.0.0.1") -> None:
@@ -141,12 +143,21 @@ def spawn_nats(
 ) -> subprocess.Popen[bytes]:
     """A nats-server process with ``args``, once it listens on ``host``:``port``
     (``prefix``: what runs it elsewhere, ``ip netns exec <host>``)."""
-    proc = subprocess.Popen(
-        [*prefix, nats_server_binary(), *args],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    wait_port(port, host=host)
+    # Until it listens, or it exits (a port taken, a bad config: said with its own words),
+    # or a minute passes (a loaded machine starting a JetStream store).
+    deadline = time.monotonic() + 60
+    with tempfile.TemporaryFile() as err:
+        proc = subprocess.Popen(
+            [*prefix, nats_server_binary(), *args], stdout=subprocess.DEVNULL, stderr=err
+        )
+        while not port_open(host, port):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                proc.wait(5)
+                err.seek(0)
+                said = err.read().decode(errors="replace")[-2000:]
+                raise RuntimeError(f"nats-server did not listen on {host}:{port}: {said}")
+            time.sleep(0.02)
     return proc
 
 

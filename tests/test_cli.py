@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import ssl
 import subprocess
 import sys
@@ -185,6 +186,20 @@ def test_up_serves_restarts_crashed_children_and_stops_cleanly(tmp_path: Path) -
     assert not left, left  # every process the stack started has ended with it
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"http://127.0.0.1:{port}/health")
+
+
+def test_free_ports_are_outside_the_ephemeral_range_and_never_handed_out_twice() -> None:
+    """A port the kernel picks is one any outgoing connection may take before the server
+    meant for it binds it (a cluster node that never started, in CI): the ports servers get
+    here are below the ephemeral range, distinct, and free."""
+    from tokenbus.launcher import _ephemeral_low, free_port
+
+    low = _ephemeral_low()
+    ports = [free_port() for _ in range(200)]
+    assert len(set(ports)) == len(ports)
+    assert all(1024 < p < low for p in ports), [p for p in ports if p >= low]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", ports[-1]))  # free: nothing holds it
 
 
 def test_up_refuses_a_taken_nats_port(tmp_path: Path) -> None:

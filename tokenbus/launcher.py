@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import random
 import shutil
 import signal
 import socket
@@ -40,11 +41,41 @@ def port_open(host: str, port: int) -> bool:
         return s.connect_ex((host, port)) == 0
 
 
+def _ephemeral_low() -> int:
+    """Where the kernel's ephemeral ports begin (Linux's default where it cannot be read)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+_PORTS_FROM = 10000  # below: the well-known and commonly configured ports
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    """A TCP port nothing listens on now (on loopback)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A TCP port nothing listens on now (on loopback), below the kernel's ephemeral range
+    and never one this process handed out before. A port the kernel picks (bind to 0) is an
+    ephemeral one: until the server meant for it binds it, any outgoing connection on the
+    machine may take it as its source port, and the server cannot start."""
+    low = _ephemeral_low()
+    rng = random.Random()
+    if low - _PORTS_FROM < 1000:  # a machine whose ephemeral range starts low: the kernel's
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return int(s.getsockname()[1])
+    for _ in range(1000):
+        port = rng.randrange(_PORTS_FROM, low)
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    raise OSError("no free port below the ephemeral range")
 
 
 @dataclass
