@@ -790,6 +790,12 @@ class Heartbeat(_Wire):
         description="Other model names the replica answers to (a vllm worker's LoRA "
         "adapters, extra served names): requests for them are routed to it too.",
     )
+    adapters: dict[str, str] = Field(
+        default_factory=dict,
+        description="LoRA adapters loaded at run time (docs/adapters.md), name -> the path "
+        "it was loaded from; each is in `aliases` too while it takes requests (not while it "
+        "drains to be unloaded).",
+    )
     interval_s: float = Field(
         description="Seconds until the next heartbeat (longer while the replica is idle)."
     )
@@ -928,6 +934,58 @@ class CancelRequest(_Wire):
     reply: str = Field(description="The caller's inbox of the stream: what names it.")
 
 
+ADAPTER_NAME_MAX = 256  # as a request's model
+ADAPTER_OPS = ("load", "unload", "list")
+
+
+class AdapterCommand(_Wire):
+    """A change of the LoRA adapters one replica serves (``subjects.worker_adapters``),
+    answered with an :class:`AdapterReply`."""
+
+    type: Literal["adapters"] = "adapters"
+    op: Literal["load", "unload", "list"] = Field(description="What to do.")
+    name: str = Field(
+        default="",
+        max_length=ADAPTER_NAME_MAX,
+        description="The adapter's name: the model requests ask for (load, unload).",
+    )
+    path: str = Field(
+        default="",
+        max_length=4096,
+        description="Where the replica's engine reads the adapter from (load): a folder on "
+        "its host, or what the engine accepts (vLLM: a Hugging Face repository id too).",
+    )
+    drain_s: float = Field(
+        default=30.0,
+        ge=0,
+        le=3600,
+        description="Unload: how long requests already on the adapter may run before it "
+        "goes; new ones go to other replicas at once.",
+    )
+
+
+class AdapterReply(_Wire):
+    """A replica's answer to an :class:`AdapterCommand`."""
+
+    type: Literal["adapters"] = "adapters"
+    ok: bool
+    replica: str
+    model: str = Field(description="The base model the replica serves.")
+    adapters: dict[str, str] = Field(
+        default_factory=dict, description="The run-time adapters loaded now, name -> path."
+    )
+    load_ms: float | None = Field(default=None, description="Load: how long it took.")
+    drained: int | None = Field(
+        default=None, description="Unload: requests on the adapter it waited for."
+    )
+    cut: int | None = Field(
+        default=None,
+        description="Unload: requests still on the adapter when drain_s ran out (they end "
+        "with an error the caller may retry; another replica may hold the adapter).",
+    )
+    error: ErrorBody | None = None
+
+
 EXPORTED: dict[str, type[BaseModel]] = {
     "ChatCompletionRequest": ChatCompletionRequest,
     "CompletionRequest": CompletionRequest,
@@ -940,4 +998,6 @@ EXPORTED: dict[str, type[BaseModel]] = {
     "ErrorFrame": ErrorFrame,
     "WorkerAck": WorkerAck,
     "CancelRequest": CancelRequest,
+    "AdapterCommand": AdapterCommand,
+    "AdapterReply": AdapterReply,
 }

@@ -232,6 +232,13 @@ def kv_snapshot(model: str, replica: str) -> str:
     return f"{PREFIX}.engine.{token(model)}.{token(replica)}.kv_snapshot"
 
 
+def worker_adapters(model: str, replica: str) -> str:
+    """Where a replica loads, unloads and lists LoRA adapters at run time (docs/adapters.md).
+    Beside its generate subject: only who may dispatch to a replica (router, bridge, admin)
+    may change what it serves."""
+    return f"{PREFIX}.engine.{token(model)}.{token(replica)}.adapters"
+
+
 # What routers and bridges hold per model and class (``telemetry(TELEMETRY_QUEUE)``).
 TELEMETRY_QUEUE = "queue"
 # A spend budget's soft threshold crossed (``telemetry(TELEMETRY_BUDGET)``: auth.budgets).

@@ -23,12 +23,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from nats.aio.msg import Msg
+from pydantic import ValidationError
 
 from bus_schemas import codec, frames, marks, subjects
 from bus_schemas import errors as E
 from bus_schemas import headers as H
 from bus_schemas import kv_events as KV
-from bus_schemas.messages import check_envelope, envelope_chars
+from bus_schemas.messages import AdapterCommand, check_envelope, envelope_chars
 from engine_worker import backends
 from engine_worker.backends.base import (
     Backend,
@@ -344,6 +345,14 @@ class Worker(Service):
         self._kv_task: asyncio.Task[None] | None = None
         self._kv_wake = asyncio.Event()
         self._kv_closing = False
+        # LoRA adapters at run time (docs/adapters.md): the requests on each (reply -> name),
+        # those draining to be unloaded and those unloaded here (refused, so a router with
+        # an older view sends them elsewhere), one change at a time.
+        self._on_adapter: dict[str, str] = {}
+        self._unloading: set[str] = set()
+        self._unloaded: set[str] = set()
+        self._adapter_left = asyncio.Event()
+        self._adapter_lock = asyncio.Lock()
 
     async def setup(self) -> None:
         self.outbox = Outbox(self.nc)
@@ -370,6 +379,9 @@ class Worker(Service):
         )
         self._cancel_sub = await self.nc.subscribe(
             subjects.worker_cancel(self.replica), cb=self._on_cancel
+        )
+        self._adapters_sub = await self.nc.subscribe(
+            subjects.worker_adapters(self.model, self.replica), cb=self._on_adapters
         )
         await self.heartbeat()
         self._hb_task = asyncio.get_running_loop().create_task(self._heartbeat_loop())
@@ -490,7 +502,12 @@ class Worker(Service):
             "health": "failed" if self.engine_failure else "ok",
             **({"health_reason": self.engine_failure} if self.engine_failure else {}),
             "endpoints": self.endpoints,
-            "aliases": [m for m in getattr(self.backend, "served_models", ()) if m != self.model],
+            "aliases": [
+                m
+                for m in getattr(self.backend, "served_models", ())
+                if m != self.model and m not in self._unloading
+            ],
+            **({"adapters": self._adapters()} if self._adapters() else {}),
             "interval_s": self._interval(),
             # The model's context length (0: not known here).
             "max_model_len": int(
@@ -590,8 +607,112 @@ class Worker(Service):
         await self._claim.release()
         with contextlib.suppress(Exception):
             await self._cancel_sub.unsubscribe()
+        with contextlib.suppress(Exception):
+            await self._adapters_sub.unsubscribe()
         await self.backend.stop()
         await self._stop_kv_events()
+
+    # -- LoRA adapters at run time (docs/adapters.md) ------------------------------------------
+    def _adapters(self) -> dict[str, str]:
+        """The adapters the engine loaded at run time, name -> path."""
+        held = getattr(self.backend, "adapters", None)
+        return dict(held) if isinstance(held, dict) else {}
+
+    async def _on_adapters(self, msg: Msg) -> None:
+        """Load, unload or list adapters, one change at a time; the answer says what the
+        replica holds after it, or the typed error naming this replica."""
+        t0 = time.monotonic()
+        extra: dict[str, Any] = {}
+        try:
+            try:
+                cmd = AdapterCommand.model_validate(codec.decode_map(msg.data))
+            except ValidationError as exc:
+                raise E.from_validation(exc) from None
+            if cmd.op != "list":
+                async with self._adapter_lock:
+                    if cmd.op == "load":
+                        await self._load_adapter(cmd.name, cmd.path)
+                        extra["load_ms"] = round((time.monotonic() - t0) * 1000, 1)
+                    else:
+                        extra.update(await self._unload_adapter(cmd.name, cmd.drain_s))
+            body: dict[str, Any] = {"ok": True, **extra}
+        except E.TokenbusError as exc:
+            body = {"ok": False, "error": exc.to_dict()}
+        body.update(
+            type="adapters", replica=self.replica, model=self.model, adapters=self._adapters()
+        )
+        if msg.reply:
+            with contextlib.suppress(Exception):
+                await msg.respond(codec.encode(body))
+
+    async def _load_adapter(self, name: str, path: str) -> None:
+        load = getattr(self.backend, "load_adapter", None)
+        if not callable(load):
+            raise E.InvalidRequest(
+                f"replica {self.replica} (backend {self.backend.name}) cannot load adapters "
+                "at run time",
+                param="model",
+            )
+        if not name or not path:
+            raise E.InvalidRequest("an adapter load names the adapter and its path", param="name")
+        if name == self.model or (
+            name in getattr(self.backend, "served_models", ()) and name not in self._adapters()
+        ):
+            raise E.InvalidRequest(
+                f"{name!r} is a model replica {self.replica} serves already; an adapter needs "
+                "a name of its own",
+                param="name",
+            )
+        if self._adapters().get(name) == path:
+            return  # loaded already, from the same place: done
+        if self.draining or self.engine_failure:
+            raise E.ReplicaDraining(f"replica {self.replica} is not taking work")
+        try:
+            await load(name, path)
+        except E.TokenbusError as exc:
+            why = exc.message
+            exc.message = f"replica {self.replica} could not load the adapter {name!r}: {why}"
+            raise
+        except Exception as exc:
+            raise E.EngineError(
+                f"replica {self.replica} could not load the adapter {name!r}: {exc}"
+            ) from None
+        self._unloaded.discard(name)
+        self.log.info("adapter_loaded", adapter=name, path=path)
+        await self.heartbeat()  # routers send its requests here from now
+
+    async def _unload_adapter(self, name: str, drain_s: float) -> dict[str, int]:
+        if name not in self._adapters():
+            raise E.NotFound(
+                f"replica {self.replica} holds no adapter {name!r} loaded at run time",
+                param="name",
+            )
+        # New requests go elsewhere at once (the beat, and the refusal of a late one); those
+        # on it run on, for at most drain_s.
+        self._unloading.add(name)
+        try:
+            await self.heartbeat()
+            on = [r for r, n in self._on_adapter.items() if n == name]
+            deadline = time.monotonic() + drain_s
+            while any(self._on_adapter.get(r) == name for r in on):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._adapter_left.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._adapter_left.wait(), left)
+            cut = [r for r in on if self._on_adapter.get(r) == name]
+            for reply in cut:
+                task = self._active.get(reply)
+                if task is not None and not task.done():
+                    task.cancel()  # ends as interrupted: its caller moves it on
+            await self.backend.unload_adapter(name)  # type: ignore[attr-defined]
+        finally:
+            self._unloading.discard(name)
+        self._unloaded.add(name)
+        self.log.info("adapter_unloaded", adapter=name, drained=len(on) - len(cut), cut=len(cut))
+        await self.heartbeat()
+        return {"drained": len(on) - len(cut), "cut": len(cut)}
 
     # -- requests ---------------------------------------------------------------------------
     async def _on_cancel(self, msg: Msg) -> None:
@@ -699,6 +820,11 @@ class Worker(Service):
             raise E.InvalidRequest("the request carries no reply subject")
         if self._early_cancels.pop(reply, None) is not None:
             raise E.Cancelled("the caller cancelled this request")
+        if req.model in self._unloading or req.model in self._unloaded:
+            # The router's view is older than the unload: another replica may hold it.
+            raise E.ReplicaDraining(
+                f"replica {self.replica} is unloading the adapter {req.model!r}", param="model"
+            )
         if req.kind not in self.endpoints:
             raise E.InvalidRequest(
                 f"replica {self.replica} of {self.model!r} does not serve {req.kind} "
@@ -781,6 +907,8 @@ class Worker(Service):
             self._busy.set()  # the heartbeat loop may be in an idle (long) sleep
             self._progress_at = time.monotonic()  # idle was no sign of a stuck engine
         self._active[gen.reply] = gen.task
+        if gen.req.model != self.model and gen.req.model in self._adapters():
+            self._on_adapter[gen.reply] = gen.req.model
 
     def _interval(self) -> float:
         """Seconds to the next heartbeat: the full rate while any request is in flight (its
@@ -1083,6 +1211,8 @@ class Worker(Service):
         """Forget the request as active; heartbeat at once if that made room."""
         self._active.pop(reply, None)
         self._keepalive.pop(reply, None)
+        if self._on_adapter.pop(reply, None) is not None:
+            self._adapter_left.set()
         self._caller_cancelled.pop(reply, None)
         if len(self._active) == self.cfg.max_concurrency - 1:
             # It was full: say at once that there is room (routers hold requests for it).

@@ -19,6 +19,8 @@ from bus_schemas import errors as E
 from bus_schemas import headers as H
 from bus_schemas.messages import EmbeddingRequest
 from gateway import validation
+from gateway.admin_adapters import PREFIX as ADAPTERS_PREFIX
+from gateway.admin_adapters import AdaptersAdmin
 from gateway.admin_keys import PREFIX as ADMIN_PREFIX
 from gateway.admin_keys import AdminAPI
 from gateway.admin_routing import PREFIX as ROUTING_PREFIX
@@ -36,6 +38,7 @@ from jobs.batch_runner import BatchRunner
 from jobs.batches import BatchStore
 from jobs.files import FileStore
 from jobs.response_store import open_store
+from router.adapters import AdapterTable, OnDemand, watch_adapters
 from router.dispatch import Dispatcher
 from router.kv_follow import KVFollower, register_metrics
 from router.kv_index import KVIndex
@@ -190,6 +193,10 @@ class BusSource:
     def context_length(self, model: str) -> int:
         return self.registry.context_length(model)
 
+    def adapter_of(self, name: str) -> tuple[str, str] | None:
+        """(base model, path) of a LoRA adapter loaded at run time (``/v1/models``)."""
+        return self.registry.adapter(name)
+
     def healthy(self) -> bool:
         return bool(self.client.nc.is_connected)
 
@@ -277,13 +284,20 @@ class Bridge(Service):
         dispatcher = None
         self.routing: RoutingTable | None = None
         self.kv: KVFollower | None = None
+        self.adapters: AdapterTable | None = None
         # Routing in-process saves a hop (and a process's CPU) per request. It needs the
         # stages before routing in-process too, so no request reaches a worker unadmitted.
         if cfg.fuse_router and (not before or self.stages is not None):
             self.kv = KVFollower(KVIndex(), self.registry, self.log)
             self.routing = await watch_routing(self.nc, self.settings.router, self.log, self.kv)
+            self.adapters = await watch_adapters(self.nc, self.log)
             dispatcher = Dispatcher(
-                self.nc, self.registry, self.settings.router, self.routing, self.aliases
+                self.nc,
+                self.registry,
+                self.settings.router,
+                self.routing,
+                self.aliases,
+                OnDemand(self.nc, self.registry, self.adapters, self.log),
             )
         keys = await self._keys()
         self.source = BusSource(
@@ -312,6 +326,7 @@ class Bridge(Service):
             ),
         )
         api.add_prefix(ADMIN_PREFIX, self.admin)
+        api.add_prefix(ADAPTERS_PREFIX, AdaptersAdmin(self.nc, self.admin, self.registry))
         api.add_prefix(
             ROUTING_PREFIX,
             RoutingAdmin(self.nc, self.settings.router, self.admin, self.registry, self.aliases),
@@ -472,5 +487,7 @@ class Bridge(Service):
             await self.routing.close()
         if self.kv is not None:
             await self.kv.stop()
+        if self.adapters is not None:
+            await self.adapters.close()
         await self.aliases.close()
         await self.client.close()

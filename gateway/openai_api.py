@@ -160,11 +160,15 @@ class OpenAIApp(RouteTable):
             await send_error(send, exc)
             return
         data: list[dict[str, Any]] = []
+        adapter_of = getattr(self.source, "adapter_of", None)
         for m, target in models.items():
             entry: dict[str, Any] = {"id": m, "object": "model", "created": now}
             entry["owned_by"] = "tokenbus"
             if target:
                 entry["alias_of"] = target
+            # A LoRA adapter loaded at run time, as vLLM lists one: its path and base model.
+            if adapter_of is not None and (held := adapter_of(m)) is not None:
+                entry["parent"], entry["root"] = held
             # As vLLM reports it: clients size prompts and max_tokens from it.
             if n := self.source.context_length(target or m):
                 entry["max_model_len"] = n

@@ -24,6 +24,7 @@ from bus_schemas import codec, marks, subjects
 from bus_schemas import errors as E
 from bus_schemas import headers as H
 from bus_schemas.messages import check_envelope, render_prompt
+from router.adapters import LOAD_TIMEOUT_S, OnDemand
 from router.policies import RouteRequest, prompt_text
 from router.registry import Registry, Replica
 from router.routing import ModelRoute, RoutingTable
@@ -70,6 +71,7 @@ class _Placement:
     last_err: E.TokenbusError | None = None
     queued_until: float = 0.0  # end of its wait in the queue; 0 while it has no place there
     tier: str = "default"  # its class (Tb-Priority), for the queue depth reported
+    loaded: bool = False  # it waited for its adapter's load once (router.adapters)
 
     def failed(self, replica: str, err: E.TokenbusError) -> None:
         """``replica`` cannot take the request: count the attempt, try another."""
@@ -109,8 +111,11 @@ class Dispatcher:
         cfg: RouterSettings,
         routing: RoutingTable | None = None,
         aliases: AliasTable | None = None,
+        adapters: OnDemand | None = None,
     ) -> None:
         self.nc = nc
+        # LoRA adapters loaded at run time where their requests need them.
+        self.adapters = adapters
         self.registry = registry
         self.cfg = cfg
         self.routing = routing if routing is not None else RoutingTable(cfg)
@@ -213,6 +218,8 @@ class Dispatcher:
             candidates = [
                 r for r in open_ if r.replica not in p.busy and r.load < r.max_concurrency
             ]
+            if not candidates and self.adapters and await self._load_adapter(p, live):
+                continue
             if not candidates:
                 if not live and not p.tried and self._may_hold(p.model):
                     # No replica at all: the waiting room, while one starts (scale from 0).
@@ -300,6 +307,39 @@ class Dispatcher:
         if err.code not in _TRY_ELSEWHERE:
             raise err
         p.failed(r.replica, err)
+
+    async def _load_adapter(self, p: _Placement, live: list[Replica]) -> bool:
+        """When ``p`` asks for a wanted adapter (router.adapters): no live replica holds it
+        yet, so wait (once, within the request's deadline) for its load on a replica of its
+        model, True when one holds it now; every holder is at capacity, so start a load on
+        another while the request waits for room as any other (False)."""
+        assert self.adapters is not None
+        want = self.adapters.wanted(p.model)
+        if want is None:
+            return False
+        task = self.adapters.start(want)
+        if live or p.loaded:
+            return False
+        p.loaded = True
+        if task is None:
+            raise E.NoReplica(
+                f"no replica of {want.model!r} has room to load the adapter {want.name!r}; "
+                "retry shortly",
+                headers={"Retry-After": "1"},
+            )
+        deadline = marks.deadline_ms(p.hdrs)
+        left = LOAD_TIMEOUT_S if deadline is None else max(0.0, (deadline - marks.now_ms()) / 1e3)
+        try:
+            done = await asyncio.wait_for(asyncio.shield(task), left)
+        except TimeoutError:
+            raise E.Timeout(f"the request's deadline passed while {want.name!r} loaded") from None
+        if done is None:
+            raise E.NoReplica(
+                f"the adapter {want.name!r} could not be loaded on a replica of "
+                f"{want.model!r}; retry shortly",
+                headers={"Retry-After": "1"},
+            )
+        return True
 
     def _may_hold(self, model: str) -> bool:
         """Whether a request for ``model``, which has no live replica, waits for one: the

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from bus_schemas import subjects
@@ -38,6 +38,8 @@ class Replica:
     endpoints: frozenset[str] = DEFAULT_ENDPOINTS
     # Other model names it answers to (LoRA adapters, extra served names).
     aliases: frozenset[str] = frozenset()
+    # LoRA adapters it loaded at run time, name -> path (docs/adapters.md).
+    adapters: dict[str, str] = field(default_factory=dict)
     # The model's context length in tokens, from its heartbeat (0: not known).
     max_model_len: int = 0
     # Its flow control per class and per flow (engine_worker/flow.py), for operators.
@@ -77,6 +79,7 @@ class Replica:
             "draining": self.draining,
             "endpoints": sorted(self.endpoints),
             **({"aliases": sorted(self.aliases)} if self.aliases else {}),
+            **({"adapters": dict(sorted(self.adapters.items()))} if self.adapters else {}),
             **({"max_model_len": self.max_model_len} if self.max_model_len else {}),
             **({"flow": self.flow, "flows": self.flows} if self.flow else {}),
             "kv_routing": f"exact ({self.kv_events})" if self.kv_events else "approximate",
@@ -122,6 +125,10 @@ class Registry:
             eps = hb.get("endpoints")
             r.endpoints = frozenset(map(str, eps)) if eps else DEFAULT_ENDPOINTS
             r.aliases = frozenset(map(str, hb.get("aliases") or ()))
+            held = hb.get("adapters")
+            self.set_adapters(
+                r, {str(k): str(v) for k, v in held.items()} if isinstance(held, dict) else {}
+            )
             r.max_model_len = max(0, int(hb.get("max_model_len") or 0))
             flow, flows = hb.get("flow"), hb.get("flows")
             r.flow = flow if isinstance(flow, dict) else None
@@ -135,6 +142,18 @@ class Registry:
         self._ever_seen.add(model)
         self._ever_seen.update(r.aliases)
         return r
+
+    def set_adapters(self, r: Replica, adapters: dict[str, str]) -> None:
+        """``r`` holds ``adapters`` now (run-time LoRA adapters, name -> path). One it
+        unloaded that no other replica serves is a model this registry never saw again: a
+        request for it is a 404, not a "retry shortly" (a replica that died keeps its
+        adapters' names known: they come back with a replica)."""
+        for name in r.adapters.keys() - adapters.keys():
+            r.aliases = r.aliases - {name}
+            if not any(q is not r and q.serves(name) for q in self._replicas.values()):
+                self._ever_seen.discard(name)
+        r.adapters = adapters
+        self._ever_seen.update(adapters)
 
     def _alive(self, r: Replica, now: float) -> bool:
         return natsclient.silent_for(self.bus, r.last_seen, now) <= r.interval_s * self.missed
@@ -183,6 +202,13 @@ class Registry:
         them does not say (it may take anything)."""
         lens = [r.max_model_len for r in self.live(model)]
         return max(lens) if lens and all(lens) else 0
+
+    def adapter(self, name: str) -> tuple[str, str] | None:
+        """(base model, path) of ``name`` when a live replica loaded it at run time."""
+        for r in self.all_live():
+            if name in r.adapters:
+                return r.model, r.adapters[name]
+        return None
 
     def ever_seen(self, model: str) -> bool:
         return model in self._ever_seen

@@ -13,6 +13,7 @@ from bus_schemas import codec, subjects
 from bus_schemas import errors as E
 from bus_schemas import headers as H
 from bus_schemas.messages import check_envelope
+from router.adapters import OnDemand, watch_adapters
 from router.dispatch import Dispatcher
 from router.kv_follow import KVFollower
 from router.kv_index import KVIndex
@@ -34,8 +35,14 @@ class Router(Service):
         self.kv = KVFollower(KVIndex(), self.registry, self.log)
         self.routing = await watch_routing(self.nc, self.settings.router, self.log, self.kv)
         self.aliases = await watch_aliases(self.nc, self.settings.router.aliases, self.log)
+        self.adapters = await watch_adapters(self.nc, self.log)
         self.dispatcher = Dispatcher(
-            self.nc, self.registry, self.settings.router, self.routing, self.aliases
+            self.nc,
+            self.registry,
+            self.settings.router,
+            self.routing,
+            self.aliases,
+            OnDemand(self.nc, self.registry, self.adapters, self.log),
         )
         self._tracker = HeartbeatTracker(self.registry, self.log)
         await self._tracker.start(self.nc)
@@ -52,6 +59,7 @@ class Router(Service):
         await self._tracker.stop()
         await self.routing.close()
         await self.aliases.close()
+        await self.adapters.close()
 
     async def handle(self, msg: Msg) -> None:
         reply = reply_subject(msg)

@@ -68,6 +68,8 @@ KEY_REVOKED = "key.revoked"
 KEY_ROTATED = "key.rotated"
 ROUTING_CHANGED = "routing.changed"
 ALIAS_CHANGED = "alias.changed"
+ADAPTER_LOADED = "adapter.loaded"  # a LoRA adapter loaded at run time (router.adapters)
+ADAPTER_UNLOADED = "adapter.unloaded"
 BUDGET_CHANGED = "budget.changed"  # an owner's spend budget (auth.budgets)
 
 # A tokenbus API key (auth.keys' shape; the kit cannot import the auth actor).
@@ -93,7 +95,8 @@ class AuditEvent(BaseModel):
     ts: str = Field(description="When, ISO 8601 in UTC.")
     ts_unix: float = Field(description="When, Unix time.")
     action: str = Field(
-        description="key.created, key.updated, key.revoked, routing.changed, alias.changed."
+        description="key.created, key.updated, key.revoked, routing.changed, alias.changed, "
+        "budget.changed, adapter.loaded, adapter.unloaded."
     )
     target: str = Field(description="What changed: a key id, a model, an alias.")
     actor: str = Field(description="Who: key:<admin key id> (HTTP) or cli:<user>@<host>.")

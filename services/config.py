@@ -395,6 +395,26 @@ class SimSettings(BaseModel):
         description="Tokens per KV-cache block (vLLM's default, 16): only full blocks are "
         "cached and matched.",
     )
+    max_loras: int = Field(
+        default=1,
+        ge=1,
+        le=256,
+        description="LoRA adapters in one batch at once (vLLM's `max_loras`, default 1): a "
+        "request on another adapter waits in the queue until the batch holds fewer, as "
+        "vLLM's scheduler keeps it; requests on the base model never wait for it.",
+    )
+    lora_load_ms: float = Field(
+        default=300.0,
+        ge=0,
+        description="How long loading an adapter at run time takes (reading its weights; "
+        "docs/adapters.md).",
+    )
+    max_lora_rank: int = Field(
+        default=16,
+        ge=1,
+        description="The largest adapter rank a load accepts (vLLM's `max_lora_rank`, "
+        "default 16), read from the adapter folder's adapter_config.json (`r`) when present.",
+    )
 
 
 class OpenAIUpstreamSettings(BaseModel):

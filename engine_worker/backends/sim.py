@@ -29,6 +29,7 @@ import time
 import zlib
 from collections import deque
 from collections.abc import Callable
+from pathlib import Path
 from statistics import NormalDist
 from typing import Any
 
@@ -274,6 +275,7 @@ class _Seq:
         "lease",
         "listener",
         "looked_up",
+        "lora",
         "max_tokens",
         "prefill_s",
         "prompt",
@@ -306,6 +308,9 @@ class _Seq:
         self.prompt_tokens = prompt_tokens
         self.max_tokens = max_tokens
         self.emitted = 0
+        # The LoRA adapter it runs on (None: the base model): at most ``max_loras`` of them
+        # in the batch at once.
+        self.lora: str | None = None
         self.buf: list[str] = []
         self.waiter: asyncio.Future[None] | None = None
         self.ready_at = 0.0
@@ -356,6 +361,8 @@ class SimEngine:
         self.cache = (
             KVCache(cfg.kv_cache_blocks, cfg.block_size) if cfg.kv_cache_blocks > 0 else None
         )
+        # LoRA adapters loaded at run time: name -> the path it was loaded from.
+        self.adapters: dict[str, str] = {}
 
     # -- cost model -------------------------------------------------------------------------
     def prefill_s(self, prompt_tokens: int) -> float:
@@ -374,17 +381,37 @@ class SimEngine:
 
     def _admit(self, now: float) -> None:
         cache = self.cache
-        while self.waiting and len(self.running) + len(self.prefilling) < self.cfg.max_running:
+        room = self.cfg.max_running - len(self.running) - len(self.prefilling)
+        # The adapters in the batch, counted once a queued request on one is met.
+        loras: set[str] | None = None
+        held: deque[_Seq] = deque()  # on an adapter the batch has no room for: they wait
+        while self.waiting and room > 0:
             s = self.waiting.popleft()
             if s.cancelled:
                 continue
-            if cache is not None:
+            if s.lora is not None:
+                # vLLM's scheduler under max_loras: a request on an adapter the batch does
+                # not hold, while it holds max_loras adapters, waits (behind it the queue
+                # goes on) until one of them leaves the batch.
+                if loras is None:
+                    loras = {q.lora for q in (*self.running, *self.prefilling) if q.lora}
+                if s.lora not in loras and len(loras) >= self.cfg.max_loras:
+                    held.append(s)
+                    continue
+                loras.add(s.lora)
+            elif cache is not None:
+                # vLLM keys an adapter's blocks by the adapter; the sim keeps a prefix cache
+                # for the base model's requests only (docs/adapters.md).
                 lease = s.lease = cache.acquire(cache.hashes_of(s.prompt), s.prompt_tokens)
                 s.cached = lease.cached_tokens
                 s.looked_up = True
             s.prefill_s = self.prefill_s(s.prompt_tokens - s.cached)
             s.ready_at = now + s.prefill_s
             self.prefilling.append(s)
+            room -= 1
+        if held:
+            held.extend(self.waiting)
+            self.waiting = held
 
     def _release(self, s: _Seq) -> None:
         """Give the sequence's blocks back to the prefix cache (once)."""
@@ -571,6 +598,7 @@ class SimStream(_TextOut):
         # with the very tokens the first replica would have produced next.
         done, text = resume_point(start, req, limit)
         self.seq = _Seq(start, self.ptoks + done, limit, prompt=prompt)
+        self.seq.lora = req.model if req.model in engine.adapters else None
         self.seq.emitted = done
         self.hold = max((len(s) for s in req.stop), default=1) - 1
         self.text = text
@@ -753,6 +781,7 @@ class SimExtraStream(_TextOut):
                 done, text = _resume(toks.__getitem__, limit, req)
             sent = max(len(text), len(req.resume_text)) if req.resume_text else 0
         self.seq = _Seq(self.start, self.ptoks + done, limit, toks, plan.prompt)
+        self.seq.lora = req.model if req.model in engine.adapters else None
         self.seq.emitted = done
         self.hold = max((len(s) for s in self.stop), default=1) - 1
         self.text = text
@@ -868,6 +897,7 @@ class SimBackend:
 
     def __init__(self, cfg: WorkerSettings) -> None:
         self.engine = SimEngine(cfg.sim, cfg.tp)
+        self.model = cfg.model
         self.max_model_len = cfg.max_model_len or cfg.sim.max_model_len
         self.fault_signals = cfg.sim.fault_signals
 
@@ -906,6 +936,42 @@ class SimBackend:
 
     def endpoints(self) -> list[str]:
         return ["chat", "completions", "embeddings"]
+
+    # -- LoRA adapters at run time (docs/adapters.md) ------------------------------------------
+    @property
+    def served_models(self) -> list[str]:
+        return [self.model, *self.engine.adapters]
+
+    @property
+    def adapters(self) -> dict[str, str]:
+        return self.engine.adapters
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        """What vLLM's runtime load checks, then the load's time: ``path`` must exist on
+        this host, and an ``adapter_config.json`` in it may not ask for a rank above
+        ``max_lora_rank``. Raises a 400 saying why not, as vLLM's load answers."""
+        cfg = self.engine.cfg
+        where = Path(path).expanduser()
+        if not where.exists():
+            raise E.InvalidRequest(f"no adapter at {path!r} on this host", param="path")
+        conf = where / "adapter_config.json" if where.is_dir() else None
+        if conf is not None and conf.is_file():
+            try:
+                rank = json.loads(conf.read_text()).get("r")
+            except (OSError, ValueError, AttributeError) as exc:
+                raise E.InvalidRequest(
+                    f"{conf}: not an adapter config ({exc})", param="path"
+                ) from None
+            if isinstance(rank, int) and rank > cfg.max_lora_rank:
+                raise E.InvalidRequest(
+                    f"the adapter's rank {rank} is above max_lora_rank {cfg.max_lora_rank}",
+                    param="path",
+                )
+        await asyncio.sleep(cfg.lora_load_ms / 1000.0)
+        self.engine.adapters[name] = path
+
+    async def unload_adapter(self, name: str) -> None:
+        self.engine.adapters.pop(name, None)
 
     def generate(self, req: GenerationRequest) -> SimStream | SimExtraStream:
         if req.max_tokens < 1:

@@ -168,6 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
     from tokenbus.cli import routing as router_cli
 
     router_cli.add_parser(sub)
+    from tokenbus.cli import adapters as adapters_cli
+
+    adapters_cli.add_parser(sub)
 
     from tokenbus.cli import audit as audit_cli
 
@@ -613,6 +616,10 @@ def main(argv: list[str] | None = None) -> None:
             from tokenbus.cli import routing as router_cli
 
             rc = await router_cli.main(a, s)
+        elif a.cmd == "adapters":
+            from tokenbus.cli import adapters as adapters_cli
+
+            rc = await adapters_cli.main(a, s)
         elif a.cmd == "report":
             from tokenbus.evaluation.report import markdown, report
 
