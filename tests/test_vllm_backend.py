@@ -18,6 +18,7 @@ import threading
 import time
 import types
 from collections.abc import AsyncGenerator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -396,6 +397,33 @@ async def test_lora_adapter_is_chosen_by_model_name() -> None:
     assert last_request(fake)["lora_request"] is None
     with pytest.raises(E.ModelNotFound):
         await collect(b.generate(chat(model="other-model")))
+
+
+async def test_an_adapter_loaded_at_run_time_is_served_and_unloaded(tmp_path: Path) -> None:
+    """Through vLLM's front end, as POST /v1/load_lora_adapter: served by its name once
+    loaded (its LoRARequest reaches the engine), listed in served_models, gone once
+    unloaded; a missing folder, a base model's name and LoRA off are 400s."""
+    folder = tmp_path / "sql"
+    folder.mkdir()
+    b, fake = await started(make_cfg(enable_lora=True))
+    await b.load_adapter("sql", str(folder))
+    assert b.served_models == ["tiny-model", "sql"] and b.adapters == {"sql": str(folder)}
+    await collect(b.generate(chat(model="sql")))
+    lora = last_request(fake)["lora_request"]
+    assert (lora.lora_name, lora.lora_path) == ("sql", str(folder))
+    await b.load_adapter("sql", str(folder))  # again: in place, as vLLM's load_inplace
+    with pytest.raises(E.InvalidRequest) as missing:
+        await b.load_adapter("other", str(tmp_path / "none"))
+    assert missing.value.param == "path" and "none" in missing.value.message
+    with pytest.raises(E.InvalidRequest, match="base model"):
+        await b.load_adapter("tiny-model", str(folder))
+    await b.unload_adapter("sql")
+    assert b.served_models == ["tiny-model"] and not b.adapters
+    with pytest.raises(E.ModelNotFound):
+        await collect(b.generate(chat(model="sql")))
+    off, _ = await started()
+    with pytest.raises(E.InvalidRequest, match="enable_lora"):
+        await off.load_adapter("sql", str(folder))
 
 
 async def test_model_without_chat_template_is_an_invalid_request() -> None:
@@ -1036,6 +1064,8 @@ SIGNATURES: dict[str, tuple[str, ...]] = {
     "validate_api_server_args": ("args",),
 }
 REQUEST_FIELDS = {
+    "LoadLoRAAdapterRequest": ("lora_name", "lora_path", "load_inplace"),
+    "UnloadLoRAAdapterRequest": ("lora_name",),
     "ChatCompletionRequest": (
         "messages",
         "model",

@@ -23,9 +23,11 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import nats
 import openai
 import pytest
 
+from bus_schemas import errors as E
 from engine_worker.backends import scripted_core as sc
 from tests.conftest import (
     NatsServer,
@@ -452,6 +454,69 @@ async def test_a_lora_adapter_is_listed_and_routed(
         assert r.status_code == 200, r.text
         assert core.added[-1].lora_request is None
         assert len(core.added) == 2
+
+
+async def test_a_lora_adapter_loaded_at_run_time_through_vllms_front_end(
+    nats_server: NatsServer, vllm_stack: VLLMStack, tmp_path: Path
+) -> None:
+    """A vllm worker with LoRA on and no adapter: the adapter command loads one through
+    vLLM's own load (its checks, the engine core's add_lora), the bridge routes its name to
+    the worker and the engine is handed the adapter; unloaded, it is a 404."""
+    from engine_worker.worker import Worker
+    from router import adapters as A
+
+    ckpt = sc.build_checkpoint(tmp_path / "ckpt")
+    model = new_model()
+    lora = f"{model}-rt-lora"
+    adapter = _lora_adapter(tmp_path / "rt-lora")
+    engine_args = {
+        "model": str(ckpt),
+        "max_model_len": MAX_MODEL_LEN,
+        "dtype": "bfloat16",
+        "enable_lora": True,
+    }
+    replica = f"{model}-vllm"
+    cfg = settings(
+        nats_server.url,
+        worker={
+            "model": model,
+            "replica": replica,
+            "backend": "vllm",
+            "heartbeat_interval_s": 0.2,
+            "vllm": {"engine_args": engine_args, "scripted_core": {"prefill_ms": 1}},
+        },
+    )
+    nc = await nats.connect(nats_server.url)
+    async with Worker(cfg) as worker, vllm_stack.procs.http("/v1", timeout=30) as h:
+        core = worker.backend.engine.engine_core
+        load = {"type": "adapters", "op": "load", "name": lora, "path": str(adapter)}
+        out = await A.command(nc, model, replica, load, 60)
+        assert out["adapters"] == {lora: str(adapter)} and out["load_ms"] >= 0
+        assert [(x.lora_name, x.lora_path) for x in core.record.loras] == [(lora, str(adapter))]
+        body = {"model": lora, "messages": HELLO, "max_tokens": 5, "seed": 4}
+        for _ in range(100):  # until the bridge has heard the worker's heartbeat
+            r = await h.post("/chat/completions", json=body)
+            if r.status_code != 404:
+                break
+            await asyncio.sleep(0.1)
+        assert r.status_code == 200, r.text
+        assert r.json()["model"] == lora
+        req = core.added[-1]
+        assert req.lora_request is not None and req.lora_request.lora_name == lora
+        # The scripted core reads no weights (a missing folder loads: vLLM's GPU engine
+        # would fail it); a base model's name is refused before vLLM is asked.
+        with pytest.raises(E.InvalidRequest, match=replica):
+            await A.command(nc, model, replica, {**load, "name": model}, 60)
+        unload = {"type": "adapters", "op": "unload", "name": lora, "drain_s": 5}
+        out = await A.command(nc, model, replica, unload, 60)
+        assert out["adapters"] == {} and out["cut"] == 0
+        for _ in range(100):
+            r = await h.post("/chat/completions", json=body)
+            if r.status_code == 404:
+                break
+            await asyncio.sleep(0.1)
+        assert r.status_code == 404, r.text
+    await nc.drain()
 
 
 async def _read_stream(stream: Any, text: str = "", n: int | None = None) -> tuple[str, Any, Any]:

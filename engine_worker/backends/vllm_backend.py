@@ -131,6 +131,8 @@ class VLLMBackend:
         self.args: Any = None
         self.supported_tasks: tuple[str, ...] | None = None
         self.served_models: list[str] = []
+        # LoRA adapters loaded at run time (docs/adapters.md): name -> path.
+        self.adapters: dict[str, str] = {}
         opts = self.options()
         self.tp = int(opts.get("tensor_parallel_size", opts.get("tp", 1)) or 1)
         self._embedding_adapter: Any = None
@@ -216,6 +218,48 @@ class VLLMBackend:
         names += [n for n in getattr(models, "lora_requests", {}) if n not in names]
         self.served_models = names
         await self._follow_kv_events(engine)
+
+    # -- LoRA adapters at run time (docs/adapters.md) ------------------------------------------
+    def _serving_models(self) -> Any:
+        models = getattr(self.state, "openai_serving_models", None)
+        if models is None:
+            raise E.InvalidRequest("this vLLM replica is not started", param="model")
+        if not getattr(self.args, "enable_lora", False):
+            raise E.InvalidRequest(
+                "LoRA is off on this replica: start it with --engine-arg enable_lora=true "
+                "(and max_lora_rank for the adapters' rank)",
+                param="name",
+            )
+        return models
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        """Load through vLLM's own front end, as ``POST /v1/load_lora_adapter`` does (its
+        checks, its engine call); again in place when the name is loaded already."""
+        models = self._serving_models()
+        request = self._vllm.LoadLoRAAdapterRequest(
+            lora_name=name, lora_path=path, load_inplace=name in self.adapters
+        )
+        out = await models.load_lora_adapter(request)
+        if isinstance(out, self._vllm.ErrorResponse):
+            err = self._error_from_info(out.error)
+            if isinstance(err, E.ModelNotFound):  # vLLM: no adapter at that path
+                err = E.InvalidRequest(err.message, param="path")
+            raise err
+        self.adapters[name] = path
+        if name not in self.served_models:
+            self.served_models.append(name)
+
+    async def unload_adapter(self, name: str) -> None:
+        """Unload through vLLM's front end (``POST /v1/unload_lora_adapter``)."""
+        models = self._serving_models()
+        out = await models.unload_lora_adapter(self._vllm.UnloadLoRAAdapterRequest(lora_name=name))
+        if isinstance(out, self._vllm.ErrorResponse):
+            err = self._error_from_info(out.error)
+            if not isinstance(err, E.ModelNotFound):  # gone already: unloaded
+                raise err
+        self.adapters.pop(name, None)
+        if name in self.served_models:
+            self.served_models.remove(name)
 
     async def _follow_kv_events(self, engine: Any) -> None:
         """Subscribe to the engine's KV-event publisher, if it has one (rank 0: a worker is

@@ -63,6 +63,9 @@ VLLM_NAMES: dict[str, str] = {
     "CompletionRequest": "vllm.entrypoints.openai.completion.protocol",
     "EmbeddingRequest": "vllm.entrypoints.pooling.embed.protocol",
     "ErrorResponse": "vllm.entrypoints.serve.engine.protocol",
+    # LoRA adapters loaded at run time (vLLM's /v1/load_lora_adapter; docs/adapters.md).
+    "LoadLoRAAdapterRequest": "vllm.entrypoints.serve.lora.protocol",
+    "UnloadLoRAAdapterRequest": "vllm.entrypoints.serve.lora.protocol",
     "create_error_response": "vllm.entrypoints.serve.exception_handling.error_response",
 }
 

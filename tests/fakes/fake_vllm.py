@@ -54,6 +54,7 @@ from collections.abc import AsyncGenerator, Iterable
 from dataclasses import dataclass, field, fields, replace
 from enum import Enum, StrEnum
 from http import HTTPStatus
+from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -1100,6 +1101,18 @@ class BaseModelPath:
     model_path: str
 
 
+class LoadLoRAAdapterRequest(BaseModel):
+    lora_name: str
+    lora_path: str
+    load_inplace: bool = False
+    is_3d_lora_weight: bool = False
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    lora_name: str
+    lora_int_id: int | None = None
+
+
 class OpenAIServingModels:
     def __init__(
         self, engine_client: AsyncLLM, base_model_paths: list[BaseModelPath], lora_modules: Any
@@ -1112,6 +1125,39 @@ class OpenAIServingModels:
 
     def is_base_model(self, name: str) -> bool:
         return any(m.name == name for m in self.base_model_paths)
+
+    async def load_lora_adapter(self, request: LoadLoRAAdapterRequest) -> ErrorResponse | str:
+        """vLLM's checks (models/serving.py), then the engine's load: an adapter folder
+        that does not exist is vLLM's LoRAAdapterNotFoundError (404)."""
+        name, path = request.lora_name, request.lora_path
+        if not name or not path:
+            return create_error_response("Both 'lora_name' and 'lora_path' must be provided.")
+        if self.is_base_model(name):
+            return create_error_response(
+                f"The lora adapter '{name}' conflicts with a served base model."
+            )
+        if not request.load_inplace and name in self.lora_requests:
+            return create_error_response(f"The lora adapter '{name}' has already been loaded.")
+        if not Path(path).exists():
+            return create_error_response(
+                f"Loading lora {name} failed: No adapter found for {path}",
+                err_type="NotFoundError",
+                status_code=HTTPStatus.NOT_FOUND,
+            )
+        old = self.lora_requests.get(name)
+        lora_id = old.lora_int_id if old else len(self.lora_requests) + 100
+        self.lora_requests[name] = LoRARequest(name, lora_id, path)
+        return f"Success: LoRA adapter '{name}' added successfully."
+
+    async def unload_lora_adapter(self, request: UnloadLoRAAdapterRequest) -> ErrorResponse | str:
+        if request.lora_name not in self.lora_requests:
+            return create_error_response(
+                f"The lora adapter '{request.lora_name}' cannot be found.",
+                err_type="NotFoundError",
+                status_code=HTTPStatus.NOT_FOUND,
+            )
+        del self.lora_requests[request.lora_name]
+        return f"Success: LoRA adapter '{request.lora_name}' removed successfully."
 
     def model_name(self, lora: LoRARequest | None) -> str:
         return lora.lora_name if lora is not None else self.base_model_paths[0].name
@@ -1671,6 +1717,8 @@ class FakeVLLM:
     EmbeddingRequest = EmbeddingRequest
     ErrorResponse = ErrorResponse
     create_error_response = staticmethod(create_error_response)
+    LoadLoRAAdapterRequest = LoadLoRAAdapterRequest
+    UnloadLoRAAdapterRequest = UnloadLoRAAdapterRequest
 
     def __init__(self, **engine_options: Any) -> None:
         outer = self

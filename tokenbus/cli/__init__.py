@@ -153,13 +153,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds to listen for heartbeats (idle replicas beat every 2 s)",
     )
 
-    from tokenbus.evaluation import batchbench, bench, kvbench, nemesis, syncbench
+    from tokenbus.evaluation import adapterbench, batchbench, bench, kvbench, nemesis, syncbench
 
     bp = bench.add_parser(sub)
     kvbench.add_arguments(bp.add_argument_group("multi-turn agent sessions"))
     batchbench.add_arguments(bp.add_argument_group("a batch beside interactive traffic"))
     nemesis.add_arguments(bp.add_argument_group("faults under mixed traffic (docs/nemesis.md)"))
     syncbench.add_arguments(bp.add_argument_group("what each JetStream sync policy costs"))
+    adapterbench.add_arguments(bp.add_argument_group("LoRA adapters at run time"))
 
     from tokenbus.cli import keys as keys_cli
 
@@ -600,6 +601,10 @@ def main(argv: list[str] | None = None) -> None:
                 from tokenbus.evaluation.syncbench import run_sync_bench
 
                 rc = await run_sync_bench(a)
+            elif a.adapters:
+                from tokenbus.evaluation.adapterbench import run_adapter_bench
+
+                rc = await run_adapter_bench(a)
             elif a.batch_lines:
                 from tokenbus.evaluation.batchbench import run_batch_bench
 

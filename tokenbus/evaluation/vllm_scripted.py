@@ -80,6 +80,8 @@ def prepare(a: Any, tmp: Path, port: int) -> VLLMScripted:
         "max_model_len": MAX_MODEL_LEN,
         "dtype": "bfloat16",
         "max_num_seqs": a.sim_max_running,
+        # What a scenario needs on (the adapters bench: enable_lora).
+        **(getattr(a, "engine_options", None) or {}),
     }
     argv = [vllm, "serve", str(ckpt), "--host", "127.0.0.1", "--port", str(port)]
     argv += ["--served-model-name", a.model]
