@@ -187,7 +187,16 @@ async def load(
     if not live:
         raise E.NotFound(f"no live replica serves the model {want.model!r}", param="model")
     have = {r.replica for r in holders(registry, want.name)}
-    live.sort(key=lambda r: (r.replica not in have, r.load / r.max_concurrency, r.replica))
+    # Those holding it first; then the fewest adapters (an engine batches only max_loras
+    # adapters at once: a request on another waits), the least busy.
+    live.sort(
+        key=lambda r: (
+            r.replica not in have,
+            len(r.adapters),
+            r.load / r.max_concurrency,
+            r.replica,
+        )
+    )
     targets = live[: want.replicas]
     body = {"type": "adapters", "op": "load", "name": want.name, "path": want.path}
     answers = await asyncio.gather(
@@ -297,14 +306,14 @@ class OnDemand:
         return self.table.get(model)
 
     def spare(self, want: Wanted) -> list[Replica]:
-        """Replicas of the adapter's model that do not hold it and have room, least busy
-        first."""
+        """Replicas of the adapter's model that do not hold it and have room: those with the
+        fewest adapters first (max_loras), then the least busy."""
         free = [
             r
             for r in bases(self.registry, want.model)
             if want.name not in r.adapters and r.load < r.max_concurrency
         ]
-        return sorted(free, key=lambda r: (r.load / r.max_concurrency, r.replica))
+        return sorted(free, key=lambda r: (len(r.adapters), r.load / r.max_concurrency, r.replica))
 
     def start(self, want: Wanted) -> asyncio.Task[str | None] | None:
         """The load of ``want`` under way, or a new one on the least busy spare replica;
