@@ -81,35 +81,22 @@ class AdapterTable:
     """The wanted adapters, following the bucket."""
 
     def __init__(self, log: Any = None) -> None:
-        self.log = log
-        self.wanted: dict[str, Wanted] = {}
-        self._follow: buckets.Follow | None = None
+        self._table = kvmap.Table(BUCKET, _wanted, log, "adapter")
+
+    @property
+    def wanted(self) -> dict[str, Wanted]:
+        return self._table.values
 
     def get(self, name: str) -> Wanted | None:
         return self.wanted.get(name)
 
     async def watch(self, nc: NATS) -> AdapterTable:
         """Follow the bucket (created if missing); waits for its current values."""
-        self._follow = await buckets.Follow(await open_bucket(nc), self._apply).start()
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._follow.synced.wait(), 10)
+        await self._table.watch(nc)
         return self
 
-    def _apply(self, entry: Any) -> None:
-        try:
-            name = kvmap.name_of(entry.key)
-        except ValueError:
-            return
-        if entry.operation in ("DEL", "PURGE") or not entry.value:
-            self.wanted.pop(name, None)
-        elif (w := _wanted(entry.value)) is not None:
-            self.wanted[name] = w
-        elif self.log is not None:
-            self.log.warning("adapter_entry_invalid", bucket=BUCKET, key=entry.key[:200])
-
     async def close(self) -> None:
-        if self._follow is not None:
-            await self._follow.close()
+        await self._table.close()
 
 
 async def watch_adapters(nc: NATS, log: Any) -> AdapterTable:

@@ -51,9 +51,13 @@ class AliasTable:
 
     def __init__(self, static: Mapping[str, str] | None = None, log: Any = None) -> None:
         self.static = dict(static or {})
-        self.runtime: dict[str, str] = {}
         self.log = log
-        self._follow: buckets.Follow | None = None
+        self._table = kvmap.Table(BUCKET, _target, log, "alias")
+
+    @property
+    def runtime(self) -> dict[str, str]:
+        """The run-time aliases now, name -> served model."""
+        return self._table.values
 
     def all(self) -> dict[str, str]:
         return {**self.static, **self.runtime}
@@ -67,29 +71,11 @@ class AliasTable:
 
     async def watch(self, nc: NATS) -> AliasTable:
         """Follow the bucket (created if missing); waits for its current values."""
-        self._follow = await buckets.Follow(await open_bucket(nc), self._apply).start()
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._follow.synced.wait(), 10)
+        await self._table.watch(nc)
         return self
 
-    def _apply(self, entry: Any) -> None:
-        try:
-            name = kvmap.name_of(entry.key)
-        except ValueError:
-            return
-        if entry.operation in ("DEL", "PURGE") or not entry.value:
-            self.runtime.pop(name, None)
-        elif (target := _target(entry.value)) is not None:
-            self.runtime[name] = target
-        elif self.log is not None:  # not written by this module: skipped, not fatal
-            self.log.warning("alias_change_invalid", bucket=BUCKET, key=entry.key[:200])
-            return
-        if self.log is not None:
-            self.log.info("alias_changed", alias=name, model=self.runtime.get(name))
-
     async def close(self) -> None:
-        if self._follow is not None:
-            await self._follow.close()
+        await self._table.close()
 
 
 async def watch_aliases(nc: NATS, static: Mapping[str, str], log: Any) -> AliasTable:

@@ -1,12 +1,14 @@
 """A JetStream KV bucket used as a map from model names to JSON values (the run-time routing
-changes, ``tokenbus_routing``, and the model aliases, ``tokenbus_aliases``)."""
+changes, ``tokenbus_routing``, the model aliases, ``tokenbus_aliases``, and the LoRA adapters
+loaded at run time, ``tokenbus_adapters``)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 from nats.aio.client import Client as NATS
 from nats.js.errors import KeyNotFoundError
@@ -60,3 +62,47 @@ async def entries(kv: KeyValue, parse: Callable[[bytes], T | None]) -> dict[str,
             if value is not None:
                 out[name_of(k)] = value
     return out
+
+
+class Table(Generic[T]):
+    """A bucket's entries as a map, name -> ``parse(value)``, following every change of the
+    bucket (what auth stages, routers and bridges keep of the run-time aliases and adapters).
+    A value ``parse`` refuses (not written by tokenbus) is skipped with a warning."""
+
+    def __init__(
+        self, bucket: str, parse: Callable[[bytes], T | None], log: Any = None, what: str = ""
+    ) -> None:
+        self.bucket = bucket
+        self.parse = parse
+        self.log = log
+        self.what = what or bucket
+        self.values: dict[str, T] = {}
+        self._follow: buckets.Follow | None = None
+
+    async def watch(self, nc: NATS) -> None:
+        """Follow the bucket (created if missing); waits (up to 10 s) for its values now."""
+        self._follow = await buckets.Follow(await open_bucket(nc, self.bucket), self._apply).start()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._follow.synced.wait(), 10)
+
+    def _apply(self, entry: Any) -> None:
+        try:
+            name = name_of(entry.key)
+        except ValueError:
+            return
+        if entry.operation in ("DEL", "PURGE") or not entry.value:
+            self.values.pop(name, None)
+        elif (value := self.parse(entry.value)) is not None:
+            self.values[name] = value
+        else:
+            if self.log is not None:
+                self.log.warning(
+                    f"{self.what}_change_invalid", bucket=self.bucket, key=entry.key[:200]
+                )
+            return
+        if self.log is not None:
+            self.log.info(f"{self.what}_changed", name=name, value=str(self.values.get(name)))
+
+    async def close(self) -> None:
+        if self._follow is not None:
+            await self._follow.close()

@@ -53,7 +53,7 @@ from nats.js.errors import NotFoundError
 from auth import budgets, limits, store
 from bus_schemas import subjects
 from jobs import background, batches, files, response_store
-from router import routing
+from router import adapters, routing
 from services import aliases, audit
 from services.config import Settings, kv_replicas
 from telemetry import records
@@ -84,6 +84,7 @@ STORES: tuple[Store, ...] = (
     Store("kv", limits.SECRETS_BUCKET),  # the rate limiters' shared signing key
     Store("kv", aliases.BUCKET),  # run-time model aliases
     Store("kv", routing.BUCKET),  # run-time routing
+    Store("kv", adapters.BUCKET),  # LoRA adapters loaded at run time (the wanted ones)
     Store("kv", response_store.BUCKET),  # stored responses (Responses API)
     Store("kv", batches.BATCHES),  # batch records
     Store("kv", batches.OPEN_BATCHES),  # the batches not yet finished
