@@ -89,6 +89,8 @@ AUDIT = audit_wildcard()
 # The Batch API (docs/batches.md): its work queue and done announcements (bridges publish),
 # and its files in a JetStream object store (chunks and metadata on $O.<bucket>.>).
 BATCH = f"{PREFIX}.batch.>"
+# A background response's cancel, heard by the bridge whose runner runs it (jobs/background.py).
+BATCH_CANCEL = f"{PREFIX}.batch.cancel.*"
 OBJECTS = "$O.>"
 # What no role but admin may do to the audit stream, although JS_API allows it: delete it,
 # or change its limits (the stream itself refuses message deletes and purges to everyone;
@@ -110,7 +112,7 @@ ROLES: dict[str, tuple[list[str], list[str]]] = {
             *[REQ, STAGES, TO_REQ, TO_STAGES, ENGINE, CANCEL, INBOX, TELEMETRY, AUDIT, BATCH],
             *[OBJECTS, *USAGE, *JS_API],
         ],
-        [INBOX, HEARTBEAT, KV_EVENTS, DISCOVERY, MEMBERS, *USAGE],
+        [INBOX, HEARTBEAT, KV_EVENTS, DISCOVERY, MEMBERS, BATCH_CANCEL, *USAGE],
     ),
     # KV: ingress keeps NATS clients' stored Responses API responses (tokenbus_responses)
     # and checks their keys (tokenbus_keys) as the bridge does.

@@ -277,6 +277,9 @@ def stored(fuzz_stack: FuzzStack) -> str:
     return _new_response(fuzz_stack)
 
 
+# Every operation's examples in one test (subtests): bounded by their count, not by a wait;
+# about 100 s on 2 loaded cores, so the suite's 120 s is no hang guard for it.
+@pytest.mark.timeout(600)
 @schema.parametrize()
 def test_openai_s_valid_requests_are_served_as_openai_documents(
     case: Any, fuzz_stack: FuzzStack, stored: str

@@ -158,6 +158,9 @@ def _with_served_model(case: Any, model: str) -> None:
             body["model"] = model
 
 
+# Every operation's examples in one test (subtests): bounded by their count, not by a wait;
+# about 100 s on 2 loaded cores, so the suite's 120 s is no hang guard for it.
+@pytest.mark.timeout(600)
 @schema.parametrize()
 def test_the_bridge_keeps_its_openapi_contract(case: Any, fuzz_stack: FuzzStack) -> None:
     _with_served_model(case, fuzz_stack.model)
