@@ -68,7 +68,7 @@ class LockedBus:
         """A new API key (limits: ``fields``; none by default) in the bus's key store."""
         return await create_key(await self.admin(), name, **fields)
 
-    async def wait_replicas(self, model: str, n: int, timeout: float = 20) -> None:
+    async def wait_replicas(self, model: str, n: int, timeout: float = 60) -> None:
         await wait_replicas(self, self.url, model, n, timeout)
 
 
@@ -152,7 +152,7 @@ class LockedCluster:
             servers(self.urls(i)), dont_randomize=True, **role_login(self.users, "admin"), **kw
         )
 
-    async def routed(self, timeout: float = 20) -> None:
+    async def routed(self, timeout: float = 60) -> None:
         """Until every node has joined the cluster and JetStream has a meta leader."""
         deadline = time.monotonic() + timeout
         for i in range(1, len(self.ports)):
@@ -212,12 +212,15 @@ async def live_replicas(
 
 
 async def wait_replicas(
-    bus: LockedBus | LockedCluster, url: str, model: str, n: int, timeout: float = 20
+    bus: LockedBus | LockedCluster, url: str, model: str, n: int, timeout: float = 60
 ) -> None:
+    # A bound a loaded machine does not miss: a dozen processes starting at once on 2 busy
+    # cores took over 20 s in a full suite run (every log still empty); it returns as soon
+    # as they beat.
     await conftest.wait_replicas(url, model, n, timeout, **role_login(bus.users, "admin"))
 
 
-async def serve_when_ready(url: str, key: str, model: str, timeout: float = 20) -> None:
+async def serve_when_ready(url: str, key: str, model: str, timeout: float = 60) -> None:
     """Until a client logging in with ``key`` (the callout answered) is served by ``model``."""
     deadline = time.monotonic() + timeout
     last: Exception | None = None

@@ -311,13 +311,16 @@ async def test_a_migrated_request_is_recorded_with_its_migration(
         dead.outbox.send = lambda reply, frame: None  # type: ignore[method-assign]
         async for _ in s:
             pass
-        assert s.migrations == 1
+        # Moved at least once (a loaded machine may hold the survivor's beats back long
+        # enough for its caller to move it again): the record says how often.
+        assert s.migrations >= 1
         for task in list(dead._active.values()):
             task.cancel()
 
         def stored() -> bool:
             return any(
-                r["request_id"] == s.request_id and r["migrations"] == 1 for r in tel.store.rows()
+                r["request_id"] == s.request_id and r["migrations"] == s.migrations
+                for r in tel.store.rows()
             )
 
         await wait_for(stored, timeout=10)
