@@ -147,9 +147,13 @@ async def test_kill_9_under_load_loses_no_request(
             load = asyncio.create_task(steady_load(client, model, 4.0, tally))
             await under_way(load, tally)
             stack.roles[victim][0].signal(signal.SIGKILL)
+            before = tally.outcomes["ok"]
             await load
         tally.report(f"kill -9 {victim}")
-        assert tally.outcomes["ok"] > 200, tally.outcomes
+        # Served on after the kill (a quarter of the clients at least: not a throughput,
+        # which a loaded machine cuts sevenfold: 139 in all in one full suite run, about
+        # 1 000 alone), and nothing failed.
+        assert tally.outcomes["ok"] - before >= CLIENTS // 4, (before, tally.outcomes)
         assert tally.failed() == 0, (tally.outcomes, tally.errors[:5])
         # A client logging in now is let in (the surviving auth instance answers the
         # callout) and served.
