@@ -175,10 +175,13 @@ async def test_draining_a_worker_under_load_loses_no_request(
             load = asyncio.create_task(steady_load(client, model, 3.0, tally))
             await under_way(load, tally)
             stack.workers[0].signal(signal.SIGTERM)
+            before = tally.outcomes["ok"]
             await load
         assert stack.workers[0].proc.wait(20) == 0
     tally.report("SIGTERM worker")
-    assert tally.outcomes["ok"] > 150 and tally.failed() == 0, tally.outcomes
+    # Served on while it drained (not a throughput: see the kill -9 test), nothing failed.
+    assert tally.outcomes["ok"] - before >= CLIENTS // 4, (before, tally.outcomes)
+    assert tally.failed() == 0, tally.outcomes
 
 
 async def test_nats_server_restart_under_load(bus: LockedBus, model: str, tmp_path: Path) -> None:

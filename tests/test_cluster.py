@@ -89,9 +89,11 @@ async def test_a_node_killed_under_load_does_not_stop_the_service(
             )
             assert not load.done(), f"the load ended before the kill: {tally.outcomes}"
             cluster.kill(2)  # node 2 and the connection of the worker on it
+            before = tally.outcomes["ok"]
             await load
         tally.report("kill -9 of a cluster node")
-        assert tally.outcomes["ok"] > 200, tally.outcomes
+        # Served on after the kill (not a throughput, which a loaded machine cuts).
+        assert tally.outcomes["ok"] - before >= 16, (before, tally.outcomes)
         assert tally.failed() == 0, (tally.outcomes, tally.errors[:5])
         # The worker that lost its node reconnected to another and still serves.
         assert procs.all_alive()
