@@ -53,8 +53,9 @@ def test_two_tenants_the_light_one_is_served_first_only_with_flow_control(
         assert run["a_tokens_per_s"] > run["total_tokens_per_s"] / 2
         assert run["settings"]["slot_turnover_ms"] == 128 * 5 / 8
     # Flow control puts B ahead of A's queue: a large effect, not a margin.
+    # (How long B waits behind A's queue without it is the machine's: 955 ms in one loaded
+    # full run, over 2 s alone; only the ratio is this test's.)
     assert on["b_flood_ttft_ms"]["p50"] * 5 < off["b_flood_ttft_ms"]["p50"]
-    assert off["b_flood_ttft_ms"]["p50"] > 2000
     assert on["b_flood_requests"] > off["b_flood_requests"]
     targets = {c["target"]: c for c in two["checks"]}
     assert len(targets) == 2 and all(isinstance(c["met"], bool) for c in targets.values())

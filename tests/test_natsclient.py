@@ -251,7 +251,10 @@ async def test_dispatch_writes_each_request_at_once_unless_told_not_to(
         ack = codec.encode({"ok": True, "in_flight": 1})
         with ThreadResponder(nats_server.url, subject, ack) as r:
             for at_once in (True, False):
-                d = Dispatcher(nc, reg, RouterSettings(write_at_once=at_once))
+                # A generous ack wait: the responder thread answers once the loop turns, which
+                # a loaded machine may delay past the 2 s default (seen in a full run).
+                cfg = RouterSettings(write_at_once=at_once, dispatch_timeout_s=30)
+                d = Dispatcher(nc, reg, cfg)
                 body = codec.encode({"n": int(at_once)})
                 heard, replica = await r.heard_while_blocked(
                     d.dispatch(model, body, {}, nc.new_inbox())
