@@ -473,6 +473,7 @@ class Worker(Service):
     def heartbeat_body(self) -> dict[str, Any]:
         self._seq += 1
         st = self.backend.stats()
+        adapters = self._adapters()
         return {
             "type": "heartbeat",
             "replica": self.replica,
@@ -507,7 +508,7 @@ class Worker(Service):
                 for m in getattr(self.backend, "served_models", ())
                 if m != self.model and m not in self._unloading
             ],
-            **({"adapters": self._adapters()} if self._adapters() else {}),
+            **({"adapters": adapters} if adapters else {}),
             "interval_s": self._interval(),
             # The model's context length (0: not known here).
             "max_model_len": int(
@@ -614,9 +615,10 @@ class Worker(Service):
 
     # -- LoRA adapters at run time (docs/adapters.md) ------------------------------------------
     def _adapters(self) -> dict[str, str]:
-        """The adapters the engine loaded at run time, name -> path."""
+        """The adapters the engine loaded at run time, name -> path (the backend's own map:
+        read, never changed here)."""
         held = getattr(self.backend, "adapters", None)
-        return dict(held) if isinstance(held, dict) else {}
+        return held if isinstance(held, dict) else {}
 
     async def _on_adapters(self, msg: Msg) -> None:
         """Load, unload or list adapters, one change at a time; the answer says what the
@@ -639,7 +641,7 @@ class Worker(Service):
         except E.TokenbusError as exc:
             body = {"ok": False, "error": exc.to_dict()}
         body.update(
-            type="adapters", replica=self.replica, model=self.model, adapters=self._adapters()
+            type="adapters", replica=self.replica, model=self.model, adapters=dict(self._adapters())
         )
         if msg.reply:
             with contextlib.suppress(Exception):

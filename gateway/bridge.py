@@ -38,7 +38,7 @@ from jobs.batch_runner import BatchRunner
 from jobs.batches import BatchStore
 from jobs.files import FileStore
 from jobs.response_store import open_store
-from router.adapters import AdapterTable, OnDemand, watch_adapters
+from router.adapters import AdapterTable, watch_adapters
 from router.dispatch import Dispatcher
 from router.kv_follow import KVFollower, register_metrics
 from router.kv_index import KVIndex
@@ -297,7 +297,7 @@ class Bridge(Service):
                 self.settings.router,
                 self.routing,
                 self.aliases,
-                OnDemand(self.nc, self.registry, self.adapters, self.log),
+                self.adapters,
             )
         keys = await self._keys()
         self.source = BusSource(

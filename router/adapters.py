@@ -81,6 +81,7 @@ class AdapterTable:
     """The wanted adapters, following the bucket."""
 
     def __init__(self, log: Any = None) -> None:
+        self.log = log
         self._table = kvmap.Table(BUCKET, _wanted, log, "adapter")
 
     @property
@@ -199,13 +200,14 @@ async def load(
             first = first or err
             failed.append({"replica": r.replica, "error": err.to_dict()})
         else:
-            registry.set_adapters(r, {**r.adapters, want.name: want.path})
-            r.aliases = r.aliases | {want.name}
+            registry.add_adapter(r, want.name, want.path)
             loaded.append({"replica": r.replica, "load_ms": a.get("load_ms")})
     if not loaded:
         assert first is not None
         raise first
-    async with audit.change(nc, ADAPTER_LOADED, want.name, actor, request_id=request_id) as change:
+    async with audit.change(
+        nc, audit.ADAPTER_LOADED, want.name, actor, request_id=request_id
+    ) as change:
         kv = await open_bucket(nc)
         data = json.dumps(want.to_dict()).encode()
         await buckets.through_stall(lambda: kv.put(kvmap.kv_key(want.name), data), what="adapter")
@@ -231,7 +233,9 @@ async def unload(
     held = holders(registry, name)
     if previous is None and not held:
         raise E.NotFound(f"no adapter {name!r} is loaded", param="name")
-    async with audit.change(nc, ADAPTER_UNLOADED, name, actor, request_id=request_id) as change:
+    async with audit.change(
+        nc, audit.ADAPTER_UNLOADED, name, actor, request_id=request_id
+    ) as change:
         with contextlib.suppress(KeyNotFoundError):
             await buckets.through_stall(lambda: kv.delete(kvmap.kv_key(name)), what="adapter")
         body = {"type": "adapters", "op": "unload", "name": name, "drain_s": drain_s}
@@ -273,20 +277,16 @@ async def listing(nc: NATS, registry: Registry) -> list[dict[str, Any]]:
     return [rows[n] for n in sorted(rows)]
 
 
-ADAPTER_LOADED = audit.ADAPTER_LOADED
-ADAPTER_UNLOADED = audit.ADAPTER_UNLOADED
-
-
 # -- the dispatcher's loads ------------------------------------------------------------------
 class OnDemand:
     """Loads wanted adapters where the requests for them need them, one load per adapter at
     a time."""
 
-    def __init__(self, nc: NATS, registry: Registry, table: AdapterTable, log: Any = None) -> None:
+    def __init__(self, nc: NATS, registry: Registry, table: AdapterTable) -> None:
         self.nc = nc
         self.registry = registry
         self.table = table
-        self.log = log
+        self.log = table.log
         self._loading: dict[str, asyncio.Task[str | None]] = {}
 
     def wanted(self, model: str) -> Wanted | None:
@@ -328,8 +328,7 @@ class OnDemand:
                     "adapter_load_failed", adapter=want.name, replica=r.replica, error=exc.message
                 )
             return None
-        self.registry.set_adapters(r, {**r.adapters, want.name: want.path})
-        r.aliases = r.aliases | {want.name}
+        self.registry.add_adapter(r, want.name, want.path)
         if self.log is not None:
             self.log.info(
                 "adapter_loaded_on_demand",

@@ -24,7 +24,7 @@ from bus_schemas import codec, marks, subjects
 from bus_schemas import errors as E
 from bus_schemas import headers as H
 from bus_schemas.messages import check_envelope, render_prompt
-from router.adapters import LOAD_TIMEOUT_S, OnDemand
+from router.adapters import LOAD_TIMEOUT_S, AdapterTable, OnDemand
 from router.policies import RouteRequest, prompt_text
 from router.registry import Registry, Replica
 from router.routing import ModelRoute, RoutingTable
@@ -111,11 +111,12 @@ class Dispatcher:
         cfg: RouterSettings,
         routing: RoutingTable | None = None,
         aliases: AliasTable | None = None,
-        adapters: OnDemand | None = None,
+        adapters: AdapterTable | None = None,
     ) -> None:
         self.nc = nc
-        # LoRA adapters loaded at run time where their requests need them.
-        self.adapters = adapters
+        # LoRA adapters loaded at run time where their requests need them (the wanted ones:
+        # ``adapters``).
+        self.adapters = OnDemand(nc, registry, adapters) if adapters is not None else None
         self.registry = registry
         self.cfg = cfg
         self.routing = routing if routing is not None else RoutingTable(cfg)

@@ -155,6 +155,12 @@ class Registry:
         r.adapters = adapters
         self._ever_seen.update(adapters)
 
+    def add_adapter(self, r: Replica, name: str, path: str) -> None:
+        """``r`` loaded ``name`` from ``path`` (its load answered): it takes its requests
+        from now, before its next heartbeat says so."""
+        self.set_adapters(r, {**r.adapters, name: path})
+        r.aliases = r.aliases | {name}
+
     def _alive(self, r: Replica, now: float) -> bool:
         return natsclient.silent_for(self.bus, r.last_seen, now) <= r.interval_s * self.missed
 

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 from typing import Any
 
+import structlog
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
@@ -13,7 +14,7 @@ from bus_schemas import codec, subjects
 from bus_schemas import errors as E
 from bus_schemas import headers as H
 from bus_schemas.messages import check_envelope
-from router.adapters import OnDemand, watch_adapters
+from router.adapters import watch_adapters
 from router.dispatch import Dispatcher
 from router.kv_follow import KVFollower
 from router.kv_index import KVIndex
@@ -42,7 +43,7 @@ class Router(Service):
             self.settings.router,
             self.routing,
             self.aliases,
-            OnDemand(self.nc, self.registry, self.adapters, self.log),
+            self.adapters,
         )
         self._tracker = HeartbeatTracker(self.registry, self.log)
         await self._tracker.start(self.nc)
@@ -132,3 +133,16 @@ class HeartbeatTracker:
         while True:
             await asyncio.sleep(PRUNE_EVERY_S)
             self.registry.prune()
+
+
+async def heard(nc: Any, wait_s: float, missed_heartbeats: int = 3) -> Registry:
+    """The replicas heard beating within ``wait_s`` seconds, for a process that keeps no
+    registry running (``tokenbus adapters``, the adapters bench)."""
+    registry = Registry(missed_heartbeats)
+    tracker = HeartbeatTracker(registry, structlog.get_logger("tokenbus.heartbeats"))
+    await tracker.start(nc)
+    try:
+        await asyncio.sleep(max(0.0, wait_s))  # heartbeats arrive meanwhile
+    finally:
+        await tracker.stop()
+    return registry

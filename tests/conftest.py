@@ -128,12 +128,20 @@ def free_port() -> int:
     return launcher_free_port()
 
 
-def wait_port(port: int, timeout: float = 10, host: str = "127.0.0.1") -> None:
-    """Until something listens on ``port`` (a server just started)."""
+def wait_port(
+    port: int,
+    timeout: float = 10,
+    host: str = "127.0.0.1",
+    proc: subprocess.Popen[bytes] | None = None,
+) -> bool:
+    """Until something listens on ``port`` (a server just started): True; False as soon as
+    ``proc`` (the server) exited. Raises when ``timeout`` passes first."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if port_open(host, port):
-            return
+            return True
+        if proc is not None and proc.poll() is not None:
+            return False
         time.sleep(0.02)
     raise RuntimeError(f"nothing listens on port {port}")
 
@@ -145,20 +153,20 @@ def spawn_nats(
     (``prefix``: what runs it elsewhere, ``ip netns exec <host>``)."""
     # Until it listens, or it exits (a port taken, a bad config: said with its own words),
     # or a minute passes (a loaded machine starting a JetStream store).
-    deadline = time.monotonic() + 60
     with tempfile.TemporaryFile() as err:
         proc = subprocess.Popen(
             [*prefix, nats_server_binary(), *args], stdout=subprocess.DEVNULL, stderr=err
         )
-        while not port_open(host, port):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                proc.wait(5)
-                err.seek(0)
-                said = err.read().decode(errors="replace")[-2000:]
-                raise RuntimeError(f"nats-server did not listen on {host}:{port}: {said}")
-            time.sleep(0.02)
-    return proc
+        try:
+            if wait_port(port, 60, host, proc):
+                return proc
+        except RuntimeError:
+            pass
+        proc.kill()
+        proc.wait(5)
+        err.seek(0)
+        said = err.read().decode(errors="replace")[-2000:]
+        raise RuntimeError(f"nats-server did not listen on {host}:{port}: {said}")
 
 
 TEST_SYNC = "2m"  # the test servers' JetStream sync interval (NatsServer.start)

@@ -21,7 +21,7 @@ from engine_worker.backends.base import GenerationRequest
 from engine_worker.backends.sim import SimEngine
 from services import audit
 from services.config import SimSettings
-from tests.conftest import Procs, live_replicas, run_cli, start_stack, wait_for
+from tests.conftest import Procs, live_replicas, run_cli, start_stack, start_worker, wait_for
 from tokenbus import Client
 
 MSG = [{"role": "user", "content": "write me a query"}]
@@ -171,9 +171,7 @@ async def test_the_router_loads_a_wanted_adapter_beside_a_busy_holder_and_after_
     # Both holders killed; a new replica starts: the first request loads it there.
     for w in stack.workers:
         w.signal(signal.SIGKILL)
-    fresh = procs.start(
-        "worker-2", "serve", "worker", "--model", model, "--replica", f"{model}-2", env=env
-    )
+    fresh = start_worker(procs, model, 2, env=env)
 
     async def beats() -> bool:
         return f"{model}-2" in await live_replicas(procs.url, model, wait=2.5)

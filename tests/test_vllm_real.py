@@ -36,6 +36,7 @@ from tests.conftest import (
     new_model,
     settings,
     start_stack,
+    wait_for,
     wait_replicas,
 )
 from tests.test_migration import _victim
@@ -399,6 +400,21 @@ def _lora_adapter(path: Path) -> Path:
     return path
 
 
+def _lora_worker(url: str, model: str, engine_args: dict[str, Any]) -> Any:
+    """Settings of a vllm worker ``<model>-vllm`` over the scripted core, beating every
+    0.2 s."""
+    return settings(
+        url,
+        worker={
+            "model": model,
+            "replica": f"{model}-vllm",
+            "backend": "vllm",
+            "heartbeat_interval_s": 0.2,
+            "vllm": {"engine_args": engine_args, "scripted_core": {"prefill_ms": 1}},
+        },
+    )
+
+
 async def test_a_lora_adapter_is_listed_and_routed(
     nats_server: NatsServer, vllm_stack: VLLMStack, tmp_path: Path
 ) -> None:
@@ -418,16 +434,7 @@ async def test_a_lora_adapter_is_listed_and_routed(
         "enable_lora": True,
         "lora_modules": {lora: str(adapter)},
     }
-    cfg = settings(
-        nats_server.url,
-        worker={
-            "model": model,
-            "replica": f"{model}-vllm",
-            "backend": "vllm",
-            "heartbeat_interval_s": 0.2,
-            "vllm": {"engine_args": engine_args, "scripted_core": {"prefill_ms": 1}},
-        },
-    )
+    cfg = _lora_worker(nats_server.url, model, engine_args)
     async with Worker(cfg) as worker, vllm_stack.procs.http("/v1", timeout=30) as h:
         core = worker.backend.engine.engine_core
         assert isinstance(core, sc.ScriptedCoreClient)
@@ -476,16 +483,7 @@ async def test_a_lora_adapter_loaded_at_run_time_through_vllms_front_end(
         "enable_lora": True,
     }
     replica = f"{model}-vllm"
-    cfg = settings(
-        nats_server.url,
-        worker={
-            "model": model,
-            "replica": replica,
-            "backend": "vllm",
-            "heartbeat_interval_s": 0.2,
-            "vllm": {"engine_args": engine_args, "scripted_core": {"prefill_ms": 1}},
-        },
-    )
+    cfg = _lora_worker(nats_server.url, model, engine_args)
     nc = await nats.connect(nats_server.url)
     async with Worker(cfg) as worker, vllm_stack.procs.http("/v1", timeout=30) as h:
         core = worker.backend.engine.engine_core
@@ -494,13 +492,15 @@ async def test_a_lora_adapter_loaded_at_run_time_through_vllms_front_end(
         assert out["adapters"] == {lora: str(adapter)} and out["load_ms"] >= 0
         assert [(x.lora_name, x.lora_path) for x in core.record.loras] == [(lora, str(adapter))]
         body = {"model": lora, "messages": HELLO, "max_tokens": 5, "seed": 4}
-        for _ in range(100):  # until the bridge has heard the worker's heartbeat
-            r = await h.post("/chat/completions", json=body)
-            if r.status_code != 404:
-                break
-            await asyncio.sleep(0.1)
-        assert r.status_code == 200, r.text
-        assert r.json()["model"] == lora
+        answers: list[Any] = []
+
+        async def answered(status: int) -> bool:
+            answers.append(await h.post("/chat/completions", json=body))
+            return bool(answers[-1].status_code == status)
+
+        # Until the bridge has heard the worker's heartbeat naming it.
+        await wait_for(lambda: answered(200), timeout=10, what="the adapter is not served")
+        assert answers[-1].json()["model"] == lora
         req = core.added[-1]
         assert req.lora_request is not None and req.lora_request.lora_name == lora
         # The scripted core reads no weights (a missing folder loads: vLLM's GPU engine
@@ -510,12 +510,7 @@ async def test_a_lora_adapter_loaded_at_run_time_through_vllms_front_end(
         unload = {"type": "adapters", "op": "unload", "name": lora, "drain_s": 5}
         out = await A.command(nc, model, replica, unload, 60)
         assert out["adapters"] == {} and out["cut"] == 0
-        for _ in range(100):
-            r = await h.post("/chat/completions", json=body)
-            if r.status_code == 404:
-                break
-            await asyncio.sleep(0.1)
-        assert r.status_code == 404, r.text
+        await wait_for(lambda: answered(404), timeout=10, what="the adapter is still served")
     await nc.drain()
 
 

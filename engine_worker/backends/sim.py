@@ -364,6 +364,10 @@ class SimEngine:
         # LoRA adapters loaded at run time: name -> the path it was loaded from.
         self.adapters: dict[str, str] = {}
 
+    def lora_of(self, req: GenerationRequest) -> str | None:
+        """The run-time adapter ``req`` asks for (None: the base model)."""
+        return req.model if req.model in self.adapters else None
+
     # -- cost model -------------------------------------------------------------------------
     def prefill_s(self, prompt_tokens: int) -> float:
         ms = self.cfg.prefill_ms + self.cfg.prefill_ms_per_token * prompt_tokens
@@ -598,7 +602,7 @@ class SimStream(_TextOut):
         # with the very tokens the first replica would have produced next.
         done, text = resume_point(start, req, limit)
         self.seq = _Seq(start, self.ptoks + done, limit, prompt=prompt)
-        self.seq.lora = req.model if req.model in engine.adapters else None
+        self.seq.lora = engine.lora_of(req)
         self.seq.emitted = done
         self.hold = max((len(s) for s in req.stop), default=1) - 1
         self.text = text
@@ -781,7 +785,7 @@ class SimExtraStream(_TextOut):
                 done, text = _resume(toks.__getitem__, limit, req)
             sent = max(len(text), len(req.resume_text)) if req.resume_text else 0
         self.seq = _Seq(self.start, self.ptoks + done, limit, toks, plan.prompt)
-        self.seq.lora = req.model if req.model in engine.adapters else None
+        self.seq.lora = engine.lora_of(req)
         self.seq.emitted = done
         self.hold = max((len(s) for s in self.stop), default=1) - 1
         self.text = text

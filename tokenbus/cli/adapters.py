@@ -8,16 +8,12 @@ trail as ``cli:<os user>@<host>``.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 from typing import Any
 
-import structlog
-
 from bus_schemas import errors as E
 from router import adapters as A
-from router.registry import Registry
-from router.service import HeartbeatTracker
+from router.service import heard
 from services import audit
 from services.config import Settings
 from tokenbus.cli import bus
@@ -57,11 +53,8 @@ async def main(a: argparse.Namespace, s: Settings) -> int:
     nc = await bus.connect(s.url(), s.nats_auth())
     if nc is None:
         return 1
-    registry = Registry(s.router.missed_heartbeats)
-    tracker = HeartbeatTracker(registry, structlog.get_logger("tokenbus.adapters"))
     try:
-        await tracker.start(nc)
-        await asyncio.sleep(max(0.0, a.wait))  # heartbeats arrive meanwhile
+        registry = await heard(nc, a.wait, s.router.missed_heartbeats)
         if a.adapters_cmd == "list":
             rows = await A.listing(nc, registry)
             if a.json:
@@ -83,5 +76,4 @@ async def main(a: argparse.Namespace, s: Settings) -> int:
         print(f"error: {exc.message}")
         return 2 if exc.status < 500 else 1
     finally:
-        await tracker.stop()
         await nc.drain()

@@ -22,11 +22,9 @@ from typing import Any
 
 import httpx
 import nats
-import structlog
 
 from router import adapters as A
-from router.registry import Registry
-from router.service import HeartbeatTracker
+from router.service import heard
 from tokenbus.evaluation.bench import report_head, spawned
 
 
@@ -93,10 +91,7 @@ async def run_adapter_bench(a: argparse.Namespace) -> int:
         http = next(t for t in targets if t.mode == "http")
         bus = next(t for t in targets if t.mode == "nats")
         nc = await nats.connect(bus.url, **bus.login)
-        registry = Registry()
-        tracker = HeartbeatTracker(registry, structlog.get_logger("bench"))
-        await tracker.start(nc)
-        await asyncio.sleep(2.5)  # every replica's heartbeat
+        registry = await heard(nc, 2.5)  # every replica's heartbeat (idle: every 2 s)
         keep = A.Wanted("bench-keep", a.model, _folder(root, "keep"), 1)
         await A.load(nc, registry, keep)
         failures: list[str] = []
@@ -146,7 +141,6 @@ async def run_adapter_bench(a: argparse.Namespace) -> int:
             finally:
                 stop.set()
                 await asyncio.gather(*load, return_exceptions=True)
-        await tracker.stop()
         with contextlib.suppress(Exception):
             await A.unload(nc, registry, keep.name, drain_s=5)
         await nc.drain()
