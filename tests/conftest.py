@@ -328,10 +328,11 @@ async def stack(
 
 
 async def wait_for(
-    cond: Any, timeout: float = 10.0, interval: float = 0.02, what: str = "condition not met"
+    cond: Any, timeout: float = 30.0, interval: float = 0.02, what: str = "condition not met"
 ) -> None:
     """Until ``cond()`` is true (a coroutine it returns is awaited: a look over the network),
-    at most ``timeout`` seconds."""
+    at most ``timeout`` seconds: a bound for a loaded machine (four test workers on two
+    cores), not a measure; it returns as soon as the condition holds."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         held = cond()
@@ -577,13 +578,16 @@ async def start_stack(
     env_for: Callable[[str, int], dict[str, str]] | None = None,
     heartbeats: bool = True,
     settle: float = 0.0,
+    login: dict[str, Any] | None = None,
 ) -> ProcStack:
     """Real processes: ``services`` (``"ingress"``, ``"router"``, a stage; a name given twice
     runs twice), ``workers`` workers of ``model`` (:func:`start_worker`, ``worker_args``
     added), then the HTTP bridge on a free port. Each gets ``env`` and, over it,
     ``env_for(role, index)``. Returns once every replica heartbeats on the bus (unless
-    ``heartbeats`` is off: the test cannot listen there), the bridge is ready, and
-    ``settle`` seconds more have passed (for what the test's services learn next)."""
+    ``heartbeats`` is off), every queue-group member has started and heard the others, the
+    bridge is ready, and ``settle`` seconds more have passed (for what the test's services
+    learn next). ``login``: nats-py's connect options for those waits (the admin role on a
+    locked bus, whose anonymous client may listen to nothing)."""
 
     def env_of(role: str, i: int) -> dict[str, str]:
         return {**(env or {}), **(env_for(role, i) if env_for else {})}
@@ -603,7 +607,7 @@ async def start_stack(
         roles["bridge"] = [procs.start("bridge", *cmd, env=env_of("bridge", 0))]
     stack = ProcStack(procs, model, roles, port)
     if heartbeats and workers:
-        await wait_replicas(procs.url, model, workers)
+        await wait_replicas(procs.url, model, workers, **(login or {}))
     # Every queue-group member started (ingress, router, the stages) answers discovery once
     # its setup is done, then beats: until each has, not a guess at how long a start takes
     # on a loaded machine (a router slower than a 2 s settle once made "no route service").
@@ -612,7 +616,7 @@ async def start_stack(
         if role in MEMBER_ROLES:
             members[role] = members.get(role, 0) + 1
     if heartbeats and members:
-        nc = await nats.connect(procs.url)
+        nc = await nats.connect(servers(procs.url), dont_randomize=True, **(login or {}))
         try:
             await wait_started(nc, members, timeout=60)
         finally:

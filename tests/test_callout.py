@@ -16,6 +16,7 @@ from auth.keys import key_id_of
 from auth.store import KeyStore
 from bus_schemas import subjects
 from engine_worker.backends.sim import expected_text
+from services.natsconf import role_login
 from tests.conftest import Procs, start_stack, wait_for
 from tests.lockedbus import LockedBus, serve_when_ready
 from tokenbus import Client, TokenbusError
@@ -53,7 +54,7 @@ async def tenants(bus: LockedBus, tmp_path: Path) -> AsyncIterator[Tenants]:
             worker_args=("--sim-decode-ms", "20"),
             env={"TOKENBUS_INGRESS__PIPELINE": '["auth", "route"]'},
             env_for=lambda role, _: bus.env(role),
-            heartbeats=False,
+            login=role_login(bus.users, "admin"),
         )
         admin = await bus.admin()
         store = await KeyStore(admin).open(watch=False)
@@ -186,7 +187,7 @@ async def test_a_keys_client_follows_its_replica_by_keepalives(
                 "TOKENBUS_WORKER__HEARTBEAT_INTERVAL_S": "0.25",
             },
             env_for=lambda role, _: bus.env(role),
-            heartbeats=False,
+            login=role_login(bus.users, "admin"),
         )
         admin = await bus.admin()
         store = await KeyStore(admin).open(watch=False)

@@ -11,6 +11,7 @@ import nats
 import pytest
 
 from bus_schemas import errors as E
+from services.natsconf import role_login
 from tests.conftest import Procs, ProcStack, start_stack, wait_for
 from tests.lockedbus import UNLIMITED, LockedCluster, serve_when_ready, wait_replicas
 from tests.test_chaos import EXPECTED, FAST, HB, MAX_TOKENS, MSG, Tally, steady_load
@@ -43,7 +44,7 @@ async def spread_stack(
             **cluster.env(role),
             "TOKENBUS_NATS_URL": cluster.urls(i if role == "worker" else 0),
         },
-        heartbeats=False,
+        login=role_login(cluster.users, "admin"),
     )
     await wait_replicas(cluster, cluster.urls(0), model, 3)
     return stack

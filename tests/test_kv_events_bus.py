@@ -24,7 +24,6 @@ from tests.conftest import (
     stack,
     start_stack,
     wait_for,
-    wait_replicas,
 )
 from tokenbus import Client
 
@@ -172,11 +171,10 @@ async def test_on_the_locked_bus_routers_follow_a_worker_process_and_clients_can
                 "ingress",
                 "router",
                 bridge=False,
-                heartbeats=False,
                 worker_args=["--sim-kv-cache-blocks", "32", "--sim-block-size", str(BS)],
                 env_for=lambda role, _: role_env(users, role),
+                login=role_login(users, "admin"),
             )
-            await wait_replicas(url, model, 1, **role_login(users, "admin"))
             router = await nats.connect(url, **role_login(users, "router"))
             bridge = await nats.connect(url, **role_login(users, "bridge"))
             spy = await nats.connect(url, error_cb=on_error, **role_login(users, "client"))

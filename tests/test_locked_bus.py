@@ -103,7 +103,7 @@ async def test_every_service_works_on_the_locked_bus(locked: Locked, tmp_path: P
             "router",
             env={"TOKENBUS_BRIDGE__FUSE_ROUTER": "false"},
             env_for=lambda role, _: locked.env(role),
-            heartbeats=False,
+            login=role_login(locked.users, "admin"),
         )
         async with stack.openai() as oai:
             out = await oai.chat.completions.create(model=model, messages=MSG, max_tokens=3)

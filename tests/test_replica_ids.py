@@ -12,6 +12,7 @@ import uuid
 from collections import Counter
 from pathlib import Path
 
+from services.natsconf import role_login
 from tests.conftest import Procs, ProcStack, start_stack, wait_for
 from tests.lockedbus import LockedBus
 
@@ -60,7 +61,7 @@ async def test_a_second_worker_with_a_taken_replica_id_refuses_to_start(tmp_path
                 "router",
                 env={"TOKENBUS_BRIDGE__FUSE_ROUTER": "false"},
                 env_for=bus.env,
-                heartbeats=False,
+                login=role_login(bus.users, "admin"),
             )
             first = stack.workers[0]
             second = procs.start(

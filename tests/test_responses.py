@@ -46,6 +46,7 @@ from filter.scanner import Scanner
 from jobs.response_store import ResponseStore, open_store
 from services.caller import Chunk, Usage
 from services.config import ResponsesSettings
+from services.natsconf import role_login
 from tests.conftest import (
     NatsServer,
     Procs,
@@ -1460,7 +1461,7 @@ async def test_stored_responses_over_nats_on_the_locked_bus(tmp_path: Path) -> N
                 bridge=False,
                 env={"TOKENBUS_INGRESS__PIPELINE": '["auth", "route"]'},
                 env_for=lambda role, _: bus.env(role),
-                heartbeats=False,
+                login=role_login(bus.users, "admin"),
             )
             admin = await bus.admin()
             store = await KeyStore(admin).open(watch=False)

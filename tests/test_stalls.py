@@ -273,7 +273,7 @@ async def _node_fault_under_load(
                 **cluster.env(role),
                 "TOKENBUS_NATS_URL": cluster.urls(i if role == "worker" else 0),
             },
-            heartbeats=False,
+            login=role_login(cluster.users, "admin"),
         )
         await wait_cluster_replicas(cluster, cluster.urls(1), model, 3)
         async with stack.openai(key) as oai:

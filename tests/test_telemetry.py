@@ -99,7 +99,12 @@ async def test_records_for_success_error_and_cancel_over_nats(
         def stored() -> bool:
             return want <= {r["request_id"] for r in tel.store.rows()}
 
-        await wait_for(stored, timeout=10)
+        names = {ok.request_id: "answered", s.request_id: "cancelled", late.request_id: "late"}
+        try:
+            await wait_for(stored, timeout=60)
+        except AssertionError:
+            have = {r["request_id"] for r in tel.store.rows()}
+            raise AssertionError(f"no record stored of {[names[r] for r in want - have]}") from None
         rows = {r["request_id"]: r for r in tel.store.rows()}
     done = rows[ok.request_id]
     assert done["outcome"] == "length" and done["completion_tokens"] == 5

@@ -95,7 +95,7 @@ async def test_a_stack_on_a_tls_bus_serves_and_plain_connections_are_refused(
             bridge=False,
             env={"TOKENBUS_INGRESS__PIPELINE": '["auth", "route"]'},
             env_for=lambda role, _: role_env(bus.users, role),
-            heartbeats=False,
+            login=role_login(bus.users, "admin"),
         )
         admin = await nats.connect(bus.url, **role_login(bus.users, "admin"))
         assert admin.connected_url is not None and admin._server_info.get("tls_required")
@@ -170,7 +170,7 @@ async def test_the_bridge_serves_https(bus: TlsBus, tmp_path: Path) -> None:
             bridge=False,
             env={"TOKENBUS_INGRESS__PIPELINE": '["route"]'},
             env_for=lambda role, _: role_env(bus.users, role),
-            heartbeats=False,
+            login=role_login(bus.users, "admin"),
         )
         procs.start(
             "bridge",
