@@ -63,10 +63,10 @@ from gateway.sse import (
     write_sse,
 )
 from gateway.validation import Choosing, clean_request_id
-from jobs.inprocess import BACKGROUND, PRINCIPAL
+from jobs.inprocess import BACKGROUND, PRINCIPAL, RERUN
 from services import logging as tlog
 from services import tracing
-from services.caller import Assembled, Chunk, Usage
+from services.caller import Assembled, Chunk, Rerun, Usage
 
 log = tlog.get("bridge")
 
@@ -315,6 +315,7 @@ class OpenAIApp(RouteTable):
         call = Call(kind, rid, hdrs, progress, span, receive, scope.get(BODY_NOW))
         call.principal = scope.get(PRINCIPAL)
         call.background = scope.get(BACKGROUND)
+        call.rerun = scope.get(RERUN)
         try:
             call.body = await read_body(scope, receive, self.max_body, self.body_timeout)
             await serve(call, send)
@@ -369,8 +370,10 @@ class Call:
     watcher: asyncio.Task[None] | None = None
     # The key a trusted caller in this process runs the request for (scope[PRINCIPAL]).
     principal: str | None = None
-    # The background response this request runs (scope[BACKGROUND]).
+    # The background response this request runs (scope[BACKGROUND]), and which run of it
+    # this is (scope[RERUN]).
     background: str | None = None
+    rerun: Rerun | None = None
 
     def watch(self) -> None:
         """The body is read: from here on the only message left is the disconnect, and a

@@ -49,6 +49,7 @@ from gateway.sse import (
 from jobs.response_store import ResponseStore, conversation, not_found
 from services import logging as tlog
 from services import tracing
+from services.caller import Stream
 
 if TYPE_CHECKING:
     from jobs.background import Background
@@ -118,6 +119,8 @@ class ResponsesAPI:
             headers=call.hdrs,
             principal=call.principal,
         )
+        if call.rerun is not None and isinstance(stream, Stream):
+            stream.rerun_of(call.rerun)
         if req.stream:
             await self._write_sse(send, turn, stream, call.rid, call.progress, owner, call.now)
         else:

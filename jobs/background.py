@@ -23,7 +23,9 @@ reads the stored response as for any other), as requests on
 
 A runner killed mid-response leaves the message unacknowledged; another runs the response
 again from the start after ``batches.ack_wait_s`` (its earlier events are dropped first, so
-a follower sees the new run's events, numbered from 0 again).
+a follower sees the new run's events, numbered from 0 again). The rerun is sent under the
+same request id with the lost run's last admission, kept in the record: the key pays for
+one answer (docs/batches.md, "Paid for once").
 """
 
 from __future__ import annotations
@@ -42,10 +44,11 @@ from bus_schemas import errors as E
 from bus_schemas import subjects
 from dialects import responses as R
 from jobs.batches import BatchStore
-from jobs.inprocess import BACKGROUND, App, InProcess
+from jobs.inprocess import BACKGROUND, RERUN, App, InProcess
 from jobs.response_store import ResponseStore, conversation, open_store
 from services import buckets
 from services import logging as tlog
+from services.caller import MAX_MIGRATIONS, Rerun
 from services.config import Settings
 
 EVENTS_STREAM = "TOKENBUS_BATCH_EVENTS"
@@ -75,6 +78,7 @@ class Background:
         self.store = store
         self.responses = responses
         self.app = app
+        self._writes: set[asyncio.Task[None]] = set()  # admissions being kept
 
     async def open(self, max_age_s: float) -> Background:
         config = api.StreamConfig(
@@ -249,13 +253,33 @@ class Background:
             return True  # deleted meanwhile
         if rec["response"]["status"] not in OPEN:
             return True  # cancelled before it ran, or run already
+        # Which run this is: a run before it died (its runner lost before the end was kept)
+        # if the record says so. This run numbers its attempts after every attempt that run
+        # could have made, under the same request id, and sends the admission of its last
+        # one: the limiter charges that attempt nothing, so the response is paid for once.
+        run = dict(rec.get("run") or {})
+        rerun = Rerun(
+            first=int(run.get("next", 0) or 0),
+            ticket=str(run.get("ticket") or ""),
+            on_accept=lambda n, t: self._admitted(response_id, n, t),
+        )
+        rid = str(run.get("rid") or uuid.uuid4().hex)
+        rec["run"] = {**run, "rid": rid, "next": rerun.first + MAX_MIGRATIONS + 1}
         rec["response"]["status"] = "in_progress"
-        await self.responses.replace(response_id, rec)
+        if not await self.responses.replace(response_id, rec):
+            return False  # not run unnumbered: tried again from the queue
+        if rerun.first:
+            log.info(
+                "background_rerun",
+                response_id=response_id,
+                first_attempt=rerun.first,
+                lost_run_admitted=bool(rerun.ticket),
+            )
         with contextlib.suppress(Exception):  # a run before this one died: start afresh
             await self.js.purge_stream(EVENTS_STREAM, subject=subjects.batch_events(response_id))
         events = _Events(self.js, subjects.batch_events(response_id))
         task = asyncio.get_running_loop().create_task(
-            self._request(response_id, owner, dict(body["body"]), events)
+            self._request(response_id, owner, dict(body["body"]), events, rid, rerun)
         )
         stop = asyncio.get_running_loop().create_task(cancelled.wait())
         try:
@@ -299,13 +323,58 @@ class Background:
             return False
         return True
 
+    def _admitted(self, response_id: str, attempt: int, ticket: str) -> None:
+        """An attempt of the run was admitted: its ticket is kept in the record (while the
+        response is open) for a rerun to send."""
+        task = asyncio.get_running_loop().create_task(
+            self._keep_admission(response_id, attempt, ticket)
+        )
+        self._writes.add(task)
+        task.add_done_callback(self._writes.discard)
+
+    async def _keep_admission(self, response_id: str, attempt: int, ticket: str) -> None:
+        from nats.js.errors import KeyWrongLastSequenceError
+
+        try:
+            kv = await self.responses.opened()
+            for _ in range(20):  # a write of the record between the read and this one
+                entry = await buckets.through_stall(
+                    lambda: kv.get(response_id), what="response", stream_exists=True
+                )
+                rec = json.loads(entry.value or b"{}")
+                run = rec.get("run") or {}
+                if rec.get("response", {}).get("status") not in OPEN:
+                    return  # ended (or gone): nothing to run again
+                if int(run.get("attempt", -1)) >= attempt:
+                    return  # a later attempt's kept already
+                rec["run"] = {**run, "attempt": attempt, "ticket": ticket}
+                data = json.dumps(rec, separators=(",", ":")).encode()
+                try:
+                    await kv.update(response_id, data, last=entry.revision)
+                    return
+                except KeyWrongLastSequenceError:
+                    continue
+        except Exception as exc:  # a rerun then pays for this run's attempt too
+            log.warning("background_admission_not_kept", response_id=response_id, error=repr(exc))
+
     async def _request(
-        self, response_id: str, owner: str, body: dict[str, Any], events: _Events
+        self,
+        response_id: str,
+        owner: str,
+        body: dict[str, Any],
+        events: _Events,
+        rid: str,
+        rerun: Rerun,
     ) -> None:
         assert self.app is not None, "a runner runs through its process's app"
         body["stream"] = True
         req = InProcess(
-            "/v1/responses", body, owner, extra={BACKGROUND: response_id}, on_body=events.feed
+            "/v1/responses",
+            body,
+            owner,
+            headers=[(b"x-request-id", rid.encode())],
+            extra={BACKGROUND: response_id, RERUN: rerun},
+            on_body=events.feed,
         )
         await req.run(self.app)
         status, error = req.status, req.answer

@@ -273,6 +273,10 @@ class BatchRunner:
         if b["status"] in ("cancelling", "cancelled", "failed"):
             return True
         delivered = int(getattr(msg.metadata, "num_delivered", 1) or 1)
+        if delivered > 1 and await self.store.answered(batch_id, n):
+            # Its runner died after writing the answer, before acknowledging the line: not
+            # run (and paid for) again.
+            return True
         if delivered > self.settings.max_deliver:
             # Its runners died with it every time (or it kept failing): answered, not lost.
             err = _err("line_failed", f"the line was tried {delivered - 1} times without an answer")

@@ -378,6 +378,16 @@ class BatchStore:
             return False
         return True
 
+    async def answered(self, batch_id: str, n: int) -> bool:
+        """Whether line ``n`` has its answer written (a runner that died before it
+        acknowledged the line)."""
+        assert self.results is not None
+        try:
+            entry = await self.results.get(f"{subjects.token(batch_id)}.{n}")
+        except (KeyNotFoundError, NotFoundError):
+            return False
+        return bool(entry.value)
+
     async def collect(self, batch_id: str, total: int) -> list[dict[str, Any]]:
         assert self.results is not None
         out = []

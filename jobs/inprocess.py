@@ -27,6 +27,9 @@ PRINCIPAL = "tokenbus.principal"
 # Another such key: the id of the background response this request runs (its runner sets it:
 # the response keeps that id, and is written over its queued record).
 BACKGROUND = "tokenbus.background"
+# And how that run is numbered among the runs of the response (a ``services.caller.Rerun``):
+# a rerun's limiter charges the lost run's last attempt nothing.
+RERUN = "tokenbus.rerun"
 
 
 class InProcess:

@@ -324,6 +324,20 @@ class EmbeddingResult:
     replica: str | None
 
 
+@dataclass(slots=True)
+class Rerun:
+    """A request run again from the start in another process because the one running it
+    died (a background response whose runner was lost before its end was kept). Its attempts
+    are numbered from ``first``; ``ticket``, the admission of the lost run's last attempt,
+    proves that attempt was admitted, so the limiter charges it what its caller got from it:
+    nothing, since the new run starts over and only its answer is given. ``on_accept(attempt,
+    ticket)`` hears each admission of this run, for the one that may run it next to keep."""
+
+    first: int = 0
+    ticket: str = ""
+    on_accept: Callable[[int, str], None] | None = None
+
+
 class Stream:
     """One request's frames as an async iterator of :class:`Chunk`.
 
@@ -401,6 +415,7 @@ class Stream:
         self._epoch: tuple[str, int] | None = None  # the replica's, from keepalive frames
         self.rate_limits: dict[str, str] = {}
         self._admission = ""  # the ratelimit stage's ticket for the current attempt
+        self._rerun: Rerun | None = None  # see rerun_of
         self.finish_reason: str | None = None
         self.stop_sequence: str | None = None
         # The class that serves it (``service_tier``), from the accept frame.
@@ -421,6 +436,11 @@ class Stream:
         self._attempt_tp: str | None = None
         self._trace_link: str | None = None
         self._migrating: tuple[str | None, str, int] | None = None
+
+    def rerun_of(self, rerun: Rerun) -> None:
+        """Send this request as a rerun (:class:`Rerun`); before it starts."""
+        self._rerun = rerun
+        self._admission = rerun.ticket
 
     @property
     def delivered_tokens(self) -> int:
@@ -473,8 +493,9 @@ class Stream:
             H.REQUEST_ID: self.request_id,
             H.DEADLINE: str(int(self._deadline * 1000)),
         }
-        if self.migrations:
-            hdrs[H.MIGRATION] = str(self.migrations)
+        attempt = self.migrations + (self._rerun.first if self._rerun else 0)
+        if attempt:
+            hdrs[H.MIGRATION] = str(attempt)
             if self._admission:  # proof the request was admitted: it counts once
                 hdrs[H.ADMISSION] = self._admission
             if any(self._got):  # to a replica that continues the text it carries
@@ -760,6 +781,8 @@ class Stream:
                 self._resume_refused = bool(frame.get("nr"))
                 if frame.get("adm"):
                     self._admission = str(frame["adm"])
+                    if self._rerun is not None and self._rerun.on_accept is not None:
+                        self._rerun.on_accept(self.migrations + self._rerun.first, self._admission)
                 if frame.get("tier"):
                     self.service_tier = str(frame["tier"])
                 if frame.get("rl"):

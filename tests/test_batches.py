@@ -25,6 +25,8 @@ from bus_schemas import subjects
 from jobs.background import EVENTS_STREAM
 from jobs.batches import parse_input
 from jobs.inprocess import BACKGROUND as BACKGROUND_KEY
+from jobs.inprocess import RERUN as RERUN_KEY
+from services.caller import MAX_MIGRATIONS
 from tests.conftest import (
     NatsServer,
     Procs,
@@ -709,12 +711,16 @@ async def test_a_background_run_whose_end_was_not_stored_is_not_settled(tmp_path
         responses = await open_store(nc, ResponsesSettings())
         writes: list[str] = []
         calls: list[str] = []
+        runs: list[tuple[bytes, int]] = []
 
         async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
             """The gateway's Responses API as the runner sees it: events, a 200, and the
             end written over the record only while ``writes`` allows it."""
             rid = scope[BACKGROUND_KEY]
             calls.append(rid)
+            # Every run under one request id; a run after one that was lost is numbered
+            # after the attempts that run could have made.
+            runs.append((dict(scope["headers"])[b"x-request-id"], scope[RERUN_KEY].first))
             rec = await responses.get(rid, "k1")
             rec["response"]["status"] = "completed"
             if writes and writes.pop(0) == "store":
@@ -736,6 +742,55 @@ async def test_a_background_run_whose_end_was_not_stored_is_not_settled(tmp_path
         assert (await responses.get(queued["id"], "k1"))["response"]["status"] == "completed"
         assert await bg.run(work) is True  # a repeat of settled work runs nothing
         assert writes == [] and calls == [queued["id"]] * 2
+        assert runs[0][0] == runs[1][0] and [n for _, n in runs] == [0, MAX_MIGRATIONS + 1]
+        await nc.close()
+    finally:
+        srv.stop()
+
+
+async def test_a_line_given_again_after_its_answer_was_written_is_not_run_again(
+    tmp_path: Any,
+) -> None:
+    """A runner that died after writing a line's answer, before acknowledging the line,
+    leaves it to be given to another runner: that one finds the answer and settles the line
+    without running it (nor paying for it) again. A line given again without an answer runs."""
+    from types import SimpleNamespace
+
+    from jobs.batch_runner import BatchRunner
+    from jobs.batches import BatchStore, new_batch
+    from services.config import BatchSettings
+
+    srv = NatsServer(tmp_path).start()
+    try:
+        nc = await nats.connect(srv.url)
+        await jetstream_ready(nc)
+        store = await BatchStore(nc, BatchSettings(), 3600).open()
+        batch = new_batch("/v1/chat/completions", "file-x", "24h", None)
+        batch["status"] = "in_progress"
+        await store.create({"batch": batch, "owner": "k1"})
+        ran: list[str] = []
+
+        async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+            ran.append(dict(scope["headers"])[b"x-request-id"].decode())
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": b"{}", "more_body": False})
+
+        runner = BatchRunner(nc, store, None, app, BatchSettings())  # type: ignore[arg-type]
+
+        def line(n: int) -> dict[str, Any]:
+            body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+            url = "/v1/chat/completions"
+            return {"batch": batch["id"], "n": n, "custom_id": f"c{n}", "url": url, "body": body}
+
+        def given(times: int) -> Any:
+            return SimpleNamespace(metadata=SimpleNamespace(num_delivered=times))
+
+        answer = {"custom_id": "c0", "response": {"status_code": 200}, "n": 0}
+        assert await store.record_result(batch["id"], 0, answer)
+        assert await runner._line(batch["id"], line(0), given(2)) is True
+        assert ran == []  # answered before: settled, not run
+        assert await runner._line(batch["id"], line(1), given(2)) is True
+        assert len(ran) == 1 and await store.answered(batch["id"], 1)
         await nc.close()
     finally:
         srv.stop()

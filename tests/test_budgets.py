@@ -599,3 +599,80 @@ async def test_a_copy_its_caller_cancelled_unread_reports_tokens_not_spend(
             subject, data = w._report_of(gen) or ("", b"")
             assert ("spend" in codec.decode_map(data)) is not dup
             assert subject == (subjects.usage("lim") if dup else subjects.usage_spend("lim"))
+
+
+async def test_a_background_response_whose_runner_died_is_paid_for_once(
+    own_procs: Procs, model: str
+) -> None:
+    """A background response runs in a bridge killed (-9) mid-answer; another bridge's
+    runner runs it again from the start. The key pays for the answer it gets once: the
+    rerun sends the lost run's admission (kept in the response's record), and its limiter
+    charges that attempt nothing, whether the lost run's worker reported first or not."""
+    procs = own_procs
+    async with key_store(procs.url) as store:
+        key, rec = await store.create("rerun", budget_usd=1.0, rpm=10_000)
+    env = {**ENV, "TOKENBUS_BATCHES__ACK_WAIT_S": "2"}
+    await start_stack(
+        procs,
+        model,
+        "ingress",
+        "auth",
+        "ratelimit",
+        "router",
+        worker_args=("--sim-prefill-ms", "5", "--sim-decode-ms", "40"),
+        bridge=False,
+        env=env,
+    )
+    ports = free_port(), free_port()
+    first = procs.start("bridge-a", "serve", "bridge", "--port", str(ports[0]), env=env)
+    await wait_http(f"http://127.0.0.1:{ports[0]}/ready")
+    body = {
+        "model": model,
+        "input": "a long story",
+        "background": True,
+        "max_output_tokens": 80,
+        "ignore_eos": True,
+    }
+    auth = {"Authorization": f"Bearer {key}"}
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{ports[0]}", timeout=30) as h:
+        r = await h.post("/v1/responses", json=body, headers=auth)
+        assert r.status_code == 200, r.text
+    rid = r.json()["id"]
+    nc = await nats.connect(procs.url)
+    try:
+        kv = await nc.jetstream().key_value("tokenbus_responses")
+
+        async def admitted() -> bool:
+            run = json.loads((await kv.get(rid)).value).get("run") or {}
+            return bool(run.get("ticket"))
+
+        # The only runner (bridge-a) runs it: its admission is kept, and some of it is paid.
+        await wait_for(admitted, what="the run's admission kept in the record")
+        budget = budgets.Budget(f"k.{rec.id}", rec.budget_period, None, None)
+        book = await budgets.SpendBook(nc).open()
+        await asyncio.sleep(0.4)  # ten tokens or so into the answer
+        first.signal(signal.SIGKILL)
+        second = procs.start("bridge-b", "serve", "bridge", "--port", str(ports[1]), env=env)
+        await wait_http(f"http://127.0.0.1:{ports[1]}/ready")
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{ports[1]}", timeout=30) as h:
+
+            async def ended() -> bool:
+                got = (await h.get(f"/v1/responses/{rid}", headers=auth)).json()
+                return got["status"] not in ("queued", "in_progress")
+
+            await wait_for(ended, timeout=90, what="the rerun's end")
+            done = (await h.get(f"/v1/responses/{rid}", headers=auth)).json()
+        assert done["status"] == "incomplete", done  # ended at max_output_tokens
+        assert done["usage"]["output_tokens"] == 80
+        # Run again (its first run was lost), with the lost run's admission.
+        said = [json.loads(x) for x in second.output().splitlines() if "background_rerun" in x]
+        assert said and said[0]["lost_run_admitted"] is True, second.output()[-2000:]
+        await _settled(procs.url, budget, timeout=60)
+        # Every report and supersede settled (those of bridge-a's own limiter, dead, are left
+        # to it for the owner's grace, then settled by the ratelimit service).
+        await _drained(nc.jetstream(), timeout=60)
+        # Prompts are free: the answer's 80 tokens, not the lost run's as well.
+        assert (await book.spent(budget)) == (80 * 1000, 0)
+        assert second.alive()
+    finally:
+        await nc.drain()
