@@ -1017,4 +1017,8 @@ class SimBackend:
                     "each input must be a non-empty string or list of token ids", param="input"
                 )
         await asyncio.sleep(self.engine.prefill_s(tokens))
-        return Embeddings([expected_embedding(item, dims) for item in items], tokens)
+        # In a thread: a million numbers made here would hold the worker's loop (and its
+        # heartbeats, its other streams) for a second on a busy machine, and its callers
+        # would take the replica for lost. A GPU engine computes them off the loop too.
+        vectors = await asyncio.to_thread(lambda: [expected_embedding(i, dims) for i in items])
+        return Embeddings(vectors, tokens)
