@@ -70,6 +70,7 @@ def final(
     usage_details: dict[str, Any] | None = None,
     stop_sequence: str | None = None,
     usage_source: str | None = None,
+    kv_transfer_params: dict[str, Any] | None = None,
 ) -> bytes:
     """The final frame; ``usage_details`` adds the engine's ``prompt_tokens_details`` and
     ``completion_tokens_details`` to the usage, ``stop_sequence`` the stop string that ended
@@ -92,6 +93,8 @@ def final(
         frame["stop_sequence"] = stop_sequence
     if usage_source is not None:
         frame["usage_source"] = usage_source
+    if kv_transfer_params is not None:  # a prefill's hand-over (docs/disaggregation.md)
+        frame["kvt"] = kv_transfer_params
     return codec.encode(frame)
 
 

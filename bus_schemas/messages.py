@@ -780,6 +780,12 @@ class Heartbeat(_Wire):
     kv_usage: float = Field(default=0.0, description="KV cache use, 0..1, where known.")
     tp: int = Field(default=1, description="Tensor parallel degree.")
     pool: str = Field(default="default", description="Pool tag for tiered routing.")
+    pd_role: Literal["both", "prefill", "decode"] = Field(
+        default="both",
+        description="Prefill/decode disaggregation: `prefill` computes prompts and hands "
+        "their KV cache on, `decode` generates (from a handed-over prompt or its own), "
+        "`both` serves whole requests.",
+    )
     draining: bool = Field(default=False, description="Takes no new requests.")
     endpoints: list[str] = Field(
         default_factory=lambda: ["chat", "completions"],
@@ -895,6 +901,12 @@ class FinalFrame(_Wire):
         description="Where usage.prompt_tokens came from when the engine did not count them "
         "(the openai backend): the upstream's usage, its tokenizer, or an estimate. Absent: "
         "the engine counted.",
+    )
+    kvt: dict[str, Any] | None = Field(
+        default=None,
+        description="A prefill's hand-over (prefill/decode disaggregation): vLLM's "
+        "`kv_transfer_params` as the engine returned them (`do_remote_prefill`, "
+        "`remote_engine_id`, `remote_block_ids`, ...), for the decode replica's request.",
     )
 
 

@@ -498,6 +498,7 @@ class Worker(Service):
             # The backend's effective degree when it knows it (vllm: its engine options).
             "tp": int(getattr(self.backend, "tp", self.cfg.tp)),
             "pool": self.cfg.pool,
+            **({"pd_role": self.cfg.pd_role} if self.cfg.pd_role != "both" else {}),
             "draining": self.draining,
             # The engine's health: "failed" (with the reason) takes it out of routing.
             "health": "failed" if self.engine_failure else "ok",
@@ -1103,6 +1104,7 @@ class Worker(Service):
                 last.usage,
                 last.stop_sequence if finish == "stop" else None,
                 last.usage_source,
+                last.kv_transfer_params,
             ),
         )
         gen.usage_source = last.usage_source

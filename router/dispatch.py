@@ -19,18 +19,20 @@ from typing import Any
 from nats.aio.client import Client as NATS
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
+from prometheus_client import Counter as PromCounter
 
-from bus_schemas import codec, marks, subjects
+from bus_schemas import codec, frames, marks, subjects
 from bus_schemas import errors as E
 from bus_schemas import headers as H
 from bus_schemas.messages import check_envelope, render_prompt
 from router.adapters import LOAD_TIMEOUT_S, AdapterTable, OnDemand
-from router.policies import RouteRequest, prompt_text
+from router.policies import KVAware, RouteRequest, prompt_text
 from router.registry import Registry, Replica
 from router.routing import ModelRoute, RoutingTable
 from services import natsclient, tracing
 from services.aliases import AliasTable, envelope_for, retarget
 from services.config import RouterSettings
+from services.runtime import HOLD_NOTICE_S
 
 _QUEUE_POLL_S = 0.02  # how often a queued request looks for a replica with room
 # After the bus was silent, how long "no responders" from a replica means "not subscribed
@@ -48,6 +50,19 @@ def queue_report(
         waiting.setdefault(model, {})[tier] = n
     return {"type": "queue", "instance": instance, "waiting": waiting, "interval_s": interval_s}
 
+
+# Headers a prefill's request goes without: nothing is reported, charged or recorded against
+# the key for it (the decode replica's report and record count the prompt), and it is no
+# migration of the request.
+_NOT_FOR_PREFILL = frozenset(
+    (H.RATELIMIT, H.SPEND, H.ADMISSION, H.MIGRATION, H.RESUME, H.REPLY_TO, H.PRINCIPAL)
+)
+PD_DECISIONS = PromCounter(
+    "tokenbus_pd_decisions_total",
+    "Prefill/decode decisions of this router: disaggregated, or aggregated (short, busy, "
+    "after a failed prefill).",
+    ["decision"],
+)
 
 # Refusals that say "this replica, not the request": another replica may take it.
 _TRY_ELSEWHERE = frozenset({E.ReplicaDraining.code, E.ReplicaLost.code, E.EngineError.code})
@@ -72,6 +87,9 @@ class _Placement:
     queued_until: float = 0.0  # end of its wait in the queue; 0 while it has no place there
     tier: str = "default"  # its class (Tb-Priority), for the queue depth reported
     loaded: bool = False  # it waited for its adapter's load once (router.adapters)
+    # Prefill/decode disaggregation: "prefill" (a prefill replica's part), "decode" (its
+    # prompt's KV cache handed over), "" (whole, on any replica but a prefill-only one).
+    pd: str = ""
 
     def failed(self, replica: str, err: E.TokenbusError) -> None:
         """``replica`` cannot take the request: count the attempt, try another."""
@@ -99,6 +117,16 @@ def _refused_event(replica: str, code: str) -> None:
         tracing.REFUSED_EVENT,
         {tracing.REPLICA: replica, tracing.ERROR_TYPE: code},
     )
+
+
+def _for_part(live: list[Replica], pd: str) -> list[Replica]:
+    """The replicas that may take a request's part: a prefill only on prefill replicas; a
+    handed-over decode, or a whole request, on the others (a model whose replicas are all
+    prefill-only serves whole requests there)."""
+    if pd == "prefill":
+        return [r for r in live if r.pd_role == "prefill"]
+    others = [r for r in live if r.pd_role != "prefill"]
+    return others if others or pd == "decode" else live
 
 
 class Dispatcher:
@@ -174,6 +202,7 @@ class Dispatcher:
         p = _Placement(route, req, target, pool, data, hdrs, reply)
         p.tier = hdrs.get(H.PRIORITY) or "default"
         try:
+            await self._disaggregate(p, env)
             replica = await self._place(p)
         finally:
             self._leave_queue(p)
@@ -184,6 +213,123 @@ class Dispatcher:
                 tracing.current(), {tracing.REPLICA: replica, tracing.ATTEMPTS: p.attempt + 1}
             )
         return replica
+
+    # -- prefill/decode disaggregation ------------------------------------------------------
+    async def _disaggregate(self, p: _Placement, env: dict[str, Any] | None) -> None:
+        """Decide aggregated or disaggregated (as llm-d's decider: by the prompt's tokens the
+        decode replicas do not hold cached, and whether a prefill replica has room) and, for
+        the second, have a prefill replica compute the prompt first: ``p`` then carries its
+        hand-over (vLLM's ``kv_transfer_params``) to a decode replica. A prefill that fails
+        (its replica lost, refused, too slow) leaves the request whole, never failed."""
+        kind = p.hdrs.get(H.KIND) or None
+        if kind not in (subjects.KIND_CHAT, subjects.KIND_COMPLETIONS) or p.hdrs.get(H.RESUME):
+            return
+        live = self.registry.live(p.model, kind)
+        prefill = [r for r in live if r.pd_role == "prefill"]
+        decode = [r for r in live if r.pd_role != "prefill"]
+        if not prefill or not decode:
+            return
+        if env is None:
+            env = codec.decode_map(p.data)
+            check_envelope(env)
+        extra = env.get("extra") or {}
+        if env.get("resume") or "kv_transfer_params" in extra:
+            return  # a continuation, or a client that disaggregates itself
+        uncached = self._uncached_tokens(p, env, decode)
+        if uncached < self.cfg.pd_min_prompt_tokens:
+            PD_DECISIONS.labels("aggregated_short").inc()
+            return
+        if not any(r.load < r.max_concurrency for r in prefill):
+            PD_DECISIONS.labels("aggregated_busy").inc()
+            return
+        kvt = await self._prefill(p, env)
+        if kvt is None:
+            PD_DECISIONS.labels("aggregated_after_failure").inc()
+            return
+        PD_DECISIONS.labels("disaggregated").inc()
+        p.data = codec.encode({**env, "extra": {**extra, "kv_transfer_params": kvt}})
+        p.pd = "decode"
+
+    def _uncached_tokens(self, p: _Placement, env: dict[str, Any], decode: list[Replica]) -> int:
+        """The prompt's tokens (about four characters a token) less the longest prefix a
+        decode replica holds cached, where the route follows the replicas' KV events."""
+        if not p.req.rendered:
+            p.req.rendered = render_prompt(env.get("messages"), env.get("prompt"))
+            p.req.env = env
+        tokens = (len(p.req.rendered) + 3) // 4
+        policy = p.route.policy
+        if isinstance(policy, KVAware):
+            found = policy._depths(decode, p.req)
+            if found is not None:
+                depth, _ = found
+                index = policy.index
+                cached = max((n * index.block_size(name) for name, n in depth.items()), default=0)
+                tokens -= cached
+        return tokens
+
+    async def _prefill(self, p: _Placement, env: dict[str, Any]) -> dict[str, Any] | None:
+        """The prompt computed on a prefill replica (one token, which is dropped): its
+        hand-over, or None when no prefill replica gave one in time. The caller is told the
+        request is held meanwhile (hold frames), so it does not send it again."""
+        params = {**(env.get("params") or {}), "max_tokens": 1}
+        extra = {
+            **(env.get("extra") or {}),
+            "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False},
+        }
+        data = codec.encode({**env, "params": params, "extra": extra})
+        # Its own request: no usage is reported or charged for it (the decode replica's
+        # report counts the prompt), and its frames come here, not to the caller.
+        hdrs = {k: v for k, v in p.hdrs.items() if k not in _NOT_FOR_PREFILL}
+        hdrs[H.REQUEST_ID] = f"{p.hdrs.get(H.REQUEST_ID, '')}.prefill"
+        inbox = self.nc.new_inbox()
+        hdrs[H.REPLY_TO] = inbox
+        sub = await self.nc.subscribe(inbox)
+        holding = asyncio.get_running_loop().create_task(self._hold_caller(p.reply))
+        q = _Placement(p.route, p.req, p.model, p.pool, data, hdrs, inbox, tier=p.tier)
+        q.pd = "prefill"
+        deadline = time.monotonic() + self.cfg.pd_prefill_timeout_s
+        try:
+            try:
+                replica = await self._place(q)
+            except E.TokenbusError:
+                return None
+            if replica is None:
+                return None
+            while (left := deadline - time.monotonic()) > 0:
+                try:
+                    msg = await sub.next_msg(timeout=left)
+                except (NatsTimeout, TimeoutError):
+                    break
+                try:
+                    frame = codec.decode_map(msg.data)
+                except E.TokenbusError:
+                    return None
+                t = frame.get("t")
+                if t == frames.FINAL:
+                    kvt = frame.get("kvt")
+                    return kvt if isinstance(kvt, dict) else None
+                if t == frames.ERROR:
+                    return None
+            # Too slow (or lost with no word): it must not go on computing.
+            await self._cancel_on(replica, q)
+            return None
+        finally:
+            holding.cancel()
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+
+    async def _hold_caller(self, reply: str) -> None:
+        """Tell the caller, every :data:`HOLD_NOTICE_S`, that its request is held here."""
+        with contextlib.suppress(Exception):
+            while True:
+                await asyncio.sleep(HOLD_NOTICE_S)
+                await self.nc.publish(reply, frames.HOLD_FRAME)
+
+    async def _cancel_on(self, replica: str, p: _Placement) -> None:
+        r = self.registry.get(replica)
+        if r is not None:
+            with contextlib.suppress(Exception):
+                await self._cancel(r, p)
 
     def _route_request(
         self,
@@ -210,7 +356,7 @@ class Dispatcher:
         """Offer the request to replicas until one takes it; None when none is left to try."""
         while p.attempt < self.cfg.max_attempts:
             kind = p.hdrs.get(H.KIND) or None
-            live = self.registry.live(p.model, kind)
+            live = _for_part(self.registry.live(p.model, kind), p.pd)
             if p.hdrs.get(H.RESUME) == "1" and kind == subjects.KIND_CHAT:
                 # Text already delivered: to a replica that continues it exactly, where one
                 # is live (any other would end the stream with replica_lost).

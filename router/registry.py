@@ -29,6 +29,8 @@ class Replica:
     waiting: int = 0
     tp: int = 1
     pool: str = "default"
+    # Prefill/decode disaggregation: "prefill", "decode" or "both" (docs/disaggregation.md).
+    pd_role: str = "both"
     draining: bool = False
     interval_s: float = 1.0
     last_seen: float = 0.0
@@ -76,6 +78,7 @@ class Replica:
             "max_concurrency": self.max_concurrency,
             "tp": self.tp,
             "pool": self.pool,
+            **({"pd_role": self.pd_role} if self.pd_role != "both" else {}),
             "draining": self.draining,
             "endpoints": sorted(self.endpoints),
             **({"aliases": sorted(self.aliases)} if self.aliases else {}),
@@ -120,6 +123,7 @@ class Registry:
             r.waiting = int(hb.get("waiting", 0))
             r.tp = int(hb.get("tp", 1))
             r.pool = str(hb.get("pool", "default"))
+            r.pd_role = str(hb.get("pd_role", "both"))
             r.draining = bool(hb.get("draining", False))
             r.interval_s = float(hb.get("interval_s", 1.0))
             eps = hb.get("endpoints")

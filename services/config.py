@@ -284,6 +284,20 @@ class RouterSettings(ModelRouting):
         "(docs/benchmarks.md).",
     )
     max_attempts: int = Field(default=3, ge=1, description="Replicas tried per request.")
+    pd_min_prompt_tokens: int = Field(
+        default=512,
+        ge=0,
+        description="Prefill/decode disaggregation (docs/disaggregation.md): a request whose "
+        "prompt has at least this many tokens the decode replicas do not hold cached is "
+        "prefilled on a `prefill` replica and decoded on a `decode` one, when the model has "
+        "both and a prefill replica has room; shorter ones run whole on a decode replica.",
+    )
+    pd_prefill_timeout_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="How long a prefill replica has for its part before the request runs "
+        "whole on a decode replica instead.",
+    )
     warmup_s: float = Field(
         default=2.0,
         ge=0,
@@ -414,6 +428,29 @@ class SimSettings(BaseModel):
         ge=1,
         description="The largest adapter rank a load accepts (vLLM's `max_lora_rank`, "
         "default 16), read from the adapter folder's adapter_config.json (`r`) when present.",
+    )
+    chunked_prefill_tokens: int = Field(
+        default=0,
+        ge=0,
+        description="vLLM's chunked prefill: the tokens one engine step computes "
+        "(`max_num_batched_tokens`): every running sequence's next token, then prompt "
+        "tokens of the sequences prefilling in chunks of what is left, so a long prompt "
+        "stretches every running sequence's step (prefill_ms_per_token for each prompt token "
+        "in it). 0: prefills run beside the decode steps without slowing them (the default, "
+        "an engine with compute to spare; docs/disaggregation.md).",
+    )
+    kv_bytes_per_token: int = Field(
+        default=131072,
+        ge=1,
+        description="Bytes of KV cache one prompt token takes (an 8B model with grouped "
+        "queries, fp16: 2 x 32 layers x 8 KV heads x 128 x 2 bytes = 128 KiB): what a "
+        "prefill replica hands a decode replica.",
+    )
+    kv_link_gb_per_s: float = Field(
+        default=25.0,
+        gt=0,
+        description="The KV transfer's bandwidth between replicas, GB/s (NIXL over RDMA, "
+        "a 200 Gb/s link): a handed-over prompt arrives after its bytes over this.",
     )
 
 
@@ -583,6 +620,12 @@ class WorkerSettings(BaseModel):
     )
     tp: int = Field(default=1, ge=1)
     pool: str = "default"
+    pd_role: Literal["both", "prefill", "decode"] = Field(
+        default="both",
+        description="Prefill/decode disaggregation (docs/disaggregation.md): `prefill` "
+        "replicas compute prompts and hand their KV cache to `decode` replicas, which "
+        "generate; `both` serves whole requests (and is a decode replica to the router).",
+    )
     endpoints: list[Literal["chat", "completions", "embeddings"]] = Field(
         default_factory=list,
         description="Request kinds this replica serves (chat, completions, embeddings); "

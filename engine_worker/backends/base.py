@@ -152,6 +152,9 @@ class Delta:
     # Where ``prompt_tokens`` came from when the engine did not count them itself (the
     # ``openai`` backend: "upstream", "tokenized", "estimate"); None: the engine counted.
     usage_source: str | None = None
+    # A prefill's hand-over to a decode replica (vLLM's ``kv_transfer_params`` as the engine
+    # returned them), on the last delta of a request that asked ``do_remote_decode``.
+    kv_transfer_params: dict[str, Any] | None = None
 
     @property
     def has_side(self) -> bool:

@@ -26,6 +26,7 @@ import json
 import math
 import signal
 import time
+import uuid
 import zlib
 from collections import deque
 from collections.abc import Callable
@@ -273,6 +274,7 @@ class _Seq:
         "done",
         "emitted",
         "lease",
+        "left",
         "listener",
         "looked_up",
         "lora",
@@ -281,6 +283,7 @@ class _Seq:
         "prompt",
         "prompt_tokens",
         "ready_at",
+        "remote",
         "start",
         "toks",
         "waiter",
@@ -303,6 +306,10 @@ class _Seq:
         self.cached = 0  # prompt tokens read from the cache at admission
         self.looked_up = False  # whether the prefix cache was asked (it is on)
         self.prefill_s = 0.0  # the prefill time the engine gave it
+        # Chunked prefill: prompt tokens still to compute. ``remote``: its prompt's KV cache
+        # comes from a prefill replica (prefill/decode disaggregation), not computed here.
+        self.left = 0
+        self.remote = False
         # A fixed output (JSON text, tool-call arguments); None: the prompt's text tokens.
         self.toks = toks
         self.prompt_tokens = prompt_tokens
@@ -363,6 +370,12 @@ class SimEngine:
         )
         # LoRA adapters loaded at run time: name -> the path it was loaded from.
         self.adapters: dict[str, str] = {}
+        # Chunked prefill (cfg.chunked_prefill_tokens): the step in progress ends at
+        # ``_step_end`` (0: none), with the prompts whose last chunk it computes.
+        self._step_end = 0.0
+        self._finishing: list[_Seq] = []
+        # Who hands a decode replica its KV cache (prefill/decode disaggregation).
+        self.engine_id = uuid.uuid4().hex[:16]
 
     def lora_of(self, req: GenerationRequest) -> str | None:
         """The run-time adapter ``req`` asks for (None: the base model)."""
@@ -376,6 +389,25 @@ class SimEngine:
     def step_s(self, batch: int) -> float:
         ms = self.cfg.decode_ms + self.cfg.decode_ms_per_seq * batch
         return ms / 1000.0 / self.speedup + self.comm_s
+
+    def transfer_s(self, tokens: int) -> float:
+        """How long ``tokens`` of a prompt's KV cache take from a prefill replica."""
+        cfg = self.cfg
+        return tokens * cfg.kv_bytes_per_token / (cfg.kv_link_gb_per_s * 1e9)
+
+    def handover(self, prompt_tokens: int) -> dict[str, Any]:
+        """What a prefill replica returns for a decode replica (vLLM's NixlConnector's
+        ``kv_transfer_params``): where the prompt's blocks are, to be read from there."""
+        blocks = -(-prompt_tokens // self.cfg.block_size)
+        return {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": self.engine_id,
+            "remote_block_ids": list(range(blocks)),
+            "remote_host": "sim",
+            "remote_port": 0,
+            "tp_size": self.tp,
+        }
 
     # -- scheduling -------------------------------------------------------------------------
     def submit(self, seq: _Seq) -> None:
@@ -409,7 +441,14 @@ class SimEngine:
                 lease = s.lease = cache.acquire(cache.hashes_of(s.prompt), s.prompt_tokens)
                 s.cached = lease.cached_tokens
                 s.looked_up = True
-            s.prefill_s = self.prefill_s(s.prompt_tokens - s.cached)
+            uncached = s.prompt_tokens - s.cached
+            if s.remote:  # read from the prefill replica, beside the steps
+                s.prefill_s = self.transfer_s(uncached)
+            elif self.cfg.chunked_prefill_tokens:
+                s.left = max(1, uncached)  # computed by the steps, in chunks
+                s.prefill_s = 0.0
+            else:
+                s.prefill_s = self.prefill_s(uncached)
             s.ready_at = now + s.prefill_s
             self.prefilling.append(s)
             room -= 1
@@ -428,9 +467,18 @@ class SimEngine:
         if self.fault is not None:
             return
         at = float("inf")
-        if self.running:
+        chunked = self.cfg.chunked_prefill_tokens > 0
+        if chunked:
+            if self._step_end:
+                at = self._step_end
+            for s in self.prefilling:
+                if s.remote or not self._step_end:
+                    at = min(at, s.ready_at if s.remote else time.monotonic())
+            if self.running and not self._step_end:
+                at = min(at, time.monotonic())
+        elif self.running:
             at = self._next_decode
-        for s in self.prefilling:
+        for s in () if chunked else self.prefilling:
             at = min(at, s.ready_at)
         if at == float("inf"):
             if self._timer is not None:
@@ -464,9 +512,81 @@ class SimEngine:
     def _tick(self) -> None:
         self._ticking = True
         try:
-            self._step()
+            if self.cfg.chunked_prefill_tokens:
+                self._step_chunked()
+            else:
+                self._step()
         finally:
             self._ticking = False
+
+    def _step_chunked(self) -> None:
+        """vLLM's scheduler with chunked prefill: one step computes a token for every
+        running sequence and, in what is left of ``chunked_prefill_tokens``, the next chunk
+        of each prefilling prompt in turn; its time grows with both. A prompt whose last
+        chunk a step computes gives its first token at the step's end and runs from then.
+        A prompt read from a prefill replica joins the running ones once its transfer is
+        done, without taking the steps' time."""
+        self._timer = None
+        now = time.monotonic()
+        cache = self.cache
+        if self._step_end and now >= self._step_end - 1e-4:
+            self._step_end = 0.0
+            for s in self.running:
+                self._emit(s)
+            self.steps += 1
+            finishing, self._finishing = self._finishing, []
+            for s in finishing:
+                if s.cancelled:
+                    continue
+                if s.lease is not None:
+                    assert cache is not None
+                    cache.commit(s.lease)  # its prompt's blocks are computed
+                self._emit(s)
+                self.running.append(s)
+            for s in self.running:
+                if s.done:
+                    self._release(s)
+            self.running = [s for s in self.running if not s.done]
+        # Transfers done: their sequences run from the next step.
+        arrived = [s for s in self.prefilling if s.remote and s.ready_at <= now + 1e-4]
+        if arrived:
+            self.prefilling = [s for s in self.prefilling if s not in arrived]
+            for s in arrived:
+                if s.lease is not None and not s.cancelled:
+                    assert cache is not None
+                    cache.commit(s.lease)
+                self.running.append(s)
+        self._admit(now)
+        if not self._step_end:
+            self._plan_step(now)
+        self._schedule()
+
+    def _plan_step(self, now: float) -> None:
+        """Start the next step: what it computes, and when it ends."""
+        cfg = self.cfg
+        budget = cfg.chunked_prefill_tokens - len(self.running)
+        chunk = 0
+        done: list[_Seq] = []
+        for s in self.prefilling:
+            if budget <= 0:
+                break
+            if s.remote or s.cancelled:
+                continue
+            take = min(s.left, budget)
+            s.left -= take
+            budget -= take
+            chunk += take
+            if s.left == 0:
+                done.append(s)
+        if not self.running and not chunk:
+            return
+        if done:
+            self.prefilling = [s for s in self.prefilling if s not in done]
+        self._finishing = done
+        ms = cfg.prefill_ms_per_token * chunk + cfg.prefill_ms * len(done)
+        if self.running:
+            ms += cfg.decode_ms + cfg.decode_ms_per_seq * len(self.running)
+        self._step_end = now + ms / 1000.0 / self.speedup + self.comm_s
 
     def _step(self) -> None:
         self._timer = None
@@ -515,6 +635,8 @@ class SimEngine:
         self._drop(s)
 
     def _drop(self, s: _Seq) -> None:
+        if s in self._finishing:
+            self._finishing.remove(s)
         if s in self.prefilling:
             self.prefilling.remove(s)
         elif s in self.running:
@@ -524,7 +646,7 @@ class SimEngine:
         self._schedule()
 
     def stats(self) -> dict[str, Any]:
-        active = len(self.running) + len(self.prefilling)
+        active = len(self.running) + len(self.prefilling) + len(self._finishing)
         return {
             "running": active,
             "waiting": len(self.waiting),
@@ -603,6 +725,15 @@ class SimStream(_TextOut):
         done, text = resume_point(start, req, limit)
         self.seq = _Seq(start, self.ptoks + done, limit, prompt=prompt)
         self.seq.lora = engine.lora_of(req)
+        # Prefill/decode disaggregation (vLLM's kv_transfer_params): a prefill replica's
+        # request hands its prompt's KV cache over at its end; a decode replica's reads it.
+        kvt = req.extra.get("kv_transfer_params") if req.extra else None
+        self.handover = isinstance(kvt, dict) and kvt.get("do_remote_decode") is True
+        self.seq.remote = (
+            isinstance(kvt, dict)
+            and kvt.get("do_remote_prefill") is True
+            and isinstance(kvt.get("remote_block_ids"), list)
+        )
         self.seq.emitted = done
         self.hold = max((len(s) for s in req.stop), default=1) - 1
         self.text = text
@@ -656,9 +787,10 @@ class SimStream(_TextOut):
         (``length``, or ``stop`` where the answer ended on its own)."""
         self.finished = True
         tail, self.sent = self.text[self.sent :], len(self.text)
-        return Delta(
-            tail, 0, self.finish, self.ptoks, self.produced, usage=cached_details(self.seq)
-        )
+        d = Delta(tail, 0, self.finish, self.ptoks, self.produced, usage=cached_details(self.seq))
+        if self.handover:
+            d.kv_transfer_params = self.engine.handover(self.ptoks)
+        return d
 
     async def push(self, sink: Callable[[Delta], object]) -> None:
         """Every delta to ``sink`` from the engine's step itself, not through a task per

@@ -34,6 +34,11 @@ def _worker_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tp", type=int, help="tensor parallel degree (sim: models the speed-up)")
     g.add_argument("--pool", help="pool tag for tiered routing")
     g.add_argument(
+        "--pd-role",
+        choices=["both", "prefill", "decode"],
+        help="prefill/decode disaggregation: this replica's role (docs/disaggregation.md)",
+    )
+    g.add_argument(
         "--endpoints",
         help="request kinds served, comma-separated: chat,completions,embeddings "
         "(default: what the backend serves; an embedding upstream: --endpoints embeddings)",
@@ -63,6 +68,13 @@ def _worker_flags(p: argparse.ArgumentParser) -> None:
         help="sim backend: blocks in its prefix cache (0: prefix caching and KV events off)",
     )
     g.add_argument("--sim-block-size", type=int, help="sim backend: tokens per KV-cache block")
+    g.add_argument(
+        "--sim-chunked-prefill-tokens",
+        type=int,
+        help="sim backend: tokens per engine step, prompts prefilled in chunks beside the "
+        "decodes (vLLM's max_num_batched_tokens; 0: prefill beside decode, no slow-down)",
+    )
+    g.add_argument("--sim-prefill-ms-per-token", type=float)
 
 
 def _engine_args(pairs: list[str]) -> dict[str, Any]:
@@ -86,6 +98,7 @@ def _worker_overrides(a: argparse.Namespace) -> dict[str, Any]:
         "max_concurrency": a.max_concurrency,
         "tp": a.tp,
         "pool": a.pool,
+        "pd_role": a.pd_role,
         "endpoints": [e.strip() for e in a.endpoints.split(",") if e.strip()]
         if a.endpoints
         else None,
@@ -96,6 +109,8 @@ def _worker_overrides(a: argparse.Namespace) -> dict[str, Any]:
             "max_running": a.sim_max_running,
             "kv_cache_blocks": a.sim_kv_cache_blocks,
             "block_size": a.sim_block_size,
+            "chunked_prefill_tokens": a.sim_chunked_prefill_tokens,
+            "prefill_ms_per_token": a.sim_prefill_ms_per_token,
         },
         "openai": {
             "upstream_url": a.upstream_url,

@@ -1,0 +1,223 @@
+"""Prefill/decode disaggregation (issue 51, docs/disaggregation.md): replicas announce a role,
+the router decides per request by the prompt's uncached tokens, a prefill replica computes the
+prompt and hands its KV cache over (vLLM's ``kv_transfer_params``), a decode replica answers;
+the sim models chunked prefill and the transfer. Real nats-server, real processes, the
+official openai SDK."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import re
+import signal
+import time
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from engine_worker.backends.base import GenerationRequest
+from engine_worker.backends.sim import SimEngine
+from services.config import SimSettings
+from tests.conftest import Procs, live_replicas, start_stack, start_worker, wait_for
+
+LONG = "a long document to read " * 400  # about 2 400 tokens to the sim
+SHORT = "hi"
+# Prefill 0.2 ms a prompt token (a long prompt: about half a second), a token every 10 ms.
+SIM = ("--sim-prefill-ms-per-token", "0.2", "--sim-decode-ms", "10")
+ENV = {
+    "TOKENBUS_INGRESS__PIPELINE": '["route"]',
+    "TOKENBUS_ROUTER__PD_MIN_PROMPT_TOKENS": "512",
+    "TOKENBUS_ROUTER__PD_PREFILL_TIMEOUT_S": "3",
+    # An idle replica beats every second (four intervals), so the test hears each soon.
+    "TOKENBUS_WORKER__HEARTBEAT_INTERVAL_S": "0.25",
+}
+
+
+def _req(text: str, n: int, **extra: Any) -> GenerationRequest:
+    return GenerationRequest(
+        request_id="r",
+        kind="chat",
+        model="m",
+        max_tokens=n,
+        messages=[{"role": "user", "content": text}],
+        extra={"ignore_eos": True, **extra},
+    )
+
+
+async def _largest_gap_ms(engine: SimEngine, during: str | None) -> float:
+    """The longest wait between two tokens of a short answer streaming while a request
+    with prompt ``during`` (None: none) is prefilled beside it."""
+    times: list[float] = []
+
+    async def drive() -> None:
+        async for _ in engine.generate(_req(SHORT, 40)):
+            times.append(time.monotonic())
+
+    task = asyncio.create_task(drive())
+    await wait_for(lambda: len(times) >= 3, what="the short answer streaming")
+    if during is not None:
+        [d async for d in engine.generate(_req(during, 1))]
+    await task
+    return max(b - a for a, b in itertools.pairwise(times)) * 1000
+
+
+async def test_the_sim_models_chunked_prefill_and_the_kv_hand_over() -> None:
+    """With chunked prefill a long prompt in the batch stretches the running sequences'
+    steps (what disaggregation takes away); a prefill's last delta hands its blocks over,
+    and a decode engine given them reads the prompt instead of computing it."""
+    cfg = {"decode_ms": 5, "prefill_ms_per_token": 0.2, "answer_tokens_median": 0}
+    chunked = SimEngine(SimSettings(**cfg, chunked_prefill_tokens=256))
+    alone = await _largest_gap_ms(chunked, None)
+    beside = await _largest_gap_ms(chunked, LONG)
+    # Each step beside the long prompt computes 255 of its tokens: 5 + 51 ms, not 5.
+    assert beside > alone + 40, (alone, beside)
+    prefill = SimEngine(SimSettings(**cfg))
+    out = [
+        d
+        async for d in prefill.generate(
+            _req(LONG, 1, kv_transfer_params={"do_remote_decode": True})
+        )
+    ]
+    kvt = out[-1].kv_transfer_params
+    assert kvt is not None and kvt["do_remote_prefill"] is True
+    assert kvt["remote_engine_id"] == prefill.engine_id
+    assert len(kvt["remote_block_ids"]) == -(-out[-1].prompt_tokens // 16)
+    # Without a hand-over asked, none is made.
+    plain = [d async for d in prefill.generate(_req(SHORT, 1))]
+    assert plain[-1].kv_transfer_params is None
+    decode = SimEngine(SimSettings(**cfg, chunked_prefill_tokens=256))
+    t0 = time.monotonic()
+    handed = [d async for d in decode.generate(_req(LONG, 3, kv_transfer_params=kvt))]
+    took = time.monotonic() - t0
+    whole = [d async for d in SimEngine(SimSettings(**cfg)).generate(_req(LONG, 3))]
+    # The answer a whole run gives, and the prompt counted as the client's.
+    assert "".join(d.text for d in handed) == "".join(d.text for d in whole)
+    assert handed[-1].prompt_tokens == whole[-1].prompt_tokens
+    # 2 400 prompt tokens at 0.2 ms is about 480 ms computed; read over the link in ~13 ms.
+    assert took < decode.prefill_s(out[-1].prompt_tokens) / 2, took
+
+
+async def _decisions(base: str) -> dict[str, float]:
+    async with httpx.AsyncClient() as h:
+        text = (await h.get(f"{base}/metrics")).text
+    return {
+        m.group(1): float(m.group(2))
+        for m in re.finditer(r'tokenbus_pd_decisions_total\{decision="(\w+)"\} ([0-9.]+)', text)
+    }
+
+
+@pytest.fixture
+async def pd_stack(procs: Procs, model: str) -> Any:
+    """The bridge (routing in-process), one prefill replica and two decode replicas."""
+    prefill = start_worker(procs, model, "p0", "--pd-role", "prefill", *SIM, env=ENV)
+    decode = [
+        start_worker(procs, model, f"d{i}", "--pd-role", "decode", *SIM, env=ENV) for i in range(2)
+    ]
+    stack = await start_stack(procs, model, workers=0, env=ENV)
+
+    async def all_heard() -> bool:
+        # Beats heard after the bridge was ready: its router heard them too.
+        beats = await live_replicas(procs.url, model, wait=1.5)
+        return sorted(hb.get("pd_role") for hb in beats.values()) == ["decode"] * 2 + ["prefill"]
+
+    await wait_for(all_heard, timeout=60, what="both pools heard")
+    yield stack, prefill, decode
+
+
+async def _answer(oai: openai.AsyncOpenAI, model: str, prompt: str, n: int = 12) -> tuple[str, Any]:
+    out = await oai.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": prompt}],
+        max_tokens=n,
+        extra_body={"ignore_eos": True},
+    )
+    return out.choices[0].message.content or "", out.usage
+
+
+async def test_a_long_prompt_is_prefilled_on_one_replica_and_decoded_on_another(
+    pd_stack: Any, model: str
+) -> None:
+    stack, _prefill, _decode = pd_stack
+    async with stack.openai() as oai:
+        # The bridge's router waits until it has heard both pools.
+        text, usage = await _answer(oai, model, LONG)
+        assert usage.completion_tokens == 12 and usage.prompt_tokens > 2000
+        got = await _decisions(stack.base)
+        assert got.get("disaggregated") == 1, got
+        # Streamed: one stream to the client, its first token from the decode replica.
+        chunks = [
+            c.choices[0].delta.content or ""
+            async for c in await oai.chat.completions.create(
+                model=model,
+                messages=[{"role": "user", "content": LONG}],
+                max_tokens=12,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            )
+            if c.choices
+        ]
+        assert "".join(chunks) == text  # the answer a whole run would give, whole
+        short, _ = await _answer(oai, model, SHORT)
+        assert short
+        got = await _decisions(stack.base)
+        assert got.get("disaggregated") == 2 and got.get("aggregated_short") == 1, got
+
+
+async def test_a_stalled_or_lost_prefill_replica_leaves_the_request_whole(
+    pd_stack: Any, model: str
+) -> None:
+    """Paused (SIGSTOP), the prefill replica acknowledges nothing: the request runs whole on
+    a decode replica after the dispatch's wait; killed (-9), its requests find no responder
+    and the same happens at once. The caller only sees its answer."""
+    stack, prefill, _decode = pd_stack
+    async with stack.openai() as oai:
+        want, _ = await _answer(oai, model, LONG)
+        prefill.signal(signal.SIGSTOP)
+        try:
+            got, usage = await _answer(oai, model, LONG)
+        finally:
+            prefill.signal(signal.SIGCONT)
+        assert got == want and usage.completion_tokens == 12
+        decided = await _decisions(stack.base)
+        assert decided.get("aggregated_after_failure") == 1, decided
+        prefill.signal(signal.SIGKILL)
+        got, _ = await _answer(oai, model, LONG)
+        assert got == want
+
+
+async def test_a_decode_replica_lost_mid_answer_moves_it_as_any_other(
+    pd_stack: Any, model: str
+) -> None:
+    """A decode replica killed mid-stream: the answer goes on elsewhere (migration), whole
+    and without a repeat."""
+    stack, _prefill, decode = pd_stack
+    async with stack.openai() as oai:
+        want, _ = await _answer(oai, model, LONG, 150)
+        parts: list[str] = []
+        stream = await oai.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": LONG}],
+            max_tokens=150,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        by_replica = {f"{model}-d{i}": w for i, w in enumerate(decode)}
+        async for c in stream:
+            if c.choices:
+                parts.append(c.choices[0].delta.content or "")
+            if len(parts) == 20:
+                # The decode replica that holds it says so in its heartbeats (in flight).
+                holder: list[str] = []
+
+                async def held(holder: list[str] = holder) -> bool:
+                    beats = await live_replicas(stack.procs.url, model)
+                    holder[:] = [
+                        r for r, hb in beats.items() if hb.get("in_flight") and r in by_replica
+                    ]
+                    return bool(holder)
+
+                await wait_for(held, what="the decode replica holding it")
+                by_replica[holder[0]].signal(signal.SIGKILL)
+        assert "".join(parts) == want
