@@ -381,6 +381,43 @@ async def test_embeddings_come_from_vllms_pooling_handler(
     assert err.value.status_code in (400, 404)
 
 
+async def test_a_prefill_hands_its_kv_cache_over_through_vllms_front_end(
+    vllm_stack: VLLMStack,
+) -> None:
+    """Prefill/decode disaggregation (docs/disaggregation.md) on vLLM's own front end over
+    the scripted core, which answers as a KV connector (NixlConnector's fields): a request
+    with ``kv_transfer_params.do_remote_decode`` is answered whole, its one delta carrying
+    the hand-over; the decode request with it reaches the engine core with the parameters
+    (vLLM passes them in ``extra_args``) and gives the answer a whole run gives."""
+    from engine_worker.backends.base import GenerationRequest
+
+    backend = vllm_stack.worker.backend
+    prompt = [{"role": "user", "content": "Hello world, tell me about the weather report"}]
+
+    def req(n: int, **extra: Any) -> GenerationRequest:
+        return GenerationRequest(
+            request_id=f"pd-{n}-{len(extra)}",
+            kind="chat",
+            model=vllm_stack.model,
+            max_tokens=n,
+            messages=prompt,
+            extra={"ignore_eos": True, "seed": 7, **extra},
+        )
+
+    ask = {"do_remote_decode": True, "do_remote_prefill": False}
+    pre = [d async for d in backend.generate(req(1, kv_transfer_params=ask))]
+    kvt = pre[-1].kv_transfer_params
+    assert kvt is not None and kvt["do_remote_prefill"] is True, pre
+    assert kvt["remote_engine_id"] == vllm_stack.core.engine_id
+    assert pre[-1].prompt_tokens > 0 and pre[-1].completion_tokens == 1
+    handed = [d async for d in backend.generate(req(6, kv_transfer_params=kvt))]
+    got = vllm_stack.core.added[-1].sampling_params.extra_args["kv_transfer_params"]
+    assert got["remote_block_ids"] == kvt["remote_block_ids"]
+    whole = [d async for d in backend.generate(req(6))]
+    assert "".join(d.text for d in handed) == "".join(d.text for d in whole)
+    assert handed[-1].completion_tokens == 6 and handed[-1].kv_transfer_params is None
+
+
 def _lora_adapter(path: Path) -> Path:
     """A PEFT LoRA adapter's config for the tiny checkpoint (rank 8 on q_proj and v_proj).
     vLLM's front end reads nothing from the directory: it hands a ``LoRARequest`` naming it

@@ -50,6 +50,7 @@ import json
 import math
 import os
 import time
+import uuid
 import zlib
 from collections import deque
 from collections.abc import Iterator
@@ -134,6 +135,12 @@ class ScriptedCoreSettings(BaseModel):
         ge=0,
         description="Blocks in the prefix cache (vLLM's block size); 0: no prefix cache.",
     )
+    kv_bytes_per_token: int = Field(
+        default=131072, ge=1, description="KV cache bytes a prompt token takes (the sim's)."
+    )
+    kv_link_gb_per_s: float = Field(
+        default=25.0, gt=0, description="The KV transfer's bandwidth (prefill/decode)."
+    )
     scripts: list[Script] = Field(default_factory=list, description="First match wins.")
 
     @classmethod
@@ -170,6 +177,9 @@ class _Seq:
     emitted: int = 0
     ready_at: float = 0.0
     done: bool = False
+    # vLLM's kv_transfer_params (prefill/decode disaggregation), as a KV connector reads them
+    # from the request: hand the prompt's blocks over at the end, or read them from there.
+    kvt: dict[str, Any] | None = None
 
 
 @dataclass
@@ -196,6 +206,7 @@ class ScriptedCoreClient:
         from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
 
         self._Output = EngineCoreOutput
+        self.engine_id = uuid.uuid4().hex[:16]  # a prefill's hand-over names it
         self._Outputs = EngineCoreOutputs
         self._Finish = FinishReason
         self.vllm_config = vllm_config
@@ -288,7 +299,13 @@ class ScriptedCoreClient:
                 s.lease = self.cache.acquire(s.hashes, s.prompt_len)
                 s.cached = s.lease.cached_tokens
                 uncached -= s.cached
-            s.ready_at = now + self.prefill_s(uncached)
+            kvt = s.kvt or {}
+            if kvt.get("do_remote_prefill") and isinstance(kvt.get("remote_block_ids"), list):
+                # Read from the prefill replica over the link, not computed (NixlConnector).
+                st = self.settings
+                s.ready_at = now + uncached * st.kv_bytes_per_token / (st.kv_link_gb_per_s * 1e9)
+            else:
+                s.ready_at = now + self.prefill_s(uncached)
             self.prefilling.append(s)
 
     def _step(self, now: float) -> list[Any]:
@@ -394,14 +411,28 @@ class ScriptedCoreClient:
             s.emitted >= s.max_tokens or s.prompt_len + s.emitted >= self.max_model_len
         ):
             finish = self._Finish.LENGTH
+        handover = None
         if finish is not None:
             s.done = True
+            if s.kvt and s.kvt.get("do_remote_decode"):
+                # What NixlConnector's request_finished returns for the decode replica.
+                blocks = -(-s.prompt_len // 16)
+                handover = {
+                    "do_remote_prefill": True,
+                    "do_remote_decode": False,
+                    "remote_engine_id": self.engine_id,
+                    "remote_block_ids": list(range(blocks)),
+                    "remote_host": "scripted",
+                    "remote_port": 0,
+                    "tp_size": 1,
+                }
         return self._Output(
             request_id=s.rid,
             new_token_ids=[tid],
             new_logprobs=self._logprobs(tid, s.logprobs),
             finish_reason=finish,
             stop_reason=stop,
+            kv_transfer_params=handover,
             prefill_stats=self._prefill_stats(s) if s.emitted == 1 else None,
         )
 
@@ -494,6 +525,7 @@ class ScriptedCoreClient:
             natural=natural,
             ids=ids,
             hashes=hashes,
+            kvt=(getattr(sp, "extra_args", None) or {}).get("kv_transfer_params"),
         )
 
     def _natural(self, start: int) -> int | None:

@@ -32,6 +32,7 @@ from typing import Any
 from bus_schemas import errors as E
 from engine_worker.backends import vllm_serving as vs
 from engine_worker.backends.base import Delta, Embeddings, GenerationRequest
+from engine_worker.backends.openai_shape import finish_reason
 from services import tracing
 from services.config import WorkerSettings
 
@@ -539,11 +540,51 @@ class VLLMBackend:
             return self._spent(req)
         # Built and validated now, so a request vLLM refuses is refused before it is accepted.
         model = self._model(req)
-        if chat:
-            request = self._request(self._vllm.ChatCompletionRequest, vs.chat_body(req, model))
-        else:
-            request = self._request(self._vllm.CompletionRequest, vs.completion_body(req, model))
+        body = vs.chat_body(req, model) if chat else vs.completion_body(req, model)
+        kvt = req.extra.get("kv_transfer_params") if req.extra else None
+        handover = isinstance(kvt, dict) and kvt.get("do_remote_decode") is True
+        if handover:
+            # A prefill replica's part (docs/disaggregation.md): vLLM returns the KV
+            # connector's hand-over on a whole answer only, as its P/D proxies ask for it.
+            body["stream"] = False
+            body.pop("stream_options", None)
+        cls = self._vllm.ChatCompletionRequest if chat else self._vllm.CompletionRequest
+        request = self._request(cls, body)
+        if handover:
+            return self._handover(request, serving, chat, self._raw_request(req))
         return self._stream(request, serving, chat, self._raw_request(req))
+
+    async def _handover(
+        self, request: Any, serving: Any, chat: bool, raw_request: Any
+    ) -> AsyncGenerator[Delta, None]:
+        """A prefill's whole answer (its one token) as one delta with vLLM's
+        ``kv_transfer_params`` for the decode replica."""
+        try:
+            if chat:
+                result = await serving.create_chat_completion(request, raw_request)
+            else:
+                result = await serving.create_completion(request, raw_request)
+        except E.TokenbusError:
+            raise
+        except Exception as exc:
+            raise self._error_from_exception(exc) from exc
+        if isinstance(result, self._vllm.ErrorResponse):
+            raise self._error_from_info(result.error)
+        choices = getattr(result, "choices", None)
+        if not choices:
+            raise E.EngineError(f"vLLM answered a prefill with {type(result).__name__}")
+        c = choices[0]
+        text = (c.message.content or "") if chat else (c.text or "")
+        usage = result.usage
+        done = int(getattr(usage, "completion_tokens", 0) or 0)
+        yield Delta(
+            text,
+            done,
+            finish_reason(c.finish_reason or "length"),
+            int(getattr(usage, "prompt_tokens", 0) or 0),
+            done,
+            kv_transfer_params=getattr(result, "kv_transfer_params", None),
+        )
 
     def _raw_request(self, req: GenerationRequest) -> Any:
         """What vLLM's serving layer reads the trace context from: an HTTP request (a

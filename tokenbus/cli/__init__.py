@@ -168,7 +168,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds to listen for heartbeats (idle replicas beat every 2 s)",
     )
 
-    from tokenbus.evaluation import adapterbench, batchbench, bench, kvbench, nemesis, syncbench
+    from tokenbus.evaluation import (
+        adapterbench,
+        batchbench,
+        bench,
+        kvbench,
+        nemesis,
+        pdbench,
+        syncbench,
+    )
 
     bp = bench.add_parser(sub)
     kvbench.add_arguments(bp.add_argument_group("multi-turn agent sessions"))
@@ -176,6 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
     nemesis.add_arguments(bp.add_argument_group("faults under mixed traffic (docs/nemesis.md)"))
     syncbench.add_arguments(bp.add_argument_group("what each JetStream sync policy costs"))
     adapterbench.add_arguments(bp.add_argument_group("LoRA adapters at run time"))
+    pdbench.add_arguments(bp.add_argument_group("prefill/decode disaggregation"))
 
     from tokenbus.cli import keys as keys_cli
 
@@ -616,6 +625,10 @@ def main(argv: list[str] | None = None) -> None:
                 from tokenbus.evaluation.syncbench import run_sync_bench
 
                 rc = await run_sync_bench(a)
+            elif a.pd:
+                from tokenbus.evaluation.pdbench import run_pd_bench
+
+                rc = await run_pd_bench(a)
             elif a.adapters:
                 from tokenbus.evaluation.adapterbench import run_adapter_bench
 

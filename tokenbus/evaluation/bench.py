@@ -1118,6 +1118,7 @@ _REPLICA_FLAGS = {
     "pool": "--pool",
     "max_running": "--sim-max-running",
     "max_concurrency": "--max-concurrency",
+    "role": "--pd-role",
 }
 _REPLICA_SIM = ("decode_ms_per_seq", "tp_efficiency", "tp_comm_ms")
 
