@@ -435,9 +435,10 @@ class SimSettings(BaseModel):
         description="vLLM's chunked prefill: the tokens one engine step computes "
         "(`max_num_batched_tokens`): every running sequence's next token, then prompt "
         "tokens of the sequences prefilling in chunks of what is left, so a long prompt "
-        "stretches every running sequence's step (prefill_ms_per_token for each prompt token "
-        "in it). 0: prefills run beside the decode steps without slowing them (the default, "
-        "an engine with compute to spare; docs/disaggregation.md).",
+        "stretches every running sequence's step: a step takes decode_ms + decode_ms_per_seq "
+        "x running + prefill_ms_per_token x its prompt tokens (prefill_ms is not used). 0: "
+        "prefills run beside the decode steps without slowing them (the default, an engine "
+        "with compute to spare; docs/disaggregation.md).",
     )
     kv_bytes_per_token: int = Field(
         default=131072,

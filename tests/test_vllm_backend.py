@@ -1214,6 +1214,42 @@ async def test_real_vllm_tiny_model() -> None:
         await b.stop()
 
 
+@pytest.mark.gpu
+@pytest.mark.timeout(900)
+async def test_real_vllm_prefill_hands_over_to_a_decode_engine_with_nixl() -> None:
+    """Prefill/decode disaggregation on a GPU (docs/disaggregation.md): two engines with
+    vLLM's NixlConnector (``kv_transfer_config`` passed through as an engine option), the
+    prefill's whole answer carries the hand-over, the decode engine reads the prompt's KV
+    cache with it and answers as a whole run would (greedy)."""
+    if not _gpu_available():
+        pytest.skip("needs vllm and a GPU")
+    model = os.environ.get("TOKENBUS_TEST_VLLM_MODEL")
+    if not model or importlib.util.find_spec("nixl") is None:
+        pytest.skip("set TOKENBUS_TEST_VLLM_MODEL and install nixl (vLLM's KV transfer)")
+    kv = {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
+    opts = {"max_model_len": 512, "gpu_memory_utilization": 0.3, "enforce_eager": True}
+    prefill = VLLMBackend(make_cfg(model=model, kv_transfer_config=kv, **opts))
+    decode = VLLMBackend(make_cfg(model=model, kv_transfer_config=kv, **opts))
+    await prefill.start()
+    await decode.start()
+    try:
+        ask = {"do_remote_decode": True, "do_remote_prefill": False}
+        req = chat("pd1", max_tokens=1, extra={"kv_transfer_params": ask, "temperature": 0})
+        req.model = model
+        kvt = (await collect(prefill.generate(req)))[-1].kv_transfer_params
+        assert kvt is not None and kvt.get("do_remote_prefill") is True
+        req = chat("pd2", max_tokens=8, extra={"kv_transfer_params": kvt, "temperature": 0})
+        req.model = model
+        handed = await collect(decode.generate(req))
+        req = chat("pd3", max_tokens=8, extra={"temperature": 0})
+        req.model = model
+        whole = await collect(decode.generate(req))
+        assert "".join(d.text for d in handed) == "".join(d.text for d in whole)
+    finally:
+        await prefill.stop()
+        await decode.stop()
+
+
 # -- the adapter's cost ---------------------------------------------------------------------
 def _chunk_events(n: int) -> list[str]:
     """What vLLM streams for an n-token chat reply with continuous usage (its shapes)."""

@@ -583,9 +583,14 @@ class SimEngine:
         if done:
             self.prefilling = [s for s in self.prefilling if s not in done]
         self._finishing = done
-        ms = cfg.prefill_ms_per_token * chunk + cfg.prefill_ms * len(done)
-        if self.running:
-            ms += cfg.decode_ms + cfg.decode_ms_per_seq * len(self.running)
+        # One forward pass over every token of the step: its fixed cost (decode_ms), each
+        # running sequence's token, each prompt token of the chunk. (prefill_ms, the fixed
+        # cost of a prefill of its own, has no place in a step that batches them.)
+        ms = (
+            cfg.decode_ms
+            + cfg.decode_ms_per_seq * len(self.running)
+            + cfg.prefill_ms_per_token * chunk
+        )
         self._step_end = now + ms / 1000.0 / self.speedup + self.comm_s
 
     def _step(self) -> None:
