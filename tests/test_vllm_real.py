@@ -551,6 +551,75 @@ async def test_a_lora_adapter_loaded_at_run_time_through_vllms_front_end(
     await nc.drain()
 
 
+async def test_a_long_prompt_is_prefilled_and_decoded_by_two_vllm_workers(
+    nats_server: NatsServer, vllm_stack: VLLMStack, tmp_path: Path
+) -> None:
+    """The whole disaggregated path on vLLM's own front end over the scripted core: a
+    prefill worker and a decode worker of one model; the bridge's router sends a long prompt
+    to the first (whole, one token: its hand-over comes back) and the request with it to the
+    second, whose engine core reads the prompt (kv_transfer_params in its request) and
+    answers the client's stream as a whole run does."""
+    import re
+
+    from engine_worker.worker import Worker
+
+    ckpt = sc.build_checkpoint(tmp_path / "ckpt")
+    model = new_model()
+    engine_args = {"model": str(ckpt), "max_model_len": 2048, "dtype": "bfloat16"}
+
+    def pd_worker(role: str) -> Any:
+        return settings(
+            nats_server.url,
+            worker={
+                "model": model,
+                "replica": f"{model}-{role}",
+                "backend": "vllm",
+                "pd_role": role,
+                "heartbeat_interval_s": 0.2,
+                "vllm": {"engine_args": engine_args, "scripted_core": {"prefill_ms": 1}},
+            },
+        )
+
+    # About 560 tokens as the router counts them (four characters a token): over 512.
+    prompt = [{"role": "user", "content": "Hello world, the report " * 93}]
+    body = {"model": model, "messages": prompt, "max_tokens": 6, "seed": 3, "ignore_eos": True}
+    async with (
+        Worker(pd_worker("prefill")) as prefill,
+        Worker(pd_worker("decode")) as decode,
+        vllm_stack.procs.http("", timeout=30) as h,
+    ):
+        await wait_replicas(nats_server.url, model, 2)
+
+        async def decided() -> dict[str, float]:
+            text = (await h.get("/metrics")).text
+            pat = r'tokenbus_pd_decisions_total\{decision="(\w+)"\} ([0-9.]+)'
+            return {m.group(1): float(m.group(2)) for m in re.finditer(pat, text)}
+
+        before = (await decided()).get("disaggregated", 0)
+        r = await h.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        got = r.json()
+        assert (await decided()).get("disaggregated", 0) == before + 1
+        pcore, dcore = prefill.backend.engine.engine_core, decode.backend.engine.engine_core
+        assert len(pcore.added) == 1 and pcore.added[0].sampling_params.max_tokens == 1
+        kvt = dcore.added[-1].sampling_params.extra_args["kv_transfer_params"]
+        assert kvt["do_remote_prefill"] is True and kvt["remote_engine_id"] == pcore.engine_id
+        assert got["usage"]["completion_tokens"] == 6 and got["usage"]["prompt_tokens"] > 100
+        # The same request straight to the decode worker's engine, whole: the same answer.
+        from engine_worker.backends.base import GenerationRequest
+
+        whole = GenerationRequest(
+            request_id="whole",
+            kind="chat",
+            model=model,
+            max_tokens=6,
+            messages=prompt,
+            extra={"seed": 3, "ignore_eos": True},
+        )
+        text = "".join([d.text async for d in decode.backend.generate(whole)])
+        assert got["choices"][0]["message"]["content"] == text
+
+
 async def _read_stream(stream: Any, text: str = "", n: int | None = None) -> tuple[str, Any, Any]:
     """``stream``'s text (after ``text``), finish reason and usage: all of it, or once the
     text has grown by ``n`` content chunks (the stream then left open)."""
