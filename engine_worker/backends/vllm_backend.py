@@ -554,11 +554,9 @@ class VLLMBackend:
             return self._handover(request, serving, chat, self._raw_request(req))
         return self._stream(request, serving, chat, self._raw_request(req))
 
-    async def _handover(
-        self, request: Any, serving: Any, chat: bool, raw_request: Any
-    ) -> AsyncGenerator[Delta, None]:
-        """A prefill's whole answer (its one token) as one delta with vLLM's
-        ``kv_transfer_params`` for the decode replica."""
+    async def _ask(self, request: Any, serving: Any, chat: bool, raw_request: Any) -> Any:
+        """vLLM's answer to ``request`` (a stream, or a whole answer); a refusal raised as
+        the error it names."""
         try:
             if chat:
                 result = await serving.create_chat_completion(request, raw_request)
@@ -570,6 +568,14 @@ class VLLMBackend:
             raise self._error_from_exception(exc) from exc
         if isinstance(result, self._vllm.ErrorResponse):
             raise self._error_from_info(result.error)
+        return result
+
+    async def _handover(
+        self, request: Any, serving: Any, chat: bool, raw_request: Any
+    ) -> AsyncGenerator[Delta, None]:
+        """A prefill's whole answer (its one token) as one delta with vLLM's
+        ``kv_transfer_params`` for the decode replica."""
+        result = await self._ask(request, serving, chat, raw_request)
         choices = getattr(result, "choices", None)
         if not choices:
             raise E.EngineError(f"vLLM answered a prefill with {type(result).__name__}")
@@ -630,23 +636,12 @@ class VLLMBackend:
     async def _stream(
         self, request: Any, serving: Any, chat: bool, raw_request: Any = None
     ) -> AsyncGenerator[Delta, None]:
-        vllm = self._vllm
         key = object()
         self._inflight[key] = False
         events: AsyncIterator[str] | None = None
         finished = False
         try:
-            try:
-                if chat:
-                    result = await serving.create_chat_completion(request, raw_request)
-                else:
-                    result = await serving.create_completion(request, raw_request)
-            except E.TokenbusError:
-                raise
-            except Exception as exc:
-                raise self._error_from_exception(exc) from exc
-            if isinstance(result, vllm.ErrorResponse):
-                raise self._error_from_info(result.error)
+            result = await self._ask(request, serving, chat, raw_request)
             if not hasattr(result, "__anext__"):
                 raise E.EngineError(f"vLLM answered a stream with {type(result).__name__}")
             events = result

@@ -25,7 +25,7 @@ import nats
 
 from router import adapters as A
 from router.service import heard
-from tokenbus.evaluation.bench import report_head, spawned
+from tokenbus.evaluation.bench import report_head, spawned, write_report
 
 
 def add_arguments(g: Any) -> None:
@@ -156,9 +156,5 @@ async def run_adapter_bench(a: argparse.Namespace) -> int:
         requests_failed=len(failures),
         failures=failures[:20],
     )
-    text = json.dumps(report, indent=1)
-    if a.out:
-        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.out).write_text(text)
-    print(text)
+    write_report(report, a.out)
     return 1 if failures else 0

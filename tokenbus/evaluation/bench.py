@@ -1208,6 +1208,15 @@ def local_dev_key(s: Settings, url: str) -> str | None:
     return path.read_text().strip() or None
 
 
+def write_report(report: dict[str, Any], out: str | None) -> None:
+    """Print a JSON report, and write it to ``out`` (its folder made) when given."""
+    text = json.dumps(report, indent=1)
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(text + "\n")
+    print(text)
+
+
 def report_head(tool: str) -> dict[str, Any]:
     """What a JSON report starts with: the tool, when it started, the machine."""
     return {

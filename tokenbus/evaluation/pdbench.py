@@ -21,10 +21,9 @@ import json
 import statistics
 import time
 import uuid
-from pathlib import Path
 from typing import Any
 
-from tokenbus.evaluation.bench import report_head, spawned
+from tokenbus.evaluation.bench import report_head, spawned, write_report
 
 # The engine every configuration runs: an 8B-class model on one GPU, as the sim models it.
 SIM_ENV = {
@@ -205,9 +204,5 @@ async def run_pd_bench(a: argparse.Namespace) -> int:
             print(json.dumps(got), flush=True)
             report["runs"].append(got)
             failed = failed or bool(got["errors"])
-    text = json.dumps(report, indent=1)
-    if a.out:
-        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.out).write_text(text)
-    print(text)
+    write_report(report, a.out)
     return 1 if failed else 0
