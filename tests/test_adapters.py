@@ -17,6 +17,7 @@ from nats.aio.client import Client as NATS
 
 from auth.store import KeyStore
 from bus_schemas import codec, subjects
+from bus_schemas import errors as E
 from engine_worker.backends.base import GenerationRequest
 from engine_worker.backends.sim import SimEngine
 from services import audit
@@ -245,3 +246,62 @@ async def test_the_sim_holds_at_most_max_loras_adapters_in_a_batch() -> None:
     text_b = [d async for d in b]
     assert text_b and [d async for d in base]
     assert not engine.waiting and not engine.running
+
+
+async def test_an_openai_worker_loads_adapters_on_its_vllm_upstream(
+    nats_server: Any, procs: Procs, model: str, nc: NATS, tmp_path: Path
+) -> None:
+    """The ``openai`` backend in front of a vLLM server loads and unloads adapters with
+    vLLM's runtime endpoints; the worker announces them, a request for one reaches the
+    upstream under its name; the upstream's refusal (a missing path) is an error naming the
+    replica; an upstream without the endpoints (llama.cpp's server) is refused with why."""
+    from engine_worker.worker import Worker
+    from router import adapters as A
+    from tests.conftest import settings
+    from tests.fakes.upstream import FakeUpstream
+
+    await start_stack(procs, model, "ingress", "router", workers=0, bridge=False)
+    ups = [FakeUpstream(), FakeUpstream(flavor="llamacpp")]
+    for u in ups:
+        await u.start()
+    try:
+        for u, name in zip(ups, (f"{model}-vllm", f"{model}-llama"), strict=True):
+            cfg = settings(
+                nats_server.url,
+                worker={
+                    "model": name,
+                    "replica": f"{name}-0",
+                    "backend": "openai",
+                    "heartbeat_interval_s": 0.2,
+                    "openai": {"upstream_url": u.url, "upstream_model": "upstream-model"},
+                },
+            )
+            async with Worker(cfg), await Client.connect(nats_server.url) as tb:
+                load = {"op": "load", "name": f"{name}-sql", "path": adapter_dir(tmp_path, name)}
+                if u.flavor != "vllm":
+                    with pytest.raises(E.InvalidRequest, match="VLLM_ALLOW_RUNTIME_LORA_UPDATING"):
+                        await A.command(nc, name, f"{name}-0", {"type": "adapters", **load}, 30)
+                    continue
+                out = await A.command(nc, name, f"{name}-0", {"type": "adapters", **load}, 30)
+                assert out["adapters"] == {f"{name}-sql": load["path"]}
+                assert u.loras == {f"{name}-sql": load["path"]}
+
+                async def announced(name: str = name) -> bool:
+                    beats = await live_replicas(nats_server.url, name)
+                    return f"{name}-sql" in (beats.get(f"{name}-0") or {}).get("aliases", [])
+
+                await wait_for(announced, what="the adapter in the heartbeat")
+                got = await tb.chat_completion(f"{name}-sql", MSG, max_tokens=2)
+                assert got.usage.completion_tokens == 2
+                assert u.requests[-1]["model"] == f"{name}-sql"
+                with pytest.raises(E.InvalidRequest, match=f"{name}-0.*No adapter found"):
+                    bad = {**load, "name": f"{name}-gone", "path": str(tmp_path / "nowhere")}
+                    await A.command(nc, name, f"{name}-0", {"type": "adapters", **bad}, 30)
+                out = await A.command(
+                    nc, name, f"{name}-0", {"type": "adapters", "op": "unload",
+                                            "name": f"{name}-sql", "drain_s": 5}, 30,
+                )  # fmt: skip
+                assert out["adapters"] == {} and u.loras == {}
+    finally:
+        for u in ups:
+            await u.stop()

@@ -168,6 +168,9 @@ class OpenAIUpstreamBackend:
         self.counter: PromptCounter | None = None
         self._probe_task: asyncio.Task[None] | None = None
         self._probe_timer: asyncio.TimerHandle | None = None
+        # LoRA adapters loaded on the upstream at run time (name -> path): vLLM's runtime
+        # LoRA endpoints (docs/adapters.md).
+        self._adapters: dict[str, str] = {}
 
     async def start(self) -> None:
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
@@ -301,6 +304,50 @@ class OpenAIUpstreamBackend:
     def stats(self) -> dict[str, Any]:
         return {"running": self.in_flight, "waiting": 0, "kv_usage": 0.0}
 
+    # -- LoRA adapters at run time ----------------------------------------------------------
+    @property
+    def served_models(self) -> list[str]:
+        return [self.served_as, *self._adapters]
+
+    @property
+    def adapters(self) -> dict[str, str]:
+        return self._adapters
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        """Load an adapter on the upstream with vLLM's runtime endpoint (``POST
+        /v1/load_lora_adapter``, served by a ``vllm serve`` started with
+        ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`` and ``--enable-lora``); ``path`` is read by
+        the upstream, on its host. Raises what the upstream said when it refused."""
+        body: dict[str, Any] = {"lora_name": name, "lora_path": path}
+        if name in self._adapters:
+            body["load_inplace"] = True  # from another place: replaced, as vLLM does
+        await self._lora("/load_lora_adapter", body)
+        self._adapters[name] = path
+
+    async def unload_adapter(self, name: str) -> None:
+        await self._lora("/unload_lora_adapter", {"lora_name": name})
+        self._adapters.pop(name, None)
+
+    async def _lora(self, path: str, body: dict[str, Any]) -> None:
+        if self.session is None:
+            raise E.EngineError("the openai backend is not started")
+        try:
+            async with self.session.post(self.base + path, json=body) as r:
+                text = (await r.text())[:500]
+                status = r.status
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise E.EngineError(f"the upstream {self.base} did not answer {path}: {exc}") from None
+        if status in (404, 405) and "lora" not in text.lower():
+            raise E.InvalidRequest(
+                f"the upstream {self.base} has no {path}: run-time adapters need a vLLM server "
+                "started with VLLM_ALLOW_RUNTIME_LORA_UPDATING=True and --enable-lora",
+                param="name",
+            )
+        if status >= 500:
+            raise E.EngineError(f"the upstream failed {path} ({status}): {text}")
+        if status >= 400:
+            raise E.InvalidRequest(f"the upstream refused it ({status}): {text}", param="path")
+
     def endpoints(self) -> list[str]:
         # An embedding upstream is declared by the operator (``--endpoints embeddings``).
         return ["chat", "completions"]
@@ -310,7 +357,8 @@ class OpenAIUpstreamBackend:
         """The upstream path and JSON body: the client's fields, then the ones tokenbus owns."""
         # ``extra`` never holds a field tokenbus owns (``messages.carried``): set them here.
         body: dict[str, Any] = dict(req.extra)
-        body["model"] = self.model
+        # An adapter loaded at run time is asked for by its name, as the upstream serves it.
+        body["model"] = req.model if req.model in self._adapters else self.model
         n = req.engine_max_tokens
         if n is not None:  # none: the upstream fills the context, as for its own clients
             body["max_tokens"] = n

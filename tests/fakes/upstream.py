@@ -30,7 +30,12 @@ Endpoints (all under ``/v1``):
 * ``POST /completions``: the same text as a text completion (``logprobs`` an int there).
 * ``POST /embeddings``: a deterministic vector per input, ``dimensions`` long (default 8),
   as floats or base64 (``encoding_format``), with usage.
-* ``GET /models``: the model ``upstream-model`` (with ``max_model_len`` when one is set).
+* ``GET /models``: the model ``upstream-model`` (with ``max_model_len`` when one is set),
+  and the LoRA adapters loaded at run time (``parent``, ``root``), as vLLM lists them.
+* ``POST /load_lora_adapter`` / ``POST /unload_lora_adapter`` (flavor ``vllm``; vLLM's
+  runtime LoRA endpoints, on with ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``): load a name from a
+  path that exists (400 when it does not, or when the name is loaded already), unload a
+  loaded one (404 otherwise).
 * ``GET /last_request``: the last POST body as received (``null`` before any);
   ``GET /requests``: all of them; ``DELETE /requests``: forget them.
   ``GET /last_headers``: the last POST's headers; ``GET /stats``: request and abort counts.
@@ -76,6 +81,7 @@ import struct
 import sys
 import time
 import zlib
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -234,6 +240,7 @@ class FakeUpstream:
         self.requests: list[dict[str, Any]] = []
         self.headers: list[dict[str, str]] = []
         self.aborted = 0
+        self.loras: dict[str, str] = {}  # loaded at run time: name -> path
         self.runner: web.AppRunner | None = None
         self.port = 0
 
@@ -254,7 +261,28 @@ class FakeUpstream:
         app.router.add_get("/v1/stats", self.stats)
         if self.flavor in TOKENIZE:
             app.router.add_post("/tokenize", self.tokenize)
+        if self.flavor == "vllm":
+            app.router.add_post("/v1/load_lora_adapter", self.load_lora)
+            app.router.add_post("/v1/unload_lora_adapter", self.unload_lora)
         return app
+
+    async def load_lora(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        name, path = str(body.get("lora_name") or ""), str(body.get("lora_path") or "")
+        if not name or not path:
+            return _error(400, "both 'lora_name' and 'lora_path' must be provided.")
+        if name in self.loras and not body.get("load_inplace"):
+            return _error(400, f"The lora adapter '{name}' has already been loaded.")
+        if not Path(path).exists():
+            return _error(400, f"No adapter found for {path}")
+        self.loras[name] = path
+        return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
+
+    async def unload_lora(self, request: web.Request) -> web.Response:
+        name = str((await request.json()).get("lora_name") or "")
+        if self.loras.pop(name, None) is None:
+            return _error(404, f"The lora adapter '{name}' cannot be found.")
+        return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
 
     async def tokenize(self, request: web.Request) -> web.Response:
         """vLLM's ``/tokenize`` (vllm flavor) or llama.cpp's (llamacpp): a token a word."""
@@ -329,7 +357,11 @@ class FakeUpstream:
         }
         if self.max_model_len:
             model["max_model_len"] = self.max_model_len
-        return _json({"object": "list", "data": [model]})
+        loras = [
+            {"id": n, "object": "model", "parent": self.model, "root": p}
+            for n, p in self.loras.items()
+        ]
+        return _json({"object": "list", "data": [model, *loras]})
 
     # -- streaming --------------------------------------------------------------------------
     async def _stream(
