@@ -297,9 +297,11 @@ class Dispatcher:
                 return None
             while (left := deadline - time.monotonic()) > 0:
                 try:
-                    msg = await sub.next_msg(timeout=left)
+                    msg = await sub.next_msg(timeout=min(left, HOLD_NOTICE_S))
                 except (NatsTimeout, TimeoutError):
-                    break
+                    if not self.registry.alive(replica):
+                        return None  # lost mid-prefill (its heartbeats stopped)
+                    continue
                 try:
                     frame = codec.decode_map(msg.data)
                 except E.TokenbusError:

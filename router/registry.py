@@ -180,6 +180,11 @@ class Registry:
     def get(self, replica: str) -> Replica | None:
         return self._replicas.get(replica)
 
+    def alive(self, replica: str) -> bool:
+        """Whether ``replica`` still beats (its heartbeats not missed)."""
+        r = self._replicas.get(replica)
+        return r is not None and self._alive(r, time.monotonic())
+
     def live(self, model: str, kind: str | None = None) -> list[Replica]:
         """Replicas of ``model`` that are alive and not draining (and serve ``kind``)."""
         now = time.monotonic()

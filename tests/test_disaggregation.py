@@ -221,3 +221,36 @@ async def test_a_decode_replica_lost_mid_answer_moves_it_as_any_other(
                 await wait_for(held, what="the decode replica holding it")
                 by_replica[holder[0]].signal(signal.SIGKILL)
         assert "".join(parts) == want
+
+
+async def test_a_prefill_replica_lost_mid_prefill_leaves_the_request_whole(
+    pd_stack: Any, procs: Procs, model: str
+) -> None:
+    """The prefill replica dies (-9) while it computes the prompt (after it took it): its
+    heartbeats stop, the router stops waiting for its hand-over and the request runs whole
+    on a decode replica."""
+    stack, first, _decode = pd_stack
+    first.signal(signal.SIGKILL)
+    # A slow one in its place: 5 ms a prompt token, about 12 s for the long prompt.
+    slow = start_worker(
+        procs, model, "p1", "--pd-role", "prefill", "--sim-prefill-ms-per-token", "5", env=ENV
+    )
+
+    async def only_the_slow_one() -> bool:
+        beats = await live_replicas(procs.url, model, wait=1.5)
+        return [r for r, hb in beats.items() if hb.get("pd_role") == "prefill"] == [f"{model}-p1"]
+
+    await wait_for(only_the_slow_one, timeout=60, what="the slow prefill replica alone")
+    async with stack.openai() as oai:
+        answer = asyncio.create_task(_answer(oai, model, LONG))
+
+        async def computing() -> bool:
+            beats = await live_replicas(procs.url, model)
+            return bool((beats.get(f"{model}-p1") or {}).get("in_flight"))
+
+        await wait_for(computing, what="the prefill under way")
+        slow.signal(signal.SIGKILL)
+        text, usage = await answer
+        assert usage.completion_tokens == 12 and text
+        decided = await _decisions(stack.base)
+        assert decided.get("aggregated_after_failure") == 1, decided
