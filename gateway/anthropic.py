@@ -116,7 +116,7 @@ class MessagesAPI:
             chat,
             chat_body,
             request_id=call.rid,
-            timeout=self.app.timeout,
+            timeout=call.timeout or self.app.timeout,
             headers=call.hdrs,
             principal=call.principal,
         )

@@ -63,7 +63,7 @@ from gateway.sse import (
     write_sse,
 )
 from gateway.validation import Choosing, clean_request_id
-from jobs.inprocess import BACKGROUND, PRINCIPAL, RERUN
+from jobs.inprocess import BACKGROUND, PRINCIPAL, RERUN, TIMEOUT
 from services import logging as tlog
 from services import tracing
 from services.caller import Assembled, Chunk, Rerun, Usage
@@ -238,7 +238,7 @@ class OpenAIApp(RouteTable):
             req,
             call.body,
             request_id=call.rid,
-            timeout=self.timeout,
+            timeout=call.timeout or self.timeout,
             headers=call.hdrs,
             principal=call.principal,
         )
@@ -271,7 +271,7 @@ class OpenAIApp(RouteTable):
                 one,
                 body,
                 request_id=rid,
-                timeout=self.timeout,
+                timeout=call.timeout or self.timeout,
                 headers=call.hdrs,
                 principal=call.principal,
             )
@@ -316,6 +316,7 @@ class OpenAIApp(RouteTable):
         call.principal = scope.get(PRINCIPAL)
         call.background = scope.get(BACKGROUND)
         call.rerun = scope.get(RERUN)
+        call.timeout = float(scope.get(TIMEOUT) or 0)
         try:
             call.body = await read_body(scope, receive, self.max_body, self.body_timeout)
             await serve(call, send)
@@ -374,6 +375,9 @@ class Call:
     # this is (scope[RERUN]).
     background: str | None = None
     rerun: Rerun | None = None
+    # Its own time limit, where a trusted caller in this process sets one (scope[TIMEOUT]:
+    # a background response's, a batch line's); 0: the bridge's request timeout.
+    timeout: float = 0.0
 
     def watch(self) -> None:
         """The body is read: from here on the only message left is the disconnect, and a

@@ -115,7 +115,7 @@ class ResponsesAPI:
             chat,
             turn.chat,
             request_id=call.rid,
-            timeout=app.timeout,
+            timeout=call.timeout or app.timeout,
             headers=call.hdrs,
             principal=call.principal,
         )

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import uuid
 from collections.abc import AsyncGenerator, Callable
@@ -44,7 +45,7 @@ from bus_schemas import errors as E
 from bus_schemas import subjects
 from dialects import responses as R
 from jobs.batches import BatchStore
-from jobs.inprocess import BACKGROUND, RERUN, App, InProcess
+from jobs.inprocess import BACKGROUND, RERUN, TIMEOUT, App, InProcess
 from jobs.response_store import ResponseStore, conversation, open_store
 from services import buckets
 from services import logging as tlog
@@ -350,7 +351,13 @@ class Background:
                 rec["run"] = {**run, "attempt": attempt, "ticket": ticket}
                 data = json.dumps(rec, separators=(",", ":")).encode()
                 try:
-                    await kv.update(response_id, data, last=entry.revision)
+                    # Through a stream without a leader too: a write whose answer was lost
+                    # and is tried again clashes with itself, and is read back above.
+                    await buckets.through_stall(
+                        functools.partial(kv.update, response_id, data, last=entry.revision),
+                        what="response",
+                        stream_exists=True,
+                    )
                     return
                 except KeyWrongLastSequenceError:
                     continue
@@ -373,7 +380,11 @@ class Background:
             body,
             owner,
             headers=[(b"x-request-id", rid.encode())],
-            extra={BACKGROUND: response_id, RERUN: rerun},
+            extra={
+                BACKGROUND: response_id,
+                RERUN: rerun,
+                TIMEOUT: self.store.settings.line_timeout_s,
+            },
             on_body=events.feed,
         )
         await req.run(self.app)

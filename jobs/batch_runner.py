@@ -38,7 +38,7 @@ from bus_schemas import codec, subjects
 from bus_schemas import errors as E
 from jobs.batches import CONSUMER, OPEN, STATUSES, STREAM, BatchStore, parse_input
 from jobs.files import OUTPUT_PURPOSE, FileStore
-from jobs.inprocess import App, InProcess
+from jobs.inprocess import TIMEOUT, App, InProcess
 from services import logging as tlog
 from services.config import BatchSettings
 
@@ -311,6 +311,7 @@ class BatchRunner:
                 (b"x-request-id", rid.encode()),
                 (b"x-tokenbus-service-tier", self.settings.priority.encode()),
             ],
+            extra={TIMEOUT: self.settings.line_timeout_s},
         )
         keep = asyncio.get_running_loop().create_task(self._keep_in_progress(msg))
         try:

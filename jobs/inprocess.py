@@ -30,6 +30,9 @@ BACKGROUND = "tokenbus.background"
 # And how that run is numbered among the runs of the response (a ``services.caller.Rerun``):
 # a rerun's limiter charges the lost run's last attempt nothing.
 RERUN = "tokenbus.rerun"
+# And its time limit (seconds), when it is not an interactive request's: a background
+# response or a batch line runs for as long as batches.line_timeout_s allows.
+TIMEOUT = "tokenbus.timeout"
 
 
 class InProcess:
