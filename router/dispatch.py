@@ -276,11 +276,13 @@ class Dispatcher:
             **(env.get("extra") or {}),
             "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False},
         }
-        data = codec.encode({**env, "params": params, "extra": extra})
-        # Its own request: no usage is reported or charged for it (the decode replica's
-        # report counts the prompt), and its frames come here, not to the caller.
+        # Its own request, under an id of its own (its telemetry record is not the answer's):
+        # no usage is reported or charged for it (the decode replica's report counts the
+        # prompt), and its frames come here, not to the caller.
+        rid = f"{env.get('request_id') or p.hdrs.get(H.REQUEST_ID, '')}.prefill"
+        data = codec.encode({**env, "request_id": rid, "params": params, "extra": extra})
         hdrs = {k: v for k, v in p.hdrs.items() if k not in _NOT_FOR_PREFILL}
-        hdrs[H.REQUEST_ID] = f"{p.hdrs.get(H.REQUEST_ID, '')}.prefill"
+        hdrs[H.REQUEST_ID] = rid
         inbox = self.nc.new_inbox()
         hdrs[H.REPLY_TO] = inbox
         sub = await self.nc.subscribe(inbox)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import re
 import signal
 import time
@@ -139,13 +140,32 @@ async def _answer(oai: openai.AsyncOpenAI, model: str, prompt: str, n: int = 12)
 async def test_a_long_prompt_is_prefilled_on_one_replica_and_decoded_on_another(
     pd_stack: Any, model: str
 ) -> None:
-    stack, _prefill, _decode = pd_stack
+    stack, prefill, decode = pd_stack
     async with stack.openai() as oai:
-        # The bridge's router waits until it has heard both pools.
-        text, usage = await _answer(oai, model, LONG)
+        out = await oai.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": LONG}],
+            max_tokens=12,
+            extra_body={"ignore_eos": True},
+        )
+        text, usage = out.choices[0].message.content or "", out.usage
+        assert usage is not None
         assert usage.completion_tokens == 12 and usage.prompt_tokens > 2000
         got = await _decisions(stack.base)
         assert got.get("disaggregated") == 1, got
+        # The prefill ran under an id of its own (its telemetry record is not the answer's),
+        # the decode under the request's.
+        rid = out.id.removeprefix("chatcmpl-")
+
+        def served(w: Any) -> set[str]:
+            return {
+                e.get("request_id", "")
+                for e in map(json.loads, w.output().splitlines())
+                if e.get("event") == "request"
+            }
+
+        await wait_for(lambda: f"{rid}.prefill" in served(prefill), what="the prefill's log")
+        assert any(rid in served(w) for w in decode)
         # Streamed: one stream to the client, its first token from the decode replica.
         chunks = [
             c.choices[0].delta.content or ""
