@@ -213,23 +213,27 @@ async def test_a_newcomer_is_served_before_a_flooding_tenants_backlog(
 async def test_fairness_ids_share_a_key(procs: Procs, model: str) -> None:
     """One key, two agents: the second agent's request goes before the first agent's queue."""
     keys = await _keys(procs.url, k={})
+    # One at a time, 3 s each: all 8 are in flight at once even when a loaded machine
+    # spreads their arrival over seconds (1 s each once let the first end before the last
+    # came, and 8 were never in flight together).
     stack = await start_stack(
         procs,
         model,
         "auth",
-        worker_args=("--sim-max-running", "1", "--max-concurrency", "64"),
+        worker_args=("--sim-max-running", "1", "--max-concurrency", "64", "--sim-decode-ms", "30"),
         env=_flow_env(True),
         settle=0.5,
     )
     firsts: list[float] = []
-    body = {"model": model, **FLOOD, "max_tokens": 100}  # 8 s to drain: all 8 in flight at once
-    agent1 = [
-        asyncio.ensure_future(
-            _http_stream(stack.base, keys["k"], body, firsts, {"X-Fairness-Id": "agent-1"})
-        )
-        for _ in range(8)
-    ]
-    await _until_in_flight(procs.url, model, 8)
+    body = {"model": model, **FLOOD, "max_tokens": 100}
+    async with _InFlight(procs.url, model) as watch:  # listening before the first is sent
+        agent1 = [
+            asyncio.ensure_future(
+                _http_stream(stack.base, keys["k"], body, firsts, {"X-Fairness-Id": "agent-1"})
+            )
+            for _ in range(8)
+        ]
+        await watch.until(8)
     sent = time.monotonic()
     mine: list[float] = []
     await _http_stream(
