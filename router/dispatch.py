@@ -32,7 +32,7 @@ from router.routing import ModelRoute, RoutingTable
 from services import natsclient, tracing
 from services.aliases import AliasTable, envelope_for, retarget
 from services.config import RouterSettings
-from services.runtime import HOLD_NOTICE_S
+from services.runtime import HOLD_NOTICE_S, HoldNotice
 
 _QUEUE_POLL_S = 0.02  # how often a queued request looks for a replica with room
 # After the bus was silent, how long "no responders" from a replica means "not subscribed
@@ -221,6 +221,8 @@ class Dispatcher:
         the second, have a prefill replica compute the prompt first: ``p`` then carries its
         hand-over (vLLM's ``kv_transfer_params``) to a decode replica. A prefill that fails
         (its replica lost, refused, too slow) leaves the request whole, never failed."""
+        if not self.registry.prefill_seen:
+            return  # no disaggregated deployment (the common case): nothing to decide
         kind = p.hdrs.get(H.KIND) or None
         if kind not in (subjects.KIND_CHAT, subjects.KIND_COMPLETIONS) or p.hdrs.get(H.RESUME):
             return
@@ -259,7 +261,7 @@ class Dispatcher:
         tokens = (len(p.req.rendered) + 3) // 4
         policy = p.route.policy
         if isinstance(policy, KVAware):
-            found = policy._depths(decode, p.req)
+            found = policy.depths(decode, p.req)
             if found is not None:
                 depth, _ = found
                 index = policy.index
@@ -286,7 +288,7 @@ class Dispatcher:
         inbox = self.nc.new_inbox()
         hdrs[H.REPLY_TO] = inbox
         sub = await self.nc.subscribe(inbox)
-        holding = asyncio.get_running_loop().create_task(self._hold_caller(p.reply))
+        holding = HoldNotice(self.nc, p.reply)
         q = _Placement(p.route, p.req, p.model, p.pool, data, hdrs, inbox, tier=p.tier)
         q.pd = "prefill"
         deadline = time.monotonic() + self.cfg.pd_prefill_timeout_s
@@ -321,13 +323,6 @@ class Dispatcher:
             holding.cancel()
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
-
-    async def _hold_caller(self, reply: str) -> None:
-        """Tell the caller, every :data:`HOLD_NOTICE_S`, that its request is held here."""
-        with contextlib.suppress(Exception):
-            while True:
-                await asyncio.sleep(HOLD_NOTICE_S)
-                await self.nc.publish(reply, frames.HOLD_FRAME)
 
     async def _cancel_on(self, replica: str, p: _Placement) -> None:
         r = self.registry.get(replica)

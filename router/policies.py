@@ -287,7 +287,7 @@ class KVAware:
         self.hashers = PromptHashers()
         self.last: dict[str, int] = {}
 
-    def _depths(
+    def depths(
         self, candidates: Sequence[Replica], req: RouteRequest
     ) -> tuple[dict[str, int], dict[str, int]] | None:
         """(cached blocks, prompt blocks) per matchable replica: the request hashed once per
@@ -314,7 +314,7 @@ class KVAware:
         return (depth, blocks) if blocks else None
 
     def choose(self, candidates: Sequence[Replica], req: RouteRequest) -> Replica:
-        found = self._depths(candidates, req)
+        found = self.depths(candidates, req)
         if found is None:
             if req.session:
                 return self.sessions.choose(candidates, req)

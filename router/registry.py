@@ -100,6 +100,9 @@ class Registry:
         self.bus: Any = None
         self._replicas: dict[str, Replica] = {}
         self._ever_seen: set[str] = set()
+        # Whether any prefill replica ever beat here: until one does, a router skips the
+        # prefill/decode decision (one look per request instead of a scan).
+        self.prefill_seen = False
 
     def update(self, hb: dict[str, Any]) -> Replica | None:
         """Apply one heartbeat; returns the replica, or None when the heartbeat is malformed."""
@@ -124,6 +127,7 @@ class Registry:
             r.tp = int(hb.get("tp", 1))
             r.pool = str(hb.get("pool", "default"))
             r.pd_role = str(hb.get("pd_role", "both"))
+            self.prefill_seen = self.prefill_seen or r.pd_role == "prefill"
             r.draining = bool(hb.get("draining", False))
             r.interval_s = float(hb.get("interval_s", 1.0))
             eps = hb.get("endpoints")

@@ -229,14 +229,15 @@ async def connect(
     return attempt.result()  # raises the connect error
 
 
-class _Hold:
-    """While a request is held, a hold frame to its caller every :data:`HOLD_NOTICE_S`."""
+class HoldNotice:
+    """While a request is held, a hold frame to its caller (``reply``: its inbox; None, no
+    caller to tell) every :data:`HOLD_NOTICE_S`, until :meth:`cancel`."""
 
     __slots__ = ("nc", "reply", "sending", "timer")
 
-    def __init__(self, nc: NATS, msg: Msg, trust_header: bool) -> None:
+    def __init__(self, nc: NATS, reply: str | None) -> None:
         self.nc = nc
-        self.reply = reply_subject(msg, trust_header=trust_header)
+        self.reply = reply
         self.sending: asyncio.Task[None] | None = None
         loop = asyncio.get_running_loop()
         self.timer: asyncio.TimerHandle | None = (
@@ -562,7 +563,11 @@ class Service:
         """Handle one request: failures go back to the caller, the outcome into ``stats``."""
         t = time.perf_counter_ns()
         err: str | None = None
-        hold = _Hold(self.nc, msg, self.trust_reply_header) if holds else None
+        hold = (
+            HoldNotice(self.nc, reply_subject(msg, trust_header=self.trust_reply_header))
+            if holds
+            else None
+        )
         self._drop_unwritable_headers(msg)
         span = self._hop_span(msg) if tracing.on() else None
         token = tracing.activate(span)
