@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import json
 import uuid
 from collections.abc import AsyncGenerator, Callable
@@ -334,33 +333,18 @@ class Background:
         task.add_done_callback(self._writes.discard)
 
     async def _keep_admission(self, response_id: str, attempt: int, ticket: str) -> None:
-        from nats.js.errors import KeyWrongLastSequenceError
+        def keep(rec: dict[str, Any]) -> dict[str, Any]:
+            run = rec.get("run") or {}
+            if rec.get("response", {}).get("status") not in OPEN:
+                raise _Kept  # ended (or gone): nothing to run again
+            if int(run.get("attempt", -1)) >= attempt:
+                raise _Kept  # a later attempt's kept already
+            return {**rec, "run": {**run, "attempt": attempt, "ticket": ticket}}
 
         try:
-            kv = await self.responses.opened()
-            for _ in range(20):  # a write of the record between the read and this one
-                entry = await buckets.through_stall(
-                    lambda: kv.get(response_id), what="response", stream_exists=True
-                )
-                rec = json.loads(entry.value or b"{}")
-                run = rec.get("run") or {}
-                if rec.get("response", {}).get("status") not in OPEN:
-                    return  # ended (or gone): nothing to run again
-                if int(run.get("attempt", -1)) >= attempt:
-                    return  # a later attempt's kept already
-                rec["run"] = {**run, "attempt": attempt, "ticket": ticket}
-                data = json.dumps(rec, separators=(",", ":")).encode()
-                try:
-                    # Through a stream without a leader too: a write whose answer was lost
-                    # and is tried again clashes with itself, and is read back above.
-                    await buckets.through_stall(
-                        functools.partial(kv.update, response_id, data, last=entry.revision),
-                        what="response",
-                        stream_exists=True,
-                    )
-                    return
-                except KeyWrongLastSequenceError:
-                    continue
+            await buckets.cas(await self.responses.opened(), response_id, keep)
+        except _Kept:
+            pass
         except Exception as exc:  # a rerun then pays for this run's attempt too
             log.warning("background_admission_not_kept", response_id=response_id, error=repr(exc))
 
@@ -418,6 +402,10 @@ class Background:
                 "sequence_number": events.last + 1,
             }
         )
+
+
+class _Kept(Exception):
+    """Nothing to keep: the response ended, or a later attempt's ticket is kept."""
 
 
 class _Events:
