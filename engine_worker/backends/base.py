@@ -255,3 +255,40 @@ def kv_event_source(backend: object) -> KVEventSource | None:
         return None
     source: KVEventSource | None = get()
     return source
+
+
+# -- prefill/decode disaggregation (vLLM's kv_transfer_params; docs/disaggregation.md) ------
+def asks_handover(kvt: Any) -> bool:
+    """Whether a request's ``kv_transfer_params`` make it a prefill replica's part: compute
+    the prompt and hand its KV cache over at the end."""
+    return isinstance(kvt, dict) and kvt.get("do_remote_decode") is True
+
+
+def reads_remote_prompt(kvt: Any) -> bool:
+    """Whether they carry a prefill's hand-over: the prompt's KV cache is read from there."""
+    return (
+        isinstance(kvt, dict)
+        and kvt.get("do_remote_prefill") is True
+        and isinstance(kvt.get("remote_block_ids"), list)
+    )
+
+
+def kv_handover(
+    engine_id: str, prompt_tokens: int, block_size: int, tp: int, host: str
+) -> dict[str, Any]:
+    """What a simulated KV connector returns at a prefill's end (the fields of vLLM's
+    NixlConnector's ``request_finished``): where the prompt's blocks are."""
+    return {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_engine_id": engine_id,
+        "remote_block_ids": list(range(-(-prompt_tokens // block_size))),
+        "remote_host": host,
+        "remote_port": 0,
+        "tp_size": tp,
+    }
+
+
+def kv_transfer_s(tokens: int, bytes_per_token: int, gb_per_s: float) -> float:
+    """How long ``tokens`` of a prompt's KV cache take over a link of ``gb_per_s`` GB/s."""
+    return tokens * bytes_per_token / (gb_per_s * 1e9)

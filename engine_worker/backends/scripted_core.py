@@ -61,6 +61,13 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
+from engine_worker.backends.base import (
+    asks_handover,
+    kv_handover,
+    kv_transfer_s,
+    reads_remote_prompt,
+)
+
 __all__ = [
     "ENV",
     "Script",
@@ -299,11 +306,12 @@ class ScriptedCoreClient:
                 s.lease = self.cache.acquire(s.hashes, s.prompt_len)
                 s.cached = s.lease.cached_tokens
                 uncached -= s.cached
-            kvt = s.kvt or {}
-            if kvt.get("do_remote_prefill") and isinstance(kvt.get("remote_block_ids"), list):
+            if reads_remote_prompt(s.kvt):
                 # Read from the prefill replica over the link, not computed (NixlConnector).
                 st = self.settings
-                s.ready_at = now + uncached * st.kv_bytes_per_token / (st.kv_link_gb_per_s * 1e9)
+                s.ready_at = now + kv_transfer_s(
+                    uncached, st.kv_bytes_per_token, st.kv_link_gb_per_s
+                )
             else:
                 s.ready_at = now + self.prefill_s(uncached)
             self.prefilling.append(s)
@@ -414,18 +422,9 @@ class ScriptedCoreClient:
         handover = None
         if finish is not None:
             s.done = True
-            if s.kvt and s.kvt.get("do_remote_decode"):
-                # What NixlConnector's request_finished returns for the decode replica.
-                blocks = -(-s.prompt_len // 16)
-                handover = {
-                    "do_remote_prefill": True,
-                    "do_remote_decode": False,
-                    "remote_engine_id": self.engine_id,
-                    "remote_block_ids": list(range(blocks)),
-                    "remote_host": "scripted",
-                    "remote_port": 0,
-                    "tp_size": 1,
-                }
+            if asks_handover(s.kvt):
+                block = getattr(self.cache, "block_size", 16)
+                handover = kv_handover(self.engine_id, s.prompt_len, block, 1, "scripted")
         return self._Output(
             request_id=s.rid,
             new_token_ids=[tid],

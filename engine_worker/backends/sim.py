@@ -35,7 +35,15 @@ from statistics import NormalDist
 from typing import Any
 
 from bus_schemas import errors as E
-from engine_worker.backends.base import Delta, Embeddings, GenerationRequest
+from engine_worker.backends.base import (
+    Delta,
+    Embeddings,
+    GenerationRequest,
+    asks_handover,
+    kv_handover,
+    kv_transfer_s,
+    reads_remote_prompt,
+)
 from engine_worker.backends.sim_outputs import (
     MAX_EMBEDDING_DIM,
     chat_logprobs,
@@ -392,22 +400,11 @@ class SimEngine:
 
     def transfer_s(self, tokens: int) -> float:
         """How long ``tokens`` of a prompt's KV cache take from a prefill replica."""
-        cfg = self.cfg
-        return tokens * cfg.kv_bytes_per_token / (cfg.kv_link_gb_per_s * 1e9)
+        return kv_transfer_s(tokens, self.cfg.kv_bytes_per_token, self.cfg.kv_link_gb_per_s)
 
     def handover(self, prompt_tokens: int) -> dict[str, Any]:
-        """What a prefill replica returns for a decode replica (vLLM's NixlConnector's
-        ``kv_transfer_params``): where the prompt's blocks are, to be read from there."""
-        blocks = -(-prompt_tokens // self.cfg.block_size)
-        return {
-            "do_remote_prefill": True,
-            "do_remote_decode": False,
-            "remote_engine_id": self.engine_id,
-            "remote_block_ids": list(range(blocks)),
-            "remote_host": "sim",
-            "remote_port": 0,
-            "tp_size": self.tp,
-        }
+        """What a prefill replica returns for a decode replica."""
+        return kv_handover(self.engine_id, prompt_tokens, self.cfg.block_size, self.tp, "sim")
 
     # -- scheduling -------------------------------------------------------------------------
     def submit(self, seq: _Seq) -> None:
@@ -467,19 +464,21 @@ class SimEngine:
         if self.fault is not None:
             return
         at = float("inf")
-        chunked = self.cfg.chunked_prefill_tokens > 0
-        if chunked:
+        if self.cfg.chunked_prefill_tokens:
+            # The step in progress ends, or one starts now for what there is to compute; a
+            # prompt read from a prefill replica joins when its transfer is done.
             if self._step_end:
                 at = self._step_end
+            elif self.running or any(not s.remote for s in self.prefilling):
+                at = time.monotonic()
             for s in self.prefilling:
-                if s.remote or not self._step_end:
-                    at = min(at, s.ready_at if s.remote else time.monotonic())
-            if self.running and not self._step_end:
-                at = min(at, time.monotonic())
-        elif self.running:
-            at = self._next_decode
-        for s in () if chunked else self.prefilling:
-            at = min(at, s.ready_at)
+                if s.remote:
+                    at = min(at, s.ready_at)
+        else:
+            if self.running:
+                at = self._next_decode
+            for s in self.prefilling:
+                at = min(at, s.ready_at)
         if at == float("inf"):
             if self._timer is not None:
                 self._timer.cancel()
@@ -733,12 +732,8 @@ class SimStream(_TextOut):
         # Prefill/decode disaggregation (vLLM's kv_transfer_params): a prefill replica's
         # request hands its prompt's KV cache over at its end; a decode replica's reads it.
         kvt = req.extra.get("kv_transfer_params") if req.extra else None
-        self.handover = isinstance(kvt, dict) and kvt.get("do_remote_decode") is True
-        self.seq.remote = (
-            isinstance(kvt, dict)
-            and kvt.get("do_remote_prefill") is True
-            and isinstance(kvt.get("remote_block_ids"), list)
-        )
+        self.handover = asks_handover(kvt)
+        self.seq.remote = reads_remote_prompt(kvt)
         self.seq.emitted = done
         self.hold = max((len(s) for s in req.stop), default=1) - 1
         self.text = text

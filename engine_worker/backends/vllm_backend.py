@@ -31,7 +31,7 @@ from typing import Any
 
 from bus_schemas import errors as E
 from engine_worker.backends import vllm_serving as vs
-from engine_worker.backends.base import Delta, Embeddings, GenerationRequest
+from engine_worker.backends.base import Delta, Embeddings, GenerationRequest, asks_handover
 from engine_worker.backends.openai_shape import finish_reason
 from services import tracing
 from services.config import WorkerSettings
@@ -541,8 +541,7 @@ class VLLMBackend:
         # Built and validated now, so a request vLLM refuses is refused before it is accepted.
         model = self._model(req)
         body = vs.chat_body(req, model) if chat else vs.completion_body(req, model)
-        kvt = req.extra.get("kv_transfer_params") if req.extra else None
-        handover = isinstance(kvt, dict) and kvt.get("do_remote_decode") is True
+        handover = asks_handover(req.extra.get("kv_transfer_params") if req.extra else None)
         if handover:
             # A prefill replica's part (docs/disaggregation.md): vLLM returns the KV
             # connector's hand-over on a whole answer only, as its P/D proxies ask for it.
