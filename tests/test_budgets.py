@@ -24,6 +24,7 @@ from auth.limits import Limiter
 from auth.ratelimit import RateLimitCheck
 from bus_schemas import codec, subjects
 from bus_schemas import headers as H
+from jobs.background import EVENTS_STREAM
 from services.config import PriceSettings
 from tests.conftest import (
     Procs,
@@ -650,7 +651,15 @@ async def test_a_background_response_whose_runner_died_is_paid_for_once(
         await wait_for(admitted, what="the run's admission kept in the record")
         budget = budgets.Budget(f"k.{rec.id}", rec.budget_period, None, None)
         book = await budgets.SpendBook(nc).open()
-        await asyncio.sleep(0.4)  # ten tokens or so into the answer
+        js = nc.jetstream()
+
+        async def answering() -> bool:
+            # Its events as the runner publishes them: a few of the answer's deltas.
+            subject = subjects.batch_events(rid)
+            info = await js.stream_info(EVENTS_STREAM, subjects_filter=subject)
+            return sum((info.state.subjects or {}).values()) >= 10
+
+        await wait_for(answering, what="the first run's answer under way")
         first.signal(signal.SIGKILL)
         second = procs.start("bridge-b", "serve", "bridge", "--port", str(ports[1]), env=env)
         await wait_http(f"http://127.0.0.1:{ports[1]}/ready")
