@@ -945,7 +945,12 @@ class Worker(Service):
         """Accept the request and relay the engine's output; without a ``stream`` the
         request waits for its slot first. One displaced before its first byte by a higher
         class waits again and starts over (engine_worker/flow.py)."""
-        await self._accept(msg, gen)
+        try:
+            await self._accept(msg, gen)
+        except BaseException:
+            if stream is not None:  # started (an upstream may have its request): stopped
+                await stream.aclose()
+            raise
         t = gen.ticket
         while True:
             if stream is None:

@@ -5,6 +5,7 @@ client."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import subprocess
 import sys
@@ -22,8 +23,10 @@ from engine_worker.backends.openai_upstream import OpenAIUpstreamBackend
 from services.config import OpenAIUpstreamSettings, WorkerSettings
 
 try:  # tests/ is a package when run from the repo root with rootdir on sys.path
+    from tests.conftest import wait_for
     from tests.fakes.upstream import FakeUpstream
 except ImportError:  # pytest's default rootdir-less import puts tests/ itself on sys.path
+    from conftest import wait_for  # type: ignore[no-redef]
     from fakes.upstream import FakeUpstream  # type: ignore[no-redef]
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -408,6 +411,50 @@ async def test_closing_the_stream_aborts_the_upstream(
             break
         await asyncio.sleep(0.02)
     assert upstream.aborted == 1
+
+
+async def test_on_a_kept_connection_the_request_is_written_before_it_is_relayed(
+    backend: OpenAIUpstreamBackend, upstream: FakeUpstream
+) -> None:
+    # The first request opens the connection the second finds kept.
+    await collect(backend, chat([{"role": "user", "content": "one"}]))
+    n = len(upstream.requests)
+    gen = backend.generate(chat([{"role": "user", "content": "two"}]))
+    # Nobody reads the stream yet: the upstream has the request and answers it (the worker
+    # acknowledges and sets up its relay meanwhile); what came is held for the reader.
+    await wait_for(lambda: len(upstream.requests) == n + 1, what="the upstream got the request")
+    assert upstream.requests[-1]["messages"] == [{"role": "user", "content": "two"}]
+    assert backend.stats()["running"] == 1
+    # Some of the answer arrives before anyone reads it: held, then handed over in order.
+    await wait_for(lambda: gen._early is not None and gen._early.held, what="held deltas")
+    got: list[Delta] = []
+    async with contextlib.aclosing(gen):
+        await gen.push(got.append)
+    assert "".join(d.text for d in got) == "hello from upstream"
+    assert got[-1].finish_reason == "stop" and got[-1].prompt_tokens > 0
+    assert backend.stats()["running"] == 0
+    # Read as any stream, the same.
+    again = [d async for d in backend.generate(chat([{"role": "user", "content": "three"}]))]
+    assert "".join(d.text for d in again) == "hello from upstream"
+
+
+async def test_a_request_written_early_and_never_relayed_is_aborted_at_the_upstream(
+    backend: OpenAIUpstreamBackend, upstream: FakeUpstream
+) -> None:
+    await collect(backend, chat([{"role": "user", "content": "one"}]))
+    req = chat([{"role": "user", "content": "hi"}], extra={"fake_chunk_delay_s": 0.05})
+    n = len(upstream.requests)
+    gen = backend.generate(req)
+    await wait_for(lambda: len(upstream.requests) == n + 1, what="the upstream got the request")
+    # The worker's acknowledgement failed, or its caller cancelled: the stream is closed.
+    await gen.aclose()
+    assert backend.stats()["running"] == 0
+    await wait_for(lambda: upstream.aborted == 1, what="the upstream saw its client go")
+    # The next request does not find the aborted connection kept.
+    assert (
+        "".join(d.text for d in await collect(backend, chat([{"role": "user", "content": "x"}])))
+        == "hello from upstream"
+    )
 
 
 def test_fake_upstream_runs_as_a_process() -> None:

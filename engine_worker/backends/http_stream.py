@@ -19,7 +19,7 @@ import asyncio
 import contextlib
 import ssl
 from collections.abc import Callable
-from typing import cast
+from typing import NamedTuple, cast
 from urllib.parse import urlsplit
 
 # A response head larger than this is no HTTP server we can talk to.
@@ -258,6 +258,18 @@ def _parse_head(head: bytes) -> tuple[int, dict[str, str]]:
     return status, headers
 
 
+class Sent(NamedTuple):
+    """A request written on a connection (:meth:`UpstreamHTTP.send_now`)."""
+
+    conn: _Connection
+    done: asyncio.Future[None]
+    request: bytes
+
+    def abort(self) -> None:
+        """Give the request up: its connection is closed (the upstream sees the client go)."""
+        self.conn.abort()
+
+
 class UpstreamHTTP:
     """POSTs to one upstream over reused keep-alive connections."""
 
@@ -297,29 +309,53 @@ class UpstreamHTTP:
             body,
         )
 
-    async def post(self, path: str, body: bytes, headers: dict[str, str], r: Response) -> None:
-        """Send the request and call ``r`` back as the answer arrives, until it ends.
-        Cancelled (or failing), the connection is aborted: the upstream sees the client go."""
-        request = self.request_bytes(path, body, headers)
+    def send_now(self, path: str, body: bytes, headers: dict[str, str], r: Response) -> Sent | None:
+        """Write the request at once on a kept connection, None when none is kept; ``r`` is
+        called back from here on, and :meth:`post` with the result waits for the end. The
+        worker writes a request this way before it acknowledges it, so the upstream starts
+        while the bus hears back (its prefill hides that work)."""
         conn = self._take()
-        if conn is not None:
+        if conn is None:
+            return None
+        request = self.request_bytes(path, body, headers)
+        return Sent(conn, conn.start(request, r), request)
+
+    async def post(
+        self,
+        path: str,
+        body: bytes,
+        headers: dict[str, str],
+        r: Response,
+        sent: Sent | None = None,
+    ) -> None:
+        """Send the request (or take the one :meth:`send_now` wrote: ``sent``) and call ``r``
+        back as the answer arrives, until it ends. Cancelled (or failing), the connection is
+        aborted: the upstream sees the client go."""
+        if sent is None:
+            sent = self.send_now(path, body, headers, r)
+        if sent is not None:
             try:
-                await self._exchange(conn, request, r)
+                await self._finish(sent)
                 return
             except UpstreamClosed:
-                if conn.got_bytes:
+                if sent.conn.got_bytes:
                     raise
                 # A kept connection the upstream had closed meanwhile: once more, on a new one.
-        await self._exchange(await self._connect(), request, r)
+            request = sent.request
+        else:
+            request = self.request_bytes(path, body, headers)
+        conn = await self._connect()
+        await self._finish(Sent(conn, conn.start(request, r), request))
 
-    async def _exchange(self, conn: _Connection, request: bytes, r: Response) -> None:
-        """One request and its whole answer on ``conn``, kept for reuse after if it can be."""
+    async def _finish(self, sent: Sent) -> None:
+        """The answer of a request written on ``sent.conn``, which is kept for reuse after if
+        it can be."""
         try:
-            await conn.start(request, r)
+            await sent.done
         except BaseException:
-            conn.abort()
+            sent.conn.abort()
             raise
-        self._put(conn)
+        self._put(sent.conn)
 
     def _take(self) -> _Connection | None:
         while self._idle:

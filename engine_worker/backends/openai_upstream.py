@@ -21,7 +21,7 @@ import contextlib
 import json
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import aiohttp
 import orjson
@@ -31,6 +31,7 @@ from engine_worker.backends.base import Delta, Embeddings, GenerationRequest
 from engine_worker.backends.http_stream import (
     MAX_ERROR_BODY,
     Response,
+    Sent,
     SSEParser,
     UpstreamHTTP,
     UpstreamProtocolError,
@@ -387,7 +388,9 @@ class OpenAIUpstreamBackend:
             # The prompt holds at least one token, so this cannot fit whatever the prompt;
             # an upstream that does not bound it would generate until the request's deadline.
             raise E.ContextLengthExceeded.of(n, req.max_tokens)
-        return _Completion(self, req)
+        c = _Completion(self, req)
+        c.start_now()
+        return c
 
     async def count_prompt(self, path: str, body: dict[str, Any]) -> tuple[int, str]:
         """(prompt tokens, usage source) for an answer that came without usage; never zero
@@ -515,6 +518,16 @@ class _Answer(Response):
         )
 
 
+class _Early(NamedTuple):
+    """A request :meth:`_Completion.start_now` wrote before it was relayed."""
+
+    sent: Sent
+    answer: _Answer
+    held: list[Delta]  # what arrived before the relay began
+    path: str
+    body: dict[str, Any]
+
+
 class _Completion:
     """A streamed completion from the upstream. ``push`` hands each delta to a callback where
     its bytes arrive (the worker's path: no task wake-up per token); iterated, it is an async
@@ -526,11 +539,47 @@ class _Completion:
         self._task: asyncio.Task[None] | None = None
         self._items: collections.deque[Delta] = collections.deque()
         self._ready = asyncio.Event()
+        self._early: _Early | None = None
+
+    def start_now(self) -> None:
+        """Write the request to the upstream now, on a kept connection: ``generate`` calls
+        this, so the upstream starts before the worker acknowledges the request and sets up
+        its relay (that work then runs while the upstream prefills, off the first token's
+        path). What arrives before :meth:`push` is held for it. A request ``push`` would
+        refuse, or no kept connection: ``push`` sends it, as it always did."""
+        b, req = self.backend, self.req
+        http = b.http
+        if http is None or req.remaining_tokens <= 0 or (req.resume_text and not b.can_resume(req)):
+            return
+        try:
+            path, body = b._body(req)
+            data = _json(body)
+        except Exception:  # push raises it where it always did
+            return
+        held: list[Delta] = []
+        answer = _Answer(held.append)
+        sent = http.send_now(path, data, self._headers(), answer)
+        if sent is not None:
+            b.in_flight += 1
+            self._early = _Early(sent, answer, held, path, body)
+
+    def _headers(self) -> dict[str, str]:
+        # Traced, the upstream (vllm serve --otlp-traces-endpoint, ...) continues the trace.
+        t = self.req.trace_headers
+        return {**_JSON, **t} if t else _JSON
 
     async def push(self, sink: Sink) -> None:
         """Call ``sink`` with every delta, the last one (finish reason, usage) included; a
         true answer from ``sink`` ends the stream there (the upstream is aborted)."""
         b, req = self.backend, self.req
+        http = b.http
+        early, self._early = self._early, None
+        if early is not None:
+            if http is not None:
+                await self._relay(http, early.path, early.body, early.answer, sink, early)
+                return
+            early.sent.abort()  # stopped meanwhile
+            b.in_flight -= 1
         if req.remaining_tokens <= 0:
             # A migrated request whose budget the first replica used up: nothing to ask for.
             sink(Delta("", 0, "length"))
@@ -546,14 +595,32 @@ class _Completion:
                 "message where it stopped (continue_final_message); retry the request"
             )
         path, body = b._body(req)
-        data = _json(body)
-        # Traced, the upstream (vllm serve --otlp-traces-endpoint, ...) continues the trace.
-        hdrs = {**_JSON, **req.trace_headers} if req.trace_headers else _JSON
-        answer = _Answer(sink)
         b.in_flight += 1
+        await self._relay(http, path, body, _Answer(sink), sink, None)
+
+    async def _relay(
+        self,
+        http: UpstreamHTTP,
+        path: str,
+        body: dict[str, Any],
+        answer: _Answer,
+        sink: Sink,
+        early: _Early | None,
+    ) -> None:
+        """The answer to ``sink``: the one written early (``early``: what came meanwhile
+        first), or a request sent now; the last delta with the usage. Counted in flight."""
+        b = self.backend
+        sent = None
         try:
+            if early is not None:
+                sent = early.sent
+                for d in early.held:
+                    if sink(d):
+                        sent.abort()
+                        return
+                answer.sink = sink  # from here on, where the bytes arrive
             async with asyncio.timeout(b.timeout):
-                await http.post(path, data, hdrs, answer)
+                await http.post(path, b"" if sent else _json(body), self._headers(), answer, sent)
             if answer.status != 200:
                 text = answer.error_body.decode("utf-8", "replace")
                 raise _upstream_error(answer.status, text)
@@ -603,6 +670,10 @@ class _Completion:
         return self._items.popleft()
 
     async def aclose(self) -> None:
+        early, self._early = self._early, None
+        if early is not None:  # written early, never relayed
+            early.sent.abort()
+            self.backend.in_flight -= 1
         task = self._task
         if task is not None and not task.done():
             task.cancel()
