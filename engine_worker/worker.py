@@ -360,6 +360,7 @@ class Worker(Service):
             self.nc, records.spool_for(self.settings.telemetry, "worker", self.replica)
         ).open()
         self.outbox.before = self._records_first
+        self.outbox.hold = lambda: self._records.waiting
         # Before the engine loads: a second process with this id refuses at once.
         self._claim = ReplicaClaim(self.nc, self.replica, self.boot, self.give_up)
         try:
@@ -998,7 +999,7 @@ class Worker(Service):
         gate = OutputGate.for_policy(
             gen.env.get("filter_policy"), self.settings.filter.window, gen.req.resume_text
         )
-        send = self.outbox.send
+        send = self.outbox.send_chunk
         reply = gen.reply
         # Chunk numbering and tokens not yet sent matter only to this stream: locals.
         index = 0
