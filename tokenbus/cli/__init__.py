@@ -172,6 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
         adapterbench,
         batchbench,
         bench,
+        coldpath,
         kvbench,
         nemesis,
         pdbench,
@@ -185,6 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
     syncbench.add_arguments(bp.add_argument_group("what each JetStream sync policy costs"))
     adapterbench.add_arguments(bp.add_argument_group("LoRA adapters at run time"))
     pdbench.add_arguments(bp.add_argument_group("prefill/decode disaggregation"))
+    coldpath.add_arguments(bp.add_argument_group("one request's steps, warm and cold"))
 
     from tokenbus.cli import keys as keys_cli
 
@@ -625,6 +627,10 @@ def main(argv: list[str] | None = None) -> None:
                 from tokenbus.evaluation.syncbench import run_sync_bench
 
                 rc = await run_sync_bench(a)
+            elif a.cold_path:
+                from tokenbus.evaluation.coldpath import run_cold_path
+
+                rc = run_cold_path(a)
             elif a.pd:
                 from tokenbus.evaluation.pdbench import run_pd_bench
 
