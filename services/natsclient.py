@@ -46,8 +46,8 @@ from nats.aio.client import Client as NATS
 from nats.aio.client import _default_error_callback
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
-from nats.protocol import command as prot_command
 from nats.js.client import JetStreamContext
+from nats.protocol import command as prot_command
 from nats.protocol import parser
 
 # The NATS server's default ``max_control_line``: ``HPUB <subject> <reply> <sizes>`` must fit.
