@@ -27,3 +27,4 @@ def test_the_cold_path_report_times_every_step_warm_and_cold(tmp_path: Path) -> 
         assert row["warm_us"] > 0 and row["cold_us"] > 0, row
     assert cold["warm_steps_us"] == round(sum(r["warm_us"] for r in cold["steps"][1:]), 1)
     assert set(cold["parse_after_sleep_ms_us"]) == {"0.0", "0.1", "1.0", "10.0", "50.0"}
+    assert cold["parse_second_call_us"] > 0 and cold["parse_after_200us_spin_us"] > 0
