@@ -57,7 +57,9 @@ ENGINE_FAILED_EXIT = 75
 ENGINE_EXIT_GRACE_S = 15.0
 
 
-def output_scanner(policy: dict[str, Any] | None, window: int | None) -> StreamScanner | None:
+def output_scanner(
+    policy: dict[str, Any] | FilterPolicy | None, window: int | None
+) -> StreamScanner | None:
     """A stream scanner for the policy the filter stage put in the envelope, if any.
 
     It runs only the detectors that change the text (block, redact) and holds back only what
@@ -65,6 +67,8 @@ def output_scanner(policy: dict[str, Any] | None, window: int | None) -> StreamS
     detector that would merely flag; flags are found by one whole-text scan at the end
     (:func:`output_flags`).
     """
+    if isinstance(policy, FilterPolicy):  # checked already (Worker._screen)
+        return StreamScanner(policy, window=window, changes_only=True)
     if not policy:
         return None
     return StreamScanner(FilterPolicy.from_dict(policy), window=window, changes_only=True)
@@ -102,7 +106,7 @@ class OutputGate:
 
     @classmethod
     def for_policy(
-        cls, policy: dict[str, Any] | None, window: int | None, resume_text: str
+        cls, policy: dict[str, Any] | FilterPolicy | None, window: int | None, resume_text: str
     ) -> OutputGate | None:
         """A gate for the policy the filter stage put in the envelope, if any."""
         scan = output_scanner(policy, window)
@@ -192,6 +196,8 @@ class _Generation:
     usage_source: str | None = None  # where prompt_tokens came from, if not the engine
     reported: bool = False  # its usage report and record left ahead of its final frame
     duplicate: bool = False  # a copy its caller cancelled unread (see Worker._on_cancel)
+    # The output filter's policy the filter stage put in the envelope, checked once.
+    policy: FilterPolicy | None = None
 
     @property
     def rid(self) -> str:
@@ -812,10 +818,11 @@ class Worker(Service):
         # exception in the engine or in the output filter later.
         env = codec.decode_map(msg.data)
         check_envelope(env)
+        policy = None
         try:
             req = GenerationRequest.from_envelope(env)
             if env.get("filter_policy") is not None:
-                FilterPolicy.from_dict(env["filter_policy"])
+                policy = FilterPolicy.from_dict(env["filter_policy"])
         except (KeyError, TypeError, ValueError) as exc:
             raise E.InvalidRequest(f"malformed envelope: {exc}") from exc
         task = asyncio.current_task()
@@ -835,7 +842,10 @@ class Worker(Service):
                 f"(it serves {', '.join(self.endpoints)})",
                 param="model",
             )
-        return _Generation(reply, msg.headers or {}, env, req, task)
+        gen = _Generation(reply, msg.headers or {}, env, req, task)
+        if env.get("filter_policy"):  # an empty policy filters nothing, as none does
+            gen.policy = policy
+        return gen
 
     async def _enter_engine(self, msg: Msg, gen: _Generation) -> DeltaStream | bool:
         """Start generating when the flow control gives the request a slot now, and take
@@ -996,9 +1006,7 @@ class Worker(Service):
         text in one chunk with the end, not a chunk per step: a batch line of 32 tokens is 2
         messages instead of 33, for this process, the bus and the caller."""
         timeout = _seconds_left(gen.headers)
-        gate = OutputGate.for_policy(
-            gen.env.get("filter_policy"), self.settings.filter.window, gen.req.resume_text
-        )
+        gate = OutputGate.for_policy(gen.policy, self.settings.filter.window, gen.req.resume_text)
         send = self.outbox.send_chunk
         reply = gen.reply
         # Chunk numbering and tokens not yet sent matter only to this stream: locals.
