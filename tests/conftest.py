@@ -617,8 +617,11 @@ async def start_stack(
             members[role] = members.get(role, 0) + 1
     if heartbeats and members:
         nc = await nats.connect(servers(procs.url), dont_randomize=True, **(login or {}))
+        # A router routes only to replicas it heard beat after it started (an idle one
+        # beats every 2 s): until each has beaten once more, not a guess either.
+        routed = workers if heartbeats and "router" in members else 0
         try:
-            await wait_started(nc, members, timeout=60)
+            await wait_started(nc, members, model=model, replicas=routed, timeout=60)
         finally:
             await nc.drain()
     if bridge:
