@@ -168,6 +168,11 @@ def _utf8(raw: bytes) -> bytes:
 REFUSAL_GRACE_S = 10.0
 
 
+def _fits_control_line(subject: str, reply: str = "") -> bool:
+    """Whether a PUB of ``subject`` (and ``reply``) fits the server's control line."""
+    return len(subject.encode()) + len(reply.encode()) + 64 <= MAX_CONTROL_LINE
+
+
 class Client(NATS):
     """A nats-py client that one malformed message cannot stop, with direct subscriptions
     (:func:`subscribe_direct`)."""
@@ -359,7 +364,7 @@ class Client(NATS):
         reply: str = "",
         headers: dict[str, str] | None = None,
     ) -> None:
-        if len(subject.encode()) + len(reply.encode()) + 64 > MAX_CONTROL_LINE:
+        if not _fits_control_line(subject, reply):
             raise errors.BadSubjectError
         if headers:
             size = sum(len(k) + len(v.encode()) + 4 for k, v in headers.items()) + 12
@@ -390,7 +395,7 @@ class Client(NATS):
             not self.is_connected
             or transport is None
             or len(payload) > self.max_payload
-            or len(subject) + 64 > MAX_CONTROL_LINE
+            or not _fits_control_line(subject)
         ):
             return False
         cmd = prot_command.pub_cmd(subject, "", payload)

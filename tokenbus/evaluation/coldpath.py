@@ -102,23 +102,38 @@ def _warm(fn: Callable[[], Any], n: int = 500) -> float:
     return (time.perf_counter_ns() - t) / n / 1000
 
 
-def _cold(fn: Callable[[], Any] | _Timed, gap_s: float, trials: int) -> float:
-    before = fn.before if isinstance(fn, _Timed) else None
-    call = fn.fn if isinstance(fn, _Timed) else fn
+def _cold(
+    fn: Callable[[], Any],
+    gap_s: float,
+    trials: int,
+    before: Callable[[], Any] | None = None,
+) -> float:
+    """Median µs of ``fn`` called once after a sleep of ``gap_s`` (``before`` run untimed
+    between the sleep and the call)."""
     xs = []
     for _ in range(trials):
         time.sleep(gap_s)
         if before is not None:
             before()
         t = time.perf_counter_ns()
-        call()
+        fn()
         xs.append((time.perf_counter_ns() - t) / 1000)
     return statistics.median(xs)
 
 
+def _spin(ns: int) -> Callable[[], None]:
+    def spin() -> None:
+        end = time.perf_counter_ns() + ns
+        while time.perf_counter_ns() < end:
+            pass
+
+    return spin
+
+
 def measure(gap_ms: float, trials: int) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
-    for name, fn in steps():
+    timed = steps()
+    for name, fn in timed:
         warm = _warm(fn)
         cold = _cold(fn, gap_ms / 1000, trials)
         rows.append(
@@ -129,12 +144,12 @@ def measure(gap_ms: float, trials: int) -> dict[str, Any]:
                 "ratio": round(cold / warm, 1) if warm >= 0.5 else None,
             }
         )
-    parse = dict(steps())["bridge: validation.parse"]
+    parse = dict(timed)["bridge: validation.parse"]
     gaps = {str(g): round(_cold(parse, g / 1000, trials), 1) for g in (0.0, 0.1, 1.0, 10.0, 50.0)}
     # Caches or the clock? The same call again right after a cold one, and a cold call after
     # the CPU spun for 200 µs (a clock ramping up would be fast by then; caches would not).
-    second = _cold(_twice(parse), gap_ms / 1000, trials)
-    spun = _cold(_after_spin(parse, 200_000), gap_ms / 1000, trials)
+    second = _cold(parse, gap_ms / 1000, trials, before=parse)
+    spun = _cold(parse, gap_ms / 1000, trials, before=_spin(200_000))
     return {
         "gap_ms": gap_ms,
         "trials": trials,
@@ -145,30 +160,6 @@ def measure(gap_ms: float, trials: int) -> dict[str, Any]:
         "parse_second_call_us": round(second, 1),
         "parse_after_200us_spin_us": round(spun, 1),
     }
-
-
-def _twice(fn: Callable[[], Any]) -> _Timed:
-    """A call whose timed part is the second of two calls of ``fn``."""
-    return _Timed(fn, fn)
-
-
-def _after_spin(fn: Callable[[], Any], ns: int) -> _Timed:
-    """A call whose timed part is ``fn`` after the CPU spun for ``ns``."""
-
-    def spin() -> None:
-        end = time.perf_counter_ns() + ns
-        while time.perf_counter_ns() < end:
-            pass
-
-    return _Timed(spin, fn)
-
-
-class _Timed:
-    """``before`` untimed, then ``fn`` timed, as one call of :func:`_cold`."""
-
-    def __init__(self, before: Callable[[], Any], fn: Callable[[], Any]) -> None:
-        self.before = before
-        self.fn = fn
 
 
 def run_cold_path(a: argparse.Namespace) -> int:
