@@ -957,6 +957,8 @@ class Worker(Service):
         request waits for its slot first. One displaced before its first byte by a higher
         class waits again and starts over (engine_worker/flow.py)."""
         try:
+            if getattr(stream, "starting", False):
+                await asyncio.sleep(0)  # its first step (the engine's start) before the ack
             await self._accept(msg, gen)
         except BaseException:
             if stream is not None:  # started (an upstream may have its request): stopped

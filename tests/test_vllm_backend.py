@@ -533,6 +533,49 @@ async def test_a_finished_request_is_not_aborted_when_the_consumer_stops_reading
     assert fake.engine.aborted == []
 
 
+async def test_the_engine_has_the_request_before_the_stream_is_read() -> None:
+    """generate() starts the request (vLLM renders it and queues it on its generator's first
+    step): the engine has it while the worker still sends its ack, and the stream read after
+    that is the whole answer, its first delta included."""
+    b, fake = await started(token_delay=0.002)
+    it = b.generate(chat("early", max_tokens=6))
+    assert getattr(it, "starting", False)
+    await eventually(lambda: len(fake.engine.requests) == 1)
+    deltas = await collect(it)
+    assert "".join(d.text for d in deltas) == expected(chat_prompt_ids(MESSAGES), 1, 6)
+    assert deltas[-1].finish_reason == "length" and deltas[-1].completion_tokens == 6
+    assert fake.engine.aborted == []
+
+
+async def test_a_started_stream_closed_before_it_is_read_aborts_the_request() -> None:
+    """The worker's ack or accept frame failed after generate(): the stream is closed unread,
+    its first step is stopped and the engine request aborted, whether the step had reached
+    the engine or not."""
+    b, fake = await started(token_delay=0.05)
+    it = b.generate(chat("unread", max_tokens=200))
+    await eventually(lambda: len(fake.engine.requests) == 1)
+    await it.aclose()
+    internal = fake.engine.requests[0]["internal_id"]
+    await eventually(lambda: fake.engine.aborted == [internal])
+    assert fake.engine.running == set() and b.stats()["running"] == 0
+    never = b.generate(chat("never", max_tokens=200))
+    await never.aclose()  # before its first step had a turn of the loop
+    await asyncio.sleep(0.01)
+    assert fake.engine.running == set() and len(fake.engine.requests) == 1
+    with pytest.raises(StopAsyncIteration):
+        await never.__anext__()
+
+
+async def test_a_request_vllm_refuses_on_its_first_step_raises_when_read() -> None:
+    """A refusal raised in the first step (here the engine's own length check) reaches the
+    reader of the stream as the typed error, as when the stream started on being read."""
+    b, _ = await started(make_cfg(max_model_len=8))
+    it = b.generate(completion("long", prompt="a prompt that is longer than eight tokens here"))
+    with pytest.raises(E.InvalidRequest):
+        await it.__anext__()
+    await it.aclose()
+
+
 # -- errors ---------------------------------------------------------------------------------
 async def test_prompt_longer_than_max_model_len_is_an_invalid_request() -> None:
     """vLLM's VLLMValidationError is a VLLMClientError, not a ValueError: a 400, not a

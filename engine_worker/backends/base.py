@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+import asyncio
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -181,13 +182,58 @@ class DeltaStream(Protocol):
     A stream may also offer ``async push(sink)``: call ``sink(delta)`` with every delta as it
     arrives, from wherever it arrives (a protocol callback), until the last one or until
     ``sink`` returns True; the worker then uses it instead of iterating (no task wake-up per
-    delta). Closing the stream still aborts it."""
+    delta). Closing the stream still aborts it. A stream whose ``starting`` is True starts
+    in a task of its own (:class:`Started`): the worker yields once before its ack."""
 
     def __aiter__(self) -> AsyncIterator[Delta]: ...
 
     async def __anext__(self) -> Delta: ...
 
     async def aclose(self) -> None: ...
+
+
+class Started:
+    """An async generator of deltas started now: a task of its own takes its first delta.
+
+    For an engine whose generator does its work only once iterated (vLLM's serving layer
+    renders the prompt and hands the request to the engine core on the first step): wrapped,
+    the engine starts while the worker sends its ack and accept frame instead of after
+    them, as :meth:`Backend.generate` promises. ``starting`` tells the worker to give the
+    task a turn of the loop before those. Closing the stream stops the first step if it is
+    still running (the generator's own clean-up then aborts the engine request), and closes
+    the generator."""
+
+    __slots__ = ("_first", "_gen")
+    starting = True
+
+    def __init__(self, gen: AsyncGenerator[Delta, None]) -> None:
+        self._gen = gen
+        self._first: asyncio.Task[Delta] | None = asyncio.get_running_loop().create_task(
+            self._step()
+        )
+
+    async def _step(self) -> Delta:
+        return await self._gen.__anext__()
+
+    def __aiter__(self) -> Started:
+        return self
+
+    async def __anext__(self) -> Delta:
+        first, self._first = self._first, None
+        if first is not None:
+            # Awaited directly: a cancelled consumer cancels the step (and the engine's work).
+            return await first
+        return await self._gen.__anext__()
+
+    async def aclose(self) -> None:
+        first, self._first = self._first, None
+        if first is not None:
+            first.cancel()
+            # Until the step has ended the generator is running and cannot be closed.
+            await asyncio.wait((first,))
+            if not first.cancelled():
+                first.exception()  # retrieved: the stream was closed, not read
+        await self._gen.aclose()
 
 
 class Backend(Protocol):

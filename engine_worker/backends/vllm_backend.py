@@ -31,7 +31,14 @@ from typing import Any
 
 from bus_schemas import errors as E
 from engine_worker.backends import vllm_serving as vs
-from engine_worker.backends.base import Delta, Embeddings, GenerationRequest, asks_handover
+from engine_worker.backends.base import (
+    Delta,
+    DeltaStream,
+    Embeddings,
+    GenerationRequest,
+    Started,
+    asks_handover,
+)
 from engine_worker.backends.openai_shape import finish_reason
 from services import tracing
 from services.config import WorkerSettings
@@ -523,7 +530,7 @@ class VLLMBackend:
             return E.EngineError(f"vLLM failed: {type(exc).__name__}: {exc}"[:500])
 
     # -- generation -------------------------------------------------------------------------
-    def generate(self, req: GenerationRequest) -> AsyncGenerator[Delta, None]:
+    def generate(self, req: GenerationRequest) -> DeltaStream:
         """Stream the request's output; closing the iterator early aborts it in vLLM."""
         if req.max_tokens < 1:
             raise E.InvalidRequest("max_tokens must be at least 1", param="max_tokens")
@@ -550,8 +557,9 @@ class VLLMBackend:
         cls = self._vllm.ChatCompletionRequest if chat else self._vllm.CompletionRequest
         request = self._request(cls, body)
         if handover:
-            return self._handover(request, serving, chat, self._raw_request(req))
-        return self._stream(request, serving, chat, self._raw_request(req))
+            return Started(self._handover(request, serving, chat, self._raw_request(req)))
+        # Started now: vLLM renders the prompt and queues it on the generator's first step.
+        return Started(self._stream(request, serving, chat, self._raw_request(req)))
 
     async def _ask(self, request: Any, serving: Any, chat: bool, raw_request: Any) -> Any:
         """vLLM's answer to ``request`` (a stream, or a whole answer); a refusal raised as
