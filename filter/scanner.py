@@ -165,6 +165,36 @@ class _Plan:
     # Detector indices by shared gate (None: always searched), so one gate search can
     # rule out a whole family of detectors.
     groups: tuple[_Group, ...]
+    # For a whole text (Scanner.scan): the gates of the gated detectors in one regex, and
+    # the detectors without a gate.
+    gated: re.Pattern[str] | None = None
+    ungated: tuple[D.Detector, ...] = ()
+
+    def silent(self, text: str) -> bool:
+        """Whether no enabled detector can match anywhere in ``text``: no gate hits, and no
+        ungated detector's pattern matches (a match of the engine is a match of the pattern
+        where it starts, and contains a hit of its gate). Then a whole-text scan finds
+        nothing: one regex search or a few instead of the engine's walk."""
+        if self.gated is not None and self.gated.search(text) is not None:
+            return False
+        low = None
+        for det in self.ungated:
+            hay = text
+            if det.lower:
+                if low is None:
+                    low = D.ascii_lower(text)
+                hay = low
+            if det.anchor is None:
+                if det.pattern.search(hay) is not None:
+                    return False
+                continue
+            # As the engine does: the pattern tried where it can start (a big alternation
+            # of phrases is slow to search, its first words are not).
+            match = det.pattern.match
+            for at in det.anchor.finditer(hay):
+                if match(hay, at.start()) is not None:
+                    return False
+        return True
 
 
 def _enabled(action: Action) -> FindingAction | None:
@@ -248,6 +278,8 @@ def _build_plan(policy: FilterPolicy, changes_only: bool = False) -> _Plan:
         active=tuple(active),
         tail=D.tail_pattern(first, vocab, tails),
         any_gate=_any_gate(active),
+        gated=_any_gate([a for a in active if a.det.gate is not None]),
+        ungated=tuple(a.det for a in active if a.det.gate is None),
         reach=max((a.det.reach for a in active), default=0),
         threshold=policy.injection_threshold,
         lower=any(a.det.lower for a in active),
@@ -653,6 +685,8 @@ class Scanner:
 
     def scan(self, text: str) -> ScanResult:
         """Findings, the first block and the redacted text of ``text``."""
+        if self._plan.silent(text):  # most texts: nothing to find
+            return ScanResult((), text, 0.0)
         engine = _Engine(self._plan, stream=False)
         redacted = engine.feed(text, eof=True)
         return ScanResult(tuple(engine.findings), redacted, round(engine.score, 3))
