@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import bisect
 import functools
-import json
 import operator
 import re
 import sys
@@ -300,9 +299,10 @@ def _plan_from_json(key: str, changes_only: bool) -> _Plan:
 
 def _plan_for(policy: FilterPolicy | None, changes_only: bool = False) -> _Plan:
     # Compiling a policy costs milliseconds (blocklist and tail regexes); streams are created
-    # per request, so plans are cached by the policy's canonical JSON.
+    # per request, so plans are cached by the policy's JSON (pydantic's, in field order: two
+    # equal policies whose maps were written in another order only miss the cache once).
     p = policy if policy is not None else FilterPolicy()
-    return _plan_from_json(json.dumps(p.to_dict(), sort_keys=True), changes_only)
+    return _plan_from_json(p.model_dump_json(), changes_only)
 
 
 # --- the engine ------------------------------------------------------------------------------
