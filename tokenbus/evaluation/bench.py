@@ -898,15 +898,7 @@ async def _bench_key(
 
 
 async def spawn_stack(a: argparse.Namespace, sup: Any) -> tuple[list[Target], Any]:
-    from services.natsconf import role_login
-    from tokenbus.launcher import (
-        Child,
-        as_role,
-        bridge_children,
-        cli_argv,
-        nats_server_binary,
-        port_open,
-    )
+    from tokenbus.launcher import nats_server_binary
 
     nats_port, bridge_port, direct_port = free_port(), free_port(), free_port()
     tmp = tempfile.mkdtemp(prefix="tokenbus-bench-")
@@ -934,6 +926,39 @@ async def spawn_stack(a: argparse.Namespace, sup: Any) -> tuple[list[Target], An
         stdout=asyncio.subprocess.DEVNULL,
         stderr=asyncio.subprocess.DEVNULL,
     )
+    try:
+        ports = (nats_port, bridge_port, direct_port)
+        return await _spawn_on(a, sup, nats, ports, tmp, users, stages)
+    except BaseException:
+        # Stopped while it started (Ctrl-C during a vLLM start, a peer that never came
+        # up): the supervisor's children are stopped by the caller, the server here.
+        await stop_nats(nats)
+        raise
+
+
+async def stop_nats(nats: Any) -> None:
+    """Stop the run's nats-server, if it still runs."""
+    if nats is not None and nats.returncode is None:
+        nats.terminate()
+        with contextlib.suppress(Exception):
+            await nats.wait()
+
+
+async def _spawn_on(
+    a: argparse.Namespace,
+    sup: Any,
+    nats: Any,
+    ports: tuple[int, int, int],
+    tmp: str,
+    users: Path | None,
+    stages: list[str],
+) -> tuple[list[Target], Any]:
+    """The rest of :func:`spawn_stack`, once its nats-server is started: the stack's
+    processes, the engine server and the peers (``ports``: nats, bridge, engine server)."""
+    from services.natsconf import role_login
+    from tokenbus.launcher import Child, as_role, bridge_children, cli_argv, port_open
+
+    nats_port, bridge_port, direct_port = ports
     for _ in range(100):
         if port_open("127.0.0.1", nats_port):
             break
@@ -1107,10 +1132,7 @@ async def spawned(
         yield targets, sup
     finally:
         await sup.stop(10)
-        if nats.returncode is None:
-            nats.terminate()
-            with contextlib.suppress(Exception):
-                await nats.wait()
+        await stop_nats(nats)
 
 
 _REPLICA_FLAGS = {
@@ -1286,10 +1308,7 @@ async def main(a: argparse.Namespace, s: Settings) -> int:
     finally:
         if sup is not None:
             await sup.stop(10)
-        if nats is not None and nats.returncode is None:
-            nats.terminate()
-            with contextlib.suppress(Exception):
-                await nats.wait()
+        await stop_nats(nats)
     report: dict[str, Any] = {
         **report_head("tokenbus bench"),
         "config": {k: v for k, v in vars(a).items() if k not in ("cmd",)},

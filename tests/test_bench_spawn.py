@@ -1,0 +1,54 @@
+"""``tokenbus bench --spawn`` stopped while its stack starts, as a user does with Ctrl-C
+during a slow start (a vLLM engine server, a peer that never answers): every process it
+started ends with it, its nats-server included (real processes)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tests.conftest import ROOT, children_of
+
+
+def test_ctrl_c_while_the_stack_starts_leaves_no_process_behind(tmp_path: Path) -> None:
+    # A peer that never becomes ready holds the run in its start (bench waits up to 120 s
+    # for a peer's health) while every other process runs already.
+    peer = tmp_path / "vllm-router"
+    peer.write_text("#!/bin/sh\nexec sleep 600\n")
+    peer.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TOKENBUS_")}
+    argv = ["bench", "--spawn", "--no-progress", "--peer", f"vllm-router={peer}"]
+    argv += ["--concurrency", "1", "--requests-per-client", "1", "--out", str(tmp_path / "o")]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tokenbus.cli", *argv],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    started: dict[int, str] = {}
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None:
+            started.update(children_of(proc.pid))
+            if any("sleep 600" in c for c in started.values()):
+                break
+            time.sleep(0.1)
+        assert any("sleep 600" in c for c in started.values()), started
+        assert any("nats-server" in c for c in started.values()), started
+        started.update(children_of(proc.pid))
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=90)
+    deadline = time.monotonic() + 30
+    left = started
+    while left and time.monotonic() < deadline:
+        left = {p: c for p, c in started.items() if Path(f"/proc/{p}").exists()}
+        time.sleep(0.1)
+    assert not left, (left, out[-2000:])
+    assert not (tmp_path / "o").exists()  # stopped before any level ran
