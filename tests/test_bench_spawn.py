@@ -1,6 +1,7 @@
 """``tokenbus bench --spawn`` stopped while its stack starts, as a user does with Ctrl-C
-during a slow start (a vLLM engine server, a peer that never answers): every process it
-started ends with it, its nats-server included (real processes)."""
+during a slow start (a vLLM engine server, a peer that never answers), or as ``timeout`` and
+CI runners do with SIGTERM: every process it started ends with it, its nats-server included
+(real processes)."""
 
 from __future__ import annotations
 
@@ -11,10 +12,15 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import ROOT, children_of
 
 
-def test_ctrl_c_while_the_stack_starts_leaves_no_process_behind(tmp_path: Path) -> None:
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_a_run_stopped_while_its_stack_starts_leaves_no_process_behind(
+    tmp_path: Path, sig: signal.Signals
+) -> None:
     # A peer that never becomes ready holds the run in its start (bench waits up to 120 s
     # for a peer's health) while every other process runs already.
     peer = tmp_path / "vllm-router"
@@ -43,7 +49,7 @@ def test_ctrl_c_while_the_stack_starts_leaves_no_process_behind(tmp_path: Path) 
         assert any("nats-server" in c for c in started.values()), started
         started.update(children_of(proc.pid))
     finally:
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(sig)
         out, _ = proc.communicate(timeout=90)
     deadline = time.monotonic() + 30
     left = started
@@ -52,3 +58,4 @@ def test_ctrl_c_while_the_stack_starts_leaves_no_process_behind(tmp_path: Path) 
         time.sleep(0.1)
     assert not left, (left, out[-2000:])
     assert not (tmp_path / "o").exists()  # stopped before any level ran
+    assert proc.returncode != 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -533,6 +534,12 @@ def main(argv: list[str] | None = None) -> None:
 
     async def go() -> None:
         nonlocal rc
+        if a.cmd == "bench":
+            # SIGTERM (`timeout`, a CI runner's stop) ends a run as Ctrl-C does: the stack it
+            # spawned is stopped on the way out, not left running.
+            task = asyncio.current_task()
+            assert task is not None
+            asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
         if a.cmd == "up":
             from tokenbus.launcher import up
 
@@ -676,5 +683,8 @@ def main(argv: list[str] | None = None) -> None:
                 if "plots" in summary:  # skipped: say so, and how to get them
                     print(f"no plots: {summary['plots']}", file=sys.stderr)
 
-    run(go())
+    try:
+        run(go())
+    except asyncio.CancelledError:  # a bench run stopped by SIGTERM
+        sys.exit(128 + signal.SIGTERM)
     sys.exit(rc)
