@@ -534,7 +534,7 @@ def main(argv: list[str] | None = None) -> None:
 
     async def go() -> None:
         nonlocal rc
-        if a.cmd == "bench":
+        if a.cmd == "bench" and not a.cold_path:  # (--cold-path: one process, no await)
             # SIGTERM (`timeout`, a CI runner's stop) ends a run as Ctrl-C does: the stack it
             # spawned is stopped on the way out, not left running.
             task = asyncio.current_task()
