@@ -57,21 +57,18 @@ ENGINE_FAILED_EXIT = 75
 ENGINE_EXIT_GRACE_S = 15.0
 
 
-def output_scanner(
-    policy: dict[str, Any] | FilterPolicy | None, window: int | None
-) -> StreamScanner | None:
-    """A stream scanner for the policy the filter stage put in the envelope, if any.
+def output_scanner(policy: FilterPolicy | None, window: int | None) -> StreamScanner | None:
+    """A stream scanner for the policy the filter stage put in the envelope (checked in
+    Worker._screen), if any.
 
     It runs only the detectors that change the text (block, redact) and holds back only what
     could still grow into one of their matches, so the first token is not delayed for a
     detector that would merely flag; flags are found by one whole-text scan at the end
     (:func:`output_flags`).
     """
-    if isinstance(policy, FilterPolicy):  # checked already (Worker._screen)
-        return StreamScanner(policy, window=window, changes_only=True)
-    if not policy:
+    if policy is None:
         return None
-    return StreamScanner(FilterPolicy.from_dict(policy), window=window, changes_only=True)
+    return StreamScanner(policy, window=window, changes_only=True)
 
 
 def output_flags(scan: StreamScanner, text: str) -> list[str]:
@@ -106,7 +103,7 @@ class OutputGate:
 
     @classmethod
     def for_policy(
-        cls, policy: dict[str, Any] | FilterPolicy | None, window: int | None, resume_text: str
+        cls, policy: FilterPolicy | None, window: int | None, resume_text: str
     ) -> OutputGate | None:
         """A gate for the policy the filter stage put in the envelope, if any."""
         scan = output_scanner(policy, window)

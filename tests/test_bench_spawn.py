@@ -9,12 +9,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, children_of
+from tests.conftest import ROOT, children_of, wait_until
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
@@ -38,24 +37,25 @@ def test_a_run_stopped_while_its_stack_starts_leaves_no_process_behind(
         text=True,
     )
     started: dict[int, str] = {}
+
+    def peer_started() -> bool:
+        started.update(children_of(proc.pid))
+        return proc.poll() is not None or any("sleep 600" in c for c in started.values())
+
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and proc.poll() is None:
-            started.update(children_of(proc.pid))
-            if any("sleep 600" in c for c in started.values()):
-                break
-            time.sleep(0.1)
+        wait_until(peer_started, timeout=120, interval=0.1, what="the peer started")
         assert any("sleep 600" in c for c in started.values()), started
         assert any("nats-server" in c for c in started.values()), started
         started.update(children_of(proc.pid))
     finally:
         proc.send_signal(sig)
         out, _ = proc.communicate(timeout=90)
-    deadline = time.monotonic() + 30
-    left = started
-    while left and time.monotonic() < deadline:
-        left = {p: c for p, c in started.items() if Path(f"/proc/{p}").exists()}
-        time.sleep(0.1)
-    assert not left, (left, out[-2000:])
+
+    def left() -> dict[int, str]:
+        return {p: c for p, c in started.items() if Path(f"/proc/{p}").exists()}
+
+    wait_until(
+        lambda: not left(), timeout=30, interval=0.1, what=f"no process left ({out[-1500:]})"
+    )
     assert not (tmp_path / "o").exists()  # stopped before any level ran
     assert proc.returncode != 0

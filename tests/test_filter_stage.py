@@ -119,7 +119,8 @@ async def test_output_filter_does_not_hold_the_first_word_for_a_flag(
 
 
 def test_output_flags_names_flagged_detectors_only() -> None:
-    scan = output_scanner({"actions": {"pii.email": "flag", "pii.card": "redact"}}, None)
+    policy = FilterPolicy.from_dict({"actions": {"pii.email": "flag", "pii.card": "redact"}})
+    scan = output_scanner(policy, None)
     assert scan is not None
     assert output_flags(scan, "mail jane.roe@example.org card 4111 1111 1111 1111") == ["pii.email"]
     assert output_flags(scan, "") == []
