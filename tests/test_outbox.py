@@ -75,13 +75,16 @@ async def test_nothing_overtakes_what_must_leave_first_or_a_frame_queued_before(
     conn: natsclient.Client, nc: NATS
 ) -> None:
     prefix = "_INBOX.tb.outboxorder"
-    got = await _listen(nc, ">")
+    # One subscription, so one order; this test's subjects only (never other traffic on the
+    # shared server): the stand-in for the worker's records shares the prefix.
+    records = f"{prefix}.records"
+    got = await _listen(nc, prefix + ".>")
     ob = Outbox(conn)
     waiting = ["record"]
 
     async def before() -> None:  # the worker's records: they leave ahead of every frame
         while waiting:
-            await conn.publish("test.records", waiting.pop().encode())
+            await conn.publish(records, waiting.pop().encode())
 
     ob.before = before
     ob.hold = lambda: bool(waiting)
@@ -97,9 +100,9 @@ async def test_nothing_overtakes_what_must_leave_first_or_a_frame_queued_before(
     await ob.flush()
     await wait_for(lambda: len(got) == 4, what="four messages")
     subjects_seen = [m.subject for m in got]
-    assert subjects_seen[0] == "test.records" and got[0].data == b"record"
+    assert subjects_seen[0] == records and got[0].data == b"record"
     assert subjects_seen[1] == f"{prefix}.s1"
-    assert subjects_seen[2] == "test.records" and got[2].data == b"report"
+    assert subjects_seen[2] == records and got[2].data == b"report"
     assert [t for t, _ in _frames(got[3:])] == ["s1", "s2"]
 
 
