@@ -14,7 +14,8 @@ from nats.aio.msg import Msg
 from bus_schemas import frames, subjects
 from engine_worker.outbox import Outbox
 from services import natsclient
-from tests.conftest import NatsServer, wait_for
+from tests.conftest import NatsServer, stack, wait_for
+from tokenbus import Client
 
 
 @pytest.fixture
@@ -115,3 +116,34 @@ async def test_without_a_connection_a_chunk_queues_until_it_is_back(
     ob.send_chunk("_INBOX.x.s1", frames.chunk("a", 1, 0))
     assert ob._task is not None  # not written to a closed socket: the usual path
     await asyncio.wait_for(ob.flush(), 5)
+
+
+async def test_a_workers_last_chunk_and_final_frame_leave_in_one_message(
+    nats_server: NatsServer, model: str, client: Client, nc: NATS
+) -> None:
+    """A worker's first chunk goes at once while its outbox is idle; the later ones queue, so
+    the last chunk and the final frame produced in one turn travel as one message: a caller
+    never holds a whole answer without its end (a replica lost between two messages would
+    be resumed past the answer's end)."""
+    async with stack(nats_server.url, model, workers=1, with_ingress=True):
+        got = await _listen(nc, client._prefix + ".*")
+        answers = 0
+        for n in (3, 6):
+            s = client.chat(model, [{"role": "user", "content": "hi"}], max_tokens=n)
+            assert len([c async for c in s]) >= 1
+            answers += 1
+        await wait_for(
+            lambda: sum(frames.FINAL in _kinds(m) for m in got) == answers, what="the ends"
+        )
+    ends = [m for m in got if frames.FINAL in _kinds(m)]
+    # The end and the last chunk of each answer in one message, the chunk first.
+    assert all(_kinds(m)[-2:] == [frames.CHUNK, frames.FINAL] for m in ends), [
+        _kinds(m) for m in got
+    ]
+    # ... while the first chunk of each went on its own, as it came.
+    assert sum(_kinds(m) == [frames.CHUNK] for m in got) >= answers
+
+
+def _kinds(m: Msg) -> list[str]:
+    """The frame types of one message, a batch opened."""
+    return [frames.decode(f)["t"] for _, f in _frames([m])]
