@@ -19,8 +19,19 @@ from tokenbus import Client
 
 
 @pytest.fixture
-async def conn(nats_server: NatsServer) -> AsyncIterator[natsclient.Client]:
-    nc = await natsclient.connect(nats_server.url)
+async def conn(private_nats: NatsServer) -> AsyncIterator[natsclient.Client]:
+    """The outbox's connection, on a server of the test's own: the message counts below see
+    nothing any other test left on a shared bus."""
+    nc = await natsclient.connect(private_nats.url)
+    yield nc
+    await nc.drain()
+
+
+@pytest.fixture
+async def listener(private_nats: NatsServer) -> AsyncIterator[NATS]:
+    """A plain NATS client on the same private server."""
+    nc = NATS()
+    await nc.connect(private_nats.url)
     yield nc
     await nc.drain()
 
@@ -49,8 +60,9 @@ def _frames(got: list[Msg]) -> list[tuple[str, bytes]]:
 
 
 async def test_an_idle_outbox_writes_a_chunk_at_once_and_batches_what_follows(
-    conn: natsclient.Client, nc: NATS
+    conn: natsclient.Client, listener: NATS
 ) -> None:
+    nc = listener
     prefix = "_INBOX.tb.outboxtest"
     got = await _listen(nc, prefix + ".>")
     ob = Outbox(conn)
@@ -73,8 +85,9 @@ async def test_an_idle_outbox_writes_a_chunk_at_once_and_batches_what_follows(
 
 
 async def test_nothing_overtakes_what_must_leave_first_or_a_frame_queued_before(
-    conn: natsclient.Client, nc: NATS
+    conn: natsclient.Client, listener: NATS
 ) -> None:
+    nc = listener
     prefix = "_INBOX.tb.outboxorder"
     # One subscription, so one order; this test's subjects only (never other traffic on the
     # shared server): the stand-in for the worker's records shares the prefix.
