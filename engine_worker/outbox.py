@@ -4,9 +4,8 @@ Under load a sim or vLLM step produces a token for hundreds of streams at once, 
 those streams belong to a few bridge processes. Frames queued in the same loop turn for
 several streams of one tokenbus client travel as one batch message to that client's inbox
 prefix: one NATS message instead of hundreds, with every frame kept whole and in order.
-Nothing waits for a batch to fill: a chunk sent while the outbox is idle (the first token
-at low load, a lone token) is written to the socket from the callback that produced it, as
-a plain message; only frames that come after it in the same turn wait for the flush.
+Nothing waits for a batch to fill: a lone frame (the first token at low load) goes out in
+the same turn it was produced, as a plain message.
 
 What must reach the bus before a caller hears that its request ended (the usage report
 that settles its spend, its telemetry record) is queued with :meth:`Outbox.send_first`
@@ -38,27 +37,9 @@ class Outbox:
         self._first: list[tuple[str, bytes]] = []
         # Called at each flush before anything queued leaves (the worker's records).
         self.before: Callable[[], Awaitable[None]] | None = None
-        # Whether :attr:`before` has something to send: no frame leaves at once meanwhile.
-        self.hold: Callable[[], bool] | None = None
-        self._burst = False  # a chunk went at once in this turn of the event loop
         self._task: asyncio.Task[None] | None = None
         self.messages = 0
         self.frames = 0
-
-    def send_chunk(self, reply: str, frame: bytes) -> None:
-        """A chunk of an answer for ``reply``: written at once when the outbox is idle
-        (:meth:`_now`), else queued as :meth:`send` queues. Only chunks: a final frame must
-        not overtake what :attr:`before` sends ahead of it (the request's usage report and
-        telemetry record, queued just after it)."""
-        if self._task is None and not self._burst and self._now(reply, frame):
-            # One at once per turn: the frames after it in this turn go as one batch.
-            self._burst = True
-            asyncio.get_running_loop().call_soon(self._end_burst)
-            return
-        self.send(reply, frame)
-
-    def _end_burst(self) -> None:
-        self._burst = False
 
     def send(self, reply: str, frame: bytes) -> None:
         """Queue ``frame`` for ``reply``; it leaves in this loop turn's flush."""
@@ -66,21 +47,6 @@ class Outbox:
         key, tok = split if split else (reply, "")
         self._pending.setdefault(key, []).append((reply, tok, frame))
         self._schedule()
-
-    def _now(self, reply: str, frame: bytes) -> bool:
-        """Hand a frame to the connection's socket at once, when the outbox is idle (nothing
-        queued, no flush under way, nothing sent at once yet in this turn) and nothing must
-        leave before it (:attr:`hold`): the first token at low load, or a lone frame,
-        without the flush task's turn of the event loop and the connection's flusher's
-        after it. Frames that come later in the same turn queue for one flush as before."""
-        publish_now = getattr(self.nc, "publish_now", None)
-        if publish_now is None or (self.hold is not None and self.hold()):
-            return False
-        if not publish_now(reply, frame):
-            return False
-        self.messages += 1
-        self.frames += 1
-        return True
 
     def send_first(self, subject: str, data: bytes) -> None:
         """Queue a message that leaves in this loop turn's flush, ahead of every frame."""

@@ -363,7 +363,6 @@ class Worker(Service):
             self.nc, records.spool_for(self.settings.telemetry, "worker", self.replica)
         ).open()
         self.outbox.before = self._records_first
-        self.outbox.hold = lambda: self._records.waiting
         # Before the engine loads: a second process with this id refuses at once.
         self._claim = ReplicaClaim(self.nc, self.replica, self.boot, self.give_up)
         try:
@@ -1006,12 +1005,10 @@ class Worker(Service):
         messages instead of 33, for this process, the bus and the caller."""
         timeout = _seconds_left(gen.headers)
         gate = OutputGate.for_policy(gen.policy, self.settings.filter.window, gen.req.resume_text)
-        # The first chunk goes at once when the outbox is idle (the first token's latency);
-        # later ones queue for the turn's flush, as the final frame does, so an answer's last
-        # chunk and its end produced in one turn leave as one message: a caller never holds a
-        # whole answer without its end (a replica lost between two messages would be resumed
-        # past the answer's natural end).
-        send_now, queue = self.outbox.send_chunk, self.outbox.send
+        # Queued for the turn's flush, as the final frame is: an answer's last chunk and its
+        # end produced in one turn leave as one message, so no caller holds a whole answer
+        # without its end (a replica lost between two messages would be resumed past it).
+        send = self.outbox.send
         reply = gen.reply
         # Chunk numbering and tokens not yet sent matter only to this stream: locals.
         index = 0
@@ -1022,7 +1019,7 @@ class Worker(Service):
 
         ticket = gen.ticket
 
-        def flush(tokens: int, send: Callable[[str, bytes], None]) -> None:
+        def flush(tokens: int) -> None:
             """The held text as one chunk, with ``tokens`` of the tokens not yet sent."""
             nonlocal index, held_tokens
             send(reply, frames.chunk("".join(held), tokens, index))
@@ -1062,13 +1059,12 @@ class Worker(Service):
                     if whole and side is None and finish is None:
                         held.append(text)
                     else:
-                        send = send_now if index == 0 and finish is None else queue
                         if held and side is None:
                             held.append(text)
                             text = "".join(held)
                             held.clear()
                         elif held:  # the text held first, then this piece as it came
-                            flush(held_tokens - d.tokens, send)
+                            flush(held_tokens - d.tokens)
                         send(reply, frames.chunk(text, held_tokens, index, side))
                         index += 1
                         held_tokens = 0
@@ -1076,7 +1072,7 @@ class Worker(Service):
             if finish is None:
                 return False
             if held:
-                flush(held_tokens, queue)
+                flush(held_tokens)
             finished = True
             self._final_frame(gen, d, finish, gate)
             if gate is not None:  # after the final frame: off the caller's clock

@@ -47,7 +47,6 @@ from nats.aio.client import _default_error_callback
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js.client import JetStreamContext
-from nats.protocol import command as prot_command
 from nats.protocol import parser
 
 # The NATS server's default ``max_control_line``: ``HPUB <subject> <reply> <sizes>`` must fit.
@@ -384,27 +383,6 @@ class Client(NATS):
         if self._write_next:
             self._write_next = False
             self._write_pending()
-
-    def publish_now(self, subject: str, payload: bytes) -> bool:
-        """Write a plain message (no reply, no headers) to the socket now, from a plain
-        callback, after everything queued before it: no turn of the event loop for the
-        flusher task. False, doing nothing, when it cannot go now (not connected, a subject
-        or payload over the limits): the caller publishes it the usual way."""
-        transport = self._transport
-        if (
-            not self.is_connected
-            or transport is None
-            or len(payload) > self.max_payload
-            or not _fits_control_line(subject)
-        ):
-            return False
-        cmd = prot_command.pub_cmd(subject, "", payload)
-        self.stats["out_msgs"] += 1
-        self.stats["out_bytes"] += len(payload)
-        self._pending.append(cmd)
-        self._pending_data_size += len(cmd)
-        self._write_pending()
-        return True
 
     def _write_pending(self) -> None:
         """Hand what is queued for the server to the socket now (the flusher task, on its

@@ -280,7 +280,6 @@ async def test_replica_dying_mid_stream_ends_in_a_retryable_error(
         # What a kill -9 looks like from the bus: no more frames, no more heartbeats.
         w._hb_task.cancel()
         w.outbox.send = lambda reply, frame: None  # type: ignore[method-assign]
-        w.outbox.send_chunk = lambda reply, frame: None  # type: ignore[method-assign]
         # The client tries to move the stream to another replica; there is none.
         with pytest.raises(E.TokenbusError) as ei:
             async for _ in stream:

@@ -314,7 +314,6 @@ async def test_a_migrated_request_is_recorded_with_its_migration(
         # A kill -9 as the bus sees it: no more frames, no more heartbeats.
         dead._hb_task.cancel()
         dead.outbox.send = lambda reply, frame: None  # type: ignore[method-assign]
-        dead.outbox.send_chunk = lambda reply, frame: None  # type: ignore[method-assign]
         async for _ in s:
             pass
         # Moved at least once (a loaded machine may hold the survivor's beats back long
