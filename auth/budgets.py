@@ -257,10 +257,10 @@ class SpendBook:
         self._owners.pop(owner, None)
 
     async def spent(self, budget: Budget, now: float | None = None) -> tuple[int, int]:
-        """(spent, held for requests in flight) in the budget's current period."""
-        kv, key = self._kv(), budget.entry(now)
+        """(spent, held for requests in flight) in the budget's current period: never less
+        than this book's own writes left (buckets.read)."""
         try:
-            entry = await buckets.through_stall(lambda: kv.get(key), what=key)
+            entry = await buckets.read(self._kv(), budget.entry(now), known=self._known)
         except KeyNotFoundError:
             return 0, 0
         d = json.loads(entry.value or b"{}")

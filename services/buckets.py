@@ -5,6 +5,7 @@
   and through two processes creating it at once (the one that loses opens the other's).
 * :func:`cas` (compare-and-set of a JSON entry), :func:`create` and :func:`through_stall`
   write through a stream without leader, never applying a write twice.
+* :func:`read` reads an entry through a stall, never older than this process's own write.
 * :func:`keys` and :class:`Follow` read a bucket whole, without nats-py's race on "the
   initial values are in".
 
@@ -115,6 +116,8 @@ class Follow:
 # through that for up to this long (read at each call: tests set it small).
 STALL_RETRY_S = 20.0
 _STALL_PAUSE_S = 0.25
+# A stale answer is a node that has not yet heard of a new leader: milliseconds.
+_FRESH_PAUSE_S = 0.02
 
 
 def _give_up(stall_s: float | None) -> float:
@@ -348,6 +351,43 @@ async def through_stall(
             await asyncio.sleep(_STALL_PAUSE_S)
 
 
+async def read(
+    kv: KeyValue,
+    key: str,
+    *,
+    known: dict[str, tuple[dict[str, Any], int]] | None = None,
+    stall_s: float | None = None,
+) -> KeyValue.Entry:
+    """``kv.get(key)`` through a leaderless stream (up to ``stall_s``), never older than this
+    process's own last write of ``key`` (``known``, as :func:`cas`'s): read your writes.
+
+    A JetStream read is not linearizable. A stream leader paused (SIGSTOP) and continued
+    still takes itself for the leader until it hears of the term elected meanwhile, and
+    answers a read, direct or through the leader's API, from its state before the pause
+    (seen in CI: a spend read as it was before 20 settlements acknowledged through the new
+    leader). Such an answer is told by its revision, older than the one this process wrote,
+    and read again."""
+    at_least = known[key][1] if known is not None and key in known else None
+    give_up = _give_up(stall_s)
+    while True:
+        try:
+            entry = await kv.get(key)
+        except KeyNotFoundError:
+            if at_least is None:
+                raise
+        except _NO_LEADER:
+            pass
+        else:
+            if at_least is None or (entry.revision or 0) >= at_least:
+                return entry
+        if time.monotonic() >= give_up:
+            raise E.ServiceUnavailable(
+                f"{key}: no node answered with the entry as last written (a NATS node "
+                "stalled?); retry"
+            )
+        await asyncio.sleep(_FRESH_PAUSE_S)
+
+
 async def create(kv: KeyValue, key: str, data: bytes, *, stall_s: float | None = None) -> None:
     """Create ``key`` with ``data`` (``KeyWrongLastSequenceError`` when it exists), through
     a leaderless stream (up to ``stall_s``): a create whose answer was lost and that is
@@ -363,7 +403,7 @@ async def create(kv: KeyValue, key: str, data: bytes, *, stall_s: float | None =
                 raise
             try:
                 entry = await kv.get(key)
-            except _TRANSIENT:
+            except (*_TRANSIENT, KeyNotFoundError):  # (not found: a stale node's answer)
                 entry = None
             if entry is not None and entry.value == data:
                 return

@@ -1,7 +1,8 @@
 """services.buckets: a bucket read whole, whichever way nats-py orders its end-of-values
 marker (a key store that trusted an early marker refused a valid key in CI); writes through
-a stalled stream leader; buckets and object stores opened or made by processes at once, an
-existing one kept as it is, on a real nats-server."""
+a stalled stream leader; a read never older than its reader's own write; buckets and object
+stores opened or made by processes at once, an existing one kept as it is, on a real
+nats-server."""
 
 from __future__ import annotations
 
@@ -249,6 +250,51 @@ async def test_a_create_whose_answer_was_lost_counts_as_done(kv: Any) -> None:
         await buckets.create(kv, "k", b"v2")  # taken: not overwritten
     with pytest.raises(nats.js.errors.KeyWrongLastSequenceError):
         await buckets.create(_LostAnswers(kv, lose=0), "k", b"v2")
+
+
+class _StaleFirst:
+    """A real bucket whose next ``stale`` reads are answered as a stream leader paused
+    before the last writes answers once continued: ``then`` (the entry as it was read
+    before them), or not found when it had not been made by then (``then`` None)."""
+
+    def __init__(self, kv: Any, stale: int, then: Any) -> None:
+        self.kv, self.stale, self.then, self.reads = kv, stale, then, 0
+
+    async def get(self, key: str) -> Any:
+        self.reads += 1
+        if self.stale:
+            self.stale -= 1
+            if self.then is None:
+                raise nats.js.errors.KeyNotFoundError
+            return self.then
+        return await self.kv.get(key)
+
+
+async def test_a_read_is_never_older_than_this_process_own_write(kv: Any) -> None:
+    def add(state: dict[str, Any]) -> dict[str, Any]:
+        return {"n": int(state.get("n", 0)) + 1}
+
+    known: dict[str, tuple[dict[str, Any], int]] = {}
+    await buckets.cas(kv, "s", add, known=known)
+    first = await kv.get("s")
+    await buckets.cas(kv, "s", add, known=known)
+    # An answer from before this process's last write is read again, until a node that
+    # has it answers; one from before the entry was made too.
+    for then in (first, None):
+        stale = _StaleFirst(kv, stale=3, then=then)
+        entry = await buckets.read(stale, "s", known=known)  # type: ignore[arg-type]
+        assert json.loads(entry.value)["n"] == 2 and stale.reads == 4
+    # Without a write of its own to go by, a read takes what it is given.
+    entry = await buckets.read(_StaleFirst(kv, stale=1, then=first), "s")  # type: ignore[arg-type]
+    assert json.loads(entry.value)["n"] == 1
+    with pytest.raises(nats.js.errors.KeyNotFoundError):
+        await buckets.read(kv, "never", known=known)
+    # Stale for longer than the bound, or no leader at all: a clear, retryable error.
+    forever = _StaleFirst(kv, stale=10**6, then=first)
+    with pytest.raises(E.ServiceUnavailable, match="retry"):
+        await buckets.read(forever, "s", known=known, stall_s=0.3)  # type: ignore[arg-type]
+    with pytest.raises(E.ServiceUnavailable, match="retry"):
+        await buckets.read(_NoLeader(), "s", stall_s=0.3)  # type: ignore[arg-type]
 
 
 # -- opening a bucket: buckets.open_kv / open_objects ------------------------------------------
