@@ -18,6 +18,8 @@ from bus_schemas import codec, subjects
 from bus_schemas import errors as E
 from engine_worker.backends.base import GenerationRequest
 from engine_worker.backends.sim import _start, expected_text, resume_point, token_text
+from filter.policy import FilterPolicy
+from filter.scanner import Scanner
 from tests.conftest import (
     NatsServer,
     Procs,
@@ -43,17 +45,26 @@ def _req(text: str, tokens: int, max_tokens: int = 50) -> GenerationRequest:
     )
 
 
-def test_resume_point_counts_whole_tokens_from_the_text() -> None:
+def test_resume_point_takes_the_callers_count_where_its_text_agrees() -> None:
     start = _start(PROMPT, None)
     full = "".join(token_text(start, i) for i in range(10))
     five = "".join(token_text(start, i) for i in range(5))
     assert resume_point(start, _req("", 0), 50) == (0, "")
     assert resume_point(start, _req(five, 5), 50) == (5, five)
-    # The count says 6 (a held-back token was counted) but the text holds 5 and a bit:
-    # the text wins, the cut token is produced again.
+    six = "".join(token_text(start, i) for i in range(6))
+    eight = "".join(token_text(start, i) for i in range(8))
+    # The count says 6 (an output filter held back text of a counted token) and the text
+    # holds 5 and a bit: 6 are done, not produced again; the text they make is returned
+    # (the caller's missing part is sent first). Held back whole, the same.
     partial = five + token_text(start, 5)[:2]
-    assert resume_point(start, _req(partial, 6), 50) == (5, five)
     assert full.startswith(partial)
+    assert resume_point(start, _req(partial, 6), 50) == (6, six)
+    assert resume_point(start, _req(five, 8), 50) == (8, eight)
+    three = "".join(token_text(start, i) for i in range(3))
+    assert resume_point(start, _req("", 3), 50) == (3, three)
+    assert resume_point(start, _req(five, 8), 6) == (6, six)  # never past the answer's end
+    # Counted as 5 with a bit more: the cut token is produced again.
+    assert resume_point(start, _req(partial, 5), 50) == (5, five)
     # Text that is not the sequence's (redacted by a filter): the count is trusted.
     assert resume_point(start, _req("[REDACTED:pii.card] and", 4), 50) == (
         4,
@@ -102,6 +113,44 @@ async def test_a_worker_killed_mid_stream_is_migrated_over_nats(
     # Detected by the heartbeats (0.25 s), then re-issued: seconds, where nothing else would
     # end the stream before the request's own timeout (a generous bound: a loaded machine).
     assert gap < 10.0, gap
+
+
+async def test_a_stream_migrated_while_the_output_filter_holds_text_is_whole_and_counted_once(
+    procs: Procs, model: str, client: Client
+) -> None:
+    """An output filter holds back the text of a word until the word has ended, while the
+    chunk of each token already carries its count: a replica lost then leaves the caller
+    with more tokens counted than it holds text of. The next replica sends the missing
+    text and does not produce the counted tokens again: the answer is whole and its usage
+    the answer's (a rolling upgrade in CI once counted 31 of 30)."""
+    full = expected_text(PROMPT, 120)[0]
+    policy = {"blocklist": [full.split(" ")[80]], "actions": {"blocklist": "redact"}}
+    env = {
+        **HB,
+        "TOKENBUS_INGRESS__PIPELINE": '["filter", "route"]',
+        "TOKENBUS_FILTER__DEFAULT_POLICY": "t",
+        "TOKENBUS_FILTER__POLICIES": json.dumps({"t": policy}),
+    }
+    stack = await start_stack(
+        procs, model, "ingress", "filter", "router", workers=2, worker_args=SLOW, env=env,
+        settle=0.6,
+    )  # fmt: skip
+    start = _start(PROMPT, None)
+    ends = {len("".join(token_text(start, i) for i in range(n))) for n in range(121)}
+    s = client.chat(model, MSG, max_tokens=120)
+    text, counted = "", 0
+    async for ch in s:  # up to a chunk whose text ends inside a token it counts
+        text, counted = text + ch.text, counted + ch.tokens
+        if counted > 5 and len(text) not in ends:
+            break
+    assert len(text) not in ends and counted < 100, (counted, text)
+    first = s.replica
+    _victim(stack.workers, first).signal(signal.SIGKILL)
+    async for ch in s:
+        text += ch.text
+    assert text == Scanner(FilterPolicy.from_dict(policy)).scan(full).redacted_text
+    assert s.migrations == 1 and s.replica != first
+    assert s.usage is not None and s.usage.completion_tokens == 120
 
 
 async def test_a_stop_sequence_hit_after_a_migration_is_named(

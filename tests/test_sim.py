@@ -663,6 +663,39 @@ async def test_structured_output_resumes_after_the_delivered_text() -> None:
     assert full[:8] + "".join(d.text for d in ds) == full[:24]
 
 
+async def test_a_resumed_answer_never_produces_a_counted_token_again() -> None:
+    """An output filter held back the text of tokens the caller counted (their frames carry
+    the count first) when its replica was lost: the next replica sends the missing text and
+    goes on after them, so the counts of both attempts add up to the answer's, never more
+    (a rolling upgrade in CI saw 31 of 30), and the text is whole."""
+    e = SimEngine(fast())
+    for r in (
+        req("hello", 12),
+        req("hello", 12, extra={"ignore_eos": True}),
+        chat(max_tokens=12),
+        chat(max_tokens=12, logprobs=True),
+        chat(max_tokens=12, response_format={"type": "json_object"}),
+    ):
+        first = await deltas(e, r)
+        full, reason, total = (
+            "".join(d.text for d in first),
+            first[-1].finish_reason,
+            len(first) - 1,
+        )
+        assert first[-1].completion_tokens == total >= 8 and all(d.tokens == 1 for d in first[:-1])
+        toks = [d.text for d in first[:-1]]  # one token a delta
+        for counted, held in ((6, 1), (6, 3), (total, 2), (3, 3), (6, 0)):
+            have = "".join(toks[: counted - held])
+            if held:
+                have += toks[counted - held][:2]  # in part
+            r.resume_text, r.resume_tokens = have, counted
+            ds = await deltas(e, r)
+            assert have + "".join(d.text for d in ds) == full, (r.extra, counted, held)
+            assert sum(d.tokens for d in ds) == ds[-1].completion_tokens == total - counted
+            assert ds[-1].finish_reason == reason
+        r.resume_text, r.resume_tokens = "", 0
+
+
 def _check_chat_logprobs(d: Delta, top: int) -> list[str]:
     assert d.logprobs is not None and set(d.logprobs) == {"content"}
     content = d.logprobs["content"]

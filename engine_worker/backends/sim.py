@@ -212,9 +212,13 @@ def resume_point(start: int, req: GenerationRequest, limit: int) -> tuple[int, s
     """Where a migrated request continues: (whole tokens already delivered, their text), of
     an answer of at most ``limit`` tokens.
 
-    The text the caller received is the authority: the tokens it holds in full are counted
-    from it, so a token delivered only in part (held back by an output filter) is produced
-    again and its missing end sent. Text that is not the sequence's own (redacted by an
+    The tokens the caller counted are not produced again: an output filter holds back
+    text of tokens the caller already counted (their frames carry the count, the text
+    follows once it is safe), so the caller may hold fewer tokens' text than it counts.
+    When what it holds is the start of the sequence's first ``resume_tokens`` tokens, those
+    are done and the returned text is theirs: the part the caller lacks is sent first.
+    Otherwise the whole tokens in its text are done (a token it holds in part is produced
+    again and its missing end sent). Text that is not the sequence's own (redacted by an
     output filter) falls back to the token count the caller reports."""
     return _resume(lambda n: token_text(start, n), limit, req)
 
@@ -224,19 +228,24 @@ def _resume(token: Callable[[int], str], limit: int, req: GenerationRequest) -> 
     length is at most ``limit`` tokens."""
     if not req.resume_text and not req.resume_tokens:
         return 0, ""
+    have = req.resume_text
     text, n = "", 0
     while n < limit:
         nxt = token(n)
-        if not req.resume_text.startswith(nxt, len(text)):
+        if not have.startswith(nxt, len(text)):
             break
         text += nxt
         n += 1
-    if len(text) < len(req.resume_text) and not (
-        n < limit and token(n).startswith(req.resume_text[len(text) :])
-    ):
+    # The tokens counted whose text the caller holds only in part, or not at all.
+    counted, whole, m = min(req.resume_tokens, limit), text, n
+    while m < counted:
+        whole += token(m)
+        m += 1
+    if m > n and whole.startswith(have):
+        return m, whole
+    if len(text) < len(have) and not (n < limit and token(n).startswith(have[len(text) :])):
         # Not our text (redacted): trust the count.
-        n = min(req.resume_tokens, limit)
-        return n, req.resume_text
+        return counted, have
     return n, text
 
 
@@ -737,8 +746,8 @@ class SimStream(_TextOut):
         self.seq.emitted = done
         self.hold = max((len(s) for s in req.stop), default=1) - 1
         self.text = text
-        # What the caller already has is not sent again (a token may have been cut).
-        self.sent = max(len(text), len(req.resume_text)) if req.resume_text else 0
+        # What the caller already has is not sent again (it may end inside a token).
+        self.sent = len(req.resume_text)
         self.produced = 0
         self.finished = False
         if done >= limit:  # everything was sent; only the end was lost
@@ -915,7 +924,7 @@ class SimExtraStream(_TextOut):
             else:
                 limit = min(req.max_tokens, len(toks))
                 done, text = _resume(toks.__getitem__, limit, req)
-            sent = max(len(text), len(req.resume_text)) if req.resume_text else 0
+            sent = len(req.resume_text)
         self.seq = _Seq(self.start, self.ptoks + done, limit, toks, plan.prompt)
         self.seq.lora = engine.lora_of(req)
         self.seq.emitted = done
