@@ -372,8 +372,10 @@ async def read(
     while True:
         try:
             entry = await kv.get(key)
-        except KeyNotFoundError:
-            if at_least is None:
+        except KeyNotFoundError as exc:
+            # (a key deleted since this process's write is gone: its marker is newer)
+            marker = getattr(exc, "entry", None)
+            if at_least is None or (marker is not None and (marker.revision or 0) >= at_least):
                 raise
         except _NO_LEADER:
             pass

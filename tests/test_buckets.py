@@ -289,6 +289,11 @@ async def test_a_read_is_never_older_than_this_process_own_write(kv: Any) -> Non
     assert json.loads(entry.value)["n"] == 1
     with pytest.raises(nats.js.errors.KeyNotFoundError):
         await buckets.read(kv, "never", known=known)
+    await kv.put("gone", b"{}")
+    known["gone"] = ({}, (await kv.get("gone")).revision)
+    await kv.delete("gone")  # deleted since this process's write: gone, not stale
+    with pytest.raises(nats.js.errors.KeyNotFoundError):
+        await buckets.read(kv, "gone", known=known, stall_s=30)
     # Stale for longer than the bound, or no leader at all: a clear, retryable error.
     forever = _StaleFirst(kv, stale=10**6, then=first)
     with pytest.raises(E.ServiceUnavailable, match="retry"):
