@@ -209,8 +209,8 @@ def expected_text(
 
 
 def resume_point(start: int, req: GenerationRequest, limit: int) -> tuple[int, str]:
-    """Where a migrated request continues: (whole tokens already delivered, their text), of
-    an answer of at most ``limit`` tokens.
+    """Where a migrated request continues: (tokens done, their text), of an answer of at
+    most ``limit`` tokens.
 
     The tokens the caller counted are not produced again: an output filter holds back
     text of tokens the caller already counted (their frames carry the count, the text
