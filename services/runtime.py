@@ -674,6 +674,29 @@ def stop_event() -> asyncio.Event:
     return stop
 
 
+def dump_tasks(log: Any) -> None:
+    """Every task on this process's loop and where it waits, to the log (``task_stack``
+    lines; a service does this on SIGUSR1): what a process that does not finish draining,
+    or stops answering while its loop still turns, is waiting on."""
+    tasks = asyncio.all_tasks()
+    for task in tasks:
+        log.warning("task_stack", task=task.get_name(), of=len(tasks), stack=_awaiting(task))
+
+
+def _awaiting(task: asyncio.Task[Any]) -> list[str]:
+    """Where ``task`` waits: its chain of awaits, outermost first (``Task.get_stack`` gives
+    a suspended coroutine's own frame only)."""
+    out: list[str] = []
+    coro: Any = task.get_coro()
+    while coro is not None and len(out) < 40:
+        frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
+        if frame is not None:
+            code = frame.f_code
+            out.append(f"{code.co_filename}:{frame.f_lineno} in {code.co_qualname}")
+        coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
+    return out
+
+
 def settle_heap() -> None:
     """Once a service has started: what it built so far (modules, models, settings, its
     connections: most of its objects, for good) goes out of the garbage collector's sight
@@ -700,6 +723,8 @@ async def serve_until_signalled(service: Service) -> None:
 
 async def _serve(service: Service) -> None:
     stop = stop_event()
+    # (before the start: the sim's engine-fault setting, for tests, takes SIGUSR1 over)
+    asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, dump_tasks, service.log)
     starting = asyncio.ensure_future(service.start())
     signalled = asyncio.ensure_future(stop.wait())
     try:

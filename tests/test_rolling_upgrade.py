@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
+import subprocess
 import time
 from typing import Any
 
@@ -171,7 +172,18 @@ async def test_a_rolling_upgrade_of_every_role_under_streaming_load_fails_no_req
             old = started[name][-1]
             before = dict(served)
             old.signal(signal.SIGTERM)
-            rc = await asyncio.to_thread(old.proc.wait, 60)
+            try:
+                rc = await asyncio.to_thread(old.proc.wait, 60)
+            except subprocess.TimeoutExpired:
+                # Where it waits (SIGUSR1: every task's awaits, in its log).
+                old.signal(signal.SIGUSR1)
+                with contextlib.suppress(AssertionError):
+                    await wait_for(lambda o=old: '"task_stack"' in o.output(), timeout=10)
+                stacks = [x for x in old.output().splitlines() if '"task_stack"' in x]
+                raise AssertionError(
+                    f"{name} did not exit within 60 s of SIGTERM; its tasks:\n"
+                    + "\n".join(stacks)[-8000:]
+                ) from None
             assert rc == 0, (name, old.output()[-2000:])
             role, _, idx = name.rpartition("-")
             if role == "worker":

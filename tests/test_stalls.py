@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import os
 import signal
@@ -740,6 +741,33 @@ async def test_a_connection_with_unsent_data_leaves_a_cut_off_server_within_seco
     finally:
         stop_process(near)
         stop_process(srv)
+
+
+async def test_sigusr1_logs_where_each_task_waits_and_the_service_goes_on(
+    procs: Procs, model: str, client: Client
+) -> None:
+    """A service that does not finish draining, or stops answering while its loop turns:
+    SIGUSR1 logs every task on its loop with the stack it waits in (``task_stack``), and the
+    service goes on serving."""
+    stack_ = await start_stack(procs, model, "ingress", "router", bridge=False)
+    ingress = stack_.roles["ingress"][0]
+    ingress.signal(signal.SIGUSR1)
+
+    def dumped() -> list[dict[str, Any]]:
+        lines = ingress.output().splitlines()
+        return [json.loads(x) for x in lines if x.startswith("{") and '"task_stack"' in x]
+
+    await wait_for(lambda: dumped() and len(dumped()) == dumped()[0]["of"], timeout=10)
+    stacks = dumped()
+    assert all(isinstance(d["stack"], list) for d in stacks), stacks[0]
+    # The main task, from its outermost coroutine down to where it waits for a signal.
+    main = next(d["stack"] for d in stacks if any("in _serve" in f for f in d["stack"]))
+    assert any(
+        "services/runtime.py" in f and f.endswith(" in _serve") and nxt.endswith(" in wait")
+        for f, nxt in itertools.pairwise(main)
+    ), main  # asyncio.wait: for SIGTERM
+    out = await client.chat_completion(model, [{"role": "user", "content": "hi"}], max_tokens=2)
+    assert out.usage.completion_tokens == 2 and ingress.alive()
 
 
 def test_a_process_whose_event_loop_is_stuck_ends_itself(tmp_path: Path) -> None:
