@@ -41,6 +41,7 @@ from jobs.files import OUTPUT_PURPOSE, FileStore
 from jobs.inprocess import TIMEOUT, App, InProcess
 from services import logging as tlog
 from services.config import BatchSettings
+from services.runtime import cancel_and_wait
 
 SWEEP_S = 3.0
 GAUGE_SWEEPS = 10  # the gauges (which read every batch) every 10th sweep
@@ -119,10 +120,7 @@ class BatchRunner:
         """Take no more work; let the lines running finish (up to ``grace_s``), then stop.
         A line cut off is not acknowledged: JetStream gives it to another runner."""
         for t in (self._loop, self._sweep, self._flushing):
-            if t is not None:
-                t.cancel()
-                with contextlib.suppress(BaseException):
-                    await t
+            await cancel_and_wait(t)  # (the pull loop's cancel can be lost in a fetch)
         if self._tasks and grace_s > 0:
             await asyncio.wait(list(self._tasks), timeout=grace_s)
         for t in list(self._tasks):

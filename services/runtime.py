@@ -674,6 +674,26 @@ def stop_event() -> asyncio.Event:
     return stop
 
 
+async def cancel_and_wait(task: asyncio.Task[Any] | None, within_s: float = 5.0) -> None:
+    """Cancel ``task`` and wait until it has ended, cancelling it again while it runs on, for
+    at most ``within_s``. Once is not always enough on Python 3.11: ``asyncio.wait_for``
+    (under nats-py's ``fetch`` and ``next_msg``) returns its awaitable's result when that
+    comes at the moment of the cancel, and the cancel is lost; a loop around such a call
+    goes on, and an ``await task`` after one ``cancel()`` never returns (a bridge that
+    never finished draining)."""
+    if task is None:
+        return
+    give_up = time.monotonic() + within_s
+    while not task.done():
+        left = give_up - time.monotonic()
+        if left <= 0:
+            return
+        task.cancel()
+        await asyncio.wait([task], timeout=min(0.25, left))
+    if not task.cancelled():
+        task.exception()  # seen: an error it ended with is not logged as never retrieved
+
+
 def dump_tasks(log: Any) -> None:
     """Every task on this process's loop and where it waits, to the log (``task_stack``
     lines; a service does this on SIGUSR1): what a process that does not finish draining,

@@ -37,7 +37,7 @@ from prometheus_client import start_http_server
 from bus_schemas import codec, subjects
 from services.buckets import open_stream
 from services.discovery import API_PREFIX
-from services.runtime import Service, connect
+from services.runtime import Service, cancel_and_wait, connect
 from telemetry import natsmon, records
 from telemetry.metrics import Metrics
 from telemetry.store import open_store
@@ -438,9 +438,7 @@ class Telemetry(Service):
             with contextlib.suppress(Exception):
                 await self._core.unsubscribe()
         if self._fetcher is not None:
-            self._fetcher.cancel()
-            with contextlib.suppress(BaseException):
-                await self._fetcher
+            await cancel_and_wait(self._fetcher)  # (its cancel can be lost in a fetch)
             with contextlib.suppress(Exception):
                 await self._psub.unsubscribe()
         for sub in self._subs:

@@ -743,6 +743,38 @@ async def test_a_connection_with_unsent_data_leaves_a_cut_off_server_within_seco
         stop_process(srv)
 
 
+async def test_a_task_whose_cancel_was_lost_is_cancelled_again() -> None:
+    """runtime.cancel_and_wait: a loop whose cancel was lost (on Python 3.11 asyncio.wait_for,
+    under nats-py's fetch, returns a result that came at the moment of the cancel) is
+    cancelled again until it ends; ``cancel(); await task`` waited for it forever. One that
+    never ends is left after the bound, not waited on."""
+    turns, lose = 0, 2
+
+    async def pull() -> None:
+        nonlocal turns
+        while True:
+            try:
+                await asyncio.sleep(3600)  # a fetch
+            except asyncio.CancelledError:
+                turns += 1
+                if turns <= lose:
+                    continue  # the cancel lost: the loop goes on
+                raise
+
+    task = asyncio.get_running_loop().create_task(pull())
+    await asyncio.sleep(0)
+    await runtime.cancel_and_wait(task)
+    assert task.cancelled() and turns == 3
+    turns, lose = 0, 10**9
+    stuck = asyncio.get_running_loop().create_task(pull())
+    await asyncio.sleep(0)
+    await runtime.cancel_and_wait(stuck, within_s=0.5)
+    assert not stuck.done() and turns >= 2
+    lose = 0  # now it can end
+    await runtime.cancel_and_wait(stuck)
+    assert stuck.cancelled()
+
+
 async def test_sigusr1_logs_where_each_task_waits_and_the_service_goes_on(
     procs: Procs, model: str, client: Client
 ) -> None:
