@@ -35,7 +35,7 @@ from bus_schemas import headers as H
 from bus_schemas.messages import check_envelope, envelope_chars
 from services import buckets, tracing
 from services.config import PriceSettings, Settings, kv_replicas
-from services.runtime import Service
+from services.runtime import Service, cancel_and_wait
 
 
 def parse_limits(value: str | None) -> tuple[int | None, int | None, int | None]:
@@ -503,10 +503,7 @@ class RateLimitCheck:
             await msg.ack()
 
     async def stop(self) -> None:
-        if self._spend_task is not None:
-            self._spend_task.cancel()
-            with contextlib.suppress(BaseException):
-                await self._spend_task
+        await cancel_and_wait(self._spend_task)  # (its cancel can be lost in a fetch)
         # Unsubscribed here, not drained with the connection: a fetch cut off by the
         # cancellation leaves nothing for the drain to wait on.
         for s in (self._spend_pull, self._spend_sub):

@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import uuid
 from collections.abc import AsyncGenerator, Callable
 from typing import Any
@@ -50,6 +51,7 @@ from services import buckets
 from services import logging as tlog
 from services.caller import MAX_MIGRATIONS, Rerun
 from services.config import Settings
+from services.runtime import cancel_and_wait
 
 EVENTS_STREAM = "TOKENBUS_BATCH_EVENTS"
 ENDINGS = ("response.completed", "response.failed", "response.incomplete", "response.cancelled")
@@ -294,11 +296,7 @@ class Background:
             # Cancelled until it ends: Python 3.11's wait_for (inside nats-py's publish and
             # request) swallows a cancellation that lands as its future completes, and the
             # request then ran on to its end (seen in CI as a cancel that never ended).
-            while not task.done():
-                task.cancel()
-                await asyncio.wait({task}, timeout=0.2)
-            with contextlib.suppress(BaseException):
-                task.result()
+            await cancel_and_wait(task, within_s=math.inf)
             latest = await self.responses.get(response_id, owner)
             latest["response"]["status"] = "cancelled"
             await self.responses.replace(response_id, latest)
