@@ -749,12 +749,14 @@ async def test_a_task_whose_cancel_was_lost_is_cancelled_again() -> None:
     cancelled again until it ends; ``cancel(); await task`` waited for it forever. One that
     never ends is left after the bound, not waited on."""
     turns, lose = 0, 2
+    fetching = asyncio.Event()
 
     async def pull() -> None:
         nonlocal turns
         while True:
             try:
-                await asyncio.sleep(3600)  # a fetch
+                fetching.set()
+                await asyncio.Event().wait()  # a fetch that nothing answers
             except asyncio.CancelledError:
                 turns += 1
                 if turns <= lose:
@@ -762,12 +764,13 @@ async def test_a_task_whose_cancel_was_lost_is_cancelled_again() -> None:
                 raise
 
     task = asyncio.get_running_loop().create_task(pull())
-    await asyncio.sleep(0)
+    await asyncio.wait_for(fetching.wait(), 10)
     await runtime.cancel_and_wait(task)
     assert task.cancelled() and turns == 3
     turns, lose = 0, 10**9
+    fetching.clear()
     stuck = asyncio.get_running_loop().create_task(pull())
-    await asyncio.sleep(0)
+    await asyncio.wait_for(fetching.wait(), 10)
     await runtime.cancel_and_wait(stuck, within_s=0.5)
     assert not stuck.done() and turns >= 2
     lose = 0  # now it can end
