@@ -75,14 +75,18 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 def run_cli(
-    *args: str, env: dict[str, str] | None = None, timeout: float = 60, check: bool = False
+    *args: str,
+    env: dict[str, str] | None = None,
+    timeout: float = 60,
+    check: bool = False,
+    cwd: Path | None = None,
 ) -> subprocess.CompletedProcess[str]:
     """Run ``tokenbus <args>`` (as ``python -m tokenbus.cli``) the way a user would."""
     return subprocess.run(
         [sys.executable, "-m", "tokenbus.cli", *args],
         capture_output=True,
         text=True,
-        cwd=ROOT,
+        cwd=cwd or ROOT,
         env=env,
         timeout=timeout,
         check=check,

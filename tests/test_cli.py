@@ -175,6 +175,7 @@ def test_up_serves_restarts_crashed_children_and_stops_cleanly(tmp_path: Path) -
         )
         assert st.returncode == 0, st.stdout + st.stderr
         assert len(json.loads(st.stdout)["replicas"]) == 2
+        _every_bus_command_finds_its_login(tmp_path, nats_port)
     finally:
         stack_pids.update(children_of(proc.pid))
         proc.send_signal(signal.SIGINT)
@@ -186,6 +187,62 @@ def test_up_serves_restarts_crashed_children_and_stops_cleanly(tmp_path: Path) -
     assert not left, left  # every process the stack started has ended with it
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"http://127.0.0.1:{port}/health")
+
+
+# One run of each sub-command that talks to the bus, as an operator types it.
+BUS_COMMANDS: dict[str, list[str]] = {
+    "status": ["status", "--json", "--wait", "0.5"],
+    "keys": ["keys", "list"],
+    "router": ["router", "show"],
+    "adapters": ["adapters", "list", "--json", "--wait", "0.5"],
+    "audit": ["audit", "--limit", "5"],
+    "batches": ["batches", "list"],
+    "backup": ["backup", "--out", "{tmp}/backup"],
+    # Onto a bus that holds the same streams: refused for that reason, after logging in.
+    "restore": ["restore", "--from", "{tmp}/backup"],
+    # Over NATS through the locked bus (the admin login makes the run's own key).
+    "bench": [
+        "bench",
+        "--mode",
+        "nats",
+        "--concurrency",
+        "1",
+        "--requests-per-client",
+        "1",
+        "--max-tokens",
+        "2",
+        "--no-progress",
+        "--out",
+        "{tmp}/bench.json",
+    ],
+}
+
+
+def _every_bus_command_finds_its_login(tmp_path: Path, nats_port: int) -> None:
+    """Every sub-command that talks to the bus, run from another folder with only
+    TOKENBUS_UP__DATA_DIR naming the stack's data folder, logs in as its admin (issue 63:
+    `adapters` refused, the login it needed unread)."""
+    from tokenbus.cli import OFFLINE_COMMANDS, build_parser
+
+    (choices,) = (a.choices for a in build_parser()._actions if a.dest == "cmd")
+    assert set(BUS_COMMANDS) == set(choices) - OFFLINE_COMMANDS - {"serve"}
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    env = {
+        **_env(),
+        "TOKENBUS_UP__DATA_DIR": str(tmp_path / "data"),
+        "TOKENBUS_NATS_URL": f"nats://127.0.0.1:{nats_port}",
+    }
+    for name, argv in BUS_COMMANDS.items():
+        out = run_cli(
+            *(x.replace("{tmp}", str(tmp_path)) for x in argv), env=env, cwd=elsewhere, timeout=90
+        )
+        said = out.stdout + out.stderr
+        assert "refused" not in said and "cannot reach NATS" not in said, (name, said)
+        if name == "restore":
+            assert out.returncode != 0 and "--force" in said, said
+        else:
+            assert out.returncode == 0, (name, said)
 
 
 def test_free_ports_are_outside_the_ephemeral_range_and_never_handed_out_twice() -> None:

@@ -169,25 +169,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds to listen for heartbeats (idle replicas beat every 2 s)",
     )
 
-    from tokenbus.evaluation import (
-        adapterbench,
-        batchbench,
-        bench,
-        coldpath,
-        kvbench,
-        nemesis,
-        pdbench,
-        syncbench,
-    )
+    from tokenbus.evaluation import options as bench_options
 
-    bp = bench.add_parser(sub)
-    kvbench.add_arguments(bp.add_argument_group("multi-turn agent sessions"))
-    batchbench.add_arguments(bp.add_argument_group("a batch beside interactive traffic"))
-    nemesis.add_arguments(bp.add_argument_group("faults under mixed traffic (docs/nemesis.md)"))
-    syncbench.add_arguments(bp.add_argument_group("what each JetStream sync policy costs"))
-    adapterbench.add_arguments(bp.add_argument_group("LoRA adapters at run time"))
-    pdbench.add_arguments(bp.add_argument_group("prefill/decode disaggregation"))
-    coldpath.add_arguments(bp.add_argument_group("one request's steps, warm and cold"))
+    bench_options.add_parser(sub)
 
     from tokenbus.cli import keys as keys_cli
 
@@ -355,15 +339,19 @@ def _same_server(url: str, conf: Path) -> bool:
     return False
 
 
+# The sub-commands that never talk to the bus. Every other one (status, keys, router, adapters,
+# audit, batches, backup, restore, bench, and any added later) logs in the same way: as the
+# admin of the `tokenbus up` whose data folder it finds, unless TOKENBUS_NATS_USER says otherwise.
+OFFLINE_COMMANDS = frozenset({"up", "nats-config", "deploy", "health", "compose", "report"})
+
+
 def _local_role(a: argparse.Namespace) -> str | None:
     """The NATS role a command runs as on the locked bus of a local ``tokenbus up``."""
-    if a.cmd in ("status", "keys", "bench", "router", "audit", "batches", "backup", "restore"):
-        return "admin"
     if a.cmd == "serve":
         from services.natsconf import SERVICE_ROLE
 
         return SERVICE_ROLE.get(a.service)
-    return None
+    return None if a.cmd in OFFLINE_COMMANDS else "admin"
 
 
 async def _serve(a: argparse.Namespace, s: cfgmod.Settings) -> int:

@@ -28,15 +28,6 @@ from router.service import heard
 from tokenbus.evaluation.bench import report_head, spawned, write_report
 
 
-def add_arguments(g: Any) -> None:
-    g.add_argument(
-        "--adapters",
-        type=int,
-        help="instead of the sweep: load, ask and unload N LoRA adapters at run time under "
-        "load (--concurrency streams; two replicas; docs/adapters.md)",
-    )
-
-
 def _folder(root: Path, name: str) -> str:
     folder = root / name
     folder.mkdir(parents=True)

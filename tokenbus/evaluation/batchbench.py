@@ -51,35 +51,6 @@ LINE_TOKENS = 32
 INTERACTIVE_TOKENS = 64
 
 
-def add_arguments(g: Any) -> None:
-    g.add_argument(
-        "--batch-lines",
-        type=int,
-        help="instead of the sweep: a batch of N lines on the replica an interactive load "
-        "uses (docs/batches.md); --duration seconds per window",
-    )
-    g.add_argument(
-        "--batch-runner-lines",
-        type=int,
-        default=160,
-        help="--batch-lines: lines the runner bridge runs at once (batches.concurrency)",
-    )
-    g.add_argument(
-        "--batch-interactive",
-        type=int,
-        default=64,
-        help="--batch-lines: the interactive client's concurrent streams",
-    )
-    g.add_argument(
-        "--batch-interactive-std",
-        type=float,
-        default=16.0,
-        help="--batch-lines: the spread (standard deviation, tokens) of the interactive "
-        "answers' lengths around 64 (0: all 64, and the streams that end in one engine step "
-        "all come back in the next: a burst)",
-    )
-
-
 class BatchClient:
     """Uploads the batch, creates it and follows its answered lines."""
 

@@ -46,17 +46,6 @@ EVENT = (
 )
 
 
-def add_arguments(g: Any) -> None:
-    g.add_argument(
-        "--cold-path",
-        action="store_true",
-        help="instead of the sweep: each in-process step of a chat request timed warm (in a "
-        "loop) and cold (once, after the process slept), on this machine",
-    )
-    g.add_argument("--cold-gap-ms", type=float, default=10.0, help="the sleep before a cold call")
-    g.add_argument("--cold-trials", type=int, default=60, help="cold calls per step")
-
-
 def steps() -> list[tuple[str, Callable[[], Any]]]:
     """(name, a call of that step) for each step, in the order a request meets them."""
     settings = Settings()

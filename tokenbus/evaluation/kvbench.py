@@ -32,7 +32,6 @@ from bus_schemas import kv_events as kv
 from bus_schemas import subjects
 from tokenbus.evaluation.bench import _summary_ms, environ, http_request, report_head, spawned
 
-POLICIES = ("kv_aware", "least_outstanding", "prefix_aware", "random")
 CHARS_PER_TOKEN = 4  # the sim's tokens (bus_schemas.kv_events.text_token_ids)
 _WORDS = ("the", "agent", "reads", "files", "runs", "tests", "edits", "code", "and")
 
@@ -45,51 +44,6 @@ def _text(rng: random.Random, tokens: int) -> str:
         out.append(w)
         n += len(w) + 1
     return " ".join(out)[: tokens * CHARS_PER_TOKEN]
-
-
-def add_arguments(te: Any) -> None:
-    te.add_argument(
-        "--kv-sessions",
-        metavar="N[,N]",
-        help="instead of the sweep: N concurrent multi-turn agent sessions per load level "
-        "(e.g. 16,64) on sim replicas with prefix caches, routed kv_aware, least_outstanding, "
-        "prefix_aware and random in turn",
-    )
-    te.add_argument("--kv-turns", type=int, default=10, help="--kv-sessions: turns per session")
-    te.add_argument("--kv-replicas", type=int, default=4, help="--kv-sessions: sim workers")
-    te.add_argument(
-        "--kv-system-tokens", type=int, default=2000, help="--kv-sessions: the shared prompt"
-    )
-    te.add_argument(
-        "--kv-prefill-ms-per-token",
-        type=float,
-        default=0.05,
-        help="--kv-sessions: the sim's prefill cost per uncached prompt token",
-    )
-    te.add_argument(
-        "--kv-cache-blocks",
-        type=int,
-        default=16384,
-        help="--kv-sessions: blocks (of 16 tokens) in each replica's prefix cache",
-    )
-    te.add_argument(
-        "--kv-policies",
-        default=",".join(POLICIES),
-        help=f"--kv-sessions: the policies compared (default {','.join(POLICIES)})",
-    )
-    te.add_argument(
-        "--kv-routers",
-        type=int,
-        default=1,
-        help="--kv-sessions: routing instances (bridge processes that route in-process), each "
-        "turn on a new connection so it may land on any of them, as behind a request-level "
-        "load balancer",
-    )
-    te.add_argument(
-        "--kv-churn",
-        action="store_true",
-        help="--kv-sessions: kill one replica at half time and start another",
-    )
 
 
 async def _session(

@@ -44,11 +44,11 @@ from pathlib import Path
 from typing import Any
 
 from tokenbus.evaluation.netns import Hosts, available
+from tokenbus.evaluation.options import KINDS
 from tokenbus.launcher import free_port, port_open
 
 ROLES = ("ingress", "router", "auth", "ratelimit", "filter", "worker", "bridge", "telemetry")
 MEMBER_ROLES = ("ingress", "auth", "ratelimit", "filter", "router")
-KINDS = ("kill", "pause", "nats_kill", "nats_pause", "nats_partition", "host_crash")
 # Price of the run's model, dollars per million tokens: one micro-dollar per prompt token,
 # two per generated token (auth/budgets.py).
 PRICE_IN, PRICE_OUT = 1, 2
@@ -1352,32 +1352,6 @@ async def run_nemesis(cfg: Config) -> dict[str, Any]:
             stack.stop()
         if hosts is not None:
             hosts.stop()
-
-
-def add_arguments(g: Any) -> None:
-    """``tokenbus bench --nemesis`` and its options."""
-    g.add_argument(
-        "--nemesis",
-        action="store_true",
-        help="instead of the sweep: mixed traffic on a locked NATS cluster of its own while a "
-        "fault is injected every --fault-every seconds, then the invariants (docs/nemesis.md)",
-    )
-    g.add_argument("--nemesis-duration", type=float, default=600.0, help="seconds of load")
-    g.add_argument("--fault-every", type=float, default=10.0, help="seconds between faults")
-    g.add_argument("--nemesis-nodes", type=int, default=3, help="NATS nodes (hosts)")
-    g.add_argument("--nemesis-seed", type=int, help="the fault schedule's seed (default: random)")
-    g.add_argument(
-        "--nemesis-lost-cache",
-        action="store_true",
-        help="a crashed host's store loses what its node wrote in the fault interval before "
-        "the crash, as a node syncing lazily would (default: it keeps what it synced, every "
-        "acknowledged write with the nodes' sync_interval: always)",
-    )
-    g.add_argument(
-        "--nemesis-faults",
-        default=",".join(KINDS),
-        help=f"fault kinds to choose among, comma separated: {', '.join(KINDS)}",
-    )
 
 
 async def run_from_args(a: argparse.Namespace) -> int:

@@ -37,26 +37,6 @@ SHORT_PROMPT = "summarise the note about the meeting on tuesday " * 8  # ~100 to
 LONG_WORDS = "the quarterly report covers revenue costs and the outlook for next year " * 340
 
 
-def add_arguments(g: Any) -> None:
-    g.add_argument(
-        "--pd",
-        action="store_true",
-        help="instead of the sweep: disaggregated (R/2 prefill + R/2 decode replicas) against "
-        "aggregated serving on R replicas, a mix of short chats and long prompts "
-        "(docs/disaggregation.md)",
-    )
-    g.add_argument("--pd-replicas", default="2,4", help="replica counts R, even (default 2,4)")
-    g.add_argument("--pd-duration", type=float, default=30.0, help="seconds of load each")
-    g.add_argument(
-        "--pd-short-clients", type=int, default=12, help="short-chat clients per 2 replicas"
-    )
-    g.add_argument(
-        "--pd-long-clients", type=int, default=1, help="long-prompt clients per 2 replicas"
-    )
-    g.add_argument("--pd-slo-ttft-ms", type=float, default=2000.0)
-    g.add_argument("--pd-slo-itl-ms", type=float, default=100.0)
-
-
 def _pct(xs: list[float], q: float) -> float | None:
     if not xs:
         return None

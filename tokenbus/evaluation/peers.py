@@ -25,9 +25,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from tokenbus.evaluation.options import PEERS
 from tokenbus.launcher import nats_server_binary
-
-PEERS = ("vllm-router", "litellm", "pyrelay", "busrelay")
 
 
 @dataclass(frozen=True, slots=True)

@@ -39,27 +39,6 @@ from services.config import BatchSettings, FilesSettings
 from services.natsconf import jetstream_block
 
 
-def add_arguments(g: Any) -> None:
-    g.add_argument(
-        "--sync-cost",
-        action="store_true",
-        help="instead of the sweep: what each JetStream sync policy costs the stores "
-        "(keys, budgets, a batch, files) on this machine's disk (docs/deploy.md)",
-    )
-    g.add_argument(
-        "--sync-policies",
-        default="2m,1s,always",
-        help="--sync-cost: the policies compared, comma-separated",
-    )
-    g.add_argument("--sync-keys", type=int, default=200, help="--sync-cost: keys created")
-    g.add_argument(
-        "--sync-clients", type=int, default=64, help="--sync-cost: concurrent budgeted requests"
-    )
-    g.add_argument("--sync-rounds", type=int, default=20, help="--sync-cost: requests per client")
-    g.add_argument("--sync-lines", type=int, default=5000, help="--sync-cost: batch lines")
-    g.add_argument("--sync-files", type=int, default=20, help="--sync-cost: 1 MiB files put")
-
-
 def _pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return round(xs[min(len(xs) - 1, int(q * len(xs)))] * 1000, 3) if xs else 0.0
