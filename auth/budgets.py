@@ -59,10 +59,22 @@ def _notes_key(entry: str) -> str:
 
 
 def _live_notes(cur: dict[str, Any], now: float) -> dict[str, list[Any]]:
-    """The notes of an entry not yet due (``[amount, due]``; ``[0, due, 1]``: superseded)."""
+    """The notes of an entry not yet due (their shapes: :data:`_PROVISIONAL`)."""
     return {
         k: v for k, v in cur.items() if isinstance(v, list) and len(v) >= 2 and float(v[1]) > now
     }
+
+
+# A note's shape: ``[charged, due, 0, produced]`` a worker's report charged;
+# ``[provisional, due, 1, _PROVISIONAL]`` a supersede charged its caller's word before the
+# report came; ``[0, due, 1, _FINAL]`` corrected, nothing left to do.
+_PROVISIONAL = "p"
+_FINAL = "f"
+_DONE = object()  # _take_charge: superseded already
+
+
+def _superseded(note: list[Any]) -> bool:
+    return len(note) > 2 and note[2] == 1
 
 
 def _note_name(hold_name: str) -> str:
@@ -174,7 +186,9 @@ class SpendBook:
         # with what it charged for each (None: settled elsewhere, or nothing to correct).
         self._known: dict[str, tuple[dict[str, Any], int]] = {}
         self._writes = buckets.Grouped(self._kv, tries=_MAX_CAS_TRIES, known=self._known)
-        self._settled: dict[tuple[str, str], None] = {}
+        # Holds this book settled: True by a report, False by a supersede only (the
+        # attempt's own report may still come, and corrects the supersede's price).
+        self._settled: dict[tuple[str, str], bool] = {}
         # The deadlines of the holds this book made (a charge's note lasts no longer).
         self._held_until: dict[tuple[str, str], float] = {}
 
@@ -304,56 +318,90 @@ class SpendBook:
         await self.settle(hold, 0)
 
     async def settle(
-        self, hold: Hold, actual: int, *, superseding: bool = False
+        self,
+        hold: Hold,
+        actual: int,
+        *,
+        superseding: bool = False,
+        produced: int | None = None,
+        counted: bool = False,
     ) -> list[tuple[Budget, int, int]]:
         """Charge ``actual`` and drop the hold, in each entry that still holds it: a hold
         settled once is gone, so the same report settled again (by another limiter, or
         redelivered) charges nothing. (budget, spent before, spent after) of each budget
         whose soft threshold this crossed.
 
-        ``superseding``: the settlement of an attempt its caller moved to another replica
-        (auth.ratelimit), at what the caller got from it. It is the attempt's price whichever
-        report comes first: when the attempt's own worker report was charged already (its
-        prompt and all it generated, while the next attempt pays the prompt again), the
-        charge is corrected to ``actual``. What a report charged is noted beside the entry
-        (:meth:`_note_charge`) before the charge, so any limiter corrects it, not only the
-        one that charged it (which may be dead by then)."""
+        A worker's report gives ``actual`` (its prompt and all it generated) and ``produced``
+        (what the generated tokens alone cost). ``superseding``: the settlement of an attempt
+        its caller moved to another replica (auth.ratelimit); the next attempt pays the
+        prompt again, so the attempt's price is what its worker *produced*, whichever of the
+        two comes first. ``actual`` there is what the caller says it got: a provisional
+        price, charged only while the attempt's worker has not reported (it may have died),
+        and replaced by ``produced`` when its report comes; where the gateway itself
+        ``counted`` it (the HTTP bridge, whose clients say nothing of it), it is the price.
+        A client's word never lowers what a worker reported (issue 64: a second attempt
+        claiming ``resume.tokens: 0`` made the first answer free). What each report charged,
+        and each provisional price, is noted beside the entry (:meth:`_note_charge`) before
+        the charge, so any limiter corrects it, not only the one that charged it (which may
+        be dead by then)."""
         crossed = []
         now = time.time()
         for b, entry in hold.budgets:
             done = (hold.request_id, entry)
-            if not superseding and done in self._settled:
+            if not superseding and self._settled.get(done):
                 continue  # settled by this book: the stream's copy of the report
-            charged = None
+            charged: int | None = None  # superseding: what the worker's report charged
+            provisional: int | None = None  # a report: the supersede's price before it
+            price = actual
             if superseding:
-                charged = await self._take_charge(entry, hold.request_id)
-            elif actual > 0:  # (nothing to correct in a hold given back)
+                taken = await self._take_charge(entry, hold.request_id, actual, counted)
+                if taken is _DONE:
+                    self._remember_settled(done, False)
+                    continue
+                if isinstance(taken, tuple):  # the worker's report came first
+                    charged, price = taken
+            elif actual > 0 or produced:  # (nothing to correct in a hold given back)
                 deadline = self._held_until.get(done)
-                await self._note_charge(entry, hold.request_id, actual, deadline)
+                try:
+                    provisional = await self._note_charge(
+                        entry, hold.request_id, actual, produced or 0, deadline
+                    )
+                except _Settled:  # superseded and corrected already: nothing left to do
+                    self._remember_settled(done)
+                    continue
+                if provisional is not None:
+                    price = produced or 0  # moved: the next attempt pays the prompt
 
-            def charge(cur: dict[str, Any], charged: int | None = charged) -> dict[str, Any]:
+            def charge(
+                cur: dict[str, Any],
+                charged: int | None = charged,
+                provisional: int | None = provisional,
+                price: int = price,
+            ) -> dict[str, Any]:
                 held = _kept(cur, now)
                 spent = int(cur.get("spent", 0))
                 if held.pop(hold.request_id, None) is not None:
-                    return {**cur, "spent": spent + actual, "held": held}
+                    return {**cur, "spent": spent + price, "held": held}
                 if charged is not None:  # its worker's report was charged: corrected
-                    return {**cur, "spent": max(0, spent - charged + actual), "held": held}
+                    return {**cur, "spent": max(0, spent - charged + price), "held": held}
+                if provisional is not None:  # the supersede charged its caller's word
+                    return {**cur, "spent": max(0, spent - provisional + price), "held": held}
                 raise _Settled  # settled already, or never held in this entry
 
             try:
                 before, after = await self._cas(entry, charge)
             except _Settled:
-                self._remember_settled(done)
+                self._remember_settled(done, not superseding)
                 continue
-            self._remember_settled(done)
+            self._remember_settled(done, not superseding)
             was, now_spent = int(before.get("spent", 0)), int(after["spent"])
-            if superseding and self.log is not None:  # a migration's: rare, worth a line
-                self.log.info(
+            if (superseding or provisional is not None) and self.log is not None:
+                self.log.info(  # a migration's: rare, worth a line
                     "spend_superseded",
                     hold=hold.request_id,
                     entry=entry,
-                    price=actual,
-                    corrected_from=charged,
+                    price=price,
+                    corrected_from=charged if superseding else provisional,
                     delta=now_spent - was,
                 )
             if b.soft is not None and was < b.soft <= now_spent:
@@ -362,57 +410,77 @@ class SpendBook:
         return crossed
 
     async def _note_charge(
-        self, entry: str, request_id: str, amount: int, deadline: float | None
-    ) -> None:
-        """Note beside ``entry`` that ``request_id``'s report charges ``amount``, for a
-        supersede that may come after it (:meth:`settle`). Noted before the charge: a
-        supersede between the two finds the hold still held and charges its own price.
-        A name a supersede took already keeps that mark (a report's copy from the stream
-        that comes after it notes nothing)."""
+        self, entry: str, request_id: str, amount: int, produced: int, deadline: float | None
+    ) -> int | None:
+        """Note beside ``entry`` that ``request_id``'s report charges ``amount`` (``produced``
+        of it for what was generated), for a supersede that may come after it
+        (:meth:`settle`). Noted before the charge: a supersede between the two finds the
+        note and charges ``produced``. Where a supersede came first and charged its caller's
+        word, that provisional price is returned (and the note closed: corrected once);
+        raises ``_Settled`` where it was corrected already."""
         now = time.time()
         until = round(min(now + CHARGE_NOTE_S, deadline or now + CHARGE_NOTE_S), 1)
         name = _note_name(request_id)
+        found: list[int | None] = []
 
         def note(cur: dict[str, Any]) -> dict[str, Any]:
+            found.clear()
             notes = _live_notes(cur, now)
-            if len(notes.get(name, ())) > 2:
-                raise _Settled  # superseded: nothing left to correct
-            notes[name] = [amount, until]
+            v = notes.get(name)
+            if v is not None and _superseded(v):
+                if len(v) < 4 or v[3] != _PROVISIONAL:
+                    raise _Settled  # superseded by the worker's own price: nothing to correct
+                found.append(int(v[0]))
+                notes[name] = [0, round(now + CHARGE_NOTE_S, 1), 1, _FINAL]
+                return notes
+            found.append(None)
+            notes[name] = [amount, until, 0, produced]
             if len(notes) > CHARGE_NOTES_KEPT:  # those due soonest go first
                 by_due = sorted(notes, key=lambda k: float(notes[k][1]))
                 for k in by_due[: len(notes) - CHARGE_NOTES_KEPT]:
                     del notes[k]
             return notes
 
-        with contextlib.suppress(_Settled):
-            await self._cas(_notes_key(entry), note)
+        await self._cas(_notes_key(entry), note)
+        return found[0] if found else None
 
-    async def _take_charge(self, entry: str, request_id: str) -> int | None:
-        """What ``request_id``'s report charged in ``entry``, or None: none was charged before
-        this supersede. Taken once: the note is marked superseded, so a copy of the
-        supersede (or of the report) that comes later corrects nothing again."""
+    async def _take_charge(
+        self, entry: str, request_id: str, provisional: int, final: bool = False
+    ) -> tuple[int, int] | object | None:
+        """(what ``request_id``'s worker report charged in ``entry``, what its generated
+        tokens cost), or None: none was charged before this supersede, which is noted as
+        charging ``provisional`` until the report comes; or :data:`_DONE`, superseded
+        already. Taken once: the note is marked superseded, so a copy of the supersede that
+        comes later corrects nothing again. ``final``: ``provisional`` is the price (counted by
+        the gateway), whatever the report charged and whenever it comes."""
         now = time.time()
         name = _note_name(request_id)
-        taken: list[int | None] = []
+        taken: list[Any] = []
 
         def take(cur: dict[str, Any]) -> dict[str, Any]:
             taken.clear()
             notes = _live_notes(cur, now)
             v = notes.get(name)
-            if v is not None and len(v) > 2:
+            if v is not None and _superseded(v):
                 raise _Settled  # superseded already
-            taken.append(int(v[0]) if v is not None else None)
-            notes[name] = [0, round(now + CHARGE_NOTE_S, 1), 1]
+            if v is not None:
+                produced = int(v[3]) if len(v) > 3 else 0
+                taken.append((int(v[0]), provisional if final else produced))
+                notes[name] = [0, round(now + CHARGE_NOTE_S, 1), 1, _FINAL]
+            else:
+                taken.append(None)
+                mark = _FINAL if final else _PROVISIONAL
+                notes[name] = [provisional, round(now + CHARGE_NOTE_S, 1), 1, mark]
             return notes
 
         try:
             await self._cas(_notes_key(entry), take)
         except _Settled:
-            return None
+            return _DONE
         return taken[0] if taken else None
 
-    def _remember_settled(self, done: tuple[str, str]) -> None:
-        self._settled[done] = None
+    def _remember_settled(self, done: tuple[str, str], by_report: bool = True) -> None:
+        self._settled[done] = by_report or self._settled.get(done, False)
         self._held_until.pop(done, None)
         if len(self._settled) > _SETTLED_KEPT:
             del self._settled[next(iter(self._settled))]  # the oldest

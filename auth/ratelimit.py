@@ -70,30 +70,42 @@ class Ticket:
     attempt: int
     expires: int
     sig: str
+    rid: str = ""  # the request's id (the gateway's, given at its first admission)
 
 
-def _sign(secret: bytes, principal: str, rid: str, body: str) -> str:
-    msg = f"{principal}\n{rid}\n{body}".encode()
+def _sign(secret: bytes, principal: str, body: str) -> str:
+    msg = f"{principal}\n{body}".encode()
     return hmac.new(secret, msg, hashlib.sha256).hexdigest()[:32]
 
 
 def issue_ticket(secret: bytes, principal: str, rid: str, t: Ticket) -> str:
-    """``window,reserved,flags,owner,attempt,expires,sig`` (``t.sig`` is ignored)."""
-    body = f"{t.window},{t.reserved},{t.flags},{t.owner},{t.attempt},{t.expires}"
-    return f"{body},{_sign(secret, principal, rid, body)}"
+    """``window,reserved,flags,owner,attempt,expires,rid,sig`` (``t.sig`` and ``t.rid`` are
+    ignored): signed for the key and the request, whose id it carries, so the next attempt,
+    admitted under an id of its own, is known for the same request (issue 64)."""
+    if "," in rid:
+        raise ValueError("a request id has no comma")
+    body = f"{t.window},{t.reserved},{t.flags},{t.owner},{t.attempt},{t.expires},{rid}"
+    return f"{body},{_sign(secret, principal, body)}"
 
 
-def read_ticket(secret: bytes, value: str, principal: str, rid: str, now: float) -> Ticket | None:
-    """The ticket if ``secret`` signed it for this key and request and it has not expired."""
+def read_ticket(secret: bytes, value: str, principal: str, now: float) -> Ticket | None:
+    """The ticket if ``secret`` signed it for this key and it has not expired."""
     body, _, sig = value.rpartition(",")
     parts = body.split(",")
-    if not secret or len(parts) != 6 or len(sig) != 32:
+    if not secret or len(parts) != 7 or len(sig) != 32 or not parts[6]:
         return None
-    if not hmac.compare_digest(sig, _sign(secret, principal, rid, body)):
+    if not hmac.compare_digest(sig, _sign(secret, principal, body)):
         return None
     try:
         t = Ticket(
-            int(parts[0]), int(parts[1]), parts[2], parts[3], int(parts[4]), int(parts[5]), sig
+            int(parts[0]),
+            int(parts[1]),
+            parts[2],
+            parts[3],
+            int(parts[4]),
+            int(parts[5]),
+            sig,
+            parts[6],
         )
     except ValueError:
         return None
@@ -209,6 +221,13 @@ class RateLimitCheck:
             raise err
         try:
             prior = await self._prior(ticket, principal, rid, attempt)
+            if prior is not None and prior.rid != rid:
+                # A migration admitted under a new id (ingress gives each admission its
+                # own): it is the request the ticket names, whose slot and hold it takes on.
+                rid = prior.rid
+                hdrs[H.REQUEST_ID] = rid
+                env["request_id"] = rid
+                changed = True
             adm = await self.limiter.admit(
                 principal,
                 rid,
@@ -348,15 +367,25 @@ class RateLimitCheck:
             self.log.warning("spend_report_unreadable", request_id=u.get("request_id"))
             return
         hold, model = held
+        price = self.prices(model)
         superseding = "resumed" in u
-        if superseding:  # moved by its caller: the output the caller got from it (the next
-            # attempt's report pays the prompt and the rest: together, the answer's usage)
+        produced = None
+        if superseding:  # moved by its caller: the output the caller says it got, a price
+            # that holds only until the attempt's own worker reports what it produced (the
+            # next attempt's report pays the prompt and the rest)
             prompt, completion, cached = 0, int(u["resumed"]), 0
         else:
             prompt = int(u.get("prompt", u.get("used", 0)))
             completion, cached = int(u.get("completion", 0)), int(u.get("cached", 0))
-        actual = budgets.cost(self.prices(model), prompt, completion, cached)
-        crossed = await self.spend.settle(hold, actual, superseding=superseding)
+            produced = budgets.cost(price, 0, completion)
+        actual = budgets.cost(price, prompt, completion, cached)
+        crossed = await self.spend.settle(
+            hold,
+            actual,
+            superseding=superseding,
+            produced=produced,
+            counted=bool(u.get("counted")),
+        )
         if crossed:
             await self.spend.alert(crossed, model)
 
@@ -367,7 +396,7 @@ class RateLimitCheck:
         ticket this bus's limiters signed for this key and request, used once)."""
         if not ticket or attempt < 1:
             return None
-        t = read_ticket(self.limiter.secret, ticket, principal, rid, time.time())
+        t = read_ticket(self.limiter.secret, ticket, principal, time.time())
         if t is None or t.attempt >= attempt:
             return None
         if not await self.limiter.claim(t.sig):
@@ -395,6 +424,8 @@ class RateLimitCheck:
             "attempt": prior.attempt,
             "resumed": max(0, got),
         }
+        if hdrs.get(H.GATEWAY_COUNTED) == "1":  # counted by the bridge, not a client's word
+            body["counted"] = True
         subject = subjects.usage(prior.owner or None)
         if hdrs.get(H.BUDGET) and self.spend is not None and prior.owner:
             with contextlib.suppress(Exception):

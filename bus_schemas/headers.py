@@ -1,6 +1,18 @@
 """Header names carried on bus messages; every stage reads these without decoding the body."""
 
+# The request's id on the bus: made by the gateway (ingress, the bridge) at each admission,
+# never the client's (issue 64: slots, holds, tickets and charges are keyed by it, and one id
+# repeated by a client made twenty requests one). A NATS client's own value is read only as
+# the label below.
 REQUEST_ID = "Tb-Request-Id"
+# The id the client gave its request (HTTP ``X-Request-Id``, a NATS client's Tb-Request-Id),
+# when it is a short plain token: a label for logs, traces and the response header, never a key.
+CLIENT_REQUEST_ID = "Tb-Client-Request-Id"
+# Set ("1") by the HTTP bridge on the requests it sends: what a migration says its caller got
+# (``resume``) was counted by the gateway, not claimed by a client, so a supersede may price
+# the earlier attempt at it. Ingress never passes it on from a NATS client, whose count is a
+# hint for where to resume only (auth.ratelimit, auth.budgets).
+GATEWAY_COUNTED = "Tb-Gateway-Counted"
 # Absolute deadline, Unix epoch milliseconds. Work past it is dropped with a timeout error.
 DEADLINE = "Tb-Deadline"
 # Client send time (t0), Unix epoch nanoseconds.

@@ -110,10 +110,11 @@ class BusSource:
                 raise E.ContextLengthExceeded.of(longest, asked)
         hdrs = {
             **headers,
-            H.REQUEST_ID: request_id,
             H.DEADLINE: str(marks.now_ms() + int(timeout * 1000)),
+            H.GATEWAY_COUNTED: "1",  # its streams' resume counts are this process's own
         }
-        env = self.admission.admit(kind, req, body, hdrs, t1)
+        hdrs.pop(H.REQUEST_ID, None)  # the request's id is this bridge's own, made per request
+        env = self.admission.admit(kind, req, body, hdrs, t1, request_id=request_id)
         meta: dict[str, str | None] = {}  # what the stages learn (the key id), for the log
         sender = None
         stages, dispatcher = self.stages, self.dispatcher

@@ -11,7 +11,7 @@ from bus_schemas import codec, marks, subjects
 from bus_schemas import errors as E
 from bus_schemas import headers as H
 from gateway import validation
-from gateway.validation import clean_request_id
+from gateway.validation import client_label, new_request_id
 from jobs.background import BackgroundState
 from jobs.batches import BatchState
 from jobs.response_store import ResponsesState
@@ -97,13 +97,21 @@ class Admission:
         body: dict[str, Any],
         hdrs: dict[str, str],
         t1: int,
+        request_id: str | None = None,
     ) -> dict[str, Any]:
-        """The envelope for ``req``; fills ``hdrs`` (request id, model, route, marks)."""
+        """The envelope for ``req``; fills ``hdrs`` (request id, model, route, marks).
+
+        The request id is the gateway's own: ``request_id`` where the bridge made it, a new
+        one otherwise. What the client sent as its id travels as a label only
+        (``Tb-Client-Request-Id``)."""
         if validation.prompt_chars(req) > self.max_prompt_chars:
             raise E.PayloadTooLarge(f"the prompt is longer than {self.max_prompt_chars} characters")
         if not self.has_auth:
             hdrs.pop(H.API_KEY, None)  # nobody checks it: it must not travel on
-        rid = clean_request_id(hdrs.get(H.REQUEST_ID))
+        label = client_label(hdrs.pop(H.REQUEST_ID, None))
+        if label and H.CLIENT_REQUEST_ID not in hdrs:
+            hdrs[H.CLIENT_REQUEST_ID] = label
+        rid = request_id or new_request_id()
         hdrs[H.REQUEST_ID] = rid
         # Bounded in time whatever the client asked: every stage and the worker read this.
         cap = marks.now_ms() + self.max_request_ms

@@ -62,7 +62,7 @@ from gateway.sse import (
     usage_of,
     write_sse,
 )
-from gateway.validation import Choosing, clean_request_id
+from gateway.validation import Choosing, client_label, new_request_id
 from jobs.inprocess import BACKGROUND, PRINCIPAL, RERUN, TIMEOUT
 from services import logging as tlog
 from services import tracing
@@ -237,7 +237,7 @@ class OpenAIApp(RouteTable):
             call.kind,
             req,
             call.body,
-            request_id=call.rid,
+            request_id=call.bus_rid or call.rid,
             timeout=call.timeout or self.timeout,
             headers=call.hdrs,
             principal=call.principal,
@@ -265,7 +265,8 @@ class OpenAIApp(RouteTable):
         it (docs/openai-api.md)."""
         streams: list[StreamLike] = []
         for i, (one, body) in enumerate(parts):
-            rid = call.rid if len(parts) == 1 else f"{call.rid}-{i}"
+            bus = call.bus_rid or call.rid
+            rid = bus if len(parts) == 1 else f"{bus}-{i}"
             stream = self.source.open(
                 call.kind,
                 one,
@@ -301,7 +302,11 @@ class OpenAIApp(RouteTable):
         ``call.stream`` and writes the answer; here its failures become OpenAI errors, a
         client that leaves cancels it, its outcome goes to ``on_request`` and, traced, it is
         the server span every later hop descends from."""
-        rid = clean_request_id(header(scope, b"x-request-id"))
+        # The request's id on the bus is ours, unique per request (issue 64: limits, holds
+        # and charges are keyed by it); the client's X-Request-Id is a label, echoed back.
+        label = client_label(header(scope, b"x-request-id"))
+        bus_rid = new_request_id()
+        rid = label or bus_rid
         progress = Progress(scope.get(RECEIVED_NS) or time.time_ns())
         # The duration counts from the first byte (t1), on the monotonic clock from here on.
         t_start = time.perf_counter_ns() - max(0, time.time_ns() - progress.t1_ns)
@@ -312,7 +317,9 @@ class OpenAIApp(RouteTable):
         # the parent of every hop after it; current in this task, so logs carry its ids.
         span = _http_span(scope, kind, rid, hdrs) if tracing.on() else None
         token = tracing.activate(span)
-        call = Call(kind, rid, hdrs, progress, span, receive, scope.get(BODY_NOW))
+        if label:
+            hdrs[H.CLIENT_REQUEST_ID] = label
+        call = Call(kind, rid, hdrs, progress, span, receive, scope.get(BODY_NOW), bus_rid)
         call.principal = scope.get(PRINCIPAL)
         call.background = scope.get(BACKGROUND)
         call.rerun = scope.get(RERUN)
@@ -348,7 +355,9 @@ class OpenAIApp(RouteTable):
             if stream is not None:
                 await stream.aclose()
             if self.on_request is not None:
-                self.on_request(_record(rid, kind, status, outcome, t_start, progress, stream))
+                self.on_request(
+                    _record(bus_rid, kind, status, outcome, t_start, progress, stream, label)
+                )
             if span is not None:
                 _end_http_span(span, status, outcome, stream)
                 tracing.deactivate(token)
@@ -365,6 +374,7 @@ class Call:
     span: Any
     receive: Receive
     now: BodyNow | None  # writes body pieces without ``send`` (the bridge's own server)
+    bus_rid: str = ""  # the request's id on the bus (``rid`` is what the client is shown)
     body: Any = None
     stream: StreamLike | None = None
     more: list[StreamLike] = field(default_factory=list)  # a request's other streams
@@ -451,11 +461,13 @@ def _record(
     t_start: int,
     progress: Progress,
     stream: StreamLike | None,
+    label: str | None = None,
 ) -> dict[str, Any]:
     """What ``on_request`` gets about one finished generation request (the bridge's metrics,
     log line and telemetry record are made from it)."""
     return {
         "request_id": rid,
+        "client_request_id": label,
         "kind": kind,
         "status": status,
         "outcome": outcome,

@@ -169,6 +169,16 @@ _SAFE_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 
 def clean_request_id(value: str | None) -> str:
     """The caller's request id when it is a short, plain token; a fresh one otherwise."""
-    if value and _SAFE_ID.fullmatch(value):
-        return value
+    return client_label(value) or new_request_id()
+
+
+def client_label(value: str | None) -> str | None:
+    """The caller's own request id when it is a short, plain token (a label for its logs and
+    the response header), else None."""
+    return value if value and _SAFE_ID.fullmatch(value) else None
+
+
+def new_request_id() -> str:
+    """A request id of the gateway's own, unique per admission: what slots, holds, tickets
+    and charges are keyed by (bus_schemas.headers.REQUEST_ID)."""
     return uuid.uuid4().hex

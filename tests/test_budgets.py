@@ -330,13 +330,15 @@ async def test_many_requests_of_one_owner_commit_together_and_refuse_exactly_at_
     assert writes < 2 * len(served) // 2, (writes, len(served))
 
 
-async def test_a_moved_attempt_costs_what_its_caller_got_whichever_report_comes_first(
+async def test_a_moved_attempt_costs_what_its_worker_produced_whichever_report_comes_first(
     nats_server: Any,
 ) -> None:
     """A request moved to another replica mid-answer: its first attempt's hold is settled by
     the first worker's own report (prompt and all it generated) and by the next attempt's
-    admission (what the caller got from it, no prompt: the next attempt pays that). In either
-    order the attempt costs what the caller got, so the request costs its answer's usage."""
+    admission (what the caller says it got, no prompt: the next attempt pays that). In either
+    order the attempt costs what its worker produced: the caller's word is a price only
+    while no report came (its worker died), and never lowers one (issue 64: a second
+    attempt claiming ``resume.tokens: 0`` made the first answer free)."""
     nc = await nats.connect(nats_server.url)
     try:
         book = await budgets.SpendBook(nc).open()
@@ -347,21 +349,27 @@ async def test_a_moved_attempt_costs_what_its_caller_got_whichever_report_comes_
             hold = await book.reserve([key], name, 500, time.time() + 60)
             return lambda: budgets.Hold(name, 0, list(hold.budgets))
 
-        # Worker first: charged 130 (prompt 100 + 30 generated), then superseded at 20.
+        # Worker first: charged 130 (prompt 100 + 30 generated); superseded by a caller
+        # claiming 20: the 30 produced, not the 20 claimed.
         report = await attempt("r1#0")
-        await book.settle(report(), 130)
+        await book.settle(report(), 130, produced=30)
         assert (await book.spent(key)) == (130, 0)
         await book.settle(report(), 20, superseding=True)
-        assert (await book.spent(key)) == (20, 0)
+        assert (await book.spent(key)) == (30, 0)
         # The copies from the stream (both) charge nothing again.
-        await book.settle(report(), 130)
+        await book.settle(report(), 130, produced=30)
         await book.settle(report(), 20, superseding=True)
-        assert (await book.spent(key)) == (20, 0)
-        # Superseded first: 20, and the worker's report that comes after charges nothing.
+        assert (await book.spent(key)) == (30, 0)
+        # Superseded first by a caller claiming it got nothing: $0 for now, then the
+        # worker's report corrects it to what was produced; its copy changes nothing.
         report = await attempt("r2#0")
-        await book.settle(report(), 20, superseding=True)
-        await book.settle(report(), 130)
-        assert (await book.spent(key)) == (40, 0)
+        await book.settle(report(), 0, superseding=True)
+        assert (await book.spent(key)) == (30, 0)
+        await book.settle(report(), 130, produced=30)
+        assert (await book.spent(key)) == (60, 0)
+        await book.settle(report(), 130, produced=30)
+        await book.settle(report(), 0, superseding=True)
+        assert (await book.spent(key)) == (60, 0)
         # Another limiter's book (the one that charged it died, or was cut off) corrects it
         # too: what the report charged is noted beside the entry, not in a book's memory.
         # Once: the supersede's copy from the stream, settled by a third, changes nothing.
@@ -369,17 +377,23 @@ async def test_a_moved_attempt_costs_what_its_caller_got_whichever_report_comes_
         await other.open()
         await third.open()
         report = await attempt("r3#0")
-        await book.settle(report(), 130)
+        await book.settle(report(), 130, produced=30)
         await other.settle(report(), 20, superseding=True)
-        await third.settle(report(), 130)
+        await third.settle(report(), 130, produced=30)
         await third.settle(report(), 20, superseding=True)
-        assert (await book.spent(key)) == (60, 0)
-        # Superseded first by one book, then both copies settled by others: 20 once.
+        assert (await book.spent(key)) == (90, 0)
+        # Superseded first by one book, then both copies settled by others: 30 once.
         report = await attempt("r4#0")
         await other.settle(report(), 20, superseding=True)
-        await third.settle(report(), 130)
+        await third.settle(report(), 130, produced=30)
         await book.settle(report(), 20, superseding=True)
-        assert (await book.spent(key)) == (80, 0)
+        await book.settle(report(), 130, produced=30)
+        assert (await book.spent(key)) == (120, 0)
+        # A worker that died reports nothing: the caller's word is all there is (the next
+        # attempt resumes from it, so a lower claim is paid again there).
+        report = await attempt("r5#0")
+        await book.settle(report(), 20, superseding=True)
+        assert (await book.spent(key)) == (140, 0)
     finally:
         await nc.close()
 
