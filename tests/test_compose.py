@@ -112,6 +112,12 @@ def test_the_cluster_override_runs_three_nodes_and_gives_services_every_url() ->
     init = build_parser().parse_args(doc["services"]["init"]["command"])
     assert init.nodes == 3
     base = _load("docker-compose.yml")
+    # The override's init replaces the base's: it gives away every volume that one does (its
+    # workers died on a spool they could not write, the base's chown of it dropped).
+    base_init = build_parser().parse_args(base["services"]["init"]["command"])
+    assert set(base_init.chown) <= set(init.chown), set(base_init.chown) - set(init.chown)
+    mounted = {v.split(":")[1] for v in doc["services"]["init"]["volumes"]}
+    assert {c.split("=")[0] for c in init.chown} <= mounted
     for name in _tokenbus_services(base):
         env = doc["services"][name]["environment"]
         assert env["TOKENBUS_KV_REPLICAS"] == "3", name
