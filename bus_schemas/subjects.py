@@ -333,6 +333,16 @@ def records_ack_root() -> str:
     return "_INBOX.tb.records"
 
 
+_API_KEY_ID = re.compile(r"tb-([0-9a-f]{12})_")
+
+
+def api_key_id(key: str) -> str | None:
+    """The id at the head of an API key (``tb-<id>_<secret>``), or None: what the key claims
+    to be, not yet checked (auth.keys checks the whole key)."""
+    m = _API_KEY_ID.match(key.strip())
+    return m.group(1) if m else None
+
+
 def key_inbox_root(key_id: str) -> str:
     """Where the inboxes of every NATS connection logged in with API key ``key_id`` live: on
     the locked bus such a connection may subscribe under it and nowhere else."""

@@ -440,7 +440,7 @@ class Worker(Service):
         """Answer a snapshot request (whatever its body) with the cache as it is now, in as
         many pages as it takes, all built at this instant."""
         kv = self._kv
-        if kv is None or not msg.reply:
+        if kv is None or not self._own_reply(msg):
             return
         seq, blocks = kv.snapshot()
         pages = KV.snapshot_pages(
@@ -600,7 +600,7 @@ class Worker(Service):
 
     async def reply_error(self, msg: Msg, err: E.TokenbusError) -> None:
         # Through the outbox, so the error frame stays behind the chunks already queued.
-        reply = reply_subject(msg)
+        reply = reply_subject(msg, service="worker", log=self.log)
         if reply:
             self.outbox.send(reply, frames.error(err))
 
@@ -647,7 +647,7 @@ class Worker(Service):
         body.update(
             type="adapters", replica=self.replica, model=self.model, adapters=dict(self._adapters())
         )
-        if msg.reply:
+        if self._own_reply(msg):
             with contextlib.suppress(Exception):
                 await msg.respond(codec.encode(body))
 
@@ -784,7 +784,7 @@ class Worker(Service):
 
     async def _admit(self, msg: Msg) -> _Generation | None:
         """The request to serve, or None once its refusal went back in the ack."""
-        if reply_subject(msg) in self._active:
+        if reply_subject(msg, service="worker", log=self.log) in self._active:
             # The same dispatch again: its ack was lost while the bus stalled, and the router
             # asked again (router/dispatch.py). It runs already: acknowledged, not run twice.
             await self._ack(msg, None)
@@ -799,7 +799,7 @@ class Worker(Service):
 
     def _screen(self, msg: Msg) -> _Generation:
         """Decode the request if this replica can take it; raise the typed refusal if not."""
-        reply = reply_subject(msg)
+        reply = reply_subject(msg, service="worker", log=self.log)
         if self.draining:
             raise E.ReplicaDraining(f"replica {self.replica} is draining")
         if marks.expired(msg.headers):
@@ -1285,8 +1285,13 @@ class Worker(Service):
     def interrupted_error(self) -> E.TokenbusError:
         return E.ReplicaLost(f"replica {self.replica} stopped before finishing; retry")
 
+    def _own_reply(self, msg: Msg) -> str | None:
+        """The reply subject of a request from the bus's roles (a snapshot, an adapter
+        call), where it is the sender's own inbox (services.replies)."""
+        return reply_subject(msg, trust_header=False, service="worker", log=self.log)
+
     async def _ack(self, msg: Msg, err: E.TokenbusError | None) -> None:
-        if not msg.reply:
+        if not self._own_reply(msg):
             return
         body: dict[str, Any] = {
             "type": "ack",

@@ -17,7 +17,7 @@ from jobs.batches import BatchState
 from jobs.response_store import ResponsesState
 from services import tracing
 from services.config import Settings
-from services.runtime import Service
+from services.runtime import Service, reply_subject
 
 CLIENT_HEADERS = (
     H.REQUEST_ID,
@@ -183,8 +183,10 @@ class Ingress(Service):
         await super().on_stop()
 
     async def handle(self, msg: Msg) -> None:
-        if not msg.reply:
-            self.log.warning("request_without_reply_subject", subject=msg.subject)
+        reply = reply_subject(msg, trust_header=False, service=self.name, log=self.log)
+        if not reply:  # none, or not the sender's own inbox (counted, logged once): dropped
+            if not msg.reply:
+                self.log.warning("request_without_reply_subject", subject=msg.subject)
             return
         t1 = marks.now_ns()
         kind = msg.subject.rpartition(".")[2]
@@ -201,4 +203,4 @@ class Ingress(Service):
                 tracing.current(),
                 {tracing.MODEL: req.model, tracing.REQUEST_ID: hdrs[H.REQUEST_ID]},
             )
-        await self.forward(self.admission.first, codec.encode(env), hdrs, msg.reply)
+        await self.forward(self.admission.first, codec.encode(env), hdrs, reply)

@@ -41,6 +41,7 @@ from jobs.files import FileStore
 from services import buckets
 from services import logging as tlog
 from services.config import BatchSettings, Settings, kv_replicas
+from services.runtime import reply_subject
 
 BATCHES = "tokenbus_batches"
 OPEN_BATCHES = "tokenbus_batches_open"  # the ids of batches not yet finished: what sweeps read
@@ -465,8 +466,8 @@ class BatchState:
 
     async def handle(self, msg: Any) -> None:
         """One request; errors go back as error frames (the service runtime sends them)."""
-        if not msg.reply:
-            return
+        if not reply_subject(msg, trust_header=False, service="ingress"):
+            return  # none, or not the sender's own inbox: nothing is done
         try:
             await self._handle(msg)
         except E.TokenbusError:
@@ -521,7 +522,7 @@ class BatchState:
             out["batch"] = await store.cancel(str(ident), owner)
         else:
             raise E.NotFound(f"no batches action {action!r}")
-        await self.nc.publish(msg.reply, codec.encode(out))
+        await self.nc.publish(str(msg.reply), codec.encode(out))
 
 
 async def create_batch(

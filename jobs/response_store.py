@@ -34,6 +34,7 @@ from dialects.responses import RESPONSE_ID
 from services import buckets
 from services import logging as tlog
 from services.config import ResponsesSettings, Settings
+from services.runtime import reply_subject
 
 BUCKET = "tokenbus_responses"
 log = tlog.get("responses")
@@ -217,7 +218,8 @@ class ResponsesState:
 
     async def handle(self, msg: Msg) -> None:
         """One request; errors go back as error frames (the service runtime sends them)."""
-        if not msg.reply:
+        reply = reply_subject(msg, trust_header=False, service="ingress")
+        if not reply:  # none, or not the sender's own inbox: nothing is done
             return
         store = self.store
         if store is None:
@@ -242,4 +244,4 @@ class ResponsesState:
             out["stored"] = await store.put(response_id, {**rec, "owner": owner})
         else:
             raise E.NotFound(f"no stored-response action {action!r}")
-        await self.nc.publish(msg.reply, codec.encode(out))
+        await self.nc.publish(reply, codec.encode(out))

@@ -63,7 +63,7 @@ class Router(Service):
         await self.adapters.close()
 
     async def handle(self, msg: Msg) -> None:
-        reply = reply_subject(msg)
+        reply = reply_subject(msg, service="router", log=self.log)
         if not reply:
             self.log.warning("request_without_reply_subject", subject=msg.subject)
             return

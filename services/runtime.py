@@ -36,7 +36,7 @@ from bus_schemas import errors as E
 from bus_schemas import frames, marks, subjects
 from bus_schemas import headers as H
 from services import logging as tlog
-from services import natsclient, tracing, usage
+from services import natsclient, replies, tracing, usage
 from services.config import Settings
 from services.discovery import Discovery, EndpointStats
 from services.members import Beat, Members
@@ -48,6 +48,7 @@ _BOUNCE_TTL_S = 10.0
 # A request a member has held this long without passing it on (a key check, a full queue)
 # gets a hold frame on its stream, and one every as long again while held, so that its
 # caller does not take it for lost (services/caller.py: ACCEPT_TIMEOUT_S).
+_log = tlog.get("runtime")
 HOLD_NOTICE_S = 0.5
 
 VERSION = "0.1.0"
@@ -55,25 +56,25 @@ VERSION = "0.1.0"
 # What nats-py writes as a header name (an HTTP token). The server passes any bytes, so a
 # message may name others; a stage forwarding its headers could then not publish at all.
 _HEADER_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
-# What a reply subject from a header may be: tokens without whitespace or wildcards, of an
-# inbox's length (a subject past the server's 4 KiB command line would close the connection).
-_REPLY = re.compile(r"[^\s.*>]+(?:\.[^\s.*>]+)*")
-MAX_REPLY_LEN = 512
 # A stage name from a routing slip: one subject token.
 _STAGE_NAME = re.compile(r"[A-Za-z0-9_\-]{1,64}")
 
 
-def reply_subject(msg: Msg, *, trust_header: bool = True) -> str | None:
+def reply_subject(
+    msg: Msg, *, trust_header: bool = True, service: str = "", log: Any = None
+) -> str | None:
     """Where a request's frames go: the caller's inbox, carried in a header when the message
     itself was sent as a request (router -> worker). Ingress, which faces clients, does not
-    trust that header."""
+    trust that header. Only the requester's own inbox (:func:`services.replies.allowed`);
+    None for any other subject, which is counted and logged once per sender."""
     hdrs = msg.headers
-    if hdrs and trust_header:
-        r = hdrs.get(H.REPLY_TO)
-        if r:
-            # A header can say anything; only an inbox-like subject is one to publish to.
-            return r if len(r) <= MAX_REPLY_LEN and _REPLY.fullmatch(r) else None
-    return msg.reply or None
+    r = (hdrs.get(H.REPLY_TO) if hdrs and trust_header else None) or msg.reply
+    if not r:
+        return None
+    if replies.allowed(r, hdrs):
+        return r
+    replies.refused(service or "service", r, hdrs, log or _log)
+    return None
 
 
 async def flush(nc: NATS, timeout: int = 5) -> None:
@@ -410,7 +411,9 @@ class Service:
 
     async def forward_next(self, msg: Msg, hdrs: dict[str, str], data: bytes) -> None:
         """Pass a request to the next stage of its routing slip (the router when none left)."""
-        reply = reply_subject(msg, trust_header=self.trust_reply_header)
+        reply = reply_subject(
+            msg, trust_header=self.trust_reply_header, service=self.name, log=self.log
+        )
         if not reply:
             self.log.warning("request_without_reply_subject", subject=msg.subject)
             return
@@ -564,7 +567,12 @@ class Service:
         t = time.perf_counter_ns()
         err: str | None = None
         hold = (
-            HoldNotice(self.nc, reply_subject(msg, trust_header=self.trust_reply_header))
+            HoldNotice(
+                self.nc,
+                reply_subject(
+                    msg, trust_header=self.trust_reply_header, service=self.name, log=self.log
+                ),
+            )
             if holds
             else None
         )
@@ -645,9 +653,17 @@ class Service:
         before the break may be lost. Counted; services that stream react."""
         self.reconnects += 1
 
+    def _reply_of(self, msg: Msg) -> str | None:
+        """Where this service answers ``msg``: its sender's own inbox (services.replies)."""
+        return reply_subject(
+            msg, trust_header=self.trust_reply_header, service=self.name, log=self.log
+        )
+
     async def reply_error(self, msg: Msg, err: E.TokenbusError) -> None:
         """Send an error frame to the caller; never raises."""
-        reply = reply_subject(msg, trust_header=self.trust_reply_header)
+        reply = reply_subject(
+            msg, trust_header=self.trust_reply_header, service=self.name, log=self.log
+        )
         if not reply:
             return
         with contextlib.suppress(Exception):

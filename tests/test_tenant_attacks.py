@@ -1,0 +1,293 @@
+"""A tenant holding one ordinary key, attacking its limits, its budget and the bus (issue 64),
+on the locked bus with the auth callout, every stage and a price: a real nats-server on the
+generated config and real processes. Each attack here worked before its fix:
+
+- one ``X-Request-Id`` on twenty requests at once took one concurrency slot and one budget
+  hold for all twenty (slots, holds and charges were keyed by the client's id);
+- a malformed request whose reply subject named ``$KV.tokenbus_keys.<another key>`` or
+  ``$KV.tokenbus_secrets.admission`` had ingress write its error frame over that record with
+  its own rights; another key's inbox got the frame the same way;
+- a second attempt sent with the first attempt's real admission ticket and ``resume.tokens:
+  0`` rewrote the first attempt's charge to $0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import nats
+import pytest
+
+from auth import budgets
+from auth.keys import key_id_of
+from auth.limits import SECRETS_BUCKET
+from auth.store import BUCKET as KEYS_BUCKET
+from auth.store import KeyStore
+from bus_schemas import codec, subjects
+from bus_schemas import headers as H
+from services.natsconf import role_login
+from tests.conftest import Procs, start_stack, wait_for
+from tests.lockedbus import LockedBus, serve_when_ready
+from tokenbus import Client
+
+MODEL = "attack-model"
+MSG = [{"role": "user", "content": "What does it cost?"}]
+# An answer token costs $0.001 (1000 micro-dollars); prompts are free.
+PRICE = {"input": 0, "output": 1000}
+ENV = {
+    "TOKENBUS_INGRESS__PIPELINE": '["auth", "ratelimit", "route"]',
+    "TOKENBUS_ROUTER__PRICE": json.dumps(PRICE),
+}
+
+
+class Stack:
+    def __init__(self, bus: LockedBus, base: str, store: KeyStore, admin: Any) -> None:
+        self.bus = bus
+        self.base = base
+        self.store = store
+        self.admin = admin
+
+    async def key(self, name: str, **fields: Any) -> tuple[str, str]:
+        key, rec = await self.store.create(name, **fields)
+        await serve_when_ready(self.bus.url, key, MODEL)
+        return key, rec.id
+
+    async def settled_spend(self, key_id: str) -> int:
+        """What the key spent once nothing is held (the request that found it served)."""
+        last = [(0, 0)]
+
+        async def idle() -> bool:
+            last[0] = await self.spent(key_id)
+            return last[0][1] == 0
+
+        await wait_for(idle, what="the key's requests settled")
+        return last[0][0]
+
+    async def spent(self, key_id: str, period: str = "total") -> tuple[int, int]:
+        book = await budgets.SpendBook(self.admin).open()
+        return await book.spent(budgets.Budget(f"k.{key_id}", period, None, None))
+
+
+@pytest.fixture(scope="module")
+async def stack(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Stack]:
+    tmp = tmp_path_factory.mktemp("attacks")
+    bus = LockedBus(tmp / "locked").start()
+    try:
+        with Procs(bus.url, tmp) as procs:
+            s = await start_stack(
+                procs,
+                MODEL,
+                "ingress",
+                "auth",
+                "ratelimit",
+                "router",
+                worker_args=("--sim-decode-ms", "20", "--sim-max-running", "64"),
+                env=ENV,
+                env_for=lambda role, _: bus.env(role),
+                login=role_login(bus.users, "admin"),
+            )
+            admin = await bus.admin()
+            store = await KeyStore(admin).open(watch=False)
+            yield Stack(bus, s.base, store, admin)
+            await admin.drain()
+    finally:
+        bus.stop()
+
+
+async def test_one_request_id_on_twenty_requests_is_twenty_requests(stack: Stack) -> None:
+    """A key allowed 2 requests at once sends 20 long streams at once, all with one
+    X-Request-Id: 2 are served, 18 refused with 429, and the key is served again once they
+    end. Each response still carries the client's id as its label."""
+    key, _ = await stack.key("one-id-slots", max_concurrent=2)
+    body = {
+        "model": MODEL,
+        "messages": MSG,
+        "max_tokens": 2000,  # 40 s at 20 ms a token: all 20 are answered long before
+        "ignore_eos": True,
+        "stream": True,
+    }
+    hdrs = {"Authorization": f"Bearer {key}", "X-Request-Id": "same-id"}
+    async with httpx.AsyncClient(base_url=stack.base, timeout=60) as h:
+        streams = [h.stream("POST", "/v1/chat/completions", json=body, headers=hdrs)]
+        streams += [
+            h.stream("POST", "/v1/chat/completions", json=body, headers=hdrs) for _ in range(19)
+        ]
+        responses = await asyncio.gather(*(s.__aenter__() for s in streams))
+        try:
+            codes = sorted(r.status_code for r in responses)
+            assert codes == [200] * 2 + [429] * 18, codes
+            assert {r.headers["x-request-id"] for r in responses} == {"same-id"}
+            refused = next(r for r in responses if r.status_code == 429)
+            assert "concurrent" in (await refused.aread()).decode()
+        finally:
+            for s in streams:
+                await s.__aexit__(None, None, None)  # the served ones are cancelled
+
+        async def served_again() -> bool:
+            one = {**body, "max_tokens": 2, "stream": False}
+            r = await h.post("/v1/chat/completions", json=one, headers=hdrs)
+            return r.status_code == 200
+
+        await wait_for(served_again, what="the key served once its streams were cancelled")
+
+
+async def test_one_request_id_cannot_share_a_budget_hold(stack: Stack) -> None:
+    """$0.010 of budget, $0.002 a request, twenty sent at once with one X-Request-Id: five
+    answered, fifteen refused for the budget, and the key's spend is exactly what the five
+    cost (before: one hold for all, every one answered, one answer's price charged)."""
+    # $0.001 of it goes on the one-token request that finds the key served.
+    key, key_id = await stack.key("one-id-budget", budget_usd=0.011, budget_period="total")
+    body = {"model": MODEL, "messages": MSG, "max_tokens": 2, "ignore_eos": True}
+    before = await stack.settled_spend(key_id)
+    hdrs = {"Authorization": f"Bearer {key}", "X-Request-Id": "same-id"}
+    async with httpx.AsyncClient(base_url=stack.base, timeout=60) as h:
+        rs = await asyncio.gather(
+            *(h.post("/v1/chat/completions", json=body, headers=hdrs) for _ in range(20))
+        )
+    codes = sorted(r.status_code for r in rs)
+    assert codes == [200] * 5 + [429] * 15, codes
+    served = sum(r.json()["usage"]["completion_tokens"] for r in rs if r.status_code == 200)
+    assert served == 10
+    cost = before + served * PRICE["output"]
+
+    async def settled() -> bool:
+        return await stack.spent(key_id) == (cost, 0)
+
+    await wait_for(settled, what=f"the key's spend settled at {cost} micro-dollars")
+
+
+async def test_a_reply_subject_cannot_write_another_tenants_state(stack: Stack) -> None:
+    """A key's own NATS connection sends malformed requests whose reply subjects name
+    another key's record, the admission tickets' secret and another key's inbox: none of
+    them is written; the request with its own inbox gets its error as always."""
+    key_a, _ = await stack.key("attacker")
+    key_b, id_b = await stack.key("victim")
+    js = stack.admin.jetstream()
+    keys_kv = await js.key_value(KEYS_BUCKET)
+    secrets_kv = await js.key_value(SECRETS_BUCKET)
+    before_b = (await keys_kv.get(id_b)).revision
+    before_secret = (await secrets_kv.get("admission")).revision
+
+    root_a = subjects.key_inbox_root(str(key_id_of(key_a)))
+    root_b = subjects.key_inbox_root(id_b)
+    a = await nats.connect(stack.bus.url, token=key_a, inbox_prefix=root_a)
+    b = await nats.connect(stack.bus.url, token=key_b, inbox_prefix=root_b)
+    try:
+        seen_b: list[bytes] = []
+
+        async def on_b(msg: Any) -> None:
+            seen_b.append(msg.data)
+
+        await b.subscribe(f"{root_b}.>", cb=on_b)
+        await b.flush()
+        bad = b"\xc1 not msgpack"
+        as_a = {H.API_KEY: key_a}
+        for reply in (
+            f"$KV.{KEYS_BUCKET}.{id_b}",
+            f"$KV.{SECRETS_BUCKET}.admission",
+            f"{root_b}.spoofed",
+            f"{subjects.PREFIX}.admin.keys",
+            "_INBOX.*.wild",
+        ):
+            await a.publish(subjects.request("chat"), bad, reply=reply, headers=as_a)
+        # Behind them, the same request answered in A's own inbox: once its error is back,
+        # ingress has handled (and dropped) every one before it.
+        own = await a.request(subjects.request("chat"), bad, timeout=10, headers=as_a)
+        assert codec.decode_map(own.data).get("t") == "e", own.data  # an error frame
+        await b.flush()  # B has read all the server routed to it before
+        assert seen_b == []
+    finally:
+        await a.close()
+        await b.close()
+    assert (await keys_kv.get(id_b)).revision == before_b
+    assert (await secrets_kv.get("admission")).revision == before_secret
+    await stack.store.get(id_b)  # the record still reads as a key
+    # The victim is still served.
+    async with await Client.connect(stack.bus.url, api_key=key_b) as tb:
+        out = await tb.chat_completion(MODEL, MSG, max_tokens=2)
+        assert out.usage.completion_tokens == 2
+
+
+async def test_a_caller_cannot_lower_what_an_attempt_was_charged(stack: Stack) -> None:
+    """A NATS client takes its first answer (8 tokens), then sends a second attempt with
+    that attempt's real admission ticket and ``resume.tokens: 0``: the first attempt is
+    still charged the 8 tokens its worker produced, so the key pays for both answers
+    (before: the first was rewritten to $0)."""
+    key, key_id = await stack.key("lowerer", rpm=10_000, budget_usd=1.0, budget_period="total")
+    before = await stack.settled_spend(key_id)
+    body = {"model": MODEL, "messages": MSG, "max_tokens": 8, "ignore_eos": True}
+    async with await Client.connect(stack.bus.url, api_key=key) as tb:
+        first = tb.submit("chat", body, api_key=key)
+        async for _ in first:
+            pass
+        ticket = first._admission
+        assert ticket and first.usage is not None and first.usage.completion_tokens == 8
+        second = tb.submit(
+            "chat",
+            {**body, "resume": {"text": "", "tokens": 0}},
+            api_key=key,
+            request_id=first.request_id,  # as a real migration sends it
+            headers={H.MIGRATION: "1", H.ADMISSION: ticket},
+        )
+        async for _ in second:
+            pass
+        assert second.usage is not None
+        total = first.usage.completion_tokens + second.usage.completion_tokens
+    cost = before + total * PRICE["output"]
+    last: list[tuple[int, int]] = []
+
+    async def both_paid() -> bool:
+        last[:] = [await stack.spent(key_id)]
+        return last[0] == (cost, 0)
+
+    try:
+        await wait_for(both_paid, what=f"both answers paid: {cost} micro-dollars", timeout=30)
+    except AssertionError:
+        raise AssertionError(f"spent, held: {last}, expected ({cost}, 0)") from None
+
+
+async def test_a_ticket_supersedes_once(stack: Stack) -> None:
+    """The same ticket sent with two more attempts: the second is a new request, counted
+    and charged as one (the ticket is claimed once)."""
+    key, key_id = await stack.key("replayer", rpm=10_000, budget_usd=1.0, budget_period="total")
+    before = await stack.settled_spend(key_id)
+    body = {"model": MODEL, "messages": MSG, "max_tokens": 4, "ignore_eos": True}
+    async with await Client.connect(stack.bus.url, api_key=key) as tb:
+        first = tb.submit("chat", body, api_key=key)
+        async for _ in first:
+            pass
+        ticket = first._admission
+        got = 4
+        for _ in range(2):
+            again = tb.submit(
+                "chat",
+                {**body, "resume": {"text": "", "tokens": 0}},
+                api_key=key,
+                request_id=first.request_id,
+                headers={H.MIGRATION: "1", H.ADMISSION: ticket},
+            )
+            async for _ in again:
+                pass
+            assert again.usage is not None
+            got += again.usage.completion_tokens
+    cost = before + got * PRICE["output"]
+
+    async def all_paid() -> bool:
+        return await stack.spent(key_id) == (cost, 0)
+
+    await wait_for(all_paid, what=f"every answer paid: {cost}", timeout=30)
+
+
+def test_the_module_runs_against_a_locked_bus(tmp_path: Path) -> None:
+    """The attacks above are made by a key's own connection: the generated config gives a
+    key's connection no other way in than the callout (no shared client password)."""
+    from services.natsconf import generate
+
+    conf, users = generate(tmp_path, port=4222, callout=True)
+    assert "client" not in json.loads(users.read_text())
+    assert "callout" in conf.read_text()
