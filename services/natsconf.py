@@ -168,9 +168,38 @@ ROLES: dict[str, tuple[list[str], list[str]]] = {
     "admin": ([">"], [">"]),
 }
 
+# The buckets whose entries a stolen service login must not rewrite: the API keys' records
+# and the admission tickets' signing secret (issue 64: ingress, answering a reply subject a
+# tenant named, wrote its error frame over a key's record and over the secret). Only the
+# roles named here write them (the key store: auth's and the bridge's admin APIs, `tokenbus
+# keys`; the secret: the limiter that starts first, in the ratelimit stage or a bridge running
+# it in-process); every other role holding the JetStream API is denied their entries and the
+# API calls that purge, delete or change them. docs/safety.md has the table.
+GUARDED_BUCKETS: dict[str, tuple[str, ...]] = {
+    "tokenbus_keys": ("auth", "bridge", "admin"),
+    "tokenbus_secrets": ("ratelimit", "bridge", "admin"),
+}
+
+
+def bucket_guard(bucket: str) -> list[str]:
+    """What writes ``bucket``'s entries: puts and deletes, purges, the stream's own changes."""
+    stream = f"KV_{bucket}"
+    return [
+        f"$KV.{bucket}.>",
+        *(f"$JS.API.STREAM.{op}.{stream}" for op in ("DELETE", "UPDATE", "PURGE")),
+        f"$JS.API.STREAM.MSG.DELETE.{stream}",
+    ]
+
+
 # role -> may not publish (over its allow list): every role with the JetStream API but admin.
 PUBLISH_DENY: dict[str, list[str]] = {
     role: AUDIT_GUARD
+    + [
+        subject
+        for bucket, writers in GUARDED_BUCKETS.items()
+        if role not in writers
+        for subject in bucket_guard(bucket)
+    ]
     for role, (pub, _) in ROLES.items()
     if role != "admin" and set(JS_API) <= set(pub)
 }

@@ -291,3 +291,70 @@ def test_the_module_runs_against_a_locked_bus(tmp_path: Path) -> None:
     conf, users = generate(tmp_path, port=4222, callout=True)
     assert "client" not in json.loads(users.read_text())
     assert "callout" in conf.read_text()
+
+
+async def test_a_service_login_cannot_rewrite_the_keys_or_the_secret(stack: Stack) -> None:
+    """Defence behind the reply check: each service role that holds the JetStream API but
+    does not write the key records or the admission secret is refused by nats-server when
+    it publishes to their entries (a stolen ingress login, or a service tricked into
+    answering there, writes nothing)."""
+    from services.natsconf import GUARDED_BUCKETS, JS_API, ROLES
+
+    js = stack.admin.jetstream()
+    _, victim = await stack.key("guarded")
+    entries = {"tokenbus_keys": victim, "tokenbus_secrets": "admission"}
+    before = {b: (await (await js.key_value(b)).get(k)).revision for b, k in entries.items()}
+    tried = 0
+    for role, (pub, _) in ROLES.items():
+        if not set(JS_API) <= set(pub):
+            continue
+        errors: list[str] = []
+
+        async def on_error(exc: Exception, errors: list[str] = errors) -> None:
+            errors.append(str(exc))
+
+        nc = await nats.connect(
+            stack.bus.url, error_cb=on_error, **role_login(stack.bus.users, role)
+        )
+        try:
+            denied = [b for b, writers in GUARDED_BUCKETS.items() if role not in writers]
+            for bucket in denied:
+                await nc.publish(f"$KV.{bucket}.{entries[bucket]}", b"{}")
+                tried += 1
+            await nc.flush()
+
+            async def refused(n: int = len(denied), errors: list[str] = errors) -> bool:
+                return sum("permissions violation" in e.lower() for e in errors) >= n
+
+            await wait_for(refused, what=f"{role}'s writes refused by nats-server")
+        finally:
+            await nc.close()
+    assert tried >= 5  # ingress, auth, ratelimit, router (bridge writes both)
+    after = {b: (await (await js.key_value(b)).get(k)).revision for b, k in entries.items()}
+    assert after == before
+
+
+def test_the_guarded_buckets_match_the_table_in_the_docs() -> None:
+    """docs/safety.md's table of who may write the key records and the ticket secret is the
+    generated config's (services.natsconf.GUARDED_BUCKETS)."""
+    from services.natsconf import GUARDED_BUCKETS, ROLES
+    from tests.conftest import ROOT
+
+    text = (ROOT / "docs" / "safety.md").read_text()
+    table = text.split("### Who may write the key records and the ticket secret", 1)[1]
+    rows: dict[str, dict[str, bool]] = {}
+    for line in table.splitlines()[1:]:
+        if not line.startswith("|"):
+            if rows:
+                break
+            continue
+        cells = [c.strip().strip("`") for c in line.strip("|").split("|")]
+        if cells[0] in ROLES:
+            rows[cells[0]] = {
+                "tokenbus_keys": cells[1] == "yes",
+                "tokenbus_secrets": cells[2] == "yes",
+            }
+    assert set(rows) == set(ROLES)
+    for role, may in rows.items():
+        for bucket, writers in GUARDED_BUCKETS.items():
+            assert may[bucket] == (role in writers), (role, bucket)
