@@ -18,6 +18,18 @@ Not another key's inboxes, not ``_INBOX.>`` or ``>``, not the heartbeat, worker,
 usage, telemetry or admin subjects. The services log in as their roles, bypassing the
 callout. A revoked, disabled or expired key's live connections are closed within about a
 second (the system account's ``KICK`` request for each connection of that key).
+
+Sessions follow the secret they logged in with (issue 64): the user JWT's name is
+``key-<id>.<fingerprint of the secret presented>``, so the sessions of a secret that stopped
+working (revoked, disabled, expired, or the secret before a rotation once its overlap
+ended) are found on every server from its connection list (``$SYS.REQ.SERVER.PING.CONNZ``)
+and closed, every :data:`RECONCILE_S`: also those opened before this auth instance started,
+which its own memory of logins does not hold.
+
+Not per-key bus limits: nats-server (2.15, accounts in its config file) does not apply the
+``subs`` and ``payload`` limits of a user JWT the callout answers with (tried: a connection
+whose JWT said 2 subscriptions held 3; one whose JWT said 1 KiB sent 4 KiB). That needs the
+operator mode's account JWTs.
 """
 
 from __future__ import annotations
@@ -33,7 +45,7 @@ from typing import Any
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from auth.keys import KeyRecord
+from auth.keys import KeyRecord, hash_key
 from auth.store import KeyStore
 from bus_schemas import errors as E
 from bus_schemas import subjects
@@ -46,6 +58,43 @@ QUEUE = "tokenbus-callout"
 ACCOUNT = "TB"
 # How often live connections are checked against the key store (revocation latency).
 CHECK_INTERVAL_S = 0.25
+# How often every server's connections of keys are checked against the key store: the
+# sessions this instance did not see log in (made before it started) and rotated secrets.
+RECONCILE_S = 2.0
+# The user JWT's name: ``key-<key id>.<fingerprint of the secret the session presented>``.
+JWT_NAME_PREFIX = "key-"
+
+
+def fingerprint(secret_hash: str) -> str:
+    """What names a secret in a session's JWT: the head of its stored SHA-256 (a 256-bit
+    random secret's hash: nothing of the secret can be had from it)."""
+    return secret_hash[:16]
+
+
+def session_name(key_id: str, secret_hash: str) -> str:
+    return f"{JWT_NAME_PREFIX}{key_id}.{fingerprint(secret_hash)}"
+
+
+def parse_session_name(name: str) -> tuple[str, str] | None:
+    """(key id, fingerprint) of a session's JWT name, or None for any other connection."""
+    if not name.startswith(JWT_NAME_PREFIX):
+        return None
+    key_id, _, fp = name[len(JWT_NAME_PREFIX) :].partition(".")
+    return (key_id, fp) if key_id else None
+
+
+def secret_valid(rec: KeyRecord | None, fp: str, now: float) -> bool:
+    """Whether the secret a session presented (its fingerprint ``fp``) still works."""
+    if rec is None or not rec.enabled or rec.expired(now):
+        return False
+    if fp == fingerprint(rec.hash):
+        return True
+    return bool(
+        rec.previous_hash
+        and rec.previous_until is not None
+        and now < rec.previous_until
+        and fp == fingerprint(rec.previous_hash)
+    )
 
 
 def key_permissions(key_id: str) -> tuple[list[str], list[str]]:
@@ -111,10 +160,12 @@ class CalloutResponder:
         self.signer = natsjwt.keypair(creds.issuer_seed)
         self._nc: NATS | None = None
         self._sys: NATS | None = None
-        # key id -> {(server id, client id)} of its live connections
-        self.connections: dict[str, set[tuple[str, int]]] = {}
+        # key id -> {(server id, client id, fingerprint of its secret)} of its live connections
+        self.connections: dict[str, set[tuple[str, int, str]]] = {}
         self._connected = asyncio.Event()  # set while some key has a connection to watch
         self._checker: asyncio.Task[None] | None = None
+        self._reconciler: asyncio.Task[None] | None = None
+        self.kicked = 0  # sessions closed (both paths), for tests and logs
 
     async def start(self) -> None:
         self._nc = await connect(
@@ -134,11 +185,14 @@ class CalloutResponder:
         await self._nc.subscribe(AUTH_SUBJECT, queue=QUEUE, cb=self._on_request)
         await self._sys.subscribe("$SYS.ACCOUNT.*.DISCONNECT", cb=self._on_disconnect)
         await flush(self._nc, timeout=5)  # the server has the subscriptions
-        self._checker = asyncio.get_running_loop().create_task(self._check_loop())
+        loop = asyncio.get_running_loop()
+        self._checker = loop.create_task(self._check_loop())
+        self._reconciler = loop.create_task(self._reconcile_loop())
 
     async def stop(self) -> None:
-        if self._checker is not None:
-            self._checker.cancel()
+        for task in (self._checker, self._reconciler):
+            if task is not None:
+                task.cancel()
         for nc in (self._nc, self._sys):
             if nc is not None:
                 with contextlib.suppress(Exception):
@@ -164,21 +218,27 @@ class CalloutResponder:
                 user_nkey, server_id, self.signer, error=exc.message
             )
         else:
+            presented = hash_key(str(token).strip())
             answer = natsjwt.authorization_response(
-                user_nkey, server_id, self.signer, jwt=self._user_jwt(user_nkey, rec)
+                user_nkey, server_id, self.signer, jwt=self._user_jwt(user_nkey, rec, presented)
             )
             cid = (req.get("client_info") or {}).get("id")
             if isinstance(cid, int):
-                self.connections.setdefault(rec.id, set()).add((server_id, cid))
+                fp = fingerprint(presented)
+                self.connections.setdefault(rec.id, set()).add((server_id, cid, fp))
                 self._connected.set()
             self.log.info("nats_login", key_id=rec.id)
         if msg.reply:
             await msg.respond(answer.encode())
 
-    def _user_jwt(self, user_nkey: str, rec: KeyRecord) -> str:
+    def _user_jwt(self, user_nkey: str, rec: KeyRecord, presented: str) -> str:
         pub, sub = key_permissions(rec.id)
         expires = int(rec.expires_at) if rec.expires_at else None
-        return natsjwt.user_jwt(user_nkey, ACCOUNT, f"key-{rec.id}", pub, sub, self.signer, expires)
+        # A secret before a rotation: its session ends with the overlap at the latest.
+        if presented != rec.hash and rec.previous_until:
+            expires = min(expires or int(rec.previous_until), int(rec.previous_until))
+        name = session_name(rec.id, presented)
+        return natsjwt.user_jwt(user_nkey, ACCOUNT, name, pub, sub, self.signer, expires)
 
     # -- revocation -------------------------------------------------------------------------
     async def _on_disconnect(self, msg: Msg) -> None:
@@ -187,11 +247,14 @@ class CalloutResponder:
             client = event["client"]
             gone = (str(event["server"]["id"]), int(client["id"]))
             for conns in self.connections.values():
-                conns.discard(gone)
+                for c in [c for c in conns if c[:2] == gone]:
+                    conns.discard(c)
 
-    def _still_valid(self, key_id: str) -> bool:
+    def _still_valid(self, key_id: str, fp: str | None = None) -> bool:
         rec = self.keys.record(key_id)
-        return rec is not None and rec.enabled and not rec.expired(time.time())
+        if fp is None:
+            return rec is not None and rec.enabled and not rec.expired(time.time())
+        return secret_valid(rec, fp, time.time())
 
     async def _check_loop(self) -> None:
         while True:
@@ -202,20 +265,96 @@ class CalloutResponder:
             for key_id in [k for k, c in self.connections.items() if c]:
                 if not self._still_valid(key_id):
                     await self.kick(key_id)
+                    continue
+                stale = {c for c in self.connections[key_id] if not self._still_valid(key_id, c[2])}
+                if stale:  # a rotated secret past its overlap
+                    self.connections[key_id] -= stale
+                    await self._kick_each(key_id, stale)
             for key_id in [k for k, c in self.connections.items() if not c]:
                 del self.connections[key_id]
 
     async def kick(self, key_id: str) -> None:
         """Close every live connection of ``key_id`` (it was revoked or expired)."""
-        conns = self.connections.pop(key_id, set())
+        await self._kick_each(key_id, self.connections.pop(key_id, set()))
+
+    async def _kick_each(self, key_id: str, conns: set[tuple[str, int, str]]) -> None:
         if self._sys is None:
             return
-        for server_id, cid in conns:
+        for server_id, cid, _ in conns:
             with contextlib.suppress(Exception):
                 await self._sys.request(
                     f"$SYS.REQ.SERVER.{server_id}.KICK",
                     json.dumps({"cid": cid}).encode(),
                     timeout=2,
                 )
+                self.kicked += 1
         if conns:
             self.log.info("nats_connections_closed", key_id=key_id, connections=len(conns))
+
+    # -- every server's sessions, whoever saw them log in -----------------------------------
+    async def _reconcile_loop(self) -> None:
+        while True:
+            await asyncio.sleep(RECONCILE_S)
+            try:
+                await self.reconcile()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # a server busy or away: the next round
+                self.log.warning("callout_reconcile_failed", error=str(exc))
+
+    async def reconcile(self) -> int:
+        """Close, on every server, each key's session whose secret stopped working (its key
+        revoked, disabled or expired, or a rotated secret past its overlap); how many."""
+        if self._sys is None:
+            return 0
+        stale: dict[str, set[tuple[str, int, str]]] = {}
+        now = time.time()
+        for server_id, conn in await self._sessions():
+            parsed = parse_session_name(str(conn.get("authorized_user") or ""))
+            cid = conn.get("cid")
+            if parsed is None or not isinstance(cid, int):
+                continue
+            key_id, fp = parsed
+            if not secret_valid(self.keys.record(key_id), fp, now):
+                stale.setdefault(key_id, set()).add((server_id, cid, fp))
+        for key_id, conns in stale.items():
+            known = self.connections.get(key_id)
+            if known is not None:
+                known -= {c for c in known if (c[0], c[1]) in {(s, i) for s, i, _ in conns}}
+            await self._kick_each(key_id, conns)
+        return sum(len(c) for c in stale.values())
+
+    async def _sessions(self) -> list[tuple[str, dict[str, Any]]]:
+        """(server id, connection) of every open connection in the tokenbus account, from
+        every server that answers within a moment."""
+        assert self._sys is not None
+        inbox = self._sys.new_inbox()
+        got: list[tuple[str, dict[str, Any]]] = []
+        last = asyncio.Event()
+
+        async def on_reply(msg: Msg) -> None:
+            with contextlib.suppress(ValueError, KeyError, TypeError):
+                body = json.loads(msg.data)
+                if body.get("error"):
+                    self.log.warning("callout_connz_refused", error=str(body["error"])[:200])
+                server_id = str(body["server"]["id"])
+                for conn in body["data"].get("connections") or []:
+                    got.append((server_id, conn))
+            last.set()
+
+        sub = await self._sys.subscribe(inbox, cb=on_reply)
+        try:
+            query = {"acc": ACCOUNT, "auth": True, "limit": 100_000}
+            await self._sys.publish(
+                "$SYS.REQ.SERVER.PING.CONNZ", json.dumps(query).encode(), reply=inbox
+            )
+            # Every server answers at once; after the first, the others within a moment.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(last.wait(), 2)
+                while True:
+                    last.clear()
+                    await asyncio.wait_for(last.wait(), 0.25)
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+        return got

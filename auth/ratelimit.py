@@ -18,6 +18,7 @@ import hashlib
 import hmac
 import json
 import time
+import uuid
 from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any
@@ -221,7 +222,14 @@ class RateLimitCheck:
             raise err
         try:
             prior = await self._prior(ticket, principal, rid, attempt)
-            if prior is not None and prior.rid != rid:
+            if prior is None and attempt > 0:
+                # A migration its ticket does not prove (none, forged, replayed): counted as
+                # a new request, under an id of its own, never one a caller named.
+                rid = _fresh_id()
+                hdrs[H.REQUEST_ID] = rid
+                env["request_id"] = rid
+                changed = True
+            elif prior is not None and prior.rid != rid:
                 # A migration admitted under a new id (ingress gives each admission its
                 # own): it is the request the ticket names, whose slot and hold it takes on.
                 rid = prior.rid
@@ -307,8 +315,13 @@ class RateLimitCheck:
         deadline = marks.deadline_ms(hdrs)
         deadline_s = deadline / 1000 if deadline else time.time() + 600
         attempt = marks.attempt(hdrs.get(H.MIGRATION))
+        name = hold_key(rid, attempt)
+        if attempt > 0 and not admitted:
+            # No ticket proves a migration here (a key without limits): its hold is its own,
+            # whatever id it names.
+            name = f"{name}~{_fresh_id()[:12]}"
         try:
-            hold = await self.spend.reserve(scopes, hold_key(rid, attempt), amount, deadline_s)
+            hold = await self.spend.reserve(scopes, name, amount, deadline_s)
         except E.TokenbusError as exc:
             tracing.verdict(subjects.STAGE_RATELIMIT, "deny", {tracing.ERROR_TYPE: exc.code})
             raise
@@ -618,6 +631,10 @@ def spend_stream_config() -> api.StreamConfig:
         num_replicas=kv_replicas(),
         max_age=86400.0,
     )
+
+
+def _fresh_id() -> str:
+    return uuid.uuid4().hex
 
 
 def hold_key(rid: str, attempt: int) -> str:

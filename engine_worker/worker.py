@@ -1145,6 +1145,7 @@ class Worker(Service):
         self.log.info(
             "request",
             request_id=gen.rid,
+            client_request_id=hdrs.get(H.CLIENT_REQUEST_ID),
             trace_id=trace,
             outcome=gen.outcome,
             completion_tokens=gen.completion,
@@ -1257,6 +1258,7 @@ class Worker(Service):
             migrations=marks.number(hdrs.get(H.MIGRATION)) or 0,
             trace_id=trace,
             usage_source=gen.usage_source,
+            client_request_id=hdrs.get(H.CLIENT_REQUEST_ID),
         )
 
     def _report_of(self, gen: _Generation) -> tuple[str, bytes] | None:

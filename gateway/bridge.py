@@ -371,6 +371,7 @@ class Bridge(Service):
             principal = stream.meta.get("principal")
             record = records.build(
                 request_id=stream.request_id,
+                client_request_id=rec.get("client_request_id"),
                 source="http",
                 model=stream.model,
                 timings=dict(stream.timings),

@@ -11,7 +11,7 @@ from bus_schemas import codec, marks, subjects
 from bus_schemas import errors as E
 from bus_schemas import headers as H
 from gateway import validation
-from gateway.validation import client_label, new_request_id
+from gateway.validation import client_label, gateway_id, new_request_id
 from jobs.background import BackgroundState
 from jobs.batches import BatchState
 from jobs.response_store import ResponsesState
@@ -108,7 +108,8 @@ class Admission:
             raise E.PayloadTooLarge(f"the prompt is longer than {self.max_prompt_chars} characters")
         if not self.has_auth:
             hdrs.pop(H.API_KEY, None)  # nobody checks it: it must not travel on
-        label = client_label(hdrs.pop(H.REQUEST_ID, None))
+        given = hdrs.pop(H.REQUEST_ID, None)
+        label = client_label(given) if given != request_id else None
         if label and H.CLIENT_REQUEST_ID not in hdrs:
             hdrs[H.CLIENT_REQUEST_ID] = label
         rid = request_id or new_request_id()
@@ -197,7 +198,11 @@ class Ingress(Service):
         # Only what a client may say travels on; stage headers are the stages' own.
         given = msg.headers or {}
         hdrs = {h: given[h] for h in CLIENT_HEADERS if h in given}
-        env = self.admission.admit(kind, req, body, hdrs, t1)
+        # A new request gets an id of ours; a migration keeps the one it was given (proved,
+        # or replaced, by its ticket in the ratelimit stage), so its records stay one row.
+        again = marks.attempt(hdrs.get(H.MIGRATION)) > 0
+        rid = gateway_id(hdrs.get(H.REQUEST_ID)) if again else None
+        env = self.admission.admit(kind, req, body, hdrs, t1, request_id=rid)
         if tracing.on():
             tracing.set_attributes(
                 tracing.current(),

@@ -178,6 +178,17 @@ def client_label(value: str | None) -> str | None:
     return value if value and _SAFE_ID.fullmatch(value) else None
 
 
+_GATEWAY_ID = re.compile(r"[0-9a-f]{32}")
+
+
+def gateway_id(value: str | None) -> str | None:
+    """``value`` when it has the shape of an id the gateway makes (:func:`new_request_id`),
+    else None. Only a migration may name one (the id its caller learnt from the accept
+    frame): whether it is really its request's is proved by its admission ticket in the
+    ratelimit stage, which gives any attempt it cannot prove an id of its own."""
+    return value if value and _GATEWAY_ID.fullmatch(value) else None
+
+
 def new_request_id() -> str:
     """A request id of the gateway's own, unique per admission: what slots, holds, tickets
     and charges are keyed by (bus_schemas.headers.REQUEST_ID)."""

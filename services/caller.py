@@ -367,6 +367,9 @@ class Stream:
         self._subject = subject or subjects.request(kind)
         self._sender = sender
         self.request_id = request_id or uuid.uuid4().hex
+        # The id the caller gave (a label on the bus); ``request_id`` becomes the gateway's
+        # own once the accept frame names it.
+        self.client_request_id = self.request_id
         # The inbox token is ours, never the caller's request id, so any id is safe to use.
         self.token = uuid.uuid4().hex
         self._timeout = timeout
@@ -778,6 +781,11 @@ class Stream:
                     )
                     continue
                 self.replica = other
+                rid = frame.get("request_id")
+                if isinstance(rid, str) and rid and not rid.endswith(".prefill"):
+                    # The id the gateway gave the request (ingress makes its own for every
+                    # admission; the client's is a label): what its records are under.
+                    self.request_id = rid
                 self._resume_refused = bool(frame.get("nr"))
                 if frame.get("adm"):
                     self._admission = str(frame["adm"])

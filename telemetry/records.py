@@ -154,8 +154,10 @@ def build(
     t4: int | None = None,
     t5: int | None = None,
     t6: int | None = None,
+    client_request_id: str | None = None,
 ) -> dict[str, Any]:
-    """One request's record (times in ms, timestamps in epoch ns)."""
+    """One request's record (times in ms, timestamps in epoch ns). ``request_id`` is the
+    gateway's own; ``client_request_id`` the label the client gave it (``X-Request-Id``)."""
     t0 = timings.get("t0") or t1
     t2, t3 = timings.get("engine_start"), timings.get("first_token")
     end = t6 or timings.get("engine_end")
@@ -171,6 +173,7 @@ def build(
     stages = stage_ms(timings)
     return {
         "request_id": request_id,
+        "client_request_id": client_request_id,
         "source": source,
         "ts_ns": t0 or t1 or 0,
         "model": model,

@@ -27,6 +27,7 @@ from typing import Any
 
 COLUMNS = (
     "request_id",
+    "client_request_id",  # the client's own label (X-Request-Id); request_id is the gateway's
     "ts_ns",
     "source",
     "model",
@@ -220,6 +221,8 @@ _PG_SCHEMA = [
     "CREATE INDEX IF NOT EXISTS requests_ts ON requests(ts_ns)",
     "CREATE TABLE IF NOT EXISTS record_ids "
     "(seq BIGSERIAL PRIMARY KEY, record_id TEXT UNIQUE NOT NULL)",
+    # A store written by an older version: the columns it lacks.
+    *(f"ALTER TABLE requests ADD COLUMN IF NOT EXISTS {c} {_pg_type(c)}" for c in COLUMNS[1:]),
 ]
 
 

@@ -545,10 +545,13 @@ async def test_a_nats_client_submits_and_collects_a_batch(env: Env) -> None:
         assert done["status"] == "completed", done
         out = [json.loads(x) for x in (await tb.file_content(done["output_file_id"])).splitlines()]
         assert sorted(x["custom_id"] for x in out) == sorted(x["custom_id"] for x in lines)
-        with pytest.raises(E.NotFound):
-            await tb.batch(b["id"], api_key=env.other)
-        with pytest.raises(E.NotFound):
-            await tb.file_content(done["output_file_id"], api_key=env.other)
+        # Another key, on a connection of its own (a request is answered only in the inbox
+        # of the key it carries: docs/safety.md), sees none of it.
+        async with await Client.connect(env.procs.url, api_key=env.other) as them:
+            with pytest.raises(E.NotFound):
+                await them.batch(b["id"])
+            with pytest.raises(E.NotFound):
+                await them.file_content(done["output_file_id"])
         with pytest.raises(E.InvalidRequest):
             await tb.batches_create(f["id"], "/v1/moderations")
         with pytest.raises(E.PayloadTooLarge):
@@ -599,10 +602,11 @@ async def test_a_nats_client_runs_follows_resumes_and_cancels_background_respons
             await raw.call("response_events", {**more, "cursor": "x"})
         async with env.stack.openai(env.key) as oai:  # one store for NATS and HTTP
             assert (await oai.responses.retrieve(q["id"])).status == done["status"]
-        with pytest.raises(E.NotFound):
-            await tb.get_response(q["id"], api_key=env.other)
-        with pytest.raises(E.NotFound):
-            await tb.response_cancel(q["id"], api_key=env.other)
+        async with await Client.connect(env.procs.url, api_key=env.other) as them:
+            with pytest.raises(E.NotFound):
+                await them.get_response(q["id"])
+            with pytest.raises(E.NotFound):
+                await them.response_cancel(q["id"])
         assert (await tb.response_cancel(q["id"]))["status"] == done["status"]  # as it is
 
         long = await tb.background_response(

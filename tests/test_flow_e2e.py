@@ -125,7 +125,7 @@ async def _http_stream(
 
 def _served(worker: Proc) -> dict[str, tuple[float, float]]:
     """When the worker gave each request it logged to its engine and when the engine made
-    its first token (wall clock), by id."""
+    its first token (wall clock), by the client's id where it gave one, else the gateway's."""
     out: dict[str, tuple[float, float]] = {}
     for line in worker.output().splitlines():
         if '"event": "request"' not in line:
@@ -138,7 +138,8 @@ def _served(worker: Proc) -> dict[str, tuple[float, float]]:
             continue
         end = datetime.fromisoformat(ev["timestamp"].replace("Z", "+00:00")).timestamp()
         start = end - ev["duration_ms"] / 1000
-        out[str(ev["request_id"])] = (start, start + ev["ttft_ms"] / 1000)
+        rid = ev.get("client_request_id") or ev["request_id"]
+        out[str(rid)] = (start, start + ev["ttft_ms"] / 1000)
     return out
 
 

@@ -29,7 +29,8 @@ def served(*logs: Path) -> Counter[str]:
             except ValueError:
                 continue
             if ev.get("event") == "request" and ev.get("service") == "worker":
-                out[str(ev.get("request_id"))] += 1
+                # The client's X-Request-Id: a label the gateway's own id travels with.
+                out[str(ev.get("client_request_id"))] += 1
     return out
 
 

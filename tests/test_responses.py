@@ -1260,10 +1260,12 @@ async def test_the_nats_client_serves_the_same_operation(env: Env, oai: openai.A
         assert [i["type"] for i in items] == ["function_call_output"]
         assert (await tb.get_response(out["id"]))["id"] == out["id"]
         # Another key sees none of it.
-        with pytest.raises(E.NotFound):
-            await tb.get_response(out["id"], api_key=env.other)
-        with pytest.raises(E.NotFound):
-            await tb.response(env.model, "go on", previous_response_id=out["id"], api_key=env.other)
+        # (On a connection of its own: a request is answered only in its key's inboxes.)
+        async with await Client.connect(env.url, api_key=env.other) as them:
+            with pytest.raises(E.NotFound):
+                await them.get_response(out["id"])
+            with pytest.raises(E.NotFound):
+                await them.response(env.model, "go on", previous_response_id=out["id"])
         await tb.delete_response(out["id"])
         with pytest.raises(E.NotFound):
             await tb.get_response(out["id"])

@@ -94,18 +94,31 @@ async def test_records_for_success_error_and_cancel_over_nats(
         late = client.chat(model, MSG, max_tokens=10_000, timeout=0.3)
         with pytest.raises(E.Timeout):
             await late.collect()
-        want = {ok.request_id, s.request_id, late.request_id}
+        # Records are under the gateway's id (which a stream learns from its accept frame) and
+        # carry the client's own as a label: a request that timed out before its accept
+        # was read is found by the label.
+        want = {ok.request_id, s.client_request_id, late.client_request_id}
+
+        def by_either() -> dict[str, Any]:
+            rows = list(tel.store.rows())
+            return {r["request_id"]: r for r in rows} | {
+                r["client_request_id"]: r for r in rows if r.get("client_request_id")
+            }
 
         def stored() -> bool:
-            return want <= {r["request_id"] for r in tel.store.rows()}
+            return want <= set(by_either())
 
-        names = {ok.request_id: "answered", s.request_id: "cancelled", late.request_id: "late"}
+        names = {
+            ok.request_id: "answered",
+            s.client_request_id: "cancelled",
+            late.client_request_id: "late",
+        }
         try:
             await wait_for(stored, timeout=60)
         except AssertionError:
-            have = {r["request_id"] for r in tel.store.rows()}
+            have = set(by_either())
             raise AssertionError(f"no record stored of {[names[r] for r in want - have]}") from None
-        rows = {r["request_id"]: r for r in tel.store.rows()}
+        rows = by_either()
     done = rows[ok.request_id]
     assert done["outcome"] == "length" and done["completion_tokens"] == 5
     assert done["source"] == "worker" and done["replica"] == f"{model}-w0"
@@ -113,8 +126,9 @@ async def test_records_for_success_error_and_cancel_over_nats(
     assert ts == sorted(ts), done["t"]  # monotonic along the path
     assert done["ttft_ms"] > 0 and done["e2e_ms"] >= done["ttft_ms"]
     assert set(done["stages"]) == {"ingress", "route"}
-    assert rows[s.request_id]["outcome"] == "cancelled"
-    assert rows[late.request_id]["outcome"] == "timeout"
+    assert rows[s.client_request_id]["outcome"] == "cancelled"
+    assert rows[late.client_request_id]["outcome"] == "timeout"
+    assert rows[s.client_request_id]["request_id"] == s.request_id != s.client_request_id
 
 
 async def test_telemetry_buffer_is_bounded_and_the_rest_waits_in_the_stream(

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -46,11 +47,15 @@ ENV = {
 
 
 class Stack:
-    def __init__(self, bus: LockedBus, base: str, store: KeyStore, admin: Any) -> None:
+    def __init__(
+        self, bus: LockedBus, base: str, store: KeyStore, admin: Any, procs: Procs, stack: Any
+    ) -> None:
         self.bus = bus
         self.base = base
         self.store = store
         self.admin = admin
+        self.procs = procs
+        self.stack = stack
 
     async def key(self, name: str, **fields: Any) -> tuple[str, str]:
         key, rec = await self.store.create(name, **fields)
@@ -93,7 +98,7 @@ async def stack(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Stack
             )
             admin = await bus.admin()
             store = await KeyStore(admin).open(watch=False)
-            yield Stack(bus, s.base, store, admin)
+            yield Stack(bus, s.base, store, admin, procs, s)
             await admin.drain()
     finally:
         bus.stop()
@@ -358,3 +363,65 @@ def test_the_guarded_buckets_match_the_table_in_the_docs() -> None:
     for role, may in rows.items():
         for bucket, writers in GUARDED_BUCKETS.items():
             assert may[bucket] == (role in writers), (role, bucket)
+
+
+async def _session(stack: Stack, key: str) -> tuple[Any, asyncio.Event]:
+    """A raw NATS session logged in with ``key``, and an event set when the server closes it."""
+    closed = asyncio.Event()
+
+    async def on_closed() -> None:
+        closed.set()
+
+    async def on_disconnect() -> None:
+        closed.set()
+
+    nc = await nats.connect(
+        stack.bus.url,
+        token=key,
+        inbox_prefix=subjects.key_inbox_root(str(key_id_of(key))),
+        allow_reconnect=False,
+        closed_cb=on_closed,
+        disconnected_cb=on_disconnect,
+    )
+    return nc, closed
+
+
+async def test_a_rotated_secret_s_sessions_end_with_its_overlap(stack: Stack) -> None:
+    """A key rotated with a 3 s overlap: a session made with the old secret works through the
+    overlap and is closed once it ends; a session made with the new secret stays open."""
+    key, key_id = await stack.key("rotated")
+    old, old_closed = await _session(stack, key)
+    new_key, _ = await stack.store.rotate(key_id, overlap_s=3)
+    new, new_closed = await _session(stack, new_key)
+    try:
+        # Within the overlap the old secret still logs in.
+        still, _ = await _session(stack, key)
+        await still.close()
+        await wait_for(old_closed.is_set, timeout=30, what="the old secret's session closed")
+        assert not new_closed.is_set() and new.is_connected
+        with pytest.raises(Exception, match="Authorization"):
+            await nats.connect(stack.bus.url, token=key, allow_reconnect=False)
+    finally:
+        await old.close()
+        await new.close()
+
+
+async def test_revoking_closes_sessions_made_before_an_auth_restart(stack: Stack) -> None:
+    """A session logged in, then every auth instance restarted (kill -9): revoking the key
+    still closes that session within seconds (the restarted instance never saw it log in)."""
+    key, key_id = await stack.key("before-restart")
+    nc, closed = await _session(stack, key)
+    try:
+        for p in stack.stack.roles["auth"]:
+            p.signal(signal.SIGKILL)
+            p.proc.wait(10)
+        stack.stack.roles["auth"] = [
+            stack.procs.start("auth-again", "serve", "auth", env={**ENV, **stack.bus.env("auth")})
+        ]
+        other, _ = await stack.key("after-restart")  # the new instance answers logins
+        assert nc.is_connected
+        await stack.store.revoke(key_id)
+        await wait_for(closed.is_set, timeout=30, what="the revoked key's older session closed")
+        assert other
+    finally:
+        await nc.close()

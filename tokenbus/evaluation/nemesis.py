@@ -1082,7 +1082,7 @@ async def _records_in_stream(nc: Any, missing: set[str]) -> dict[str, Any]:
                 seen = msg.metadata.sequence.stream
                 with contextlib.suppress(Exception):
                     for rec in R.batch(codec.decode_map(msg.data)):
-                        rid = rec.get("request_id") if isinstance(rec, dict) else None
+                        rid = rec.get("client_request_id") if isinstance(rec, dict) else None
                         if rid in missing:
                             found.setdefault(rid, set()).add(str(rec.get("source")))
         finally:
@@ -1099,7 +1099,8 @@ async def _records_in_stream(nc: Any, missing: set[str]) -> dict[str, Any]:
 
 
 def check_records(run: Run) -> dict[str, Any]:
-    """Every answered request's record in the telemetry store once (by request id)."""
+    """Every answered request's record in the telemetry store once (by the client's request
+    id, the label its records carry: the gateway gives each request an id of its own)."""
     rids = [o.rid for o in run.outcomes if o.via in ("http", "nats") and o.status == "ok"]
     db = run.stack.telemetry_db
     if not db.exists():
@@ -1107,14 +1108,14 @@ def check_records(run: Run) -> dict[str, Any]:
     con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
     try:
         counts: Counter[str] = Counter()
-        for (rid,) in con.execute("SELECT request_id FROM requests"):
+        for (rid,) in con.execute("SELECT client_request_id FROM requests"):
             counts[rid] += 1
     finally:
         con.close()
     missing = [r for r in rids if counts[r] == 0]
     repeated = [r for r in rids if counts[r] > 1]
     return {
-        "store": "sqlite (telemetry/store.py, one row per request id)",
+        "store": "sqlite (telemetry/store.py, one row per request, by its client's label)",
         "answered": len(rids),
         "stored": len(rids) - len(missing),
         "missing": len(missing),
