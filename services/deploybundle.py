@@ -129,14 +129,19 @@ def init(
     tls_names: list[str] | None = None,
     sync: str = NATS_SYNC,
     renew_certs: bool = False,
+    worker_hosts: dict[str, list[str]] | None = None,
 ) -> list[Path]:
-    """Write (or refresh) the deployment's bus folder; the paths written, configs first."""
+    """Write (or refresh) the deployment's bus folder; the paths written, configs first.
+    ``worker_hosts`` (host -> its replica ids): a login per GPU host,
+    ``roles/worker-<host>.json`` (:func:`natsconf.worker_host_permissions`); None keeps the
+    hosts of the last run."""
     if nodes < 1:
         raise ValueError("--nodes must be at least 1")
     folder.mkdir(parents=True, exist_ok=True)
     # Passwords and callout keys (kept when they exist); the combined nats.conf it writes is
     # replaced below by the per-node configs that include auth.conf.
-    natsconf.generate(folder, callout=True)
+    natsconf.generate(folder, callout=True, worker_hosts=worker_hosts)
+    hosts, revoked = natsconf.worker_hosts_of(folder)
     os.chmod(folder, _folder_mode())
     passwords = json.loads((folder / "nats-users.json").read_text())
     callout = json.loads((folder / natsconf.CALLOUT_FILE).read_text())
@@ -159,7 +164,9 @@ def init(
         (folder / "tls.json").unlink(missing_ok=True)
     written = []
     roles = {r: passwords[r] for r in natsconf.ROLES if r in passwords}  # no client: callout
-    _private(folder / AUTH_CONF, natsconf.render_auth(roles, callout), NATS_UID)
+    roles |= {u: p for u, p in passwords.items() if u.startswith(natsconf.WORKER_HOST_PREFIX)}
+    auth = natsconf.render_auth(roles, callout, hosts, revoked)
+    _private(folder / AUTH_CONF, auth, NATS_UID)
     (folder / "nats.conf").unlink(missing_ok=True)
     for i in range(nodes):
         name = "nats.conf" if nodes == 1 else f"nats-{i}.conf"
@@ -173,5 +180,15 @@ def init(
     for role, uid in ROLE_UID.items():
         path = roles_dir / f"{role}.json"
         _private(path, json.dumps({"user": role, "password": passwords[role]}) + "\n", uid)
+        written.append(path)
+    for old in roles_dir.glob(f"{natsconf.WORKER_HOST_PREFIX}*.json"):
+        if old.stem not in roles:  # a host taken out of the list: its login file goes too
+            old.unlink()
+    for host in sorted(hosts):
+        user = natsconf.worker_host_user(host)
+        path = roles_dir / f"{user}.json"
+        _private(
+            path, json.dumps({"user": user, "password": passwords[user]}) + "\n", ROLE_UID["worker"]
+        )
         written.append(path)
     return written

@@ -34,9 +34,12 @@ from bus_schemas.subjects import (
     inbox_prefix,
     members_wildcard,
     records_ack_root,
+    replica_claim,
     requests_wildcard,
     stage,
     to_any_member,
+    token,
+    worker_cancel,
 )
 from services import natsjwt
 from services.audit import STREAM as AUDIT_STREAM
@@ -204,6 +207,64 @@ PUBLISH_DENY: dict[str, list[str]] = {
     if role != "admin" and set(JS_API) <= set(pub)
 }
 
+# A login per GPU host (issue 64): ``worker-<host>`` may serve only the replica ids the
+# deployment gave that host. It hears only their generate, snapshot, adapter and cancel
+# subjects (not every tenant's prompts), beats, claims and publishes KV events only as them
+# (no announcing another host's replicas, no claiming their ids). Replies, usage and telemetry
+# are as the shared worker role's. The shared ``worker`` login stays for `tokenbus up`'s
+# single host, where every worker is one machine's processes anyway.
+WORKER_HOST_PREFIX = "worker-"
+WORKER_HOSTS_FILE = "worker-hosts.json"
+_HOST = re.compile(r"[A-Za-z0-9][A-Za-z0-9_\-]{0,62}")
+
+
+def worker_host_user(host: str) -> str:
+    if not _HOST.fullmatch(host):
+        raise ValueError(f"a host name: letters, digits, '-' and '_', got {host!r}")
+    return f"{WORKER_HOST_PREFIX}{host}"
+
+
+def worker_host_permissions(replicas: list[str]) -> tuple[list[str], list[str]]:
+    """(may publish, may subscribe) of a GPU host's login serving ``replicas``."""
+    if not replicas:
+        raise ValueError("a worker host serves at least one replica id")
+    own = [token(r) for r in replicas]
+    pub = [
+        *(f"{PREFIX}.heartbeat.*.{r}" for r in own),
+        *(f"{PREFIX}.kv.*.{r}" for r in own),
+        *(replica_claim(r) for r in replicas),
+        *USAGE,
+        TELEMETRY,
+        INBOX,
+    ]
+    sub = [
+        *(f"{PREFIX}.engine.*.{r}.>" for r in own),
+        *(worker_cancel(r) for r in replicas),
+        *(replica_claim(r) for r in replicas),
+        DISCOVERY,
+        RECORDS_ACKS,
+    ]
+    return pub, sub
+
+
+def parse_worker_hosts(specs: list[str]) -> dict[str, list[str]]:
+    """``HOST=REPLICA[,REPLICA...]`` options as a map, refused when malformed or when two
+    hosts name one replica id."""
+    hosts: dict[str, list[str]] = {}
+    owner: dict[str, str] = {}
+    for spec in specs:
+        host, sep, ids = spec.partition("=")
+        replicas = [r.strip() for r in ids.split(",") if r.strip()]
+        if not sep or not replicas:
+            raise ValueError(f"--worker-host wants HOST=REPLICA[,REPLICA...], got {spec!r}")
+        worker_host_user(host)
+        for r in replicas:
+            if owner.setdefault(r, host) != host:
+                raise ValueError(f"replica id {r!r} is given to both {owner[r]!r} and {host!r}")
+        hosts.setdefault(host, []).extend(r for r in replicas if r not in hosts[host])
+    return hosts
+
+
 # Which role each `tokenbus serve <service>` runs as.
 SERVICE_ROLE = {
     "bridge": "bridge",
@@ -235,14 +296,21 @@ def _list(items: list[str]) -> str:
     return "[" + ", ".join(json.dumps(i) for i in items) + "]"
 
 
-def _role_users(passwords: dict[str, str], roles: list[str], indent: str) -> str:
+def _role_users(
+    passwords: dict[str, str],
+    roles: list[str],
+    indent: str,
+    hosts: dict[str, list[str]] | None = None,
+) -> str:
     users = []
-    for role in roles:
-        pub, sub = ROLES[role]
-        deny = f", deny: {_list(PUBLISH_DENY[role])}" if PUBLISH_DENY.get(role) else ""
+    perms = [(role, *ROLES[role], PUBLISH_DENY.get(role)) for role in roles]
+    for host, replicas in sorted((hosts or {}).items()):
+        perms.append((worker_host_user(host), *worker_host_permissions(replicas), None))
+    for user, pub, sub, denied in perms:
+        deny = f", deny: {_list(denied)}" if denied else ""
         users.append(
-            f"{indent}{{user: {json.dumps(role)}, "
-            f"password: {json.dumps(password_hash(passwords[role]))}, "
+            f"{indent}{{user: {json.dumps(user)}, "
+            f"password: {json.dumps(password_hash(passwords[user]))}, "
             f"permissions: {{publish: {{allow: {_list(pub)}{deny}}}, "
             f"subscribe: {{allow: {_list(sub)}}}}}}}"
         )
@@ -256,20 +324,31 @@ CALLOUT_ACCOUNT = "CALLOUT"
 SYS_ACCOUNT = "SYS"
 
 
-def render_auth(passwords: dict[str, str], callout: dict[str, str] | None = None) -> str:
+def render_auth(
+    passwords: dict[str, str],
+    callout: dict[str, str] | None = None,
+    hosts: dict[str, list[str]] | None = None,
+    revoked: list[str] | None = None,
+) -> str:
     """The authorization part of the config (users, accounts, the auth callout): what every
     node of a deployment includes beside its own listen, JetStream and cluster settings.
-    Each user's password appears as its bcrypt hash only (:func:`password_hash`)."""
+    Each user's password appears as its bcrypt hash only (:func:`password_hash`). ``hosts``:
+    a login per GPU host (:func:`worker_host_permissions`); ``revoked``: hosts whose login
+    was taken away, still named among the callout's ``auth_users`` (nats-server refuses to
+    reload a changed ``auth_users`` list: it logs that the name is "not valid", and a login
+    with it is refused, neither answered by the callout nor by a user of the config)."""
     if callout is None:
-        users = _role_users(passwords, list(ROLES), "    ")
+        users = _role_users(passwords, list(ROLES), "    ", hosts)
         return "authorization {\n  users = [\n" + users + "\n  ]\n}\n"
     roles = [r for r in ROLES if r != "client"]
-    bypass = [*roles, callout["user"], callout["sys_user"]]
+    named = sorted({*(hosts or {}), *(revoked or [])})
+    bypass = [*roles, *(worker_host_user(h) for h in named)]
+    bypass += [callout["user"], callout["sys_user"]]
     return (
         "# NATS clients log in with a tokenbus API key: the server asks the auth service.\n"
         + "accounts {\n"
         + f"  {ACCOUNT} {{\n    jetstream: enabled\n    users = [\n"
-        + _role_users(passwords, roles, "      ")
+        + _role_users(passwords, roles, "      ", hosts)
         + "\n    ]\n  }\n"
         + f"  {CALLOUT_ACCOUNT} {{ users = [ {{user: {json.dumps(callout['user'])}, "
         + f"password: {json.dumps(password_hash(callout['password']))}}} ] }}\n"
@@ -319,6 +398,8 @@ def render(
     callout: dict[str, str] | None = None,
     tls: TlsFiles | None = None,
     sync: str = NATS_SYNC,
+    hosts: dict[str, list[str]] | None = None,
+    revoked: list[str] | None = None,
 ) -> str:
     """The nats-server configuration text: a user per role; with ``callout`` (the issuer
     and logins of :func:`generate`), NATS clients log in with their API key instead of a
@@ -330,7 +411,7 @@ def render(
         + SERVER_TIMERS
         + (tls.server_block() if tls else "")
     )
-    return head + render_auth(passwords, callout)
+    return head + render_auth(passwords, callout, hosts, revoked)
 
 
 # Written beside ``nats-users.json`` by :func:`generate` with ``callout``.
@@ -354,13 +435,18 @@ def generate(
     callout: bool = False,
     tls: TlsFiles | None = None,
     sync: str = NATS_SYNC,
+    worker_hosts: dict[str, list[str]] | None = None,
 ) -> tuple[Path, Path]:
     """Write ``nats.conf`` (the passwords' hashes only) and ``nats-users.json`` (the
     passwords, kept if it exists already), both mode 0600, and make ``out_dir`` mode 0700;
     with ``callout``, also ``callout.json`` (the issuer seed and the responder's and system
     logins, mode 0600) for the auth service, and clients log in with API keys; with
     ``tls`` (:func:`services.tlsfiles.generate`'s files, or the operator's), the server
-    takes TLS connections only, and ``tls.json`` tells :func:`role_env` where the files are."""
+    takes TLS connections only, and ``tls.json`` tells :func:`role_env` where the files are.
+    ``worker_hosts`` (host -> its replica ids): a login per GPU host, its password kept
+    across runs; a host left out of a later run has no login any more (revoked once the
+    server reloads its config), the others keep theirs. The map is kept in
+    ``worker-hosts.json``; None keeps the one there."""
     out_dir.mkdir(parents=True, exist_ok=True)
     os.chmod(out_dir, 0o700)  # what logs in as every role, admin included
     secrets_file = out_dir / "nats-users.json"
@@ -371,7 +457,21 @@ def generate(
     for role in ROLES:
         if not (callout and role == "client"):
             passwords.setdefault(role, secrets.token_urlsafe(24))
+    hosts, revoked = worker_hosts_of(out_dir)
+    if worker_hosts is not None:
+        revoked = sorted({*revoked, *hosts} - set(worker_hosts))
+        hosts = {h: list(r) for h, r in worker_hosts.items()}
+    for user in [u for u in passwords if u.startswith(WORKER_HOST_PREFIX)]:
+        if user[len(WORKER_HOST_PREFIX) :] not in hosts:
+            del passwords[user]  # a host taken out: its login goes
+    for name in hosts:
+        passwords.setdefault(worker_host_user(name), secrets.token_urlsafe(24))
     _write_private(secrets_file, passwords)
+    hosts_file = out_dir / WORKER_HOSTS_FILE
+    if hosts or revoked:
+        write_private(hosts_file, json.dumps({"hosts": hosts, "revoked": revoked}, indent=2))
+    else:
+        hosts_file.unlink(missing_ok=True)
     callout_creds = None
     if callout:
         callout_file = out_dir / CALLOUT_FILE
@@ -393,6 +493,8 @@ def generate(
             callout=callout_creds,
             tls=tls,
             sync=sync,
+            hosts=hosts,
+            revoked=revoked,
         ),
     )
     if tls is not None:
@@ -400,6 +502,14 @@ def generate(
     else:
         (out_dir / TLS_FILE).unlink(missing_ok=True)
     return conf, secrets_file
+
+
+def worker_hosts_of(folder: Path) -> tuple[dict[str, list[str]], list[str]]:
+    """(each GPU host's replica ids, the hosts revoked) of a generated config folder."""
+    path = folder / WORKER_HOSTS_FILE
+    data = json.loads(path.read_text()) if path.exists() else {}
+    hosts = {str(h): [str(r) for r in rs] for h, rs in (data.get("hosts") or {}).items()}
+    return hosts, [str(h) for h in data.get("revoked") or []]
 
 
 def role_login(secrets_file: Path, role: str) -> dict[str, Any]:

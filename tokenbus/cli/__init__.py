@@ -243,6 +243,15 @@ def build_parser() -> argparse.ArgumentParser:
     nc_.add_argument("--tls-cert", dest="tls_server_cert", help="--tls: your server certificate")
     nc_.add_argument("--tls-key", dest="tls_server_key", help="--tls: its private key")
     nc_.add_argument("--tls-ca", help="--tls: the CA that signed it (and client certificates)")
+    nc_.add_argument(
+        "--worker-host",
+        action="append",
+        default=None,
+        metavar="HOST=REPLICA[,REPLICA...]",
+        help="a login of its own (worker-HOST) for a GPU host, which may serve only these "
+        "replica ids (repeatable); given once, the list replaces the last run's and a host "
+        "left out loses its login once the server reloads (nats-server --signal reload)",
+    )
     return p
 
 
@@ -551,16 +560,22 @@ def main(argv: list[str] | None = None) -> None:
         elif a.cmd == "nats-config":
             from pathlib import Path
 
-            from services.natsconf import generate
+            from services.natsconf import generate, parse_worker_hosts
 
             try:
                 tls = _nats_tls_files(a)
+                hosts = parse_worker_hosts(a.worker_host) if a.worker_host is not None else None
             except ValueError as exc:
                 print(f"error: {exc}", file=sys.stderr)
                 rc = 2
                 return
             conf, users = generate(
-                Path(a.out), host=a.host, port=a.port, callout=a.callout, tls=tls
+                Path(a.out),
+                host=a.host,
+                port=a.port,
+                callout=a.callout,
+                tls=tls,
+                worker_hosts=hosts,
             )
             print(f"wrote {conf} and {users} (mode 0600: one password per role)")
             print(f"start it with: nats-server -c {conf}")

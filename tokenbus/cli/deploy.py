@@ -45,6 +45,15 @@ def add_parsers(sub: Any) -> None:
         help="give a data folder to a role's uid (or to nats), when run as root: the "
         "services run as non-root users of their own",
     )
+    i.add_argument(
+        "--worker-host",
+        action="append",
+        default=None,
+        metavar="HOST=REPLICA[,REPLICA...]",
+        help="a login of its own for a GPU host, which may serve only these replica ids "
+        "(roles/worker-<HOST>.json; repeatable). Given once, the list replaces the last "
+        "run's: a host left out loses its login (reload the nodes); not given, it is kept",
+    )
     i.add_argument("--print-url", action="store_true", help="print the NATS URL of services")
     i.add_argument(
         "--renew-certs",
@@ -94,8 +103,10 @@ def init(a: argparse.Namespace) -> int:
             return 2
         owners.append((Path(path), uid))
     from services.config import Settings
+    from services.natsconf import parse_worker_hosts
 
     try:
+        hosts = parse_worker_hosts(a.worker_host) if a.worker_host is not None else None
         written = db.init(
             Path(a.dir),
             nodes=a.nodes,
@@ -104,6 +115,7 @@ def init(a: argparse.Namespace) -> int:
             tls_names=a.tls_name,
             sync=a.sync or Settings().nats_sync,
             renew_certs=a.renew_certs,
+            worker_hosts=hosts,
         )
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
