@@ -1202,6 +1202,70 @@ async def test_a_reply_subject_too_long_for_the_server_is_not_used(bus: FuzzBus)
     await bus.serve_over_nats()
 
 
+# Reply subjects outside the sender's own inbox (issue 64): a service answering there would
+# write with its own rights into a key's record, the tickets' secret, a stream or another
+# key's inbox.
+HOSTILE_REPLIES = [
+    "$KV.tokenbus_keys.fuzzvictim",
+    "$KV.tokenbus_secrets.admission",
+    "$JS.API.STREAM.PURGE.KV_tokenbus_keys",
+    "$O.tokenbus_files.M.x",
+    "tb.v1.admin.keys.create",
+    "tb.v1.heartbeat.m.r",
+    "_INBOX.tbk.0123456789ab.x",  # a key's inbox root, for a request of no such key
+]
+
+
+@FUZZ_SETTINGS
+@given(
+    reply=st.sampled_from(HOSTILE_REPLIES),
+    where=st.sampled_from(["req", "stage.auth", "stage.route", "engine"]),
+    body_kind=st.sampled_from(["bad", "chat"]),
+    via_header=st.booleans(),
+)
+async def test_no_service_answers_outside_the_senders_inbox(
+    bus: FuzzBus, reply: str, where: str, body_kind: str, via_header: bool
+) -> None:
+    """A message whose reply subject (or, past ingress, ``Tb-Reply-To``) is no inbox of its
+    sender's gets no answer there, malformed or well formed, from ingress, a stage, the
+    router or a worker; the services stay up."""
+    chat = pack({"model": bus.model, "messages": [{"role": "user", "content": "hi"}]})
+    if where == "req":
+        subject, pairs = subjects.request("chat"), []
+        body = chat if body_kind == "chat" else b"\xc1"
+    elif where == "engine":
+        subject, pairs = subjects.engine_generate(bus.model, bus.replica), bus.engine_headers()
+        body = pack(bus.envelope()) if body_kind == "chat" else b"\xc1"
+    else:
+        stage = where.split(".")[1]
+        subject, pairs = subjects.stage(stage), bus.stage_headers(stage)
+        body = pack(bus.envelope()) if body_kind == "chat" else b"\xc1"
+    pairs = [(k, v) for k, v in pairs if k != H.REPLY_TO]
+    canary: list[bytes] = []
+
+    async def heard(msg: Msg) -> None:
+        canary.append(msg.data)
+
+    watch = await bus.nc.subscribe(reply, cb=heard)
+    try:
+        await flush(bus.nc)
+        if via_header and where != "req":
+            hdrs = _block(pairs, (H.REPLY_TO.encode(), reply.encode()))
+            await bus.raw.publish(subject, body, hdrs, reply=bus.nc.new_inbox())
+        else:
+            await bus.raw.publish(subject, body, _block(pairs) if pairs else None, reply=reply)
+        # The same, answered in an inbox of ours: once that answer is back, the message
+        # before it was handled (and dropped) by the same services.
+        await bus.exchange(
+            subject, b"\xc1", _block(pairs) if pairs else None, reply=True, answers=None
+        )
+        await flush(bus.nc)
+        assert canary == [], (reply, where, canary[:1])
+    finally:
+        await watch.unsubscribe()
+    await bus.check_health(settle=0.1)
+
+
 async def test_a_status_line_then_bytes_not_utf8_leave_every_reader_reading(
     bus: FuzzBus,
 ) -> None:
