@@ -63,6 +63,11 @@ def request(kind: str) -> str:
     return f"{PREFIX}.req.{kind}"
 
 
+def request_prefix() -> str:
+    """What every request subject (:func:`request`) starts with."""
+    return f"{PREFIX}.req."
+
+
 def requests_wildcard() -> str:
     """Every request subject, for the ingress subscription."""
     return f"{PREFIX}.req.*"

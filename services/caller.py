@@ -897,9 +897,12 @@ class Stream:
         self._client._unregister(self)
         if old_replica:  # if it is alive after all, it must stop
             # A resend (``count`` False: nothing of it was read) cancels a duplicate: its
-            # report leaves the spend to the copy that is read (the hold is one).
+            # report leaves the spend to the copy that is read (the hold is one). Not through
+            # ingress, which gives every admission an id, so a hold, of its own: that copy
+            # settles its own.
+            shared = not self._subject.startswith(subjects.request_prefix())
             await self._client._send_cancel(
-                old_replica, old_token, self.request_id, duplicate=not count
+                old_replica, old_token, self.request_id, duplicate=not count and shared
             )
         self._client._tombstone(old_token, self.request_id, duplicate=True)
         self.token = uuid.uuid4().hex
