@@ -916,6 +916,7 @@ async def check_spend(run: Run) -> dict[str, Any]:
 
     out: dict[str, Any] = {"keys": {}, "violations": []}
     migrated = _migrated_by_key(run)
+    labels = _records_by_label(run)
     nc = await run.stack.cluster.admin(0)
     try:
         # Reports kept for a limiter that died are settled by another within its ack wait.
@@ -934,6 +935,15 @@ async def check_spend(run: Run) -> dict[str, Any]:
                 if o.status == "ok"
             )
             slack = sum(o.max_cost for o in mine if o.status != "ok")
+            # A NATS client's migrated request: its lost attempt is charged what its worker
+            # produced, which may be more than its caller got (a client's count is never a
+            # price, issue 64), at most the attempt's whole cost per migration.
+            moved = sum(
+                o.max_cost * max((m for _, m in labels.get(o.rid, ())), default=0)
+                for o in mine
+                if o.status == "ok" and o.via == "nats"
+            )
+            slack += moved
             try:
                 entry = await _retrying("spend entry", lambda k=key_id: kv.get(f"k.{k}.total"), 30)
                 d = json.loads(entry.value or b"{}")
@@ -945,13 +955,17 @@ async def check_spend(run: Run) -> dict[str, Any]:
             # caller died too) leaves its attempt's hold until the request's deadline: no
             # report comes. Such a hold must stop counting then; an answered request's must
             # be settled by its report.
+            # Holds are named by the gateway's request ids: those of each answered request's
+            # records (and the harness's own id, where a record is missing).
             answered = {o.rid for o in mine if o.status == "ok"}
+            answered |= {rid for o in answered for rid, _ in labels.get(o, ())}
             of_answered = {k: v for k, v in held.items() if k.partition("#")[0] in answered}
             expiring = {k: v for k, v in held.items() if k not in of_answered}
             row: dict[str, Any] = {
                 "spent": spent,
                 "answered_usage_cost": settled,
-                "unanswered_max_cost": slack,
+                "unanswered_max_cost": slack - moved,
+                "migrated_nats_max_extra": moved,
                 "holds_left": len(of_answered),
                 "holds_of_failed_requests": len(expiring),
                 "requests": len(mine),
@@ -1016,6 +1030,29 @@ async def _consumer_settled(nc: Any, stream: str, consumer: str, timeout: float)
                 return True
         await asyncio.sleep(0.2)
     return False
+
+
+def _records_by_label(run: Run) -> dict[str, list[tuple[str, int]]]:
+    """Each client request id (the label the harness gave its requests) -> the gateway's ids
+    its records were stored under and the migrations each record saw (the gateway gives every
+    request an id of its own; a migration it cannot prove by a ticket gets another)."""
+    db = run.stack.telemetry_db
+    if not db.exists():
+        return {}
+    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    try:
+        rows = con.execute(
+            "SELECT client_request_id, request_id, COALESCE(migrations, 0) FROM requests"
+        ).fetchall()
+    except sqlite3.Error:
+        return {}
+    finally:
+        con.close()
+    out: dict[str, list[tuple[str, int]]] = {}
+    for label, rid, migrations in rows:
+        if label:
+            out.setdefault(str(label), []).append((str(rid), int(migrations)))
+    return out
 
 
 def _migrated_by_key(run: Run) -> dict[str, int]:
@@ -1105,15 +1142,11 @@ def check_records(run: Run) -> dict[str, Any]:
     db = run.stack.telemetry_db
     if not db.exists():
         return {"store": str(db), "error": "no telemetry store", "answered": len(rids)}
-    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
-    try:
-        counts: Counter[str] = Counter()
-        for (rid,) in con.execute("SELECT client_request_id FROM requests"):
-            counts[rid] += 1
-    finally:
-        con.close()
-    missing = [r for r in rids if counts[r] == 0]
-    repeated = [r for r in rids if counts[r] > 1]
+    labels = _records_by_label(run)
+    missing = [r for r in rids if not labels.get(r)]
+    # A request has a row per gateway id it was given (a resend or a migration no ticket
+    # proved is given another); one id stored twice is a record stored twice.
+    repeated = [r for r in rids if len({i for i, _ in labels.get(r, ())}) != len(labels.get(r, ()))]
     return {
         "store": "sqlite (telemetry/store.py, one row per request, by its client's label)",
         "answered": len(rids),
