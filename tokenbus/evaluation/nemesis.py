@@ -1032,24 +1032,27 @@ async def _consumer_settled(nc: Any, stream: str, consumer: str, timeout: float)
     return False
 
 
+def _store_rows(run: Run, sql: str) -> list[tuple[Any, ...]]:
+    """Rows of a query of the run's telemetry store (read-only); none without a store."""
+    db = run.stack.telemetry_db
+    if not db.exists():
+        return []
+    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    try:
+        return con.execute(sql).fetchall()
+    except sqlite3.Error:
+        return []
+    finally:
+        con.close()
+
+
 def _records_by_label(run: Run) -> dict[str, list[tuple[str, int]]]:
     """Each client request id (the label the harness gave its requests) -> the gateway's ids
     its records were stored under and the migrations each record saw (the gateway gives every
     request an id of its own; a migration it cannot prove by a ticket gets another)."""
-    db = run.stack.telemetry_db
-    if not db.exists():
-        return {}
-    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
-    try:
-        rows = con.execute(
-            "SELECT client_request_id, request_id, COALESCE(migrations, 0) FROM requests"
-        ).fetchall()
-    except sqlite3.Error:
-        return {}
-    finally:
-        con.close()
     out: dict[str, list[tuple[str, int]]] = {}
-    for label, rid, migrations in rows:
+    sql = "SELECT client_request_id, request_id, COALESCE(migrations, 0) FROM requests"
+    for label, rid, migrations in _store_rows(run, sql):
         if label:
             out.setdefault(str(label), []).append((str(rid), int(migrations)))
     return out
@@ -1058,19 +1061,8 @@ def _records_by_label(run: Run) -> dict[str, list[tuple[str, int]]]:
 def _migrated_by_key(run: Run) -> dict[str, int]:
     """Requests of the run that moved to another replica mid-answer, per key id (from the
     telemetry store's records; empty when there is none)."""
-    db = run.stack.telemetry_db
-    if not db.exists():
-        return {}
-    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
-    try:
-        rows = con.execute(
-            "SELECT principal, COUNT(*) FROM requests WHERE migrations > 0 GROUP BY principal"
-        ).fetchall()
-    except sqlite3.Error:
-        return {}
-    finally:
-        con.close()
-    return {str(p): int(n) for p, n in rows}
+    sql = "SELECT principal, COUNT(*) FROM requests WHERE migrations > 0 GROUP BY principal"
+    return {str(p): int(n) for p, n in _store_rows(run, sql)}
 
 
 async def check_keys(run: Run) -> dict[str, Any]:
