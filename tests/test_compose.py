@@ -4,6 +4,7 @@ GPU topologies parse, and every service command is a ``tokenbus`` invocation the
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -13,7 +14,7 @@ import pytest
 import yaml
 
 from services.deploybundle import NATS_UID, ROLE_UID
-from services.natsconf import SERVICE_ROLE
+from services.natsconf import SERVICE_ROLE, parse_worker_hosts
 from tests.conftest import ROOT, run_cli
 from tokenbus.cli import build_parser
 from tokenbus.cli.compose import plan
@@ -324,6 +325,14 @@ def test_a_gpu_host_on_its_own_serves_two_models_with_ids_unique_to_the_host(
         )  # fmt: skip
         assert r.returncode == 0, r.stderr
         files[host] = yaml.safe_load(out.read_text())["services"]
+        # The file names the login of this host's own, with every replica id it serves.
+        (hint,) = re.findall(r"--worker-host (\S+)", out.read_text())
+        ids = {
+            build_parser().parse_args(s["command"]).replica
+            for n, s in files[host].items()
+            if n.startswith("vllm-")
+        }
+        assert parse_worker_hosts([hint]) == {host: sorted(ids, key=hint.index)}
     one = files["gpu-1"]
     owner = one.pop("hf-cache-owner")
     assert owner["image"] == "tokenbus-vllm:latest"  # no stack image on a GPU host

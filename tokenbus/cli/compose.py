@@ -301,9 +301,17 @@ def main(a: argparse.Namespace) -> int:
         else "# Run beside the stack: docker compose -f compose/docker-compose.yml -f <this> up\n"
     )
     doc = services(groups, host=a.host, bus=bus)
+    ids = [
+        svc["command"][svc["command"].index("--replica") + 1]
+        for svc in doc["services"].values()
+        if "--replica" in svc.get("command", [])
+    ]
+    # A login of this host's own, which may serve only these ids (docs/deploy.md).
+    login = f"--worker-host {slug(a.host) if a.host else 'host'}={','.join(ids)}"
     text = (
         f"# tokenbus compose generate: {', '.join(a.model)} on {a.host}'s {a.gpus} GPUs as "
-        f"{layout}\n" + run + to_yaml(doc) + "\n"
+        f"{layout}\n" + run + f"# This host's own login: tokenbus deploy init ... {login}\n"
+        "# (then --login-file bus/roles/worker-<host>.json)\n" + to_yaml(doc) + "\n"
     )
     if a.out:
         with open(a.out, "w") as fh:
