@@ -265,6 +265,22 @@ def parse_worker_hosts(specs: list[str]) -> dict[str, list[str]]:
     return hosts
 
 
+def permissions_table() -> str:
+    """Every role's permissions on the locked bus as a markdown table (docs/safety.md holds
+    it, and a test checks the two are the same): what it may publish, what of that it may
+    not, what it may subscribe to."""
+
+    def cell(subjects: list[str]) -> str:
+        return "<br>".join(f"`{s}`" for s in subjects) or "—"
+
+    rows = ["| role | may publish | may not publish | may subscribe |", "|---|---|---|---|"]
+    for role, (pub, sub) in ROLES.items():
+        rows.append(f"| {role} | {cell(pub)} | {cell(PUBLISH_DENY.get(role, []))} | {cell(sub)} |")
+    pub, sub = worker_host_permissions(["REPLICA"])
+    rows.append(f"| worker-HOST | {cell(pub)} | — | {cell(sub)} |")
+    return "\n".join(rows) + "\n"
+
+
 # Which role each `tokenbus serve <service>` runs as.
 SERVICE_ROLE = {
     "bridge": "bridge",

@@ -425,3 +425,13 @@ async def test_revoking_closes_sessions_made_before_an_auth_restart(stack: Stack
         assert other
     finally:
         await nc.close()
+
+
+def test_every_role_s_permissions_are_the_table_in_the_docs() -> None:
+    """docs/safety.md's table of every role's permissions is the generated config's."""
+    from services.natsconf import permissions_table
+    from tests.conftest import ROOT
+
+    text = (ROOT / "docs" / "safety.md").read_text()
+    shown = text.split("<!-- permissions:begin -->\n", 1)[1].split("<!-- permissions:end -->")[0]
+    assert shown == permissions_table(), "docs/safety.md's permissions table is stale"
