@@ -350,8 +350,9 @@ class SpendBook:
             done = (hold.request_id, entry)
             if not superseding and self._settled.get(done):
                 continue  # settled by this book: the stream's copy of the report
-            charged: int | None = None  # superseding: what the worker's report charged
-            provisional: int | None = None  # a report: the supersede's price before it
+            # What an earlier settlement charged that this one replaces: superseding, the
+            # worker's report; a report, the supersede's provisional price.
+            replaced: int | None = None
             price = actual
             if superseding:
                 taken = await self._take_charge(entry, hold.request_id, actual, counted)
@@ -359,33 +360,28 @@ class SpendBook:
                     self._remember_settled(done, False)
                     continue
                 if isinstance(taken, tuple):  # the worker's report came first
-                    charged, price = taken
+                    replaced, price = taken
             elif actual > 0 or produced:  # (nothing to correct in a hold given back)
                 deadline = self._held_until.get(done)
                 try:
-                    provisional = await self._note_charge(
+                    replaced = await self._note_charge(
                         entry, hold.request_id, actual, produced or 0, deadline
                     )
                 except _Settled:  # superseded and corrected already: nothing left to do
                     self._remember_settled(done)
                     continue
-                if provisional is not None:
+                if replaced is not None:
                     price = produced or 0  # moved: the next attempt pays the prompt
 
             def charge(
-                cur: dict[str, Any],
-                charged: int | None = charged,
-                provisional: int | None = provisional,
-                price: int = price,
+                cur: dict[str, Any], replaced: int | None = replaced, price: int = price
             ) -> dict[str, Any]:
                 held = _kept(cur, now)
                 spent = int(cur.get("spent", 0))
                 if held.pop(hold.request_id, None) is not None:
                     return {**cur, "spent": spent + price, "held": held}
-                if charged is not None:  # its worker's report was charged: corrected
-                    return {**cur, "spent": max(0, spent - charged + price), "held": held}
-                if provisional is not None:  # the supersede charged its caller's word
-                    return {**cur, "spent": max(0, spent - provisional + price), "held": held}
+                if replaced is not None:  # charged once already: corrected to this price
+                    return {**cur, "spent": max(0, spent - replaced + price), "held": held}
                 raise _Settled  # settled already, or never held in this entry
 
             try:
@@ -395,13 +391,13 @@ class SpendBook:
                 continue
             self._remember_settled(done, not superseding)
             was, now_spent = int(before.get("spent", 0)), int(after["spent"])
-            if (superseding or provisional is not None) and self.log is not None:
+            if (superseding or replaced is not None) and self.log is not None:
                 self.log.info(  # a migration's: rare, worth a line
                     "spend_superseded",
                     hold=hold.request_id,
                     entry=entry,
                     price=price,
-                    corrected_from=charged if superseding else provisional,
+                    corrected_from=replaced,
                     delta=now_spent - was,
                 )
             if b.soft is not None and was < b.soft <= now_spent:

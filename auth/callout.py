@@ -165,7 +165,6 @@ class CalloutResponder:
         self._connected = asyncio.Event()  # set while some key has a connection to watch
         self._checker: asyncio.Task[None] | None = None
         self._reconciler: asyncio.Task[None] | None = None
-        self.kicked = 0  # sessions closed (both paths), for tests and logs
 
     async def start(self) -> None:
         self._nc = await connect(
@@ -250,32 +249,23 @@ class CalloutResponder:
                 for c in [c for c in conns if c[:2] == gone]:
                     conns.discard(c)
 
-    def _still_valid(self, key_id: str, fp: str | None = None) -> bool:
-        rec = self.keys.record(key_id)
-        if fp is None:
-            return rec is not None and rec.enabled and not rec.expired(time.time())
-        return secret_valid(rec, fp, time.time())
-
     async def _check_loop(self) -> None:
         while True:
             if not self.connections:
                 self._connected.clear()
                 await self._connected.wait()
             await asyncio.sleep(CHECK_INTERVAL_S)
+            now = time.time()
             for key_id in [k for k, c in self.connections.items() if c]:
-                if not self._still_valid(key_id):
-                    await self.kick(key_id)
-                    continue
-                stale = {c for c in self.connections[key_id] if not self._still_valid(key_id, c[2])}
-                if stale:  # a rotated secret past its overlap
+                # Each session by the secret it presented: all of a key revoked, disabled or
+                # expired, those of a rotated secret once its overlap ends.
+                rec = self.keys.record(key_id)
+                stale = {c for c in self.connections[key_id] if not secret_valid(rec, c[2], now)}
+                if stale:
                     self.connections[key_id] -= stale
                     await self._kick_each(key_id, stale)
             for key_id in [k for k, c in self.connections.items() if not c]:
                 del self.connections[key_id]
-
-    async def kick(self, key_id: str) -> None:
-        """Close every live connection of ``key_id`` (it was revoked or expired)."""
-        await self._kick_each(key_id, self.connections.pop(key_id, set()))
 
     async def _kick_each(self, key_id: str, conns: set[tuple[str, int, str]]) -> None:
         if self._sys is None:
@@ -287,7 +277,6 @@ class CalloutResponder:
                     json.dumps({"cid": cid}).encode(),
                     timeout=2,
                 )
-                self.kicked += 1
         if conns:
             self.log.info("nats_connections_closed", key_id=key_id, connections=len(conns))
 
@@ -318,9 +307,7 @@ class CalloutResponder:
             if not secret_valid(self.keys.record(key_id), fp, now):
                 stale.setdefault(key_id, set()).add((server_id, cid, fp))
         for key_id, conns in stale.items():
-            known = self.connections.get(key_id)
-            if known is not None:
-                known -= {c for c in known if (c[0], c[1]) in {(s, i) for s, i, _ in conns}}
+            self.connections.get(key_id, set()).difference_update(conns)
             await self._kick_each(key_id, conns)
         return sum(len(c) for c in stale.values())
 

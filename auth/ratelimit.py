@@ -18,7 +18,6 @@ import hashlib
 import hmac
 import json
 import time
-import uuid
 from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any
@@ -222,17 +221,13 @@ class RateLimitCheck:
             raise err
         try:
             prior = await self._prior(ticket, principal, rid, attempt)
-            if prior is None and attempt > 0:
-                # A migration its ticket does not prove (none, forged, replayed): counted as
-                # a new request, under an id of its own, never one a caller named.
-                rid = _fresh_id()
-                hdrs[H.REQUEST_ID] = rid
-                env["request_id"] = rid
-                changed = True
-            elif prior is not None and prior.rid != rid:
-                # A migration admitted under a new id (ingress gives each admission its
-                # own): it is the request the ticket names, whose slot and hold it takes on.
-                rid = prior.rid
+            # A migration is the request its ticket names (ingress gives each admission an
+            # id of its own), whose slot and hold it takes on; one its ticket does not prove
+            # (none, forged, replayed) is a new request, under an id of its own, never one a
+            # caller named.
+            proved = prior.rid if prior is not None else rid if attempt < 1 else None
+            if proved != rid:
+                rid = proved or marks.new_request_id()
                 hdrs[H.REQUEST_ID] = rid
                 env["request_id"] = rid
                 changed = True
@@ -319,7 +314,7 @@ class RateLimitCheck:
         if attempt > 0 and not admitted:
             # No ticket proves a migration here (a key without limits): its hold is its own,
             # whatever id it names.
-            name = f"{name}~{_fresh_id()[:12]}"
+            name = f"{name}~{marks.new_request_id()[:12]}"
         try:
             hold = await self.spend.reserve(scopes, name, amount, deadline_s)
         except E.TokenbusError as exc:
@@ -631,10 +626,6 @@ def spend_stream_config() -> api.StreamConfig:
         num_replicas=kv_replicas(),
         max_age=86400.0,
     )
-
-
-def _fresh_id() -> str:
-    return uuid.uuid4().hex
 
 
 def hold_key(rid: str, attempt: int) -> str:

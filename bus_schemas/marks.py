@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import time
+import uuid
 
 from bus_schemas import headers as H
 
@@ -24,6 +25,24 @@ def attempt(value: str | None) -> int:
     """Which attempt of a request a ``Tb-Migration`` value names: 0 for the first, and for
     anything that is not a count of at most three digits."""
     return (number(value) or 0) if value and len(value) < 4 else 0
+
+
+_OUR_ID = re.compile(r"[0-9a-f]{32}")
+
+
+def new_request_id() -> str:
+    """A request id of the gateway's own, unique per admission (``Tb-Request-Id``): what
+    slots, holds, tickets and charges are keyed by. Ingress, the bridge and the ratelimit
+    stage make them; :func:`our_request_id` knows their shape."""
+    return uuid.uuid4().hex
+
+
+def our_request_id(value: str | None) -> str | None:
+    """``value`` when it has the shape of an id :func:`new_request_id` makes, else None.
+    Only a migration may name one (the id its caller learnt from the accept frame): whether
+    it is really its request's is proved by its admission ticket in the ratelimit stage,
+    which gives any attempt it cannot prove an id of its own."""
+    return value if value and _OUR_ID.fullmatch(value) else None
 
 
 def now_ns() -> int:

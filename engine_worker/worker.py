@@ -784,22 +784,23 @@ class Worker(Service):
 
     async def _admit(self, msg: Msg) -> _Generation | None:
         """The request to serve, or None once its refusal went back in the ack."""
-        if reply_subject(msg, service="worker", log=self.log) in self._active:
+        # Once per message: a reply subject refused is counted and logged once.
+        reply = reply_subject(msg, service="worker", log=self.log)
+        if reply in self._active:
             # The same dispatch again: its ack was lost while the bus stalled, and the router
             # asked again (router/dispatch.py). It runs already: acknowledged, not run twice.
             await self._ack(msg, None)
             return None
         try:
-            return self._screen(msg)
+            return self._screen(msg, reply)
         except E.TokenbusError as err:
             await self._ack(msg, err)
             if tracing.on():
                 _trace_refused(err)
             return None
 
-    def _screen(self, msg: Msg) -> _Generation:
+    def _screen(self, msg: Msg, reply: str | None) -> _Generation:
         """Decode the request if this replica can take it; raise the typed refusal if not."""
-        reply = reply_subject(msg, service="worker", log=self.log)
         if self.draining:
             raise E.ReplicaDraining(f"replica {self.replica} is draining")
         if marks.expired(msg.headers):

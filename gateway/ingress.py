@@ -11,7 +11,7 @@ from bus_schemas import codec, marks, subjects
 from bus_schemas import errors as E
 from bus_schemas import headers as H
 from gateway import validation
-from gateway.validation import client_label, gateway_id, new_request_id
+from gateway.validation import client_label
 from jobs.background import BackgroundState
 from jobs.batches import BatchState
 from jobs.response_store import ResponsesState
@@ -112,7 +112,7 @@ class Admission:
         label = client_label(given) if given != request_id else None
         if label and H.CLIENT_REQUEST_ID not in hdrs:
             hdrs[H.CLIENT_REQUEST_ID] = label
-        rid = request_id or new_request_id()
+        rid = request_id or marks.new_request_id()
         hdrs[H.REQUEST_ID] = rid
         # Bounded in time whatever the client asked: every stage and the worker read this.
         cap = marks.now_ms() + self.max_request_ms
@@ -201,7 +201,7 @@ class Ingress(Service):
         # A new request gets an id of ours; a migration keeps the one it was given (proved,
         # or replaced, by its ticket in the ratelimit stage), so its records stay one row.
         again = marks.attempt(hdrs.get(H.MIGRATION)) > 0
-        rid = gateway_id(hdrs.get(H.REQUEST_ID)) if again else None
+        rid = marks.our_request_id(hdrs.get(H.REQUEST_ID)) if again else None
         env = self.admission.admit(kind, req, body, hdrs, t1, request_id=rid)
         if tracing.on():
             tracing.set_attributes(

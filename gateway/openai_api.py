@@ -26,6 +26,7 @@ from typing import Any, Protocol
 
 from bus_schemas import errors as E
 from bus_schemas import headers as H
+from bus_schemas import marks
 from bus_schemas.messages import ChatCompletionRequest, CompletionRequest
 from bus_schemas.subjects import KIND_CHAT, KIND_COMPLETIONS, KIND_EMBEDDINGS
 from gateway import validation
@@ -62,7 +63,7 @@ from gateway.sse import (
     usage_of,
     write_sse,
 )
-from gateway.validation import Choosing, client_label, new_request_id
+from gateway.validation import Choosing, client_label
 from jobs.inprocess import BACKGROUND, PRINCIPAL, RERUN, TIMEOUT
 from services import logging as tlog
 from services import tracing
@@ -237,7 +238,7 @@ class OpenAIApp(RouteTable):
             call.kind,
             req,
             call.body,
-            request_id=call.bus_rid or call.rid,
+            request_id=call.bus_rid,
             timeout=call.timeout or self.timeout,
             headers=call.hdrs,
             principal=call.principal,
@@ -265,8 +266,7 @@ class OpenAIApp(RouteTable):
         it (docs/openai-api.md)."""
         streams: list[StreamLike] = []
         for i, (one, body) in enumerate(parts):
-            bus = call.bus_rid or call.rid
-            rid = bus if len(parts) == 1 else f"{bus}-{i}"
+            rid = call.bus_rid if len(parts) == 1 else f"{call.bus_rid}-{i}"
             stream = self.source.open(
                 call.kind,
                 one,
@@ -305,7 +305,7 @@ class OpenAIApp(RouteTable):
         # The request's id on the bus is ours, unique per request (issue 64: limits, holds
         # and charges are keyed by it); the client's X-Request-Id is a label, echoed back.
         label = client_label(header(scope, b"x-request-id"))
-        bus_rid = new_request_id()
+        bus_rid = marks.new_request_id()
         rid = label or bus_rid
         progress = Progress(scope.get(RECEIVED_NS) or time.time_ns())
         # The duration counts from the first byte (t1), on the monotonic clock from here on.
@@ -374,7 +374,7 @@ class Call:
     span: Any
     receive: Receive
     now: BodyNow | None  # writes body pieces without ``send`` (the bridge's own server)
-    bus_rid: str = ""  # the request's id on the bus (``rid`` is what the client is shown)
+    bus_rid: str  # the request's id on the bus (``rid`` is what the client is shown)
     body: Any = None
     stream: StreamLike | None = None
     more: list[StreamLike] = field(default_factory=list)  # a request's other streams

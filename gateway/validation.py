@@ -9,12 +9,12 @@ carries every other field to the engine unchanged (:func:`bus_schemas.messages.c
 from __future__ import annotations
 
 import re
-import uuid
 from typing import Any
 
 from pydantic import ValidationError
 
 from bus_schemas import errors as E
+from bus_schemas import marks
 from bus_schemas.messages import (
     MAX_PROMPTS,
     SCHEMA_VERSION,
@@ -169,27 +169,10 @@ _SAFE_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 
 def clean_request_id(value: str | None) -> str:
     """The caller's request id when it is a short, plain token; a fresh one otherwise."""
-    return client_label(value) or new_request_id()
+    return client_label(value) or marks.new_request_id()
 
 
 def client_label(value: str | None) -> str | None:
     """The caller's own request id when it is a short, plain token (a label for its logs and
     the response header), else None."""
     return value if value and _SAFE_ID.fullmatch(value) else None
-
-
-_GATEWAY_ID = re.compile(r"[0-9a-f]{32}")
-
-
-def gateway_id(value: str | None) -> str | None:
-    """``value`` when it has the shape of an id the gateway makes (:func:`new_request_id`),
-    else None. Only a migration may name one (the id its caller learnt from the accept
-    frame): whether it is really its request's is proved by its admission ticket in the
-    ratelimit stage, which gives any attempt it cannot prove an id of its own."""
-    return value if value and _GATEWAY_ID.fullmatch(value) else None
-
-
-def new_request_id() -> str:
-    """A request id of the gateway's own, unique per admission: what slots, holds, tickets
-    and charges are keyed by (bus_schemas.headers.REQUEST_ID)."""
-    return uuid.uuid4().hex

@@ -522,7 +522,7 @@ class BatchState:
             out["batch"] = await store.cancel(str(ident), owner)
         else:
             raise E.NotFound(f"no batches action {action!r}")
-        await self.nc.publish(str(msg.reply), codec.encode(out))
+        await self.nc.publish(msg.reply, codec.encode(out))
 
 
 async def create_batch(

@@ -218,6 +218,25 @@ async def test_a_reply_subject_cannot_write_another_tenants_state(stack: Stack) 
         assert out.usage.completion_tokens == 2
 
 
+async def _answered(tb: Client, key: str, body: dict[str, Any], **kw: Any) -> Any:
+    """One chat request of ``key`` read to its end; its stream (usage, ticket, ids)."""
+    stream = tb.submit("chat", body, api_key=key, **kw)
+    async for _ in stream:
+        pass
+    return stream
+
+
+async def _lowered_resume(tb: Client, key: str, body: dict[str, Any], first: Any) -> Any:
+    """The attack: another attempt with ``first``'s real ticket, claiming it got nothing."""
+    return await _answered(
+        tb,
+        key,
+        {**body, "resume": {"text": "", "tokens": 0}},
+        request_id=first.request_id,  # as a real migration sends it
+        headers={H.MIGRATION: "1", H.ADMISSION: first._admission},
+    )
+
+
 async def test_a_caller_cannot_lower_what_an_attempt_was_charged(stack: Stack) -> None:
     """A NATS client takes its first answer (8 tokens), then sends a second attempt with
     that attempt's real admission ticket and ``resume.tokens: 0``: the first attempt is
@@ -227,20 +246,10 @@ async def test_a_caller_cannot_lower_what_an_attempt_was_charged(stack: Stack) -
     before = await stack.settled_spend(key_id)
     body = {"model": MODEL, "messages": MSG, "max_tokens": 8, "ignore_eos": True}
     async with await Client.connect(stack.bus.url, api_key=key) as tb:
-        first = tb.submit("chat", body, api_key=key)
-        async for _ in first:
-            pass
-        ticket = first._admission
-        assert ticket and first.usage is not None and first.usage.completion_tokens == 8
-        second = tb.submit(
-            "chat",
-            {**body, "resume": {"text": "", "tokens": 0}},
-            api_key=key,
-            request_id=first.request_id,  # as a real migration sends it
-            headers={H.MIGRATION: "1", H.ADMISSION: ticket},
-        )
-        async for _ in second:
-            pass
+        first = await _answered(tb, key, body)
+        assert first._admission and first.usage is not None
+        assert first.usage.completion_tokens == 8
+        second = await _lowered_resume(tb, key, body, first)
         assert second.usage is not None
         total = first.usage.completion_tokens + second.usage.completion_tokens
     cost = before + total * PRICE["output"]
@@ -263,21 +272,10 @@ async def test_a_ticket_supersedes_once(stack: Stack) -> None:
     before = await stack.settled_spend(key_id)
     body = {"model": MODEL, "messages": MSG, "max_tokens": 4, "ignore_eos": True}
     async with await Client.connect(stack.bus.url, api_key=key) as tb:
-        first = tb.submit("chat", body, api_key=key)
-        async for _ in first:
-            pass
-        ticket = first._admission
+        first = await _answered(tb, key, body)
         got = 4
         for _ in range(2):
-            again = tb.submit(
-                "chat",
-                {**body, "resume": {"text": "", "tokens": 0}},
-                api_key=key,
-                request_id=first.request_id,
-                headers={H.MIGRATION: "1", H.ADMISSION: ticket},
-            )
-            async for _ in again:
-                pass
+            again = await _lowered_resume(tb, key, body, first)
             assert again.usage is not None
             got += again.usage.completion_tokens
     cost = before + got * PRICE["output"]
