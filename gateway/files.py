@@ -98,7 +98,7 @@ class FilesAPI:
             owner = self._owner(scope)
             body = await read_bytes(scope, receive, self.settings.max_file_bytes, 300.0)
             filename, purpose, data = parse_upload(header(scope, b"content-type") or "", body)
-            await send_json(send, 200, await self.store.put(owner, filename, purpose, data))
+            await send_json(send, 200, await self.store.upload(owner, filename, purpose, data))
         except E.TokenbusError as exc:
             await send_error(send, exc)
 

@@ -503,7 +503,7 @@ class BatchState:
                 raise E.PayloadTooLarge(
                     f"the file is larger than {self.settings.files.max_file_bytes} bytes"
                 )
-            out["file"] = await files.put(owner, name[:255], purpose, data)
+            out["file"] = await files.upload(owner, name[:255], purpose, data)
         elif action == "file_get":
             out["file"] = await files.get(str(ident), owner)
         elif action == "file_content":

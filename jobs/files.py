@@ -5,7 +5,8 @@ A file is an object named by its id in the bucket ``tokenbus_files``; its OpenAI
 key that uploaded it (empty where the pipeline checks no keys), are the object's
 description. A read, a download or a delete by another key is answered exactly as for an id
 that does not exist (404). The bucket has a TTL (``files.ttl_s``) and a size bound
-(``files.max_bytes``); one upload is bounded by ``files.max_file_bytes``. Every bridge
+(``files.max_bytes``); one upload is bounded by ``files.max_file_bytes``, and what one key's
+uploads hold at once by ``files.max_bytes_per_key`` (:meth:`FileStore.upload`). Every bridge
 process shares the bucket, so a file uploaded through one is read through any.
 
 Users upload ``purpose: batch`` files (a batch's input, through :mod:`gateway.files` or
@@ -103,6 +104,20 @@ class FileStore:
         except Exception as exc:
             raise _store_error(exc) from None
         return obj
+
+    async def upload(self, owner: str, filename: str, purpose: str, data: bytes) -> dict[str, Any]:
+        """A user's upload: :meth:`put` once the key's files and ``data`` fit its share of
+        the store (``files.max_bytes_per_key``; 429 ``insufficient_quota`` otherwise). An
+        open deployment's uploads (owner ``""``) share the store's own bound only."""
+        if owner:
+            held = sum(int(f.get("bytes") or 0) for f in await self.list(owner))
+            most = self.settings.max_bytes_per_key
+            if held + len(data) > most:
+                raise E.InsufficientQuota(
+                    f"this key's files hold {held} bytes of the {most} it may keep; delete "
+                    f"files (DELETE /v1/files/{{id}}) before uploading {len(data)} more"
+                )
+        return await self.put(owner, filename, purpose, data)
 
     async def _info(self, file_id: str, owner: str) -> dict[str, Any]:
         try:

@@ -746,6 +746,15 @@ class FilesSettings(BaseModel):
         "responses.max_bytes and telemetry.stream_max_bytes it must leave room there "
         "(the NATS volume of 10Gi on Kubernetes; docs/deploy.md, backup section).",
     )
+    max_bytes_per_key: int = Field(
+        default=1 << 30,
+        ge=1024,
+        description="What one API key's uploads may hold in the store at once: past it its "
+        "uploads are refused (429 insufficient_quota) until it deletes files or they expire, "
+        "so one tenant cannot fill the store the others share. Batch output files the store "
+        "writes for a key are not refused. Checked at each upload: uploads in flight at once "
+        "may pass it by their own sizes.",
+    )
 
 
 class BatchSettings(BaseModel):

@@ -44,6 +44,8 @@ ENV = {
     # A runner killed mid-line hands its lines on after 3 s (60 s by default).
     "TOKENBUS_BATCHES__ACK_WAIT_S": "3",
     "TOKENBUS_FILES__MAX_FILE_BYTES": "2000000",
+    # What one key's files may hold at once (test_one_key_cannot_fill_the_file_store).
+    "TOKENBUS_FILES__MAX_BYTES_PER_KEY": "3000000",
 }
 
 
@@ -168,6 +170,37 @@ async def test_bad_uploads_are_clear_errors(oai: openai.AsyncOpenAI, env: Env) -
         assert r.status_code == 400 and r.json()["error"]["param"] == "file"
     async with env.stack.http("/v1") as h:  # no key
         assert (await h.get("/files")).status_code == 401
+
+
+async def test_one_key_cannot_fill_the_file_store(
+    nats_server: NatsServer, other: openai.AsyncOpenAI, env: Env
+) -> None:
+    """A tenant uploading file after file is refused past its share of the store (429
+    insufficient_quota), over HTTP and over NATS alike; another key still uploads, and
+    deleting a file makes room again."""
+    from bus_schemas import errors as E
+    from tokenbus import Client
+
+    async with key_store(nats_server.url) as keys:
+        hog, _ = await keys.create("batches-hog")
+    big = b"x" * 1_900_000
+    async with env.stack.openai(hog) as h:
+        first = await h.files.create(file=("a.jsonl", big), purpose="batch")
+        with pytest.raises(openai.RateLimitError) as exc:
+            await h.files.create(file=("b.jsonl", big), purpose="batch")
+        assert exc.value.code == "insufficient_quota" and "delete" in exc.value.message
+        assert [f.id async for f in h.files.list()] == [first.id]
+        async with await Client.connect(env.procs.url, api_key=hog) as tb:
+            fits = await tb.files_create(b"y" * 900_000, "c.jsonl")  # 2.8 MB held
+            with pytest.raises(E.InsufficientQuota):
+                await tb.files_create(b"y" * 900_000, "d.jsonl")
+            await tb.files_delete(fits["id"])
+        # Another key is not charged for the hog's files.
+        mine = await other.files.create(file=("c.jsonl", big), purpose="batch")
+        await other.files.delete(mine.id)
+        await h.files.delete(first.id)
+        again = await h.files.create(file=("b.jsonl", big), purpose="batch")
+        await h.files.delete(again.id)
 
 
 # -- batches ------------------------------------------------------------------------------
