@@ -38,10 +38,9 @@ WATCHDOG_INTERVAL_S = 0.25
 # replica with the prompt and the text already received, at most this many times.
 MAX_MIGRATIONS = 3
 # How long a request waits for a broken NATS connection to come back before it is refused:
-# when the server went away (refused, closed), and when it stopped answering (a stall, which
-# usually ends: a paused VM, a partition healing), the latter within the request's deadline.
+# when the server went away (refused, closed); when it stopped answering (a stall, which
+# usually ends: a paused VM, a partition healing), until a second before its deadline.
 RECONNECT_WAIT_S = 1.0
-STALL_WAIT_S = 15.0
 # "No responders" for a request (no ingress listening): sent again this many times, after
 # 0.1, 0.2, 0.4, 0.8 s; nothing was done with it, so it is safe.
 NO_RESPONDERS_RETRIES = 4
@@ -951,7 +950,7 @@ class Stream:
 
     def _stall_wait(self) -> float:
         left = (self._deadline or time.time() + self._timeout) - time.time()
-        return max(RECONNECT_WAIT_S, min(STALL_WAIT_S, left - 1.0))
+        return max(RECONNECT_WAIT_S, left - 1.0)
 
     def _accept_overdue(self, now: float) -> bool:
         return (

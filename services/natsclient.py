@@ -247,7 +247,9 @@ class Client(NATS):
             if isinstance(exc, ConnectionRefusedError):
                 self.stalled_at = None  # nobody listens there: down, not stalled
             raise
-        self.stalled_at = None
+        # A socket that connects is no sign the stall is over: a paused nats-server's
+        # kernel still accepts connections into its listen queue, and nothing answers
+        # them. Only a login that completes ends it (:meth:`_process_connect_init`).
 
     def stalled(self) -> bool:
         """Whether this connection is down because its server stopped answering (pings
@@ -271,6 +273,7 @@ class Client(NATS):
                 self.refusals_forgiven += 1
             raise
         self._quiet_s = 1.5 * float(self.options.get("ping_interval") or 0)
+        self.stalled_at = None
         self.heard_at = time.monotonic()
         if self.logged_in:  # a reconnect: the bus is heard again
             self.resumed_at = self.heard_at
@@ -426,10 +429,14 @@ def resumed_within(nc: Any, seconds: float) -> bool:
     return isinstance(nc, Client) and time.monotonic() - nc.resumed_at < seconds
 
 
-# The longest silence of the bus that is not counted against others: a stall (the server
-# stopped answering), and the server gone (refused or closed the connection: a restart
+# The longest silence of the bus that is not counted against others: a quiet server this
+# connection is still connected to (its pings drop the connection within a few seconds,
+# and then it is a stall), and the server gone (refused or closed the connection: a restart
 # usually comes back within seconds). Past it silence counts again, so nothing waits on a
-# bus that does not come back.
+# bus that does not come back. A stall (the connection dropped for a server that stopped
+# answering, and no login since) counts none at all: a paused server or a partition that
+# heals finds every stream where it was, and what bounds the wait is each request's own
+# deadline (issue 65).
 STALL_GRACE_S = 15.0
 DOWN_GRACE_S = 5.0
 
@@ -438,14 +445,18 @@ def silent_for(nc: Any, t: float, now: float) -> float:
     """How long someone last heard at ``t`` (a replica's heartbeat) has been silent while
     the bus was heard: to when the server was last heard (a message, a ping's answer: at
     least once a ping interval; at most :data:`STALL_GRACE_S`, or :data:`DOWN_GRACE_S` for a
-    server gone, back), from when it was heard again after a silence. A stalled or
+    server gone, back; no limit during a stall), from when it was heard again after a
+    silence. A stalled or
     restarting server, or this connection reconnecting, is not everyone else dying at once;
     when the server is heard, whoever is late is late. On a connection that is not
     :class:`Client`, ``now - t``."""
     if not isinstance(nc, Client):
         return now - t
-    grace = STALL_GRACE_S if nc.is_connected or nc.stalled() else DOWN_GRACE_S
-    end = min(now, max(nc.heard_at, now - grace))
+    if nc.stalled():
+        end = min(now, nc.heard_at)
+    else:
+        grace = STALL_GRACE_S if nc.is_connected else DOWN_GRACE_S
+        end = min(now, max(nc.heard_at, now - grace))
     return max(0.0, end - max(t, nc.resumed_at))
 
 

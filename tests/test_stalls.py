@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import nats
 import openai
 import pytest
@@ -33,6 +34,7 @@ from tests import netns
 from tests.conftest import (
     NatsServer,
     Procs,
+    child_matching,
     free_port,
     spawn_nats,
     stack,
@@ -372,6 +374,161 @@ async def test_streams_ride_out_a_paused_nats_server(
             assert procs.all_alive()
     finally:
         srv.stop()
+
+
+class _NatsLoad:
+    """``clients`` closed-loop ``tokenbus.Client`` streams over NATS, one connection each,
+    logged in with ``key``, until :meth:`stop`; the outcomes as :class:`_Load`'s."""
+
+    def __init__(self, tbs: list[Client], model: str, want: str | None) -> None:
+        self.outcomes: Counter[str] = Counter()
+        self.errors: list[str] = []
+        self._stopping = asyncio.Event()
+
+        async def client(tb: Client) -> None:
+            while not self._stopping.is_set():
+                try:
+                    got = [f.text async for f in tb.chat(model, PROMPT, max_tokens=48, timeout=60)]
+                except E.TokenbusError as exc:
+                    self.outcomes[exc.code] += 1
+                    self.errors.append(repr(exc)[:300])
+                    continue
+                self.outcomes["ok" if "".join(got) == want else "wrong_text"] += 1
+
+        self._task = asyncio.gather(*(client(tb) for tb in tbs))
+
+    async def served(self, more: int, what: str) -> None:
+        target = self.outcomes["ok"] + more
+        await wait_for(lambda: self.outcomes["ok"] >= target, timeout=60, what=what)
+
+    async def stop(self) -> None:
+        self._stopping.set()
+        await self._task
+
+
+def _start_up(args: list[str], env: dict[str, str], log: Any) -> subprocess.Popen[bytes]:
+    """`tokenbus ARGS` started, its output to ``log``."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "tokenbus.cli", *args], env=env, stdout=log, stderr=log
+    )
+
+
+def _reconnect_tries(tb: Client) -> int:
+    """How many times ``tb``'s connection has tried its server since it last logged in."""
+    return max((srv.reconnects for srv in tb.nc._server_pool), default=0)
+
+
+def _logged(logs: Path, pattern: str, event: str) -> bool:
+    """Whether every log file matching ``pattern`` has a line of ``event``."""
+    files = sorted(logs.glob(pattern))
+    return bool(files) and all(f'"event": "{event}"' in f.read_text() for f in files)
+
+
+async def test_the_stack_users_start_rides_out_a_paused_nats_server(
+    tmp_path: Path, paused: list[int]
+) -> None:
+    """Issue 65's shape: `tokenbus up --workers 2 --bridge-processes 2` (the locked bus, every
+    stage), 8 streaming HTTP clients and 4 `tokenbus.Client` NATS clients back to back, and
+    the only nats-server paused until every bridge and worker has taken it for gone; requests
+    start during the pause too. Before the fix, every stream that spanned the pause ended with
+    ``replica_lost`` and the NATS clients' new requests got 503: a paused server's kernel
+    still accepts connections, and a socket that connected was taken for the stall's end."""
+    port, nats_port = free_port(), free_port()
+    data = tmp_path / "up"
+    args = ["up", "--port", str(port), "--nats-port", str(nats_port), "--data-dir", str(data)]
+    args += ["--workers", "2", "--bridge-processes", "2", "--sim-decode-ms", "20"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TOKENBUS_")}
+    log = open(tmp_path / "up.log", "wb")  # noqa: SIM115 - closed below
+    proc = _start_up(args, env, log)
+    tbs: list[Client] = []
+    try:
+        key_file = data / "dev-key"
+        await wait_for(key_file.exists, timeout=90, what="no dev key written")
+        key = key_file.read_text().strip()
+        oai = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, max_retries=0)
+
+        async def ready() -> bool:
+            with contextlib.suppress(openai.APIError, httpx.HTTPError):
+                ref = await oai.chat.completions.create(
+                    model="tokenbus-sim", messages=PROMPT, max_tokens=48
+                )
+                want.append(ref.choices[0].message.content)
+            return bool(want)
+
+        want: list[str | None] = []
+        deadline = time.monotonic() + 90
+        while not await ready():
+            assert proc.poll() is None and time.monotonic() < deadline, "the stack did not serve"
+            await asyncio.sleep(0.2)
+        tbs = [await Client.connect(f"nats://127.0.0.1:{nats_port}", api_key=key) for _ in range(4)]
+        http = _Load(oai, "tokenbus-sim", want[0], 8, max_tokens=48)
+        bus = _NatsLoad(tbs, "tokenbus-sim", want[0])
+        await http.served(8, "the HTTP load did not start")
+        await bus.served(4, "the NATS load did not start")
+        nats_pid = child_matching(proc.pid, "nats-server")
+        assert nats_pid is not None
+        pause(paused, nats_pid)
+        logs = data / "logs"
+        await wait_for(
+            lambda: (
+                _logged(logs, "bridge-*.log", "nats_disconnected")
+                and _logged(logs, "worker-*.log", "nats_disconnected")
+            ),
+            timeout=30,
+            what="the bridges and workers did not take the paused server for gone",
+        )
+        # A paused server's kernel still accepts connections: once the NATS clients have
+        # tried one (it connected, and nothing answered), requests start while it is paused.
+        # They wait for it, within their deadlines.
+        await wait_for(
+            lambda: all(_reconnect_tries(tb) >= 1 for tb in tbs),
+            timeout=30,
+            what="the NATS clients did not try to reconnect",
+        )
+        late_http = [
+            asyncio.create_task(
+                oai.chat.completions.create(
+                    model="tokenbus-sim", messages=PROMPT, max_tokens=48, timeout=60
+                )
+            )
+            for _ in range(2)
+        ]
+        late_nats = [
+            asyncio.create_task(
+                tbs[0].chat_completion("tokenbus-sim", PROMPT, max_tokens=48, timeout=60)
+            )
+        ]
+        # Paused until every client has tried again twice more (about 8 s: nats-py waits
+        # its connect timeout for a server that accepted the socket): before the fix, that
+        # long a pause cut every stream that spanned it.
+        await wait_for(
+            lambda: all(_reconnect_tries(tb) >= 3 for tb in tbs),
+            timeout=60,
+            what="the NATS clients did not keep trying",
+        )
+        os.kill(nats_pid, signal.SIGCONT)
+        await http.served(8, "HTTP was not served after the pause")
+        await bus.served(4, "NATS was not served after the pause")
+        await http.stop()
+        await bus.stop()
+        late = [r.choices[0].message.content for r in await asyncio.gather(*late_http)]
+        late += [c.text for c in await asyncio.gather(*late_nats)]
+        print(f"\npaused under load: http {dict(http.outcomes)}, nats {dict(bus.outcomes)}")
+        assert late == [want[0]] * 3
+        for load in (http, bus):
+            assert load.outcomes["ok"] == sum(load.outcomes.values()), (
+                load.outcomes,
+                load.errors[:3],
+            )
+    finally:
+        for tb in tbs:
+            with contextlib.suppress(Exception):
+                await tb.close()
+        for pid in paused:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+        stop_process(proc, 60)
+        log.close()
 
 
 async def test_the_watchdog_restarts_a_paused_process(

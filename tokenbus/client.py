@@ -91,6 +91,10 @@ class Client(Caller):
         tracing.setup("client")
         options.setdefault("name", "tokenbus-client")
         options.setdefault("max_reconnect_attempts", -1)
+        # As the services' connections: a server back from a pause or a restart is found
+        # within half a second (nats-py's 2 s between tries to one server kept a stream that
+        # rode out a stall waiting up to 4 s more after it).
+        options.setdefault("reconnect_time_wait", 0.5)
         options.setdefault("dont_randomize", True)  # several URLs: the first is preferred
         holder: list[Client] = []
 
