@@ -103,6 +103,11 @@ class KeyStore:
                 out.append(await self.get(key_id))
         return sorted(out, key=lambda r: r.created_at)
 
+    def records(self) -> list[KeyRecord]:
+        """Every key this store has followed (revoked ones too), oldest first: no reads, for
+        listings of many keys (:meth:`list` reads the bucket)."""
+        return sorted(self._cache.values(), key=lambda r: r.created_at)
+
     async def update(
         self,
         key_id: str,
