@@ -11,6 +11,7 @@ cannot be. Without an actor (tests, internal tools) nothing is recorded.
 from __future__ import annotations
 
 import asyncio
+import builtins
 import contextlib
 import time
 from typing import Any
@@ -103,7 +104,7 @@ class KeyStore:
                 out.append(await self.get(key_id))
         return sorted(out, key=lambda r: r.created_at)
 
-    def records(self) -> list[KeyRecord]:
+    def records(self) -> builtins.list[KeyRecord]:  # (``list`` is a method here)
         """Every key this store has followed (revoked ones too), oldest first: no reads, for
         listings of many keys (:meth:`list` reads the bucket)."""
         return sorted(self._cache.values(), key=lambda r: r.created_at)

@@ -241,12 +241,15 @@ const COLORS = ["#0b57d0", "#c5221f", "#188038", "#e37400", "#8430ce", "#007b83"
 
 function measure(row, m) { return m === "tokens" ? row.prompt_tokens + row.completion_tokens : row[m]; }
 
-function chart(data, m, bucketS) {
+function chart(data, m, bucketS, since) {
   const box = $("spend-chart");
   box.replaceChildren();
   if (!data.length) { box.append(el("p", { class: "note" }, "No usage in this period.")); return; }
   const keys = [...new Set(data.map((r) => r.key_id))].slice(0, COLORS.length);
-  const times = [...new Set(data.map((r) => r.t))].sort((a, b) => a - b);
+  // One slot per bucket from the start of the period to now: time reads left to right.
+  const first = Math.floor(since / bucketS) * bucketS;
+  const times = [];
+  for (let t = first; t <= Date.now() / 1000; t += bucketS) times.push(t);
   const by = new Map();
   for (const r of data) {
     const k = keys.includes(r.key_id) ? r.key_id : null;
@@ -267,14 +270,15 @@ function chart(data, m, bucketS) {
     svg.append(e);
     return e;
   };
-  const bw = Math.max(2, (W - L - 10) / Math.max(times.length, 1) - 2);
+  const bw = Math.max(1, (W - L - 10) / Math.max(times.length, 1) - 1);
   times.forEach((t, i) => {
     let y = H - B;
     keys.forEach((k, j) => {
       const v = by.get(`${t}|${k}`) || 0;
       const h = (v / max) * (H - B - T);
       y -= h;
-      const r = add("rect", { x: L + i * (bw + 2), y, width: bw, height: h, fill: COLORS[j] });
+      if (!v) return;
+      const r = add("rect", { x: L + i * (bw + 1), y, width: bw, height: h, fill: COLORS[j] });
       const when = new Date(t * 1000).toISOString().slice(0, bucketS >= 86400 ? 10 : 16).replace("T", " ");
       const title = document.createElementNS(ns, "title");
       title.textContent = `${when} ${k}: ${v}`;
@@ -301,7 +305,7 @@ async function loadSpend() {
   const since = $("spend-since").value, bucket = $("spend-bucket").value;
   $("spend-csv").href = `/console/api/usage?since=${since}&bucket=${bucket}&format=csv`;
   const u = await api("GET", `usage?since=${since}&bucket=${bucket}`);
-  chart(u.data, $("spend-measure").value, u.bucket_s);
+  chart(u.data, $("spend-measure").value, u.bucket_s, u.since);
   const sums = new Map();
   for (const r of u.data) {
     const id = `${r.key_id}|${r.model}`;
