@@ -37,6 +37,9 @@ class KeyStore:
         self._cache: dict[str, KeyRecord] = {}
         self._missed: dict[str, float] = {}  # key id -> when a read found none (catch_up)
         self._follow: buckets.Follow | None = None
+        # Entries applied from the bucket so far: tells a watcher (the console's feed) that
+        # something changed without it comparing every record.
+        self.changes = 0
 
     async def open(self, *, watch: bool = True) -> KeyStore:
         self.kv = await buckets.open_kv(self.nc.jetstream(), self.bucket)
@@ -50,6 +53,7 @@ class KeyStore:
             await self._follow.close()
 
     def _apply(self, entry: Any) -> None:
+        self.changes += 1
         if entry.operation in ("DEL", "PURGE") or not entry.value:
             self._cache.pop(entry.key, None)
             return

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import csv
+import fnmatch
 import io
 import json
 import os
 import shutil
 import signal
+import tomllib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -485,3 +487,13 @@ async def test_in_chromium_log_in_create_use_see_and_revoke_a_key(env: Env, tmp_
                 shutil.copyfile(shots / f"{page}.png", ROOT / "docs" / "console" / f"{page}.png")
     finally:
         driver.quit()
+
+
+def test_the_page_ships_as_package_data() -> None:
+    # A non-editable install (the images, `pip install tokenbus`) has the console's files.
+    meta = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    globs = meta["tool"]["setuptools"]["package-data"]["gateway"]
+    files = sorted((ROOT / "gateway" / "console_static").iterdir())
+    assert {"index.html", "app.js", "style.css"} <= {f.name for f in files}
+    for f in files:
+        assert any(fnmatch.fnmatch(f"console_static/{f.name}", g) for g in globs), f.name
