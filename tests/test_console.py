@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import signal
+import time
 import tomllib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -23,6 +24,8 @@ from typing import Any
 import httpx
 import pytest
 
+from auth.keys import KeyRecord
+from gateway.console_session import Session, Sessions
 from tests.conftest import (
     ROOT,
     NatsServer,
@@ -497,3 +500,18 @@ def test_the_page_ships_as_package_data() -> None:
     assert {"index.html", "app.js", "style.css"} <= {f.name for f in files}
     for f in files:
         assert any(fnmatch.fnmatch(f"console_static/{f.name}", g) for g in globs), f.name
+
+
+def test_the_cookie_is_secure_over_tls_and_never_holds_the_key() -> None:
+    # The bridge sets Secure where it serves HTTPS (scope scheme "https"); the flags of both
+    # the session's cookie and the one that clears it.
+    rec = KeyRecord(id="0123456789ab", name="k", hash="0" * 64, admin=True)
+    s = Session(rec, "admin", time.time() + 60, "n" * 32, "c" * 32)
+    sessions = Sessions(None, None)  # type: ignore[arg-type]  # no bus needed for cookies
+    for secure in (True, False):
+        for cookie in (sessions.cookie("tok", s, secure), Sessions.clear_cookie(secure)):
+            text = cookie.decode()
+            assert "HttpOnly" in text and "SameSite=Strict" in text and "Path=/console" in text
+            assert ("; Secure" in text) is secure, text
+    assert "Max-Age=0" in Sessions.clear_cookie(True).decode()
+    assert 50 <= int(sessions.cookie("tok", s, True).decode().split("Max-Age=")[1][:2]) <= 60
