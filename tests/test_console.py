@@ -455,6 +455,19 @@ async def test_in_chromium_log_in_create_use_see_and_revoke_a_key(env: Env, tmp_
             lambda: driver.find_elements(By.CSS_SELECTOR, "#spend-chart svg rect"),
             what="the spend chart",
         )
+        # That key alone, against its $25 budget: the hard budget's line and the running total.
+        box = driver.find_element(By.ID, "spend-key")
+        box.send_keys(key_id)
+        box.send_keys("\n")
+        driver.find_element(By.ID, "spend-refresh").click()
+        await wait_for(
+            lambda: (
+                driver.find_elements(By.CSS_SELECTOR, "#spend-chart line[data-budget='hard']")
+                and driver.find_elements(By.CSS_SELECTOR, "#spend-chart polyline[data-running]")
+            ),
+            what="the key's budget line",
+        )
+        assert "hard budget $25 per month" in text("#spend-budget")
         driver.save_screenshot(str(shots / "spend.png"))
         driver.find_element(By.CSS_SELECTOR, "nav a[data-page='replicas']").click()
         await wait_for(

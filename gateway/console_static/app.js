@@ -241,7 +241,7 @@ const COLORS = ["#0b57d0", "#c5221f", "#188038", "#e37400", "#8430ce", "#007b83"
 
 function measure(row, m) { return m === "tokens" ? row.prompt_tokens + row.completion_tokens : row[m]; }
 
-function chart(data, m, bucketS, since) {
+function chart(data, m, bucketS, since, floor = 0) {
   const box = $("spend-chart");
   box.replaceChildren();
   if (!data.length) { box.append(el("p", { class: "note" }, "No usage in this period.")); return; }
@@ -258,7 +258,7 @@ function chart(data, m, bucketS, since) {
     by.set(id, (by.get(id) || 0) + measure(r, m));
   }
   const totals = times.map((t) => keys.reduce((s, k) => s + (by.get(`${t}|${k}`) || 0), 0));
-  const max = Math.max(...totals, 1e-9);
+  const max = Math.max(...totals, floor, 1e-9); // floor: one key's budget, on this scale
   const W = 900, H = 240, L = 60, B = 24, T = 10;
   const ns = "http://www.w3.org/2000/svg";
   const svg = document.createElementNS(ns, "svg");
@@ -305,7 +305,16 @@ async function loadSpend() {
   const since = $("spend-since").value, bucket = $("spend-bucket").value;
   $("spend-csv").href = `/console/api/usage?since=${since}&bucket=${bucket}&format=csv`;
   const u = await api("GET", `usage?since=${since}&bucket=${bucket}`);
-  chart(u.data, $("spend-measure").value, u.bucket_s, u.since);
+  const only = $("spend-key").value.trim();
+  if (only) u.data = u.data.filter((r) => r.key_id === only);
+  let k = null;
+  if (only && $("spend-measure").value === "cost_usd") {
+    try { k = await api("GET", `keys/${encodeURIComponent(only)}`); } catch (e) { k = null; }
+  }
+  const total = u.data.reduce((s, r) => s + r.cost_usd, 0);
+  const top = k ? Math.max(total, k.budget_usd ?? 0, k.soft_budget_usd ?? 0) : 0;
+  chart(u.data, $("spend-measure").value, u.bucket_s, u.since, top);
+  budgetLines(only, k, u, top);
   const sums = new Map();
   for (const r of u.data) {
     const id = `${r.key_id}|${r.model}`;
@@ -323,7 +332,55 @@ async function loadSpend() {
   }
   if (u.truncated) say("Only the newest records were read: narrow the period for all of them.");
 }
+// One key's budget: its spend so far in the chart's period against the soft and hard
+// thresholds, as lines over a cumulative total (the budget's own period may be longer), all
+// on the chart's one scale (``top``).
+function budgetLines(keyId, k, u, top) {
+  const note = $("spend-budget");
+  note.textContent = "";
+  if (!keyId || !k) return;
+  if (k.budget_usd == null && k.soft_budget_usd == null) {
+    note.textContent = `Key ${keyId} has no budget.`;
+    return;
+  }
+  const total = u.data.reduce((s, r) => s + r.cost_usd, 0);
+  const svg = $("spend-chart").querySelector("svg");
+  const ns = "http://www.w3.org/2000/svg";
+  const parts = [`Key ${keyId}: $${total.toFixed(4)} in this view`];
+  const H = 240, B = 24, T = 10, L = 60, W = 900;
+  for (const [name, v, color] of [["hard", k.budget_usd, "#a4161a"], ["soft", k.soft_budget_usd, "#e37400"]]) {
+    if (v == null) continue;
+    parts.push(`${name} budget $${v} per ${k.budget_period}`);
+    if (!svg) continue;
+    const y = H - B - (v / top) * (H - B - T);
+    const line = document.createElementNS(ns, "line");
+    for (const [a, b] of Object.entries({ x1: L, x2: W - 5, y1: y, y2: y, stroke: color, "stroke-dasharray": "6 4", "data-budget": name })) line.setAttribute(a, b);
+    const label = document.createElementNS(ns, "text");
+    for (const [a, b] of Object.entries({ x: W - 120, y: y - 3 })) label.setAttribute(a, b);
+    label.textContent = `${name} $${v}`;
+    svg.append(line, label);
+  }
+  note.textContent = parts.join("; ") + ". The black line is the running total.";
+  if (svg) {
+    // The running total, on the same scale as the budget lines.
+    let run = 0;
+    const pts = [];
+    const byT = new Map();
+    for (const r of u.data) byT.set(r.t, (byT.get(r.t) || 0) + r.cost_usd);
+    const first = Math.floor(u.since / u.bucket_s) * u.bucket_s;
+    const n = Math.max(1, Math.ceil((Date.now() / 1000 - first) / u.bucket_s));
+    for (let i = 0; i < n; i++) {
+      run += byT.get(first + i * u.bucket_s) || 0;
+      pts.push(`${L + ((i + 1) / n) * (W - L - 10)},${H - B - (run / top) * (H - B - T)}`);
+    }
+    const poly = document.createElementNS(ns, "polyline");
+    for (const [a, b] of Object.entries({ points: `${L},${H - B} ` + pts.join(" "), fill: "none", stroke: "#1b1f24", "stroke-width": 2, "data-running": "1" })) poly.setAttribute(a, b);
+    svg.append(poly);
+  }
+}
+
 for (const id of ["spend-since", "spend-bucket", "spend-measure"]) $(id).addEventListener("change", () => loadSpend().catch((e) => say(e.message, true)));
+$("spend-key").addEventListener("change", () => loadSpend().catch((e) => say(e.message, true)));
 $("spend-refresh").addEventListener("click", () => loadSpend().catch((e) => say(e.message, true)));
 
 // -- replicas --------------------------------------------------------------------------
