@@ -11,6 +11,7 @@ cannot be. Without an actor (tests, internal tools) nothing is recorded.
 from __future__ import annotations
 
 import asyncio
+import builtins
 import contextlib
 import time
 from typing import Any
@@ -36,6 +37,9 @@ class KeyStore:
         self._cache: dict[str, KeyRecord] = {}
         self._missed: dict[str, float] = {}  # key id -> when a read found none (catch_up)
         self._follow: buckets.Follow | None = None
+        # Entries applied from the bucket so far: tells a watcher (the console's feed) that
+        # something changed without it comparing every record.
+        self.changes = 0
 
     async def open(self, *, watch: bool = True) -> KeyStore:
         self.kv = await buckets.open_kv(self.nc.jetstream(), self.bucket)
@@ -49,6 +53,7 @@ class KeyStore:
             await self._follow.close()
 
     def _apply(self, entry: Any) -> None:
+        self.changes += 1
         if entry.operation in ("DEL", "PURGE") or not entry.value:
             self._cache.pop(entry.key, None)
             return
@@ -102,6 +107,11 @@ class KeyStore:
             with contextlib.suppress(E.NotFound):
                 out.append(await self.get(key_id))
         return sorted(out, key=lambda r: r.created_at)
+
+    def records(self) -> builtins.list[KeyRecord]:  # (``list`` is a method here)
+        """Every key this store has followed (revoked ones too), oldest first: no reads, for
+        listings of many keys (:meth:`list` reads the bucket)."""
+        return sorted(self._cache.values(), key=lambda r: r.created_at)
 
     async def update(
         self,

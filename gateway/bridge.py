@@ -28,6 +28,7 @@ from gateway.admin_routing import RoutingAdmin
 from gateway.anthropic import MessagesAPI
 from gateway.asgi import HTTPLimits, HTTPServer, Receive, Scope, Send, serve
 from gateway.batches import BatchAPI
+from gateway.console import Console
 from gateway.files import FilesAPI
 from gateway.ingress import Admission
 from gateway.openai_api import OpenAIApp
@@ -328,10 +329,13 @@ class Bridge(Service):
         )
         api.add_prefix(ADMIN_PREFIX, self.admin)
         api.add_prefix(ADAPTERS_PREFIX, AdaptersAdmin(self.nc, self.admin, self.registry))
-        api.add_prefix(
-            ROUTING_PREFIX,
-            RoutingAdmin(self.nc, self.settings.router, self.admin, self.registry, self.aliases),
+        routing = RoutingAdmin(
+            self.nc, self.settings.router, self.admin, self.registry, self.aliases
         )
+        api.add_prefix(ROUTING_PREFIX, routing)
+        # The operator's console (docs/console.md), over the same admin handlers.
+        self.console = Console(self.admin, routing, self.registry, self.settings)
+        self.console.mount(api)
         # The Responses API, over the same source; its stored responses in JetStream KV.
         store = await open_store(self.nc, self.settings.responses)
         responses = ResponsesAPI(api, store, key_owner(keys))
@@ -444,6 +448,7 @@ class Bridge(Service):
         if not cfg.batches.enabled:
             return
         BatchAPI(store, files, key_owner(keys), cfg).mount(api)
+        self.console.batches = store
         if cfg.batches.run_lines:
             self.batch_runner = BatchRunner(self.nc, store, files, api, cfg.batches, handlers)
             await self.batch_runner.start()

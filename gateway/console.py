@@ -1,0 +1,482 @@
+"""The operator's console, served by the bridge at ``/console`` (docs/console.md).
+
+GET    /console                        the page (static HTML, JS modules and CSS of the
+                                       package's ``console_static`` folder, no CDN)
+POST   /console/api/session            log in: {"key": "<API key>"}; sets the session cookie
+GET    /console/api/session            who is logged in, and the CSRF token of the session
+DELETE /console/api/session            log out
+GET    /console/api/keys               keys, paged and searched: ?q=&offset=&limit=
+POST   /console/api/keys               create; PATCH / DELETE /console/api/keys/{id},
+                                       POST /console/api/keys/{id}/rotate, GET / PUT
+                                       /console/api/owners/{owner}/budget: the keys admin
+                                       API (gateway/admin_keys.py) for the session's key
+GET    /console/api/usage              requests, tokens and cost per key, model and hour
+                                       (?since=24h&bucket=hour|day&format=csv)
+GET    /console/api/replicas           the replicas this bridge hears, with their load
+GET    /console/api/routing            the routing admin API's listing and the aliases
+GET    /console/api/audit              the newest audit events (?limit=100)
+GET    /console/api/jobs               batches; POST /console/api/jobs/{id}/cancel
+GET    /console/api/events             one server-sent-events feed per open page: the
+                                       replicas when they change, the key count, the end of
+                                       the session
+
+Who: an admin key's session sees and changes everything; any other key's session (an
+"owner" session) sees only the keys of its own owner (itself when it has none), their usage
+and their batches, and may change nothing (403). Every write needs the session's CSRF token
+in ``X-CSRF-Token`` and, where the browser sends one, an ``Origin`` of this host. Nothing
+here is on the request path of the OpenAI API.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import re
+import time
+from collections.abc import Awaitable, Callable
+from importlib import resources
+from typing import Any
+from urllib.parse import unquote, urlsplit
+
+from auth.keys import KeyRecord, parse_duration
+from auth.store import KeyStore
+from bus_schemas import errors as E
+from gateway import console_usage
+from gateway.admin_keys import CALLER, AdminAPI, read_json
+from gateway.admin_keys import PREFIX as KEYS_PREFIX
+from gateway.admin_routing import PREFIX as ROUTING_PREFIX
+from gateway.asgi import Headers, Receive, Scope, Send, header, query_of, send_json
+from gateway.console_session import Session, Sessions, token_of
+from jobs.batches import BatchStore
+from router.registry import Registry
+from services import audit
+from services.config import Settings
+
+PREFIX = "/console"
+API = PREFIX + "/api"
+STATIC = PREFIX + "/static"
+_STATIC_NAME = re.compile(r"[a-z0-9_-]{1,64}\.(js|css|svg|png)")
+_TYPES = {
+    "js": b"text/javascript; charset=utf-8",
+    "css": b"text/css; charset=utf-8",
+    "svg": b"image/svg+xml",
+    "png": b"image/png",
+    "html": b"text/html; charset=utf-8",
+}
+# Every console response: no framing, no inline script, nothing from elsewhere, no sniffing.
+SECURITY: Headers = [
+    (
+        b"content-security-policy",
+        b"default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+        b"connect-src 'self'; frame-ancestors 'none'; base-uri 'none'; form-action 'self'",
+    ),
+    (b"x-content-type-options", b"nosniff"),
+    (b"x-frame-options", b"DENY"),
+    (b"referrer-policy", b"no-referrer"),
+]
+NO_STORE: Headers = [(b"cache-control", b"no-store")]
+WRITES = frozenset(("POST", "PUT", "PATCH", "DELETE"))
+MAX_PAGE = 500
+MAX_FEEDS = 64  # open event feeds per bridge process; more get 503
+FEED_TICK_S = 1.0
+FEED_PING_S = 15.0
+MAX_JOBS = 500
+
+
+def _secured(send: Send, extra: Headers = NO_STORE) -> Send:
+    """``send`` with the console's security headers added to the response head."""
+
+    async def wrapped(msg: Any) -> None:
+        if msg["type"] == "http.response.start":
+            msg = {**msg, "headers": [*msg.get("headers", []), *SECURITY, *extra]}
+        await send(msg)
+
+    return wrapped
+
+
+async def _error(send: Send, err: E.TokenbusError, hdrs: Headers | None = None) -> None:
+    out = [(k.lower().encode(), str(v).encode()) for k, v in err.headers.items()]
+    if err.retryable and b"retry-after" not in {k for k, _ in out}:
+        out.append((b"retry-after", b"1"))
+    await send_json(send, E.http_status(err), err.openai_body(), [*out, *(hdrs or [])])
+
+
+def _int(query: dict[str, str], name: str, default: int, low: int, high: int) -> int:
+    text = query.get(name, str(default))
+    if not text.isdigit() or not low <= int(text) <= high:
+        raise E.InvalidRequest(f"{name}: an integer from {low} to {high}", param=name)
+    return int(text)
+
+
+class Console:
+    """ASGI handler for ``/console`` (mount with :meth:`mount`)."""
+
+    def __init__(
+        self,
+        admin: AdminAPI,
+        routing: Callable[[Scope, Receive, Send], Awaitable[None]],
+        registry: Registry,
+        settings: Settings,
+    ) -> None:
+        self.admin = admin
+        self.routing = routing
+        self.registry = registry
+        self.settings = settings
+        self.batches: BatchStore | None = None  # set when the bridge serves the Batch API
+        self._sessions: Sessions | None = None
+        self._feeds = 0
+        self._static = resources.files("gateway") / "console_static"
+
+    def mount(self, app: Any) -> None:
+        app.add_prefix(PREFIX, self)
+
+    async def sessions(self) -> Sessions:
+        if self._sessions is None:
+            keys: KeyStore = await self.admin.store()
+            self._sessions = Sessions(self.admin.nc, keys)
+        return self._sessions
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope["path"].rstrip("/") or "/"
+        secure = scope.get("scheme") == "https"
+        try:
+            if path == PREFIX or path.startswith(STATIC + "/"):
+                await self._asset(scope, path, send)
+            elif path == API + "/session":
+                await self._session_call(scope, receive, _secured(send), secure)
+            elif path.startswith(API + "/"):
+                session = await self._check(scope)
+                await self._api(scope, receive, send, session, path[len(API) + 1 :])
+            else:
+                raise E.NotFound(f"no route for {scope['method']} {path}")
+        except E.TokenbusError as exc:
+            await _error(_secured(send), exc)
+        except ValueError as exc:
+            await _error(_secured(send), E.InvalidRequest(str(exc)))
+
+    # -- the page ----------------------------------------------------------------------
+    async def _asset(self, scope: Scope, path: str, send: Send) -> None:
+        if scope["method"] not in ("GET", "HEAD"):
+            raise E.InvalidRequest(f"method {scope['method']} not allowed on {path}")
+        name = "index.html" if path == PREFIX else path[len(STATIC) + 1 :]
+        if name != "index.html" and not _STATIC_NAME.fullmatch(name):
+            raise E.NotFound(f"no console file {name!r}")
+        item = self._static / name
+        if not item.is_file():
+            raise E.NotFound(f"no console file {name!r}")
+        body = item.read_bytes()
+        kind = _TYPES[name.rsplit(".", 1)[1]]
+        await _secured(send, [(b"cache-control", b"no-cache")])(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-type", kind), (b"content-length", str(len(body)).encode())],
+            }
+        )
+        head = scope["method"] == "HEAD"
+        await send({"type": "http.response.body", "body": b"" if head else body})
+
+    # -- sessions ----------------------------------------------------------------------
+    async def _check(self, scope: Scope) -> Session:
+        """The request's session; for a write also its CSRF token and origin (403)."""
+        sessions = await self.sessions()
+        session = await sessions.check(token_of(header(scope, b"cookie")))
+        if scope["method"] in WRITES:
+            self._check_origin(scope)
+            sent = header(scope, b"x-csrf-token") or ""
+            if not hmac.compare_digest(sent.encode(), session.csrf.encode()):
+                raise E.InsufficientPermissions(
+                    "the CSRF token is missing or wrong: reload the console and try again"
+                )
+        return session
+
+    @staticmethod
+    def _check_origin(scope: Scope) -> None:
+        origin = header(scope, b"origin")
+        if origin is None:
+            return  # not a browser's cross-site request (those send Origin on writes)
+        host = header(scope, b"host") or ""
+        if origin == "null" or urlsplit(origin).netloc != host:
+            raise E.InsufficientPermissions("a console write must come from the console's own page")
+
+    async def _session_call(self, scope: Scope, receive: Receive, send: Send, secure: bool) -> None:
+        sessions = await self.sessions()
+        method = scope["method"]
+        if method == "POST":
+            self._check_origin(scope)
+            ctype = (header(scope, b"content-type") or "").split(";")[0].strip().lower()
+            if ctype != "application/json":
+                raise E.InvalidRequest('log in with a JSON body: {"key": "<API key>"}')
+            body = await read_json(receive, 4096)
+            key = body.get("key") if isinstance(body, dict) else None
+            if not isinstance(key, str) or not key.strip():
+                raise E.InvalidRequest("key: the API key to log in with", param="key")
+            token, session = await sessions.login(key)
+            cookie = sessions.cookie(token, session, secure)
+            await send_json(send, 200, self._whoami(session), [(b"set-cookie", cookie)])
+            return
+        session = await self._check(scope)
+        if method == "GET":
+            await send_json(send, 200, self._whoami(session))
+        elif method == "DELETE":
+            sessions.logout(session)
+            clear = sessions.clear_cookie(secure)
+            await send_json(send, 200, {"logged_out": True}, [(b"set-cookie", clear)])
+        else:
+            raise E.InvalidRequest(f"method {method} not allowed on {API}/session")
+
+    @staticmethod
+    def _whoami(s: Session) -> dict[str, Any]:
+        return {
+            "key_id": s.key.id,
+            "name": s.key.name,
+            "owner": s.key.owner,
+            "role": s.role,
+            "expires_at": s.expires_at,
+            "csrf_token": s.csrf,
+        }
+
+    # -- the API -----------------------------------------------------------------------
+    async def _api(self, scope: Scope, receive: Receive, send: Send, s: Session, rest: str) -> None:
+        method = scope["method"]
+        if method in WRITES and not s.admin:
+            raise E.InsufficientPermissions(
+                f"the API key {s.key.id} is not an admin key: the console's changes need one"
+            )
+        part = rest.split("/", 1)[0]
+        if part == "events" and method == "GET":
+            await self._events(token_of(header(scope, b"cookie")), receive, send, s)
+            return
+        out = _secured(send)
+        if part == "keys" and method == "GET" and rest == "keys":
+            await send_json(out, 200, self._keys(s, query_of(scope)))
+        elif part == "keys" and method == "GET" and not s.admin:
+            key_id = rest[len("keys/") :]
+            rec = next((r for r in self._visible(s) if r.id == key_id), None)
+            if rec is None:
+                raise E.NotFound(f"no key with id {key_id!r}")
+            await send_json(out, 200, rec.public())
+        elif part in ("keys", "owners"):
+            self._admin_only(s)
+            sub = rest[len("keys") :] if part == "keys" else "/" + rest
+            await self.admin({**scope, "path": KEYS_PREFIX + sub, CALLER: s.key}, receive, out)
+        elif part == "routing" and method == "GET":
+            self._admin_only(s)
+            sub = rest[len("routing") :]
+            await self.routing({**scope, "path": ROUTING_PREFIX + sub, CALLER: s.key}, receive, out)
+        elif rest == "usage" and method == "GET":
+            await self._usage(scope, out, s)
+        elif rest == "replicas" and method == "GET":
+            self._admin_only(s)
+            await send_json(out, 200, {"object": "list", "data": self._replicas()})
+        elif rest == "audit" and method == "GET":
+            self._admin_only(s)
+            limit = _int(query_of(scope), "limit", 100, 1, 1000)
+            try:
+                events = await audit.read(self.admin.nc, limit=limit)
+            except Exception:
+                raise E.ServiceUnavailable("the audit trail (JetStream) is not reachable") from None
+            data = [e.model_dump() for e in reversed(events)]
+            await send_json(out, 200, {"object": "list", "data": data})
+        elif part == "jobs":
+            await self._jobs(method, rest, out, s)
+        else:
+            raise E.NotFound(f"no route for {method} {API}/{rest}")
+
+    @staticmethod
+    def _admin_only(s: Session) -> None:
+        if not s.admin:
+            raise E.InsufficientPermissions(
+                f"the API key {s.key.id} is not an admin key: this page needs one"
+            )
+
+    def _visible(self, s: Session) -> list[KeyRecord]:
+        """The keys a session may see: all for an admin, else its owner's (or itself)."""
+        every: list[KeyRecord] = []
+        if self._sessions is not None:
+            every = self._sessions.keys.records()
+        if s.admin:
+            return every
+        if not s.key.owner:
+            return [r for r in every if r.id == s.key.id]
+        return [r for r in every if r.owner == s.key.owner]
+
+    def _keys(self, s: Session, query: dict[str, str]) -> dict[str, Any]:
+        """A page of keys, newest first, matching ``q`` in id, name or owner."""
+        offset = _int(query, "offset", 0, 0, 10_000_000)
+        limit = _int(query, "limit", 50, 1, MAX_PAGE)
+        q = query.get("q", "").strip().lower()[:200]
+        state = query.get("state", "all")
+        if state not in ("all", "enabled", "revoked"):
+            raise E.InvalidRequest("state: all, enabled or revoked", param="state")
+        recs = list(reversed(self._visible(s)))
+        if q:
+            recs = [r for r in recs if q in r.id or q in r.name.lower() or q in r.owner.lower()]
+        if state != "all":
+            recs = [r for r in recs if r.enabled == (state == "enabled")]
+        page = recs[offset : offset + limit]
+        return {
+            "object": "list",
+            "data": [r.public() for r in page],
+            "total": len(recs),
+            "offset": offset,
+            "has_more": offset + len(page) < len(recs),
+        }
+
+    async def _usage(self, scope: Scope, send: Send, s: Session) -> None:
+        query = query_of(scope)
+        try:
+            span = parse_duration(query.get("since", "24h"))
+        except ValueError as exc:
+            raise E.InvalidRequest(f"since: {exc}", param="since") from None
+        if not 0 < span <= console_usage.MAX_SPAN_S:
+            raise E.InvalidRequest("since: from 1s to 31d", param="since")
+        bucket = query.get("bucket", "hour")
+        if bucket not in console_usage.BUCKETS:
+            raise E.InvalidRequest("bucket: hour or day", param="bucket")
+        fmt = query.get("format", "json")
+        if fmt not in ("json", "csv"):
+            raise E.InvalidRequest("format: json or csv", param="format")
+        mine = None if s.admin else {r.id for r in self._visible(s)}
+        since = time.time() - span
+        recs, truncated = await console_usage.read_records(self.admin.nc, since)
+        router = self.settings.router
+        usage = console_usage.summarize(
+            recs,
+            since,
+            console_usage.BUCKETS[bucket],
+            lambda m: router.routing_for(m).price if m else None,
+            (lambda k: True) if mine is None else (lambda k: k in mine),
+        )
+        usage.truncated = truncated
+        if fmt == "json":
+            await send_json(send, 200, usage.as_json())
+            return
+        body = usage.as_csv().encode()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [
+                    (b"content-type", b"text/csv; charset=utf-8"),
+                    (b"content-disposition", b'attachment; filename="tokenbus-usage.csv"'),
+                    (b"content-length", str(len(body)).encode()),
+                ],
+            }
+        )
+        await send({"type": "http.response.body", "body": body})
+
+    def _replicas(self) -> list[dict[str, Any]]:
+        now = time.monotonic()
+        out = []
+        for r in sorted(self.registry.all_live(), key=lambda r: (r.model, r.replica)):
+            d = r.to_dict()
+            d["health"] = "draining" if r.draining else "ok"
+            d["load"] = round(r.load / max(1, r.max_concurrency), 3)
+            d["seen_s_ago"] = round(max(0.0, now - r.last_seen), 1)
+            out.append(d)
+        return out
+
+    async def _jobs(self, method: str, rest: str, send: Send, s: Session) -> None:
+        if self.batches is None:
+            raise E.ServiceUnavailable("this bridge does not serve the Batch API")
+        parts = rest.split("/")
+        if method == "GET" and len(parts) == 1:
+            try:
+                if s.admin:
+                    recs = await self.batches.all()
+                    found = [dict(r["batch"], owner=r.get("owner", "")) for r in recs]
+                else:
+                    found = []
+                    for r in self._visible(s):
+                        found += [dict(b, owner=r.id) for b in await self.batches.owned(r.id)]
+            except E.TokenbusError:
+                raise
+            except Exception:
+                raise E.ServiceUnavailable("the batch store (JetStream) is not reachable") from None
+            found.sort(key=lambda b: -int(b.get("created_at") or 0))
+            data = found[:MAX_JOBS]
+            await send_json(send, 200, {"object": "list", "data": data, "total": len(found)})
+        elif method == "POST" and len(parts) == 3 and parts[2] == "cancel":
+            batch_id = unquote(parts[1])
+            loaded = await self.batches.load(batch_id)
+            if loaded is None:
+                raise E.NotFound(f"no batch {batch_id!r}")
+            await send_json(send, 200, await self.batches.cancel(batch_id, loaded[0]["owner"]))
+        else:
+            raise E.NotFound(f"no route for {method} {API}/{rest}")
+
+    # -- the live feed -------------------------------------------------------------------
+    async def _events(self, cookie: str | None, receive: Receive, send: Send, s: Session) -> None:
+        """Server-sent events until the client leaves or the session ends: ``replicas``
+        (admin sessions) when they change, ``keys`` (the number visible) when it changes,
+        ``end`` when the session is over. One feed holds its last snapshot, nothing more."""
+        if self._feeds >= MAX_FEEDS:
+            raise E.ServiceUnavailable("too many console pages open on this bridge; retry")
+        self._feeds += 1
+        gone = asyncio.Event()
+
+        async def watch() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            gone.set()
+
+        watcher = asyncio.create_task(watch())
+        try:
+            await _secured(send)(
+                {
+                    "type": "http.response.start",
+                    "status": 200,
+                    "headers": [
+                        (b"content-type", b"text/event-stream"),
+                        (b"x-accel-buffering", b"no"),
+                    ],
+                }
+            )
+            last: dict[str, str] = {}
+            pinged = time.monotonic()
+            seen_changes, visible = -1, 0
+            sessions = await self.sessions()
+            while not gone.is_set():
+                try:
+                    s = await sessions.check(cookie)
+                except E.TokenbusError as exc:
+                    await self._event(send, "end", json.dumps({"reason": exc.message}))
+                    break
+                # The keys seen are counted again only when the store changed: a feed costs
+                # no walk over 10 000 keys a second.
+                changes = self._sessions.keys.changes if self._sessions is not None else 0
+                if changes != seen_changes:
+                    seen_changes = changes
+                    visible = len(self._visible(s))
+                keys: dict[str, int] = {"count": visible}
+                if s.admin:  # an edit changes no count: the keys page reloads on this too
+                    keys["changes"] = changes
+                snap = {"keys": json.dumps(keys)}
+                if s.admin:
+                    snap["replicas"] = json.dumps(self._replicas())
+                sent = False
+                for name, data in snap.items():
+                    if last.get(name) != data:
+                        await self._event(send, name, data)
+                        last[name] = data
+                        sent = True
+                now = time.monotonic()
+                if not sent and now - pinged >= FEED_PING_S:
+                    ping = {"type": "http.response.body", "body": b": ping\n\n", "more_body": True}
+                    await send(ping)
+                if sent or now - pinged >= FEED_PING_S:
+                    pinged = now
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(gone.wait(), FEED_TICK_S)
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            self._feeds -= 1
+            watcher.cancel()
+
+    @staticmethod
+    async def _event(send: Send, name: str, data: str) -> None:
+        body = f"event: {name}\ndata: {data}\n\n".encode()
+        await send({"type": "http.response.body", "body": body, "more_body": True})

@@ -1,0 +1,460 @@
+// The tokenbus operator's console: plain ES module, no dependencies, no build step.
+// Every text a tenant chose (key names, owners) goes into the page as text, never as HTML.
+
+const $ = (id) => document.getElementById(id);
+const state = { me: null, csrf: "", page: "keys", keysOffset: 0, feed: null, editing: null };
+const PAGE = 50;
+
+function el(tag, attrs = {}, ...kids) {
+  const e = document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs)) {
+    if (k === "on") for (const [ev, fn] of Object.entries(v)) e.addEventListener(ev, fn);
+    else if (v !== undefined && v !== null && v !== false) e.setAttribute(k, v === true ? "" : v);
+  }
+  for (const k of kids) e.append(k instanceof Node ? k : document.createTextNode(k ?? ""));
+  return e;
+}
+
+function say(text, error = false) {
+  const s = $("status");
+  s.textContent = text || "";
+  s.className = error ? "error" : "";
+}
+
+async function api(method, path, body) {
+  const opts = { method, headers: {}, credentials: "same-origin" };
+  if (method !== "GET") opts.headers["X-CSRF-Token"] = state.csrf;
+  if (body !== undefined) {
+    opts.headers["Content-Type"] = "application/json";
+    opts.body = JSON.stringify(body);
+  }
+  const r = await fetch("/console/api/" + path, opts);
+  const data = r.headers.get("content-type")?.includes("json") ? await r.json() : await r.text();
+  if (r.status === 401 && path !== "session") { showLogin("Your session ended: log in again."); }
+  if (!r.ok) throw new Error(data?.error?.message || `HTTP ${r.status}`);
+  return data;
+}
+
+// -- session ---------------------------------------------------------------------------
+function showLogin(why) {
+  stopFeed();
+  state.me = null;
+  $("nav").hidden = true;
+  $("who").hidden = true;
+  for (const p of document.querySelectorAll(".page")) p.hidden = true;
+  $("login").hidden = false;
+  say(why || "", Boolean(why));
+  $("login-key").focus();
+}
+
+function loggedIn(me) {
+  state.me = me;
+  state.csrf = me.csrf_token;
+  $("login").hidden = true;
+  $("nav").hidden = false;
+  $("who").hidden = false;
+  $("who-name").textContent = `${me.name} (${me.key_id}, ${me.role})`;
+  for (const a of document.querySelectorAll("nav a[data-admin]")) a.hidden = me.role !== "admin";
+  $("key-form").hidden = me.role !== "admin";
+  say("");
+  startFeed();
+  show(location.hash.slice(1) || "keys");
+}
+
+$("login-form").addEventListener("submit", async (ev) => {
+  ev.preventDefault();
+  const input = $("login-key");
+  const key = input.value.trim();
+  input.value = ""; // the key is not kept anywhere in the page
+  try {
+    loggedIn(await api("POST", "session", { key }));
+  } catch (e) {
+    say("Log in failed: " + e.message, true);
+  }
+});
+
+$("logout").addEventListener("click", async () => {
+  try { await api("DELETE", "session"); } catch (e) { /* ended already */ }
+  showLogin("Logged out.");
+});
+
+// -- pages -----------------------------------------------------------------------------
+const loaders = { keys: loadKeys, spend: loadSpend, replicas: loadReplicas, jobs: loadJobs, audit: loadAudit };
+
+function show(page) {
+  if (!loaders[page]) page = "keys";
+  if (state.me?.role !== "admin" && (page === "replicas" || page === "audit")) page = "keys";
+  state.page = page;
+  for (const p of document.querySelectorAll(".page")) p.hidden = p.id !== "page-" + page;
+  for (const a of document.querySelectorAll("nav a")) {
+    if (a.dataset.page === page) a.setAttribute("aria-current", "page");
+    else a.removeAttribute("aria-current");
+  }
+  loaders[page]().catch((e) => say(e.message, true));
+}
+
+window.addEventListener("hashchange", () => { if (state.me) show(location.hash.slice(1)); });
+
+// -- keys ------------------------------------------------------------------------------
+function limits(k) {
+  const out = [];
+  if (k.rpm) out.push(`${k.rpm} rpm`);
+  if (k.tpm) out.push(`${k.tpm} tpm`);
+  if (k.max_concurrent) out.push(`${k.max_concurrent} at once`);
+  if (k.models?.length) out.push("models: " + k.models.join(", "));
+  if (k.admin) out.push("admin");
+  return out.join(", ") || "none";
+}
+
+function budget(k) {
+  if (k.budget_usd == null && k.soft_budget_usd == null) return "none";
+  const parts = [];
+  if (k.budget_usd != null) parts.push(`$${k.budget_usd}`);
+  if (k.soft_budget_usd != null) parts.push(`soft $${k.soft_budget_usd}`);
+  return parts.join(", ") + ` / ${k.budget_period}`;
+}
+
+async function loadKeys() {
+  const q = encodeURIComponent($("keys-q").value.trim());
+  const st = $("keys-state").value;
+  const page = await api("GET", `keys?limit=${PAGE}&offset=${state.keysOffset}&q=${q}&state=${st}`);
+  const rows = $("keys-rows");
+  rows.replaceChildren();
+  const admin = state.me.role === "admin";
+  for (const k of page.data) {
+    const actions = el("td");
+    if (admin && k.enabled) {
+      actions.append(
+        el("button", { type: "button", "aria-label": `Edit key ${k.id}`, on: { click: () => editKey(k) } }, "Edit"), " ",
+        el("button", { type: "button", "aria-label": `Rotate key ${k.id}`, on: { click: () => rotateKey(k) } }, "Rotate"), " ",
+        el("button", { type: "button", class: "danger", "aria-label": `Revoke key ${k.id}`, on: { click: () => revokeKey(k) } }, "Revoke"),
+      );
+    }
+    rows.append(el("tr", { "data-key": k.id },
+      el("td", {}, el("code", {}, k.id)), el("td", {}, k.name), el("td", {}, k.owner || ""),
+      el("td", {}, limits(k)), el("td", {}, budget(k)),
+      el("td", { class: k.enabled ? "state-on" : "state-off" }, k.enabled ? "enabled" : "revoked"),
+      actions));
+  }
+  const last = Math.min(page.total, state.keysOffset + page.data.length);
+  $("keys-count").textContent = page.total ? `${state.keysOffset + 1}–${last} of ${page.total}` : "no keys";
+  $("keys-prev").disabled = state.keysOffset === 0;
+  $("keys-next").disabled = !page.has_more;
+}
+
+let searchTimer = null;
+$("keys-q").addEventListener("input", () => {
+  clearTimeout(searchTimer);
+  searchTimer = setTimeout(() => { state.keysOffset = 0; loadKeys().catch((e) => say(e.message, true)); }, 200);
+});
+$("keys-state").addEventListener("change", () => { state.keysOffset = 0; loadKeys(); });
+$("keys-prev").addEventListener("click", () => { state.keysOffset = Math.max(0, state.keysOffset - PAGE); loadKeys(); });
+$("keys-next").addEventListener("click", () => { state.keysOffset += PAGE; loadKeys(); });
+
+function showSecret(key) {
+  $("secret-value").textContent = key;
+  $("secret").hidden = false;
+  $("secret-done").focus();
+}
+$("secret-done").addEventListener("click", () => { $("secret-value").textContent = ""; $("secret").hidden = true; });
+
+function formFields(form, editing) {
+  const out = {};
+  for (const input of form.elements) {
+    if (!input.name || input.name === "id") continue;
+    if (input.type === "checkbox") { if (input.checked || editing) out[input.name] = input.checked; continue; }
+    const v = input.value.trim();
+    if (v === "") continue;
+    if (input.name === "models") out.models = v.split(",").map((s) => s.trim()).filter(Boolean);
+    else if (input.type === "number") out[input.name] = Number(v);
+    else out[input.name] = v;
+  }
+  return out;
+}
+
+function editKey(k) {
+  const f = $("key-form");
+  f.reset();
+  state.editing = k.id;
+  for (const input of f.elements) {
+    if (!input.name) continue;
+    const v = k[input.name];
+    if (input.type === "checkbox") input.checked = Boolean(v);
+    else if (input.name === "models") input.value = (v || []).join(", ");
+    else if (input.name !== "expires_in" && v != null) input.value = v;
+  }
+  $("key-form-title").textContent = `Edit key ${k.id}`;
+  $("key-submit").textContent = "Save changes";
+  $("key-cancel").hidden = false;
+  f.querySelector("[name=name]").focus();
+}
+
+function endEdit() {
+  state.editing = null;
+  $("key-form").reset();
+  $("key-form-title").textContent = "Create a key";
+  $("key-submit").textContent = "Create key";
+  $("key-cancel").hidden = true;
+}
+$("key-cancel").addEventListener("click", endEdit);
+
+$("key-form").addEventListener("submit", async (ev) => {
+  ev.preventDefault();
+  const fields = formFields(ev.target, Boolean(state.editing));
+  try {
+    if (state.editing) {
+      const done = await api("PATCH", `keys/${state.editing}`, fields);
+      say(`Key ${done.id} saved.`);
+      endEdit();
+    } else {
+      const made = await api("POST", "keys", fields);
+      say(`Key ${made.id} created.`);
+      showSecret(made.key);
+      ev.target.reset();
+    }
+    await loadKeys();
+  } catch (e) { say(e.message, true); }
+});
+
+async function rotateKey(k) {
+  const overlap = prompt(`Rotate key ${k.id}: seconds the current secret keeps working`, "3600");
+  if (overlap === null) return;
+  try {
+    const done = await api("POST", `keys/${k.id}/rotate`, { overlap_s: Number(overlap) });
+    say(`Key ${k.id} rotated.`);
+    showSecret(done.key);
+    await loadKeys();
+  } catch (e) { say(e.message, true); }
+}
+
+async function revokeKey(k) {
+  if (!confirm(`Revoke key ${k.id} (${k.name})? Requests with it are refused from now on.`)) return;
+  try {
+    await api("DELETE", `keys/${k.id}`);
+    say(`Key ${k.id} revoked.`);
+    await loadKeys();
+  } catch (e) { say(e.message, true); }
+}
+
+// -- spend -----------------------------------------------------------------------------
+const COLORS = ["#0b57d0", "#c5221f", "#188038", "#e37400", "#8430ce", "#007b83", "#b80672", "#5f6368"];
+
+function measure(row, m) { return m === "tokens" ? row.prompt_tokens + row.completion_tokens : row[m]; }
+
+function chart(data, m, bucketS, since, floor = 0) {
+  const box = $("spend-chart");
+  box.replaceChildren();
+  if (!data.length) { box.append(el("p", { class: "note" }, "No usage in this period.")); return; }
+  const keys = [...new Set(data.map((r) => r.key_id))].slice(0, COLORS.length);
+  // One slot per bucket from the start of the period to now: time reads left to right.
+  const first = Math.floor(since / bucketS) * bucketS;
+  const times = [];
+  for (let t = first; t <= Date.now() / 1000; t += bucketS) times.push(t);
+  const by = new Map();
+  for (const r of data) {
+    const k = keys.includes(r.key_id) ? r.key_id : null;
+    if (k === null) continue;
+    const id = `${r.t}|${k}`;
+    by.set(id, (by.get(id) || 0) + measure(r, m));
+  }
+  const totals = times.map((t) => keys.reduce((s, k) => s + (by.get(`${t}|${k}`) || 0), 0));
+  const max = Math.max(...totals, floor, 1e-9); // floor: one key's budget, on this scale
+  const W = 900, H = 240, L = 60, B = 24, T = 10;
+  const ns = "http://www.w3.org/2000/svg";
+  const svg = document.createElementNS(ns, "svg");
+  svg.setAttribute("viewBox", `0 0 ${W} ${H + 20}`);
+  const add = (tag, attrs, text) => {
+    const e = document.createElementNS(ns, tag);
+    for (const [k, v] of Object.entries(attrs)) e.setAttribute(k, v);
+    if (text !== undefined) e.textContent = text;
+    svg.append(e);
+    return e;
+  };
+  const bw = Math.max(1, (W - L - 10) / Math.max(times.length, 1) - 1);
+  times.forEach((t, i) => {
+    let y = H - B;
+    keys.forEach((k, j) => {
+      const v = by.get(`${t}|${k}`) || 0;
+      const h = (v / max) * (H - B - T);
+      y -= h;
+      if (!v) return;
+      const r = add("rect", { x: L + i * (bw + 1), y, width: bw, height: h, fill: COLORS[j] });
+      const when = new Date(t * 1000).toISOString().slice(0, bucketS >= 86400 ? 10 : 16).replace("T", " ");
+      const title = document.createElementNS(ns, "title");
+      title.textContent = `${when} ${k}: ${v}`;
+      r.append(title);
+    });
+  });
+  add("line", { x1: L, y1: H - B, x2: W - 5, y2: H - B, stroke: "#8a93a3" });
+  add("text", { x: 4, y: T + 10 }, fmt(max, m));
+  add("text", { x: 4, y: H - B }, "0");
+  if (times.length) {
+    add("text", { x: L, y: H - 6 }, new Date(times[0] * 1000).toISOString().slice(0, 16).replace("T", " "));
+    add("text", { x: W - 130, y: H - 6 }, new Date(times[times.length - 1] * 1000).toISOString().slice(0, 16).replace("T", " "));
+  }
+  keys.forEach((k, j) => {
+    add("rect", { x: L + j * 110, y: H + 8, width: 10, height: 10, fill: COLORS[j] });
+    add("text", { x: L + j * 110 + 14, y: H + 17 }, k);
+  });
+  box.append(svg);
+}
+
+function fmt(v, m) { return m === "cost_usd" ? `$${v.toFixed(4)}` : String(Math.round(v)); }
+
+async function loadSpend() {
+  const since = $("spend-since").value, bucket = $("spend-bucket").value;
+  $("spend-csv").href = `/console/api/usage?since=${since}&bucket=${bucket}&format=csv`;
+  const u = await api("GET", `usage?since=${since}&bucket=${bucket}`);
+  const only = $("spend-key").value.trim();
+  if (only) u.data = u.data.filter((r) => r.key_id === only);
+  let k = null;
+  if (only && $("spend-measure").value === "cost_usd") {
+    try { k = await api("GET", `keys/${encodeURIComponent(only)}`); } catch (e) { k = null; }
+  }
+  const total = u.data.reduce((s, r) => s + r.cost_usd, 0);
+  const top = k ? Math.max(total, k.budget_usd ?? 0, k.soft_budget_usd ?? 0) : 0;
+  chart(u.data, $("spend-measure").value, u.bucket_s, u.since, top);
+  budgetLines(only, k, u, top);
+  const sums = new Map();
+  for (const r of u.data) {
+    const id = `${r.key_id}|${r.model}`;
+    const s = sums.get(id) || { key_id: r.key_id, model: r.model, requests: 0, prompt_tokens: 0, completion_tokens: 0, cost_usd: 0 };
+    for (const f of ["requests", "prompt_tokens", "completion_tokens", "cost_usd"]) s[f] += r[f];
+    sums.set(id, s);
+  }
+  const rows = $("spend-rows");
+  rows.replaceChildren();
+  for (const s of [...sums.values()].sort((a, b) => b.cost_usd - a.cost_usd || b.requests - a.requests)) {
+    rows.append(el("tr", { "data-key": s.key_id },
+      el("td", {}, el("code", {}, s.key_id)), el("td", {}, s.model), el("td", {}, String(s.requests)),
+      el("td", {}, String(s.prompt_tokens)), el("td", {}, String(s.completion_tokens)),
+      el("td", {}, s.cost_usd.toFixed(6))));
+  }
+  if (u.truncated) say("Only the newest records were read: narrow the period for all of them.");
+}
+// One key's budget: its spend so far in the chart's period against the soft and hard
+// thresholds, as lines over a cumulative total (the budget's own period may be longer), all
+// on the chart's one scale (``top``).
+function budgetLines(keyId, k, u, top) {
+  const note = $("spend-budget");
+  note.textContent = "";
+  if (!keyId || !k) return;
+  if (k.budget_usd == null && k.soft_budget_usd == null) {
+    note.textContent = `Key ${keyId} has no budget.`;
+    return;
+  }
+  const total = u.data.reduce((s, r) => s + r.cost_usd, 0);
+  const svg = $("spend-chart").querySelector("svg");
+  const ns = "http://www.w3.org/2000/svg";
+  const parts = [`Key ${keyId}: $${total.toFixed(4)} in this view`];
+  const H = 240, B = 24, T = 10, L = 60, W = 900;
+  for (const [name, v, color] of [["hard", k.budget_usd, "#a4161a"], ["soft", k.soft_budget_usd, "#e37400"]]) {
+    if (v == null) continue;
+    parts.push(`${name} budget $${v} per ${k.budget_period}`);
+    if (!svg) continue;
+    const y = H - B - (v / top) * (H - B - T);
+    const line = document.createElementNS(ns, "line");
+    for (const [a, b] of Object.entries({ x1: L, x2: W - 5, y1: y, y2: y, stroke: color, "stroke-dasharray": "6 4", "data-budget": name })) line.setAttribute(a, b);
+    const label = document.createElementNS(ns, "text");
+    for (const [a, b] of Object.entries({ x: W - 120, y: y - 3 })) label.setAttribute(a, b);
+    label.textContent = `${name} $${v}`;
+    svg.append(line, label);
+  }
+  note.textContent = parts.join("; ") + ". The black line is the running total.";
+  if (svg) {
+    // The running total, on the same scale as the budget lines.
+    let run = 0;
+    const pts = [];
+    const byT = new Map();
+    for (const r of u.data) byT.set(r.t, (byT.get(r.t) || 0) + r.cost_usd);
+    const first = Math.floor(u.since / u.bucket_s) * u.bucket_s;
+    const n = Math.max(1, Math.ceil((Date.now() / 1000 - first) / u.bucket_s));
+    for (let i = 0; i < n; i++) {
+      run += byT.get(first + i * u.bucket_s) || 0;
+      pts.push(`${L + ((i + 1) / n) * (W - L - 10)},${H - B - (run / top) * (H - B - T)}`);
+    }
+    const poly = document.createElementNS(ns, "polyline");
+    for (const [a, b] of Object.entries({ points: `${L},${H - B} ` + pts.join(" "), fill: "none", stroke: "#1b1f24", "stroke-width": 2, "data-running": "1" })) poly.setAttribute(a, b);
+    svg.append(poly);
+  }
+}
+
+for (const id of ["spend-since", "spend-bucket", "spend-measure"]) $(id).addEventListener("change", () => loadSpend().catch((e) => say(e.message, true)));
+$("spend-key").addEventListener("change", () => loadSpend().catch((e) => say(e.message, true)));
+$("spend-refresh").addEventListener("click", () => loadSpend().catch((e) => say(e.message, true)));
+
+// -- replicas --------------------------------------------------------------------------
+function renderReplicas(list) {
+  const rows = $("replicas-rows");
+  rows.replaceChildren();
+  for (const r of list) {
+    rows.append(el("tr", { "data-replica": r.replica },
+      el("td", {}, el("code", {}, r.replica)), el("td", {}, r.model), el("td", {}, r.backend || ""),
+      el("td", {}, r.pd_role || "both"), el("td", {}, `${Math.round(r.load * 100)}% (${r.in_flight}/${r.max_concurrency})`),
+      el("td", {}, String(r.running)), el("td", {}, String(r.waiting)), el("td", {}, r.kv_routing),
+      el("td", { class: r.health === "ok" ? "state-on" : "state-off" }, r.health)));
+  }
+  if (!list.length) rows.append(el("tr", {}, el("td", { colspan: "9" }, "No live replica.")));
+}
+
+async function loadReplicas() {
+  renderReplicas((await api("GET", "replicas")).data);
+  const routing = await api("GET", "routing");
+  const aliases = await api("GET", "routing/aliases");
+  $("routing").textContent = JSON.stringify({ ...routing, aliases: aliases.aliases }, null, 2);
+}
+
+// -- jobs ------------------------------------------------------------------------------
+async function loadJobs() {
+  const rows = $("jobs-rows");
+  let list;
+  try { list = await api("GET", "jobs"); } catch (e) {
+    rows.replaceChildren(el("tr", {}, el("td", { colspan: "6" }, e.message)));
+    return;
+  }
+  rows.replaceChildren();
+  for (const b of list.data) {
+    const c = b.request_counts || {};
+    const act = el("td");
+    if (state.me.role === "admin" && (b.status === "validating" || b.status === "in_progress")) {
+      act.append(el("button", { type: "button", class: "danger", on: { click: async () => {
+        try { await api("POST", `jobs/${encodeURIComponent(b.id)}/cancel`); await loadJobs(); } catch (e) { say(e.message, true); }
+      } } }, "Cancel"));
+    }
+    rows.append(el("tr", {}, el("td", {}, el("code", {}, b.id)), el("td", {}, b.owner || ""),
+      el("td", {}, b.status), el("td", {}, `${(c.completed || 0) + (c.failed || 0)} / ${c.total || 0}`),
+      el("td", {}, b.created_at ? new Date(b.created_at * 1000).toISOString().slice(0, 19).replace("T", " ") : ""), act));
+  }
+  if (!list.data.length) rows.append(el("tr", {}, el("td", { colspan: "6" }, "No batches.")));
+}
+
+// -- audit -----------------------------------------------------------------------------
+async function loadAudit() {
+  const list = await api("GET", "audit?limit=200");
+  const rows = $("audit-rows");
+  rows.replaceChildren();
+  for (const ev of list.data) {
+    rows.append(el("tr", {}, el("td", {}, ev.ts.replace("T", " ").slice(0, 19)), el("td", {}, ev.action),
+      el("td", {}, el("code", {}, ev.target)), el("td", {}, ev.actor),
+      el("td", {}, JSON.stringify(ev.details || {}))));
+  }
+}
+
+// -- the live feed: one EventSource per open page ---------------------------------------
+function startFeed() {
+  stopFeed();
+  const es = new EventSource("/console/api/events");
+  state.feed = es;
+  es.addEventListener("open", () => $("live").classList.remove("off"));
+  es.addEventListener("error", () => $("live").classList.add("off")); // it reconnects itself
+  es.addEventListener("replicas", (ev) => { if (state.page === "replicas") renderReplicas(JSON.parse(ev.data)); });
+  es.addEventListener("keys", () => { if (state.page === "keys") loadKeys().catch(() => {}); });
+  es.addEventListener("end", () => { showLogin("Your session ended: log in again."); });
+}
+
+function stopFeed() {
+  if (state.feed) { state.feed.close(); state.feed = null; }
+}
+
+// -- start -----------------------------------------------------------------------------
+api("GET", "session").then(loggedIn, () => showLogin());

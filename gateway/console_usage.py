@@ -1,0 +1,175 @@
+"""The console's usage view: per-request records read back from the ``TOKENBUS_USAGE``
+stream (telemetry/records.py) and summed per key, model and hour or day.
+
+The stream keeps every record the bridges and workers publish for
+``telemetry.stream_max_age_s`` (7 days by default), so this is data the bus already has;
+nothing is added to the request path. A request has a worker's record and, over HTTP, the
+bridge's: each request is counted once (by its request id, the record with the most tokens).
+A read is bounded: at most :data:`MAX_RECORDS` records, the newest window first when there
+are more (``truncated`` says so), and a JetStream consumer that lives only for the read.
+Cost is the key's spend at the models' configured prices (``router.price``,
+``router.models.<m>.price``), as the budgets charge it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import datetime as dt
+import io
+import uuid
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from nats.aio.client import Client as NATS
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from nats.js.errors import NotFoundError
+
+from auth import budgets
+from bus_schemas import codec
+from bus_schemas import errors as E
+from services.config import PriceSettings
+from telemetry import records
+
+MAX_RECORDS = 200_000
+MAX_SPAN_S = 31 * 86400.0
+FETCH = 512
+TIMEOUT_S = 5.0
+BUCKETS = {"hour": 3600, "day": 86400}
+COLUMNS = (
+    "bucket_start_utc",
+    "key_id",
+    "model",
+    "requests",
+    "prompt_tokens",
+    "completion_tokens",
+    "cost_usd",
+)
+
+
+@dataclass
+class Usage:
+    """What a read found: rows ``(bucket start, key, model) -> sums`` and how it was read."""
+
+    since: float
+    bucket_s: int
+    rows: dict[tuple[int, str, str], dict[str, float]] = field(default_factory=dict)
+    records: int = 0
+    truncated: bool = False
+
+    def as_json(self) -> dict[str, Any]:
+        series = [
+            {"t": t, "key_id": k, "model": m, **{n: _num(v) for n, v in sums.items()}}
+            for (t, k, m), sums in sorted(self.rows.items())
+        ]
+        return {
+            "object": "usage",
+            "since": self.since,
+            "bucket_s": self.bucket_s,
+            "records": self.records,
+            "truncated": self.truncated,
+            "data": series,
+        }
+
+    def as_csv(self) -> str:
+        out = io.StringIO()
+        w = csv.writer(out)
+        w.writerow(COLUMNS)
+        for (t, k, m), s in sorted(self.rows.items()):
+            when = dt.datetime.fromtimestamp(t, dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+            counts = [int(s[c]) for c in ("requests", "prompt_tokens", "completion_tokens")]
+            w.writerow([when, _cell(k), _cell(m), *counts, f"{s['cost_usd']:.6f}"])
+        return out.getvalue()
+
+
+def _num(v: float) -> float | int:
+    return int(v) if float(v).is_integer() else round(v, 6)
+
+
+def _cell(text: str) -> str:
+    """A CSV cell a spreadsheet will not run as a formula (a key name is a tenant's text)."""
+    return "'" + text if text[:1] in ("=", "+", "-", "@", "\t", "\r") else text
+
+
+def summarize(
+    recs: Iterable[dict[str, Any]],
+    since: float,
+    bucket_s: int,
+    price: Callable[[str], PriceSettings | None],
+    keep: Callable[[str], bool] = lambda _k: True,
+) -> Usage:
+    """Sum records into buckets; each request once (its record with the most tokens)."""
+    best: dict[str, tuple[int, str, str, int, int]] = {}
+    n = 0
+    for r in recs:
+        n += 1
+        rid, key = r.get("request_id"), r.get("principal") or ""
+        if not isinstance(rid, str) or not isinstance(key, str) or not keep(key):
+            continue
+        ts = int(r.get("ts_ns") or 0) // 1_000_000_000
+        if ts < since:
+            continue
+        p, c = int(r.get("prompt_tokens") or 0), int(r.get("completion_tokens") or 0)
+        seen = best.get(rid)
+        if seen is None or p + c > seen[3] + seen[4] or (not seen[1] and key):
+            best[rid] = (ts, key or (seen[1] if seen else ""), str(r.get("model") or ""), p, c)
+    out = Usage(since=since, bucket_s=bucket_s, records=n)
+    for ts, key, model, p, c in best.values():
+        row = out.rows.setdefault(
+            (ts - ts % bucket_s, key or "(none)", model),
+            {"requests": 0, "prompt_tokens": 0, "completion_tokens": 0, "cost_usd": 0.0},
+        )
+        row["requests"] += 1
+        row["prompt_tokens"] += p
+        row["completion_tokens"] += c
+        row["cost_usd"] += budgets.cost(price(model), p, c) / 1e6
+    return out
+
+
+async def read_records(nc: NATS, since: float, most: int = MAX_RECORDS) -> tuple[list[Any], bool]:
+    """The records stored at or after ``since`` (Unix time), at most ``most`` of them (the
+    newest: True says some older ones were left out). No stream: none."""
+    js = nc.jetstream(timeout=TIMEOUT_S)
+    try:
+        info = await js.stream_info(records.STREAM)
+    except NotFoundError:
+        return [], False
+    except Exception:
+        raise E.ServiceUnavailable("the usage records (JetStream) are not reachable") from None
+    if not info.state.messages:
+        return [], False
+    name = f"console-usage-{uuid.uuid4().hex[:12]}"
+    cfg = ConsumerConfig(
+        name=name,
+        ack_policy=AckPolicy.NONE,
+        inactive_threshold=30.0,
+        mem_storage=True,
+        deliver_policy=DeliverPolicy.BY_START_TIME,
+        opt_start_time=dt.datetime.fromtimestamp(since, dt.UTC),
+    )
+    left = (await js.add_consumer(records.STREAM, config=cfg)).num_pending or 0
+    truncated = left > most
+    if truncated:  # start at the newest ``most`` messages instead
+        await js.delete_consumer(records.STREAM, name)
+        cfg.deliver_policy = DeliverPolicy.BY_START_SEQUENCE
+        cfg.opt_start_time = None
+        cfg.opt_start_seq = max(info.state.first_seq, info.state.last_seq - most + 1)
+        left = (await js.add_consumer(records.STREAM, config=cfg)).num_pending or 0
+    out: list[Any] = []
+    try:
+        sub = await js.pull_subscribe_bind(name, stream=records.STREAM)
+        try:
+            while left > 0:
+                msgs = await sub.fetch(min(left, FETCH), timeout=TIMEOUT_S)
+                for m in msgs:
+                    with contextlib.suppress(Exception):  # one unreadable message is skipped
+                        out.extend(records.batch(codec.decode_map(m.data)))
+                left -= len(msgs)
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+    finally:
+        with contextlib.suppress(Exception):
+            await js.delete_consumer(records.STREAM, name)
+    return out, truncated

@@ -1,0 +1,530 @@
+"""The operator's console (gateway/console.py, docs/console.md) against a real stack: a real
+nats-server, sim workers and the bridge as real processes; HTTP-level tests with httpx (they
+need no browser), and one test that drives Debian's headless Chromium with Selenium (skipped
+where Chromium, chromedriver or Selenium is missing).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import csv
+import fnmatch
+import io
+import json
+import os
+import shutil
+import signal
+import time
+import tomllib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from auth.keys import KeyRecord
+from gateway.console_session import Session, Sessions
+from tests.conftest import (
+    ROOT,
+    NatsServer,
+    Procs,
+    ProcStack,
+    key_store,
+    new_model,
+    start_stack,
+    wait_for,
+)
+
+ENV = {
+    "TOKENBUS_INGRESS__PIPELINE": '["auth", "route"]',
+    # Dollars per million tokens: the usage page prices what it counts.
+    "TOKENBUS_ROUTER__PRICE": '{"input": 1000, "output": 2000}',
+}
+CHROMIUM = "/usr/bin/chromium"
+CHROMEDRIVER = "/usr/bin/chromedriver"
+
+
+@dataclass
+class Env:
+    stack: ProcStack
+    model: str
+    admin: str  # an admin key
+    plain: str  # a key of the owner "team-a" that is not an admin key
+    plain_id: str
+    sibling_id: str  # another key of team-a
+    other_id: str  # a key of another owner
+
+
+@pytest.fixture(scope="module")
+async def env(
+    nats_server: NatsServer, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[Env]:
+    async with key_store(nats_server.url) as keys:
+        admin, _ = await keys.create("console-admin", admin=True)
+        plain, rec = await keys.create("team-a-app", owner="team-a")
+        _, sibling = await keys.create("team-a-batch", owner="team-a")
+        _, other = await keys.create("team-b-app", owner="team-b")
+    model = new_model()
+    with Procs(nats_server.url, tmp_path_factory.mktemp("console")) as ps:
+        stack = await start_stack(
+            ps,
+            model,
+            workers=2,
+            worker_args=("--sim-prefill-ms", "2", "--sim-decode-ms", "1"),
+            env=ENV,
+        )
+        yield Env(stack, model, admin, plain, rec.id, sibling.id, other.id)
+
+
+async def login(h: httpx.AsyncClient, key: str) -> dict[str, Any]:
+    """Log ``h`` in (its cookie jar keeps the session); the session's answer."""
+    r = await h.post("/console/api/session", json={"key": key})
+    assert r.status_code == 200, r.text
+    return dict(r.json())
+
+
+def csrf(me: dict[str, Any]) -> dict[str, str]:
+    return {"X-CSRF-Token": me["csrf_token"]}
+
+
+def assert_openai_error(r: httpx.Response, status: int, param: str | None = None) -> None:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert {"message", "type", "code"} <= set(err), err
+    if param is not None:
+        assert err["param"] == param, err
+
+
+async def test_the_page_and_its_assets_are_served_with_a_strict_policy(env: Env) -> None:
+    async with env.stack.http() as h:
+        r = await h.get("/console")
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
+        csp = r.headers["content-security-policy"]
+        assert "script-src 'self'" in csp and "frame-ancestors 'none'" in csp
+        assert r.headers["x-frame-options"] == "DENY"
+        assert '<script type="module" src="/console/static/app.js">' in r.text
+        for name, kind in (("app.js", "text/javascript"), ("style.css", "text/css")):
+            r = await h.get(f"/console/static/{name}")
+            assert r.status_code == 200 and r.headers["content-type"].startswith(kind), name
+        for bad in ("/console/static/../console.py", "/console/static/nope.js", "/console/x"):
+            assert_openai_error(await h.get(bad), 404)
+
+
+async def test_login_sets_a_strict_http_only_cookie_and_logout_ends_the_session(env: Env) -> None:
+    async with env.stack.http() as h:
+        r = await h.post("/console/api/session", json={"key": env.admin})
+        assert r.status_code == 200, r.text
+        cookie = r.headers["set-cookie"]
+        assert cookie.startswith("tb_console=")
+        flags = {f.strip().split("=")[0].lower() for f in cookie.split(";")[1:]}
+        assert {"httponly", "samesite", "path", "max-age"} <= flags, cookie
+        assert "SameSite=Strict" in cookie and "Path=/console" in cookie
+        assert "secure" not in flags  # plain HTTP here; Secure where the bridge has TLS
+        assert env.admin not in cookie and env.admin not in r.text  # the key is not handed back
+        me = r.json()
+        assert me["role"] == "admin" and len(me["csrf_token"]) == 32
+        assert (await h.get("/console/api/session")).json()["key_id"] == me["key_id"]
+        # Logging out needs the CSRF token too.
+        assert_openai_error(await h.delete("/console/api/session"), 403)
+        r = await h.delete("/console/api/session", headers=csrf(me))
+        assert r.status_code == 200 and "Max-Age=0" in r.headers["set-cookie"]
+        # The old cookie, presented again, is refused.
+        old = cookie.split(";")[0].split("=", 1)[1]
+        async with env.stack.http(cookies={"tb_console": old}) as again:
+            assert_openai_error(await again.get("/console/api/session"), 401)
+            assert_openai_error(await again.get("/console/api/keys"), 401)
+    # Nothing of the key reached a log.
+    for p in env.stack.procs.procs:
+        assert env.admin not in p.output(), p.name
+
+
+async def test_writes_need_the_csrf_token_and_the_consoles_own_origin(env: Env) -> None:
+    async with env.stack.http() as h:
+        me = await login(h, env.admin)
+        body = {"name": "csrf-made", "rpm": 5}
+        assert_openai_error(await h.post("/console/api/keys", json=body), 403)
+        bad = {"X-CSRF-Token": "0" * 32}
+        assert_openai_error(await h.post("/console/api/keys", json=body, headers=bad), 403)
+        evil = {**csrf(me), "Origin": "https://evil.example"}
+        assert_openai_error(await h.post("/console/api/keys", json=body, headers=evil), 403)
+        own = {**csrf(me), "Origin": env.stack.base}
+        r = await h.post("/console/api/keys", json=body, headers=own)
+        assert r.status_code == 201, r.text
+        made = r.json()
+        assert made["key"].startswith(f"tb-{made['id']}_") and made["rpm"] == 5
+        # Listed, never with the secret or its hash; found by name.
+        page = (await h.get("/console/api/keys", params={"q": "csrf-made"})).json()
+        assert [k["id"] for k in page["data"]] == [made["id"]] and page["total"] == 1
+        assert all("key" not in k and "hash" not in k for k in page["data"])
+        # Edited, rotated (a new secret, once), revoked: each through the admin API.
+        r = await h.patch(f"/console/api/keys/{made['id']}", json={"tpm": 900}, headers=csrf(me))
+        assert r.status_code == 200 and r.json()["tpm"] == 900
+        r = await h.post(
+            f"/console/api/keys/{made['id']}/rotate", json={"overlap_s": 0}, headers=csrf(me)
+        )
+        assert r.status_code == 200 and r.json()["key"] != made["key"]
+        r = await h.delete(f"/console/api/keys/{made['id']}", headers=csrf(me))
+        assert r.status_code == 200 and r.json()["enabled"] is False
+        # The audit page names the console's admin key as the actor of each change.
+        events = (await h.get("/console/api/audit")).json()["data"]
+        mine = [e for e in events if e["target"] == made["id"]]
+        assert {e["action"] for e in mine} == {
+            "key.created",
+            "key.updated",
+            "key.rotated",
+            "key.revoked",
+        }
+        assert {e["actor"] for e in mine} == {f"key:{me['key_id']}"}
+
+
+async def test_a_key_that_is_not_an_admin_key_sees_its_owner_and_changes_nothing(
+    env: Env,
+) -> None:
+    async with env.stack.http() as h:
+        me = await login(h, env.plain)
+        assert me["role"] == "owner" and me["owner"] == "team-a"
+        listed = (await h.get("/console/api/keys", params={"limit": 500})).json()["data"]
+        assert {k["id"] for k in listed} == {env.plain_id, env.sibling_id}
+        assert_openai_error(await h.get(f"/console/api/keys/{env.other_id}"), 404)
+        for page in ("replicas", "audit", "routing", "routing/aliases", "owners/team-a/budget"):
+            assert_openai_error(await h.get(f"/console/api/{page}"), 403)
+        # Every write, even with the session's own CSRF token.
+        writes: list[tuple[str, str, Any]] = [
+            ("POST", "keys", {"name": "sneaky", "admin": True}),
+            ("PATCH", f"keys/{env.plain_id}", {"admin": True}),
+            ("PATCH", f"keys/{env.other_id}", {"rpm": 1}),
+            ("DELETE", f"keys/{env.other_id}", None),
+            ("POST", f"keys/{env.other_id}/rotate", {}),
+            ("PUT", "owners/team-a/budget", {"budget_usd": 1e6}),
+            ("PUT", "routing/" + env.model, {"policy": "round_robin"}),
+            ("POST", "jobs/batch_x/cancel", None),
+        ]
+        for method, path, body in writes:
+            r = await h.request(method, f"/console/api/{path}", json=body, headers=csrf(me))
+            assert_openai_error(r, 403)
+            assert r.json()["error"]["code"] == "insufficient_permissions", (path, r.text)
+    async with key_store(env.stack.procs.url) as keys:
+        assert not (await keys.get(env.plain_id)).admin
+        assert (await keys.get(env.other_id)).enabled
+
+
+async def test_bad_input_gets_openai_shaped_errors(env: Env) -> None:
+    async with env.stack.http() as h:
+        assert_openai_error(await h.post("/console/api/session", json={"key": "tb-nope"}), 401)
+        assert_openai_error(await h.post("/console/api/session", json={}), 400, "key")
+        r = await h.post(
+            "/console/api/session", content=b"key=x", headers={"content-type": "text/plain"}
+        )
+        assert_openai_error(r, 400)  # a cross-site form cannot log anyone in
+        r = await h.post(
+            "/console/api/session",
+            content=b"{not json",
+            headers={"content-type": "application/json"},
+        )
+        assert_openai_error(r, 400)
+        assert_openai_error(await h.get("/console/api/keys"), 401)
+        async with env.stack.http(cookies={"tb_console": "forged.token"}) as f:
+            assert_openai_error(await f.get("/console/api/keys"), 401)
+        me = await login(h, env.admin)
+        for query, param in (
+            ({"limit": "0"}, "limit"),
+            ({"limit": "x"}, "limit"),
+            ({"offset": "-1"}, "offset"),
+            ({"state": "weird"}, "state"),
+        ):
+            assert_openai_error(await h.get("/console/api/keys", params=query), 400, param)
+        for query, param in (({"since": "soon"}, "since"), ({"bucket": "week"}, "bucket")):
+            assert_openai_error(await h.get("/console/api/usage", params=query), 400, param)
+        r = await h.post("/console/api/keys", json={"name": "x", "rpm": -1}, headers=csrf(me))
+        assert_openai_error(r, 400, "rpm")
+        r = await h.post("/console/api/keys", json={"name": "x", "nope": 1}, headers=csrf(me))
+        assert_openai_error(r, 400, "nope")
+        assert_openai_error(await h.get("/console/api/keys/000000000000"), 404)
+        assert_openai_error(await h.get("/console/api/nothing"), 404)
+
+
+async def test_a_revoked_key_ends_its_console_sessions(env: Env) -> None:
+    async with env.stack.http() as h, env.stack.http() as h2:
+        me = await login(h, env.admin)
+        r = await h.post(
+            "/console/api/keys", json={"name": "short-admin", "admin": True}, headers=csrf(me)
+        )
+        made = r.json()
+        await login(h2, made["key"])
+        assert (await h2.get("/console/api/replicas")).status_code == 200
+        await h.delete(f"/console/api/keys/{made['id']}", headers=csrf(me))
+
+        async def ended() -> bool:
+            return (await h2.get("/console/api/session")).status_code == 401
+
+        await wait_for(ended, timeout=10, what="the revoked key's session did not end")
+
+
+async def test_usage_is_counted_per_key_and_exported_as_csv(env: Env) -> None:
+    client = env.stack.openai(env.plain)
+    await client.chat.completions.create(
+        model=env.model, messages=[{"role": "user", "content": "count me"}], max_tokens=4
+    )
+    async with env.stack.http() as h:
+        await login(h, env.admin)
+
+        async def counted() -> list[dict[str, Any]]:
+            data = (await h.get("/console/api/usage", params={"since": "1h"})).json()["data"]
+            return [r for r in data if r["key_id"] == env.plain_id]
+
+        await wait_for(counted, timeout=20, what="the key's request in the usage")
+        rows = await counted()
+        assert sum(r["requests"] for r in rows) >= 1
+        assert sum(r["completion_tokens"] for r in rows) >= 1
+        assert sum(r["cost_usd"] for r in rows) > 0
+        r = await h.get("/console/api/usage", params={"since": "1h", "format": "csv"})
+        assert r.headers["content-type"].startswith("text/csv")
+        assert "attachment" in r.headers["content-disposition"]
+        table = list(csv.DictReader(io.StringIO(r.text)))
+        assert any(row["key_id"] == env.plain_id for row in table)
+    # An owner's session sees its owner's usage only.
+    async with env.stack.http() as h:
+        await login(h, env.plain)
+        data = (await h.get("/console/api/usage", params={"since": "1h"})).json()["data"]
+        assert data and {r["key_id"] for r in data} <= {env.plain_id, env.sibling_id}
+
+
+async def read_events(
+    h: httpx.AsyncClient, until: Any, timeout: float = 20
+) -> list[tuple[str, Any]]:
+    """Events of the console's feed until ``until(events)`` is true (bounded)."""
+    seen: list[tuple[str, Any]] = []
+
+    async def run() -> None:
+        async with h.stream("GET", "/console/api/events") as r:
+            assert r.status_code == 200 and r.headers["content-type"] == "text/event-stream"
+            name = ""
+            async for line in r.aiter_lines():
+                if line.startswith("event: "):
+                    name = line[7:]
+                elif line.startswith("data: "):
+                    seen.append((name, json.loads(line[6:])))
+                    if until(seen):
+                        return
+
+    await asyncio.wait_for(run(), timeout)
+    return seen
+
+
+async def _both(rows: Any) -> bool:
+    return len(await rows) == 2
+
+
+async def test_the_feed_shows_replicas_and_a_killed_worker_leaves(env: Env) -> None:
+    # Last of the module's HTTP tests: it kills a worker.
+    async with env.stack.http() as h:
+        await login(h, env.admin)
+
+        # Both (a heartbeat late on a loaded machine drops a replica for a moment).
+        async def listed() -> list[dict[str, Any]]:
+            data = (await h.get("/console/api/replicas")).json()["data"]
+            return [r for r in data if r["model"] == env.model]
+
+        await wait_for(
+            lambda: _both(listed()), timeout=20, what="both replicas on the replicas page"
+        )
+        assert all(r["health"] == "ok" and 0 <= r["load"] <= 1 for r in await listed())
+
+        def both(events: list[tuple[str, Any]]) -> bool:
+            reps = [d for n, d in events if n == "replicas"]
+            return bool(reps) and len([r for r in reps[-1] if r["model"] == env.model]) == 2
+
+        events = await read_events(h, both)
+        assert ("keys" in {n for n, _ in events}) and both(events)
+        env.stack.workers[1].signal(signal.SIGKILL)
+
+        def one_left(events: list[tuple[str, Any]]) -> bool:
+            reps = [d for n, d in events if n == "replicas"]
+            mine = [r["replica"] for r in reps[-1] if r["model"] == env.model] if reps else []
+            return mine == [f"{env.model}-0"]
+
+        await read_events(h, one_left)
+    # An owner's feed carries no replicas.
+    async with env.stack.http() as h:
+        await login(h, env.plain)
+        events = await read_events(h, lambda ev: any(n == "keys" for n, _ in ev))
+        assert "replicas" not in {n for n, _ in events}
+
+
+# -- the browser ---------------------------------------------------------------------------
+def _browser() -> Any:
+    """Headless Chromium under Selenium, or skip where either is missing."""
+    if not (Path(CHROMIUM).exists() and Path(CHROMEDRIVER).exists()):
+        pytest.skip("Debian's chromium and chromium-driver are not installed")
+    try:
+        from selenium import webdriver
+        from selenium.webdriver.chrome.service import Service
+    except ImportError:
+        pytest.skip("selenium is not installed (the dev extra has it)")
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = CHROMIUM
+    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--window-size=1280,900"):
+        opts.add_argument(arg)
+    opts.add_argument("--disable-dev-shm-usage")
+    return webdriver.Chrome(options=opts, service=Service(CHROMEDRIVER))
+
+
+def _alert(driver: Any) -> bool:
+    """Whether a dialog (the revoke confirmation) is open."""
+    from selenium.common.exceptions import NoAlertPresentException
+
+    try:
+        driver.switch_to.alert.text  # noqa: B018 - raises while no dialog is open
+    except NoAlertPresentException:
+        return False
+    return True
+
+
+async def test_in_chromium_log_in_create_use_see_and_revoke_a_key(env: Env, tmp_path: Path) -> None:
+    from selenium.common.exceptions import StaleElementReferenceException
+    from selenium.webdriver.common.by import By
+
+    driver = _browser()
+    shots = tmp_path / "screenshots"
+    shots.mkdir()
+
+    def shown(css: str) -> Any:
+        """The element, when displayed (the live feed may redraw a table meanwhile)."""
+        try:
+            found = driver.find_elements(By.CSS_SELECTOR, css)
+            return found[0] if found and found[0].is_displayed() else None
+        except StaleElementReferenceException:
+            return None
+
+    def text(css: str) -> str:
+        try:
+            found = driver.find_elements(By.CSS_SELECTOR, css)
+            return str(found[0].text) if found else ""
+        except StaleElementReferenceException:
+            return ""
+
+    try:
+        driver.get(env.stack.base + "/console")
+        await wait_for(lambda: shown("#login-key"), timeout=20, what="the login form")
+        driver.find_element(By.ID, "login-key").send_keys(env.admin)
+        driver.find_element(By.CSS_SELECTOR, "#login-form button").click()
+        await wait_for(lambda: shown("#page-keys"), timeout=20, what="the keys page")
+        # The key is in no storage the page can read.
+        stored = driver.execute_script(
+            "return JSON.stringify(localStorage) + JSON.stringify(sessionStorage) + "
+            "document.cookie + document.getElementById('login-key').value"
+        )
+        assert env.admin not in stored and "tb_console" not in stored
+        form = driver.find_element(By.ID, "key-form")
+        form.find_element(By.NAME, "name").send_keys("browser-made")
+        form.find_element(By.NAME, "owner").send_keys("team-browser")
+        form.find_element(By.NAME, "rpm").send_keys("600")
+        form.find_element(By.NAME, "budget_usd").send_keys("25")
+        form.find_element(By.ID, "key-submit").click()
+        await wait_for(lambda: shown("#secret"), timeout=20, what="the new key's secret")
+        secret = driver.find_element(By.ID, "secret-value").text.strip()
+        assert secret.startswith("tb-")
+        key_id = secret[3:15]
+        driver.save_screenshot(str(shots / "keys.png"))
+        driver.find_element(By.ID, "secret-done").click()
+        # The key works with the openai SDK.
+        reply = await env.stack.openai(secret).chat.completions.create(
+            model=env.model, messages=[{"role": "user", "content": "hi"}], max_tokens=3
+        )
+        assert reply.choices[0].message.content
+        # Listed (search by name) with its limits.
+        q = driver.find_element(By.ID, "keys-q")
+        q.send_keys("browser-made")
+        row = f"tr[data-key='{key_id}']"
+        await wait_for(lambda: shown(row), timeout=20, what="the new key in the list")
+        await wait_for(lambda: "600 rpm" in text(row), what="the key's limits listed")
+        # Its spend appears on the spend page.
+        driver.find_element(By.CSS_SELECTOR, "nav a[data-page='spend']").click()
+        spend_row = f"#spend-rows tr[data-key='{key_id}']"
+
+        def spend_shown() -> Any:
+            if shown(spend_row):
+                return True
+            driver.find_element(By.ID, "spend-refresh").click()
+            return False
+
+        await wait_for(spend_shown, timeout=30, interval=0.5, what="the key's spend")
+        await wait_for(
+            lambda: driver.find_elements(By.CSS_SELECTOR, "#spend-chart svg rect"),
+            what="the spend chart",
+        )
+        # That key alone, against its $25 budget: the hard budget's line and the running total.
+        box = driver.find_element(By.ID, "spend-key")
+        box.send_keys(key_id)
+        box.send_keys("\n")
+        driver.find_element(By.ID, "spend-refresh").click()
+        await wait_for(
+            lambda: (
+                driver.find_elements(By.CSS_SELECTOR, "#spend-chart line[data-budget='hard']")
+                and driver.find_elements(By.CSS_SELECTOR, "#spend-chart polyline[data-running]")
+            ),
+            what="the key's budget line",
+        )
+        assert "hard budget $25 per month" in text("#spend-budget")
+        driver.save_screenshot(str(shots / "spend.png"))
+        driver.find_element(By.CSS_SELECTOR, "nav a[data-page='replicas']").click()
+        await wait_for(
+            lambda: shown(f"#replicas-rows tr[data-replica='{env.model}-0']"),
+            what="a replica on the replicas page",
+        )
+        driver.save_screenshot(str(shots / "replicas.png"))
+        driver.find_element(By.CSS_SELECTOR, "nav a[data-page='audit']").click()
+        await wait_for(lambda: shown("#audit-rows tr"), what="the audit events")
+        driver.save_screenshot(str(shots / "audit.png"))
+        # Revoke it from the keys page (the confirmation accepted).
+        driver.find_element(By.CSS_SELECTOR, "nav a[data-page='keys']").click()
+        await wait_for(lambda: shown(row), what="the key listed again")
+        await wait_for(lambda: shown(f"{row} button.danger"), what="the revoke button")
+        shown(f"{row} button.danger").click()
+        await wait_for(lambda: _alert(driver), what="the confirmation")
+        driver.switch_to.alert.accept()
+        await wait_for(lambda: "revoked" in text(row), what="the key shown revoked")
+        driver.save_screenshot(str(shots / "console.png"))
+
+        async def refused() -> bool:
+            async with env.stack.http("/v1") as h:
+                r = await h.get("/models", headers={"Authorization": f"Bearer {secret}"})
+                return r.status_code == 401
+
+        await wait_for(refused, timeout=10, what="the revoked key refused")
+        # Logging out shows the login form again.
+        driver.find_element(By.ID, "logout").click()
+        await wait_for(lambda: shown("#login-key"), what="the login form after logout")
+        if os.environ.get("TOKENBUS_DOCS_SCREENSHOTS"):  # docs/console.md: refresh its pictures
+            shutil.copyfile(shots / "console.png", ROOT / "docs" / "console.png")
+            for page in ("keys", "spend", "replicas", "audit"):
+                shutil.copyfile(shots / f"{page}.png", ROOT / "docs" / "console" / f"{page}.png")
+    finally:
+        driver.quit()
+
+
+def test_the_page_ships_as_package_data() -> None:
+    # A non-editable install (the images, `pip install tokenbus`) has the console's files.
+    meta = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    globs = meta["tool"]["setuptools"]["package-data"]["gateway"]
+    files = sorted((ROOT / "gateway" / "console_static").iterdir())
+    assert {"index.html", "app.js", "style.css"} <= {f.name for f in files}
+    for f in files:
+        assert any(fnmatch.fnmatch(f"console_static/{f.name}", g) for g in globs), f.name
+
+
+def test_the_cookie_is_secure_over_tls_and_never_holds_the_key() -> None:
+    # The bridge sets Secure where it serves HTTPS (scope scheme "https"); the flags of both
+    # the session's cookie and the one that clears it.
+    rec = KeyRecord(id="0123456789ab", name="k", hash="0" * 64, admin=True)
+    s = Session(rec, "admin", time.time() + 60, "n" * 32, "c" * 32)
+    sessions = Sessions(None, None)  # type: ignore[arg-type]  # no bus needed for cookies
+    for secure in (True, False):
+        for cookie in (sessions.cookie("tok", s, secure), Sessions.clear_cookie(secure)):
+            text = cookie.decode()
+            assert "HttpOnly" in text and "SameSite=Strict" in text and "Path=/console" in text
+            assert ("; Secure" in text) is secure, text
+    assert "Max-Age=0" in Sessions.clear_cookie(True).decode()
+    assert 50 <= int(sessions.cookie("tok", s, True).decode().split("Max-Age=")[1][:2]) <= 60
