@@ -533,3 +533,12 @@ def test_the_gateways_profile_runs_a_second_bridge_to_restart_one_at_a_time() ->
     assert two["stop_grace_period"] == "620s"
     cluster = _load("cluster.yml")["services"]
     assert cluster["bridge-b"]["environment"] == cluster["bridge"]["environment"]
+    # One port in front of both: a balancer that checks /ready (tests/test_balancer.py runs
+    # its config in front of real bridges).
+    lb = doc["services"]["balancer"]
+    assert lb["profiles"] == ["gateways"]
+    assert lb["volumes"] == ["./haproxy.cfg:/usr/local/etc/haproxy/haproxy.cfg:ro"]
+    assert lb["ports"] == ["${TOKENBUS_LB_PORT:-8080}:8080"]
+    assert set(lb["depends_on"]) == {"bridge", "bridge-b"}
+    cfg = (COMPOSE / "haproxy.cfg").read_text()
+    assert "bind :8080" in cfg and "option httpchk GET /ready" in cfg
