@@ -54,6 +54,13 @@ def test_the_shipped_config_is_valid_and_checks_both_bridges_ready() -> None:
     assert r.returncode == 0 and "Configuration file is valid" in r.stdout, r.stderr
 
 
+def _haproxy(cfg: Path, log: Path) -> subprocess.Popen[bytes]:
+    """HAProxy run with ``cfg``, its output to ``log``."""
+    assert HAPROXY is not None
+    with open(log, "wb") as out:
+        return subprocess.Popen([HAPROXY, "-f", str(cfg)], stdout=out, stderr=out)
+
+
 @pytest.fixture
 def haproxy_proc(tmp_path: Path) -> Iterator[list[subprocess.Popen[bytes]]]:
     held: list[subprocess.Popen[bytes]] = []
@@ -86,9 +93,7 @@ async def test_a_crashed_bridge_takes_no_new_request_with_it(
     cfg.write_text(
         local_config(CONFIG.read_text(), port, {"bridge": stack.port, "bridge-b": second})
     )
-    log = open(tmp_path / "haproxy.log", "wb")  # noqa: SIM115 - closed with the process
-    assert HAPROXY is not None
-    haproxy_proc.append(subprocess.Popen([HAPROXY, "-f", str(cfg)], stdout=log, stderr=log))
+    haproxy_proc.append(_haproxy(cfg, tmp_path / "haproxy.log"))
     await wait_http(f"http://127.0.0.1:{port}/ready")
 
     outcomes: Counter[str] = Counter()
@@ -130,7 +135,6 @@ async def test_a_crashed_bridge_takes_no_new_request_with_it(
         stop.set()
         for t in tasks:
             t.cancel()
-        log.close()
     print(f"\nthrough the balancer: before the crash {dict(outcomes)}, after {dict(after)}")
     # Streams open on the killed bridge may be cut (their bytes were with it); every request
     # that started after the crash was served by the other bridge.
