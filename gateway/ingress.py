@@ -21,6 +21,7 @@ from services.runtime import Service, reply_subject
 
 CLIENT_HEADERS = (
     H.REQUEST_ID,
+    H.CLIENT_REQUEST_ID,  # a migration's label (checked as a label: Ingress.envelope)
     H.DEADLINE,
     H.T0,
     H.API_KEY,
@@ -109,8 +110,12 @@ class Admission:
         if not self.has_auth:
             hdrs.pop(H.API_KEY, None)  # nobody checks it: it must not travel on
         given = hdrs.pop(H.REQUEST_ID, None)
-        label = client_label(given) if given != request_id else None
-        if label and H.CLIENT_REQUEST_ID not in hdrs:
+        # A migration names the gateway's id and carries its client's label as it was (the
+        # records of every attempt are under it); else the id the client gave is the label.
+        label = client_label(hdrs.pop(H.CLIENT_REQUEST_ID, None))
+        if label is None and given != request_id:
+            label = client_label(given)
+        if label:
             hdrs[H.CLIENT_REQUEST_ID] = label
         rid = request_id or marks.new_request_id()
         hdrs[H.REQUEST_ID] = rid

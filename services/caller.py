@@ -498,6 +498,10 @@ class Stream:
         attempt = self.migrations + (self._rerun.first if self._rerun else 0)
         if attempt:
             hdrs[H.MIGRATION] = str(attempt)
+            if self.client_request_id != self.request_id:
+                # The gateway's id from here on; the caller's stays the label of every
+                # attempt's records and logs.
+                hdrs[H.CLIENT_REQUEST_ID] = self.client_request_id
             if self._admission:  # proof the request was admitted: it counts once
                 hdrs[H.ADMISSION] = self._admission
             if any(self._got):  # to a replica that continues the text it carries

@@ -94,7 +94,7 @@ async def test_a_worker_killed_mid_stream_is_migrated_over_nats(
     stack = await start_stack(
         procs, model, "ingress", "router", workers=2, worker_args=SLOW, env=HB, settle=0.6
     )
-    s = client.chat(model, MSG, max_tokens=120)
+    s = client.chat(model, MSG, max_tokens=120, request_id="my-label-7")
     text = await _first_words(s)
     first = s.replica
     victim = _victim(stack.workers, first)
@@ -113,6 +113,14 @@ async def test_a_worker_killed_mid_stream_is_migrated_over_nats(
     # Detected by the heartbeats (0.25 s), then re-issued: seconds, where nothing else would
     # end the stream before the request's own timeout (a generous bound: a loaded machine).
     assert gap < 10.0, gap
+    # The attempt that finished is logged (and recorded) under the client's own id as its
+    # label, as the first was: a migration names the gateway's id, not the client's.
+    survivor = _victim(stack.workers, s.replica)
+    await wait_for(
+        lambda: '"client_request_id": "my-label-7"' in survivor.output(),
+        timeout=10,
+        what="the migrated attempt's log line without the client's label",
+    )
 
 
 async def test_a_stream_migrated_while_the_output_filter_holds_text_is_whole_and_counted_once(
