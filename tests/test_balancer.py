@@ -2,7 +2,8 @@
 HAProxy in front of two real bridges (no Docker: only its addresses are rewritten to these
 processes'), with streaming clients through it while one bridge is killed (a crashed host):
 requests that start after the crash are all served by the other bridge, none refused.
-Skipped where no ``haproxy`` is installed (Debian's package; `.ci/run` installs it)."""
+The same with the nemesis' own balancer, which stands in for HAProxy in its runs. The HAProxy
+tests skip where no ``haproxy`` is installed (Debian's package; `.ci/run` installs it)."""
 
 from __future__ import annotations
 
@@ -20,11 +21,12 @@ import httpx
 import pytest
 
 from tests.conftest import ROOT, Procs, free_port, start_stack, wait_for, wait_http
+from tokenbus.evaluation.balancer import Balancer
 
 HAPROXY = shutil.which("haproxy") or (
     "/usr/sbin/haproxy" if Path("/usr/sbin/haproxy").exists() else None
 )
-pytestmark = pytest.mark.skipif(HAPROXY is None, reason="no haproxy (Debian's haproxy package)")
+NO_HAPROXY = pytest.mark.skipif(HAPROXY is None, reason="no haproxy (Debian's haproxy package)")
 CONFIG = ROOT / "compose" / "haproxy.cfg"
 MSG = [{"role": "user", "content": "balanced"}]
 
@@ -41,6 +43,7 @@ def local_config(text: str, port: int, bridges: dict[str, int]) -> str:
     return text
 
 
+@NO_HAPROXY
 def test_the_shipped_config_is_valid_and_checks_both_bridges_ready() -> None:
     text = CONFIG.read_text()
     assert "option httpchk GET /ready" in text and "http-check expect status 200" in text
@@ -73,9 +76,19 @@ def haproxy_proc(tmp_path: Path) -> Iterator[list[subprocess.Popen[bytes]]]:
             p.kill()
 
 
+@pytest.mark.parametrize(
+    "front",
+    [pytest.param("haproxy", marks=NO_HAPROXY), "harness"],
+)
 async def test_a_crashed_bridge_takes_no_new_request_with_it(
-    procs: Procs, model: str, tmp_path: Path, haproxy_proc: list[subprocess.Popen[bytes]]
+    procs: Procs,
+    model: str,
+    tmp_path: Path,
+    haproxy_proc: list[subprocess.Popen[bytes]],
+    front: str,
 ) -> None:
+    """``haproxy``: compose/haproxy.cfg in a real HAProxy; ``harness``: the nemesis' own
+    balancer (tokenbus/evaluation/balancer.py), which stands in for it there."""
     stack = await start_stack(
         procs,
         model,
@@ -88,12 +101,16 @@ async def test_a_crashed_bridge_takes_no_new_request_with_it(
     second = free_port()
     other = procs.start("bridge-b", "serve", "bridge", "--port", str(second))
     await wait_http(f"http://127.0.0.1:{second}/ready")
-    port = free_port()
-    cfg = tmp_path / "haproxy.cfg"
-    cfg.write_text(
-        local_config(CONFIG.read_text(), port, {"bridge": stack.port, "bridge-b": second})
-    )
-    haproxy_proc.append(_haproxy(cfg, tmp_path / "haproxy.log"))
+    lb: Balancer | None = None
+    if front == "haproxy":
+        port = free_port()
+        cfg = tmp_path / "haproxy.cfg"
+        bridges = {"bridge": stack.port, "bridge-b": second}
+        cfg.write_text(local_config(CONFIG.read_text(), port, bridges))
+        haproxy_proc.append(_haproxy(cfg, tmp_path / "haproxy.log"))
+    else:
+        lb = Balancer.of([stack.port, second], check_every_s=0.2)
+        port = await lb.start()
     await wait_http(f"http://127.0.0.1:{port}/ready")
 
     outcomes: Counter[str] = Counter()
@@ -135,6 +152,8 @@ async def test_a_crashed_bridge_takes_no_new_request_with_it(
         stop.set()
         for t in tasks:
             t.cancel()
+        if lb is not None:
+            await lb.stop()
     print(f"\nthrough the balancer: before the crash {dict(outcomes)}, after {dict(after)}")
     # Streams open on the killed bridge may be cut (their bytes were with it); every request
     # that started after the crash was served by the other bridge.

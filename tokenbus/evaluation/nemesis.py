@@ -43,6 +43,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tokenbus.evaluation.balancer import Balancer
 from tokenbus.evaluation.netns import Hosts, available
 from tokenbus.evaluation.options import KINDS
 from tokenbus.launcher import free_port, port_open
@@ -85,6 +86,10 @@ class Config:
     # write it acknowledged. True: only what it held one fault interval before the crash,
     # as a node syncing lazily (nats' own 2 minutes) loses its page cache.
     lost_cache: bool = False
+    # HTTP clients through a load balancer with health checks on the bridges' /ready
+    # (tokenbus/evaluation/balancer.py, what compose/haproxy.cfg does), not each to one
+    # bridge of its own: a crashed host takes none of their new requests with it.
+    balancer: bool = True
 
 
 async def _quiet(exc: Exception) -> None:
@@ -549,6 +554,7 @@ class Run:
         self.stop_at = float("inf")
         self.seq = 0
         self.log: list[str] = []
+        self.http_bases: list[str] = []  # the balancer's, when there is one
 
     def now(self) -> float:
         return time.monotonic() - self.t_start
@@ -619,7 +625,7 @@ async def http_client_loop(run: Run, key_name: str, bridge: int) -> None:
 
     cfg = run.cfg
     secret = run.keys[key_name][0]
-    bases = run.stack.bases
+    bases = run.http_bases or run.stack.bases
     i = bridge
     # The bridge ends a request at its deadline with an error of its own: the client waits
     # past that (as the invariant's 5 s of grace does), or it races the bridge's clock.
@@ -1296,6 +1302,7 @@ async def run_nemesis(cfg: Config) -> dict[str, Any]:
         print(f"nemesis: seed {seed}, kinds {kinds}, skipped {skipped or 'none'}, logs {folder}")
     hosts = Hosts().start() if "nats_partition" in kinds else None
     stack: Stack | None = None
+    lb: Balancer | None = None
     try:
         stack = Stack(cfg, folder, hosts)
         stack.start()
@@ -1319,6 +1326,9 @@ async def run_nemesis(cfg: Config) -> dict[str, Any]:
         exits: list[dict[str, Any]] = []
         supervisor = asyncio.create_task(stack.supervise(exits, time.monotonic()))
         await _ready(stack, run.keys["alpha"][0])
+        if cfg.balancer and len(stack.bridge_ports) > 1:
+            lb = Balancer.of(stack.bridge_ports, check_every_s=0.5)
+            run.http_bases = [f"http://127.0.0.1:{await lb.start()}"]
         start_exits = len(exits)
         run.t_start = time.monotonic()
         run.stop_at = time.monotonic() + cfg.duration_s
@@ -1365,6 +1375,9 @@ async def run_nemesis(cfg: Config) -> dict[str, Any]:
             "invariants": invs,
             "violations": sum(i["violations"] for i in invs),
             "hung": sum(o.status in ("hung", "open") for o in run.outcomes),
+            # HTTP clients' connections the balancer tried on another bridge (refused by a
+            # crashed or restarting one), and those no bridge took.
+            "balancer": None if lb is None else {"retried": lb.retried, "refused": lb.refused},
             "logs": str(folder),
         }
         if cfg.out:
@@ -1374,6 +1387,8 @@ async def run_nemesis(cfg: Config) -> dict[str, Any]:
             print_table(report)
         return report
     finally:
+        if lb is not None:
+            await lb.stop()
         if stack is not None:
             stack.stop()
         if hosts is not None:
@@ -1396,6 +1411,7 @@ async def run_from_args(a: argparse.Namespace) -> int:
         model=a.model,
         out=out,
         lost_cache=a.nemesis_lost_cache,
+        balancer=not a.nemesis_no_balancer,
     )
     report = await run_nemesis(cfg)
     print(f"results: {out}")

@@ -285,6 +285,12 @@ def _nemesis(g: Any) -> None:
         "acknowledged write with the nodes' sync_interval: always)",
     )
     g.add_argument(
+        "--nemesis-no-balancer",
+        action="store_true",
+        help="HTTP clients each to a bridge of their own, round robin, instead of through a "
+        "load balancer checking the bridges' /ready (as compose's gateways profile runs)",
+    )
+    g.add_argument(
         "--nemesis-faults",
         default=",".join(KINDS),
         help=f"fault kinds to choose among, comma separated: {', '.join(KINDS)}",
