@@ -165,8 +165,20 @@ def _kept(cur: dict[str, Any], now: float) -> dict[str, Any]:
     return {
         k: v
         for k, v in (cur.get("held") or {}).items()
-        if isinstance(v, list) and len(v) == 2 and float(v[1]) + HOLD_GRACE_S > now
+        if isinstance(v, list) and len(v) >= 2 and float(v[1]) + HOLD_GRACE_S > now
     }
+
+
+def _in_flight(held: dict[str, Any], now: float) -> int:
+    """What ``held``'s live holds hold (each hold ``[amount, deadline, ...]``)."""
+    return sum(int(v[0]) for v in held.values() if float(v[1]) > now)
+
+
+def _copies(v: list[Any]) -> int:
+    """How many admissions share hold ``v``: ``[amount, deadline]`` is one; ``[amount,
+    deadline, copies, [duplicates reported]]`` where a request was admitted again under the
+    same id (the bridge sends a request it got no accept for again, through its own stages)."""
+    return int(v[2]) if len(v) > 2 else 1
 
 
 class _Settled(Exception):
@@ -279,7 +291,7 @@ class SpendBook:
             return 0, 0
         d = json.loads(entry.value or b"{}")
         now = time.time() if now is None else now
-        return int(d.get("spent", 0)), sum(int(a) for a, dl in _kept(d, now).values() if dl > now)
+        return int(d.get("spent", 0)), _in_flight(_kept(d, now), now)
 
     # -- the request path ------------------------------------------------------------------
     async def reserve(
@@ -296,7 +308,15 @@ class SpendBook:
                 def take(cur: dict[str, Any], b: Budget = b) -> dict[str, Any]:
                     held = _kept(cur, now)
                     spent = int(cur.get("spent", 0))
-                    in_flight = sum(int(a) for a, d in held.values() if d > now)
+                    was = held.get(request_id)
+                    if was is not None and float(was[1]) > now:
+                        # Admitted again under the same id (a resend): one hold, shared by
+                        # the copies, settled by the one its caller reads (see settle).
+                        dups = list(was[3]) if len(was) > 3 else []
+                        amount_ = max(int(was[0]), amount)
+                        held[request_id] = [amount_, deadline_s, _copies(was) + 1, dups]
+                        return {"spent": spent, "held": held}
+                    in_flight = _in_flight(held, now)
                     if b.hard is not None and spent + in_flight + amount > b.hard:
                         raise _over(b, spent, in_flight)
                     held[request_id] = [amount, deadline_s]
@@ -325,6 +345,7 @@ class SpendBook:
         superseding: bool = False,
         produced: int | None = None,
         counted: bool = False,
+        duplicate: str | None = None,
     ) -> list[tuple[Budget, int, int]]:
         """Charge ``actual`` and drop the hold, in each entry that still holds it: a hold
         settled once is gone, so the same report settled again (by another limiter, or
@@ -343,13 +364,22 @@ class SpendBook:
         claiming ``resume.tokens: 0`` made the first answer free). What each report charged,
         and each provisional price, is noted beside the entry (:meth:`_note_charge`) before
         the charge, so any limiter corrects it, not only the one that charged it (which may
-        be dead by then)."""
+        be dead by then).
+
+        ``duplicate`` (the replica that ran it): the report of a copy its caller cancelled
+        unread. Where another admission shares its hold (a resend under the same id), the
+        copy only leaves the hold to it, once per replica; where none does (each admission
+        its own id: ingress's), it settles its own hold at what it produced like any
+        report, so no hold is left to its deadline and nothing is charged on the caller's
+        word that the copy went unread."""
         crossed = []
         now = time.time()
         for b, entry in hold.budgets:
             done = (hold.request_id, entry)
             if not superseding and self._settled.get(done):
                 continue  # settled by this book: the stream's copy of the report
+            if duplicate and await self._leave_shared(entry, hold.request_id, duplicate):
+                continue
             # What an earlier settlement charged that this one replaces: superseding, the
             # worker's report; a report, the supersede's provisional price.
             replaced: int | None = None
@@ -404,6 +434,32 @@ class SpendBook:
                 crossed.append((b, was, now_spent))
         hold.budgets = []
         return crossed
+
+    async def _leave_shared(self, entry: str, request_id: str, replica: str) -> bool:
+        """Whether the duplicate copy run by ``replica`` left ``request_id``'s hold in
+        ``entry`` to another copy sharing it (once per replica: a redelivered report
+        finds itself counted); False where the hold is its alone (or gone)."""
+        now = time.time()
+        left: list[bool] = []
+
+        def leave(cur: dict[str, Any]) -> dict[str, Any]:
+            left.clear()
+            held = _kept(cur, now)
+            v = held.get(request_id)
+            dups = list(v[3]) if v is not None and len(v) > 3 else []
+            if replica in dups:
+                left.append(True)
+                raise _Settled  # counted already
+            if v is None or _copies(v) < 2:
+                left.append(False)
+                raise _Settled
+            left.append(True)
+            held[request_id] = [v[0], v[1], _copies(v) - 1, [*dups, replica][-8:]]
+            return {**cur, "held": held}
+
+        with contextlib.suppress(_Settled):
+            await self._cas(entry, leave)
+        return bool(left and left[0])
 
     async def _note_charge(
         self, entry: str, request_id: str, amount: int, produced: int, deadline: float | None

@@ -393,6 +393,7 @@ class RateLimitCheck:
             superseding=superseding,
             produced=produced,
             counted=bool(u.get("counted")),
+            duplicate=str(u["dup"])[:128] if u.get("dup") else None,
         )
         if crossed:
             await self.spend.alert(crossed, model)

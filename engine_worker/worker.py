@@ -1264,18 +1264,17 @@ class Worker(Service):
 
     def _report_of(self, gen: _Generation) -> tuple[str, bytes] | None:
         """The subject and body of the request's usage report (services/usage.py). A copy
-        its caller cancelled unread reports its tokens, not its spend: the hold it shares
-        with the copy the caller reads is that copy's to settle."""
-        hdrs = gen.headers
-        if gen.duplicate and H.SPEND in hdrs:
-            hdrs = {k: v for k, v in hdrs.items() if k != H.SPEND}
+        its caller cancelled unread says so: a hold it shares with the copy the caller reads
+        (a resend under the same id) is that copy's to settle; a hold of its own it settles
+        at what it produced (auth.budgets.SpendBook.settle)."""
         return usage.report_body(
-            hdrs,
+            gen.headers,
             gen.rid,
             max_tokens=gen.req.max_tokens,
             prompt_tokens=gen.prompt_tokens,
             completion=gen.completion,
             cached=gen.cached,
+            duplicate=self.replica if gen.duplicate else None,
         )
 
     async def _report_usage(self, hdrs: dict[str, str], gen: _Generation) -> None:

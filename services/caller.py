@@ -533,7 +533,17 @@ class Stream:
         if self._sender is not None:
             self._sending = True
             try:
-                replica = await self._sender(data, hdrs, reply)
+                # An admission in this process (the bridge's stages and router) waits on
+                # JetStream writes that ride out a leaderless stream for up to 20 s: never
+                # past the request's own deadline, which the frames' wait keeps too.
+                left = max(0.0, self._deadline - time.time())
+                try:
+                    replica = await asyncio.wait_for(self._sender(data, hdrs, reply), left)
+                except TimeoutError:
+                    self._timed_out = True
+                    raise E.Timeout(
+                        f"no answer within the request timeout of {self._timeout:g}s"
+                    ) from None
                 if replica:  # else the accept frame names it
                     self.replica = replica
                     self._accepted_at = time.monotonic()

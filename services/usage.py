@@ -33,10 +33,12 @@ def report_body(
     prompt_tokens: int,
     completion: int,
     cached: int = 0,
+    duplicate: str | None = None,
 ) -> tuple[str, bytes] | None:
     """The subject and body of a usage report; None when the request was not admitted by a
     limiter (no ``Tb-Ratelimit`` header, or a malformed one). ``prompt_tokens`` < 0: not
-    known, the admission's estimate is kept."""
+    known, the admission's estimate is kept. ``duplicate``: the replica of a copy its
+    caller cancelled unread (auth.budgets.SpendBook.settle)."""
     try:
         window, reserved, flags, owner = [*hdrs[H.RATELIMIT].split(","), ""][:4]
         if prompt_tokens < 0:
@@ -60,6 +62,8 @@ def report_body(
             # The request held spend: any limiter may settle it (the report is kept until
             # one has), the one that admitted it first.
             body["spend"] = spend
+            if duplicate:
+                body["dup"] = duplicate
             return subjects.usage_spend(owner), codec.encode(body)
         # A number beyond 64 bits (``Tb-Ratelimit: 9…9,40,wc,x``) cannot be encoded.
         return subjects.usage(owner or None), codec.encode(body)

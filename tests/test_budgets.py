@@ -419,6 +419,37 @@ async def test_an_attempt_admitted_again_holds_once_and_its_read_copy_settles_it
         await nc.close()
 
 
+async def test_a_duplicate_leaves_a_shared_hold_to_its_read_copy_and_settles_its_own(
+    nats_server: Any,
+) -> None:
+    """The report of a copy its caller cancelled unread (``duplicate``): where another
+    admission under the same id shares its hold, it leaves the hold to that copy (once per
+    replica: a redelivered report counts nothing again), which then settles it; where the
+    hold is its own (ingress gives every admission an id of its own, so a NATS client's
+    resend has two holds), it settles it at what it ran. Before, such a copy reported no
+    spend at all, and its own hold was left until the request's deadline (the nemesis run's
+    "holds of answered requests left", seed 11)."""
+    nc = await nats.connect(nats_server.url)
+    try:
+        book = await budgets.SpendBook(nc).open()
+        key = budgets.Budget(f"k.dup{time.time_ns()}", "day", None, None)
+        await book.reserve([key], "r1#0", 100, time.time() + 60)
+        two = await book.reserve([key], "r1#0", 120, time.time() + 60)
+        copy = list(two.budgets)
+        for _ in range(2):  # the same report twice (redelivered)
+            await book.settle(budgets.Hold("r1#0", 0, list(copy)), 30, duplicate="w-1")
+            book._settled.clear()  # as another limiter would take it
+            assert (await book.spent(key)) == (0, 120)
+        await book.settle(budgets.Hold("r1#0", 0, list(copy)), 71)
+        assert (await book.spent(key)) == (71, 0)
+        # A copy alone with its hold: settled at its price, nothing left held.
+        own = await book.reserve([key], "r2#0", 90, time.time() + 60)
+        await book.settle(own, 25, duplicate="w-2")
+        assert (await book.spent(key)) == (96, 0)
+    finally:
+        await nc.close()
+
+
 async def test_a_book_that_wrote_an_entry_before_settles_a_hold_another_made_since(
     nats_server: Any,
 ) -> None:
@@ -573,15 +604,16 @@ async def test_a_budget_for_a_model_without_a_price_is_said_not_silently_free(
     assert "TOKENBUS_ROUTER__PRICE" in said[0]["hint"]
 
 
-async def test_a_copy_its_caller_cancelled_unread_reports_tokens_not_spend(
+async def test_a_copy_its_caller_cancelled_unread_says_so_in_its_report(
     nats_server: Any, model: str, client: Any
 ) -> None:
     """A caller that sent a request to another replica (no accept came in time) cancels the
-    first copy if it starts after all, as a duplicate: that copy's usage report then leaves
-    the spend to the copy the caller reads, which shares its hold (the report of the cancelled
-    copy settled the hold, and the answering copy's report was charged nothing: the nemesis
-    run's undercharge by a whole request, seed 13). A plain cancel (the caller left) reports
-    the spend as ever."""
+    first copy if it starts after all, as a duplicate: that copy's usage report says so
+    (``dup``: its replica), so a hold it shares with the copy the caller reads is left to
+    that copy (the report of the cancelled copy once settled the shared hold, and the
+    answering copy's report was charged nothing: the nemesis run's undercharge by a whole
+    request, seed 13), and a hold of its own is settled, not left to its deadline. A plain
+    cancel (the caller left) reports as ever."""
     from tests.test_bus import MSG, stack
 
     hold = budgets.Hold("rdup#0", 0, [(budgets.Budget("k.x", "day", None, None), "k.x.d")])
@@ -612,8 +644,9 @@ async def test_a_copy_its_caller_cancelled_unread_reports_tokens_not_spend(
             assert gen.duplicate is dup
             gen.headers = dict(hdrs)  # as a limiter admitted it, with a hold
             subject, data = w._report_of(gen) or ("", b"")
-            assert ("spend" in codec.decode_map(data)) is not dup
-            assert subject == (subjects.usage("lim") if dup else subjects.usage_spend("lim"))
+            body = codec.decode_map(data)
+            assert "spend" in body and subject == subjects.usage_spend("lim")
+            assert body.get("dup") == (w.replica if dup else None)
 
 
 async def test_a_background_response_whose_runner_died_is_paid_for_once(

@@ -63,3 +63,40 @@ async def test_invariants_hold_under_a_fault_every_three_seconds(tmp_path: Path)
 
 
 SPEND = "spend equals settled usage, no hold left"
+
+
+@pytest.mark.timeout(300)
+async def test_invariants_hold_when_the_only_nats_server_is_paused_and_killed(
+    tmp_path: Path,
+) -> None:
+    """The same on one nats-server (what `tokenbus up` runs): pauses of it, and kills and
+    pauses of the processes, every 3 s under the load; two bridges behind the harness'
+    balancer. Streams ride out a pause of the only server (issue 65)."""
+    seed = int(os.environ.get("TOKENBUS_NEMESIS_SEED") or 9001)
+    cfg = Config(
+        duration_s=24.0,
+        fault_every_s=3.0,
+        nodes=1,
+        seed=seed,
+        kinds=("nats_pause", "pause", "kill"),
+        per_role=1,
+        workers=2,
+        bridges=2,
+        nats_clients=3,
+        http_clients=3,
+        deadline_s=15.0,
+        batch_lines=12,
+        warmup_s=2.0,
+        pause_s=1.2,
+        down_s=0.5,
+        run_dir=str(tmp_path / "run"),
+        out=str(tmp_path / "nemesis.json"),
+        quiet=True,
+    )
+    report = await run_nemesis(cfg)
+    print_table(report)
+    failed = {i["name"]: i["examples"] for i in report["invariants"] if not i["ok"]}
+    assert report["hung"] == 0, (seed, failed)
+    assert "nats_pause" in {f["kind"] for f in report["faults"]}, report["faults"]
+    assert report["requests"]["completed"] > 0, report["requests"]
+    assert not failed, (seed, failed)

@@ -545,7 +545,10 @@ class Run:
     def __init__(self, cfg: Config, stack: Stack, rng: random.Random) -> None:
         self.cfg = cfg
         self.stack = stack
-        self.rng = rng
+        self.rng = rng  # the clients' draws (how many tokens), which follow their pace
+        # The faults' own draws: a seed replays the same schedule (kinds, targets) whatever
+        # the clients drew meanwhile.
+        self.fault_rng = random.Random(rng.random())
         self.t_start = time.monotonic()
         self.windows: list[dict[str, Any]] = [{"kind": "none", "target": "", "t": 0.0}]
         self.outcomes: list[Outcome] = []
@@ -828,10 +831,10 @@ async def key_creator(run: Run) -> None:
 # -- the faults ------------------------------------------------------------------------------
 def choose(run: Run, kinds: list[str]) -> tuple[str, Proc | int]:
     """The next fault: its kind and its target (a process, or a node's index)."""
-    kind = run.rng.choice(kinds)
+    kind = run.fault_rng.choice(kinds)
     if kind in ("kill", "pause"):
-        return kind, run.rng.choice(run.stack.procs)
-    return kind, run.rng.randrange(run.cfg.nodes)
+        return kind, run.fault_rng.choice(run.stack.procs)
+    return kind, run.fault_rng.randrange(run.cfg.nodes)
 
 
 async def inject(run: Run, kind: str, what: Proc | int) -> str:
@@ -950,13 +953,22 @@ async def check_spend(run: Run) -> dict[str, Any]:
                 if o.status == "ok" and o.via == "nats"
             )
             slack += moved
+            # A request admitted more than once (a NATS client that got no accept in time
+            # sends it again, and ingress gives each admission an id of its own): each copy
+            # its caller cancelled unread is charged what it ran, at most its whole cost.
+            copies = sum(
+                o.max_cost * max(0, len({rid for rid, _ in labels.get(o.rid, ())}) - 1)
+                for o in mine
+                if o.status == "ok"
+            )
+            slack += copies
             try:
                 entry = await _retrying("spend entry", lambda k=key_id: kv.get(f"k.{k}.total"), 30)
                 d = json.loads(entry.value or b"{}")
             except Exception as exc:
                 d = {"error": repr(exc)}
             spent = int(d.get("spent", 0))
-            held = {k: v for k, v in (d.get("held") or {}).items() if v[1] > now}
+            held = {k: v for k, v in (d.get("held") or {}).items() if float(v[1]) > now}
             # A request that failed (its worker died with it, and it was not moved, or its
             # caller died too) leaves its attempt's hold until the request's deadline: no
             # report comes. Such a hold must stop counting then; an answered request's must
