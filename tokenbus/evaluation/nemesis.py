@@ -952,6 +952,13 @@ async def check_spend(run: Run) -> dict[str, Any]:
                 for o in mine
                 if o.status == "ok" and o.via == "nats"
             )
+            if name == "jobs":
+                # Batch lines and the background response run in the bridges: a moved
+                # attempt's lost part is charged what its worker produced (it may have gone
+                # on to the end when the cancel was lost with a node), at most the job's
+                # largest request's whole cost (the background response's) per migration
+                # (seed 55: 576 µ$ over, 6 moved).
+                moved += migrated.get(key_id, 0) * (64 * PRICE_IN + 200 * PRICE_OUT)
             slack += moved
             # A request admitted more than once (a NATS client that got no accept in time
             # sends it again, and ingress gives each admission an id of its own): each copy
