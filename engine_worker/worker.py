@@ -30,7 +30,7 @@ from bus_schemas import errors as E
 from bus_schemas import headers as H
 from bus_schemas import kv_events as KV
 from bus_schemas.messages import AdapterCommand, check_envelope, envelope_chars
-from engine_worker import backends
+from engine_worker import backends, kvloop
 from engine_worker.backends.base import (
     Backend,
     Delta,
@@ -195,6 +195,9 @@ class _Generation:
     duplicate: bool = False  # a copy its caller cancelled unread (see Worker._on_cancel)
     # The output filter's policy the filter stage put in the envelope, checked once.
     policy: FilterPolicy | None = None
+    # The router's predicted cached prompt tokens and its id (Tb-Kv-Predicted), if any.
+    predicted: tuple[int, str] | None = None
+    cached_reported: bool = False  # the engine said how many prompt tokens it read cached
 
     @property
     def rid(self) -> str:
@@ -343,6 +346,7 @@ class Worker(Service):
         self.log = self.log.bind(replica=self.replica, model=self.model)
         self.discovery.metadata.update(replica=self.replica, model=self.model)
         self.flow = flow_control(cfg)
+        self.kv_loop = kvloop.KVLoop()
         # The engine's prefix cache, when it reports one (set up in setup()).
         self._kv: KVEventSource | None = None
         self._kv_task: asyncio.Task[None] | None = None
@@ -490,6 +494,19 @@ class Worker(Service):
             # ("text") or as vLLM ("vllm"); absent: no events (kv_aware keeps approximate
             # affinity for it).
             **({"kv_events": self._kv_hashing()} if self._kv is not None else {}),
+            # What makes its block hashes comparable (a router that computes them otherwise
+            # refuses its events), and the closed loop's totals: the routers' predicted
+            # cached tokens beside the engine's reports (engine_worker/kvloop.py).
+            **(
+                {
+                    "kv_hashing": kvloop.hashing(
+                        self._kv, self.model, getattr(self.backend, "revision", None)
+                    ),
+                    "kv_check": self.kv_loop.heartbeat(),
+                }
+                if self._kv is not None
+                else {}
+            ),
             **(
                 {"flow": self.flow.stats(), "flows": self.flow.flow_stats()}
                 if self.flow is not None
@@ -840,6 +857,7 @@ class Worker(Service):
                 param="model",
             )
         gen = _Generation(reply, msg.headers or {}, env, req, task)
+        gen.predicted = kvloop.predicted(gen.headers)
         if env.get("filter_policy"):  # an empty policy filters nothing, as none does
             gen.policy = policy
         return gen
@@ -1104,6 +1122,9 @@ class Worker(Service):
         details = (last.usage or {}).get("prompt_tokens_details")
         if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
             gen.cached = max(0, details["cached_tokens"])
+            gen.cached_reported = True
+            if gen.predicted is not None:
+                self.kv_loop.observe(gen.predicted[0], gen.cached)
         if finish == "content_filter":
             self.log.info(
                 "output_blocked",
@@ -1260,6 +1281,9 @@ class Worker(Service):
             trace_id=trace,
             usage_source=gen.usage_source,
             client_request_id=hdrs.get(H.CLIENT_REQUEST_ID),
+            cached_tokens=gen.cached if gen.cached_reported else None,
+            kv_predicted_tokens=gen.predicted[0] if gen.predicted is not None else None,
+            kv_router=gen.predicted[1] if gen.predicted is not None else None,
         )
 
     def _report_of(self, gen: _Generation) -> tuple[str, bytes] | None:

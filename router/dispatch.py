@@ -189,6 +189,8 @@ class Dispatcher:
         marks.append(hdrs, "route")
         hdrs[H.REPLY_TO] = reply
         hdrs.pop(H.ROUTE, None)
+        # Only this router's prediction reaches a worker, never a client's (set per attempt).
+        hdrs.pop(H.KV_PREDICTED, None)
         if self.aliases is not None and H.MODEL_ALIAS not in hdrs:
             served = self.aliases.resolve(model)
             if retarget(hdrs, model, served):
@@ -377,6 +379,7 @@ class Dispatcher:
                 await self._wait_for_room(p)
                 continue
             r = p.route.pick(candidates, live, p.req, p.pool)
+            self._predict(p, r)
             ack = await self._send(r, p)
             if ack is None:
                 continue
@@ -385,6 +388,16 @@ class Dispatcher:
                 return r.replica
             self._refused(r, E.TokenbusError.from_dict(ack.get("error") or {}), p)
         return None
+
+    def _predict(self, p: _Placement, r: Replica) -> None:
+        """Carry the policy's predicted cached prompt tokens on ``r`` to its worker (the
+        closed loop, router/kv_check.py), or none: always this router's, for this attempt."""
+        policy = p.route.policy
+        predicted = policy.prediction(r.replica) if isinstance(policy, KVAware) else None
+        if predicted is None or p.pd == "prefill":
+            p.hdrs.pop(H.KV_PREDICTED, None)
+        else:
+            p.hdrs[H.KV_PREDICTED] = f"{predicted},{self.instance}"
 
     async def _send(self, r: Replica, p: _Placement) -> dict[str, Any] | None:
         """Send the request to ``r`` and return its ack; None when it did not answer in time."""

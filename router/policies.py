@@ -286,6 +286,10 @@ class KVAware:
         self.prefixes = PrefixAware(bound, block_chars)
         self.hashers = PromptHashers()
         self.last: dict[str, int] = {}
+        # The prompt's tokens per matchable replica (its scheme's count), from depths().
+        self.tokens: dict[str, int] = {}
+        # The latest decision's prediction: (replica, prompt tokens it should read cached).
+        self.predicted: tuple[str, int] | None = None
 
     def depths(
         self, candidates: Sequence[Replica], req: RouteRequest
@@ -300,10 +304,16 @@ class KVAware:
                 groups.setdefault(key, []).append(r.replica)
         depth: dict[str, int] = {}
         blocks: dict[str, int] = {}
+        hashers = self.hashers
         for key, names in groups.items():
             first = names[0]
-            hashes = self.hashers.hashes(
-                key, index.hashing(first), index.block_size(first), req.rendered, req.env
+            hashes = hashers.hashes(
+                key,
+                index.hashing(first),
+                index.block_size(first),
+                req.rendered,
+                req.env,
+                getattr(index, "text_seed", ""),
             )
             if hashes is None:
                 continue
@@ -311,9 +321,27 @@ class KVAware:
                 depth.update(index.lookup(hashes, names))
             for name in names:
                 blocks[name] = len(hashes)
+                self.tokens[name] = hashers.tokens
         return (depth, blocks) if blocks else None
 
+    def predicted_tokens(self, replica: str, cached_blocks: int) -> int:
+        """The prompt tokens ``replica`` should read from its cache for ``cached_blocks``
+        matched blocks: whole blocks, all but the last prompt token at most (an engine
+        always computes that one)."""
+        hashing = self.index.hashing(replica) or {}
+        bs = int(hashing.get("block_size") or self.index.block_size(replica) or 0)
+        if bs < 1:
+            return 0
+        tokens = self.tokens.get(replica, 0)
+        return min(cached_blocks, max(0, tokens - 1) // bs) * bs
+
+    def prediction(self, replica: str) -> int | None:
+        """The latest decision's predicted cached tokens on ``replica`` (None: none made)."""
+        p = self.predicted
+        return p[1] if p is not None and p[0] == replica else None
+
     def choose(self, candidates: Sequence[Replica], req: RouteRequest) -> Replica:
+        self.predicted = None
         found = self.depths(candidates, req)
         if found is None:
             if req.session:
@@ -321,13 +349,17 @@ class KVAware:
             return self.prefixes.choose_for(candidates, req.rendered)
         depth, blocks = found
         self.last = depth
+        index = self.index
         best: list[Replica] = []
         best_cost = math.inf
         for r in candidates:
             cap = max(1, r.max_concurrency)
             n = max(1, blocks.get(r.replica, 0))
+            # A replica whose engine's reports disagree with the index is routed by load:
+            # its entries count for nothing (router.kv_check).
+            hit = depth.get(r.replica, 0) if index.trusted(r.replica) else 0
             cost = (
-                self.prefix_weight * (1.0 - depth.get(r.replica, 0) / n)
+                self.prefix_weight * (1.0 - hit / n)
                 + self.load_weight * r.load / cap
                 + self.queue_weight * r.waiting / cap
             )
@@ -337,7 +369,14 @@ class KVAware:
                 best.append(r)
         chosen = best[0] if len(best) == 1 else random.choice(best)
         prompt_blocks = blocks.get(chosen.replica, max(blocks.values()))
-        self.index.decided(prompt_blocks, depth.get(chosen.replica, 0))
+        cached = depth.get(chosen.replica, 0)
+        predicted = 0
+        if chosen.replica in blocks:
+            # What the index says it holds, trusted or not: the prediction keeps the loop
+            # closed, so a distrusted replica can be seen to agree again.
+            predicted = self.predicted_tokens(chosen.replica, cached)
+            self.predicted = (chosen.replica, predicted)
+        index.decided(prompt_blocks, cached if index.trusted(chosen.replica) else 0, predicted)
         return chosen
 
 

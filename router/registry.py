@@ -52,6 +52,10 @@ class Replica:
     kv_events: str = ""
     # What its upstream can do (the openai backend's probe), for operators; None: no upstream.
     upstream: dict[str, Any] | None = None
+    # What makes its block hashes comparable (its heartbeat's kv_hashing; None: not said).
+    kv_hashing: dict[str, Any] | None = None
+    # The closed loop's totals from its heartbeats: predicted and reported cached tokens.
+    kv_check: dict[str, int] | None = None
 
     @property
     def continues(self) -> bool:
@@ -142,6 +146,14 @@ class Registry:
             r.flow = flow if isinstance(flow, dict) else None
             r.flows = flows if isinstance(flows, dict) else None
             r.kv_events = str(hb.get("kv_events") or "")
+            hashing = hb.get("kv_hashing")
+            r.kv_hashing = hashing if isinstance(hashing, dict) else None
+            check = hb.get("kv_check")
+            r.kv_check = (
+                {k: int(check.get(k) or 0) for k in ("requests", "predicted", "reported")}
+                if isinstance(check, dict)
+                else None
+            )
             up = hb.get("upstream")
             r.upstream = up if isinstance(up, dict) else None
             r.last_seen = time.monotonic()

@@ -467,6 +467,19 @@ class Metrics:
         self.migrations = counter(
             "tokenbus_migrations_total", "Streams moved to another replica", ["model"]
         )
+        # The closed loop on KV-cache hits (docs/routing.md): of the requests a router
+        # predicted hits for and whose engine reported its cached tokens, both sums.
+        loop = ["model", "replica", "router"]
+        self.kv_predicted = counter(
+            "tokenbus_kv_predicted_tokens_total",
+            "Prompt tokens routers predicted the replica would read from its KV cache",
+            loop,
+        )
+        self.kv_reported = counter(
+            "tokenbus_kv_reported_tokens_total",
+            "Of the same requests, prompt tokens the engine reported it read from its cache",
+            loop,
+        )
         self.records = Counter(
             "tokenbus_telemetry_records_total",
             "Records received, by source",
@@ -561,6 +574,11 @@ class Metrics:
             of(self.generation_tokens_hist, model).observe(tout)
         if rec.get("migrations"):
             of(self.migrations, model).inc()
+        predicted, cached = rec.get("kv_predicted_tokens"), rec.get("cached_tokens")
+        if isinstance(predicted, int) and isinstance(cached, int):
+            router = str(rec.get("kv_router") or "")[:64]
+            of(self.kv_predicted, model, replica, router).inc(max(0, predicted))
+            of(self.kv_reported, model, replica, router).inc(max(0, cached))
 
     def heartbeat(self, hb: dict[str, Any]) -> None:
         self.load.heartbeat(hb)
