@@ -520,6 +520,34 @@ def kv_routing() -> Section:
         )
         .with_panel(
             ts(
+                "Reported / predicted cached tokens (closed loop)",
+                "percentunit",
+                [
+                    q(
+                        "sum by (replica) (rate(tokenbus_kv_reported_tokens_total"
+                        f"{{{M}}}{RATE})) / sum by (replica) "
+                        f"(rate(tokenbus_kv_predicted_tokens_total{{{M}}}{RATE}))",
+                        "{{replica}}",
+                    ),
+                    q(
+                        "sum by (router) (rate(tokenbus_kv_reported_tokens_total"
+                        f"{{{M}}}{RATE})) / sum by (router) "
+                        f"(rate(tokenbus_kv_predicted_tokens_total{{{M}}}{RATE}))",
+                        "router {{router}}",
+                        ref="B",
+                    ),
+                    q("sum(tokenbus_kv_disagreeing_replicas)", "disagreeing replicas", ref="C"),
+                    q("sum(tokenbus_kv_incompatible_replicas)", "incompatible replicas", ref="D"),
+                ],
+                desc="The prompt tokens engines reported reading from their KV cache over "
+                "those the routers predicted from their KV events (1 = the index is right; "
+                "alert TokenbusKVPredictionOff), per replica and per router; and the replicas "
+                "routers route by load for disagreeing, or refuse for hashing otherwise "
+                "(docs/routing.md).",
+            )
+        )
+        .with_panel(
+            ts(
                 "Index size per replica",
                 "short",
                 [q("sum by (replica) (tokenbus_kv_index_entries)", "{{replica}}")],
