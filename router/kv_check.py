@@ -161,6 +161,12 @@ class KVCheck:
                 reported=reported,
             )
 
+    def retain(self, live: set[str]) -> None:
+        """Forget every replica not in ``live`` (gone: its heartbeats stopped)."""
+        for name in set(self._judged) | set(self._loops) | set(self.incompatible):
+            if name not in live:
+                self.forget(name)
+
     def forget(self, replica: str) -> None:
         """A replica gone: nothing kept of it."""
         self.incompatible.pop(replica, None)

@@ -229,9 +229,7 @@ class KVFollower:
             if name not in live and name not in self._asking and not self._recent(name):
                 self.index.drop(name)
                 self._models.pop(name, None)
-        for name in list(self.check.incompatible) + list(self.check.disagreeing):
-            if name not in live:
-                self.check.forget(name)
+        self.check.retain(set(live))
 
     def _recent(self, name: str) -> bool:
         """Whether events came from ``name`` lately (a replica before its first heartbeat)."""
