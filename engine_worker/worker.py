@@ -30,7 +30,7 @@ from bus_schemas import errors as E
 from bus_schemas import headers as H
 from bus_schemas import kv_events as KV
 from bus_schemas.messages import AdapterCommand, check_envelope, envelope_chars
-from engine_worker import backends, kvloop
+from engine_worker import backends, kvloop, perf
 from engine_worker.backends.base import (
     Backend,
     Delta,
@@ -198,6 +198,7 @@ class _Generation:
     # The router's predicted cached prompt tokens and its id (Tb-Kv-Predicted), if any.
     predicted: tuple[int, str] | None = None
     cached_reported: bool = False  # the engine said how many prompt tokens it read cached
+    waiting_at_start: int = 0  # sequences waiting in the engine when it entered
 
     @property
     def rid(self) -> str:
@@ -347,6 +348,7 @@ class Worker(Service):
         self.discovery.metadata.update(replica=self.replica, model=self.model)
         self.flow = flow_control(cfg)
         self.kv_loop = kvloop.KVLoop()
+        self.perf = perf.EnginePerf()  # its engine's speed, learned from its requests
         # The engine's prefix cache, when it reports one (set up in setup()).
         self._kv: KVEventSource | None = None
         self._kv_task: asyncio.Task[None] | None = None
@@ -507,6 +509,8 @@ class Worker(Service):
                 if self._kv is not None
                 else {}
             ),
+            # Its engine's speed as learned from its requests (predicted_latency routing).
+            **({"perf": p} if (p := self.perf.heartbeat()) is not None else {}),
             **(
                 {"flow": self.flow.stats(), "flows": self.flow.flow_stats()}
                 if self.flow is not None
@@ -892,6 +896,7 @@ class Worker(Service):
         """The engine's stream of the request, started now; a failure to start is raised as
         a typed error."""
         gen.t_start = marks.now_ns()
+        gen.waiting_at_start = int(self.backend.stats().get("waiting", 0))
         try:
             return self.backend.generate(gen.req)
         except E.TokenbusError:
@@ -1125,6 +1130,7 @@ class Worker(Service):
             gen.cached_reported = True
             if gen.predicted is not None:
                 self.kv_loop.observe(gen.predicted[0], gen.cached)
+        self._learn(gen, timings["engine_end"])
         if finish == "content_filter":
             self.log.info(
                 "output_blocked",
@@ -1147,6 +1153,21 @@ class Worker(Service):
         gen.usage_source = last.usage_source
         gen.outcome = finish
         self._report_ahead(gen)
+
+    def _learn(self, gen: _Generation, end_ns: int) -> None:
+        """Teach the latency models (engine_worker/perf.py) what this request took."""
+        if not gen.first_ns or gen.prompt_tokens < 0 or gen.req.kind == subjects.KIND_EMBEDDINGS:
+            return
+        tpot = None
+        if gen.completion > 1:
+            tpot = (end_ns - gen.first_ns) / 1e6 / (gen.completion - 1)
+        self.perf.observe(
+            ttft_ms=(gen.first_ns - gen.t_start) / 1e6,
+            computed_tokens=max(0, gen.prompt_tokens - gen.cached),
+            waiting=gen.waiting_at_start,
+            tpot_ms=tpot,
+            running=int(self.backend.stats().get("running", 1)) - 1,
+        )
 
     def _log_flags(self, gen: _Generation, gate: OutputGate) -> None:
         """Log the detectors the policy flags that the whole output triggered, if any."""

@@ -342,6 +342,7 @@ class Dispatcher:
     ) -> RouteRequest:
         """What the routing policy reads: model, session, and the prompt when it needs one."""
         req = RouteRequest(model, hdrs.get(H.SESSION) or None)
+        req.tier = hdrs.get(H.PRIORITY) or "default"
         if route.needs_prompt or route.needs_rendered:
             if env is None:
                 env = codec.decode_map(data)

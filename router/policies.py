@@ -45,6 +45,8 @@ class RouteRequest:
     # replicas; and the envelope, which it renders as vLLM does for vllm replicas.
     rendered: str = ""
     env: dict[str, Any] | None = None
+    # Its class (service_tier, as auth settled it): predicted_latency's target.
+    tier: str = "default"
 
 
 def prompt_text(env: dict[str, Any]) -> str:
@@ -380,6 +382,81 @@ class KVAware:
         return chosen
 
 
+class PredictedLatency(KVAware):
+    """Routes on a model of each replica's latency (llm-d's predicted-latency scorer, with
+    rates learned from the replicas' own requests, engine_worker/perf.py, never
+    configured): for each candidate, ::
+
+        TTFT = ttft_base + prefill_ms_per_token x prompt tokens it would compute (the prompt
+               less its cached prefix, from the KV index) + queue_ms_per_waiting x sequences
+               ahead (engine-waiting, plus this router's unacknowledged sends)
+        TPOT = tpot_base + tpot_ms_per_running x (running sequences + 1)
+
+    Among the replicas predicted to meet the request's class target (``latency_targets``),
+    the lowest TTFT wins; when none is, the lowest TTFT all the same, and the admission rules
+    already there (the worker's flow control by class, the router's bounded queue) decide
+    what waits or is shed. Until every candidate has announced a model, ``kv_aware``'s cost
+    routes. ``last`` holds the latest decision's predictions, replica -> (TTFT, TPOT)."""
+
+    def __init__(self, index: Any, *, targets: dict[str, Any] | None = None, **kw: Any) -> None:
+        super().__init__(index, **kw)
+        self.targets: dict[str, Any] = targets or {}
+        self.predictions: dict[str, tuple[float, float | None]] = {}
+        self.unmet = 0  # decisions no replica was predicted to meet
+
+    def predict(
+        self, r: Replica, depth: dict[str, int], req: RouteRequest
+    ) -> tuple[float, float | None]:
+        """(TTFT ms, TPOT ms or None) predicted for ``req`` on ``r``."""
+        perf = r.perf or {}
+        tokens = self.tokens.get(r.replica) or max(1, -(-len(req.rendered) // 4))
+        cached = 0
+        if self.index.trusted(r.replica) and r.replica in self.tokens:
+            cached = self.predicted_tokens(r.replica, depth.get(r.replica, 0))
+        ahead = r.waiting + r.unacked
+        ttft = (
+            perf.get("ttft_base_ms", 0.0)
+            + perf.get("prefill_ms_per_token", 0.0) * max(0, tokens - cached)
+            + perf.get("queue_ms_per_waiting", 0.0) * ahead
+        )
+        tpot = None
+        if "tpot_base_ms" in perf:
+            tpot = perf["tpot_base_ms"] + perf.get("tpot_ms_per_running", 0.0) * (r.running + 1)
+        return ttft, tpot
+
+    def _meets(self, pred: tuple[float, float | None], target: Any) -> bool:
+        ttft, tpot = pred
+        if target is None:
+            return True
+        if ttft > target.ttft_ms:
+            return False
+        return target.tpot_ms is None or tpot is None or tpot <= target.tpot_ms
+
+    def choose(self, candidates: Sequence[Replica], req: RouteRequest) -> Replica:
+        if any(not r.perf for r in candidates):
+            return super().choose(candidates, req)  # not every speed is known yet
+        self.predicted = None
+        found = self.depths(candidates, req)
+        depth, blocks = found if found is not None else ({}, {})
+        preds = {r.replica: self.predict(r, depth, req) for r in candidates}
+        self.predictions = preds
+        target = self.targets.get(req.tier) or self.targets.get("default")
+        meeting = [r for r in candidates if self._meets(preds[r.replica], target)]
+        if not meeting:
+            self.unmet += 1
+        pool = meeting or list(candidates)
+        best = min(preds[r.replica][0] for r in pool)
+        ties = [r for r in pool if preds[r.replica][0] <= best + 1e-9]
+        chosen = ties[0] if len(ties) == 1 else random.choice(ties)
+        if chosen.replica in blocks:
+            cached = depth.get(chosen.replica, 0)
+            predicted = self.predicted_tokens(chosen.replica, cached)
+            self.predicted = (chosen.replica, predicted)
+            trusted = self.index.trusted(chosen.replica)
+            self.index.decided(blocks[chosen.replica], cached if trusted else 0, predicted)
+        return chosen
+
+
 LOAD_POLICIES: dict[str, type[Any]] = {
     "least_outstanding": LeastOutstanding,
     "round_robin": RoundRobin,
@@ -387,6 +464,7 @@ LOAD_POLICIES: dict[str, type[Any]] = {
     "session_affinity": SessionAffinity,
     "prefix_aware": PrefixAware,
     "kv_aware": KVAware,
+    "predicted_latency": PredictedLatency,
     "random": Random,
 }
 
@@ -398,16 +476,25 @@ def make_load_policy(
     block_chars: int,
     kv_index: Any = None,
     kv_weights: dict[str, float] | None = None,
+    latency_targets: dict[str, Any] | None = None,
 ) -> LoadPolicy:
     if name == "session_affinity":
         return SessionAffinity(bound)
     if name == "prefix_aware":
         return PrefixAware(bound, block_chars)
-    if name == "kv_aware":
+    if name in ("kv_aware", "predicted_latency"):
         if kv_index is None:
             from router.kv_index import KVIndex
 
             kv_index = KVIndex()  # nothing feeds it: the approximate fallbacks route
+        if name == "predicted_latency":
+            return PredictedLatency(
+                kv_index,
+                targets=latency_targets,
+                bound=bound,
+                block_chars=block_chars,
+                **(kv_weights or {}),
+            )
         return KVAware(kv_index, bound=bound, block_chars=block_chars, **(kv_weights or {}))
     try:
         policy: LoadPolicy = LOAD_POLICIES[name]()

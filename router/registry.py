@@ -56,6 +56,8 @@ class Replica:
     kv_hashing: dict[str, Any] | None = None
     # The closed loop's totals from its heartbeats: predicted and reported cached tokens.
     kv_check: dict[str, int] | None = None
+    # Its engine's speed as it learned it (engine_worker/perf.py); None: not learned yet.
+    perf: dict[str, float] | None = None
 
     @property
     def continues(self) -> bool:
@@ -148,6 +150,12 @@ class Registry:
             r.kv_events = str(hb.get("kv_events") or "")
             hashing = hb.get("kv_hashing")
             r.kv_hashing = hashing if isinstance(hashing, dict) else None
+            perf = hb.get("perf")
+            r.perf = (
+                {str(k): float(v) for k, v in perf.items() if isinstance(v, int | float)}
+                if isinstance(perf, dict)
+                else None
+            )
             check = hb.get("kv_check")
             r.kv_check = (
                 {k: int(check.get(k) or 0) for k in ("requests", "predicted", "reported")}

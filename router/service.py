@@ -90,7 +90,8 @@ async def watch_routing(
                 asyncio.get_running_loop().create_task(kv.start(nc))
 
         table.on_kv_aware = follow
-        if "kv_aware" in {cfg.policy, *(m.policy for m in cfg.models.values())}:
+        follows = {"kv_aware", "predicted_latency"}
+        if follows & {cfg.policy, *(m.policy for m in cfg.models.values())}:
             await kv.start(nc)
     try:
         await table.watch(nc)

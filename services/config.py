@@ -145,6 +145,7 @@ LoadPolicyName = Literal[
     "session_affinity",
     "prefix_aware",
     "kv_aware",
+    "predicted_latency",
     "random",
 ]
 PoolPolicyName = Literal["none", "concurrency_tiered", "expert"]
@@ -246,6 +247,25 @@ class KVCheckSettings(BaseModel):
     )
 
 
+class LatencyTarget(BaseModel):
+    """What a request of one class must get (predicted_latency)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    ttft_ms: float = Field(gt=0, description="Time to first token, ms.")
+    tpot_ms: float | None = Field(
+        default=None, gt=0, description="Time per output token, ms (none: any)."
+    )
+
+
+def _default_targets() -> dict[str, LatencyTarget]:
+    return {
+        "priority": LatencyTarget(ttft_ms=500, tpot_ms=50),
+        "default": LatencyTarget(ttft_ms=2000, tpot_ms=100),
+        "flex": LatencyTarget(ttft_ms=30000),
+    }
+
+
 class ModelRouting(BaseModel):
     """How one model's requests are routed: a pool choice, then a load policy inside it."""
 
@@ -265,6 +285,11 @@ class ModelRouting(BaseModel):
         default=256, ge=16, description="prefix_aware: characters per hashed prompt block."
     )
     kv: KVRoutingSettings = Field(default_factory=KVRoutingSettings)
+    latency_targets: dict[str, LatencyTarget] = Field(
+        default_factory=_default_targets,
+        description="predicted_latency: per class (service_tier: priority, default, flex) the "
+        "time to first token and per output token a replica must be predicted to meet.",
+    )
     tiered: TieredSettings = Field(default_factory=TieredSettings)
     expert: ExpertSettings = Field(default_factory=ExpertSettings)
     price: PriceSettings | None = Field(
