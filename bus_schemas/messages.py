@@ -829,6 +829,13 @@ class Heartbeat(_Wire):
         "that carried a router's prediction and got the engine's report, the predicted "
         "cached prompt tokens and the reported ones (`requests`, `predicted`, `reported`).",
     )
+    perf: dict[str, float] | None = Field(
+        default=None,
+        description="Its engine's speed as learned from its own requests (the "
+        "predicted_latency policy's inputs, docs/routing.md): samples, ttft_base_ms, "
+        "prefill_ms_per_token, queue_ms_per_waiting, tpot_base_ms, tpot_ms_per_running. "
+        "Absent until it served enough requests.",
+    )
     ts_ms: int = Field(description="Send time, epoch ms.")
 
 
