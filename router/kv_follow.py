@@ -109,6 +109,12 @@ class KVIndexCollector:
             value=sum(idx.decided_blocks for idx in indexes),
         )
         yield CounterMetricFamily(
+            "tokenbus_kv_route_predicted_tokens",
+            "Prompt tokens the chosen replicas should read from their caches, as this router "
+            "predicted (the closed loop's router side, docs/routing.md).",
+            value=sum(idx.decided_predicted_tokens for idx in indexes),
+        )
+        yield CounterMetricFamily(
             "tokenbus_kv_route_cached_blocks",
             "Of those, blocks the chosen replica held: cached / prompt is the hit ratio.",
             value=sum(idx.decided_hit_blocks for idx in indexes),

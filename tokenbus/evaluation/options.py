@@ -12,7 +12,7 @@ from services.config import DEFAULT_MODEL
 # --peer NAME: the peer gateways `tokenbus bench --spawn` can start (tokenbus.evaluation.peers).
 PEERS = ("vllm-router", "litellm", "pyrelay", "busrelay")
 # --kv-policies: the routing policies the agent-session benchmark compares (kvbench).
-POLICIES = ("kv_aware", "least_outstanding", "prefix_aware", "random")
+POLICIES = ("kv_aware", "predicted_latency", "least_outstanding", "prefix_aware", "random")
 # --nemesis-kinds: the faults the nemesis injects (nemesis).
 KINDS = ("kill", "pause", "nats_kill", "nats_pause", "nats_partition", "host_crash")
 
@@ -196,8 +196,8 @@ def _kvbench(te: Any) -> None:
         "--kv-sessions",
         metavar="N[,N]",
         help="instead of the sweep: N concurrent multi-turn agent sessions per load level "
-        "(e.g. 16,64) on sim replicas with prefix caches, routed kv_aware, least_outstanding, "
-        "prefix_aware and random in turn",
+        "(e.g. 16,64) on sim replicas with prefix caches, routed kv_aware, predicted_latency, "
+        "least_outstanding, prefix_aware and random in turn",
     )
     te.add_argument("--kv-turns", type=int, default=10, help="--kv-sessions: turns per session")
     te.add_argument("--kv-replicas", type=int, default=4, help="--kv-sessions: sim workers")
