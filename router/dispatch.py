@@ -395,7 +395,9 @@ class Dispatcher:
         closed loop, router/kv_check.py), or none: always this router's, for this attempt."""
         policy = p.route.policy
         predicted = policy.prediction(r.replica) if isinstance(policy, KVAware) else None
-        if predicted is None or p.pd == "prefill":
+        # A disaggregated request's parts read the prompt from elsewhere (or only write it):
+        # the engine's cached count is not the local cache's, so nothing is predicted.
+        if predicted is None or p.pd:
             p.hdrs.pop(H.KV_PREDICTED, None)
         else:
             p.hdrs[H.KV_PREDICTED] = f"{predicted},{self.instance}"

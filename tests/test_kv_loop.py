@@ -235,6 +235,24 @@ def _holds(index: KVIndex, policy: KVAware, replica: str, system: list[dict[str,
     return index.lookup(K.text_block_hashes(_req("m", system).rendered, BS)).get(replica, 0) > 0
 
 
+def test_what_a_router_refuses_at_join() -> None:
+    from router.kv_check import KVCheck
+    from services.config import KVCheckSettings
+
+    check = KVCheck(KVCheckSettings(), log=None)
+    vllm = {"kind": "vllm", "algo": "sha256", "seed": "s", "block_size": 16, "model": "m"}
+    assert check.why_incompatible(None) is None  # an older worker says nothing: not judged
+    assert check.why_incompatible({"kind": "text", "block_size": 32, "seed": ""}) is None
+    assert check.why_incompatible(vllm) is None
+    assert "random" in str(check.why_incompatible({**vllm, "seed": None}))
+    assert "xxhash" in str(check.why_incompatible({**vllm, "algo": "xxhash"}))
+    assert "'lmcache'" in str(check.why_incompatible({"kind": "lmcache"}))
+    pinned = KVCheck(KVCheckSettings(block_size=16, hash_seed="s1"), log=None)
+    assert "block size 32" in str(pinned.why_incompatible({"kind": "text", "block_size": 32}))
+    assert "hash seed ''" in str(pinned.why_incompatible({"kind": "text", "block_size": 16}))
+    assert pinned.why_incompatible({"kind": "text", "block_size": 16, "seed": "s1"}) is None
+
+
 # -- mismatch at join: real processes -------------------------------------------------------
 async def _metric(port: int, name: str) -> float | None:
     async with httpx.AsyncClient() as h:
