@@ -236,6 +236,35 @@ def _kvbench(te: Any) -> None:
     )
 
 
+def _routebench(g: Any) -> None:
+    g.add_argument(
+        "--routing-trace",
+        type=int,
+        metavar="SESSIONS",
+        help="instead of the sweep: a generated trace of SESSIONS sessions (shared system "
+        "prompts, multi-turn, long-tailed prompts; tokenbus.evaluation.trace) replayed against "
+        "each routing policy on --kv-replicas sim replicas with chunked prefill, side by side",
+    )
+    g.add_argument("--trace-file", help="--routing-trace: replay this trace (JSON lines) instead")
+    g.add_argument(
+        "--trace-policies",
+        default="least_outstanding,prefix_aware,kv_aware,predicted_latency",
+        help="--routing-trace: the policies compared",
+    )
+    g.add_argument(
+        "--trace-chunked-prefill",
+        type=int,
+        default=512,
+        help="--routing-trace: the sim's chunked prefill (tokens per step; 0: off)",
+    )
+    g.add_argument(
+        "--slo-ttft-ms", type=float, default=2000.0, help="--routing-trace: goodput's TTFT"
+    )
+    g.add_argument(
+        "--slo-tbt-ms", type=float, default=100.0, help="--routing-trace: goodput's time per token"
+    )
+
+
 def _batchbench(g: Any) -> None:
     g.add_argument(
         "--batch-lines",
@@ -356,6 +385,7 @@ def add_parser(sub: Any) -> Any:
     """The ``bench`` sub-command with every scenario's options."""
     bp = _bench(sub)
     _kvbench(bp.add_argument_group("multi-turn agent sessions"))
+    _routebench(bp.add_argument_group("routing policies on a trace"))
     _batchbench(bp.add_argument_group("a batch beside interactive traffic"))
     _nemesis(bp.add_argument_group("faults under mixed traffic (docs/nemesis.md)"))
     _syncbench(bp.add_argument_group("what each JetStream sync policy costs"))
