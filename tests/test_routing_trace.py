@@ -3,6 +3,7 @@ generated with the shape of the published production traces, the same for the sa
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 from tokenbus.evaluation import trace as T
@@ -17,7 +18,7 @@ def test_a_trace_has_shared_prompts_multi_turn_sessions_and_a_long_tail(tmp_path
     assert uses[0] == max(uses) and all(uses)
     # Multi-turn sessions, arriving over time in order.
     assert max(len(s.turns) for s in sessions) > 1
-    assert all(a.arrival_s < b.arrival_s for a, b in zip(sessions, sessions[1:], strict=False))
+    assert all(a.arrival_s < b.arrival_s for a, b in itertools.pairwise(sessions))
     # A long tail: the longest user turns are many times the median.
     lengths = sorted(t["user_tokens"] for s in sessions for t in s.turns)
     median = lengths[len(lengths) // 2]
