@@ -91,3 +91,9 @@ TRACEPARENT = "traceparent"
 # A migrated request's earlier attempt: the traceparent of the replica span that served it
 # (from its accept frame), which the next attempt's replica span links to.
 TRACE_LINK = "Tb-Trace-Link"
+# The prompt tokens the router expects the chosen replica to read from its KV cache (its
+# index of the replicas' KV events, router/kv_index.py) and the router's instance id:
+# ``tokens,router``. Set (or removed) by the router on every dispatch, whatever came in, so
+# a client's value never reaches a worker; the worker puts it beside the engine's reported
+# ``cached_tokens`` in its record and heartbeats (the closed loop, docs/routing.md).
+KV_PREDICTED = "Tb-Kv-Predicted"

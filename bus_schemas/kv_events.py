@@ -159,13 +159,21 @@ def block_hash(parent: int | None, token_ids: Sequence[int]) -> int:
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big")
 
 
-def _chain(raw: bytes, block_size: int, parent: int | None) -> list[int]:
+def text_root(seed: str = "") -> bytes:
+    """The parent of a prompt's first block under ``seed`` (as vLLM's ``NONE_HASH`` follows
+    PYTHONHASHSEED): the fixed root without one. Hashes under two seeds never match."""
+    if not seed:
+        return _ROOT
+    return hashlib.blake2b(b"tokenbus.kv.v1.root\x00" + seed.encode(), digest_size=8).digest()
+
+
+def _chain(raw: bytes, block_size: int, parent: int | None, root: bytes = _ROOT) -> list[int]:
     """:func:`chain_hashes` of token ids given as their packed bytes."""
     if block_size < 1:
         raise ValueError("block_size must be at least 1")
     step = block_size * _ID_BYTES
     blake = hashlib.blake2b
-    prev = _ROOT if parent is None else parent.to_bytes(8, "big")
+    prev = root if parent is None else parent.to_bytes(8, "big")
     out: list[int] = []
     for start in range(0, len(raw) - step + 1, step):
         prev = blake(prev + raw[start : start + step], digest_size=8).digest()
@@ -180,10 +188,11 @@ def chain_hashes(token_ids: Sequence[int], block_size: int, parent: int | None =
     return _chain(raw, block_size, parent)
 
 
-def text_block_hashes(text: str, block_size: int) -> list[int]:
+def text_block_hashes(text: str, block_size: int, seed: str = "") -> list[int]:
     """The block hashes the sim gives a prompt rendered as ``text``: those of
-    :func:`text_token_ids`, without making the ids (one hash call a block)."""
-    return _chain(_utf32(text), block_size, None)
+    :func:`text_token_ids`, without making the ids (one hash call a block); the first
+    block's parent is :func:`text_root` of ``seed``."""
+    return _chain(_utf32(text), block_size, None, text_root(seed))
 
 
 # -- hashing schemes --------------------------------------------------------------------------
@@ -198,8 +207,14 @@ VLLM_HASH_ALGOS = ("sha256", "sha256_cbor")
 VLLM_DEFAULT_SEED = "vllm-none-hash"  # vLLM's NONE_HASH seed without PYTHONHASHSEED
 
 
-def text_scheme() -> dict[str, Any]:
-    return {"kind": SCHEME_TEXT}
+def text_scheme(*, block_size: int = 0, seed: str = "") -> dict[str, Any]:
+    """The sim's hashing (``text``), with its block size and seed where given."""
+    out: dict[str, Any] = {"kind": SCHEME_TEXT}
+    if block_size:
+        out["block_size"] = block_size
+    if seed:
+        out["seed"] = seed
+    return out
 
 
 def vllm_scheme(

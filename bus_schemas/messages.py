@@ -816,6 +816,26 @@ class Heartbeat(_Wire):
         "stream_usage, continue_message, logprobs (true/false/null: not known), tokenize "
         "(its tokenize endpoint's form, or null), overridden (the fields set in config).",
     )
+    kv_hashing: dict[str, Any] | None = Field(
+        default=None,
+        description="What makes its KV block hashes comparable (docs/routing.md): kind "
+        "(`text`: the sim's, `vllm`), block_size, seed, algo and tokenizer (vllm), model and "
+        "revision where known. A router that computes hashes otherwise refuses its KV events. "
+        "Absent: no KV events.",
+    )
+    kv_check: dict[str, int] | None = Field(
+        default=None,
+        description="The closed loop on KV-cache hits since the replica started: requests "
+        "that carried a router's prediction and got the engine's report, the predicted "
+        "cached prompt tokens and the reported ones (`requests`, `predicted`, `reported`).",
+    )
+    perf: dict[str, float] | None = Field(
+        default=None,
+        description="Its engine's speed as learned from its own requests (the "
+        "predicted_latency policy's inputs, docs/routing.md): samples, ttft_base_ms, "
+        "prefill_ms_per_token, queue_ms_per_waiting, tpot_base_ms, tpot_ms_per_running. "
+        "Absent until it served enough requests.",
+    )
     ts_ms: int = Field(description="Send time, epoch ms.")
 
 

@@ -102,12 +102,15 @@ class EventLog:
 class KVCache(EventLog):
     """The prefix cache of one replica (see the module docstring), and its event log."""
 
-    def __init__(self, capacity: int, block_size: int = 16, medium: str = K.MEDIUM_GPU) -> None:
+    def __init__(
+        self, capacity: int, block_size: int = 16, medium: str = K.MEDIUM_GPU, seed: str = ""
+    ) -> None:
         if capacity < 1 or block_size < 1:
             raise ValueError("capacity and block_size must be at least 1")
         super().__init__()
         self.capacity = capacity
         self.block_size = block_size
+        self.seed = seed  # of its block hashes (K.text_root): announced in heartbeats
         self.medium = medium
         self._blocks: dict[int, _Block] = {}  # every cached block, held or not
         self._free: OrderedDict[int, None] = OrderedDict()  # cached, unheld: LRU first
@@ -119,7 +122,7 @@ class KVCache(EventLog):
     # -- lookups ----------------------------------------------------------------------------
     def hashes_of(self, text: str) -> list[int]:
         """The full-block hashes of a prompt rendered as ``text`` (the sim's tokens)."""
-        return K.text_block_hashes(text, self.block_size)
+        return K.text_block_hashes(text, self.block_size, self.seed)
 
     def match(self, hashes: Sequence[int]) -> int:
         """How many of ``hashes``, from the first, are cached (no side effects)."""

@@ -30,7 +30,7 @@ from bus_schemas import errors as E
 from bus_schemas import headers as H
 from bus_schemas import kv_events as KV
 from bus_schemas.messages import AdapterCommand, check_envelope, envelope_chars
-from engine_worker import backends
+from engine_worker import backends, kvloop, perf
 from engine_worker.backends.base import (
     Backend,
     Delta,
@@ -195,6 +195,10 @@ class _Generation:
     duplicate: bool = False  # a copy its caller cancelled unread (see Worker._on_cancel)
     # The output filter's policy the filter stage put in the envelope, checked once.
     policy: FilterPolicy | None = None
+    # The router's predicted cached prompt tokens and its id (Tb-Kv-Predicted), if any.
+    predicted: tuple[int, str] | None = None
+    cached_reported: bool = False  # the engine said how many prompt tokens it read cached
+    waiting_at_start: int = 0  # sequences waiting in the engine when it entered
 
     @property
     def rid(self) -> str:
@@ -343,6 +347,8 @@ class Worker(Service):
         self.log = self.log.bind(replica=self.replica, model=self.model)
         self.discovery.metadata.update(replica=self.replica, model=self.model)
         self.flow = flow_control(cfg)
+        self.kv_loop = kvloop.KVLoop()
+        self.perf = perf.EnginePerf()  # its engine's speed, learned from its requests
         # The engine's prefix cache, when it reports one (set up in setup()).
         self._kv: KVEventSource | None = None
         self._kv_task: asyncio.Task[None] | None = None
@@ -490,6 +496,21 @@ class Worker(Service):
             # ("text") or as vLLM ("vllm"); absent: no events (kv_aware keeps approximate
             # affinity for it).
             **({"kv_events": self._kv_hashing()} if self._kv is not None else {}),
+            # What makes its block hashes comparable (a router that computes them otherwise
+            # refuses its events), and the closed loop's totals: the routers' predicted
+            # cached tokens beside the engine's reports (engine_worker/kvloop.py).
+            **(
+                {
+                    "kv_hashing": kvloop.hashing(
+                        self._kv, self.model, getattr(self.backend, "revision", None)
+                    ),
+                    "kv_check": self.kv_loop.heartbeat(),
+                }
+                if self._kv is not None
+                else {}
+            ),
+            # Its engine's speed as learned from its requests (predicted_latency routing).
+            **({"perf": p} if (p := self.perf.heartbeat()) is not None else {}),
             **(
                 {"flow": self.flow.stats(), "flows": self.flow.flow_stats()}
                 if self.flow is not None
@@ -840,6 +861,7 @@ class Worker(Service):
                 param="model",
             )
         gen = _Generation(reply, msg.headers or {}, env, req, task)
+        gen.predicted = kvloop.predicted(gen.headers)
         if env.get("filter_policy"):  # an empty policy filters nothing, as none does
             gen.policy = policy
         return gen
@@ -874,6 +896,7 @@ class Worker(Service):
         """The engine's stream of the request, started now; a failure to start is raised as
         a typed error."""
         gen.t_start = marks.now_ns()
+        gen.waiting_at_start = int(self.backend.stats().get("waiting", 0))
         try:
             return self.backend.generate(gen.req)
         except E.TokenbusError:
@@ -1104,6 +1127,10 @@ class Worker(Service):
         details = (last.usage or {}).get("prompt_tokens_details")
         if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
             gen.cached = max(0, details["cached_tokens"])
+            gen.cached_reported = True
+            if gen.predicted is not None:
+                self.kv_loop.observe(gen.predicted[0], gen.cached)
+        self._learn(gen, timings["engine_end"])
         if finish == "content_filter":
             self.log.info(
                 "output_blocked",
@@ -1126,6 +1153,21 @@ class Worker(Service):
         gen.usage_source = last.usage_source
         gen.outcome = finish
         self._report_ahead(gen)
+
+    def _learn(self, gen: _Generation, end_ns: int) -> None:
+        """Teach the latency models (engine_worker/perf.py) what this request took."""
+        if not gen.first_ns or gen.prompt_tokens < 0 or gen.req.kind == subjects.KIND_EMBEDDINGS:
+            return
+        tpot = None
+        if gen.completion > 1:
+            tpot = (end_ns - gen.first_ns) / 1e6 / (gen.completion - 1)
+        self.perf.observe(
+            ttft_ms=(gen.first_ns - gen.t_start) / 1e6,
+            computed_tokens=max(0, gen.prompt_tokens - gen.cached),
+            waiting=gen.waiting_at_start,
+            tpot_ms=tpot,
+            running=int(self.backend.stats().get("running", 1)) - 1,
+        )
 
     def _log_flags(self, gen: _Generation, gate: OutputGate) -> None:
         """Log the detectors the policy flags that the whole output triggered, if any."""
@@ -1260,6 +1302,9 @@ class Worker(Service):
             trace_id=trace,
             usage_source=gen.usage_source,
             client_request_id=hdrs.get(H.CLIENT_REQUEST_ID),
+            cached_tokens=gen.cached if gen.cached_reported else None,
+            kv_predicted_tokens=gen.predicted[0] if gen.predicted is not None else None,
+            kv_router=gen.predicted[1] if gen.predicted is not None else None,
         )
 
     def _report_of(self, gen: _Generation) -> tuple[str, bytes] | None:

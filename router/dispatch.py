@@ -189,6 +189,8 @@ class Dispatcher:
         marks.append(hdrs, "route")
         hdrs[H.REPLY_TO] = reply
         hdrs.pop(H.ROUTE, None)
+        # Only this router's prediction reaches a worker, never a client's (set per attempt).
+        hdrs.pop(H.KV_PREDICTED, None)
         if self.aliases is not None and H.MODEL_ALIAS not in hdrs:
             served = self.aliases.resolve(model)
             if retarget(hdrs, model, served):
@@ -340,6 +342,7 @@ class Dispatcher:
     ) -> RouteRequest:
         """What the routing policy reads: model, session, and the prompt when it needs one."""
         req = RouteRequest(model, hdrs.get(H.SESSION) or None)
+        req.tier = hdrs.get(H.PRIORITY) or "default"
         if route.needs_prompt or route.needs_rendered:
             if env is None:
                 env = codec.decode_map(data)
@@ -377,6 +380,7 @@ class Dispatcher:
                 await self._wait_for_room(p)
                 continue
             r = p.route.pick(candidates, live, p.req, p.pool)
+            self._predict(p, r)
             ack = await self._send(r, p)
             if ack is None:
                 continue
@@ -385,6 +389,18 @@ class Dispatcher:
                 return r.replica
             self._refused(r, E.TokenbusError.from_dict(ack.get("error") or {}), p)
         return None
+
+    def _predict(self, p: _Placement, r: Replica) -> None:
+        """Carry the policy's predicted cached prompt tokens on ``r`` to its worker (the
+        closed loop, router/kv_check.py), or none: always this router's, for this attempt."""
+        policy = p.route.policy
+        predicted = policy.prediction(r.replica) if isinstance(policy, KVAware) else None
+        # A disaggregated request's parts read the prompt from elsewhere (or only write it):
+        # the engine's cached count is not the local cache's, so nothing is predicted.
+        if predicted is None or p.pd:
+            p.hdrs.pop(H.KV_PREDICTED, None)
+        else:
+            p.hdrs[H.KV_PREDICTED] = f"{predicted},{self.instance}"
 
     async def _send(self, r: Replica, p: _Placement) -> dict[str, Any] | None:
         """Send the request to ``r`` and return its ack; None when it did not answer in time."""

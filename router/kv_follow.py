@@ -21,8 +21,10 @@ from nats.aio.msg import Msg
 from bus_schemas import errors as E
 from bus_schemas import kv_events as kv
 from bus_schemas import subjects
+from router.kv_check import KVCheck
 from router.kv_index import KVIndex
 from router.registry import Registry
+from services.config import KVCheckSettings
 
 # How often the follower looks for replicas to resynchronise or forget.
 TICK_S = 0.25
@@ -42,7 +44,8 @@ class KVIndexCollector:
     def collect(self) -> Iterator[Any]:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-        indexes = [f.index for f in list(self.followers)]
+        followers = list(self.followers)
+        indexes = [f.index for f in followers]
         entries = GaugeMetricFamily(
             "tokenbus_kv_index_entries",
             "Blocks the KV index holds per replica (from its KV events).",
@@ -60,6 +63,23 @@ class KVIndexCollector:
                 lag.add_metric([name], s)
         yield entries
         yield lag
+        yield GaugeMetricFamily(
+            "tokenbus_kv_incompatible_replicas",
+            "Replicas whose KV block hashes this router cannot compute (another block size or "
+            "hash seed): their KV events are refused (docs/routing.md).",
+            value=sum(len(f.check.incompatible) for f in followers),
+        )
+        yield GaugeMetricFamily(
+            "tokenbus_kv_disagreeing_replicas",
+            "Replicas whose engines' reported cached tokens disagree with this router's "
+            "predicted ones: routed by load until they agree again (docs/routing.md).",
+            value=sum(len(f.check.disagreeing) for f in followers),
+        )
+        yield CounterMetricFamily(
+            "tokenbus_kv_refused_batches",
+            "KV event batches of incompatible replicas refused.",
+            value=sum(f.check.refused_batches for f in followers),
+        )
         stats = [idx.stats() for idx in indexes]
         yield GaugeMetricFamily(
             "tokenbus_kv_index_bytes",
@@ -87,6 +107,12 @@ class KVIndexCollector:
             "tokenbus_kv_route_prompt_blocks",
             "Prompt blocks of kv_aware decisions.",
             value=sum(idx.decided_blocks for idx in indexes),
+        )
+        yield CounterMetricFamily(
+            "tokenbus_kv_route_predicted_tokens",
+            "Prompt tokens the chosen replicas should read from their caches, as this router "
+            "predicted (the closed loop's router side, docs/routing.md).",
+            value=sum(idx.decided_predicted_tokens for idx in indexes),
         )
         yield CounterMetricFamily(
             "tokenbus_kv_route_cached_blocks",
@@ -117,8 +143,19 @@ def _collector() -> KVIndexCollector:
 class KVFollower:
     """Feeds ``index`` from the bus; see the module docstring."""
 
-    def __init__(self, index: KVIndex, registry: Registry, log: Any) -> None:
+    def __init__(
+        self,
+        index: KVIndex,
+        registry: Registry,
+        log: Any,
+        check: KVCheckSettings | None = None,
+    ) -> None:
         self.index = index
+        self.check = KVCheck(check, log)
+        # The index's view of whom to trust and how to hash the sim's prompts: this
+        # router's (router.kv_check).
+        index.distrusted = self.check.disagreeing
+        index.text_seed = self.check.cfg.hash_seed
         self.registry = registry
         self.log = log
         self.nc: Any = None
@@ -159,6 +196,8 @@ class KVFollower:
             if self.bad_batches <= 10 or self.bad_batches % 1000 == 0:
                 self.log.warning("bad_kv_events", subject=msg.subject[:200])
             return
+        if self.check.refuses(batch["replica"]):
+            return  # hashed otherwise than this router can: never indexed
         self._models[batch["replica"]] = batch["model"]
         self._no_events.pop(batch["replica"], None)
         if not self.index.apply(batch):
@@ -180,8 +219,15 @@ class KVFollower:
         """Replicas heard of are tracked (a late router starts warm: it asks each for a
         snapshot); the entries of replicas no longer live are dropped."""
         now = time.monotonic()
-        live = {r.replica: r.model for r in self.registry.all_live()}
+        replicas = self.registry.all_live()
+        live = {r.replica: r.model for r in replicas}
+        for r in replicas:
+            self.check.observe(r, now)
+            if not self.check.admit(r) and r.replica in self.index.replicas():
+                self.index.drop(r.replica)  # what it sent before it said how it hashes
         for name, model in live.items():
+            if name in self.check.incompatible:
+                continue
             self._models.setdefault(name, model)
             if now - self._no_events.get(name, -NO_EVENTS_RETRY_S) >= NO_EVENTS_RETRY_S:
                 self.index.know(name)
@@ -189,6 +235,7 @@ class KVFollower:
             if name not in live and name not in self._asking and not self._recent(name):
                 self.index.drop(name)
                 self._models.pop(name, None)
+        self.check.retain(set(live))
 
     def _recent(self, name: str) -> bool:
         """Whether events came from ``name`` lately (a replica before its first heartbeat)."""
@@ -202,6 +249,8 @@ class KVFollower:
             model = self._models.get(name)
             if model is None:
                 return
+            if name in self.check.incompatible:
+                return
             pages = await self._pages(subjects.kv_snapshot(model, name))
             if pages is None:
                 self._no_events[name] = time.monotonic()
@@ -209,6 +258,8 @@ class KVFollower:
                     self.index.drop(name)  # nothing to follow; asked again later
                 return
             seq, blocks = kv.assemble_snapshot(pages)
+            if name in self.check.incompatible:
+                return  # found out while the snapshot came
             first = pages[0]
             self.index.load(
                 {

@@ -106,6 +106,9 @@ class PromptHashers:
         self._tokenizers: dict[str, Any] = {}
         # Why a scheme cannot be matched (scheme key -> reason), for status and logs.
         self.unavailable: dict[tuple[Any, ...], str] = {}
+        # The prompt's tokens as the last call's engine counts them (what a cache hit is
+        # capped by: an engine always computes the last prompt token).
+        self.tokens = 0
 
     def hashes(
         self,
@@ -114,10 +117,13 @@ class PromptHashers:
         block_size: int,
         rendered: str,
         env: dict[str, Any] | None,
+        seed: str = "",
     ) -> list[Any] | None:
-        """The request's hashes under ``hashing``; None when this router cannot compute them."""
+        """The request's hashes under ``hashing`` (the sim's text scheme with ``seed``, this
+        router's); None when this router cannot compute them."""
         if key[0] == kv.SCHEME_TEXT:
-            return kv.text_block_hashes(rendered, block_size) if block_size else []
+            self.tokens = max(1, -(-len(rendered) // 4))  # the sim's four characters a token
+            return kv.text_block_hashes(rendered, block_size, seed) if block_size else []
         if key in self.unavailable:
             return None
         hashing = hashing or {}
@@ -132,6 +138,7 @@ class PromptHashers:
             return None
         try:
             ids = vllm_prompt_ids(enc, env)
+            self.tokens = len(ids)
             return vllm_block_hashes(
                 ids,
                 int(hashing.get("block_size") or block_size),

@@ -76,6 +76,12 @@ class KVIndex:
         self.hit_decisions = 0
         self.decided_blocks = 0
         self.decided_hit_blocks = 0
+        # The closed loop (router.kv_check): replicas whose engines' reports disagree with
+        # this index's predictions (replica -> why), routed by load until they agree; and
+        # the seed of the sim's block hash this router computes.
+        self.distrusted: dict[str, str] = {}
+        self.text_seed = ""
+        self.decided_predicted_tokens = 0
 
     # -- what a replica holds ----------------------------------------------------------------
     def replicas(self) -> list[str]:
@@ -253,10 +259,15 @@ class KVIndex:
             self._clear(r)
 
     # -- account ----------------------------------------------------------------------------
-    def decided(self, prompt_blocks: int, cached_blocks: int) -> None:
+    def trusted(self, replica: str) -> bool:
+        """Whether routing may count on ``replica``'s entries (its engine's reports agree)."""
+        return replica not in self.distrusted
+
+    def decided(self, prompt_blocks: int, cached_blocks: int, predicted_tokens: int = 0) -> None:
         """Count a routing decision: the chosen replica holds ``cached_blocks`` of the
-        prompt's ``prompt_blocks``."""
+        prompt's ``prompt_blocks``, ``predicted_tokens`` prompt tokens to be read cached."""
         self.decisions += 1
+        self.decided_predicted_tokens += predicted_tokens
         self.decided_blocks += prompt_blocks
         self.decided_hit_blocks += cached_blocks
         if cached_blocks:

@@ -45,6 +45,8 @@ class RouteRequest:
     # replicas; and the envelope, which it renders as vLLM does for vllm replicas.
     rendered: str = ""
     env: dict[str, Any] | None = None
+    # Its class (service_tier, as auth settled it): predicted_latency's target.
+    tier: str = "default"
 
 
 def prompt_text(env: dict[str, Any]) -> str:
@@ -286,6 +288,10 @@ class KVAware:
         self.prefixes = PrefixAware(bound, block_chars)
         self.hashers = PromptHashers()
         self.last: dict[str, int] = {}
+        # The prompt's tokens per matchable replica (its scheme's count), from depths().
+        self.tokens: dict[str, int] = {}
+        # The latest decision's prediction: (replica, prompt tokens it should read cached).
+        self.predicted: tuple[str, int] | None = None
 
     def depths(
         self, candidates: Sequence[Replica], req: RouteRequest
@@ -300,10 +306,16 @@ class KVAware:
                 groups.setdefault(key, []).append(r.replica)
         depth: dict[str, int] = {}
         blocks: dict[str, int] = {}
+        hashers = self.hashers
         for key, names in groups.items():
             first = names[0]
-            hashes = self.hashers.hashes(
-                key, index.hashing(first), index.block_size(first), req.rendered, req.env
+            hashes = hashers.hashes(
+                key,
+                index.hashing(first),
+                index.block_size(first),
+                req.rendered,
+                req.env,
+                getattr(index, "text_seed", ""),
             )
             if hashes is None:
                 continue
@@ -311,9 +323,27 @@ class KVAware:
                 depth.update(index.lookup(hashes, names))
             for name in names:
                 blocks[name] = len(hashes)
+                self.tokens[name] = hashers.tokens
         return (depth, blocks) if blocks else None
 
+    def predicted_tokens(self, replica: str, cached_blocks: int) -> int:
+        """The prompt tokens ``replica`` should read from its cache for ``cached_blocks``
+        matched blocks: whole blocks, all but the last prompt token at most (an engine
+        always computes that one)."""
+        hashing = self.index.hashing(replica) or {}
+        bs = int(hashing.get("block_size") or self.index.block_size(replica) or 0)
+        if bs < 1:
+            return 0
+        tokens = self.tokens.get(replica, 0)
+        return min(cached_blocks, max(0, tokens - 1) // bs) * bs
+
+    def prediction(self, replica: str) -> int | None:
+        """The latest decision's predicted cached tokens on ``replica`` (None: none made)."""
+        p = self.predicted
+        return p[1] if p is not None and p[0] == replica else None
+
     def choose(self, candidates: Sequence[Replica], req: RouteRequest) -> Replica:
+        self.predicted = None
         found = self.depths(candidates, req)
         if found is None:
             if req.session:
@@ -321,13 +351,17 @@ class KVAware:
             return self.prefixes.choose_for(candidates, req.rendered)
         depth, blocks = found
         self.last = depth
+        index = self.index
         best: list[Replica] = []
         best_cost = math.inf
         for r in candidates:
             cap = max(1, r.max_concurrency)
             n = max(1, blocks.get(r.replica, 0))
+            # A replica whose engine's reports disagree with the index is routed by load:
+            # its entries count for nothing (router.kv_check).
+            hit = depth.get(r.replica, 0) if index.trusted(r.replica) else 0
             cost = (
-                self.prefix_weight * (1.0 - depth.get(r.replica, 0) / n)
+                self.prefix_weight * (1.0 - hit / n)
                 + self.load_weight * r.load / cap
                 + self.queue_weight * r.waiting / cap
             )
@@ -337,7 +371,89 @@ class KVAware:
                 best.append(r)
         chosen = best[0] if len(best) == 1 else random.choice(best)
         prompt_blocks = blocks.get(chosen.replica, max(blocks.values()))
-        self.index.decided(prompt_blocks, depth.get(chosen.replica, 0))
+        cached = depth.get(chosen.replica, 0)
+        predicted = 0
+        if chosen.replica in blocks:
+            # What the index says it holds, trusted or not: the prediction keeps the loop
+            # closed, so a distrusted replica can be seen to agree again.
+            predicted = self.predicted_tokens(chosen.replica, cached)
+            self.predicted = (chosen.replica, predicted)
+        index.decided(prompt_blocks, cached if index.trusted(chosen.replica) else 0, predicted)
+        return chosen
+
+
+class PredictedLatency(KVAware):
+    """Routes on a model of each replica's latency (llm-d's predicted-latency scorer, with
+    rates learned from the replicas' own requests, engine_worker/perf.py, never
+    configured): for each candidate, ::
+
+        TTFT = ttft_base + prefill_ms_per_token x prompt tokens it would compute (the prompt
+               less its cached prefix, from the KV index) + queue_ms_per_waiting x sequences
+               ahead (engine-waiting, plus this router's unacknowledged sends)
+        TPOT = tpot_base + tpot_ms_per_running x (running sequences + 1)
+
+    Among the replicas predicted to meet the request's class target (``latency_targets``),
+    the lowest TTFT wins; when none is, the lowest TTFT all the same, and the admission rules
+    already there (the worker's flow control by class, the router's bounded queue) decide
+    what waits or is shed. Until every candidate has announced a model, ``kv_aware``'s cost
+    routes. ``last`` holds the latest decision's predictions, replica -> (TTFT, TPOT)."""
+
+    def __init__(self, index: Any, *, targets: dict[str, Any] | None = None, **kw: Any) -> None:
+        super().__init__(index, **kw)
+        self.targets: dict[str, Any] = targets or {}
+        self.predictions: dict[str, tuple[float, float | None]] = {}
+        self.unmet = 0  # decisions no replica was predicted to meet
+
+    def predict(
+        self, r: Replica, depth: dict[str, int], req: RouteRequest
+    ) -> tuple[float, float | None]:
+        """(TTFT ms, TPOT ms or None) predicted for ``req`` on ``r``."""
+        perf = r.perf or {}
+        tokens = self.tokens.get(r.replica) or max(1, -(-len(req.rendered) // 4))
+        cached = 0
+        if self.index.trusted(r.replica) and r.replica in self.tokens:
+            cached = self.predicted_tokens(r.replica, depth.get(r.replica, 0))
+        ahead = r.waiting + r.unacked
+        ttft = (
+            perf.get("ttft_base_ms", 0.0)
+            + perf.get("prefill_ms_per_token", 0.0) * max(0, tokens - cached)
+            + perf.get("queue_ms_per_waiting", 0.0) * ahead
+        )
+        tpot = None
+        if "tpot_base_ms" in perf:
+            tpot = perf["tpot_base_ms"] + perf.get("tpot_ms_per_running", 0.0) * (r.running + 1)
+        return ttft, tpot
+
+    def _meets(self, pred: tuple[float, float | None], target: Any) -> bool:
+        ttft, tpot = pred
+        if target is None:
+            return True
+        if ttft > target.ttft_ms:
+            return False
+        return target.tpot_ms is None or tpot is None or tpot <= target.tpot_ms
+
+    def choose(self, candidates: Sequence[Replica], req: RouteRequest) -> Replica:
+        if any(not r.perf for r in candidates):
+            return super().choose(candidates, req)  # not every speed is known yet
+        self.predicted = None
+        found = self.depths(candidates, req)
+        depth, blocks = found if found is not None else ({}, {})
+        preds = {r.replica: self.predict(r, depth, req) for r in candidates}
+        self.predictions = preds
+        target = self.targets.get(req.tier) or self.targets.get("default")
+        meeting = [r for r in candidates if self._meets(preds[r.replica], target)]
+        if not meeting:
+            self.unmet += 1
+        pool = meeting or list(candidates)
+        best = min(preds[r.replica][0] for r in pool)
+        ties = [r for r in pool if preds[r.replica][0] <= best + 1e-9]
+        chosen = ties[0] if len(ties) == 1 else random.choice(ties)
+        if chosen.replica in blocks:
+            cached = depth.get(chosen.replica, 0)
+            predicted = self.predicted_tokens(chosen.replica, cached)
+            self.predicted = (chosen.replica, predicted)
+            trusted = self.index.trusted(chosen.replica)
+            self.index.decided(blocks[chosen.replica], cached if trusted else 0, predicted)
         return chosen
 
 
@@ -348,6 +464,7 @@ LOAD_POLICIES: dict[str, type[Any]] = {
     "session_affinity": SessionAffinity,
     "prefix_aware": PrefixAware,
     "kv_aware": KVAware,
+    "predicted_latency": PredictedLatency,
     "random": Random,
 }
 
@@ -359,16 +476,25 @@ def make_load_policy(
     block_chars: int,
     kv_index: Any = None,
     kv_weights: dict[str, float] | None = None,
+    latency_targets: dict[str, Any] | None = None,
 ) -> LoadPolicy:
     if name == "session_affinity":
         return SessionAffinity(bound)
     if name == "prefix_aware":
         return PrefixAware(bound, block_chars)
-    if name == "kv_aware":
+    if name in ("kv_aware", "predicted_latency"):
         if kv_index is None:
             from router.kv_index import KVIndex
 
             kv_index = KVIndex()  # nothing feeds it: the approximate fallbacks route
+        if name == "predicted_latency":
+            return PredictedLatency(
+                kv_index,
+                targets=latency_targets,
+                bound=bound,
+                block_chars=block_chars,
+                **(kv_weights or {}),
+            )
         return KVAware(kv_index, bound=bound, block_chars=block_chars, **(kv_weights or {}))
     try:
         policy: LoadPolicy = LOAD_POLICIES[name]()

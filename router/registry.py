@@ -52,6 +52,12 @@ class Replica:
     kv_events: str = ""
     # What its upstream can do (the openai backend's probe), for operators; None: no upstream.
     upstream: dict[str, Any] | None = None
+    # What makes its block hashes comparable (its heartbeat's kv_hashing; None: not said).
+    kv_hashing: dict[str, Any] | None = None
+    # The closed loop's totals from its heartbeats: predicted and reported cached tokens.
+    kv_check: dict[str, int] | None = None
+    # Its engine's speed as it learned it (engine_worker/perf.py); None: not learned yet.
+    perf: dict[str, float] | None = None
 
     @property
     def continues(self) -> bool:
@@ -142,6 +148,20 @@ class Registry:
             r.flow = flow if isinstance(flow, dict) else None
             r.flows = flows if isinstance(flows, dict) else None
             r.kv_events = str(hb.get("kv_events") or "")
+            hashing = hb.get("kv_hashing")
+            r.kv_hashing = hashing if isinstance(hashing, dict) else None
+            perf = hb.get("perf")
+            r.perf = (
+                {str(k): float(v) for k, v in perf.items() if isinstance(v, int | float)}
+                if isinstance(perf, dict)
+                else None
+            )
+            check = hb.get("kv_check")
+            r.kv_check = (
+                {k: int(check.get(k) or 0) for k in ("requests", "predicted", "reported")}
+                if isinstance(check, dict)
+                else None
+            )
             up = hb.get("upstream")
             r.upstream = up if isinstance(up, dict) else None
             r.last_seen = time.monotonic()

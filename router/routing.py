@@ -67,9 +67,11 @@ class ModelRoute:
             block_chars=spec.prefix_block_chars,
             kv_index=kv_index,
             kv_weights=spec.kv.model_dump(),
+            latency_targets=dict(spec.latency_targets),
         )
-        # kv_aware hashes the prompt as the engines render it (its fallbacks use the same).
-        self.needs_rendered = spec.policy == "kv_aware"
+        # kv_aware (and predicted_latency, for the cached prefix) hashes the prompt as the
+        # engines render it (its fallbacks use the same).
+        self.needs_rendered = spec.policy in ("kv_aware", "predicted_latency")
         self.tiered: ConcurrencyTiered | None = None
         self.expert: ExpertSelector | None = None
         if spec.pool_policy == "concurrency_tiered":

@@ -33,7 +33,7 @@ class Router(Service):
     async def setup(self) -> None:
         self.registry = Registry(self.settings.router.missed_heartbeats)
         self.registry.bus = self.nc
-        self.kv = KVFollower(KVIndex(), self.registry, self.log)
+        self.kv = KVFollower(KVIndex(), self.registry, self.log, self.settings.router.kv_check)
         self.routing = await watch_routing(self.nc, self.settings.router, self.log, self.kv)
         self.aliases = await watch_aliases(self.nc, self.settings.router.aliases, self.log)
         self.adapters = await watch_adapters(self.nc, self.log)
@@ -90,7 +90,8 @@ async def watch_routing(
                 asyncio.get_running_loop().create_task(kv.start(nc))
 
         table.on_kv_aware = follow
-        if "kv_aware" in {cfg.policy, *(m.policy for m in cfg.models.values())}:
+        follows = {"kv_aware", "predicted_latency"}
+        if follows & {cfg.policy, *(m.policy for m in cfg.models.values())}:
             await kv.start(nc)
     try:
         await table.watch(nc)

@@ -145,6 +145,7 @@ LoadPolicyName = Literal[
     "session_affinity",
     "prefix_aware",
     "kv_aware",
+    "predicted_latency",
     "random",
 ]
 PoolPolicyName = Literal["none", "concurrency_tiered", "expert"]
@@ -206,6 +207,65 @@ class KVRoutingSettings(BaseModel):
     )
 
 
+class KVCheckSettings(BaseModel):
+    """How a router checks the replicas' KV caches against its own view (docs/routing.md,
+    "Checking the KV index"): the hashing it computes, and the closed loop of its predicted
+    cache hits against the engines' reports."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    block_size: int = Field(
+        default=0,
+        ge=0,
+        description="The KV block size this router hashes prompts with; a replica that "
+        "announces another is refused (its events ignored, an error logged). 0: each "
+        "replica's own (the router hashes per replica).",
+    )
+    hash_seed: str = Field(
+        default="",
+        max_length=256,
+        description="The seed of the sim's text block hash this router computes (the sim's "
+        "`sim.hash_seed`); a sim replica announcing another is refused.",
+    )
+    window_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="The closed loop's window: predicted and reported cached tokens of a "
+        "replica are compared over the heartbeats of this long.",
+    )
+    min_tokens: int = Field(
+        default=512,
+        ge=1,
+        description="Predicted (or reported) cached tokens a window needs before it judges.",
+    )
+    tolerance: float = Field(
+        default=0.25,
+        gt=0,
+        le=1,
+        description="A replica disagrees when |reported - predicted| is above this share of "
+        "the larger of the two over the window; it is routed by load until it agrees again.",
+    )
+
+
+class LatencyTarget(BaseModel):
+    """What a request of one class must get (predicted_latency)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    ttft_ms: float = Field(gt=0, description="Time to first token, ms.")
+    tpot_ms: float | None = Field(
+        default=None, gt=0, description="Time per output token, ms (none: any)."
+    )
+
+
+def _default_targets() -> dict[str, LatencyTarget]:
+    return {
+        "priority": LatencyTarget(ttft_ms=500, tpot_ms=50),
+        "default": LatencyTarget(ttft_ms=2000, tpot_ms=100),
+        "flex": LatencyTarget(ttft_ms=30000),
+    }
+
+
 class ModelRouting(BaseModel):
     """How one model's requests are routed: a pool choice, then a load policy inside it."""
 
@@ -225,6 +285,11 @@ class ModelRouting(BaseModel):
         default=256, ge=16, description="prefix_aware: characters per hashed prompt block."
     )
     kv: KVRoutingSettings = Field(default_factory=KVRoutingSettings)
+    latency_targets: dict[str, LatencyTarget] = Field(
+        default_factory=_default_targets,
+        description="predicted_latency: per class (service_tier: priority, default, flex) the "
+        "time to first token and per output token a replica must be predicted to meet.",
+    )
     tiered: TieredSettings = Field(default_factory=TieredSettings)
     expert: ExpertSettings = Field(default_factory=ExpertSettings)
     price: PriceSettings | None = Field(
@@ -250,6 +315,11 @@ class RouterSettings(ModelRouting):
         "JSON); run-time ones (`tokenbus router alias`) win over these (docs/routing.md).",
     )
     missed_heartbeats: int = Field(default=3, ge=1, description="Beats missed before expiry.")
+    kv_check: KVCheckSettings = Field(
+        default_factory=KVCheckSettings,
+        description="kv_aware: the hashing this router computes and the check of its predicted "
+        "cache hits against the replicas' reports.",
+    )
     queue_timeout_s: float = Field(
         default=5.0,
         ge=0,
@@ -408,6 +478,20 @@ class SimSettings(BaseModel):
         le=1024,
         description="Tokens per KV-cache block (vLLM's default, 16): only full blocks are "
         "cached and matched.",
+    )
+    hash_seed: str = Field(
+        default="",
+        max_length=256,
+        description="Seeds the sim's block hashes (as PYTHONHASHSEED seeds vLLM's): a router "
+        "computes the same hashes only with the same `router.kv_check.hash_seed`. Announced "
+        "in heartbeats.",
+    )
+    fault_cached_scale: float = Field(
+        default=1.0,
+        ge=0,
+        description="For tests of the router's closed loop: the cached prompt tokens the sim "
+        "reports are its real ones times this (its KV events stay true), as an engine whose "
+        "reports disagree with its events.",
     )
     max_loras: int = Field(
         default=1,

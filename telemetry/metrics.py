@@ -80,6 +80,7 @@ class _Replica:
     seen: float = 0.0
     flow: dict[str, Any] = field(default_factory=dict)  # per class (engine_worker/flow.py)
     flows: dict[str, Any] = field(default_factory=dict)  # per flow
+    perf: dict[str, Any] = field(default_factory=dict)  # its engine's learned speed
 
 
 @dataclass(eq=False)  # a registry keeps its collectors in a dict: hashed by identity
@@ -146,6 +147,8 @@ class ReplicaLoad:
         flow, flows = hb.get("flow"), hb.get("flows")
         r.flow = flow if isinstance(flow, dict) else {}
         r.flows = flows if isinstance(flows, dict) else {}
+        perf = hb.get("perf")
+        r.perf = perf if isinstance(perf, dict) else {}
         r.seen = now = time.monotonic()
         for stale in [k for k, x in self.replicas.items() if self._stale(x, now)]:
             del self.replicas[stale]
@@ -197,6 +200,7 @@ class ReplicaLoad:
             if not r.draining:
                 per_model[r.model] = per_model.get(r.model, 0) + 1
         yield from fams.values()
+        yield from _perf_metrics(self.live())
         yield from _flow_metrics(self.live(), self.holding())
         models = GaugeMetricFamily(
             "tokenbus_model_replicas",
@@ -219,6 +223,27 @@ _FLOW_COUNTERS = {
     "displaced": ("tokenbus_flow_displaced", "Requests displaced before their first byte"),
     "wait_s_sum": ("tokenbus_flow_wait_seconds", "Seconds waited for an engine slot, summed"),
 }
+
+
+# The latency models replicas learn of their engines (engine_worker/perf.py): what the
+# predicted_latency policy predicts from (docs/routing.md).
+_PERF = {
+    "ttft_base_ms": "Learned engine time to first token of an empty prompt, ms",
+    "prefill_ms_per_token": "Learned prefill time per prompt token computed (not cached), ms",
+    "queue_ms_per_waiting": "Learned wait per sequence queued in the engine ahead, ms",
+    "tpot_base_ms": "Learned time per output token alone in the batch, ms",
+    "tpot_ms_per_running": "Learned extra time per output token per running sequence, ms",
+}
+
+
+def _perf_metrics(live: list[tuple[str, _Replica]]) -> Iterator[Metric]:
+    for key, doc in _PERF.items():
+        fam = GaugeMetricFamily(f"tokenbus_replica_{key}", doc, labels=["model", "replica"])
+        for rid, r in live:
+            v = _num(r.perf.get(key))
+            if v is not None:
+                fam.add_metric([r.model, rid], v)
+        yield fam
 
 
 def _num(v: Any) -> float | None:
@@ -467,6 +492,19 @@ class Metrics:
         self.migrations = counter(
             "tokenbus_migrations_total", "Streams moved to another replica", ["model"]
         )
+        # The closed loop on KV-cache hits (docs/routing.md): of the requests a router
+        # predicted hits for and whose engine reported its cached tokens, both sums.
+        loop = ["model", "replica", "router"]
+        self.kv_predicted = counter(
+            "tokenbus_kv_predicted_tokens_total",
+            "Prompt tokens routers predicted the replica would read from its KV cache",
+            loop,
+        )
+        self.kv_reported = counter(
+            "tokenbus_kv_reported_tokens_total",
+            "Of the same requests, prompt tokens the engine reported it read from its cache",
+            loop,
+        )
         self.records = Counter(
             "tokenbus_telemetry_records_total",
             "Records received, by source",
@@ -561,6 +599,11 @@ class Metrics:
             of(self.generation_tokens_hist, model).observe(tout)
         if rec.get("migrations"):
             of(self.migrations, model).inc()
+        predicted, cached = rec.get("kv_predicted_tokens"), rec.get("cached_tokens")
+        if isinstance(predicted, int) and isinstance(cached, int):
+            router = str(rec.get("kv_router") or "")[:64]
+            of(self.kv_predicted, model, replica, router).inc(max(0, predicted))
+            of(self.kv_reported, model, replica, router).inc(max(0, cached))
 
     def heartbeat(self, hb: dict[str, Any]) -> None:
         self.load.heartbeat(hb)

@@ -155,6 +155,9 @@ def build(
     t5: int | None = None,
     t6: int | None = None,
     client_request_id: str | None = None,
+    cached_tokens: int | None = None,
+    kv_predicted_tokens: int | None = None,
+    kv_router: str | None = None,
 ) -> dict[str, Any]:
     """One request's record (times in ms, timestamps in epoch ns). ``request_id`` is the
     gateway's own; ``client_request_id`` the label the client gave it (``X-Request-Id``)."""
@@ -189,6 +192,16 @@ def build(
         # Where prompt_tokens came from when the engine did not count them (an upstream
         # without usage on streams: "tokenized" or "estimate"; "upstream": it said).
         "usage_source": usage_source,
+        # The closed loop on KV-cache hits (docs/routing.md): the prompt tokens the engine
+        # read from its cache as it reported them (None: it did not say), and those the
+        # router that chose the replica predicted from its KV index (None: no prediction),
+        # with that router's id.
+        **({"cached_tokens": cached_tokens} if cached_tokens is not None else {}),
+        **(
+            {"kv_predicted_tokens": kv_predicted_tokens, "kv_router": kv_router}
+            if kv_predicted_tokens is not None
+            else {}
+        ),
         "ttft_ms": _ms(t0, first),
         "tbt_ms": tbt,
         "e2e_ms": _ms(t0, end),

@@ -520,6 +520,70 @@ def kv_routing() -> Section:
         )
         .with_panel(
             ts(
+                "Reported / predicted cached tokens (closed loop)",
+                "percentunit",
+                [
+                    q(
+                        "sum by (replica) (rate(tokenbus_kv_reported_tokens_total"
+                        f"{{{M}}}{RATE})) / sum by (replica) "
+                        f"(rate(tokenbus_kv_predicted_tokens_total{{{M}}}{RATE}))",
+                        "{{replica}}",
+                    ),
+                    q(
+                        "sum by (router) (rate(tokenbus_kv_reported_tokens_total"
+                        f"{{{M}}}{RATE})) / sum by (router) "
+                        f"(rate(tokenbus_kv_predicted_tokens_total{{{M}}}{RATE}))",
+                        "router {{router}}",
+                        ref="B",
+                    ),
+                    q("sum(tokenbus_kv_disagreeing_replicas)", "disagreeing replicas", ref="C"),
+                    q("sum(tokenbus_kv_incompatible_replicas)", "incompatible replicas", ref="D"),
+                ],
+                desc="The prompt tokens engines reported reading from their KV cache over "
+                "those the routers predicted from their KV events (1 = the index is right; "
+                "alert TokenbusKVPredictionOff), per replica and per router; and the replicas "
+                "routers route by load for disagreeing, or refuse for hashing otherwise "
+                "(docs/routing.md).",
+            )
+        )
+        .with_panel(
+            ts(
+                "Learned engine speed per replica (predicted_latency's inputs)",
+                "ms",
+                [
+                    q(
+                        f"max by (replica) (tokenbus_replica_ttft_base_ms{{{M}}})",
+                        "base {{replica}}",
+                    ),
+                    q(
+                        f"max by (replica) (tokenbus_replica_prefill_ms_per_token{{{M}}}) * 1000",
+                        "prefill per 1k tokens {{replica}}",
+                        ref="B",
+                    ),
+                    q(
+                        f"max by (replica) (tokenbus_replica_queue_ms_per_waiting{{{M}}})",
+                        "per waiting {{replica}}",
+                        ref="C",
+                    ),
+                    q(
+                        f"max by (replica) (tokenbus_replica_tpot_base_ms{{{M}}})",
+                        "tpot {{replica}}",
+                        ref="D",
+                    ),
+                    q(
+                        f"max by (replica) (tokenbus_replica_tpot_ms_per_running{{{M}}})",
+                        "tpot per running {{replica}}",
+                        ref="E",
+                    ),
+                ],
+                desc="What each replica learned of its engine from its own requests: time to "
+                "first token of an empty prompt, prefill per 1000 prompt tokens computed, wait "
+                "per sequence queued ahead; time per output token alone and per running "
+                "sequence (docs/routing.md, predicted_latency).",
+            )
+        )
+        .with_panel(
+            ts(
                 "Index size per replica",
                 "short",
                 [q("sum by (replica) (tokenbus_kv_index_entries)", "{{replica}}")],

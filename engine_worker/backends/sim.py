@@ -301,6 +301,7 @@ class _Seq:
         "prompt_tokens",
         "ready_at",
         "remote",
+        "reported_cached",
         "start",
         "toks",
         "waiter",
@@ -321,6 +322,7 @@ class _Seq:
         # Its blocks in the prefix cache (None: no cache, or not admitted yet / released).
         self.lease: Lease | None = None
         self.cached = 0  # prompt tokens read from the cache at admission
+        self.reported_cached = 0  # what its usage says of them (sim.fault_cached_scale)
         self.looked_up = False  # whether the prefix cache was asked (it is on)
         self.prefill_s = 0.0  # the prefill time the engine gave it
         # Chunked prefill: prompt tokens still to compute. ``remote``: its prompt's KV cache
@@ -383,7 +385,9 @@ class SimEngine:
         self._ticking = False  # in a step, whose lists a cancel must not change
         # The paged prefix cache (None: prefix caching off).
         self.cache = (
-            KVCache(cfg.kv_cache_blocks, cfg.block_size) if cfg.kv_cache_blocks > 0 else None
+            KVCache(cfg.kv_cache_blocks, cfg.block_size, seed=cfg.hash_seed)
+            if cfg.kv_cache_blocks > 0
+            else None
         )
         # LoRA adapters loaded at run time: name -> the path it was loaded from.
         self.adapters: dict[str, str] = {}
@@ -446,6 +450,8 @@ class SimEngine:
                 # for the base model's requests only (docs/adapters.md).
                 lease = s.lease = cache.acquire(cache.hashes_of(s.prompt), s.prompt_tokens)
                 s.cached = lease.cached_tokens
+                # What it reports: the real count unless a test makes it disagree.
+                s.reported_cached = int(lease.cached_tokens * self.cfg.fault_cached_scale)
                 s.looked_up = True
             uncached = s.prompt_tokens - s.cached
             if s.remote:  # read from the prefill replica, beside the steps
@@ -1020,7 +1026,7 @@ def cached_details(seq: _Seq) -> dict[str, Any] | None:
     as vLLM reports them; None when the engine keeps no prefix cache."""
     if not seq.looked_up:
         return None
-    return {"prompt_tokens_details": {"cached_tokens": seq.cached}}
+    return {"prompt_tokens_details": {"cached_tokens": seq.reported_cached}}
 
 
 # The most numbers one embeddings request may ask of the sim (its vectors are pure Python).

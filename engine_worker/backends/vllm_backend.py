@@ -143,6 +143,9 @@ class VLLMBackend:
         self.adapters: dict[str, str] = {}
         opts = self.options()
         self.tp = int(opts.get("tensor_parallel_size", opts.get("tp", 1)) or 1)
+        # The model's revision where the options pin one (announced with its KV hashing).
+        rev = opts.get("revision")
+        self.revision: str | None = str(rev) if rev else None
         self._embedding_adapter: Any = None
         # The chat serving object whose stream yields chunk objects, not their SSE
         # (_stream_chat_objects).

@@ -657,6 +657,10 @@ def main(argv: list[str] | None = None) -> None:
                 from tokenbus.evaluation.kvbench import run_kv_sessions
 
                 rc = await run_kv_sessions(a)
+            elif a.routing_trace or a.trace_file:
+                from tokenbus.evaluation.routebench import run_routing_trace
+
+                rc = await run_routing_trace(a)
             else:
                 from tokenbus.evaluation import bench
 

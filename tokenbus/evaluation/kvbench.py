@@ -185,6 +185,13 @@ async def _one(a: argparse.Namespace, policy: str, sessions: int) -> dict[str, A
         "output_tokens_per_s": round(sum(t["tokens"] for t in ok) / wall, 1) if wall else 0,
         "wall_s": round(wall, 2),
         "cache_hit_ratio": round(hit / query, 4) if query else None,
+        # The closed loop over the run (docs/routing.md): the routers' predicted cached
+        # tokens over what the replicas read from their caches (1: the index was right).
+        "predicted_over_reported_cached": (
+            round(index.get("tokenbus_kv_route_predicted_tokens_total", 0.0) / hit, 4)
+            if hit and index.get("tokenbus_kv_route_predicted_tokens_total")
+            else None
+        ),
         "cache_by_replica": stats,
         "router_index": index,
         **({"churn": churn} if churn else {}),

@@ -12,7 +12,7 @@ from services.config import DEFAULT_MODEL
 # --peer NAME: the peer gateways `tokenbus bench --spawn` can start (tokenbus.evaluation.peers).
 PEERS = ("vllm-router", "litellm", "pyrelay", "busrelay")
 # --kv-policies: the routing policies the agent-session benchmark compares (kvbench).
-POLICIES = ("kv_aware", "least_outstanding", "prefix_aware", "random")
+POLICIES = ("kv_aware", "predicted_latency", "least_outstanding", "prefix_aware", "random")
 # --nemesis-kinds: the faults the nemesis injects (nemesis).
 KINDS = ("kill", "pause", "nats_kill", "nats_pause", "nats_partition", "host_crash")
 
@@ -196,8 +196,8 @@ def _kvbench(te: Any) -> None:
         "--kv-sessions",
         metavar="N[,N]",
         help="instead of the sweep: N concurrent multi-turn agent sessions per load level "
-        "(e.g. 16,64) on sim replicas with prefix caches, routed kv_aware, least_outstanding, "
-        "prefix_aware and random in turn",
+        "(e.g. 16,64) on sim replicas with prefix caches, routed kv_aware, predicted_latency, "
+        "least_outstanding, prefix_aware and random in turn",
     )
     te.add_argument("--kv-turns", type=int, default=10, help="--kv-sessions: turns per session")
     te.add_argument("--kv-replicas", type=int, default=4, help="--kv-sessions: sim workers")
@@ -233,6 +233,35 @@ def _kvbench(te: Any) -> None:
         "--kv-churn",
         action="store_true",
         help="--kv-sessions: kill one replica at half time and start another",
+    )
+
+
+def _routebench(g: Any) -> None:
+    g.add_argument(
+        "--routing-trace",
+        type=int,
+        metavar="SESSIONS",
+        help="instead of the sweep: a generated trace of SESSIONS sessions (shared system "
+        "prompts, multi-turn, long-tailed prompts; tokenbus.evaluation.trace) replayed against "
+        "each routing policy on --kv-replicas sim replicas with chunked prefill, side by side",
+    )
+    g.add_argument("--trace-file", help="--routing-trace: replay this trace (JSON lines) instead")
+    g.add_argument(
+        "--trace-policies",
+        default="least_outstanding,prefix_aware,kv_aware,predicted_latency",
+        help="--routing-trace: the policies compared",
+    )
+    g.add_argument(
+        "--trace-chunked-prefill",
+        type=int,
+        default=512,
+        help="--routing-trace: the sim's chunked prefill (tokens per step; 0: off)",
+    )
+    g.add_argument(
+        "--slo-ttft-ms", type=float, default=2000.0, help="--routing-trace: goodput's TTFT"
+    )
+    g.add_argument(
+        "--slo-tbt-ms", type=float, default=100.0, help="--routing-trace: goodput's time per token"
     )
 
 
@@ -362,6 +391,7 @@ def add_parser(sub: Any) -> Any:
     """The ``bench`` sub-command with every scenario's options."""
     bp = _bench(sub)
     _kvbench(bp.add_argument_group("multi-turn agent sessions"))
+    _routebench(bp.add_argument_group("routing policies on a trace"))
     _batchbench(bp.add_argument_group("a batch beside interactive traffic"))
     _nemesis(bp.add_argument_group("faults under mixed traffic (docs/nemesis.md)"))
     _syncbench(bp.add_argument_group("what each JetStream sync policy costs"))

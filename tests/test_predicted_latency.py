@@ -1,0 +1,173 @@
+"""The ``predicted_latency`` policy (issue 68 item 3, docs/routing.md): replicas learn their
+engine's speed from their own requests (engine_worker/perf.py) and announce it; the router
+predicts each candidate's time to first token from its queue and the prompt tokens it would
+compute (the KV index's cached prefix taken off), and its time per output token from its
+batch, and picks the fastest replica that meets the request's class target."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from bus_schemas import kv_events as K
+from bus_schemas.messages import render_prompt
+from engine_worker.perf import EnginePerf
+from router.kv_index import KVIndex
+from router.policies import PredictedLatency, RouteRequest, make_load_policy
+from router.registry import Replica
+from services.config import LatencyTarget, ModelRouting
+from tests.conftest import NatsServer, stack, wait_for
+from tokenbus import Client
+
+BS = 4
+PERF = {
+    "ttft_base_ms": 10.0,
+    "prefill_ms_per_token": 1.0,
+    "queue_ms_per_waiting": 100.0,
+    "tpot_base_ms": 10.0,
+    "tpot_ms_per_running": 1.0,
+}
+
+
+def _replica(name: str, **kw: Any) -> Replica:
+    return Replica(name, "m", f"s.{name}", max_concurrency=64, perf=dict(PERF), **kw)
+
+
+def _synced(idx: KVIndex, *names: str) -> None:
+    for n in names:
+        idx.load({"replica": n, "boot": "b", "block_size": BS, "seq": 0, "blocks": []})
+
+
+def test_an_engine_learns_its_own_speed_from_its_requests() -> None:
+    perf = EnginePerf()
+    assert perf.heartbeat() is None  # nothing announced before it knows
+    rnd = random.Random(1)
+    for _ in range(100):
+        tokens, waiting, running = rnd.randint(10, 2000), rnd.randint(0, 5), rnd.randint(0, 30)
+        perf.observe(
+            ttft_ms=20 + 0.5 * tokens + 30 * waiting,
+            computed_tokens=tokens,
+            waiting=waiting,
+            tpot_ms=10 + 0.25 * running,
+            running=running,
+        )
+    got = perf.heartbeat()
+    assert got is not None
+    assert abs(got["prefill_ms_per_token"] - 0.5) < 0.01
+    assert abs(got["queue_ms_per_waiting"] - 30) < 1
+    assert abs(got["ttft_base_ms"] - 20) < 2
+    assert abs(got["tpot_ms_per_running"] - 0.25) < 0.01
+
+
+def test_the_replica_predicted_first_to_answer_wins_within_the_class_target() -> None:
+    idx = KVIndex()
+    _synced(idx, "a", "b")
+    targets = {
+        "default": LatencyTarget(ttft_ms=2000, tpot_ms=100),
+        "priority": LatencyTarget(ttft_ms=150, tpot_ms=20),
+    }
+    policy = PredictedLatency(idx, targets=targets)
+    text = render_prompt([{"role": "user", "content": "x" * 400}])  # ~100 tokens
+    req = RouteRequest("m", rendered=text, env={})
+    a, b = _replica("a"), _replica("b", waiting=2)
+    # b has two sequences waiting ahead: 200 ms more.
+    assert policy.choose([a, b], req) is a
+    ta, tb = policy.predictions["a"][0], policy.predictions["b"][0]
+    assert round(tb - ta) == 200
+    # The whole prompt cached on b: ~100 ms less prefill, still behind 200 ms of queue.
+    chain = K.text_block_hashes(text, BS)
+    idx.apply(
+        {
+            "type": K.BATCH,
+            "replica": "b",
+            "model": "m",
+            "boot": "b",
+            "block_size": BS,
+            "seq_first": 1,
+            "seq_last": 1,
+            "ts_ms": 1,
+            "events": [K.stored(chain, None, BS)],
+        }
+    )
+    assert policy.choose([a, b], req) is a
+    b.waiting = 0  # its queue empty: the cached prefix wins, and is predicted
+    assert policy.choose([a, b], req) is b
+    tokens = -(-len(text) // 4)
+    assert policy.prediction("b") == min(len(chain), (tokens - 1) // BS) * BS > 0
+    # A priority request: a's TTFT would meet 150 ms, but its batch is too slow per token.
+    a.running, b.running = 5, 30
+    b.waiting = 2  # b: 200 ms of queue + ~1 token; tpot 41 ms > 20
+    preq = RouteRequest("m", rendered=text, env={}, tier="priority")
+    assert policy.choose([a, b], preq) is a  # a: ~110 ms, tpot 16 ms: meets both
+    a.running = 20  # a's tpot 31 ms: neither meets; the lowest TTFT all the same
+    unmet = policy.unmet
+    assert policy.choose([a, b], preq) is a  # ~111 ms against ~211 ms
+    assert policy.unmet == unmet + 1
+
+
+def test_until_every_replica_announced_its_speed_kv_aware_routes() -> None:
+    idx = KVIndex()
+    _synced(idx, "a", "b")
+    spec = ModelRouting(policy="predicted_latency")
+    policy = make_load_policy(
+        "predicted_latency",
+        bound=1.25,
+        block_chars=256,
+        kv_index=idx,
+        latency_targets=dict(spec.latency_targets),
+    )
+    assert isinstance(policy, PredictedLatency)
+    a = _replica("a")
+    b = Replica("b", "m", "s.b", max_concurrency=64, reported_in_flight=0)
+    a.reported_in_flight = 32
+    req = RouteRequest("m", rendered=render_prompt([{"role": "user", "content": "y" * 80}]))
+    assert policy.choose([a, b], req) is b  # kv_aware's cost: b is less loaded
+    assert policy.predictions == {}
+
+
+async def test_replicas_announce_their_speed_and_long_prompts_go_to_the_fast_one(
+    nats_server: NatsServer, model: str, client: Client
+) -> None:
+    """Two sim replicas, one prefilling fifty times slower per token: once both announced
+    what they learned, new long prompts go to the fast one."""
+    from engine_worker.worker import Worker
+    from tests.conftest import settings
+
+    sim = {"kv_cache_blocks": 4096, "block_size": BS, "prefill_ms": 1.0, "decode_ms": 1.0}
+    w = {"model": model, "heartbeat_interval_s": 0.2}
+    fast_sim = {**sim, "prefill_ms_per_token": 0.02}
+    slow_sim = {**sim, "prefill_ms_per_token": 1.0}
+    router = {"policy": "predicted_latency"}
+    async with stack(nats_server.url, model, workers=0, router=router) as svcs:
+        fast = Worker(
+            settings(nats_server.url, worker={**w, "replica": f"{model}-f", "sim": fast_sim})
+        )
+        slow = Worker(
+            settings(nats_server.url, worker={**w, "replica": f"{model}-s", "sim": slow_sim})
+        )
+        async with fast, slow:
+            registry = svcs["router"].registry
+            await wait_for(lambda: len(registry.live(model)) == 2, what="replicas not seen")
+            n = 0
+
+            async def learned() -> bool:
+                nonlocal n
+                n += 1
+                text = f"{n} warm up " * (5 + 20 * (n % 5))
+                await client.chat_completion(
+                    model, [{"role": "user", "content": text}], max_tokens=2
+                )
+                return all(r.perf for r in registry.live(model))
+
+            await wait_for(learned, timeout=120, interval=0, what="speeds never announced")
+            fp = registry.get(fast.replica).perf
+            sp = registry.get(slow.replica).perf
+            assert sp["prefill_ms_per_token"] > fp["prefill_ms_per_token"]
+            served = []
+            for i in range(6):
+                text = f"{i} a long new question " * 40
+                out = await client.chat_completion(
+                    model, [{"role": "user", "content": text}], max_tokens=2
+                )
+                served.append(out.replica)
+            assert served == [fast.replica] * 6

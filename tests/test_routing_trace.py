@@ -1,0 +1,30 @@
+"""The routing trace ``tokenbus bench --routing-trace`` replays (tokenbus.evaluation.trace):
+generated with the shape of the published production traces, the same for the same seed."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+from tokenbus.evaluation import trace as T
+
+
+def test_a_trace_has_shared_prompts_multi_turn_sessions_and_a_long_tail(tmp_path: Path) -> None:
+    shape = T.TraceShape(sessions=400, seed=3)
+    head, sessions = T.generate(shape)
+    assert len(sessions) == 400 and len(head["system_tokens"]) == shape.system_prompts
+    # Shared system prompts, the first the most popular (Zipf).
+    uses = [sum(1 for s in sessions if s.system == i) for i in range(shape.system_prompts)]
+    assert uses[0] == max(uses) and all(uses)
+    # Multi-turn sessions, arriving over time in order.
+    assert max(len(s.turns) for s in sessions) > 1
+    assert all(a.arrival_s < b.arrival_s for a, b in itertools.pairwise(sessions))
+    # A long tail: the longest user turns are many times the median.
+    lengths = sorted(t["user_tokens"] for s in sessions for t in s.turns)
+    median = lengths[len(lengths) // 2]
+    assert lengths[-1] > 8 * median and lengths[-1] <= shape.user_max_tokens
+    # The same seed, the same trace; saved and loaded whole.
+    assert T.generate(shape) == (head, sessions)
+    path = tmp_path / "t.jsonl"
+    T.save(path, head, sessions)
+    assert T.load(path) == (head, sessions)

@@ -1,0 +1,140 @@
+"""``tokenbus bench --routing-trace N``: one generated trace (tokenbus.evaluation.trace: shared
+system prompts, multi-turn sessions, a long tail of prompt lengths) replayed against each
+routing policy in turn, on sim replicas with prefix caches and chunked prefill, side by side
+in one run: TTFT p50/p99, time between tokens p99 (of each request's mean gap), output
+tokens/s, goodput (requests per second that met the SLO) and the closed loop's ratio
+(predicted cached tokens over the replicas' own hits; docs/routing.md).
+
+Each policy gets a stack of its own (nats-server, the bridge routing in-process,
+``--kv-replicas`` sim workers) and the same trace (same seed, same arrivals).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from tokenbus.evaluation import trace as T
+from tokenbus.evaluation.bench import _summary_ms, http_request, report_head, spawned
+from tokenbus.evaluation.kvbench import _cache_stats, _index_metrics, _text
+
+POLICIES = ("least_outstanding", "prefix_aware", "kv_aware", "predicted_latency")
+
+
+async def _session(
+    url: str, a: argparse.Namespace, s: T.Session, systems: list[str], t0: float, out: list[Any]
+) -> None:
+    import aiohttp
+
+    await asyncio.sleep(max(0.0, t0 + s.arrival_s - time.perf_counter()))
+    rng = random.Random(a.seed * 7919 + s.id)
+    messages: list[dict[str, Any]] = [{"role": "system", "content": systems[s.system]}]
+    async with aiohttp.ClientSession(headers={"X-Session-Id": f"s{s.id}"}) as http:
+        for n, turn in enumerate(s.turns):
+            await asyncio.sleep(float(turn["think_s"]))
+            messages.append({"role": "user", "content": _text(rng, int(turn["user_tokens"]))})
+            body = {
+                "model": a.model,
+                "messages": messages,
+                "max_tokens": int(turn["output_tokens"]),
+                "stream": True,
+                "ignore_eos": True,
+            }
+            r = await http_request(http, url, body, a.timeout, keep_text=True)
+            out.append(
+                {"session": s.id, "turn": n, "ok": r.ok, "ttft_s": r.ttft_s, "tbt_s": r.tbt_s}
+                | {"tokens": r.tokens, "error": r.error}
+            )
+            if not r.ok:
+                return
+            messages.append({"role": "assistant", "content": r.text})
+
+
+async def _one(
+    a: argparse.Namespace, policy: str, head: dict[str, Any], sessions: list[Any]
+) -> dict[str, Any]:
+    b = argparse.Namespace(**vars(a))
+    b.__dict__.update(
+        pipeline="route",
+        replica=[f"{a.kv_replicas}:max_concurrency=256"],
+        no_direct=True,
+        telemetry="off",
+        peer=[],
+        upstream=False,
+        locked=False,
+        nats_too=True,
+        routing=json.dumps({"policy": policy}),
+        engine="sim",
+        bridge_processes=1,
+    )
+    env = {
+        "TOKENBUS_WORKER__SIM__PREFILL_MS_PER_TOKEN": str(a.kv_prefill_ms_per_token),
+        "TOKENBUS_WORKER__SIM__KV_CACHE_BLOCKS": str(a.kv_cache_blocks),
+        "TOKENBUS_WORKER__SIM__CHUNKED_PREFILL_TOKENS": str(a.trace_chunked_prefill),
+    }
+    systems = [_text(random.Random(a.seed + i), n) for i, n in enumerate(head["system_tokens"])]
+    done: list[dict[str, Any]] = []
+    async with spawned(b, env, "tokenbus-routing-logs-") as (targets, _sup):
+        url, nats_url = targets[0].url, targets[1].url
+        t0 = time.perf_counter()
+        await asyncio.gather(*(_session(url, a, s, systems, t0, done) for s in sessions))
+        wall = time.perf_counter() - t0
+        names = [f"bench-{i}" for i in range(a.kv_replicas)]
+        stats = await _cache_stats(nats_url, a.model, names)
+        index = await _index_metrics(url)
+    ok = [d for d in done if d["ok"]]
+    slo_ttft, slo_tbt = a.slo_ttft_ms / 1000, a.slo_tbt_ms / 1000
+    good = [d for d in ok if d["ttft_s"] <= slo_ttft and (d["tbt_s"] or 0) <= slo_tbt]
+    hit = sum(int(s.get("hit_tokens", 0)) for s in stats.values())
+    query = sum(int(s.get("query_tokens", 0)) for s in stats.values())
+    predicted = index.get("tokenbus_kv_route_predicted_tokens_total", 0.0)
+    return {
+        "policy": policy,
+        "requests": len(done),
+        "errors": len(done) - len(ok),
+        "ttft_ms": _summary_ms([d["ttft_s"] for d in ok]),
+        "tbt_ms": _summary_ms([d["tbt_s"] for d in ok if d["tbt_s"] is not None]),
+        "output_tokens_per_s": round(sum(d["tokens"] for d in ok) / wall, 1) if wall else 0,
+        "goodput_rps": round(len(good) / wall, 3) if wall else 0,
+        "slo_met": round(len(good) / len(done), 4) if done else None,
+        "wall_s": round(wall, 2),
+        "cache_hit_ratio": round(hit / query, 4) if query else None,
+        "predicted_over_reported_cached": round(predicted / hit, 4) if hit and predicted else None,
+    }
+
+
+async def run_routing_trace(a: argparse.Namespace) -> int:
+    if a.trace_file:
+        head, sessions = T.load(Path(a.trace_file))
+    else:
+        head, sessions = T.generate(T.TraceShape(sessions=a.routing_trace, seed=a.seed))
+    policies = [p for p in a.trace_policies.split(",") if p]
+    runs = []
+    for policy in policies:
+        print(f"routing-trace: {len(sessions)} sessions, {policy}", file=sys.stderr)
+        runs.append(await _one(a, policy, head, sessions))
+    report = {
+        **report_head("tokenbus bench --routing-trace"),
+        "config": {k: v for k, v in vars(a).items() if k != "cmd"},
+        "trace": head,
+        "runs": runs,
+    }
+    out = Path(a.out or f"bench-results/routing-trace-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    for r in runs:
+        t, g = r["ttft_ms"], r["tbt_ms"]
+        print(
+            f"{r['policy']:<18} TTFT p50 {t.get('p50')} p99 {t.get('p99')} ms  "
+            f"TBT p99 {g.get('p99')} ms  goodput {r['goodput_rps']} req/s "
+            f"(SLO met {r['slo_met']})  hit {r['cache_hit_ratio']}  "
+            f"predicted/reported {r['predicted_over_reported_cached']}  errors {r['errors']}"
+        )
+    print(f"results: {out}")
+    return 0
