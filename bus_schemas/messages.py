@@ -780,6 +780,11 @@ class Heartbeat(_Wire):
     kv_usage: float = Field(default=0.0, description="KV cache use, 0..1, where known.")
     tp: int = Field(default=1, description="Tensor parallel degree.")
     pool: str = Field(default="default", description="Pool tag for tiered routing.")
+    site: str = Field(
+        default="",
+        description="The site the replica runs at (its leaf node, docs/deploy.md 'Sites'): "
+        "a router prefers replicas at its own site while they have room. Empty: not said.",
+    )
     pd_role: Literal["both", "prefill", "decode"] = Field(
         default="both",
         description="Prefill/decode disaggregation: `prefill` computes prompts and hands "

@@ -522,6 +522,7 @@ class Worker(Service):
             # The backend's effective degree when it knows it (vllm: its engine options).
             "tp": int(getattr(self.backend, "tp", self.cfg.tp)),
             "pool": self.cfg.pool,
+            **({"site": self.settings.site} if self.settings.site else {}),
             **({"pd_role": self.cfg.pd_role} if self.cfg.pd_role != "both" else {}),
             "draining": self.draining,
             # The engine's health: "failed" (with the reason) takes it out of routing.

@@ -300,6 +300,7 @@ class Bridge(Service):
                 self.routing,
                 self.aliases,
                 self.adapters,
+                site=self.settings.site,
             )
         keys = await self._keys()
         self.source = BusSource(

@@ -140,8 +140,11 @@ class Dispatcher:
         routing: RoutingTable | None = None,
         aliases: AliasTable | None = None,
         adapters: AdapterTable | None = None,
+        site: str = "",
     ) -> None:
         self.nc = nc
+        # The site this router runs at (Settings.site): its replicas first while they have room.
+        self.site = site
         # LoRA adapters loaded at run time where their requests need them (the wanted ones:
         # ``adapters``).
         self.adapters = OnDemand(nc, registry, adapters) if adapters is not None else None
@@ -379,7 +382,7 @@ class Dispatcher:
                 # Every replica is at capacity: wait in this router's bounded queue.
                 await self._wait_for_room(p)
                 continue
-            r = p.route.pick(candidates, live, p.req, p.pool)
+            r = p.route.pick(candidates, live, p.req, p.pool, self.site)
             self._predict(p, r)
             ack = await self._send(r, p)
             if ack is None:

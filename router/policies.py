@@ -533,3 +533,15 @@ class ConcurrencyTiered:
         pool = self.pool_for(req.model, sum(r.load for r in all_live))
         chosen = [r for r in candidates if r.pool == pool]
         return chosen or candidates
+
+
+def prefer_site(candidates: list[Replica], site: str) -> list[Replica]:
+    """The candidates at ``site`` when any is there, else all of them (spill-over): the
+    dispatcher's candidates are the replicas with room, so a site's own replicas take its
+    requests while they have room and the other sites' take the rest. No site (""), or no
+    replica saying one: every candidate, as before sites. Not done (issue 71): choosing among
+    other sites by their measured round trip; any other site's replica is as good."""
+    if not site:
+        return candidates
+    local = [r for r in candidates if r.site == site]
+    return local or candidates

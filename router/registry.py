@@ -29,6 +29,8 @@ class Replica:
     waiting: int = 0
     tp: int = 1
     pool: str = "default"
+    # The site it runs at (its heartbeat's; "": not said), for the site preference.
+    site: str = ""
     # Prefill/decode disaggregation: "prefill", "decode" or "both" (docs/disaggregation.md).
     pd_role: str = "both"
     draining: bool = False
@@ -84,6 +86,7 @@ class Replica:
             "max_concurrency": self.max_concurrency,
             "tp": self.tp,
             "pool": self.pool,
+            **({"site": self.site} if self.site else {}),
             **({"pd_role": self.pd_role} if self.pd_role != "both" else {}),
             "draining": self.draining,
             "endpoints": sorted(self.endpoints),
@@ -132,6 +135,7 @@ class Registry:
             r.waiting = int(hb.get("waiting", 0))
             r.tp = int(hb.get("tp", 1))
             r.pool = str(hb.get("pool", "default"))
+            r.site = str(hb.get("site") or "")
             r.pd_role = str(hb.get("pd_role", "both"))
             self.prefill_seen = self.prefill_seen or r.pd_role == "prefill"
             r.draining = bool(hb.get("draining", False))

@@ -25,6 +25,7 @@ from router.policies import (
     LoadPolicy,
     RouteRequest,
     make_load_policy,
+    prefer_site,
 )
 from router.registry import Replica
 from services import audit, buckets, kvmap
@@ -100,8 +101,11 @@ class ModelRoute:
         live: Sequence[Replica],
         req: RouteRequest,
         pool: str | None,
+        site: str = "",
     ) -> Replica:
-        """A pool first (tiered, or the expert's), then a replica by the load policy."""
+        """The router's ``site`` first (its replicas with room, :func:`prefer_site`), a pool
+        (tiered, or the expert's), then a replica by the load policy."""
+        candidates = prefer_site(candidates, site)
         if self.tiered is not None:
             candidates = self.tiered.select(candidates, live, req)
         elif pool is not None:

@@ -44,6 +44,7 @@ class Router(Service):
             self.routing,
             self.aliases,
             self.adapters,
+            site=self.settings.site,
         )
         self._tracker = HeartbeatTracker(self.registry, self.log)
         await self._tracker.start(self.nc)

@@ -901,6 +901,13 @@ class Settings(BaseSettings):
         default=None, description="Existing NATS server; unset means the embedded one."
     )
     nats_user: str | None = Field(default=None, description="NATS user (locked bus).")
+    site: str = Field(
+        default="",
+        max_length=63,
+        description="The site this process runs at (docs/deploy.md, 'Sites'): workers announce "
+        "it in their heartbeats, and a router (or a bridge routing in-process) prefers "
+        "replicas at its own site while they have room. Empty: one site.",
+    )
     nats_password: str | None = Field(default=None, description="NATS password (locked bus).")
     nats_login_file: str = Field(
         default="",

@@ -26,9 +26,11 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 from pathlib import Path
 
 from services import natsconf
+from services import sites as sitefiles
 from services.config import NATS_SYNC
 from services.tlsfiles import TlsFiles, write_private
 from services.tlsfiles import generate as generate_tls
@@ -89,6 +91,7 @@ def _node_conf(
     route_password: str,
     tls: TlsFiles | None,
     sync: str = NATS_SYNC,
+    leaf: bool = False,
 ) -> str:
     name = node_name(host, i, nodes)
     text = (
@@ -102,6 +105,8 @@ def _node_conf(
         + natsconf.jetstream_block(store_dir, sync)
         + natsconf.SERVER_TIMERS
         + (tls.server_block() if tls else "")
+        # Sites' leaf nodes dial in here (services/sites.py).
+        + (sitefiles.hub_leaf_block(tls) if leaf else "")
     )
     if nodes > 1:
         routes = ", ".join(
@@ -130,11 +135,15 @@ def init(
     sync: str = NATS_SYNC,
     renew_certs: bool = False,
     worker_hosts: dict[str, list[str]] | None = None,
+    sites: dict[str, list[str]] | None = None,
+    hub_url: str | None = None,
 ) -> list[Path]:
     """Write (or refresh) the deployment's bus folder; the paths written, configs first.
     ``worker_hosts`` (host -> its replica ids): a login per GPU host,
     ``roles/worker-<host>.json`` (:func:`natsconf.worker_host_permissions`); None keeps the
-    hosts of the last run."""
+    hosts of the last run. ``sites`` (site -> its replica ids): a leaf-node login per site on
+    the hub and ``sites/<site>/`` for the site's node (:mod:`services.sites`), dialling
+    ``hub_url``; None keeps the last run's sites (and hub URL when None)."""
     if nodes < 1:
         raise ValueError("--nodes must be at least 1")
     folder.mkdir(parents=True, exist_ok=True)
@@ -146,6 +155,7 @@ def init(
     passwords = json.loads((folder / "nats-users.json").read_text())
     callout = json.loads((folder / natsconf.CALLOUT_FILE).read_text())
     route_password = passwords.setdefault("route", secrets.token_urlsafe(24))
+    sites, revoked_sites, hub_url = _sites(folder, passwords, sites, hub_url)
     _private(folder / "nats-users.json", json.dumps(passwords, indent=2), 0)
     _chown(folder / natsconf.CALLOUT_FILE, ROLE_UID["auth"])
     files = TlsFiles.load(folder)
@@ -165,13 +175,15 @@ def init(
     written = []
     roles = {r: passwords[r] for r in natsconf.ROLES if r in passwords}  # no client: callout
     roles |= {u: p for u, p in passwords.items() if u.startswith(natsconf.WORKER_HOST_PREFIX)}
-    auth = natsconf.render_auth(roles, callout, hosts, revoked)
+    roles |= {u: p for u, p in passwords.items() if u.startswith(natsconf.SITE_PREFIX)}
+    auth = natsconf.render_auth(roles, callout, hosts, revoked, sites, revoked_sites)
     _private(folder / AUTH_CONF, auth, NATS_UID)
     (folder / "nats.conf").unlink(missing_ok=True)
     for i in range(nodes):
         name = "nats.conf" if nodes == 1 else f"nats-{i}.conf"
         conf = folder / name
-        _private(conf, _node_conf(i, nodes, host, store_dir, route_password, files, sync), NATS_UID)
+        text = _node_conf(i, nodes, host, store_dir, route_password, files, sync, bool(sites))
+        _private(conf, text, NATS_UID)
         written.append(conf)
     written.append(folder / AUTH_CONF)
     roles_dir = folder / ROLES_DIR
@@ -191,4 +203,44 @@ def init(
             path, json.dumps({"user": user, "password": passwords[user]}) + "\n", ROLE_UID["worker"]
         )
         written.append(path)
+    for site, replicas in sorted(sites.items()):
+        written += sitefiles.write_site(
+            folder,
+            site,
+            hub_url=hub_url or f"{'tls' if files else 'nats'}://{host}:{sitefiles.LEAF_PORT}",
+            hub_password=passwords[natsconf.site_user(site)],
+            replicas=replicas,
+            tls=files,
+        )
     return written
+
+
+def _sites(
+    folder: Path,
+    passwords: dict[str, str],
+    sites: dict[str, list[str]] | None,
+    hub_url: str | None,
+) -> tuple[dict[str, list[str]], list[str], str | None]:
+    """(sites, sites taken out, the hub's leaf URL) after this run, kept in ``sites.json``;
+    each site's hub password made or kept in ``passwords`` (saved), a site taken out's
+    dropped along with its folder."""
+    path = folder / natsconf.SITES_FILE
+    kept = json.loads(path.read_text()) if path.exists() else {}
+    old = {str(k): [str(r) for r in v] for k, v in (kept.get("sites") or {}).items()}
+    revoked = [str(s) for s in kept.get("revoked") or []]
+    hub_url = hub_url or kept.get("hub_url")
+    if sites is None:
+        sites = old
+    revoked = sorted({*revoked, *old} - set(sites))
+    for site in revoked:
+        passwords.pop(natsconf.site_user(site), None)
+        gone = folder / sitefiles.SITES_DIR / site
+        if gone.exists():
+            shutil.rmtree(gone)
+    for site in sites:
+        passwords.setdefault(natsconf.site_user(site), secrets.token_urlsafe(24))
+    _private(folder / "nats-users.json", json.dumps(passwords, indent=2), 0)
+    if sites or revoked:
+        doc = {"sites": sites, "revoked": revoked, "hub_url": hub_url}
+        write_private(path, json.dumps(doc, indent=2))
+    return sites, revoked, hub_url

@@ -247,22 +247,42 @@ def worker_host_permissions(replicas: list[str]) -> tuple[list[str], list[str]]:
     return pub, sub
 
 
-def parse_worker_hosts(specs: list[str]) -> dict[str, list[str]]:
+def parse_worker_hosts(specs: list[str], flag: str = "--worker-host") -> dict[str, list[str]]:
     """``HOST=REPLICA[,REPLICA...]`` options as a map, refused when malformed or when two
-    hosts name one replica id."""
+    hosts name one replica id (``flag``: the option, for the message; ``--site`` too)."""
     hosts: dict[str, list[str]] = {}
     owner: dict[str, str] = {}
     for spec in specs:
         host, sep, ids = spec.partition("=")
         replicas = [r.strip() for r in ids.split(",") if r.strip()]
         if not sep or not replicas:
-            raise ValueError(f"--worker-host wants HOST=REPLICA[,REPLICA...], got {spec!r}")
+            label = flag.rsplit("-", 1)[-1].upper()
+            raise ValueError(f"{flag} wants {label}=REPLICA[,REPLICA...], got {spec!r}")
         worker_host_user(host)
         for r in replicas:
             if owner.setdefault(r, host) != host:
                 raise ValueError(f"replica id {r!r} is given to both {owner[r]!r} and {host!r}")
         hosts.setdefault(host, []).extend(r for r in replicas if r not in hosts[host])
     return hosts
+
+
+# A site (issue 71): a nats-server of its own at the site that dials the hub outbound as a
+# leaf node, logging in as ``site-<name>`` in account TB. What that link may carry is what the
+# site's GPU hosts need, as a worker host's login (:func:`worker_host_permissions` of the
+# site's replica ids): the hub holds the permissions, so a site that rewrote its own node's
+# config reaches no more. nats-server 2.15 takes no ``permissions`` on a
+# ``leafnodes.authorization`` user, so the site's login is a user of account TB beside the
+# roles (a leaf connection with no leaf-only authorization logs in as one of the accounts'
+# users, that user's permissions applied to the link), named among the callout's auth_users.
+SITE_PREFIX = "site-"
+SITES_FILE = "sites.json"
+
+
+def site_user(site: str) -> str:
+    """The hub-side login of ``site``'s leaf node."""
+    if not _HOST.fullmatch(site):
+        raise ValueError(f"a site name: letters, digits, '-' and '_', got {site!r}")
+    return f"{SITE_PREFIX}{site}"
 
 
 def permissions_table() -> str:
@@ -278,6 +298,7 @@ def permissions_table() -> str:
         rows.append(f"| {role} | {cell(pub)} | {cell(PUBLISH_DENY.get(role, []))} | {cell(sub)} |")
     pub, sub = worker_host_permissions(["REPLICA"])
     rows.append(f"| worker-HOST | {cell(pub)} | — | {cell(sub)} |")
+    rows.append(f"| site-SITE (leaf link) | {cell(pub)} | — | {cell(sub)} |")
     return "\n".join(rows) + "\n"
 
 
@@ -317,11 +338,14 @@ def _role_users(
     roles: list[str],
     indent: str,
     hosts: dict[str, list[str]] | None = None,
+    sites: dict[str, list[str]] | None = None,
 ) -> str:
     users = []
     perms = [(role, *ROLES[role], PUBLISH_DENY.get(role)) for role in roles]
     for host, replicas in sorted((hosts or {}).items()):
         perms.append((worker_host_user(host), *worker_host_permissions(replicas), None))
+    for site, replicas in sorted((sites or {}).items()):
+        perms.append((site_user(site), *worker_host_permissions(replicas), None))
     for user, pub, sub, denied in perms:
         deny = f", deny: {_list(denied)}" if denied else ""
         users.append(
@@ -345,26 +369,31 @@ def render_auth(
     callout: dict[str, str] | None = None,
     hosts: dict[str, list[str]] | None = None,
     revoked: list[str] | None = None,
+    sites: dict[str, list[str]] | None = None,
+    revoked_sites: list[str] | None = None,
 ) -> str:
     """The authorization part of the config (users, accounts, the auth callout): what every
     node of a deployment includes beside its own listen, JetStream and cluster settings.
     Each user's password appears as its bcrypt hash only (:func:`password_hash`). ``hosts``:
-    a login per GPU host (:func:`worker_host_permissions`); ``revoked``: hosts whose login
+    a login per GPU host (:func:`worker_host_permissions`); ``sites``: a login per site's
+    leaf node (:func:`site_user`, its replica ids' permissions), ``revoked_sites`` those taken
+    out (named as revoked hosts are); ``revoked``: hosts whose login
     was taken away, still named among the callout's ``auth_users`` (nats-server refuses to
     reload a changed ``auth_users`` list: it logs that the name is "not valid", and a login
     with it is refused, neither answered by the callout nor by a user of the config)."""
     if callout is None:
-        users = _role_users(passwords, list(ROLES), "    ", hosts)
+        users = _role_users(passwords, list(ROLES), "    ", hosts, sites)
         return "authorization {\n  users = [\n" + users + "\n  ]\n}\n"
     roles = [r for r in ROLES if r != "client"]
     named = sorted({*(hosts or {}), *(revoked or [])})
     bypass = [*roles, *(worker_host_user(h) for h in named)]
+    bypass += [site_user(s) for s in sorted({*(sites or {}), *(revoked_sites or [])})]
     bypass += [callout["user"], callout["sys_user"]]
     return (
         "# NATS clients log in with a tokenbus API key: the server asks the auth service.\n"
         + "accounts {\n"
         + f"  {ACCOUNT} {{\n    jetstream: enabled\n    users = [\n"
-        + _role_users(passwords, roles, "      ", hosts)
+        + _role_users(passwords, roles, "      ", hosts, sites)
         + "\n    ]\n  }\n"
         + f"  {CALLOUT_ACCOUNT} {{ users = [ {{user: {json.dumps(callout['user'])}, "
         + f"password: {json.dumps(password_hash(callout['password']))}}} ] }}\n"

@@ -54,6 +54,22 @@ def add_parsers(sub: Any) -> None:
         "(roles/worker-<HOST>.json; repeatable). Given once, the list replaces the last "
         "run's: a host left out loses its login (reload the nodes); not given, it is kept",
     )
+    i.add_argument(
+        "--site",
+        action="append",
+        default=None,
+        metavar="NAME=REPLICA[,REPLICA...]",
+        help="a site whose own nats-server joins the hub as a leaf node (dialling out), "
+        "serving these replica ids: a hub login site-<NAME> limited to them, and "
+        "sites/<NAME>/ to copy to the site (docs/deploy.md, Sites; repeatable). Given once, "
+        "the list replaces the last run's; not given, it is kept",
+    )
+    i.add_argument(
+        "--hub-url",
+        default=None,
+        help="where sites reach the hub's leaf-node port, e.g. tls://hub.example.com:7422 "
+        "(default: the nodes' host name, port 7422)",
+    )
     i.add_argument("--print-url", action="store_true", help="print the NATS URL of services")
     i.add_argument(
         "--renew-certs",
@@ -104,9 +120,11 @@ def init(a: argparse.Namespace) -> int:
         owners.append((Path(path), uid))
     from services.config import Settings
     from services.natsconf import parse_worker_hosts
+    from services.sites import parse_sites
 
     try:
         hosts = parse_worker_hosts(a.worker_host) if a.worker_host is not None else None
+        sites = parse_sites(a.site) if a.site is not None else None
         written = db.init(
             Path(a.dir),
             nodes=a.nodes,
@@ -116,6 +134,8 @@ def init(a: argparse.Namespace) -> int:
             sync=a.sync or Settings().nats_sync,
             renew_certs=a.renew_certs,
             worker_hosts=hosts,
+            sites=sites,
+            hub_url=a.hub_url,
         )
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -1,0 +1,214 @@
+"""Sites as NATS leaf nodes (issue 71): ``tokenbus deploy init --site`` writes a hub login per
+site and the site's own node config, which dials the hub outbound; the link carries only
+what the site's replica ids need; workers announce their site and a router prefers its own
+site's replicas while they have room. Real nats-servers (a hub and two sites on loopback,
+the generated configs), real processes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import nats
+import pytest
+
+from bus_schemas import subjects
+from router.policies import prefer_site
+from router.registry import Replica
+from services import deploybundle, natsconf, sites
+from tests.conftest import (
+    free_port,
+    nats_server_binary,
+    spawn_nats,
+    wait_for,
+)
+
+MODEL = "sited"
+MSG = [{"role": "user", "content": "which site?"}]
+SITES = {"a": [f"{MODEL}-a0"], "b": [f"{MODEL}-b0"]}
+
+
+def _valid(conf: Path) -> None:
+    out = subprocess.run(
+        [nats_server_binary(), "-t", "-c", conf.name],
+        cwd=conf.parent,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_deploy_init_writes_a_site_its_hub_login_and_a_tls_link(tmp_path: Path) -> None:
+    deploybundle.init(tmp_path, sites=SITES, hub_url="tls://hub.example.com:7422")
+    users = json.loads((tmp_path / "nats-users.json").read_text())
+    auth = (tmp_path / deploybundle.AUTH_CONF).read_text()
+    assert users["site-a"] not in auth  # its hash only
+    assert '{user: "site-a"' in auth and f"tb.v1.engine.*.{MODEL}-a0.>" in auth
+    assert "leafnodes" in (tmp_path / "nats.conf").read_text()
+    site = (tmp_path / "sites" / "a" / "nats.conf").read_text()
+    assert f"tls://site-a:{users['site-a']}@hub.example.com:7422" in site
+    assert "ca_file" in site and (tmp_path / "sites" / "a" / "ca.pem").exists()
+    assert f"tb.v1.engine.*.{MODEL}-b0" not in site  # B's replicas are not A's to serve
+    for conf in (tmp_path / "nats.conf", tmp_path / "sites" / "a" / "nats.conf"):
+        _valid(conf)
+        assert conf.stat().st_mode & 0o077 == 0
+    # Again without --site: kept, passwords too. Without site a: its login and folder go,
+    # its name stays among the callout's auth_users (a changed list is a reload refused).
+    deploybundle.init(tmp_path)
+    assert json.loads((tmp_path / "nats-users.json").read_text())["site-a"] == users["site-a"]
+    deploybundle.init(tmp_path, sites={"b": SITES["b"]})
+    auth = (tmp_path / deploybundle.AUTH_CONF).read_text()
+    assert '{user: "site-a"' not in auth and '"site-a"' in auth
+    assert not (tmp_path / "sites" / "a").exists() and (tmp_path / "sites" / "b").exists()
+    with pytest.raises(ValueError, match="name"):
+        sites.parse_sites(["a b=r1"])
+
+
+def _replica(name: str, site: str, load: int = 0) -> Replica:
+    r = Replica(replica=name, model=MODEL, subject="", site=site, max_concurrency=2)
+    r.reported_in_flight = load
+    return r
+
+
+def test_a_router_prefers_its_site_and_spills_to_others() -> None:
+    a, b = _replica("a0", "a"), _replica("b0", "b")
+    assert prefer_site([a, b], "a") == [a]
+    assert prefer_site([b], "a") == [b]  # A's full (not a candidate) or gone: spill to B
+    assert prefer_site([a, b], "") == [a, b]  # no site: as before
+
+
+class Bus:
+    """A hub (the generated node config, its ports moved to free ones on loopback) and a
+    nats-server per site on its generated config, dialling the hub's leaf port."""
+
+    def __init__(self, folder: Path, site_names: list[str], extra_users: str = "") -> None:
+        self.folder = folder
+        self.port, self.leaf_port = free_port(), free_port()
+        deploybundle.init(
+            folder,
+            tls=False,
+            sites={s: SITES[s] for s in site_names},
+            hub_url=f"nats://127.0.0.1:{self.leaf_port}",
+        )
+        self.users = folder / "nats-users.json"
+        hub = folder / "hub.conf"
+        # Later keys override the included ones.
+        hub.write_text(
+            'include "nats.conf"\n'
+            f'listen: "127.0.0.1:{self.port}"\n'
+            f'http: "127.0.0.1:{free_port()}"\n'
+            f"jetstream {{ store_dir: {json.dumps(str(folder / 'js'))} }}\n"
+            f'leafnodes {{ listen: "127.0.0.1:{self.leaf_port}" }}\n'
+        )
+        self.procs = [spawn_nats(self.port, "-c", str(hub))]
+        self.site_ports: dict[str, int] = {}
+        for s in site_names:
+            self.site_ports[s] = free_port()
+            self.start_site(s, extra_users)
+
+    def start_site(self, site: str, extra_users: str) -> None:
+        """Site ``site``'s node; ``extra_users``: users its owner added (an attacker's)."""
+        conf = self.folder / "sites" / site / "local.conf"
+        text = 'include "nats.conf"\n' + f'listen: "127.0.0.1:{self.site_ports[site]}"\n'
+        if extra_users:
+            base = (self.folder / "sites" / site / "nats.conf").read_text()
+            text = base.replace("  users = [\n", "  users = [\n" + extra_users + ",\n")
+            text += f'listen: "127.0.0.1:{self.site_ports[site]}"\n'
+        conf.write_text(text)
+        self.procs.append(spawn_nats(self.site_ports[site], "-c", str(conf)))
+
+    def url(self, site: str | None = None) -> str:
+        return f"nats://127.0.0.1:{self.site_ports[site] if site else self.port}"
+
+    def site_worker_env(self, site: str) -> dict[str, str]:
+        login = json.loads((self.folder / "sites" / site / "roles" / "worker.json").read_text())
+        return {
+            "TOKENBUS_NATS_URL": self.url(site),
+            "TOKENBUS_NATS_USER": login["user"],
+            "TOKENBUS_NATS_PASSWORD": login["password"],
+            "TOKENBUS_SITE": site,
+        }
+
+    def admin(self) -> dict[str, Any]:
+        return natsconf.role_login(self.users, "admin")
+
+    def stop(self) -> None:
+        for p in reversed(self.procs):
+            if p.poll() is None:
+                p.terminate()
+                p.wait(10)
+
+
+async def test_a_site_s_link_carries_only_what_its_replicas_need(tmp_path: Path) -> None:
+    """The site's owner controls its node: give it a user allowed everything. What crosses
+    the link is still only site a's replicas' subjects, both ways, the hub holding the
+    permissions."""
+    rogue = '    {user: "root", password: "root", permissions: {publish: ">", subscribe: ">"}}'
+    bus = Bus(tmp_path, ["a"], rogue)
+    try:
+        site = await nats.connect(bus.url("a"), user="root", password="root")
+        hub = await nats.connect(bus.url(), **bus.admin())
+        a0, b0 = SITES["a"][0], SITES["b"][0]
+        try:
+            # Hub -> site: A's engine subject crosses, B's and the clients' requests do not.
+            got: list[str] = []
+
+            async def heard(msg: Any) -> None:
+                got.append(msg.subject)
+
+            for subject in (
+                subjects.engine_generate(MODEL, a0),
+                subjects.engine_generate(MODEL, b0),
+                "tb.v1.req.>",
+                "tb.v1.heartbeat.>",
+            ):
+                await site.subscribe(subject, cb=heard)
+            await site.flush()
+            allowed = subjects.engine_generate(MODEL, a0)
+            forbidden = [
+                subjects.engine_generate(MODEL, b0),
+                f"tb.v1.req.chat.{MODEL}",
+                subjects.heartbeat(MODEL, b0),
+            ]
+
+            async def crossed() -> bool:
+                for s in forbidden:  # before the allowed one, on one connection: in order
+                    await hub.publish(s, b"x")
+                await hub.publish(allowed, b"x")
+                await hub.flush()
+                await asyncio.sleep(0)
+                return allowed in got
+
+            await wait_for(crossed, interval=0.1, what="site a's engine subject crossing")
+            assert not set(forbidden) & set(got), got
+
+            # Site -> hub: beating as its own replica crosses; as B, or as a client, not.
+            back: list[str] = []
+
+            async def heard_back(msg: Any) -> None:
+                back.append(msg.subject)
+
+            await hub.subscribe("tb.v1.>", cb=heard_back)
+            await hub.flush()
+            mine = subjects.heartbeat(MODEL, a0)
+            not_mine = [subjects.heartbeat(MODEL, b0), f"tb.v1.req.chat.{MODEL}", "tb.v1.admin.x"]
+
+            async def crossed_back() -> bool:
+                for s in not_mine:
+                    await site.publish(s, b"x")
+                await site.publish(mine, b"x")
+                await site.flush()
+                await asyncio.sleep(0)
+                return mine in back
+
+            await wait_for(crossed_back, interval=0.1, what="site a's heartbeat crossing")
+            assert not set(not_mine) & set(back), back
+        finally:
+            await site.close()
+            await hub.close()
+    finally:
+        bus.stop()
