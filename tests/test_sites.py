@@ -20,11 +20,15 @@ from router.policies import prefer_site
 from router.registry import Replica
 from services import deploybundle, natsconf, sites
 from tests.conftest import (
+    Procs,
     free_port,
+    live_replicas,
     nats_server_binary,
     spawn_nats,
+    start_stack,
     wait_for,
 )
+from tokenbus import Client
 
 MODEL = "sited"
 MSG = [{"role": "user", "content": "which site?"}]
@@ -210,5 +214,80 @@ async def test_a_site_s_link_carries_only_what_its_replicas_need(tmp_path: Path)
         finally:
             await site.close()
             await hub.close()
+    finally:
+        bus.stop()
+
+
+async def test_workers_at_two_sites_serve_the_hub_and_the_router_prefers_its_own(
+    tmp_path: Path,
+) -> None:
+    """Ingress, auth and a router at site a run on the hub; a worker at each site on its own
+    node, beyond the leaf links. Requests are served across the links; the router sends
+    them to site a's replica while it has room, to site b's when a's is full, then gone."""
+    bus = Bus(tmp_path / "bus", ["a", "b"])
+    url, admin = bus.url(), bus.admin()
+    a0, b0 = SITES["a"][0], SITES["b"][0]
+    try:
+        with Procs(url, tmp_path) as procs:
+            await start_stack(
+                procs,
+                MODEL,
+                "ingress",
+                "auth",
+                "router",
+                workers=0,
+                bridge=False,
+                heartbeats=False,
+                env_for=lambda role, _: (
+                    natsconf.role_env(bus.users, role)
+                    | ({"TOKENBUS_SITE": "a"} if role == "router" else {})
+                ),
+                login=admin,
+            )
+            workers = {}
+            for site, (replica,) in SITES.items():
+                workers[site] = procs.start(
+                    f"worker-{site}",
+                    *("serve", "worker", "--model", MODEL, "--replica", replica),
+                    # Two requests at a time at site a (with one, a beat sent while it
+                    # served could arrive after it finished and call it full), each long
+                    # enough to overlap others.
+                    *(("--max-concurrency", "2", "--sim-decode-ms", "40") if site == "a" else ()),
+                    env=bus.site_worker_env(site),
+                )
+
+            async def both() -> bool:
+                live = await live_replicas(url, MODEL, 0.5, **admin)
+                return {r.get("site") for r in live.values()} == {"a", "b"}
+
+            await wait_for(both, timeout=60, what="both sites' replicas beating at the hub")
+            async with await Client.connect(url, **admin) as tb:
+
+                async def a_serves() -> bool:
+                    # Until the router has heard site a's replica (the test's look at the
+                    # heartbeats is not the router's).
+                    out = await tb.chat_completion(MODEL, MSG, max_tokens=1)
+                    return out.replica == a0
+
+                await wait_for(a_serves, what="the router sending to its own site")
+                # One at a time: site a's replica has room for each, so it takes every one.
+                for _ in range(6):
+                    out = await tb.chat_completion(MODEL, MSG, max_tokens=2)
+                    assert out.replica == a0
+                # Several at once: a's replica is full with two, the rest spill to b's.
+                outs = await asyncio.gather(
+                    *(tb.chat_completion(MODEL, MSG, max_tokens=10) for _ in range(6))
+                )
+                assert {o.replica for o in outs} == {a0, b0}
+                # Site a's worker gone: b's takes everything.
+                workers["a"].stop()
+
+                async def only_b() -> bool:
+                    return set(await live_replicas(url, MODEL, 0.5, **admin)) == {b0}
+
+                await wait_for(only_b, timeout=30, what="site a's replica gone")
+                for _ in range(2):
+                    out = await tb.chat_completion(MODEL, MSG, max_tokens=2)
+                    assert out.replica == b0
     finally:
         bus.stop()
