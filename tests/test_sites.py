@@ -19,6 +19,7 @@ from bus_schemas import subjects
 from router.policies import prefer_site
 from router.registry import Replica
 from services import deploybundle, natsconf, sites
+from services.tlsfiles import TlsFiles
 from tests.conftest import (
     Procs,
     free_port,
@@ -89,15 +90,19 @@ class Bus:
     """A hub (the generated node config, its ports moved to free ones on loopback) and a
     nats-server per site on its generated config, dialling the hub's leaf port."""
 
-    def __init__(self, folder: Path, site_names: list[str], extra_users: str = "") -> None:
+    def __init__(
+        self, folder: Path, site_names: list[str], extra_users: str = "", *, tls: bool = False
+    ) -> None:
         self.folder = folder
         self.port, self.leaf_port = free_port(), free_port()
         deploybundle.init(
             folder,
-            tls=False,
+            tls=tls,
+            tls_names=["127.0.0.1"],
             sites={s: SITES[s] for s in site_names},
-            hub_url=f"nats://127.0.0.1:{self.leaf_port}",
+            hub_url=f"{'tls' if tls else 'nats'}://127.0.0.1:{self.leaf_port}",
         )
+        leaf = sites.hub_leaf_block(TlsFiles.load(folder), f"127.0.0.1:{self.leaf_port}")
         self.users = folder / "nats-users.json"
         hub = folder / "hub.conf"
         # Later keys override the included ones.
@@ -105,8 +110,7 @@ class Bus:
             'include "nats.conf"\n'
             f'listen: "127.0.0.1:{self.port}"\n'
             f'http: "127.0.0.1:{free_port()}"\n'
-            f"jetstream {{ store_dir: {json.dumps(str(folder / 'js'))} }}\n"
-            f'leafnodes {{ listen: "127.0.0.1:{self.leaf_port}" }}\n'
+            f"jetstream {{ store_dir: {json.dumps(str(folder / 'js'))} }}\n" + leaf
         )
         self.procs = [spawn_nats(self.port, "-c", str(hub))]
         self.site_ports: dict[str, int] = {}
@@ -136,6 +140,9 @@ class Bus:
             "TOKENBUS_NATS_PASSWORD": login["password"],
             "TOKENBUS_SITE": site,
         }
+
+    def url_of_hub(self) -> str:
+        return f"{'tls' if TlsFiles.load(self.folder) else 'nats'}://127.0.0.1:{self.port}"
 
     def admin(self) -> dict[str, Any]:
         return natsconf.role_login(self.users, "admin")
@@ -289,5 +296,38 @@ async def test_workers_at_two_sites_serve_the_hub_and_the_router_prefers_its_own
                 for _ in range(2):
                     out = await tb.chat_completion(MODEL, MSG, max_tokens=2)
                     assert out.replica == b0
+    finally:
+        bus.stop()
+
+
+async def test_a_site_dials_a_tls_hub_over_tls(tmp_path: Path) -> None:
+    """The hub takes TLS only: the site's generated config dials it over TLS, trusting the
+    CA copied into the site's folder, and its workers' beats reach the hub."""
+    bus = Bus(tmp_path, ["a"], tls=True)
+    a0 = SITES["a"][0]
+    assert "tls {" in (tmp_path / "sites" / "a" / "nats.conf").read_text()
+    try:
+        login = json.loads((tmp_path / "sites" / "a" / "roles" / "worker.json").read_text())
+        site = await nats.connect(bus.url("a"), **login)
+        hub = await nats.connect(bus.url_of_hub(), **bus.admin())
+        try:
+            got: list[str] = []
+
+            async def heard(msg: Any) -> None:
+                got.append(msg.subject)
+
+            await hub.subscribe(subjects.heartbeat(MODEL, a0), cb=heard)
+            await hub.flush()
+
+            async def crossed() -> bool:
+                await site.publish(subjects.heartbeat(MODEL, a0), b"{}")
+                await site.flush()
+                await asyncio.sleep(0)
+                return bool(got)
+
+            await wait_for(crossed, interval=0.1, what="site a's beat over the TLS link")
+        finally:
+            await site.close()
+            await hub.close()
     finally:
         bus.stop()
