@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import subprocess
 from pathlib import Path
 from typing import Any
 
 import nats
 import pytest
+import yaml
 
 from bus_schemas import subjects
 from router.policies import prefer_site
@@ -25,6 +27,7 @@ from tests.conftest import (
     free_port,
     live_replicas,
     nats_server_binary,
+    run_cli,
     spawn_nats,
     start_stack,
     wait_for,
@@ -331,3 +334,26 @@ async def test_a_site_dials_a_tls_hub_over_tls(tmp_path: Path) -> None:
             await hub.close()
     finally:
         bus.stop()
+
+
+def test_compose_generate_puts_a_gpu_host_at_a_site(tmp_path: Path) -> None:
+    """``compose generate --site``: the workers announce the site and log in to the site's
+    own node; the file names the ``deploy init --site`` login that serves their ids."""
+    out = tmp_path / "w.yml"
+    r = run_cli(
+        "compose", "generate", "--gpus", "2", "--host", "g1", "--model", "m", "--tp", "1,1",
+        "--bus", "nats://site-nats:4222", "--login-file", "/etc/tb/worker.json",
+        "--site", "lab", "--out", str(out),
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    text = out.read_text()
+    (hint,) = re.findall(r"--site (\S+)", text)
+    assert sites.parse_sites([hint]) == {"lab": ["g1-m-tp1-0", "g1-m-tp1-1"]}
+    assert "bus/sites/lab/roles/worker.json" in text
+    workers = [s for n, s in yaml.safe_load(text)["services"].items() if n.startswith("vllm-")]
+    assert len(workers) == 2
+    for svc in workers:
+        assert svc["environment"]["TOKENBUS_SITE"] == "lab"
+        assert svc["environment"]["TOKENBUS_NATS_URL"] == "nats://site-nats:4222"
+    bad = run_cli("compose", "generate", "--gpus", "1", "--model", "m", "--tp", "1", "--site", "x")
+    assert bad.returncode == 2 and "--site go with --bus" in bad.stderr

@@ -89,6 +89,12 @@ def add_parser(sub: Any) -> None:
         metavar="NAME:TP",
         help="workers of this TP degree go to pool NAME (tiered routing); others: default",
     )
+    g.add_argument(
+        "--site",
+        help="with --bus: the host is at this site (docs/deploy.md, Sites): --bus is the "
+        "site's own nats-server, --login-file its sites/<SITE>/roles/worker.json, and the "
+        "workers announce the site (TOKENBUS_SITE)",
+    )
     g.add_argument("--out", help="write here (default: standard output)")
 
 
@@ -176,9 +182,11 @@ def plan_models(
     return out
 
 
-def services(groups: list[Group], *, host: str = "", bus: Bus | None = None) -> dict[str, Any]:
+def services(
+    groups: list[Group], *, host: str = "", bus: Bus | None = None, site: str = ""
+) -> dict[str, Any]:
     """The compose document: one vLLM worker service per group, and the shared HF cache.
-    ``bus``: the file stands alone (no stack beside it)."""
+    ``bus``: the file stands alone (no stack beside it); ``site``: the site it is at."""
     out: dict[str, Any] = {}
     host = slug(host) if host else "host"
     counts: dict[str, int] = {}
@@ -201,6 +209,7 @@ def services(groups: list[Group], *, host: str = "", bus: Bus | None = None) -> 
             "TOKENBUS_DRAIN_TIMEOUT_S": "120",
             "HF_HOME": HF_CACHE,
             "HOME": "/tmp",
+            **({"TOKENBUS_SITE": site} if site else {}),
         }
         depends: dict[str, Any] = {
             "hf-cache-owner": {"condition": "service_completed_successfully"}
@@ -287,8 +296,12 @@ def main(a: argparse.Namespace) -> int:
             if a.bus.startswith("tls://") and not a.ca:
                 raise ValueError("a tls:// --bus needs --ca: the bus's CA certificate")
             bus = Bus(a.bus, a.login_file, a.ca)
-        elif a.login_file or a.ca:
-            raise ValueError("--login-file and --ca go with --bus (a GPU host on its own)")
+        elif a.login_file or a.ca or a.site:
+            raise ValueError("--login-file, --ca and --site go with --bus (a GPU host on its own)")
+        if a.site:
+            from services.natsconf import site_user
+
+            site_user(a.site)  # a valid name
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -300,7 +313,7 @@ def main(a: argparse.Namespace) -> int:
         if bus
         else "# Run beside the stack: docker compose -f compose/docker-compose.yml -f <this> up\n"
     )
-    doc = services(groups, host=a.host, bus=bus)
+    doc = services(groups, host=a.host, bus=bus, site=a.site or "")
     ids = [
         svc["command"][svc["command"].index("--replica") + 1]
         for svc in doc["services"].values()
@@ -308,10 +321,14 @@ def main(a: argparse.Namespace) -> int:
     ]
     # A login of this host's own, which may serve only these ids (docs/deploy.md).
     login = f"--worker-host {slug(a.host) if a.host else 'host'}={','.join(ids)}"
+    whose, then = "This host's own login", "bus/roles/worker-<host>.json"
+    if a.site:  # the site's login instead: it serves the ids of every host at the site
+        whose = "The site's login (with its other hosts' ids too)"
+        login, then = f"--site {a.site}={','.join(ids)}", f"bus/sites/{a.site}/roles/worker.json"
     text = (
         f"# tokenbus compose generate: {', '.join(a.model)} on {a.host}'s {a.gpus} GPUs as "
-        f"{layout}\n" + run + f"# This host's own login: tokenbus deploy init ... {login}\n"
-        "# (then --login-file bus/roles/worker-<host>.json)\n" + to_yaml(doc) + "\n"
+        f"{layout}\n" + run + f"# {whose}: tokenbus deploy init ... {login}\n"
+        f"# (then --login-file {then})\n" + to_yaml(doc) + "\n"
     )
     if a.out:
         with open(a.out, "w") as fh:
