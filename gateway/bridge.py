@@ -54,6 +54,9 @@ from telemetry import records
 
 # How long a stopping bridge lets its running batch lines finish.
 RUNNER_GRACE_S = 3.0
+# The longest wait between two tries to open the file, batch and background stores where
+# JetStream did not answer at start.
+MOUNT_RETRY_MAX_S = 5.0
 REQUESTS = Counter("tokenbus_bridge_requests_total", "HTTP generation requests", ["kind", "status"])
 DURATION = Histogram(
     "tokenbus_bridge_request_seconds",
@@ -240,6 +243,7 @@ class Bridge(Service):
         self.http: HTTPServer | None = None
         self._own_keys: KeyStore | None = None  # /v1/models' key store when auth is not fused
         self.batch_runner: BatchRunner | None = None
+        self._mounting: asyncio.Task[None] | None = None  # files and batches, tried again
         self.source: BusSource | None = None
 
     def _log_migration(self, s: Any, err: E.TokenbusError, failed: bool) -> None:
@@ -428,21 +432,46 @@ class Bridge(Service):
     ) -> None:
         """The Files and Batch APIs and background responses (docs/batches.md), and this
         process's batch runner; none where JetStream is not available (logged)."""
-        cfg = self.settings
-        handlers: dict[str, Callable[[dict[str, Any]], Awaitable[bool]]] = {}
         try:
-            files = await FileStore(self.nc, cfg.files).open()
-            store = await BatchStore(self.nc, cfg.batches, cfg.files.ttl_s).open()
-            if cfg.batches.enabled and responses.store is not None:
-                bg = Background(self.nc, store, responses.store, api, validation.check_chat)
-                await bg.open(cfg.responses.ttl_s)
-                responses.background = bg
-                handlers["response"] = bg.run
+            await self._open_batches(api, keys, responses)
         except Exception as exc:
+            # Started while JetStream has no leader for these streams (a node restarting,
+            # a host crashed): tried again until it answers, so this process does not go on
+            # without files, batches and background responses for the rest of its life
+            # (the nemesis' background response left in_progress, seed 202).
             self.log.warning(
                 "files_not_served_here", reason="JetStream unavailable", error=repr(exc)
             )
+            self._mounting = asyncio.get_running_loop().create_task(
+                self._mount_batches_later(api, keys, responses)
+            )
+
+    async def _mount_batches_later(
+        self, api: OpenAIApp, keys: KeyStore | None, responses: ResponsesAPI
+    ) -> None:
+        wait = 0.5
+        while True:
+            await asyncio.sleep(wait)
+            wait = min(wait * 2, MOUNT_RETRY_MAX_S)
+            try:
+                await self._open_batches(api, keys, responses)
+            except Exception:
+                continue
+            self.log.info("files_served_here")
             return
+
+    async def _open_batches(
+        self, api: OpenAIApp, keys: KeyStore | None, responses: ResponsesAPI
+    ) -> None:
+        cfg = self.settings
+        handlers: dict[str, Callable[[dict[str, Any]], Awaitable[bool]]] = {}
+        files = await FileStore(self.nc, cfg.files).open()
+        store = await BatchStore(self.nc, cfg.batches, cfg.files.ttl_s).open()
+        if cfg.batches.enabled and responses.store is not None:
+            bg = Background(self.nc, store, responses.store, api, validation.check_chat)
+            await bg.open(cfg.responses.ttl_s)
+            responses.background = bg
+            handlers["response"] = bg.run
         FilesAPI(files, key_owner(keys), cfg.files).mount(api)
         api.files.store = files  # files named by id in requests (gateway/file_inputs.py)
         api.key_owner = key_owner(keys)
@@ -455,6 +484,9 @@ class Bridge(Service):
             await self.batch_runner.start()
 
     async def stop_taking_work(self) -> None:
+        if self._mounting is not None:
+            self._mounting.cancel()
+            self._mounting = None
         # /ready says 503 at once, while requests are still taken for ``unready_s``: a load
         # balancer's health checks take this bridge out before it stops listening. Then
         # stop listening, let open HTTP requests finish (up to the drain timeout), close.

@@ -36,6 +36,7 @@ from tests.conftest import (
     new_model,
     run_cli,
     start_stack,
+    wait_for,
     wait_http,
 )
 
@@ -409,6 +410,41 @@ async def test_an_open_deployment_serves_files_to_anyone(procs: Procs) -> None:
     async with stack.openai() as a, httpx.AsyncClient(base_url=f"{stack.base}/v1") as h:
         f = await a.files.create(file=("x.jsonl", b"{}\n"), purpose="batch")
         assert (await h.get(f"/files/{f.id}")).json()["id"] == f.id
+
+
+async def test_a_bridge_that_could_not_open_its_stores_serves_them_once_it_can(
+    private_nats: NatsServer, tmp_path: Any
+) -> None:
+    """A bridge whose file and batch stores cannot be opened at its start (in the nemesis:
+    their streams without a leader after two host crashes; here, another stream holding the
+    batch queue's subjects) tries again until they open, instead of serving without files,
+    batches and background responses for the rest of its life (the nemesis' background
+    response left in_progress, seed 202)."""
+    nc = await nats.connect(private_nats.url)
+    js = nc.jetstream()
+    await js.add_stream(name="IN_THE_WAY", subjects=[subjects.batch_work_wildcard()])
+    try:
+        with Procs(private_nats.url, tmp_path) as ps:
+            web = free_port()
+            bridge = ps.start("bridge", "serve", "bridge", "--port", str(web))
+            await wait_for(
+                lambda: "files_not_served_here" in bridge.output(),
+                timeout=60,
+                what="the bridge did not start without its stores",
+            )
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{web}/v1") as h:
+                upload = {"file": ("x.jsonl", b"{}\n"), "purpose": (None, "batch")}
+                assert (await h.post("/files", files=upload)).status_code == 404
+                await js.delete_stream("IN_THE_WAY")
+                await wait_for(
+                    lambda: "files_served_here" in bridge.output(),
+                    timeout=60,
+                    what="the stores were not opened again",
+                )
+                r = await h.post("/files", files=upload)
+                assert r.status_code == 200, r.text
+    finally:
+        await nc.close()
 
 
 # -- background responses --------------------------------------------------------------------
