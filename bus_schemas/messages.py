@@ -130,10 +130,21 @@ def tool_call_text(call: Any) -> str:
     return ""
 
 
+# A claim-checked envelope (services/bodies.py): its ``CLAIMED`` parts travel as an object in
+# JetStream, and ``claim`` names it: owner, id, size, sha256, chunks, and the text's
+# characters as the gateway (ingress or bridge) counted them when it resolved it.
+CLAIM = "claim"
+CLAIMED = ("messages", "prompt", "input")
+
+
 def envelope_chars(env: dict[str, Any]) -> int:
     """Characters of text an envelope carries (prompt, message texts, tool-call arguments
     and custom tool-call inputs, embedding inputs); images, audio and files are not text and
-    count only as body size."""
+    count only as body size. A claim-checked envelope not resolved here: the gateway's count."""
+    claim = env.get(CLAIM)
+    if isinstance(claim, dict) and not any(k in env for k in CLAIMED):
+        chars = claim.get("chars")
+        return chars if isinstance(chars, int) and chars >= 0 else 0
     prompt: Any = env.get("prompt")
     n = len(token_ids_text(prompt)) if is_token_ids(prompt) else len(prompt or "")
     for m in env.get("messages") or ():

@@ -29,7 +29,7 @@ from bus_schemas import codec, frames, marks, subjects
 from bus_schemas import errors as E
 from bus_schemas import headers as H
 from bus_schemas import kv_events as KV
-from bus_schemas.messages import AdapterCommand, check_envelope, envelope_chars
+from bus_schemas.messages import CLAIM, AdapterCommand, check_envelope, envelope_chars
 from engine_worker import backends
 from engine_worker.backends.base import (
     Backend,
@@ -44,9 +44,9 @@ from engine_worker.flow import FlowConfig, FlowControl, Ticket, class_of
 from engine_worker.outbox import Outbox
 from filter.policy import FilterPolicy
 from filter.scanner import Scanner, StreamOutput, StreamScanner
-from services import tracing, usage
+from services import bodies, tracing, usage
 from services.caller import Assembled, Chunk
-from services.runtime import Service, StartRefused, flush, reply_subject
+from services.runtime import Service, StartRefused, connect, flush, reply_subject
 from telemetry import records
 
 # How long a cancel that arrived before its request is remembered.
@@ -313,6 +313,17 @@ class Worker(Service):
     forwards = False  # answers and reports; never hands a request on
     check_deadline = False  # checked in _screen() so the router hears it in the ack
     releases_usage = False  # reports what the engine used (a refusal: the router does)
+
+    async def _connect(self) -> Any:
+        """Its connection, whose replies (reads of claim-checked bodies) come to the one inbox
+        root the locked bus lets workers hear."""
+        return await connect(
+            self.settings.url(),
+            f"tokenbus-{self.name}-{self.id}",
+            on_reconnected=self.on_reconnected,
+            inbox_prefix=subjects.bodies_reply_root(),
+            **self.settings.nats_auth(),
+        )
 
     def __init__(self, settings: Any, *, backend: Backend | None = None, **kw: Any) -> None:
         super().__init__(settings, **kw)
@@ -792,14 +803,18 @@ class Worker(Service):
             await self._ack(msg, None)
             return None
         try:
-            return self._screen(msg, reply)
+            env = codec.decode_map(msg.data)
+            if CLAIM in env:  # its messages by claim check: fetched once, before the ack
+                check_envelope(env)
+                await bodies.resolve(self.nc, env)
+            return self._screen(msg, reply, env)
         except E.TokenbusError as err:
             await self._ack(msg, err)
             if tracing.on():
                 _trace_refused(err)
             return None
 
-    def _screen(self, msg: Msg, reply: str | None) -> _Generation:
+    def _screen(self, msg: Msg, reply: str | None, env: dict[str, Any]) -> _Generation:
         """Decode the request if this replica can take it; raise the typed refusal if not."""
         if self.draining:
             raise E.ReplicaDraining(f"replica {self.replica} is draining")
@@ -813,7 +828,6 @@ class Worker(Service):
             raise E.ReplicaBusy(f"replica {self.replica} is at its limit of requests")
         # A frame that breaks the wire contract is refused here, in the ack, not by an
         # exception in the engine or in the output filter later.
-        env = codec.decode_map(msg.data)
         check_envelope(env)
         policy = None
         try:

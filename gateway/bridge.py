@@ -14,9 +14,9 @@ from typing import Any
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, Histogram, generate_latest
 
 from auth.store import KeyStore
-from bus_schemas import codec, marks, subjects
 from bus_schemas import errors as E
 from bus_schemas import headers as H
+from bus_schemas import marks, subjects
 from bus_schemas.messages import EmbeddingRequest
 from gateway import validation
 from gateway.admin_adapters import PREFIX as ADAPTERS_PREFIX
@@ -46,7 +46,7 @@ from router.kv_index import KVIndex
 from router.registry import Registry
 from router.routing import RoutingTable
 from router.service import HeartbeatTracker, watch_routing
-from services import tracing, usage
+from services import bodies, tracing, usage
 from services.aliases import AliasTable, check_key_aliases, envelope_for, watch_aliases
 from services.caller import Caller, Stream
 from services.runtime import Service
@@ -143,7 +143,7 @@ class BusSource:
                         if served != model:  # the caller's envelope stays as sent
                             data = envelope_for(data, env, served)
                         elif changed:
-                            data = codec.encode(env)
+                            data = bodies.encode(env)
                     meta["principal"] = h.get(H.PRINCIPAL)
                     if dispatcher is not None:
                         span = _route_span(h) if tracing.on() else None
@@ -229,6 +229,15 @@ def _route_span(hdrs: dict[str, str]) -> Any:
     return span
 
 
+async def _open_bodies(nc: Any, log: Any) -> None:
+    """The store of large request bodies (services/bodies.py); without JetStream, large
+    requests get 503 and the rest are served (logged)."""
+    try:
+        await bodies.open_stream(nc)
+    except Exception as exc:
+        log.warning("bodies_store_unavailable", error=repr(exc))
+
+
 class Bridge(Service):
     """OpenAI-compatible HTTP bridge."""
 
@@ -268,6 +277,7 @@ class Bridge(Service):
             self.nc, records.spool_for(self.settings.telemetry, "bridge", f"bridge-{self.id}")
         ).open()
         self.client = Caller(self.nc, owner=f"bridge-{self.id}")
+        await _open_bodies(self.nc, self.log)
         self.client.on_migration = self._log_migration
         await self.client.start()
         self.registry = Registry(self.settings.router.missed_heartbeats)
