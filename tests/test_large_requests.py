@@ -1,0 +1,217 @@
+"""Requests larger than one bus message (issue 67, docs/large-requests.md): real processes
+(ingress, router, a worker, the bridge) on a real nats-server; the openai SDK over HTTP and
+tokenbus.Client over NATS. A body over half of max_payload travels by claim check."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import os
+from collections.abc import AsyncIterator
+from typing import Any
+
+import nats
+import pytest
+
+from bus_schemas import subjects
+from bus_schemas.errors import TokenbusError
+from engine_worker.backends.sim import expected_text
+from services import bodies
+from tests.conftest import NatsServer, Procs, ProcStack, new_model, start_stack, wait_for
+from tokenbus import Client
+
+# 1.5 MB of prompt: past NATS's 1 MiB max_payload, which refused it before (413).
+BIG = ("the quick brown fox jumps over the lazy dog " * 40_000)[:1_500_000]
+DEFAULT_LIMIT = 32 * 1024 * 1024
+
+
+@pytest.fixture(scope="module")
+async def big_stack(
+    nats_server: NatsServer, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[ProcStack]:
+    """Ingress and router (NATS clients' path), one worker, the bridge (HTTP: its default
+    body limit); the sim's context long enough for a 1.5 MB prompt."""
+    with Procs(nats_server.url, tmp_path_factory.mktemp("large")) as ps:
+        yield await start_stack(
+            ps,
+            new_model(),
+            "ingress",
+            "router",
+            workers=1,
+            worker_args=("--sim-prefill-ms", "5", "--sim-decode-ms", "2"),
+            env={"TOKENBUS_WORKER__SIM__MAX_MODEL_LEN": "50000000"},
+        )
+
+
+@pytest.fixture
+async def js(nats_server: NatsServer) -> AsyncIterator[Any]:
+    nc = await nats.connect(nats_server.url)
+    try:
+        yield nc.jetstream()
+    finally:
+        await nc.drain()
+
+
+async def _stored(js: Any) -> tuple[int, int]:
+    """(chunks held now, chunks ever written) in the bodies stream."""
+    info = await js.stream_info(subjects.BODIES_STREAM)
+    return info.state.messages, info.state.last_seq
+
+
+def _chat(prompt: str) -> list[dict[str, Any]]:
+    return [{"role": "user", "content": prompt}]
+
+
+async def test_a_large_prompt_is_served_whole_and_streamed_over_http(
+    big_stack: ProcStack, js: Any
+) -> None:
+    want = expected_text(f"<|user|>{BIG}\n", 8, seed=3)[0]
+    _, written = await _stored(js)
+    async with big_stack.openai() as oai:
+        out = await oai.chat.completions.create(
+            model=big_stack.model, messages=_chat(BIG), max_tokens=8, seed=3
+        )
+        assert out.choices[0].message.content == want
+        stream = await oai.chat.completions.create(
+            model=big_stack.model, messages=_chat(BIG), max_tokens=8, seed=3, stream=True
+        )
+        text = ""
+        async for chunk in stream:
+            for ch in chunk.choices:
+                text += ch.delta.content or ""
+        assert text == want
+    # Each went by claim check, and its object is gone once the request ended.
+    assert (await _stored(js))[1] >= written + 2 * -(-len(BIG) // bodies.CHUNK)
+    await wait_for(lambda: _held(js), what="the requests' body objects deleted")
+
+
+async def _held(js: Any) -> bool:
+    return (await _stored(js))[0] == 0
+
+
+async def test_a_large_image_data_url_is_served_over_http(big_stack: ProcStack) -> None:
+    image = "data:image/png;base64," + base64.b64encode(os.urandom(1_600_000)).decode()
+    assert len(image) > 2_000_000
+    messages = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "what is in this picture?"},
+                {"type": "image_url", "image_url": {"url": image}},
+            ],
+        }
+    ]
+    async with big_stack.openai() as oai:
+        out = await oai.chat.completions.create(
+            model=big_stack.model,
+            messages=messages,
+            max_tokens=5,  # type: ignore[arg-type]
+        )
+        assert out.choices[0].finish_reason == "length"
+        assert out.usage is not None and out.usage.completion_tokens == 5
+        stream = await oai.chat.completions.create(
+            model=big_stack.model,
+            messages=messages,  # type: ignore[arg-type]
+            max_tokens=5,
+            stream=True,
+        )
+        pieces = [c async for c in stream]
+        assert pieces[-1].choices[0].finish_reason == "length"
+
+
+async def test_small_requests_create_no_object(big_stack: ProcStack, js: Any) -> None:
+    _, written = await _stored(js)
+    async with big_stack.openai() as oai:
+        out = await oai.chat.completions.create(
+            model=big_stack.model, messages=_chat("hello there"), max_tokens=4
+        )
+    assert out.choices[0].message.content
+    async with await Client.connect(big_stack.procs.url) as c:
+        done = await c.chat_completion(big_stack.model, _chat("hello there"), max_tokens=4)
+    assert done.text
+    assert (await _stored(js))[1] == written
+
+
+async def test_a_body_over_the_limit_gets_413_naming_it(big_stack: ProcStack) -> None:
+    # Refused on its Content-Length, before any of it is read.
+    reader, writer = await asyncio.open_connection("127.0.0.1", big_stack.port)
+    writer.write(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {DEFAULT_LIMIT + 1}\r\n\r\n".encode()
+    )
+    await writer.drain()
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 30)
+    assert head.startswith(b"HTTP/1.1 413")
+    lines = head.split(b"\r\n")
+    length = int(next(h for h in lines if h.lower().startswith(b"content-length"))[15:])
+    err = json.loads(await reader.readexactly(length))["error"]
+    writer.close()
+    assert str(DEFAULT_LIMIT) in err["message"] and "bridge.max_body_bytes" in err["message"]
+
+
+async def test_a_large_request_over_nats_with_the_client(big_stack: ProcStack, js: Any) -> None:
+    want = expected_text(f"<|user|>{BIG}\n", 6, seed=1)[0]
+    _, written = await _stored(js)
+    async with await Client.connect(big_stack.procs.url) as c:
+        done = await c.chat_completion(big_stack.model, _chat(BIG), max_tokens=6, seed=1)
+        assert done.text == want
+        streamed = "".join(
+            [ch.text async for ch in c.chat(big_stack.model, _chat(BIG), max_tokens=6, seed=1)]
+        )
+        assert streamed == want
+    assert (await _stored(js))[1] > written  # it went by claim check (through ingress)
+    await wait_for(lambda: _held(js), what="the client's body objects deleted")
+
+
+async def _claimed(c: Client, model: str) -> dict[str, Any]:
+    """A chat body the client uploaded itself, as Stream.start does."""
+    body = {"model": model, "messages": _chat(BIG), "max_tokens": 4}
+    await bodies.put(c.nc, body, c.owner)
+    return body
+
+
+async def test_a_tampered_object_is_a_400(big_stack: ProcStack) -> None:
+    async with await Client.connect(big_stack.procs.url) as c:
+        body = await _claimed(c, big_stack.model)
+        claim = body["claim"]
+        # Its first chunk rewritten: the digest no longer matches.
+        await c.nc.jetstream().publish(
+            subjects.body_chunk(claim["owner"], claim["id"], 0), b"x" * bodies.CHUNK
+        )
+        with pytest.raises(TokenbusError) as got:
+            await c.submit("chat", body).collect()
+        assert got.value.status == 400 and "sha256" in got.value.message
+        # One cut short (a chunk missing) is a 400 as well.
+        body = await _claimed(c, big_stack.model)
+        claim = body["claim"]
+        await c.nc.jetstream().purge_stream(
+            subjects.BODIES_STREAM, subject=subjects.body_chunk(claim["owner"], claim["id"], 1)
+        )
+        with pytest.raises(TokenbusError) as got:
+            await c.submit("chat", body).collect()
+        assert got.value.status == 400 and "missing or incomplete" in got.value.message
+
+
+async def test_hostile_claims_are_refused(big_stack: ProcStack) -> None:
+    async with (
+        await Client.connect(big_stack.procs.url) as victim,
+        await Client.connect(big_stack.procs.url) as attacker,
+    ):
+        theirs = await _claimed(victim, big_stack.model)
+        # Naming another caller's object (its id learnt somehow): refused, not served.
+        stolen = {"model": big_stack.model, "max_tokens": 4, "claim": theirs["claim"]}
+        with pytest.raises(TokenbusError) as got:
+            await attacker.submit("chat", stolen).collect()
+        assert got.value.status == 400 and "own body objects" in got.value.message
+        # A huge declared size, or a size and chunk count that disagree.
+        mine = await _claimed(attacker, big_stack.model)
+        for lie in ({"size": 10**12}, {"chunks": 1}):
+            body = {
+                "model": big_stack.model,
+                "max_tokens": 4,
+                "claim": {**mine["claim"], **lie},
+            }
+            with pytest.raises(TokenbusError) as got:
+                await attacker.submit("chat", body).collect()
+            assert got.value.status == 400 and "claim." in got.value.message
