@@ -8,7 +8,9 @@ import asyncio
 import base64
 import json
 import os
+import re
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import nats
@@ -18,7 +20,9 @@ from bus_schemas import subjects
 from bus_schemas.errors import TokenbusError
 from engine_worker.backends.sim import expected_text
 from services import bodies
+from services.natsconf import role_login
 from tests.conftest import NatsServer, Procs, ProcStack, new_model, start_stack, wait_for
+from tests.test_locked_bus import Locked
 from tokenbus import Client
 
 # 1.5 MB of prompt: past NATS's 1 MiB max_payload, which refused it before (413).
@@ -215,3 +219,46 @@ async def test_hostile_claims_are_refused(big_stack: ProcStack) -> None:
             with pytest.raises(TokenbusError) as got:
                 await attacker.submit("chat", body).collect()
             assert got.value.status == 400 and "claim." in got.value.message
+
+
+async def test_large_requests_on_the_locked_bus(tmp_path: Path) -> None:
+    """Each role holds what the claim check needs and no more: the bridge writes and deletes,
+    the router process and the worker read, the client role writes; nobody is refused."""
+    lk = Locked(tmp_path / "locked")
+    try:
+        model = "locked-large"
+        with Procs(lk.url, tmp_path) as procs:
+            stack = await start_stack(
+                procs,
+                model,
+                "ingress",
+                "router",
+                env={
+                    "TOKENBUS_BRIDGE__FUSE_ROUTER": "false",
+                    "TOKENBUS_WORKER__SIM__MAX_MODEL_LEN": "50000000",
+                },
+                env_for=lambda role, _: lk.env(role),
+                login=role_login(lk.users, "admin"),
+            )
+            want = expected_text(f"<|user|>{BIG}\n", 3)[0]
+            async with stack.openai() as oai:
+                out = await oai.chat.completions.create(
+                    model=model, messages=_chat(BIG), max_tokens=3
+                )
+                assert out.choices[0].message.content == want
+            e = lk.env("client")
+            async with await Client.connect(
+                lk.url, user=e["TOKENBUS_NATS_USER"], password=e["TOKENBUS_NATS_PASSWORD"]
+            ) as c:
+                done = await c.chat_completion(model, _chat(BIG), max_tokens=3)
+                assert done.text == want
+            for p in procs.procs:
+                assert p.alive(), p.name
+                said = re.findall(
+                    r"permissions violation for \w+ to \\?\"([^\"\\]+)", p.output().lower()
+                )
+                meant = ("$js.api.stream.info.tokenbus_usage", "_inbox.")
+                assert [x for x in said if not x.startswith(meant)] == [], (p.name, said)
+    finally:
+        lk.proc.terminate()
+        lk.proc.wait(10)
