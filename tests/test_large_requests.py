@@ -262,3 +262,47 @@ async def test_large_requests_on_the_locked_bus(tmp_path: Path) -> None:
     finally:
         lk.proc.terminate()
         lk.proc.wait(10)
+
+
+async def test_large_responses_and_messages_requests_over_http(
+    big_stack: ProcStack, js: Any
+) -> None:
+    """The Responses API and Anthropic's Messages API are translations onto the chat path:
+    a large input goes by the same claim check."""
+    _, written = await _stored(js)
+    async with big_stack.openai() as oai:
+        out = await oai.responses.create(
+            model=big_stack.model, input=BIG, max_output_tokens=4, store=False
+        )
+        assert out.status == "incomplete" and out.usage is not None
+        assert out.usage.output_tokens == 4
+    body = {"model": big_stack.model, "max_tokens": 4, "messages": _chat(BIG)}
+    async with big_stack.http(timeout=60) as h:
+        r = await h.post("/v1/messages", json=body, headers={"anthropic-version": "2023-06-01"})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["output_tokens"] == 4
+    assert (await _stored(js))[1] >= written + 2 * -(-len(BIG) // bodies.CHUNK)
+    await wait_for(lambda: _held(js), what="their body objects deleted")
+
+
+async def test_a_store_that_is_gone_is_a_503_with_retry_after(
+    big_stack: ProcStack, js: Any
+) -> None:
+    await js.delete_stream(subjects.BODIES_STREAM)
+    try:
+        async with big_stack.http(timeout=60) as h:
+            r = await h.post(
+                "/v1/chat/completions",
+                json={"model": big_stack.model, "messages": _chat(BIG), "max_tokens": 2},
+            )
+        assert r.status_code == 503, r.text
+        assert int(r.headers["retry-after"]) >= 1
+        assert "large request bodies" in r.json()["error"]["message"]
+        # Small requests do not need it.
+        async with big_stack.openai() as oai:
+            out = await oai.chat.completions.create(
+                model=big_stack.model, messages=_chat("hi"), max_tokens=2
+            )
+        assert out.choices[0].message.content
+    finally:
+        await js.add_stream(bodies.config())
