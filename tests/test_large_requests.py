@@ -17,11 +17,20 @@ import nats
 import pytest
 
 from bus_schemas import subjects
-from bus_schemas.errors import TokenbusError
+from bus_schemas.errors import ContentBlocked, TokenbusError
 from engine_worker.backends.sim import expected_text
 from services import bodies
 from services.natsconf import role_login
-from tests.conftest import NatsServer, Procs, ProcStack, new_model, start_stack, wait_for
+from tests.conftest import (
+    NatsServer,
+    Procs,
+    ProcStack,
+    new_model,
+    stack,
+    start_stack,
+    wait_for,
+)
+from tests.test_filter_stage import AWS
 from tests.test_locked_bus import Locked
 from tokenbus import Client
 
@@ -306,3 +315,29 @@ async def test_a_store_that_is_gone_is_a_503_with_retry_after(
         assert out.choices[0].message.content
     finally:
         await js.add_stream(bodies.config())
+
+
+async def test_the_filter_and_a_prompt_reading_router_read_the_object(
+    nats_server: NatsServer,
+) -> None:
+    """Over NATS through ingress, the filter stage and a router whose policy reads the prompt
+    (prefix_aware), each a service of its own: they resolve the claim; a secret deep in a
+    large prompt is blocked, a redaction (which would need the object rewritten) refused."""
+    model = new_model()
+    over = {
+        "filter": {"default_policy": "strict", "policies": {}},
+        "router": {"policy": "prefix_aware"},
+    }
+    sim = {"sim": {"max_model_len": 50_000_000}}
+    async with (
+        stack(nats_server.url, model, workers=2, filters=1, worker=sim, **over),
+        await Client.connect(nats_server.url) as c,
+    ):
+        done = await c.chat_completion(model, _chat(BIG), max_tokens=3)
+        assert done.text == expected_text(f"<|user|>{BIG}\n", 3)[0]
+        with pytest.raises(ContentBlocked) as got:
+            await c.chat_completion(model, _chat(BIG + " my key " + AWS), max_tokens=3)
+        assert got.value.detector != "redact"
+        with pytest.raises(ContentBlocked) as got:
+            await c.chat_completion(model, _chat(BIG + " mail jane.roe@example.org"), max_tokens=3)
+        assert got.value.detector == "redact" and "cannot be redacted" in got.value.message
