@@ -9,6 +9,7 @@ import base64
 import json
 import os
 import re
+import signal
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -341,3 +342,42 @@ async def test_the_filter_and_a_prompt_reading_router_read_the_object(
         with pytest.raises(ContentBlocked) as got:
             await c.chat_completion(model, _chat(BIG + " mail jane.roe@example.org"), max_tokens=3)
         assert got.value.detector == "redact" and "cannot be redacted" in got.value.message
+
+
+async def test_a_large_request_migrated_mid_stream_reads_the_same_object(
+    procs: Procs, js: Any
+) -> None:
+    """A worker killed mid-stream: the next replica reads the same object (no second upload),
+    the answer is whole, and the object goes when the stream ends."""
+    model = new_model()
+    stack_ = await start_stack(
+        procs,
+        model,
+        "ingress",
+        "router",
+        workers=2,
+        worker_args=("--sim-prefill-ms", "5", "--sim-decode-ms", "20"),
+        env={
+            "TOKENBUS_WORKER__HEARTBEAT_INTERVAL_S": "0.25",
+            "TOKENBUS_WORKER__SIM__MAX_MODEL_LEN": "50000000",
+        },
+        settle=0.6,
+    )
+    _, written = await _stored(js)
+    async with await Client.connect(procs.url) as c:
+        s = c.chat(model, _chat(BIG), max_tokens=80)
+        text = ""
+        async for ch in s:
+            text += ch.text
+            if len(text.split(" ")) >= 10:
+                break
+        first = s.replica
+        assert first is not None
+        stack_.workers[int(first.rsplit("-", 1)[1])].signal(signal.SIGKILL)
+        async for ch in s:
+            text += ch.text
+        assert s.migrations == 1 and s.replica != first
+        assert text == expected_text(f"<|user|>{BIG}\n", 80)[0]
+        # One upload for both attempts.
+        assert (await _stored(js))[1] == written + -(-len(BIG) // bodies.CHUNK)
+    await wait_for(lambda: _held(js), what="the migrated request's body object deleted")
