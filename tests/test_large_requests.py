@@ -281,9 +281,9 @@ async def test_large_responses_and_messages_requests_over_http(
     a large input goes by the same claim check."""
     _, written = await _stored(js)
     async with big_stack.openai() as oai:
-        out = await oai.responses.create(
-            model=big_stack.model, input=BIG, max_output_tokens=4, store=False
-        )
+        # Served; its stored record is not kept yet (larger than a KV value may be; logged
+        # response_not_stored, docs/large-requests.md).
+        out = await oai.responses.create(model=big_stack.model, input=BIG, max_output_tokens=4)
         assert out.status == "incomplete" and out.usage is not None
         assert out.usage.output_tokens == 4
     body = {"model": big_stack.model, "max_tokens": 4, "messages": _chat(BIG)}
