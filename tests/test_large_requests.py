@@ -392,3 +392,32 @@ async def _migrated(procs: Procs, js: Any) -> None:
         # One upload for both attempts.
         assert (await _stored(js))[1] == written + -(-len(BIG) // bodies.CHUNK)
     await wait_for(lambda: _held(js), what="the migrated request's body object deleted")
+
+
+async def test_a_16_mb_request_of_text_and_an_image_over_http_and_nats(
+    big_stack: ProcStack,
+) -> None:
+    """Issue 67's target size: 16 MB of text and image, served whole both ways."""
+    text = ("a long context line of an agent's transcript\\n" * 200_000)[:8_000_000]
+    image = "data:image/png;base64," + base64.b64encode(os.urandom(6_000_000)).decode()
+    messages = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": text},
+                {"type": "image_url", "image_url": {"url": image}},
+            ],
+        }
+    ]
+    assert len(json.dumps(messages)) > 16_000_000
+    async with big_stack.openai() as oai:
+        out = await oai.chat.completions.create(
+            model=big_stack.model,
+            messages=messages,  # type: ignore[arg-type]
+            max_tokens=3,
+            timeout=120,
+        )
+        assert out.usage is not None and out.usage.completion_tokens == 3
+    async with await Client.connect(big_stack.procs.url) as c:
+        done = await c.chat_completion(big_stack.model, messages, max_tokens=3)
+        assert done.usage.completion_tokens == 3
