@@ -805,6 +805,7 @@ class Worker(Service):
         try:
             env = codec.decode_map(msg.data)
             if CLAIM in env:  # its messages by claim check: fetched once, before the ack
+                self._refuse_early(msg)  # not fetched for a refusal
                 check_envelope(env)
                 await bodies.resolve(self.nc, env)
             return self._screen(msg, reply, env)
@@ -814,8 +815,8 @@ class Worker(Service):
                 _trace_refused(err)
             return None
 
-    def _screen(self, msg: Msg, reply: str | None, env: dict[str, Any]) -> _Generation:
-        """Decode the request if this replica can take it; raise the typed refusal if not."""
+    def _refuse_early(self, msg: Msg) -> None:
+        """The refusals that need no envelope: draining, past its deadline, full."""
         if self.draining:
             raise E.ReplicaDraining(f"replica {self.replica} is draining")
         if marks.expired(msg.headers):
@@ -826,6 +827,10 @@ class Worker(Service):
             # At capacity (its queues included) with nothing of a lower class to shed: the
             # router tries another replica or holds the request in its bounded queue.
             raise E.ReplicaBusy(f"replica {self.replica} is at its limit of requests")
+
+    def _screen(self, msg: Msg, reply: str | None, env: dict[str, Any]) -> _Generation:
+        """Decode the request if this replica can take it; raise the typed refusal if not."""
+        self._refuse_early(msg)
         # A frame that breaks the wire contract is refused here, in the ack, not by an
         # exception in the engine or in the output filter later.
         check_envelope(env)

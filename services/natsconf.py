@@ -100,10 +100,10 @@ BATCH_CANCEL = f"{PREFIX}.batch.cancel.*"
 OBJECTS = "$O.>"
 # Claim-checked request bodies (services/bodies.py): the callers that upload them (the bridge,
 # and the client role on its own; a key's connection under its own owner only, auth/callout.py)
-# write chunks; the stages that read the text and the workers read them by subject. A reader
-# holds STREAM.MSG.GET on the stream, which NATS does not scope by subject: any body.
+# write chunks; the stages that read the text and the workers read them by direct get, whose
+# API subject names the chunk (``$JS.API.DIRECT.GET.<stream>.<chunk subject>``).
 BODIES = bodies_wildcard()
-BODIES_READ = f"$JS.API.STREAM.MSG.GET.{BODIES_STREAM}"
+BODIES_READ = f"$JS.API.DIRECT.GET.{BODIES_STREAM}.>"
 BODIES_REPLIES = f"{bodies_reply_root()}.>"
 # What no role but admin may do to the audit stream, although JS_API allows it: delete it,
 # or change its limits (the stream itself refuses message deletes and purges to everyone;
