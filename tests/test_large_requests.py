@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import nats
+import openai
 import pytest
 
 from bus_schemas import subjects
@@ -282,11 +283,19 @@ async def test_large_responses_and_messages_requests_over_http(
     a large input goes by the same claim check."""
     held, written = await _stored(js)  # the tampering tests' objects stay till they expire
     async with big_stack.openai() as oai:
-        # Served; its stored record is not kept yet (larger than a KV value may be; logged
-        # response_not_stored, docs/large-requests.md).
         out = await oai.responses.create(model=big_stack.model, input=BIG, max_output_tokens=4)
         assert out.status == "incomplete" and out.usage is not None
         assert out.usage.output_tokens == 4
+        # Stored (its record larger than a KV value: kept in an object store), read back,
+        # continued from (the next turn carries the large input again), deleted.
+        assert (await oai.responses.retrieve(out.id)).id == out.id
+        more = await oai.responses.create(
+            model=big_stack.model, input="and?", previous_response_id=out.id, max_output_tokens=2
+        )
+        assert more.usage is not None and more.usage.input_tokens > out.usage.input_tokens
+        await oai.responses.delete(out.id)
+        with pytest.raises(openai.NotFoundError):
+            await oai.responses.retrieve(out.id)
     body = {"model": big_stack.model, "max_tokens": 4, "messages": _chat(BIG)}
     async with big_stack.http(timeout=60) as h:
         r = await h.post("/v1/messages", json=body, headers={"anthropic-version": "2023-06-01"})
