@@ -17,7 +17,7 @@ from auth.store import KeyStore
 from bus_schemas import errors as E
 from bus_schemas import headers as H
 from bus_schemas import marks, subjects
-from bus_schemas.messages import EmbeddingRequest
+from bus_schemas.messages import EmbeddingRequest, envelope_chars
 from gateway import validation
 from gateway.admin_adapters import PREFIX as ADAPTERS_PREFIX
 from gateway.admin_adapters import AdaptersAdmin
@@ -167,7 +167,24 @@ class BusSource:
             sender=sender,
         )
         stream.meta = meta
+        if not isinstance(req, EmbeddingRequest):
+            stream.before_claim = lambda env: self._fits(req.model, env)
         return stream
+
+    def _fits(self, model: str, env: dict[str, Any]) -> None:
+        """Refuse, before its upload, a large prompt that surely exceeds every replica's
+        context: estimated at 4 characters a token and refused only past twice the context,
+        so a tokenizer that packs more characters into a token is not refused here (the
+        engine still judges the exact count)."""
+        longest = self.registry.longest_context(self.aliases.resolve(model))
+        about = (envelope_chars(env) + 3) // 4
+        if longest and about > 2 * longest:
+            raise E.ContextLengthExceeded(
+                f"This model's maximum context length is {longest} tokens. However, your "
+                f"messages are about {about} tokens (estimated, before the request was sent "
+                "on). Please reduce the length of the messages.",
+                param="messages",
+            )
 
     def models(self) -> list[str]:
         return self.registry.models()

@@ -432,6 +432,9 @@ class Stream:
         self.t_first_ns = 0
         self.meta: dict[str, str | None] = {}  # what the caller wants to remember with it
         self._claim: dict[str, Any] | None = None  # its body object, deleted at its end
+        # Raises the refusal of a request too large for the model before its body is
+        # uploaded (the bridge's context check), if set.
+        self.before_claim: Callable[[dict[str, Any]], None] | None = None
         # Tracing (only when on): the span this stream reports to (the bridge's server span,
         # or one of its own), the replica span of the current attempt (from its accept frame)
         # and of the one before (linked by the next replica), a migration not yet accepted.
@@ -521,6 +524,8 @@ class Stream:
             if len(data) > bodies.THRESHOLD and CLAIM not in self._body:
                 # Too large for one message: its messages go by claim check, once (a
                 # migration or resend carries the same claim).
+                if self.before_claim is not None:
+                    self.before_claim(self._body)
                 self._claim = await bodies.put(self._client.nc, self._body, self._client.owner)
                 data = bodies.encode(self._body)
             claim = self._body.get(CLAIM)

@@ -430,3 +430,28 @@ async def test_a_16_mb_request_of_text_and_an_image_over_http_and_nats(
     async with await Client.connect(big_stack.procs.url) as c:
         done = await c.chat_completion(big_stack.model, messages, max_tokens=3)
         assert done.usage.completion_tokens == 3
+
+
+async def test_a_prompt_far_over_the_context_is_refused_before_any_upload(
+    private_nats: NatsServer, tmp_path: Path
+) -> None:
+    """The engine's context is 131 072 tokens: a 1.5 MB prompt (about 375 000 tokens) gets
+    the OpenAI-shaped 400 at the bridge, and nothing is written."""
+    with Procs(private_nats.url, tmp_path) as procs:
+        ctx = {"TOKENBUS_WORKER__SIM__MAX_MODEL_LEN": "131072"}
+        st = await start_stack(procs, new_model(), workers=1, env=ctx)
+        nc = await nats.connect(private_nats.url)
+        try:
+            js = nc.jetstream()
+            _, written = await _stored(js)
+            async with st.openai() as oai:
+                with pytest.raises(openai.BadRequestError) as got:
+                    await oai.chat.completions.create(
+                        model=st.model, messages=_chat(BIG), max_tokens=2
+                    )
+            err = got.value.body
+            assert isinstance(err, dict) and err["code"] == "context_length_exceeded"
+            assert "maximum context length is 131072 tokens" in err["message"]
+            assert (await _stored(js))[1] == written
+        finally:
+            await nc.drain()
