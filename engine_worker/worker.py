@@ -349,6 +349,9 @@ class Worker(Service):
         # it reads.
         self._caller_cancelled: dict[str, bool] = {}
         self._early_cancels: OrderedDict[str, float] = OrderedDict()
+        # Dispatches acknowledged before their claim-checked body was fetched (id of the
+        # message -> the caller's reply): a later refusal goes to the caller as an error.
+        self._acked_early: dict[int, str] = {}
         self.boot = uuid.uuid4().hex[:12]
         self._seq = 0
         self.log = self.log.bind(replica=self.replica, model=self.model)
@@ -755,6 +758,12 @@ class Worker(Service):
 
     async def handle(self, msg: Msg) -> None:
         """Serve one generate request: admit it, start the engine, relay its output, account."""
+        try:
+            await self._handle(msg)
+        finally:
+            self._acked_early.pop(id(msg), None)
+
+    async def _handle(self, msg: Msg) -> None:
         gen = await self._admit(msg)
         if gen is None:
             return
@@ -804,9 +813,15 @@ class Worker(Service):
             return None
         try:
             env = codec.decode_map(msg.data)
-            if CLAIM in env:  # its messages by claim check: fetched once, before the ack
-                self._refuse_early(msg)  # not fetched for a refusal
+            if CLAIM in env and reply:
+                # Its messages by claim check. The refusals that need no body go in the ack;
+                # then the ack, so that the router does not wait on the fetch (one request
+                # behind another's prompt on a busy worker waited seconds); a refusal after
+                # it goes to the caller as an error frame (see _ack).
+                self._refuse_early(msg)
                 check_envelope(env)
+                await self._ack(msg, None)
+                self._acked_early[id(msg)] = reply
                 await bodies.resolve(self.nc, env)
             return self._screen(msg, reply, env)
         except E.TokenbusError as err:
@@ -1313,6 +1328,11 @@ class Worker(Service):
         return reply_subject(msg, trust_header=False, service="worker", log=self.log)
 
     async def _ack(self, msg: Msg, err: E.TokenbusError | None) -> None:
+        early = self._acked_early.pop(id(msg), None)
+        if early is not None:  # acknowledged already (a claim-checked body's fetch)
+            if err is not None:
+                self.outbox.send(early, frames.error(err))
+            return
         if not self._own_reply(msg):
             return
         body: dict[str, Any] = {

@@ -53,11 +53,19 @@ TTL_S = 900.0
 MAX_BYTES = 4 * 1024 * 1024 * 1024
 # How long a read or write of one chunk may take before the store counts as stalled (503).
 OP_TIMEOUT_S = 5.0
+# Chunks a process reads at once, all its requests together: 4 MiB in flight. Unbounded, eight
+# 16 MB bodies fetched at once put 128 MB of answers on one connection, past nats-server's
+# pending limit for a client (64 MB): the server cut the worker off as a slow consumer
+# (measured: tokenbus bench --prompt-bytes 16777216 --concurrency 8).
+READ_WINDOW = 16
+_windows: dict[asyncio.AbstractEventLoop, asyncio.Semaphore] = {}
 RETRY_AFTER_S = "2"
 # A worker fetches a claim-checked body before it acknowledges the dispatch: the router waits
-# this much longer per byte (measured: 16 MB in well under a second on a loaded 2-core machine;
-# a quarter of that rate leaves room), at most MAX_FETCH_S.
-FETCH_BYTES_PER_S = 8 * 1024 * 1024
+# this much longer per byte, at most MAX_FETCH_S. A fetch alone runs at ~170 MB/s here, but a
+# worker takes a body's requests one after another on one core, its engine's own work on each
+# prompt between them (tokenbus bench --prompt-bytes 16777216 --concurrency 8 on a loaded
+# 2-core machine: the eighth waited over 4 s, and 8 MiB/s of allowance refused 13 of 16).
+FETCH_BYTES_PER_S = 2 * 1024 * 1024
 MAX_FETCH_S = 10.0
 
 _OWNER = re.compile(r"^tbk?\.[A-Za-z0-9_~\-]{1,128}$")
@@ -174,11 +182,14 @@ async def fetch(nc: NATS, claim: dict[str, Any]) -> dict[str, Any]:
     claim = check_claim(claim)
     js = nc.jetstream()
 
+    window = _window()
+
     async def chunk(n: int) -> bytes:
         subject = subjects.body_chunk(claim["owner"], claim["id"], n)
-        msg = await asyncio.wait_for(
-            js.get_msg(subjects.BODIES_STREAM, subject=subject, direct=True), OP_TIMEOUT_S
-        )
+        async with window:
+            msg = await asyncio.wait_for(
+                js.get_msg(subjects.BODIES_STREAM, subject=subject, direct=True), OP_TIMEOUT_S
+            )
         return msg.data or b""
 
     try:
@@ -203,6 +214,15 @@ async def fetch(nc: NATS, claim: dict[str, Any]) -> dict[str, Any]:
     if not set(parts) <= set(CLAIMED):
         raise E.InvalidRequest("the request's body object holds fields a body does not")
     return parts
+
+
+def _window() -> asyncio.Semaphore:
+    """This event loop's bound on chunks read at once (:data:`READ_WINDOW`)."""
+    loop = asyncio.get_running_loop()
+    window = _windows.get(loop)
+    if window is None:
+        window = _windows[loop] = asyncio.Semaphore(READ_WINDOW)
+    return window
 
 
 async def resolve(nc: NATS, env: dict[str, Any]) -> dict[str, Any]:
