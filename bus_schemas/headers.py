@@ -62,10 +62,6 @@ RATELIMIT_INFO = "Tb-Ratelimit-Info"
 FILTER_FLAGS = "Tb-Filter-Flags"
 # Name of the content filter policy of the principal, set by auth.
 FILTER_POLICY = "Tb-Filter-Policy"
-# The bytes of a claim-checked request's body object (services/bodies.py), set by the caller
-# that uploaded it (ingress for NATS clients, from the claim it checked): the router gives
-# the worker time to fetch it before its ack.
-BODY_BYTES = "Tb-Body-Bytes"
 # A session or user key for session-affinity routing (HTTP: ``X-Session-Id``).
 SESSION = "Tb-Session"
 # The class the request asks for (OpenAI's ``service_tier``: priority, default, flex; auto or

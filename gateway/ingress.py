@@ -240,7 +240,6 @@ class Ingress(Service):
         env = self.admission.admit(kind, req, body, hdrs, t1, request_id=rid)
         if claim is not None:
             keep_claim(env, body, claim)
-            hdrs[H.BODY_BYTES] = str(claim["size"])
         if tracing.on():
             tracing.set_attributes(
                 tracing.current(),

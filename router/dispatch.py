@@ -403,7 +403,7 @@ class Dispatcher:
                 self.nc,
                 r.subject,
                 p.data,
-                timeout=self.cfg.dispatch_timeout_s + bodies.fetch_allowance(p.hdrs),
+                timeout=self.cfg.dispatch_timeout_s,
                 headers=p.hdrs,
                 at_once=self.cfg.write_at_once,
             )

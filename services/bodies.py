@@ -30,7 +30,6 @@ from nats.js.errors import NotFoundError
 
 from bus_schemas import codec, subjects
 from bus_schemas import errors as E
-from bus_schemas import headers as H
 from bus_schemas.messages import CLAIM, CLAIMED, envelope_chars
 from services import buckets
 from services.config import kv_replicas
@@ -60,13 +59,6 @@ OP_TIMEOUT_S = 5.0
 READ_WINDOW = 16
 _windows: dict[asyncio.AbstractEventLoop, asyncio.Semaphore] = {}
 RETRY_AFTER_S = "2"
-# A worker fetches a claim-checked body before it acknowledges the dispatch: the router waits
-# this much longer per byte, at most MAX_FETCH_S. A fetch alone runs at ~170 MB/s here, but a
-# worker takes a body's requests one after another on one core, its engine's own work on each
-# prompt between them (tokenbus bench --prompt-bytes 16777216 --concurrency 8 on a loaded
-# 2-core machine: the eighth waited over 4 s, and 8 MiB/s of allowance refused 13 of 16).
-FETCH_BYTES_PER_S = 2 * 1024 * 1024
-MAX_FETCH_S = 10.0
 
 _OWNER = re.compile(r"^tbk?\.[A-Za-z0-9_~\-]{1,128}$")
 _HEX32 = re.compile(r"^[0-9a-f]{32}$")
@@ -94,14 +86,6 @@ def config() -> api.StreamConfig:
 async def open_stream(nc: NATS) -> None:
     """Make the bodies stream if it is missing (the bridge and ingress do, at start)."""
     await buckets.open_stream(nc.jetstream(), config())
-
-
-def fetch_allowance(hdrs: dict[str, str]) -> float:
-    """Seconds a worker may need to fetch the body a request's ``Tb-Body-Bytes`` names."""
-    size = hdrs.get(H.BODY_BYTES, "")
-    if not size.isdigit():
-        return 0.0
-    return min(MAX_FETCH_S, int(size) / FETCH_BYTES_PER_S)
 
 
 def encode(env: dict[str, Any]) -> bytes:

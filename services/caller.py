@@ -528,9 +528,6 @@ class Stream:
                     self.before_claim(self._body)
                 self._claim = await bodies.put(self._client.nc, self._body, self._client.owner)
                 data = bodies.encode(self._body)
-            claim = self._body.get(CLAIM)
-            if isinstance(claim, dict):  # the router gives the worker time to fetch it
-                hdrs[H.BODY_BYTES] = str(claim.get("size", 0))
         except E.TokenbusError:
             self._finish()
             raise
