@@ -108,6 +108,8 @@ def key_permissions(key_id: str) -> tuple[list[str], list[str]]:
         subjects.responses_state_wildcard(),
         # Its files and batches (ingress checks the key and the owner; docs/batches.md).
         subjects.batches_state_wildcard(),
+        # Its own claim-checked request bodies, written only (services/bodies.py).
+        subjects.key_bodies(key_id),
     ]
     # Its own inboxes, and the announcements of its own finished batches.
     # Which ingress beats (services/members.py).

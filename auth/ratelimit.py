@@ -33,7 +33,7 @@ from bus_schemas import codec, marks, subjects
 from bus_schemas import errors as E
 from bus_schemas import headers as H
 from bus_schemas.messages import check_envelope, envelope_chars
-from services import buckets, tracing
+from services import bodies, buckets, tracing
 from services.config import PriceSettings, Settings, kv_replicas
 from services.runtime import Service, cancel_and_wait
 
@@ -697,5 +697,5 @@ class RateLimit(Service):
             env = codec.decode_map(msg.data)
             check_envelope(env)
             if await self.check.apply(hdrs, env):
-                data = codec.encode(env)
+                data = bodies.encode(env)
         await self.forward_next(msg, hdrs, data)

@@ -130,10 +130,21 @@ def tool_call_text(call: Any) -> str:
     return ""
 
 
+# A claim-checked envelope (services/bodies.py): its ``CLAIMED`` parts travel as an object in
+# JetStream, and ``claim`` names it: owner, id, size, sha256, chunks, and the text's
+# characters as the gateway (ingress or bridge) counted them when it resolved it.
+CLAIM = "claim"
+CLAIMED = ("messages", "prompt", "input")
+
+
 def envelope_chars(env: dict[str, Any]) -> int:
     """Characters of text an envelope carries (prompt, message texts, tool-call arguments
     and custom tool-call inputs, embedding inputs); images, audio and files are not text and
-    count only as body size."""
+    count only as body size. A claim-checked envelope not resolved here: the gateway's count."""
+    claim = env.get(CLAIM)
+    if isinstance(claim, dict) and not any(k in env for k in CLAIMED):
+        chars = claim.get("chars")
+        return chars if isinstance(chars, int) and chars >= 0 else 0
     prompt: Any = env.get("prompt")
     n = len(token_ids_text(prompt)) if is_token_ids(prompt) else len(prompt or "")
     for m in env.get("messages") or ():
@@ -713,6 +724,18 @@ class EmbeddingRequest(_Edge):
         return False
 
 
+class BodyClaim(_Wire):
+    """Where a claim-checked envelope's ``messages``/``prompt``/``input`` are
+    (services/bodies.py, docs/large-requests.md): one object in JetStream."""
+
+    owner: str = Field(description="The uploader's inbox root: tb.<process> or tbk.<key id>.")
+    id: str = Field(description="The object's id: 32 random hex digits.")
+    size: int = Field(ge=1, description="The object's bytes (msgpack of the claimed fields).")
+    sha256: str = Field(description="The object's sha256, hex.")
+    chunks: int = Field(ge=1, description="Its chunks, of 256 KiB but the last.")
+    chars: int = Field(default=0, ge=0, description="Characters of text it holds (limits).")
+
+
 class Envelope(_Wire):
     """The request as it travels ingress -> stages -> router -> worker (msgpack body)."""
 
@@ -740,6 +763,11 @@ class Envelope(_Wire):
         description="Every other field of the client's request (tools, tool_choice, "
         "response_format, logprobs, penalties, logit_bias, engine extensions...), carried to "
         "the engine unchanged.",
+    )
+    claim: BodyClaim | None = Field(
+        default=None,
+        description="Set when messages, prompt and input travel as an object in JetStream "
+        "(a request over half of max_payload); they are absent from the envelope then.",
     )
     deadline_ms: int | None = Field(default=None, description="Absolute deadline, epoch ms.")
     principal: str | None = Field(default=None, description="Authenticated principal id.")

@@ -352,3 +352,44 @@ def key_inbox_root(key_id: str) -> str:
     """Where the inboxes of every NATS connection logged in with API key ``key_id`` live: on
     the locked bus such a connection may subscribe under it and nowhere else."""
     return f"_INBOX.tbk.{token(key_id)}"
+
+
+# Claim checks (services/bodies.py): a request too large for one bus message keeps its large
+# parts as chunks in this JetStream stream, under its caller's owner (the two tokens of the
+# caller's inbox root after ``_INBOX``: ``tb.<process>`` or ``tbk.<key id>``), so that a
+# key's connection may be allowed to write its own bodies and nobody else's.
+BODIES_STREAM = "TOKENBUS_BODIES"
+
+
+def bodies_wildcard() -> str:
+    """Every chunk of every claim-checked request body."""
+    return f"{PREFIX}.body.>"
+
+
+def body_owner(inbox: str) -> str | None:
+    """The body owner of a caller's inbox (prefix or reply subject), or None if not one."""
+    parts = inbox.split(".")
+    if len(parts) < 3 or parts[0] != "_INBOX" or parts[1] not in ("tb", "tbk"):
+        return None
+    return f"{parts[1]}.{parts[2]}"
+
+
+def key_bodies(key_id: str) -> str:
+    """The chunks API key ``key_id``'s connections may write (and nothing else)."""
+    return f"{PREFIX}.body.tbk.{token(key_id)}.>"
+
+
+def body_chunk(owner: str, object_id: str, n: int) -> str:
+    """Chunk ``n`` of body object ``object_id`` of ``owner``."""
+    return f"{PREFIX}.body.{owner}.{object_id}.{n}"
+
+
+def body_object(owner: str, object_id: str) -> str:
+    """Every chunk of one body object (what a purge names)."""
+    return f"{PREFIX}.body.{owner}.{object_id}.>"
+
+
+def bodies_reply_root() -> str:
+    """Where a worker's reads of body objects are answered (its connection's inbox root: the
+    locked bus lets workers subscribe there and to no other inbox)."""
+    return "_INBOX.tb.bodies"

@@ -29,7 +29,7 @@ from bus_schemas import codec, frames, marks, subjects
 from bus_schemas import errors as E
 from bus_schemas import headers as H
 from bus_schemas import kv_events as KV
-from bus_schemas.messages import AdapterCommand, check_envelope, envelope_chars
+from bus_schemas.messages import CLAIM, AdapterCommand, check_envelope, envelope_chars
 from engine_worker import backends, kvloop, perf
 from engine_worker.backends.base import (
     Backend,
@@ -44,9 +44,9 @@ from engine_worker.flow import FlowConfig, FlowControl, Ticket, class_of
 from engine_worker.outbox import Outbox
 from filter.policy import FilterPolicy
 from filter.scanner import Scanner, StreamOutput, StreamScanner
-from services import tracing, usage
+from services import bodies, tracing, usage
 from services.caller import Assembled, Chunk
-from services.runtime import Service, StartRefused, flush, reply_subject
+from services.runtime import Service, StartRefused, connect, flush, reply_subject
 from telemetry import records
 
 # How long a cancel that arrived before its request is remembered.
@@ -318,6 +318,17 @@ class Worker(Service):
     check_deadline = False  # checked in _screen() so the router hears it in the ack
     releases_usage = False  # reports what the engine used (a refusal: the router does)
 
+    async def _connect(self) -> Any:
+        """Its connection, whose replies (reads of claim-checked bodies) come to the one inbox
+        root the locked bus lets workers hear."""
+        return await connect(
+            self.settings.url(),
+            f"tokenbus-{self.name}-{self.id}",
+            on_reconnected=self.on_reconnected,
+            inbox_prefix=subjects.bodies_reply_root(),
+            **self.settings.nats_auth(),
+        )
+
     def __init__(self, settings: Any, *, backend: Backend | None = None, **kw: Any) -> None:
         super().__init__(settings, **kw)
         cfg = settings.worker
@@ -342,6 +353,9 @@ class Worker(Service):
         # it reads.
         self._caller_cancelled: dict[str, bool] = {}
         self._early_cancels: OrderedDict[str, float] = OrderedDict()
+        # Dispatches acknowledged before their claim-checked body was fetched (id of the
+        # message -> the caller's reply): a later refusal goes to the caller as an error.
+        self._acked_early: dict[int, str] = {}
         self.boot = uuid.uuid4().hex[:12]
         self._seq = 0
         self.log = self.log.bind(replica=self.replica, model=self.model)
@@ -766,6 +780,12 @@ class Worker(Service):
 
     async def handle(self, msg: Msg) -> None:
         """Serve one generate request: admit it, start the engine, relay its output, account."""
+        try:
+            await self._handle(msg)
+        finally:
+            self._acked_early.pop(id(msg), None)
+
+    async def _handle(self, msg: Msg) -> None:
         gen = await self._admit(msg)
         if gen is None:
             return
@@ -814,15 +834,26 @@ class Worker(Service):
             await self._ack(msg, None)
             return None
         try:
-            return self._screen(msg, reply)
+            env = codec.decode_map(msg.data)
+            if CLAIM in env and reply:
+                # Its messages by claim check. The refusals that need no body go in the ack;
+                # then the ack, so that the router does not wait on the fetch (one request
+                # behind another's prompt on a busy worker waited seconds); a refusal after
+                # it goes to the caller as an error frame (see _ack).
+                self._refuse_early(msg)
+                check_envelope(env)
+                await self._ack(msg, None)
+                self._acked_early[id(msg)] = reply
+                await bodies.resolve(self.nc, env)
+            return self._screen(msg, reply, env)
         except E.TokenbusError as err:
             await self._ack(msg, err)
             if tracing.on():
                 _trace_refused(err)
             return None
 
-    def _screen(self, msg: Msg, reply: str | None) -> _Generation:
-        """Decode the request if this replica can take it; raise the typed refusal if not."""
+    def _refuse_early(self, msg: Msg) -> None:
+        """The refusals that need no envelope: draining, past its deadline, full."""
         if self.draining:
             raise E.ReplicaDraining(f"replica {self.replica} is draining")
         if marks.expired(msg.headers):
@@ -833,9 +864,12 @@ class Worker(Service):
             # At capacity (its queues included) with nothing of a lower class to shed: the
             # router tries another replica or holds the request in its bounded queue.
             raise E.ReplicaBusy(f"replica {self.replica} is at its limit of requests")
+
+    def _screen(self, msg: Msg, reply: str | None, env: dict[str, Any]) -> _Generation:
+        """Decode the request if this replica can take it; raise the typed refusal if not."""
+        self._refuse_early(msg)
         # A frame that breaks the wire contract is refused here, in the ack, not by an
         # exception in the engine or in the output filter later.
-        env = codec.decode_map(msg.data)
         check_envelope(env)
         policy = None
         try:
@@ -1339,6 +1373,11 @@ class Worker(Service):
         return reply_subject(msg, trust_header=False, service="worker", log=self.log)
 
     async def _ack(self, msg: Msg, err: E.TokenbusError | None) -> None:
+        early = self._acked_early.pop(id(msg), None)
+        if early is not None:  # acknowledged already (a claim-checked body's fetch)
+            if err is not None:
+                self.outbox.send(early, frames.error(err))
+            return
         if not self._own_reply(msg):
             return
         body: dict[str, Any] = {

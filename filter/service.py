@@ -15,10 +15,10 @@ from nats.aio.msg import Msg
 from bus_schemas import codec, subjects
 from bus_schemas import errors as E
 from bus_schemas import headers as H
-from bus_schemas.messages import check_envelope, is_token_ids
+from bus_schemas.messages import CLAIM, check_envelope, is_token_ids
 from filter.policy import FilterPolicy
 from filter.scanner import Scanner
-from services import tracing
+from services import bodies, tracing
 from services.config import FilterSettings
 from services.runtime import Service
 
@@ -161,6 +161,14 @@ def filter_request(policies: Policies, hdrs: dict[str, str], env: dict[str, Any]
             "redact" if changed else "flag" if flagged else "allow",
             {"tokenbus.policy": name, tracing.DETECTORS: sorted(set(flagged)) or None},
         )
+    if changed and CLAIM in env:
+        # Its messages travel as an object the filter may not rewrite: fail closed.
+        raise E.ContentBlocked(
+            "the content filter would redact this request, and a request this large "
+            "(claim-checked, docs/large-requests.md) cannot be redacted; remove the "
+            "flagged content",
+            param="redact",
+        )
     if flagged:
         hdrs[H.FILTER_FLAGS] = ",".join(sorted(set(flagged)))
         log.info(
@@ -192,5 +200,6 @@ class Filter(Service):
             return
         env = codec.decode_map(msg.data)
         check_envelope(env)
+        await bodies.resolve(self.nc, env)
         filter_request(self.policies, hdrs, env, self.log)
-        await self.forward_next(msg, hdrs, codec.encode(env))
+        await self.forward_next(msg, hdrs, bodies.encode(env))

@@ -702,7 +702,10 @@ async def read_bytes(
     """The request body: 413 past ``max_body`` bytes (by Content-Length or as read), 408
     when it has not all arrived within ``timeout_s`` (the connection is closed); a client
     leaving meanwhile raises ``CancelledError``."""
-    too_large = E.PayloadTooLarge(f"the request body is larger than {max_body} bytes")
+    too_large = E.PayloadTooLarge(
+        f"the request body is larger than {max_body} bytes, this server's limit "
+        "(bridge.max_body_bytes); send a smaller request"
+    )
     length = header(scope, b"content-length")
     if length is not None and length.isdigit() and int(length) > max_body:
         raise too_large

@@ -14,10 +14,10 @@ from typing import Any
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, Histogram, generate_latest
 
 from auth.store import KeyStore
-from bus_schemas import codec, marks, subjects
 from bus_schemas import errors as E
 from bus_schemas import headers as H
-from bus_schemas.messages import EmbeddingRequest
+from bus_schemas import marks, subjects
+from bus_schemas.messages import EmbeddingRequest, envelope_chars
 from gateway import validation
 from gateway.admin_adapters import PREFIX as ADAPTERS_PREFIX
 from gateway.admin_adapters import AdaptersAdmin
@@ -46,7 +46,7 @@ from router.kv_index import KVIndex
 from router.registry import Registry
 from router.routing import RoutingTable
 from router.service import HeartbeatTracker, watch_routing
-from services import tracing, usage
+from services import bodies, tracing, usage
 from services.aliases import AliasTable, check_key_aliases, envelope_for, watch_aliases
 from services.caller import Caller, Stream
 from services.runtime import Service
@@ -146,7 +146,7 @@ class BusSource:
                         if served != model:  # the caller's envelope stays as sent
                             data = envelope_for(data, env, served)
                         elif changed:
-                            data = codec.encode(env)
+                            data = bodies.encode(env)
                     meta["principal"] = h.get(H.PRINCIPAL)
                     if dispatcher is not None:
                         span = _route_span(h) if tracing.on() else None
@@ -170,7 +170,24 @@ class BusSource:
             sender=sender,
         )
         stream.meta = meta
+        if not isinstance(req, EmbeddingRequest):
+            stream.before_claim = lambda env: self._fits(req.model, env)
         return stream
+
+    def _fits(self, model: str, env: dict[str, Any]) -> None:
+        """Refuse, before its upload, a large prompt that surely exceeds every replica's
+        context: estimated at 4 characters a token and refused only past twice the context,
+        so a tokenizer that packs more characters into a token is not refused here (the
+        engine still judges the exact count)."""
+        longest = self.registry.longest_context(self.aliases.resolve(model))
+        about = (envelope_chars(env) + 3) // 4
+        if longest and about > 2 * longest:
+            raise E.ContextLengthExceeded(
+                f"This model's maximum context length is {longest} tokens. However, your "
+                f"messages are about {about} tokens (estimated, before the request was sent "
+                "on). Please reduce the length of the messages.",
+                param="messages",
+            )
 
     def models(self) -> list[str]:
         return self.registry.models()
@@ -232,6 +249,15 @@ def _route_span(hdrs: dict[str, str]) -> Any:
     return span
 
 
+async def _open_bodies(nc: Any, log: Any) -> None:
+    """The store of large request bodies (services/bodies.py); without JetStream, large
+    requests get 503 and the rest are served (logged)."""
+    try:
+        await bodies.open_stream(nc)
+    except Exception as exc:
+        log.warning("bodies_store_unavailable", error=repr(exc))
+
+
 class Bridge(Service):
     """OpenAI-compatible HTTP bridge."""
 
@@ -272,6 +298,7 @@ class Bridge(Service):
             self.nc, records.spool_for(self.settings.telemetry, "bridge", f"bridge-{self.id}")
         ).open()
         self.client = Caller(self.nc, owner=f"bridge-{self.id}")
+        await _open_bodies(self.nc, self.log)
         self.client.on_migration = self._log_migration
         await self.client.start()
         self.registry = Registry(self.settings.router.missed_heartbeats)

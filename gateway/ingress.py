@@ -10,12 +10,13 @@ from nats.aio.msg import Msg
 from bus_schemas import codec, marks, subjects
 from bus_schemas import errors as E
 from bus_schemas import headers as H
+from bus_schemas.messages import CLAIM, CLAIMED, envelope_chars
 from gateway import validation
 from gateway.validation import client_label
 from jobs.background import BackgroundState
 from jobs.batches import BatchState
 from jobs.response_store import ResponsesState
-from services import tracing
+from services import bodies, tracing
 from services.config import Settings
 from services.runtime import Service, reply_subject
 
@@ -143,6 +144,20 @@ class Admission:
         return env
 
 
+def keep_claim(env: dict[str, Any], body: dict[str, Any], claim: dict[str, Any]) -> None:
+    """Carry the client's claim on ``env`` when the envelope's claimed parts are the object's
+    as sent (chat messages, a completion's one string prompt); 400 otherwise. Its text's
+    characters are counted here, from what was fetched: the client's count is not trusted."""
+    for k in CLAIMED:
+        if (k in env or k in body) and env.get(k) != body.get(k):
+            raise E.InvalidRequest(
+                f"{k}: a request sent by claim check must carry it as the envelope does (one "
+                "prompt string, the messages as a list); send it so",
+                param=k,
+            )
+    env[CLAIM] = {**claim, "chars": envelope_chars(env)}
+
+
 class Ingress(Service):
     """Validates requests and forwards them to the first pipeline stage."""
 
@@ -151,6 +166,10 @@ class Ingress(Service):
 
     async def setup(self) -> None:
         self.admission = Admission(self.settings)
+        try:  # the store of large request bodies; without JetStream they get 503
+            await bodies.open_stream(self.nc)
+        except Exception as exc:
+            self.log.warning("bodies_store_unavailable", error=repr(exc))
         await self.add_endpoint(
             "requests",
             subjects.requests_wildcard(),
@@ -188,6 +207,21 @@ class Ingress(Service):
             await batches.close()
         await super().on_stop()
 
+    async def _claimed(self, body: Any, reply: str) -> dict[str, Any] | None:
+        """A NATS client's claim-checked body made whole (services/bodies.py): the claim,
+        taken off ``body``, or None. Hostile input: a claim may name only an object of the
+        sender's own (its reply inbox's owner; on the locked bus NATS lets a key write only
+        under its own), and what is fetched must match the claim's size and digest."""
+        if not isinstance(body, dict) or CLAIM not in body:
+            return None
+        claim = bodies.check_claim(body.pop(CLAIM))
+        if claim["owner"] != subjects.body_owner(reply):
+            raise E.InvalidRequest("claim.owner: a request may name only its own body objects")
+        if any(k in body for k in CLAIMED):
+            raise E.InvalidRequest("claim: a claim-checked body carries its messages in the object")
+        body.update(await bodies.fetch(self.nc, claim))
+        return claim
+
     async def handle(self, msg: Msg) -> None:
         reply = reply_subject(msg, trust_header=False, service=self.name, log=self.log)
         if not reply:  # none, or not the sender's own inbox (counted, logged once): dropped
@@ -199,6 +233,7 @@ class Ingress(Service):
         if kind not in subjects.KINDS:
             raise E.NotFound(f"unknown request kind {kind!r}")
         body = codec.decode(msg.data)
+        claim = await self._claimed(body, reply)
         req = validation.parse(kind, body)
         # Only what a client may say travels on; stage headers are the stages' own.
         given = msg.headers or {}
@@ -208,9 +243,11 @@ class Ingress(Service):
         again = marks.attempt(hdrs.get(H.MIGRATION)) > 0
         rid = marks.our_request_id(hdrs.get(H.REQUEST_ID)) if again else None
         env = self.admission.admit(kind, req, body, hdrs, t1, request_id=rid)
+        if claim is not None:
+            keep_claim(env, body, claim)
         if tracing.on():
             tracing.set_attributes(
                 tracing.current(),
                 {tracing.MODEL: req.model, tracing.REQUEST_ID: hdrs[H.REQUEST_ID]},
             )
-        await self.forward(self.admission.first, codec.encode(env), hdrs, reply)
+        await self.forward(self.admission.first, bodies.encode(env), hdrs, reply)

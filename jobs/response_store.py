@@ -16,6 +16,8 @@ it, so a conversation may continue through any of them.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import hashlib
 import json
 import time
 from typing import Any
@@ -23,8 +25,9 @@ from typing import Any
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import api
-from nats.js.errors import KeyDeletedError, KeyNotFoundError
+from nats.js.errors import KeyDeletedError, KeyNotFoundError, NotFoundError
 from nats.js.kv import KeyValue
+from nats.js.object_store import ObjectStore
 
 from auth.store import KeyStore
 from bus_schemas import codec, subjects
@@ -37,6 +40,10 @@ from services.config import ResponsesSettings, Settings
 from services.runtime import reply_subject
 
 BUCKET = "tokenbus_responses"
+# Records larger than one message (a large request's input and conversation: issue 67) are
+# kept whole in this object store; the KV entry then holds their owner, size and sha256.
+LARGE_BUCKET = "tokenbus_responses_large"
+LARGE = 512 * 1024  # as services.bodies.THRESHOLD: a KV value shares max_payload too
 log = tlog.get("responses")
 
 
@@ -65,6 +72,14 @@ async def open_store(nc: NATS, settings: ResponsesSettings) -> ResponseStore:
     return store
 
 
+async def _exists(kv: KeyValue, key: str) -> bool:
+    try:
+        entry = await kv.get(key)
+    except (KeyNotFoundError, KeyDeletedError):
+        return False
+    return bool(entry.value)
+
+
 class ResponseStore:
     """Put, get and delete stored responses, each readable only by its owner."""
 
@@ -77,6 +92,7 @@ class ResponseStore:
         self.settings = settings
         self.bucket = bucket
         self.kv: KeyValue | None = None
+        self.large: ObjectStore | None = None
         self._opening = asyncio.Lock()
         self._next_try = 0.0
 
@@ -92,6 +108,15 @@ class ResponseStore:
             storage=api.StorageType.FILE,
             discard_old=True,
             description="tokenbus: stored responses of the Responses API",
+            stall_s=0,
+        )
+        self.large = await buckets.open_objects(
+            self.nc.jetstream(),
+            f"{self.bucket}_large" if self.bucket != BUCKET else LARGE_BUCKET,
+            ttl=self.settings.ttl_s,
+            max_bytes=self.settings.max_bytes,
+            storage=api.StorageType.FILE,
+            description="tokenbus: stored responses too large for one message",
             stall_s=0,
         )
         return self
@@ -122,9 +147,21 @@ class ResponseStore:
 
     async def _write(self, response_id: str, record: dict[str, Any], *, create: bool) -> bool:
         data = json.dumps(record, separators=(",", ":")).encode()
+        whole = data
+        if len(data) > LARGE:  # the record in the object store, a pointer in KV
+            pointer = {
+                "owner": record.get("owner", ""),
+                "large": {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()},
+            }
+            data = json.dumps(pointer, separators=(",", ":")).encode()
         try:
             # Through a stalled stream leader too (services.buckets).
             kv = await self.opened()
+            if whole is not data:
+                assert self.large is not None
+                if create and await _exists(kv, response_id):
+                    raise E.InvalidRequest(f"response {response_id} exists")  # never overwritten
+                await self.large.put(response_id, whole)
             if create:
                 await buckets.create(kv, response_id, data)
             else:
@@ -160,6 +197,25 @@ class ResponseStore:
         rec: dict[str, Any] = json.loads(entry.value)
         if rec.get("owner", "") != owner:
             raise not_found(response_id)
+        if "large" in rec:
+            rec = await self._large(response_id, rec["large"])
+        return rec
+
+    async def _large(self, response_id: str, ref: dict[str, Any]) -> dict[str, Any]:
+        """A record kept in the object store, checked against its pointer's size and digest."""
+        if self.large is None:
+            raise E.ServiceUnavailable("the response store (JetStream) is not open; retry")
+        try:
+            got = await self.large.get(response_id)
+        except NotFoundError:
+            raise not_found(response_id) from None  # expired with, or before, its pointer
+        except Exception as exc:
+            raise unavailable(exc) from None
+        data = got.data or b""
+        if len(data) != ref.get("size") or hashlib.sha256(data).hexdigest() != ref.get("sha256"):
+            log.warning("response_record_damaged", response_id=response_id)
+            raise not_found(response_id)
+        rec: dict[str, Any] = json.loads(data)
         return rec
 
     async def delete(self, response_id: str, owner: str) -> None:
@@ -169,6 +225,9 @@ class ResponseStore:
             await (await self.opened()).purge(response_id)
         except Exception as exc:
             raise unavailable(exc) from None
+        if self.large is not None:
+            with contextlib.suppress(Exception):  # a small record has none; TTL otherwise
+                await self.large.delete(response_id)
 
 
 async def conversation(

@@ -29,7 +29,7 @@ from router.adapters import LOAD_TIMEOUT_S, AdapterTable, OnDemand
 from router.policies import KVAware, RouteRequest, prompt_text
 from router.registry import Registry, Replica
 from router.routing import ModelRoute, RoutingTable
-from services import natsclient, tracing
+from services import bodies, natsclient, tracing
 from services.aliases import AliasTable, envelope_for, retarget
 from services.config import RouterSettings
 from services.runtime import HOLD_NOTICE_S, HoldNotice
@@ -201,6 +201,8 @@ class Dispatcher:
                 env = None if env is None else {**env, "model": served}
                 model = served
         route = self.routing.route(model)
+        if env is None and (route.needs_prompt or route.needs_rendered):
+            env = await self._envelope(data)
         req = self._route_request(route, model, data, hdrs, env)
         target, pool = route.target(req)
         await self._warm_up(target)
@@ -237,8 +239,7 @@ class Dispatcher:
         if not prefill or not decode:
             return
         if env is None:
-            env = codec.decode_map(p.data)
-            check_envelope(env)
+            env = await self._envelope(p.data)
         extra = env.get("extra") or {}
         if env.get("resume") or "kv_transfer_params" in extra:
             return  # a continuation, or a client that disaggregates itself
@@ -254,7 +255,7 @@ class Dispatcher:
             PD_DECISIONS.labels("aggregated_after_failure").inc()
             return
         PD_DECISIONS.labels("disaggregated").inc()
-        p.data = codec.encode({**env, "extra": {**extra, "kv_transfer_params": kvt}})
+        p.data = bodies.encode({**env, "extra": {**extra, "kv_transfer_params": kvt}})
         p.pd = "decode"
 
     def _uncached_tokens(self, p: _Placement, env: dict[str, Any], decode: list[Replica]) -> int:
@@ -287,7 +288,7 @@ class Dispatcher:
         # no usage is reported or charged for it (the decode replica's report counts the
         # prompt), and its frames come here, not to the caller.
         rid = f"{env.get('request_id') or p.hdrs.get(H.REQUEST_ID, '')}.prefill"
-        data = codec.encode({**env, "request_id": rid, "params": params, "extra": extra})
+        data = bodies.encode({**env, "request_id": rid, "params": params, "extra": extra})
         hdrs = {k: v for k, v in p.hdrs.items() if k not in _NOT_FOR_PREFILL}
         hdrs[H.REQUEST_ID] = rid
         inbox = self.nc.new_inbox()
@@ -334,6 +335,12 @@ class Dispatcher:
         if r is not None:
             with contextlib.suppress(Exception):
                 await self._cancel(r, p)
+
+    async def _envelope(self, data: bytes) -> dict[str, Any]:
+        """The envelope ``data`` decoded, its claim-checked parts fetched (services/bodies.py)."""
+        env = codec.decode_map(data)
+        check_envelope(env)
+        return await bodies.resolve(self.nc, env)
 
     def _route_request(
         self,

@@ -33,7 +33,7 @@ from bus_schemas import codec, subjects
 from bus_schemas import errors as E
 from bus_schemas import headers as H
 from bus_schemas.messages import check_envelope
-from services import audit, buckets, kvmap
+from services import audit, bodies, buckets, kvmap
 
 BUCKET = "tokenbus_aliases"
 MAX_NAME = 256  # as a request's model
@@ -105,7 +105,7 @@ def envelope_for(data: bytes, env: dict[str, Any] | None, served: str) -> bytes:
     if env is None:
         env = codec.decode_map(data)
         check_envelope(env)
-    return codec.encode({**env, "model": served})
+    return bodies.encode({**env, "model": served})
 
 
 def rows(static: Mapping[str, str], runtime: Mapping[str, str]) -> list[dict[str, str]]:

@@ -26,8 +26,9 @@ from nats.aio.msg import Msg
 from bus_schemas import codec, frames, marks, subjects
 from bus_schemas import errors as E
 from bus_schemas import headers as H
+from bus_schemas.messages import CLAIM
+from services import bodies, natsclient, tracing
 from services import logging as tlog
-from services import natsclient, tracing
 from services.members import Members
 
 DEFAULT_TIMEOUT_S = 600.0
@@ -430,6 +431,10 @@ class Stream:
         self.t_sent_ns = 0
         self.t_first_ns = 0
         self.meta: dict[str, str | None] = {}  # what the caller wants to remember with it
+        self._claim: dict[str, Any] | None = None  # its body object, deleted at its end
+        # Raises the refusal of a request too large for the model before its body is
+        # uploaded (the bridge's context check), if set.
+        self.before_claim: Callable[[dict[str, Any]], None] | None = None
         # Tracing (only when on): the span this stream reports to (the bridge's server span,
         # or one of its own), the replica span of the current attempt (from its accept frame)
         # and of the one before (linked by the next replica), a migration not yet accepted.
@@ -519,7 +524,14 @@ class Stream:
         hdrs[H.T0] = str(self.t_sent_ns)
         reply = self._client.inbox_for(self.token)
         try:
-            data = codec.encode(self._body)
+            data = bodies.encode(self._body)
+            if len(data) > bodies.THRESHOLD and CLAIM not in self._body:
+                # Too large for one message: its messages go by claim check, once (a
+                # migration or resend carries the same claim).
+                if self.before_claim is not None:
+                    self.before_claim(self._body)
+                self._claim = await bodies.put(self._client.nc, self._body, self._client.owner)
+                data = bodies.encode(self._body)
         except E.TokenbusError:
             self._finish()
             raise
@@ -872,6 +884,9 @@ class Stream:
         if not self._done:
             self._done = True
             self._client._unregister(self)
+            if self._claim is not None:
+                self._client.forget_body(self._claim)
+                self._claim = None
             if self._span is not None:
                 self._trace_end(err)
         if self._timer is not None:
@@ -1202,6 +1217,21 @@ class Caller:
         from services.runtime import flush
 
         await flush(self.nc, timeout)
+
+    @property
+    def owner(self) -> str:
+        """Whose request bodies this caller's are (services/bodies.py): its inbox root's."""
+        owner = subjects.body_owner(self._prefix)
+        assert owner is not None  # every prefix a caller is given is an inbox root
+        return owner
+
+    def forget_body(self, claim: dict[str, Any]) -> None:
+        """Delete a finished stream's body object, in the background."""
+        if self.nc.is_closed or not self.heartbeats:
+            return  # a key's connection may not delete (auth/callout.py): its age limit does
+        task = asyncio.get_running_loop().create_task(bodies.delete(self.nc, claim))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def inbox_for(self, token: str) -> str:
         return f"{self._prefix}.{token}"

@@ -48,9 +48,11 @@ class BridgeSettings(BaseModel):
     )
     tls_key: str = Field(default="", description="Private key of tls_cert (PEM).")
     max_body_bytes: int = Field(
-        default=1_000_000,
-        description="Larger bodies get 413. Keep it under the NATS server's max_payload "
-        "(1 MiB by default): a larger envelope is refused with 413 as well.",
+        default=32 * 1024 * 1024,
+        description="Larger bodies get 413, naming this limit. 32 MiB: Anthropic's Messages "
+        "API takes 32 MB per request (OpenAI up to 50 MB of images); a request larger than "
+        "half of NATS's max_payload travels by claim check (docs/large-requests.md), up to "
+        "40 MiB.",
     )
     request_timeout_s: float = Field(default=600.0, description="Per-request deadline.")
     unready_s: float = Field(
@@ -128,7 +130,11 @@ class IngressSettings(BaseModel):
         "prompt, still bounded by the key's TPM and max_request_s; N: at most N. "
         "/v1/completions defaults to 16 (OpenAI's documented default) either way.",
     )
-    max_prompt_chars: int = Field(default=1_000_000, description="Longer prompts get 413.")
+    max_prompt_chars: int = Field(
+        default=32 * 1024 * 1024,
+        description="Longer prompts get 413 (the body bound's worth of text: long contexts "
+        "travel by claim check, docs/large-requests.md).",
+    )
     max_request_s: float = Field(
         default=600.0,
         gt=0,

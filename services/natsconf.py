@@ -27,10 +27,13 @@ from typing import Any
 import bcrypt
 
 from bus_schemas.subjects import (
+    BODIES_STREAM,
     PREFIX,
     RECORDS_CONSUMER,
     RECORDS_STREAM,
     audit_wildcard,
+    bodies_reply_root,
+    bodies_wildcard,
     inbox_prefix,
     members_wildcard,
     records_ack_root,
@@ -95,6 +98,13 @@ BATCH = f"{PREFIX}.batch.>"
 # A background response's cancel, heard by the bridge whose runner runs it (jobs/background.py).
 BATCH_CANCEL = f"{PREFIX}.batch.cancel.*"
 OBJECTS = "$O.>"
+# Claim-checked request bodies (services/bodies.py): the callers that upload them (the bridge,
+# and the client role on its own; a key's connection under its own owner only, auth/callout.py)
+# write chunks; the stages that read the text and the workers read them by direct get, whose
+# API subject names the chunk (``$JS.API.DIRECT.GET.<stream>.<chunk subject>``).
+BODIES = bodies_wildcard()
+BODIES_READ = f"$JS.API.DIRECT.GET.{BODIES_STREAM}.>"
+BODIES_REPLIES = f"{bodies_reply_root()}.>"
 # What no role but admin may do to the audit stream, although JS_API allows it: delete it,
 # or change its limits (the stream itself refuses message deletes and purges to everyone;
 # these two are denied here as well in case it was created without them).
@@ -104,7 +114,7 @@ AUDIT_GUARD = [f"$JS.API.STREAM.{op}.{AUDIT_STREAM}" for op in ("DELETE", "UPDAT
 
 # role -> (may publish, may subscribe)
 ROLES: dict[str, tuple[list[str], list[str]]] = {
-    "client": ([REQ, CANCEL, TO_REQ], [INBOX, HEARTBEAT, MEMBERS]),
+    "client": ([REQ, CANCEL, TO_REQ, BODIES], [INBOX, HEARTBEAT, MEMBERS]),
     # The bridge may run auth, ratelimit and filter in-process (``bridge.fuse_stages``) and
     # then route in-process (``bridge.fuse_router``): it is the one role besides the router
     # that may publish to workers, and it admits every request itself before it does; its
@@ -113,7 +123,7 @@ ROLES: dict[str, tuple[list[str], list[str]]] = {
         # usage: an in-process ratelimit settles a migrated request's earlier attempt.
         [
             *[REQ, STAGES, TO_REQ, TO_STAGES, ENGINE, CANCEL, INBOX, TELEMETRY, AUDIT, BATCH],
-            *[OBJECTS, *USAGE, *JS_API],
+            *[OBJECTS, BODIES, *USAGE, *JS_API],
         ],
         [INBOX, HEARTBEAT, KV_EVENTS, DISCOVERY, MEMBERS, BATCH_CANCEL, *USAGE],
     ),
@@ -135,7 +145,7 @@ ROLES: dict[str, tuple[list[str], list[str]]] = {
         [f"{PREFIX}.stage.ratelimit", _member("ratelimit"), MEMBERS, *USAGE, INBOX, DISCOVERY],
     ),
     "filter": (
-        [STAGES, TO_STAGES, MEMBERS, INBOX],
+        [STAGES, TO_STAGES, MEMBERS, INBOX, BODIES_READ],
         [f"{PREFIX}.stage.filter", _member("filter"), MEMBERS, INBOX, DISCOVERY],
     ),
     # KV: the router follows run-time routing changes (bucket tokenbus_routing).
@@ -153,8 +163,8 @@ ROLES: dict[str, tuple[list[str], list[str]]] = {
         ],
     ),
     "worker": (
-        [HEARTBEAT, KV_EVENTS, *USAGE, TELEMETRY, INBOX, CLAIMS],
-        [ENGINE, CANCEL, DISCOVERY, RECORDS_ACKS, CLAIMS],
+        [HEARTBEAT, KV_EVENTS, *USAGE, TELEMETRY, INBOX, CLAIMS, BODIES_READ],
+        [ENGINE, CANCEL, DISCOVERY, RECORDS_ACKS, CLAIMS, BODIES_REPLIES],
     ),
     # The telemetry service's probes of the bus (docs/telemetry.md): a discovery ping, the
     # key store's stream state (no key is read), the answers under its own inbox root only.
@@ -236,6 +246,7 @@ def worker_host_permissions(replicas: list[str]) -> tuple[list[str], list[str]]:
         *USAGE,
         TELEMETRY,
         INBOX,
+        BODIES_READ,
     ]
     sub = [
         *(f"{PREFIX}.engine.*.{r}.>" for r in own),
@@ -243,6 +254,7 @@ def worker_host_permissions(replicas: list[str]) -> tuple[list[str], list[str]]:
         *(replica_claim(r) for r in replicas),
         DISCOVERY,
         RECORDS_ACKS,
+        BODIES_REPLIES,
     ]
     return pub, sub
 

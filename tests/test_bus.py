@@ -345,9 +345,10 @@ async def test_a_request_too_large_for_the_bus_is_413_and_the_client_survives(
     nats_server: NatsServer, model: str, client: Client
 ) -> None:
     async with stack(nats_server.url, model, workers=1):
-        huge = [{"role": "user", "content": "x" * (client.nc.max_payload + 10)}]
+        # Messages that large go by claim check (docs/large-requests.md); other fields do not.
+        fn = {"name": "f", "description": "x" * (client.nc.max_payload + 10)}
         with pytest.raises(E.PayloadTooLarge):
-            await client.chat_completion(model, huge)
+            await client.chat_completion(model, MSG, tools=[{"type": "function", "function": fn}])
         ok = await client.chat_completion(model, MSG, max_tokens=2)
         assert ok.usage.completion_tokens == 2
 

@@ -31,6 +31,8 @@ from auth.store import BUCKET as KEYS_BUCKET
 from auth.store import KeyStore
 from bus_schemas import codec, subjects
 from bus_schemas import headers as H
+from bus_schemas.errors import TokenbusError
+from services import bodies
 from services.natsconf import role_login
 from tests.conftest import Procs, start_stack, wait_for
 from tests.lockedbus import LockedBus, serve_when_ready
@@ -43,6 +45,8 @@ PRICE = {"input": 0, "output": 1000}
 ENV = {
     "TOKENBUS_INGRESS__PIPELINE": '["auth", "ratelimit", "route"]',
     "TOKENBUS_ROUTER__PRICE": json.dumps(PRICE),
+    # Long enough for the large requests' prompts (docs/large-requests.md).
+    "TOKENBUS_WORKER__SIM__MAX_MODEL_LEN": "50000000",
 }
 
 
@@ -433,3 +437,37 @@ def test_every_role_s_permissions_are_the_table_in_the_docs() -> None:
     text = (ROOT / "docs" / "safety.md").read_text()
     shown = text.split("<!-- permissions:begin -->\n", 1)[1].split("<!-- permissions:end -->")[0]
     assert shown == permissions_table(), "docs/safety.md's permissions table is stale"
+
+
+async def test_a_key_writes_only_its_own_large_bodies_and_reads_none(stack: Stack) -> None:
+    """Large requests (claim check, docs/large-requests.md) from a key's own connection: its
+    body is served through every stage; another key can neither write under it, read it, nor
+    name it in a request of its own."""
+    key_a, id_a = await stack.key("large-a")
+    key_b, id_b = await stack.key("large-b")
+    big = [{"role": "user", "content": "tell me " * 200_000}]  # 1.6 MB
+    async with await Client.connect(stack.bus.url, api_key=key_a) as ta:
+        done = await ta.chat_completion(MODEL, big, max_tokens=2)
+        assert done.usage.completion_tokens == 2
+        theirs = {"model": MODEL, "messages": big, "max_tokens": 2}
+        await bodies.put(ta.nc, theirs, ta.owner)
+    claim = theirs["claim"]
+    assert claim["owner"] == f"tbk.{id_a}"
+    nc = await nats.connect(stack.bus.url, token=key_b, inbox_prefix=subjects.key_inbox_root(id_b))
+    try:
+        js = nc.jetstream()
+        chunk = subjects.body_chunk(claim["owner"], claim["id"], 0)
+        with pytest.raises(Exception):  # noqa: B017 - denied: no answer of any kind
+            await js.publish(chunk, b"x" * 16, timeout=1)
+        with pytest.raises(Exception):  # noqa: B017
+            await asyncio.wait_for(js.get_msg(subjects.BODIES_STREAM, subject=chunk), 2)
+    finally:
+        await nc.close()
+    async with await Client.connect(stack.bus.url, api_key=key_b) as tb:
+        stolen = {"model": MODEL, "max_tokens": 2, "claim": claim}
+        with pytest.raises(TokenbusError) as got:
+            await tb.submit("chat", stolen, api_key=key_b).collect()
+        assert got.value.status == 400 and "own body objects" in got.value.message
+        # Its own large requests are served.
+        done = await tb.chat_completion(MODEL, big, max_tokens=2)
+        assert done.usage.completion_tokens == 2

@@ -301,9 +301,16 @@ class RequestMaker:
             self.items = load_prompts(a.prompts)
         self.i = 0
         self.extra = extra_body(getattr(a, "extra_body", None))
+        self._sized = ""
 
     def _messages(self) -> list[dict[str, Any]]:
         a = self.a
+        size = getattr(a, "prompt_bytes_now", 0)
+        if size:  # the prompt-size axis: words up to exactly ``size`` bytes, made once
+            if len(self._sized) != size:
+                words = " ".join(self.rng.choice(_WORDS) for _ in range(size // 4 + 1))
+                self._sized = words[:size]
+            return [{"role": "user", "content": self._sized}]
         if self.items:
             item = self.items[self.i % len(self.items)]
             self.i += 1
@@ -622,17 +629,22 @@ def write_run_files(levels: list[dict[str, Any]], run_dir: Path) -> None:
         v = (lv.get(key) or {}).get(p)
         return "" if v is None else f"{v:.1f}"
 
+    sized = any(lv.get("prompt_bytes") for lv in levels)  # the prompt-size axis
+    x = "prompt_bytes" if sized else "concurrency"
     lines = [
-        "| target | c | requests | errors | TTFT p50 | TTFT p99 | TBT p50 | e2e p50 | e2e p99 "
-        "| tok/s | gateway p50 | engine p50 |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        f"| target | {'prompt bytes | ' if sized else ''}c | requests | errors | TTFT p50 "
+        "| TTFT p99 | TBT p50 | e2e p50 | e2e p99 | tok/s | gateway p50 | engine p50 |"
+        + (" peak MB by process |" if sized else ""),
+        "|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if sized else ""),
     ]
     for lv in levels:
+        mem = ", ".join(f"{n} {v:.0f}" for n, v in sorted((lv.get("peak_rss_mb") or {}).items()))
         lines.append(
-            f"| {lv['target']} | {lv['concurrency']} | {lv['requests']} | {lv['errors']} | "
+            f"| {lv['target']} | {str(lv.get('prompt_bytes')) + ' | ' if sized else ''}"
+            f"{lv['concurrency']} | {lv['requests']} | {lv['errors']} | "
             f"{g(lv, 'ttft_ms')} | {g(lv, 'ttft_ms', 'p99')} | {g(lv, 'tbt_ms')} | "
             f"{g(lv, 'e2e_ms')} | {g(lv, 'e2e_ms', 'p99')} | {lv['output_tokens_per_s']:.0f} | "
-            f"{g(lv, 'gateway_ms')} | {g(lv, 'engine_ms')} |"
+            f"{g(lv, 'gateway_ms')} | {g(lv, 'engine_ms')} |" + (f" {mem} |" if sized else "")
         )
     (run_dir / "table.md").write_text("\n".join(lines) + "\n\n(times in ms)\n")
     try:
@@ -649,7 +661,7 @@ def write_run_files(levels: list[dict[str, Any]], run_dir: Path) -> None:
     ):
         fig, ax = plt.subplots(figsize=(7, 4))
         for n in names:
-            pts = sorted((lv["concurrency"], lv) for lv in levels if lv["target"] == n)
+            pts = sorted(((lv[x], lv) for lv in levels if lv["target"] == n), key=lambda p: p[0])
             ys: list[float] = [
                 float(
                     lv[key]
@@ -660,7 +672,7 @@ def write_run_files(levels: list[dict[str, Any]], run_dir: Path) -> None:
             ]
             ax.plot([c for c, _ in pts], ys, marker="o", label=n)
         ax.set_xscale("log", base=2)
-        ax.set_xlabel("concurrency")
+        ax.set_xlabel("prompt bytes" if sized else "concurrency")
         ax.set_ylabel(label)
         ax.grid(True, alpha=0.3)
         ax.legend()
@@ -814,6 +826,8 @@ async def _spawn_on(
         # Spend on the request path: the model priced, every request reserved and settled.
         env["TOKENBUS_ROUTER__PRICE"] = json.dumps({"input": 1.0, "output": 2.0})
     env["TOKENBUS_TELEMETRY__ENABLED"] = "true" if a.telemetry == "on" else "false"
+    if getattr(a, "prompt_bytes", None):  # the prompt-size axis: a context that takes them
+        env["TOKENBUS_WORKER__SIM__MAX_MODEL_LEN"] = str(10**9)
     if a.telemetry == "on":
         a.telemetry_db = str(Path(tmp) / "telemetry.db")
         tel_env = {
@@ -1000,16 +1014,24 @@ def replica_specs(specs: list[str]) -> list[tuple[list[str], dict[str, str]]]:
     return out
 
 
+def prompt_sizes(a: argparse.Namespace) -> list[int]:
+    """The sizes of ``--prompt-bytes``, or none."""
+    raw = getattr(a, "prompt_bytes", None) or ""
+    return [int(x) for x in str(raw).split(",") if x.strip()]
+
+
 def compare(levels: list[dict[str, Any]], name: str, base: str) -> list[dict[str, Any]]:
-    """Per concurrency: added TTFT (p50, p99) and the tokens/s ratio of ``name`` vs ``base``."""
+    """Per concurrency (and prompt size, on that axis): added TTFT (p50, p99) and the
+    tokens/s ratio of ``name`` vs ``base``."""
     out = []
-    by = {(lv["target"], lv["concurrency"]): lv for lv in levels}
-    for (t, c), lv in sorted(by.items(), key=lambda kv: kv[0][1]):
-        if t != name or (base, c) not in by:
+    by = {(lv["target"], lv["concurrency"], lv.get("prompt_bytes", 0)): lv for lv in levels}
+    for (t, c, size), lv in sorted(by.items(), key=lambda kv: (kv[0][1], kv[0][2])):
+        if t != name or (base, c, size) not in by:
             continue
-        b = by[(base, c)]
+        b = by[(base, c, size)]
         row: dict[str, Any] = {
             "concurrency": c,
+            **({"prompt_bytes": size} if size else {}),
             "target": name,
             "baseline": base,
             "errors": lv["errors"],
@@ -1034,6 +1056,9 @@ def print_table(levels: list[dict[str, Any]]) -> None:
     )
     for lv in levels:
         t, tb, e = lv["ttft_ms"], lv["tbt_ms"], lv["e2e_ms"]
+        if lv.get("prompt_bytes"):
+            mem = ", ".join(f"{n} {v:.0f} MB" for n, v in sorted(lv.get("peak_rss_mb", {}).items()))
+            print(f"  prompt {lv['prompt_bytes']} bytes; peak memory: {mem or 'not sampled'}")
         print(
             f"{lv['target']:<15}{lv['concurrency']:>6}{lv['requests']:>7}{lv['errors']:>6}"
             f"{t.get('p50', float('nan')):>10.2f}{t.get('p99', float('nan')):>10.2f}"
@@ -1125,6 +1150,15 @@ async def main(a: argparse.Namespace, s: Settings) -> int:
             levels_c = []
             for t in targets:
                 session_runs.append(await run_sessions(t, a))
+        for size in prompt_sizes(a):
+            a.prompt_bytes_now = size
+            for t in targets:
+                c = levels_c[0]
+                lv = await run_level(t, c, c * a.requests_per_client, a, progress)
+                lv["prompt_bytes"] = size
+                levels.append(lv)
+        if getattr(a, "prompt_bytes", None):
+            levels_c = []
         for c in levels_c:
             for t in targets:
                 levels.append(await run_level(t, c, c * a.requests_per_client, a, progress))
@@ -1160,8 +1194,9 @@ async def main(a: argparse.Namespace, s: Settings) -> int:
                 f"requests failed; the first: {lv['first_error']}"
             )
     for row in report.get("comparison", []):
+        at = f" {row['prompt_bytes']} B" if row.get("prompt_bytes") else ""
         print(
-            f"  c={row['concurrency']}: {row['target']} vs {row['baseline']}: added TTFT p50 "
+            f"  c={row['concurrency']}{at}: {row['target']} vs {row['baseline']}: added TTFT p50 "
             f"{row.get('added_ttft_p50_ms')} ms, tokens/s ratio {row.get('tokens_per_s_ratio')}"
             f", CPU {row.get('cpu_us_per_token')} us/token"
         )

@@ -69,6 +69,13 @@ def _bench(sub: Any) -> Any:
         "--prompt-words",
         help="generated prompts of MEAN[:STD] words (a normal distribution), instead of --prompt",
     )
+    b.add_argument(
+        "--prompt-bytes",
+        help="instead of the concurrency sweep, a prompt-size axis: comma separated sizes in "
+        "bytes (e.g. 1000,262144,1048576,4194304,16777216), each a level at the first "
+        "--concurrency; with --spawn, TTFT added against the direct server per size, and each "
+        "process's peak memory (docs/large-requests.md)",
+    )
     b.add_argument("--seed", type=int, default=0, help="for sampled lengths and prompts")
     b.add_argument(
         "--extra-body",

@@ -1,0 +1,232 @@
+"""Claim checks: request bodies larger than one bus message (docs/large-requests.md).
+
+A request whose encoded envelope is over :data:`THRESHOLD` keeps its large parts
+(``messages``, ``prompt``, ``input``: :data:`bus_schemas.messages.CLAIMED`) as chunks in the
+JetStream stream :data:`bus_schemas.subjects.BODIES_STREAM`, and the envelope on the bus
+carries a ``claim`` instead: owner, object id, size, sha256, chunk count. The caller
+(:class:`services.caller.Stream`: the bridge, :class:`tokenbus.Client`) uploads it with
+:func:`put` and deletes it when its stream ends (:func:`delete`); the stream's age limit
+removes what a crash leaves. Every consumer that reads the text resolves it once with
+:func:`resolve`; every producer of envelope bytes uses :func:`encode`, which leaves the
+claimed parts out again. A small request never carries a claim: its bytes do not change.
+
+Why a stream of our own rather than nats' object store (``$O.<bucket>.C.<nuid>``): chunk
+subjects that name their owner let a key's connection be allowed to write its own bodies
+and nothing else, and a reader needs only a direct get by subject
+(``$JS.API.DIRECT.GET.<stream>.<chunk>``), no consumer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import re
+import secrets
+from typing import Any
+
+from nats.aio.client import Client as NATS
+from nats.js import api
+from nats.js.errors import NotFoundError
+
+from bus_schemas import codec, subjects
+from bus_schemas import errors as E
+from bus_schemas.messages import CLAIM, CLAIMED, envelope_chars
+from services import buckets
+from services.config import kv_replicas
+
+# An envelope over this many bytes goes by claim check. nats-server's max_payload is 1 MiB
+# and a message's headers (request id, marks, trace context, ~1-2 KiB) share it; what the
+# stages add after the caller measured (filter policy, kv_transfer_params, a migration's
+# resume text: the answer so far, which can reach hundreds of KiB) must still fit. Half the
+# payload leaves that room; below it nothing changes for a request.
+THRESHOLD = 512 * 1024
+# One JetStream message per chunk, well under max_payload with its headers.
+CHUNK = 256 * 1024
+# The largest body object anyone may declare or write: the bridge's body bound (32 MiB,
+# services/config.py) plus the envelope around it. A claim naming more is hostile.
+MAX_OBJECT = 40 * 1024 * 1024
+# An object nobody deleted (its caller crashed) is gone after this: longer than the longest
+# request (ingress.max_request_s, 600 s) so that a migration late in a stream still finds it.
+TTL_S = 900.0
+# The stream's bound; when full, a new body is refused (503) rather than an old one dropped.
+MAX_BYTES = 4 * 1024 * 1024 * 1024
+# How long a read or write of one chunk may take before the store counts as stalled (503).
+OP_TIMEOUT_S = 5.0
+# Chunks a process reads at once, all its requests together: 4 MiB in flight. Unbounded, eight
+# 16 MB bodies fetched at once put 128 MB of answers on one connection, past nats-server's
+# pending limit for a client (64 MB): the server cut the worker off as a slow consumer
+# (measured: tokenbus bench --prompt-bytes 16777216 --concurrency 8).
+READ_WINDOW = 16
+_windows: dict[asyncio.AbstractEventLoop, asyncio.Semaphore] = {}
+RETRY_AFTER_S = "2"
+
+_OWNER = re.compile(r"^tbk?\.[A-Za-z0-9_~\-]{1,128}$")
+_HEX32 = re.compile(r"^[0-9a-f]{32}$")
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+
+
+def config() -> api.StreamConfig:
+    """The bodies stream: file storage, age- and size-bounded, new writes refused when full."""
+    return api.StreamConfig(
+        name=subjects.BODIES_STREAM,
+        description="tokenbus: request bodies too large for one message (claim checks)",
+        subjects=[subjects.bodies_wildcard()],
+        max_age=TTL_S,
+        max_bytes=MAX_BYTES,
+        max_msg_size=CHUNK + 4096,
+        discard=api.DiscardPolicy.NEW,
+        # Read by direct get: the chunk's bytes as they are (no base64 in JSON), on an API
+        # subject that names the chunk (so permissions can scope it).
+        allow_direct=True,
+        storage=api.StorageType.FILE,
+        num_replicas=kv_replicas(),
+    )
+
+
+async def open_stream(nc: NATS) -> None:
+    """Make the bodies stream if it is missing (the bridge and ingress do, at start)."""
+    await buckets.open_stream(nc.jetstream(), config())
+
+
+def encode(env: dict[str, Any]) -> bytes:
+    """``env`` as bytes for the bus: without its claimed parts when it carries a claim."""
+    if CLAIM in env:
+        return codec.encode({k: v for k, v in env.items() if k not in CLAIMED})
+    return codec.encode(env)
+
+
+def _unavailable(what: str) -> E.ServiceUnavailable:
+    return E.ServiceUnavailable(
+        f"the store of large request bodies {what}; retry shortly",
+        headers={"Retry-After": RETRY_AFTER_S},
+    )
+
+
+async def put(nc: NATS, env: dict[str, Any], owner: str) -> dict[str, Any]:
+    """Upload ``env``'s claimed parts under ``owner`` and set ``env['claim']``; the claim.
+
+    503 (Retry-After) when the store is missing, stalled or full; 413 past :data:`MAX_OBJECT`.
+    """
+    parts = {k: env[k] for k in CLAIMED if k in env}
+    blob = codec.encode(parts)
+    if len(blob) > MAX_OBJECT:
+        raise E.PayloadTooLarge(
+            f"the request's messages are {len(blob)} bytes; tokenbus takes at most {MAX_OBJECT}"
+        )
+    oid = secrets.token_hex(16)  # unguessable: nobody can name another caller's body
+    chunks = [blob[i : i + CHUNK] for i in range(0, len(blob), CHUNK)] or [b""]
+    js = nc.jetstream()
+    try:
+        await asyncio.gather(
+            *(
+                js.publish(subjects.body_chunk(owner, oid, n), c, timeout=OP_TIMEOUT_S)
+                for n, c in enumerate(chunks)
+            )
+        )
+    except Exception as exc:
+        await delete(nc, {"owner": owner, "id": oid})
+        raise _unavailable(f"did not take the body ({type(exc).__name__})") from None
+    claim = {
+        "owner": owner,
+        "id": oid,
+        "size": len(blob),
+        "sha256": hashlib.sha256(blob).hexdigest(),
+        "chunks": len(chunks),
+        "chars": envelope_chars(parts),
+    }
+    env[CLAIM] = claim
+    return claim
+
+
+def check_claim(claim: Any) -> dict[str, Any]:
+    """``claim`` if it is well formed (hostile input: any field may lie); 400 if not."""
+    if not isinstance(claim, dict):
+        raise E.InvalidRequest("claim: not an object")
+    owner, oid, size = claim.get("owner"), claim.get("id"), claim.get("size")
+    digest, chunks = claim.get("sha256"), claim.get("chunks")
+    if not (isinstance(owner, str) and _OWNER.match(owner)):
+        raise E.InvalidRequest("claim.owner: not a body owner")
+    if not (isinstance(oid, str) and _HEX32.match(oid)):
+        raise E.InvalidRequest("claim.id: not an object id")
+    if not (isinstance(size, int) and not isinstance(size, bool) and 0 < size <= MAX_OBJECT):
+        raise E.InvalidRequest(f"claim.size: not a size from 1 to {MAX_OBJECT}")
+    if not (isinstance(digest, str) and _HEX64.match(digest)):
+        raise E.InvalidRequest("claim.sha256: not a sha256 digest")
+    if chunks != -(-size // CHUNK):
+        raise E.InvalidRequest("claim.chunks: does not match its size")
+    return claim
+
+
+async def fetch(nc: NATS, claim: dict[str, Any]) -> dict[str, Any]:
+    """The claimed parts ``claim`` names, checked against its size and digest.
+
+    400 when the object is missing, truncated, tampered with or not an envelope's parts;
+    503 (Retry-After) when the store does not answer in time.
+    """
+    claim = check_claim(claim)
+    js = nc.jetstream()
+
+    window = _window()
+
+    async def chunk(n: int) -> bytes:
+        subject = subjects.body_chunk(claim["owner"], claim["id"], n)
+        async with window:
+            msg = await asyncio.wait_for(
+                js.get_msg(subjects.BODIES_STREAM, subject=subject, direct=True), OP_TIMEOUT_S
+            )
+        return msg.data or b""
+
+    try:
+        got = await asyncio.gather(*(chunk(n) for n in range(claim["chunks"])))
+    except NotFoundError:
+        raise E.InvalidRequest(
+            "the request's body object is missing or incomplete (expired, deleted, or never "
+            "wholly written); send the request again"
+        ) from None
+    except Exception as exc:
+        raise _unavailable(f"did not answer ({type(exc).__name__})") from None
+    blob = b"".join(got)
+    if len(blob) != claim["size"] or hashlib.sha256(blob).hexdigest() != claim["sha256"]:
+        raise E.InvalidRequest(
+            "the request's body object does not match its size and sha256 digest (truncated "
+            "or altered); send the request again"
+        )
+    try:
+        parts = codec.decode_map(blob)
+    except E.TokenbusError:
+        raise E.InvalidRequest("the request's body object is not an encoded body") from None
+    if not set(parts) <= set(CLAIMED):
+        raise E.InvalidRequest("the request's body object holds fields a body does not")
+    return parts
+
+
+def _window() -> asyncio.Semaphore:
+    """This event loop's bound on chunks read at once (:data:`READ_WINDOW`)."""
+    loop = asyncio.get_running_loop()
+    window = _windows.get(loop)
+    if window is None:
+        window = _windows[loop] = asyncio.Semaphore(READ_WINDOW)
+    return window
+
+
+async def resolve(nc: NATS, env: dict[str, Any]) -> dict[str, Any]:
+    """``env`` with its claimed parts in place (fetched once: an envelope that holds them
+    already, or carries no claim, is returned as it is). Changes ``env`` in place."""
+    claim = env.get(CLAIM)
+    if claim is None or any(k in env for k in CLAIMED):
+        return env
+    env.update(await fetch(nc, claim))
+    return env
+
+
+async def delete(nc: NATS, claim: dict[str, Any]) -> None:
+    """Remove the object ``claim`` names (best effort: its age limit removes it otherwise)."""
+    try:
+        await asyncio.wait_for(
+            nc.jetstream().purge_stream(
+                subjects.BODIES_STREAM, subject=subjects.body_object(claim["owner"], claim["id"])
+            ),
+            OP_TIMEOUT_S,
+        )
+    except Exception:  # expiry cleans up what a failed purge leaves
+        return

@@ -1,0 +1,457 @@
+"""Requests larger than one bus message (issue 67, docs/large-requests.md): real processes
+(ingress, router, a worker, the bridge) on a real nats-server; the openai SDK over HTTP and
+tokenbus.Client over NATS. A body over half of max_payload travels by claim check."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import os
+import re
+import signal
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import nats
+import openai
+import pytest
+
+from bus_schemas import subjects
+from bus_schemas.errors import ContentBlocked, TokenbusError
+from engine_worker.backends.sim import expected_text
+from services import bodies
+from services.natsconf import role_login
+from tests.conftest import (
+    NatsServer,
+    Procs,
+    ProcStack,
+    new_model,
+    stack,
+    start_stack,
+    wait_for,
+)
+from tests.test_filter_stage import AWS
+from tests.test_locked_bus import Locked
+from tokenbus import Client
+
+# 1.5 MB of prompt: past NATS's 1 MiB max_payload, which refused it before (413).
+BIG = ("the quick brown fox jumps over the lazy dog " * 40_000)[:1_500_000]
+DEFAULT_LIMIT = 32 * 1024 * 1024
+
+
+@pytest.fixture(scope="module")
+async def big_stack(
+    nats_server: NatsServer, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[ProcStack]:
+    """Ingress and router (NATS clients' path), one worker, the bridge (HTTP: its default
+    body limit); the sim's context long enough for a 1.5 MB prompt."""
+    with Procs(nats_server.url, tmp_path_factory.mktemp("large")) as ps:
+        yield await start_stack(
+            ps,
+            new_model(),
+            "ingress",
+            "router",
+            workers=1,
+            worker_args=("--sim-prefill-ms", "5", "--sim-decode-ms", "2"),
+            env={"TOKENBUS_WORKER__SIM__MAX_MODEL_LEN": "50000000"},
+        )
+
+
+@pytest.fixture
+async def js(nats_server: NatsServer) -> AsyncIterator[Any]:
+    nc = await nats.connect(nats_server.url)
+    try:
+        yield nc.jetstream()
+    finally:
+        await nc.drain()
+
+
+async def _stored(js: Any) -> tuple[int, int]:
+    """(chunks held now, chunks ever written) in the bodies stream."""
+    info = await js.stream_info(subjects.BODIES_STREAM)
+    return info.state.messages, info.state.last_seq
+
+
+def _chat(prompt: str) -> list[dict[str, Any]]:
+    return [{"role": "user", "content": prompt}]
+
+
+async def test_a_large_prompt_is_served_whole_and_streamed_over_http(
+    big_stack: ProcStack, js: Any
+) -> None:
+    want = expected_text(f"<|user|>{BIG}\n", 8, seed=3)[0]
+    _, written = await _stored(js)
+    async with big_stack.openai() as oai:
+        out = await oai.chat.completions.create(
+            model=big_stack.model, messages=_chat(BIG), max_tokens=8, seed=3
+        )
+        assert out.choices[0].message.content == want
+        stream = await oai.chat.completions.create(
+            model=big_stack.model, messages=_chat(BIG), max_tokens=8, seed=3, stream=True
+        )
+        text = ""
+        async for chunk in stream:
+            for ch in chunk.choices:
+                text += ch.delta.content or ""
+        assert text == want
+    # Each went by claim check, and its object is gone once the request ended.
+    assert (await _stored(js))[1] >= written + 2 * -(-len(BIG) // bodies.CHUNK)
+    await wait_for(lambda: _held(js), what="the requests' body objects deleted")
+
+
+async def _held(js: Any, before: int = 0) -> bool:
+    """Whether the bodies stream holds no more chunks than ``before``."""
+    return (await _stored(js))[0] <= before
+
+
+async def test_a_large_image_data_url_is_served_over_http(big_stack: ProcStack) -> None:
+    image = "data:image/png;base64," + base64.b64encode(os.urandom(1_600_000)).decode()
+    assert len(image) > 2_000_000
+    messages = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "what is in this picture?"},
+                {"type": "image_url", "image_url": {"url": image}},
+            ],
+        }
+    ]
+    async with big_stack.openai() as oai:
+        out = await oai.chat.completions.create(
+            model=big_stack.model,
+            messages=messages,
+            max_tokens=5,  # type: ignore[arg-type]
+        )
+        assert out.choices[0].finish_reason == "length"
+        assert out.usage is not None and out.usage.completion_tokens == 5
+        stream = await oai.chat.completions.create(
+            model=big_stack.model,
+            messages=messages,  # type: ignore[arg-type]
+            max_tokens=5,
+            stream=True,
+        )
+        pieces = [c async for c in stream]
+        assert pieces[-1].choices[0].finish_reason == "length"
+
+
+async def test_small_requests_create_no_object(big_stack: ProcStack, js: Any) -> None:
+    _, written = await _stored(js)
+    async with big_stack.openai() as oai:
+        out = await oai.chat.completions.create(
+            model=big_stack.model, messages=_chat("hello there"), max_tokens=4
+        )
+    assert out.choices[0].message.content
+    async with await Client.connect(big_stack.procs.url) as c:
+        done = await c.chat_completion(big_stack.model, _chat("hello there"), max_tokens=4)
+    assert done.text
+    assert (await _stored(js))[1] == written
+
+
+async def test_a_body_over_the_limit_gets_413_naming_it(big_stack: ProcStack) -> None:
+    # Refused on its Content-Length, before any of it is read.
+    reader, writer = await asyncio.open_connection("127.0.0.1", big_stack.port)
+    writer.write(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {DEFAULT_LIMIT + 1}\r\n\r\n".encode()
+    )
+    await writer.drain()
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 30)
+    assert head.startswith(b"HTTP/1.1 413")
+    lines = head.split(b"\r\n")
+    length = int(next(h for h in lines if h.lower().startswith(b"content-length"))[15:])
+    err = json.loads(await reader.readexactly(length))["error"]
+    writer.close()
+    assert str(DEFAULT_LIMIT) in err["message"] and "bridge.max_body_bytes" in err["message"]
+
+
+async def test_a_large_request_over_nats_with_the_client(big_stack: ProcStack, js: Any) -> None:
+    want = expected_text(f"<|user|>{BIG}\n", 6, seed=1)[0]
+    _, written = await _stored(js)
+    async with await Client.connect(big_stack.procs.url) as c:
+        done = await c.chat_completion(big_stack.model, _chat(BIG), max_tokens=6, seed=1)
+        assert done.text == want
+        streamed = "".join(
+            [ch.text async for ch in c.chat(big_stack.model, _chat(BIG), max_tokens=6, seed=1)]
+        )
+        assert streamed == want
+    assert (await _stored(js))[1] > written  # it went by claim check (through ingress)
+    await wait_for(lambda: _held(js), what="the client's body objects deleted")
+
+
+async def _claimed(c: Client, model: str) -> dict[str, Any]:
+    """A chat body the client uploaded itself, as Stream.start does."""
+    body = {"model": model, "messages": _chat(BIG), "max_tokens": 4}
+    await bodies.put(c.nc, body, c.owner)
+    return body
+
+
+async def test_a_tampered_object_is_a_400(big_stack: ProcStack) -> None:
+    async with await Client.connect(big_stack.procs.url) as c:
+        body = await _claimed(c, big_stack.model)
+        claim = body["claim"]
+        # Its first chunk rewritten: the digest no longer matches.
+        await c.nc.jetstream().publish(
+            subjects.body_chunk(claim["owner"], claim["id"], 0), b"x" * bodies.CHUNK
+        )
+        with pytest.raises(TokenbusError) as got:
+            await c.submit("chat", body).collect()
+        assert got.value.status == 400 and "sha256" in got.value.message
+        # One cut short (a chunk missing) is a 400 as well.
+        body = await _claimed(c, big_stack.model)
+        claim = body["claim"]
+        await c.nc.jetstream().purge_stream(
+            subjects.BODIES_STREAM, subject=subjects.body_chunk(claim["owner"], claim["id"], 1)
+        )
+        with pytest.raises(TokenbusError) as got:
+            await c.submit("chat", body).collect()
+        assert got.value.status == 400 and "missing or incomplete" in got.value.message
+
+
+async def test_hostile_claims_are_refused(big_stack: ProcStack) -> None:
+    async with (
+        await Client.connect(big_stack.procs.url) as victim,
+        await Client.connect(big_stack.procs.url) as attacker,
+    ):
+        theirs = await _claimed(victim, big_stack.model)
+        # Naming another caller's object (its id learnt somehow): refused, not served.
+        stolen = {"model": big_stack.model, "max_tokens": 4, "claim": theirs["claim"]}
+        with pytest.raises(TokenbusError) as got:
+            await attacker.submit("chat", stolen).collect()
+        assert got.value.status == 400 and "own body objects" in got.value.message
+        # A huge declared size, or a size and chunk count that disagree.
+        mine = await _claimed(attacker, big_stack.model)
+        for lie in ({"size": 10**12}, {"chunks": 1}):
+            body = {
+                "model": big_stack.model,
+                "max_tokens": 4,
+                "claim": {**mine["claim"], **lie},
+            }
+            with pytest.raises(TokenbusError) as got:
+                await attacker.submit("chat", body).collect()
+            assert got.value.status == 400 and "claim." in got.value.message
+
+
+async def test_large_requests_on_the_locked_bus(tmp_path: Path) -> None:
+    """Each role holds what the claim check needs and no more: the bridge writes and deletes,
+    the router process and the worker read, the client role writes; nobody is refused."""
+    lk = Locked(tmp_path / "locked")
+    try:
+        model = "locked-large"
+        with Procs(lk.url, tmp_path) as procs:
+            stack = await start_stack(
+                procs,
+                model,
+                "ingress",
+                "router",
+                env={
+                    "TOKENBUS_BRIDGE__FUSE_ROUTER": "false",
+                    "TOKENBUS_WORKER__SIM__MAX_MODEL_LEN": "50000000",
+                },
+                env_for=lambda role, _: lk.env(role),
+                login=role_login(lk.users, "admin"),
+            )
+            want = expected_text(f"<|user|>{BIG}\n", 3)[0]
+            async with stack.openai() as oai:
+                out = await oai.chat.completions.create(
+                    model=model, messages=_chat(BIG), max_tokens=3
+                )
+                assert out.choices[0].message.content == want
+            e = lk.env("client")
+            async with await Client.connect(
+                lk.url, user=e["TOKENBUS_NATS_USER"], password=e["TOKENBUS_NATS_PASSWORD"]
+            ) as c:
+                done = await c.chat_completion(model, _chat(BIG), max_tokens=3)
+                assert done.text == want
+            for p in procs.procs:
+                assert p.alive(), p.name
+                said = re.findall(
+                    r"permissions violation for \w+ to \\?\"([^\"\\]+)", p.output().lower()
+                )
+                meant = ("$js.api.stream.info.tokenbus_usage", "_inbox.")
+                assert [x for x in said if not x.startswith(meant)] == [], (p.name, said)
+    finally:
+        lk.proc.terminate()
+        lk.proc.wait(10)
+
+
+async def test_large_responses_and_messages_requests_over_http(
+    big_stack: ProcStack, js: Any
+) -> None:
+    """The Responses API and Anthropic's Messages API are translations onto the chat path:
+    a large input goes by the same claim check."""
+    held, written = await _stored(js)  # the tampering tests' objects stay till they expire
+    async with big_stack.openai() as oai:
+        out = await oai.responses.create(model=big_stack.model, input=BIG, max_output_tokens=4)
+        assert out.status == "incomplete" and out.usage is not None
+        assert out.usage.output_tokens == 4
+        # Stored (its record larger than a KV value: kept in an object store), read back,
+        # continued from (the next turn carries the large input again), deleted.
+        assert (await oai.responses.retrieve(out.id)).id == out.id
+        more = await oai.responses.create(
+            model=big_stack.model, input="and?", previous_response_id=out.id, max_output_tokens=2
+        )
+        assert more.usage is not None and more.usage.input_tokens > out.usage.input_tokens
+        await oai.responses.delete(out.id)
+        with pytest.raises(openai.NotFoundError):
+            await oai.responses.retrieve(out.id)
+    body = {"model": big_stack.model, "max_tokens": 4, "messages": _chat(BIG)}
+    async with big_stack.http(timeout=60) as h:
+        r = await h.post("/v1/messages", json=body, headers={"anthropic-version": "2023-06-01"})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["output_tokens"] == 4
+    assert (await _stored(js))[1] >= written + 2 * -(-len(BIG) // bodies.CHUNK)
+    await wait_for(lambda: _held(js, held), what="their body objects deleted")
+
+
+async def test_a_store_that_is_gone_is_a_503_with_retry_after(
+    big_stack: ProcStack, js: Any
+) -> None:
+    await js.delete_stream(subjects.BODIES_STREAM)
+    try:
+        async with big_stack.http(timeout=60) as h:
+            r = await h.post(
+                "/v1/chat/completions",
+                json={"model": big_stack.model, "messages": _chat(BIG), "max_tokens": 2},
+            )
+        assert r.status_code == 503, r.text
+        assert int(r.headers["retry-after"]) >= 1
+        assert "large request bodies" in r.json()["error"]["message"]
+        # Small requests do not need it.
+        async with big_stack.openai() as oai:
+            out = await oai.chat.completions.create(
+                model=big_stack.model, messages=_chat("hi"), max_tokens=2
+            )
+        assert out.choices[0].message.content
+    finally:
+        await js.add_stream(bodies.config())
+
+
+async def test_the_filter_and_a_prompt_reading_router_read_the_object(
+    private_nats: NatsServer,
+) -> None:
+    """Over NATS through ingress, the filter stage and a router whose policy reads the prompt
+    (prefix_aware), each a service of its own: they resolve the claim; a secret deep in a
+    large prompt is blocked, a redaction (which would need the object rewritten) refused."""
+    model = new_model()
+    over = {
+        "filter": {"default_policy": "strict", "policies": {}},
+        "router": {"policy": "prefix_aware"},
+    }
+    sim = {"sim": {"max_model_len": 50_000_000}}
+    async with (
+        stack(private_nats.url, model, workers=2, filters=1, worker=sim, **over),
+        await Client.connect(private_nats.url) as c,
+    ):
+        done = await c.chat_completion(model, _chat(BIG), max_tokens=3)
+        assert done.text == expected_text(f"<|user|>{BIG}\n", 3)[0]
+        with pytest.raises(ContentBlocked) as got:
+            await c.chat_completion(model, _chat(BIG + " my key " + AWS), max_tokens=3)
+        assert got.value.detector != "redact"
+        with pytest.raises(ContentBlocked) as got:
+            await c.chat_completion(model, _chat(BIG + " mail jane.roe@example.org"), max_tokens=3)
+        assert got.value.detector == "redact" and "cannot be redacted" in got.value.message
+
+
+async def test_a_large_request_migrated_mid_stream_reads_the_same_object(
+    private_nats: NatsServer, tmp_path: Path
+) -> None:
+    """A worker killed mid-stream: the next replica reads the same object (no second upload),
+    the answer is whole, and the object goes when the stream ends. A bus of its own: the
+    module's stack must not take its requests."""
+    with Procs(private_nats.url, tmp_path) as procs:
+        nc = await nats.connect(private_nats.url)
+        try:
+            await _migrated(procs, nc.jetstream())
+        finally:
+            await nc.drain()
+
+
+async def _migrated(procs: Procs, js: Any) -> None:
+    model = new_model()
+    stack_ = await start_stack(
+        procs,
+        model,
+        "ingress",
+        "router",
+        workers=2,
+        worker_args=("--sim-prefill-ms", "5", "--sim-decode-ms", "20"),
+        env={
+            "TOKENBUS_WORKER__HEARTBEAT_INTERVAL_S": "0.25",
+            "TOKENBUS_WORKER__SIM__MAX_MODEL_LEN": "50000000",
+        },
+        settle=0.6,
+    )
+    _, written = await _stored(js)
+    async with await Client.connect(procs.url) as c:
+        s = c.chat(model, _chat(BIG), max_tokens=80)
+        text = ""
+        async for ch in s:
+            text += ch.text
+            if len(text.split(" ")) >= 10:
+                break
+        first = s.replica
+        assert first is not None
+        stack_.workers[int(first.rsplit("-", 1)[1])].signal(signal.SIGKILL)
+        async for ch in s:
+            text += ch.text
+        assert s.migrations == 1 and s.replica != first
+        assert text == expected_text(f"<|user|>{BIG}\n", 80)[0]
+        # One upload for both attempts.
+        assert (await _stored(js))[1] == written + -(-len(BIG) // bodies.CHUNK)
+    await wait_for(lambda: _held(js), what="the migrated request's body object deleted")
+
+
+async def test_a_16_mb_request_of_text_and_an_image_over_http_and_nats(
+    big_stack: ProcStack,
+) -> None:
+    """Issue 67's target size: 16 MB of text and image, served whole both ways."""
+    text = ("a long context line of an agent's transcript\\n" * 200_000)[:8_000_000]
+    image = "data:image/png;base64," + base64.b64encode(os.urandom(6_000_000)).decode()
+    messages = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": text},
+                {"type": "image_url", "image_url": {"url": image}},
+            ],
+        }
+    ]
+    assert len(json.dumps(messages)) > 16_000_000
+    async with big_stack.openai() as oai:
+        out = await oai.chat.completions.create(
+            model=big_stack.model,
+            messages=messages,  # type: ignore[arg-type]
+            max_tokens=3,
+            timeout=120,
+        )
+        assert out.usage is not None and out.usage.completion_tokens == 3
+    async with await Client.connect(big_stack.procs.url) as c:
+        done = await c.chat_completion(big_stack.model, messages, max_tokens=3)
+        assert done.usage.completion_tokens == 3
+
+
+async def test_a_prompt_far_over_the_context_is_refused_before_any_upload(
+    private_nats: NatsServer, tmp_path: Path
+) -> None:
+    """The engine's context is 131 072 tokens: a 1.5 MB prompt (about 375 000 tokens) gets
+    the OpenAI-shaped 400 at the bridge, and nothing is written."""
+    with Procs(private_nats.url, tmp_path) as procs:
+        ctx = {"TOKENBUS_WORKER__SIM__MAX_MODEL_LEN": "131072"}
+        st = await start_stack(procs, new_model(), workers=1, env=ctx)
+        nc = await nats.connect(private_nats.url)
+        try:
+            js = nc.jetstream()
+            _, written = await _stored(js)
+            async with st.openai() as oai:
+                with pytest.raises(openai.BadRequestError) as got:
+                    await oai.chat.completions.create(
+                        model=st.model, messages=_chat(BIG), max_tokens=2
+                    )
+            err = got.value.body
+            assert isinstance(err, dict) and err["code"] == "context_length_exceeded"
+            assert "maximum context length is 131072 tokens" in err["message"]
+            assert (await _stored(js))[1] == written
+        finally:
+            await nc.drain()
