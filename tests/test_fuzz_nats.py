@@ -611,6 +611,14 @@ class FuzzBus:
                 "$O.other.M.x",
             ]
             return Target(subs, meta, [], json_body=True)
+        if name == "bodies":
+            # The claim-checked request bodies' stream: a forged chunk of an object a request
+            # may name (its digest and size are checked when a service reads it).
+            subs = [
+                subjects.body_chunk("forged", "0" * 32, 0),
+                subjects.body_chunk("tbk.someone", "f" * 32, 3),
+            ]
+            return Target(subs, {"x": 1}, [], json_body=False)
         if name == "admin":
             subs = [
                 subjects.admin("auth", "keys"),
@@ -999,6 +1007,7 @@ FAMILIES = [
     "kv.keys",
     "batch",
     "objects",
+    "bodies",
     "admin",
     "discovery",
 ]
@@ -1448,6 +1457,7 @@ def test_the_families_cover_every_role() -> None:
         "$SRV.PING",
         subjects.batch_work("b", "line"),
         "$O.tokenbus_files.C.x",
+        subjects.body_chunk("forged", "0" * 32, 0),
     ]
     for role, (pub, _) in ROLES.items():
         for pattern in pub:
