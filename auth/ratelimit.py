@@ -78,6 +78,13 @@ def _sign(secret: bytes, principal: str, body: str) -> str:
     return hmac.new(secret, msg, hashlib.sha256).hexdigest()[:32]
 
 
+def _ticket_safe(rid: str) -> bool:
+    """Whether a ticket can carry ``rid`` (its fields are separated by commas). Ingress and
+    the bridge give every request an id that can; a role that sends a stage another (the
+    NATS fuzz: ``Tb-Request-Id: ,,,``) gets one made here instead of a failed handler."""
+    return bool(rid) and "," not in rid and len(rid) <= 128
+
+
 def issue_ticket(secret: bytes, principal: str, rid: str, t: Ticket) -> str:
     """``window,reserved,flags,owner,attempt,expires,rid,sig`` (``t.sig`` and ``t.rid`` are
     ignored): signed for the key and the request, whose id it carries, so the next attempt,
@@ -226,6 +233,8 @@ class RateLimitCheck:
             # (none, forged, replayed) is a new request, under an id of its own, never one a
             # caller named.
             proved = prior.rid if prior is not None else rid if attempt < 1 else None
+            if proved is not None and not _ticket_safe(proved):
+                proved = None  # no id a ticket can carry (a comma, too long): one of ours
             if proved != rid:
                 rid = proved or marks.new_request_id()
                 hdrs[H.REQUEST_ID] = rid

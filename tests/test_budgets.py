@@ -732,3 +732,26 @@ async def test_a_background_response_whose_runner_died_is_paid_for_once(
         assert second.alive()
     finally:
         await nc.drain()
+
+
+async def test_a_request_id_no_ticket_can_carry_gets_one_of_the_limiters_own(
+    nats_server: Any,
+) -> None:
+    """A stage role that sends the ratelimit stage a request whose id a ticket cannot carry
+    (``Tb-Request-Id: ,,,``, found by the NATS fuzz) has it admitted under an id the limiter
+    makes, not a failed handler with a traceback."""
+    nc = await nats.connect(nats_server.url)
+    try:
+        check = await _check(nc, f"commas{time.time_ns()}")
+        hdrs = {
+            H.PRINCIPAL: f"k{time.time_ns()}",
+            H.LIMITS: "100,,",
+            H.REQUEST_ID: ",,,",
+        }
+        env: dict[str, Any] = {"request_id": ",,,", "messages": [], "params": {}}
+        await check.apply(hdrs, env)
+        rid = hdrs[H.REQUEST_ID]
+        assert rid != ",,," and "," not in rid and env["request_id"] == rid
+        assert rid in hdrs[H.ADMISSION]
+    finally:
+        await nc.close()
