@@ -19,6 +19,7 @@ Predictions are still made for it meanwhile, so the loop stays closed.
 
 from __future__ import annotations
 
+import json
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,7 +47,7 @@ class KVCheck:
         self.incompatible: dict[str, str] = {}  # replica -> why
         self.disagreeing: dict[str, str] = {}  # replica -> why
         self.refused_batches = 0
-        self._judged: dict[str, tuple[Any, ...]] = {}  # replica -> the hashing last judged
+        self._judged: dict[str, str] = {}  # replica -> the hashing last judged (JSON)
         self._loops: dict[str, _Loop] = {}
 
     # -- at join ------------------------------------------------------------------------------
@@ -64,7 +65,7 @@ class KVCheck:
     def why_incompatible(self, hashing: dict[str, Any] | None) -> str | None:
         """Why this router cannot compute ``hashing``'s block hashes; None when it can (or the
         replica did not say: an older worker is not judged)."""
-        if hashing is None:
+        if not isinstance(hashing, dict) or not isinstance(hashing.get("kind"), str):
             return None
         kind = hashing.get("kind")
         size = hashing.get("block_size")
@@ -87,7 +88,8 @@ class KVCheck:
         """Judge ``r``'s announced hashing (logged when the verdict is new): True when its
         events may be indexed."""
         hashing = r.kv_hashing
-        key = tuple(sorted((hashing or {}).items()))
+        # Any JSON the heartbeat carried (a hostile role's lists and maps too) as one key.
+        key = json.dumps(hashing, sort_keys=True, default=str)
         if self._judged.get(r.replica) == key:
             return r.replica not in self.incompatible
         self._judged[r.replica] = key
@@ -98,7 +100,11 @@ class KVCheck:
             return True
         assert hashing is not None
         self.incompatible[r.replica] = why
-        self.log.error(
+        # A known scheme hashed otherwise is an operator's mistake to fix (error); a scheme
+        # this router has never heard of is a newer worker, or a heartbeat made up.
+        known = hashing.get("kind") in (kv.SCHEME_TEXT, kv.SCHEME_VLLM)
+        say = self.log.error if known else self.log.warning
+        say(
             "kv_hashing_mismatch",
             replica=r.replica,
             model=r.model,

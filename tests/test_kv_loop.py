@@ -251,6 +251,31 @@ def test_what_a_router_refuses_at_join() -> None:
     assert "block size 32" in str(pinned.why_incompatible({"kind": "text", "block_size": 32}))
     assert "hash seed ''" in str(pinned.why_incompatible({"kind": "text", "block_size": 16}))
     assert pinned.why_incompatible({"kind": "text", "block_size": 16, "seed": "s1"}) is None
+    # What a heartbeat made up carries (the NATS fuzz: an empty map, a kind that is no
+    # string, lists for values) is not judged and breaks nothing; a kind never heard of is
+    # refused with a warning, not logged as the operator's fault an error says.
+    assert check.why_incompatible({}) is None
+    assert check.why_incompatible({"kind": ["text"], "block_size": {}}) is None
+    said: list[tuple[str, str]] = []
+
+    class Log:
+        def error(self, event: str, **kw: Any) -> None:
+            said.append(("error", event))
+
+        def warning(self, event: str, **kw: Any) -> None:
+            said.append(("warning", event))
+
+        def info(self, event: str, **kw: Any) -> None:
+            said.append(("info", event))
+
+    from router.registry import Replica
+
+    odd = KVCheck(KVCheckSettings(), log=Log())
+    r = Replica("m-0", "m", "tb.v1.engine.m.m-0")
+    for hashing in ({}, {"kind": "made-up", "x": [1]}, {"kind": "text", "seed": "other"}):
+        r.kv_hashing = hashing
+        odd.admit(r)
+    assert said == [("warning", "kv_hashing_mismatch"), ("error", "kv_hashing_mismatch")]
 
 
 # -- mismatch at join: real processes -------------------------------------------------------
