@@ -22,26 +22,7 @@ from tokenbus.evaluation.nemesis import Config, print_table, run_nemesis
 @pytest.mark.timeout(300)
 async def test_invariants_hold_under_a_fault_every_three_seconds(tmp_path: Path) -> None:
     seed = int(os.environ.get("TOKENBUS_NEMESIS_SEED") or 4805)
-    cfg = Config(
-        duration_s=27.0,
-        fault_every_s=3.0,
-        nodes=3,
-        seed=seed,
-        per_role=1,
-        workers=2,
-        bridges=1,
-        nats_clients=3,
-        http_clients=3,
-        deadline_s=15.0,
-        batch_lines=12,
-        warmup_s=2.0,
-        pause_s=1.2,
-        partition_s=1.5,
-        down_s=0.5,
-        run_dir=str(tmp_path / "run"),
-        out=str(tmp_path / "nemesis.json"),
-        quiet=True,
-    )
+    cfg = _short(tmp_path, seed=seed, nodes=3, duration_s=27.0, bridges=1, partition_s=1.5)
     report = await run_nemesis(cfg)
     print_table(report)  # shown with -s: the seed, the faults, what each cost
     failed = {i["name"]: i["examples"] for i in report["invariants"] if not i["ok"]}
@@ -56,6 +37,27 @@ async def test_invariants_hold_under_a_fault_every_three_seconds(tmp_path: Path)
     # naming it, never as a pass; any other violation fails, a hold of an answered request
     # left included (finding 10, fixed).
     _verdict(seed, failed)
+
+
+def _short(tmp_path: Path, **over: Any) -> Config:
+    """The suite's short run: one instance of each member role, two workers, three NATS and
+    three HTTP clients, a fault every 3 s, timers small; ``over`` what a test sets."""
+    base: dict[str, Any] = {
+        "fault_every_s": 3.0,
+        "per_role": 1,
+        "workers": 2,
+        "nats_clients": 3,
+        "http_clients": 3,
+        "deadline_s": 15.0,
+        "batch_lines": 12,
+        "warmup_s": 2.0,
+        "pause_s": 1.2,
+        "down_s": 0.5,
+        "run_dir": str(tmp_path / "run"),
+        "out": str(tmp_path / "nemesis.json"),
+        "quiet": True,
+    }
+    return Config(**{**base, **over})
 
 
 def _verdict(seed: int, failed: dict[str, Any]) -> None:
@@ -81,25 +83,13 @@ async def test_invariants_hold_when_the_only_nats_server_is_paused_and_killed(
     pauses of the processes, every 3 s under the load; two bridges behind the harness'
     balancer. Streams ride out a pause of the only server (issue 65)."""
     seed = int(os.environ.get("TOKENBUS_NEMESIS_SEED") or 9001)
-    cfg = Config(
-        duration_s=24.0,
-        fault_every_s=3.0,
-        nodes=1,
+    cfg = _short(
+        tmp_path,
         seed=seed,
-        kinds=("nats_pause", "pause", "kill"),
-        per_role=1,
-        workers=2,
+        nodes=1,
+        duration_s=24.0,
         bridges=2,
-        nats_clients=3,
-        http_clients=3,
-        deadline_s=15.0,
-        batch_lines=12,
-        warmup_s=2.0,
-        pause_s=1.2,
-        down_s=0.5,
-        run_dir=str(tmp_path / "run"),
-        out=str(tmp_path / "nemesis.json"),
-        quiet=True,
+        kinds=("nats_pause", "pause", "kill"),
     )
     report = await run_nemesis(cfg)
     print_table(report)

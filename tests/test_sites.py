@@ -194,7 +194,6 @@ async def test_a_site_s_link_carries_only_what_its_replicas_need(tmp_path: Path)
                     await hub.publish(s, b"x")
                 await hub.publish(allowed, b"x")
                 await hub.flush()
-                await asyncio.sleep(0)
                 return allowed in got
 
             await wait_for(crossed, interval=0.1, what="site a's engine subject crossing")
@@ -216,7 +215,6 @@ async def test_a_site_s_link_carries_only_what_its_replicas_need(tmp_path: Path)
                     await site.publish(s, b"x")
                 await site.publish(mine, b"x")
                 await site.flush()
-                await asyncio.sleep(0)
                 return mine in back
 
             await wait_for(crossed_back, interval=0.1, what="site a's heartbeat crossing")
@@ -325,7 +323,6 @@ async def test_a_site_dials_a_tls_hub_over_tls(tmp_path: Path) -> None:
             async def crossed() -> bool:
                 await site.publish(subjects.heartbeat(MODEL, a0), b"{}")
                 await site.flush()
-                await asyncio.sleep(0)
                 return bool(got)
 
             await wait_for(crossed, interval=0.1, what="site a's beat over the TLS link")

@@ -376,9 +376,9 @@ async def test_streams_ride_out_a_paused_nats_server(
         srv.stop()
 
 
-class _NatsLoad:
-    """``clients`` closed-loop ``tokenbus.Client`` streams over NATS, one connection each,
-    logged in with ``key``, until :meth:`stop`; the outcomes as :class:`_Load`'s."""
+class _NatsLoad(_Load):
+    """``tokenbus.Client`` streams over NATS, one closed loop per connection in ``tbs``
+    (each logged in with its key), until :meth:`stop`; the outcomes as :class:`_Load`'s."""
 
     def __init__(self, tbs: list[Client], model: str, want: str | None) -> None:
         self.outcomes: Counter[str] = Counter()
@@ -396,14 +396,6 @@ class _NatsLoad:
                 self.outcomes["ok" if "".join(got) == want else "wrong_text"] += 1
 
         self._task = asyncio.gather(*(client(tb) for tb in tbs))
-
-    async def served(self, more: int, what: str) -> None:
-        target = self.outcomes["ok"] + more
-        await wait_for(lambda: self.outcomes["ok"] >= target, timeout=60, what=what)
-
-    async def stop(self) -> None:
-        self._stopping.set()
-        await self._task
 
 
 def _start_up(args: list[str], env: dict[str, str], log: Any) -> subprocess.Popen[bytes]:
@@ -448,6 +440,7 @@ async def test_the_stack_users_start_rides_out_a_paused_nats_server(
         oai = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, max_retries=0)
 
         async def ready() -> bool:
+            assert proc.poll() is None, "the stack exited"
             with contextlib.suppress(openai.APIError, httpx.HTTPError):
                 ref = await oai.chat.completions.create(
                     model="tokenbus-sim", messages=PROMPT, max_tokens=48
@@ -456,10 +449,7 @@ async def test_the_stack_users_start_rides_out_a_paused_nats_server(
             return bool(want)
 
         want: list[str | None] = []
-        deadline = time.monotonic() + 90
-        while not await ready():
-            assert proc.poll() is None and time.monotonic() < deadline, "the stack did not serve"
-            await asyncio.sleep(0.2)
+        await wait_for(ready, timeout=90, interval=0.2, what="the stack did not serve")
         tbs = [await Client.connect(f"nats://127.0.0.1:{nats_port}", api_key=key) for _ in range(4)]
         http = _Load(oai, "tokenbus-sim", want[0], 8, max_tokens=48)
         bus = _NatsLoad(tbs, "tokenbus-sim", want[0])

@@ -82,50 +82,19 @@ async def main(
         errors: list[str] = []
         resumed_at: list[float] = []
         first_after: dict[str, float] = {}
-        running: Counter[str] = Counter()
         stop = asyncio.Event()
 
         def done(path: str, text: str) -> None:
             outcomes[path]["ok" if text == want else "wrong_text"] += 1
-            if resumed_at and path not in first_after:
+            if resumed_at and path in ("http", "nats") and path not in first_after:
                 first_after[path] = round(time.monotonic() - resumed_at[0], 2)
 
-        async def http_client() -> None:
-            while not stop.is_set():
-                parts = []
-                running["http"] += 1
-                try:
-                    stream: Any = await oai.chat.completions.create(
-                        model=model, messages=msgs, max_tokens=MAX_TOKENS, stream=True, timeout=120
-                    )
-                    async for c in stream:
-                        if c.choices:
-                            parts.append(c.choices[0].delta.content or "")
-                except openai.APIError as exc:
-                    outcomes["http"][type(exc).__name__] += 1
-                    errors.append("http " + repr(exc)[:200])
-                    continue
-                finally:
-                    running["http"] -= 1
-                done("http", "".join(parts))
+        def failed(path: str, exc: BaseException) -> None:
+            outcomes[path][type(exc).__name__] += 1
+            errors.append(f"{path.replace('_', ' ')} {exc!r}"[:210])
 
-        async def nats_client(tb: Client) -> None:
-            while not stop.is_set():
-                running["nats"] += 1
-                try:
-                    parts = [
-                        f.text
-                        async for f in tb.chat(model, msgs, max_tokens=MAX_TOKENS, timeout=120)
-                    ]
-                except Exception as exc:
-                    outcomes["nats"][type(exc).__name__] += 1
-                    errors.append("nats " + repr(exc)[:200])
-                    continue
-                finally:
-                    running["nats"] -= 1
-                done("nats", "".join(parts))
-
-        async def late_http() -> None:
+        async def one_http(path: str) -> None:
+            """One streamed chat completion over HTTP, its outcome under ``path``."""
             parts = []
             try:
                 stream: Any = await oai.chat.completions.create(
@@ -135,19 +104,28 @@ async def main(
                     if c.choices:
                         parts.append(c.choices[0].delta.content or "")
             except openai.APIError as exc:
-                outcomes["late_http"][type(exc).__name__] += 1
-                errors.append("late http " + repr(exc)[:200])
+                failed(path, exc)
                 return
-            outcomes["late_http"]["ok" if "".join(parts) == want else "wrong_text"] += 1
+            done(path, "".join(parts))
 
-        async def late_nats(tb: Client) -> None:
+        async def one_nats(tb: Client, path: str) -> None:
+            """One streamed chat completion from a NATS client, its outcome under ``path``."""
             try:
-                got = await tb.chat_completion(model, msgs, max_tokens=MAX_TOKENS, timeout=120)
+                got = [
+                    f.text async for f in tb.chat(model, msgs, max_tokens=MAX_TOKENS, timeout=120)
+                ]
             except Exception as exc:
-                outcomes["late_nats"][type(exc).__name__] += 1
-                errors.append("late nats " + repr(exc)[:200])
+                failed(path, exc)
                 return
-            outcomes["late_nats"]["ok" if got.text == want else "wrong_text"] += 1
+            done(path, "".join(got))
+
+        async def http_client() -> None:
+            while not stop.is_set():
+                await one_http("http")
+
+        async def nats_client(tb: Client) -> None:
+            while not stop.is_set():
+                await one_nats(tb, "nats")
 
         outcomes["late_http"] = Counter()
         outcomes["late_nats"] = Counter()
@@ -162,8 +140,8 @@ async def main(
         await asyncio.sleep(pause_s / 2)
         # Requests that start during the stall: 4 over HTTP (new connections to the bridges)
         # and 2 from NATS clients connected before it. Each should wait, not fail.
-        late = [asyncio.create_task(late_http()) for _ in range(4)]
-        late += [asyncio.create_task(late_nats(tb)) for tb in tbs[:2]]
+        late = [asyncio.create_task(one_http("late_http")) for _ in range(4)]
+        late += [asyncio.create_task(one_nats(tb, "late_nats")) for tb in tbs[:2]]
         await asyncio.sleep(pause_s / 2)
         os.kill(nats_pid, signal.SIGCONT)
         resumed_at.append(time.monotonic())
