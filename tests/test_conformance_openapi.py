@@ -142,8 +142,9 @@ REFUSALS = NOT_SERVED + BOUNDED + IN_WORDS + INCONSISTENT + EXTENSIONS
 def refused_on_purpose(err: dict[str, Any]) -> bool:
     """Whether an OpenAI error object is one of :data:`REFUSALS`."""
     param = err.get("param")
+    # DOTALL: a fuzzed key may hold a newline, and a param names the key it is under.
     return any(
-        (r.param is None or (param is not None and re.fullmatch(r.param, param)))
+        (r.param is None or (param is not None and re.fullmatch(r.param, param, re.DOTALL)))
         and re.search(r.message, err["message"])
         for r in REFUSALS
     )
