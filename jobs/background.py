@@ -46,7 +46,9 @@ from bus_schemas import subjects
 from dialects import responses as R
 from jobs.batches import BatchStore
 from jobs.inprocess import BACKGROUND, RERUN, TIMEOUT, App, InProcess
-from jobs.response_store import ResponseStore, conversation, open_store
+from jobs.job_records import ResponseRecord, ResponseWork, RunState
+from jobs.response_store import conversation, open_store
+from jobs.storage import ResponseStorage, WorkQueue
 from services import buckets
 from services import logging as tlog
 from services.caller import MAX_MIGRATIONS, Rerun
@@ -66,8 +68,8 @@ class Background:
     def __init__(
         self,
         nc: NATS,
-        store: BatchStore,
-        responses: ResponseStore,
+        store: WorkQueue,
+        responses: ResponseStorage,
         app: App | None,
         check: Callable[[dict[str, Any]], object],
     ) -> None:
@@ -159,12 +161,8 @@ class Background:
         return out, ended, cursor
 
     async def submit(self, response_id: str, owner: str, body: dict[str, Any]) -> None:
-        await self.store.publish(
-            response_id,
-            "response",
-            {"batch": response_id, "owner": owner, "body": body},
-            response_id,
-        )
+        work: ResponseWork = {"batch": response_id, "owner": owner, "body": body}
+        await self.store.publish(response_id, "response", work, response_id)
 
     # -- following ----------------------------------------------------------------------------
     async def follow(
@@ -211,7 +209,7 @@ class Background:
                 await sub.unsubscribe()
 
     # -- cancelling ---------------------------------------------------------------------------
-    async def cancel(self, response_id: str, rec: dict[str, Any]) -> dict[str, Any]:
+    async def cancel(self, response_id: str, rec: ResponseRecord) -> dict[str, Any]:
         """Mark an open background response cancelled and tell its runner; a finished one
         is answered as it is."""
         resp: dict[str, Any] = rec["response"]
@@ -229,7 +227,7 @@ class Background:
         return resp
 
     # -- running (a batch runner's work) ------------------------------------------------------
-    async def run(self, body: dict[str, Any]) -> bool:
+    async def run(self, body: ResponseWork) -> bool:
         """Run one background response (see the module docstring); True: settled."""
         response_id, owner = str(body["batch"]), str(body.get("owner") or "")
         cancelled = asyncio.Event()
@@ -247,7 +245,7 @@ class Background:
                 await sub.unsubscribe()
 
     async def _run(
-        self, response_id: str, owner: str, body: dict[str, Any], cancelled: asyncio.Event
+        self, response_id: str, owner: str, body: ResponseWork, cancelled: asyncio.Event
     ) -> bool:
         try:
             rec = await self.responses.get(response_id, owner)
@@ -259,7 +257,7 @@ class Background:
         # if the record says so. This run numbers its attempts after every attempt that run
         # could have made, under the same request id, and sends the admission of its last
         # one: the limiter charges that attempt nothing, so the response is paid for once.
-        run = dict(rec.get("run") or {})
+        run: RunState = rec.get("run") or {}
         rerun = Rerun(
             first=int(run.get("next", 0) or 0),
             ticket=str(run.get("ticket") or ""),
