@@ -35,7 +35,7 @@ import contextlib
 import json
 import math
 import uuid
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Mapping
 from typing import Any
 
 from nats.aio.client import Client as NATS
@@ -46,7 +46,7 @@ from bus_schemas import subjects
 from dialects import responses as R
 from jobs.batches import BatchStore
 from jobs.inprocess import BACKGROUND, RERUN, TIMEOUT, App, InProcess
-from jobs.job_records import ResponseRecord, ResponseWork, RunState
+from jobs.job_records import ResponseEnd, ResponseRecord, ResponseWork, RunState
 from jobs.response_store import conversation, open_store
 from jobs.storage import ResponseStorage, WorkQueue
 from services import buckets
@@ -189,12 +189,12 @@ class Background:
                     # Quiet: a response that ended while its events aged out ends here too.
                     rec = await self.responses.get(response_id, owner)
                     if rec["response"]["status"] not in OPEN and queue.empty():
-                        end: dict[str, Any] = {
+                        end: ResponseEnd = {
                             "type": f"response.{rec['response']['status']}",
                             "response": rec["response"],
                             "sequence_number": after + 1,
                         }
-                        yield end
+                        yield dict(end)
                         break
                     continue
                 ev = json.loads(data)
@@ -222,7 +222,11 @@ class Background:
             if queued:  # no runner will: its events end here (a runner that just took it
                 # drops them, and ends its own with response.cancelled)
                 with contextlib.suppress(Exception):
-                    end = {"type": "response.cancelled", "response": resp, "sequence_number": 0}
+                    end: ResponseEnd = {
+                        "type": "response.cancelled",
+                        "response": resp,
+                        "sequence_number": 0,
+                    }
                     await _Events(self.js, subjects.batch_events(response_id)).publish(end)
         return resp
 
@@ -298,12 +302,12 @@ class Background:
             latest = await self.responses.get(response_id, owner)
             latest["response"]["status"] = "cancelled"
             await self.responses.replace(response_id, latest)
-            end = {
+            cancelled_end: ResponseEnd = {
                 "type": "response.cancelled",
                 "response": latest["response"],
                 "sequence_number": events.last + 1,
             }
-            await events.publish(end)
+            await events.publish(cancelled_end)
             return True
         finally:
             stop.cancel()
@@ -391,13 +395,12 @@ class Background:
         }
         if not await self.responses.replace(response_id, rec):
             raise E.ServiceUnavailable(f"{response_id}: its failure could not be stored; retry")
-        await events.publish(
-            {
-                "type": "response.failed",
-                "response": rec["response"],
-                "sequence_number": events.last + 1,
-            }
-        )
+        failed: ResponseEnd = {
+            "type": "response.failed",
+            "response": rec["response"],
+            "sequence_number": events.last + 1,
+        }
+        await events.publish(failed)
 
 
 class _Kept(Exception):
@@ -427,7 +430,7 @@ class _Events:
                     self.last = max(self.last, int(ev.get("sequence_number", self.last)))
                     await self.publish(ev)
 
-    async def publish(self, ev: dict[str, Any]) -> None:
+    async def publish(self, ev: Mapping[str, Any]) -> None:
         """One event, through a stalled stream leader too: its id (the response's subject,
         this run, the event's sequence number) makes a repeat a no-op."""
         data = json.dumps(ev).encode()

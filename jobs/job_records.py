@@ -179,6 +179,15 @@ class LargeRef(TypedDict):
     sha256: str
 
 
+class ResponseEnd(TypedDict):
+    """The event that ends a background response's events when its runner could not send
+    the app's own (cancelled, failed before it ran, or ended while its events aged out)."""
+
+    type: str
+    response: dict[str, Any]
+    sequence_number: int
+
+
 class ResponseRecord(TypedDict, total=False):
     """A stored response (:func:`dialects.responses.record`), and for a background one its
     flag and run; in KV, a large one is its owner and a :class:`LargeRef` only."""
