@@ -20,7 +20,7 @@ import contextlib
 import dataclasses
 import json
 import time
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable, Mapping, MutableMapping, Sequence
 from typing import Any
 from urllib.parse import parse_qs
 
@@ -94,7 +94,7 @@ def query_of(scope: Scope) -> dict[str, str]:
 
 
 def list_page(
-    newest_first: list[dict[str, Any]],
+    newest_first: Sequence[Mapping[str, Any]],
     query: dict[str, str],
     *,
     default: int = 20,

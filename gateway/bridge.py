@@ -491,7 +491,7 @@ class Bridge(Service):
         self, api: OpenAIApp, keys: KeyStore | None, responses: ResponsesAPI
     ) -> None:
         cfg = self.settings
-        handlers: dict[str, Callable[[dict[str, Any]], Awaitable[bool]]] = {}
+        handlers: dict[str, Callable[[Any], Awaitable[bool]]] = {}
         files = await FileStore(self.nc, cfg.files).open()
         store = await BatchStore(self.nc, cfg.batches, cfg.files.ttl_s).open()
         if cfg.batches.enabled and responses.store is not None:

@@ -385,6 +385,7 @@ class Console:
         parts = rest.split("/")
         if method == "GET" and len(parts) == 1:
             try:
+                found: list[dict[str, Any]]
                 if s.admin:
                     recs = await self.batches.all()
                     found = [dict(r["batch"], owner=r.get("owner", "")) for r in recs]

@@ -7,4 +7,8 @@ makes to its own process's HTTP app (``inprocess``).
 The gateway serves these over HTTP (``gateway.files``, ``gateway.batches``,
 ``gateway.responses``) and to NATS clients through ingress (the ``*State`` classes here).
 This layer imports the contract, the kit, the actors and the dialects; never the gateway.
+
+What they keep and send is typed once: the records (``job_records``), a batch's statuses
+and the changes between them (``batch_status``), and what the runners, background responses
+and batch creation need of the stores (``storage``, ``Protocol`` interfaces).
 """

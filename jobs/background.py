@@ -35,7 +35,7 @@ import contextlib
 import json
 import math
 import uuid
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Mapping
 from typing import Any
 
 from nats.aio.client import Client as NATS
@@ -46,7 +46,9 @@ from bus_schemas import subjects
 from dialects import responses as R
 from jobs.batches import BatchStore
 from jobs.inprocess import BACKGROUND, RERUN, TIMEOUT, App, InProcess
-from jobs.response_store import ResponseStore, conversation, open_store
+from jobs.job_records import ResponseEnd, ResponseRecord, ResponseWork, RunState
+from jobs.response_store import conversation, open_store
+from jobs.storage import ResponseStorage, WorkQueue
 from services import buckets
 from services import logging as tlog
 from services.caller import MAX_MIGRATIONS, Rerun
@@ -66,8 +68,8 @@ class Background:
     def __init__(
         self,
         nc: NATS,
-        store: BatchStore,
-        responses: ResponseStore,
+        store: WorkQueue,
+        responses: ResponseStorage,
         app: App | None,
         check: Callable[[dict[str, Any]], object],
     ) -> None:
@@ -159,12 +161,8 @@ class Background:
         return out, ended, cursor
 
     async def submit(self, response_id: str, owner: str, body: dict[str, Any]) -> None:
-        await self.store.publish(
-            response_id,
-            "response",
-            {"batch": response_id, "owner": owner, "body": body},
-            response_id,
-        )
+        work: ResponseWork = {"batch": response_id, "owner": owner, "body": body}
+        await self.store.publish(response_id, "response", work, response_id)
 
     # -- following ----------------------------------------------------------------------------
     async def follow(
@@ -191,12 +189,12 @@ class Background:
                     # Quiet: a response that ended while its events aged out ends here too.
                     rec = await self.responses.get(response_id, owner)
                     if rec["response"]["status"] not in OPEN and queue.empty():
-                        end: dict[str, Any] = {
+                        end: ResponseEnd = {
                             "type": f"response.{rec['response']['status']}",
                             "response": rec["response"],
                             "sequence_number": after + 1,
                         }
-                        yield end
+                        yield dict(end)
                         break
                     continue
                 ev = json.loads(data)
@@ -211,7 +209,7 @@ class Background:
                 await sub.unsubscribe()
 
     # -- cancelling ---------------------------------------------------------------------------
-    async def cancel(self, response_id: str, rec: dict[str, Any]) -> dict[str, Any]:
+    async def cancel(self, response_id: str, rec: ResponseRecord) -> dict[str, Any]:
         """Mark an open background response cancelled and tell its runner; a finished one
         is answered as it is."""
         resp: dict[str, Any] = rec["response"]
@@ -224,12 +222,16 @@ class Background:
             if queued:  # no runner will: its events end here (a runner that just took it
                 # drops them, and ends its own with response.cancelled)
                 with contextlib.suppress(Exception):
-                    end = {"type": "response.cancelled", "response": resp, "sequence_number": 0}
+                    end: ResponseEnd = {
+                        "type": "response.cancelled",
+                        "response": resp,
+                        "sequence_number": 0,
+                    }
                     await _Events(self.js, subjects.batch_events(response_id)).publish(end)
         return resp
 
     # -- running (a batch runner's work) ------------------------------------------------------
-    async def run(self, body: dict[str, Any]) -> bool:
+    async def run(self, body: ResponseWork) -> bool:
         """Run one background response (see the module docstring); True: settled."""
         response_id, owner = str(body["batch"]), str(body.get("owner") or "")
         cancelled = asyncio.Event()
@@ -247,7 +249,7 @@ class Background:
                 await sub.unsubscribe()
 
     async def _run(
-        self, response_id: str, owner: str, body: dict[str, Any], cancelled: asyncio.Event
+        self, response_id: str, owner: str, body: ResponseWork, cancelled: asyncio.Event
     ) -> bool:
         try:
             rec = await self.responses.get(response_id, owner)
@@ -259,7 +261,7 @@ class Background:
         # if the record says so. This run numbers its attempts after every attempt that run
         # could have made, under the same request id, and sends the admission of its last
         # one: the limiter charges that attempt nothing, so the response is paid for once.
-        run = dict(rec.get("run") or {})
+        run: RunState = rec.get("run") or {}
         rerun = Rerun(
             first=int(run.get("next", 0) or 0),
             ticket=str(run.get("ticket") or ""),
@@ -300,12 +302,12 @@ class Background:
             latest = await self.responses.get(response_id, owner)
             latest["response"]["status"] = "cancelled"
             await self.responses.replace(response_id, latest)
-            end = {
+            cancelled_end: ResponseEnd = {
                 "type": "response.cancelled",
                 "response": latest["response"],
                 "sequence_number": events.last + 1,
             }
-            await events.publish(end)
+            await events.publish(cancelled_end)
             return True
         finally:
             stop.cancel()
@@ -393,13 +395,12 @@ class Background:
         }
         if not await self.responses.replace(response_id, rec):
             raise E.ServiceUnavailable(f"{response_id}: its failure could not be stored; retry")
-        await events.publish(
-            {
-                "type": "response.failed",
-                "response": rec["response"],
-                "sequence_number": events.last + 1,
-            }
-        )
+        failed: ResponseEnd = {
+            "type": "response.failed",
+            "response": rec["response"],
+            "sequence_number": events.last + 1,
+        }
+        await events.publish(failed)
 
 
 class _Kept(Exception):
@@ -429,7 +430,7 @@ class _Events:
                     self.last = max(self.last, int(ev.get("sequence_number", self.last)))
                     await self.publish(ev)
 
-    async def publish(self, ev: dict[str, Any]) -> None:
+    async def publish(self, ev: Mapping[str, Any]) -> None:
         """One event, through a stalled stream leader too: its id (the response's subject,
         this run, the event's sequence number) makes a repeat a no-op."""
         data = json.dumps(ev).encode()

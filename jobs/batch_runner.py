@@ -28,7 +28,7 @@ import json
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any
+from typing import Any, Literal, cast
 
 from nats.aio.client import Client as NATS
 from nats.js import api
@@ -36,13 +36,24 @@ from prometheus_client import Counter, Gauge
 
 from bus_schemas import codec, subjects
 from bus_schemas import errors as E
-from jobs.batches import CONSUMER, OPEN, STATUSES, STREAM, BatchStore, parse_input
-from jobs.files import OUTPUT_PURPOSE, FileStore
+from jobs.batch_status import OPEN, STATUSES, allowed, transition
+from jobs.batches import CONSUMER, STREAM, parse_input
+from jobs.files import OUTPUT_PURPOSE
 from jobs.inprocess import TIMEOUT, App, InProcess
+from jobs.job_records import (
+    BatchError,
+    BatchRecord,
+    LineError,
+    LineResponse,
+    LineWork,
+    ResultLine,
+)
+from jobs.storage import BatchStorage, FileStorage
 from services import logging as tlog
 from services.config import BatchSettings
 from services.runtime import cancel_and_wait
 
+Ending = Literal["completed", "cancelled", "expired"]  # how a finished batch ends
 SWEEP_S = 3.0
 GAUGE_SWEEPS = 10  # the gauges (which read every batch) every 10th sweep
 FLUSH_S = 1.0
@@ -75,11 +86,11 @@ class BatchRunner:
     def __init__(
         self,
         nc: NATS,
-        store: BatchStore,
-        files: FileStore,
+        store: BatchStorage,
+        files: FileStorage,
         app: App,
         settings: BatchSettings,
-        handlers: Mapping[str, Callable[[dict[str, Any]], Awaitable[bool]]] | None = None,
+        handlers: Mapping[str, Callable[[Any], Awaitable[bool]]] | None = None,
     ) -> None:
         self.nc = nc
         self.store = store
@@ -92,10 +103,10 @@ class BatchRunner:
         self._flushing: asyncio.Task[None] | None = None
         self._sweeps = 0
         self._tally: dict[str, list[int]] = {}  # batch -> [ok, failed] not yet in its record
-        self._records: dict[str, tuple[float, dict[str, Any] | None]] = {}
+        self._records: dict[str, tuple[float, BatchRecord | None]] = {}
         self._slots = asyncio.Semaphore(settings.concurrency)
         # More kinds of work on the same queue: kind -> handler(body) -> settled (a
-        # background response: jobs/background.py).
+        # background response: jobs/background.py, its body a ResponseWork).
         self.handlers = dict(handlers or {})
         self.lines_run = 0
 
@@ -180,7 +191,7 @@ class BatchRunner:
                 await msg.ack()
                 await self._maybe_finish(batch_id)
             elif what == "line":
-                if await self._line(batch_id, body, msg):
+                if await self._line(batch_id, cast(LineWork, body), msg):
                     await msg.ack()
             elif what in self.handlers:
                 keep = asyncio.get_running_loop().create_task(self._keep_in_progress(msg))
@@ -235,23 +246,23 @@ class BatchRunner:
                 )
             )
 
-        def running(rec: dict[str, Any]) -> bool:
-            if rec["batch"]["status"] != "validating":
+        def running(rec: BatchRecord) -> bool:
+            if not allowed(rec["batch"]["status"], "in_progress"):  # validating only
                 return False
             rec["total"] = len(lines)
             rec["batch"]["request_counts"]["total"] = len(lines)
-            rec["batch"]["status"] = "in_progress"
+            rec["batch"]["status"] = transition(rec["batch"]["status"], "in_progress")
             rec["batch"]["in_progress_at"] = int(time.time())
             return True
 
         await self.store.update(batch_id, running)
 
-    async def _fail(self, batch_id: str, errors: list[dict[str, Any]]) -> None:
-        def failed(rec: dict[str, Any]) -> bool:
+    async def _fail(self, batch_id: str, errors: list[BatchError]) -> None:
+        def failed(rec: BatchRecord) -> bool:
             b = rec["batch"]
-            if b["status"] not in ("validating", "cancelling"):
+            if not allowed(b["status"], "failed"):  # validating or cancelling
                 return False
-            b["status"], b["failed_at"] = "failed", int(time.time())
+            b["status"], b["failed_at"] = transition(b["status"], "failed"), int(time.time())
             b["errors"] = {"object": "list", "data": errors}
             return True
 
@@ -260,7 +271,7 @@ class BatchRunner:
             await self._announce(rec)
 
     # -- one line -----------------------------------------------------------------------------
-    async def _line(self, batch_id: str, body: dict[str, Any], msg: Any) -> bool:
+    async def _line(self, batch_id: str, body: LineWork, msg: Any) -> bool:
         """Run one line; True when it is settled (answered, or not to be run), False when
         it goes back to the queue (nak'd) for another try."""
         rec = await self._status(batch_id)
@@ -289,7 +300,8 @@ class BatchRunner:
             LINES.labels("retried").inc()
             await msg.nak(delay=min(30.0, 0.5 * 2**delivered))
             return False
-        out = _line_out(body, {"status_code": status, "request_id": rid, "body": answer}, None)
+        answered: LineResponse = {"status_code": status, "request_id": rid, "body": answer}
+        out = _line_out(body, answered, None)
         await self._record(batch_id, n, out, ok=200 <= status < 300)
         return True
 
@@ -333,7 +345,7 @@ class BatchRunner:
             with contextlib.suppress(Exception):
                 await msg.in_progress()
 
-    async def _record(self, batch_id: str, n: int, line: dict[str, Any], ok: bool) -> None:
+    async def _record(self, batch_id: str, n: int, line: ResultLine, ok: bool) -> None:
         if not await self.store.record_result(batch_id, n, line):
             return  # answered before (a retried runner): counted then
         LINES.labels("ok" if ok else "error").inc()
@@ -348,7 +360,7 @@ class BatchRunner:
         tallies, self._tally = self._tally, {}
         for batch_id, (ok, bad) in tallies.items():
 
-            def count(rec: dict[str, Any], ok: int = ok, bad: int = bad) -> bool:
+            def count(rec: BatchRecord, ok: int = ok, bad: int = bad) -> bool:
                 if rec["batch"]["status"] not in OPEN:
                     return False
                 counts = rec["batch"]["request_counts"]
@@ -369,7 +381,7 @@ class BatchRunner:
             except Exception as exc:
                 log.warning("batch_flush_failed", error=repr(exc))
 
-    async def _status(self, batch_id: str) -> dict[str, Any] | None:
+    async def _status(self, batch_id: str) -> BatchRecord | None:
         """The batch's record as of at most :data:`FLUSH_S` ago (a line needs its status,
         owner and expiry; every line reading the record again would flood the bucket)."""
         now = time.monotonic()
@@ -393,16 +405,15 @@ class BatchRunner:
         now = time.time()
         mine = uuid.uuid4().hex
 
-        def finalizing(rec: dict[str, Any]) -> bool:
+        def finalizing(rec: BatchRecord) -> bool:
             b = rec["batch"]
-            stale = b["status"] == "finalizing" and now - (b["finalizing_at"] or 0) > (
-                STALE_FINALIZING_S
-            )
-            if b["status"] not in ("in_progress", "cancelling") and not stale:
+            again = b["status"] == "finalizing"  # taken over only from a finalizer that stopped
+            stale = again and now - (b["finalizing_at"] or 0) > STALE_FINALIZING_S
+            if not allowed(b["status"], "finalizing") or (again and not stale):
                 return False
-            if b["status"] != "finalizing":
+            if not again:
                 rec["ending"] = "cancelled" if b["status"] == "cancelling" else "completed"
-            b["status"], b["finalizing_at"] = "finalizing", int(now)
+            b["status"], b["finalizing_at"] = transition(b["status"], "finalizing"), int(now)
             rec["finalizer"] = mine
             return True
 
@@ -424,17 +435,19 @@ class BatchRunner:
             await self.files.put(
                 rec["owner"], f"{name}_error.jsonl", OUTPUT_PURPOSE, _jsonl(bad), err_id
             )
-        expired = any((r.get("error") or {}).get("code") == "batch_expired" for r in bad)
-        ending = rec.get("ending") or "completed"
+        expired = any(
+            (e := r.get("error")) is not None and e.get("code") == "batch_expired" for r in bad
+        )
+        ending: Ending = rec.get("ending") or "completed"
         if ending == "completed" and expired:
             ending = "expired"
 
-        def done(rec: dict[str, Any]) -> bool:
+        def done(rec: BatchRecord) -> bool:
             b = rec["batch"]
             if b["status"] != "finalizing":
                 return False
-            b["status"] = ending
-            b[f"{ending}_at"] = int(time.time())
+            b["status"] = transition(b["status"], ending)
+            _ended_at(rec, ending, int(time.time()))
             b["output_file_id"], b["error_file_id"] = out_id, err_id
             b["request_counts"] = {
                 "total": int(rec["total"]),
@@ -447,14 +460,14 @@ class BatchRunner:
         if final is not None and final["batch"]["status"] == ending:
             await self._announce(final)
 
-    async def _announce(self, rec: dict[str, Any]) -> None:
+    async def _announce(self, rec: BatchRecord) -> None:
         with contextlib.suppress(Exception):
             await self.nc.publish(
                 subjects.batch_done(rec["owner"]), json.dumps(rec["batch"]).encode()
             )
 
-    async def _gauges(self, recs: list[dict[str, Any]]) -> None:
-        by = dict.fromkeys(STATUSES, 0)
+    async def _gauges(self, recs: list[BatchRecord]) -> None:
+        by: dict[str, int] = dict.fromkeys(STATUSES, 0)
         now = time.time()
         oldest = 0.0
         for rec in recs:
@@ -508,13 +521,24 @@ def _work(data: bytes, what: str) -> dict[str, Any]:
     return body
 
 
-def _err(code: str, message: str) -> dict[str, Any]:
+def _ended_at(rec: BatchRecord, ending: Ending, at: int) -> None:
+    """Stamp the batch's ``<ending>_at``."""
+    b = rec["batch"]
+    if ending == "completed":
+        b["completed_at"] = at
+    elif ending == "expired":
+        b["expired_at"] = at
+    else:
+        b["cancelled_at"] = at
+
+
+def _err(code: str, message: str) -> BatchError:
     return {"code": code, "message": message, "param": None, "line": None}
 
 
 def _line_out(
-    body: dict[str, Any], response: dict[str, Any] | None, error: dict[str, Any] | None
-) -> dict[str, Any]:
+    body: LineWork, response: LineResponse | None, error: BatchError | LineError | None
+) -> ResultLine:
     """A line of the output or error file (OpenAI's shape), with ``ok`` for sorting."""
     ok = error is None and response is not None and 200 <= response["status_code"] < 300
     return {
@@ -527,7 +551,7 @@ def _line_out(
     }
 
 
-def _jsonl(lines: list[dict[str, Any]]) -> bytes:
+def _jsonl(lines: list[ResultLine]) -> bytes:
     out = []
     for line in sorted(lines, key=lambda r: r["n"]):
         shown = {k: v for k, v in line.items() if k not in ("ok", "n")}

@@ -22,7 +22,7 @@ import json
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 from nats.aio.client import Client as NATS
 from nats.js import api
@@ -37,7 +37,10 @@ from nats.js.kv import KeyValue
 from bus_schemas import codec, subjects
 from bus_schemas import errors as E
 from bus_schemas import headers as H
+from jobs.batch_status import OPEN, allowed, transition
 from jobs.files import FileStore
+from jobs.job_records import BatchError, BatchObject, BatchRecord, InputLine, ResultLine
+from jobs.storage import BatchStorage, FileStorage
 from services import buckets
 from services import logging as tlog
 from services.config import BatchSettings, Settings, kv_replicas
@@ -51,20 +54,8 @@ STREAM = "TOKENBUS_BATCH"
 CONSUMER = "runners"
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses")
 WINDOWS = {"24h": 86400}
-OPEN = ("validating", "in_progress", "finalizing", "cancelling")
 MAX_ERRORS = 1000  # validation errors listed
 log = tlog.get("batches")
-
-STATUSES = (
-    "validating",
-    "in_progress",
-    "finalizing",
-    "cancelling",
-    "completed",
-    "failed",
-    "expired",
-    "cancelled",
-)
 
 
 def unavailable(exc: BaseException) -> E.ServiceUnavailable:
@@ -79,7 +70,7 @@ def not_found(batch_id: str) -> E.NotFound:
 
 def new_batch(
     endpoint: str, input_file_id: str, window: str, metadata: dict[str, str] | None
-) -> dict[str, Any]:
+) -> BatchObject:
     """A new OpenAI batch object (``validating``)."""
     now = int(time.time())
     return {
@@ -137,12 +128,12 @@ def check_create(body: Any) -> tuple[str, str, str, dict[str, str] | None]:
 
 def parse_input(
     data: bytes, endpoint: str, max_lines: int
-) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+) -> tuple[list[InputLine], list[BatchError]]:
     """The lines of a batch input file (JSONL) and what is wrong with it: a line that is
     not a JSON object with a ``custom_id`` of its own, ``method: POST``, the batch's
     ``url`` and a ``body`` object makes the whole file invalid (the errors name the lines,
     from 1); a line's request being wrong is not checked here (it is an error line)."""
-    errors: list[dict[str, Any]] = []
+    errors: list[BatchError] = []
 
     def bad(code: str, message: str, line: int | None, param: str | None = None) -> None:
         if len(errors) < MAX_ERRORS:
@@ -153,7 +144,7 @@ def parse_input(
     except UnicodeDecodeError:
         bad("invalid_file", "the file is not UTF-8 text", None)
         return [], errors
-    lines: list[dict[str, Any]] = []
+    lines: list[InputLine] = []
     seen: set[str] = set()
     for i, raw in enumerate(text.splitlines(), 1):
         if not raw.strip():
@@ -243,7 +234,7 @@ class BatchStore:
         return self.batches
 
     # -- records ------------------------------------------------------------------------------
-    async def load(self, batch_id: str) -> tuple[dict[str, Any], int] | None:
+    async def load(self, batch_id: str) -> tuple[BatchRecord, int] | None:
         try:
             entry = await self._kv().get(subjects.token(batch_id))
         except (KeyNotFoundError, NotFoundError):
@@ -252,28 +243,28 @@ class BatchStore:
             return None
         rec = json.loads(entry.value)
         rec.pop(buckets.MARK, None)
-        return rec, int(entry.revision or 0)
+        return cast(BatchRecord, rec), int(entry.revision or 0)
 
-    async def get(self, batch_id: str, owner: str) -> dict[str, Any]:
+    async def get(self, batch_id: str, owner: str) -> BatchRecord:
         found = await self.load(batch_id)
         if found is None or found[0]["owner"] != owner:
             raise not_found(batch_id)
         return found[0]
 
-    async def create(self, rec: dict[str, Any]) -> None:
+    async def create(self, rec: BatchRecord) -> None:
         key = subjects.token(rec["batch"]["id"])
         await buckets.create(self._kv(), key, json.dumps(rec).encode())
         if self.open_index is not None:
             await self.open_index.put(key, b"")
         await self._index_owner(rec)
 
-    async def _index_owner(self, rec: dict[str, Any]) -> None:
+    async def _index_owner(self, rec: BatchRecord) -> None:
         if self.owner_index is not None:
             await self.owner_index.put(
                 f"{_owner_token(rec['owner'])}.{subjects.token(rec['batch']['id'])}", b""
             )
 
-    async def owned(self, owner: str) -> list[dict[str, Any]]:
+    async def owned(self, owner: str) -> list[BatchObject]:
         """``owner``'s batch objects, newest first: its index entries read, not every
         batch's record."""
         if self.owner_index is None:
@@ -306,35 +297,36 @@ class BatchStore:
                 await self.open_index.delete(subjects.token(batch_id))
 
     async def update(
-        self, batch_id: str, change: Callable[[dict[str, Any]], bool]
-    ) -> dict[str, Any] | None:
+        self, batch_id: str, change: Callable[[BatchRecord], bool]
+    ) -> BatchRecord | None:
         """Apply ``change`` (in place; False: no change) by compare-and-set until it holds
         (through a stalled stream leader too, never twice: services.buckets.cas); the record
         after it, or None when there is no such batch."""
-        kept: list[dict[str, Any]] = []
+        kept: list[BatchRecord] = []
 
         def apply(state: dict[str, Any]) -> dict[str, Any]:
             if not state:
                 raise _NoChange  # no such batch
-            if not change(state):
-                kept.append(state)
+            if not change(cast(BatchRecord, state)):  # the KV's JSON, changed in place
+                kept.append(cast(BatchRecord, state))
                 raise _NoChange
             return state
 
         try:
-            _, rec = await buckets.cas(self._kv(), subjects.token(batch_id), apply, tries=200)
+            _, changed = await buckets.cas(self._kv(), subjects.token(batch_id), apply, tries=200)
         except _NoChange:
             return kept[-1] if kept else None
+        rec = cast(BatchRecord, changed)
         if rec["batch"]["status"] not in OPEN:
             await self.closed(batch_id)
         return rec
 
-    async def all(self) -> list[dict[str, Any]]:
+    async def all(self) -> list[BatchRecord]:
         try:
             keys = await buckets.keys(self._kv())
         except NotFoundError:
             return []
-        out = []
+        out: list[BatchRecord] = []
         for k in keys:
             with contextlib.suppress(KeyNotFoundError, NotFoundError):
                 entry = await self._kv().get(k)
@@ -344,16 +336,17 @@ class BatchStore:
                     out.append(rec)
         return out
 
-    async def cancel(self, batch_id: str, owner: str) -> dict[str, Any]:
+    async def cancel(self, batch_id: str, owner: str) -> BatchObject:
         """Ask ``owner``'s batch to stop: ``cancelling`` (runners skip its lines), then
         ``cancelled`` once none is left; 400 for a batch already finished."""
         await self.get(batch_id, owner)
 
-        def change(rec: dict[str, Any]) -> bool:
+        def change(rec: BatchRecord) -> bool:
             b = rec["batch"]
-            if b["status"] not in ("validating", "in_progress"):
+            if not allowed(b["status"], "cancelling"):  # validating or in_progress
                 return False
-            b["status"], b["cancelling_at"] = "cancelling", int(time.time())
+            b["status"] = transition(b["status"], "cancelling")
+            b["cancelling_at"] = int(time.time())
             return True
 
         rec = await self.update(batch_id, change)
@@ -365,10 +358,10 @@ class BatchStore:
                 "can be cancelled (cancelling again is answered as the first time)",
                 param="batch_id",
             )
-        return dict(rec["batch"])
+        return rec["batch"].copy()
 
     # -- results ------------------------------------------------------------------------------
-    async def record_result(self, batch_id: str, n: int, line: dict[str, Any]) -> bool:
+    async def record_result(self, batch_id: str, n: int, line: Mapping[str, object]) -> bool:
         """Write line ``n``'s answer once; False when it has one already."""
         assert self.results is not None
         try:
@@ -389,9 +382,9 @@ class BatchStore:
             return False
         return bool(entry.value)
 
-    async def collect(self, batch_id: str, total: int) -> list[dict[str, Any]]:
+    async def collect(self, batch_id: str, total: int) -> list[ResultLine]:
         assert self.results is not None
-        out = []
+        out: list[ResultLine] = []
         for n in range(total):
             with contextlib.suppress(KeyNotFoundError, NotFoundError):
                 entry = await self.results.get(f"{subjects.token(batch_id)}.{n}")
@@ -406,7 +399,9 @@ class BatchStore:
         )
         return sum((info.state.subjects or {}).values())
 
-    async def publish(self, batch_id: str, what: str, body: dict[str, Any], msg_id: str) -> None:
+    async def publish(
+        self, batch_id: str, what: str, body: Mapping[str, object], msg_id: str
+    ) -> None:
         await self.js.publish(
             subjects.batch_work(batch_id, what),
             codec.encode(body),
@@ -526,8 +521,8 @@ class BatchState:
 
 
 async def create_batch(
-    store: BatchStore, files: FileStore, owner: str, body: Any
-) -> dict[str, Any]:
+    store: BatchStorage, files: FileStorage, owner: str, body: Any
+) -> BatchObject:
     """Check a create request and its input file, keep the batch and queue its validation:
     the new batch object (HTTP and NATS clients alike)."""
     fid, endpoint, window, meta = check_create(body)

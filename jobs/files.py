@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any
+from typing import Any, cast
 
 from nats.aio.client import Client as NATS
 from nats.js import api
@@ -28,6 +28,7 @@ from nats.js.errors import BadRequestError, NotFoundError, ObjectNotFoundError
 from nats.js.object_store import ObjectStore
 
 from bus_schemas import errors as E
+from jobs.job_records import FileObject, FileRecord
 from services import buckets
 from services import logging as tlog
 from services.config import FilesSettings
@@ -80,12 +81,12 @@ class FileStore:
         purpose: str,
         data: bytes,
         file_id: str | None = None,
-    ) -> dict[str, Any]:
+    ) -> FileObject:
         """Store ``data``; its file object. ``file_id``: a name chosen by the caller (a
         batch's output file, written again to the same id if its writer is retried)."""
         now = int(time.time())
         fid = file_id or new_file_id()
-        obj = {
+        obj: FileObject = {
             "id": fid,
             "object": "file",
             "bytes": len(data),
@@ -96,7 +97,8 @@ class FileStore:
             "status": "processed",
             "status_details": None,
         }
-        meta = api.ObjectMeta(name=fid, description=json.dumps({"owner": owner, "file": obj}))
+        rec: FileRecord = {"owner": owner, "file": obj}
+        meta = api.ObjectMeta(name=fid, description=json.dumps(rec))
         try:
             await self._store().put(fid, data, meta=meta)
         except E.TokenbusError:
@@ -105,7 +107,7 @@ class FileStore:
             raise _store_error(exc) from None
         return obj
 
-    async def upload(self, owner: str, filename: str, purpose: str, data: bytes) -> dict[str, Any]:
+    async def upload(self, owner: str, filename: str, purpose: str, data: bytes) -> FileObject:
         """A user's upload: :meth:`put` once the key's files and ``data`` fit its share of
         the store (``files.max_bytes_per_key``; 429 ``insufficient_quota`` otherwise). An
         open deployment's uploads (owner ``""``) share the store's own bound only."""
@@ -119,7 +121,7 @@ class FileStore:
                 )
         return await self.put(owner, filename, purpose, data)
 
-    async def _info(self, file_id: str, owner: str) -> dict[str, Any]:
+    async def _info(self, file_id: str, owner: str) -> FileRecord:
         try:
             info = await self._store().get_info(file_id)
         except (ObjectNotFoundError, NotFoundError, BadRequestError):
@@ -133,9 +135,9 @@ class FileStore:
             raise not_found(file_id)
         return rec
 
-    async def get(self, file_id: str, owner: str) -> dict[str, Any]:
+    async def get(self, file_id: str, owner: str) -> FileObject:
         """The file object of ``owner``'s file (404 otherwise)."""
-        return dict((await self._info(file_id, owner))["file"])
+        return (await self._info(file_id, owner))["file"].copy()
 
     async def content(self, file_id: str, owner: str) -> bytes:
         """The bytes of ``owner``'s file (404 otherwise)."""
@@ -157,7 +159,7 @@ class FileStore:
         except Exception as exc:
             raise _store_error(exc) from None
 
-    async def list(self, owner: str, purpose: str | None = None) -> list[dict[str, Any]]:
+    async def list(self, owner: str, purpose: str | None = None) -> list[FileObject]:
         """``owner``'s files, newest first."""
         try:
             infos = await self._store().list()
@@ -165,26 +167,27 @@ class FileStore:
             return []
         except Exception as exc:
             raise _store_error(exc) from None
-        out = []
+        out: list[FileObject] = []
         for info in infos:
             rec = _record(info)
             if rec is None or info.deleted or rec["owner"] != owner:
                 continue
             if purpose is not None and rec["file"].get("purpose") != purpose:
                 continue
-            out.append(dict(rec["file"]))
+            out.append(rec["file"].copy())
         out.sort(key=lambda f: (f["created_at"], f["id"]), reverse=True)
         return out
 
 
-def _record(info: Any) -> dict[str, Any] | None:
+def _record(info: Any) -> FileRecord | None:
+    """The file record an object's description holds (None: not one)."""
     try:
         rec = json.loads(info.description or "")
     except ValueError:
         return None
     if not isinstance(rec, dict) or not isinstance(rec.get("file"), dict):
         return None
-    return rec
+    return cast(FileRecord, rec)
 
 
 def _store_error(exc: BaseException) -> E.TokenbusError:

@@ -20,7 +20,8 @@ import contextlib
 import hashlib
 import json
 import time
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, cast
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
@@ -34,6 +35,8 @@ from bus_schemas import codec, subjects
 from bus_schemas import errors as E
 from bus_schemas import headers as H
 from dialects.responses import RESPONSE_ID
+from jobs.job_records import LargeRef, ResponseRecord
+from jobs.storage import ResponseStorage
 from services import buckets
 from services import logging as tlog
 from services.config import ResponsesSettings, Settings
@@ -139,13 +142,13 @@ class ResponseStore:
             assert self.kv is not None
             return self.kv
 
-    async def put(self, response_id: str, record: dict[str, Any]) -> bool:
+    async def put(self, response_id: str, record: Mapping[str, object]) -> bool:
         """Keep ``record`` (see :func:`dialects.responses.record`) under a new id; False
         when it could not be kept (the id is taken, larger than the bus carries, JetStream
         unavailable), which is logged. Never overwrites: nobody replaces another's record."""
         return await self._write(response_id, record, create=True)
 
-    async def _write(self, response_id: str, record: dict[str, Any], *, create: bool) -> bool:
+    async def _write(self, response_id: str, record: Mapping[str, object], *, create: bool) -> bool:
         data = json.dumps(record, separators=(",", ":")).encode()
         whole = data
         if len(data) > LARGE:  # the record in the object store, a pointer in KV
@@ -177,12 +180,12 @@ class ResponseStore:
             return False
         return True
 
-    async def replace(self, response_id: str, record: dict[str, Any]) -> bool:
+    async def replace(self, response_id: str, record: Mapping[str, object]) -> bool:
         """Write ``record`` over the one kept under ``response_id`` (a background response
         moving from queued to its end; only the process running it does this)."""
         return await self._write(response_id, record, create=False)
 
-    async def get(self, response_id: str, owner: str) -> dict[str, Any]:
+    async def get(self, response_id: str, owner: str) -> ResponseRecord:
         """The record of ``response_id`` if ``owner`` made it; else 404."""
         if not RESPONSE_ID.match(response_id):
             raise not_found(response_id)
@@ -194,14 +197,14 @@ class ResponseStore:
             raise unavailable(exc) from None
         if not entry.value:
             raise not_found(response_id)
-        rec: dict[str, Any] = json.loads(entry.value)
+        rec: ResponseRecord = json.loads(entry.value)
         if rec.get("owner", "") != owner:
             raise not_found(response_id)
         if "large" in rec:
             rec = await self._large(response_id, rec["large"])
         return rec
 
-    async def _large(self, response_id: str, ref: dict[str, Any]) -> dict[str, Any]:
+    async def _large(self, response_id: str, ref: LargeRef) -> ResponseRecord:
         """A record kept in the object store, checked against its pointer's size and digest."""
         if self.large is None:
             raise E.ServiceUnavailable("the response store (JetStream) is not open; retry")
@@ -215,8 +218,7 @@ class ResponseStore:
         if len(data) != ref.get("size") or hashlib.sha256(data).hexdigest() != ref.get("sha256"):
             log.warning("response_record_damaged", response_id=response_id)
             raise not_found(response_id)
-        rec: dict[str, Any] = json.loads(data)
-        return rec
+        return cast(ResponseRecord, json.loads(data))
 
     async def delete(self, response_id: str, owner: str) -> None:
         """Delete ``response_id`` if ``owner`` made it; else 404."""
@@ -231,7 +233,7 @@ class ResponseStore:
 
 
 async def conversation(
-    store: ResponseStore | None, response_id: str | None, owner: str
+    store: ResponseStorage | None, response_id: str | None, owner: str
 ) -> list[dict[str, Any]] | None:
     """The conversation a ``previous_response_id`` continues (404 when it is not one of
     ``owner``'s stored responses; 400 where nothing is stored)."""

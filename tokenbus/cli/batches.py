@@ -12,6 +12,7 @@ import time
 from typing import Any
 
 from jobs.batches import BatchStore
+from jobs.job_records import BatchObject
 from services.config import Settings
 from tokenbus.cli import bus
 
@@ -23,7 +24,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--json", action="store_true", help="JSON instead of a table")
 
 
-def row(b: dict[str, Any], owner: str) -> str:
+def row(b: BatchObject, owner: str) -> str:
     c = b["request_counts"]
     age = int(time.time() - b["created_at"])
     counts = f"{c['completed']}+{c['failed']}/{c['total']}"
