@@ -10,10 +10,10 @@ blocks and, when streamed, Anthropic's events; errors take Anthropic's shape
 (:func:`error_body`). :mod:`.anthropic_client` is the NATS client's stream of events
 (:class:`MessageStream`, on :class:`dialects.stream.ClientStream`, as the Responses one is).
 
-The HTTP bridge (:mod:`gateway.anthropic_api`) and the NATS client
-(:meth:`tokenbus.Client.messages`) share this package; every name they use is here, so
-``from dialects import anthropic as M`` then ``M.parse`` (or ``from dialects.anthropic
-import parse``) reads the same wherever a name's module is.
+Both the HTTP bridge (:mod:`gateway.anthropic_api`) and the NATS client
+(:meth:`tokenbus.Client.messages`) use it. They import from the package, never from its
+modules (``from dialects import anthropic as M``, then ``M.parse``): each name they use is
+re-exported here.
 """
 
 from __future__ import annotations
