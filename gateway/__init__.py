@@ -9,7 +9,7 @@ The HTTP app: ``asgi`` is the HTTP server, the route table and the request and r
 helpers; ``sse`` what a stream is to a handler and the server-sent event writers;
 ``validation`` OpenAI-shaped bodies into validated requests and envelopes; ``openapi`` the
 OpenAPI document. The handlers mounted on it: ``openai_api`` (chat, completions,
-embeddings, models), ``responses`` (OpenAI's Responses API), ``anthropic`` (Anthropic's
-Messages API), ``files`` and ``batches`` (their stores and runners are :mod:`jobs`), and
-the admin handlers ``admin_keys`` and ``admin_routing``.
+embeddings, models), ``responses_api`` (OpenAI's Responses API), ``anthropic_api``
+(Anthropic's Messages API), ``files_api`` and ``batches_api`` (their stores and runners are
+:mod:`jobs`), and the admin handlers ``admin_keys`` and ``admin_routing``.
 """

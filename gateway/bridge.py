@@ -25,14 +25,14 @@ from gateway.admin_keys import PREFIX as ADMIN_PREFIX
 from gateway.admin_keys import AdminAPI
 from gateway.admin_routing import PREFIX as ROUTING_PREFIX
 from gateway.admin_routing import RoutingAdmin
-from gateway.anthropic import MessagesAPI
+from gateway.anthropic_api import MessagesAPI
 from gateway.asgi import HTTPLimits, HTTPServer, Receive, Scope, Send, serve
-from gateway.batches import BatchAPI
+from gateway.batches_api import BatchAPI
 from gateway.console import Console
-from gateway.files import FilesAPI
+from gateway.files_api import FilesAPI
 from gateway.ingress import Admission
 from gateway.openai_api import OpenAIApp
-from gateway.responses import ResponsesAPI, key_owner
+from gateway.responses_api import ResponsesAPI, key_owner
 from gateway.stages import LocalStages, stages_before_route
 from jobs.background import Background
 from jobs.batch_runner import BatchRunner

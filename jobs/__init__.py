@@ -4,8 +4,8 @@ the runners every bridge process runs), background responses (``background``), t
 stored Responses API responses (``response_store``), and the in-process request a runner
 makes to its own process's HTTP app (``inprocess``).
 
-The gateway serves these over HTTP (``gateway.files``, ``gateway.batches``,
-``gateway.responses``) and to NATS clients through ingress (the ``*State`` classes here).
+The gateway serves these over HTTP (``gateway.files_api``, ``gateway.batches_api``,
+``gateway.responses_api``) and to NATS clients through ingress (the ``*State`` classes here).
 This layer imports the contract, the kit, the actors and the dialects; never the gateway.
 
 What they keep and send is typed once: the records (``job_records``), a batch's statuses

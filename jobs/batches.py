@@ -1,6 +1,6 @@
 """Batches (OpenAI's Batch API): a file of requests run in the background, on JetStream.
 This module is the batch's state and what creates it; :mod:`jobs.batch_runner` runs its
-lines, :mod:`gateway.batches` serves ``/v1/batches`` over HTTP.
+lines, :mod:`gateway.batches_api` serves ``/v1/batches`` over HTTP.
 
 **State.** A batch is a record in the KV bucket ``tokenbus_batches`` (the OpenAI batch
 object, its owner: the id of the key that made it, and its line count), changed only by

@@ -9,7 +9,7 @@ that does not exist (404). The bucket has a TTL (``files.ttl_s``) and a size bou
 uploads hold at once by ``files.max_bytes_per_key`` (:meth:`FileStore.upload`). Every bridge
 process shares the bucket, so a file uploaded through one is read through any.
 
-Users upload ``purpose: batch`` files (a batch's input, through :mod:`gateway.files` or
+Users upload ``purpose: batch`` files (a batch's input, through :mod:`gateway.files_api` or
 ingress) and ``user_data`` or ``vision`` files (that a request names by ``file_id``:
 :mod:`gateway.file_inputs`); batches write their output and error files as
 ``batch_output``.

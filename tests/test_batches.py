@@ -1,5 +1,5 @@
-"""The Files and Batch APIs (gateway/files.py, gateway/batches.py; their stores and the
-runner in jobs/) with the official openai SDK, on a real nats-server with JetStream and real
+"""The Files and Batch APIs (gateway/files_api.py, gateway/batches_api.py; their stores and
+the runner in jobs/) with the official openai SDK, on a real nats-server with JetStream and real
 processes: auth, ratelimit, filter, ingress, router, sim workers and the HTTP bridge (whose
 processes run the lines).
 """

@@ -121,7 +121,7 @@ def test_the_checker_catches_what_it_must() -> None:
     assert not violations("engine_worker.worker", ["filter.scanner", "telemetry.records"])
     assert not violations("tokenbus.cli", ["gateway.bridge", "auth.store"])
     assert violations("dialects.anthropic", ["gateway.openai_api"])
-    assert not violations("gateway.anthropic", ["dialects.anthropic", "services.caller"])
+    assert not violations("gateway.anthropic_api", ["dialects.anthropic", "services.caller"])
     assert not violations("tokenbus.client", ["dialects.anthropic"])
     assert violations("dialects.responses", ["jobs.response_store"])
     assert violations("jobs.batch_runner", ["gateway.openai_api"])

@@ -8,7 +8,7 @@ the chat path's, with no second path to keep equal to it. The answer goes the ot
 and, when streamed, the specification's events; :func:`record` is what is stored of it.
 :mod:`.client` is the NATS client's stream of events (:class:`ResponseStream`).
 
-The HTTP bridge (:mod:`gateway.responses`) and the NATS client
+The HTTP bridge (:mod:`gateway.responses_api`) and the NATS client
 (:meth:`tokenbus.Client.responses`) share this package; every name they use is here, so
 ``from dialects import responses as R`` then ``R.parse`` (or ``from dialects.responses
 import parse``) reads the same wherever a name's module is.

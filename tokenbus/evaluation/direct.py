@@ -13,10 +13,10 @@ from bus_schemas.subjects import KIND_EMBEDDINGS
 from engine_worker import backends
 from engine_worker.backends.base import Backend, Delta, GenerationRequest
 from gateway import validation
-from gateway.anthropic import MessagesAPI
+from gateway.anthropic_api import MessagesAPI
 from gateway.asgi import serve
 from gateway.openai_api import OpenAIApp
-from gateway.responses import ResponsesAPI
+from gateway.responses_api import ResponsesAPI
 from services import logging as tlog
 from services.caller import Chunk, Usage
 from services.config import Settings

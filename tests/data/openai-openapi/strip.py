@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 # (path, method) of every operation of the document that tokenbus serves (gateway/asgi.py's
-# route table: gateway/openai_api.py and gateway/responses.py).
+# route table: gateway/openai_api.py and gateway/responses_api.py).
 SERVED = (
     ("/chat/completions", "post"),
     ("/completions", "post"),

@@ -17,7 +17,7 @@ from gateway.asgi import (
     send_error,
     send_json,
 )
-from gateway.files import owner_of
+from gateway.files_api import owner_of
 from jobs.batches import BatchStore, create_batch, unavailable
 from jobs.files import FileStore
 from services.config import Settings
