@@ -8,6 +8,7 @@ handler (a task per request, error replies, endpoint stats, tracing: services/ru
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from dataclasses import KW_ONLY, dataclass
 from typing import Protocol
 
 from nats.aio.msg import Msg
@@ -23,22 +24,16 @@ class AddEndpoint(Protocol):
     ) -> None: ...
 
 
+@dataclass(frozen=True)
 class EndpointGroup:
-    """Endpoints on ``prefix(subject)`` in ``queue_group``; ``member``: their queue group's
+    """Endpoints on ``prefix(name)`` in ``queue_group``; ``member``: their queue group's
     members beat and take requests on their own subjects too (services/members.py)."""
 
-    def __init__(
-        self,
-        add_endpoint: AddEndpoint,
-        prefix: Callable[[str], str] | None = None,
-        *,
-        queue_group: str | None = None,
-        member: bool = False,
-    ) -> None:
-        self._add_endpoint = add_endpoint
-        self.prefix = prefix
-        self.queue_group = queue_group
-        self.member = member
+    add_endpoint: AddEndpoint
+    prefix: Callable[[str], str] | None = None
+    _: KW_ONLY
+    queue_group: str | None = None
+    member: bool = False
 
     async def add(
         self,
@@ -55,7 +50,7 @@ class EndpointGroup:
             if self.prefix is None:
                 raise ValueError(f"endpoint {name!r}: a group without a prefix needs a subject")
             subject = self.prefix(name)
-        await self._add_endpoint(
+        await self.add_endpoint(
             name,
             subject,
             handler,
