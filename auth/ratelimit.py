@@ -684,13 +684,7 @@ class RateLimit(Service):
         self.check = await RateLimitCheck.open(
             self.nc, self.settings, f"ratelimit-{self.id}", self.log
         )
-        await self.add_endpoint(
-            "ratelimit",
-            subjects.stage(subjects.STAGE_RATELIMIT),
-            self.handle,
-            queue=subjects.STAGE_RATELIMIT,
-            member=True,
-        )
+        await self.stage_endpoints(subjects.STAGE_RATELIMIT).add("ratelimit", self.handle)
 
     @property
     def limiter(self) -> Limiter:

@@ -82,13 +82,7 @@ class Auth(Service):
                 self.keys, self.settings.url(), creds, self.log, self.settings.nats_tls()
             )
             await self.callout.start()
-        await self.add_endpoint(
-            "auth",
-            subjects.stage(subjects.STAGE_AUTH),
-            self.handle,
-            queue=subjects.STAGE_AUTH,
-            member=True,
-        )
+        await self.stage_endpoints(subjects.STAGE_AUTH).add("auth", self.handle)
 
     async def on_stop(self) -> None:
         if self.callout is not None:

@@ -185,13 +185,7 @@ class Filter(Service):
 
     async def setup(self) -> None:
         self.policies = Policies(self.settings.filter)
-        await self.add_endpoint(
-            "filter",
-            subjects.stage(subjects.STAGE_FILTER),
-            self.handle,
-            queue=subjects.STAGE_FILTER,
-            member=True,
-        )
+        await self.stage_endpoints(subjects.STAGE_FILTER).add("filter", self.handle)
 
     async def handle(self, msg: Msg) -> None:
         hdrs = dict(msg.headers or {})

@@ -170,12 +170,9 @@ class Ingress(Service):
             await bodies.open_stream(self.nc)
         except Exception as exc:
             self.log.warning("bodies_store_unavailable", error=repr(exc))
-        await self.add_endpoint(
-            "requests",
-            subjects.requests_wildcard(),
-            self.handle,
-            queue=subjects.QUEUE_INGRESS,
-            member=True,
+        ingress = self.add_group(queue_group=subjects.QUEUE_INGRESS)
+        await ingress.add(
+            "requests", self.handle, subject=subjects.requests_wildcard(), member=True
         )
         # NATS clients' files and batches (docs/batches.md).
         # Background responses ride the same subjects (response_<action>).
@@ -183,19 +180,11 @@ class Ingress(Service):
         self.batches = BatchState(
             self.nc, self.settings, dict.fromkeys(BackgroundState.ACTIONS, background.handle)
         )
-        await self.add_endpoint(
-            "batches",
-            subjects.batches_state_wildcard(),
-            self.batches.handle,
-            queue=subjects.QUEUE_INGRESS,
-        )
+        await ingress.add("batches", self.batches.handle, subject=subjects.batches_state_wildcard())
         # NATS clients' stored Responses API responses (docs/responses.md).
         self.responses = await ResponsesState(self.nc, self.settings).open()
-        await self.add_endpoint(
-            "responses",
-            subjects.responses_state_wildcard(),
-            self.responses.handle,
-            queue=subjects.QUEUE_INGRESS,
+        await ingress.add(
+            "responses", self.responses.handle, subject=subjects.responses_state_wildcard()
         )
 
     async def on_stop(self) -> None:

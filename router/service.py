@@ -48,13 +48,7 @@ class Router(Service):
         )
         self._tracker = HeartbeatTracker(self.registry, self.log)
         await self._tracker.start(self.nc)
-        await self.add_endpoint(
-            "route",
-            subjects.stage(subjects.STAGE_ROUTE),
-            self.handle,
-            queue=subjects.STAGE_ROUTE,
-            member=True,
-        )
+        await self.stage_endpoints(subjects.STAGE_ROUTE).add("route", self.handle)
 
     async def on_stop(self) -> None:
         await self.kv.stop()

@@ -39,9 +39,8 @@ from services import logging as tlog
 from services import natsclient, replies, tracing, usage
 from services.config import Settings
 from services.discovery import Discovery, EndpointStats
+from services.endpoints import EndpointGroup, Handler
 from services.members import Beat, Members
-
-Handler = Callable[[Msg], Awaitable[None]]
 
 # How long a forwarded request's caller is remembered for a "no responders" bounce.
 _BOUNCE_TTL_S = 10.0
@@ -559,6 +558,21 @@ class Service:
             self._subs.append(await natsclient.subscribe_direct(self.nc, own, cb))
             if queue not in self._member_groups:
                 self._member_groups.append(queue)
+
+    def add_group(
+        self,
+        prefix: Callable[[str], str] | None = None,
+        *,
+        queue_group: str | None = None,
+        member: bool = False,
+    ) -> EndpointGroup:
+        """Endpoints on ``prefix(name)`` in ``queue_group``, each added in one line."""
+        return EndpointGroup(self.add_endpoint, prefix, queue_group=queue_group, member=member)
+
+    def stage_endpoints(self, stage: str) -> EndpointGroup:
+        """Pipeline stage ``stage``'s endpoints: on their stage subject, in its queue group,
+        as its members."""
+        return self.add_group(subjects.stage, queue_group=stage, member=True)
 
     async def _run(
         self, handler: Handler, msg: Msg, stats: EndpointStats, holds: bool = False
