@@ -426,8 +426,9 @@ async def test_the_feed_shows_replicas_and_a_killed_worker_leaves(env: Env) -> N
 
 
 # -- the browser ---------------------------------------------------------------------------
-def _browser() -> Any:
-    """Headless Chromium under Selenium, or skip where either is missing."""
+def chromium() -> Any:
+    """Headless Chromium under Selenium, or skip where either is missing (also the browser
+    of docs/bench/console/first_paint.py)."""
     if not (Path(CHROMIUM).exists() and Path(CHROMEDRIVER).exists()):
         pytest.skip("Debian's chromium and chromium-driver are not installed")
     try:
@@ -458,7 +459,7 @@ async def test_in_chromium_log_in_create_use_see_and_revoke_a_key(env: Env, tmp_
     from selenium.common.exceptions import StaleElementReferenceException
     from selenium.webdriver.common.by import By
 
-    driver = _browser()
+    driver = chromium()
     shots = tmp_path / "screenshots"
     shots.mkdir()
 
