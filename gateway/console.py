@@ -16,6 +16,8 @@ GET    /console/api/replicas           the replicas this bridge hears, with thei
 GET    /console/api/routing            the routing admin API's listing and the aliases
 GET    /console/api/audit              the newest audit events (?limit=100)
 GET    /console/api/jobs               batches; POST /console/api/jobs/{id}/cancel
+GET    /console/api/bus                the NATS servers, JetStream streams and their consumers'
+                                       lag, and the alerts the console evaluates itself
 GET    /console/api/events             one server-sent-events feed per open page: the
                                        replicas when they change, the key count, the end of
                                        the session
@@ -43,7 +45,7 @@ from urllib.parse import unquote, urlsplit
 from auth.keys import KeyRecord, parse_duration
 from auth.store import KeyStore
 from bus_schemas import errors as E
-from gateway import console_usage
+from gateway import console_bus, console_usage
 from gateway.admin_keys import CALLER, AdminAPI, read_json
 from gateway.admin_keys import PREFIX as KEYS_PREFIX
 from gateway.admin_routing import PREFIX as ROUTING_PREFIX
@@ -280,6 +282,10 @@ class Console:
                 raise E.ServiceUnavailable("the audit trail (JetStream) is not reachable") from None
             data = [e.model_dump() for e in reversed(events)]
             await send_json(out, 200, {"object": "list", "data": data})
+        elif rest == "bus" and method == "GET":
+            self._admin_only(s)
+            urls = list(self.settings.telemetry.nats_monitor_urls)
+            await send_json(out, 200, await console_bus.read(self.admin.nc, urls))
         elif part == "jobs":
             await self._jobs(method, rest, out, s)
         else:

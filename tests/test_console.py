@@ -16,7 +16,7 @@ import shutil
 import signal
 import time
 import tomllib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,11 +28,12 @@ from auth.keys import KeyRecord
 from gateway.console_session import Session, Sessions
 from tests.conftest import (
     ROOT,
-    NatsServer,
     Procs,
     ProcStack,
+    free_port,
     key_store,
     new_model,
+    spawn_nats,
     start_stack,
     wait_for,
 )
@@ -47,8 +48,37 @@ CHROMEDRIVER = "/usr/bin/chromedriver"
 
 
 @dataclass
+class Bus:
+    """The module's own nats-server, with its monitoring port (the Bus page reads /varz)."""
+
+    url: str
+    monitor: str  # its monitoring endpoint
+    dead: str  # a monitoring URL nothing answers
+
+
+@pytest.fixture(scope="module")
+def bus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bus]:
+    port, mport = free_port(), free_port()
+    store = tmp_path_factory.mktemp("console-nats")
+    server = spawn_nats(
+        port, "-a", "127.0.0.1", "-p", str(port), "-m", str(mport), "-js",
+        "-sd", str(store), "-n", "console-node",
+    )  # fmt: skip
+    try:
+        yield Bus(
+            f"nats://127.0.0.1:{port}",
+            f"http://127.0.0.1:{mport}",
+            f"http://127.0.0.1:{free_port()}",
+        )
+    finally:
+        server.terminate()
+        server.wait(10)
+
+
+@dataclass
 class Env:
     stack: ProcStack
+    bus: Bus
     model: str
     admin: str  # an admin key
     plain: str  # a key of the owner "team-a" that is not an admin key
@@ -58,24 +88,23 @@ class Env:
 
 
 @pytest.fixture(scope="module")
-async def env(
-    nats_server: NatsServer, tmp_path_factory: pytest.TempPathFactory
-) -> AsyncIterator[Env]:
-    async with key_store(nats_server.url) as keys:
+async def env(bus: Bus, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Env]:
+    async with key_store(bus.url) as keys:
         admin, _ = await keys.create("console-admin", admin=True)
         plain, rec = await keys.create("team-a-app", owner="team-a")
         _, sibling = await keys.create("team-a-batch", owner="team-a")
         _, other = await keys.create("team-b-app", owner="team-b")
     model = new_model()
-    with Procs(nats_server.url, tmp_path_factory.mktemp("console")) as ps:
+    monitors = {"TOKENBUS_TELEMETRY__NATS_MONITOR_URLS": json.dumps([bus.monitor, bus.dead])}
+    with Procs(bus.url, tmp_path_factory.mktemp("console")) as ps:
         stack = await start_stack(
             ps,
             model,
             workers=2,
             worker_args=("--sim-prefill-ms", "2", "--sim-decode-ms", "1"),
-            env=ENV,
+            env=ENV | monitors,
         )
-        yield Env(stack, model, admin, plain, rec.id, sibling.id, other.id)
+        yield Env(stack, bus, model, admin, plain, rec.id, sibling.id, other.id)
 
 
 async def login(h: httpx.AsyncClient, key: str) -> dict[str, Any]:
@@ -188,7 +217,14 @@ async def test_a_key_that_is_not_an_admin_key_sees_its_owner_and_changes_nothing
         listed = (await h.get("/console/api/keys", params={"limit": 500})).json()["data"]
         assert {k["id"] for k in listed} == {env.plain_id, env.sibling_id}
         assert_openai_error(await h.get(f"/console/api/keys/{env.other_id}"), 404)
-        for page in ("replicas", "audit", "routing", "routing/aliases", "owners/team-a/budget"):
+        for page in (
+            "replicas",
+            "audit",
+            "bus",
+            "routing",
+            "routing/aliases",
+            "owners/team-a/budget",
+        ):
             assert_openai_error(await h.get(f"/console/api/{page}"), 403)
         # Every write, even with the session's own CSRF token.
         writes: list[tuple[str, str, Any]] = [
@@ -291,6 +327,42 @@ async def test_usage_is_counted_per_key_and_exported_as_csv(env: Env) -> None:
         assert data and {r["key_id"] for r in data} <= {env.plain_id, env.sibling_id}
 
 
+async def test_the_bus_page_lists_the_server_its_streams_and_a_server_that_does_not_answer(
+    env: Env,
+) -> None:
+    # A request (the usage stream) and a key change (the audit stream) first.
+    await env.stack.openai(env.plain).chat.completions.create(
+        model=env.model, messages=[{"role": "user", "content": "bus"}], max_tokens=2
+    )
+    async with env.stack.http() as h:
+        me = await login(h, env.admin)
+        r = await h.post("/console/api/keys", json={"name": "bus-audited"}, headers=csrf(me))
+        assert r.status_code == 201, r.text
+        seen: dict[str, Any] = {}
+
+        async def listed() -> bool:
+            r = await h.get("/console/api/bus")
+            assert r.status_code == 200, r.text
+            seen.update(r.json())
+            names = {s["name"] for s in seen["streams"]}
+            return {"TOKENBUS_USAGE", "TOKENBUS_AUDIT", "KV_tokenbus_keys"} <= names
+
+        await wait_for(listed, timeout=20, what="the usage, audit and keys streams listed")
+        assert (await h.get("/console/api/bus")).headers["cache-control"] == "no-store"
+        servers = {s["url"]: s for s in seen["servers"]}
+        assert servers[env.bus.monitor]["up"] and servers[env.bus.monitor]["name"] == "console-node"
+        assert servers[env.bus.monitor]["connections"] >= 1 and servers[env.bus.monitor]["version"]
+        assert servers[env.bus.dead] == {"url": env.bus.dead, "up": False}
+        fired = {(a["alert"], a["summary"]) for a in seen["alerts"]}
+        assert ("TokenbusNATSServerDown", f"{env.bus.dead} does not answer") in fired
+        audit = next(s for s in seen["streams"] if s["name"] == "TOKENBUS_AUDIT")
+        assert audit["messages"] >= 1 and audit["bytes"] > 0 and audit["cluster"] is None
+        for stream in seen["streams"]:
+            for c in stream["consumers"]:
+                assert c["num_pending"] >= 0 and c["num_ack_pending"] >= 0, c
+        assert not seen["truncated"] and "streams_error" not in seen
+
+
 async def read_events(
     h: httpx.AsyncClient, until: Any, timeout: float = 20
 ) -> list[tuple[str, Any]]:
@@ -354,8 +426,9 @@ async def test_the_feed_shows_replicas_and_a_killed_worker_leaves(env: Env) -> N
 
 
 # -- the browser ---------------------------------------------------------------------------
-def _browser() -> Any:
-    """Headless Chromium under Selenium, or skip where either is missing."""
+def chromium() -> Any:
+    """Headless Chromium under Selenium, or skip where either is missing (also the browser
+    of docs/bench/console/first_paint.py)."""
     if not (Path(CHROMIUM).exists() and Path(CHROMEDRIVER).exists()):
         pytest.skip("Debian's chromium and chromium-driver are not installed")
     try:
@@ -386,7 +459,7 @@ async def test_in_chromium_log_in_create_use_see_and_revoke_a_key(env: Env, tmp_
     from selenium.common.exceptions import StaleElementReferenceException
     from selenium.webdriver.common.by import By
 
-    driver = _browser()
+    driver = chromium()
     shots = tmp_path / "screenshots"
     shots.mkdir()
 
@@ -478,6 +551,16 @@ async def test_in_chromium_log_in_create_use_see_and_revoke_a_key(env: Env, tmp_
         driver.find_element(By.CSS_SELECTOR, "nav a[data-page='audit']").click()
         await wait_for(lambda: shown("#audit-rows tr"), what="the audit events")
         driver.save_screenshot(str(shots / "audit.png"))
+        # The bus: the stack's nats-server up, the URL nothing answers down, the audit stream.
+        driver.find_element(By.CSS_SELECTOR, "nav a[data-page='bus']").click()
+        up, down = (f"#bus-servers tr[data-server='{u}']" for u in (env.bus.monitor, env.bus.dead))
+        await wait_for(lambda: "console-node" in text(up), what="the server on the bus page")
+        assert "up" in text(up).split() and "down" in text(down).split()
+        await wait_for(
+            lambda: shown("#bus-streams tr[data-stream='TOKENBUS_AUDIT']"), what="the streams"
+        )
+        assert "TokenbusNATSServerDown" in text("#bus-alerts")
+        driver.save_screenshot(str(shots / "bus.png"))
         # Revoke it from the keys page (the confirmation accepted).
         driver.find_element(By.CSS_SELECTOR, "nav a[data-page='keys']").click()
         await wait_for(lambda: shown(row), what="the key listed again")
@@ -499,7 +582,7 @@ async def test_in_chromium_log_in_create_use_see_and_revoke_a_key(env: Env, tmp_
         await wait_for(lambda: shown("#login-key"), what="the login form after logout")
         if os.environ.get("TOKENBUS_DOCS_SCREENSHOTS"):  # docs/console.md: refresh its pictures
             shutil.copyfile(shots / "console.png", ROOT / "docs" / "console.png")
-            for page in ("keys", "spend", "replicas", "audit"):
+            for page in ("keys", "spend", "replicas", "audit", "bus"):
                 shutil.copyfile(shots / f"{page}.png", ROOT / "docs" / "console" / f"{page}.png")
     finally:
         driver.quit()

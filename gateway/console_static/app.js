@@ -79,11 +79,12 @@ $("logout").addEventListener("click", async () => {
 });
 
 // -- pages -----------------------------------------------------------------------------
-const loaders = { keys: loadKeys, spend: loadSpend, replicas: loadReplicas, jobs: loadJobs, audit: loadAudit };
+const loaders = { keys: loadKeys, spend: loadSpend, replicas: loadReplicas, jobs: loadJobs, audit: loadAudit, bus: loadBus };
+const ADMIN_PAGES = ["replicas", "audit", "bus"];
 
 function show(page) {
   if (!loaders[page]) page = "keys";
-  if (state.me?.role !== "admin" && (page === "replicas" || page === "audit")) page = "keys";
+  if (state.me?.role !== "admin" && ADMIN_PAGES.includes(page)) page = "keys";
   state.page = page;
   for (const p of document.querySelectorAll(".page")) p.hidden = p.id !== "page-" + page;
   for (const a of document.querySelectorAll("nav a")) {
@@ -439,6 +440,66 @@ async function loadAudit() {
       el("td", {}, JSON.stringify(ev.details || {}))));
   }
 }
+
+// -- bus -------------------------------------------------------------------------------
+function bytes(n) {
+  if (n === null || n === undefined) return "";
+  const units = ["B", "KiB", "MiB", "GiB", "TiB"];
+  let i = 0;
+  while (n >= 1024 && i < units.length - 1) { n /= 1024; i++; }
+  return `${i ? n.toFixed(1) : n} ${units[i]}`;
+}
+
+function placement(c) {
+  if (!c) return "";
+  const peers = c.replicas.map((p) => `${p.name}${p.current ? "" : ` (lag ${p.lag ?? "?"})`}`);
+  return ` leader ${c.leader || "none"}${peers.length ? "; " + peers.join(", ") : ""}`;
+}
+
+async function loadBus() {
+  const bus = await api("GET", "bus");
+  const alerts = $("bus-alerts");
+  alerts.replaceChildren();
+  for (const a of bus.alerts) {
+    alerts.append(el("li", { class: a.severity === "critical" ? "state-off" : "warn", "data-alert": a.alert },
+      el("strong", {}, a.alert), ` (${a.severity}): ${a.summary}`));
+  }
+  if (!bus.alerts.length) alerts.append(el("li", { class: "state-on" }, "None of the conditions this page evaluates."));
+  const servers = $("bus-servers");
+  servers.replaceChildren();
+  for (const s of bus.servers) {
+    const storage = s.js_max_storage ? `${bytes(s.js_storage)} of ${bytes(s.js_max_storage)}` : "";
+    servers.append(el("tr", { "data-server": s.url },
+      el("td", {}, s.name || "", " ", el("code", {}, s.url)),
+      el("td", { class: s.up ? "state-on" : "state-off" }, s.up ? "up" : "down"),
+      el("td", {}, s.version || ""), el("td", {}, String(s.connections ?? "")), el("td", {}, String(s.routes ?? "")),
+      el("td", { class: s.slow_consumers ? "state-off" : "" }, String(s.slow_consumers ?? "")),
+      el("td", {}, bytes(s.mem)), el("td", {}, s.up ? `${s.cpu}%` : ""), el("td", {}, storage)));
+  }
+  if (!bus.servers.length) {
+    servers.append(el("tr", {}, el("td", { colspan: "9" }, "No monitoring URL is set (telemetry.nats_monitor_urls).")));
+  }
+  const streams = $("bus-streams");
+  streams.replaceChildren();
+  for (const st of bus.streams) {
+    const list = el("ul", { class: "plain" });
+    for (const c of st.consumers) {
+      list.append(el("li", { "data-consumer": c.name, class: c.num_pending > 0 ? "warn" : "" },
+        el("code", {}, c.name), `: ${c.num_pending} / ${c.num_ack_pending}${placement(c.cluster)}`));
+    }
+    if (st.consumer_count > st.consumers.length) list.append(el("li", {}, `… ${st.consumer_count - st.consumers.length} more`));
+    if (st.consumers_error) list.append(el("li", { class: "state-off" }, st.consumers_error));
+    streams.append(el("tr", { "data-stream": st.name },
+      el("td", {}, el("code", {}, st.name)), el("td", {}, String(st.messages)), el("td", {}, bytes(st.bytes)),
+      el("td", {}, `${st.replicas}${placement(st.cluster)}`), el("td", {}, list)));
+  }
+  const notes = [];
+  if (bus.streams_error) notes.push(bus.streams_error);
+  if (bus.truncated) notes.push(`showing ${bus.streams.length} of ${bus.streams_total} streams`);
+  $("bus-note").textContent = notes.join("; ");
+}
+
+$("bus-refresh").addEventListener("click", () => loadBus().catch((e) => say(e.message, true)));
 
 // -- the live feed: one EventSource per open page ---------------------------------------
 function startFeed() {
