@@ -1,10 +1,10 @@
 """``tokenbus bench --tenants SCENARIO``: many tenants on one saturated model (issue 34).
 
-Each scenario starts a stack of its own (bench's :func:`spawn_stack`: nats-server, ingress,
-auth, ratelimit, router, one sim worker, the bridge; no telemetry), creates a key per tenant
-in the key store, and runs twice: with the worker's flow control on (engine_worker/flow.py)
-and off (every request goes to the engine at once, which queues what its batch cannot take
-first come first served), so the two sit side by side in one report.
+Each scenario starts a stack of its own (:func:`.bench_stack.spawn_stack`: nats-server,
+ingress, auth, ratelimit, router, one sim worker, the bridge; no telemetry), creates a key
+per tenant in the key store, and runs twice: with the worker's flow control on
+(engine_worker/flow.py) and off (every request goes to the engine at once, which queues what
+its batch cannot take first come first served), so the two sit side by side in one report.
 
 * ``two``: tenant A keeps 64 streams of 128 tokens going, tenant B sends one 8-token request
   at a time: B's time to first token alone and while A floods, and the tokens/s of both.
