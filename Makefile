@@ -61,7 +61,7 @@ clean:
 # The images' locked versions (constraints.txt) from this environment, after a dependency
 # changed: tests/test_versions.py fails until it is written again.
 lock: $(STAMP)
-	$(VENV)/bin/python -m tokenbus.evaluation.lockfile constraints.txt
+	$(VENV)/bin/python -m tokenbus.tools.lockfile constraints.txt
 
 # vLLM 0.33 on CPU in its own venv (vLLM pins torch, transformers, openai...): torch's CPU
 # wheel and vLLM's front-end requirements (tests/vllm-cpu-requirements.txt), vLLM itself

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import run_cli
-from tokenbus.evaluation.bench import replica_specs
+from tokenbus.evaluation.bench_stack import replica_specs
 
 
 def test_replica_spec_turns_the_workers_flow_control_off_and_on() -> None:

@@ -20,7 +20,7 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 from tests.conftest import ROOT
-from tokenbus.evaluation import lockfile
+from tokenbus.tools import lockfile
 
 # The project's own top-level packages (pyproject.toml's [tool.setuptools] packages).
 OWN = {"tokenbus", "bus_schemas", "services", "dialects", "jobs", "gateway", "auth", "filter",

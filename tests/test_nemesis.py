@@ -13,7 +13,9 @@ from typing import Any
 
 import pytest
 
-from tokenbus.evaluation.nemesis import Config, print_table, run_nemesis
+from tokenbus.evaluation.nemesis import run_nemesis
+from tokenbus.evaluation.nemesis_config import Config
+from tokenbus.evaluation.nemesis_report import print_table
 
 
 # Its own waits are bounded, and together can pass the suite's 120 s on a loaded machine:

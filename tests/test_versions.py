@@ -63,7 +63,7 @@ def test_the_images_install_the_versions_the_tests_ran_with() -> None:
     """constraints.txt pins every package tokenbus' install brings to the version installed
     here (where the tests run), and both Dockerfiles install with it: an image built later
     gets what was tested. After a dependency changes: `make lock`."""
-    from tokenbus.evaluation import lockfile
+    from tokenbus.tools import lockfile
 
     written = (ROOT / "constraints.txt").read_text()
     assert written == lockfile.render(lockfile.closure()), "constraints.txt is stale: make lock"

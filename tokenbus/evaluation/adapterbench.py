@@ -25,7 +25,8 @@ import nats
 
 from router import adapters as A
 from router.service import heard
-from tokenbus.evaluation.bench import report_head, spawned, write_report
+from tokenbus.evaluation.bench_report import report_head, write_report
+from tokenbus.evaluation.bench_stack import spawned
 
 
 def _folder(root: Path, name: str) -> str:

@@ -35,7 +35,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tokenbus.evaluation.bench import _bench_key, report_head
+from tokenbus.evaluation.bench_report import report_head
+from tokenbus.evaluation.bench_stack import bench_key
 from tokenbus.evaluation.tenants import (
     Tenant,
     _engine,
@@ -135,7 +136,7 @@ RESERVED = 0.34  # of the 192 slots, kept for default: 65, the interactive load'
 
 async def start_runner(nats_url: str, port: int, lines: int) -> asyncio.subprocess.Process:
     """A bridge process that runs batch lines (and takes no interactive traffic)."""
-    from tokenbus.evaluation.bench import _wait_http
+    from tokenbus.evaluation.bench_stack import wait_http
     from tokenbus.evaluation.tenants import PIPELINE
     from tokenbus.launcher import cli_argv
 
@@ -153,7 +154,7 @@ async def start_runner(nats_url: str, port: int, lines: int) -> asyncio.subproce
         stdout=asyncio.subprocess.DEVNULL,
         stderr=asyncio.subprocess.DEVNULL,
     )
-    await _wait_http(f"http://127.0.0.1:{port}/ready", 60)
+    await wait_http(f"http://127.0.0.1:{port}/ready", 60)
     return proc
 
 
@@ -173,7 +174,7 @@ async def run_batch_bench(a: argparse.Namespace) -> int:
         ti = await Tenant.create(
             a, st, "interactive", INTERACTIVE_TOKENS, max_tokens_std=a.batch_interactive_std
         )
-        key = await _bench_key(st.nats_url, name="batch")
+        key = await bench_key(st.nats_url, name="batch")
         bc = BatchClient(st.url, key)
         try:
             async with tc, ti:

@@ -30,7 +30,7 @@ from gateway import validation
 from gateway.ingress import Admission
 from services import logging as tlog
 from services.config import Settings
-from tokenbus.evaluation.bench import report_head, write_report
+from tokenbus.evaluation.bench_report import report_head, write_report
 
 BODY = {
     "model": "tokenbus-sim",

@@ -30,7 +30,10 @@ from typing import Any
 
 from bus_schemas import kv_events as kv
 from bus_schemas import subjects
-from tokenbus.evaluation.bench import _summary_ms, environ, http_request, report_head, spawned
+from tokenbus.evaluation.bench_report import report_head
+from tokenbus.evaluation.bench_requests import http_request
+from tokenbus.evaluation.bench_stack import environ, spawned
+from tokenbus.evaluation.bench_stats import summary_ms
 
 CHARS_PER_TOKEN = 4  # the sim's tokens (bus_schemas.kv_events.text_token_ids)
 _WORDS = ("the", "agent", "reads", "files", "runs", "tests", "edits", "code", "and")
@@ -180,7 +183,7 @@ async def _one(a: argparse.Namespace, policy: str, sessions: int) -> dict[str, A
         "turns": len(turns),
         "errors": len(turns) - len(ok),
         "first_error": next((t["error"] for t in turns if not t["ok"]), ""),
-        "ttft_ms": _summary_ms([t["ttft_s"] for t in ok]),
+        "ttft_ms": summary_ms([t["ttft_s"] for t in ok]),
         "ttft_p50_by_turn_ms": by_turn,
         "output_tokens_per_s": round(sum(t["tokens"] for t in ok) / wall, 1) if wall else 0,
         "wall_s": round(wall, 2),

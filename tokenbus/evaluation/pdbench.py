@@ -23,7 +23,8 @@ import time
 import uuid
 from typing import Any
 
-from tokenbus.evaluation.bench import report_head, spawned, write_report
+from tokenbus.evaluation.bench_report import report_head, write_report
+from tokenbus.evaluation.bench_stack import spawned
 
 # The engine every configuration runs: an 8B-class model on one GPU, as the sim models it.
 SIM_ENV = {

@@ -21,7 +21,10 @@ from pathlib import Path
 from typing import Any
 
 from tokenbus.evaluation import trace as T
-from tokenbus.evaluation.bench import _summary_ms, http_request, report_head, spawned
+from tokenbus.evaluation.bench_report import report_head
+from tokenbus.evaluation.bench_requests import http_request
+from tokenbus.evaluation.bench_stack import spawned
+from tokenbus.evaluation.bench_stats import summary_ms
 from tokenbus.evaluation.kvbench import _cache_stats, _index_metrics, _text
 
 POLICIES = ("least_outstanding", "prefix_aware", "kv_aware", "predicted_latency")
@@ -98,8 +101,8 @@ async def _one(
         "policy": policy,
         "requests": len(done),
         "errors": len(done) - len(ok),
-        "ttft_ms": _summary_ms([d["ttft_s"] for d in ok]),
-        "tbt_ms": _summary_ms([d["tbt_s"] for d in ok if d["tbt_s"] is not None]),
+        "ttft_ms": summary_ms([d["ttft_s"] for d in ok]),
+        "tbt_ms": summary_ms([d["tbt_s"] for d in ok if d["tbt_s"] is not None]),
         "output_tokens_per_s": round(sum(d["tokens"] for d in ok) / wall, 1) if wall else 0,
         "goodput_rps": round(len(good) / wall, 3) if wall else 0,
         "slo_met": round(len(good) / len(done), 4) if done else None,

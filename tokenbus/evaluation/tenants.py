@@ -1,10 +1,10 @@
 """``tokenbus bench --tenants SCENARIO``: many tenants on one saturated model (issue 34).
 
-Each scenario starts a stack of its own (bench's :func:`spawn_stack`: nats-server, ingress,
-auth, ratelimit, router, one sim worker, the bridge; no telemetry), creates a key per tenant
-in the key store, and runs twice: with the worker's flow control on (engine_worker/flow.py)
-and off (every request goes to the engine at once, which queues what its batch cannot take
-first come first served), so the two sit side by side in one report.
+Each scenario starts a stack of its own (:func:`.bench_stack.spawn_stack`: nats-server,
+ingress, auth, ratelimit, router, one sim worker, the bridge; no telemetry), creates a key
+per tenant in the key store, and runs twice: with the worker's flow control on
+(engine_worker/flow.py) and off (every request goes to the engine at once, which queues what
+its batch cannot take first come first served), so the two sit side by side in one report.
 
 * ``two``: tenant A keeps 64 streams of 128 tokens going, tenant B sends one 8-token request
   at a time: B's time to first token alone and while A floods, and the tokens/s of both.
@@ -38,16 +38,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tokenbus.evaluation.bench import (
-    RequestMaker,
-    Result,
-    _bench_key,
-    _rss_mb,
-    _summary_ms,
-    http_request,
-    report_head,
-    spawned,
-)
+from tokenbus.evaluation.bench_prompts import RequestMaker
+from tokenbus.evaluation.bench_report import report_head
+from tokenbus.evaluation.bench_requests import Result, http_request
+from tokenbus.evaluation.bench_stack import bench_key, spawned
+from tokenbus.evaluation.bench_stats import rss_mb, summary_ms
 
 SCENARIOS = ("two", "weights", "tiers", "overload")
 FLOWS = ("on", "off")
@@ -159,7 +154,7 @@ class Tenant:
         # (or normally spread around it: ``max_tokens_std``).
         shape = {"api": "chat", "max_tokens": max_tokens, "max_tokens_std": max_tokens_std}
         maker = RequestMaker(argparse.Namespace(**{**vars(a), **shape, "extra_body": None}))
-        secret = await _bench_key(st.nats_url, name=name, **key)
+        secret = await bench_key(st.nats_url, name=name, **key)
         return cls(name, secret, st.url, maker, a.timeout)
 
     async def __aenter__(self) -> Tenant:
@@ -241,7 +236,7 @@ class Tenant:
 
     def ttft_ms(self, w0: float, w1: float) -> dict[str, float]:
         """TTFT of the answers asked for in the window."""
-        return _summary_ms([t.r.ttft_s for t in self.sent(w0, w1) if t.r.ok])
+        return summary_ms([t.r.ttft_s for t in self.sent(w0, w1) if t.r.ok])
 
     def tokens(self, w0: float, w1: float) -> float:
         """Tokens received in the window (each answer's spread over its streaming time)."""
@@ -453,7 +448,7 @@ OVERLOAD_DEADLINE_S = 10.0
 
 
 def _rss_all(pids: dict[str, int]) -> dict[str, float]:
-    return {n: round(v, 1) for n, p in pids.items() if (v := _rss_mb(p)) is not None}
+    return {n: round(v, 1) for n, p in pids.items() if (v := rss_mb(p)) is not None}
 
 
 async def overload(a: argparse.Namespace, flow: str) -> dict[str, Any]:
@@ -500,8 +495,8 @@ async def overload(a: argparse.Namespace, flow: str) -> dict[str, Any]:
         "refusals": {str(s): c for s, c in refused.items()},
         "longest_s": round(max((x.t1 - x.t0 for x in t.done), default=0.0), 3),
         "past_deadline": len(late),
-        "completed_ttft_ms": _summary_ms([x.r.ttft_s for x in ok]),
-        "completed_e2e_ms": _summary_ms([x.r.e2e_s for x in ok]),
+        "completed_ttft_ms": summary_ms([x.r.ttft_s for x in ok]),
+        "completed_e2e_ms": summary_ms([x.r.e2e_s for x in ok]),
         # Whole answers' tokens from the first request sent to the last answer's end.
         "goodput_tokens_per_s": _rate(
             sum(x.r.tokens for x in ok), max((x.t1 for x in t.done), default=w0) - w0

@@ -5,7 +5,7 @@ the open ranges of pyproject.toml allow that day. Both Dockerfiles install with
 ``-c constraints.txt``; ``make lock`` writes it again after a dependency changes;
 ``tests/test_versions.py`` fails when it drifts from what is installed.
 
-(Kept with the evaluation tools: it reads the environment, never runs in a service.)
+(A build tool: it reads the environment, never runs in a service or the ``tokenbus`` command.)
 """
 
 from __future__ import annotations

@@ -1,0 +1,161 @@
+"""The nemesis run's NATS cluster: locked nats-server nodes with the auth callout, on
+loopback or on hosts of their own (network namespaces), each node killable, pausable and
+restartable, its JetStream store copied aside at a sync point and put back after a crash."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+from tokenbus.evaluation.netns import Hosts
+from tokenbus.launcher import free_port, port_open
+
+
+async def quiet_errors(exc: Exception) -> None:
+    """A NATS connection's error callback: the faults make many, and the outcomes say
+    what they cost."""
+
+
+class Cluster:
+    """``n`` nats-server nodes on the locked config with the auth callout (each node a config
+    of its own including the generated one), on loopback or on hosts of their own; each
+    node's JetStream store in a folder of its own, with a copy taken at each sync point."""
+
+    def __init__(self, folder: Path, n: int, hosts: Hosts | None) -> None:
+        from services.natsconf import generate
+
+        self.folder = folder
+        self.hostset = hosts
+        self.hosts = [hosts.add(f"n{i}") for i in range(n)] if hosts else []
+        self.addrs = [h.addr for h in self.hosts] if hosts else ["127.0.0.1"] * n
+        self.ports = [free_port() for _ in range(n)]
+        cports = [free_port() for _ in range(n)]
+        self.conf, self.users = generate(folder, port=self.ports[0], callout=True)
+        routes = ", ".join(
+            json.dumps(f"nats://{a}:{p}") for a, p in zip(self.addrs, cports, strict=True)
+        )
+        self.confs: list[Path] = []
+        self.stores = [folder / f"jetstream-{i}" for i in range(n)]
+        for i, addr in enumerate(self.addrs):
+            conf = folder / f"node{i}.conf"
+            cluster = (
+                f"cluster {{ name: nemesis, listen: {json.dumps(f'{addr}:{cports[i]}')}, "
+                f"routes: [{routes}] }}\n"
+                if n > 1
+                else ""
+            )
+            conf.write_text(
+                f"include {json.dumps(self.conf.name)}\n"
+                f"server_name: node{i}\n"
+                f"listen: {json.dumps(f'{addr}:{self.ports[i]}')}\n"
+                f"jetstream {{ store_dir: {json.dumps(str(self.stores[i]))} }}\n" + cluster
+            )
+            self.confs.append(conf)
+        self.procs: list[subprocess.Popen[bytes] | None] = [None] * n
+
+    def url(self, i: int) -> str:
+        return f"nats://{self.addrs[i]}:{self.ports[i]}"
+
+    def urls(self, first: int) -> str:
+        order = [first] + [i for i in range(len(self.ports)) if i != first]
+        return ",".join(self.url(i) for i in order)
+
+    def start_node(self, i: int) -> None:
+        from tokenbus.launcher import nats_server_binary
+
+        prefix = self.hosts[i].prefix() if self.hosts else []
+        log = open(self.folder / f"node{i}.log", "ab")  # noqa: SIM115 - the child holds it
+        self.procs[i] = subprocess.Popen(
+            [*prefix, nats_server_binary(), "-c", str(self.confs[i])],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        log.close()
+        deadline = time.monotonic() + 20
+        while not port_open(self.addrs[i], self.ports[i]):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"nats node {i} did not listen")
+            time.sleep(0.02)
+
+    def start(self) -> Cluster:
+        for i in range(len(self.ports)):
+            self.start_node(i)
+        return self
+
+    def signal(self, i: int, sig: int) -> None:
+        p = self.procs[i]
+        if p is not None and p.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                p.send_signal(sig)
+
+    def kill(self, i: int) -> None:
+        self.signal(i, signal.SIGKILL)
+        p = self.procs[i]
+        if p is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(5)
+
+    def sync_point(self, i: int) -> float:
+        """What node ``i``'s store holds on disk after a sync: a copy of it aside, taken
+        with the node paused for the moment of the copy (a consistent one); the seconds the
+        copy took (the node's pause)."""
+        store, p = self.stores[i], self.procs[i]
+        if p is None or p.poll() is not None or not store.exists():
+            return 0.0
+        aside = store.with_name(store.name + ".synced")
+        tmp = store.with_name(store.name + ".copying")
+        shutil.rmtree(tmp, ignore_errors=True)
+        t0 = time.monotonic()
+        self.signal(i, signal.SIGSTOP)
+        try:
+            shutil.copytree(store, tmp, symlinks=True)
+        except (OSError, shutil.Error):
+            shutil.rmtree(tmp, ignore_errors=True)
+            return time.monotonic() - t0
+        finally:
+            self.signal(i, signal.SIGCONT)
+        shutil.rmtree(aside, ignore_errors=True)
+        tmp.rename(aside)
+        return time.monotonic() - t0
+
+    def revert_store(self, i: int) -> bool:
+        """Node ``i``'s store back to its last sync point's copy (the node is down); False
+        when no sync point was taken yet (the store is emptied: nothing was synced)."""
+        store = self.stores[i]
+        aside = store.with_name(store.name + ".synced")
+        shutil.rmtree(store, ignore_errors=True)
+        if aside.exists():
+            shutil.copytree(aside, store, symlinks=True)
+            return True
+        return False
+
+    def stop(self) -> None:
+        for i, p in enumerate(self.procs):
+            if p is not None and p.poll() is None:
+                self.signal(i, signal.SIGCONT)
+                p.terminate()
+                try:
+                    p.wait(10)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
+
+    async def admin(self, i: int = 0, **kw: Any) -> Any:
+        import nats
+
+        from services.natsconf import role_login
+        from services.runtime import servers
+
+        return await nats.connect(
+            servers(self.urls(i)),
+            dont_randomize=True,
+            error_cb=quiet_errors,
+            **role_login(self.users, "admin"),
+            **kw,
+        )
