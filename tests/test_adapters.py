@@ -22,7 +22,9 @@ from engine_worker.backends.base import GenerationRequest
 from engine_worker.backends.sim import SimEngine
 from services import audit
 from services.config import SimSettings
-from tests.conftest import Procs, live_replicas, run_cli, start_stack, start_worker, wait_for
+from tests.support.procs import Procs, start_stack, start_worker
+from tests.support.repo import run_cli
+from tests.support.waits import live_replicas, wait_for
 from tokenbus import Client
 
 MSG = [{"role": "user", "content": "write me a query"}]
@@ -257,8 +259,8 @@ async def test_an_openai_worker_loads_adapters_on_its_vllm_upstream(
     replica; an upstream without the endpoints (llama.cpp's server) is refused with why."""
     from engine_worker.worker import Worker
     from router import adapters as A
-    from tests.conftest import settings
     from tests.fakes.upstream import FakeUpstream
+    from tests.support.inprocess import settings
 
     await start_stack(procs, model, "ingress", "router", workers=0, bridge=False)
     ups = [FakeUpstream(), FakeUpstream(flavor="llamacpp")]

@@ -19,7 +19,11 @@ from bus_schemas import subjects
 from services import aliases as A
 from services import audit
 from services.aliases import AliasTable, check_alias, check_key_aliases
-from tests.conftest import NatsServer, Procs, run_cli, stack, start_stack, wait_for, wait_for_key
+from tests.support.inprocess import stack
+from tests.support.natsserver import NatsServer
+from tests.support.procs import Procs, start_stack
+from tests.support.repo import run_cli
+from tests.support.waits import wait_for, wait_for_key
 from tokenbus import Client
 
 MSG = [{"role": "user", "content": "hi"}]

@@ -16,17 +16,12 @@ from auth.keys import hash_key, key_id_of, matches, new_key, parse_duration
 from auth.store import KeyStore
 from bus_schemas import errors as E
 from bus_schemas import subjects
-from tests.conftest import (
-    NatsServer,
-    Procs,
-    ProcStack,
-    key_store,
-    run_cli,
-    stack,
-    start_stack,
-    wait_for,
-    wait_for_key,
-)
+from tests.support.busdata import key_store
+from tests.support.inprocess import stack
+from tests.support.natsserver import NatsServer
+from tests.support.procs import Procs, ProcStack, start_stack
+from tests.support.repo import run_cli
+from tests.support.waits import wait_for, wait_for_key
 from tokenbus import Client
 
 MSG = [{"role": "user", "content": "hi"}]

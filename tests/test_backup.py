@@ -23,17 +23,11 @@ import yaml
 from auth import budgets
 from jobs.files import BUCKET as FILES_BUCKET
 from services import aliases
-from tests.conftest import (
-    ROOT,
-    NatsServer,
-    Procs,
-    ProcStack,
-    key_store,
-    new_model,
-    run_cli,
-    start_stack,
-    wait_for,
-)
+from tests.support.busdata import key_store, new_model
+from tests.support.natsserver import NatsServer
+from tests.support.procs import Procs, ProcStack, start_stack
+from tests.support.repo import ROOT, run_cli
+from tests.support.waits import wait_for
 from tokenbus.cli import backup
 
 ENV = {
@@ -399,8 +393,8 @@ async def test_the_file_store_is_bounded_and_telemetry_reports_how_full_it_is(
     from services.config import FilesSettings, Settings
     from services.natsconf import role_login
     from telemetry.service import FILES_INFO, Telemetry
-    from tests.conftest import settings
     from tests.lockedbus import LockedBus
+    from tests.support.inprocess import settings
 
     assert Settings().files.max_bytes <= 4 << 30  # room left on a 10Gi NATS volume
     bus = LockedBus(tmp_path / "bus").start()

@@ -27,18 +27,12 @@ from jobs.batches import parse_input
 from jobs.inprocess import BACKGROUND as BACKGROUND_KEY
 from jobs.inprocess import RERUN as RERUN_KEY
 from services.caller import MAX_MIGRATIONS
-from tests.conftest import (
-    NatsServer,
-    Procs,
-    ProcStack,
-    free_port,
-    key_store,
-    new_model,
-    run_cli,
-    start_stack,
-    wait_for,
-    wait_http,
-)
+from tests.support.busdata import key_store, new_model
+from tests.support.natsserver import NatsServer
+from tests.support.ports import free_port
+from tests.support.procs import Procs, ProcStack, start_stack
+from tests.support.repo import run_cli
+from tests.support.waits import wait_for, wait_http
 
 ENV = {
     "TOKENBUS_INGRESS__PIPELINE": '["auth", "ratelimit", "filter", "route"]',
@@ -718,7 +712,7 @@ async def test_a_fresh_store_lists_no_batch_and_its_runner_sweeps_quietly(tmp_pa
     runners' sweep find nothing, without an error (nats-py raises for an empty bucket)."""
     from jobs.batches import BatchStore
     from services.config import BatchSettings
-    from tests.conftest import NatsServer
+    from tests.support.natsserver import NatsServer
 
     srv = NatsServer(tmp_path).start()
     try:
@@ -739,7 +733,7 @@ async def test_a_keys_listing_reads_its_index_which_a_store_from_before_gets_fil
     store made before the index existed has it filled from the records when opened."""
     from jobs.batches import BY_OWNER, BatchStore, new_batch
     from services.config import BatchSettings
-    from tests.conftest import NatsServer
+    from tests.support.natsserver import NatsServer
 
     srv = NatsServer(tmp_path).start()
     try:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import run_cli
+from tests.support.repo import run_cli
 from tokenbus.evaluation.bench import replica_specs
 
 

@@ -11,7 +11,8 @@ import pytest
 
 from auth.store import KeyStore
 from bus_schemas import errors as E
-from tests.conftest import Procs, fresh_window, start_stack, wait_started
+from tests.support.procs import Procs, start_stack
+from tests.support.waits import fresh_window, wait_started
 from tokenbus import Client
 
 MSG = [{"role": "user", "content": "hi"}]

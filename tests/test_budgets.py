@@ -26,16 +26,11 @@ from bus_schemas import codec, subjects
 from bus_schemas import headers as H
 from jobs.background import EVENTS_STREAM
 from services.config import PriceSettings
-from tests.conftest import (
-    Procs,
-    free_port,
-    key_store,
-    run_cli,
-    start_stack,
-    wait_for,
-    wait_http,
-    wait_started,
-)
+from tests.support.busdata import key_store
+from tests.support.ports import free_port
+from tests.support.procs import Procs, start_stack
+from tests.support.repo import run_cli
+from tests.support.waits import wait_for, wait_http, wait_started
 from tokenbus import Client
 
 MSG = [{"role": "user", "content": "What does it cost?"}]

@@ -17,8 +17,9 @@ from auth.store import KeyStore
 from bus_schemas import subjects
 from engine_worker.backends.sim import expected_text
 from services.natsconf import role_login
-from tests.conftest import Procs, start_stack, wait_for
 from tests.lockedbus import LockedBus, serve_when_ready
+from tests.support.procs import Procs, start_stack
+from tests.support.waits import wait_for
 from tokenbus import Client, TokenbusError
 
 MSG = [{"role": "user", "content": "tell me a story"}]

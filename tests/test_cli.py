@@ -16,15 +16,9 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import (
-    ROOT,
-    child_matching,
-    children_of,
-    free_port,
-    run_cli,
-    stop_process,
-    taken_port,
-)
+from tests.support.pids import child_matching, children_of, stop_process
+from tests.support.ports import free_port, taken_port
+from tests.support.repo import ROOT, run_cli
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -551,7 +545,7 @@ def test_up_options_reach_the_sim_workers_and_the_bridges(tmp_path: Path) -> Non
 
 
 def test_up_options_reach_an_openai_worker(tmp_path: Path) -> None:
-    from tests.conftest import Upstream
+    from tests.support.upstreams import Upstream
 
     upstream = Upstream(tmp_path)
     try:

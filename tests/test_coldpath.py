@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tests.conftest import run_cli
+from tests.support.repo import run_cli
 
 
 def test_the_cold_path_report_times_every_step_warm_and_cold(tmp_path: Path) -> None:

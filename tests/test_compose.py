@@ -15,7 +15,7 @@ import yaml
 
 from services.deploybundle import NATS_UID, ROLE_UID
 from services.natsconf import SERVICE_ROLE, parse_worker_hosts
-from tests.conftest import ROOT, run_cli
+from tests.support.repo import ROOT, run_cli
 from tokenbus.cli import build_parser
 from tokenbus.cli.compose import plan
 from tokenbus.launcher import nats_server_binary
@@ -390,7 +390,9 @@ async def test_cluster_routes_are_encrypted_and_admit_only_nodes_of_the_ca(tmp_p
 
     import httpx
 
-    from tests.conftest import free_port, spawn_nats, wait_for
+    from tests.support.natsserver import spawn_nats
+    from tests.support.ports import free_port
+    from tests.support.waits import wait_for
 
     out = tmp_path / "bus"
     assert run_cli("deploy", "init", "--dir", str(out), "--nodes", "3").returncode == 0

@@ -29,7 +29,8 @@ import nats
 import pytest
 from openai import AsyncOpenAI, AuthenticationError
 
-from tests.conftest import ROOT, free_port
+from tests.support.ports import free_port
+from tests.support.repo import ROOT
 from tokenbus.client import Client
 
 pytestmark = [pytest.mark.compose, pytest.mark.timeout(900)]

@@ -38,7 +38,7 @@ from schemathesis.specs.openapi.checks import content_type_conformance, response
 
 from gateway import openapi
 from gateway.openapi import sse_event
-from tests.conftest import FuzzStack
+from tests.support.fuzzstack import FuzzStack
 from tests.test_fuzz_openapi import fuzz_config, fuzz_stack, openai_error_shape
 
 # The stack the bridge's own contract is fuzzed against (module-scoped: one for this file).

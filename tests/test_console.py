@@ -26,16 +26,11 @@ import pytest
 
 from auth.keys import KeyRecord
 from gateway.console_session import Session, Sessions
-from tests.conftest import (
-    ROOT,
-    NatsServer,
-    Procs,
-    ProcStack,
-    key_store,
-    new_model,
-    start_stack,
-    wait_for,
-)
+from tests.support.busdata import key_store, new_model
+from tests.support.natsserver import NatsServer
+from tests.support.procs import Procs, ProcStack, start_stack
+from tests.support.repo import ROOT
+from tests.support.waits import wait_for
 
 ENV = {
     "TOKENBUS_INGRESS__PIPELINE": '["auth", "route"]',

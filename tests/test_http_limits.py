@@ -25,14 +25,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gateway.asgi import BODY_NOW, HTTPServer, Receive, Route, RouteTable, Scope, Send
-from tests.conftest import (
-    NatsServer,
-    Procs,
-    ProcStack,
-    assert_chat_served,
-    new_model,
-    start_stack,
-)
+from tests.support.busdata import new_model
+from tests.support.fuzzstack import assert_chat_served
+from tests.support.natsserver import NatsServer
+from tests.support.procs import Procs, ProcStack, start_stack
 
 EXAMPLES = int(os.environ.get("TOKENBUS_FUZZ_EXAMPLES") or 100)
 MAX_HEAD = 8192

@@ -19,7 +19,7 @@ from pathlib import Path
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from tests.conftest import ROOT
+from tests.support.repo import ROOT
 from tokenbus.evaluation import lockfile
 
 # The project's own top-level packages (pyproject.toml's [tool.setuptools] packages).

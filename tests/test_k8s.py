@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.conftest import ROOT, run_cli
+from tests.support.repo import ROOT, run_cli
 from tokenbus.cli import build_parser
 
 kubernetes_validate = pytest.importorskip(

@@ -19,14 +19,11 @@ from router.kv_index import KVIndex
 from router.policies import KVAware, RouteRequest
 from telemetry import records
 from telemetry.metrics import Metrics
-from tests.conftest import (
-    NatsServer,
-    Procs,
-    free_port,
-    stack,
-    start_stack,
-    wait_for,
-)
+from tests.support.inprocess import stack
+from tests.support.natsserver import NatsServer
+from tests.support.ports import free_port
+from tests.support.procs import Procs, start_stack
+from tests.support.waits import wait_for
 from tokenbus import Client
 
 BS = 4
@@ -164,7 +161,7 @@ async def test_a_replica_whose_reports_disagree_is_routed_by_load_until_it_agree
         nats_server.url, model, workers=0, worker={"sim": SIM}, router=KV_ROUTER
     ) as svcs:
         from engine_worker.worker import Worker
-        from tests.conftest import settings
+        from tests.support.inprocess import settings
 
         router = svcs["router"]
         check = router.kv.check

@@ -15,7 +15,9 @@ from bus_schemas.messages import render_prompt
 from router.kv_index import KVIndex
 from router.policies import KVAware, RouteRequest
 from router.registry import Replica
-from tests.conftest import NatsServer, stack, wait_for
+from tests.support.inprocess import stack
+from tests.support.natsserver import NatsServer
+from tests.support.waits import wait_for
 from tokenbus import Client
 
 BS = 4
@@ -231,7 +233,7 @@ async def test_a_late_router_starts_warm_and_a_dropped_event_is_repaired(
     nats_server: NatsServer, model: str, client: Client, nc: NATS
 ) -> None:
     from router.service import Router
-    from tests.conftest import settings
+    from tests.support.inprocess import settings
 
     async with stack(
         nats_server.url, model, workers=2, worker={"sim": SIM}, router=KV_ROUTER

@@ -23,15 +23,11 @@ from bus_schemas.errors import ContentBlocked, TokenbusError
 from engine_worker.backends.sim import expected_text
 from services import bodies
 from services.natsconf import role_login
-from tests.conftest import (
-    NatsServer,
-    Procs,
-    ProcStack,
-    new_model,
-    stack,
-    start_stack,
-    wait_for,
-)
+from tests.support.busdata import new_model
+from tests.support.inprocess import stack
+from tests.support.natsserver import NatsServer
+from tests.support.procs import Procs, ProcStack, start_stack
+from tests.support.waits import wait_for
 from tests.test_filter_stage import AWS
 from tests.test_locked_bus import Locked
 from tokenbus import Client

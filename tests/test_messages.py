@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,17 +26,11 @@ from engine_worker.backends.sim_outputs import expected_tool_call
 from filter.policy import FilterPolicy
 from filter.scanner import Scanner
 from services.caller import Chunk, Usage
-from tests.conftest import (
-    NatsServer,
-    Procs,
-    ProcStack,
-    Upstream,
-    key_store,
-    new_model,
-    start_stack,
-    start_worker,
-    wait_replicas,
-)
+from tests.support.busdata import key_store, new_model
+from tests.support.natsserver import NatsServer
+from tests.support.procs import Procs, ProcStack, start_stack, start_worker
+from tests.support.upstreams import Upstream
+from tests.support.waits import wait_replicas
 from tokenbus import Client
 
 PIPELINE = {"TOKENBUS_INGRESS__PIPELINE": '["auth", "ratelimit", "filter", "route"]'}
@@ -70,15 +64,6 @@ class Env:
         """The anthropic SDK pointed at the bridge (x-api-key unless told), no retries."""
         kw.setdefault("api_key", self.key)
         return anthropic.AsyncAnthropic(base_url=self.stack.base, max_retries=0, **kw)
-
-
-@pytest.fixture(scope="module")
-def upstream(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Upstream]:
-    up = Upstream(tmp_path_factory.mktemp("upstream"))
-    try:
-        yield up
-    finally:
-        up.stop()
 
 
 @pytest.fixture(scope="module")

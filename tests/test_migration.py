@@ -20,17 +20,12 @@ from engine_worker.backends.base import GenerationRequest
 from engine_worker.backends.sim import _start, expected_text, resume_point, token_text
 from filter.policy import FilterPolicy
 from filter.scanner import Scanner
-from tests.conftest import (
-    NatsServer,
-    Procs,
-    Upstream,
-    fresh_window,
-    key_store,
-    live_replicas,
-    stack,
-    start_stack,
-    wait_for,
-)
+from tests.support.busdata import key_store
+from tests.support.inprocess import stack
+from tests.support.natsserver import NatsServer
+from tests.support.procs import Procs, start_stack
+from tests.support.upstreams import Upstream
+from tests.support.waits import fresh_window, live_replicas, wait_for
 from tokenbus import Client
 
 MSG = [{"role": "user", "content": "tell me a long story"}]

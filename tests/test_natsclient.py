@@ -13,7 +13,7 @@ from router.dispatch import Dispatcher
 from router.registry import Registry
 from services import natsclient
 from services.config import RouterSettings
-from tests.conftest import NatsServer
+from tests.support.natsserver import NatsServer
 
 
 async def test_a_kv_watch_answers_flow_control_only_when_the_server_asks(

@@ -31,19 +31,15 @@ from services.natsconf import ROLES, role_login
 from telemetry import records
 from telemetry.metrics import ITL, REQUEST_LATENCY, TTFT, UNKNOWN_MODEL, Metrics, status_class
 from telemetry.service import INBOX_ROOT, KEYS_INFO, PING, Telemetry
-from tests.conftest import (
-    ROOT,
-    NatsServer,
-    Procs,
-    free_port,
-    key_store,
-    settings,
-    spawn_nats,
-    start_stack,
-    stop_process,
-    wait_for,
-)
 from tests.lockedbus import LockedBus
+from tests.support.busdata import key_store
+from tests.support.inprocess import settings
+from tests.support.natsserver import NatsServer, spawn_nats
+from tests.support.pids import stop_process
+from tests.support.ports import free_port
+from tests.support.procs import Procs, start_stack
+from tests.support.repo import ROOT
+from tests.support.waits import wait_for
 
 PROM_DIR = ROOT / "deploy" / "prometheus"
 GRAFANA_DIR = ROOT / "deploy" / "grafana"

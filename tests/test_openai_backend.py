@@ -23,11 +23,11 @@ from engine_worker.backends.openai_upstream import OpenAIUpstreamBackend
 from services.config import OpenAIUpstreamSettings, WorkerSettings
 
 try:  # tests/ is a package when run from the repo root with rootdir on sys.path
-    from tests.conftest import wait_for
     from tests.fakes.upstream import FakeUpstream
+    from tests.support.waits import wait_for
 except ImportError:  # pytest's default rootdir-less import puts tests/ itself on sys.path
-    from conftest import wait_for  # type: ignore[no-redef]
     from fakes.upstream import FakeUpstream  # type: ignore[no-redef]
+    from support.waits import wait_for  # type: ignore[no-redef]
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -7,7 +7,9 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from bus_schemas import frames, subjects
-from tests.conftest import NatsServer, stack, wait_for
+from tests.support.inprocess import stack
+from tests.support.natsserver import NatsServer
+from tests.support.waits import wait_for
 from tokenbus import Client
 
 

@@ -16,7 +16,9 @@ from router.kv_index import KVIndex
 from router.policies import PredictedLatency, RouteRequest, make_load_policy
 from router.registry import Replica
 from services.config import LatencyTarget, ModelRouting
-from tests.conftest import NatsServer, stack, wait_for
+from tests.support.inprocess import stack
+from tests.support.natsserver import NatsServer
+from tests.support.waits import wait_for
 from tokenbus import Client
 
 BS = 4
@@ -131,7 +133,7 @@ async def test_replicas_announce_their_speed_and_long_prompts_go_to_the_fast_one
     """Two sim replicas, one prefilling fifty times slower per token: once both announced
     what they learned, new long prompts go to the fast one."""
     from engine_worker.worker import Worker
-    from tests.conftest import settings
+    from tests.support.inprocess import settings
 
     sim = {"kv_cache_blocks": 4096, "block_size": BS, "prefill_ms": 1.0, "decode_ms": 1.0}
     w = {"model": model, "heartbeat_interval_s": 0.2}

@@ -15,19 +15,11 @@ import pytest
 from nats.aio.client import Client as NATS
 
 from engine_worker.backends.sim import expected_text
-from tests.conftest import (
-    NatsServer,
-    Procs,
-    ProcStack,
-    free_port,
-    live_replicas,
-    run_cli,
-    start_stack,
-    start_worker,
-    wait_for,
-    wait_http,
-    wait_replicas,
-)
+from tests.support.natsserver import NatsServer
+from tests.support.ports import free_port
+from tests.support.procs import Procs, ProcStack, start_stack, start_worker
+from tests.support.repo import run_cli
+from tests.support.waits import live_replicas, wait_for, wait_http, wait_replicas
 
 MSG = [{"role": "user", "content": "hello there"}]
 PROMPT = "<|user|>hello there\n"

@@ -18,15 +18,11 @@ from bus_schemas import codec, subjects
 from bus_schemas import errors as E
 from bus_schemas import headers as H
 from services import usage
-from tests.conftest import (
-    NatsServer,
-    Procs,
-    fresh_window,
-    key_store,
-    stack,
-    start_stack,
-    wait_for_key,
-)
+from tests.support.busdata import key_store
+from tests.support.inprocess import stack
+from tests.support.natsserver import NatsServer
+from tests.support.procs import Procs, start_stack
+from tests.support.waits import fresh_window, wait_for_key
 from tokenbus import Client
 
 MSG = [{"role": "user", "content": "hi"}]

@@ -14,7 +14,7 @@ import json
 import re
 import signal
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,21 +47,13 @@ from jobs.response_store import ResponseStore, open_store
 from services.caller import Chunk, Usage
 from services.config import ResponsesSettings
 from services.natsconf import role_login
-from tests.conftest import (
-    NatsServer,
-    Procs,
-    ProcStack,
-    Upstream,
-    free_port,
-    key_store,
-    new_model,
-    spawn_nats,
-    start_stack,
-    start_worker,
-    wait_for,
-    wait_replicas,
-)
 from tests.lockedbus import LockedBus, serve_when_ready
+from tests.support.busdata import key_store, new_model
+from tests.support.natsserver import NatsServer, spawn_nats
+from tests.support.ports import free_port
+from tests.support.procs import Procs, ProcStack, start_stack, start_worker
+from tests.support.upstreams import Upstream
+from tests.support.waits import wait_for, wait_replicas
 from tokenbus import Client
 
 PIPELINE = {"TOKENBUS_INGRESS__PIPELINE": '["auth", "ratelimit", "filter", "route"]'}
@@ -91,15 +83,6 @@ class Env:
     url: str
     key: str
     other: str
-
-
-@pytest.fixture(scope="module")
-def upstream(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Upstream]:
-    up = Upstream(tmp_path_factory.mktemp("upstream"))
-    try:
-        yield up
-    finally:
-        up.stop()
 
 
 @pytest.fixture(scope="module")

@@ -31,7 +31,11 @@ from router.policies import (
 from router.registry import Replica
 from router.routing import ModelRoute, RoutingTable, set_override, validate_override
 from services.config import ModelRouting, RouterSettings, load
-from tests.conftest import ROOT, NatsServer, Procs, run_cli, settings, stack, start_stack, wait_for
+from tests.support.inprocess import settings, stack
+from tests.support.natsserver import NatsServer
+from tests.support.procs import Procs, start_stack
+from tests.support.repo import ROOT, run_cli
+from tests.support.waits import wait_for
 from tokenbus import Client
 
 PROMPTS = ROOT / "tests" / "data" / "prompts.jsonl"

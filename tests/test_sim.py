@@ -10,7 +10,7 @@ import pytest
 from engine_worker.backends.base import GenerationRequest
 from engine_worker.backends.sim import SimEngine, expected_text
 from services.config import SimSettings
-from tests.conftest import wait_for
+from tests.support.waits import wait_for
 
 
 def req(prompt: str = "hello", max_tokens: int = 8, **kw: object) -> GenerationRequest:

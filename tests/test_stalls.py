@@ -31,20 +31,14 @@ from services import buckets, caller, members, natsclient, runtime
 from services.natsconf import role_login
 from services.runtime import connect
 from tests import netns
-from tests.conftest import (
-    NatsServer,
-    Procs,
-    child_matching,
-    free_port,
-    spawn_nats,
-    stack,
-    start_stack,
-    stop_process,
-    wait_for,
-    wait_replicas,
-)
 from tests.lockedbus import UNLIMITED, LockedCluster, create_key
 from tests.lockedbus import wait_replicas as wait_cluster_replicas
+from tests.support.inprocess import stack
+from tests.support.natsserver import NatsServer, spawn_nats
+from tests.support.pids import child_matching, stop_process
+from tests.support.ports import free_port
+from tests.support.procs import Procs, start_stack
+from tests.support.waits import wait_for, wait_replicas
 from tokenbus import Client
 from tokenbus.launcher import Child, Supervisor
 

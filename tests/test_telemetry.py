@@ -21,17 +21,12 @@ from bus_schemas import errors as E
 from telemetry import records
 from telemetry.service import Telemetry
 from telemetry.store import RecordStore
-from tests.conftest import (
-    NatsServer,
-    Procs,
-    free_port,
-    run_cli,
-    settings,
-    stack,
-    start_stack,
-    taken_port,
-    wait_for,
-)
+from tests.support.inprocess import settings, stack
+from tests.support.natsserver import NatsServer
+from tests.support.ports import free_port, taken_port
+from tests.support.procs import Procs, start_stack
+from tests.support.repo import run_cli
+from tests.support.waits import wait_for
 from tokenbus import Client
 from tokenbus.evaluation.report import report
 

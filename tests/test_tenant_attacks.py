@@ -34,8 +34,9 @@ from bus_schemas import headers as H
 from bus_schemas.errors import TokenbusError
 from services import bodies
 from services.natsconf import role_login
-from tests.conftest import Procs, start_stack, wait_for
 from tests.lockedbus import LockedBus, serve_when_ready
+from tests.support.procs import Procs, start_stack
+from tests.support.waits import wait_for
 from tokenbus import Client
 
 MODEL = "attack-model"
@@ -345,7 +346,7 @@ def test_the_guarded_buckets_match_the_table_in_the_docs() -> None:
     """docs/safety.md's table of who may write the key records and the ticket secret is the
     generated config's (services.natsconf.GUARDED_BUCKETS)."""
     from services.natsconf import GUARDED_BUCKETS, ROLES
-    from tests.conftest import ROOT
+    from tests.support.repo import ROOT
 
     text = (ROOT / "docs" / "safety.md").read_text()
     table = text.split("### Who may write the key records and the ticket secret", 1)[1]
@@ -432,7 +433,7 @@ async def test_revoking_closes_sessions_made_before_an_auth_restart(stack: Stack
 def test_every_role_s_permissions_are_the_table_in_the_docs() -> None:
     """docs/safety.md's table of every role's permissions is the generated config's."""
     from services.natsconf import permissions_table
-    from tests.conftest import ROOT
+    from tests.support.repo import ROOT
 
     text = (ROOT / "docs" / "safety.md").read_text()
     shown = text.split("<!-- permissions:begin -->\n", 1)[1].split("<!-- permissions:end -->")[0]

@@ -28,7 +28,10 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2 as otlp
 from opentelemetry.proto.common.v1 import common_pb2
 
 from bus_schemas import errors as E
-from tests.conftest import ROOT, NatsServer, Procs, ProcStack, key_store, new_model, start_stack
+from tests.support.busdata import key_store, new_model
+from tests.support.natsserver import NatsServer
+from tests.support.procs import Procs, ProcStack, start_stack
+from tests.support.repo import ROOT
 from tokenbus import Client
 
 MSG = [{"role": "user", "content": "tell me a long story"}]

@@ -29,16 +29,12 @@ from engine_worker.backends.upstream_caps import (
 from services.config import OpenAIUpstreamSettings, WorkerSettings
 from telemetry import records
 from telemetry.store import RecordStore
-from tests.conftest import (
-    Procs,
-    ProcStack,
-    Upstream,
-    free_port,
-    live_replicas,
-    run_cli,
-    start_stack,
-)
 from tests.fakes.upstream import FakeUpstream, template_tokens
+from tests.support.ports import free_port
+from tests.support.procs import Procs, ProcStack, start_stack
+from tests.support.repo import run_cli
+from tests.support.upstreams import Upstream
+from tests.support.waits import live_replicas
 from tokenbus import Client
 
 HB = {"TOKENBUS_WORKER__HEARTBEAT_INTERVAL_S": "0.25"}

@@ -30,16 +30,12 @@ from services.natsconf import role_login
 from telemetry import records
 from telemetry.service import Telemetry
 from telemetry.store import PgRecordStore
-from tests.conftest import (
-    NatsServer,
-    Procs,
-    free_port,
-    settings,
-    spawn_nats,
-    start_stack,
-    wait_for,
-)
 from tests.lockedbus import LockedBus
+from tests.support.inprocess import settings
+from tests.support.natsserver import NatsServer, spawn_nats
+from tests.support.ports import free_port
+from tests.support.procs import Procs, start_stack
+from tests.support.waits import wait_for
 from tokenbus.evaluation.report import report
 
 

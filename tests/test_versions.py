@@ -11,7 +11,7 @@ import tomllib
 
 import yaml
 
-from tests.conftest import ROOT
+from tests.support.repo import ROOT
 from tests.test_compose_stack import NATS_IMAGE
 
 FIXED = (2, 12, 3)  # the cluster-membership fixes after the report; 2.10.23 the stream loss

@@ -24,7 +24,9 @@ from bus_schemas import kv_events as K
 from bus_schemas import subjects
 from engine_worker.backends import scripted_core as sc
 from router.kv_hashing import vllm_block_hashes
-from tests.conftest import NatsServer, stack, wait_for
+from tests.support.inprocess import stack
+from tests.support.natsserver import NatsServer
+from tests.support.waits import wait_for
 from tests.test_vllm_real import WEATHER
 from tokenbus import Client
 
