@@ -52,6 +52,8 @@ SLOWEST_FILES = [
 # The tiers a test belongs to (docs/testing.md, "Tiers"): what it starts, the cheapest first.
 # Each test names exactly one, with a module-level ``pytestmark`` or a mark of its own.
 TIERS = ("unit", "bus", "stack", "fault")
+# The fixtures that start a nats-server or processes: no unit test asks for one.
+NEEDS_A_BUS = frozenset(("nats_server", "private_nats", "client", "nc", "keys", "procs"))
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -63,6 +65,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         named = [m.name for m in item.iter_markers() if m.name in TIERS]
         if len(named) != 1:
             wrong.append(f"{item.nodeid}: {named or 'none'}")
+        elif named == ["unit"] and set(getattr(item, "fixturenames", ())) & NEEDS_A_BUS:
+            wrong.append(f"{item.nodeid}: unit, but it asks for a bus")
     if wrong:
         listed = "\n  ".join(wrong)
         raise pytest.UsageError(

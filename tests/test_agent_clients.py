@@ -34,6 +34,8 @@ from tests.support.repo import ROOT
 from tests.support.waits import wait_until
 from tests.test_readme import Up
 
+pytestmark = pytest.mark.stack
+
 # Versions tried; Claude Code 2.1.197 is the last release that runs on Node 18/20.
 PACKAGES = {
     "@openai/codex": "0.169.0",

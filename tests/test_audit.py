@@ -27,6 +27,8 @@ from tests.support.repo import run_cli
 from tests.support.waits import wait_for
 from tests.test_locked_bus import Locked
 
+pytestmark = pytest.mark.stack
+
 MSG = [{"role": "user", "content": "hi"}]
 PIPELINE = {"TOKENBUS_INGRESS__PIPELINE": '["auth", "route"]'}
 

@@ -28,6 +28,8 @@ from tests.lockedbus import LockedBus
 from tests.support.waits import wait_for
 from tokenbus import Client
 
+pytestmark = pytest.mark.stack
+
 MSG = [{"role": "user", "content": "tell me a story"}]
 # The hang guard: a refusal comes back in well under a second; a hang fails the test.
 HANG_GUARD_S = 5.0

@@ -26,6 +26,8 @@ from tests.support.repo import ROOT
 from tests.support.waits import wait_for, wait_http
 from tokenbus.evaluation.balancer import Balancer
 
+pytestmark = pytest.mark.fault
+
 HAPROXY = shutil.which("haproxy") or (
     "/usr/sbin/haproxy" if Path("/usr/sbin/haproxy").exists() else None
 )

@@ -17,6 +17,8 @@ from tests.support.pids import children_of
 from tests.support.repo import ROOT
 from tests.support.waits import wait_until
 
+pytestmark = pytest.mark.stack
+
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
 def test_a_run_stopped_while_its_stack_starts_leaves_no_process_behind(

@@ -12,6 +12,8 @@ import pytest
 from tests.support.repo import run_cli
 from tokenbus.evaluation.bench import replica_specs
 
+pytestmark = pytest.mark.stack
+
 
 def test_replica_spec_turns_the_workers_flow_control_off_and_on() -> None:
     assert replica_specs(["1:max_running=8,flow=off"]) == [

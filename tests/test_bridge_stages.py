@@ -15,6 +15,8 @@ from tests.support.procs import Procs, start_stack
 from tests.support.waits import fresh_window, wait_started
 from tokenbus import Client
 
+pytestmark = pytest.mark.stack
+
 MSG = [{"role": "user", "content": "hi"}]
 AWS = "AKIA" + "IOSFODNN7EXAMPLE"
 PIPELINE = '["auth", "ratelimit", "filter", "route"]'

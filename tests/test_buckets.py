@@ -22,6 +22,8 @@ from bus_schemas import errors as E
 from services import buckets
 from tests.support.natsserver import NatsServer
 
+pytestmark = pytest.mark.bus
+
 
 @pytest.fixture
 async def kv(nats_server: NatsServer) -> AsyncIterator[Any]:

@@ -19,6 +19,8 @@ from tests.support.natsserver import NatsServer
 from tests.support.waits import wait_for
 from tokenbus import Client, Completion
 
+pytestmark = pytest.mark.bus
+
 MSG = [{"role": "user", "content": "hello there"}]
 PROMPT = "<|user|>hello there\n"
 

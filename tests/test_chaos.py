@@ -24,6 +24,8 @@ from tests.support.procs import Procs, ProcStack, start_stack
 from tests.support.waits import wait_for, wait_started
 from tokenbus import Client
 
+pytestmark = pytest.mark.fault
+
 CLIENTS = 64
 MAX_TOKENS = 24
 MSG = [{"role": "user", "content": "chaos"}]

@@ -18,6 +18,8 @@ from tests.support.waits import wait_for
 from tests.test_chaos import EXPECTED, FAST, HB, MAX_TOKENS, MSG, Tally, steady_load
 from tokenbus import Client
 
+pytestmark = pytest.mark.fault
+
 
 @pytest.fixture
 def cluster(tmp_path: Path) -> Iterator[LockedCluster]:

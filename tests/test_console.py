@@ -92,6 +92,7 @@ def assert_openai_error(r: httpx.Response, status: int, param: str | None = None
         assert err["param"] == param, err
 
 
+@pytest.mark.stack
 async def test_the_page_and_its_assets_are_served_with_a_strict_policy(env: Env) -> None:
     async with env.stack.http() as h:
         r = await h.get("/console")
@@ -107,6 +108,7 @@ async def test_the_page_and_its_assets_are_served_with_a_strict_policy(env: Env)
             assert_openai_error(await h.get(bad), 404)
 
 
+@pytest.mark.stack
 async def test_login_sets_a_strict_http_only_cookie_and_logout_ends_the_session(env: Env) -> None:
     async with env.stack.http() as h:
         r = await h.post("/console/api/session", json={"key": env.admin})
@@ -135,6 +137,7 @@ async def test_login_sets_a_strict_http_only_cookie_and_logout_ends_the_session(
         assert env.admin not in p.output(), p.name
 
 
+@pytest.mark.stack
 async def test_writes_need_the_csrf_token_and_the_consoles_own_origin(env: Env) -> None:
     async with env.stack.http() as h:
         me = await login(h, env.admin)
@@ -174,6 +177,7 @@ async def test_writes_need_the_csrf_token_and_the_consoles_own_origin(env: Env) 
         assert {e["actor"] for e in mine} == {f"key:{me['key_id']}"}
 
 
+@pytest.mark.stack
 async def test_a_key_that_is_not_an_admin_key_sees_its_owner_and_changes_nothing(
     env: Env,
 ) -> None:
@@ -205,6 +209,7 @@ async def test_a_key_that_is_not_an_admin_key_sees_its_owner_and_changes_nothing
         assert (await keys.get(env.other_id)).enabled
 
 
+@pytest.mark.stack
 async def test_bad_input_gets_openai_shaped_errors(env: Env) -> None:
     async with env.stack.http() as h:
         assert_openai_error(await h.post("/console/api/session", json={"key": "tb-nope"}), 401)
@@ -240,6 +245,7 @@ async def test_bad_input_gets_openai_shaped_errors(env: Env) -> None:
         assert_openai_error(await h.get("/console/api/nothing"), 404)
 
 
+@pytest.mark.stack
 async def test_a_revoked_key_ends_its_console_sessions(env: Env) -> None:
     async with env.stack.http() as h, env.stack.http() as h2:
         me = await login(h, env.admin)
@@ -257,6 +263,7 @@ async def test_a_revoked_key_ends_its_console_sessions(env: Env) -> None:
         await wait_for(ended, timeout=10, what="the revoked key's session did not end")
 
 
+@pytest.mark.stack
 async def test_usage_is_counted_per_key_and_exported_as_csv(env: Env) -> None:
     client = env.stack.openai(env.plain)
     await client.chat.completions.create(
@@ -312,6 +319,7 @@ async def _both(rows: Any) -> bool:
     return len(await rows) == 2
 
 
+@pytest.mark.fault
 async def test_the_feed_shows_replicas_and_a_killed_worker_leaves(env: Env) -> None:
     # Last of the module's HTTP tests: it kills a worker.
     async with env.stack.http() as h:
@@ -377,6 +385,7 @@ def _alert(driver: Any) -> bool:
     return True
 
 
+@pytest.mark.stack
 async def test_in_chromium_log_in_create_use_see_and_revoke_a_key(env: Env, tmp_path: Path) -> None:
     from selenium.common.exceptions import StaleElementReferenceException
     from selenium.webdriver.common.by import By
@@ -500,6 +509,7 @@ async def test_in_chromium_log_in_create_use_see_and_revoke_a_key(env: Env, tmp_
         driver.quit()
 
 
+@pytest.mark.unit
 def test_the_page_ships_as_package_data() -> None:
     # A non-editable install (the images, `pip install tokenbus`) has the console's files.
     meta = tomllib.loads((ROOT / "pyproject.toml").read_text())
@@ -510,6 +520,7 @@ def test_the_page_ships_as_package_data() -> None:
         assert any(fnmatch.fnmatch(f"console_static/{f.name}", g) for g in globs), f.name
 
 
+@pytest.mark.unit
 def test_the_cookie_is_secure_over_tls_and_never_holds_the_key() -> None:
     # The bridge sets Secure where it serves HTTPS (scope scheme "https"); the flags of both
     # the session's cookie and the one that clears it.

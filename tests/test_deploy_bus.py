@@ -19,6 +19,8 @@ from tests.support.natsserver import spawn_nats
 from tests.support.ports import free_port
 from tests.support.repo import run_cli
 
+pytestmark = pytest.mark.fault
+
 
 def _health(path: Path, max_age: float = 10) -> subprocess.CompletedProcess[str]:
     return run_cli("health", "--file", str(path), "--max-age", str(max_age))

@@ -22,6 +22,8 @@ from services.config import SimSettings
 from tests.support.procs import Procs, start_stack, start_worker
 from tests.support.waits import live_replicas, wait_for
 
+pytestmark = pytest.mark.fault
+
 LONG = "a long document to read " * 400  # about 2 400 tokens to the sim
 SHORT = "hi"
 # Prefill 0.2 ms a prompt token (a long prompt: about half a second), a token every 10 ms.

@@ -23,6 +23,8 @@ from tests.support.ports import free_port
 from tests.support.repo import ROOT
 from tokenbus.launcher import _nats_server_args, nats_server_binary
 
+pytestmark = pytest.mark.stack
+
 SYNC_LINE = re.compile(r"jetstream \{[^}]*sync_interval: \"([^\"]+)\"[^}]*\}")
 
 

@@ -21,6 +21,8 @@ from services.runtime import check_health
 from tests.support.procs import Procs, ProcStack, start_stack
 from tests.support.waits import wait_for
 
+pytestmark = pytest.mark.stack
+
 ENV = {
     "TOKENBUS_WORKER__SIM__FAULT_SIGNALS": "true",
     "TOKENBUS_WORKER__SIM__DECODE_MS": "20",

@@ -34,6 +34,8 @@ from tests.support.repo import ROOT, run_cli
 from tests.support.waits import wait_http
 from tokenbus.launcher import nats_server_binary
 
+pytestmark = pytest.mark.stack
+
 # A user of the config and its password: `{user: "bridge", password: "$2b$04$...", ...`.
 USER_PASSWORD = re.compile(r'user: "([^"]+)", password: "([^"]*)"')
 BCRYPT = re.compile(r"^\$2[aby]\$\d\d\$[./A-Za-z0-9]{53}$")

@@ -16,6 +16,8 @@ from tests.support.inprocess import stack
 from tests.support.natsserver import NatsServer
 from tokenbus import Client
 
+pytestmark = pytest.mark.bus
+
 AWS = "AKIA" + "IOSFODNN7EXAMPLE"
 
 

@@ -29,6 +29,8 @@ from tests.support.repo import run_cli
 from tests.support.waits import live_replicas, wait_for
 from tokenbus import Client
 
+pytestmark = pytest.mark.stack
+
 MSG = [{"role": "user", "content": "Tell me about fair queues."}]
 PIPELINE = {"TOKENBUS_INGRESS__PIPELINE": '["auth", "route"]'}
 

@@ -16,6 +16,8 @@ from hypothesis import strategies as st
 from tests.support.fuzzstack import FuzzStack, open_fuzz_stack
 from tests.support.natsserver import NatsServer
 
+pytestmark = pytest.mark.stack
+
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
     lambda inner: (

@@ -69,6 +69,8 @@ from tests.support.procs import Procs, ProcStack, start_stack
 from tests.support.waits import wait_for
 from tokenbus import Client
 
+pytestmark = pytest.mark.stack
+
 FUZZ_EXAMPLES = int(os.environ.get("TOKENBUS_FUZZ_EXAMPLES", "30"))
 MSG = [{"role": "user", "content": "hi"}]
 # Longer than any answer of a healthy stack takes (the router waits 2 s for a worker's ack).

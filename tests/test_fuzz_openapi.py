@@ -39,6 +39,8 @@ from tests.support.fuzzstack import FuzzStack, open_fuzz_stack
 from tests.support.natsserver import NatsServer
 from tokenbus.client import Client
 
+pytestmark = pytest.mark.stack
+
 # Examples per operation in schemathesis' fuzzing phase (its examples and coverage phases
 # add their own, deterministic, cases), and the run's seed (printed, to replay it).
 EXAMPLES = int(os.environ.get("TOKENBUS_FUZZ_EXAMPLES") or 200)

@@ -19,6 +19,8 @@ from tests.support.natsserver import NatsServer
 from tests.support.procs import Procs, ProcStack, start_stack
 from tests.support.waits import live_replicas
 
+pytestmark = pytest.mark.stack
+
 MSG = [{"role": "user", "content": "hello there"}]
 PROMPT = "<|user|>hello there\n"
 

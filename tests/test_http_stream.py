@@ -18,6 +18,8 @@ from engine_worker.backends.openai_upstream import OpenAIUpstreamBackend
 from services.config import OpenAIUpstreamSettings, WorkerSettings
 from tests.support.waits import wait_for
 
+pytestmark = pytest.mark.unit
+
 Answer = Callable[[bytes], bytes]  # the request's bytes -> what the server writes back
 
 

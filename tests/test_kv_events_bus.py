@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import nats
+import pytest
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
@@ -22,6 +23,8 @@ from tests.support.ports import free_port
 from tests.support.procs import Procs, start_stack
 from tests.support.waits import wait_for
 from tokenbus import Client
+
+pytestmark = pytest.mark.stack
 
 BS = 4
 SIM = {"kv_cache_blocks": 64, "block_size": BS, "prefill_ms": 1.0, "decode_ms": 1.0}

@@ -32,6 +32,8 @@ from tests.support.repo import ROOT
 from tests.support.waits import live_replicas
 from tokenbus import Client
 
+pytestmark = pytest.mark.stack
+
 SERVER_PY = Path(
     os.environ.get("TOKENBUS_TEST_LLAMACPP_PYTHON", ROOT / ".venv/llamacpp/bin/python")
 )

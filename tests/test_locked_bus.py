@@ -21,6 +21,8 @@ from tests.support.procs import Procs, start_stack
 from tests.support.waits import wait_for
 from tokenbus import Client
 
+pytestmark = pytest.mark.stack
+
 MSG = [{"role": "user", "content": "hi"}]
 
 

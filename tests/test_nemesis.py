@@ -15,6 +15,8 @@ import pytest
 
 from tokenbus.evaluation.nemesis import Config, print_table, run_nemesis
 
+pytestmark = pytest.mark.fault
+
 
 # Its own waits are bounded, and together can pass the suite's 120 s on a loaded machine:
 # 27 s of load and its start, then up to 60 s each for the spend reports' and the records'

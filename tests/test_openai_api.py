@@ -31,6 +31,8 @@ from tests.support.upstreams import Upstream
 from tests.support.waits import wait_replicas
 from tokenbus import Client
 
+pytestmark = pytest.mark.stack
+
 WEATHER = {
     "type": "function",
     "function": {

@@ -24,6 +24,8 @@ from tests.support.pids import stop_process
 from tests.support.ports import free_port
 from tests.support.repo import ROOT
 
+pytestmark = pytest.mark.stack
+
 README = (ROOT / "README.md").read_text()
 
 

@@ -27,6 +27,8 @@ from tests.support.waits import wait_for, wait_http
 from tokenbus.evaluation.busrelay import BACK_READY
 from tokenbus.launcher import port_open
 
+pytestmark = pytest.mark.stack
+
 MSG = [{"role": "user", "content": "hello there"}]
 PROMPT = "<|user|>hello there\n"
 FAST = ("--sim-prefill-ms", "2", "--sim-decode-ms", "1")

@@ -234,6 +234,8 @@ from engine_worker.backends.sim_outputs import (  # noqa: E402
 )
 from services.config import WorkerSettings  # noqa: E402
 
+pytestmark = pytest.mark.unit
+
 WEATHER = {
     "type": "function",
     "function": {

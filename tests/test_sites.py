@@ -30,6 +30,8 @@ from tests.support.waits import live_replicas, wait_for
 from tokenbus import Client
 from tokenbus.launcher import nats_server_binary
 
+pytestmark = pytest.mark.stack
+
 MODEL = "sited"
 MSG = [{"role": "user", "content": "which site?"}]
 SITES = {"a": [f"{MODEL}-a0"], "b": [f"{MODEL}-b0"]}

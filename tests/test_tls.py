@@ -27,6 +27,8 @@ from tests.support.procs import Procs, start_stack
 from tests.support.repo import run_cli
 from tokenbus import Client
 
+pytestmark = pytest.mark.stack
+
 MSG = [{"role": "user", "content": "over tls"}]
 
 

@@ -30,6 +30,8 @@ from tests.support.waits import wait_for
 from tests.test_vllm_real import WEATHER
 from tokenbus import Client
 
+pytestmark = pytest.mark.bus
+
 if importlib.util.find_spec("vllm") is None:
     pytest.skip("vLLM is not installed (make test-vllm)", allow_module_level=True)
 

@@ -36,6 +36,8 @@ from tests.support.procs import Procs, ProcStack, start_stack
 from tests.support.waits import wait_for, wait_replicas
 from tests.test_migration import _victim
 
+pytestmark = pytest.mark.stack
+
 if importlib.util.find_spec("vllm") is None:
     pytest.skip("vLLM is not installed (make test-vllm)", allow_module_level=True)
 

@@ -31,6 +31,8 @@ from tests.support.pids import stop_process
 from tests.support.ports import free_port
 from tests.test_vllm_real import HELLO, TOOL_CALL, WEATHER, _read_stream
 
+pytestmark = pytest.mark.stack
+
 if importlib.util.find_spec("vllm") is None:
     pytest.skip("vLLM is not installed (make test-vllm)", allow_module_level=True)
 

@@ -21,6 +21,8 @@ from tests.support.procs import Procs, start_stack
 from tests.support.waits import live_replicas, wait_for
 from tokenbus import Client
 
+pytestmark = pytest.mark.stack
+
 MODEL = "hosted"
 MSG = [{"role": "user", "content": "which host?"}]
 HOSTS = {"gpu-a": [f"{MODEL}-a0"], "gpu-b": [f"{MODEL}-b0"]}
