@@ -41,7 +41,7 @@ test: lint
 PYTEST_TIER := $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 .PHONY: test-unit test-bus test-stack test-fault
 
-## The unit tier alone: no nats-server, no child process (about 40 s of CPU: docs/testing.md).
+## The unit tier alone: no nats-server, no child process (35 s of CPU: docs/testing.md).
 test-unit: $(STAMP)
 	$(BIN)/python -m pytest -q -n 0 -m unit $(shell grep -l 'mark\.unit' tests/test_*.py)
 
