@@ -34,6 +34,29 @@ TEST_WORKERS ?= 4
 test: lint
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
+# One tier of the suite each (docs/testing.md, "Tiers"), without the lint: unit (nothing but
+# this process), bus (a nats-server, services in-process), stack (processes), fault (pauses,
+# kills, partitions). The unit tier runs in this process over the files that hold unit tests
+# (every one names its tier in its file), so it imports no more than it runs.
+PYTEST_TIER := $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+.PHONY: test-unit test-bus test-stack test-fault
+
+## The unit tier alone: no nats-server, no child process (35 s of CPU: docs/testing.md).
+test-unit: $(STAMP)
+	$(BIN)/python -m pytest -q -n 0 -m unit $(shell grep -l 'mark\.unit' tests/test_*.py)
+
+## The bus tier alone: a real nats-server, the services in the test's own process.
+test-bus: $(STAMP)
+	$(PYTEST_TIER) -m bus
+
+## The stack tier alone: real tokenbus processes (the CLI, services, a fake upstream).
+test-stack: $(STAMP)
+	$(PYTEST_TIER) -m stack
+
+## The fault tier alone: processes and servers paused, killed, cut off (nemesis, chaos).
+test-fault: $(STAMP)
+	$(PYTEST_TIER) -m fault
+
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .

@@ -23,9 +23,10 @@ from nats.aio.client import Client as NATS
 from auth.store import BUCKET, KeyStore
 from services.natsconf import generate, role_env, role_login
 from services.runtime import servers
-from tests import conftest
-from tests.conftest import free_port, spawn_nats
 from tests.netns import Host
+from tests.support import waits
+from tests.support.natsserver import spawn_nats
+from tests.support.ports import free_port
 from tokenbus import Client
 
 PING = [{"role": "user", "content": "ready?"}]
@@ -208,7 +209,7 @@ async def live_replicas(
 ) -> dict[str, dict[str, Any]]:
     """Replicas of ``model`` heard within ``wait`` seconds (as admin: the heartbeats are
     not a key's to read)."""
-    return await conftest.live_replicas(url, model, wait, **role_login(bus.users, "admin"))
+    return await waits.live_replicas(url, model, wait, **role_login(bus.users, "admin"))
 
 
 async def wait_replicas(
@@ -217,7 +218,7 @@ async def wait_replicas(
     # A bound a loaded machine does not miss: a dozen processes starting at once on 2 busy
     # cores took over 20 s in a full suite run (every log still empty); it returns as soon
     # as they beat.
-    await conftest.wait_replicas(url, model, n, timeout, **role_login(bus.users, "admin"))
+    await waits.wait_replicas(url, model, n, timeout, **role_login(bus.users, "admin"))
 
 
 async def serve_when_ready(url: str, key: str, model: str, timeout: float = 60) -> None:

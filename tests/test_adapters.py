@@ -22,7 +22,9 @@ from engine_worker.backends.base import GenerationRequest
 from engine_worker.backends.sim import SimEngine
 from services import audit
 from services.config import SimSettings
-from tests.conftest import Procs, live_replicas, run_cli, start_stack, start_worker, wait_for
+from tests.support.procs import Procs, start_stack, start_worker
+from tests.support.repo import run_cli
+from tests.support.waits import live_replicas, wait_for
 from tokenbus import Client
 
 MSG = [{"role": "user", "content": "write me a query"}]
@@ -43,6 +45,7 @@ async def _events(nc: NATS, name: str) -> list[audit.AuditEvent]:
     return [e for e in await audit.read(nc, limit=None) if e.target == name]
 
 
+@pytest.mark.stack
 async def test_an_adapter_is_loaded_served_listed_and_unloaded_after_its_requests(
     procs: Procs, model: str, keys: KeyStore, nc: NATS, tmp_path: Path
 ) -> None:
@@ -133,6 +136,7 @@ async def test_an_adapter_is_loaded_served_listed_and_unloaded_after_its_request
     assert {e.actor for e in events} == {audit.key_actor(admin_rec.id)}
 
 
+@pytest.mark.fault
 async def test_the_router_loads_a_wanted_adapter_beside_a_busy_holder_and_after_a_lost_one(
     procs: Procs, model: str, client: Client, tmp_path: Path
 ) -> None:
@@ -193,6 +197,7 @@ async def test_the_router_loads_a_wanted_adapter_beside_a_busy_holder_and_after_
     assert bad.returncode == 2 and f"{model}-2" in bad.stdout and "/nowhere" in bad.stdout
 
 
+@pytest.mark.stack
 async def test_a_replica_answers_a_bad_adapter_command_with_a_clear_error(
     procs: Procs, model: str, nc: NATS
 ) -> None:
@@ -223,6 +228,7 @@ async def test_a_replica_answers_a_bad_adapter_command_with_a_clear_error(
     }
 
 
+@pytest.mark.unit
 async def test_the_sim_holds_at_most_max_loras_adapters_in_a_batch() -> None:
     """vLLM's scheduler under max_loras=1: a request on a second adapter waits until the
     first adapter's requests leave the batch; requests on the base model never wait."""
@@ -248,6 +254,7 @@ async def test_the_sim_holds_at_most_max_loras_adapters_in_a_batch() -> None:
     assert not engine.waiting and not engine.running
 
 
+@pytest.mark.stack
 async def test_an_openai_worker_loads_adapters_on_its_vllm_upstream(
     nats_server: Any, procs: Procs, model: str, nc: NATS, tmp_path: Path
 ) -> None:
@@ -257,8 +264,8 @@ async def test_an_openai_worker_loads_adapters_on_its_vllm_upstream(
     replica; an upstream without the endpoints (llama.cpp's server) is refused with why."""
     from engine_worker.worker import Worker
     from router import adapters as A
-    from tests.conftest import settings
     from tests.fakes.upstream import FakeUpstream
+    from tests.support.inprocess import settings
 
     await start_stack(procs, model, "ingress", "router", workers=0, bridge=False)
     ups = [FakeUpstream(), FakeUpstream(flavor="llamacpp")]

@@ -28,8 +28,13 @@ import httpx
 import pytest
 
 from dialects.anthropic import to_messages
-from tests.conftest import ROOT, free_port, stop_process, wait_port, wait_until
+from tests.support.pids import stop_process
+from tests.support.ports import free_port, wait_port
+from tests.support.repo import ROOT
+from tests.support.waits import wait_until
 from tests.test_readme import Up
+
+pytestmark = pytest.mark.stack
 
 # Versions tried; Claude Code 2.1.197 is the last release that runs on Node 18/20.
 PACKAGES = {

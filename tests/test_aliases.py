@@ -19,7 +19,11 @@ from bus_schemas import subjects
 from services import aliases as A
 from services import audit
 from services.aliases import AliasTable, check_alias, check_key_aliases
-from tests.conftest import NatsServer, Procs, run_cli, stack, start_stack, wait_for, wait_for_key
+from tests.support.inprocess import stack
+from tests.support.natsserver import NatsServer
+from tests.support.procs import Procs, start_stack
+from tests.support.repo import run_cli
+from tests.support.waits import wait_for, wait_for_key
 from tokenbus import Client
 
 MSG = [{"role": "user", "content": "hi"}]
@@ -40,6 +44,7 @@ async def _alias_events(nc: NATS, name: str) -> list[audit.AuditEvent]:
     return [e for e in await audit.read(nc, limit=None) if e.target == name]
 
 
+@pytest.mark.stack
 async def test_a_cli_alias_is_served_listed_audited_and_removed(
     procs: Procs, model: str, nc: NATS
 ) -> None:
@@ -91,6 +96,7 @@ async def test_a_cli_alias_is_served_listed_audited_and_removed(
     assert events[1].details["removed"] is True and events[1].details["previous"] == model
 
 
+@pytest.mark.stack
 async def test_admin_api_key_aliases_and_the_allow_list(
     procs: Procs, model: str, keys: KeyStore, nc: NATS
 ) -> None:
@@ -162,6 +168,7 @@ async def test_admin_api_key_aliases_and_the_allow_list(
     assert all(e.request_id for e in events)
 
 
+@pytest.mark.bus
 async def test_nats_client_asks_for_an_alias(
     nats_server: NatsServer, model: str, nc: NATS, keys: KeyStore, client: Client
 ) -> None:
@@ -189,6 +196,7 @@ async def test_nats_client_asks_for_an_alias(
             await client.chat_completion(name, MSG, max_tokens=2, api_key=key)
 
 
+@pytest.mark.bus
 async def test_the_router_resolves_without_auth(
     nats_server: NatsServer, model: str, nc: NATS, client: Client
 ) -> None:
@@ -198,6 +206,7 @@ async def test_the_router_resolves_without_auth(
         assert done.model == name and done.replica == f"{model}-w0"
 
 
+@pytest.mark.unit
 def test_chains_and_shadows_are_refused() -> None:
     table = AliasTable({"a": "m"})
     table.runtime["b"] = "n"

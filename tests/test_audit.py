@@ -20,8 +20,14 @@ from auth.keys import key_id_of
 from auth.store import KeyStore
 from bus_schemas import subjects
 from services import audit, buckets
-from tests.conftest import NatsServer, Procs, key_store, run_cli, start_stack, wait_for
+from tests.support.busdata import key_store
+from tests.support.natsserver import NatsServer
+from tests.support.procs import Procs, start_stack
+from tests.support.repo import run_cli
+from tests.support.waits import wait_for
 from tests.test_locked_bus import Locked
+
+pytestmark = pytest.mark.stack
 
 MSG = [{"role": "user", "content": "hi"}]
 PIPELINE = {"TOKENBUS_INGRESS__PIPELINE": '["auth", "route"]'}

@@ -16,22 +16,18 @@ from auth.keys import hash_key, key_id_of, matches, new_key, parse_duration
 from auth.store import KeyStore
 from bus_schemas import errors as E
 from bus_schemas import subjects
-from tests.conftest import (
-    NatsServer,
-    Procs,
-    ProcStack,
-    key_store,
-    run_cli,
-    stack,
-    start_stack,
-    wait_for,
-    wait_for_key,
-)
+from tests.support.busdata import key_store
+from tests.support.inprocess import stack
+from tests.support.natsserver import NatsServer
+from tests.support.procs import Procs, ProcStack, start_stack
+from tests.support.repo import run_cli
+from tests.support.waits import wait_for, wait_for_key
 from tokenbus import Client
 
 MSG = [{"role": "user", "content": "hi"}]
 
 
+@pytest.mark.unit
 def test_keys_are_random_recognisable_and_hashed() -> None:
     key, key_id = new_key()
     assert key.startswith(f"tb-{key_id}_") and key_id_of(key) == key_id
@@ -49,6 +45,7 @@ def test_keys_are_random_recognisable_and_hashed() -> None:
         parse_duration("soon")
 
 
+@pytest.mark.bus
 async def test_keys_work_across_two_auth_instances_and_revocation_is_quick(
     nats_server: NatsServer, model: str, keys: KeyStore, client: Client
 ) -> None:
@@ -86,6 +83,7 @@ async def wait_for_revoked(svcs: dict[str, Any], key_id: str) -> None:
     )
 
 
+@pytest.mark.bus
 async def test_expired_keys_are_refused(
     nats_server: NatsServer, model: str, keys: KeyStore, client: Client
 ) -> None:
@@ -102,6 +100,7 @@ async def test_expired_keys_are_refused(
         assert "expired" in ei.value.message
 
 
+@pytest.mark.bus
 async def test_the_key_never_reaches_later_stages(
     nats_server: NatsServer, model: str, keys: KeyStore, client: Client
 ) -> None:
@@ -124,6 +123,7 @@ def _keys(url: str, *args: str) -> subprocess.CompletedProcess[str]:
     return run_cli("--nats-url", url, "keys", *args, timeout=60)
 
 
+@pytest.mark.stack
 def test_keys_cli(nats_server: NatsServer) -> None:
     r = _keys(
         nats_server.url,
@@ -156,6 +156,7 @@ def test_keys_cli(nats_server: NatsServer) -> None:
 PIPELINE = {"TOKENBUS_INGRESS__PIPELINE": '["auth", "route"]'}
 
 
+@pytest.mark.stack
 async def test_http_clients_authenticate_with_bearer_or_api_key(procs: Procs, model: str) -> None:
     async with key_store(procs.url) as keys:
         key, _ = await keys.create("http", models=[model])
@@ -205,6 +206,7 @@ async def admin_stack(procs: Procs, model: str) -> tuple[ProcStack, dict[str, st
     return stack, {"Authorization": f"Bearer {admin}"}, plain
 
 
+@pytest.mark.stack
 async def test_admin_api_on_the_bridge(procs: Procs, model: str) -> None:
     stack, adm, plain = await admin_stack(procs, model)
     async with stack.http("/v1") as h:
@@ -244,6 +246,7 @@ async def test_admin_api_on_the_bridge(procs: Procs, model: str) -> None:
         assert r.status_code == 401
 
 
+@pytest.mark.stack
 async def test_admin_api_errors_name_the_permission_and_the_field(procs: Procs, model: str) -> None:
     # A key that is valid but not an admin key lacks a permission (403
     # insufficient_permissions), not a model (model_not_allowed); a 400 names its field.
@@ -298,6 +301,7 @@ async def test_admin_api_errors_name_the_permission_and_the_field(procs: Procs, 
         assert r.status_code == 200 and r.json()["override"] is None  # nothing was changed
 
 
+@pytest.mark.bus
 async def test_a_key_not_yet_in_the_watched_cache_is_read_from_the_bucket(
     nats_server: NatsServer,
 ) -> None:
@@ -319,6 +323,7 @@ async def test_a_key_not_yet_in_the_watched_cache_is_read_from_the_bucket(
         await store.catch_up(None)
 
 
+@pytest.mark.stack
 async def test_a_rotated_key_keeps_its_id_limits_and_budget_and_the_old_one_works_a_while(
     procs: Procs, model: str
 ) -> None:

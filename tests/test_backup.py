@@ -23,17 +23,11 @@ import yaml
 from auth import budgets
 from jobs.files import BUCKET as FILES_BUCKET
 from services import aliases
-from tests.conftest import (
-    ROOT,
-    NatsServer,
-    Procs,
-    ProcStack,
-    key_store,
-    new_model,
-    run_cli,
-    start_stack,
-    wait_for,
-)
+from tests.support.busdata import key_store, new_model
+from tests.support.natsserver import NatsServer
+from tests.support.procs import Procs, ProcStack, start_stack
+from tests.support.repo import ROOT, run_cli
+from tests.support.waits import wait_for
 from tokenbus.cli import backup
 
 ENV = {
@@ -75,6 +69,7 @@ def _named_in_code() -> dict[str, str]:
     return found
 
 
+@pytest.mark.unit
 def test_the_store_list_names_every_bucket_and_stream_in_the_code() -> None:
     listed = {s.name for s in backup.STORES} | set(backup.SKIPPED)
     named = _named_in_code()
@@ -87,6 +82,7 @@ def test_the_store_list_names_every_bucket_and_stream_in_the_code() -> None:
 
 
 # -- bad input, offline ------------------------------------------------------------------------
+@pytest.mark.stack
 def test_restore_from_a_missing_or_corrupt_folder_is_a_clear_error(tmp_path: Path) -> None:
     env = {**os.environ, "TOKENBUS_NATS_URL": "nats://127.0.0.1:1"}  # never reached
     r = run_cli("restore", "--from", str(tmp_path / "nowhere"), env=env)
@@ -169,6 +165,7 @@ async def target(tmp_path: Path) -> AsyncIterator[NatsServer]:
     srv.stop()
 
 
+@pytest.mark.stack
 async def test_a_backup_taken_while_serving_restores_everything_on_a_fresh_server(
     source: NatsServer, target: NatsServer, tmp_path: Path
 ) -> None:
@@ -302,6 +299,7 @@ async def test_a_backup_taken_while_serving_restores_everything_on_a_fresh_serve
     assert r.returncode == 1 and "not an empty folder" in r.stderr, r.stderr
 
 
+@pytest.mark.stack
 def test_a_changed_messages_file_is_refused_before_the_bus_is_touched(tmp_path: Path) -> None:
     """A backup altered after it was written (here: made by hand) fails its checksum."""
     folder = tmp_path / "b"
@@ -326,6 +324,7 @@ def test_a_changed_messages_file_is_refused_before_the_bus_is_touched(tmp_path: 
 
 
 # -- the CronJob ---------------------------------------------------------------------------------
+@pytest.mark.unit
 def test_the_backup_cronjob_runs_tokenbus_backup_as_admin_onto_a_volume() -> None:
     from tokenbus.cli import build_parser
 
@@ -350,6 +349,7 @@ def test_the_backup_cronjob_runs_tokenbus_backup_as_admin_onto_a_volume() -> Non
     assert env["TOKENBUS_NATS_LOGIN_FILE"] == "/etc/tokenbus/login/admin.json"
 
 
+@pytest.mark.stack
 def test_the_backup_component_renders_valid_objects_with_the_overlay(tmp_path: Path) -> None:
     """The cpu-sim overlay with components/backup, as its notes say, gives Kubernetes a
     valid CronJob and volume that read the admin login and the CA the base makes."""
@@ -385,6 +385,7 @@ def test_the_backup_component_renders_valid_objects_with_the_overlay(tmp_path: P
 
 
 # -- the file store's bound and its gauge ------------------------------------------------------
+@pytest.mark.stack
 async def test_the_file_store_is_bounded_and_telemetry_reports_how_full_it_is(
     tmp_path: Path,
 ) -> None:
@@ -399,8 +400,8 @@ async def test_the_file_store_is_bounded_and_telemetry_reports_how_full_it_is(
     from services.config import FilesSettings, Settings
     from services.natsconf import role_login
     from telemetry.service import FILES_INFO, Telemetry
-    from tests.conftest import settings
     from tests.lockedbus import LockedBus
+    from tests.support.inprocess import settings
 
     assert Settings().files.max_bytes <= 4 << 30  # room left on a 10Gi NATS volume
     bus = LockedBus(tmp_path / "bus").start()
@@ -437,6 +438,7 @@ async def test_the_file_store_is_bounded_and_telemetry_reports_how_full_it_is(
 
 
 # -- a cluster -------------------------------------------------------------------------------------
+@pytest.mark.stack
 async def test_a_cluster_is_backed_up_through_any_node_and_restored_replicated(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -24,9 +24,11 @@ from bus_schemas import frames, subjects
 from bus_schemas import headers as H
 from services import logging as tlog
 from services import natsclient
-from tests.conftest import wait_for
 from tests.lockedbus import LockedBus
+from tests.support.waits import wait_for
 from tokenbus import Client
+
+pytestmark = pytest.mark.stack
 
 MSG = [{"role": "user", "content": "tell me a story"}]
 # The hang guard: a refusal comes back in well under a second; a hang fails the test.

@@ -20,8 +20,13 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import ROOT, Procs, free_port, start_stack, wait_for, wait_http
+from tests.support.ports import free_port
+from tests.support.procs import Procs, start_stack
+from tests.support.repo import ROOT
+from tests.support.waits import wait_for, wait_http
 from tokenbus.evaluation.balancer import Balancer
+
+pytestmark = pytest.mark.fault
 
 HAPROXY = shutil.which("haproxy") or (
     "/usr/sbin/haproxy" if Path("/usr/sbin/haproxy").exists() else None

@@ -9,6 +9,8 @@ import pytest
 
 from jobs.batch_status import OPEN, STATUSES, TRANSITIONS, ForbiddenTransition, transition
 
+pytestmark = pytest.mark.unit
+
 DOC = Path(__file__).resolve().parent.parent / "docs" / "batches.md"
 
 

@@ -27,18 +27,12 @@ from jobs.batches import parse_input
 from jobs.inprocess import BACKGROUND as BACKGROUND_KEY
 from jobs.inprocess import RERUN as RERUN_KEY
 from services.caller import MAX_MIGRATIONS
-from tests.conftest import (
-    NatsServer,
-    Procs,
-    ProcStack,
-    free_port,
-    key_store,
-    new_model,
-    run_cli,
-    start_stack,
-    wait_for,
-    wait_http,
-)
+from tests.support.busdata import key_store, new_model
+from tests.support.natsserver import NatsServer
+from tests.support.ports import free_port
+from tests.support.procs import Procs, ProcStack, start_stack
+from tests.support.repo import run_cli
+from tests.support.waits import wait_for, wait_http
 
 ENV = {
     "TOKENBUS_INGRESS__PIPELINE": '["auth", "ratelimit", "filter", "route"]',
@@ -132,6 +126,7 @@ async def lines_of(oai: openai.AsyncOpenAI, file_id: str | None) -> list[dict[st
 
 
 # -- files --------------------------------------------------------------------------------
+@pytest.mark.stack
 async def test_files_are_stored_listed_read_and_deleted_by_their_key_only(
     oai: openai.AsyncOpenAI, other: openai.AsyncOpenAI, env: Env
 ) -> None:
@@ -157,6 +152,7 @@ async def test_files_are_stored_listed_read_and_deleted_by_their_key_only(
         await oai.files.retrieve(f.id)
 
 
+@pytest.mark.stack
 async def test_bad_uploads_are_clear_errors(oai: openai.AsyncOpenAI, env: Env) -> None:
     with pytest.raises(openai.BadRequestError) as exc:
         await oai.files.create(file=("x.jsonl", b"{}"), purpose="fine-tune")
@@ -173,6 +169,7 @@ async def test_bad_uploads_are_clear_errors(oai: openai.AsyncOpenAI, env: Env) -
         assert (await h.get("/files")).status_code == 401
 
 
+@pytest.mark.stack
 async def test_one_key_cannot_fill_the_file_store(
     nats_server: NatsServer, other: openai.AsyncOpenAI, env: Env
 ) -> None:
@@ -205,6 +202,7 @@ async def test_one_key_cannot_fill_the_file_store(
 
 
 # -- batches ------------------------------------------------------------------------------
+@pytest.mark.stack
 async def test_a_batch_of_200_lines_answers_each_good_line_once_and_each_bad_one_as_an_error(
     oai: openai.AsyncOpenAI, other: openai.AsyncOpenAI, env: Env
 ) -> None:
@@ -265,6 +263,7 @@ async def test_a_batch_of_200_lines_answers_each_good_line_once_and_each_bad_one
             await call
 
 
+@pytest.mark.stack
 async def test_an_embeddings_batch(oai: openai.AsyncOpenAI, env: Env) -> None:
     lines = [
         {
@@ -290,6 +289,7 @@ async def test_an_embeddings_batch(oai: openai.AsyncOpenAI, env: Env) -> None:
     assert err["custom_id"] == "bad" and err["response"]["status_code"] == 400
 
 
+@pytest.mark.stack
 async def test_a_responses_batch_stores_its_responses_for_the_batch_key(
     oai: openai.AsyncOpenAI, other: openai.AsyncOpenAI, env: Env
 ) -> None:
@@ -318,6 +318,7 @@ async def test_a_responses_batch_stores_its_responses_for_the_batch_key(
         await other.responses.retrieve(body["id"])
 
 
+@pytest.mark.stack
 async def test_a_malformed_file_fails_validation_with_its_line_numbers(
     oai: openai.AsyncOpenAI, env: Env
 ) -> None:
@@ -348,6 +349,7 @@ async def test_a_malformed_file_fails_validation_with_its_line_numbers(
     assert done.output_file_id is None and done.failed_at
 
 
+@pytest.mark.stack
 async def test_bad_create_requests_are_clear_errors(oai: openai.AsyncOpenAI, env: Env) -> None:
     f = await oai.files.create(
         file=("in.jsonl", jsonl([chat_line(env.model, "a")])), purpose="batch"
@@ -366,6 +368,7 @@ async def test_bad_create_requests_are_clear_errors(oai: openai.AsyncOpenAI, env
         await oai.batches.retrieve("batch_nope")
 
 
+@pytest.mark.stack
 async def test_a_cancelled_batch_stops_and_keeps_what_it_answered(
     oai: openai.AsyncOpenAI, env: Env
 ) -> None:
@@ -387,6 +390,7 @@ async def test_a_cancelled_batch_stops_and_keeps_what_it_answered(
         await oai.batches.cancel(b.id)
 
 
+@pytest.mark.unit
 def test_input_lines_are_checked_one_by_one() -> None:
     ok = chat_line("m", "a")
     lines, errors = parse_input(jsonl([ok, {**ok, "custom_id": "b"}]), "/v1/chat/completions", 10)
@@ -403,6 +407,7 @@ def test_input_lines_are_checked_one_by_one() -> None:
     assert [(e["line"], e["param"]) for e in errors] == [(1, "body"), (2, None)]
 
 
+@pytest.mark.stack
 async def test_an_open_deployment_serves_files_to_anyone(procs: Procs) -> None:
     """Without auth in the pipeline files belong to nobody in particular (as stored
     responses do): any caller reads them."""
@@ -412,6 +417,7 @@ async def test_an_open_deployment_serves_files_to_anyone(procs: Procs) -> None:
         assert (await h.get(f"/files/{f.id}")).json()["id"] == f.id
 
 
+@pytest.mark.stack
 async def test_a_bridge_that_could_not_open_its_stores_serves_them_once_it_can(
     private_nats: NatsServer, tmp_path: Any
 ) -> None:
@@ -448,6 +454,7 @@ async def test_a_bridge_that_could_not_open_its_stores_serves_them_once_it_can(
 
 
 # -- background responses --------------------------------------------------------------------
+@pytest.mark.stack
 async def test_a_background_response_is_queued_then_run_and_only_its_key_sees_it(
     oai: openai.AsyncOpenAI, other: openai.AsyncOpenAI, env: Env
 ) -> None:
@@ -478,6 +485,7 @@ async def test_a_background_response_is_queued_then_run_and_only_its_key_sees_it
         await oai.responses.create(model="no-such-model", input="x", background=True)
 
 
+@pytest.mark.stack
 async def test_a_background_response_is_cancelled_mid_run(
     oai: openai.AsyncOpenAI, env: Env
 ) -> None:
@@ -517,6 +525,7 @@ async def last_event_type(nc: NATS, response_id: str) -> str | None:
     return str(kind) if kind is not None else None
 
 
+@pytest.mark.stack
 async def test_a_background_stream_resumes_from_a_sequence_number(env: Env) -> None:
     """Streamed in the background: the client reads some events and goes; it comes back
     with ``starting_after`` and gets every later event, once, to the end."""
@@ -564,6 +573,7 @@ async def test_a_background_stream_resumes_from_a_sequence_number(env: Env) -> N
         assert r.status_code == 400 and r.json()["error"]["param"] == "stream"
 
 
+@pytest.mark.fault
 async def test_killed_runners_and_a_killed_worker_lose_no_line_and_repeat_none(
     env: Env, nats_server: NatsServer
 ) -> None:
@@ -597,6 +607,7 @@ async def test_killed_runners_and_a_killed_worker_lose_no_line_and_repeat_none(
     assert done.request_counts is not None and done.request_counts.completed == 120
 
 
+@pytest.mark.stack
 async def test_a_nats_client_submits_and_collects_a_batch(env: Env) -> None:
     """The same through ingress over NATS (``Client.files_create``, ``batches_create``,
     ``wait_batch``, ``file_content``), the lines run by the bridges' runners; another key
@@ -630,6 +641,7 @@ async def test_a_nats_client_submits_and_collects_a_batch(env: Env) -> None:
             await tb.file(f["id"])
 
 
+@pytest.mark.stack
 async def test_a_nats_client_runs_follows_resumes_and_cancels_background_responses(
     env: Env,
 ) -> None:
@@ -713,12 +725,13 @@ async def jetstream_ready(nc: NATS, timeout: float = 20) -> None:
             await asyncio.sleep(0.05)
 
 
+@pytest.mark.bus
 async def test_a_fresh_store_lists_no_batch_and_its_runner_sweeps_quietly(tmp_path: Any) -> None:
     """On a bus where no batch was ever made (``make up``'s first minutes), listing and the
     runners' sweep find nothing, without an error (nats-py raises for an empty bucket)."""
     from jobs.batches import BatchStore
     from services.config import BatchSettings
-    from tests.conftest import NatsServer
+    from tests.support.natsserver import NatsServer
 
     srv = NatsServer(tmp_path).start()
     try:
@@ -732,6 +745,7 @@ async def test_a_fresh_store_lists_no_batch_and_its_runner_sweeps_quietly(tmp_pa
         srv.stop()
 
 
+@pytest.mark.bus
 async def test_a_keys_listing_reads_its_index_which_a_store_from_before_gets_filled(
     tmp_path: Any,
 ) -> None:
@@ -739,7 +753,7 @@ async def test_a_keys_listing_reads_its_index_which_a_store_from_before_gets_fil
     store made before the index existed has it filled from the records when opened."""
     from jobs.batches import BY_OWNER, BatchStore, new_batch
     from services.config import BatchSettings
-    from tests.conftest import NatsServer
+    from tests.support.natsserver import NatsServer
 
     srv = NatsServer(tmp_path).start()
     try:
@@ -764,6 +778,7 @@ async def test_a_keys_listing_reads_its_index_which_a_store_from_before_gets_fil
         srv.stop()
 
 
+@pytest.mark.bus
 async def test_a_background_run_whose_end_was_not_stored_is_not_settled(tmp_path: Any) -> None:
     """The runner's work is settled (acknowledged) only once the response's record says it
     ended: the app answers 200 even when it could not write the end over the record (its
@@ -821,6 +836,7 @@ async def test_a_background_run_whose_end_was_not_stored_is_not_settled(tmp_path
         srv.stop()
 
 
+@pytest.mark.bus
 async def test_a_line_given_again_after_its_answer_was_written_is_not_run_again(
     tmp_path: Any,
 ) -> None:
@@ -873,6 +889,7 @@ async def test_a_line_given_again_after_its_answer_was_written_is_not_run_again(
 PNG = b"\x89PNG\r\n\x1a\n" + b"\x00" * 32
 
 
+@pytest.mark.stack
 async def test_a_request_names_its_keys_files_by_id_and_no_other_keys(
     oai: openai.AsyncOpenAI, other: openai.AsyncOpenAI, env: Env
 ) -> None:

@@ -13,7 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, children_of, wait_until
+from tests.support.pids import children_of
+from tests.support.repo import ROOT
+from tests.support.waits import wait_until
+
+pytestmark = pytest.mark.stack
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])

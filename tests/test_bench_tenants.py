@@ -9,8 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import run_cli
+from tests.support.repo import run_cli
 from tokenbus.evaluation.bench_stack import replica_specs
+
+pytestmark = pytest.mark.stack
 
 
 def test_replica_spec_turns_the_workers_flow_control_off_and_on() -> None:

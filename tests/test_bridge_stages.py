@@ -11,8 +11,11 @@ import pytest
 
 from auth.store import KeyStore
 from bus_schemas import errors as E
-from tests.conftest import Procs, fresh_window, start_stack, wait_started
+from tests.support.procs import Procs, start_stack
+from tests.support.waits import fresh_window, wait_started
 from tokenbus import Client
+
+pytestmark = pytest.mark.stack
 
 MSG = [{"role": "user", "content": "hi"}]
 AWS = "AKIA" + "IOSFODNN7EXAMPLE"

@@ -20,7 +20,9 @@ import pytest
 
 from bus_schemas import errors as E
 from services import buckets
-from tests.conftest import NatsServer
+from tests.support.natsserver import NatsServer
+
+pytestmark = pytest.mark.bus
 
 
 @pytest.fixture

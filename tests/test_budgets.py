@@ -26,16 +26,11 @@ from bus_schemas import codec, subjects
 from bus_schemas import headers as H
 from jobs.background import EVENTS_STREAM
 from services.config import PriceSettings
-from tests.conftest import (
-    Procs,
-    free_port,
-    key_store,
-    run_cli,
-    start_stack,
-    wait_for,
-    wait_http,
-    wait_started,
-)
+from tests.support.busdata import key_store
+from tests.support.ports import free_port
+from tests.support.procs import Procs, start_stack
+from tests.support.repo import run_cli
+from tests.support.waits import wait_for, wait_http, wait_started
 from tokenbus import Client
 
 MSG = [{"role": "user", "content": "What does it cost?"}]
@@ -49,6 +44,7 @@ ENV = {
 BODY: dict[str, Any] = {"messages": MSG, "max_tokens": 2, "ignore_eos": True}
 
 
+@pytest.mark.unit
 def test_cost_and_periods() -> None:
     price = PriceSettings(input=2.5, cached_input=1.25, output=10)
     assert budgets.cost(price, 1000, 100) == 2500 + 1000
@@ -103,6 +99,7 @@ async def _post(base: str, key: str, model: str) -> httpx.Response:
         )
 
 
+@pytest.mark.stack
 async def test_a_hard_budget_refuses_exactly_at_the_limit_across_two_bridges(
     procs: Procs, model: str
 ) -> None:
@@ -140,6 +137,7 @@ async def test_a_hard_budget_refuses_exactly_at_the_limit_across_two_bridges(
     assert stack.all_alive()
 
 
+@pytest.mark.stack
 async def test_a_soft_threshold_alerts_once_and_owners_share_a_budget(
     procs: Procs, model: str
 ) -> None:
@@ -206,6 +204,7 @@ def own_procs(private_nats: Any, tmp_path: Any) -> Iterator[Procs]:
         yield procs
 
 
+@pytest.mark.fault
 async def test_the_spend_of_requests_whose_limiters_died_is_settled_by_another(
     own_procs: Procs, model: str
 ) -> None:
@@ -280,6 +279,7 @@ async def _drained(js: Any, at_least: int = 0, timeout: float = 20) -> None:
         await asyncio.sleep(0.05)
 
 
+@pytest.mark.bus
 async def test_many_requests_of_one_owner_commit_together_and_refuse_exactly_at_the_limit(
     nats_server: Any,
 ) -> None:
@@ -330,6 +330,7 @@ async def test_many_requests_of_one_owner_commit_together_and_refuse_exactly_at_
     assert writes < 2 * len(served) // 2, (writes, len(served))
 
 
+@pytest.mark.bus
 async def test_a_moved_attempt_costs_what_its_worker_produced_whichever_report_comes_first(
     nats_server: Any,
 ) -> None:
@@ -398,6 +399,7 @@ async def test_a_moved_attempt_costs_what_its_worker_produced_whichever_report_c
         await nc.close()
 
 
+@pytest.mark.bus
 async def test_an_attempt_admitted_again_holds_once_and_its_read_copy_settles_it(
     nats_server: Any,
 ) -> None:
@@ -419,6 +421,7 @@ async def test_an_attempt_admitted_again_holds_once_and_its_read_copy_settles_it
         await nc.close()
 
 
+@pytest.mark.bus
 async def test_a_duplicate_leaves_a_shared_hold_to_its_read_copy_and_settles_its_own(
     nats_server: Any,
 ) -> None:
@@ -450,6 +453,7 @@ async def test_a_duplicate_leaves_a_shared_hold_to_its_read_copy_and_settles_its
         await nc.close()
 
 
+@pytest.mark.bus
 async def test_a_book_that_wrote_an_entry_before_settles_a_hold_another_made_since(
     nats_server: Any,
 ) -> None:
@@ -492,6 +496,7 @@ async def _check(nc: Any, owner: str) -> RateLimitCheck:
     )
 
 
+@pytest.mark.bus
 async def test_a_report_kept_for_another_limiter_is_left_to_it_for_a_grace(
     private_nats: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -532,6 +537,7 @@ async def test_a_report_kept_for_another_limiter_is_left_to_it_for_a_grace(
         await nc.close()
 
 
+@pytest.mark.bus
 async def test_a_supersede_waits_for_the_spend_stream_and_is_kept_once(
     private_nats: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -583,6 +589,7 @@ async def test_a_supersede_waits_for_the_spend_stream_and_is_kept_once(
         await nc.close()
 
 
+@pytest.mark.stack
 async def test_a_budget_for_a_model_without_a_price_is_said_not_silently_free(
     procs: Procs, model: str
 ) -> None:
@@ -604,6 +611,7 @@ async def test_a_budget_for_a_model_without_a_price_is_said_not_silently_free(
     assert "TOKENBUS_ROUTER__PRICE" in said[0]["hint"]
 
 
+@pytest.mark.bus
 async def test_a_copy_its_caller_cancelled_unread_says_so_in_its_report(
     nats_server: Any, model: str, client: Any
 ) -> None:
@@ -649,6 +657,7 @@ async def test_a_copy_its_caller_cancelled_unread_says_so_in_its_report(
             assert body.get("dup") == (w.replica if dup else None)
 
 
+@pytest.mark.fault
 async def test_a_background_response_whose_runner_died_is_paid_for_once(
     own_procs: Procs, model: str
 ) -> None:
@@ -734,6 +743,7 @@ async def test_a_background_response_whose_runner_died_is_paid_for_once(
         await nc.drain()
 
 
+@pytest.mark.bus
 async def test_a_request_id_no_ticket_can_carry_gets_one_of_the_limiters_own(
     nats_server: Any,
 ) -> None:

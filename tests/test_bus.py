@@ -14,8 +14,12 @@ from nats.aio.client import Client as NATS
 from bus_schemas import codec, frames, subjects
 from bus_schemas import errors as E
 from engine_worker.backends.sim import expected_text
-from tests.conftest import NatsServer, stack, wait_for
+from tests.support.inprocess import stack
+from tests.support.natsserver import NatsServer
+from tests.support.waits import wait_for
 from tokenbus import Client, Completion
+
+pytestmark = pytest.mark.bus
 
 MSG = [{"role": "user", "content": "hello there"}]
 PROMPT = "<|user|>hello there\n"

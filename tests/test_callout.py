@@ -17,8 +17,9 @@ from auth.store import KeyStore
 from bus_schemas import subjects
 from engine_worker.backends.sim import expected_text
 from services.natsconf import role_login
-from tests.conftest import Procs, start_stack, wait_for
 from tests.lockedbus import LockedBus, serve_when_ready
+from tests.support.procs import Procs, start_stack
+from tests.support.waits import wait_for
 from tokenbus import Client, TokenbusError
 
 MSG = [{"role": "user", "content": "tell me a story"}]
@@ -66,6 +67,7 @@ async def tenants(bus: LockedBus, tmp_path: Path) -> AsyncIterator[Tenants]:
         await admin.drain()
 
 
+@pytest.mark.stack
 async def test_an_unknown_key_is_refused_at_connect(tenants: Tenants) -> None:
     for token in ("tb-000000000000_nope", "not a key", ""):
         with pytest.raises(Exception, match="Authorization"):
@@ -77,6 +79,7 @@ async def test_an_unknown_key_is_refused_at_connect(tenants: Tenants) -> None:
         await nats.connect(tenants.bus.url, allow_reconnect=False, max_reconnect_attempts=0)
 
 
+@pytest.mark.stack
 async def test_a_key_cannot_read_or_cut_another_keys_stream(tenants: Tenants) -> None:
     errors: list[str] = []
     got: list[str] = []
@@ -140,6 +143,7 @@ def _violations(errors: list[str], what: str) -> int:
     return sum(f"permissions violation for {what}" in e.lower() for e in errors)
 
 
+@pytest.mark.stack
 async def test_revoking_a_key_closes_its_connections(tenants: Tenants) -> None:
     gone = asyncio.Event()
 
@@ -165,6 +169,7 @@ async def test_revoking_a_key_closes_its_connections(tenants: Tenants) -> None:
     await nc.close()
 
 
+@pytest.mark.fault
 async def test_a_keys_client_follows_its_replica_by_keepalives(
     bus: LockedBus, tmp_path: Path
 ) -> None:

@@ -19,9 +19,12 @@ import pytest
 
 from bus_schemas import errors as E
 from engine_worker.backends.sim import expected_text
-from tests.conftest import Procs, ProcStack, start_stack, wait_for, wait_started
 from tests.lockedbus import UNLIMITED, LockedBus, serve_when_ready
+from tests.support.procs import Procs, ProcStack, start_stack
+from tests.support.waits import wait_for, wait_started
 from tokenbus import Client
+
+pytestmark = pytest.mark.fault
 
 CLIENTS = 64
 MAX_TOKENS = 24

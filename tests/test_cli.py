@@ -16,15 +16,9 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import (
-    ROOT,
-    child_matching,
-    children_of,
-    free_port,
-    run_cli,
-    stop_process,
-    taken_port,
-)
+from tests.support.pids import child_matching, children_of, stop_process
+from tests.support.ports import free_port, taken_port
+from tests.support.repo import ROOT, run_cli
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -49,6 +43,7 @@ def _wait_line(
     raise AssertionError(f"{needle!r} not printed; got {lines}")
 
 
+@pytest.mark.fault
 def test_up_serves_restarts_crashed_children_and_stops_cleanly(tmp_path: Path) -> None:
     port, nats_port = free_port(), free_port()
     proc = subprocess.Popen(
@@ -245,6 +240,7 @@ def _every_bus_command_finds_its_login(tmp_path: Path, nats_port: int) -> None:
             assert out.returncode == 0, (name, said)
 
 
+@pytest.mark.unit
 def test_free_ports_are_outside_the_ephemeral_range_and_never_handed_out_twice() -> None:
     """A port the kernel picks is one any outgoing connection may take before the server
     meant for it binds it (a cluster node that never started, in CI): the ports servers get
@@ -259,6 +255,7 @@ def test_free_ports_are_outside_the_ephemeral_range_and_never_handed_out_twice()
         s.bind(("127.0.0.1", ports[-1]))  # free: nothing holds it
 
 
+@pytest.mark.stack
 def test_up_refuses_a_taken_nats_port(tmp_path: Path) -> None:
     with taken_port() as taken:
         r = run_cli(
@@ -274,6 +271,7 @@ def test_up_refuses_a_taken_nats_port(tmp_path: Path) -> None:
     assert f"port {taken} is taken" in r.stderr
 
 
+@pytest.mark.stack
 def test_bench_spawn_writes_json_with_both_paths(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     r = run_cli(
@@ -314,6 +312,7 @@ def test_bench_spawn_writes_json_with_both_paths(tmp_path: Path) -> None:
     assert "results:" in r.stdout
 
 
+@pytest.mark.stack
 def test_bench_measures_a_peer_in_front_of_the_same_engine(tmp_path: Path) -> None:
     # pyrelay and busrelay need nothing installed, so the --peer path runs here end to end:
     # each peer started in front of the engine server tokenbus' openai workers use, its own
@@ -348,6 +347,7 @@ def test_bench_measures_a_peer_in_front_of_the_same_engine(tmp_path: Path) -> No
     assert "known peers are vllm-router, litellm, pyrelay, busrelay" in bad.stderr
 
 
+@pytest.mark.stack
 def test_bench_against_nothing_reports_errors_not_a_crash(tmp_path: Path) -> None:
     out = tmp_path / "b.json"
     r = run_cli(
@@ -368,6 +368,7 @@ def test_bench_against_nothing_reports_errors_not_a_crash(tmp_path: Path) -> Non
     assert lv["errors"] == 2 and lv["error_kinds"]
 
 
+@pytest.mark.unit
 def test_config_file_and_env_vars(tmp_path: Path) -> None:
     from services import config
 
@@ -387,6 +388,7 @@ def test_config_file_and_env_vars(tmp_path: Path) -> None:
         os.environ.update(env)
 
 
+@pytest.mark.stack
 def test_bench_prompts_from_a_file_sampled_lengths_split_and_run_folder(tmp_path: Path) -> None:
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(
@@ -439,6 +441,7 @@ def test_bench_prompts_from_a_file_sampled_lengths_split_and_run_folder(tmp_path
     assert sum(sess["tokens_per_bucket"]) == 12 * 6 and sess["sessions_per_s"] > 0
 
 
+@pytest.mark.stack
 def test_bench_rejects_a_bad_prompts_file(tmp_path: Path) -> None:
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": 1}\n')
@@ -449,6 +452,7 @@ def test_bench_rejects_a_bad_prompts_file(tmp_path: Path) -> None:
     assert r.returncode != 0 and "needs" in (r.stdout + r.stderr)
 
 
+@pytest.mark.stack
 @pytest.mark.parametrize("processes", ["1", "3"])
 def test_serve_bridge_on_a_taken_port_is_a_usage_error(tmp_path: Path, processes: str) -> None:
     with taken_port() as taken:
@@ -462,6 +466,7 @@ def test_serve_bridge_on_a_taken_port_is_a_usage_error(tmp_path: Path, processes
     assert "--port" in r.stderr
 
 
+@pytest.mark.stack
 def test_up_refuses_a_taken_bridge_port(tmp_path: Path) -> None:
     with taken_port() as taken:
         r = run_cli(
@@ -475,6 +480,7 @@ def test_up_refuses_a_taken_bridge_port(tmp_path: Path) -> None:
     assert not (tmp_path / "nats").exists()  # refused before anything started
 
 
+@pytest.mark.stack
 async def test_a_child_exiting_with_a_fatal_code_stops_its_supervisor(tmp_path: Path) -> None:
     from tokenbus.launcher import Child, Supervisor, supervise_until_signalled
 
@@ -514,6 +520,7 @@ def _up_with(tmp_path: Path, *args: str) -> tuple[subprocess.Popen[str], int, di
     return proc, port, env
 
 
+@pytest.mark.stack
 def test_up_options_reach_the_sim_workers_and_the_bridges(tmp_path: Path) -> None:
     from services import tlsfiles
 
@@ -550,8 +557,9 @@ def test_up_options_reach_the_sim_workers_and_the_bridges(tmp_path: Path) -> Non
         stop_process(proc, 60)
 
 
+@pytest.mark.stack
 def test_up_options_reach_an_openai_worker(tmp_path: Path) -> None:
-    from tests.conftest import Upstream
+    from tests.support.upstreams import Upstream
 
     upstream = Upstream(tmp_path)
     try:

@@ -12,10 +12,13 @@ import pytest
 
 from bus_schemas import errors as E
 from services.natsconf import role_login
-from tests.conftest import Procs, ProcStack, start_stack, wait_for
 from tests.lockedbus import UNLIMITED, LockedCluster, serve_when_ready, wait_replicas
+from tests.support.procs import Procs, ProcStack, start_stack
+from tests.support.waits import wait_for
 from tests.test_chaos import EXPECTED, FAST, HB, MAX_TOKENS, MSG, Tally, steady_load
 from tokenbus import Client
+
+pytestmark = pytest.mark.fault
 
 
 @pytest.fixture

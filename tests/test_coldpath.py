@@ -6,7 +6,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tests.conftest import run_cli
+import pytest
+
+from tests.support.repo import run_cli
+
+pytestmark = pytest.mark.stack
 
 
 def test_the_cold_path_report_times_every_step_warm_and_cold(tmp_path: Path) -> None:

@@ -15,7 +15,7 @@ import yaml
 
 from services.deploybundle import NATS_UID, ROLE_UID
 from services.natsconf import SERVICE_ROLE, parse_worker_hosts
-from tests.conftest import ROOT, run_cli
+from tests.support.repo import ROOT, run_cli
 from tokenbus.cli import build_parser
 from tokenbus.cli.compose import plan
 from tokenbus.launcher import nats_server_binary
@@ -53,6 +53,7 @@ def _role(name: str) -> str:
     return "bridge" if name == "bridge-b" else name
 
 
+@pytest.mark.unit
 def test_the_shipped_compose_file_runs_only_commands_the_cli_takes() -> None:
     doc = _load("docker-compose.yml")
     cmds = _commands(doc)
@@ -64,6 +65,7 @@ def test_the_shipped_compose_file_runs_only_commands_the_cli_takes() -> None:
     assert (init.cmd, init.deploy_cmd, init.dir) == ("deploy", "init", "/config")
 
 
+@pytest.mark.unit
 def test_every_service_logs_in_as_its_own_role_under_its_own_uid() -> None:
     doc = _load("docker-compose.yml")
     svcs = {**_tokenbus_services(doc), "cli": doc["services"]["cli"]}
@@ -81,6 +83,7 @@ def test_every_service_logs_in_as_its_own_role_under_its_own_uid() -> None:
     assert doc["services"]["init"]["user"] == "0"  # the one step that runs as root
 
 
+@pytest.mark.unit
 def test_nats_is_private_and_everything_waits_for_its_health() -> None:
     doc = _load("docker-compose.yml")
     nats = doc["services"]["nats"]
@@ -104,6 +107,7 @@ def test_nats_is_private_and_everything_waits_for_its_health() -> None:
     assert public["services"]["nats"]["ports"] == ["${TOKENBUS_NATS_PUBLIC_PORT:-4222}:4222"]
 
 
+@pytest.mark.unit
 def test_the_cluster_override_runs_three_nodes_and_gives_services_every_url() -> None:
     doc = _load("cluster.yml")
     nodes = {n: doc["services"][n] for n in ("nats", "nats-1", "nats-2")}
@@ -125,6 +129,7 @@ def test_the_cluster_override_runs_three_nodes_and_gives_services_every_url() ->
         assert env["TOKENBUS_NATS_URL"].split(",") == [f"tls://nats-{i}:4222" for i in range(3)]
 
 
+@pytest.mark.stack
 def test_deploy_init_writes_each_role_a_login_of_its_own_and_keeps_them(tmp_path: Path) -> None:
     out = tmp_path / "bus"
     r = run_cli("deploy", "init", "--dir", str(out), "--nodes", "3")
@@ -151,6 +156,7 @@ def test_deploy_init_writes_each_role_a_login_of_its_own_and_keeps_them(tmp_path
     assert bad.returncode == 2 and "PATH=ROLE" in bad.stderr
 
 
+@pytest.mark.stack
 def test_the_generated_configs_are_accepted_by_nats_server(tmp_path: Path) -> None:
     out = tmp_path / "bus"
     assert run_cli("deploy", "init", "--dir", str(out), "--nodes", "3").returncode == 0
@@ -164,6 +170,7 @@ def test_the_generated_configs_are_accepted_by_nats_server(tmp_path: Path) -> No
         assert r.returncode == 0, (name, r.stdout, r.stderr)
 
 
+@pytest.mark.stack
 def test_the_observability_profile_runs_prometheus_grafana_and_jaeger_provisioned() -> None:
     """`--profile observability` (docs/telemetry.md): every file it mounts is in the tree, and
     what they point at fits together: Prometheus's jobs reach the telemetry service and the
@@ -225,6 +232,7 @@ def test_the_observability_profile_runs_prometheus_grafana_and_jaeger_provisione
         assert r.returncode == 0, r.stderr
 
 
+@pytest.mark.stack
 def test_the_compose_files_pass_the_compose_schema() -> None:
     """docker-compose validates against the compose specification's schema."""
     tool = shutil.which("docker-compose")
@@ -239,6 +247,7 @@ def test_the_compose_files_pass_the_compose_schema() -> None:
             assert r.returncode == 0, (extra, profile, r.stderr)
 
 
+@pytest.mark.stack
 @pytest.mark.parametrize(
     ("gpus", "tp", "want"),
     [
@@ -281,11 +290,13 @@ def test_topologies_pin_each_worker_to_its_gpus(
         assert svc["depends_on"]["nats"] == {"condition": "service_healthy"}
 
 
+@pytest.mark.unit
 def test_explicit_gpu_sets() -> None:
     groups = plan(8, None, "6,7;0,1,2,3", [])
     assert [g.gpus for g in groups] == [(6, 7), (0, 1, 2, 3)] and [g.tp for g in groups] == [2, 4]
 
 
+@pytest.mark.stack
 @pytest.mark.parametrize(
     ("args", "why"),
     [
@@ -306,6 +317,7 @@ def test_impossible_topologies_are_refused_with_the_reason(args: list[str], why:
     assert r.stdout == ""
 
 
+@pytest.mark.stack
 def test_a_gpu_host_on_its_own_serves_two_models_with_ids_unique_to_the_host(
     tmp_path: Path,
 ) -> None:
@@ -362,6 +374,7 @@ def test_a_gpu_host_on_its_own_serves_two_models_with_ids_unique_to_the_host(
     assert not set(two) & set(replicas) and all(r.startswith("gpu-2-") for r in two)
 
 
+@pytest.mark.stack
 @pytest.mark.parametrize(
     ("args", "why"),
     [
@@ -380,6 +393,7 @@ def test_several_models_and_a_bus_elsewhere_are_refused_when_wrong(
     assert r.returncode == 2 and why in r.stderr, (r.returncode, r.stderr)
 
 
+@pytest.mark.stack
 async def test_cluster_routes_are_encrypted_and_admit_only_nodes_of_the_ca(tmp_path: Path) -> None:
     """Two nodes of `deploy init --nodes 3`'s own configs (moved to loopback ports) route
     over TLS with the generated certificate; a node whose certificate another CA signed is
@@ -390,7 +404,9 @@ async def test_cluster_routes_are_encrypted_and_admit_only_nodes_of_the_ca(tmp_p
 
     import httpx
 
-    from tests.conftest import free_port, spawn_nats, wait_for
+    from tests.support.natsserver import spawn_nats
+    from tests.support.ports import free_port
+    from tests.support.waits import wait_for
 
     out = tmp_path / "bus"
     assert run_cli("deploy", "init", "--dir", str(out), "--nodes", "3").returncode == 0
@@ -465,6 +481,7 @@ async def test_cluster_routes_are_encrypted_and_admit_only_nodes_of_the_ca(tmp_p
             p.wait(10)
 
 
+@pytest.mark.stack
 def test_deploy_init_renews_the_nodes_certificate_from_the_same_ca(tmp_path: Path) -> None:
     """Run again, deploy init keeps a certificate that is not near its end; with
     --renew-certs it issues the nodes' certificate again from the CA the clients trust
@@ -496,6 +513,7 @@ def serialization_pem() -> Any:
     return serialization.Encoding.PEM
 
 
+@pytest.mark.stack
 def test_a_role_password_is_changed_by_dropping_it_and_running_init_again(tmp_path: Path) -> None:
     """docs/deploy.md's password rotation: a role's entry removed from nats-users.json, deploy
     init makes it a new one (its login file and the nodes' hash), every other kept."""
@@ -515,6 +533,7 @@ def test_a_role_password_is_changed_by_dropping_it_and_running_init_again(tmp_pa
     assert json.loads((out / "roles" / "worker.json").read_text())["password"] == after["worker"]
 
 
+@pytest.mark.unit
 def test_the_gateways_profile_runs_a_second_bridge_to_restart_one_at_a_time() -> None:
     """Two bridges on one host, each on a port of its own, so that one drains and restarts
     while a load balancer sends everything to the other: the second is the first (command,

@@ -29,10 +29,11 @@ import nats
 import pytest
 from openai import AsyncOpenAI, AuthenticationError
 
-from tests.conftest import ROOT, free_port
+from tests.support.ports import free_port
+from tests.support.repo import ROOT
 from tokenbus.client import Client
 
-pytestmark = [pytest.mark.compose, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.stack, pytest.mark.compose, pytest.mark.timeout(900)]
 
 MODEL = "tokenbus-sim"
 NATS_IMAGE = "nats:2.15.1-alpine"  # compose/docker-compose.yml (tests/test_versions.py)

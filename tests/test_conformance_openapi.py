@@ -38,7 +38,7 @@ from schemathesis.specs.openapi.checks import content_type_conformance, response
 
 from gateway import openapi
 from gateway.openapi import sse_event
-from tests.conftest import FuzzStack
+from tests.support.fuzzstack import FuzzStack
 from tests.test_fuzz_openapi import fuzz_config, fuzz_stack, openai_error_shape
 
 # The stack the bridge's own contract is fuzzed against (module-scoped: one for this file).
@@ -280,6 +280,7 @@ def stored(fuzz_stack: FuzzStack) -> str:
 
 # Every operation's examples in one test (subtests): bounded by their count, not by a wait;
 # about 100 s on 2 loaded cores, so the suite's 120 s is no hang guard for it.
+@pytest.mark.stack
 @pytest.mark.timeout(600)
 @schema.parametrize()
 def test_openai_s_valid_requests_are_served_as_openai_documents(
@@ -333,6 +334,7 @@ STREAMED = {
 }
 
 
+@pytest.mark.stack
 @pytest.mark.parametrize("path", list(STREAMED))
 def test_a_stream_matches_the_documented_events(
     openai_schema: Any, fuzz_stack: FuzzStack, path: str
@@ -366,6 +368,7 @@ def test_a_stream_matches_the_documented_events(
         _conforms(openai_schema, path, body, forged)
 
 
+@pytest.mark.stack
 def test_whole_answers_match_the_document(openai_schema: Any, fuzz_stack: FuzzStack) -> None:
     """One answer of each kind the fuzzing reaches only by chance: several prompts, none of
     the output, logprobs, a stored response read back, its input items, its deletion."""
@@ -393,6 +396,7 @@ def test_whole_answers_match_the_document(openai_schema: Any, fuzz_stack: FuzzSt
 
 
 # -- the vendored document and the documented refusals -------------------------------------
+@pytest.mark.unit
 def test_the_vendored_document_is_the_pinned_cut() -> None:
     """What the README pins, and every operation tokenbus serves is in it."""
     readme = (DOC.parent / "README.md").read_text()
@@ -408,6 +412,7 @@ def test_the_vendored_document_is_the_pinned_cut() -> None:
     }
 
 
+@pytest.mark.unit
 def test_every_refusal_is_documented() -> None:
     text = (ROOT / "docs" / "openai-api.md").read_text()
     section = text.partition("## What a valid request may still be refused")[2]
@@ -417,6 +422,7 @@ def test_every_refusal_is_documented() -> None:
         assert r.doc in section, r
 
 
+@pytest.mark.unit
 def test_the_refusals_have_teeth() -> None:
     msg = "prompt: token id 70000 is past the model's vocabulary (65536 tokens)"
     assert refused_on_purpose({"param": "prompt", "message": msg})

@@ -26,17 +26,12 @@ import pytest
 
 from auth.keys import KeyRecord
 from gateway.console_session import Session, Sessions
-from tests.conftest import (
-    ROOT,
-    Procs,
-    ProcStack,
-    free_port,
-    key_store,
-    new_model,
-    spawn_nats,
-    start_stack,
-    wait_for,
-)
+from tests.support.busdata import key_store, new_model
+from tests.support.natsserver import spawn_nats
+from tests.support.ports import free_port
+from tests.support.procs import Procs, ProcStack, start_stack
+from tests.support.repo import ROOT
+from tests.support.waits import wait_for
 
 ENV = {
     "TOKENBUS_INGRESS__PIPELINE": '["auth", "route"]',
@@ -126,6 +121,7 @@ def assert_openai_error(r: httpx.Response, status: int, param: str | None = None
         assert err["param"] == param, err
 
 
+@pytest.mark.stack
 async def test_the_page_and_its_assets_are_served_with_a_strict_policy(env: Env) -> None:
     async with env.stack.http() as h:
         r = await h.get("/console")
@@ -141,6 +137,7 @@ async def test_the_page_and_its_assets_are_served_with_a_strict_policy(env: Env)
             assert_openai_error(await h.get(bad), 404)
 
 
+@pytest.mark.stack
 async def test_login_sets_a_strict_http_only_cookie_and_logout_ends_the_session(env: Env) -> None:
     async with env.stack.http() as h:
         r = await h.post("/console/api/session", json={"key": env.admin})
@@ -169,6 +166,7 @@ async def test_login_sets_a_strict_http_only_cookie_and_logout_ends_the_session(
         assert env.admin not in p.output(), p.name
 
 
+@pytest.mark.stack
 async def test_writes_need_the_csrf_token_and_the_consoles_own_origin(env: Env) -> None:
     async with env.stack.http() as h:
         me = await login(h, env.admin)
@@ -208,6 +206,7 @@ async def test_writes_need_the_csrf_token_and_the_consoles_own_origin(env: Env) 
         assert {e["actor"] for e in mine} == {f"key:{me['key_id']}"}
 
 
+@pytest.mark.stack
 async def test_a_key_that_is_not_an_admin_key_sees_its_owner_and_changes_nothing(
     env: Env,
 ) -> None:
@@ -246,6 +245,7 @@ async def test_a_key_that_is_not_an_admin_key_sees_its_owner_and_changes_nothing
         assert (await keys.get(env.other_id)).enabled
 
 
+@pytest.mark.stack
 async def test_bad_input_gets_openai_shaped_errors(env: Env) -> None:
     async with env.stack.http() as h:
         assert_openai_error(await h.post("/console/api/session", json={"key": "tb-nope"}), 401)
@@ -281,6 +281,7 @@ async def test_bad_input_gets_openai_shaped_errors(env: Env) -> None:
         assert_openai_error(await h.get("/console/api/nothing"), 404)
 
 
+@pytest.mark.stack
 async def test_a_revoked_key_ends_its_console_sessions(env: Env) -> None:
     async with env.stack.http() as h, env.stack.http() as h2:
         me = await login(h, env.admin)
@@ -298,6 +299,7 @@ async def test_a_revoked_key_ends_its_console_sessions(env: Env) -> None:
         await wait_for(ended, timeout=10, what="the revoked key's session did not end")
 
 
+@pytest.mark.stack
 async def test_usage_is_counted_per_key_and_exported_as_csv(env: Env) -> None:
     client = env.stack.openai(env.plain)
     await client.chat.completions.create(
@@ -327,6 +329,7 @@ async def test_usage_is_counted_per_key_and_exported_as_csv(env: Env) -> None:
         assert data and {r["key_id"] for r in data} <= {env.plain_id, env.sibling_id}
 
 
+@pytest.mark.stack
 async def test_the_bus_page_lists_the_server_its_streams_and_a_server_that_does_not_answer(
     env: Env,
 ) -> None:
@@ -389,6 +392,7 @@ async def _both(rows: Any) -> bool:
     return len(await rows) == 2
 
 
+@pytest.mark.fault
 async def test_the_feed_shows_replicas_and_a_killed_worker_leaves(env: Env) -> None:
     # Last of the module's HTTP tests: it kills a worker.
     async with env.stack.http() as h:
@@ -455,6 +459,7 @@ def _alert(driver: Any) -> bool:
     return True
 
 
+@pytest.mark.stack
 async def test_in_chromium_log_in_create_use_see_and_revoke_a_key(env: Env, tmp_path: Path) -> None:
     from selenium.common.exceptions import StaleElementReferenceException
     from selenium.webdriver.common.by import By
@@ -588,6 +593,7 @@ async def test_in_chromium_log_in_create_use_see_and_revoke_a_key(env: Env, tmp_
         driver.quit()
 
 
+@pytest.mark.unit
 def test_the_page_ships_as_package_data() -> None:
     # A non-editable install (the images, `pip install tokenbus`) has the console's files.
     meta = tomllib.loads((ROOT / "pyproject.toml").read_text())
@@ -598,6 +604,7 @@ def test_the_page_ships_as_package_data() -> None:
         assert any(fnmatch.fnmatch(f"console_static/{f.name}", g) for g in globs), f.name
 
 
+@pytest.mark.unit
 def test_the_cookie_is_secure_over_tls_and_never_holds_the_key() -> None:
     # The bridge sets Secure where it serves HTTPS (scope scheme "https"); the flags of both
     # the session's cookie and the one that clears it.

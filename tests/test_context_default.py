@@ -12,7 +12,9 @@ import pytest
 
 from engine_worker.backends.base import GenerationRequest
 from engine_worker.backends.sim import _start, answer_tokens, count_tokens
-from tests.conftest import Procs, start_stack
+from tests.support.procs import Procs, start_stack
+
+pytestmark = pytest.mark.stack
 
 FAST = ("--sim-prefill-ms", "0.5", "--sim-decode-ms", "0.2")
 

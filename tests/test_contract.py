@@ -10,6 +10,8 @@ from bus_schemas.export import SCHEMA_DIR, render, schemas
 from bus_schemas.messages import ChatCompletionRequest, CompletionRequest, FinalFrame, Heartbeat
 from gateway.validation import envelope
 
+pytestmark = pytest.mark.unit
+
 
 def test_exported_schemas_match_the_models() -> None:
     current = schemas()

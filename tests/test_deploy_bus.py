@@ -15,7 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import free_port, run_cli, spawn_nats
+from tests.support.natsserver import spawn_nats
+from tests.support.ports import free_port
+from tests.support.repo import run_cli
+
+pytestmark = pytest.mark.fault
 
 
 def _health(path: Path, max_age: float = 10) -> subprocess.CompletedProcess[str]:

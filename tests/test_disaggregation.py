@@ -19,7 +19,10 @@ import pytest
 from engine_worker.backends.base import GenerationRequest
 from engine_worker.backends.sim import SimEngine, _Seq
 from services.config import SimSettings
-from tests.conftest import Procs, live_replicas, start_stack, start_worker, wait_for
+from tests.support.procs import Procs, start_stack, start_worker
+from tests.support.waits import live_replicas, wait_for
+
+pytestmark = pytest.mark.fault
 
 LONG = "a long document to read " * 400  # about 2 400 tokens to the sim
 SHORT = "hi"

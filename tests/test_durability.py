@@ -18,8 +18,12 @@ import yaml
 
 from services import deploybundle, natsconf
 from services.config import NATS_SYNC, Settings
-from tests.conftest import ROOT, free_port, spawn_nats
+from tests.support.natsserver import spawn_nats
+from tests.support.ports import free_port
+from tests.support.repo import ROOT
 from tokenbus.launcher import _nats_server_args, nats_server_binary
+
+pytestmark = pytest.mark.stack
 
 SYNC_LINE = re.compile(r"jetstream \{[^}]*sync_interval: \"([^\"]+)\"[^}]*\}")
 

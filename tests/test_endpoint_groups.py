@@ -13,6 +13,8 @@ from bus_schemas import subjects
 from services.endpoints import EndpointGroup
 from services.runtime import Service
 
+pytestmark = pytest.mark.unit
+
 Added = list[tuple[str, str, str | None, bool]]
 
 

@@ -18,7 +18,10 @@ import pytest
 from bus_schemas import codec, subjects
 from engine_worker.worker import ENGINE_FAILED_EXIT
 from services.runtime import check_health
-from tests.conftest import Procs, ProcStack, start_stack, wait_for
+from tests.support.procs import Procs, ProcStack, start_stack
+from tests.support.waits import wait_for
+
+pytestmark = pytest.mark.stack
 
 ENV = {
     "TOKENBUS_WORKER__SIM__FAULT_SIGNALS": "true",

@@ -27,8 +27,14 @@ import pytest
 from services import deploybundle
 from services.deploybundle import NATS_UID, ROLE_UID
 from services.natsconf import CALLOUT_FILE, HASH_COST, ROLES, generate
-from tests.conftest import ROOT, free_port, run_cli, spawn_nats, stop_process, wait_http
+from tests.support.natsserver import spawn_nats
+from tests.support.pids import stop_process
+from tests.support.ports import free_port
+from tests.support.repo import ROOT, run_cli
+from tests.support.waits import wait_http
 from tokenbus.launcher import nats_server_binary
+
+pytestmark = pytest.mark.stack
 
 # A user of the config and its password: `{user: "bridge", password: "$2b$04$...", ...`.
 USER_PASSWORD = re.compile(r'user: "([^"]+)", password: "([^"]*)"')

@@ -24,6 +24,8 @@ from filter import (
 from filter.scanner import _Engine, _plan_for
 from tokenbus.evaluation.filter_cost import CODE, PROSE, SAMPLES, measure
 
+pytestmark = pytest.mark.unit
+
 # Everything reported, nothing rewritten: shows what each detector matched.
 ALL_FLAG = FilterPolicy(actions={"secret": "flag", "pii": "flag", "injection": "flag"})
 REDACT_ALL = FilterPolicy(actions={"secret": "redact", "pii": "redact", "injection": "redact"})

@@ -12,8 +12,11 @@ from engine_worker.backends.sim import expected_text
 from engine_worker.worker import output_flags, output_scanner
 from filter.policy import FilterPolicy
 from filter.scanner import Scanner
-from tests.conftest import NatsServer, stack
+from tests.support.inprocess import stack
+from tests.support.natsserver import NatsServer
 from tokenbus import Client
+
+pytestmark = pytest.mark.bus
 
 AWS = "AKIA" + "IOSFODNN7EXAMPLE"
 

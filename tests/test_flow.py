@@ -14,6 +14,8 @@ import pytest
 from bus_schemas import errors as E
 from engine_worker.flow import FlowConfig, FlowControl, Ticket
 
+pytestmark = pytest.mark.unit
+
 
 class Clock:
     def __init__(self) -> None:

@@ -23,17 +23,13 @@ import pytest
 
 from bus_schemas import codec, subjects
 from bus_schemas import errors as E
-from tests.conftest import (
-    Proc,
-    Procs,
-    key_store,
-    live_replicas,
-    run_cli,
-    start_stack,
-    start_worker,
-    wait_for,
-)
+from tests.support.busdata import key_store
+from tests.support.procs import Proc, Procs, start_stack, start_worker
+from tests.support.repo import run_cli
+from tests.support.waits import live_replicas, wait_for
 from tokenbus import Client
+
+pytestmark = pytest.mark.stack
 
 MSG = [{"role": "user", "content": "Tell me about fair queues."}]
 PIPELINE = {"TOKENBUS_INGRESS__PIPELINE": '["auth", "route"]'}

@@ -13,7 +13,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.conftest import FuzzStack, NatsServer, open_fuzz_stack
+from tests.support.fuzzstack import FuzzStack, open_fuzz_stack
+from tests.support.natsserver import NatsServer
+
+pytestmark = pytest.mark.stack
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),

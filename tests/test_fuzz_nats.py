@@ -63,16 +63,13 @@ from services import natsclient
 from services.config import RouterSettings
 from services.runtime import flush
 from telemetry import records
-from tests.conftest import (
-    NatsServer,
-    Procs,
-    ProcStack,
-    key_store,
-    new_model,
-    start_stack,
-    wait_for,
-)
+from tests.support.busdata import key_store, new_model
+from tests.support.natsserver import NatsServer
+from tests.support.procs import Procs, ProcStack, start_stack
+from tests.support.waits import wait_for
 from tokenbus import Client
+
+pytestmark = pytest.mark.stack
 
 FUZZ_EXAMPLES = int(os.environ.get("TOKENBUS_FUZZ_EXAMPLES", "30"))
 MSG = [{"role": "user", "content": "hi"}]

@@ -34,8 +34,12 @@ from schemathesis.specs.openapi.checks import (
 
 from bus_schemas import errors as E
 from gateway import openapi
-from tests.conftest import FuzzStack, NatsServer, key_store, open_fuzz_stack
+from tests.support.busdata import key_store
+from tests.support.fuzzstack import FuzzStack, open_fuzz_stack
+from tests.support.natsserver import NatsServer
 from tokenbus.client import Client
+
+pytestmark = pytest.mark.stack
 
 # Examples per operation in schemathesis' fuzzing phase (its examples and coverage phases
 # add their own, deterministic, cases), and the run's seed (printed, to replay it).

@@ -14,7 +14,12 @@ import openai
 import pytest
 
 from engine_worker.backends.sim import expected_text
-from tests.conftest import NatsServer, Procs, ProcStack, live_replicas, new_model, start_stack
+from tests.support.busdata import new_model
+from tests.support.natsserver import NatsServer
+from tests.support.procs import Procs, ProcStack, start_stack
+from tests.support.waits import live_replicas
+
+pytestmark = pytest.mark.stack
 
 MSG = [{"role": "user", "content": "hello there"}]
 PROMPT = "<|user|>hello there\n"

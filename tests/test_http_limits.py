@@ -25,14 +25,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gateway.asgi import BODY_NOW, HTTPServer, Receive, Route, RouteTable, Scope, Send
-from tests.conftest import (
-    NatsServer,
-    Procs,
-    ProcStack,
-    assert_chat_served,
-    new_model,
-    start_stack,
-)
+from tests.support.busdata import new_model
+from tests.support.fuzzstack import assert_chat_served
+from tests.support.natsserver import NatsServer
+from tests.support.procs import Procs, ProcStack, start_stack
 
 EXAMPLES = int(os.environ.get("TOKENBUS_FUZZ_EXAMPLES") or 100)
 MAX_HEAD = 8192
@@ -222,6 +218,7 @@ def _serves(stack: ProcStack) -> None:
 
 
 # -- the head -------------------------------------------------------------------------------
+@pytest.mark.stack
 def test_a_head_under_the_limit_is_served(limits_stack: ProcStack) -> None:
     with _connect(limits_stack) as s:
         s.sendall(_get("/health", b"X-Big: " + b"a" * (MAX_HEAD - 200) + b"\r\n", CLOSE))
@@ -229,6 +226,7 @@ def test_a_head_under_the_limit_is_served(limits_stack: ProcStack) -> None:
     assert resp[0] == 200, resp
 
 
+@pytest.mark.stack
 @pytest.mark.parametrize("pieces", [1, 7])
 def test_a_head_over_the_limit_gets_431_and_the_connection_closes(
     limits_stack: ProcStack, pieces: int
@@ -245,6 +243,7 @@ def test_a_head_over_the_limit_gets_431_and_the_connection_closes(
     assert resp[1][b"connection"] == b"close"
 
 
+@pytest.mark.stack
 def test_a_head_that_trickles_past_the_timeout_gets_408_and_the_connection_closes(
     limits_stack: ProcStack,
 ) -> None:
@@ -263,6 +262,7 @@ def test_a_head_that_trickles_past_the_timeout_gets_408_and_the_connection_close
     assert time.monotonic() - t0 < 4
 
 
+@pytest.mark.stack
 def test_the_request_duration_counts_from_the_first_byte(limits_stack: ProcStack) -> None:
     # The bridge's request duration (its log line, and the histogram made from the same
     # record) starts at the request's first byte, like its t1: a head that takes 0.4 s to
@@ -290,6 +290,7 @@ def test_the_request_duration_counts_from_the_first_byte(limits_stack: ProcStack
     assert done[0]["duration_ms"] >= 400, done[0]
 
 
+@pytest.mark.stack
 def test_a_connection_that_sends_nothing_is_closed_without_an_answer(
     limits_stack: ProcStack,
 ) -> None:
@@ -297,6 +298,7 @@ def test_a_connection_that_sends_nothing_is_closed_without_an_answer(
         assert _until_closed(s) == b""
 
 
+@pytest.mark.stack
 def test_the_head_timeout_does_not_cut_a_long_answer_on_a_kept_alive_connection(
     limits_stack: ProcStack,
 ) -> None:
@@ -326,6 +328,7 @@ async def _served(routes: dict[tuple[str, str], Route]) -> AsyncIterator[int]:
         await srv.stop()
 
 
+@pytest.mark.unit
 async def test_body_now_writes_at_once_until_the_client_falls_behind() -> None:
     """``BodyNow`` (how the bridge writes most tokens, from the stream's delivery callback)
     writes a chunked body's pieces at once, refuses while the client reads too slowly
@@ -376,6 +379,7 @@ async def test_body_now_writes_at_once_until_the_client_falls_behind() -> None:
     assert seen["before_start"] is seen["empty"] is seen["after_end"] is seen["fixed"] is False
 
 
+@pytest.mark.unit
 async def test_a_held_head_goes_out_with_the_first_piece_of_body_or_before_a_close() -> None:
     """``BodyNow.hold_head`` (how the bridge starts an SSE answer): the head ``send`` writes
     waits for the first piece of body and leaves in the same write, so the client's first
@@ -417,6 +421,7 @@ async def test_a_held_head_goes_out_with_the_first_piece_of_body_or_before_a_clo
 
 
 # -- a body answered before it all came ------------------------------------------------------
+@pytest.mark.stack
 def test_a_body_answered_early_must_still_come_in_time(limits_stack: ProcStack) -> None:
     declared = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\n"
     with _connect(limits_stack) as s:
@@ -434,6 +439,7 @@ def test_a_body_answered_early_must_still_come_in_time(limits_stack: ProcStack) 
 
 
 # -- connections per client -------------------------------------------------------------------
+@pytest.mark.stack
 def test_connections_beyond_the_per_client_limit_are_refused_while_the_others_serve(
     limits_stack: ProcStack,
 ) -> None:
@@ -467,6 +473,7 @@ def test_connections_beyond_the_per_client_limit_are_refused_while_the_others_se
 
 
 # -- malformed HTTP -------------------------------------------------------------------------
+@pytest.mark.stack
 @pytest.mark.parametrize(
     ("raw", "reason"),
     [
@@ -494,6 +501,7 @@ def test_malformed_http_gets_an_openai_shaped_400(
     assert err["code"] == "invalid_request" and reason in err["message"], err
 
 
+@pytest.mark.stack
 def test_pipelined_requests_are_answered_in_order_up_to_the_bad_one(
     limits_stack: ProcStack,
 ) -> None:
@@ -504,6 +512,7 @@ def test_pipelined_requests_are_answered_in_order_up_to_the_bad_one(
     _check(resps[2])
 
 
+@pytest.mark.unit
 async def test_an_exception_that_escapes_the_app_is_an_openai_shaped_500() -> None:
     async def broken(scope: Scope, receive: Receive, send: Send) -> None:
         raise RuntimeError("a bug in a handler")
@@ -611,6 +620,7 @@ def _requests(draw: st.DrawFn) -> bytes:
 raw_http = st.lists(_requests(), min_size=1, max_size=3).map(b"".join)
 
 
+@pytest.mark.stack
 @settings(
     max_examples=EXAMPLES,
     deadline=None,
@@ -628,6 +638,7 @@ def test_hostile_raw_http_never_gets_a_5xx_nor_hangs(limits_stack: ProcStack, ra
     _serves(limits_stack)
 
 
+@pytest.mark.stack
 def test_everything_still_serves_after_the_hostile_input(limits_stack: ProcStack) -> None:
     assert limits_stack.all_alive()
     assert_chat_served(limits_stack.base, limits_stack.model)

@@ -16,7 +16,9 @@ from engine_worker.backends.base import Delta, GenerationRequest
 from engine_worker.backends.http_stream import Response, SSEParser, UpstreamClosed, UpstreamHTTP
 from engine_worker.backends.openai_upstream import OpenAIUpstreamBackend
 from services.config import OpenAIUpstreamSettings, WorkerSettings
-from tests.conftest import wait_for
+from tests.support.waits import wait_for
+
+pytestmark = pytest.mark.unit
 
 Answer = Callable[[bytes], bytes]  # the request's bytes -> what the server writes back
 

@@ -16,10 +16,11 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
+import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from tests.conftest import ROOT
+from tests.support.repo import ROOT
 from tokenbus.tools import lockfile
 
 # The project's own top-level packages (pyproject.toml's [tool.setuptools] packages).
@@ -107,6 +108,7 @@ def _extra_requires(extra: str) -> set[str]:
     return names
 
 
+@pytest.mark.unit
 def test_every_module_the_command_can_import_is_in_the_runtime_install() -> None:
     own, outside = reachable()
     # The walk follows the lazy imports: the bench modules, every service, the backends.
@@ -122,6 +124,7 @@ def test_every_module_the_command_can_import_is_in_the_runtime_install() -> None
     assert not missing, f"imported by the command, not in its runtime requirements: {missing}"
 
 
+@pytest.mark.unit
 def test_each_optional_import_is_in_the_extra_that_names_it() -> None:
     _, outside = reachable()
     for module, (extra, dist) in OPTIONAL.items():
@@ -130,6 +133,7 @@ def test_each_optional_import_is_in_the_extra_that_names_it() -> None:
     assert set(OPTIONAL) <= outside, set(OPTIONAL) - outside
 
 
+@pytest.mark.unit
 def test_the_walk_catches_a_dev_only_import(tmp_path: Path) -> None:
     """The check itself: a module importing a dev-only package is found missing."""
     runtime = set(lockfile.closure())
@@ -138,6 +142,7 @@ def test_the_walk_catches_a_dev_only_import(tmp_path: Path) -> None:
     assert "hypothesis" not in reachable()[1]
 
 
+@pytest.mark.stack
 def test_the_parser_imports_no_bench_module() -> None:
     """`tokenbus --help` (and every command's parser) loads no benchmark: their options live in
     tokenbus.evaluation.options, each scenario imported only when it runs."""

@@ -6,9 +6,12 @@ from __future__ import annotations
 from typing import Any
 
 import httpx
+import pytest
 import structlog
 
 from gateway.openai_api import OpenAIApp
+
+pytestmark = pytest.mark.unit
 
 
 class BrokenSource:

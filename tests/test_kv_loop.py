@@ -12,6 +12,7 @@ from typing import Any
 
 import httpx
 import nats
+import pytest
 
 from bus_schemas import codec, subjects
 from bus_schemas import headers as H
@@ -19,14 +20,11 @@ from router.kv_index import KVIndex
 from router.policies import KVAware, RouteRequest
 from telemetry import records
 from telemetry.metrics import Metrics
-from tests.conftest import (
-    NatsServer,
-    Procs,
-    free_port,
-    stack,
-    start_stack,
-    wait_for,
-)
+from tests.support.inprocess import stack
+from tests.support.natsserver import NatsServer
+from tests.support.ports import free_port
+from tests.support.procs import Procs, start_stack
+from tests.support.waits import wait_for
 from tokenbus import Client
 
 BS = 4
@@ -41,6 +39,7 @@ def turn(system: list[dict[str, Any]], n: int) -> list[dict[str, Any]]:
     return [*system, {"role": "user", "content": f"turn {n}"}]
 
 
+@pytest.mark.bus
 async def test_predicted_and_reported_cached_tokens_agree_and_a_client_cannot_set_them(
     nats_server: NatsServer, model: str, client: Client
 ) -> None:
@@ -85,6 +84,7 @@ def _in_step(svcs: dict[str, Any]) -> bool:
     )
 
 
+@pytest.mark.bus
 async def test_a_client_header_never_reaches_a_worker_without_kv_routing(
     nats_server: NatsServer, model: str, client: Client
 ) -> None:
@@ -100,6 +100,7 @@ async def test_a_client_header_never_reaches_a_worker_without_kv_routing(
         }
 
 
+@pytest.mark.bus
 async def test_the_router_replaces_whatever_prediction_a_request_came_with(
     nats_server: NatsServer, nc: Any
 ) -> None:
@@ -127,6 +128,7 @@ async def test_the_router_replaces_whatever_prediction_a_request_came_with(
     assert seen and H.KV_PREDICTED not in seen[0]
 
 
+@pytest.mark.unit
 def test_telemetry_counts_predicted_and_reported_tokens_per_replica_and_router() -> None:
     m = Metrics()
     common = {"source": "worker", "model": "m", "timings": {}, "outcome": "stop"}
@@ -152,6 +154,7 @@ def test_telemetry_counts_predicted_and_reported_tokens_per_replica_and_router()
     assert got[("tokenbus_kv_reported_tokens_total", "m-0", "r1")] == 48
 
 
+@pytest.mark.bus
 async def test_a_replica_whose_reports_disagree_is_routed_by_load_until_it_agrees(
     nats_server: NatsServer, model: str, client: Client
 ) -> None:
@@ -164,7 +167,7 @@ async def test_a_replica_whose_reports_disagree_is_routed_by_load_until_it_agree
         nats_server.url, model, workers=0, worker={"sim": SIM}, router=KV_ROUTER
     ) as svcs:
         from engine_worker.worker import Worker
-        from tests.conftest import settings
+        from tests.support.inprocess import settings
 
         router = svcs["router"]
         check = router.kv.check
@@ -235,6 +238,7 @@ def _holds(index: KVIndex, policy: KVAware, replica: str, system: list[dict[str,
     return index.lookup(K.text_block_hashes(_req("m", system).rendered, BS)).get(replica, 0) > 0
 
 
+@pytest.mark.unit
 def test_what_a_router_refuses_at_join() -> None:
     from router.kv_check import KVCheck
     from services.config import KVCheckSettings
@@ -351,6 +355,7 @@ async def _refused_at_join(procs: Procs, model: str, odd: dict[str, str], expect
     assert router.output().count("kv_hashing_mismatch") == 1  # logged once
 
 
+@pytest.mark.stack
 async def test_a_worker_with_another_block_size_is_refused_loudly(
     nats_server: NatsServer, model: str, tmp_path: Path
 ) -> None:
@@ -359,6 +364,7 @@ async def test_a_worker_with_another_block_size_is_refused_loudly(
         await _refused_at_join(procs, model, odd, "block size 8")
 
 
+@pytest.mark.stack
 async def test_a_worker_with_another_hash_seed_is_refused_loudly(
     nats_server: NatsServer, model: str, tmp_path: Path
 ) -> None:

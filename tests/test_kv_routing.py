@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import pytest
 from nats.aio.client import Client as NATS
 
 from bus_schemas import codec, subjects
@@ -15,7 +16,9 @@ from bus_schemas.messages import render_prompt
 from router.kv_index import KVIndex
 from router.policies import KVAware, RouteRequest
 from router.registry import Replica
-from tests.conftest import NatsServer, stack, wait_for
+from tests.support.inprocess import stack
+from tests.support.natsserver import NatsServer
+from tests.support.waits import wait_for
 from tokenbus import Client
 
 BS = 4
@@ -56,6 +59,7 @@ def synced(index: KVIndex, *names: str) -> None:
 
 
 # -- the index ------------------------------------------------------------------------------
+@pytest.mark.unit
 def test_a_lookup_gives_each_replicas_exact_cached_prefix() -> None:
     idx = KVIndex()
     synced(idx, "a", "b")
@@ -74,6 +78,7 @@ def test_a_lookup_gives_each_replicas_exact_cached_prefix() -> None:
     assert idx.lookup(chain) == {} and idx.stats()["entries"] == 0
 
 
+@pytest.mark.unit
 def test_a_gap_marks_the_replica_stale_until_a_snapshot_repairs_it() -> None:
     idx = KVIndex(resync_s=0)
     synced(idx, "a")
@@ -101,6 +106,7 @@ def test_a_gap_marks_the_replica_stale_until_a_snapshot_repairs_it() -> None:
     assert not idx.apply(batch("a", 1, [K.all_cleared()], boot="b2"))
 
 
+@pytest.mark.unit
 def test_a_replica_reporting_more_than_the_index_bound_is_resynchronised() -> None:
     idx = KVIndex(max_blocks_per_replica=8)
     idx.load({**snap("a", 0, []), "capacity_blocks": 4})
@@ -117,6 +123,7 @@ def _replica(name: str, load: int = 0, cap: int = 16) -> Replica:
     return Replica(name, "m", f"s.{name}", max_concurrency=cap, reported_in_flight=load)
 
 
+@pytest.mark.unit
 def test_kv_aware_weighs_the_cached_prefix_against_load() -> None:
     idx = KVIndex()
     synced(idx, "a", "b")
@@ -144,6 +151,7 @@ def test_kv_aware_weighs_the_cached_prefix_against_load() -> None:
     assert policy.choose([b, c, _replica("d", load=1)], other).replica == "d"  # least loaded
 
 
+@pytest.mark.unit
 def test_kv_aware_matches_each_scheme_and_falls_back_where_it_cannot() -> None:
     """Sim and vLLM replicas of one model: the sim's are matched on its text hashes; a vLLM
     replica whose hashes this router cannot compute (here: no tokenizer where it says) is
@@ -187,6 +195,7 @@ async def _turn(client: Client, model: str, system: list[dict[str, Any]], n: int
     return str(out.replica)
 
 
+@pytest.mark.bus
 async def test_events_reach_the_router_and_each_conversation_lands_where_its_prefix_is(
     nats_server: NatsServer, model: str, client: Client
 ) -> None:
@@ -227,11 +236,12 @@ async def test_events_reach_the_router_and_each_conversation_lands_where_its_pre
         assert got[("tokenbus_kv_index_synced_replicas", "")] >= 4
 
 
+@pytest.mark.bus
 async def test_a_late_router_starts_warm_and_a_dropped_event_is_repaired(
     nats_server: NatsServer, model: str, client: Client, nc: NATS
 ) -> None:
     from router.service import Router
-    from tests.conftest import settings
+    from tests.support.inprocess import settings
 
     async with stack(
         nats_server.url, model, workers=2, worker={"sim": SIM}, router=KV_ROUTER
@@ -267,6 +277,7 @@ async def test_a_late_router_starts_warm_and_a_dropped_event_is_repaired(
             assert index.stats()["repairs"] >= 3
 
 
+@pytest.mark.bus
 async def test_a_dead_replicas_entries_go_with_it(
     nats_server: NatsServer, model: str, client: Client
 ) -> None:
@@ -286,6 +297,7 @@ async def test_a_dead_replicas_entries_go_with_it(
         assert index.held(gone.replica) == 0
 
 
+@pytest.mark.bus
 async def test_replicas_without_events_are_routed_by_the_fallback_and_not_asked_again(
     nats_server: NatsServer, model: str, client: Client
 ) -> None:

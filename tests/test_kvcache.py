@@ -16,6 +16,8 @@ from engine_worker.backends.sim import SimBackend, SimEngine, count_tokens
 from engine_worker.kvcache import KVCache, Lease
 from services.config import SimSettings, WorkerSettings
 
+pytestmark = pytest.mark.unit
+
 BS = 4  # tokens per block in these tests: 16 characters of prompt a block
 
 

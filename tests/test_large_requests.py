@@ -23,15 +23,11 @@ from bus_schemas.errors import ContentBlocked, TokenbusError
 from engine_worker.backends.sim import expected_text
 from services import bodies
 from services.natsconf import role_login
-from tests.conftest import (
-    NatsServer,
-    Procs,
-    ProcStack,
-    new_model,
-    stack,
-    start_stack,
-    wait_for,
-)
+from tests.support.busdata import new_model
+from tests.support.inprocess import stack
+from tests.support.natsserver import NatsServer
+from tests.support.procs import Procs, ProcStack, start_stack
+from tests.support.waits import wait_for
 from tests.test_filter_stage import AWS
 from tests.test_locked_bus import Locked
 from tokenbus import Client
@@ -78,6 +74,7 @@ def _chat(prompt: str) -> list[dict[str, Any]]:
     return [{"role": "user", "content": prompt}]
 
 
+@pytest.mark.stack
 async def test_a_large_prompt_is_served_whole_and_streamed_over_http(
     big_stack: ProcStack, js: Any
 ) -> None:
@@ -106,6 +103,7 @@ async def _held(js: Any, before: int = 0) -> bool:
     return (await _stored(js))[0] <= before
 
 
+@pytest.mark.stack
 async def test_a_large_image_data_url_is_served_over_http(big_stack: ProcStack) -> None:
     image = "data:image/png;base64," + base64.b64encode(os.urandom(1_600_000)).decode()
     assert len(image) > 2_000_000
@@ -136,6 +134,7 @@ async def test_a_large_image_data_url_is_served_over_http(big_stack: ProcStack) 
         assert pieces[-1].choices[0].finish_reason == "length"
 
 
+@pytest.mark.stack
 async def test_small_requests_create_no_object(big_stack: ProcStack, js: Any) -> None:
     _, written = await _stored(js)
     async with big_stack.openai() as oai:
@@ -149,6 +148,7 @@ async def test_small_requests_create_no_object(big_stack: ProcStack, js: Any) ->
     assert (await _stored(js))[1] == written
 
 
+@pytest.mark.stack
 async def test_a_body_over_the_limit_gets_413_naming_it(big_stack: ProcStack) -> None:
     # Refused on its Content-Length, before any of it is read.
     reader, writer = await asyncio.open_connection("127.0.0.1", big_stack.port)
@@ -166,6 +166,7 @@ async def test_a_body_over_the_limit_gets_413_naming_it(big_stack: ProcStack) ->
     assert str(DEFAULT_LIMIT) in err["message"] and "bridge.max_body_bytes" in err["message"]
 
 
+@pytest.mark.stack
 async def test_a_large_request_over_nats_with_the_client(big_stack: ProcStack, js: Any) -> None:
     want = expected_text(f"<|user|>{BIG}\n", 6, seed=1)[0]
     _, written = await _stored(js)
@@ -187,6 +188,7 @@ async def _claimed(c: Client, model: str) -> dict[str, Any]:
     return body
 
 
+@pytest.mark.stack
 async def test_a_tampered_object_is_a_400(big_stack: ProcStack) -> None:
     async with await Client.connect(big_stack.procs.url) as c:
         body = await _claimed(c, big_stack.model)
@@ -209,6 +211,7 @@ async def test_a_tampered_object_is_a_400(big_stack: ProcStack) -> None:
         assert got.value.status == 400 and "missing or incomplete" in got.value.message
 
 
+@pytest.mark.stack
 async def test_hostile_claims_are_refused(big_stack: ProcStack) -> None:
     async with (
         await Client.connect(big_stack.procs.url) as victim,
@@ -233,6 +236,7 @@ async def test_hostile_claims_are_refused(big_stack: ProcStack) -> None:
             assert got.value.status == 400 and "claim." in got.value.message
 
 
+@pytest.mark.stack
 async def test_large_requests_on_the_locked_bus(tmp_path: Path) -> None:
     """Each role holds what the claim check needs and no more: the bridge writes and deletes,
     the router process and the worker read, the client role writes; nobody is refused."""
@@ -276,6 +280,7 @@ async def test_large_requests_on_the_locked_bus(tmp_path: Path) -> None:
         lk.proc.wait(10)
 
 
+@pytest.mark.stack
 async def test_large_responses_and_messages_requests_over_http(
     big_stack: ProcStack, js: Any
 ) -> None:
@@ -305,6 +310,7 @@ async def test_large_responses_and_messages_requests_over_http(
     await wait_for(lambda: _held(js, held), what="their body objects deleted")
 
 
+@pytest.mark.stack
 async def test_a_store_that_is_gone_is_a_503_with_retry_after(
     big_stack: ProcStack, js: Any
 ) -> None:
@@ -328,6 +334,7 @@ async def test_a_store_that_is_gone_is_a_503_with_retry_after(
         await js.add_stream(bodies.config())
 
 
+@pytest.mark.bus
 async def test_the_filter_and_a_prompt_reading_router_read_the_object(
     private_nats: NatsServer,
 ) -> None:
@@ -354,6 +361,7 @@ async def test_the_filter_and_a_prompt_reading_router_read_the_object(
         assert got.value.detector == "redact" and "cannot be redacted" in got.value.message
 
 
+@pytest.mark.fault
 async def test_a_large_request_migrated_mid_stream_reads_the_same_object(
     private_nats: NatsServer, tmp_path: Path
 ) -> None:
@@ -403,6 +411,7 @@ async def _migrated(procs: Procs, js: Any) -> None:
     await wait_for(lambda: _held(js), what="the migrated request's body object deleted")
 
 
+@pytest.mark.stack
 async def test_a_16_mb_request_of_text_and_an_image_over_http_and_nats(
     big_stack: ProcStack,
 ) -> None:
@@ -432,6 +441,7 @@ async def test_a_16_mb_request_of_text_and_an_image_over_http_and_nats(
         assert done.usage.completion_tokens == 3
 
 
+@pytest.mark.stack
 async def test_a_prompt_far_over_the_context_is_refused_before_any_upload(
     private_nats: NatsServer, tmp_path: Path
 ) -> None:

@@ -11,6 +11,10 @@ import ast
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parent.parent
 
 # Each top-level folder and its layer; a module may import its own folder and folders of a

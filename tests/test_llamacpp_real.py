@@ -25,16 +25,14 @@ import pytest
 
 from bus_schemas import errors as E
 from engine_worker.backends.upstream_caps import USAGE_TOKENIZED
-from tests.conftest import (
-    ROOT,
-    Procs,
-    free_port,
-    live_replicas,
-    start_stack,
-    stop_process,
-    wait_port,
-)
+from tests.support.pids import stop_process
+from tests.support.ports import free_port, wait_port
+from tests.support.procs import Procs, start_stack
+from tests.support.repo import ROOT
+from tests.support.waits import live_replicas
 from tokenbus import Client
+
+pytestmark = pytest.mark.stack
 
 SERVER_PY = Path(
     os.environ.get("TOKENBUS_TEST_LLAMACPP_PYTHON", ROOT / ".venv/llamacpp/bin/python")

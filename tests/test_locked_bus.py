@@ -15,8 +15,13 @@ import pytest
 
 from bus_schemas import codec, subjects
 from services.natsconf import ROLES, generate, role_env, role_login
-from tests.conftest import Procs, free_port, spawn_nats, start_stack, wait_for
+from tests.support.natsserver import spawn_nats
+from tests.support.ports import free_port
+from tests.support.procs import Procs, start_stack
+from tests.support.waits import wait_for
 from tokenbus import Client
+
+pytestmark = pytest.mark.stack
 
 MSG = [{"role": "user", "content": "hi"}]
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,17 +26,11 @@ from engine_worker.backends.sim_outputs import expected_tool_call
 from filter.policy import FilterPolicy
 from filter.scanner import Scanner
 from services.caller import Chunk, Usage
-from tests.conftest import (
-    NatsServer,
-    Procs,
-    ProcStack,
-    Upstream,
-    key_store,
-    new_model,
-    start_stack,
-    start_worker,
-    wait_replicas,
-)
+from tests.support.busdata import key_store, new_model
+from tests.support.natsserver import NatsServer
+from tests.support.procs import Procs, ProcStack, start_stack, start_worker
+from tests.support.upstreams import Upstream
+from tests.support.waits import wait_replicas
 from tokenbus import Client
 
 PIPELINE = {"TOKENBUS_INGRESS__PIPELINE": '["auth", "ratelimit", "filter", "route"]'}
@@ -70,15 +64,6 @@ class Env:
         """The anthropic SDK pointed at the bridge (x-api-key unless told), no retries."""
         kw.setdefault("api_key", self.key)
         return anthropic.AsyncAnthropic(base_url=self.stack.base, max_retries=0, **kw)
-
-
-@pytest.fixture(scope="module")
-def upstream(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Upstream]:
-    up = Upstream(tmp_path_factory.mktemp("upstream"))
-    try:
-        yield up
-    finally:
-        up.stop()
 
 
 @pytest.fixture(scope="module")
@@ -127,6 +112,7 @@ def _sim(model: str, messages: list[dict[str, Any]], **extra: Any) -> Generation
 
 
 # -- create, whole; keys and errors ------------------------------------------------------------
+@pytest.mark.stack
 async def test_create_whole_with_the_sdk(env: Env, sdk: anthropic.AsyncAnthropic) -> None:
     out = await sdk.messages.create(
         model=env.model,
@@ -147,6 +133,7 @@ async def test_create_whole_with_the_sdk(env: Env, sdk: anthropic.AsyncAnthropic
     assert out.usage.cache_read_input_tokens == 0
 
 
+@pytest.mark.stack
 async def test_bearer_auth_as_claude_code_sends_it(env: Env) -> None:
     # ANTHROPIC_AUTH_TOKEN: `Authorization: Bearer`, no x-api-key; the version and beta
     # headers Claude Code sends are taken.
@@ -164,6 +151,7 @@ async def test_bearer_auth_as_claude_code_sends_it(env: Env) -> None:
     assert out.content[0].text == expected_text("<|system|>be brief\n<|user|>hi\n", 4)[0]  # type: ignore[union-attr]
 
 
+@pytest.mark.stack
 async def test_a_wrong_key_is_refused_in_anthropic_s_shape(env: Env) -> None:
     for kw in ({"api_key": "tb-wrong"}, {"api_key": None, "auth_token": "tb-wrong"}):
         async with env.sdk(**kw) as c:
@@ -177,6 +165,7 @@ async def test_a_wrong_key_is_refused_in_anthropic_s_shape(env: Env) -> None:
         assert body["error"]["message"]
 
 
+@pytest.mark.stack
 async def test_another_tenants_key_is_refused_the_model_in_anthropic_s_shape(env: Env) -> None:
     # A key of another tenant, allowed only the other model: this one is refused with 403
     # permission_error, and its own model is served to it.
@@ -197,6 +186,7 @@ async def test_another_tenants_key_is_refused_the_model_in_anthropic_s_shape(env
     assert body["type"] == "error" and body["error"]["type"] == "permission_error"
 
 
+@pytest.mark.stack
 async def test_bad_fields_get_anthropic_s_errors_with_their_status(
     env: Env, sdk: anthropic.AsyncAnthropic
 ) -> None:
@@ -281,6 +271,7 @@ async def test_bad_fields_get_anthropic_s_errors_with_their_status(
 
 
 # -- streamed ----------------------------------------------------------------------------------
+@pytest.mark.stack
 async def test_create_streamed_with_the_sdk_stream_helper(
     env: Env, sdk: anthropic.AsyncAnthropic
 ) -> None:
@@ -319,6 +310,7 @@ async def test_create_streamed_with_the_sdk_stream_helper(
     ]
 
 
+@pytest.mark.stack
 async def test_raw_stream_events_as_anthropic_sends_them(env: Env) -> None:
     hdrs = {"x-api-key": env.key, "anthropic-version": "2023-06-01"}
     body = {
@@ -355,6 +347,7 @@ async def test_raw_stream_events_as_anthropic_sends_them(env: Env) -> None:
     assert events[-1] == {"type": "message_stop"}
 
 
+@pytest.mark.stack
 async def test_an_error_before_the_first_token_keeps_its_status_when_streamed(
     env: Env, sdk: anthropic.AsyncAnthropic
 ) -> None:
@@ -366,6 +359,7 @@ async def test_an_error_before_the_first_token_keeps_its_status_when_streamed(
 
 
 # -- tools, images, thinking, count_tokens ---------------------------------------------------
+@pytest.mark.stack
 async def test_tool_round_trip(env: Env, sdk: anthropic.AsyncAnthropic) -> None:
     ask = [{"role": "user", "content": "weather in Paris?"}]
     first = await sdk.messages.create(
@@ -401,6 +395,7 @@ async def test_tool_round_trip(env: Env, sdk: anthropic.AsyncAnthropic) -> None:
     assert second.stop_reason == "max_tokens"
 
 
+@pytest.mark.stack
 async def test_streamed_tool_use(env: Env, sdk: anthropic.AsyncAnthropic) -> None:
     ask = [{"role": "user", "content": "weather?"}]
     partial = ""
@@ -422,6 +417,7 @@ async def test_streamed_tool_use(env: Env, sdk: anthropic.AsyncAnthropic) -> Non
     assert use.type == "tool_use" and use.input == json.loads(want[2]) and use.id == want[0]
 
 
+@pytest.mark.stack
 async def test_an_image_block_reaches_the_engine_as_an_image_url(
     env: Env, sdk: anthropic.AsyncAnthropic
 ) -> None:
@@ -462,6 +458,7 @@ async def test_an_image_block_reaches_the_engine_as_an_image_url(
     assert got["top_k"] == 3 and got["temperature"] == 0.2
 
 
+@pytest.mark.stack
 async def test_thinking_comes_from_the_engine_s_reasoning(
     env: Env, sdk: anthropic.AsyncAnthropic
 ) -> None:
@@ -501,6 +498,7 @@ async def test_thinking_comes_from_the_engine_s_reasoning(
     }
 
 
+@pytest.mark.stack
 async def test_count_tokens(env: Env, sdk: anthropic.AsyncAnthropic) -> None:
     out = await sdk.messages.count_tokens(
         model=env.model,
@@ -522,6 +520,7 @@ def _ends_on_its_own(max_tokens: int) -> tuple[str, str]:
     raise AssertionError("no answer ends on its own")
 
 
+@pytest.mark.stack
 async def test_an_answer_that_ends_on_its_own_is_end_turn_despite_stop_sequences(
     env: Env, sdk: anthropic.AsyncAnthropic
 ) -> None:
@@ -558,6 +557,7 @@ async def test_an_answer_that_ends_on_its_own_is_end_turn_despite_stop_sequences
 
 
 # -- the NATS client ---------------------------------------------------------------------------
+@pytest.mark.stack
 async def test_the_nats_client_serves_the_same_operation(env: Env) -> None:
     hello = [{"role": "user", "content": "hello there"}]
     async with await Client.connect(env.url, api_key=env.key) as tb:
@@ -589,6 +589,7 @@ async def test_the_nats_client_serves_the_same_operation(env: Env) -> None:
             await tb.message("no-such-model", hello, max_tokens=4)
 
 
+@pytest.mark.stack
 async def test_tool_results_are_filtered_as_on_chat(
     env: Env, sdk: anthropic.AsyncAnthropic
 ) -> None:
@@ -619,6 +620,7 @@ def _chat(body: dict[str, Any]) -> dict[str, Any]:
     return M.translate(M.parse(body), body)
 
 
+@pytest.mark.unit
 def test_blocks_become_chat_messages() -> None:
     chat = _chat(
         {
@@ -706,6 +708,7 @@ def test_blocks_become_chat_messages() -> None:
     assert "continue_final_message" not in chat
 
 
+@pytest.mark.unit
 def test_a_last_assistant_turn_is_a_prefill_and_choices_map() -> None:
     body: dict[str, Any] = {
         "model": "m",
@@ -725,6 +728,7 @@ def test_a_last_assistant_turn_is_a_prefill_and_choices_map() -> None:
     assert counted["max_tokens"] == 1 and "stop" not in counted
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     ("change", "param"),
     [
@@ -780,6 +784,7 @@ def test_each_bad_field_is_a_400_naming_it(change: dict[str, Any], param: str) -
     assert ei.value.message.startswith(f"{param}:")
 
 
+@pytest.mark.unit
 def test_the_builder_puts_thinking_first_and_maps_the_end() -> None:
     b = M.MessageBuilder("m", events=False, message_id="msg_1")
     b.add(Chunk("Hel", 1, 0))
@@ -825,6 +830,7 @@ def test_the_builder_puts_thinking_first_and_maps_the_end() -> None:
     assert M.stop_reason("content_filter", None) == ("refusal", None)
 
 
+@pytest.mark.unit
 def test_a_stream_that_fails_after_it_started_ends_with_an_error_event() -> None:
     b = M.MessageBuilder("m", events=True)
     assert [e["type"] for e in b.opening()] == ["message_start", "ping"]

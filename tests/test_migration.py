@@ -20,17 +20,12 @@ from engine_worker.backends.base import GenerationRequest
 from engine_worker.backends.sim import _start, expected_text, resume_point, token_text
 from filter.policy import FilterPolicy
 from filter.scanner import Scanner
-from tests.conftest import (
-    NatsServer,
-    Procs,
-    Upstream,
-    fresh_window,
-    key_store,
-    live_replicas,
-    stack,
-    start_stack,
-    wait_for,
-)
+from tests.support.busdata import key_store
+from tests.support.inprocess import stack
+from tests.support.natsserver import NatsServer
+from tests.support.procs import Procs, start_stack
+from tests.support.upstreams import Upstream
+from tests.support.waits import fresh_window, live_replicas, wait_for
 from tokenbus import Client
 
 MSG = [{"role": "user", "content": "tell me a long story"}]
@@ -45,6 +40,7 @@ def _req(text: str, tokens: int, max_tokens: int = 50) -> GenerationRequest:
     )
 
 
+@pytest.mark.unit
 def test_resume_point_takes_the_callers_count_where_its_text_agrees() -> None:
     start = _start(PROMPT, None)
     full = "".join(token_text(start, i) for i in range(10))
@@ -88,6 +84,7 @@ async def _first_words(s: Any, n: int = 15) -> str:
     return text
 
 
+@pytest.mark.fault
 async def test_a_worker_killed_mid_stream_is_migrated_over_nats(
     procs: Procs, model: str, client: Client
 ) -> None:
@@ -123,6 +120,7 @@ async def test_a_worker_killed_mid_stream_is_migrated_over_nats(
     )
 
 
+@pytest.mark.fault
 async def test_a_stream_migrated_while_the_output_filter_holds_text_is_whole_and_counted_once(
     procs: Procs, model: str, client: Client
 ) -> None:
@@ -161,6 +159,7 @@ async def test_a_stream_migrated_while_the_output_filter_holds_text_is_whole_and
     assert s.usage is not None and s.usage.completion_tokens == 120
 
 
+@pytest.mark.fault
 async def test_a_stop_sequence_hit_after_a_migration_is_named(
     procs: Procs, model: str, client: Client
 ) -> None:
@@ -184,6 +183,7 @@ async def test_a_stop_sequence_hit_after_a_migration_is_named(
     assert (s.finish_reason, s.stop_sequence) == ("stop", stop)
 
 
+@pytest.mark.fault
 async def test_a_worker_killed_mid_stream_is_migrated_over_http(procs: Procs, model: str) -> None:
     stack = await start_stack(
         procs, model, "ingress", "router", workers=3, worker_args=SLOW, env=HB, settle=0.6
@@ -214,6 +214,7 @@ async def test_a_worker_killed_mid_stream_is_migrated_over_http(procs: Procs, mo
     assert "request_migrated" in stack.bridge.output()
 
 
+@pytest.mark.stack
 async def test_a_draining_worker_past_its_timeout_hands_streams_over(
     procs: Procs, model: str, client: Client
 ) -> None:
@@ -240,6 +241,7 @@ async def test_a_draining_worker_past_its_timeout_hands_streams_over(
     assert any(s.migrations == 1 for s in streams)
 
 
+@pytest.mark.fault
 async def test_when_no_replica_is_left_the_stream_ends_with_one_retryable_error(
     procs: Procs, model: str, client: Client
 ) -> None:
@@ -257,6 +259,7 @@ async def test_when_no_replica_is_left_the_stream_ends_with_one_retryable_error(
     assert time.monotonic() - t0 < 10  # an answer, not a hang
 
 
+@pytest.mark.fault
 @pytest.mark.parametrize("role", ["router", "ingress", "filter"])
 async def test_a_request_held_by_a_stopped_member_is_sent_again(
     procs: Procs, model: str, client: Client, role: str
@@ -284,6 +287,7 @@ async def test_a_request_held_by_a_stopped_member_is_sent_again(
         stopped.signal(signal.SIGCONT)
 
 
+@pytest.mark.bus
 async def test_overload_queues_up_to_a_bound_then_answers_503(
     nats_server: NatsServer, model: str, client: Client
 ) -> None:
@@ -314,6 +318,7 @@ async def test_overload_queues_up_to_a_bound_then_answers_503(
         await b.aclose()
 
 
+@pytest.mark.stack
 async def test_three_routers_never_overload_a_replica(
     procs: Procs, model: str, client: Client
 ) -> None:
@@ -361,6 +366,7 @@ async def test_three_routers_never_overload_a_replica(
         await s.aclose()
 
 
+@pytest.mark.fault
 async def test_a_tool_call_cut_mid_way_ends_with_a_retryable_error(
     procs: Procs, model: str, client: Client
 ) -> None:
@@ -389,6 +395,7 @@ async def test_a_tool_call_cut_mid_way_ends_with_a_retryable_error(
     assert out.finish_reason == "tool_calls" and out.tool_calls is not None
 
 
+@pytest.mark.fault
 async def test_reasoning_already_sent_is_not_resumed(
     procs: Procs, model: str, client: Client, tmp_path: Path
 ) -> None:
@@ -425,6 +432,7 @@ def _charged_before(remaining_tokens: str, max_tokens: int) -> int:
     return TPM - int(remaining_tokens) - own
 
 
+@pytest.mark.fault
 async def test_a_migrated_request_counts_once_toward_rpm_and_tpm_over_nats(
     procs: Procs, model: str, client: Client
 ) -> None:
@@ -463,6 +471,7 @@ async def test_a_migrated_request_counts_once_toward_rpm_and_tpm_over_nats(
     assert charged == s.usage.total_tokens, (charged, s.usage)
 
 
+@pytest.mark.fault
 async def test_a_migrated_request_counts_once_toward_rpm_and_tpm_over_http(
     procs: Procs, model: str
 ) -> None:

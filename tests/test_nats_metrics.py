@@ -7,11 +7,17 @@ from __future__ import annotations
 import signal
 from pathlib import Path
 
+import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from telemetry.service import Telemetry
-from tests.conftest import free_port, settings, spawn_nats, wait_for
+from tests.support.inprocess import settings
+from tests.support.natsserver import spawn_nats
+from tests.support.ports import free_port
+from tests.support.waits import wait_for
+
+pytestmark = pytest.mark.fault
 
 
 def up(tel: Telemetry, url: str) -> float | None:

@@ -8,12 +8,16 @@ import uuid
 from collections.abc import Awaitable
 from typing import Any
 
+import pytest
+
 from bus_schemas import codec
 from router.dispatch import Dispatcher
 from router.registry import Registry
 from services import natsclient
 from services.config import RouterSettings
-from tests.conftest import NatsServer
+from tests.support.natsserver import NatsServer
+
+pytestmark = pytest.mark.bus
 
 
 async def test_a_kv_watch_answers_flow_control_only_when_the_server_asks(

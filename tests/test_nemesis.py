@@ -17,6 +17,8 @@ from tokenbus.evaluation.nemesis import run_nemesis
 from tokenbus.evaluation.nemesis_config import Config
 from tokenbus.evaluation.nemesis_report import print_table
 
+pytestmark = pytest.mark.fault
+
 
 # Its own waits are bounded, and together can pass the suite's 120 s on a loaded machine:
 # 27 s of load and its start, then up to 60 s each for the spend reports' and the records'

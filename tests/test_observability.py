@@ -31,19 +31,15 @@ from services.natsconf import ROLES, role_login
 from telemetry import records
 from telemetry.metrics import ITL, REQUEST_LATENCY, TTFT, UNKNOWN_MODEL, Metrics, status_class
 from telemetry.service import INBOX_ROOT, KEYS_INFO, PING, Telemetry
-from tests.conftest import (
-    ROOT,
-    NatsServer,
-    Procs,
-    free_port,
-    key_store,
-    settings,
-    spawn_nats,
-    start_stack,
-    stop_process,
-    wait_for,
-)
 from tests.lockedbus import LockedBus
+from tests.support.busdata import key_store
+from tests.support.inprocess import settings
+from tests.support.natsserver import NatsServer, spawn_nats
+from tests.support.pids import stop_process
+from tests.support.ports import free_port
+from tests.support.procs import Procs, start_stack
+from tests.support.repo import ROOT
+from tests.support.waits import wait_for
 
 PROM_DIR = ROOT / "deploy" / "prometheus"
 GRAFANA_DIR = ROOT / "deploy" / "grafana"
@@ -108,6 +104,7 @@ def record(**kw: Any) -> dict[str, Any]:
 # -- metrics, offline ----------------------------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_buckets_are_vllms() -> None:
     assert TTFT[:4] == (0.001, 0.005, 0.01, 0.02) and TTFT[-1] == 2560.0 and len(TTFT) == 22
     assert ITL[0] == 0.01 and ITL[-1] == 80.0 and len(ITL) == 19
@@ -116,6 +113,7 @@ def test_buckets_are_vllms() -> None:
     )
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     ("outcome", "status", "want"),
     [
@@ -138,6 +136,7 @@ def test_outcomes_are_classed(outcome: str, status: int | None, want: str) -> No
     assert status_class({"outcome": outcome, "status": status}) == want
 
 
+@pytest.mark.unit
 def test_records_feed_the_fields_metrics_and_usage_per_key() -> None:
     m = Metrics()
     m.heartbeat({"replica": "m-0", "model": "m", "in_flight": 3, "max_concurrency": 8,
@@ -177,6 +176,7 @@ def test_records_feed_the_fields_metrics_and_usage_per_key() -> None:
     assert 'tokenbus_replica_kv_cache_usage{model="m",replica="m-0"} 0.25' in text
 
 
+@pytest.mark.unit
 async def test_replicas_that_stop_heartbeating_disappear_and_their_model_shows_zero() -> None:
     m = Metrics()
     m.heartbeat({"replica": "m-0", "model": "m", "interval_s": 0.05, "draining": False})
@@ -192,6 +192,7 @@ async def test_replicas_that_stop_heartbeating_disappear_and_their_model_shows_z
     assert val("tokenbus_replica_in_flight", {"model": "m", "replica": "m-0"}) is None
 
 
+@pytest.mark.unit
 def test_every_metric_is_documented() -> None:
     docs = DOCS.read_text()
     bridge = {"tokenbus_bridge_requests_total", "tokenbus_bridge_request_seconds",
@@ -206,6 +207,7 @@ def test_every_metric_is_documented() -> None:
 # -- alerts and the dashboard, offline -------------------------------------------------------------
 
 
+@pytest.mark.stack
 @pytest.mark.skipif(PROMTOOL is None, reason=NO_PROMTOOL)
 def test_alert_rules_and_the_prometheus_config_pass_promtool() -> None:
     assert PROMTOOL is not None
@@ -228,6 +230,7 @@ def test_alert_rules_and_the_prometheus_config_pass_promtool() -> None:
     } <= names
 
 
+@pytest.mark.unit
 def test_the_dashboard_is_its_generators_output_and_loads_in_the_sdks_model() -> None:
     pytest.importorskip(
         "grafana_foundation_sdk", reason="grafana-foundation-sdk (a dev dependency) is missing"
@@ -333,6 +336,7 @@ def prometheus_dir(tmp_path: Path) -> Iterator[Path]:
     yield tmp_path / "prometheus"
 
 
+@pytest.mark.stack
 async def test_prometheus_scrapes_the_stack_and_reads_ttft_and_its_exemplar_back(
     procs: Procs, model: str, tmp_path: Path, nats_server: NatsServer, prometheus_dir: Path
 ) -> None:
@@ -420,6 +424,7 @@ async def test_prometheus_scrapes_the_stack_and_reads_ttft_and_its_exemplar_back
 # -- the telemetry role on the locked bus ------------------------------------------------------
 
 
+@pytest.mark.stack
 async def test_the_telemetry_role_may_probe_the_locked_bus_and_read_no_other_inbox(
     tmp_path: Path,
 ) -> None:
@@ -457,6 +462,7 @@ async def test_the_telemetry_role_may_probe_the_locked_bus_and_read_no_other_inb
         bus.stop()
 
 
+@pytest.mark.stack
 async def test_probes_that_cannot_see_report_nothing_rather_than_false_alarms(
     tmp_path: Path,
 ) -> None:

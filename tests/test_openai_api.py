@@ -12,7 +12,7 @@ from __future__ import annotations
 import base64
 import json
 import struct
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 import openai
@@ -24,17 +24,14 @@ from bus_schemas.messages import token_ids_text
 from engine_worker.backends.base import GenerationRequest
 from engine_worker.backends.sim import count_tokens, expected_text
 from engine_worker.backends.sim_outputs import expected_embedding, expected_tool_call
-from tests.conftest import (
-    NatsServer,
-    Procs,
-    ProcStack,
-    Upstream,
-    new_model,
-    start_stack,
-    start_worker,
-    wait_replicas,
-)
+from tests.support.busdata import new_model
+from tests.support.natsserver import NatsServer
+from tests.support.procs import Procs, ProcStack, start_stack, start_worker
+from tests.support.upstreams import Upstream
+from tests.support.waits import wait_replicas
 from tokenbus import Client
+
+pytestmark = pytest.mark.stack
 
 WEATHER = {
     "type": "function",
@@ -54,15 +51,6 @@ WEATHER = {
     },
 }
 ASK = [{"role": "user", "content": "what is the weather in Paris?"}]
-
-
-@pytest.fixture(scope="module")
-def upstream(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Upstream]:
-    up = Upstream(tmp_path_factory.mktemp("upstream"))
-    try:
-        yield up
-    finally:
-        up.stop()
 
 
 class Stacks:

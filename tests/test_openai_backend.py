@@ -23,11 +23,11 @@ from engine_worker.backends.openai_upstream import OpenAIUpstreamBackend
 from services.config import OpenAIUpstreamSettings, WorkerSettings
 
 try:  # tests/ is a package when run from the repo root with rootdir on sys.path
-    from tests.conftest import wait_for
     from tests.fakes.upstream import FakeUpstream
+    from tests.support.waits import wait_for
 except ImportError:  # pytest's default rootdir-less import puts tests/ itself on sys.path
-    from conftest import wait_for  # type: ignore[no-redef]
     from fakes.upstream import FakeUpstream  # type: ignore[no-redef]
+    from support.waits import wait_for  # type: ignore[no-redef]
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -100,6 +100,7 @@ def assemble_calls(deltas: list[Delta]) -> dict[int, dict[str, Any]]:
     return calls
 
 
+@pytest.mark.unit
 async def test_client_fields_reach_the_upstream_unchanged(
     backend: OpenAIUpstreamBackend, upstream: FakeUpstream
 ) -> None:
@@ -152,6 +153,7 @@ async def test_client_fields_reach_the_upstream_unchanged(
     assert "seed" not in sent and "stop" not in sent
 
 
+@pytest.mark.unit
 async def test_streamed_tool_call_and_second_turn(backend: OpenAIUpstreamBackend) -> None:
     user: dict[str, Any] = {"role": "user", "content": "Weather in Paris?"}
     deltas = await collect(backend, chat([user], extra={"tools": TOOLS, "tool_choice": "auto"}))
@@ -195,6 +197,7 @@ async def test_streamed_tool_call_and_second_turn(backend: OpenAIUpstreamBackend
     assert not any(d.tool_calls for d in deltas)
 
 
+@pytest.mark.unit
 async def test_logprobs_reasoning_and_usage_details(
     backend: OpenAIUpstreamBackend, upstream: FakeUpstream
 ) -> None:
@@ -226,6 +229,7 @@ async def test_logprobs_reasoning_and_usage_details(
     assert final.prompt_tokens == 6 and final.completion_tokens == 4
 
 
+@pytest.mark.unit
 async def test_length_and_text_completions(
     backend: OpenAIUpstreamBackend, upstream: FakeUpstream
 ) -> None:
@@ -251,6 +255,7 @@ async def test_length_and_text_completions(
     assert deltas[-1].finish_reason == "stop"
 
 
+@pytest.mark.unit
 async def test_the_stop_string_vllm_reports_reaches_the_last_delta(
     backend: OpenAIUpstreamBackend, upstream: FakeUpstream
 ) -> None:
@@ -274,6 +279,7 @@ async def test_the_stop_string_vllm_reports_reaches_the_last_delta(
     assert (deltas[-1].finish_reason, deltas[-1].stop_sequence) == ("stop", None)
 
 
+@pytest.mark.unit
 def test_a_stop_reason_that_is_no_string_names_no_stop_sequence() -> None:
     from engine_worker.backends.openai_shape import stop_string
 
@@ -283,6 +289,7 @@ def test_a_stop_reason_that_is_no_string_names_no_stop_sequence() -> None:
     assert stop_string({"finish_reason": "stop"}) is None
 
 
+@pytest.mark.unit
 async def test_upstream_errors(backend: OpenAIUpstreamBackend, upstream: FakeUpstream) -> None:
     hi = [{"role": "user", "content": "hi"}]
     with pytest.raises(E.InvalidRequest) as info:
@@ -297,6 +304,7 @@ async def test_upstream_errors(backend: OpenAIUpstreamBackend, upstream: FakeUps
         backend.generate(chat(hi, max_tokens=0))
 
 
+@pytest.mark.unit
 async def test_max_tokens_beyond_the_upstreams_context_is_refused_before_it_is_asked() -> None:
     up = FakeUpstream(max_model_len=100)
     await up.start()
@@ -323,6 +331,7 @@ async def test_max_tokens_beyond_the_upstreams_context_is_refused_before_it_is_a
         await up.stop()
 
 
+@pytest.mark.unit
 async def test_unreachable_upstream() -> None:
     cfg = WorkerSettings(
         backend="openai",
@@ -338,6 +347,7 @@ async def test_unreachable_upstream() -> None:
         await b.stop()
 
 
+@pytest.mark.unit
 async def test_embeddings(backend: OpenAIUpstreamBackend, upstream: FakeUpstream) -> None:
     req = GenerationRequest(
         request_id="e1",
@@ -370,6 +380,7 @@ async def test_embeddings(backend: OpenAIUpstreamBackend, upstream: FakeUpstream
     assert backend.endpoints() == ["chat", "completions"]
 
 
+@pytest.mark.unit
 async def test_resume(backend: OpenAIUpstreamBackend, upstream: FakeUpstream) -> None:
     hi = [{"role": "user", "content": "hi"}]
     before = len(upstream.requests)
@@ -397,6 +408,7 @@ async def test_resume(backend: OpenAIUpstreamBackend, upstream: FakeUpstream) ->
     assert upstream.requests[-1]["prompt"] == "Say: hello"
 
 
+@pytest.mark.unit
 async def test_closing_the_stream_aborts_the_upstream(
     backend: OpenAIUpstreamBackend, upstream: FakeUpstream
 ) -> None:
@@ -413,6 +425,7 @@ async def test_closing_the_stream_aborts_the_upstream(
     assert upstream.aborted == 1
 
 
+@pytest.mark.unit
 async def test_on_a_kept_connection_the_request_is_written_before_it_is_relayed(
     backend: OpenAIUpstreamBackend, upstream: FakeUpstream
 ) -> None:
@@ -438,6 +451,7 @@ async def test_on_a_kept_connection_the_request_is_written_before_it_is_relayed(
     assert "".join(d.text for d in again) == "hello from upstream"
 
 
+@pytest.mark.unit
 async def test_a_request_written_early_and_never_relayed_is_aborted_at_the_upstream(
     backend: OpenAIUpstreamBackend, upstream: FakeUpstream
 ) -> None:
@@ -457,6 +471,7 @@ async def test_a_request_written_early_and_never_relayed_is_aborted_at_the_upstr
     )
 
 
+@pytest.mark.stack
 def test_fake_upstream_runs_as_a_process() -> None:
     proc = subprocess.Popen(
         [sys.executable, "-m", "tests.fakes.upstream", "--port", "0"],
@@ -488,6 +503,7 @@ def test_fake_upstream_runs_as_a_process() -> None:
         assert proc.wait(10) == 0
 
 
+@pytest.mark.unit
 async def test_raw_event_stream_parsing() -> None:
     """Events split anywhere, CRLF line ends, comments, multi-line data, vendor fields, an
     unknown finish reason and a last event without its blank line all parse."""

@@ -3,12 +3,17 @@ produced in one turn of the event loop, leave in one message."""
 
 from __future__ import annotations
 
+import pytest
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from bus_schemas import frames, subjects
-from tests.conftest import NatsServer, stack, wait_for
+from tests.support.inprocess import stack
+from tests.support.natsserver import NatsServer
+from tests.support.waits import wait_for
 from tokenbus import Client
+
+pytestmark = pytest.mark.bus
 
 
 async def _listen(nc: NATS, subject: str) -> list[Msg]:

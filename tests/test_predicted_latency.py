@@ -9,6 +9,8 @@ from __future__ import annotations
 import random
 from typing import Any
 
+import pytest
+
 from bus_schemas import kv_events as K
 from bus_schemas.messages import render_prompt
 from engine_worker.perf import EnginePerf
@@ -16,7 +18,9 @@ from router.kv_index import KVIndex
 from router.policies import PredictedLatency, RouteRequest, make_load_policy
 from router.registry import Replica
 from services.config import LatencyTarget, ModelRouting
-from tests.conftest import NatsServer, stack, wait_for
+from tests.support.inprocess import stack
+from tests.support.natsserver import NatsServer
+from tests.support.waits import wait_for
 from tokenbus import Client
 
 BS = 4
@@ -38,6 +42,7 @@ def _synced(idx: KVIndex, *names: str) -> None:
         idx.load({"replica": n, "boot": "b", "block_size": BS, "seq": 0, "blocks": []})
 
 
+@pytest.mark.unit
 def test_an_engine_learns_its_own_speed_from_its_requests() -> None:
     perf = EnginePerf()
     assert perf.heartbeat() is None  # nothing announced before it knows
@@ -59,6 +64,7 @@ def test_an_engine_learns_its_own_speed_from_its_requests() -> None:
     assert abs(got["tpot_ms_per_running"] - 0.25) < 0.01
 
 
+@pytest.mark.unit
 def test_the_replica_predicted_first_to_answer_wins_within_the_class_target() -> None:
     idx = KVIndex()
     _synced(idx, "a", "b")
@@ -105,6 +111,7 @@ def test_the_replica_predicted_first_to_answer_wins_within_the_class_target() ->
     assert policy.unmet == unmet + 1
 
 
+@pytest.mark.unit
 def test_until_every_replica_announced_its_speed_kv_aware_routes() -> None:
     idx = KVIndex()
     _synced(idx, "a", "b")
@@ -125,13 +132,14 @@ def test_until_every_replica_announced_its_speed_kv_aware_routes() -> None:
     assert policy.predictions == {}
 
 
+@pytest.mark.bus
 async def test_replicas_announce_their_speed_and_long_prompts_go_to_the_fast_one(
     nats_server: NatsServer, model: str, client: Client
 ) -> None:
     """Two sim replicas, one prefilling fifty times slower per token: once both announced
     what they learned, new long prompts go to the fast one."""
     from engine_worker.worker import Worker
-    from tests.conftest import settings
+    from tests.support.inprocess import settings
 
     sim = {"kv_cache_blocks": 4096, "block_size": BS, "prefill_ms": 1.0, "decode_ms": 1.0}
     w = {"model": model, "heartbeat_interval_s": 0.2}

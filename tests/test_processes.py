@@ -15,19 +15,11 @@ import pytest
 from nats.aio.client import Client as NATS
 
 from engine_worker.backends.sim import expected_text
-from tests.conftest import (
-    NatsServer,
-    Procs,
-    ProcStack,
-    free_port,
-    live_replicas,
-    run_cli,
-    start_stack,
-    start_worker,
-    wait_for,
-    wait_http,
-    wait_replicas,
-)
+from tests.support.natsserver import NatsServer
+from tests.support.ports import free_port
+from tests.support.procs import Procs, ProcStack, start_stack, start_worker
+from tests.support.repo import run_cli
+from tests.support.waits import live_replicas, wait_for, wait_http, wait_replicas
 
 MSG = [{"role": "user", "content": "hello there"}]
 PROMPT = "<|user|>hello there\n"
@@ -41,6 +33,7 @@ async def bridged(procs: Procs, model: str, workers: int, *worker_args: str) -> 
     return await start_stack(procs, model, workers=workers, worker_args=worker_args, settle=0.5)
 
 
+@pytest.mark.fault
 async def test_worker_killed_before_accepting_requests_go_to_another(
     procs: Procs, model: str
 ) -> None:
@@ -57,6 +50,7 @@ async def test_worker_killed_before_accepting_requests_go_to_another(
     assert ws[1].output().count('"event": "request"') == 20, ws[1].output()
 
 
+@pytest.mark.stack
 async def test_sigterm_drains_a_worker_and_finishes_its_streams(procs: Procs, model: str) -> None:
     stack = await bridged(procs, model, 2, *SLOW)
     ws = stack.workers
@@ -92,6 +86,7 @@ async def test_sigterm_drains_a_worker_and_finishes_its_streams(procs: Procs, mo
     assert survivor.alive()
 
 
+@pytest.mark.stack
 async def test_sigterm_on_the_bridge_finishes_open_streams(procs: Procs, model: str) -> None:
     stack = await bridged(procs, model, 1, *SLOW)
     bridge = stack.bridge
@@ -107,6 +102,7 @@ async def test_sigterm_on_the_bridge_finishes_open_streams(procs: Procs, model: 
     assert bridge.proc.wait(20) == 0
 
 
+@pytest.mark.stack
 async def test_a_stopping_bridge_says_it_is_not_ready_while_it_still_serves(
     procs: Procs, model: str
 ) -> None:
@@ -138,6 +134,7 @@ async def test_a_stopping_bridge_says_it_is_not_ready_while_it_still_serves(
     assert "bridge_unready" in bridge.output()
 
 
+@pytest.mark.stack
 async def test_openai_upstream_joins_the_bus_as_a_replica(procs: Procs, model: str) -> None:
     upstream_port = free_port()
     procs.start(
@@ -174,6 +171,7 @@ async def test_openai_upstream_joins_the_bus_as_a_replica(procs: Procs, model: s
         assert comp.choices[0].text == expected_text("abc", 4)[0]
 
 
+@pytest.mark.stack
 async def test_several_bridge_processes_share_one_port(procs: Procs, model: str, nc: NATS) -> None:
     stack = await start_stack(procs, model, worker_args=FAST, bridge_args=("--processes", "2"))
     for _ in range(100):
@@ -198,6 +196,7 @@ async def test_several_bridge_processes_share_one_port(procs: Procs, model: str,
     assert len(outs) == 20
 
 
+@pytest.mark.stack
 async def test_status_lists_replicas_and_load(procs: Procs, model: str) -> None:
     start_worker(procs, model, "a", "--max-concurrency", "7", "--tp", "2", "--pool", "big")
     await wait_replicas(procs.url, model, 1)
@@ -246,11 +245,13 @@ async def test_status_lists_replicas_and_load(procs: Procs, model: str) -> None:
     assert kinds[f"{model}-b"] == "approximate"
 
 
+@pytest.mark.stack
 def test_status_without_nats_is_a_clear_error(tmp_path: Any) -> None:
     r = run_cli("--nats-url", f"nats://127.0.0.1:{free_port()}", "status", timeout=30)
     assert r.returncode == 1 and "cannot reach NATS" in r.stderr
 
 
+@pytest.mark.fault
 async def test_a_slow_worker_never_hangs_a_request(procs: Procs, model: str) -> None:
     stack = await bridged(procs, model, 1)
     stack.workers[0].signal(signal.SIGSTOP)  # alive for the kernel, silent on the bus
@@ -264,6 +265,7 @@ async def test_a_slow_worker_never_hangs_a_request(procs: Procs, model: str) -> 
         stack.workers[0].signal(signal.SIGCONT)
 
 
+@pytest.mark.stack
 async def test_while_nats_is_away_the_bridge_answers_503_at_once_and_recovers(
     private_nats: NatsServer, tmp_path: Path
 ) -> None:

@@ -18,20 +18,17 @@ from bus_schemas import codec, subjects
 from bus_schemas import errors as E
 from bus_schemas import headers as H
 from services import usage
-from tests.conftest import (
-    NatsServer,
-    Procs,
-    fresh_window,
-    key_store,
-    stack,
-    start_stack,
-    wait_for_key,
-)
+from tests.support.busdata import key_store
+from tests.support.inprocess import stack
+from tests.support.natsserver import NatsServer
+from tests.support.procs import Procs, start_stack
+from tests.support.waits import fresh_window, wait_for_key
 from tokenbus import Client
 
 MSG = [{"role": "user", "content": "hi"}]
 
 
+@pytest.mark.unit
 def test_limits_header_and_token_estimate() -> None:
     assert parse_limits("10,,3") == (10, None, 3)
     assert parse_limits("") == (None, None, None)
@@ -39,6 +36,7 @@ def test_limits_header_and_token_estimate() -> None:
     assert estimate_tokens(env) == 17
 
 
+@pytest.mark.unit
 def test_a_default_max_tokens_is_fitted_to_the_keys_tpm_and_reserves_little() -> None:
     from bus_schemas.messages import FILL_CONTEXT
 
@@ -58,6 +56,7 @@ def test_a_default_max_tokens_is_fitted_to_the_keys_tpm_and_reserves_little() ->
     assert not fit_tpm(own, 1_000) and own["params"]["max_tokens"] == 10**6
 
 
+@pytest.mark.bus
 async def test_rpm_is_exact_across_three_limiters(
     nats_server: NatsServer, model: str, keys: KeyStore, client: Client
 ) -> None:
@@ -98,6 +97,7 @@ async def test_rpm_is_exact_across_three_limiters(
                 await client.chat_completion(model, MSG, max_tokens=2, api_key=key)
 
 
+@pytest.mark.bus
 async def test_tokens_are_reserved_then_reconciled(
     nats_server: NatsServer, model: str, keys: KeyStore, client: Client
 ) -> None:
@@ -141,6 +141,7 @@ async def test_tokens_are_reserved_then_reconciled(
         assert not big.value.retryable
 
 
+@pytest.mark.bus
 async def test_a_request_without_max_tokens_gets_the_context_within_the_keys_tpm(
     nats_server: NatsServer, model: str, keys: KeyStore, client: Client
 ) -> None:
@@ -156,6 +157,7 @@ async def test_a_request_without_max_tokens_gets_the_context_within_the_keys_tpm
         assert (whole.finish_reason, whole.usage.completion_tokens) == ("length", 699)
 
 
+@pytest.mark.bus
 async def test_concurrency_limit_frees_slots_when_requests_end(
     nats_server: NatsServer, model: str, keys: KeyStore, client: Client
 ) -> None:
@@ -180,6 +182,7 @@ async def test_concurrency_limit_frees_slots_when_requests_end(
         await b.aclose()
 
 
+@pytest.mark.stack
 async def test_http_responses_carry_openai_rate_limit_headers(procs: Procs, model: str) -> None:
     async with key_store(procs.url) as keys:
         key, _ = await keys.create("limited", rpm=3, tpm=100_000)
@@ -216,6 +219,7 @@ async def _admit(lim: Limiter, principal: str, rid: str, **limits: Any) -> Any:
         return exc
 
 
+@pytest.mark.bus
 async def test_a_busy_key_far_from_its_limit_rarely_touches_the_store(nc: NATS) -> None:
     bucket = "test_busy_key"  # its own bucket: revisions count this key's writes only
     lim = await Limiter(nc, bucket=bucket).open()
@@ -235,6 +239,7 @@ async def test_a_busy_key_far_from_its_limit_rarely_touches_the_store(nc: NATS) 
         await lim.close()
 
 
+@pytest.mark.bus
 async def test_leases_never_admit_more_than_the_limit_across_instances(nc: NATS) -> None:
     lims = [await Limiter(nc).open() for _ in range(3)]
     try:
@@ -251,6 +256,7 @@ async def test_leases_never_admit_more_than_the_limit_across_instances(nc: NATS)
             await lim.close()
 
 
+@pytest.mark.bus
 async def test_concurrency_slots_move_between_instances_and_expire_with_a_dead_one(
     nc: NATS,
 ) -> None:
@@ -279,6 +285,7 @@ async def test_concurrency_slots_move_between_instances_and_expire_with_a_dead_o
         await b.close()
 
 
+@pytest.mark.bus
 async def test_usage_reports_settle_only_attempts_the_limiter_admitted(nc: NATS) -> None:
     # Usage subjects are open to every worker: a report for a request (or an attempt) this
     # limiter never admitted, or one that claims another window or reservation, must not
@@ -336,6 +343,7 @@ async def test_usage_reports_settle_only_attempts_the_limiter_admitted(nc: NATS)
         await check.stop()
 
 
+@pytest.mark.bus
 async def test_a_migration_counts_once_on_proof_of_admission_only(nc: NATS) -> None:
     # The ratelimit stage's check on a real bus: a migrated request (Tb-Migration) brings
     # the ticket of its first admission and is not counted again; a forged, borrowed or
@@ -374,6 +382,7 @@ async def test_a_migration_counts_once_on_proof_of_admission_only(nc: NATS) -> N
         await lim.close()
 
 
+@pytest.mark.bus
 @pytest.mark.parametrize("near", [False, True], ids=["far-from-the-limit", "near-the-limit"])
 async def test_usage_reports_settle_in_the_lease_or_in_few_store_writes(
     nc: NATS, near: bool

@@ -20,7 +20,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, free_port, stop_process
+from tests.support.pids import stop_process
+from tests.support.ports import free_port
+from tests.support.repo import ROOT
+
+pytestmark = pytest.mark.stack
 
 README = (ROOT / "README.md").read_text()
 

@@ -18,18 +18,16 @@ import pytest
 from nats.aio.msg import Msg
 
 from engine_worker.backends.sim import expected_text
-from tests.conftest import (
-    ROOT,
-    NatsServer,
-    Procs,
-    free_port,
-    stop_process,
-    wait_for,
-    wait_http,
-    wait_port,
-)
+from tests.support.natsserver import NatsServer
+from tests.support.pids import stop_process
+from tests.support.ports import free_port, wait_port
+from tests.support.procs import Procs
+from tests.support.repo import ROOT
+from tests.support.waits import wait_for, wait_http
 from tokenbus.evaluation.busrelay import BACK_READY
 from tokenbus.launcher import port_open
+
+pytestmark = pytest.mark.stack
 
 MSG = [{"role": "user", "content": "hello there"}]
 PROMPT = "<|user|>hello there\n"

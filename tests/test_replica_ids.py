@@ -12,9 +12,14 @@ import uuid
 from collections import Counter
 from pathlib import Path
 
+import pytest
+
 from services.natsconf import role_login
-from tests.conftest import Procs, ProcStack, start_stack, wait_for
 from tests.lockedbus import LockedBus
+from tests.support.procs import Procs, ProcStack, start_stack
+from tests.support.waits import wait_for
+
+pytestmark = pytest.mark.fault
 
 MSG = [{"role": "user", "content": "whose id is it"}]
 

@@ -14,7 +14,7 @@ import json
 import re
 import signal
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,21 +47,13 @@ from jobs.response_store import ResponseStore, open_store
 from services.caller import Chunk, Usage
 from services.config import ResponsesSettings
 from services.natsconf import role_login
-from tests.conftest import (
-    NatsServer,
-    Procs,
-    ProcStack,
-    Upstream,
-    free_port,
-    key_store,
-    new_model,
-    spawn_nats,
-    start_stack,
-    start_worker,
-    wait_for,
-    wait_replicas,
-)
 from tests.lockedbus import LockedBus, serve_when_ready
+from tests.support.busdata import key_store, new_model
+from tests.support.natsserver import NatsServer, spawn_nats
+from tests.support.ports import free_port
+from tests.support.procs import Procs, ProcStack, start_stack, start_worker
+from tests.support.upstreams import Upstream
+from tests.support.waits import wait_for, wait_replicas
 from tokenbus import Client
 
 PIPELINE = {"TOKENBUS_INGRESS__PIPELINE": '["auth", "ratelimit", "filter", "route"]'}
@@ -91,15 +83,6 @@ class Env:
     url: str
     key: str
     other: str
-
-
-@pytest.fixture(scope="module")
-def upstream(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Upstream]:
-    up = Upstream(tmp_path_factory.mktemp("upstream"))
-    try:
-        yield up
-    finally:
-        up.stop()
 
 
 @pytest.fixture(scope="module")
@@ -149,6 +132,7 @@ def _sim(model: str, messages: list[dict[str, Any]], **extra: Any) -> Generation
 
 
 # -- create, whole and streamed --------------------------------------------------------------
+@pytest.mark.stack
 async def test_create_whole_with_the_sdk(env: Env, oai: openai.AsyncOpenAI) -> None:
     out = await oai.responses.create(
         model=env.model, input="hello there", instructions="be brief", max_output_tokens=12
@@ -165,6 +149,7 @@ async def test_create_whole_with_the_sdk(env: Env, oai: openai.AsyncOpenAI) -> N
     assert out.instructions == "be brief" and out.max_output_tokens == 12 and out.store
 
 
+@pytest.mark.stack
 async def test_create_streamed_with_the_sdk_stream_helper(
     env: Env, oai: openai.AsyncOpenAI
 ) -> None:
@@ -201,6 +186,7 @@ async def test_create_streamed_with_the_sdk_stream_helper(
     ]
 
 
+@pytest.mark.stack
 async def test_raw_stream_ends_incomplete_at_max_output_tokens(
     env: Env, oai: openai.AsyncOpenAI
 ) -> None:
@@ -216,6 +202,7 @@ async def test_raw_stream_ends_incomplete_at_max_output_tokens(
     assert last.response.output_text == expected_text("<|user|>hello there\n", 6)[0]
 
 
+@pytest.mark.stack
 async def test_logprobs_come_back_on_the_output_text(env: Env, oai: openai.AsyncOpenAI) -> None:
     out = await oai.responses.create(
         model=env.model,
@@ -235,6 +222,7 @@ class City(BaseModel):
     population: int
 
 
+@pytest.mark.stack
 async def test_parse_with_a_pydantic_text_format(env: Env, oai: openai.AsyncOpenAI) -> None:
     out = await oai.responses.parse(model=env.model, input="a city", text_format=City)
     assert isinstance(out.output_parsed, City)
@@ -252,6 +240,7 @@ async def test_parse_with_a_pydantic_text_format(env: Env, oai: openai.AsyncOpen
 
 
 # -- tools and state ------------------------------------------------------------------------
+@pytest.mark.stack
 async def test_function_tool_round_trip_with_previous_response_id(
     env: Env, oai: openai.AsyncOpenAI
 ) -> None:
@@ -279,6 +268,7 @@ async def test_function_tool_round_trip_with_previous_response_id(
     assert second.previous_response_id == first.id
 
 
+@pytest.mark.stack
 async def test_streamed_tool_call_events(env: Env, oai: openai.AsyncOpenAI) -> None:
     stream = await oai.responses.create(
         model=env.model,
@@ -302,6 +292,7 @@ async def test_streamed_tool_call_events(env: Env, oai: openai.AsyncOpenAI) -> N
     assert json.loads(args)["city"]
 
 
+@pytest.mark.stack
 async def test_image_input_reaches_the_engine(env: Env, oai: openai.AsyncOpenAI) -> None:
     url = "data:image/png;base64,iVBORw0KGgo="
     content = [
@@ -327,6 +318,7 @@ async def test_image_input_reaches_the_engine(env: Env, oai: openai.AsyncOpenAI)
     assert got["max_tokens"] == 4
 
 
+@pytest.mark.stack
 async def test_reasoning_from_the_engine_is_a_reasoning_item(
     env: Env, oai: openai.AsyncOpenAI
 ) -> None:
@@ -355,6 +347,7 @@ async def test_reasoning_from_the_engine_is_a_reasoning_item(
     } <= set(types)
 
 
+@pytest.mark.stack
 async def test_stored_response_get_delete_and_another_keys_404(
     env: Env, oai: openai.AsyncOpenAI
 ) -> None:
@@ -391,6 +384,7 @@ async def test_stored_response_get_delete_and_another_keys_404(
             await nobody.responses.retrieve(out.id)
 
 
+@pytest.mark.stack
 async def test_input_items_are_filtered_as_on_chat(env: Env, oai: openai.AsyncOpenAI) -> None:
     secret = "use the key AKIAIOSFODNN7EXAMPLE please"
     redacted = Scanner(FilterPolicy()).scan(secret).redacted_text
@@ -417,6 +411,7 @@ CALLS = [
 ]
 
 
+@pytest.mark.unit
 def test_a_function_call_output_without_call_id_answers_the_first_call_without_one() -> None:
     outputs = [{"type": "function_call_output", "output": o} for o in ("sunny", "rain")]
     chat = _chat({"model": "m", "input": [*CALLS, *outputs]})
@@ -434,6 +429,7 @@ def test_a_function_call_output_without_call_id_answers_the_first_call_without_o
     assert chat["messages"][-1] == {"role": "tool", "content": "sunny"}
 
 
+@pytest.mark.unit
 def test_an_empty_call_id_is_an_id_like_any_other() -> None:
     # OpenAI's document makes call_id a string, with no minimum length (the fuzzer of
     # tests/test_conformance_openapi.py sends ""): a function_call takes it, so its output does.
@@ -446,6 +442,7 @@ def test_an_empty_call_id_is_an_id_like_any_other() -> None:
         assert chat["messages"][0]["tool_calls"][0]["id"] == ""
 
 
+@pytest.mark.unit
 def test_no_input_continues_the_previous_conversation_as_it_stands() -> None:
     before = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
     assert _chat({"model": "m", "previous_response_id": "resp_x"}, before)["messages"] == before
@@ -453,6 +450,7 @@ def test_no_input_continues_the_previous_conversation_as_it_stands() -> None:
         _chat({"model": "m"})
 
 
+@pytest.mark.unit
 def test_allowed_tools_keep_the_request_s_tools_they_name() -> None:
     other = {**WEATHER, "name": "get_time"}
     allowed = [
@@ -474,6 +472,7 @@ def test_allowed_tools_keep_the_request_s_tools_they_name() -> None:
     assert chat["tool_choice"] == "none" and "tools" not in chat
 
 
+@pytest.mark.unit
 def test_prompt_null_top_p_0_and_integers_written_2_0_are_taken() -> None:
     body = {
         "model": "m",
@@ -489,6 +488,7 @@ def test_prompt_null_top_p_0_and_integers_written_2_0_are_taken() -> None:
     assert chat["max_completion_tokens"] == 16 and type(chat["max_completion_tokens"]) is int
 
 
+@pytest.mark.unit
 def test_usage_and_user_are_as_openai_s_document_has_them() -> None:
     u = usage_of(Usage(5, 2, 7, {"cached_tokens": 3}))
     assert u["input_tokens_details"] == {"cached_tokens": 3, "cache_write_tokens": 0}
@@ -501,6 +501,7 @@ def test_usage_and_user_are_as_openai_s_document_has_them() -> None:
     assert resp["usage"]["input_tokens_details"]["cache_write_tokens"] == 0
 
 
+@pytest.mark.stack
 async def test_requests_openai_documents_are_served(env: Env, oai: openai.AsyncOpenAI) -> None:
     first = await oai.responses.create(model=env.model, input="hi", max_output_tokens=4)
     auth = {"Authorization": f"Bearer {env.key}"}
@@ -621,6 +622,7 @@ async def _post(h: Any, body: dict[str, Any]) -> dict[str, Any]:
     return dict(last["response"])
 
 
+@pytest.mark.stack
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 async def test_a_codex_first_request_and_its_next_turn(env: Env, stream: bool) -> None:
     auth = {"Authorization": f"Bearer {env.key}"}
@@ -663,6 +665,7 @@ async def test_a_codex_first_request_and_its_next_turn(env: Env, stream: bool) -
     assert second["output"][-1]["content"][0]["text"] == expected_text(prompt, 8)[0]
 
 
+@pytest.mark.stack
 async def test_what_the_engine_gets_of_a_codex_request(env: Env) -> None:
     auth = {"Authorization": f"Bearer {env.key}"}
     body = codex_body(env.up_model, stream=False)
@@ -690,6 +693,7 @@ async def test_what_the_engine_gets_of_a_codex_request(env: Env) -> None:
     assert "client_metadata" not in got and "include" not in got
 
 
+@pytest.mark.unit
 def test_namespaced_names_are_a_table_not_a_parse() -> None:
     long_ns = "mcp__" + "x" * 70
     body = {
@@ -776,6 +780,7 @@ def _patch_call(model: str, **extra: Any) -> tuple[str, str]:
     return want[0], json.loads(want[2])["input"]
 
 
+@pytest.mark.stack
 async def test_a_custom_tool_call_whole(env: Env, oai: openai.AsyncOpenAI) -> None:
     out = await oai.responses.create(model=env.model, input="fix the bug", tools=[PATCH])  # type: ignore[list-item]
     assert out.status == "completed"
@@ -786,6 +791,7 @@ async def test_a_custom_tool_call_whole(env: Env, oai: openai.AsyncOpenAI) -> No
     assert call.id.startswith("ctc_") and out.tools[0].type == "custom"
 
 
+@pytest.mark.stack
 async def test_a_custom_tool_call_streamed(env: Env, oai: openai.AsyncOpenAI) -> None:
     stream = await oai.responses.create(
         model=env.model,
@@ -820,6 +826,7 @@ async def test_a_custom_tool_call_streamed(env: Env, oai: openai.AsyncOpenAI) ->
     assert "".join(e.delta for e in deltas) == done.input == final.input == want
 
 
+@pytest.mark.stack
 async def test_a_custom_tool_round_trip(env: Env, oai: openai.AsyncOpenAI) -> None:
     first = await oai.responses.create(model=env.model, input="fix the bug", tools=[PATCH])  # type: ignore[list-item]
     [call] = first.output
@@ -862,6 +869,7 @@ async def test_a_custom_tool_round_trip(env: Env, oai: openai.AsyncOpenAI) -> No
     assert third.output_text == second.output_text
 
 
+@pytest.mark.stack
 async def test_tool_choice_names_a_custom_tool(env: Env, oai: openai.AsyncOpenAI) -> None:
     tools = [WEATHER, PATCH]
     # Without a choice the sim calls the first tool, the function.
@@ -892,6 +900,7 @@ async def test_tool_choice_names_a_custom_tool(env: Env, oai: openai.AsyncOpenAI
         assert out.to_dict()["tool_choice"] == choice  # repeated as given
 
 
+@pytest.mark.stack
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 async def test_what_the_engine_gets_of_custom_tools_and_a_call_that_is_not_json(
     env: Env, stream: bool
@@ -960,6 +969,7 @@ async def test_what_the_engine_gets_of_custom_tools_and_a_call_that_is_not_json(
     ]
 
 
+@pytest.mark.unit
 def test_custom_tools_named_as_a_function_or_in_a_namespace_come_back_as_themselves() -> None:
     body: dict[str, Any] = {
         "model": "m",
@@ -1085,6 +1095,7 @@ BAD_CUSTOM: list[tuple[dict[str, Any], str]] = [
 ]
 
 
+@pytest.mark.stack
 async def test_a_bad_custom_tool_gets_a_400_naming_it(env: Env) -> None:
     auth = {"Authorization": f"Bearer {env.key}"}
     async with env.stack.http("/v1", headers=auth, timeout=30) as h:
@@ -1165,6 +1176,7 @@ BAD: list[tuple[dict[str, Any], str]] = [
 ]
 
 
+@pytest.mark.stack
 async def test_each_bad_field_gets_a_clear_400(env: Env) -> None:
     auth = {"Authorization": f"Bearer {env.key}"}
     async with env.stack.http("/v1", headers=auth, timeout=30) as h:
@@ -1190,6 +1202,7 @@ async def test_each_bad_field_gets_a_clear_400(env: Env) -> None:
 
 
 # -- the OpenAI Agents SDK -------------------------------------------------------------------
+@pytest.mark.stack
 async def test_an_agent_with_a_function_tool_runs_to_a_final_answer(env: Env) -> None:
     from agents import (
         Agent,
@@ -1233,6 +1246,7 @@ async def test_an_agent_with_a_function_tool_runs_to_a_final_answer(env: Env) ->
 
 
 # -- the NATS client --------------------------------------------------------------------------
+@pytest.mark.stack
 async def test_the_nats_client_serves_the_same_operation(env: Env, oai: openai.AsyncOpenAI) -> None:
     async with await Client.connect(env.url, api_key=env.key) as tb:
         out = await tb.response(env.model, "hello there", max_output_tokens=12)
@@ -1286,6 +1300,7 @@ def _victim(stack: ProcStack, replica: str | None) -> Any:
     return stack.workers[int(replica.rsplit("-", 1)[1])]
 
 
+@pytest.mark.fault
 async def test_a_stream_moved_to_another_replica_keeps_a_valid_event_sequence(
     procs: Procs,
 ) -> None:
@@ -1342,6 +1357,7 @@ async def test_a_stream_moved_to_another_replica_keeps_a_valid_event_sequence(
 
 
 # -- the store -------------------------------------------------------------------------------
+@pytest.mark.bus
 async def test_the_store_has_a_ttl_and_a_size_bound_and_owners(nc: Any) -> None:
     bucket = f"test_responses_{uuid.uuid4().hex[:8]}"
     cfg = ResponsesSettings(ttl_s=3600, max_bytes=2 << 20)
@@ -1369,6 +1385,7 @@ async def test_the_store_has_a_ttl_and_a_size_bound_and_owners(nc: Any) -> None:
         await nc.jetstream().delete_stream(f"KV_{bucket}")
 
 
+@pytest.mark.bus
 async def test_a_write_over_a_record_waits_through_a_stream_that_does_not_answer(
     nc: Any,
 ) -> None:
@@ -1407,6 +1424,7 @@ async def test_a_write_over_a_record_waits_through_a_stream_that_does_not_answer
         await js.delete_stream(f"KV_{bucket}")
 
 
+@pytest.mark.fault
 async def test_a_store_that_could_not_open_at_start_opens_when_jetstream_answers(
     tmp_path: Path,
 ) -> None:
@@ -1447,6 +1465,7 @@ async def test_a_store_that_could_not_open_at_start_opens_when_jetstream_answers
 
 
 # -- the locked bus ---------------------------------------------------------------------------
+@pytest.mark.stack
 async def test_stored_responses_over_nats_on_the_locked_bus(tmp_path: Path) -> None:
     # Ingress keeps them with its own role's permissions; a key's connection reaches them by
     # request-reply under its own inbox root only.
@@ -1501,6 +1520,7 @@ FIELDS = st.sampled_from(
 ITEM_KEYS = st.sampled_from(["type", "role", "content", "call_id", "name", "arguments", "output"])
 
 
+@pytest.mark.unit
 @settings(max_examples=300, deadline=None)
 @given(
     st.dictionaries(FIELDS, JSON, max_size=4),

@@ -16,19 +16,15 @@ from typing import Any
 
 import httpx
 import nats
+import pytest
 
-from tests.conftest import (
-    Proc,
-    Procs,
-    free_port,
-    key_store,
-    start_worker,
-    wait_for,
-    wait_http,
-    wait_replicas,
-    wait_started,
-)
+from tests.support.busdata import key_store
+from tests.support.ports import free_port
+from tests.support.procs import Proc, Procs, start_worker
+from tests.support.waits import wait_for, wait_http, wait_replicas, wait_started
 from tokenbus import Client
+
+pytestmark = pytest.mark.stack
 
 STAGES = ("ingress", "auth", "ratelimit", "filter", "router")
 ENV = {

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
+
 from router.policies import least_outstanding
 from router.registry import Registry
+
+pytestmark = pytest.mark.unit
 
 
 def hb(replica: str, **kw: object) -> dict[str, object]:

@@ -31,7 +31,11 @@ from router.policies import (
 from router.registry import Replica
 from router.routing import ModelRoute, RoutingTable, set_override, validate_override
 from services.config import ModelRouting, RouterSettings, load
-from tests.conftest import ROOT, NatsServer, Procs, run_cli, settings, stack, start_stack, wait_for
+from tests.support.inprocess import settings, stack
+from tests.support.natsserver import NatsServer
+from tests.support.procs import Procs, start_stack
+from tests.support.repo import ROOT, run_cli
+from tests.support.waits import wait_for
 from tokenbus import Client
 
 PROMPTS = ROOT / "tests" / "data" / "prompts.jsonl"
@@ -48,6 +52,7 @@ def reps(n: int, **kw: Any) -> list[Replica]:
 # --- load policies -------------------------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_round_robin_takes_each_replica_in_turn() -> None:
     rr, cands = RoundRobin(), reps(3)
     cands[0].reported_in_flight = 7  # load does not matter to it
@@ -55,6 +60,7 @@ def test_round_robin_takes_each_replica_in_turn() -> None:
     assert picks == ["r0", "r1", "r2", "r0", "r1", "r2"]
 
 
+@pytest.mark.unit
 def test_power_of_two_takes_the_less_loaded_of_two() -> None:
     p2, cands = PowerOfTwo(), reps(2)
     cands[0].reported_in_flight = 5
@@ -68,6 +74,7 @@ def test_power_of_two_takes_the_less_loaded_of_two() -> None:
     assert picks["r3"] > 60
 
 
+@pytest.mark.unit
 def test_session_affinity_is_sticky_spread_and_bounded() -> None:
     sa, cands = SessionAffinity(bound=1.25), reps(4)
     home = {f"s{i}": sa.choose(cands, RouteRequest("m", f"s{i}")).replica for i in range(60)}
@@ -93,6 +100,7 @@ def test_session_affinity_is_sticky_spread_and_bounded() -> None:
     assert sa.choose(cands, RouteRequest("m")).replica != "r1"
 
 
+@pytest.mark.unit
 def test_prefix_aware_prefers_the_replica_with_the_prefix_within_a_bound() -> None:
     pa, cands = PrefixAware(bound=1.5, block_chars=32), reps(3)
     by = {r.replica: r for r in cands}
@@ -118,12 +126,14 @@ def test_prefix_aware_prefers_the_replica_with_the_prefix_within_a_bound() -> No
     assert pa.blocks("short") == []
 
 
+@pytest.mark.unit
 def test_prompt_text_reads_chat_and_completion_envelopes() -> None:
     chat = {"messages": [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}]}
     assert prompt_text(chat) == "system:S\nuser:U\n"
     assert prompt_text({"prompt": "P"}) == "P"
 
 
+@pytest.mark.unit
 def test_concurrency_tiered_switches_pools_with_hysteresis() -> None:
     t = ConcurrencyTiered(threshold=10, hysteresis=3, high_pool="big", wide_pool="small")
     cands = reps(1, pool="big") + [
@@ -143,6 +153,7 @@ def test_concurrency_tiered_switches_pools_with_hysteresis() -> None:
     assert {r.pool for r in t.select(only_small, only_small, RouteRequest("m"))} == {"small"}
 
 
+@pytest.mark.unit
 def test_routing_config_merges_defaults_models_and_overrides() -> None:
     s = load(router={"policy": "round_robin", "models": {"big": {"load_bound": 2.0}}})
     assert s.router.routing_for("other").policy == "round_robin"
@@ -161,10 +172,12 @@ def test_routing_config_merges_defaults_models_and_overrides() -> None:
 # --- expert classifier ---------------------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_tokens_drop_stop_words_and_replace_numbers() -> None:
     assert tokens("What is the integral of x^2 from 0 to 12?") == ["integral"] + ["<num>"] * 3
 
 
+@pytest.mark.unit
 def test_expert_clusters_the_prompt_set_by_domain_and_saves_without_pickle(
     tmp_path: Path,
 ) -> None:
@@ -193,6 +206,7 @@ def test_expert_clusters_the_prompt_set_by_domain_and_saves_without_pickle(
     assert m.classify("hi") == -1  # no word it knows
 
 
+@pytest.mark.unit
 def test_expert_fit_rejects_bad_input_and_purity_is_computed(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="cannot make"):
         fit(["one prompt"], 3)
@@ -208,6 +222,7 @@ def test_expert_fit_rejects_bad_input_and_purity_is_computed(tmp_path: Path) -> 
     assert len(held) == 90 and not {e.prompt for e in held} & {e.prompt for e in fit_on}
 
 
+@pytest.mark.stack
 def test_router_train_cli_writes_the_model(tmp_path: Path) -> None:
     out = run_cli(
         "router", "train", "--data", str(PROMPTS), "--clusters", "6", "--out", str(tmp_path)
@@ -221,6 +236,7 @@ def test_router_train_cli_writes_the_model(tmp_path: Path) -> None:
     assert missing.returncode == 1 and "error" in missing.stdout
 
 
+@pytest.mark.unit
 def test_expert_route_maps_clusters_to_pools_and_models(tmp_path: Path) -> None:
     train(PROMPTS, 6, tmp_path)
     spec = ModelRouting(
@@ -272,6 +288,7 @@ async def _served_by(c: Client, model: str, n: int, **kw: Any) -> list[str]:
     return out
 
 
+@pytest.mark.stack
 async def test_policies_change_at_run_time_on_every_router(
     nats_server: NatsServer, model: str, nc: NATS, client: Client
 ) -> None:
@@ -301,6 +318,7 @@ async def test_policies_change_at_run_time_on_every_router(
         await wait_for(lambda: model not in svcs["router"].routing.overrides)
 
 
+@pytest.mark.bus
 async def test_concurrency_tiered_uses_the_high_tp_pool_until_traffic_is_heavy(
     nats_server: NatsServer, model: str, client: Client
 ) -> None:
@@ -324,6 +342,7 @@ async def test_concurrency_tiered_uses_the_high_tp_pool_until_traffic_is_heavy(
             await s.aclose()
 
 
+@pytest.mark.bus
 async def test_expert_policy_routes_prompts_to_their_pool(
     nats_server: NatsServer, model: str, tmp_path: Path, client: Client
 ) -> None:
@@ -351,6 +370,7 @@ async def test_expert_policy_routes_prompts_to_their_pool(
         assert any("-general-" in r for r in others)
 
 
+@pytest.mark.stack
 async def test_http_session_header_and_admin_routing_api(
     procs: Procs, model: str, keys: KeyStore
 ) -> None:
@@ -436,6 +456,7 @@ async def _until_every_replica_serves(
     raise AssertionError(f"only {served} served")
 
 
+@pytest.mark.stack
 async def test_session_keys_in_the_body_pin_a_conversation(procs: Procs, model: str) -> None:
     """Chat's ``prompt_cache_key`` and the Messages API's ``metadata.user_id`` (what Codex
     and Claude Code send) key session routing as ``X-Session-Id`` does; the header wins."""
@@ -469,6 +490,7 @@ async def test_session_keys_in_the_body_pin_a_conversation(procs: Procs, model: 
         assert {r.headers["x-tokenbus-replica"]} == seen[other]
 
 
+@pytest.mark.unit
 def test_routing_table_survives_a_bad_override() -> None:
     table = RoutingTable(RouterSettings())
     table.overrides["m"] = {"pool_policy": "expert"}  # no model_dir: cannot build

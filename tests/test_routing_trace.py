@@ -6,7 +6,11 @@ from __future__ import annotations
 import itertools
 from pathlib import Path
 
+import pytest
+
 from tokenbus.evaluation import trace as T
+
+pytestmark = pytest.mark.unit
 
 
 def test_a_trace_has_shared_prompts_multi_turn_sessions_and_a_long_tail(tmp_path: Path) -> None:

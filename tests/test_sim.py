@@ -10,7 +10,7 @@ import pytest
 from engine_worker.backends.base import GenerationRequest
 from engine_worker.backends.sim import SimEngine, expected_text
 from services.config import SimSettings
-from tests.conftest import wait_for
+from tests.support.waits import wait_for
 
 
 def req(prompt: str = "hello", max_tokens: int = 8, **kw: object) -> GenerationRequest:
@@ -233,6 +233,8 @@ from engine_worker.backends.sim_outputs import (  # noqa: E402
     json_tokens,
 )
 from services.config import WorkerSettings  # noqa: E402
+
+pytestmark = pytest.mark.unit
 
 WEATHER = {
     "type": "function",

@@ -22,17 +22,15 @@ from router.policies import prefer_site
 from router.registry import Replica
 from services import deploybundle, natsconf, sites
 from services.tlsfiles import TlsFiles
-from tests.conftest import (
-    Procs,
-    free_port,
-    live_replicas,
-    nats_server_binary,
-    run_cli,
-    spawn_nats,
-    start_stack,
-    wait_for,
-)
+from tests.support.natsserver import spawn_nats
+from tests.support.ports import free_port
+from tests.support.procs import Procs, start_stack
+from tests.support.repo import run_cli
+from tests.support.waits import live_replicas, wait_for
 from tokenbus import Client
+from tokenbus.launcher import nats_server_binary
+
+pytestmark = pytest.mark.stack
 
 MODEL = "sited"
 MSG = [{"role": "user", "content": "which site?"}]

@@ -31,20 +31,14 @@ from services import buckets, caller, members, natsclient, runtime
 from services.natsconf import role_login
 from services.runtime import connect
 from tests import netns
-from tests.conftest import (
-    NatsServer,
-    Procs,
-    child_matching,
-    free_port,
-    spawn_nats,
-    stack,
-    start_stack,
-    stop_process,
-    wait_for,
-    wait_replicas,
-)
 from tests.lockedbus import UNLIMITED, LockedCluster, create_key
 from tests.lockedbus import wait_replicas as wait_cluster_replicas
+from tests.support.inprocess import stack
+from tests.support.natsserver import NatsServer, spawn_nats
+from tests.support.pids import child_matching, stop_process
+from tests.support.ports import free_port
+from tests.support.procs import Procs, start_stack
+from tests.support.waits import wait_for, wait_replicas
 from tokenbus import Client
 from tokenbus.launcher import Child, Supervisor
 
@@ -68,6 +62,7 @@ def pause(pids: list[int], pid: int) -> None:
     os.kill(pid, signal.SIGSTOP)
 
 
+@pytest.mark.fault
 async def test_a_connection_leaves_a_paused_node_within_seconds(
     tmp_path: Path, paused: list[int]
 ) -> None:
@@ -204,6 +199,7 @@ FAULT_S = float(os.environ.get("TOKENBUS_TEST_FAULT_S", "0"))
 STAGES = os.environ.get("TOKENBUS_TEST_STAGES", "auth").split(",")
 
 
+@pytest.mark.fault
 async def test_a_paused_cluster_node_under_the_bridge_fails_next_to_nothing(
     tmp_path: Path, model: str, paused: list[int]
 ) -> None:
@@ -228,6 +224,7 @@ async def test_a_paused_cluster_node_under_the_bridge_fails_next_to_nothing(
         cluster.stop()
 
 
+@pytest.mark.fault
 async def test_a_partitioned_cluster_node_under_the_bridge_fails_next_to_nothing(
     hosts: netns.Hosts, tmp_path: Path, model: str
 ) -> None:
@@ -321,6 +318,7 @@ async def _node_fault_under_load(
         assert procs.all_alive()
 
 
+@pytest.mark.fault
 async def test_streams_ride_out_a_paused_nats_server(
     tmp_path: Path, model: str, paused: list[int]
 ) -> None:
@@ -416,6 +414,7 @@ def _logged(logs: Path, pattern: str, event: str) -> bool:
     return bool(files) and all(f'"event": "{event}"' in f.read_text() for f in files)
 
 
+@pytest.mark.fault
 async def test_the_stack_users_start_rides_out_a_paused_nats_server(
     tmp_path: Path, paused: list[int]
 ) -> None:
@@ -521,6 +520,7 @@ async def test_the_stack_users_start_rides_out_a_paused_nats_server(
         log.close()
 
 
+@pytest.mark.fault
 async def test_the_watchdog_restarts_a_paused_process(
     nats_server: NatsServer, tmp_path: Path, paused: list[int]
 ) -> None:
@@ -561,6 +561,7 @@ def hosts() -> Iterator[netns.Hosts]:
     h.stop()
 
 
+@pytest.mark.fault
 async def test_a_partitioned_worker_host_s_streams_move_to_another(
     hosts: netns.Hosts, tmp_path: Path, model: str
 ) -> None:
@@ -605,6 +606,7 @@ async def test_a_partitioned_worker_host_s_streams_move_to_another(
         stop_process(srv)
 
 
+@pytest.mark.bus
 async def test_a_request_a_router_queues_is_not_sent_again(
     nats_server: NatsServer, model: str, client: Client
 ) -> None:
@@ -626,6 +628,7 @@ async def test_a_request_a_router_queues_is_not_sent_again(
     assert queued.resends == 0
 
 
+@pytest.mark.bus
 async def test_senders_pass_over_a_member_that_stopped_beating(nats_server: NatsServer) -> None:
     """Two members of a stage's queue group beat; one stops (a paused process): a sender
     sends to the other by its own subject, and to the queue group again once the one that
@@ -668,6 +671,7 @@ async def test_senders_pass_over_a_member_that_stopped_beating(nats_server: Nats
         await nc.close()
 
 
+@pytest.mark.bus
 async def test_a_dispatch_sent_again_is_acknowledged_not_run_twice(
     nats_server: NatsServer, model: str, client: Client
 ) -> None:
@@ -711,6 +715,7 @@ def _replicas_agree(cluster: LockedCluster, stream: str) -> bool:
     return all(st and [st[k] for k in keys] == [states[0][k] for k in keys] for st in states)
 
 
+@pytest.mark.fault
 async def test_spend_and_keys_hold_exact_through_a_paused_stream_leader(
     tmp_path: Path, paused: list[int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -772,6 +777,7 @@ async def test_spend_and_keys_hold_exact_through_a_paused_stream_leader(
         cluster.stop()
 
 
+@pytest.mark.fault
 async def test_a_leader_cut_off_from_its_peers_takes_no_write_and_leaves_no_split_brain(
     hosts: netns.Hosts, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -835,6 +841,7 @@ async def test_a_leader_cut_off_from_its_peers_takes_no_write_and_leaves_no_spli
         cluster.stop()
 
 
+@pytest.mark.fault
 async def test_a_connection_with_unsent_data_leaves_a_cut_off_server_within_seconds(
     hosts: netns.Hosts, tmp_path: Path
 ) -> None:
@@ -890,6 +897,7 @@ async def test_a_connection_with_unsent_data_leaves_a_cut_off_server_within_seco
         stop_process(srv)
 
 
+@pytest.mark.unit
 async def test_a_task_whose_cancel_was_lost_is_cancelled_again() -> None:
     """runtime.cancel_and_wait: a loop whose cancel was lost (on Python 3.11 asyncio.wait_for,
     under nats-py's fetch, returns a result that came at the moment of the cancel) is
@@ -925,6 +933,7 @@ async def test_a_task_whose_cancel_was_lost_is_cancelled_again() -> None:
     assert stuck.cancelled()
 
 
+@pytest.mark.stack
 async def test_sigusr1_logs_where_each_task_waits_and_the_service_goes_on(
     procs: Procs, model: str, client: Client
 ) -> None:
@@ -952,6 +961,7 @@ async def test_sigusr1_logs_where_each_task_waits_and_the_service_goes_on(
     assert out.usage.completion_tokens == 2 and ingress.alive()
 
 
+@pytest.mark.stack
 def test_a_process_whose_event_loop_is_stuck_ends_itself(tmp_path: Path) -> None:
     """The loop watchdog (``loop_watchdog_s``, compose sets 30 s): a process whose event
     loop stops turning (a blocking call) exits with 70, so a restart policy brings it back;

@@ -21,17 +21,12 @@ from bus_schemas import errors as E
 from telemetry import records
 from telemetry.service import Telemetry
 from telemetry.store import RecordStore
-from tests.conftest import (
-    NatsServer,
-    Procs,
-    free_port,
-    run_cli,
-    settings,
-    stack,
-    start_stack,
-    taken_port,
-    wait_for,
-)
+from tests.support.inprocess import settings, stack
+from tests.support.natsserver import NatsServer
+from tests.support.ports import free_port, taken_port
+from tests.support.procs import Procs, start_stack
+from tests.support.repo import run_cli
+from tests.support.waits import wait_for
 from tokenbus import Client
 from tokenbus.evaluation.report import report
 
@@ -40,6 +35,7 @@ TRACE = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 PATH = ("t0", "ingress", "route", "engine_start", "first_token", "engine_end")
 
 
+@pytest.mark.unit
 def test_record_breaks_the_latency_down() -> None:
     ms = 1_000_000
     t = {"t0": 0, "ingress": 1 * ms, "auth": 3 * ms, "route": 4 * ms, "engine_start": 5 * ms,
@@ -55,6 +51,7 @@ def test_record_breaks_the_latency_down() -> None:
     assert r["relay_ms"] == 2.0
 
 
+@pytest.mark.unit
 def test_store_merges_by_request_and_keeps_at_most_max_rows(tmp_path: Path) -> None:
     store = RecordStore(tmp_path / "t.db", max_rows=100)
     store.write([{"request_id": "a", "source": "worker", "model": "m", "ts_ns": 1, "engine_ms": 5}])
@@ -80,6 +77,7 @@ async def telemetry(url: str, tmp_path: Path, **tel: Any) -> Any:
         yield svc
 
 
+@pytest.mark.bus
 async def test_records_for_success_error_and_cancel_over_nats(
     nats_server: NatsServer, model: str, tmp_path: Path, client: Client
 ) -> None:
@@ -131,6 +129,7 @@ async def test_records_for_success_error_and_cancel_over_nats(
     assert rows[s.client_request_id]["request_id"] == s.request_id != s.client_request_id
 
 
+@pytest.mark.bus
 async def test_telemetry_buffer_is_bounded_and_the_rest_waits_in_the_stream(
     nats_server: NatsServer, model: str, tmp_path: Path, client: Client
 ) -> None:
@@ -161,6 +160,7 @@ async def test_telemetry_buffer_is_bounded_and_the_rest_waits_in_the_stream(
         assert tel.metrics.dropped._value.get() == 0
 
 
+@pytest.mark.bus
 async def test_records_travel_together_and_every_one_is_read(
     nats_server: NatsServer, nc: NATS, tmp_path: Path
 ) -> None:
@@ -209,6 +209,7 @@ async def test_records_travel_together_and_every_one_is_read(
     await seen.unsubscribe()
 
 
+@pytest.mark.stack
 async def test_http_records_metrics_and_report(procs: Procs, model: str, tmp_path: Path) -> None:
     db = tmp_path / "telemetry.db"
     mport = free_port()
@@ -316,12 +317,14 @@ async def test_http_records_metrics_and_report(procs: Procs, model: str, tmp_pat
     assert missing.returncode == 1 and "no telemetry store" in missing.stdout
 
 
+@pytest.mark.unit
 def test_report_on_an_empty_store(tmp_path: Path) -> None:
     RecordStore(tmp_path / "e.db").close()
     summary = report(tmp_path / "e.db", tmp_path / "out")
     assert summary["requests"] == 0 and (tmp_path / "out" / "summary.md").exists()
 
 
+@pytest.mark.bus
 async def test_a_migrated_request_is_recorded_with_its_migration(
     nats_server: NatsServer, model: str, tmp_path: Path, client: Client
 ) -> None:
@@ -354,6 +357,7 @@ async def test_a_migrated_request_is_recorded_with_its_migration(
     assert row["outcome"] == "length" and row["replica"] != dead.replica
 
 
+@pytest.mark.unit
 def test_traceparent_is_validated_and_its_trace_id_read() -> None:
     from bus_schemas import headers as H
     from bus_schemas import marks
@@ -365,6 +369,7 @@ def test_traceparent_is_validated_and_its_trace_id_read() -> None:
     assert marks.trace_id({H.TRACEPARENT: "a-b-c-d"}) is None and marks.trace_id(None) is None
 
 
+@pytest.mark.stack
 async def test_a_taken_metrics_port_turns_the_endpoint_off_not_the_service(
     procs: Procs, model: str, tmp_path: Path
 ) -> None:

@@ -34,8 +34,9 @@ from bus_schemas import headers as H
 from bus_schemas.errors import TokenbusError
 from services import bodies
 from services.natsconf import role_login
-from tests.conftest import Procs, start_stack, wait_for
 from tests.lockedbus import LockedBus, serve_when_ready
+from tests.support.procs import Procs, start_stack
+from tests.support.waits import wait_for
 from tokenbus import Client
 
 MODEL = "attack-model"
@@ -108,6 +109,7 @@ async def stack(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Stack
         bus.stop()
 
 
+@pytest.mark.stack
 async def test_one_request_id_on_twenty_requests_is_twenty_requests(stack: Stack) -> None:
     """A key allowed 2 requests at once sends 20 long streams at once, all with one
     X-Request-Id: 2 are served, 18 refused with 429, and the key is served again once they
@@ -145,6 +147,7 @@ async def test_one_request_id_on_twenty_requests_is_twenty_requests(stack: Stack
         await wait_for(served_again, what="the key served once its streams were cancelled")
 
 
+@pytest.mark.stack
 async def test_one_request_id_cannot_share_a_budget_hold(stack: Stack) -> None:
     """$0.010 of budget, $0.002 a request, twenty sent at once with one X-Request-Id: five
     answered, fifteen refused for the budget, and the key's spend is exactly what the five
@@ -170,6 +173,7 @@ async def test_one_request_id_cannot_share_a_budget_hold(stack: Stack) -> None:
     await wait_for(settled, what=f"the key's spend settled at {cost} micro-dollars")
 
 
+@pytest.mark.stack
 async def test_a_reply_subject_cannot_write_another_tenants_state(stack: Stack) -> None:
     """A key's own NATS connection sends malformed requests whose reply subjects name
     another key's record, the admission tickets' secret and another key's inbox: none of
@@ -241,6 +245,7 @@ async def _lowered_resume(tb: Client, key: str, body: dict[str, Any], first: Any
     )
 
 
+@pytest.mark.stack
 async def test_a_caller_cannot_lower_what_an_attempt_was_charged(stack: Stack) -> None:
     """A NATS client takes its first answer (8 tokens), then sends a second attempt with
     that attempt's real admission ticket and ``resume.tokens: 0``: the first attempt is
@@ -269,6 +274,7 @@ async def test_a_caller_cannot_lower_what_an_attempt_was_charged(stack: Stack) -
         raise AssertionError(f"spent, held: {last}, expected ({cost}, 0)") from None
 
 
+@pytest.mark.stack
 async def test_a_ticket_supersedes_once(stack: Stack) -> None:
     """The same ticket sent with two more attempts: the second is a new request, counted
     and charged as one (the ticket is claimed once)."""
@@ -290,6 +296,7 @@ async def test_a_ticket_supersedes_once(stack: Stack) -> None:
     await wait_for(all_paid, what=f"every answer paid: {cost}", timeout=30)
 
 
+@pytest.mark.unit
 def test_the_module_runs_against_a_locked_bus(tmp_path: Path) -> None:
     """The attacks above are made by a key's own connection: the generated config gives a
     key's connection no other way in than the callout (no shared client password)."""
@@ -300,6 +307,7 @@ def test_the_module_runs_against_a_locked_bus(tmp_path: Path) -> None:
     assert "callout" in conf.read_text()
 
 
+@pytest.mark.stack
 async def test_a_service_login_cannot_rewrite_the_keys_or_the_secret(stack: Stack) -> None:
     """Defence behind the reply check: each service role that holds the JetStream API but
     does not write the key records or the admission secret is refused by nats-server when
@@ -341,11 +349,12 @@ async def test_a_service_login_cannot_rewrite_the_keys_or_the_secret(stack: Stac
     assert after == before
 
 
+@pytest.mark.unit
 def test_the_guarded_buckets_match_the_table_in_the_docs() -> None:
     """docs/safety.md's table of who may write the key records and the ticket secret is the
     generated config's (services.natsconf.GUARDED_BUCKETS)."""
     from services.natsconf import GUARDED_BUCKETS, ROLES
-    from tests.conftest import ROOT
+    from tests.support.repo import ROOT
 
     text = (ROOT / "docs" / "safety.md").read_text()
     table = text.split("### Who may write the key records and the ticket secret", 1)[1]
@@ -388,6 +397,7 @@ async def _session(stack: Stack, key: str) -> tuple[Any, asyncio.Event]:
     return nc, closed
 
 
+@pytest.mark.stack
 async def test_a_rotated_secret_s_sessions_end_with_its_overlap(stack: Stack) -> None:
     """A key rotated with a 3 s overlap: a session made with the old secret works through the
     overlap and is closed once it ends; a session made with the new secret stays open."""
@@ -408,6 +418,7 @@ async def test_a_rotated_secret_s_sessions_end_with_its_overlap(stack: Stack) ->
         await new.close()
 
 
+@pytest.mark.fault
 async def test_revoking_closes_sessions_made_before_an_auth_restart(stack: Stack) -> None:
     """A session logged in, then every auth instance restarted (kill -9): revoking the key
     still closes that session within seconds (the restarted instance never saw it log in)."""
@@ -429,16 +440,18 @@ async def test_revoking_closes_sessions_made_before_an_auth_restart(stack: Stack
         await nc.close()
 
 
+@pytest.mark.unit
 def test_every_role_s_permissions_are_the_table_in_the_docs() -> None:
     """docs/safety.md's table of every role's permissions is the generated config's."""
     from services.natsconf import permissions_table
-    from tests.conftest import ROOT
+    from tests.support.repo import ROOT
 
     text = (ROOT / "docs" / "safety.md").read_text()
     shown = text.split("<!-- permissions:begin -->\n", 1)[1].split("<!-- permissions:end -->")[0]
     assert shown == permissions_table(), "docs/safety.md's permissions table is stale"
 
 
+@pytest.mark.stack
 async def test_a_key_writes_only_its_own_large_bodies_and_reads_none(stack: Stack) -> None:
     """Large requests (claim check, docs/large-requests.md) from a key's own connection: its
     body is served through every stage; another key can neither write under it, read it, nor

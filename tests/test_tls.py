@@ -21,8 +21,13 @@ from cryptography import x509
 from auth.store import KeyStore
 from services import tlsfiles
 from services.natsconf import generate, role_env, role_login
-from tests.conftest import Procs, free_port, run_cli, spawn_nats, start_stack, wait_port
+from tests.support.natsserver import spawn_nats
+from tests.support.ports import free_port, wait_port
+from tests.support.procs import Procs, start_stack
+from tests.support.repo import run_cli
 from tokenbus import Client
+
+pytestmark = pytest.mark.stack
 
 MSG = [{"role": "user", "content": "over tls"}]
 

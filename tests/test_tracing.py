@@ -28,7 +28,10 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2 as otlp
 from opentelemetry.proto.common.v1 import common_pb2
 
 from bus_schemas import errors as E
-from tests.conftest import ROOT, NatsServer, Procs, ProcStack, key_store, new_model, start_stack
+from tests.support.busdata import key_store, new_model
+from tests.support.natsserver import NatsServer
+from tests.support.procs import Procs, ProcStack, start_stack
+from tests.support.repo import ROOT
 from tokenbus import Client
 
 MSG = [{"role": "user", "content": "tell me a long story"}]
@@ -240,6 +243,7 @@ def _no_key_in(spans: list[Span], *keys: str) -> None:
 
 
 # -- a streamed request ---------------------------------------------------------------------
+@pytest.mark.stack
 async def test_a_streamed_http_request_is_one_trace_with_a_span_per_hop(traced: Traced) -> None:
     trace, caller, tp = new_traceparent()
     model = traced.stack.model
@@ -287,6 +291,7 @@ async def test_a_streamed_http_request_is_one_trace_with_a_span_per_hop(traced: 
     _no_key_in(spans, traced.key)
 
 
+@pytest.mark.stack
 async def test_a_responses_request_is_traced_like_a_chat_one(traced: Traced) -> None:
     trace, caller, tp = new_traceparent()
     async with traced.stack.openai(traced.key) as api:
@@ -313,6 +318,7 @@ async def test_a_responses_request_is_traced_like_a_chat_one(traced: Traced) -> 
     assert a["gen_ai.usage.output_tokens"] == 5 and bridge.events_named("first_token")
 
 
+@pytest.mark.stack
 async def test_the_nats_client_continues_its_callers_traceparent_through_every_stage(
     traced: Traced,
 ) -> None:
@@ -340,6 +346,7 @@ async def test_the_nats_client_continues_its_callers_traceparent_through_every_s
 
 
 # -- refusals -------------------------------------------------------------------------------
+@pytest.mark.stack
 async def test_a_request_refused_by_auth_ends_its_trace_with_the_verdict(traced: Traced) -> None:
     bad = "tb-000000000000_" + "A" * 43
     trace, caller, tp = new_traceparent()
@@ -372,6 +379,7 @@ async def test_a_request_refused_by_auth_ends_its_trace_with_the_verdict(traced:
     _no_key_in(spans, bad)
 
 
+@pytest.mark.stack
 async def test_a_request_refused_by_the_filter_ends_its_trace_with_the_verdict(
     traced: Traced,
 ) -> None:
@@ -418,6 +426,7 @@ def _log_lines(text: str) -> list[dict[str, Any]]:
     return out
 
 
+@pytest.mark.stack
 async def test_log_lines_carry_the_trace_and_span_ids(traced: Traced) -> None:
     trace, _, tp = new_traceparent()
     async with traced.stack.openai(traced.key) as api:
@@ -446,6 +455,7 @@ async def test_log_lines_carry_the_trace_and_span_ids(traced: Traced) -> None:
 
 
 # -- migration (last: it drains a worker of the module's stack) ------------------------------
+@pytest.mark.stack
 async def test_a_migrated_request_shows_both_replicas_in_one_trace(traced: Traced) -> None:
     import httpx
 
@@ -514,6 +524,7 @@ print("off ok")
 """
 
 
+@pytest.mark.stack
 def test_tracing_off_imports_nothing_of_opentelemetry_and_every_helper_is_a_no_op() -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
     r = subprocess.run(
@@ -534,6 +545,7 @@ def test_tracing_off_imports_nothing_of_opentelemetry_and_every_helper_is_a_no_o
 
 
 # -- the OTLP encoding and export, decoded by opentelemetry-proto --------------------------
+@pytest.mark.unit
 def test_every_field_of_a_span_decodes_as_otlp() -> None:
     from opentelemetry.proto.trace.v1 import trace_pb2
 
@@ -589,6 +601,7 @@ def test_every_field_of_a_span_decodes_as_otlp() -> None:
     assert root.parent_span_id == b"" and root.flags == 0x100 and not root.HasField("status")
 
 
+@pytest.mark.unit
 def test_the_exporter_posts_batches_with_the_configured_headers_and_gzip(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -622,6 +635,7 @@ def test_the_exporter_posts_batches_with_the_configured_headers_and_gzip(
     assert [s.name for s in rx.spans][-1] == "last" and not warnings
 
 
+@pytest.mark.unit
 def test_an_exporter_that_cannot_reach_its_collector_warns_once_and_drops_beyond_its_queue(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -644,6 +658,7 @@ def test_an_exporter_that_cannot_reach_its_collector_warns_once_and_drops_beyond
     assert events.count("tracing_export_failed") == 1 and "tracing_queue_full" in events
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     ("sampler", "arg", "parent_flags", "expected"),
     [
@@ -669,6 +684,7 @@ def test_the_sampler_follows_the_otel_variables(
     assert [decide(parent, t) for t in ids] == expected
 
 
+@pytest.mark.unit
 def test_resource_attributes_come_from_the_otel_variables(monkeypatch: pytest.MonkeyPatch) -> None:
     from services import tracing
 

@@ -29,16 +29,12 @@ from engine_worker.backends.upstream_caps import (
 from services.config import OpenAIUpstreamSettings, WorkerSettings
 from telemetry import records
 from telemetry.store import RecordStore
-from tests.conftest import (
-    Procs,
-    ProcStack,
-    Upstream,
-    free_port,
-    live_replicas,
-    run_cli,
-    start_stack,
-)
 from tests.fakes.upstream import FakeUpstream, template_tokens
+from tests.support.ports import free_port
+from tests.support.procs import Procs, ProcStack, start_stack
+from tests.support.repo import run_cli
+from tests.support.upstreams import Upstream
+from tests.support.waits import live_replicas
 from tokenbus import Client
 
 HB = {"TOKENBUS_WORKER__HEARTBEAT_INTERVAL_S": "0.25"}
@@ -94,6 +90,7 @@ async def last(b: OpenAIUpstreamBackend, req: GenerationRequest) -> Delta:
     return deltas[-1]
 
 
+@pytest.mark.stack
 @pytest.mark.parametrize(
     ("fake", "expected"),
     [
@@ -126,6 +123,7 @@ async def test_the_probe_finds_what_each_upstream_does(
         await b.stop()
 
 
+@pytest.mark.stack
 @pytest.mark.parametrize("fake", ["llamacpp"], indirect=True)
 async def test_usage_without_usage_on_streams_is_the_upstreams_own_count(
     fake: FakeUpstream,
@@ -166,6 +164,7 @@ async def test_usage_without_usage_on_streams_is_the_upstreams_own_count(
         await b.stop()
 
 
+@pytest.mark.stack
 @pytest.mark.parametrize("fake", ["bare"], indirect=True)
 async def test_with_no_tokenizer_to_ask_usage_is_marked_estimated(fake: FakeUpstream) -> None:
     b = await started(fake.url)
@@ -182,6 +181,7 @@ async def test_with_no_tokenizer_to_ask_usage_is_marked_estimated(fake: FakeUpst
         await b.stop()
 
 
+@pytest.mark.stack
 @pytest.mark.parametrize("fake", ["vllm"], indirect=True)
 async def test_usage_the_upstream_sends_is_used_as_it_is(fake: FakeUpstream) -> None:
     b = await started(fake.url)
@@ -205,6 +205,7 @@ async def test_usage_the_upstream_sends_is_used_as_it_is(fake: FakeUpstream) -> 
         await b.stop()
 
 
+@pytest.mark.stack
 @pytest.mark.parametrize("fake", ["llamacpp"], indirect=True)
 async def test_a_chat_resume_is_refused_where_the_upstream_would_start_over(
     fake: FakeUpstream,
@@ -227,6 +228,7 @@ async def test_a_chat_resume_is_refused_where_the_upstream_would_start_over(
         await b.stop()
 
 
+@pytest.mark.stack
 @pytest.mark.parametrize("fake", ["llamacpp"], indirect=True)
 async def test_an_answer_cut_short_without_a_finish_reason_is_an_error(
     fake: FakeUpstream,
@@ -241,6 +243,7 @@ async def test_an_answer_cut_short_without_a_finish_reason_is_an_error(
         await b.stop()
 
 
+@pytest.mark.stack
 async def test_an_upstream_unreachable_at_start_is_probed_once_it_answers() -> None:
     port = free_port()
     b = await started(f"http://127.0.0.1:{port}/v1")
@@ -337,6 +340,7 @@ async def _stream_then_kill(
     return text, s, None
 
 
+@pytest.mark.fault
 @pytest.mark.parametrize("flavor", ["llamacpp", "bare"])
 async def test_kill_9_mid_stream_never_splices_an_answer(
     procs: Procs, model: str, client: Client, tmp_path: Path, flavor: str
@@ -381,6 +385,7 @@ async def test_kill_9_mid_stream_never_splices_an_answer(
         up.stop()
 
 
+@pytest.mark.fault
 async def test_kill_9_mid_stream_resumes_where_the_upstream_continues(
     procs: Procs, model: str, client: Client, tmp_path: Path
 ) -> None:
@@ -396,6 +401,7 @@ async def test_kill_9_mid_stream_resumes_where_the_upstream_continues(
         up.stop()
 
 
+@pytest.mark.stack
 async def test_usage_over_http_is_the_upstreams_count(
     procs: Procs, model: str, tmp_path: Path
 ) -> None:
@@ -421,6 +427,7 @@ async def test_usage_over_http_is_the_upstreams_count(
         up.stop()
 
 
+@pytest.mark.unit
 def test_the_usage_source_is_stored_with_the_request(tmp_path: Path) -> None:
     # The worker's record says how prompt_tokens were had; the bridge's record of the same
     # request (which does not know) leaves it as it is.
@@ -450,6 +457,7 @@ def test_the_usage_source_is_stored_with_the_request(tmp_path: Path) -> None:
         store.close()
 
 
+@pytest.mark.fault
 async def test_a_cut_stream_over_http_ends_with_one_error_and_its_record_says_so(
     procs: Procs, model: str, client: Client, tmp_path: Path
 ) -> None:
@@ -498,6 +506,7 @@ async def test_a_cut_stream_over_http_ends_with_one_error_and_its_record_says_so
         up.stop()
 
 
+@pytest.mark.fault
 async def test_a_cut_chat_stream_moves_to_a_replica_that_continues_it(
     procs: Procs, model: str, client: Client, tmp_path: Path
 ) -> None:

@@ -30,16 +30,12 @@ from services.natsconf import role_login
 from telemetry import records
 from telemetry.service import Telemetry
 from telemetry.store import PgRecordStore
-from tests.conftest import (
-    NatsServer,
-    Procs,
-    free_port,
-    settings,
-    spawn_nats,
-    start_stack,
-    wait_for,
-)
 from tests.lockedbus import LockedBus
+from tests.support.inprocess import settings
+from tests.support.natsserver import NatsServer, spawn_nats
+from tests.support.ports import free_port
+from tests.support.procs import Procs, start_stack
+from tests.support.waits import wait_for
 from tokenbus.evaluation.report import report
 
 
@@ -131,6 +127,7 @@ async def wait_settled(nc: NATS, timeout: float = 20) -> None:
         await asyncio.sleep(0.05)
 
 
+@pytest.mark.bus
 async def test_records_published_during_an_outage_are_all_stored_once_it_starts(
     private_nats: NatsServer, tmp_path: Path
 ) -> None:
@@ -152,6 +149,7 @@ async def test_records_published_during_an_outage_are_all_stored_once_it_starts(
         assert stored(db) == 800
 
 
+@pytest.mark.fault
 async def test_a_service_started_while_the_stream_answers_nothing_binds_it_later(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -185,6 +183,7 @@ async def test_a_service_started_while_the_stream_answers_nothing_binds_it_later
             srv.stop()
 
 
+@pytest.mark.fault
 async def test_a_killed_telemetry_service_loses_no_record_and_stores_none_twice(
     private_nats: NatsServer, tmp_path: Path
 ) -> None:
@@ -243,6 +242,7 @@ async def test_a_killed_telemetry_service_loses_no_record_and_stores_none_twice(
     assert merged == total // 2  # the bridge's record won its request's row
 
 
+@pytest.mark.bus
 async def test_two_telemetry_services_share_the_consumer_and_count_each_record_once(
     private_nats: NatsServer, tmp_path: Path
 ) -> None:
@@ -260,6 +260,7 @@ async def test_two_telemetry_services_share_the_consumer_and_count_each_record_o
         assert counted(one) + counted(two) == 2000
 
 
+@pytest.mark.bus
 async def test_a_redelivered_record_is_not_counted_twice(
     private_nats: NatsServer, tmp_path: Path
 ) -> None:
@@ -284,6 +285,7 @@ async def test_a_redelivered_record_is_not_counted_twice(
         assert info.delivered.consumer_seq > info.delivered.stream_seq
 
 
+@pytest.mark.bus
 async def test_a_malformed_record_is_acked_and_counted_as_dropped(
     private_nats: NatsServer, tmp_path: Path
 ) -> None:
@@ -315,6 +317,7 @@ async def test_a_malformed_record_is_acked_and_counted_as_dropped(
         assert not tel.stopped.is_set()
 
 
+@pytest.mark.stack
 async def test_a_record_the_stream_never_acknowledges_is_counted_not_raised(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -337,6 +340,7 @@ async def test_a_record_the_stream_never_acknowledges_is_counted_not_raised(
         proc.wait(10)
 
 
+@pytest.mark.bus
 async def test_a_record_and_a_spend_report_wait_out_a_stream_without_a_leader(
     private_nats: NatsServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -388,6 +392,7 @@ asyncio.run(main())
 """
 
 
+@pytest.mark.unit
 def test_a_spool_under_steady_load_stays_small_and_keeps_what_it_owes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -413,6 +418,7 @@ def test_a_spool_under_steady_load_stays_small_and_keeps_what_it_owes(
     nxt.close()
 
 
+@pytest.mark.fault
 async def test_what_a_killed_process_had_not_had_acknowledged_is_sent_by_the_next(
     private_nats: NatsServer, tmp_path: Path
 ) -> None:
@@ -458,6 +464,7 @@ async def test_what_a_killed_process_had_not_had_acknowledged_is_sent_by_the_nex
     assert list(spool_dir.glob("*.spool")) == []
 
 
+@pytest.mark.stack
 async def test_on_the_locked_bus_workers_publish_and_telemetry_consumes_durably(
     tmp_path: Path,
 ) -> None:
@@ -548,6 +555,7 @@ def postgres() -> Iterator[str]:
         shutil.rmtree(folder, ignore_errors=True)
 
 
+@pytest.mark.stack
 def test_the_postgres_store_merges_stores_once_and_the_report_reads_it(
     postgres: str, tmp_path: Path
 ) -> None:
@@ -573,6 +581,7 @@ def test_the_postgres_store_merges_stores_once_and_the_report_reads_it(
     assert summary["requests"] == 100
 
 
+@pytest.mark.stack
 async def test_telemetry_services_store_into_postgres_each_record_once(
     private_nats: NatsServer, postgres: str, tmp_path: Path
 ) -> None:
@@ -598,6 +607,7 @@ async def test_telemetry_services_store_into_postgres_each_record_once(
         assert one.metrics.dropped._value.get() + two.metrics.dropped._value.get() == 1
 
 
+@pytest.mark.fault
 async def test_a_worker_killed_as_it_answers_has_sent_the_record_already(
     procs: Procs, model: str
 ) -> None:

@@ -9,9 +9,10 @@ import re
 import subprocess
 import tomllib
 
+import pytest
 import yaml
 
-from tests.conftest import ROOT
+from tests.support.repo import ROOT
 from tests.test_compose_stack import NATS_IMAGE
 
 FIXED = (2, 12, 3)  # the cluster-membership fixes after the report; 2.10.23 the stream loss
@@ -29,10 +30,12 @@ def _images(text: str) -> list[str]:
     return re.findall(r"\bnats:(\d+\.\d+\.\d+)-alpine\b", text)
 
 
+@pytest.mark.unit
 def test_the_pinned_release_is_past_the_fixes() -> None:
     assert tuple(int(p) for p in _pinned().split(".")) >= FIXED
 
 
+@pytest.mark.unit
 def test_compose_kubernetes_and_the_wheel_name_one_nats_server() -> None:
     v = _pinned()
     compose = ROOT / "compose"
@@ -50,6 +53,7 @@ def test_compose_kubernetes_and_the_wheel_name_one_nats_server() -> None:
             assert not others, f"{path.relative_to(ROOT)} names nats {others}"
 
 
+@pytest.mark.stack
 def test_the_binary_here_is_the_pinned_one() -> None:
     from tokenbus.launcher import nats_server_binary
 
@@ -59,6 +63,7 @@ def test_the_binary_here_is_the_pinned_one() -> None:
     assert out.stdout.strip() == f"nats-server: v{_pinned()}", out.stdout + out.stderr
 
 
+@pytest.mark.unit
 def test_the_images_install_the_versions_the_tests_ran_with() -> None:
     """constraints.txt pins every package tokenbus' install brings to the version installed
     here (where the tests run), and both Dockerfiles install with it: an image built later

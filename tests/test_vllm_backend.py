@@ -151,6 +151,7 @@ TOOLS = [
 
 
 # -- generation through vLLM's serving layer ------------------------------------------------
+@pytest.mark.unit
 async def test_chat_streams_deltas_with_usage() -> None:
     b, fake = await started()
     deltas = await collect(b.generate(chat()))
@@ -173,6 +174,7 @@ async def test_chat_streams_deltas_with_usage() -> None:
     assert b.stats() == {"running": 0, "waiting": 0, "kv_usage": 0.0}
 
 
+@pytest.mark.unit
 async def test_completion_streams_deltas() -> None:
     b, fake = await started()
     deltas = await collect(b.generate(completion(max_tokens=9)))
@@ -186,6 +188,7 @@ async def test_completion_streams_deltas() -> None:
     assert (req["params"].temperature, req["params"].max_tokens) == (0.0, 9)
 
 
+@pytest.mark.unit
 async def test_stop_sequence_ends_the_request() -> None:
     ids = fv.FakeTokenizer().encode("tell me a story")
     full = expected(ids, 7, 12)
@@ -200,6 +203,7 @@ async def test_stop_sequence_ends_the_request() -> None:
     assert all(d.stop_sequence is None for d in deltas[:-1])
 
 
+@pytest.mark.unit
 async def test_only_a_stop_string_that_hit_is_named() -> None:
     """Chat too; an answer that ends on its own (EOS: vLLM's stop_reason None) or at
     max_tokens names no stop string."""
@@ -216,6 +220,7 @@ async def test_only_a_stop_string_that_hit_is_named() -> None:
     assert (deltas[-1].finish_reason, deltas[-1].stop_sequence) == ("stop", None)
 
 
+@pytest.mark.unit
 async def test_client_messages_reach_vllm_as_sent() -> None:
     """Multimodal parts, assistant tool calls and tool results go to vLLM's renderer as the
     client sent them (the old backend flattened text and refused images)."""
@@ -250,6 +255,7 @@ async def test_client_messages_reach_vllm_as_sent() -> None:
     assert "<image_url><input_audio>" in serving.rendered[-1]["text"]
 
 
+@pytest.mark.unit
 async def test_carried_fields_reach_the_engine() -> None:
     extra = {
         "presence_penalty": 0.5,
@@ -275,6 +281,7 @@ async def test_carried_fields_reach_the_engine() -> None:
     )
 
 
+@pytest.mark.unit
 async def test_unset_sampling_values_take_the_model_generation_config() -> None:
     """temperature/top_p left unset by the client use the model's generation_config defaults,
     as `vllm serve` does (the old backend forced 1.0)."""
@@ -292,6 +299,7 @@ async def test_unset_sampling_values_take_the_model_generation_config() -> None:
     )
 
 
+@pytest.mark.unit
 async def test_tool_calls_come_back_as_deltas() -> None:
     script = [
         "<tool_call>",
@@ -315,12 +323,14 @@ async def test_tool_calls_come_back_as_deltas() -> None:
     assert sent["params"].max_tokens == 6
 
 
+@pytest.mark.unit
 async def test_auto_tool_choice_without_a_parser_is_an_invalid_request() -> None:
     b, _ = await started()
     with pytest.raises(E.InvalidRequest, match="tool-call-parser"):
         await collect(b.generate(chat(extra={"tools": TOOLS})))
 
 
+@pytest.mark.unit
 async def test_reasoning_comes_back_beside_the_text() -> None:
     script = ["<think>", "let me", " think", "</think>", "Paris"]
     b, _ = await started(make_cfg(reasoning_parser="deepseek_r1"), script=script)
@@ -330,6 +340,7 @@ async def test_reasoning_comes_back_beside_the_text() -> None:
     assert deltas[-1].finish_reason == "stop"
 
 
+@pytest.mark.unit
 async def test_chat_logprobs_come_back_in_openai_shape() -> None:
     b, fake = await started()
     deltas = await collect(b.generate(chat(extra={"logprobs": True, "top_logprobs": 2})))
@@ -343,6 +354,7 @@ async def test_chat_logprobs_come_back_in_openai_shape() -> None:
     assert len(first["top_logprobs"]) == 2 and first["top_logprobs"][0]["token"] == first["token"]
 
 
+@pytest.mark.unit
 async def test_completion_logprobs_come_back_in_openai_shape() -> None:
     b, _ = await started()
     deltas = await collect(b.generate(completion(max_tokens=3, extra={"logprobs": 1})))
@@ -354,6 +366,7 @@ async def test_completion_logprobs_come_back_in_openai_shape() -> None:
     assert offsets == [0, len(deltas[0].text), len(deltas[0].text) + len(deltas[1].text)]
 
 
+@pytest.mark.unit
 async def test_structured_output_from_response_format() -> None:
     schema = {
         "type": "object",
@@ -370,6 +383,7 @@ async def test_structured_output_from_response_format() -> None:
     assert deltas[-1].finish_reason == "stop"
 
 
+@pytest.mark.unit
 async def test_structured_outputs_and_legacy_guided_fields() -> None:
     b, fake = await started()
     await collect(b.generate(chat(extra={"structured_outputs": {"choice": ["yes", "no"]}})))
@@ -386,6 +400,7 @@ async def test_structured_outputs_and_legacy_guided_fields() -> None:
     )
 
 
+@pytest.mark.unit
 async def test_lora_adapter_is_chosen_by_model_name() -> None:
     cfg = make_cfg(enable_lora=True, lora_modules={"sql-lora": "/adapters/sql"})
     b, fake = await started(cfg)
@@ -399,6 +414,7 @@ async def test_lora_adapter_is_chosen_by_model_name() -> None:
         await collect(b.generate(chat(model="other-model")))
 
 
+@pytest.mark.unit
 async def test_an_adapter_loaded_at_run_time_is_served_and_unloaded(tmp_path: Path) -> None:
     """Through vLLM's front end, as POST /v1/load_lora_adapter: served by its name once
     loaded (its LoRARequest reaches the engine), listed in served_models, gone once
@@ -426,12 +442,14 @@ async def test_an_adapter_loaded_at_run_time_is_served_and_unloaded(tmp_path: Pa
         await off.load_adapter("sql", str(folder))
 
 
+@pytest.mark.unit
 async def test_model_without_chat_template_is_an_invalid_request() -> None:
     b, _ = await started(make_cfg(model="base-model-no-template"))
     with pytest.raises(E.InvalidRequest, match="chat template"):
         await collect(b.generate(chat(model="base-model-no-template")))
 
 
+@pytest.mark.unit
 async def test_concurrent_requests_stream_independently() -> None:
     b, _ = await started()
     reqs = [completion(f"r{i}", prompt=f"prompt number {i}", max_tokens=5 + i) for i in range(8)]
@@ -443,6 +461,7 @@ async def test_concurrent_requests_stream_independently() -> None:
 
 
 # -- request migration ----------------------------------------------------------------------
+@pytest.mark.unit
 async def test_resumed_chat_continues_the_assistant_reply() -> None:
     b, fake = await started()
     resume = {"text": " so far", "tokens": 2}
@@ -453,6 +472,7 @@ async def test_resumed_chat_continues_the_assistant_reply() -> None:
     assert last_request(fake)["params"].max_tokens == 4
 
 
+@pytest.mark.unit
 async def test_resumed_chat_extends_a_client_prefill() -> None:
     messages = [*MESSAGES, {"role": "assistant", "content": "Sure:"}]
     b, _ = await started()
@@ -467,6 +487,7 @@ async def test_resumed_chat_extends_a_client_prefill() -> None:
     assert len(rendered["messages"]) == 3
 
 
+@pytest.mark.unit
 async def test_resumed_completion_continues_after_the_text() -> None:
     b, fake = await started()
     await collect(b.generate(completion(max_tokens=5, resume={"text": " once", "tokens": 1})))
@@ -475,6 +496,7 @@ async def test_resumed_completion_continues_after_the_text() -> None:
     assert req["params"].max_tokens == 4
 
 
+@pytest.mark.unit
 async def test_resumed_request_without_budget_left_generates_nothing() -> None:
     """No token may be generated past the budget (the old backend's max(1, ...) made one)."""
     b, fake = await started()
@@ -484,6 +506,7 @@ async def test_resumed_request_without_budget_left_generates_nothing() -> None:
 
 
 # -- cancellation ---------------------------------------------------------------------------
+@pytest.mark.unit
 async def test_closing_the_stream_aborts_only_that_request() -> None:
     """Two requests share a caller id (x-request-id survives migration): closing one must
     not abort the other. vLLM aborts by its own internal id; no abort by external id."""
@@ -504,6 +527,7 @@ async def test_closing_the_stream_aborts_only_that_request() -> None:
     assert b.stats() == {"running": 0, "waiting": 0, "kv_usage": 0.0}
 
 
+@pytest.mark.unit
 async def test_cancelling_the_consumer_task_aborts_the_request() -> None:
     b, fake = await started(token_delay=0.005)
     first = asyncio.Event()
@@ -521,6 +545,7 @@ async def test_cancelling_the_consumer_task_aborts_the_request() -> None:
     assert fake.engine.external_aborts == [] and fake.engine.running == set()
 
 
+@pytest.mark.unit
 async def test_a_finished_request_is_not_aborted_when_the_consumer_stops_reading() -> None:
     b, fake = await started()
     it = b.generate(completion("done", max_tokens=3))
@@ -533,6 +558,7 @@ async def test_a_finished_request_is_not_aborted_when_the_consumer_stops_reading
     assert fake.engine.aborted == []
 
 
+@pytest.mark.unit
 async def test_the_engine_has_the_request_before_the_stream_is_read() -> None:
     """generate() starts the request (vLLM renders it and queues it on its generator's first
     step): the engine has it while the worker still sends its ack, and the stream read after
@@ -547,6 +573,7 @@ async def test_the_engine_has_the_request_before_the_stream_is_read() -> None:
     assert fake.engine.aborted == []
 
 
+@pytest.mark.unit
 async def test_a_started_stream_closed_before_it_is_read_aborts_the_request() -> None:
     """The worker's ack or accept frame failed after generate(): the stream is closed unread,
     its first step is stopped and the engine request aborted, whether the step had reached
@@ -565,6 +592,7 @@ async def test_a_started_stream_closed_before_it_is_read_aborts_the_request() ->
         await never.__anext__()
 
 
+@pytest.mark.unit
 async def test_a_request_vllm_refuses_on_its_first_step_raises_when_read() -> None:
     """A refusal raised in the first step (here the engine's own length check) reaches the
     reader of the stream as the typed error, as when the stream started on being read."""
@@ -576,6 +604,7 @@ async def test_a_request_vllm_refuses_on_its_first_step_raises_when_read() -> No
 
 
 # -- errors ---------------------------------------------------------------------------------
+@pytest.mark.unit
 async def test_prompt_longer_than_max_model_len_is_an_invalid_request() -> None:
     """vLLM's VLLMValidationError is a VLLMClientError, not a ValueError: a 400, not a
     retryable engine error that every replica would be tried with."""
@@ -586,6 +615,7 @@ async def test_prompt_longer_than_max_model_len_is_an_invalid_request() -> None:
     assert not issubclass(fv.VLLMValidationError, ValueError)
 
 
+@pytest.mark.unit
 async def test_request_model_validation_errors_are_invalid_requests() -> None:
     b, _ = await started()
     with pytest.raises(E.InvalidRequest, match="top_logprobs"):
@@ -594,6 +624,7 @@ async def test_request_model_validation_errors_are_invalid_requests() -> None:
         b.generate(chat(extra={"top_k": "many"}))  # pydantic's own error
 
 
+@pytest.mark.unit
 async def test_sampling_values_vllm_refuses_are_invalid_requests() -> None:
     b, _ = await started()
     with pytest.raises(E.InvalidRequest, match="top_p"):
@@ -602,6 +633,7 @@ async def test_sampling_values_vllm_refuses_are_invalid_requests() -> None:
         b.generate(completion(max_tokens=0))
 
 
+@pytest.mark.unit
 async def test_engine_failure_mid_stream_is_a_retryable_engine_error() -> None:
     b, _ = await started(fail_after=3)
     got: list[Delta] = []
@@ -611,6 +643,7 @@ async def test_engine_failure_mid_stream_is_a_retryable_engine_error() -> None:
     assert len(got) == 3 and info.value.retryable
 
 
+@pytest.mark.unit
 async def test_dead_engine_is_an_engine_error() -> None:
     b, fake = await started()
     fake.engine.dead = True
@@ -618,6 +651,7 @@ async def test_dead_engine_is_an_engine_error() -> None:
         await collect(b.generate(completion()))
 
 
+@pytest.mark.unit
 async def test_a_dead_engine_is_reported_in_the_backends_health() -> None:
     # What the worker's engine watch reads at each heartbeat (docs/deploy.md, "Engine
     # health"): vLLM's AsyncLLM.errored, before any request finds out.
@@ -627,24 +661,28 @@ async def test_a_dead_engine_is_reported_in_the_backends_health() -> None:
     assert "died" in (b.health() or "")
 
 
+@pytest.mark.unit
 async def test_request_level_error_finish_is_an_engine_error() -> None:
     b, _ = await started(finish_with="error")
     with pytest.raises(E.EngineError, match="Internal server error"):
         await collect(b.generate(completion(max_tokens=4)))
 
 
+@pytest.mark.unit
 async def test_abort_finish_is_an_engine_error() -> None:
     b, _ = await started(finish_with="abort")
     with pytest.raises(E.EngineError, match="aborted"):
         await collect(b.generate(chat(max_tokens=4)))
 
 
+@pytest.mark.unit
 async def test_queue_overflow_is_a_busy_replica() -> None:
     b, _ = await started(fail_after=0, error=fv.QueueOverflowError())
     with pytest.raises(E.ReplicaBusy):
         await collect(b.generate(chat()))
 
 
+@pytest.mark.unit
 async def test_generate_before_start_is_an_engine_error() -> None:
     b = VLLMBackend(make_cfg(), vllm=fv.FakeVLLM())
     with pytest.raises(E.EngineError):
@@ -669,6 +707,7 @@ def _tracing_env(monkeypatch: pytest.MonkeyPatch, endpoint: str | None) -> None:
         monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint)
 
 
+@pytest.mark.unit
 async def test_traced_requests_hand_their_traceparent_to_vllm_generate(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -688,6 +727,7 @@ async def test_traced_requests_hand_their_traceparent_to_vllm_generate(
     assert last_request(fake)["trace_headers"] is None
 
 
+@pytest.mark.unit
 async def test_untraced_worker_leaves_vllm_tracing_alone(monkeypatch: pytest.MonkeyPatch) -> None:
     _tracing_env(monkeypatch, None)
     b, fake = await started()
@@ -697,6 +737,7 @@ async def test_untraced_worker_leaves_vllm_tracing_alone(monkeypatch: pytest.Mon
     assert last_request(fake)["trace_headers"] is None
 
 
+@pytest.mark.unit
 async def test_operator_otlp_endpoint_for_vllm_wins(monkeypatch: pytest.MonkeyPatch) -> None:
     _tracing_env(monkeypatch, "http://127.0.0.1:4318")
     _b, fake = await started(make_cfg(otlp_traces_endpoint="http://collector:4317"))
@@ -706,6 +747,7 @@ async def test_operator_otlp_endpoint_for_vllm_wins(monkeypatch: pytest.MonkeyPa
     assert OTLP_PROTOCOL_ENV not in os.environ  # vLLM's own default (gRPC) stays
 
 
+@pytest.mark.unit
 def test_decoder_skips_keep_alives_and_needs_a_finish() -> None:
     dec = vs.StreamDecoder(chat=True)
     assert dec.feed(": keep-alive\n\n") is None
@@ -725,6 +767,7 @@ def test_decoder_skips_keep_alives_and_needs_a_finish() -> None:
         dec.feed("data: [DONE]\n\n")
 
 
+@pytest.mark.unit
 def test_decoder_error_event() -> None:
     dec = vs.StreamDecoder(chat=False)
     err = {"error": {"message": "bad", "type": "BadRequestError", "param": "x", "code": 400}}
@@ -733,6 +776,7 @@ def test_decoder_error_event() -> None:
     assert info.value.info["code"] == 400
 
 
+@pytest.mark.unit
 def test_error_statuses_map_to_typed_errors() -> None:
     assert isinstance(vs.error_for_status(400, "x"), E.InvalidRequest)
     assert isinstance(vs.error_for_status(422, "x"), E.InvalidRequest)
@@ -748,6 +792,7 @@ def serve_parser() -> Any:
     return fv.make_arg_parser(fv.FlexibleArgumentParser(prog="vllm serve"))
 
 
+@pytest.mark.unit
 def test_serve_argv_writes_options_as_vllm_serve_flags() -> None:
     argv = vs.serve_argv(
         {
@@ -799,6 +844,7 @@ def test_serve_argv_writes_options_as_vllm_serve_flags() -> None:
     assert args.limit_mm_per_prompt == {"image": 2}
 
 
+@pytest.mark.unit
 def test_serve_argv_booleans_follow_vllm_enable_disable_pairs() -> None:
     parser = serve_parser()
 
@@ -813,12 +859,14 @@ def test_serve_argv_booleans_follow_vllm_enable_disable_pairs() -> None:
     assert vs.serve_argv({"disable_log_stats": False}, parser) == []
 
 
+@pytest.mark.unit
 def test_serve_argv_refuses_unknown_options() -> None:
     with pytest.raises(ValueError, match="no_such_option"):
         vs.serve_argv({"no_such_option": 1}, serve_parser())
 
 
 # -- lifecycle, config, stats ---------------------------------------------------------------
+@pytest.mark.unit
 async def test_start_parses_engine_and_front_end_options_like_vllm_serve(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -864,6 +912,7 @@ async def test_start_parses_engine_and_front_end_options_like_vllm_serve(
     await b.stop()  # idempotent
 
 
+@pytest.mark.unit
 async def test_engine_is_built_with_the_api_server_usage_context() -> None:
     """`vllm serve` builds with UsageContext.OPENAI_API_SERVER: on an H100 1024 sequences and
     8192 batched tokens, not the engine-context defaults 128/2048."""
@@ -875,6 +924,7 @@ async def test_engine_is_built_with_the_api_server_usage_context() -> None:
     assert fake2.engine.vllm_config.scheduler_config.max_num_seqs == 64
 
 
+@pytest.mark.unit
 async def test_effective_tp_comes_from_the_engine_option(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delitem(sys.modules, "torch", raising=False)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
@@ -886,6 +936,7 @@ async def test_effective_tp_comes_from_the_engine_option(monkeypatch: pytest.Mon
     assert b2.tp == 4  # -tp, vLLM's alias, wins over --tp's default
 
 
+@pytest.mark.unit
 async def test_engine_build_does_not_block_the_event_loop() -> None:
     ticks = 0
     stop = asyncio.Event()
@@ -907,6 +958,7 @@ async def test_engine_build_does_not_block_the_event_loop() -> None:
     assert b.engine is fake.engine
 
 
+@pytest.mark.unit
 async def test_cancelled_start_shuts_the_engine_down_when_built() -> None:
     fake = fv.FakeVLLM(build_delay=0.2)
     b = VLLMBackend(make_cfg(), vllm=fake)
@@ -919,6 +971,7 @@ async def test_cancelled_start_shuts_the_engine_down_when_built() -> None:
     assert b.engine is None
 
 
+@pytest.mark.unit
 async def test_engine_processes_are_spawned_not_forked(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(MULTIPROC_ENV, raising=False)
     await started()
@@ -928,6 +981,7 @@ async def test_engine_processes_are_spawned_not_forked(monkeypatch: pytest.Monke
     assert os.environ[MULTIPROC_ENV] == "fork"
 
 
+@pytest.mark.unit
 async def test_bad_options_fail_start_with_a_clear_error() -> None:
     with pytest.raises(ValueError, match="not a `vllm serve` option"):
         await started(make_cfg(no_such_option=1))
@@ -939,6 +993,7 @@ async def test_bad_options_fail_start_with_a_clear_error() -> None:
         await started(make_cfg(max_model_len="lots"))
 
 
+@pytest.mark.unit
 async def test_too_few_gpus_for_tensor_parallel_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     monkeypatch.delitem(sys.modules, "torch", raising=False)
@@ -946,6 +1001,7 @@ async def test_too_few_gpus_for_tensor_parallel_is_refused(monkeypatch: pytest.M
         await started(make_cfg(tp=4, gpus="0,1"))
 
 
+@pytest.mark.unit
 async def test_served_name_is_left_to_a_lora_module_of_that_name() -> None:
     cfg = make_cfg(model="sql-lora", opts={"model": "/base", "lora_modules": ["sql-lora=/a/sql"]})
     b, fake = await started(cfg)
@@ -955,6 +1011,7 @@ async def test_served_name_is_left_to_a_lora_module_of_that_name() -> None:
     assert last_request(fake)["lora_request"].lora_name == "sql-lora"
 
 
+@pytest.mark.unit
 async def test_endpoints_follow_the_model_tasks() -> None:
     gen = VLLMBackend(make_cfg(), vllm=fv.FakeVLLM())
     assert gen.endpoints() == ["chat", "completions"]
@@ -983,6 +1040,7 @@ def embedding_request(inputs: list[Any], **extra: Any) -> GenerationRequest:
     )
 
 
+@pytest.mark.unit
 async def test_embeddings_through_vllm_embedding_handler() -> None:
     b, fake = await started(make_cfg(runner="pooling"))
     out = await b.embed(embedding_request(["hello world", "bye"]))
@@ -1001,6 +1059,7 @@ async def test_embeddings_through_vllm_embedding_handler() -> None:
         await b.embed(embedding_request([]))
 
 
+@pytest.mark.unit
 async def test_stats_come_from_vllm_scheduler_snapshots() -> None:
     b, fake = await started()
     # vLLM calls the stat logger it was given with each step's SchedulerStats.
@@ -1023,6 +1082,7 @@ async def test_stats_come_from_vllm_scheduler_snapshots() -> None:
     assert b.stats() == {"running": 0, "waiting": 0, "kv_usage": 0.5}
 
 
+@pytest.mark.unit
 def test_stats_never_raise() -> None:
     b = VLLMBackend(make_cfg())
     b._sched = {0: ("x", None, object())}  # type: ignore[dict-item]
@@ -1030,11 +1090,13 @@ def test_stats_never_raise() -> None:
     assert b.stats() == {"running": 0, "waiting": 0, "kv_usage": 0.0}
 
 
+@pytest.mark.unit
 def test_create_returns_the_vllm_backend() -> None:
     b = backends.create(make_cfg())
     assert isinstance(b, VLLMBackend) and b.name == "vllm"
 
 
+@pytest.mark.stack
 def test_importing_the_backend_loads_neither_vllm_nor_torch() -> None:
     code = (
         "import sys, engine_worker.backends.vllm_backend as m; "
@@ -1046,6 +1108,7 @@ def test_importing_the_backend_loads_neither_vllm_nor_torch() -> None:
 
 
 # -- pin_gpus -------------------------------------------------------------------------------
+@pytest.mark.unit
 def test_pin_gpus_sets_cuda_visible_devices(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
@@ -1058,6 +1121,7 @@ def test_pin_gpus_sets_cuda_visible_devices(monkeypatch: pytest.MonkeyPatch) -> 
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "3"
 
 
+@pytest.mark.unit
 def test_pin_gpus_refuses_to_change_after_torch_is_imported(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -1160,6 +1224,7 @@ def check_vllm_interface(ns: Any, serving: dict[str, Any]) -> None:
     assert _params(serving["embedding"], "__call__")[:2] == ["request", "raw_request"]
 
 
+@pytest.mark.unit
 def test_the_fake_has_vllm_names_and_signatures() -> None:
     check_vllm_interface(
         fv.FakeVLLM(),
@@ -1171,6 +1236,7 @@ def test_the_fake_has_vllm_names_and_signatures() -> None:
     )
 
 
+@pytest.mark.unit
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
 def test_installed_vllm_has_the_names_and_signatures_used() -> None:
     """GPU-free: the installed vLLM provides every name the backend imports, with the
@@ -1212,6 +1278,7 @@ def _gpu_available() -> bool:
     return bool(torch.cuda.is_available())
 
 
+@pytest.mark.unit
 @pytest.mark.gpu
 @pytest.mark.timeout(900)
 async def test_real_vllm_tiny_model() -> None:
@@ -1256,6 +1323,7 @@ async def test_real_vllm_tiny_model() -> None:
         await b.stop()
 
 
+@pytest.mark.unit
 @pytest.mark.gpu
 @pytest.mark.timeout(900)
 async def test_real_vllm_prefill_hands_over_to_a_decode_engine_with_nixl() -> None:
@@ -1384,6 +1452,7 @@ async def measure_adapter(requests: int = 2000, tokens: int = 100) -> dict[str, 
     }
 
 
+@pytest.mark.unit
 async def test_adapter_cost_is_measurable() -> None:
     costs = await measure_adapter(requests=50, tokens=20)
     assert all(v > 0 for v in costs.values())

@@ -24,9 +24,13 @@ from bus_schemas import kv_events as K
 from bus_schemas import subjects
 from engine_worker.backends import scripted_core as sc
 from router.kv_hashing import vllm_block_hashes
-from tests.conftest import NatsServer, stack, wait_for
+from tests.support.inprocess import stack
+from tests.support.natsserver import NatsServer
+from tests.support.waits import wait_for
 from tests.test_vllm_real import WEATHER
 from tokenbus import Client
+
+pytestmark = pytest.mark.bus
 
 if importlib.util.find_spec("vllm") is None:
     pytest.skip("vLLM is not installed (make test-vllm)", allow_module_level=True)

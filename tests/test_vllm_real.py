@@ -29,17 +29,14 @@ import pytest
 
 from bus_schemas import errors as E
 from engine_worker.backends import scripted_core as sc
-from tests.conftest import (
-    NatsServer,
-    Procs,
-    ProcStack,
-    new_model,
-    settings,
-    start_stack,
-    wait_for,
-    wait_replicas,
-)
+from tests.support.busdata import new_model
+from tests.support.inprocess import settings
+from tests.support.natsserver import NatsServer
+from tests.support.procs import Procs, ProcStack, start_stack
+from tests.support.waits import wait_for, wait_replicas
 from tests.test_migration import _victim
+
+pytestmark = pytest.mark.stack
 
 if importlib.util.find_spec("vllm") is None:
     pytest.skip("vLLM is not installed (make test-vllm)", allow_module_level=True)

@@ -27,8 +27,11 @@ import openai
 import pytest
 
 from engine_worker.backends import scripted_core as sc
-from tests.conftest import free_port, stop_process
+from tests.support.pids import stop_process
+from tests.support.ports import free_port
 from tests.test_vllm_real import HELLO, TOOL_CALL, WEATHER, _read_stream
+
+pytestmark = pytest.mark.stack
 
 if importlib.util.find_spec("vllm") is None:
     pytest.skip("vLLM is not installed (make test-vllm)", allow_module_level=True)

@@ -15,8 +15,13 @@ import pytest
 from bus_schemas import subjects
 from services import deploybundle
 from services.natsconf import generate, parse_worker_hosts, role_env, role_login
-from tests.conftest import Procs, free_port, live_replicas, spawn_nats, start_stack, wait_for
+from tests.support.natsserver import spawn_nats
+from tests.support.ports import free_port
+from tests.support.procs import Procs, start_stack
+from tests.support.waits import live_replicas, wait_for
 from tokenbus import Client
+
+pytestmark = pytest.mark.stack
 
 MODEL = "hosted"
 MSG = [{"role": "user", "content": "which host?"}]

@@ -1,0 +1,58 @@
+"""The stack the HTTP fuzz tests hit: every stage on, one sim worker, a key with room to spare."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import httpx
+
+from tests.support.busdata import key_store, new_model
+from tests.support.procs import Procs, ProcStack, start_stack
+
+
+class FuzzStack:
+    """A stack for the HTTP fuzz tests: its base URL, a key with room to spare, the model."""
+
+    def __init__(self, stack: ProcStack, key: str) -> None:
+        self.base, self.key, self.model, self.procs = stack.base, key, stack.model, stack.procs
+
+    def assert_serving(self) -> None:
+        """Every process alive, and a plain chat request answered 200."""
+        assert all(p.alive() for p in self.procs.procs)
+        assert_chat_served(self.base, self.model, self.key)
+
+
+def assert_chat_served(base: str, model: str, key: str | None = None) -> None:
+    """A plain two-token chat request to the bridge at ``base`` is answered 200 (the check
+    that a stack still serves after hostile input)."""
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    with httpx.Client(base_url=base, timeout=30) as h:
+        r = h.post(
+            "/v1/chat/completions",
+            json={"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+            headers=headers,
+        )
+    assert r.status_code == 200, r.text
+
+
+@contextlib.asynccontextmanager
+async def open_fuzz_stack(
+    nats_url: str, tmp: Path, env: dict[str, str], worker_args: tuple[str, ...], **limits: int
+) -> AsyncIterator[FuzzStack]:
+    """Every stage on (auth, ratelimit, filter, route), one sim worker, a key with
+    ``limits``, and the bridge settings in ``env``."""
+    async with key_store(nats_url, watch=False) as keys:
+        key, _ = await keys.create(tmp.name, **limits)
+    pipeline = {"TOKENBUS_INGRESS__PIPELINE": '["auth", "ratelimit", "filter", "route"]'}
+    with Procs(nats_url, tmp) as procs:
+        stack = await start_stack(
+            procs,
+            new_model(),
+            *("ingress", "auth", "ratelimit", "filter", "router"),
+            worker_args=worker_args,
+            env={**pipeline, **env},
+            settle=0.5,
+        )
+        yield FuzzStack(stack, key)

@@ -1,0 +1,226 @@
+"""Real tokenbus processes (``python -m tokenbus.cli serve ...``): one, a set, a stack."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+import nats
+import openai
+
+from services.runtime import servers
+from tests.support.ports import free_port
+from tests.support.repo import ROOT
+from tests.support.waits import wait_http, wait_replicas, wait_started
+
+
+class Proc:
+    """A real tokenbus process (``python -m tokenbus.cli ...``) with its output in a file."""
+
+    def __init__(
+        self,
+        name: str,
+        args: list[str],
+        env: dict[str, str],
+        log_dir: Path,
+        prefix: Sequence[str] = (),
+    ) -> None:
+        self.name = name
+        self.log = log_dir / f"{name}.log"
+        self._fh = open(self.log, "wb")  # noqa: SIM115 - closed in stop()
+        # ``prefix``: what runs it elsewhere (``ip netns exec <host>``, which execs it: the
+        # pid is still the process's own).
+        self.proc = subprocess.Popen(
+            [*prefix, sys.executable, "-m", "tokenbus.cli", *args],
+            stdout=self._fh,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **env},
+            cwd=ROOT,
+        )
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def signal(self, sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            self.proc.send_signal(sig)
+
+    def stop(self, timeout: float = 15) -> int:
+        if self.alive():
+            self.signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._fh.close()
+        return int(self.proc.returncode)
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+
+class Procs:
+    """Starts and always stops the processes of one test (``with Procs(...) as procs``)."""
+
+    def __init__(self, url: str, log_dir: Path) -> None:
+        self.url = url
+        self.log_dir = log_dir
+        self.env = {
+            "TOKENBUS_NATS_URL": url,
+            "TOKENBUS_LOG_LEVEL": "info",
+            "TOKENBUS_DRAIN_TIMEOUT_S": "15",
+            "TOKENBUS_WORKER__HEARTBEAT_INTERVAL_S": "0.2",
+            # The safety stages are tested where a test starts them.
+            "TOKENBUS_INGRESS__PIPELINE": '["route"]',
+        }
+        self.procs: list[Proc] = []
+
+    def start(
+        self,
+        name: str,
+        *args: str,
+        env: dict[str, str] | None = None,
+        prefix: Sequence[str] = (),
+    ) -> Proc:
+        p = Proc(name, list(args), {**self.env, **(env or {})}, self.log_dir, prefix)
+        self.procs.append(p)
+        return p
+
+    def stop_all(self) -> None:
+        for p in reversed(self.procs):
+            p.stop()
+
+    def all_alive(self) -> bool:
+        return all(p.alive() for p in self.procs)
+
+    def __enter__(self) -> Procs:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop_all()
+
+
+def start_worker(
+    procs: Procs, model: str, i: int | str, *args: str, env: dict[str, str] | None = None
+) -> Proc:
+    """A worker process ``worker-<i>`` serving ``model`` as replica ``<model>-<i>``."""
+    cmd = ("serve", "worker", "--model", model, "--replica", f"{model}-{i}", *args)
+    return procs.start(f"worker-{i}", *cmd, env=env)
+
+
+class ProcStack:
+    """The processes :func:`start_stack` started, by role, and the bridge's address."""
+
+    def __init__(
+        self, procs: Procs, model: str, roles: dict[str, list[Proc]], port: int | None
+    ) -> None:
+        self.procs = procs
+        self.model = model
+        self.roles = roles
+        self.port = port
+
+    @property
+    def workers(self) -> list[Proc]:
+        return self.roles.get("worker", [])
+
+    @property
+    def bridge(self) -> Proc:
+        return self.roles["bridge"][0]
+
+    @property
+    def base(self) -> str:
+        """The bridge's HTTP root."""
+        return f"http://127.0.0.1:{self.port}"
+
+    def openai(self, api_key: str = "unused") -> openai.AsyncOpenAI:
+        """The openai SDK pointed at the bridge, without retries (they would hide errors)."""
+        return openai.AsyncOpenAI(base_url=f"{self.base}/v1", api_key=api_key, max_retries=0)
+
+    def http(self, path: str = "", **kw: Any) -> httpx.AsyncClient:
+        """An httpx client for the bridge, rooted at ``path`` (``"/v1"``: the OpenAI API)."""
+        return httpx.AsyncClient(base_url=self.base + path, **kw)
+
+    def all_alive(self) -> bool:
+        return self.procs.all_alive()
+
+
+async def start_stack(
+    procs: Procs,
+    model: str,
+    *services: str,
+    workers: int = 1,
+    worker_args: Sequence[str] = (),
+    bridge: bool = True,
+    bridge_args: Sequence[str] = (),
+    env: dict[str, str] | None = None,
+    env_for: Callable[[str, int], dict[str, str]] | None = None,
+    heartbeats: bool = True,
+    settle: float = 0.0,
+    login: dict[str, Any] | None = None,
+) -> ProcStack:
+    """Real processes: ``services`` (``"ingress"``, ``"router"``, a stage; a name given twice
+    runs twice), ``workers`` workers of ``model`` (:func:`start_worker`, ``worker_args``
+    added), then the HTTP bridge on a free port. Each gets ``env`` and, over it,
+    ``env_for(role, index)``. Returns once every replica heartbeats on the bus (unless
+    ``heartbeats`` is off), every queue-group member has started and heard the others, the
+    bridge is ready, and ``settle`` seconds more have passed (for what the test's services
+    learn next). ``login``: nats-py's connect options for those waits (the admin role on a
+    locked bus, whose anonymous client may listen to nothing)."""
+
+    def env_of(role: str, i: int) -> dict[str, str]:
+        return {**(env or {}), **(env_for(role, i) if env_for else {})}
+
+    roles: dict[str, list[Proc]] = {}
+    for role in services:
+        i = len(roles.setdefault(role, []))
+        name = f"{role}-{i}" if services.count(role) > 1 else role
+        roles[role].append(procs.start(name, "serve", role, env=env_of(role, i)))
+    roles["worker"] = [
+        start_worker(procs, model, i, *worker_args, env=env_of("worker", i)) for i in range(workers)
+    ]
+    port = None
+    if bridge:
+        port = free_port()
+        cmd = ("serve", "bridge", "--port", str(port), *bridge_args)
+        roles["bridge"] = [procs.start("bridge", *cmd, env=env_of("bridge", 0))]
+    stack = ProcStack(procs, model, roles, port)
+    if heartbeats and workers:
+        await wait_replicas(procs.url, model, workers, **(login or {}))
+    # Every queue-group member started (ingress, router, the stages) answers discovery once
+    # its setup is done, then beats: until each has, not a guess at how long a start takes
+    # on a loaded machine (a router slower than a 2 s settle once made "no route service").
+    members: dict[str, int] = {}
+    for role in services:
+        if role in MEMBER_ROLES:
+            members[role] = members.get(role, 0) + 1
+    if heartbeats and members:
+        nc = await nats.connect(servers(procs.url), dont_randomize=True, **(login or {}))
+        # A router routes only to replicas it heard beat after it started (an idle one
+        # beats every 2 s): until each has beaten once more, not a guess either.
+        routed = workers if heartbeats and "router" in members else 0
+        try:
+            await wait_started(nc, members, model=model, replicas=routed, timeout=60)
+        finally:
+            await nc.drain()
+    if bridge:
+        await wait_http(f"{stack.base}/ready")
+    await asyncio.sleep(settle)
+    return stack
+
+
+# The services whose instances are members of a queue group (services/members.py): they
+# answer discovery as ``tokenbus-<role>`` and beat on the members' subjects.
+MEMBER_ROLES = frozenset(("ingress", "router", "auth", "ratelimit", "filter"))
