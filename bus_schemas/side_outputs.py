@@ -35,17 +35,17 @@ class SideOutput:
     # A stream that delivered some of it may still move to another replica (resuming after
     # the text): a tool call, refusal or reasoning half sent cannot be continued elsewhere.
     resumable: bool
-    # OpenAI chat: its field in a streamed ``delta`` and in a whole ``message``; None when
-    # it is not part of the message.
-    chat: str | None = None
+    # How each API writes it; "" where that API has no place for it.
+    # OpenAI chat: its field in a streamed ``delta`` and in a whole ``message``.
+    chat: str = ""
     # Other names an OpenAI-shaped upstream may send it under in a delta (read, not written).
     chat_aliases: tuple[str, ...] = ()
     # OpenAI chat and text completions alike: its field on the ``choice`` itself.
-    choice: str | None = None
+    choice: str = ""
     # OpenAI Responses: the streamed event that carries it.
-    responses: str | None = None
-    # Anthropic Messages: the content block it goes out in.
-    anthropic: str | None = None
+    responses: str = ""
+    # Anthropic Messages: the type of the content block it goes out in.
+    anthropic: str = ""
 
 
 TOOL_CALLS = SideOutput(
@@ -97,7 +97,7 @@ SIDE_OUTPUTS = (TOOL_CALLS, LOGPROBS, REFUSAL, REASONING, EMBEDDING)
 GENERATION = (TOOL_CALLS, LOGPROBS, REFUSAL, REASONING)
 # The chunk frame's keys of the side outputs, in order.
 WIRE_KEYS = tuple(s.wire for s in SIDE_OUTPUTS)
-# The fields of an OpenAI chat ``delta`` after its ``content``, in the order OpenAI (and
+# The outputs of an OpenAI chat ``delta`` after its ``content``, in the order OpenAI (and
 # vLLM) write them.
 CHAT_DELTA = (REASONING, REFUSAL, TOOL_CALLS)
 
