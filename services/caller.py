@@ -206,6 +206,36 @@ class Stream:
         """Publish the request (done by the first iteration if not called)."""
         if self._started:
             return
+        await self._wait_for_connection()
+        self._started = True
+        now = time.time()
+        if not self._deadline:
+            if tracing.on():
+                extra = self._trace.start(
+                    self.kind, self.model, self.request_id, self._subject, self._extra_headers or {}
+                )
+                self._extra_headers = extra or self._extra_headers
+            self._deadline = now + self._timeout
+            self._timer = asyncio.get_running_loop().call_later(self._timeout, self._on_deadline)
+        self._started_at = time.monotonic()
+        hdrs = self._attempt_headers()
+        self._client._register(self)
+        self.t_sent_ns = time.time_ns()
+        hdrs[H.T0] = str(self.t_sent_ns)
+        reply = self._client.inbox_for(self.token)
+        data = await self._encoded(hdrs)
+        if self._sender is not None:
+            await self._send_in_process(self._sender, data, hdrs, reply)
+            return
+        self._sent_to = self._client.members.subject_for(self._subject)
+        try:
+            await self._client.nc.publish(self._sent_to, data, reply=reply, headers=hdrs)
+        except Exception as exc:
+            self._finish()
+            raise E.ServiceUnavailable(f"could not publish the request to NATS: {exc}") from None
+
+    async def _wait_for_connection(self) -> None:
+        """Until the NATS connection is up, within the outage wait; else the refusal."""
         nc = self._client.nc
         if not nc.is_connected and not await self._client.connected_within(
             natsclient.outage_wait(nc, RECONNECT_WAIT_S, self._stall_wait())
@@ -218,17 +248,9 @@ class Stream:
                 "the connection to NATS is down (reconnecting); retry shortly",
                 headers={"Retry-After": "1"},
             )
-        self._started = True
-        now = time.time()
-        if not self._deadline:
-            if tracing.on():
-                extra = self._trace.start(
-                    self.kind, self.model, self.request_id, self._subject, self._extra_headers or {}
-                )
-                self._extra_headers = extra or self._extra_headers
-            self._deadline = now + self._timeout
-            self._timer = asyncio.get_running_loop().call_later(self._timeout, self._on_deadline)
-        self._started_at = time.monotonic()
+
+    def _attempt_headers(self) -> dict[str, str]:
+        """The headers of this attempt (a migration's or a rerun's say which, and how)."""
         hdrs = {
             H.REQUEST_ID: self.request_id,
             H.DEADLINE: str(int(self._deadline * 1000)),
@@ -252,10 +274,11 @@ class Stream:
             hdrs.update(self._extra_headers)
         if self._trace.link:
             hdrs[H.TRACE_LINK] = self._trace.link
-        self._client._register(self)
-        self.t_sent_ns = time.time_ns()
-        hdrs[H.T0] = str(self.t_sent_ns)
-        reply = self._client.inbox_for(self.token)
+        return hdrs
+
+    async def _encoded(self, hdrs: dict[str, str]) -> bytes:
+        """The envelope as it goes on the bus (its messages by claim check when too large
+        for one message); the stream ends with the refusal when it cannot go."""
         try:
             data = bodies.encode(self._body)
             if len(data) > bodies.THRESHOLD and CLAIM not in self._body:
@@ -275,38 +298,36 @@ class Stream:
             raise E.PayloadTooLarge(
                 f"the request is {len(data)} bytes on the bus; this bus takes at most {room - 1024}"
             )
-        if self._sender is not None:
-            self._sending = True
-            try:
-                # An admission in this process (the bridge's stages and router) waits on
-                # JetStream writes that ride out a leaderless stream for up to 20 s: never
-                # past the request's own deadline, which the frames' wait keeps too.
-                left = max(0.0, self._deadline - time.time())
-                try:
-                    replica = await asyncio.wait_for(self._sender(data, hdrs, reply), left)
-                except TimeoutError:
-                    self._timed_out = True
-                    raise E.Timeout(
-                        f"no answer within the request timeout of {self._timeout:g}s"
-                    ) from None
-                if replica:  # else the accept frame names it
-                    self.replica = replica
-                    self._accepted_at = time.monotonic()
-            except BaseException:
-                # Possibly accepted by a replica after all: its accept frame gets a cancel.
-                self._client._tombstone(self.token, self.request_id)
-                self._finish()
-                raise
-            finally:
-                self._sending = False
-                self._started_at = time.monotonic()  # accepted from here on, or lost
-            return
-        self._sent_to = self._client.members.subject_for(self._subject)
+        return data
+
+    async def _send_in_process(
+        self, sender: Sender, data: bytes, hdrs: dict[str, str], reply: str
+    ) -> None:
+        """Hand the request to the in-process sender (the bridge's stages and router)."""
+        self._sending = True
         try:
-            await self._client.nc.publish(self._sent_to, data, reply=reply, headers=hdrs)
-        except Exception as exc:
+            # An admission in this process waits on JetStream writes that ride out a
+            # leaderless stream for up to 20 s: never past the request's own deadline, which
+            # the frames' wait keeps too.
+            left = max(0.0, self._deadline - time.time())
+            try:
+                replica = await asyncio.wait_for(sender(data, hdrs, reply), left)
+            except TimeoutError:
+                self._timed_out = True
+                raise E.Timeout(
+                    f"no answer within the request timeout of {self._timeout:g}s"
+                ) from None
+            if replica:  # else the accept frame names it
+                self.replica = replica
+                self._accepted_at = time.monotonic()
+        except BaseException:
+            # Possibly accepted by a replica after all: its accept frame gets a cancel.
+            self._client._tombstone(self.token, self.request_id)
             self._finish()
-            raise E.ServiceUnavailable(f"could not publish the request to NATS: {exc}") from None
+            raise
+        finally:
+            self._sending = False
+            self._started_at = time.monotonic()  # accepted from here on, or lost
 
     def pending(self) -> int:
         """Frames already received and not yet consumed (a consumer behind may coalesce)."""
