@@ -4,8 +4,9 @@ reasoning, and an embeddings request's vectors.
 Each row says what the output is called (the field of a backend's delta, of a caller's chunk
 and of an assembled answer), its key and type in a chunk frame
 (:class:`bus_schemas.messages.ChunkFrame`), how a whole answer puts its pieces together, and
-how each API writes it. A new engine output is a row here and the field of that name on
-those three types (``tests/test_contract.py`` checks they agree).
+how each API writes it. A new engine output is a row here, its field on the chunk frame, the
+backend's :class:`Delta` and the caller's :class:`Chunk` (``tests/test_contract.py`` checks
+they agree), and what each API's writer does with it.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ Merge = Literal["text", "calls", "lists", "by_index"]
 class SideOutput:
     """One output beside the text, and how each part of tokenbus carries it."""
 
-    name: str  # the field of a delta, a chunk, an assembled answer
+    name: str  # the field of a delta, a chunk, an assembled answer (``embeddings`` there)
     wire: str  # its key in a chunk frame
     type: type  # its type there
     merge: Merge
