@@ -28,6 +28,7 @@ from bus_schemas import errors as E
 from bus_schemas import headers as H
 from bus_schemas import marks
 from bus_schemas.messages import ChatCompletionRequest, CompletionRequest
+from bus_schemas.side_outputs import LOGPROBS, REASONING, REFUSAL, TOOL_CALLS
 from bus_schemas.subjects import KIND_CHAT, KIND_COMPLETIONS, KIND_EMBEDDINGS
 from gateway import validation
 from gateway.asgi import (
@@ -570,16 +571,16 @@ def chat_choice(index: int, out: Assembled, stream: StreamLike) -> dict[str, Any
     message: dict[str, Any] = {
         "role": "assistant",
         "content": None if (calls or out.refusal) and not text else text,
-        "refusal": out.refusal,
+        REFUSAL.chat: out.refusal,
     }
     if calls:
-        message["tool_calls"] = calls
+        message[TOOL_CALLS.chat] = calls
     if out.reasoning is not None:
-        message["reasoning_content"] = out.reasoning
+        message[REASONING.chat] = out.reasoning
     return {
         "index": index,
         "message": message,
-        "logprobs": chat_logprobs(out.logprobs),
+        LOGPROBS.choice: chat_logprobs(out.logprobs),
         "finish_reason": stream.finish_reason or "stop",
     }
 
@@ -594,7 +595,12 @@ def _tier(stream: StreamLike) -> dict[str, str]:
 def text_choice(index: int, out: Assembled, stream: StreamLike) -> dict[str, Any]:
     """Choice ``index`` of a whole ``text_completion``."""
     finish = stream.finish_reason or "stop"
-    return {"index": index, "text": out.text, "logprobs": out.logprobs, "finish_reason": finish}
+    return {
+        "index": index,
+        "text": out.text,
+        LOGPROBS.choice: out.logprobs,
+        "finish_reason": finish,
+    }
 
 
 # -- several prompts, or none of the output -------------------------------------------------

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
 from bus_schemas import errors as E
+from bus_schemas.side_outputs import CHAT_DELTA
 from bus_schemas.subjects import KIND_CHAT
 from gateway import validation
 from gateway.asgi import BodyNow, Headers, Send
@@ -207,12 +208,10 @@ def side_event(frames: SSEFrames, chat: bool, c: Chunk) -> str:
         delta: dict[str, Any] = {}
         if c.text:
             delta["content"] = c.text
-        if c.reasoning is not None:
-            delta["reasoning_content"] = c.reasoning
-        if c.refusal is not None:
-            delta["refusal"] = c.refusal
-        if c.tool_calls is not None:
-            delta["tool_calls"] = c.tool_calls
+        for s in CHAT_DELTA:
+            value = getattr(c, s.name)
+            if value is not None:
+                delta[s.chat] = value
         choice["delta"] = delta
     else:
         choice["text"] = c.text

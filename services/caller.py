@@ -16,7 +16,6 @@ import time
 import uuid
 from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Self
 
@@ -29,7 +28,25 @@ from bus_schemas import headers as H
 from bus_schemas.messages import CLAIM
 from services import bodies, natsclient, tracing
 from services import logging as tlog
+from services.assembly import Assembled
+from services.chunks import Chunk, Completion, EmbeddingResult, Rerun, Usage
+from services.frame_check import bad_field
 from services.members import Members
+from services.resume_point import ResumePoint
+from services.stream_trace import StreamTrace
+
+# What a stream gives, from its own modules, and the caller: what the layers above import.
+__all__ = [
+    "Assembled",
+    "Caller",
+    "Chunk",
+    "Completion",
+    "EmbeddingResult",
+    "Rerun",
+    "Sender",
+    "Stream",
+    "Usage",
+]
 
 DEFAULT_TIMEOUT_S = 600.0
 # A stream's replica is presumed dead after this many missed heartbeats.
@@ -66,276 +83,6 @@ _TOMBSTONES_MAX = 10_000
 # publish); returns the replica that took it, or None when the accept frame will name it
 # (sent on to the router). The bridge's fused stages and router are one.
 Sender = Callable[[bytes, dict[str, str], str], Awaitable[str | None]]
-
-
-@dataclass(slots=True)
-class Chunk:
-    """Output from one stream frame: text (one or more tokens) and, when the engine sends
-    them, tool-call deltas (OpenAI's streaming shape), the logprobs object of these tokens,
-    refusal or reasoning text, or one embedding (``{"index", "embedding"}``)."""
-
-    text: str
-    tokens: int
-    index: int
-    tool_calls: list[dict[str, Any]] | None = None
-    logprobs: dict[str, Any] | None = None
-    refusal: str | None = None
-    reasoning: str | None = None
-    embedding: dict[str, Any] | None = None
-
-    @property
-    def has_side(self) -> bool:
-        """Whether the chunk carries output beside its text (an embedding aside)."""
-        return (
-            self.tool_calls is not None
-            or self.logprobs is not None
-            or self.refusal is not None
-            or self.reasoning is not None
-        )
-
-
-def _side_chunk(frame: dict[str, Any], text: str, n: int, i: int) -> Chunk:
-    """A chunk frame that carries more than text."""
-    return Chunk(
-        text,
-        n,
-        i,
-        frame.get("tc"),
-        frame.get("lp"),
-        frame.get("rf"),
-        frame.get("rs"),
-        frame.get("em"),
-    )
-
-
-# A chunk's output beside its text, by wire key: the type each must have.
-_SIDE: dict[str, type] = {"tc": list, "lp": dict, "rf": str, "rs": str, "em": dict}
-
-
-def _has(d: dict[str, Any], key: str, *types: type) -> bool:
-    """``d`` holds no ``key``, or holds one of ``types`` under it."""
-    return key not in d or isinstance(d[key], types)
-
-
-def _opt(value: Any, *types: type) -> bool:
-    """``value`` is None or of one of ``types``."""
-    return value is None or isinstance(value, types)
-
-
-def _bad_tool_calls(calls: list[Any]) -> bool:
-    """Whether a tool-call delta is not an object with an int index and a string name and
-    arguments (where it has them)."""
-    for call in calls:
-        if not isinstance(call, dict) or not _has(call, "index", int):
-            return True
-        fn = call.get("function")
-        if not _opt(fn, dict) or not all(
-            _opt((fn or {}).get(k), str) for k in ("name", "arguments")
-        ):
-            return True
-    return False
-
-
-def _bad_field(frame: dict[str, Any]) -> str | None:
-    """The first field of a stream frame that is not of its type (None: none is). Only the
-    shape of what a caller reads is checked, with ``isinstance`` alone: cheap per chunk."""
-    t = frame.get("t")
-    if t == frames.CHUNK:
-        if not isinstance(frame.get("d"), str):
-            return "d"
-        if not (_has(frame, "n", int) and _has(frame, "i", int)):
-            return "n" if not _has(frame, "n", int) else "i"
-        if len(frame) <= 4:  # t, d, n, i: the common chunk
-            return None
-        bad = next((k for k, typ in _SIDE.items() if not _opt(frame.get(k), typ)), None)
-        if bad is not None:
-            return bad
-        if _bad_tool_calls(frame.get("tc") or []):
-            return "tc"
-        em = frame.get("em") or {}
-        if not (_has(em, "index", int) and _opt(em.get("embedding"), list)):
-            return "em"
-    elif t == frames.ACCEPT:
-        hb = frame.get("heartbeat_s")
-        if not _opt(hb, int, float) or (hb is not None and not 0 < hb < 3600):
-            return "heartbeat_s"
-        return next(
-            (k for k in ("replica", "rl", "adm", "tp", "tier") if not _opt(frame.get(k), str)),
-            None,
-        )
-    elif t == frames.FINAL:
-        usage, timings = frame.get("usage") or {}, frame.get("timings") or {}
-        if not _opt(frame.get("finish_reason"), str):
-            return "finish_reason"
-        if not _opt(frame.get("stop_sequence"), str):
-            return "stop_sequence"
-        if not isinstance(usage, dict) or not all(
-            _has(usage, k, int) for k in ("prompt_tokens", "completion_tokens")
-        ):
-            return "usage"
-        if not isinstance(timings, dict) or not all(
-            isinstance(k, str) and isinstance(v, int) for k, v in timings.items()
-        ):
-            return "timings"
-    elif t == frames.ERROR:
-        err = frame.get("error") or {}
-        headers = (err.get("headers") or {}) if isinstance(err, dict) else {}
-        if not isinstance(err, dict) or not (
-            _has(err, "status", int)
-            and _opt(err.get("param"), str)
-            and isinstance(headers, dict)
-            and all(isinstance(k, str) and isinstance(v, str) for k, v in headers.items())
-        ):
-            return "error"
-    elif t == frames.ALIVE and not _has(frame, "e", int):
-        return "e"
-    return None
-
-
-@dataclass(slots=True)
-class Usage:
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-    prompt_tokens_details: dict[str, Any] | None = None
-    completion_tokens_details: dict[str, Any] | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        """OpenAI's ``usage`` object."""
-        out: dict[str, Any] = {
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": self.completion_tokens,
-            "total_tokens": self.total_tokens,
-        }
-        if self.prompt_tokens_details is not None:
-            out["prompt_tokens_details"] = self.prompt_tokens_details
-        if self.completion_tokens_details is not None:
-            out["completion_tokens_details"] = self.completion_tokens_details
-        return out
-
-
-class Assembled:
-    """A whole answer put together from its chunks: text, tool calls (deltas merged by
-    index), logprobs, refusal, reasoning and embeddings."""
-
-    __slots__ = ("_calls", "_embeddings", "_reasoning", "_refusal", "_text", "logprobs")
-
-    def __init__(self) -> None:
-        self._text: list[str] = []
-        self._calls: dict[int, dict[str, Any]] = {}
-        self.logprobs: dict[str, Any] | None = None
-        self._refusal: list[str] = []
-        self._reasoning: list[str] = []
-        self._embeddings: dict[int, list[float]] = {}
-
-    def add(self, c: Chunk) -> None:
-        if c.text:
-            self._text.append(c.text)
-        if c.tool_calls:
-            for d in c.tool_calls:
-                self._add_call(d)
-        if c.logprobs:
-            self._add_logprobs(c.logprobs)
-        if c.refusal:
-            self._refusal.append(c.refusal)
-        if c.reasoning:
-            self._reasoning.append(c.reasoning)
-        if c.embedding:
-            self._embeddings[int(c.embedding.get("index", 0))] = c.embedding.get("embedding") or []
-
-    def _add_call(self, d: dict[str, Any]) -> None:
-        idx = int(d.get("index", 0))
-        call = self._calls.get(idx)
-        fn = d.get("function") or {}
-        if call is None:
-            call = self._calls[idx] = {
-                "id": d.get("id") or "",
-                "type": d.get("type") or "function",
-                "function": {"name": fn.get("name") or "", "arguments": ""},
-            }
-        elif d.get("id"):
-            call["id"] = d["id"]
-        if fn.get("name") and not call["function"]["name"]:
-            call["function"]["name"] = fn["name"]
-        call["function"]["arguments"] += fn.get("arguments") or ""
-
-    def _add_logprobs(self, lp: dict[str, Any]) -> None:
-        if self.logprobs is None:
-            self.logprobs = {k: list(v) if isinstance(v, list) else v for k, v in lp.items()}
-            return
-        for k, v in lp.items():
-            have = self.logprobs.get(k)
-            if isinstance(v, list) and isinstance(have, list):
-                have.extend(v)
-            elif have is None:
-                self.logprobs[k] = list(v) if isinstance(v, list) else v
-
-    @property
-    def text(self) -> str:
-        return "".join(self._text)
-
-    @property
-    def tool_calls(self) -> list[dict[str, Any]] | None:
-        return [self._calls[k] for k in sorted(self._calls)] if self._calls else None
-
-    @property
-    def refusal(self) -> str | None:
-        return "".join(self._refusal) if self._refusal else None
-
-    @property
-    def reasoning(self) -> str | None:
-        return "".join(self._reasoning) if self._reasoning else None
-
-    @property
-    def embeddings(self) -> list[list[float]]:
-        return [self._embeddings[k] for k in sorted(self._embeddings)]
-
-
-@dataclass(slots=True)
-class Completion:
-    """A whole (non-streamed) result."""
-
-    request_id: str
-    model: str
-    text: str
-    finish_reason: str
-    usage: Usage
-    replica: str | None
-    timings: dict[str, int] = field(default_factory=dict)
-    tool_calls: list[dict[str, Any]] | None = None
-    logprobs: dict[str, Any] | None = None
-    refusal: str | None = None
-    reasoning: str | None = None
-    # The stop string that ended the answer (finish ``stop``); None when the model stopped on
-    # its own or the engine does not say.
-    stop_sequence: str | None = None
-    # The class that served it (``service_tier``: priority, default, flex).
-    service_tier: str | None = None
-
-
-@dataclass(slots=True)
-class EmbeddingResult:
-    """The answer to an embeddings request: one vector per input, in order."""
-
-    request_id: str
-    model: str
-    embeddings: list[list[float]]
-    usage: Usage
-    replica: str | None
-
-
-@dataclass(slots=True)
-class Rerun:
-    """A request run again from the start in another process because the one running it
-    died (a background response whose runner was lost before its end was kept). Its attempts
-    are numbered from ``first``; ``ticket``, the admission of the lost run's last attempt,
-    proves that attempt was admitted, so the limiter charges it what its caller got from it:
-    nothing, since the new run starts over and only its answer is given. ``on_accept(attempt,
-    ticket)`` hears each admission of this run, for the one that may run it next to keep."""
-
-    first: int = 0
-    ticket: str = ""
-    on_accept: Callable[[int, str], None] | None = None
 
 
 class Stream:
@@ -392,25 +139,15 @@ class Stream:
         self._deadline = 0.0  # absolute (time.time()), fixed at the first start
         self._started_at = 0.0  # monotonic, of the current attempt
         self.migrations = 0
-        self._got: list[str] = []  # text received so far (the resume point)
-        # Output other than answer text reached the caller (a tool-call fragment, reasoning,
-        # refusal, or an echoed prompt): the stream can no longer be resumed elsewhere.
-        self._no_resume = False
-        # The replica serving the current attempt cannot continue its answer elsewhere (an
-        # upstream that starts over instead of continuing a message): once text arrived, a
-        # cut-off stream ends with its error rather than a spliced answer.
-        self._resume_refused = False
         extra = body.get("extra")
-        self._echo = bool(body.get("echo") or (isinstance(extra, dict) and extra.get("echo")))
-        self._got_tokens = 0
-        self._resumed_tokens = 0  # tokens delivered before the current attempt
+        echo = bool(body.get("echo") or (isinstance(extra, dict) and extra.get("echo")))
+        self._delivered = ResumePoint(echo)
         self._cancelled = False
         self._no_responders = 0
         self.resends = 0  # sent again because nobody accepted it in time
         self.holds = 0  # hold frames: a stage or router said it holds the request
         self._sending = False  # an in-process sender is placing it (nothing can be lost)
         self._sent_to = ""  # the subject of the current attempt (a member's own, maybe)
-        self._next_index = 0  # chunk index expected next (per attempt)
         # Without heartbeats: frames pushed so far, and when the watchdog last saw that grow.
         self._pushed = 0
         self._seen_pushed = 0
@@ -435,14 +172,7 @@ class Stream:
         # Raises the refusal of a request too large for the model before its body is
         # uploaded (the bridge's context check), if set.
         self.before_claim: Callable[[dict[str, Any]], None] | None = None
-        # Tracing (only when on): the span this stream reports to (the bridge's server span,
-        # or one of its own), the replica span of the current attempt (from its accept frame)
-        # and of the one before (linked by the next replica), a migration not yet accepted.
-        self._span: Any = None
-        self._own_span = False
-        self._attempt_tp: str | None = None
-        self._trace_link: str | None = None
-        self._migrating: tuple[str | None, str, int] | None = None
+        self._trace = StreamTrace()  # (only when tracing is on)
 
     def rerun_of(self, rerun: Rerun) -> None:
         """Send this request as a rerun (:class:`Rerun`); before it starts."""
@@ -452,7 +182,7 @@ class Stream:
     @property
     def delivered_tokens(self) -> int:
         """Tokens of the answer received so far (every attempt's)."""
-        return self._got_tokens
+        return self._delivered.tokens
 
     @property
     def trace_id(self) -> str | None:
@@ -476,6 +206,36 @@ class Stream:
         """Publish the request (done by the first iteration if not called)."""
         if self._started:
             return
+        await self._wait_for_connection()
+        self._started = True
+        now = time.time()
+        if not self._deadline:
+            if tracing.on():
+                extra = self._trace.start(
+                    self.kind, self.model, self.request_id, self._subject, self._extra_headers or {}
+                )
+                self._extra_headers = extra or self._extra_headers
+            self._deadline = now + self._timeout
+            self._timer = asyncio.get_running_loop().call_later(self._timeout, self._on_deadline)
+        self._started_at = time.monotonic()
+        hdrs = self._attempt_headers()
+        self._client._register(self)
+        self.t_sent_ns = time.time_ns()
+        hdrs[H.T0] = str(self.t_sent_ns)
+        reply = self._client.inbox_for(self.token)
+        data = await self._encoded(hdrs)
+        if self._sender is not None:
+            await self._send_in_process(self._sender, data, hdrs, reply)
+            return
+        self._sent_to = self._client.members.subject_for(self._subject)
+        try:
+            await self._client.nc.publish(self._sent_to, data, reply=reply, headers=hdrs)
+        except Exception as exc:
+            self._finish()
+            raise E.ServiceUnavailable(f"could not publish the request to NATS: {exc}") from None
+
+    async def _wait_for_connection(self) -> None:
+        """Until the NATS connection is up, within the outage wait; else the refusal."""
         nc = self._client.nc
         if not nc.is_connected and not await self._client.connected_within(
             natsclient.outage_wait(nc, RECONNECT_WAIT_S, self._stall_wait())
@@ -488,14 +248,9 @@ class Stream:
                 "the connection to NATS is down (reconnecting); retry shortly",
                 headers={"Retry-After": "1"},
             )
-        self._started = True
-        now = time.time()
-        if not self._deadline:
-            if tracing.on():
-                self._trace_start()
-            self._deadline = now + self._timeout
-            self._timer = asyncio.get_running_loop().call_later(self._timeout, self._on_deadline)
-        self._started_at = time.monotonic()
+
+    def _attempt_headers(self) -> dict[str, str]:
+        """The headers of this attempt (a migration's or a rerun's say which, and how)."""
         hdrs = {
             H.REQUEST_ID: self.request_id,
             H.DEADLINE: str(int(self._deadline * 1000)),
@@ -509,7 +264,7 @@ class Stream:
                 hdrs[H.CLIENT_REQUEST_ID] = self.client_request_id
             if self._admission:  # proof the request was admitted: it counts once
                 hdrs[H.ADMISSION] = self._admission
-            if any(self._got):  # to a replica that continues the text it carries
+            if self._delivered.has_text:  # to a replica that continues the text it carries
                 hdrs[H.RESUME] = "1"
         if self._api_key:
             hdrs[H.API_KEY] = self._api_key
@@ -517,12 +272,13 @@ class Stream:
             hdrs[H.KEEPALIVE] = "1"
         if self._extra_headers:
             hdrs.update(self._extra_headers)
-        if self._trace_link:
-            hdrs[H.TRACE_LINK] = self._trace_link
-        self._client._register(self)
-        self.t_sent_ns = time.time_ns()
-        hdrs[H.T0] = str(self.t_sent_ns)
-        reply = self._client.inbox_for(self.token)
+        if self._trace.link:
+            hdrs[H.TRACE_LINK] = self._trace.link
+        return hdrs
+
+    async def _encoded(self, hdrs: dict[str, str]) -> bytes:
+        """The envelope as it goes on the bus (its messages by claim check when too large
+        for one message); the stream ends with the refusal when it cannot go."""
         try:
             data = bodies.encode(self._body)
             if len(data) > bodies.THRESHOLD and CLAIM not in self._body:
@@ -542,106 +298,36 @@ class Stream:
             raise E.PayloadTooLarge(
                 f"the request is {len(data)} bytes on the bus; this bus takes at most {room - 1024}"
             )
-        if self._sender is not None:
-            self._sending = True
-            try:
-                # An admission in this process (the bridge's stages and router) waits on
-                # JetStream writes that ride out a leaderless stream for up to 20 s: never
-                # past the request's own deadline, which the frames' wait keeps too.
-                left = max(0.0, self._deadline - time.time())
-                try:
-                    replica = await asyncio.wait_for(self._sender(data, hdrs, reply), left)
-                except TimeoutError:
-                    self._timed_out = True
-                    raise E.Timeout(
-                        f"no answer within the request timeout of {self._timeout:g}s"
-                    ) from None
-                if replica:  # else the accept frame names it
-                    self.replica = replica
-                    self._accepted_at = time.monotonic()
-            except BaseException:
-                # Possibly accepted by a replica after all: its accept frame gets a cancel.
-                self._client._tombstone(self.token, self.request_id)
-                self._finish()
-                raise
-            finally:
-                self._sending = False
-                self._started_at = time.monotonic()  # accepted from here on, or lost
-            return
-        self._sent_to = self._client.members.subject_for(self._subject)
+        return data
+
+    async def _send_in_process(
+        self, sender: Sender, data: bytes, hdrs: dict[str, str], reply: str
+    ) -> None:
+        """Hand the request to the in-process sender (the bridge's stages and router)."""
+        self._sending = True
         try:
-            await self._client.nc.publish(self._sent_to, data, reply=reply, headers=hdrs)
-        except Exception as exc:
+            # An admission in this process waits on JetStream writes that ride out a
+            # leaderless stream for up to 20 s: never past the request's own deadline, which
+            # the frames' wait keeps too.
+            left = max(0.0, self._deadline - time.time())
+            try:
+                replica = await asyncio.wait_for(sender(data, hdrs, reply), left)
+            except TimeoutError:
+                self._timed_out = True
+                raise E.Timeout(
+                    f"no answer within the request timeout of {self._timeout:g}s"
+                ) from None
+            if replica:  # else the accept frame names it
+                self.replica = replica
+                self._accepted_at = time.monotonic()
+        except BaseException:
+            # Possibly accepted by a replica after all: its accept frame gets a cancel.
+            self._client._tombstone(self.token, self.request_id)
             self._finish()
-            raise E.ServiceUnavailable(f"could not publish the request to NATS: {exc}") from None
-
-    def _trace_start(self) -> None:
-        """Find the span this stream reports to: the current one when the headers already
-        name it (the bridge's), else a client span of its own, the child of the traceparent
-        the caller gave (or of the current span), whose traceparent the request carries."""
-        extra = self._extra_headers or {}
-        given = extra.get(H.TRACEPARENT)
-        span = tracing.current()
-        if span is not None and given and given == tracing.traceparent(span):
-            self._span = span
-            return
-        op = tracing.operation(self.kind)
-        self._span = tracing.start(
-            f"{op} {self.model}",
-            extra,
-            kind=tracing.CLIENT,
-            attributes={
-                tracing.OPERATION: op,
-                tracing.MODEL: self.model,
-                tracing.REQUEST_ID: self.request_id,
-                tracing.MESSAGING_SYSTEM: "nats",
-                tracing.DESTINATION: self._subject,
-            },
-        )
-        self._own_span = True
-        self._extra_headers = {**extra, H.TRACEPARENT: tracing.traceparent(self._span)}
-
-    def _trace_accept(self, replica: str | None, tp: str | None) -> None:
-        """An attempt was accepted: a pending migration's event, now with where it went."""
-        self._attempt_tp = tp
-        if self._migrating is not None and self._span is not None:
-            src, reason, n = self._migrating
-            tracing.event(
-                self._span,
-                tracing.MIGRATION_EVENT,
-                {
-                    "tokenbus.from_replica": src,
-                    "tokenbus.to_replica": replica,
-                    tracing.ERROR_TYPE: reason,
-                    tracing.MIGRATIONS: n,
-                },
-            )
-        self._migrating = None
-
-    def _trace_end(self, err: BaseException | str | None) -> None:
-        """End the stream's own span (the bridge ends its server span itself)."""
-        span = self._span
-        if self._migrating is not None:
-            self._trace_accept(None, None)
-        if not self._own_span or span is None:
-            return
-        self._own_span = False
-        attrs: dict[str, Any] = {
-            tracing.REPLICA: self.replica,
-            tracing.MIGRATIONS: self.migrations or None,
-        }
-        if self.finish_reason:
-            attrs[tracing.FINISH_REASONS] = [self.finish_reason]
-            attrs[tracing.OUTCOME] = self.finish_reason
-        elif self._cancelled and err is None:
-            attrs[tracing.OUTCOME] = "cancelled"
-        elif err is None:
-            err = "failed"  # refused before it was sent (too large, the bus down)
-        if self.usage is not None:
-            attrs[tracing.INPUT_TOKENS] = self.usage.prompt_tokens
-            attrs[tracing.OUTPUT_TOKENS] = self.usage.completion_tokens
-        tracing.set_attributes(span, attrs)
-        tracing.end(span, err)
+            raise
+        finally:
+            self._sending = False
+            self._started_at = time.monotonic()  # accepted from here on, or lost
 
     def pending(self) -> int:
         """Frames already received and not yet consumed (a consumer behind may coalesce)."""
@@ -708,17 +394,13 @@ class Stream:
             frame.get("t") != frames.CHUNK
             or len(frame) > 4
             or not self.t_first_ns
-            or _bad_field(frame) is not None
+            or bad_field(frame) is not None
         ):
             return False
-        text, n = frame["d"], int(frame.get("n", 1))
-        if int(frame.get("i", 0)) != self._next_index or not sink(text):
+        text = frame["d"]
+        if int(frame.get("i", 0)) != self._delivered.next_index or not sink(text):
             return False
-        self._next_index += 1
-        self._got.append(text)
-        self._got_tokens += n
-        if self._echo:
-            self._no_resume = True
+        self._delivered.plain(text, int(frame.get("n", 1)))
         return True
 
     def _on_deadline(self) -> None:
@@ -733,152 +415,168 @@ class Stream:
         frames_ = self._frames
         while True:
             if not frames_:
-                if self._done:
-                    raise StopAsyncIteration
-                if self._timed_out:
-                    await self.aclose()
-                    raise E.Timeout(f"no answer within the request timeout of {self._timeout:g}s")
-                self._waiter = asyncio.get_running_loop().create_future()
-                try:
-                    await self._waiter
-                finally:
-                    self._waiter = None
+                await self._wait_for_frames()
                 continue
             hdrs, data = frames_.popleft()
             if not data and hdrs and hdrs.get(H.NATS_STATUS) == "503":
-                # Nobody listens (yet): nothing was done with the request, so it is safe to
-                # send again, a few times with backoff (an ingress reconnecting, restarting).
-                if self._sent_to != self._subject:  # one member's own: it left
-                    self._client.members.forget(self._sent_to)
-                if await self._resend_after_no_responders():
-                    continue
-                self._finish(E.ServiceUnavailable.code)
-                raise E.ServiceUnavailable(
-                    "no tokenbus ingress is listening on this NATS server; start the stack "
-                    "(`tokenbus up`) or the ingress service"
-                )
+                await self._on_no_responders()
+                continue
             try:
                 frame = frames.decode(data)
-                bad = _bad_field(frame)
+                bad = bad_field(frame)
             except E.TokenbusError:
                 bad = "body"
             if bad is not None:
                 # No frame of the protocol (a faulty or forged sender): this attempt cannot go
                 # on, another replica may continue it.
-                broken = E.EngineError(f"replica {self.replica} sent a malformed frame ({bad})")
-                if await self._migrate(broken):
-                    continue
-                self._finish(broken)
-                raise broken
+                await self._move_on(
+                    E.EngineError(f"replica {self.replica} sent a malformed frame ({bad})")
+                )
+                continue
             t = frame.get("t")
             if t == frames.CHUNK:
-                if not self.t_first_ns:
-                    self.t_first_ns = time.time_ns()
-                    if self._span is not None:
-                        self._span.add_event(tracing.FIRST_TOKEN)
-                text, n, i = frame["d"], int(frame.get("n", 1)), int(frame.get("i", 0))
-                if i != self._next_index:
-                    if i < self._next_index:
-                        continue  # a duplicate
-                    # Frames were lost on the way: continue after what did arrive.
-                    lost = E.ReplicaLost(f"frames of replica {self.replica} were lost")
-                    if await self._migrate(lost):
-                        continue
-                    self._finish(lost)
-                    raise lost
-                self._next_index = i + 1
-                self._got.append(text)
-                self._got_tokens += n
-                if len(frame) > 4:  # more than t, d, n, i: output beside the text
-                    c = _side_chunk(frame, text, n, i)
-                    if c.tool_calls or c.reasoning or c.refusal:
-                        self._no_resume = True
+                c = await self._on_chunk(frame)
+                if c is not None:
                     return c
-                if self._echo:
-                    self._no_resume = True
-                return Chunk(text, n, i)
-            if t == frames.ACCEPT:
-                other = frame.get("replica")
-                if self.replica and other != self.replica and self._accepted_at:
-                    # A replica that was given up on (ack timeout) started anyway: stop it.
-                    await self._client._send_cancel(
-                        str(other), self.token, self.request_id, duplicate=True
-                    )
-                    continue
-                self.replica = other
-                rid = frame.get("request_id")
-                if isinstance(rid, str) and rid and not rid.endswith(".prefill"):
-                    # The id the gateway gave the request (ingress makes its own for every
-                    # admission; the client's is a label): what its records are under.
-                    self.request_id = rid
-                self._resume_refused = bool(frame.get("nr"))
-                if frame.get("adm"):
-                    self._admission = str(frame["adm"])
-                    if self._rerun is not None and self._rerun.on_accept is not None:
-                        self._rerun.on_accept(self.migrations + self._rerun.first, self._admission)
-                if frame.get("tier"):
-                    self.service_tier = str(frame["tier"])
-                if frame.get("rl"):
-                    self.rate_limits = {
-                        k: v
-                        for k, _, v in (p.partition("=") for p in str(frame["rl"]).split(";"))
-                        if k and v
-                    }
-                self._accepted_at = time.monotonic()
-                self._heartbeat_s = float(frame.get("heartbeat_s") or 1.0)
-                if self._span is not None or "tp" in frame:
-                    self._trace_accept(other, frame.get("tp"))
-                continue
-            if t == frames.FINAL:
-                self.finish_reason = frame.get("finish_reason")
-                # Only the final frame says, so a migrated request has the last replica's.
-                self.stop_sequence = frame.get("stop_sequence")
-                source = frame.get("usage_source")
-                self.usage_source = source if isinstance(source, str) else None
-                u = frame.get("usage") or {}
-                prompt = int(u.get("prompt_tokens", 0))
-                # After a migration, the tokens of the earlier attempts count too.
-                completion = int(u.get("completion_tokens", 0)) + self._resumed_tokens
-                self.usage = Usage(
-                    prompt,
-                    completion,
-                    prompt + completion,
-                    u.get("prompt_tokens_details"),
-                    u.get("completion_tokens_details"),
-                )
-                self.timings = dict(frame.get("timings") or {})
-                self._finish()
+            elif t == frames.ACCEPT:
+                await self._on_accept(frame)
+            elif t == frames.FINAL:
+                self._on_final(frame)
                 raise StopAsyncIteration
-            if t == frames.ERROR:
-                err = E.TokenbusError.from_dict(frame.get("error") or {})
-                if err.code in MIGRATABLE and await self._migrate(err):
-                    continue
-                self._finish(err)
-                raise err
-            if t == frames.ALIVE:
-                epoch = (str(frame.get("b", "")), int(frame.get("e", 0)))
-                if self._epoch is not None and epoch != self._epoch and not self._lost:
-                    # The replica's connection broke and came back: frames may be lost.
-                    lost = E.ReplicaLost(f"replica {self.replica} reconnected")
-                    if await self._migrate(lost):
-                        continue
-                    self._finish(lost)
-                    raise lost
-                self._epoch = epoch
-                continue
-            if t == _RETRY:
-                # Not accepted: sent again (a stage or router holding it may be gone; the
-                # resend passes over queue-group members that stopped beating).
-                if self.resends < MAX_RESENDS and await self._migrate(
-                    E.ServiceUnavailable("no replica accepted the request"), count=False
-                ):
-                    self.resends += 1
-                    continue
-                self._finish(E.ServiceUnavailable.code)
-                raise E.ServiceUnavailable(
-                    "no replica accepted the request in time (the bus or a stage is failing); retry"
-                )
+            elif t == frames.ERROR:
+                await self._on_error(frame)
+            elif t == frames.ALIVE:
+                await self._on_alive(frame)
+            elif t == _RETRY:
+                await self._on_retry()
             # Unknown frame types from newer senders are skipped.
+
+    # -- one frame each -----------------------------------------------------------------------
+    async def _wait_for_frames(self) -> None:
+        """Until a frame arrives; the end when the stream is done or past its deadline."""
+        if self._done:
+            raise StopAsyncIteration
+        if self._timed_out:
+            await self.aclose()
+            raise E.Timeout(f"no answer within the request timeout of {self._timeout:g}s")
+        self._waiter = asyncio.get_running_loop().create_future()
+        try:
+            await self._waiter
+        finally:
+            self._waiter = None
+
+    async def _move_on(self, err: E.TokenbusError) -> None:
+        """Continue on another replica after ``err`` (resuming), or end the stream with it."""
+        if await self._migrate(err):
+            return
+        self._finish(err)
+        raise err
+
+    async def _on_no_responders(self) -> None:
+        """Nobody listens (yet): nothing was done with the request, so it is safe to send
+        again, a few times with backoff (an ingress reconnecting, restarting)."""
+        if self._sent_to != self._subject:  # one member's own: it left
+            self._client.members.forget(self._sent_to)
+        if await self._resend_after_no_responders():
+            return
+        self._finish(E.ServiceUnavailable.code)
+        raise E.ServiceUnavailable(
+            "no tokenbus ingress is listening on this NATS server; start the stack "
+            "(`tokenbus up`) or the ingress service"
+        )
+
+    async def _on_chunk(self, frame: dict[str, Any]) -> Chunk | None:
+        """The chunk to give, None for a duplicate or after a gap (the stream moved on)."""
+        if not self.t_first_ns:
+            self.t_first_ns = time.time_ns()
+            self._trace.first_token()
+        i, expected = int(frame.get("i", 0)), self._delivered.next_index
+        if i == expected:
+            return self._delivered.take(frame)
+        if i > expected:
+            # Frames were lost on the way: continue after what did arrive.
+            await self._move_on(E.ReplicaLost(f"frames of replica {self.replica} were lost"))
+        return None
+
+    async def _on_accept(self, frame: dict[str, Any]) -> None:
+        other = frame.get("replica")
+        if self.replica and other != self.replica and self._accepted_at:
+            # A replica that was given up on (ack timeout) started anyway: stop it.
+            await self._client._send_cancel(str(other), self.token, self.request_id, duplicate=True)
+            return
+        self.replica = other
+        rid = frame.get("request_id")
+        if isinstance(rid, str) and rid and not rid.endswith(".prefill"):
+            # The id the gateway gave the request (ingress makes its own for every
+            # admission; the client's is a label): what its records are under.
+            self.request_id = rid
+        self._delivered.resume_refused = bool(frame.get("nr"))
+        if frame.get("adm"):
+            self._admission = str(frame["adm"])
+            if self._rerun is not None and self._rerun.on_accept is not None:
+                self._rerun.on_accept(self.migrations + self._rerun.first, self._admission)
+        if frame.get("tier"):
+            self.service_tier = str(frame["tier"])
+        if frame.get("rl"):
+            self.rate_limits = {
+                k: v
+                for k, _, v in (p.partition("=") for p in str(frame["rl"]).split(";"))
+                if k and v
+            }
+        self._accepted_at = time.monotonic()
+        self._heartbeat_s = float(frame.get("heartbeat_s") or 1.0)
+        if self._trace.span is not None or "tp" in frame:
+            self._trace.accept(other, frame.get("tp"))
+
+    def _on_final(self, frame: dict[str, Any]) -> None:
+        """The end: finish reason, usage (every attempt's tokens), timings."""
+        self.finish_reason = frame.get("finish_reason")
+        # Only the final frame says, so a migrated request has the last replica's.
+        self.stop_sequence = frame.get("stop_sequence")
+        source = frame.get("usage_source")
+        self.usage_source = source if isinstance(source, str) else None
+        u = frame.get("usage") or {}
+        prompt = int(u.get("prompt_tokens", 0))
+        # After a migration, the tokens of the earlier attempts count too.
+        completion = int(u.get("completion_tokens", 0)) + self._delivered.resumed
+        self.usage = Usage(
+            prompt,
+            completion,
+            prompt + completion,
+            u.get("prompt_tokens_details"),
+            u.get("completion_tokens_details"),
+        )
+        self.timings = dict(frame.get("timings") or {})
+        self._finish()
+
+    async def _on_error(self, frame: dict[str, Any]) -> None:
+        err = E.TokenbusError.from_dict(frame.get("error") or {})
+        if err.code in MIGRATABLE:
+            await self._move_on(err)
+            return
+        self._finish(err)
+        raise err
+
+    async def _on_alive(self, frame: dict[str, Any]) -> None:
+        epoch = (str(frame.get("b", "")), int(frame.get("e", 0)))
+        if self._epoch is not None and epoch != self._epoch and not self._lost:
+            # The replica's connection broke and came back: frames may be lost.
+            await self._move_on(E.ReplicaLost(f"replica {self.replica} reconnected"))
+            return
+        self._epoch = epoch
+
+    async def _on_retry(self) -> None:
+        """Not accepted: sent again (a stage or router holding it may be gone; the resend
+        passes over queue-group members that stopped beating)."""
+        if self.resends < MAX_RESENDS and await self._migrate(
+            E.ServiceUnavailable("no replica accepted the request"), count=False
+        ):
+            self.resends += 1
+            return
+        self._finish(E.ServiceUnavailable.code)
+        raise E.ServiceUnavailable(
+            "no replica accepted the request in time (the bus or a stage is failing); retry"
+        )
 
     def _finish(self, err: BaseException | str | None = None) -> None:
         if not self._done:
@@ -887,8 +585,15 @@ class Stream:
             if self._claim is not None:
                 self._client.forget_body(self._claim)
                 self._claim = None
-            if self._span is not None:
-                self._trace_end(err)
+            if self._trace.span is not None:
+                self._trace.end(
+                    err,
+                    replica=self.replica,
+                    migrations=self.migrations,
+                    finish_reason=self.finish_reason,
+                    cancelled=self._cancelled,
+                    usage=self.usage,
+                )
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
@@ -906,22 +611,15 @@ class Stream:
             or (count and self.migrations >= MAX_MIGRATIONS)
             or time.time() >= self._deadline - 0.05
             # Only answer text can be resumed: a tool call, reasoning or refusal half sent
-            # cannot be continued elsewhere (nor an answer that echoes its prompt).
-            or self._no_resume
-            # Nor text from a replica that said its engine would start over.
-            or (self._resume_refused and any(self._got))
+            # cannot be continued elsewhere (nor an answer that echoes its prompt), nor text
+            # from a replica that said its engine would start over.
+            or not self._delivered.movable
         ):
             return False
         if count:
             self.migrations += 1
         old_token, old_replica = self.token, self.replica
-        # The next replica's span links the one that served this attempt (when it traces).
-        served = self._attempt_tp
-        self._trace_link = served or self._trace_link
-        self._attempt_tp = None
-        if self._span is not None and count:
-            self._migrating = (old_replica, err.code, self.migrations)
-            tracing.link(self._span, served, {"tokenbus.link": "migrated_from"})
+        self._trace.moved(old_replica, err.code, self.migrations, count=count)
         self._client._unregister(self)
         if old_replica:  # if it is alive after all, it must stop
             # A resend (``count`` False: nothing of it was read) cancels a duplicate: its
@@ -937,20 +635,14 @@ class Stream:
         self.replica = None
         self._accepted_at = 0.0
         self._lost = False
-        self._next_index = 0
         self._epoch = None
         # Frames of the old attempt still queued here are dropped.
         self._frames.clear()
-        since, self._resumed_tokens = self._resumed_tokens, self._got_tokens
+        resume = self._delivered.next_attempt()
         # In place: an in-process sender (the bridge) holds this very envelope. Embeddings
-        # start over (the caller keeps them by index). ``since``: what the attempt moved
-        # from began with, so its limiter charges it only what it delivered itself.
+        # start over (the caller keeps them by index).
         if self.kind != subjects.KIND_EMBEDDINGS:
-            self._body["resume"] = {
-                "text": "".join(self._got),
-                "tokens": self._got_tokens,
-                "since": since,
-            }
+            self._body["resume"] = resume
         self._started = False
         self._client.log_migration(self, err)
         return await self._restart()
@@ -1172,7 +864,7 @@ class Caller:
                     # Nothing of this attempt read yet: a copy whose report leaves the spend
                     # to the one that is read (a later attempt's, or its supersede's).
                     await self._send_cancel(
-                        s.replica, s.token, s.request_id, duplicate=s._next_index == 0
+                        s.replica, s.token, s.request_id, duplicate=s._delivered.next_index == 0
                     )
             for rid, (last, interval) in list(self._beats.items()):
                 if now - last > max(60.0, interval * MISSED_BEATS * 10):

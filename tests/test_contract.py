@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+from dataclasses import fields
+
 import pytest
 
 from bus_schemas import codec, frames, subjects
 from bus_schemas import errors as E
 from bus_schemas.export import SCHEMA_DIR, render, schemas
-from bus_schemas.messages import ChatCompletionRequest, CompletionRequest, FinalFrame, Heartbeat
+from bus_schemas.messages import (
+    ChatCompletionRequest,
+    ChunkFrame,
+    CompletionRequest,
+    FinalFrame,
+    Heartbeat,
+)
+from bus_schemas.side_outputs import GENERATION, SIDE_OUTPUTS, WIRE_KEYS
 from gateway.validation import envelope
 
 pytestmark = pytest.mark.unit
@@ -115,6 +124,18 @@ def test_stream_frames() -> None:
     assert FinalFrame.model_validate(f).stop_sequence == "\n\n"
     b = frames.decode(frames.batch([("a", b"x"), ("b", b"y")]))
     assert b["t"] == frames.BATCH and [tuple(i) for i in b["f"]] == [("a", b"x"), ("b", b"y")]
+
+
+def test_the_side_outputs_table_names_the_fields_that_carry_them() -> None:
+    """Each side output of bus_schemas.side_outputs is a chunk frame key, a field of the
+    caller's chunk and (a generation's) of a backend's delta, in the table's order."""
+    from engine_worker.backends.base import Delta
+    from services.chunks import Chunk
+
+    names = [s.name for s in SIDE_OUTPUTS]
+    assert [k for k in ChunkFrame.model_fields if k not in ("t", "d", "n", "i")] == [*WIRE_KEYS]
+    assert [f.name for f in fields(Chunk)][3:] == names
+    assert [f.name for f in fields(Delta) if f.name in names] == [s.name for s in GENERATION]
 
 
 def test_openai_requests_validate_like_openai() -> None:

@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 from bus_schemas import errors as E
+from bus_schemas.side_outputs import REASONING, REFUSAL, TOOL_CALLS
 from dialects.responses.translation import Turn
 from services.caller import Chunk, Usage
 
@@ -337,7 +338,7 @@ class ResponseBuilder:
         self._buf.append(text)
         self._ev(
             out,
-            "response.reasoning_text.delta",
+            REASONING.responses,
             item_id=self._item_id,
             output_index=self._index,
             content_index=self._ci,
@@ -394,7 +395,7 @@ class ResponseBuilder:
         self._buf.append(text)
         self._ev(
             out,
-            "response.refusal.delta",
+            REFUSAL.responses,
             item_id=self._item_id,
             output_index=self._index,
             content_index=self._ci,
@@ -448,7 +449,7 @@ class ResponseBuilder:
             self._buf.append(args)
             self._ev(
                 out,
-                "response.function_call_arguments.delta",
+                TOOL_CALLS.responses,
                 item_id=item["id"],
                 output_index=self._index,
                 delta=args,

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from bus_schemas import errors as E
+from bus_schemas.side_outputs import REASONING, REFUSAL
 from dialects.responses.request import (
     BUILT_IN_TOOLS,
     ENCRYPTED_REASONING_INCLUDE,
@@ -177,7 +178,7 @@ class _Messages:
 
     def add(self, msg: dict[str, Any]) -> None:
         if msg["role"] == "assistant" and self.reasoning:
-            msg["reasoning_content"] = "".join(self.reasoning)
+            msg[REASONING.chat] = "".join(self.reasoning)
             self.reasoning = []
         self.out.append(msg)
         self._open_assistant = msg if msg["role"] == "assistant" else None
@@ -245,7 +246,7 @@ def to_messages(
                 if len(content) == sum(c["type"] in ("text", "refusal") for c in content):
                     msg = {"role": role, "content": text or None}
                     if refusal:
-                        msg["refusal"] = refusal
+                        msg[REFUSAL.chat] = refusal
             msgs.add(msg)
             stored.append(_stored_message(item, role))
         elif kind in ("function_call", "custom_tool_call"):  # kind may be a list

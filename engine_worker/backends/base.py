@@ -9,6 +9,7 @@ from typing import Any, Protocol
 
 from bus_schemas import errors as E
 from bus_schemas.messages import FILL_CONTEXT, render_prompt
+from bus_schemas.side_outputs import GENERATION, carries
 
 # What a backend may serve; a worker announces its list in every heartbeat and the router
 # sends a request only to replicas that serve its kind.
@@ -123,6 +124,9 @@ class GenerationRequest:
                 )
 
 
+_carries_side = carries(GENERATION)
+
+
 @dataclass(slots=True)
 class Delta:
     """New output: text and how many tokens it holds. The last one has ``finish_reason``.
@@ -160,12 +164,7 @@ class Delta:
     @property
     def has_side(self) -> bool:
         """Whether the delta carries output beside its text."""
-        return (
-            self.tool_calls is not None
-            or self.logprobs is not None
-            or self.refusal is not None
-            or self.reasoning is not None
-        )
+        return _carries_side(self)
 
 
 @dataclass(slots=True)

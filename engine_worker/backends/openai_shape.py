@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from bus_schemas.side_outputs import GENERATION
 from engine_worker.backends.base import Delta, GenerationRequest
 
 # The finish reasons passed on as they are; any other becomes "stop".
@@ -51,26 +52,26 @@ def choice_delta(choice: dict[str, Any], tokens: int) -> Delta:
     """A streamed choice's output (chat ``delta`` or completion ``text``) as a delta of
     ``tokens`` tokens."""
     text = choice.get("text")  # text completions
-    tool_calls = refusal = reasoning = None
+    delta = None
     if text is None:
         delta = choice.get("delta") or {}
         text = delta.get("content")
-        tool_calls = delta.get("tool_calls") or None
-        refusal = delta.get("refusal") or None
-        reasoning = delta.get("reasoning_content") or delta.get("reasoning") or None
-    return Delta(
-        text or "",
-        tokens,
-        tool_calls=tool_calls,
-        logprobs=choice.get("logprobs") or None,
-        refusal=refusal,
-        reasoning=reasoning,
-    )
+    side: dict[str, Any] = {}
+    for s in GENERATION:
+        if s.choice:  # on the choice, chat or text completion
+            value = choice.get(s.choice)
+        elif delta is not None and s.chat:  # in a chat delta, by any name
+            value = next((delta[k] for k in (s.chat, *s.chat_aliases) if delta.get(k)), None)
+        else:
+            continue
+        if value:
+            side[s.name] = value
+    return Delta(text or "", tokens, **side)
 
 
 def has_output(d: Delta) -> bool:
     """Whether ``d`` carries anything for the caller."""
-    return bool(d.text or d.tool_calls or d.refusal or d.reasoning or d.logprobs)
+    return bool(d.text) or any(getattr(d, s.name) for s in GENERATION)
 
 
 def usage_details(usage: dict[str, Any] | None) -> dict[str, Any] | None:
