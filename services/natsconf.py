@@ -561,6 +561,46 @@ def generate(
     return conf, secrets_file
 
 
+def write_node_configs(
+    include: Path,
+    addrs: list[str],
+    ports: list[int],
+    cluster_ports: list[int],
+    stores: list[Path],
+    *,
+    cluster: str = "tokenbus",
+    monitor_ports: list[int] | None = None,
+) -> list[Path]:
+    """One config per node of a cluster, beside ``include`` (the locked config
+    :func:`generate` wrote: same accounts, role passwords and callout issuer), each adding
+    its server name, listen address, monitoring port (``monitor_ports``), JetStream store and,
+    with more than one node, the cluster block routing to every node (routes carry no auth:
+    loopback or a test's own network namespaces only). Keys after the include override its
+    own (listen, jetstream). The nemesis' cluster and the tests' locked cluster use it."""
+    routes = ", ".join(
+        json.dumps(f"nats://{a}:{p}") for a, p in zip(addrs, cluster_ports, strict=True)
+    )
+    confs = []
+    for i, addr in enumerate(addrs):
+        conf = include.parent / f"node{i}.conf"
+        text = (
+            f"include {json.dumps(include.name)}\n"
+            f"server_name: node{i}\n"
+            f"listen: {json.dumps(f'{addr}:{ports[i]}')}\n"
+        )
+        if monitor_ports is not None:
+            text += f"http: {json.dumps(f'{addr}:{monitor_ports[i]}')}\n"
+        text += f"jetstream {{ store_dir: {json.dumps(str(stores[i]))} }}\n"
+        if len(addrs) > 1:
+            text += (
+                f"cluster {{ name: {cluster}, listen: "
+                f"{json.dumps(f'{addr}:{cluster_ports[i]}')}, routes: [{routes}] }}\n"
+            )
+        conf.write_text(text)
+        confs.append(conf)
+    return confs
+
+
 def worker_hosts_of(folder: Path) -> tuple[dict[str, list[str]], list[str]]:
     """(each GPU host's replica ids, the hosts revoked) of a generated config folder."""
     path = folder / WORKER_HOSTS_FILE

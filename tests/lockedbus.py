@@ -21,7 +21,7 @@ import nats
 from nats.aio.client import Client as NATS
 
 from auth.store import BUCKET, KeyStore
-from services.natsconf import generate, role_env, role_login
+from services.natsconf import generate, role_env, role_login, write_node_configs
 from services.runtime import servers
 from tests.netns import Host
 from tests.support import waits
@@ -89,24 +89,14 @@ class LockedCluster:
         self.cports = [free_port() for _ in range(n)]
         self.mports = [free_port() for _ in range(n)]
         self.conf, self.users = generate(folder, port=self.ports[0], callout=True)
-        routes = ", ".join(
-            json.dumps(f"nats://{a}:{p}") for a, p in zip(self.addrs, self.cports, strict=True)
+        self.confs = write_node_configs(
+            self.conf,
+            self.addrs,
+            self.ports,
+            self.cports,
+            [folder / f"jetstream-{i}" for i in range(n)],
+            monitor_ports=self.mports,
         )
-        self.confs: list[Path] = []
-        for i, addr in enumerate(self.addrs):
-            port, cport = self.ports[i], self.cports[i]
-            conf = folder / f"node{i}.conf"
-            # Later keys override the included ones (listen, jetstream).
-            conf.write_text(
-                f"include {json.dumps(self.conf.name)}\n"
-                f"server_name: node{i}\n"
-                f"listen: {json.dumps(f'{addr}:{port}')}\n"
-                f"http: {json.dumps(f'{addr}:{self.mports[i]}')}\n"
-                f"jetstream {{ store_dir: {json.dumps(str(folder / f'jetstream-{i}'))} }}\n"
-                f"cluster {{ name: tokenbus, listen: {json.dumps(f'{addr}:{cport}')}, "
-                f"routes: [{routes}] }}\n"
-            )
-            self.confs.append(conf)
         self.procs: list[subprocess.Popen[bytes]] = []
 
     def url(self, i: int) -> str:

@@ -5,7 +5,6 @@ restartable, its JetStream store copied aside at a sync point and put back after
 from __future__ import annotations
 
 import contextlib
-import json
 import shutil
 import signal
 import subprocess
@@ -28,7 +27,7 @@ class Cluster:
     node's JetStream store in a folder of its own, with a copy taken at each sync point."""
 
     def __init__(self, folder: Path, n: int, hosts: Hosts | None) -> None:
-        from services.natsconf import generate
+        from services.natsconf import generate, write_node_configs
 
         self.folder = folder
         self.hostset = hosts
@@ -37,26 +36,10 @@ class Cluster:
         self.ports = [free_port() for _ in range(n)]
         cports = [free_port() for _ in range(n)]
         self.conf, self.users = generate(folder, port=self.ports[0], callout=True)
-        routes = ", ".join(
-            json.dumps(f"nats://{a}:{p}") for a, p in zip(self.addrs, cports, strict=True)
-        )
-        self.confs: list[Path] = []
         self.stores = [folder / f"jetstream-{i}" for i in range(n)]
-        for i, addr in enumerate(self.addrs):
-            conf = folder / f"node{i}.conf"
-            cluster = (
-                f"cluster {{ name: nemesis, listen: {json.dumps(f'{addr}:{cports[i]}')}, "
-                f"routes: [{routes}] }}\n"
-                if n > 1
-                else ""
-            )
-            conf.write_text(
-                f"include {json.dumps(self.conf.name)}\n"
-                f"server_name: node{i}\n"
-                f"listen: {json.dumps(f'{addr}:{self.ports[i]}')}\n"
-                f"jetstream {{ store_dir: {json.dumps(str(self.stores[i]))} }}\n" + cluster
-            )
-            self.confs.append(conf)
+        self.confs = write_node_configs(
+            self.conf, self.addrs, self.ports, cports, self.stores, cluster="nemesis"
+        )
         self.procs: list[subprocess.Popen[bytes] | None] = [None] * n
 
     def url(self, i: int) -> str:
