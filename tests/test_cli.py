@@ -482,7 +482,8 @@ def test_up_refuses_a_taken_bridge_port(tmp_path: Path) -> None:
 
 @pytest.mark.stack
 async def test_a_child_exiting_with_a_fatal_code_stops_its_supervisor(tmp_path: Path) -> None:
-    from tokenbus.launcher import Child, Supervisor, supervise_until_signalled
+    from services.supervisor import Child, Supervisor
+    from tokenbus.launcher import supervise_until_signalled
 
     sup = Supervisor(tmp_path, backoff_s=0.1, echo=False, fatal_codes={2})
     refuse = "import sys; print('error: port taken', file=sys.stderr); sys.exit(2)"

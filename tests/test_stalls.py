@@ -30,6 +30,7 @@ from bus_schemas import headers as H
 from services import buckets, caller, members, natsclient, runtime
 from services.natsconf import role_login
 from services.runtime import connect
+from services.supervisor import Child, Supervisor
 from tests import netns
 from tests.lockedbus import UNLIMITED, LockedCluster, create_key
 from tests.lockedbus import wait_replicas as wait_cluster_replicas
@@ -40,7 +41,6 @@ from tests.support.ports import free_port
 from tests.support.procs import Procs, start_stack
 from tests.support.waits import wait_for, wait_replicas
 from tokenbus import Client
-from tokenbus.launcher import Child, Supervisor
 
 PROMPT: Any = [{"role": "user", "content": "a stall"}]
 # Sim workers that stream at a pace a fault can land in the middle of.

@@ -420,7 +420,8 @@ async def _serve(a: argparse.Namespace, s: cfgmod.Settings) -> int:
 async def _serve_bridge_processes(a: argparse.Namespace, s: cfgmod.Settings) -> int:
     from pathlib import Path
 
-    from tokenbus.launcher import Supervisor, bridge_children, supervise_until_signalled
+    from services.supervisor import Supervisor
+    from tokenbus.launcher import bridge_children, supervise_until_signalled
 
     # A log of this command's own per process (``bridge-<port>-<i>.log``), apart from the
     # ``bridge-<i>.log`` of a `tokenbus up` in the same data folder.

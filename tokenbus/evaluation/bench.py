@@ -69,7 +69,7 @@ async def main(a: argparse.Namespace, s: Settings) -> int:
     progress = not a.no_progress and sys.stderr.isatty()
     sup = nats = None
     if a.spawn:
-        from tokenbus.launcher import Supervisor
+        from services.supervisor import Supervisor
 
         sup = Supervisor(Path(tempfile.mkdtemp(prefix="tokenbus-bench-logs-")), echo=False)
         try:

@@ -135,7 +135,8 @@ async def _spawn_on(
     """The rest of :func:`spawn_stack`, once its nats-server is started: the stack's
     processes, the engine server and the peers (``ports``: nats, bridge, engine server)."""
     from services.natsconf import role_login
-    from tokenbus.launcher import Child, as_role, bridge_children, cli_argv, port_open
+    from services.supervisor import Child
+    from tokenbus.launcher import as_role, bridge_children, cli_argv, port_open
 
     nats_port, bridge_port, direct_port = ports
     for _ in range(100):
@@ -299,7 +300,7 @@ async def spawned(
     """:func:`spawn_stack` under a supervisor of its own, ``env`` in the environment its
     children start with: (targets, supervisor). Every child is stopped on the way out, and
     after a start that failed, whose logs are named."""
-    from tokenbus.launcher import Supervisor
+    from services.supervisor import Supervisor
 
     sup = Supervisor(Path(tempfile.mkdtemp(prefix=logs)), echo=False)
     with environ(env or {}):

@@ -124,7 +124,8 @@ async def _index_metrics(url: str) -> dict[str, float]:
 
 
 async def _one(a: argparse.Namespace, policy: str, sessions: int) -> dict[str, Any]:
-    from tokenbus.launcher import Child, cli_argv
+    from services.supervisor import Child
+    from tokenbus.launcher import cli_argv
 
     b = argparse.Namespace(**vars(a))
     b.__dict__.update(
