@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from nats.aio.msg import Msg
@@ -15,32 +16,22 @@ from bus_schemas import kv_events as KV
 from engine_worker.backends.base import KVEventSource
 
 
+@dataclass(eq=False)
 class KVPublisher:
     """The events of one engine's prefix cache (one that reports itself, such as the sim
     with ``kv_cache_blocks``), published for the routers' KV indexes."""
 
-    def __init__(
-        self,
-        nc: Any,
-        source: KVEventSource,
-        *,
-        model: str,
-        replica: str,
-        boot: str,
-        interval_s: float,
-        own_reply: Callable[[Msg], str | None],
-    ) -> None:
-        self.nc = nc
-        self.source = source
-        self.model = model
-        self.replica = replica
-        self.boot = boot
-        self.interval_s = interval_s
-        self._own_reply = own_reply
-        self._sub: Any = None
-        self._task: asyncio.Task[None] | None = None
-        self._wake = asyncio.Event()
-        self._closing = False
+    nc: Any
+    source: KVEventSource
+    model: str
+    replica: str
+    boot: str
+    interval_s: float  # how long events are gathered into one publication (0: a loop turn)
+    own_reply: Callable[[Msg], str | None]  # a snapshot request's reply, if from a role
+    _sub: Any = field(default=None, init=False)
+    _task: asyncio.Task[None] | None = field(default=None, init=False)
+    _wake: asyncio.Event = field(default_factory=asyncio.Event, init=False)
+    _closing: bool = field(default=False, init=False)
 
     async def start(self) -> None:
         """Publish the engine's KV events and answer snapshot requests from now on."""
@@ -90,7 +81,7 @@ class KVPublisher:
         """Answer a snapshot request (whatever its body) with the cache as it is now, in as
         many pages as it takes, all built at this instant."""
         kv = self.source
-        if not self._own_reply(msg):
+        if not self.own_reply(msg):
             return
         seq, blocks = kv.snapshot()
         pages = KV.snapshot_pages(
