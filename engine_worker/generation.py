@@ -30,7 +30,7 @@ class Generation:
     ticket: Ticket | None = None  # its place in the flow control (engine_worker/flow.py)
     usage_source: str | None = None  # where prompt_tokens came from, if not the engine
     reported: bool = False  # its usage report and record left ahead of its final frame
-    duplicate: bool = False  # a copy its caller cancelled unread (see Admission.on_cancel)
+    duplicate: bool = False  # a copy its caller cancelled unread (see Intake.on_cancel)
     # The output filter's policy the filter stage put in the envelope, checked once.
     policy: FilterPolicy | None = None
     # The router's predicted cached prompt tokens and its id (Tb-Kv-Predicted), if any.
