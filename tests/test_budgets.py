@@ -628,14 +628,14 @@ async def test_a_copy_its_caller_cancelled_unread_says_so_in_its_report(
     hdrs = {H.RATELIMIT: "0,40,w,lim", H.SPEND: ratelimit.spend_header("m", hold)}
     async with stack(nats_server.url, model, workers=1) as svcs:
         w = svcs["workers"][0]
-        finish = w._finish
+        finish = w.runner.finish
         ended: list[Any] = []
 
         async def spy(gen: Any) -> None:
             await finish(gen)
             ended.append(gen)
 
-        w._finish = spy  # type: ignore[method-assign]
+        w.runner.finish = spy  # type: ignore[method-assign]
         for dup in (True, False):
             ended.clear()
             stream = client.chat(model, MSG, max_tokens=100_000)
@@ -651,7 +651,7 @@ async def test_a_copy_its_caller_cancelled_unread_says_so_in_its_report(
             (gen,) = ended
             assert gen.duplicate is dup
             gen.headers = dict(hdrs)  # as a limiter admitted it, with a hold
-            subject, data = w._report_of(gen) or ("", b"")
+            subject, data = w.accounting.report_of(gen) or ("", b"")
             body = codec.decode_map(data)
             assert "spend" in body and subject == subjects.usage_spend("lim")
             assert body.get("dup") == (w.replica if dup else None)

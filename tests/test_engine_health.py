@@ -16,7 +16,7 @@ import nats
 import pytest
 
 from bus_schemas import codec, subjects
-from engine_worker.worker import ENGINE_FAILED_EXIT
+from engine_worker.health import ENGINE_FAILED_EXIT
 from services.runtime import check_health
 from tests.support.procs import Procs, ProcStack, start_stack
 from tests.support.waits import wait_for

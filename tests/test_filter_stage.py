@@ -9,7 +9,7 @@ import pytest
 
 from bus_schemas import errors as E
 from engine_worker.backends.sim import expected_text
-from engine_worker.worker import output_flags, output_scanner
+from filter.output_gate import output_flags, output_scanner
 from filter.policy import FilterPolicy
 from filter.scanner import Scanner
 from tests.support.inprocess import stack

@@ -1,0 +1,59 @@
+"""A worker's heartbeats: when it beats (at the full rate while it serves or drains, slower
+when idle, at once when an idle replica takes a request), and the keepalive frames for the
+streams whose callers cannot see heartbeats."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import TYPE_CHECKING
+
+from bus_schemas import codec, frames, subjects
+
+if TYPE_CHECKING:
+    from engine_worker.worker import Worker
+
+
+class Heartbeats:
+    """The beats of one replica; what a beat says is :meth:`Worker.heartbeat_body`."""
+
+    def __init__(self, worker: Worker) -> None:
+        self.w = worker
+        self.seq = 0  # the beat's number
+        self.busy = asyncio.Event()  # set when an idle replica takes a request: beat now
+        # Streams whose callers cannot see heartbeats (Tb-Keepalive): reply -> None.
+        self.keepalive: dict[str, None] = {}
+
+    def interval(self) -> float:
+        """Seconds to the next heartbeat: the full rate while any request is in flight (its
+        caller watches the beats) or while draining, slower when idle."""
+        cfg = self.w.cfg
+        fast = float(cfg.heartbeat_interval_s)
+        if self.w._active or self.w.draining:
+            return fast
+        return fast * float(cfg.idle_heartbeat_factor)
+
+    async def beat(self) -> None:
+        """Publish a heartbeat now."""
+        w = self.w
+        if w.failure is not None:  # given up (a second process of its id, or its engine
+            return  # failed after its last beat said so): the id's beats are not its own
+        with contextlib.suppress(Exception):
+            await w.nc.publish(
+                subjects.heartbeat(w.model, w.replica), codec.encode(w.heartbeat_body())
+            )
+
+    async def run(self) -> None:
+        """Beat until cancelled; before each beat, check the engine's health."""
+        w = self.w
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.busy.wait(), self.interval())
+            self.busy.clear()
+            await w.health.check()
+            await self.beat()
+            if self.keepalive:
+                # Through the outbox: behind the chunks already queued for each stream.
+                frame = frames.alive(w.boot, w.reconnects)
+                for reply in list(self.keepalive):
+                    w.outbox.send(reply, frame)
