@@ -15,6 +15,7 @@ from nats.aio.msg import Msg
 from bus_schemas import errors as E
 from bus_schemas import frames, marks, subjects
 from bus_schemas import headers as H
+from bus_schemas.side_outputs import EMBEDDING, GENERATION
 from engine_worker import spans, tickets
 from engine_worker.backends.base import Delta, DeltaStream, GenerationRequest
 from engine_worker.generation import Generation
@@ -25,17 +26,18 @@ if TYPE_CHECKING:
     from engine_worker.worker import Worker
 
 
+# (field of a delta, key in a chunk frame) of each output beside the text, in wire order.
+_SIDE = tuple((s.name, s.wire) for s in GENERATION)
+
+
 def _side(d: Delta) -> dict[str, Any]:
-    """A delta's output beside its text, under the chunk frame's wire keys."""
+    """A delta's output beside its text, under the chunk frame's wire keys
+    (bus_schemas/side_outputs.py)."""
     side: dict[str, Any] = {}
-    if d.tool_calls is not None:
-        side["tc"] = d.tool_calls
-    if d.logprobs is not None:
-        side["lp"] = d.logprobs
-    if d.refusal is not None:
-        side["rf"] = d.refusal
-    if d.reasoning is not None:
-        side["rs"] = d.reasoning
+    for name, wire in _SIDE:
+        value = getattr(d, name)
+        if value is not None:
+            side[wire] = value
     return side
 
 
@@ -221,7 +223,7 @@ class RequestRunner:
         gen.first_ns = marks.now_ns()
         send, reply = self.w.outbox.send, gen.reply
         for i, vec in enumerate(result.vectors):
-            send(reply, frames.chunk("", 0, i, {"em": {"index": i, "embedding": vec}}))
+            send(reply, frames.chunk("", 0, i, {EMBEDDING.wire: {"index": i, "embedding": vec}}))
         self._final_frame(gen, Delta("", 0, "stop", result.prompt_tokens, 0), "stop", None)
 
     async def _relay(self, gen: Generation, stream: DeltaStream) -> None:

@@ -115,11 +115,11 @@ class Worker(Service):
             self.endpoints = list(self.backend.endpoints())
         # A queue group of its own: should two processes serve the id for a moment (one
         # that was cut off comes back), each request still goes to one of them.
-        await self.add_endpoint(
+        replica = self.add_group(queue_group=f"replica.{self.replica}")
+        await replica.add(
             "generate",
-            subjects.engine_generate(self.model, self.replica),
             self.runner.handle,
-            queue=f"replica.{self.replica}",
+            subject=subjects.engine_generate(self.model, self.replica),
         )
         self._cancel_sub = await self.nc.subscribe(
             subjects.worker_cancel(self.replica), cb=self.intake.on_cancel

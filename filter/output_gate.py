@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
+from bus_schemas.side_outputs import LOGPROBS, REASONING, REFUSAL, TOOL_CALLS
 from filter.policy import FilterPolicy
 from filter.scanner import Scanner, StreamOutput, StreamScanner
 from services.caller import Assembled, Chunk
@@ -115,14 +116,14 @@ class OutputGate:
             fn = call["function"]
             fn["arguments"] = self._scan_whole(scanner, fn["arguments"])
         if calls and not self.blocked:
-            side["tc"] = [{"index": i, **c} for i, c in enumerate(calls)]
-        for key, text in (("rf", held.refusal), ("rs", held.reasoning)):
+            side[TOOL_CALLS.wire] = [{"index": i, **c} for i, c in enumerate(calls)]
+        for key, text in ((REFUSAL.wire, held.refusal), (REASONING.wire, held.reasoning)):
             if text and not self.blocked:
                 side[key] = self._scan_whole(scanner, text)
         if self.blocked:
             return None
         if held.logprobs is not None and not self.scan.findings and not self._changed:
-            side["lp"] = held.logprobs
+            side[LOGPROBS.wire] = held.logprobs
         return side or None
 
     def _scan_whole(self, scanner: Scanner, text: str) -> str:
