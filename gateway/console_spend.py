@@ -9,9 +9,10 @@ that a month of 10 000 keys is a page of rows and a chart of nine series, not ev
 - one key alone (``key``): its rows, its series and its totals (the budget lines' view).
 
 The export (CSV) is the read's every row per bucket, key and model: :meth:`Usage.csv_chunks`.
-A :class:`Summaries` cache keeps each read's summary :data:`CACHE_S` seconds, per period,
-bucket and set of keys a session may see, bounded by :data:`CACHE_ROWS` rows in all: the
-stream's read is most of a request's time (docs/console.md, "Speed").
+A :class:`Summaries` cache keeps a read's summary :data:`CACHE_S` seconds, per period, bucket
+and set of keys a session may see, where making it was slow, bounded by :data:`CACHE_ROWS`
+rows in all: reading and decoding the stream is most of a request's time (docs/console.md,
+"Speed"), and the page's paging, measure and key filter reuse one read.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from gateway.console_usage import FIELDS, Sums, Usage, as_nums
 TOP_KEYS = 8
 OTHERS = "(others)"  # not a key id: those are 12 hex digits
 MEASURES = ("cost_usd", "tokens", "requests")
-CACHE_S = 10.0
+CACHE_S = 5.0
+CACHE_MIN_S = 0.2  # a summary made faster than this is not kept: the page shows the newest
 CACHE_ROWS = 400_000  # rows (bucket, key, model) kept in all; a larger read is not kept
 
 
@@ -128,12 +130,16 @@ class Summary:
 
 
 class Summaries:
-    """Summaries kept :data:`CACHE_S` seconds per (period, bucket, visible keys), at most
-    :data:`CACHE_ROWS` rows in all; requests for one that is being made wait for it."""
+    """Summaries kept :data:`CACHE_S` seconds per (period, bucket, visible keys) where one
+    took :data:`CACHE_MIN_S` or more to make, at most :data:`CACHE_ROWS` rows in all;
+    requests for one that is being made wait for it."""
 
-    def __init__(self, ttl_s: float = CACHE_S, max_rows: int = CACHE_ROWS) -> None:
+    def __init__(
+        self, ttl_s: float = CACHE_S, max_rows: int = CACHE_ROWS, min_s: float = CACHE_MIN_S
+    ) -> None:
         self.ttl_s = ttl_s
         self.max_rows = max_rows
+        self.min_s = min_s
         self._kept: dict[Hashable, Summary] = {}
         self._making: dict[Hashable, asyncio.Future[Summary]] = {}
 
@@ -160,7 +166,8 @@ class Summaries:
         finally:
             del self._making[key]
         fut.set_result(got)
-        self._keep(key, got)
+        if time.monotonic() - now >= self.min_s:
+            self._keep(key, got)
         return got
 
     def _keep(self, key: Hashable, got: Summary) -> None:
