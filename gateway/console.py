@@ -392,7 +392,7 @@ class Console:
                 since,
                 console_usage.BUCKETS[bucket],
                 lambda m: router.routing_for(m).price if m else None,
-                (lambda k: True) if mine is None else (lambda k: k in mine),
+                None if mine is None else mine.__contains__,
             )
             usage.truncated = truncated
             return console_spend.Summary.of(usage)

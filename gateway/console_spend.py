@@ -71,8 +71,14 @@ class Summary:
         pairs: dict[tuple[str, str], list[float]] = {}
         for (t, k, m), s in usage.rows.items():
             _acc(pairs, (k, m), s)
-            _acc(out.by_key, k, s)
             _acc(out.per_t, t, s)
+        for (k, _m), a in pairs.items():
+            b = out.by_key.get(k)
+            if b is None:
+                out.by_key[k] = list(a)
+            else:
+                for i, v in enumerate(a):
+                    b[i] += v
         out.table = [(k, m, a) for (k, m), a in pairs.items()]
         out.table.sort(key=lambda r: (-r[2][3], -r[2][0], r[0], r[1]))
         return out

@@ -104,15 +104,18 @@ def summarize(
     since: float,
     bucket_s: int,
     price: Callable[[str], PriceSettings | None],
-    keep: Callable[[str], bool] = lambda _k: True,
+    keep: Callable[[str], bool] | None = None,
 ) -> Usage:
-    """Sum records into buckets; each request once (its record with the most tokens)."""
+    """Sum records into buckets; each request once (its record with the most tokens). Only
+    the keys ``keep`` says yes to (all where it is None)."""
     best: dict[str, tuple[int, str, str, int, int]] = {}
     n = 0
     for r in recs:
         n += 1
         rid, key = r.get("request_id"), r.get("principal") or ""
-        if not isinstance(rid, str) or not isinstance(key, str) or not keep(key):
+        if not isinstance(rid, str) or not isinstance(key, str):
+            continue
+        if keep is not None and not keep(key):
             continue
         ts = int(r.get("ts_ns") or 0) // 1_000_000_000
         if ts < since:
@@ -122,11 +125,15 @@ def summarize(
         if seen is None or p + c > seen[3] + seen[4] or (not seen[1] and key):
             best[rid] = (ts, key or (seen[1] if seen else ""), str(r.get("model") or ""), p, c)
     out = Usage(since=since, bucket_s=bucket_s, records=n)
+    rows = out.rows
     prices: dict[str, PriceSettings | None] = {}  # a model's price, looked up once a read
     for ts, key, model, p, c in best.values():
         if model not in prices:
             prices[model] = price(model)
-        row = out.rows.setdefault((ts - ts % bucket_s, key or "(none)", model), zero())
+        at = (ts - ts % bucket_s, key or "(none)", model)
+        row = rows.get(at)
+        if row is None:
+            row = rows[at] = zero()
         row["requests"] += 1
         row["prompt_tokens"] += p
         row["completion_tokens"] += c

@@ -518,5 +518,11 @@ function stopFeed() {
   if (state.feed) { state.feed.close(); state.feed = null; }
 }
 
+// A page left (reloaded, navigated away, kept in the back-forward cache) closes its feed: an
+// open one holds one of the browser's six connections to this host, and a few reloads'
+// worth made the next request wait for a free one (docs/console.md, "Speed").
+window.addEventListener("pagehide", stopFeed);
+window.addEventListener("pageshow", (ev) => { if (ev.persisted && state.me) startFeed(); });
+
 // -- start -----------------------------------------------------------------------------
 api("GET", "session").then(loggedIn, () => showLogin());
