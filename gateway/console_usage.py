@@ -5,8 +5,11 @@ The stream keeps every record the bridges and workers publish for
 ``telemetry.stream_max_age_s`` (7 days by default), so this is data the bus already has;
 nothing is added to the request path. A request has a worker's record and, over HTTP, the
 bridge's: each request is counted once (by its request id, the record with the most tokens).
-A read is bounded: at most :data:`MAX_RECORDS` records, the newest window first when there
-are more (``truncated`` says so), and a JetStream consumer that lives only for the read.
+A read is bounded: at most :data:`MAX_RECORDS` messages of records, the newest window first
+when there are more (``truncated`` says so), and a JetStream consumer that lives only for the
+read; the messages come back undecoded and are decoded one at a time as they are summed
+(:func:`records_of`), so a month is never a list of every record. What the page draws of a
+read is gateway/console_spend.py's.
 Cost is the key's spend at the models' configured prices (``router.price``,
 ``router.models.<m>.price``), as the budgets charge it.
 """
