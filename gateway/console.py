@@ -376,6 +376,7 @@ class Console:
         )
         for chunk in summary.usage.csv_chunks():
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await asyncio.sleep(0)  # other requests between chunks
         await send({"type": "http.response.body", "body": b""})
 
     async def _summarize(

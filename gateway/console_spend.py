@@ -147,34 +147,28 @@ class Summaries:
         self.max_rows = max_rows
         self.min_s = min_s
         self._kept: dict[Hashable, Summary] = {}
-        self._making: dict[Hashable, asyncio.Future[Summary]] = {}
+        self._making: dict[Hashable, asyncio.Future[Summary]] = {}  # tasks being made
 
     async def get(self, key: Hashable, make: Callable[[], Awaitable[Summary]]) -> Summary:
-        """The kept summary for ``key`` while fresh, else the one ``make`` returns."""
+        """The kept summary for ``key`` while fresh, else the one ``make`` returns. ``make``
+        runs in a task of its own: a client that leaves does not stop it for the others."""
         now = time.monotonic()
         for k in [k for k, s in self._kept.items() if now - s.made > self.ttl_s]:
             del self._kept[k]
         if key in self._kept:
             return self._kept[key]
-        if key in self._making:
-            return await asyncio.shield(self._making[key])
-        fut: asyncio.Future[Summary] = asyncio.get_running_loop().create_future()
-        self._making[key] = fut
-        try:
-            got = await make()
-        except asyncio.CancelledError:
-            fut.cancel()
-            raise
-        except Exception as exc:
-            fut.set_exception(exc)
-            fut.exception()  # marked retrieved: nobody else may be waiting
-            raise
-        finally:
-            del self._making[key]
-        fut.set_result(got)
-        if time.monotonic() - now >= self.min_s:
-            self._keep(key, got)
-        return got
+        task = self._making.get(key)
+        if task is None:
+            task = self._making[key] = asyncio.ensure_future(make())
+            task.add_done_callback(lambda t: self._made(key, t, now))
+        return await asyncio.shield(task)
+
+    def _made(self, key: Hashable, task: asyncio.Future[Summary], started: float) -> None:
+        del self._making[key]
+        if task.cancelled() or task.exception() is not None:  # each waiter gets the error
+            return
+        if time.monotonic() - started >= self.min_s:
+            self._keep(key, task.result())
 
     def _keep(self, key: Hashable, got: Summary) -> None:
         size = len(got.usage.rows)

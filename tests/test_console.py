@@ -457,6 +457,19 @@ async def test_a_slow_summary_is_kept_a_few_seconds_and_made_once_for_concurrent
     await quick.get("k", make)
     await quick.get("k", make)
     assert len(made) == 5
+    # A caller that leaves does not stop the read for another; a failed read is not kept.
+    leaving = asyncio.ensure_future(kept.get("left", make))
+    staying = asyncio.ensure_future(kept.get("left", make))
+    await asyncio.sleep(0.01)
+    leaving.cancel()
+    assert isinstance(await staying, console_spend.Summary) and len(made) == 6
+
+    async def broken() -> console_spend.Summary:
+        raise RuntimeError("no stream")
+
+    for _ in range(2):
+        with pytest.raises(RuntimeError):
+            await kept.get("broken", broken)
 
 
 async def test_the_bus_page_lists_the_server_its_streams_and_a_server_that_does_not_answer(
