@@ -325,7 +325,7 @@ async function loadSpend() {
       el("td", {}, s.cost_usd.toFixed(6))));
   }
   const t = u.totals;
-  $("spend-totals").textContent = `${t.requests} requests, ${t.prompt_tokens + t.completion_tokens} tokens, $${t.cost_usd.toFixed(4)}`;
+  $("spend-totals").textContent = `${t.requests} request${t.requests === 1 ? "" : "s"}, ${t.prompt_tokens + t.completion_tokens} tokens, $${t.cost_usd.toFixed(4)}`;
   const last = u.offset + u.data.length;
   $("spend-count").textContent = u.total ? `${u.offset + 1}–${last} of ${u.total}` : "no rows";
   $("spend-prev").disabled = u.offset === 0;
