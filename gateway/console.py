@@ -10,8 +10,12 @@ POST   /console/api/keys               create; PATCH / DELETE /console/api/keys/
                                        POST /console/api/keys/{id}/rotate, GET / PUT
                                        /console/api/owners/{owner}/budget: the keys admin
                                        API (gateway/admin_keys.py) for the session's key
-GET    /console/api/usage              requests, tokens and cost per key, model and hour
-                                       (?since=24h&bucket=hour|day&format=csv)
+GET    /console/api/usage              the Spend page: a page of requests, tokens and cost
+                                       per key and model (the costliest first), the totals
+                                       and the chart's top keys and others per hour or day
+                                       (?since=24h&bucket=hour|day&measure=&key=&offset=
+                                       &limit=); GET /console/api/usage/export (or
+                                       ?format=csv): every row per bucket, key and model, CSV
 GET    /console/api/replicas           the replicas this bridge hears, with their load
 GET    /console/api/routing            the routing admin API's listing and the aliases
 GET    /console/api/audit              the newest audit events (?limit=100)
@@ -45,7 +49,7 @@ from urllib.parse import unquote, urlsplit
 from auth.keys import KeyRecord, parse_duration
 from auth.store import KeyStore
 from bus_schemas import errors as E
-from gateway import console_bus, console_usage
+from gateway import console_bus, console_spend, console_usage
 from gateway.admin_keys import CALLER, AdminAPI, read_json
 from gateway.admin_keys import PREFIX as KEYS_PREFIX
 from gateway.admin_routing import PREFIX as ROUTING_PREFIX
@@ -129,6 +133,7 @@ class Console:
         self.batches: BatchStore | None = None  # set when the bridge serves the Batch API
         self._sessions: Sessions | None = None
         self._feeds = 0
+        self._spend = console_spend.Summaries()
         self._static = resources.files("gateway") / "console_static"
 
     def mount(self, app: Any) -> None:
@@ -268,8 +273,8 @@ class Console:
             self._admin_only(s)
             sub = rest[len("routing") :]
             await self.routing({**scope, "path": ROUTING_PREFIX + sub, CALLER: s.key}, receive, out)
-        elif rest == "usage" and method == "GET":
-            await self._usage(scope, out, s)
+        elif rest in ("usage", "usage/export") and method == "GET":
+            await self._usage(scope, out, s, export=rest == "usage/export")
         elif rest == "replicas" and method == "GET":
             self._admin_only(s)
             await send_json(out, 200, {"object": "list", "data": self._replicas()})
@@ -331,7 +336,8 @@ class Console:
             "has_more": offset + len(page) < len(recs),
         }
 
-    async def _usage(self, scope: Scope, send: Send, s: Session) -> None:
+    async def _usage(self, scope: Scope, send: Send, s: Session, export: bool) -> None:
+        """The Spend page's view (console_spend.py), or every row as CSV (``export``)."""
         query = query_of(scope)
         try:
             span = parse_duration(query.get("since", "24h"))
@@ -342,25 +348,22 @@ class Console:
         bucket = query.get("bucket", "hour")
         if bucket not in console_usage.BUCKETS:
             raise E.InvalidRequest("bucket: hour or day", param="bucket")
-        fmt = query.get("format", "json")
-        if fmt not in ("json", "csv"):
+        fmt = query.get("format", "csv" if export else "json")
+        if fmt not in ("json", "csv") or (export and fmt != "csv"):
             raise E.InvalidRequest("format: json or csv", param="format")
-        mine = None if s.admin else {r.id for r in self._visible(s)}
-        since = time.time() - span
-        recs, truncated = await console_usage.read_records(self.admin.nc, since)
-        router = self.settings.router
-        usage = console_usage.summarize(
-            recs,
-            since,
-            console_usage.BUCKETS[bucket],
-            lambda m: router.routing_for(m).price if m else None,
-            (lambda k: True) if mine is None else (lambda k: k in mine),
+        measure = query.get("measure", "cost_usd")
+        if measure not in console_spend.MEASURES:
+            raise E.InvalidRequest("measure: cost_usd, tokens or requests", param="measure")
+        offset = _int(query, "offset", 0, 0, 10_000_000)
+        limit = _int(query, "limit", 50, 1, MAX_PAGE)
+        key = query.get("key", "").strip()[:64] or None
+        mine = None if s.admin else frozenset(r.id for r in self._visible(s))
+        summary = await self._spend.get(
+            (span, bucket, mine), lambda: self._summarize(span, bucket, mine)
         )
-        usage.truncated = truncated
         if fmt == "json":
-            await send_json(send, 200, usage.as_json())
+            await send_json(send, 200, summary.view(key, measure, offset, limit))
             return
-        body = usage.as_csv().encode()
         await send(
             {
                 "type": "http.response.start",
@@ -368,11 +371,34 @@ class Console:
                 "headers": [
                     (b"content-type", b"text/csv; charset=utf-8"),
                     (b"content-disposition", b'attachment; filename="tokenbus-usage.csv"'),
-                    (b"content-length", str(len(body)).encode()),
                 ],
             }
         )
-        await send({"type": "http.response.body", "body": body})
+        for chunk in summary.usage.csv_chunks():
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await asyncio.sleep(0)  # other requests between chunks
+        await send({"type": "http.response.body", "body": b""})
+
+    async def _summarize(
+        self, span: float, bucket: str, mine: frozenset[str] | None
+    ) -> console_spend.Summary:
+        """Read the usage stream over the last ``span`` seconds and sum it, off the loop."""
+        since = time.time() - span
+        messages, truncated = await console_usage.read_messages(self.admin.nc, since)
+        router = self.settings.router
+
+        def work() -> console_spend.Summary:
+            usage = console_usage.summarize(
+                console_usage.records_of(messages),
+                since,
+                console_usage.BUCKETS[bucket],
+                lambda m: router.routing_for(m).price if m else None,
+                None if mine is None else mine.__contains__,
+            )
+            usage.truncated = truncated
+            return console_spend.Summary.of(usage)
+
+        return await asyncio.to_thread(work)
 
     def _replicas(self) -> list[dict[str, Any]]:
         now = time.monotonic()

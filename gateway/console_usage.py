@@ -5,8 +5,11 @@ The stream keeps every record the bridges and workers publish for
 ``telemetry.stream_max_age_s`` (7 days by default), so this is data the bus already has;
 nothing is added to the request path. A request has a worker's record and, over HTTP, the
 bridge's: each request is counted once (by its request id, the record with the most tokens).
-A read is bounded: at most :data:`MAX_RECORDS` records, the newest window first when there
-are more (``truncated`` says so), and a JetStream consumer that lives only for the read.
+A read is bounded: at most :data:`MAX_RECORDS` messages of records, the newest window first
+when there are more (``truncated`` says so), and a JetStream consumer that lives only for the
+read; the messages come back undecoded and are decoded one at a time as they are summed
+(:func:`records_of`), so a month is never a list of every record. What the page draws of a
+read is gateway/console_spend.py's.
 Cost is the key's spend at the models' configured prices (``router.price``,
 ``router.models.<m>.price``), as the budgets charge it.
 """
@@ -18,7 +21,7 @@ import csv
 import datetime as dt
 import io
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,39 +51,46 @@ COLUMNS = (
 )
 
 
+FIELDS = ("requests", "prompt_tokens", "completion_tokens", "cost_usd")
+CSV_CHUNK = 2000  # rows per body message of the export
+Sums = dict[str, float]
+
+
+def zero() -> Sums:
+    """Sums of nothing."""
+    return {"requests": 0, "prompt_tokens": 0, "completion_tokens": 0, "cost_usd": 0.0}
+
+
+def as_nums(s: Sums) -> dict[str, float | int]:
+    """Sums as JSON numbers: counts as integers, cost rounded to a millionth of a dollar."""
+    return {n: _num(v) for n, v in s.items()}
+
+
 @dataclass
 class Usage:
     """What a read found: rows ``(bucket start, key, model) -> sums`` and how it was read."""
 
     since: float
     bucket_s: int
-    rows: dict[tuple[int, str, str], dict[str, float]] = field(default_factory=dict)
+    rows: dict[tuple[int, str, str], Sums] = field(default_factory=dict)
     records: int = 0
     truncated: bool = False
 
-    def as_json(self) -> dict[str, Any]:
-        series = [
-            {"t": t, "key_id": k, "model": m, **{n: _num(v) for n, v in sums.items()}}
-            for (t, k, m), sums in sorted(self.rows.items())
-        ]
-        return {
-            "object": "usage",
-            "since": self.since,
-            "bucket_s": self.bucket_s,
-            "records": self.records,
-            "truncated": self.truncated,
-            "data": series,
-        }
-
-    def as_csv(self) -> str:
+    def csv_chunks(self) -> Iterator[bytes]:
+        """Every row as CSV (:data:`COLUMNS`), :data:`CSV_CHUNK` rows a chunk, in order."""
         out = io.StringIO()
         w = csv.writer(out)
         w.writerow(COLUMNS)
-        for (t, k, m), s in sorted(self.rows.items()):
+        for i, ((t, k, m), s) in enumerate(sorted(self.rows.items()), 1):
             when = dt.datetime.fromtimestamp(t, dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
             counts = [int(s[c]) for c in ("requests", "prompt_tokens", "completion_tokens")]
             w.writerow([when, _cell(k), _cell(m), *counts, f"{s['cost_usd']:.6f}"])
-        return out.getvalue()
+            if i % CSV_CHUNK == 0:
+                yield out.getvalue().encode()
+                out.seek(0)
+                out.truncate()
+        if out.tell():
+            yield out.getvalue().encode()
 
 
 def _num(v: float) -> float | int:
@@ -97,15 +107,18 @@ def summarize(
     since: float,
     bucket_s: int,
     price: Callable[[str], PriceSettings | None],
-    keep: Callable[[str], bool] = lambda _k: True,
+    keep: Callable[[str], bool] | None = None,
 ) -> Usage:
-    """Sum records into buckets; each request once (its record with the most tokens)."""
+    """Sum records into buckets; each request once (its record with the most tokens). Only
+    the keys ``keep`` says yes to (all where it is None)."""
     best: dict[str, tuple[int, str, str, int, int]] = {}
     n = 0
     for r in recs:
         n += 1
         rid, key = r.get("request_id"), r.get("principal") or ""
-        if not isinstance(rid, str) or not isinstance(key, str) or not keep(key):
+        if not isinstance(rid, str) or not isinstance(key, str):
+            continue
+        if keep is not None and not keep(key):
             continue
         ts = int(r.get("ts_ns") or 0) // 1_000_000_000
         if ts < since:
@@ -115,21 +128,39 @@ def summarize(
         if seen is None or p + c > seen[3] + seen[4] or (not seen[1] and key):
             best[rid] = (ts, key or (seen[1] if seen else ""), str(r.get("model") or ""), p, c)
     out = Usage(since=since, bucket_s=bucket_s, records=n)
+    rows = out.rows
+    prices: dict[str, PriceSettings | None] = {}  # a model's price, looked up once a read
     for ts, key, model, p, c in best.values():
-        row = out.rows.setdefault(
-            (ts - ts % bucket_s, key or "(none)", model),
-            {"requests": 0, "prompt_tokens": 0, "completion_tokens": 0, "cost_usd": 0.0},
-        )
+        if model not in prices:
+            prices[model] = price(model)
+        at = (ts - ts % bucket_s, key or "(none)", model)
+        row = rows.get(at)
+        if row is None:
+            row = rows[at] = zero()
         row["requests"] += 1
         row["prompt_tokens"] += p
         row["completion_tokens"] += c
-        row["cost_usd"] += budgets.cost(price(model), p, c) / 1e6
+        row["cost_usd"] += budgets.cost(prices[model], p, c) / 1e6
     return out
 
 
-async def read_records(nc: NATS, since: float, most: int = MAX_RECORDS) -> tuple[list[Any], bool]:
-    """The records stored at or after ``since`` (Unix time), at most ``most`` of them (the
-    newest: True says some older ones were left out). No stream: none."""
+def records_of(messages: Iterable[bytes]) -> Iterator[Any]:
+    """The records of the stream's messages, one message decoded at a time (an unreadable
+    one is skipped)."""
+    for data in messages:
+        try:
+            found = records.batch(codec.decode_map(data))
+        except Exception:
+            continue
+        yield from found
+
+
+async def read_messages(
+    nc: NATS, since: float, most: int = MAX_RECORDS
+) -> tuple[list[bytes], bool]:
+    """The messages stored at or after ``since`` (Unix time), at most ``most`` of them (the
+    newest: True says some older ones were left out), undecoded (:func:`records_of`). No
+    stream: none."""
     js = nc.jetstream(timeout=TIMEOUT_S)
     try:
         info = await js.stream_info(records.STREAM)
@@ -156,15 +187,13 @@ async def read_records(nc: NATS, since: float, most: int = MAX_RECORDS) -> tuple
         cfg.opt_start_time = None
         cfg.opt_start_seq = max(info.state.first_seq, info.state.last_seq - most + 1)
         left = (await js.add_consumer(records.STREAM, config=cfg)).num_pending or 0
-    out: list[Any] = []
+    out: list[bytes] = []
     try:
         sub = await js.pull_subscribe_bind(name, stream=records.STREAM)
         try:
             while left > 0:
                 msgs = await sub.fetch(min(left, FETCH), timeout=TIMEOUT_S)
-                for m in msgs:
-                    with contextlib.suppress(Exception):  # one unreadable message is skipped
-                        out.extend(records.batch(codec.decode_map(m.data)))
+                out.extend(m.data for m in msgs)
                 left -= len(msgs)
         finally:
             with contextlib.suppress(Exception):

@@ -7,6 +7,7 @@ where Chromium, chromedriver or Selenium is missing).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import csv
 import fnmatch
 import io
@@ -16,16 +17,21 @@ import shutil
 import signal
 import time
 import tomllib
+import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
+import nats
 import pytest
 
 from auth.keys import KeyRecord
+from bus_schemas import codec
+from gateway import console_spend, console_usage
 from gateway.console_session import Session, Sessions
+from telemetry import records
 from tests.support.busdata import key_store, new_model
 from tests.support.natsserver import spawn_nats
 from tests.support.ports import free_port
@@ -327,6 +333,147 @@ async def test_usage_is_counted_per_key_and_exported_as_csv(env: Env) -> None:
         await login(h, env.plain)
         data = (await h.get("/console/api/usage", params={"since": "1h"})).json()["data"]
         assert data and {r["key_id"] for r in data} <= {env.plain_id, env.sibling_id}
+
+
+async def _publish_usage(url: str, rows: list[tuple[str, str, int]]) -> None:
+    """Usage records in TOKENBUS_USAGE as a bridge publishes them: ``(principal, model,
+    requests)``, each request 10 prompt and 5 completion tokens, now."""
+    nc = await nats.connect(url)
+    try:
+        js = nc.jetstream(timeout=10)
+        with contextlib.suppress(Exception):  # the stack's telemetry made it already
+            await js.add_stream(records.stream_config())
+        batch = [
+            records.build(
+                request_id=uuid.uuid4().hex,
+                source="http",
+                model=model,
+                timings={"t0": time.time_ns()},
+                outcome="ok",
+                principal=who,
+                prompt_tokens=10,
+                completion_tokens=5,
+            )
+            for who, model, n in rows
+            for _ in range(n)
+        ]
+        await js.publish(records.subject(), codec.encode({"records": batch}))
+    finally:
+        await nc.drain()
+
+
+@pytest.mark.stack
+async def test_spend_is_paged_charted_with_others_and_exported_whole_and_quoted(
+    env: Env,
+) -> None:
+    # Twelve made-up principals (the costliest has the most requests), one whose name and
+    # model a spreadsheet would run as formulas, and the owner team-a's sibling key.
+    made = [(f"spend{i:02d}", "spend-model", i + 1) for i in range(12)]
+    evil = ("+SUM(1)", '=HYPERLINK("x")', 1)
+    await _publish_usage(env.bus.url, [*made, evil, (env.sibling_id, "spend-model", 2)])
+    async with env.stack.http() as h:
+        await login(h, env.admin)
+
+        async def page(**query: Any) -> dict[str, Any]:
+            r = await h.get("/console/api/usage", params={"since": "1h", **query})
+            assert r.status_code == 200, r.text
+            return dict(r.json())
+
+        async def all_there() -> dict[str, Any] | None:
+            u = await page(limit=500)
+            keys = {r["key_id"] for r in u["data"]}
+            return u if {k for k, _, _ in made} | {evil[0]} <= keys else None
+
+        await wait_for(all_there, timeout=20, what="the published usage")
+        whole = await page(limit=500)
+        # The table: the costliest first, paged with a total; the pages make up the whole.
+        costs = [r["cost_usd"] for r in whole["data"]]
+        assert costs == sorted(costs, reverse=True)
+        assert whole["total"] == len(whole["data"]) and not whole["has_more"]
+        first, second = await page(limit=5), await page(limit=5, offset=5)
+        assert len(first["data"]) == 5 and first["has_more"] and first["total"] == whole["total"]
+        assert first["data"] == whole["data"][:5] and second["data"] == whole["data"][5:10]
+        assert second["offset"] == 5
+        # Totals over every row, not the page.
+        for f in ("requests", "prompt_tokens", "completion_tokens"):
+            assert first["totals"][f] == sum(r[f] for r in whole["data"])
+        assert first["totals"]["cost_usd"] == pytest.approx(sum(costs), abs=1e-5)
+        # The chart: the 8 keys with the most requests, and the others as one series.
+        chart = (await page(measure="requests"))["chart"]
+        keys = {r["key_id"] for r in whole["data"]}
+        assert len(chart["keys"]) == 8 and chart["others"] == len(keys) - 8
+        per_key: dict[str, int] = {}
+        for row in whole["data"]:
+            per_key[row["key_id"]] = per_key.get(row["key_id"], 0) + row["requests"]
+        assert chart["keys"] == sorted(per_key, key=lambda k: (-per_key[k], k))[:8]
+        named = {r["key_id"] for r in chart["series"]}
+        assert named == {*chart["keys"], "(others)"}
+        assert sum(r["requests"] for r in chart["series"]) == first["totals"]["requests"]
+        # One key alone: its rows, series and totals only.
+        alone = await page(key="spend11")
+        assert [(r["key_id"], r["requests"]) for r in alone["data"]] == [("spend11", 12)]
+        assert alone["chart"]["keys"] == ["spend11"] and alone["chart"]["others"] == 0
+        assert alone["totals"]["requests"] == 12
+        assert_openai_error(await h.get("/console/api/usage", params={"measure": "x"}), 400)
+        # The export: every row per bucket, key and model, formulas quoted.
+        r = await h.get("/console/api/usage/export", params={"since": "1h"})
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/csv")
+        assert "attachment" in r.headers["content-disposition"]
+        table = list(csv.DictReader(io.StringIO(r.text)))
+        assert sum(int(row["requests"]) for row in table) >= first["totals"]["requests"]
+        assert {k for k, _, _ in made} <= {row["key_id"] for row in table}
+        quoted = [row for row in table if row["key_id"] == "'+SUM(1)"]
+        assert quoted and quoted[0]["model"] == '\'=HYPERLINK("x")'
+        assert not any(row["key_id"].startswith(("=", "+", "-", "@")) for row in table)
+    # An owner's session: its owner's keys only, in the table, the chart and the export.
+    async with env.stack.http() as h:
+        await login(h, env.plain)
+        mine = {env.plain_id, env.sibling_id}
+        u = (await h.get("/console/api/usage", params={"since": "1h"})).json()
+        assert env.sibling_id in {r["key_id"] for r in u["data"]}
+        assert {r["key_id"] for r in u["data"]} <= mine and set(u["chart"]["keys"]) <= mine
+        assert u["chart"]["others"] == 0
+        other = await h.get("/console/api/usage", params={"since": "1h", "key": "spend11"})
+        assert other.json()["data"] == [] and other.json()["total"] == 0
+        r = await h.get("/console/api/usage/export", params={"since": "1h"})
+        assert {row["key_id"] for row in csv.DictReader(io.StringIO(r.text))} <= mine
+
+
+@pytest.mark.unit
+async def test_a_slow_summary_is_kept_a_few_seconds_and_made_once_for_concurrent_asks() -> None:
+    made: list[int] = []
+
+    async def make() -> console_spend.Summary:
+        made.append(1)
+        await asyncio.sleep(0.05)
+        return console_spend.Summary.of(console_usage.Usage(since=0.0, bucket_s=3600))
+
+    kept = console_spend.Summaries(ttl_s=0.5, min_s=0.0)
+    got = await asyncio.gather(*(kept.get(("1h", "hour", None), make) for _ in range(3)))
+    assert len(made) == 1 and got[0] is got[1] is got[2]
+    assert await kept.get(("1h", "hour", None), make) is got[0]
+    await kept.get(("1d", "hour", None), make)  # another period: another read
+    assert len(made) == 2
+    await asyncio.sleep(0.6)
+    await kept.get(("1h", "hour", None), make)  # stale: read again
+    assert len(made) == 3
+    quick = console_spend.Summaries(min_s=10.0)  # made quickly: not kept
+    await quick.get("k", make)
+    await quick.get("k", make)
+    assert len(made) == 5
+    # A caller that leaves does not stop the read for another; a failed read is not kept.
+    leaving = asyncio.ensure_future(kept.get("left", make))
+    staying = asyncio.ensure_future(kept.get("left", make))
+    await asyncio.sleep(0.01)
+    leaving.cancel()
+    assert isinstance(await staying, console_spend.Summary) and len(made) == 6
+
+    async def broken() -> console_spend.Summary:
+        raise RuntimeError("no stream")
+
+    for _ in range(2):
+        with pytest.raises(RuntimeError):
+            await kept.get("broken", broken)
 
 
 @pytest.mark.stack

@@ -238,26 +238,26 @@ async function revokeKey(k) {
 }
 
 // -- spend -----------------------------------------------------------------------------
+// The bridge sums the period (gateway/console_spend.py): the page gets a page of the table,
+// the chart's top keys and one "others" series, and the totals, never a row per key and day.
 const COLORS = ["#0b57d0", "#c5221f", "#188038", "#e37400", "#8430ce", "#007b83", "#b80672", "#5f6368"];
+const OTHERS = "(others)", OTHERS_COLOR = "#bdc1c6";
+state.spendOffset = 0;
 
 function measure(row, m) { return m === "tokens" ? row.prompt_tokens + row.completion_tokens : row[m]; }
 
-function chart(data, m, bucketS, since, floor = 0) {
+function chart(c, m, bucketS, since, floor = 0) {
   const box = $("spend-chart");
   box.replaceChildren();
-  if (!data.length) { box.append(el("p", { class: "note" }, "No usage in this period.")); return; }
-  const keys = [...new Set(data.map((r) => r.key_id))].slice(0, COLORS.length);
+  if (!c.series.length) { box.append(el("p", { class: "note" }, "No usage in this period.")); return; }
+  const keys = c.others ? [...c.keys, OTHERS] : [...c.keys];
+  const color = (j) => keys[j] === OTHERS ? OTHERS_COLOR : COLORS[j % COLORS.length];
   // One slot per bucket from the start of the period to now: time reads left to right.
   const first = Math.floor(since / bucketS) * bucketS;
   const times = [];
   for (let t = first; t <= Date.now() / 1000; t += bucketS) times.push(t);
   const by = new Map();
-  for (const r of data) {
-    const k = keys.includes(r.key_id) ? r.key_id : null;
-    if (k === null) continue;
-    const id = `${r.t}|${k}`;
-    by.set(id, (by.get(id) || 0) + measure(r, m));
-  }
+  for (const r of c.series) by.set(`${r.t}|${r.key_id}`, (by.get(`${r.t}|${r.key_id}`) || 0) + measure(r, m));
   const totals = times.map((t) => keys.reduce((s, k) => s + (by.get(`${t}|${k}`) || 0), 0));
   const max = Math.max(...totals, floor, 1e-9); // floor: one key's budget, on this scale
   const W = 900, H = 240, L = 60, B = 24, T = 10;
@@ -279,7 +279,7 @@ function chart(data, m, bucketS, since, floor = 0) {
       const h = (v / max) * (H - B - T);
       y -= h;
       if (!v) return;
-      const r = add("rect", { x: L + i * (bw + 1), y, width: bw, height: h, fill: COLORS[j] });
+      const r = add("rect", { x: L + i * (bw + 1), y, width: bw, height: h, fill: color(j), "data-series": k });
       const when = new Date(t * 1000).toISOString().slice(0, bucketS >= 86400 ? 10 : 16).replace("T", " ");
       const title = document.createElementNS(ns, "title");
       title.textContent = `${when} ${k}: ${v}`;
@@ -294,8 +294,8 @@ function chart(data, m, bucketS, since, floor = 0) {
     add("text", { x: W - 130, y: H - 6 }, new Date(times[times.length - 1] * 1000).toISOString().slice(0, 16).replace("T", " "));
   }
   keys.forEach((k, j) => {
-    add("rect", { x: L + j * 110, y: H + 8, width: 10, height: 10, fill: COLORS[j] });
-    add("text", { x: L + j * 110 + 14, y: H + 17 }, k);
+    add("rect", { x: L + j * 92, y: H + 8, width: 10, height: 10, fill: color(j) });
+    add("text", { x: L + j * 92 + 14, y: H + 17, "data-legend": k }, k === OTHERS ? `${c.others} others` : k);
   });
   box.append(svg);
 }
@@ -303,34 +303,33 @@ function chart(data, m, bucketS, since, floor = 0) {
 function fmt(v, m) { return m === "cost_usd" ? `$${v.toFixed(4)}` : String(Math.round(v)); }
 
 async function loadSpend() {
-  const since = $("spend-since").value, bucket = $("spend-bucket").value;
-  $("spend-csv").href = `/console/api/usage?since=${since}&bucket=${bucket}&format=csv`;
-  const u = await api("GET", `usage?since=${since}&bucket=${bucket}`);
+  const since = $("spend-since").value, bucket = $("spend-bucket").value, m = $("spend-measure").value;
   const only = $("spend-key").value.trim();
-  if (only) u.data = u.data.filter((r) => r.key_id === only);
+  $("spend-csv").href = `/console/api/usage/export?since=${since}&bucket=${bucket}`;
+  const q = new URLSearchParams({ since, bucket, measure: m, offset: state.spendOffset, limit: PAGE });
+  if (only) q.set("key", only);
+  const u = await api("GET", "usage?" + q);
   let k = null;
-  if (only && $("spend-measure").value === "cost_usd") {
+  if (only && m === "cost_usd") {
     try { k = await api("GET", `keys/${encodeURIComponent(only)}`); } catch (e) { k = null; }
   }
-  const total = u.data.reduce((s, r) => s + r.cost_usd, 0);
-  const top = k ? Math.max(total, k.budget_usd ?? 0, k.soft_budget_usd ?? 0) : 0;
-  chart(u.data, $("spend-measure").value, u.bucket_s, u.since, top);
+  const top = k ? Math.max(u.totals.cost_usd, k.budget_usd ?? 0, k.soft_budget_usd ?? 0) : 0;
+  chart(u.chart, m, u.bucket_s, u.since, top);
   budgetLines(only, k, u, top);
-  const sums = new Map();
-  for (const r of u.data) {
-    const id = `${r.key_id}|${r.model}`;
-    const s = sums.get(id) || { key_id: r.key_id, model: r.model, requests: 0, prompt_tokens: 0, completion_tokens: 0, cost_usd: 0 };
-    for (const f of ["requests", "prompt_tokens", "completion_tokens", "cost_usd"]) s[f] += r[f];
-    sums.set(id, s);
-  }
   const rows = $("spend-rows");
   rows.replaceChildren();
-  for (const s of [...sums.values()].sort((a, b) => b.cost_usd - a.cost_usd || b.requests - a.requests)) {
+  for (const s of u.data) {
     rows.append(el("tr", { "data-key": s.key_id },
       el("td", {}, el("code", {}, s.key_id)), el("td", {}, s.model), el("td", {}, String(s.requests)),
       el("td", {}, String(s.prompt_tokens)), el("td", {}, String(s.completion_tokens)),
       el("td", {}, s.cost_usd.toFixed(6))));
   }
+  const t = u.totals;
+  $("spend-totals").textContent = `${t.requests} request${t.requests === 1 ? "" : "s"}, ${t.prompt_tokens + t.completion_tokens} tokens, $${t.cost_usd.toFixed(4)}`;
+  const last = u.offset + u.data.length;
+  $("spend-count").textContent = u.total ? `${u.offset + 1}–${last} of ${u.total}` : "no rows";
+  $("spend-prev").disabled = u.offset === 0;
+  $("spend-next").disabled = !u.has_more;
   if (u.truncated) say("Only the newest records were read: narrow the period for all of them.");
 }
 // One key's budget: its spend so far in the chart's period against the soft and hard
@@ -344,7 +343,7 @@ function budgetLines(keyId, k, u, top) {
     note.textContent = `Key ${keyId} has no budget.`;
     return;
   }
-  const total = u.data.reduce((s, r) => s + r.cost_usd, 0);
+  const total = u.totals.cost_usd;
   const svg = $("spend-chart").querySelector("svg");
   const ns = "http://www.w3.org/2000/svg";
   const parts = [`Key ${keyId}: $${total.toFixed(4)} in this view`];
@@ -367,7 +366,7 @@ function budgetLines(keyId, k, u, top) {
     let run = 0;
     const pts = [];
     const byT = new Map();
-    for (const r of u.data) byT.set(r.t, (byT.get(r.t) || 0) + r.cost_usd);
+    for (const r of u.chart.series) byT.set(r.t, (byT.get(r.t) || 0) + r.cost_usd);
     const first = Math.floor(u.since / u.bucket_s) * u.bucket_s;
     const n = Math.max(1, Math.ceil((Date.now() / 1000 - first) / u.bucket_s));
     for (let i = 0; i < n; i++) {
@@ -380,9 +379,11 @@ function budgetLines(keyId, k, u, top) {
   }
 }
 
-for (const id of ["spend-since", "spend-bucket", "spend-measure"]) $(id).addEventListener("change", () => loadSpend().catch((e) => say(e.message, true)));
-$("spend-key").addEventListener("change", () => loadSpend().catch((e) => say(e.message, true)));
-$("spend-refresh").addEventListener("click", () => loadSpend().catch((e) => say(e.message, true)));
+const reloadSpend = (first) => () => { if (first) state.spendOffset = 0; loadSpend().catch((e) => say(e.message, true)); };
+for (const id of ["spend-since", "spend-bucket", "spend-measure", "spend-key"]) $(id).addEventListener("change", reloadSpend(true));
+$("spend-refresh").addEventListener("click", reloadSpend(false));
+$("spend-prev").addEventListener("click", () => { state.spendOffset = Math.max(0, state.spendOffset - PAGE); reloadSpend(false)(); });
+$("spend-next").addEventListener("click", () => { state.spendOffset += PAGE; reloadSpend(false)(); });
 
 // -- replicas --------------------------------------------------------------------------
 function renderReplicas(list) {
@@ -516,6 +517,12 @@ function startFeed() {
 function stopFeed() {
   if (state.feed) { state.feed.close(); state.feed = null; }
 }
+
+// A page left (reloaded, navigated away, kept in the back-forward cache) closes its feed: an
+// open one holds one of the browser's six connections to this host, and a few reloads'
+// worth made the next request wait for a free one (docs/console.md, "Speed").
+window.addEventListener("pagehide", stopFeed);
+window.addEventListener("pageshow", (ev) => { if (ev.persisted && state.me) startFeed(); });
 
 // -- start -----------------------------------------------------------------------------
 api("GET", "session").then(loggedIn, () => showLogin());
