@@ -36,6 +36,9 @@ class KeyStore:
         self.kv: KeyValue | None = None
         self._cache: dict[str, KeyRecord] = {}
         self._missed: dict[str, float] = {}  # key id -> when a read found none (catch_up)
+        # key id -> the bucket revision its cached record came from: a read (catch_up) and
+        # the watch both apply only what is newer, so a stale read never undoes an update.
+        self._revs: dict[str, int] = {}
         self._follow: buckets.Follow | None = None
         # Entries applied from the bucket so far: tells a watcher (the console's feed) that
         # something changed without it comparing every record.
@@ -54,6 +57,11 @@ class KeyStore:
 
     def _apply(self, entry: Any) -> None:
         self.changes += 1
+        rev = int(entry.revision or 0)
+        if rev and rev < self._revs.get(entry.key, 0):
+            return  # read from the bucket already (catch_up), newer than this
+        if rev:
+            self._revs[entry.key] = rev
         if entry.operation in ("DEL", "PURGE") or not entry.value:
             self._cache.pop(entry.key, None)
             return
@@ -194,24 +202,35 @@ class KeyStore:
         return self._cache.get(key_id)
 
     async def catch_up(self, key: str | None) -> None:
-        """Before :meth:`lookup` of a presented ``key``: when its id is not in the cache,
-        read it from the bucket (a key made a moment ago, or while this store's watch was
-        on a node that stalled, reaches the watch later). An id read and found missing is
-        not read again for a second."""
+        """Before :meth:`lookup` of a presented ``key``: when its id is not in the cache, or
+        the cached record does not take this secret, read it from the bucket (a key made or
+        rotated a moment ago, or while this store's watch was on a node that stalled, reaches
+        the watch later). An id read and not taken is not read again for a second, so wrong
+        secrets cost the bucket one read a second per id at most."""
         key_id = key_id_of(key) if key else None
-        if not key_id or key_id in self._cache or self.kv is None:
+        if not key_id or self.kv is None:
+            return
+        cached = self._cache.get(key_id)
+        if cached is not None and matches(str(key), cached):
             return
         now = time.monotonic()
         if now - self._missed.get(key_id, -60.0) < 1.0:
             return
+        if len(self._missed) > 10_000:
+            self._missed.clear()
         try:
-            rec = await self.get(key_id)
+            entry = await self._kv().get(key_id)
+            rec = KeyRecord.model_validate_json(entry.value or b"")
         except Exception:  # none such, or JetStream not answering: the cache decides
-            if len(self._missed) > 10_000:
-                self._missed.clear()
             self._missed[key_id] = now
             return
-        self._cache.setdefault(key_id, rec)
+        if not matches(str(key), rec):
+            self._missed[key_id] = now
+        rev = int(entry.revision or 0)
+        if cached is None or rev > self._revs.get(key_id, 0):
+            # Newer than what the watch delivered (its next deliveries, older, are skipped).
+            self._cache[key_id] = rec
+            self._revs[key_id] = rev
 
     def by_id(self, key_id: str) -> KeyRecord:
         """The record of ``key_id`` for work the key submitted earlier and a trusted service

@@ -323,6 +323,30 @@ async def test_a_key_not_yet_in_the_watched_cache_is_read_from_the_bucket(
         await store.catch_up(None)
 
 
+@pytest.mark.bus
+async def test_a_secret_rotated_a_moment_ago_is_read_from_the_bucket(
+    nats_server: NatsServer,
+) -> None:
+    """A key this store has cached, rotated elsewhere before its watch delivered the change:
+    the new secret is read from the bucket before it is refused (a login with the new secret
+    right after `tokenbus keys rotate` was refused under load); a wrong secret still is."""
+    url = nats_server.url
+    async with key_store(url) as maker, key_store(url, watch=False) as store:
+        key, rec = await maker.create("rotating")
+        await store.catch_up(key)
+        assert store.lookup(key).id == rec.id  # cached, with the first secret
+        new_key, _ = await maker.rotate(rec.id, overlap_s=60)
+        with pytest.raises(E.Unauthorized):
+            store.lookup(new_key)  # the cache has the record from before the rotation
+        await store.catch_up(new_key)
+        assert store.lookup(new_key).id == rec.id
+        assert store.lookup(key).id == rec.id  # the old secret, within its overlap
+        wrong = new_key[: new_key.index("_") + 1] + "y" * 20
+        await store.catch_up(wrong)
+        with pytest.raises(E.Unauthorized):
+            store.lookup(wrong)
+
+
 @pytest.mark.stack
 async def test_a_rotated_key_keeps_its_id_limits_and_budget_and_the_old_one_works_a_while(
     procs: Procs, model: str

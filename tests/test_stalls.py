@@ -138,6 +138,8 @@ class _Load:
                     self.errors.append(repr(exc)[:300])
                     continue
                 self.outcomes["ok" if text == want else "wrong_text"] += 1
+                if text != want:
+                    self.errors.append(f"wrong text: {text!r} (want {want!r})")
 
         self._task = asyncio.gather(*(client() for _ in range(clients)))
 
