@@ -26,7 +26,7 @@ up: $(RUNSTAMP)
 
 # The suite runs on TEST_WORKERS pytest-xdist workers, a test file to a worker (its module's
 # stack is started once), the slowest files first (tests/conftest.py's SLOWEST_FILES, kept in
-# that order): on 2 cores, 4 workers take the suite from 21 minutes to about 7 (docs/testing.md).
+# that order): on 2 cores, 4 workers do the work of about three (docs/testing.md).
 # TEST_WORKERS=0 runs it in this process, one test after another.
 TEST_WORKERS ?= 4
 
