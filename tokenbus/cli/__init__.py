@@ -173,22 +173,22 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench_options.add_parser(sub)
 
-    from tokenbus.cli import keys as keys_cli
+    from tokenbus.cli import keys_cli
 
     keys_cli.add_parser(sub)
 
-    from tokenbus.cli import routing as router_cli
+    from tokenbus.cli import router_cli
 
     router_cli.add_parser(sub)
-    from tokenbus.cli import adapters as adapters_cli
+    from tokenbus.cli import adapters_cli
 
     adapters_cli.add_parser(sub)
 
-    from tokenbus.cli import audit as audit_cli
+    from tokenbus.cli import audit_cli
 
     audit_cli.add_parser(sub)
 
-    from tokenbus.cli import batches as batches_cli
+    from tokenbus.cli import batches_cli
 
     batches_cli.add_parser(sub)
 
@@ -598,7 +598,7 @@ def main(argv: list[str] | None = None) -> None:
                     "with their API key as the token"
                 )
         elif a.cmd == "keys":
-            from tokenbus.cli import keys as keys_cli
+            from tokenbus.cli import keys_cli
 
             rc = await keys_cli.main(a, s.url(), s.nats_auth(), s.router.aliases)
         elif a.cmd == "deploy":
@@ -614,11 +614,11 @@ def main(argv: list[str] | None = None) -> None:
 
             rc = compose_cli.main(a)
         elif a.cmd == "audit":
-            from tokenbus.cli import audit as audit_cli
+            from tokenbus.cli import audit_cli
 
             rc = await audit_cli.run(a, s)
         elif a.cmd == "batches":
-            from tokenbus.cli import batches as batches_cli
+            from tokenbus.cli import batches_cli
 
             rc = await batches_cli.run(a, s)
         elif a.cmd in ("backup", "restore"):
@@ -667,11 +667,11 @@ def main(argv: list[str] | None = None) -> None:
 
                 rc = await bench.main(a, s)
         elif a.cmd == "router":
-            from tokenbus.cli import routing as router_cli
+            from tokenbus.cli import router_cli
 
             rc = await router_cli.main(a, s)
         elif a.cmd == "adapters":
-            from tokenbus.cli import adapters as adapters_cli
+            from tokenbus.cli import adapters_cli
 
             rc = await adapters_cli.main(a, s)
         elif a.cmd == "report":
