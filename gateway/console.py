@@ -17,7 +17,10 @@ GET    /console/api/usage              the Spend page: a page of requests, token
                                        &limit=); GET /console/api/usage/export (or
                                        ?format=csv): every row per bucket, key and model, CSV
 GET    /console/api/replicas           the replicas this bridge hears, with their load
-GET    /console/api/routing            the routing admin API's listing and the aliases
+GET    /console/api/routing            the routing admin API's listing and the aliases;
+                                       PUT / DELETE /console/api/routing/{model}, PUT / DELETE
+                                       /console/api/routing/aliases/{name}: its changes
+                                       (gateway/admin_routing.py) for the session's key
 GET    /console/api/audit              the newest audit events (?limit=100)
 GET    /console/api/jobs               batches; POST /console/api/jobs/{id}/cancel
 GET    /console/api/bus                the NATS servers, JetStream streams and their consumers'
@@ -269,7 +272,7 @@ class Console:
             self._admin_only(s)
             sub = rest[len("keys") :] if part == "keys" else "/" + rest
             await self.admin({**scope, "path": KEYS_PREFIX + sub, CALLER: s.key}, receive, out)
-        elif part == "routing" and method == "GET":
+        elif part == "routing":  # reads and changes: the routing admin API's own routes
             self._admin_only(s)
             sub = rest[len("routing") :]
             await self.routing({**scope, "path": ROUTING_PREFIX + sub, CALLER: s.key}, receive, out)

@@ -240,6 +240,9 @@ async def test_a_key_that_is_not_an_admin_key_sees_its_owner_and_changes_nothing
             ("POST", f"keys/{env.other_id}/rotate", {}),
             ("PUT", "owners/team-a/budget", {"budget_usd": 1e6}),
             ("PUT", "routing/" + env.model, {"policy": "round_robin"}),
+            ("DELETE", "routing/" + env.model, None),
+            ("PUT", "routing/aliases/sneaky-alias", {"model": env.model}),
+            ("DELETE", "routing/aliases/sneaky-alias", None),
             ("POST", "jobs/batch_x/cancel", None),
         ]
         for method, path, body in writes:
@@ -249,6 +252,87 @@ async def test_a_key_that_is_not_an_admin_key_sees_its_owner_and_changes_nothing
     async with key_store(env.stack.procs.url) as keys:
         assert not (await keys.get(env.plain_id)).admin
         assert (await keys.get(env.other_id)).enabled
+
+
+@pytest.mark.stack
+async def test_routing_is_set_and_reset_through_the_routing_admin_api(env: Env) -> None:
+    path = f"/console/api/routing/{env.model}"
+    async with env.stack.http() as h:
+        me = await login(h, env.admin)
+        # Without the CSRF token: refused, nothing changed.
+        assert_openai_error(await h.put(path, json={"policy": "round_robin"}), 403)
+        assert_openai_error(await h.delete(path), 403)
+        listed = (await h.get("/console/api/routing")).json()["models"]
+        assert env.model not in {m["model"] for m in listed}
+        r = await h.put(path, json={"policy": "round_robin"}, headers=csrf(me))
+        assert r.status_code == 200, r.text
+        assert r.json()["routing"]["policy"] == "round_robin"
+        listed = (await h.get("/console/api/routing")).json()["models"]
+        assert {m["model"]: m["override"] for m in listed}[env.model] == {"policy": "round_robin"}
+        assert (await h.get(path)).json()["routing"]["policy"] == "round_robin"
+        # A policy that does not exist: the admin API's 400, naming the field.
+        r = await h.put(path, json={"policy": "fastest"}, headers=csrf(me))
+        assert_openai_error(r, 400, "policy")
+        assert "round_robin" in r.json()["error"]["message"]  # it lists the ones there are
+        assert_openai_error(await h.put(path, json={}, headers=csrf(me)), 400)
+        # Reset: back to the configuration's routing.
+        r = await h.delete(path, headers=csrf(me))
+        assert r.status_code == 200 and r.json()["override"] is None, r.text
+        listed = (await h.get("/console/api/routing")).json()["models"]
+        assert env.model not in {m["model"] for m in listed}
+        events = (await h.get("/console/api/audit")).json()["data"]
+        mine = [e for e in events if e["action"] == "routing.changed" and e["target"] == env.model]
+        assert len(mine) >= 2 and {e["actor"] for e in mine} == {f"key:{me['key_id']}"}
+
+
+@pytest.mark.stack
+async def test_an_alias_is_created_and_deleted_through_the_routing_admin_api(env: Env) -> None:
+    alias = f"console-alias-{uuid.uuid4().hex[:8]}"
+    path = f"/console/api/routing/aliases/{alias}"
+
+    async def aliases(h: httpx.AsyncClient) -> dict[str, tuple[str, str]]:
+        rows = (await h.get("/console/api/routing/aliases")).json()["aliases"]
+        return {a["name"]: (a["model"], a["source"]) for a in rows}
+
+    async with env.stack.http() as h:
+        me = await login(h, env.admin)
+        assert_openai_error(await h.put(path, json={"model": env.model}), 403)
+        assert alias not in await aliases(h)
+        r = await h.put(path, json={"model": env.model}, headers=csrf(me))
+        assert r.status_code == 200 and r.json() == {"name": alias, "model": env.model}, r.text
+        assert (await aliases(h))[alias] == (env.model, "runtime")
+        # The admin API's refusals come through as they are: an alias may not hide a served
+        # model, and the body must name one.
+        r = await h.put(
+            f"/console/api/routing/aliases/{env.model}", json={"model": alias}, headers=csrf(me)
+        )
+        assert_openai_error(r, 400)
+        assert_openai_error(await h.put(path, json={}, headers=csrf(me)), 400, "model")
+        assert_openai_error(await h.delete(path), 403)
+        r = await h.delete(path, headers=csrf(me))
+        assert r.status_code == 200 and r.json()["name"] == alias, r.text
+        assert alias not in await aliases(h)
+        events = (await h.get("/console/api/audit")).json()["data"]
+        mine = [e for e in events if e["action"] == "alias.changed" and e["target"] == alias]
+        assert len(mine) == 2 and {e["actor"] for e in mine} == {f"key:{me['key_id']}"}
+
+
+@pytest.mark.stack
+async def test_an_owner_budget_is_set_shown_and_removed(env: Env) -> None:
+    path = "/console/api/owners/team-budget/budget"
+    async with env.stack.http() as h:
+        me = await login(h, env.admin)
+        assert_openai_error(await h.put(path, json={"budget_usd": 5}), 403)
+        body = {"budget_usd": 5, "soft_budget_usd": 4, "period": "day"}
+        r = await h.put(path, json=body, headers=csrf(me))
+        assert r.status_code == 200, r.text
+        got = (await h.get(path)).json()
+        assert (got["budget_usd"], got["soft_budget_usd"], got["period"]) == (5, 4, "day")
+        r = await h.put(path, json={"period": "week"}, headers=csrf(me))
+        assert_openai_error(r, 400, "period")
+        body = {"budget_usd": None, "soft_budget_usd": None, "period": "month"}
+        r = await h.put(path, json=body, headers=csrf(me))  # what the form sends when emptied
+        assert r.status_code == 200 and r.json()["budget_usd"] is None, r.text
 
 
 @pytest.mark.stack
@@ -610,6 +694,7 @@ def _alert(driver: Any) -> bool:
 async def test_in_chromium_log_in_create_use_see_and_revoke_a_key(env: Env, tmp_path: Path) -> None:
     from selenium.common.exceptions import StaleElementReferenceException
     from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
 
     driver = chromium()
     shots = tmp_path / "screenshots"
@@ -654,6 +739,15 @@ async def test_in_chromium_log_in_create_use_see_and_revoke_a_key(env: Env, tmp_
         key_id = secret[3:15]
         driver.save_screenshot(str(shots / "keys.png"))
         driver.find_element(By.ID, "secret-done").click()
+        # Its owner's budget, set through the owner budget form.
+        budget = driver.find_element(By.ID, "owner-budget-form")
+        budget.find_element(By.NAME, "owner").send_keys("team-browser")
+        budget.find_element(By.NAME, "budget_usd").send_keys("40")
+        budget.find_element(By.ID, "owner-budget-submit").click()
+        await wait_for(
+            lambda: "team-browser: $40 per month" in text("#owner-budget-note"),
+            what="the owner's budget saved",
+        )
         # The key works with the openai SDK.
         reply = await env.stack.openai(secret).chat.completions.create(
             model=env.model, messages=[{"role": "user", "content": "hi"}], max_tokens=3
@@ -699,7 +793,23 @@ async def test_in_chromium_log_in_create_use_see_and_revoke_a_key(env: Env, tmp_
             lambda: shown(f"#replicas-rows tr[data-replica='{env.model}-0']"),
             what="a replica on the replicas page",
         )
+        # A model's routing changed through the form, listed, then reset from its row.
+        routing = driver.find_element(By.ID, "routing-form")
+        routing.find_element(By.NAME, "model").send_keys(env.model)
+        Select(routing.find_element(By.NAME, "policy")).select_by_visible_text("round_robin")
+        routing.find_element(By.ID, "routing-submit").click()
+        changed = f"#routing-rows tr[data-model='{env.model}']"
+        await wait_for(lambda: "round_robin" in text(changed), what="the model's routing listed")
+        assert "round_robin" in text("#status")
         driver.save_screenshot(str(shots / "replicas.png"))
+        shown(f"{changed} button.danger").click()
+        await wait_for(lambda: not shown(changed), what="the model's routing reset")
+        # An unknown model's alias: the admin API's refusal, in the status region.
+        aliases = driver.find_element(By.ID, "alias-form")
+        aliases.find_element(By.NAME, "name").send_keys(env.model)
+        aliases.find_element(By.NAME, "model").send_keys("no-such-model")
+        aliases.find_element(By.ID, "alias-submit").click()
+        await wait_for(lambda: "may not hide it" in text("#status.error"), what="the alias refused")
         driver.find_element(By.CSS_SELECTOR, "nav a[data-page='audit']").click()
         await wait_for(lambda: shown("#audit-rows tr"), what="the audit events")
         driver.save_screenshot(str(shots / "audit.png"))

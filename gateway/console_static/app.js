@@ -56,6 +56,7 @@ function loggedIn(me) {
   $("who-name").textContent = `${me.name} (${me.key_id}, ${me.role})`;
   for (const a of document.querySelectorAll("nav a[data-admin]")) a.hidden = me.role !== "admin";
   $("key-form").hidden = me.role !== "admin";
+  $("owner-budget-form").hidden = me.role !== "admin";
   say("");
   startFeed();
   show(location.hash.slice(1) || "keys");
@@ -237,6 +238,46 @@ async function revokeKey(k) {
   } catch (e) { say(e.message, true); }
 }
 
+// -- owner budgets (on the keys page) -----------------------------------------------------
+function ownerBudgetNote(b) {
+  const note = $("owner-budget-note");
+  if (b.budget_usd == null && b.soft_budget_usd == null) { note.textContent = `Owner ${b.owner} has no budget.`; return; }
+  const parts = [];
+  if (b.budget_usd != null) parts.push(`$${b.budget_usd}`);
+  if (b.soft_budget_usd != null) parts.push(`soft $${b.soft_budget_usd}`);
+  note.textContent = `Owner ${b.owner}: ${parts.join(", ")} per ${b.period}; spent $${(b.spent_usd ?? 0).toFixed(4)} ${b.period === "total" ? "in all" : "this " + b.period}.`;
+}
+
+function ownerPath() {
+  const owner = $("owner-budget-form").elements.owner.value.trim();
+  if (!owner) throw new Error("Owner: the owner whose budget this is.");
+  return `owners/${encodeURIComponent(owner)}/budget`;
+}
+
+$("owner-budget-show").addEventListener("click", async () => {
+  try {
+    const b = await api("GET", ownerPath());
+    const f = $("owner-budget-form").elements;
+    f.budget_usd.value = b.budget_usd ?? "";
+    f.soft_budget_usd.value = b.soft_budget_usd ?? "";
+    if (b.period) f.period.value = b.period;
+    ownerBudgetNote(b);
+  } catch (e) { say(e.message, true); }
+});
+
+$("owner-budget-form").addEventListener("submit", async (ev) => {
+  ev.preventDefault();
+  const f = ev.target.elements;
+  const amount = (input) => (input.value.trim() === "" ? null : Number(input.value));
+  try {
+    const b = await api("PUT", ownerPath(), {
+      budget_usd: amount(f.budget_usd), soft_budget_usd: amount(f.soft_budget_usd), period: f.period.value,
+    });
+    say(`The budget of owner ${b.owner} is saved.`);
+    ownerBudgetNote(b);
+  } catch (e) { say(e.message, true); }
+});
+
 // -- spend -----------------------------------------------------------------------------
 // The bridge sums the period (gateway/console_spend.py): the page gets a page of the table,
 // the chart's top keys and one "others" series, and the totals, never a row per key and day.
@@ -401,9 +442,84 @@ function renderReplicas(list) {
 
 async function loadReplicas() {
   renderReplicas((await api("GET", "replicas")).data);
+  await loadRouting();
+}
+
+// -- routing and aliases (on the replicas page): the routing admin API's changes ---------
+async function loadRouting() {
   const routing = await api("GET", "routing");
   const aliases = await api("GET", "routing/aliases");
   $("routing").textContent = JSON.stringify({ ...routing, aliases: aliases.aliases }, null, 2);
+  const d = routing.default;
+  $("routing-default").textContent = `Every other model: policy ${d.policy}, pool policy ${d.pool_policy} (the configuration).`;
+  const rows = $("routing-rows");
+  rows.replaceChildren();
+  for (const m of routing.models) {
+    rows.append(el("tr", { "data-model": m.model },
+      el("td", {}, el("code", {}, m.model)), el("td", {}, m.routing.policy), el("td", {}, m.routing.pool_policy),
+      el("td", {}, el("code", {}, JSON.stringify(m.override))),
+      el("td", {}, el("button", { type: "button", class: "danger", "aria-label": `Reset the routing of ${m.model}`,
+        on: { click: () => resetRouting(m.model) } }, "Reset"))));
+  }
+  if (!routing.models.length) rows.append(el("tr", {}, el("td", { colspan: "5" }, "No model's routing is changed at run time.")));
+  const arows = $("alias-rows");
+  arows.replaceChildren();
+  for (const a of aliases.aliases) {
+    const act = el("td");
+    if (a.source === "runtime") {
+      act.append(el("button", { type: "button", class: "danger", "aria-label": `Delete the alias ${a.name}`,
+        on: { click: () => deleteAlias(a.name) } }, "Delete"));
+    }
+    arows.append(el("tr", { "data-alias": a.name },
+      el("td", {}, el("code", {}, a.name)), el("td", {}, a.model), el("td", {}, a.source), act));
+  }
+  if (!aliases.aliases.length) arows.append(el("tr", {}, el("td", { colspan: "4" }, "No alias.")));
+}
+
+async function resetRouting(model) {
+  if (!model) { say("Model: the model whose routing to reset.", true); return; }
+  try {
+    await api("DELETE", `routing/${encodeURIComponent(model)}`);
+    say(`The routing of ${model} is the default again.`);
+    await loadRouting();
+  } catch (e) { say(e.message, true); }
+}
+
+$("routing-form").addEventListener("submit", async (ev) => {
+  ev.preventDefault();
+  const f = ev.target;
+  const model = f.elements.model.value.trim();
+  const change = {};
+  for (const name of ["policy", "pool_policy"]) if (f.elements[name].value) change[name] = f.elements[name].value;
+  const bound = f.elements.load_bound.value.trim();
+  if (bound !== "") change.load_bound = Number(bound);
+  try {
+    const done = await api("PUT", `routing/${encodeURIComponent(model)}`, change);
+    say(`The routing of ${done.model} is now policy ${done.routing.policy}, pool policy ${done.routing.pool_policy}.`);
+    await loadRouting();
+  } catch (e) { say(e.message, true); }
+});
+$("routing-reset").addEventListener("click", () => resetRouting($("routing-form").elements.model.value.trim()));
+
+$("alias-form").addEventListener("submit", async (ev) => {
+  ev.preventDefault();
+  const f = ev.target;
+  const name = f.elements.name.value.trim();
+  try {
+    const done = await api("PUT", `routing/aliases/${encodeURIComponent(name)}`, { model: f.elements.model.value.trim() });
+    say(`Clients asking for ${done.name} are served ${done.model}.`);
+    f.reset();
+    await loadRouting();
+  } catch (e) { say(e.message, true); }
+});
+
+async function deleteAlias(name) {
+  if (!confirm(`Delete the alias ${name}? Clients asking for it are refused from now on.`)) return;
+  try {
+    await api("DELETE", `routing/aliases/${encodeURIComponent(name)}`);
+    say(`The alias ${name} is deleted.`);
+    await loadRouting();
+  } catch (e) { say(e.message, true); }
 }
 
 // -- jobs ------------------------------------------------------------------------------
