@@ -366,7 +366,8 @@ class Bridge(Service):
         )
         api.add_prefix(ROUTING_PREFIX, routing)
         # The operator's console (docs/console.md), over the same admin handlers.
-        self.console = Console(self.admin, routing, self.registry, self.settings)
+        kv = self.kv.check if self.kv is not None else None
+        self.console = Console(self.admin, routing, self.registry, self.settings, kv)
         self.console.mount(api)
         # The Responses API, over the same source; its stored responses in JetStream KV.
         store = await open_store(self.nc, self.settings.responses)

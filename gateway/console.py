@@ -16,7 +16,9 @@ GET    /console/api/usage              the Spend page: a page of requests, token
                                        (?since=24h&bucket=hour|day&measure=&key=&offset=
                                        &limit=); GET /console/api/usage/export (or
                                        ?format=csv): every row per bucket, key and model, CSV
-GET    /console/api/replicas           the replicas this bridge hears, with their load
+GET    /console/api/replicas           the replicas this bridge hears, with their load, their
+                                       LoRA adapters and the KV check's predicted and reported
+                                       cached tokens (``kv_check``)
 GET    /console/api/routing            the routing admin API's listing and the aliases;
                                        PUT / DELETE /console/api/routing/{model}, PUT / DELETE
                                        /console/api/routing/aliases/{name}: its changes
@@ -59,7 +61,8 @@ from gateway.admin_routing import PREFIX as ROUTING_PREFIX
 from gateway.asgi import Headers, Receive, Scope, Send, header, query_of, send_json
 from gateway.console_session import Session, Sessions, token_of
 from jobs.batches import BatchStore
-from router.registry import Registry
+from router.kv_check import KVCheck
+from router.registry import Registry, Replica
 from services import audit
 from services.config import Settings
 
@@ -128,11 +131,13 @@ class Console:
         routing: Callable[[Scope, Receive, Send], Awaitable[None]],
         registry: Registry,
         settings: Settings,
+        kv: KVCheck | None = None,
     ) -> None:
         self.admin = admin
         self.routing = routing
         self.registry = registry
         self.settings = settings
+        self.kv = kv  # the in-process router's KV check; None where the bridge does not route
         self.batches: BatchStore | None = None  # set when the bridge serves the Batch API
         self._sessions: Sessions | None = None
         self._feeds = 0
@@ -411,8 +416,35 @@ class Console:
             d["health"] = "draining" if r.draining else "ok"
             d["load"] = round(r.load / max(1, r.max_concurrency), 3)
             d["seen_s_ago"] = round(max(0.0, now - r.last_seen), 1)
+            d["adapters"] = sorted(r.adapters)
+            d["kv_check"] = self._kv_check(r)
             out.append(d)
         return out
+
+    def _kv_check(self, r: Replica) -> dict[str, Any] | None:
+        """The closed loop on ``r``'s KV-cache hits (router/kv_check.py): its heartbeats'
+        totals of predicted and reported cached prompt tokens, their ratio, and this bridge's
+        verdict where it routes in-process; None when its heartbeats carry no totals."""
+        totals = r.kv_check
+        if totals is None:
+            return None
+        predicted, reported = totals.get("predicted", 0), totals.get("reported", 0)
+        verdict: str | None = None
+        if self.kv is not None:
+            if r.replica in self.kv.incompatible:
+                verdict = "incompatible"
+            elif r.replica in self.kv.disagreeing:
+                verdict = "distrusted"
+            else:
+                verdict = "trusted"
+        return {
+            "requests": totals.get("requests", 0),
+            "predicted": predicted,
+            "reported": reported,
+            # What the engine read from its cache per token the router predicted it would.
+            "ratio": round(reported / predicted, 3) if predicted else None,
+            "verdict": verdict,
+        }
 
     async def _jobs(self, method: str, rest: str, send: Send, s: Session) -> None:
         if self.batches is None:

@@ -30,7 +30,11 @@ import pytest
 from auth.keys import KeyRecord
 from bus_schemas import codec
 from gateway import console_spend, console_usage
+from gateway.console import Console
 from gateway.console_session import Session, Sessions
+from router.kv_check import KVCheck
+from router.registry import Registry
+from services.config import Settings
 from telemetry import records
 from tests.support.busdata import key_store, new_model
 from tests.support.natsserver import spawn_nats
@@ -283,6 +287,56 @@ async def test_routing_is_set_and_reset_through_the_routing_admin_api(env: Env) 
         events = (await h.get("/console/api/audit")).json()["data"]
         mine = [e for e in events if e["action"] == "routing.changed" and e["target"] == env.model]
         assert len(mine) >= 2 and {e["actor"] for e in mine} == {f"key:{me['key_id']}"}
+
+
+@pytest.mark.stack
+async def test_replicas_show_their_adapters_and_the_kv_checks_tokens(env: Env) -> None:
+    # kv_aware predicts cached prompt tokens (the sim's KV events); the workers sum them
+    # beside their engine's reports and heartbeat the totals, which the page shows.
+    path = f"/console/api/routing/{env.model}"
+    client = env.stack.openai(env.admin)
+    async with env.stack.http() as h:
+        me = await login(h, env.admin)
+
+        async def mine() -> list[dict[str, Any]]:
+            data = (await h.get("/console/api/replicas")).json()["data"]
+            return [r for r in data if r["model"] == env.model]
+
+        async def announced() -> bool:  # a worker's first beat comes before its KV events
+            rows = await mine()
+            return len(rows) == 2 and all(r["kv_check"] is not None for r in rows)
+
+        await wait_for(announced, timeout=20, what="both replicas with their KV check")
+        for r in await mine():
+            assert r["adapters"] == [], r  # none loaded at run time
+            k = r["kv_check"]
+            assert {"requests", "predicted", "reported", "ratio", "verdict"} <= set(k), r
+            assert all(isinstance(k[n], int) for n in ("requests", "predicted", "reported"))
+            assert k["verdict"] in ("trusted", "distrusted", "incompatible")  # in-process
+        r = await h.put(path, json={"policy": "kv_aware"}, headers=csrf(me))
+        assert r.status_code == 200, r.text
+        try:
+            prompt = "the same long prompt, again and again, so that its blocks are cached " * 8
+
+            async def predicted() -> bool:
+                # One more request each time: the first ones go before the KV events arrive.
+                await client.chat.completions.create(
+                    model=env.model, messages=[{"role": "user", "content": prompt}], max_tokens=2
+                )
+                return sum(r["kv_check"]["predicted"] for r in await mine()) > 0
+
+            await wait_for(predicted, timeout=30, what="predicted cache hits in heartbeats")
+            for r in await mine():
+                k = r["kv_check"]
+                assert k["predicted"] >= 0 and k["reported"] >= 0 and k["verdict"] == "trusted"
+                if k["predicted"]:
+                    assert k["requests"] >= 1 and k["reported"] > 0
+                    assert k["ratio"] == round(k["reported"] / k["predicted"], 3)
+                else:
+                    assert k["ratio"] is None
+        finally:
+            r = await h.delete(path, headers=csrf(me))
+            assert r.status_code == 200, r.text
 
 
 @pytest.mark.stack
@@ -793,6 +847,10 @@ async def test_in_chromium_log_in_create_use_see_and_revoke_a_key(env: Env, tmp_
             lambda: shown(f"#replicas-rows tr[data-replica='{env.model}-0']"),
             what="a replica on the replicas page",
         )
+        rep = f"#replicas-rows tr[data-replica='{env.model}-0']"
+        # No adapter loaded at run time; the KV check's totals (the feed redraws the rows).
+        await wait_for(lambda: text(f"{rep} td.adapters") == "—", what="no adapters shown")
+        await wait_for(lambda: " / " in text(f"{rep} td.kv-check"), what="the KV check shown")
         # A model's routing changed through the form, listed, then reset from its row.
         routing = driver.find_element(By.ID, "routing-form")
         routing.find_element(By.NAME, "model").send_keys(env.model)
@@ -875,3 +933,28 @@ def test_the_cookie_is_secure_over_tls_and_never_holds_the_key() -> None:
             assert ("; Secure" in text) is secure, text
     assert "Max-Age=0" in Sessions.clear_cookie(True).decode()
     assert 50 <= int(sessions.cookie("tok", s, True).decode().split("Max-Age=")[1][:2]) <= 60
+
+
+@pytest.mark.unit
+def test_the_kv_check_column_says_unknown_trusted_distrusted_or_incompatible() -> None:
+    registry = Registry()
+    for n, check in enumerate(({"requests": 2, "predicted": 64, "reported": 48}, None, {})):
+        hb: dict[str, Any] = {"replica": f"r{n}", "model": "m", "adapters": {"b": "/b", "a": "/a"}}
+        if check is not None:
+            hb["kv_check"] = check
+        registry.update(hb)
+    kv = KVCheck(None, None)
+    none: Any = None  # the admin and routing handlers: the replicas need neither
+    rows = {r["replica"]: r for r in Console(none, none, registry, Settings())._replicas()}
+    assert rows["r0"]["adapters"] == ["a", "b"]
+    assert rows["r1"]["kv_check"] is None  # its heartbeats carry no totals
+    zero = {"requests": 0, "predicted": 0, "reported": 0, "ratio": None, "verdict": None}
+    assert rows["r2"]["kv_check"] == zero  # no in-process router: no verdict
+    want = {"requests": 2, "predicted": 64, "reported": 48, "ratio": 0.75, "verdict": None}
+    assert rows["r0"]["kv_check"] == want
+    console = Console(none, none, registry, Settings(), kv)
+    assert console._replicas()[0]["kv_check"]["verdict"] == "trusted"
+    kv.disagreeing["r0"] = "reported 48 where 64 were predicted"
+    assert console._replicas()[0]["kv_check"]["verdict"] == "distrusted"
+    kv.incompatible["r0"] = "block size 32"
+    assert console._replicas()[0]["kv_check"]["verdict"] == "incompatible"

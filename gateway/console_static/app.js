@@ -435,9 +435,19 @@ function renderReplicas(list) {
       el("td", {}, el("code", {}, r.replica)), el("td", {}, r.model), el("td", {}, r.backend || ""),
       el("td", {}, r.pd_role || "both"), el("td", {}, `${Math.round(r.load * 100)}% (${r.in_flight}/${r.max_concurrency})`),
       el("td", {}, String(r.running)), el("td", {}, String(r.waiting)), el("td", {}, r.kv_routing),
+      el("td", { class: "kv-check" }, kvCheck(r.kv_check)),
+      el("td", { class: "adapters" }, r.adapters && r.adapters.length ? r.adapters.join(", ") : "—"),
       el("td", { class: r.health === "ok" ? "state-on" : "state-off" }, r.health)));
   }
-  if (!list.length) rows.append(el("tr", {}, el("td", { colspan: "9" }, "No live replica.")));
+  if (!list.length) rows.append(el("tr", {}, el("td", { colspan: "11" }, "No live replica.")));
+}
+
+// The KV check's cached prompt tokens, predicted by the routers / reported by the engine.
+function kvCheck(k) {
+  if (!k) return "—";
+  const ratio = k.ratio === null ? "" : ` (${Math.round(k.ratio * 100)}%)`;
+  const verdict = k.verdict ? `, ${k.verdict}` : "";
+  return `${k.predicted} / ${k.reported}${ratio}${verdict}`;
 }
 
 async function loadReplicas() {
@@ -527,7 +537,7 @@ async function loadJobs() {
   const rows = $("jobs-rows");
   let list;
   try { list = await api("GET", "jobs"); } catch (e) {
-    rows.replaceChildren(el("tr", {}, el("td", { colspan: "6" }, e.message)));
+    rows.replaceChildren(el("tr", {}, el("td", { colspan: "7" }, e.message)));
     return;
   }
   rows.replaceChildren();
@@ -539,11 +549,16 @@ async function loadJobs() {
         try { await api("POST", `jobs/${encodeURIComponent(b.id)}/cancel`); await loadJobs(); } catch (e) { say(e.message, true); }
       } } }, "Cancel"));
     }
-    rows.append(el("tr", {}, el("td", {}, el("code", {}, b.id)), el("td", {}, b.owner || ""),
+    const files = el("td", { class: "files" });
+    for (const [label, id] of [["in", b.input_file_id], ["out", b.output_file_id], ["err", b.error_file_id]]) {
+      if (id) files.append(el("div", {}, `${label} `, el("code", {}, id)));
+    }
+    rows.append(el("tr", { "data-batch": b.id }, el("td", {}, el("code", {}, b.id)), el("td", {}, b.owner || ""),
       el("td", {}, b.status), el("td", {}, `${(c.completed || 0) + (c.failed || 0)} / ${c.total || 0}`),
+      files,
       el("td", {}, b.created_at ? new Date(b.created_at * 1000).toISOString().slice(0, 19).replace("T", " ") : ""), act));
   }
-  if (!list.data.length) rows.append(el("tr", {}, el("td", { colspan: "6" }, "No batches.")));
+  if (!list.data.length) rows.append(el("tr", {}, el("td", { colspan: "7" }, "No batches.")));
 }
 
 // -- audit -----------------------------------------------------------------------------
