@@ -340,6 +340,42 @@ async def test_replicas_show_their_adapters_and_the_kv_checks_tokens(env: Env) -
 
 
 @pytest.mark.stack
+async def test_jobs_list_a_batchs_input_output_and_error_files(env: Env) -> None:
+    client = env.stack.openai(env.plain)
+    lines = [
+        {"custom_id": "good", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"model": env.model, "messages": [{"role": "user", "content": "hi"}],
+                  "max_tokens": 2}},
+        {"custom_id": "bad", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}]}},
+    ]  # fmt: skip
+    body = "".join(json.dumps(line) + "\n" for line in lines).encode()
+    f = await client.files.create(file=("in.jsonl", body), purpose="batch")
+    b = await client.batches.create(
+        input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    async with env.stack.http() as h:
+        await login(h, env.admin)
+
+        async def done() -> dict[str, Any] | None:
+            data = (await h.get("/console/api/jobs")).json()["data"]
+            job = next((j for j in data if j["id"] == b.id), None)
+            return job if job and job["status"] in ("completed", "failed") else None
+
+        await wait_for(done, timeout=30, what="the batch done in the jobs listing")
+        job = await done()
+        assert job is not None and job["status"] == "completed", job
+        assert job["input_file_id"] == f.id and job["owner"] == env.plain_id
+        assert job["output_file_id"] and job["error_file_id"], job
+    # The owner's session lists it with its files too.
+    async with env.stack.http() as h:
+        await login(h, env.plain)
+        data = (await h.get("/console/api/jobs")).json()["data"]
+        mine = {j["id"]: j for j in data}
+        assert mine[b.id]["output_file_id"] == job["output_file_id"]
+
+
+@pytest.mark.stack
 async def test_an_alias_is_created_and_deleted_through_the_routing_admin_api(env: Env) -> None:
     alias = f"console-alias-{uuid.uuid4().hex[:8]}"
     path = f"/console/api/routing/aliases/{alias}"
