@@ -25,6 +25,8 @@ GET    /console/api/routing            the routing admin API's listing and the a
                                        (gateway/admin_routing.py) for the session's key
 GET    /console/api/audit              the newest audit events (?limit=100)
 GET    /console/api/jobs               batches; POST /console/api/jobs/{id}/cancel
+GET    /console/api/files/{id}/content a file's bytes, as an attachment (a batch's input,
+                                       output and error files; an owner session: its own)
 GET    /console/api/bus                the NATS servers, JetStream streams and their consumers'
                                        lag, and the alerts the console evaluates itself
 GET    /console/api/events             one server-sent-events feed per open page: the
@@ -51,6 +53,8 @@ from importlib import resources
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
+from nats.js.errors import BadRequestError, NotFoundError, ObjectNotFoundError
+
 from auth.keys import KeyRecord, parse_duration
 from auth.store import KeyStore
 from bus_schemas import errors as E
@@ -61,6 +65,8 @@ from gateway.admin_routing import PREFIX as ROUTING_PREFIX
 from gateway.asgi import Headers, Receive, Scope, Send, header, query_of, send_json
 from gateway.console_session import Session, Sessions, token_of
 from jobs.batches import BatchStore
+from jobs.files import FileStore
+from jobs.files import not_found as file_not_found
 from router.kv_check import KVCheck
 from router.registry import Registry, Replica
 from services import audit
@@ -95,6 +101,8 @@ MAX_FEEDS = 64  # open event feeds per bridge process; more get 503
 FEED_TICK_S = 1.0
 FEED_PING_S = 15.0
 MAX_JOBS = 500
+FILE_CHUNK = 64 * 1024
+_SAFE_NAME = re.compile(r"[^A-Za-z0-9._-]")
 
 
 def _secured(send: Send, extra: Headers = NO_STORE) -> Send:
@@ -139,6 +147,7 @@ class Console:
         self.settings = settings
         self.kv = kv  # the in-process router's KV check; None where the bridge does not route
         self.batches: BatchStore | None = None  # set when the bridge serves the Batch API
+        self.files: FileStore | None = None  # set with batches
         self._sessions: Sessions | None = None
         self._feeds = 0
         self._spend = console_spend.Summaries()
@@ -301,6 +310,8 @@ class Console:
             await send_json(out, 200, await console_bus.read(self.admin.nc, urls))
         elif part == "jobs":
             await self._jobs(method, rest, out, s)
+        elif part == "files" and method == "GET" and rest.endswith("/content"):
+            await self._file_content(unquote(rest[len("files/") : -len("/content")]), out, s)
         else:
             raise E.NotFound(f"no route for {method} {API}/{rest}")
 
@@ -475,6 +486,49 @@ class Console:
             await send_json(send, 200, await self.batches.cancel(batch_id, loaded[0]["owner"]))
         else:
             raise E.NotFound(f"no route for {method} {API}/{rest}")
+
+    async def _file_content(self, file_id: str, send: Send, s: Session) -> None:
+        """A file's bytes as an attachment: any file for an admin session, else only a file
+        of the session's visible keys; 404 for every other file, as for one that is not."""
+        if self.files is None or self.files.obs is None:
+            raise E.ServiceUnavailable("this bridge does not serve the Files API")
+        if not file_id or "/" in file_id:
+            raise file_not_found(file_id)
+        try:
+            # One read of the object's description says whose it is (jobs/files.py).
+            info = await self.files.obs.get_info(file_id)
+        except (ObjectNotFoundError, NotFoundError, BadRequestError):
+            raise file_not_found(file_id) from None
+        except Exception:
+            raise E.ServiceUnavailable("the file store (JetStream) did not answer; retry") from None
+        try:
+            rec = json.loads(info.description or "")
+            owner = str(rec["owner"])
+            name = str(rec["file"].get("filename") or file_id)
+        except (ValueError, KeyError, TypeError, AttributeError):
+            raise file_not_found(file_id) from None
+        if info.deleted:
+            raise file_not_found(file_id)
+        if not s.admin and owner not in {r.id for r in self._visible(s)}:
+            raise file_not_found(file_id)
+        data = await self.files.content(file_id, owner)
+        safe = _SAFE_NAME.sub("_", name)[:128] or file_id
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [
+                    # Never rendered: bytes to save, whatever they hold (nosniff is on).
+                    (b"content-type", b"application/octet-stream"),
+                    (b"content-disposition", f'attachment; filename="{safe}"'.encode()),
+                    (b"content-length", str(len(data)).encode()),
+                ],
+            }
+        )
+        for at in range(0, len(data), FILE_CHUNK):
+            body = data[at : at + FILE_CHUNK]
+            await send({"type": "http.response.body", "body": body, "more_body": True})
+        await send({"type": "http.response.body", "body": b""})
 
     # -- the live feed -------------------------------------------------------------------
     async def _events(self, cookie: str | None, receive: Receive, send: Send, s: Session) -> None:

@@ -375,6 +375,52 @@ async def test_jobs_list_a_batchs_input_output_and_error_files(env: Env) -> None
         assert mine[b.id]["output_file_id"] == job["output_file_id"]
 
 
+def assert_attachment(r: httpx.Response, body: bytes) -> None:
+    """A download the browser saves and never renders."""
+    assert r.status_code == 200, r.text
+    assert r.content == body
+    assert r.headers["content-disposition"].startswith("attachment"), r.headers
+    assert r.headers["content-type"] == "application/octet-stream"
+    assert r.headers["x-content-type-options"] == "nosniff"
+
+
+@pytest.mark.stack
+async def test_a_batchs_input_file_is_downloaded_by_the_admin_and_its_owner_only(
+    env: Env,
+) -> None:
+    client = env.stack.openai(env.plain)
+    line = {"custom_id": "one", "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": env.model, "messages": [{"role": "user", "content": "hi"}],
+                     "max_tokens": 2}}  # fmt: skip
+    body = (json.dumps(line) + "\n").encode()
+    f = await client.files.create(file=("<b>in</b>.html", body), purpose="batch")
+    b = await client.batches.create(
+        input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    theirs = await env.stack.openai(env.admin).files.create(
+        file=("admins.jsonl", b"{}\n"), purpose="batch"
+    )
+    async with env.stack.http() as h:
+        assert_openai_error(await h.get(f"/console/api/files/{f.id}/content"), 401)
+        await login(h, env.admin)
+        data = (await h.get("/console/api/jobs")).json()["data"]
+        job = next(j for j in data if j["id"] == b.id)
+        r = await h.get(f"/console/api/files/{job['input_file_id']}/content")
+        assert_attachment(r, body)
+        # The file's own name, made safe to put in the header.
+        assert r.headers["content-disposition"] == 'attachment; filename="_b_in__b_.html"'
+        assert_attachment(await h.get(f"/console/api/files/{theirs.id}/content"), b"{}\n")
+    async with env.stack.http() as h:
+        await login(h, env.plain)
+        assert_attachment(await h.get(f"/console/api/files/{f.id}/content"), body)
+        # Another owner's file is answered exactly as one that does not exist.
+        other = await h.get(f"/console/api/files/{theirs.id}/content")
+        assert_openai_error(other, 404)
+        missing = await h.get("/console/api/files/file-000000000000000000000000/content")
+        assert_openai_error(missing, 404)
+        assert other.json()["error"]["code"] == missing.json()["error"]["code"]
+
+
 @pytest.mark.stack
 async def test_an_alias_is_created_and_deleted_through_the_routing_admin_api(env: Env) -> None:
     alias = f"console-alias-{uuid.uuid4().hex[:8]}"

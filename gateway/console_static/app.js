@@ -551,7 +551,7 @@ async function loadJobs() {
     }
     const files = el("td", { class: "files" });
     for (const [label, id] of [["in", b.input_file_id], ["out", b.output_file_id], ["err", b.error_file_id]]) {
-      if (id) files.append(el("div", {}, `${label} `, el("code", {}, id)));
+      if (id) files.append(el("div", {}, `${label} `, el("a", { href: `/console/api/files/${encodeURIComponent(id)}/content`, download: "" }, el("code", {}, id))));
     }
     rows.append(el("tr", { "data-batch": b.id }, el("td", {}, el("code", {}, b.id)), el("td", {}, b.owner || ""),
       el("td", {}, b.status), el("td", {}, `${(c.completed || 0) + (c.failed || 0)} / ${c.total || 0}`),
