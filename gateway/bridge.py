@@ -506,7 +506,7 @@ class Bridge(Service):
         if not cfg.batches.enabled:
             return
         BatchAPI(store, files, key_owner(keys), cfg).mount(api)
-        self.console.batches, self.console.files = store, files
+        self.console.batches, self.console.files, self.console.responses = store, files, responses
         if cfg.batches.run_lines:
             self.batch_runner = BatchRunner(self.nc, store, files, api, cfg.batches, handlers)
             await self.batch_runner.start()

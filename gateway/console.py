@@ -25,6 +25,8 @@ GET    /console/api/routing            the routing admin API's listing and the a
                                        (gateway/admin_routing.py) for the session's key
 GET    /console/api/audit              the newest audit events (?limit=100)
 GET    /console/api/jobs               batches; POST /console/api/jobs/{id}/cancel
+GET    /console/api/responses/{id}     a background response looked up by id (its status);
+                                       POST /console/api/responses/{id}/cancel cancels it
 GET    /console/api/files/{id}/content a file's bytes, as an attachment (a batch's input,
                                        output and error files; an owner session: its own)
 GET    /console/api/bus                the NATS servers, JetStream streams and their consumers'
@@ -50,14 +52,21 @@ import re
 import time
 from collections.abc import Awaitable, Callable
 from importlib import resources
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote, urlsplit
 
-from nats.js.errors import BadRequestError, NotFoundError, ObjectNotFoundError
+from nats.js.errors import (
+    BadRequestError,
+    KeyDeletedError,
+    KeyNotFoundError,
+    NotFoundError,
+    ObjectNotFoundError,
+)
 
 from auth.keys import KeyRecord, parse_duration
 from auth.store import KeyStore
 from bus_schemas import errors as E
+from dialects.responses import RESPONSE_ID
 from gateway import console_bus, console_spend, console_usage
 from gateway.admin_keys import CALLER, AdminAPI, read_json
 from gateway.admin_keys import PREFIX as KEYS_PREFIX
@@ -67,10 +76,14 @@ from gateway.console_session import Session, Sessions, token_of
 from jobs.batches import BatchStore
 from jobs.files import FileStore
 from jobs.files import not_found as file_not_found
+from jobs.response_store import not_found as response_not_found
 from router.kv_check import KVCheck
 from router.registry import Registry, Replica
 from services import audit
 from services.config import Settings
+
+if TYPE_CHECKING:
+    from gateway.responses_api import ResponsesAPI
 
 PREFIX = "/console"
 API = PREFIX + "/api"
@@ -148,6 +161,7 @@ class Console:
         self.kv = kv  # the in-process router's KV check; None where the bridge does not route
         self.batches: BatchStore | None = None  # set when the bridge serves the Batch API
         self.files: FileStore | None = None  # set with batches
+        self.responses: ResponsesAPI | None = None  # set with batches (background responses)
         self._sessions: Sessions | None = None
         self._feeds = 0
         self._spend = console_spend.Summaries()
@@ -310,6 +324,8 @@ class Console:
             await send_json(out, 200, await console_bus.read(self.admin.nc, urls))
         elif part == "jobs":
             await self._jobs(method, rest, out, s)
+        elif part == "responses":
+            await self._response(method, rest, out, s)
         elif part == "files" and method == "GET" and rest.endswith("/content"):
             await self._file_content(unquote(rest[len("files/") : -len("/content")]), out, s)
         else:
@@ -486,6 +502,44 @@ class Console:
             await send_json(send, 200, await self.batches.cancel(batch_id, loaded[0]["owner"]))
         else:
             raise E.NotFound(f"no route for {method} {API}/{rest}")
+
+    async def _response(self, method: str, rest: str, send: Send, s: Session) -> None:
+        """One background response by id: the response store lists none (a listing would
+        read every stored response), so the Jobs page looks one up. An owner session sees
+        its owner's keys' responses only (404 otherwise); a cancel is the Responses API's."""
+        api = self.responses
+        if api is None or api.store is None:
+            raise E.ServiceUnavailable("this bridge does not serve background responses")
+        parts = rest.split("/")
+        if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] != "cancel"):
+            raise E.NotFound(f"no route for {method} {API}/{rest}")
+        rid = unquote(parts[1])
+        if not RESPONSE_ID.match(rid):
+            raise response_not_found(rid)
+        try:
+            # One read says whose it is (a large record's pointer names its owner too).
+            entry = await (await api.store.opened()).get(rid)
+            owner = str(json.loads(entry.value or b"{}").get("owner", ""))
+        except E.TokenbusError:
+            raise
+        except (KeyNotFoundError, KeyDeletedError, ValueError, AttributeError):
+            raise response_not_found(rid) from None
+        except Exception:
+            raise E.ServiceUnavailable("the response store (JetStream) did not answer") from None
+        if not s.admin and owner not in {r.id for r in self._visible(s)}:
+            raise response_not_found(rid)
+        rec = await api.store.get(rid, owner)
+        if not rec.get("background"):
+            raise response_not_found(rid)  # a stored response, not a job
+        resp: dict[str, Any] = rec["response"]
+        if len(parts) == 3 and method == "POST":
+            if api.background is None:
+                raise E.ServiceUnavailable("this bridge does not run background responses")
+            resp = await api.background.cancel(rid, rec)
+        elif method != "GET" or len(parts) != 2:
+            raise E.NotFound(f"no route for {method} {API}/{rest}")
+        keep = ("id", "status", "model", "created_at")
+        await send_json(send, 200, {**{k: resp.get(k) for k in keep}, "owner": owner})
 
     async def _file_content(self, file_id: str, send: Send, s: Session) -> None:
         """A file's bytes as an attachment: any file for an admin session, else only a file

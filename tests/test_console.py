@@ -422,6 +422,42 @@ async def test_a_batchs_input_file_is_downloaded_by_the_admin_and_its_owner_only
 
 
 @pytest.mark.stack
+async def test_a_background_response_is_looked_up_by_id_and_cancelled(env: Env) -> None:
+    resp = await env.stack.openai(env.plain).responses.create(
+        model=env.model, input="hi", background=True, max_output_tokens=4
+    )
+    async with env.stack.http() as h:
+        await login(h, env.plain)  # the owner sees it, and changes nothing
+        r = await h.get(f"/console/api/responses/{resp.id}")
+        assert r.status_code == 200, r.text
+        assert r.json()["id"] == resp.id and r.json()["owner"] == env.plain_id
+        assert r.json()["status"] in ("queued", "in_progress", "completed", "incomplete"), r.json()
+    async with env.stack.http() as h:
+        me = await login(h, env.admin)
+        r = await h.get(f"/console/api/responses/{resp.id}")
+        assert r.status_code == 200 and r.json()["owner"] == env.plain_id, r.text
+        # Through the Responses API's cancel: an open one is cancelled, a finished one kept.
+        c = await h.post(f"/console/api/responses/{resp.id}/cancel", headers=csrf(me))
+        assert c.status_code == 200, c.text
+        assert c.json()["status"] in ("cancelled", "completed", "incomplete"), c.json()
+        again = (await h.get(f"/console/api/responses/{resp.id}")).json()
+        assert again["status"] == c.json()["status"]
+        assert_openai_error(await h.get("/console/api/responses/resp_nope"), 404)
+
+
+@pytest.mark.stack
+async def test_another_owners_background_response_is_not_found_for_an_owner(env: Env) -> None:
+    theirs = await env.stack.openai(env.admin).responses.create(
+        model=env.model, input="hi", background=True, max_output_tokens=4
+    )
+    async with env.stack.http() as h:
+        me = await login(h, env.plain)
+        assert_openai_error(await h.get(f"/console/api/responses/{theirs.id}"), 404)
+        cancel = await h.post(f"/console/api/responses/{theirs.id}/cancel", headers=csrf(me))
+        assert_openai_error(cancel, 403)  # a write, and not an admin's session
+
+
+@pytest.mark.stack
 async def test_an_alias_is_created_and_deleted_through_the_routing_admin_api(env: Env) -> None:
     alias = f"console-alias-{uuid.uuid4().hex[:8]}"
     path = f"/console/api/routing/aliases/{alias}"

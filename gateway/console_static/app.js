@@ -561,6 +561,23 @@ async function loadJobs() {
   if (!list.data.length) rows.append(el("tr", {}, el("td", { colspan: "7" }, "No batches.")));
 }
 
+// One background response by id (the store lists none): its status, and Cancel for an admin.
+async function lookUpResponse(ev) {
+  ev.preventDefault();
+  const out = $("response-found");
+  const id = $("response-id").value.trim();
+  const path = `responses/${encodeURIComponent(id)}`;
+  let r;
+  try { r = await api("GET", path); } catch (e) { out.replaceChildren(e.message); return; }
+  out.replaceChildren(el("code", {}, r.id), ` of ${r.owner || "nobody"}: `, el("span", { class: "status" }, r.status));
+  if (state.me.role === "admin" && (r.status === "queued" || r.status === "in_progress")) {
+    out.append(" ", el("button", { type: "button", class: "danger", on: { click: async () => {
+      try { await api("POST", `${path}/cancel`); await lookUpResponse(ev); } catch (e) { say(e.message, true); }
+    } } }, "Cancel"));
+  }
+}
+$("response-form").addEventListener("submit", lookUpResponse);
+
 // -- audit -----------------------------------------------------------------------------
 async function loadAudit() {
   const list = await api("GET", "audit?limit=200");
