@@ -45,6 +45,7 @@ from engine_worker.backends.openai_shape import (
     usage_details,
 )
 from engine_worker.backends.upstream_caps import (
+    PROBE_TIMEOUT_S,
     USAGE_ESTIMATE,
     USAGE_UPSTREAM,
     Caps,
@@ -279,15 +280,24 @@ class OpenAIUpstreamBackend:
         )
 
     async def _upstream_models(self) -> dict[str, dict[str, Any]] | None:
-        """The upstream's ``/models`` by id, or None when it cannot be asked now."""
+        """The upstream's ``/models`` by id, or None when it cannot be asked now. An upstream
+        that takes the connection but answers slowly (a loaded machine) is asked once more,
+        for as long as a probe may take, rather than taken for one that is not up: its
+        capabilities are probed at start then, not at its first request."""
         assert self.session is not None
-        with contextlib.suppress(Exception):
-            async with self.session.get(
-                self.base + "/models", timeout=aiohttp.ClientTimeout(total=2)
-            ) as r:
-                if r.status == 200:
+        for wait_s in (2.0, PROBE_TIMEOUT_S):
+            try:
+                async with self.session.get(
+                    self.base + "/models", timeout=aiohttp.ClientTimeout(total=wait_s)
+                ) as r:
+                    if r.status != 200:
+                        return None
                     data = (await r.json()).get("data") or ()
                     return {m["id"]: m for m in data if isinstance(m.get("id"), str)}
+            except TimeoutError:
+                continue
+            except Exception:
+                return None
         return None
 
     async def stop(self) -> None:
