@@ -710,9 +710,10 @@ async def test_a_slow_summary_is_kept_a_few_seconds_and_made_once_for_concurrent
     assert await kept.get(("1h", "hour", None), make) is got[0]
     await kept.get(("1d", "hour", None), make)  # another period: another read
     assert len(made) == 2
-    await asyncio.sleep(0.6)
+    kept.ttl_s = 0.0  # its summary's time is up (no wait for the 0.5 s to pass)
     await kept.get(("1h", "hour", None), make)  # stale: read again
     assert len(made) == 3
+    kept.ttl_s = 0.5
     quick = console_spend.Summaries(min_s=10.0)  # made quickly: not kept
     await quick.get("k", make)
     await quick.get("k", make)
@@ -720,7 +721,7 @@ async def test_a_slow_summary_is_kept_a_few_seconds_and_made_once_for_concurrent
     # A caller that leaves does not stop the read for another; a failed read is not kept.
     leaving = asyncio.ensure_future(kept.get("left", make))
     staying = asyncio.ensure_future(kept.get("left", make))
-    await asyncio.sleep(0.01)
+    await wait_for(lambda: len(made) == 6, timeout=10, what="the shared read begun")
     leaving.cancel()
     assert isinstance(await staying, console_spend.Summary) and len(made) == 6
 
