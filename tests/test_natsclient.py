@@ -156,6 +156,15 @@ async def test_a_direct_subscription_runs_in_the_read_loop_in_order_and_survives
         await nc.close()
 
 
+# The connections of the tests below ping rarely. Their loops are blocked on purpose, and a
+# loaded machine may starve the responder's thread. With tokenbus's 1 s pings (two may go
+# unanswered), either side could take the other for a dead server and reconnect. The
+# responder's subscription would then be briefly gone: the dispatcher sees no responders and
+# gives the replica up (seen once in a full CI run). These tests are about when a message is
+# written, not about pings.
+CALM_PINGS: dict[str, Any] = {"ping_interval": 60, "max_outstanding_pings": 5}
+
+
 class ThreadResponder:
     """A subscriber on its own connection and event loop, in another thread: it hears a
     message even while the test's loop is blocked, and answers with ``answer``."""
@@ -172,7 +181,7 @@ class ThreadResponder:
     async def _run(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._stop = self._loop.create_future()
-        nc = await natsclient.connect(self.url)
+        nc = await natsclient.connect(self.url, **CALM_PINGS)
 
         async def on_msg(msg: Any) -> None:
             self.seen.append(msg.data)
@@ -213,7 +222,7 @@ async def test_a_request_at_once_is_on_the_socket_before_the_loop_turns(
     request, blocked the same way, reaches nobody until the loop turns (the control that
     shows the block really holds the flusher back). Both get their reply afterwards."""
     subject = f"now.{uuid.uuid4().hex[:8]}"
-    nc: Any = await natsclient.connect(nats_server.url)
+    nc: Any = await natsclient.connect(nats_server.url, **CALM_PINGS)
     try:
         with ThreadResponder(nats_server.url, subject) as r:
             heard, reply = await r.heard_while_blocked(
@@ -250,7 +259,7 @@ async def test_dispatch_writes_each_request_at_once_unless_told_not_to(
         }
     )
     subject = reg.live(model)[0].subject
-    nc: Any = await natsclient.connect(nats_server.url)
+    nc: Any = await natsclient.connect(nats_server.url, **CALM_PINGS)
     try:
         ack = codec.encode({"ok": True, "in_flight": 1})
         with ThreadResponder(nats_server.url, subject, ack) as r:
