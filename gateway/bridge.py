@@ -34,6 +34,7 @@ from gateway.ingress import Admission
 from gateway.openai_api import OpenAIApp
 from gateway.responses_api import ResponsesAPI, key_owner
 from gateway.stages import LocalStages, stages_before_route
+from gateway.start_gate import StartGate
 from jobs.background import Background
 from jobs.batch_runner import BatchRunner
 from jobs.batches import BatchStore
@@ -267,6 +268,7 @@ class Bridge(Service):
         super().__init__(settings, **kw)
         self.reuse_port = reuse_port
         self.http: HTTPServer | None = None
+        self.gate = StartGate(settings.bridge.start_wait_s)
         self._own_keys: KeyStore | None = None  # /v1/models' key store when auth is not fused
         self.batch_runner: BatchRunner | None = None
         self._mounting: asyncio.Task[None] | None = None  # files and batches, tried again
@@ -294,6 +296,7 @@ class Bridge(Service):
 
     async def setup(self) -> None:
         cfg = self.settings.bridge
+        await self._listen()  # given a connection, it did not listen in _connect
         self._records = await records.Recorder(
             self.nc, records.spool_for(self.settings.telemetry, "bridge", f"bridge-{self.id}")
         ).open()
@@ -376,8 +379,33 @@ class Bridge(Service):
         # Anthropic's Messages API, a translation onto the same chat path.
         MessagesAPI(api).mount()
         await self._mount_batches(api, keys, responses)
+        self.gate.open(api)
+        self.log.info("bridge_serving")
+
+    async def start(self) -> None:
+        try:
+            await super().start()
+        except BaseException:
+            # It listened before it could serve: a start that failed does not leave the
+            # port taken (an in-process bridge; a process exits anyway).
+            if self.http is not None:
+                await self.http.stop()
+                self.http = None
+            raise
+
+    async def _connect(self) -> Any:
+        """Listen first (:mod:`gateway.start_gate`: requests wait while the bridge reaches
+        the bus and opens its stores), then connect."""
+        await self._listen()
+        return await super()._connect()
+
+    async def _listen(self) -> None:
+        """Start the HTTP server with the start gate as its app (once)."""
+        if self.http is not None:
+            return
+        cfg = self.settings.bridge
         self.http = await serve(
-            api,
+            self.gate,
             cfg.host,
             cfg.port,
             reuse_port=self.reuse_port,

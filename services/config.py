@@ -55,6 +55,13 @@ class BridgeSettings(BaseModel):
         "40 MiB.",
     )
     request_timeout_s: float = Field(default=600.0, description="Per-request deadline.")
+    start_wait_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="The bridge listens as soon as it starts, before it has reached the bus "
+        "and opened its stores: a request that arrives meanwhile waits this long for it, then "
+        "gets 503 with Retry-After. /ready says 503 until it serves (docs/deploy.md).",
+    )
     unready_s: float = Field(
         default=0.0,
         ge=0,
