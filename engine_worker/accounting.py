@@ -4,24 +4,22 @@ record, the request's log line, and what the latency models learn from it."""
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from bus_schemas import headers as H
 from bus_schemas import marks, subjects
 from engine_worker import spans
 from engine_worker.generation import Generation
+from engine_worker.replica import Replica
 from filter.output_gate import OutputGate
 from services import usage
 from telemetry import records
-
-if TYPE_CHECKING:
-    from engine_worker.worker import Worker
 
 
 class Accounting:
     """The reports and records of one replica's requests, and the recorder they go through."""
 
-    def __init__(self, worker: Worker) -> None:
+    def __init__(self, worker: Replica) -> None:
         self.w = worker
 
     async def open(self) -> None:

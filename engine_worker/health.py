@@ -6,10 +6,8 @@ from __future__ import annotations
 import os
 import threading
 import time
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from engine_worker.worker import Worker
+from engine_worker.replica import Replica
 
 # A worker whose engine died or is stuck exits with this status (EX_TEMPFAIL: start it again)
 # once its requests were handed back, at the latest this long after it found out.
@@ -20,7 +18,7 @@ ENGINE_EXIT_GRACE_S = 15.0
 class EngineHealth:
     """The health of one replica's engine, checked before each heartbeat."""
 
-    def __init__(self, worker: Worker) -> None:
+    def __init__(self, worker: Replica) -> None:
         self.w = worker
         # Why the engine cannot serve (it died, or stopped making output): set once.
         self.failure: str | None = None

@@ -6,18 +6,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import TYPE_CHECKING
 
 from bus_schemas import codec, frames, subjects
-
-if TYPE_CHECKING:
-    from engine_worker.worker import Worker
+from engine_worker.replica import Replica
 
 
 class Heartbeats:
     """The beats of one replica; what a beat says is :meth:`Worker.heartbeat_body`."""
 
-    def __init__(self, worker: Worker) -> None:
+    def __init__(self, worker: Replica) -> None:
         self.w = worker
         self.seq = 0  # the beat's number
         self.busy = asyncio.Event()  # set when an idle replica takes a request: beat now

@@ -8,7 +8,7 @@ import asyncio
 import contextlib
 import time
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from nats.aio.msg import Msg
 
@@ -18,13 +18,11 @@ from bus_schemas.messages import CLAIM, check_envelope
 from engine_worker import kvloop, spans
 from engine_worker.backends.base import GenerationRequest
 from engine_worker.generation import Generation
+from engine_worker.replica import Replica
 from engine_worker.tickets import request_class
 from filter.policy import FilterPolicy
 from services import bodies, tracing
 from services.runtime import reply_subject
-
-if TYPE_CHECKING:
-    from engine_worker.worker import Worker
 
 # How long a cancel that arrived before its request is remembered.
 EARLY_CANCEL_TTL_S = 30.0
@@ -33,7 +31,7 @@ EARLY_CANCEL_TTL_S = 30.0
 class Intake:
     """Takes one replica's dispatches in, or refuses them, and hears its callers' cancels."""
 
-    def __init__(self, worker: Worker) -> None:
+    def __init__(self, worker: Replica) -> None:
         self.w = worker
         # Streams their callers cancelled: reply -> a copy the caller never read (it sent
         # the request elsewhere meanwhile), whose usage report leaves the spend to the copy

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from nats.aio.msg import Msg
 from pydantic import ValidationError
@@ -15,15 +15,13 @@ from pydantic import ValidationError
 from bus_schemas import codec
 from bus_schemas import errors as E
 from bus_schemas.messages import AdapterCommand
-
-if TYPE_CHECKING:
-    from engine_worker.worker import Worker
+from engine_worker.replica import Replica
 
 
 class Adapters:
     """The adapters one replica's engine holds, as its ``adapters`` subject changes them."""
 
-    def __init__(self, worker: Worker) -> None:
+    def __init__(self, worker: Replica) -> None:
         self.w = worker
         # The requests on each adapter (reply -> name), those draining to be unloaded and
         # those unloaded here (refused, so a router with an older view sends them elsewhere),

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from nats.aio.msg import Msg
 
@@ -19,12 +19,9 @@ from bus_schemas.side_outputs import EMBEDDING, GENERATION
 from engine_worker import spans, tickets
 from engine_worker.backends.base import Delta, DeltaStream, GenerationRequest
 from engine_worker.generation import Generation
+from engine_worker.replica import Replica
 from filter.output_gate import OutputGate
 from services import tracing
-
-if TYPE_CHECKING:
-    from engine_worker.worker import Worker
-
 
 # (field of a delta, key in a chunk frame) of each output beside the text, in wire order.
 _SIDE = tuple((s.name, s.wire) for s in GENERATION)
@@ -54,7 +51,7 @@ def _can_resume(backend: object, req: GenerationRequest) -> bool:
 class RequestRunner:
     """Serves one replica's generate and embeddings requests, each in its own task."""
 
-    def __init__(self, worker: Worker) -> None:
+    def __init__(self, worker: Replica) -> None:
         self.w = worker
 
     async def handle(self, msg: Msg) -> None:
