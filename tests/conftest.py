@@ -32,20 +32,24 @@ os.environ.setdefault("TOKENBUS_WORKER__SIM__MAX_MODEL_LEN", str(10**9))
 # workers in collection order (--dist loadfile --no-loadscope-reorder): these go out first,
 # so that none of them is still running alone on one worker when the others are done.
 SLOWEST_FILES = [
-    "test_cli.py",  # 176
-    "test_conformance_openapi.py",  # 173
-    "test_stalls.py",  # 149
-    "test_fuzz_openapi.py",  # 95
-    "test_chaos.py",  # 92
-    "test_migration.py",  # 79
-    "test_readme.py",  # 72
-    "test_upstream_caps.py",  # 64
-    "test_flow_e2e.py",  # 63
-    "test_processes.py",  # 55
-    "test_fuzz_nats.py",  # 52
-    "test_bench_tenants.py",  # 36
-    "test_cluster.py",  # 35
-    "test_batches.py",  # 33
+    "test_stalls.py",  # 191
+    "test_conformance_openapi.py",  # 184
+    "test_chaos.py",  # 164
+    "test_cli.py",  # 150
+    "test_migration.py",  # 141
+    "test_fuzz_openapi.py",  # 126
+    "test_flow_e2e.py",  # 116
+    "test_cli_up.py",  # 113
+    "test_cluster.py",  # 106
+    "test_batches.py",  # 95
+    "test_nemesis.py",  # 88
+    "test_readme.py",  # 84
+    "test_processes.py",  # 82
+    "test_upstream_caps.py",  # 75
+    "test_rolling_upgrade.py",  # 66
+    "test_fuzz_nats.py",  # 60
+    "test_compose.py",  # 55
+    "test_responses.py",  # 53
 ]
 
 
