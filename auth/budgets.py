@@ -250,6 +250,24 @@ class SpendBook:
         self._owners[owner] = (now, budget)
         return budget
 
+    async def owner_budgets(self) -> list[tuple[str, Budget]]:
+        """Every owner that has a budget, by name, with it: one read per owner (the
+        ``b.`` entries only, never the spend entries beside them)."""
+        found: list[tuple[str, Budget]] = []
+        for key in await buckets.keys(self._kv(), "b.*"):
+            try:
+                owner = bytes.fromhex(key[2:]).decode()
+            except ValueError:  # not an entry this module wrote (UnicodeDecodeError too)
+                continue
+            self._owners.pop(owner, None)  # read now, not from the cache
+            try:
+                budget = await self.owner_budget(owner)
+            except (ValueError, KeyError, TypeError):  # an entry this module did not write
+                continue
+            if budget is not None:  # a removed budget's key is listed until compacted
+                found.append((owner, budget))
+        return sorted(found, key=lambda ob: ob[0])
+
     async def set_owner_budget(
         self,
         owner: str,

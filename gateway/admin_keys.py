@@ -5,6 +5,8 @@ POST   /v1/admin/keys            create: {"name", "models", "aliases", "rpm", "t
                                   "max_concurrent", "filter_policy", "expires_in", "admin"};
                                   the key is in the answer once
 GET    /v1/admin/keys/{id}       show
+GET    /v1/admin/keys/owners     every owner that has a spend budget, with it and its spend
+                                  this period (as the budget's GET answers it), by name
 GET    /v1/admin/keys/owners/{owner}/budget
 PUT    /v1/admin/keys/owners/{owner}/budget   an owner's spend budget: {"budget_usd",
                                   "soft_budget_usd", "period"} (neither: removed)
@@ -221,19 +223,14 @@ class AdminAPI:
                 actor=who["actor"],
                 request_id=who["request_id"],
             )
-        b = await book.owner_budget(owner)
-        out: dict[str, Any] = {"owner": owner, "budget_usd": None, "soft_budget_usd": None}
-        if b is not None:
-            spent, held = await book.spent(b)
-            out.update(
-                period=b.period,
-                budget_usd=None if b.hard is None else b.hard / 1e6,
-                soft_budget_usd=None if b.soft is None else b.soft / 1e6,
-                spend_period=budgets.period_id(b.period),
-                spent_usd=spent / 1e6,
-                held_usd=held / 1e6,
-            )
-        await send_json(send, 200, out, hdrs)
+        view = await _budget_view(book, owner, await book.owner_budget(owner))
+        await send_json(send, 200, view, hdrs)
+
+    async def _owner_budgets(self, send: Send) -> None:
+        """Every owner that has a budget (the console's list of them)."""
+        book = await budgets.SpendBook(self.nc).open()
+        data = [await _budget_view(book, o, b) for o, b in await book.owner_budgets()]
+        await send_json(send, 200, {"object": "list", "data": data})
 
     async def authorize(self, scope: Scope) -> KeyRecord:
         """The caller's key record, if it is an admin key; 401/403 otherwise."""
@@ -271,6 +268,9 @@ class AdminAPI:
                 key, rec = await store.create(name, **who, **upd)
                 await send_json(send, 201, {**rec.public(), "key": key}, hdrs)
                 return
+        elif rest == "owners" and method == "GET":
+            await self._owner_budgets(send)
+            return
         elif rest.startswith("owners/") and rest.endswith("/budget"):
             owner = rest[len("owners/") : -len("/budget")]
             if owner and method in ("GET", "PUT"):
@@ -298,3 +298,22 @@ class AdminAPI:
                 await send_json(send, 200, (await store.revoke(rest, **who)).public(), hdrs)
                 return
         raise E.NotFound(f"no route for {method} {scope['path']}")
+
+
+async def _budget_view(
+    book: budgets.SpendBook, owner: str, b: budgets.Budget | None
+) -> dict[str, Any]:
+    """An owner's budget ``b`` (None: it has none) as the admin API answers it, with what
+    was spent and is held in its current period."""
+    out: dict[str, Any] = {"owner": owner, "budget_usd": None, "soft_budget_usd": None}
+    if b is not None:
+        spent, held = await book.spent(b)
+        out.update(
+            period=b.period,
+            budget_usd=None if b.hard is None else b.hard / 1e6,
+            soft_budget_usd=None if b.soft is None else b.soft / 1e6,
+            spend_period=budgets.period_id(b.period),
+            spent_usd=spent / 1e6,
+            held_usd=held / 1e6,
+        )
+    return out

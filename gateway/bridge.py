@@ -363,14 +363,17 @@ class Bridge(Service):
             ),
         )
         api.add_prefix(ADMIN_PREFIX, self.admin)
-        api.add_prefix(ADAPTERS_PREFIX, AdaptersAdmin(self.nc, self.admin, self.registry))
+        adapters = AdaptersAdmin(self.nc, self.admin, self.registry)
+        api.add_prefix(ADAPTERS_PREFIX, adapters)
         routing = RoutingAdmin(
             self.nc, self.settings.router, self.admin, self.registry, self.aliases
         )
         api.add_prefix(ROUTING_PREFIX, routing)
         # The operator's console (docs/console.md), over the same admin handlers.
         kv = self.kv.check if self.kv is not None else None
-        self.console = Console(self.admin, routing, self.registry, self.settings, kv)
+        self.console = Console(
+            self.admin, routing, self.registry, self.settings, kv, adapters=adapters
+        )
         self.console.mount(api)
         # The Responses API, over the same source; its stored responses in JetStream KV.
         store = await open_store(self.nc, self.settings.responses)

@@ -7,8 +7,9 @@ GET    /console/api/session            who is logged in, and the CSRF token of t
 DELETE /console/api/session            log out
 GET    /console/api/keys               keys, paged and searched: ?q=&offset=&limit=
 POST   /console/api/keys               create; PATCH / DELETE /console/api/keys/{id},
-                                       POST /console/api/keys/{id}/rotate, GET / PUT
-                                       /console/api/owners/{owner}/budget: the keys admin
+                                       POST /console/api/keys/{id}/rotate, GET
+                                       /console/api/owners (the owners with a budget), GET /
+                                       PUT /console/api/owners/{owner}/budget: the keys admin
                                        API (gateway/admin_keys.py) for the session's key
 GET    /console/api/usage              the Spend page: a page of requests, tokens and cost
                                        per key and model (the costliest first), the totals
@@ -23,6 +24,10 @@ GET    /console/api/routing            the routing admin API's listing and the a
                                        PUT / DELETE /console/api/routing/{model}, PUT / DELETE
                                        /console/api/routing/aliases/{name}: its changes
                                        (gateway/admin_routing.py) for the session's key
+GET    /console/api/adapters           the LoRA adapters wanted or loaded; POST loads one,
+                                       DELETE /console/api/adapters/{name}?drain_s= unloads
+                                       it: the adapters admin API (gateway/admin_adapters.py)
+                                       for the session's key
 GET    /console/api/audit              the newest audit events (?limit=100)
 GET    /console/api/jobs               batches; POST /console/api/jobs/{id}/cancel
 GET    /console/api/responses/{id}     a background response looked up by id (its status);
@@ -68,6 +73,7 @@ from auth.store import KeyStore
 from bus_schemas import errors as E
 from dialects.responses import RESPONSE_ID
 from gateway import console_bus, console_spend, console_usage
+from gateway.admin_adapters import PREFIX as ADAPTERS_PREFIX
 from gateway.admin_keys import CALLER, AdminAPI, read_json
 from gateway.admin_keys import PREFIX as KEYS_PREFIX
 from gateway.admin_routing import PREFIX as ROUTING_PREFIX
@@ -153,9 +159,11 @@ class Console:
         registry: Registry,
         settings: Settings,
         kv: KVCheck | None = None,
+        adapters: Callable[[Scope, Receive, Send], Awaitable[None]] | None = None,
     ) -> None:
         self.admin = admin
         self.routing = routing
+        self.adapters = adapters  # the adapters admin API; None where the bridge has none
         self.registry = registry
         self.settings = settings
         self.kv = kv  # the in-process router's KV check; None where the bridge does not route
@@ -304,6 +312,8 @@ class Console:
             self._admin_only(s)
             sub = rest[len("routing") :]
             await self.routing({**scope, "path": ROUTING_PREFIX + sub, CALLER: s.key}, receive, out)
+        elif part == "adapters":
+            await self._adapters(scope, receive, out, s, rest)
         elif rest in ("usage", "usage/export") and method == "GET":
             await self._usage(scope, out, s, export=rest == "usage/export")
         elif rest == "replicas" and method == "GET":
@@ -330,6 +340,17 @@ class Console:
             await self._file_content(unquote(rest[len("files/") : -len("/content")]), out, s)
         else:
             raise E.NotFound(f"no route for {method} {API}/{rest}")
+
+    async def _adapters(
+        self, scope: Scope, receive: Receive, send: Send, s: Session, rest: str
+    ) -> None:
+        """LoRA adapters listed, loaded and unloaded: the adapters admin API's own routes,
+        as the session's key (admin sessions only, as the admin API allows)."""
+        self._admin_only(s)
+        if self.adapters is None:
+            raise E.ServiceUnavailable("this bridge does not serve the adapters admin API")
+        sub = rest[len("adapters") :]
+        await self.adapters({**scope, "path": ADAPTERS_PREFIX + sub, CALLER: s.key}, receive, send)
 
     @staticmethod
     def _admin_only(s: Session) -> None:

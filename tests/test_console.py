@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 import nats
@@ -32,6 +33,7 @@ from bus_schemas import codec
 from gateway import console_spend, console_usage
 from gateway.console import Console
 from gateway.console_session import Session, Sessions
+from router.expert import train
 from router.kv_check import KVCheck
 from router.registry import Registry
 from services.config import Settings
@@ -39,7 +41,7 @@ from telemetry import records
 from tests.support.busdata import key_store, new_model
 from tests.support.natsserver import spawn_nats
 from tests.support.ports import free_port
-from tests.support.procs import Procs, ProcStack, start_stack
+from tests.support.procs import Procs, ProcStack, start_stack, start_worker
 from tests.support.repo import ROOT
 from tests.support.waits import wait_for
 
@@ -233,6 +235,8 @@ async def test_a_key_that_is_not_an_admin_key_sees_its_owner_and_changes_nothing
             "routing",
             "routing/aliases",
             "owners/team-a/budget",
+            "owners",
+            "adapters",
         ):
             assert_openai_error(await h.get(f"/console/api/{page}"), 403)
         # Every write, even with the session's own CSRF token.
@@ -244,6 +248,13 @@ async def test_a_key_that_is_not_an_admin_key_sees_its_owner_and_changes_nothing
             ("POST", f"keys/{env.other_id}/rotate", {}),
             ("PUT", "owners/team-a/budget", {"budget_usd": 1e6}),
             ("PUT", "routing/" + env.model, {"policy": "round_robin"}),
+            (
+                "PUT",
+                "routing/" + env.model,
+                {"pool_policy": "concurrency_tiered", "tiered": {"threshold": 1}},
+            ),
+            ("POST", "adapters", {"name": "sneaky-lora", "model": env.model, "path": "/tmp"}),
+            ("DELETE", "adapters/sneaky-lora", None),
             ("DELETE", "routing/" + env.model, None),
             ("PUT", "routing/aliases/sneaky-alias", {"model": env.model}),
             ("DELETE", "routing/aliases/sneaky-alias", None),
@@ -770,6 +781,133 @@ async def test_the_bus_page_lists_the_server_its_streams_and_a_server_that_does_
         assert not seen["truncated"] and "streams_error" not in seen
 
 
+@dataclass
+class Lora:
+    """A worker of a model of its own whose sim loads LoRA adapters, and an adapter folder
+    it accepts: loading one there touches none of the module's model's replicas."""
+
+    model: str
+    replica: str
+    path: str
+
+
+@pytest.fixture(scope="module")
+async def lora(env: Env, tmp_path_factory: pytest.TempPathFactory) -> Lora:
+    model = new_model()
+    loads = {"TOKENBUS_WORKER__SIM__LORA_LOAD_MS": "20"}
+    start_worker(env.stack.procs, model, "lora", "--sim-decode-ms", "1", env=loads)
+    folder = tmp_path_factory.mktemp("lora") / "sql"
+    folder.mkdir()
+    (folder / "adapter_config.json").write_text(json.dumps({"r": 8, "peft_type": "LORA"}))
+    async with env.stack.http() as h:
+        await login(h, env.admin)
+
+        async def heard() -> bool:
+            data = (await h.get("/console/api/replicas")).json()["data"]
+            return any(r["model"] == model for r in data)
+
+        await wait_for(heard, timeout=30, what="the bridge hearing the LoRA worker")
+    return Lora(model, f"{model}-lora", str(folder))
+
+
+@pytest.mark.stack
+async def test_an_adapter_is_loaded_and_unloaded_through_the_adapters_admin_api(
+    env: Env, lora: Lora
+) -> None:
+    name = f"sql-{uuid.uuid4().hex[:6]}"
+    body = {"name": name, "model": lora.model, "path": lora.path}
+    adm = {"api-key": env.admin}
+
+    async def admin_rows(h: httpx.AsyncClient) -> dict[str, Any]:
+        r = await h.get("/v1/admin/adapters", headers=adm)
+        return {a["name"]: a for a in r.json()["adapters"]}
+
+    async with env.stack.http() as h:
+        me = await login(h, env.admin)
+        # Without the CSRF token: refused, nothing loaded.
+        assert_openai_error(await h.post("/console/api/adapters", json=body), 403)
+        assert name not in await admin_rows(h)
+        # The admin API's refusals come through as they are (400 naming the field).
+        r = await h.post("/console/api/adapters", json={**body, "replicas": 0}, headers=csrf(me))
+        assert_openai_error(r, 400, "replicas")
+        r = await h.post(
+            "/console/api/adapters", json={**body, "model": "no-such-model"}, headers=csrf(me)
+        )
+        assert_openai_error(r, 404, "model")
+        r = await h.post("/console/api/adapters", json=body, headers=csrf(me))
+        assert r.status_code == 200, r.text
+        out = r.json()
+        assert out["adapter"] == {**body, "replicas": 1} and not out["failed"]
+        assert [x["replica"] for x in out["loaded"]] == [lora.replica]
+        row = {**body, "replicas": 1, "wanted": True, "loaded_on": [lora.replica]}
+        listed = (await h.get("/console/api/adapters")).json()["adapters"]
+        assert [a for a in listed if a["name"] == name] == [row]
+        assert (await admin_rows(h))[name] == row  # the admin API's own state
+
+        async def on_the_replica() -> bool:  # its heartbeats, as the Replicas table shows them
+            data = (await h.get("/console/api/replicas")).json()["data"]
+            return any(r["replica"] == lora.replica and name in r["adapters"] for r in data)
+
+        await wait_for(on_the_replica, timeout=10, what="the adapter in the replica's beats")
+        path = f"/console/api/adapters/{name}"
+        assert_openai_error(await h.delete(path, params={"drain_s": "0"}), 403)
+        r = await h.delete(path, params={"drain_s": "soon"}, headers=csrf(me))
+        assert_openai_error(r, 400, "drain_s")
+        r = await h.delete(path, params={"drain_s": "0"}, headers=csrf(me))
+        assert r.status_code == 200, r.text
+        assert [x["replica"] for x in r.json()["unloaded"]] == [lora.replica]
+
+        async def gone() -> bool:
+            return name not in await admin_rows(h)
+
+        await wait_for(gone, timeout=10, what="the adapter unloaded")
+        assert_openai_error(await h.delete(path, headers=csrf(me)), 404)
+        events = (await h.get("/console/api/audit")).json()["data"]
+        mine = [e for e in events if e["target"] == name]
+        assert {e["action"] for e in mine} == {"adapter.loaded", "adapter.unloaded"}
+        assert {e["actor"] for e in mine} == {f"key:{me['key_id']}"}
+
+
+@pytest.mark.stack
+async def test_the_owners_with_a_budget_are_listed_with_it(env: Env) -> None:
+    owners = {
+        f"list-{uuid.uuid4().hex[:6]}": (7.5, 6.0, "day"),
+        "ünïcode / team": (3, None, "total"),
+    }
+    async with env.stack.http() as h:
+        me = await login(h, env.admin)
+
+        async def listed() -> dict[str, dict[str, Any]]:
+            r = await h.get("/console/api/owners")
+            assert r.status_code == 200, r.text
+            return {b["owner"]: b for b in r.json()["data"]}
+
+        for owner, (hard, soft, period) in owners.items():
+            body = {"budget_usd": hard, "soft_budget_usd": soft, "period": period}
+            path = f"/console/api/owners/{quote(owner, safe='')}/budget"
+            r = await h.put(path, json=body, headers=csrf(me))
+            assert r.status_code == 200, r.text
+        found = await listed()
+        for owner, (hard, soft, period) in owners.items():
+            b = found[owner]
+            assert (b["budget_usd"], b["soft_budget_usd"], b["period"]) == (hard, soft, period)
+            assert b["spent_usd"] == 0 and b["spend_period"], b
+        names = list(found)
+        assert names == sorted(names)
+        # The keys admin API answers the same list.
+        r = await h.get("/v1/admin/keys/owners", headers={"api-key": env.admin})
+        assert {b["owner"] for b in r.json()["data"]} == set(found)
+        # A removed budget is not listed.
+        gone = next(iter(owners))
+        body = {"budget_usd": None, "soft_budget_usd": None, "period": "day"}
+        r = await h.put(f"/console/api/owners/{gone}/budget", json=body, headers=csrf(me))
+        assert r.status_code == 200, r.text
+        assert gone not in await listed() and "ünïcode / team" in await listed()
+    async with env.stack.http() as h:
+        await login(h, env.plain)
+        assert_openai_error(await h.get("/console/api/owners"), 403)
+
+
 async def read_events(
     h: httpx.AsyncClient, until: Any, timeout: float = 20
 ) -> list[tuple[str, Any]]:
@@ -861,6 +999,25 @@ def _alert(driver: Any) -> bool:
     except NoAlertPresentException:
         return False
     return True
+
+
+async def click_shown(driver: Any, css: str, what: str) -> None:
+    """Click the element once it is displayed; again if the live feed redrew its table
+    between finding and clicking it (the element found is then gone)."""
+    from selenium.common.exceptions import StaleElementReferenceException
+    from selenium.webdriver.common.by import By
+
+    def clicked() -> bool:
+        try:
+            found = driver.find_elements(By.CSS_SELECTOR, css)
+            if not found or not found[0].is_displayed():
+                return False
+            found[0].click()
+        except StaleElementReferenceException:
+            return False
+        return True
+
+    await wait_for(clicked, what=what)
 
 
 @pytest.mark.stack
@@ -978,8 +1135,9 @@ async def test_in_chromium_log_in_create_use_see_and_revoke_a_key(env: Env, tmp_
         changed = f"#routing-rows tr[data-model='{env.model}']"
         await wait_for(lambda: "round_robin" in text(changed), what="the model's routing listed")
         assert "round_robin" in text("#status")
+        driver.execute_script("window.scrollTo(0, 0)")  # the page's top: replicas, adapters
         driver.save_screenshot(str(shots / "replicas.png"))
-        shown(f"{changed} button.danger").click()
+        await click_shown(driver, f"{changed} button.danger", "the routing's Reset")
         await wait_for(lambda: not shown(changed), what="the model's routing reset")
         # An unknown model's alias: the admin API's refusal, in the status region.
         aliases = driver.find_element(By.ID, "alias-form")
@@ -1003,8 +1161,7 @@ async def test_in_chromium_log_in_create_use_see_and_revoke_a_key(env: Env, tmp_
         # Revoke it from the keys page (the confirmation accepted).
         driver.find_element(By.CSS_SELECTOR, "nav a[data-page='keys']").click()
         await wait_for(lambda: shown(row), what="the key listed again")
-        await wait_for(lambda: shown(f"{row} button.danger"), what="the revoke button")
-        shown(f"{row} button.danger").click()
+        await click_shown(driver, f"{row} button.danger", "the revoke button")
         await wait_for(lambda: _alert(driver), what="the confirmation")
         driver.switch_to.alert.accept()
         await wait_for(lambda: "revoked" in text(row), what="the key shown revoked")
@@ -1025,6 +1182,238 @@ async def test_in_chromium_log_in_create_use_see_and_revoke_a_key(env: Env, tmp_
                 shutil.copyfile(shots / f"{page}.png", ROOT / "docs" / "console" / f"{page}.png")
     finally:
         driver.quit()
+
+
+class Browser:
+    """Headless Chromium on the console, logged in, with the waits the pages need (the live
+    feed may redraw a table while it is read)."""
+
+    def __init__(self, env: Env) -> None:
+        from selenium.webdriver.common.by import By
+
+        self.by = By
+        self.env = env
+        self.driver = chromium()
+
+    async def open(self, page: str, key: str) -> None:
+        self.driver.get(self.env.stack.base + "/console")
+        await wait_for(lambda: self.shown("#login-key"), timeout=20, what="the login form")
+        self.driver.find_element(self.by.ID, "login-key").send_keys(key)
+        self.driver.find_element(self.by.CSS_SELECTOR, "#login-form button").click()
+        await wait_for(lambda: self.shown("#page-keys"), timeout=20, what="the keys page")
+        if page != "keys":
+            self.driver.find_element(self.by.CSS_SELECTOR, f"nav a[data-page='{page}']").click()
+            await wait_for(lambda: self.shown(f"#page-{page}"), what=f"the {page} page")
+
+    def shown(self, css: str) -> Any:
+        from selenium.common.exceptions import StaleElementReferenceException
+
+        try:
+            found = self.driver.find_elements(self.by.CSS_SELECTOR, css)
+            return found[0] if found and found[0].is_displayed() else None
+        except StaleElementReferenceException:
+            return None
+
+    def text(self, css: str) -> str:
+        from selenium.common.exceptions import StaleElementReferenceException
+
+        try:
+            found = self.driver.find_elements(self.by.CSS_SELECTOR, css)
+            return str(found[0].text) if found else ""
+        except StaleElementReferenceException:
+            return ""
+
+    def fill(self, form: str, values: dict[str, str]) -> None:
+        """Type ``values`` into the fields of ``form`` by name (selects by visible text)."""
+        from selenium.webdriver.support.ui import Select
+
+        f = self.driver.find_element(self.by.ID, form)
+        for name, value in values.items():
+            field = f.find_element(self.by.NAME, name)
+            if field.tag_name == "select":
+                Select(field).select_by_visible_text(value)
+            else:
+                field.clear()
+                field.send_keys(value)
+
+    def value(self, form: str, name: str) -> str:
+        f = self.driver.find_element(self.by.ID, form)
+        return str(f.find_element(self.by.NAME, name).get_attribute("value"))
+
+    async def click(self, css: str, what: str) -> None:
+        await click_shown(self.driver, css, what)
+
+    async def confirm(self) -> None:
+        await wait_for(lambda: _alert(self.driver), what="the confirmation")
+        self.driver.switch_to.alert.accept()
+
+
+@pytest.mark.stack
+async def test_in_chromium_the_routing_form_sets_tiered_latency_kv_and_expert_routing(
+    env: Env, tmp_path: Path
+) -> None:
+    model = f"routed-{uuid.uuid4().hex[:8]}"  # a model's routing may change before it is served
+    expert_dir = tmp_path / "expert"
+    train(ROOT / "tests" / "data" / "prompts.jsonl", 6, expert_dir)
+    adm = {"api-key": env.admin}
+    b = Browser(env)
+    async with env.stack.http("/v1/admin/routing") as h:
+
+        async def change() -> Any:
+            r = await h.get(f"/{model}", headers=adm)
+            assert r.status_code == 200, r.text
+            return r.json()["override"]
+
+        try:
+            await b.open("replicas", env.admin)
+            b.fill("routing-form", {
+                "model": model, "policy": "predicted_latency", "pool_policy": "concurrency_tiered",
+                "load_bound": "1.5", "prefix_block_chars": "64",
+                "tiered.threshold": "32", "tiered.hysteresis": "4",
+                "tiered.high_pool": "tp8", "tiered.wide_pool": "tp2",
+                "kv.prefix_weight": "2", "kv.load_weight": "0.5", "kv.queue_weight": "0.25",
+                "latency_targets": '{"priority": {"ttft_ms": 250, "tpot_ms": 20}}',
+            })  # fmt: skip
+            b.driver.find_element(b.by.ID, "routing-submit").click()
+            row = f"#routing-rows tr[data-model='{model}']"
+            await wait_for(lambda: "concurrency_tiered" in b.text(row), what="the change listed")
+            want = {
+                "policy": "predicted_latency",
+                "pool_policy": "concurrency_tiered",
+                "load_bound": 1.5,
+                "prefix_block_chars": 64,
+                "tiered": {
+                    "threshold": 32,
+                    "hysteresis": 4,
+                    "high_pool": "tp8",
+                    "wide_pool": "tp2",
+                },
+                "kv": {"prefix_weight": 2, "load_weight": 0.5, "queue_weight": 0.25},
+                "latency_targets": {"priority": {"ttft_ms": 250, "tpot_ms": 20}},
+            }
+            assert await change() == want
+            routing = (await h.get(f"/{model}", headers=adm)).json()["routing"]
+            assert routing["tiered"]["threshold"] == 32 and routing["kv"]["load_weight"] == 0.5
+            # The classes it does not name keep the configuration's targets.
+            assert routing["latency_targets"]["default"] == {"ttft_ms": 2000, "tpot_ms": 100}
+            # A JSON field that is not the object it must be: said in the page, nothing sent.
+            b.fill("routing-form", {"expert.targets": '["pool:wide"]'})
+            b.driver.find_element(b.by.ID, "routing-submit").click()
+            await wait_for(
+                lambda: "expert.targets: a JSON object" in b.text("#status.error"),
+                what="the targets refused in the page",
+            )
+            assert await change() == want
+            # An expert folder the routers cannot read: the admin API's refusal, as it comes.
+            nowhere = str(tmp_path / "nowhere")
+            b.fill("routing-form", {"pool_policy": "expert", "expert.model_dir": nowhere,
+                                    "expert.targets": '{"0": "pool:tp2"}'})  # fmt: skip
+            b.driver.find_element(b.by.ID, "routing-submit").click()
+            body = {"pool_policy": "expert", "expert": {"model_dir": nowhere}}
+            refusal = (await h.put(f"/{model}", json=body, headers=adm)).json()["error"]
+            assert refusal["param"] == "expert.model_dir", refusal
+            await wait_for(
+                lambda: b.text("#status.error") == refusal["message"], what="the refusal shown"
+            )
+            assert await change() == want
+            # Edit fills the form with the change; then the expert pool with its targets.
+            await b.click(f"{row} button.edit", "the row's Edit")
+            assert b.value("routing-form", "tiered.threshold") == "32"
+            assert json.loads(b.value("routing-form", "latency_targets")) == want["latency_targets"]
+            assert b.value("routing-form", "expert.model_dir") == ""
+            targets = '{"0": "pool:tp2", "code": "coder"}'
+            b.fill("routing-form", {"pool_policy": "expert", "expert.model_dir": str(expert_dir),
+                                    "expert.targets": targets})  # fmt: skip
+            b.driver.find_element(b.by.ID, "routing-submit").click()
+            await wait_for(lambda: "expert" in b.text(f"{row} td:nth-child(3)"), what="expert")
+            expert = {"model_dir": str(expert_dir), "targets": {"0": "pool:tp2", "code": "coder"}}
+            assert await change() == {**want, "pool_policy": "expert", "expert": expert}
+            b.driver.save_screenshot(str(tmp_path / "routing.png"))
+            await b.click(f"{row} button.danger", "the row's Reset")
+            await wait_for(lambda: not b.shown(row), what="the change reset")
+            assert await change() is None
+        finally:
+            b.driver.quit()
+            await h.delete(f"/{model}", headers=adm)
+
+
+@pytest.mark.stack
+async def test_in_chromium_an_adapter_is_loaded_and_unloaded(
+    env: Env, lora: Lora, tmp_path: Path
+) -> None:
+    name = f"sql-{uuid.uuid4().hex[:6]}"
+    adm = {"api-key": env.admin}
+    b = Browser(env)
+    async with env.stack.http() as h:
+
+        async def admin_rows() -> dict[str, Any]:
+            r = await h.get("/v1/admin/adapters", headers=adm)
+            return {a["name"]: a for a in r.json()["adapters"]}
+
+        try:
+            await b.open("replicas", env.admin)
+            await wait_for(lambda: "No adapter" in b.text("#adapter-rows"), what="none loaded")
+            b.fill("adapter-form", {"name": name, "model": lora.model, "path": lora.path})
+            b.driver.find_element(b.by.ID, "adapter-submit").click()
+            row = f"#adapter-rows tr[data-adapter='{name}']"
+            await wait_for(lambda: lora.replica in b.text(f"{row} td.loaded-on"), what="loaded")
+            assert f"is loaded on {lora.replica}" in b.text("#status")
+            assert (await admin_rows())[name]["loaded_on"] == [lora.replica]
+            # The replica's own row says so too (its heartbeats, through the live feed).
+            adapters = f"#replicas-rows tr[data-replica='{lora.replica}'] td.adapters"
+            await wait_for(lambda: b.text(adapters) == name, what="the adapter on its replica")
+            b.driver.save_screenshot(str(tmp_path / "adapters.png"))
+            # A second load of a folder the sim refuses (rank above its max): said as it comes.
+            big = tmp_path / "big"
+            big.mkdir()
+            (big / "adapter_config.json").write_text(json.dumps({"r": 64}))
+            b.fill("adapter-form", {"name": f"big-{name}", "path": str(big)})
+            b.driver.find_element(b.by.ID, "adapter-submit").click()
+            await wait_for(lambda: "max_lora_rank" in b.text("#status.error"), what="refused")
+            assert f"big-{name}" not in await admin_rows()
+            # Unloaded from its row (the confirmation accepted), at once (no drain).
+            b.fill("adapter-form", {"drain_s": "0"})
+            await b.click(f"{row} button.danger", "the adapter's Unload")
+            await b.confirm()
+            await wait_for(lambda: not b.shown(row), what="the adapter gone from the table")
+            assert name not in await admin_rows()
+            await wait_for(lambda: b.text(adapters) == "—", what="none on its replica")
+        finally:
+            b.driver.quit()
+            if name in await admin_rows():
+                await h.delete(f"/v1/admin/adapters/{name}?drain_s=0", headers=adm)
+
+
+@pytest.mark.stack
+async def test_in_chromium_the_owners_with_a_budget_are_listed_edited_and_removed(
+    env: Env,
+) -> None:
+    owner = f"listed-{uuid.uuid4().hex[:6]}"
+    adm = {"api-key": env.admin}
+    path = f"/v1/admin/keys/owners/{owner}/budget"
+    b = Browser(env)
+    async with env.stack.http() as h:
+        r = await h.put(path, json={"budget_usd": 40, "period": "month"}, headers=adm)
+        assert r.status_code == 200, r.text
+        try:
+            await b.open("keys", env.admin)
+            row = f"#owner-budget-rows tr[data-owner='{owner}']"
+            await wait_for(lambda: "$40 / month" in b.text(row), what="the owner listed")
+            await b.click(f"{row} button.edit", "the owner's Edit")
+            assert b.value("owner-budget-form", "owner") == owner
+            assert b.value("owner-budget-form", "budget_usd") == "40"
+            b.fill("owner-budget-form", {"budget_usd": "55", "soft_budget_usd": "50",
+                                         "period": "day"})  # fmt: skip
+            b.driver.find_element(b.by.ID, "owner-budget-submit").click()
+            await wait_for(lambda: "$55, soft $50 / day" in b.text(row), what="the edit listed")
+            got = (await h.get(path, headers=adm)).json()
+            assert (got["budget_usd"], got["soft_budget_usd"], got["period"]) == (55, 50, "day")
+            await b.click(f"{row} button.danger", "the owner's Remove")
+            await b.confirm()
+            await wait_for(lambda: not b.shown(row), what="the owner gone from the list")
+            assert (await h.get(path, headers=adm)).json()["budget_usd"] is None
+        finally:
+            b.driver.quit()
 
 
 @pytest.mark.unit

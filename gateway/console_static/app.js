@@ -80,7 +80,7 @@ $("logout").addEventListener("click", async () => {
 });
 
 // -- pages -----------------------------------------------------------------------------
-const loaders = { keys: loadKeys, spend: loadSpend, replicas: loadReplicas, jobs: loadJobs, audit: loadAudit, bus: loadBus };
+const loaders = { keys: loadKeysPage, spend: loadSpend, replicas: loadReplicas, jobs: loadJobs, audit: loadAudit, bus: loadBus };
 const ADMIN_PAGES = ["replicas", "audit", "bus"];
 
 function show(page) {
@@ -275,8 +275,52 @@ $("owner-budget-form").addEventListener("submit", async (ev) => {
     });
     say(`The budget of owner ${b.owner} is saved.`);
     ownerBudgetNote(b);
+    await loadOwnerBudgets();
   } catch (e) { say(e.message, true); }
 });
+
+// The owners that have a budget (admin sessions), each with Edit (fills the form above) and
+// Remove (both amounts emptied, as the form removes one).
+async function loadKeysPage() {
+  await loadKeys();
+  if (state.me?.role === "admin") await loadOwnerBudgets();
+}
+
+async function loadOwnerBudgets() {
+  const list = await api("GET", "owners");
+  const rows = $("owner-budget-rows");
+  rows.replaceChildren();
+  for (const b of list.data) {
+    const spent = `$${(b.spent_usd ?? 0).toFixed(4)}${b.held_usd ? ` (+$${b.held_usd.toFixed(4)} held)` : ""}`;
+    rows.append(el("tr", { "data-owner": b.owner },
+      el("td", {}, b.owner), el("td", {}, budget({ ...b, budget_period: b.period })), el("td", {}, spent),
+      el("td", {},
+        el("button", { type: "button", class: "edit", "aria-label": `Edit the budget of owner ${b.owner}`,
+          on: { click: () => editOwnerBudget(b) } }, "Edit"), " ",
+        el("button", { type: "button", class: "danger", "aria-label": `Remove the budget of owner ${b.owner}`,
+          on: { click: () => removeOwnerBudget(b) } }, "Remove"))));
+  }
+  if (!list.data.length) rows.append(el("tr", {}, el("td", { colspan: "4" }, "No owner has a budget.")));
+}
+
+function editOwnerBudget(b) {
+  const f = $("owner-budget-form").elements;
+  f.owner.value = b.owner;
+  f.budget_usd.value = b.budget_usd ?? "";
+  f.soft_budget_usd.value = b.soft_budget_usd ?? "";
+  f.period.value = b.period;
+  ownerBudgetNote(b);
+  f.budget_usd.focus();
+}
+
+async function removeOwnerBudget(b) {
+  if (!confirm(`Remove the budget of owner ${b.owner}? Its keys are then held to their own budgets only.`)) return;
+  try {
+    await api("PUT", `owners/${encodeURIComponent(b.owner)}/budget`, { budget_usd: null, soft_budget_usd: null, period: b.period });
+    say(`The budget of owner ${b.owner} is removed.`);
+    await loadOwnerBudgets();
+  } catch (e) { say(e.message, true); }
+}
 
 // -- spend -----------------------------------------------------------------------------
 // The bridge sums the period (gateway/console_spend.py): the page gets a page of the table,
@@ -453,6 +497,7 @@ function kvCheck(k) {
 async function loadReplicas() {
   renderReplicas((await api("GET", "replicas")).data);
   await loadRouting();
+  await loadAdapters();
 }
 
 // -- routing and aliases (on the replicas page): the routing admin API's changes ---------
@@ -468,7 +513,9 @@ async function loadRouting() {
     rows.append(el("tr", { "data-model": m.model },
       el("td", {}, el("code", {}, m.model)), el("td", {}, m.routing.policy), el("td", {}, m.routing.pool_policy),
       el("td", {}, el("code", {}, JSON.stringify(m.override))),
-      el("td", {}, el("button", { type: "button", class: "danger", "aria-label": `Reset the routing of ${m.model}`,
+      el("td", {}, el("button", { type: "button", class: "edit", "aria-label": `Edit the routing of ${m.model}`,
+        on: { click: () => editRouting(m) } }, "Edit"), " ",
+      el("button", { type: "button", class: "danger", "aria-label": `Reset the routing of ${m.model}`,
         on: { click: () => resetRouting(m.model) } }, "Reset"))));
   }
   if (!routing.models.length) rows.append(el("tr", {}, el("td", { colspan: "5" }, "No model's routing is changed at run time.")));
@@ -499,16 +546,72 @@ $("routing-form").addEventListener("submit", async (ev) => {
   ev.preventDefault();
   const f = ev.target;
   const model = f.elements.model.value.trim();
-  const change = {};
-  for (const name of ["policy", "pool_policy"]) if (f.elements[name].value) change[name] = f.elements[name].value;
-  const bound = f.elements.load_bound.value.trim();
-  if (bound !== "") change.load_bound = Number(bound);
   try {
+    if (!model) { f.elements.model.focus(); throw new Error("model: the model whose routing to change."); }
+    const change = routingChange(f);
     const done = await api("PUT", `routing/${encodeURIComponent(model)}`, change);
-    say(`The routing of ${done.model} is now policy ${done.routing.policy}, pool policy ${done.routing.pool_policy}.`);
+    say(`The routing of ${done.model} is now policy ${done.routing.policy}, pool policy ${done.routing.pool_policy}; its change: ${JSON.stringify(done.override)}.`);
     await loadRouting();
   } catch (e) { say(e.message, true); }
 });
+
+// The form's fields as a change of the routing admin API, as `tokenbus router set` makes
+// one: only the fields filled in; "tiered.threshold" is {"tiered": {"threshold": ...}}; a
+// JSON field must hold an object of the shape its key names (the admin API checks the rest).
+const JSON_SHAPES = {
+  targets: [(v) => typeof v === "string" && v !== "",
+    'a JSON object of cluster (its index or label) to "pool:<tag>" or a model, e.g. {"0": "pool:wide", "code": "coder"}'],
+  latency: [(v) => v !== null && typeof v === "object" && !Array.isArray(v),
+    'a JSON object of class (service tier) to {"ttft_ms": ..., "tpot_ms": ...}, e.g. {"priority": {"ttft_ms": 500, "tpot_ms": 50}}'],
+};
+
+function routingChange(form) {
+  const change = {};
+  for (const input of form.elements) {
+    if (!input.name || input.name === "model") continue;
+    const text = input.value.trim();
+    if (text === "") continue;
+    let value = text;
+    if (input.type === "number") value = Number(text);
+    else if (input.dataset.json) value = jsonField(input, text);
+    const path = input.name.split(".");
+    let at = change;
+    for (const p of path.slice(0, -1)) at = at[p] ??= {};
+    at[path[path.length - 1]] = value;
+  }
+  return change;
+}
+
+function jsonField(input, text) {
+  const [fits, shape] = JSON_SHAPES[input.dataset.json];
+  let v;
+  try { v = JSON.parse(text); } catch (e) { v = undefined; }
+  if (v === null || typeof v !== "object" || Array.isArray(v) || !Object.values(v).every(fits)) {
+    input.focus();
+    throw new Error(`${input.name}: ${shape}.`);
+  }
+  return v;
+}
+
+// Fill the form with a model's run-time change (what Set routing would send again).
+function editRouting(m) {
+  const f = $("routing-form");
+  f.reset();
+  f.elements.model.value = m.model;
+  const shown = new Set();
+  for (const input of f.elements) {
+    if (!input.name || input.name === "model") continue;
+    const path = input.name.split(".");
+    shown.add(path[0]);
+    const v = path.reduce((o, k) => (o == null ? undefined : o[k]), m.override);
+    if (v !== undefined && v !== null) input.value = input.dataset.json ? JSON.stringify(v) : String(v);
+  }
+  const hidden = Object.keys(m.override || {}).filter((k) => !shown.has(k));
+  say(hidden.length
+    ? `The change of ${m.model} also sets ${hidden.join(", ")}, which this form does not show: Set routing would drop it (the admin API's JSON keeps it).`
+    : `Editing the routing of ${m.model}.`, hidden.length > 0);
+  f.elements.model.focus();
+}
 $("routing-reset").addEventListener("click", () => resetRouting($("routing-form").elements.model.value.trim()));
 
 $("alias-form").addEventListener("submit", async (ev) => {
@@ -529,6 +632,54 @@ async function deleteAlias(name) {
     await api("DELETE", `routing/aliases/${encodeURIComponent(name)}`);
     say(`The alias ${name} is deleted.`);
     await loadRouting();
+  } catch (e) { say(e.message, true); }
+}
+
+// -- LoRA adapters (on the replicas page): the adapters admin API's loads and unloads -----
+async function loadAdapters() {
+  const list = await api("GET", "adapters");
+  const rows = $("adapter-rows");
+  rows.replaceChildren();
+  for (const a of list.adapters) {
+    rows.append(el("tr", { "data-adapter": a.name },
+      el("td", {}, el("code", {}, a.name)), el("td", {}, a.model), el("td", {}, el("code", {}, a.path)),
+      el("td", {}, a.wanted ? String(a.replicas) : "not wanted (loaded before an unload)"),
+      el("td", { class: "loaded-on" }, a.loaded_on.length ? a.loaded_on.join(", ") : "no replica"),
+      el("td", {}, el("button", { type: "button", class: "danger", "aria-label": `Unload the adapter ${a.name}`,
+        on: { click: () => unloadAdapter(a.name) } }, "Unload"))));
+  }
+  if (!list.adapters.length) rows.append(el("tr", {}, el("td", { colspan: "6" }, "No adapter loaded at run time.")));
+}
+
+// A replica that failed is named in the answer; the others did it.
+function failures(out) {
+  return (out.failed || []).map((x) => `${x.replica}: ${x.error?.message || "failed"}`).join("; ");
+}
+
+$("adapter-form").addEventListener("submit", async (ev) => {
+  ev.preventDefault();
+  const f = ev.target.elements;
+  const body = { name: f.name.value.trim(), model: f.model.value.trim(), path: f.path.value.trim() };
+  if (f.replicas.value.trim() !== "") body.replicas = Number(f.replicas.value);
+  say(`Loading the adapter ${body.name}…`);
+  try {
+    const out = await api("POST", "adapters", body);
+    const on = out.loaded.map((x) => x.replica).join(", ");
+    const bad = failures(out);
+    say(`The adapter ${out.adapter.name} is loaded on ${on}.${bad ? " Failed on " + bad : ""}`, Boolean(bad));
+    await loadAdapters();
+  } catch (e) { say(e.message, true); }
+});
+
+async function unloadAdapter(name) {
+  const drain = $("adapter-drain").value.trim() || "30";
+  if (!confirm(`Unload the adapter ${name} everywhere, after at most ${drain} s of its running requests? Requests for it are refused from then on.`)) return;
+  say(`Unloading the adapter ${name}…`);
+  try {
+    const out = await api("DELETE", `adapters/${encodeURIComponent(name)}?drain_s=${encodeURIComponent(drain)}`);
+    const bad = failures(out);
+    say(`The adapter ${name} is unloaded${out.unloaded.length ? " from " + out.unloaded.map((x) => x.replica).join(", ") : ""}.${bad ? " Failed on " + bad : ""}`, Boolean(bad));
+    await loadAdapters();
   } catch (e) { say(e.message, true); }
 }
 
