@@ -813,6 +813,13 @@ class Heartbeat(_Wire):
         description="The site the replica runs at (its leaf node, docs/deploy.md 'Sites'): "
         "a router prefers replicas at its own site while they have room. Empty: not said.",
     )
+    host: str = Field(
+        default="",
+        max_length=255,
+        description="The host the replica runs on, for operators (the console's Replicas "
+        "page): the worker's `worker.host`, else its GPU host's bus login name, else the "
+        "machine's host name. Empty: not said (a worker older than this field).",
+    )
     pd_role: Literal["both", "prefill", "decode"] = Field(
         default="both",
         description="Prefill/decode disaggregation: `prefill` computes prompts and hands "

@@ -1,14 +1,34 @@
 """A worker's heartbeats: when it beats (at the full rate while it serves or drains, slower
-when idle, at once when an idle replica takes a request), and the keepalive frames for the
-streams whose callers cannot see heartbeats."""
+when idle, at once when an idle replica takes a request), the host it says it runs on, and
+the keepalive frames for the streams whose callers cannot see heartbeats."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 
 from bus_schemas import codec, frames, subjects
 from engine_worker.replica import Replica
+from services.config import Settings, read_login
+from services.natsconf import WORKER_HOST_PREFIX
+
+MAX_HOST = 255
+
+
+def host_of(settings: Settings) -> str:
+    """The host a replica's heartbeats name: ``worker.host`` where set; else the GPU host
+    of its bus login (``worker-<host>``, the name the deployment gave the host, which the
+    locked bus checked); else the machine's host name."""
+    if settings.worker.host:
+        return settings.worker.host[:MAX_HOST]
+    user = settings.nats_user or ""
+    if not user and settings.nats_login_file:
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            user = read_login(settings.nats_login_file)["user"]
+    if user.startswith(WORKER_HOST_PREFIX) and len(user) > len(WORKER_HOST_PREFIX):
+        return user[len(WORKER_HOST_PREFIX) :][:MAX_HOST]
+    return socket.gethostname()[:MAX_HOST]
 
 
 class Heartbeats:
@@ -16,6 +36,7 @@ class Heartbeats:
 
     def __init__(self, worker: Replica) -> None:
         self.w = worker
+        self.host = host_of(worker.settings)
         self.seq = 0  # the beat's number
         self.busy = asyncio.Event()  # set when an idle replica takes a request: beat now
         # Streams whose callers cannot see heartbeats (Tb-Keepalive): reply -> None.

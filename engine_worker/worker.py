@@ -191,6 +191,8 @@ class Worker(Service):
             "tp": int(getattr(self.backend, "tp", self.cfg.tp)),
             "pool": self.cfg.pool,
             **({"site": self.settings.site} if self.settings.site else {}),
+            # The host it runs on (engine_worker/heartbeat.py's host_of), for operators.
+            "host": hb.host,
             **({"pd_role": self.cfg.pd_role} if self.cfg.pd_role != "both" else {}),
             "draining": self.draining,
             # The engine's health: "failed" (with the reason) takes it out of routing.

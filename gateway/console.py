@@ -30,6 +30,8 @@ GET    /console/api/adapters           the LoRA adapters wanted or loaded; POST 
                                        for the session's key
 GET    /console/api/audit              the newest audit events (?limit=100)
 GET    /console/api/jobs               batches; POST /console/api/jobs/{id}/cancel
+GET    /console/api/responses          background responses, newest first, paged
+                                       (?limit=&after=<id>): their status and progress
 GET    /console/api/responses/{id}     a background response looked up by id (its status);
                                        POST /console/api/responses/{id}/cancel cancels it
 GET    /console/api/files/{id}/content a file's bytes, as an attachment (a batch's input,
@@ -41,10 +43,10 @@ GET    /console/api/events             one server-sent-events feed per open page
                                        the session
 
 Who: an admin key's session sees and changes everything; any other key's session (an
-"owner" session) sees only the keys of its own owner (itself when it has none), their usage
-and their batches, and may change nothing (403). Every write needs the session's CSRF token
-in ``X-CSRF-Token`` and, where the browser sends one, an ``Origin`` of this host. Nothing
-here is on the request path of the OpenAI API.
+"owner" session) sees only the keys of its own owner (itself when it has none), their usage,
+their batches and background responses, and may change nothing (403). Every write needs the
+session's CSRF token in ``X-CSRF-Token`` and, where the browser sends one, an ``Origin`` of
+this host. Nothing here is on the request path of the OpenAI API.
 """
 
 from __future__ import annotations
@@ -120,6 +122,7 @@ MAX_FEEDS = 64  # open event feeds per bridge process; more get 503
 FEED_TICK_S = 1.0
 FEED_PING_S = 15.0
 MAX_JOBS = 500
+MAX_RESPONSES_PAGE = 100  # background responses a page; each open one is one stream read
 FILE_CHUNK = 64 * 1024
 _SAFE_NAME = re.compile(r"[^A-Za-z0-9._-]")
 
@@ -334,6 +337,8 @@ class Console:
             await send_json(out, 200, await console_bus.read(self.admin.nc, urls))
         elif part == "jobs":
             await self._jobs(method, rest, out, s)
+        elif rest == "responses" and method == "GET":
+            await self._responses_page(scope, out, s)
         elif part == "responses":
             await self._response(method, rest, out, s)
         elif part == "files" and method == "GET" and rest.endswith("/content"):
@@ -525,9 +530,9 @@ class Console:
             raise E.NotFound(f"no route for {method} {API}/{rest}")
 
     async def _response(self, method: str, rest: str, send: Send, s: Session) -> None:
-        """One background response by id: the response store lists none (a listing would
-        read every stored response), so the Jobs page looks one up. An owner session sees
-        its owner's keys' responses only (404 otherwise); a cancel is the Responses API's."""
+        """One background response by id (the listing is :meth:`_responses_page`). An owner
+        session sees its owner's keys' responses only (404 otherwise); a cancel is the
+        Responses API's."""
         api = self.responses
         if api is None or api.store is None:
             raise E.ServiceUnavailable("this bridge does not serve background responses")
@@ -561,6 +566,42 @@ class Console:
             raise E.NotFound(f"no route for {method} {API}/{rest}")
         keep = ("id", "status", "model", "created_at")
         await send_json(send, 200, {**{k: resp.get(k) for k in keep}, "owner": owner})
+
+    async def _responses_page(self, scope: Scope, send: Send, s: Session) -> None:
+        """A page of background responses, newest first (jobs/background_index.py): every
+        owner's for an admin session, else only those of the session's visible keys (an
+        ``after`` naming another's is refused as one that does not exist). Each open one
+        says how many of its events are kept so far (``events``)."""
+        api = self.responses
+        index = api.store.index if api is not None and api.store is not None else None
+        if api is None or index is None:
+            raise E.ServiceUnavailable("this bridge does not serve background responses")
+        query = query_of(scope)
+        limit = _int(query, "limit", 50, 1, MAX_RESPONSES_PAGE)
+        after = query.get("after") or None
+        if after is not None and not RESPONSE_ID.match(after):
+            raise E.InvalidRequest("after: a response id (resp_...)", param="after")
+        owners = None if s.admin else [r.id for r in self._visible(s)]
+        page = await index.page(owners, limit, after)
+        rows: list[dict[str, Any]] = [dict(e) for e in page["data"]]
+        bg = api.background
+        if bg is not None:
+            still = [r for r in rows if r.get("status") in ("queued", "in_progress")]
+
+            async def progress(row: dict[str, Any]) -> None:
+                with contextlib.suppress(Exception):  # a row without it, not a failed page
+                    row["events"] = await bg.events_kept(str(row["id"]))
+
+            await asyncio.gather(*(progress(r) for r in still))
+        out = {
+            "object": "list",
+            "data": rows,
+            "total": page["total"],
+            "has_more": page["has_more"],
+            "first_id": rows[0]["id"] if rows else None,
+            "last_id": rows[-1]["id"] if rows else None,
+        }
+        await send_json(send, 200, out)
 
     async def _file_content(self, file_id: str, send: Send, s: Session) -> None:
         """A file's bytes as an attachment: any file for an admin session, else only a file

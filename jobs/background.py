@@ -208,6 +208,13 @@ class Background:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
 
+    async def events_kept(self, response_id: str) -> int:
+        """How many events of the response JetStream holds now: its progress while it runs
+        (the streaming events so far, a text delta per piece of text the engine sent)."""
+        subject = subjects.batch_events(response_id)
+        info = await self.js.stream_info(EVENTS_STREAM, subjects_filter=subject)
+        return int((info.state.subjects or {}).get(subject, 0))
+
     # -- cancelling ---------------------------------------------------------------------------
     async def cancel(self, response_id: str, rec: ResponseRecord) -> dict[str, Any]:
         """Mark an open background response cancelled and tell its runner; a finished one

@@ -11,6 +11,9 @@ unlike the other buckets it drops its *oldest* records when full (a cache of con
 not a ledger: a new response must not be refused because old ones fill the bucket). It is
 replicated like the others (``kv_replicas``). Every bridge process and every ingress shares
 it, so a conversation may continue through any of them.
+
+Each write of a background response's record also keeps its entry in the listing of
+background responses (:mod:`jobs.background_index`), which the console pages through.
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ from bus_schemas import codec, subjects
 from bus_schemas import errors as E
 from bus_schemas import headers as H
 from dialects.responses import RESPONSE_ID
+from jobs.background_index import BUCKET as INDEX_BUCKET
+from jobs.background_index import BackgroundIndex
 from jobs.job_records import LargeRef, ResponseRecord
 from jobs.storage import ResponseStorage
 from services import buckets
@@ -96,14 +101,17 @@ class ResponseStore:
         self.bucket = bucket
         self.kv: KeyValue | None = None
         self.large: ObjectStore | None = None
+        # The listing of background responses, opened with the bucket.
+        self.index: BackgroundIndex | None = None
         self._opening = asyncio.Lock()
         self._next_try = 0.0
 
     async def open(self) -> ResponseStore:
         """Bind the bucket, creating it when it does not exist yet."""
         # A cache of conversations: a full bucket drops its oldest records (discard_old).
-        # Opened once: a JetStream that does not answer is said at once (stall_s=0).
-        self.kv = await buckets.open_kv(
+        # Opened once: a JetStream that does not answer is said at once (stall_s=0). The
+        # bucket is set last: one not set is opened again whole at the next use.
+        kv = await buckets.open_kv(
             self.nc.jetstream(),
             self.bucket,
             ttl=self.settings.ttl_s,
@@ -122,6 +130,9 @@ class ResponseStore:
             description="tokenbus: stored responses too large for one message",
             stall_s=0,
         )
+        index = INDEX_BUCKET if self.bucket == BUCKET else f"{self.bucket}_background"
+        self.index = await BackgroundIndex(self.nc, self.settings.ttl_s, index).open()
+        self.kv = kv
         return self
 
     async def opened(self) -> KeyValue:
@@ -178,6 +189,8 @@ class ResponseStore:
                 "response_not_stored", response_id=response_id, bytes=len(data), error=repr(exc)
             )
             return False
+        if record.get("background") and self.index is not None:
+            await self.index.note(response_id, record)
         return True
 
     async def replace(self, response_id: str, record: Mapping[str, object]) -> bool:
@@ -222,11 +235,13 @@ class ResponseStore:
 
     async def delete(self, response_id: str, owner: str) -> None:
         """Delete ``response_id`` if ``owner`` made it; else 404."""
-        await self.get(response_id, owner)
+        rec = await self.get(response_id, owner)
         try:
             await (await self.opened()).purge(response_id)
         except Exception as exc:
             raise unavailable(exc) from None
+        if rec.get("background") and self.index is not None:
+            await self.index.drop(response_id, owner)
         if self.large is not None:
             with contextlib.suppress(Exception):  # a small record has none; TTL otherwise
                 await self.large.delete(response_id)
@@ -301,8 +316,10 @@ class ResponsesState:
             rec = body.get("record")
             if not RESPONSE_ID.match(response_id) or not isinstance(rec, dict):
                 raise E.InvalidRequest("a put needs a response id and a record", param="record")
-            # The owner is the key's, whatever the record says.
-            out["stored"] = await store.put(response_id, {**rec, "owner": owner})
+            # The owner is the key's, whatever the record says; and a client's record is
+            # never a background response's (those are queued, run and listed by tokenbus).
+            mine = {k: v for k, v in rec.items() if k != "background"}
+            out["stored"] = await store.put(response_id, {**mine, "owner": owner})
         else:
             raise E.NotFound(f"no stored-response action {action!r}")
         await self.nc.publish(reply, codec.encode(out))

@@ -31,6 +31,8 @@ class Replica:
     pool: str = "default"
     # The site it runs at (its heartbeat's; "": not said), for the site preference.
     site: str = ""
+    # The host it runs on (its heartbeat's; "": not said), for operators.
+    host: str = ""
     # Prefill/decode disaggregation: "prefill", "decode" or "both" (docs/disaggregation.md).
     pd_role: str = "both"
     draining: bool = False
@@ -87,6 +89,7 @@ class Replica:
             "tp": self.tp,
             "pool": self.pool,
             **({"site": self.site} if self.site else {}),
+            **({"host": self.host} if self.host else {}),
             **({"pd_role": self.pd_role} if self.pd_role != "both" else {}),
             "draining": self.draining,
             "endpoints": sorted(self.endpoints),
@@ -136,6 +139,7 @@ class Registry:
             r.tp = int(hb.get("tp", 1))
             r.pool = str(hb.get("pool", "default"))
             r.site = str(hb.get("site") or "")
+            r.host = str(hb.get("host") or "")[:255]
             r.pd_role = str(hb.get("pd_role", "both"))
             self.prefill_seen = self.prefill_seen or r.pd_role == "prefill"
             r.draining = bool(hb.get("draining", False))

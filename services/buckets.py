@@ -7,7 +7,7 @@
   write through a stream without leader, never applying a write twice.
 * :func:`read` reads an entry through a stall, never older than this process's own write.
 * :func:`keys` and :class:`Follow` read a bucket whole, without nats-py's race on "the
-  initial values are in".
+  initial values are in"; :func:`values` reads the entries under some keys in one pass.
 
 That race: nats-py marks the end of a watch's initial values with ``None``. When the
 consumer's info answer overtakes the values the server already pushed, that marker comes
@@ -66,6 +66,47 @@ async def keys(kv: KeyValue, pattern: str = ">", *, live: bool = False) -> list[
             await kv.get(k)
             out.append(k)
     return out
+
+
+async def values(
+    kv: KeyValue, patterns: list[str], *, most: int, timeout: float = 5.0
+) -> tuple[list[tuple[str, bytes]], bool]:
+    """The latest value of each key of ``kv`` matching one of ``patterns`` (subject patterns
+    over keys; deleted keys left out), in one pass of a consumer made for it (one message
+    per key, not a ``get`` each), oldest change first: at most ``most`` of them, and whether
+    more were left unread."""
+    js: JetStreamContext = kv._js
+    prefix, stream = kv._pre, kv._stream
+    filters = [prefix + p for p in patterns]
+    name = f"read-{uuid.uuid4().hex[:12]}"
+    cfg = api.ConsumerConfig(
+        name=name,
+        ack_policy=api.AckPolicy.NONE,
+        deliver_policy=api.DeliverPolicy.LAST_PER_SUBJECT,
+        inactive_threshold=30.0,
+        mem_storage=True,
+        **({"filter_subject": filters[0]} if len(filters) == 1 else {"filter_subjects": filters}),
+    )
+    left = (await js.add_consumer(stream, config=cfg, timeout=timeout)).num_pending or 0
+    more = left > most
+    left = min(left, most)
+    out: list[tuple[str, bytes]] = []
+    try:
+        sub = await js.pull_subscribe_bind(name, stream=stream)
+        try:
+            while left > 0:
+                msgs = await sub.fetch(min(left, 256), timeout=timeout)
+                left -= len(msgs)
+                for m in msgs:
+                    if m.data and not (m.headers or {}).get("KV-Operation"):
+                        out.append((m.subject[len(prefix) :], m.data))
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+    finally:
+        with contextlib.suppress(Exception):
+            await js.delete_consumer(stream, name)
+    return out, more
 
 
 class Follow:
@@ -479,6 +520,7 @@ async def open_kv(
     replicas: int | None = None,
     description: str | None = None,
     discard_old: bool = False,
+    max_msgs: int | None = None,
     on_create: Callable[[KeyValue], Awaitable[None]] | None = None,
     stall_s: float | None = None,
 ) -> KeyValue:
@@ -491,10 +533,13 @@ async def open_kv(
     Through a stalled node too (503 or timeouts, up to ``stall_s``).
 
     ``discard_old``: a full bucket (``max_bytes``) drops its oldest entries to take a new
-    one, where nats-py's buckets refuse the new one. ``on_create``: awaited with the bucket
-    by a call that found it missing (by each of two that race to make it: it must be safe
-    to repeat), e.g. to fill an index from records kept elsewhere."""
+    one, where nats-py's buckets refuse the new one; ``max_msgs`` (with ``discard_old``
+    only): at most this many entries, the oldest dropped first. ``on_create``: awaited with
+    the bucket by a call that found it missing (by each of two that race to make it: it
+    must be safe to repeat), e.g. to fill an index from records kept elsewhere."""
     reps = kv_replicas() if replicas is None else replicas
+    if max_msgs is not None and not discard_old:
+        raise ValueError("max_msgs bounds a bucket that discards its oldest entries only")
 
     async def make() -> object:
         if not discard_old:
@@ -521,6 +566,7 @@ async def open_kv(
                 duplicate_window=dup,
                 max_age=ttl,
                 max_bytes=max_bytes,
+                max_msgs=max_msgs,
                 max_msgs_per_subject=history,
                 num_replicas=reps,
                 storage=storage,

@@ -676,6 +676,13 @@ class WorkerSettings(BaseModel):
     backend: Literal["sim", "openai", "vllm"] = "sim"
     model: str = DEFAULT_MODEL
     replica: str = Field(default="", description="Replica id; generated when empty.")
+    host: str = Field(
+        default="",
+        max_length=255,
+        description="The host name its heartbeats announce (the console's Replicas page "
+        "shows it); empty: the GPU host of its bus login (`worker-<host>`) where it logs in "
+        "as one, else the machine's host name.",
+    )
     engine_stuck_s: float = Field(
         default=60.0,
         ge=0,
@@ -888,6 +895,15 @@ class UpSettings(BaseModel):
 
     workers: int = Field(default=2, ge=0, description="Sim workers to start.")
     nats_port: int = Field(default=4222, description="Port of the embedded nats-server.")
+    nats_monitor_port: int = Field(
+        default=0,
+        ge=-1,
+        le=65535,
+        description="Monitoring port (nats-server -m: /varz, /jsz...) of the embedded "
+        "nats-server, on 127.0.0.1; its URL is the services' telemetry.nats_monitor_urls "
+        "unless that is set (the console's Bus page and the telemetry service read it). 0: a "
+        "free port; -1: none.",
+    )
     data_dir: str = Field(default=".tokenbus", description="JetStream data, logs, pid files.")
     restart_backoff_s: float = 1.0
     watchdog_s: float = Field(

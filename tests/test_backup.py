@@ -49,7 +49,7 @@ PACKAGES = (
     "tokenbus",
 )
 # Module constants named like a store that are no store (environment variables).
-NOT_STORES = {"TOKENBUS_VLLM_SCRIPTED_CORE"}
+NOT_STORES = {"TOKENBUS_VLLM_SCRIPTED_CORE", "TOKENBUS_TELEMETRY__NATS_MONITOR_URLS"}
 
 
 # -- the store list -------------------------------------------------------------------------------

@@ -278,9 +278,12 @@ async def test_a_child_exiting_with_a_fatal_code_stops_its_supervisor(tmp_path: 
     assert all(c.proc is not None and c.proc.returncode is not None for c in sup.children)
 
 
-def _up_with(tmp_path: Path, *args: str) -> tuple[subprocess.Popen[str], int, dict[str, str]]:
+def _up_with(
+    tmp_path: Path, *args: str, lines: list[str] | None = None
+) -> tuple[subprocess.Popen[str], int, dict[str, str]]:
     """`tokenbus up` on free ports with ``args``, once its banner is out: the process, the
-    bridge's port and the environment for CLI commands beside it."""
+    bridge's port and the environment for CLI commands beside it (``lines``: what it printed
+    up to there)."""
     port, nats_port = free_port(), free_port()
     data = tmp_path / "data"
     proc = subprocess.Popen(
@@ -295,7 +298,7 @@ def _up_with(tmp_path: Path, *args: str) -> tuple[subprocess.Popen[str], int, di
         env=cli_env(),
     )
     try:
-        wait_line(proc, "Ctrl-C stops everything", [], timeout=60)
+        wait_line(proc, "Ctrl-C stops everything", [] if lines is None else lines, timeout=60)
     except BaseException:
         stop_process(proc, 60)
         raise
@@ -338,6 +341,60 @@ def test_up_options_reach_the_sim_workers_and_the_bridges(tmp_path: Path) -> Non
         # its default of 10 ms a step (50 ms for the whole answer).
         assert time.monotonic() - t0 >= 0.5
         assert out.model == "my-model" and out.usage is not None
+    finally:
+        stop_process(proc, 60)
+
+
+@pytest.mark.unit
+def test_up_gives_its_nats_server_a_monitoring_port_and_the_services_its_url(
+    tmp_path: Path,
+) -> None:
+    from services.config import Settings
+    from tokenbus.launcher import MONITOR_URLS_ENV, _nats_server_args, monitor_env
+
+    got = {}
+    for locked in (False, True):
+        s = Settings(up={"locked": locked})
+        got[locked], _ = _nats_server_args(s, tmp_path / str(locked), 14222, 18222)
+        assert got[locked][-2:] == ["-m", "18222"], got[locked]
+        args, _ = _nats_server_args(s, tmp_path / str(locked), 14222, -1)
+        assert "-m" not in args, args
+    # The monitoring port binds the address the server listens on: 127.0.0.1, open (-a) or
+    # locked (the generated config's listen).
+    assert got[False][got[False].index("-a") + 1] == "127.0.0.1"
+    conf = (tmp_path / "True" / "nats-locked" / "nats.conf").read_text()
+    assert 'listen: "127.0.0.1:14222"' in conf
+    url = "http://127.0.0.1:18222"
+    plain = Settings(telemetry={"nats_monitor_urls": []})
+    assert monitor_env(plain, {}, url) == {MONITOR_URLS_ENV: json.dumps([url])}
+    assert monitor_env(plain, {}, None) == {}  # -1: no monitoring port, nothing said
+    # The user's own list (config, environment, or the env given to the services) stays.
+    assert monitor_env(plain, {MONITOR_URLS_ENV: '["http://elsewhere:8222"]'}, url) == {}
+    mine = Settings(telemetry={"nats_monitor_urls": ["http://elsewhere:8222"]})
+    assert monitor_env(mine, {}, url) == {}
+
+
+@pytest.mark.stack
+def test_up_serves_its_nats_servers_monitoring_to_the_consoles_bus_page(tmp_path: Path) -> None:
+    lines: list[str] = []
+    proc, port, _ = _up_with(tmp_path, "--workers", "1", lines=lines)
+    try:
+        said = next(ln for ln in lines if "nats-server monitoring:" in ln)
+        monitor = said.split("monitoring:")[1].split()[0]
+        assert monitor.startswith("http://127.0.0.1:"), said
+        varz = httpx.get(f"{monitor}/varz", timeout=10).json()
+        assert varz["jetstream"]["config"]["store_dir"].startswith(str(tmp_path / "data"))
+        admin = (tmp_path / "data" / "admin-key").read_text().strip()
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as h:
+            r = h.post("/console/api/session", json={"key": admin})
+            assert r.status_code == 200, r.text
+            bus = h.get("/console/api/bus").json()
+            (server,) = bus["servers"]
+            assert server["url"] == monitor and server["up"] is True, server
+            assert server["connections"] >= 1 and not bus["alerts"], bus
+            # And the replicas name their host (this machine: one `tokenbus up`).
+            (rep,) = h.get("/console/api/replicas").json()["data"]
+            assert rep["host"] == socket.gethostname(), rep
     finally:
         stop_process(proc, 60)
 

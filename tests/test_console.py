@@ -468,6 +468,155 @@ async def test_another_owners_background_response_is_not_found_for_an_owner(env:
         assert_openai_error(cancel, 403)  # a write, and not an admin's session
 
 
+async def _responses(h: httpx.AsyncClient, **params: Any) -> dict[str, Any]:
+    """A page of the console's listing of background responses."""
+    r = await h.get("/console/api/responses", params=params)
+    assert r.status_code == 200, r.text
+    return dict(r.json())
+
+
+@pytest.mark.stack
+async def test_background_responses_are_listed_newest_first_paged_and_per_owner(env: Env) -> None:
+    mine = [
+        (
+            await env.stack.openai(env.plain).responses.create(
+                model=env.model, input=f"hi {i}", background=True, max_output_tokens=4
+            )
+        ).id
+        for i in range(3)
+    ]
+    theirs = await env.stack.openai(env.admin).responses.create(
+        model=env.model, input="the admin's", background=True, max_output_tokens=4
+    )
+    async with env.stack.http() as h:
+        me = await login(h, env.admin)
+
+        async def ended() -> dict[str, Any] | None:
+            whole = await _responses(h, limit=100)
+            by = {r["id"]: r for r in whole["data"]}
+            # (incomplete: the answer reached max_output_tokens, as OpenAI says it)
+            done = all(by.get(i, {}).get("status") == "incomplete" for i in [*mine, theirs.id])
+            return whole if done else None
+
+        await wait_for(ended, timeout=30, what="the four responses listed as ended")
+        whole = await ended()
+        assert whole is not None and whole["total"] == len(whole["data"])
+        listed = [r["id"] for r in whole["data"]]
+        assert [i for i in listed if i in mine] == mine[::-1]  # newest first
+        times = [r["created_at"] for r in whole["data"]]
+        assert times == sorted(times, reverse=True)
+        by = {r["id"]: r for r in whole["data"]}
+        for rid in mine:
+            assert by[rid]["owner"] == env.plain_id and by[rid]["model"] == env.model
+            assert by[rid]["output_tokens"] == 4 and "events" not in by[rid]  # ended
+        assert by[theirs.id]["owner"] == me["key_id"]
+        # Paged two at a time by cursor: the pages make the whole, in order.
+        seen: list[str] = []
+        params: dict[str, Any] = {"limit": 2}
+        while True:
+            page = await _responses(h, **params)
+            assert len(page["data"]) <= 2 and page["total"] == whole["total"]
+            seen += [r["id"] for r in page["data"]]
+            if not page["has_more"]:
+                break
+            params["after"] = page["last_id"]
+        assert seen == [r["id"] for r in whole["data"]]
+        for bad in ({"limit": "0"}, {"limit": "101"}, {"after": "x"}):
+            assert_openai_error(await h.get("/console/api/responses", params=bad), 400)
+    async with env.stack.http() as h:
+        me = await login(h, env.plain)  # an owner's session: its owner's keys' responses only
+        page = await _responses(h, limit=100)
+        ids = [r["id"] for r in page["data"]]
+        assert set(mine) <= set(ids) and theirs.id not in ids
+        assert {r["owner"] for r in page["data"]} <= {env.plain_id, env.sibling_id}
+        assert page["total"] == len(ids)
+        # Another owner's response as the cursor is refused as one that does not exist.
+        other = await h.get("/console/api/responses", params={"after": theirs.id})
+        missing = await h.get("/console/api/responses", params={"after": "resp_" + "0" * 32})
+        assert_openai_error(other, 400, "after")
+        assert_openai_error(missing, 400, "after")
+        assert_openai_error(await h.get(f"/console/api/responses/{theirs.id}"), 404)
+        cancel = await h.post(f"/console/api/responses/{theirs.id}/cancel", headers=csrf(me))
+        assert_openai_error(cancel, 403)
+        # A deleted response leaves the listing.
+        await env.stack.openai(env.plain).responses.delete(mine[0])
+        left = [r["id"] for r in (await _responses(h, limit=100))["data"]]
+        assert mine[0] not in left and set(mine[1:]) <= set(left)
+
+
+async def _slow_response(env: Env) -> str:
+    """A background response of the key ``env.plain`` that runs for many seconds (a long
+    answer at 1 ms a token, each event kept on JetStream): the test cancels it."""
+    resp = await env.stack.openai(env.plain).responses.create(
+        model=env.model,
+        input="a long one",
+        background=True,
+        max_output_tokens=60000,
+        extra_body={"ignore_eos": True},  # the sim's answer runs to max_output_tokens
+    )
+    return resp.id
+
+
+@pytest.mark.stack
+async def test_an_open_background_response_shows_progress_and_only_the_admin_cancels_it(
+    env: Env,
+) -> None:
+    slow = await _slow_response(env)
+    async with key_store(env.bus.url) as keys:
+        evil, _ = await keys.create("team-evil-app", owner="team-evil")
+    async with env.stack.http() as h:
+        me = await login(h, env.admin)
+
+        async def running() -> dict[str, Any] | None:
+            rows = (await _responses(h, limit=100))["data"]
+            row = next((r for r in rows if r["id"] == slow), None)
+            ok = row and row["status"] == "in_progress" and row.get("events", 0) > 0
+            return row if ok else None
+
+        await wait_for(running, timeout=30, what="the response running, with its events")
+        # Another owner's key: not listed, not found, not cancelled, by the console or the
+        # Responses API.
+        async with env.stack.http() as e:
+
+            async def logged_in() -> bool:  # its key reaches the bridge's cache in a second
+                return (await e.post("/console/api/session", json={"key": evil})).is_success
+
+            await wait_for(logged_in, timeout=10, what="the other owner's key logged in")
+            who = (await e.get("/console/api/session")).json()
+            assert slow not in [r["id"] for r in (await _responses(e, limit=100))["data"]]
+            assert_openai_error(await e.get(f"/console/api/responses/{slow}"), 404)
+            c = await e.post(f"/console/api/responses/{slow}/cancel", headers=csrf(who))
+            assert_openai_error(c, 403)
+        async with env.stack.http("/v1") as api:
+            auth = {"Authorization": f"Bearer {evil}"}
+            assert_openai_error(await api.post(f"/responses/{slow}/cancel", headers=auth), 404)
+            assert_openai_error(await api.get(f"/responses/{slow}", headers=auth), 404)
+        row = await running()
+        assert row is not None, "another owner's attempts changed the response"
+        # The admin cancels it from the listing (the Responses API's cancel).
+        c = await h.post(f"/console/api/responses/{slow}/cancel", headers=csrf(me))
+        assert c.status_code == 200 and c.json()["status"] == "cancelled", c.text
+
+        async def cancelled() -> bool:
+            rows = (await _responses(h, limit=100))["data"]
+            return any(r["id"] == slow and r["status"] == "cancelled" for r in rows)
+
+        await wait_for(cancelled, timeout=30, what="the response listed as cancelled")
+    stored = await env.stack.openai(env.plain).responses.retrieve(slow)
+    assert stored.status == "cancelled"
+
+
+@pytest.mark.stack
+async def test_replicas_name_their_host(env: Env) -> None:
+    import socket
+
+    async with env.stack.http() as h:
+        await login(h, env.admin)
+        data = (await h.get("/console/api/replicas")).json()["data"]
+        mine = [r for r in data if r["model"] == env.model]
+        assert len(mine) == 2 and all(r["host"] == socket.gethostname() for r in mine), mine
+
+
 @pytest.mark.stack
 async def test_an_alias_is_created_and_deleted_through_the_routing_admin_api(env: Env) -> None:
     alias = f"console-alias-{uuid.uuid4().hex[:8]}"
@@ -1414,6 +1563,74 @@ async def test_in_chromium_the_owners_with_a_budget_are_listed_edited_and_remove
             assert (await h.get(path, headers=adm)).json()["budget_usd"] is None
         finally:
             b.driver.quit()
+
+
+@pytest.mark.stack
+async def test_in_chromium_jobs_list_background_responses_and_replicas_their_host(
+    env: Env, tmp_path: Path
+) -> None:
+    import socket
+
+    from selenium.common.exceptions import StaleElementReferenceException
+    from selenium.webdriver.common.by import By
+
+    slow = await _slow_response(env)
+    driver = chromium()
+
+    def text(css: str) -> str:
+        try:
+            found = driver.find_elements(By.CSS_SELECTOR, css)
+            return str(found[0].text) if found else ""
+        except StaleElementReferenceException:
+            return ""
+
+    try:
+        driver.get(env.stack.base + "/console")
+        await wait_for(
+            lambda: (
+                driver.find_elements(By.ID, "login-key")
+                and driver.find_element(By.ID, "login-key").is_displayed()
+            ),
+            timeout=20,
+            what="the login form",
+        )
+        driver.find_element(By.ID, "login-key").send_keys(env.admin)
+        driver.find_element(By.CSS_SELECTOR, "#login-form button").click()
+        await wait_for(lambda: text("#who-name"), timeout=20, what="logged in")
+        # The replicas name their host.
+        driver.find_element(By.CSS_SELECTOR, "nav a[data-page='replicas']").click()
+        rep = f"#replicas-rows tr[data-replica='{env.model}-0'] td.host"
+        await wait_for(lambda: text(rep) == socket.gethostname(), what="the replica's host")
+        # The jobs page lists the running background response with its progress, and its
+        # Cancel button cancels it.
+        driver.find_element(By.CSS_SELECTOR, "nav a[data-page='jobs']").click()
+        row = f"#responses-rows tr[data-response='{slow}']"
+
+        def running() -> bool:
+            if "events so far" in text(f"{row} td.progress"):
+                return True
+            driver.find_element(By.ID, "responses-refresh").click()
+            return False
+
+        await wait_for(running, timeout=30, interval=0.5, what="the response running, listed")
+        assert text(f"{row} td.status") == "in_progress"
+        assert env.plain_id in text(row) and env.model in text(row)
+        driver.save_screenshot(str(tmp_path / "jobs.png"))
+        driver.find_element(By.CSS_SELECTOR, f"{row} button.danger").click()
+
+        def cancelled() -> bool:
+            if text(f"{row} td.status") == "cancelled":
+                return True
+            driver.find_element(By.ID, "responses-refresh").click()
+            return False
+
+        await wait_for(cancelled, timeout=30, interval=0.5, what="the response shown cancelled")
+        assert "cancelled" in text("#status")
+        assert not driver.find_elements(By.CSS_SELECTOR, f"{row} button.danger")
+        if os.environ.get("TOKENBUS_DOCS_SCREENSHOTS"):  # docs/console.md's picture of it
+            shutil.copyfile(tmp_path / "jobs.png", ROOT / "docs" / "console" / "jobs.png")
+    finally:
+        driver.quit()
 
 
 @pytest.mark.unit

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import fields
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -198,3 +201,36 @@ def test_heartbeat_model_accepts_what_workers_send() -> None:
 
     w = Worker(Settings(nats_url="nats://127.0.0.1:1"))
     Heartbeat.model_validate(w.heartbeat_body())
+
+
+def test_heartbeats_name_their_host_and_old_ones_without_it_stay_valid(tmp_path: Path) -> None:
+    import socket
+
+    from engine_worker.worker import Worker
+    from router.registry import Registry
+    from services.config import Settings
+
+    def host(**kw: Any) -> str:
+        w = Worker(Settings(nats_url="nats://127.0.0.1:1", **kw))
+        body = w.heartbeat_body()
+        Heartbeat.model_validate(body)
+        return str(body["host"])
+
+    assert host() == socket.gethostname()
+    # A GPU host's bus login (worker-<host>) names the host the deployment gave it, from the
+    # settings or from its login file; the worker's own setting wins over both.
+    assert host(nats_user="worker-gpu-3", nats_password="x") == "gpu-3"
+    login = tmp_path / "worker-gpu-4.json"
+    login.write_text(json.dumps({"user": "worker-gpu-4", "password": "x"}))
+    assert host(nats_login_file=str(login)) == "gpu-4"
+    assert host(nats_user="worker", nats_password="x") == socket.gethostname()
+    assert host(worker={"host": "rack2-node7"}, nats_user="worker-gpu-3") == "rack2-node7"
+    # A heartbeat from before the field is valid, and says no host.
+    old = Worker(Settings(nats_url="nats://127.0.0.1:1")).heartbeat_body()
+    del old["host"]
+    assert Heartbeat.model_validate(old).host == ""
+    reg = Registry()
+    r = reg.update(old)
+    assert r is not None and r.host == "" and "host" not in r.to_dict()
+    r = reg.update({**old, "seq": old["seq"] + 1, "host": "gpu-9"})
+    assert r is not None and r.host == "gpu-9" and r.to_dict()["host"] == "gpu-9"

@@ -55,6 +55,7 @@ from tests.support.procs import Procs, ProcStack, start_stack, start_worker
 from tests.support.upstreams import Upstream
 from tests.support.waits import wait_for, wait_replicas
 from tokenbus import Client
+from tokenbus.client import _Stored
 
 PIPELINE = {"TOKENBUS_INGRESS__PIPELINE": '["auth", "ratelimit", "filter", "route"]'}
 WEATHER = {
@@ -1498,6 +1499,14 @@ async def test_stored_responses_over_nats_on_the_locked_bus(tmp_path: Path) -> N
                 prompt = f"<|user|>hello\n<|assistant|>{first['output'][0]['content'][0]['text']}\n"
                 want = expected_text(prompt + "<|user|>again\n", 3)[0]
                 assert second["output"][0]["content"][0]["text"] == want
+                # A record a client stores is never a background response's: the flag it
+                # claims is dropped, so it is not cancelled (nor listed) as one.
+                forged = new_response_id()
+                claim = {"response": {"id": forged, "status": "in_progress"}, "background": True}
+                assert await _Stored(tb, a).put(forged, claim)
+                assert "background" not in await _Stored(tb, a).get(forged)
+                with pytest.raises(E.InvalidRequest, match="only background responses"):
+                    await tb.response_cancel(forged)
             async with await Client.connect(bus.url, api_key=b) as them:
                 with pytest.raises(E.NotFound):
                     await them.get_response(first["id"])

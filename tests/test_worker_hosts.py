@@ -113,6 +113,16 @@ async def test_a_host_reaches_only_its_own_replicas_and_is_revoked_alone(tmp_pat
                 return len(await live_replicas(url, MODEL, 0.5, **admin)) == 2
 
             await wait_for(both, timeout=60, what="both hosts' replicas beating")
+            # Each names its host in its heartbeats: the one its bus login is for.
+            heard: dict[str, Any] = {}
+
+            async def both_heard() -> bool:  # an idle replica beats every 2 s
+                heard.update(await live_replicas(url, MODEL, 0.5, **admin))
+                return len(heard) == 2
+
+            await wait_for(both_heard, timeout=30, what="a heartbeat of each host's replica")
+            hosts = {r: hb.get("host") for r, hb in heard.items()}
+            assert hosts == {rep: host for host, (rep,) in HOSTS.items()}, hosts
             async with await Client.connect(url, **admin) as tb:
                 out = await tb.chat_completion(MODEL, MSG, max_tokens=3)
                 assert out.usage is not None and out.usage.completion_tokens == 3

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import random
 import shutil
@@ -49,6 +50,8 @@ def _ephemeral_low() -> int:
         return 32768
 
 
+# The environment variable of telemetry.nats_monitor_urls (services.config's nesting).
+MONITOR_URLS_ENV = "TOKENBUS_TELEMETRY__NATS_MONITOR_URLS"
 _PORTS_FROM = 10000  # below: the well-known and commonly configured ports
 _handed_out: set[int] = set()
 
@@ -208,6 +211,7 @@ async def up(
         except _StartFailed as exc:
             print(f"error: {exc}", file=sys.stderr)
             return exc.code
+        env.update(monitor_env(settings, env, nats_proc.monitor_url))
     env["TOKENBUS_NATS_URL"] = settings.url()
     dev_key = await _dev_key_if_needed(settings, data, users)
     await _start_services(sup, settings, data, env, users)
@@ -217,6 +221,16 @@ async def up(
     await stop.wait()
     await _stop_stack(sup, watcher, nats_proc, settings.drain_timeout_s)
     return 0
+
+
+def monitor_env(settings: Settings, env: dict[str, str], url: str | None) -> dict[str, str]:
+    """What tells the services where the embedded nats-server's monitoring endpoint is
+    (``telemetry.nats_monitor_urls``: the console's Bus page, the telemetry service's
+    probes), unless the user named the servers already (config, environment) or there is
+    no endpoint."""
+    if url is None or settings.telemetry.nats_monitor_urls or MONITOR_URLS_ENV in env:
+        return {}
+    return {MONITOR_URLS_ENV: json.dumps([url])}
 
 
 def _base_env(settings: Settings, config_file: str | None) -> dict[str, str]:
@@ -232,10 +246,13 @@ class EmbeddedNats:
     (same config, same JetStream directory, so keys, limits and routing survive) whenever
     it exits while the stack runs; the services reconnect by themselves."""
 
-    def __init__(self, args: list[str], log_path: Path, port: int) -> None:
+    def __init__(
+        self, args: list[str], log_path: Path, port: int, monitor_url: str | None = None
+    ) -> None:
         self.args = args
         self.log_path = log_path
         self.port = port
+        self.monitor_url = monitor_url  # its monitoring endpoint (http://127.0.0.1:<port>)
         self.proc: asyncio.subprocess.Process | None = None
         self.restarts = 0
         self._keeper: asyncio.Task[None] | None = None
@@ -297,9 +314,19 @@ async def _start_embedded_nats(settings: Settings, data: Path) -> tuple[Embedded
             f"--nats-port, or point TOKENBUS_NATS_URL at that server.",
             2,
         )
+    monitor = settings.up.nats_monitor_port
+    if monitor == 0:
+        monitor = free_port()
+    elif monitor > 0 and port_open("127.0.0.1", monitor):
+        raise _StartFailed(
+            f"port {monitor} (the nats-server's monitoring port) is taken. Stop what runs "
+            "there, or set up.nats_monitor_port to another port (0: a free one, -1: none).",
+            2,
+        )
     (data / "nats").mkdir(parents=True, exist_ok=True)
-    args, users = _nats_server_args(settings, data, port)
-    proc = EmbeddedNats(args, data / "logs" / "nats-server.log", port)
+    args, users = _nats_server_args(settings, data, port, monitor)
+    url = f"http://127.0.0.1:{monitor}" if monitor > 0 else None
+    proc = EmbeddedNats(args, data / "logs" / "nats-server.log", port, url)
     if not await proc.start():
         raise _StartFailed(
             f"the embedded nats-server did not start; see {data / 'logs' / 'nats-server.log'}",
@@ -310,12 +337,18 @@ async def _start_embedded_nats(settings: Settings, data: Path) -> tuple[Embedded
     print(
         f"  nats-server (embedded, JetStream in {data / 'nats'}) on nats://127.0.0.1:{port}{locked}"
     )
+    if url is not None:
+        print(f"  nats-server monitoring: {url} (/varz, /jsz; the console's Bus page reads it)")
     return proc, users
 
 
-def _nats_server_args(settings: Settings, data: Path, port: int) -> tuple[list[str], Path | None]:
+def _nats_server_args(
+    settings: Settings, data: Path, port: int, monitor: int = -1
+) -> tuple[list[str], Path | None]:
     """nats-server's arguments: a generated config with a user per role when locked, else
-    flags for an open server on localhost; and the users file when locked."""
+    flags for an open server on localhost, and its monitoring port when ``monitor`` > 0 (on
+    the address it listens on: 127.0.0.1); and the users file when locked."""
+    watch = ["-m", str(monitor)] if monitor > 0 else []
     if settings.up.locked:
         # With API keys, NATS clients log in with their key (the auth service answers the
         # server's auth callout); without, with the shared client role.
@@ -326,13 +359,13 @@ def _nats_server_args(settings: Settings, data: Path, port: int) -> tuple[list[s
             callout=subjects.STAGE_AUTH in settings.ingress.pipeline,
             sync=settings.nats_sync,
         )
-        return ["-c", str(conf)], users
+        return ["-c", str(conf), *watch], users
     # The server's timers (services.natsconf.SERVER_TIMERS) and its sync policy have no
     # flags: a config of them.
     conf = data / "nats-timers.conf"
     conf.parent.mkdir(parents=True, exist_ok=True)
     conf.write_text(SERVER_TIMERS + jetstream_block(str(data / "nats"), settings.nats_sync))
-    return [*("-c", str(conf)), *("-a", "127.0.0.1", "-p", str(port))], None
+    return [*("-c", str(conf)), *("-a", "127.0.0.1", "-p", str(port)), *watch], None
 
 
 async def _wait_port_open(port: int) -> bool:

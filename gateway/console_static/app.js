@@ -80,7 +80,7 @@ $("logout").addEventListener("click", async () => {
 });
 
 // -- pages -----------------------------------------------------------------------------
-const loaders = { keys: loadKeysPage, spend: loadSpend, replicas: loadReplicas, jobs: loadJobs, audit: loadAudit, bus: loadBus };
+const loaders = { keys: loadKeysPage, spend: loadSpend, replicas: loadReplicas, jobs: loadJobsPage, audit: loadAudit, bus: loadBus };
 const ADMIN_PAGES = ["replicas", "audit", "bus"];
 
 function show(page) {
@@ -476,14 +476,16 @@ function renderReplicas(list) {
   rows.replaceChildren();
   for (const r of list) {
     rows.append(el("tr", { "data-replica": r.replica },
-      el("td", {}, el("code", {}, r.replica)), el("td", {}, r.model), el("td", {}, r.backend || ""),
+      el("td", {}, el("code", {}, r.replica)),
+      el("td", { class: "host" }, r.host || "—"),
+      el("td", {}, r.model), el("td", {}, r.backend || ""),
       el("td", {}, r.pd_role || "both"), el("td", {}, `${Math.round(r.load * 100)}% (${r.in_flight}/${r.max_concurrency})`),
       el("td", {}, String(r.running)), el("td", {}, String(r.waiting)), el("td", {}, r.kv_routing),
       el("td", { class: "kv-check" }, kvCheck(r.kv_check)),
       el("td", { class: "adapters" }, r.adapters && r.adapters.length ? r.adapters.join(", ") : "—"),
       el("td", { class: r.health === "ok" ? "state-on" : "state-off" }, r.health)));
   }
-  if (!list.length) rows.append(el("tr", {}, el("td", { colspan: "11" }, "No live replica.")));
+  if (!list.length) rows.append(el("tr", {}, el("td", { colspan: "12" }, "No live replica.")));
 }
 
 // The KV check's cached prompt tokens, predicted by the routers / reported by the engine.
@@ -712,7 +714,7 @@ async function loadJobs() {
   if (!list.data.length) rows.append(el("tr", {}, el("td", { colspan: "7" }, "No batches.")));
 }
 
-// One background response by id (the store lists none): its status, and Cancel for an admin.
+// One background response by id: its status, and Cancel for an admin.
 async function lookUpResponse(ev) {
   ev.preventDefault();
   const out = $("response-found");
@@ -728,6 +730,68 @@ async function lookUpResponse(ev) {
   }
 }
 $("response-form").addEventListener("submit", lookUpResponse);
+
+// -- background responses (on the jobs page): listed newest first, paged by cursor --------
+// state.responsesAfter: the cursors of the pages before this one ("" for the first).
+state.responsesAfter = [""];
+
+async function loadJobsPage() {
+  state.responsesAfter = [""];
+  await Promise.all([loadJobs(), loadResponses()]);
+}
+
+function responseProgress(r) {
+  if (r.status === "queued") return "waiting to run";
+  if (r.status === "in_progress") return r.events == null ? "running" : `${r.events} events so far`;
+  const parts = [];
+  if (r.output_tokens != null) parts.push(`${r.output_tokens} tokens out`);
+  if (r.error) parts.push(`error ${r.error}`);
+  return parts.join(", ");
+}
+
+async function loadResponses() {
+  const rows = $("responses-rows");
+  const after = state.responsesAfter[state.responsesAfter.length - 1];
+  const q = new URLSearchParams({ limit: PAGE });
+  if (after) q.set("after", after);
+  let list;
+  try { list = await api("GET", "responses?" + q); } catch (e) {
+    rows.replaceChildren(el("tr", {}, el("td", { colspan: "7" }, e.message)));
+    return;
+  }
+  rows.replaceChildren();
+  for (const r of list.data) {
+    const act = el("td");
+    if (state.me.role === "admin" && (r.status === "queued" || r.status === "in_progress")) {
+      act.append(el("button", { type: "button", class: "danger", "aria-label": `Cancel the background response ${r.id}`, on: { click: async () => {
+        try {
+          await api("POST", `responses/${encodeURIComponent(r.id)}/cancel`);
+          say(`Background response ${r.id} cancelled.`);
+          await loadResponses();
+        } catch (e) { say(e.message, true); }
+      } } }, "Cancel"));
+    }
+    rows.append(el("tr", { "data-response": r.id }, el("td", {}, el("code", {}, r.id)), el("td", {}, r.owner || ""),
+      el("td", { class: "status" }, r.status), el("td", { class: "progress" }, responseProgress(r)), el("td", {}, r.model || ""),
+      el("td", {}, r.created_at ? new Date(r.created_at * 1000).toISOString().slice(0, 19).replace("T", " ") : ""), act));
+  }
+  if (!list.data.length) rows.append(el("tr", {}, el("td", { colspan: "7" }, "No background responses.")));
+  const first = (state.responsesAfter.length - 1) * PAGE;
+  $("responses-count").textContent = list.total ? `${first + 1}–${first + list.data.length} of ${list.total}` : "";
+  $("responses-prev").disabled = state.responsesAfter.length === 1;
+  $("responses-next").disabled = !list.has_more;
+  $("responses-next").dataset.after = list.last_id || "";
+}
+
+$("responses-prev").addEventListener("click", () => {
+  if (state.responsesAfter.length > 1) state.responsesAfter.pop();
+  loadResponses().catch((e) => say(e.message, true));
+});
+$("responses-next").addEventListener("click", () => {
+  state.responsesAfter.push($("responses-next").dataset.after);
+  loadResponses().catch((e) => say(e.message, true));
+});
+$("responses-refresh").addEventListener("click", () => loadResponses().catch((e) => say(e.message, true)));
 
 // -- audit -----------------------------------------------------------------------------
 async function loadAudit() {

@@ -52,7 +52,7 @@ from nats.js.errors import NotFoundError
 
 from auth import budgets, limits, store
 from bus_schemas import subjects
-from jobs import background, batches, files, response_store
+from jobs import background, background_index, batches, files, response_store
 from router import adapters, routing
 from services import aliases, audit
 from services.config import Settings, kv_replicas
@@ -86,6 +86,7 @@ STORES: tuple[Store, ...] = (
     Store("kv", routing.BUCKET),  # run-time routing
     Store("kv", adapters.BUCKET),  # LoRA adapters loaded at run time (the wanted ones)
     Store("kv", response_store.BUCKET),  # stored responses (Responses API)
+    Store("kv", background_index.BUCKET),  # the listing of background responses
     Store("kv", batches.BATCHES),  # batch records
     Store("kv", batches.OPEN_BATCHES),  # the batches not yet finished
     Store("kv", batches.BY_OWNER),  # each key's batches
