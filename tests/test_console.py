@@ -1571,62 +1571,40 @@ async def test_in_chromium_jobs_list_background_responses_and_replicas_their_hos
 ) -> None:
     import socket
 
-    from selenium.common.exceptions import StaleElementReferenceException
-    from selenium.webdriver.common.by import By
-
     slow = await _slow_response(env)
-    driver = chromium()
-
-    def text(css: str) -> str:
-        try:
-            found = driver.find_elements(By.CSS_SELECTOR, css)
-            return str(found[0].text) if found else ""
-        except StaleElementReferenceException:
-            return ""
-
+    b = Browser(env)
+    driver, by = b.driver, b.by
     try:
-        driver.get(env.stack.base + "/console")
-        await wait_for(
-            lambda: (
-                driver.find_elements(By.ID, "login-key")
-                and driver.find_element(By.ID, "login-key").is_displayed()
-            ),
-            timeout=20,
-            what="the login form",
-        )
-        driver.find_element(By.ID, "login-key").send_keys(env.admin)
-        driver.find_element(By.CSS_SELECTOR, "#login-form button").click()
-        await wait_for(lambda: text("#who-name"), timeout=20, what="logged in")
+        await b.open("replicas", env.admin)
         # The replicas name their host.
-        driver.find_element(By.CSS_SELECTOR, "nav a[data-page='replicas']").click()
         rep = f"#replicas-rows tr[data-replica='{env.model}-0'] td.host"
-        await wait_for(lambda: text(rep) == socket.gethostname(), what="the replica's host")
+        await wait_for(lambda: b.text(rep) == socket.gethostname(), what="the replica's host")
         # The jobs page lists the running background response with its progress, and its
         # Cancel button cancels it.
-        driver.find_element(By.CSS_SELECTOR, "nav a[data-page='jobs']").click()
+        driver.find_element(by.CSS_SELECTOR, "nav a[data-page='jobs']").click()
         row = f"#responses-rows tr[data-response='{slow}']"
 
         def running() -> bool:
-            if "events so far" in text(f"{row} td.progress"):
+            if "events so far" in b.text(f"{row} td.progress"):
                 return True
-            driver.find_element(By.ID, "responses-refresh").click()
+            driver.find_element(by.ID, "responses-refresh").click()
             return False
 
         await wait_for(running, timeout=30, interval=0.5, what="the response running, listed")
-        assert text(f"{row} td.status") == "in_progress"
-        assert env.plain_id in text(row) and env.model in text(row)
+        assert b.text(f"{row} td.status") == "in_progress"
+        assert env.plain_id in b.text(row) and env.model in b.text(row)
         driver.save_screenshot(str(tmp_path / "jobs.png"))
-        driver.find_element(By.CSS_SELECTOR, f"{row} button.danger").click()
+        await b.click(f"{row} button.danger", "the response's Cancel")
 
         def cancelled() -> bool:
-            if text(f"{row} td.status") == "cancelled":
+            if b.text(f"{row} td.status") == "cancelled":
                 return True
-            driver.find_element(By.ID, "responses-refresh").click()
+            driver.find_element(by.ID, "responses-refresh").click()
             return False
 
         await wait_for(cancelled, timeout=30, interval=0.5, what="the response shown cancelled")
-        assert "cancelled" in text("#status")
-        assert not driver.find_elements(By.CSS_SELECTOR, f"{row} button.danger")
+        assert "cancelled" in b.text("#status")
+        assert not driver.find_elements(by.CSS_SELECTOR, f"{row} button.danger")
         if os.environ.get("TOKENBUS_DOCS_SCREENSHOTS"):  # docs/console.md's picture of it
             shutil.copyfile(tmp_path / "jobs.png", ROOT / "docs" / "console" / "jobs.png")
     finally:
