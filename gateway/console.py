@@ -40,7 +40,9 @@ GET    /console/api/bus                the NATS servers, JetStream streams and t
                                        lag, and the alerts the console evaluates itself
 GET    /console/api/events             one server-sent-events feed per open page: the
                                        replicas when they change, the key count, the end of
-                                       the session
+                                       the session; with ?page=bus (the page shows the Bus
+                                       page) the bus read when it changes, from one read per
+                                       bridge process every few seconds (console_bus.Latest)
 
 Who: an admin key's session sees and changes everything; any other key's session (an
 "owner" session) sees only the keys of its own owner (itself when it has none), their usage,
@@ -119,6 +121,7 @@ NO_STORE: Headers = [(b"cache-control", b"no-store")]
 WRITES = frozenset(("POST", "PUT", "PATCH", "DELETE"))
 MAX_PAGE = 500
 MAX_FEEDS = 64  # open event feeds per bridge process; more get 503
+FEED_PAGES = frozenset(("", "bus"))  # ?page= of a feed: the pages with live parts of their own
 FEED_TICK_S = 1.0
 FEED_PING_S = 15.0
 MAX_JOBS = 500
@@ -176,6 +179,7 @@ class Console:
         self._sessions: Sessions | None = None
         self._feeds = 0
         self._spend = console_spend.Summaries()
+        self._bus = console_bus.Latest(self._read_bus)  # the feeds' bus events, shared
         self._static = resources.files("gateway") / "console_static"
 
     def mount(self, app: Any) -> None:
@@ -296,7 +300,11 @@ class Console:
             )
         part = rest.split("/", 1)[0]
         if part == "events" and method == "GET":
-            await self._events(token_of(header(scope, b"cookie")), receive, send, s)
+            page = query_of(scope).get("page", "")
+            if page not in FEED_PAGES:
+                raise E.InvalidRequest("page: bus, or none", param="page")
+            cookie = token_of(header(scope, b"cookie"))
+            await self._events(cookie, receive, send, s, bus=page == "bus")
             return
         out = _secured(send)
         if part == "keys" and method == "GET" and rest == "keys":
@@ -333,8 +341,9 @@ class Console:
             await send_json(out, 200, {"object": "list", "data": data})
         elif rest == "bus" and method == "GET":
             self._admin_only(s)
-            urls = list(self.settings.telemetry.nats_monitor_urls)
-            await send_json(out, 200, await console_bus.read(self.admin.nc, urls))
+            read = await self._read_bus()  # Refresh reads now; the feeds get it too
+            self._bus.put(read)
+            await send_json(out, 200, read)
         elif part == "jobs":
             await self._jobs(method, rest, out, s)
         elif rest == "responses" and method == "GET":
@@ -460,6 +469,10 @@ class Console:
             return console_spend.Summary.of(usage)
 
         return await asyncio.to_thread(work)
+
+    async def _read_bus(self) -> dict[str, Any]:
+        urls = list(self.settings.telemetry.nats_monitor_urls)
+        return await console_bus.read(self.admin.nc, urls)
 
     def _replicas(self) -> list[dict[str, Any]]:
         now = time.monotonic()
@@ -647,10 +660,14 @@ class Console:
         await send({"type": "http.response.body", "body": b""})
 
     # -- the live feed -------------------------------------------------------------------
-    async def _events(self, cookie: str | None, receive: Receive, send: Send, s: Session) -> None:
+    async def _events(
+        self, cookie: str | None, receive: Receive, send: Send, s: Session, bus: bool = False
+    ) -> None:
         """Server-sent events until the client leaves or the session ends: ``replicas``
         (admin sessions) when they change, ``keys`` (the number visible) when it changes,
-        ``end`` when the session is over. One feed holds its last snapshot, nothing more."""
+        ``bus`` (admin sessions whose page shows the Bus page: ``bus``) when the shared bus
+        read changes, ``end`` when the session is over. One feed holds its last snapshot of
+        each, nothing more; the bus read is one per bridge process (console_bus.Latest)."""
         if self._feeds >= MAX_FEEDS:
             raise E.ServiceUnavailable("too many console pages open on this bridge; retry")
         self._feeds += 1
@@ -695,6 +712,9 @@ class Console:
                 snap = {"keys": json.dumps(keys)}
                 if s.admin:
                     snap["replicas"] = json.dumps(self._replicas())
+                    shared = self._bus.get() if bus else None
+                    if shared is not None:
+                        snap["bus"] = shared
                 sent = False
                 for name, data in snap.items():
                     if last.get(name) != data:

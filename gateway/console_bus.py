@@ -10,18 +10,30 @@ consumer listing for each, all at once, under one deadline.
 
 The alerts are the few conditions of deploy/prometheus/alerts.yml that what this reads can
 evaluate at once (no rates, no ``for:`` durations), and one of the console's own.
+
+The live feed's ``bus`` events (gateway/console.py) come from :class:`Latest`: one read
+shared by every feed of a bridge process, begun at most once per :data:`FEED_INTERVAL_S`
+and only while a feed asks, so 64 open Bus pages cost the monitoring endpoints and
+``$JS.API`` what one does.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import math
+import time
+from collections.abc import Awaitable, Callable
 from typing import Any, cast
 
 import aiohttp
 from nats.aio.client import Client as NATS
 from nats.js.api import ClusterInfo, ConsumerInfo, StreamInfo, StreamsListIterator
 
+from services import logging as tlog
 from telemetry.natsmon import ServerState, scrape
+
+log = tlog.get("bridge")
 
 MAX_STREAMS = 64  # streams listed per read (the first ones, by name, of one listing page)
 MAX_CONSUMERS = 16  # consumers shown per stream: the most pending first
@@ -29,6 +41,13 @@ MONITOR_TIMEOUT_S = 2.0  # a server's /varz slower than this is down for this re
 JS_TIMEOUT_S = 3.0  # one JetStream listing
 PENDING_ALERT = 10_000  # a consumer this far behind its stream is an alert
 STORAGE_ALERT = 0.8  # of a server's JetStream file storage (TokenbusJetStreamStorageFilling)
+# A live read begins at most this often per bridge process. A read is one /varz per
+# monitoring URL, one stream listing and one consumer listing per stream with consumers (up to
+# 65 JetStream API requests), and may itself take MONITOR_TIMEOUT_S or JS_TIMEOUT_S when a
+# server is down, so a shorter interval could not be kept; what the page shows are levels
+# (lag, storage, servers up) that an operator reads over seconds, and a new stream or a
+# backlog is on the page within one interval and a feed tick of happening.
+FEED_INTERVAL_S = 5.0
 
 
 def _server(s: ServerState) -> dict[str, Any]:
@@ -161,3 +180,46 @@ async def read(nc: NATS, monitor_urls: list[str]) -> dict[str, Any]:
     out["alerts"] = alerts(found, out["streams"])
     out["monitor_urls_set"] = bool(monitor_urls)
     return out
+
+
+class Latest:
+    """The newest bus read as JSON, shared by every live feed of a bridge process.
+
+    :meth:`get` answers at once with what was read last and begins a new read in the
+    background when the last one began :attr:`interval_s` ago or more and none is running:
+    however many feeds ask, there is at most one read in flight and one begun per interval,
+    and none while no feed asks. A read that fails keeps the last one (and is logged).
+    Only the last read's JSON is kept."""
+
+    def __init__(
+        self,
+        read: Callable[[], Awaitable[dict[str, Any]]],
+        interval_s: float = FEED_INTERVAL_S,
+    ) -> None:
+        self.read = read
+        self.interval_s = interval_s
+        self.reads = 0  # reads begun, for the tests and a curious operator
+        self.json: str | None = None
+        self._began = -math.inf
+        self._task: asyncio.Task[None] | None = None
+
+    def get(self) -> str | None:
+        """The last read's JSON (None until the first one ends)."""
+        now = time.monotonic()
+        if self._task is None and now - self._began >= self.interval_s:
+            self._began = now
+            self.reads += 1
+            self._task = asyncio.create_task(self._refresh())
+        return self.json
+
+    def put(self, snapshot: dict[str, Any]) -> None:
+        """Keep ``snapshot`` as the last read (the Bus API's own, fresh, reads too)."""
+        self.json = json.dumps(snapshot)
+
+    async def _refresh(self) -> None:
+        try:
+            self.put(await self.read())
+        except Exception as exc:  # the feeds keep the last read; the next interval tries again
+            log.warning("console_bus_read_failed", error=f"{type(exc).__name__}: {exc}")
+        finally:
+            self._task = None

@@ -11,15 +11,18 @@ import contextlib
 import csv
 import fnmatch
 import io
+import itertools
 import json
 import os
 import shutil
 import signal
+import threading
 import time
 import tomllib
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -30,7 +33,7 @@ import pytest
 
 from auth.keys import KeyRecord
 from bus_schemas import codec
-from gateway import console_spend, console_usage
+from gateway import console_bus, console_spend, console_usage
 from gateway.console import Console
 from gateway.console_session import Session, Sessions
 from router.expert import train
@@ -54,13 +57,43 @@ CHROMIUM = "/usr/bin/chromium"
 CHROMEDRIVER = "/usr/bin/chromedriver"
 
 
+class Down:
+    """A monitoring URL whose server does not answer (a proxy's 503 to every read), counting
+    the reads of its ``/varz``: how often the bridge reads the monitoring endpoints."""
+
+    def __init__(self) -> None:
+        self.reads = 0
+        down = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                if self.path == "/varz":
+                    down.reads += 1
+                self.send_error(503)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
 @dataclass
 class Bus:
     """The module's own nats-server, with its monitoring port (the Bus page reads /varz)."""
 
     url: str
     monitor: str  # its monitoring endpoint
-    dead: str  # a monitoring URL nothing answers
+    down: Down  # a monitoring URL that does not answer, counting its reads
+
+    @property
+    def dead(self) -> str:
+        return self.down.url
 
 
 @pytest.fixture(scope="module")
@@ -71,13 +104,11 @@ def bus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bus]:
         port, "-a", "127.0.0.1", "-p", str(port), "-m", str(mport), "-js",
         "-sd", str(store), "-n", "console-node",
     )  # fmt: skip
+    down = Down()
     try:
-        yield Bus(
-            f"nats://127.0.0.1:{port}",
-            f"http://127.0.0.1:{mport}",
-            f"http://127.0.0.1:{free_port()}",
-        )
+        yield Bus(f"nats://127.0.0.1:{port}", f"http://127.0.0.1:{mport}", down)
     finally:
+        down.close()
         server.terminate()
         server.wait(10)
 
@@ -930,6 +961,179 @@ async def test_the_bus_page_lists_the_server_its_streams_and_a_server_that_does_
         assert not seen["truncated"] and "streams_error" not in seen
 
 
+Events = list[tuple[str, Any]]
+
+
+class Feed:
+    """One open console feed, read on from where the last :meth:`until` stopped."""
+
+    def __init__(self, lines: AsyncIterator[str]) -> None:
+        self.lines = lines
+        self.seen: Events = []
+
+    async def until(self, cond: Any, timeout: float = 30, what: str = "") -> Events:
+        """Events until ``cond(every event so far)`` is true (bounded)."""
+
+        async def run() -> None:
+            name = ""
+            async for line in self.lines:
+                if line.startswith("event: "):
+                    name = line[7:]
+                elif line.startswith("data: "):
+                    self.seen.append((name, json.loads(line[6:])))
+                    if cond(self.seen):
+                        return
+            raise AssertionError(f"the feed ended before {what}")
+
+        if not cond(self.seen):
+            try:
+                await asyncio.wait_for(run(), timeout)
+            except TimeoutError:
+                raise AssertionError(f"{what} in time; the feed sent {self.names()}") from None
+        return self.seen
+
+    def names(self) -> list[str]:
+        return [n for n, _ in self.seen]
+
+    def buses(self) -> list[dict[str, Any]]:
+        return [d for n, d in self.seen if n == "bus"]
+
+
+@contextlib.asynccontextmanager
+async def open_feed(h: httpx.AsyncClient, query: str = "") -> AsyncIterator[Feed]:
+    async with h.stream("GET", "/console/api/events" + query) as r:
+        assert r.status_code == 200 and r.headers["content-type"] == "text/event-stream"
+        yield Feed(r.aiter_lines())
+
+
+def _has_bus(events: Events) -> bool:
+    return any(n == "bus" for n, _ in events)
+
+
+def _streams_of(bus: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {s["name"]: s for s in bus["streams"]}
+
+
+@pytest.mark.stack
+async def test_the_bus_pages_feed_pushes_the_bus_when_it_changes(env: Env) -> None:
+    name = f"CONSOLE_FEED_{uuid.uuid4().hex[:8].upper()}"
+    nc = await nats.connect(env.bus.url)
+    js = nc.jetstream()
+    try:
+        async with env.stack.http() as h:
+            await login(h, env.admin)
+            async with open_feed(h, "?page=bus") as f:
+                await f.until(_has_bus, what="a bus event")
+                first = f.buses()[-1]
+                assert {"servers", "streams", "streams_total", "alerts", "truncated"} <= set(first)
+                assert {s["url"] for s in first["servers"]} == {env.bus.monitor, env.bus.dead}
+                assert name not in _streams_of(first)
+                # A stream made on the bus comes by itself, with no Bus API call.
+                await js.add_stream(name=name, subjects=[f"consolefeed.{name}"])
+                await f.until(
+                    lambda ev: name in _streams_of(f.buses()[-1]), what="the new stream pushed"
+                )
+                for _ in range(3):
+                    await js.publish(f"consolefeed.{name}", b"m")
+                await f.until(
+                    lambda ev: _streams_of(f.buses()[-1]).get(name, {}).get("messages") == 3,
+                    what="its three messages pushed",
+                )
+                # Sent only when it changed: no bus event repeats the one before it.
+                buses = f.buses()
+                assert all(a != b for a, b in itertools.pairwise(buses))
+            # The feed of another page carries no bus events: read past its first tick (the
+            # replicas' ages change each tick), which would have carried the read kept.
+            async with open_feed(h) as f:
+                await f.until(
+                    lambda ev: [n for n, _ in ev].count("replicas") >= 2, what="two ticks"
+                )
+                assert "keys" in f.names() and "bus" not in f.names()
+            # A page the feed does not know is refused.
+            assert_openai_error(await h.get("/console/api/events?page=nope"), 400, "page")
+    finally:
+        with contextlib.suppress(Exception):
+            await js.delete_stream(name)
+        await nc.close()
+
+
+@pytest.mark.stack
+async def test_an_owners_feed_never_carries_the_bus(env: Env) -> None:
+    owner = f"team-feed-{uuid.uuid4().hex[:8]}"
+    async with key_store(env.bus.url) as keys:
+        key, _ = await keys.create("feed-owner-app", owner=owner)
+    async with env.stack.http() as adm, env.stack.http() as h:
+        await login(adm, env.admin)
+        # A bus read is kept in the bridge: an admin's Bus page got one.
+        async with open_feed(adm, "?page=bus") as f:
+            await f.until(_has_bus, what="the admin's bus event")
+
+        async def logged_in() -> bool:  # its key reaches the bridge's cache in a second
+            return (await h.post("/console/api/session", json={"key": key})).is_success
+
+        await wait_for(logged_in, timeout=10, what="the owner's key logged in")
+        async with open_feed(h, "?page=bus") as f:
+            await f.until(lambda ev: "keys" in f.names(), what="the owner's key count")
+            assert f.seen[-1] == ("keys", {"count": 1})
+            # A second key of the owner: another tick's events, after every one of the first.
+            async with key_store(env.bus.url) as keys:
+                await keys.create("feed-owner-batch", owner=owner)
+            await f.until(lambda ev: ("keys", {"count": 2}) in ev, what="the second key counted")
+            assert set(f.names()) == {"keys"}, f.names()
+
+
+@pytest.mark.stack
+async def test_many_bus_feeds_share_one_read_per_interval(env: Env) -> None:
+    async with env.stack.http() as h, contextlib.AsyncExitStack() as feeds:
+        await login(h, env.admin)
+        began, before = time.monotonic(), env.bus.down.reads
+        opened = [await feeds.enter_async_context(open_feed(h, "?page=bus")) for _ in range(8)]
+        await asyncio.gather(*(f.until(_has_bus, what="a bus event") for f in opened))
+        # With all eight open, until the bridge has read the bus three more times.
+        await wait_for(
+            lambda: env.bus.down.reads >= before + 3, timeout=40, what="three more bus reads"
+        )
+        took, reads = time.monotonic() - began, env.bus.down.reads - before
+    # One read begins at most every FEED_INTERVAL_S, whatever the number of feeds (one read
+    # per feed would make eight in the first second).
+    assert reads <= took / console_bus.FEED_INTERVAL_S + 2, (reads, took)
+
+
+@pytest.mark.unit
+async def test_the_bus_read_is_shared_and_begun_once_per_interval() -> None:
+    done = asyncio.Event()
+    reads: list[int] = []
+
+    async def read() -> dict[str, Any]:
+        reads.append(1)
+        await done.wait()
+        return {"streams": [], "n": len(reads)}
+
+    latest = console_bus.Latest(read, interval_s=3600)
+    assert {latest.get() for _ in range(64)} == {None}  # 64 feeds ask at once: one read
+    await wait_for(lambda: reads, timeout=10, what="the read begun")
+    done.set()
+    await wait_for(lambda: latest.get() is not None, timeout=10, what="the read kept")
+    assert json.loads(latest.get() or "") == {"streams": [], "n": 1}
+    assert latest.reads == 1 and len(reads) == 1
+    latest.interval_s = 0.0  # its interval is up (no wait for an hour to pass)
+    latest.get()
+    latest.interval_s = 3600
+    await wait_for(lambda: '"n": 2' in (latest.get() or ""), timeout=10, what="the next read")
+    assert len(reads) == latest.reads
+
+    async def broken() -> dict[str, Any]:
+        raise RuntimeError("no JetStream")
+
+    latest.read = broken  # a failed read keeps the last
+    latest.interval_s = 0.0
+    kept = latest.get()
+    latest.interval_s = 3600
+    assert latest.reads == 3
+    await wait_for(lambda: latest._task is None, timeout=10, what="the failed read over")
+    assert latest.get() == kept
+
+
 @dataclass
 class Lora:
     """A worker of a model of its own whose sim loads LoRA adapters, and an adapter folder
@@ -1609,6 +1813,38 @@ async def test_in_chromium_jobs_list_background_responses_and_replicas_their_hos
             shutil.copyfile(tmp_path / "jobs.png", ROOT / "docs" / "console" / "jobs.png")
     finally:
         driver.quit()
+
+
+@pytest.mark.stack
+async def test_in_chromium_the_bus_page_updates_by_itself(env: Env) -> None:
+    name = f"CONSOLE_LIVE_{uuid.uuid4().hex[:8].upper()}"
+    nc = await nats.connect(env.bus.url)
+    js = nc.jetstream()
+    b = Browser(env)
+    try:
+        await b.open("bus", env.admin)
+        await wait_for(
+            lambda: b.shown("#bus-streams tr[data-stream='KV_tokenbus_keys']"), what="the streams"
+        )
+        await wait_for(lambda: b.text("#bus-updated").startswith("updated"), what="its time")
+        badge = b.driver.find_element(b.by.CSS_SELECTOR, "#bus-title .live")
+        await wait_for(lambda: "off" not in str(badge.get_attribute("class")), what="live on")
+        # A stream made on the bus appears with no Refresh pressed, and so do its messages.
+        await js.add_stream(name=name, subjects=[f"consolelive.{name}"])
+        row = f"#bus-streams tr[data-stream='{name}']"
+        await wait_for(lambda: b.shown(row), timeout=30, what="the new stream shown by itself")
+        at = b.driver.find_element(b.by.ID, "bus-updated").get_attribute("data-at")
+        await js.publish(f"consolelive.{name}", b"m")
+        await wait_for(
+            lambda: b.text(f"{row} td:nth-child(2)") == "1", timeout=30, what="its message shown"
+        )
+        now = b.driver.find_element(b.by.ID, "bus-updated").get_attribute("data-at")
+        assert int(now) > int(at), (at, now)
+    finally:
+        b.driver.quit()
+        with contextlib.suppress(Exception):
+            await js.delete_stream(name)
+        await nc.close()
 
 
 @pytest.mark.unit

@@ -2,7 +2,7 @@
 // Every text a tenant chose (key names, owners) goes into the page as text, never as HTML.
 
 const $ = (id) => document.getElementById(id);
-const state = { me: null, csrf: "", page: "keys", keysOffset: 0, feed: null, editing: null };
+const state = { me: null, csrf: "", page: "keys", keysOffset: 0, feed: null, feedPage: "", editing: null };
 const PAGE = 50;
 
 function el(tag, attrs = {}, ...kids) {
@@ -58,8 +58,8 @@ function loggedIn(me) {
   $("key-form").hidden = me.role !== "admin";
   $("owner-budget-form").hidden = me.role !== "admin";
   say("");
-  startFeed();
   show(location.hash.slice(1) || "keys");
+  startFeed();
 }
 
 $("login-form").addEventListener("submit", async (ev) => {
@@ -92,6 +92,7 @@ function show(page) {
     if (a.dataset.page === page) a.setAttribute("aria-current", "page");
     else a.removeAttribute("aria-current");
   }
+  if (state.feed && state.feedPage !== feedPage()) startFeed(); // the Bus page's feed is its own
   loaders[page]().catch((e) => say(e.message, true));
 }
 
@@ -821,7 +822,11 @@ function placement(c) {
 }
 
 async function loadBus() {
-  const bus = await api("GET", "bus");
+  renderBus(await api("GET", "bus"));
+}
+
+// Drawn from the Bus API (Refresh, opening the page) and from the feed's `bus` events.
+function renderBus(bus) {
   const alerts = $("bus-alerts");
   alerts.replaceChildren();
   for (const a of bus.alerts) {
@@ -861,24 +866,37 @@ async function loadBus() {
   if (bus.streams_error) notes.push(bus.streams_error);
   if (bus.truncated) notes.push(`showing ${bus.streams.length} of ${bus.streams_total} streams`);
   $("bus-note").textContent = notes.join("; ");
+  const now = new Date();
+  $("bus-updated").textContent = `updated ${now.toLocaleTimeString()}`;
+  $("bus-updated").dataset.at = String(now.getTime());
 }
 
 $("bus-refresh").addEventListener("click", () => loadBus().catch((e) => say(e.message, true)));
 
 // -- the live feed: one EventSource per open page ---------------------------------------
+// The Bus page's live part costs the bridge a shared read every few seconds: the feed carries
+// it only while the page shows it (?page=bus), so the feed is opened again on entering and on
+// leaving that page. Still one feed per open page.
+function feedPage() { return state.page === "bus" ? "bus" : ""; }
+
+function live(on) { for (const b of document.querySelectorAll(".live")) b.classList.toggle("off", !on); }
+
 function startFeed() {
   stopFeed();
-  const es = new EventSource("/console/api/events");
+  const page = feedPage();
+  const es = new EventSource("/console/api/events" + (page ? `?page=${page}` : ""));
   state.feed = es;
-  es.addEventListener("open", () => $("live").classList.remove("off"));
-  es.addEventListener("error", () => $("live").classList.add("off")); // it reconnects itself
+  state.feedPage = page;
+  es.addEventListener("open", () => live(true));
+  es.addEventListener("error", () => live(false)); // it reconnects itself
   es.addEventListener("replicas", (ev) => { if (state.page === "replicas") renderReplicas(JSON.parse(ev.data)); });
+  es.addEventListener("bus", (ev) => { if (state.page === "bus") renderBus(JSON.parse(ev.data)); });
   es.addEventListener("keys", () => { if (state.page === "keys") loadKeys().catch(() => {}); });
   es.addEventListener("end", () => { showLogin("Your session ended: log in again."); });
 }
 
 function stopFeed() {
-  if (state.feed) { state.feed.close(); state.feed = null; }
+  if (state.feed) { state.feed.close(); state.feed = null; live(false); }
 }
 
 // A page left (reloaded, navigated away, kept in the back-forward cache) closes its feed: an
