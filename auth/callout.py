@@ -9,6 +9,9 @@ connection in the tokenbus account with that key's permissions only:
 * publish requests (``tb.v1.req.*``) and cancels (``tb.v1.worker.*.cancel``; a cancel names
   its stream by the caller's inbox, which no other key can see);
 * its files and batches (``tb.v1.req.batches.*``, answered by ingress);
+* its own claim-checked request bodies (``tb.v1.body.tbk.<key id>.>``), written only; what
+  they hold is bounded per key, and those it marks done are deleted, by
+  :mod:`auth.bodyquota` in this same service;
 * subscribe under the key's own inbox root (``_INBOX.tbk.<key id>.>``) and to its own
   finished batches (``tb.v1.batch.done.<key id>``), nothing else: the client's watchdog
   follows its replicas by keepalive frames on its own streams (``Tb-Keepalive``), not by

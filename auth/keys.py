@@ -41,6 +41,13 @@ class KeyRecord(BaseModel):
     rpm: int | None = Field(default=None, description="Requests per minute; none = unlimited.")
     tpm: int | None = Field(default=None, description="Tokens per minute; none = unlimited.")
     max_concurrent: int | None = Field(default=None, description="Requests at once.")
+    max_body_bytes: int | None = Field(
+        default=None,
+        ge=0,
+        description="What the key's own large request bodies (uploaded by its NATS "
+        "connections) may hold in the store at once; none = bodies.max_bytes_per_key, "
+        "0 = no bound (docs/large-requests.md).",
+    )
     filter_policy: str = Field(default="default", description="Content filter policy name.")
     service_tier: Tier = Field(
         default="default",

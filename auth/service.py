@@ -5,12 +5,14 @@ expired keys (401) and models the key may not use (403), strips the key from the
 so no later stage ever sees it, and adds the principal, its limits, its filter policy, the
 class it is served in and the flow its fair share counts in (engine_worker/flow.py).
 A model alias (the key's own, or a global one) is resolved here (:mod:`services.aliases`).
+The service also bounds what each key's large request bodies hold (:mod:`auth.bodyquota`).
 """
 
 from __future__ import annotations
 
 from nats.aio.msg import Msg
 
+from auth.bodyquota import BodyQuota
 from auth.budgets import header as budget_header
 from auth.callout import CalloutCredentials, CalloutResponder
 from auth.store import KeyStore
@@ -82,9 +84,18 @@ class Auth(Service):
                 self.keys, self.settings.url(), creds, self.log, self.settings.nats_tls()
             )
             await self.callout.start()
+        # Keys' own large request bodies: bounded per key, deleted when done (a key's
+        # connection may write them, by the callout above, but not delete them).
+        self.bodyquota = BodyQuota(
+            self.nc, self.keys, self.settings.bodies.max_bytes_per_key, self.log
+        )
+        await self.bodyquota.start()
         await self.stage_endpoints(subjects.STAGE_AUTH).add("auth", self.handle)
 
     async def on_stop(self) -> None:
+        bodyquota = getattr(self, "bodyquota", None)
+        if bodyquota is not None:
+            await bodyquota.stop()
         if self.callout is not None:
             await self.callout.stop()
         await self.keys.close()

@@ -389,6 +389,46 @@ def body_object(owner: str, object_id: str) -> str:
     return f"{PREFIX}.body.{owner}.{object_id}.>"
 
 
+# The last token of a body object's end marker (:func:`body_done`).
+BODY_DONE = "done"
+_KEY_BODIES_HEAD = f"{PREFIX}.body.tbk."
+
+
+def body_done(owner: str, object_id: str) -> str:
+    """A body object's end (its caller's stream ended): a key's connection, which may not
+    delete, writes this empty message under its own owner, and the auth service's janitor
+    (auth/bodyquota.py) removes the object for it."""
+    return f"{PREFIX}.body.{owner}.{object_id}.{BODY_DONE}"
+
+
+def key_body_owner(key_id: str) -> str:
+    """The body owner of API key ``key_id``'s connections (its inbox root's two tokens)."""
+    return f"tbk.{token(key_id)}"
+
+
+def body_subject_parts(subject: str) -> tuple[str, str, str] | None:
+    """(owner, object id, rest) of a subject in the bodies stream under a key's owner
+    (``tb.v1.body.tbk.<key id>.<object>.<rest>``), or None for any other subject."""
+    if not subject.startswith(_KEY_BODIES_HEAD):
+        return None
+    parts = subject[len(_KEY_BODIES_HEAD) :].split(".", 2)
+    if len(parts) < 2 or not parts[0] or not parts[1]:
+        return None
+    return f"tbk.{parts[0]}", parts[1], parts[2] if len(parts) > 2 else ""
+
+
+def body_quota_notice(key_id: str) -> str:
+    """Where the janitor says it removed key ``key_id``'s bodies for its quota (a reader that
+    finds an object missing tells the caller why); not under the key's owner, so that the
+    key cannot write it and a purge of the key's bodies keeps it."""
+    return f"{PREFIX}.body.quota.{token(key_id)}"
+
+
+def body_quota_notices() -> str:
+    """Every key's quota notice (what the auth role may publish in the bodies stream)."""
+    return f"{PREFIX}.body.quota.>"
+
+
 def bodies_reply_root() -> str:
     """Where a worker's reads of body objects are answered (its connection's inbox root: the
     locked bus lets workers subscribe there and to no other inbox)."""

@@ -2,7 +2,8 @@
 
 GET    /v1/admin/keys            list (never the keys themselves)
 POST   /v1/admin/keys            create: {"name", "models", "aliases", "rpm", "tpm",
-                                  "max_concurrent", "filter_policy", "expires_in", "admin"};
+                                  "max_concurrent", "max_body_bytes", "filter_policy",
+                                  "expires_in", "admin"};
                                   the key is in the answer once
 GET    /v1/admin/keys/{id}       show
 GET    /v1/admin/keys/owners     every owner that has a spend budget, with it and its spend
@@ -61,6 +62,7 @@ class KeyFields(BaseModel):
     rpm: int | None = Field(default=None, ge=1)
     tpm: int | None = Field(default=None, ge=1)
     max_concurrent: int | None = Field(default=None, ge=1)
+    max_body_bytes: int | None = Field(default=None, ge=0, le=1 << 40)
     filter_policy: str | None = None
     expires_in: str | None = Field(default=None, description="e.g. 30d, 12h")
     admin: bool | None = None

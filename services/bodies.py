@@ -19,7 +19,9 @@ and nothing else, and a reader needs only a direct get by subject
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
+import json
 import re
 import secrets
 from typing import Any
@@ -59,6 +61,9 @@ OP_TIMEOUT_S = 5.0
 READ_WINDOW = 16
 _windows: dict[asyncio.AbstractEventLoop, asyncio.Semaphore] = {}
 RETRY_AFTER_S = "2"
+# nats-server's JetStream API (a purge's answer says how many messages it removed; nats-py's
+# purge_stream says only whether it succeeded).
+JS_API = "$JS.API"
 
 _OWNER = re.compile(r"^tbk?\.[A-Za-z0-9_~\-]{1,128}$")
 _HEX32 = re.compile(r"^[0-9a-f]{32}$")
@@ -179,10 +184,7 @@ async def fetch(nc: NATS, claim: dict[str, Any]) -> dict[str, Any]:
     try:
         got = await asyncio.gather(*(chunk(n) for n in range(claim["chunks"])))
     except NotFoundError:
-        raise E.InvalidRequest(
-            "the request's body object is missing or incomplete (expired, deleted, or never "
-            "wholly written); send the request again"
-        ) from None
+        raise await _missing(nc, claim["owner"]) from None
     except Exception as exc:
         raise _unavailable(f"did not answer ({type(exc).__name__})") from None
     blob = b"".join(got)
@@ -198,6 +200,69 @@ async def fetch(nc: NATS, claim: dict[str, Any]) -> dict[str, Any]:
     if not set(parts) <= set(CLAIMED):
         raise E.InvalidRequest("the request's body object holds fields a body does not")
     return parts
+
+
+async def _missing(nc: NATS, owner: str) -> E.TokenbusError:
+    """Why an object of ``owner`` is missing: 429 naming the quota when the auth service
+    removed the key's bodies for it lately (its notice, auth/bodyquota.py), else 400."""
+    quota = await quota_notice(nc, owner)
+    if quota is not None:
+        return E.RateLimited(
+            f"the request's body object was removed: this API key's large request bodies "
+            f"held more than its quota of {quota} bytes in the store at once "
+            f"(bodies.max_bytes_per_key, or the key's max_body_bytes), so all of them were "
+            f"removed; send the request again with fewer large requests in flight",
+            headers={"Retry-After": RETRY_AFTER_S},
+        )
+    return E.InvalidRequest(
+        "the request's body object is missing or incomplete (expired, deleted, or never "
+        "wholly written); send the request again"
+    )
+
+
+async def quota_notice(nc: NATS, owner: str) -> int | None:
+    """The quota in the auth service's last notice that it removed ``owner``'s bodies (within
+    the stream's age limit), or None: none, not a key's owner, or the store did not say."""
+    kind, _, key_id = owner.partition(".")
+    if kind != "tbk" or not key_id:
+        return None
+    js = nc.jetstream()
+    try:
+        msg = await asyncio.wait_for(
+            js.get_msg(
+                subjects.BODIES_STREAM, subject=subjects.body_quota_notice(key_id), direct=True
+            ),
+            OP_TIMEOUT_S,
+        )
+        quota = json.loads(msg.data or b"{}").get("quota")
+    except Exception:  # no notice (NotFoundError), or a store too slow to say: the plain 400
+        return None
+    return quota if isinstance(quota, int) and not isinstance(quota, bool) else None
+
+
+async def purge(nc: NATS, subject: str, below: int | None = None) -> int:
+    """Remove the messages on ``subject`` (a filter; with ``below``, those of stream sequence
+    under it only) from the bodies stream; how many it removed (0: none left to remove)."""
+    req: dict[str, Any] = {"filter": subject}
+    if below is not None:
+        req["seq"] = below
+    resp = await nc.request(
+        f"{JS_API}.STREAM.PURGE.{subjects.BODIES_STREAM}",
+        json.dumps(req).encode(),
+        timeout=OP_TIMEOUT_S,
+    )
+    answer = json.loads(resp.data)
+    if not answer.get("success"):
+        raise RuntimeError(f"purge refused: {answer.get('error')}")
+    return int(answer.get("purged", 0))
+
+
+async def done(nc: NATS, claim: dict[str, Any]) -> None:
+    """Say that the object ``claim`` names is no longer needed, for a caller that may not
+    delete it (a key's connection): the auth service removes it (auth/bodyquota.py). An
+    empty message under the caller's own owner, which only it may write."""
+    with contextlib.suppress(Exception):  # best effort: the age limit removes it otherwise
+        await nc.publish(subjects.body_done(claim["owner"], claim["id"]), b"")
 
 
 def _window() -> asyncio.Semaphore:

@@ -770,6 +770,7 @@ class Caller:
         self.on_migration: Callable[[Stream, E.TokenbusError, bool], None] | None = None
         self._epochs: dict[str, tuple[str, int]] = {}  # replica -> (boot, reconnects)
         self._background: set[asyncio.Task[None]] = set()  # cancels sent from the read loop
+        self._said_done: set[asyncio.Task[None]] = set()  # bodies.done of a key's streams
         # The server refused this caller's login after it had connected (its API key revoked,
         # disabled or expired): final, the connection is closed (see :meth:`refuse`).
         self.refused: E.TokenbusError | None = None
@@ -882,6 +883,8 @@ class Caller:
                 with contextlib.suppress(Exception):
                     await sub.unsubscribe()
         self._sub = self._hb_sub = None
+        if self._said_done:  # a key's finished streams' bodies said done before it goes
+            await asyncio.wait(set(self._said_done), timeout=bodies.OP_TIMEOUT_S)
         if self._own and not self.nc.is_closed:  # closed already: its login was refused
             await self.nc.drain()
 
@@ -918,12 +921,20 @@ class Caller:
         return owner
 
     def forget_body(self, claim: dict[str, Any]) -> None:
-        """Delete a finished stream's body object, in the background."""
-        if self.nc.is_closed or not self.heartbeats:
-            return  # a key's connection may not delete (auth/callout.py): its age limit does
-        task = asyncio.get_running_loop().create_task(bodies.delete(self.nc, claim))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        """Delete a finished stream's body object, in the background. A key's connection may
+        not delete (auth/callout.py): it says the object is done, and the auth service
+        deletes it (auth/bodyquota.py)."""
+        if self.nc.is_closed:
+            return
+        loop = asyncio.get_running_loop()
+        if self.heartbeats:
+            task = loop.create_task(bodies.delete(self.nc, claim))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+        else:
+            task = loop.create_task(bodies.done(self.nc, claim))
+            self._said_done.add(task)
+            task.add_done_callback(self._said_done.discard)
 
     def inbox_for(self, token: str) -> str:
         return f"{self._prefix}.{token}"

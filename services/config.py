@@ -861,6 +861,21 @@ class FilesSettings(BaseModel):
     )
 
 
+class BodiesSettings(BaseModel):
+    """Claim-checked request bodies (docs/large-requests.md): what one API key's NATS
+    connections may hold in the store of large bodies (the auth service enforces it)."""
+
+    max_bytes_per_key: int = Field(
+        default=256 << 20,
+        ge=0,
+        description="What one API key's own bodies (those its NATS connections upload) may "
+        "hold in the store at once: past it the auth service removes them all (a request "
+        "still reading one gets 429 naming this setting), so one tenant cannot fill the 4 GiB "
+        "every tenant shares. Eight 32 MiB requests in flight at once fit. A key's "
+        "max_body_bytes overrides it; 0: no bound.",
+    )
+
+
 class BatchSettings(BaseModel):
     """The Batch API (``/v1/batches``): lines run by every bridge process from a JetStream
     work queue, at the lowest priority (docs/batches.md)."""
@@ -1016,6 +1031,7 @@ class Settings(BaseSettings):
     responses: ResponsesSettings = Field(default_factory=ResponsesSettings)
     files: FilesSettings = Field(default_factory=FilesSettings)
     batches: BatchSettings = Field(default_factory=BatchSettings)
+    bodies: BodiesSettings = Field(default_factory=BodiesSettings)
 
     @classmethod
     def settings_customise_sources(

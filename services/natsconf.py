@@ -34,6 +34,7 @@ from bus_schemas.subjects import (
     audit_wildcard,
     bodies_reply_root,
     bodies_wildcard,
+    body_quota_notices,
     inbox_prefix,
     members_wildcard,
     records_ack_root,
@@ -105,6 +106,9 @@ OBJECTS = "$O.>"
 BODIES = bodies_wildcard()
 BODIES_READ = f"$JS.API.DIRECT.GET.{BODIES_STREAM}.>"
 BODIES_REPLIES = f"{bodies_reply_root()}.>"
+# The auth service's janitor of keys' bodies (auth/bodyquota.py) leaves a notice when it
+# removes a key's bodies for its quota; it reads and purges through the JetStream API.
+BODY_QUOTA = body_quota_notices()
 # What no role but admin may do to the audit stream, although JS_API allows it: delete it,
 # or change its limits (the stream itself refuses message deletes and purges to everyone;
 # these two are denied here as well in case it was created without them).
@@ -136,7 +140,7 @@ ROLES: dict[str, tuple[list[str], list[str]]] = {
         [REQ, TO_REQ, MEMBERS, INBOX, DISCOVERY],
     ),
     "auth": (
-        [STAGES, TO_STAGES, MEMBERS, INBOX, *JS_API],
+        [STAGES, TO_STAGES, MEMBERS, INBOX, BODY_QUOTA, *JS_API],
         [f"{PREFIX}.stage.auth", _member("auth"), MEMBERS, INBOX, DISCOVERY, ADMIN],
     ),
     # telemetry: spend budgets' soft-threshold alerts (auth.budgets).

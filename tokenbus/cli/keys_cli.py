@@ -43,6 +43,12 @@ def add_parser(sub: Any) -> None:
         p.add_argument("--rpm", type=int, help="requests per minute")
         p.add_argument("--tpm", type=int, help="tokens per minute")
         p.add_argument("--max-concurrent", type=int, help="requests at once")
+        p.add_argument(
+            "--max-body-bytes",
+            type=int,
+            help="what its large request bodies may hold in the store at once (0: no bound; "
+            "default: bodies.max_bytes_per_key)",
+        )
         p.add_argument("--filter-policy", help="content filter policy name")
         p.add_argument("--expires-in", help="e.g. 30d, 12h, 15m")
         tiers = ["priority", "default", "flex"]
@@ -102,6 +108,7 @@ def _fields(a: argparse.Namespace) -> dict[str, Any]:
         "rpm": a.rpm,
         "tpm": a.tpm,
         "max_concurrent": a.max_concurrent,
+        "max_body_bytes": a.max_body_bytes,
         "filter_policy": a.filter_policy,
         "service_tier": a.service_tier,
         "max_service_tier": a.max_service_tier,
