@@ -65,15 +65,20 @@ def _short(tmp_path: Path, **over: Any) -> Config:
 
 
 def _verdict(seed: int, failed: dict[str, Any]) -> None:
-    """Fail on any violation but the known spend gap (an overcharge); XFAIL naming it."""
+    """Fail on any violation but the two known spend gaps, each a product finding still open
+    (docs/nemesis.md): a key over its answered usage by about one request (finding 14), or
+    under it by a few tokens with requests moved (finding 16); XFAIL naming them, never a
+    pass."""
+    gaps = {"overcharged": 14, "undercharged": 16}
     known = {
         name: lines
         for name, lines in failed.items()
-        if name == SPEND and all("overcharged" in line for line in lines)
+        if name == SPEND and all(any(g in line for g in gaps) for line in lines)
     }
     assert not set(failed) - set(known), (seed, failed)
     if known:
-        pytest.xfail(f"known product finding 14 (seed {seed}): {known}")
+        seen = sorted({n for g, n in gaps.items() for ln in known[SPEND] if g in ln})
+        pytest.xfail(f"known product finding(s) {seen} (seed {seed}): {known}")
 
 
 SPEND = "spend equals settled usage, no hold left"

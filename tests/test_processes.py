@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -213,6 +214,8 @@ async def test_status_lists_replicas_and_load(procs: Procs, model: str) -> None:
             "max_concurrency": 7,
             "tp": 2,
             "pool": "big",
+            # The worker's host: the machine's name (no worker.host, no GPU-host login).
+            "host": socket.gethostname(),
             "draining": False,
             "endpoints": ["chat", "completions", "embeddings"],
             "max_model_len": 10**9,  # the suite's sim context (tests/conftest.py)
