@@ -15,7 +15,9 @@ GET    /console/api/usage              the Spend page: a page of requests, token
                                        per key and model (the costliest first), the totals
                                        and the chart's top keys and others per hour or day
                                        (?since=24h&bucket=hour|day&measure=&key=&offset=
-                                       &limit=); GET /console/api/usage/export (or
+                                       &limit=); with ?group=owner the same per owner (every
+                                       key of it summed; &owner= one owner, with its owner
+                                       budget); GET /console/api/usage/export (or
                                        ?format=csv): every row per bucket, key and model, CSV
 GET    /console/api/replicas           the replicas this bridge hears, with their load, their
                                        LoRA adapters and the KV check's predicted and reported
@@ -72,6 +74,7 @@ from nats.js.errors import (
     ObjectNotFoundError,
 )
 
+from auth import budgets
 from auth.keys import KeyRecord, parse_duration
 from auth.store import KeyStore
 from bus_schemas import errors as E
@@ -427,10 +430,27 @@ class Console:
         offset = _int(query, "offset", 0, 0, 10_000_000)
         limit = _int(query, "limit", 50, 1, MAX_PAGE)
         key = query.get("key", "").strip()[:64] or None
-        mine = None if s.admin else frozenset(r.id for r in self._visible(s))
+        group = query.get("group", "key")
+        if group not in console_spend.GROUPS:
+            raise E.InvalidRequest("group: key or owner", param="group")
+        owner = query.get("owner", "").strip()[:200] or None
+        if owner is not None and not s.admin and owner != s.key.owner:
+            raise E.NotFound(f"no owner {owner!r} among this session's keys")
+        visible = self._visible(s)
+        mine = None if s.admin else frozenset(r.id for r in visible)
         summary = await self._spend.get(
             (span, bucket, mine), lambda: self._summarize(span, bucket, mine)
         )
+        owners = {r.id: r.owner for r in visible}  # keys' owners now, from the followed cache
+
+        def owner_of(key_id: str) -> str:
+            return owners.get(key_id, console_spend.NO_OWNER)
+
+        if fmt == "json" and group == "owner":
+            view = summary.by_owner(owner_of, owner, measure, offset, limit)
+            view.update(owner=owner, budget=await self._owner_budget(owner))
+            await send_json(send, 200, view)
+            return
         if fmt == "json":
             await send_json(send, 200, summary.view(key, measure, offset, limit))
             return
@@ -444,10 +464,28 @@ class Console:
                 ],
             }
         )
-        for chunk in summary.usage.csv_chunks():
+        for chunk in summary.usage.csv_chunks(owner_of):
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
             await asyncio.sleep(0)  # other requests between chunks
         await send({"type": "http.response.body", "body": b""})
+
+    async def _owner_budget(self, owner: str | None) -> dict[str, Any] | None:
+        """An owner's budget as the admin API shows it, without its spend (the page draws
+        its lines over the period's running total); None for no owner or no budget."""
+        if owner is None:
+            return None
+        try:
+            book = await budgets.SpendBook(self.admin.nc).open()
+            b = await book.owner_budget(owner)
+        except Exception:
+            raise E.ServiceUnavailable("the spend budgets (JetStream) are not reachable") from None
+        if b is None:
+            return None
+        return {
+            "period": b.period,
+            "budget_usd": None if b.hard is None else b.hard / 1e6,
+            "soft_budget_usd": None if b.soft is None else b.soft / 1e6,
+        }
 
     async def _summarize(
         self, span: float, bucket: str, mine: frozenset[str] | None

@@ -6,7 +6,9 @@ that a month of 10 000 keys is a page of rows and a chart of nine series, not ev
 - the chart: per bucket, the :data:`TOP_KEYS` keys with the most of the chosen measure and
   one series, :data:`OTHERS`, for the rest together;
 - the period's totals;
-- one key alone (``key``): its rows, its series and its totals (the budget lines' view).
+- one key alone (``key``): its rows, its series and its totals (the budget lines' view);
+- the same grouped by owner (:meth:`Summary.by_owner`): a row per owner, the chart's top
+  owners, and one owner alone (its owner budget's lines' view).
 
 The export (CSV) is the read's every row per bucket, key and model: :meth:`Usage.csv_chunks`.
 A :class:`Summaries` cache keeps a read's summary :data:`CACHE_S` seconds, per period, bucket
@@ -27,6 +29,8 @@ from gateway.console_usage import FIELDS, Sums, Usage, as_nums
 
 TOP_KEYS = 8
 OTHERS = "(others)"  # not a key id: those are 12 hex digits
+NO_OWNER = ""  # the owner group of keys without an owner (no owner is named ""), by_owner
+GROUPS = ("key", "owner")
 MEASURES = ("cost_usd", "tokens", "requests")
 CACHE_S = 5.0
 CACHE_MIN_S = 0.2  # a summary made faster than this is not kept: the page shows the newest
@@ -85,7 +89,6 @@ class Summary:
 
     def view(self, key: str | None, measure: str, offset: int, limit: int) -> dict[str, Any]:
         """The page's JSON: a page of the table, the chart's series and the totals."""
-        u = self.usage
         others: list[str] = []
         if key is None:
             table = self.table
@@ -97,27 +100,71 @@ class Summary:
         totals = [0, 0, 0, 0.0]
         for k in self.by_key if key is None else keys:
             totals = [x + y for x, y in zip(totals, self.by_key[k], strict=True)]
-        top = set(keys)
-        mine: dict[tuple[str, int], list[float]] = {}
-        for (t, k, _m), s in u.rows.items():
-            if k in top:
-                _acc(mine, (k, t), s)
-        order = {k: i for i, k in enumerate(keys)}
-        series = [
-            {"t": t, "key_id": k, **_nums(a)}
-            for (k, t), a in sorted(mine.items(), key=lambda i: (order[i[0][0]], i[0][1]))
-        ]
-        if others:  # all keys less the top ones, per bucket
-            for t, a in sorted(self.per_t.items()):
-                rest = list(a)
-                for k in keys:
-                    rest = [
-                        x - y for x, y in zip(rest, mine.get((k, t), (0, 0, 0, 0.0)), strict=True)
-                    ]
-                if rest[0] > 0:
-                    rest[3] = max(0.0, rest[3])
-                    series.append({"t": t, "key_id": OTHERS, **_nums(rest)})
         page = table[offset : offset + limit]
+        return {
+            **self._head(),
+            "group": "key",
+            "data": [{"key_id": k, "model": m, **_nums(a)} for k, m, a in page],
+            **self._paged(len(table), len(page), offset, limit),
+            "totals": _nums(totals),
+            "chart": {
+                "measure": measure,
+                "keys": keys,
+                "others": len(others),
+                "series": self._series("key_id", keys, bool(others), OTHERS, lambda k: k),
+            },
+        }
+
+    def by_owner(
+        self,
+        owner_of: Callable[[str], str],
+        owner: str | None,
+        measure: str,
+        offset: int,
+        limit: int,
+    ) -> dict[str, Any]:
+        """The page's JSON grouped by owner (``owner_of`` a key's, :data:`NO_OWNER` for a key
+        without one): a page of owners' sums (every key and model of each), the chart's
+        top owners and the rest together (``"owner": null``), the totals; ``owner`` narrows
+        it to that owner. Made from this summary's sums per key: no second read."""
+        groups: dict[str, list[float]] = {}
+        keys_in: dict[str, int] = {}
+        for k, a in self.by_key.items():
+            g = owner_of(k)
+            b = groups.get(g)
+            if b is None:
+                groups[g] = list(a)
+            else:
+                for i, v in enumerate(a):
+                    b[i] += v
+            keys_in[g] = keys_in.get(g, 0) + 1
+        others: list[str] = []
+        if owner is None:
+            table = sorted(groups, key=lambda g: (-groups[g][3], -groups[g][0], g))
+            ranked = sorted(groups, key=lambda g: (-_measure(groups[g], measure), g))
+            top, others = ranked[:TOP_KEYS], ranked[TOP_KEYS:]
+        else:
+            table = top = [owner] if owner in groups else []
+        totals = [0, 0, 0, 0.0]
+        for g in groups if owner is None else top:
+            totals = [x + y for x, y in zip(totals, groups[g], strict=True)]
+        page = table[offset : offset + limit]
+        return {
+            **self._head(),
+            "group": "owner",
+            "data": [{"owner": g, "keys": keys_in[g], **_nums(groups[g])} for g in page],
+            **self._paged(len(table), len(page), offset, limit),
+            "totals": _nums(totals),
+            "chart": {
+                "measure": measure,
+                "owners": top,
+                "others": len(others),
+                "series": self._series("owner", top, bool(others), None, owner_of),
+            },
+        }
+
+    def _head(self) -> dict[str, Any]:
+        u = self.usage
         return {
             "object": "usage",
             "since": u.since,
@@ -125,14 +172,45 @@ class Summary:
             "records": u.records,
             "truncated": u.truncated,
             "age_s": round(time.monotonic() - self.made, 1),
-            "data": [{"key_id": k, "model": m, **_nums(a)} for k, m, a in page],
-            "total": len(table),
-            "offset": offset,
-            "limit": limit,
-            "has_more": offset + len(page) < len(table),
-            "totals": _nums(totals),
-            "chart": {"measure": measure, "keys": keys, "others": len(others), "series": series},
         }
+
+    @staticmethod
+    def _paged(total: int, n: int, offset: int, limit: int) -> dict[str, Any]:
+        return {"total": total, "offset": offset, "limit": limit, "has_more": offset + n < total}
+
+    def _series(
+        self,
+        label: str,
+        top: list[str],
+        rest: bool,
+        rest_name: str | None,
+        group_of: Callable[[str], str],
+    ) -> list[dict[str, Any]]:
+        """The chart's series: the sums per bucket of each of ``top`` (groups of keys by
+        ``group_of``) in that order, then, with ``rest``, of everything else together as
+        ``rest_name``; each named in the field ``label``."""
+        chosen = set(top)
+        mine: dict[tuple[str, int], list[float]] = {}
+        for (t, k, _m), s in self.usage.rows.items():
+            g = group_of(k)
+            if g in chosen:
+                _acc(mine, (g, t), s)
+        order = {g: i for i, g in enumerate(top)}
+        series: list[dict[str, Any]] = [
+            {"t": t, label: g, **_nums(a)}
+            for (g, t), a in sorted(mine.items(), key=lambda i: (order[i[0][0]], i[0][1]))
+        ]
+        if rest:  # all less the top ones, per bucket
+            for t, a in sorted(self.per_t.items()):
+                left = list(a)
+                for g in top:
+                    left = [
+                        x - y for x, y in zip(left, mine.get((g, t), (0, 0, 0, 0.0)), strict=True)
+                    ]
+                if left[0] > 0:
+                    left[3] = max(0.0, left[3])
+                    series.append({"t": t, label: rest_name, **_nums(left)})
+        return series
 
 
 class Summaries:

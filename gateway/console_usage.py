@@ -43,6 +43,7 @@ BUCKETS = {"hour": 3600, "day": 86400}
 COLUMNS = (
     "bucket_start_utc",
     "key_id",
+    "owner",
     "model",
     "requests",
     "prompt_tokens",
@@ -76,15 +77,18 @@ class Usage:
     records: int = 0
     truncated: bool = False
 
-    def csv_chunks(self) -> Iterator[bytes]:
-        """Every row as CSV (:data:`COLUMNS`), :data:`CSV_CHUNK` rows a chunk, in order."""
+    def csv_chunks(self, owner_of: Callable[[str], str]) -> Iterator[bytes]:
+        """Every row as CSV (:data:`COLUMNS`), :data:`CSV_CHUNK` rows a chunk, in order;
+        ``owner_of`` says a key's owner (empty for none)."""
         out = io.StringIO()
         w = csv.writer(out)
         w.writerow(COLUMNS)
         for i, ((t, k, m), s) in enumerate(sorted(self.rows.items()), 1):
             when = dt.datetime.fromtimestamp(t, dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
             counts = [int(s[c]) for c in ("requests", "prompt_tokens", "completion_tokens")]
-            w.writerow([when, _cell(k), _cell(m), *counts, f"{s['cost_usd']:.6f}"])
+            w.writerow(
+                [when, _cell(k), _cell(owner_of(k)), _cell(m), *counts, f"{s['cost_usd']:.6f}"]
+            )
             if i % CSV_CHUNK == 0:
                 yield out.getvalue().encode()
                 out.seek(0)

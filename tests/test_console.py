@@ -886,6 +886,113 @@ async def test_spend_is_paged_charted_with_others_and_exported_whole_and_quoted(
         assert {row["key_id"] for row in csv.DictReader(io.StringIO(r.text))} <= mine
 
 
+async def _owners_keys(
+    env: Env, h: httpx.AsyncClient, me: dict[str, Any], owners: list[str]
+) -> list[tuple[str, str]]:
+    """A key made for each of ``owners`` through the console, each used once through the
+    stack (one chat completion): their (id, secret)."""
+    made = []
+    for i, owner in enumerate(owners):
+        body = {"name": f"grouped-{i}", "owner": owner}
+        r = await h.post("/console/api/keys", json=body, headers=csrf(me))
+        assert r.status_code == 201, r.text
+        made.append((r.json()["id"], r.json()["key"]))
+    for _, secret in made:
+        await env.stack.openai(secret).chat.completions.create(
+            model=env.model, messages=[{"role": "user", "content": "group me"}], max_tokens=4
+        )
+    return made
+
+
+_SUMS = ("requests", "prompt_tokens", "completion_tokens")
+
+
+@pytest.mark.stack
+async def test_spend_grouped_by_owner_sums_every_key_of_it_and_shows_its_budget(
+    env: Env,
+) -> None:
+    tag = uuid.uuid4().hex[:6]
+    team, solo = f"grp-a-{tag}", f"grp-b-{tag}"
+    async with env.stack.http() as h:
+        me = await login(h, env.admin)
+        (a1, secret), (a2, _), (b1, _) = await _owners_keys(env, h, me, [team, team, solo])
+        nobody = f"nobody-{tag}"  # a principal that is no key: no owner
+        await _publish_usage(env.bus.url, [(nobody, "spend-model", 3)])
+        budget = {"budget_usd": 5, "soft_budget_usd": 4, "period": "day"}
+        r = await h.put(f"/console/api/owners/{team}/budget", json=budget, headers=csrf(me))
+        assert r.status_code == 200, r.text
+
+        async def get(**query: Any) -> dict[str, Any]:
+            r = await h.get("/console/api/usage", params={"since": "1h", "limit": 500, **query})
+            assert r.status_code == 200, r.text
+            return dict(r.json())
+
+        seen: dict[str, dict[str, Any]] = {}
+
+        async def agreed() -> bool:
+            """The per-key rows and the owners' rows of one state of the records (the
+            worker's record of a request may come after the bridge's)."""
+            seen["keys"], seen["owners"] = await get(), await get(group="owner")
+            if seen["keys"]["data"] != (await get())["data"]:
+                return False
+            ours = {r["key_id"] for r in seen["keys"]["data"]} & {a1, a2, b1, nobody}
+            return ours == {a1, a2, b1, nobody}
+
+        await wait_for(agreed, timeout=30, what="the keys' usage, settled")
+        keys, owners = seen["keys"], seen["owners"]
+        rows = {r["owner"]: r for r in owners["data"]}
+        assert owners["group"] == "owner" and owners["total"] == len(rows)
+        for owner, ids in ((team, {a1, a2}), (solo, {b1})):
+            mine = [r for r in keys["data"] if r["key_id"] in ids]
+            assert rows[owner]["keys"] == len(ids)
+            for f in _SUMS:
+                assert rows[owner][f] == sum(r[f] for r in mine), (owner, f)
+            assert rows[owner]["cost_usd"] == pytest.approx(
+                sum(r["cost_usd"] for r in mine), abs=1e-5
+            )
+        assert rows[team]["requests"] >= 2 and rows[solo]["requests"] >= 1
+        # Keys without an owner (made-up principals here) are one row, owner "".
+        assert rows[""]["requests"] >= 3 and rows[""]["keys"] >= 1
+        nobody_rows = [r for r in keys["data"] if r["key_id"] == nobody]
+        assert rows[""]["requests"] >= sum(r["requests"] for r in nobody_rows) == 3
+        # Every owner's rows add up to the same totals as every key's.
+        for f in _SUMS:
+            assert sum(r[f] for r in owners["data"]) == keys["totals"][f]
+        assert owners["totals"]["cost_usd"] == pytest.approx(keys["totals"]["cost_usd"], abs=1e-5)
+        assert {r["owner"] for r in owners["chart"]["series"]} <= {*owners["chart"]["owners"], None}
+        # One owner alone: its row, its series, its totals and its owner budget.
+        one = await get(group="owner", owner=team)
+        assert [r["owner"] for r in one["data"]] == [team] and one["owner"] == team
+        assert one["chart"]["owners"] == [team] and one["chart"]["others"] == 0
+        assert one["totals"]["requests"] == sum(r["requests"] for r in one["chart"]["series"])
+        assert one["totals"]["requests"] >= rows[team]["requests"]
+        assert one["budget"] == {"period": "day", "budget_usd": 5, "soft_budget_usd": 4}
+        assert (await get(group="owner", owner=solo))["budget"] is None
+        # The export names each row's owner.
+        r = await h.get("/console/api/usage/export", params={"since": "1h"})
+        table = list(csv.DictReader(io.StringIO(r.text)))
+        assert {row["owner"] for row in table if row["key_id"] in (a1, a2)} == {team}
+        assert {row["owner"] for row in table if row["key_id"] == b1} == {solo}
+        # Any other grouping is refused.
+        for bad in ("model", "owner ", "OWNER"):
+            r = await h.get("/console/api/usage", params={"since": "1h", "group": bad})
+            assert_openai_error(r, 400, "group")
+    # An owner's session: its own owner's row only, and no other owner's view or budget.
+    async with env.stack.http() as h:
+        await login(h, secret)
+        u = (await h.get("/console/api/usage", params={"since": "1h", "group": "owner"})).json()
+        assert [r["owner"] for r in u["data"]] == [team] and u["data"][0]["keys"] == 2
+        assert u["chart"]["owners"] == [team] and u["chart"]["others"] == 0
+        assert u["budget"] is None  # none chosen
+        r = await h.get("/console/api/usage", params={"group": "owner", "owner": team})
+        assert r.status_code == 200 and r.json()["budget"]["budget_usd"] == 5, r.text
+        for other in (solo, "team-a"):
+            r = await h.get("/console/api/usage", params={"group": "owner", "owner": other})
+            assert_openai_error(r, 404)
+        r = await h.get("/console/api/usage/export", params={"since": "1h"})
+        assert {row["owner"] for row in csv.DictReader(io.StringIO(r.text))} == {team}
+
+
 @pytest.mark.unit
 async def test_a_slow_summary_is_kept_a_few_seconds_and_made_once_for_concurrent_asks() -> None:
     made: list[int] = []
@@ -1767,6 +1874,57 @@ async def test_in_chromium_the_owners_with_a_budget_are_listed_edited_and_remove
             assert (await h.get(path, headers=adm)).json()["budget_usd"] is None
         finally:
             b.driver.quit()
+
+
+@pytest.mark.stack
+async def test_in_chromium_spend_by_owner_shows_the_owners_row_and_its_budget_lines(
+    env: Env,
+) -> None:
+    owner = f"drawn-{uuid.uuid4().hex[:6]}"
+    b = Browser(env)
+    async with env.stack.http() as h:
+        me = await login(h, env.admin)
+        await _owners_keys(env, h, me, [owner, owner])
+        budget = {"budget_usd": 30, "soft_budget_usd": 20, "period": "month"}
+        r = await h.put(f"/console/api/owners/{owner}/budget", json=budget, headers=csrf(me))
+        assert r.status_code == 200, r.text
+    from selenium.webdriver.support.ui import Select
+
+    try:
+        await b.open("spend", env.admin)
+        Select(b.driver.find_element(b.by.ID, "spend-group")).select_by_value("owner")
+        row = f"#spend-rows tr[data-owner='{owner}']"
+
+        def listed() -> bool:
+            if b.shown(row):
+                return True
+            b.driver.find_element(b.by.ID, "spend-refresh").click()
+            return False
+
+        await wait_for(listed, timeout=30, interval=0.5, what="the owner's row")
+        assert b.text(row).split()[:2] == [owner, "2"]  # its two keys
+        # That owner alone: its series, its hard and soft budget lines and running total.
+        box = b.shown("#spend-owner")
+        assert box is not None
+        box.send_keys(owner + "\n")
+        b.driver.find_element(b.by.ID, "spend-refresh").click()
+        await wait_for(
+            lambda: all(
+                b.driver.find_elements(b.by.CSS_SELECTOR, f"#spend-chart {css}")
+                for css in (
+                    "line[data-budget='hard']",
+                    "line[data-budget='soft']",
+                    "polyline[data-running]",
+                )
+            ),
+            what="the owner's budget lines",
+        )
+        note = b.text("#spend-budget")
+        assert f"Owner {owner}" in note and "hard budget $30 per month" in note, note
+        assert "soft budget $20 per month" in note
+        assert b.text(f"#spend-chart text[data-legend='o:{owner}']") == owner
+    finally:
+        b.driver.quit()
 
 
 @pytest.mark.stack

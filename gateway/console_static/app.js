@@ -368,7 +368,7 @@ function chart(c, m, bucketS, since, floor = 0) {
       const r = add("rect", { x: L + i * (bw + 1), y, width: bw, height: h, fill: color(j), "data-series": k });
       const when = new Date(t * 1000).toISOString().slice(0, bucketS >= 86400 ? 10 : 16).replace("T", " ");
       const title = document.createElementNS(ns, "title");
-      title.textContent = `${when} ${k}: ${v}`;
+      title.textContent = `${when} ${k === OTHERS ? "others" : (c.labels?.[j] ?? k)}: ${v}`;
       r.append(title);
     });
   });
@@ -381,32 +381,63 @@ function chart(c, m, bucketS, since, floor = 0) {
   }
   keys.forEach((k, j) => {
     add("rect", { x: L + j * 92, y: H + 8, width: 10, height: 10, fill: color(j) });
-    add("text", { x: L + j * 92 + 14, y: H + 17, "data-legend": k }, k === OTHERS ? `${c.others} others` : k);
+    add("text", { x: L + j * 92 + 14, y: H + 17, "data-legend": k }, k === OTHERS ? `${c.others} others` : (c.labels?.[j] ?? k));
   });
   box.append(svg);
 }
 
 function fmt(v, m) { return m === "cost_usd" ? `$${v.toFixed(4)}` : String(Math.round(v)); }
 
+// The owner view's chart in the key view's shape: an owner's series named "o:<owner>" (no
+// owner's name can be OTHERS then), the rest (owner null) as OTHERS, legends the names.
+const ownerName = (o) => o || "(no owner)";
+function ownerChart(c) {
+  const id = (o) => o === null ? OTHERS : "o:" + o;
+  return { ...c, keys: c.owners.map(id), labels: c.owners.map(ownerName), series: c.series.map((r) => ({ ...r, key_id: id(r.owner) })) };
+}
+
+const SPEND_HEADS = {
+  key: ["Usage per key and model, the costliest first", ["Key", "Model"]],
+  owner: ["Usage per owner (every key of it), the costliest first", ["Owner", "Keys"]],
+};
+
 async function loadSpend() {
   const since = $("spend-since").value, bucket = $("spend-bucket").value, m = $("spend-measure").value;
-  const only = $("spend-key").value.trim();
+  const group = $("spend-group").value;
+  for (const id of ["spend-key", "spend-owner"]) {
+    const shown = (id === "spend-owner") === (group === "owner");
+    $(id).hidden = !shown;
+    document.querySelector(`label[for='${id}']`).hidden = !shown;
+  }
+  const only = group === "key" ? $("spend-key").value.trim() : "";
+  const owner = group === "owner" ? $("spend-owner").value.trim() : "";
   $("spend-csv").href = `/console/api/usage/export?since=${since}&bucket=${bucket}`;
-  const q = new URLSearchParams({ since, bucket, measure: m, offset: state.spendOffset, limit: PAGE });
+  const q = new URLSearchParams({ since, bucket, measure: m, offset: state.spendOffset, limit: PAGE, group });
   if (only) q.set("key", only);
+  if (owner) q.set("owner", owner);
   const u = await api("GET", "usage?" + q);
-  let k = null;
+  let k = null, label = "";
   if (only && m === "cost_usd") {
     try { k = await api("GET", `keys/${encodeURIComponent(only)}`); } catch (e) { k = null; }
+    label = `Key ${only}`;
+  } else if (owner && m === "cost_usd") {
+    k = u.budget ? { ...u.budget, budget_period: u.budget.period } : { budget_usd: null, soft_budget_usd: null };
+    label = `Owner ${owner}`;
   }
   const top = k ? Math.max(u.totals.cost_usd, k.budget_usd ?? 0, k.soft_budget_usd ?? 0) : 0;
-  chart(u.chart, m, u.bucket_s, u.since, top);
-  budgetLines(only, k, u, top);
+  chart(group === "owner" ? ownerChart(u.chart) : u.chart, m, u.bucket_s, u.since, top);
+  budgetLines(label, k, u, top);
+  const [caption, cols] = SPEND_HEADS[group];
+  $("spend-caption").textContent = caption;
+  $("spend-head").querySelectorAll("th").forEach((th, i) => { if (i < 2) th.textContent = cols[i]; });
   const rows = $("spend-rows");
   rows.replaceChildren();
   for (const s of u.data) {
-    rows.append(el("tr", { "data-key": s.key_id },
-      el("td", {}, el("code", {}, s.key_id)), el("td", {}, s.model), el("td", {}, String(s.requests)),
+    const first = group === "owner"
+      ? [el("td", {}, ownerName(s.owner)), el("td", {}, String(s.keys))]
+      : [el("td", {}, el("code", {}, s.key_id)), el("td", {}, s.model)];
+    rows.append(el("tr", group === "owner" ? { "data-owner": s.owner } : { "data-key": s.key_id },
+      ...first, el("td", {}, String(s.requests)),
       el("td", {}, String(s.prompt_tokens)), el("td", {}, String(s.completion_tokens)),
       el("td", {}, s.cost_usd.toFixed(6))));
   }
@@ -418,21 +449,21 @@ async function loadSpend() {
   $("spend-next").disabled = !u.has_more;
   if (u.truncated) say("Only the newest records were read: narrow the period for all of them.");
 }
-// One key's budget: its spend so far in the chart's period against the soft and hard
-// thresholds, as lines over a cumulative total (the budget's own period may be longer), all
-// on the chart's one scale (``top``).
-function budgetLines(keyId, k, u, top) {
+// One key's budget, or one owner's: its spend so far in the chart's period against the soft
+// and hard thresholds, as lines over a cumulative total (the budget's own period may be
+// longer), all on the chart's one scale (``top``). ``label``: "Key <id>" or "Owner <name>".
+function budgetLines(label, k, u, top) {
   const note = $("spend-budget");
   note.textContent = "";
-  if (!keyId || !k) return;
+  if (!label || !k) return;
   if (k.budget_usd == null && k.soft_budget_usd == null) {
-    note.textContent = `Key ${keyId} has no budget.`;
+    note.textContent = `${label} has no budget.`;
     return;
   }
   const total = u.totals.cost_usd;
   const svg = $("spend-chart").querySelector("svg");
   const ns = "http://www.w3.org/2000/svg";
-  const parts = [`Key ${keyId}: $${total.toFixed(4)} in this view`];
+  const parts = [`${label}: $${total.toFixed(4)} in this view`];
   const H = 240, B = 24, T = 10, L = 60, W = 900;
   for (const [name, v, color] of [["hard", k.budget_usd, "#a4161a"], ["soft", k.soft_budget_usd, "#e37400"]]) {
     if (v == null) continue;
@@ -466,7 +497,7 @@ function budgetLines(keyId, k, u, top) {
 }
 
 const reloadSpend = (first) => () => { if (first) state.spendOffset = 0; loadSpend().catch((e) => say(e.message, true)); };
-for (const id of ["spend-since", "spend-bucket", "spend-measure", "spend-key"]) $(id).addEventListener("change", reloadSpend(true));
+for (const id of ["spend-since", "spend-bucket", "spend-measure", "spend-group", "spend-key", "spend-owner"]) $(id).addEventListener("change", reloadSpend(true));
 $("spend-refresh").addEventListener("click", reloadSpend(false));
 $("spend-prev").addEventListener("click", () => { state.spendOffset = Math.max(0, state.spendOffset - PAGE); reloadSpend(false)(); });
 $("spend-next").addEventListener("click", () => { state.spendOffset += PAGE; reloadSpend(false)(); });
