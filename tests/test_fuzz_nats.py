@@ -614,6 +614,9 @@ class FuzzBus:
             subs = [
                 subjects.body_chunk("forged", "0" * 32, 0),
                 subjects.body_chunk("tbk.someone", "f" * 32, 3),
+                # A forged notice that a key's bodies were removed for its quota (a reader
+                # takes its quota only when it is a whole number: else the plain 400).
+                subjects.body_quota_notice("someone"),
             ]
             return Target(subs, {"x": 1}, [], json_body=False)
         if name == "admin":
@@ -1455,6 +1458,7 @@ def test_the_families_cover_every_role() -> None:
         subjects.batch_work("b", "line"),
         "$O.tokenbus_files.C.x",
         subjects.body_chunk("forged", "0" * 32, 0),
+        subjects.body_quota_notice("someone"),
     ]
     for role, (pub, _) in ROLES.items():
         for pattern in pub:
