@@ -2055,3 +2055,36 @@ def test_the_kv_check_column_says_unknown_trusted_distrusted_or_incompatible() -
     assert console._replicas()[0]["kv_check"]["verdict"] == "distrusted"
     kv.incompatible["r0"] = "block size 32"
     assert console._replicas()[0]["kv_check"]["verdict"] == "incompatible"
+
+
+@pytest.mark.stack
+async def test_in_chromium_a_key_gets_its_own_aliases_and_body_bound_from_the_form(
+    env: Env,
+) -> None:
+    """The key form takes the two options of `tokenbus keys create` it lacked: the key's own
+    model aliases (NAME=MODEL; one without `=` refused in the page, nothing sent) and its
+    bound on large request bodies held at once; Edit shows them again."""
+    name = f"aliased-{uuid.uuid4().hex[:6]}"
+    adm = {"api-key": env.admin}
+    b = Browser(env)
+    try:
+        await b.open("keys", env.admin)
+        b.fill("key-form", {"name": name, "aliases": "nope"})
+        b.driver.find_element(b.by.ID, "key-submit").click()
+        await wait_for(lambda: "NAME=MODEL" in b.text("#status"), what="the bad alias refused")
+        b.fill("key-form", {"aliases": f"fast={env.model}", "max_body_bytes": "1048576"})
+        b.driver.find_element(b.by.ID, "key-submit").click()
+        await wait_for(lambda: "created" in b.text("#status"), what="the key created")
+        key_id = b.text("#status").split()[1]
+        async with env.stack.http() as h:
+            got = (await h.get(f"/v1/admin/keys/{key_id}", headers=adm)).json()
+            listed = (await h.get("/v1/admin/keys", headers=adm)).json()["data"]
+        assert got["name"] == name and got["aliases"] == {"fast": env.model}, got
+        assert got["max_body_bytes"] == 1048576, got
+        assert sum(k["name"] == name for k in listed) == 1  # the refused one never went
+        b.driver.find_element(b.by.ID, "secret-done").click()
+        await b.click(f"tr[data-key='{key_id}'] button[aria-label='Edit key {key_id}']", "Edit")
+        assert b.value("key-form", "aliases") == f"fast={env.model}"
+        assert b.value("key-form", "max_body_bytes") == "1048576"
+    finally:
+        b.driver.quit()

@@ -169,8 +169,20 @@ function formFields(form, editing) {
     const v = input.value.trim();
     if (v === "") continue;
     if (input.name === "models") out.models = v.split(",").map((s) => s.trim()).filter(Boolean);
+    else if (input.name === "aliases") out.aliases = aliasPairs(v);
     else if (input.type === "number") out[input.name] = Number(v);
     else out[input.name] = v;
+  }
+  return out;
+}
+
+// A key's own model aliases, as `tokenbus keys create --alias NAME=MODEL` takes them.
+function aliasPairs(text) {
+  const out = {};
+  for (const pair of text.split(",").map((s) => s.trim()).filter(Boolean)) {
+    const at = pair.indexOf("=");
+    if (at < 1) throw new Error(`A model alias is NAME=MODEL, not "${pair}".`);
+    out[pair.slice(0, at).trim()] = pair.slice(at + 1).trim();
   }
   return out;
 }
@@ -184,6 +196,7 @@ function editKey(k) {
     const v = k[input.name];
     if (input.type === "checkbox") input.checked = Boolean(v);
     else if (input.name === "models") input.value = (v || []).join(", ");
+    else if (input.name === "aliases") input.value = Object.entries(v || {}).map(([n, m]) => `${n}=${m}`).join(", ");
     else if (input.name !== "expires_in" && v != null) input.value = v;
   }
   $("key-form-title").textContent = `Edit key ${k.id}`;
@@ -203,8 +216,8 @@ $("key-cancel").addEventListener("click", endEdit);
 
 $("key-form").addEventListener("submit", async (ev) => {
   ev.preventDefault();
-  const fields = formFields(ev.target, Boolean(state.editing));
   try {
+    const fields = formFields(ev.target, Boolean(state.editing));
     if (state.editing) {
       const done = await api("PATCH", `keys/${state.editing}`, fields);
       say(`Key ${done.id} saved.`);
