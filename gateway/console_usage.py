@@ -16,7 +16,6 @@ Cost is the key's spend at the models' configured prices (``router.price``,
 
 from __future__ import annotations
 
-import contextlib
 import csv
 import datetime as dt
 import io
@@ -32,6 +31,7 @@ from nats.js.errors import NotFoundError
 from auth import budgets
 from bus_schemas import codec
 from bus_schemas import errors as E
+from services import buckets
 from services.config import PriceSettings
 from telemetry import records
 
@@ -192,17 +192,13 @@ async def read_messages(
         cfg.opt_start_seq = max(info.state.first_seq, info.state.last_seq - most + 1)
         left = (await js.add_consumer(records.STREAM, config=cfg)).num_pending or 0
     out: list[bytes] = []
-    try:
-        sub = await js.pull_subscribe_bind(name, stream=records.STREAM)
-        try:
-            while left > 0:
-                msgs = await sub.fetch(min(left, FETCH), timeout=TIMEOUT_S)
-                out.extend(m.data for m in msgs)
-                left -= len(msgs)
-        finally:
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
-    finally:
-        with contextlib.suppress(Exception):
-            await js.delete_consumer(records.STREAM, name)
+    await buckets.read_consumer(
+        js,
+        records.STREAM,
+        name,
+        left,
+        lambda msgs: out.extend(m.data for m in msgs),
+        timeout=TIMEOUT_S,
+        batch=FETCH,
+    )
     return out, truncated

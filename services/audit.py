@@ -37,6 +37,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
 from nats.js.api import (
     AckPolicy,
     ConsumerConfig,
@@ -297,20 +298,12 @@ async def read(nc: NATS, since: float | None = None, limit: int | None = 100) ->
         cfg.opt_start_seq = max(info.state.first_seq, info.state.last_seq - limit + 1)
     left = (await js.add_consumer(STREAM, config=cfg)).num_pending or 0
     out: deque[AuditEvent] = deque(maxlen=limit)
-    try:
-        sub = await js.pull_subscribe_bind(name, stream=STREAM)
-        try:
-            while left > 0:
-                msgs = await sub.fetch(min(left, 256), timeout=TIMEOUT_S)
-                for m in msgs:
-                    out.append(_event(m.data, m.metadata.sequence.stream, m.metadata.timestamp))
-                left -= len(msgs)
-        finally:
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
-    finally:
-        with contextlib.suppress(Exception):
-            await js.delete_consumer(STREAM, name)
+
+    def keep(msgs: list[Msg]) -> None:
+        for m in msgs:
+            out.append(_event(m.data, m.metadata.sequence.stream, m.metadata.timestamp))
+
+    await buckets.read_consumer(js, STREAM, name, left, keep, timeout=TIMEOUT_S)
     return list(out)
 
 

@@ -31,6 +31,7 @@ from typing import Any, TypeVar
 
 import nats.errors
 import nats.js.errors
+from nats.aio.msg import Msg
 from nats.js import api
 from nats.js.client import JetStreamContext
 from nats.js.errors import (
@@ -88,25 +89,43 @@ async def values(
         **({"filter_subject": filters[0]} if len(filters) == 1 else {"filter_subjects": filters}),
     )
     left = (await js.add_consumer(stream, config=cfg, timeout=timeout)).num_pending or 0
-    more = left > most
-    left = min(left, most)
     out: list[tuple[str, bytes]] = []
+
+    def keep(msgs: list[Msg]) -> None:
+        for m in msgs:
+            if m.data and not (m.headers or {}).get("KV-Operation"):
+                out.append((m.subject[len(prefix) :], m.data))
+
+    await read_consumer(js, stream, name, min(left, most), keep, timeout=timeout)
+    return out, left > most
+
+
+async def read_consumer(
+    js: JetStreamContext,
+    stream: str,
+    name: str,
+    left: int,
+    on_batch: Callable[[list[Msg]], None],
+    *,
+    timeout: float,
+    batch: int = 256,
+) -> None:
+    """Fetch ``left`` messages from ``stream``'s pull consumer ``name`` (one made for this
+    read, acknowledging nothing), ``batch`` at a time, each batch handed to ``on_batch``;
+    the consumer is deleted after, whatever happened."""
     try:
         sub = await js.pull_subscribe_bind(name, stream=stream)
         try:
             while left > 0:
-                msgs = await sub.fetch(min(left, 256), timeout=timeout)
+                msgs = await sub.fetch(min(left, batch), timeout=timeout)
+                on_batch(msgs)
                 left -= len(msgs)
-                for m in msgs:
-                    if m.data and not (m.headers or {}).get("KV-Operation"):
-                        out.append((m.subject[len(prefix) :], m.data))
         finally:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
     finally:
         with contextlib.suppress(Exception):
             await js.delete_consumer(stream, name)
-    return out, more
 
 
 class Follow:
