@@ -39,7 +39,7 @@ SLOWEST_FILES = [
     "test_migration.py",  # 141
     "test_fuzz_openapi.py",  # 126
     "test_flow_e2e.py",  # 116
-    "test_cli_up.py",  # 113
+    "test_cli_up.py",  # 113 (20 s alone since its outage wait ends on its condition)
     "test_cluster.py",  # 106
     "test_batches.py",  # 95
     "test_nemesis.py",  # 88
