@@ -84,7 +84,16 @@ from gateway.admin_adapters import PREFIX as ADAPTERS_PREFIX
 from gateway.admin_keys import CALLER, AdminAPI, read_json
 from gateway.admin_keys import PREFIX as KEYS_PREFIX
 from gateway.admin_routing import PREFIX as ROUTING_PREFIX
-from gateway.asgi import Headers, Receive, Scope, Send, header, query_of, send_json
+from gateway.asgi import (
+    Headers,
+    Receive,
+    Scope,
+    Send,
+    header,
+    list_page,
+    query_of,
+    send_json,
+)
 from gateway.console_session import Session, Sessions, token_of
 from jobs.batches import BatchStore
 from jobs.files import FileStore
@@ -628,12 +637,12 @@ class Console:
         if api is None or index is None:
             raise E.ServiceUnavailable("this bridge does not serve background responses")
         query = query_of(scope)
-        limit = _int(query, "limit", 50, 1, MAX_RESPONSES_PAGE)
         after = query.get("after") or None
         if after is not None and not RESPONSE_ID.match(after):
             raise E.InvalidRequest("after: a response id (resp_...)", param="after")
         owners = None if s.admin else [r.id for r in self._visible(s)]
-        page = await index.page(owners, limit, after)
+        listed = await index.newest_first(owners)
+        page = list_page(listed, query, default=50, most=MAX_RESPONSES_PAGE)
         rows: list[dict[str, Any]] = [dict(e) for e in page["data"]]
         bg = api.background
         if bg is not None:
@@ -644,15 +653,7 @@ class Console:
                     row["events"] = await bg.events_kept(str(row["id"]))
 
             await asyncio.gather(*(progress(r) for r in still))
-        out = {
-            "object": "list",
-            "data": rows,
-            "total": page["total"],
-            "has_more": page["has_more"],
-            "first_id": rows[0]["id"] if rows else None,
-            "last_id": rows[-1]["id"] if rows else None,
-        }
-        await send_json(send, 200, out)
+        await send_json(send, 200, {**page, "data": rows, "total": len(listed)})
 
     async def _file_content(self, file_id: str, send: Send, s: Session) -> None:
         """A file's bytes as an attachment: any file for an admin session, else only a file

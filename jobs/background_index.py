@@ -85,14 +85,6 @@ class _Ended(Exception):
     """The entry says the response ended: a late write of it open changes nothing."""
 
 
-class Page(TypedDict):
-    """A page of the listing, newest first."""
-
-    data: list[IndexEntry]
-    total: int
-    has_more: bool
-
-
 class BackgroundIndex:
     """Note, drop and list the background responses' index entries."""
 
@@ -151,13 +143,13 @@ class BackgroundIndex:
         with contextlib.suppress(Exception):
             await self.nc.jetstream().purge_stream(f"KV_{self.bucket}", subject=subject)
 
-    async def page(self, owners: list[str] | None, limit: int, after: str | None) -> Page:
-        """The entries of ``owners``' responses (None: everyone's), newest first: ``limit``
-        of them after the response ``after`` (400 when it is not among them)."""
+    async def newest_first(self, owners: list[str] | None) -> list[IndexEntry]:
+        """The entries of ``owners``' responses (None: everyone's), newest first (the
+        console pages them as every list of the API is paged)."""
         if self.kv is None:
             raise E.ServiceUnavailable("the background responses' index is not open; retry")
         if owners is not None and not owners:
-            return {"data": [], "total": 0, "has_more": False}
+            return []
         mine = None if owners is None else {owner_token(o) for o in owners}
         patterns = [">"] if mine is None or len(mine) > MAX_FILTERS else [f"{t}.>" for t in mine]
         try:
@@ -176,15 +168,4 @@ class BackgroundIndex:
                     entry.pop(buckets.MARK, None)
                     order.append((float(entry.pop(ORDER, 0) or 0), entry))
         order.sort(key=lambda o: (int(o[1].get("created_at") or 0), o[0], o[1]["id"]), reverse=True)
-        rows: list[IndexEntry] = [e for _, e in order]  # the JSON this module wrote
-        start = 0
-        if after is not None:
-            at = next((i for i, e in enumerate(rows) if e["id"] == after), None)
-            if at is None:
-                raise E.InvalidRequest(
-                    f"after: {after!r} is not a background response in this listing",
-                    param="after",
-                )
-            start = at + 1
-        data = rows[start : start + limit]
-        return {"data": data, "total": len(rows), "has_more": start + len(data) < len(rows)}
+        return [e for _, e in order]  # the JSON this module wrote
