@@ -226,8 +226,10 @@ class RateLimitCheck:
             err = E.TokensExceedLimit.of(tpm, tokens)
             tracing.verdict(subjects.STAGE_RATELIMIT, "deny", {tracing.ERROR_TYPE: err.code})
             raise err
+        signed: Ticket | None = None
         try:
-            prior = await self._prior(ticket, principal, rid, attempt)
+            signed, claimed = await self._prior(ticket, principal, rid, attempt)
+            prior = signed if claimed else None
             # A migration is the request its ticket names (ingress gives each admission an
             # id of its own), whose slot and hold it takes on; one its ticket does not prove
             # (none, forged, replayed) is a new request, under an id of its own, never one a
@@ -275,8 +277,14 @@ class RateLimitCheck:
         hdrs[H.RATELIMIT] = f"{adm.window},{adm.reserved},{flags},{owner}"
         if adm.info:
             hdrs[H.RATELIMIT_INFO] = info_header(adm.info)
-        if prior is not None:
-            await self._supersede(prior, principal, rid, env, hdrs)
+        if signed is not None:
+            # Every move a signed ticket names supersedes the attempt it moved from, the
+            # move that claimed the ticket or not: a claim whose admission then failed (a
+            # partition, a stall past the caller's wait) left the caller's next try of the
+            # same move a replay, and what the caller got from an attempt whose worker died
+            # was never charged (docs/nemesis.md, finding 16). A supersede settles once
+            # (auth.budgets, auth.limits): the second changes nothing, and never lowers.
+            await self._supersede(signed, principal, signed.rid, env, hdrs)
         if hdrs.get(H.BUDGET) and self.spend is not None:
             try:
                 await self._hold(hdrs, env, principal, tpm, admitted=True)
@@ -409,18 +417,19 @@ class RateLimitCheck:
 
     async def _prior(
         self, ticket: str | None, principal: str, rid: str, attempt: int
-    ) -> Ticket | None:
-        """The earlier attempt's admission, when this is a migration that proves one (a
-        ticket this bus's limiters signed for this key and request, used once)."""
+    ) -> tuple[Ticket | None, bool]:
+        """The earlier attempt's admission named by a migration's ticket (one this bus's
+        limiters signed for this key and an earlier attempt), and whether this migration
+        claimed it: a ticket proves the request once."""
         if not ticket or attempt < 1:
-            return None
+            return None, False
         t = read_ticket(self.limiter.secret, ticket, principal, time.time())
         if t is None or t.attempt >= attempt:
-            return None
+            return None, False
         if not await self.limiter.claim(t.sig):
             self.log.warning("admission_ticket_replayed", principal=principal, request_id=rid)
-            return None
-        return t
+            return t, False
+        return t, True
 
     async def _supersede(
         self, prior: Ticket, principal: str, rid: str, env: dict[str, Any], hdrs: dict[str, str]
@@ -444,27 +453,47 @@ class RateLimitCheck:
         }
         if hdrs.get(H.GATEWAY_COUNTED) == "1":  # counted by the bridge, not a client's word
             body["counted"] = True
-        subject = subjects.usage(prior.owner or None)
         if hdrs.get(H.BUDGET) and self.spend is not None and prior.owner:
-            with contextlib.suppress(Exception):
-                now = time.time()
-                scopes = await self._scopes(hdrs, principal)
-                was = budgets.Hold(hold_key(rid, prior.attempt), 0)
-                was.budgets = [(b, b.entry(now)) for b in scopes]
-                if was.budgets:
-                    model = hdrs.get(H.MODEL) or str(env.get("model", ""))
-                    body["spend"] = spend_header(model, was)
-                    subject = subjects.usage_spend(prior.owner)
-        data = codec.encode(body)
-        if "spend" not in body:  # tokens and slots: the admitting limiter's alone
-            with contextlib.suppress(Exception):
-                await self._nc.publish(subject, data)
+            # Spend: its budgets read and the report kept by the stream off the admission's
+            # path, each tried while the bus does not answer. A supersede lost to a stream
+            # without a leader, or sent without its spend when the owner's budget could
+            # not be read for a moment, left what the caller got from an attempt whose
+            # worker died uncharged (its hold ran out).
+            model = hdrs.get(H.MODEL) or str(env.get("model", ""))
+            budget = {H.BUDGET: hdrs[H.BUDGET]}
+            work = self._supersede_spend(body, budget, prior, model, time.time())
+            self._spawn_settle(work, subjects.usage_spend(prior.owner))
             return
-        # Spend: kept by the stream as a worker's report is, tried until it acknowledges
-        # (off the admission's path). A supersede lost to a stream without a leader left
-        # what the caller got from an attempt whose worker died uncharged (its hold ran out).
-        ident = f"supersede.{hold_key(rid, prior.attempt)}"
-        self._spawn_settle(self._keep(subject, data, ident), subject)
+        await self._publish_supersede(body, prior)
+
+    async def _publish_supersede(self, body: dict[str, Any], prior: Ticket) -> None:
+        """Tokens and slots only: the admitting limiter's alone, over core NATS."""
+        with contextlib.suppress(Exception):
+            await self._nc.publish(subjects.usage(prior.owner or None), codec.encode(body))
+
+    async def _supersede_spend(
+        self, body: dict[str, Any], budget: dict[str, str], prior: Ticket, model: str, at: float
+    ) -> None:
+        """The supersede of an attempt held to budgets, kept by the spend stream: its
+        budgets (the key's and its owner's) read again until the spend book answers, up to
+        :data:`SUPERSEDE_FOR_S`; then published until the stream acknowledges it."""
+        give_up = time.monotonic() + SUPERSEDE_FOR_S
+        while True:
+            try:
+                scopes = await self._scopes(budget, str(body["principal"]))
+                break
+            except E.ServiceUnavailable:
+                if time.monotonic() >= give_up:
+                    raise
+                await asyncio.sleep(0.5)
+        was = budgets.Hold(hold_key(str(body["request_id"]), prior.attempt), 0)
+        was.budgets = [(b, b.entry(at)) for b in scopes]
+        if not was.budgets:
+            await self._publish_supersede(body, prior)
+            return
+        body["spend"] = spend_header(model, was)
+        ident = f"supersede.{was.request_id}"
+        await self._keep(subjects.usage_spend(prior.owner), codec.encode(body), ident)
 
     async def _keep(self, subject: str, data: bytes, ident: str) -> None:
         """Publish ``data`` to the spend stream, tried again with its message id (the

@@ -589,6 +589,114 @@ async def test_a_supersede_waits_for_the_spend_stream_and_is_kept_once(
         await nc.close()
 
 
+def _admission(principal: str, rid: str, attempt: int = 0, ticket: str = "") -> dict[str, str]:
+    """The headers auth hands the ratelimit stage for one attempt of a key with limits and a
+    day's budget of $10."""
+    hdrs = {
+        H.PRINCIPAL: principal,
+        H.LIMITS: "1000,1000000,50",
+        H.BUDGET: budgets.header("day", 10.0, None, ""),
+        H.MODEL: "m",
+        H.REQUEST_ID: rid,
+        H.DEADLINE: str(int((time.time() + 60) * 1000)),
+    }
+    if attempt:
+        hdrs[H.MIGRATION] = str(attempt)
+        hdrs[H.ADMISSION] = ticket
+    return hdrs
+
+
+@pytest.mark.bus
+async def test_a_move_whose_ticket_an_earlier_try_claimed_still_charges_what_the_caller_got(
+    private_nats: Any,
+) -> None:
+    """Finding 16 (docs/nemesis.md): a move's first try claimed its ticket and then failed
+    (its admission stalled past the caller's wait, or refused in a partition); the caller's
+    next try of the same move found the ticket used. It is a new request, as any replay is,
+    but it still supersedes the attempt the ticket names: before, nothing ever charged what
+    the caller got from an attempt whose worker died (its hold ran out)."""
+    nc = await nats.connect(private_nats.url)
+    here: RateLimitCheck | None = None
+    try:
+        here = await _check(nc, "here")
+        await here.start(nc)
+        await wait_for(lambda: here._spend_pull is not None, what="the stream's consumer")
+        principal = f"p{time.time_ns()}"
+        env: dict[str, Any] = {"model": "m", "messages": MSG, "params": {"max_tokens": 20}}
+        first = _admission(principal, "rmoved")
+        await here.apply(first, dict(env, request_id="rmoved"))
+        ticket = first[H.ADMISSION]
+        key = budgets.Budget(f"k.{principal}", "day", None, None)
+        assert (await here.spend.spent(key))[0] == 0  # held, not spent
+        # The move's first try: it claimed the ticket, then its admission failed.
+        t = ratelimit.read_ticket(here.limiter.secret, ticket, principal, time.time())
+        assert t is not None and await here.limiter.claim(t.sig)
+        again = _admission(principal, "rmoved", 1, ticket)
+        resume = {"text": "a b c d e", "tokens": 5, "since": 0}
+        await here.apply(again, dict(env, request_id="rmoved", resume=resume))
+        # A replay: a request of its own, never the id it names ...
+        assert again[H.REQUEST_ID] != "rmoved"
+
+        # ... and the attempt it moved from charged the 5 tokens the caller got (1 µ$ each).
+        async def charged() -> bool:
+            return (await here.spend.spent(key))[0] == 5
+
+        await wait_for(charged, timeout=30, interval=0.1, what="the moved attempt charged")
+        # Once: the same move tried a third time changes nothing.
+        third = _admission(principal, "rmoved", 1, ticket)
+        await here.apply(third, dict(env, request_id="rmoved", resume=resume))
+        if here._settling:
+            await asyncio.wait(here._settling, timeout=30)
+        assert (await here.spend.spent(key))[0] == 5
+    finally:
+        if here is not None:
+            await here.stop()
+        await nc.close()
+
+
+@pytest.mark.bus
+async def test_a_supersede_reads_its_budgets_again_when_the_book_does_not_answer(
+    private_nats: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A supersede's budgets (the key's and its owner's) are read from the spend book; a read
+    that failed for a moment (a node partitioned) sent the supersede without its spend, and
+    what the caller got from the moved attempt was never charged. The read is tried again,
+    off the admission's path, until the book answers."""
+    nc = await nats.connect(private_nats.url)
+    here: RateLimitCheck | None = None
+    try:
+        here = await _check(nc, "here")
+        await here.start(nc)
+        book = here.spend
+        assert book is not None
+        principal = f"p{time.time_ns()}"
+        key = budgets.Budget(f"k.{principal}", "day", None, None)
+        await book.reserve([key], ratelimit.hold_key("rflaky", 0), 40, time.time() + 60)
+        real, failures = book.owner_budget, [3]
+
+        async def flaky(owner: str) -> Any:
+            if failures[0]:
+                failures[0] -= 1
+                raise RuntimeError("nats: no response from stream")
+            return await real(owner)
+
+        monkeypatch.setattr(book, "owner_budget", flaky)
+        prior = ratelimit.Ticket(0, 0, "", "here", 0, int(time.time()) + 60, "", "rflaky")
+        hdrs = _admission(principal, "rflaky")
+        env = {"resume": {"text": "a b c", "tokens": 3, "since": 1}}
+        await here._supersede(prior, principal, "rflaky", env, hdrs)
+
+        async def charged() -> bool:
+            return (await book.spent(key))[0] == 2
+
+        await wait_for(charged, timeout=30, interval=0.1, what="the supersede charged")
+        assert failures == [0]
+    finally:
+        if here is not None:
+            await here.stop()
+        await nc.close()
+
+
 @pytest.mark.stack
 async def test_a_budget_for_a_model_without_a_price_is_said_not_silently_free(
     procs: Procs, model: str
