@@ -17,6 +17,10 @@ service, which grants that permission, keeps the bound itself:
   leaves a notice (``tb.v1.body.quota.<key id>``) so that a reader finding an object gone
   tells the caller why (services/bodies.py: 429 naming the quota). Logged once per purge,
   counted in ``tokenbus_body_quota_purges_total``.
+* The keys of one owner (a key record's ``owner``: a tenant with several keys) are bound
+  together too (``bodies.max_bytes_per_owner``): past it every key of the owner is counted
+  again from the stream, and the bodies of the key holding the most are purged, then the
+  next's, until the owner is under it; the notice then names the owner's bound.
 * A key's connection says a body is done when its stream ends (``<object>.done``, under its
   own owner, which only it may write); the janitor deletes that object for it, so a key's
   finished requests do not count against it for the age limit's 15 minutes.
@@ -164,21 +168,36 @@ class BodyQuota:
     """The auth service's janitor of keys' large request bodies (see the module docstring)."""
 
     def __init__(
-        self, nc: NATS, keys: KeyStore, default_max: int, log: Any, *, ttl_s: float = bodies.TTL_S
+        self,
+        nc: NATS,
+        keys: KeyStore,
+        default_max: int,
+        log: Any,
+        *,
+        owner_max: int = 0,
+        ttl_s: float = bodies.TTL_S,
     ) -> None:
         self.nc = nc
         self.keys = keys
         self.default_max = default_max
+        self.owner_max = owner_max  # all the keys of one key owner (a tenant) together
         self.log = log
         self.ttl_s = ttl_s
         self.tallies: dict[str, Tally] = {}
+        self.tenants: dict[str, set[str]] = {}  # a key record's owner -> its keys' tallies
         self._heard = 0  # the last stream sequence heard
-        self._checks: dict[str, tuple[int, asyncio.Task[None]]] = {}  # owner -> (seq, task)
+        # Checks in flight: a key's (by its subject owner) and a tenant's ("tenant:" + owner).
+        self._checks: dict[str, tuple[int, asyncio.Task[None]]] = {}  # -> (seq, task)
         self._deletes: asyncio.Queue[tuple[str, str]] = asyncio.Queue(MAX_DELETES)
         self._tasks: list[asyncio.Task[None]] = []
         self._sub: Any = None
         self._created: Any = None  # when the stream followed was made (it may be made again)
         self._said_unreachable = False
+
+    def tenant(self, key_id: str) -> str:
+        """The owner of key ``key_id`` as its record names it ("": none, or unknown here)."""
+        rec = self.keys.record(key_id)
+        return rec.owner if rec is not None and rec.owner else ""
 
     def quota(self, key_id: str) -> int:
         """What key ``key_id``'s bodies may hold (0: no bound)."""
@@ -233,6 +252,7 @@ class BodyQuota:
         for _, task in list(self._checks.values()):
             task.cancel()
         self.tallies.clear()
+        self.tenants.clear()
         self._heard = 0
         self._created = info.created
         self._sub = await self.nc.jetstream().subscribe(
@@ -251,6 +271,10 @@ class BodyQuota:
             tally.expire(before)
             if not tally.chunks and owner not in self._checks:
                 del self.tallies[owner]
+        for tenant, names in list(self.tenants.items()):
+            names &= self.tallies.keys()
+            if not names:
+                del self.tenants[tenant]
 
     async def _on_msg(self, msg: Msg) -> None:
         meta = msg.metadata
@@ -280,10 +304,55 @@ class BodyQuota:
         tally = self.tallies.get(owner)
         key_id = owner.partition(".")[2]
         most = self.quota(key_id)
-        if tally is None or not most or tally.total <= most or owner in self._checks:
+        if tally is not None and most and tally.total > most and owner not in self._checks:
+            task = asyncio.get_running_loop().create_task(self._check(owner, key_id))
+            self._checks[owner] = (seq, task)
+        tenant = self.tenant(key_id)
+        if tenant and tally is not None:
+            self.tenants.setdefault(tenant, set()).add(owner)
+            self._check_tenant_if_over(tenant, seq)
+
+    def _check_tenant_if_over(self, tenant: str, seq: int) -> None:
+        if not self.owner_max or f"tenant:{tenant}" in self._checks:
             return
-        task = asyncio.get_running_loop().create_task(self._check(owner, key_id))
-        self._checks[owner] = (seq, task)
+        names = self.tenants.get(tenant, set())
+        if sum(self.tallies[n].total for n in names if n in self.tallies) > self.owner_max:
+            task = asyncio.get_running_loop().create_task(self._check_tenant(tenant))
+            self._checks[f"tenant:{tenant}"] = (seq, task)
+
+    async def _check_tenant(self, tenant: str) -> None:
+        """Count what every key of ``tenant`` holds from the stream itself; while the keys
+        together hold more than :attr:`owner_max`, purge the bodies of the one holding the
+        most (each purge bounded by its count's sequence, as a key's own)."""
+        checked = False
+        try:
+            before = (await self.nc.jetstream().stream_info(subjects.BODIES_STREAM)).state
+            counts = []
+            for owner in sorted(self.tenants.get(tenant, set())):
+                key_id = owner.partition(".")[2]
+                counted, last, _ = await self._recount(key_id, 0)  # whole: most 0
+                floor = max(before.last_seq, last)
+                self.tallies.setdefault(owner, Tally()).replace(counted, floor)
+                counts.append((sum(c.charge for c in counted), owner, key_id, floor))
+            total = sum(held for held, *_ in counts)
+            for held, owner, key_id, floor in sorted(counts, reverse=True):
+                if total <= self.owner_max or not held:
+                    break
+                purged = await bodies.purge(self.nc, subjects.key_bodies(key_id), below=floor + 1)
+                self.tallies.setdefault(owner, Tally()).cut(floor)
+                total -= held
+                if purged:
+                    await self._purged(key_id, held, self.owner_max, purged, tenant=tenant)
+            checked = True
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # the store stalled: the tenant's next chunk checks again
+            self.log.warning("body_quota_check_failed", owner=tenant, error=type(exc).__name__)
+        finally:
+            self._checks.pop(f"tenant:{tenant}", None)
+            self._say_heard()
+        if checked:  # more written meanwhile
+            self._check_tenant_if_over(tenant, self._heard)
 
     async def _check(self, owner: str, key_id: str) -> None:
         """Count what ``owner`` holds from the stream itself; purge it all if over its quota."""
@@ -355,18 +424,28 @@ class BodyQuota:
                 with contextlib.suppress(Exception):
                     await js.delete_consumer(subjects.BODIES_STREAM, name)
 
-    async def _purged(self, key_id: str, held: int, most: int, chunks: int) -> None:
+    async def _purged(
+        self, key_id: str, held: int, most: int, chunks: int, *, tenant: str = ""
+    ) -> None:
         """Said once per purge that removed something: a log line, the counters, and the
-        notice readers turn into a 429 naming the quota."""
+        notice readers turn into a 429 naming the quota (the key's, or with ``tenant`` its
+        owner's)."""
         PURGES.inc()
         PURGED.inc(chunks)
+        scope = "owner" if tenant else "key"
         self.log.warning(
-            "body_quota_purged", key_id=key_id, held_bytes=held, quota=most, chunks=chunks
+            "body_quota_purged",
+            key_id=key_id,
+            held_bytes=held,
+            quota=most,
+            chunks=chunks,
+            scope=scope,
+            **({"owner": tenant} if tenant else {}),
         )
         with contextlib.suppress(Exception):  # without it a reader answers the plain 400
             await self.nc.jetstream().publish(
                 subjects.body_quota_notice(key_id),
-                json.dumps({"quota": most, "at": time.time()}).encode(),
+                json.dumps({"quota": most, "scope": scope, "at": time.time()}).encode(),
                 timeout=bodies.OP_TIMEOUT_S,
             )
 

@@ -87,7 +87,11 @@ class Auth(Service):
         # Keys' own large request bodies: bounded per key, deleted when done (a key's
         # connection may write them, by the callout above, but not delete them).
         self.bodyquota = BodyQuota(
-            self.nc, self.keys, self.settings.bodies.max_bytes_per_key, self.log
+            self.nc,
+            self.keys,
+            self.settings.bodies.max_bytes_per_key,
+            self.log,
+            owner_max=self.settings.bodies.max_bytes_per_owner,
         )
         await self.bodyquota.start()
         await self.stage_endpoints(subjects.STAGE_AUTH).add("auth", self.handle)

@@ -205,13 +205,23 @@ async def fetch(nc: NATS, claim: dict[str, Any]) -> dict[str, Any]:
 async def _missing(nc: NATS, owner: str) -> E.TokenbusError:
     """Why an object of ``owner`` is missing: 429 naming the quota when the auth service
     removed the key's bodies for it lately (its notice, auth/bodyquota.py), else 400."""
-    quota = await quota_notice(nc, owner)
-    if quota is not None:
+    notice = await quota_notice(nc, owner)
+    if notice is not None:
+        quota, scope = notice
+        whose = (
+            "the large request bodies of this API key's owner (all its keys)"
+            if scope == "owner"
+            else "this API key's large request bodies"
+        )
+        setting = (
+            "bodies.max_bytes_per_owner"
+            if scope == "owner"
+            else "bodies.max_bytes_per_key, or the key's max_body_bytes"
+        )
         return E.RateLimited(
-            f"the request's body object was removed: this API key's large request bodies "
-            f"held more than its quota of {quota} bytes in the store at once "
-            f"(bodies.max_bytes_per_key, or the key's max_body_bytes), so all of them were "
-            f"removed; send the request again with fewer large requests in flight",
+            f"the request's body object was removed: {whose} held more than the quota of "
+            f"{quota} bytes in the store at once ({setting}), so this key's were removed; "
+            f"send the request again with fewer large requests in flight",
             headers={"Retry-After": RETRY_AFTER_S},
         )
     return E.InvalidRequest(
@@ -220,9 +230,10 @@ async def _missing(nc: NATS, owner: str) -> E.TokenbusError:
     )
 
 
-async def quota_notice(nc: NATS, owner: str) -> int | None:
+async def quota_notice(nc: NATS, owner: str) -> tuple[int, str] | None:
     """The quota in the auth service's last notice that it removed ``owner``'s bodies (within
-    the stream's age limit), or None: none, not a key's owner, or the store did not say."""
+    the stream's age limit) and whose it was (``key``, or ``owner``: all the keys of the
+    key's owner), or None: none, not a key's owner, or the store did not say."""
     kind, _, key_id = owner.partition(".")
     if kind != "tbk" or not key_id:
         return None
@@ -234,10 +245,13 @@ async def quota_notice(nc: NATS, owner: str) -> int | None:
             ),
             OP_TIMEOUT_S,
         )
-        quota = json.loads(msg.data or b"{}").get("quota")
+        notice = json.loads(msg.data or b"{}")
+        quota, scope = notice.get("quota"), notice.get("scope")
     except Exception:  # no notice (NotFoundError), or a store too slow to say: the plain 400
         return None
-    return quota if isinstance(quota, int) and not isinstance(quota, bool) else None
+    if not isinstance(quota, int) or isinstance(quota, bool):
+        return None
+    return quota, "owner" if scope == "owner" else "key"
 
 
 async def purge(nc: NATS, subject: str, below: int | None = None) -> int:

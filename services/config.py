@@ -874,6 +874,16 @@ class BodiesSettings(BaseModel):
         "every tenant shares. Eight 32 MiB requests in flight at once fit. A key's "
         "max_body_bytes overrides it; 0: no bound.",
     )
+    max_bytes_per_owner: int = Field(
+        default=1 << 30,
+        ge=0,
+        description="What the bodies of all the keys of one owner (a key record's owner) may "
+        "hold in the store at once, so that a tenant with many keys cannot hold many times "
+        "the per-key quota: past it the auth service removes the bodies of that owner's key "
+        "holding the most, then the next, until the owner is under it (a request still "
+        "reading one gets 429 naming this setting). Keys without an owner are bound per key "
+        "only. 0: no bound.",
+    )
 
 
 class BatchSettings(BaseModel):

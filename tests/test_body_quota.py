@@ -30,9 +30,11 @@ from tokenbus import Client
 MODEL = "quota-model"
 QUOTA = 4 << 20  # bodies.max_bytes_per_key in this stack: two 1.6 MB bodies fit, three do not
 BIG = [{"role": "user", "content": "tell me " * 200_000}]  # 1.6 MB: seven chunks
+OWNER_QUOTA = 6 << 20  # bodies.max_bytes_per_owner: all the keys of one owner together
 ENV = {
     "TOKENBUS_INGRESS__PIPELINE": '["auth", "route"]',
     "TOKENBUS_BODIES__MAX_BYTES_PER_KEY": str(QUOTA),
+    "TOKENBUS_BODIES__MAX_BYTES_PER_OWNER": str(OWNER_QUOTA),
     "TOKENBUS_WORKER__SIM__MAX_MODEL_LEN": "50000000",
 }
 
@@ -233,10 +235,55 @@ async def test_a_janitor_counts_again_before_it_purges(stack: Stack) -> None:
         await stack.heard()
         assert len(await stack.held(key_id)) == 8
         assert await stack.purges() == before
-        await _chunks(c, 10)  # 4.5 MiB held: over
+        await _chunks(c, 7)  # 15 chunks: just under 4 MiB with what each counts beyond its data
+        await stack.heard()
+        assert len(await stack.held(key_id)) == 15
+        assert await stack.purges() == before
+        # One chunk over, and nothing written after it: each janitor's purge is bounded by
+        # the count that saw it, so the second removes nothing. (Chunks written while the
+        # first purge ran would be over the quota again: a second purge, rightly.)
+        await _chunks(c, 1)
         await wait_for(lambda: _gone(stack, key_id), what="the key's bodies removed")
     await stack.heard()
     assert await stack.purges() == before + 1
+
+
+@pytest.mark.stack
+async def test_an_owner_s_keys_together_are_bound_and_its_largest_loses_its_bodies(
+    stack: Stack,
+) -> None:
+    """A tenant with several keys, each under its own quota, cannot hold several times it:
+    past ``bodies.max_bytes_per_owner`` (6 MiB here) the janitors remove the bodies of that
+    owner's key holding the most, and only those; the owner's other key and another owner's
+    key keep theirs; the request naming a removed body gets 429 naming the owner's quota.
+    Before, only each key was bound (4 MiB each here)."""
+    owner = f"acme{time.time_ns()}"
+    key_a, id_a = await stack.key("acme-a", owner=owner)
+    key_b, id_b = await stack.key("acme-b", owner=owner)
+    key_o, id_o = await stack.key("other-c", owner=f"other{time.time_ns()}")
+    before = await stack.purges()
+    async with (
+        await Client.connect(stack.bus.url, api_key=key_a) as ca,
+        await Client.connect(stack.bus.url, api_key=key_b) as cb,
+        await Client.connect(stack.bus.url, api_key=key_o) as co,
+    ):
+        await _chunks(ca, 12)  # 3 MiB
+        body_b, _ = await _object(cb)  # 1.6 MB, seven chunks
+        await _chunks(cb, 1)  # b 1.9 MiB: the owner 5 MiB, under its 6
+        await _chunks(co, 12)  # another owner's 3 MiB
+        await stack.heard()
+        assert await stack.purges() == before
+        await _chunks(cb, 6)  # b 3.4 MiB (under its key's 4 MiB): the owner 6.4 MiB, over
+        await wait_for(lambda: _gone(stack, id_b), what="the owner's largest key's bodies removed")
+        await stack.heard()
+        assert await stack.purges() == before + 1  # one purge: the owner is under it again
+        assert len(await stack.held(id_a)) == 12
+        assert len(await stack.held(id_o)) == 12
+        with pytest.raises(TokenbusError) as got:
+            await cb.submit("chat", body_b, api_key=key_b).collect()
+        assert got.value.status == 429
+        assert "bodies.max_bytes_per_owner" in got.value.message
+        assert str(OWNER_QUOTA) in got.value.message
 
 
 @pytest.mark.stack
