@@ -37,7 +37,7 @@ from prometheus_client import Counter, Gauge
 from bus_schemas import codec, subjects
 from bus_schemas import errors as E
 from jobs.batch_status import OPEN, STATUSES, allowed, transition
-from jobs.batches import CONSUMER, STREAM, parse_input
+from jobs.batches import CONSUMER, STREAM, WORK_OBJECT, parse_input
 from jobs.files import OUTPUT_PURPOSE
 from jobs.inprocess import TIMEOUT, App, InProcess
 from jobs.job_records import (
@@ -175,15 +175,50 @@ class BatchRunner:
 
     async def _handle(self, msg: Any) -> None:
         what = msg.subject.rpartition(".")[2]
+        aside = (msg.headers or {}).get(WORK_OBJECT)
         try:
-            body = _work(msg.data, what)
+            data = msg.data
+            if aside:  # too large for the message: kept in the object store
+                kept = await self.store.work_object(aside)
+                if kept is None:  # expired, or deleted after an ack the server lost
+                    await self._work_object_missing(msg, what)
+                    return
+                data = kept
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # JetStream away: tried again later
+            log.warning("batch_work_failed", subject=msg.subject, error=repr(exc))
+            with contextlib.suppress(Exception):
+                await msg.nak(delay=1.0)
+            return
+        if await self._handle_work(msg, what, data) and aside:
+            await self.store.drop_work_object(aside)
+
+    async def _work_object_missing(self, msg: Any, what: str) -> None:
+        """A work message whose body kept aside is gone: a line is answered with an error
+        (its message names it), unless it was answered before; nothing else is run."""
+        log.warning("batch_work_object_missing", subject=msg.subject[:200])
+        with contextlib.suppress(Exception):
+            stub = codec.decode_map(msg.data)
+            if what == "line" and isinstance(stub.get("batch"), str):
+                err = _err("line_body_missing", "the line's request expired before it ran")
+                line = _line_out(cast(LineWork, {**stub, "body": {}}), None, err)
+                await self._record(str(stub["batch"]), int(stub["n"]), line, ok=False)
+        with contextlib.suppress(Exception):
+            await msg.term()
+
+    async def _handle_work(self, msg: Any, what: str, data: bytes) -> bool:
+        """Do one work message; whether it is done for good (acknowledged or terminated),
+        not to be delivered again."""
+        try:
+            body = _work(data, what)
         except (E.TokenbusError, KeyError, TypeError, ValueError) as exc:
             # Not work a service queued (only bridges and ingress may publish here): dropped
             # for good, never tried again.
             log.warning("batch_work_malformed", subject=msg.subject[:200], error=repr(exc)[:200])
             with contextlib.suppress(Exception):
                 await msg.term()
-            return
+            return True
         batch_id = str(body["batch"])
         try:
             if what == "validate":
@@ -191,18 +226,19 @@ class BatchRunner:
                 await msg.ack()
                 await self._maybe_finish(batch_id)
             elif what == "line":
-                if await self._line(batch_id, cast(LineWork, body), msg):
-                    await msg.ack()
+                if not await self._line(batch_id, cast(LineWork, body), msg):
+                    return False
+                await msg.ack()
             elif what in self.handlers:
                 keep = asyncio.get_running_loop().create_task(self._keep_in_progress(msg))
                 try:
                     settled = await self.handlers[what](body)
                 finally:
                     keep.cancel()
-                if settled:
-                    await msg.ack()
-                else:
+                if not settled:
                     await msg.nak(delay=1.0)
+                    return False
+                await msg.ack()
             else:
                 await msg.term()
         except asyncio.CancelledError:
@@ -211,6 +247,8 @@ class BatchRunner:
             log.warning("batch_work_failed", subject=msg.subject, error=repr(exc))
             with contextlib.suppress(Exception):
                 await msg.nak(delay=1.0)
+            return False
+        return True
 
     # -- validation ---------------------------------------------------------------------------
     async def _validate(self, batch_id: str) -> None:

@@ -31,8 +31,10 @@ from nats.js.errors import (
     KeyNotFoundError,
     KeyWrongLastSequenceError,
     NotFoundError,
+    ObjectNotFoundError,
 )
 from nats.js.kv import KeyValue
+from nats.js.object_store import ObjectStore
 
 from bus_schemas import codec, subjects
 from bus_schemas import errors as E
@@ -43,6 +45,7 @@ from jobs.job_records import BatchError, BatchObject, BatchRecord, InputLine, Re
 from jobs.storage import BatchStorage, FileStorage
 from services import buckets
 from services import logging as tlog
+from services.bodies import THRESHOLD
 from services.config import BatchSettings, Settings, kv_replicas
 from services.runtime import reply_subject
 
@@ -51,6 +54,12 @@ OPEN_BATCHES = "tokenbus_batches_open"  # the ids of batches not yet finished: w
 BY_OWNER = "tokenbus_batches_by_owner"  # <owner>.<batch id>: what a key's listing reads
 RESULTS = "tokenbus_batch_results"
 STREAM = "TOKENBUS_BATCH"
+# Work too large for one message (a line or a background request past max_payload: issue 67)
+# is kept whole in this object store, under its message id; the message, its header naming
+# the object, carries the rest (the batch id, a line's number and custom_id) without the
+# request. Runners delete the object once the work is acknowledged; it expires with batches.
+WORK_LARGE_BUCKET = "tokenbus_batch_work_large"
+WORK_OBJECT = "Tokenbus-Work-Object"
 CONSUMER = "runners"
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses")
 WINDOWS = {"24h": 86400}
@@ -198,6 +207,7 @@ class BatchStore:
         self.results: KeyValue | None = None
         self.open_index: KeyValue | None = None
         self.owner_index: KeyValue | None = None
+        self.large: ObjectStore | None = None
 
     async def open(self) -> BatchStore:
         self.batches = await self._bucket(BATCHES, self.ttl_s)
@@ -222,6 +232,14 @@ class BatchStore:
             duplicate_window=120.0,
         )
         await buckets.open_stream(self.js, config, stall_s=0)
+        self.large = await buckets.open_objects(
+            self.js,
+            WORK_LARGE_BUCKET,
+            ttl=self.ttl_s,
+            storage=api.StorageType.FILE,
+            description="tokenbus: batch lines and background requests too large for a message",
+            stall_s=0,
+        )
         return self
 
     async def _bucket(self, name: str, ttl: float) -> KeyValue:
@@ -402,12 +420,33 @@ class BatchStore:
     async def publish(
         self, batch_id: str, what: str, body: Mapping[str, object], msg_id: str
     ) -> None:
+        data = codec.encode(body)
+        headers = {"Nats-Msg-Id": msg_id}
+        if len(data) > THRESHOLD:  # past what one message takes: the object store holds it
+            if self.large is None:
+                raise E.ServiceUnavailable("the batch store (JetStream) is not open; retry")
+            await self.large.put(msg_id, data)  # a repeat writes the same bytes again
+            headers[WORK_OBJECT] = msg_id
+            data = codec.encode({k: v for k, v in body.items() if k != "body"})
         await self.js.publish(
-            subjects.batch_work(batch_id, what),
-            codec.encode(body),
-            stream=STREAM,
-            headers={"Nats-Msg-Id": msg_id},
+            subjects.batch_work(batch_id, what), data, stream=STREAM, headers=headers
         )
+
+    async def work_object(self, name: str) -> bytes | None:
+        """The work kept aside under ``name`` (its digest checked); None when it is gone."""
+        if self.large is None:
+            raise E.ServiceUnavailable("the batch store (JetStream) is not open; retry")
+        try:
+            got = await self.large.get(name)
+        except (ObjectNotFoundError, NotFoundError):
+            return None
+        return got.data or b""
+
+    async def drop_work_object(self, name: str) -> None:
+        """Delete the work kept aside under ``name`` (what expires on its own otherwise)."""
+        if self.large is not None:
+            with contextlib.suppress(Exception):
+                await self.large.delete(name)
 
 
 # -- NATS clients -------------------------------------------------------------------------

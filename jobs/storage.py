@@ -57,6 +57,14 @@ class BatchStorage(WorkQueue, Protocol):
         """``batch_id`` finished: out of the open list."""
         ...
 
+    async def work_object(self, name: str) -> bytes | None:
+        """A work message's body kept aside (too large for one message); None: gone."""
+        ...
+
+    async def drop_work_object(self, name: str) -> None:
+        """Delete a work message's body kept aside, once its work is acknowledged."""
+        ...
+
     async def record_result(self, batch_id: str, n: int, line: Mapping[str, object]) -> bool:
         """Write line ``n``'s answer once; False when it has one already."""
         ...

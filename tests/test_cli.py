@@ -130,6 +130,35 @@ def test_bench_measures_a_peer_in_front_of_the_same_engine(tmp_path: Path) -> No
 
 
 @pytest.mark.stack
+def test_bench_prompt_sizes_beside_a_peer_in_interleaved_rounds(tmp_path: Path) -> None:
+    # The prompt-size axis with a peer in front of the same engine server, each size's
+    # requests sent in two rounds that run every target in turn: one level per target and
+    # size over both rounds, and a comparison row per size for tokenbus and for the peer.
+    out = tmp_path / "sizes.json"
+    r = run_cli(
+        *("bench", "--spawn", "--upstream", "--peer", "pyrelay", "--prompt-bytes", "1000,700000"),
+        *("--concurrency", "1", "--requests-per-client", "3", "--rounds", "2"),
+        *("--max-tokens", "4", "--sim-prefill-ms", "1", "--sim-decode-ms", "1"),
+        *("--out", str(out)),
+        env=cli_env(),
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    report = json.loads(out.read_text())
+    levels = {(lv["target"], lv["prompt_bytes"]): lv for lv in report["levels"]}
+    sizes = (1000, 700000)
+    assert set(levels) == {(t, b) for t in ("tokenbus-http", "pyrelay", "direct") for b in sizes}
+    for lv in levels.values():
+        assert lv["rounds"] == 2 and len(lv["windows_ns"]) == 2
+        assert lv["errors"] == 0 and lv["requests"] == 3 and lv["output_tokens"] == 12
+        assert "_raw" not in lv
+    assert "bridge-0" in levels[("tokenbus-http", 700000)]["peak_rss_mb"]
+    assert levels[("tokenbus-http", 700000)]["gateway_ms"].get("p50") is not None
+    rows = {(c["target"], c["prompt_bytes"]) for c in report["comparison"]}
+    assert rows == {(t, b) for t in ("tokenbus-http", "pyrelay") for b in sizes}
+
+
+@pytest.mark.stack
 def test_bench_against_nothing_reports_errors_not_a_crash(tmp_path: Path) -> None:
     out = tmp_path / "b.json"
     r = run_cli(

@@ -20,7 +20,7 @@ import pytest
 
 from bus_schemas import subjects
 from bus_schemas.errors import ContentBlocked, TokenbusError
-from engine_worker.backends.sim import expected_text
+from engine_worker.backends.sim import count_tokens, expected_text
 from services import bodies
 from services.natsconf import role_login
 from tests.support.busdata import new_model
@@ -465,3 +465,86 @@ async def test_a_prompt_far_over_the_context_is_refused_before_any_upload(
             assert (await _stored(js))[1] == written
         finally:
             await nc.drain()
+
+
+async def _retrieved_when_done(oai: openai.AsyncOpenAI, response_id: str) -> Any:
+    """A background response once it is no longer queued or running."""
+    state: dict[str, Any] = {}
+
+    async def done() -> bool:
+        state["r"] = await oai.responses.retrieve(response_id)
+        return state["r"].status not in ("queued", "in_progress")
+
+    try:
+        # Each look reads the whole record (3 MB): every quarter second, not every 20 ms.
+        await wait_for(done, timeout=60, interval=0.25, what="the background response finished")
+    finally:
+        print("response:", state.get("r"))
+    return state["r"]
+
+
+@pytest.mark.stack
+async def test_a_large_batch_line_is_answered_from_its_whole_prompt(
+    big_stack: ProcStack, js: Any
+) -> None:
+    """A Batch line past max_payload: the runner runs it as an HTTP request would go, by
+    claim check; its answer is the whole prompt's (the sim's text and prompt tokens)."""
+    want = expected_text(f"<|user|>{BIG}\n", 5, seed=7)[0]
+    held, written = await _stored(js)
+    line = {
+        "custom_id": "big",
+        "method": "POST",
+        "url": "/v1/chat/completions",
+        "body": {"model": big_stack.model, "messages": _chat(BIG), "max_tokens": 5, "seed": 7},
+    }
+    async with big_stack.openai() as oai:
+        f = await oai.files.create(file=("big.jsonl", json.dumps(line).encode()), purpose="batch")
+        b = await oai.batches.create(
+            input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+        state: dict[str, Any] = {}
+
+        async def finished() -> bool:
+            state["b"] = await oai.batches.retrieve(b.id)
+            return state["b"].status in ("completed", "failed", "expired", "cancelled")
+
+        try:
+            await wait_for(finished, timeout=60, interval=0.25, what="the batch finished")
+        finally:
+            print("batch:", state.get("b"))
+        done = state["b"]
+        assert done.status == "completed", done
+        assert done.request_counts is not None and done.request_counts.completed == 1, done
+        assert done.output_file_id is not None
+        out = json.loads((await oai.files.content(done.output_file_id)).read())
+    answer = out["response"]["body"]
+    assert out["custom_id"] == "big" and out["response"]["status_code"] == 200
+    assert answer["choices"][0]["message"]["content"] == want
+    assert answer["usage"]["prompt_tokens"] == count_tokens(f"<|user|>{BIG}\n")
+    assert (await _stored(js))[1] >= written + -(-len(BIG) // bodies.CHUNK)  # claim-checked
+    await wait_for(lambda: _held(js, held), what="the line's body object deleted")
+
+
+@pytest.mark.stack
+async def test_a_large_background_response_is_run_from_its_whole_input(
+    big_stack: ProcStack, js: Any
+) -> None:
+    """A background Responses request past max_payload is queued, run by a runner by claim
+    check, and its stored answer counts the whole input."""
+    held, written = await _stored(js)
+    async with big_stack.openai() as oai:
+        plain = await oai.responses.create(
+            model=big_stack.model, input=BIG, max_output_tokens=4, store=False
+        )
+        r = await oai.responses.create(
+            model=big_stack.model, input=BIG, background=True, max_output_tokens=4
+        )
+        assert r.status == "queued" and r.background is True
+        r = await _retrieved_when_done(oai, r.id)
+    assert r.status == "incomplete" and r.usage is not None, r
+    assert r.usage.output_tokens == 4
+    assert plain.usage is not None and r.usage.input_tokens == plain.usage.input_tokens
+    assert r.usage.input_tokens >= count_tokens(BIG)
+    assert r.output_text == plain.output_text
+    assert (await _stored(js))[1] >= written + 2 * -(-len(BIG) // bodies.CHUNK)
+    await wait_for(lambda: _held(js, held), what="the runs' body objects deleted")

@@ -19,7 +19,7 @@ from typing import Any
 
 from services.config import Settings
 from tokenbus.evaluation import peers
-from tokenbus.evaluation.bench_load import run_level, run_sessions
+from tokenbus.evaluation.bench_load import run_rounds, run_sessions
 from tokenbus.evaluation.bench_prompts import prompt_sizes
 from tokenbus.evaluation.bench_report import (
     add_latency_split,
@@ -95,16 +95,13 @@ async def main(a: argparse.Namespace, s: Settings) -> int:
                 session_runs.append(await run_sessions(t, a))
         for size in prompt_sizes(a):
             a.prompt_bytes_now = size
-            for t in targets:
-                c = levels_c[0]
-                lv = await run_level(t, c, c * a.requests_per_client, a, progress)
+            for lv in await run_rounds(targets, levels_c[0], a, progress):
                 lv["prompt_bytes"] = size
                 levels.append(lv)
         if getattr(a, "prompt_bytes", None):
             levels_c = []
         for c in levels_c:
-            for t in targets:
-                levels.append(await run_level(t, c, c * a.requests_per_client, a, progress))
+            levels += await run_rounds(targets, c, a, progress)
         if getattr(a, "telemetry_db", None):
             await asyncio.sleep(1.5)  # the telemetry service flushes its buffer
             add_latency_split(levels, a.telemetry_db)

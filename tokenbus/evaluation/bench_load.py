@@ -119,6 +119,77 @@ async def run_level(
             else None
         ),
         "window_ns": [t0_ns, time.time_ns()],
+        # What :func:`merge` needs to join rounds (removed before the report is written).
+        RAW: {"results": results, "cpu_s": cpu_s, "wall_s": wall},
+    }
+
+
+RAW = "_raw"
+
+
+async def run_rounds(
+    targets: list[Target], conc: int, a: argparse.Namespace, progress: bool
+) -> list[dict[str, Any]]:
+    """One level per target, each of ``conc * --requests-per-client`` requests. With
+    ``--rounds N`` they are sent in N rounds, each running every target in turn (the order
+    turned by one each round) for its share: drift in a shared machine's load falls on every
+    target alike instead of on whichever ran last. The level's figures are over all rounds."""
+    rounds = max(1, min(getattr(a, "rounds", 1), a.requests_per_client))
+    parts: dict[str, list[dict[str, Any]]] = {t.name: [] for t in targets}
+    for r in range(rounds):
+        share = a.requests_per_client // rounds + (r < a.requests_per_client % rounds)
+        k = r % len(targets)
+        for t in [*targets[k:], *targets[:k]]:
+            parts[t.name].append(await run_level(t, conc, conc * share, a, progress))
+    out = [merge(parts[t.name]) for t in targets]
+    for lv in out:
+        lv.pop(RAW, None)
+    return out
+
+
+def merge(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """The levels of one target's rounds as one level: latencies over every request, tokens
+    per second over the time it was measured, peak memory the highest, CPU summed."""
+    if len(parts) == 1:
+        return parts[0]
+    results: list[Result] = [r for p in parts for r in p[RAW]["results"]]
+    wall = sum(p[RAW]["wall_s"] for p in parts)
+    cpu_s: dict[str, float] = {}
+    peak: dict[str, float] = {}
+    for p in parts:
+        for n, v in p[RAW]["cpu_s"].items():
+            cpu_s[n] = cpu_s.get(n, 0.0) + v
+        for n, v in p["peak_rss_mb"].items():
+            peak[n] = max(peak.get(n, 0.0), v)
+    ok = [r for r in results if r.ok]
+    errors: dict[str, int] = {}
+    for r in results:
+        if not r.ok:
+            errors[r.error] = errors.get(r.error, 0) + 1
+    tokens = sum(r.tokens for r in ok)
+    return {
+        **parts[0],
+        "rounds": len(parts),
+        "requests": len(results),
+        "errors": len(results) - len(ok),
+        "error_kinds": errors,
+        "first_error": next((r.error for r in results if not r.ok), None),
+        "duration_s": round(wall, 3),
+        "output_tokens": tokens,
+        "output_tokens_per_s": round(tokens / wall, 1) if wall else 0.0,
+        "requests_per_s": round(len(ok) / wall, 2) if wall else 0.0,
+        "ttft_ms": summary_ms([r.ttft_s for r in ok]),
+        "tbt_ms": summary_ms([r.tbt_s for r in ok if r.tbt_s is not None]),
+        "e2e_ms": summary_ms([r.e2e_s for r in ok]),
+        "peak_rss_mb": peak,
+        "cpu_percent": {n: round(100 * v / wall, 1) for n, v in cpu_s.items()} if wall else {},
+        "cpu_us_per_token": (
+            round(1e6 * sum(v for k, v in cpu_s.items() if k != "bench-client") / tokens, 1)
+            if tokens and len(cpu_s) > 1
+            else None
+        ),
+        "window_ns": [parts[0]["window_ns"][0], parts[-1]["window_ns"][1]],
+        "windows_ns": [p["window_ns"] for p in parts],
     }
 
 

@@ -32,9 +32,13 @@ def add_latency_split(levels: list[dict[str, Any]], db: str) -> None:
     for lv in levels:
         if lv["target"] == "direct":
             continue
-        lo, hi = lv["window_ns"]
+        windows = lv.get("windows_ns") or [lv["window_ns"]]  # one a round (--rounds)
         src = "http" if lv["mode"] == "http" else "worker"
-        mine = [r for r in rows if lo <= int(r["ts_ns"] or 0) <= hi and r["source"] == src]
+        mine = [
+            r
+            for r in rows
+            if r["source"] == src and any(lo <= int(r["ts_ns"] or 0) <= hi for lo, hi in windows)
+        ]
         for key in ("gateway_ms", "engine_ms"):
             vals = [float(r[key]) for r in mine if isinstance(r.get(key), int | float)]
             lv[key] = summary_ms([v / 1000 for v in vals]) if vals else {}

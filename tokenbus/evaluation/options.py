@@ -76,6 +76,14 @@ def _bench(sub: Any) -> Any:
         "--concurrency; with --spawn, TTFT added against the direct server per size, and each "
         "process's peak memory (docs/large-requests.md)",
     )
+    b.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="send each level's requests in this many rounds, each running every target in "
+        "turn for its share, so a shared machine's changing load falls on every target alike "
+        "(figures over all rounds; default 1: each target's level in one go)",
+    )
     b.add_argument("--seed", type=int, default=0, help="for sampled lengths and prompts")
     b.add_argument(
         "--extra-body",
