@@ -268,7 +268,7 @@ class Bridge(Service):
         super().__init__(settings, **kw)
         self.reuse_port = reuse_port
         self.http: HTTPServer | None = None
-        self.gate = StartGate(settings.bridge.start_wait_s)
+        self.gate = StartGate(settings.bridge.start_wait_s, settings.bridge.request_timeout_s)
         self._own_keys: KeyStore | None = None  # /v1/models' key store when auth is not fused
         self.batch_runner: BatchRunner | None = None
         self._mounting: asyncio.Task[None] | None = None  # files and batches, tried again

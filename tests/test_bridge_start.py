@@ -44,7 +44,8 @@ async def test_a_bridge_started_while_the_bus_is_paused_listens_and_serves_once_
     once, alive on /health and not ready on /ready. A request to the one that holds
     requests for 60 s waits and is answered once the server is back; the other holds them
     for 1 s and answers 503 with Retry-After, OpenAI-shaped, and serves after the pause
-    too. Before the start gate, neither port was open until the bridge had the bus."""
+    too; a third holds a request no longer than the request's own time limit (2 s there).
+    Before the start gate, neither port was open until the bridge had the bus."""
     assert private_nats.proc is not None
     nats_pid = private_nats.proc.pid
     with Procs(private_nats.url, tmp_path) as ps:
@@ -52,7 +53,7 @@ async def test_a_bridge_started_while_the_bus_is_paused_listens_and_serves_once_
         await wait_replicas(private_nats.url, model, 1)
         os.kill(nats_pid, signal.SIGSTOP)
         try:
-            patient, brief = free_port(), free_port()
+            patient, brief, limited = free_port(), free_port(), free_port()
             ps.start("bridge-patient", "serve", "bridge", "--port", str(patient))
             ps.start(
                 "bridge-brief",
@@ -62,7 +63,16 @@ async def test_a_bridge_started_while_the_bus_is_paused_listens_and_serves_once_
                 str(brief),
                 env={"TOKENBUS_BRIDGE__START_WAIT_S": "1"},
             )
-            bases = [f"http://127.0.0.1:{p}" for p in (patient, brief)]
+            # Holds requests for 60 s, but a request's own time limit is 2 s.
+            ps.start(
+                "bridge-limited",
+                "serve",
+                "bridge",
+                "--port",
+                str(limited),
+                env={"TOKENBUS_BRIDGE__REQUEST_TIMEOUT_S": "2"},
+            )
+            bases = [f"http://127.0.0.1:{p}" for p in (patient, brief, limited)]
             for base in bases:
                 await wait_for(
                     lambda base=base: _answers(base, "/health", 200, status="starting"),
@@ -79,6 +89,14 @@ async def test_a_bridge_started_while_the_bus_is_paused_listens_and_serves_once_
                 assert refused.headers["retry-after"] == "1"
                 error = refused.json()["error"]
                 assert error["code"] == "service_unavailable" and "starting" in error["message"]
+
+                # Held no longer than its time limit (before, for the 60 s: its client had
+                # given up long before; the nemesis saw one held 21 s against 15).
+                limit = await asyncio.wait_for(
+                    h.post(f"{bases[2]}/v1/chat/completions", json=body), 30
+                )
+                assert limit.status_code == 503, limit.text
+                assert "after 2 s" in limit.json()["error"]["message"]
 
                 held = asyncio.ensure_future(h.post(f"{bases[0]}/v1/chat/completions", json=body))
                 await wait_for(
