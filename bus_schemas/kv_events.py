@@ -63,7 +63,7 @@ it has them all (:func:`assemble_snapshot`).
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 from bus_schemas import codec
@@ -193,6 +193,33 @@ def text_block_hashes(text: str, block_size: int, seed: str = "") -> list[int]:
     :func:`text_token_ids`, without making the ids (one hash call a block); the first
     block's parent is :func:`text_root` of ``seed``."""
     return _chain(_utf32(text), block_size, None, text_root(seed))
+
+
+def text_block_hash_slices(
+    text: str, block_size: int, seed: str = "", slice_blocks: int = 1024
+) -> Iterator[list[int]]:
+    """:func:`text_block_hashes` of ``text`` in slices of at most ``slice_blocks`` hashes,
+    in order (joined, the same list), each made when asked for: a caller on an event loop
+    yields to it between slices, so a long prompt's hashing (262 144 blocks for 16 MiB, some
+    0.3 s) does not hold the loop. Only one slice of the text is encoded at a time."""
+    if block_size < 1 or slice_blocks < 1:
+        raise ValueError("block_size and slice_blocks must be at least 1")
+    step = block_size * _CHARS * slice_blocks  # characters of whole tokens and whole blocks
+    prev = text_root(seed)
+    whole = len(text) // step
+    for k in range(whole):
+        out = _chain(
+            text[k * step : (k + 1) * step].encode("utf-32-le", "surrogatepass"),
+            block_size,
+            None,
+            prev,
+        )
+        if out:
+            prev = out[-1].to_bytes(8, "big")
+        yield out
+    tail = text[whole * step :]
+    if tail or not text:  # the rest, padded to whole tokens as text_block_hashes pads
+        yield _chain(_utf32(tail), block_size, None, prev)
 
 
 # -- hashing schemes --------------------------------------------------------------------------

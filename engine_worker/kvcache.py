@@ -35,12 +35,15 @@ or hybrid (Mamba) groups, no LoRA, multimodal or ``cache_salt`` keys in the hash
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from bus_schemas import kv_events as K
 
 __all__ = ["EventLog", "KVCache", "Lease"]
+
+# Block hashes made per slice of a long prompt (:meth:`KVCache.hash_slices`): ~1.5 ms of CPU.
+HASH_SLICE_BLOCKS = 1024
 
 
 class _Block:
@@ -123,6 +126,11 @@ class KVCache(EventLog):
     def hashes_of(self, text: str) -> list[int]:
         """The full-block hashes of a prompt rendered as ``text`` (the sim's tokens)."""
         return K.text_block_hashes(text, self.block_size, self.seed)
+
+    def hash_slices(self, text: str) -> Iterator[list[int]]:
+        """:meth:`hashes_of` ``text`` in slices of :data:`HASH_SLICE_BLOCKS`, each made when
+        asked for (a caller yields to its event loop between them)."""
+        return K.text_block_hash_slices(text, self.block_size, self.seed, HASH_SLICE_BLOCKS)
 
     def match(self, hashes: Sequence[int]) -> int:
         """How many of ``hashes``, from the first, are cached (no side effects)."""

@@ -187,6 +187,16 @@ async def fetch(nc: NATS, claim: dict[str, Any]) -> dict[str, Any]:
         raise await _missing(nc, claim["owner"]) from None
     except Exception as exc:
         raise _unavailable(f"did not answer ({type(exc).__name__})") from None
+    # Off the event loop: joining, hashing and decoding 16 MB take tens of ms of CPU (more on
+    # a loaded machine), and eight such bodies at once held a worker's loop past its
+    # heartbeats (docs/large-requests.md). sha256 releases the GIL; the join and the decode
+    # are one C call each, so the loop waits at most for one of them, not for all.
+    return await asyncio.to_thread(_unpack, got, claim)
+
+
+def _unpack(got: list[bytes], claim: dict[str, Any]) -> dict[str, Any]:
+    """The claimed parts from the chunks ``got``, checked against ``claim``'s size and
+    digest (400 when they do not match or are not an envelope's parts)."""
     blob = b"".join(got)
     if len(blob) != claim["size"] or hashlib.sha256(blob).hexdigest() != claim["sha256"]:
         raise E.InvalidRequest(

@@ -461,3 +461,57 @@ async def test_the_sim_backend_offers_its_cache_and_clears_it_when_it_stops() ->
     await b.stop()
     assert [ev["type"] for ev in log.sync()] == [K.STORED, K.ALL_CLEARED]
     assert kv_event_source(SimBackend(WorkerSettings(sim=cfg(kv_cache_blocks=0)))) is None
+
+
+@pytest.mark.parametrize("block_size", [1, 2, 16])
+@pytest.mark.parametrize("per", [1, 3, 1024])
+def test_a_prompt_hashed_in_slices_has_the_same_hashes(block_size: int, per: int) -> None:
+    rng = random.Random(block_size * 100 + per)
+    alphabet = ["a", " ", "é", "\U0001f600", "\ud800"]  # a lone surrogate, as JSON may hold
+    step = block_size * 4 * per
+    for n in {0, 1, 3, 4, 5, step - 1, step, step + 1, 2 * step + 3, 700}:
+        text = "".join(rng.choice(alphabet) for _ in range(n))
+        sliced = K.text_block_hash_slices(text, block_size, "seed", per)
+        assert [h for part in sliced for h in part] == K.text_block_hashes(text, block_size, "seed")
+
+
+async def test_a_long_prompt_is_hashed_while_the_event_loop_turns() -> None:
+    """A multi-MiB prompt's block hashes are made a slice per turn of the event loop, not in
+    one call that holds it (docs/large-requests.md: eight 16 MiB prompts held a worker past
+    its heartbeats); its admission and what its prefill stores are the same as before."""
+    import asyncio
+
+    from engine_worker.backends import sim
+
+    engine = SimEngine(SimSettings(prefill_ms=1.0, decode_ms=1.0, max_model_len=10**9))
+    assert engine.cache is not None
+    text = ("lorem ipsum dolor sit amet " * 100_000)[: 2 * 1024 * 1024]
+    assert len(text) >= 4 * sim.PREHASH_CHARS
+    r = GenerationRequest(request_id="r", kind="completions", model="m", max_tokens=4, prompt=text)
+    stream = engine.generate(r)
+    turns = 0  # turns of the loop before the prompt was looked up in the cache
+    done = False
+
+    async def ticker() -> None:
+        nonlocal turns
+        while not done:
+            if not stream.seq.looked_up:
+                turns += 1
+            await asyncio.sleep(0)
+
+    tick = asyncio.create_task(ticker())
+    got = [d async for d in stream]
+    done = True
+    await tick
+    assert got[-1].finish_reason == "length"
+    # 2 MiB of prompt: 32 slices of 1024 blocks, each followed by a turn of the loop.
+    assert turns >= 16, turns
+    hashes = K.text_block_hashes(text, engine.cfg.block_size, engine.cfg.hash_seed)
+    assert engine.cache.match(hashes) == len(hashes)  # stored what it always stored
+    # The same prompt again reads every full block but the last token's from the cache.
+    again = [d async for d in engine.generate(r)]
+    cached = again[-1].usage["prompt_tokens_details"]["cached_tokens"]  # type: ignore[index]
+    assert cached == min(len(hashes), (count_tokens(text) - 1) // engine.cfg.block_size) * (
+        engine.cfg.block_size
+    )
+    assert "".join(d.text for d in again) == "".join(d.text for d in got)

@@ -548,3 +548,30 @@ async def test_a_large_background_response_is_run_from_its_whole_input(
     assert r.output_text == plain.output_text
     assert (await _stored(js))[1] >= written + 2 * -(-len(BIG) // bodies.CHUNK)
     await wait_for(lambda: _held(js, held), what="the runs' body objects deleted")
+
+
+@pytest.mark.bus
+async def test_a_fetched_body_is_checked_and_decoded_off_the_event_loop(
+    nc: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Joining, hashing and decoding a multi-MiB body run in a thread, not in the loop of
+    the process that fetches it (a worker with eight 16 MiB bodies missed its heartbeats)."""
+    import threading
+
+    await bodies.open_stream(nc)
+    env = {"messages": [{"role": "user", "content": BIG * 3}]}
+    claim = await bodies.put(nc, env, "tb.loop-test")
+    decoded_on: list[threading.Thread] = []
+    decode_map = bodies.codec.decode_map
+
+    def watched(data: bytes) -> dict[str, Any]:
+        decoded_on.append(threading.current_thread())
+        return decode_map(data)
+
+    monkeypatch.setattr(bodies.codec, "decode_map", watched)
+    try:
+        parts = await bodies.fetch(nc, claim)
+    finally:
+        await bodies.delete(nc, claim)
+    assert parts == {"messages": env["messages"]}
+    assert decoded_on and threading.main_thread() not in decoded_on

@@ -156,6 +156,11 @@ def token_text(start: int, i: int) -> str:
 
 
 _DEFAULTS = SimSettings()
+# A prompt of this many characters or more (64 KiB of UTF-32 per 4096 blocks of 16 tokens) is
+# hashed for the prefix cache before it is submitted, a slice per turn of the event loop:
+# hashed at admission, a 16 MiB prompt held the worker's loop 0.3-0.4 s, and eight of them
+# made it miss its heartbeats (docs/large-requests.md). Shorter ones are hashed at admission.
+PREHASH_CHARS = 256 * 1024
 _NORMAL = NormalDist()
 
 
@@ -290,6 +295,7 @@ class _Seq:
         "cancelled",
         "done",
         "emitted",
+        "hashes",
         "lease",
         "left",
         "listener",
@@ -319,6 +325,9 @@ class _Seq:
         # The prompt as rendered: what the prefix cache hashes (its tokens, not the resumed
         # output a migrated request prefills after it).
         self.prompt = prompt
+        # Its prompt's block hashes, made before it was submitted (a long prompt: see
+        # SimEngine.hash_then_submit); None: made at admission.
+        self.hashes: list[int] | None = None
         # Its blocks in the prefix cache (None: no cache, or not admitted yet / released).
         self.lease: Lease | None = None
         self.cached = 0  # prompt tokens read from the cache at admission
@@ -420,6 +429,26 @@ class SimEngine:
         return kv_handover(self.engine_id, prompt_tokens, self.cfg.block_size, self.tp, "sim")
 
     # -- scheduling -------------------------------------------------------------------------
+    def must_hash(self, seq: _Seq) -> bool:
+        """Whether ``seq``'s prompt is hashed before it is submitted (:meth:`hash_then_submit`):
+        a prompt of :data:`PREHASH_CHARS` or more that the prefix cache will look up."""
+        return self.cache is not None and seq.lora is None and len(seq.prompt) >= PREHASH_CHARS
+
+    async def hash_then_submit(self, seq: _Seq) -> None:
+        """Hash ``seq``'s prompt a slice of blocks per turn of the event loop, then submit it
+        (not when it was cancelled meanwhile). What its admission looks up and what its
+        prefill stores are the same hashes; only the loop is not held while they are made."""
+        cache = self.cache
+        assert cache is not None
+        hashes: list[int] = []
+        for part in cache.hash_slices(seq.prompt):
+            hashes += part
+            await asyncio.sleep(0)
+            if seq.cancelled:
+                return
+        seq.hashes = hashes
+        self.submit(seq)
+
     def submit(self, seq: _Seq) -> None:
         self.waiting.append(seq)
         self._admit(time.monotonic())
@@ -448,7 +477,8 @@ class SimEngine:
             elif cache is not None:
                 # vLLM keys an adapter's blocks by the adapter; the sim keeps a prefix cache
                 # for the base model's requests only (docs/adapters.md).
-                lease = s.lease = cache.acquire(cache.hashes_of(s.prompt), s.prompt_tokens)
+                hashes = s.hashes if s.hashes is not None else cache.hashes_of(s.prompt)
+                lease = s.lease = cache.acquire(hashes, s.prompt_tokens)
                 s.cached = lease.cached_tokens
                 # What it reports: the real count unless a test makes it disagree.
                 s.reported_cached = int(lease.cached_tokens * self.cfg.fault_cached_scale)
@@ -698,6 +728,22 @@ class _TextOut:
     text: str
     sent: int
     finished: bool
+    # A long prompt to hash before the sequence is submitted, at the stream's first read.
+    hashing = False
+
+    def _enter(self) -> None:
+        """Submit the sequence now, or, when its long prompt is hashed first
+        (:meth:`SimEngine.must_hash`), at the stream's first read (:meth:`_entered`)."""
+        if self.engine.must_hash(self.seq):
+            self.hashing = True
+        else:
+            self.engine.submit(self.seq)
+
+    async def _entered(self) -> None:
+        """Hash the prompt and submit the sequence if that waits for this first read."""
+        if self.hashing:
+            self.hashing = False
+            await self.engine.hash_then_submit(self.seq)
 
     def _release(self, new: str) -> tuple[str, str | None] | None:
         """(text to send now, the stop sequence that ended it or None) for ``new`` text, or
@@ -759,12 +805,13 @@ class SimStream(_TextOut):
         if done >= limit:  # everything was sent; only the end was lost
             self.seq.done = True
         else:
-            engine.submit(self.seq)
+            self._enter()
 
     def __aiter__(self) -> SimStream:
         return self
 
     async def __anext__(self) -> Delta:
+        await self._entered()
         seq = self.seq
         while not self.finished:
             if not seq.buf:
@@ -813,6 +860,11 @@ class SimStream(_TextOut):
         ``sink`` ends the stream (the sequence is cancelled)."""
         seq = self.seq
         ended: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        try:
+            await self._entered()
+        except BaseException:
+            await self.aclose()
+            raise
 
         def give(d: Delta | None) -> None:
             if d is not None and not ended.done() and (sink(d) or d.finish_reason):
@@ -947,12 +999,13 @@ class SimExtraStream(_TextOut):
         if done >= limit:
             self.seq.done = True
         else:
-            engine.submit(self.seq)
+            self._enter()
 
     def __aiter__(self) -> SimExtraStream:
         return self
 
     async def __anext__(self) -> Delta:
+        await self._entered()
         seq = self.seq
         while not self.finished:
             if not seq.buf:
