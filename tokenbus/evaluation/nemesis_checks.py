@@ -21,6 +21,7 @@ from tokenbus.evaluation.nemesis_state import Run
 async def check_spend(run: Run) -> dict[str, Any]:
     """Each key's spend against the usage of its answered requests; holds left."""
     from auth.budgets import BUCKET, Budget, SpendBook
+    from auth.ratelimit import SUPERSEDE_FOR_S
     from bus_schemas import subjects
 
     out: dict[str, Any] = {"keys": {}, "violations": []}
@@ -69,12 +70,22 @@ async def check_spend(run: Run) -> dict[str, Any]:
                 if o.status == "ok"
             )
             slack += copies
-            try:
-                entry = await retrying("spend entry", lambda k=key_id: kv.get(f"k.{k}.total"), 30)
-                d = json.loads(entry.value or b"{}")
-            except Exception as exc:
-                d = {"error": repr(exc)}
+            d = await _spend_entry(kv, key_id)
             spent = int(d.get("spent", 0))
+            if spent < settled:
+                # A limiter keeps a supersede it could not yet write (its spend book or stream
+                # without a leader) in memory and tries it for up to SUPERSEDE_FOR_S: the spend
+                # stream's consumer being settled does not cover it. Under after that long, it
+                # is lost.
+                waited = time.monotonic()
+                give_up = waited + SUPERSEDE_FOR_S + 10
+                while spent < settled and time.monotonic() < give_up:
+                    await asyncio.sleep(1.0)
+                    d = await _spend_entry(kv, key_id)
+                    spent = int(d.get("spent", 0))
+                out.setdefault("waited_for_supersedes_s", {})[name] = round(
+                    time.monotonic() - waited, 1
+                )
             held = {k: v for k, v in (d.get("held") or {}).items() if float(v[1]) > now}
             # A request that failed (its worker died with it, and it was not moved, or its
             # caller died too) leaves its attempt's hold until the request's deadline: no
@@ -141,6 +152,15 @@ async def check_spend(run: Run) -> dict[str, Any]:
     finally:
         await nc.close()
     return out
+
+
+async def _spend_entry(kv: Any, key_id: str) -> dict[str, Any]:
+    """Key ``key_id``'s spend entry of the whole run (its error, where it cannot be read)."""
+    try:
+        entry = await retrying("spend entry", lambda: kv.get(f"k.{key_id}.total"), 30)
+        return dict(json.loads(entry.value or b"{}"))
+    except Exception as exc:
+        return {"error": repr(exc)}
 
 
 async def _consumer_settled(nc: Any, stream: str, consumer: str, timeout: float) -> bool:
