@@ -1,10 +1,13 @@
 """The suite's fixtures and hooks: a real nats-server on a random port, a client and a bare
-connection on it, the key store, a test's processes, the fake upstream; the order files run in
-and the tier every test must name. The helpers they use are tests/support's modules."""
+connection on it, the key store, a test's processes, the fake upstream, the pids a test
+paused, network-namespace hosts; the order files run in and the tier every test must name.
+The helpers they use are tests/support's modules."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -14,6 +17,7 @@ from nats.aio.client import Client as NATS
 
 from auth.store import KeyStore
 from services import logging as tlog
+from tests import netns
 from tests.support.busdata import key_store, new_model
 from tests.support.natsserver import NatsServer
 from tests.support.procs import Procs
@@ -139,3 +143,24 @@ def upstream(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Upstream]:
         yield up
     finally:
         up.stop()
+
+
+@pytest.fixture
+def paused() -> Iterator[list[int]]:
+    """Pids a test paused (SIGSTOP): continued when it ends, whatever happened."""
+    pids: list[int] = []
+    yield pids
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+
+
+@pytest.fixture
+def hosts() -> Iterator[netns.Hosts]:
+    """Hosts of their own on this machine (network namespaces); skipped where none can be
+    made."""
+    if not netns.available():
+        pytest.skip("network namespaces cannot be made here (needs root and ip)")
+    h = netns.Hosts().start()
+    yield h
+    h.stop()
