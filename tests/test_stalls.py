@@ -1,5 +1,7 @@
 """Stalls: a NATS server or a process that stops answering with its sockets open (SIGSTOP),
-the gray failure a crash test never shows (docs/fault-tolerance.md, "Stalls")."""
+the gray failure a crash test never shows (docs/fault-tolerance.md, "Stalls"): the only
+server, a worker host, the processes and the members of a queue group here; a cluster node:
+tests/test_stalls_nodes.py; a stream's leader: tests/test_stalls_leaders.py."""
 
 from __future__ import annotations
 
@@ -13,27 +15,20 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
-import nats
 import openai
 import pytest
 
-from auth import budgets
-from auth.store import KeyStore
 from bus_schemas import codec, subjects
 from bus_schemas import errors as E
 from bus_schemas import headers as H
-from services import buckets, caller, members, natsclient, runtime
-from services.natsconf import role_login
+from services import caller, members, runtime
 from services.runtime import connect
 from services.supervisor import Child, Supervisor
 from tests import netns
-from tests.lockedbus import UNLIMITED, LockedCluster, create_key
-from tests.lockedbus import wait_replicas as wait_cluster_replicas
 from tests.support.inprocess import stack
 from tests.support.natsserver import NatsServer, spawn_nats
 from tests.support.pids import child_matching, stop_process
@@ -47,51 +42,9 @@ PROMPT: Any = [{"role": "user", "content": "a stall"}]
 SIM_PACE = ("--sim-prefill-ms", "5", "--sim-decode-ms", "20")
 
 
-@pytest.fixture
-def paused() -> Iterator[list[int]]:
-    """Pids a test paused: continued when it ends, whatever happened."""
-    pids: list[int] = []
-    yield pids
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGCONT)
-
-
 def pause(pids: list[int], pid: int) -> None:
     pids.append(pid)
     os.kill(pid, signal.SIGSTOP)
-
-
-@pytest.mark.fault
-async def test_a_connection_leaves_a_paused_node_within_seconds(
-    tmp_path: Path, paused: list[int]
-) -> None:
-    """A service's connection to a node that stops answering (paused: its sockets stay
-    open, nothing resets them) moves to another node of the cluster within a few seconds
-    (nats-py's defaults took about four minutes), and works there."""
-    cluster = LockedCluster(tmp_path / "cluster").start()
-    try:
-        await cluster.routed()
-        nc = await connect(cluster.urls(0), "stall-test", **role_login(cluster.users, "admin"))
-        try:
-            assert nc.connected_url is not None and nc.connected_url.port == cluster.ports[0]
-            t0 = time.monotonic()
-            pause(paused, cluster.procs[0].pid)
-            await wait_for(
-                lambda: nc.is_connected and nc.connected_url.port != cluster.ports[0],
-                timeout=20,
-                what="not moved off the paused node",
-            )
-            moved = time.monotonic() - t0
-            print(f"\nmoved off the paused node after {moved:.2f} s")
-            sub = await nc.subscribe("tb.test.stall")
-            await nc.publish("tb.test.stall", b"x")
-            assert (await sub.next_msg(timeout=5)).data == b"x"
-        finally:
-            await nc.close()
-    finally:
-        os.kill(cluster.procs[0].pid, signal.SIGCONT)
-        cluster.stop()
 
 
 async def _stream_text(
@@ -180,144 +133,6 @@ async def _answer(conn: tuple[asyncio.StreamReader, asyncio.StreamWriter]) -> tu
         writer.close()
     head, _, body = raw.partition(b"\r\n\r\n")
     return int(head.split()[1]), json.loads(body)
-
-
-async def _key_when_jetstream_answers(cluster: LockedCluster, deadline: float) -> str:
-    """A key made through node 1, asked again while JetStream does not answer (its meta or
-    the bucket's leader was on the paused node, until the others elect another)."""
-    while True:
-        try:
-            return await create_key(await cluster.admin(1), "during-the-pause", **UNLIMITED)
-        except Exception:
-            if time.monotonic() > deadline:
-                raise
-
-
-# The cluster fault's load, least length and stages: small in the suite; the figures in
-# docs/fault-tolerance.md come from TOKENBUS_TEST_CLIENTS=32 TOKENBUS_TEST_FAULT_S=45
-# TOKENBUS_TEST_STAGES=auth,ratelimit,filter (every stage).
-CLIENTS = int(os.environ.get("TOKENBUS_TEST_CLIENTS", "8"))
-FAULT_S = float(os.environ.get("TOKENBUS_TEST_FAULT_S", "0"))
-STAGES = os.environ.get("TOKENBUS_TEST_STAGES", "auth").split(",")
-
-
-@pytest.mark.fault
-async def test_a_paused_cluster_node_under_the_bridge_fails_next_to_nothing(
-    tmp_path: Path, model: str, paused: list[int]
-) -> None:
-    """A 3-node cluster (buckets with 3 replicas, the auth callout on); the bridge, ingress,
-    auth and router connected to node 0, a worker on each node. Node 0 paused under 8
-    streaming HTTP clients until a key made through another node is served and 32 more
-    answers have come: at least 99 % of the requests complete whole and right, the
-    rest end with a retryable error, none hangs; the stack serves on the two nodes left,
-    and a key made there during the pause is let in at once."""
-    cluster = LockedCluster(tmp_path / "cluster").start()
-    try:
-        await _node_fault_under_load(
-            cluster,
-            tmp_path,
-            model,
-            "paused",
-            lambda: pause(paused, cluster.procs[0].pid),
-            lambda: os.kill(cluster.procs[0].pid, signal.SIGCONT),
-        )
-    finally:
-        os.kill(cluster.procs[0].pid, signal.SIGCONT)
-        cluster.stop()
-
-
-@pytest.mark.fault
-async def test_a_partitioned_cluster_node_under_the_bridge_fails_next_to_nothing(
-    hosts: netns.Hosts, tmp_path: Path, model: str
-) -> None:
-    """As above, each node on a host of its own, node 0's link down instead of paused (its
-    packets dropped, nothing reset): the same outcome."""
-    nodes = [hosts.add(f"n{i}") for i in range(3)]
-    cluster = LockedCluster(tmp_path / "cluster", hosts=nodes).start()
-    try:
-        await _node_fault_under_load(
-            cluster,
-            tmp_path,
-            model,
-            "partitioned",
-            lambda: hosts.cut(nodes[0]),
-            lambda: hosts.heal(nodes[0]),
-        )
-    finally:
-        cluster.stop()
-
-
-async def _node_fault_under_load(
-    cluster: LockedCluster,
-    tmp_path: Path,
-    model: str,
-    fault: str,
-    begin: Callable[[], None],
-    end: Callable[[], None],
-) -> None:
-    await cluster.routed()
-    key = await cluster.create_key("stall", **UNLIMITED)
-    env = {
-        "TOKENBUS_INGRESS__PIPELINE": json.dumps([*STAGES, "route"]),
-        "TOKENBUS_KV_REPLICAS": "3",
-    }
-    with Procs(cluster.urls(0), tmp_path) as procs:
-        stack = await start_stack(
-            procs,
-            model,
-            "ingress",
-            *STAGES,
-            "router",
-            workers=3,
-            worker_args=SIM_PACE,
-            env=env,
-            env_for=lambda role, i: {
-                **cluster.env(role),
-                "TOKENBUS_NATS_URL": cluster.urls(i if role == "worker" else 0),
-            },
-            login=role_login(cluster.users, "admin"),
-        )
-        await wait_cluster_replicas(cluster, cluster.urls(1), model, 3)
-        async with stack.openai(key) as oai:
-            ref = await oai.chat.completions.create(model=model, messages=PROMPT, max_tokens=40)
-            want = ref.choices[0].message.content
-            load = _Load(oai, model, want, CLIENTS)
-            await load.served(8, "the load did not start")
-            t0 = time.monotonic()
-            begin()
-            # During the fault, once the bridge is on another node: a key made through a
-            # healthy node (the key bucket elects a leader there if node 0 led it) is let in
-            # at once, and the old key still works.
-            await wait_for(
-                lambda: "nats_reconnected" in stack.bridge.output(),
-                timeout=20,
-                what="the bridge did not leave the node",
-            )
-            fresh = await _key_when_jetstream_answers(cluster, deadline=t0 + 30)
-            print(f"\na key made {time.monotonic() - t0:.1f} s into the fault")
-            async with stack.openai(fresh) as during:
-                out = await during.chat.completions.create(
-                    model=model, messages=PROMPT, max_tokens=40, timeout=30
-                )
-            assert out.choices[0].message.content == want
-            # The stack serves on the nodes left, then the node comes back.
-            await load.served(32, "the load was not served during the fault")
-            await wait_for(lambda: time.monotonic() - t0 >= FAULT_S, timeout=FAULT_S + 1)
-            fault_s = time.monotonic() - t0
-            end()
-            await load.served(8, "the load was not served after the fault")
-            await load.stop()
-        outcomes = load.outcomes
-        total = sum(outcomes.values())
-        print(
-            f"\ncluster node under the bridge {fault} {fault_s:.1f} s, {CLIENTS} clients: "
-            f"{dict(outcomes)}, longest wait between two chunks {max(load.gaps):.2f} s"
-        )
-        assert outcomes["ok"] >= 0.99 * total and outcomes["wrong_text"] == 0, (
-            outcomes,
-            load.errors[:5],
-        )
-        assert procs.all_alive()
 
 
 @pytest.mark.fault
@@ -554,15 +369,6 @@ async def test_the_watchdog_restarts_a_paused_process(
         await sup.stop(10)
 
 
-@pytest.fixture
-def hosts() -> Iterator[netns.Hosts]:
-    if not netns.available():
-        pytest.skip("network namespaces cannot be made here (needs root and ip)")
-    h = netns.Hosts().start()
-    yield h
-    h.stop()
-
-
 @pytest.mark.fault
 async def test_a_partitioned_worker_host_s_streams_move_to_another(
     hosts: netns.Hosts, tmp_path: Path, model: str
@@ -708,195 +514,6 @@ async def test_a_dispatch_sent_again_is_acknowledged_not_run_twice(
         await inbox.unsubscribe()
         await spy.unsubscribe()
     assert first.text
-
-
-def _replicas_agree(cluster: LockedCluster, stream: str) -> bool:
-    """Whether every node's own replica of ``stream`` has the same messages and sequences."""
-    keys = ("messages", "first_seq", "last_seq")
-    states = [cluster.stream_state(i, stream) for i in range(len(cluster.ports))]
-    return all(st and [st[k] for k in keys] == [states[0][k] for k in keys] for st in states)
-
-
-@pytest.mark.fault
-async def test_spend_and_keys_hold_exact_through_a_paused_stream_leader(
-    tmp_path: Path, paused: list[int], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The node that leads the spend book's stream (R3) paused while budgets are held and
-    settled and keys are made through another node: every write goes through once a new
-    leader is elected, none is applied twice (a settle whose answer was lost in the stall
-    is not charged again), and after the pause the paused node's replica catches up with
-    the same stream (no divergence)."""
-    monkeypatch.setenv("TOKENBUS_KV_REPLICAS", "3")
-    cluster = LockedCluster(tmp_path / "cluster").start()
-    try:
-        await cluster.routed()
-        await cluster.create_key("before")  # the key store, R3
-        probe = await cluster.admin(0)
-        book = await budgets.SpendBook(probe).open()
-        info = await probe.jetstream().stream_info(f"KV_{budgets.BUCKET}")
-        await probe.close()
-        assert info.cluster is not None and info.cluster.leader is not None
-        leader = int(info.cluster.leader.removeprefix("node"))
-        other = (leader + 1) % 3
-        nc = await cluster.admin(other)
-        try:
-            book = await budgets.SpendBook(nc).open()
-            keys = await KeyStore(nc).open(watch=False)
-            b = budgets.Budget("k.stall", "total", None, None)
-
-            async def spend(i: int) -> None:
-                hold = await book.reserve([b], f"r{i}", 100, time.time() + 60)
-                await book.settle(hold, 7)
-
-            await spend(0)
-            pause(paused, cluster.procs[leader].pid)
-            made = await asyncio.gather(*(keys.create(f"k{i}") for i in range(3)))
-            await asyncio.gather(*(spend(i) for i in range(1, 21)))
-            os.kill(cluster.procs[leader].pid, signal.SIGCONT)
-            assert await book.spent(b) == (21 * 7, 0)
-        finally:
-            await nc.close()
-        # The paused node's own replicas catch up: the same messages as the others'.
-        for stream in (f"KV_{budgets.BUCKET}", "KV_tokenbus_keys"):
-            await wait_for(
-                lambda stream=stream: _replicas_agree(cluster, stream),
-                timeout=30,
-                what=f"the nodes' replicas of {stream} did not agree",
-            )
-        # Read through the node that was paused: every key made meanwhile is there.
-        back = await cluster.admin(leader)
-        try:
-            store = await KeyStore(back).open()
-            for key, _ in made:
-                assert store.lookup(key).name.startswith("k")
-            assert await budgets.SpendBook(back).open() is not None
-        finally:
-            await back.close()
-    finally:
-        for pid in paused:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGCONT)
-        cluster.stop()
-
-
-@pytest.mark.fault
-async def test_a_leader_cut_off_from_its_peers_takes_no_write_and_leaves_no_split_brain(
-    hosts: netns.Hosts, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Three NATS nodes on hosts of their own; the node that leads the spend book's stream
-    is cut off from its two peers only (it still has its clients): a write through it is
-    not acknowledged (a clear, retryable error), writes through the majority go on under a
-    new leader, and once the cut heals every node holds the same stream (no split brain),
-    with exactly the majority's writes."""
-    monkeypatch.setenv("TOKENBUS_KV_REPLICAS", "3")
-    nodes = [hosts.add(f"n{i}") for i in range(3)]
-    cluster = LockedCluster(tmp_path / "cluster", hosts=nodes).start()
-    stream = f"KV_{budgets.BUCKET}"
-    try:
-        await cluster.routed()
-        probe = await cluster.admin(0)
-        book = await budgets.SpendBook(probe).open()
-        b = budgets.Budget("k.cut", "total", None, None)
-        await book.settle(await book.reserve([b], "r0", 100, time.time() + 60), 7)
-        info = await probe.jetstream().stream_info(stream)
-        await probe.close()
-        assert info.cluster is not None and info.cluster.leader is not None
-        leader = int(info.cluster.leader.removeprefix("node"))
-        peers = [i for i in range(3) if i != leader]
-        lone = await nats.connect(cluster.url(leader), **role_login(cluster.users, "admin"))
-        major = await cluster.admin(peers[0])
-        try:
-            kv = await lone.jetstream(timeout=1).key_value(budgets.BUCKET)
-            book = await budgets.SpendBook(major).open()  # a service's, opened before
-            for p in peers:
-                hosts.isolate(nodes[leader], nodes[p])
-            # Through the cut-off node: never acknowledged.
-
-            def add(state: dict[str, Any]) -> dict[str, Any]:
-                return {**state, "spent": int(state.get("spent", 0)) + 1000}
-
-            with pytest.raises(E.ServiceUnavailable) as refused:
-                await buckets.cas(kv, b.entry(), add, stall_s=3)
-            print(f"\na write through the cut-off leader: {refused.value!r}"[:200])
-            # Through the majority: every write goes through (a new leader).
-            for i in range(1, 11):
-                await book.settle(await book.reserve([b], f"r{i}", 100, time.time() + 60), 7)
-            for p in peers:
-                hosts.rejoin(nodes[leader], nodes[p])
-
-            await wait_for(
-                lambda: _replicas_agree(cluster, stream),
-                timeout=30,
-                what="the nodes' replicas did not agree",
-            )
-            assert await book.spent(b) == (11 * 7, 0)
-        finally:
-            await lone.close()
-            await major.close()
-        # Read through the node that was cut off: the majority's history, not its own.
-        back = await cluster.admin(leader)
-        try:
-            assert await (await budgets.SpendBook(back).open()).spent(b) == (11 * 7, 0)
-        finally:
-            await back.close()
-    finally:
-        cluster.stop()
-
-
-@pytest.mark.fault
-async def test_a_connection_with_unsent_data_leaves_a_cut_off_server_within_seconds(
-    hosts: netns.Hosts, tmp_path: Path
-) -> None:
-    """A connection that has much to send when its server is cut off (a partition under
-    load: the socket takes nothing, nothing is reset) takes the server for gone within a
-    few ping intervals and reconnects elsewhere. nats-py alone waited until TCP gave up
-    (minutes): its ping loop waited on the stuck writer, and its reconnect waited for the
-    socket to close, which a socket with unsent data does not do."""
-    far = hosts.add("far")
-    port, near_port = free_port(), free_port()
-    srv = spawn_nats(port, "-a", far.addr, "-p", str(port), prefix=far.prefix(), host=far.addr)
-    near = spawn_nats(near_port, "-a", "127.0.0.1", "-p", str(near_port))
-    left = asyncio.Event()
-    try:
-
-        async def disconnected() -> None:
-            left.set()
-
-        nc = await natsclient.connect(
-            [f"nats://{far.addr}:{port}", f"nats://127.0.0.1:{near_port}"],
-            dont_randomize=True,
-            disconnected_cb=disconnected,
-        )
-        try:
-            assert nc.connected_url is not None and nc.connected_url.port == port
-            hosts.cut(far)
-            t0 = time.monotonic()
-            chunk = b"x" * 60_000
-
-            async def flood() -> None:
-                for _ in range(1500):  # 90 MB: far more than the socket's buffers hold
-                    if left.is_set():
-                        return
-                    await nc.publish("tb.test.cut", chunk)
-
-            task = asyncio.get_running_loop().create_task(flood())
-            try:
-                await asyncio.wait_for(left.wait(), 15)
-            finally:
-                task.cancel()
-            print(f"\nleft the cut-off server {time.monotonic() - t0:.1f} s after the cut")
-            await wait_for(
-                lambda: nc.is_connected and nc.connected_url.port == near_port,
-                timeout=15,
-                what="not reconnected to the other server",
-            )
-        finally:
-            # nats-py's close sends what is unsent first: to a cut-off server, for ever.
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(nc.close(), 5)
-    finally:
-        stop_process(near)
-        stop_process(srv)
 
 
 @pytest.mark.unit
