@@ -38,26 +38,31 @@ DEFAULT_LIMIT = 32 * 1024 * 1024
 
 
 @pytest.fixture(scope="module")
-async def big_stack(
-    nats_server: NatsServer, tmp_path_factory: pytest.TempPathFactory
-) -> AsyncIterator[ProcStack]:
+async def big_stack(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[ProcStack]:
     """Ingress and router (NATS clients' path), one worker, the bridge (HTTP: its default
-    body limit); the sim's context long enough for a 1.5 MB prompt."""
-    with Procs(nats_server.url, tmp_path_factory.mktemp("large")) as ps:
-        yield await start_stack(
-            ps,
-            new_model(),
-            "ingress",
-            "router",
-            workers=1,
-            worker_args=("--sim-prefill-ms", "5", "--sim-decode-ms", "2"),
-            env={"TOKENBUS_WORKER__SIM__MAX_MODEL_LEN": "50000000"},
-        )
+    body limit); the sim's context long enough for a 1.5 MB prompt. On a nats-server of the
+    module's own: the bodies stream's counts below are this module's, and the batch work
+    queue holds no other file's work (a background response run here once waited its whole
+    bound in the suite, never alone)."""
+    srv = NatsServer(tmp_path_factory.mktemp("large-nats")).start()
+    try:
+        with Procs(srv.url, tmp_path_factory.mktemp("large")) as ps:
+            yield await start_stack(
+                ps,
+                new_model(),
+                "ingress",
+                "router",
+                workers=1,
+                worker_args=("--sim-prefill-ms", "5", "--sim-decode-ms", "2"),
+                env={"TOKENBUS_WORKER__SIM__MAX_MODEL_LEN": "50000000"},
+            )
+    finally:
+        srv.stop()
 
 
 @pytest.fixture
-async def js(nats_server: NatsServer) -> AsyncIterator[Any]:
-    nc = await nats.connect(nats_server.url)
+async def js(big_stack: ProcStack) -> AsyncIterator[Any]:
+    nc = await nats.connect(big_stack.procs.url)
     try:
         yield nc.jetstream()
     finally:

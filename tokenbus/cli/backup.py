@@ -93,6 +93,7 @@ STORES: tuple[Store, ...] = (
     Store("kv", batches.RESULTS),  # batch lines' results not yet in the output file
     Store("objects", files.BUCKET),  # Files API: batch input and output files
     Store("objects", response_store.LARGE_BUCKET),  # stored responses too large for KV
+    Store("objects", batches.WORK_LARGE_BUCKET),  # the bodies of the batch work below past 1 MiB
     Store("stream", audit.STREAM),  # the audit trail
     Store("stream", batches.STREAM),  # batch lines and background responses still to run
     Store("stream", background.EVENTS_STREAM),  # background responses' events
