@@ -165,10 +165,18 @@ class Supervisor:
             for c in live:
                 with contextlib.suppress(ProcessLookupError):
                     c.proc.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
-            for c in live:
-                try:
-                    await asyncio.wait_for(c.proc.wait(), timeout)  # type: ignore[union-attr]
-                except TimeoutError:
-                    with contextlib.suppress(ProcessLookupError):
-                        c.proc.kill()  # type: ignore[union-attr]
-                    await c.proc.wait()  # type: ignore[union-attr]
+            # One span for the group, not one per child in turn: children that do not stop
+            # (a drain against a bus that is gone) took ``timeout`` each, one after another.
+            await asyncio.gather(*(self._stopped(c, timeout) for c in live))
+
+    @staticmethod
+    async def _stopped(c: Child, timeout: float) -> None:
+        """Until ``c`` (sent SIGTERM) exits, SIGKILL after ``timeout``."""
+        proc = c.proc
+        assert proc is not None
+        try:
+            await asyncio.wait_for(proc.wait(), timeout)
+        except TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            await proc.wait()

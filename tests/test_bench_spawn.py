@@ -53,7 +53,12 @@ def test_a_run_stopped_while_its_stack_starts_leaves_no_process_behind(
         started.update(children_of(proc.pid))
     finally:
         proc.send_signal(sig)
-        out, _ = proc.communicate(timeout=90)
+        try:
+            out, _ = proc.communicate(timeout=90)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, _ = proc.communicate(timeout=30)
+            raise AssertionError(f"still running 90 s after {sig.name}: {out[-3000:]}") from None
 
     def left() -> dict[int, str]:
         return {p: c for p, c in started.items() if Path(f"/proc/{p}").exists()}

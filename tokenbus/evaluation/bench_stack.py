@@ -110,7 +110,10 @@ async def spawn_stack(a: argparse.Namespace, sup: Any) -> tuple[list[Target], An
         return await _spawn_on(a, sup, nats, ports, tmp, users, stages)
     except BaseException:
         # Stopped while it started (Ctrl-C during a vLLM start, a peer that never came
-        # up): the supervisor's children are stopped by the caller, the server here.
+        # up): the supervisor's children first, while their bus still runs (stopped after
+        # it, each drained against a server that was gone until its SIGKILL), then the
+        # server. The caller's stop of the supervisor then finds nothing left.
+        await sup.stop(10)
         await stop_nats(nats)
         raise
 
