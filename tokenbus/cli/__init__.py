@@ -537,7 +537,17 @@ def main(argv: list[str] | None = None) -> None:
             # spawned is stopped on the way out, not left running.
             task = asyncio.current_task()
             assert task is not None
-            asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
+            loop = asyncio.get_running_loop()
+            loop.add_signal_handler(signal.SIGTERM, task.cancel)
+
+            def interrupted() -> None:
+                # Ctrl-C the same way, through the loop: left to the default handling, a
+                # Ctrl-C during the stack's start under load left the run hanging with
+                # nothing printed (CI, three runs of five). A second one stops at once.
+                task.cancel()
+                loop.remove_signal_handler(signal.SIGINT)
+
+            loop.add_signal_handler(signal.SIGINT, interrupted)
         if a.cmd == "up":
             from tokenbus.launcher import up
 
