@@ -87,28 +87,13 @@ async def run_level(
             await client.close()
     if progress:
         sys.stderr.write("\n")
-    ok = [r for r in results if r.ok]
-    errors: dict[str, int] = {}
-    for r in results:
-        if not r.ok:
-            errors[r.error] = errors.get(r.error, 0) + 1
-    first_error = next((r.error for r in results if not r.ok), None)
-    tokens = sum(r.tokens for r in ok)
+    figures = _figures(results, wall)
+    tokens = figures["output_tokens"]
     return {
         "target": target.name,
         "mode": target.mode,
         "concurrency": conc,
-        "requests": len(results),
-        "errors": len(results) - len(ok),
-        "error_kinds": errors,
-        "first_error": first_error,
-        "duration_s": round(wall, 3),
-        "output_tokens": tokens,
-        "output_tokens_per_s": round(tokens / wall, 1) if wall else 0.0,
-        "requests_per_s": round(len(ok) / wall, 2) if wall else 0.0,
-        "ttft_ms": summary_ms([r.ttft_s for r in ok]),
-        "tbt_ms": summary_ms([r.tbt_s for r in ok if r.tbt_s is not None]),
-        "e2e_ms": summary_ms([r.e2e_s for r in ok]),
+        **figures,
         "peak_rss_mb": {k: round(v, 1) for k, v in peak.items()},
         "cpu_percent": cpu,
         # CPU (user + system, from /proc) of the target's own processes per output token:
@@ -147,6 +132,30 @@ async def run_rounds(
     return out
 
 
+def _figures(results: list[Result], wall: float) -> dict[str, Any]:
+    """A level's counts, errors, throughput and latencies from its requests' results and
+    the time they took (one run, or every round of one joined)."""
+    ok = [r for r in results if r.ok]
+    errors: dict[str, int] = {}
+    for r in results:
+        if not r.ok:
+            errors[r.error] = errors.get(r.error, 0) + 1
+    tokens = sum(r.tokens for r in ok)
+    return {
+        "requests": len(results),
+        "errors": len(results) - len(ok),
+        "error_kinds": errors,
+        "first_error": next((r.error for r in results if not r.ok), None),
+        "duration_s": round(wall, 3),
+        "output_tokens": tokens,
+        "output_tokens_per_s": round(tokens / wall, 1) if wall else 0.0,
+        "requests_per_s": round(len(ok) / wall, 2) if wall else 0.0,
+        "ttft_ms": summary_ms([r.ttft_s for r in ok]),
+        "tbt_ms": summary_ms([r.tbt_s for r in ok if r.tbt_s is not None]),
+        "e2e_ms": summary_ms([r.e2e_s for r in ok]),
+    }
+
+
 def merge(parts: list[dict[str, Any]]) -> dict[str, Any]:
     """The levels of one target's rounds as one level: latencies over every request, tokens
     per second over the time it was measured, peak memory the highest, CPU summed."""
@@ -161,26 +170,12 @@ def merge(parts: list[dict[str, Any]]) -> dict[str, Any]:
             cpu_s[n] = cpu_s.get(n, 0.0) + v
         for n, v in p["peak_rss_mb"].items():
             peak[n] = max(peak.get(n, 0.0), v)
-    ok = [r for r in results if r.ok]
-    errors: dict[str, int] = {}
-    for r in results:
-        if not r.ok:
-            errors[r.error] = errors.get(r.error, 0) + 1
-    tokens = sum(r.tokens for r in ok)
+    figures = _figures(results, wall)
+    tokens = figures["output_tokens"]
     return {
         **parts[0],
         "rounds": len(parts),
-        "requests": len(results),
-        "errors": len(results) - len(ok),
-        "error_kinds": errors,
-        "first_error": next((r.error for r in results if not r.ok), None),
-        "duration_s": round(wall, 3),
-        "output_tokens": tokens,
-        "output_tokens_per_s": round(tokens / wall, 1) if wall else 0.0,
-        "requests_per_s": round(len(ok) / wall, 2) if wall else 0.0,
-        "ttft_ms": summary_ms([r.ttft_s for r in ok]),
-        "tbt_ms": summary_ms([r.tbt_s for r in ok if r.tbt_s is not None]),
-        "e2e_ms": summary_ms([r.e2e_s for r in ok]),
+        **figures,
         "peak_rss_mb": peak,
         "cpu_percent": {n: round(100 * v / wall, 1) for n, v in cpu_s.items()} if wall else {},
         "cpu_us_per_token": (
