@@ -97,3 +97,8 @@ TRACE_LINK = "Tb-Trace-Link"
 # a client's value never reaches a worker; the worker puts it beside the engine's reported
 # ``cached_tokens`` in its record and heartbeats (the closed loop, docs/routing.md).
 KV_PREDICTED = "Tb-Kv-Predicted"
+# The prompt tokens the router expects the chosen replica to compute for the request (its
+# prompt less the cached prefix it predicted): set (or removed) by the router on every
+# dispatch, as Tb-Kv-Predicted is. The worker counts it in its prefill backlog until the
+# request's first token (engine_worker/backlog.py) and announces the total.
+PREFILL_TOKENS = "Tb-Prefill-Tokens"

@@ -45,6 +45,7 @@ class Accounting:
             ttft_ms=(gen.first_ns - gen.t_start) / 1e6,
             computed_tokens=max(0, gen.prompt_tokens - gen.cached),
             waiting=gen.waiting_at_start,
+            ahead_tokens=gen.backlog_ahead,
             tpot_ms=tpot,
             running=int(self.w.backend.stats().get("running", 1)) - 1,
         )

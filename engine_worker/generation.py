@@ -37,6 +37,10 @@ class Generation:
     predicted: tuple[int, str] | None = None
     cached_reported: bool = False  # the engine said how many prompt tokens it read cached
     waiting_at_start: int = 0  # sequences waiting in the engine when it entered
+    # Its prompt tokens counted in the replica's prefill backlog (0: not, or no longer),
+    # and the backlog ahead of it when it entered (engine_worker/backlog.py).
+    prefill_tokens: int = 0
+    backlog_ahead: int = 0
 
     @property
     def rid(self) -> str:

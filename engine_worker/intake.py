@@ -164,6 +164,7 @@ class Intake:
             "ok": err is None,
             "replica": w.replica,
             "in_flight": len(w._active),
+            "backlog": w.backlog.tokens,  # prompt tokens to compute (engine_worker/backlog.py)
         }
         if err is not None:
             body["error"] = err.to_dict()

@@ -5,8 +5,10 @@ Two linear models, each fitted online by recursive least squares with exponentia
 forgetting (old requests fade, so a replica that slows down or speeds up is followed):
 
 - time to first token in the engine, ms = ``ttft_base_ms`` + ``prefill_ms_per_token`` x the
-  prompt tokens it computed (not read from its prefix cache) + ``queue_ms_per_waiting`` x the
-  sequences waiting in the engine when the request entered it;
+  prompt tokens it computed (not read from its prefix cache) + ``backlog_ms_per_token`` x
+  the prompt tokens of other requests the engine had still to compute when it entered (its
+  prefill backlog, engine_worker/backlog.py) + ``queue_ms_per_waiting`` x the sequences
+  waiting in the engine then;
 - time per output token, ms = ``tpot_base_ms`` + ``tpot_ms_per_running`` x the sequences
   running beside it.
 
@@ -49,7 +51,7 @@ class EnginePerf:
     """The replica's two latency models (see the module docstring)."""
 
     def __init__(self) -> None:
-        self.ttft = OnlineLinear(3)
+        self.ttft = OnlineLinear(4)
         self.tpot = OnlineLinear(2)
 
     def observe(
@@ -58,13 +60,16 @@ class EnginePerf:
         ttft_ms: float,
         computed_tokens: int,
         waiting: int,
+        ahead_tokens: int = 0,
         tpot_ms: float | None,
         running: int,
     ) -> None:
         """One finished request: its engine TTFT, the prompt tokens computed, the engine's
-        waiting sequences when it entered, and (with two or more output tokens) its time per
-        output token and the sequences running beside it."""
-        self.ttft.add([1.0, float(computed_tokens), float(waiting)], ttft_ms)
+        waiting sequences and prefill backlog (``ahead_tokens``) when it entered, and (with
+        two or more output tokens) its time per output token and the sequences running
+        beside it."""
+        x = [1.0, float(computed_tokens), float(ahead_tokens), float(waiting)]
+        self.ttft.add(x, ttft_ms)
         if tpot_ms is not None:
             self.tpot.add([1.0, float(max(0, running))], tpot_ms)
 
@@ -73,11 +78,12 @@ class EnginePerf:
         coefficients are never below 0 (a fit on few, similar requests may dip)."""
         if self.ttft.samples < MIN_SAMPLES:
             return None
-        base, per_token, per_waiting = self.ttft.w
+        base, per_token, per_ahead, per_waiting = self.ttft.w
         out: dict[str, Any] = {
             "samples": self.ttft.samples,
             "ttft_base_ms": round(max(0.0, base), 3),
             "prefill_ms_per_token": round(max(0.0, per_token), 6),
+            "backlog_ms_per_token": round(max(0.0, per_ahead), 6),
             "queue_ms_per_waiting": round(max(0.0, per_waiting), 3),
         }
         if self.tpot.samples >= MIN_SAMPLES:

@@ -18,6 +18,7 @@ from structlog.typing import FilteringBoundLogger
 
 from bus_schemas import errors as E
 from engine_worker.backends.base import Backend
+from engine_worker.backlog import PrefillBacklog
 from engine_worker.flow import FlowControl
 from engine_worker.generation import Generation
 from engine_worker.kvloop import KVLoop
@@ -120,6 +121,7 @@ class Replica(Protocol):
     outbox: Outbox
     flow: FlowControl | None
     perf: EnginePerf
+    backlog: PrefillBacklog
     kv_loop: KVLoop
     draining: bool
     # The requests in flight: the caller's reply subject -> the request's task.

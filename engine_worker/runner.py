@@ -135,12 +135,14 @@ class RequestRunner:
         gen.t_start = marks.now_ns()
         gen.waiting_at_start = int(backend.stats().get("waiting", 0))
         try:
-            return backend.generate(gen.req)
+            stream = backend.generate(gen.req)
         except E.TokenbusError:
             raise
         except Exception as exc:
             self.w.log.exception("generate_failed", request_id=gen.rid)
             raise E.EngineError(f"the engine failed: {type(exc).__name__}") from exc
+        self.w.backlog.enter(gen, int(self.w.cfg.max_model_len or 0))
+        return stream
 
     def _leave_flow(self, gen: Generation) -> None:
         """Give the request's place in the flow control back (its slot to the next)."""
@@ -285,6 +287,7 @@ class RequestRunner:
                 if text or side:
                     if not gen.first_ns:
                         gen.first_ns = marks.now_ns()
+                        w.backlog.leave(gen)
                         if ticket is not None:
                             ticket.first_byte = True  # no longer displaced
                         if gen.span is not None:
@@ -368,6 +371,7 @@ class RequestRunner:
         """Free the request's slot, report its usage, write its log line and telemetry record."""
         w = self.w
         self._leave_flow(gen)
+        w.backlog.leave(gen)
         gen.duplicate = w.intake.caller_cancelled.get(gen.reply, False)
         await self._free_slot(gen.reply)
         await w.accounting.settle(gen)

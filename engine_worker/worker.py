@@ -35,6 +35,7 @@ from bus_schemas import frames, marks, subjects
 from engine_worker import backends, kvloop, perf
 from engine_worker.accounting import Accounting
 from engine_worker.backends.base import Backend, kv_event_source
+from engine_worker.backlog import PrefillBacklog
 from engine_worker.claim import ReplicaClaim, ReplicaTaken
 from engine_worker.health import EngineHealth
 from engine_worker.heartbeat import Heartbeats
@@ -86,6 +87,7 @@ class Worker(Service):
         self.flow = flow_control(cfg)
         self.kv_loop = kvloop.KVLoop()
         self.perf = perf.EnginePerf()  # its engine's speed, learned from its requests
+        self.backlog = PrefillBacklog()  # prompt tokens still to compute (backlog.py)
         # The engine's prefix cache's events, when it reports one (set up in setup()).
         self.kv_events: KVPublisher | None = None
         self.health = EngineHealth(self)
@@ -159,6 +161,8 @@ class Worker(Service):
             "in_flight": len(self._active),
             "running": int(st.get("running", 0)),
             "waiting": int(st.get("waiting", 0)),
+            # Prompt tokens its engine has still to compute (engine_worker/backlog.py).
+            "prefill_backlog": self.backlog.tokens,
             "kv_usage": float(st.get("kv_usage", 0.0)),
             # How its prefix cache is reported (docs/kv-events.md): events hashed as the sim
             # ("text") or as vLLM ("vllm"); absent: no events (kv_aware keeps approximate

@@ -194,6 +194,7 @@ class Dispatcher:
         hdrs.pop(H.ROUTE, None)
         # Only this router's prediction reaches a worker, never a client's (set per attempt).
         hdrs.pop(H.KV_PREDICTED, None)
+        hdrs.pop(H.PREFILL_TOKENS, None)
         if self.aliases is not None and H.MODEL_ALIAS not in hdrs:
             served = self.aliases.resolve(model)
             if retarget(hdrs, model, served):
@@ -396,6 +397,9 @@ class Dispatcher:
                 continue
             if ack.get("ok"):
                 r.reported_in_flight = int(ack.get("in_flight", r.reported_in_flight))
+                backlog = ack.get("backlog")
+                if isinstance(backlog, int):
+                    r.told_backlog(backlog, time.monotonic())
                 return r.replica
             self._refused(r, E.TokenbusError.from_dict(ack.get("error") or {}), p)
         return None
@@ -404,19 +408,28 @@ class Dispatcher:
         """Carry the policy's predicted cached prompt tokens on ``r`` to its worker (the
         closed loop, router/kv_check.py), or none: always this router's, for this attempt."""
         policy = p.route.policy
-        predicted = policy.prediction(r.replica) if isinstance(policy, KVAware) else None
+        kv = policy if isinstance(policy, KVAware) else None
+        predicted = kv.prediction(r.replica) if kv is not None else None
         # A disaggregated request's parts read the prompt from elsewhere (or only write it):
         # the engine's cached count is not the local cache's, so nothing is predicted.
-        if predicted is None or p.pd:
+        if kv is None or predicted is None or p.pd:
             p.hdrs.pop(H.KV_PREDICTED, None)
+            p.hdrs.pop(H.PREFILL_TOKENS, None)
         else:
             p.hdrs[H.KV_PREDICTED] = f"{predicted},{self.instance}"
+            # What it should compute, for its prefill backlog (engine_worker/backlog.py).
+            prompt = kv.tokens.get(r.replica, 0)
+            p.hdrs[H.PREFILL_TOKENS] = str(max(1, prompt - predicted))
 
     async def _send(self, r: Replica, p: _Placement) -> dict[str, Any] | None:
         """Send the request to ``r`` and return its ack; None when it did not answer in time."""
         p.hdrs[H.ATTEMPT] = str(p.attempt)
         r.unacked += 1
         sent_at = time.monotonic()
+        # Its prompt joins the replica's backlog as this router sees it, until the ack says.
+        adds = p.hdrs.get(H.PREFILL_TOKENS, "")
+        if adds.isdigit():
+            r.add_backlog(int(adds), sent_at)
         try:
             ack_msg = await natsclient.request(
                 self.nc,

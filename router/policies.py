@@ -388,8 +388,11 @@ class PredictedLatency(KVAware):
     configured): for each candidate, ::
 
         TTFT = ttft_base + prefill_ms_per_token x prompt tokens it would compute (the prompt
-               less its cached prefix, from the KV index) + queue_ms_per_waiting x sequences
-               ahead (engine-waiting, plus this router's unacknowledged sends)
+               less its cached prefix, from the KV index) + backlog_ms_per_token x the
+               prompt tokens its engine has still to compute for others (its prefill
+               backlog, less what the time since it was told has worked off) +
+               queue_ms_per_waiting x sequences ahead (engine-waiting, plus this router's
+               unacknowledged sends)
         TPOT = tpot_base + tpot_ms_per_running x (running sequences + 1)
 
     Among the replicas predicted to meet the request's class target (``latency_targets``),
@@ -414,9 +417,11 @@ class PredictedLatency(KVAware):
         if self.index.trusted(r.replica) and r.replica in self.tokens:
             cached = self.predicted_tokens(r.replica, depth.get(r.replica, 0))
         ahead = r.waiting + r.unacked
+        per_token = perf.get("prefill_ms_per_token", 0.0)
         ttft = (
             perf.get("ttft_base_ms", 0.0)
-            + perf.get("prefill_ms_per_token", 0.0) * max(0, tokens - cached)
+            + per_token * max(0, tokens - cached)
+            + r.backlog_ms_per_token() * r.backlog_now(time.monotonic())
             + perf.get("queue_ms_per_waiting", 0.0) * ahead
         )
         tpot = None

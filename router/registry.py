@@ -27,6 +27,11 @@ class Replica:
     max_concurrency: int = 1
     running: int = 0
     waiting: int = 0
+    # Prompt tokens its engine has still to compute (engine_worker/backlog.py), as its
+    # latest ack or heartbeat said at ``backlog_at`` (monotonic), plus this router's sends
+    # since: predicted_latency's queue.
+    backlog_tokens: int = 0
+    backlog_at: float = 0.0
     tp: int = 1
     pool: str = "default"
     # The site it runs at (its heartbeat's; "": not said), for the site preference.
@@ -71,6 +76,28 @@ class Replica:
 
     def serves(self, model: str) -> bool:
         return model == self.model or model in self.aliases
+
+    def backlog_ms_per_token(self) -> float:
+        """What a token of its backlog costs its engine, as it learned it (0: not known)."""
+        perf = self.perf or {}
+        return float(perf.get("backlog_ms_per_token") or perf.get("prefill_ms_per_token") or 0.0)
+
+    def backlog_now(self, now: float) -> float:
+        """Its prefill backlog now: as last told, less what its engine has worked off since
+        at its learned speed (as told when the speed is not known)."""
+        rate = self.backlog_ms_per_token()
+        if self.backlog_tokens <= 0 or rate <= 0:
+            return float(self.backlog_tokens)
+        return max(0.0, self.backlog_tokens - max(0.0, now - self.backlog_at) * 1000.0 / rate)
+
+    def add_backlog(self, tokens: int, now: float) -> None:
+        """This router sent it ``tokens`` more to compute (until its ack says how many)."""
+        self.backlog_tokens = round(self.backlog_now(now)) + tokens
+        self.backlog_at = now
+
+    def told_backlog(self, tokens: int, now: float) -> None:
+        """Its ack or heartbeat said its backlog is ``tokens``."""
+        self.backlog_tokens, self.backlog_at = max(0, tokens), now
 
     @property
     def load(self) -> int:
@@ -136,6 +163,7 @@ class Registry:
             r.max_concurrency = max(1, int(hb.get("max_concurrency", 1)))
             r.running = int(hb.get("running", 0))
             r.waiting = int(hb.get("waiting", 0))
+            r.told_backlog(int(hb.get("prefill_backlog") or 0), time.monotonic())
             r.tp = int(hb.get("tp", 1))
             r.pool = str(hb.get("pool", "default"))
             r.site = str(hb.get("site") or "")

@@ -123,9 +123,11 @@ async def test_the_router_replaces_whatever_prediction_a_request_came_with(
     await nc.subscribe(reg.live("m")[0].subject, cb=worker)
     await nc.flush()
     d = Dispatcher(nc, reg, RouterSettings(dispatch_timeout_s=30))
-    hdrs = {H.KV_PREDICTED: "999999,forged", H.REQUEST_ID: "x"}
+    hdrs = {H.KV_PREDICTED: "999999,forged", H.PREFILL_TOKENS: "99999999", H.REQUEST_ID: "x"}
     assert await d.dispatch("m", codec.encode({"model": "m"}), hdrs, nc.new_inbox()) == "r1"
     assert seen and H.KV_PREDICTED not in seen[0]
+    # Nor the prompt tokens a replica counts in its prefill backlog (engine_worker/backlog.py).
+    assert H.PREFILL_TOKENS not in seen[0]
 
 
 @pytest.mark.unit

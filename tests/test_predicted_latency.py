@@ -49,16 +49,19 @@ def test_an_engine_learns_its_own_speed_from_its_requests() -> None:
     rnd = random.Random(1)
     for _ in range(100):
         tokens, waiting, running = rnd.randint(10, 2000), rnd.randint(0, 5), rnd.randint(0, 30)
+        ahead = rnd.randint(0, 5000)
         perf.observe(
-            ttft_ms=20 + 0.5 * tokens + 30 * waiting,
+            ttft_ms=20 + 0.5 * tokens + 0.25 * ahead + 30 * waiting,
             computed_tokens=tokens,
             waiting=waiting,
+            ahead_tokens=ahead,
             tpot_ms=10 + 0.25 * running,
             running=running,
         )
     got = perf.heartbeat()
     assert got is not None
     assert abs(got["prefill_ms_per_token"] - 0.5) < 0.01
+    assert abs(got["backlog_ms_per_token"] - 0.25) < 0.01
     assert abs(got["queue_ms_per_waiting"] - 30) < 1
     assert abs(got["ttft_base_ms"] - 20) < 2
     assert abs(got["tpot_ms_per_running"] - 0.25) < 0.01
@@ -179,3 +182,110 @@ async def test_replicas_announce_their_speed_and_long_prompts_go_to_the_fast_one
                 )
                 served.append(out.replica)
             assert served == [fast.replica] * 6
+
+
+def _gen(headers: dict[str, str], env: dict[str, Any]) -> Any:
+    from engine_worker.backends.base import GenerationRequest
+    from engine_worker.generation import Generation
+
+    req = GenerationRequest(request_id="x", kind="chat", model="m", max_tokens=1)
+    return Generation("r", headers, env, req, task=None)  # type: ignore[arg-type]
+
+
+@pytest.mark.unit
+def test_a_replica_counts_the_prompt_tokens_it_has_still_to_compute() -> None:
+    """engine_worker/backlog.py: a request counts from its entry to its first token, for the
+    router's expected tokens, and what was ahead of it is noted for the latency model."""
+    from bus_schemas import headers as H
+    from engine_worker.backlog import PrefillBacklog
+
+    b = PrefillBacklog()
+    first = _gen({H.PREFILL_TOKENS: "3000"}, {})
+    second = _gen({}, {"messages": [{"role": "user", "content": "x" * 400}]})  # ~100 tokens
+    b.enter(first)
+    b.enter(second)
+    b.enter(second)  # once only
+    assert (b.tokens, first.backlog_ahead, second.backlog_ahead) == (3100, 0, 3000)
+    b.leave(first)
+    b.leave(first)  # once only
+    assert b.tokens == 100
+    b.leave(second)
+    assert b.tokens == 0
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("forged", ["9" * 40, "-5", "1e9", "", " 12", "0x10"])
+def test_a_forged_prefill_count_is_bounded_or_ignored(forged: str) -> None:
+    """Hostile input: a header that is no count a router writes falls back to the prompt's
+    own size; a huge one is held to the model's context."""
+    from bus_schemas import headers as H
+    from engine_worker.backlog import expected_tokens
+
+    env = {"messages": [{"role": "user", "content": "y" * 80}]}
+    assert expected_tokens(_gen({H.PREFILL_TOKENS: forged}, env), 4096) == 20
+    assert expected_tokens(_gen({H.PREFILL_TOKENS: "99999999"}, env), 4096) == 4096
+
+
+@pytest.mark.unit
+def test_the_replica_with_less_prefill_ahead_answers_first() -> None:
+    """Two replicas, the same queue by count (none waiting): the one whose engine has 2 000
+    prompt tokens still to compute is predicted 2 000 x its cost per token later; as time
+    passes its engine works the backlog off, and a send adds to it until the ack says."""
+    import time as _time
+
+    idx = KVIndex()
+    _synced(idx, "a", "b")
+    policy = PredictedLatency(idx)
+    text = render_prompt([{"role": "user", "content": "z" * 400}])
+    req = RouteRequest("m", rendered=text, env={})
+    a, b = _replica("a"), _replica("b")
+    a.perf["backlog_ms_per_token"] = b.perf["backlog_ms_per_token"] = 0.5
+    now = _time.monotonic()
+    a.told_backlog(2000, now)
+    assert policy.choose([a, b], req) is b
+    ta, tb = policy.predictions["a"][0], policy.predictions["b"][0]
+    assert 990 <= ta - tb <= 1000  # 2 000 tokens at 0.5 ms, less the microseconds since
+    a.told_backlog(2000, now - 0.9)  # told 900 ms ago: 100 ms of it left
+    policy.choose([a, b], req)
+    assert 90 <= policy.predictions["a"][0] - policy.predictions["b"][0] <= 100
+    b.add_backlog(500, _time.monotonic())  # this router just sent b 500 tokens
+    assert policy.choose([a, b], req) is a
+    b.told_backlog(0, _time.monotonic())  # its ack: already through
+    assert policy.choose([a, b], req) is b
+
+
+@pytest.mark.bus
+async def test_a_replica_reports_the_prefill_it_has_ahead_and_works_it_off(
+    nats_server: NatsServer, model: str, client: Client
+) -> None:
+    """A long prompt on a slow replica: while it prefills, the router knows (from the ack,
+    then heartbeats) the replica's backlog of prompt tokens; after its first token the
+    backlog is empty again."""
+    import asyncio
+
+    from engine_worker.worker import Worker
+    from tests.support.inprocess import settings
+
+    sim = {"kv_cache_blocks": 4096, "block_size": BS, "decode_ms": 1.0}
+    slow = {**sim, "prefill_ms_per_token": 2.0, "chunked_prefill_tokens": 64}
+    w = {"model": model, "heartbeat_interval_s": 0.2, "replica": f"{model}-s", "sim": slow}
+    router = {"policy": "predicted_latency"}
+    async with stack(nats_server.url, model, workers=0, router=router) as svcs:
+        async with Worker(settings(nats_server.url, worker=w)) as worker:
+            registry = svcs["router"].registry
+            await wait_for(lambda: registry.live(model), what="replica not seen")
+            text = "a long question to prefill " * 100  # ~500 sim tokens: about a second
+            ask = asyncio.create_task(
+                client.chat_completion(model, [{"role": "user", "content": text}], max_tokens=2)
+            )
+            await wait_for(
+                lambda: registry.get(worker.replica).backlog_tokens >= 400,
+                what="the backlog never reached the router",
+            )
+            assert worker.backlog.tokens >= 400
+            await ask
+            assert worker.backlog.tokens == 0
+            await wait_for(
+                lambda: registry.get(worker.replica).backlog_tokens == 0,
+                what="the worked-off backlog was never announced",
+            )

@@ -262,6 +262,12 @@ def _routebench(g: Any) -> None:
     )
     g.add_argument("--trace-file", help="--routing-trace: replay this trace (JSON lines) instead")
     g.add_argument(
+        "--trace-sessions-per-s",
+        type=float,
+        default=4.0,
+        help="--routing-trace: the generated trace's session arrivals (Poisson, per second)",
+    )
+    g.add_argument(
         "--trace-policies",
         default="least_outstanding,prefix_aware,kv_aware,predicted_latency",
         help="--routing-trace: the policies compared",

@@ -116,7 +116,11 @@ async def run_routing_trace(a: argparse.Namespace) -> int:
     if a.trace_file:
         head, sessions = T.load(Path(a.trace_file))
     else:
-        head, sessions = T.generate(T.TraceShape(sessions=a.routing_trace, seed=a.seed))
+        head, sessions = T.generate(
+            T.TraceShape(
+                sessions=a.routing_trace, seed=a.seed, sessions_per_s=a.trace_sessions_per_s
+            )
+        )
     policies = [p for p in a.trace_policies.split(",") if p]
     runs = []
     for policy in policies:
