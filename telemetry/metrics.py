@@ -73,6 +73,7 @@ class _Replica:
     in_flight: int = 0
     running: int = 0
     waiting: int = 0
+    prefill_backlog: int = 0
     max_concurrency: int = 0
     kv_usage: float = 0.0
     draining: bool = False
@@ -140,6 +141,7 @@ class ReplicaLoad:
         r.in_flight = int(hb.get("in_flight") or 0)
         r.running = int(hb.get("running") or 0)
         r.waiting = int(hb.get("waiting") or 0)
+        r.prefill_backlog = max(0, int(hb.get("prefill_backlog") or 0))
         r.max_concurrency = int(hb.get("max_concurrency") or 0)
         r.kv_usage = float(hb.get("kv_usage") or 0.0)
         r.draining = bool(hb.get("draining"))
@@ -178,6 +180,12 @@ class ReplicaLoad:
             ),
             "waiting": GaugeMetricFamily(
                 "tokenbus_replica_waiting", "Sequences queued in the replica's engine", labels=lab
+            ),
+            "prefill_backlog": GaugeMetricFamily(
+                "tokenbus_replica_prefill_backlog_tokens",
+                "Prompt tokens the replica's engine has still to compute before a new request's "
+                "first token (engine_worker/backlog.py)",
+                labels=lab,
             ),
             "max_concurrency": GaugeMetricFamily(
                 "tokenbus_replica_max_concurrency",
@@ -230,6 +238,7 @@ _FLOW_COUNTERS = {
 _PERF = {
     "ttft_base_ms": "Learned engine time to first token of an empty prompt, ms",
     "prefill_ms_per_token": "Learned prefill time per prompt token computed (not cached), ms",
+    "backlog_ms_per_token": "Learned wait per prompt token of other requests still to compute, ms",
     "queue_ms_per_waiting": "Learned wait per sequence queued in the engine ahead, ms",
     "tpot_base_ms": "Learned time per output token alone in the batch, ms",
     "tpot_ms_per_running": "Learned extra time per output token per running sequence, ms",

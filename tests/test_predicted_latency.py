@@ -289,3 +289,25 @@ async def test_a_replica_reports_the_prefill_it_has_ahead_and_works_it_off(
                 lambda: registry.get(worker.replica).backlog_tokens == 0,
                 what="the worked-off backlog was never announced",
             )
+
+
+@pytest.mark.unit
+def test_telemetry_exports_the_backlog_and_its_learned_cost_from_heartbeats() -> None:
+    """The dashboard's inputs: a heartbeat's prefill backlog and learned cost per backlog
+    token become gauges; a hostile or older heartbeat's (negative, absent) exports 0."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from telemetry.metrics import ReplicaLoad
+
+    load = ReplicaLoad()
+    reg = CollectorRegistry()
+    reg.register(load)
+    perf = {**PERF, "backlog_ms_per_token": 0.25}
+    load.heartbeat({"replica": "r1", "model": "m", "prefill_backlog": 1234, "perf": perf})
+    text = generate_latest(reg).decode()
+    assert 'tokenbus_replica_prefill_backlog_tokens{model="m",replica="r1"} 1234.0' in text
+    assert 'tokenbus_replica_backlog_ms_per_token{model="m",replica="r1"} 0.25' in text
+    load.heartbeat({"replica": "r1", "model": "m", "prefill_backlog": -7})
+    text = generate_latest(reg).decode()
+    assert 'tokenbus_replica_prefill_backlog_tokens{model="m",replica="r1"} 0.0' in text
+    assert "tokenbus_replica_backlog_ms_per_token{" not in text

@@ -566,6 +566,18 @@ def kv_routing() -> Section:
                         ref="C",
                     ),
                     q(
+                        f"max by (replica) (tokenbus_replica_backlog_ms_per_token{{{M}}}) * 1000",
+                        "backlog per 1k tokens {{replica}}",
+                        ref="F",
+                    ),
+                    q(
+                        f"max by (replica) (tokenbus_replica_prefill_backlog_tokens{{{M}}})"
+                        f" * on (replica) max by (replica) "
+                        f"(tokenbus_replica_backlog_ms_per_token{{{M}}})",
+                        "backlog now {{replica}}",
+                        ref="G",
+                    ),
+                    q(
                         f"max by (replica) (tokenbus_replica_tpot_base_ms{{{M}}})",
                         "tpot {{replica}}",
                         ref="D",
@@ -578,8 +590,9 @@ def kv_routing() -> Section:
                 ],
                 desc="What each replica learned of its engine from its own requests: time to "
                 "first token of an empty prompt, prefill per 1000 prompt tokens computed, wait "
-                "per sequence queued ahead; time per output token alone and per running "
-                "sequence (docs/routing.md, predicted_latency).",
+                "per 1000 prompt tokens of others still to compute and per sequence queued "
+                "ahead; the wait its prefill backlog means now; time per output token alone "
+                "and per running sequence (docs/routing.md, predicted_latency).",
             )
         )
         .with_panel(

@@ -13,13 +13,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import random
 import sys
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+from bus_schemas import codec, subjects
 from tokenbus.evaluation import trace as T
 from tokenbus.evaluation.bench_report import report_head
 from tokenbus.evaluation.bench_requests import http_request
@@ -85,9 +88,11 @@ async def _one(
     done: list[dict[str, Any]] = []
     async with spawned(b, env, "tokenbus-routing-logs-") as (targets, _sup):
         url, nats_url = targets[0].url, targets[1].url
-        t0 = time.perf_counter()
-        await asyncio.gather(*(_session(url, a, s, systems, t0, done) for s in sessions))
-        wall = time.perf_counter() - t0
+        beats: dict[str, dict[str, Any]] = {}
+        async with _heartbeats(nats_url, beats):
+            t0 = time.perf_counter()
+            await asyncio.gather(*(_session(url, a, s, systems, t0, done) for s in sessions))
+            wall = time.perf_counter() - t0
         names = [f"bench-{i}" for i in range(a.kv_replicas)]
         stats = await _cache_stats(nats_url, a.model, names)
         index = await _index_metrics(url)
@@ -109,7 +114,42 @@ async def _one(
         "wall_s": round(wall, 2),
         "cache_hit_ratio": round(hit / query, 4) if query else None,
         "predicted_over_reported_cached": round(predicted / hit, 4) if hit and predicted else None,
+        "replicas": _per_replica(stats, beats, query),
     }
+
+
+@contextlib.asynccontextmanager
+async def _heartbeats(nats_url: str, latest: dict[str, dict[str, Any]]) -> AsyncIterator[None]:
+    """Keep each replica's latest heartbeat in ``latest`` while the block runs."""
+    import nats
+
+    nc = await nats.connect(nats_url)
+
+    async def keep(msg: Any) -> None:
+        hb = codec.decode_map(msg.data)
+        latest[str(hb.get("replica"))] = hb
+
+    try:
+        await nc.subscribe(subjects.heartbeat_wildcard(), cb=keep)
+        yield
+    finally:
+        await nc.drain()
+
+
+def _per_replica(
+    stats: dict[str, Any], beats: dict[str, dict[str, Any]], query: int
+) -> dict[str, Any]:
+    """Per replica: its share of the prompt tokens, its cache hit ratio and the speed it
+    announced last (what predicted_latency routed on)."""
+    out: dict[str, Any] = {}
+    for name, st in sorted(stats.items()):
+        q, h = int(st.get("query_tokens", 0)), int(st.get("hit_tokens", 0))
+        out[name] = {
+            "prompt_token_share": round(q / query, 4) if query else None,
+            "hit_ratio": round(h / q, 4) if q else None,
+            "perf": (beats.get(name) or {}).get("perf"),
+        }
+    return out
 
 
 async def run_routing_trace(a: argparse.Namespace) -> int:
