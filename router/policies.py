@@ -396,14 +396,25 @@ class PredictedLatency(KVAware):
         TPOT = tpot_base + tpot_ms_per_running x (running sequences + 1)
 
     Among the replicas predicted to meet the request's class target (``latency_targets``),
-    the lowest TTFT wins; when none is, the lowest TTFT all the same, and the admission rules
-    already there (the worker's flow control by class, the router's bounded queue) decide
-    what waits or is shed. Until every candidate has announced a model, ``kv_aware``'s cost
+    the lowest TTFT plus ``work_weight`` x the prefill it makes that replica compute wins
+    (the request's own wait, and the wait it adds for every request behind it there: a
+    cached prefix is worth keeping even when another replica would answer this one a little
+    sooner); when none meets the target, the same score all the same, and the admission
+    rules already there (the worker's flow control by class, the router's bounded queue)
+    decide what waits or is shed. Until every candidate has announced a model, ``kv_aware``'s cost
     routes. ``last`` holds the latest decision's predictions, replica -> (TTFT, TPOT)."""
 
-    def __init__(self, index: Any, *, targets: dict[str, Any] | None = None, **kw: Any) -> None:
+    def __init__(
+        self,
+        index: Any,
+        *,
+        targets: dict[str, Any] | None = None,
+        work_weight: float = 1.0,
+        **kw: Any,
+    ) -> None:
         super().__init__(index, **kw)
         self.targets: dict[str, Any] = targets or {}
+        self.work_weight = work_weight
         self.predictions: dict[str, tuple[float, float | None]] = {}
         self.unmet = 0  # decisions no replica was predicted to meet
 
@@ -412,15 +423,11 @@ class PredictedLatency(KVAware):
     ) -> tuple[float, float | None]:
         """(TTFT ms, TPOT ms or None) predicted for ``req`` on ``r``."""
         perf = r.perf or {}
-        tokens = self.tokens.get(r.replica) or max(1, -(-len(req.rendered) // 4))
-        cached = 0
-        if self.index.trusted(r.replica) and r.replica in self.tokens:
-            cached = self.predicted_tokens(r.replica, depth.get(r.replica, 0))
         ahead = r.waiting + r.unacked
         per_token = perf.get("prefill_ms_per_token", 0.0)
         ttft = (
             perf.get("ttft_base_ms", 0.0)
-            + per_token * max(0, tokens - cached)
+            + per_token * self.computed(r, depth, req)
             + r.backlog_ms_per_token() * r.backlog_now(time.monotonic())
             + perf.get("queue_ms_per_waiting", 0.0) * ahead
         )
@@ -428,6 +435,19 @@ class PredictedLatency(KVAware):
         if "tpot_base_ms" in perf:
             tpot = perf["tpot_base_ms"] + perf.get("tpot_ms_per_running", 0.0) * (r.running + 1)
         return ttft, tpot
+
+    def work_ms(self, r: Replica, depth: dict[str, int], req: RouteRequest) -> float:
+        """The prefill ``req`` would make ``r``'s engine compute, ms: its prompt less the
+        prefix cached there, at the replica's learned speed."""
+        return (r.perf or {}).get("prefill_ms_per_token", 0.0) * self.computed(r, depth, req)
+
+    def computed(self, r: Replica, depth: dict[str, int], req: RouteRequest) -> int:
+        """The prompt tokens ``req`` would make ``r`` compute (not read from its cache)."""
+        tokens = self.tokens.get(r.replica) or max(1, -(-len(req.rendered) // 4))
+        cached = 0
+        if self.index.trusted(r.replica) and r.replica in self.tokens:
+            cached = self.predicted_tokens(r.replica, depth.get(r.replica, 0))
+        return max(0, tokens - cached)
 
     def _meets(self, pred: tuple[float, float | None], target: Any) -> bool:
         ttft, tpot = pred
@@ -450,8 +470,10 @@ class PredictedLatency(KVAware):
         if not meeting:
             self.unmet += 1
         pool = meeting or list(candidates)
-        best = min(preds[r.replica][0] for r in pool)
-        ties = [r for r in pool if preds[r.replica][0] <= best + 1e-9]
+        w = self.work_weight
+        score = {r.replica: preds[r.replica][0] + w * self.work_ms(r, depth, req) for r in pool}
+        best = min(score.values())
+        ties = [r for r in pool if score[r.replica] <= best + 1e-9]
         chosen = ties[0] if len(ties) == 1 else random.choice(ties)
         if chosen.replica in blocks:
             cached = depth.get(chosen.replica, 0)
@@ -500,7 +522,8 @@ def make_load_policy(
                 block_chars=block_chars,
                 **(kv_weights or {}),
             )
-        return KVAware(kv_index, bound=bound, block_chars=block_chars, **(kv_weights or {}))
+        weights = {k: v for k, v in (kv_weights or {}).items() if k != "work_weight"}
+        return KVAware(kv_index, bound=bound, block_chars=block_chars, **weights)
     try:
         policy: LoadPolicy = LOAD_POLICIES[name]()
     except KeyError:

@@ -218,6 +218,15 @@ class KVRoutingSettings(BaseModel):
     queue_weight: float = Field(
         default=1.0, ge=0, description="Times its engine's waiting requests / capacity."
     )
+    work_weight: float = Field(
+        default=1.0,
+        ge=0,
+        le=100,
+        description="predicted_latency: a replica's score is the request's predicted time to "
+        "first token there plus this times the prefill it would make it compute (its prompt "
+        "less the prefix cached there), ms: the wait it adds for the requests behind it. 0: "
+        "the lowest predicted TTFT alone.",
+    )
 
 
 class KVCheckSettings(BaseModel):

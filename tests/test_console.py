@@ -1732,6 +1732,7 @@ async def test_in_chromium_the_routing_form_sets_tiered_latency_kv_and_expert_ro
                 "tiered.threshold": "32", "tiered.hysteresis": "4",
                 "tiered.high_pool": "tp8", "tiered.wide_pool": "tp2",
                 "kv.prefix_weight": "2", "kv.load_weight": "0.5", "kv.queue_weight": "0.25",
+                "kv.work_weight": "3",
                 "latency_targets": '{"priority": {"ttft_ms": 250, "tpot_ms": 20}}',
             })  # fmt: skip
             b.driver.find_element(b.by.ID, "routing-submit").click()
@@ -1748,7 +1749,12 @@ async def test_in_chromium_the_routing_form_sets_tiered_latency_kv_and_expert_ro
                     "high_pool": "tp8",
                     "wide_pool": "tp2",
                 },
-                "kv": {"prefix_weight": 2, "load_weight": 0.5, "queue_weight": 0.25},
+                "kv": {
+                    "prefix_weight": 2,
+                    "load_weight": 0.5,
+                    "queue_weight": 0.25,
+                    "work_weight": 3,
+                },
                 "latency_targets": {"priority": {"ttft_ms": 250, "tpot_ms": 20}},
             }
             assert await change() == want

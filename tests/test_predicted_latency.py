@@ -75,7 +75,7 @@ def test_the_replica_predicted_first_to_answer_wins_within_the_class_target() ->
         "default": LatencyTarget(ttft_ms=2000, tpot_ms=100),
         "priority": LatencyTarget(ttft_ms=150, tpot_ms=20),
     }
-    policy = PredictedLatency(idx, targets=targets)
+    policy = PredictedLatency(idx, targets=targets, work_weight=0.0)  # TTFT alone
     text = render_prompt([{"role": "user", "content": "x" * 400}])  # ~100 tokens
     req = RouteRequest("m", rendered=text, env={})
     a, b = _replica("a"), _replica("b", waiting=2)
@@ -311,3 +311,43 @@ def test_telemetry_exports_the_backlog_and_its_learned_cost_from_heartbeats() ->
     text = generate_latest(reg).decode()
     assert 'tokenbus_replica_prefill_backlog_tokens{model="m",replica="r1"} 0.0' in text
     assert "tokenbus_replica_backlog_ms_per_token{" not in text
+
+
+@pytest.mark.unit
+def test_a_cached_prefix_is_kept_unless_another_replica_answers_sooner_by_more_than_its_cost() -> (
+    None
+):
+    """work_weight (default 1): a replica's score is the predicted TTFT plus the prefill the
+    request would make it compute. b holds the whole prompt (~100 tokens, ~100 ms of prefill
+    on a) but has 150 ms of others' prompts ahead: by TTFT alone a is sooner (~110 against
+    ~160 ms), yet moving there adds a's ~100 ms of prefill for whoever comes next, so b
+    keeps it; with 250 ms ahead on b, a takes it."""
+    import time as _time
+
+    idx = KVIndex()
+    _synced(idx, "a", "b")
+    text = render_prompt([{"role": "user", "content": "x" * 400}])
+    chain = K.text_block_hashes(text, BS)
+    idx.apply(
+        {
+            "type": K.BATCH,
+            "replica": "b",
+            "model": "m",
+            "boot": "b",
+            "block_size": BS,
+            "seq_first": 1,
+            "seq_last": 1,
+            "ts_ms": 1,
+            "events": [K.stored(chain, None, BS)],
+        }
+    )
+    req = RouteRequest("m", rendered=text, env={})
+    a, b = _replica("a"), _replica("b")
+    a.perf["backlog_ms_per_token"] = b.perf["backlog_ms_per_token"] = 1.0
+    ttft_only = PredictedLatency(idx, work_weight=0.0)
+    default = make_load_policy("predicted_latency", bound=1.25, block_chars=256, kv_index=idx)
+    b.told_backlog(150, _time.monotonic())  # ~150 ms of others' prompts ahead on b
+    assert ttft_only.choose([a, b], req) is a
+    assert default.choose([a, b], req) is b
+    b.told_backlog(250, _time.monotonic())
+    assert default.choose([a, b], req) is a
