@@ -37,6 +37,13 @@ def _replica(name: str, **kw: Any) -> Replica:
     return Replica(name, "m", f"s.{name}", max_concurrency=64, perf=dict(PERF), **kw)
 
 
+def _stored(idx: KVIndex, name: str, chain: list[int]) -> None:
+    """``name``'s KV events say it stored ``chain`` (its first batch)."""
+    batch = {"type": K.BATCH, "replica": name, "model": "m", "boot": "b", "block_size": BS}
+    events = [K.stored(chain, None, BS)]
+    idx.apply({**batch, "seq_first": 1, "seq_last": 1, "ts_ms": 1, "events": events})
+
+
 def _synced(idx: KVIndex, *names: str) -> None:
     for n in names:
         idx.load({"replica": n, "boot": "b", "block_size": BS, "seq": 0, "blocks": []})
@@ -85,19 +92,7 @@ def test_the_replica_predicted_first_to_answer_wins_within_the_class_target() ->
     assert round(tb - ta) == 200
     # The whole prompt cached on b: ~100 ms less prefill, still behind 200 ms of queue.
     chain = K.text_block_hashes(text, BS)
-    idx.apply(
-        {
-            "type": K.BATCH,
-            "replica": "b",
-            "model": "m",
-            "boot": "b",
-            "block_size": BS,
-            "seq_first": 1,
-            "seq_last": 1,
-            "ts_ms": 1,
-            "events": [K.stored(chain, None, BS)],
-        }
-    )
+    _stored(idx, "b", chain)
     assert policy.choose([a, b], req) is a
     b.waiting = 0  # its queue empty: the cached prefix wins, and is predicted
     assert policy.choose([a, b], req) is b
@@ -267,28 +262,29 @@ async def test_a_replica_reports_the_prefill_it_has_ahead_and_works_it_off(
     from tests.support.inprocess import settings
 
     sim = {"kv_cache_blocks": 4096, "block_size": BS, "decode_ms": 1.0}
-    slow = {**sim, "prefill_ms_per_token": 2.0, "chunked_prefill_tokens": 64}
+    slow = {**sim, "prefill_ms_per_token": 4.0, "chunked_prefill_tokens": 64}
     w = {"model": model, "heartbeat_interval_s": 0.2, "replica": f"{model}-s", "sim": slow}
     router = {"policy": "predicted_latency"}
-    async with stack(nats_server.url, model, workers=0, router=router) as svcs:
-        async with Worker(settings(nats_server.url, worker=w)) as worker:
-            registry = svcs["router"].registry
-            await wait_for(lambda: registry.live(model), what="replica not seen")
-            text = "a long question to prefill " * 100  # ~500 sim tokens: about a second
-            ask = asyncio.create_task(
-                client.chat_completion(model, [{"role": "user", "content": text}], max_tokens=2)
-            )
-            await wait_for(
-                lambda: registry.get(worker.replica).backlog_tokens >= 400,
-                what="the backlog never reached the router",
-            )
-            assert worker.backlog.tokens >= 400
-            await ask
-            assert worker.backlog.tokens == 0
-            await wait_for(
-                lambda: registry.get(worker.replica).backlog_tokens == 0,
-                what="the worked-off backlog was never announced",
-            )
+    async with (
+        stack(nats_server.url, model, workers=0, router=router) as svcs,
+        Worker(settings(nats_server.url, worker=w)) as worker,
+    ):
+        registry = svcs["router"].registry
+        await wait_for(lambda: registry.live(model), what="replica not seen")
+        text = "a long question to prefill " * 100  # ~500 sim tokens: about two seconds
+        ask = asyncio.create_task(
+            client.chat_completion(model, [{"role": "user", "content": text}], max_tokens=2)
+        )
+        await wait_for(
+            lambda: registry.get(worker.replica).backlog_tokens >= 400,
+            what="the backlog never reached the router",
+        )
+        await ask
+        assert worker.backlog.tokens == 0
+        await wait_for(
+            lambda: registry.get(worker.replica).backlog_tokens == 0,
+            what="the worked-off backlog was never announced",
+        )
 
 
 @pytest.mark.unit
@@ -328,19 +324,7 @@ def test_a_cached_prefix_is_kept_unless_another_replica_answers_sooner_by_more_t
     _synced(idx, "a", "b")
     text = render_prompt([{"role": "user", "content": "x" * 400}])
     chain = K.text_block_hashes(text, BS)
-    idx.apply(
-        {
-            "type": K.BATCH,
-            "replica": "b",
-            "model": "m",
-            "boot": "b",
-            "block_size": BS,
-            "seq_first": 1,
-            "seq_last": 1,
-            "ts_ms": 1,
-            "events": [K.stored(chain, None, BS)],
-        }
-    )
+    _stored(idx, "b", chain)
     req = RouteRequest("m", rendered=text, env={})
     a, b = _replica("a"), _replica("b")
     a.perf["backlog_ms_per_token"] = b.perf["backlog_ms_per_token"] = 1.0
