@@ -4,15 +4,16 @@ tests/test_cluster.py, whose fixture and stack this file shares)."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from bus_schemas import errors as E
 from tests.lockedbus import UNLIMITED, LockedCluster, serve_when_ready
 from tests.support.procs import Procs
+from tests.support.waits import wait_for
 from tests.test_chaos import HB, MSG
 from tests.test_cluster import cluster, spread_stack
 from tokenbus import Client
@@ -62,11 +63,13 @@ async def test_a_batch_outlives_a_cluster_node_killed_under_it(
             f = await c.files_create("".join(json.dumps(x) + "\n" for x in lines).encode())
             b = await c.batches_create(f["id"])
             # Its lines run on the bridge on node 2 only until then: no bridge on node 0.
-            for _ in range(300):
-                cur = await c.batch(b["id"])
-                if cur["request_counts"]["completed"] >= 10:
-                    break
-                await asyncio.sleep(0.1)
+            cur: dict[str, Any] = {}
+
+            async def ten_done() -> bool:
+                cur.update(await c.batch(b["id"]))
+                return bool(cur["request_counts"]["completed"] >= 10)
+
+            await wait_for(ten_done, timeout=30, interval=0.1, what="no lines ran on node 2")
             assert cur["status"] == "in_progress", cur
             procs.start(
                 "bridge-0",
@@ -80,15 +83,18 @@ async def test_a_batch_outlives_a_cluster_node_killed_under_it(
             done = await c.wait_batch(b["id"], timeout=120, poll_s=0.3)
             # The object store may still be electing its leader on the nodes left: a
             # retryable 503, asked again as a client would.
-            for _ in range(100):
+            got: list[bytes] = []
+
+            async def read_out() -> bool:
                 try:
-                    data = await c.file_content(done["output_file_id"])
-                    break
+                    got.append(await c.file_content(done["output_file_id"]))
                 except E.TokenbusError as exc:
                     if not exc.retryable:
                         raise
-                    await asyncio.sleep(0.3)
-            out = [json.loads(x) for x in data.splitlines()]
+                return bool(got)
+
+            await wait_for(read_out, timeout=30, interval=0.3, what="the output never read")
+            out = [json.loads(x) for x in got[0].splitlines()]
         assert done["status"] == "completed", done
         assert sorted(x["custom_id"] for x in out) == sorted(x["custom_id"] for x in lines)
         assert done["request_counts"] == {"total": 80, "completed": 80, "failed": 0}

@@ -20,6 +20,7 @@ from bus_schemas import codec, subjects
 from bus_schemas import errors as E
 from tests.support.procs import Procs, start_stack, start_worker
 from tests.support.repo import run_cli
+from tests.support.waits import wait_for
 from tests.test_flow_e2e import (
     FLOOD,
     MSG,
@@ -274,17 +275,21 @@ async def test_the_waiting_room_holds_a_request_until_a_worker_starts(
             held = asyncio.ensure_future(
                 h.post("/chat/completions", json={"model": model, "messages": MSG, "max_tokens": 3})
             )
-            deadline = time.monotonic() + 10
-            while not any(r["waiting"].get(model) == {"default": 1} for r in reports):
-                assert time.monotonic() < deadline and not held.done(), reports
-                await asyncio.sleep(0.05)
+
+            def reported_waiting() -> bool:
+                assert not held.done(), reports
+                return any(r["waiting"].get(model) == {"default": 1} for r in reports)
+
+            await wait_for(reported_waiting, timeout=10, interval=0.05, what="no report held it")
             start_worker(procs, model, 0)
             r = await held
             assert r.status_code == 200, r.text
-        deadline = time.monotonic() + 5
-        while not reports or reports[-1]["waiting"]:
-            assert time.monotonic() < deadline, reports[-3:]
-            await asyncio.sleep(0.05)
+        await wait_for(
+            lambda: reports and not reports[-1]["waiting"],
+            timeout=5,
+            interval=0.05,
+            what="the reports never said the room was empty again",
+        )
     finally:
         await nc.drain()
     assert stack.all_alive()

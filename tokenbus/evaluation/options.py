@@ -258,7 +258,8 @@ def _routebench(g: Any) -> None:
         metavar="SESSIONS",
         help="instead of the sweep: a generated trace of SESSIONS sessions (shared system "
         "prompts, multi-turn, long-tailed prompts; tokenbus.evaluation.trace) replayed against "
-        "each routing policy on --kv-replicas sim replicas with chunked prefill, side by side",
+        "each routing policy on --kv-replicas sim replicas with chunked prefill (or the groups "
+        "--replica names: a mixed fleet), side by side",
     )
     g.add_argument("--trace-file", help="--routing-trace: replay this trace (JSON lines) instead")
     g.add_argument(

@@ -6,7 +6,8 @@ tokens/s, goodput (requests per second that met the SLO) and the closed loop's r
 (predicted cached tokens over the replicas' own hits; docs/routing.md).
 
 Each policy gets a stack of its own (nats-server, the bridge routing in-process,
-``--kv-replicas`` sim workers) and the same trace (same seed, same arrivals).
+``--kv-replicas`` sim workers, or the groups ``--replica`` names: a mixed fleet such as
+``--replica 2:tp=2 --replica 2:``) and the same trace (same seed, same arrivals).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from bus_schemas import codec, subjects
 from tokenbus.evaluation import trace as T
 from tokenbus.evaluation.bench_report import report_head
 from tokenbus.evaluation.bench_requests import http_request
-from tokenbus.evaluation.bench_stack import spawned
+from tokenbus.evaluation.bench_stack import replica_specs, spawned
 from tokenbus.evaluation.bench_stats import summary_ms
 from tokenbus.evaluation.kvbench import _cache_stats, _index_metrics, _text
 
@@ -68,7 +69,8 @@ async def _one(
     b = argparse.Namespace(**vars(a))
     b.__dict__.update(
         pipeline="route",
-        replica=[f"{a.kv_replicas}:max_concurrency=256"],
+        # --replica groups make a mixed fleet (e.g. two tp=2 replicas beside two of tp 1).
+        replica=a.replica or [f"{a.kv_replicas}:max_concurrency=256"],
         no_direct=True,
         telemetry="off",
         peer=[],
@@ -93,7 +95,7 @@ async def _one(
             t0 = time.perf_counter()
             await asyncio.gather(*(_session(url, a, s, systems, t0, done) for s in sessions))
             wall = time.perf_counter() - t0
-        names = [f"bench-{i}" for i in range(a.kv_replicas)]
+        names = [f"bench-{i}" for i in range(len(replica_specs(b.replica)))]
         stats = await _cache_stats(nats_url, a.model, names)
         index = await _index_metrics(url)
     ok = [d for d in done if d["ok"]]
