@@ -437,7 +437,7 @@ class BatchStore:
         if self.large is None:
             raise E.ServiceUnavailable("the batch store (JetStream) is not open; retry")
         try:
-            got = await self.large.get(name)
+            got = await buckets.get_object(self.large, name)
         except (ObjectNotFoundError, NotFoundError):
             return None
         return got.data or b""

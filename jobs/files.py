@@ -143,7 +143,7 @@ class FileStore:
         """The bytes of ``owner``'s file (404 otherwise)."""
         await self._info(file_id, owner)
         try:
-            res = await self._store().get(file_id)
+            res = await buckets.get_object(self._store(), file_id)
         except (ObjectNotFoundError, NotFoundError):
             raise not_found(file_id) from None
         except Exception as exc:

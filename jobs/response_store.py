@@ -53,6 +53,13 @@ BUCKET = "tokenbus_responses"
 LARGE_BUCKET = "tokenbus_responses_large"
 LARGE = 512 * 1024  # as services.bodies.THRESHOLD: a KV value shares max_payload too
 log = tlog.get("responses")
+# Reads of a large record whose pointer and object disagree before it is called damaged.
+LARGE_READS = 3
+
+
+class _Rewritten(Exception):
+    """A large record's object does not match its pointer (rewritten meanwhile, or
+    damaged)."""
 
 
 def not_found(response_id: str) -> E.NotFound:
@@ -199,7 +206,21 @@ class ResponseStore:
         return await self._write(response_id, record, create=False)
 
     async def get(self, response_id: str, owner: str) -> ResponseRecord:
-        """The record of ``response_id`` if ``owner`` made it; else 404."""
+        """The record of ``response_id`` if ``owner`` made it; else 404. A large record read
+        while it is rewritten (a background response ending: object first, then pointer)
+        can pair the old pointer with the new object: read again before calling it
+        damaged."""
+        for _ in range(LARGE_READS - 1):
+            with contextlib.suppress(_Rewritten):
+                return await self._get(response_id, owner)
+            await asyncio.sleep(0.05)
+        try:
+            return await self._get(response_id, owner)
+        except _Rewritten:
+            log.warning("response_record_damaged", response_id=response_id)
+            raise not_found(response_id) from None
+
+    async def _get(self, response_id: str, owner: str) -> ResponseRecord:
         if not RESPONSE_ID.match(response_id):
             raise not_found(response_id)
         try:
@@ -222,15 +243,16 @@ class ResponseStore:
         if self.large is None:
             raise E.ServiceUnavailable("the response store (JetStream) is not open; retry")
         try:
-            got = await self.large.get(response_id)
+            got = await buckets.get_object(self.large, response_id)
         except NotFoundError:
             raise not_found(response_id) from None  # expired with, or before, its pointer
+        except E.TokenbusError:
+            raise
         except Exception as exc:
             raise unavailable(exc) from None
         data = got.data or b""
         if len(data) != ref.get("size") or hashlib.sha256(data).hexdigest() != ref.get("sha256"):
-            log.warning("response_record_damaged", response_id=response_id)
-            raise not_found(response_id)
+            raise _Rewritten(response_id)
         return cast(ResponseRecord, json.loads(data))
 
     async def delete(self, response_id: str, owner: str) -> None:

@@ -45,9 +45,11 @@ from nats.js.kv import KeyValue
 from nats.js.object_store import ObjectStore
 
 from bus_schemas import errors as E
+from services import logging as tlog
 from services.config import kv_replicas
 
 T = TypeVar("T")
+log = tlog.get("buckets")
 
 
 async def keys(kv: KeyValue, pattern: str = ">", *, live: bool = False) -> list[str]:
@@ -627,6 +629,29 @@ async def open_objects(
         on_create=on_create,
         stall_s=stall_s,
     )
+
+
+# An object store read: its bound per attempt is this plus a second per MiB of the object.
+OBJECT_READ_S = 5.0
+OBJECT_READ_ATTEMPTS = 3
+
+
+async def get_object(store: ObjectStore, name: str) -> ObjectStore.ObjectResult:
+    """``store.get(name)``, bounded. nats.py's read follows the object's chunks until the
+    last one with no time limit: when the object is replaced or deleted while it reads (a
+    background response's record rewritten as it ends, polled meanwhile), the chunks it
+    follows are purged and it waits for ever. Each attempt is bounded by the object's size
+    and the next one reads its description again (the newer version's chunks); after
+    :data:`OBJECT_READ_ATTEMPTS` the store is unavailable (503). Not found is raised as
+    the store raises it."""
+    for attempt in range(OBJECT_READ_ATTEMPTS):
+        info = await store.get_info(name)
+        bound = OBJECT_READ_S + (info.size or 0) / 2**20
+        try:
+            return await asyncio.wait_for(store.get(name), bound)
+        except TimeoutError:
+            log.warning("object_read_timed_out", object=name[:200], attempt=attempt + 1)
+    raise E.ServiceUnavailable("the object store did not answer in time; retry")
 
 
 async def open_stream(

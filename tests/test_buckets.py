@@ -469,3 +469,34 @@ async def test_a_stream_opened_at_once_is_one_stream_and_an_existing_one_is_kept
     with pytest.raises(E.ServiceUnavailable, match="retry"):
         await buckets.open_stream(_Stalled(js, 10**6), config(1.0), stall_s=0.3)  # type: ignore[arg-type]
     await js.delete_stream(name)
+
+
+async def test_an_object_read_whose_chunks_vanish_is_bounded_and_read_again(
+    nats_server: NatsServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """nats.py's object read follows the chunks its description names until the last one,
+    with no time limit: when they are purged under it (the object replaced or deleted as it
+    reads: a background response's record rewritten while it is polled) it waits for ever.
+    buckets.get_object bounds each attempt, reads the description again (a replaced
+    object's new chunks), and answers 503 when no attempt can finish. Here the chunks are
+    purged and the description left, as a replace caught half-way leaves them."""
+    monkeypatch.setattr(buckets, "OBJECT_READ_S", 0.3)  # the bound, small for the test
+    nc = await nats.connect(nats_server.url)
+    js = nc.jetstream()
+    name = f"t_{uuid.uuid4().hex[:10]}"
+    store = await js.create_object_store(name)
+    try:
+        data = uuid.uuid4().bytes * 40_000  # 640 kB: several chunks
+        await store.put("rec", data)
+        assert (await buckets.get_object(store, "rec")).data == data
+        info = await store.get_info("rec")
+        await js.purge_stream(f"OBJ_{name}", subject=f"$O.{name}.C.{info.nuid}")
+        with pytest.raises(E.ServiceUnavailable):
+            await asyncio.wait_for(buckets.get_object(store, "rec"), 30)
+        # Replaced while a read hangs on the purged chunks: the next attempt reads the new.
+        reading = asyncio.ensure_future(buckets.get_object(store, "rec"))
+        await store.put("rec", data[::-1])
+        assert (await asyncio.wait_for(reading, 30)).data == data[::-1]
+    finally:
+        await js.delete_object_store(name)
+        await nc.close()
