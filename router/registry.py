@@ -2,12 +2,28 @@
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from bus_schemas import subjects
 from services import natsclient
+
+# The longest heartbeat interval a replica may announce (its expiry is a few of them): a
+# beat announcing more is held to it, so no replica outlives its silence by more than half an hour (an
+# idle worker beats every 2 s by default).
+MAX_INTERVAL_S = 600.0
+
+
+def _interval(v: object) -> float:
+    """A heartbeat's ``interval_s``: a positive finite number (ValueError otherwise), at
+    most :data:`MAX_INTERVAL_S`."""
+    s = float(v)  # type: ignore[arg-type]
+    if not 0 < s < math.inf:
+        raise ValueError(f"interval_s {v!r}")
+    return min(s, MAX_INTERVAL_S)
+
 
 # What a replica whose heartbeat names no endpoints (an older worker) serves.
 DEFAULT_ENDPOINTS = frozenset({subjects.KIND_CHAT, subjects.KIND_COMPLETIONS})
@@ -171,7 +187,7 @@ class Registry:
             r.pd_role = str(hb.get("pd_role", "both"))
             self.prefill_seen = self.prefill_seen or r.pd_role == "prefill"
             r.draining = bool(hb.get("draining", False))
-            r.interval_s = float(hb.get("interval_s", 1.0))
+            r.interval_s = _interval(hb.get("interval_s", 1.0))
             eps = hb.get("endpoints")
             r.endpoints = frozenset(map(str, eps)) if eps else DEFAULT_ENDPOINTS
             r.aliases = frozenset(map(str, hb.get("aliases") or ()))
@@ -201,7 +217,9 @@ class Registry:
             up = hb.get("upstream")
             r.upstream = up if isinstance(up, dict) else None
             r.last_seen = time.monotonic()
-        except (KeyError, TypeError, ValueError, RecursionError):  # str() of a deep nesting
+        # int() of an infinite float raises OverflowError; str() of a deep nesting,
+        # RecursionError: a forged beat either way.
+        except (KeyError, TypeError, ValueError, OverflowError, RecursionError):
             return None
         self._ever_seen.add(model)
         self._ever_seen.update(r.aliases)

@@ -34,6 +34,7 @@ import asyncio
 import contextlib
 import copy
 import json
+import math
 import os
 import sqlite3
 import time
@@ -176,9 +177,19 @@ BAD_MARKS = (
 )
 
 
+# Errors logged on purpose for an operator, not faults: a heartbeat announcing block hashes
+# a router cannot compute is refused loudly by design (docs/routing.md, "mismatch is loud
+# at join"), and a forged beat may announce anything.
+MEANT_ERRORS = ('"event": "kv_hashing_mismatch"',)
+
+
 def bad_lines(text: str) -> list[str]:
     """Lines of a process's output that show an unhandled fault."""
-    return [line[:600] for line in text.splitlines() if any(m in line for m in BAD_MARKS)]
+    return [
+        line[:600]
+        for line in text.splitlines()
+        if any(m in line for m in BAD_MARKS) and not any(m in line for m in MEANT_ERRORS)
+    ]
 
 
 class LogWatch:
@@ -1475,3 +1486,18 @@ def _matches(pattern: str, subject: str) -> bool:
         if i >= len(s) or (tok != "*" and tok != s[i]):
             return False
     return len(p) == len(s)
+
+
+async def test_a_heartbeat_with_an_infinite_number_is_refused(bus: FuzzBus) -> None:
+    """Was: the router's registry took ``int()`` of a forged beat's ``in_flight: inf``
+    (msgpack carries infinite floats): OverflowError escaped the heartbeat callback, a
+    traceback in the router and the bridge (a 1-in-300 draw of the heartbeat fuzz, seen
+    failing in CI). A beat with such a number, or with an interval that is not a positive
+    finite number, is refused as malformed now (router/registry.py)."""
+    model, replica = bus.model, str(bus.first_heartbeat["replica"])
+    for field, value in (("in_flight", math.inf), ("prefill_backlog", -math.inf)):
+        hb = {**bus.first_heartbeat, "boot": "f" * 12, field: value}
+        await bus.raw.publish(subjects.heartbeat(model, replica), pack(hb))
+    hb = {**bus.first_heartbeat, "replica": "forged", "interval_s": math.inf}
+    await bus.raw.publish(subjects.heartbeat(model, "forged"), pack(hb))
+    await bus.check_health()

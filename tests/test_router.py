@@ -59,9 +59,20 @@ def test_endpoints_and_aliases_from_heartbeats() -> None:
 
 
 def test_malformed_heartbeats_are_refused() -> None:
+    from router.registry import MAX_INTERVAL_S
+
     reg = Registry()
     assert reg.update({"model": "m"}) is None
     assert reg.update(hb("r", in_flight="lots")) is None
+    # Numbers no worker sends (a forged beat; the fuzz drew them): refused, nothing raised.
+    inf, nan = float("inf"), float("nan")
+    for field in ("in_flight", "max_concurrency", "seq", "prefill_backlog", "max_model_len"):
+        assert reg.update(hb("r", **{field: inf})) is None, field
+    for value in (inf, nan, -1.0, 0.0):
+        assert reg.update(hb("r", interval_s=value)) is None, value
+    # An interval past any worker's is held to the longest: a ghost still expires.
+    r = reg.update(hb("r", interval_s=1e12))
+    assert r is not None and r.interval_s == MAX_INTERVAL_S
 
 
 def test_least_outstanding_counts_unacked_dispatches_and_capacity() -> None:
