@@ -11,8 +11,8 @@ from bus_schemas import subjects
 from services import natsclient
 
 # The longest heartbeat interval a replica may announce (its expiry is a few of them): a
-# beat announcing more is held to it, so no replica outlives its silence by more than half an hour (an
-# idle worker beats every 2 s by default).
+# beat announcing more is held to it, so no replica outlives its silence by more than half
+# an hour (an idle worker beats every 2 s by default).
 MAX_INTERVAL_S = 600.0
 
 
