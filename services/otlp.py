@@ -323,12 +323,12 @@ class BatchExporter:
         return spans
 
     def _run(self) -> None:
-        while True:
+        while not self._stop:
             self._wake.wait(self.delay_s)
             self._wake.clear()
             self._flush()
-            if self._stop:
-                return
+        # What was queued while the last flush posted (a span ended just before shutdown).
+        self._flush()
 
     def _flush(self) -> None:
         spans = self._take()
