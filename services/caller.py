@@ -636,8 +636,9 @@ class Stream:
         self._accepted_at = 0.0
         self._lost = False
         self._epoch = None
-        # Frames of the old attempt still queued here are dropped.
+        # Frames of the old attempt still queued here (or held for the sink) are dropped.
         self._frames.clear()
+        self._held = []
         resume = self._delivered.next_attempt()
         # In place: an in-process sender (the bridge) holds this very envelope. Embeddings
         # start over (the caller keeps them by index).
