@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import statistics
 import time
 from typing import Any
 
@@ -412,7 +413,11 @@ async def test_an_idle_replica_beats_slower_and_at_full_rate_once_it_takes_a_req
         )
         busy = [t for t, b in beats if b["in_flight"]]
         gaps = [b - a for a, b in itertools.pairwise(busy)]
-        assert len(gaps) >= 3 and max(gaps) < 1.5 * fast, gaps
+        # At the full rate, not the idle one: the middle gap near `fast`, none as long as an
+        # idle beat's (a loaded machine once stretched one gap to 1.6 x fast in CI).
+        idle = fast * w.cfg.idle_heartbeat_factor
+        assert len(gaps) >= 3 and statistics.median(gaps) < 1.5 * fast, gaps
+        assert max(gaps) < idle, gaps
         await stream.aclose()
 
 
