@@ -3,7 +3,6 @@ go out (the pump's coalesced writes, or the stream's sink while the pump waits).
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
 from typing import Any
 
@@ -39,11 +38,10 @@ class MovingStream:
         self.reads += 1
         if self.reads == 1:
             return Chunk("b", 1, 1)
-        if self.reads == 2:  # the move: nothing to read until the next attempt's text
-            await asyncio.sleep(0)
-            # Through the sink when one is set (written past whatever the reader holds).
-            if self.sink is None or not self.sink("c"):
-                self.queued.append("c")
+        # The move (read 2): nothing to read until the next attempt's text, which comes
+        # through the sink when one is set (written past whatever the reader holds).
+        if self.reads == 2 and (self.sink is None or not self.sink("c")):
+            self.queued.append("c")
         if self.queued:
             return Chunk(self.queued.pop(0), 1, 2)
         raise StopAsyncIteration
