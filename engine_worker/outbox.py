@@ -7,6 +7,12 @@ prefix: one NATS message instead of hundreds, with every frame kept whole and in
 Nothing waits for a batch to fill: a lone frame (the first token at low load) goes out in
 the same turn it was produced, as a plain message.
 
+Under load a stream's text may also be *held* (:meth:`Outbox.hold`, the worker's
+``stream_coalesce_ms``): its runner keeps the text of several engine steps and registers a
+drain, which the outbox calls when the hold ends, or at once when anything else is sent to
+that stream (its final frame, a keepalive, an error): no frame ever overtakes held text of
+its own stream.
+
 What must reach the bus before a caller hears that its request ended (the usage report
 that settles its spend, its telemetry record) is queued with :meth:`Outbox.send_first`
 and the :attr:`Outbox.before` hook: each flush hands those to the connection first. One
@@ -38,15 +44,45 @@ class Outbox:
         # Called at each flush before anything queued leaves (the worker's records).
         self.before: Callable[[], Awaitable[None]] | None = None
         self._task: asyncio.Task[None] | None = None
+        # Streams holding text (reply -> its drain) and the timer that ends their hold.
+        self._held: dict[str, Callable[[], None]] = {}
+        self._timer: asyncio.TimerHandle | None = None
         self.messages = 0
         self.frames = 0
 
     def send(self, reply: str, frame: bytes) -> None:
-        """Queue ``frame`` for ``reply``; it leaves in this loop turn's flush."""
+        """Queue ``frame`` for ``reply``, behind the text that stream holds; it leaves in
+        this loop turn's flush."""
+        if self._held:
+            drain = self._held.pop(reply, None)
+            if drain is not None:
+                drain()
         split = subjects.split_inbox(reply)
         key, tok = split if split else (reply, "")
         self._pending.setdefault(key, []).append((reply, tok, frame))
         self._schedule()
+
+    def hold(self, reply: str, drain: Callable[[], None], hold_s: float) -> None:
+        """``reply``'s stream holds text: ``drain`` sends it (through :meth:`send`) at the
+        latest ``hold_s`` after the first stream of this hold began holding, or before any
+        other frame to ``reply``. Every stream holding is drained by one timer."""
+        self._held[reply] = drain
+        if self._timer is None:
+            self._timer = asyncio.get_running_loop().call_later(hold_s, self.release)
+
+    def release(self) -> None:
+        """Drain every stream that holds text now."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        held, self._held = self._held, {}
+        for drain in held.values():
+            try:
+                drain()
+            except Exception as exc:  # one stream's fault does not keep the others' text
+                asyncio.get_running_loop().call_exception_handler(
+                    {"message": "a held stream's drain failed", "exception": exc}
+                )
 
     def send_first(self, subject: str, data: bytes) -> None:
         """Queue a message that leaves in this loop turn's flush, ahead of every frame."""
@@ -58,7 +94,8 @@ class Outbox:
             self._task = asyncio.get_running_loop().create_task(self._flush())
 
     async def flush(self) -> None:
-        """Wait until everything queued so far has been handed to the connection."""
+        """Wait until everything queued or held so far has been handed to the connection."""
+        self.release()
         while self._task is not None:
             with contextlib.suppress(Exception):
                 await asyncio.shield(self._task)

@@ -732,6 +732,22 @@ class WorkerSettings(BaseModel):
         "kv_cache_blocks) publishes the KV events gathered over this long in one message "
         "(docs/kv-events.md); 0: at the end of each event-loop turn.",
     )
+    stream_coalesce_ms: float = Field(
+        default=25.0,
+        ge=0,
+        le=100,
+        description="Under load (at least `stream_coalesce_streams` requests in flight), a "
+        "stream's text after its first chunk is held up to this long so that one frame (and "
+        "one SSE event) carries the tokens of several engine steps, as `vllm serve "
+        "--stream-interval` does; the first chunk, side outputs and the last chunk with the "
+        "final frame are never held (docs/benchmarks.md, issue 70). 0: a frame per step.",
+    )
+    stream_coalesce_streams: int = Field(
+        default=16,
+        ge=1,
+        description="Requests in flight from which `stream_coalesce_ms` holds text; below, "
+        "every chunk leaves in the turn it was produced (a lone stream is never held).",
+    )
     tp: int = Field(default=1, ge=1)
     pool: str = "default"
     pd_role: Literal["both", "prefill", "decode"] = Field(

@@ -1,13 +1,19 @@
 """The worker's outbox on a real nats-server: an answer's last chunk and its final frame,
-produced in one turn of the event loop, leave in one message."""
+produced in one turn of the event loop, leave in one message; under load a stream's text is
+held for fewer, larger frames, and never overtaken by another frame of its stream."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import pytest
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
+from bus_schemas import errors as E
 from bus_schemas import frames, subjects
+from engine_worker.outbox import Outbox
+from tests.support.busdata import new_model
 from tests.support.inprocess import stack
 from tests.support.natsserver import NatsServer
 from tests.support.waits import wait_for
@@ -68,3 +74,86 @@ async def test_a_workers_last_chunk_and_final_frame_leave_in_one_message(
 def _kinds(m: Msg) -> list[str]:
     """The frame types of one message, a batch opened."""
     return [frames.decode(f)["t"] for _, f in _frames([m])]
+
+
+async def _answer_frames(
+    url: str, model: str, client: Client, nc: NATS, worker: dict[str, object]
+) -> tuple[str, list[dict[str, object]], list[Msg], int]:
+    """One streamed answer of 24 tokens from a stack with ``worker``'s settings: its text,
+    its chunk frames in order, the messages they came in, its completion tokens."""
+    async with stack(url, model, workers=1, with_ingress=True, worker=worker):
+        got = await _listen(nc, client._prefix + ".*")
+        s = client.chat(
+            model, [{"role": "user", "content": "count"}], max_tokens=24, ignore_eos=True
+        )
+        text = "".join([c.text async for c in s])
+        assert s.usage is not None
+        used = s.usage.completion_tokens
+        await wait_for(lambda: any(frames.FINAL in _kinds(m) for m in got), what="the end")
+    chunks = [frames.decode(f) for _, f in _frames(got)]
+    return text, [c for c in chunks if c["t"] == frames.CHUNK], got, used
+
+
+async def test_under_load_a_streams_text_after_its_first_chunk_travels_in_fewer_frames(
+    nats_server: NatsServer, client: Client, nc: NATS
+) -> None:
+    """With as many requests in flight as ``stream_coalesce_streams`` (1 here), a stream's
+    text after its first chunk is held up to ``stream_coalesce_ms``: frames carry the tokens
+    of several engine steps. The first chunk is one step's, the last chunk still travels with
+    the final frame, and the caller gets the same text and token count. Below that many
+    requests in flight (the default 16, a lone stream) nothing is held."""
+    sim = {"decode_ms": 4.0, "prefill_ms": 1.0}
+    held = {"stream_coalesce_streams": 1, "stream_coalesce_ms": 40.0, "sim": sim}
+    text, chunks, got, used = await _answer_frames(nats_server.url, new_model(), client, nc, held)
+    assert used == 24
+    assert "".join(str(c["d"]) for c in chunks) == text
+    assert sum(int(c["n"]) for c in chunks) == used
+    # A step is 4 ms and a hold 40: the answer's 24 tokens in a handful of frames, the first
+    # of them one step's token alone.
+    assert chunks[0]["n"] == 1 and chunks[0]["i"] == 0
+    assert [c["i"] for c in chunks] == list(range(len(chunks)))
+    assert len(chunks) <= 8 and max(int(c["n"]) for c in chunks) >= 4, chunks
+    ends = [m for m in got if frames.FINAL in _kinds(m)]
+    assert len(ends) == 1 and _kinds(ends[0])[-2:] == [frames.CHUNK, frames.FINAL]
+
+    lone_text, lone, _, lone_used = await _answer_frames(
+        nats_server.url, new_model(), client, nc, {"sim": sim}
+    )
+    assert lone_used == 24 and "".join(str(c["d"]) for c in lone) == lone_text
+    # Not held: a frame per engine step, the sim joining only what one step made.
+    assert len(lone) >= 20, [c["n"] for c in lone]
+
+
+async def test_a_frame_sent_to_a_stream_goes_behind_the_text_it_holds(
+    nats_server: NatsServer, nc: NATS
+) -> None:
+    """The outbox drains a stream's held text before any other frame to that stream (an
+    error, a keepalive, its final frame): a caller never sees a frame overtake text held
+    for coalescing. Another stream's held text waits for its hold to end."""
+    out = Outbox(nc)
+    got = await _listen(nc, "_INBOX.held.*")
+    sent: list[str] = []
+
+    def drain_of(reply: str, text: str) -> Callable[[], None]:
+        def drain() -> None:
+            sent.append(reply)
+            out.send(reply, frames.chunk(text, 2, 1))
+
+        return drain
+
+    out.hold("_INBOX.held.a", drain_of("_INBOX.held.a", "held a"), 30.0)
+    out.hold("_INBOX.held.b", drain_of("_INBOX.held.b", "held b"), 30.0)
+    out.send("_INBOX.held.a", frames.error(E.EngineError("the engine failed")))
+    assert sent == ["_INBOX.held.a"]  # b's hold has not ended
+    await out.flush()  # releases b too: what is queued or held, all of it
+    await wait_for(lambda: len(got) == 3, what="three frames")
+    assert sent == ["_INBOX.held.a", "_INBOX.held.b"]
+    kinds = [(m.subject, frames.decode(m.data)["t"]) for m in got]
+    assert kinds.index(("_INBOX.held.a", frames.CHUNK)) < kinds.index(
+        ("_INBOX.held.a", frames.ERROR)
+    ), kinds
+    # One drain each: nothing held is sent twice.
+    assert sorted(k for k in kinds if k[1] == frames.CHUNK) == [
+        ("_INBOX.held.a", frames.CHUNK),
+        ("_INBOX.held.b", frames.CHUNK),
+    ]

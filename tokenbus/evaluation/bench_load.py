@@ -152,6 +152,10 @@ def _figures(results: list[Result], wall: float) -> dict[str, Any]:
         "requests_per_s": round(len(ok) / wall, 2) if wall else 0.0,
         "ttft_ms": summary_ms([r.ttft_s for r in ok]),
         "tbt_ms": summary_ms([r.tbt_s for r in ok if r.tbt_s is not None]),
+        # Gaps between events with text, every request's pooled: what coalescing (the
+        # worker's stream_coalesce_ms) trades, which the mean ``tbt_ms`` does not show.
+        "itl_ms": summary_ms([g for r in ok for g in r.gaps_s]),
+        "tokens_per_event": round(tokens / max(1, sum(len(r.gaps_s) + 1 for r in ok)), 2),
         "e2e_ms": summary_ms([r.e2e_s for r in ok]),
     }
 

@@ -21,6 +21,9 @@ class Result:
     error: str = ""
     text: str = ""  # the answer (kept for multi-turn sessions only)
     t_end: float = 0.0  # time.time() when it ended
+    # Seconds between consecutive events that carried text (the inter-token latency as a
+    # client sees it: an event holding several tokens is one arrival).
+    gaps_s: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -86,6 +89,7 @@ class _Timing:
         self.tokens = self.chunks = 0
         self.keep_text = keep_text
         self.parts: list[str] = []
+        self.gaps: list[float] = []
 
     def event(self, ev: Event) -> str | None:
         """Take one event; its error, if any."""
@@ -96,6 +100,8 @@ class _Timing:
             if self.keep_text:
                 self.parts.append(piece)
             now = time.perf_counter()
+            if self.last:
+                self.gaps.append(now - self.last)
             self.first = self.first or now
             self.last = now
             self.chunks += 1
@@ -115,6 +121,7 @@ class _Timing:
             tokens,
             text="".join(self.parts),
             t_end=time.time(),
+            gaps_s=self.gaps,
         )
 
 
@@ -170,6 +177,7 @@ async def nats_request(
     t0 = time.perf_counter()
     first = last = 0.0
     parts: list[str] = []
+    gaps: list[float] = []
     stream = client.submit("chat", body, timeout=timeout, api_key=api_key)
     try:
         async for ch in stream:
@@ -178,6 +186,8 @@ async def nats_request(
             now = time.perf_counter()
             if not first:
                 first = now
+            elif ch.text:
+                gaps.append(now - last)
             last = now
     except TokenbusError as exc:
         return Result(False, error=exc.code)
@@ -188,7 +198,9 @@ async def nats_request(
         return Result(False, error="no_tokens")
     tokens = stream.usage.completion_tokens if stream.usage else 0
     tbt = (last - first) / (tokens - 1) if tokens > 1 else None
-    return Result(True, first - t0, end - t0, tbt, tokens, text="".join(parts), t_end=time.time())
+    return Result(
+        True, first - t0, end - t0, tbt, tokens, text="".join(parts), t_end=time.time(), gaps_s=gaps
+    )
 
 
 async def nats_events_request(
