@@ -113,6 +113,38 @@ async def test_a_worker_killed_mid_stream_is_migrated_over_nats(
 
 
 @pytest.mark.fault
+async def test_a_worker_killed_while_it_holds_text_for_coalescing_is_migrated_whole(
+    procs: Procs, model: str, client: Client
+) -> None:
+    """With every stream's text held for coalescing (``stream_coalesce_streams`` 1, a hold of
+    five steps), a worker killed mid-stream takes the text it held with it: the caller has
+    fewer tokens than the worker made, and the next replica goes on from the caller's count,
+    so the answer is whole, without a duplicate or a gap, and counted once."""
+    env = {
+        **HB,
+        "TOKENBUS_WORKER__STREAM_COALESCE_STREAMS": "1",
+        "TOKENBUS_WORKER__STREAM_COALESCE_MS": "100",
+    }
+    stack = await start_stack(
+        procs, model, "ingress", "router", workers=2, worker_args=SLOW, env=env, settle=0.6
+    )
+    s = client.chat(model, MSG, max_tokens=120)
+    text, sizes = "", []
+    async for ch in s:
+        text, sizes = text + ch.text, [*sizes, ch.tokens]
+        if len(sizes) >= 3:
+            break
+    assert sizes[0] == 1 and max(sizes[1:]) > 1, sizes  # the first alone, then held
+    first = s.replica
+    _victim(stack.workers, first).signal(signal.SIGKILL)
+    async for ch in s:
+        text += ch.text
+    assert text == expected_text(PROMPT, 120)[0]
+    assert s.migrations == 1 and s.replica != first
+    assert s.usage is not None and s.usage.completion_tokens == 120
+
+
+@pytest.mark.fault
 async def test_a_stream_migrated_while_the_output_filter_holds_text_is_whole_and_counted_once(
     procs: Procs, model: str, client: Client
 ) -> None:
