@@ -6,6 +6,7 @@ models define and document them and export JSON Schemas (``bus_schemas/schemas``
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -22,6 +23,23 @@ from pydantic import (
 )
 
 from bus_schemas import errors
+
+# The longest heartbeat or report interval a member may announce (its expiry is a few of
+# them): a longer one is held to it, so nothing outlives its silence by more than half an
+# hour (an idle worker beats every 2 s by default).
+MAX_INTERVAL_S = 600.0
+
+
+def announced_interval(v: object) -> float:
+    """An announced ``interval_s`` (a heartbeat's, a queue report's): a positive finite
+    number (ValueError otherwise; a bool is not one), at most :data:`MAX_INTERVAL_S`."""
+    if isinstance(v, bool) or not isinstance(v, int | float | str):
+        raise ValueError(f"interval_s {v!r}")
+    s = float(v)
+    if not 0 < s < math.inf:
+        raise ValueError(f"interval_s {v!r}")
+    return min(s, MAX_INTERVAL_S)
+
 
 MAX_STOP_SEQUENCES = 4
 # The most prompts one ``/v1/completions`` request may hold (one choice each, as OpenAI's

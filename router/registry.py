@@ -2,27 +2,16 @@
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from bus_schemas import subjects
+from bus_schemas import messages, subjects
 from services import natsclient
 
-# The longest heartbeat interval a replica may announce (its expiry is a few of them): a
-# beat announcing more is held to it, so no replica outlives its silence by more than half
-# an hour (an idle worker beats every 2 s by default).
-MAX_INTERVAL_S = 600.0
-
-
-def _interval(v: object) -> float:
-    """A heartbeat's ``interval_s``: a positive finite number (ValueError otherwise), at
-    most :data:`MAX_INTERVAL_S`."""
-    s = float(v)  # type: ignore[arg-type]
-    if not 0 < s < math.inf:
-        raise ValueError(f"interval_s {v!r}")
-    return min(s, MAX_INTERVAL_S)
+# A heartbeat's interval, bounded (bus_schemas.messages.announced_interval).
+MAX_INTERVAL_S = messages.MAX_INTERVAL_S
+_interval = messages.announced_interval
 
 
 # What a replica whose heartbeat names no endpoints (an older worker) serves.

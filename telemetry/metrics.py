@@ -25,6 +25,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 
 from bus_schemas import errors as E
+from bus_schemas.messages import announced_interval
 from telemetry import natsmon
 
 # The buckets of the existing tokenbus_* latency histograms (finer below 10 ms than vLLM's).
@@ -109,8 +110,10 @@ class ReplicaLoad:
                 for cls, n in per.items():
                     if isinstance(n, int) and not isinstance(n, bool) and n > 0:
                         held[(str(model), str(cls))] = n
-        interval = rep.get("interval_s")
-        interval = float(interval) if isinstance(interval, int | float) and interval > 0 else 1.0
+        try:  # held to the longest a member may announce: a forged report still expires
+            interval = announced_interval(rep.get("interval_s", 1.0))
+        except ValueError:
+            return
         now = time.monotonic()
         if held:
             self.held[inst] = (held, interval, now)
@@ -135,17 +138,23 @@ class ReplicaLoad:
         rid, model = str(hb.get("replica") or ""), str(hb.get("model") or "")
         if not rid or not model:
             return
+        # Every number read before the replica is touched: a beat with one that is no
+        # number (or infinite: int() raises) changes nothing. Its interval is held to the
+        # longest a member may announce, so a forged beat's replica still expires.
+        counts = [
+            int(hb.get(k) or 0)
+            for k in ("in_flight", "running", "waiting", "prefill_backlog", "max_concurrency")
+        ]
+        kv_usage = float(hb.get("kv_usage") or 0.0)
+        interval_s = announced_interval(hb.get("interval_s") or 1.0)
         r = self.replicas.get(rid)
         if r is None or r.model != model:
             r = self.replicas[rid] = _Replica(model)
-        r.in_flight = int(hb.get("in_flight") or 0)
-        r.running = int(hb.get("running") or 0)
-        r.waiting = int(hb.get("waiting") or 0)
-        r.prefill_backlog = max(0, int(hb.get("prefill_backlog") or 0))
-        r.max_concurrency = int(hb.get("max_concurrency") or 0)
-        r.kv_usage = float(hb.get("kv_usage") or 0.0)
+        r.in_flight, r.running, r.waiting, backlog, r.max_concurrency = counts
+        r.prefill_backlog = max(0, backlog)
+        r.kv_usage = kv_usage
         r.draining = bool(hb.get("draining"))
-        r.interval_s = float(hb.get("interval_s") or 1.0)
+        r.interval_s = interval_s
         flow, flows = hb.get("flow"), hb.get("flows")
         r.flow = flow if isinstance(flow, dict) else {}
         r.flows = flows if isinstance(flows, dict) else {}

@@ -318,6 +318,40 @@ async def test_http_records_metrics_and_report(procs: Procs, model: str, tmp_pat
 
 
 @pytest.mark.unit
+def test_forged_heartbeats_and_reports_cannot_keep_a_ghost_on_the_dashboard() -> None:
+    """The replica table behind the console and the metrics takes a heartbeat's interval as
+    the router does: infinite, not a number or not positive is refused, nothing stored;
+    past ``MAX_INTERVAL_S`` it is held to it, so a forged beat's replica (and a router's
+    report of held requests) still expires. Before, ``inf`` or ``1e12`` kept it forever."""
+    from bus_schemas.messages import MAX_INTERVAL_S
+    from telemetry.metrics import ReplicaLoad
+
+    load = ReplicaLoad()
+    beat = {"replica": "ghost", "model": "m", "in_flight": 1, "seq": 1}
+    inf, nan = float("inf"), float("nan")
+    for bad in ({"interval_s": inf}, {"interval_s": nan}, {"interval_s": -1.0},
+                {"interval_s": True}, {"interval_s": 1.0, "in_flight": inf}):  # fmt: skip
+        with pytest.raises((ValueError, OverflowError)):
+            load.heartbeat({**beat, **bad})
+        assert load.replicas == {}, bad
+    load.heartbeat({**beat, "interval_s": 1e12})
+    assert [rid for rid, _ in load.live()] == ["ghost"]
+    assert load.replicas["ghost"].interval_s == MAX_INTERVAL_S
+    load.replicas["ghost"].seen -= MAX_INTERVAL_S * load.missed + 1
+    assert load.live() == []  # silent past three of the longest intervals: gone
+
+    report = {"instance": "router-x", "waiting": {"m": {"default": 3}}}
+    for bad_interval in (inf, nan, 0):
+        load.queue_report({**report, "interval_s": bad_interval})
+        assert load.holding() == {}, bad_interval
+    load.queue_report({**report, "interval_s": 1e12})
+    assert load.holding() == {("m", "default"): 3}
+    held, iv, seen = load.held["router-x"]
+    load.held["router-x"] = (held, iv, seen - MAX_INTERVAL_S * load.missed - 1)
+    assert load.holding() == {}
+
+
+@pytest.mark.unit
 def test_report_on_an_empty_store(tmp_path: Path) -> None:
     RecordStore(tmp_path / "e.db").close()
     summary = report(tmp_path / "e.db", tmp_path / "out")
