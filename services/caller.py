@@ -310,8 +310,13 @@ class Stream:
             # leaderless stream for up to 20 s: never past the request's own deadline, which
             # the frames' wait keeps too.
             left = max(0.0, self._deadline - time.time())
+            # Its own task, whose outcome is read even when this request is given up on
+            # while it ends (cancelled as a replica's refusal arrives): asyncio would log that
+            # error as never retrieved, with a traceback, for a request nobody waits for.
+            placing = asyncio.ensure_future(sender(data, hdrs, reply))
+            placing.add_done_callback(_read_outcome)
             try:
-                replica = await asyncio.wait_for(sender(data, hdrs, reply), left)
+                replica = await asyncio.wait_for(placing, left)
             except TimeoutError:
                 self._timed_out = True
                 raise E.Timeout(
@@ -735,6 +740,12 @@ class Stream:
             usage=self.usage or Usage(0, 0, 0),
             replica=self.replica,
         )
+
+
+def _read_outcome(task: asyncio.Future[Any]) -> None:
+    """Mark a finished task's error as read (its awaiter, if any, still gets it)."""
+    if not task.cancelled():
+        task.exception()
 
 
 class Caller:
