@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import subprocess
 import time
@@ -43,3 +44,32 @@ def wait_port(
             return False
         time.sleep(0.02)
     raise RuntimeError(f"nothing listens on port {port}")
+
+
+def listened_by(pid: int, port: int) -> bool:
+    """Whether ``pid`` or a process it started listens on TCP ``port`` (Linux's /proc: the
+    listening sockets' inodes among the processes' open files). Tells a server's own port
+    from the same port taken by another test's server a moment before it tried to bind."""
+    inodes: set[str] = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError), open(table) as f:
+            for line in f.read().splitlines()[1:]:
+                cols = line.split()
+                if cols[3] == "0A" and int(cols[1].rsplit(":", 1)[1], 16) == port:
+                    inodes.add(f"socket:[{cols[9]}]")
+    if not inodes:
+        return False
+    todo, seen = [pid], set()
+    while todo:
+        p = todo.pop()
+        seen.add(p)
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{p}/fd"):
+                with contextlib.suppress(OSError):
+                    if os.readlink(f"/proc/{p}/fd/{fd}") in inodes:
+                        return True
+        with contextlib.suppress(OSError):
+            for tid in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{tid}/children") as f:
+                    todo.extend(int(c) for c in f.read().split() if int(c) not in seen)
+    return False

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ import nats
 import openai
 
 from services.runtime import servers
-from tests.support.ports import free_port
+from tests.support.ports import free_port, listened_by
 from tests.support.repo import ROOT
 from tests.support.waits import wait_http, wait_replicas, wait_started
 
@@ -207,9 +208,8 @@ async def start_stack(
     ]
     port = None
     if bridge:
-        port = free_port()
-        cmd = ("serve", "bridge", "--port", str(port), *bridge_args)
-        roles["bridge"] = [procs.start("bridge", *cmd, env=env_of("bridge", 0))]
+        bridge_proc, port = start_bridge(procs, bridge_args, env_of("bridge", 0))
+        roles["bridge"] = [bridge_proc]
     stack = ProcStack(procs, model, roles, port)
     if heartbeats and workers:
         await wait_replicas(procs.url, model, workers, **(login or {}))
@@ -230,9 +230,43 @@ async def start_stack(
         finally:
             await nc.drain()
     if bridge:
-        await wait_http(f"{stack.base}/ready")
+        await _wait_own_bridge(stack, procs, bridge_args, env_of("bridge", 0))
     await asyncio.sleep(settle)
     return stack
+
+
+def start_bridge(procs: Procs, args: Sequence[str], env: dict[str, str]) -> tuple[Proc, int]:
+    """An HTTP bridge on a free port: the process and its port."""
+    port = free_port()
+    return procs.start("bridge", "serve", "bridge", "--port", str(port), *args, env=env), port
+
+
+async def _wait_own_bridge(
+    stack: ProcStack, procs: Procs, args: Sequence[str], env: dict[str, str]
+) -> None:
+    """Until the stack's own bridge listens (the port's socket is its own) and is ready.
+    Another test's server (parallel workers draw ports from one range) may take the free
+    port between its draw and the bridge's bind: this bridge then exits, and the port
+    answers for the other one, whose keys and models are not this test's (a CI run's test
+    got 401 for its own key). It is started again on another port, a few times at most."""
+    for _ in range(4):
+        bridge = stack.roles["bridge"][0]
+        deadline = time.monotonic() + 60
+        while bridge.alive() and not listened_by(bridge.pid, port := stack.port or 0):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"the bridge did not listen on {port}: {bridge.output()}")
+            await asyncio.sleep(0.05)
+        if bridge.alive():
+            await wait_http(f"{stack.base}/ready")
+            return
+        if "Address already in use" not in bridge.output():
+            raise AssertionError(f"the bridge exited: {bridge.output()[-2000:]}")
+        bridge.stop()
+        procs.procs.remove(bridge)
+        # Its log kept beside the next bridge's (which is written to ``bridge.log``).
+        bridge.log = bridge.log.rename(bridge.log.with_name("bridge-port-taken.log"))
+        stack.roles["bridge"][0], stack.port = start_bridge(procs, args, env)
+    raise AssertionError("no free port for the bridge in four tries")
 
 
 # The services whose instances are members of a queue group (services/members.py): they
