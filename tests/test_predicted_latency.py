@@ -235,15 +235,27 @@ def test_the_replica_with_less_prefill_ahead_answers_first() -> None:
     req = RouteRequest("m", rendered=text, env={})
     a, b = _replica("a"), _replica("b")
     a.perf["backlog_ms_per_token"] = b.perf["backlog_ms_per_token"] = 0.5
-    now = _time.monotonic()
-    a.told_backlog(2000, now)
+
+    def ahead_ms(told: float) -> tuple[float, float, float]:
+        """a's predicted wait over b's, with the least and most a's 2 000 tokens at 0.5 ms
+        less what its engine worked off since ``told`` can be (the policy reads the clock
+        between the two readings here: a loaded machine may take any time)."""
+        before = _time.monotonic()
+        policy.choose([a, b], req)
+        after = _time.monotonic()
+        diff = policy.predictions["a"][0] - policy.predictions["b"][0]
+        return diff, 1000 - (after - told) * 1000 - 1e-6, 1000 - (before - told) * 1000 + 1e-6
+
+    told = _time.monotonic()
+    a.told_backlog(2000, told)
     assert policy.choose([a, b], req) is b
-    ta, tb = policy.predictions["a"][0], policy.predictions["b"][0]
-    assert 990 <= ta - tb <= 1000  # 2 000 tokens at 0.5 ms, less the microseconds since
-    a.told_backlog(2000, now - 0.9)  # told 900 ms ago: 100 ms of it left
-    policy.choose([a, b], req)
-    assert 90 <= policy.predictions["a"][0] - policy.predictions["b"][0] <= 100
-    b.add_backlog(500, _time.monotonic())  # this router just sent b 500 tokens
+    diff, least, most = ahead_ms(told)
+    assert max(0.0, least) <= diff <= most
+    told = _time.monotonic() - 0.5  # told 500 ms ago: 500 ms of it left, less since
+    a.told_backlog(2000, told)
+    diff, least, most = ahead_ms(told)
+    assert max(0.0, least) <= diff <= most <= 500
+    b.add_backlog(1500, _time.monotonic())  # this router just sent b 1 500 tokens: 750 ms
     assert policy.choose([a, b], req) is a
     b.told_backlog(0, _time.monotonic())  # its ack: already through
     assert policy.choose([a, b], req) is b
