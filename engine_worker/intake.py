@@ -24,6 +24,8 @@ from filter.policy import FilterPolicy
 from services import bodies, tracing
 from services.runtime import reply_subject
 
+# The longest reply subject a cancel may name (an inbox is a few dozen characters).
+MAX_REPLY = 1024
 # How long a cancel that arrived before its request is remembered.
 EARLY_CANCEL_TTL_S = 30.0
 
@@ -48,10 +50,12 @@ class Intake:
         # to the caller (and the stages that carried it), unlike a request id.
         try:
             body = codec.decode_map(msg.data)
-            key = str(body.get("reply", ""))
         except E.TokenbusError:
             return
-        if not key:
+        key = body.get("reply")
+        # An inbox subject, or nothing to cancel (``str()`` of a 1 000-deep list raised
+        # RecursionError out of this callback).
+        if not isinstance(key, str) or not key or len(key) > MAX_REPLY:
             return
         task = self.w._active.get(key)
         if task is not None and not task.done():

@@ -1337,6 +1337,17 @@ async def test_a_heartbeat_whose_replica_is_a_deep_nesting_is_dropped(bus: FuzzB
     await bus.check_health()
 
 
+async def test_a_cancel_naming_a_deep_nesting_is_ignored(bus: FuzzBus) -> None:
+    """Was: the worker took ``str()`` of a cancel's ``reply``, and a 1 000-deep list there
+    raised RecursionError out of its cancel callback (a draw of the cancel fuzz, seen
+    failing in CI run q). A reply that is not an inbox subject cancels nothing now."""
+    cancel = bus.target("cancel")
+    for reply in (_marker("deep_list_1000"), ["_INBOX.x"], "x" * 5000):
+        body = pack({"type": "cancel", "request_id": "r", "reply": reply})
+        await bus.raw.publish(cancel.subjects[0], body)
+    await bus.check_health()
+
+
 async def test_a_heartbeat_with_an_infinite_number_is_refused(bus: FuzzBus) -> None:
     """Was: the router's registry took ``int()`` of a forged beat's ``in_flight: inf``
     (msgpack carries infinite floats): OverflowError escaped the heartbeat callback, a
