@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -20,7 +19,7 @@ import openai
 from services.runtime import servers
 from tests.support.ports import free_port, listened_by
 from tests.support.repo import ROOT
-from tests.support.waits import wait_http, wait_replicas, wait_started
+from tests.support.waits import wait_for, wait_http, wait_replicas, wait_started
 
 
 class Proc:
@@ -251,11 +250,13 @@ async def _wait_own_bridge(
     got 401 for its own key). It is started again on another port, a few times at most."""
     for _ in range(4):
         bridge = stack.roles["bridge"][0]
-        deadline = time.monotonic() + 60
-        while bridge.alive() and not listened_by(bridge.pid, port := stack.port or 0):
-            if time.monotonic() > deadline:
-                raise AssertionError(f"the bridge did not listen on {port}: {bridge.output()}")
-            await asyncio.sleep(0.05)
+        port = stack.port or 0
+        await wait_for(
+            lambda b=bridge, p=port: not b.alive() or listened_by(b.pid, p),
+            timeout=60,
+            interval=0.05,
+            what=f"the bridge listening on {port}",
+        )
         if bridge.alive():
             await wait_http(f"{stack.base}/ready")
             return
