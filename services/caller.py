@@ -280,8 +280,9 @@ class Stream:
         """The envelope as it goes on the bus (its messages by claim check when too large
         for one message); the stream ends with the refusal when it cannot go."""
         try:
-            data = bodies.encode(self._body)
-            if len(data) > bodies.THRESHOLD and CLAIM not in self._body:
+            big = CLAIM not in self._body and bodies.large_by_its_text(self._body)
+            data = b"" if big else bodies.encode(self._body)
+            if big or (len(data) > bodies.THRESHOLD and CLAIM not in self._body):
                 # Too large for one message: its messages go by claim check, once (a
                 # migration or resend carries the same claim).
                 if self.before_claim is not None:

@@ -580,3 +580,55 @@ async def test_a_fetched_body_is_checked_and_decoded_off_the_event_loop(
         await bodies.delete(nc, claim)
     assert parts == {"messages": env["messages"]}
     assert decoded_on and threading.main_thread() not in decoded_on
+
+
+@pytest.mark.bus
+async def test_an_uploaded_body_is_hashed_off_the_event_loop(
+    nc: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The caller's digest of a multi-MiB body runs in a thread while its chunks travel,
+    and the claim carries the digest of what was stored (the fetch checks it)."""
+    import threading
+
+    await bodies.open_stream(nc)
+    hashed_on: list[threading.Thread] = []
+    sha256 = bodies._sha256
+
+    def watched(blob: bytes) -> str:
+        hashed_on.append(threading.current_thread())
+        return sha256(blob)
+
+    monkeypatch.setattr(bodies, "_sha256", watched)
+    env = {"messages": [{"role": "user", "content": BIG * 3}]}
+    claim = await bodies.put(nc, env, "tb.hash-test")
+    try:
+        assert hashed_on and threading.main_thread() not in hashed_on
+        assert claim["sha256"] == sha256(bodies.codec.encode({"messages": env["messages"]}))
+        assert await bodies.fetch(nc, claim) == {"messages": env["messages"]}
+    finally:
+        await bodies.delete(nc, claim)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    ("env", "large"),
+    [
+        ({"messages": _chat(BIG)}, True),
+        ({"messages": _chat("é" * (bodies.THRESHOLD // 2 + 1))}, False),
+        ({"messages": _chat("x" * bodies.THRESHOLD)}, False),
+        ({"prompt": "x" * (bodies.THRESHOLD + 1)}, True),
+        ({"prompt": [65_535] * (bodies.THRESHOLD // 3)}, False),
+        ({"input": ["y" * (bodies.THRESHOLD + 1)]}, True),
+        ({"input": [[70_000] * (bodies.THRESHOLD // 4)]}, False),
+        ({"messages": "not a list"}, False),
+    ],
+)
+def test_only_an_envelope_whose_text_is_over_the_threshold_skips_the_measure(
+    env: dict[str, Any], large: bool
+) -> None:
+    """The caller claims an envelope by its text alone only when its encoding must be over
+    the threshold; anything else (multi-byte text under it, token ids whose text form is
+    longer than their encoding) is measured by encoding it."""
+    assert bodies.large_by_its_text(env) is large
+    if large:
+        assert len(bodies.codec.encode(env)) > bodies.THRESHOLD
