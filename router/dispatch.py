@@ -64,6 +64,13 @@ PD_DECISIONS = PromCounter(
     ["decision"],
 )
 
+SITE_PLACEMENTS = PromCounter(
+    "tokenbus_router_site_placements_total",
+    "Requests a router at a site (TOKENBUS_SITE) sent to a replica: at its own site "
+    "(local), or spilled over to another site's (the site it went to).",
+    ["site", "placement"],
+)
+
 # Refusals that say "this replica, not the request": another replica may take it.
 _TRY_ELSEWHERE = frozenset({E.ReplicaDraining.code, E.ReplicaLost.code, E.EngineError.code})
 
@@ -90,6 +97,8 @@ class _Placement:
     # Prefill/decode disaggregation: "prefill" (a prefill replica's part), "decode" (its
     # prompt's KV cache handed over), "" (whole, on any replica but a prefill-only one).
     pd: str = ""
+    # The site of the prefill replica that computed its prompt (a decode part's; None: any).
+    pd_site: str | None = None
 
     def failed(self, replica: str, err: E.TokenbusError) -> None:
         """``replica`` cannot take the request: count the attempt, try another."""
@@ -248,10 +257,18 @@ class Dispatcher:
         if uncached < self.cfg.pd_min_prompt_tokens:
             PD_DECISIONS.labels("aggregated_short").inc()
             return
+        if not self.cfg.pd_cross_site:
+            # The hand-over moves the prompt's KV cache from the prefill replica to the
+            # decode one: never over a site's link unless told to (router.pd_cross_site).
+            sites = {r.site for r in decode}
+            prefill = [r for r in prefill if r.site in sites]
+            if not prefill:
+                PD_DECISIONS.labels("aggregated_other_site").inc()
+                return
         if not any(r.load < r.max_concurrency for r in prefill):
             PD_DECISIONS.labels("aggregated_busy").inc()
             return
-        kvt = await self._prefill(p, env)
+        kvt = await self._prefill(p, env, prefill)
         if kvt is None:
             PD_DECISIONS.labels("aggregated_after_failure").inc()
             return
@@ -276,7 +293,9 @@ class Dispatcher:
                 tokens -= cached
         return tokens
 
-    async def _prefill(self, p: _Placement, env: dict[str, Any]) -> dict[str, Any] | None:
+    async def _prefill(
+        self, p: _Placement, env: dict[str, Any], prefill: list[Replica]
+    ) -> dict[str, Any] | None:
         """The prompt computed on a prefill replica (one token, which is dropped): its
         hand-over, or None when no prefill replica gave one in time. The caller is told the
         request is held meanwhile (hold frames), so it does not send it again."""
@@ -298,6 +317,9 @@ class Dispatcher:
         holding = HoldNotice(self.nc, p.reply)
         q = _Placement(p.route, p.req, p.model, p.pool, data, hdrs, inbox, tier=p.tier)
         q.pd = "prefill"
+        # Only the prefill replicas the decision allowed (those at a site with decode ones).
+        allowed = {r.replica for r in prefill}
+        q.tried.update(r.replica for r in self.registry.live(p.model) if r.replica not in allowed)
         deadline = time.monotonic() + self.cfg.pd_prefill_timeout_s
         try:
             try:
@@ -306,6 +328,8 @@ class Dispatcher:
                 return None
             if replica is None:
                 return None
+            if not self.cfg.pd_cross_site and (r := self.registry.get(replica)) is not None:
+                p.pd_site = r.site
             while (left := deadline - time.monotonic()) > 0:
                 try:
                     msg = await sub.next_msg(timeout=min(left, HOLD_NOTICE_S))
@@ -370,6 +394,9 @@ class Dispatcher:
         while p.attempt < self.cfg.max_attempts:
             kind = p.hdrs.get(H.KIND) or None
             live = _for_part(self.registry.live(p.model, kind), p.pd)
+            if p.pd == "decode" and p.pd_site is not None:
+                # At the prefill's site; elsewhere only when that site has none left.
+                live = [r for r in live if r.site == p.pd_site] or live
             if p.hdrs.get(H.RESUME) == "1" and kind == subjects.KIND_CHAT:
                 # Text already delivered: to a replica that continues it exactly, where one
                 # is live (any other would end the stream with replica_lost).
@@ -396,6 +423,9 @@ class Dispatcher:
             if ack is None:
                 continue
             if ack.get("ok"):
+                if self.site:
+                    where = "local" if r.site == self.site else "spilled"
+                    SITE_PLACEMENTS.labels(r.site or "none", where).inc()
                 r.reported_in_flight = int(ack.get("in_flight", r.reported_in_flight))
                 backlog = ack.get("backlog")
                 if isinstance(backlog, int):
@@ -463,6 +493,7 @@ class Dispatcher:
             return None
         finally:
             r.unacked = max(0, r.unacked - 1)
+        r.heard_ack(time.monotonic() - sent_at)
         return codec.decode_map(ack_msg.data)
 
     async def _cancel(self, r: Replica, p: _Placement) -> None:

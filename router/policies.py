@@ -564,12 +564,31 @@ class ConcurrencyTiered:
 
 
 def prefer_site(candidates: list[Replica], site: str) -> list[Replica]:
-    """The candidates at ``site`` when any is there, else all of them (spill-over): the
-    dispatcher's candidates are the replicas with room, so a site's own replicas take its
-    requests while they have room and the other sites' take the rest. No site (""), or no
-    replica saying one: every candidate, as before sites. Not done (issue 71): choosing among
-    other sites by their measured round trip; any other site's replica is as good."""
+    """The candidates at ``site`` when any is there; else those of the nearest other site
+    (spill-over). The dispatcher's candidates are the replicas with room, so a site's own
+    replicas take its requests while they have room. A site's distance is the shortest
+    smoothed ack time of its replicas (:meth:`Replica.heard_ack`: the link's round trip as
+    this router measures it, nothing configured); a replica not measured yet (or not lately)
+    goes with the nearest site's, so that it is tried and measured. No site (""): every
+    candidate, as before sites."""
     if not site:
         return candidates
     local = [r for r in candidates if r.site == site]
-    return local or candidates
+    if local:
+        return local
+    now = time.monotonic()
+    nearest = site_distances(candidates, now)
+    if not nearest:
+        return candidates
+    best = min(nearest.values())
+    return [r for r in candidates if nearest.get(r.site, best) <= best or not r.ack_time(now)]
+
+
+def site_distances(replicas: Sequence[Replica], now: float) -> dict[str, float]:
+    """Each site's distance from this router (the shortest fresh smoothed ack time of its
+    replicas, seconds), over the sites with a replica measured."""
+    out: dict[str, float] = {}
+    for r in replicas:
+        if ack := r.ack_time(now):
+            out[r.site] = min(out.get(r.site, ack), ack)
+    return out

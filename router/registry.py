@@ -18,6 +18,12 @@ _interval = messages.announced_interval
 DEFAULT_ENDPOINTS = frozenset({subjects.KIND_CHAT, subjects.KIND_COMPLETIONS})
 
 
+# The weight of a new ack time in a replica's average (:meth:`Replica.heard_ack`), and how
+# long the average stands for the replica's link without a new one.
+ACK_WEIGHT = 0.2
+ACK_FRESH_S = 30.0
+
+
 @dataclass(slots=True)
 class Replica:
     """What a router knows of one replica."""
@@ -72,6 +78,10 @@ class Replica:
     kv_check: dict[str, int] | None = None
     # Its engine's speed as it learned it (engine_worker/perf.py); None: not learned yet.
     perf: dict[str, float] | None = None
+    # How long its acks take to come back to this router, smoothed (seconds; 0: none yet):
+    # the round trip of the link to its site and its worker's accept, as this router sees it.
+    ack_s: float = 0.0
+    ack_at: float = 0.0  # when the last ack came (monotonic)
 
     @property
     def continues(self) -> bool:
@@ -104,6 +114,19 @@ class Replica:
         """Its ack or heartbeat said its backlog is ``tokens``."""
         self.backlog_tokens, self.backlog_at = max(0, tokens), now
 
+    def heard_ack(self, seconds: float) -> None:
+        """An ack came back ``seconds`` after its request was sent (an exponential average
+        over the last few, so one slow accept does not move a site away)."""
+        seconds, now = max(0.0, seconds), time.monotonic()
+        fresh = self.ack_s > 0 and now - self.ack_at <= ACK_FRESH_S
+        self.ack_s = self.ack_s + ACK_WEIGHT * (seconds - self.ack_s) if fresh else seconds
+        self.ack_at = now
+
+    def ack_time(self, now: float) -> float:
+        """Its smoothed ack time while fresh (:data:`ACK_FRESH_S`), else 0 (not known: a
+        link that was slow once is measured again rather than avoided for good)."""
+        return self.ack_s if self.ack_s > 0 and now - self.ack_at <= ACK_FRESH_S else 0.0
+
     @property
     def load(self) -> int:
         """Outstanding requests as this router estimates them."""
@@ -131,6 +154,9 @@ class Replica:
             **({"flow": self.flow, "flows": self.flows} if self.flow else {}),
             "kv_routing": f"exact ({self.kv_events})" if self.kv_events else "approximate",
             **({"upstream": self.upstream} if self.upstream is not None else {}),
+            **(
+                {"ack_ms": round(ack * 1000, 2)} if (ack := self.ack_time(time.monotonic())) else {}
+            ),
         }
 
 

@@ -390,6 +390,13 @@ class RouterSettings(ModelRouting):
         description="How long a prefill replica has for its part before the request runs "
         "whole on a decode replica instead.",
     )
+    pd_cross_site: bool = Field(
+        default=False,
+        description="Let a prefill's KV cache be handed over to a decode replica at another "
+        "site (docs/deploy.md, Sites): off, a request is disaggregated only on a prefill "
+        "replica whose site has a decode replica, and decoded at that site, so the cache "
+        "never crosses a site's link.",
+    )
     warmup_s: float = Field(
         default=2.0,
         ge=0,

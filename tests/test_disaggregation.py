@@ -181,6 +181,50 @@ async def test_a_long_prompt_is_prefilled_on_one_replica_and_decoded_on_another(
         assert got.get("disaggregated") == 2 and got.get("aggregated_short") == 1, got
 
 
+async def test_a_hand_over_never_crosses_a_site(procs: Procs, model: str) -> None:
+    """A prefill replica at site x and a decode replica only at site y: the KV cache would
+    cross the sites' link, so the request runs whole at y (router.pd_cross_site is off).
+    With a decode replica at x too, requests are disaggregated and decoded at x, never y."""
+    start_worker(procs, model, "p0", "--pd-role", "prefill", *SIM, env=ENV | {"TOKENBUS_SITE": "x"})
+    far = start_worker(
+        procs, model, "d0", "--pd-role", "decode", *SIM, env=ENV | {"TOKENBUS_SITE": "y"}
+    )
+    stack = await start_stack(procs, model, workers=0, env=ENV)
+
+    async def heard(roles: list[str]) -> bool:
+        beats = await live_replicas(procs.url, model, wait=1.5)
+        return sorted(hb.get("pd_role") for hb in beats.values()) == roles
+
+    await wait_for(lambda: heard(["decode", "prefill"]), timeout=60, what="both sites heard")
+
+    def decoded(w: Any) -> int:
+        return sum(
+            1
+            for e in map(json.loads, w.output().splitlines())
+            if e.get("event") == "request" and not e.get("request_id", "").endswith(".prefill")
+        )
+
+    async with stack.openai() as oai:
+        whole, _ = await _answer(oai, model, LONG)
+        got = await _decisions(stack.base)
+        assert got.get("aggregated_other_site") == 1 and not got.get("disaggregated"), got
+        await wait_for(lambda: decoded(far) >= 1, what="site y's replica's whole answer")
+        far_before = decoded(far)
+        near = start_worker(
+            procs, model, "d1", "--pd-role", "decode", *SIM, env=ENV | {"TOKENBUS_SITE": "x"}
+        )
+        await wait_for(
+            lambda: heard(["decode", "decode", "prefill"]), timeout=60, what="site x's decode"
+        )
+        for n in range(1, 5):
+            text, _ = await _answer(oai, model, LONG)
+            assert text == whole
+            got = await _decisions(stack.base)
+            assert got.get("disaggregated") == n, got
+    await wait_for(lambda: decoded(near) == 4, what="site x's decode replica's four answers")
+    assert decoded(far) == far_before  # no hand-over decoded across the sites
+
+
 async def test_a_stalled_or_lost_prefill_replica_leaves_the_request_whole(
     pd_stack: Any, model: str
 ) -> None:

@@ -10,6 +10,8 @@ import asyncio
 import json
 import re
 import subprocess
+import time
+from collections.abc import Awaitable
 from pathlib import Path
 from typing import Any
 
@@ -18,8 +20,8 @@ import pytest
 import yaml
 
 from bus_schemas import subjects
-from router.policies import prefer_site
-from router.registry import Replica
+from router.policies import prefer_site, site_distances
+from router.registry import ACK_FRESH_S, Replica
 from services import deploybundle, natsconf, sites
 from services.tlsfiles import TlsFiles
 from tests.support.natsserver import spawn_nats
@@ -27,6 +29,7 @@ from tests.support.ports import free_port
 from tests.support.procs import Procs, start_stack
 from tests.support.repo import run_cli
 from tests.support.waits import live_replicas, wait_for
+from tests.support.wanlink import WanLink
 from tokenbus import Client
 from tokenbus.launcher import nats_server_binary
 
@@ -87,15 +90,48 @@ def test_a_router_prefers_its_site_and_spills_to_others() -> None:
     assert prefer_site([a, b], "") == [a, b]  # no site: as before
 
 
+def test_a_router_spills_to_the_nearest_site_by_its_measured_acks() -> None:
+    """Its own site full, a router sends to the other site whose replicas ack soonest (the
+    link's round trip as measured, nothing configured); a replica not measured yet, or not
+    for a while, goes with the nearest so that it is measured; one slow ack does not move a
+    site away, a link that stays slow does."""
+    b, c, c2 = _replica("b0", "b"), _replica("c0", "c"), _replica("c1", "c")
+    assert prefer_site([b, c], "a") == [b, c]  # nothing measured: any other site
+    b.heard_ack(0.002)
+    c.heard_ack(0.060)
+    assert site_distances([b, c], time.monotonic()) == {"b": 0.002, "c": 0.060}
+    assert prefer_site([b, c], "a") == [b]
+    assert prefer_site([b, c, c2], "a") == [b, c2]  # c1 not measured: tried beside b
+    assert prefer_site([c], "a") == [c]  # b full: spill goes on to c
+    b.heard_ack(0.1)  # one slow accept: b is still the nearer (0.0216 s smoothed)
+    assert prefer_site([b, c], "a") == [b]
+    for _ in range(10):  # b's link stays slow: c is the nearer now
+        b.heard_ack(0.1)
+    assert prefer_site([b, c], "a") == [c]
+    c.ack_at -= ACK_FRESH_S + 1  # c not heard from lately: measured again, beside b
+    assert prefer_site([b, c], "a") == [b, c]
+    assert c.ack_time(time.monotonic()) == 0.0
+    assert "ack_ms" in b.to_dict() and "ack_ms" not in c.to_dict()
+
+
 class Bus:
     """A hub (the generated node config, its ports moved to free ones on loopback) and a
     nats-server per site on its generated config, dialling the hub's leaf port."""
 
     def __init__(
-        self, folder: Path, site_names: list[str], extra_users: str = "", *, tls: bool = False
+        self,
+        folder: Path,
+        site_names: list[str],
+        extra_users: str = "",
+        *,
+        tls: bool = False,
+        leaf_port: int | None = None,
+        dial: dict[str, int] | None = None,
     ) -> None:
+        """``dial``: the port a site's link dials instead of the hub's leaf port (a
+        :class:`WanLink` in front of ``leaf_port``)."""
         self.folder = folder
-        self.port, self.leaf_port = free_port(), free_port()
+        self.port, self.leaf_port = free_port(), leaf_port or free_port()
         deploybundle.init(
             folder,
             tls=tls,
@@ -114,6 +150,11 @@ class Bus:
             f"jetstream {{ store_dir: {json.dumps(str(folder / 'js'))} }}\n" + leaf
         )
         self.procs = [spawn_nats(self.port, "-c", str(hub))]
+        for site, port in (dial or {}).items():
+            conf = folder / "sites" / site / "nats.conf"
+            text = conf.read_text()
+            assert f"127.0.0.1:{self.leaf_port}" in text
+            conf.write_text(text.replace(f"127.0.0.1:{self.leaf_port}", f"127.0.0.1:{port}"))
         self.site_ports: dict[str, int] = {}
         for s in site_names:
             self.site_ports[s] = free_port()
@@ -224,6 +265,26 @@ async def test_a_site_s_link_carries_only_what_its_replicas_need(tmp_path: Path)
         bus.stop()
 
 
+async def _hub_stack(procs: Procs, bus: Bus, router_site: str) -> None:
+    """Ingress, auth and a router (at ``router_site``) on the hub, each with its role's
+    login; no worker and no bridge: the sites' workers are started by the test."""
+    await start_stack(
+        procs,
+        MODEL,
+        "ingress",
+        "auth",
+        "router",
+        workers=0,
+        bridge=False,
+        heartbeats=False,
+        env_for=lambda role, _: (
+            natsconf.role_env(bus.users, role)
+            | ({"TOKENBUS_SITE": router_site} if role == "router" else {})
+        ),
+        login=bus.admin(),
+    )
+
+
 async def test_workers_at_two_sites_serve_the_hub_and_the_router_prefers_its_own(
     tmp_path: Path,
 ) -> None:
@@ -235,21 +296,7 @@ async def test_workers_at_two_sites_serve_the_hub_and_the_router_prefers_its_own
     a0, b0 = SITES["a"][0], SITES["b"][0]
     try:
         with Procs(url, tmp_path) as procs:
-            await start_stack(
-                procs,
-                MODEL,
-                "ingress",
-                "auth",
-                "router",
-                workers=0,
-                bridge=False,
-                heartbeats=False,
-                env_for=lambda role, _: (
-                    natsconf.role_env(bus.users, role)
-                    | ({"TOKENBUS_SITE": "a"} if role == "router" else {})
-                ),
-                login=admin,
-            )
+            await _hub_stack(procs, bus, router_site="a")
             workers = {}
             for site, (replica,) in SITES.items():
                 workers[site] = procs.start(
@@ -297,6 +344,84 @@ async def test_workers_at_two_sites_serve_the_hub_and_the_router_prefers_its_own
                     assert out.replica == b0
     finally:
         bus.stop()
+
+
+async def test_a_router_spills_to_the_nearer_site_and_drops_a_cut_off_one(
+    tmp_path: Path,
+) -> None:
+    """A router at a site with no replica of its own (the hub) spills every request: to the
+    site whose link answers sooner once it has measured both (site b's link adds 50 ms each
+    way, site a's nothing). Site a's link then stalls (a partition: open, nothing crossing):
+    the hub stops sending there and site b serves every request; healed, site a takes them
+    again. Each link is a proxy (tests/support/wanlink.py) that counts what crosses it."""
+    leaf = free_port()
+    async with WanLink(leaf) as near, WanLink(leaf) as far:
+        far.delay_s = 0.05
+        bus = Bus(
+            tmp_path / "bus", ["a", "b"], leaf_port=leaf, dial={"a": near.port, "b": far.port}
+        )
+        url, admin = bus.url(), bus.admin()
+        a0, b0 = SITES["a"][0], SITES["b"][0]
+        try:
+            with Procs(url, tmp_path) as procs:
+                await _hub_stack(procs, bus, router_site="hub")
+                for site, (replica,) in SITES.items():
+                    procs.start(
+                        f"worker-{site}",
+                        *("serve", "worker", "--model", MODEL, "--replica", replica),
+                        env=bus.site_worker_env(site),
+                    )
+
+                async def live() -> set[str]:
+                    return set(await live_replicas(url, MODEL, 0.5, **admin))
+
+                await wait_for(
+                    lambda: _eq(live(), {a0, b0}), timeout=60, what="both sites' replicas"
+                )
+                async with await Client.connect(url, **admin) as tb:
+                    served: set[str] = set()
+
+                    async def both_measured() -> bool:
+                        # Until each replica has acked this router once (both unmeasured,
+                        # either may take a request).
+                        served.add((await tb.chat_completion(MODEL, MSG, max_tokens=1)).replica)
+                        return served == {a0, b0}
+
+                    await wait_for(both_measured, what="a request served at each site")
+                    before = near.up + near.down
+                    for _ in range(8):  # one at a time: a's replica has room for each
+                        out = await tb.chat_completion(MODEL, MSG, max_tokens=2)
+                        assert out.replica == a0
+                    print(f"site a's link: {(near.up + near.down - before) / 8:.0f} B/request")
+
+                    near.stall()
+                    cut_at = asyncio.get_running_loop().time()
+
+                    async def b_serves() -> bool:
+                        out = await tb.chat_completion(MODEL, MSG, max_tokens=1)
+                        return out.replica == b0
+
+                    await wait_for(b_serves, timeout=30, what="site b serving while a is cut off")
+                    print(f"first answer from b {asyncio.get_running_loop().time() - cut_at:.1f} s")
+                    await wait_for(lambda: _eq(live(), {b0}), what="site a dropped at the hub")
+                    for _ in range(4):
+                        out = await tb.chat_completion(MODEL, MSG, max_tokens=1)
+                        assert out.replica == b0
+
+                    near.heal()
+                    await wait_for(lambda: _eq(live(), {a0, b0}), what="site a back at the hub")
+
+                    async def a_serves() -> bool:
+                        out = await tb.chat_completion(MODEL, MSG, max_tokens=1)
+                        return out.replica == a0
+
+                    await wait_for(a_serves, what="the nearer site serving again")
+        finally:
+            bus.stop()
+
+
+async def _eq(got: Awaitable[set[str]], want: set[str]) -> bool:
+    return await got == want
 
 
 async def test_a_site_dials_a_tls_hub_over_tls(tmp_path: Path) -> None:
