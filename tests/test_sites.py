@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import shutil
 import subprocess
 import time
 from collections.abc import Awaitable
@@ -65,6 +66,16 @@ def test_deploy_init_writes_a_site_its_hub_login_and_a_tls_link(tmp_path: Path) 
     for conf in (tmp_path / "nats.conf", tmp_path / "sites" / "a" / "nats.conf"):
         _valid(conf)
         assert conf.stat().st_mode & 0o077 == 0
+    # The site's folder is copied to the site: it names its files from itself, not by the
+    # hub machine's paths (the copy is valid with the original gone).
+    at_site = tmp_path.parent / f"{tmp_path.name}-at-site"
+    shutil.copytree(tmp_path / "sites" / "a", at_site)
+    shutil.move(tmp_path / "sites" / "a", tmp_path / "moved")
+    try:
+        assert str(tmp_path) not in (at_site / "nats.conf").read_text()
+        _valid(at_site / "nats.conf")
+    finally:
+        shutil.move(tmp_path / "moved", tmp_path / "sites" / "a")
     # Again without --site: kept, passwords too. Without site a: its login and folder go,
     # its name stays among the callout's auth_users (a changed list is a reload refused).
     deploybundle.init(tmp_path)
@@ -169,7 +180,7 @@ class Bus:
             text = base.replace("  users = [\n", "  users = [\n" + extra_users + ",\n")
             text += f'listen: "127.0.0.1:{self.site_ports[site]}"\n'
         conf.write_text(text)
-        self.procs.append(spawn_nats(self.site_ports[site], "-c", str(conf)))
+        self.procs.append(spawn_nats(self.site_ports[site], "-c", conf.name, cwd=conf.parent))
 
     def url(self, site: str | None = None) -> str:
         return f"nats://127.0.0.1:{self.site_ports[site] if site else self.port}"

@@ -13,15 +13,23 @@ from tokenbus.launcher import nats_server_binary
 
 
 def spawn_nats(
-    port: int, *args: str, prefix: Sequence[str] = (), host: str = "127.0.0.1"
+    port: int,
+    *args: str,
+    prefix: Sequence[str] = (),
+    host: str = "127.0.0.1",
+    cwd: str | Path | None = None,
 ) -> subprocess.Popen[bytes]:
     """A nats-server process with ``args``, once it listens on ``host``:``port``
-    (``prefix``: what runs it elsewhere, ``ip netns exec <host>``)."""
+    (``prefix``: what runs it elsewhere, ``ip netns exec <host>``; ``cwd``: its working
+    directory, where a config's relative file names are opened)."""
     # Until it listens, or it exits (a port taken, a bad config: said with its own words),
     # or a minute passes (a loaded machine starting a JetStream store).
     with tempfile.TemporaryFile() as err:
         proc = subprocess.Popen(
-            [*prefix, nats_server_binary(), *args], stdout=subprocess.DEVNULL, stderr=err
+            [*prefix, nats_server_binary(), *args],
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+            cwd=cwd,
         )
         try:
             if wait_port(port, 60, host, proc):
