@@ -781,3 +781,105 @@ def test_the_key_job_runs_keys_create_as_the_admin_role(rendered: dict[str, list
     _mounted_file(docs, fake, env["TOKENBUS_NATS_TLS_CA"])
     # The admin commands take one URL: the chart's client service, a name in the certificate.
     assert env["TOKENBUS_NATS_URL"] == "tls://nats:4222" and "nats" in TLS_NAMES
+
+
+# -- a site: its leaf node and its workers (deploy/k8s/site) ---------------------------------
+
+SITE = "lab"
+SITE_IDS = [f"{SITE}-worker-0", f"{SITE}-worker-1"]
+SITE_NAMESPACE = "tokenbus-site"
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[Doc], Path]:
+    """deploy/k8s/site rendered as docs/kubernetes.md says: the hub's `deploy init --site`
+    folder copied in as site/; the rendered objects and that folder."""
+    if not _cli_has("deploy"):
+        pytest.skip("tokenbus deploy is not in this tree")
+    root = tmp_path_factory.mktemp("k8s-site")
+    r = run_cli(
+        "deploy", "init", "--dir", str(root / "bus"), "--site", f"{SITE}={','.join(SITE_IDS)}",
+        "--hub-url", "tls://hub.example.com:7422",
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    tree = root / "site"
+    shutil.copytree(K8S / "site", tree, ignore=shutil.ignore_patterns("site"))
+    shutil.copytree(root / "bus" / "sites" / SITE, tree / "site")
+    return _kustomize(tree), tree / "site"
+
+
+def test_a_site_is_valid_for_kubernetes_and_runs_non_root(site: tuple[list[Doc], Path]) -> None:
+    docs, _ = site
+    kinds = {(d["kind"], d["metadata"]["name"]) for d in docs}
+    assert {
+        ("Deployment", "nats-leaf"),
+        ("StatefulSet", "worker"),
+        ("Service", "nats-leaf"),
+    } <= kinds
+    for d in docs:
+        try:
+            kubernetes_validate.validate(d, K8S_VERSION, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            raise AssertionError(f"{d['kind']} {d['metadata']['name']}: {exc}") from None
+        if d["kind"] != "Namespace":
+            assert d["metadata"]["namespace"] == SITE_NAMESPACE, d["metadata"]
+    for dep in [*_of(docs, "Deployment").values(), *_of(docs, "StatefulSet").values()]:
+        pod, c = _pod(dep), _container(dep)
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        csc = c["securityContext"]
+        assert csc["readOnlyRootFilesystem"] is True and csc["allowPrivilegeEscalation"] is False
+        assert (
+            csc["capabilities"]["drop"] == ["ALL"] and pod["automountServiceAccountToken"] is False
+        )
+        assert {"cpu", "memory"} <= set(c["resources"]["limits"])
+
+
+def test_a_site_s_workers_serve_as_the_ids_its_login_carries(
+    site: tuple[list[Doc], Path],
+) -> None:
+    """The StatefulSet's pods, named worker-0..N-1, serve as "<site>-<pod>": exactly the ids
+    `deploy init --site` gave the site's login (any other could not beat or be sent work),
+    announcing the site, on the site's own node, with the site's worker login."""
+    docs, folder = site
+    sts = _one(docs, "StatefulSet", "worker")
+    c = _container(sts)
+    args = build_parser().parse_args([*c["args"]])
+    assert (args.cmd, args.service, args.replica) == ("serve", "worker", "$(REPLICA)")
+    env = {e["name"]: e for e in c["env"]}
+    assert env["REPLICA"]["value"] == "$(SITE)-$(POD_NAME)"
+    # Kubernetes expands $(NAME) only for variables defined before the one that uses them.
+    order = [e["name"] for e in c["env"]]
+    assert order.index("SITE") < order.index("REPLICA") and order.index("POD_NAME") < order.index(
+        "REPLICA"
+    )
+    ref = env["SITE"]["valueFrom"]["configMapKeyRef"]
+    site_env = _one(docs, "ConfigMap", ref["name"])["data"]
+    assert site_env[ref["key"]] == SITE and site_env["TOKENBUS_SITE"] == SITE
+    ids = [f"{site_env['TOKENBUS_SITE']}-worker-{i}" for i in range(sts["spec"]["replicas"])]
+    conf = (folder / "nats.conf").read_text()
+    assert set(re.findall(r"tb\.v1\.engine\.\*\.([\w.-]+)\.>", conf)) == set(ids) == set(SITE_IDS)
+    url = site_env["TOKENBUS_NATS_URL"]
+    svc = _one(docs, "Service", "nats-leaf")
+    assert url == f"nats://nats-leaf:{svc['spec']['ports'][0]['port']}"
+    login = env["TOKENBUS_NATS_LOGIN_FILE"]["value"]
+    kind, name, key = _mounted_file(docs, sts, login)
+    secret = _one(docs, kind, name)
+    stored = json.loads(base64.b64decode(secret["data"][key]))
+    assert stored == json.loads((folder / "roles" / "worker.json").read_text())
+
+
+def test_a_site_s_node_runs_its_generated_config_in_its_folder(
+    site: tuple[list[Doc], Path],
+) -> None:
+    """The leaf node runs the generated nats.conf from the folder it is mounted in (it names
+    the hub's CA, ca.pem, from there), and the secret holds both files as written."""
+    docs, folder = site
+    dep = _one(docs, "Deployment", "nats-leaf")
+    c = _container(dep)
+    assert [*c["command"], *c["args"]] == ["nats-server", "-c", "nats.conf"]
+    for name in ("nats.conf", "ca.pem"):
+        kind, secret_name, key = _mounted_file(docs, dep, f"{c['workingDir']}/{name}")
+        data = _one(docs, kind, secret_name)["data"][key]
+        assert base64.b64decode(data) == (folder / name).read_bytes(), name
+    conf = (folder / "nats.conf").read_text()
+    assert 'ca_file: "ca.pem"' in conf and "tls://site-lab:" in conf
