@@ -26,7 +26,6 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any, cast
 
-import aiohttp
 from nats.aio.client import Client as NATS
 from nats.js.api import ClusterInfo, ConsumerInfo, StreamInfo, StreamsListIterator
 
@@ -164,6 +163,8 @@ async def read(nc: NATS, monitor_urls: list[str]) -> dict[str, Any]:
     async def servers() -> list[ServerState]:
         if not monitor_urls:
             return []
+        import aiohttp  # here, not at import: a bridge starts without it (services/lean_imports.py)
+
         async with aiohttp.ClientSession() as http:
             return await scrape(http, monitor_urls, MONITOR_TIMEOUT_S)
 

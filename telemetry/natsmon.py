@@ -13,10 +13,12 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import aiohttp
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+if TYPE_CHECKING:  # imported where used: a process that reads no monitor never loads it
+    import aiohttp
 
 
 @dataclass(slots=True)
@@ -32,6 +34,7 @@ async def scrape(
 ) -> list[ServerState]:
     """Each server's ``/varz``, read at once (a server that does not answer in
     ``timeout_s`` is down for this probe)."""
+    import aiohttp
 
     async def one(url: str) -> ServerState:
         try:

@@ -29,7 +29,6 @@ import itertools
 import json
 from typing import Any
 
-import aiohttp
 from nats.aio.msg import Msg
 from nats.js import api
 from prometheus_client import start_http_server
@@ -341,7 +340,11 @@ class Telemetry(Service):
 
     async def _probe_loop(self) -> None:
         urls = list(self.cfg.nats_monitor_urls)
-        session = aiohttp.ClientSession() if urls else None
+        session = None
+        if urls:  # only then: a telemetry that reads no monitor starts without aiohttp
+            import aiohttp
+
+            session = aiohttp.ClientSession()
         try:
             while True:
                 try:

@@ -12,6 +12,7 @@ where nothing reaches it unless the extra's feature is chosen (vLLM, PostgreSQL,
 from __future__ import annotations
 
 import ast
+import json
 import sys
 from importlib import metadata
 from pathlib import Path
@@ -158,3 +159,53 @@ def test_the_parser_imports_no_bench_module() -> None:
     assert out.returncode == 0, out.stderr
     loaded = set(out.stdout.strip().split(","))
     assert loaded == {"tokenbus.evaluation", "tokenbus.evaluation.options"}, loaded
+
+
+SERVICE_MODULES = (
+    "gateway.bridge",
+    "gateway.ingress",
+    "auth.service",
+    "auth.ratelimit",
+    "filter.service",
+    "router.service",
+    "telemetry.service",
+    "engine_worker.worker",
+)
+
+
+@pytest.mark.stack
+def test_a_service_starts_without_the_extras_it_never_uses() -> None:
+    """A process of the ``tokenbus`` command imports its service without aiohttp (nats-py's
+    websocket transport; about 130 ms of every start) and without rich (structlog's console
+    tracebacks; about 100 ms): services/lean_imports.py. Both still work where used: aiohttp
+    imports after, the console renderer prints a traceback without rich, and nats-py refuses
+    a ws:// server, saying why."""
+    import subprocess
+
+    code = (
+        "import sys, json, asyncio, tokenbus.cli\n"
+        f"for m in {SERVICE_MODULES!r}: __import__(m)\n"
+        "loaded = sorted(m for m in ('aiohttp', 'rich') if m in sys.modules)\n"
+        "import aiohttp, structlog, nats\n"
+        "try:\n"
+        "    raise ValueError('boom')\n"
+        "except ValueError:\n"
+        "    line = structlog.dev.ConsoleRenderer(colors=False)(None, 'error', "
+        "{'event': 'x', 'exc_info': sys.exc_info()})\n"
+        "async def ws():\n"
+        "    try:\n"
+        "        await asyncio.wait_for(nats.connect('ws://127.0.0.1:1', "
+        "allow_reconnect=False, connect_timeout=1), 3)\n"
+        "    except BaseException as exc:\n"
+        "        return type(exc).__name__\n"
+        "print(json.dumps({'loaded': loaded, 'aiohttp': bool(aiohttp.ClientSession), "
+        "'traceback': 'ValueError: boom' in line, 'ws': asyncio.run(ws())}))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["loaded"] == [] and got["aiohttp"] and got["traceback"], got
+    # No connection, and nats-py's reason on its error callback (stderr by default).
+    assert got["ws"] and "Could not import aiohttp transport" in out.stderr, (got, out.stderr)

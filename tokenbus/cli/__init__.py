@@ -10,8 +10,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from services import config as cfgmod
-from services import logging as tlog
+from services.lean_imports import import_bus_libraries
+
+import_bus_libraries()  # before anything imports nats-py or structlog (services/lean_imports.py)
+
+from services import config as cfgmod  # noqa: E402
+from services import logging as tlog  # noqa: E402
 
 SERVICES = (
     "bridge",
