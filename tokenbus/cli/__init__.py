@@ -536,7 +536,8 @@ def main(argv: list[str] | None = None) -> None:
 
     async def go() -> None:
         nonlocal rc
-        if a.cmd == "bench" and not a.cold_path:  # (--cold-path: one process, no await)
+        # (--cold-path and --start-cost run without awaiting: Ctrl-C stops them as Python does)
+        if a.cmd == "bench" and not a.cold_path and not a.start_cost:
             # SIGTERM (`timeout`, a CI runner's stop) ends a run as Ctrl-C does: the stack it
             # spawned is stopped on the way out, not left running.
             task = asyncio.current_task()
@@ -656,6 +657,10 @@ def main(argv: list[str] | None = None) -> None:
                 from tokenbus.evaluation.coldpath import run_cold_path
 
                 rc = run_cold_path(a)
+            elif a.start_cost:
+                from tokenbus.evaluation.startcost import run_start_cost
+
+                rc = run_start_cost(a)
             elif a.pd:
                 from tokenbus.evaluation.pdbench import run_pd_bench
 

@@ -409,6 +409,21 @@ def _coldpath(g: Any) -> None:
     g.add_argument("--cold-trials", type=int, default=60, help="cold calls per step")
 
 
+def _startcost(g: Any) -> None:
+    g.add_argument(
+        "--start-cost",
+        action="store_true",
+        help="instead of the sweep: start each service on a nats-server of its own and "
+        "report its time to ready and its CPU (tokenbus/evaluation/startcost.py)",
+    )
+    g.add_argument("--start-trials", type=int, default=5, help="starts of each service")
+    g.add_argument(
+        "--start-services",
+        default="worker,ingress,auth,ratelimit,filter,router,bridge,telemetry",
+        help="the services started, comma-separated",
+    )
+
+
 def add_parser(sub: Any) -> Any:
     """The ``bench`` sub-command with every scenario's options."""
     bp = _bench(sub)
@@ -420,4 +435,5 @@ def add_parser(sub: Any) -> Any:
     _adapterbench(bp.add_argument_group("LoRA adapters at run time"))
     _pdbench(bp.add_argument_group("prefill/decode disaggregation"))
     _coldpath(bp.add_argument_group("one request's steps, warm and cold"))
+    _startcost(bp.add_argument_group("what each service's start costs"))
     return bp
