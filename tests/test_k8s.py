@@ -236,6 +236,11 @@ def test_every_rendered_object_is_valid_for_kubernetes(
     docs = rendered[overlay]
     kinds = {d["kind"] for d in docs}
     assert {"Deployment", "Service", "PodDisruptionBudget", "Secret", "ConfigMap"} <= kinds
+    _valid_for_kubernetes(docs, NAMESPACE)
+
+
+def _valid_for_kubernetes(docs: list[Doc], namespace: str) -> None:
+    """Every object passes the Kubernetes schemas strictly, in ``namespace``."""
     for d in docs:
         if (d["apiVersion"], d["kind"]) in CRD_KINDS:
             continue  # checked by the tests of the autoscaler and the service monitor
@@ -244,7 +249,7 @@ def test_every_rendered_object_is_valid_for_kubernetes(
         except kubernetes_validate.ValidationError as exc:
             raise AssertionError(f"{d['kind']} {d['metadata']['name']}: {exc}") from None
         if d["kind"] != "Namespace":
-            assert d["metadata"]["namespace"] == NAMESPACE, d["metadata"]
+            assert d["metadata"]["namespace"] == namespace, d["metadata"]
 
 
 def test_every_stage_has_a_deployment(rendered: dict[str, list[Doc]]) -> None:
@@ -816,13 +821,7 @@ def test_a_site_is_valid_for_kubernetes_and_runs_non_root(site: tuple[list[Doc],
         ("StatefulSet", "worker"),
         ("Service", "nats-leaf"),
     } <= kinds
-    for d in docs:
-        try:
-            kubernetes_validate.validate(d, K8S_VERSION, strict=True)
-        except kubernetes_validate.ValidationError as exc:
-            raise AssertionError(f"{d['kind']} {d['metadata']['name']}: {exc}") from None
-        if d["kind"] != "Namespace":
-            assert d["metadata"]["namespace"] == SITE_NAMESPACE, d["metadata"]
+    _valid_for_kubernetes(docs, SITE_NAMESPACE)
     for dep in [*_of(docs, "Deployment").values(), *_of(docs, "StatefulSet").values()]:
         pod, c = _pod(dep), _container(dep)
         assert pod["securityContext"]["runAsNonRoot"] is True
