@@ -361,13 +361,13 @@ async def test_a_router_spills_to_the_nearer_site_and_drops_a_cut_off_one(
     tmp_path: Path,
 ) -> None:
     """A router at a site with no replica of its own (the hub) spills every request: to the
-    site whose link answers sooner once it has measured both (site b's link adds 50 ms each
+    site whose link answers sooner once it has measured both (site b's link adds 250 ms each
     way, site a's nothing). Site a's link then stalls (a partition: open, nothing crossing):
     the hub stops sending there and site b serves every request; healed, site a takes them
     again. Each link is a proxy (tests/support/wanlink.py) that counts what crosses it."""
     leaf = free_port()
     async with WanLink(leaf) as near, WanLink(leaf) as far:
-        far.delay_s = 0.05
+        far.delay_s = 0.25  # a 500 ms round trip: far past a loaded machine's accept times
         bus = Bus(
             tmp_path / "bus", ["a", "b"], leaf_port=leaf, dial={"a": near.port, "b": far.port}
         )
