@@ -280,9 +280,10 @@ class Stream:
         """The envelope as it goes on the bus (its messages by claim check when too large
         for one message); the stream ends with the refusal when it cannot go."""
         try:
-            big = CLAIM not in self._body and bodies.large_by_its_text(self._body)
+            claimed = CLAIM in self._body
+            big = not claimed and bodies.large_by_its_text(self._body)
             data = b"" if big else bodies.encode(self._body)
-            if big or (len(data) > bodies.THRESHOLD and CLAIM not in self._body):
+            if not claimed and (big or len(data) > bodies.THRESHOLD):
                 # Too large for one message: its messages go by claim check, once (a
                 # migration or resend carries the same claim).
                 if self.before_claim is not None:

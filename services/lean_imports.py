@@ -38,9 +38,7 @@ def import_bus_libraries() -> None:
         for name in hidden:
             sys.modules[name] = None  # type: ignore[assignment]  # `import name` raises
         try:
-            importlib.import_module(library)
-            if library == "nats":
-                importlib.import_module("nats.aio.client")
+            importlib.import_module(library)  # nats' package imports its client and transport
         finally:
             for name in hidden:
                 if sys.modules.get(name, 0) is None:
