@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import time
 import uuid
+import weakref
 from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable
 from types import TracebackType
@@ -117,6 +118,7 @@ class Stream:
         # The id the caller gave (a label on the bus); ``request_id`` becomes the gateway's
         # own once the accept frame names it.
         self.client_request_id = self.request_id
+        client._requests[self.request_id] = self
         # The inbox token is ours, never the caller's request id, so any id is safe to use.
         self.token = uuid.uuid4().hex
         self._timeout = timeout
@@ -147,6 +149,10 @@ class Stream:
         self.resends = 0  # sent again because nobody accepted it in time
         self.holds = 0  # hold frames: a stage or router said it holds the request
         self._sending = False  # an in-process sender is placing it (nothing can be lost)
+        # Set once the current attempt is accepted (admitted, so its hold is written), or the
+        # request ended: a copy it moved on from unread is cancelled only then (the client's
+        # _cancel_copy).
+        self._seated = asyncio.Event()
         self._sent_to = ""  # the subject of the current attempt (a member's own, maybe)
         # Without heartbeats: frames pushed so far, and when the watchdog last saw that grow.
         self._pushed = 0
@@ -243,6 +249,7 @@ class Stream:
             # Published now, it would wait in the client's buffer for a server that is not
             # there: say so at once instead (a new request, a resend or a migration alike).
             self._done = True
+            self._seated.set()
             self._client.check_refused()  # not down: closed, the login refused for good
             raise E.ServiceUnavailable(
                 "the connection to NATS is down (reconnecting); retry shortly",
@@ -327,6 +334,7 @@ class Stream:
             if replica:  # else the accept frame names it
                 self.replica = replica
                 self._accepted_at = time.monotonic()
+                self._seated.set()
         except BaseException:
             # Possibly accepted by a replica after all: its accept frame gets a cancel.
             self._client._tombstone(self.token, self.request_id)
@@ -517,6 +525,7 @@ class Stream:
             # The id the gateway gave the request (ingress makes its own for every
             # admission; the client's is a label): what its records are under.
             self.request_id = rid
+            self._client._requests[rid] = self
         self._delivered.resume_refused = bool(frame.get("nr"))
         if frame.get("adm"):
             self._admission = str(frame["adm"])
@@ -531,6 +540,7 @@ class Stream:
                 if k and v
             }
         self._accepted_at = time.monotonic()
+        self._seated.set()
         self._heartbeat_s = float(frame.get("heartbeat_s") or 1.0)
         if self._trace.span is not None or "tp" in frame:
             self._trace.accept(other, frame.get("tp"))
@@ -586,6 +596,7 @@ class Stream:
         )
 
     def _finish(self, err: BaseException | str | None = None) -> None:
+        self._seated.set()
         if not self._done:
             self._done = True
             self._client._unregister(self)
@@ -630,17 +641,18 @@ class Stream:
         self._client._unregister(self)
         if old_replica:  # if it is alive after all, it must stop
             # A resend (``count`` False: nothing of it was read) cancels a duplicate: its
-            # report leaves the spend to the copy that is read (the hold is one). Not through
-            # ingress, which gives every admission an id, so a hold, of its own: that copy
-            # settles its own.
-            shared = not self._subject.startswith(subjects.request_prefix())
-            await self._client._send_cancel(
-                old_replica, old_token, self.request_id, duplicate=not count and shared
-            )
+            # report leaves the spend to the copy that is read (the hold is one), once that
+            # copy is admitted (_cancel_copy). Not through ingress, which gives every
+            # admission an id, so a hold, of its own: that copy settles its own.
+            if not count and not self._subject.startswith(subjects.request_prefix()):
+                self._client.cancel_copy_later(old_replica, old_token, self.request_id)
+            else:
+                await self._client._send_cancel(old_replica, old_token, self.request_id)
         self._client._tombstone(old_token, self.request_id, duplicate=True)
         self.token = uuid.uuid4().hex
         self.replica = None
         self._accepted_at = 0.0
+        self._seated.clear()
         self._lost = False
         self._epoch = None
         # Frames of the old attempt still queued here (or held for the sink) are dropped.
@@ -696,6 +708,7 @@ class Stream:
         self._cancelled = True
         if not self._started or self._done:
             self._done = True
+            self._seated.set()
             return
         self._finish()
         if self.replica:
@@ -771,6 +784,8 @@ class Caller:
         # bus); else one of its own.
         self._prefix = inbox_prefix or subjects.inbox_prefix(owner or uuid.uuid4().hex)
         self._streams: dict[str, Stream] = {}
+        # Each request's stream by its id while anything refers to it (_cancel_copy).
+        self._requests: weakref.WeakValueDictionary[str, Stream] = weakref.WeakValueDictionary()
         # Set while some stream is open: the watchdog sleeps on it when there is nothing to
         # watch (an idle process wakes for nothing).
         self._watching = asyncio.Event()
@@ -1047,11 +1062,33 @@ class Caller:
                 return
             if frame.get("t") == frames.ACCEPT and frame.get("replica"):
                 del self._tombstones[tok]
-                task = asyncio.get_running_loop().create_task(
-                    self._send_cancel(str(frame["replica"]), tok, tomb[1], duplicate=tomb[2])
-                )
-                self._background.add(task)
-                task.add_done_callback(self._background.discard)
+                if tomb[2]:
+                    self.cancel_copy_later(str(frame["replica"]), tok, tomb[1])
+                else:
+                    self._in_background(self._send_cancel(str(frame["replica"]), tok, tomb[1]))
+
+    def _in_background(self, work: Awaitable[None]) -> None:
+        task = asyncio.ensure_future(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def cancel_copy_later(self, replica: str, token: str, request_id: str) -> None:
+        """Cancel, as a duplicate, the copy ``token`` of ``request_id`` that ``replica`` runs
+        unread (this caller moved on from it), once the request's current attempt is accepted
+        or the request has ended. A bridge's resend shares one hold with the copy it left
+        (auth.budgets.SpendBook.reserve): the copy's report leaves that hold to the attempt
+        that is read only when that attempt's admission has written it; a report that came
+        first settled the hold as the copy's own, and the request then paid for both
+        (docs/nemesis.md, finding 14)."""
+        self._in_background(self._cancel_copy(replica, token, request_id))
+
+    async def _cancel_copy(self, replica: str, token: str, request_id: str) -> None:
+        s = self._requests.get(request_id)
+        if s is not None and not s._seated.is_set():
+            left = (s._deadline or time.time() + s._timeout) - time.time()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(s._seated.wait(), max(0.0, left) + 1.0)
+        await self._send_cancel(replica, token, request_id, duplicate=True)
 
     def submit(
         self,

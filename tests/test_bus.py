@@ -500,6 +500,55 @@ async def test_a_resend_cancels_the_copy_nobody_accepted_as_a_duplicate(
     await sub.unsubscribe()
 
 
+async def test_a_late_copy_is_cancelled_only_once_the_resend_is_admitted(
+    client: Client, nc: NATS, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bridge's resend shares one hold with the copy it left (the same request id): the
+    copy's report leaves that hold to the resend only once the resend's admission wrote it.
+    A copy accepted late while the resend is still being admitted (its stages wait on the
+    spend book) is cancelled as a duplicate only after that admission; cancelled at once, its
+    report came first, settled the hold as its own, and the request paid twice (the nemesis
+    run's overcharge by about one prompt, docs/nemesis.md finding 14)."""
+    from services import caller
+
+    monkeypatch.setattr(caller, "ACCEPT_TIMEOUT_S", 0.3)
+    sent: asyncio.Queue[str] = asyncio.Queue()
+    admitted = asyncio.Event()  # the resend's admission (its stages) is held until set
+    cancels: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+
+    async def sender(data: bytes, hdrs: dict[str, str], reply: str) -> str | None:
+        sent.put_nowait(reply)
+        if sent.qsize() == 1:
+            return None  # to the router: a replica's accept frame would name it
+        await admitted.wait()
+        return "r-next"
+
+    async def on_cancel(m: Any) -> None:
+        cancels.put_nowait(codec.decode_map(m.data))
+
+    sub = await nc.subscribe(subjects.worker_cancel("r-late"), cb=on_cancel)
+    await nc.flush()
+    stream = client.submit("chat", {"model": "m", "messages": MSG}, sender=sender, timeout=20)
+    first = asyncio.ensure_future(anext(stream))
+    reply1 = await asyncio.wait_for(sent.get(), 10)
+    await asyncio.wait_for(sent.get(), 20)  # sent again: its admission now waits
+    late = reply1.rpartition(".")[2]
+    callers = stream._client
+    await nc.publish(reply1, frames.accept("r-late", stream.request_id, 5.0))
+    await wait_for(lambda: late not in callers._tombstones)  # the late accept was read
+    for _ in range(3):  # whatever that read started has run, and its publish is through
+        await asyncio.sleep(0)
+        await callers.nc.flush()
+        await nc.flush()
+    assert cancels.empty(), "the copy was cancelled before the resend was admitted"
+    admitted.set()
+    cancel = await asyncio.wait_for(cancels.get(), 10)
+    assert cancel.get("dup") is True and cancel["request_id"] == stream.request_id
+    await stream.aclose()
+    first.cancel()
+    await sub.unsubscribe()
+
+
 async def test_an_attempt_moved_on_from_unread_is_cancelled_as_a_duplicate(
     client: Client, nc: NATS
 ) -> None:

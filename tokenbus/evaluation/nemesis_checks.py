@@ -110,6 +110,11 @@ async def check_spend(run: Run) -> dict[str, Any]:
                 "migrated": migrated.get(key_id, 0),
             }
             out["keys"][name] = row
+            if spent < settled or spent > settled + slack:
+                # Where the gap is: answered requests whose records (every row stored under
+                # their label: what the workers and the bridge reported) cost other than the
+                # usage their callers were given.
+                row["usage_differs"] = _usage_differs(run, mine)
             if spent < settled:
                 out["violations"].append(
                     f"{name}: spent {spent} < the usage of its answered requests {settled} "
@@ -201,6 +206,38 @@ def _records_by_label(run: Run) -> dict[str, list[tuple[str, int]]]:
         if label:
             out.setdefault(str(label), []).append((str(rid), int(migrations)))
     return out
+
+
+def _usage_differs(run: Run, mine: list[Any]) -> list[dict[str, Any]]:
+    """The answered requests of ``mine`` whose stored records cost other than the usage
+    their callers were given, each with both and its records (at most 20)."""
+    sql = (
+        "SELECT client_request_id, request_id, source, prompt_tokens, completion_tokens, "
+        "COALESCE(migrations, 0), outcome FROM requests"
+    )
+    rows: dict[str, list[tuple[Any, ...]]] = {}
+    for label, *rest in _store_rows(run, sql):
+        if label:
+            rows.setdefault(str(label), []).append(tuple(rest))
+    out: list[dict[str, Any]] = []
+    for o in mine:
+        if o.status != "ok" or o.via not in ("http", "nats"):
+            continue
+        got = o.prompt_tokens * PRICE_IN + o.completion_tokens * PRICE_OUT
+        recs = rows.get(o.rid, [])
+        stored = sum(int(r[2] or 0) * PRICE_IN + int(r[3] or 0) * PRICE_OUT for r in recs)
+        if stored != got:
+            out.append(
+                {
+                    "rid": o.rid,
+                    "via": o.via,
+                    "usage": [o.prompt_tokens, o.completion_tokens],
+                    "usage_cost": got,
+                    "records_cost": stored,
+                    "records": [list(r) for r in recs],
+                }
+            )
+    return out[:20]
 
 
 def _migrated_by_key(run: Run) -> dict[str, int]:
