@@ -575,7 +575,13 @@ class RateLimitCheck:
         try:
             await self._settle_spend(u)
         except Exception as exc:  # the spend book did not answer: redelivered later
-            self.log.warning("spend_not_settled", error=str(exc), subject=msg.subject)
+            self.log.warning(
+                "spend_not_settled",
+                error=str(exc),
+                subject=msg.subject,
+                request_id=u.get("request_id"),
+                redelivered=True,
+            )
             return
         with contextlib.suppress(Exception):
             await msg.ack()

@@ -259,6 +259,20 @@ async def cas(
                     # Refused on what this process remembers, which another may have
                     # changed since (a hold it made): decided again on the entry as it is.
                     continue
+                if await _read_behind(kv, key, rev):
+                    # Refused on a read that a replica behind the stream's leader answered
+                    # (a bucket's reads go to any replica: one cut off from its cluster, or
+                    # catching up, answers with an older entry). A write would have found it
+                    # stale; a refusal must too, or a usage report found "no hold" on an
+                    # entry from before its hold and was dropped as settled (the nemesis
+                    # run's undercharge, docs/nemesis.md finding 16).
+                    clashes += 1
+                    if clashes >= tries:
+                        raise E.ServiceUnavailable(
+                            f"{key}: read behind the stream's leader on every one of {tries} "
+                            "tries (a NATS node cut off from its cluster); retry"
+                        ) from None
+                    continue
                 raise
             mark = uuid.uuid4().hex[:12]
             made[mark] = (state, new)
@@ -286,6 +300,21 @@ async def cas(
                 ) from None
             uncertain = uncertain or writing
             await asyncio.sleep(_STALL_PAUSE_S)
+
+
+async def _read_behind(kv: KeyValue, key: str, rev: int | None) -> bool:
+    """Whether the stream's leader holds another revision of ``key`` than ``rev`` (None: no
+    entry), the one a read gave. The leader's own read (not a direct get, which any replica
+    may answer): a change refused on that read stands only where the leader agrees."""
+    js: JetStreamContext = kv._js  # nats-py keeps the bucket's stream and subject prefix
+    try:
+        msg = await js.get_last_msg(kv._stream, f"{kv._pre}{key}", direct=False)
+    except nats.js.errors.NotFoundError:
+        return rev is not None
+    op = (msg.headers or {}).get("KV-Operation")
+    if op in ("DEL", "PURGE"):
+        return rev is not None
+    return msg.seq != rev
 
 
 class _NothingToWrite(Exception):

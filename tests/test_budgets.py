@@ -18,6 +18,7 @@ import nats
 import pytest
 import structlog
 from nats.js import JetStreamContext
+from nats.js.kv import KeyValue
 
 from auth import budgets, ratelimit
 from auth.limits import Limiter
@@ -449,6 +450,57 @@ async def test_a_duplicate_leaves_a_shared_hold_to_its_read_copy_and_settles_its
         own = await book.reserve([key], "r2#0", 90, time.time() + 60)
         await book.settle(own, 25, duplicate="w-2")
         assert (await book.spent(key)) == (96, 0)
+    finally:
+        await nc.close()
+
+
+class _ReplicaBehind(KeyValue):
+    """The bucket as a client sees it when its read of ``key`` is answered, once, by a replica
+    behind the stream's leader: that read gives ``stale``, an entry from before the latest
+    write. A bucket's reads are direct gets, which any replica answers: one cut off from its
+    cluster or catching up answers so. One nats-server cannot be made to answer late on cue,
+    so this read alone is played; the writes and the leader's own reads are the server's."""
+
+    def __init__(self, kv: KeyValue, key: str, stale: KeyValue.Entry) -> None:
+        super().__init__(kv._name, kv._stream, kv._pre, kv._js, kv._direct)
+        self.key, self.stale = key, stale
+        self.served_stale = 0
+
+    async def get(
+        self, key: str, revision: int | None = None, validate_keys: bool = True
+    ) -> KeyValue.Entry:
+        if key == self.key and not self.served_stale:
+            self.served_stale += 1
+            return self.stale
+        return await super().get(key, revision, validate_keys)
+
+
+@pytest.mark.bus
+async def test_a_report_read_on_an_entry_from_before_its_hold_is_still_charged(
+    nats_server: Any,
+) -> None:
+    """A limiter settles a report on the key's entry as read; the read was answered by a
+    replica behind the leader, from before the request's hold was written. The hold is not
+    there: "settled already", and the report was acknowledged with nothing charged (the
+    nemesis run's undercharge by one answer, seed 4805, a node partitioned: docs/nemesis.md
+    finding 16). A refusal decided on a read stands only where the stream's leader holds the
+    same revision; here it does not, so the charge is decided again on the entry as it is."""
+    nc = await nats.connect(nats_server.url)
+    try:
+        a, b = budgets.SpendBook(nc), budgets.SpendBook(nc)
+        await a.open()
+        await b.open()
+        key = budgets.Budget(f"k.behind{time.time_ns()}", "day", None, None)
+        entry = key.entry(time.time())
+        first = await a.reserve([key], "r0#0", 10, time.time() + 60)
+        await a.settle(first, 5)
+        stale = await a._kv().get(entry)  # the entry before the next hold
+        await b.reserve([key], "r1#0", 100, time.time() + 60)  # another limiter admits
+        behind = _ReplicaBehind(a._kv(), entry, stale)
+        a.kv = behind
+        await a.settle(budgets.Hold("r1#0", 0, [(key, entry)]), 71)
+        assert behind.served_stale == 1  # the stale read was made, and did not decide
+        assert (await b.spent(key)) == (76, 0)
     finally:
         await nc.close()
 
