@@ -287,7 +287,10 @@ def test_the_request_duration_counts_from_the_first_byte(limits_stack: ProcStack
             break
         time.sleep(0.1)
     assert done, f"no request line for {rid}"
-    assert done[0]["duration_ms"] >= 400, done[0]
+    # Counted from the head's end it would be the handler's few ms; from the first byte, the
+    # 0.4 s the head took, less however late the bridge's loop read that first byte (399.8
+    # ms once, under six pytest workers): 300 ms tells the two apart with room for that.
+    assert done[0]["duration_ms"] >= 300, done[0]
 
 
 @pytest.mark.stack
