@@ -62,6 +62,31 @@ from tokenbus.evaluation.netns import Hosts, available
 from tokenbus.evaluation.options import KINDS
 
 
+async def spend_tap(run: Run) -> Any:
+    """An admin connection that notes every spend report and supersede on the bus in
+    ``run.spend_reports`` (the spend check names, from them, an answered attempt whose
+    report never came); closed by the caller."""
+    from bus_schemas import codec, subjects
+
+    async def on_down() -> None:
+        run.tap_disconnects += 1
+
+    nc = await run.stack.cluster.admin(0, disconnected_cb=on_down)
+
+    async def on_report(msg: Any) -> None:
+        try:
+            u = codec.decode_map(msg.data)
+        except Exception:
+            return
+        keep = ("request_id", "attempt", "prompt", "completion", "resumed", "dup", "counted")
+        rid = str(u.get("request_id", ""))
+        run.spend_reports.setdefault(rid, []).append({k: u[k] for k in keep if k in u})
+
+    await nc.subscribe(subjects.usage_spend_wildcard(), cb=on_report)
+    await nc.flush()
+    return nc
+
+
 async def run_nemesis(cfg: Config) -> dict[str, Any]:
     """The whole run: start, load and faults, invariants; the report (also written to
     ``cfg.out`` when set)."""
@@ -113,6 +138,7 @@ async def run_nemesis(cfg: Config) -> dict[str, Any]:
         exits: list[dict[str, Any]] = []
         supervisor = asyncio.create_task(stack.supervise(exits, time.monotonic()))
         await until_ready(stack, ready_key)
+        tap = await spend_tap(run)
         if cfg.balancer and len(stack.bridge_ports) > 1:
             lb = Balancer.of(stack.bridge_ports, check_every_s=0.5)
             run.http_bases = [f"http://127.0.0.1:{await lb.start()}"]
@@ -138,6 +164,7 @@ async def run_nemesis(cfg: Config) -> dict[str, Any]:
         await asyncio.sleep(2.0)  # the last usage reports and records land
         supervisor.cancel()
         invs = await invariants(run, batch, background)
+        await tap.close()
         errors = Counter(o.error.split(":")[0] for o in run.outcomes if o.status == "error")
         report: dict[str, Any] = {
             "tool": "tokenbus bench --nemesis",

@@ -115,6 +115,10 @@ async def check_spend(run: Run) -> dict[str, Any]:
                 # their label: what the workers and the bridge reported) cost other than the
                 # usage their callers were given.
                 row["usage_differs"] = _usage_differs(run, mine)
+                # Answered attempts whose report the run's tap never saw (the tap may miss
+                # what crossed while its node was down: ``tap_disconnects``).
+                row["records_without_report"] = _without_report(run, mine)
+                row["tap_disconnects"] = run.tap_disconnects
             if spent < settled:
                 out["violations"].append(
                     f"{name}: spent {spent} < the usage of its answered requests {settled} "
@@ -237,6 +241,24 @@ def _usage_differs(run: Run, mine: list[Any]) -> list[dict[str, Any]]:
                     "records": [list(r) for r in recs],
                 }
             )
+    return out[:20]
+
+
+def _without_report(run: Run, mine: list[Any]) -> list[list[Any]]:
+    """The stored records of ``mine``'s answered requests whose attempt (``migrations``) no
+    spend report seen on the bus names (at most 20)."""
+    labels = {o.rid for o in mine if o.status == "ok"}
+    sql = (
+        "SELECT client_request_id, request_id, source, prompt_tokens, completion_tokens, "
+        "COALESCE(migrations, 0), outcome FROM requests"
+    )
+    out = []
+    for label, rid, source, p, c, m, outcome in _store_rows(run, sql):
+        seen = run.spend_reports.get(str(rid), [])
+        if label in labels and not any(
+            int(r.get("attempt", 0)) == int(m) and "resumed" not in r for r in seen
+        ):
+            out.append([label, rid, source, p, c, m, outcome, len(seen)])
     return out[:20]
 
 

@@ -49,6 +49,11 @@ class Run:
         self.seq = 0
         self.log: list[str] = []
         self.http_bases: list[str] = []  # the balancer's, when there is one
+        # Every spend report (and supersede) seen on the bus during the run, by request id:
+        # where a key's spend is off, which answered attempt's report never came (a tap on
+        # the admin login, which may miss what crossed while its node was down).
+        self.spend_reports: dict[str, list[dict[str, Any]]] = {}
+        self.tap_disconnects = 0
 
     def now(self) -> float:
         return time.monotonic() - self.t_start
