@@ -69,6 +69,9 @@ NO_RESPONDERS_RETRIES = 4
 # of a queue group that stopped beating (services/members.py); late accepts of the earlier
 # attempt are cancelled.
 ACCEPT_TIMEOUT_S = 1.5
+# How long a copy this caller moved on from unread keeps running, at most, before its
+# cancel, while the attempt that replaced it is not yet accepted (Client._cancel_copy).
+DUPLICATE_CANCEL_WAIT_S = 2.0
 MAX_RESENDS = 8
 # A frame only the client's own watchdog pushes: the current attempt was never accepted.
 _RETRY = "_retry"
@@ -1075,7 +1078,7 @@ class Caller:
     def cancel_copy_later(self, replica: str, token: str, request_id: str) -> None:
         """Cancel, as a duplicate, the copy ``token`` of ``request_id`` that ``replica`` runs
         unread (this caller moved on from it), once the request's current attempt is accepted
-        or the request has ended. A bridge's resend shares one hold with the copy it left
+        or the request has ended, or after :data:`DUPLICATE_CANCEL_WAIT_S` at most. A bridge's resend shares one hold with the copy it left
         (auth.budgets.SpendBook.reserve): the copy's report leaves that hold to the attempt
         that is read only when that attempt's admission has written it; a report that came
         first settled the hold as the copy's own, and the request then paid for both
@@ -1085,9 +1088,10 @@ class Caller:
     async def _cancel_copy(self, replica: str, token: str, request_id: str) -> None:
         s = self._requests.get(request_id)
         if s is not None and not s._seated.is_set():
-            left = (s._deadline or time.time() + s._timeout) - time.time()
+            # Bounded: the copy holds a slot of its replica, which the current attempt may
+            # be waiting for (a full queue); an admission takes milliseconds.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(s._seated.wait(), max(0.0, left) + 1.0)
+                await asyncio.wait_for(s._seated.wait(), DUPLICATE_CANCEL_WAIT_S)
         await self._send_cancel(replica, token, request_id, duplicate=True)
 
     def submit(

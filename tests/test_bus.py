@@ -512,6 +512,7 @@ async def test_a_late_copy_is_cancelled_only_once_the_resend_is_admitted(
     from services import caller
 
     monkeypatch.setattr(caller, "ACCEPT_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(caller, "DUPLICATE_CANCEL_WAIT_S", 60.0)  # only the admission ends it
     sent: asyncio.Queue[str] = asyncio.Queue()
     admitted = asyncio.Event()  # the resend's admission (its stages) is held until set
     cancels: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
