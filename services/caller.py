@@ -1078,11 +1078,11 @@ class Caller:
     def cancel_copy_later(self, replica: str, token: str, request_id: str) -> None:
         """Cancel, as a duplicate, the copy ``token`` of ``request_id`` that ``replica`` runs
         unread (this caller moved on from it), once the request's current attempt is accepted
-        or the request has ended, or after :data:`DUPLICATE_CANCEL_WAIT_S` at most. A bridge's resend shares one hold with the copy it left
-        (auth.budgets.SpendBook.reserve): the copy's report leaves that hold to the attempt
-        that is read only when that attempt's admission has written it; a report that came
-        first settled the hold as the copy's own, and the request then paid for both
-        (docs/nemesis.md, finding 14)."""
+        or the request has ended, or after :data:`DUPLICATE_CANCEL_WAIT_S` at most. A
+        bridge's resend shares one hold with the copy it left (auth.budgets.SpendBook.reserve):
+        the copy's report leaves that hold to the attempt that is read only when that
+        attempt's admission has written it; a report that came first settled the hold as
+        the copy's own, and the request then paid for both (docs/nemesis.md, finding 14)."""
         self._in_background(self._cancel_copy(replica, token, request_id))
 
     async def _cancel_copy(self, replica: str, token: str, request_id: str) -> None:
