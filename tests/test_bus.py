@@ -463,6 +463,18 @@ async def test_no_request_outlives_the_ingress_limit_whatever_deadline_the_clien
         await wait_for(lambda: svcs["workers"][0].in_flight == 0, timeout=5)
 
 
+async def _cancels_to(nc: NATS, replica: str) -> tuple[asyncio.Queue[dict[str, Any]], Any]:
+    """The cancels sent to ``replica``, as they come, and the subscription (to end)."""
+    cancels: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+
+    async def on_cancel(m: Any) -> None:
+        cancels.put_nowait(codec.decode_map(m.data))
+
+    sub = await nc.subscribe(subjects.worker_cancel(replica), cb=on_cancel)
+    await nc.flush()
+    return cancels, sub
+
+
 async def test_a_resend_cancels_the_copy_nobody_accepted_as_a_duplicate(
     client: Client, nc: NATS, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -475,17 +487,12 @@ async def test_a_resend_cancels_the_copy_nobody_accepted_as_a_duplicate(
 
     monkeypatch.setattr(caller, "ACCEPT_TIMEOUT_S", 0.3)
     sent: asyncio.Queue[str] = asyncio.Queue()
-    cancels: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
 
     async def sender(data: bytes, hdrs: dict[str, str], reply: str) -> str:
         sent.put_nowait(reply)
         return "r-slow" if sent.qsize() == 1 else "r-next"
 
-    async def on_cancel(m: Any) -> None:
-        cancels.put_nowait(codec.decode_map(m.data))
-
-    sub = await nc.subscribe(subjects.worker_cancel("r-slow"), cb=on_cancel)
-    await nc.flush()
+    cancels, sub = await _cancels_to(nc, "r-slow")
     stream = client.submit("chat", {"model": "m", "messages": MSG}, sender=sender, timeout=20)
     first = asyncio.ensure_future(anext(stream))
     await asyncio.wait_for(sent.get(), 10)  # to r-slow, which never answers
@@ -515,7 +522,6 @@ async def test_a_late_copy_is_cancelled_only_once_the_resend_is_admitted(
     monkeypatch.setattr(caller, "DUPLICATE_CANCEL_WAIT_S", 60.0)  # only the admission ends it
     sent: asyncio.Queue[str] = asyncio.Queue()
     admitted = asyncio.Event()  # the resend's admission (its stages) is held until set
-    cancels: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
 
     async def sender(data: bytes, hdrs: dict[str, str], reply: str) -> str | None:
         sent.put_nowait(reply)
@@ -524,11 +530,7 @@ async def test_a_late_copy_is_cancelled_only_once_the_resend_is_admitted(
         await admitted.wait()
         return "r-next"
 
-    async def on_cancel(m: Any) -> None:
-        cancels.put_nowait(codec.decode_map(m.data))
-
-    sub = await nc.subscribe(subjects.worker_cancel("r-late"), cb=on_cancel)
-    await nc.flush()
+    cancels, sub = await _cancels_to(nc, "r-late")
     stream = client.submit("chat", {"model": "m", "messages": MSG}, sender=sender, timeout=20)
     first = asyncio.ensure_future(anext(stream))
     reply1 = await asyncio.wait_for(sent.get(), 10)
