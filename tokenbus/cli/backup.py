@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import contextlib
 import hashlib
 import itertools
 import json
@@ -342,10 +343,24 @@ async def restore(
             info = None
         if info is None:
             await _api(nc, f"STREAM.CREATE.{name}", _config(saved, reps))
+            await _until_led(nc, name)
         t0 = time.monotonic()
         done[name] = await _publish(nc, name, _messages(src / name / "messages.jsonl"))
         log(f"{name}: {done[name]} messages restored in {time.monotonic() - t0:.2f}s")
     return done
+
+
+async def _until_led(nc: NATS, stream: str, timeout: float = 30.0) -> None:
+    """Until the stream just made has a leader (bounded): a replicated stream elects one
+    after its create has answered, and a publish before that gets no answer ("no response
+    from stream", a restore onto a fresh cluster failed so once)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(Exception):  # no leader yet: the info has no answer either
+            info = await _info(nc, stream)
+            if info is not None and (info.get("cluster") or {}).get("leader", "one server"):
+                return
+        await asyncio.sleep(0.1)
 
 
 async def _publish(nc: NATS, stream: str, msgs: Iterator[dict[str, Any]]) -> int:
