@@ -44,8 +44,7 @@ TEST_WORKERS ?= 4
 # less each.
 ## Create/update .venv with the dev extras and run the whole suite: lint, types, tests.
 test: lint
-	$(BYTECODE) $(PACKAGES) tests
-	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+	$(PYTEST_TIER)
 
 # One tier of the suite each (docs/testing.md, "Tiers"), without the lint: unit (nothing but
 # this process), bus (a nats-server, services in-process), stack (processes), fault (pauses,

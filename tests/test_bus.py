@@ -539,8 +539,10 @@ async def test_a_late_copy_is_cancelled_only_once_the_resend_is_admitted(
     callers = stream._client
     await nc.publish(reply1, frames.accept("r-late", stream.request_id, 5.0))
     await wait_for(lambda: late not in callers._tombstones)  # the late accept was read
-    for _ in range(3):  # whatever that read started has run, and its publish is through
-        await asyncio.sleep(0)
+    # Round trips, not a timer: whatever that read started runs while the client's PING
+    # waits for its PONG, and a cancel it published is through to this subscriber after the
+    # next round trip of each connection.
+    for _ in range(3):
         await callers.nc.flush()
         await nc.flush()
     assert cancels.empty(), "the copy was cancelled before the resend was admitted"

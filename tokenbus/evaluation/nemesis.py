@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -111,6 +112,7 @@ async def run_nemesis(cfg: Config) -> dict[str, Any]:
     hosts = Hosts().start() if "nats_partition" in kinds else None
     stack: Stack | None = None
     lb: Balancer | None = None
+    tap: Any = None  # the spend reports' tap (spend_tap)
     try:
         stack = Stack(cfg, folder, hosts)
         stack.start()
@@ -164,7 +166,6 @@ async def run_nemesis(cfg: Config) -> dict[str, Any]:
         await asyncio.sleep(2.0)  # the last usage reports and records land
         supervisor.cancel()
         invs = await invariants(run, batch, background)
-        await tap.close()
         errors = Counter(o.error.split(":")[0] for o in run.outcomes if o.status == "error")
         report: dict[str, Any] = {
             "tool": "tokenbus bench --nemesis",
@@ -201,6 +202,9 @@ async def run_nemesis(cfg: Config) -> dict[str, Any]:
             print_table(report)
         return report
     finally:
+        if tap is not None:
+            with contextlib.suppress(Exception):
+                await tap.close()
         if lb is not None:
             await lb.stop()
         if stack is not None:

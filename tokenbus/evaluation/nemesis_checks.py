@@ -27,6 +27,7 @@ async def check_spend(run: Run) -> dict[str, Any]:
     out: dict[str, Any] = {"keys": {}, "violations": []}
     migrated = _migrated_by_key(run)
     labels = _records_by_label(run)
+    stored: dict[str, list[tuple[Any, ...]]] | None = None  # read once, where a key is off
     nc = await run.stack.cluster.admin(0)
     try:
         # Reports kept for a limiter that died are settled by another within its ack wait.
@@ -114,10 +115,11 @@ async def check_spend(run: Run) -> dict[str, Any]:
                 # Where the gap is: answered requests whose records (every row stored under
                 # their label: what the workers and the bridge reported) cost other than the
                 # usage their callers were given.
-                row["usage_differs"] = _usage_differs(run, mine)
+                stored = stored if stored is not None else _stored_records(run)
+                row["usage_differs"] = _usage_differs(mine, stored)
                 # Answered attempts whose report the run's tap never saw (the tap may miss
                 # what crossed while its node was down: ``tap_disconnects``).
-                row["records_without_report"] = _without_report(run, mine)
+                row["records_without_report"] = _without_report(run, mine, stored)
                 row["tap_disconnects"] = run.tap_disconnects
             if spent < settled:
                 out["violations"].append(
@@ -212,9 +214,9 @@ def _records_by_label(run: Run) -> dict[str, list[tuple[str, int]]]:
     return out
 
 
-def _usage_differs(run: Run, mine: list[Any]) -> list[dict[str, Any]]:
-    """The answered requests of ``mine`` whose stored records cost other than the usage
-    their callers were given, each with both and its records (at most 20)."""
+def _stored_records(run: Run) -> dict[str, list[tuple[Any, ...]]]:
+    """Each client label's stored records: (request id, source, prompt tokens, completion
+    tokens, migrations, outcome)."""
     sql = (
         "SELECT client_request_id, request_id, source, prompt_tokens, completion_tokens, "
         "COALESCE(migrations, 0), outcome FROM requests"
@@ -223,42 +225,48 @@ def _usage_differs(run: Run, mine: list[Any]) -> list[dict[str, Any]]:
     for label, *rest in _store_rows(run, sql):
         if label:
             rows.setdefault(str(label), []).append(tuple(rest))
+    return rows
+
+
+def _usage_differs(
+    mine: list[Any], stored: dict[str, list[tuple[Any, ...]]]
+) -> list[dict[str, Any]]:
+    """The answered requests of ``mine`` whose stored records cost other than the usage
+    their callers were given, each with both and its records (at most 20)."""
     out: list[dict[str, Any]] = []
     for o in mine:
         if o.status != "ok" or o.via not in ("http", "nats"):
             continue
         got = o.prompt_tokens * PRICE_IN + o.completion_tokens * PRICE_OUT
-        recs = rows.get(o.rid, [])
-        stored = sum(int(r[2] or 0) * PRICE_IN + int(r[3] or 0) * PRICE_OUT for r in recs)
-        if stored != got:
+        recs = stored.get(o.rid, [])
+        cost = sum(int(r[2] or 0) * PRICE_IN + int(r[3] or 0) * PRICE_OUT for r in recs)
+        if cost != got:
             out.append(
                 {
                     "rid": o.rid,
                     "via": o.via,
                     "usage": [o.prompt_tokens, o.completion_tokens],
                     "usage_cost": got,
-                    "records_cost": stored,
+                    "records_cost": cost,
                     "records": [list(r) for r in recs],
                 }
             )
     return out[:20]
 
 
-def _without_report(run: Run, mine: list[Any]) -> list[list[Any]]:
+def _without_report(
+    run: Run, mine: list[Any], stored: dict[str, list[tuple[Any, ...]]]
+) -> list[list[Any]]:
     """The stored records of ``mine``'s answered requests whose attempt (``migrations``) no
     spend report seen on the bus names (at most 20)."""
-    labels = {o.rid for o in mine if o.status == "ok"}
-    sql = (
-        "SELECT client_request_id, request_id, source, prompt_tokens, completion_tokens, "
-        "COALESCE(migrations, 0), outcome FROM requests"
-    )
     out = []
-    for label, rid, source, p, c, m, outcome in _store_rows(run, sql):
-        seen = run.spend_reports.get(str(rid), [])
-        if label in labels and not any(
-            int(r.get("attempt", 0)) == int(m) and "resumed" not in r for r in seen
-        ):
-            out.append([label, rid, source, p, c, m, outcome, len(seen)])
+    for o in mine:
+        if o.status != "ok":
+            continue
+        for rid, source, p, c, m, outcome in stored.get(o.rid, []):
+            seen = run.spend_reports.get(str(rid), [])
+            if not any(int(r.get("attempt", 0)) == int(m) and "resumed" not in r for r in seen):
+                out.append([o.rid, rid, source, p, c, m, outcome, len(seen)])
     return out[:20]
 
 
