@@ -65,16 +65,27 @@ def _live_notes(cur: dict[str, Any], now: float) -> dict[str, list[Any]]:
     }
 
 
-# A note's shape: ``[charged, due, 0, produced]`` a worker's report charged;
+# A note's shape: ``[charged, due, 0, produced]`` a worker's report charged (``[charged,
+# due, 0, produced, _UNREAD]`` the report of a copy its caller never read: a duplicate);
 # ``[provisional, due, 1, _PROVISIONAL]`` a supersede charged its caller's word before the
 # report came; ``[0, due, 1, _FINAL]`` corrected, nothing left to do.
 _PROVISIONAL = "p"
 _FINAL = "f"
+_UNREAD = "d"
 _DONE = object()  # _take_charge: superseded already
+
+# How a book settled a hold (SpendBook._settled), by rank: a report of a higher rank is not
+# settled again; a lower one does not stop a higher one.
+_BY_SUPERSEDE, _BY_DUPLICATE, _BY_REPORT = 0, 1, 2
 
 
 def _superseded(note: list[Any]) -> bool:
     return len(note) > 2 and note[2] == 1
+
+
+def _unread(note: list[Any]) -> bool:
+    """Whether the note is a duplicate's report's: a copy of the request run unread."""
+    return len(note) > 4 and note[4] == _UNREAD and not _superseded(note)
 
 
 def _note_name(hold_name: str) -> str:
@@ -198,9 +209,10 @@ class SpendBook:
         # with what it charged for each (None: settled elsewhere, or nothing to correct).
         self._known: dict[str, tuple[dict[str, Any], int]] = {}
         self._writes = buckets.Grouped(self._kv, tries=_MAX_CAS_TRIES, known=self._known)
-        # Holds this book settled: True by a report, False by a supersede only (the
-        # attempt's own report may still come, and corrects the supersede's price).
-        self._settled: dict[tuple[str, str], bool] = {}
+        # Holds this book settled, and how (_BY_*): by a supersede only, the attempt's own
+        # report may still come and correct its price; by a duplicate's report, the report of
+        # the copy its caller read may still come and correct it.
+        self._settled: dict[tuple[str, str], int] = {}
         # The deadlines of the holds this book made (a charge's note lasts no longer).
         self._held_until: dict[tuple[str, str], float] = {}
 
@@ -392,60 +404,74 @@ class SpendBook:
         word that the copy went unread."""
         crossed = []
         now = time.time()
+        # A report of a copy run unread, or of the copy that was read (rank: _BY_*).
+        rank = _BY_DUPLICATE if duplicate else _BY_REPORT
         for b, entry in hold.budgets:
             done = (hold.request_id, entry)
-            if not superseding and self._settled.get(done):
+            if not superseding and self._settled.get(done, -1) >= rank:
                 continue  # settled by this book: the stream's copy of the report
             if duplicate and await self._leave_shared(entry, hold.request_id, duplicate):
                 continue
             # What an earlier settlement charged that this one replaces: superseding, the
-            # worker's report; a report, the supersede's provisional price.
+            # worker's report; a report, the supersede's provisional price, or what the
+            # report of a copy run unread charged (``unread``).
             replaced: int | None = None
             price = actual
+            unread = False
             if superseding:
                 taken = await self._take_charge(entry, hold.request_id, actual, counted)
                 if taken is _DONE:
-                    self._remember_settled(done, False)
+                    self._remember_settled(done, _BY_SUPERSEDE)
                     continue
                 if isinstance(taken, tuple):  # the worker's report came first
                     replaced, price = taken
             elif actual > 0 or produced:  # (nothing to correct in a hold given back)
                 deadline = self._held_until.get(done)
                 try:
-                    replaced = await self._note_charge(
-                        entry, hold.request_id, actual, produced or 0, deadline
+                    noted = await self._note_charge(
+                        entry, hold.request_id, actual, produced or 0, deadline, bool(duplicate)
                     )
-                except _Settled:  # superseded and corrected already: nothing left to do
-                    self._remember_settled(done)
+                except _Settled:  # corrected already, or the read copy's report settled it
+                    self._remember_settled(done, rank)
                     continue
-                if replaced is not None:
-                    price = produced or 0  # moved: the next attempt pays the prompt
+                if noted is not None:
+                    replaced, unread = noted
+                    # Moved: the next attempt pays the prompt. After a copy run unread: what
+                    # the copy that was read cost, never less than what was charged.
+                    price = max(actual, replaced) if unread else produced or 0
 
             def charge(
-                cur: dict[str, Any], replaced: int | None = replaced, price: int = price
+                cur: dict[str, Any],
+                replaced: int | None = replaced,
+                price: int = price,
+                unread: bool = unread,
             ) -> dict[str, Any]:
                 held = _kept(cur, now)
                 spent = int(cur.get("spent", 0))
                 if held.pop(hold.request_id, None) is not None:
-                    return {**cur, "spent": spent + price, "held": held}
+                    # (Where a copy run unread noted its charge but has not made it yet,
+                    # this report's own price: the copy then finds the hold gone.)
+                    return {**cur, "spent": spent + (actual if unread else price), "held": held}
                 if replaced is not None:  # charged once already: corrected to this price
                     return {**cur, "spent": max(0, spent - replaced + price), "held": held}
                 raise _Settled  # settled already, or never held in this entry
 
+            by = _BY_SUPERSEDE if superseding else rank
             try:
                 before, after = await self._cas(entry, charge)
             except _Settled:
-                self._remember_settled(done, not superseding)
+                self._remember_settled(done, by)
                 continue
-            self._remember_settled(done, not superseding)
+            self._remember_settled(done, by)
             was, now_spent = int(before.get("spent", 0)), int(after["spent"])
             if (superseding or replaced is not None) and self.log is not None:
-                self.log.info(  # a migration's: rare, worth a line
+                self.log.info(  # a migration's, or a copy's run unread: rare, worth a line
                     "spend_superseded",
                     hold=hold.request_id,
                     entry=entry,
                     price=price,
                     corrected_from=replaced,
+                    unread_copy=unread,
                     delta=now_spent - was,
                 )
             if b.soft is not None and was < b.soft <= now_spent:
@@ -480,18 +506,34 @@ class SpendBook:
         return bool(left and left[0])
 
     async def _note_charge(
-        self, entry: str, request_id: str, amount: int, produced: int, deadline: float | None
-    ) -> int | None:
+        self,
+        entry: str,
+        request_id: str,
+        amount: int,
+        produced: int,
+        deadline: float | None,
+        duplicate: bool = False,
+    ) -> tuple[int, bool] | None:
         """Note beside ``entry`` that ``request_id``'s report charges ``amount`` (``produced``
         of it for what was generated), for a supersede that may come after it
         (:meth:`settle`). Noted before the charge: a supersede between the two finds the
         note and charges ``produced``. Where a supersede came first and charged its caller's
-        word, that provisional price is returned (and the note closed: corrected once);
-        raises ``_Settled`` where it was corrected already."""
+        word, (that provisional price, False) is returned (and the note closed: corrected
+        once); raises ``_Settled`` where it was corrected already.
+
+        ``duplicate``: the report of a copy its caller never read. One admission can run
+        twice under one hold: a router that got no acknowledgement in time sends the same
+        request to another replica, and the first may run it after all. Whichever of the
+        two reports comes first settles the hold; the read copy's report that comes after a
+        duplicate's corrects its charge to its own ((the duplicate's charge, True) is
+        returned); a duplicate's that comes after the read copy's changes nothing (raises
+        ``_Settled``). Before, the duplicate's report settled the hold at the few tokens it
+        ran, and the answer's report found it settled (docs/nemesis.md, finding 16)."""
         now = time.time()
         until = round(min(now + CHARGE_NOTE_S, deadline or now + CHARGE_NOTE_S), 1)
         name = _note_name(request_id)
-        found: list[int | None] = []
+        found: list[tuple[int, bool] | None] = []
+        mine = [amount, until, 0, produced, *([_UNREAD] if duplicate else [])]
 
         def note(cur: dict[str, Any]) -> dict[str, Any]:
             found.clear()
@@ -500,11 +542,17 @@ class SpendBook:
             if v is not None and _superseded(v):
                 if len(v) < 4 or v[3] != _PROVISIONAL:
                     raise _Settled  # superseded by the worker's own price: nothing to correct
-                found.append(int(v[0]))
+                found.append((int(v[0]), False))
                 notes[name] = [0, round(now + CHARGE_NOTE_S, 1), 1, _FINAL]
                 return notes
+            if v is not None and duplicate and not _unread(v):
+                raise _Settled  # the read copy's report settled it: a duplicate's changes nothing
+            if v is not None and not duplicate and _unread(v):
+                found.append((int(v[0]), True))
+                notes[name] = [max(amount, int(v[0])), until, 0, produced]
+                return notes
             found.append(None)
-            notes[name] = [amount, until, 0, produced]
+            notes[name] = mine
             if len(notes) > CHARGE_NOTES_KEPT:  # those due soonest go first
                 by_due = sorted(notes, key=lambda k: float(notes[k][1]))
                 for k in by_due[: len(notes) - CHARGE_NOTES_KEPT]:
@@ -533,7 +581,13 @@ class SpendBook:
             v = notes.get(name)
             if v is not None and _superseded(v):
                 raise _Settled  # superseded already
-            if v is not None:
+            if v is not None and _unread(v):
+                # Charged by the report of a copy run unread, not the attempt's: replaced by
+                # the caller's word, provisional until the attempt's own report comes.
+                taken.append((int(v[0]), provisional))
+                mark = _FINAL if final else _PROVISIONAL
+                notes[name] = [provisional, round(now + CHARGE_NOTE_S, 1), 1, mark]
+            elif v is not None:
                 produced = int(v[3]) if len(v) > 3 else 0
                 taken.append((int(v[0]), provisional if final else produced))
                 notes[name] = [0, round(now + CHARGE_NOTE_S, 1), 1, _FINAL]
@@ -549,8 +603,8 @@ class SpendBook:
             return _DONE
         return taken[0] if taken else None
 
-    def _remember_settled(self, done: tuple[str, str], by_report: bool = True) -> None:
-        self._settled[done] = by_report or self._settled.get(done, False)
+    def _remember_settled(self, done: tuple[str, str], by: int = _BY_REPORT) -> None:
+        self._settled[done] = max(by, self._settled.get(done, _BY_SUPERSEDE))
         self._held_until.pop(done, None)
         if len(self._settled) > _SETTLED_KEPT:
             del self._settled[next(iter(self._settled))]  # the oldest

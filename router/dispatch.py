@@ -497,7 +497,10 @@ class Dispatcher:
         return codec.decode_map(ack_msg.data)
 
     async def _cancel(self, r: Replica, p: _Placement) -> None:
-        """Tell ``r`` to drop the request it did not acknowledge."""
+        """Tell ``r`` to drop the request it did not acknowledge. If it runs it after all
+        (the dispatch came late), that copy's caller never reads it: its usage report says
+        so (``dup``), and leaves the request's charge to the copy that is read, which runs
+        under the same admission and hold (auth.budgets.SpendBook.settle)."""
         await self.nc.publish(
             subjects.worker_cancel(r.replica),
             codec.encode(
@@ -505,6 +508,7 @@ class Dispatcher:
                     "type": "cancel",
                     "request_id": p.hdrs.get(H.REQUEST_ID, ""),
                     "reply": p.reply,
+                    "dup": True,
                 }
             ),
         )
