@@ -33,13 +33,10 @@ async def test_invariants_hold_under_a_fault_every_three_seconds(tmp_path: Path)
     assert report["hung"] == 0, (seed, failed)
     assert len(report["faults"]) >= 5, report["faults"]
     assert report["requests"]["completed"] > 0, report["requests"]
-    # Harsher than the 10-minute target (a fault every 3 s). One gap is still named as an
-    # expected failure (docs/nemesis.md, finding 16): a key's spend under its answered usage,
-    # one answer's report never charged. One cause was found and fixed (a report settled on
-    # a replica's stale read), 21 runs clean after it; then a CI run drew it again. Shown as
-    # an expected failure naming it, never as a pass; any other violation fails, an
-    # overcharge included (finding 14, the harness' readiness probes, fixed) and a hold of
-    # an answered request left (finding 10, fixed).
+    # Harsher than the 10-minute target (a fault every 3 s). No expected failure is left:
+    # finding 16's undercharge (a report settled on a replica's stale read; a router's
+    # resend's duplicate settling the hold its answer needed) was the last, both causes
+    # fixed; any violation fails, an overcharge and a hold of an answered request included.
     _verdict(seed, failed)
 
 
@@ -65,20 +62,8 @@ def _short(tmp_path: Path, **over: Any) -> Config:
 
 
 def _verdict(seed: int, failed: dict[str, Any]) -> None:
-    """Fail on any violation but the one known spend gap, a product finding still open
-    (docs/nemesis.md, finding 16): a key under its answered usage; XFAIL naming it (with the
-    requests the check names), never a pass."""
-    known = {
-        name: lines
-        for name, lines in failed.items()
-        if name == SPEND and all("undercharged" in line for line in lines)
-    }
-    assert not set(failed) - set(known), (seed, failed)
-    if known:
-        pytest.xfail(f"known product finding 16 (seed {seed}): {known}")
-
-
-SPEND = "spend equals settled usage, no hold left"
+    """Fail on any violation, naming the seed that replays it."""
+    assert not failed, (seed, failed)
 
 
 @pytest.mark.timeout(300)
