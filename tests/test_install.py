@@ -22,6 +22,7 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 from tests.support.repo import ROOT
+from tests.support.zygote import SERVICE_MODULES
 from tokenbus.tools import lockfile
 
 # The project's own top-level packages (pyproject.toml's [tool.setuptools] packages).
@@ -159,18 +160,6 @@ def test_the_parser_imports_no_bench_module() -> None:
     assert out.returncode == 0, out.stderr
     loaded = set(out.stdout.strip().split(","))
     assert loaded == {"tokenbus.evaluation", "tokenbus.evaluation.options"}, loaded
-
-
-SERVICE_MODULES = (
-    "gateway.bridge",
-    "gateway.ingress",
-    "auth.service",
-    "auth.ratelimit",
-    "filter.service",
-    "router.service",
-    "telemetry.service",
-    "engine_worker.worker",
-)
 
 
 @pytest.mark.stack

@@ -17,6 +17,7 @@ import nats
 import openai
 
 from services.runtime import servers
+from tests.support import forkserver
 from tests.support.ports import free_port, listened_by
 from tests.support.repo import ROOT
 from tests.support.waits import wait_for, wait_http, wait_replicas, wait_started
@@ -36,15 +37,19 @@ class Proc:
         self.name = name
         self.log = log_dir / f"{name}.log"
         self._fh = open(self.log, "wb")  # noqa: SIM115 - closed in stop()
-        # ``prefix``: what runs it elsewhere (``ip netns exec <host>``, which execs it: the
-        # pid is still the process's own).
-        self.proc = subprocess.Popen(
-            [*prefix, sys.executable, "-m", "tokenbus.cli", *args],
-            stdout=self._fh,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, **env},
-            cwd=ROOT,
-        )
+        self.proc: subprocess.Popen[bytes] | forkserver.Forked
+        if prefix:
+            # What runs it elsewhere (``ip netns exec <host>``, which execs it: the pid is
+            # still the process's own): a fresh process.
+            self.proc = subprocess.Popen(
+                [*prefix, sys.executable, "-m", "tokenbus.cli", *args],
+                stdout=self._fh,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, **env},
+                cwd=ROOT,
+            )
+        else:  # forked from the project already imported (tests/support/forkserver.py)
+            self.proc = forkserver.spawn(args, {**os.environ, **env}, self.log, self._fh)
         self._terminated = False
 
     @property

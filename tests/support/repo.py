@@ -16,7 +16,12 @@ def run_cli(
     check: bool = False,
     cwd: Path | None = None,
 ) -> subprocess.CompletedProcess[str]:
-    """Run ``tokenbus <args>`` (as ``python -m tokenbus.cli``) the way a user would."""
+    """Run ``tokenbus <args>`` (as ``python -m tokenbus.cli``) the way a user would: forked
+    from the project already imported (tests/support/forkserver.py) where it may."""
+    from tests.support import forkserver  # (it imports ROOT from here)
+
+    if forkserver.enabled():
+        return forkserver.run(list(args), env, cwd or ROOT, timeout, check)
     return subprocess.run(
         [sys.executable, "-m", "tokenbus.cli", *args],
         capture_output=True,
