@@ -35,9 +35,10 @@ up: $(RUNSTAMP)
 
 # The suite runs on TEST_WORKERS pytest-xdist workers, a test file to a worker (its module's
 # stack is started once), the slowest files first (tests/conftest.py's SLOWEST_FILES, kept in
-# that order): on 2 cores, 4 workers do the work of about three (docs/testing.md).
-# TEST_WORKERS=0 runs it in this process, one test after another.
-TEST_WORKERS ?= 4
+# that order). Most of it waits on processes, the bus and timers, and its processes are forked
+# from one already imported (tests/support/forkserver.py): 6 workers keep the 2 cores about
+# 87 % busy (docs/testing.md). TEST_WORKERS=0 runs it in this process, one test after another.
+TEST_WORKERS ?= 6
 
 # The suite writes bytecode as it goes (PYTHONDONTWRITEBYTECODE emptied for it), so pytest
 # keeps its rewritten test modules too: each of its workers collects every file, 7 s of CPU

@@ -34,38 +34,36 @@ os.environ.setdefault("TOKENBUS_WORKER__SIM__MAX_MODEL_LEN", str(10**9))
 # The test files that take longest, in that order. `make test` hands whole files to its
 # workers in collection order (--dist loadfile --no-loadscope-reorder): these go out first,
 # so that none of them is still running alone on one worker when the others are done. The
-# figures are seconds of one worker (docs/testing.md, "Per file, now"): "alone" measured one
-# file at a time with -n 0, "suite" from `make test`'s run at f102f6a. A file that computes
-# (the fuzzers, the batch module's stack) takes about twice as long in the suite as alone,
-# one that waits on processes about 1.1 times: the order is by the suite's figure, for the
-# files split since then estimated from the alone one.
-SLOWEST_FILES = [
-    "test_conformance_openapi.py",  # suite 184, alone 88
-    "test_fuzz_openapi.py",  # suite 126, alone 52
-    "test_batches.py",  # suite 95, alone 30-44
-    "test_nemesis.py",  # suite 88
-    "test_readme.py",  # suite 84
-    "test_processes.py",  # suite 82
-    "test_stalls.py",  # alone 57-73
-    "test_upstream_caps.py",  # suite 75
-    "test_cli_bench.py",  # alone 55
-    "test_cli.py",  # alone 55
-    "test_stalls_nodes.py",  # alone 59-67
-    "test_migration_limits.py",  # alone 46-69
-    "test_rolling_upgrade.py",  # suite 66
-    "test_chaos_stages.py",  # alone 35-62
-    "test_flow_e2e.py",  # alone 51-52
-    "test_migration.py",  # alone 43-52
-    "test_fuzz_nats.py",  # suite 60
-    "test_compose.py",  # suite 55
-    "test_responses.py",  # suite 53
-    "test_flow_queues.py",  # alone 46-49
-    "test_chaos.py",  # alone 35-49
-    "test_stalls_leaders.py",  # alone 36-38
-    "test_cluster_batches.py",  # alone 20-82 (docs/testing.md, "Per file, now")
-    "test_chaos_restarts.py",  # alone 20-27
-    "test_cli_up.py",  # alone 19
-    "test_cluster.py",  # alone 16-18
+# figures are seconds of one worker from a `make test`'s per-test times (pytest's junit
+# report summed per file; docs/testing.md, "Per file, now").
+SLOWEST_FILES = [  # seconds of one worker in `make test` (2026-11-30, the fork server)
+    "test_conformance_openapi.py",  # 127
+    "test_fuzz_openapi.py",  # 98
+    "test_nemesis.py",  # 88
+    "test_console.py",  # 71
+    "test_stalls_nodes.py",  # 65
+    "test_stalls.py",  # 59
+    "test_readme.py",  # 58
+    "test_cli_bench.py",  # 50
+    "test_upstream_caps.py",  # 50
+    "test_fuzz_nats.py",  # 48
+    "test_processes.py",  # 46
+    "test_migration_limits.py",  # 45
+    "test_flow_e2e.py",  # 45
+    "test_stalls_leaders.py",  # 42
+    "test_flow_queues.py",  # 38
+    "test_migration.py",  # 34
+    "test_bus.py",  # 33
+    "test_bench_tenants.py",  # 31
+    "test_adapters.py",  # 29
+    "test_disaggregation.py",  # 29
+    "test_batches.py",  # 28
+    "test_budgets.py",  # 27
+    "test_chaos.py",  # 26
+    "test_chaos_stages.py",  # 26
+    "test_callout.py",  # 24
+    "test_responses.py",  # 24
+    "test_cluster_batches.py",  # 12-82 (a cluster's leaders elected under load)
 ]
 
 

@@ -60,7 +60,20 @@ async def test_a_batch_outlives_a_cluster_node_killed_under_it(
             env={**env, **cluster.env("bridge"), "TOKENBUS_NATS_URL": cluster.urls(2)},
         )
         async with await Client.connect(cluster.urls(0), api_key=key) as c:
-            f = await c.files_create("".join(json.dumps(x) + "\n" for x in lines).encode())
+            data = "".join(json.dumps(x) + "\n" for x in lines).encode()
+            f: dict[str, Any] = {}
+
+            async def stored() -> bool:
+                # The stores open at the first request, each a new stream of three
+                # replicas: on a cluster just started its leader may not be elected yet,
+                # and the answer is 503 "retry" (CI: once, in a loaded run).
+                try:
+                    f.update(await c.files_create(data))
+                except E.ServiceUnavailable:
+                    return False
+                return True
+
+            await wait_for(stored, timeout=60, interval=0.5, what="the file never stored")
             b = await c.batches_create(f["id"])
             # Its lines run on the bridge on node 2 only until then: no bridge on node 0.
             cur: dict[str, Any] = {}
