@@ -25,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -141,9 +142,15 @@ class Forked:
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
         with self._z.changed:
-            if not self._z.changed.wait_for(self._ended, timeout=timeout):
-                raise subprocess.TimeoutExpired(self.args, timeout or 0)
+            # Looked at again every second at least: a fork server that died says no more.
+            while True:
+                left = 1.0 if deadline is None else min(1.0, deadline - time.monotonic())
+                if self._z.changed.wait_for(self._ended, timeout=max(0.0, left)):
+                    break
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise subprocess.TimeoutExpired(self.args, timeout or 0)
         assert self.returncode is not None
         return self.returncode
 
