@@ -37,8 +37,8 @@ os.environ.setdefault("TOKENBUS_WORKER__SIM__MAX_MODEL_LEN", str(10**9))
 # figures are seconds of one worker from a `make test`'s per-test times (pytest's junit
 # report summed per file; docs/testing.md, "Per file, now").
 SLOWEST_FILES = [  # seconds of one worker in `make test` (2026-11-30, the fork server)
-    "test_conformance_openapi.py",  # 127
-    "test_fuzz_openapi.py",  # 98
+    "test_conformance_openapi_responses.py",  # 89 (127 with the rest, before the split)
+    "test_fuzz_openapi.py",  # 76-84 (98 with the Responses operations, before the split)
     "test_nemesis.py",  # 88
     "test_console.py",  # 71
     "test_stalls_nodes.py",  # 65
@@ -51,6 +51,7 @@ SLOWEST_FILES = [  # seconds of one worker in `make test` (2026-11-30, the fork 
     "test_migration_limits.py",  # 45
     "test_flow_e2e.py",  # 45
     "test_stalls_leaders.py",  # 42
+    "test_conformance_openapi.py",  # 30-39
     "test_flow_queues.py",  # 38
     "test_migration.py",  # 34
     "test_bus.py",  # 33
@@ -61,6 +62,7 @@ SLOWEST_FILES = [  # seconds of one worker in `make test` (2026-11-30, the fork 
     "test_budgets.py",  # 27
     "test_chaos.py",  # 26
     "test_chaos_stages.py",  # 26
+    "test_fuzz_openapi_responses.py",  # 34
     "test_callout.py",  # 24
     "test_responses.py",  # 24
     "test_cluster_batches.py",  # 12-82 (a cluster's leaders elected under load)
