@@ -51,17 +51,20 @@ async def test_a_forked_service_has_its_own_environment_pid_and_signals(tmp_path
         TOKENBUS_NATS_URL=f"nats://127.0.0.1:{port}",
         TOKENBUS_LOG_LEVEL="debug",
     )
-    assert w.pid not in (os.getpid(), os.getppid())
-    await wait_for(lambda: "Connection refused" in log.read_text(), what="the worker's tries")
-    with pytest.raises(subprocess.TimeoutExpired):
-        w.wait(0.2)
-    w.send_signal(signal.SIGSTOP)
-    await wait_for(lambda: _state(w.pid) == "T", what="the worker stopped")
-    w.send_signal(signal.SIGCONT)
-    await wait_for(lambda: _state(w.pid) != "T", what="the worker continued")
-    w.kill()
-    assert w.wait(10) == -signal.SIGKILL
-    w.kill()  # ended: nothing is sent to a pid that may be another process's by now
+    try:
+        assert w.pid not in (os.getpid(), os.getppid())
+        await wait_for(lambda: "Connection refused" in log.read_text(), what="the worker's tries")
+        with pytest.raises(subprocess.TimeoutExpired):
+            w.wait(0.2)
+        w.send_signal(signal.SIGSTOP)
+        await wait_for(lambda: _state(w.pid) == "T", what="the worker stopped")
+        w.send_signal(signal.SIGCONT)
+        await wait_for(lambda: _state(w.pid) != "T", what="the worker continued")
+        w.kill()
+        assert w.wait(10) == -signal.SIGKILL
+        w.kill()  # ended: nothing is sent to a pid that may be another process's by now
+    finally:
+        w.kill()  # a failed check leaves no worker behind
 
 
 def _state(pid: int) -> str:
