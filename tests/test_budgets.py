@@ -456,7 +456,7 @@ async def test_a_duplicate_leaves_a_shared_hold_to_its_read_copy_and_settles_its
 
 @pytest.mark.bus
 async def test_a_copy_run_unread_under_the_same_admission_leaves_the_charge_to_the_read_one(
-    nats_server: Any,
+    nc: Any,
 ) -> None:
     """One admission, one hold, two runs: a router that got no acknowledgement in time sends
     the same request to another replica, and the first runs it after all, unread (the
@@ -465,52 +465,48 @@ async def test_a_copy_run_unread_under_the_same_admission_leaves_the_charge_to_t
     corrects the charge to its own price, through the same book or another, and its copies
     redelivered change nothing; a duplicate's after the read copy's changes nothing. Without
     the correction the duplicate charged 5 and the answer's 72 was dropped as settled."""
-    nc = await nats.connect(nats_server.url)
-    try:
-        a, b = budgets.SpendBook(nc), budgets.SpendBook(nc)
-        await a.open()
-        await b.open()
-        key = budgets.Budget(f"k.unread{time.time_ns()}", "day", None, None)
-        entry = key.entry(time.time())
+    a, b = budgets.SpendBook(nc), budgets.SpendBook(nc)
+    await a.open()
+    await b.open()
+    key = budgets.Budget(f"k.unread{time.time_ns()}", "day", None, None)
+    entry = key.entry(time.time())
 
-        def hold(rid: str) -> budgets.Hold:
-            return budgets.Hold(rid, 0, [(key, entry)])
+    def hold(rid: str) -> budgets.Hold:
+        return budgets.Hold(rid, 0, [(key, entry)])
 
-        # The duplicate's report first, then the read copy's: through the same book, then
-        # each again through the other (the stream's copies).
-        await a.reserve([key], "r1#0", 100, time.time() + 60)
-        await a.settle(hold("r1#0"), 5, produced=0, duplicate="w-1")
-        assert (await a.spent(key)) == (5, 0)
-        for book in (a, b, a, b):
-            await book.settle(hold("r1#0"), 72, produced=64)
-            assert (await a.spent(key)) == (72, 0)
-            await book.settle(hold("r1#0"), 5, produced=0, duplicate="w-1")
-            assert (await a.spent(key)) == (72, 0)
-        # The read copy's report first: the duplicate's neither adds nor takes anything.
-        await a.reserve([key], "r2#0", 100, time.time() + 60)
-        await a.settle(hold("r2#0"), 72, produced=64)
-        for book in (a, b):
-            await book.settle(hold("r2#0"), 5, produced=0, duplicate="w-1")
-            assert (await a.spent(key)) == (144, 0)
-        # A duplicate that ran longer than the answer it shadowed: never charged less.
-        await a.reserve([key], "r3#0", 100, time.time() + 60)
-        await a.settle(hold("r3#0"), 90, produced=82, duplicate="w-1")
-        await b.settle(hold("r3#0"), 40, produced=32)
-        assert (await a.spent(key)) == (234, 0)
-        # The read copy's worker died instead: its caller moved the stream, and the move's
-        # supersede replaces the duplicate's charge by what the caller got (counted by the
-        # gateway: the price), not by what the duplicate produced.
-        await a.reserve([key], "r4#0", 100, time.time() + 60)
-        await a.settle(hold("r4#0"), 5, produced=0, duplicate="w-1")
-        await b.settle(hold("r4#0"), 30, superseding=True, counted=True)
-        assert (await a.spent(key)) == (264, 0)
-    finally:
-        await nc.close()
+    # The duplicate's report first, then the read copy's: through the same book, then
+    # each again through the other (the stream's copies).
+    await a.reserve([key], "r1#0", 100, time.time() + 60)
+    await a.settle(hold("r1#0"), 5, produced=0, duplicate="w-1")
+    assert (await a.spent(key)) == (5, 0)
+    for book in (a, b, a, b):
+        await book.settle(hold("r1#0"), 72, produced=64)
+        assert (await a.spent(key)) == (72, 0)
+        await book.settle(hold("r1#0"), 5, produced=0, duplicate="w-1")
+        assert (await a.spent(key)) == (72, 0)
+    # The read copy's report first: the duplicate's neither adds nor takes anything.
+    await a.reserve([key], "r2#0", 100, time.time() + 60)
+    await a.settle(hold("r2#0"), 72, produced=64)
+    for book in (a, b):
+        await book.settle(hold("r2#0"), 5, produced=0, duplicate="w-1")
+        assert (await a.spent(key)) == (144, 0)
+    # A duplicate that ran longer than the answer it shadowed: never charged less.
+    await a.reserve([key], "r3#0", 100, time.time() + 60)
+    await a.settle(hold("r3#0"), 90, produced=82, duplicate="w-1")
+    await b.settle(hold("r3#0"), 40, produced=32)
+    assert (await a.spent(key)) == (234, 0)
+    # The read copy's worker died instead: its caller moved the stream, and the move's
+    # supersede replaces the duplicate's charge by what the caller got (counted by the
+    # gateway: the price), not by what the duplicate produced.
+    await a.reserve([key], "r4#0", 100, time.time() + 60)
+    await a.settle(hold("r4#0"), 5, produced=0, duplicate="w-1")
+    await b.settle(hold("r4#0"), 30, superseding=True, counted=True)
+    assert (await a.spent(key)) == (264, 0)
 
 
 @pytest.mark.bus
 async def test_a_dispatch_not_acknowledged_in_time_is_cancelled_as_a_duplicate(
-    nats_server: Any,
+    nc: Any,
 ) -> None:
     """The router gives up on a replica that did not acknowledge in time and sends the
     request to another under the same admission: its cancel to the first says ``dup``, so
@@ -520,36 +516,32 @@ async def test_a_dispatch_not_acknowledged_in_time_is_cancelled_as_a_duplicate(
     from router.registry import Registry
     from services.config import RouterSettings
 
-    nc = await nats.connect(nats_server.url)
-    try:
-        reg = Registry()
-        for name, load in (("slow", 0), ("quick", 2)):
-            hb = {"replica": name, "model": "m", "in_flight": load, "max_concurrency": 4}
-            reg.update({**hb, "interval_s": 5.0, "seq": 1, "boot": name})
-        cancels: list[dict[str, Any]] = []
+    reg = Registry()
+    for name, load in (("slow", 0), ("quick", 2)):
+        hb = {"replica": name, "model": "m", "in_flight": load, "max_concurrency": 4}
+        reg.update({**hb, "interval_s": 5.0, "seq": 1, "boot": name})
+    cancels: list[dict[str, Any]] = []
 
-        async def quick(msg: Any) -> None:
-            await msg.respond(codec.encode({"ok": True, "in_flight": 3}))
+    async def quick(msg: Any) -> None:
+        await msg.respond(codec.encode({"ok": True, "in_flight": 3}))
 
-        async def cancelled(msg: Any) -> None:
-            cancels.append(codec.decode_map(msg.data))
+    async def cancelled(msg: Any) -> None:
+        cancels.append(codec.decode_map(msg.data))
 
-        async def silent(msg: Any) -> None:
-            return None  # the dispatch arrives, no acknowledgement goes back
+    async def silent(msg: Any) -> None:
+        return None  # the dispatch arrives, no acknowledgement goes back
 
-        by_name = {r.replica: r for r in reg.live("m")}
-        await nc.subscribe(by_name["slow"].subject, cb=silent)
-        await nc.subscribe(by_name["quick"].subject, cb=quick)
-        await nc.subscribe(subjects.worker_cancel("slow"), cb=cancelled)
-        await nc.flush()
-        d = Dispatcher(nc, reg, RouterSettings(dispatch_timeout_s=0.2))
-        reply = nc.new_inbox()
-        hdrs = {H.REQUEST_ID: "r1"}
-        assert await d.dispatch("m", codec.encode({"model": "m"}), hdrs, reply) == "quick"
-        await wait_for(lambda: bool(cancels), what="the cancel to the replica given up on")
-        assert cancels == [{"type": "cancel", "request_id": "r1", "reply": reply, "dup": True}]
-    finally:
-        await nc.close()
+    by_name = {r.replica: r for r in reg.live("m")}
+    await nc.subscribe(by_name["slow"].subject, cb=silent)
+    await nc.subscribe(by_name["quick"].subject, cb=quick)
+    await nc.subscribe(subjects.worker_cancel("slow"), cb=cancelled)
+    await nc.flush()
+    d = Dispatcher(nc, reg, RouterSettings(dispatch_timeout_s=0.2))
+    reply = nc.new_inbox()
+    hdrs = {H.REQUEST_ID: "r1"}
+    assert await d.dispatch("m", codec.encode({"model": "m"}), hdrs, reply) == "quick"
+    await wait_for(lambda: bool(cancels), what="the cancel to the replica given up on")
+    assert cancels == [{"type": "cancel", "request_id": "r1", "reply": reply, "dup": True}]
 
 
 class _ReplicaBehind(KeyValue):

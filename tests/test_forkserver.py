@@ -13,6 +13,7 @@ import pytest
 
 from tests.support import forkserver
 from tests.support.ports import free_port
+from tests.support.repo import ROOT
 from tests.support.waits import wait_for
 
 pytestmark = [
@@ -22,7 +23,7 @@ pytestmark = [
 
 
 def _forked(tmp_path: Path, name: str, *args: str, **env: str) -> forkserver.Forked:
-    return forkserver.Forked(list(args), {**os.environ, **env}, tmp_path / f"{name}.log")
+    return forkserver.Forked(list(args), {**os.environ, **env}, tmp_path / f"{name}.log", cwd=ROOT)
 
 
 def test_a_forked_command_exits_with_its_code_and_writes_its_output(tmp_path: Path) -> None:

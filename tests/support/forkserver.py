@@ -27,9 +27,9 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
-from tests.support.repo import ROOT
+# Where ``tests.support.zygote`` imports from: the checkout's root.
+_HOME = Path(__file__).resolve().parents[2]
 
 
 def enabled() -> bool:
@@ -44,7 +44,7 @@ class _Zygote:
             [sys.executable, "-m", "tests.support.zygote"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-            cwd=ROOT,
+            cwd=_HOME,
         )
         self.lock = threading.Lock()
         self.changed = threading.Condition()
@@ -109,10 +109,11 @@ class Forked:
         env: dict[str, str],
         log: Path,
         *,
+        cwd: Path,
         err: Path | None = None,
-        cwd: Path = ROOT,
     ) -> None:
-        """``log``: its output (and its standard error, unless ``err``)."""
+        """``log``: its output (and its standard error, unless ``err``); ``cwd``: its
+        directory."""
         self.args = ["tokenbus", *args]
         for f in (log, err):
             if f is not None:
@@ -166,22 +167,6 @@ class Forked:
         self.send_signal(signal.SIGKILL)
 
 
-def spawn(
-    args: list[str], env: dict[str, Any], log: Path, log_fh: Any
-) -> subprocess.Popen[bytes] | Forked:
-    """``tokenbus <args>`` with ``env`` (the whole environment), its output into ``log``
-    (open as ``log_fh``): forked where the fork server may, else a fresh process."""
-    if enabled():
-        return Forked(args, {k: str(v) for k, v in env.items()}, log)
-    return subprocess.Popen(
-        [sys.executable, "-m", "tokenbus.cli", *args],
-        stdout=log_fh,
-        stderr=subprocess.STDOUT,
-        env=env,
-        cwd=ROOT,
-    )
-
-
 def run(
     args: list[str],
     env: dict[str, str] | None,
@@ -190,7 +175,7 @@ def run(
     check: bool,
 ) -> subprocess.CompletedProcess[str]:
     """``subprocess.run([python, -m, tokenbus.cli, *args], capture_output=True, text=True)``
-    through the fork server."""
+    through the fork server (``env`` None: this process's)."""
     env = dict(os.environ if env is None else env)
     with tempfile.TemporaryDirectory(prefix="tb-cli-") as tmp:
         out, err = Path(tmp) / "out", Path(tmp) / "err"

@@ -38,9 +38,9 @@ class Proc:
         self.log = log_dir / f"{name}.log"
         self._fh = open(self.log, "wb")  # noqa: SIM115 - closed in stop()
         self.proc: subprocess.Popen[bytes] | forkserver.Forked
-        if prefix:
-            # What runs it elsewhere (``ip netns exec <host>``, which execs it: the pid is
-            # still the process's own): a fresh process.
+        if prefix or not forkserver.enabled():
+            # ``prefix``: what runs it elsewhere (``ip netns exec <host>``, which execs it:
+            # the pid is still the process's own), a fresh process.
             self.proc = subprocess.Popen(
                 [*prefix, sys.executable, "-m", "tokenbus.cli", *args],
                 stdout=self._fh,
@@ -49,7 +49,7 @@ class Proc:
                 cwd=ROOT,
             )
         else:  # forked from the project already imported (tests/support/forkserver.py)
-            self.proc = forkserver.spawn(args, {**os.environ, **env}, self.log, self._fh)
+            self.proc = forkserver.Forked(args, {**os.environ, **env}, self.log, cwd=ROOT)
         self._terminated = False
 
     @property

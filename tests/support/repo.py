@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.support import forkserver
+
 ROOT = Path(__file__).resolve().parent.parent.parent
 
 
@@ -18,8 +20,6 @@ def run_cli(
 ) -> subprocess.CompletedProcess[str]:
     """Run ``tokenbus <args>`` (as ``python -m tokenbus.cli``) the way a user would: forked
     from the project already imported (tests/support/forkserver.py) where it may."""
-    from tests.support import forkserver  # (it imports ROOT from here)
-
     if forkserver.enabled():
         return forkserver.run(list(args), env, cwd or ROOT, timeout, check)
     return subprocess.run(

@@ -51,9 +51,8 @@ def _preload() -> None:
 
     for name in PRELOAD:
         importlib.import_module(name)
-    import tokenbus.cli
-
-    tokenbus.cli.build_parser()  # the sub-commands' modules it imports for their options
+    # The sub-commands' modules the parser imports for their options.
+    sys.modules["tokenbus.cli"].build_parser()
 
 
 def _answer(out: Any, msg: dict[str, Any]) -> None:
@@ -95,7 +94,6 @@ def serve() -> dict[str, Any]:
                         os.close(fd)
                     return dict(job)
                 _answer(out, {"id": job["id"], "pid": pid})
-        _reap(out)
 
 
 def _reap(out: Any) -> None:
