@@ -9,7 +9,6 @@ import json
 import os
 import random
 import shutil
-import signal
 import socket
 import sys
 import time
@@ -20,7 +19,7 @@ from bus_schemas import subjects
 from services.config import BridgeSettings, Settings
 from services.natsconf import SERVER_TIMERS, generate, jetstream_block, role_env
 from services.runtime import StartRefused, listen_socket, stop_event
-from services.supervisor import Child, Supervisor
+from services.supervisor import Child, Process, Supervisor
 
 
 def nats_server_binary() -> str:
@@ -249,21 +248,22 @@ class EmbeddedNats:
     def __init__(
         self, args: list[str], log_path: Path, port: int, monitor_url: str | None = None
     ) -> None:
-        self.args = args
-        self.log_path = log_path
+        self.server = Process(
+            "nats-server", [nats_server_binary(), *args], log=log_path, new_session=True
+        )
         self.port = port
         self.monitor_url = monitor_url  # its monitoring endpoint (http://127.0.0.1:<port>)
-        self.proc: asyncio.subprocess.Process | None = None
         self.restarts = 0
         self._keeper: asyncio.Task[None] | None = None
 
+    @property
+    def log_path(self) -> Path:
+        assert self.server.log is not None
+        return self.server.log
+
     async def start(self) -> bool:
         """Spawn it; whether it listens within about five seconds."""
-        log = open(self.log_path, "ab")  # noqa: SIM115 - owned by the child
-        self.proc = await asyncio.create_subprocess_exec(
-            nats_server_binary(), *self.args, stdout=log, stderr=log, start_new_session=True
-        )
-        log.close()
+        self.server.start()
         return await _wait_port_open(self.port)
 
     def keep(self) -> None:
@@ -272,8 +272,7 @@ class EmbeddedNats:
 
     async def _keep(self) -> None:
         while True:
-            assert self.proc is not None
-            rc = await self.proc.wait()
+            rc = await self.server.exited()
             self.restarts += 1
             print(
                 f"  nats-server exited (code {rc}); restarting (logs: {self.log_path})",
@@ -285,7 +284,7 @@ class EmbeddedNats:
                 if await self.start():
                     print("  nats-server is back; the services reconnect", flush=True)
                     break
-                if self.proc is not None and self.proc.returncode is None:
+                if self.server.alive():
                     break  # running, just slow to listen: wait for it like the first time
 
     async def stop(self) -> None:
@@ -293,15 +292,8 @@ class EmbeddedNats:
         if self._keeper is not None:
             self._keeper.cancel()
             self._keeper = None
-        proc = self.proc
-        if proc is None or proc.returncode is not None:
-            return
-        proc.send_signal(signal.SIGTERM)
-        try:
-            await asyncio.wait_for(proc.wait(), 10)
-        except TimeoutError:
-            proc.kill()
-            await proc.wait()
+        if self.server.alive():
+            await self.server.stopped(10)
 
 
 async def _start_embedded_nats(settings: Settings, data: Path) -> tuple[EmbeddedNats, Path | None]:

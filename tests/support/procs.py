@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
-import signal
-import subprocess
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -17,14 +14,23 @@ import nats
 import openai
 
 from services.runtime import servers
+from services.supervisor import Process
 from tests.support import forkserver
 from tests.support.ports import free_port, listened_by
 from tests.support.repo import ROOT
 from tests.support.waits import wait_for, wait_http, wait_replicas, wait_started
 
 
-class Proc:
-    """A real tokenbus process (``python -m tokenbus.cli ...``) with its output in a file."""
+def _forked(p: Process) -> forkserver.Forked:
+    """``p`` (``python -m tokenbus.cli <args>``) forked from the project already imported
+    (tests/support/forkserver.py)."""
+    assert p.log is not None and p.cwd is not None
+    return forkserver.Forked(p.argv[3:], {**os.environ, **p.env}, p.log, cwd=p.cwd)
+
+
+class Proc(Process):
+    """A real tokenbus process (``python -m tokenbus.cli ...``) with its output in a file,
+    started at once: the kit's :class:`~services.supervisor.Process`, forked when it can be."""
 
     def __init__(
         self,
@@ -34,51 +40,21 @@ class Proc:
         log_dir: Path,
         prefix: Sequence[str] = (),
     ) -> None:
-        self.name = name
-        self.log = log_dir / f"{name}.log"
-        self._fh = open(self.log, "wb")  # noqa: SIM115 - closed in stop()
-        self.proc: subprocess.Popen[bytes] | forkserver.Forked
-        if prefix or not forkserver.enabled():
-            # ``prefix``: what runs it elsewhere (``ip netns exec <host>``, which execs it:
-            # the pid is still the process's own), a fresh process.
-            self.proc = subprocess.Popen(
-                [*prefix, sys.executable, "-m", "tokenbus.cli", *args],
-                stdout=self._fh,
-                stderr=subprocess.STDOUT,
-                env={**os.environ, **env},
-                cwd=ROOT,
-            )
-        else:  # forked from the project already imported (tests/support/forkserver.py)
-            self.proc = forkserver.Forked(args, {**os.environ, **env}, self.log, cwd=ROOT)
-        self._terminated = False
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def signal(self, sig: int) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            self.proc.send_signal(sig)
-
-    def terminate(self) -> None:
-        """SIGTERM, once: the process drains and exits (:meth:`stop` waits for that)."""
-        if self.alive() and not self._terminated:
-            self._terminated = True
-            self.signal(signal.SIGTERM)
-
-    def stop(self, timeout: float = 15) -> int:
-        if self.alive():
-            self.terminate()
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._fh.close()
-        return int(self.proc.returncode)
+        # ``prefix``: what runs it elsewhere (``ip netns exec <host>``, which execs it: the
+        # pid is still the process's own), a fresh process; so is every process when the
+        # fork server is off.
+        fresh = bool(prefix) or not forkserver.enabled()
+        super().__init__(
+            name,
+            [*prefix, sys.executable, "-m", "tokenbus.cli", *args],
+            env,
+            log=log_dir / f"{name}.log",
+            cwd=ROOT,
+            spawn=None if fresh else _forked,
+        )
+        self.log: Path = log_dir / f"{name}.log"
+        self.log.write_bytes(b"")  # this test's run only
+        self.start()
 
     def output(self) -> str:
         return self.log.read_text(errors="replace")

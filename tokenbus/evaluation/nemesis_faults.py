@@ -33,7 +33,7 @@ async def inject(run: Run, kind: str, what: Proc | int) -> str:
             p.held = True
             p.kill()
             await asyncio.sleep(0.3)
-            p.start(st.log_dir)
+            p.start_in(st.log_dir)
             p.held = False
         else:
             p.signal(signal.SIGSTOP)
@@ -72,7 +72,7 @@ async def inject(run: Run, kind: str, what: Proc | int) -> str:
         await asyncio.sleep(cfg.down_s)
         cl.start_node(i)
         for p in victims:
-            p.start(st.log_dir)
+            p.start_in(st.log_dir)
             p.held = False
     else:
         raise ValueError(kind)

@@ -5,63 +5,35 @@ until the stack serves."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import os
-import signal
-import subprocess
 import sys
 import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from services.supervisor import Process
 from tokenbus.evaluation.nemesis_cluster import Cluster
 from tokenbus.evaluation.nemesis_config import MEMBER_ROLES, PIPELINE, PRICE_IN, PRICE_OUT, Config
 from tokenbus.evaluation.netns import Hosts
 from tokenbus.launcher import free_port
 
 
-class Proc:
-    """A tokenbus process (``python -m tokenbus.cli serve ...``), restartable as it was."""
+class Proc(Process):
+    """A tokenbus process (``python -m tokenbus.cli serve ...``) on a cluster's host,
+    restartable as it was."""
 
     def __init__(self, name: str, role: str, host: int, argv: list[str], env: dict[str, str]):
-        self.name, self.role, self.host, self.argv, self.env = name, role, host, argv, env
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.log: Path | None = None
+        super().__init__(name, [sys.executable, "-m", "tokenbus.cli", *argv], env)
+        self.role, self.host = role, host
         self.held = False  # down on purpose (a fault): the supervisor leaves it
 
-    def start(self, log_dir: Path) -> None:
+    def start_in(self, log_dir: Path) -> None:
         self.log = log_dir / f"{self.name}.log"
-        fh = open(self.log, "ab")  # noqa: SIM115 - the child holds it
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tokenbus.cli", *self.argv],
-            stdout=fh,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, **self.env},
-        )
-        fh.close()
+        self.start()
 
-    def signal(self, sig: int) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                self.proc.send_signal(sig)
-
-    def kill(self) -> None:
-        self.signal(signal.SIGKILL)
-        if self.proc is not None:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(5)
-
-    def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.signal(signal.SIGCONT)
-        self.signal(signal.SIGTERM)
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.kill()
+    def stop(self, timeout: float = 10.0) -> int | None:
+        return super().stop(timeout)
 
 
 class Stack:
@@ -157,7 +129,7 @@ class Stack:
 
     def start_procs(self) -> None:
         for p in self.procs:
-            p.start(self.log_dir)
+            p.start_in(self.log_dir)
 
     def stop(self) -> None:
         for p in reversed(self.procs):
@@ -171,7 +143,7 @@ class Stack:
         while True:
             await asyncio.sleep(0.5)
             for p in self.procs:
-                if p.held or p.proc is None or p.proc.poll() is None:
+                if p.held or p.proc is None or p.alive():
                     continue
                 tail = ""
                 if p.log is not None and p.log.exists():
@@ -180,12 +152,12 @@ class Stack:
                 exits.append(
                     {
                         "process": p.name,
-                        "rc": p.proc.returncode,
+                        "rc": p.returncode,
                         "t": round(time.monotonic() - t0, 2),
                         "last_line": tail,
                     }
                 )
-                p.start(self.log_dir)
+                p.start_in(self.log_dir)
 
 
 async def retrying(what: str, call: Any, timeout: float = 60.0) -> Any:
