@@ -36,35 +36,41 @@ os.environ.setdefault("TOKENBUS_WORKER__SIM__MAX_MODEL_LEN", str(10**9))
 # so that none of them is still running alone on one worker when the others are done. The
 # figures are seconds of one worker from a `make test`'s per-test times (pytest's junit
 # report summed per file; docs/testing.md, "Per file, now").
-SLOWEST_FILES = [  # seconds of one worker in `make test` (2026-11-30, the fork server)
-    "test_conformance_openapi_responses.py",  # 89 (127 with the rest, before the split)
-    "test_fuzz_openapi.py",  # 76-84 (98 with the Responses operations, before the split)
-    "test_nemesis.py",  # 88
-    "test_console.py",  # 71
-    "test_stalls_nodes.py",  # 65
-    "test_stalls.py",  # 59
-    "test_readme.py",  # 58
-    "test_cli_bench.py",  # 50
-    "test_upstream_caps.py",  # 50
-    "test_fuzz_nats.py",  # 48
+SLOWEST_FILES = [  # seconds of one worker in `make test` (2026-11-30, before the splits)
+    "test_conformance_openapi_responses.py",  # 184 with _2's half, before the split
+    "test_conformance_openapi_responses_2.py",
+    "test_fuzz_openapi.py",  # 211 with _chat's and _completions', before the split
+    "test_fuzz_openapi_chat.py",
+    "test_fuzz_openapi_completions.py",
+    "test_nemesis.py",  # 93 with test_nemesis_single_server.py's, before the split
+    "test_console_browser.py",  # 112 with test_console.py's, before the split
+    "test_console.py",
+    "test_nemesis_single_server.py",
+    "test_stalls_nodes.py",  # 72
+    "test_stalls.py",  # 70
+    "test_batches.py",  # 95 with test_batches_faults.py's, before the split
+    "test_cli_bench.py",  # 63
+    "test_upstream_caps.py",  # 61
+    "test_fuzz_nats.py",  # 61
+    "test_readme.py",  # 60
     "test_processes.py",  # 46
-    "test_migration_limits.py",  # 45
-    "test_flow_e2e.py",  # 45
-    "test_stalls_leaders.py",  # 42
-    "test_conformance_openapi.py",  # 30-39
-    "test_flow_queues.py",  # 38
-    "test_migration.py",  # 34
-    "test_bus.py",  # 33
-    "test_bench_tenants.py",  # 31
-    "test_adapters.py",  # 29
-    "test_disaggregation.py",  # 29
-    "test_batches.py",  # 28
-    "test_budgets.py",  # 27
-    "test_chaos.py",  # 26
-    "test_chaos_stages.py",  # 26
-    "test_fuzz_openapi_responses.py",  # 34
-    "test_callout.py",  # 24
-    "test_responses.py",  # 24
+    "test_flow_e2e.py",  # 46
+    "test_bus.py",  # 41
+    "test_flow_queues.py",  # 40
+    "test_migration_limits.py",  # 36
+    "test_budgets.py",  # 35
+    "test_migration.py",  # 35
+    "test_bench_tenants.py",  # 35
+    "test_stalls_leaders.py",  # 35
+    "test_disaggregation.py",  # 34
+    "test_conformance_openapi.py",  # 31
+    "test_adapters.py",  # 30
+    "test_cli_up.py",  # 29
+    "test_chaos.py",  # 28
+    "test_chaos_stages.py",  # 28
+    "test_responses.py",  # 28
+    "test_cli.py",  # 27
+    "test_callout.py",  # 25
     "test_cluster_batches.py",  # 12-82 (a cluster's leaders elected under load)
 ]
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import signal
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -32,7 +31,7 @@ from tests.support.natsserver import NatsServer
 from tests.support.ports import free_port
 from tests.support.procs import Procs, ProcStack, start_stack
 from tests.support.repo import run_cli
-from tests.support.waits import wait_for, wait_http
+from tests.support.waits import wait_for
 
 ENV = {
     "TOKENBUS_INGRESS__PIPELINE": '["auth", "ratelimit", "filter", "route"]',
@@ -571,40 +570,6 @@ async def test_a_background_stream_resumes_from_a_sequence_number(env: Env) -> N
         ).json()
         r = await h.get(f"/responses/{plain['id']}", params={"stream": "true"})
         assert r.status_code == 400 and r.json()["error"]["param"] == "stream"
-
-
-@pytest.mark.fault
-async def test_killed_runners_and_a_killed_worker_lose_no_line_and_repeat_none(
-    env: Env, nats_server: NatsServer
-) -> None:
-    """A second bridge process; mid-batch that bridge (its runner with it) and one worker
-    are killed (SIGKILL): the batch completes through the first, every line answered
-    exactly once. (Last in the module: a worker of its stack is gone after it.)"""
-    port = free_port()
-    second = env.procs.start("bridge-2", "serve", "bridge", "--port", str(port), env=ENV)
-    await wait_http(f"http://127.0.0.1:{port}/ready")
-    lines = [chat_line(env.model, f"k{i}", max_tokens=300, ignore_eos=True) for i in range(120)]
-    async with env.stack.openai(env.key) as oai:
-        f = await oai.files.create(file=("kill.jsonl", jsonl(lines)), purpose="batch")
-        b = await oai.batches.create(
-            input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h"
-        )
-        deadline = time.monotonic() + 60
-        while True:
-            cur = await oai.batches.retrieve(b.id)
-            if cur.request_counts and cur.request_counts.completed >= 10:
-                break
-            assert time.monotonic() < deadline, cur
-            await asyncio.sleep(0.1)
-        second.signal(signal.SIGKILL)
-        env.stack.roles["worker"][0].signal(signal.SIGKILL)
-        done = await wait_batch(oai, b.id, ("completed",), timeout=150)
-        out = await lines_of(oai, done.output_file_id)
-        errs = await lines_of(oai, done.error_file_id)
-    ids = [x["custom_id"] for x in out + errs]
-    assert sorted(ids) == sorted(x["custom_id"] for x in lines)  # each once
-    assert not errs, errs[:3]
-    assert done.request_counts is not None and done.request_counts.completed == 120
 
 
 @pytest.mark.stack

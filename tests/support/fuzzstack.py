@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import json
+import zlib
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -56,3 +59,11 @@ async def open_fuzz_stack(
             settle=0.5,
         )
         yield FuzzStack(stack, key)
+
+
+def in_shard(case: Any, shard: int, shards: int) -> bool:
+    """Whether schemathesis' ``case`` is ``shard``'s (0-based) of ``shards``: a function of the
+    request as generated (method, path, query, body), so that the files an operation's cases
+    are split over each send their part, and every case is sent by one of them."""
+    key = json.dumps([case.method, case.path, case.query, case.body], sort_keys=True, default=str)
+    return zlib.crc32(b"shard:" + key.encode()) % shards == shard
