@@ -85,7 +85,7 @@ FUZZ_PYTEST := $(BIN)/python -m pytest -q --timeout=1200
 
 ## Fuzz for about twelve minutes (docs/fuzzing.md): schemathesis from the bridge's /openapi.json and OpenAI's own document, hostile HTTP bodies and keys, malformed messages on every bus subject.
 fuzz: $(STAMP)
-	TOKENBUS_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(FUZZ_PYTEST) tests/test_fuzz_openapi.py tests/test_fuzz_openapi_chat.py tests/test_fuzz_openapi_completions.py tests/test_fuzz_openapi_responses.py tests/test_conformance_openapi.py tests/test_conformance_openapi_responses.py tests/test_conformance_openapi_responses_2.py tests/test_fuzz_http.py
+	TOKENBUS_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(FUZZ_PYTEST) tests/test_fuzz_openapi.py tests/test_fuzz_openapi_chat.py tests/test_fuzz_openapi_completions.py tests/test_fuzz_openapi_responses.py tests/test_conformance_openapi.py tests/test_conformance_openapi_responses.py tests/test_conformance_openapi_responses_2.py tests/test_conformance_openapi_responses_3.py tests/test_fuzz_http.py
 	$(if $(wildcard tests/test_fuzz_nats.py),TOKENBUS_FUZZ_EXAMPLES=$(FUZZ_NATS_EXAMPLES) $(FUZZ_PYTEST) tests/test_fuzz_nats.py)
 
 ## The foundation benchmark: through tokenbus vs straight to the same sim engine.

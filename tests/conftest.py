@@ -37,8 +37,9 @@ os.environ.setdefault("TOKENBUS_WORKER__SIM__MAX_MODEL_LEN", str(10**9))
 # figures are seconds of one worker from a `make test`'s per-test times (pytest's junit
 # report summed per file; docs/testing.md, "Per file, now").
 SLOWEST_FILES = [  # seconds of one worker in `make test` (2026-11-30, before the splits)
-    "test_conformance_openapi_responses.py",  # 184 with _2's half, before the split
+    "test_conformance_openapi_responses.py",  # 184 with _2's and _3's thirds, before the split
     "test_conformance_openapi_responses_2.py",
+    "test_conformance_openapi_responses_3.py",
     "test_fuzz_openapi.py",  # 211 with _chat's and _completions', before the split
     "test_fuzz_openapi_chat.py",
     "test_fuzz_openapi_completions.py",

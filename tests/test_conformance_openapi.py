@@ -281,7 +281,7 @@ def stored(fuzz_stack: FuzzStack) -> str:
 # Every operation's examples in one test (subtests): bounded by their count, not by a wait,
 # so the suite's 120 s is no hang guard for it. Creating a response, the operation with the
 # most cases (most of the coverage phase's bodies), is tests/test_conformance_openapi_responses
-# .py's and tests/test_conformance_openapi_responses_2.py's (half its cases each), each with a
+# .py's, _2.py's and _3.py's (a third of its cases each), each with a
 # stack of its own: together they were one file of 127 s of a worker's time, over the 90 s one
 # file may take (docs/testing.md), and creating a response alone took 184 s in the whole
 # suite.

@@ -1,8 +1,8 @@
 """OpenAI's document's operation with the most cases, creating a response, against a stack of
 its own: tests/test_conformance_openapi.py's check, in files apart so that no file takes over
-90 s of a worker's time (docs/testing.md). Every case is generated in both files, and each
-sends half of them (``in_shard``: a function of the request): this file the second half,
-tests/test_conformance_openapi_responses.py the first."""
+90 s of a worker's time (docs/testing.md). Every case is generated in each of the three files,
+and each sends a third of them (``in_shard``: a function of the request): this file the
+second (the others: test_conformance_openapi_responses.py, test_conformance_openapi_responses_3.py)."""
 
 from __future__ import annotations
 
@@ -30,5 +30,5 @@ __all__ = ["fuzz_stack", "openai_schema", "stored"]
 def test_openai_s_valid_responses_requests_are_served_as_openai_documents_2(
     case: Any, fuzz_stack: FuzzStack, stored: str
 ) -> None:
-    if in_shard(case, 1, 2):
+    if in_shard(case, 1, 3):
         served_as_documented(case, fuzz_stack, stored)
