@@ -2,7 +2,8 @@
 its own: tests/test_conformance_openapi.py's check, in files apart so that no file takes over
 90 s of a worker's time (docs/testing.md). Every case is generated in each of the three files,
 and each sends a third of them (``in_shard``: a function of the request): this file the
-second (the others: test_conformance_openapi_responses.py, test_conformance_openapi_responses_3.py)."""
+second; the others are
+test_conformance_openapi_responses.py, test_conformance_openapi_responses_3.py."""
 
 from __future__ import annotations
 
