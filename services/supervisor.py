@@ -138,8 +138,8 @@ class Process:
         if fd >= 0:
             loop = asyncio.get_running_loop()
             gone = asyncio.Event()
-            loop.add_reader(fd, gone.set)
             try:
+                loop.add_reader(fd, gone.set)
                 await gone.wait()
             finally:
                 loop.remove_reader(fd)

@@ -38,7 +38,7 @@ from schemathesis.specs.openapi.checks import content_type_conformance, response
 
 from gateway import openapi
 from gateway.openapi import sse_event
-from tests.support.fuzzstack import FuzzStack
+from tests.support.fuzzstack import FuzzStack, in_shard
 from tests.test_fuzz_openapi import fuzz_config, fuzz_stack, openai_error_shape
 
 # The stack the bridge's own contract is fuzzed against (module-scoped: one for this file).
@@ -295,6 +295,21 @@ def test_openai_s_valid_requests_are_served_as_openai_documents(
     case: Any, fuzz_stack: FuzzStack, stored: str
 ) -> None:
     served_as_documented(case, fuzz_stack, stored)
+
+
+def creation_shard(shard: int, shards: int) -> Any:
+    """The conformance test of creating a response over the ``shard``'s (0-based) part of
+    its cases of ``shards`` (``in_shard``): tests/test_conformance_openapi_responses.py and
+    the two beside it each run one, with a stack of their own."""
+
+    @pytest.mark.stack
+    @pytest.mark.timeout(600)
+    @schema.include(path_regex=RESPONSES).parametrize()
+    def test(case: Any, fuzz_stack: FuzzStack, stored: str) -> None:
+        if in_shard(case, shard, shards):
+            served_as_documented(case, fuzz_stack, stored)
+
+    return test
 
 
 def served_as_documented(case: Any, fuzz_stack: FuzzStack, stored: str) -> None:

@@ -7,29 +7,9 @@ test_conformance_openapi_responses_2.py, test_conformance_openapi_responses_3.py
 
 from __future__ import annotations
 
-from typing import Any
-
-import pytest
-
-from tests.support.fuzzstack import FuzzStack, in_shard
-from tests.test_conformance_openapi import (
-    RESPONSES,
-    fuzz_stack,
-    openai_schema,
-    schema,
-    served_as_documented,
-    stored,
-)
+from tests.test_conformance_openapi import creation_shard, fuzz_stack, openai_schema, stored
 
 # The module-scoped fixtures, one stack for this file.
 __all__ = ["fuzz_stack", "openai_schema", "stored"]
 
-
-@pytest.mark.stack
-@pytest.mark.timeout(600)
-@schema.include(path_regex=RESPONSES).parametrize()
-def test_openai_s_valid_responses_requests_are_served_as_openai_documents(
-    case: Any, fuzz_stack: FuzzStack, stored: str
-) -> None:
-    if in_shard(case, 0, 3):
-        served_as_documented(case, fuzz_stack, stored)
+test_openai_s_valid_responses_requests_are_served_as_openai_documents = creation_shard(0, 3)

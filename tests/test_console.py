@@ -1,7 +1,7 @@
 """The operator's console (gateway/console.py, docs/console.md) against a real stack: a real
 nats-server, sim workers and the bridge as real processes; HTTP-level tests with httpx (they
-need no browser), and one test that drives Debian's headless Chromium with Selenium (skipped
-where Chromium, chromedriver or Selenium is missing).
+need no browser). The tests that drive Debian's headless Chromium with Selenium are
+tests/test_console_browser.py's.
 """
 
 from __future__ import annotations

@@ -44,7 +44,14 @@ pytestmark = pytest.mark.stack
 # Examples per operation in schemathesis' fuzzing phase (its examples and coverage phases
 # add their own, deterministic, cases), and the run's seed (printed, to replay it).
 EXAMPLES = int(os.environ.get("TOKENBUS_FUZZ_EXAMPLES") or 200)
-SEED = int(os.environ.get("TOKENBUS_FUZZ_SEED") or random.getrandbits(32))
+# One seed for the whole run, in every pytest-xdist worker (each imports this module itself):
+# the files that split an operation's cases (tests/support/fuzzstack.py's ``in_shard``) must
+# generate the same ones. xdist gives its workers one run id.
+_RUN = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+SEED = int(
+    os.environ.get("TOKENBUS_FUZZ_SEED")
+    or (zlib.crc32(_RUN.encode()) if _RUN else random.getrandbits(32))
+)
 
 
 @pytest.fixture(scope="module")
@@ -367,3 +374,19 @@ def still_serving(fuzz_stack: FuzzStack) -> None:
     for p in fuzz_stack.procs.procs:
         assert "Traceback" not in p.output(), p.name
         assert fuzz_stack.key not in p.output(), p.name
+
+
+def contract_tests(path_regex: str) -> tuple[Any, Any]:
+    """The contract test over the operations ``path_regex`` names, and the check that the
+    stack still serves after it: what a file that fuzzes some of the operations on a stack
+    of its own runs (tests/test_fuzz_openapi_chat.py and the others beside this one)."""
+
+    @pytest.mark.timeout(600)
+    @schema.include(path_regex=path_regex).parametrize()
+    def contract(case: Any, fuzz_stack: FuzzStack) -> None:
+        keeps_its_contract(case, fuzz_stack)
+
+    def serving(fuzz_stack: FuzzStack) -> None:
+        still_serving(fuzz_stack)
+
+    return contract, serving

@@ -77,6 +77,7 @@ async def bench_key(
 
 
 async def spawn_stack(a: argparse.Namespace, sup: Any) -> tuple[list[Target], Any]:
+    from services.supervisor import Process
     from tokenbus.launcher import nats_server_binary
 
     nats_port, bridge_port, direct_port = free_port(), free_port(), free_port()
@@ -99,12 +100,8 @@ async def spawn_stack(a: argparse.Namespace, sup: Any) -> tuple[list[Target], An
             sync=sync,
         )
         server_args = ["-c", str(conf)]
-    nats = await asyncio.create_subprocess_exec(
-        nats_server_binary(),
-        *server_args,
-        stdout=asyncio.subprocess.DEVNULL,
-        stderr=asyncio.subprocess.DEVNULL,
-    )
+    nats = Process("nats-server", [nats_server_binary(), *server_args], log=Path(tmp) / "nats.log")
+    nats.start()
     try:
         ports = (nats_port, bridge_port, direct_port)
         return await _spawn_on(a, sup, nats, ports, tmp, users, stages)
@@ -119,11 +116,9 @@ async def spawn_stack(a: argparse.Namespace, sup: Any) -> tuple[list[Target], An
 
 
 async def stop_nats(nats: Any) -> None:
-    """Stop the run's nats-server, if it still runs."""
-    if nats is not None and nats.returncode is None:
-        nats.terminate()
-        with contextlib.suppress(Exception):
-            await nats.wait()
+    """Stop the run's nats-server (a :class:`services.supervisor.Process`), if it still runs."""
+    if nats is not None and nats.alive():
+        await nats.stopped(10)
 
 
 async def _spawn_on(

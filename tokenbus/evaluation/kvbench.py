@@ -21,7 +21,6 @@ import argparse
 import asyncio
 import json
 import random
-import signal
 import statistics
 import sys
 import time
@@ -155,8 +154,7 @@ async def _one(a: argparse.Namespace, policy: str, sessions: int) -> dict[str, A
         if a.kv_churn:
             await asyncio.sleep(_half_time(a))
             victim = next(c for c in sup.children if c.name == "worker-0")
-            assert victim.proc is not None
-            victim.proc.send_signal(signal.SIGKILL)
+            victim.kill()  # and reaped: the supervisor no longer watches it
             sup.children.remove(victim)  # not restarted: a new replica joins instead
             with environ(env):
                 argv = cli_argv("serve", "worker", "--replica", "bench-new", "--model", a.model)

@@ -18,8 +18,10 @@ from tokenbus.evaluation.nemesis_stack import retrying
 from tokenbus.evaluation.nemesis_state import Run
 
 
-async def check_spend(run: Run) -> dict[str, Any]:
-    """Each key's spend against the usage of its answered requests; holds left."""
+async def check_spend(run: Run, since: float | None = None) -> dict[str, Any]:
+    """Each key's spend against the usage of its answered requests; holds left: each one
+    that had not expired at ``since`` (the wall time the checks began; now when None), so
+    that a hold wrongly left cannot pass its deadline while the checks wait for streams."""
     from auth.budgets import BUCKET, Budget, SpendBook
     from auth.ratelimit import SUPERSEDE_FOR_S
     from bus_schemas import subjects
@@ -37,7 +39,7 @@ async def check_spend(run: Run) -> dict[str, Any]:
         if not out["spend_reports_settled"]:
             out["violations"].append("spend reports still unsettled in their stream after 60 s")
         kv = await nc.jetstream().key_value(BUCKET)
-        now = time.time()
+        now = time.time() if since is None else since
         for name, (_, key_id) in run.keys.items():
             mine = [o for o in run.outcomes if o.key == name]
             settled = sum(
@@ -408,6 +410,7 @@ async def invariants(
     add("the background response ended", bgv, background)
     from bus_schemas import subjects
 
+    since = time.time()  # before the waits below (check_spend)
     nc = await run.stack.cluster.admin(0)
     try:
         # Records a killed telemetry service had taken are stored by the next one. The spend
@@ -418,7 +421,7 @@ async def invariants(
         settled = await _consumer_settled(
             nc, subjects.RECORDS_STREAM, subjects.RECORDS_CONSUMER, 60
         )
-        spend = await check_spend(run)
+        spend = await check_spend(run, since)
         add("spend equals settled usage, no hold left", spend["violations"], spend["keys"])
         rec = {**check_records(run), "records_consumer_settled": settled}
         if rec.get("missing"):

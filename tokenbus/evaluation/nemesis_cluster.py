@@ -4,14 +4,13 @@ restartable, its JetStream store copied aside at a sync point and put back after
 
 from __future__ import annotations
 
-import contextlib
 import shutil
 import signal
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
 
+from services.supervisor import Process
 from tokenbus.evaluation.netns import Hosts
 from tokenbus.launcher import free_port, port_open
 
@@ -40,7 +39,7 @@ class Cluster:
         self.confs = write_node_configs(
             self.conf, self.addrs, self.ports, cports, self.stores, cluster="nemesis"
         )
-        self.procs: list[subprocess.Popen[bytes] | None] = [None] * n
+        self.procs: list[Process | None] = [None] * n
 
     def url(self, i: int) -> str:
         return f"nats://{self.addrs[i]}:{self.ports[i]}"
@@ -53,13 +52,10 @@ class Cluster:
         from tokenbus.launcher import nats_server_binary
 
         prefix = self.hosts[i].prefix() if self.hosts else []
-        log = open(self.folder / f"node{i}.log", "ab")  # noqa: SIM115 - the child holds it
-        self.procs[i] = subprocess.Popen(
-            [*prefix, nats_server_binary(), "-c", str(self.confs[i])],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-        log.close()
+        argv = [*prefix, nats_server_binary(), "-c", str(self.confs[i])]
+        node = Process(f"node{i}", argv, log=self.folder / f"node{i}.log")
+        node.start()
+        self.procs[i] = node
         deadline = time.monotonic() + 20
         while not port_open(self.addrs[i], self.ports[i]):
             if time.monotonic() > deadline:
@@ -73,23 +69,20 @@ class Cluster:
 
     def signal(self, i: int, sig: int) -> None:
         p = self.procs[i]
-        if p is not None and p.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                p.send_signal(sig)
+        if p is not None:
+            p.signal(sig)
 
     def kill(self, i: int) -> None:
-        self.signal(i, signal.SIGKILL)
         p = self.procs[i]
         if p is not None:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                p.wait(5)
+            p.kill()
 
     def sync_point(self, i: int) -> float:
         """What node ``i``'s store holds on disk after a sync: a copy of it aside, taken
         with the node paused for the moment of the copy (a consistent one); the seconds the
         copy took (the node's pause)."""
         store, p = self.stores[i], self.procs[i]
-        if p is None or p.poll() is not None or not store.exists():
+        if p is None or not p.alive() or not store.exists():
             return 0.0
         aside = store.with_name(store.name + ".synced")
         tmp = store.with_name(store.name + ".copying")
@@ -119,15 +112,9 @@ class Cluster:
         return False
 
     def stop(self) -> None:
-        for i, p in enumerate(self.procs):
-            if p is not None and p.poll() is None:
-                self.signal(i, signal.SIGCONT)
-                p.terminate()
-                try:
-                    p.wait(10)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait()
+        for p in self.procs:
+            if p is not None:
+                p.stop(10)
 
     async def admin(self, i: int = 0, **kw: Any) -> Any:
         import nats
