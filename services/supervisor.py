@@ -1,8 +1,8 @@
 """The kit's process supervisor: start children, restart the ones that die (or stall: the
 watchdog reads each child's health file), stop them in order. ``tokenbus up`` (the launcher),
 ``tokenbus serve bridge --processes N``, the benchmark's spawned stacks, the nemesis' stack
-and the tests' processes all start, signal and stop theirs through :class:`Process`; the ones
-that must be restarted when they die run under :class:`Supervisor`.
+and the tests' processes and nats-servers all start, signal and stop theirs through
+:class:`Process`; the ones that must be restarted when they die run under :class:`Supervisor`.
 """
 
 from __future__ import annotations
@@ -98,6 +98,18 @@ class Process:
         if self.proc is not None and self.alive():
             with contextlib.suppress(ProcessLookupError):
                 self.proc.send_signal(sig)
+
+    # ``subprocess.Popen``'s names, for code that holds a started process either way.
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Until it has ended (``subprocess.TimeoutExpired`` after ``timeout``)."""
+        assert self.proc is not None
+        return self.proc.wait(timeout)
+
+    def send_signal(self, sig: int) -> None:
+        self.signal(sig)
 
     def terminate(self) -> None:
         """SIGTERM, once (it drains and exits), and SIGCONT: a paused process must run to."""

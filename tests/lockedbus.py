@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
-import subprocess
 import time
 import urllib.request
 from pathlib import Path
@@ -23,6 +22,7 @@ from nats.aio.client import Client as NATS
 from auth.store import BUCKET, KeyStore
 from services.natsconf import generate, role_env, role_login, write_node_configs
 from services.runtime import servers
+from services.supervisor import Process
 from tests.netns import Host
 from tests.support import waits
 from tests.support.natsserver import spawn_nats
@@ -41,7 +41,7 @@ class LockedBus:
     def __init__(self, folder: Path) -> None:
         self.port = free_port()
         self.conf, self.users = generate(folder, port=self.port, callout=True)
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.proc: Process | None = None
 
     @property
     def url(self) -> str:
@@ -97,7 +97,7 @@ class LockedCluster:
             [folder / f"jetstream-{i}" for i in range(n)],
             monitor_ports=self.mports,
         )
-        self.procs: list[subprocess.Popen[bytes]] = []
+        self.procs: list[Process] = []
 
     def url(self, i: int) -> str:
         return f"nats://{self.addrs[i]}:{self.ports[i]}"

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import subprocess
+import os
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
 from services.natsconf import jetstream_block
+from services.supervisor import Process
 from tests.support.ports import free_port, wait_port
 from tokenbus.launcher import nats_server_binary
 
@@ -18,29 +19,35 @@ def spawn_nats(
     prefix: Sequence[str] = (),
     host: str = "127.0.0.1",
     cwd: str | Path | None = None,
-) -> subprocess.Popen[bytes]:
-    """A nats-server process with ``args``, once it listens on ``host``:``port``
+) -> Process:
+    """A nats-server process with ``args`` (the kit's :class:`~services.supervisor.Process`,
+    which has ``subprocess.Popen``'s names too), once it listens on ``host``:``port``
     (``prefix``: what runs it elsewhere, ``ip netns exec <host>``; ``cwd``: its working
-    directory, where a config's relative file names are opened)."""
+    directory, where a config's relative file names are opened). Its output goes to a file
+    that is removed at once (kept open by the server): read only when it fails to start."""
     # Until it listens, or it exits (a port taken, a bad config: said with its own words),
     # or a minute passes (a loaded machine starting a JetStream store).
-    with tempfile.TemporaryFile() as err:
-        proc = subprocess.Popen(
-            [*prefix, nats_server_binary(), *args],
-            stdout=subprocess.DEVNULL,
-            stderr=err,
-            cwd=cwd,
-        )
+    fd, name = tempfile.mkstemp(prefix="nats-", suffix=".log")
+    os.close(fd)
+    log = Path(name)
+    proc = Process(
+        "nats-server",
+        [*prefix, nats_server_binary(), *args],
+        log=log,
+        cwd=Path(cwd) if cwd is not None else None,
+    )
+    try:
+        proc.start()
         try:
             if wait_port(port, 60, host, proc):
                 return proc
         except RuntimeError:
             pass
         proc.kill()
-        proc.wait(5)
-        err.seek(0)
-        said = err.read().decode(errors="replace")[-2000:]
-        raise RuntimeError(f"nats-server did not listen on {host}:{port}: {said}")
+        said = log.read_text(errors="replace")[-2000:]
+    finally:
+        log.unlink(missing_ok=True)
+    raise RuntimeError(f"nats-server did not listen on {host}:{port}: {said}")
 
 
 TEST_SYNC = "2m"  # the test servers' JetStream sync interval (NatsServer.start)
@@ -52,7 +59,7 @@ class NatsServer:
     def __init__(self, data_dir: Path, port: int | None = None) -> None:
         self.port = port or free_port()
         self.data_dir = data_dir
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.proc: Process | None = None
 
     @property
     def url(self) -> str:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
-import subprocess
 import time
 from collections.abc import Iterator
+from typing import Any
 
 from tokenbus.launcher import free_port as launcher_free_port
 from tokenbus.launcher import port_open
@@ -32,10 +32,11 @@ def wait_port(
     port: int,
     timeout: float = 10,
     host: str = "127.0.0.1",
-    proc: subprocess.Popen[bytes] | None = None,
+    proc: Any = None,
 ) -> bool:
     """Until something listens on ``port`` (a server just started): True; False as soon as
-    ``proc`` (the server) exited. Raises when ``timeout`` passes first."""
+    ``proc`` (the server: a ``Popen`` or the kit's ``Process``) exited. Raises when
+    ``timeout`` passes first."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if port_open(host, port):
