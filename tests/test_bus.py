@@ -298,7 +298,11 @@ async def test_replica_dying_mid_stream_ends_in_a_retryable_error(
 async def test_draining_ingress_answers_what_it_already_received(
     nats_server: NatsServer, model: str, client: Client
 ) -> None:
-    async with stack(nats_server.url, model, workers=1) as svcs:
+    # Heartbeats each second (not the suite's 0.2 s): the stack shares this test's event loop
+    # with its 80 requests, and in a loaded CI run (nn) the router missed three 0.2 s beats
+    # and answered the first 40 "no live replica". Liveness is not what is tested here.
+    beats = {"heartbeat_interval_s": 1.0}
+    async with stack(nats_server.url, model, workers=1, worker=beats) as svcs:
         await client.chat_completion(model, MSG, max_tokens=1)  # the path is live end to end
         before = [client.chat(model, MSG, max_tokens=3, timeout=60) for _ in range(40)]
         for s in before:
