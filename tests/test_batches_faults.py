@@ -5,15 +5,13 @@ the only one a kill leaves short of a worker."""
 
 from __future__ import annotations
 
-import asyncio
 import signal
-import time
 
 import pytest
 
 from tests.support.natsserver import NatsServer
 from tests.support.ports import free_port
-from tests.support.waits import wait_http
+from tests.support.waits import wait_for, wait_http
 from tests.test_batches import ENV, Env, chat_line, env, jsonl, lines_of, wait_batch
 
 # The module-scoped fixture, one stack for this file.
@@ -36,13 +34,12 @@ async def test_killed_runners_and_a_killed_worker_lose_no_line_and_repeat_none(
         b = await oai.batches.create(
             input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h"
         )
-        deadline = time.monotonic() + 60
-        while True:
+
+        async def ten_answered() -> bool:
             cur = await oai.batches.retrieve(b.id)
-            if cur.request_counts and cur.request_counts.completed >= 10:
-                break
-            assert time.monotonic() < deadline, cur
-            await asyncio.sleep(0.1)
+            return bool(cur.request_counts and cur.request_counts.completed >= 10)
+
+        await wait_for(ten_answered, timeout=60, what="ten lines answered before the kills")
         second.signal(signal.SIGKILL)
         env.stack.roles["worker"][0].signal(signal.SIGKILL)
         done = await wait_batch(oai, b.id, ("completed",), timeout=150)
