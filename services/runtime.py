@@ -44,6 +44,15 @@ from services.members import Beat, Members
 
 # How long a forwarded request's caller is remembered for a "no responders" bounce.
 _BOUNCE_TTL_S = 10.0
+# How long a forwarded request itself is kept to send again after a bounce (a bounce comes
+# back within a round trip; a later one is answered 503 and the caller's own resend covers
+# it): short, so that large bodies are not held for the whole bounce TTL.
+_RESEND_KEEP_S = 2.0
+# A stage's queue group with no responders is tried again after these waits (s) before the
+# caller is told the stage is absent: a stage whose connection comes back a moment after this
+# service's own (both reconnecting after a pause of their nats-server) is not absent. Nothing
+# was done with a request nobody received, so sending it again is safe.
+_STAGE_RETRY_WAITS_S = (0.05, 0.1, 0.2, 0.4, 0.8)
 # A request a member has held this long without passing it on (a key check, a full queue)
 # gets a hold frame on its stream, and one every as long again while held, so that its
 # caller does not take it for lost (services/caller.py: ACCEPT_TIMEOUT_S).
@@ -280,6 +289,7 @@ class Service:
         self.settings = settings
         self.id = uuid.uuid4().hex[:12]
         self.reconnects = 0  # times the NATS connection came back after a break
+        self.bounces = 0  # "no responders" answers to requests it forwarded
         self.nc: NATS = nc  # type: ignore[assignment]
         self._own_nc = nc is None
         self.log = tlog.get(self.name).bind(instance=self.id)
@@ -296,6 +306,9 @@ class Service:
         self._bounces: OrderedDict[
             str, tuple[float, str, str, tuple[bytes, dict[str, str]] | None]
         ] = OrderedDict()
+        # token -> (until, request, headers, tries so far): what a bounce from a stage's
+        # queue group sends again (kept _RESEND_KEEP_S).
+        self._resends: OrderedDict[str, tuple[float, bytes, dict[str, str], int]] = OrderedDict()
         # Who of the next stage's queue group beats (forwarders), and this instance's own
         # beats for the groups it is a member of (services/members.py).
         self.members: Members | None = None
@@ -382,15 +395,18 @@ class Service:
         NATS answers "no responders" here and the caller gets a clear 503 instead of silence.
         """
         target = subject if self.members is None else self.members.subject_for(subject)
+        hdrs[H.REPLY_TO] = reply
         # Sent to one member: should it have stopped listening, to the queue group after all.
         again = (data, dict(hdrs)) if target != subject else None
         token = self._remember_caller(reply, subject, again)
-        hdrs[H.REPLY_TO] = reply
+        if again is None:
+            self._keep_for_resend(token, data, dict(hdrs), 0)
         try:
             bounce = f"{self._bounce_prefix}.{token}"
             await self.nc.publish(target, data, reply=bounce, headers=hdrs)
         except nats.errors.MaxPayloadError:
             self._bounces.pop(token, None)
+            self._resends.pop(token, None)
             raise E.PayloadTooLarge(
                 "the request does not fit in one bus message with the stages' headers; "
                 "send a smaller one"
@@ -407,6 +423,26 @@ class Service:
         while self._bounces and next(iter(self._bounces.values()))[0] < now:
             self._bounces.popitem(last=False)
         return token
+
+    def _keep_for_resend(self, token: str, data: bytes, hdrs: dict[str, str], tries: int) -> None:
+        """Keep a request sent to a stage's queue group for a bounce's resend; forget those
+        past :data:`_RESEND_KEEP_S`."""
+        now = time.monotonic()
+        self._resends[token] = (now + _RESEND_KEEP_S, data, hdrs, tries)
+        while self._resends and next(iter(self._resends.values()))[0] < now:
+            self._resends.popitem(last=False)
+
+    async def _resend_to_stage(
+        self, reply: str, subject: str, data: bytes, hdrs: dict[str, str], tries: int
+    ) -> None:
+        """After a bounce from ``subject``'s queue group, wait and send the request again."""
+        await asyncio.sleep(_STAGE_RETRY_WAITS_S[tries])
+        token = self._remember_caller(reply, subject)
+        self._keep_for_resend(token, data, hdrs, tries + 1)
+        with contextlib.suppress(Exception):
+            await self.nc.publish(
+                subject, data, reply=f"{self._bounce_prefix}.{token}", headers=hdrs
+            )
 
     async def forward_next(self, msg: Msg, hdrs: dict[str, str], data: bytes) -> None:
         """Pass a request to the next stage of its routing slip (the router when none left)."""
@@ -426,7 +462,18 @@ class Service:
         entry = self._bounces.pop(msg.subject.rpartition(".")[2], None)
         if entry is None or not msg.headers or msg.headers.get(H.NATS_STATUS) != "503":
             return
+        self.bounces += 1
         _, reply, subject, again = entry
+        resend = self._resends.pop(msg.subject.rpartition(".")[2], None)
+        if resend is not None and resend[3] < len(_STAGE_RETRY_WAITS_S):
+            _, data, hdrs, tries = resend
+            if not marks.expired(hdrs):
+                task = asyncio.get_running_loop().create_task(
+                    self._resend_to_stage(reply, subject, data, hdrs, tries)
+                )
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+                return
         if again is not None:
             # One member's own subject: it stopped listening (drained). Its queue group.
             if self.members is not None:

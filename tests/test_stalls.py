@@ -437,6 +437,49 @@ async def test_a_request_a_router_queues_is_not_sent_again(
 
 
 @pytest.mark.bus
+async def test_a_stage_that_comes_back_a_moment_late_is_not_called_absent(
+    private_nats: NatsServer, model: str
+) -> None:
+    """After a pause of the only nats-server, every service reconnects in its own time: an
+    ingress back before its next stage found no responders and answered 503 "no route service
+    is running" (CI run qq). The stage's queue group with no responders is tried again for a
+    moment before the caller is told so: a stage subscribed after the first bounce gets the
+    request."""
+    async with stack(private_nats.url, model, workers=0, with_router=False) as svcs:
+        ingress = svcs["ingress"]
+        nc = await connect(private_nats.url, "late-stage")
+        c = await Client.connect(private_nats.url)
+        try:
+            arrived: list[Any] = []
+
+            async def take(msg: Any) -> None:
+                arrived.append(msg)
+
+            s = c.chat(model, PROMPT, max_tokens=2)
+            await s.start()
+            await wait_for(lambda: ingress.bounces, timeout=10, what="no bounce from the stage")
+            # The stage comes: the request is sent again, to it.
+            await nc.subscribe(subjects.stage(subjects.STAGE_ROUTE), queue="late", cb=take)
+            await nc.flush()
+            await wait_for(lambda: arrived, timeout=10, what="the request was not sent again")
+            # Sent as the first time: the caller's inbox to answer, the ingress's to bounce.
+            again = arrived[0]
+            assert again.reply.startswith(ingress._bounce_prefix), again.reply
+            assert again.headers[H.REPLY_TO] and not again.headers[H.REPLY_TO].startswith(
+                ingress._bounce_prefix
+            )
+            assert model.encode() in again.data
+            await s.aclose()
+            # A stage that stays away is still named to the caller, after the retries.
+            await nc.close()
+            with pytest.raises(E.ServiceUnavailable, match="no route service is running"):
+                await asyncio.wait_for(c.chat(model, PROMPT, max_tokens=2).collect(), 30)
+        finally:
+            await c.close()
+            await nc.close()
+
+
+@pytest.mark.bus
 async def test_senders_pass_over_a_member_that_stopped_beating(nats_server: NatsServer) -> None:
     """Two members of a stage's queue group beat; one stops (a paused process): a sender
     sends to the other by its own subject, and to the queue group again once the one that
