@@ -744,12 +744,22 @@ class EmbeddingRequest(_Edge):
 
 class BodyClaim(_Wire):
     """Where a claim-checked envelope's ``messages``/``prompt``/``input`` are
-    (services/bodies.py, docs/large-requests.md): one object in JetStream."""
+    (services/bodies.py, docs/large-requests.md): one object in JetStream, or (``pull``) held
+    by the caller, which sends it to the replica that asks."""
 
     owner: str = Field(description="The uploader's inbox root: tb.<process> or tbk.<key id>.")
     id: str = Field(description="The object's id: 32 random hex digits.")
     size: int = Field(ge=1, description="The object's bytes (msgpack of the claimed fields).")
-    sha256: str = Field(description="The object's sha256, hex.")
+    sha256: str | None = Field(
+        default=None,
+        description="The object's sha256, hex (absent on a claim by pull: it comes with the "
+        "body's last chunk).",
+    )
+    pull: bool | None = Field(
+        default=None,
+        description="True: the caller holds the body and sends it to the replica that asks "
+        "for it (a frame with header Tb-Body-Pull), on tb.v1.engine.~body.<replica>.<id>.<n>.",
+    )
     chunks: int = Field(ge=1, description="Its chunks, of 256 KiB but the last.")
     chars: int = Field(default=0, ge=0, description="Characters of text it holds (limits).")
 

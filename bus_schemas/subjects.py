@@ -172,6 +172,14 @@ def engine_generate(model: str, replica: str) -> str:
     return f"{PREFIX}.engine.{token(model)}.{token(replica)}.generate"
 
 
+def engine_body(replica: str, object_id: str) -> str:
+    """Where a caller sends the chunks of a request body to the replica that asked for it (a
+    claim by pull, services/bodies.py), ``.<n>`` after it per chunk. Under the replica's own
+    engine subjects: a GPU host's login hears its replicas' bodies only. ``~body`` is no model
+    token (``token`` writes ``~`` only before two hex digits)."""
+    return f"{PREFIX}.engine.~body.{token(replica)}.{object_id}"
+
+
 def worker_cancel(replica: str) -> str:
     """Where a caller asks a replica to abort a request."""
     return f"{PREFIX}.worker.{token(replica)}.cancel"

@@ -8,12 +8,14 @@ import asyncio
 import contextlib
 import time
 from collections import OrderedDict
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from nats.aio.msg import Msg
 
 from bus_schemas import codec, frames, marks
 from bus_schemas import errors as E
+from bus_schemas import headers as H
 from bus_schemas.messages import CLAIM, check_envelope
 from engine_worker import kvloop, spans
 from engine_worker.backends.base import GenerationRequest
@@ -93,13 +95,23 @@ class Intake:
                 check_envelope(env)
                 await self.ack(msg, None)
                 self._acked_early[id(msg)] = reply
-                await bodies.resolve(w.nc, env)
+                await bodies.resolve(w.nc, env, (w.replica, self._asker(reply)))
             return self._screen(msg, reply, env)
         except E.TokenbusError as err:
             await self.ack(msg, err)
             if tracing.on():
                 spans.trace_refused(err)
             return None
+
+    def _asker(self, reply: str) -> Callable[[], Awaitable[None]]:
+        """How this replica asks the caller at ``reply`` for a request's body (a claim by
+        pull, services/bodies.py): an empty frame naming it."""
+        nc, hdrs = self.w.nc, {H.BODY_PULL: self.w.replica}
+
+        async def ask() -> None:
+            await nc.publish(reply, b"", headers=hdrs)
+
+        return ask
 
     def _refuse_early(self, msg: Msg) -> None:
         """The refusals that need no envelope: draining, past its deadline, full."""

@@ -80,8 +80,11 @@ class BusSource:
         keys: KeyStore | None = None,
         aliases: AliasTable | None = None,
         waiting_room: bool = False,
+        pull_bodies: bool = True,
     ) -> None:
         self.client = client
+        # Large bodies held here for the replica chosen (bridge.pull_bodies), when routed here.
+        self.pull_bodies = pull_bodies and dispatcher is not None
         # Requests wait for a replica to start (router.waiting_room_s): ready without one.
         self.waiting_room = waiting_room
         self.draining = False  # the bridge is stopping: /ready says 503 from then on
@@ -171,6 +174,9 @@ class BusSource:
             sender=sender,
         )
         stream.meta = meta
+        # Routed here: a large body goes to the replica chosen when it asks, not into the
+        # store first (services/bodies.py, claim by pull).
+        stream.pull_bodies = self.pull_bodies
         if not isinstance(req, EmbeddingRequest):
             stream.before_claim = lambda env: self._fits(req.model, env)
         return stream
@@ -346,6 +352,7 @@ class Bridge(Service):
             keys,
             self.aliases,
             waiting_room=self.settings.router.waiting_room_s > 0,
+            pull_bodies=cfg.pull_bodies,
         )
         api = OpenAIApp(
             self.source,

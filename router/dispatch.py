@@ -24,7 +24,7 @@ from prometheus_client import Counter as PromCounter
 from bus_schemas import codec, frames, marks, subjects
 from bus_schemas import errors as E
 from bus_schemas import headers as H
-from bus_schemas.messages import check_envelope, render_prompt
+from bus_schemas.messages import CLAIM, check_envelope, render_prompt
 from router.adapters import LOAD_TIMEOUT_S, AdapterTable, OnDemand
 from router.policies import KVAware, RouteRequest, prompt_text
 from router.registry import Registry, Replica
@@ -337,6 +337,11 @@ class Dispatcher:
                     if not self.registry.alive(replica):
                         return None  # lost mid-prefill (its heartbeats stopped)
                     continue
+                if msg.headers and H.BODY_PULL in msg.headers:
+                    # The prefill replica asks for a body held in this process (the bridge
+                    # routing in-process, services/bodies.py): the one it was sent to only.
+                    await self._send_held(env, msg.headers[H.BODY_PULL], replica)
+                    continue
                 try:
                     frame = codec.decode_map(msg.data)
                 except E.TokenbusError:
@@ -354,6 +359,14 @@ class Dispatcher:
             holding.cancel()
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
+
+    async def _send_held(self, env: dict[str, Any], asked_by: str, replica: str) -> None:
+        """Send the held body ``env``'s claim names to ``replica`` when it is who asked."""
+        claim = env.get(CLAIM)
+        held = bodies.held(claim["id"]) if isinstance(claim, dict) and "id" in claim else None
+        if held is not None and asked_by == replica:
+            with contextlib.suppress(Exception):
+                await held.send(self.nc, replica)
 
     async def _cancel_on(self, replica: str, p: _Placement) -> None:
         r = self.registry.get(replica)

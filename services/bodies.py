@@ -24,16 +24,20 @@ import hashlib
 import json
 import re
 import secrets
+import weakref
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
 from nats.js import api
 from nats.js.errors import NotFoundError
 
 from bus_schemas import codec, subjects
 from bus_schemas import errors as E
+from bus_schemas import headers as H
 from bus_schemas.messages import CLAIM, CLAIMED, envelope_chars
-from services import buckets
+from services import buckets, natsclient
 from services.config import kv_replicas
 
 # An envelope over this many bytes goes by claim check. nats-server's max_payload is 1 MiB
@@ -64,6 +68,11 @@ RETRY_AFTER_S = "2"
 # nats-server's JetStream API (a purge's answer says how many messages it removed; nats-py's
 # purge_stream says only whether it succeeded).
 JS_API = "$JS.API"
+
+# How often one held body is sent on request (a claim by pull): the first replica, one per
+# migration or resend, a prefill and its decode. Past it a pull is ignored (a forged or
+# runaway sender), and the replica that asked gets no body (503 after OP_TIMEOUT_S).
+MAX_PULLS = 16
 
 _OWNER = re.compile(r"^tbk?\.[A-Za-z0-9_~\-]{1,128}$")
 _HEX32 = re.compile(r"^[0-9a-f]{32}$")
@@ -153,8 +162,9 @@ async def put(nc: NATS, env: dict[str, Any], owner: str) -> dict[str, Any]:
     return claim
 
 
-def check_claim(claim: Any) -> dict[str, Any]:
-    """``claim`` if it is well formed (hostile input: any field may lie); 400 if not."""
+def check_claim(claim: Any, *, pull_ok: bool = False) -> dict[str, Any]:
+    """``claim`` if it is well formed (hostile input: any field may lie); 400 if not.
+    ``pull_ok``: a claim by pull is taken (only a worker, which asks its caller for it)."""
     if not isinstance(claim, dict):
         raise E.InvalidRequest("claim: not an object")
     owner, oid, size = claim.get("owner"), claim.get("id"), claim.get("size")
@@ -165,7 +175,18 @@ def check_claim(claim: Any) -> dict[str, Any]:
         raise E.InvalidRequest("claim.id: not an object id")
     if not (isinstance(size, int) and not isinstance(size, bool) and 0 < size <= MAX_OBJECT):
         raise E.InvalidRequest(f"claim.size: not a size from 1 to {MAX_OBJECT}")
-    if not (isinstance(digest, str) and _HEX64.match(digest)):
+    pull = claim.get("pull")
+    if pull is not None:
+        if pull is not True:
+            raise E.InvalidRequest("claim.pull: true or absent")
+        if not pull_ok:
+            raise E.InvalidRequest(
+                "claim.pull: a body sent on request is read only by the replica it is sent to; "
+                "send a large request's messages by claim check (services/bodies.py put)"
+            )
+        if digest is not None:
+            raise E.InvalidRequest("claim.sha256: a body sent on request carries its digest")
+    elif not (isinstance(digest, str) and _HEX64.match(digest)):
         raise E.InvalidRequest("claim.sha256: not a sha256 digest")
     if chunks != -(-size // CHUNK):
         raise E.InvalidRequest("claim.chunks: does not match its size")
@@ -312,14 +333,146 @@ def _window() -> asyncio.Semaphore:
     return window
 
 
-async def resolve(nc: NATS, env: dict[str, Any]) -> dict[str, Any]:
+async def resolve(
+    nc: NATS, env: dict[str, Any], puller: tuple[str, Callable[[], Awaitable[None]]] | None = None
+) -> dict[str, Any]:
     """``env`` with its claimed parts in place (fetched once: an envelope that holds them
-    already, or carries no claim, is returned as it is). Changes ``env`` in place."""
+    already, or carries no claim, is returned as it is). Changes ``env`` in place.
+    ``puller``: (this replica's id, how to ask the caller for the body) for a claim by pull;
+    without it such a claim is a 400."""
     claim = env.get(CLAIM)
     if claim is None or any(k in env for k in CLAIMED):
         return env
-    env.update(await fetch(nc, claim))
+    if puller is not None and isinstance(claim, dict) and claim.get("pull") is not None:
+        env.update(await pull(nc, claim, *puller))
+    else:
+        env.update(await fetch(nc, claim))
     return env
+
+
+# -- claim by pull ----------------------------------------------------------------------------
+# A caller that routes its requests itself (the bridge with its router in-process) need not
+# store a large body before it knows who serves it: the body stays in the caller's memory,
+# the envelope carries a claim with ``pull: true``, and the replica chosen asks for it with an
+# empty frame to the caller's inbox (header Tb-Body-Pull: its id). The caller then sends the
+# chunks once, to ``engine_body(replica, id)`` (under that replica's own engine subjects),
+# the digest on the last. One pass over the bus instead of two (an upload, then a read) and
+# no store write: measured in docs/large-requests.md. A migration's next replica asks again.
+
+# This process's held bodies by object id, while their streams are open.
+_held: weakref.WeakValueDictionary[str, Held] = weakref.WeakValueDictionary()
+
+
+class Held:
+    """A body kept by its caller for a claim by pull, and its sends."""
+
+    def __init__(self, claim: dict[str, Any], blob: bytes) -> None:
+        self.claim, self.blob = claim, blob
+        self.sent = 0
+        # The digest in a thread from the start (sha256 releases the GIL): ready by the time
+        # a replica asks, while the request is routed.
+        self._digest: asyncio.Future[str] = asyncio.ensure_future(asyncio.to_thread(_sha256, blob))
+        _held[claim["id"]] = self
+
+    async def send(self, nc: NATS, replica: str) -> None:
+        """The body's chunks to ``replica`` (nothing past :data:`MAX_PULLS`)."""
+        if self.sent >= MAX_PULLS:
+            return
+        self.sent += 1
+        digest = await self._digest
+        prefix = subjects.engine_body(replica, self.claim["id"])
+        blob, last = self.blob, self.claim["chunks"] - 1
+        with contextlib.suppress(Exception):  # a connection down: the replica's wait ends it
+            for n in range(last + 1):
+                await nc.publish(
+                    f"{prefix}.{n}",
+                    blob[n * CHUNK : (n + 1) * CHUNK],
+                    headers={H.BODY_SHA256: digest} if n == last else None,
+                )
+
+    def forget(self) -> None:
+        _held.pop(self.claim["id"], None)
+        if not self._digest.done():
+            self._digest.cancel()
+
+
+def held(object_id: str) -> Held | None:
+    """This process's held body ``object_id``, if its stream is open."""
+    return _held.get(object_id)
+
+
+def hold(env: dict[str, Any], owner: str) -> Held:
+    """Keep ``env``'s claimed parts here and set ``env['claim']`` (a claim by pull) to name
+    them; 413 past :data:`MAX_OBJECT`."""
+    parts = {k: env[k] for k in CLAIMED if k in env}
+    blob = codec.encode(parts)
+    if len(blob) > MAX_OBJECT:
+        raise E.PayloadTooLarge(
+            f"the request's messages are {len(blob)} bytes; tokenbus takes at most {MAX_OBJECT}"
+        )
+    claim = {
+        "owner": owner,
+        "id": secrets.token_hex(16),
+        "size": len(blob),
+        "chunks": -(-len(blob) // CHUNK),
+        "chars": envelope_chars(parts),
+        "pull": True,
+    }
+    env[CLAIM] = claim
+    return Held(claim, blob)
+
+
+async def pull(
+    nc: NATS,
+    claim: dict[str, Any],
+    replica: str,
+    ask: Callable[[], Awaitable[None]],
+    timeout: float = OP_TIMEOUT_S,
+) -> dict[str, Any]:
+    """The parts of a claim by pull, asked of the caller with ``ask`` by ``replica`` and
+    checked against the claim's size and the digest sent with them: 400 when they do not
+    match, 503 (Retry-After) when they do not come (a caller gone, or that never sends)."""
+    claim = check_claim(claim, pull_ok=True)
+    got: list[bytes | None] = [None] * claim["chunks"]
+    digest: list[str] = []
+    progress = asyncio.Event()
+    have = 0
+
+    def on_chunk(msg: Msg) -> None:
+        nonlocal have
+        try:
+            n = int(msg.subject.rpartition(".")[2])
+        except ValueError:
+            return
+        if 0 <= n < len(got) and got[n] is None:
+            got[n] = msg.data or b""
+            have += 1
+            if n == len(got) - 1:
+                digest.append((msg.headers or {}).get(H.BODY_SHA256, ""))
+            progress.set()
+
+    sub = await natsclient.subscribe_direct(
+        nc, f"{subjects.engine_body(replica, claim['id'])}.*", on_chunk
+    )
+    try:
+        await nc.flush(int(timeout) or 1)  # subscribed before the caller is asked
+        await ask()
+        while have < len(got):
+            progress.clear()
+            try:
+                await asyncio.wait_for(progress.wait(), timeout)
+            except TimeoutError:
+                raise E.ServiceUnavailable(
+                    f"the request's body did not come from its caller ({have} of {len(got)} "
+                    "chunks); retry shortly",
+                    headers={"Retry-After": RETRY_AFTER_S},
+                ) from None
+    finally:
+        with contextlib.suppress(Exception):
+            await sub.unsubscribe()
+    return await asyncio.to_thread(
+        _unpack, [g or b"" for g in got], {**claim, "sha256": digest[0] if digest else ""}
+    )
 
 
 async def delete(nc: NATS, claim: dict[str, Any]) -> None:

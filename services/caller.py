@@ -178,6 +178,11 @@ class Stream:
         self.t_first_ns = 0
         self.meta: dict[str, str | None] = {}  # what the caller wants to remember with it
         self._claim: dict[str, Any] | None = None  # its body object, deleted at its end
+        # Set by a caller that routes its requests itself (the bridge's in-process router): a
+        # large body stays here and is sent to the replica that asks for it, once, instead of
+        # stored before routing (services/bodies.py: claim by pull).
+        self.pull_bodies = False
+        self._held_body: bodies.Held | None = None
         # Raises the refusal of a request too large for the model before its body is
         # uploaded (the bridge's context check), if set.
         self.before_claim: Callable[[dict[str, Any]], None] | None = None
@@ -298,7 +303,10 @@ class Stream:
                 # migration or resend carries the same claim).
                 if self.before_claim is not None:
                     self.before_claim(self._body)
-                self._claim = await bodies.put(self._client.nc, self._body, self._client.owner)
+                if self.pull_bodies:
+                    self._held_body = bodies.hold(self._body, self._client.owner)
+                else:
+                    self._claim = await bodies.put(self._client.nc, self._body, self._client.owner)
                 data = bodies.encode(self._body)
         except E.TokenbusError:
             self._finish()
@@ -606,6 +614,9 @@ class Stream:
             if self._claim is not None:
                 self._client.forget_body(self._claim)
                 self._claim = None
+            if self._held_body is not None:
+                self._held_body.forget()
+                self._held_body = None
             if self._trace.span is not None:
                 self._trace.end(
                     err,
@@ -622,6 +633,15 @@ class Stream:
     @property
     def done(self) -> bool:
         return self._done
+
+    def _on_pull(self, replica: str) -> None:
+        """A replica asks for this request's held body: sent to it, when it is one this
+        caller hears beat (a frame's word is not enough to send a body anywhere) and the
+        stream still holds one."""
+        held = self._held_body
+        if held is None or replica not in self._client._beats:
+            return
+        self._client._in_background(held.send(self._client.nc, replica))
 
     async def _migrate(self, err: E.TokenbusError, *, count: bool = True) -> bool:
         """Re-issue the request to another replica, resuming after the text received so far
@@ -1049,6 +1069,9 @@ class Caller:
     def _deliver(self, tok: str, hdrs: dict[str, str] | None, data: bytes) -> None:
         s = self._streams.get(tok)
         if s is not None:
+            if hdrs is not None and H.BODY_PULL in hdrs:
+                s._on_pull(hdrs[H.BODY_PULL])
+                return
             if data == frames.HOLD_FRAME:
                 # A stage or router holds this attempt (a full queue): alive, not lost.
                 s.holds += 1

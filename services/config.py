@@ -112,6 +112,13 @@ class BridgeSettings(BaseModel):
         description="When the pipeline has no stage before the router, route in the bridge "
         "process instead of through a router service: two process hops fewer per request.",
     )
+    pull_bodies: bool = Field(
+        default=True,
+        description="With the router in-process (fuse_router): a request too large for one "
+        "bus message stays in the bridge and goes to the replica chosen when it asks for it "
+        "(one pass over the bus, nothing stored). false: it is stored first (claim check), "
+        "as NATS clients' are (docs/large-requests.md).",
+    )
     fuse_stages: bool = Field(
         default=True,
         description="Run the pipeline's auth, ratelimit and filter stages in the bridge "

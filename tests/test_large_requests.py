@@ -98,9 +98,9 @@ async def test_a_large_prompt_is_served_whole_and_streamed_over_http(
             for ch in chunk.choices:
                 text += ch.delta.content or ""
         assert text == want
-    # Each went by claim check, and its object is gone once the request ended.
-    assert (await _stored(js))[1] >= written + 2 * -(-len(BIG) // bodies.CHUNK)
-    await wait_for(lambda: _held(js), what="the requests' body objects deleted")
+    # The bridge routes its requests itself: each body went to the replica chosen when it
+    # asked (a claim by pull), nothing into the store.
+    assert (await _stored(js))[1] == written
 
 
 async def _held(js: Any, before: int = 0) -> bool:
@@ -228,9 +228,10 @@ async def test_hostile_claims_are_refused(big_stack: ProcStack) -> None:
         with pytest.raises(TokenbusError) as got:
             await attacker.submit("chat", stolen).collect()
         assert got.value.status == 400 and "own body objects" in got.value.message
-        # A huge declared size, or a size and chunk count that disagree.
+        # A huge declared size, a size and chunk count that disagree, or a claim by pull
+        # (only a bridge that routes a request itself holds a body for its replica).
         mine = await _claimed(attacker, big_stack.model)
-        for lie in ({"size": 10**12}, {"chunks": 1}):
+        for lie in ({"size": 10**12}, {"chunks": 1}, {"pull": True}):
             body = {
                 "model": big_stack.model,
                 "max_tokens": 4,
@@ -290,8 +291,8 @@ async def test_large_responses_and_messages_requests_over_http(
     big_stack: ProcStack, js: Any
 ) -> None:
     """The Responses API and Anthropic's Messages API are translations onto the chat path:
-    a large input goes by the same claim check."""
-    held, written = await _stored(js)  # the tampering tests' objects stay till they expire
+    a large input goes the same way (to the replica that asks for it; nothing stored)."""
+    _, written = await _stored(js)
     async with big_stack.openai() as oai:
         out = await oai.responses.create(model=big_stack.model, input=BIG, max_output_tokens=4)
         assert out.status == "incomplete" and out.usage is not None
@@ -311,30 +312,29 @@ async def test_large_responses_and_messages_requests_over_http(
         r = await h.post("/v1/messages", json=body, headers={"anthropic-version": "2023-06-01"})
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["output_tokens"] == 4
-    assert (await _stored(js))[1] >= written + 2 * -(-len(BIG) // bodies.CHUNK)
-    await wait_for(lambda: _held(js, held), what="their body objects deleted")
+    assert (await _stored(js))[1] == written
 
 
 @pytest.mark.stack
 async def test_a_store_that_is_gone_is_a_503_with_retry_after(
     big_stack: ProcStack, js: Any
 ) -> None:
+    """A NATS client's large request needs the store (it uploads its body): 503 with
+    Retry-After while the store is gone. The bridge's, sent to the replica that asks, and
+    small requests do not need it."""
     await js.delete_stream(subjects.BODIES_STREAM)
     try:
-        async with big_stack.http(timeout=60) as h:
-            r = await h.post(
-                "/v1/chat/completions",
-                json={"model": big_stack.model, "messages": _chat(BIG), "max_tokens": 2},
-            )
-        assert r.status_code == 503, r.text
-        assert int(r.headers["retry-after"]) >= 1
-        assert "large request bodies" in r.json()["error"]["message"]
-        # Small requests do not need it.
+        async with await Client.connect(big_stack.procs.url) as c:
+            with pytest.raises(TokenbusError) as got:
+                await c.chat_completion(big_stack.model, _chat(BIG), max_tokens=2)
+        assert got.value.status == 503 and "large request bodies" in got.value.message
+        assert int(got.value.headers["Retry-After"]) >= 1
         async with big_stack.openai() as oai:
-            out = await oai.chat.completions.create(
-                model=big_stack.model, messages=_chat("hi"), max_tokens=2
-            )
-        assert out.choices[0].message.content
+            for prompt in ("hi", BIG):
+                out = await oai.chat.completions.create(
+                    model=big_stack.model, messages=_chat(prompt), max_tokens=2
+                )
+                assert out.choices[0].message.content
     finally:
         await js.add_stream(bodies.config())
 
@@ -371,7 +371,8 @@ async def test_a_large_request_migrated_mid_stream_reads_the_same_object(
     private_nats: NatsServer, tmp_path: Path
 ) -> None:
     """A worker killed mid-stream: the next replica reads the same object (no second upload),
-    the answer is whole, and the object goes when the stream ends. A bus of its own: the
+    the answer is whole, and the object goes when the stream ends. Over HTTP (the bridge
+    holds the body), the next replica asks the bridge for it again. A bus of its own: the
     module's stack must not take its requests."""
     with Procs(private_nats.url, tmp_path) as procs:
         nc = await nats.connect(private_nats.url)
@@ -388,7 +389,7 @@ async def _migrated(procs: Procs, js: Any) -> None:
         model,
         "ingress",
         "router",
-        workers=2,
+        workers=3,
         worker_args=("--sim-prefill-ms", "5", "--sim-decode-ms", "20"),
         env={
             "TOKENBUS_WORKER__HEARTBEAT_INTERVAL_S": "0.25",
@@ -414,6 +415,25 @@ async def _migrated(procs: Procs, js: Any) -> None:
         # One upload for both attempts.
         assert (await _stored(js))[1] == written + -(-len(BIG) // bodies.CHUNK)
     await wait_for(lambda: _held(js), what="the migrated request's body object deleted")
+    _, written = await _stored(js)
+    async with stack_.openai() as oai:
+        raw = await oai.chat.completions.with_raw_response.create(
+            model=model, messages=_chat(BIG), max_tokens=80, stream=True
+        )  # type: ignore[call-overload]
+        stream = raw.parse()
+        text = ""
+        async for chunk in stream:
+            text += "".join(ch.delta.content or "" for ch in chunk.choices)
+            if len(text.split(" ")) >= 10:
+                break
+        replica = raw.headers["x-tokenbus-replica"]
+        assert replica != first
+        stack_.workers[int(replica.rsplit("-", 1)[1])].signal(signal.SIGKILL)
+        async for chunk in stream:
+            text += "".join(ch.delta.content or "" for ch in chunk.choices)
+    assert text == expected_text(f"<|user|>{BIG}\n", 80)[0]
+    assert "request_migrated" in stack_.bridge.output()
+    assert (await _stored(js))[1] == written  # asked for again, never stored
 
 
 @pytest.mark.stack
@@ -492,10 +512,11 @@ async def _retrieved_when_done(oai: openai.AsyncOpenAI, response_id: str) -> Any
 async def test_a_large_batch_line_is_answered_from_its_whole_prompt(
     big_stack: ProcStack, js: Any
 ) -> None:
-    """A Batch line past max_payload: the runner runs it as an HTTP request would go, by
-    claim check; its answer is the whole prompt's (the sim's text and prompt tokens)."""
+    """A Batch line past max_payload: the runner runs it as an HTTP request would go (its
+    body to the replica that asks for it); its answer is the whole prompt's (the sim's text
+    and prompt tokens)."""
     want = expected_text(f"<|user|>{BIG}\n", 5, seed=7)[0]
-    held, written = await _stored(js)
+    _, written = await _stored(js)
     line = {
         "custom_id": "big",
         "method": "POST",
@@ -526,17 +547,16 @@ async def test_a_large_batch_line_is_answered_from_its_whole_prompt(
     assert out["custom_id"] == "big" and out["response"]["status_code"] == 200
     assert answer["choices"][0]["message"]["content"] == want
     assert answer["usage"]["prompt_tokens"] == count_tokens(f"<|user|>{BIG}\n")
-    assert (await _stored(js))[1] >= written + -(-len(BIG) // bodies.CHUNK)  # claim-checked
-    await wait_for(lambda: _held(js, held), what="the line's body object deleted")
+    assert (await _stored(js))[1] == written  # nothing stored: pulled by the replica
 
 
 @pytest.mark.stack
 async def test_a_large_background_response_is_run_from_its_whole_input(
     big_stack: ProcStack, js: Any
 ) -> None:
-    """A background Responses request past max_payload is queued, run by a runner by claim
-    check, and its stored answer counts the whole input."""
-    held, written = await _stored(js)
+    """A background Responses request past max_payload is queued, run by a runner (its body
+    to the replica that asks for it), and its stored answer counts the whole input."""
+    _, written = await _stored(js)
     async with big_stack.openai() as oai:
         plain = await oai.responses.create(
             model=big_stack.model, input=BIG, max_output_tokens=4, store=False
@@ -551,8 +571,7 @@ async def test_a_large_background_response_is_run_from_its_whole_input(
     assert plain.usage is not None and r.usage.input_tokens == plain.usage.input_tokens
     assert r.usage.input_tokens >= count_tokens(BIG)
     assert r.output_text == plain.output_text
-    assert (await _stored(js))[1] >= written + 2 * -(-len(BIG) // bodies.CHUNK)
-    await wait_for(lambda: _held(js, held), what="the runs' body objects deleted")
+    assert (await _stored(js))[1] == written
 
 
 @pytest.mark.bus

@@ -137,7 +137,9 @@ async def test_a_host_reaches_only_its_own_replicas_and_is_revoked_alone(tmp_pat
                 await nc.publish(subjects.heartbeat(MODEL, b), b"{}")
                 await nc.publish(subjects.replica_claim(b), b"{}")
                 await nc.publish(subjects.kv_events(MODEL, b), b"{}")
-                return 5
+                # The large bodies the bridge sends B's replica when it asks (claim by pull).
+                await nc.subscribe(f"{subjects.engine_body(b, '0' * 32)}.*")
+                return 6
 
             login_a = role_login(users, "worker-gpu-a")
             await _violations(url, login_a, as_b)
@@ -145,6 +147,7 @@ async def test_a_host_reaches_only_its_own_replicas_and_is_revoked_alone(tmp_pat
             # Its own replica's subjects it may use.
             nc = await nats.connect(url, **login_a)
             await nc.subscribe(subjects.engine_generate(MODEL, HOSTS["gpu-a"][0]))
+            await nc.subscribe(f"{subjects.engine_body(HOSTS['gpu-a'][0], '0' * 32)}.*")
             await nc.publish(subjects.kv_events(MODEL, HOSTS["gpu-a"][0]), b"{}")
             await nc.flush()
             assert nc.is_connected

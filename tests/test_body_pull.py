@@ -1,0 +1,177 @@
+"""A claim by pull (services/bodies.py, docs/large-requests.md): a caller that routes its
+requests itself holds a large body and sends it to the replica that asks for it. Both sides
+on a real nats-server: the caller's stream and a replica's :func:`bodies.pull`; the test
+plays the other side and the hostile senders."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from nats.aio.client import Client as NATS
+
+from bus_schemas import codec, subjects
+from bus_schemas import errors as E
+from bus_schemas import headers as H
+from services import bodies
+from tests.support.waits import wait_for
+from tokenbus import Client
+
+BIG = "every tenant is an attacker " * 60_000  # 1.68 MB: seven chunks
+MODEL = "pull-model"
+
+
+def _body() -> dict[str, Any]:
+    return {"model": MODEL, "messages": [{"role": "user", "content": BIG}], "max_tokens": 2}
+
+
+async def _beat(nc: NATS, replica: str) -> None:
+    """One heartbeat of ``replica``, as a worker sends it (what a caller hears)."""
+    beat = {"replica": replica, "model": MODEL, "interval_s": 60.0}
+    await nc.publish(subjects.heartbeat(MODEL, replica), codec.encode(beat))
+
+
+class _Placed:
+    """An in-process sender that places every request on ``replica`` (the bridge's router,
+    in this test's hands): what it was sent, kept."""
+
+    def __init__(self, replica: str) -> None:
+        self.replica = replica
+        self.sent: list[tuple[bytes, dict[str, str], str]] = []
+
+    async def __call__(self, data: bytes, hdrs: dict[str, str], reply: str) -> str:
+        self.sent.append((data, dict(hdrs), reply))
+        return self.replica
+
+
+async def _chunks(nc: NATS, replica: str, oid: str) -> list[Any]:
+    got: list[Any] = []
+
+    async def keep(msg: Any) -> None:
+        got.append(msg)
+
+    await nc.subscribe(f"{subjects.engine_body(replica, oid)}.*", cb=keep)
+    await nc.flush()
+    return got
+
+
+async def _held_stream(c: Client, placed: _Placed) -> tuple[Any, dict[str, Any], str]:
+    s = c.submit("chat", _body(), sender=placed)
+    s.pull_bodies = True
+    await s.start()
+    data, _, reply = placed.sent[0]
+    env = codec.decode_map(data)
+    return s, env["claim"], reply
+
+
+@pytest.mark.bus
+async def test_the_replica_that_asks_gets_the_body_whole(nats_server: Any, nc: NATS) -> None:
+    """The envelope carries a claim by pull and no messages; the replica that asks gets
+    them whole, checked, and nothing goes into the store."""
+    async with await Client.connect(nats_server.url) as c:
+        placed = _Placed("pull-r1")
+        await _beat(nc, "pull-r1")
+        await wait_for(lambda: "pull-r1" in c._beats, timeout=10)
+        s, claim, reply = await _held_stream(c, placed)
+        env = codec.decode_map(placed.sent[0][0])
+        assert "messages" not in env and claim["pull"] is True and "sha256" not in claim
+        assert len(placed.sent[0][0]) < 4096  # the envelope on the bus stays small
+
+        async def ask() -> None:
+            await nc.publish(reply, b"", headers={H.BODY_PULL: "pull-r1"})
+
+        parts = await bodies.pull(nc, claim, "pull-r1", ask, timeout=10)
+        assert parts == {"messages": _body()["messages"]}
+        # A second replica (a migration's) asks again, and gets it again.
+        parts = await bodies.pull(nc, claim, "pull-r1", ask, timeout=10)
+        assert parts["messages"][0]["content"] == BIG
+        await s.aclose()
+
+
+@pytest.mark.bus
+async def test_a_pull_naming_a_replica_nobody_hears_sends_nothing(
+    nats_server: Any, nc: NATS
+) -> None:
+    """Hostile: a frame to the caller's inbox that names a replica the caller does not hear
+    beat (a tenant steering a body to a subject of its choosing) gets nothing sent; the
+    real replica's pull after it is answered. A stream that ended sends nothing either."""
+    async with await Client.connect(nats_server.url) as c:
+        placed = _Placed("pull-r2")
+        await _beat(nc, "pull-r2")
+        await wait_for(lambda: "pull-r2" in c._beats, timeout=10)
+        s, claim, reply = await _held_stream(c, placed)
+        forged = await _chunks(nc, "pull-ghost", claim["id"])
+        real = await _chunks(nc, "pull-r2", claim["id"])
+        await nc.publish(reply, b"", headers={H.BODY_PULL: "pull-ghost"})
+        await nc.publish(reply, b"", headers={H.BODY_PULL: "pull-r2"})
+        await wait_for(lambda: len(real) == claim["chunks"], timeout=10, what="the real pull")
+        await nc.flush()
+        assert forged == []  # sent before the real one's chunks, had it been sent
+        await s.aclose()
+        # Ended: its body is forgotten, a pull after it gets nothing.
+        assert bodies.held(claim["id"]) is None
+        got = len(real)
+        await nc.publish(reply, b"", headers={H.BODY_PULL: "pull-r2"})
+        sentinel = await _chunks(nc, "pull-r2", "0" * 32)
+        await nc.publish(f"{subjects.engine_body('pull-r2', '0' * 32)}.0", b"x")
+        await wait_for(lambda: sentinel, timeout=10)
+        assert len(real) == got
+
+
+@pytest.mark.bus
+async def test_a_held_body_is_sent_a_bounded_number_of_times(nats_server: Any, nc: NATS) -> None:
+    """A runaway or forged sender asking again and again gets the body MAX_PULLS times."""
+    async with await Client.connect(nats_server.url) as c:
+        placed = _Placed("pull-r3")
+        await _beat(nc, "pull-r3")
+        await wait_for(lambda: "pull-r3" in c._beats, timeout=10)
+        s, claim, reply = await _held_stream(c, placed)
+        real = await _chunks(nc, "pull-r3", claim["id"])
+        for _ in range(bodies.MAX_PULLS + 5):
+            await nc.publish(reply, b"", headers={H.BODY_PULL: "pull-r3"})
+        want = bodies.MAX_PULLS * claim["chunks"]
+        await wait_for(lambda: len(real) >= want, timeout=20, what="the pulls answered")
+        held = bodies.held(claim["id"])
+        assert held is not None and held.sent == bodies.MAX_PULLS
+        await s.aclose()
+        assert len(real) == want
+
+
+@pytest.mark.bus
+async def test_a_tampered_short_or_missing_body_is_refused(nc: NATS) -> None:
+    """What a replica receives is checked: a body whose digest does not match is a 400; one
+    that stops short, or never comes (a caller gone), a 503 with Retry-After."""
+    blob = codec.encode({"messages": _body()["messages"]})
+    n = -(-len(blob) // bodies.CHUNK)
+    claim = {"owner": "tb.pulltest", "id": "a" * 32, "size": len(blob), "chunks": n, "pull": True}
+
+    def sender(digest: str, upto: int) -> Any:
+        async def ask() -> None:
+            prefix = subjects.engine_body("pull-r4", claim["id"])
+            for i in range(upto):
+                last = {H.BODY_SHA256: digest} if i == n - 1 else None
+                chunk = blob[i * bodies.CHUNK : (i + 1) * bodies.CHUNK]
+                await nc.publish(f"{prefix}.{i}", chunk, headers=last)
+
+        return ask
+
+    with pytest.raises(E.InvalidRequest, match="sha256"):
+        await bodies.pull(nc, claim, "pull-r4", sender("0" * 64, n), timeout=5)
+    for upto in (n - 1, 0):
+        with pytest.raises(E.ServiceUnavailable) as got:
+            await bodies.pull(nc, claim, "pull-r4", sender("0" * 64, upto), timeout=0.3)
+        assert got.value.headers["Retry-After"] and f"{upto} of {n}" in got.value.message
+
+
+@pytest.mark.unit
+def test_a_claim_by_pull_is_refused_where_it_cannot_be_pulled() -> None:
+    """Only a replica pulls: ingress, the filter and the router refuse such a claim (a NATS
+    client's request may not carry one), and a claim by pull may not carry a digest."""
+    claim = {"owner": "tb.x", "id": "b" * 32, "size": 10, "chunks": 1, "pull": True}
+    with pytest.raises(E.InvalidRequest, match=r"claim\.pull"):
+        bodies.check_claim(claim)
+    assert bodies.check_claim(claim, pull_ok=True) is claim
+    with pytest.raises(E.InvalidRequest, match=r"claim\.sha256"):
+        bodies.check_claim({**claim, "sha256": "c" * 64}, pull_ok=True)
+    with pytest.raises(E.InvalidRequest, match=r"claim\.pull"):
+        bodies.check_claim({**claim, "pull": "yes"}, pull_ok=True)
