@@ -25,10 +25,17 @@ def _body() -> dict[str, Any]:
     return {"model": MODEL, "messages": [{"role": "user", "content": BIG}], "max_tokens": 2}
 
 
-async def _beat(nc: NATS, replica: str) -> None:
-    """One heartbeat of ``replica``, as a worker sends it (what a caller hears)."""
-    beat = {"replica": replica, "model": MODEL, "interval_s": 60.0}
-    await nc.publish(subjects.heartbeat(MODEL, replica), codec.encode(beat))
+async def _heard(c: Client, nc: NATS, replica: str) -> None:
+    """Until ``c`` hears ``replica`` beat: a heartbeat as a worker sends it, again until
+    heard (the caller's subscription may not be in effect at the server yet)."""
+    beat = codec.encode({"replica": replica, "model": MODEL, "interval_s": 60.0})
+
+    async def heard() -> bool:
+        await nc.publish(subjects.heartbeat(MODEL, replica), beat)
+        await nc.flush()
+        return replica in c._beats
+
+    await wait_for(heard, timeout=10, what=f"{replica}'s heartbeat heard")
 
 
 class _Placed:
@@ -70,8 +77,7 @@ async def test_the_replica_that_asks_gets_the_body_whole(nats_server: Any, nc: N
     them whole, checked, and nothing goes into the store."""
     async with await Client.connect(nats_server.url) as c:
         placed = _Placed("pull-r1")
-        await _beat(nc, "pull-r1")
-        await wait_for(lambda: "pull-r1" in c._beats, timeout=10)
+        await _heard(c, nc, "pull-r1")
         s, claim, reply = await _held_stream(c, placed)
         env = codec.decode_map(placed.sent[0][0])
         assert "messages" not in env and claim["pull"] is True and "sha256" not in claim
@@ -97,8 +103,7 @@ async def test_a_pull_naming_a_replica_nobody_hears_sends_nothing(
     real replica's pull after it is answered. A stream that ended sends nothing either."""
     async with await Client.connect(nats_server.url) as c:
         placed = _Placed("pull-r2")
-        await _beat(nc, "pull-r2")
-        await wait_for(lambda: "pull-r2" in c._beats, timeout=10)
+        await _heard(c, nc, "pull-r2")
         s, claim, reply = await _held_stream(c, placed)
         forged = await _chunks(nc, "pull-ghost", claim["id"])
         real = await _chunks(nc, "pull-r2", claim["id"])
@@ -123,8 +128,7 @@ async def test_a_held_body_is_sent_a_bounded_number_of_times(nats_server: Any, n
     """A runaway or forged sender asking again and again gets the body MAX_PULLS times."""
     async with await Client.connect(nats_server.url) as c:
         placed = _Placed("pull-r3")
-        await _beat(nc, "pull-r3")
-        await wait_for(lambda: "pull-r3" in c._beats, timeout=10)
+        await _heard(c, nc, "pull-r3")
         s, claim, reply = await _held_stream(c, placed)
         real = await _chunks(nc, "pull-r3", claim["id"])
         for _ in range(bodies.MAX_PULLS + 5):
