@@ -24,6 +24,7 @@ from collections.abc import Awaitable, Callable, Mapping, MutableMapping, Sequen
 from typing import Any
 from urllib.parse import parse_qs
 
+import orjson
 import uvicorn
 from httptools import (
     HttpParserCallbackError,
@@ -234,6 +235,9 @@ class HTTPLimits:
 
 # The scope key holding when the request's first byte was parsed (epoch ns): its t1.
 RECEIVED_NS = "tokenbus.received_ns"
+
+# Body bytes read ahead of the app before a connection's reading pauses (uvicorn: 64 KiB).
+BODY_HIGH_WATER = 4 * 1024 * 1024
 
 # The scope key holding the request's :class:`BodyNow` (on the bridge's own HTTP server).
 BODY_NOW = "tokenbus.body_now"
@@ -460,6 +464,19 @@ class _Protocol(HttpToolsProtocol):
         cycle = self.cycle
         if cycle is not None and cycle.scope is self.scope:
             self.scope[BODY_NOW] = BodyNow(cycle)  # type: ignore[literal-required]
+
+    def on_body(self, body: bytes) -> None:
+        # uvicorn pauses reading as soon as 64 KiB of body waits for the app, and resumes on
+        # the app's next receive, a loop turn later: a 4 MiB body was 64 pauses and resumes
+        # of the socket. The bridge reads every body whole (read_body, bounded by
+        # bridge.max_body_bytes), so it pauses only past BODY_HIGH_WATER.
+        cycle = self.cycle
+        if cycle.response_complete or (self.parser.should_upgrade() and self._should_upgrade()):
+            return
+        cycle.body += body
+        if len(cycle.body) > BODY_HIGH_WATER:
+            self.flow.pause_reading()
+        cycle.message_event.set()
 
     def on_message_complete(self) -> None:
         super().on_message_complete()
@@ -737,6 +754,17 @@ async def read_body(scope: Scope, receive: Receive, max_body: int, timeout_s: fl
     """The request body as JSON (:func:`read_bytes`), 400 when not JSON or beyond what
     tokenbus carries (:func:`check_json`)."""
     raw = await read_bytes(scope, receive, max_body, timeout_s)
+    if len(raw) >= _ORJSON_FROM:
+        # orjson parses a large body in about half the time (4 MiB: 3.9 ms against 7.3).
+        # It is stricter (no NaN, no lone surrogate, 64-bit integers): what it refuses is
+        # parsed again as before, so the answer and the error are the standard library's.
+        try:
+            body = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            pass
+        else:
+            check_json(body)
+            return body
     try:
         body = json.loads(raw)
     except RecursionError:
@@ -746,6 +774,9 @@ async def read_body(scope: Scope, receive: Receive, max_body: int, timeout_s: fl
     check_json(body)
     return body
 
+
+# A body of this many bytes or more is parsed with orjson first (read_body).
+_ORJSON_FROM = 256 * 1024
 
 # What a request body may hold (real clients stay far inside these): nesting depth, and
 # integers msgpack carries (signed or unsigned 64 bits).

@@ -13,11 +13,13 @@ import signal
 from typing import Any
 
 import httpx
+import nats
 import openai
 import pytest
 
+from bus_schemas import subjects
 from engine_worker.backends.base import GenerationRequest
-from engine_worker.backends.sim import SimEngine, _Seq
+from engine_worker.backends.sim import SimEngine, _Seq, count_tokens
 from services.config import SimSettings
 from tests.support.procs import Procs, start_stack, start_worker
 from tests.support.waits import live_replicas, wait_for
@@ -314,3 +316,40 @@ async def test_a_prefill_replica_lost_mid_prefill_leaves_the_request_whole(
         assert usage.completion_tokens == 12 and text
         decided = await _decisions(stack.base)
         assert decided.get("aggregated_after_failure") == 1, decided
+
+
+async def test_a_large_prompt_is_pulled_by_its_prefill_and_its_decode_replica(
+    procs: Procs, model: str
+) -> None:
+    """A body past one bus message (docs/large-requests.md, claim by pull): the prefill
+    replica asks the router in the bridge for it, the decode replica asks the caller; both
+    get it whole (the answer counts every prompt token), and nothing goes into the store."""
+    env = ENV | {"TOKENBUS_WORKER__SIM__MAX_MODEL_LEN": "50000000"}
+    fast = ("--sim-prefill-ms-per-token", "0.001", "--sim-decode-ms", "5")
+    start_worker(procs, model, "p0", "--pd-role", "prefill", *fast, env=env)
+    start_worker(procs, model, "d0", "--pd-role", "decode", *fast, env=env)
+    stack = await start_stack(procs, model, workers=0, env=env)
+
+    async def both_heard() -> bool:
+        beats = await live_replicas(procs.url, model, wait=1.5)
+        return sorted(hb.get("pd_role") for hb in beats.values()) == ["decode", "prefill"]
+
+    await wait_for(both_heard, timeout=60, what="both pools heard")
+    big = "a long document to read " * 30_000  # 720 KB: past half of max_payload
+    nc = await nats.connect(procs.url)
+    try:
+        js = nc.jetstream()
+        before = (await js.stream_info(subjects.BODIES_STREAM)).state.last_seq
+        async with stack.openai() as oai:
+            out = await oai.chat.completions.create(
+                model=model,
+                messages=[{"role": "user", "content": big}],
+                max_tokens=6,
+                extra_body={"ignore_eos": True},
+            )
+        assert out.usage is not None and out.usage.completion_tokens == 6
+        assert out.usage.prompt_tokens == count_tokens(f"<|user|>{big}\n")
+        assert (await _decisions(stack.base)).get("disaggregated") == 1
+        assert (await js.stream_info(subjects.BODIES_STREAM)).state.last_seq == before
+    finally:
+        await nc.drain()
