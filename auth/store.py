@@ -17,7 +17,7 @@ import time
 from typing import Any
 
 from nats.aio.client import Client as NATS
-from nats.js.errors import KeyNotFoundError
+from nats.js.errors import KeyNotFoundError, NotFoundError
 from nats.js.kv import KeyValue
 
 from auth.keys import KeyRecord, hash_key, key_id_of, matches, new_key
@@ -219,14 +219,29 @@ class KeyStore:
         if len(self._missed) > 10_000:
             self._missed.clear()
         try:
-            entry = await self._kv().get(key_id)
-            rec = KeyRecord.model_validate_json(entry.value or b"")
-        except Exception:  # none such, or JetStream not answering: the cache decides
+            # From the stream's leader, not by direct get: a direct get may be answered by a
+            # replica that has stored the key's write but not yet applied it, and a key made a
+            # moment ago through another node was refused (a stalled-node test in CI).
+            msg = await self.nc.jetstream().get_last_msg(
+                f"KV_{self.bucket}", f"$KV.{self.bucket}.{key_id}"
+            )
+            if (msg.headers or {}).get("KV-Operation") in ("DEL", "PURGE"):
+                raise NotFoundError
+            rec = KeyRecord.model_validate_json(msg.data or b"")
+        except (NotFoundError, ValueError):  # none such (or not a key record): refused
             self._missed[key_id] = now
             return
+        except Exception as exc:
+            if cached is not None:
+                return  # the cache decides while the store does not answer
+            # Not known here and the store did not say: retryable, not "not valid".
+            raise E.ServiceUnavailable(
+                f"the key store did not answer ({type(exc).__name__}); retry shortly",
+                headers={"Retry-After": "1"},
+            ) from None
         if not matches(str(key), rec):
             self._missed[key_id] = now
-        rev = int(entry.revision or 0)
+        rev = int(msg.seq or 0)
         if cached is None or rev > self._revs.get(key_id, 0):
             # Newer than what the watch delivered (its next deliveries, older, are skipped).
             self._cache[key_id] = rec

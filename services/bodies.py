@@ -229,11 +229,12 @@ def _sha256(blob: bytes) -> str:
     return hashlib.sha256(blob).hexdigest()
 
 
-def _unpack(got: list[bytes], claim: dict[str, Any]) -> dict[str, Any]:
+def _unpack(got: list[bytes], claim: dict[str, Any], sha256: str | None = None) -> dict[str, Any]:
     """The claimed parts from the chunks ``got``, checked against ``claim``'s size and
-    digest (400 when they do not match or are not an envelope's parts)."""
+    digest (400 when they do not match or are not an envelope's parts); ``sha256``: the
+    chunks' digest when already computed."""
     blob = b"".join(got)
-    if len(blob) != claim["size"] or _sha256(blob) != claim["sha256"]:
+    if len(blob) != claim["size"] or (sha256 or _sha256(blob)) != claim["sha256"]:
         raise E.InvalidRequest(
             "the request's body object does not match its size and sha256 digest (truncated "
             "or altered); send the request again"
@@ -379,16 +380,14 @@ class Held:
         if self.sent >= MAX_PULLS:
             return
         self.sent += 1
-        digest = await self._digest
         prefix = subjects.engine_body(replica, self.claim["id"])
         blob, last = self.blob, self.claim["chunks"] - 1
         with contextlib.suppress(Exception):  # a connection down: the replica's wait ends it
+            # Every chunk but the last while the digest may still be computing: it is needed
+            # only with the last.
             for n in range(last + 1):
-                await nc.publish(
-                    f"{prefix}.{n}",
-                    blob[n * CHUNK : (n + 1) * CHUNK],
-                    headers={H.BODY_SHA256: digest} if n == last else None,
-                )
+                hdrs = {H.BODY_SHA256: await self._digest} if n == last else None
+                await nc.publish(f"{prefix}.{n}", blob[n * CHUNK : (n + 1) * CHUNK], headers=hdrs)
 
     def forget(self) -> None:
         _held.pop(self.claim["id"], None)
@@ -437,9 +436,12 @@ async def pull(
     digest: list[str] = []
     progress = asyncio.Event()
     have = 0
+    # Hashed as the chunks come, in order (each a fraction of a millisecond): at the end the
+    # digest is ready, not one more pass over the whole body on the request's path.
+    hasher, hashed = hashlib.sha256(), 0
 
     def on_chunk(msg: Msg) -> None:
-        nonlocal have
+        nonlocal have, hashed
         try:
             n = int(msg.subject.rpartition(".")[2])
         except ValueError:
@@ -449,6 +451,9 @@ async def pull(
             have += 1
             if n == len(got) - 1:
                 digest.append((msg.headers or {}).get(H.BODY_SHA256, ""))
+            while hashed < len(got) and (chunk := got[hashed]) is not None:
+                hasher.update(chunk)
+                hashed += 1
             progress.set()
 
     sub = await natsclient.subscribe_direct(
@@ -471,7 +476,10 @@ async def pull(
         with contextlib.suppress(Exception):
             await sub.unsubscribe()
     return await asyncio.to_thread(
-        _unpack, [g or b"" for g in got], {**claim, "sha256": digest[0] if digest else ""}
+        _unpack,
+        [g or b"" for g in got],
+        {**claim, "sha256": digest[0] if digest else ""},
+        hasher.hexdigest(),
     )
 
 

@@ -87,6 +87,13 @@ class Members:
                 del seen[member]
         return live, len(seen)
 
+    def known(self, subject: str) -> bool:
+        """Whether a member of ``subject``'s queue group beat lately (within FORGET_S) and
+        did not say it is gone: the group was there, so "no responders" may be a moment's
+        (its connection coming back), not a stage nobody runs."""
+        group = subjects.member_group(subject)
+        return group is not None and bool(self._seen.get(group))
+
     def subject_for(self, subject: str) -> str:
         """Where to send a request for ``subject``: the subject itself (its queue group)
         while every known member beats or none does, else one member that beats."""

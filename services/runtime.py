@@ -48,11 +48,14 @@ _BOUNCE_TTL_S = 10.0
 # back within a round trip; a later one is answered 503 and the caller's own resend covers
 # it): short, so that large bodies are not held for the whole bounce TTL.
 _RESEND_KEEP_S = 2.0
-# A stage's queue group with no responders is tried again after these waits (s) before the
-# caller is told the stage is absent: a stage whose connection comes back a moment after this
-# service's own (both reconnecting after a pause of their nats-server) is not absent. Nothing
-# was done with a request nobody received, so sending it again is safe.
-_STAGE_RETRY_WAITS_S = (0.05, 0.1, 0.2, 0.4, 0.8)
+# A stage's queue group with no responders, whose members beat lately, is tried again after
+# these waits (s) before the caller is told the stage is absent: a stage whose connection
+# comes back a moment after this service's own (both reconnecting after a pause of their
+# nats-server) is not absent. Nothing was done with a request nobody received, so sending it
+# again is safe. In all well under the caller's accept timeout (services/caller.py,
+# ACCEPT_TIMEOUT_S 1.5 s), past which it would send the request again itself and miss the
+# answer to this attempt. A stage that never beat is said absent at once.
+_STAGE_RETRY_WAITS_S = (0.05, 0.1, 0.2, 0.4)
 # A request a member has held this long without passing it on (a key check, a full queue)
 # gets a hold frame on its stream, and one every as long again while held, so that its
 # caller does not take it for lost (services/caller.py: ACCEPT_TIMEOUT_S).
@@ -465,7 +468,12 @@ class Service:
         self.bounces += 1
         _, reply, subject, again = entry
         resend = self._resends.pop(msg.subject.rpartition(".")[2], None)
-        if resend is not None and resend[3] < len(_STAGE_RETRY_WAITS_S):
+        if (
+            resend is not None
+            and resend[3] < len(_STAGE_RETRY_WAITS_S)
+            and self.members is not None
+            and self.members.known(subject)
+        ):
             _, data, hdrs, tries = resend
             if not marks.expired(hdrs):
                 task = asyncio.get_running_loop().create_task(

@@ -18,7 +18,8 @@ from bus_schemas import errors as E
 from bus_schemas import subjects
 from tests.support.busdata import key_store
 from tests.support.inprocess import stack
-from tests.support.natsserver import NatsServer
+from tests.support.natsserver import NatsServer, spawn_nats
+from tests.support.ports import free_port
 from tests.support.procs import Procs, ProcStack, start_stack
 from tests.support.repo import run_cli
 from tests.support.waits import wait_for, wait_for_key
@@ -321,6 +322,36 @@ async def test_a_key_not_yet_in_the_watched_cache_is_read_from_the_bucket(
             store.lookup(bogus)
         await store.catch_up("tb-000000000000_none")
         await store.catch_up(None)
+
+
+@pytest.mark.bus
+async def test_a_key_store_that_does_not_answer_is_a_503_not_an_invalid_key(
+    nats_server: NatsServer,
+) -> None:
+    """A key not in this store's cache, while the bucket does not answer (a node stalled, an
+    election under way): the caller is told to retry (503), not that its key is not valid
+    (401, what a stalled-node test's fresh key got in CI). A cached key is judged by the
+    cache meanwhile."""
+    port = free_port()
+    bare = spawn_nats(port, "-p", str(port), "-a", "127.0.0.1")  # no JetStream: no responders
+    try:
+        url = nats_server.url
+        async with key_store(url) as maker, key_store(url, watch=False) as store:
+            known, _ = await maker.create("known")
+            await store.catch_up(known)  # read while the bucket answers: cached
+            fresh, _ = await maker.create("fresh")
+            store.nc = await nats.connect(f"nats://127.0.0.1:{port}")
+            try:
+                with pytest.raises(E.ServiceUnavailable) as got:
+                    await store.catch_up(fresh)
+                assert got.value.headers["Retry-After"] == "1"
+                await store.catch_up(known)  # cached: the cache decides
+                assert store.lookup(known).name == "known"
+            finally:
+                await store.nc.close()
+    finally:
+        bare.terminate()
+        bare.wait(10)
 
 
 @pytest.mark.bus

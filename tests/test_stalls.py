@@ -442,14 +442,22 @@ async def test_a_stage_that_comes_back_a_moment_late_is_not_called_absent(
 ) -> None:
     """After a pause of the only nats-server, every service reconnects in its own time: an
     ingress back before its next stage found no responders and answered 503 "no route service
-    is running" (CI run qq). The stage's queue group with no responders is tried again for a
-    moment before the caller is told so: a stage subscribed after the first bounce gets the
-    request."""
+    is running" (CI run qq). The queue group of a stage that beat lately, with no responders,
+    is tried again for a moment before the caller is told so: a stage subscribed after the
+    first bounce gets the request. One that never beat is said absent at once."""
     async with stack(private_nats.url, model, workers=0, with_router=False) as svcs:
         ingress = svcs["ingress"]
         nc = await connect(private_nats.url, "late-stage")
         c = await Client.connect(private_nats.url)
+        beat = members.Beat(nc, "late", [subjects.STAGE_ROUTE], every=0.1)
         try:
+            # Never beat: absent at once (the first bounce answers).
+            with pytest.raises(E.ServiceUnavailable, match="no route service is running"):
+                await asyncio.wait_for(c.chat(model, PROMPT, max_tokens=2).collect(), 30)
+            assert ingress.bounces == 1
+            # A member beats (the stage ran, its connection is away a moment).
+            beat.start()
+            await wait_for(lambda: ingress.members.known(subjects.stage("route")), timeout=10)
             arrived: list[Any] = []
 
             async def take(msg: Any) -> None:
@@ -457,7 +465,7 @@ async def test_a_stage_that_comes_back_a_moment_late_is_not_called_absent(
 
             s = c.chat(model, PROMPT, max_tokens=2)
             await s.start()
-            await wait_for(lambda: ingress.bounces, timeout=10, what="no bounce from the stage")
+            await wait_for(lambda: ingress.bounces > 1, timeout=10, what="no bounce")
             # The stage comes: the request is sent again, to it.
             await nc.subscribe(subjects.stage(subjects.STAGE_ROUTE), queue="late", cb=take)
             await nc.flush()
@@ -475,6 +483,7 @@ async def test_a_stage_that_comes_back_a_moment_late_is_not_called_absent(
             with pytest.raises(E.ServiceUnavailable, match="no route service is running"):
                 await asyncio.wait_for(c.chat(model, PROMPT, max_tokens=2).collect(), 30)
         finally:
+            await beat.gone()
             await c.close()
             await nc.close()
 
