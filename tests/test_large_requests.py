@@ -21,6 +21,7 @@ import pytest
 from bus_schemas import subjects
 from bus_schemas.errors import ContentBlocked, TokenbusError
 from engine_worker.backends.sim import count_tokens, expected_text
+from engine_worker.backends.sim_outputs import expected_embedding
 from services import bodies
 from services.natsconf import role_login
 from tests.support.busdata import new_model
@@ -651,3 +652,22 @@ def test_only_an_envelope_whose_text_is_over_the_threshold_skips_the_measure(
     assert bodies.large_by_its_text(env) is large
     if large:
         assert len(bodies.codec.encode(env)) > bodies.THRESHOLD
+
+
+@pytest.mark.stack
+async def test_a_large_embeddings_input_over_http_and_nats(big_stack: ProcStack, js: Any) -> None:
+    """An embeddings input past half of max_payload: over HTTP sent to the replica that asks
+    for it (nothing stored), over NATS by claim check; each input embedded whole."""
+    text = BIG[:700_000]
+    held, written = await _stored(js)  # the tampering tests' objects stay till they expire
+    async with big_stack.openai() as oai:
+        out = await oai.embeddings.create(model=big_stack.model, input=[text, "beta"])
+    assert [d.index for d in out.data] == [0, 1]
+    assert out.data[0].embedding == pytest.approx(expected_embedding(text, 64), abs=1e-6)
+    assert out.data[1].embedding == pytest.approx(expected_embedding("beta", 64), abs=1e-6)
+    assert (await _stored(js))[1] == written
+    async with await Client.connect(big_stack.procs.url) as c:
+        res = await c.embeddings(big_stack.model, [text], dimensions=16)
+    assert res.embeddings[0] == pytest.approx(expected_embedding(text, 16), abs=1e-6)
+    assert (await _stored(js))[1] > written  # uploaded by the client
+    await wait_for(lambda: _held(js, held), what="the client's body object deleted")
