@@ -88,6 +88,21 @@ async def spend_tap(run: Run) -> Any:
     return nc
 
 
+async def _made_within(make: Any, within_s: float) -> None:
+    """``make()`` awaited again until it succeeds, at most ``within_s``: a cluster just routed
+    may not have elected its JetStream meta leader yet, and its API answers nothing until it
+    has (a loaded machine: more than the 5 s a request waits, CI run tt)."""
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            await make()
+            return
+        except Exception:
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.2)
+
+
 async def run_nemesis(cfg: Config) -> dict[str, Any]:
     """The whole run: start, load and faults, invariants; the report (also written to
     ``cfg.out`` when set)."""
@@ -122,8 +137,11 @@ async def run_nemesis(cfg: Config) -> dict[str, Any]:
 
         nc = await stack.cluster.admin(0)
         try:
-            await nc.jetstream().create_key_value(
-                bucket=KEYS, history=1, replicas=min(3, cfg.nodes)
+            await _made_within(
+                lambda: nc.jetstream().create_key_value(
+                    bucket=KEYS, history=1, replicas=min(3, cfg.nodes)
+                ),
+                60.0,
             )
         finally:
             await nc.close()
