@@ -341,14 +341,9 @@ async def test_a_large_prompt_is_pulled_by_its_prefill_and_its_decode_replica(
         js = nc.jetstream()
         before = (await js.stream_info(subjects.BODIES_STREAM)).state.last_seq
         async with stack.openai() as oai:
-            out = await oai.chat.completions.create(
-                model=model,
-                messages=[{"role": "user", "content": big}],
-                max_tokens=6,
-                extra_body={"ignore_eos": True},
-            )
-        assert out.usage is not None and out.usage.completion_tokens == 6
-        assert out.usage.prompt_tokens == count_tokens(f"<|user|>{big}\n")
+            _, usage = await _answer(oai, model, big, 6)
+        assert usage is not None and usage.completion_tokens == 6
+        assert usage.prompt_tokens == count_tokens(f"<|user|>{big}\n")
         assert (await _decisions(stack.base)).get("disaggregated") == 1
         assert (await js.stream_info(subjects.BODIES_STREAM)).state.last_seq == before
     finally:
