@@ -396,13 +396,15 @@ class PredictedLatency(KVAware):
         TPOT = tpot_base + tpot_ms_per_running x (running sequences + 1)
 
     Among the replicas predicted to meet the request's class target (``latency_targets``),
-    the lowest TTFT plus ``work_weight`` x the prefill it makes that replica compute wins
-    (the request's own wait, and the wait it adds for every request behind it there: a
-    cached prefix is worth keeping even when another replica would answer this one a little
-    sooner); when none meets the target, the same score all the same, and the admission
-    rules already there (the worker's flow control by class, the router's bounded queue)
-    decide what waits or is shed. Until every candidate has announced a model, ``kv_aware``'s cost
-    routes. ``last`` holds the latest decision's predictions, replica -> (TTFT, TPOT)."""
+    the lowest TTFT plus ``work_weight`` x the prefill it makes that replica compute x (1 +
+    the wait of the backlog it joins there / the class's TTFT target) wins (the request's
+    own wait, and the wait it adds for every request behind it there, more of them the
+    longer the queue: a cached prefix is worth keeping even when another replica would
+    answer this one a little sooner, and more so under load); when none meets the target,
+    the same score all the same, and the admission rules already there (the worker's flow
+    control by class, the router's bounded queue) decide what waits or is shed. Until every
+    candidate has announced a model, ``kv_aware``'s cost routes. ``last`` holds the latest
+    decision's predictions, replica -> (TTFT, TPOT)."""
 
     def __init__(
         self,
@@ -471,7 +473,18 @@ class PredictedLatency(KVAware):
             self.unmet += 1
         pool = meeting or list(candidates)
         w = self.work_weight
-        score = {r.replica: preds[r.replica][0] + w * self.work_ms(r, depth, req) for r in pool}
+        now = time.monotonic()
+        # The prefill a request adds delays every request that queues behind it there; the
+        # longer the queue it joins (its backlog's wait, against the class's TTFT target),
+        # the more requests that is.
+        room_ms = target.ttft_ms if target is not None else 0.0
+        score = {
+            r.replica: preds[r.replica][0]
+            + w
+            * self.work_ms(r, depth, req)
+            * (1 + (r.backlog_ms_per_token() * r.backlog_now(now) / room_ms if room_ms else 0))
+            for r in pool
+        }
         best = min(score.values())
         ties = [r for r in pool if score[r.replica] <= best + 1e-9]
         chosen = ties[0] if len(ties) == 1 else random.choice(ties)

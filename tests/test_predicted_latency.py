@@ -7,6 +7,7 @@ batch, and picks the fastest replica that meets the request's class target."""
 from __future__ import annotations
 
 import random
+import time
 from typing import Any
 
 import pytest
@@ -107,6 +108,34 @@ def test_the_replica_predicted_first_to_answer_wins_within_the_class_target() ->
     unmet = policy.unmet
     assert policy.choose([a, b], preq) is a  # ~111 ms against ~211 ms
     assert policy.unmet == unmet + 1
+
+
+@pytest.mark.unit
+def test_the_longer_the_queue_a_request_joins_the_more_its_cached_prefix_counts() -> None:
+    """A request's prefill delays every request that queues behind it, so its work counts
+    more the longer the queue it joins (the backlog's wait against the class's TTFT target).
+    Lightly loaded, the replica that starts sooner wins; with the same gap between two long
+    queues, the one holding the prompt's prefix does (under overload sending each request to
+    the soonest start spread sessions, lost their cached prefixes and cost 20-30 % of the
+    goodput: docs/benchmarks.md)."""
+    idx = KVIndex()
+    _synced(idx, "a", "b")
+    text = render_prompt([{"role": "user", "content": "x" * 400}])  # ~100 tokens
+    _stored(idx, "b", K.text_block_hashes(text, BS))
+    req = RouteRequest("m", rendered=text, env={})
+    policy = PredictedLatency(idx, targets={"default": LatencyTarget(ttft_ms=2000)})
+
+    def choice(backlog_a: int, backlog_b: int) -> str:
+        a, b = _replica("a"), _replica("b")
+        now = time.monotonic()
+        a.told_backlog(backlog_a, now)  # tokens, at 1 ms each (PERF)
+        b.told_backlog(backlog_b, now)
+        return policy.choose([a, b], req).replica
+
+    # b holds the prompt but starts 250 ms later: a's ~100 ms of prefill is worth less.
+    assert choice(0, 250) == "a"
+    # Both queues about the target long, the same 250 ms apart: b's cached prefix wins.
+    assert choice(2000, 2250) == "b"
 
 
 @pytest.mark.unit
