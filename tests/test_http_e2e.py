@@ -17,7 +17,7 @@ from engine_worker.backends.sim import expected_text
 from tests.support.busdata import new_model
 from tests.support.natsserver import NatsServer
 from tests.support.procs import Procs, ProcStack, start_stack
-from tests.support.waits import live_replicas
+from tests.support.waits import live_replicas, wait_for
 
 pytestmark = pytest.mark.stack
 
@@ -242,7 +242,36 @@ def test_sse_wire_format_is_openais(http_stack: ProcStack) -> None:
     assert objs[-2]["choices"][0]["finish_reason"] == "length"
 
 
-def test_logs_have_one_canonical_line_per_request_and_no_tracebacks(http_stack: ProcStack) -> None:
+async def test_logs_have_one_canonical_line_per_request_and_no_tracebacks(
+    http_stack: ProcStack,
+) -> None:
+    # Requests of its own, answered 200, 400, 404 and 413 (the test does not lean on the
+    # tests before it in the file having run on this stack).
+    cases = {c[3]: c for c in _bad_cases(http_stack.model)}
+    async with http_stack.http(timeout=30) as h:
+        r = await h.post(
+            "/v1/chat/completions",
+            json={"model": http_stack.model, "messages": MSG, "max_tokens": 2},
+        )
+        assert r.status_code == 200, r.text
+        for status, (_, raw, body, _, _) in cases.items():
+            headers = {"Content-Type": "application/json"}
+            r = await h.post("/v1/chat/completions", content=raw, json=body, headers=headers)
+            assert r.status_code == status, r.text
+
+    def bridge_lines() -> list[dict[str, Any]]:
+        out = http_stack.bridge.output().splitlines()
+        return [json.loads(ln) for ln in out if ln.startswith("{")]
+
+    def statuses() -> set[int]:
+        return {ln["status"] for ln in bridge_lines() if ln.get("event") == "request"}
+
+    await wait_for(lambda: statuses() >= {200, 400, 404, 413}, what="the bridge's lines")
+
+    def served() -> bool:  # the worker's line of the 200 (written as its stream ends)
+        return any('"event": "request"' in w.output() for w in http_stack.workers)
+
+    await wait_for(served, what="a worker's request line")
     for p in http_stack.procs.procs:
         out = p.output()
         assert "Traceback" not in out, p.name
@@ -257,10 +286,7 @@ def test_logs_have_one_canonical_line_per_request_and_no_tracebacks(http_stack: 
         {"request_id", "outcome", "duration_ms", "replica", "model"} <= set(r) for r in reqs
     )
     assert len({r["request_id"] for r in reqs}) == len(reqs)
-    bridge = [
-        json.loads(ln) for ln in http_stack.bridge.output().splitlines() if ln.startswith("{")
-    ]
-    http_reqs = [ln for ln in bridge if ln.get("event") == "request"]
+    http_reqs = [ln for ln in bridge_lines() if ln.get("event") == "request"]
     assert {r["status"] for r in http_reqs} >= {200, 400, 404, 413}
     assert all({"request_id", "kind", "outcome", "duration_ms"} <= set(r) for r in http_reqs)
 
