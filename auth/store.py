@@ -17,7 +17,7 @@ import time
 from typing import Any
 
 from nats.aio.client import Client as NATS
-from nats.js.errors import KeyNotFoundError, NotFoundError
+from nats.js.errors import KeyNotFoundError
 from nats.js.kv import KeyValue
 
 from auth.keys import KeyRecord, hash_key, key_id_of, matches, new_key
@@ -219,18 +219,9 @@ class KeyStore:
         if len(self._missed) > 10_000:
             self._missed.clear()
         try:
-            # From the stream's leader, not by direct get: a direct get may be answered by a
-            # replica that has stored the key's write but not yet applied it, and a key made a
-            # moment ago through another node was refused (a stalled-node test in CI).
-            msg = await self.nc.jetstream().get_last_msg(
-                f"KV_{self.bucket}", f"$KV.{self.bucket}.{key_id}"
-            )
-            if (msg.headers or {}).get("KV-Operation") in ("DEL", "PURGE"):
-                raise NotFoundError
-            rec = KeyRecord.model_validate_json(msg.data or b"")
-        except (NotFoundError, ValueError):  # none such (or not a key record): refused
-            self._missed[key_id] = now
-            return
+            # From the stream's leader (a key made a moment ago through another node was
+            # refused when a replica that had not applied it answered: a stalled-node test).
+            msg = await buckets.leader_read(self._kv(), key_id)
         except Exception as exc:
             if cached is not None:
                 return  # the cache decides while the store does not answer
@@ -239,6 +230,13 @@ class KeyStore:
                 f"the key store did not answer ({type(exc).__name__}); retry shortly",
                 headers={"Retry-After": "1"},
             ) from None
+        try:
+            rec = None if msg is None else KeyRecord.model_validate_json(msg.data or b"")
+        except ValueError:  # not a key record
+            rec = None
+        if msg is None or rec is None:  # none such, or not a key record: refused
+            self._missed[key_id] = now
+            return
         if not matches(str(key), rec):
             self._missed[key_id] = now
         rev = int(msg.seq or 0)

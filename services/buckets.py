@@ -302,19 +302,26 @@ async def cas(
             await asyncio.sleep(_STALL_PAUSE_S)
 
 
-async def _read_behind(kv: KeyValue, key: str, rev: int | None) -> bool:
-    """Whether the stream's leader holds another revision of ``key`` than ``rev`` (None: no
-    entry), the one a read gave. The leader's own read (not a direct get, which any replica
-    may answer): a change refused on that read stands only where the leader agrees."""
+async def leader_read(kv: KeyValue, key: str) -> api.RawStreamMsg | None:
+    """``key``'s last message as the bucket stream's leader holds it (the leader's own read,
+    not a direct get, which any replica may answer: one that has stored a write but not yet
+    applied it answers "not found"); None when there is no entry or it was deleted."""
     js: JetStreamContext = kv._js  # nats-py keeps the bucket's stream and subject prefix
     try:
         msg = await js.get_last_msg(kv._stream, f"{kv._pre}{key}", direct=False)
     except nats.js.errors.NotFoundError:
-        return rev is not None
-    op = (msg.headers or {}).get("KV-Operation")
-    if op in ("DEL", "PURGE"):
-        return rev is not None
-    return msg.seq != rev
+        return None
+    if (msg.headers or {}).get("KV-Operation") in ("DEL", "PURGE"):
+        return None
+    return msg
+
+
+async def _read_behind(kv: KeyValue, key: str, rev: int | None) -> bool:
+    """Whether the stream's leader holds another revision of ``key`` than ``rev`` (None: no
+    entry), the one a read gave (:func:`leader_read`): a change refused on that read stands
+    only where the leader agrees."""
+    msg = await leader_read(kv, key)
+    return rev is not None if msg is None else msg.seq != rev
 
 
 class _NothingToWrite(Exception):

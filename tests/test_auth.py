@@ -11,6 +11,7 @@ from typing import Any
 import nats
 import openai
 import pytest
+from nats.js.kv import KeyValue
 
 from auth.keys import hash_key, key_id_of, matches, new_key, parse_duration
 from auth.store import KeyStore
@@ -340,7 +341,10 @@ async def test_a_key_store_that_does_not_answer_is_a_503_not_an_invalid_key(
             known, _ = await maker.create("known")
             await store.catch_up(known)  # read while the bucket answers: cached
             fresh, _ = await maker.create("fresh")
-            store.nc = await nats.connect(f"nats://127.0.0.1:{port}")
+            # The store's bucket, read through a server without JetStream.
+            elsewhere = await nats.connect(f"nats://127.0.0.1:{port}")
+            name = store.bucket
+            store.kv = KeyValue(name, f"KV_{name}", f"$KV.{name}.", elsewhere.jetstream(), True)
             try:
                 with pytest.raises(E.ServiceUnavailable) as got:
                     await store.catch_up(fresh)
@@ -348,7 +352,7 @@ async def test_a_key_store_that_does_not_answer_is_a_503_not_an_invalid_key(
                 await store.catch_up(known)  # cached: the cache decides
                 assert store.lookup(known).name == "known"
             finally:
-                await store.nc.close()
+                await elsewhere.close()
     finally:
         bare.terminate()
         bare.wait(10)
