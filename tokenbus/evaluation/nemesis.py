@@ -88,21 +88,6 @@ async def spend_tap(run: Run) -> Any:
     return nc
 
 
-async def _made_within(make: Any, within_s: float) -> None:
-    """``make()`` awaited again until it succeeds, at most ``within_s``: a cluster just routed
-    may not have elected its JetStream meta leader yet, and its API answers nothing until it
-    has (a loaded machine: more than the 5 s a request waits, CI run tt)."""
-    deadline = time.monotonic() + within_s
-    while True:
-        try:
-            await make()
-            return
-        except Exception:
-            if time.monotonic() > deadline:
-                raise
-            await asyncio.sleep(0.2)
-
-
 async def run_nemesis(cfg: Config) -> dict[str, Any]:
     """The whole run: start, load and faults, invariants; the report (also written to
     ``cfg.out`` when set)."""
@@ -134,14 +119,14 @@ async def run_nemesis(cfg: Config) -> dict[str, Any]:
         await until_routed(stack.cluster)
         # The key store replicated on every node before anything opens it.
         from auth.store import BUCKET as KEYS
+        from services import buckets
 
         nc = await stack.cluster.admin(0)
         try:
-            await _made_within(
-                lambda: nc.jetstream().create_key_value(
-                    bucket=KEYS, history=1, replicas=min(3, cfg.nodes)
-                ),
-                60.0,
+            # Through the moment a just-routed cluster has no JetStream leader yet (more
+            # than a request's 5 s on a loaded machine: CI run tt).
+            await buckets.open_kv(
+                nc.jetstream(), KEYS, history=1, replicas=min(3, cfg.nodes), stall_s=60.0
             )
         finally:
             await nc.close()
