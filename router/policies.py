@@ -430,7 +430,7 @@ class PredictedLatency(KVAware):
         ttft = (
             perf.get("ttft_base_ms", 0.0)
             + per_token * self.computed(r, depth, req)
-            + r.backlog_ms_per_token() * r.backlog_now(time.monotonic())
+            + r.backlog_wait_ms(time.monotonic())
             + perf.get("queue_ms_per_waiting", 0.0) * ahead
         )
         tpot = None
@@ -477,12 +477,10 @@ class PredictedLatency(KVAware):
         # The prefill a request adds delays every request that queues behind it there; the
         # longer the queue it joins (its backlog's wait, against the class's TTFT target),
         # the more requests that is.
-        room_ms = target.ttft_ms if target is not None else 0.0
+        room_ms = target.ttft_ms if target is not None else math.inf
         score = {
             r.replica: preds[r.replica][0]
-            + w
-            * self.work_ms(r, depth, req)
-            * (1 + (r.backlog_ms_per_token() * r.backlog_now(now) / room_ms if room_ms else 0))
+            + w * self.work_ms(r, depth, req) * (1 + r.backlog_wait_ms(now) / room_ms)
             for r in pool
         }
         best = min(score.values())

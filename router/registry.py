@@ -105,6 +105,10 @@ class Replica:
             return float(self.backlog_tokens)
         return max(0.0, self.backlog_tokens - max(0.0, now - self.backlog_at) * 1000.0 / rate)
 
+    def backlog_wait_ms(self, now: float) -> float:
+        """What its prefill backlog now takes its engine, ms (0 while its speed is unknown)."""
+        return self.backlog_ms_per_token() * self.backlog_now(now)
+
     def add_backlog(self, tokens: int, now: float) -> None:
         """This router sent it ``tokens`` more to compute (until its ack says how many)."""
         self.backlog_tokens = round(self.backlog_now(now)) + tokens
