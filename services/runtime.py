@@ -435,17 +435,25 @@ class Service:
         while self._resends and next(iter(self._resends.values()))[0] < now:
             self._resends.popitem(last=False)
 
+    async def _send_to_group(
+        self, reply: str, subject: str, data: bytes, hdrs: dict[str, str], tries: int | None
+    ) -> None:
+        """Send a request again to ``subject``'s queue group, its bounce to this instance;
+        ``tries``: the resends so far, kept for another (None: none after this one)."""
+        token = self._remember_caller(reply, subject)
+        if tries is not None:
+            self._keep_for_resend(token, data, hdrs, tries)
+        with contextlib.suppress(Exception):
+            await self.nc.publish(
+                subject, data, reply=f"{self._bounce_prefix}.{token}", headers=hdrs
+            )
+
     async def _resend_to_stage(
         self, reply: str, subject: str, data: bytes, hdrs: dict[str, str], tries: int
     ) -> None:
         """After a bounce from ``subject``'s queue group, wait and send the request again."""
         await asyncio.sleep(_STAGE_RETRY_WAITS_S[tries])
-        token = self._remember_caller(reply, subject)
-        self._keep_for_resend(token, data, hdrs, tries + 1)
-        with contextlib.suppress(Exception):
-            await self.nc.publish(
-                subject, data, reply=f"{self._bounce_prefix}.{token}", headers=hdrs
-            )
+        await self._send_to_group(reply, subject, data, hdrs, tries + 1)
 
     async def forward_next(self, msg: Msg, hdrs: dict[str, str], data: bytes) -> None:
         """Pass a request to the next stage of its routing slip (the router when none left)."""
@@ -462,12 +470,13 @@ class Service:
         await self.forward(subjects.stage(nxt), data, hdrs, reply)
 
     async def _on_bounce(self, msg: Msg) -> None:
-        entry = self._bounces.pop(msg.subject.rpartition(".")[2], None)
+        token = msg.subject.rpartition(".")[2]
+        entry = self._bounces.pop(token, None)
         if entry is None or not msg.headers or msg.headers.get(H.NATS_STATUS) != "503":
             return
         self.bounces += 1
         _, reply, subject, again = entry
-        resend = self._resends.pop(msg.subject.rpartition(".")[2], None)
+        resend = self._resends.pop(token, None)
         if (
             resend is not None
             and resend[3] < len(_STAGE_RETRY_WAITS_S)
@@ -487,11 +496,7 @@ class Service:
             if self.members is not None:
                 self.members.forget(msg.subject)
             data, hdrs = again
-            token = self._remember_caller(reply, subject)
-            with contextlib.suppress(Exception):
-                await self.nc.publish(
-                    subject, data, reply=f"{self._bounce_prefix}.{token}", headers=hdrs
-                )
+            await self._send_to_group(reply, subject, data, hdrs, None)
             return
         stage = subject.rpartition(".")[2]
         with contextlib.suppress(Exception):
