@@ -128,12 +128,7 @@ async def put(nc: NATS, env: dict[str, Any], owner: str) -> dict[str, Any]:
 
     503 (Retry-After) when the store is missing, stalled or full; 413 past :data:`MAX_OBJECT`.
     """
-    parts = {k: env[k] for k in CLAIMED if k in env}
-    blob = codec.encode(parts)
-    if len(blob) > MAX_OBJECT:
-        raise E.PayloadTooLarge(
-            f"the request's messages are {len(blob)} bytes; tokenbus takes at most {MAX_OBJECT}"
-        )
+    blob, chars = _encoded_parts(env)
     oid = secrets.token_hex(16)  # unguessable: nobody can name another caller's body
     chunks = [blob[i : i + CHUNK] for i in range(0, len(blob), CHUNK)] or [b""]
     js = nc.jetstream()
@@ -156,10 +151,22 @@ async def put(nc: NATS, env: dict[str, Any], owner: str) -> dict[str, Any]:
         "size": len(blob),
         "sha256": sha256,
         "chunks": len(chunks),
-        "chars": envelope_chars(parts),
+        "chars": chars,
     }
     env[CLAIM] = claim
     return claim
+
+
+def _encoded_parts(env: dict[str, Any]) -> tuple[bytes, int]:
+    """``env``'s claimed parts encoded as one body object, and their text's characters;
+    413 past :data:`MAX_OBJECT`."""
+    parts = {k: env[k] for k in CLAIMED if k in env}
+    blob = codec.encode(parts)
+    if len(blob) > MAX_OBJECT:
+        raise E.PayloadTooLarge(
+            f"the request's messages are {len(blob)} bytes; tokenbus takes at most {MAX_OBJECT}"
+        )
+    return blob, envelope_chars(parts)
 
 
 def check_claim(claim: Any, *, pull_ok: bool = False) -> dict[str, Any]:
@@ -403,18 +410,13 @@ def held(object_id: str) -> Held | None:
 def hold(env: dict[str, Any], owner: str) -> Held:
     """Keep ``env``'s claimed parts here and set ``env['claim']`` (a claim by pull) to name
     them; 413 past :data:`MAX_OBJECT`."""
-    parts = {k: env[k] for k in CLAIMED if k in env}
-    blob = codec.encode(parts)
-    if len(blob) > MAX_OBJECT:
-        raise E.PayloadTooLarge(
-            f"the request's messages are {len(blob)} bytes; tokenbus takes at most {MAX_OBJECT}"
-        )
+    blob, chars = _encoded_parts(env)
     claim = {
         "owner": owner,
         "id": secrets.token_hex(16),
         "size": len(blob),
         "chunks": -(-len(blob) // CHUNK),
-        "chars": envelope_chars(parts),
+        "chars": chars,
         "pull": True,
     }
     env[CLAIM] = claim
