@@ -365,8 +365,7 @@ class Dispatcher:
         claim = env.get(CLAIM)
         held = bodies.held(claim["id"]) if isinstance(claim, dict) and "id" in claim else None
         if held is not None and asked_by == replica:
-            with contextlib.suppress(Exception):
-                await held.send(self.nc, replica)
+            await held.send(self.nc, replica)  # (it does not raise: a failed send times out)
 
     async def _cancel_on(self, replica: str, p: _Placement) -> None:
         r = self.registry.get(replica)
