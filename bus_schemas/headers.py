@@ -53,8 +53,6 @@ ADMISSION = "Tb-Admission"
 # On an empty frame from a replica to a caller: send me the request's body (a claim by pull,
 # services/bodies.py); the value is the replica's id.
 BODY_PULL = "Tb-Body-Pull"
-# On the last chunk of a body sent on a pull: the sha256 of the whole body.
-BODY_SHA256 = "Tb-Body-Sha256"
 # NATS' own status header (503 = no responders).
 NATS_STATUS = "Status"
 # Limits of the principal as ``rpm,tpm,concurrent`` (empty field = unlimited), set by auth.

@@ -143,27 +143,33 @@ async def test_a_held_body_is_sent_a_bounded_number_of_times(nats_server: Any, n
 
 @pytest.mark.bus
 async def test_a_tampered_short_or_missing_body_is_refused(nc: NATS) -> None:
-    """What a replica receives is checked: a body whose digest does not match is a 400; one
-    that stops short, or never comes (a caller gone), a 503 with Retry-After."""
+    """What a replica receives is checked: a chunk of another size than its place in the
+    body (cut, padded) or a body that is not an envelope's parts is a 400; a body that stops
+    short, or never comes (a caller gone), a 503 with Retry-After."""
     blob = codec.encode({"messages": _body()["messages"]})
-    n = -(-len(blob) // bodies.CHUNK)
+    n = -(-len(blob) // bodies.PULL_CHUNK)
     claim = {"owner": "tb.pulltest", "id": "a" * 32, "size": len(blob), "chunks": n, "pull": True}
 
-    def sender(digest: str, upto: int) -> Any:
+    def sender(body: bytes, upto: int, cut: int | None = None) -> Any:
         async def ask() -> None:
             prefix = subjects.engine_body("pull-r4", claim["id"])
             for i in range(upto):
-                last = {H.BODY_SHA256: digest} if i == n - 1 else None
-                chunk = blob[i * bodies.CHUNK : (i + 1) * bodies.CHUNK]
-                await nc.publish(f"{prefix}.{i}", chunk, headers=last)
+                chunk = body[i * bodies.PULL_CHUNK : (i + 1) * bodies.PULL_CHUNK]
+                await nc.publish(f"{prefix}.{i}", chunk[:-1] if i == cut else chunk)
 
         return ask
 
-    with pytest.raises(E.InvalidRequest, match="sha256"):
-        await bodies.pull(nc, claim, "pull-r4", sender("0" * 64, n), timeout=5)
+    assert await bodies.pull(nc, claim, "pull-r4", sender(blob, n), timeout=5) == {
+        "messages": _body()["messages"]
+    }
+    with pytest.raises(E.InvalidRequest, match="chunk 2 of the wrong size"):
+        await bodies.pull(nc, claim, "pull-r4", sender(blob, n, cut=2), timeout=5)
+    garbage = b"\xc1" * len(blob)  # msgpack's one unused byte: no body decodes from it
+    with pytest.raises(E.InvalidRequest, match="not an encoded body"):
+        await bodies.pull(nc, claim, "pull-r4", sender(garbage, n), timeout=5)
     for upto in (n - 1, 0):
         with pytest.raises(E.ServiceUnavailable) as got:
-            await bodies.pull(nc, claim, "pull-r4", sender("0" * 64, upto), timeout=0.3)
+            await bodies.pull(nc, claim, "pull-r4", sender(blob, upto), timeout=0.3)
         assert got.value.headers["Retry-After"] and f"{upto} of {n}" in got.value.message
 
 
