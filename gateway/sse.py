@@ -269,7 +269,7 @@ async def pump(
                 try:
                     c = await stream.__anext__()
                 except StopAsyncIteration:
-                    break
+                    return  # the end came too: ``buf`` goes with the closing events
                 events(c, buf)
             await send({"type": body, "body": "".join(buf).encode(), "more_body": True})
             buf.clear()

@@ -24,7 +24,17 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gateway.asgi import BODY_NOW, HTTPServer, Receive, Route, RouteTable, Scope, Send
+from gateway.asgi import (
+    BODY_NOW,
+    LATER_MAX,
+    HTTPServer,
+    Receive,
+    Route,
+    RouteTable,
+    Scope,
+    Send,
+    _HeadFirst,
+)
 from tests.support.busdata import new_model
 from tests.support.fuzzstack import assert_chat_served
 from tests.support.natsserver import NatsServer
@@ -380,6 +390,55 @@ async def test_body_now_writes_at_once_until_the_client_falls_behind() -> None:
     assert fixed_resp[0] == 200 and fixed_resp[2] == b"ok"
     assert 0 < seen["refused"] < len(pieces)  # at once at first, then through send
     assert seen["before_start"] is seen["empty"] is seen["after_end"] is seen["fixed"] is False
+
+
+class _Recorded:
+    """The socket side of a response's transport: each write kept as one."""
+
+    def __init__(self) -> None:
+        self.writes: list[bytes] = []
+        self.closed = False
+
+    def write(self, data: bytes) -> None:
+        self.writes.append(data)
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def close(self) -> None:
+        self.closed = True
+
+
+async def _turns(n: int) -> None:
+    for _ in range(n):
+        await asyncio.sleep(0)
+
+
+@pytest.mark.unit
+async def test_pieces_written_from_callbacks_leave_in_one_write_per_turn() -> None:
+    """Issue 70: what ``BodyNow`` writes from the stream's callbacks in one loop turn, and
+    what the response's task writes in the next (the answer's end, come with the last
+    token), leave the bridge in one socket write; a lone piece still goes within two turns;
+    a burst past LATER_MAX goes at once (so flow control sees it); a close writes what is
+    held first."""
+    sock = _Recorded()
+    t = _HeadFirst(sock)
+    t.later(b"a")
+    t.later(b"b")
+    await _turns(1)
+    t.write(b"end")
+    assert sock.writes == [b"abend"]
+    t.later(b"c")
+    await _turns(3)
+    assert sock.writes == [b"abend", b"c"]
+    big = b"x" * LATER_MAX
+    t.later(big)
+    assert sock.writes[-1] == big
+    t.later(b"d")
+    t.close()
+    assert sock.writes[-1] == b"d" and sock.closed
+    await _turns(3)
+    assert sock.writes[-1] == b"d"  # nothing written twice
 
 
 @pytest.mark.unit

@@ -62,3 +62,41 @@ async def test_text_a_stream_hands_its_sink_never_overtakes_what_the_pump_holds(
 
     await pump(send, MovingStream(), Chunk("a", 1, 0), events, [], Progress(t1_ns=0), sink)
     assert b"".join(written) == b"abc"
+
+
+class EndingStream:
+    """A stream whose last chunk ("b") and end arrived together (one NATS message carried
+    the last chunk and the final frame): both are pending when the pump reads "b"."""
+
+    def __init__(self) -> None:
+        self.left = ["b"]
+
+    def push_to(self, sink: Callable[[str], bool] | None) -> None:
+        pass
+
+    def pending(self) -> int:
+        return 1  # the end is here too
+
+    def __aiter__(self) -> EndingStream:
+        return self
+
+    async def __anext__(self) -> Chunk:
+        if self.left:
+            return Chunk(self.left.pop(0), 1, 1)
+        raise StopAsyncIteration
+
+
+async def test_a_last_chunk_that_came_with_the_end_is_left_for_the_closing_write() -> None:
+    """Issue 70: the last text and the answer's end leave in one write (the caller's closing
+    events follow ``buf``), not one write for the text and another for the end."""
+    written: list[bytes] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        written.append(message["body"])
+
+    def events(c: Chunk, buf: list[str]) -> None:
+        buf.append(c.text)
+
+    buf: list[str] = []
+    await pump(send, EndingStream(), Chunk("a", 1, 0), events, buf, Progress(t1_ns=0))
+    assert written == [b"a"] and buf == ["b"]
