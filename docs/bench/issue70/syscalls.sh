@@ -1,21 +1,23 @@
 #!/bin/bash
-# run a short-request bench; sample syscalls of bridge and worker during the tokenbus phase
-cd ${TREE:-/work/main}
-(timeout 600 /work/main/.venv/bin/python -c "import sys; from tokenbus.cli import main; sys.argv[0]='tokenbus'; sys.exit(main())" bench --spawn --max-tokens 2 --upstream --concurrency 64 --requests-per-client ${RPC:-250} --no-progress --out /tmp/b67/sysc-$1.json > /tmp/b67/sysc-$1.log 2>&1 &)
-for i in $(seq 120); do B=$(pgrep -f "serve bridge"); W=$(pgrep -f "serve worker"); N=$(pgrep -f "nats-server -c /tmp/tokenbus-bench"); [ -n "$B" ] && [ -n "$W" ] && break; sleep 0.5; done
-sleep 6
+# Short requests' system calls and CPU per request in the bridge and the worker.
+# usage: docs/bench/issue70/syscalls.sh NAME   (run from a checkout; writes out/NAME.*)
+set -e
+out=${OUT:-bench-results}; mkdir -p "$out"
+(timeout 600 .venv/bin/tokenbus bench --spawn --max-tokens 2 --upstream --concurrency 64 \
+  --requests-per-client ${RPC:-250} --no-progress --out "$out/$1.json" > "$out/$1.log" 2>&1 &)
+for _ in $(seq 120); do
+  B=$(pgrep -f "serve bridge" || true); W=$(pgrep -f "serve worker" || true)
+  [ -n "$B" ] && [ -n "$W" ] && break; sleep 0.5
+done
+sleep 6  # past the direct engine's phase: the tokenbus target runs first
 s() { for p in $B $W; do awk '/syscr|syscw/{printf "%s ", $2}' /proc/$p/io; awk '{printf "%s ", $14+$15}' /proc/$p/stat; done; echo; }
 a=$(s); sleep 10; b=$(s)
-echo "$a" > /tmp/b67/sysc-$1.a; echo "$b" > /tmp/b67/sysc-$1.b
 while pgrep -f "bench --spawn" >/dev/null; do sleep 1; done
-python3 - $1 <<'PY'
-import sys, json
-n = sys.argv[1]
-a = list(map(int, open(f"/tmp/b67/sysc-{n}.a").read().split())); b = list(map(int, open(f"/tmp/b67/sysc-{n}.b").read().split()))
-d = [y - x for x, y in zip(a, b)]
-d2 = json.load(open(f"/tmp/b67/sysc-{n}.json"))
-lv = [l for l in d2["levels"] if l["target"] == "tokenbus-http"][0]
-rps = lv["requests_per_s"]
-req = rps * 10
-print(f"{n}: rps {rps:.0f}; per request: bridge reads {d[0]/req:.1f} writes {d[1]/req:.1f} cpu {d[2]*10/req:.2f} ms | worker reads {d[3]/req:.1f} writes {d[4]/req:.1f} cpu {d[5]*10/req:.2f} ms")
+python3 - "$out/$1.json" "$a" "$b" <<'PY'
+import json, sys
+lv = [x for x in json.load(open(sys.argv[1]))["levels"] if x["target"] == "tokenbus-http"][0]
+d = [int(y) - int(x) for x, y in zip(sys.argv[2].split(), sys.argv[3].split())]
+req = lv["requests_per_s"] * 10
+print(f"rps {lv['requests_per_s']:.0f}; per request: bridge reads {d[0]/req:.1f} writes {d[1]/req:.1f} "
+      f"cpu {d[2]*10/req:.2f} ms | worker reads {d[3]/req:.1f} writes {d[4]/req:.1f} cpu {d[5]*10/req:.2f} ms")
 PY
