@@ -305,9 +305,9 @@ class Service:
         self.failure: GaveUp | None = None
         self._failed = asyncio.Event()
         # token -> (expiry, caller's inbox, subject, what to send to the queue group when it
-        # went to one member whose own subject had no responders)
+        # went to one member whose own subject had no responders, and that subject)
         self._bounces: OrderedDict[
-            str, tuple[float, str, str, tuple[bytes, dict[str, str]] | None]
+            str, tuple[float, str, str, tuple[bytes, dict[str, str], str] | None]
         ] = OrderedDict()
         # token -> (until, request, headers, tries so far): what a bounce from a stage's
         # queue group sends again (kept _RESEND_KEEP_S).
@@ -400,7 +400,7 @@ class Service:
         target = subject if self.members is None else self.members.subject_for(subject)
         hdrs[H.REPLY_TO] = reply
         # Sent to one member: should it have stopped listening, to the queue group after all.
-        again = (data, dict(hdrs)) if target != subject else None
+        again = (data, dict(hdrs), target) if target != subject else None
         token = self._remember_caller(reply, subject, again)
         if again is None:
             self._keep_for_resend(token, data, dict(hdrs), 0)
@@ -416,7 +416,7 @@ class Service:
             ) from None
 
     def _remember_caller(
-        self, reply: str, subject: str, again: tuple[bytes, dict[str, str]] | None = None
+        self, reply: str, subject: str, again: tuple[bytes, dict[str, str], str] | None = None
     ) -> str:
         """Keep ``reply`` for a bounce from ``subject`` under a new token, which is returned;
         forget entries past their time."""
@@ -493,9 +493,9 @@ class Service:
                 return
         if again is not None:
             # One member's own subject: it stopped listening (drained). Its queue group.
+            data, hdrs, member_subject = again
             if self.members is not None:
-                self.members.forget(msg.subject)
-            data, hdrs = again
+                self.members.forget(member_subject)
             await self._send_to_group(reply, subject, data, hdrs, None)
             return
         stage = subject.rpartition(".")[2]

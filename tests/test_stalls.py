@@ -489,6 +489,51 @@ async def test_a_stage_that_comes_back_a_moment_late_is_not_called_absent(
 
 
 @pytest.mark.bus
+async def test_a_member_that_stopped_listening_is_passed_over_after_its_bounce(
+    private_nats: NatsServer, model: str
+) -> None:
+    """A forwarder sends to one member's own subject while another member is stalled; that
+    member has stopped listening (drained): NATS answers no responders, the request goes to
+    the queue group after all, and the forwarder forgets the member, so the next request is
+    not sent to it again (before: it forgot the bounce inbox's subject, which named nobody)."""
+    async with stack(private_nats.url, model, workers=0, with_router=False) as svcs:
+        ingress = svcs["ingress"]
+        nc = await connect(private_nats.url, "members-gone")
+        c = await Client.connect(private_nats.url)
+        route = subjects.stage(subjects.STAGE_ROUTE)
+        x = members.Beat(nc, "x", [subjects.STAGE_ROUTE], every=0.1)
+        y = members.Beat(nc, "y", [subjects.STAGE_ROUTE], every=0.1)
+        try:
+            x.start()
+            y.start()
+            await wait_for(
+                lambda: ingress.members.live(subjects.STAGE_ROUTE) == (["x", "y"], 2), timeout=10
+            )
+            assert y._task is not None
+            y._task.cancel()  # stalled: no beat, no "gone"
+            only_x = subjects.to_member("x", route)
+            await wait_for(lambda: ingress.members.subject_for(route) == only_x, timeout=10)
+            arrived: list[Any] = []
+
+            async def take(msg: Any) -> None:
+                arrived.append(msg)
+
+            # x listens only on the queue group: its own subject has no responders.
+            await nc.subscribe(route, queue="gone", cb=take)
+            await nc.flush()
+            s = c.chat(model, PROMPT, max_tokens=2)
+            await s.start()
+            await wait_for(lambda: arrived, timeout=10, what="the request sent to the group")
+            assert ingress.bounces >= 1
+            assert ingress.members.subject_for(route) != only_x
+            await s.aclose()
+        finally:
+            await x.gone()
+            await c.close()
+            await nc.close()
+
+
+@pytest.mark.bus
 async def test_senders_pass_over_a_member_that_stopped_beating(nats_server: NatsServer) -> None:
     """Two members of a stage's queue group beat; one stops (a paused process): a sender
     sends to the other by its own subject, and to the queue group again once the one that
