@@ -23,11 +23,14 @@ an answer has handed its record to the bus already.
 Records survive a telemetry outage: the subject is captured by the JetStream stream
 :data:`STREAM` (``TOKENBUS_USAGE``), and the recorder publishes each message with an id
 (``Nats-Msg-Id``, the stream drops a repeat) and waits for the stream's ack off the request's
-path, trying again with the same id for up to :data:`PUBLISH_FOR_S` (a stream whose leader
-was lost answers "no leader" for the seconds its replicas take to elect another: nats-server
-waits 4 to 9 s before an election, and a node that restarts must catch up first). A message
-the stream never acknowledged in that time is counted in
-``tokenbus_telemetry_publish_failed_total`` (records), never raised. A worker's usage
+path, trying again with the same id (a stream whose leader was lost answers "no leader" for
+the seconds its replicas take to elect another: nats-server waits 4 to 9 s before an
+election, and a node that restarts must catch up first; a site's link to the hub may be cut
+for minutes). A message the stream has not acknowledged after :data:`PUBLISH_FOR_S` is
+counted in ``tokenbus_telemetry_publish_overdue_total`` and tried every
+:data:`PUBLISH_SLOW_S` while the process runs; one it could not even hold (past
+:data:`MAX_IN_FLIGHT` waiting) in ``tokenbus_telemetry_publish_failed_total``; never
+raised. A worker's usage
 reports that settle spend (services/usage.py) go the same way (:meth:`Recorder.send_first`):
 the spend stream keeps them, and a report it did not take is a request never charged. Each
 record is known by :func:`record_id`, with which the telemetry service stores it once,
@@ -106,11 +109,22 @@ SPEND_PUBLISH_FAILED = Counter(
     "Usage reports that settle spend the spend stream never acknowledged (their requests' "
     "holds expire uncharged unless the admitting limiter heard them)",
 )
+PUBLISH_OVERDUE = Counter(
+    "tokenbus_telemetry_publish_overdue_total",
+    "Messages (usage records, spend reports) their stream had not acknowledged after "
+    "PUBLISH_FOR_S; still tried, every PUBLISH_SLOW_S, while the process runs",
+)
 PUBLISH_ACK_S = 2.0  # how long one try waits for the stream's ack
-# Tries go on this long, well inside the streams' duplicate windows (two minutes: a try
+# Tries go on at once this long, inside the streams' duplicate windows (two minutes: a try
 # whose first copy landed unacknowledged is dropped as a repeat), so a leader election
-# (seconds) or a node restarting costs no record.
+# (seconds) or a node restarting costs no record and no repeat in the stream. Past it a
+# message is overdue (counted, logged) and tried every PUBLISH_SLOW_S for as long as the
+# process runs: a site whose link to the hub is cut for minutes (issue 71) delivers its
+# records when the link is back. A repeat past the window is one more copy in the stream,
+# which its readers drop: the telemetry store keeps a record once by its id, a spend hold
+# settles once.
 PUBLISH_FOR_S = 60.0
+PUBLISH_SLOW_S = 5.0
 PUBLISH_BACKOFF_S = (0.1, 0.25, 0.5, 1.0)  # then every second, each spread by ±25 %
 MAX_IN_FLIGHT = 8192  # messages waiting for their ack; beyond, a new one counts as failed
 
@@ -235,9 +249,10 @@ def spool_for(cfg: config.TelemetrySettings, role: str, name: str) -> Spool | No
 class Recorder:
     """One connection's records, sent together: fire and forget for the caller, never raises,
     never waits for the telemetry service. Each message waits for the stream's ack in a
-    task of its own (tried again with the same message id for up to :data:`PUBLISH_FOR_S`,
-    so the stream keeps it once); one never acknowledged is counted (:data:`PUBLISH_FAILED`,
-    :attr:`failed`)."""
+    task of its own (tried again with the same message id until acknowledged, so the stream
+    keeps it once while inside its duplicate window); one overdue is counted
+    (:data:`PUBLISH_OVERDUE`, :attr:`overdue`), one not held at all too
+    (:data:`PUBLISH_FAILED`, :attr:`failed`)."""
 
     def __init__(self, nc: NATS, spool: Spool | None = None) -> None:
         self.nc = nc
@@ -254,7 +269,9 @@ class Recorder:
         self.failed = 0  # records never acknowledged by the stream
         self.failed_reports = 0  # spend reports never acknowledged by theirs
         self.acked = 0  # messages the stream acknowledged (a repeat it dropped included)
-        self.retries = 0  # tries that got no ack (each tried again until PUBLISH_FOR_S)
+        self.retries = 0  # tries that got no ack (each tried again until acknowledged)
+        self.overdue = 0  # messages past PUBLISH_FOR_S without an ack, still tried
+        self._overdue_warned_at = -1e9
         # Acks come back under an inbox of this recorder's own (the locked bus lets
         # publishers read ``subjects.records_ack_root()`` and nothing else of other inboxes).
         self._root = f"{subjects.records_ack_root()}.{uuid.uuid4().hex[:12]}"
@@ -420,24 +437,44 @@ class Recorder:
         put: tuple[str, asyncio.Future[bytes]] | None = None,
         to: str = "",
     ) -> None:
-        """Try until the stream acknowledges or :data:`PUBLISH_FOR_S` has passed. ``n``: the
-        records the message holds (0: a spend report on ``to``)."""
+        """Try until the stream acknowledges: at once for :data:`PUBLISH_FOR_S`, then, the
+        message counted overdue, every :data:`PUBLISH_SLOW_S` while the process runs (a
+        process that stops leaves it in its spool, if it has one). ``n``: the records the
+        message holds (0: a spend report on ``to``)."""
         msg_id = msg_id or uuid.uuid4().hex
-        give_up = time.monotonic() + PUBLISH_FOR_S
+        overdue_at = time.monotonic() + PUBLISH_FOR_S
+        overdue = False
         for i in itertools.count():
             if await self._try(data, msg_id, put if i == 0 else None, to):
                 self.acked += 1
+                if overdue:
+                    self.overdue -= 1
                 if self.spool is not None:
                     self.spool.acked(msg_id)
                 return
             self.retries += 1
             wait = PUBLISH_BACKOFF_S[min(i, len(PUBLISH_BACKOFF_S) - 1)]
-            wait *= random.uniform(0.75, 1.25)  # tries of many messages spread out
-            if time.monotonic() + wait >= give_up:
-                break
-            await asyncio.sleep(wait)
-        # Still in the spool, if there is one: the next process on it sends it again.
-        self._lost(n, f"{'the spend' if to else 'the telemetry'} stream did not acknowledge")
+            if not overdue and time.monotonic() + wait >= overdue_at:
+                overdue = True
+                self._overdue(n, to)
+            if overdue:
+                wait = PUBLISH_SLOW_S
+            await asyncio.sleep(wait * random.uniform(0.75, 1.25))  # many messages spread
+
+    def _overdue(self, n: int, to: str) -> None:
+        """A message (``n`` records; 0: a spend report) not acknowledged in PUBLISH_FOR_S."""
+        self.overdue += 1
+        PUBLISH_OVERDUE.inc()
+        now = time.monotonic()
+        if now - self._overdue_warned_at > 60:  # one line a minute at most
+            self._overdue_warned_at = now
+            tlog.get("telemetry").warning(
+                "telemetry_publish_overdue",
+                records=n,
+                overdue_now=self.overdue,
+                why=f"{'the spend' if to else 'the telemetry'} stream has not acknowledged "
+                f"for {PUBLISH_FOR_S:g} s; still trying every {PUBLISH_SLOW_S:g} s",
+            )
 
     def _lost(self, n: int, why: str) -> None:
         """``n`` records (0: one spend report) given up."""

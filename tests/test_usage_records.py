@@ -318,26 +318,63 @@ async def test_a_malformed_record_is_acked_and_counted_as_dropped(
 
 
 @pytest.mark.stack
-async def test_a_record_the_stream_never_acknowledges_is_counted_not_raised(
+async def test_a_record_the_stream_does_not_acknowledge_is_counted_overdue_not_raised(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # A bus without JetStream: nothing keeps the records, and the recorder says so.
+    # A bus without JetStream: nothing keeps the records, and the recorder says so: overdue
+    # past PUBLISH_FOR_S, still tried (not given up, not raised).
     monkeypatch.setattr(records, "PUBLISH_BACKOFF_S", (0.01,))
     monkeypatch.setattr(records, "PUBLISH_FOR_S", 0.2)
+    monkeypatch.setattr(records, "PUBLISH_SLOW_S", 0.05)
     port = free_port()
     proc = spawn_nats(port, "-a", "127.0.0.1", "-p", str(port))
     try:
         async with connection(f"nats://127.0.0.1:{port}") as nc:
-            before = records.PUBLISH_FAILED._value.get()
+            before = records.PUBLISH_OVERDUE._value.get()
             recorder = records.Recorder(nc)
             for i in range(5):
                 recorder.add(rec(f"x{i}"))
             recorder._send()
-            await wait_for(lambda: recorder.failed == 5, timeout=30, what="counted failed")
-            assert records.PUBLISH_FAILED._value.get() - before == 5
+            await wait_for(lambda: recorder.overdue == 1, timeout=30, what="counted overdue")
+            assert records.PUBLISH_OVERDUE._value.get() - before == 1  # one message of five
+            tries = recorder.retries
+            await wait_for(lambda: recorder.retries > tries + 2, timeout=30, what="tried on")
+            assert recorder.failed == 0
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+@pytest.mark.bus
+async def test_records_and_a_spend_report_overdue_for_minutes_still_land_once(
+    private_nats: NatsServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 71: a site cut off from the hub for longer than the recorder's quick tries
+    (PUBLISH_FOR_S, a minute; here shrunk) delivers its records and spend reports when the
+    streams can be reached again, each once (before, they were given up and lost)."""
+    from auth.ratelimit import spend_stream_config
+    from bus_schemas import subjects
+
+    monkeypatch.setattr(records, "PUBLISH_BACKOFF_S", (0.02,))
+    monkeypatch.setattr(records, "PUBLISH_FOR_S", 0.2)
+    monkeypatch.setattr(records, "PUBLISH_SLOW_S", 0.1)
+    async with connection(private_nats.url) as nc:
+        js = nc.jetstream()
+        recorder = records.Recorder(nc)
+        recorder._made_stream = True  # as a worker on the locked bus: it may not make it
+        recorder.add(rec("cut-1"))
+        spend = subjects.usage_spend("limiter-a")
+        recorder.send_first(spend, codec.encode({"request_id": "cut-1", "spend": "x"}))
+        await recorder.send_now()
+        await wait_for(lambda: recorder.overdue == 2, timeout=20, what="both overdue")
+        tries = recorder.retries
+        await wait_for(lambda: recorder.retries > tries + 4, timeout=20, what="tried on")
+        await open_stream(js, records.stream_config())
+        await open_stream(js, spend_stream_config())
+        await wait_for(lambda: recorder.acked == 2, timeout=20, what="both acknowledged")
+        assert recorder.overdue == 0 and recorder.failed == 0 and recorder.failed_reports == 0
+        for stream in (records.STREAM, subjects.SPEND_STREAM):
+            assert (await js.stream_info(stream)).state.messages == 1, stream
 
 
 @pytest.mark.bus
