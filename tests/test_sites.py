@@ -488,3 +488,102 @@ def test_compose_generate_puts_a_gpu_host_at_a_site(tmp_path: Path) -> None:
         assert svc["environment"]["TOKENBUS_NATS_URL"] == "nats://site-nats:4222"
     bad = run_cli("compose", "generate", "--gpus", "1", "--model", "m", "--tp", "1", "--site", "x")
     assert bad.returncode == 2 and "--site go with --bus" in bad.stderr
+
+
+async def _records_of(url: str, admin: dict[str, Any], request_id: str) -> list[dict[str, Any]]:
+    """The usage records of ``request_id`` in the hub's records stream, every copy kept."""
+    from bus_schemas import codec
+    from telemetry import records
+
+    nc = await nats.connect(url, **admin)
+    try:
+        js = nc.jetstream()
+        total = (await js.stream_info(records.STREAM)).state.last_seq
+        out: list[dict[str, Any]] = []
+        for seq in range(1, total + 1):
+            try:
+                msg = await js.get_msg(records.STREAM, seq)
+            except Exception:  # a gap (none expected: nothing is deleted here)
+                continue
+            data = codec.decode_map(msg.data or b"")
+            for r in data.get("records", [data]) if "request_id" not in data else [data]:
+                if isinstance(r, dict) and r.get("request_id") == request_id:
+                    out.append(r)
+        return out
+    finally:
+        await nc.close()
+
+
+async def test_a_stream_crossing_a_link_that_stalls_moves_and_its_record_lands_after(
+    tmp_path: Path,
+) -> None:
+    """Issue 71, item 3: a request being answered at a site when the site's link stalls
+    (open, nothing crossing) is moved to the other site in bounded time and ends whole (every
+    token asked for, counted once); the cut-off worker's usage record, which could not cross,
+    is delivered once the link is back, and once."""
+    from telemetry import records
+
+    leaf = free_port()
+    async with WanLink(leaf) as link_a, WanLink(leaf) as link_b:
+        bus = Bus(
+            tmp_path / "bus", ["a", "b"], leaf_port=leaf, dial={"a": link_a.port, "b": link_b.port}
+        )
+        url, admin = bus.url(), bus.admin()
+        links = {"a": link_a, "b": link_b}
+        by_replica = {SITES[s][0]: s for s in SITES}
+        try:
+            hub = await nats.connect(url, **admin)
+            try:  # the records' stream on the hub (a telemetry service would make it)
+                await hub.jetstream().add_stream(records.stream_config())
+            finally:
+                await hub.close()
+            with Procs(url, tmp_path) as procs:
+                await _hub_stack(procs, bus, router_site="hub")
+                for site, (replica,) in SITES.items():
+                    procs.start(
+                        f"worker-{site}",
+                        *("serve", "worker", "--model", MODEL, "--replica", replica),
+                        # 8 s an answer: far from done when its first token is read, even
+                        # on a loaded machine
+                        *("--sim-decode-ms", "40"),
+                        env=bus.site_worker_env(site),
+                    )
+                await wait_for(
+                    lambda: _eq(_live(url, admin), set(by_replica)),
+                    timeout=60,
+                    what="both sites' replicas",
+                )
+                async with await Client.connect(url, **admin) as tb:
+                    s = tb.chat(MODEL, MSG, max_tokens=200, ignore_eos=True)
+                    await s.__anext__()
+                    served_at = s.replica
+                    assert served_at in by_replica, served_at
+                    cut_site = by_replica[served_at]
+                    links[cut_site].stall()
+                    loop = asyncio.get_running_loop()
+                    cut_at = loop.time()
+                    moved_in = None
+                    async for _ in s:
+                        if moved_in is None and s.replica != served_at:
+                            moved_in = loop.time() - cut_at  # text from the other site
+                    assert s.migrations >= 1 and s.replica != served_at
+                    assert s.usage is not None and s.usage.completion_tokens == 200
+                    print(f"moved from site {cut_site}: its text again after {moved_in:.1f} s")
+                    assert moved_in is not None and moved_in < 30
+                    rid = s.request_id
+                    links[cut_site].heal()
+
+                    async def cut_record() -> bool:
+                        got = await _records_of(url, admin, rid)
+                        return any(r.get("replica") == served_at for r in got)
+
+                    await wait_for(cut_record, timeout=60, what="the cut site's record")
+                    got = await _records_of(url, admin, rid)
+                    from_cut = [r for r in got if r.get("replica") == served_at]
+                    assert len(from_cut) == 1, from_cut  # delivered once
+        finally:
+            bus.stop()
+
+
+async def _live(url: str, admin: dict[str, Any]) -> set[str]:
+    return set(await live_replicas(url, MODEL, 0.5, **admin))
