@@ -45,7 +45,13 @@ def parse_sites(specs: list[str]) -> dict[str, list[str]]:
 def hub_leaf_block(tls: TlsFiles | None, listen: str = f"0.0.0.0:{LEAF_PORT}") -> str:
     """The hub node's ``leafnodes`` block: where sites dial in. No authorization of its own:
     a site logs in as its ``site-<name>`` user of account TB, whose permissions bound the
-    link. With TLS, the link is encrypted and the site checks the hub's certificate."""
+    link. With TLS, the link is encrypted and the site checks the hub's certificate.
+    ``no_advertise``: the hub does not tell a site its own leaf addresses (nats-server's
+    default), so a site that reconnects dials only the hub URL it was given (a load
+    balancer, a name that resolves from the site), not a node's address as the node sees
+    it: a container's, unreachable from the site, or one past a proxy the link is meant
+    to cross (tests/test_sites.py cut the link at its proxy, and the site came back around
+    it)."""
     tls_block = ""
     if tls is not None:
         tls_block = (
@@ -55,7 +61,7 @@ def hub_leaf_block(tls: TlsFiles | None, listen: str = f"0.0.0.0:{LEAF_PORT}") -
             "    timeout: 2\n"
             "  }\n"
         )
-    return f"leafnodes {{\n  listen: {json.dumps(listen)}\n{tls_block}}}\n"
+    return f"leafnodes {{\n  listen: {json.dumps(listen)}\n  no_advertise: true\n{tls_block}}}\n"
 
 
 def remote_url(hub_url: str, user: str, password: str) -> str:
