@@ -180,6 +180,45 @@ def _kept(cur: dict[str, Any], now: float) -> dict[str, Any]:
     }
 
 
+# A hold dropped unsettled (its report did not come by its deadline and the grace) is kept
+# this long as lapsed, at most LAPSED_MAX per entry (the newest): a report that comes later
+# still (a site cut off from the hub for minutes, whose worker tried its report again until
+# the link was back: telemetry/records.py) charges it then, once. Without it a late report
+# found no hold and charged nothing, and holds are how a report is charged once, so it
+# cannot simply charge without one.
+LAPSED_KEEP_S = 6 * 3600.0
+LAPSED_MAX = 256
+
+
+def _lapsed(cur: dict[str, Any], now: float) -> dict[str, Any]:
+    """The entry's lapsed holds after this change: those kept (``[amount, lapsed at]``,
+    younger than :data:`LAPSED_KEEP_S`) and the holds of ``cur`` that lapse now."""
+    out = {
+        k: v
+        for k, v in (cur.get("lapsed") or {}).items()
+        if isinstance(v, list) and len(v) >= 2 and float(v[1]) + LAPSED_KEEP_S > now
+    }
+    for k, v in (cur.get("held") or {}).items():
+        if isinstance(v, list) and len(v) >= 2 and float(v[1]) + HOLD_GRACE_S <= now:
+            out[k] = [int(v[0]), round(now, 1)]
+    if len(out) > LAPSED_MAX:
+        out = dict(sorted(out.items(), key=lambda kv: float(kv[1][1]))[-LAPSED_MAX:])
+    return out
+
+
+def _entry(cur: dict[str, Any], now: float, **changes: Any) -> dict[str, Any]:
+    """``cur`` with ``changes`` (its ``held`` among them) and its lapsed holds carried on."""
+    out = {**cur, **changes, "lapsed": _lapsed(cur, now)}
+    if not out["lapsed"]:
+        del out["lapsed"]
+    return out
+
+
+def _lapsing(cur: dict[str, Any]) -> dict[str, Any]:
+    """What of ``cur`` :func:`_entry` reads to carry its lapsed holds on."""
+    return {k: cur[k] for k in ("held", "lapsed") if k in cur}
+
+
 def _in_flight(held: dict[str, Any], now: float) -> int:
     """What ``held``'s live holds hold (each hold ``[amount, deadline, ...]``)."""
     return sum(int(v[0]) for v in held.values() if float(v[1]) > now)
@@ -345,12 +384,12 @@ class SpendBook:
                         dups = list(was[3]) if len(was) > 3 else []
                         amount_ = max(int(was[0]), amount)
                         held[request_id] = [amount_, deadline_s, _copies(was) + 1, dups]
-                        return {"spent": spent, "held": held}
+                        return _entry({"spent": spent, **_lapsing(cur)}, now, held=held)
                     in_flight = _in_flight(held, now)
                     if b.hard is not None and spent + in_flight + amount > b.hard:
                         raise _over(b, spent, in_flight)
                     held[request_id] = [amount, deadline_s]
-                    return {"spent": spent, "held": held}
+                    return _entry({"spent": spent, **_lapsing(cur)}, now, held=held)
 
                 await self._cas(entry, take)
                 hold.budgets.append((b, entry))
@@ -451,9 +490,17 @@ class SpendBook:
                 if held.pop(hold.request_id, None) is not None:
                     # (Where a copy run unread noted its charge but has not made it yet,
                     # this report's own price: the copy then finds the hold gone.)
-                    return {**cur, "spent": spent + (actual if unread else price), "held": held}
+                    charged = spent + (actual if unread else price)
+                    return _entry(cur, now, spent=charged, held=held)
                 if replaced is not None:  # charged once already: corrected to this price
-                    return {**cur, "spent": max(0, spent - replaced + price), "held": held}
+                    return _entry(cur, now, spent=max(0, spent - replaced + price), held=held)
+                lapsed = _lapsed(cur, now)
+                if not superseding and lapsed.pop(hold.request_id, None) is not None:
+                    # A report later than its hold (LAPSED_KEEP_S): charged now, once.
+                    out = {**cur, "spent": spent + price, "held": held, "lapsed": lapsed}
+                    if not lapsed:
+                        del out["lapsed"]
+                    return out
                 raise _Settled  # settled already, or never held in this entry
 
             by = _BY_SUPERSEDE if superseding else rank
@@ -499,7 +546,7 @@ class SpendBook:
                 raise _Settled
             left.append(True)
             held[request_id] = [v[0], v[1], _copies(v) - 1, [*dups, replica][-8:]]
-            return {**cur, "held": held}
+            return _entry(cur, now, held=held)
 
         with contextlib.suppress(_Settled):
             await self._cas(entry, leave)

@@ -1015,3 +1015,37 @@ async def test_a_request_id_no_ticket_can_carry_gets_one_of_the_limiters_own(
         assert rid in hdrs[H.ADMISSION]
     finally:
         await nc.close()
+
+
+@pytest.mark.bus
+async def test_a_report_later_than_its_hold_still_charges_once(nats_server: Any) -> None:
+    """Issue 71: a worker at a site cut off from the hub for minutes sends its report when
+    the link is back, after its request's hold lapsed (deadline plus HOLD_GRACE_S). It is
+    charged then, by whichever limiter settles it, and once: its copies change nothing.
+    Before, a report that found no hold charged nothing (the request was free)."""
+    nc = await nats.connect(nats_server.url)
+    try:
+        book = await budgets.SpendBook(nc).open()
+        key = budgets.Budget(f"k.late{time.time_ns()}", "day", None, None)
+        lapsed_at = time.time() - budgets.HOLD_GRACE_S - 1
+        hold = await book.reserve([key], "late-1", 500, lapsed_at)
+        assert (await book.spent(key)) == (0, 0)  # lapsed: held against nothing
+
+        def report() -> Any:
+            return budgets.Hold("late-1", 0, list(hold.budgets))
+
+        # The limiter that admitted it is gone; others settle the report and its copies.
+        other, third = budgets.SpendBook(nc), budgets.SpendBook(nc)
+        await other.open()
+        await third.open()
+        await other.settle(report(), 130, produced=30)
+        assert (await book.spent(key)) == (130, 0)
+        await other.settle(report(), 130, produced=30)
+        await third.settle(report(), 130, produced=30)
+        assert (await book.spent(key)) == (130, 0)
+        # A request of the same entry admitted and settled meanwhile keeps its own charge.
+        live = await book.reserve([key], "live-1", 100, time.time() + 60)
+        await book.settle(live, 40)
+        assert (await book.spent(key)) == (170, 0)
+    finally:
+        await nc.close()
