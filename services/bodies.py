@@ -385,8 +385,8 @@ _held: weakref.WeakValueDictionary[str, Held] = weakref.WeakValueDictionary()
 class Held:
     """A body kept by its caller for a claim by pull, and its sends."""
 
-    def __init__(self, claim: dict[str, Any], blob: bytes) -> None:
-        self.claim, self.blob = claim, blob
+    def __init__(self, claim: dict[str, Any], enc: _Encoded) -> None:
+        self.claim, self._enc, self.blob = claim, enc, enc.blob
         self.sent = 0
         _held[claim["id"]] = self
 
@@ -411,20 +411,41 @@ def held(object_id: str) -> Held | None:
     return _held.get(object_id)
 
 
+class _Encoded:
+    """Claimed parts encoded once for every held body that carries the very same ones (a
+    request's ``n`` choices are ``n`` requests on the bus sharing one ``messages`` list):
+    one encoding and one copy in memory, not ``n``. Kept while a held body refers to it
+    (a weak map); its values are held too, so that their identities, the key, stay theirs."""
+
+    __slots__ = ("__weakref__", "blob", "chars", "values")
+
+    def __init__(self, values: tuple[Any, ...], env: dict[str, Any]) -> None:
+        self.values = values
+        self.blob, self.chars = _encoded_parts(env)
+
+
+_encodings: weakref.WeakValueDictionary[tuple[int, ...], _Encoded] = weakref.WeakValueDictionary()
+
+
 def hold(env: dict[str, Any], owner: str) -> Held:
     """Keep ``env``'s claimed parts here and set ``env['claim']`` (a claim by pull) to name
-    them; 413 past :data:`MAX_OBJECT`."""
-    blob, chars = _encoded_parts(env)
+    them; 413 past :data:`MAX_OBJECT`. Each call its own claim (its own id, its own pulls);
+    the encoding is shared with the held bodies of the same parts (:class:`_Encoded`)."""
+    values = tuple(env[k] for k in CLAIMED if k in env)
+    key = tuple(id(v) for v in values)
+    enc = _encodings.get(key)
+    if enc is None or any(a is not b for a, b in zip(enc.values, values, strict=True)):
+        enc = _encodings[key] = _Encoded(values, env)
     claim = {
         "owner": owner,
         "id": secrets.token_hex(16),
-        "size": len(blob),
-        "chunks": -(-len(blob) // PULL_CHUNK),
-        "chars": chars,
+        "size": len(enc.blob),
+        "chunks": -(-len(enc.blob) // PULL_CHUNK),
+        "chars": enc.chars,
         "pull": True,
     }
     env[CLAIM] = claim
-    return Held(claim, blob)
+    return Held(claim, enc)
 
 
 async def pull(

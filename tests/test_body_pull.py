@@ -185,3 +185,41 @@ def test_a_claim_by_pull_is_refused_where_it_cannot_be_pulled() -> None:
         bodies.check_claim({**claim, "sha256": "c" * 64}, pull_ok=True)
     with pytest.raises(E.InvalidRequest, match=r"claim\.pull"):
         bodies.check_claim({**claim, "pull": "yes"}, pull_ok=True)
+
+
+@pytest.mark.bus
+async def test_the_choices_of_one_request_share_one_encoding_of_its_body(
+    nats_server: Any, nc: NATS
+) -> None:
+    """A request's ``n`` choices are ``n`` requests on the bus with one ``messages`` list
+    (gateway/validation.py per_choice): each holds its own claim (its id, its pulls) over one
+    encoding of the body, not ``n`` copies. A request with other messages gets its own."""
+    async with await Client.connect(nats_server.url) as c:
+        placed = _Placed("pull-r5")
+        await _heard(c, nc, "pull-r5")
+        body = _body()
+        streams = []
+        for i in range(3):
+            s = c.submit("chat", {**body, "seed": i}, sender=placed)
+            s.pull_bodies = True
+            await s.start()
+            streams.append(s)
+        claims = [codec.decode_map(data)["claim"] for data, _, _ in placed.sent]
+        held = [bodies.held(cl["id"]) for cl in claims]
+        assert len({cl["id"] for cl in claims}) == 3 and all(h is not None for h in held)
+        assert held[0].blob is held[1].blob is held[2].blob  # type: ignore[union-attr]
+        other = c.submit("chat", _body(), sender=placed)  # equal messages, another list
+        other.pull_bodies = True
+        await other.start()
+        mine = bodies.held(codec.decode_map(placed.sent[-1][0])["claim"]["id"])
+        assert mine is not None and mine.blob is not held[0].blob  # type: ignore[union-attr]
+        # Each choice's replica pulls its own claim and gets the body whole.
+        for (_, _, reply), claim in zip(placed.sent[1:3], claims[1:3], strict=True):
+
+            async def ask(reply: str = reply) -> None:
+                await nc.publish(reply, b"", headers={H.BODY_PULL: "pull-r5"})
+
+            parts = await bodies.pull(nc, claim, "pull-r5", ask, timeout=10)
+            assert parts == {"messages": body["messages"]}
+        for s in [*streams, other]:
+            await s.aclose()
