@@ -664,6 +664,12 @@ async def test_three_sites_through_a_cut_link_and_a_slow_one(tmp_path: Path) -> 
             loop = asyncio.get_running_loop()
             t0 = loop.time()
             phase = ["before"]
+            crossed: dict[str, dict[str, int]] = {}  # bytes over each link, at each phase's end
+
+            def next_phase(name: str) -> None:
+                crossed[phase[0]] = {k: ln.up + ln.down for k, ln in links.items()}
+                phase[0] = name
+
             done: list[dict[str, Any]] = []
             stop = asyncio.Event()
 
@@ -693,7 +699,7 @@ async def test_three_sites_through_a_cut_link_and_a_slow_one(tmp_path: Path) -> 
                 load = [asyncio.ensure_future(client(tb, k)) for k in range(clients)]
                 try:
                     await wait_for(lambda: len(done) >= 4 * clients, timeout=60, what="load")
-                    phase[0] = "cut"
+                    next_phase("cut")
                     links["a"].cut()
                     cut_at = loop.time()
                     await wait_for(
@@ -703,19 +709,19 @@ async def test_three_sites_through_a_cut_link_and_a_slow_one(tmp_path: Path) -> 
                     )
                     dropped_in = loop.time() - cut_at
                     await asyncio.sleep(max(0.0, fault_s - (loop.time() - cut_at)))
-                    phase[0] = "healed"
+                    next_phase("healed")
                     links["a"].heal()
                     healed_at = loop.time()
                     await wait_for(
                         lambda: _eq(_live(url, admin), set(site_of)), timeout=60, what="a back"
                     )
                     back_in = loop.time() - healed_at
-                    phase[0] = "slow"
+                    next_phase("slow")
                     links["a"].delay_s = slow_s
                     slow_at = loop.time()
                     await asyncio.sleep(fault_s)
                     links["a"].delay_s = 0.0
-                    phase[0] = "after"
+                    next_phase("after")
                     after_at = loop.time()
                     await wait_for(
                         lambda: sum(d["t"] >= after_at - t0 for d in done) >= 4 * clients,
@@ -725,6 +731,7 @@ async def test_three_sites_through_a_cut_link_and_a_slow_one(tmp_path: Path) -> 
                 finally:
                     stop.set()
                     await asyncio.gather(*load)
+                    next_phase("end")
             answered = {d["rid"] for d in done if d["ok"]}
 
             async def every_record() -> bool:
@@ -748,10 +755,19 @@ async def test_three_sites_through_a_cut_link_and_a_slow_one(tmp_path: Path) -> 
         "record_copies_over_one": len(recs)
         - len({(r.get("request_id"), r.get("replica")) for r in recs}),
     }
-    for name in ("before", "cut", "healed", "slow", "after"):
+    names = ("before", "cut", "healed", "slow", "after")
+    for i, name in enumerate(names):
         ds = [d for d in done if d["phase"] == name]
         ok = [d for d in ds if d["ok"]]
+        by_site = Counter(d["site"] for d in ok)
+        was = crossed[names[i - 1]] if i else dict.fromkeys(links, 0)
+        # Bytes over each site's link per request it served in this phase (the requests,
+        # their frames and records, and the site's heartbeats and KV events of that time).
+        per_request = {
+            k: round((crossed[name][k] - was[k]) / by_site[k]) for k in links if by_site[k]
+        }
         summary["phases"][name] = {
+            "link_bytes_per_request": per_request,
             "requests": len(ds),
             "answered": len(ok),
             "errors": dict(Counter(d["code"] for d in ds if not d["ok"])),
