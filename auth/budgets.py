@@ -206,10 +206,15 @@ def _lapsed(cur: dict[str, Any], now: float) -> dict[str, Any]:
     return out
 
 
-def _entry(cur: dict[str, Any], now: float, **changes: Any) -> dict[str, Any]:
-    """``cur`` with ``changes`` (its ``held`` among them) and its lapsed holds carried on."""
-    out = {**cur, **changes, "lapsed": _lapsed(cur, now)}
-    if not out["lapsed"]:
+def _entry(
+    cur: dict[str, Any], now: float, live: str | None = None, **changes: Any
+) -> dict[str, Any]:
+    """``cur`` with ``changes`` (its ``held`` among them) and its lapsed holds carried on,
+    but for ``live``'s (a new hold under that id)."""
+    lapsed = _lapsed(cur, now)
+    lapsed.pop(live or "", None)
+    out = {**cur, **changes, "lapsed": lapsed}
+    if not lapsed:
         del out["lapsed"]
     return out
 
@@ -389,7 +394,11 @@ class SpendBook:
                     if b.hard is not None and spent + in_flight + amount > b.hard:
                         raise _over(b, spent, in_flight)
                     held[request_id] = [amount, deadline_s]
-                    return _entry({"spent": spent, **_lapsing(cur)}, now, held=held)
+                    # A hold of this id that lapsed is forgotten: the id is live again, and
+                    # its report settles the live hold, once.
+                    return _entry(
+                        {"spent": spent, **_lapsing(cur)}, now, held=held, live=request_id
+                    )
 
                 await self._cas(entry, take)
                 hold.budgets.append((b, entry))

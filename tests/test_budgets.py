@@ -1047,5 +1047,12 @@ async def test_a_report_later_than_its_hold_still_charges_once(nats_server: Any)
         live = await book.reserve([key], "live-1", 100, time.time() + 60)
         await book.settle(live, 40)
         assert (await book.spent(key)) == (170, 0)
+        # An id whose hold lapsed, admitted again: its report settles the live hold, once
+        # (the lapsed one does not make a copy of that report charge twice).
+        gone = await book.reserve([key], "again-1", 500, lapsed_at)
+        again = await book.reserve([key], "again-1", 100, time.time() + 60)
+        await other.settle(budgets.Hold("again-1", 0, list(again.budgets)), 60)
+        await third.settle(budgets.Hold("again-1", 0, list(gone.budgets)), 60)
+        assert (await book.spent(key)) == (230, 0)
     finally:
         await nc.close()
