@@ -271,7 +271,7 @@ class Recorder:
         self.acked = 0  # messages the stream acknowledged (a repeat it dropped included)
         self.retries = 0  # tries that got no ack (each tried again until acknowledged)
         self.overdue = 0  # messages past PUBLISH_FOR_S without an ack, still tried
-        self._overdue_warned_at = -1e9
+        self._warned: dict[str, float] = {}  # when each warning was last logged
         # Acks come back under an inbox of this recorder's own (the locked bus lets
         # publishers read ``subjects.records_ack_root()`` and nothing else of other inboxes).
         self._root = f"{subjects.records_ack_root()}.{uuid.uuid4().hex[:12]}"
@@ -280,7 +280,6 @@ class Recorder:
         self._subscribing = asyncio.Lock()
         self._seq = itertools.count()
         self._made_stream = False
-        self._warned_at = 0.0
 
     async def open(self) -> Recorder:
         """With a spool: open it, send again what gone processes' spools still owe, and
@@ -465,16 +464,20 @@ class Recorder:
         """A message (``n`` records; 0: a spend report) not acknowledged in PUBLISH_FOR_S."""
         self.overdue += 1
         PUBLISH_OVERDUE.inc()
+        self._warn(
+            "telemetry_publish_overdue",
+            records=n,
+            overdue_now=self.overdue,
+            why=f"{'the spend' if to else 'the telemetry'} stream has not acknowledged "
+            f"for {PUBLISH_FOR_S:g} s; still trying every {PUBLISH_SLOW_S:g} s",
+        )
+
+    def _warn(self, event: str, **fields: Any) -> None:
+        """Log ``event``, one line a minute at most of each event."""
         now = time.monotonic()
-        if now - self._overdue_warned_at > 60:  # one line a minute at most
-            self._overdue_warned_at = now
-            tlog.get("telemetry").warning(
-                "telemetry_publish_overdue",
-                records=n,
-                overdue_now=self.overdue,
-                why=f"{'the spend' if to else 'the telemetry'} stream has not acknowledged "
-                f"for {PUBLISH_FOR_S:g} s; still trying every {PUBLISH_SLOW_S:g} s",
-            )
+        if now - self._warned.get(event, -1e9) > 60:
+            self._warned[event] = now
+            tlog.get("telemetry").warning(event, **fields)
 
     def _lost(self, n: int, why: str) -> None:
         """``n`` records (0: one spend report) given up."""
@@ -484,16 +487,13 @@ class Recorder:
         else:
             self.failed_reports += 1
             SPEND_PUBLISH_FAILED.inc()
-        now = time.monotonic()
-        if now - self._warned_at > 60:  # one line a minute at most
-            self._warned_at = now
-            tlog.get("telemetry").warning(
-                "telemetry_publish_failed",
-                records=n,
-                failed_total=self.failed,
-                spend_reports_failed=self.failed_reports,
-                why=why,
-            )
+        self._warn(
+            "telemetry_publish_failed",
+            records=n,
+            failed_total=self.failed,
+            spend_reports_failed=self.failed_reports,
+            why=why,
+        )
 
     async def flush(self) -> None:
         """Send what waits now and give it up to 2 s to be acknowledged (a stopping

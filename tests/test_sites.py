@@ -496,26 +496,7 @@ def test_compose_generate_puts_a_gpu_host_at_a_site(tmp_path: Path) -> None:
 
 async def _records_of(url: str, admin: dict[str, Any], request_id: str) -> list[dict[str, Any]]:
     """The usage records of ``request_id`` in the hub's records stream, every copy kept."""
-    from bus_schemas import codec
-    from telemetry import records
-
-    nc = await nats.connect(url, **admin)
-    try:
-        js = nc.jetstream()
-        total = (await js.stream_info(records.STREAM)).state.last_seq
-        out: list[dict[str, Any]] = []
-        for seq in range(1, total + 1):
-            try:
-                msg = await js.get_msg(records.STREAM, seq)
-            except Exception:  # a gap (none expected: nothing is deleted here)
-                continue
-            data = codec.decode_map(msg.data or b"")
-            for r in data.get("records", [data]) if "request_id" not in data else [data]:
-                if isinstance(r, dict) and r.get("request_id") == request_id:
-                    out.append(r)
-        return out
-    finally:
-        await nc.close()
+    return [r for r in await _all_records(url, admin) if r.get("request_id") == request_id]
 
 
 async def test_a_stream_crossing_a_link_that_stalls_moves_and_its_record_lands_after(
@@ -525,7 +506,6 @@ async def test_a_stream_crossing_a_link_that_stalls_moves_and_its_record_lands_a
     (open, nothing crossing) is moved to the other site in bounded time and ends whole (every
     token asked for, counted once); the cut-off worker's usage record, which could not cross,
     is delivered once the link is back, and once."""
-    from telemetry import records
 
     leaf = free_port()
     async with WanLink(leaf) as link_a, WanLink(leaf) as link_b:
@@ -536,27 +516,10 @@ async def test_a_stream_crossing_a_link_that_stalls_moves_and_its_record_lands_a
         links = {"a": link_a, "b": link_b}
         by_replica = {SITES[s][0]: s for s in SITES}
         try:
-            hub = await nats.connect(url, **admin)
-            try:  # the records' stream on the hub (a telemetry service would make it)
-                await hub.jetstream().add_stream(records.stream_config())
-            finally:
-                await hub.close()
             with Procs(url, tmp_path) as procs:
-                await _hub_stack(procs, bus, router_site="hub")
-                for site, (replica,) in SITES.items():
-                    procs.start(
-                        f"worker-{site}",
-                        *("serve", "worker", "--model", MODEL, "--replica", replica),
-                        # 8 s an answer: far from done when its first token is read, even
-                        # on a loaded machine
-                        *("--sim-decode-ms", "40"),
-                        env=bus.site_worker_env(site),
-                    )
-                await wait_for(
-                    lambda: _eq(_live(url, admin), set(by_replica)),
-                    timeout=60,
-                    what="both sites' replicas",
-                )
+                # 8 s an answer: far from done when its first token is read, even on a
+                # loaded machine
+                await _sited(procs, bus, SITES, decode_ms=40)
                 async with await Client.connect(url, **admin) as tb:
                     s = tb.chat(MODEL, MSG, max_tokens=200, ignore_eos=True)
                     await s.__anext__()
@@ -625,8 +588,6 @@ async def test_three_sites_through_a_cut_link_and_a_slow_one(tmp_path: Path) -> 
     TOKENBUS_TEST_SITE_OUT to a JSON file for its figures."""
     import os
 
-    from telemetry import records
-
     fault_s = float(os.environ.get("TOKENBUS_TEST_SITE_FAULT_S", "3"))
     clients = int(os.environ.get("TOKENBUS_TEST_SITE_CLIENTS", "8"))
     slow_s = 0.1  # each way: a 200 ms round trip
@@ -644,23 +605,8 @@ async def test_three_sites_through_a_cut_link_and_a_slow_one(tmp_path: Path) -> 
     url, admin = bus.url(), bus.admin()
     site_of = {r[0]: s for s, r in THREE.items()}
     try:
-        hub = await nats.connect(url, **admin)
-        try:  # the records' stream on the hub (a telemetry service would make it)
-            await hub.jetstream().add_stream(records.stream_config())
-        finally:
-            await hub.close()
         with Procs(url, tmp_path) as procs:
-            await _hub_stack(procs, bus, router_site="hub")
-            for site, (replica,) in THREE.items():
-                procs.start(
-                    f"worker-{site}",
-                    *("serve", "worker", "--model", MODEL, "--replica", replica),
-                    *("--sim-decode-ms", "5"),
-                    env=bus.site_worker_env(site),
-                )
-            await wait_for(
-                lambda: _eq(_live(url, admin), set(site_of)), timeout=60, what="three sites"
-            )
+            await _sited(procs, bus, THREE, decode_ms=5)
             loop = asyncio.get_running_loop()
             t0 = loop.time()
             phase = ["before"]
@@ -784,3 +730,31 @@ async def test_three_sites_through_a_cut_link_and_a_slow_one(tmp_path: Path) -> 
     assert summary["dropped_in_s"] < 5  # the issue's bound: within 5 s
     assert summary["phases"]["after"]["answered"] >= 4 * clients
     assert answered  # and every one of them has its record (waited for above)
+
+
+async def _sited(
+    procs: Procs,
+    bus: Bus,
+    replicas: dict[str, list[str]],
+    decode_ms: int,
+) -> None:
+    """The records' stream on the hub (a telemetry service would make it), ingress, auth and
+    a router there (at no site), a worker per site of ``replicas``; until each beats there."""
+    from telemetry import records
+
+    url, admin = bus.url(), bus.admin()
+    hub = await nats.connect(url, **admin)
+    try:
+        await hub.jetstream().add_stream(records.stream_config())
+    finally:
+        await hub.close()
+    await _hub_stack(procs, bus, router_site="hub")
+    for site, (replica,) in replicas.items():
+        procs.start(
+            f"worker-{site}",
+            *("serve", "worker", "--model", MODEL, "--replica", replica),
+            *("--sim-decode-ms", str(decode_ms)),
+            env=bus.site_worker_env(site),
+        )
+    want = {r[0] for r in replicas.values()}
+    await wait_for(lambda: _eq(_live(url, admin), want), timeout=60, what="every site's replica")
