@@ -345,6 +345,20 @@ async def test_a_record_the_stream_does_not_acknowledge_is_counted_overdue_not_r
         proc.wait(10)
 
 
+async def _a_record_and_a_report(nc: Any, request_id: str) -> tuple[records.Recorder, str]:
+    """A worker's recorder that sent a usage record and a spend report of ``request_id``;
+    with the spend subject."""
+    from bus_schemas import subjects
+
+    recorder = records.Recorder(nc)
+    recorder._made_stream = True  # as a worker on the locked bus: it may not make it
+    recorder.add(rec(request_id))
+    spend = subjects.usage_spend("limiter-a")
+    recorder.send_first(spend, codec.encode({"request_id": request_id, "spend": "x"}))
+    await recorder.send_now()
+    return recorder, spend
+
+
 @pytest.mark.bus
 async def test_records_and_a_spend_report_overdue_for_minutes_still_land_once(
     private_nats: NatsServer, monkeypatch: pytest.MonkeyPatch
@@ -360,12 +374,7 @@ async def test_records_and_a_spend_report_overdue_for_minutes_still_land_once(
     monkeypatch.setattr(records, "PUBLISH_SLOW_S", 0.1)
     async with connection(private_nats.url) as nc:
         js = nc.jetstream()
-        recorder = records.Recorder(nc)
-        recorder._made_stream = True  # as a worker on the locked bus: it may not make it
-        recorder.add(rec("cut-1"))
-        spend = subjects.usage_spend("limiter-a")
-        recorder.send_first(spend, codec.encode({"request_id": "cut-1", "spend": "x"}))
-        await recorder.send_now()
+        recorder, _ = await _a_record_and_a_report(nc, "cut-1")
         await wait_for(lambda: recorder.overdue == 2, timeout=20, what="both overdue")
         tries = recorder.retries
         await wait_for(lambda: recorder.retries > tries + 4, timeout=20, what="tried on")
@@ -391,12 +400,7 @@ async def test_a_record_and_a_spend_report_wait_out_a_stream_without_a_leader(
     monkeypatch.setattr(records, "PUBLISH_BACKOFF_S", (0.05,))
     async with connection(private_nats.url) as nc:
         js = nc.jetstream()
-        recorder = records.Recorder(nc)
-        recorder._made_stream = True  # as a worker on the locked bus: it may not make it
-        recorder.add(rec("late-1"))
-        spend = subjects.usage_spend("limiter-a")
-        recorder.send_first(spend, codec.encode({"request_id": "late-1", "spend": "x"}))
-        await recorder.send_now()
+        recorder, spend = await _a_record_and_a_report(nc, "late-1")
         await wait_for(lambda: recorder.retries >= 12, timeout=20, what="tries without a stream")
         await open_stream(js, records.stream_config())
         await open_stream(js, spend_stream_config())
