@@ -20,8 +20,10 @@ GET    /console/api/usage              the Spend page: a page of requests, token
                                        budget); GET /console/api/usage/export (or
                                        ?format=csv): every row per bucket, key and model, CSV
 GET    /console/api/replicas           the replicas this bridge hears, with their load, their
-                                       LoRA adapters and the KV check's predicted and reported
-                                       cached tokens (``kv_check``)
+                                       LoRA adapters, the KV check's predicted and reported
+                                       cached tokens (``kv_check``), their site and accepts'
+                                       round trip (``ack_ms``); ``placements``: this bridge's
+                                       router's requests kept at its site or spilled
 GET    /console/api/routing            the routing admin API's listing and the aliases;
                                        PUT / DELETE /console/api/routing/{model}, PUT / DELETE
                                        /console/api/routing/aliases/{name}: its changes
@@ -99,6 +101,7 @@ from jobs.batches import BatchStore
 from jobs.files import FileStore
 from jobs.files import not_found as file_not_found
 from jobs.response_store import not_found as response_not_found
+from router.dispatch import SITE_PLACEMENTS
 from router.kv_check import KVCheck
 from router.registry import Registry, Replica
 from services import audit
@@ -341,7 +344,8 @@ class Console:
             await self._usage(scope, out, s, export=rest == "usage/export")
         elif rest == "replicas" and method == "GET":
             self._admin_only(s)
-            await send_json(out, 200, {"object": "list", "data": self._replicas()})
+            body = {"object": "list", "data": self._replicas(), "placements": self._placements()}
+            await send_json(out, 200, body)
         elif rest == "audit" and method == "GET":
             self._admin_only(s)
             limit = _int(query_of(scope), "limit", 100, 1, 1000)
@@ -522,6 +526,8 @@ class Console:
         return await console_bus.read(self.admin.nc, urls)
 
     def _replicas(self) -> list[dict[str, Any]]:
+        """The replicas this bridge hears, as the replicas page shows them (each with its
+        ``site`` and, where this bridge's router measured it, ``ack_ms``)."""
         now = time.monotonic()
         out = []
         for r in sorted(self.registry.all_live(), key=lambda r: (r.model, r.replica)):
@@ -532,6 +538,22 @@ class Console:
             d["adapters"] = sorted(r.adapters)
             d["kv_check"] = self._kv_check(r)
             out.append(d)
+        return out
+
+    def _placements(self) -> dict[str, Any]:
+        """What this process's router did with requests at its own site (``TOKENBUS_SITE``):
+        ``kept`` there, ``spilled`` to each other site (router/dispatch.py's
+        ``tokenbus_router_site_placements_total``, since the process started)."""
+        out: dict[str, Any] = {"site": self.settings.site or None, "kept": 0, "spilled": {}}
+        for metric in SITE_PLACEMENTS.collect():
+            for sample in metric.samples:
+                if not sample.name.endswith("_total"):
+                    continue
+                n, site = int(sample.value), sample.labels.get("site", "")
+                if sample.labels.get("placement") == "local":
+                    out["kept"] += n
+                elif n:
+                    out["spilled"][site] = out["spilled"].get(site, 0) + n
         return out
 
     def _kv_check(self, r: Replica) -> dict[str, Any] | None:

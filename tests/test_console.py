@@ -21,6 +21,7 @@ import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from importlib import resources
 from typing import Any
 from urllib.parse import quote
 
@@ -1477,3 +1478,31 @@ def test_the_kv_check_column_says_unknown_trusted_distrusted_or_incompatible() -
     assert console._replicas()[0]["kv_check"]["verdict"] == "distrusted"
     kv.incompatible["r0"] = "block size 32"
     assert console._replicas()[0]["kv_check"]["verdict"] == "incompatible"
+
+
+@pytest.mark.stack
+def test_replicas_show_their_site_and_the_router_s_spill_over() -> None:
+    """Issue 71: the replicas page names each replica's site, with its accepts' round trip
+    where this bridge's router measured it, and what that router did with its own site's
+    requests: kept there, or spilled (by site)."""
+    from router.dispatch import SITE_PLACEMENTS
+
+    registry = Registry()
+    for name, site in (("s-a0", "a"), ("s-b0", "b"), ("s-x", "")):
+        registry.update({"replica": name, "model": "m", **({"site": site} if site else {})})
+    registry.get("s-b0").heard_ack(0.0123)  # type: ignore[union-attr]
+    none: Any = None
+    console = Console(none, none, registry, Settings(site="a"))
+    rows = {r["replica"]: r for r in console._replicas()}
+    assert rows["s-a0"]["site"] == "a" and "ack_ms" not in rows["s-a0"]
+    assert rows["s-b0"]["site"] == "b" and rows["s-b0"]["ack_ms"] == 12.3
+    assert "site" not in rows["s-x"]
+    before = console._placements()
+    SITE_PLACEMENTS.labels("a", "local").inc(3)
+    SITE_PLACEMENTS.labels("b", "spilled").inc(2)
+    after = console._placements()
+    assert after["site"] == "a"
+    assert after["kept"] - before["kept"] == 3
+    assert after["spilled"]["b"] - before["spilled"].get("b", 0) == 2
+    page = (resources.files("gateway") / "console_static" / "app.js").read_text()
+    assert "renderPlacements(out.placements)" in page and 'class: "site"' in page

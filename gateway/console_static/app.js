@@ -523,6 +523,7 @@ function renderReplicas(list) {
     rows.append(el("tr", { "data-replica": r.replica },
       el("td", {}, el("code", {}, r.replica)),
       el("td", { class: "host" }, r.host || "—"),
+      el("td", { class: "site" }, siteOf(r)),
       el("td", {}, r.model), el("td", {}, r.backend || ""),
       el("td", {}, r.pd_role || "both"), el("td", {}, `${Math.round(r.load * 100)}% (${r.in_flight}/${r.max_concurrency})`),
       el("td", {}, String(r.running)), el("td", {}, String(r.waiting)), el("td", {}, r.kv_routing),
@@ -530,7 +531,24 @@ function renderReplicas(list) {
       el("td", { class: "adapters" }, r.adapters && r.adapters.length ? r.adapters.join(", ") : "—"),
       el("td", { class: r.health === "ok" ? "state-on" : "state-off" }, r.health)));
   }
-  if (!list.length) rows.append(el("tr", {}, el("td", { colspan: "12" }, "No live replica.")));
+  if (!list.length) rows.append(el("tr", {}, el("td", { colspan: "13" }, "No live replica.")));
+}
+
+// A replica's site, with its accepts' round trip where this bridge's router measured it.
+function siteOf(r) {
+  if (!r.site) return "—";
+  return r.ack_ms == null ? r.site : `${r.site} (${r.ack_ms} ms)`;
+}
+
+// What this bridge's router did with its site's requests: kept there, or spilled (by site).
+function renderPlacements(p) {
+  const line = $("replicas-placements");
+  const spilled = Object.entries((p && p.spilled) || {});
+  if (!p || !p.site || (!p.kept && !spilled.length)) { line.hidden = true; return; }
+  const where = spilled.map(([site, n]) => `${site} ${n}`).join(", ");
+  line.textContent = `This bridge's router, at site ${p.site}: ${p.kept} requests kept at its ` +
+    `site, ${spilled.reduce((a, [, n]) => a + n, 0)} spilled${where ? ` (${where})` : ""}.`;
+  line.hidden = false;
 }
 
 // The KV check's cached prompt tokens, predicted by the routers / reported by the engine.
@@ -542,7 +560,9 @@ function kvCheck(k) {
 }
 
 async function loadReplicas() {
-  renderReplicas((await api("GET", "replicas")).data);
+  const out = await api("GET", "replicas");
+  renderReplicas(out.data);
+  renderPlacements(out.placements);
   await loadRouting();
   await loadAdapters();
 }
