@@ -318,13 +318,19 @@ async def test_a_prefill_replica_lost_mid_prefill_leaves_the_request_whole(
         assert decided.get("aggregated_after_failure") == 1, decided
 
 
-async def test_a_large_prompt_is_pulled_by_its_prefill_and_its_decode_replica(
-    procs: Procs, model: str
+@pytest.mark.parametrize("pulled", [True, False], ids=["pulled", "stored"])
+async def test_a_large_prompt_reaches_its_prefill_and_its_decode_replica(
+    procs: Procs, model: str, pulled: bool
 ) -> None:
-    """A body past one bus message (docs/large-requests.md, claim by pull): the prefill
-    replica asks the router in the bridge for it, the decode replica asks the caller; both
-    get it whole (the answer counts every prompt token), and nothing goes into the store."""
-    env = ENV | {"TOKENBUS_WORKER__SIM__MAX_MODEL_LEN": "50000000"}
+    """A body past one bus message (docs/large-requests.md). Pulled (the default): the
+    prefill replica asks the router in the bridge for it, the decode replica asks the
+    caller, and nothing goes into the store. Stored first (``bridge.pull_bodies`` off, as a
+    NATS client's body is): each replica reads the one object. Either way both get it whole
+    (the answer counts every prompt token)."""
+    env = ENV | {
+        "TOKENBUS_WORKER__SIM__MAX_MODEL_LEN": "50000000",
+        "TOKENBUS_BRIDGE__PULL_BODIES": "true" if pulled else "false",
+    }
     fast = ("--sim-prefill-ms-per-token", "0.001", "--sim-decode-ms", "5")
     start_worker(procs, model, "p0", "--pd-role", "prefill", *fast, env=env)
     start_worker(procs, model, "d0", "--pd-role", "decode", *fast, env=env)
@@ -345,6 +351,7 @@ async def test_a_large_prompt_is_pulled_by_its_prefill_and_its_decode_replica(
         assert usage is not None and usage.completion_tokens == 6
         assert usage.prompt_tokens == count_tokens(f"<|user|>{big}\n")
         assert (await _decisions(stack.base)).get("disaggregated") == 1
-        assert (await js.stream_info(subjects.BODIES_STREAM)).state.last_seq == before
+        stored = (await js.stream_info(subjects.BODIES_STREAM)).state.last_seq - before
+        assert stored == 0 if pulled else stored > 0
     finally:
         await nc.drain()
