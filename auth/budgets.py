@@ -207,12 +207,12 @@ def _lapsed(cur: dict[str, Any], now: float) -> dict[str, Any]:
 
 
 def _entry(
-    cur: dict[str, Any], now: float, live: str | None = None, **changes: Any
+    cur: dict[str, Any], now: float, forget: str | None = None, **changes: Any
 ) -> dict[str, Any]:
     """``cur`` with ``changes`` (its ``held`` among them) and its lapsed holds carried on,
-    but for ``live``'s (a new hold under that id)."""
+    but for ``forget``'s (charged now, or a new hold under that id)."""
     lapsed = _lapsed(cur, now)
-    lapsed.pop(live or "", None)
+    lapsed.pop(forget or "", None)
     out = {**cur, **changes, "lapsed": lapsed}
     if not lapsed:
         del out["lapsed"]
@@ -397,7 +397,7 @@ class SpendBook:
                     # A hold of this id that lapsed is forgotten: the id is live again, and
                     # its report settles the live hold, once.
                     return _entry(
-                        {"spent": spent, **_lapsing(cur)}, now, held=held, live=request_id
+                        {"spent": spent, **_lapsing(cur)}, now, held=held, forget=request_id
                     )
 
                 await self._cas(entry, take)
@@ -503,13 +503,9 @@ class SpendBook:
                     return _entry(cur, now, spent=charged, held=held)
                 if replaced is not None:  # charged once already: corrected to this price
                     return _entry(cur, now, spent=max(0, spent - replaced + price), held=held)
-                lapsed = _lapsed(cur, now)
-                if not superseding and lapsed.pop(hold.request_id, None) is not None:
+                if not superseding and hold.request_id in _lapsed(cur, now):
                     # A report later than its hold (LAPSED_KEEP_S): charged now, once.
-                    out = {**cur, "spent": spent + price, "held": held, "lapsed": lapsed}
-                    if not lapsed:
-                        del out["lapsed"]
-                    return out
+                    return _entry(cur, now, forget=hold.request_id, spent=spent + price, held=held)
                 raise _Settled  # settled already, or never held in this entry
 
             by = _BY_SUPERSEDE if superseding else rank

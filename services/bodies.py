@@ -433,8 +433,9 @@ def hold(env: dict[str, Any], owner: str) -> Held:
     the encoding is shared with the held bodies of the same parts (:class:`_Encoded`)."""
     values = tuple(env[k] for k in CLAIMED if k in env)
     key = tuple(id(v) for v in values)
+    # A live entry holds its values, so no other object has their ids: the same parts.
     enc = _encodings.get(key)
-    if enc is None or any(a is not b for a, b in zip(enc.values, values, strict=True)):
+    if enc is None:
         enc = _encodings[key] = _Encoded(values, env)
     claim = {
         "owner": owner,
