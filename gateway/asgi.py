@@ -258,10 +258,14 @@ class BodyNow:
     def hold_head(self) -> None:
         """Keep the response's head, which ``send`` writes next, and write it with the first
         piece of body: one system call and one packet for both, the client woken once."""
+        self._transport().holding = True
+
+    def _transport(self) -> _HeadFirst:
+        """The response's transport, made a :class:`_HeadFirst` the first time."""
         c = self._cycle
         if not isinstance(c.transport, _HeadFirst):
             c.transport = _HeadFirst(c.transport)
-        c.transport.holding = True
+        return c.transport
 
     def ready(self) -> bool:
         """Whether a piece written now goes out at once."""
@@ -277,10 +281,7 @@ class BodyNow:
     def __call__(self, body: bytes) -> bool:
         if not body or not self.ready():
             return False
-        c = self._cycle
-        if not isinstance(c.transport, _HeadFirst):
-            c.transport = _HeadFirst(c.transport)
-        c.transport.later(b"%x\r\n%b\r\n" % (len(body), body))
+        self._transport().later(b"%x\r\n%b\r\n" % (len(body), body))
         return True
 
 
