@@ -544,7 +544,9 @@ async def test_a_stream_crossing_a_link_that_stalls_moves_and_its_record_lands_a
                         got = await _records_of(url, admin, rid)
                         return any(r.get("replica") == served_at for r in got)
 
-                    await wait_for(cut_record, timeout=60, what="the cut site's record")
+                    await wait_for(
+                        cut_record, timeout=60, interval=0.5, what="the cut site's record"
+                    )
                     got = await _records_of(url, admin, rid)
                     from_cut = [r for r in got if r.get("replica") == served_at]
                     assert len(from_cut) == 1, from_cut  # delivered once
@@ -696,7 +698,9 @@ async def test_three_sites_through_a_cut_link_and_a_slow_one(tmp_path: Path) -> 
             async def every_record() -> bool:
                 return answered <= {r.get("request_id") for r in await _all_records(url, admin)}
 
-            await wait_for(every_record, timeout=60, what="every answered request's record")
+            await wait_for(
+                every_record, timeout=60, interval=0.5, what="every answered request's record"
+            )
             recs = await _all_records(url, admin)
     finally:
         bus.stop()
