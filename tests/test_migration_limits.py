@@ -71,12 +71,13 @@ async def test_a_request_held_by_a_stopped_member_is_sent_again(
             finally:
                 stopped.signal(signal.SIGCONT)
             if resends[-1] == 1:
-                print(f"\n{role} paused: {resends.count(1)} of 24 sent again, served in {took:.2f} s")
+                sent_again = resends.count(1)
+                print(f"\n{role} paused: {sent_again} of 24 sent again, served in {took:.2f} s")
                 return
             # Passed over from the start: again once both members have beaten since.
             since = time.monotonic()
             await wait_for(
-                lambda: sum(at > since for at in beats.values()) >= 2,
+                lambda since=since: sum(at > since for at in beats.values()) >= 2,
                 what="the resumed member never beat again",
             )
         raise AssertionError("in three rounds the queue group never handed the frozen member one")
