@@ -33,8 +33,8 @@ from tests.support.ports import free_port
 from tests.support.procs import Procs, start_stack
 from tests.support.repo import run_cli
 from tests.support.waits import live_replicas, wait_for
-from tests.support.wanlink import WanLink
 from tokenbus import Client
+from tokenbus.evaluation.wanlink import WanLink
 from tokenbus.launcher import nats_server_binary
 
 pytestmark = pytest.mark.stack
@@ -368,7 +368,7 @@ async def test_a_router_spills_to_the_nearer_site_and_drops_a_cut_off_one(
     site whose link answers sooner once it has measured both (site b's link adds 250 ms each
     way, site a's nothing). Site a's link then stalls (a partition: open, nothing crossing):
     the hub stops sending there and site b serves every request; healed, site a takes them
-    again. Each link is a proxy (tests/support/wanlink.py) that counts what crosses it."""
+    again. Each link is a proxy (tokenbus/evaluation/wanlink.py) that counts what crosses it."""
     leaf = free_port()
     async with WanLink(leaf) as near, WanLink(leaf) as far:
         far.delay_s = 0.25  # a 500 ms round trip: far past a loaded machine's accept times

@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from tokenbus.evaluation.balancer import Balancer
-from tokenbus.evaluation.nemesis_checks import invariants
+from tokenbus.evaluation.nemesis_checks import invariants, served_by
 from tokenbus.evaluation.nemesis_config import Config
 from tokenbus.evaluation.nemesis_faults import scheduler
 from tokenbus.evaluation.nemesis_load import (
@@ -60,7 +60,7 @@ from tokenbus.evaluation.nemesis_report import per_kind, print_table
 from tokenbus.evaluation.nemesis_stack import Stack, create_key, until_ready, until_routed
 from tokenbus.evaluation.nemesis_state import Run
 from tokenbus.evaluation.netns import Hosts, available
-from tokenbus.evaluation.options import KINDS
+from tokenbus.evaluation.options import KINDS, SITE_KINDS
 
 
 async def spend_tap(run: Run) -> Any:
@@ -103,6 +103,11 @@ async def run_nemesis(cfg: Config) -> dict[str, Any]:
             if k in kinds:
                 kinds.remove(k)
                 skipped[k] = "one node: a reverted store has no peer to catch up from"
+    if cfg.sites < 1:
+        for k in SITE_KINDS:
+            if k in kinds:
+                kinds.remove(k)
+                skipped[k] = "no site (--nemesis-sites 0)"
     if not kinds:
         raise ValueError("no fault kind left to inject")
     folder = Path(cfg.run_dir or tempfile.mkdtemp(prefix="tokenbus-nemesis-"))
@@ -115,6 +120,7 @@ async def run_nemesis(cfg: Config) -> dict[str, Any]:
     tap: Any = None  # the spend reports' tap (spend_tap)
     try:
         stack = Stack(cfg, folder, hosts)
+        await stack.cluster.start_links()  # before the sites' nodes dial them
         stack.start()
         await until_routed(stack.cluster)
         # The key store replicated on every node before anything opens it.
@@ -187,6 +193,12 @@ async def run_nemesis(cfg: Config) -> dict[str, Any]:
                 ),
             },
             "errors": dict(errors.most_common()),
+            # Requests each replica answered (the sites' workers: theirs crossed a link).
+            "served_by": served_by(run),
+            # Bytes over each site's link, both ways (tokenbus/evaluation/wanlink.py).
+            "site_links": {
+                s: {"up": ln.up, "down": ln.down} for s, ln in stack.cluster.links.items()
+            },
             # Processes that ended without a fault and were restarted (during the start, then
             # during the run): not an invariant, a finding each.
             "unplanned_exits": {"start": exits[:start_exits], "run": exits[start_exits:]},
@@ -212,6 +224,7 @@ async def run_nemesis(cfg: Config) -> dict[str, Any]:
             await lb.stop()
         if stack is not None:
             stack.stop()
+            await stack.cluster.close_links()
         if hosts is not None:
             hosts.stop()
 
@@ -227,6 +240,7 @@ async def run_from_args(a: argparse.Namespace) -> int:
         duration_s=a.nemesis_duration,
         fault_every_s=a.fault_every,
         nodes=a.nemesis_nodes,
+        sites=a.nemesis_sites,
         seed=a.nemesis_seed,
         kinds=kinds,
         model=a.model,

@@ -204,6 +204,13 @@ def _store_rows(run: Run, sql: str) -> list[tuple[Any, ...]]:
         con.close()
 
 
+def served_by(run: Run) -> dict[str, int]:
+    """Requests each replica answered, from the telemetry store (a site's worker's share:
+    requests that crossed its link)."""
+    sql = "SELECT replica, COUNT(*) FROM requests WHERE outcome = 'ok' GROUP BY replica"
+    return {str(r or "-"): int(n) for r, n in _store_rows(run, sql)}
+
+
 def _records_by_label(run: Run) -> dict[str, list[tuple[str, int]]]:
     """Each client request id (the label the harness gave its requests) -> the gateway's ids
     its records were stored under and the migrations each record saw (the gateway gives every

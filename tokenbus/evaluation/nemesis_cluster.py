@@ -1,9 +1,13 @@
 """The nemesis run's NATS cluster: locked nats-server nodes with the auth callout, on
 loopback or on hosts of their own (network namespaces), each node killable, pausable and
-restartable, its JetStream store copied aside at a sync point and put back after a crash."""
+restartable, its JetStream store copied aside at a sync point and put back after a crash;
+and its sites: a leaf node each (the config ``tokenbus deploy init --site`` writes), dialling
+a hub node's leaf port through a link of its own (:class:`WanLink`) that the site faults
+cut, stall and slow."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import signal
 import time
@@ -12,7 +16,11 @@ from typing import Any
 
 from services.supervisor import Process
 from tokenbus.evaluation.netns import Hosts
+from tokenbus.evaluation.wanlink import WanLink
 from tokenbus.launcher import free_port, port_open
+
+# Site names, in order (``Config.sites`` of them).
+SITE_NAMES = "abcdefgh"
 
 
 async def quiet_errors(exc: Exception) -> None:
@@ -25,7 +33,9 @@ class Cluster:
     of its own including the generated one), on loopback or on hosts of their own; each
     node's JetStream store in a folder of its own, with a copy taken at each sync point."""
 
-    def __init__(self, folder: Path, n: int, hosts: Hosts | None) -> None:
+    def __init__(
+        self, folder: Path, n: int, hosts: Hosts | None, sites: dict[str, list[str]] | None = None
+    ) -> None:
         from services.natsconf import generate, write_node_configs
 
         self.folder = folder
@@ -34,12 +44,85 @@ class Cluster:
         self.addrs = [h.addr for h in self.hosts] if hosts else ["127.0.0.1"] * n
         self.ports = [free_port() for _ in range(n)]
         cports = [free_port() for _ in range(n)]
-        self.conf, self.users = generate(folder, port=self.ports[0], callout=True)
+        self.conf, self.users = generate(folder, port=self.ports[0], callout=True, sites=sites)
         self.stores = [folder / f"jetstream-{i}" for i in range(n)]
         self.confs = write_node_configs(
             self.conf, self.addrs, self.ports, cports, self.stores, cluster="nemesis"
         )
         self.procs: list[Process | None] = [None] * n
+        self.sites = sorted(sites or {})
+        self.links: dict[str, WanLink] = {}
+        self.site_ports: dict[str, int] = {}
+        self.site_procs: dict[str, Process] = {}
+        if sites:
+            self._write_sites(sites)
+
+    def _write_sites(self, sites: dict[str, list[str]]) -> None:
+        """A leaf listener on every node, and per site its folder (services/sites.py) with
+        its node dialling its link, the link in front of one node's leaf port (sites spread
+        over the nodes)."""
+        from services import natsconf
+        from services import sites as sitefiles
+
+        leaf_ports = [free_port() for _ in self.ports]
+        for i, conf in enumerate(self.confs):
+            block = sitefiles.hub_leaf_block(None, f"{self.addrs[i]}:{leaf_ports[i]}")
+            conf.write_text(conf.read_text() + block)
+        passwords = json.loads(self.users.read_text())
+        for k, site in enumerate(self.sites):
+            node = k % len(self.ports)
+            link = WanLink(leaf_ports[node], self.addrs[node])
+            self.links[site] = link
+            sitefiles.write_site(
+                self.folder,
+                site,
+                hub_url=f"nats://127.0.0.1:{link.port}",
+                hub_password=passwords[natsconf.site_user(site)],
+                replicas=sites[site],
+                tls=None,
+            )
+            self.site_ports[site] = free_port()
+            local = self.site_folder(site) / "local.conf"
+            local.write_text(
+                'include "nats.conf"\n' + f'listen: "127.0.0.1:{self.site_ports[site]}"\n'
+            )
+
+    def site_folder(self, site: str) -> Path:
+        from services import sites as sitefiles
+
+        return self.folder / sitefiles.SITES_DIR / site
+
+    def site_url(self, site: str) -> str:
+        return f"nats://127.0.0.1:{self.site_ports[site]}"
+
+    def site_login(self, site: str) -> dict[str, str]:
+        """The site's workers' login on the site's node."""
+        from services import sites as sitefiles
+
+        path = self.site_folder(site) / "roles" / f"{sitefiles.SITE_WORKER}.json"
+        return dict(json.loads(path.read_text()))
+
+    async def start_links(self) -> None:
+        for link in self.links.values():
+            await link.start()
+
+    async def close_links(self) -> None:
+        for link in self.links.values():
+            await link.close()
+
+    def start_site(self, site: str) -> None:
+        from tokenbus.launcher import nats_server_binary
+
+        folder = self.site_folder(site)
+        argv = [nats_server_binary(), "-c", "local.conf"]
+        node = Process(f"site-{site}", argv, log=self.folder / f"site-{site}.log", cwd=folder)
+        node.start()
+        self.site_procs[site] = node
+        deadline = time.monotonic() + 20
+        while not port_open("127.0.0.1", self.site_ports[site]):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"site {site}'s node did not listen")
+            time.sleep(0.02)
 
     def url(self, i: int) -> str:
         return f"nats://{self.addrs[i]}:{self.ports[i]}"
@@ -65,6 +148,8 @@ class Cluster:
     def start(self) -> Cluster:
         for i in range(len(self.ports)):
             self.start_node(i)
+        for site in self.sites:
+            self.start_site(site)
         return self
 
     def signal(self, i: int, sig: int) -> None:
@@ -112,7 +197,7 @@ class Cluster:
         return False
 
     def stop(self) -> None:
-        for p in self.procs:
+        for p in [*self.site_procs.values(), *self.procs]:
             if p is not None:
                 p.stop(10)
 

@@ -33,6 +33,11 @@ class Config:
     batch_lines: int = 40
     pause_s: float = 1.5  # how long a paused process or node stays paused
     partition_s: float = 2.0
+    # Sites (leaf nodes with a worker each, named a, b, ...) and their links' faults: a cut
+    # (connections closed, new ones refused), a stall (nothing crosses, the connections
+    # stay) or a delay each way, each for ``partition_s``.
+    sites: int = 0
+    site_delay_s: float = 0.1
     down_s: float = 1.0  # how long a killed node or crashed host stays down
     warmup_s: float = 3.0  # load before the first fault (the "none" window)
     sim_prefill_ms: float = 5.0

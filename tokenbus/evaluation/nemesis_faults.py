@@ -1,6 +1,7 @@
 """The nemesis run's faults: one at a time, chosen by the run's seeded generator, injected
 and healed (``kill``, ``pause``, ``nats_kill``, ``nats_pause``, ``nats_partition``,
-``host_crash``); the scheduler that paces them."""
+``host_crash``, and a site's link ``site_cut``, ``site_stall``, ``site_slow``); the
+scheduler that paces them."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import time
 
 from tokenbus.evaluation.nemesis_stack import Proc
 from tokenbus.evaluation.nemesis_state import Run
+from tokenbus.evaluation.options import SITE_KINDS
 
 
 def choose(run: Run, kinds: list[str]) -> tuple[str, Proc | int]:
@@ -17,7 +19,31 @@ def choose(run: Run, kinds: list[str]) -> tuple[str, Proc | int]:
     kind = run.fault_rng.choice(kinds)
     if kind in ("kill", "pause"):
         return kind, run.fault_rng.choice(run.stack.procs)
+    if kind in SITE_KINDS:
+        return kind, run.fault_rng.randrange(len(run.stack.cluster.sites))
     return kind, run.fault_rng.randrange(run.cfg.nodes)
+
+
+async def site_fault(run: Run, kind: str, i: int) -> str:
+    """Site ``i``'s link cut (connections closed, new ones refused), stalled (nothing
+    crosses, the connections stay open: held bytes cross once healed) or slowed
+    (``site_delay_s`` each way) for ``partition_s``, then healed."""
+    cfg, cl = run.cfg, run.stack.cluster
+    site = cl.sites[i]
+    link = cl.links[site]
+    target = f"site-{site}"
+    run.windows.append({"kind": kind, "target": target, "t": run.now()})
+    run.say(f"fault {kind} {target}")
+    if kind == "site_cut":
+        link.cut()
+    elif kind == "site_stall":
+        link.stall()
+    else:
+        link.delay_s = cfg.site_delay_s
+    await asyncio.sleep(cfg.partition_s)
+    link.delay_s = 0.0
+    link.heal()
+    return target
 
 
 async def inject(run: Run, kind: str, what: Proc | int) -> str:
@@ -40,6 +66,8 @@ async def inject(run: Run, kind: str, what: Proc | int) -> str:
             await asyncio.sleep(cfg.pause_s)
             p.signal(signal.SIGCONT)
         return target
+    if kind in SITE_KINDS:
+        return await site_fault(run, kind, what)
     i = what
     target = f"node{i}"
     run.windows.append({"kind": kind, "target": target, "t": run.now()})

@@ -50,6 +50,11 @@ def print_table(report: dict[str, Any]) -> None:
     for when, rows in report["unplanned_exits"].items():
         for x in rows:
             print(f"unplanned exit ({when}): {x['process']} rc={x['rc']} at {x['t']} s")
+    served = report.get("served_by") or {}
+    if served:
+        print("\nanswered by replica:", ", ".join(f"{k} {v}" for k, v in sorted(served.items())))
+    for site, link in (report.get("site_links") or {}).items():
+        print(f"site {site}'s link: {link['up']} bytes up, {link['down']} down")
     errs = report["errors"]
     if errs:
         print("\nerrors seen:", ", ".join(f"{k} x{v}" for k, v in errs.items()))

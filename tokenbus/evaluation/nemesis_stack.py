@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from services.supervisor import Process
-from tokenbus.evaluation.nemesis_cluster import Cluster
+from tokenbus.evaluation.nemesis_cluster import SITE_NAMES, Cluster
 from tokenbus.evaluation.nemesis_config import MEMBER_ROLES, PIPELINE, PRICE_IN, PRICE_OUT, Config
 from tokenbus.evaluation.netns import Hosts
 from tokenbus.launcher import free_port
@@ -47,7 +47,11 @@ class Stack:
         self.folder = folder
         self.log_dir = folder / "logs"
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        self.cluster = Cluster(folder / "bus", cfg.nodes, hosts)
+        # Each site's one worker (its replica id the site's login may serve).
+        self.site_replicas = {
+            site: [f"{cfg.model}-{site}0"] for site in SITE_NAMES[: max(0, cfg.sites)]
+        }
+        self.cluster = Cluster(folder / "bus", cfg.nodes, hosts, self.site_replicas)
         self.telemetry_db = folder / "telemetry.db"
         n = cfg.nodes
         base = {
@@ -105,6 +109,20 @@ class Stack:
         for i in range(cfg.workers):
             argv = ["serve", "worker", "--model", cfg.model, "--replica", f"{cfg.model}-{i}", *sim]
             add("worker", f"worker-{i}", i % n, argv, {})
+        for site, replicas in self.site_replicas.items():
+            # At its site: on the site's node, with the site's workers' login (host -1: on
+            # no hub host, so a hub host's crash is not the site's).
+            login = self.cluster.site_login(site)
+            for replica in replicas:
+                argv = ["serve", "worker", "--model", cfg.model, "--replica", replica, *sim]
+                env = {
+                    "TOKENBUS_NATS_URL": self.cluster.site_url(site),
+                    "TOKENBUS_NATS_USER": login["user"],
+                    "TOKENBUS_NATS_PASSWORD": login["password"],
+                    "TOKENBUS_SITE": site,
+                    "TOKENBUS_TELEMETRY__SPOOL_DIR": str(spools / f"site-{site}"),
+                }
+                add("worker", f"worker-{replica.removeprefix(cfg.model + '-')}", -1, argv, env)
         for i in range(cfg.bridges):
             port = free_port()
             self.bridge_ports.append(port)

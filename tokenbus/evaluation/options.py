@@ -14,7 +14,19 @@ PEERS = ("vllm-router", "litellm", "pyrelay", "busrelay")
 # --kv-policies: the routing policies the agent-session benchmark compares (kvbench).
 POLICIES = ("kv_aware", "predicted_latency", "least_outstanding", "prefix_aware", "random")
 # --nemesis-kinds: the faults the nemesis injects (nemesis).
-KINDS = ("kill", "pause", "nats_kill", "nats_pause", "nats_partition", "host_crash")
+KINDS = (
+    "kill",
+    "pause",
+    "nats_kill",
+    "nats_pause",
+    "nats_partition",
+    "host_crash",
+    "site_cut",
+    "site_stall",
+    "site_slow",
+)
+# The faults of a site's leaf link (a proxy in front of the hub's leaf port).
+SITE_KINDS = ("site_cut", "site_stall", "site_slow")
 
 
 def _bench(sub: Any) -> Any:
@@ -327,6 +339,13 @@ def _nemesis(g: Any) -> None:
     g.add_argument("--nemesis-duration", type=float, default=600.0, help="seconds of load")
     g.add_argument("--fault-every", type=float, default=10.0, help="seconds between faults")
     g.add_argument("--nemesis-nodes", type=int, default=3, help="NATS nodes (hosts)")
+    g.add_argument(
+        "--nemesis-sites",
+        type=int,
+        default=1,
+        help="sites: a leaf node each, dialling the hub through a link the site faults cut, "
+        "stall and slow, with a worker of its own (0: none, and no site faults)",
+    )
     g.add_argument("--nemesis-seed", type=int, help="the fault schedule's seed (default: random)")
     g.add_argument(
         "--nemesis-lost-cache",

@@ -3,7 +3,8 @@ that can add a delay each way, stall (a partition: the connections stay open and
 crosses until it heals, as TCP retransmits after a cut cable) or cut (connections closed,
 new ones refused), and counts the bytes that cross each way. This kernel has no
 ``tc netem``; a proxy is the userspace stand-in (issue 71). It does not model loss: over
-TCP a lost segment is a delay of a retransmit, which ``delay_s`` stands for."""
+TCP a lost segment is a delay of a retransmit, which ``delay_s`` stands for. The sites'
+tests (tests/test_sites.py) and the nemesis' site faults (nemesis_faults) use it."""
 
 from __future__ import annotations
 
@@ -12,16 +13,17 @@ import contextlib
 from collections.abc import Awaitable, Callable
 from typing import Self
 
-from tests.support.ports import free_port
+from tokenbus.launcher import free_port
 
 READ_SIZE = 65536
 
 
 class WanLink:
-    """Listens on ``port`` (127.0.0.1) and forwards each connection to ``target_port``."""
+    """Listens on ``port`` (127.0.0.1) and forwards each connection to ``target_port`` of
+    ``target_host``."""
 
-    def __init__(self, target_port: int) -> None:
-        self.target_port = target_port
+    def __init__(self, target_port: int, target_host: str = "127.0.0.1") -> None:
+        self.target_port, self.target_host = target_port, target_host
         self.port = free_port()
         self.delay_s = 0.0
         self.up = 0  # bytes from the dialling side (the site) to the target (the hub)
@@ -76,7 +78,7 @@ class WanLink:
             writer.transport.abort()
             return
         try:
-            up_r, up_w = await asyncio.open_connection("127.0.0.1", self.target_port)
+            up_r, up_w = await asyncio.open_connection(self.target_host, self.target_port)
         except OSError:
             writer.transport.abort()
             return
