@@ -48,7 +48,14 @@ async def open_fuzz_stack(
     ``limits``, and the bridge settings in ``env``."""
     async with key_store(nats_url, watch=False) as keys:
         key, _ = await keys.create(tmp.name, **limits)
-    pipeline = {"TOKENBUS_INGRESS__PIPELINE": '["auth", "ratelimit", "filter", "route"]'}
+    pipeline = {
+        "TOKENBUS_INGRESS__PIPELINE": '["auth", "ratelimit", "filter", "route"]',
+        # The production heartbeat (0.5 s), not the suite's 0.2 s: these tests hold the API's
+        # contract, not a fault's timing, and a worker starved of the CPU for 0.6 s on a
+        # loaded machine (four test workers on two cores) was taken for lost mid-answer and
+        # its next request refused "no live replica" (CI run ba, a valid request's 503).
+        "TOKENBUS_WORKER__HEARTBEAT_INTERVAL_S": "0.5",
+    }
     with Procs(nats_url, tmp) as procs:
         stack = await start_stack(
             procs,
