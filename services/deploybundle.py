@@ -102,7 +102,7 @@ def _node_conf(
         # The monitoring port: the container's health check, and the telemetry service,
         # which exports it (telemetry.nats_monitor_urls). Never published to the host.
         f'http: "0.0.0.0:{MONITOR_PORT}"\n'
-        + natsconf.jetstream_block(store_dir, sync)
+        + natsconf.jetstream_block(store_dir, sync, natsconf.HUB_DOMAIN if leaf else None)
         + natsconf.SERVER_TIMERS
         + (tls.server_block() if tls else "")
         # Sites' leaf nodes dial in here (services/sites.py).
@@ -137,13 +137,17 @@ def init(
     worker_hosts: dict[str, list[str]] | None = None,
     sites: dict[str, list[str]] | None = None,
     hub_url: str | None = None,
+    site_bridges: list[str] | None = None,
 ) -> list[Path]:
     """Write (or refresh) the deployment's bus folder; the paths written, configs first.
     ``worker_hosts`` (host -> its replica ids): a login per GPU host,
     ``roles/worker-<host>.json`` (:func:`natsconf.worker_host_permissions`); None keeps the
     hosts of the last run. ``sites`` (site -> its replica ids): a leaf-node login per site on
     the hub and ``sites/<site>/`` for the site's node (:mod:`services.sites`), dialling
-    ``hub_url``; None keeps the last run's sites (and hub URL when None)."""
+    ``hub_url``; None keeps the last run's sites (and hub URL when None). ``site_bridges``: the
+    sites that serve their own users (a bridge at the site: its login there, and the site's
+    hub login a bridge's rights; :func:`natsconf.site_permissions`); None keeps the last
+    run's."""
     if nodes < 1:
         raise ValueError("--nodes must be at least 1")
     folder.mkdir(parents=True, exist_ok=True)
@@ -155,7 +159,7 @@ def init(
     passwords = json.loads((folder / "nats-users.json").read_text())
     callout = json.loads((folder / natsconf.CALLOUT_FILE).read_text())
     route_password = passwords.setdefault("route", secrets.token_urlsafe(24))
-    sites, revoked_sites, hub_url = _sites(folder, passwords, sites, hub_url)
+    sites, revoked_sites, hub_url, bridges = _sites(folder, passwords, sites, hub_url, site_bridges)
     _private(folder / "nats-users.json", json.dumps(passwords, indent=2), 0)
     _chown(folder / natsconf.CALLOUT_FILE, ROLE_UID["auth"])
     files = TlsFiles.load(folder)
@@ -176,7 +180,7 @@ def init(
     roles = {r: passwords[r] for r in natsconf.ROLES if r in passwords}  # no client: callout
     roles |= {u: p for u, p in passwords.items() if u.startswith(natsconf.WORKER_HOST_PREFIX)}
     roles |= {u: p for u, p in passwords.items() if u.startswith(natsconf.SITE_PREFIX)}
-    auth = natsconf.render_auth(roles, callout, hosts, revoked, sites, revoked_sites)
+    auth = natsconf.render_auth(roles, callout, hosts, revoked, sites, revoked_sites, bridges)
     _private(folder / AUTH_CONF, auth, NATS_UID)
     (folder / "nats.conf").unlink(missing_ok=True)
     for i in range(nodes):
@@ -211,6 +215,7 @@ def init(
             hub_password=passwords[natsconf.site_user(site)],
             replicas=replicas,
             tls=files,
+            bridge=site in bridges,
         )
     return written
 
@@ -220,10 +225,11 @@ def _sites(
     passwords: dict[str, str],
     sites: dict[str, list[str]] | None,
     hub_url: str | None,
-) -> tuple[dict[str, list[str]], list[str], str | None]:
-    """(sites, sites taken out, the hub's leaf URL) after this run, kept in ``sites.json``;
-    each site's hub password made or kept in ``passwords`` (saved), a site taken out's
-    dropped along with its folder."""
+    site_bridges: list[str] | None = None,
+) -> tuple[dict[str, list[str]], list[str], str | None, frozenset[str]]:
+    """(sites, sites taken out, the hub's leaf URL, the sites with a bridge) after this run,
+    kept in ``sites.json``; each site's hub password made or kept in ``passwords`` (saved),
+    a site taken out's dropped along with its folder."""
     path = folder / natsconf.SITES_FILE
     kept = json.loads(path.read_text()) if path.exists() else {}
     old = {str(k): [str(r) for r in v] for k, v in (kept.get("sites") or {}).items()}
@@ -231,6 +237,12 @@ def _sites(
     hub_url = hub_url or kept.get("hub_url")
     if sites is None:
         sites = old
+    if site_bridges is None:
+        site_bridges = [str(b) for b in kept.get("bridges") or []]
+    unknown = sorted(set(site_bridges) - set(sites))
+    if unknown:
+        raise ValueError(f"--site-bridge names no site given with --site: {', '.join(unknown)}")
+    bridges = frozenset(site_bridges)
     revoked = sorted({*revoked, *old} - set(sites))
     for site in revoked:
         passwords.pop(natsconf.site_user(site), None)
@@ -241,6 +253,6 @@ def _sites(
         passwords.setdefault(natsconf.site_user(site), secrets.token_urlsafe(24))
     _private(folder / "nats-users.json", json.dumps(passwords, indent=2), 0)
     if sites or revoked:
-        doc = {"sites": sites, "revoked": revoked, "hub_url": hub_url}
+        doc = {"sites": sites, "revoked": revoked, "hub_url": hub_url, "bridges": sorted(bridges)}
         write_private(path, json.dumps(doc, indent=2))
-    return sites, revoked, hub_url
+    return sites, revoked, hub_url, bridges

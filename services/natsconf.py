@@ -294,6 +294,25 @@ SITE_PREFIX = "site-"
 SITES_FILE = "sites.json"
 
 
+def site_permissions(
+    replicas: list[str], bridge: bool = False
+) -> tuple[list[str], list[str], list[str] | None]:
+    """(may publish, may subscribe, may not publish) over ``site``'s leaf link: its replica
+    ids' (:func:`worker_host_permissions`); a site that serves its own users (``bridge``:
+    ``deploy init --site-bridge``, a bridge at the site routing in-process) also the bridge
+    role's, with the bridge's denials. Such a site is trusted as a bridge is: its login may
+    admit any key's requests to any replica and read what a bridge reads."""
+    pub, sub = worker_host_permissions(replicas)
+    if not bridge:
+        return in_hub_domain(pub), sub, None
+    bpub, bsub = ROLES["bridge"]
+    return (
+        in_hub_domain([*pub, *(x for x in bpub if x not in pub)]),
+        [*sub, *(x for x in bsub if x not in sub)],
+        in_hub_domain(PUBLISH_DENY.get("bridge") or []),
+    )
+
+
 def site_user(site: str) -> str:
     """The hub-side login of ``site``'s leaf node."""
     if not _HOST.fullmatch(site):
@@ -314,7 +333,12 @@ def permissions_table() -> str:
         rows.append(f"| {role} | {cell(pub)} | {cell(PUBLISH_DENY.get(role, []))} | {cell(sub)} |")
     pub, sub = worker_host_permissions(["REPLICA"])
     rows.append(f"| worker-HOST | {cell(pub)} | — | {cell(sub)} |")
-    rows.append(f"| site-SITE (leaf link) | {cell(pub)} | — | {cell(sub)} |")
+    spub, ssub, _ = site_permissions(["REPLICA"])
+    rows.append(f"| site-SITE (leaf link) | {cell(spub)} | — | {cell(ssub)} |")
+    rows.append(
+        "| site-SITE with `--site-bridge` | site-SITE's and the bridge's | the bridge's | "
+        "site-SITE's and the bridge's |"
+    )
     return "\n".join(rows) + "\n"
 
 
@@ -355,13 +379,14 @@ def _role_users(
     indent: str,
     hosts: dict[str, list[str]] | None = None,
     sites: dict[str, list[str]] | None = None,
+    site_bridges: frozenset[str] = frozenset(),
 ) -> str:
     users = []
     perms = [(role, *ROLES[role], PUBLISH_DENY.get(role)) for role in roles]
     for host, replicas in sorted((hosts or {}).items()):
         perms.append((worker_host_user(host), *worker_host_permissions(replicas), None))
     for site, replicas in sorted((sites or {}).items()):
-        perms.append((site_user(site), *worker_host_permissions(replicas), None))
+        perms.append((site_user(site), *site_permissions(replicas, site in site_bridges)))
     for user, pub, sub, denied in perms:
         deny = f", deny: {_list(denied)}" if denied else ""
         users.append(
@@ -387,18 +412,20 @@ def render_auth(
     revoked: list[str] | None = None,
     sites: dict[str, list[str]] | None = None,
     revoked_sites: list[str] | None = None,
+    site_bridges: frozenset[str] = frozenset(),
 ) -> str:
     """The authorization part of the config (users, accounts, the auth callout): what every
     node of a deployment includes beside its own listen, JetStream and cluster settings.
     Each user's password appears as its bcrypt hash only (:func:`password_hash`). ``hosts``:
     a login per GPU host (:func:`worker_host_permissions`); ``sites``: a login per site's
-    leaf node (:func:`site_user`, its replica ids' permissions), ``revoked_sites`` those taken
+    leaf node (:func:`site_user`, its replica ids' permissions; those in ``site_bridges`` a
+    bridge's as well: :func:`site_permissions`), ``revoked_sites`` those taken
     out (named as revoked hosts are); ``revoked``: hosts whose login
     was taken away, still named among the callout's ``auth_users`` (nats-server refuses to
     reload a changed ``auth_users`` list: it logs that the name is "not valid", and a login
     with it is refused, neither answered by the callout nor by a user of the config)."""
     if callout is None:
-        users = _role_users(passwords, list(ROLES), "    ", hosts, sites)
+        users = _role_users(passwords, list(ROLES), "    ", hosts, sites, site_bridges)
         return "authorization {\n  users = [\n" + users + "\n  ]\n}\n"
     roles = [r for r in ROLES if r != "client"]
     named = sorted({*(hosts or {}), *(revoked or [])})
@@ -409,7 +436,7 @@ def render_auth(
         "# NATS clients log in with a tokenbus API key: the server asks the auth service.\n"
         + "accounts {\n"
         + f"  {ACCOUNT} {{\n    jetstream: enabled\n    users = [\n"
-        + _role_users(passwords, roles, "      ", hosts, sites)
+        + _role_users(passwords, roles, "      ", hosts, sites, site_bridges)
         + "\n    ]\n  }\n"
         + f"  {CALLOUT_ACCOUNT} {{ users = [ {{user: {json.dumps(callout['user'])}, "
         + f"password: {json.dumps(password_hash(callout['password']))}}} ] }}\n"
@@ -440,13 +467,33 @@ SERVER_TIMERS = (
 )
 
 
-def jetstream_block(store_dir: str, sync: str = NATS_SYNC) -> str:
-    """The server's ``jetstream`` block: its store and its sync policy
-    (:data:`services.config.NATS_SYNC`)."""
+# The hub's JetStream domain once sites join it (services/sites.py): a site's node has no
+# JetStream of its own and maps its users' JetStream API to this domain
+# (``default_js_domain``), so what a site's worker or bridge asks of JetStream crosses the
+# link; without a domain on the hub, nats-server 2.15 answers a site's ``$JS.API`` "no
+# responders".
+HUB_DOMAIN = "hub"
+
+
+def in_hub_domain(subjects: list[str]) -> list[str]:
+    """``subjects`` and, for each JetStream API subject among them, the same in the hub's
+    domain (``$JS.hub.API...``): what a site's node publishes for its users' JetStream API
+    (mapped by its ``default_js_domain``), checked against its users' permissions and the
+    site's login on the hub alike."""
+    api = "$JS.API."
+    mapped = [f"$JS.{HUB_DOMAIN}.API.{x[len(api) :]}" for x in subjects if x.startswith(api)]
+    return [*subjects, *mapped]
+
+
+def jetstream_block(store_dir: str, sync: str = NATS_SYNC, domain: str | None = None) -> str:
+    """The server's ``jetstream`` block: its store, its sync policy
+    (:data:`services.config.NATS_SYNC`) and, for a hub with sites, its domain."""
     if not re.fullmatch(NATS_SYNC_PATTERN, sync):
         raise ValueError(f"sync: {sync!r} is neither 'always' nor a duration such as '1s'")
+    named = f", domain: {json.dumps(domain)}" if domain else ""
     return (
-        f"jetstream {{ store_dir: {json.dumps(store_dir)}, sync_interval: {json.dumps(sync)} }}\n"
+        f"jetstream {{ store_dir: {json.dumps(store_dir)}, sync_interval: {json.dumps(sync)}"
+        f"{named} }}\n"
     )
 
 
@@ -582,6 +629,7 @@ def write_node_configs(
     *,
     cluster: str = "tokenbus",
     monitor_ports: list[int] | None = None,
+    domain: str | None = None,
 ) -> list[Path]:
     """One config per node of a cluster, beside ``include`` (the locked config
     :func:`generate` wrote: same accounts, role passwords and callout issuer), each adding
@@ -602,7 +650,8 @@ def write_node_configs(
         )
         if monitor_ports is not None:
             text += f"http: {json.dumps(f'{addr}:{monitor_ports[i]}')}\n"
-        text += f"jetstream {{ store_dir: {json.dumps(str(stores[i]))} }}\n"
+        named = f", domain: {json.dumps(domain)}" if domain else ""
+        text += f"jetstream {{ store_dir: {json.dumps(str(stores[i]))}{named} }}\n"
         if len(addrs) > 1:
             text += (
                 f"cluster {{ name: {cluster}, listen: "

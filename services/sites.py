@@ -31,6 +31,7 @@ from services.tlsfiles import TlsFiles, write_private
 LEAF_PORT = 7422
 SITES_DIR = "sites"
 SITE_WORKER = "worker"  # the site's workers' login on the site's own node
+SITE_BRIDGE = "bridge"  # a site's bridge's login there (``--site-bridge``)
 SITE_CA = "ca.pem"  # the hub's CA in the site's folder
 
 
@@ -83,12 +84,26 @@ def render_site(
     worker_password: str,
     ca: str | None = None,
     listen: str = "0.0.0.0:4222",
+    bridge_password: str | None = None,
 ) -> str:
-    """The site node's config: a local listener with the site's workers' login, and the
+    """The site node's config: a local listener with the site's workers' login (and, with
+    ``bridge_password``, its bridges' login: the bridge role's permissions), and the
     outbound leaf link to the hub (TLS, trusting ``ca``, when ``hub_url`` is ``tls://``)."""
     user = natsconf.site_user(site)
     pub, sub = natsconf.worker_host_permissions(replicas)
+    pub = natsconf.in_hub_domain(pub)
     lst = natsconf._list
+    bridge = ""
+    if bridge_password is not None:
+        bpub, bsub = natsconf.ROLES["bridge"]
+        bpub = natsconf.in_hub_domain(bpub)
+        deny = natsconf.in_hub_domain(natsconf.PUBLISH_DENY.get("bridge") or [])
+        bridge = (
+            f"    {{user: {json.dumps(SITE_BRIDGE)}, "
+            f"password: {json.dumps(natsconf.password_hash(bridge_password))}, "
+            f"permissions: {{publish: {{allow: {lst(bpub)}, deny: {lst(deny)}}}, "
+            f"subscribe: {{allow: {lst(bsub)}}}}}}},\n"
+        )
     remote = f"    url: {json.dumps(remote_url(hub_url, user, hub_password))}\n"
     if ca is not None:
         remote += f"    tls {{ ca_file: {json.dumps(ca)}, timeout: 2 }}\n"
@@ -99,13 +114,18 @@ def render_site(
         f"listen: {json.dumps(listen)}\n"
         + natsconf.SERVER_TIMERS
         + "authorization {\n  users = [\n"
-        f"    {{user: {json.dumps(SITE_WORKER)}, "
+        + bridge
+        + f"    {{user: {json.dumps(SITE_WORKER)}, "
         f"password: {json.dumps(natsconf.password_hash(worker_password))}, "
         f"permissions: {{publish: {{allow: {lst(pub)}}}, subscribe: {{allow: {lst(sub)}}}}}}}\n"
         "  ]\n}\n"
         # The hub binds the link to account TB (the login's account); here it is the
-        # global account, where the site's own users are.
-        "leafnodes {\n  remotes = [\n  {\n" + remote + "  }\n  ]\n}\n"
+        # global account, where the site's own users are. This node has no JetStream: its
+        # users' JetStream API goes to the hub's domain, across the link.
+        + f'default_js_domain: {{"$G": {json.dumps(natsconf.HUB_DOMAIN)}}}\n'
+        + "leafnodes {\n  remotes = [\n  {\n"
+        + remote
+        + "  }\n  ]\n}\n"
     )
 
 
@@ -121,15 +141,23 @@ def write_site(
     hub_password: str,
     replicas: list[str],
     tls: TlsFiles | None,
+    bridge: bool = False,
 ) -> list[Path]:
-    """Write ``folder/sites/<site>/`` (the site's node config, its workers' login and the
-    hub's CA), keeping the workers' password across runs; the paths written."""
+    """Write ``folder/sites/<site>/`` (the site's node config, its workers' login, with
+    ``bridge`` its bridges' login, and the hub's CA), keeping the passwords across runs; the
+    paths written."""
     out = folder / SITES_DIR / site
     (out / "roles").mkdir(parents=True, exist_ok=True)
     for d in (folder / SITES_DIR, out, out / "roles"):
         d.chmod(0o700)
     login_file = out / "roles" / f"{SITE_WORKER}.json"
     password = str(_login(login_file).get("password") or secrets.token_urlsafe(24))
+    bridge_file = out / "roles" / f"{SITE_BRIDGE}.json"
+    bridge_password = None
+    if bridge:
+        bridge_password = str(_login(bridge_file).get("password") or secrets.token_urlsafe(24))
+    else:
+        bridge_file.unlink(missing_ok=True)
     ca = None
     if tls is not None:
         # Named relative to the folder (nats-server opens it from its working directory,
@@ -149,7 +177,13 @@ def write_site(
             replicas=replicas,
             worker_password=password,
             ca=ca,
+            bridge_password=bridge_password,
         ),
     )
     write_private(login_file, json.dumps({"user": SITE_WORKER, "password": password}) + "\n")
-    return [conf, login_file]
+    written = [conf, login_file]
+    if bridge_password is not None:
+        login = {"user": SITE_BRIDGE, "password": bridge_password}
+        write_private(bridge_file, json.dumps(login) + "\n")
+        written.append(bridge_file)
+    return written

@@ -55,7 +55,14 @@ async def big_stack(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[P
                 "router",
                 workers=1,
                 worker_args=("--sim-prefill-ms", "5", "--sim-decode-ms", "2"),
-                env={"TOKENBUS_WORKER__SIM__MAX_MODEL_LEN": "50000000"},
+                env={
+                    "TOKENBUS_WORKER__SIM__MAX_MODEL_LEN": "50000000",
+                    # The production heartbeat (0.5 s), not the suite's 0.2 s: a worker busy
+                    # with a 16 MB body on a loaded machine (four test workers on two cores)
+                    # missed 0.6 s of beats and was taken for lost mid-answer (CI run bb).
+                    # These tests hold large bodies whole, not a fault's timing.
+                    "TOKENBUS_WORKER__HEARTBEAT_INTERVAL_S": "0.5",
+                },
             )
     finally:
         srv.stop()

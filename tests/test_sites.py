@@ -142,9 +142,11 @@ class Bus:
         leaf_port: int | None = None,
         dial: dict[str, int] | None = None,
         replicas: dict[str, list[str]] | None = None,
+        bridges: list[str] | None = None,
     ) -> None:
         """``dial``: the port a site's link dials instead of the hub's leaf port (a
-        :class:`WanLink` in front of ``leaf_port``)."""
+        :class:`WanLink` in front of ``leaf_port``); ``bridges``: the sites that serve their
+        own users (``deploy init --site-bridge``)."""
         self.folder = folder
         self.port, self.leaf_port = free_port(), leaf_port or free_port()
         deploybundle.init(
@@ -153,6 +155,7 @@ class Bus:
             tls_names=["127.0.0.1"],
             sites={s: (replicas or SITES)[s] for s in site_names},
             hub_url=f"{'tls' if tls else 'nats'}://127.0.0.1:{self.leaf_port}",
+            site_bridges=bridges or [],
         )
         leaf = sites.hub_leaf_block(TlsFiles.load(folder), f"127.0.0.1:{self.leaf_port}")
         self.users = folder / "nats-users.json"
@@ -162,7 +165,8 @@ class Bus:
             'include "nats.conf"\n'
             f'listen: "127.0.0.1:{self.port}"\n'
             f'http: "127.0.0.1:{free_port()}"\n'
-            f"jetstream {{ store_dir: {json.dumps(str(folder / 'js'))} }}\n" + leaf
+            + natsconf.jetstream_block(str(folder / "js"), domain=natsconf.HUB_DOMAIN)
+            + leaf
         )
         self.procs = [spawn_nats(self.port, "-c", str(hub))]
         for site, port in (dial or {}).items():
@@ -189,8 +193,9 @@ class Bus:
     def url(self, site: str | None = None) -> str:
         return f"nats://127.0.0.1:{self.site_ports[site] if site else self.port}"
 
-    def site_worker_env(self, site: str) -> dict[str, str]:
-        login = json.loads((self.folder / "sites" / site / "roles" / "worker.json").read_text())
+    def site_worker_env(self, site: str, role: str = "worker") -> dict[str, str]:
+        """A site's workers' environment (``role`` "bridge": its bridges')."""
+        login = json.loads((self.folder / "sites" / site / "roles" / f"{role}.json").read_text())
         return {
             "TOKENBUS_NATS_URL": self.url(site),
             "TOKENBUS_NATS_USER": login["user"],

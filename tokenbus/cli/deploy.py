@@ -65,6 +65,16 @@ def add_parsers(sub: Any) -> None:
         "the list replaces the last run's; not given, it is kept",
     )
     i.add_argument(
+        "--site-bridge",
+        action="append",
+        default=None,
+        metavar="NAME",
+        help="a site given with --site that serves its own users: a bridge at the site "
+        "(sites/<NAME>/roles/bridge.json, its login on the site's node) routing to the site's "
+        "replicas first, and the site's hub login a bridge's rights (trusted as a bridge is; "
+        "docs/deploy.md, Sites; repeatable). Given once, the list replaces the last run's",
+    )
+    i.add_argument(
         "--hub-url",
         default=None,
         help="where sites reach the hub's leaf-node port, e.g. tls://hub.example.com:7422 "
@@ -136,6 +146,7 @@ def init(a: argparse.Namespace) -> int:
             worker_hosts=hosts,
             sites=sites,
             hub_url=a.hub_url,
+            site_bridges=a.site_bridge,
         )
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)

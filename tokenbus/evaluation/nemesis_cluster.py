@@ -36,7 +36,7 @@ class Cluster:
     def __init__(
         self, folder: Path, n: int, hosts: Hosts | None, sites: dict[str, list[str]] | None = None
     ) -> None:
-        from services.natsconf import generate, write_node_configs
+        from services.natsconf import HUB_DOMAIN, generate, write_node_configs
 
         self.folder = folder
         self.hostset = hosts
@@ -47,7 +47,13 @@ class Cluster:
         self.conf, self.users = generate(folder, port=self.ports[0], callout=True, sites=sites)
         self.stores = [folder / f"jetstream-{i}" for i in range(n)]
         self.confs = write_node_configs(
-            self.conf, self.addrs, self.ports, cports, self.stores, cluster="nemesis"
+            self.conf,
+            self.addrs,
+            self.ports,
+            cports,
+            self.stores,
+            cluster="nemesis",
+            domain=HUB_DOMAIN if sites else None,
         )
         self.procs: list[Process | None] = [None] * n
         self.sites = sorted(sites or {})

@@ -1,0 +1,192 @@
+"""A site that serves its own users (issue 71, item 3): ``deploy init --site a=... --site-bridge
+a`` gives site a a bridge of its own, on the site's node, which runs the stages and the router
+in-process and prefers the site's replicas. Its users' requests stay at the site (what crosses
+the link per request is measured), and with the link cut the site goes on serving them: keys
+cached, its own replica, its usage records kept until the link is back and stored once. Real
+nats-servers (a hub and two sites on the generated configs), real processes, HTTP (httpx)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import httpx
+import nats
+import pytest
+
+from auth.store import KeyStore
+from tests.support.ports import free_port
+from tests.support.procs import Procs
+from tests.support.waits import wait_for, wait_http
+from tests.test_sites import MODEL, SITES, Bus, _all_records, _eq, _live
+from tokenbus.evaluation.wanlink import WanLink
+
+pytestmark = pytest.mark.stack
+
+PIPELINE = '["auth", "ratelimit", "filter", "route"]'
+
+
+async def _ask(h: httpx.AsyncClient, base: str, key: str, rid: str) -> dict[str, Any]:
+    """One chat request to the site's bridge: what came back (status, replica, id)."""
+    try:
+        r = await h.post(
+            f"{base}/v1/chat/completions",
+            json={
+                "model": MODEL,
+                "messages": [{"role": "user", "content": "local?"}],
+                "max_tokens": 3,
+            },
+            headers={"Authorization": f"Bearer {key}", "X-Request-Id": rid},
+            timeout=30,
+        )
+    except httpx.HTTPError as exc:
+        return {"status": 0, "error": repr(exc), "rid": rid}
+    return {
+        "status": r.status_code,
+        "replica": r.headers.get("x-tokenbus-replica"),
+        "rid": rid,
+        "error": "" if r.status_code == 200 else r.text[:200],
+    }
+
+
+async def _js_info(bus: Bus, site: str, role: str) -> bool:
+    """Whether ``role``'s login at ``site`` gets the hub's JetStream account info (the
+    link up: until it is, the site has no interest to send the request to)."""
+    env = bus.site_worker_env(site, role)
+    errors: list[Exception] = []
+
+    async def on_error(exc: Exception) -> None:
+        errors.append(exc)
+
+    nc = await nats.connect(
+        bus.url(site),
+        user=env["TOKENBUS_NATS_USER"],
+        password=env["TOKENBUS_NATS_PASSWORD"],
+        error_cb=on_error,
+    )
+    try:
+        for _ in range(50):
+            try:
+                await nc.request("$JS.API.INFO", b"", timeout=2)
+                return True
+            except nats.errors.NoRespondersError:
+                await asyncio.sleep(0.1)  # the link not up yet, or nothing may answer
+            except nats.errors.TimeoutError:
+                return False
+            if errors:  # the site's node refused the publish (a permissions violation)
+                return False
+        return False
+    finally:
+        await nc.close()
+
+
+async def test_a_site_with_a_bridge_serves_its_users_locally_and_through_a_cut(
+    tmp_path: Path,
+) -> None:
+    leaf = free_port()
+    async with WanLink(leaf) as link:
+        bus = Bus(
+            tmp_path / "bus", ["a", "b"], leaf_port=leaf, dial={"a": link.port}, bridges=["a"]
+        )
+        url, admin = bus.url(), bus.admin()
+        a0, b0 = SITES["a"][0], SITES["b"][0]
+        # The site's bridge logs in on the site's node only: the site's folder has its login.
+        assert (tmp_path / "bus" / "sites" / "a" / "roles" / "bridge.json").exists()
+        assert not (tmp_path / "bus" / "sites" / "b" / "roles" / "bridge.json").exists()
+        try:
+            from telemetry import records
+
+            hub = await nats.connect(url, **admin)
+            try:
+                await hub.jetstream().add_stream(records.stream_config())
+                store = await KeyStore(hub).open(watch=False)
+                key, _ = await store.create("site-a-user")
+            finally:
+                await hub.close()
+            # What a site may ask of the hub's JetStream: site a's bridge login its account
+            # info; site b's workers (a GPU-only site) nothing but a stored body's chunks.
+            assert await _js_info(bus, "a", "bridge")
+            assert not await _js_info(bus, "b", "worker")
+            with Procs(url, tmp_path) as procs:
+                workers = {}
+                for site, (replica,) in SITES.items():
+                    workers[site] = procs.start(
+                        f"worker-{site}",
+                        *("serve", "worker", "--model", MODEL, "--replica", replica),
+                        env=bus.site_worker_env(site),
+                    )
+                await wait_for(
+                    lambda: _eq(_live(url, admin), {a0, b0}),
+                    timeout=60,
+                    what="both sites' replicas beating at the hub",
+                )
+                port = free_port()
+                procs.start(
+                    "bridge-a",
+                    *("serve", "bridge", "--port", str(port)),
+                    env=bus.site_worker_env("a", "bridge")
+                    | {"TOKENBUS_INGRESS__PIPELINE": PIPELINE},
+                )
+                base = f"http://127.0.0.1:{port}"
+                await wait_http(f"{base}/ready", timeout=60)
+                async with httpx.AsyncClient() as h:
+
+                    async def served_at_a() -> bool:
+                        got = await _ask(h, base, key, "warm")
+                        return got["status"] == 200 and got["replica"] == a0
+
+                    await wait_for(served_at_a, timeout=60, what="the site's bridge serving")
+                    # Local: every request to the site's replica; what crossed the link.
+                    before = link.up + link.down
+                    local = [await _ask(h, base, key, f"local-{i}") for i in range(40)]
+                    crossed = link.up + link.down - before
+                    assert all(g["status"] == 200 and g["replica"] == a0 for g in local), local
+                    # The link cut: the site's users still served, by its own replica.
+                    link.cut()
+                    cut = [await _ask(h, base, key, f"cut-{i}") for i in range(40)]
+                    served = [g for g in cut if g["status"] == 200]
+                    assert all(g["replica"] == a0 for g in served), served
+                    link.heal()
+                print(
+                    json.dumps(
+                        {
+                            "link_bytes_per_local_request": crossed / len(local),
+                            "served_during_cut": f"{len(served)}/{len(cut)}",
+                            "errors": [g for g in cut if g["status"] != 200][:3],
+                        }
+                    )
+                )
+                assert len(served) >= 0.99 * len(cut), cut
+                # Every answered request's usage records (the worker's and the bridge's)
+                # reach the hub once the link is back, each stored once.
+                answered = {g["rid"] for g in local + served}
+                want = {(rid, src) for rid in answered for src in ("worker", "http")}
+
+                async def mine() -> list[dict[str, Any]]:
+                    recs = await _all_records(url, admin)
+                    return [r for r in recs if r.get("client_request_id") in answered]
+
+                async def every_record() -> bool:
+                    got = {(r.get("client_request_id"), r.get("source")) for r in await mine()}
+                    return want <= got
+
+                await wait_for(
+                    every_record,
+                    timeout=60,
+                    interval=0.5,
+                    what="every answered request's records at the hub",
+                )
+                recs = await mine()
+                assert len(recs) == len(want), len(recs)  # none twice
+                # The site's own replica gone: its users are served by site b's, over the link.
+                workers["a"].stop()
+                async with httpx.AsyncClient() as h:
+
+                    async def served_at_b() -> bool:
+                        got = await _ask(h, base, key, "spill")
+                        return got["status"] == 200 and got["replica"] == b0
+
+                    await wait_for(served_at_b, timeout=30, what="site a's users served at b")
+        finally:
+            bus.stop()
