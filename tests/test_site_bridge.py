@@ -65,18 +65,23 @@ async def _js_info(bus: Bus, site: str, role: str) -> bool:
         password=env["TOKENBUS_NATS_PASSWORD"],
         error_cb=on_error,
     )
+    verdict: list[bool] = []
+
+    async def tried() -> bool:
+        try:
+            await nc.request("$JS.API.INFO", b"", timeout=2)
+            verdict.append(True)
+        except nats.errors.NoRespondersError:
+            if not errors:
+                return False  # the link not up yet: asked again
+            verdict.append(False)  # the site's node refused the publish (its permissions)
+        except nats.errors.TimeoutError:
+            verdict.append(False)
+        return True
+
     try:
-        for _ in range(50):
-            try:
-                await nc.request("$JS.API.INFO", b"", timeout=2)
-                return True
-            except nats.errors.NoRespondersError:
-                await asyncio.sleep(0.1)  # the link not up yet, or nothing may answer
-            except nats.errors.TimeoutError:
-                return False
-            if errors:  # the site's node refused the publish (a permissions violation)
-                return False
-        return False
+        await wait_for(tried, timeout=10, interval=0.1, what="an answer or a refusal")
+        return verdict[0]
     finally:
         await nc.close()
 
