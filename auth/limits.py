@@ -36,7 +36,14 @@ the background, before the lease runs out.
   longer needs go back at once; a limiter that dies loses its slots after ``LEASE_TTL_S``.
 
 Failure behaviour: when the KV store cannot be reached the limiter fails open (admits and
-logs) or closed (503), per ``ratelimit.fail_open``.
+logs) or closed (503), per ``ratelimit.fail_open``. With ``ratelimit.cut_off_share`` above 0
+(a site's bridge, whose store is across a link that may be cut: docs/deploy.md, "Sites"), a
+lease the store has not granted in ``ratelimit.cut_off_after_s`` is taken locally instead,
+from at most that share of each limit per window (at least one request, one slot); for
+:data:`CUT_OFF_PROBE_S` after, the store is not asked at all. What was admitted so goes
+into the shared counter with this instance's next lease of the window (the drift: at most
+the share, per window and per cut-off limiter); local concurrency slots go into the store
+with the instance's next write of its slots. Counts may end up over, never under.
 """
 
 from __future__ import annotations
@@ -52,6 +59,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import nats.errors
 from nats.aio.client import Client as NATS
 from nats.js.api import StorageType
 from nats.js.errors import KeyWrongLastSequenceError
@@ -69,6 +77,8 @@ _MAX_CAS_TRIES = 100
 _MAX_CHUNK = 1024  # requests one lease may cover
 _SHARE = 16  # a lease takes at most this fraction of what is left beyond its own need
 LEASE_TTL_S = 10.0  # concurrency slots of an instance that stops renewing them expire
+# After a lease the store did not grant in time (cut-off mode), this long without asking it.
+CUT_OFF_PROBE_S = 5.0
 
 
 @dataclass
@@ -106,6 +116,12 @@ class _Window:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     prefetching: bool = False
     tpm: int | None = None  # the key's limit when it was last admitted
+    # Admitted locally while the store was out of reach (cut-off mode): in all this window,
+    # and not yet written into the shared counter.
+    local_r: int = 0
+    local_t: int = 0
+    owed_r: int = 0
+    owed_t: int = 0
 
     def settles(self, delta: int) -> bool:
         """Whether a change of ``delta`` tokens to an attempt's charge can be made in the
@@ -163,9 +179,16 @@ class Limiter:
         bucket: str = BUCKET,
         owner: str | None = None,
         lease_ttl_s: float = LEASE_TTL_S,
+        cut_off_share: float = 0.0,
+        cut_off_after_s: float = 2.0,
     ) -> None:
         self.nc = nc
         self.lease_ttl_s = lease_ttl_s
+        # Cut-off mode (the module's doc): 0 is off, the store's answer is waited for.
+        self.cut_off_share = cut_off_share
+        self.cut_off_after_s = cut_off_after_s
+        self._out_until = 0.0  # the store is not asked before then (monotonic)
+        self.admitted_locally = 0  # requests and slots admitted so (the test's, a metric's)
         self.bucket = bucket
         # Names this instance in the store and in usage reports (``subjects.usage(owner)``).
         self.owner = owner or uuid.uuid4().hex[:12]
@@ -274,7 +297,9 @@ class Limiter:
                     # A lease takes only what the lease lacks; requests admitted from it
                     # while it was in flight can leave it short again: lease once more.
                     while w.r_left < requests or w.t_left < need_t:
-                        await self._lease(principal, w, rpm, tpm, need_t, reset, need_r=requests)
+                        lease = self._lease(principal, w, rpm, tpm, need_t, reset, need_r=requests)
+                        if not await self._in_reach(lease):
+                            self._lease_locally(w, rpm, tpm, need_t, reset, requests)
             w.r_left -= requests
             w.t_left -= need_t
             if rpm is not None:
@@ -325,9 +350,11 @@ class Limiter:
     ) -> None:
         chunk = w.chunk
         grant: list[int] = [0, 0]
+        # What was admitted locally (cut-off mode) goes into the counter with this lease.
+        owed_r, owed_t = w.owed_r, w.owed_t
 
         def take(cur: dict[str, Any]) -> dict[str, Any]:
-            r, t = int(cur.get("r", 0)), int(cur.get("t", 0))
+            r, t = int(cur.get("r", 0)) + owed_r, int(cur.get("t", 0)) + owed_t
             # What the request needs beyond what the lease still holds (tokens given back
             # to it by earlier requests included); a lease ahead (need_r 0) takes need_t.
             short_r = max(0, need_r - w.r_left)
@@ -351,10 +378,68 @@ class Limiter:
             return {"r": r + grant[0], "t": t + grant[1]}
 
         new = await self._cas(f"rl.{principal}.{w.window}", take)
+        w.owed_r -= owed_r
+        w.owed_t -= owed_t
         w.r_left += grant[0]
         w.t_left += grant[1]
         w.r_seen, w.t_seen = int(new["r"]), int(new["t"])
         w.chunk = min(chunk * 2, _MAX_CHUNK)
+
+    async def _in_reach(self, call: Any) -> bool:
+        """Await ``call`` (a write to the store); in cut-off mode, False when the store did
+        not answer in ``cut_off_after_s`` or could not be reached, or has not been asked
+        since it last did not (``call`` then not awaited). A refusal (a limit) raises."""
+        if not self.cut_off_share:
+            await call
+            return True
+        if time.monotonic() < self._out_until:
+            call.close()
+            return False
+        try:
+            await asyncio.wait_for(call, self.cut_off_after_s)
+            return True
+        except E.TokenbusError as exc:
+            if not isinstance(exc, E.ServiceUnavailable):
+                raise
+        except (TimeoutError, OSError, nats.errors.Error):
+            pass
+        self._out_until = time.monotonic() + CUT_OFF_PROBE_S
+        return False
+
+    def _lease_locally(
+        self,
+        w: _Window,
+        rpm: int | None,
+        tpm: int | None,
+        need_t: int,
+        reset: float,
+        need_r: int,
+    ) -> None:
+        """What a request needs beyond the lease, admitted locally (cut-off mode) within the
+        share of each limit for this window, or RateLimited."""
+        short_r, short_t = max(0, need_r - w.r_left), max(0, need_t - w.t_left)
+        over = [
+            f"{cap} {per}"
+            for limit, used, short, per in (
+                (rpm, w.local_r, short_r, "requests"),
+                (tpm, w.local_t, short_t, "tokens"),
+            )
+            if limit is not None and used + short > (cap := max(1, int(limit * self.cut_off_share)))
+        ]
+        if over:
+            raise E.RateLimited(
+                "the rate limiter cannot reach its store (this site is cut off) and this "
+                f"key's share of its limits while so ({', '.join(over)} a minute) is used; "
+                f"retry in {math.ceil(reset)} s",
+                headers={"Retry-After": str(math.ceil(reset))},
+            )
+        w.local_r += short_r
+        w.local_t += short_t
+        w.owed_r += short_r
+        w.owed_t += short_t
+        w.r_left += short_r
+        w.t_left += short_t
+        self.admitted_locally += 1
 
     def _worth_prefetching(self, w: _Window, rpm: int | None, tpm: int | None, need_t: int) -> bool:
         """Lease ahead only for a busy key far from its limits (nothing is stranded then)."""
@@ -403,8 +488,19 @@ class Limiter:
         self._limits[principal] = limit
         if len(slots.in_use) >= slots.held:
             async with slots.lock:
-                if len(slots.in_use) >= slots.held:
-                    await self._grow_slots(principal, slots, limit, info)
+                if len(slots.in_use) >= slots.held and not await self._in_reach(
+                    self._grow_slots(principal, slots, limit, info)
+                ):
+                    # Cut off: a slot of this key's share, in the store with the next write.
+                    cap = max(1, int(limit * self.cut_off_share))
+                    if len(slots.in_use) + 1 > cap:
+                        raise E.RateLimited(
+                            "the rate limiter cannot reach its store (this site is cut off) "
+                            f"and this key's share of its concurrency limit while so ({cap}) "
+                            "is in use; retry when one finishes",
+                            headers={"Retry-After": "1", **info},
+                        )
+                    self.admitted_locally += 1
         slots.in_use[request_id] = deadline_s
 
     async def _grow_slots(

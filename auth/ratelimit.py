@@ -184,7 +184,13 @@ class RateLimitCheck:
     async def open(cls, nc: NATS, settings: Settings, owner: str, log: Any) -> RateLimitCheck:
         """The check of a limiter instance ``owner`` (its limiter and spend book opened),
         with the model prices of ``settings``."""
-        limiter = await Limiter(nc, owner=owner).open()
+        rl = settings.ratelimit
+        limiter = await Limiter(
+            nc,
+            owner=owner,
+            cut_off_share=rl.cut_off_share,
+            cut_off_after_s=rl.cut_off_after_s,
+        ).open()
         spend = await budgets.SpendBook(nc, log).open()
         router = settings.router
 

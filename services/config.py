@@ -430,6 +430,22 @@ class RateLimitSettings(BaseModel):
         description="When the limiter's store is unreachable: admit (true) or refuse with a "
         "retryable 503 (false).",
     )
+    cut_off_share: float = Field(
+        default=0.0,
+        ge=0.0,
+        le=1.0,
+        description="Above 0: when the limiter's store has not granted a lease in "
+        "cut_off_after_s (a site's bridge whose link to the hub is cut), admit locally from "
+        "this share of each limit per minute window (at least one request, one slot), "
+        "written into the shared counters once the store answers again (auth/limits.py). "
+        "0: wait for the store (then fail_open decides).",
+    )
+    cut_off_after_s: float = Field(
+        default=2.0,
+        gt=0.0,
+        description="With cut_off_share: how long a lease waits for the store before it is "
+        "taken locally.",
+    )
     owner_grace_s: float = Field(
         default=5.0,
         ge=0,

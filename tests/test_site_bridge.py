@@ -8,6 +8,7 @@ nats-servers (a hub and two sites on the generated configs), real processes, HTT
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -107,6 +108,12 @@ async def test_a_site_with_a_bridge_serves_its_users_locally_and_through_a_cut(
                 await hub.jetstream().add_stream(records.stream_config())
                 store = await KeyStore(hub).open(watch=False)
                 key, _ = await store.create("site-a-user")
+                # Keys with limits: served through the cut from the site's share of them
+                # (ratelimit.cut_off_share 0.5), the share then written into the counters.
+                limited, _ = await store.create(
+                    "site-a-limited", rpm=10_000, tpm=10**9, max_concurrent=50
+                )
+                tight, _ = await store.create("site-a-tight", rpm=4)
             finally:
                 await hub.close()
             # What a site may ask of the hub's JetStream: site a's bridge login its account
@@ -131,7 +138,11 @@ async def test_a_site_with_a_bridge_serves_its_users_locally_and_through_a_cut(
                     "bridge-a",
                     *("serve", "bridge", "--port", str(port)),
                     env=bus.site_worker_env("a", "bridge")
-                    | {"TOKENBUS_INGRESS__PIPELINE": PIPELINE},
+                    | {
+                        "TOKENBUS_INGRESS__PIPELINE": PIPELINE,
+                        "TOKENBUS_RATELIMIT__CUT_OFF_SHARE": "0.5",
+                        "TOKENBUS_RATELIMIT__CUT_OFF_AFTER_S": "0.5",
+                    },
                 )
                 base = f"http://127.0.0.1:{port}"
                 await wait_http(f"{base}/ready", timeout=60)
@@ -147,22 +158,57 @@ async def test_a_site_with_a_bridge_serves_its_users_locally_and_through_a_cut(
                     local = [await _ask(h, base, key, f"local-{i}") for i in range(40)]
                     crossed = link.up + link.down - before
                     assert all(g["status"] == 200 and g["replica"] == a0 for g in local), local
-                    # The link cut: the site's users still served, by its own replica.
+                    window = int(time.time() // 60)
+                    first = [
+                        await _ask(h, base, k, f"pre-{n}")
+                        for n, k in (("l", limited), ("t", tight))
+                    ]
+                    assert all(g["status"] == 200 for g in first), first
+                    # The link cut: the site's users still served, by its own replica, the
+                    # keys with limits from the site's share of them.
                     link.cut()
-                    cut = [await _ask(h, base, key, f"cut-{i}") for i in range(40)]
+                    cut = [await _ask(h, base, key, f"cut-{i}") for i in range(30)]
+                    cut += [await _ask(h, base, limited, f"cut-l{i}") for i in range(10)]
                     served = [g for g in cut if g["status"] == 200]
                     assert all(g["replica"] == a0 for g in served), served
+                    # rpm 4, half of it while cut off: two more, then 429 naming the cut.
+                    over = [await _ask(h, base, tight, f"cut-t{i}") for i in range(3)]
+                    assert [g["status"] for g in over] == [200, 200, 429], over
+                    assert "cut off" in over[2]["error"], over[2]
                     link.heal()
+                    # Healed: once the limiter asks its store again (ratelimit's
+                    # CUT_OFF_PROBE_S), the two taken while cut off count in the key's window:
+                    # 1 + 2 + the next make 4, and the one after is over. Only if the minute
+                    # did not turn meanwhile (a new window starts at 0).
+                    after: list[dict[str, Any]] = []
+                    polls = iter(range(10**6))
+
+                    async def store_asked() -> bool:
+                        got = await _ask(h, base, tight, f"healed-poll{next(polls)}")
+                        if "cut off" in got["error"]:
+                            return False
+                        after.append(got)
+                        return True
+
+                    await wait_for(store_asked, timeout=30, interval=0.5, what="the store asked")
+                    after.append(await _ask(h, base, tight, f"healed-t{len(after)}"))
+                    same_window = int(time.time() // 60) == window
+                    print(f"after the cut, rpm 4: {[g['status'] for g in after]}", same_window)
+                    if same_window:
+                        assert [g["status"] for g in after] == [200, 429], after
+                        assert "rate limit reached" in after[1]["error"], after[1]
+                    served_in_cut = len(served)
+                    served += first + over[:2] + [g for g in after if g["status"] == 200]
                 print(
                     json.dumps(
                         {
                             "link_bytes_per_local_request": crossed / len(local),
-                            "served_during_cut": f"{len(served)}/{len(cut)}",
+                            "served_during_cut": f"{served_in_cut}/{len(cut)}",
                             "errors": [g for g in cut if g["status"] != 200][:3],
                         }
                     )
                 )
-                assert len(served) >= 0.99 * len(cut), cut
+                assert served_in_cut >= 0.99 * len(cut), cut
                 # Every answered request's usage records (the worker's and the bridge's)
                 # reach the hub once the link is back, each stored once.
                 answered = {g["rid"] for g in local + served}
