@@ -29,7 +29,9 @@ PIPELINE = '["auth", "ratelimit", "filter", "route"]'
 
 
 async def _ask(h: httpx.AsyncClient, base: str, key: str, rid: str) -> dict[str, Any]:
-    """One chat request to the site's bridge: what came back (status, replica, id)."""
+    """One chat request to the site's bridge: what came back (status, replica, id, the
+    seconds it took)."""
+    t0 = time.monotonic()
     try:
         r = await h.post(
             f"{base}/v1/chat/completions",
@@ -48,7 +50,12 @@ async def _ask(h: httpx.AsyncClient, base: str, key: str, rid: str) -> dict[str,
         "replica": r.headers.get("x-tokenbus-replica"),
         "rid": rid,
         "error": "" if r.status_code == 200 else r.text[:200],
+        "s": time.monotonic() - t0,
     }
+
+
+def _p50_ms(got: list[dict[str, Any]]) -> float:
+    return round(sorted(g["s"] for g in got)[len(got) // 2] * 1000, 1)
 
 
 async def _js_info(bus: Bus, site: str, role: str) -> bool:
@@ -239,5 +246,18 @@ async def test_a_site_with_a_bridge_serves_its_users_locally_and_through_a_cut(
                         return got["status"] == 200 and got["replica"] == b0
 
                     await wait_for(served_at_b, timeout=30, what="site a's users served at b")
+                    # Spilled over a link with 25 ms each way (the request and its answer
+                    # cross site a's link and the hub), beside the local requests above.
+                    link.delay_s = 0.025
+                    spilled = [await _ask(h, base, key, f"spill-{i}") for i in range(20)]
+                    assert all(g["status"] == 200 and g["replica"] == b0 for g in spilled)
+                print(
+                    json.dumps(
+                        {
+                            "local_p50_ms": _p50_ms(local),
+                            "spilled_p50_ms_over_25ms_each_way": _p50_ms(spilled),
+                        }
+                    )
+                )
         finally:
             bus.stop()
