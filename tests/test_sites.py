@@ -495,8 +495,30 @@ def test_compose_generate_puts_a_gpu_host_at_a_site(tmp_path: Path) -> None:
     for svc in workers:
         assert svc["environment"]["TOKENBUS_SITE"] == "lab"
         assert svc["environment"]["TOKENBUS_NATS_URL"] == "nats://site-nats:4222"
+    assert "bridge" not in yaml.safe_load(text)["services"]
     bad = run_cli("compose", "generate", "--gpus", "1", "--model", "m", "--tp", "1", "--site", "x")
     assert bad.returncode == 2 and "--site go with --bus" in bad.stderr
+    # With the site's bridge: a bridge service on the site's node, its own login, the
+    # stages and router in-process at the site, limits kept through a cut link.
+    r = run_cli(
+        "compose", "generate", "--gpus", "1", "--host", "g1", "--model", "m", "--tp", "1",
+        "--bus", "nats://site-nats:4222", "--login-file", "/etc/tb/worker.json",
+        "--site", "lab", "--bridge-login", "/etc/tb/bridge.json", "--out", str(out),
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    text = out.read_text()
+    assert "--site-bridge lab" in text and "bus/sites/lab/roles/bridge.json" in text
+    bridge = yaml.safe_load(text)["services"]["bridge"]
+    env = bridge["environment"]
+    assert env["TOKENBUS_SITE"] == "lab" and env["TOKENBUS_NATS_URL"] == "nats://site-nats:4222"
+    assert float(env["TOKENBUS_RATELIMIT__CUT_OFF_SHARE"]) > 0
+    assert "route" in json.loads(env["TOKENBUS_INGRESS__PIPELINE"])
+    assert "/etc/tb/bridge.json:/config/roles/bridge.json:ro" in bridge["volumes"]
+    bad = run_cli(
+        "compose", "generate", "--gpus", "1", "--model", "m", "--tp", "1",
+        "--bus", "nats://x:4222", "--login-file", "/w.json", "--bridge-login", "/b.json",
+    )  # fmt: skip
+    assert bad.returncode == 2 and "--bridge-login goes with --site" in bad.stderr
 
 
 async def _records_of(url: str, admin: dict[str, Any], request_id: str) -> list[dict[str, Any]]:

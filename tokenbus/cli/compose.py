@@ -95,6 +95,14 @@ def add_parser(sub: Any) -> None:
         "site's own nats-server, --login-file its sites/<SITE>/roles/worker.json, and the "
         "workers announce the site (TOKENBUS_SITE)",
     )
+    g.add_argument(
+        "--bridge-login",
+        metavar="FILE",
+        help="with --site: a bridge at the site too, serving the site's users on port 8000 "
+        "(its login sites/<SITE>/roles/bridge.json of `deploy init --site-bridge`; the "
+        "stages and router in-process, the site's replicas first, limits kept through a cut "
+        "link from half of each: docs/deploy.md, Sites)",
+    )
     g.add_argument("--out", help="write here (default: standard output)")
 
 
@@ -265,6 +273,48 @@ def services(
     return {"services": out, "volumes": {"hf-cache": {}}}
 
 
+def site_bridge(bus: Bus, login_file: str, site: str) -> dict[str, Any]:
+    """A bridge at ``site`` (``--bridge-login``): on the site's node with the site bridge's
+    login, the stages and the router in-process, preferring the site's replicas; limits
+    taken from half of each while the link to the hub is cut (ratelimit.cut_off_share)."""
+    env = {
+        "TOKENBUS_NATS_URL": bus.url,
+        "TOKENBUS_NATS_TLS_CA": "/config/tls/ca.pem",
+        "TOKENBUS_NATS_LOGIN_FILE": "/config/roles/bridge.json",
+        "TOKENBUS_SITE": site,
+        "TOKENBUS_INGRESS__PIPELINE": '["auth", "ratelimit", "filter", "route"]',
+        "TOKENBUS_RATELIMIT__CUT_OFF_SHARE": "0.5",
+        "TOKENBUS_BRIDGE__UNREADY_S": "5",
+        "TOKENBUS_DRAIN_TIMEOUT_S": "605",
+        # Usage records kept on the host's disk until the hub's stream takes them.
+        "TOKENBUS_TELEMETRY__SPOOL_DIR": "/spool",
+    }
+    volumes = [f"{login_file}:/config/roles/bridge.json:ro", "bridge-spool:/spool"]
+    if bus.ca:
+        volumes.insert(1, f"{bus.ca}:/config/tls/ca.pem:ro")
+    else:
+        del env["TOKENBUS_NATS_TLS_CA"]
+    return {
+        "build": {"context": "..", "dockerfile": "Dockerfile"},
+        "image": "tokenbus:latest",
+        "command": ["serve", "bridge", "--host", "0.0.0.0", "--port", "8000"],
+        "user": str(ROLE_UID["bridge"]),
+        "environment": env,
+        "volumes": volumes,
+        "ports": ["8000:8000"],
+        "restart": "unless-stopped",
+        "stop_grace_period": "620s",
+        "depends_on": {"bridge-spool-owner": {"condition": "service_completed_successfully"}},
+        "healthcheck": {
+            "test": ["CMD", "tokenbus", "health", "--url", "http://127.0.0.1:8000/ready"],
+            "interval": "10s",
+            "timeout": "5s",
+            "retries": 3,
+            "start_period": "30s",
+        },
+    }
+
+
 def to_yaml(doc: Any, indent: int = 0) -> str:
     """Block YAML for nested dicts and lists; every scalar written as JSON (valid YAML)."""
     pad = "  " * indent
@@ -302,6 +352,8 @@ def main(a: argparse.Namespace) -> int:
             from services.natsconf import site_user
 
             site_user(a.site)  # a valid name
+        if a.bridge_login and not a.site:
+            raise ValueError("--bridge-login goes with --site (a bridge at a site)")
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -314,6 +366,18 @@ def main(a: argparse.Namespace) -> int:
         else "# Run beside the stack: docker compose -f compose/docker-compose.yml -f <this> up\n"
     )
     doc = services(groups, host=a.host, bus=bus, site=a.site or "")
+    if bus is not None and a.bridge_login:
+        doc["services"]["bridge"] = site_bridge(bus, a.bridge_login, a.site)
+        # The spool volume belongs to the bridge's uid (a new volume is root's).
+        uid = ROLE_UID["bridge"]
+        doc["services"]["bridge-spool-owner"] = {
+            "image": "tokenbus:latest",
+            "user": "0",
+            "entrypoint": ["chown", "-R", f"{uid}:{uid}", "/spool"],
+            "volumes": ["bridge-spool:/spool"],
+            "restart": "no",
+        }
+        doc["volumes"]["bridge-spool"] = {}
     ids = [
         svc["command"][svc["command"].index("--replica") + 1]
         for svc in doc["services"].values()
@@ -325,6 +389,9 @@ def main(a: argparse.Namespace) -> int:
     if a.site:  # the site's login instead: it serves the ids of every host at the site
         whose = "The site's login (with its other hosts' ids too)"
         login, then = f"--site {a.site}={','.join(ids)}", f"bus/sites/{a.site}/roles/worker.json"
+        if a.bridge_login:  # and the site's bridge's
+            login += f" --site-bridge {a.site}"
+            then += f", --bridge-login bus/sites/{a.site}/roles/bridge.json"
     text = (
         f"# tokenbus compose generate: {', '.join(a.model)} on {a.host}'s {a.gpus} GPUs as "
         f"{layout}\n" + run + f"# {whose}: tokenbus deploy init ... {login}\n"
