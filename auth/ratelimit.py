@@ -316,6 +316,25 @@ class RateLimitCheck:
         ``insufficient_quota``. A request the limiter did not admit (a key without limits)
         gets a ``Tb-Ratelimit`` naming this instance, so its usage report comes here."""
         assert self.spend is not None
+        if self.limiter.cut_off_share:
+            # Cut-off mode (a site's bridge): a store across a cut link is a quick 503, not
+            # a wait of the store's stall bound (no local allowance of a budget yet).
+            if not await self.limiter._in_reach(
+                self._hold_in_store(hdrs, env, principal, admitted)
+            ):
+                tracing.verdict(subjects.STAGE_RATELIMIT, "deny", {"tokenbus.store": "cut off"})
+                raise E.ServiceUnavailable(
+                    "the spend budget's store cannot be reached (this site is cut off from "
+                    "the hub); retry",
+                    headers={"Retry-After": "5"},
+                )
+            return
+        await self._hold_in_store(hdrs, env, principal, admitted)
+
+    async def _hold_in_store(
+        self, hdrs: dict[str, str], env: dict[str, Any], principal: str, admitted: bool
+    ) -> None:
+        assert self.spend is not None
         scopes = await self._scopes(hdrs, principal)
         if not scopes:
             return

@@ -121,6 +121,11 @@ async def test_a_site_with_a_bridge_serves_its_users_locally_and_through_a_cut(
                     "site-a-limited", rpm=10_000, tpm=10**9, max_concurrent=50
                 )
                 tight, _ = await store.create("site-a-tight", rpm=4)
+                # A spend budget (the model priced): no local allowance yet, so through the
+                # cut a quick retryable 503 naming it, not a wait for the store.
+                budget, _ = await store.create(
+                    "site-a-budget", budget_usd=100.0, budget_period="total"
+                )
             finally:
                 await hub.close()
             # What a site may ask of the hub's JetStream: site a's bridge login its account
@@ -149,6 +154,8 @@ async def test_a_site_with_a_bridge_serves_its_users_locally_and_through_a_cut(
                         "TOKENBUS_INGRESS__PIPELINE": PIPELINE,
                         "TOKENBUS_RATELIMIT__CUT_OFF_SHARE": "0.5",
                         "TOKENBUS_RATELIMIT__CUT_OFF_AFTER_S": "0.5",
+                        "TOKENBUS_ROUTER__PRICE__INPUT": "1",
+                        "TOKENBUS_ROUTER__PRICE__OUTPUT": "2",
                     },
                 )
                 base = f"http://127.0.0.1:{port}"
@@ -168,7 +175,7 @@ async def test_a_site_with_a_bridge_serves_its_users_locally_and_through_a_cut(
                     window = int(time.time() // 60)
                     first = [
                         await _ask(h, base, k, f"pre-{n}")
-                        for n, k in (("l", limited), ("t", tight))
+                        for n, k in (("l", limited), ("t", tight), ("b", budget))
                     ]
                     assert all(g["status"] == 200 for g in first), first
                     # The link cut: the site's users still served, by its own replica, the
@@ -182,6 +189,9 @@ async def test_a_site_with_a_bridge_serves_its_users_locally_and_through_a_cut(
                     over = [await _ask(h, base, tight, f"cut-t{i}") for i in range(3)]
                     assert [g["status"] for g in over] == [200, 200, 429], over
                     assert "cut off" in over[2]["error"], over[2]
+                    refused = await _ask(h, base, budget, "cut-b")
+                    assert refused["status"] == 503 and "cut off" in refused["error"], refused
+                    assert refused["s"] < 5, refused  # not the store's 20 s stall bound
                     link.heal()
                     # Healed: once the limiter asks its store again (ratelimit's
                     # CUT_OFF_PROBE_S), the two taken while cut off count in the key's window:
