@@ -64,6 +64,7 @@ from nats.aio.client import Client as NATS
 from nats.js.api import StorageType
 from nats.js.errors import KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
+from prometheus_client import Counter
 
 from bus_schemas import errors as E
 from services import buckets
@@ -79,6 +80,13 @@ _SHARE = 16  # a lease takes at most this fraction of what is left beyond its ow
 LEASE_TTL_S = 10.0  # concurrency slots of an instance that stops renewing them expire
 # After a lease the store did not grant in time (cut-off mode), this long without asking it.
 CUT_OFF_PROBE_S = 5.0
+CUT_OFF_ADMITTED = Counter(
+    "tokenbus_ratelimit_cut_off_admitted_total",
+    "Leases a limiter took from its share of a key's limits while its store was out of reach "
+    "(ratelimit.cut_off_share: a site cut off from the hub), by kind (window: requests and "
+    "tokens a minute; slot: a concurrent request)",
+    ["kind"],
+)
 
 
 @dataclass
@@ -188,7 +196,6 @@ class Limiter:
         self.cut_off_share = cut_off_share
         self.cut_off_after_s = cut_off_after_s
         self._out_until = 0.0  # the store is not asked before then (monotonic)
-        self.admitted_locally = 0  # requests and slots admitted so (the test's, a metric's)
         self.bucket = bucket
         # Names this instance in the store and in usage reports (``subjects.usage(owner)``).
         self.owner = owner or uuid.uuid4().hex[:12]
@@ -439,7 +446,7 @@ class Limiter:
         w.owed_t += short_t
         w.r_left += short_r
         w.t_left += short_t
-        self.admitted_locally += 1
+        CUT_OFF_ADMITTED.labels("window").inc()
 
     def _worth_prefetching(self, w: _Window, rpm: int | None, tpm: int | None, need_t: int) -> bool:
         """Lease ahead only for a busy key far from its limits (nothing is stranded then)."""
@@ -500,7 +507,7 @@ class Limiter:
                             "is in use; retry when one finishes",
                             headers={"Retry-After": "1", **info},
                         )
-                    self.admitted_locally += 1
+                    CUT_OFF_ADMITTED.labels("slot").inc()
         slots.in_use[request_id] = deadline_s
 
     async def _grow_slots(
