@@ -259,6 +259,9 @@ class SpendBook:
         self._settled: dict[tuple[str, str], int] = {}
         # The deadlines of the holds this book made (a charge's note lasts no longer).
         self._held_until: dict[tuple[str, str], float] = {}
+        # Holds taken while the store was out of reach (cut-off mode: reserve_locally), not
+        # yet written into it: hold name -> (budget, entry, amount, deadline) per budget.
+        self.local: dict[str, list[tuple[Budget, str, int, float]]] = {}
 
     async def open(self) -> SpendBook:
         self.kv = await buckets.open_kv(
@@ -410,6 +413,68 @@ class SpendBook:
             await self.release(hold)
             raise
         return hold
+
+    def cached_owner_budget(self, owner: str) -> Budget | None:
+        """The owner's budget as this book last read it, however long ago (a limiter cut off
+        from its store: the owner's budget is not read again until it answers)."""
+        hit = self._owners.get(owner) if owner else None
+        return None if hit is None else hit[1]
+
+    def reserve_locally(
+        self, budgets: list[Budget], request_id: str, amount: int, deadline_s: float, share: float
+    ) -> Hold:
+        """Hold ``amount`` in this book alone while the store is out of reach (cut-off mode,
+        auth/limits.py): within ``share`` of what each hard budget had left as this book last
+        wrote its entry (all of it unknown: of the whole budget), counting what it holds so
+        already, or raise 429 ``insufficient_quota`` naming the cut. Written into the store
+        as a hold by :meth:`flush_local` once it answers, so that the request's report
+        settles it there as any."""
+        now = time.time()
+        hold = Hold(request_id, amount)
+        for b in budgets:
+            entry = b.entry(now)
+            if b.hard is not None:
+                known = self._known.get(entry)
+                cur = known[0] if known is not None else {}
+                spent = int(cur.get("spent", 0))
+                in_flight = _in_flight(_kept(cur, now), now)
+                mine = sum(a for items in self.local.values() for _, e, a, _ in items if e == entry)
+                left = max(0, b.hard - spent - in_flight)
+                if mine + amount > share * left:
+                    who = "this key" if b.scope.startswith("k.") else "this key's owner"
+                    raise E.InsufficientQuota(
+                        f"the spend budget's store cannot be reached (this site is cut off) and "
+                        f"{who}'s share of its budget while so (${share * left / 1e6:.4f}) is "
+                        "held by other requests; retry when the site is back"
+                    )
+            hold.budgets.append((b, entry))
+        self.local[request_id] = [(b, e, amount, deadline_s) for b, e in hold.budgets]
+        return hold
+
+    async def flush_local(self) -> None:
+        """Write the holds taken while cut off into the store (each as a hold, no budget
+        checked: their requests were admitted), before their reports settle them. A hold
+        whose deadline passed meanwhile is kept a minute more for its report."""
+        for name, items in list(self.local.items()):
+            for _, entry, amount, deadline in items:
+                now = time.time()
+                until = max(deadline, now + 60.0)
+
+                def put(
+                    cur: dict[str, Any],
+                    name: str = name,
+                    amount: int = amount,
+                    until: float = until,
+                    now: float = now,
+                ) -> dict[str, Any]:
+                    held = _kept(cur, now)
+                    held.setdefault(name, [amount, until])
+                    spent = int(cur.get("spent", 0))
+                    return _entry({"spent": spent, **_lapsing(cur)}, now, held=held, forget=name)
+
+                await self._cas(entry, put)
+                self._held_until[(name, entry)] = until
+            self.local.pop(name, None)
 
     async def release(self, hold: Hold) -> None:
         """Give back what ``hold`` holds (the request was not served)."""

@@ -179,6 +179,7 @@ class RateLimitCheck:
         self._spend_sub: Any = None
         self._spend_pull: Any = None  # the stream's consumer
         self._spend_task: asyncio.Task[None] | None = None
+        self._flush_task: asyncio.Task[None] | None = None  # cut-off mode: local holds out
 
     @classmethod
     async def open(cls, nc: NATS, settings: Settings, owner: str, log: Any) -> RateLimitCheck:
@@ -317,25 +318,29 @@ class RateLimitCheck:
         gets a ``Tb-Ratelimit`` naming this instance, so its usage report comes here."""
         assert self.spend is not None
         if self.limiter.cut_off_share:
-            # Cut-off mode (a site's bridge): a store across a cut link is a quick 503, not
-            # a wait of the store's stall bound (no local allowance of a budget yet).
+            # Cut-off mode (a site's bridge): a store across a cut link that has not answered
+            # in cut_off_after_s: held in this limiter's book from a share of each budget,
+            # written into the store once it answers (SpendBook.reserve_locally).
             if not await self.limiter._in_reach(
                 self._hold_in_store(hdrs, env, principal, admitted)
             ):
-                tracing.verdict(subjects.STAGE_RATELIMIT, "deny", {"tokenbus.store": "cut off"})
-                raise E.ServiceUnavailable(
-                    "the spend budget's store cannot be reached (this site is cut off from "
-                    "the hub); retry",
-                    headers={"Retry-After": "5"},
-                )
+                await self._hold_in_store(hdrs, env, principal, admitted, local=True)
             return
         await self._hold_in_store(hdrs, env, principal, admitted)
 
     async def _hold_in_store(
-        self, hdrs: dict[str, str], env: dict[str, Any], principal: str, admitted: bool
+        self,
+        hdrs: dict[str, str],
+        env: dict[str, Any],
+        principal: str,
+        admitted: bool,
+        *,
+        local: bool = False,
     ) -> None:
         assert self.spend is not None
-        scopes = await self._scopes(hdrs, principal)
+        scopes = (
+            self._cached_scopes(hdrs, principal) if local else await self._scopes(hdrs, principal)
+        )
         if not scopes:
             return
         model = hdrs.get(H.MODEL) or str(env.get("model", ""))
@@ -358,7 +363,11 @@ class RateLimitCheck:
             # whatever id it names.
             name = f"{name}~{marks.new_request_id()[:12]}"
         try:
-            hold = await self.spend.reserve(scopes, name, amount, deadline_s)
+            if local:
+                share = self.limiter.cut_off_share
+                hold = self.spend.reserve_locally(scopes, name, amount, deadline_s, share)
+            else:
+                hold = await self.spend.reserve(scopes, name, amount, deadline_s)
         except E.TokenbusError as exc:
             tracing.verdict(subjects.STAGE_RATELIMIT, "deny", {tracing.ERROR_TYPE: exc.code})
             raise
@@ -382,22 +391,29 @@ class RateLimitCheck:
                 "for every bridge and ratelimit process",
             )
 
+    def _cached_scopes(self, hdrs: dict[str, str], principal: str) -> list[budgets.Budget]:
+        """:meth:`_scopes` with the owner's budget as last read (the store out of reach)."""
+        assert self.spend is not None
+        key_budget, owner = budgets.parse_header(hdrs.get(H.BUDGET))
+        scopes = [] if key_budget is None else [self._key_scope(key_budget, principal)]
+        owner_budget = self.spend.cached_owner_budget(owner)
+        return scopes if owner_budget is None else [*scopes, owner_budget]
+
+    def _key_scope(self, key_budget: budgets.Budget, principal: str) -> budgets.Budget:
+        return budgets.Budget(
+            f"k.{principal}",
+            key_budget.period,
+            key_budget.hard,
+            key_budget.soft,
+            f"key:{principal}",
+        )
+
     async def _scopes(self, hdrs: dict[str, str], principal: str) -> list[budgets.Budget]:
         """The budgets a request of ``principal`` is held to: its key's (``Tb-Budget``) and
         its owner's."""
         assert self.spend is not None
         key_budget, owner = budgets.parse_header(hdrs.get(H.BUDGET))
-        scopes = []
-        if key_budget is not None:
-            scopes.append(
-                budgets.Budget(
-                    f"k.{principal}",
-                    key_budget.period,
-                    key_budget.hard,
-                    key_budget.soft,
-                    f"key:{principal}",
-                )
-            )
+        scopes = [] if key_budget is None else [self._key_scope(key_budget, principal)]
         try:
             owner_budget = await self.spend.owner_budget(owner)
         except Exception as exc:
@@ -412,6 +428,8 @@ class RateLimitCheck:
         soft threshold crossed."""
         if self.spend is None or "spend" not in u:
             return
+        if self.spend.local:  # holds taken while cut off go into the store first
+            await self.spend.flush_local()
         held = read_spend(str(u["spend"]))
         if held is None:
             self.log.warning("spend_report_unreadable", request_id=u.get("request_id"))
@@ -542,6 +560,23 @@ class RateLimitCheck:
         if self.spend is not None:
             self._spend_sub = await nc.subscribe(subjects.usage_spend(owner), cb=self._on_usage)
             self._spend_task = asyncio.get_running_loop().create_task(self._spend_reports())
+            if self.limiter.cut_off_share:
+                self._flush_task = asyncio.get_running_loop().create_task(self._flush_local())
+
+    async def _flush_local(self) -> None:
+        """Cut-off mode: the holds taken while the store was out of reach, written into it
+        as soon as it answers (within a second or so of the link's return: before another
+        limiter may settle their reports from the stream, after ``owner_grace_s``)."""
+        assert self.spend is not None
+        while True:
+            await asyncio.sleep(0.5)
+            if self.spend.local:
+                try:
+                    await self.spend.flush_local()
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:  # still cut off: again
+                    self.log.debug("spend_local_not_flushed", error=repr(exc)[:200])
 
     async def _spend_reports(self) -> None:
         """Settle the spend reports kept in the stream (one durable consumer all limiters
@@ -612,6 +647,7 @@ class RateLimitCheck:
             await msg.ack()
 
     async def stop(self) -> None:
+        await cancel_and_wait(self._flush_task)
         await cancel_and_wait(self._spend_task)  # (its cancel can be lost in a fetch)
         # Unsubscribed here, not drained with the connection: a fetch cut off by the
         # cancellation leaves nothing for the drain to wait on.
