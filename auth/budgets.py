@@ -441,11 +441,11 @@ class SpendBook:
                 mine = sum(a for items in self.local.values() for _, e, a, _ in items if e == entry)
                 left = max(0, b.hard - spent - in_flight)
                 if mine + amount > share * left:
-                    who = "this key" if b.scope.startswith("k.") else "this key's owner"
                     raise E.InsufficientQuota(
-                        f"the spend budget's store cannot be reached (this site is cut off) and "
-                        f"{who}'s share of its budget while so (${share * left / 1e6:.4f}) is "
-                        "held by other requests; retry when the site is back"
+                        "the spend budget's store cannot be reached (this site is cut off) and "
+                        f"{_whose(b)}'s share of its budget while so "
+                        f"(${share * left / 1e6:.4f}) is held by other requests; retry when the "
+                        "site is back"
                     )
             hold.budgets.append((b, entry))
         self.local[request_id] = [(b, e, amount, deadline_s) for b, e in hold.budgets]
@@ -746,8 +746,12 @@ class SpendBook:
                 )
 
 
+def _whose(b: Budget) -> str:
+    return "this key" if b.scope.startswith("k.") else "this key's owner"
+
+
 def _over(b: Budget, spent: int, in_flight: int) -> E.InsufficientQuota:
-    who = "this key" if b.scope.startswith("k.") else "this key's owner"
+    who = _whose(b)
     return E.InsufficientQuota(
         f"{who} has used its budget of ${(b.hard or 0) / 1e6:.2f} for the {b.period} period "
         f"(${spent / 1e6:.4f} spent, ${in_flight / 1e6:.4f} held by requests in flight); "

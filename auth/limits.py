@@ -305,7 +305,7 @@ class Limiter:
                     # while it was in flight can leave it short again: lease once more.
                     while w.r_left < requests or w.t_left < need_t:
                         lease = self._lease(principal, w, rpm, tpm, need_t, reset, need_r=requests)
-                        if not await self._in_reach(lease):
+                        if not await self.in_reach(lease):
                             self._lease_locally(w, rpm, tpm, need_t, reset, requests)
             w.r_left -= requests
             w.t_left -= need_t
@@ -392,7 +392,7 @@ class Limiter:
         w.r_seen, w.t_seen = int(new["r"]), int(new["t"])
         w.chunk = min(chunk * 2, _MAX_CHUNK)
 
-    async def _in_reach(self, call: Any) -> bool:
+    async def in_reach(self, call: Any) -> bool:
         """Await ``call`` (a write to the store); in cut-off mode, False when the store did
         not answer in ``cut_off_after_s`` or could not be reached, or has not been asked
         since it last did not (``call`` then not awaited). A refusal (a limit) raises."""
@@ -495,7 +495,7 @@ class Limiter:
         self._limits[principal] = limit
         if len(slots.in_use) >= slots.held:
             async with slots.lock:
-                if len(slots.in_use) >= slots.held and not await self._in_reach(
+                if len(slots.in_use) >= slots.held and not await self.in_reach(
                     self._grow_slots(principal, slots, limit, info)
                 ):
                     # Cut off: a slot of this key's share, in the store with the next write.

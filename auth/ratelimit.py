@@ -321,9 +321,7 @@ class RateLimitCheck:
             # Cut-off mode (a site's bridge): a store across a cut link that has not answered
             # in cut_off_after_s: held in this limiter's book from a share of each budget,
             # written into the store once it answers (SpendBook.reserve_locally).
-            if not await self.limiter._in_reach(
-                self._hold_in_store(hdrs, env, principal, admitted)
-            ):
+            if not await self.limiter.in_reach(self._hold_in_store(hdrs, env, principal, admitted)):
                 await self._hold_in_store(hdrs, env, principal, admitted, local=True)
             return
         await self._hold_in_store(hdrs, env, principal, admitted)

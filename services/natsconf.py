@@ -388,14 +388,22 @@ def _role_users(
     for site, replicas in sorted((sites or {}).items()):
         perms.append((site_user(site), *site_permissions(replicas, site in site_bridges)))
     for user, pub, sub, denied in perms:
-        deny = f", deny: {_list(denied)}" if denied else ""
-        users.append(
-            f"{indent}{{user: {json.dumps(user)}, "
-            f"password: {json.dumps(password_hash(passwords[user]))}, "
-            f"permissions: {{publish: {{allow: {_list(pub)}{deny}}}, "
-            f"subscribe: {{allow: {_list(sub)}}}}}}}"
-        )
+        users.append(indent + user_entry(user, passwords[user], pub, sub, denied))
     return ",\n".join(users)
+
+
+def user_entry(
+    user: str, password: str, pub: list[str], sub: list[str], denied: list[str] | None = None
+) -> str:
+    """One user of a config's ``users`` list: its login (the password's bcrypt hash only)
+    and what it may publish (but ``denied``) and subscribe to."""
+    deny = f", deny: {_list(denied)}" if denied else ""
+    return (
+        f"{{user: {json.dumps(user)}, "
+        f"password: {json.dumps(password_hash(password))}, "
+        f"permissions: {{publish: {{allow: {_list(pub)}{deny}}}, "
+        f"subscribe: {{allow: {_list(sub)}}}}}}}"
+    )
 
 
 # Accounts of the bus with the auth callout: tokenbus' services and clients share one; the

@@ -91,18 +91,15 @@ def render_site(
     outbound leaf link to the hub (TLS, trusting ``ca``, when ``hub_url`` is ``tls://``)."""
     user = natsconf.site_user(site)
     pub, sub = natsconf.worker_host_permissions(replicas)
-    pub = natsconf.in_hub_domain(pub)
-    lst = natsconf._list
-    bridge = ""
+    users = [natsconf.user_entry(SITE_WORKER, worker_password, natsconf.in_hub_domain(pub), sub)]
     if bridge_password is not None:
         bpub, bsub = natsconf.ROLES["bridge"]
-        bpub = natsconf.in_hub_domain(bpub)
         deny = natsconf.in_hub_domain(natsconf.PUBLISH_DENY.get("bridge") or [])
-        bridge = (
-            f"    {{user: {json.dumps(SITE_BRIDGE)}, "
-            f"password: {json.dumps(natsconf.password_hash(bridge_password))}, "
-            f"permissions: {{publish: {{allow: {lst(bpub)}, deny: {lst(deny)}}}, "
-            f"subscribe: {{allow: {lst(bsub)}}}}}}},\n"
+        users.insert(
+            0,
+            natsconf.user_entry(
+                SITE_BRIDGE, bridge_password, natsconf.in_hub_domain(bpub), bsub, deny
+            ),
         )
     remote = f"    url: {json.dumps(remote_url(hub_url, user, hub_password))}\n"
     if ca is not None:
@@ -114,11 +111,8 @@ def render_site(
         f"listen: {json.dumps(listen)}\n"
         + natsconf.SERVER_TIMERS
         + "authorization {\n  users = [\n"
-        + bridge
-        + f"    {{user: {json.dumps(SITE_WORKER)}, "
-        f"password: {json.dumps(natsconf.password_hash(worker_password))}, "
-        f"permissions: {{publish: {{allow: {lst(pub)}}}, subscribe: {{allow: {lst(sub)}}}}}}}\n"
-        "  ]\n}\n"
+        + ",\n".join(f"    {u}" for u in users)
+        + "\n  ]\n}\n"
         # The hub binds the link to account TB (the login's account); here it is the
         # global account, where the site's own users are. This node has no JetStream: its
         # users' JetStream API goes to the hub's domain, across the link.

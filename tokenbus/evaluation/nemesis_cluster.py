@@ -23,6 +23,15 @@ from tokenbus.launcher import free_port, port_open
 SITE_NAMES = "abcdefgh"
 
 
+def _until_listening(addr: str, port: int, what: str) -> None:
+    """Until a nats-server just started listens on ``addr:port`` (20 s at most)."""
+    deadline = time.monotonic() + 20
+    while not port_open(addr, port):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what} did not listen")
+        time.sleep(0.02)
+
+
 async def quiet_errors(exc: Exception) -> None:
     """A NATS connection's error callback: the faults make many, and the outcomes say
     what they cost."""
@@ -124,11 +133,7 @@ class Cluster:
         node = Process(f"site-{site}", argv, log=self.folder / f"site-{site}.log", cwd=folder)
         node.start()
         self.site_procs[site] = node
-        deadline = time.monotonic() + 20
-        while not port_open("127.0.0.1", self.site_ports[site]):
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"site {site}'s node did not listen")
-            time.sleep(0.02)
+        _until_listening("127.0.0.1", self.site_ports[site], f"site {site}'s node")
 
     def url(self, i: int) -> str:
         return f"nats://{self.addrs[i]}:{self.ports[i]}"
@@ -145,11 +150,7 @@ class Cluster:
         node = Process(f"node{i}", argv, log=self.folder / f"node{i}.log")
         node.start()
         self.procs[i] = node
-        deadline = time.monotonic() + 20
-        while not port_open(self.addrs[i], self.ports[i]):
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"nats node {i} did not listen")
-            time.sleep(0.02)
+        _until_listening(self.addrs[i], self.ports[i], f"nats node {i}")
 
     def start(self) -> Cluster:
         for i in range(len(self.ports)):
