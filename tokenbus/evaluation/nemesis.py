@@ -93,21 +93,16 @@ async def run_nemesis(cfg: Config) -> dict[str, Any]:
     ``cfg.out`` when set)."""
     seed = cfg.seed if cfg.seed is not None else secrets.randbelow(2**31)
     rng = random.Random(seed)
-    kinds = list(cfg.kinds)
-    skipped: dict[str, str] = {}
-    if "nats_partition" in kinds and not available():
-        kinds.remove("nats_partition")
-        skipped["nats_partition"] = "no network namespaces here (needs root and ip)"
+    # Why a kind cannot be injected in this run.
+    why_not: dict[str, str] = {}
+    if "nats_partition" in cfg.kinds and not available():
+        why_not["nats_partition"] = "no network namespaces here (needs root and ip)"
     if cfg.nodes < 2:
-        for k in ("host_crash",):
-            if k in kinds:
-                kinds.remove(k)
-                skipped[k] = "one node: a reverted store has no peer to catch up from"
+        why_not["host_crash"] = "one node: a reverted store has no peer to catch up from"
     if cfg.sites < 1:
-        for k in SITE_KINDS:
-            if k in kinds:
-                kinds.remove(k)
-                skipped[k] = "no site (--nemesis-sites 0)"
+        why_not |= dict.fromkeys(SITE_KINDS, "no site (--nemesis-sites 0)")
+    skipped = {k: why_not[k] for k in cfg.kinds if k in why_not}
+    kinds = [k for k in cfg.kinds if k not in why_not]
     if not kinds:
         raise ValueError("no fault kind left to inject")
     folder = Path(cfg.run_dir or tempfile.mkdtemp(prefix="tokenbus-nemesis-"))
