@@ -330,7 +330,13 @@ class Bridge(Service):
         # Routing in-process saves a hop (and a process's CPU) per request. It needs the
         # stages before routing in-process too, so no request reaches a worker unadmitted.
         if cfg.fuse_router and (not before or self.stages is not None):
-            self.kv = KVFollower(KVIndex(), self.registry, self.log, self.settings.router.kv_check)
+            self.kv = KVFollower(
+                KVIndex(),
+                self.registry,
+                self.log,
+                self.settings.router.kv_check,
+                site=self.settings.site,
+            )
             self.routing = await watch_routing(self.nc, self.settings.router, self.log, self.kv)
             self.adapters = await watch_adapters(self.nc, self.log)
             dispatcher = Dispatcher(

@@ -5,6 +5,11 @@ yet, and a dead replica's entries dropped with it.
 Started by the router service and by a bridge that routes in-process, both only once a
 model routes ``kv_aware`` (following costs a decode per event batch), and from then on for
 good: an override may switch models to it at run time.
+
+A router at a site (``TOKENBUS_SITE``) follows its own site's replicas only, one subscription
+each, so no other site's KV events cross a leaf link to it: its index is the site's. It routes
+to its own replicas first, and what it spills to another site is placed by load and distance,
+not by cache (docs/deploy.md, "Sites").
 """
 
 from __future__ import annotations
@@ -149,8 +154,12 @@ class KVFollower:
         registry: Registry,
         log: Any,
         check: KVCheckSettings | None = None,
+        site: str = "",
     ) -> None:
         self.index = index
+        # Where this router runs: only that site's replicas are followed ("" = every one).
+        self.site = site
+        self._site_subs: dict[str, Any] = {}  # replica -> its events' subscription
         self.check = KVCheck(check, log)
         # The index's view of whom to trust and how to hash the sim's prompts: this
         # router's (router.kv_check).
@@ -169,14 +178,17 @@ class KVFollower:
 
     @property
     def started(self) -> bool:
-        return self._sub is not None
+        return self._task is not None
 
     async def start(self, nc: Any) -> None:
         """Subscribe (idempotent); events first, then snapshots (so none falls between)."""
-        if self._sub is not None:
+        if self._task is not None:
             return
         self.nc = nc
-        self._sub = await nc.subscribe(subjects.kv_events_wildcard(), cb=self._on_batch)
+        if not self.site:
+            self._sub = await nc.subscribe(subjects.kv_events_wildcard(), cb=self._on_batch)
+        else:
+            await self._follow_site()
         self._task = asyncio.get_running_loop().create_task(self._loop())
 
     async def stop(self) -> None:
@@ -184,9 +196,32 @@ class KVFollower:
             self._task.cancel()
             with contextlib.suppress(BaseException):
                 await self._task
-        if self._sub is not None:
+        for sub in [self._sub, *self._site_subs.values()]:
+            if sub is not None:
+                with contextlib.suppress(Exception):
+                    await sub.unsubscribe()
+        self._site_subs.clear()
+
+    def _mine(self, replica: Any) -> bool:
+        """Whether this follower indexes ``replica``: all of them, or its own site's."""
+        return not self.site or replica.site == self.site
+
+    async def _follow_site(self) -> None:
+        """A sited follower's subscriptions: one per live replica of its site, taken before
+        the replica is indexed (so its snapshot comes after its events are heard), and
+        dropped once the replica is gone from the registry and its entries with it."""
+        live = {r.replica: r.model for r in self.registry.all_live() if self._mine(r)}
+        for name, model in live.items():
+            if name not in self._site_subs:
+                self._site_subs[name] = await self.nc.subscribe(
+                    subjects.kv_events(model, name), cb=self._on_batch
+                )
+        for name in [n for n in self._site_subs if n not in live]:
+            if name in self.index.replicas() or name in self._asking:
+                continue  # still indexed: the registry sync drops it first
+            sub = self._site_subs.pop(name)
             with contextlib.suppress(Exception):
-                await self._sub.unsubscribe()
+                await sub.unsubscribe()
 
     async def _on_batch(self, msg: Msg) -> None:
         try:
@@ -195,6 +230,14 @@ class KVFollower:
             self.bad_batches += 1
             if self.bad_batches <= 10 or self.bad_batches % 1000 == 0:
                 self.log.warning("bad_kv_events", subject=msg.subject[:200])
+            return
+        if msg.subject != subjects.kv_events(batch["model"], batch["replica"]):
+            # A batch naming another replica (or model) than the subject it came on: the
+            # bus's permissions let a host publish only its own replicas' subjects, so one
+            # that names another's would poison that replica's entries.
+            self.bad_batches += 1
+            if self.bad_batches <= 10 or self.bad_batches % 1000 == 0:
+                self.log.warning("kv_events_not_its_subject", subject=msg.subject[:200])
             return
         if self.check.refuses(batch["replica"]):
             return  # hashed otherwise than this router can: never indexed
@@ -211,6 +254,8 @@ class KVFollower:
 
     async def _loop(self) -> None:
         while True:
+            if self.site:
+                await self._follow_site()
             self._sync_with_registry()
             self._ask_soon()
             await asyncio.sleep(TICK_S)
@@ -219,14 +264,14 @@ class KVFollower:
         """Replicas heard of are tracked (a late router starts warm: it asks each for a
         snapshot); the entries of replicas no longer live are dropped."""
         now = time.monotonic()
-        replicas = self.registry.all_live()
+        replicas = [r for r in self.registry.all_live() if self._mine(r)]
         live = {r.replica: r.model for r in replicas}
         for r in replicas:
             self.check.observe(r, now)
             if not self.check.admit(r) and r.replica in self.index.replicas():
                 self.index.drop(r.replica)  # what it sent before it said how it hashes
         for name, model in live.items():
-            if name in self.check.incompatible:
+            if name in self.check.incompatible or (self.site and name not in self._site_subs):
                 continue
             self._models.setdefault(name, model)
             if now - self._no_events.get(name, -NO_EVENTS_RETRY_S) >= NO_EVENTS_RETRY_S:

@@ -33,7 +33,13 @@ class Router(Service):
     async def setup(self) -> None:
         self.registry = Registry(self.settings.router.missed_heartbeats)
         self.registry.bus = self.nc
-        self.kv = KVFollower(KVIndex(), self.registry, self.log, self.settings.router.kv_check)
+        self.kv = KVFollower(
+            KVIndex(),
+            self.registry,
+            self.log,
+            self.settings.router.kv_check,
+            site=self.settings.site,
+        )
         self.routing = await watch_routing(self.nc, self.settings.router, self.log, self.kv)
         self.aliases = await watch_aliases(self.nc, self.settings.router.aliases, self.log)
         self.adapters = await watch_adapters(self.nc, self.log)

@@ -319,3 +319,85 @@ async def test_replicas_without_events_are_routed_by_the_fallback_and_not_asked_
         assert len(served) == 1
         await asyncio.sleep(0.6)  # a negative check: two more ticks, nobody asked again
         assert len(follower._no_events) == 3 and not follower._asking
+
+
+@pytest.mark.bus
+async def test_a_batch_naming_another_replica_than_its_subject_is_refused(
+    nats_server: NatsServer, model: str, client: Client, nc: NATS
+) -> None:
+    """A host may publish only its own replicas' KV subjects, but the batch names its
+    replica itself: one published on w1's subject naming w0 (clearing w0's cache) is
+    refused, and w0's entries stay as its cache is."""
+    async with stack(
+        nats_server.url, model, workers=2, worker={"sim": SIM}, router=KV_ROUTER
+    ) as svcs:
+        w0, w1 = svcs["workers"]
+        follower = svcs["router"].kv
+        index: KVIndex = follower.index
+        for p in PREFIXES:
+            await _turn(client, model, p, 0)
+        cache = w0.backend.engine.cache
+        await wait_for(lambda: index.held(w0.replica) > 0, what="w0 has no entries")
+        await wait_for(
+            lambda: index.held(w0.replica) == len(cache.snapshot()[1]),
+            what="index differs from w0's cache",
+        )
+        held = index.held(w0.replica)
+        seq = cache.snapshot()[0]
+        forged = batch(w0.replica, seq + 1, [K.all_cleared()], boot=w0.boot)
+        forged["model"] = model
+        await nc.publish(subjects.kv_events(model, w1.replica), codec.encode(forged))
+        await wait_for(lambda: follower.bad_batches >= 1, what="the forged batch not refused")
+        assert index.held(w0.replica) == held
+        assert index.synced(w0.replica)
+
+
+@pytest.mark.bus
+async def test_a_router_at_a_site_follows_only_its_sites_replicas(
+    nats_server: NatsServer, model: str, client: Client
+) -> None:
+    """Issue 71: a router at site a (``TOKENBUS_SITE=a``) subscribes to the KV events of
+    site a's replicas only, one subscription each, so no other site's events cross a leaf
+    link to it; the hub's router follows both sites."""
+    from engine_worker.worker import Worker
+    from router.service import Router
+    from tests.support.inprocess import settings
+
+    async with stack(
+        nats_server.url, model, workers=0, worker={"sim": SIM}, router=KV_ROUTER
+    ) as svcs:
+        hub: KVIndex = svcs["router"].kv.index
+        w = {"model": model, "heartbeat_interval_s": 0.2, "sim": SIM}
+        b = Worker(settings(nats_server.url, worker={**w, "replica": "at-b"}, site="b"))
+        async with b:
+            await wait_for(lambda: hub.synced("at-b"), what="the hub not following b")
+            for p in PREFIXES:
+                await _turn(client, model, p, 0)
+            await wait_for(lambda: hub.held("at-b") > 0, what="b's events never came")
+            a = Worker(settings(nats_server.url, worker={**w, "replica": "at-a"}, site="a"))
+            sited = Router(settings(nats_server.url, router=KV_ROUTER, site="a"))
+            async with a, sited:
+                follower = sited.kv
+                index: KVIndex = follower.index
+                await wait_for(lambda: sited.registry.live(model), what="no replica heard")
+                await wait_for(
+                    lambda: hub.synced("at-a") and index.synced("at-a"), what="a not followed"
+                )
+                await wait_for(
+                    lambda: {r.replica for r in sited.registry.live(model)} == {"at-a", "at-b"},
+                    what="the sited router not hearing both sites' heartbeats",
+                )
+                # It knows b is there (to spill to) but neither indexes nor listens to it.
+                assert index.replicas() == ["at-a"]
+                assert set(follower._site_subs) == {"at-a"}
+                assert follower._sub is None
+                # Its own site's events do reach it (a turn sent each try: the two routers
+                # share the route stage, and the sited one keeps its requests at a).
+                turns = iter(range(1, 1000))
+
+                async def a_indexed() -> bool:
+                    await _turn(client, model, PREFIXES[0], next(turns))
+                    return index.held("at-a") > 0
+
+                await wait_for(a_indexed, what="site a's events never reached its router")
+                assert index.replicas() == ["at-a"] and index.held("at-b") == 0

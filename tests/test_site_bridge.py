@@ -18,6 +18,7 @@ import pytest
 
 from auth import budgets
 from auth.store import KeyStore
+from bus_schemas import subjects
 from tests.support.ports import free_port
 from tests.support.procs import Procs
 from tests.support.waits import wait_for, wait_http
@@ -53,6 +54,46 @@ async def _ask(h: httpx.AsyncClient, base: str, key: str, rid: str) -> dict[str,
         "error": "" if r.status_code == 200 else r.text[:200],
         "s": time.monotonic() - t0,
     }
+
+
+async def _kv_crossing(bus: Bus, link: WanLink, url: str, admin: dict[str, Any], b0: str) -> int:
+    """The bytes that came down site a's link while the hub carried 400 KB of KV event
+    batches of site b's replica ``b0`` (see the caller)."""
+    env = bus.site_worker_env("a", "bridge")
+    at_a = await nats.connect(
+        bus.url("a"), user=env["TOKENBUS_NATS_USER"], password=env["TOKENBUS_NATS_PASSWORD"]
+    )
+    hub = await nats.connect(url, **admin)
+    try:
+        marker = at_a.new_inbox()
+        got: list[bytes] = []
+
+        async def on_marker(msg: Any) -> None:
+            got.append(msg.data)
+
+        await at_a.subscribe(marker, cb=on_marker)
+        await at_a.flush()
+
+        async def marked(tag: bytes) -> bool:
+            await hub.publish(marker, tag)
+            await hub.flush()
+            return tag in got
+
+        tries = iter(range(10**6))
+        await wait_for(
+            lambda: marked(b"warm-%d" % next(tries)),
+            timeout=15,
+            interval=0.1,
+            what="the marker's interest at the hub",
+        )
+        down = link.down
+        for _ in range(200):
+            await hub.publish(subjects.kv_events(MODEL, b0), bytes(2048))
+        await wait_for(lambda: marked(b"after"), timeout=15, interval=0.1, what="the marker")
+        return link.down - down
+    finally:
+        await hub.close()
+        await at_a.close()
 
 
 def _p50_ms(got: list[dict[str, Any]]) -> float:
@@ -158,6 +199,9 @@ async def test_a_site_with_a_bridge_serves_its_users_locally_and_through_a_cut(
                         "TOKENBUS_RATELIMIT__CUT_OFF_AFTER_S": "0.5",
                         "TOKENBUS_ROUTER__PRICE__INPUT": "1",
                         "TOKENBUS_ROUTER__PRICE__OUTPUT": "2",
+                        # Routing on the KV index: the bridge follows its own site's
+                        # replicas' events, not the other sites'.
+                        "TOKENBUS_ROUTER__POLICY": "kv_aware",
                     },
                 )
                 base = f"http://127.0.0.1:{port}"
@@ -174,6 +218,13 @@ async def test_a_site_with_a_bridge_serves_its_users_locally_and_through_a_cut(
                     local = [await _ask(h, base, key, f"local-{i}") for i in range(40)]
                     crossed = link.up + link.down - before
                     assert all(g["status"] == 200 and g["replica"] == a0 for g in local), local
+                    # Another site's KV events do not cross to this one: 200 batches of 2 KB
+                    # on site b's replica's subject (as its engine's would be), then a marker
+                    # to a subscriber at site a (one link, in order: once it is there, what
+                    # would have crossed before it has); what came down site a's link
+                    # meanwhile is its heartbeats' share, not 400 KB.
+                    kv_down = await _kv_crossing(bus, link, url, admin, b0)
+                    assert kv_down < 40_000, kv_down
                     window = int(time.time() // 60)
                     first = [
                         await _ask(h, base, k, f"pre-{n}")
@@ -223,6 +274,7 @@ async def test_a_site_with_a_bridge_serves_its_users_locally_and_through_a_cut(
                     json.dumps(
                         {
                             "link_bytes_per_local_request": crossed / len(local),
+                            "link_bytes_down_for_400KB_of_site_b_kv_events": kv_down,
                             "served_during_cut": f"{served_in_cut}/{len(cut)}",
                             "errors": [g for g in cut if g["status"] != 200][:3],
                         }
