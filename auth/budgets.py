@@ -37,6 +37,7 @@ from nats.js.api import StorageType
 from nats.js.errors import KeyNotFoundError
 from nats.js.kv import KeyValue
 
+from auth.cut_off_state import CutOffState
 from bus_schemas import codec, subjects
 from bus_schemas import errors as E
 from services import audit, buckets
@@ -261,7 +262,29 @@ class SpendBook:
         self._held_until: dict[tuple[str, str], float] = {}
         # Holds taken while the store was out of reach (cut-off mode: reserve_locally), not
         # yet written into it: hold name -> (budget, entry, amount, deadline) per budget.
-        self.local: dict[str, list[tuple[Budget, str, int, float]]] = {}
+        # (The budget is None in a hold taken over from a gone limiter's state file.)
+        self.local: dict[str, list[tuple[Budget | None, str, int, float]]] = {}
+        self.state: CutOffState | None = None  # ratelimit.cut_off_dir: the holds on disk
+
+    def keep_locally_on(self, state: CutOffState) -> None:
+        """Write the holds taken while cut off to ``state``'s file until they are in the
+        store, and take over those a gone limiter's file had (auth/cut_off_state.py)."""
+        self.state = state
+        for name, items in state.holds.items():
+            self.local.setdefault(name, [(None, e, int(a), float(d)) for e, a, d in items])
+        self._note_local()
+
+    def _note_local(self, name: str | None = None) -> None:
+        """The holds on disk: ``name``'s as it is now (all of them when None)."""
+        if self.state is None:
+            return
+        for n in self.local if name is None else [name]:
+            items = self.local.get(n)
+            if items is None:
+                self.state.holds.pop(n, None)
+            else:
+                self.state.holds[n] = [[e, a, d] for _, e, a, d in items]
+        self.state.save_soon()
 
     async def open(self) -> SpendBook:
         self.kv = await buckets.open_kv(
@@ -449,6 +472,7 @@ class SpendBook:
                     )
             hold.budgets.append((b, entry))
         self.local[request_id] = [(b, e, amount, deadline_s) for b, e in hold.budgets]
+        self._note_local(request_id)
         return hold
 
     async def flush_local(self) -> None:
@@ -475,6 +499,7 @@ class SpendBook:
                 await self._cas(entry, put)
                 self._held_until[(name, entry)] = until
             self.local.pop(name, None)
+            self._note_local(name)
 
     async def release(self, hold: Hold) -> None:
         """Give back what ``hold`` holds (the request was not served)."""

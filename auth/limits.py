@@ -66,6 +66,7 @@ from nats.js.errors import KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 from prometheus_client import Counter
 
+from auth.cut_off_state import CutOffState
 from bus_schemas import errors as E
 from services import buckets
 
@@ -189,8 +190,11 @@ class Limiter:
         lease_ttl_s: float = LEASE_TTL_S,
         cut_off_share: float = 0.0,
         cut_off_after_s: float = 2.0,
+        state: CutOffState | None = None,
     ) -> None:
         self.nc = nc
+        # What was admitted while cut off, on local disk until written (ratelimit.cut_off_dir).
+        self.state = state
         self.lease_ttl_s = lease_ttl_s
         # Cut-off mode (the module's doc): 0 is off, the store's answer is waited for.
         self.cut_off_share = cut_off_share
@@ -215,8 +219,34 @@ class Limiter:
             js, self.bucket, ttl=3 * WINDOW_S, storage=StorageType.MEMORY
         )
         self.secret = await self._shared_secret(js)
+        self._restore()
         self._renewer = asyncio.create_task(self._renew_forever())
         return self
+
+    def _restore(self) -> None:
+        """The windows a gone limiter admitted locally in and had not written (its state
+        file, taken over): this window's are owed by this one now, past ones are moot."""
+        if self.state is None:
+            return
+        window = int(time.time() // WINDOW_S)
+        for principal, (at, local_r, local_t, owed_r, owed_t) in list(self.state.windows.items()):
+            if at != window:
+                del self.state.windows[principal]
+                continue
+            self._windows[principal] = _Window(
+                at, local_r=local_r, local_t=local_t, owed_r=owed_r, owed_t=owed_t
+            )
+        self.state.save()
+
+    def _note(self, principal: str, w: _Window) -> None:
+        """``w``'s local admissions as the state file keeps them (while any is owed)."""
+        if self.state is None:
+            return
+        if w.owed_r or w.owed_t:
+            self.state.windows[principal] = [w.window, w.local_r, w.local_t, w.owed_r, w.owed_t]
+        else:
+            self.state.windows.pop(principal, None)
+        self.state.save_soon()
 
     @staticmethod
     async def _shared_secret(js: Any) -> bytes:
@@ -251,6 +281,8 @@ class Limiter:
                 slots.in_use.clear()
                 with contextlib.suppress(Exception):
                     await self._set_slots(principal, slots, 0)
+        if self.state is not None:
+            self.state.close()  # left for the next process while anything is owed
 
     def _kv(self) -> KeyValue:
         if self.kv is None:
@@ -307,6 +339,7 @@ class Limiter:
                         lease = self._lease(principal, w, rpm, tpm, need_t, reset, need_r=requests)
                         if not await self.in_reach(lease):
                             self._lease_locally(w, rpm, tpm, need_t, reset, requests)
+                            self._note(principal, w)
             w.r_left -= requests
             w.t_left -= need_t
             if rpm is not None:
@@ -387,6 +420,8 @@ class Limiter:
         new = await self._cas(f"rl.{principal}.{w.window}", take)
         w.owed_r -= owed_r
         w.owed_t -= owed_t
+        if owed_r or owed_t:
+            self._note(principal, w)
         w.r_left += grant[0]
         w.t_left += grant[1]
         w.r_seen, w.t_seen = int(new["r"]), int(new["t"])

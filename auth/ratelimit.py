@@ -28,6 +28,7 @@ from nats.js import api
 from prometheus_client import Counter
 
 from auth import budgets
+from auth.cut_off_state import CutOffState
 from auth.limits import Limiter, info_header
 from bus_schemas import codec, marks, subjects
 from bus_schemas import errors as E
@@ -186,13 +187,19 @@ class RateLimitCheck:
         """The check of a limiter instance ``owner`` (its limiter and spend book opened),
         with the model prices of ``settings``."""
         rl = settings.ratelimit
+        state = None
+        if rl.cut_off_share and rl.cut_off_dir:
+            state = CutOffState(rl.cut_off_dir, owner).open()
         limiter = await Limiter(
             nc,
             owner=owner,
             cut_off_share=rl.cut_off_share,
             cut_off_after_s=rl.cut_off_after_s,
+            state=state,
         ).open()
         spend = await budgets.SpendBook(nc, log).open()
+        if state is not None:
+            spend.keep_locally_on(state)
         router = settings.router
 
         def price(model: str) -> PriceSettings | None:

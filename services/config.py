@@ -446,6 +446,13 @@ class RateLimitSettings(BaseModel):
         description="With cut_off_share: how long a lease waits for the store before it is "
         "taken locally.",
     )
+    cut_off_dir: str | None = Field(
+        default=None,
+        description="With cut_off_share: a folder on local disk where what was admitted while "
+        "cut off (window counts, spend holds) is kept until written into the store, so a "
+        "bridge that dies meanwhile leaves it to the next one started with the same folder "
+        "(auth/cut_off_state.py). None: in memory only.",
+    )
     owner_grace_s: float = Field(
         default=5.0,
         ge=0,

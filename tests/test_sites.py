@@ -512,6 +512,9 @@ def test_compose_generate_puts_a_gpu_host_at_a_site(tmp_path: Path) -> None:
     env = bridge["environment"]
     assert env["TOKENBUS_SITE"] == "lab" and env["TOKENBUS_NATS_URL"] == "nats://site-nats:4222"
     assert float(env["TOKENBUS_RATELIMIT__CUT_OFF_SHARE"]) > 0
+    # What it admits while cut off is kept on the host's disk (the spool's volume).
+    assert env["TOKENBUS_RATELIMIT__CUT_OFF_DIR"].startswith("/spool/")
+    assert any(v.endswith(":/spool") for v in bridge["volumes"])
     assert "route" in json.loads(env["TOKENBUS_INGRESS__PIPELINE"])
     assert "/etc/tb/bridge.json:/config/roles/bridge.json:ro" in bridge["volumes"]
     bad = run_cli(

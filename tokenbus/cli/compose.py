@@ -286,8 +286,10 @@ def site_bridge(bus: Bus, login_file: str, site: str) -> dict[str, Any]:
         "TOKENBUS_RATELIMIT__CUT_OFF_SHARE": "0.5",
         "TOKENBUS_BRIDGE__UNREADY_S": "5",
         "TOKENBUS_DRAIN_TIMEOUT_S": "605",
-        # Usage records kept on the host's disk until the hub's stream takes them.
+        # Usage records kept on the host's disk until the hub's stream takes them, and what
+        # was admitted while cut off until the hub's store has it (a restarted bridge's).
         "TOKENBUS_TELEMETRY__SPOOL_DIR": "/spool",
+        "TOKENBUS_RATELIMIT__CUT_OFF_DIR": "/spool/cut-off",
     }
     volumes = [f"{login_file}:/config/roles/bridge.json:ro", "bridge-spool:/spool"]
     if bus.ca:
