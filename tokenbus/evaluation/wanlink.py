@@ -19,11 +19,15 @@ READ_SIZE = 65536
 
 
 class WanLink:
-    """Listens on ``port`` (127.0.0.1) and forwards each connection to ``target_port`` of
+    """Listens on ``port`` of ``listen_host`` (a network namespace's host dials the machine's
+    address on their bridge) and forwards each connection to ``target_port`` of
     ``target_host``."""
 
-    def __init__(self, target_port: int, target_host: str = "127.0.0.1") -> None:
+    def __init__(
+        self, target_port: int, target_host: str = "127.0.0.1", listen_host: str = "127.0.0.1"
+    ) -> None:
         self.target_port, self.target_host = target_port, target_host
+        self.listen_host = listen_host
         self.port = free_port()
         self.delay_s = 0.0
         self.up = 0  # bytes from the dialling side (the site) to the target (the hub)
@@ -37,7 +41,7 @@ class WanLink:
         self._held: list[tuple[asyncio.StreamWriter, bytes, Callable[[int], None]]] = []
 
     async def start(self) -> Self:
-        self._server = await asyncio.start_server(self._accept, "127.0.0.1", self.port)
+        self._server = await asyncio.start_server(self._accept, self.listen_host, self.port)
         return self
 
     def stall(self) -> None:
