@@ -882,3 +882,58 @@ def test_a_site_s_node_runs_its_generated_config_in_its_folder(
         assert base64.b64decode(data) == (folder / name).read_bytes(), name
     conf = (folder / "nats.conf").read_text()
     assert 'ca_file: "ca.pem"' in conf and "tls://site-lab:" in conf
+
+
+@pytest.fixture(scope="module")
+def site_with_bridge(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[Doc], Path]:
+    """deploy/k8s/site with its bridge: `deploy init --site ... --site-bridge`, and the two
+    lines kustomization.yaml marks "site bridge" uncommented, as docs/kubernetes.md says."""
+    if not _cli_has("deploy"):
+        pytest.skip("tokenbus deploy is not in this tree")
+    root = tmp_path_factory.mktemp("k8s-site-bridge")
+    r = run_cli(
+        "deploy", "init", "--dir", str(root / "bus"), "--site", f"{SITE}={','.join(SITE_IDS)}",
+        "--site-bridge", SITE, "--hub-url", "tls://hub.example.com:7422",
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    tree = root / "site"
+    shutil.copytree(K8S / "site", tree, ignore=shutil.ignore_patterns("site"))
+    shutil.copytree(root / "bus" / "sites" / SITE, tree / "site")
+    kust = tree / "kustomization.yaml"
+    lines = kust.read_text().splitlines(keepends=True)
+    marked = [i for i, line in enumerate(lines) if line.rstrip().endswith("# site bridge")]
+    assert len(marked) == 2, marked
+    for i in marked:
+        lines[i] = lines[i].replace("# - ", "- ", 1)
+    kust.write_text("".join(lines))
+    return _kustomize(tree), tree / "site"
+
+
+def test_a_site_s_bridge_serves_its_users_on_the_site_s_node(
+    site_with_bridge: tuple[list[Doc], Path],
+) -> None:
+    """The site's bridge: valid, non-root, on the site's node with the site bridge's login
+    (the secret holds what `deploy init --site-bridge` wrote), announcing the site, the stages
+    and the router in-process, and what it admits while cut off kept on a mounted folder."""
+    docs, folder = site_with_bridge
+    _valid_for_kubernetes(docs, SITE_NAMESPACE)
+    dep = _one(docs, "Deployment", "bridge")
+    pod, c = _pod(dep), _container(dep)
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert c["securityContext"]["readOnlyRootFilesystem"] is True
+    args = build_parser().parse_args([*c["args"]])
+    assert (args.cmd, args.service) == ("serve", "bridge")
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    site_env = _one(docs, "ConfigMap", c["envFrom"][0]["configMapRef"]["name"])["data"]
+    assert site_env["TOKENBUS_SITE"] == SITE
+    svc = _one(docs, "Service", "nats-leaf")
+    assert site_env["TOKENBUS_NATS_URL"] == f"nats://nats-leaf:{svc['spec']['ports'][0]['port']}"
+    assert json.loads(env["TOKENBUS_INGRESS__PIPELINE"])[-1] == "route"
+    assert float(env["TOKENBUS_RATELIMIT__CUT_OFF_SHARE"]) > 0
+    mounts = {m["mountPath"] for m in c["volumeMounts"]}
+    for path in (env["TOKENBUS_RATELIMIT__CUT_OFF_DIR"], env["TOKENBUS_TELEMETRY__SPOOL_DIR"]):
+        assert any(path.startswith(m + "/") or path == m for m in mounts), path
+    kind, name, key = _mounted_file(docs, dep, env["TOKENBUS_NATS_LOGIN_FILE"])
+    stored = json.loads(base64.b64decode(_one(docs, kind, name)["data"][key]))
+    assert stored == json.loads((folder / "roles" / "bridge.json").read_text())
+    assert _one(docs, "Service", "bridge")["spec"]["ports"][0]["port"] == 8000
