@@ -638,13 +638,15 @@ def write_node_configs(
     cluster: str = "tokenbus",
     monitor_ports: list[int] | None = None,
     domain: str | None = None,
+    sync: str = NATS_SYNC,
 ) -> list[Path]:
     """One config per node of a cluster, beside ``include`` (the locked config
     :func:`generate` wrote: same accounts, role passwords and callout issuer), each adding
     its server name, listen address, monitoring port (``monitor_ports``), JetStream store and,
     with more than one node, the cluster block routing to every node (routes carry no auth:
     loopback or a test's own network namespaces only). Keys after the include override its
-    own (listen, jetstream). The nemesis' cluster and the tests' locked cluster use it."""
+    own (listen, jetstream: a whole block, so the sync policy ``sync`` and the domain are
+    written again here). The nemesis' cluster and the tests' locked cluster use it."""
     routes = ", ".join(
         json.dumps(f"nats://{a}:{p}") for a, p in zip(addrs, cluster_ports, strict=True)
     )
@@ -658,8 +660,7 @@ def write_node_configs(
         )
         if monitor_ports is not None:
             text += f"http: {json.dumps(f'{addr}:{monitor_ports[i]}')}\n"
-        named = f", domain: {json.dumps(domain)}" if domain else ""
-        text += f"jetstream {{ store_dir: {json.dumps(str(stores[i]))}{named} }}\n"
+        text += jetstream_block(str(stores[i]), sync, domain)
         if len(addrs) > 1:
             text += (
                 f"cluster {{ name: {cluster}, listen: "

@@ -113,6 +113,13 @@ class LockedCluster:
             self.procs.append(spawn_nats(port, "-c", str(conf), prefix=prefix, host=self.addrs[i]))
         return self
 
+    def varz(self, i: int) -> dict[str, Any]:
+        """Node ``i``'s ``/varz`` (its monitoring endpoint)."""
+        with urllib.request.urlopen(
+            f"http://{self.addrs[i]}:{self.mports[i]}/varz", timeout=5
+        ) as r:
+            return dict(json.load(r))
+
     def stream_state(self, i: int, stream: str) -> dict[str, Any]:
         """Node ``i``'s own replica of ``stream`` (its monitoring endpoint): messages,
         first and last sequence."""

@@ -57,6 +57,11 @@ async def test_a_node_killed_under_load_does_not_stop_the_service(
     cluster: LockedCluster, model: str, tmp_path: Path
 ) -> None:
     await cluster.routed()
+    # Every node syncs each write before acknowledging it, as every config tokenbus writes
+    # (its node config's jetstream block replaces the included one's whole: the policy is
+    # written again there).
+    for i in range(len(cluster.addrs)):
+        assert cluster.varz(i)["jetstream"]["config"]["sync_always"] is True
     key = await cluster.create_key("cluster", **UNLIMITED)
     with Procs(cluster.urls(0), tmp_path) as procs:
         stack = await spread_stack(
