@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import fcntl
 import json
 import os
 import uuid
 from pathlib import Path
 from typing import Any
 
+from services import lockfiles
 from services import logging as tlog
 
 log = tlog.get("ratelimit")
@@ -58,30 +58,16 @@ class CutOffState:
         """Take this process's lock; take over what gone processes left (merged into this
         process's file before theirs are removed, so a crash now loses nothing)."""
         self.dir.mkdir(parents=True, exist_ok=True)
-        self._fd = os.open(self.lock_path, os.O_WRONLY | os.O_CREAT, 0o600)
-        fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        self._fd = lockfiles.hold(self.lock_path)
         taken: list[Path] = []
-        for lock in sorted(self.dir.glob("*.lock")):
-            if lock == self.lock_path:
-                continue
-            try:
-                fd = os.open(lock, os.O_RDONLY)
-            except OSError:
-                continue
-            try:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except OSError:
-                    continue  # a live process's
-                state = lock.with_suffix(".json")
-                self._merge(state)
-                self.save()
-                for gone in (state, lock):
-                    with contextlib.suppress(OSError):
-                        gone.unlink()
-                taken.append(state)
-            finally:
-                os.close(fd)
+        for lock, _ in lockfiles.gone(self.dir, "*.lock", self.lock_path):
+            state = lock.with_suffix(".json")
+            self._merge(state)
+            self.save()
+            for path in (state, lock):
+                with contextlib.suppress(OSError):
+                    path.unlink()
+            taken.append(state)
         if taken:
             log.info(
                 "cut_off_state_taken_over",

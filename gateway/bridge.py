@@ -43,7 +43,6 @@ from jobs.response_store import open_store
 from router.adapters import AdapterTable, watch_adapters
 from router.dispatch import Dispatcher
 from router.kv_follow import KVFollower, register_metrics
-from router.kv_index import KVIndex
 from router.registry import Registry
 from router.routing import RoutingTable
 from router.service import HeartbeatTracker, watch_routing
@@ -330,13 +329,7 @@ class Bridge(Service):
         # Routing in-process saves a hop (and a process's CPU) per request. It needs the
         # stages before routing in-process too, so no request reaches a worker unadmitted.
         if cfg.fuse_router and (not before or self.stages is not None):
-            self.kv = KVFollower(
-                KVIndex(),
-                self.registry,
-                self.log,
-                self.settings.router.kv_check,
-                site=self.settings.site,
-            )
+            self.kv = KVFollower.of(self.registry, self.log, self.settings)
             self.routing = await watch_routing(self.nc, self.settings.router, self.log, self.kv)
             self.adapters = await watch_adapters(self.nc, self.log)
             dispatcher = Dispatcher(

@@ -29,7 +29,7 @@ from bus_schemas import subjects
 from router.kv_check import KVCheck
 from router.kv_index import KVIndex
 from router.registry import Registry
-from services.config import KVCheckSettings
+from services.config import KVCheckSettings, Settings
 
 # How often the follower looks for replicas to resynchronise or forget.
 TICK_S = 0.25
@@ -175,6 +175,11 @@ class KVFollower:
         self._asking: set[str] = set()
         self.bad_batches = 0
         _collector().followers.add(self)
+
+    @classmethod
+    def of(cls, registry: Registry, log: Any, settings: Settings) -> KVFollower:
+        """A router's follower as ``settings`` say: its KV check, its site."""
+        return cls(KVIndex(), registry, log, settings.router.kv_check, site=settings.site)
 
     @property
     def started(self) -> bool:

@@ -17,7 +17,6 @@ from bus_schemas.messages import check_envelope
 from router.adapters import watch_adapters
 from router.dispatch import Dispatcher
 from router.kv_follow import KVFollower
-from router.kv_index import KVIndex
 from router.registry import Registry
 from router.routing import RoutingTable
 from services.aliases import watch_aliases
@@ -33,13 +32,7 @@ class Router(Service):
     async def setup(self) -> None:
         self.registry = Registry(self.settings.router.missed_heartbeats)
         self.registry.bus = self.nc
-        self.kv = KVFollower(
-            KVIndex(),
-            self.registry,
-            self.log,
-            self.settings.router.kv_check,
-            site=self.settings.site,
-        )
+        self.kv = KVFollower.of(self.registry, self.log, self.settings)
         self.routing = await watch_routing(self.nc, self.settings.router, self.log, self.kv)
         self.aliases = await watch_aliases(self.nc, self.settings.router.aliases, self.log)
         self.adapters = await watch_adapters(self.nc, self.log)

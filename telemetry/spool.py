@@ -32,6 +32,7 @@ from pathlib import Path
 
 import msgpack
 
+from services import lockfiles
 from services import logging as tlog
 
 SYNC_EVERY_S = 1.0
@@ -103,33 +104,19 @@ class Spool:
         """Create this process's file; take the files of processes that are gone and return
         what they still owe (already copied into this file, so a crash now loses none)."""
         self.dir.mkdir(parents=True, exist_ok=True)
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-        fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        self._fd = lockfiles.hold(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
         owed: list[Entry] = []
-        for other in sorted(self.dir.glob("*.spool")):
-            if other == self.path:
-                continue
-            try:
-                fd = os.open(other, os.O_RDONLY)
-            except OSError:
-                continue
-            try:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except OSError:
-                    continue  # a live process's
-                left = read_entries(other)
-                for e in left:
-                    self.put(e)
-                owed += left
-                os.fsync(self._fd)
-                with contextlib.suppress(OSError):
-                    # Unless the name is now another file: its owner wrote it anew meanwhile
-                    # (this one had been replaced, and holds nothing that one does not).
-                    if os.stat(other).st_ino == os.fstat(fd).st_ino:
-                        other.unlink()
-            finally:
-                os.close(fd)
+        for other, fd in lockfiles.gone(self.dir, "*.spool", self.path):
+            left = read_entries(other)
+            for e in left:
+                self.put(e)
+            owed += left
+            os.fsync(self._fd)
+            with contextlib.suppress(OSError):
+                # Unless the name is now another file: its owner wrote it anew meanwhile
+                # (this one had been replaced, and holds nothing that one does not).
+                if os.stat(other).st_ino == os.fstat(fd).st_ino:
+                    other.unlink()
         if owed:
             log.info("spool_replay", messages=len(owed), records=sum(e.n for e in owed))
         return owed
