@@ -272,18 +272,16 @@ class SpendBook:
         self.state = state
         for name, items in state.holds.items():
             self.local.setdefault(name, [(None, e, int(a), float(d)) for e, a, d in items])
-        self._note_local()
 
-    def _note_local(self, name: str | None = None) -> None:
-        """The holds on disk: ``name``'s as it is now (all of them when None)."""
+    def _note_local(self, name: str) -> None:
+        """Hold ``name`` on disk as it is now (gone once it is in the store)."""
         if self.state is None:
             return
-        for n in self.local if name is None else [name]:
-            items = self.local.get(n)
-            if items is None:
-                self.state.holds.pop(n, None)
-            else:
-                self.state.holds[n] = [[e, a, d] for _, e, a, d in items]
+        items = self.local.get(name)
+        if items is None:
+            self.state.holds.pop(name, None)
+        else:
+            self.state.holds[name] = [[e, a, d] for _, e, a, d in items]
         self.state.save_soon()
 
     async def open(self) -> SpendBook:

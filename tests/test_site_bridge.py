@@ -22,7 +22,7 @@ from bus_schemas import subjects
 from tests.support.ports import free_port
 from tests.support.procs import Procs
 from tests.support.waits import wait_for, wait_http
-from tests.test_sites import MODEL, SITES, Bus, _all_records, _eq, _live
+from tests.test_sites import MODEL, SITES, Bus, _all_records, _eq, _live, ask_at_site
 from tokenbus.evaluation.wanlink import WanLink
 
 pytestmark = pytest.mark.stack
@@ -31,29 +31,8 @@ PIPELINE = '["auth", "ratelimit", "filter", "route"]'
 
 
 async def _ask(h: httpx.AsyncClient, base: str, key: str, rid: str) -> dict[str, Any]:
-    """One chat request to the site's bridge: what came back (status, replica, id, the
-    seconds it took)."""
-    t0 = time.monotonic()
-    try:
-        r = await h.post(
-            f"{base}/v1/chat/completions",
-            json={
-                "model": MODEL,
-                "messages": [{"role": "user", "content": "local?"}],
-                "max_tokens": 3,
-            },
-            headers={"Authorization": f"Bearer {key}", "X-Request-Id": rid},
-            timeout=30,
-        )
-    except httpx.HTTPError as exc:
-        return {"status": 0, "error": repr(exc), "rid": rid}
-    return {
-        "status": r.status_code,
-        "replica": r.headers.get("x-tokenbus-replica"),
-        "rid": rid,
-        "error": "" if r.status_code == 200 else r.text[:200],
-        "s": time.monotonic() - t0,
-    }
+    """One chat request to the site's bridge (three tokens asked): what came back."""
+    return await ask_at_site(h, base, key, rid, [{"role": "user", "content": "local?"}], 3)
 
 
 async def _kv_crossing(bus: Bus, link: WanLink, url: str, admin: dict[str, Any], b0: str) -> int:

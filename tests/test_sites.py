@@ -733,7 +733,7 @@ async def test_three_sites_through_a_cut_link_and_a_slow_one(tmp_path: Path) -> 
                     rid = f"site-a-user-{k}-{n}"
                     n += 1
                     start, at = loop.time(), phase[0]
-                    got = await _ask_http(h, base, key, rid)
+                    got = await ask_at_site(h, base, key, rid)
                     local.append(
                         {"rid": rid, "phase": at, "s": loop.time() - start, **got}
                         | {"site": site_of.get(got.get("replica") or "", "?")}
@@ -906,28 +906,40 @@ async def _site_bridge(procs: Procs, bus: Bus) -> tuple[str, str]:
     async with httpx.AsyncClient() as h:
 
         async def served_at_a() -> bool:
-            got = await _ask_http(h, base, key, "warm")
+            got = await ask_at_site(h, base, key, "warm")
             return bool(got["ok"]) and got["replica"] == THREE["a"][0]
 
         await wait_for(served_at_a, timeout=60, what="site a's bridge serving at a")
     return base, key
 
 
-async def _ask_http(h: httpx.AsyncClient, base: str, key: str, rid: str) -> dict[str, Any]:
-    """One chat request at a site's bridge: ok, status, the replica that answered."""
+async def ask_at_site(
+    h: httpx.AsyncClient,
+    base: str,
+    key: str,
+    rid: str,
+    messages: list[dict[str, str]] = MSG,
+    max_tokens: int = 4,
+) -> dict[str, Any]:
+    """One chat request at a site's bridge: what came back (ok, status, the replica that
+    answered, the request id, the error's text, the seconds it took)."""
+    t0 = time.monotonic()
     try:
         r = await h.post(
             f"{base}/v1/chat/completions",
-            json={"model": MODEL, "messages": MSG, "max_tokens": 4},
+            json={"model": MODEL, "messages": messages, "max_tokens": max_tokens},
             headers={"Authorization": f"Bearer {key}", "X-Request-Id": rid},
             timeout=30,
         )
     except httpx.HTTPError as exc:
-        return {"ok": False, "status": 0, "error": repr(exc)[:200], "replica": None}
+        return {"ok": False, "status": 0, "error": repr(exc), "rid": rid, "replica": None}
     return {
         "ok": r.status_code == 200,
         "status": r.status_code,
         "replica": r.headers.get("x-tokenbus-replica"),
+        "rid": rid,
+        "error": "" if r.status_code == 200 else r.text[:200],
+        "s": time.monotonic() - t0,
     }
 
 
