@@ -109,6 +109,12 @@ class KVIndexCollector:
         ):
             yield CounterMetricFamily(name, text, value=sum(s[key] for s in stats))
         yield CounterMetricFamily(
+            "tokenbus_route_fleet_behind_decisions",
+            "predicted_latency decisions made while every candidate replica had a prefill "
+            "backlog: routed by kv_aware's cost, the least prefill for the fleet.",
+            value=sum(idx.behind_decisions for idx in indexes),
+        )
+        yield CounterMetricFamily(
             "tokenbus_kv_route_prompt_blocks",
             "Prompt blocks of kv_aware decisions.",
             value=sum(idx.decided_blocks for idx in indexes),

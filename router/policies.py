@@ -403,8 +403,11 @@ class PredictedLatency(KVAware):
     answer this one a little sooner, and more so under load); when none meets the target,
     the same score all the same, and the admission rules already there (the worker's flow
     control by class, the router's bounded queue) decide what waits or is shed. Until every
-    candidate has announced a model, ``kv_aware``'s cost routes. ``last`` holds the latest
-    decision's predictions, replica -> (TTFT, TPOT)."""
+    candidate has announced a model, ``kv_aware``'s cost routes; and (``when_behind =
+    "cache"``, the default) while every candidate has prefill still to compute for others
+    (the fleet is behind: whatever a request makes any replica compute, others wait for), so
+    does ``kv_aware``'s cost, whose cached prefix first spends the least prefill of the
+    fleet's. ``last`` holds the latest decision's predictions, replica -> (TTFT, TPOT)."""
 
     def __init__(
         self,
@@ -412,11 +415,13 @@ class PredictedLatency(KVAware):
         *,
         targets: dict[str, Any] | None = None,
         work_weight: float = 1.0,
+        when_behind: str = "cache",
         **kw: Any,
     ) -> None:
         super().__init__(index, **kw)
         self.targets: dict[str, Any] = targets or {}
         self.work_weight = work_weight
+        self.when_behind = when_behind
         self.predictions: dict[str, tuple[float, float | None]] = {}
         self.unmet = 0  # decisions no replica was predicted to meet
 
@@ -451,6 +456,18 @@ class PredictedLatency(KVAware):
             cached = self.predicted_tokens(r.replica, depth.get(r.replica, 0))
         return max(0, tokens - cached)
 
+    @staticmethod
+    def fleet_behind(candidates: Sequence[Replica]) -> bool:
+        """Whether every candidate has prompt tokens of others' still to compute now (its
+        prefill backlog as last told, less what its engine has worked off since). Then the
+        fleet is past what it sustains, and the prefill a request makes any replica compute
+        delays requests already there (chunked prefill shares each engine step with every
+        running sequence's next token): past capacity, spreading sessions by predicted TTFT
+        lost 20-50 % of the goodput that ``kv_aware``'s cache affinity kept
+        (docs/benchmarks.md, "Past capacity")."""
+        now = time.monotonic()
+        return len(candidates) > 1 and all(r.backlog_wait_ms(now) > 0 for r in candidates)
+
     def _meets(self, pred: tuple[float, float | None], target: Any) -> bool:
         ttft, tpot = pred
         if target is None:
@@ -462,6 +479,10 @@ class PredictedLatency(KVAware):
     def choose(self, candidates: Sequence[Replica], req: RouteRequest) -> Replica:
         if any(not r.perf for r in candidates):
             return super().choose(candidates, req)  # not every speed is known yet
+        if self.when_behind == "cache" and self.fleet_behind(candidates):
+            self.predictions = {}
+            self.index.behind_decisions += 1
+            return super().choose(candidates, req)
         self.predicted = None
         found = self.depths(candidates, req)
         depth, blocks = found if found is not None else ({}, {})
@@ -513,7 +534,7 @@ def make_load_policy(
     bound: float,
     block_chars: int,
     kv_index: Any = None,
-    kv_weights: dict[str, float] | None = None,
+    kv_weights: dict[str, Any] | None = None,
     latency_targets: dict[str, Any] | None = None,
 ) -> LoadPolicy:
     if name == "session_affinity":
@@ -533,7 +554,8 @@ def make_load_policy(
                 block_chars=block_chars,
                 **(kv_weights or {}),
             )
-        weights = {k: v for k, v in (kv_weights or {}).items() if k != "work_weight"}
+        only_pl = ("work_weight", "when_behind")
+        weights = {k: v for k, v in (kv_weights or {}).items() if k not in only_pl}
         return KVAware(kv_index, bound=bound, block_chars=block_chars, **weights)
     try:
         policy: LoadPolicy = LOAD_POLICIES[name]()

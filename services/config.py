@@ -234,6 +234,13 @@ class KVRoutingSettings(BaseModel):
         "less the prefix cached there), ms: the wait it adds for the requests behind it. 0: "
         "the lowest predicted TTFT alone.",
     )
+    when_behind: Literal["cache", "latency"] = Field(
+        default="cache",
+        description="predicted_latency, when every candidate replica has a prefill backlog "
+        "(the fleet is behind): 'cache' routes by kv_aware's cost (the cached prefix first: "
+        "the least prefill for the whole fleet, its goodput); 'latency' keeps the lowest "
+        "predicted-latency score.",
+    )
 
 
 class KVCheckSettings(BaseModel):

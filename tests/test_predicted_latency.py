@@ -254,12 +254,13 @@ def test_a_forged_prefill_count_is_bounded_or_ignored(forged: str) -> None:
 def test_the_replica_with_less_prefill_ahead_answers_first() -> None:
     """Two replicas, the same queue by count (none waiting): the one whose engine has 2 000
     prompt tokens still to compute is predicted 2 000 x its cost per token later; as time
-    passes its engine works the backlog off, and a send adds to it until the ack says."""
+    passes its engine works the backlog off, and a send adds to it until the ack says (the
+    predictions are read while both have a backlog too: when_behind="latency")"""
     import time as _time
 
     idx = KVIndex()
     _synced(idx, "a", "b")
-    policy = PredictedLatency(idx)
+    policy = PredictedLatency(idx, when_behind="latency")
     text = render_prompt([{"role": "user", "content": "z" * 400}])
     req = RouteRequest("m", rendered=text, env={})
     a, b = _replica("a"), _replica("b")
@@ -376,3 +377,42 @@ def test_a_cached_prefix_is_kept_unless_another_replica_answers_sooner_by_more_t
     assert default.choose([a, b], req) is b
     b.told_backlog(250, _time.monotonic())
     assert default.choose([a, b], req) is a
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("when_behind", ["cache", "latency"])
+def test_while_every_replica_is_behind_the_cached_prefix_routes(when_behind: str) -> None:
+    """Past capacity (every candidate has others' prompt tokens still to compute) the
+    prefill a request makes any replica compute delays requests already there, so the
+    fleet's throughput decides: kv_aware's cost, cached prefix first (when_behind =
+    "cache", the default). b holds the prompt but has 3 s more backlog than a: by latency
+    a wins, by the fleet's work b. One replica with nothing ahead and latency decides again."""
+    idx = KVIndex()
+    _synced(idx, "a", "b", "c")
+    text = render_prompt([{"role": "user", "content": "x" * 400}])  # ~100 tokens
+    _stored(idx, "b", K.text_block_hashes(text, BS))
+    req = RouteRequest("m", rendered=text, env={})
+    spec = ModelRouting(policy="predicted_latency", kv={"when_behind": when_behind})
+    policy = make_load_policy(
+        "predicted_latency",
+        bound=1.25,
+        block_chars=256,
+        kv_index=idx,
+        kv_weights=spec.kv.model_dump(),
+        latency_targets=dict(spec.latency_targets),
+    )
+    a, b, c = _replica("a"), _replica("b"), _replica("c")
+    now = time.monotonic()
+    a.told_backlog(3000, now)  # tokens, at 1 ms each (PERF)
+    b.told_backlog(6000, now)
+    c.told_backlog(3000, now)
+    chosen = policy.choose([a, b, c], req)
+    if when_behind == "cache":
+        assert chosen is b
+        assert idx.behind_decisions == 1
+    else:
+        assert chosen in (a, c)
+        assert idx.behind_decisions == 0
+    c.told_backlog(0, time.monotonic())  # c has nothing ahead: the fleet is not behind
+    assert policy.choose([a, b, c], req) is c
+    assert idx.behind_decisions == (1 if when_behind == "cache" else 0)

@@ -513,9 +513,17 @@ def kv_routing() -> Section:
                         "decisions with a hit",
                         ref="B",
                     ),
+                    q(
+                        f"{rate('tokenbus_route_fleet_behind_decisions_total')}"
+                        f" / {rate('tokenbus_kv_route_decisions_total')}",
+                        "decided while the fleet was behind",
+                        ref="C",
+                    ),
                 ],
                 desc="kv_aware: of the prompt blocks routed, the share the chosen replica "
-                "held in its KV cache; and the share of decisions that found any.",
+                "held in its KV cache; and the share of decisions that found any. "
+                "predicted_latency: the share of decisions made while every replica had a "
+                "prefill backlog (routed by the cached prefix, docs/routing.md).",
             )
         )
         .with_panel(
