@@ -109,7 +109,7 @@ class KVIndexCollector:
         ):
             yield CounterMetricFamily(name, text, value=sum(s[key] for s in stats))
         yield CounterMetricFamily(
-            "tokenbus_route_fleet_behind_decisions",
+            "tokenbus_kv_route_behind_decisions",
             "predicted_latency decisions made while every candidate replica had a prefill "
             "backlog: routed by kv_aware's cost, the least prefill for the fleet.",
             value=sum(idx.behind_decisions for idx in indexes),

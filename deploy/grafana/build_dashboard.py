@@ -514,7 +514,7 @@ def kv_routing() -> Section:
                         ref="B",
                     ),
                     q(
-                        f"{rate('tokenbus_route_fleet_behind_decisions_total')}"
+                        f"{rate('tokenbus_kv_route_behind_decisions_total')}"
                         f" / {rate('tokenbus_kv_route_decisions_total')}",
                         "decided while the fleet was behind",
                         ref="C",

@@ -104,6 +104,8 @@ async def _one(
     hit = sum(int(s.get("hit_tokens", 0)) for s in stats.values())
     query = sum(int(s.get("query_tokens", 0)) for s in stats.values())
     predicted = index.get("tokenbus_kv_route_predicted_tokens_total", 0.0)
+    behind = index.get("tokenbus_kv_route_behind_decisions_total", 0.0)
+    decisions = index.get("tokenbus_kv_route_decisions_total", 0.0)
     return {
         "policy": policy,
         "requests": len(done),
@@ -116,6 +118,8 @@ async def _one(
         "wall_s": round(wall, 2),
         "cache_hit_ratio": round(hit / query, 4) if query else None,
         "predicted_over_reported_cached": round(predicted / hit, 4) if hit and predicted else None,
+        # predicted_latency: the share of its decisions made while every replica was behind.
+        "behind_share": round(behind / decisions, 4) if decisions else 0.0,
         "replicas": _per_replica(stats, beats, query),
     }
 
