@@ -403,11 +403,12 @@ class PredictedLatency(KVAware):
     answer this one a little sooner, and more so under load); when none meets the target,
     the same score all the same, and the admission rules already there (the worker's flow
     control by class, the router's bounded queue) decide what waits or is shed. Until every
-    candidate has announced a model, ``kv_aware``'s cost routes; and (``when_behind =
-    "cache"``, the default) while every candidate has prefill still to compute for others
-    (the fleet is behind: whatever a request makes any replica compute, others wait for), so
-    does ``kv_aware``'s cost, whose cached prefix first spends the least prefill of the
-    fleet's. ``last`` holds the latest decision's predictions, replica -> (TTFT, TPOT)."""
+    candidate has announced a model, ``kv_aware``'s cost routes. While every candidate has
+    prefill still to compute for others (the fleet is behind: whatever a request makes any
+    replica compute, requests already there wait for), ``when_behind = "work"`` (the
+    default) drops the TTFT term: the least prefill at each replica's own speed, times (1 +
+    the backlog it joins / the target), the soonest start among equals; ``"latency"`` keeps
+    the score. ``last`` holds the latest decision's predictions, replica -> (TTFT, TPOT)."""
 
     def __init__(
         self,
@@ -415,7 +416,7 @@ class PredictedLatency(KVAware):
         *,
         targets: dict[str, Any] | None = None,
         work_weight: float = 1.0,
-        when_behind: str = "cache",
+        when_behind: str = "work",
         **kw: Any,
     ) -> None:
         super().__init__(index, **kw)
@@ -463,8 +464,8 @@ class PredictedLatency(KVAware):
         fleet is past what it sustains, and the prefill a request makes any replica compute
         delays requests already there (chunked prefill shares each engine step with every
         running sequence's next token): past capacity, spreading sessions by predicted TTFT
-        lost 20-50 % of the goodput that ``kv_aware``'s cache affinity kept
-        (docs/benchmarks.md, "Past capacity")."""
+        lost a third to a half of the goodput that ``kv_aware``'s cache affinity kept
+        (docs/benchmarks.md, "When the whole fleet is behind")."""
         now = time.monotonic()
         return len(candidates) > 1 and all(r.backlog_wait_ms(now) > 0 for r in candidates)
 
@@ -479,10 +480,9 @@ class PredictedLatency(KVAware):
     def choose(self, candidates: Sequence[Replica], req: RouteRequest) -> Replica:
         if any(not r.perf for r in candidates):
             return super().choose(candidates, req)  # not every speed is known yet
-        if self.when_behind == "cache" and self.fleet_behind(candidates):
-            self.predictions = {}
+        behind = self.when_behind == "work" and self.fleet_behind(candidates)
+        if behind:
             self.index.behind_decisions += 1
-            return super().choose(candidates, req)
         self.predicted = None
         found = self.depths(candidates, req)
         depth, blocks = found if found is not None else ({}, {})
@@ -494,18 +494,24 @@ class PredictedLatency(KVAware):
             self.unmet += 1
         pool = meeting or list(candidates)
         w = self.work_weight
+        lead = 1.0
+        if behind:  # the least prefill for the fleet, weighed by the queue it joins
+            pool, lead, w = list(candidates), 0.0, max(w, 1.0)
         now = time.monotonic()
         # The prefill a request adds delays every request that queues behind it there; the
         # longer the queue it joins (its backlog's wait, against the class's TTFT target),
         # the more requests that is.
         room_ms = target.ttft_ms if target is not None else math.inf
         score = {
-            r.replica: preds[r.replica][0]
+            r.replica: lead * preds[r.replica][0]
             + w * self.work_ms(r, depth, req) * (1 + r.backlog_wait_ms(now) / room_ms)
             for r in pool
         }
         best = min(score.values())
         ties = [r for r in pool if score[r.replica] <= best + 1e-9]
+        if len(ties) > 1:  # the soonest start among equals
+            soonest = min(preds[r.replica][0] for r in ties)
+            ties = [r for r in ties if preds[r.replica][0] <= soonest + 1e-9]
         chosen = ties[0] if len(ties) == 1 else random.choice(ties)
         if chosen.replica in blocks:
             cached = depth.get(chosen.replica, 0)

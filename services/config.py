@@ -234,12 +234,13 @@ class KVRoutingSettings(BaseModel):
         "less the prefix cached there), ms: the wait it adds for the requests behind it. 0: "
         "the lowest predicted TTFT alone.",
     )
-    when_behind: Literal["cache", "latency"] = Field(
-        default="cache",
-        description="predicted_latency, when every candidate replica has a prefill backlog "
-        "(the fleet is behind): 'cache' routes by kv_aware's cost (the cached prefix first: "
-        "the least prefill for the whole fleet, its goodput); 'latency' keeps the lowest "
-        "predicted-latency score.",
+    when_behind: Literal["work", "latency"] = Field(
+        default="work",
+        description="predicted_latency, while every candidate replica has a prefill backlog "
+        "(the fleet is behind): 'work' scores the prefill the request would make each "
+        "compute (ms at its own speed, its cached prefix taken off) times (1 + the backlog "
+        "it joins / the class's TTFT target), without the predicted TTFT: the least prefill "
+        "for the whole fleet, its goodput; 'latency' keeps the predicted-latency score.",
     )
 
 

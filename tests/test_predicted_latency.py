@@ -380,13 +380,15 @@ def test_a_cached_prefix_is_kept_unless_another_replica_answers_sooner_by_more_t
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("when_behind", ["cache", "latency"])
-def test_while_every_replica_is_behind_the_cached_prefix_routes(when_behind: str) -> None:
+@pytest.mark.parametrize("when_behind", ["work", "latency"])
+def test_while_every_replica_is_behind_the_least_prefill_routes(when_behind: str) -> None:
     """Past capacity (every candidate has others' prompt tokens still to compute) the
     prefill a request makes any replica compute delays requests already there, so the
-    fleet's throughput decides: kv_aware's cost, cached prefix first (when_behind =
-    "cache", the default). b holds the prompt but has 3 s more backlog than a: by latency
-    a wins, by the fleet's work b. One replica with nothing ahead and latency decides again."""
+    fleet's throughput decides (when_behind = "work", the default): the least prefill, times
+    (1 + the backlog it joins / the target), without the predicted TTFT. b holds the prompt
+    but has 3 s more backlog than a and c: by latency a or c wins, by the fleet's work b.
+    Among equal work the soonest start: with the prompt cached nowhere, a or c (3 s less
+    backlog than b). One replica with nothing ahead, and latency decides again."""
     idx = KVIndex()
     _synced(idx, "a", "b", "c")
     text = render_prompt([{"role": "user", "content": "x" * 400}])  # ~100 tokens
@@ -407,12 +409,14 @@ def test_while_every_replica_is_behind_the_cached_prefix_routes(when_behind: str
     b.told_backlog(6000, now)
     c.told_backlog(3000, now)
     chosen = policy.choose([a, b, c], req)
-    if when_behind == "cache":
+    if when_behind == "work":
         assert chosen is b
         assert idx.behind_decisions == 1
     else:
         assert chosen in (a, c)
         assert idx.behind_decisions == 0
+    other = RouteRequest("m", rendered=render_prompt([{"role": "user", "content": "q" * 400}]))
+    assert policy.choose([a, b, c], other) in (a, c)  # cached nowhere: the soonest start
     c.told_backlog(0, time.monotonic())  # c has nothing ahead: the fleet is not behind
     assert policy.choose([a, b, c], req) is c
-    assert idx.behind_decisions == (1 if when_behind == "cache" else 0)
+    assert idx.behind_decisions == (2 if when_behind == "work" else 0)

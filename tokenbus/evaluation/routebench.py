@@ -77,7 +77,8 @@ async def _one(
         upstream=False,
         locked=False,
         nats_too=True,
-        routing=json.dumps({"policy": policy}),
+        # --routing's other settings (kv weights, when_behind) with each policy in turn.
+        routing=json.dumps({**json.loads(a.routing or "{}"), "policy": policy}),
         engine="sim",
         bridge_processes=1,
     )
