@@ -523,7 +523,7 @@ def kv_routing() -> Section:
                 desc="kv_aware: of the prompt blocks routed, the share the chosen replica "
                 "held in its KV cache; and the share of decisions that found any. "
                 "predicted_latency: the share of decisions made while every replica had a "
-                "prefill backlog (routed by the cached prefix, docs/routing.md).",
+                "prefill backlog (scored by the fleet's prefill work, docs/routing.md).",
             )
         )
         .with_panel(
