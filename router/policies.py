@@ -424,7 +424,7 @@ class PredictedLatency(KVAware):
         self.work_weight = work_weight
         self.when_behind = when_behind
         self.predictions: dict[str, tuple[float, float | None]] = {}
-        self.unmet = 0  # decisions no replica was predicted to meet
+        self.unmet = 0  # decisions against the target that no replica was predicted to meet
 
     def predict(
         self, r: Replica, depth: dict[str, int], req: RouteRequest
@@ -489,14 +489,14 @@ class PredictedLatency(KVAware):
         preds = {r.replica: self.predict(r, depth, req) for r in candidates}
         self.predictions = preds
         target = self.targets.get(req.tier) or self.targets.get("default")
-        meeting = [r for r in candidates if self._meets(preds[r.replica], target)]
-        if not meeting:
-            self.unmet += 1
-        pool = meeting or list(candidates)
         w = self.work_weight
-        lead = 1.0
         if behind:  # the least prefill for the fleet, weighed by the queue it joins
             pool, lead, w = list(candidates), 0.0, max(w, 1.0)
+        else:  # the class's target first
+            meeting = [r for r in candidates if self._meets(preds[r.replica], target)]
+            if not meeting:
+                self.unmet += 1
+            pool, lead = meeting or list(candidates), 1.0
         now = time.monotonic()
         # The prefill a request adds delays every request that queues behind it there; the
         # longer the queue it joins (its backlog's wait, against the class's TTFT target),
