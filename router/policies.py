@@ -382,6 +382,9 @@ class KVAware:
         return chosen
 
 
+FULL_STEPS = 0.75
+
+
 class PredictedLatency(KVAware):
     """Routes on a model of each replica's latency (llm-d's predicted-latency scorer, with
     rates learned from the replicas' own requests, engine_worker/perf.py, never
@@ -469,6 +472,15 @@ class PredictedLatency(KVAware):
         now = time.monotonic()
         return len(candidates) > 1 and all(r.backlog_wait_ms(now) > 0 for r in candidates)
 
+    @staticmethod
+    def steps_full(preds: dict[str, tuple[float, float | None]], target: Any) -> bool:
+        """Whether every candidate's predicted time per output token is at least
+        :data:`FULL_STEPS` of the class's target (its steps are long: full of prefill)."""
+        bound = getattr(target, "tpot_ms", None)
+        if not bound:
+            return True
+        return all(t is not None and t >= FULL_STEPS * bound for _, t in preds.values())
+
     def _meets(self, pred: tuple[float, float | None], target: Any) -> bool:
         ttft, tpot = pred
         if target is None:
@@ -480,15 +492,19 @@ class PredictedLatency(KVAware):
     def choose(self, candidates: Sequence[Replica], req: RouteRequest) -> Replica:
         if any(not r.perf for r in candidates):
             return super().choose(candidates, req)  # not every speed is known yet
-        behind = self.when_behind == "work" and self.fleet_behind(candidates)
-        if behind:
-            self.index.behind_decisions += 1
         self.predicted = None
         found = self.depths(candidates, req)
         depth, blocks = found if found is not None else ({}, {})
         preds = {r.replica: self.predict(r, depth, req) for r in candidates}
         self.predictions = preds
         target = self.targets.get(req.tier) or self.targets.get("default")
+        behind = (
+            self.when_behind == "work"
+            and self.fleet_behind(candidates)
+            and self.steps_full(preds, target)
+        )
+        if behind:
+            self.index.behind_decisions += 1
         w = self.work_weight
         if behind:  # the least prefill for the fleet, weighed by the queue it joins
             pool, lead, w = list(candidates), 0.0, max(w, 1.0)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -202,3 +203,57 @@ def test_bench_rejects_a_bad_prompts_file(tmp_path: Path) -> None:
         "--concurrency", "1", "--requests-per-client", "1", env=cli_env(), timeout=60,
     )  # fmt: skip
     assert r.returncode != 0 and "needs" in (r.stdout + r.stderr)
+
+
+@pytest.mark.stack
+def test_a_routing_trace_reports_each_request_and_the_slowest_ones(tmp_path: Path) -> None:
+    """``--routing-trace`` end to end on its own stack (four sim replicas with prefix caches):
+    every request of the trace answered, its row (``--trace-detail``) naming the replica that
+    served it and the engine's prompt and cached tokens, a session's later turns read from
+    cache where its earlier turns were, and the slowest 1 % summarised."""
+    out = tmp_path / "trace.json"
+    r = run_cli(
+        *("bench", "--routing-trace", "6", "--trace-sessions-per-s", "20", "--seed", "3"),
+        *("--trace-policies", "kv_aware", "--trace-detail", "--out", str(out)),
+        env=cli_env(),
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    report = json.loads(out.read_text())
+    (run,) = report["runs"]
+    rows = run["detail"]
+    turns = sum(len(s["turns"]) for s in _sessions(report))
+    assert run["errors"] == 0 and run["requests"] == len(rows) == turns
+    replicas = set(run["replicas"])
+    assert replicas == {f"bench-{i}" for i in range(4)}
+    # Each replica's own requests and their TTFT.
+    assert sum(r["requests"] for r in run["replicas"].values()) == len(rows)
+    for name, r in run["replicas"].items():
+        mine = sorted(row["ttft_ms"] for row in rows if row["replica"] == name)
+        assert r["requests"] == len(mine)
+        if mine:
+            assert mine[0] - 0.1 <= r["ttft_ms"]["p50"] <= r["ttft_ms"]["p99"] <= mine[-1] + 0.1
+    for row in rows:
+        assert row["ok"] and row["replica"] in replicas, row
+        assert 0 <= row["cached"] < row["prompt"] and row["ttft_ms"] > 0, row
+    # A session's next turn carries the earlier ones: kv_aware sends it where they are
+    # cached, and the engine says so.
+    later = [row for row in rows if row["turn"] > 0]
+    assert later and all(row["cached"] > 0 for row in later), later
+    assert run["predicted_over_reported_cached"] == 1.0
+    tail = run["tail"]
+    assert 1 <= tail["requests"] <= len(rows)
+    assert sum(tail["replicas"].values()) == tail["requests"]
+    assert set(tail["replicas"]) <= replicas and tail["prompt_tokens_p50"] > 0
+    assert 0 <= tail["first_turn_share"] <= 1
+
+
+def _sessions(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """The sessions of the trace a report replayed (generated again from its header)."""
+    from tokenbus.evaluation import trace as T
+
+    c = report["config"]
+    shape = T.TraceShape(
+        sessions=c["routing_trace"], seed=c["seed"], sessions_per_s=c["trace_sessions_per_s"]
+    )
+    return [{"turns": s.turns} for s in T.generate(shape)[1]]

@@ -388,7 +388,8 @@ def test_while_every_replica_is_behind_the_least_prefill_routes(when_behind: str
     (1 + the backlog it joins / the target), without the predicted TTFT. b holds the prompt
     but has 3 s more backlog than a and c: by latency a or c wins, by the fleet's work b.
     Among equal work the soonest start: with the prompt cached nowhere, a or c (3 s less
-    backlog than b). One replica with nothing ahead, and latency decides again."""
+    backlog than b). One replica with nothing ahead, or steps short of the class's time per
+    output token (a backlog the fleet works off between tokens), and latency decides again."""
     idx = KVIndex()
     _synced(idx, "a", "b", "c")
     text = render_prompt([{"role": "user", "content": "x" * 400}])  # ~100 tokens
@@ -404,6 +405,9 @@ def test_while_every_replica_is_behind_the_least_prefill_routes(when_behind: str
         latency_targets=dict(spec.latency_targets),
     )
     a, b, c = _replica("a"), _replica("b"), _replica("c")
+    # Long steps: 80 running, each step 10 + 81 ms (PERF), beyond 75 % of the default
+    # class's 100 ms per output token.
+    a.running = b.running = c.running = 80
     now = time.monotonic()
     a.told_backlog(3000, now)  # tokens, at 1 ms each (PERF)
     b.told_backlog(6000, now)
@@ -417,6 +421,10 @@ def test_while_every_replica_is_behind_the_least_prefill_routes(when_behind: str
         assert idx.behind_decisions == 0
     other = RouteRequest("m", rendered=render_prompt([{"role": "user", "content": "q" * 400}]))
     assert policy.choose([a, b, c], other) in (a, c)  # cached nowhere: the soonest start
+    c.running = 20  # c's steps are short (31 ms): the fleet keeps up between tokens
+    assert policy.choose([a, b, c], req) in (a, c)
+    assert idx.behind_decisions == (2 if when_behind == "work" else 0)
+    c.running = 80
     c.told_backlog(0, time.monotonic())  # c has nothing ahead: the fleet is not behind
     assert policy.choose([a, b, c], req) is c
     assert idx.behind_decisions == (2 if when_behind == "work" else 0)

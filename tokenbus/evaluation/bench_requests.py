@@ -24,6 +24,11 @@ class Result:
     # Seconds between consecutive events that carried text (the inter-token latency as a
     # client sees it: an event holding several tokens is one arrival).
     gaps_s: list[float] = field(default_factory=list)
+    # Over HTTP: the replica that served (``x-tokenbus-replica``), and the usage's prompt
+    # tokens and cached prompt tokens (0 when the answer carried no usage).
+    replica: str = ""
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
 
 
 @dataclass
@@ -90,6 +95,7 @@ class _Timing:
         self.keep_text = keep_text
         self.parts: list[str] = []
         self.gaps: list[float] = []
+        self.prompt = self.cached = 0  # the usage's prompt tokens and cached ones
 
     def event(self, ev: Event) -> str | None:
         """Take one event; its error, if any."""
@@ -151,16 +157,25 @@ async def http_request(
                     payload = raw[6:].strip()
                     if payload == b"[DONE]":
                         break
-                    ev = read(json.loads(payload))
+                    obj = json.loads(payload)
+                    ev = read(obj)
                     if (error := timing.event(ev)) is not None:
                         return Result(False, error=error)
+                    usage = obj.get("usage")
+                    if isinstance(usage, dict) and "prompt_tokens" in usage:
+                        prompt = usage.get("prompt_tokens_details") or {}
+                        timing.prompt = int(usage.get("prompt_tokens") or 0)
+                        timing.cached = int(prompt.get("cached_tokens") or 0)
                     if ev[3]:
                         break
+                replica = resp.headers.get("x-tokenbus-replica", "")
     except TimeoutError:
         return Result(False, error="timeout")
     except Exception as exc:
         return Result(False, error=type(exc).__name__)
-    return timing.result()
+    r = timing.result()
+    r.replica, r.prompt_tokens, r.cached_tokens = replica, timing.prompt, timing.cached
+    return r
 
 
 async def nats_request(

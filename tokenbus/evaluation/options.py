@@ -286,6 +286,12 @@ def _routebench(g: Any) -> None:
         help="--routing-trace: the policies compared",
     )
     g.add_argument(
+        "--trace-detail",
+        action="store_true",
+        help="--routing-trace: keep every request's row in the report (its session, turn, "
+        "start, TTFT, time between tokens, replica, prompt and cached tokens)",
+    )
+    g.add_argument(
         "--trace-chunked-prefill",
         type=int,
         default=512,

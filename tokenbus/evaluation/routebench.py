@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import json
 import random
+import statistics
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -51,12 +52,16 @@ async def _session(
                 "messages": messages,
                 "max_tokens": int(turn["output_tokens"]),
                 "stream": True,
+                # The usage (its prompt and cached tokens: the request's row, its tail).
+                "stream_options": {"include_usage": True},
                 "ignore_eos": True,
             }
+            start = time.perf_counter() - t0
             r = await http_request(http, url, body, a.timeout, keep_text=True)
             out.append(
                 {"session": s.id, "turn": n, "ok": r.ok, "ttft_s": r.ttft_s, "tbt_s": r.tbt_s}
-                | {"tokens": r.tokens, "error": r.error}
+                | {"tokens": r.tokens, "error": r.error, "start_s": round(start, 3)}
+                | {"replica": r.replica, "prompt": r.prompt_tokens, "cached": r.cached_tokens}
             )
             if not r.ok:
                 return
@@ -121,7 +126,39 @@ async def _one(
         "predicted_over_reported_cached": round(predicted / hit, 4) if hit and predicted else None,
         # predicted_latency: the share of its decisions made while every replica was behind.
         "behind_share": round(behind / decisions, 4) if decisions else 0.0,
-        "replicas": _per_replica(stats, beats, query),
+        "replicas": _per_replica(stats, beats, query, ok),
+        "tail": _tail(ok),
+    } | ({"detail": [_row(d) for d in done]} if a.trace_detail else {})
+
+
+def _row(d: dict[str, Any]) -> dict[str, Any]:
+    """One request's row for ``--trace-detail``: times in ms."""
+    ttft, tbt = d["ttft_s"], d["tbt_s"]
+    return {k: v for k, v in d.items() if k not in ("ttft_s", "tbt_s")} | {
+        "ttft_ms": round(ttft * 1000, 1) if ttft is not None else None,
+        "tbt_ms": round(tbt * 1000, 1) if tbt is not None else None,
+    }
+
+
+def _tail(ok: list[dict[str, Any]]) -> dict[str, Any]:
+    """What the slowest 1 % of first tokens (TTFT at or past the p99) were: how many, on
+    which replicas, their prompts' median tokens and median tokens not read from cache, the
+    share of them that were a session's first turn, and the median of when they were sent
+    (seconds into the run)."""
+    if not ok:
+        return {}
+    cut = sorted(d["ttft_s"] for d in ok)[min(len(ok) - 1, int(0.99 * len(ok)))]
+    slow = [d for d in ok if d["ttft_s"] >= cut]
+    by_replica: dict[str, int] = {}
+    for d in slow:
+        by_replica[d["replica"] or "?"] = by_replica.get(d["replica"] or "?", 0) + 1
+    return {
+        "requests": len(slow),
+        "replicas": dict(sorted(by_replica.items())),
+        "prompt_tokens_p50": statistics.median(d["prompt"] for d in slow),
+        "uncached_tokens_p50": statistics.median(d["prompt"] - d["cached"] for d in slow),
+        "first_turn_share": round(sum(d["turn"] == 0 for d in slow) / len(slow), 3),
+        "start_s_p50": statistics.median(d["start_s"] for d in slow),
     }
 
 
@@ -144,16 +181,23 @@ async def _heartbeats(nats_url: str, latest: dict[str, dict[str, Any]]) -> Async
 
 
 def _per_replica(
-    stats: dict[str, Any], beats: dict[str, dict[str, Any]], query: int
+    stats: dict[str, Any], beats: dict[str, dict[str, Any]], query: int, ok: list[dict[str, Any]]
 ) -> dict[str, Any]:
-    """Per replica: its share of the prompt tokens, its cache hit ratio and the speed it
-    announced last (what predicted_latency routed on)."""
+    """Per replica: its share of the prompt tokens, its cache hit ratio, the requests it
+    served and their TTFT p50/p99, and the speed it announced last (what predicted_latency
+    routed on)."""
+    ttfts: dict[str, list[float]] = {}
+    for d in ok:
+        ttfts.setdefault(d["replica"], []).append(d["ttft_s"])
     out: dict[str, Any] = {}
     for name, st in sorted(stats.items()):
         q, h = int(st.get("query_tokens", 0)), int(st.get("hit_tokens", 0))
+        mine = summary_ms(ttfts.get(name, []))
         out[name] = {
             "prompt_token_share": round(q / query, 4) if query else None,
             "hit_ratio": round(h / q, 4) if q else None,
+            "requests": len(ttfts.get(name, [])),
+            "ttft_ms": {k: mine[k] for k in ("p50", "p99")} if mine else {},
             "perf": (beats.get(name) or {}).get("perf"),
         }
     return out
