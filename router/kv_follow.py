@@ -111,7 +111,8 @@ class KVIndexCollector:
         yield CounterMetricFamily(
             "tokenbus_kv_route_behind_decisions",
             "predicted_latency decisions made while every candidate replica had a prefill "
-            "backlog (kv.when_behind = work): scored by the least prefill for the fleet.",
+            "backlog and long steps (kv.when_behind = work): scored by the least prefill for "
+            "the fleet.",
             value=sum(idx.behind_decisions for idx in indexes),
         )
         yield CounterMetricFamily(

@@ -74,8 +74,9 @@ class KVIndex:
         # replica holding part of the prompt, and the prompt blocks cached there of all.
         self.decisions = 0
         self.hit_decisions = 0
-        # predicted_latency's decisions made while every candidate was behind (scored by the
-        # prefill they make the fleet compute: kv.when_behind = "work").
+        # predicted_latency's decisions made while every candidate was behind, a backlog and
+        # long steps (scored by the prefill they make the fleet compute: kv.when_behind =
+        # "work").
         self.behind_decisions = 0
         self.decided_blocks = 0
         self.decided_hit_blocks = 0

@@ -382,6 +382,11 @@ class KVAware:
         return chosen
 
 
+# predicted_latency: the fleet counts as behind only while every candidate's predicted time
+# per output token is at least this share of the class's target. A backlog that replicas
+# with short steps work off between tokens is not past capacity: at the mixed fleet's
+# sustainable load the backlog alone put 26-44 % of decisions in that mode and the tail on
+# the fast replicas (docs/benchmarks.md, "Behind only with long steps").
 FULL_STEPS = 0.75
 
 
@@ -407,11 +412,13 @@ class PredictedLatency(KVAware):
     the same score all the same, and the admission rules already there (the worker's flow
     control by class, the router's bounded queue) decide what waits or is shed. Until every
     candidate has announced a model, ``kv_aware``'s cost routes. While every candidate has
-    prefill still to compute for others (the fleet is behind: whatever a request makes any
-    replica compute, requests already there wait for), ``when_behind = "work"`` (the
-    default) drops the TTFT term: the least prefill at each replica's own speed, times (1 +
-    the backlog it joins / the target), the soonest start among equals; ``"latency"`` keeps
-    the score. ``last`` holds the latest decision's predictions, replica -> (TTFT, TPOT)."""
+    prefill still to compute for others and steps predicted at :data:`FULL_STEPS` or more of
+    the class's time per output token (the fleet is behind: whatever a request makes any
+    replica compute, requests already there wait for, between tokens that come late
+    already), ``when_behind = "work"`` (the default) drops the TTFT term: the least prefill
+    at each replica's own speed, times (1 + the backlog it joins / the target), the soonest
+    start among equals; ``"latency"`` keeps the score. ``last`` holds the latest decision's
+    predictions, replica -> (TTFT, TPOT)."""
 
     def __init__(
         self,

@@ -237,7 +237,8 @@ class KVRoutingSettings(BaseModel):
     when_behind: Literal["work", "latency"] = Field(
         default="work",
         description="predicted_latency, while every candidate replica has a prefill backlog "
-        "(the fleet is behind): 'work' scores the prefill the request would make each "
+        "and steps predicted at 75 % or more of the class's time per output token (the "
+        "fleet is behind): 'work' scores the prefill the request would make each "
         "compute (ms at its own speed, its cached prefix taken off) times (1 + the backlog "
         "it joins / the class's TTFT target), without the predicted TTFT: the least prefill "
         "for the whole fleet, its goodput; 'latency' keeps the predicted-latency score.",
