@@ -61,17 +61,13 @@ def test_bench_measures_a_peer_in_front_of_the_same_engine(tmp_path: Path) -> No
     # pyrelay and busrelay need nothing installed, so the --peer path runs here end to end:
     # each peer started in front of the engine server tokenbus' openai workers use, its own
     # level, its CPU from its own processes, and a line in the comparison.
-    out = tmp_path / "bench.json"
-    r = run_cli(
-        *("bench", "--spawn", "--upstream", "--peer", "pyrelay", "--peer", "busrelay"),
+    report = _bench(
+        tmp_path,
+        *("--spawn", "--upstream", "--peer", "pyrelay", "--peer", "busrelay"),
         *("--concurrency", "1,3"),
         *("--requests-per-client", "2", "--max-tokens", "6", "--sim-prefill-ms", "2"),
-        *("--sim-decode-ms", "1", "--out", str(out)),
-        env=cli_env(),
-        timeout=300,
+        *("--sim-decode-ms", "1"),
     )
-    assert r.returncode == 0, r.stdout + r.stderr
-    report = json.loads(out.read_text())
     levels = {(lv["target"], lv["concurrency"]): lv for lv in report["levels"]}
     peers = ("pyrelay", "busrelay")
     assert set(levels) == {(t, c) for t in ("tokenbus-http", *peers, "direct") for c in (1, 3)}
@@ -211,15 +207,11 @@ def test_a_routing_trace_reports_each_request_and_the_slowest_ones(tmp_path: Pat
     every request of the trace answered, its row (``--trace-detail``) naming the replica that
     served it and the engine's prompt and cached tokens, a session's later turns read from
     cache where its earlier turns were, and the slowest 1 % summarised."""
-    out = tmp_path / "trace.json"
-    r = run_cli(
-        *("bench", "--routing-trace", "6", "--trace-sessions-per-s", "20", "--seed", "3"),
-        *("--trace-policies", "kv_aware", "--trace-detail", "--out", str(out)),
-        env=cli_env(),
-        timeout=300,
+    report = _bench(
+        tmp_path,
+        *("--routing-trace", "6", "--trace-sessions-per-s", "20", "--seed", "3"),
+        *("--trace-policies", "kv_aware", "--trace-detail"),
     )
-    assert r.returncode == 0, r.stdout + r.stderr
-    report = json.loads(out.read_text())
     (run,) = report["runs"]
     rows = run["detail"]
     turns = sum(len(s["turns"]) for s in _sessions(report))
@@ -246,6 +238,15 @@ def test_a_routing_trace_reports_each_request_and_the_slowest_ones(tmp_path: Pat
     assert sum(tail["replicas"].values()) == tail["requests"]
     assert set(tail["replicas"]) <= replicas and tail["prompt_tokens_p50"] > 0
     assert 0 <= tail["first_turn_share"] <= 1
+
+
+def _bench(tmp_path: Path, *args: str) -> dict[str, Any]:
+    """The JSON report of ``tokenbus bench ARGS``, run to success."""
+    out = tmp_path / "bench.json"
+    r = run_cli("bench", *args, "--out", str(out), env=cli_env(), timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    report: dict[str, Any] = json.loads(out.read_text())
+    return report
 
 
 def _sessions(report: dict[str, Any]) -> list[dict[str, Any]]:
