@@ -510,10 +510,9 @@ class PredictedLatency(KVAware):
             and self.fleet_behind(candidates)
             and self.steps_full(preds, target)
         )
-        if behind:
-            self.index.behind_decisions += 1
         w = self.work_weight
         if behind:  # the least prefill for the fleet, weighed by the queue it joins
+            self.index.behind_decisions += 1
             pool, lead, w = list(candidates), 0.0, max(w, 1.0)
         else:  # the class's target first
             meeting = [r for r in candidates if self._meets(preds[r.replica], target)]

@@ -96,6 +96,7 @@ class _Timing:
         self.parts: list[str] = []
         self.gaps: list[float] = []
         self.prompt = self.cached = 0  # the usage's prompt tokens and cached ones
+        self.replica = ""  # the replica that served (``x-tokenbus-replica``)
 
     def event(self, ev: Event) -> str | None:
         """Take one event; its error, if any."""
@@ -113,6 +114,14 @@ class _Timing:
             self.chunks += 1
         return error
 
+    def usage(self, obj: dict[str, Any]) -> None:
+        """Take the prompt tokens and cached ones of a chat chunk's usage, if it has one."""
+        usage = obj.get("usage")
+        if isinstance(usage, dict) and "prompt_tokens" in usage:
+            details = usage.get("prompt_tokens_details") or {}
+            self.prompt = int(usage.get("prompt_tokens") or 0)
+            self.cached = int(details.get("cached_tokens") or 0)
+
     def result(self) -> Result:
         end = time.perf_counter()
         if not self.first:
@@ -128,6 +137,9 @@ class _Timing:
             text="".join(self.parts),
             t_end=time.time(),
             gaps_s=self.gaps,
+            replica=self.replica,
+            prompt_tokens=self.prompt,
+            cached_tokens=self.cached,
         )
 
 
@@ -151,6 +163,7 @@ async def http_request(
                 if resp.status != 200:
                     text = await resp.text()
                     return Result(False, error=f"http_{resp.status}:{text[:120]}")
+                timing.replica = resp.headers.get("x-tokenbus-replica", "")
                 async for raw in resp.content:
                     if not raw.startswith(b"data: "):
                         continue
@@ -161,21 +174,14 @@ async def http_request(
                     ev = read(obj)
                     if (error := timing.event(ev)) is not None:
                         return Result(False, error=error)
-                    usage = obj.get("usage")
-                    if isinstance(usage, dict) and "prompt_tokens" in usage:
-                        prompt = usage.get("prompt_tokens_details") or {}
-                        timing.prompt = int(usage.get("prompt_tokens") or 0)
-                        timing.cached = int(prompt.get("cached_tokens") or 0)
+                    timing.usage(obj)
                     if ev[3]:
                         break
-                replica = resp.headers.get("x-tokenbus-replica", "")
     except TimeoutError:
         return Result(False, error="timeout")
     except Exception as exc:
         return Result(False, error=type(exc).__name__)
-    r = timing.result()
-    r.replica, r.prompt_tokens, r.cached_tokens = replica, timing.prompt, timing.cached
-    return r
+    return timing.result()
 
 
 async def nats_request(

@@ -8,7 +8,8 @@ import statistics
 from pathlib import Path
 
 
-def _pct(values: list[float], p: float) -> float:
+def percentile(values: list[float], p: float) -> float:
+    """The ``p``-th percentile of ``values``: the nearest-rank value (nan for none)."""
     if not values:
         return float("nan")
     s = sorted(values)
@@ -23,9 +24,9 @@ def summary_ms(values: list[float]) -> dict[str, float]:
         return {}
     return {
         "mean": round(statistics.fmean(ms), 3),
-        "p50": round(_pct(ms, 50), 3),
-        "p90": round(_pct(ms, 90), 3),
-        "p99": round(_pct(ms, 99), 3),
+        "p50": round(percentile(ms, 50), 3),
+        "p90": round(percentile(ms, 90), 3),
+        "p99": round(percentile(ms, 99), 3),
         "max": round(max(ms), 3),
     }
 
