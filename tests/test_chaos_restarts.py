@@ -15,7 +15,15 @@ from bus_schemas import errors as E
 from tests.lockedbus import LockedBus
 from tests.support.procs import Procs
 from tests.support.waits import wait_for
-from tests.test_chaos import CLIENTS, Tally, _start_stack, bus, steady_load, under_way
+from tests.test_chaos import (
+    CLIENTS,
+    Tally,
+    _start_stack,
+    bus,
+    served_on,
+    steady_load,
+    under_way,
+)
 from tokenbus import Client
 
 pytestmark = pytest.mark.fault
@@ -34,8 +42,7 @@ async def test_draining_a_worker_under_load_loses_no_request(
             load = asyncio.create_task(steady_load(client, model, 3.0, tally))
             await under_way(load, tally)
             stack.workers[0].signal(signal.SIGTERM)
-            before = tally.outcomes["ok"]
-            await load
+            before = await served_on(load, tally)
         assert stack.workers[0].proc.wait(20) == 0
     tally.report("SIGTERM worker")
     # Served on while it drained (not a throughput: see the kill -9 test), nothing failed.
