@@ -24,7 +24,7 @@ def encode(obj: Any) -> bytes:
     return data
 
 
-def decode(data: bytes) -> Any:
+def decode(data: bytes | bytearray) -> Any:
     """Decode msgpack; malformed input raises :class:`errors.InvalidRequest`."""
     try:
         return msgpack.unpackb(data, raw=False, strict_map_key=False)
@@ -32,7 +32,7 @@ def decode(data: bytes) -> Any:
         raise errors.InvalidRequest(f"body is not valid msgpack: {exc}") from None
 
 
-def decode_map(data: bytes) -> dict[str, Any]:
+def decode_map(data: bytes | bytearray) -> dict[str, Any]:
     """Decode a msgpack map, refusing anything else."""
     obj = decode(data)
     if not isinstance(obj, dict):

@@ -790,7 +790,9 @@ async def read_bytes(
             f"{length or 'an unknown length'} came)",
             headers={"Connection": "close"},
         ) from None
-    return b"".join(chunks)
+    # One read holds the whole body when it all came before the handler asked (a large body
+    # usually does): no copy of it.
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
 async def read_body(scope: Scope, receive: Receive, max_body: int, timeout_s: float = 30.0) -> Any:

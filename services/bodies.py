@@ -26,7 +26,7 @@ import re
 import secrets
 import weakref
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, cast
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
@@ -236,15 +236,15 @@ async def fetch(nc: NATS, claim: dict[str, Any]) -> dict[str, Any]:
     return await asyncio.to_thread(_unpack, got, claim)
 
 
-def _sha256(blob: bytes) -> str:
+def _sha256(blob: bytes | bytearray) -> str:
     return hashlib.sha256(blob).hexdigest()
 
 
-def _unpack(got: list[bytes], claim: dict[str, Any]) -> dict[str, Any]:
+def _unpack(got: list[bytes] | list[bytearray], claim: dict[str, Any]) -> dict[str, Any]:
     """The claimed parts from the chunks ``got``, checked against ``claim``'s size and
     digest (a claim by pull: its size; each chunk's was checked as it came), 400 when they
     do not match or are not an envelope's parts."""
-    blob = b"".join(got)
+    blob = got[0] if len(got) == 1 else b"".join(got)
     if len(blob) != claim["size"] or ("pull" not in claim and _sha256(blob) != claim["sha256"]):
         raise E.InvalidRequest(
             "the request's body object does not match its size and sha256 digest (truncated "
@@ -397,10 +397,15 @@ class Held:
         self.sent += 1
         prefix = subjects.engine_body(replica, self.claim["id"])
         blob = self.blob
+        view = memoryview(blob)
         with contextlib.suppress(Exception):  # a connection down: the replica's wait ends it
             for n in range(self.claim["chunks"]):
-                chunk = blob[n * PULL_CHUNK : (n + 1) * PULL_CHUNK]
-                await nc.publish(f"{prefix}.{n}", chunk)
+                # Each chunk to the socket as it is made: the server forwards the first while
+                # the rest are written (queued for the flusher, the first left only once the
+                # last was queued: about 2 ms later at 4 MiB).
+                chunk = view[n * PULL_CHUNK : (n + 1) * PULL_CHUNK]
+                # A view, not a copy: nats-py only joins the payload to its command line.
+                await natsclient.publish_at_once(nc, f"{prefix}.{n}", cast(bytes, chunk))
 
     def forget(self) -> None:
         _held.pop(self.claim["id"], None)
@@ -462,7 +467,10 @@ async def pull(
     never sends)."""
     claim = check_claim(claim, pull_ok=True)
     size = claim["size"]
-    got: list[bytes | None] = [None] * claim["chunks"]
+    # Each chunk is copied into place as it comes, while the rest are on their way: no join
+    # of the whole after the last one (0.7 ms at 4 MiB, on the request's path).
+    blob = bytearray(size)
+    got = [False] * claim["chunks"]
     complete, wrong = asyncio.Event(), []
     have = 0
 
@@ -472,13 +480,15 @@ async def pull(
             n = int(msg.subject.rpartition(".")[2])
         except ValueError:
             return
-        if 0 <= n < len(got) and got[n] is None:
+        if 0 <= n < len(got) and not got[n]:
             data = msg.data or b""
-            if len(data) != min(PULL_CHUNK, size - n * PULL_CHUNK):
+            at = n * PULL_CHUNK
+            if len(data) != min(PULL_CHUNK, size - at):
                 wrong.append(n)
                 complete.set()
                 return
-            got[n] = data
+            blob[at : at + len(data)] = data
+            got[n] = True
             have += 1
             if have == len(got):
                 complete.set()
@@ -508,9 +518,9 @@ async def pull(
             f"the request's body came with chunk {wrong[0]} of the wrong size (truncated or "
             "altered); send the request again"
         )
-    # On the loop: two C calls of about 1 ms each at 16 MiB (a thread's hand-over cost more
-    # than it saved at 4 MiB).
-    return _unpack([g or b"" for g in got], claim)
+    # On the loop: one C call of about 1 ms at 16 MiB (a thread's hand-over cost more than
+    # it saved at 4 MiB).
+    return _unpack([blob], claim)
 
 
 async def delete(nc: NATS, claim: dict[str, Any]) -> None:

@@ -1096,6 +1096,13 @@ class Settings(BaseSettings):
     )
     log_level: str = "info"
     drain_timeout_s: float = Field(default=30.0, description="How long in-flight work may finish.")
+    malloc_keep_mb: int = Field(
+        default=256,
+        ge=0,
+        description="MiB of freed memory a service keeps mapped (glibc), so that a large "
+        "request's buffers do not fault their pages in anew each time (services/heap.py; "
+        "0: glibc's defaults).",
+    )
     metrics_port: int = Field(
         default=0,
         description="Serve this process's own Prometheus metrics on 127.0.0.1:<port>/metrics "

@@ -513,6 +513,23 @@ async def request(
         nc._write_next = False
 
 
+async def publish_at_once(
+    nc: NATS, subject: str, payload: bytes, headers: dict[str, str] | None = None
+) -> None:
+    """``nc.publish()``, its message written to the socket at once rather than on the
+    flusher's next turn (:func:`request`'s ``at_once``): a run of large messages (a body's
+    chunks) starts crossing the bus with the first instead of after the last is queued. On a
+    connection that is not :class:`Client`, a plain publish."""
+    if isinstance(nc, Client):
+        nc._write_next = True
+        try:
+            await nc.publish(subject, payload, headers=headers)
+        finally:
+            nc._write_next = False
+        return
+    await nc.publish(subject, payload, headers=headers)
+
+
 async def connect(
     servers: str | list[str], *, refusal_is_final: bool = False, **options: Any
 ) -> NATS:

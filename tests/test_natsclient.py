@@ -186,7 +186,8 @@ class ThreadResponder:
         async def on_msg(msg: Any) -> None:
             self.seen.append(msg.data)
             self.heard.set()
-            await msg.respond(self.answer if self.answer is not None else b"ack:" + msg.data)
+            if msg.reply:
+                await msg.respond(self.answer if self.answer is not None else b"ack:" + msg.data)
 
         await nc.subscribe(self.subject, cb=on_msg)
         await nc.flush()
@@ -233,6 +234,30 @@ async def test_a_request_at_once_is_on_the_socket_before_the_loop_turns(
                 natsclient.request(nc, subject, b"now", timeout=5, headers={}, at_once=True)
             )
             assert heard and reply.data == b"ack:now"
+            assert r.seen == [b"plain", b"now"]
+        assert nc._pending_data_size == 0 and not nc._write_next
+    finally:
+        await nc.close()
+
+
+async def test_a_publish_at_once_is_on_the_socket_before_the_loop_turns(
+    nats_server: NatsServer,
+) -> None:
+    """publish_at_once (each chunk of a body sent on request, services/bodies.py) writes its
+    message at once: a subscriber on another thread hears it while this event loop is still
+    blocked. A plain publish, blocked the same way, reaches nobody until the loop turns."""
+    subject = f"now.{uuid.uuid4().hex[:8]}"
+    nc: Any = await natsclient.connect(nats_server.url, **CALM_PINGS)
+    try:
+        with ThreadResponder(nats_server.url, subject) as r:
+            heard, _ = await r.heard_while_blocked(nc.publish(subject, b"plain"))
+            assert not heard
+            await nc.flush()
+            assert await asyncio.to_thread(r.heard.wait, 10)  # the plain one, once flushed
+            heard, _ = await r.heard_while_blocked(
+                natsclient.publish_at_once(nc, subject, b"now", headers={"k": "v"})
+            )
+            assert heard
             assert r.seen == [b"plain", b"now"]
         assert nc._pending_data_size == 0 and not nc._write_next
     finally:

@@ -561,8 +561,10 @@ def main(argv: list[str] | None = None) -> None:
             child_env = cfgmod.env_overrides({"worker": _worker_overrides(a)})
             rc = await up(s, config_file=a.config, child_env=child_env)
         elif a.cmd == "serve":
+            from services.heap import keep_freed
             from services.runtime import GaveUp, StartRefused
 
+            keep_freed(s.malloc_keep_mb)
             try:
                 rc = await _serve(a, s)
             except StartRefused as exc:
