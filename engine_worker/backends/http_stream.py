@@ -94,7 +94,7 @@ class _Connection(asyncio.Protocol):
             self._fail(exc)
 
     # -- requests ---------------------------------------------------------------------------
-    def start(self, request: bytes, r: Response) -> asyncio.Future[None]:
+    def start(self, request: tuple[bytes, bytes], r: Response) -> asyncio.Future[None]:
         assert self.transport is not None
         self._r = r
         self._done = asyncio.get_running_loop().create_future()
@@ -103,7 +103,9 @@ class _Connection(asyncio.Protocol):
         self._mode = ""
         self.got_bytes = False
         self.reusable = False
-        self.transport.write(request)
+        # The head and the body as they are: one write of both, no joined copy (4 MiB of
+        # JSON is 0.3 ms of copying and as many page faults, on the request's path).
+        self.transport.writelines(request)
         return self._done
 
     def abort(self) -> None:
@@ -263,7 +265,7 @@ class Sent(NamedTuple):
 
     conn: _Connection
     done: asyncio.Future[None]
-    request: bytes
+    request: tuple[bytes, bytes]
 
     def abort(self) -> None:
         """Give the request up: its connection is closed (the upstream sees the client go)."""
@@ -299,15 +301,16 @@ class UpstreamHTTP:
         self.connect_timeout = connect_timeout
         self._idle: list[_Connection] = []
 
-    def request_bytes(self, path: str, body: bytes, headers: dict[str, str]) -> bytes:
+    def request_bytes(self, path: str, body: bytes, headers: dict[str, str]) -> tuple[bytes, bytes]:
+        """The request's head, and its body."""
         extra = "".join(f"{k}: {v}\r\n" for k, v in headers.items()).encode("latin-1")
-        return b"POST %s HTTP/1.1\r\n%s%sContent-Length: %d\r\n\r\n%s" % (
+        head = b"POST %s HTTP/1.1\r\n%s%sContent-Length: %d\r\n\r\n" % (
             (self.prefix + path).encode(),
             self._fixed,
             extra,
             len(body),
-            body,
         )
+        return head, body
 
     def send_now(self, path: str, body: bytes, headers: dict[str, str], r: Response) -> Sent | None:
         """Write the request at once on a kept connection, None when none is kept; ``r`` is
