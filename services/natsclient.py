@@ -172,12 +172,37 @@ def _fits_control_line(subject: str, reply: str = "") -> bool:
     return len(subject.encode()) + len(reply.encode()) + 64 <= MAX_CONTROL_LINE
 
 
+class _Buffer(bytearray):
+    """nats-py's parse buffer, whose slices come out as bytes in one copy. nats-py takes each
+    message's payload as ``bytes(buf[a:b])``: a bytearray slice, then a copy of it. Here the
+    slice is bytes already, which ``bytes()`` returns as it is: a 4 MiB body arriving in
+    64 KiB messages is 4 MiB less to copy in the replica that reads it."""
+
+    def __getitem__(self, key: Any) -> Any:
+        if not isinstance(key, slice):
+            return super().__getitem__(key)
+        view = memoryview(self)
+        try:
+            return view[key].tobytes()
+        finally:
+            view.release()  # the buffer may be resized again (del, extend) once it is read
+
+
+class _Parser(parser.Parser):
+    """nats-py's parser over a :class:`_Buffer`."""
+
+    def reset(self) -> None:
+        super().reset()
+        self.buf = _Buffer()
+
+
 class Client(NATS):
     """A nats-py client that one malformed message cannot stop, with direct subscriptions
     (:func:`subscribe_direct`)."""
 
     def __init__(self) -> None:
         super().__init__()
+        self._ps = _Parser(self)
         # Subscription id -> the callback its messages go to from the read loop.
         self._direct: dict[int, Callable[[Msg], None]] = {}
         self._write_next = False  # the next publish goes to the socket at once (request)

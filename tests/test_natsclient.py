@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import uuid
 from collections.abc import Awaitable
@@ -262,6 +263,38 @@ async def test_a_publish_at_once_is_on_the_socket_before_the_loop_turns(
         assert nc._pending_data_size == 0 and not nc._write_next
     finally:
         await nc.close()
+
+
+async def test_large_messages_arrive_whole_as_bytes_across_reads(nats_server: NatsServer) -> None:
+    """The parse buffer's slices are bytes in one copy (natsclient._Buffer): messages larger
+    than one read, with and without headers, back to back, arrive whole and as bytes."""
+    subject = f"big.{uuid.uuid4().hex[:8]}"
+    rx: Any = await natsclient.connect(nats_server.url, **CALM_PINGS)
+    tx: Any = await natsclient.connect(nats_server.url, **CALM_PINGS)
+    got: list[Any] = []
+    done = asyncio.Event()
+    sizes = [1, 70_000, 900_000, 0, 65_536]
+
+    def on_msg(msg: Any) -> None:
+        got.append(msg)
+        if len(got) == 2 * len(sizes):
+            done.set()
+
+    try:
+        await natsclient.subscribe_direct(rx, subject, on_msg)
+        await rx.flush()
+        sent = [os.urandom(n) for n in sizes]
+        for i, data in enumerate(sent):
+            await tx.publish(subject, data)
+            await tx.publish(subject, data, headers={"n": str(i)})
+        await tx.flush()
+        await asyncio.wait_for(done.wait(), 10)
+        assert [m.data for m in got] == [d for d in sent for _ in (0, 1)]
+        assert all(type(m.data) is bytes for m in got)
+        assert [m.headers for m in got[1::2]] == [{"n": str(i)} for i in range(len(sizes))]
+    finally:
+        await tx.close()
+        await rx.close()
 
 
 async def test_dispatch_writes_each_request_at_once_unless_told_not_to(
