@@ -38,7 +38,7 @@ import contextlib
 import os
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from nats import errors
@@ -529,13 +529,8 @@ async def request(
     until the whole burst is admitted, and the replica would start none of them before it
     starts them all. Written at once, the replica works on the first while this process
     admits the rest. On a connection that is not :class:`Client`, always a plain request."""
-    if not (at_once and isinstance(nc, Client)):
+    with _writing_at_once(nc, at_once):
         return await nc.request(subject, payload, timeout=timeout, headers=headers)
-    nc._write_next = True
-    try:
-        return await nc.request(subject, payload, timeout=timeout, headers=headers)
-    finally:
-        nc._write_next = False
 
 
 async def publish_at_once(
@@ -545,14 +540,22 @@ async def publish_at_once(
     flusher's next turn (:func:`request`'s ``at_once``): a run of large messages (a body's
     chunks) starts crossing the bus with the first instead of after the last is queued. On a
     connection that is not :class:`Client`, a plain publish."""
-    if isinstance(nc, Client):
-        nc._write_next = True
-        try:
-            await nc.publish(subject, payload, headers=headers)
-        finally:
-            nc._write_next = False
+    with _writing_at_once(nc):
+        await nc.publish(subject, payload, headers=headers)
+
+
+@contextlib.contextmanager
+def _writing_at_once(nc: NATS, at_once: bool = True) -> Iterator[None]:
+    """While it lasts, ``nc``'s next publish goes to the socket at once (:class:`Client`
+    only; on another connection, or without ``at_once``, nothing changes)."""
+    if not (at_once and isinstance(nc, Client)):
+        yield
         return
-    await nc.publish(subject, payload, headers=headers)
+    nc._write_next = True
+    try:
+        yield
+    finally:
+        nc._write_next = False
 
 
 async def connect(
