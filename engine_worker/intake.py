@@ -23,7 +23,7 @@ from engine_worker.generation import Generation
 from engine_worker.replica import Replica
 from engine_worker.tickets import request_class
 from filter.policy import FilterPolicy
-from services import bodies, tracing
+from services import bodies, natsclient, tracing
 from services.runtime import reply_subject
 
 # The longest reply subject a cancel may name (an inbox is a few dozen characters).
@@ -109,7 +109,9 @@ class Intake:
         nc, hdrs = self.w.nc, {H.BODY_PULL: self.w.replica}
 
         async def ask() -> None:
-            await nc.publish(reply, b"", headers=hdrs)
+            # At once, not on the flusher's next turn: the body's first chunk is on its way
+            # that much sooner (services/natsclient.py).
+            await natsclient.publish_at_once(nc, reply, b"", hdrs)
 
         return ask
 

@@ -396,16 +396,15 @@ class Held:
             return
         self.sent += 1
         prefix = subjects.engine_body(replica, self.claim["id"])
-        blob = self.blob
-        view = memoryview(blob)
+        view = memoryview(self.blob)
+        # Views of the held body, not copies, to the socket at once in one write: the server
+        # forwards the first chunk while the rest are still being written.
+        chunks = [
+            (f"{prefix}.{n}", cast(bytes, view[n * PULL_CHUNK : (n + 1) * PULL_CHUNK]))
+            for n in range(self.claim["chunks"])
+        ]
         with contextlib.suppress(Exception):  # a connection down: the replica's wait ends it
-            for n in range(self.claim["chunks"]):
-                # Each chunk to the socket as it is made: the server forwards the first while
-                # the rest are written (queued for the flusher, the first left only once the
-                # last was queued: about 2 ms later at 4 MiB).
-                chunk = view[n * PULL_CHUNK : (n + 1) * PULL_CHUNK]
-                # A view, not a copy: nats-py only joins the payload to its command line.
-                await natsclient.publish_at_once(nc, f"{prefix}.{n}", cast(bytes, chunk))
+            await natsclient.publish_all_at_once(nc, chunks)
 
     def forget(self) -> None:
         _held.pop(self.claim["id"], None)
@@ -493,11 +492,10 @@ async def pull(
             if have == len(got):
                 complete.set()
 
-    sub = await natsclient.subscribe_direct(
-        nc, f"{subjects.engine_body(replica, claim['id'])}.*", on_chunk
-    )
+    box = await _inbox(nc, replica, timeout)
+    oid = claim["id"]
+    box.pulls[oid] = on_chunk
     try:
-        await nc.flush(int(timeout) or 1)  # subscribed before the caller is asked
         await ask()
         seen = -1
         while not complete.is_set():
@@ -511,8 +509,8 @@ async def pull(
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(complete.wait(), timeout)
     finally:
-        with contextlib.suppress(Exception):
-            await sub.unsubscribe()
+        if box.pulls.get(oid) is on_chunk:
+            del box.pulls[oid]
     if wrong:
         raise E.InvalidRequest(
             f"the request's body came with chunk {wrong[0]} of the wrong size (truncated or "
@@ -521,6 +519,51 @@ async def pull(
     # On the loop: one C call of about 1 ms at 16 MiB (a thread's hand-over cost more than
     # it saved at 4 MiB).
     return _unpack([blob], claim)
+
+
+class _BodyInbox:
+    """A replica's standing subscription to the bodies sent to it, subscribed (and the
+    server sure of it) once: each chunk goes to the pull waiting for its object, any other
+    is dropped. A pull so asks its caller at once, without a round trip to the server
+    first (a subscription of its own per body needs one: the caller must not send before
+    the server knows where to)."""
+
+    def __init__(self) -> None:
+        self.pulls: dict[str, Callable[[Msg], None]] = {}  # object id -> its pull
+        self.ready: asyncio.Future[None] | None = None
+
+    def on_msg(self, msg: Msg) -> None:
+        head = msg.subject.rpartition(".")[0]  # <engine_body(replica, id)>.<n>
+        fn = self.pulls.get(head.rpartition(".")[2])
+        if fn is not None:
+            fn(msg)
+
+
+# Per connection, per replica id it pulls for.
+_inboxes: weakref.WeakKeyDictionary[NATS, dict[str, _BodyInbox]] = weakref.WeakKeyDictionary()
+
+
+async def _inbox(nc: NATS, replica: str, timeout: float) -> _BodyInbox:
+    """``replica``'s standing subscription on ``nc`` (made at its first pull)."""
+    boxes = _inboxes.setdefault(nc, {})
+    box = boxes.get(replica)
+    if box is None:
+        box = boxes[replica] = _BodyInbox()
+
+        async def subscribe() -> None:
+            subject = f"{subjects.engine_body(replica, '*')}.*"
+            await natsclient.subscribe_direct(nc, subject, box.on_msg)
+            await nc.flush(int(timeout) or 1)  # subscribed before any caller is asked
+
+        box.ready = asyncio.ensure_future(subscribe())
+    assert box.ready is not None
+    try:
+        await asyncio.shield(box.ready)
+    except Exception:
+        if boxes.get(replica) is box:  # the next pull subscribes again
+            del boxes[replica]
+        raise
+    return box
 
 
 async def delete(nc: NATS, claim: dict[str, Any]) -> None:

@@ -38,7 +38,7 @@ import contextlib
 import os
 import re
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from nats import errors
@@ -542,6 +542,38 @@ async def publish_at_once(
     connection that is not :class:`Client`, a plain publish."""
     with _writing_at_once(nc):
         await nc.publish(subject, payload, headers=headers)
+
+
+async def publish_all_at_once(nc: NATS, messages: Sequence[tuple[str, bytes]]) -> None:
+    """Publish ``messages`` (subject, payload: no reply, no headers), in order, written to
+    the socket at once and in one write, their payloads as they are. nats-py copies each
+    payload into its command and queues it for the flusher: for a 4 MiB body sent in
+    64 KiB messages that was 4 MiB copied and about 1 ms more of the event loop on the
+    request's path (docs/large-requests.md). What was queued before goes first. On a
+    connection that is not :class:`Client`, or not connected (nats-py keeps what is
+    published while it reconnects), one :meth:`publish` each."""
+    transport = getattr(nc, "_transport", None)
+    if not (isinstance(nc, Client) and nc.is_connected and transport is not None):
+        for subject, payload in messages:
+            await nc.publish(subject, payload)
+        return
+    parts: list[bytes] = []
+    size = 0
+    for subject, payload in messages:
+        if not _fits_control_line(subject) or not subject or _SPACE.search(subject):
+            raise errors.BadSubjectError
+        if len(payload) > nc.max_payload:
+            raise errors.MaxPayloadError
+        parts += (b"PUB %s %d\r\n" % (subject.encode(), len(payload)), payload, b"\r\n")
+        size += len(payload)
+    nc._write_pending()
+    nc.stats["out_msgs"] += len(messages)
+    nc.stats["out_bytes"] += size
+    transport.writelines(parts)
+
+
+# What may not be in a subject (it would end the command's field).
+_SPACE = re.compile(r"\s")
 
 
 @contextlib.contextmanager

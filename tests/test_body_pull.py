@@ -5,6 +5,8 @@ plays the other side and the hostile senders."""
 
 from __future__ import annotations
 
+import asyncio
+import secrets
 from typing import Any
 
 import pytest
@@ -151,6 +153,10 @@ async def test_a_tampered_short_or_missing_body_is_refused(nc: NATS) -> None:
     claim = {"owner": "tb.pulltest", "id": "a" * 32, "size": len(blob), "chunks": n, "pull": True}
 
     def sender(body: bytes, upto: int, cut: int | None = None) -> Any:
+        # Each case its own object (as each request has): a case's chunks still on their
+        # way once it failed are no part of the next.
+        claim["id"] = secrets.token_hex(16)
+
         async def ask() -> None:
             prefix = subjects.engine_body("pull-r4", claim["id"])
             for i in range(upto):
@@ -159,17 +165,21 @@ async def test_a_tampered_short_or_missing_body_is_refused(nc: NATS) -> None:
 
         return ask
 
-    assert await bodies.pull(nc, claim, "pull-r4", sender(blob, n), timeout=5) == {
+    ask = sender(blob, n)
+    assert await bodies.pull(nc, claim, "pull-r4", ask, timeout=5) == {
         "messages": _body()["messages"]
     }
+    ask = sender(blob, n, cut=2)
     with pytest.raises(E.InvalidRequest, match="chunk 2 of the wrong size"):
-        await bodies.pull(nc, claim, "pull-r4", sender(blob, n, cut=2), timeout=5)
+        await bodies.pull(nc, claim, "pull-r4", ask, timeout=5)
     garbage = b"\xc1" * len(blob)  # msgpack's one unused byte: no body decodes from it
+    ask = sender(garbage, n)
     with pytest.raises(E.InvalidRequest, match="not an encoded body"):
-        await bodies.pull(nc, claim, "pull-r4", sender(garbage, n), timeout=5)
+        await bodies.pull(nc, claim, "pull-r4", ask, timeout=5)
     for upto in (n - 1, 0):
+        ask = sender(blob, upto)
         with pytest.raises(E.ServiceUnavailable) as got:
-            await bodies.pull(nc, claim, "pull-r4", sender(blob, upto), timeout=0.3)
+            await bodies.pull(nc, claim, "pull-r4", ask, timeout=0.3)
         assert got.value.headers["Retry-After"] and f"{upto} of {n}" in got.value.message
 
 
@@ -223,3 +233,46 @@ async def test_the_choices_of_one_request_share_one_encoding_of_its_body(
             assert parts == {"messages": body["messages"]}
         for s in [*streams, other]:
             await s.aclose()
+
+
+@pytest.mark.bus
+async def test_a_replica_pulls_every_body_through_one_standing_subscription(nc: NATS) -> None:
+    """A replica subscribes to its bodies once (at its first pull) and asks each caller at
+    once after that: two bodies pulled at the same time on one replica each get their own
+    chunks, chunks of an object nobody waits for are dropped, and later pulls subscribe to
+    nothing more."""
+    bodies_of = {
+        oid: codec.encode({"messages": [{"role": "user", "content": f"{oid} " * 200_000}]})
+        for oid in (secrets.token_hex(16), secrets.token_hex(16))
+    }
+
+    def claim_of(oid: str) -> dict[str, Any]:
+        size = len(bodies_of[oid])
+        chunks = -(-size // bodies.PULL_CHUNK)
+        return {"owner": "tb.pulltest", "id": oid, "size": size, "chunks": chunks, "pull": True}
+
+    during: list[int] = []  # the connection's subscriptions while each pull waits
+
+    def sender(oid: str) -> Any:
+        async def ask() -> None:
+            during.append(len(nc._subs))
+            prefix = subjects.engine_body("pull-r6", oid)
+            stray = subjects.engine_body("pull-r6", secrets.token_hex(16))
+            await nc.publish(f"{stray}.0", b"nobody asked for this")
+            blob = bodies_of[oid]
+            for i in range(claim_of(oid)["chunks"]):
+                await nc.publish(
+                    f"{prefix}.{i}", blob[i * bodies.PULL_CHUNK :][: bodies.PULL_CHUNK]
+                )
+
+        return ask
+
+    first = next(iter(bodies_of))
+    got = await bodies.pull(nc, claim_of(first), "pull-r6", sender(first), timeout=5)
+    assert got == codec.decode_map(bodies_of[first])
+    subs = len(nc._subs)
+    both = await asyncio.gather(
+        *(bodies.pull(nc, claim_of(oid), "pull-r6", sender(oid), timeout=5) for oid in bodies_of)
+    )
+    assert both == [codec.decode_map(bodies_of[oid]) for oid in bodies_of]
+    assert during[1:] == [subs, subs]  # no subscription of its own per body

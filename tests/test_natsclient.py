@@ -5,11 +5,13 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
+import time
 import uuid
 from collections.abc import Awaitable
-from typing import Any
+from typing import Any, cast
 
 import pytest
+from nats import errors
 
 from bus_schemas import codec
 from router.dispatch import Dispatcher
@@ -334,5 +336,38 @@ async def test_dispatch_writes_each_request_at_once_unless_told_not_to(
                 )
                 assert (heard, replica) == (at_once, "r1")
             assert r.seen == [codec.encode({"n": 1}), codec.encode({"n": 0})]
+    finally:
+        await nc.close()
+
+
+async def test_a_run_published_all_at_once_goes_out_in_one_write_in_order(
+    nats_server: NatsServer,
+) -> None:
+    """publish_all_at_once (a pulled body's chunks, services/bodies.py): every message of the
+    run is on the socket before this event loop turns (a subscriber on another thread hears
+    them all while it is blocked), after what was queued before them, in order and whole;
+    views of one buffer go as they are. A subject that would break the command, or a payload
+    past the server's limit, is refused before anything of the run is written."""
+    subject = f"all.{uuid.uuid4().hex[:8]}"
+    nc: Any = await natsclient.connect(nats_server.url, **CALM_PINGS)
+    blob = os.urandom(200_000)
+    view = memoryview(blob)
+    run = [(f"{subject}.{i}", cast(bytes, view[i * 65536 : (i + 1) * 65536])) for i in range(4)]
+    try:
+        with ThreadResponder(nats_server.url, f"{subject}.*") as r:
+            await nc.publish(f"{subject}.queued", b"first")  # for the flusher's next turn
+            task = asyncio.ensure_future(natsclient.publish_all_at_once(nc, run))
+            await asyncio.sleep(0)  # the task runs; from here this loop is blocked
+            deadline = time.monotonic() + 10
+            while len(r.seen) < 5 and time.monotonic() < deadline:
+                r.heard.wait(0.05)  # blocks this loop: no flusher turn
+            assert r.seen == [b"first", *(bytes(v) for _, v in run)]
+            await task
+            for bad in [("no spaces.in subjects", b"x"), (subject, b"x" * (nc.max_payload + 1))]:
+                with pytest.raises((errors.BadSubjectError, errors.MaxPayloadError)):
+                    await natsclient.publish_all_at_once(nc, [(f"{subject}.ok", b"y"), bad])
+            await nc.flush()
+            assert len(r.seen) == 5  # nothing of a refused run went out
+        assert nc._pending_data_size == 0 and nc.stats["out_msgs"] >= 5
     finally:
         await nc.close()
