@@ -494,12 +494,13 @@ class SimSettings(BaseModel):
 
     prefill_ms: float = Field(default=20.0, description="Base prefill (first token) time.")
     max_model_len: int = Field(
-        default=131072,
+        default=1048576,
         ge=1,
-        description="The simulated model's context length (128k, as today's agent models "
-        "have: Claude Code asks for 32 000 tokens of answer): prompt plus max_tokens must fit "
-        "(a request that does not is refused as vLLM refuses it; one without max_tokens gets "
-        "what fits, at most the gateway's default when one is set).",
+        description="The simulated model's context length (1M tokens, as the long-context "
+        "models agents use have: GPT-4.1, Gemini, Qwen2.5-1M; a coding agent's 0.8-4 MB "
+        "context, docs/large-requests.md, is 200k-1M tokens): prompt plus max_tokens must "
+        "fit (a request that does not is refused as vLLM refuses it; one without max_tokens "
+        "gets what fits, at most the gateway's default when one is set).",
     )
     prefill_ms_per_token: float = Field(default=0.0, description="Extra prefill per prompt token.")
     decode_ms: float = Field(default=10.0, description="Decode step time at batch size 1.")
