@@ -494,7 +494,7 @@ async def pull(
 
     box = await _inbox(nc, replica, timeout)
     oid = claim["id"]
-    box.pulls[oid] = on_chunk
+    box.pulls.setdefault(oid, []).append(on_chunk)
     try:
         await ask()
         seen = -1
@@ -509,8 +509,7 @@ async def pull(
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(complete.wait(), timeout)
     finally:
-        if box.pulls.get(oid) is on_chunk:
-            del box.pulls[oid]
+        box.drop(oid, on_chunk)
     if wrong:
         raise E.InvalidRequest(
             f"the request's body came with chunk {wrong[0]} of the wrong size (truncated or "
@@ -529,14 +528,22 @@ class _BodyInbox:
     the server knows where to)."""
 
     def __init__(self) -> None:
-        self.pulls: dict[str, Callable[[Msg], None]] = {}  # object id -> its pull
+        # Object id -> the pulls waiting for it (one, but for a resend of the same request).
+        self.pulls: dict[str, list[Callable[[Msg], None]]] = {}
         self.ready: asyncio.Future[None] | None = None
 
     def on_msg(self, msg: Msg) -> None:
         head = msg.subject.rpartition(".")[0]  # <engine_body(replica, id)>.<n>
-        fn = self.pulls.get(head.rpartition(".")[2])
-        if fn is not None:
+        for fn in self.pulls.get(head.rpartition(".")[2], ()):
             fn(msg)
+
+    def drop(self, oid: str, fn: Callable[[Msg], None]) -> None:
+        """``fn`` no longer waits for object ``oid``."""
+        fns = self.pulls.get(oid, [])
+        if fn in fns:
+            fns.remove(fn)
+        if not fns:
+            self.pulls.pop(oid, None)
 
 
 # Per connection, per replica id it pulls for.

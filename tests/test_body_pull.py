@@ -276,3 +276,8 @@ async def test_a_replica_pulls_every_body_through_one_standing_subscription(nc: 
     )
     assert both == [codec.decode_map(bodies_of[oid]) for oid in bodies_of]
     assert during[1:] == [subs, subs]  # no subscription of its own per body
+    # One object pulled twice at once on one replica (a resend): each pull gets it whole.
+    twice = await asyncio.gather(
+        *(bodies.pull(nc, claim_of(first), "pull-r6", sender(first), timeout=5) for _ in "ab")
+    )
+    assert twice == [codec.decode_map(bodies_of[first])] * 2
