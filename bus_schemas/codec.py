@@ -24,6 +24,21 @@ def encode(obj: Any) -> bytes:
     return data
 
 
+def encode_view(obj: Any) -> memoryview:
+    """:func:`encode` as a view of the packer's own buffer instead of a copy of it into a
+    bytes object: for a large body held for its replica (services/bodies.py hold), 4 MiB
+    copied less on the request's path (about 0.4 ms). The view keeps the buffer alive."""
+    packer = msgpack.Packer(autoreset=False, **_packer_opts)
+    try:
+        packer.pack(obj)
+    except (OverflowError, TypeError, ValueError) as exc:
+        raise errors.InvalidRequest(
+            f"the request holds a value the bus cannot carry ({exc}); integers must fit in 64 bits"
+        ) from None
+    view: memoryview = packer.getbuffer()
+    return view
+
+
 def decode(data: bytes | bytearray) -> Any:
     """Decode msgpack; malformed input raises :class:`errors.InvalidRequest`."""
     try:

@@ -161,11 +161,12 @@ async def put(nc: NATS, env: dict[str, Any], owner: str) -> dict[str, Any]:
     return claim
 
 
-def _encoded_parts(env: dict[str, Any]) -> tuple[bytes, int]:
+def _encoded_parts(env: dict[str, Any], view: bool = False) -> tuple[bytes, int]:
     """``env``'s claimed parts encoded as one body object, and their text's characters;
-    413 past :data:`MAX_OBJECT`."""
+    413 past :data:`MAX_OBJECT`. ``view``: the encoding as a view of the encoder's buffer
+    (:func:`bus_schemas.codec.encode_view`), for a body this process holds."""
     parts = {k: env[k] for k in CLAIMED if k in env}
-    blob = codec.encode(parts)
+    blob = cast(bytes, codec.encode_view(parts)) if view else codec.encode(parts)
     if len(blob) > MAX_OBJECT:
         raise E.PayloadTooLarge(
             f"the request's messages are {len(blob)} bytes; tokenbus takes at most {MAX_OBJECT}"
@@ -425,7 +426,7 @@ class _Encoded:
 
     def __init__(self, values: tuple[Any, ...], env: dict[str, Any]) -> None:
         self.values = values
-        self.blob, self.chars = _encoded_parts(env)
+        self.blob, self.chars = _encoded_parts(env, view=True)
 
 
 _encodings: weakref.WeakValueDictionary[tuple[int, ...], _Encoded] = weakref.WeakValueDictionary()

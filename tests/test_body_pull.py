@@ -218,6 +218,10 @@ async def test_the_choices_of_one_request_share_one_encoding_of_its_body(
         held = [bodies.held(cl["id"]) for cl in claims]
         assert len({cl["id"] for cl in claims}) == 3 and all(h is not None for h in held)
         assert held[0].blob is held[1].blob is held[2].blob  # type: ignore[union-attr]
+        # Held as a view of the encoder's own buffer, not a copy of it (codec.encode_view).
+        blob = held[0].blob  # type: ignore[union-attr]
+        assert isinstance(blob, memoryview)
+        assert bytes(blob) == codec.encode({"messages": body["messages"]})
         other = c.submit("chat", _body(), sender=placed)  # equal messages, another list
         other.pull_bodies = True
         await other.start()
@@ -281,3 +285,15 @@ async def test_a_replica_pulls_every_body_through_one_standing_subscription(nc: 
         *(bodies.pull(nc, claim_of(first), "pull-r6", sender(first), timeout=5) for _ in "ab")
     )
     assert twice == [codec.decode_map(bodies_of[first])] * 2
+
+
+@pytest.mark.unit
+def test_an_encoding_as_a_view_is_the_encoding_and_refuses_what_the_bus_cannot_carry() -> None:
+    """codec.encode_view: the same bytes as codec.encode, as a view; a value msgpack cannot
+    hold (an integer past 64 bits, from a client's JSON) is the same 400."""
+    parts = {"messages": [{"role": "user", "content": "x" * 100_000, "n": [1, 2.5, None]}]}
+    view = codec.encode_view(parts)
+    assert isinstance(view, memoryview) and bytes(view) == codec.encode(parts)
+    for encode in (codec.encode, codec.encode_view):
+        with pytest.raises(E.InvalidRequest, match="64 bits"):
+            encode({"messages": [{"role": "user", "content": "x", "big": 2**70}]})
