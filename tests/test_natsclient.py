@@ -208,14 +208,23 @@ class ThreadResponder:
         self._loop.call_soon_threadsafe(self._stop.set_result, None)
         self._thread.join(10)
 
-    async def heard_while_blocked(self, work: Awaitable[Any]) -> tuple[bool, Any]:
-        """Start ``work`` and let it run to its first wait, then block this loop for a
-        second: whether the message arrived meanwhile, and ``work``'s result."""
-        self.heard.clear()
+    async def heard_while_blocked(
+        self, work: Awaitable[Any], count: int = 1, within: float = 1.0
+    ) -> tuple[bool, Any]:
+        """Start ``work`` and let it run to its first wait, then block this loop for up to
+        ``within`` seconds: whether ``count`` more messages arrived meanwhile, and ``work``'s
+        result."""
+        target = len(self.seen) + count
         task = asyncio.ensure_future(work)
         await asyncio.sleep(0)  # the task runs up to its wait for the reply
-        heard = self.heard.wait(1.0)  # blocks this loop: no flusher turn
-        return heard, await task
+        deadline = time.monotonic() + within
+        while True:  # blocks this loop: no flusher turn
+            self.heard.clear()  # before the count: a message after it sets it again
+            left = deadline - time.monotonic()
+            if len(self.seen) >= target or left <= 0:
+                break
+            self.heard.wait(left)
+        return len(self.seen) >= target, await task
 
 
 async def test_a_request_at_once_is_on_the_socket_before_the_loop_turns(
@@ -356,13 +365,10 @@ async def test_a_run_published_all_at_once_goes_out_in_one_write_in_order(
     try:
         with ThreadResponder(nats_server.url, f"{subject}.*") as r:
             await nc.publish(f"{subject}.queued", b"first")  # for the flusher's next turn
-            task = asyncio.ensure_future(natsclient.publish_all_at_once(nc, run))
-            await asyncio.sleep(0)  # the task runs; from here this loop is blocked
-            deadline = time.monotonic() + 10
-            while len(r.seen) < 5 and time.monotonic() < deadline:
-                r.heard.wait(0.05)  # blocks this loop: no flusher turn
-            assert r.seen == [b"first", *(bytes(v) for _, v in run)]
-            await task
+            heard, _ = await r.heard_while_blocked(
+                natsclient.publish_all_at_once(nc, run), count=5, within=10
+            )
+            assert heard and r.seen == [b"first", *(bytes(v) for _, v in run)]
             for bad in [("no spaces.in subjects", b"x"), (subject, b"x" * (nc.max_payload + 1))]:
                 with pytest.raises((errors.BadSubjectError, errors.MaxPayloadError)):
                     await natsclient.publish_all_at_once(nc, [(f"{subject}.ok", b"y"), bad])
