@@ -426,12 +426,14 @@ class PredictedLatency(KVAware):
         *,
         targets: dict[str, Any] | None = None,
         work_weight: float = 1.0,
+        tail_weight: float = 3.0,
         when_behind: str = "work",
         **kw: Any,
     ) -> None:
         super().__init__(index, **kw)
         self.targets: dict[str, Any] = targets or {}
         self.work_weight = work_weight
+        self.tail_weight = tail_weight
         self.when_behind = when_behind
         self.predictions: dict[str, tuple[float, float | None]] = {}
         self.unmet = 0  # decisions against the target that no replica was predicted to meet
@@ -524,8 +526,11 @@ class PredictedLatency(KVAware):
         # longer the queue it joins (its backlog's wait, against the class's TTFT target),
         # the more requests that is.
         room_ms = target.ttft_ms if target is not None else math.inf
+        # A wait counts more the nearer it comes to the class's target (tail_weight): the
+        # tail is the requests that joined the longest queues.
+        tail = self.tail_weight / room_ms
         score = {
-            r.replica: lead * preds[r.replica][0]
+            r.replica: lead * preds[r.replica][0] * (1 + tail * preds[r.replica][0])
             + w * self.work_ms(r, depth, req) * (1 + r.backlog_wait_ms(now) / room_ms)
             for r in pool
         }
@@ -582,7 +587,7 @@ def make_load_policy(
                 block_chars=block_chars,
                 **(kv_weights or {}),
             )
-        only_pl = ("work_weight", "when_behind")
+        only_pl = ("work_weight", "tail_weight", "when_behind")
         weights = {k: v for k, v in (kv_weights or {}).items() if k not in only_pl}
         return KVAware(kv_index, bound=bound, block_chars=block_chars, **weights)
     try:

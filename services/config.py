@@ -234,6 +234,15 @@ class KVRoutingSettings(BaseModel):
         "less the prefix cached there), ms: the wait it adds for the requests behind it. 0: "
         "the lowest predicted TTFT alone.",
     )
+    tail_weight: float = Field(
+        default=3.0,
+        ge=0,
+        le=100,
+        description="predicted_latency: a replica's predicted time to first token counts as "
+        "TTFT x (1 + this x TTFT / the class's TTFT target): a wait near the target counts "
+        "more than its share, so long waits are spread before any queue nears it (the "
+        "p99), at the price of a few cache hits. 0: the TTFT as it is.",
+    )
     when_behind: Literal["work", "latency"] = Field(
         default="work",
         description="predicted_latency, while every candidate replica has a prefill backlog "

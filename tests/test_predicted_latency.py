@@ -428,3 +428,38 @@ def test_while_every_replica_is_behind_the_least_prefill_routes(when_behind: str
     c.told_backlog(0, time.monotonic())  # c has nothing ahead: the fleet is not behind
     assert policy.choose([a, b, c], req) is c
     assert idx.behind_decisions == (2 if when_behind == "work" else 0)
+
+
+@pytest.mark.unit
+def test_a_wait_near_the_class_target_counts_more_than_its_share() -> None:
+    """tail_weight (default 3): a replica's predicted TTFT is scored as TTFT x (1 + 3 x TTFT /
+    the class's 2 s target). a computes a prompt 4x faster than b but has others' prompts
+    ahead; the prompt (~1 000 tokens) is cached nowhere. With 1 s ahead on a, both meet the
+    target (a ~1 260 ms, b ~1 010 ms) and a linear score sends it to a, whose fast prefill
+    is worth the wait; scored for the tail it goes to b, which answers sooner. With 0.3 s
+    ahead, a keeps it."""
+    idx = KVIndex()
+    _synced(idx, "a", "b")
+    req = RouteRequest("m", rendered=render_prompt([{"role": "user", "content": "x" * 4000}]))
+
+    def policy(**kv: Any) -> Any:
+        spec = ModelRouting(policy="predicted_latency", kv=kv)
+        return make_load_policy(
+            "predicted_latency",
+            bound=1.25,
+            block_chars=256,
+            kv_index=idx,
+            kv_weights=spec.kv.model_dump(),
+            latency_targets=dict(spec.latency_targets),
+        )
+
+    linear, default = policy(tail_weight=0.0), policy()
+    a, b = _replica("a"), _replica("b")
+    a.perf["prefill_ms_per_token"] = 0.25
+    a.perf["backlog_ms_per_token"] = 1.0
+    a.told_backlog(1000, time.monotonic())  # 1 s of others' prompts ahead on a
+    assert linear.choose([a, b], req) is a
+    assert default.choose([a, b], req) is b
+    assert default.predictions["a"][0] > default.predictions["b"][0]
+    a.told_backlog(300, time.monotonic())
+    assert default.choose([a, b], req) is a
