@@ -45,6 +45,20 @@ def _stored(idx: KVIndex, name: str, chain: list[int]) -> None:
     idx.apply({**batch, "seq_first": 1, "seq_last": 1, "ts_ms": 1, "events": events})
 
 
+def _configured(idx: KVIndex, **kv: Any) -> Any:
+    """``predicted_latency`` as a router builds it from its configuration (the ``kv``
+    settings given, the rest and the class targets at their defaults)."""
+    spec = ModelRouting(policy="predicted_latency", kv=kv)
+    return make_load_policy(
+        "predicted_latency",
+        bound=1.25,
+        block_chars=256,
+        kv_index=idx,
+        kv_weights=spec.kv.model_dump(),
+        latency_targets=dict(spec.latency_targets),
+    )
+
+
 def _synced(idx: KVIndex, *names: str) -> None:
     for n in names:
         idx.load({"replica": n, "boot": "b", "block_size": BS, "seq": 0, "blocks": []})
@@ -395,15 +409,7 @@ def test_while_every_replica_is_behind_the_least_prefill_routes(when_behind: str
     text = render_prompt([{"role": "user", "content": "x" * 400}])  # ~100 tokens
     _stored(idx, "b", K.text_block_hashes(text, BS))
     req = RouteRequest("m", rendered=text, env={})
-    spec = ModelRouting(policy="predicted_latency", kv={"when_behind": when_behind})
-    policy = make_load_policy(
-        "predicted_latency",
-        bound=1.25,
-        block_chars=256,
-        kv_index=idx,
-        kv_weights=spec.kv.model_dump(),
-        latency_targets=dict(spec.latency_targets),
-    )
+    policy = _configured(idx, when_behind=when_behind)
     a, b, c = _replica("a"), _replica("b"), _replica("c")
     # Long steps: 80 running, each step 10 + 81 ms (PERF), beyond 75 % of the default
     # class's 100 ms per output token.
@@ -441,19 +447,7 @@ def test_a_wait_near_the_class_target_counts_more_than_its_share() -> None:
     idx = KVIndex()
     _synced(idx, "a", "b")
     req = RouteRequest("m", rendered=render_prompt([{"role": "user", "content": "x" * 4000}]))
-
-    def policy(**kv: Any) -> Any:
-        spec = ModelRouting(policy="predicted_latency", kv=kv)
-        return make_load_policy(
-            "predicted_latency",
-            bound=1.25,
-            block_chars=256,
-            kv_index=idx,
-            kv_weights=spec.kv.model_dump(),
-            latency_targets=dict(spec.latency_targets),
-        )
-
-    linear, default = policy(tail_weight=0.0), policy()
+    linear, default = _configured(idx, tail_weight=0.0), _configured(idx)
     a, b = _replica("a"), _replica("b")
     a.perf["prefill_ms_per_token"] = 0.25
     a.perf["backlog_ms_per_token"] = 1.0
