@@ -512,7 +512,7 @@ class PredictedLatency(KVAware):
             and self.fleet_behind(candidates)
             and self.steps_full(preds, target)
         )
-        w = self.work_weight
+        w, tail = self.work_weight, 0.0
         if behind:  # the least prefill for the fleet, weighed by the queue it joins
             self.index.behind_decisions += 1
             pool, lead, w = list(candidates), 0.0, max(w, 1.0)
@@ -520,15 +520,18 @@ class PredictedLatency(KVAware):
             meeting = [r for r in candidates if self._meets(preds[r.replica], target)]
             if not meeting:
                 self.unmet += 1
+            elif target is not None:
+                # Among those that meet it, a wait counts more the nearer it comes to the
+                # target: the tail is the requests that joined the longest queues. When none
+                # meets it the request's target is lost anyway, and the linear score keeps
+                # the fleet's work least (past capacity, its goodput).
+                tail = self.tail_weight / target.ttft_ms
             pool, lead = meeting or list(candidates), 1.0
         now = time.monotonic()
         # The prefill a request adds delays every request that queues behind it there; the
         # longer the queue it joins (its backlog's wait, against the class's TTFT target),
         # the more requests that is.
         room_ms = target.ttft_ms if target is not None else math.inf
-        # A wait counts more the nearer it comes to the class's target (tail_weight): the
-        # tail is the requests that joined the longest queues.
-        tail = self.tail_weight / room_ms
         score = {
             r.replica: lead * preds[r.replica][0] * (1 + tail * preds[r.replica][0])
             + w * self.work_ms(r, depth, req) * (1 + r.backlog_wait_ms(now) / room_ms)

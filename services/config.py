@@ -238,10 +238,11 @@ class KVRoutingSettings(BaseModel):
         default=3.0,
         ge=0,
         le=100,
-        description="predicted_latency: a replica's predicted time to first token counts as "
-        "TTFT x (1 + this x TTFT / the class's TTFT target): a wait near the target counts "
-        "more than its share, so long waits are spread before any queue nears it (the "
-        "p99), at the price of a few cache hits. 0: the TTFT as it is.",
+        description="predicted_latency: among the replicas that meet the class's target, a "
+        "replica's predicted time to first token counts as TTFT x (1 + this x TTFT / the "
+        "class's TTFT target): a wait near the target counts more than its share, so long "
+        "waits are spread before any queue nears it (the p99), at the price of a few cache "
+        "hits. 0, or no replica meeting the target: the TTFT as it is.",
     )
     when_behind: Literal["work", "latency"] = Field(
         default="work",

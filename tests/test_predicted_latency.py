@@ -443,7 +443,7 @@ def test_a_wait_near_the_class_target_counts_more_than_its_share() -> None:
     ahead; the prompt (~1 000 tokens) is cached nowhere. With 1 s ahead on a, both meet the
     target (a ~1 260 ms, b ~1 010 ms) and a linear score sends it to a, whose fast prefill
     is worth the wait; scored for the tail it goes to b, which answers sooner. With 0.3 s
-    ahead, a keeps it."""
+    ahead, a keeps it; with neither meeting the target, the linear score decides."""
     idx = KVIndex()
     _synced(idx, "a", "b")
     req = RouteRequest("m", rendered=render_prompt([{"role": "user", "content": "x" * 4000}]))
@@ -457,3 +457,10 @@ def test_a_wait_near_the_class_target_counts_more_than_its_share() -> None:
     assert default.predictions["a"][0] > default.predictions["b"][0]
     a.told_backlog(300, time.monotonic())
     assert default.choose([a, b], req) is a
+    # Neither meets the target (a ~2.4 s, b ~2.05 s): the request's target is lost either
+    # way, and the linear score, the fleet's least work, decides (past capacity, goodput).
+    b.perf["backlog_ms_per_token"] = 1.0
+    a.told_backlog(2140, time.monotonic())
+    b.told_backlog(1040, time.monotonic())
+    assert default.choose([a, b], req) is a
+    assert default.predictions["a"][0] > default.predictions["b"][0] > 2000
