@@ -10,6 +10,15 @@ from bus_schemas import errors
 
 _packer_opts: dict[str, Any] = {"use_bin_type": True}
 
+# What msgpack raises for a value it cannot hold.
+_UNPACKABLE = (OverflowError, TypeError, ValueError)
+
+
+def _cannot_carry(exc: Exception) -> errors.InvalidRequest:
+    return errors.InvalidRequest(
+        f"the request holds a value the bus cannot carry ({exc}); integers must fit in 64 bits"
+    )
+
 
 def encode(obj: Any) -> bytes:
     """Encode plain data (dicts, lists, str, int, float, bytes, None) as msgpack; a value
@@ -17,10 +26,8 @@ def encode(obj: Any) -> bytes:
     :class:`errors.InvalidRequest`."""
     try:
         data: bytes = msgpack.packb(obj, **_packer_opts)
-    except (OverflowError, TypeError, ValueError) as exc:
-        raise errors.InvalidRequest(
-            f"the request holds a value the bus cannot carry ({exc}); integers must fit in 64 bits"
-        ) from None
+    except _UNPACKABLE as exc:
+        raise _cannot_carry(exc) from None
     return data
 
 
@@ -31,10 +38,8 @@ def encode_view(obj: Any) -> memoryview:
     packer = msgpack.Packer(autoreset=False, **_packer_opts)
     try:
         packer.pack(obj)
-    except (OverflowError, TypeError, ValueError) as exc:
-        raise errors.InvalidRequest(
-            f"the request holds a value the bus cannot carry ({exc}); integers must fit in 64 bits"
-        ) from None
+    except _UNPACKABLE as exc:
+        raise _cannot_carry(exc) from None
     view: memoryview = packer.getbuffer()
     return view
 
