@@ -41,6 +41,7 @@ class Generation:
     # and the backlog ahead of it when it entered (engine_worker/backlog.py).
     prefill_tokens: int = 0
     backlog_ahead: int = 0
+    backlog_key: int = 0  # its place in the backlog's order of entry
 
     @property
     def rid(self) -> str:

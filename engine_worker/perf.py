@@ -4,11 +4,15 @@ its heartbeats (``perf``) for the ``predicted_latency`` routing policy (docs/rou
 Two linear models, each fitted online by recursive least squares with exponential
 forgetting (old requests fade, so a replica that slows down or speeds up is followed):
 
-- time to first token in the engine, ms = ``ttft_base_ms`` + ``prefill_ms_per_token`` x the
-  prompt tokens it computed (not read from its prefix cache) + ``backlog_ms_per_token`` x
-  the prompt tokens of other requests the engine had still to compute when it entered (its
-  prefill backlog, engine_worker/backlog.py) + ``queue_ms_per_waiting`` x the sequences
-  waiting in the engine then;
+- time to first token in the engine, ms = ``ttft_base_ms`` + ``prefill_ms_per_token`` x (the
+  prompt tokens it computed, not read from its prefix cache, + the prompt tokens of other
+  requests the engine had still to compute when it entered: its prefill backlog,
+  engine_worker/backlog.py) + ``queue_ms_per_waiting`` x the sequences waiting in the
+  engine then. The backlog is what is left of the prompts ahead, which the engine computes
+  first come, first served at the same speed as this one's, so one coefficient prices both
+  (announced as ``backlog_ms_per_token`` too): fitted apart, the backlog's took fifty
+  requests and more to learn on a replica that seldom had one, and priced a burst's queue at
+  a tenth of its cost until then (docs/routing.md, "The backlog");
 - time per output token, ms = ``tpot_base_ms`` + ``tpot_ms_per_running`` x the sequences
   running beside it.
 
@@ -51,7 +55,7 @@ class EnginePerf:
     """The replica's two latency models (see the module docstring)."""
 
     def __init__(self) -> None:
-        self.ttft = OnlineLinear(4)
+        self.ttft = OnlineLinear(3)
         self.tpot = OnlineLinear(2)
 
     def observe(
@@ -68,22 +72,26 @@ class EnginePerf:
         waiting sequences and prefill backlog (``ahead_tokens``) when it entered, and (with
         two or more output tokens) its time per output token and the sequences running
         beside it."""
-        x = [1.0, float(computed_tokens), float(ahead_tokens), float(waiting)]
+        x = [1.0, float(computed_tokens) + float(ahead_tokens), float(waiting)]
         self.ttft.add(x, ttft_ms)
         if tpot_ms is not None:
             self.tpot.add([1.0, float(max(0, running))], tpot_ms)
+
+    def prefill_ms_per_token(self) -> float:
+        """What a prompt token costs the engine as learned so far (0: too few requests)."""
+        return max(0.0, self.ttft.w[1]) if self.ttft.samples >= MIN_SAMPLES else 0.0
 
     def heartbeat(self) -> dict[str, Any] | None:
         """The models as heartbeats carry them (``perf``), once each has enough requests;
         coefficients are never below 0 (a fit on few, similar requests may dip)."""
         if self.ttft.samples < MIN_SAMPLES:
             return None
-        base, per_token, per_ahead, per_waiting = self.ttft.w
+        base, per_token, per_waiting = self.ttft.w
         out: dict[str, Any] = {
             "samples": self.ttft.samples,
             "ttft_base_ms": round(max(0.0, base), 3),
             "prefill_ms_per_token": round(max(0.0, per_token), 6),
-            "backlog_ms_per_token": round(max(0.0, per_ahead), 6),
+            "backlog_ms_per_token": round(max(0.0, per_token), 6),
             "queue_ms_per_waiting": round(max(0.0, per_waiting), 3),
         }
         if self.tpot.samples >= MIN_SAMPLES:

@@ -73,7 +73,7 @@ def test_an_engine_learns_its_own_speed_from_its_requests() -> None:
         tokens, waiting, running = rnd.randint(10, 2000), rnd.randint(0, 5), rnd.randint(0, 30)
         ahead = rnd.randint(0, 5000)
         perf.observe(
-            ttft_ms=20 + 0.5 * tokens + 0.25 * ahead + 30 * waiting,
+            ttft_ms=20 + 0.5 * (tokens + ahead) + 30 * waiting,
             computed_tokens=tokens,
             waiting=waiting,
             ahead_tokens=ahead,
@@ -83,10 +83,28 @@ def test_an_engine_learns_its_own_speed_from_its_requests() -> None:
     got = perf.heartbeat()
     assert got is not None
     assert abs(got["prefill_ms_per_token"] - 0.5) < 0.01
-    assert abs(got["backlog_ms_per_token"] - 0.25) < 0.01
+    assert got["backlog_ms_per_token"] == got["prefill_ms_per_token"]  # one speed for both
     assert abs(got["queue_ms_per_waiting"] - 30) < 1
     assert abs(got["ttft_base_ms"] - 20) < 2
     assert abs(got["tpot_ms_per_running"] - 0.25) < 0.01
+
+
+@pytest.mark.unit
+def test_a_backlog_is_priced_at_the_engines_speed_before_the_replica_ever_had_one() -> None:
+    """A replica whose first requests found nothing ahead of them: the backlog that comes
+    with the first burst is its prompt tokens left, computed at the speed its own requests
+    taught it, not at a coefficient it had nothing to learn from."""
+    perf = EnginePerf()
+    rnd = random.Random(2)
+    for _ in range(12):
+        tokens = rnd.randint(100, 4000)
+        perf.observe(
+            ttft_ms=15 + 0.2 * tokens, computed_tokens=tokens, waiting=0, tpot_ms=None, running=0
+        )
+    got = perf.heartbeat()
+    assert got is not None
+    assert abs(got["prefill_ms_per_token"] - 0.2) < 0.01
+    assert abs(got["backlog_ms_per_token"] - 0.2) < 0.01
 
 
 @pytest.mark.unit
@@ -248,6 +266,41 @@ def test_a_replica_counts_the_prompt_tokens_it_has_still_to_compute() -> None:
     b.leave(first)  # once only
     assert b.tokens == 100
     b.leave(second)
+    assert b.tokens == 0
+
+
+@pytest.mark.unit
+def test_the_backlog_is_worked_off_in_order_at_the_engines_learned_speed() -> None:
+    """A prompt part-way through its prefill counts only what is left of it: the backlog
+    works itself off first come, first computed, at the learned speed, and a prompt that
+    leaves takes only its own remainder with it (nothing is worked off while the speed is
+    not known)."""
+    from bus_schemas import headers as H
+    from engine_worker.backlog import PrefillBacklog
+
+    now = [100.0]
+    b = PrefillBacklog(clock=lambda: now[0])
+    first = _gen({H.PREFILL_TOKENS: "3000"}, {})
+    second = _gen({H.PREFILL_TOKENS: "1000"}, {})
+    b.enter(first)
+    now[0] += 1.0
+    assert b.tokens == 3000  # no speed learned yet: nothing worked off
+    b.ms_per_token = 0.5  # 2 000 tokens a second
+    now[0] += 0.5
+    b.enter(second)
+    assert (b.tokens, second.backlog_ahead) == (3000, 2000)  # the first is a third done
+    now[0] += 1.5  # 3 000 more: what was left of the first (2 000), then the second
+    assert b.tokens == 0
+    b.leave(first)
+    b.leave(second)
+    assert b.tokens == 0
+    third, fourth = _gen({H.PREFILL_TOKENS: "800"}, {}), _gen({H.PREFILL_TOKENS: "400"}, {})
+    b.enter(third)
+    b.enter(fourth)
+    now[0] += 0.2  # 400 of the third's 800
+    b.leave(fourth)  # ended early (its caller left): only its own 400 go
+    assert b.tokens == 400
+    b.leave(third)
     assert b.tokens == 0
 
 
