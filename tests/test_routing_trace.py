@@ -32,3 +32,20 @@ def test_a_trace_has_shared_prompts_multi_turn_sessions_and_a_long_tail(tmp_path
     path = tmp_path / "t.jsonl"
     T.save(path, head, sessions)
     assert T.load(path) == (head, sessions)
+
+
+def test_the_pooled_fleet_reference_queues_the_runs_own_work_first_come_first_served() -> None:
+    """``pooled_ttft_ms``: the fleet's prefill speeds pooled, each request's own tokens to
+    compute queued in the order they were sent, its own prefill no faster than the fastest
+    replica's; nothing without every replica's speed."""
+    from tokenbus.evaluation.routebench import _pooled
+
+    perf = {"prefill_ms_per_token": 1.0, "ttft_base_ms": 0.0}
+    rows = [
+        {"start_s": 0.0, "prompt": 2000, "cached": 0},  # alone: its own 2 000 ms
+        {"start_s": 0.0, "prompt": 300, "cached": 200},  # behind it: (2 000 + 100) / 2
+        {"start_s": 10.0, "prompt": 100, "cached": 0},  # the queue long gone: its own 100
+    ]
+    assert _pooled(rows, [perf, perf]) == {"p50": 1050.0, "p99": 2000.0}
+    assert _pooled(rows, [perf, None]) == {}
+    assert _pooled([], [perf, perf]) == {}
