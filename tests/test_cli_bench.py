@@ -238,6 +238,11 @@ def test_a_routing_trace_reports_each_request_and_the_slowest_ones(tmp_path: Pat
     assert sum(tail["replicas"].values()) == tail["requests"]
     assert set(tail["replicas"]) <= replicas and tail["prompt_tokens_p50"] > 0
     assert 0 <= tail["first_turn_share"] <= 1
+    # What the placement cost: the prompt tokens computed, the sessions moved.
+    assert run["computed_tokens"] == sum(row["prompt"] - row["cached"] for row in rows)
+    assert 0 <= run["session_moves"] <= len(later)
+    pooled = run["pooled_ttft_ms"]  # {} until every replica has announced its speed
+    assert not pooled or 0 < pooled["p50"] <= pooled["p99"]
 
 
 def _bench(tmp_path: Path, *args: str) -> dict[str, Any]:

@@ -49,3 +49,20 @@ def test_the_pooled_fleet_reference_queues_the_runs_own_work_first_come_first_se
     assert _pooled(rows, [perf, perf]) == {"p50": 1050.0, "p99": 2000.0}
     assert _pooled(rows, [perf, None]) == {}
     assert _pooled([], [perf, perf]) == {}
+
+
+def test_a_sessions_move_is_a_next_turn_on_another_replica() -> None:
+    """``session_moves``: consecutive turns of one session on different replicas; a turn
+    that failed (no row) breaks the chain rather than counting as a move."""
+    from tokenbus.evaluation.routebench import _moves
+
+    rows = [
+        {"session": 1, "turn": 0, "replica": "a"},
+        {"session": 1, "turn": 1, "replica": "a"},
+        {"session": 1, "turn": 2, "replica": "b"},  # a move
+        {"session": 1, "turn": 3, "replica": "a"},  # and back: another
+        {"session": 2, "turn": 0, "replica": "b"},  # another session: not a move
+        {"session": 2, "turn": 2, "replica": "a"},  # turn 1 missing: not counted
+    ]
+    assert _moves(rows) == 2
+    assert _moves([]) == 0

@@ -129,6 +129,10 @@ async def _one(
         "behind_share": round(behind / decisions, 4) if decisions else 0.0,
         "replicas": _per_replica(stats, beats, query, ok),
         "tail": _tail(ok),
+        # What the placement cost in prefill: the prompt tokens the engines computed (not
+        # read from cache), and how often a session's next turn went to another replica.
+        "computed_tokens": sum(max(0, int(d["prompt"] or 0) - int(d["cached"] or 0)) for d in ok),
+        "session_moves": _moves(ok),
         "pooled_ttft_ms": _pooled(ok, [(beats.get(n) or {}).get("perf") for n in names]),
     } | ({"detail": [_row(d) for d in done]} if a.trace_detail else {})
 
@@ -161,6 +165,17 @@ def _tail(ok: list[dict[str, Any]]) -> dict[str, Any]:
         "first_turn_share": round(sum(d["turn"] == 0 for d in slow) / len(slow), 3),
         "start_s_p50": statistics.median(d["start_s"] for d in slow),
     }
+
+
+def _moves(ok: list[dict[str, Any]]) -> int:
+    """How many times a session's next turn was served by another replica than its last."""
+    last: dict[int, tuple[int, str | None]] = {}
+    moves = 0
+    for d in sorted(ok, key=lambda d: (d["session"], d["turn"])):
+        prev = last.get(d["session"])
+        moves += prev is not None and prev[0] == d["turn"] - 1 and prev[1] != d["replica"]
+        last[d["session"]] = (d["turn"], d["replica"])
+    return moves
 
 
 def _pooled(ok: list[dict[str, Any]], perfs: list[Any]) -> dict[str, float]:
