@@ -50,7 +50,7 @@ class Accounting:
             running=int(self.w.backend.stats().get("running", 1)) - 1,
         )
         # The backlog is worked off at the engine's speed as now learned (backlog.py).
-        self.w.backlog.ms_per_token = self.w.perf.prefill_ms_per_token()
+        self.w.backlog.set_speed(self.w.perf.prefill_ms_per_token())
 
     def log_flags(self, gen: Generation, gate: OutputGate) -> None:
         """Log the detectors the policy flags that the whole output triggered, if any."""

@@ -4,10 +4,12 @@ its first token: its *prefill backlog*, for the ``predicted_latency`` routing po
 8 000-token prompt; the tokens do.
 
 A request counts from the moment it enters the engine until its first token (or its end,
-whichever comes first), for the prompt tokens the router expected it to compute: the
-``Tb-Prefill-Tokens`` header (its prompt less the prefix the router's KV index said this
-replica holds), bounded by the model's context; without one (no router predicted, or a
-client sent the request straight here), about four characters a token of its prompt. The
+whichever comes first), for what is left of the prompt tokens the router expected it to
+compute: the ``Tb-Prefill-Tokens`` header (its prompt less the prefix the router's KV index
+said this replica holds), bounded by the model's context and by its prompt's own length (a
+token is at least a character, beside a chat template's few); without one (no router
+predicted, or a client sent the request straight here), about four characters a token of its
+prompt. The
 total goes back in every ack and heartbeat; what was ahead of each request when it
 entered teaches the replica's latency model what a token of backlog costs
 (engine_worker/perf.py).
@@ -32,15 +34,20 @@ from engine_worker.generation import Generation
 
 # The most one request may add (its prompt cannot be longer than any model's context).
 MAX_TOKENS = 1 << 21
+# A chat template's own tokens beside the prompt's characters (roles, separators).
+TEMPLATE_TOKENS = 64
 
 
 def expected_tokens(gen: Generation, max_model_len: int = 0) -> int:
     """The prompt tokens ``gen``'s engine should compute (see the module docstring)."""
     cap = max_model_len or MAX_TOKENS
+    chars = envelope_chars(gen.env)
     raw = gen.headers.get(H.PREFILL_TOKENS, "")
-    if raw.isdigit() and len(raw) <= 8:
-        return min(int(raw), cap)
-    return min((envelope_chars(gen.env) + 3) // 4, cap)
+    if raw.isascii() and raw.isdigit() and len(raw) <= 8:
+        # Never more than the prompt could be: a count that claims more would stand for a
+        # queue that is not there, and teach the replica's speed from it (perf.py).
+        return min(int(raw), chars + TEMPLATE_TOKENS, cap)
+    return min((chars + 3) // 4, cap)
 
 
 class PrefillBacklog:
@@ -55,8 +62,14 @@ class PrefillBacklog:
         self._at = clock()
         self._next = 0
         # The engine's prefill speed as the replica learned it (0: not known, nothing is
-        # worked off); engine_worker/accounting.py keeps it current.
+        # worked off); engine_worker/accounting.py keeps it current (:meth:`set_speed`).
         self.ms_per_token = 0.0
+
+    def set_speed(self, ms_per_token: float) -> None:
+        """The engine's prefill speed as now learned: the time since last asked is worked
+        off at the speed it had then."""
+        self._work_off(self._clock())
+        self.ms_per_token = max(0.0, ms_per_token)
 
     @property
     def tokens(self) -> int:

@@ -210,6 +210,7 @@ class RequestRunner:
                 gen.task.uncancel()
             tracing.event(gen.span, tracing.DISPLACED_EVENT, {"tokenbus.service_tier": t.cls})
             stream = None
+            self.w.backlog.leave(gen)  # out of the engine: it enters the backlog again behind
             assert flow is not None
             flow.requeue(t)
 

@@ -240,6 +240,10 @@ async def test_replicas_announce_their_speed_and_long_prompts_go_to_the_fast_one
             assert served == [fast.replica] * 6
 
 
+# A prompt long enough for every router count below (a count is held to its prompt's length).
+LONG: dict[str, Any] = {"messages": [{"role": "user", "content": "x" * 20_000}]}
+
+
 def _gen(headers: dict[str, str], env: dict[str, Any]) -> Any:
     from engine_worker.backends.base import GenerationRequest
     from engine_worker.generation import Generation
@@ -256,7 +260,7 @@ def test_a_replica_counts_the_prompt_tokens_it_has_still_to_compute() -> None:
     from engine_worker.backlog import PrefillBacklog
 
     b = PrefillBacklog()
-    first = _gen({H.PREFILL_TOKENS: "3000"}, {})
+    first = _gen({H.PREFILL_TOKENS: "3000"}, LONG)
     second = _gen({}, {"messages": [{"role": "user", "content": "x" * 400}]})  # ~100 tokens
     b.enter(first)
     b.enter(second)
@@ -280,12 +284,14 @@ def test_the_backlog_is_worked_off_in_order_at_the_engines_learned_speed() -> No
 
     now = [100.0]
     b = PrefillBacklog(clock=lambda: now[0])
-    first = _gen({H.PREFILL_TOKENS: "3000"}, {})
-    second = _gen({H.PREFILL_TOKENS: "1000"}, {})
+    first = _gen({H.PREFILL_TOKENS: "3000"}, LONG)
+    second = _gen({H.PREFILL_TOKENS: "1000"}, LONG)
     b.enter(first)
     now[0] += 1.0
     assert b.tokens == 3000  # no speed learned yet: nothing worked off
-    b.ms_per_token = 0.5  # 2 000 tokens a second
+    now[0] += 1.0  # still not known: this second is not worked off either
+    b.set_speed(0.5)  # 2 000 tokens a second from now
+    assert b.tokens == 3000
     now[0] += 0.5
     b.enter(second)
     assert (b.tokens, second.backlog_ahead) == (3000, 2000)  # the first is a third done
@@ -294,7 +300,7 @@ def test_the_backlog_is_worked_off_in_order_at_the_engines_learned_speed() -> No
     b.leave(first)
     b.leave(second)
     assert b.tokens == 0
-    third, fourth = _gen({H.PREFILL_TOKENS: "800"}, {}), _gen({H.PREFILL_TOKENS: "400"}, {})
+    third, fourth = _gen({H.PREFILL_TOKENS: "800"}, LONG), _gen({H.PREFILL_TOKENS: "400"}, LONG)
     b.enter(third)
     b.enter(fourth)
     now[0] += 0.2  # 400 of the third's 800
@@ -305,16 +311,44 @@ def test_the_backlog_is_worked_off_in_order_at_the_engines_learned_speed() -> No
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("forged", ["9" * 40, "-5", "1e9", "", " 12", "0x10"])
+def test_what_a_replica_learns_sets_the_speed_its_backlog_is_worked_off_at() -> None:
+    """engine_worker/accounting.py: each finished request teaches the latency model, and the
+    backlog is worked off at the prefill speed it now has."""
+    from types import SimpleNamespace
+
+    from engine_worker.accounting import Accounting
+    from engine_worker.backlog import PrefillBacklog
+
+    backlog = PrefillBacklog()
+    stats = SimpleNamespace(stats=lambda: {"running": 1})
+    acc = Accounting(SimpleNamespace(perf=EnginePerf(), backlog=backlog, backend=stats))  # type: ignore[arg-type]
+    rnd = random.Random(3)
+    for n in range(12):
+        assert backlog.ms_per_token == 0.0 or n >= 8  # nothing before the model is announced
+        gen, tokens = _gen({}, {}), rnd.randint(100, 4000)
+        gen.t_start, gen.first_ns = 1, 1 + int((15 + 0.2 * tokens) * 1e6)
+        gen.prompt_tokens, gen.completion = tokens, 1
+        acc.learn(gen, gen.first_ns)
+    assert abs(backlog.ms_per_token - 0.2) < 0.01
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("forged", ["9" * 40, "-5", "1e9", "", " 12", "0x10", "²", "١٢"])
 def test_a_forged_prefill_count_is_bounded_or_ignored(forged: str) -> None:
-    """Hostile input: a header that is no count a router writes falls back to the prompt's
-    own size; a huge one is held to the model's context."""
+    """Hostile input: a header that is no count a router writes (Unicode digits among them)
+    falls back to the prompt's own size; a count past what the prompt could be is held to
+    its characters (and a chat template's few), and to the model's context."""
     from bus_schemas import headers as H
-    from engine_worker.backlog import expected_tokens
+    from bus_schemas.messages import envelope_chars
+    from engine_worker.backlog import TEMPLATE_TOKENS, expected_tokens
 
     env = {"messages": [{"role": "user", "content": "y" * 80}]}
     assert expected_tokens(_gen({H.PREFILL_TOKENS: forged}, env), 4096) == 20
-    assert expected_tokens(_gen({H.PREFILL_TOKENS: "99999999"}, env), 4096) == 4096
+    most = envelope_chars(env) + TEMPLATE_TOKENS
+    assert expected_tokens(_gen({H.PREFILL_TOKENS: "99999999"}, env), 4096) == most
+    assert expected_tokens(_gen({H.PREFILL_TOKENS: "100"}, env), 4096) == 100  # a router's
+    big = {"messages": [{"role": "user", "content": "y" * 10_000}]}
+    assert expected_tokens(_gen({H.PREFILL_TOKENS: "99999999"}, big), 4096) == 4096
 
 
 @pytest.mark.unit

@@ -63,6 +63,8 @@ def test_a_sessions_move_is_a_next_turn_on_another_replica() -> None:
         {"session": 1, "turn": 3, "replica": "a"},  # and back: another
         {"session": 2, "turn": 0, "replica": "b"},  # another session: not a move
         {"session": 2, "turn": 2, "replica": "a"},  # turn 1 missing: not counted
+        {"session": 3, "turn": 0, "replica": None},  # an answer that named no replica
+        {"session": 3, "turn": 1, "replica": "a"},  # not known to have moved
     ]
     assert _moves(rows) == 2
     assert _moves([]) == 0

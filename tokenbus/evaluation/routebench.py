@@ -173,7 +173,8 @@ def _moves(ok: list[dict[str, Any]]) -> int:
     moves = 0
     for d in sorted(ok, key=lambda d: (d["session"], d["turn"])):
         prev = last.get(d["session"])
-        moves += prev is not None and prev[0] == d["turn"] - 1 and prev[1] != d["replica"]
+        if prev is not None and prev[1] is not None and d["replica"] is not None:
+            moves += prev[0] == d["turn"] - 1 and prev[1] != d["replica"]
         last[d["session"]] = (d["turn"], d["replica"])
     return moves
 
