@@ -10,6 +10,7 @@ with ``--tls-name``; a client connecting by another name fails the hostname chec
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import ipaddress
 import json
@@ -81,12 +82,21 @@ def client_context(ca: str, cert: str = "", key: str = "") -> ssl.SSLContext:
 
 
 def write_private(path: Path, data: str | bytes) -> None:
-    """Write ``data`` to ``path`` readable by its owner only (mode 0600, an existing file's
-    included: the mode is set before anything is written)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as fh:
-        os.fchmod(fd, 0o600)
-        fh.write(data.encode() if isinstance(data, str) else data)
+    """Write ``data`` to ``path`` readable by its owner only (mode 0600, set before anything
+    is written), all at once: it is written beside ``path`` and renamed over it, so a reader
+    never finds the file empty or half written (a script, or a test, that reads `tokenbus
+    up`'s key the moment the file appears)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            os.fchmod(fd, 0o600)
+            fh.write(data.encode() if isinstance(data, str) else data)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 RENEW_WITHIN_DAYS = 30  # a leaf certificate that expires sooner is issued again

@@ -251,7 +251,11 @@ async def test_the_stack_users_start_rides_out_a_paused_nats_server(
     tbs: list[Client] = []
     try:
         key_file = data / "dev-key"
-        await wait_for(key_file.exists, timeout=90, what="no dev key written")
+        await wait_for(
+            lambda: key_file.exists() and key_file.read_text().strip(),
+            timeout=90,
+            what="no dev key written",
+        )
         key = key_file.read_text().strip()
         oai = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, max_retries=0)
 

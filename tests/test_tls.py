@@ -221,3 +221,24 @@ async def test_the_bridge_serves_https(bus: TlsBus, tmp_path: Path) -> None:
         async with httpx.AsyncClient(timeout=5) as untrusting:
             with pytest.raises(httpx.ConnectError):
                 await untrusting.get(f"{base}/ready")
+
+
+def test_a_private_file_is_replaced_whole_never_seen_empty(tmp_path: Path) -> None:
+    """services.tlsfiles.write_private (the dev key, the bus's logins, TLS keys): a reader
+    that opens the file while it is written finds the old contents, not an empty file (a
+    key read the moment the file appears was once ''), and no scratch file stays behind."""
+    from services.tlsfiles import write_private
+
+    path = tmp_path / "dev-key"
+    seen: list[str] = []
+
+    class Watched(str):
+        def encode(self, *args: object, **kw: object) -> bytes:  # type: ignore[override]
+            seen.append(path.read_text())  # what a reader finds while it is written
+            return str(self).encode()
+
+    write_private(path, "old-key\n")
+    write_private(path, Watched("new-key\n"))
+    assert seen == ["old-key\n"]
+    assert path.read_text() == "new-key\n" and path.stat().st_mode & 0o777 == 0o600
+    assert [p.name for p in tmp_path.iterdir()] == ["dev-key"]

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import random
 import shutil
 import socket
@@ -20,6 +19,7 @@ from services.config import BridgeSettings, Settings
 from services.natsconf import SERVER_TIMERS, generate, jetstream_block, role_env
 from services.runtime import StartRefused, listen_socket, stop_event
 from services.supervisor import Child, Process, Supervisor
+from services.tlsfiles import write_private
 
 
 def nats_server_binary() -> str:
@@ -109,9 +109,7 @@ async def ensure_dev_key(
         key, _ = await store.create(name, owner="tokenbus up", admin=admin, actor=audit.cli_actor())
     finally:
         await nc.drain()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as fh:
-        fh.write(key + "\n")
+    write_private(path, key + "\n")  # whole or not at all: read the moment it appears
     return key
 
 
