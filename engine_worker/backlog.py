@@ -29,7 +29,6 @@ from collections import OrderedDict
 from collections.abc import Callable
 
 from bus_schemas import headers as H
-from bus_schemas.messages import envelope_chars
 from engine_worker.generation import Generation
 
 # The most one request may add (its prompt cannot be longer than any model's context).
@@ -41,7 +40,7 @@ TEMPLATE_TOKENS = 64
 def expected_tokens(gen: Generation, max_model_len: int = 0) -> int:
     """The prompt tokens ``gen``'s engine should compute (see the module docstring)."""
     cap = max_model_len or MAX_TOKENS
-    chars = envelope_chars(gen.env)
+    chars = gen.prompt_chars()
     raw = gen.headers.get(H.PREFILL_TOKENS, "")
     if raw.isascii() and raw.isdigit() and len(raw) <= 8:
         # Never more than the prompt could be: a count that claims more would stand for a

@@ -6,6 +6,7 @@ import asyncio
 from dataclasses import dataclass
 from typing import Any
 
+from bus_schemas.messages import envelope_chars
 from engine_worker.backends.base import GenerationRequest
 from engine_worker.flow import Ticket
 from filter.policy import FilterPolicy
@@ -42,6 +43,14 @@ class Generation:
     prefill_tokens: int = 0
     backlog_ahead: int = 0
     backlog_key: int = 0  # its place in the backlog's order of entry
+    chars: int = -1  # characters of text its envelope carries, once counted (prompt_chars)
+
+    def prompt_chars(self) -> int:
+        """The characters of text its envelope carries (``envelope_chars``), counted once:
+        the flow control's estimate and the prefill backlog's bound both read it."""
+        if self.chars < 0:
+            self.chars = envelope_chars(self.env)
+        return self.chars
 
     @property
     def rid(self) -> str:

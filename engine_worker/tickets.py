@@ -9,7 +9,6 @@ from typing import Any
 
 from bus_schemas import headers as H
 from bus_schemas import marks
-from bus_schemas.messages import envelope_chars
 from engine_worker.flow import FlowConfig, FlowControl, Ticket, class_of
 from engine_worker.generation import Generation
 
@@ -61,11 +60,11 @@ def _weight(value: str | None) -> float:
     return w if 0 < w < 1e6 else 1.0
 
 
-def _prompt_estimate(env: dict[str, Any]) -> int:
+def _prompt_estimate(gen: Generation) -> int:
     """The prompt's tokens, estimated before the engine counts them (4 characters a
     token, of the text the envelope carries, as the ratelimit stage estimates them): what
     the flow control charges and bounds queues by."""
-    return envelope_chars(env) // 4 + 1
+    return gen.prompt_chars() // 4 + 1
 
 
 def queue_attrs(t: Ticket) -> dict[str, Any]:
@@ -93,7 +92,7 @@ def ticket(flow: FlowControl, gen: Generation) -> Ticket:
         sub=hdrs.get(H.FAIRNESS, "")[:128],
         cls=request_class(hdrs),
         weight=_weight(hdrs.get(H.FLOW_WEIGHT)),
-        prompt_tokens=_prompt_estimate(gen.env),
+        prompt_tokens=_prompt_estimate(gen),
         deadline=None if left is None else time.monotonic() + left,
         ttft_objective_s=ttft / 1000.0 if ttft else None,
         max_tokens=gen.req.remaining_tokens,

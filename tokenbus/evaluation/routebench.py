@@ -131,7 +131,7 @@ async def _one(
         "tail": _tail(ok),
         # What the placement cost in prefill: the prompt tokens the engines computed (not
         # read from cache), and how often a session's next turn went to another replica.
-        "computed_tokens": sum(max(0, int(d["prompt"] or 0) - int(d["cached"] or 0)) for d in ok),
+        "computed_tokens": sum(_computed(d) for d in ok),
         "session_moves": _moves(ok),
         "pooled_ttft_ms": _pooled(ok, [(beats.get(n) or {}).get("perf") for n in names]),
     } | ({"detail": [_row(d) for d in done]} if a.trace_detail else {})
@@ -167,6 +167,11 @@ def _tail(ok: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def _computed(d: dict[str, Any]) -> int:
+    """The prompt tokens a request's engine computed (its prompt less what it read cached)."""
+    return max(0, int(d["prompt"] or 0) - int(d["cached"] or 0))
+
+
 def _moves(ok: list[dict[str, Any]]) -> int:
     """How many times a session's next turn was served by another replica than its last."""
     last: dict[int, tuple[int, str | None]] = {}
@@ -195,7 +200,7 @@ def _pooled(ok: list[dict[str, Any]], perfs: list[Any]) -> dict[str, float]:
     for d in sorted(ok, key=lambda d: d["start_s"]):
         now = d["start_s"] * 1000.0
         queue, at = max(0.0, queue - (now - at) * pooled), now
-        own = max(0, int(d["prompt"] or 0) - int(d["cached"] or 0))
+        own = _computed(d)
         est.append(base + max((queue + own) / pooled, own * min(rates)))
         queue += own
     return {"p50": round(percentile(est, 50), 1), "p99": round(percentile(est, 99), 1)}
