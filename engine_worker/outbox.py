@@ -11,7 +11,11 @@ Under load a stream's text may also be *held* (:meth:`Outbox.hold`, the worker's
 ``stream_coalesce_ms``): its runner keeps the text of several engine steps and registers a
 drain, which the outbox calls when the hold ends, or at once when anything else is sent to
 that stream (its final frame, a keepalive, an error): no frame ever overtakes held text of
-its own stream.
+its own stream. A stream read from a socket (the ``openai`` backend's upstream) may pause
+its reading for the hold as well (``worker.stream_coalesce_reads``): the tokens the upstream
+writes meanwhile wait in the socket, and when the hold ends each such stream reads them in
+one read before every held stream drains (:data:`READ_GAP_S` later): one system call, one
+callback and one parse of a buffer for several tokens instead of one of each per token.
 
 What must reach the bus before a caller hears that its request ended (the usage report
 that settles its spend, its telemetry record) is queued with :meth:`Outbox.send_first`
@@ -25,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable
+from typing import Protocol
 
 from nats.aio.client import Client as NATS
 
@@ -32,6 +37,18 @@ from bus_schemas import frames, subjects
 
 MAX_BATCH_FRAMES = 1024
 MAX_BATCH_BYTES = 256 * 1024
+# When a hold ends, the streams whose reading it paused read again, and the held streams
+# drain this much later: a timer runs after the loop has polled its sockets, so what waited in
+# them has been read into the held text by then.
+READ_GAP_S = 0.001
+
+
+class Reader(Protocol):
+    """A stream whose reading can be paused for a hold (the ``openai`` backend's)."""
+
+    def pause_reading(self) -> None: ...
+
+    def resume_reading(self) -> None: ...
 
 
 class Outbox:
@@ -46,6 +63,10 @@ class Outbox:
         self._task: asyncio.Task[None] | None = None
         # Streams holding text (reply -> its drain) and the timer that ends their hold.
         self._held: dict[str, Callable[[], None]] = {}
+        # Streams whose reading the hold paused (reply -> the stream), and whether the hold
+        # has ended and they are reading what waited (the drains follow READ_GAP_S later).
+        self._paused: dict[str, Reader] = {}
+        self._reading = False
         self._timer: asyncio.TimerHandle | None = None
         self.messages = 0
         self.frames = 0
@@ -53,6 +74,10 @@ class Outbox:
     def send(self, reply: str, frame: bytes) -> None:
         """Queue ``frame`` for ``reply``, behind the text that stream holds; it leaves in
         this loop turn's flush."""
+        if self._paused:
+            reader = self._paused.pop(reply, None)
+            if reader is not None:
+                _resume(reader)
         if self._held:
             drain = self._held.pop(reply, None)
             if drain is not None:
@@ -62,19 +87,36 @@ class Outbox:
         self._pending.setdefault(key, []).append((reply, tok, frame))
         self._schedule()
 
-    def hold(self, reply: str, drain: Callable[[], None], hold_s: float) -> None:
+    def hold(
+        self, reply: str, drain: Callable[[], None], hold_s: float, reader: Reader | None = None
+    ) -> None:
         """``reply``'s stream holds text: ``drain`` sends it (through :meth:`send`) at the
         latest ``hold_s`` after the first stream of this hold began holding, or before any
-        other frame to ``reply``. Every stream holding is drained by one timer."""
+        other frame to ``reply``. Every stream holding is drained by one timer. With a
+        ``reader``, the stream reads nothing more until the hold ends (then what waited is
+        read first, and drained with the rest)."""
         self._held[reply] = drain
+        if reader is not None and not self._reading and reply not in self._paused:
+            reader.pause_reading()
+            self._paused[reply] = reader
         if self._timer is None:
             self._timer = asyncio.get_running_loop().call_later(hold_s, self.release)
 
-    def release(self) -> None:
-        """Drain every stream that holds text now."""
+    def release(self, now: bool = False) -> None:
+        """The hold ends: the streams it paused read again, and every stream that holds text
+        drains :data:`READ_GAP_S` later (``now``, or none paused: at once)."""
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        if self._paused:
+            paused, self._paused = self._paused, {}
+            for reader in paused.values():
+                _resume(reader)
+            if not now:
+                self._reading = True
+                self._timer = asyncio.get_running_loop().call_later(READ_GAP_S, self.release)
+                return
+        self._reading = False
         held, self._held = self._held, {}
         for drain in held.values():
             try:
@@ -95,7 +137,7 @@ class Outbox:
 
     async def flush(self) -> None:
         """Wait until everything queued or held so far has been handed to the connection."""
-        self.release()
+        self.release(now=True)
         while self._task is not None:
             with contextlib.suppress(Exception):
                 await asyncio.shield(self._task)
@@ -139,3 +181,13 @@ class Outbox:
         # the router's liveness checks turn that into a retryable error, never a hang.
         with contextlib.suppress(Exception):
             await self.nc.publish(subject, data)
+
+
+def _resume(reader: Reader) -> None:
+    """``reader`` reads again; its fault is the loop's to report, not the other streams'."""
+    try:
+        reader.resume_reading()
+    except Exception as exc:
+        asyncio.get_running_loop().call_exception_handler(
+            {"message": "a paused stream's resume failed", "exception": exc}
+        )

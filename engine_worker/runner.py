@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from typing import Any
+from typing import Any, cast
 
 from nats.aio.msg import Msg
 
@@ -19,6 +19,7 @@ from bus_schemas.side_outputs import EMBEDDING, GENERATION
 from engine_worker import spans, tickets
 from engine_worker.backends.base import Delta, DeltaStream, GenerationRequest
 from engine_worker.generation import Generation
+from engine_worker.outbox import Reader
 from engine_worker.replica import Replica
 from filter.output_gate import OutputGate
 from services import tracing
@@ -259,6 +260,11 @@ class RequestRunner:
         hold_s = w.cfg.stream_coalesce_ms / 1000 if not whole else 0.0
         hold_from = w.cfg.stream_coalesce_streams
         active = w._active
+        # A stream read from a socket reads nothing more while its text is held: the
+        # upstream's tokens wait there and come in one read when the hold ends.
+        reader = None
+        if hold_s and w.cfg.stream_coalesce_reads and hasattr(stream, "pause_reading"):
+            reader = cast(Reader, stream)
 
         def flush(tokens: int) -> None:
             """The held text as one chunk, with ``tokens`` of the tokens not yet sent."""
@@ -316,7 +322,7 @@ class RequestRunner:
                         and len(active) >= hold_from
                     ):
                         held.append(text)
-                        w.outbox.hold(reply, drain, hold_s)
+                        w.outbox.hold(reply, drain, hold_s, reader)
                     else:
                         if held and side is None:
                             held.append(text)

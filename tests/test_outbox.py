@@ -13,6 +13,7 @@ from nats.aio.msg import Msg
 from bus_schemas import errors as E
 from bus_schemas import frames, subjects
 from engine_worker.outbox import Outbox
+from tests.fakes.upstream import FakeUpstream
 from tests.support.busdata import new_model
 from tests.support.inprocess import stack
 from tests.support.natsserver import NatsServer
@@ -157,3 +158,103 @@ async def test_a_frame_sent_to_a_stream_goes_behind_the_text_it_holds(
         ("_INBOX.held.a", frames.CHUNK),
         ("_INBOX.held.b", frames.CHUNK),
     ]
+
+
+class Paused:
+    """A stream whose reading a hold pauses: what it was asked, in order."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def pause_reading(self) -> None:
+        self.calls.append("pause")
+
+    def resume_reading(self) -> None:
+        self.calls.append("resume")
+
+
+async def test_a_hold_pauses_a_streams_reading_and_it_reads_before_it_drains(
+    nats_server: NatsServer, nc: NATS
+) -> None:
+    """A held stream read from a socket reads nothing until its hold ends; then it reads
+    again first, and drains a moment later, so what waited in the socket leaves with the
+    held text. Paused once however often it holds; a frame sent to it resumes it before
+    its text drains; a stream that holds while the others read what waited is not paused
+    (its hold ends with theirs); a flush resumes and drains at once."""
+    out = Outbox(nc)
+    await _listen(nc, "_INBOX.read.*")
+    readers = {k: Paused() for k in "abcdef"}
+    seen: dict[str, list[str]] = {}  # each stream's calls when it drained
+
+    def drain_of(k: str) -> Callable[[], None]:
+        def drain() -> None:
+            seen[k] = list(readers[k].calls)
+            out.send(f"_INBOX.read.{k}", frames.chunk(k, 1, 1))
+
+        return drain
+
+    def hold(k: str, hold_s: float) -> None:
+        out.hold(f"_INBOX.read.{k}", drain_of(k), hold_s, readers[k])
+
+    hold("a", 0.02)
+    hold("b", 0.02)
+    hold("a", 0.02)
+    assert readers["a"].calls == ["pause"] and readers["b"].calls == ["pause"]
+    await wait_for(lambda: {"a", "b"} <= seen.keys(), what="a and b drained")
+    assert seen["a"] == seen["b"] == ["pause", "resume"]
+
+    hold("c", 30.0)
+    out.send("_INBOX.read.c", frames.error(E.EngineError("the engine failed")))
+    assert seen["c"] == ["pause", "resume"]
+
+    hold("d", 30.0)
+    out.release()  # the hold's end: d reads what waited; its drain follows
+    assert readers["d"].calls == ["pause", "resume"] and "d" not in seen
+    hold("e", 30.0)  # held while d reads: not paused (its hold ends now), drained with d
+    await wait_for(lambda: {"d", "e"} <= seen.keys(), what="d and e drained")
+    assert seen["d"] == ["pause", "resume"] and readers["e"].calls == []
+
+    hold("f", 30.0)
+    await out.flush()
+    assert seen["f"] == ["pause", "resume"]
+
+
+async def test_an_upstreams_tokens_wait_in_the_socket_while_held_and_arrive_whole(
+    nats_server: NatsServer, client: Client, nc: NATS
+) -> None:
+    """Through a worker relaying an upstream (the ``openai`` backend) with every stream held
+    and ``stream_coalesce_reads`` on, its reading paused for each hold: the answer still
+    arrives whole and counted, its first chunk alone and the rest in a few frames; and the
+    upstream connection goes back to the pool reading, so the next answer on it is served
+    too."""
+    up = FakeUpstream(chunk_delay=0.004)
+    await up.start()
+    model = new_model()
+    try:
+        worker = {
+            "backend": "openai",
+            "openai": {"upstream_url": up.url, "upstream_model": "upstream-model"},
+            "stream_coalesce_streams": 1,
+            "stream_coalesce_ms": 40.0,
+            "stream_coalesce_reads": True,
+        }
+        async with stack(nats_server.url, model, workers=1, with_ingress=True, worker=worker) as s:
+            got = await _listen(nc, client._prefix + ".*")
+            for _ in range(2):
+                got.clear()
+                c = client.chat(
+                    model, [{"role": "user", "content": "x"}], max_tokens=24, fake_words=24
+                )
+                text = "".join([p.text async for p in c])
+                assert c.usage is not None and c.usage.completion_tokens == 24
+                assert text.split() == [f"word{i}" for i in range(1, 25)]
+                await wait_for(lambda: any(frames.FINAL in _kinds(m) for m in got), what="end")
+                chunks = [frames.decode(f) for _, f in _frames(got)]
+                chunks = [ch for ch in chunks if ch["t"] == frames.CHUNK]
+                assert "".join(str(ch["d"]) for ch in chunks) == text
+                assert chunks[0]["n"] == 1 and len(chunks) <= 8, [ch["n"] for ch in chunks]
+                http = s["workers"][0].backend.http
+                await wait_for(lambda http=http: len(http._idle) == 1, what="a kept connection")
+                assert http._idle[0].transport.is_reading()
+    finally:
+        await up.stop()

@@ -41,6 +41,10 @@ class UpstreamClosed(ConnectionError):
 class Response:
     """What one request's callbacks are told; subclass and override."""
 
+    # The connection the request was written on (set when it is): its reading can be paused
+    # for this answer (:meth:`_Connection.pause`).
+    conn: _Connection | None = None
+
     def head(self, status: int, headers: dict[str, str]) -> None:
         """The status and headers (lower-case names) arrived."""
 
@@ -103,6 +107,7 @@ class _Connection(asyncio.Protocol):
         self._mode = ""
         self.got_bytes = False
         self.reusable = False
+        r.conn = self
         # The head and the body as they are: one write of both, no joined copy (4 MiB of
         # JSON is 0.3 ms of copying and as many page faults, on the request's path).
         self.transport.writelines(request)
@@ -113,6 +118,25 @@ class _Connection(asyncio.Protocol):
         self.reusable = False
         if self.transport is not None:
             self.transport.abort()
+
+    def pause(self, r: Response) -> None:
+        """Read no more for ``r`` until :meth:`resume`: what the upstream writes meanwhile
+        waits in the socket and arrives in one read (the worker's coalescing hold, which
+        sends nothing of a held stream before the hold ends anyway). Nothing once ``r``'s
+        answer is over: the connection may serve another request by then."""
+        t = self.transport
+        if self._r is r and t is not None and not t.is_closing() and t.is_reading():
+            t.pause_reading()
+
+    def resume(self, r: Response) -> None:
+        """Read again for ``r`` (nothing once its answer is over)."""
+        if self._r is r:
+            self._reading()
+
+    def _reading(self) -> None:
+        t = self.transport
+        if t is not None and not t.is_closing() and not t.is_reading():
+            t.resume_reading()
 
     def _fail(self, exc: BaseException) -> None:
         self.abort()
@@ -128,6 +152,7 @@ class _Connection(asyncio.Protocol):
             except BaseException as exc:  # from connection_lost too: never out of the loop
                 self._fail(exc)
                 return
+        self._reading()  # an answer that ended while paused: the next request reads
         self.reusable = self._keep_alive and not self.closed and not self._buf
         if self._done is not None and not self._done.done():
             self._done.set_result(None)

@@ -562,6 +562,7 @@ class _Completion:
         self._items: collections.deque[Delta] = collections.deque()
         self._ready = asyncio.Event()
         self._early: _Early | None = None
+        self._answer: _Answer | None = None  # the answer being relayed
         # The request as written (path, body, JSON), made once: ``push`` sends the one
         # :meth:`start_now` made when it found no kept connection.
         self._made: tuple[str, dict[str, Any], bytes] | None = None
@@ -646,6 +647,7 @@ class _Completion:
         first), or a request sent now; the last delta with the usage. Counted in flight."""
         b = self.backend
         sent = None
+        self._answer = answer
         try:
             if early is not None:
                 sent = early.sent
@@ -682,6 +684,18 @@ class _Completion:
         finally:
             b.in_flight -= 1
         sink(answer.last(n, source))
+
+    def pause_reading(self) -> None:
+        """Read nothing more of the upstream's answer until :meth:`resume_reading` (the
+        worker's coalescing hold: its tokens wait in the socket, then come in one read)."""
+        a = self._answer
+        if a is not None and a.conn is not None:
+            a.conn.pause(a)
+
+    def resume_reading(self) -> None:
+        a = self._answer
+        if a is not None and a.conn is not None:
+            a.conn.resume(a)
 
     # -- as an async iterator ---------------------------------------------------------------
     def __aiter__(self) -> _Completion:
