@@ -428,9 +428,11 @@ class PredictedLatency(KVAware):
         work_weight: float = 1.0,
         tail_weight: float = 3.0,
         when_behind: str = "work",
+        stay_ms: float = 0.0,
         **kw: Any,
     ) -> None:
         super().__init__(index, **kw)
+        self.stay_ms = stay_ms
         self.targets: dict[str, Any] = targets or {}
         self.work_weight = work_weight
         self.tail_weight = tail_weight
@@ -490,6 +492,17 @@ class PredictedLatency(KVAware):
             return True
         return all(t is not None and t >= FULL_STEPS * bound for _, t in preds.values())
 
+    @staticmethod
+    def _home(pool: Sequence[Replica], depth: dict[str, int]) -> Replica | None:
+        """The replica of ``pool`` holding the request's prefix deeper than any other, if
+        one does (a prefix shared by every session, a system prompt, makes no home)."""
+        ranked = sorted(pool, key=lambda r: depth.get(r.replica, 0), reverse=True)
+        if not ranked or depth.get(ranked[0].replica, 0) == 0:
+            return None
+        if len(ranked) > 1 and depth.get(ranked[1].replica, 0) >= depth[ranked[0].replica]:
+            return None
+        return ranked[0]
+
     def _meets(self, pred: tuple[float, float | None], target: Any) -> bool:
         ttft, tpot = pred
         if target is None:
@@ -527,6 +540,9 @@ class PredictedLatency(KVAware):
                 # the fleet's work least (past capacity, its goodput).
                 tail = self.tail_weight / target.ttft_ms
             pool, lead = meeting or list(candidates), 1.0
+            home = self._home(candidates, depth) if self.stay_ms and meeting else None
+            if home in meeting and preds[home.replica][0] <= self.stay_ms:
+                pool = [home]  # the session stays where its prefix is
         now = time.monotonic()
         # The prefill a request adds delays every request that queues behind it there; the
         # longer the queue it joins (its backlog's wait, against the class's TTFT target),
@@ -590,7 +606,7 @@ def make_load_policy(
                 block_chars=block_chars,
                 **(kv_weights or {}),
             )
-        only_pl = ("work_weight", "tail_weight", "when_behind")
+        only_pl = ("work_weight", "tail_weight", "when_behind", "stay_ms")
         weights = {k: v for k, v in (kv_weights or {}).items() if k not in only_pl}
         return KVAware(kv_index, bound=bound, block_chars=block_chars, **weights)
     try:

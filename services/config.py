@@ -244,6 +244,14 @@ class KVRoutingSettings(BaseModel):
         "waits are spread before any queue nears it (the p99), at the price of a few cache "
         "hits. 0, or no replica meeting the target: the TTFT as it is.",
     )
+    stay_ms: float = Field(
+        default=0.0,
+        ge=0,
+        description="predicted_latency: a request whose session's prefix one replica holds "
+        "deeper than any other (its home) goes there while its predicted time to first token "
+        "there is at most this, ms, and meets the class's target; beyond, the scores decide. "
+        "0: the scores always decide.",
+    )
     when_behind: Literal["work", "latency"] = Field(
         default="work",
         description="predicted_latency, while every candidate replica has a prefill backlog "

@@ -59,6 +59,17 @@ def _configured(idx: KVIndex, **kv: Any) -> Any:
     )
 
 
+def _held_by_b() -> tuple[KVIndex, list[int], RouteRequest]:
+    """An index where b holds a ~100-token prompt whole and a none of it: the index, the
+    prompt's block chain and the request."""
+    idx = KVIndex()
+    _synced(idx, "a", "b")
+    text = render_prompt([{"role": "user", "content": "x" * 400}])
+    chain = K.text_block_hashes(text, BS)
+    _stored(idx, "b", chain)
+    return idx, chain, RouteRequest("m", rendered=text, env={})
+
+
 def _synced(idx: KVIndex, *names: str) -> None:
     for n in names:
         idx.load({"replica": n, "boot": "b", "block_size": BS, "seq": 0, "blocks": []})
@@ -463,12 +474,7 @@ def test_a_cached_prefix_is_kept_unless_another_replica_answers_sooner_by_more_t
     keeps it; with 250 ms ahead on b, a takes it."""
     import time as _time
 
-    idx = KVIndex()
-    _synced(idx, "a", "b")
-    text = render_prompt([{"role": "user", "content": "x" * 400}])
-    chain = K.text_block_hashes(text, BS)
-    _stored(idx, "b", chain)
-    req = RouteRequest("m", rendered=text, env={})
+    idx, _, req = _held_by_b()
     a, b = _replica("a"), _replica("b")
     a.perf["backlog_ms_per_token"] = b.perf["backlog_ms_per_token"] = 1.0
     ttft_only = PredictedLatency(idx, work_weight=0.0)
@@ -551,3 +557,26 @@ def test_a_wait_near_the_class_target_counts_more_than_its_share() -> None:
     b.told_backlog(1040, time.monotonic())
     assert default.choose([a, b], req) is a
     assert default.predictions["a"][0] > default.predictions["b"][0] > 2000
+
+
+@pytest.mark.unit
+def test_a_session_stays_where_its_prefix_is_while_its_wait_there_is_short() -> None:
+    """stay_ms: a request whose prefix one replica holds deeper than any other goes there
+    while its predicted TTFT there is at most stay_ms (and meets the class's target), even
+    where the scores move it; past it, the scores decide. b holds the whole prompt (~100
+    tokens, ~100 ms of prefill on a): with 300 ms of others' prompts ahead on b the scores
+    send it to a, stay_ms 600 keeps it on b; with 900 ms ahead, a. A prefix that both hold
+    makes no home."""
+    idx, chain, req = _held_by_b()
+    scored, sticky = _configured(idx), _configured(idx, stay_ms=600.0)
+    a, b = _replica("a"), _replica("b")
+    a.perf["backlog_ms_per_token"] = b.perf["backlog_ms_per_token"] = 1.0
+    b.told_backlog(300, time.monotonic())
+    assert scored.choose([a, b], req) is a
+    assert sticky.choose([a, b], req) is b
+    assert sticky.predictions["b"][0] <= 600
+    b.told_backlog(900, time.monotonic())  # past stay_ms: the scores decide
+    assert sticky.choose([a, b], req) is a
+    _stored(idx, "a", chain)  # both hold it: no home
+    b.told_backlog(300, time.monotonic())
+    assert sticky.choose([a, b], req) is a
