@@ -96,11 +96,17 @@ class Outbox:
         ``reader``, the stream reads nothing more until the hold ends (then what waited is
         read first, and drained with the rest)."""
         self._held[reply] = drain
-        if reader is not None and not self._reading and reply not in self._paused:
-            reader.pause_reading()
-            self._paused[reply] = reader
         if self._timer is None:
             self._timer = asyncio.get_running_loop().call_later(hold_s, self.release)
+        if reader is not None and not self._reading and reply not in self._paused:
+            try:
+                reader.pause_reading()
+            except Exception as exc:  # it reads on: the hold is only shorter on reads
+                asyncio.get_running_loop().call_exception_handler(
+                    {"message": "a held stream's pause failed", "exception": exc}
+                )
+            else:
+                self._paused[reply] = reader
 
     def release(self, now: bool = False) -> None:
         """The hold ends: the streams it paused read again, and every stream that holds text

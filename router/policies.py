@@ -492,16 +492,19 @@ class PredictedLatency(KVAware):
             return True
         return all(t is not None and t >= FULL_STEPS * bound for _, t in preds.values())
 
-    @staticmethod
-    def _home(pool: Sequence[Replica], depth: dict[str, int]) -> Replica | None:
-        """The replica of ``pool`` holding the request's prefix deeper than any other, if
-        one does (a prefix shared by every session, a system prompt, makes no home)."""
-        ranked = sorted(pool, key=lambda r: depth.get(r.replica, 0), reverse=True)
-        if not ranked or depth.get(ranked[0].replica, 0) == 0:
+    def _home(self, pool: Sequence[Replica], depth: dict[str, int]) -> Replica | None:
+        """The replica of ``pool`` whose cache (trusted: its events checked) holds more of
+        the request's prompt tokens than any other's, if one does (a prefix every replica
+        holds, a system prompt, makes no home). Tokens, not blocks: block sizes may differ."""
+        held = {
+            r.replica: self.predicted_tokens(r.replica, depth.get(r.replica, 0))
+            for r in pool
+            if self.index.trusted(r.replica) and r.replica in self.tokens
+        }
+        ranked = sorted(held.values(), reverse=True)
+        if not ranked or ranked[0] == 0 or (len(ranked) > 1 and ranked[1] >= ranked[0]):
             return None
-        if len(ranked) > 1 and depth.get(ranked[1].replica, 0) >= depth[ranked[0].replica]:
-            return None
-        return ranked[0]
+        return next(r for r in pool if held.get(r.replica) == ranked[0])
 
     def _meets(self, pred: tuple[float, float | None], target: Any) -> bool:
         ttft, tpot = pred
@@ -541,7 +544,11 @@ class PredictedLatency(KVAware):
                 tail = self.tail_weight / target.ttft_ms
             pool, lead = meeting or list(candidates), 1.0
             home = self._home(candidates, depth) if self.stay_ms and meeting else None
-            if home in meeting and preds[home.replica][0] <= self.stay_ms:
+            if (
+                home is not None
+                and any(r is home for r in meeting)
+                and preds[home.replica][0] <= self.stay_ms
+            ):
                 pool = [home]  # the session stays where its prefix is
         now = time.monotonic()
         # The prefill a request adds delays every request that queues behind it there; the

@@ -249,8 +249,8 @@ class KVRoutingSettings(BaseModel):
         ge=0,
         description="predicted_latency: a request whose session's prefix one replica holds "
         "deeper than any other (its home) goes there while its predicted time to first token "
-        "there is at most this, ms, and meets the class's target; beyond, the scores decide. "
-        "0: the scores always decide.",
+        "there is at most this, ms, and meets the class's target; beyond, the scores decide "
+        "(and while the fleet is behind: when_behind). 0: the scores always decide.",
     )
     when_behind: Literal["work", "latency"] = Field(
         default="work",

@@ -252,7 +252,8 @@ async def test_an_upstreams_tokens_wait_in_the_socket_while_held_and_arrive_whol
                 chunks = [frames.decode(f) for _, f in _frames(got)]
                 chunks = [ch for ch in chunks if ch["t"] == frames.CHUNK]
                 assert "".join(str(ch["d"]) for ch in chunks) == text
-                assert chunks[0]["n"] == 1 and len(chunks) <= 8, [ch["n"] for ch in chunks]
+                # Held: fewer frames than tokens (about three of 40 ms each, unloaded).
+                assert chunks[0]["n"] == 1 and len(chunks) < 24, [ch["n"] for ch in chunks]
                 http = s["workers"][0].backend.http
                 await wait_for(lambda http=http: len(http._idle) == 1, what="a kept connection")
                 assert http._idle[0].transport.is_reading()

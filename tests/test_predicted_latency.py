@@ -577,6 +577,9 @@ def test_a_session_stays_where_its_prefix_is_while_its_wait_there_is_short() -> 
     assert sticky.predictions["b"][0] <= 600
     b.told_backlog(900, time.monotonic())  # past stay_ms: the scores decide
     assert sticky.choose([a, b], req) is a
+    # Within stay_ms but past the class's 2 s target: not met at home, the scores decide.
+    b.told_backlog(2500, time.monotonic())
+    assert _configured(idx, stay_ms=5000.0).choose([b, a], req) is a
     _stored(idx, "a", chain)  # both hold it: no home
     b.told_backlog(300, time.monotonic())
-    assert sticky.choose([a, b], req) is a
+    assert sticky.choose([b, a], req) is a
