@@ -96,8 +96,12 @@ async def serve() -> AsyncIterator[Callable[..., Any]]:
     servers: list[RawServer] = []
     backends: list[OpenAIUpstreamBackend] = []
 
-    async def make(answer: Answer, **kw: Any) -> tuple[RawServer, OpenAIUpstreamBackend]:
-        srv = RawServer(answer, **kw)
+    async def make(
+        answer: Answer | None = None, *, srv: RawServer | None = None, **kw: Any
+    ) -> tuple[Any, OpenAIUpstreamBackend]:
+        if srv is None:
+            assert answer is not None
+            srv = RawServer(answer, **kw)
         url = await srv.start()
         cfg = WorkerSettings(
             backend="openai",
@@ -320,19 +324,14 @@ def test_sse_parser_splits_events_anywhere() -> None:
     assert got == [b"a\nb", b"[DONE]", b"tail"]
 
 
-class GatedServer:
+class GatedServer(RawServer):
     """Answers each streamed request with its first event at once and the rest, with the
     answer's end, in one write once the test opens ``go`` (a new gate per request)."""
 
     def __init__(self) -> None:
+        super().__init__(lambda _: b"")
         self.gates: list[asyncio.Event] = []
-        self.connections = 0
         self.written = 0  # answers written whole
-        self.server: asyncio.Server | None = None
-
-    async def start(self) -> str:
-        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
-        return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}/v1"
 
     async def _serve(self, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
         self.connections += 1
@@ -360,108 +359,87 @@ class GatedServer:
         finally:
             w.close()
 
-    async def backend(self) -> OpenAIUpstreamBackend:
-        cfg = WorkerSettings(
-            backend="openai",
-            model="m",
-            max_model_len=4096,
-            openai=OpenAIUpstreamSettings(
-                upstream_url=await self.start(), api_key="k", timeout_s=5, probe=False
-            ),
-        )
-        b = OpenAIUpstreamBackend(cfg)
-        await b.start()
-        self.connections = 0
-        return b
-
 
 def _reading(c: Any) -> bool:
     """Whether the connection the completion ``c`` is relayed on reads."""
     return bool(c._answer.conn.transport.is_reading())
 
 
-async def test_a_paused_answer_reads_again_where_it_stopped() -> None:
+def _paused_at_first(c: Any, srv: GatedServer, got: list[Delta]) -> Callable[[Delta], bool]:
+    """A sink for the completion ``c`` that keeps its deltas in ``got`` and, at the first,
+    pauses ``c``'s reading and opens the gate: the rest is written while it reads nothing."""
+
+    def sink(d: Delta) -> bool:
+        got.append(d)
+        if len(got) == 1:
+            c.pause_reading()
+            srv.gates[-1].set()
+        return False
+
+    return sink
+
+
+async def test_a_paused_answer_reads_again_where_it_stopped(serve: Callable[..., Any]) -> None:
     """The worker's coalescing hold pauses a stream's reading: the upstream's tokens wait in
     the socket and arrive, whole and in order, once reading resumes."""
-    srv = GatedServer()
-    b = await srv.backend()
+    srv, b = await serve(srv=GatedServer())
+    c = b.generate(chat())
+    got: list[Delta] = []
+    task = asyncio.ensure_future(c.push(_paused_at_first(c, srv, got)))
+    await wait_for(lambda: srv.written == 1, what="the rest written")
+    # A byte on another socket, written after the rest: once the loop has read it, it
+    # has polled the upstream's socket too, and read it, had it not been paused.
+    probe_in, probe_out = socket.socketpair()
+    probed = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    loop.add_reader(probe_in.fileno(), probed.set)
     try:
-        c = b.generate(chat())
-        got: list[Delta] = []
-
-        def sink(d: Delta) -> bool:
-            got.append(d)
-            if len(got) == 1:
-                c.pause_reading()
-                srv.gates[-1].set()  # the rest is written while the stream reads nothing
-            return False
-
-        task = asyncio.ensure_future(c.push(sink))
-        await wait_for(lambda: srv.written == 1, what="the rest written")
-        # A byte on another socket, written after the rest: once the loop has read it, it
-        # has polled the upstream's socket too, and read it, had it not been paused.
-        probe_in, probe_out = socket.socketpair()
-        probed = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        loop.add_reader(probe_in.fileno(), probed.set)
-        try:
-            probe_out.send(b"x")
-            await asyncio.wait_for(probed.wait(), 5)
-        finally:
-            loop.remove_reader(probe_in.fileno())
-            probe_in.close()
-            probe_out.close()
-        assert [d.text for d in got] == ["a"] and not _reading(c)
-        c.resume_reading()
-        await asyncio.wait_for(task, 5)
-        assert [(d.text, d.finish_reason) for d in got] == [
-            ("a", None),
-            ("b", None),
-            ("c", None),
-            ("", "stop"),
-        ]
+        probe_out.send(b"x")
+        await asyncio.wait_for(probed.wait(), 5)
     finally:
-        await b.stop()
+        loop.remove_reader(probe_in.fileno())
+        probe_in.close()
+        probe_out.close()
+    assert [d.text for d in got] == ["a"] and not _reading(c)
+    c.resume_reading()
+    await asyncio.wait_for(task, 5)
+    assert [(d.text, d.finish_reason) for d in got] == [
+        ("a", None),
+        ("b", None),
+        ("c", None),
+        ("", "stop"),
+    ]
 
 
-async def test_an_answer_that_ended_while_paused_leaves_its_connection_reading() -> None:
+async def test_an_answer_that_ended_while_paused_leaves_its_connection_reading(
+    serve: Callable[..., Any],
+) -> None:
     """A pause asked in the read that also holds the answer's end: the connection goes back
     to the pool reading, and the next request on it is answered (it hung, never read). A
     resume asked for the finished answer later does nothing to the next answer's pause."""
-    srv = GatedServer()
-    b = await srv.backend()
-    try:
-        first = b.generate(chat())
-        firsts: list[Delta] = []
+    srv, b = await serve(srv=GatedServer())
+    first = b.generate(chat())
+    firsts: list[Delta] = []
 
-        def pause_on_b(d: Delta) -> bool:
-            firsts.append(d)
-            if len(firsts) == 1:
-                srv.gates[-1].set()
-            if d.text == "b":  # the read that brings "b" brings the end too
-                first.pause_reading()
-            return False
+    def pause_on_b(d: Delta) -> bool:
+        firsts.append(d)
+        if len(firsts) == 1:
+            srv.gates[-1].set()
+        if d.text == "b":  # the read that brings "b" brings the end too
+            first.pause_reading()
+        return False
 
-        await asyncio.wait_for(first.push(pause_on_b), 5)
-        assert firsts[-1].finish_reason == "stop"
+    await asyncio.wait_for(first.push(pause_on_b), 5)
+    assert firsts[-1].finish_reason == "stop"
 
-        second = b.generate(chat())
-        seconds: list[Delta] = []
+    second = b.generate(chat())
+    seconds: list[Delta] = []
 
-        def pause_at_once(d: Delta) -> bool:
-            seconds.append(d)
-            if len(seconds) == 1:
-                second.pause_reading()
-                srv.gates[-1].set()
-            return False
-
-        task = asyncio.ensure_future(second.push(pause_at_once))
-        await wait_for(lambda: len(seconds) == 1 and srv.gates[-1].is_set(), what="a pause")
-        assert srv.connections == 1  # the same connection, reused
-        first.resume_reading()  # the finished answer's: not this one's to resume
-        assert not _reading(second)
-        second.resume_reading()
-        await asyncio.wait_for(task, 5)
-        assert "".join(d.text for d in seconds) == "abc" and seconds[-1].finish_reason == "stop"
-    finally:
-        await b.stop()
+    task = asyncio.ensure_future(second.push(_paused_at_first(second, srv, seconds)))
+    await wait_for(lambda: len(seconds) == 1 and srv.gates[-1].is_set(), what="a pause")
+    assert srv.connections == 1  # the same connection, reused
+    first.resume_reading()  # the finished answer's: not this one's to resume
+    assert not _reading(second)
+    second.resume_reading()
+    await asyncio.wait_for(task, 5)
+    assert "".join(d.text for d in seconds) == "abc" and seconds[-1].finish_reason == "stop"
