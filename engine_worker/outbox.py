@@ -77,7 +77,7 @@ class Outbox:
         if self._paused:
             reader = self._paused.pop(reply, None)
             if reader is not None:
-                _resume(reader)
+                _guarded(reader.resume_reading, "a paused stream's resume failed")
         if self._held:
             drain = self._held.pop(reply, None)
             if drain is not None:
@@ -98,15 +98,14 @@ class Outbox:
         self._held[reply] = drain
         if self._timer is None:
             self._timer = asyncio.get_running_loop().call_later(hold_s, self.release)
-        if reader is not None and not self._reading and reply not in self._paused:
-            try:
-                reader.pause_reading()
-            except Exception as exc:  # it reads on: the hold is only shorter on reads
-                asyncio.get_running_loop().call_exception_handler(
-                    {"message": "a held stream's pause failed", "exception": exc}
-                )
-            else:
-                self._paused[reply] = reader
+        # A pause that fails leaves it reading: the hold is only shorter on reads.
+        if (
+            reader is not None
+            and not self._reading
+            and reply not in self._paused
+            and _guarded(reader.pause_reading, "a held stream's pause failed")
+        ):
+            self._paused[reply] = reader
 
     def release(self, now: bool = False) -> None:
         """The hold ends: the streams it paused read again, and every stream that holds text
@@ -117,7 +116,7 @@ class Outbox:
         if self._paused:
             paused, self._paused = self._paused, {}
             for reader in paused.values():
-                _resume(reader)
+                _guarded(reader.resume_reading, "a paused stream's resume failed")
             if not now:
                 self._reading = True
                 self._timer = asyncio.get_running_loop().call_later(READ_GAP_S, self.release)
@@ -125,12 +124,7 @@ class Outbox:
         self._reading = False
         held, self._held = self._held, {}
         for drain in held.values():
-            try:
-                drain()
-            except Exception as exc:  # one stream's fault does not keep the others' text
-                asyncio.get_running_loop().call_exception_handler(
-                    {"message": "a held stream's drain failed", "exception": exc}
-                )
+            _guarded(drain, "a held stream's drain failed")
 
     def send_first(self, subject: str, data: bytes) -> None:
         """Queue a message that leaves in this loop turn's flush, ahead of every frame."""
@@ -189,11 +183,12 @@ class Outbox:
             await self.nc.publish(subject, data)
 
 
-def _resume(reader: Reader) -> None:
-    """``reader`` reads again; its fault is the loop's to report, not the other streams'."""
+def _guarded(call: Callable[[], None], message: str) -> bool:
+    """``call()``, True if it returned: one stream's fault is the loop's to report, never the
+    other streams' (their drains, pauses and resumes go on)."""
     try:
-        reader.resume_reading()
+        call()
     except Exception as exc:
-        asyncio.get_running_loop().call_exception_handler(
-            {"message": "a paused stream's resume failed", "exception": exc}
-        )
+        asyncio.get_running_loop().call_exception_handler({"message": message, "exception": exc})
+        return False
+    return True

@@ -812,7 +812,7 @@ class WorkerSettings(BaseModel):
         description="While a stream's text is held (`stream_coalesce_ms`), the worker reads "
         "nothing more of it from an upstream's socket (the `openai` backend): the tokens "
         "written meanwhile wait there and come in one read when the hold ends, one read a "
-        "hold instead of one a token (about 11 % less worker CPU per token at c=64). The "
+        "hold instead of one a token (about 9 % less CPU per token at c=64 and c=256). The "
         "price: an answer's end that comes during a hold is seen when the hold ends, up to "
         "`stream_coalesce_ms` later (docs/benchmarks.md, issue 70). Off: the end is never held.",
     )
