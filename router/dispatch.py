@@ -390,6 +390,7 @@ class Dispatcher:
         """What the routing policy reads: model, session, and the prompt when it needs one."""
         req = RouteRequest(model, hdrs.get(H.SESSION) or None)
         req.tier = hdrs.get(H.PRIORITY) or "default"
+        req.tenant = hdrs.get(H.PRINCIPAL) or ""
         if route.needs_prompt or route.needs_rendered:
             if env is None:
                 env = codec.decode_map(data)

@@ -32,6 +32,7 @@ from typing import Any, Protocol
 from bus_schemas.messages import message_text, render_prompt
 from router.kv_hashing import PromptHashers, scheme_key
 from router.registry import Replica
+from router.sessions import RecentSessions
 
 
 @dataclass(slots=True)
@@ -47,6 +48,8 @@ class RouteRequest:
     env: dict[str, Any] | None = None
     # Its class (service_tier, as auth settled it): predicted_latency's target.
     tier: str = "default"
+    # Whose session it is (the key's principal): a session id names nothing of another key's.
+    tenant: str = ""
 
 
 def prompt_text(env: dict[str, Any]) -> str:
@@ -299,6 +302,7 @@ class KVAware:
         """(cached blocks, prompt blocks) per matchable replica: the request hashed once per
         hashing scheme among the synchronised candidates. None: none is matchable."""
         index = self.index
+        self.tokens = {}  # this request's counts only: none left from an earlier one
         groups: dict[tuple[Any, ...], list[str]] = {}
         for r in candidates:
             if index.synced(r.replica):
@@ -417,8 +421,13 @@ class PredictedLatency(KVAware):
     replica compute, requests already there wait for, between tokens that come late
     already), ``when_behind = "work"`` (the default) drops the TTFT term: the least prefill
     at each replica's own speed, times (1 + the backlog it joins / the target), the soonest
-    start among equals; ``"latency"`` keeps the score. ``last`` holds the latest decision's
-    predictions, replica -> (TTFT, TPOT)."""
+    start among equals; ``"latency"`` keeps the score. With ``neighbour_weight`` set, a new
+    session's first request (a session id this router has not sent anywhere within
+    ``neighbour_s``) also counts, on each replica, that weight x the prompt tokens a session's
+    turn adds (learned from its sessions) x the replica's prefill speed, for every session
+    sent there within ``neighbour_s`` (:class:`router.sessions.RecentSessions`): where a
+    session starts its next turns queue, beside those of the sessions already there.
+    ``last`` holds the latest decision's predictions, replica -> (TTFT, TPOT)."""
 
     def __init__(
         self,
@@ -429,10 +438,16 @@ class PredictedLatency(KVAware):
         tail_weight: float = 3.0,
         when_behind: str = "work",
         stay_ms: float = 0.0,
+        neighbour_weight: float = 0.0,
+        neighbour_s: float = 10.0,
         **kw: Any,
     ) -> None:
         super().__init__(index, **kw)
         self.stay_ms = stay_ms
+        self.neighbour_weight = neighbour_weight
+        self.recent = RecentSessions(neighbour_s)
+        # This decision's neighbour cost per replica, ms (a new session's only).
+        self.neighbour_ms: dict[str, float] = {}
         self.targets: dict[str, Any] = targets or {}
         self.work_weight = work_weight
         self.tail_weight = tail_weight
@@ -515,6 +530,30 @@ class PredictedLatency(KVAware):
         return target.tpot_ms is None or tpot is None or tpot <= target.tpot_ms
 
     def choose(self, candidates: Sequence[Replica], req: RouteRequest) -> Replica:
+        if not self.neighbour_weight or not req.session:
+            return self._choose(candidates, req)
+        key, now = (req.tenant, req.session), time.monotonic()
+        recent = self.recent
+        self.neighbour_ms = {}
+        if recent.growth and not recent.known(key, now):
+            # A new session: its next turns will queue where it starts, beside the sessions
+            # already there, each of which will send a turn's new tokens too.
+            turn = self.neighbour_weight * recent.growth
+            self.neighbour_ms = {
+                r.replica: turn
+                * recent.neighbours(r.replica, now)
+                * (r.perf or {}).get("prefill_ms_per_token", 0.0)
+                for r in candidates
+            }
+        try:
+            chosen = self._choose(candidates, req)
+        finally:
+            self.neighbour_ms = {}
+        tokens = self.tokens.get(chosen.replica) or -(-len(req.rendered) // 4)
+        recent.heard(key, chosen.replica, tokens, now)
+        return chosen
+
+    def _choose(self, candidates: Sequence[Replica], req: RouteRequest) -> Replica:
         if any(not r.perf for r in candidates):
             return super().choose(candidates, req)  # not every speed is known yet
         self.predicted = None
@@ -555,8 +594,11 @@ class PredictedLatency(KVAware):
         # longer the queue it joins (its backlog's wait, against the class's TTFT target),
         # the more requests that is.
         room_ms = target.ttft_ms if target is not None else math.inf
+        # A new session's wait also counts its neighbours' next turns there (neighbour_weight).
+        extra = self.neighbour_ms
+        wait = {r.replica: preds[r.replica][0] + extra.get(r.replica, 0.0) for r in pool}
         score = {
-            r.replica: lead * preds[r.replica][0] * (1 + tail * preds[r.replica][0])
+            r.replica: lead * wait[r.replica] * (1 + tail * wait[r.replica])
             + w * self.work_ms(r, depth, req) * (1 + r.backlog_wait_ms(now) / room_ms)
             for r in pool
         }
@@ -613,7 +655,14 @@ def make_load_policy(
                 block_chars=block_chars,
                 **(kv_weights or {}),
             )
-        only_pl = ("work_weight", "tail_weight", "when_behind", "stay_ms")
+        only_pl = (
+            "work_weight",
+            "tail_weight",
+            "when_behind",
+            "stay_ms",
+            "neighbour_weight",
+            "neighbour_s",
+        )
         weights = {k: v for k, v in (kv_weights or {}).items() if k not in only_pl}
         return KVAware(kv_index, bound=bound, block_chars=block_chars, **weights)
     try:

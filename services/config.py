@@ -252,6 +252,23 @@ class KVRoutingSettings(BaseModel):
         "there is at most this, ms, and meets the class's target; beyond, the scores decide "
         "(and while the fleet is behind: when_behind). 0: the scores always decide.",
     )
+    neighbour_weight: float = Field(
+        default=0.0,
+        ge=0,
+        le=100,
+        description="predicted_latency: a new session's first request (a session id this "
+        "router sent nowhere within neighbour_s) also counts, on each replica, this times "
+        "the prompt tokens a session's turn adds (learned from the sessions routed) at the "
+        "replica's prefill speed, for every session sent there within neighbour_s: its next "
+        "turns will queue where it starts, beside theirs. 0: off.",
+    )
+    neighbour_s: float = Field(
+        default=10.0,
+        gt=0,
+        le=3600,
+        description="predicted_latency, neighbour_weight: how long a session sent to a "
+        "replica counts as living there, s.",
+    )
     when_behind: Literal["work", "latency"] = Field(
         default="work",
         description="predicted_latency, while every candidate replica has a prefill backlog "

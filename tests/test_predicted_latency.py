@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from auth.store import KeyStore
 from bus_schemas import kv_events as K
 from bus_schemas.messages import render_prompt
 from engine_worker.perf import EnginePerf
@@ -21,7 +22,7 @@ from router.registry import Replica
 from services.config import LatencyTarget, ModelRouting
 from tests.support.inprocess import stack
 from tests.support.natsserver import NatsServer
-from tests.support.waits import wait_for
+from tests.support.waits import wait_for, wait_for_key
 from tokenbus import Client
 
 BS = 4
@@ -583,3 +584,78 @@ def test_a_session_stays_where_its_prefix_is_while_its_wait_there_is_short() -> 
     _stored(idx, "a", chain)  # both hold it: no home
     b.told_backlog(300, time.monotonic())
     assert sticky.choose([b, a], req) is a
+
+
+@pytest.mark.unit
+def test_a_new_session_starts_where_fewer_sessions_live() -> None:
+    """neighbour_weight: a new session's first request also counts, on each replica, the
+    weight x the prompt tokens a turn adds (learned) x the replica's prefill speed, for every
+    session this router sent there lately. Three sessions live on a (b had 2 s of others'
+    prompts ahead when they came); with 50 ms ahead on b now, a new session goes to a
+    without the setting and to b with it. A session this router knows is not charged (it
+    goes home to a), and another key's request naming one of those session ids is a new
+    session: an id names nothing of another key's."""
+    idx = KVIndex()
+    _synced(idx, "a", "b")
+    policy, plain = _configured(idx, neighbour_weight=0.5), _configured(idx)
+    a, b = _replica("a"), _replica("b")
+    a.perf["backlog_ms_per_token"] = b.perf["backlog_ms_per_token"] = 1.0
+
+    def turn(session: str, words: int, tenant: str = "k1") -> RouteRequest:
+        text = render_prompt([{"role": "user", "content": "word " * words}])
+        return RouteRequest("m", session=session, rendered=text, env={}, tenant=tenant)
+
+    b.told_backlog(2000, time.monotonic())
+    assert [policy.choose([a, b], turn(s, 100)).replica for s in ("s1", "s2", "s3")] == ["a"] * 3
+    assert policy.recent.growth == 0  # nothing learned: no session came back yet
+    assert policy.choose([a, b], turn("s1", 400)) is a
+    assert policy.recent.growth > 0  # s1's second turn added its tokens
+    b.told_backlog(50, time.monotonic())
+    assert plain.choose([a, b], turn("s9", 100)) is a
+    assert policy.choose([a, b], turn("s9", 100)) is b
+    assert policy.predictions["a"][0] < policy.predictions["b"][0]  # a answers it sooner
+    assert policy.choose([a, b], turn("s2", 300)) is a  # known: goes home, not charged
+    assert policy.choose([a, b], turn("s3", 100, tenant="k2")) is b
+    assert policy.recent.neighbours("a", time.monotonic()) == 3
+    assert policy.recent.neighbours("b", time.monotonic()) == 2
+
+
+@pytest.mark.bus
+async def test_each_key_s_sessions_are_its_own_on_the_router(
+    nats_server: NatsServer, model: str, keys: KeyStore, client: Client
+) -> None:
+    """neighbour_weight over the bus, the auth stage in the pipeline: the router keeps each
+    session under its key's principal, learns a turn's growth from the sessions' second
+    turns, and two keys naming the same session id are two sessions (neither is charged as
+    the other's, nor moves the other's count). A bad setting is refused at configuration."""
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError):
+        ModelRouting(policy="predicted_latency", kv={"neighbour_weight": -1})
+    k1, rec1 = await keys.create("neighbours-1")
+    k2, rec2 = await keys.create("neighbours-2")
+    router = {"policy": "predicted_latency", "kv": {"neighbour_weight": 0.5}}
+    async with stack(nats_server.url, model, workers=2, auths=1, router=router) as svcs:
+        await wait_for_key(svcs, rec1.id)
+        await wait_for_key(svcs, rec2.id)
+        for key in (k1, k2):
+            history = [{"role": "user", "content": "a first question " * 20}]
+            out = await client.chat_completion(
+                model, history, max_tokens=8, api_key=key, session="shared"
+            )
+            history += [
+                {"role": "assistant", "content": out.text},
+                {"role": "user", "content": "and a second one " * 30},
+            ]
+            await client.chat_completion(
+                model, history, max_tokens=8, api_key=key, session="shared"
+            )
+        policy = svcs["router"].routing.route(model).policy
+        assert isinstance(policy, PredictedLatency)
+        now = time.monotonic()
+        recent = policy.recent
+        assert recent.known((rec1.id, "shared"), now) and recent.known((rec2.id, "shared"), now)
+        assert not recent.known(("", "shared"), now)
+        assert len(recent) == 2
+        assert recent.growth > 0
+        assert sum(recent.neighbours(r.replica, now) for r in svcs["workers"]) == 2

@@ -18,7 +18,10 @@ replica (no heartbeat age, no learned rate):
 * ``pl``: ``predicted_latency``'s score (TTFT x (1 + ``tail`` x TTFT / 2000) + ``work`` x the
   prefill it adds x (1 + the backlog's wait / 2000)); ``stay=MS``: to the session's home (its
   prefix deeper there than anywhere else) while the TTFT predicted there is at most MS
-  (``kv.stay_ms``); ``margin=MS``: home while within MS of the best score's TTFT.
+  (``kv.stay_ms``); ``margin=MS``: home while within MS of the best score's TTFT;
+  ``lives=F``: a session's first turn also counts, on each replica, F next turns of 400 prompt
+  tokens for every session whose last answer there ended within ``horizon`` s (5): what a
+  router knows from the session ids it routed, not the trace's turns still to come.
 
 What it leaves out: the bus, processes and their CPU, the time a decision takes, a live run's
 timing noise, and the sim's caching of a prompt at the end of its prefill rather than at the
@@ -100,6 +103,9 @@ def replay(seed: int, rate: float, mixed: bool, policy: str, **kw: float) -> lis
         heapq.heappush(events, (t, order, kind, what))
 
     history: dict[int, int] = {}
+    # Each session's last answer: its replica, and when it ended.
+    living: dict[int, tuple[int, float]] = {}
+    clock = [0.0]
     done: list[Seq] = []
     for s in sessions:
         push(s.arrival_s, "arrive", (s, 0))
@@ -135,9 +141,16 @@ def replay(seed: int, rate: float, mixed: bool, policy: str, **kw: float) -> lis
                 ),
             )
         tail, work = kw.get("tail", 3.0), kw.get("work", 1.0)
+        lives, horizon = kw.get("lives", 0.0), kw.get("horizon", 5.0)
+        near = [0] * len(reps)  # a new session's neighbours: sessions heard within horizon s
+        if lives and q.turn == 0:
+            for i, ended in living.values():
+                near[i] += clock[0] - ended < horizon
 
         def score(r: Replica) -> float:
             ttft, own = predict(r, q)
+            # lives=F: a new session also counts F x a next turn (400 tokens) per neighbour.
+            ttft += lives * near[r.i] * 400 * r.ms_per_token()
             wait = r.ms_per_token() * r.backlog()
             return ttft * (1 + tail * ttft / TARGET_MS) + work * own * (1 + wait / TARGET_MS)
 
@@ -156,12 +169,14 @@ def replay(seed: int, rate: float, mixed: bool, policy: str, **kw: float) -> lis
     def finish(q: Seq, r: Replica, now: float) -> None:
         r.keep(("s", q.s.id), q.prompt)  # its blocks join the cache's free list (LRU) now
         history[q.s.id] = q.prompt + q.out
+        living[q.s.id] = (r.i, now)
         done.append(q)
         if q.turn + 1 < len(q.s.turns):
             push(now + float(q.s.turns[q.turn + 1]["think_s"]), "arrive", (q.s, q.turn + 1))
 
     while events:
         now, _, kind, what = heapq.heappop(events)
+        clock[0] = now
         if kind == "arrive":
             s, n = what
             turn = s.turns[n]
