@@ -19,9 +19,9 @@ replica (no heartbeat age, no learned rate):
   prefill it adds x (1 + the backlog's wait / 2000)); ``stay=MS``: to the session's home (its
   prefix deeper there than anywhere else) while the TTFT predicted there is at most MS
   (``kv.stay_ms``); ``margin=MS``: home while within MS of the best score's TTFT;
-  ``lives=F``: a session's first turn also counts, on each replica, F next turns of 400 prompt
-  tokens for every session whose last answer there ended within ``horizon`` s (5): what a
-  router knows from the session ids it routed, not the trace's turns still to come.
+  ``lives=F``: ``kv.neighbour_weight`` (router.sessions.RecentSessions itself, on the
+  replay's clock): a new session's first request also counts, on each replica, F x the
+  tokens a turn adds (learned) for every session sent there within ``horizon`` s (10).
 
 What it leaves out: the bus, processes and their CPU, the time a decision takes, a live run's
 timing noise, and the sim's caching of a prompt at the end of its prefill rather than at the
@@ -45,6 +45,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
+from router.sessions import RecentSessions
 from tokenbus.evaluation.trace import Session, TraceShape, generate
 
 BUDGET, DECODE_MS, PREFILL_MS, BLOCK, CACHE_TOKENS = 512, 10.0, 0.2, 16, 16384 * 16
@@ -103,9 +104,7 @@ def replay(seed: int, rate: float, mixed: bool, policy: str, **kw: float) -> lis
         heapq.heappush(events, (t, order, kind, what))
 
     history: dict[int, int] = {}
-    # Each session's last answer: its replica, and when it ended.
-    living: dict[int, tuple[int, float]] = {}
-    clock = [0.0]
+    recent = RecentSessions(kw.get("horizon", 10.0))
     done: list[Seq] = []
     for s in sessions:
         push(s.arrival_s, "arrive", (s, 0))
@@ -130,7 +129,7 @@ def replay(seed: int, rate: float, mixed: bool, policy: str, **kw: float) -> lis
         own = max(1, q.prompt - r.cached(q, systems[q.s.system]))
         return 20 + r.ms_per_token() * (r.backlog() + own), r.ms_per_token() * own
 
-    def choose(q: Seq) -> Replica:
+    def choose(q: Seq, now: float) -> Replica:
         if policy == "kv":
             blocks = max(1, math.ceil(q.prompt / BLOCK))
             return min(
@@ -141,16 +140,12 @@ def replay(seed: int, rate: float, mixed: bool, policy: str, **kw: float) -> lis
                 ),
             )
         tail, work = kw.get("tail", 3.0), kw.get("work", 1.0)
-        lives, horizon = kw.get("lives", 0.0), kw.get("horizon", 5.0)
-        near = [0] * len(reps)  # a new session's neighbours: sessions heard within horizon s
-        if lives and q.turn == 0:
-            for i, ended in living.values():
-                near[i] += clock[0] - ended < horizon
+        lives, key = kw.get("lives", 0.0), ("", str(q.s.id))
+        turn = lives * recent.growth if lives and not recent.known(key, now) else 0.0
 
         def score(r: Replica) -> float:
             ttft, own = predict(r, q)
-            # lives=F: a new session also counts F x a next turn (400 tokens) per neighbour.
-            ttft += lives * near[r.i] * 400 * r.ms_per_token()
+            ttft += turn * recent.neighbours(str(r.i), now) * r.ms_per_token()
             wait = r.ms_per_token() * r.backlog()
             return ttft * (1 + tail * ttft / TARGET_MS) + work * own * (1 + wait / TARGET_MS)
 
@@ -169,14 +164,12 @@ def replay(seed: int, rate: float, mixed: bool, policy: str, **kw: float) -> lis
     def finish(q: Seq, r: Replica, now: float) -> None:
         r.keep(("s", q.s.id), q.prompt)  # its blocks join the cache's free list (LRU) now
         history[q.s.id] = q.prompt + q.out
-        living[q.s.id] = (r.i, now)
         done.append(q)
         if q.turn + 1 < len(q.s.turns):
             push(now + float(q.s.turns[q.turn + 1]["think_s"]), "arrive", (q.s, q.turn + 1))
 
     while events:
         now, _, kind, what = heapq.heappop(events)
-        clock[0] = now
         if kind == "arrive":
             s, n = what
             turn = s.turns[n]
@@ -185,7 +178,8 @@ def replay(seed: int, rate: float, mixed: bool, policy: str, **kw: float) -> lis
             template = 24 if before else 5
             prompt = (before or systems[s.system]) + int(turn["user_tokens"]) + template
             q = Seq(s, n, now, prompt, int(turn["output_tokens"]))
-            r = choose(q)
+            r = choose(q, now)
+            recent.heard(("", str(s.id)), str(r.i), prompt, now)
             q.best_ms = min(predict(x, q)[0] for x in reps)
             q.given_ms = predict(r, q)[0]
             q.uncached = q.left = max(1, q.prompt - r.cached(q, systems[s.system]))
