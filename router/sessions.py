@@ -19,6 +19,10 @@ from collections import OrderedDict
 
 # The learned tokens a turn adds: an exponentially weighted mean, this weight on the newest.
 GROWTH_WEIGHT = 0.05
+# A turn's growth is the caller's to state (its next prompt), so one sample counts at most
+# twice what was learned (the first at most this many tokens): callers who inflate every
+# turn they send move the mean only as far as their share of the samples lets them.
+FIRST_GROWTH_CAP = 8192
 # Keys remembered at most (a few MiB): a caller naming a new session id in every request
 # turns the oldest out, never the router's memory.
 CAP = 65536
@@ -56,7 +60,10 @@ class RecentSessions:
             grew = tokens - old[2]
             if grew > 0:  # a conversation that grew (a shorter prompt: the caller began anew)
                 g = self.growth
-                self.growth = float(grew) if not g else g + GROWTH_WEIGHT * (grew - g)
+                if not g:
+                    self.growth = float(min(grew, FIRST_GROWTH_CAP))
+                else:
+                    self.growth = g + GROWTH_WEIGHT * (min(grew, 2 * g) - g)
         self._last[key] = (replica, now, tokens)
         self._count[replica] = self._count.get(replica, 0) + 1
         self._expire(now)

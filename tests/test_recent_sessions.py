@@ -58,3 +58,28 @@ def test_one_key_s_session_id_is_not_another_key_s() -> None:
     r.heard(("k1", "shared"), "a", 100, now=0.0)
     assert r.known(("k1", "shared"), 1.0)
     assert not r.known(("k2", "shared"), 1.0)
+
+
+def test_a_caller_inflating_its_turns_moves_the_learned_growth_only_so_far() -> None:
+    """A turn's growth is what the caller's next prompt says. One session whose every turn
+    claims a million more tokens, a quarter of the samples beside real sessions adding 600
+    each, holds the learned growth under twice the real one; its first sample alone counts
+    at most FIRST_GROWTH_CAP tokens."""
+    from router.sessions import FIRST_GROWTH_CAP
+
+    first = RecentSessions(horizon_s=1e9)
+    first.heard(("attacker", "a"), "x", 10, now=0.0)
+    first.heard(("attacker", "a"), "x", 1_000_010, now=1.0)
+    assert first.growth == FIRST_GROWTH_CAP
+    r = RecentSessions(horizon_s=1e9)
+    t = 0.0
+    for i in range(2000):
+        t += 1.0
+        if i % 4 == 3:  # the attacker: a tiny prompt, then a million tokens more
+            r.heard(("attacker", f"a{i}"), "x", 10, now=t)
+            r.heard(("attacker", f"a{i}"), "x", 1_000_010, now=t)
+        else:
+            r.heard(("k", f"s{i}"), "x", 1000, now=t)
+            r.heard(("k", f"s{i}"), "x", 1600, now=t)
+        assert r.growth < 2 * 600
+    assert 600 < r.growth < 1200
