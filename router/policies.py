@@ -446,8 +446,6 @@ class PredictedLatency(KVAware):
         self.stay_ms = stay_ms
         self.neighbour_weight = neighbour_weight
         self.recent = RecentSessions(neighbour_s)
-        # This decision's neighbour cost per replica, ms (a new session's only).
-        self.neighbour_ms: dict[str, float] = {}
         self.targets: dict[str, Any] = targets or {}
         self.work_weight = work_weight
         self.tail_weight = tail_weight
@@ -478,9 +476,14 @@ class PredictedLatency(KVAware):
         prefix cached there, at the replica's learned speed."""
         return (r.perf or {}).get("prefill_ms_per_token", 0.0) * self.computed(r, depth, req)
 
+    def prompt_tokens(self, replica: str, req: RouteRequest) -> int:
+        """``req``'s prompt tokens as ``replica``'s scheme counts them (about four characters
+        a token where this request's hashing did not count them)."""
+        return self.tokens.get(replica) or max(1, -(-len(req.rendered) // 4))
+
     def computed(self, r: Replica, depth: dict[str, int], req: RouteRequest) -> int:
         """The prompt tokens ``req`` would make ``r`` compute (not read from its cache)."""
-        tokens = self.tokens.get(r.replica) or max(1, -(-len(req.rendered) // 4))
+        tokens = self.prompt_tokens(r.replica, req)
         cached = 0
         if self.index.trusted(r.replica) and r.replica in self.tokens:
             cached = self.predicted_tokens(r.replica, depth.get(r.replica, 0))
@@ -534,26 +537,28 @@ class PredictedLatency(KVAware):
             return self._choose(candidates, req)
         key, now = (req.tenant, req.session), time.monotonic()
         recent = self.recent
-        self.neighbour_ms = {}
+        neighbours: dict[str, float] = {}
         if recent.growth and not recent.known(key, now):
             # A new session: its next turns will queue where it starts, beside the sessions
             # already there, each of which will send a turn's new tokens too.
             turn = self.neighbour_weight * recent.growth
-            self.neighbour_ms = {
+            neighbours = {
                 r.replica: turn
                 * recent.neighbours(r.replica, now)
                 * (r.perf or {}).get("prefill_ms_per_token", 0.0)
                 for r in candidates
             }
-        try:
-            chosen = self._choose(candidates, req)
-        finally:
-            self.neighbour_ms = {}
-        tokens = self.tokens.get(chosen.replica) or -(-len(req.rendered) // 4)
-        recent.heard(key, chosen.replica, tokens, now)
+        chosen = self._choose(candidates, req, neighbours)
+        recent.heard(key, chosen.replica, self.prompt_tokens(chosen.replica, req), now)
         return chosen
 
-    def _choose(self, candidates: Sequence[Replica], req: RouteRequest) -> Replica:
+    def _choose(
+        self,
+        candidates: Sequence[Replica],
+        req: RouteRequest,
+        neighbours: dict[str, float] | None = None,
+    ) -> Replica:
+        """The decision; ``neighbours``: a new session's neighbour cost per replica, ms."""
         if any(not r.perf for r in candidates):
             return super().choose(candidates, req)  # not every speed is known yet
         self.predicted = None
@@ -595,7 +600,7 @@ class PredictedLatency(KVAware):
         # the more requests that is.
         room_ms = target.ttft_ms if target is not None else math.inf
         # A new session's wait also counts its neighbours' next turns there (neighbour_weight).
-        extra = self.neighbour_ms
+        extra = neighbours or {}
         wait = {r.replica: preds[r.replica][0] + extra.get(r.replica, 0.0) for r in pool}
         score = {
             r.replica: lead * wait[r.replica] * (1 + tail * wait[r.replica])

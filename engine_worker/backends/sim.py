@@ -130,6 +130,27 @@ VOCAB = (
 )
 
 
+def take_chunk(prefilling: list[Any], budget: int) -> tuple[int, list[Any]]:
+    """One engine step's chunked prefill, as vLLM's scheduler takes it: the next chunk of each
+    prefilling prompt in turn while ``budget`` tokens last, a prompt read from a prefill replica
+    (``remote``) or cancelled passed over. Lowers each prompt's ``left`` (its tokens still to
+    compute) and returns the chunk's tokens and the prompts whose last chunk it is."""
+    chunk = 0
+    done: list[Any] = []
+    for s in prefilling:
+        if budget <= 0:
+            break
+        if s.remote or s.cancelled:
+            continue
+        take = min(s.left, budget)
+        s.left -= take
+        budget -= take
+        chunk += take
+        if s.left == 0:
+            done.append(s)
+    return chunk, done
+
+
 def fit_context(req: GenerationRequest, prompt_tokens: int, max_model_len: int) -> None:
     """Refuse a request whose prompt and ``max_tokens`` exceed the context, in vLLM's words;
     lower a default (not the client's) ``max_tokens`` to what fits."""
@@ -608,20 +629,7 @@ class SimEngine:
     def _plan_step(self, now: float) -> None:
         """Start the next step: what it computes, and when it ends."""
         cfg = self.cfg
-        budget = cfg.chunked_prefill_tokens - len(self.running)
-        chunk = 0
-        done: list[_Seq] = []
-        for s in self.prefilling:
-            if budget <= 0:
-                break
-            if s.remote or s.cancelled:
-                continue
-            take = min(s.left, budget)
-            s.left -= take
-            budget -= take
-            chunk += take
-            if s.left == 0:
-                done.append(s)
+        chunk, done = take_chunk(self.prefilling, cfg.chunked_prefill_tokens - len(self.running))
         if not self.running and not chunk:
             return
         if done:

@@ -45,6 +45,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
+from engine_worker.backends.sim import take_chunk
 from router.sessions import RecentSessions
 from tokenbus.evaluation.trace import Session, TraceShape, generate
 
@@ -53,6 +54,8 @@ TARGET_MS = 2000.0
 
 
 class Seq:
+    remote = cancelled = False  # (the sim's take_chunk passes those over: none here)
+
     def __init__(self, s: Session, turn: int, arrival: float, prompt: int, out: int) -> None:
         self.s, self.turn, self.arrival, self.prompt, self.out = s, turn, arrival, prompt, out
         self.left = self.uncached = self.rem = self.replica = 0
@@ -110,16 +113,7 @@ def replay(seed: int, rate: float, mixed: bool, policy: str, **kw: float) -> lis
         push(s.arrival_s, "arrive", (s, 0))
 
     def step(r: Replica, now: float) -> None:
-        budget, chunk, last = BUDGET - len(r.running), 0, []
-        for q in r.prefilling:
-            if budget <= 0:
-                break
-            take = min(q.left, budget)
-            q.left -= take
-            budget -= take
-            chunk += take
-            if q.left == 0:
-                last.append(q)
+        chunk, last = take_chunk(r.prefilling, BUDGET - len(r.running))
         r.busy = bool(r.running or chunk)
         if r.busy:
             r.prefilling = [q for q in r.prefilling if q.left]
